@@ -1,0 +1,1 @@
+"""Bookkeeping: hashing, block pool, KV manager, scheduler. Never imports torch."""

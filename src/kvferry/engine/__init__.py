@@ -1,0 +1,1 @@
+"""Runner, engine and the offline LLM API."""

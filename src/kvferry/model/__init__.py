@@ -1,0 +1,1 @@
+"""Models, loading, attention over paged KV and sampling. Torch lives here."""

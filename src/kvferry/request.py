@@ -1,0 +1,87 @@
+"""Request: one sequence's bookkeeping, shared by scheduler and engine. No torch.
+
+The one rule: each step gives a request tokens so that ``num_computed_tokens``
+catches up with ``num_tokens``. Prefill chunks, prefix-cache hits, preemption
+(``num_computed_tokens`` reset to 0) and decode are all that rule.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvferry.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, stop token or stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens or context length
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Cache namespace (tenant); comes from the server, never from the client.
+    cache_namespace: str = ""
+    eos_token_id: int | None = None
+    max_model_len: int = 0  # 0: unbounded (set by the engine)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens found in the prefix cache the first time this request was scheduled.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Chained block hashes of the full blocks of all_token_ids, grown lazily.
+    block_hashes: list[bytes] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

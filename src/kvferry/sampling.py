@@ -1,0 +1,101 @@
+"""SamplingParams: what the user asks of one request's decoding. No torch here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Field names follow vLLM's so that users find what they expect.
+
+    Every check lives in ``__post_init__`` and raises ``ValueError`` naming the
+    field, so bad input is rejected before it reaches the engine.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, lo=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        _check_num("temperature", self.temperature, lo=0.0)
+        _check_num("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=0)
+        _check_num("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_num("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_num(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self) -> "SamplingParams":
+        """A copy the engine may own, so it never mutates the caller's object."""
+        from dataclasses import replace
+
+        return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+
+
+def _check_int(name: str, value: object, lo: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_num(name: str, value: object, lo: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")

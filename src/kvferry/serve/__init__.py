@@ -1,0 +1,1 @@
+"""HTTP server (OpenAI protocol), engine loop, metrics."""
