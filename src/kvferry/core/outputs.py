@@ -3,6 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Sent to the runner the first time a request is scheduled; the runner
+    keeps it (and the tokens it samples) until the request finishes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -15,7 +28,9 @@ class ScheduledRequest:
 
     request_id: str
     num_computed_tokens: int
-    num_scheduled_tokens: int
+    # The tokens to compute this step: all_token_ids[num_computed_tokens:][:n]
+    token_ids: list[int]
+    # The request's whole block table (hit blocks first, then its own).
     block_ids: list[int]
     # True when this chunk reaches the end of the known tokens, so the runner
     # samples a next token for it. False for a non-final prefill chunk.
@@ -25,6 +40,7 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
     # Requests finished (or preempted) since the last step: the runner drops
     # its per-request state (e.g. a seeded generator) for finished ones.
     finished_request_ids: list[str] = field(default_factory=list)
@@ -32,7 +48,11 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: len(s.token_ids) for s in self.scheduled}
 
     @property
     def is_empty(self) -> bool:

@@ -1,0 +1,176 @@
+"""The device tier: KV block objects, refcounts, LRU free queue, hash -> block map.
+
+A block is in exactly one of three states:
+
+* in use   -- ``ref_cnt > 0``; held by one or more requests;
+* cached   -- ``ref_cnt == 0`` and it has a hash; in the free queue, reusable
+              by a prefix hit until evicted;
+* free     -- ``ref_cnt == 0`` and no hash; in the free queue.
+
+``free + cached + in use == num_blocks`` always (``check_integrity``).
+The free queue is ordered by eviction priority: the head is evicted first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvferry.core.hashing import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    # Intrusive links of the free queue; None when not in it.
+    prev: "KVBlock | None" = field(default=None, repr=False)
+    next: "KVBlock | None" = field(default=None, repr=False)
+    in_free_queue: bool = False
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks themselves.
+
+    O(1) removal from the middle is what a prefix hit on a cached block needs;
+    a deque would make that O(n).
+    """
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None and not block.in_free_queue
+        last.next, block.prev, block.next, self._tail.prev = block, last, self._tail, block
+        block.in_free_queue = True
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.in_free_queue and block.prev is not None and block.next is not None
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        block.in_free_queue = False
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next
+        if first is None or first is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(first)
+        return first
+
+    def __iter__(self):
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: free plus cached-but-unused."""
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the head of the free queue (evicting their
+        cached content), each with ``ref_cnt == 1``."""
+        if n > self.free_queue.num_free:
+            raise ValueError(f"cannot allocate {n} blocks, {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling cached ones out of
+        the free queue so they cannot be evicted while in use."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the
+        tail of the free queue in the order given (earlier = evicted sooner).
+        Callers pass a request's blocks in reverse, so that its tail blocks,
+        the least likely to be shared, are evicted first."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its content hash. If another block
+        already holds that content, this one stays unregistered (it becomes
+        plain free when released)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is in use."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def counts(self) -> dict[str, int]:
+        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        cached = sum(1 for b in self.free_queue if b.block_hash is not None)
+        free = sum(1 for b in self.free_queue if b.block_hash is None)
+        return {"free": free, "cached": cached, "in_use": in_use}
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants; cheap enough for tests, not for steps."""
+        counts = self.counts()
+        assert sum(counts.values()) == self.num_blocks, counts
+        queued = list(self.free_queue)
+        assert len(queued) == self.free_queue.num_free
+        for block in self.blocks:
+            assert block.ref_cnt >= 0
+            assert block.in_free_queue == (block.ref_cnt == 0), block
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash
