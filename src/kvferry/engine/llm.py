@@ -1,0 +1,116 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(...)``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvferry.engine.engine import LLMEngine, build_engine_config
+from kvferry.outputs import CompletionOutput, RequestOutput
+from kvferry.sampling import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_model_len: int = 0,
+        kv_cache_memory_gb: float = 2.0,
+        device: str = "cpu",
+    ) -> None:
+        config = build_engine_config(
+            model=model, dtype=dtype, device=device, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            max_model_len=max_model_len,
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; results come back in prompt order.
+
+        Every prompt is validated before any is queued, so a bad one raises
+        ValueError and leaves the engine as it was.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or as token ids
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, {rid: p.n for rid, p in zip(ids, params)})
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one or many conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    @staticmethod
+    def _params_per_prompt(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        return params
+
+    def _run(self, ids: list[str], n_of: dict[str, int]) -> list[RequestOutput]:
+        finals: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in finals:
+                    finals[out.request_id][out.outputs[0].index] = out
+                    if len(finals[out.request_id]) == n_of[out.request_id]:
+                        pending.discard(out.request_id)
+            if pending and not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine idle with unfinished requests {sorted(pending)}")
+        return [_merge(finals[rid]) for rid in ids]
+
+
+def _merge(by_index: dict[int, RequestOutput]) -> RequestOutput:
+    first = by_index[0]
+    outputs: list[CompletionOutput] = [by_index[i].outputs[0] for i in sorted(by_index)]
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=outputs,
+        finished=True,
+        num_cached_tokens=first.num_cached_tokens,
+        metrics=first.metrics,
+    )
