@@ -1,0 +1,378 @@
+"""Batched sampling for one engine step: penalties, min_tokens, temperature,
+top-k / top-p / min-p, per-request seeds and logprobs.
+
+Order within a step follows vLLM::
+
+    raw logits [B, V] ──▶ logprobs: log_softmax of the model output (rows that ask)
+        │
+        ▼
+    repetition penalty (prompt + output tokens)
+        ▼
+    frequency / presence penalties (output tokens only)
+        ▼
+    min_tokens: stop ids and EOS set to -inf while the output is too short
+        ▼
+    greedy rows: argmax        other rows: / temperature ─▶ top-k ─▶ top-p ─▶ min-p
+                                            ─▶ softmax ─▶ exponential race
+
+Sampling is an "exponential race": with q_i ~ Exp(1) drawn independently,
+``argmax_i p_i / q_i`` is distributed as Categorical(p), because
+``q_i / p_i ~ Exp(p_i)`` and the smallest of independent exponentials is
+index ``i`` with probability ``p_i / sum(p)``. The race lets each seeded row
+take its noise from its own generator (exactly V draws per step), so a seeded
+request gives the same tokens whatever else shares the batch, while the whole
+batch still samples in one vectorized argmax.
+
+The host reads the device once per step: the final ``.tolist()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+from kvferry.core.outputs import TokenLogprobs
+from kvferry.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one request for this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Made by the engine from ``params.seed`` and kept for the request's life,
+    # so the noise stream continues across steps. None when unseeded. It must
+    # live on the same device as the logits.
+    generator: torch.Generator | None = None
+    # The model's EOS ids; masked with ``stop_token_ids`` under min_tokens.
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-step tensors, built once by :meth:`build` and read by the sampler.
+
+    Host-side ``need_*`` flags choose which kernels run, so the sampler never
+    reads a tensor back to decide what to do.
+    """
+
+    num_rows: int
+    vocab_size: int
+    # [B] each, on the logits' device.
+    temperature: torch.Tensor  # float32; 1.0 on greedy rows so dividing is safe
+    top_k: torch.Tensor  # int64; vocab_size where disabled
+    top_p: torch.Tensor  # float32; 1.0 where disabled
+    min_p: torch.Tensor  # float32; 0.0 where disabled
+    repetition_penalty: torch.Tensor  # float32; 1.0 where disabled
+    presence_penalty: torch.Tensor  # float32
+    frequency_penalty: torch.Tensor  # float32
+    greedy: torch.Tensor  # bool
+    all_greedy: bool
+    any_greedy: bool
+    need_temperature: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    need_repetition: bool
+    need_freq_presence: bool
+    # Built only when some row penalizes. [B, V] float32 / bool.
+    output_counts: torch.Tensor | None
+    prompt_mask: torch.Tensor | None
+    # min_tokens: (rows [M], token ids [M]) to set to -inf this step.
+    stop_mask_index: tuple[torch.Tensor, torch.Tensor] | None
+    # Seeded rows that sample randomly. Greedy rows never draw, so a greedy
+    # request does not advance its generator.
+    seeded: list[tuple[int, torch.Generator]]
+    any_unseeded_random: bool
+    # logprobs: per-row n (None: not asked), the rows that ask, and max n.
+    num_logprobs: list[int | None]
+    logprob_row_ids: list[int]
+    logprob_rows: torch.Tensor | None  # [R] int64
+    max_num_logprobs: int
+
+    @classmethod
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+    ) -> "SamplingBatch":
+        if not rows:
+            raise ValueError("SamplingBatch needs at least one row")
+        device = torch.device(device)
+        params = [r.params for r in rows]
+        greedy = [p.greedy for p in params]
+        # One host->device copy for every scalar knob: [B, 8].
+        knobs = torch.tensor(
+            [_row_knobs(p, g, vocab_size) for p, g in zip(params, greedy)],
+            dtype=torch.float32,
+            device=device,
+        )
+        sampling = [(p, g) for p, g in zip(params, greedy) if not g]
+        need_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        need_freq_presence = any(
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+        )
+        output_counts = prompt_mask = None
+        if need_repetition or need_freq_presence:
+            output_counts = _token_counts(
+                [r.output_token_ids for r in rows], vocab_size, device
+            )
+        if need_repetition:
+            prompt_mask = _token_counts(
+                [r.prompt_token_ids for r in rows], vocab_size, device
+            ) > 0
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return cls(
+            num_rows=len(rows),
+            vocab_size=vocab_size,
+            temperature=knobs[:, 0],
+            top_k=knobs[:, 1].long(),
+            top_p=knobs[:, 2],
+            min_p=knobs[:, 3],
+            repetition_penalty=knobs[:, 4],
+            presence_penalty=knobs[:, 5],
+            frequency_penalty=knobs[:, 6],
+            greedy=knobs[:, 7] > 0.5,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            need_temperature=any(p.temperature != 1.0 for p, _ in sampling),
+            need_top_k=any(0 < p.top_k < vocab_size for p, _ in sampling),
+            need_top_p=any(p.top_p < 1.0 for p, _ in sampling),
+            need_min_p=any(p.min_p > 0.0 for p, _ in sampling),
+            need_repetition=need_repetition,
+            need_freq_presence=need_freq_presence,
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            stop_mask_index=_stop_mask_index(rows, vocab_size, device),
+            seeded=[
+                (i, r.generator)
+                for i, (r, g) in enumerate(zip(rows, greedy))
+                if not g and r.generator is not None
+            ],
+            any_unseeded_random=any(
+                not g and r.generator is None for r, g in zip(rows, greedy)
+            ),
+            num_logprobs=[p.logprobs for p in params],
+            logprob_row_ids=lp_rows,
+            logprob_rows=(
+                torch.tensor(lp_rows, dtype=torch.int64, device=device) if lp_rows else None
+            ),
+            max_num_logprobs=max((params[i].logprobs or 0 for i in lp_rows), default=0),
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows that did not ask
+
+
+def _row_knobs(p: SamplingParams, greedy: bool, vocab_size: int) -> list[float]:
+    """One row of the knob table. Greedy rows get neutral sampling knobs so
+    they never switch on a top-k / top-p / min-p kernel for the batch."""
+    top_k = vocab_size if greedy or p.top_k == 0 else min(p.top_k, vocab_size)
+    return [
+        1.0 if greedy else p.temperature,
+        float(top_k),
+        1.0 if greedy else p.top_p,
+        0.0 if greedy else p.min_p,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+        1.0 if greedy else 0.0,
+    ]
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[B, V] float32: how often each token id occurs in each row's list.
+
+    Flattens all rows into one index ``row * V + token`` and adds ones with a
+    single ``index_add_``, so there is no Python loop over tokens. Adding
+    exact ones keeps the result deterministic even with atomics.
+    """
+    num_rows = len(token_lists)
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    flat = torch.tensor(
+        list(chain.from_iterable(token_lists)), dtype=torch.int64, device=device
+    )  # [sum(lengths)]
+    row_of = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    counts.index_add_(0, row_of * vocab_size + flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts.view(num_rows, vocab_size)
+
+
+def _stop_mask_index(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) pairs banned by min_tokens this step, or None.
+
+    EOS is banned unless ``ignore_eos`` (then it is not a stop token at all).
+    Ids outside the vocabulary are dropped: they can never be sampled anyway.
+    """
+    pairs: list[tuple[int, int]] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if len(r.output_token_ids) >= p.min_tokens:
+            continue
+        stop_ids = set(p.stop_token_ids or [])
+        if not p.ignore_eos:
+            stop_ids.update(r.eos_token_ids)
+        pairs.extend((i, t) for t in stop_ids if 0 <= t < vocab_size)
+    if not pairs:
+        return None
+    index = torch.tensor(pairs, dtype=torch.int64, device=device)  # [M, 2]
+    return index[:, 0], index[:, 1]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties. [B, V] -> [B, V].
+
+    Never mutates ``logits``: the raw tensor is still needed for logprobs.
+    Returns ``logits`` itself when no row penalizes.
+    """
+    if batch.need_repetition:
+        assert batch.prompt_mask is not None and batch.output_counts is not None
+        seen = batch.prompt_mask | (batch.output_counts > 0)  # [B, V]
+        penalty = batch.repetition_penalty[:, None]  # [B, 1]
+        # HF/vLLM: shrink positive logits, push negative ones further down.
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if batch.need_freq_presence:
+        assert batch.output_counts is not None
+        counts = batch.output_counts  # [B, V]
+        logits = (
+            logits
+            - batch.frequency_penalty[:, None] * counts
+            - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+        )
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Stop ids and EOS to -inf for rows still short of min_tokens (out of place)."""
+    if batch.stop_mask_index is None:
+        return logits
+    return logits.index_put(batch.stop_mask_index, logits.new_tensor(float("-inf")))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask tokens outside each row's top-k, then outside its top-p nucleus.
+
+    One descending sort serves both. Top-p is measured on the top-k
+    renormalized distribution (vLLM's order) and keeps the smallest prefix
+    whose mass reaches top_p: a token stays if the mass *before* it is below
+    top_p, so the most likely token always stays.
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [B, V] each
+    if batch.need_top_k:
+        position = torch.arange(batch.vocab_size, device=logits.device)  # [V]
+        sorted_logits = sorted_logits.masked_fill(
+            position[None, :] >= batch.top_k[:, None], float("-inf")
+        )
+    if batch.need_top_p:
+        probs = sorted_logits.softmax(dim=-1)  # [B, V]
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p == 1 keep everything; rounding in the cumsum could
+        # otherwise drop their far tail.
+        drop = (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1.0)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero tokens below ``min_p * max prob`` of their row. The race needs no
+    renormalization: argmax(p / q) is unchanged by scaling p."""
+    threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """q ~ Exp(1), [B, V]: one batch-wide draw for unseeded rows, then each
+    seeded row overwritten from its own generator (exactly V draws a step)."""
+    q = torch.empty_like(probs)
+    if batch.any_unseeded_random:
+        q.exponential_()
+    for row, generator in batch.seeded:
+        q[row].exponential_(generator=generator)
+    # A zero draw would make p / q inf or nan (nan wins argmax) even for a
+    # masked token with p == 0.
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+class Sampler:
+    """Turns one step's logits into one token per row (plus logprobs)."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.shape != (batch.num_rows, batch.vocab_size):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} != "
+                f"({batch.num_rows}, {batch.vocab_size})"
+            )
+        raw = logits.float()  # [B, V]; no copy when already float32
+        logits = apply_min_tokens(apply_penalties(raw, batch), batch)
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)  # [B]
+        else:
+            sampled = self._sample_random(logits, batch)
+            if batch.any_greedy:
+                sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+        return _to_host(raw, sampled, batch)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.need_temperature:
+            logits = logits / batch.temperature[:, None]
+        if batch.need_top_k or batch.need_top_p:
+            logits = apply_top_k_top_p(logits, batch)
+        probs = logits.softmax(dim=-1)  # [B, V]
+        if batch.need_min_p:
+            probs = apply_min_p(probs, batch)
+        return probs.div_(_exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
+
+
+def _to_host(raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Everything the host needs, read back with one ``.tolist()``.
+
+    With logprobs, all results are packed into one float64 vector (token ids
+    and ranks are exact in float64) laid out as::
+
+        | sampled ids [B] | sampled lp [R] | rank [R] | top ids [R*n] | top lp [R*n] |
+    """
+    num_rows = batch.num_rows
+    if batch.logprob_rows is None:
+        return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * num_rows)
+    lp = torch.log_softmax(raw.index_select(0, batch.logprob_rows), dim=-1)  # [R, V]
+    token = sampled.index_select(0, batch.logprob_rows)  # [R]
+    token_lp = lp.gather(1, token[:, None])  # [R, 1]
+    # 1-based; ties with the sampled token share its rank.
+    rank = (lp > token_lp).sum(dim=-1) + 1  # [R]
+    top_lp, top_ids = lp.topk(batch.max_num_logprobs, dim=-1)  # [R, n] each
+    parts = (sampled, token_lp.view(-1), rank, top_ids.reshape(-1), top_lp.reshape(-1))
+    flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    return _unpack(flat, batch)
+
+
+def _unpack(flat: list[float], batch: SamplingBatch) -> SamplerOutput:
+    num_rows, n = batch.num_rows, batch.max_num_logprobs
+    r = len(batch.logprob_row_ids)
+    token_ids = [int(t) for t in flat[:num_rows]]
+    token_lps = flat[num_rows : num_rows + r]
+    ranks = flat[num_rows + r : num_rows + 2 * r]
+    top_ids_start = num_rows + 2 * r
+    top_lp_start = top_ids_start + r * n
+    logprobs: list[TokenLogprobs | None] = [None] * num_rows
+    for j, row in enumerate(batch.logprob_row_ids):
+        k = batch.num_logprobs[row] or 0
+        ids = flat[top_ids_start + j * n : top_ids_start + j * n + k]
+        lps = flat[top_lp_start + j * n : top_lp_start + j * n + k]
+        logprobs[row] = TokenLogprobs(
+            token_id=token_ids[row],
+            logprob=token_lps[j],
+            rank=int(ranks[j]),
+            top_token_ids=[int(t) for t in ids],
+            top_logprobs=lps,
+        )
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

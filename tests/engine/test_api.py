@@ -1,0 +1,132 @@
+"""LLM API behaviour: sampling reproducibility, stops, n, logprobs, bad input."""
+from __future__ import annotations
+
+import pytest
+
+from kvferry import LLM, SamplingParams
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama")
+    return LLM(model=str(path), dtype="float32", num_kv_blocks=256, block_size=8)
+
+
+def prompt(n, start=5):
+    return [start + (i * 7) % 200 for i in range(n)]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = llm.generate([prompt(20)], p)[0].token_ids
+    others = SamplingParams(max_tokens=7, temperature=0.8, ignore_eos=True)
+    crowd = llm.generate([prompt(30, 9), prompt(20), prompt(5, 11)], [others, p, others])
+    assert crowd[1].token_ids == alone
+    again = llm.generate([prompt(20), prompt(20)], [p, SamplingParams(max_tokens=10, seed=43, ignore_eos=True)])
+    assert again[0].token_ids == alone
+    assert again[1].token_ids != alone  # a different seed almost surely differs in 10 tokens
+
+
+def test_unseeded_sampling_varies(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.5, ignore_eos=True)
+    outs = {tuple(llm.generate([prompt(8)], p)[0].token_ids) for _ in range(4)}
+    assert len(outs) > 1
+
+
+def test_max_tokens_and_finish_reason(llm):
+    out = llm.generate([prompt(10)], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_token_ids(llm):
+    greedy = llm.generate([prompt(10)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    stop_at = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_at)
+    out = llm.generate([prompt(10)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+
+
+def test_stop_string_truncates_text(llm):
+    greedy = llm.generate([prompt(10)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    text = greedy.text
+    assert len(text) >= 4
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    out = llm.generate([prompt(10)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.text == text[: text.find(stop)]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_n_sequences(llm):
+    out = llm.generate([prompt(10)], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_logprobs(llm):
+    out = llm.generate([prompt(10)], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 4
+    for tok, lp in zip(out.token_ids, lps):
+        assert lp.token_id == tok and lp.rank == 1  # greedy picks the top token
+        assert len(lp.top_token_ids) == 3 and lp.top_token_ids[0] == tok
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True) and lp.top_logprobs[0] <= 0
+
+
+def test_text_prompts_and_chat(llm):
+    out = llm.generate("hello world", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out) == 1 and len(out[0].token_ids) == 3
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(chat[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_engine_usable(llm):
+    vocab = llm.engine.loaded.config.vocab_size
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, vocab + 5]])
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([prompt(llm.engine.max_model_len + 1)])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([prompt(3), prompt(4)], [SamplingParams()])
+    # A batch with one bad prompt queues nothing.
+    with pytest.raises(ValueError):
+        llm.generate([prompt(5), [vocab]])
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    assert llm.engine.stats().kv_blocks_used == 0
+    out = llm.generate([prompt(5)], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2
+
+
+def test_bad_engine_args():
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model="/nonexistent", block_size=3)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(model="/nonexistent", max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(model="/nonexistent", dtype="int3")
+    with pytest.raises(ValueError, match="nonexistent"):
+        LLM(model="/nonexistent")
