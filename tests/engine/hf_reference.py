@@ -9,23 +9,23 @@ TIE_TOLERANCE = 1e-4  # logits closer than this may legitimately flip under floa
 def load_hf(path: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return model
 
 
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import GenerationConfig
+
     ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt_ids) :].tolist()
+    # eos_token_id=[]: run the full length like our ignore_eos, without
+    # min_new_tokens (which would mask EOS and change the argmax).
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    generated = out[0, len(prompt_ids) :].tolist()
+    assert len(generated) == max_new_tokens
+    return generated
 
 
 @torch.inference_mode()

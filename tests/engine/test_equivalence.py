@@ -19,11 +19,18 @@ def mixed_prompts(vocab: int, lengths=(1, 3, 17, 64, 150, 333)) -> list[list[int
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def checkpoint(request, tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param)
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param, max_position_embeddings=1024)
     hf = load_hf(str(path))
     prompts = mixed_prompts(hf.config.vocab_size)
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     return str(path), hf, prompts, expected
+
+
+@pytest.fixture(scope="module")
+def preempt_case(checkpoint):
+    path, hf, _, _ = checkpoint
+    prompts = mixed_prompts(hf.config.vocab_size, lengths=(64,) * 6)
+    return path, hf, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
 
 
 def run(path, prompts, **engine_kwargs):
@@ -50,10 +57,10 @@ def test_chunked_prefill_small_budget(checkpoint):
     check(hf, prompts, expected, results)
 
 
-def test_preemption_small_pool(checkpoint):
-    path, hf, prompts, expected = checkpoint
-    # 48 blocks of 8 = 384 tokens: the 333-token prompt plus the others cannot
-    # all be resident, so running requests get preempted and recomputed.
+def test_preemption_small_pool(preempt_case):
+    path, hf, prompts, expected = preempt_case
+    # 48 blocks of 8 = 384 tokens: six 64-token prompts fill the pool exactly,
+    # so the first decode needs a 9th block each and must preempt.
     llm, results = run(path, prompts, block_size=8, num_kv_blocks=48, enable_prefix_caching=False)
     assert llm.engine.stats().num_preemptions > 0
     check(hf, prompts, expected, results)

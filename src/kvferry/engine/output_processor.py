@@ -81,6 +81,8 @@ class OutputProcessor:
             visible = new_tokens[:-1]
         if visible:
             seq.text += seq.detok.step(visible)
+        if request.is_finished:
+            seq.text += seq.detok.flush()  # a held-back partial UTF-8 tail
         if not params.stop or request.is_finished and request.status != RequestStatus.FINISHED_LENGTH:
             return False
         # Only the tail can contain a new match: search from just before it.

@@ -13,6 +13,7 @@ import torch
 
 from kvferry.core.outputs import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvferry.model.attention import AttentionMetadata
+from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow
 
@@ -50,12 +51,11 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
         self.loaded = loaded
         self.model = loaded.model
-        self.device = torch.device(loaded.device)
+        self.device = next(loaded.model.parameters()).device
         self.block_size = block_size
         self.vocab_size = loaded.config.vocab_size
-        # Zeroed, not empty: padded attention reads masked slots, and garbage
-        # NaNs there would poison the softmax even under a -inf mask.
-        self.kv_cache = torch.zeros(kv_cache_shape(loaded, num_blocks, block_size), dtype=loaded.dtype, device=self.device)
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
+        self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
         self.states: dict[str, RunnerRequestState] = {}
         self.sampler = Sampler()
 
