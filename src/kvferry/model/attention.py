@@ -9,12 +9,32 @@ head_dim]``. Tiers and transports move whole blocks with that shape.
 A token at position ``p`` of a request with block table ``bt`` lives in
 block ``bt[p // block_size]`` at offset ``p % block_size``; its "slot" is
 ``bt[p // block_size] * block_size + p % block_size``.
+
+The same code runs on CPU and CUDA: it is plain torch indexing plus
+``scaled_dot_product_attention``; every derived tensor lives on the device
+of ``block_tables``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSlice:
+    """One request with more than one new token (a prompt chunk or a
+    speculative verify window), prepared for attention."""
+
+    start: int  # first token of the request in the flattened batch
+    end: int  # one past its last token
+    context_len: int  # tokens already in the cache before this step
+    # [seq_len] int64 slots of positions 0..seq_len-1; None when context_len == 0
+    # (then the new k/v are used directly and no gather is needed)
+    slots: torch.Tensor | None = None
+    # [q_len, seq_len] bool, True = may attend; None when causal from 0
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +64,147 @@ class AttentionMetadata:
     # [num_prefills, num_reqs) have exactly one (decodes, or a 1-token chunk).
     num_prefills: int
 
+    # ---- derived by prepare(); callers leave these alone ----
+    prefills: list[PrefillSlice] = field(default_factory=list)
+    num_decodes: int = 0
+    decode_start: int = 0  # token offset of the first decode in the batch
+    # [num_decodes * max_decode_len] int64 slots, row-major over (request, position)
+    decode_slots: torch.Tensor | None = None
+    # [num_decodes, 1, 1, max_decode_len] bool, True = real context (not padding)
+    decode_mask: torch.Tensor | None = None
+    max_decode_len: int = 0
+    prepared: bool = False
+
     def prepare(self) -> None:
         """Build derived tensors once per step (the runner calls this), so
         that the per-layer attention calls do no repeated set-up work."""
+        if self.prepared:
+            return
+        num_reqs = len(self.seq_lens)
+        if len(self.query_start_loc) != num_reqs + 1:
+            raise ValueError(
+                f"query_start_loc has {len(self.query_start_loc)} entries, expected num_reqs + 1 = {num_reqs + 1}"
+            )
+        self.prefills = [self._prefill_slice(i) for i in range(self.num_prefills)]
+        self._prepare_decodes(num_reqs)
+        self.prepared = True
+
+    def _slots(self, req_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of ``positions`` for each request row: [len(req_rows), len(positions)]."""
+        # block_tables[r, p // block_size] * block_size + p % block_size
+        blocks = self.block_tables[req_rows][:, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def _prefill_slice(self, i: int) -> PrefillSlice:
+        start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
+        seq_len = self.seq_lens[i]
+        q_len = end - start
+        context_len = seq_len - q_len
+        if q_len < 1 or context_len < 0:
+            raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
+        if context_len == 0:
+            return PrefillSlice(start, end, 0)
+        device = self.block_tables.device
+        positions = torch.arange(seq_len, device=device)
+        slots = self._slots(torch.tensor([i], device=device), positions)[0]
+        # Query j sits at position context_len + j and sees keys 0..context_len + j:
+        #
+        #            keys: 0 ........ context_len ...... seq_len-1
+        #   query 0        [ all cached ][x . . . . . . .]
+        #   query q_len-1  [ all cached ][x x x x x x x x]
+        q_pos = torch.arange(context_len, seq_len, device=device)
+        mask = positions[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        return PrefillSlice(start, end, context_len, slots, mask)
+
+    def _prepare_decodes(self, num_reqs: int) -> None:
+        self.num_decodes = num_reqs - self.num_prefills
+        self.decode_start = self.query_start_loc[self.num_prefills]
+        if self.num_decodes == 0:
+            return
+        device = self.block_tables.device
+        lens = self.seq_lens[self.num_prefills:]
+        self.max_decode_len = max(lens)
+        lens_t = torch.tensor(lens, device=device)
+        positions = torch.arange(self.max_decode_len, device=device)
+        # Padding positions reuse the request's last real position, so every
+        # gathered value is a written slot (never uninitialized memory that
+        # could hold NaN: 0 * NaN would poison the masked softmax @ V).
+        clamped = torch.minimum(positions[None, :], (lens_t - 1)[:, None])  # [B, S]
+        rows = torch.arange(self.num_prefills, num_reqs, device=device)
+        blocks = self.block_tables[rows[:, None], clamped // self.block_size]
+        self.decode_slots = (blocks * self.block_size + clamped % self.block_size).reshape(-1)
+        self.decode_mask = (positions[None, :] < lens_t[:, None])[:, None, None, :]
+
+
+def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into the cache.
+
+    kv_cache_layer: [2, num_blocks, block_size, kv_heads, head_dim]
+    k, v: [num_tokens, kv_heads, head_dim]
+    """
+    _, _, _, kv_heads, head_dim = kv_cache_layer.shape
+    flat = kv_cache_layer.view(2, -1, kv_heads, head_dim)  # [2, num_slots, kvh, hd]
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's new tokens over their whole context.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
+    kv_cache_layer: [2, num_blocks, block_size, kv_heads, head_dim] (written here)
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    if not meta.prepared:
+        meta.prepare()
+    write_kv(kv_cache_layer, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    flat = kv_cache_layer.view(2, -1, kv_cache_layer.shape[3], kv_cache_layer.shape[4])
+    for p in meta.prefills:
+        out[p.start:p.end] = _prefill_attention(q, k, v, flat, p, scale)
+    if meta.num_decodes:
+        out[meta.decode_start:] = _decode_attention(q[meta.decode_start:], flat, meta, scale)
+    return out
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, p: PrefillSlice, scale: float
+) -> torch.Tensor:
+    """One request's chunk: [q_len, H, D] attending to its context."""
+    qh = q[p.start:p.end].transpose(0, 1)  # [H, q_len, D]
+    if p.slots is None:
+        # No cached context: the new tokens are the whole sequence.
+        kh = k[p.start:p.end].transpose(0, 1)  # [KVH, q_len, D]
+        vh = v[p.start:p.end].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kh = flat[0].index_select(0, p.slots).transpose(0, 1).to(q.dtype)  # [KVH, seq_len, D]
+        vh = flat[1].index_select(0, p.slots).transpose(0, 1).to(q.dtype)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)  # [q_len, H, D]
+
+
+def _decode_attention(q: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All single-token requests in one SDPA call over padded contexts.
+
+    q: [B, H, D] -> [B, H, D]. The query heads sharing a KV head are folded
+    into the query-length axis ([B, KVH, G, D]), which is exact for one query
+    token and avoids materializing repeated K/V for GQA.
+    """
+    b, num_heads, head_dim = q.shape
+    kv_heads = flat.shape[2]
+    group = num_heads // kv_heads
+    s = meta.max_decode_len
+    # [B, S, KVH, D] -> [B, KVH, S, D]
+    kh = flat[0].index_select(0, meta.decode_slots).view(b, s, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    vh = flat[1].index_select(0, meta.decode_slots).view(b, s, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    qh = q.view(b, kv_heads, group, head_dim)  # head h = kv_head * group + g, as HF's repeat_kv
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(b, num_heads, head_dim)

