@@ -179,16 +179,28 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """One request's chunk: [q_len, H, D] attending to its context."""
     qh = q[p.start:p.end].transpose(0, 1)  # [H, q_len, D]
+    group = q.shape[1] // k.shape[1]
     if p.slots is None:
         # No cached context: the new tokens are the whole sequence.
-        kh = k[p.start:p.end].transpose(0, 1)  # [KVH, q_len, D]
-        vh = v[p.start:p.end].transpose(0, 1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        kh = _repeat_kv(k[p.start:p.end], group)  # [H, q_len, D]
+        vh = _repeat_kv(v[p.start:p.end], group)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
-        kh = flat[0].index_select(0, p.slots).transpose(0, 1).to(q.dtype)  # [KVH, seq_len, D]
-        vh = flat[1].index_select(0, p.slots).transpose(0, 1).to(q.dtype)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, scale=scale, enable_gqa=True)
+        kh = _repeat_kv(flat[0].index_select(0, p.slots).to(q.dtype), group)  # [H, seq_len, D]
+        vh = _repeat_kv(flat[1].index_select(0, p.slots).to(q.dtype), group)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, scale=scale)
     return o.transpose(0, 1)  # [q_len, H, D]
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[L, KVH, D] -> [H, L, D] with head h reading KV head h // group (HF's
+    repeat_kv). SDPA's enable_gqa path skips the fused CPU kernel; one copy of
+    K/V is cheaper than the unfused math path."""
+    x = x.transpose(0, 1)  # [KVH, L, D]
+    if group == 1:
+        return x
+    kvh, length, d = x.shape
+    return x[:, None].expand(kvh, group, length, d).reshape(kvh * group, length, d)
 
 
 def _decode_attention(q: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
