@@ -47,7 +47,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Cache namespace (tenant); comes from the server, never from the client.
     cache_namespace: str = ""
-    eos_token_id: int | None = None
+    # Every end-of-sequence id of the model (Llama 3 has two).
+    eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0  # 0: unbounded (set by the engine)
 
     status: RequestStatus = RequestStatus.WAITING

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_N = 128
+# What a torch.Generator accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("n", self.n, lo=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
@@ -64,6 +69,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")

@@ -128,3 +128,12 @@ def test_prompt_larger_than_pool_is_rejected():
 
     with pytest.raises(ValueError, match="KV cache"):
         s.add_request(req("a", 9))
+
+
+def test_every_eos_id_stops():
+    s = make()
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_ids=(5, 9))
+    s.add_request(r)
+    step(s, token=4)
+    step(s, token=9)
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [4, 9]

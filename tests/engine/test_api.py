@@ -94,6 +94,8 @@ def test_text_prompts_and_chat(llm):
         ({"logprobs": -1}, "logprobs"),
         ({"min_p": 2.0}, "min_p"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"n": 100000}, "n"),
     ],
 )
 def test_bad_sampling_params(kwargs, field):
@@ -119,6 +121,14 @@ def test_bad_prompts_leave_engine_usable(llm):
     assert llm.engine.stats().kv_blocks_used == 0
     out = llm.generate([prompt(5)], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].token_ids) == 2
+
+
+def test_prompt_over_budget_without_chunking_is_rejected(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, arch="llama")
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=16, enable_chunked_prefill=False, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        llm.generate([prompt(20)])
+    assert len(llm.generate([prompt(16)], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
 def test_bad_engine_args():

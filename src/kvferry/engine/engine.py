@@ -42,7 +42,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentRequest] = {}
         self.child_to_parent: dict[str, str] = {}
-        self.eos_token_id = self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else None
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", num_blocks, self.block_size, self.max_model_len)
 
     @classmethod
@@ -86,7 +86,7 @@ class LLMEngine:
             request = Request(
                 child_id, token_ids, child_params,
                 cache_namespace=cache_namespace,
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
             )
             self.scheduler.add_request(request)
@@ -108,6 +108,12 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(token_ids) > sched.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}) with chunked prefill disabled"
+            )
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; the context length is {self.max_model_len} "

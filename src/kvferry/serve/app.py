@@ -1,0 +1,99 @@
+"""The ASGI app: routes, lifespan (engine loop start / stop), error handlers.
+
+    build_app(engine, ServerConfig(...)) -> Starlette
+
+The app owns an AsyncEngineClient; its lifespan starts the engine loop
+thread on the server's event loop and stops it after uvicorn has drained the
+in-flight requests (graceful shutdown).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvferry.serve.chat import create_chat_completion
+from kvferry.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvferry.serve.completions import create_completion
+from kvferry.serve.engine_client import AsyncEngineClient
+from kvferry.serve.errors import EXCEPTION_HANDLERS, error_response
+from kvferry.serve.logprobs import TokenStrings
+from kvferry.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvferry.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
+from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    served_model_names: list[str]
+    model_path: str | None = None  # reported as the model card's root
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Run KVCacheManager.check_integrity() whenever the engine goes idle (tests).
+    check_integrity_when_idle: bool = False
+    # Time the engine loop gets to stop after the HTTP side has drained.
+    engine_stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
+            raise ValueError("served_model_names must hold at least one non-empty name")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+
+
+def build_app(engine: Any, config: ServerConfig) -> Starlette:
+    client = AsyncEngineClient(engine, check_integrity_when_idle=config.check_integrity_when_idle)
+    metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats)
+    client.observer = metrics
+    ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer))
+
+    def generation(model: type, handler: Callable[[ServingContext, Any, float], Awaitable[Response]]):
+        async def endpoint(request: Request) -> Response:
+            arrival = time.monotonic()
+            # The body is read before the disconnect watcher starts: both
+            # read from receive(), and the watcher must not eat body chunks.
+            req = await read_request(request, model, config.max_request_body_bytes)
+            return await run_until_disconnected(request, handler(ctx, req, arrival))
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        if client.is_alive:
+            return JSONResponse({"status": "ok"})
+        reason = f"engine loop died: {client.dead_error!r}" if client.dead_error else "engine loop is not running"
+        return error_response(503, reason, code="engine_unavailable")
+
+    async def models(request: Request) -> Response:
+        cards = [ModelCard(id=name, created=now_s(), root=config.model_path or name,
+                           max_model_len=client.max_model_len) for name in config.served_model_names]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            # uvicorn has stopped accepting and drained (or cancelled) the
+            # in-flight requests by now; abort anything left and stop the loop.
+            await client.shutdown(config.engine_stop_timeout_s)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", generation(CompletionRequest, create_completion), methods=["POST"]),
+        Route("/v1/chat/completions", generation(ChatCompletionRequest, create_chat_completion), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.client = client
+    app.state.metrics = metrics
+    return app

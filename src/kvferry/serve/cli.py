@@ -1,0 +1,39 @@
+"""``kvferry serve`` arguments. Kept free of heavy imports: the top-level CLI
+imports this module for every subcommand; the server itself is imported
+only when ``serve`` runs.
+
+    kvferry serve [--model PATH] [--host 127.0.0.1] [--port 8000]
+                  [--served-model-name NAME ...] [engine flags]
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction,
+                     add_engine_args: Callable[[argparse.ArgumentParser], None],
+                     engine_kwargs: Callable[[argparse.Namespace], dict]) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0: pick a free port (named in the ready line)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients send as 'model' (default: the model folder / file name)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    parser.add_argument("--check-kv-integrity", action="store_true",
+                        help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
+    parser.set_defaults(func=lambda args: _run(args, engine_kwargs))
+    return parser
+
+
+def _run(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
+    from kvferry.serve.server import run_server
+
+    return run_server(args, engine_kwargs(args))

@@ -1,0 +1,121 @@
+"""Prometheus metrics, named after vLLM's (``kvferry:`` in place of ``vllm:``).
+
+Each app gets its own CollectorRegistry, so tests can build several apps in
+one process. Two kinds of source:
+- per-request timings and token counts, observed on the event loop as
+  outputs arrive (``ServerMetrics`` is the engine client's observer);
+- engine state (running / waiting, KV usage, cumulative prefix-cache and
+  preemption counts), read at scrape time from the latest stats snapshot
+  the engine loop published, so the loop never does metrics work.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvferry.core.scheduler import SchedulerStats
+from kvferry.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets as vLLM's, with a few finer ones at the low end for queue time.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1] + _REQUEST_BUCKETS
+
+
+class ServerMetrics:
+    """Per-request metrics; also the RequestObserver of the engine client."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist("kvferry:time_to_first_token_seconds", "Time to first token, from HTTP arrival.", _TTFT_BUCKETS)
+        self.itl = hist("kvferry:inter_token_latency_seconds", "Time between successive output tokens of a sequence.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("kvferry:e2e_request_latency_seconds", "End-to-end latency of finished requests.",
+                        _REQUEST_BUCKETS)
+        self.queue_time = hist("kvferry:request_queue_time_seconds", "Time from engine arrival to first scheduling.",
+                               _QUEUE_BUCKETS)
+        self.prompt_tokens = counter("kvferry:prompt_tokens", "Prefilled prompt tokens (once per request).")
+        self.generation_tokens = counter("kvferry:generation_tokens", "Generated tokens.")
+        self._success = Counter("kvferry:request_success", "Finished sequences, by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.registry.register(_EngineStatsCollector(model_name, stats))
+
+    # -- RequestObserver ------------------------------------------------------
+    def on_first_token(self, stream, output: RequestOutput, now: float) -> None:
+        self.ttft.observe(now - stream.arrival_time)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+
+    def on_tokens(self, num_tokens: int, gap_s: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if gap_s is not None:
+            for _ in range(num_tokens):
+                self.itl.observe(gap_s)
+
+    def on_sequence_finished(self, stream, output: RequestOutput, now: float) -> None:
+        self._success.labels(self.model_name, output.outputs[0].finish_reason or "unknown").inc()
+
+    def on_request_finished(self, stream, output: RequestOutput, now: float) -> None:
+        self.e2e.observe(now - stream.arrival_time)
+        m = output.metrics
+        if m is not None and m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+
+    def on_abort(self, stream) -> None:
+        self._success.labels(self.model_name, "abort").inc(stream.n - stream.num_finished)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and cumulative counters straight from the engine's stats."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        yield gauge("kvferry:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("kvferry:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("kvferry:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                    s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        yield gauge("kvferry:kv_blocks_used", "KV blocks held by requests.", s.kv_blocks_used)
+        yield gauge("kvferry:kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)
+        yield counter("kvferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
+        yield counter("kvferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
+        yield counter("kvferry:num_preemptions", "Preempted sequences.", s.num_preemptions)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

@@ -1,0 +1,163 @@
+"""OpenAI request -> (prompt token ids, SamplingParams), with the edge checks.
+
+Everything here raises ``APIError`` (400) naming the field, so bad input is
+rejected before it reaches the engine loop. Tokenization happens here, on
+the HTTP side, because the context-length checks need the prompt length and
+so that the engine loop thread spends its time on steps only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+from kvferry.sampling import SamplingParams
+from kvferry.serve.errors import APIError, bad_request
+from kvferry.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+# Field names SamplingParams may name in a ValueError, mapped to the request
+# field the client sent (they are the same except for top_logprobs).
+_PARAM_FIELDS = {
+    "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs",
+}
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
+    """The one prompt of a completions request, as token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return tokenizer.encode(prompt)
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    return list(prompt)
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    """Render the model's chat template and encode it. The template already
+    writes BOS / role tokens, so no special tokens are added again."""
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    except jinja2.TemplateError as exc:
+        raise bad_request(f"chat template error: {exc}", "messages") from exc
+    except ValueError as exc:  # e.g. a tokenizer without a chat template
+        raise bad_request(str(exc), "messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _message_dict(message: ChatMessage, i: int) -> dict[str, str]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported", f"messages.{i}.content")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    out = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       prompt_param: str) -> int:
+    """Check the prompt and max_tokens against the context length (as vLLM
+    does: prompt + max_tokens must fit); None means "up to the context"."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the prompt.",
+            prompt_param,
+        )
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if requested < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    if num_prompt_tokens + requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in the "
+            "completion). Please reduce the length of the prompt or the completion.",
+            "max_tokens",
+        )
+    return requested
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """Build SamplingParams; its own checks raise ValueError naming the field."""
+    _reject_unsupported(req)
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
+            top_k=_or(req.top_k, 0),
+            min_p=_or(req.min_p, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), named_field(str(exc))) from exc
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Chat asks with a bool plus a count; the engine wants the count."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if not req.logprobs:
+        return None
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise bad_request(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+    return req.top_logprobs or 0
+
+
+def _reject_unsupported(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n (beam search / best-of is not supported)", "best_of")
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def named_field(message: str) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first in _PARAM_FIELDS else None
+
+
+def raise_for_model(requested: str | None, served_names: list[str]) -> str:
+    """The model name to report back; 404 for a name this server does not serve."""
+    if requested is None or requested == "":
+        return served_names[0]
+    if requested not in served_names:
+        raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+    return requested

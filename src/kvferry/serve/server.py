@@ -1,0 +1,111 @@
+"""Run the app under uvicorn: build the engine, announce readiness, and make
+a graceful shutdown (SIGTERM) exit 0.
+
+``--port 0`` binds a free port; the ready line names the real one:
+``kvferry serve: ready on http://127.0.0.1:PORT (model NAME, max_model_len N)``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import prometheus_client
+import uvicorn
+
+from kvferry.serve.app import ServerConfig, build_app
+from kvferry.serve.engine_client import AsyncEngineClient
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
+READY_PREFIX = "kvferry serve: ready on "
+# uvicorn's own drain limit, past ours: it cancels tasks, cutting connections.
+_BACKSTOP_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from kvferry.engine.engine import LLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # No *_created series: vLLM-style dashboards do not use them.
+    prometheus_client.disable_created_metrics()
+    try:
+        config = ServerConfig(
+            served_model_names=args.served_model_name or [default_model_name(args.model)],
+            model_path=args.model,
+            max_request_body_bytes=args.max_request_body_bytes,
+            check_integrity_when_idle=args.check_kv_integrity,
+        )
+        engine = LLMEngine.from_args(**engine_kwargs)
+    except (ValueError, OSError) as exc:
+        print(f"kvferry serve: error: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine, config)
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+        access_log=not args.disable_uvicorn_access_log,
+        # A backstop only: _Server ends the requests itself at shutdown_timeout.
+        timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
+    )
+    model = f"model {config.served_model_names[0]}, max_model_len {engine.max_model_len}"
+    server = _Server(uv_config, lambda url: print(f"{READY_PREFIX}{url} ({model})", flush=True),
+                     app.state.client, args.shutdown_timeout)
+    _make_signal_reraise_harmless()
+    server.run()
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that announces the bound address once it listens, and
+    bounds the graceful drain: at ``drain_timeout_s`` after shutdown begins,
+    the requests still running are aborted *through the app*, so each gets
+    a proper end (a 503, or an error event and ``[DONE]`` on a stream)
+    instead of uvicorn cancelling its task and cutting the connection."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[str], None],
+                 client: AsyncEngineClient, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.on_ready = on_ready
+        self.client = client
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        deadline = asyncio.ensure_future(self._abort_after_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    async def _abort_after_deadline(self) -> None:
+        await asyncio.sleep(self.drain_timeout_s)
+        n = self.client.abort_all("the server is shutting down; the request was aborted")
+        if n:
+            logger.warning("graceful shutdown timed out after %.1f s: aborted %d request(s)", self.drain_timeout_s, n)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.on_ready(f"http://{host}:{port}")
+
+
+def _make_signal_reraise_harmless() -> None:
+    """uvicorn handles SIGTERM / SIGINT itself (stop accepting, drain the
+    in-flight requests, run the lifespan shutdown), then re-raises the signal
+    under the handler it found installed. With the default handlers a clean
+    shutdown would end as status 143 (or a KeyboardInterrupt traceback);
+    with these no-ops it exits 0."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)

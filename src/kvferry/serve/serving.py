@@ -1,0 +1,235 @@
+"""What the chat and completions endpoints share: the request lifecycle
+(read body, admit into the engine, collect or stream, always clean up),
+SSE framing and usage accounting."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvferry.core.outputs import TokenLogprobs
+from kvferry.outputs import RequestOutput
+from kvferry.sampling import SamplingParams
+from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError, RequestStream
+from kvferry.serve.errors import APIError, bad_request, error_body
+from kvferry.serve.logprobs import TokenStrings
+from kvferry.serve.params import named_field
+from kvferry.serve.protocol import PromptTokensDetails, Usage
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """Everything a handler needs; one per app."""
+
+    client: AsyncEngineClient
+    served_model_names: list[str]
+    token_strings: TokenStrings
+
+
+# ---- request body ---------------------------------------------------------
+
+async def read_request(request: Request, model: type[M], limit: int) -> M:
+    """Read, size-check, JSON-decode and validate a body; 400 / 413 on bad input.
+
+    Content-Length is checked first (cheap rejection of a declared huge body),
+    then the bytes actually read (a lying or chunked body)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+    except ClientDisconnect:
+        raise bad_request("the client disconnected while sending the body") from None
+    if not body:
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"malformed JSON body: {exc}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic puts the union member tried into an error's location
+    (``stop.list[str].0``); clients want the field path (``stop.0``)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p)) or None
+    where = f"{param}: " if param else ""
+    more = f" (and {exc.error_count() - 1} more errors)" if exc.error_count() > 1 else ""
+    return bad_request(f"{where}{first['msg']}{more}", param)
+
+
+# ---- admission and collection ---------------------------------------------
+
+async def start_request(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                        arrival_time: float) -> RequestStream:
+    try:
+        return await ctx.client.add_request(request_id, prompt_ids, params, arrival_time=arrival_time)
+    except ValueError as exc:
+        raise bad_request(str(exc), named_field(str(exc)) or "prompt") from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_unavailable") from None
+
+
+async def collect(stream: RequestStream) -> list[RequestOutput]:
+    """Wait for every sequence; the final output of each, by index."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for out in stream:
+            if out.finished:
+                finals[out.outputs[0].index] = out
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_unavailable") from None
+    finally:
+        stream.close()
+    return [finals[i] for i in sorted(finals)]
+
+
+async def run_until_disconnected(request: Request, handler: Awaitable[Response]) -> Response:
+    """Run a handler, cancelling it if the client goes away first.
+
+    The handler's ``finally`` blocks then abort its engine request, so a
+    client that gives up on a long non-streamed completion frees its KV
+    blocks at once rather than when generation ends."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is cancelling us (shutdown)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})  # let its finally blocks run (the abort)
+        if not task.cancelled() and task.exception() is not None:
+            pass  # retrieved: the client is gone, nobody to report it to
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body has been read, the server's receive() only returns
+    # when the client disconnects (or the response completes).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- streaming ---------------------------------------------------------------
+
+@dataclass(slots=True)
+class Delta:
+    """What one sequence gained since the last chunk (possibly several
+    engine outputs merged when the client reads slower than the engine)."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> list[Delta]:
+    by_index: dict[int, Delta] = {}
+    for out in outputs:
+        seq = out.outputs[0]
+        d = by_index.setdefault(seq.index, Delta(seq.index))
+        d.text += out.new_text
+        d.num_tokens += len(out.new_token_ids)
+        d.logprobs += out.new_logprobs
+        d.num_cached_tokens = max(d.num_cached_tokens, out.num_cached_tokens)
+        if out.finished:
+            d.finish_reason, d.stop_reason = seq.finish_reason, seq.stop_reason
+    return list(by_index.values())
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def stream_events(stream: RequestStream,
+                        render: Callable[[list[Delta]], list[str]],
+                        final: Callable[[], list[str]]) -> AsyncIterator[str]:
+    """SSE chunks of a stream: ``render`` turns merged deltas into events,
+    ``final`` adds the closing ones (usage) before ``[DONE]``."""
+    try:
+        async for out in stream:
+            for event in render(merge_deltas([out, *stream.pending()])):
+                yield event
+        for event in final():
+            yield event
+    except EngineDeadError as exc:
+        # Headers are gone already; report in-band as vLLM does.
+        yield sse(error_body(503, str(exc), code="engine_unavailable"))
+    finally:
+        stream.close()
+    yield SSE_DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that closes its request however it ends: finished,
+    client gone (Starlette cancels the body mid-iteration) or server
+    shutting down. Closing aborts the engine request if it still runs."""
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Not left to the generator's own finally: a generator cancelled
+            # while suspended at a yield only runs it when garbage-collected.
+            self._stream.close()
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+    )
+
+
+async def tokenize(fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    """Chat templates and long prompts off the event loop."""
+    return await asyncio.to_thread(fn, *args)

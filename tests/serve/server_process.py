@@ -1,0 +1,93 @@
+"""A real ``kvferry serve`` process for tests: started on a free loopback port
+(``--port 0``; the ready line names the port) with the embedded default
+model, plus helpers to read its Prometheus metrics."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+READY_PREFIX = "kvferry serve: ready on "
+MAX_MODEL_LEN = 1024
+# Small enough to load fast and keep several servers alive on a 2-core box.
+SERVE_ARGS = [
+    "--max-model-len", str(MAX_MODEL_LEN),
+    "--kv-cache-memory-gb", "0.5",
+    "--check-kv-integrity",
+    "--disable-uvicorn-access-log",
+    "--log-level", "warning",
+]
+START_TIMEOUT_S = 240
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen | None  # None: a server this test run did not start
+    base_url: str
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample: (name, sorted labels without model_name) -> value."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+                samples[(s.name, labels)] = s.value
+        return samples
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_for_metric(self, name: str, predicate, timeout_s: float = 30.0, **labels: str) -> float:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.metric(name, **labels)
+            if predicate(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(log_path: Path, extra_args: list[str] | None = None) -> ServerProcess:
+    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *SERVE_ARGS, *(extra_args or [])]
+    log = open(log_path, "w")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith(READY_PREFIX):
+                base_url = line[len(READY_PREFIX):].split()[0]
+                return ServerProcess(proc, base_url, log_path)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{log_path.read_text()}")
