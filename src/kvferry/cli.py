@@ -49,12 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("prompt", nargs="*")
     demo.set_defaults(func=cmd_demo)
-    try:
-        from kvferry.serve.cli import add_serve_parser
-    except ImportError:
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub, add_engine_args, engine_kwargs)
+    from kvferry.serve.cli import add_serve_parser  # light: heavy imports happen when serve runs
+
+    add_serve_parser(sub, add_engine_args, engine_kwargs)
     args = parser.parse_args(argv)
     return args.func(args)
 
