@@ -12,14 +12,27 @@ block ``bt[p // block_size]`` at offset ``p % block_size``; its "slot" is
 
 The same code runs on CPU and CUDA: it is plain torch indexing plus
 ``scaled_dot_product_attention``; every derived tensor lives on the device
-of ``block_tables``.
+of ``block_tables``. On CPU, single-token decodes (and short chunks over a
+cached context, such as speculative verify windows) use the C++ kernel of
+``paged_kernel.py`` when it builds, which reads each K/V row in place once;
+``KVFERRY_DISABLE_CPP_KERNELS=1`` forces the torch path everywhere.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvferry.model.paged_kernel import get_paged_decode_kernel
+
+# Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
+_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Chunks over a cached context with at most this many new tokens use the
+# kernel (one row per token: K/V is re-read per token, so long chunks are
+# better off with SDPA's matrix products).
+_KERNEL_MAX_PREFILL_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -35,6 +48,10 @@ class PrefillSlice:
     slots: torch.Tensor | None = None
     # [q_len, seq_len] bool, True = may attend; None when causal from 0
     mask: torch.Tensor | None = None
+    # Kernel path (then slots/mask stay None): query token j sees positions
+    # 0 .. context_len + j, i.e. row_seq_lens[j] = context_len + j + 1.
+    row_block_tables: torch.Tensor | None = None  # [q_len, max_num_blocks] int64
+    row_seq_lens: torch.Tensor | None = None  # [q_len] int64
 
 
 @dataclass(slots=True)
@@ -68,6 +85,12 @@ class AttentionMetadata:
     prefills: list[PrefillSlice] = field(default_factory=list)
     num_decodes: int = 0
     decode_start: int = 0  # token offset of the first decode in the batch
+    # C++ kernel path: the kernel, the decodes' block tables and lengths. The
+    # padded slots/mask below are then built only if a layer needs the torch
+    # path after all (a cache dtype the kernel does not read).
+    kernel: Callable[..., torch.Tensor] | None = None
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_num_blocks] int64
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
     # [num_decodes * max_decode_len] int64 slots, row-major over (request, position)
     decode_slots: torch.Tensor | None = None
     # [num_decodes, 1, 1, max_decode_len] bool, True = real context (not padding)
@@ -89,6 +112,13 @@ class AttentionMetadata:
         self._prepare_decodes(num_reqs)
         self.prepared = True
 
+    def _use_kernel(self) -> bool:
+        """Fetch the C++ kernel (built on the first step that needs it: a
+        decode or a short chunk over cached context). CPU tensors only."""
+        if self.kernel is None and self.block_tables.device.type == "cpu":
+            self.kernel = get_paged_decode_kernel()
+        return self.kernel is not None
+
     def _slots(self, req_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots of ``positions`` for each request row: [len(req_rows), len(positions)]."""
         # block_tables[r, p // block_size] * block_size + p % block_size
@@ -104,6 +134,21 @@ class AttentionMetadata:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
         if context_len == 0:
             return PrefillSlice(start, end, 0)
+        if q_len <= _KERNEL_MAX_PREFILL_TOKENS and self._use_kernel():
+            return PrefillSlice(
+                start, end, context_len,
+                row_block_tables=self.block_tables[i].expand(q_len, -1).contiguous(),
+                row_seq_lens=torch.arange(context_len + 1, seq_len + 1),
+            )
+        return PrefillSlice(start, end, context_len, *self._context_slots_and_mask(i, context_len, seq_len))
+
+    def context_slots_and_mask(self, p: PrefillSlice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path's slots and mask for a slice prepared for the kernel."""
+        i = self.query_start_loc.index(p.start)
+        return self._context_slots_and_mask(i, p.context_len, self.seq_lens[i])
+
+    def _context_slots_and_mask(self, i: int, context_len: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[seq_len] slots of request i and its [q_len, seq_len] causal mask."""
         device = self.block_tables.device
         positions = torch.arange(seq_len, device=device)
         slots = self._slots(torch.tensor([i], device=device), positions)[0]
@@ -114,16 +159,28 @@ class AttentionMetadata:
         #   query q_len-1  [ all cached ][x x x x x x x x]
         q_pos = torch.arange(context_len, seq_len, device=device)
         mask = positions[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        return PrefillSlice(start, end, context_len, slots, mask)
+        return slots, mask
 
     def _prepare_decodes(self, num_reqs: int) -> None:
         self.num_decodes = num_reqs - self.num_prefills
         self.decode_start = self.query_start_loc[self.num_prefills]
         if self.num_decodes == 0:
             return
-        device = self.block_tables.device
         lens = self.seq_lens[self.num_prefills:]
         self.max_decode_len = max(lens)
+        if self._use_kernel():
+            self.decode_block_tables = self.block_tables[self.num_prefills:]  # contiguous row slice: a view
+            self.decode_seq_lens = torch.tensor(lens, dtype=torch.int64)
+            return
+        self.build_decode_slots()
+
+    def build_decode_slots(self) -> None:
+        """The torch decode path's padded slots and mask (idempotent)."""
+        if self.decode_slots is not None:
+            return
+        num_reqs = len(self.seq_lens)
+        device = self.block_tables.device
+        lens = self.seq_lens[self.num_prefills:]
         lens_t = torch.tensor(lens, device=device)
         positions = torch.arange(self.max_decode_len, device=device)
         # Padding positions reuse the request's last real position, so every
@@ -167,19 +224,44 @@ def paged_attention(
     write_kv(kv_cache_layer, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     flat = kv_cache_layer.view(2, -1, kv_cache_layer.shape[3], kv_cache_layer.shape[4])
+    kernel = meta.kernel if kv_cache_layer.dtype in _KERNEL_CACHE_DTYPES else None
     for p in meta.prefills:
-        out[p.start:p.end] = _prefill_attention(q, k, v, flat, p, scale)
+        if p.row_seq_lens is not None and kernel is not None:
+            out[p.start:p.end] = _kernel_attention(kernel, q[p.start:p.end], kv_cache_layer, p.row_block_tables,
+                                                   p.row_seq_lens, scale)
+        else:
+            out[p.start:p.end] = _prefill_attention(q, k, v, flat, p, scale, meta)
     if meta.num_decodes:
-        out[meta.decode_start:] = _decode_attention(q[meta.decode_start:], flat, meta, scale)
+        qd = q[meta.decode_start:]
+        if kernel is not None:
+            out[meta.decode_start:] = _kernel_attention(kernel, qd, kv_cache_layer, meta.decode_block_tables,
+                                                        meta.decode_seq_lens, scale)
+        else:
+            meta.build_decode_slots()
+            out[meta.decode_start:] = _decode_attention(qd, flat, meta, scale)
     return out
 
 
+def _kernel_attention(
+    kernel: Callable[..., torch.Tensor], q: torch.Tensor, kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """q: [rows, H, D]; row r attends to positions 0..seq_lens[r]-1 of block
+    table row r, read in place from the cache. Returns [rows, H, D]."""
+    o = kernel(q.float(), kv_cache_layer[0], kv_cache_layer[1], block_tables, seq_lens, scale)
+    return o.to(q.dtype)
+
+
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, p: PrefillSlice, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, p: PrefillSlice, scale: float,
+    meta: AttentionMetadata,
 ) -> torch.Tensor:
     """One request's chunk: [q_len, H, D] attending to its context."""
     qh = q[p.start:p.end].transpose(0, 1)  # [H, q_len, D]
     group = q.shape[1] // k.shape[1]
+    if p.row_seq_lens is not None and p.slots is None:
+        # Prepared for the kernel, but this layer's cache dtype needs torch.
+        p.slots, p.mask = meta.context_slots_and_mask(p)
     if p.slots is None:
         # No cached context: the new tokens are the whole sequence.
         kh = _repeat_kv(k[p.start:p.end], group)  # [H, q_len, D]

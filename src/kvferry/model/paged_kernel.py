@@ -1,0 +1,142 @@
+"""The C++ CPU kernel for attention over the paged KV cache, built at first use.
+
+``get_paged_decode_kernel()`` returns a callable
+
+    kernel(q, k_cache, v_cache, block_tables, seq_lens, scale) -> out
+
+    q:            [rows, num_heads, head_dim] float32
+    k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] float32 / bf16 / fp16
+    block_tables: [rows, max_blocks] int64
+    seq_lens:     [rows] int32 / int64; row r attends to positions 0..seq_lens[r]-1
+    out:          [rows, num_heads, head_dim] float32
+
+or None when the kernel is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``, no
+compiler, a failed build); callers then use the torch path. The reason is
+logged once.
+
+Nothing is compiled at import. The first call builds
+``csrc/paged_decode.cpp`` with torch.utils.cpp_extension into
+``$KVFERRY_CACHE_DIR/torch_ext/<name>`` (default ``~/.cache/kvferry``); the name
+hashes the source, the flags, torch's version and the CPU's feature flags, so
+a cache shared between machines never loads a ``-march=native`` build on a CPU
+that lacks its instructions. Later processes load the built library with
+``torch.ops.load_library`` (milliseconds; the op is
+``torch.ops.kvferry.paged_attention``). Concurrent first builds are serialized
+by torch's file lock (``lock`` in the build folder): one process compiles,
+the others wait and then load its result.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded = False
+_kernel: Callable[..., torch.Tensor] | None = None
+_disabled_logged = False
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get("KVFERRY_DISABLE_CPP_KERNELS", "") not in ("", "0")
+
+
+def get_paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    """The kernel, building or loading it on the first call (thread-safe)."""
+    global _loaded, _kernel, _disabled_logged
+    if kernels_disabled():
+        # Checked on every call so that tests can switch paths per test.
+        if not _disabled_logged:
+            logger.info("C++ paged attention kernel disabled by KVFERRY_DISABLE_CPP_KERNELS")
+            _disabled_logged = True
+        return None
+    if _loaded:
+        return _kernel
+    with _lock:
+        if not _loaded:
+            _kernel = _load()
+            _loaded = True
+    return _kernel
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _ext_name() -> str:
+    h = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
+                 torch.__version__.encode(), _cpu_fingerprint().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return f"kvferry_paged_{h.hexdigest()[:16]}"
+
+
+def _build_dir(name: str) -> Path:
+    root = Path(os.environ.get("KVFERRY_CACHE_DIR") or Path.home() / ".cache" / "kvferry")
+    return root / "torch_ext" / name
+
+
+def _load() -> Callable[..., torch.Tensor] | None:
+    t0 = time.perf_counter()
+    try:
+        name = _ext_name()
+        build_dir = _build_dir(name)
+        built = build_dir / f"{name}.so"
+        # A finished build with no lock held: import it without running the
+        # build system (the lock exists only while some process is building).
+        if built.exists() and not (build_dir / "lock").exists():
+            torch.ops.load_library(str(built))
+            how = "loaded"
+        else:
+            _compile(name, build_dir)
+            how = "built"
+    except Exception as e:  # no compiler, no ninja, a compile error: fall back to torch
+        logger.warning("C++ paged attention kernel unavailable, using the torch path: %s", e)
+        return None
+    logger.info("C++ paged attention kernel %s in %.2fs (%s)", how, time.perf_counter() - t0, build_dir)
+    return torch.ops.kvferry.paged_attention
+
+
+def _compile(name: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load  # imported lazily: it pulls in setuptools
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(build_dir / "lock")
+    logger.info("building the C++ paged attention kernel in %s (first use only)", build_dir)
+    # is_python_module=False: the library registers torch.ops.kvferry.* on load.
+    load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+         build_directory=str(build_dir), is_python_module=False, verbose=False)
+
+
+# A build takes ~15 s; a lock much older than that was left by a process
+# killed mid-build, and torch's baton would wait on it forever.
+_STALE_LOCK_S = 300.0
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            logger.warning("removing a stale build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass

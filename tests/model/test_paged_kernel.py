@@ -1,0 +1,176 @@
+"""The C++ paged attention kernel against the torch path of attention.py.
+
+Caches are filled with NaN everywhere no token was written, so any read past
+a request's length (or of a block it does not own) shows up in the output.
+"""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvferry.model import paged_kernel
+from kvferry.model.attention import AttentionMetadata, paged_attention
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = paged_kernel.get_paged_decode_kernel()
+    if k is None:
+        pytest.skip("C++ paged attention kernel unavailable "
+                    "(KVFERRY_DISABLE_CPP_KERNELS set, or the build failed: see the log)")
+    return k
+
+
+def _batch(q_lens, seq_lens, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
+    """A NaN-filled cache with each request's context written at shuffled
+    blocks, plus the metadata of one step with q_lens new tokens per request."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks stay NaN
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int64)
+    slots, qsl = [], [0]
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        tables[r, :blocks_per_req[r]] = torch.tensor([ids.pop() for _ in range(blocks_per_req[r])])
+        for p in range(seq_len):
+            b, off = tables[r, p // block_size], p % block_size
+            if p < seq_len - q_len:  # cached context; new tokens are written by paged_attention
+                cache[:, b, off] = torch.randn(2, kv_heads, head_dim, generator=gen).to(dtype)
+            else:
+                slots.append(int(b) * block_size + off)
+        qsl.append(qsl[-1] + q_len)
+    meta_args = dict(query_start_loc=qsl, seq_lens=list(seq_lens), slot_mapping=torch.tensor(slots),
+                     block_tables=tables, block_size=block_size, num_prefills=sum(q > 1 for q in q_lens))
+    return cache, meta_args, gen
+
+
+def _run(monkeypatch, disable: bool, q, k, v, cache, meta_args, scale):
+    monkeypatch.setenv("KVFERRY_DISABLE_CPP_KERNELS", "1" if disable else "0")
+    meta = AttentionMetadata(**meta_args)
+    meta.prepare()
+    assert (meta.kernel is None) == disable
+    out = paged_attention(q, k, v, cache.clone(), meta, scale)
+    return out, meta
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_matches_torch_path(kernel, monkeypatch, group, head_dim, block_size):
+    kv_heads = 2
+    seq_lens = [1, block_size, 2 * block_size, 3 * block_size + 1, 37, 100, block_size - 1, 5]
+    cache, meta_args, gen = _batch([1] * len(seq_lens), seq_lens, kv_heads, head_dim, block_size, seed=head_dim + group)
+    n = len(seq_lens)
+    q = torch.randn(n, kv_heads * group, head_dim, generator=gen)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen)
+    ref, ref_meta = _run(monkeypatch, True, q, k, v, cache, meta_args, head_dim ** -0.5)
+    out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, head_dim ** -0.5)
+    assert ref_meta.decode_slots is not None
+    assert meta.decode_slots is None and meta.decode_mask is None  # kernel path skips the padded gather
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
+    """Verify windows / short chunks (kernel, one row per token), a long chunk
+    (SDPA either way), a fresh prompt, and decodes in one step."""
+    q_lens, seq_lens = [4, 16, 40, 7, 1, 1], [53, 16 + 16, 90, 7, 20, 1]
+    kv_heads, group, head_dim, block_size = 3, 3, 64, 16
+    cache, meta_args, gen = _batch(q_lens, seq_lens, kv_heads, head_dim, block_size)
+    t = sum(q_lens)
+    q = torch.randn(t, kv_heads * group, head_dim, generator=gen)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen)
+    ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
+    out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
+    assert [p.row_seq_lens is not None for p in meta.prefills] == [True, True, False, False]
+    assert meta.prefills[0].row_seq_lens.tolist() == [50, 51, 52, 53]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_cache(kernel, monkeypatch):
+    seq_lens = [1, 33, 64, 90]
+    cache, meta_args, gen = _batch([1] * 4, seq_lens, 2, 64, 16, dtype=torch.bfloat16)
+    q = torch.randn(4, 4, 64, generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(4, 2, 64, generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(4, 2, 64, generator=gen, dtype=torch.bfloat16)
+    ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
+    out, _ = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_float64_cache_falls_back_to_torch(kernel, monkeypatch):
+    """A cache dtype the kernel does not read: the same metadata builds the
+    torch path's tensors on demand."""
+    cache, meta_args, gen = _batch([3, 1, 1], [20, 9, 30], 2, 32, 8, dtype=torch.float64)
+    q, k, v = (torch.randn(5, h, 32, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.2)
+    out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.2)
+    assert meta.decode_slots is not None and meta.prefills[0].slots is not None
+    torch.testing.assert_close(out, ref)
+
+
+def test_kernel_against_explicit_softmax(kernel):
+    """Direct call on a [num_blocks, block_size, KVH, D] cache with int32 lengths."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(6, 4, 1, 8, generator=gen)
+    v_cache = torch.randn(6, 4, 1, 8, generator=gen)
+    q = torch.randn(2, 2, 8, generator=gen)
+    tables = torch.tensor([[5, 2, 0], [3, 0, 0]])
+    out = kernel(q, k_cache, v_cache, tables, torch.tensor([9, 3], dtype=torch.int32), 0.5)
+    for r, (blocks, n) in enumerate([([5, 2, 0], 9), ([3], 3)]):
+        keys = k_cache[blocks].reshape(-1, 8)[:n]  # [n, D]
+        vals = v_cache[blocks].reshape(-1, 8)[:n]
+        expected = torch.softmax(q[r] @ keys.T * 0.5, dim=-1) @ vals  # [H, D]
+        torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_block_table_is_an_error(kernel):
+    cache = torch.zeros(4, 4, 1, 8)
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel(q, cache, cache, torch.tensor([[0, 7]]), torch.tensor([6]), 1.0)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+
+
+def test_disabled_by_env(monkeypatch):
+    monkeypatch.setenv("KVFERRY_DISABLE_CPP_KERNELS", "1")
+    assert paged_kernel.get_paged_decode_kernel() is None
+
+
+def test_not_built_at_import():
+    code = ("import kvferry.model.llama, kvferry.model.attention as a, kvferry.model.paged_kernel as p; "
+            "assert not p._loaded; import torch; assert not hasattr(torch.ops.kvferry, 'paged_attention')")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+_BUILD = """
+import sys, torch
+from kvferry.model.paged_kernel import get_paged_decode_kernel
+k = get_paged_decode_kernel()
+assert k is not None
+out = k(torch.ones(1, 1, 4), torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), torch.zeros(1, 1, dtype=torch.long),
+        torch.tensor([2]), 1.0)
+assert torch.equal(out, torch.ones(1, 1, 4))
+"""
+
+
+def test_concurrent_first_builds_share_one_cache(kernel, tmp_path):
+    """Several processes building into one empty cache at once (as servers
+    started together do) all get a working kernel; one build is left."""
+    env = {**__import__("os").environ, "KVFERRY_CACHE_DIR": str(tmp_path), "KVFERRY_DISABLE_CPP_KERNELS": "0"}
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD], env=env) for _ in range(3)]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
+    builds = list((tmp_path / "torch_ext").iterdir())
+    assert len(builds) == 1 and (builds[0] / f"{builds[0].name}.so").exists()
+    assert not (builds[0] / "lock").exists()
