@@ -1,7 +1,7 @@
 """SamplingParams: what the user asks of one request's decoding. No torch here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128
@@ -87,8 +87,6 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         """A copy the engine may own, so it never mutates the caller's object."""
-        from dataclasses import replace
-
         return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
 
 

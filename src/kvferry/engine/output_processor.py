@@ -96,7 +96,8 @@ class OutputProcessor:
         return False
 
     def _snapshot(self, request: Request, seq: SequenceState) -> RequestOutput:
-        finished = request.is_finished or seq.stop_reason is not None and isinstance(seq.stop_reason, str)
+        # A stop string ends the sequence here; the scheduler learns of it after.
+        finished = request.is_finished or isinstance(seq.stop_reason, str)
         if finished:
             if isinstance(seq.stop_reason, str):
                 seq.finish_reason = "stop"

@@ -12,8 +12,7 @@ from kvferry.serve.protocol import (
     ChatCompletionResponse, DeltaMessage, now_s, random_id,
 )
 from kvferry.serve.serving import (
-    Delta, EventStreamResponse, ServingContext, collect, sse, start_request, stream_events,
-    tokenize, usage,
+    Delta, ServingContext, final_usage, respond, sse, tokenize, usage,
 )
 
 
@@ -27,13 +26,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.client.max_model_len, "messages")
     params = sampling_params(req, max_tokens, logprobs)
     request_id = random_id("chatcmpl")
-    stream = await start_request(ctx, request_id, prompt_ids, params, arrival)
-    if req.stream:
-        chunks = _ChatChunks(ctx, req, request_id, model, len(prompt_ids))
-        return EventStreamResponse(stream_events(stream, chunks.render, chunks.final), stream)
-    finals = await collect(stream)
-    body = _response(ctx, req, request_id, model, len(prompt_ids), finals)
-    return Response(body.model_dump_json(), media_type="application/json")
+    return await respond(
+        ctx, request_id, prompt_ids, params, arrival, req.stream,
+        make_chunks=lambda: _ChatChunks(ctx, req, request_id, model, len(prompt_ids)),
+        make_body=lambda finals: _response(ctx, req, request_id, model, len(prompt_ids), finals),
+    )
 
 
 def _response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str,
@@ -44,10 +41,9 @@ def _response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, 
         logprobs = chat_logprobs(seq.logprobs or [], ctx.token_strings) if req.logprobs else None
         choices.append(ChatChoice(index=seq.index, message=AssistantMessage(content=seq.text), logprobs=logprobs,
                                   finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-    num_completion = sum(len(out.outputs[0].token_ids) for out in finals)
     return ChatCompletionResponse(
         id=request_id, created=now_s(), model=model, choices=choices,
-        usage=usage(num_prompt_tokens, num_completion, finals[0].num_cached_tokens if finals else 0),
+        usage=final_usage(num_prompt_tokens, finals),
     )
 
 

@@ -8,8 +8,7 @@ from kvferry.serve.logprobs import completion_logprobs
 from kvferry.serve.params import completion_prompt_ids, raise_for_model, resolve_max_tokens, sampling_params
 from kvferry.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, now_s, random_id
 from kvferry.serve.serving import (
-    Delta, EventStreamResponse, ServingContext, collect, sse, start_request, stream_events,
-    tokenize, usage,
+    Delta, ServingContext, final_usage, respond, sse, tokenize, usage,
 )
 
 
@@ -20,13 +19,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, arrival
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), ctx.client.max_model_len, "prompt")
     params = sampling_params(req, max_tokens, req.logprobs)
     request_id = random_id("cmpl")
-    stream = await start_request(ctx, request_id, prompt_ids, params, arrival)
-    if req.stream:
-        chunks = _CompletionChunks(ctx, req, request_id, model, len(prompt_ids))
-        return EventStreamResponse(stream_events(stream, chunks.render, chunks.final), stream)
-    finals = await collect(stream)
-    body = _response(ctx, req, request_id, model, len(prompt_ids), finals)
-    return Response(body.model_dump_json(), media_type="application/json")
+    return await respond(
+        ctx, request_id, prompt_ids, params, arrival, req.stream,
+        make_chunks=lambda: _CompletionChunks(ctx, req, request_id, model, len(prompt_ids)),
+        make_body=lambda finals: _response(ctx, req, request_id, model, len(prompt_ids), finals),
+    )
 
 
 def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str,
@@ -39,10 +36,9 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, mode
             logprobs = completion_logprobs(seq.logprobs or [], ctx.token_strings, 0)
         choices.append(CompletionChoice(index=seq.index, text=seq.text, logprobs=logprobs,
                                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-    num_completion = sum(len(out.outputs[0].token_ids) for out in finals)
     return CompletionResponse(
         id=request_id, created=now_s(), model=model, choices=choices,
-        usage=usage(num_prompt_tokens, num_completion, finals[0].num_cached_tokens if finals else 0),
+        usage=final_usage(num_prompt_tokens, finals),
     )
 
 

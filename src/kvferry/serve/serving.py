@@ -221,6 +221,25 @@ class EventStreamResponse(StreamingResponse):
             self._stream.close()
 
 
+async def respond(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  arrival_time: float, stream: bool, make_chunks: Callable[[], Any],
+                  make_body: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+    """Admit a request, then stream it as SSE (``make_chunks()`` renders the
+    events) or wait for every sequence and answer ``make_body(finals)``."""
+    handle = await start_request(ctx, request_id, prompt_ids, params, arrival_time)
+    if stream:
+        chunks = make_chunks()
+        return EventStreamResponse(stream_events(handle, chunks.render, chunks.final), handle)
+    finals = await collect(handle)
+    return Response(make_body(finals).model_dump_json(), media_type="application/json")
+
+
+def final_usage(num_prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
+    """Usage of a whole (non-streamed) request: all n sequences' tokens."""
+    num_completion = sum(len(out.outputs[0].token_ids) for out in finals)
+    return usage(num_prompt_tokens, num_completion, finals[0].num_cached_tokens if finals else 0)
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
     return Usage(
         prompt_tokens=num_prompt_tokens,
