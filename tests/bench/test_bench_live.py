@@ -8,6 +8,8 @@ two cores; the numbers checked are counts, not speeds.
 from __future__ import annotations
 
 import json
+import shutil
+import time
 import socket
 import subprocess
 import sys
@@ -141,8 +143,9 @@ def test_sweep_plots_and_compare(server, tmp_path, capsys):
     assert main(["bench", "compare", str(tmp_path / "single.json"), str(tmp_path / "sweep.json")]) == 0
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("request throughput"))
-    a, b, ratio = row.split()[-4:-1] if row.endswith(("better", "worse")) else row.split()[-3:]
-    assert ratio == f"{float(b) / float(a):.2f}x"
+    single = json.loads((tmp_path / "single.json").read_text())["summary"]["request_throughput"]
+    last = r["sweep"][-1]["summary"]["request_throughput"]
+    assert f"{last / single:.2f}x" in row.split()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -187,3 +190,24 @@ def test_long_doc_without_a_corpus_names_the_packages(monkeypatch, tmp_path, cap
     code = main(["bench", "--url", "http://127.0.0.1:1", "--workload", "long-doc"])
     err = capsys.readouterr().err
     assert code == 2 and "python3.11-doc" in err and "bible-kjv" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(shutil.which("bible") is None, reason="needs Debian's bible-kjv (.ci/run installs it)")
+def test_long_doc_over_bible_kjv(server, tmp_path):
+    r = bench(server, tmp_path, "kjv", "--workload", "long-doc", "--corpus", "bible-kjv", "--doc-len", "150",
+              "--num-docs", "2", "--questions-per-doc", "2", "--output-len", "2", "--num-requests", "3",
+              "--concurrency", "1", "--endpoint", "completions")
+    assert r["summary"]["completed"] == 3 and r["summary"]["total_prompt_tokens"] > 3 * 100
+
+
+def test_duration_and_max_time_bound_the_run(server, tmp_path):
+    start = time.monotonic()
+    r = bench(server, tmp_path, "bounded", "--workload", "random", "--input-len", "8", "--output-len", "400",
+              "--ignore-eos", "--duration", "1", "--rate", "3", "--max-time", "2.5")
+    elapsed = time.monotonic() - start
+    s = r["summary"]
+    # nothing is sent after 1 s; what still runs at 2.5 s is cancelled and counted as failed
+    assert all(x["start_s"] < 1.05 for x in r["records"]) and s["num_requests"] >= 1
+    assert s["failed"] >= 1 and all(e.startswith("cancelled") for e in s["errors"])
+    assert elapsed < 8, elapsed
+    server.wait_for_metric("kvferry:num_requests_running", lambda v: v == 0)  # the server aborted them
