@@ -195,6 +195,11 @@ def _print_summary(result: dict) -> None:
         if st["mean"] is not None:
             lines.append(f"{m.upper():>5} ms: mean {st['mean']:8.1f}  p50 {st['p50']:8.1f}  "
                          f"p90 {st['p90']:8.1f}  p99 {st['p99']:8.1f}")
+    for tenant, t in (result.get("per_tenant") or {}).items():
+        good = f", goodput {t['goodput']:.2f} req/s" if t["goodput"] is not None else ""
+        p50 = t["ttft_ms"]["p50"]
+        lines.append(f"  {tenant}: {t['completed']}/{t['num_requests']} ok, TTFT p50 "
+                     f"{'-' if p50 is None else f'{p50:.0f} ms'}{good}")
     if server.get("prefix_cache_hit_rate") is not None:
         lines.append(f"prefix cache hit rate (server): {100 * server['prefix_cache_hit_rate']:.1f}%")
     print("\n".join(lines))
@@ -221,7 +226,9 @@ def _write_outputs(args: argparse.Namespace, results: list[dict]) -> None:
         last = results[-1]
         records = [RequestRecord.from_json(r) for r in last["records"]]
         title = f"{args.workload} against {last['config']['model']}"
-        written.append(plot_latency_cdfs(records, last["summary"], title,
+        rate = last["config"]["rate"]
+        cdf_title = title + (f" at {rate:g} req/s" if rate else "")
+        written.append(plot_latency_cdfs(records, last["summary"], cdf_title,
                                          Path(f"{stem}.latency_cdf.png")))
         if len(results) > 1:
             points = [{**r["summary"], "rate": r["config"]["rate"]} for r in results]

@@ -43,7 +43,10 @@ def plot_latency_cdfs(records: list[RequestRecord], summary: dict, title: str, p
         if not len(values):
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
             continue
-        ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color="tab:blue", lw=2)
+        # the CDF climbs from 0 at the smallest value to 1 at the largest
+        xs = np.concatenate([values[:1], values])
+        ys = np.concatenate([[0.0], np.arange(1, len(values) + 1) / len(values)])
+        ax.step(xs, ys, where="post", color="tab:blue", lw=2, label=f"n = {len(values)}")
         ax.set_ylim(0, 1.02)
         for p, style in ((50, ":"), (90, "-."), (99, "--")):
             v = float(np.percentile(values, p))
@@ -51,8 +54,10 @@ def plot_latency_cdfs(records: list[RequestRecord], summary: dict, title: str, p
             ax.annotate(f"p{p} {v:.0f}", (v, p / 100), xytext=(4, -12), textcoords="offset points",
                         fontsize=8, color="dimgray")
         if metric in slo:
-            ax.axvline(slo[metric], color="tab:red", ls="--", lw=1.5, label=f"SLO {slo[metric]:.0f} ms")
-            ax.legend(loc="lower right", fontsize=9)
+            within = 100.0 * float(np.mean(values <= slo[metric]))
+            ax.axvline(slo[metric], color="tab:red", ls="--", lw=1.5,
+                       label=f"SLO {slo[metric]:.0f} ms ({within:.0f}% within)")
+        ax.legend(loc="lower right", fontsize=9)
     fig.suptitle(title, fontsize=13)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -64,16 +69,19 @@ def plot_sweep(points: list[dict], title: str, path: Path) -> Path:
     """``points``: one summary per offered rate (key ``rate``). Left: request
     throughput and goodput vs rate (with the ideal y = x); right: p50/p90
     TTFT and TPOT vs rate."""
+    from matplotlib import ticker
+
     plt = _pyplot()
     rates = [p["rate"] for p in points]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    left.plot(rates, [p["request_throughput"] for p in points], "o-", label="throughput (req/s)")
-    if points and points[0].get("goodput") is not None:
-        left.plot(rates, [p["goodput"] for p in points], "s-", color="tab:green", lw=2.5,
+    if points and points[0].get("goodput") is not None:  # drawn first: throughput stays visible on top
+        left.plot(rates, [p["goodput"] for p in points], "s-", color="tab:green", lw=4, alpha=0.6,
                   label="goodput (req/s within SLO)")
         for r, p in zip(rates, points):
             left.annotate(f"{p['slo_attainment_pct']:.0f}%", (r, p["goodput"]), xytext=(0, 7),
                           textcoords="offset points", ha="center", fontsize=8, color="tab:green")
+    left.plot(rates, [p["request_throughput"] for p in points], "o-", color="tab:blue", lw=1.5,
+              label="throughput (req/s)")
     left.plot(rates, rates, ":", color="gray", label="offered rate")
     left.set_xlabel("offered rate (req/s)")
     left.set_ylabel("requests / s")
@@ -89,6 +97,8 @@ def plot_sweep(points: list[dict], title: str, path: Path) -> Path:
         if slo:
             right.axhline(slo, color=color, ls=":", lw=1.5, label=f"{metric.upper()} SLO")
     right.set_yscale("log")
+    right.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    right.yaxis.set_minor_formatter(ticker.NullFormatter())
     right.set_xlabel("offered rate (req/s)")
     right.set_ylabel("milliseconds (log)")
     right.set_title("Latency", fontweight="bold")
