@@ -1,8 +1,9 @@
-"""``kvferry bench``: arguments, validation and the run/sweep/compare commands.
+"""``kvferry bench`` and ``kvferry profile``: arguments, validation and commands.
 
     kvferry bench --url URL --workload W [--rate R | --concurrency C]
                   [--num-requests N | --duration S] [--slo ttft:MS,tpot:MS] [--output FILE.json]
     kvferry bench compare A.json B.json
+    kvferry profile [--model PATH] [--new-tokens ...] [--batch-sizes ...] [--output profile.json]
 
 Imported by the top-level CLI for every subcommand, so heavy modules
 (httpx, numpy, matplotlib, rich) are imported only when bench runs.
@@ -23,6 +24,113 @@ def _one_line_error(prog: str):
         print(f"{prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
     return error
+
+
+def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``kvferry bench`` and ``kvferry profile``."""
+    add_bench_parser(subparsers)
+    add_profile_parser(subparsers)
+
+
+def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="fit prefill and decode step times of the in-process engine",
+                              description="Measure prefill time against new and cached tokens and decode "
+                                          "step time against batch size and context; fit, save, plot.")
+    p.error = _one_line_error("kvferry profile")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument("--new-tokens", default="64,128,256,512", help="prefill: new tokens per point")
+    p.add_argument("--cached-tokens", default="0,256,512", help="prefill: cached tokens (block multiples)")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16", help="decode: sequences per step")
+    p.add_argument("--context-lens", default="128,512", help="decode: context per sequence")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per point")
+    p.add_argument("--repeats", type=int, default=3, help="prefill repeats per point (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="profile.json", help="results JSON; the PNG goes next to it")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
+def _int_list(text: str, flag: str, minimum: int) -> list[int]:
+    from kvferry.bench.workloads import BenchError
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        raise BenchError(f"{flag}: expected integers >= {minimum} separated by commas, got {text!r}")
+    return sorted(set(values))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvferry.bench.workloads import BenchError
+
+    try:
+        return _run_profile(args)
+    except BenchError as e:
+        print(f"kvferry profile: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from kvferry.bench.profile import ProfileGrid
+    from kvferry.bench.workloads import BenchError
+
+    grid = ProfileGrid(
+        new_tokens=_int_list(args.new_tokens, "--new-tokens", 1),
+        cached_tokens=_int_list(args.cached_tokens, "--cached-tokens", 0),
+        batch_sizes=_int_list(args.batch_sizes, "--batch-sizes", 1),
+        context_lens=_int_list(args.context_lens, "--context-lens", 1),
+        decode_steps=args.decode_steps, repeats=args.repeats, seed=args.seed)
+    if any(c % args.block_size for c in grid.cached_tokens):
+        raise BenchError(f"--cached-tokens: each must be a multiple of --block-size ({args.block_size})")
+    if args.decode_steps < 1 or args.repeats < 1:
+        raise BenchError("--decode-steps and --repeats must be >= 1")
+    if len(grid.new_tokens) * len(grid.cached_tokens) < 4 or len(grid.batch_sizes) * len(grid.context_lens) < 3:
+        raise BenchError("need at least 4 prefill points and 3 decode points to fit")
+    from kvferry.bench.profile import plot_profile, run_profile
+    from kvferry.engine.engine import LLMEngine
+
+    longest = max(max(grid.new_tokens) + max(grid.cached_tokens), max(grid.context_lens) + args.decode_steps + 2)
+    try:
+        engine = LLMEngine.from_args(
+            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(grid.batch_sizes),
+            max_num_batched_tokens=max(2048, longest), enable_prefix_caching=True)
+    except (ValueError, OSError) as e:
+        raise BenchError(f"--model: {e}") from None
+    if longest >= engine.max_model_len:
+        raise BenchError(f"the grid needs {longest + 1} tokens of context; the model has {engine.max_model_len}")
+
+    def show(kind: str, p: dict) -> None:
+        where = f"new {p['new']:>5} cached {p['cached']:>5}" if kind == "prefill" else \
+            f"batch {p['batch']:>4} context {p['context']:>5}"
+        print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.2f} ms", flush=True)
+
+    result = run_profile(engine, grid, show)
+    misses = [p for p in result["prefill"]["points"] if p["num_cached_tokens"] != p["cached"]]
+    if misses:
+        raise BenchError(f"prefix cache missed: {misses[0]['num_cached_tokens']} of {misses[0]['cached']} "
+                         "cached tokens found (is the KV cache big enough?)")
+    model_name = Path(args.model).name if args.model else "embedded default model"
+    data = {"model": model_name, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+            "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    png = out.with_suffix(".png")
+    plot_profile(result, f"kvferry profile: {model_name} ({args.device}, {args.dtype})", png)
+    for kind in ("prefill", "decode"):
+        f = result[kind]["fit"]
+        terms = " + ".join(f"{c * 1e6:.3g} us*{t}" if t != "1" else f"{c * 1e6:.3g} us"
+                           for t, c in zip(f["terms"], f["coef"]))
+        print(f"{kind} fit: t = {terms}   (R^2 {f['r2']:.3f})")
+    print(f"wrote {out}, {png}")
+    return 0
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
