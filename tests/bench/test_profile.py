@@ -23,14 +23,19 @@ def test_fit_recovers_a_known_linear_model():
         0.002 + 1e-3 + 2e-8 * 5000 + 3e-9 * 1e4)
 
 
-def test_profile_tiny_model(tmp_path, capsys):
+def test_profile_tiny_model(tmp_path, capsys, request):
+    import torch
+
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))  # --threads changes this process
     ckpt = make_tiny_checkpoint(tmp_path, "llama")
     out = tmp_path / "prof" / "tiny.json"
     code = main(["profile", "--model", str(ckpt), "--new-tokens", "8,24", "--cached-tokens", "0,32",
                  "--batch-sizes", "1,2,4", "--context-lens", "16", "--decode-steps", "2", "--repeats", "1",
-                 "--output", str(out)])
+                 "--threads", "1", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
+    assert data["threads"] == 1
     pre, dec = data["prefill"], data["decode"]
     assert [(p["new"], p["cached"]) for p in pre["points"]] == [(8, 0), (24, 0), (8, 32), (24, 32)]
     # the cached part really came from the prefix cache

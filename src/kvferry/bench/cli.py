@@ -48,6 +48,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--context-lens", default="128,512", help="decode: context per sequence")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per point")
     p.add_argument("--repeats", type=int, default=3, help="prefill repeats per point (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="profile.json", help="results JSON; the PNG goes next to it")
     p.set_defaults(func=cmd_profile)
@@ -92,8 +93,15 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise BenchError("--decode-steps and --repeats must be >= 1")
     if len(grid.new_tokens) * len(grid.cached_tokens) < 4 or len(grid.batch_sizes) * len(grid.context_lens) < 3:
         raise BenchError("need at least 4 prefill points and 3 decode points to fit")
+    if args.threads is not None and args.threads < 1:
+        raise BenchError(f"--threads must be >= 1, got {args.threads}")
+    import torch
+
     from kvferry.bench.profile import plot_profile, run_profile
     from kvferry.engine.engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     longest = max(max(grid.new_tokens) + max(grid.cached_tokens), max(grid.context_lens) + args.decode_steps + 2)
     try:
@@ -118,6 +126,7 @@ def _run_profile(args: argparse.Namespace) -> int:
                          "cached tokens found (is the KV cache big enough?)")
     model_name = Path(args.model).name if args.model else "embedded default model"
     data = {"model": model_name, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+            "threads": torch.get_num_threads(),
             "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,8 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> ServerCounters | None:
         totals: dict[str, float] = {}
         for family in families:
             for s in family.samples:
-                name = s.name.removeprefix(prefix).removesuffix("_total")
+                # older vLLM names the prefix-cache counters gpu_prefix_cache_*
+                name = s.name.removeprefix(prefix).removesuffix("_total").removeprefix("gpu_")
                 if s.name.startswith(prefix) and s.name.endswith("_total") and name in COUNTERS:
                     totals[name] = totals.get(name, 0.0) + s.value
         if totals:

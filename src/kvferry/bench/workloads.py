@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvferry.bench.text import random_words
 
@@ -133,9 +133,3 @@ def multi_tenant_workload(api_keys: list[str], flood_factor: float, public_prefi
                                    public_prefix_len + private_prefix_len + q_len,
                                    tenant=name, api_key=api_keys[t])])
 
-
-@dataclass(slots=True)
-class WorkloadInfo:
-    """What the result file records about the workload."""
-    name: str
-    params: dict = field(default_factory=dict)
