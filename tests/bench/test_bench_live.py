@@ -45,7 +45,8 @@ def assert_png(path: Path) -> None:
 def test_random_workload_agrees_with_server_metrics(server, tmp_path):
     before = counters(server)
     r = bench(server, tmp_path, "random", "--workload", "random", "--input-len", "24:48", "--output-len", "4",
-              "--num-requests", "4", "--rate", "20", "--ignore-eos", "--slo", "ttft:60000,tpot:60000")
+              "--num-prompts", "4", "--request-rate", "20", "--ignore-eos",
+              "--goodput", "ttft:60000", "tpot:60000")  # vLLM's flag names work too
     after = counters(server)
     s, records = r["summary"], r["records"]
     assert s["completed"] == 4 and s["failed"] == 0 and len(records) == 4

@@ -164,12 +164,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     load = p.add_argument_group("load")
     load.add_argument("--workload", choices=WORKLOADS)
     mode = load.add_mutually_exclusive_group()
-    mode.add_argument("--rate", type=float, default=None,
+    mode.add_argument("--rate", "--request-rate", type=float, default=None,
                       help="sessions per second (default: all at once; trace: its own timestamps)")
-    mode.add_argument("--concurrency", type=int, default=None, help="a fixed number of sessions in flight")
+    mode.add_argument("--concurrency", "--max-concurrency", type=int, default=None,
+                      help="a fixed number of sessions in flight")
     mode.add_argument("--sweep", default=None, help="R1,R2,...: one run per rate; plots goodput vs rate")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
-    load.add_argument("--num-requests", type=int, default=None,
+    load.add_argument("--num-requests", "--num-prompts", type=int, default=None,
                       help="default 100 (trace: its length); with --duration only: bounded by time")
     load.add_argument("--duration", type=float, default=None, help="seconds during which requests are sent")
     load.add_argument("--max-time", type=float, default=1800.0,
@@ -204,8 +205,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     w.add_argument("--private-prefix-len", type=int, default=256, help="multi-tenant")
 
     out = p.add_argument_group("output")
-    out.add_argument("--slo", default=None, help="ttft:MS,tpot:MS[,itl:MS,e2e:MS]: goodput counts requests "
-                                                 "meeting all")
+    out.add_argument("--slo", "--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="ttft:MS,tpot:MS[,itl:MS,e2e:MS] (commas or spaces): goodput counts requests "
+                          "meeting all")
     out.add_argument("--output", default=None, help="results JSON; PNG plots go next to it")
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
@@ -279,7 +281,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     _validate(args)
     try:
-        slo = parse_slo(args.slo)
+        slo = parse_slo(",".join(args.slo) if args.slo else None)
     except ValueError as e:
         raise BenchError(str(e)) from None
     rates = _sweep_rates(args.sweep) if args.sweep else [args.rate]
