@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvferry.serve.cli import add_serve_parser  # light: heavy imports happen when serve runs
 
     add_serve_parser(sub, add_engine_args, engine_kwargs)
+    from kvferry.bench.cli import add_bench_parsers  # bench, profile; light: tools load when they run
+    add_bench_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

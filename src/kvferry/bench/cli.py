@@ -1,0 +1,355 @@
+"""``kvferry bench`` and ``kvferry profile``: arguments, validation and commands.
+
+    kvferry bench --url URL --workload W [--rate R | --concurrency C]
+                  [--num-requests N | --duration S] [--slo ttft:MS,tpot:MS] [--output FILE.json]
+    kvferry bench compare A.json B.json
+    kvferry profile [--model PATH] [--new-tokens ...] [--batch-sizes ...] [--output profile.json]
+
+Imported by the top-level CLI for every subcommand, so heavy modules
+(httpx, numpy, matplotlib, rich) are imported only when bench runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "trace", "multi-tenant")
+
+
+def _one_line_error(prog: str):
+    def error(message: str):
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+    return error
+
+
+def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``kvferry bench`` and ``kvferry profile``."""
+    add_bench_parser(subparsers)
+    add_profile_parser(subparsers)
+
+
+def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="fit prefill and decode step times of the in-process engine",
+                              description="Measure prefill time against new and cached tokens and decode "
+                                          "step time against batch size and context; fit, save, plot.")
+    p.error = _one_line_error("kvferry profile")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument("--new-tokens", default="64,128,256,512", help="prefill: new tokens per point")
+    p.add_argument("--cached-tokens", default="0,256,512", help="prefill: cached tokens (block multiples)")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16", help="decode: sequences per step")
+    p.add_argument("--context-lens", default="128,512", help="decode: context per sequence")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per point")
+    p.add_argument("--repeats", type=int, default=3, help="prefill repeats per point (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="profile.json", help="results JSON; the PNG goes next to it")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
+def _int_list(text: str, flag: str, minimum: int) -> list[int]:
+    from kvferry.bench.workloads import BenchError
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        raise BenchError(f"{flag}: expected integers >= {minimum} separated by commas, got {text!r}")
+    return sorted(set(values))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvferry.bench.workloads import BenchError
+
+    try:
+        return _run_profile(args)
+    except BenchError as e:
+        print(f"kvferry profile: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from kvferry.bench.profile import ProfileGrid
+    from kvferry.bench.workloads import BenchError
+
+    grid = ProfileGrid(
+        new_tokens=_int_list(args.new_tokens, "--new-tokens", 1),
+        cached_tokens=_int_list(args.cached_tokens, "--cached-tokens", 0),
+        batch_sizes=_int_list(args.batch_sizes, "--batch-sizes", 1),
+        context_lens=_int_list(args.context_lens, "--context-lens", 1),
+        decode_steps=args.decode_steps, repeats=args.repeats, seed=args.seed)
+    if any(c % args.block_size for c in grid.cached_tokens):
+        raise BenchError(f"--cached-tokens: each must be a multiple of --block-size ({args.block_size})")
+    if args.decode_steps < 1 or args.repeats < 1:
+        raise BenchError("--decode-steps and --repeats must be >= 1")
+    if len(grid.new_tokens) * len(grid.cached_tokens) < 4 or len(grid.batch_sizes) * len(grid.context_lens) < 3:
+        raise BenchError("need at least 4 prefill points and 3 decode points to fit")
+    if args.threads is not None and args.threads < 1:
+        raise BenchError(f"--threads must be >= 1, got {args.threads}")
+    import torch
+
+    from kvferry.bench.profile import plot_profile, run_profile
+    from kvferry.engine.engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    longest = max(max(grid.new_tokens) + max(grid.cached_tokens), max(grid.context_lens) + args.decode_steps + 2)
+    try:
+        engine = LLMEngine.from_args(
+            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(grid.batch_sizes),
+            max_num_batched_tokens=max(2048, longest), enable_prefix_caching=True)
+    except (ValueError, OSError) as e:
+        raise BenchError(f"--model: {e}") from None
+    if longest >= engine.max_model_len:
+        raise BenchError(f"the grid needs {longest + 1} tokens of context; the model has {engine.max_model_len}")
+
+    def show(kind: str, p: dict) -> None:
+        where = f"new {p['new']:>5} cached {p['cached']:>5}" if kind == "prefill" else \
+            f"batch {p['batch']:>4} context {p['context']:>5}"
+        print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.2f} ms", flush=True)
+
+    result = run_profile(engine, grid, show)
+    misses = [p for p in result["prefill"]["points"] if p["num_cached_tokens"] != p["cached"]]
+    if misses:
+        raise BenchError(f"prefix cache missed: {misses[0]['num_cached_tokens']} of {misses[0]['cached']} "
+                         "cached tokens found (is the KV cache big enough?)")
+    model_name = Path(args.model).name if args.model else "embedded default model"
+    data = {"model": model_name, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+            "threads": torch.get_num_threads(),
+            "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    png = out.with_suffix(".png")
+    plot_profile(result, f"kvferry profile: {model_name} ({args.device}, {args.dtype})", png)
+    for kind in ("prefill", "decode"):
+        f = result[kind]["fit"]
+        terms = " + ".join(f"{c * 1e6:.3g} us*{t}" if t != "1" else f"{c * 1e6:.3g} us"
+                           for t, c in zip(f["terms"], f["coef"]))
+        print(f"{kind} fit: t = {terms}   (R^2 {f['r2']:.3f})")
+    print(f"wrote {out}, {png}")
+    return 0
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server (goodput under SLOs)",
+                              description="Load-test any OpenAI-compatible server; report latency, "
+                                          "throughput and goodput under SLOs.")
+    p.error = _one_line_error("kvferry bench")
+    sub = p.add_subparsers(dest="bench_command", metavar="compare")
+    cmp = sub.add_parser("compare", help="print two result files side by side with ratios")
+    cmp.error = _one_line_error("kvferry bench compare")
+    cmp.add_argument("a", metavar="A.json")
+    cmp.add_argument("b", metavar="B.json")
+
+    t = p.add_argument_group("target")
+    t.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    t.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
+    t.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM extension)")
+    t.add_argument("--temperature", type=float, default=0.0)
+
+    load = p.add_argument_group("load")
+    load.add_argument("--workload", choices=WORKLOADS)
+    mode = load.add_mutually_exclusive_group()
+    mode.add_argument("--rate", "--request-rate", type=float, default=None,
+                      help="sessions per second (default: all at once; trace: its own timestamps)")
+    mode.add_argument("--concurrency", "--max-concurrency", type=int, default=None,
+                      help="a fixed number of sessions in flight")
+    mode.add_argument("--sweep", default=None, help="R1,R2,...: one run per rate; plots goodput vs rate")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
+    load.add_argument("--num-requests", "--num-prompts", type=int, default=None,
+                      help="default 100 (trace: its length); with --duration only: bounded by time")
+    load.add_argument("--duration", type=float, default=None, help="seconds during which requests are sent")
+    load.add_argument("--max-time", type=float, default=1800.0,
+                      help="hard limit on a run's seconds; requests still running then count as failed")
+    load.add_argument("--drain-timeout", type=float, default=60.0,
+                      help="with --duration: seconds in-flight requests get after it")
+    load.add_argument("--request-timeout", type=float, default=600.0)
+    load.add_argument("--seed", type=int, default=0)
+
+    w = p.add_argument_group("workloads")
+    w.add_argument("--input-len", default="256", help="random: N or LO:HI tokens")
+    w.add_argument("--output-len", default="64", help="max_tokens: N or LO:HI (all but trace)")
+    w.add_argument("--num-groups", type=int, default=4, help="shared-prefix")
+    w.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix")
+    w.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix")
+    w.add_argument("--question-len", type=int, default=64, help="shared-prefix, multi-tenant")
+    w.add_argument("--max-turns", type=int, default=6, help="multi-turn: user turns per conversation")
+    w.add_argument("--think-time", type=float, default=1.0, help="multi-turn: seconds between turns")
+    w.add_argument("--corpus", default="auto", help="long-doc: auto | python3.11-doc | bible-kjv | DIR")
+    w.add_argument("--doc-len", type=int, default=2048, help="long-doc: tokens per document (about)")
+    w.add_argument("--num-docs", type=int, default=4, help="long-doc")
+    w.add_argument("--questions-per-doc", type=int, default=4, help="long-doc")
+    w.add_argument("--trace", default=None, help="trace: a Mooncake JSONL file (default: the shipped slice)")
+    w.add_argument("--trace-block-size", type=int, default=512, help="trace: tokens per hash id")
+    w.add_argument("--time-scale", type=float, default=1.0, help="trace: >1 replays faster")
+    w.add_argument("--max-input-len", type=int, default=None, help="trace: clip prompts (small models)")
+    w.add_argument("--max-output-len", type=int, default=None, help="trace: clip outputs")
+    w.add_argument("--tenant-keys", default=None,
+                   help="multi-tenant: KEY1,KEY2,...; the last one floods (default tenant-0..2 + flood)")
+    w.add_argument("--flood-factor", type=float, default=4.0, help="multi-tenant: the flooder's share")
+    w.add_argument("--public-prefix-len", type=int, default=256, help="multi-tenant")
+    w.add_argument("--private-prefix-len", type=int, default=256, help="multi-tenant")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--slo", "--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="ttft:MS,tpot:MS[,itl:MS,e2e:MS] (commas or spaces): goodput counts requests "
+                          "meeting all")
+    out.add_argument("--output", default=None, help="results JSON; PNG plots go next to it")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvferry.bench.workloads import BenchError
+
+    try:
+        if args.bench_command == "compare":
+            from kvferry.bench.compare import compare_table
+
+            print(compare_table(args.a, args.b))
+            return 0
+        return _run_bench(args)
+    except BenchError as e:
+        print(f"kvferry bench: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvferry bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    from kvferry.bench.workloads import BenchError
+
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise BenchError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    from kvferry.bench.workloads import BenchError
+
+    if not args.url:
+        raise BenchError("--url is required (e.g. --url http://127.0.0.1:8000)")
+    if not args.url.startswith(("http://", "https://")):
+        raise BenchError(f"--url must start with http:// or https://, got {args.url!r}")
+    if not args.workload:
+        raise BenchError(f"--workload is required (one of {', '.join(WORKLOADS)})")
+    _positive(args, "rate", "concurrency", "burstiness", "num_requests", "duration", "max_time",
+              "drain_timeout", "request_timeout", "num_groups", "prompts_per_group", "system_prompt_len",
+              "question_len", "max_turns", "doc_len", "num_docs", "questions_per_doc", "trace_block_size",
+              "time_scale", "max_input_len", "max_output_len", "flood_factor", "public_prefix_len",
+              "private_prefix_len")
+    if args.think_time < 0:
+        raise BenchError(f"--think-time must be >= 0, got {args.think_time}")
+    if args.temperature < 0:
+        raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
+
+
+def _sweep_rates(text: str) -> list[float]:
+    from kvferry.bench.workloads import BenchError
+
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise BenchError(f"--sweep: expected rates R1,R2,... > 0, got {text!r}")
+    return sorted(rates)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from kvferry.bench.metrics import parse_slo
+    from kvferry.bench.run import make_workload, resolve_target, run_once
+    from kvferry.bench.workloads import BenchError
+
+    _validate(args)
+    try:
+        slo = parse_slo(",".join(args.slo) if args.slo else None)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    rates = _sweep_rates(args.sweep) if args.sweep else [args.rate]
+    make_workload(args)  # fail fast on a bad workload argument, before touching the server
+    base_url, model = resolve_target(args)
+    results = []
+    for rate in rates:
+        results.append(run_once(args, base_url, model, rate, slo))
+        _print_summary(results[-1])
+    _write_outputs(args, results)
+    return 0
+
+
+def _print_summary(result: dict) -> None:
+    s, server = result["summary"], result.get("server") or {}
+    rate = result["config"]["rate"]
+    lines = [f"===== kvferry bench: {result['config']['workload']} @ "
+             f"{'trace timestamps' if rate is None and result['config']['use_timestamps'] else rate or 'max'}"
+             f"{' req/s' if isinstance(rate, float) else ''} =====",
+             f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.1f} s"]
+    for err, n in s["errors"].items():
+        lines.append(f"  {n} x {err}")
+    lines.append(f"throughput: {s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output "
+                 f"tok/s, {s['total_token_throughput']:.1f} total tok/s")
+    if s["goodput"] is not None:
+        slo = ", ".join(f"{k} <= {v:.0f} ms" for k, v in s["slo_ms"].items())
+        lines.append(f"goodput: {s['goodput']:.2f} req/s ({s['slo_attainment_pct']:.1f}% meet {slo})")
+    for m in ("ttft", "tpot", "itl", "e2e"):
+        st = s[f"{m}_ms"]
+        if st["mean"] is not None:
+            lines.append(f"{m.upper():>5} ms: mean {st['mean']:8.1f}  p50 {st['p50']:8.1f}  "
+                         f"p90 {st['p90']:8.1f}  p99 {st['p99']:8.1f}")
+    for tenant, t in (result.get("per_tenant") or {}).items():
+        good = f", goodput {t['goodput']:.2f} req/s" if t["goodput"] is not None else ""
+        p50 = t["ttft_ms"]["p50"]
+        lines.append(f"  {tenant}: {t['completed']}/{t['num_requests']} ok, TTFT p50 "
+                     f"{'-' if p50 is None else f'{p50:.0f} ms'}{good}")
+    if server.get("prefix_cache_hit_rate") is not None:
+        lines.append(f"prefix cache hit rate (server): {100 * server['prefix_cache_hit_rate']:.1f}%")
+    print("\n".join(lines))
+
+
+def _write_outputs(args: argparse.Namespace, results: list[dict]) -> None:
+    if not args.output:
+        return
+    from kvferry.bench.workloads import BenchError
+
+    path = Path(args.output)
+    data = results[0] if len(results) == 1 else {"sweep": results}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+    except OSError as e:
+        raise BenchError(f"--output: cannot write {path}: {e.strerror}") from None
+    written = [path]
+    if not args.no_plots:
+        from kvferry.bench.plots import plot_latency_cdfs, plot_sweep
+        from kvferry.bench.metrics import RequestRecord
+
+        stem = path.with_suffix("")
+        last = results[-1]
+        records = [RequestRecord.from_json(r) for r in last["records"]]
+        title = f"{args.workload} against {last['config']['model']}"
+        rate = last["config"]["rate"]
+        cdf_title = title + (f" at {rate:g} req/s" if rate else "")
+        written.append(plot_latency_cdfs(records, last["summary"], cdf_title,
+                                         Path(f"{stem}.latency_cdf.png")))
+        if len(results) > 1:
+            points = [{**r["summary"], "rate": r["config"]["rate"]} for r in results]
+            written.append(plot_sweep(points, title, Path(f"{stem}.sweep.png")))
+    print("wrote " + ", ".join(str(p) for p in written))

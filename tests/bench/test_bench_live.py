@@ -1,0 +1,218 @@
+"""``kvferry bench`` against a live kvferry server: every workload, the result
+JSON and PNGs, agreement with the server's own /metrics, trace prefix
+structure, sweeps, compare, and one-line errors.
+
+Prompts and outputs are tiny so that the file runs in well under a minute on
+two cores; the numbers checked are counts, not speeds.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvferry.cli import main
+
+
+def bench(server, tmp_path: Path, name: str, *args: str) -> dict:
+    """Run ``kvferry bench`` in this process; returns the result JSON."""
+    out = tmp_path / f"{name}.json"
+    code = main(["bench", "--url", server.base_url, "--no-progress", "--output", str(out), *args])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def counters(server) -> dict[str, float]:
+    names = ["prompt_tokens_total", "generation_tokens_total", "prefix_cache_hits_total",
+             "prefix_cache_queries_total"]
+    m = server.metrics()
+    out = {n: sum(v for (k, _), v in m.items() if k == f"kvferry:{n}") for n in names}
+    out["requests"] = sum(v for (k, _), v in m.items() if k == "kvferry:request_success_total")
+    return out
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, path
+
+
+def test_random_workload_agrees_with_server_metrics(server, tmp_path):
+    before = counters(server)
+    r = bench(server, tmp_path, "random", "--workload", "random", "--input-len", "24:48", "--output-len", "4",
+              "--num-prompts", "4", "--request-rate", "20", "--ignore-eos",
+              "--goodput", "ttft:60000", "tpot:60000")  # vLLM's flag names work too
+    after = counters(server)
+    s, records = r["summary"], r["records"]
+    assert s["completed"] == 4 and s["failed"] == 0 and len(records) == 4
+    assert all(rec["completion_tokens"] == 4 for rec in records)  # ignore_eos: max_tokens exactly
+    assert s["goodput"] == pytest.approx(4 / s["duration_s"]) and s["slo_attainment_pct"] == 100.0
+    # the client's usage totals and the bench's own scrape both equal the server's counters
+    assert after["requests"] - before["requests"] == 4 == r["server"]["request_success_delta"]
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == s["total_prompt_tokens"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == s["total_output_tokens"] == 16
+    assert r["server"]["prefix_cache_hits_delta"] == s["total_cached_tokens"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        st = s[key]
+        assert 0 < st["p50"] <= st["p90"] <= st["p99"], key
+    assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
+    assert_png(tmp_path / "random.latency_cdf.png")
+
+
+def test_trace_replay_keeps_the_prefix_structure(server, tmp_path):
+    # block size 32 (two server blocks of 16); entries 2 and 3 repeat entry 1's
+    # leading hash ids, entry 4 shares nothing; 0.3 s apart so each finds the last in cache
+    trace = tmp_path / "trace.jsonl"
+    lines = [(0, 100, [1, 2, 3, 4]), (300, 100, [1, 2, 3, 5]), (600, 70, [1, 2, 6]), (900, 64, [7, 8])]
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 2, "hash_ids": h})
+                             + "\n" for t, n, h in lines))
+    before = counters(server)
+    r = bench(server, tmp_path, "trace", "--workload", "trace", "--trace", str(trace), "--trace-block-size", "32",
+              "--endpoint", "completions")
+    after = counters(server)
+    recs = r["records"]
+    assert r["config"]["use_timestamps"] and [x["prompt_tokens"] for x in recs] == [100, 100, 70, 64]
+    assert [x["start_s"] >= t / 1000 for (t, _, _), x in zip(lines, recs)] == [True] * 4
+    cached = [x["cached_tokens"] for x in recs]
+    # shared leading ids -> whole shared 16-token server blocks are hits (the block holding
+    # the first differing token is not); unrelated ids -> no hit
+    assert cached[1] == 96 and cached[2] == 64 and cached[3] == 0, cached
+    hits = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    assert hits == sum(cached) == r["server"]["prefix_cache_hits_delta"]
+
+
+def test_shipped_trace_clipped_and_time_scaled(server, tmp_path):
+    r = bench(server, tmp_path, "mooncake", "--workload", "trace", "--max-input-len", "96",
+              "--max-output-len", "2", "--num-requests", "3", "--time-scale", "50", "--trace-block-size", "32")
+    recs = r["records"]
+    assert r["summary"]["completed"] == 3
+    # the first Mooncake requests all start with hash id 0: its block is found again
+    assert all(x["cached_tokens"] >= 32 for x in recs[1:]) and r["server"]["prefix_cache_hit_rate"] > 0.2
+
+
+def test_prefix_workloads_hit_the_cache(server, tmp_path):
+    r = bench(server, tmp_path, "shared", "--workload", "shared-prefix", "--num-groups", "2",
+              "--prompts-per-group", "2", "--system-prompt-len", "64", "--question-len", "8",
+              "--output-len", "2", "--num-requests", "4", "--concurrency", "1")
+    assert r["summary"]["completed"] == 4 and r["server"]["prefix_cache_hit_rate"] > 0.3
+    seen = set()
+    for x in r["records"]:  # a group's second prompt finds its 64-token system prompt cached
+        assert x["cached_tokens"] >= (64 if x["tenant"] in seen else 0)
+        seen.add(x["tenant"])
+    r = bench(server, tmp_path, "tenants", "--workload", "multi-tenant", "--tenant-keys", "alice,bob,flood",
+              "--flood-factor", "6", "--public-prefix-len", "48", "--private-prefix-len", "32",
+              "--question-len", "8", "--output-len", "2", "--num-requests", "8", "--rate", "50", "--seed", "2")
+    assert r["summary"]["completed"] == 8
+    per = r["per_tenant"]
+    assert per["flood"]["num_requests"] > max(per.get(t, {"num_requests": 0})["num_requests"]
+                                              for t in ("tenant-0", "tenant-1"))
+    assert r["server"]["prefix_cache_hit_rate"] > 0.3
+
+
+def test_multi_turn_resends_history(server, tmp_path):
+    r = bench(server, tmp_path, "chat", "--workload", "multi-turn", "--max-turns", "3", "--think-time", "0.1",
+              "--output-len", "4", "--num-requests", "3", "--concurrency", "1", "--seed", "5")
+    recs = r["records"]
+    assert r["summary"]["completed"] == 3
+    # one conversation: every turn is longer than the last and finds it in the cache
+    prompts = [x["prompt_tokens"] for x in recs[:3]]
+    assert prompts == sorted(prompts) and prompts[0] < prompts[2]
+    assert all(x["cached_tokens"] >= 16 for x in recs[1:3])
+
+
+def test_long_doc_over_a_local_corpus(server, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(2):
+        (corpus / f"doc{i}.txt").write_text(f"Chapter {i}. " + "The ferry crosses to the island at dawn. " * 60)
+    r = bench(server, tmp_path, "docs", "--workload", "long-doc", "--corpus", str(corpus), "--doc-len", "120",
+              "--num-docs", "2", "--questions-per-doc", "2", "--output-len", "2", "--num-requests", "4",
+              "--concurrency", "1")
+    assert r["summary"]["completed"] == 4 and r["server"]["prefix_cache_hit_rate"] > 0.3
+
+
+def test_sweep_plots_and_compare(server, tmp_path, capsys):
+    common = ["--workload", "random", "--input-len", "16", "--output-len", "2", "--num-requests", "2",
+              "--slo", "ttft:60000"]
+    r = bench(server, tmp_path, "sweep", *common, "--sweep", "5,20")
+    assert [p["config"]["rate"] for p in r["sweep"]] == [5.0, 20.0]
+    assert all(p["summary"]["completed"] == 2 for p in r["sweep"])
+    assert_png(tmp_path / "sweep.sweep.png")
+    bench(server, tmp_path, "single", *common, "--rate", "20")
+    capsys.readouterr()
+    assert main(["bench", "compare", str(tmp_path / "single.json"), str(tmp_path / "sweep.json")]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("request throughput"))
+    single = json.loads((tmp_path / "single.json").read_text())["summary"]["request_throughput"]
+    last = r["sweep"][-1]["summary"]["request_throughput"]
+    assert f"{last / single:.2f}x" in row.split()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvferry.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_unreachable_server_is_one_line_exit_2():
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = run_cli("--url", f"http://127.0.0.1:{port}", "--workload", "random", "--num-requests", "1")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1 and f"cannot reach http://127.0.0.1:{port}" in p.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--workload", "random", "--rate", "-1"], "--rate"),
+    (["--workload", "random", "--rate", "x"], "--rate"),
+    (["--workload", "random", "--slo", "ttft"], "--slo"),
+    (["--workload", "nope"], "--workload"),
+    (["--workload", "random", "--input-len", "5:2"], "--input-len"),
+    (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "--trace"),
+    (["--workload", "long-doc", "--corpus", "/nonexistent"], "--corpus"),
+    (["--workload", "random", "--sweep", "1,-2"], "--sweep"),
+    (["--workload", "random", "--rate", "1", "--concurrency", "2"], "--concurrency"),
+    (["--rate", "1"], "--workload"),
+])
+def test_bad_arguments_are_one_line_exit_2(server, args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        code = main(["bench", "--url", server.base_url, "--no-progress", *args])
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_long_doc_without_a_corpus_names_the_packages(monkeypatch, tmp_path, capsys):
+    import kvferry.bench.corpus as corpus
+
+    monkeypatch.setattr(corpus, "PYTHON_DOC_DIR", tmp_path / "absent")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `bible` program
+    code = main(["bench", "--url", "http://127.0.0.1:1", "--workload", "long-doc"])
+    err = capsys.readouterr().err
+    assert code == 2 and "python3.11-doc" in err and "bible-kjv" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(shutil.which("bible") is None, reason="needs Debian's bible-kjv (.ci/run installs it)")
+def test_long_doc_over_bible_kjv(server, tmp_path):
+    r = bench(server, tmp_path, "kjv", "--workload", "long-doc", "--corpus", "bible-kjv", "--doc-len", "150",
+              "--num-docs", "2", "--questions-per-doc", "2", "--output-len", "2", "--num-requests", "3",
+              "--concurrency", "1", "--endpoint", "completions")
+    assert r["summary"]["completed"] == 3 and r["summary"]["total_prompt_tokens"] > 3 * 100
+
+
+def test_duration_and_max_time_bound_the_run(server, tmp_path):
+    start = time.monotonic()
+    r = bench(server, tmp_path, "bounded", "--workload", "random", "--input-len", "8", "--output-len", "400",
+              "--ignore-eos", "--duration", "1", "--rate", "3", "--max-time", "2.5")
+    elapsed = time.monotonic() - start
+    s = r["summary"]
+    # nothing is sent after 1 s; what still runs at 2.5 s is cancelled and counted as failed
+    assert all(x["start_s"] < 1.05 for x in r["records"]) and s["num_requests"] >= 1
+    assert s["failed"] >= 1 and all(e.startswith("cancelled") for e in s["errors"])
+    assert elapsed < 8, elapsed
+    server.wait_for_metric("kvferry:num_requests_running", lambda v: v == 0)  # the server aborted them
