@@ -20,6 +20,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()  # EOS, stop token or stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or context length
     FINISHED_ABORTED = enum.auto()
+    # The request can never be served (e.g. it outgrew the whole KV pool).
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -30,12 +32,14 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 
 FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

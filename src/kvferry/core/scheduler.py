@@ -78,6 +78,11 @@ class Scheduler:
                 i += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
+                if not self.kv.can_fit(request.num_computed_tokens + num_new):
+                    # Alone it would need more blocks than the pool has:
+                    # preempting others cannot help, and retrying would spin.
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    break
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted_any = True
@@ -94,7 +99,12 @@ class Scheduler:
             request = self.waiting[0]
             hit = self.kv.find_prefix_hit(request) if request.num_computed_tokens == 0 else PrefixHit()
             num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            # Without chunked prefill a prompt runs whole. A resumed request
+            # (preempted after generating) may recompute in chunks: that is
+            # invisible to its output, and its prompt + output can exceed the
+            # budget, so it would otherwise never run again.
+            resumed = request.num_output_tokens > 0
+            if num_new > budget and not self.config.enable_chunked_prefill and not resumed:
                 break
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, hit) is None:
