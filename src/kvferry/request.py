@@ -15,6 +15,9 @@ from kvferry.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    # Blocks allocated, KV on its way from elsewhere (a tier, another
+    # worker); the scheduler skips the request until the load completes.
+    WAITING_FOR_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, stop token or stop string
@@ -59,8 +62,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Tokens found in the prefix cache the first time this request was scheduled.
-    num_cached_tokens: int = -1
+    # Tokens found in the prefix cache the first time this request was
+    # scheduled; None until then.
+    num_cached_tokens: int | None = None
+    # Draft tokens to verify in the next step (filled by a proposer; the
+    # scheduler clears them once the step's result is in).
+    spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # Chained block hashes of the full blocks of all_token_ids, grown lazily.

@@ -2,7 +2,7 @@
 rejected, in a bounded number of steps."""
 from kvferry.config import SchedulerConfig
 from kvferry.core.kv_manager import KVCacheManager
-from kvferry.core.outputs import RunnerOutput
+from tests.core.sim import simulate_step
 from kvferry.core.scheduler import Scheduler
 from kvferry.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
@@ -19,7 +19,7 @@ def run_to_end(s, max_steps=200):
         if not s.has_unfinished():
             return
         out = s.schedule()
-        s.update_from_output(out, RunnerOutput({x.request_id: 7 for x in out.scheduled if x.sample}))
+        simulate_step(s, out)
         s.kv.check_integrity()
     raise AssertionError(f"scheduler made no progress: waiting={[r.request_id for r in s.waiting]}")
 
