@@ -343,8 +343,11 @@ class Scheduler:
                 continue  # finished (aborted) while the step ran
             sampled = result.sampled_token_ids.get(rid, [])
             self._rollback_drafts(request, sched.spec_token_ids.get(rid, []), sampled)
+            new_tokens, stop = self._append_tokens(request, sampled)
+            # The step wrote these blocks' KV: publish them (before a finish frees them).
             self.kv.cache_computed_blocks(request)
-            new_tokens = self._append_tokens(request, sampled)
+            if stop is not None:
+                self._finish(request, stop)
             self._runner_tokens[rid] = request.num_tokens
             if new_tokens or request.is_finished:
                 logprobs = result.logprobs.get(rid)
@@ -362,18 +365,17 @@ class Scheduler:
         # when those positions are computed again.
         request.num_computed_tokens -= len(drafts) - num_accepted
 
-    def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
+    def _append_tokens(self, request: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens one at a time; a stop in the middle of an accepted
-        run drops the rest."""
+        run drops the rest. Returns the tokens kept and the stop, if any."""
         for n, token in enumerate(sampled, start=1):
             request.append_output_token(token)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             status = self._check_stop(request, token)
             if status is not None:
-                self._finish(request, status)
-                return sampled[:n]
-        return sampled
+                return sampled[:n], status
+        return sampled, None
 
     def _core_output(self, request: Request, new_tokens: list[int], logprobs=None) -> EngineCoreOutput:
         finished = request.is_finished
