@@ -51,12 +51,15 @@ def test_request_that_outgrows_the_pool_finishes_with_an_error():
     assert s.kv.pool.num_used_blocks == 0
 
 
-def test_waiting_request_that_cannot_fit_does_not_block_smaller_ones():
-    # Chunking off: a 10-token prompt cannot be admitted while a decode uses
-    # budget, but that reason is the budget, which applies to every request
-    # behind it in FCFS order. Requests still all finish.
+def test_prompt_too_long_for_the_budget_left_does_not_block_shorter_ones():
+    # Chunking off, budget 11: a takes 4, so b's 11-token prompt must wait
+    # for a later step, but c (3 tokens) behind it runs now.
     s = make(num_blocks=32, budget=11)
     s.add_request(Request("a", list(range(4)), SamplingParams(max_tokens=5, ignore_eos=True)))
-    s.add_request(Request("b", list(range(10, 20)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    s.add_request(Request("b", list(range(10, 21)), SamplingParams(max_tokens=3, ignore_eos=True)))
     s.add_request(Request("c", list(range(30, 33)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 4, "c": 3}
+    assert [r.request_id for r in s.waiting] == ["b"]
+    simulate_step(s, out)
     run_to_end(s)

@@ -36,6 +36,13 @@ from kvferry.messages import EngineCoreOutput
 from kvferry.request import FINISH_REASON, Request, RequestStatus
 
 
+class _Skip:
+    """``_admit`` result: leave the request queued, try the next one."""
+
+
+_SKIP = _Skip()
+
+
 class DraftProposer(Protocol):
     """Proposes draft tokens for a running request (n-gram, draft model,
     heads). The scheduler verifies at most ``num_speculative_tokens`` of them."""
@@ -195,17 +202,21 @@ class Scheduler:
                 i += 1  # its own KV is in flight; the rest of the queue is not blocked by that
                 continue
             admitted = self._admit(out, request, budget)
+            if admitted is _SKIP:
+                i += 1  # too long for the budget left; a shorter one behind may fit
+                continue
             if admitted is None:
-                break  # budget or blocks: applies to every request behind it (FCFS)
+                break  # no blocks: every request behind it needs blocks too (FCFS)
             if admitted == 0:
                 continue  # left the queue (finished, or now waiting for KV)
             del self.waiting[i]
             budget -= admitted
 
-    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int | None:
+    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int | None | _Skip:
         """Try to start or resume ``request``. Returns the tokens it was
-        scheduled for, 0 if it left the runnable set without running, or None
-        if it must wait (no budget or no blocks)."""
+        scheduled for, 0 if it left the runnable set without running, _SKIP
+        if its whole prompt must run at once and exceeds the budget left, or
+        None if there are no blocks for it."""
         swapped = self.swapped.get(request.request_id)
         first = request.num_computed_tokens == 0 and swapped is None
         hit = self.kv.find_prefix_hit(request) if first else PrefixHit()
@@ -220,7 +231,7 @@ class Scheduler:
         # budget, so it would otherwise never run again.
         resumed = request.num_output_tokens > 0
         if num_new > budget and not self.config.enable_chunked_prefill and not resumed:
-            return None
+            return _SKIP
         num_new = 0 if load_async else min(num_new, budget)
         new = self.kv.allocate_slots(request, num_new, hit, num_external_tokens=num_external + load_async)
         if new is None:
