@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 
-class BlockStored(msgspec.Struct, frozen=True, kw_only=True):
+class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Consecutive full blocks of one request became reusable by content."""
 
     block_hashes: list[bytes]
@@ -23,7 +23,7 @@ class BlockStored(msgspec.Struct, frozen=True, kw_only=True):
     owner: str
 
 
-class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True):
+class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """These hashes are no longer in the pool (evicted to make room)."""
 
     block_hashes: list[bytes]
