@@ -152,3 +152,51 @@ def test_seeded_sampling_with_drafts_is_reproducible(case):
         runs.append([r.token_ids for r in llm.generate(prompts, params)])
     assert runs[0] == runs[1]
     assert all(len(t) == MAX_NEW for t in runs[0])
+
+
+class FixedProposer:
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+
+    def propose(self, request) -> list[int]:
+        return list(self.drafts)
+
+
+def test_verified_token_frequencies_match_the_target(tmp_path):
+    """Chi-square on the token at a verified draft position: over seeded
+    requests, the second output token (the draft when accepted, else the
+    target's own sample) must follow the target's marginal
+    sum_t0 p(t0 | P) p(t1 | P, t0). Accepting the draft too often (or
+    rejecting it too often) skews its bin. Fails at p < 1e-3."""
+    import numpy as np
+    import torch
+    from scipy.stats import chisquare
+
+    num_samples, temperature = 2000, 1.0
+    path = str(make_tiny_checkpoint(tmp_path, arch="llama"))
+    prompt = [5, 17, 33, 42, 90, 11]
+    hf = load_hf(path)
+    with torch.no_grad():  # sharpen the near-uniform random logits so the test has power
+        hf.lm_head.weight.mul_(3.0)
+    hf.save_pretrained(path, safe_serialization=True)
+    vocab = hf.config.vocab_size
+    with torch.inference_mode():
+        p0 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)  # [V]
+        batch = torch.tensor([prompt + [t] for t in range(vocab)])  # [V, len + 1]
+        p1 = torch.softmax(hf(batch).logits[:, -1].double() / temperature, -1)  # [V, V]: row t0
+    marginal = (p0 @ p1).numpy()  # [V]
+    draft = int(marginal.argmax())
+
+    llm = make_llm(path, FixedProposer([draft]), max_num_seqs=256, num_kv_blocks=1024)
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(num_samples)]
+    outs = llm.generate([prompt] * num_samples, params)
+    stats = llm.engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens == num_samples
+    counts = np.bincount([o.token_ids[1] for o in outs], minlength=vocab).astype(float)
+    expected = marginal * num_samples
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    p = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert p > 1e-3, f"chi-square p={p:.2g} over {len(obs)} bins (draft {draft}: {counts[draft]:.0f} seen, {expected[draft]:.0f} expected)"
+    assert len(obs) >= 10, "too few bins for a meaningful test"
