@@ -109,3 +109,22 @@ def test_penalty_state_is_kept_not_rebuilt(preempt_case):
     recount = np.bincount(state.output_token_ids, minlength=llm.engine.runner.vocab_size)
     assert len(state.output_token_ids) == 4
     assert state.output_counts.tolist() == recount.astype(float).tolist()
+
+
+@pytest.mark.timeout(300)
+def test_generate_without_chunking_resumes_preempted_requests_longer_than_the_budget(preempt_case):
+    # Budget 70, no chunking: every 64-token prompt runs whole, but a request
+    # preempted after some outputs has 64 + n > 70 tokens to recompute. It
+    # must resume (in chunks) rather than spin, and stay HF-exact.
+    path, hf, prompts, _ = preempt_case
+    max_new = 16
+    llm = LLM(
+        model=path, dtype="float32", block_size=8, num_kv_blocks=48, enable_prefix_caching=False,
+        enable_chunked_prefill=False, max_num_batched_tokens=70,
+    )
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    results = llm.generate(prompts, params)
+    assert llm.engine.stats().num_preemptions > 0
+    for p, r in zip(prompts, results):
+        assert_greedy_match(hf, p, r.token_ids, hf_greedy(hf, p, max_new))
+    llm.engine.check_integrity()
