@@ -11,12 +11,16 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True
+    # Host-DRAM blocks for swapping out preempted requests (0: always recompute).
+    num_swap_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

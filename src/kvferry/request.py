@@ -15,11 +15,16 @@ from kvferry.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    # Blocks allocated, KV on its way from elsewhere (a tier, another
+    # worker); the scheduler skips the request until the load completes.
+    WAITING_FOR_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, stop token or stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or context length
     FINISHED_ABORTED = enum.auto()
+    # The request can never be served (e.g. it outgrew the whole KV pool).
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -30,12 +35,14 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 
 FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -55,8 +62,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Tokens found in the prefix cache the first time this request was scheduled.
-    num_cached_tokens: int = -1
+    # Tokens found in the prefix cache the first time this request was
+    # scheduled; None until then.
+    num_cached_tokens: int | None = None
+    # Draft tokens to verify in the next step (filled by a proposer; the
+    # scheduler clears them once the step's result is in).
+    spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # Chained block hashes of the full blocks of all_token_ids, grown lazily.

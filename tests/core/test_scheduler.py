@@ -2,7 +2,7 @@
 of torch precisely so that it can be driven like this)."""
 from kvferry.config import SchedulerConfig
 from kvferry.core.kv_manager import KVCacheManager
-from kvferry.core.outputs import RunnerOutput
+from tests.core.sim import samples, simulate_step
 from kvferry.core.scheduler import Scheduler
 from kvferry.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
@@ -18,26 +18,31 @@ def req(rid, n_prompt, max_tokens=4, start=0):
 
 
 def step(s, token=7):
+    return step_sampling(s, token)[0]
+
+
+def step_sampling(s, token=7):
+    """One step; also returns the requests that sampled in it."""
     out = s.schedule()
-    result = RunnerOutput({x.request_id: token for x in out.scheduled if x.sample})
-    s.update_from_output(out, result)
+    sampling = samples(s, out)
+    simulate_step(s, out, token)
     s.kv.check_integrity()
-    return out
+    return out, sampling
 
 
 def test_chunked_prefill_respects_budget_and_mixes_decodes():
     s = make(budget=10)
     s.add_request(req("a", 3))
     s.add_request(req("b", 25))
-    out = step(s)
+    out, sampling = step_sampling(s)
     assert out.num_scheduled_tokens == {"a": 3, "b": 7}
-    assert [x.sample for x in out.scheduled] == [True, False]
+    assert sampling == ["a"]
     out = step(s)
     # a decodes one token, b gets the remaining budget.
     assert out.num_scheduled_tokens == {"a": 1, "b": 9}
-    out = step(s)
+    out, sampling = step_sampling(s)
     assert out.num_scheduled_tokens == {"a": 1, "b": 9}
-    assert out.scheduled[1].sample and out.scheduled[1].num_computed_tokens == 16
+    assert sampling == ["a", "b"]
 
 
 def test_max_num_seqs_caps_running():
@@ -85,7 +90,7 @@ def test_prefix_hit_skips_cached_blocks():
     s.add_request(req("b", 13, max_tokens=1))
     out = step(s)
     # Blocks [0..3] and [4..7] are shared with "a": 8 tokens hit.
-    assert out.scheduled[0].num_computed_tokens == 8
+    assert out.new_requests[0].num_computed_tokens == 8
     assert out.num_scheduled_tokens == {"b": 5}
     assert s.kv.stats.hits == 8
 
@@ -96,7 +101,7 @@ def test_full_prompt_hit_still_computes_last_token():
     step(s)
     s.add_request(req("b", 8, max_tokens=1))
     out = step(s)
-    assert out.scheduled[0].num_computed_tokens == 4
+    assert out.new_requests[0].num_computed_tokens == 4
     assert out.num_scheduled_tokens == {"b": 4}
 
 
@@ -110,7 +115,7 @@ def test_namespace_isolates_prefix_cache():
     b.cache_namespace = "tenant-b"
     s.add_request(b)
     out = step(s)
-    assert out.scheduled[0].num_computed_tokens == 0
+    assert out.new_requests[0].num_computed_tokens == 0
 
 
 def test_abort_frees_blocks():

@@ -2,19 +2,27 @@
 
 A block is in exactly one of three states:
 
-* in use   -- ``ref_cnt > 0``; held by one or more requests;
+* in use   -- ``ref_cnt > 0``; held by one or more requests, or pinned by
+              I/O in flight (a pin is a reference, so a pinned block is never
+              in the free queue and can never be evicted under the I/O);
 * cached   -- ``ref_cnt == 0`` and it has a hash; in the free queue, reusable
               by a prefix hit until evicted;
 * free     -- ``ref_cnt == 0`` and no hash; in the free queue.
 
 ``free + cached + in use == num_blocks`` always (``check_integrity``).
 The free queue is ordered by eviction priority: the head is evicted first.
+
+Lifecycle: allocated -> written (the owner publishes its hash with
+``cache_block`` only after the KV is in the block) -> cached (ref_cnt 0,
+evictable) -> evicted. Registrations and evictions are queued as
+``BlockStored`` / ``BlockRemoved`` events, in order, for ``take_events``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvferry.core.hashing import BlockHash
+from kvferry.core.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True, eq=False)
@@ -81,6 +89,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self._events: list[KVEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,33 +138,74 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its content hash. If another block
-        already holds that content, this one stays unregistered (it becomes
-        plain free when released)."""
+    def pin(self, blocks: list[KVBlock]) -> None:
+        """Hold blocks for I/O in flight (a read or write by a transfer):
+        they cannot be evicted or reallocated until ``unpin``."""
+        self.touch(blocks)
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        self.free(blocks)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a full, written block under its content hash. Returns
+        False when another block already holds that content (this one stays
+        unregistered and becomes plain free when released)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def cache_blocks(
+        self,
+        blocks: list[KVBlock],
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        token_ids: list[int],
+        block_size: int,
+        owner: str,
+    ) -> None:
+        """Register consecutive written blocks of one sequence and publish
+        the newly registered ones. ``token_ids`` are the blocks' tokens,
+        ``block_size`` each; ``parent`` is the hash before ``hashes[0]``."""
+        run: list[int] = []  # indices of a run of newly registered blocks
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
+            if self.cache_block(block, block_hash):
+                run.append(i)
+                continue
+            self._publish_stored(run, hashes, parent, token_ids, block_size, owner)
+            run = []
+        self._publish_stored(run, hashes, parent, token_ids, block_size, owner)
+
+    def _publish_stored(self, run, hashes, parent, token_ids, block_size, owner) -> None:
+        if not run:
+            return
+        first, end = run[0], run[-1] + 1
+        self._events.append(
+            BlockStored(
+                block_hashes=hashes[first:end],
+                parent_block_hash=hashes[first - 1] if first else parent,
+                token_ids=token_ids[first * block_size : end * block_size],
+                block_size=block_size,
+                owner=owner,
+            )
+        )
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the events queued since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+        self._events.append(BlockRemoved(block_hashes=[block.block_hash]))
         block.block_hash = None
         self.num_evictions += 1
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only allowed when no block is in use."""
-        if self.num_used_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
-        return True
 
     def counts(self) -> dict[str, int]:
         in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)

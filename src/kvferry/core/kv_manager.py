@@ -1,6 +1,6 @@
 """Allocate, free and look up KV blocks for requests.
 
-Results are typed (``PrefixHit``, ``list[int] | None`` for "not enough
+Results are typed (``PrefixHit``, ``NewBlocks | None`` for "not enough
 blocks") rather than -1 sentinels. The manager never mutates anything on a
 request except its lazily grown ``block_hashes``, which are a pure function
 of the request's tokens.
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvferry.core.block_pool import BlockPool, KVBlock
 from kvferry.core.hashing import ExtraKeys, extend_block_hashes
+from kvferry.core.kv_events import KVEvent
 from kvferry.request import Request
 
 
@@ -18,6 +19,18 @@ from kvferry.request import Request
 class PrefixHit:
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class NewBlocks:
+    """What ``allocate_slots`` added to a request's block table, in order."""
+
+    hit_block_ids: list[int]  # prefix-hit blocks (first scheduling only)
+    block_ids: list[int]  # freshly allocated
+
+    @property
+    def all_block_ids(self) -> list[int]:
+        return self.hit_block_ids + self.block_ids
 
 
 @dataclass(slots=True)
@@ -41,6 +54,10 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's blocks are registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Blocks of finished requests still read by a send in flight.
+        self.delayed_free: dict[str, list[KVBlock]] = {}
+        # Extra references held by I/O in flight, by I/O id.
+        self.pinned: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
 
     # -- hashing ---------------------------------------------------------
@@ -78,17 +95,31 @@ class KVCacheManager:
             self.stats.hits += hit.num_tokens
 
     # -- allocation ------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_external_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> NewBlocks | None:
+        """Make room for tokens after the request's computed ones::
 
-        ``hit`` (first scheduling only) is a prefix hit whose blocks become the
-        request's first blocks. Returns the ids of newly allocated blocks, or
-        None if the pool cannot supply them (nothing is changed then).
+            | computed | hit (first scheduling) | external | new | lookahead |
+            '--------- held ----------'
+
+        ``hit`` blocks (a prefix hit) become the request's first blocks.
+        ``num_external_tokens`` get blocks that a load order fills (KV from a
+        tier, another worker, or the host swap space). ``num_lookahead_tokens``
+        reserve slots beyond the new tokens (draft tokens of the next step).
+        Returns the newly allocated blocks, or None if the pool cannot supply
+        them (nothing is changed then).
         """
         hit_blocks = hit.blocks if hit else []
         held = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
-        needed = _cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(hit_blocks)
+        num_total = num_computed + num_external_tokens + num_new_tokens + num_lookahead_tokens
+        needed = _cdiv(num_total, self.block_size) - len(held) - len(hit_blocks)
         # Hit blocks sitting in the free queue count as free, but touching them
         # takes them out of it, so they cannot also be allocated.
         num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
@@ -100,33 +131,63 @@ class KVCacheManager:
         blocks.extend(hit_blocks)
         blocks.extend(new_blocks)
         self.num_cached_blocks.setdefault(request.request_id, len(hit_blocks))
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
-        return [b.block_id for b in new_blocks]
+        return NewBlocks([b.block_id for b in hit_blocks], [b.block_id for b in new_blocks])
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register blocks that will be full once this step has run. Safe to do
-        before the forward pass: within a step every layer writes all new KV
-        before any attention reads it, so a same-step hit reads fresh KV."""
-        if not self.enable_caching:
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's blocks whose KV is now written: every full
+        block below ``num_computed_tokens``. Call only once the runner has
+        run the step (a hash published earlier could be hit by a request
+        that then reads KV not yet written)."""
+        if not self.enable_caching or request.request_id not in self.req_blocks:
             return
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks[request.request_id]
         if num_full <= start:
             return
         self._update_hashes(request)
-        blocks = self.req_blocks[request.request_id]
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        bs = self.block_size
+        self.pool.cache_blocks(
+            self.req_blocks[request.request_id][start:num_full],
+            request.block_hashes[start:num_full],
+            parent=request.block_hashes[start - 1] if start else None,
+            token_ids=request.all_token_ids[start * bs : num_full * bs],
+            block_size=bs,
+            owner=request.cache_namespace,
+        )
         self.num_cached_blocks[request.request_id] = num_full
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
-    def free(self, request: Request) -> None:
-        """Release all of a request's blocks, tail first (see BlockPool.free)."""
+    def free(self, request: Request, delay: bool = False) -> None:
+        """Release all of a request's blocks, tail first (see BlockPool.free).
+
+        ``delay``: I/O still reads them (a send in flight); they stay held
+        until ``release_delayed(request_id)``.
+        """
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if delay:
+            self.delayed_free[request.request_id] = blocks
+            return
         self.pool.free(list(reversed(blocks)))
+
+    def release_delayed(self, request_id: str) -> None:
+        blocks = self.delayed_free.pop(request_id, [])
+        self.pool.free(list(reversed(blocks)))
+
+    def pin(self, io_id: str, block_ids: list[int]) -> None:
+        """Pin blocks under an I/O id (a transfer reading or writing them):
+        they cannot be evicted or reallocated until ``unpin(io_id)``."""
+        blocks = [self.pool.blocks[i] for i in block_ids]
+        self.pool.pin(blocks)
+        self.pinned.setdefault(io_id, []).extend(blocks)
+
+    def unpin(self, io_id: str) -> None:
+        self.pool.unpin(list(reversed(self.pinned.pop(io_id, []))))
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
 
     def can_fit(self, num_tokens: int) -> bool:
         return _cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
@@ -134,7 +195,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for blocks in [*self.req_blocks.values(), *self.delayed_free.values(), *self.pinned.values()]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:

@@ -1,4 +1,27 @@
-"""The engine <-> runner contract: plain dataclasses, no torch."""
+"""The scheduler <-> runner step contract: plain dataclasses, no torch.
+
+Each step the scheduler sends deltas, never whole histories::
+
+    SchedulerOutput
+      new_requests      NewRequestData     first scheduling, or resumed after preemption: everything
+      cached_requests   CachedRequestData  already known: new block ids, num_computed_tokens,
+                                           tokens the runner did not sample itself
+      num_scheduled_tokens                 tokens to compute per request (drafts included)
+      spec_token_ids                       k draft tokens per request, verified by the runner
+      kv_orders         KVOrders           swap out / swap in / load / save / send, run before the forward
+      finished_request_ids, preempted_request_ids
+
+    RunnerOutput
+      sampled_token_ids  0 .. k+1 tokens per request (none for a non-final prefill chunk)
+      logprobs           one entry per sampled token, for requests that ask
+      finished_loading / finished_saving / finished_sending   KV order completions
+
+The runner keeps each request's token ids and block table from the first
+message on and appends the tokens it samples itself, so a decode step carries
+only integers. The request's tokens to compute this step are
+``token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens]``
+where ``token_ids`` is the runner's copy followed by the step's drafts.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,55 +31,100 @@ from kvferry.sampling import SamplingParams
 
 @dataclass(slots=True)
 class NewRequestData:
-    """Sent to the runner the first time a request is scheduled; the runner
-    keeps it (and the tokens it samples) until the request finishes."""
+    """A request the runner does not hold: first scheduled, or resumed after
+    preemption (the runner dropped its row then)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int]
+    # The request's whole block table (prefix-hit blocks first).
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Tokens generated before a preemption: inputs to recompute, and history
+    # for the penalties. Empty on first scheduling.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
-
-    The runner computes tokens ``all_token_ids[num_computed_tokens :
-    num_computed_tokens + num_scheduled_tokens]`` and writes their KV into
-    ``block_ids`` at the same positions.
-    """
+class CachedRequestData:
+    """A request the runner holds from an earlier step."""
 
     request_id: str
+    # Appended to the request's block table.
+    new_block_ids: list[int]
     num_computed_tokens: int
-    # The tokens to compute this step: all_token_ids[num_computed_tokens:][:n]
-    token_ids: list[int]
-    # The request's whole block table (hit blocks first, then its own).
-    block_ids: list[int]
-    # True when this chunk reaches the end of the known tokens, so the runner
-    # samples a next token for it. False for a non-final prefill chunk.
-    sample: bool
+    # Tokens appended since the runner last saw the request that it did not
+    # sample itself. Empty in the steady state.
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+# -- KV orders ------------------------------------------------------------------
+# Each order names device block ids and where their KV goes to or comes from.
+# Orders run before the step's forward pass, in the order listed in KVOrders,
+# so a block swapped out may be reused by the same step.
+
+
+@dataclass(slots=True)
+class SwapOrder:
+    """Copy whole blocks between the device pool and the runner's host swap
+    space: ``device_block_ids[i] <-> host_slots[i]``."""
+
+    request_id: str
+    device_block_ids: list[int]
+    host_slots: list[int]
+
+
+@dataclass(slots=True)
+class TransferOrder:
+    """Move whole blocks between the device pool and somewhere outside the
+    runner: a tier (``keys`` are block hashes) or another worker (``peer``)."""
+
+    request_id: str
+    device_block_ids: list[int]
+    keys: list[bytes] = field(default_factory=list)
+    peer: str = ""
+
+
+@dataclass(slots=True)
+class KVOrders:
+    swap_out: list[SwapOrder] = field(default_factory=list)
+    swap_in: list[SwapOrder] = field(default_factory=list)
+    load: list[TransferOrder] = field(default_factory=list)
+    save: list[TransferOrder] = field(default_factory=list)
+    send: list[TransferOrder] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.load or self.save or self.send)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
-    # Requests finished (or preempted) since the last step: the runner drops
-    # its per-request state (e.g. a seeded generator) for finished ones.
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request_id -> tokens to compute this step, drafts included.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # request_id -> draft tokens appended after the request's known tokens;
+    # the last len(drafts) of its scheduled tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_orders: KVOrders = field(default_factory=KVOrders)
+    # Finished since the last step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Preempted this step: the runner drops their rows (they come back, if
+    # ever, as new requests).
     preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(self.num_scheduled_tokens.values())
 
     @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: len(s.token_ids) for s in self.scheduled}
+    def scheduled_request_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
 
 
 @dataclass(slots=True)
@@ -72,6 +140,13 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    # request_id -> sampled token id, only for requests with sample=True
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request_id -> tokens accepted this step, in order: the verified drafts
+    # then one token sampled by the target (0 .. k+1). Absent for a request
+    # whose scheduled tokens did not reach the end of its known tokens.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> one entry per sampled token, for requests that ask.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # KV order completions, by request id, in completion order.
+    finished_loading: list[str] = field(default_factory=list)
+    finished_saving: list[str] = field(default_factory=list)
+    finished_sending: list[str] = field(default_factory=list)

@@ -1,24 +1,70 @@
 """One step's plan: which requests run and how many tokens each.
 
 The rule (after vLLM v1): each step gives every running request up to
-``num_tokens - num_computed_tokens`` tokens, within a per-step token budget
-(``max_num_batched_tokens``) and a cap on concurrent sequences
-(``max_num_seqs``). Running requests go first (decodes cost one token each),
-then waiting ones are admitted with whatever budget is left, chunking long
-prompts. When blocks run out, the most recently admitted running request is
-preempted: its blocks are freed and it restarts from its (prefix-cached)
-tokens later, which changes no greedy output.
+``num_tokens - num_computed_tokens`` tokens (plus its draft tokens), within
+a per-step token budget (``max_num_batched_tokens``) and a cap on concurrent
+sequences (``max_num_seqs``). Running requests go first (decodes cost one
+token each, plus drafts), then waiting ones are admitted with whatever budget
+is left, chunking long prompts. When blocks run out, the most recently
+admitted running request is preempted: its KV is swapped out to host memory
+when the swap space has room, otherwise its blocks are freed and it is
+recomputed from its (prefix-cached) tokens later. Neither changes a greedy
+output.
+
+Entry points: ``add_request``, ``schedule`` -> SchedulerOutput,
+``update_from_output`` -> list[EngineCoreOutput], ``finish_requests``.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvferry.config import SchedulerConfig
 from kvferry.core.kv_manager import KVCacheManager, PrefixHit
-from kvferry.core.outputs import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
-from kvferry.request import Request, RequestStatus
+from kvferry.core.outputs import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    SwapOrder,
+    TransferOrder,
+)
+from kvferry.core.swap_space import HostSwapSpace
+from kvferry.messages import EngineCoreOutput
+from kvferry.request import FINISH_REASON, Request, RequestStatus
+
+
+class _Skip:
+    """``_admit`` result: leave the request queued, try the next one."""
+
+
+_SKIP = _Skip()
+
+
+class DraftProposer(Protocol):
+    """Proposes draft tokens for a running request (n-gram, draft model,
+    heads). The scheduler verifies at most ``num_speculative_tokens`` of them."""
+
+    def propose(self, request: Request) -> list[int]: ...
+
+
+class ExternalKVSource(Protocol):
+    """Scheduler side of a KV source outside the device pool (a tier, a
+    prefill worker). The runner's KVConnector executes the load orders."""
+
+    def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens after ``num_computed_tokens`` whose KV can be loaded; a
+        multiple of the block size, leaving at least the last prompt token
+        to compute."""
+        ...
+
+
+@dataclass(slots=True)
+class SwappedKV:
+    host_slots: list[int]
+    num_tokens: int  # computed tokens whose KV the slots hold
 
 
 @dataclass(slots=True)
@@ -26,22 +72,51 @@ class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0  # cumulative
+    num_swapped_out: int = 0  # cumulative preemptions that swapped
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prefix_queries: int = 0  # cumulative tokens
     prefix_hits: int = 0
+    num_draft_tokens: int = 0  # cumulative
+    num_accepted_tokens: int = 0  # cumulative drafts accepted
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        swap_space: HostSwapSpace | None = None,
+        kv_source: ExternalKVSource | None = None,
+        proposer: DraftProposer | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.swap_space = swap_space
+        self.kv_source = kv_source
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: dict[str, SwappedKV] = {}
+        self.loading: dict[str, int] = {}  # request id -> external tokens in flight
         self._finished_since_step: list[str] = []
-        self._sent_to_runner: set[str] = set()
+        # What the runner's batch row holds per request: block count and
+        # token count. A preempted request loses its row (re-sent in full).
+        self._runner_blocks: dict[str, int] = {}
+        self._runner_tokens: dict[str, int] = {}
+        # Requests the runner keeps any state for (seeded generators survive
+        # preemption): told when they finish.
+        self._runner_states: set[str] = set()
+        # Outputs of requests finished inside schedule(), reported with the
+        # next update_from_output.
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # -- intake ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -62,11 +137,34 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_since_step)
         self._finished_since_step = []
+        self.propose()
         budget = self.config.max_num_batched_tokens
         budget, preempted = self._schedule_running(out, budget)
         if not preempted:
             self._schedule_waiting(out, budget)
         return out
+
+    def propose(self) -> None:
+        """Fill ``spec_token_ids`` of running decodes from the proposer. A
+        caller may also set them directly before ``schedule``."""
+        if self.proposer is None or self.num_speculative_tokens == 0:
+            return
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                request.spec_token_ids = self.proposer.propose(request)[: self.num_speculative_tokens]
+
+    def _drafts_for(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts worth verifying: only for a decode, within the budget,
+        and never more than the tokens the request may still produce."""
+        if num_new != 1 or not request.spec_token_ids:
+            return []
+        params = request.sampling_params
+        remaining = budget - num_new
+        if params.max_tokens is not None:
+            remaining = min(remaining, params.max_tokens - request.num_output_tokens - 1)
+        if request.max_model_len:
+            remaining = min(remaining, request.max_model_len - request.num_tokens - 1)
+        return request.spec_token_ids[: max(remaining, 0)]
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         preempted_any = False
@@ -77,96 +175,243 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            drafts = self._drafts_for(request, num_new, budget)
+            while self.kv.allocate_slots(request, num_new + len(drafts)) is None:
+                if not self.kv.can_fit(request.num_computed_tokens + num_new):
+                    # Alone it would need more blocks than the pool has:
+                    # preempting others cannot help, and retrying would spin.
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    self._pending_outputs.append(self._core_output(request, []))
+                    break
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted_any = True
                 if victim is request:
                     break
             else:
-                self._emit(out, request, num_new)
-                budget -= num_new
+                self._emit(out, request, num_new, drafts)
+                budget -= num_new + len(drafts)
                 i += 1
         return budget, preempted_any
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            hit = self.kv.find_prefix_hit(request) if request.num_computed_tokens == 0 else PrefixHit()
-            num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hit) is None:
-                break
-            self.waiting.popleft()
-            request.num_computed_tokens += hit.num_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hit.num_tokens
-                self.kv.record_lookup(request, hit)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._emit(out, request, num_new)
-            budget -= num_new
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            if request.status == RequestStatus.WAITING_FOR_KV:
+                i += 1  # its own KV is in flight; the rest of the queue is not blocked by that
+                continue
+            admitted = self._admit(out, request, budget)
+            if admitted is _SKIP:
+                i += 1  # too long for the budget left; a shorter one behind may fit
+                continue
+            if admitted is None:
+                break  # no blocks: every request behind it needs blocks too (FCFS)
+            if admitted == 0:
+                continue  # left the queue (finished, or now waiting for KV)
+            del self.waiting[i]
+            budget -= admitted
 
-    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        start = request.num_computed_tokens
-        if request.request_id not in self._sent_to_runner:
-            self._sent_to_runner.add(request.request_id)
+    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int | None | _Skip:
+        """Try to start or resume ``request``. Returns the tokens it was
+        scheduled for, 0 if it left the runnable set without running, _SKIP
+        if its whole prompt must run at once and exceeds the budget left, or
+        None if there are no blocks for it."""
+        swapped = self.swapped.get(request.request_id)
+        first = request.num_computed_tokens == 0 and swapped is None
+        hit = self.kv.find_prefix_hit(request) if first else PrefixHit()
+        num_external = swapped.num_tokens if swapped else 0
+        load_async = 0
+        if first and self.kv_source is not None:
+            load_async = self.kv_source.num_matched_tokens(request, hit.num_tokens)
+        num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens - num_external - load_async
+        # Without chunked prefill a prompt runs whole. A resumed request
+        # (preempted after generating) may recompute in chunks: that is
+        # invisible to its output, and its prompt + output can exceed the
+        # budget, so it would otherwise never run again.
+        resumed = request.num_output_tokens > 0
+        if num_new > budget and not self.config.enable_chunked_prefill and not resumed:
+            return _SKIP
+        num_new = 0 if load_async else min(num_new, budget)
+        new = self.kv.allocate_slots(request, num_new, hit, num_external_tokens=num_external + load_async)
+        if new is None:
+            total = request.num_computed_tokens + hit.num_tokens + num_external + load_async + num_new
+            if not self.running and not self.kv.can_fit(total):
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self._pending_outputs.append(self._core_output(request, []))
+                return 0
+            return None
+        request.num_computed_tokens += hit.num_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.num_tokens
+            self.kv.record_lookup(request, hit)
+        if load_async:
+            self._start_load(out, request, load_async)
+            return 0
+        if swapped is not None:
+            self._swap_in(out, request, swapped)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._emit(out, request, num_new, [])
+        return num_new
+
+    def _start_load(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        """Order the external KV of ``request`` into its blocks; it waits,
+        skipped by the queue, until the runner reports ``finished_loading``."""
+        bs = self.kv.block_size
+        first = request.num_computed_tokens // bs
+        count = num_tokens // bs
+        block_ids = self.kv.block_ids(request.request_id)[first : first + count]
+        keys = request.block_hashes[first : first + count]
+        out.kv_orders.load.append(TransferOrder(request.request_id, block_ids, keys=list(keys)))
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[request.request_id] = num_tokens
+
+    def _swap_in(self, out: SchedulerOutput, request: Request, swapped: SwappedKV) -> None:
+        del self.swapped[request.request_id]
+        block_ids = self.kv.block_ids(request.request_id)[: len(swapped.host_slots)]
+        out.kv_orders.swap_in.append(SwapOrder(request.request_id, block_ids, swapped.host_slots))
+        # Swap-in runs before this step's forward pass, so the tokens count
+        # as computed for the step.
+        request.num_computed_tokens += swapped.num_tokens
+        self.swap_space.free(swapped.host_slots)
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int]) -> None:
+        rid = request.request_id
+        block_ids = self.kv.block_ids(rid)
+        if rid not in self._runner_blocks:
             out.new_requests.append(
                 NewRequestData(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    request.sampling_params,
-                    list(request.eos_token_ids),
+                    request_id=rid,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    eos_token_ids=list(request.eos_token_ids),
+                    block_ids=block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                    output_token_ids=list(request.output_token_ids),
                 )
             )
-        out.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                num_computed_tokens=start,
-                token_ids=request.all_token_ids[start : start + num_new],
-                block_ids=self.kv.block_ids(request.request_id),
-                sample=start + num_new == request.num_tokens,
+        else:
+            known = self._runner_tokens[rid]
+            out.cached_requests.append(
+                CachedRequestData(
+                    request_id=rid,
+                    new_block_ids=block_ids[self._runner_blocks[rid] :],
+                    num_computed_tokens=request.num_computed_tokens,
+                    new_token_ids=request.all_token_ids[known:],
+                )
             )
-        )
-        # Advance now, as if the step already ran; update_from_output appends
-        # the sampled token, which makes num_tokens run ahead again by one.
-        request.num_computed_tokens += num_new
+        self._runner_blocks[rid] = len(block_ids)
+        self._runner_tokens[rid] = request.num_tokens
+        self._runner_states.add(rid)
+        out.num_scheduled_tokens[rid] = num_new + len(drafts)
+        if drafts:
+            out.spec_token_ids[rid] = list(drafts)
+        # Advance now, as if the step already ran; update_from_output rolls
+        # back rejected drafts and appends the sampled tokens.
+        request.num_computed_tokens += num_new + len(drafts)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._swap_out(request, out)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._runner_blocks.pop(request.request_id, None)
         self.waiting.appendleft(request)
         out.preempted_request_ids.append(request.request_id)
 
-    # -- results -----------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Append sampled tokens and apply token-level stop rules.
+    def _swap_out(self, request: Request, out: SchedulerOutput) -> None:
+        """Copy the computed KV to host slots when they are free; the copy
+        runs before this step's forward pass, so the blocks can be freed now."""
+        if self.swap_space is None or request.num_computed_tokens == 0:
+            return
+        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
+        slots = self.swap_space.allocate(num_blocks)
+        if slots is None:
+            return  # no room: recompute later
+        block_ids = self.kv.block_ids(request.request_id)[:num_blocks]
+        out.kv_orders.swap_out.append(SwapOrder(request.request_id, block_ids, slots))
+        self.swapped[request.request_id] = SwappedKV(slots, request.num_computed_tokens)
+        self.num_swapped_out += 1
 
-        Returns the requests that got a new token (finished ones included).
-        Stop strings need text, so the engine applies them and calls
-        ``finish_requests``.
-        """
-        updated = []
-        for item in sched.scheduled:
-            token = result.sampled_token_ids.get(item.request_id)
-            request = self.requests.get(item.request_id)
-            if token is None or request is None or request.is_finished:
-                continue
+    # -- results -----------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's result: publish the blocks it wrote, roll back
+        rejected drafts, append accepted tokens and apply token-level stop
+        rules per token. Returns one output per request that got tokens or
+        finished. Stop strings need text: the front end applies them and
+        calls ``finish_requests``."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        self._apply_kv_completions(result)
+        for rid, num_scheduled in sched.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue  # finished (aborted) while the step ran
+            sampled = result.sampled_token_ids.get(rid, [])
+            self._rollback_drafts(request, sched.spec_token_ids.get(rid, []), sampled)
+            new_tokens, stop = self._append_tokens(request, sampled)
+            # The step wrote these blocks' KV: publish them (before a finish frees them).
+            self.kv.cache_computed_blocks(request)
+            if stop is not None:
+                self._finish(request, stop)
+            self._runner_tokens[rid] = request.num_tokens
+            if new_tokens or request.is_finished:
+                logprobs = result.logprobs.get(rid)
+                outputs.append(self._core_output(request, new_tokens, logprobs))
+        return outputs
+
+    def _rollback_drafts(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
+        request.spec_token_ids = []
+        if not drafts or not sampled:
+            return
+        num_accepted = len(sampled) - 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += num_accepted
+        # KV at the rejected drafts' positions is garbage; it is overwritten
+        # when those positions are computed again.
+        request.num_computed_tokens -= len(drafts) - num_accepted
+
+    def _append_tokens(self, request: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens one at a time; a stop in the middle of an accepted
+        run drops the rest. Returns the tokens kept and the stop, if any."""
+        for n, token in enumerate(sampled, start=1):
             request.append_output_token(token)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             status = self._check_stop(request, token)
             if status is not None:
-                self._finish(request, status)
-            updated.append(request)
-        return updated
+                return sampled[:n], status
+        return sampled, None
+
+    def _core_output(self, request: Request, new_tokens: list[int], logprobs=None) -> EngineCoreOutput:
+        finished = request.is_finished
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=list(new_tokens),
+            new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
+            finish_reason=FINISH_REASON[request.status] if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+
+    def _apply_kv_completions(self, result: RunnerOutput) -> None:
+        for rid in result.finished_loading:
+            if rid not in self.loading:
+                continue  # a swap-in: complete within its own step
+            num_tokens = self.loading.pop(rid)
+            request = self.requests.get(rid)
+            if request is None:
+                self.kv.release_delayed(rid)  # finished while loading
+                continue
+            request.num_computed_tokens += num_tokens
+            request.status = RequestStatus.WAITING
+        for rid in result.finished_sending:
+            self.kv.release_delayed(rid)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -189,16 +434,24 @@ class Scheduler:
                 self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        rid = request.request_id
         request.status = status
+        request.spec_token_ids = []
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
-        del self.requests[request.request_id]
-        if request.request_id in self._sent_to_runner:
-            self._sent_to_runner.discard(request.request_id)
-            self._finished_since_step.append(request.request_id)
+        # A load in flight still writes the blocks: keep them until it ends.
+        self.kv.free(request, delay=rid in self.loading)
+        swapped = self.swapped.pop(rid, None)
+        if swapped is not None:
+            self.swap_space.free(swapped.host_slots)
+        del self.requests[rid]
+        self._runner_tokens.pop(rid, None)
+        self._runner_blocks.pop(rid, None)
+        if rid in self._runner_states:
+            self._runner_states.discard(rid)
+            self._finished_since_step.append(rid)
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
@@ -206,8 +459,11 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
+            num_swapped_out=self.num_swapped_out,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_total=pool.num_blocks,
             prefix_queries=self.kv.stats.queries,
             prefix_hits=self.kv.stats.hits,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

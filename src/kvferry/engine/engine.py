@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvferry.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler, SchedulerStats
+from kvferry.core.swap_space import HostSwapSpace
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.model.loader import LoadedModel, load_model
@@ -37,11 +38,11 @@ class LLMEngine:
         num_blocks = self._resolve_num_blocks()
         self.max_model_len = min(self.max_model_len, num_blocks * self.block_size)
         kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching, self.loaded.fingerprint)
-        self.scheduler = Scheduler(config.scheduler, kv)
-        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size)
+        num_swap = config.cache.num_swap_blocks
+        self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None)
+        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, num_swap_blocks=num_swap)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentRequest] = {}
-        self.child_to_parent: dict[str, str] = {}
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", num_blocks, self.block_size, self.max_model_len)
 
@@ -91,7 +92,6 @@ class LLMEngine:
             )
             self.scheduler.add_request(request)
             self.output_processor.add(request, request_id, index, text)
-            self.child_to_parent[child_id] = request_id
         self.parents[request_id] = ParentRequest(request_id, child_ids, len(child_ids))
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -131,7 +131,6 @@ class LLMEngine:
 
     def _forget_child(self, child_id: str) -> None:
         self.output_processor.remove(child_id)
-        self.child_to_parent.pop(child_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -146,8 +145,8 @@ class LLMEngine:
         of its n sequences it is."""
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
-        updated = self.scheduler.update_from_output(sched, result)
-        processed = self.output_processor.process(updated, result.logprobs)
+        core_outputs = self.scheduler.update_from_output(sched, result)
+        processed = self.output_processor.process(core_outputs)
         if processed.stopped_by_string:
             self.scheduler.finish_requests(processed.stopped_by_string, RequestStatus.FINISHED_STOPPED)
         for out in processed.outputs:
@@ -196,9 +195,10 @@ def build_engine_config(
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
     max_model_len: int = 0,
+    num_swap_blocks: int = 0,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=model, dtype=dtype, device=device),
-        cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching),
+        cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching, num_swap_blocks),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill),
     )

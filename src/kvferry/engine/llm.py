@@ -25,13 +25,14 @@ class LLM:
         max_model_len: int = 0,
         kv_cache_memory_gb: float = 2.0,
         device: str = "cpu",
+        num_swap_blocks: int = 0,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, device=device, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            max_model_len=max_model_len,
+            max_model_len=max_model_len, num_swap_blocks=num_swap_blocks,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvferry.core.outputs import TokenLogprobs
+from kvferry.messages import EngineCoreOutput
 from kvferry.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvferry.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvferry.request import FINISH_REASON, Request, RequestStatus
@@ -20,6 +21,7 @@ from kvferry.request import FINISH_REASON, Request, RequestStatus
 class SequenceState:
     """Engine-side view of one generated sequence (one of a request's n)."""
 
+    request: Request
     parent_id: str
     index: int
     prompt: str | None
@@ -50,7 +52,7 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         holdback = max((len(s) for s in params.stop), default=1) - 1
         self.seqs[request.request_id] = SequenceState(
-            parent_id, index, prompt, detok,
+            request, parent_id, index, prompt, detok,
             logprobs=[] if params.logprobs is not None else None,
             stop_holdback=holdback,
         )
@@ -58,15 +60,16 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
 
-    def process(self, requests: list[Request], logprobs: dict[str, TokenLogprobs]) -> ProcessedStep:
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedStep:
         step = ProcessedStep()
-        for request in requests:
-            seq = self.seqs.get(request.request_id)
+        for core_out in outputs:
+            seq = self.seqs.get(core_out.request_id)
             if seq is None:
                 continue
-            new_tokens = request.output_token_ids[seq.num_emitted_tokens :]
-            if request.request_id in logprobs and seq.logprobs is not None:
-                seq.logprobs.append(logprobs[request.request_id])
+            request = seq.request
+            new_tokens = core_out.new_token_ids
+            if core_out.new_logprobs and seq.logprobs is not None:
+                seq.logprobs.extend(core_out.new_logprobs)
             if self._append_text(request, seq, new_tokens):
                 step.stopped_by_string.append(request.request_id)
             step.outputs.append(self._snapshot(request, seq))
@@ -124,7 +127,7 @@ class OutputProcessor:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens or 0,
             new_token_ids=new_tokens,
             new_text=new_text,
             new_logprobs=new_logprobs,

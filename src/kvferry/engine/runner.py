@@ -1,8 +1,12 @@
-"""SchedulerOutput -> tensors -> forward -> sample -> RunnerOutput.
+"""SchedulerOutput -> tensors -> forward -> sample/verify -> RunnerOutput.
 
-The runner owns the model, the KV cache tensor and per-request sampling
-state. Everything for one step is built at once (numpy, then one tensor per
-field) and there is one device->host sync per step: the sampled ids.
+The runner owns the model, the KV cache tensor, a persistent batch of the
+requests it holds (``InputBatch``: token ids and block tables as numpy rows,
+updated in place from the scheduler's deltas) and per-request sampling state
+(seeded generator, penalty counts updated with each sampled token). A step
+builds its inputs by numpy gathers over those rows, runs the forward pass,
+and returns 0 .. k+1 tokens per request (k = its draft tokens). There is one
+device->host sync per step: the sampled ids.
 """
 from __future__ import annotations
 
@@ -11,18 +15,35 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvferry.core.outputs import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
+from kvferry.engine.input_batch import InputBatch
+from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
-from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow
+from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, token_counts
+from kvferry.sampling import SamplingParams
 
 
 @dataclass(slots=True)
-class RunnerRequestState:
-    data: NewRequestData
+class RequestState:
+    """What the runner keeps per request from its first scheduling to its end
+    (across preemption, so a seeded stream continues where it was)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    eos_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Penalty state, only for requests that penalize: [V] float32 counts of
+    # output tokens, [V] bool prompt membership.
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+
+    @property
+    def penalizes(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -30,15 +51,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    # [num_sampled] indices into the flattened batch: last token of each
-    # request that samples this step
+    # [num_logits] indices into the flattened batch: for each sampling
+    # request, its last 1 + k tokens (k drafts)
     logits_indices: torch.Tensor
-    sampled: list[ScheduledRequest]
-
-
-def kv_cache_shape(loaded: LoadedModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    cfg = loaded.config
-    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    # (request id, its drafts) for each sampling request, in logits order
+    sampling: list[tuple[str, list[int]]]
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
@@ -48,7 +65,7 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -56,44 +73,79 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
-        self.states: dict[str, RunnerRequestState] = {}
+        self.connector: KVConnector = HostSwapConnector(self.kv_cache, num_swap_blocks)
+        self.states: dict[str, RequestState] = {}
+        self.batch = InputBatch()
         self.sampler = Sampler()
 
-    # -- per-request state --------------------------------------------------
+    # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
+            self.batch.remove(rid)
+        for rid in sched.preempted_request_ids:
+            self.batch.remove(rid)  # the state stays: it comes back as new
         for data in sched.new_requests:
+            self._add_request(data)
+        for cached in sched.cached_requests:
+            row = self.batch.index[cached.request_id]
+            self.batch.append_blocks(row, cached.new_block_ids)
+            self.batch.append_tokens(row, cached.new_token_ids)
+            self.states[cached.request_id].output_token_ids.extend(cached.new_token_ids)
+            self.batch.num_computed_tokens[row] = cached.num_computed_tokens
+        for rid, drafts in sched.spec_token_ids.items():
+            self.batch.write_drafts(self.batch.index[rid], drafts)
+
+    def _add_request(self, data: NewRequestData) -> None:
+        self.batch.remove(data.request_id)
+        self.batch.add(data)
+        state = self.states.get(data.request_id)
+        if state is None:
             gen = None
             if data.sampling_params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(data.sampling_params.seed)
-            self.states[data.request_id] = RunnerRequestState(data, generator=gen)
+            state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids, generator=gen)
+            self.states[data.request_id] = state
+        state.output_token_ids = list(data.output_token_ids)
+        if state.penalizes:
+            # Once per (re)admission: O(prompt + outputs). Steps then only add.
+            state.prompt_mask = token_counts([data.prompt_token_ids], self.vocab_size, self.device)[0] > 0
+            state.output_counts = token_counts([state.output_token_ids], self.vocab_size, self.device)[0]
 
     # -- inputs ---------------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput) -> StepInputs:
         # Multi-token chunks first, then single-token ones (AttentionMetadata).
-        items = sorted(sched.scheduled, key=lambda s: len(s.token_ids) == 1)
-        num_prefills = sum(1 for s in items if len(s.token_ids) > 1)
-        bs = self.block_size
-        lens = np.fromiter((len(s.token_ids) for s in items), dtype=np.int64, count=len(items))
-        query_start_loc = np.zeros(len(items) + 1, dtype=np.int64)
+        order = sorted(sched.num_scheduled_tokens, key=lambda rid: sched.num_scheduled_tokens[rid] == 1)
+        batch, bs = self.batch, self.block_size
+        rows = np.fromiter((batch.index[rid] for rid in order), dtype=np.int64, count=len(order))
+        lens = np.fromiter((sched.num_scheduled_tokens[rid] for rid in order), dtype=np.int64, count=len(order))
+        num_prefills = int((lens > 1).sum())
+        query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(lens, out=query_start_loc[1:])
-        starts = np.fromiter((s.num_computed_tokens for s in items), dtype=np.int64, count=len(items))
+        starts = batch.num_computed_tokens[rows]
+        seq_lens = starts + lens
         # positions: for request i, starts[i] .. starts[i] + lens[i] - 1
         positions = np.repeat(starts - query_start_loc[:-1], lens) + np.arange(query_start_loc[-1])
-        max_blocks = max(len(s.block_ids) for s in items)
-        block_tables = np.zeros((len(items), max_blocks), dtype=np.int64)
-        for i, s in enumerate(items):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
+        req_of_token = np.repeat(np.arange(len(order)), lens)  # [num_tokens]
+        input_ids = batch.token_ids[rows[req_of_token], positions]
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks], one gather
         # slot = block_tables[req, pos // bs] * bs + pos % bs   for every new token
-        req_of_token = np.repeat(np.arange(len(items)), lens)
         slots = block_tables[req_of_token, positions // bs] * bs + positions % bs
-        input_ids = np.fromiter((t for s in items for t in s.token_ids), dtype=np.int64, count=int(query_start_loc[-1]))
-        sampled_pos = [i for i, s in enumerate(items) if s.sample]
+        # A request samples when its tokens reach the end of the known ones
+        # (a non-final prefill chunk does not); with k drafts it samples at
+        # its last 1 + k positions.
+        num_drafts = np.fromiter((len(sched.spec_token_ids.get(rid, ())) for rid in order), dtype=np.int64, count=len(order))
+        samples = seq_lens - num_drafts >= batch.num_tokens[rows]
+        logits_indices = [
+            np.arange(end - 1 - k, end)
+            for end, k, s in zip(query_start_loc[1:], num_drafts, samples)
+            if s
+        ]
         meta = AttentionMetadata(
             query_start_loc=query_start_loc.tolist(),
-            seq_lens=(starts + lens).tolist(),
+            seq_lens=seq_lens.tolist(),
             slot_mapping=self._to_device(slots),
             block_tables=self._to_device(block_tables),
             block_size=bs,
@@ -104,8 +156,8 @@ class ModelRunner:
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
             meta=meta,
-            logits_indices=self._to_device(query_start_loc[1:][sampled_pos] - 1),
-            sampled=[items[i] for i in sampled_pos],
+            logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
+            sampling=[(rid, sched.spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -115,30 +167,94 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._update_states(sched)
-        if sched.is_empty:
-            return RunnerOutput()
-        inputs = self._prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        if not inputs.sampled:
-            return RunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab] fp32
-        rows = [self._sampling_row(s.request_id) for s in inputs.sampled]
-        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        result = self.sampler(logits, batch)
+        if sched.kv_orders:
+            self.connector.execute(sched.kv_orders)
         out = RunnerOutput()
-        for item, token, lp in zip(inputs.sampled, result.token_ids, result.logprobs):
-            self.states[item.request_id].output_token_ids.append(token)
-            out.sampled_token_ids[item.request_id] = token
-            if lp is not None:
-                out.logprobs[item.request_id] = lp
+        if not sched.is_empty:
+            inputs = self._prepare(sched)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+            if inputs.sampling:
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab] fp32
+                self._sample(logits, inputs.sampling, out)
+        finished = self.connector.take_finished()
+        out.finished_loading = finished.finished_loading
+        out.finished_saving = finished.finished_saving
+        out.finished_sending = finished.finished_sending
         return out
 
-    def _sampling_row(self, request_id: str) -> SamplingRow:
-        state = self.states[request_id]
-        return SamplingRow(
-            params=state.data.sampling_params,
-            prompt_token_ids=state.data.prompt_token_ids,
-            output_token_ids=state.output_token_ids,
-            generator=state.generator,
-            eos_token_ids=state.data.eos_token_ids,
-        )
+    # -- sampling and verification --------------------------------------------
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[str, list[int]]], out: RunnerOutput) -> None:
+        """Sample the target at every position and accept drafts while they
+        equal the sample: exact for drafts without a distribution (the
+        accepted tokens are each a sample of the target given the ones
+        before), and greedy verification at temperature 0."""
+        rows: list[SamplingRow] = []
+        for rid, drafts in sampling:
+            state = self.states[rid]
+            for k in range(len(drafts) + 1):
+                rows.append(
+                    SamplingRow(
+                        params=state.params,
+                        prompt_token_ids=state.prompt_token_ids,
+                        output_token_ids=state.output_token_ids,
+                        generator=state.generator,
+                        eos_token_ids=state.eos_token_ids,
+                        num_output_tokens=len(state.output_token_ids) + k,
+                    )
+                )
+        counts, prompt_mask = self._penalty_state(sampling)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device, counts, prompt_mask)
+        result = self.sampler(logits, batch)
+        i = 0
+        for rid, drafts in sampling:
+            accepted = _accept(drafts, result.token_ids[i : i + len(drafts) + 1])
+            lps = result.logprobs[i : i + len(accepted)]
+            i += len(drafts) + 1
+            self._record(rid, accepted)
+            out.sampled_token_ids[rid] = accepted
+            if lps and lps[0] is not None:
+                out.logprobs[rid] = [lp for lp in lps if lp is not None]
+
+    def _penalty_state(self, sampling: list[tuple[str, list[int]]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """[num_logits, V] output counts and prompt masks from each request's
+        running state; a draft position k also counts the k drafts before it
+        (they are the output there if accepted)."""
+        states = [self.states[rid] for rid, _ in sampling]
+        if not any(s.penalizes for s in states):
+            return None, None
+        zeros_counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+        zeros_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+        counts, masks, draft_rows, draft_ids = [], [], [], []
+        for (rid, drafts), state in zip(sampling, states):
+            for k in range(len(drafts) + 1):
+                row = len(counts)
+                counts.append(state.output_counts if state.penalizes else zeros_counts)
+                masks.append(state.prompt_mask if state.penalizes else zeros_mask)
+                draft_rows.extend([row] * k)
+                draft_ids.extend(drafts[:k])
+        output_counts = torch.stack(counts)  # [num_logits, V]
+        if draft_rows:
+            index = (torch.tensor(draft_rows, device=self.device), torch.tensor(draft_ids, device=self.device))
+            output_counts.index_put_(index, torch.ones(len(draft_rows), device=self.device), accumulate=True)
+        return output_counts, torch.stack(masks)
+
+    def _record(self, rid: str, accepted: list[int]) -> None:
+        """The runner knows its own samples: append them to the request's
+        row and penalty state (the scheduler will not send them back)."""
+        state = self.states[rid]
+        state.output_token_ids.extend(accepted)
+        self.batch.append_tokens(self.batch.index[rid], accepted)
+        if state.output_counts is not None:
+            ids = torch.tensor(accepted, device=self.device)
+            state.output_counts.index_add_(0, ids, torch.ones(len(accepted), device=self.device))
+
+
+def _accept(drafts: list[int], samples: list[int]) -> list[int]:
+    """Tokens accepted by verification: the drafts up to the first one that
+    differs from the target's sample there, then that sample (or, when every
+    draft matched, the sample after the last draft)."""
+    for k, draft in enumerate(drafts):
+        if samples[k] != draft:
+            return samples[: k + 1]
+    return samples[: len(drafts) + 1]
+

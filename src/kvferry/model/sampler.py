@@ -49,6 +49,15 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # The model's EOS ids; masked with ``stop_token_ids`` under min_tokens.
     eos_token_ids: list[int] = field(default_factory=list)
+    # Output length as of this row, when it differs from
+    # ``len(output_token_ids)`` (a draft position k counts k drafts).
+    num_output_tokens: int | None = None
+
+    @property
+    def output_len(self) -> int:
+        if self.num_output_tokens is not None:
+            return self.num_output_tokens
+        return len(self.output_token_ids)
 
 
 @dataclass(slots=True)
@@ -95,8 +104,16 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+        cls,
+        rows: list[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str,
+        output_counts: torch.Tensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
     ) -> "SamplingBatch":
+        """``output_counts`` [B, V] float32 / ``prompt_mask`` [B, V] bool:
+        penalty state the caller keeps per request (then the rows' token
+        lists are not scanned); built from the rows when not given."""
         if not rows:
             raise ValueError("SamplingBatch needs at least one row")
         device = torch.device(device)
@@ -113,13 +130,16 @@ class SamplingBatch:
         need_freq_presence = any(
             p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
         )
-        output_counts = prompt_mask = None
-        if need_repetition or need_freq_presence:
-            output_counts = _token_counts(
+        if not (need_repetition or need_freq_presence):
+            output_counts = prompt_mask = None
+        elif output_counts is None:
+            output_counts = token_counts(
                 [r.output_token_ids for r in rows], vocab_size, device
             )
-        if need_repetition:
-            prompt_mask = _token_counts(
+        if not need_repetition:
+            prompt_mask = None
+        elif prompt_mask is None:
+            prompt_mask = token_counts(
                 [r.prompt_token_ids for r in rows], vocab_size, device
             ) > 0
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -184,7 +204,7 @@ def _row_knobs(p: SamplingParams, greedy: bool, vocab_size: int) -> list[float]:
     ]
 
 
-def _token_counts(
+def token_counts(
     token_lists: list[list[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
     """[B, V] float32: how often each token id occurs in each row's list.
@@ -215,7 +235,7 @@ def _stop_mask_index(
     pairs: list[tuple[int, int]] = []
     for i, r in enumerate(rows):
         p = r.params
-        if len(r.output_token_ids) >= p.min_tokens:
+        if r.output_len >= p.min_tokens:
             continue
         stop_ids = set(p.stop_token_ids or [])
         if not p.ignore_eos:

@@ -1,0 +1,107 @@
+"""The runner's persistent batch: one numpy row per request it holds, updated
+in place from the scheduler's deltas, never rebuilt per step.
+
+Row r (the request ``req_ids[r]``)::
+
+    token_ids[r]    | prompt | outputs ......... | drafts of this step | unused |
+                    0        num_prompt          num_tokens[r]
+    block_table[r]  | block ids ...................| unused |
+                    0                              num_blocks[r]
+
+Rows are kept dense: removing a request moves the last row into its place,
+so rows ``[0, num_reqs)`` are exactly the requests held. Columns grow by
+doubling when a request outgrows them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvferry.core.outputs import NewRequestData
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int = 8, max_num_tokens: int = 256, max_num_blocks: int = 16) -> None:
+        self.req_ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self.token_ids = np.zeros((max_num_reqs, max_num_tokens), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + outputs known
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, data: NewRequestData) -> int:
+        tokens = data.prompt_token_ids + data.output_token_ids
+        row = self.num_reqs
+        self._ensure(row + 1, len(tokens), len(data.block_ids))
+        self.req_ids.append(data.request_id)
+        self.index[data.request_id] = row
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = data.num_computed_tokens
+        self.block_table[row, : len(data.block_ids)] = data.block_ids
+        self.num_blocks[row] = len(data.block_ids)
+        return row
+
+    def remove(self, request_id: str) -> None:
+        row = self.index.pop(request_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        if row != last:
+            # Move the last row into the hole, so rows stay dense.
+            moved = self.req_ids[last]
+            for array in (self.token_ids, self.num_tokens, self.num_computed_tokens, self.block_table, self.num_blocks):
+                array[row] = array[last]
+            self.req_ids[row] = moved
+            self.index[moved] = row
+        self.req_ids.pop()
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        self._ensure(self.num_reqs, 0, start + len(block_ids))
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        if not token_ids:
+            return
+        start = int(self.num_tokens[row])
+        self._ensure(self.num_reqs, start + len(token_ids), 0)
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+
+    def write_drafts(self, row: int, draft_ids: list[int]) -> None:
+        """Drafts go after the known tokens without counting as known: the
+        accepted ones are appended (over them) once verified."""
+        start = int(self.num_tokens[row])
+        self._ensure(self.num_reqs, start + len(draft_ids), 0)
+        self.token_ids[row, start : start + len(draft_ids)] = draft_ids
+
+    def _ensure(self, num_rows: int, num_tokens: int, num_blocks: int) -> None:
+        self.token_ids = _grown(self.token_ids, num_rows, num_tokens)
+        self.block_table = _grown(self.block_table, num_rows, num_blocks)
+        for name in ("num_tokens", "num_computed_tokens", "num_blocks"):
+            array = getattr(self, name)
+            if num_rows > len(array):
+                grown = np.zeros(max(num_rows, 2 * len(array)), dtype=array.dtype)
+                grown[: len(array)] = array
+                setattr(self, name, grown)
+
+
+def _grown(array: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """``array`` itself if it has room for [rows, cols], else a copy at least
+    twice as large in the dimension that ran out."""
+    old_rows, old_cols = array.shape
+    if rows <= old_rows and cols <= old_cols:
+        return array
+    new_rows = max(rows, 2 * old_rows) if rows > old_rows else old_rows
+    new_cols = max(cols, 2 * old_cols) if cols > old_cols else old_cols
+    grown = np.zeros((new_rows, new_cols), dtype=array.dtype)
+    grown[:old_rows, :old_cols] = array
+    return grown
