@@ -104,7 +104,7 @@ def test_bad_sampling_params(kwargs, field):
 
 
 def test_bad_prompts_leave_engine_usable(llm):
-    vocab = llm.engine.loaded.config.vocab_size
+    vocab = llm.engine.core.loaded.config.vocab_size
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[1, 2, vocab + 5]])
     with pytest.raises(ValueError, match="context length"):
