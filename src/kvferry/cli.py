@@ -1,4 +1,4 @@
-"""kvferry command line: serve | demo.
+"""kvferry command line: serve | engine-core | demo.
 
 Engine flags come from EngineArgs (one flag per field), so every command
 that builds an engine takes the same options with the same defaults.
@@ -32,6 +32,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine_core(args: argparse.Namespace) -> int:
+    from kvferry.engine.core_proc import run_from_args
+
+    return run_from_args(args, args.engine_args.create_engine_config())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,10 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=cmd_demo, subparser=demo)
     from kvferry.serve.cli import add_serve_parser  # light: heavy imports happen when serve runs
 
+    core = sub.add_parser("engine-core", help="an engine core alone, reached by socket address")
+    EngineArgs.add_cli_args(core)
+    _add_core_args(core)
+    core.set_defaults(func=cmd_engine_core, subparser=core)
+
     add_serve_parser(sub)
     args = parser.parse_args(argv)
     args.engine_args = engine_args_from(args.subparser, args)
     return args.func(args)
+
+
+def _add_core_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-address", required=True, help="where to receive inputs (ipc:// or tcp://)")
+    parser.add_argument("--output-address", required=True, help="where to send outputs (ipc:// or tcp://)")
+    parser.add_argument("--name", default="engine-0", help="process title suffix: kvferry: NAME")
+    parser.add_argument("--check-kv-integrity", action="store_true")
+    parser.add_argument("--log-level", default="info")
 
 
 if __name__ == "__main__":

@@ -164,3 +164,47 @@ def test_core_start_failure_is_a_clear_error(tiny):
 def test_bad_engine_flag_is_a_usage_error():
     code, out, _ = _serve(["--max-num-seqs", "0"])
     assert code == 2 and "max_num_seqs must be an integer >= 1" in out, out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine_core_alone_over_tcp(tiny):
+    """``kvferry engine-core`` serves whoever connects to its addresses (as a
+    worker on another node would): handshake, a request, shutdown."""
+    from kvferry.engine.core_client import CoreConnection
+    from kvferry.engine.core_proc import CoreAddresses
+    from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreShutdown, decode
+    from kvferry.sampling import SamplingParams
+
+    addresses = CoreAddresses(f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}")
+    proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--model", tiny, "--dtype",
+                             "float32", "--num-kv-blocks", "64", "--name", "engine-7", "--log-level", "warning",
+                             "--input-address", addresses.input, "--output-address", addresses.output])
+    conn = CoreConnection(addresses)
+    try:
+        ready = conn.wait_ready(timeout_s=120)
+        assert ready.pid == proc.pid and ready.num_kv_blocks == 64 and ready.max_model_len == 64 * 16
+        assert proc_title(proc.pid).startswith("kvferry: engine-7")
+        params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
+        conn.send(EngineCoreRequest(request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=params,
+                                    eos_token_ids=[2], arrival_time=time.monotonic()))
+        tokens, finish = [], None
+        while finish is None:
+            assert conn.output.poll(30_000), "no output from the core"
+            message = decode(conn.output.recv(), CoreOutput)
+            assert isinstance(message, EngineCoreOutputs) and message.engine_error is None
+            for out in message.outputs:
+                tokens += out.new_token_ids
+                finish = out.finish_reason
+        assert len(tokens) == 5 and finish == "length"
+        conn.send(EngineCoreShutdown())
+        assert proc.wait(30) == 0
+    finally:
+        conn.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

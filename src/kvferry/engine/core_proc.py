@@ -230,32 +230,12 @@ def _run_off_main_thread(proc: EngineCoreProc) -> bool:
     return not failed
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``kvferry engine-core``: a core on its own, for a front end (or router)
-    that connects by address, e.g. from another node over tcp://."""
-    import argparse
-
-    from kvferry.config import EngineArgs
-
-    parser = argparse.ArgumentParser(prog="kvferry engine-core")
-    EngineArgs.add_cli_args(parser)
-    parser.add_argument("--input-address", required=True, help="where to receive inputs (ipc:// or tcp://)")
-    parser.add_argument("--output-address", required=True, help="where to send outputs (ipc:// or tcp://)")
-    parser.add_argument("--name", default="engine-0", help="process title suffix: kvferry: NAME")
-    parser.add_argument("--check-kv-integrity", action="store_true")
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    try:
-        engine_args = EngineArgs.from_cli_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    run_engine_core(engine_args.create_engine_config(), CoreAddresses(args.input_address, args.output_address),
-                    args.name, None, args.check_kv_integrity, args.log_level)
+def run_from_args(args, config: EngineConfig) -> int:  # args: the parsed ``kvferry engine-core`` flags
+    """``kvferry engine-core``: a core on its own, for a front end (or a
+    router) that connects by address, e.g. from another node over tcp://."""
+    run_engine_core(config, CoreAddresses(args.input_address, args.output_address), args.name, None,
+                    args.check_kv_integrity, args.log_level)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def _watch_parent(parent_pid: int) -> None:
