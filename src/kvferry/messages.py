@@ -113,6 +113,11 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     model_fingerprint: str
+    # The HF folder the core loaded (a GGUF's converted folder): the front
+    # end reads the same tokenizer from it.
+    model_path: str
+    # Every end-of-sequence id (from the tokenizer, else the model config).
+    eos_token_ids: list[int]
 
 
 # One message type per direction.

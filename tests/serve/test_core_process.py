@@ -175,8 +175,7 @@ def _free_port() -> int:
 def test_engine_core_alone_over_tcp(tiny):
     """``kvferry engine-core`` serves whoever connects to its addresses (as a
     worker on another node would): handshake, a request, shutdown."""
-    from kvferry.engine.core_client import CoreConnection
-    from kvferry.engine.core_proc import CoreAddresses
+    from kvferry.engine.core_client import CoreAddresses, CoreConnection
     from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreShutdown, decode
     from kvferry.sampling import SamplingParams
 

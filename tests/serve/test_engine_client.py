@@ -204,9 +204,11 @@ def _check_responsive(args: EngineArgs) -> None:
         total = time.monotonic() - start
         assert result["status"] == 200
         # The generation (a ~1 s prefill step, then 20 decode steps) took a
-        # while; health and metrics kept answering throughout, well under a step.
+        # while; health and metrics kept answering throughout, well under a
+        # step (with headroom for a machine shared with other work).
         assert len(latencies) >= 5, (latencies, total)
-        assert max(latencies) < min(0.5, total / 3), (latencies, total)
+        assert max(latencies) < min(0.75, total / 3), (latencies, total)
+        assert sorted(latencies)[len(latencies) // 2] < 0.05, latencies
     assert not client.process.is_alive() and client.process.exitcode == 0
 
 

@@ -68,6 +68,8 @@ class EngineCore:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             model_fingerprint=self.loaded.fingerprint,
+            model_path=self.loaded.model_path,
+            eos_token_ids=list(self.loaded.tokenizer.eos_token_ids),
         )
 
     # -- requests ----------------------------------------------------------------

@@ -6,6 +6,7 @@
 
 ``CoreConnection`` works the same for a core this process did not start
 (a core in a test thread, or later on another node): it needs addresses only.
+No torch here: the front end imports this module.
 """
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ from dataclasses import dataclass
 import zmq
 
 from kvferry.config import EngineConfig
-from kvferry.engine.core_proc import CoreAddresses, run_engine_core
 from kvferry.messages import CoreInput, CoreOutput, EngineCoreOutputs, EngineCoreReady, decode, encode
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CoreAddresses:
+    """Where a core listens: ``input`` for CoreInput, ``output`` for CoreOutput."""
+
+    input: str
+    output: str
 
 
 class EngineCoreStartError(RuntimeError):
@@ -49,6 +57,8 @@ class CoreProcess:
     @classmethod
     def start(cls, config: EngineConfig, name: str = "engine-0", check_integrity_when_idle: bool = False,
               log_level: str = "INFO", addresses: CoreAddresses | None = None) -> "CoreProcess":
+        from kvferry.engine.core_proc import run_engine_core  # torch: only the child runs it
+
         folder = None
         if addresses is None:
             addresses, folder = ipc_addresses()

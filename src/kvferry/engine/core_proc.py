@@ -23,12 +23,12 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
 from kvferry.config import EngineConfig
 from kvferry.engine.core import EngineCore
+from kvferry.engine.core_client import CoreAddresses
 from kvferry.messages import (
     CoreInput, EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineCoreShutdown,
     decode, encode,
@@ -40,14 +40,6 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 1.0
 # How often the I/O threads and the parent watchdog look up from waiting.
 _POLL_MS = 200
-
-
-@dataclass(frozen=True, slots=True)
-class CoreAddresses:
-    """Where a core listens: ``input`` for CoreInput, ``output`` for CoreOutput."""
-
-    input: str
-    output: str
 
 
 class EngineCoreProc:

@@ -7,6 +7,7 @@ the core never sees input it would have to refuse.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from kvferry.messages import EngineCoreReady, EngineCoreRequest
 from kvferry.model.tokenizer import Tokenizer
@@ -89,13 +90,10 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     return child
 
 
-def load_tokenizer(model: str | None) -> Tokenizer:
-    """The front end's tokenizer, without the weights (the core loads those).
-    Mirrors load_model: the model config supplies EOS ids the tokenizer lacks."""
-    from kvferry.model.loader import read_config, resolve_model_folder
-
-    folder = resolve_model_folder(model)
-    tokenizer = Tokenizer(folder)
-    if not tokenizer.eos_token_ids:
-        tokenizer.eos_token_ids = list(read_config(folder).eos_token_ids)
+def load_tokenizer(core: EngineCoreReady) -> Tokenizer:
+    """The front end's tokenizer: the one the core loaded, read from the
+    folder its ready message names, with the same EOS ids. No weights and
+    no torch on this side."""
+    tokenizer = Tokenizer(Path(core.model_path))
+    tokenizer.eos_token_ids = list(core.eos_token_ids)
     return tokenizer

@@ -152,14 +152,14 @@ class AsyncEngineClient:
     def launch(cls, args: EngineArgs, name: str = "engine-0", check_integrity_when_idle: bool = False,
                ready_timeout_s: float = 600.0, log_level: str = "INFO") -> "AsyncEngineClient":
         """Start an engine core process and wait for its handshake (blocking:
-        call before the event loop runs). Raises ValueError for a bad model
-        path (before any process starts) and EngineCoreStartError when the
-        core does not come up."""
-        tokenizer = load_tokenizer(args.model)
+        call before the event loop runs). Raises EngineCoreStartError (with
+        the core's reason, e.g. a bad model path) when the core does not
+        come up."""
         process = CoreProcess.start(args.create_engine_config(), name, check_integrity_when_idle, log_level)
         connection = CoreConnection(process.addresses)
         try:
             ready = connection.wait_ready(ready_timeout_s, process)
+            tokenizer = load_tokenizer(ready)
         except BaseException:
             connection.close()
             process.stop(timeout_s=0)
