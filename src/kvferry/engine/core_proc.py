@@ -202,10 +202,12 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, name: str = 
 def _run_off_main_thread(proc: EngineCoreProc) -> bool:
     """Run the step loop on a thread of its own; True if it ended cleanly.
 
-    Why not the main thread: on CPU, with torch's intra-op pool, a decode
-    step issued from the main thread measured ~5x slower than the same step
-    from a second thread of the same process (2 cores shared with other
-    work). The main thread only waits here, and so stays free for signals.
+    Why not the main thread: on CPU, a decode step issued from the main
+    thread measured 3-5x slower than the same step from a second thread of
+    the same process (2 cores shared with other busy processes). The gap
+    vanishes with OMP_WAIT_POLICY=PASSIVE, so it is the main thread's OpenMP
+    team spin-waiting; the previous in-process engine ran on a thread too.
+    The main thread only waits here, and so stays free for signals.
     """
     failed: list[BaseException] = []
 
