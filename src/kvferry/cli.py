@@ -1,39 +1,30 @@
-"""kvferry command line: serve | demo."""
+"""kvferry command line: serve | engine-core | demo | bench | profile.
+
+Engine flags come from EngineArgs (one flag per field), so every command
+that builds an engine takes the same options with the same defaults.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options, named after vLLM's flags."""
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's context length")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+from kvferry.config import EngineArgs
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-    )
+def engine_args_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineArgs:
+    """Validated EngineArgs; a bad value exits with a usage error naming the flag."""
+    try:
+        return EngineArgs.from_cli_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvferry import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(args.engine_args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     questions = args.prompt or ["What is the capital of France?", "Write a haiku about the sea."]
     for q, out in zip(questions, llm.chat([[{"role": "user", "content": q}] for q in questions], params)):
@@ -41,21 +32,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine_core(args: argparse.Namespace) -> int:
+    from kvferry.engine.core_proc import run_from_args
+
+    return run_from_args(args, args.engine_args.create_engine_config())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="generate text from the embedded default model")
-    add_engine_args(demo)
+    EngineArgs.add_cli_args(demo)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("prompt", nargs="*")
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_demo, subparser=demo)
     from kvferry.serve.cli import add_serve_parser  # light: heavy imports happen when serve runs
 
-    add_serve_parser(sub, add_engine_args, engine_kwargs)
+    core = sub.add_parser("engine-core", help="an engine core alone, reached by socket address")
+    EngineArgs.add_cli_args(core)
+    _add_core_args(core)
+    core.set_defaults(func=cmd_engine_core, subparser=core)
+
+    add_serve_parser(sub)
     from kvferry.bench.cli import add_bench_parsers  # bench, profile; light: tools load when they run
     add_bench_parsers(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "subparser", None) is not None:  # commands that build an engine
+        args.engine_args = engine_args_from(args.subparser, args)
     return args.func(args)
+
+
+def _add_core_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-address", required=True, help="where to receive inputs (ipc:// or tcp://)")
+    parser.add_argument("--output-address", required=True, help="where to send outputs (ipc:// or tcp://)")
+    parser.add_argument("--name", default="engine-0", help="process title suffix: kvferry: NAME")
+    parser.add_argument("--check-kv-integrity", action="store_true")
+    parser.add_argument("--log-level", default="info")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,17 @@
-"""One dataclass per component, validated in __post_init__ (ValueError names the field)."""
+"""One dataclass per component, validated in __post_init__ (ValueError names the field).
+
+``EngineArgs`` is the one list of engine options: it generates the CLI flags
+(names and defaults after vLLM's), feeds ``LLM`` / ``LLMEngine`` and the
+engine core process, and builds the per-component configs below.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
@@ -15,13 +25,13 @@ class CacheConfig:
     num_swap_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
-        if not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0:
+        if not _is_int(self.num_swap_blocks) or self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
-        if not self.kv_cache_memory_gb > 0:
+        if not isinstance(self.kv_cache_memory_gb, (int, float)) or not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 
 
@@ -29,15 +39,18 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 0  # filled from the model when 0
+    # What the user asked for; 0: no limit of its own. The engine core
+    # resolves the context length actually served (EngineCore.max_model_len):
+    # this, else the model's, and never more than the KV pool can hold.
+    max_model_len: int = 0
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.max_model_len, int) or self.max_model_len < 0:
+        if not _is_int(self.max_model_len) or self.max_model_len < 0:
             raise ValueError(f"max_model_len must be an integer >= 0, got {self.max_model_len!r}")
 
 
@@ -49,10 +62,12 @@ class ModelLoadConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
 @dataclass(slots=True)
@@ -60,3 +75,78 @@ class EngineConfig:
     model: ModelLoadConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt(help: str, **cli: Any) -> Any:
+    """Field metadata: the flag's help text and extra argparse options."""
+    return {"help": help, **cli}
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Every engine option, once. ``--flag-name`` is the field name with dashes."""
+
+    model: str | None = field(default=None, metadata=_opt(
+        "HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"))
+    dtype: str = field(default="auto", metadata=_opt("weights and activations dtype", choices=_DTYPES))
+    device: str = field(default="cpu", metadata=_opt("cpu or cuda[:N]"))
+    seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
+    block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
+    max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_opt("most tokens in one step"))
+    max_model_len: int | None = field(default=None, metadata=_opt(
+        "context length served (default: the model's, capped by the KV pool)"))
+    num_kv_blocks: int | None = field(default=None, metadata=_opt(
+        "KV blocks in the pool (default: sized from --kv-cache-memory-gb)"))
+    kv_cache_memory_gb: float = field(default=2.0, metadata=_opt("memory for the KV pool, GiB"))
+    enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV of shared prompt prefixes"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prompts across steps"))
+    num_swap_blocks: int = field(default=0, metadata=_opt(
+        "host-DRAM KV blocks for swapping out preempted requests (0: preemption recomputes)"))
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a path string or None, got {self.model!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 0):
+            raise ValueError(f"max_model_len must be an integer >= 0 (0: the model's), got {self.max_model_len!r}")
+        self.create_engine_config()  # validates every component's fields
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed),
+            cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb,
+                              self.enable_prefix_caching, self.num_swap_blocks),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,
+                                      self.enable_chunked_prefill),
+        )
+
+    # -- command line -----------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One flag per field; a bool gets --x / --no-x."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(EngineArgs):
+            meta = dict(f.metadata)
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **meta)
+            else:
+                group.add_argument(flag, type=_cli_type(f.type), default=f.default, **meta)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _cli_type(annotation: Any) -> type:
+    """The argparse type of a field annotation (annotations are strings here)."""
+    text = str(annotation)
+    for name, kind in (("int", int), ("float", float)):
+        if text.startswith(name):
+            return kind
+    return str

@@ -9,7 +9,13 @@ the core owns token ids, scheduling and the forward pass::
     ---------                                   -----------
     EngineCoreRequest  ------------------------>  scheduler.add_request
     EngineCoreAbort    ------------------------>  scheduler.finish_requests
+    EngineCoreShutdown ------------------------>  abort everything, exit
+                       <------------------------  EngineCoreReady (once, after loading)
                        <------------------------  EngineCoreOutputs (one per step)
+
+Each direction is one tagged union (``CoreInput`` / ``CoreOutput``), so a
+socket carries one message type per direction and a decoder knows every
+variant.
 
 A core output carries only what a step added (``new_token_ids``, zero or
 more: speculative decoding accepts several per step), never a whole history.
@@ -18,11 +24,19 @@ from __future__ import annotations
 
 import msgspec
 
+from typing import Union
+
 from kvferry.core.outputs import TokenLogprobs
+from kvferry.core.stats import SchedulerStats
 from kvferry.sampling import SamplingParams
 
+__all__ = [
+    "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreReady",
+    "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats", "decode", "encode",
+]
 
-class EngineCoreRequest(msgspec.Struct, kw_only=True):
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     """One sequence to generate (the front end fans n > 1 out into n of these)."""
 
     request_id: str
@@ -37,10 +51,14 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     cache_namespace: str = ""
 
 
-class EngineCoreAbort(msgspec.Struct, kw_only=True):
+class EngineCoreAbort(msgspec.Struct, kw_only=True, tag=True):
     """Finish these requests now (a client left, or a stop string matched)."""
 
     request_ids: list[str]
+
+
+class EngineCoreShutdown(msgspec.Struct, kw_only=True, tag=True):
+    """Abort whatever runs and exit (the front end is going away)."""
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
@@ -57,18 +75,54 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None
     # Prompt tokens served from the prefix cache on first scheduling.
     num_cached_tokens: int = 0
+    # time.monotonic() when the core first scheduled the request; set on the
+    # request's first output only (for the queue-time metric).
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-class EngineCoreOutputs(msgspec.Struct, kw_only=True):
-    """One step's outputs for every request that changed."""
+class EngineCoreOutputs(msgspec.Struct, kw_only=True, tag=True):
+    """One step's outputs for every request that changed.
+
+    The core also sends one (maybe with no outputs) after applying inputs
+    while idle, so that ``stats`` never goes stale after an abort."""
 
     outputs: list[EngineCoreOutput]
     # time.monotonic() when the step's results were ready.
     timestamp: float = 0.0
+    # The scheduler's state after the step (for /metrics).
+    stats: SchedulerStats | None = None
+    # Set on the last message of a core that is dying: why (e.g. a failed
+    # integrity check). The front end then fails every open request.
+    engine_error: str | None = None
+
+
+class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
+    """The core's handshake, sent once the model is loaded: the facts the
+    front end needs to validate requests before they cross the socket."""
+
+    pid: int
+    # The context length served (the model's, the user's cap, the KV pool's).
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    model_fingerprint: str
+    # The HF folder the core loaded (a GGUF's converted folder): the front
+    # end reads the same tokenizer from it.
+    model_path: str
+    # Every end-of-sequence id (from the tokenizer, else the model config).
+    eos_token_ids: list[int]
+
+
+# One message type per direction.
+CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown]
+CoreOutput = Union[EngineCoreReady, EngineCoreOutputs]
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -79,7 +133,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes, message_type: type):
+def decode(data: bytes, message_type: object):
     """Decode bytes into ``message_type`` (validating every field)."""
     decoder = _decoders.get(message_type)
     if decoder is None:

@@ -104,7 +104,7 @@ def test_bad_sampling_params(kwargs, field):
 
 
 def test_bad_prompts_leave_engine_usable(llm):
-    vocab = llm.engine.loaded.config.vocab_size
+    vocab = llm.engine.core.loaded.config.vocab_size
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[1, 2, vocab + 5]])
     with pytest.raises(ValueError, match="context length"):
@@ -140,3 +140,48 @@ def test_bad_engine_args():
         LLM(model="/nonexistent", dtype="int3")
     with pytest.raises(ValueError, match="nonexistent"):
         LLM(model="/nonexistent")
+
+
+def test_engine_args_generate_the_cli_flags():
+    """One list of options: every EngineArgs field is a flag with its default,
+    parsed back into the same EngineArgs; bad values name the field."""
+    import argparse
+    import dataclasses
+
+    from kvferry.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+    args = EngineArgs.from_cli_args(parser.parse_args([
+        "--model", "/m", "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.5", "--no-enable-prefix-caching",
+        "--max-model-len", "512", "--dtype", "float32",
+    ]))
+    assert args == EngineArgs(model="/m", max_num_seqs=8, kv_cache_memory_gb=0.5, enable_prefix_caching=False,
+                              max_model_len=512, dtype="float32")
+    flags = {a.dest for a in parser._actions}
+    assert {f.name for f in dataclasses.fields(EngineArgs)} <= flags
+    config = args.create_engine_config()
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_model_len, config.cache.enable_prefix_caching) == \
+        (8, 512, False)
+    for field, value in [("max_num_batched_tokens", 0), ("kv_cache_memory_gb", -1.0), ("max_model_len", -3),
+                         ("num_kv_blocks", 1), ("device", "tpu"), ("seed", "x")]:
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(**{field: value})
+
+
+def test_step_outputs_are_deltas_over_shared_lists(llm):
+    """A step's RequestOutput carries only its new token; the cumulative view
+    is the sequence's one list, grown in place, never copied per step."""
+    engine = llm.engine
+    engine.add_request("delta", prompt(6), SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o for o in engine.step() if o.request_id == "delta"]
+    assert [len(o.new_token_ids) for o in seen] == [1] * 6
+    assert [len(o.new_logprobs) for o in seen] == [1] * 6
+    final = seen[-1].outputs[0]
+    assert [t for o in seen for t in o.new_token_ids] == final.token_ids
+    assert all(o.outputs[0].token_ids is final.token_ids for o in seen)
+    assert all(o.outputs[0].logprobs is final.logprobs for o in seen)
+    assert "".join(o.new_text for o in seen) == final.text
+    assert engine.get_num_unfinished_requests() == 0

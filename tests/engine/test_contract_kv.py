@@ -68,7 +68,7 @@ def test_forced_swapping_keeps_greedy_output(preempt_case, num_swap_blocks):
     assert stats.num_swapped_out > 0
     if num_swap_blocks == 10:
         assert stats.num_preemptions > stats.num_swapped_out
-    assert llm.engine.scheduler.swap_space.num_free == num_swap_blocks
+    assert llm.engine.core.scheduler.swap_space.num_free == num_swap_blocks
     llm.engine.check_integrity()
 
 
@@ -82,16 +82,16 @@ def test_persistent_batch_follows_the_scheduler(preempt_case):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out.token_ids
-        batch = engine.runner.batch
+        batch = engine.core.runner.batch
         assert sorted(batch.req_ids) == sorted(batch.index) and batch.num_reqs == len(batch.index)
-        for request in engine.scheduler.running:
+        for request in engine.core.scheduler.running:
             row = batch.index[request.request_id]
-            block_ids = engine.scheduler.kv.block_ids(request.request_id)
+            block_ids = engine.core.scheduler.kv.block_ids(request.request_id)
             assert batch.block_table[row, : batch.num_blocks[row]].tolist() == block_ids
             assert batch.token_ids[row, : batch.num_tokens[row]].tolist() == request.all_token_ids
     assert engine.stats().num_preemptions > 0
     engine.step()  # delivers the last finished ids to the runner
-    assert engine.runner.batch.num_reqs == 0 and not engine.runner.states
+    assert engine.core.runner.batch.num_reqs == 0 and not engine.core.runner.states
     for i, (p, e) in enumerate(zip(prompts, expected)):
         assert_greedy_match(hf, p, outputs[f"r{i}"], e)
 
@@ -105,8 +105,8 @@ def test_penalty_state_is_kept_not_rebuilt(preempt_case):
     llm.engine.add_request("p", prompts[0], params)
     for _ in range(4):
         llm.engine.step()
-    state = llm.engine.runner.states["p"]
-    recount = np.bincount(state.output_token_ids, minlength=llm.engine.runner.vocab_size)
+    state = llm.engine.core.runner.states["p"]
+    recount = np.bincount(state.output_token_ids, minlength=llm.engine.core.runner.vocab_size)
     assert len(state.output_token_ids) == 4
     assert state.output_counts.tolist() == recount.astype(float).tolist()
 

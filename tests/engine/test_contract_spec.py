@@ -44,8 +44,8 @@ def case(tmp_path_factory):
 
 def make_llm(path, proposer, **kwargs) -> LLM:
     llm = LLM(model=path, dtype="float32", **kwargs)
-    llm.engine.scheduler.proposer = proposer
-    llm.engine.scheduler.num_speculative_tokens = K
+    llm.engine.core.scheduler.proposer = proposer
+    llm.engine.core.scheduler.num_speculative_tokens = K
     return llm
 
 

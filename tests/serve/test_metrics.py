@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.server_process import MODEL_NAME
 
@@ -28,8 +29,13 @@ EXPECTED = [
 def test_metrics_exposed_with_model_label(server):
     r = httpx.get(f"{server.base_url}/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    labels_of: dict[str, list[dict[str, str]]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            labels_of.setdefault(sample.name, []).append(sample.labels)
     for name in EXPECTED:
-        assert f'{name}{{model_name="{MODEL_NAME}"}}' in r.text or f"{name}{{" in r.text, name
+        assert labels_of.get(name), f"{name} missing"
+        assert all(labels.get("model_name") == MODEL_NAME for labels in labels_of[name]), (name, labels_of[name])
 
 
 def test_counters_move_after_requests(server, client):

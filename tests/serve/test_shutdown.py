@@ -1,5 +1,6 @@
 """SIGTERM: stop accepting, let in-flight requests finish (up to
---shutdown-timeout, then end them properly), stop the engine loop, exit 0."""
+--shutdown-timeout, then end them properly), stop the engine core process,
+exit 0."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from tests.serve.server_process import MODEL_NAME, start_server
+from tests.serve.test_core_process import core_pid, wait_gone
 
 SHUTDOWN_TIMEOUT_S = 6.0
 
@@ -54,6 +56,7 @@ def test_sigterm_drains_then_exits_0(tmp_path):
         short.start()
         long.start()
         assert short.first_event.wait(60) and long.first_event.wait(60)
+        core = core_pid(srv.proc.pid)
         sent = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(1.0)
@@ -67,6 +70,7 @@ def test_sigterm_drains_then_exits_0(tmp_path):
         srv.stop(signal.SIGKILL)
     log = srv.log()
     assert code == 0, log[-5000:]
+    assert wait_gone(core, 5.0), "the engine core outlived the server"
     # The short request completed normally.
     assert short.error is None and short.done, (short.error, log[-3000:])
     assert short.finish_reasons() == ["length"]

@@ -120,7 +120,7 @@ def predict(model: dict, p: dict) -> float:
 
 
 def run_profile(engine, grid: ProfileGrid, on_point=lambda kind, p: None) -> dict:
-    prompts = _Prompts(engine.loaded.config.vocab_size, grid.seed)
+    prompts = _Prompts(engine.core.loaded.config.vocab_size, grid.seed)
     # warm-up: first calls build kernels and allocate
     measure_prefill(engine, prompts, min(grid.new_tokens), 0, 1)
     prefill = []

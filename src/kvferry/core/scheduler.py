@@ -32,6 +32,7 @@ from kvferry.core.outputs import (
     TransferOrder,
 )
 from kvferry.core.swap_space import HostSwapSpace
+from kvferry.core.stats import SchedulerStats
 from kvferry.messages import EngineCoreOutput
 from kvferry.request import FINISH_REASON, Request, RequestStatus
 
@@ -65,20 +66,6 @@ class ExternalKVSource(Protocol):
 class SwappedKV:
     host_slots: list[int]
     num_tokens: int  # computed tokens whose KV the slots hold
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0  # cumulative
-    num_swapped_out: int = 0  # cumulative preemptions that swapped
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_queries: int = 0  # cumulative tokens
-    prefix_hits: int = 0
-    num_draft_tokens: int = 0  # cumulative
-    num_accepted_tokens: int = 0  # cumulative drafts accepted
 
 
 class Scheduler:
@@ -397,6 +384,9 @@ class Scheduler:
             finish_reason=FINISH_REASON[request.status] if finished else None,
             stop_reason=request.stop_reason if finished else None,
             num_cached_tokens=request.num_cached_tokens or 0,
+            # On the request's first output only (for the queue-time metric).
+            first_scheduled_time=(request.first_scheduled_time
+                                  if request.num_output_tokens == len(new_tokens) else None),
         )
 
     def _apply_kv_completions(self, result: RunnerOutput) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from kvferry.engine.engine import LLMEngine, build_engine_config
+from kvferry.config import EngineArgs
+from kvferry.engine.engine import LLMEngine
 from kvferry.outputs import CompletionOutput, RequestOutput
 from kvferry.sampling import SamplingParams
 
@@ -12,29 +13,11 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        max_model_len: int = 0,
-        kv_cache_memory_gb: float = 2.0,
-        device: str = "cpu",
-        num_swap_blocks: int = 0,
-    ) -> None:
-        config = build_engine_config(
-            model=model, dtype=dtype, device=device, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            max_model_len=max_model_len, num_swap_blocks=num_swap_blocks,
-        )
-        self.engine = LLMEngine(config)
+    """``LLM(model=..., dtype=..., max_num_seqs=...)``: every keyword is an
+    EngineArgs field (see ``kvferry serve --help`` for the same options)."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

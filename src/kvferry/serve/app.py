@@ -1,10 +1,11 @@
 """The ASGI app: routes, lifespan (engine loop start / stop), error handlers.
 
-    build_app(engine, ServerConfig(...)) -> Starlette
+    build_app(client, ServerConfig(...)) -> Starlette
 
-The app owns an AsyncEngineClient; its lifespan starts the engine loop
-thread on the server's event loop and stops it after uvicorn has drained the
-in-flight requests (graceful shutdown).
+The app uses an AsyncEngineClient whose core is up (handshake done); its
+lifespan starts the client's output handling on the server's event loop and
+stops the core after uvicorn has drained the in-flight requests (graceful
+shutdown).
 """
 from __future__ import annotations
 
@@ -35,9 +36,7 @@ class ServerConfig:
     served_model_names: list[str]
     model_path: str | None = None  # reported as the model card's root
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    # Run KVCacheManager.check_integrity() whenever the engine goes idle (tests).
-    check_integrity_when_idle: bool = False
-    # Time the engine loop gets to stop after the HTTP side has drained.
+    # Time the engine core gets to exit after the HTTP side has drained.
     engine_stop_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -47,8 +46,7 @@ class ServerConfig:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
 
 
-def build_app(engine: Any, config: ServerConfig) -> Starlette:
-    client = AsyncEngineClient(engine, check_integrity_when_idle=config.check_integrity_when_idle)
+def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats)
     client.observer = metrics
     ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer))
@@ -65,7 +63,7 @@ def build_app(engine: Any, config: ServerConfig) -> Starlette:
     async def health(request: Request) -> Response:
         if client.is_alive:
             return JSONResponse({"status": "ok"})
-        reason = f"engine loop died: {client.dead_error!r}" if client.dead_error else "engine loop is not running"
+        reason = str(client.dead_error) if client.dead_error else "the engine core is not running"
         return error_response(503, reason, code="engine_unavailable")
 
     async def models(request: Request) -> Response:
@@ -83,7 +81,7 @@ def build_app(engine: Any, config: ServerConfig) -> Starlette:
             yield
         finally:
             # uvicorn has stopped accepting and drained (or cancelled) the
-            # in-flight requests by now; abort anything left and stop the loop.
+            # in-flight requests by now; abort anything left and stop the core.
             await client.shutdown(config.engine_stop_timeout_s)
 
     routes = [

@@ -8,18 +8,27 @@ only when ``serve`` runs.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+
+from kvferry.config import EngineArgs
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction,
-                     add_engine_args: Callable[[argparse.ArgumentParser], None],
-                     engine_kwargs: Callable[[argparse.Namespace], dict]) -> argparse.ArgumentParser:
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
+    return port
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0: pick a free port (named in the ready line)")
+    parser.add_argument("--port", type=_port, default=8000, help="0: pick a free port (named in the ready line)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients send as 'model' (default: the model folder / file name)")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
@@ -27,13 +36,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    parser.add_argument("--engine-start-timeout", type=float, default=600.0,
+                        help="seconds the engine core gets to load the model and report ready")
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
-    parser.set_defaults(func=lambda args: _run(args, engine_kwargs))
+    parser.set_defaults(func=_run, subparser=parser)
     return parser
 
 
-def _run(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
+def _run(args: argparse.Namespace) -> int:
     from kvferry.serve.server import run_server
 
-    return run_server(args, engine_kwargs(args))
+    return run_server(args, args.engine_args)

@@ -1,71 +1,48 @@
-"""AsyncEngineClient: the engine loop in its own thread, driven from asyncio.
+"""AsyncEngineClient: the server's front end, an asyncio client of an engine
+core in another process (engine/core_proc.py).
 
-The engine is not thread-safe, so exactly one thread (the loop thread) ever
-calls it. HTTP handlers talk to that thread through a command queue and get
-outputs back through per-request asyncio queues::
+    event loop (HTTP handlers, this process)              engine core process
+    ----------------------------------------              -------------------
+    add_request: tokenize, validate, fan out --EngineCoreRequest--> step loop
+    stream.close / stop string matched       --EngineCoreAbort---->
+    output task: detokenize, stop strings    <--EngineCoreOutputs-- one per step
+       -> RequestStream of each request          (token deltas + stats)
 
-    event loop (HTTP handlers)                      engine loop thread
-    --------------------------                      ------------------
-    add_request --AddRequest---> commands --+--> drain all, then:
-                <--- accepted / ValueError --+       engine.add_request
-    stream.close --AbortRequest-> commands   |       engine.abort_request
-    RequestStream <--- one step's outputs ---+--- engine.step()
-                       (call_soon_threadsafe)
+Text work (tokenization, detokenization, stop strings, SSE, pydantic) runs
+here, under this process's GIL; the core's GIL does scheduling and compute
+only. Validation uses the core's ready message, so ``add_request`` raises
+ValueError at once and a bad request never crosses the socket.
 
-Why a thread and not a task: a step (a long prefill) can take a second on a
-CPU; torch releases the GIL inside kernels, so the event loop keeps serving
-other streams, health checks and metrics meanwhile. Why a queue of commands
-rather than locks: the loop drains every pending command before each step,
-so many arrivals batch into one step, and the engine needs no locking.
-
-The seam is deliberate: a later router puts processes between the HTTP side
-and the engine, and only this module changes.
+If the core dies (its process exits, or it reports ``engine_error``), every
+open stream ends with EngineDeadError, ``is_alive`` turns False (/health
+503) and new requests get EngineDeadError (503).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+import zmq
+import zmq.asyncio
+
+from kvferry.config import EngineArgs
 from kvferry.core.scheduler import SchedulerStats
+from kvferry.engine.core_client import CoreConnection, CoreProcess
+from kvferry.engine.input_processor import InputProcessor, load_tokenizer
+from kvferry.engine.output_processor import OutputProcessor
+from kvferry.messages import CoreOutput, EngineCoreAbort, EngineCoreReady, EngineCoreShutdown, decode
+from kvferry.model.tokenizer import Tokenizer
 from kvferry.outputs import RequestOutput
 from kvferry.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# How long the idle loop blocks on the command queue before looking again.
-_IDLE_POLL_S = 1.0
-
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (crashed or shut down)."""
-
-
-@dataclass(slots=True)
-class AddRequest:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    cache_namespace: str
-    accepted: asyncio.Future  # resolved on the event loop: None or the add error
-
-
-@dataclass(slots=True)
-class AbortRequest:
-    request_ids: list[str]
-
-
-@dataclass(slots=True)
-class Shutdown:
-    pass
-
-
-Command = AddRequest | AbortRequest | Shutdown
+    """The engine core has stopped (crashed, was killed, or shut down)."""
 
 
 class RequestObserver(Protocol):
@@ -150,35 +127,58 @@ class RequestStream:
 
 
 class AsyncEngineClient:
-    """Owns the engine loop thread. Construct it with a built engine, then
-    ``await start()`` on the event loop that will use it."""
+    """Front end of one engine core. Build it with a connection whose
+    handshake is done, then ``await start()`` on the event loop that uses it."""
 
-    def __init__(self, engine: Any, observer: RequestObserver | None = None,
-                 check_integrity_when_idle: bool = False) -> None:
-        self.engine = engine
+    def __init__(self, connection: CoreConnection, ready: EngineCoreReady, tokenizer: Tokenizer,
+                 process: CoreProcess | None = None, observer: RequestObserver | None = None) -> None:
+        self.connection = connection
+        self.ready = ready
+        self.process = process
         self.observer: RequestObserver = observer or _NullObserver()
-        self.check_integrity_when_idle = check_integrity_when_idle
-        # Read-only facts the HTTP side needs; safe to read from any thread.
-        self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # event-loop side only
+        self.tokenizer = tokenizer
+        self.max_model_len: int = ready.max_model_len
+        self.input_processor = InputProcessor(tokenizer, ready)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._dead_error: BaseException | None = None
-        self._idle_checked = False  # loop thread only
-        # Latest engine stats, replaced (never mutated) by the loop thread.
-        self.stats: SchedulerStats = engine.stats()
+        self._output_task: asyncio.Task | None = None
+        self._dead_error: EngineDeadError | None = None
+        self._stopped = False
+        # Latest core stats, replaced by each message from the core.
+        self.stats = SchedulerStats(kv_blocks_total=ready.num_kv_blocks)
+
+    @classmethod
+    def launch(cls, args: EngineArgs, name: str = "engine-0", check_integrity_when_idle: bool = False,
+               ready_timeout_s: float = 600.0, log_level: str = "INFO") -> "AsyncEngineClient":
+        """Start an engine core process and wait for its handshake (blocking:
+        call before the event loop runs). Raises EngineCoreStartError (with
+        the core's reason, e.g. a bad model path) when the core does not
+        come up."""
+        process = CoreProcess.start(args.create_engine_config(), name, check_integrity_when_idle, log_level)
+        connection = CoreConnection(process.addresses)
+        try:
+            ready = connection.wait_ready(ready_timeout_s, process)
+            tokenizer = load_tokenizer(ready)
+        except BaseException:
+            connection.close()
+            process.stop(timeout_s=0)
+            raise
+        return cls(connection, ready, tokenizer, process)
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvferry-engine-loop", daemon=True)
-        self._thread.start()
+        # One socket, two faces: the handshake used it blocking; now asyncio reads it.
+        output = zmq.asyncio.Socket.shadow(self.connection.output.underlying)
+        self._output_task = asyncio.create_task(self._output_loop(output), name="kvferry-core-outputs")
+        if self.process is not None:
+            self._loop.add_reader(self.process.sentinel, self._on_process_exit)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead_error is None
+        return (self._output_task is not None and self._dead_error is None and not self._stopped
+                and (self.process is None or self.process.is_alive()))
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -189,61 +189,102 @@ class AsyncEngineClient:
         return len(self._streams)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort whatever is left, stop the loop thread and wait for it."""
-        if self._thread is not None and self._thread.is_alive():
-            self._commands.put(Shutdown())
-            await asyncio.to_thread(self._thread.join, timeout_s)
-            if self._thread.is_alive():
-                logger.warning("engine loop did not stop within %.1f s", timeout_s)
+        """Abort whatever is left, stop the core and wait for it to exit."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._loop is not None and self.process is not None:
+            self._loop.remove_reader(self.process.sentinel)
+        try:
+            self.connection.send(EngineCoreShutdown())
+        except zmq.ZMQError:
+            pass
+        if self.process is not None:
+            await asyncio.to_thread(self.process.stop, timeout_s)
+        if self._output_task is not None:
+            self._output_task.cancel()
+            await asyncio.gather(self._output_task, return_exceptions=True)
+        self.connection.close()
 
     # -- requests (event loop) ------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           cache_namespace: str = "", arrival_time: float | None = None) -> RequestStream:
-        """Queue a request and wait until the engine accepted it.
+        """Validate and send a request to the core.
 
-        Raises ValueError (the engine rejected the input), EngineDeadError, or
-        CancelledError (the caller went away; the request is then aborted).
+        Raises ValueError (bad input, naming the field) or EngineDeadError.
         """
         if not self.is_alive:
-            raise EngineDeadError("the engine loop is not running")
-        assert self._loop is not None
-        stream = RequestStream(self, request_id, params.n, arrival_time or time.monotonic())
-        accepted = self._loop.create_future()
-        # Registered before the command is sent: outputs of the first step
-        # may arrive right behind the acceptance.
+            raise self._dead_error or EngineDeadError("the engine core is not running")
+        arrival = arrival_time or time.monotonic()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, requests = self.input_processor.process(request_id, prompt, params, cache_namespace, arrival)
+        self.output_processor.add_request(request_id, text, requests)
+        stream = RequestStream(self, request_id, params.n, arrival)
         self._streams[request_id] = stream
-        self._commands.put(AddRequest(request_id, prompt, params, cache_namespace, accepted))
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            stream.close()  # FIFO: the abort lands after the add
-            raise
-        except BaseException:
-            self._streams.pop(request_id, None)
-            stream.closed = True
-            raise
+        for req in requests:
+            self.connection.send(req)
         return stream
 
     def abort_all(self, reason: str) -> int:
-        """End every open request now: abort it in the engine and raise
+        """End every open request now: abort it in the core and raise
         EngineDeadError(reason) in its handler (which then reports it
         properly: a 503, or an error event and ``[DONE]`` on a stream).
         Used when a graceful shutdown runs out of time."""
         streams = list(self._streams.values())
         for stream in streams:
             self.observer.on_abort(stream)
-        if streams:
-            self._commands.put(AbortRequest([s.request_id for s in streams]))
+        self._abort_in_core([s.request_id for s in streams])
         self._fail_all(EngineDeadError(reason))
         return len(streams)
 
     def _abort_stream(self, stream: RequestStream) -> None:
         if self._streams.pop(stream.request_id, None) is not None:
             self.observer.on_abort(stream)
-        self._commands.put(AbortRequest([stream.request_id]))
+        self._abort_in_core([stream.request_id])
 
-    # -- delivery (event loop) ------------------------------------------------
+    def _abort_in_core(self, request_ids: list[str]) -> None:
+        child_ids = self.output_processor.abort_requests(request_ids)
+        if child_ids and self.is_alive:
+            self.connection.send(EngineCoreAbort(request_ids=child_ids))
+
+    # -- outputs (event loop) ---------------------------------------------------
+    async def _output_loop(self, output: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                message = decode(await output.recv(), CoreOutput)
+                if isinstance(message, EngineCoreReady):
+                    continue
+                if message.stats is not None:
+                    self.stats = message.stats
+                processed = self.output_processor.process(message)
+                if processed.stopped_by_string:
+                    self.connection.send(EngineCoreAbort(request_ids=processed.stopped_by_string))
+                self._dispatch(processed.outputs, time.monotonic())
+                if message.engine_error:
+                    self._on_dead(message.engine_error)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a front end bug: never leave clients hanging
+            logger.exception("engine output handler died")
+            self._on_dead(f"the engine output handler died: {exc!r}")
+
+    def _on_process_exit(self) -> None:
+        assert self._loop is not None and self.process is not None
+        self._loop.remove_reader(self.process.sentinel)
+        self.process.process.join(1)  # reap it, so exitcode is known
+        self._on_dead(f"the engine core process exited with code {self.process.exitcode}")
+
+    def _on_dead(self, reason: str) -> None:
+        if self._dead_error is not None or self._stopped:
+            return
+        logger.error("%s", reason)
+        self._dead_error = EngineDeadError(reason)
+        self.output_processor.abort_requests(list(self._streams))
+        self._fail_all(self._dead_error)
+
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -277,93 +318,3 @@ class AsyncEngineClient:
         for stream in streams.values():
             stream.closed = True
             stream._push(error)
-
-    # -- the loop thread --------------------------------------------------------
-    def _post(self, fn: Any, *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening
-            pass
-
-    def _run(self) -> None:
-        # request_id -> sequences not yet finished; only this thread touches it.
-        live: dict[str, int] = {}
-        try:
-            while self._iterate(live):
-                pass
-        except BaseException as exc:  # a crashed step: report it, never hang clients
-            logger.exception("engine loop died")
-            self._dead_error = exc
-            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {exc!r}"))
-
-    def _iterate(self, live: dict[str, int]) -> bool:
-        """One loop turn: apply every pending command, then one step if there
-        is work. Returns False on shutdown."""
-        busy = self.engine.has_unfinished_requests()
-        commands = self._take_commands(block=not busy)
-        for command in commands:
-            if isinstance(command, Shutdown):
-                self.engine.abort_request(list(live))
-                live.clear()
-                self.stats = self.engine.stats()
-                return False
-            self._apply(command, live)
-        if self.engine.has_unfinished_requests():
-            outputs = self.engine.step()
-            now = time.monotonic()
-            for out in outputs:
-                if out.finished and out.request_id in live:
-                    live[out.request_id] -= 1
-                    if live[out.request_id] == 0:
-                        del live[out.request_id]
-            if outputs:
-                self._post(self._dispatch, outputs, now)
-        if commands or busy:
-            self._idle_checked = False
-        if self.check_integrity_when_idle and not self._idle_checked and not self.engine.has_unfinished_requests():
-            self.engine.check_integrity()  # once per busy -> idle transition
-            self._idle_checked = True
-        self.stats = self.engine.stats()
-        return True
-
-    def _take_commands(self, block: bool) -> list[Command]:
-        commands: list[Command] = []
-        if block:
-            try:
-                commands.append(self._commands.get(timeout=_IDLE_POLL_S))
-            except queue.Empty:
-                return commands
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _apply(self, command: Command, live: dict[str, int]) -> None:
-        if isinstance(command, AbortRequest):
-            self.engine.abort_request(command.request_ids)
-            for request_id in command.request_ids:
-                live.pop(request_id, None)
-            return
-        assert isinstance(command, AddRequest)
-        if command.accepted.cancelled():
-            return  # the caller is gone; its abort follows in the queue
-        try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.cache_namespace)
-        except Exception as exc:  # ValueError: bad input; anything else: a bug, reported as 500
-            if not isinstance(exc, ValueError):
-                logger.exception("add_request failed for %s", command.request_id)
-            self._post(_resolve, command.accepted, exc)
-            return
-        live[command.request_id] = command.params.n
-        self._post(_resolve, command.accepted, None)
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # cancelled by a vanished caller
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)

@@ -1,5 +1,10 @@
-"""Run the app under uvicorn: build the engine, announce readiness, and make
-a graceful shutdown (SIGTERM) exit 0.
+"""Run the app under uvicorn in the front end process ("kvferry: api-server"),
+with the engine core in its own process ("kvferry: engine-0"); announce
+readiness, and make a graceful shutdown (SIGTERM) exit 0.
+
+Start-up order: validate the flags, bind the listening socket (a bad or
+busy port is reported before any model loads), start the core and wait for
+its handshake, then serve on the bound socket.
 
 ``--port 0`` binds a free port; the ready line names the real one:
 ``kvferry serve: ready on http://127.0.0.1:PORT (model NAME, max_model_len N)``.
@@ -10,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +23,8 @@ from pathlib import Path
 import prometheus_client
 import uvicorn
 
+from kvferry.config import EngineArgs
+from kvferry.engine.core_client import EngineCoreStartError
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.engine_client import AsyncEngineClient
 
@@ -35,9 +43,10 @@ def default_model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    from kvferry.engine.engine import LLMEngine
+def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+    import setproctitle
 
+    setproctitle.setproctitle("kvferry: api-server")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # No *_created series: vLLM-style dashboards do not use them.
     prometheus_client.disable_created_metrics()
@@ -46,24 +55,52 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
             served_model_names=args.served_model_name or [default_model_name(args.model)],
             model_path=args.model,
             max_request_body_bytes=args.max_request_body_bytes,
-            check_integrity_when_idle=args.check_kv_integrity,
         )
-        engine = LLMEngine.from_args(**engine_kwargs)
+        listen = bind_socket(args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine, config)
+    try:
+        client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
+                                          ready_timeout_s=args.engine_start_timeout, log_level=args.log_level)
+    except (ValueError, OSError, EngineCoreStartError) as exc:
+        listen.close()
+        print(f"kvferry serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args, config, client, listen)
+    finally:
+        if client.process is not None and client.process.is_alive():  # start-up failed inside uvicorn
+            client.process.process.kill()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so that a busy port fails fast.
+    Raises OSError naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineClient, listen: socket.socket) -> int:
+    app = build_app(client, config)
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+        app, log_level=args.log_level, lifespan="on",
         access_log=not args.disable_uvicorn_access_log,
         # A backstop only: _Server ends the requests itself at shutdown_timeout.
         timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
     )
-    model = f"model {config.served_model_names[0]}, max_model_len {engine.max_model_len}"
+    model = f"model {config.served_model_names[0]}, max_model_len {client.max_model_len}"
     server = _Server(uv_config, lambda url: print(f"{READY_PREFIX}{url} ({model})", flush=True),
-                     app.state.client, args.shutdown_timeout)
+                     client, args.shutdown_timeout)
     _make_signal_reraise_harmless()
-    server.run()
+    server.run(sockets=[listen])
     return 0 if server.started else 1
 
 

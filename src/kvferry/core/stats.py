@@ -1,0 +1,18 @@
+"""Scheduler counters the engine reports (for /metrics). No torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0  # cumulative
+    num_swapped_out: int = 0  # cumulative preemptions that swapped
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_queries: int = 0  # cumulative tokens
+    prefix_hits: int = 0
+    num_draft_tokens: int = 0  # cumulative
+    num_accepted_tokens: int = 0  # cumulative drafts accepted

@@ -1,0 +1,141 @@
+"""The front end's side of an engine core: start it, connect, handshake.
+
+    proc = CoreProcess.start(config)                  # spawn "kvferry: engine-0"
+    conn = CoreConnection(proc.addresses)             # PUSH inputs, PULL outputs
+    ready = conn.wait_ready(timeout_s=600, process=proc)
+
+``CoreConnection`` works the same for a core this process did not start
+(a core in a test thread, or later on another node): it needs addresses only.
+No torch here: the front end imports this module.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from kvferry.config import EngineConfig
+from kvferry.messages import CoreInput, CoreOutput, EngineCoreOutputs, EngineCoreReady, decode, encode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CoreAddresses:
+    """Where a core listens: ``input`` for CoreInput, ``output`` for CoreOutput."""
+
+    input: str
+    output: str
+
+
+class EngineCoreStartError(RuntimeError):
+    """The core did not come up (it failed to load, died, or timed out)."""
+
+
+def ipc_addresses() -> tuple[CoreAddresses, str]:
+    """Fresh ipc:// socket paths in a private temporary folder (returned too,
+    for removal)."""
+    folder = tempfile.mkdtemp(prefix="kvferry-core-")
+    return CoreAddresses(input=f"ipc://{folder}/input", output=f"ipc://{folder}/output"), folder
+
+
+@dataclass
+class CoreProcess:
+    """An engine core in a spawned process (no fork-inherited state: it gets
+    its config and addresses as plain data, like a core on another node)."""
+
+    process: multiprocessing.process.BaseProcess
+    addresses: CoreAddresses
+    _folder: str | None = None
+
+    @classmethod
+    def start(cls, config: EngineConfig, name: str = "engine-0", check_integrity_when_idle: bool = False,
+              log_level: str = "INFO", addresses: CoreAddresses | None = None) -> "CoreProcess":
+        from kvferry.engine.core_proc import run_engine_core  # torch: only the child runs it
+
+        folder = None
+        if addresses is None:
+            addresses, folder = ipc_addresses()
+        ctx = multiprocessing.get_context("spawn")
+        process = ctx.Process(
+            target=run_engine_core, name=name, daemon=True,
+            kwargs=dict(config=config, addresses=addresses, name=name, parent_pid=os.getpid(),
+                        check_integrity_when_idle=check_integrity_when_idle, log_level=log_level),
+        )
+        process.start()
+        return cls(process, addresses, folder)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the process ends."""
+        return self.process.sentinel
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for the process to end (after a shutdown message), then
+        escalate: SIGTERM, then SIGKILL. Removes the socket folder."""
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("engine core did not exit within %.1f s; terminating it", timeout_s)
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        if self._folder:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
+class CoreConnection:
+    """Two sockets to one core. Sends happen on one thread (the caller's);
+    ``output`` may be shadowed by an asyncio socket for receiving."""
+
+    def __init__(self, addresses: CoreAddresses) -> None:
+        self.addresses = addresses
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # an add or abort is never dropped, sending never blocks
+        self.input.connect(addresses.input)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.connect(addresses.output)
+
+    def send(self, message: CoreInput) -> None:
+        self.input.send(encode(message), copy=False)
+
+    def wait_ready(self, timeout_s: float, process: CoreProcess | None = None) -> EngineCoreReady:
+        """The core's handshake. Raises EngineCoreStartError with the core's
+        own reason when it reported one, else its exit code or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.output.poll(100):
+                message = decode(self.output.recv(), CoreOutput)
+                if isinstance(message, EngineCoreReady):
+                    return message
+                if isinstance(message, EngineCoreOutputs) and message.engine_error:
+                    raise EngineCoreStartError(message.engine_error)
+                continue
+            if process is not None and not process.is_alive():
+                raise EngineCoreStartError(f"the engine core exited with code {process.exitcode} while starting")
+        raise EngineCoreStartError(f"the engine core did not report ready within {timeout_s:.0f} s")
+
+    def close(self) -> None:
+        self.input.close(linger=500)  # a final shutdown message still goes out
+        self.output.close(linger=0)
+        self.ctx.term()

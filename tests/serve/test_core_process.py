@@ -1,0 +1,209 @@
+"""``kvferry serve`` as two processes: the front end ("kvferry: api-server")
+and the engine core ("kvferry: engine-0"). A dead core turns into 503s and
+ended streams, never a hang; a dead front end takes its core with it; bad
+flags and busy ports fail before any model loads."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.server_process import start_server
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", max_position_embeddings=4096))
+
+
+def proc_title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child nobody has reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def core_pid(server_pid: int, timeout_s: float = 10.0) -> int:
+    """The engine core child of a server process."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == server_pid and proc_title(int(entry.name)).startswith("kvferry: engine-0"):
+                return int(entry.name)
+        time.sleep(0.1)
+    raise AssertionError(f"no engine core child of {server_pid}")
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while is_running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_process_titles_and_no_orphan_core(tiny, tmp_path):
+    srv = start_server(tmp_path / "server.log", ["--model", tiny, "--dtype", "float32"])
+    try:
+        assert proc_title(srv.proc.pid).startswith("kvferry: api-server"), proc_title(srv.proc.pid)
+        core = core_pid(srv.proc.pid)
+        assert proc_title(core).startswith("kvferry: engine-0")
+        # The front end vanishes without any chance to clean up.
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(10)
+        assert wait_gone(core, 5.0), f"engine core {core} outlived its front end: {proc_title(core)}"
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+class _Stream(threading.Thread):
+    def __init__(self, url: str, model: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.model = url, model
+        self.events: list[dict] = []
+        self.done = False
+        self.ended_at: float | None = None
+        self.first = threading.Event()
+
+    def run(self) -> None:
+        body = {"model": self.model, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+                        self.first.set()
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()
+
+
+def test_killed_core_gives_503_and_ends_streams(tiny, tmp_path):
+    srv = start_server(tmp_path / "server.log", ["--model", tiny, "--dtype", "float32"])
+    model = httpx.get(srv.api_url + "/models", timeout=10).json()["data"][0]["id"]
+    try:
+        stream = _Stream(srv.base_url, model)
+        stream.start()
+        assert stream.first.wait(60) and stream.events and "choices" in stream.events[0]
+        core = core_pid(srv.proc.pid)
+        killed = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        stream.join(10)
+        assert not stream.is_alive() and stream.ended_at is not None
+        assert stream.ended_at - killed < 1.0, stream.ended_at - killed
+        # The stream ended properly: an error event, then [DONE].
+        assert stream.done and "error" in stream.events[-1], stream.events[-2:]
+        assert stream.events[-1]["error"]["code"] == "engine_unavailable"
+        health = httpx.get(srv.base_url + "/health", timeout=5)
+        assert health.status_code == 503 and "exited" in health.json()["error"]["message"]
+        r = httpx.post(srv.api_url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
+                       timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        # The front end still shuts down cleanly.
+        code = srv.stop(signal.SIGTERM, timeout_s=30)
+        assert code == 0, srv.log()[-3000:]
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def _serve(args: list[str], timeout_s: float = 120) -> tuple[int, str, float]:
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", *args], capture_output=True, text=True,
+                       timeout=timeout_s)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - start
+
+
+def test_bad_port_fails_before_the_model_loads():
+    code, out, _ = _serve(["--port", "99999"])
+    assert code == 2 and "port must be in [0, 65535], got 99999" in out, out
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # No model given: loading the embedded one would take seconds and log.
+        code, out, _ = _serve(["--port", str(port), "--log-level", "info"])
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in out, out
+    assert "engine core" not in out and "Traceback" not in out, out
+
+
+def test_core_start_failure_is_a_clear_error(tiny):
+    code, out, _ = _serve(["--port", "0", "--model", tiny, "--max-model-len", "999999"])
+    assert code == 2, out
+    assert "kvferry serve: error: the engine core failed to start" in out, out
+    assert "exceeds the model's context length 4096" in out, out
+
+
+def test_bad_engine_flag_is_a_usage_error():
+    code, out, _ = _serve(["--max-num-seqs", "0"])
+    assert code == 2 and "max_num_seqs must be an integer >= 1" in out, out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine_core_alone_over_tcp(tiny):
+    """``kvferry engine-core`` serves whoever connects to its addresses (as a
+    worker on another node would): handshake, a request, shutdown."""
+    from kvferry.engine.core_client import CoreAddresses, CoreConnection
+    from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreShutdown, decode
+    from kvferry.sampling import SamplingParams
+
+    addresses = CoreAddresses(f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}")
+    proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--model", tiny, "--dtype",
+                             "float32", "--num-kv-blocks", "64", "--name", "engine-7", "--log-level", "warning",
+                             "--input-address", addresses.input, "--output-address", addresses.output])
+    conn = CoreConnection(addresses)
+    try:
+        ready = conn.wait_ready(timeout_s=120)
+        assert ready.pid == proc.pid and ready.num_kv_blocks == 64 and ready.max_model_len == 64 * 16
+        assert proc_title(proc.pid).startswith("kvferry: engine-7")
+        params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
+        conn.send(EngineCoreRequest(request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=params,
+                                    eos_token_ids=[2], arrival_time=time.monotonic()))
+        tokens, finish = [], None
+        while finish is None:
+            assert conn.output.poll(30_000), "no output from the core"
+            message = decode(conn.output.recv(), CoreOutput)
+            assert isinstance(message, EngineCoreOutputs) and message.engine_error is None
+            for out in message.outputs:
+                tokens += out.new_token_ids
+                finish = out.finish_reason
+        assert len(tokens) == 5 and finish == "length"
+        conn.send(EngineCoreShutdown())
+        assert proc.wait(30) == 0
+    finally:
+        conn.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
