@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from kvferry.serve.api_flags import add_api_args
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
 
 
@@ -29,6 +31,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
+    add_api_args(parser)
     parser.set_defaults(func=lambda args: _run(args, engine_kwargs))
     return parser
 

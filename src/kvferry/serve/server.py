@@ -17,6 +17,7 @@ from pathlib import Path
 import prometheus_client
 import uvicorn
 
+from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.engine_client import AsyncEngineClient
 
@@ -47,6 +48,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
             model_path=args.model,
             max_request_body_bytes=args.max_request_body_bytes,
             check_integrity_when_idle=args.check_kv_integrity,
+            api=ApiOptions.from_args(args),
         )
         engine = LLMEngine.from_args(**engine_kwargs)
     except (ValueError, OSError) as exc:
@@ -58,6 +60,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
         access_log=not args.disable_uvicorn_access_log,
         # A backstop only: _Server ends the requests itself at shutdown_timeout.
         timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
+        **uvicorn_options(config.api),
     )
     model = f"model {config.served_model_names[0]}, max_model_len {engine.max_model_len}"
     server = _Server(uv_config, lambda url: print(f"{READY_PREFIX}{url} ({model})", flush=True),
