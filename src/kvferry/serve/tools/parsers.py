@@ -120,7 +120,7 @@ class _HermesStream(ToolCallStream):
                 close = self.buffer.find(self.end)
                 if close < 0:
                     return out
-                self._end_call(self.buffer[:close], out)
+                self._end_call(self.buffer[:close], out, closed=True)
                 self.buffer = self.buffer[close + len(self.end):]
                 continue
             open_at = self.buffer.find(self.start)
@@ -136,17 +136,17 @@ class _HermesStream(ToolCallStream):
     def finish(self) -> StreamDelta:
         out = StreamDelta()
         if self.in_call:  # generation ended (EOS, length) before the closing tag
-            self._end_call(self.buffer, out)
+            self._end_call(self.buffer, out, closed=False)
         else:
             out.content += self._content(self.buffer)
         self.buffer = ""
         return out
 
-    def _end_call(self, body: str, out: StreamDelta) -> None:
+    def _end_call(self, body: str, out: StreamDelta, closed: bool) -> None:
         self.in_call = False
         call = parse_call_json(body.strip(), "arguments")
-        if call is None:
-            out.content += self.start + body
+        if call is None:  # not a call after all: give back the text exactly
+            out.content += self.start + body + (self.end if closed else "")
         else:
             out.tool_calls.append(call)
             self.seen_call = True
