@@ -4,7 +4,6 @@ the session one, and one started here with short read timeouts and a
 generation-length policy."""
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import threading
@@ -13,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from tests.serve.keepalive import KeepAlive
 from tests.serve.server_process import MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.usefixtures("healthy")
@@ -33,29 +33,6 @@ def strict_server(tmp_path_factory) -> ServerProcess:
     ])
     yield srv
     assert srv.stop() == 0, srv.log()[-5000:]
-
-
-class KeepAlive:
-    """One HTTP/1.1 connection, reused for every request; fails if the server
-    drops it between requests without saying ``Connection: close``."""
-
-    def __init__(self, base_url: str) -> None:
-        host, port = base_url.removeprefix("http://").split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        self.sock = None
-
-    def post(self, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, bytes]:
-        self.conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        if self.sock is None:
-            self.sock = self.conn.sock
-        assert self.conn.sock is self.sock, "the client had to reconnect: the server dropped the connection"
-        response = self.conn.getresponse()
-        data = response.read()
-        assert response.getheader("connection") != "close" or response.status >= 500
-        return response.status, dict(response.getheaders()), data
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def _error(data: bytes) -> dict:
@@ -83,8 +60,9 @@ def test_lone_surrogate_is_400_and_keeps_connection(server, where):
     path, body = SURROGATE_BODIES[where]
     conn = KeepAlive(server.base_url)
     try:
-        status, _, data = conn.post(path, body)
+        status, headers, data = conn.post(path, body)
         assert status == 400, data
+        assert headers.get("connection") != "close"
         assert "JSON" in _error(data)["message"]
         status, _, data = conn.post("/v1/completions", GOOD_COMPLETION)  # same connection
         assert status == 200, data
