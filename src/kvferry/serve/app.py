@@ -9,6 +9,7 @@ in-flight requests (graceful shutdown).
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from kvferry.serve.http_limits import RequestLimitsMiddleware, client_request_id
 from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvferry.serve.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, now_s,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ResponsesRequest,
+    TokenizeRequest, now_s,
 )
+from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
 from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
 from kvferry.serve.tokenize import detokenize_endpoint, tokenize_endpoint
 
@@ -60,6 +63,7 @@ def build_app(engine: Any, config: ServerConfig) -> Starlette:
     metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats)
     client.observer = metrics
     ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer), config.api)
+    store = ResponseStore(config.api.responses_store_size, config.api.responses_store_ttl_s)
 
     def generation(model: type, handler: Callable[..., Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
@@ -106,6 +110,10 @@ def build_app(engine: Any, config: ServerConfig) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", generation(CompletionRequest, create_completion), methods=["POST"]),
         Route("/v1/chat/completions", generation(ChatCompletionRequest, create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", generation(ResponsesRequest, partial(create_response, store)),
+              methods=["POST"]),
+        Route("/v1/responses/{response_id}", partial(get_response, store), methods=["GET"]),
+        Route("/v1/responses/{response_id}", partial(delete_response, store), methods=["DELETE"]),
         Route("/tokenize", utility(TokenizeRequest, tokenize_endpoint), methods=["POST"]),
         Route("/detokenize", utility(DetokenizeRequest, detokenize_endpoint), methods=["POST"]),
     ]
@@ -117,4 +125,5 @@ def build_app(engine: Any, config: ServerConfig) -> Starlette:
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.client = client
     app.state.metrics = metrics
+    app.state.responses = store
     return app

@@ -345,3 +345,144 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+# ---- /v1/responses (the subset vLLM serves) ----------------------------------
+
+class ResponsesFunctionTool(_Request):
+    """The Responses API's flat function tool (no nested "function")."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> ToolDefinition:
+        return ToolDefinition(type="function", function=FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict))
+
+
+class ResponsesNamedToolChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class InputMessageItem(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict]  # parts: input_text / output_text / text
+
+
+class FunctionCallItem(_Request):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = Annotated[InputMessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+
+
+class ResponsesRequest(SamplingFields):
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_item_type(cls, data: object) -> object:
+        # Items without "type" are messages ({"role": ..., "content": ...}).
+        if isinstance(data, dict) and isinstance(data.get("input"), list):
+            data = {**data, "input": [{"type": "message", **item} if isinstance(item, dict) and "type" not in item
+                                      else item for item in data["input"]]}
+        return data
+
+
+class OutputText(_Response):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list = Field(default_factory=list)
+
+
+class OutputMessage(_Response):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(_Response):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class InputTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(_Response):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: dict | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict] = Field(default_factory=list)
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
+    text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedResponse(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True

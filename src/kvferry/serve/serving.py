@@ -23,7 +23,7 @@ from kvferry.serve.errors import APIError, bad_request, error_body
 from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.params import MaxTokens, named_field
-from kvferry.serve.protocol import PromptTokensDetails, Usage, random_id
+from kvferry.serve.protocol import PromptTokensDetails, Usage
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -53,11 +53,11 @@ class RequestIds:
     engine: str
 
     @classmethod
-    def make(cls, prefix: str, client_request_id: str | None) -> "RequestIds":
+    def make(cls, prefix: str, client_request_id: str | None, sep: str = "-") -> "RequestIds":
         if client_request_id is None:
-            rid = random_id(prefix)
+            rid = f"{prefix}{sep}{uuid.uuid4().hex}"
             return cls(rid, rid)
-        public = f"{prefix}-{client_request_id}"
+        public = f"{prefix}{sep}{client_request_id}"
         return cls(public, f"{public}-{uuid.uuid4().hex[:8]}")
 
 
@@ -216,9 +216,10 @@ SSE_DONE = "data: [DONE]\n\n"
 
 async def stream_events(stream: RequestStream,
                         render: Callable[[list[Delta]], list[str]],
-                        final: Callable[[], list[str]]) -> AsyncIterator[str]:
+                        final: Callable[[], list[str]], done: bool = True) -> AsyncIterator[str]:
     """SSE chunks of a stream: ``render`` turns merged deltas into events,
-    ``final`` adds the closing ones (usage) before ``[DONE]``."""
+    ``final`` adds the closing ones (usage) before ``[DONE]`` (which the
+    Responses API does not send: ``done=False``)."""
     try:
         async for out in stream:
             for event in render(merge_deltas([out, *stream.pending()])):
@@ -230,7 +231,8 @@ async def stream_events(stream: RequestStream,
         yield sse(error_body(503, str(exc), code="engine_unavailable"))
     finally:
         stream.close()
-    yield SSE_DONE
+    if done:
+        yield SSE_DONE
 
 
 class EventStreamResponse(StreamingResponse):
