@@ -108,7 +108,10 @@ def _too_large(limit: int) -> APIError:
 
 
 def _validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors(include_url=False, include_input=False)[0]
+    errors = exc.errors(include_url=False, include_input=False)
+    # A union reports one error per member it tried (``input`` as a string,
+    # then as a list): the deepest one names what the client got wrong.
+    first = max(errors, key=lambda e: len(e["loc"]))
     if first["type"] == "json_invalid":
         return bad_request(f"malformed JSON body: {first['ctx']['error'] if 'ctx' in first else first['msg']}")
     if first["type"] == "model_type" and not first["loc"]:
