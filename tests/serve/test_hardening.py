@@ -24,9 +24,15 @@ MAX_TOKENS_LIMIT = 40
 ORIGIN = "http://agent.example"
 
 
+CUSTOM_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                   "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory) -> ServerProcess:
-    srv = start_server(tmp_path_factory.mktemp("strict") / "server.log", [
+    folder = tmp_path_factory.mktemp("strict")
+    (folder / "template.jinja").write_text(CUSTOM_TEMPLATE)
+    srv = start_server(folder / "server.log", ["--chat-template", str(folder / "template.jinja"),
         "--header-read-timeout", str(HEADER_TIMEOUT_S), "--body-read-timeout", str(BODY_TIMEOUT_S),
         "--max-tokens-default", str(MAX_TOKENS_DEFAULT), "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
         "--allowed-origins", ORIGIN, "--max-header-count", "50",
@@ -239,3 +245,9 @@ def test_tokenize_detokenize(server, client):
     assert r.status_code == 400
     r = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [10**9]})
     assert r.status_code == 400 and _error(r.content)["param"] == "tokens.0"
+
+
+def test_chat_template_flag_replaces_the_models(strict_server):
+    r = httpx.post(f"{strict_server.base_url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    text = httpx.post(f"{strict_server.base_url}/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert text == "[user]hi[assistant]"
