@@ -186,15 +186,20 @@ def _few_shot() -> list[dict]:
 def _streamed(client, **kwargs):
     """Accumulate a streamed reply as the openai docs show: content and tool-call deltas by index."""
     content, calls, finish = "", {}, None
+    shapes = []  # (id sent, name, arguments) of each tool-call delta
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for tc in choice.delta.tool_calls or []:
+                shapes.append((tc.id is not None, tc.function.name, tc.function.arguments))
                 call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
                 call["id"] = tc.id or call["id"]
                 call["name"] += tc.function.name or ""
                 call["arguments"] += tc.function.arguments or ""
             finish = choice.finish_reason or finish
+    if shapes:  # as OpenAI: the first delta opens the call, arguments follow without id or name
+        assert shapes[0][0] and shapes[0][1] and shapes[0][2] == "", shapes
+        assert not shapes[1][0] and shapes[1][1] is None, shapes
     return content, [calls[i] for i in sorted(calls)], finish
 
 

@@ -82,7 +82,8 @@ class _ChatChunks:
     """Renders one streamed chat completion: a role chunk per choice first
     (as OpenAI does), then content and tool-call deltas, then the optional
     usage chunk. With tools, text goes through the tool parser's stream:
-    content passes at once, a call is sent whole once its text is complete."""
+    content passes at once, a call is sent once its text is complete (its
+    arguments in one delta: they are checked against the schema first)."""
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, request_id: str,
                  model: str, num_prompt_tokens: int) -> None:
@@ -113,10 +114,21 @@ class _ChatChunks:
             if not text and not calls and logprobs is None and d.finish_reason is None:
                 continue  # text held back (partial character, possible stop string, a call in progress)
             reason = finish_reason(d.finish_reason, self.num_calls_sent[d.index] > 0)
-            delta = DeltaMessage(content=text or None, tool_calls=calls or None)
-            choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs,
-                                     finish_reason=reason, stop_reason=d.stop_reason)
-            events.append(sse(self._chunk([choice])))
+            # As OpenAI streams a call: one delta opens it (id, type, name,
+            # empty arguments), the next carries the arguments.
+            deltas_out = [DeltaMessage(content=text or None)] if text or not calls else []
+            for call in calls:
+                header = call.model_copy(update={"function": DeltaFunctionCall(name=call.function.name,
+                                                                                arguments="")})
+                arguments = DeltaToolCall(index=call.index, function=DeltaFunctionCall(
+                    arguments=call.function.arguments))
+                deltas_out += [DeltaMessage(tool_calls=[header]), DeltaMessage(tool_calls=[arguments])]
+            for i, delta in enumerate(deltas_out):
+                last = i == len(deltas_out) - 1
+                choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs if i == 0 else None,
+                                         finish_reason=reason if last else None,
+                                         stop_reason=d.stop_reason if last else None)
+                events.append(sse(self._chunk([choice])))
         return events
 
     def _parse(self, d: Delta) -> tuple[str, list[DeltaToolCall]]:
