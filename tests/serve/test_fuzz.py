@@ -19,7 +19,7 @@ from tests.serve.keepalive import KeepAlive
 
 pytestmark = pytest.mark.usefixtures("healthy")
 
-MAX_EXAMPLES = 200
+MAX_EXAMPLES = 150
 REQUEST_TIMEOUT_S = 30  # a hang fails the test as a socket timeout
 
 # Any JSON value, including the awkward ones.
@@ -31,24 +31,26 @@ leaf = st.one_of(
 any_json = st.recursive(leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.text(max_size=8), inner, max_size=4), max_leaves=16)
 # Lengths that generate at most a few tokens when valid (a fuzz run must stay short).
-small_length = st.sampled_from([1, 2, 3, 1, 2, 3, 0, -1, 2**63, 2**100])
+small_length = st.sampled_from([1, 2, 3, 1, 2, 3, 0, -1, 2**63, 2**100, "3", True, 2.0])
+# Never replaced by arbitrary JSON: null or absent would mean "up to the context".
+LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "max_output_tokens"}
 
 
 # Plausible values for each field; one field per example may then be
 # replaced by any JSON value, so that about half the requests get past
 # validation and exercise generation, streaming and the tool parser too.
 text = st.text(max_size=40)
-message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "developer", "user", "user", "assistant", "tool"])},
-    optional={
-        "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
-                                            min_size=1, max_size=3)),
-        "tool_calls": st.lists(st.fixed_dictionaries({
-            "id": st.text(max_size=5), "type": st.just("function"),
-            "function": st.fixed_dictionaries({"name": st.text(max_size=8), "arguments": st.text(max_size=12)})}),
-            max_size=2),
-        "tool_call_id": st.text(max_size=8), "name": st.text(max_size=8),
-    },
+message = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "user", "assistant"]),
+         "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+                                             min_size=1, max_size=3))},
+        optional={"name": st.text(max_size=8)}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "tool_calls": st.lists(st.fixed_dictionaries({
+        "id": st.text(max_size=5), "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": st.text(max_size=8), "arguments": st.text(max_size=12)})}),
+        min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": text, "tool_call_id": st.text(max_size=8)}),
 )
 tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": st.from_regex(r"[a-z_]{1,10}", fullmatch=True)},
@@ -74,19 +76,35 @@ chat = st.fixed_dictionaries(
 tokenize = st.one_of(st.fixed_dictionaries({"prompt": text}, optional={"add_special_tokens": st.booleans()}),
                      st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)}))
 detokenize = st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 49151), max_size=8)})
+input_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]), "content": text}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=6),
+                           "name": st.text(max_size=8), "arguments": st.text(max_size=12)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=6),
+                           "output": text}),
+)
+responses = st.fixed_dictionaries(
+    {"input": st.one_of(st.text(min_size=1, max_size=40), st.lists(input_item, min_size=1, max_size=4)),
+     "max_output_tokens": small_length},
+    optional={"model": sampling["model"], "instructions": text, "stream": st.booleans(), "store": st.booleans(),
+              "temperature": sampling["temperature"], "previous_response_id": st.text(max_size=10),
+              "tools": st.lists(st.builds(lambda t: {"type": "function", **t["function"]}, tool), min_size=1,
+                                max_size=2)},
+)
 
 
 @st.composite
 def corrupted(draw, path: str, bodies) -> tuple[str, dict]:
     body = draw(bodies)
-    if body and draw(st.booleans()):
-        body[draw(st.sampled_from(sorted(body)))] = draw(any_json)
+    fields = sorted(set(body) - LENGTH_FIELDS)
+    if fields and draw(st.booleans()):
+        body[draw(st.sampled_from(fields))] = draw(any_json)
     return path, body
 
 
 ENDPOINTS = st.one_of(
     corrupted("/v1/completions", completion), corrupted("/v1/chat/completions", chat),
-    corrupted("/tokenize", tokenize), corrupted("/detokenize", detokenize),
+    corrupted("/v1/responses", responses), corrupted("/tokenize", tokenize), corrupted("/detokenize", detokenize),
 )
 
 
@@ -135,7 +153,9 @@ def test_fuzz_bodies(conn, endpoint, damage, where):
         error = json.loads(data)["error"]
         assert isinstance(error["message"], str) and error["type"] == "invalid_request_error"
     elif headers.get("content-type", "").startswith("text/event-stream"):
-        assert data.rstrip().endswith(b"data: [DONE]"), data[-300:]
+        # Chat and completions end with [DONE]; the Responses API with a typed final event.
+        end = b"event: response." if path == "/v1/responses" else b"data: [DONE]"
+        assert end in data.rstrip().rsplit(b"\n\n", 1)[-1], data[-300:]
         assert b'"error"' not in data, data[-500:]
 
 
