@@ -7,6 +7,7 @@ generation_config.json. No transformers import: serving processes stay light.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +37,8 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
+        self._added_token_ids = frozenset(self._tok.get_added_tokens_decoder())
+        self._byte_level = _uses_byte_level_decoder(json.loads(self._tok.to_str()).get("decoder"))
 
     @property
     def vocab_size(self) -> int:
@@ -53,18 +56,38 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for, so that a token holding part
+        of a UTF-8 character (an emoji split over tokens) still has its real
+        bytes, where decoding it alone gives U+FFFD. Concatenating the bytes
+        of a sequence's tokens rebuilds its text."""
+        if token_id in self._added_token_ids:
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:  # GPT-2 style: each byte is mapped to one printable character
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece if c in _UNICODE_TO_BYTE)
+        if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:  # sentencepiece "<0xF0>"
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # sentencepiece marks spaces with U+2581
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render ``messages`` as transformers' ``apply_chat_template(tokenize=False)`` does."""
-        if not self.chat_template:
+        """Render ``messages`` as transformers' ``apply_chat_template(tokenize=False)`` does.
+        ``chat_template`` replaces the model's own (a server's --chat-template,
+        or a tool-capable template for a model whose own has no tools)."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json chat_template "
                              "or chat_template.jinja); send a plain prompt instead")
-        template = _compile_template(self.chat_template)
+        template = _compile_template(source)
         return template.render(
             messages=messages,
             tools=tools,
@@ -179,6 +202,36 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+# ---- token bytes ----
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to
+    themselves, the other 68 to code points from 256 upwards, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    mapping = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = _gpt2_unicode_to_byte()
+
+
+def _uses_byte_level_decoder(decoder: dict[str, Any] | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_uses_byte_level_decoder(d) for d in decoder.get("decoders") or [])
 
 
 # ---- small file helpers ----

@@ -10,25 +10,35 @@ shutdown).
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.chat import create_chat_completion
 from kvferry.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.serve.completions import create_completion
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.errors import EXCEPTION_HANDLERS, error_response
+from kvferry.serve.http_limits import RequestLimitsMiddleware, client_request_id
 from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.metrics import CONTENT_TYPE, ServerMetrics
-from kvferry.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
+from kvferry.serve.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ResponsesRequest,
+    TokenizeRequest, now_s,
+)
+from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
 from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
+from kvferry.serve.tokenize import detokenize_endpoint, tokenize_endpoint
 
 
 @dataclass(slots=True)
@@ -38,6 +48,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # Time the engine core gets to exit after the HTTP side has drained.
     engine_stop_timeout_s: float = 10.0
+    api: ApiOptions = field(default_factory=ApiOptions)  # the OpenAI layer's flags
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
@@ -49,15 +60,22 @@ class ServerConfig:
 def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats)
     client.observer = metrics
-    ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer))
+    ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer), config.api)
+    store = ResponseStore(config.api.responses_store_size, config.api.responses_store_ttl_s)
 
-    def generation(model: type, handler: Callable[[ServingContext, Any, float], Awaitable[Response]]):
+    def generation(model: type, handler: Callable[..., Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
             arrival = time.monotonic()
             # The body is read before the disconnect watcher starts: both
             # read from receive(), and the watcher must not eat body chunks.
             req = await read_request(request, model, config.max_request_body_bytes)
-            return await run_until_disconnected(request, handler(ctx, req, arrival))
+            request_id = client_request_id(request.headers)
+            return await run_until_disconnected(request, handler(ctx, req, arrival, request_id))
+        return endpoint
+
+    def utility(model: type, handler: Callable[[ServingContext, Any], Awaitable[Response]]):
+        async def endpoint(request: Request) -> Response:
+            return await handler(ctx, await read_request(request, model, config.max_request_body_bytes))
         return endpoint
 
     async def health(request: Request) -> Response:
@@ -90,8 +108,20 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", generation(CompletionRequest, create_completion), methods=["POST"]),
         Route("/v1/chat/completions", generation(ChatCompletionRequest, create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", generation(ResponsesRequest, partial(create_response, store)),
+              methods=["POST"]),
+        Route("/v1/responses/{response_id}", partial(get_response, store), methods=["GET"]),
+        Route("/v1/responses/{response_id}", partial(delete_response, store), methods=["DELETE"]),
+        Route("/tokenize", utility(TokenizeRequest, tokenize_endpoint), methods=["POST"]),
+        Route("/detokenize", utility(DetokenizeRequest, detokenize_endpoint), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    middleware = [Middleware(RequestLimitsMiddleware, max_header_count=config.api.max_header_count,
+                             max_header_bytes=config.api.max_header_bytes, body_read_timeout_s=config.api.body_read_timeout_s)]
+    if config.api.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=config.api.allowed_origins,
+                                     allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"]))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.client = client
     app.state.metrics = metrics
+    app.state.responses = store
     return app

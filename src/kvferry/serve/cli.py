@@ -11,6 +11,8 @@ import argparse
 
 from kvferry.config import EngineArgs
 
+from kvferry.serve.api_flags import add_api_args
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
 
 
@@ -40,6 +42,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="seconds the engine core gets to load the model and report ready")
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
+    add_api_args(parser)
     parser.set_defaults(func=_run, subparser=parser)
     return parser
 

@@ -6,23 +6,29 @@ from starlette.responses import Response
 from kvferry.outputs import RequestOutput
 from kvferry.serve.logprobs import completion_logprobs
 from kvferry.serve.params import completion_prompt_ids, raise_for_model, resolve_max_tokens, sampling_params
-from kvferry.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, now_s, random_id
+from kvferry.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, now_s
 from kvferry.serve.serving import (
-    Delta, ServingContext, final_usage, respond, sse, tokenize, usage,
+    Delta, RequestIds, ServingContext, final_usage, respond, sse, tokenize, usage,
 )
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest, arrival: float) -> Response:
+# OpenAI's default length for completions.
+DEFAULT_MAX_TOKENS = 16
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, arrival: float,
+                            client_request_id: str | None = None) -> Response:
     """``arrival``: time.monotonic() when the HTTP request arrived (for TTFT)."""
     model = raise_for_model(req.model, ctx.served_model_names)
     prompt_ids = await tokenize(completion_prompt_ids, req, ctx.client.tokenizer)
-    max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), ctx.client.max_model_len, "prompt")
+    max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), ctx.client.max_model_len, "prompt",
+                                    ctx.max_tokens(DEFAULT_MAX_TOKENS))
     params = sampling_params(req, max_tokens, req.logprobs)
-    request_id = random_id("cmpl")
+    ids = RequestIds.make("cmpl", client_request_id)
     return await respond(
-        ctx, request_id, prompt_ids, params, arrival, req.stream,
-        make_chunks=lambda: _CompletionChunks(ctx, req, request_id, model, len(prompt_ids)),
-        make_body=lambda finals: _response(ctx, req, request_id, model, len(prompt_ids), finals),
+        ctx, ids, prompt_ids, params, arrival, req.stream,
+        make_chunks=lambda: _CompletionChunks(ctx, req, ids.public, model, len(prompt_ids)),
+        make_body=lambda finals: _response(ctx, req, ids.public, model, len(prompt_ids), finals),
     )
 
 

@@ -7,7 +7,9 @@ route and an overloaded server.
 """
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -20,7 +22,9 @@ _ERROR_TYPE = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -29,12 +33,25 @@ _ERROR_TYPE = {
 class APIError(Exception):
     """Raised anywhere in a handler; turned into an OpenAI error response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 close_connection: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        # For errors after which the connection's state is unknown (a body
+        # not read to its end): tell the client not to reuse it.
+        self.close_connection = close_connection
+
+
+class ErrorJSONResponse(JSONResponse):
+    """Error bodies echo client input (a model name, a field path). Escaping
+    to ASCII keeps any string encodable, even one holding a lone surrogate,
+    so that rendering an error can never fail in turn."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -52,13 +69,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   close_connection: bool = False) -> JSONResponse:
+    # A 5xx means our state is suspect: the client must not reuse the connection.
+    close = close_connection or status >= 500 and status != 503
+    headers = {"Connection": "close"} if close else None
+    return ErrorJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return error_response(exc.status, exc.message, exc.param, exc.code)
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.close_connection)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -5,8 +5,9 @@ Completions (legacy): parallel lists ``tokens``, ``token_logprobs``,
 ``top_logprobs`` (token -> logprob dicts) and ``text_offset``.
 
 A token's string is its own decode. For a token holding part of a UTF-8
-character that is U+FFFD, as in vLLM; the text of the completion is always
-decoded as a whole and is exact.
+character that is U+FFFD, as in vLLM; its ``bytes`` are still the token's
+real bytes, so that a client can rebuild the text from them. The text of the
+completion is always decoded as a whole and is exact.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class TokenStrings:
         self.tokenizer = tokenizer
         self.max_size = max_size
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -35,6 +37,14 @@ class TokenStrings:
             if len(self._cache) < self.max_size:
                 self._cache[token_id] = text
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = list(self.tokenizer.token_bytes(token_id))
+            if len(self._bytes) < self.max_size:
+                self._bytes[token_id] = raw
+        return raw
 
 
 def _clamp(logprob: float) -> float:
@@ -48,11 +58,11 @@ def chat_logprobs(entries: list[TokenLogprobs], strings: TokenStrings) -> ChatLo
     for e in entries:
         token = strings(e.token_id)
         top = [
-            TopLogprob(token=(t := strings(tid)), logprob=_clamp(lp), bytes=list(t.encode("utf-8")))
+            TopLogprob(token=strings(tid), logprob=_clamp(lp), bytes=strings.bytes(tid))
             for tid, lp in zip(e.top_token_ids, e.top_logprobs)
         ]
         content.append(ChatTokenLogprob(token=token, logprob=_clamp(e.logprob),
-                                        bytes=list(token.encode("utf-8")), top_logprobs=top))
+                                        bytes=strings.bytes(e.token_id), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 

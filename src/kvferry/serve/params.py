@@ -7,6 +7,7 @@ so that the engine loop thread spends its time on steps only.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -14,6 +15,7 @@ import jinja2
 from kvferry.sampling import SamplingParams
 from kvferry.serve.errors import APIError, bad_request
 from kvferry.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from kvferry.serve.tools import ToolPlan, message_dicts
 
 # Field names SamplingParams may name in a ValueError, mapped to the request
 # field the client sent (they are the same except for top_logprobs).
@@ -39,42 +41,30 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
     return list(prompt)
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """Render the model's chat template and encode it. The template already
-    writes BOS / role tokens, so no special tokens are added again."""
-    if not req.messages:
-        raise bad_request("messages must not be empty", "messages")
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, plan: ToolPlan, template: str | None,
+                    add_generation_prompt: bool = True, param: str = "messages") -> list[int]:
+    """Render the chat template (with the request's tools) and encode it. The
+    template already writes BOS / role tokens, so no special tokens are added again."""
+    if not messages:
+        raise bad_request(f"{param} must not be empty", param)
+    dicts = plan.template_messages(message_dicts(messages))
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                             tools=plan.tools or None, chat_template=template)
     except jinja2.TemplateError as exc:
-        raise bad_request(f"chat template error: {exc}", "messages") from exc
-    except ValueError as exc:  # e.g. a tokenizer without a chat template
-        raise bad_request(str(exc), "messages") from exc
+        raise bad_request(f"chat template error: {exc}", param) from exc
+    except (ValueError, TypeError) as exc:  # no chat template; a template tripping over odd input
+        raise bad_request(f"chat template error: {exc}", param) from exc
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _message_dict(message: ChatMessage, i: int) -> dict[str, str]:
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported", f"messages.{i}.content")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    out = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       prompt_param: str) -> int:
+                       prompt_param: str, limits: "MaxTokens | None" = None,
+                       param: str = "max_tokens") -> int:
     """Check the prompt and max_tokens against the context length (as vLLM
-    does: prompt + max_tokens must fit); None means "up to the context"."""
+    does: prompt + max_tokens must fit) and the server's cap; None means the
+    server default, else "up to the context" (capped by the limit)."""
+    limits = limits or MaxTokens()
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
@@ -82,17 +72,28 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
             prompt_param,
         )
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        room = max_model_len - num_prompt_tokens
+        return min(room, limits.default or room, limits.limit or room)
     if requested < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+    if limits.limit is not None and requested > limits.limit:
+        raise bad_request(f"{param} must be at most {limits.limit} on this server, got {requested}", param)
     if num_prompt_tokens + requested > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in the "
             "completion). Please reduce the length of the prompt or the completion.",
-            "max_tokens",
+            param,
         )
     return requested
+
+
+@dataclass(slots=True, frozen=True)
+class MaxTokens:
+    """The server's generation-length policy (--max-tokens-default / -limit)."""
+
+    default: int | None = None
+    limit: int | None = None
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -136,6 +137,10 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 def _reject_unsupported(req: SamplingFields) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.response_format is not None and req.response_format.type != "text":
+        # Refused rather than ignored: the client relies on the output parsing.
+        raise bad_request(f"response_format {req.response_format.type!r} is not supported yet "
+                          "(structured generation is not built); only 'text' is", "response_format")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad_request("echo is not supported", "echo")

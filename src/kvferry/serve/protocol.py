@@ -2,7 +2,8 @@
 
 Faithful enough that the official ``openai`` client works unchanged. Unknown
 request fields are ignored, as OpenAI and vLLM do, so newer clients keep
-working. Extensions follow vLLM's names (``top_k``, ``min_p``,
+working. Known fields are strict, as OpenAI's are: an int is not a bool, a
+string is not a number (``max_tokens: "10"`` is a 400), an int is a float. Extensions follow vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ...) and are passed by clients via
 ``extra_body``.
 
@@ -16,7 +17,9 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator,
+)
 
 # n fans out into n engine sequences; a bound keeps one request from
 # flooding the scheduler.
@@ -34,11 +37,18 @@ def now_s() -> int:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: bodies are validated from JSON (model_validate_json), where
+    # strict mode still accepts objects for nested models.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
 
 
 class SamplingFields(_Request):
@@ -64,23 +74,70 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
     # A string, a list of one string, token ids, or a list of one token-id list.
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    # OpenAI's default for completions is 16; None here lets a server
+    # default (--max-tokens-default) apply first.
+    max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: str
+    # developer is OpenAI's newer name for system.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or content parts (only text parts are supported).
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool results
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        # Only an assistant turn that carries tool calls may omit content.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        return self
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -89,7 +146,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # extension
 
 
@@ -151,9 +210,21 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -174,9 +245,33 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(_Response):
+    """A streamed tool call: the first delta of a call carries index, id,
+    type and name; later ones only index and an arguments fragment."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict:
@@ -215,3 +310,179 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- tokenize / detokenize (vLLM's extension endpoints) ---------------------
+
+class TokenizeRequest(_Request):
+    """Either ``prompt`` (plain text) or ``messages`` (rendered through the
+    chat template), as vLLM's POST /tokenize takes them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+# ---- /v1/responses (the subset vLLM serves) ----------------------------------
+
+class ResponsesFunctionTool(_Request):
+    """The Responses API's flat function tool (no nested "function")."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> ToolDefinition:
+        return ToolDefinition(type="function", function=FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict))
+
+
+class ResponsesNamedToolChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class InputMessageItem(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict]  # parts: input_text / output_text / text
+
+
+class FunctionCallItem(_Request):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = Annotated[InputMessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+
+
+class ResponsesRequest(SamplingFields):
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_item_type(cls, data: object) -> object:
+        # Items without "type" are messages ({"role": ..., "content": ...}).
+        if isinstance(data, dict) and isinstance(data.get("input"), list):
+            data = {**data, "input": [{"type": "message", **item} if isinstance(item, dict) and "type" not in item
+                                      else item for item in data["input"]]}
+        return data
+
+
+class OutputText(_Response):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list = Field(default_factory=list)
+
+
+class OutputMessage(_Response):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(_Response):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class InputTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(_Response):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: dict | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict] = Field(default_factory=list)
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
+    text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedResponse(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True

@@ -25,6 +25,7 @@ import uvicorn
 
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
+from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.engine_client import AsyncEngineClient
 
@@ -55,6 +56,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             served_model_names=args.served_model_name or [default_model_name(args.model)],
             model_path=args.model,
             max_request_body_bytes=args.max_request_body_bytes,
+            api=ApiOptions.from_args(args),
         )
         listen = bind_socket(args.host, args.port)
     except (ValueError, OSError) as exc:
@@ -95,6 +97,7 @@ def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineCl
         access_log=not args.disable_uvicorn_access_log,
         # A backstop only: _Server ends the requests itself at shutdown_timeout.
         timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
+        **uvicorn_options(config.api),
     )
     model = f"model {config.served_model_names[0]}, max_model_len {client.max_model_len}"
     server = _Server(uv_config, lambda url: print(f"{READY_PREFIX}{url} ({model})", flush=True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -20,7 +21,8 @@ from kvferry.sampling import SamplingParams
 from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError, RequestStream
 from kvferry.serve.errors import APIError, bad_request, error_body
 from kvferry.serve.logprobs import TokenStrings
-from kvferry.serve.params import named_field
+from kvferry.serve.api_flags import ApiOptions
+from kvferry.serve.params import MaxTokens, named_field
 from kvferry.serve.protocol import PromptTokensDetails, Usage
 
 M = TypeVar("M", bound=BaseModel)
@@ -33,6 +35,30 @@ class ServingContext:
     client: AsyncEngineClient
     served_model_names: list[str]
     token_strings: TokenStrings
+    api: ApiOptions = field(default_factory=ApiOptions)
+
+    def max_tokens(self, default: int | None = None) -> MaxTokens:
+        """The server's length policy; ``default`` is the endpoint's own
+        (16 for completions), which --max-tokens-default replaces."""
+        return MaxTokens(self.api.max_tokens_default or default, self.api.max_tokens_limit)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestIds:
+    """``public``: the response's id (``chatcmpl-<X-Request-Id>`` when the
+    client sent one). ``engine``: unique per request even when clients reuse
+    an X-Request-Id, because the engine keys its requests by it."""
+
+    public: str
+    engine: str
+
+    @classmethod
+    def make(cls, prefix: str, client_request_id: str | None, sep: str = "-") -> "RequestIds":
+        if client_request_id is None:
+            rid = f"{prefix}{sep}{uuid.uuid4().hex}"
+            return cls(rid, rid)
+        public = f"{prefix}{sep}{client_request_id}"
+        return cls(public, f"{public}-{uuid.uuid4().hex[:8]}")
 
 
 # ---- request body ---------------------------------------------------------
@@ -55,14 +81,15 @@ async def read_request(request: Request, model: type[M], limit: int) -> M:
         raise bad_request("the client disconnected while sending the body") from None
     if not body:
         raise bad_request("the request body is empty; expected a JSON object")
+    return parse_body(bytes(body), model)
+
+
+def parse_body(body: bytes, model: type[M]) -> M:
+    """Validate JSON bytes strictly. pydantic's own JSON parser rejects what
+    json.loads lets through and nothing downstream can encode: lone UTF-16
+    surrogates (``"\\ud800"``) and invalid UTF-8. It also bounds nesting."""
     try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}") from None
-    if not isinstance(obj, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(obj)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
 
@@ -81,7 +108,14 @@ def _too_large(limit: int) -> APIError:
 
 
 def _validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False, include_input=False)
+    # A union reports one error per member it tried (``input`` as a string,
+    # then as a list): the deepest one names what the client got wrong.
+    first = max(errors, key=lambda e: len(e["loc"]))
+    if first["type"] == "json_invalid":
+        return bad_request(f"malformed JSON body: {first['ctx']['error'] if 'ctx' in first else first['msg']}")
+    if first["type"] == "model_type" and not first["loc"]:
+        return bad_request("the request body must be a JSON object")
     param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p)) or None
     where = f"{param}: " if param else ""
     more = f" (and {exc.error_count() - 1} more errors)" if exc.error_count() > 1 else ""
@@ -185,9 +219,10 @@ SSE_DONE = "data: [DONE]\n\n"
 
 async def stream_events(stream: RequestStream,
                         render: Callable[[list[Delta]], list[str]],
-                        final: Callable[[], list[str]]) -> AsyncIterator[str]:
+                        final: Callable[[], list[str]], done: bool = True) -> AsyncIterator[str]:
     """SSE chunks of a stream: ``render`` turns merged deltas into events,
-    ``final`` adds the closing ones (usage) before ``[DONE]``."""
+    ``final`` adds the closing ones (usage) before ``[DONE]`` (which the
+    Responses API does not send: ``done=False``)."""
     try:
         async for out in stream:
             for event in render(merge_deltas([out, *stream.pending()])):
@@ -199,7 +234,8 @@ async def stream_events(stream: RequestStream,
         yield sse(error_body(503, str(exc), code="engine_unavailable"))
     finally:
         stream.close()
-    yield SSE_DONE
+    if done:
+        yield SSE_DONE
 
 
 class EventStreamResponse(StreamingResponse):
@@ -221,12 +257,12 @@ class EventStreamResponse(StreamingResponse):
             self._stream.close()
 
 
-async def respond(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
+async def respond(ctx: ServingContext, request_id: RequestIds, prompt_ids: list[int], params: SamplingParams,
                   arrival_time: float, stream: bool, make_chunks: Callable[[], Any],
                   make_body: Callable[[list[RequestOutput]], BaseModel]) -> Response:
     """Admit a request, then stream it as SSE (``make_chunks()`` renders the
     events) or wait for every sequence and answer ``make_body(finals)``."""
-    handle = await start_request(ctx, request_id, prompt_ids, params, arrival_time)
+    handle = await start_request(ctx, request_id.engine, prompt_ids, params, arrival_time)
     if stream:
         chunks = make_chunks()
         return EventStreamResponse(stream_events(handle, chunks.render, chunks.final), handle)

@@ -1,0 +1,99 @@
+"""``kvferry serve`` flags of the OpenAI API layer, and the options they make.
+
+    add_api_args(parser)          the flags, in one argument group
+    ApiOptions.from_args(args)    -> ServerConfig.api
+    uvicorn_options(api)          -> extra uvicorn.Config keyword arguments
+
+No heavy imports: the CLI imports this for every subcommand.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json")
+
+
+@dataclass(slots=True)
+class ApiOptions:
+    # Generation length: the default when a request names none (None: 16 for
+    # completions, the rest of the context for chat, as OpenAI), and a cap.
+    max_tokens_default: int | None = None
+    max_tokens_limit: int | None = None
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
+    header_read_timeout_s: float = 10.0
+    body_read_timeout_s: float = 30.0
+    max_header_count: int = 100
+    max_header_bytes: int = 16 * 1024
+    tool_call_parser: str = "hermes"
+    chat_template: str | None = None  # the template's text (read from --chat-template FILE)
+    responses_store_size: int = 1024
+    responses_store_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_default", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if (self.max_tokens_default is not None and self.max_tokens_limit is not None
+                and self.max_tokens_default > self.max_tokens_limit):
+            raise ValueError(f"max_tokens_default ({self.max_tokens_default}) must not exceed "
+                             f"max_tokens_limit ({self.max_tokens_limit})")
+        for name in ("header_read_timeout_s", "body_read_timeout_s", "responses_store_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_header_count", "max_header_bytes", "responses_store_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ApiOptions":
+        template = None
+        if args.chat_template is not None:
+            try:
+                template = Path(args.chat_template).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(f"chat_template: cannot read {args.chat_template}: {exc}") from None
+        return cls(
+            max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
+            allowed_origins=list(args.allowed_origins or []),
+            header_read_timeout_s=args.header_read_timeout, body_read_timeout_s=args.body_read_timeout,
+            max_header_count=args.max_header_count, max_header_bytes=args.max_header_bytes,
+            tool_call_parser=args.tool_call_parser, chat_template=template,
+            responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
+        )
+
+
+def add_api_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("OpenAI API")
+    g.add_argument("--max-tokens-default", type=int, default=None,
+                   help="max_tokens for requests that send none (default: 16 for completions, "
+                        "the rest of the context for chat)")
+    g.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="reject requests asking for more than this many tokens (400)")
+    g.add_argument("--allowed-origins", nargs="+", default=None,
+                   help="CORS: origins browsers may call from ('*' for any); default: no CORS")
+    g.add_argument("--header-read-timeout", type=float, default=10.0,
+                   help="seconds a client gets to send a request's headers (then 408 and close)")
+    g.add_argument("--body-read-timeout", type=float, default=30.0,
+                   help="seconds a client gets to send a request's body (then 408 and close)")
+    g.add_argument("--max-header-count", type=int, default=100, help="more request headers: 431")
+    g.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="larger request heads: 431 (400 while still arriving)")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
+                   help="how tool calls are found in generated text (by model family)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file that replaces the model's")
+    g.add_argument("--responses-store-size", type=int, default=1024,
+                   help="stored /v1/responses kept for previous_response_id (oldest dropped first)")
+    g.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored response is kept")
+
+
+def uvicorn_options(api: ApiOptions) -> dict:
+    from kvferry.serve.http_limits import header_timeout_protocol
+
+    return {"http": header_timeout_protocol(api.header_read_timeout_s),
+            "h11_max_incomplete_event_size": api.max_header_bytes}
