@@ -227,6 +227,14 @@ class AsyncEngineClient:
             self.connection.send(req)
         return stream
 
+    def abort(self, request_id: str) -> None:
+        """Abort one request (all its sequences); its stream ends without
+        an error. Unknown or finished ids are ignored."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.close()
+            stream._push(_END)
+
     def abort_all(self, reason: str) -> int:
         """End every open request now: abort it in the core and raise
         EngineDeadError(reason) in its handler (which then reports it
