@@ -57,6 +57,9 @@ class Request:
     # Every end-of-sequence id of the model (Llama 3 has two).
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0  # 0: unbounded (set by the engine)
+    # Worker to send this request's KV to when it finishes (prefill/decode
+    # disaggregation); "" sends nothing.
+    kv_send_peer: str = ""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -269,3 +269,32 @@ def test_finishing_while_loading_keeps_blocks_until_the_load_ends():
     s.update_from_output(out, RunnerOutput(finished_loading=["b"]))
     assert s.kv.pool.num_used_blocks == 0
     s.kv.check_integrity()
+
+
+def test_send_of_finished_request_delays_its_free_until_sent():
+    s = make(num_blocks=8)
+    a = req("a", range(10), max_tokens=1)
+    a.kv_send_peer = "decode-0"
+    s.add_request(a)
+    simulate_step(s, s.schedule())  # prefill, one token, finished
+    assert a.is_finished and s.kv.pool.num_used_blocks == 3  # held for the send
+    assert s.has_unfinished()  # the engine keeps stepping to see the send through
+    out = s.schedule()
+    assert out.kv_orders.send == [TransferOrder("a", [0, 1, 2], keys=a.block_hashes[:3], peer="decode-0")]
+    assert out.is_empty
+    s.update_from_output(out, RunnerOutput())
+    assert s.kv.pool.num_used_blocks == 3  # not sent yet
+    s.update_from_output(s.schedule(), RunnerOutput(finished_sending=["a"]))
+    assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished()
+    assert [b.block_id for b in s.kv.pool.free_queue][-3:] == [2, 1, 0]  # tail first
+    s.kv.check_integrity()
+
+
+def test_aborted_request_sends_nothing():
+    s = make(num_blocks=8)
+    a = req("a", range(10), max_tokens=5)
+    a.kv_send_peer = "decode-0"
+    s.add_request(a)
+    simulate_step(s, s.schedule())
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert s.schedule().kv_orders.send == [] and s.kv.pool.num_used_blocks == 0

@@ -89,6 +89,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: dict[str, SwappedKV] = {}
         self.loading: dict[str, int] = {}  # request id -> external tokens in flight
+        # Sends of finished requests' KV, ordered with the next step.
+        self._pending_sends: list[TransferOrder] = []
         self._finished_since_step: list[str] = []
         # What the runner's batch row holds per request: block count and
         # token count. A preempted request loses its row (re-sent in full).
@@ -118,12 +120,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or KV sends still to order or to complete (the
+        engine must keep stepping to collect their completions)."""
+        return bool(self.waiting or self.running or self._pending_sends or self.kv.delayed_free)
 
     # -- planning ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_since_step)
         self._finished_since_step = []
+        out.kv_orders.send, self._pending_sends = self._pending_sends, []
         self.propose()
         budget = self.config.max_num_batched_tokens
         budget, preempted = self._schedule_running(out, budget)
@@ -431,8 +436,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        # A load in flight still writes the blocks: keep them until it ends.
-        self.kv.free(request, delay=rid in self.loading)
+        send = self._order_send(request)
+        # A load in flight still writes the blocks, a send will read them:
+        # keep them until it completes.
+        self.kv.free(request, delay=rid in self.loading or send)
         swapped = self.swapped.pop(rid, None)
         if swapped is not None:
             self.swap_space.free(swapped.host_slots)
@@ -442,6 +449,19 @@ class Scheduler:
         if rid in self._runner_states:
             self._runner_states.discard(rid)
             self._finished_since_step.append(rid)
+
+    def _order_send(self, request: Request) -> bool:
+        """Queue a send of a normally finished request's computed KV to its
+        peer; True when one was queued."""
+        if not request.kv_send_peer or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            return False
+        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
+        block_ids = self.kv.block_ids(request.request_id)[:num_blocks]
+        if not block_ids or request.request_id in self.loading:
+            return False
+        keys = list(request.block_hashes[:num_blocks])
+        self._pending_sends.append(TransferOrder(request.request_id, block_ids, keys=keys, peer=request.kv_send_peer))
+        return True
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool

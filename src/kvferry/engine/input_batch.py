@@ -7,6 +7,8 @@ Row r (the request ``req_ids[r]``)::
                     0        num_prompt          num_tokens[r]
     block_table[r]  | block ids ...................| unused |
                     0                              num_blocks[r]
+    sampling_knobs[r]  temperature, top_k, top_p, min_p, penalties, greedy
+                       (``row_knobs``), set once when the request is added
 
 Rows are kept dense: removing a request moves the last row into its place,
 so rows ``[0, num_reqs)`` are exactly the requests held. Columns grow by
@@ -17,10 +19,16 @@ from __future__ import annotations
 import numpy as np
 
 from kvferry.core.outputs import NewRequestData
+from kvferry.model.sampler import row_knobs
+
+NUM_KNOBS = 8
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int = 8, max_num_tokens: int = 256, max_num_blocks: int = 16) -> None:
+    def __init__(
+        self, vocab_size: int, max_num_reqs: int = 8, max_num_tokens: int = 256, max_num_blocks: int = 16
+    ) -> None:
+        self.vocab_size = vocab_size
         self.req_ids: list[str] = []
         self.index: dict[str, int] = {}
         self.token_ids = np.zeros((max_num_reqs, max_num_tokens), dtype=np.int64)
@@ -28,6 +36,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling_knobs = np.zeros((max_num_reqs, NUM_KNOBS), dtype=np.float32)
 
     @property
     def num_reqs(self) -> int:
@@ -44,6 +53,7 @@ class InputBatch:
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.block_table[row, : len(data.block_ids)] = data.block_ids
         self.num_blocks[row] = len(data.block_ids)
+        self.sampling_knobs[row] = row_knobs(data.sampling_params, self.vocab_size)
         return row
 
     def remove(self, request_id: str) -> None:
@@ -54,11 +64,17 @@ class InputBatch:
         if row != last:
             # Move the last row into the hole, so rows stay dense.
             moved = self.req_ids[last]
-            for array in (self.token_ids, self.num_tokens, self.num_computed_tokens, self.block_table, self.num_blocks):
+            for array in self._row_arrays():
                 array[row] = array[last]
             self.req_ids[row] = moved
             self.index[moved] = row
         self.req_ids.pop()
+
+    def _row_arrays(self) -> tuple[np.ndarray, ...]:
+        return (
+            self.token_ids, self.num_tokens, self.num_computed_tokens,
+            self.block_table, self.num_blocks, self.sampling_knobs,
+        )
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
@@ -86,6 +102,7 @@ class InputBatch:
     def _ensure(self, num_rows: int, num_tokens: int, num_blocks: int) -> None:
         self.token_ids = _grown(self.token_ids, num_rows, num_tokens)
         self.block_table = _grown(self.block_table, num_rows, num_blocks)
+        self.sampling_knobs = _grown(self.sampling_knobs, num_rows, NUM_KNOBS)
         for name in ("num_tokens", "num_computed_tokens", "num_blocks"):
             array = getattr(self, name)
             if num_rows > len(array):

@@ -75,7 +75,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
         self.connector: KVConnector = HostSwapConnector(self.kv_cache, num_swap_blocks)
         self.states: dict[str, RequestState] = {}
-        self.batch = InputBatch()
+        self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
 
     # -- applying the scheduler's deltas ------------------------------------
@@ -203,7 +203,11 @@ class ModelRunner:
                     )
                 )
         counts, prompt_mask = self._penalty_state(sampling)
-        batch = SamplingBatch.build(rows, self.vocab_size, self.device, counts, prompt_mask)
+        # [num_logits, 8]: each request's persistent knob row, once per position
+        knob_rows = np.fromiter((self.batch.index[rid] for rid, _ in sampling), dtype=np.int64, count=len(sampling))
+        reps = np.fromiter((len(d) + 1 for _, d in sampling), dtype=np.int64, count=len(sampling))
+        knobs = np.repeat(self.batch.sampling_knobs[knob_rows], reps, axis=0)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device, counts, prompt_mask, knobs)
         result = self.sampler(logits, batch)
         i = 0
         for rid, drafts in sampling:

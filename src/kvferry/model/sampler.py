@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 
 from kvferry.core.outputs import TokenLogprobs
@@ -110,26 +111,25 @@ class SamplingBatch:
         device: torch.device | str,
         output_counts: torch.Tensor | None = None,
         prompt_mask: torch.Tensor | None = None,
+        knobs: np.ndarray | None = None,
     ) -> "SamplingBatch":
-        """``output_counts`` [B, V] float32 / ``prompt_mask`` [B, V] bool:
-        penalty state the caller keeps per request (then the rows' token
-        lists are not scanned); built from the rows when not given."""
+        """State the caller may keep per request instead of having it rebuilt
+        from the rows: ``output_counts`` [B, V] float32 and ``prompt_mask``
+        [B, V] bool (penalties; else the rows' token lists are scanned), and
+        ``knobs`` [B, 8] float32 (each row ``row_knobs(params, V)``)."""
         if not rows:
             raise ValueError("SamplingBatch needs at least one row")
         device = torch.device(device)
         params = [r.params for r in rows]
-        greedy = [p.greedy for p in params]
-        # One host->device copy for every scalar knob: [B, 8].
-        knobs = torch.tensor(
-            [_row_knobs(p, g, vocab_size) for p, g in zip(params, greedy)],
-            dtype=torch.float32,
-            device=device,
-        )
-        sampling = [(p, g) for p, g in zip(params, greedy) if not g]
-        need_repetition = any(p.repetition_penalty != 1.0 for p in params)
-        need_freq_presence = any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
-        )
+        if knobs is None:
+            knobs = np.array([row_knobs(p, vocab_size) for p in params], dtype=np.float32).reshape(-1, 8)
+        # Which kernels run, read off the knobs on the host. Greedy rows hold
+        # neutral sampling knobs, so they never switch a kernel on.
+        is_greedy = knobs[:, 7] > 0.5
+        need_repetition = bool((knobs[:, 4] != 1.0).any())
+        need_freq_presence = bool(((knobs[:, 5] != 0.0) | (knobs[:, 6] != 0.0)).any())
+        greedy = is_greedy.tolist()
+        knobs_t = torch.from_numpy(np.ascontiguousarray(knobs)).to(device)  # [B, 8], one copy
         if not (need_repetition or need_freq_presence):
             output_counts = prompt_mask = None
         elif output_counts is None:
@@ -146,20 +146,20 @@ class SamplingBatch:
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
-            temperature=knobs[:, 0],
-            top_k=knobs[:, 1].long(),
-            top_p=knobs[:, 2],
-            min_p=knobs[:, 3],
-            repetition_penalty=knobs[:, 4],
-            presence_penalty=knobs[:, 5],
-            frequency_penalty=knobs[:, 6],
-            greedy=knobs[:, 7] > 0.5,
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            need_temperature=any(p.temperature != 1.0 for p, _ in sampling),
-            need_top_k=any(0 < p.top_k < vocab_size for p, _ in sampling),
-            need_top_p=any(p.top_p < 1.0 for p, _ in sampling),
-            need_min_p=any(p.min_p > 0.0 for p, _ in sampling),
+            temperature=knobs_t[:, 0],
+            top_k=knobs_t[:, 1].long(),
+            top_p=knobs_t[:, 2],
+            min_p=knobs_t[:, 3],
+            repetition_penalty=knobs_t[:, 4],
+            presence_penalty=knobs_t[:, 5],
+            frequency_penalty=knobs_t[:, 6],
+            greedy=knobs_t[:, 7] > 0.5,
+            all_greedy=bool(is_greedy.all()),
+            any_greedy=bool(is_greedy.any()),
+            need_temperature=bool((knobs[:, 0] != 1.0).any()),
+            need_top_k=bool((knobs[:, 1] < vocab_size).any()),
+            need_top_p=bool((knobs[:, 2] < 1.0).any()),
+            need_min_p=bool((knobs[:, 3] > 0.0).any()),
             need_repetition=need_repetition,
             need_freq_presence=need_freq_presence,
             output_counts=output_counts,
@@ -188,9 +188,12 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows that did not ask
 
 
-def _row_knobs(p: SamplingParams, greedy: bool, vocab_size: int) -> list[float]:
-    """One row of the knob table. Greedy rows get neutral sampling knobs so
-    they never switch on a top-k / top-p / min-p kernel for the batch."""
+def row_knobs(p: SamplingParams, vocab_size: int) -> list[float]:
+    """One row of the knob table: temperature, top_k, top_p, min_p,
+    repetition / presence / frequency penalty, greedy. Greedy rows get
+    neutral sampling knobs so they never switch on a top-k / top-p / min-p
+    kernel for the batch."""
+    greedy = p.greedy
     top_k = vocab_size if greedy or p.top_k == 0 else min(p.top_k, vocab_size)
     return [
         1.0 if greedy else p.temperature,
