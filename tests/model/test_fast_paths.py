@@ -110,3 +110,19 @@ def test_prefill_attention_uses_fused_sdpa(tmp_path):
     ops = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_hf_formula(dtype):
+    from kvferry.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5, dtype, "cpu")
+    norm.weight.data.copy_(torch.randn(576, generator=gen))
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    xf = x.float()
+    want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # HF's LlamaRMSNorm
+    got = norm(x)
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # at most one rounding step apart
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
