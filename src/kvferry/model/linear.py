@@ -1,0 +1,60 @@
+"""Linear layers on CPU through oneDNN with weights prepacked once.
+
+``F.linear`` on CPU hands the plain ``[out, in]`` weight to the BLAS on every
+call, which re-blocks it each time. oneDNN can reorder a weight once into its
+own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, an opaque
+tensor) and then multiply with it directly (``_linear_pointwise``). Measured
+on one AVX-512 core (SmolLM2-135M shapes, batch 32): the layers' matmuls take
+~17% less time in bf16 and ~25% less in float32; the 49152-row lm_head gains
+most (25-40%). Prefill-sized batches gain 0-10%.
+
+The plain weight stays the model's parameter (loading, tying and
+fingerprinting read it); the packed copy sits beside it. Packing is skipped,
+and ``F.linear`` used, for non-CPU tensors, other dtypes, a torch without
+oneDNN, when ``KVFERRY_DISABLE_ONEDNN_PACKING=1``, or if packing fails.
+float32 results differ from ``F.linear`` only by summation order (~1e-6
+relative).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_failure_logged = False
+
+
+def packing_disabled() -> bool:
+    return os.environ.get("KVFERRY_DISABLE_ONEDNN_PACKING", "") not in ("", "0")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] -> oneDNN's blocked copy, or None where unsupported."""
+    global _failure_logged
+    if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or packing_disabled()
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        return _reorder(weight.detach())
+    except Exception as e:  # an op missing from this torch build: plain F.linear is still right
+        if not _failure_logged:
+            logger.warning("oneDNN weight packing unavailable, using F.linear: %s", e)
+            _failure_logged = True
+        return None
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] -> [T, out]; ``packed`` is ``pack_weight(weight)`` or None."""
+    if packed is None or x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
