@@ -31,7 +31,7 @@ RUNS=${RUNS:-2}
 OUT=${OUT:-bench/results/vllm_bench_serve}
 mkdir -p "$OUT"
 MODEL_DIR=$($PY -c "from kvferry.model.loader import load_model; print(load_model(None).model_path)")
-DTYPE=${DTYPE:-$($PY -c "from kvferry.model.cpu_features import auto_dtype_name; print(auto_dtype_name())" 2>/dev/null || echo float32)}
+DTYPE=${DTYPE:-$($PY -c "import torch; from kvferry.model.cpu_features import auto_cpu_dtype; print(str(auto_cpu_dtype()).removeprefix(\"torch.\"))" 2>/dev/null || echo float32)}
 grep -o -w 'avx2\|avx512f\|avx512_bf16\|amx_bf16\|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ' > "$OUT/cpu_flags.txt"
 echo "dtype=$DTYPE threads=$THREADS cpu: $(cat "$OUT/cpu_flags.txt")"
 
