@@ -5,6 +5,7 @@
 #
 # Usage: bench/ab_decode.sh [BASE_COMMIT] [RUNS] [DTYPES...]
 #   e.g. bench/ab_decode.sh 118781e 3 bfloat16 float32
+#   THREADS=1 EXTRA=--cpu-time bench/ab_decode.sh ...   # CPU seconds per step, for a busy machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${1:-HEAD~1}
@@ -21,7 +22,7 @@ for run in $(seq 1 "$RUNS"); do
     for tree in "$BASE_DIR" "$PWD"; do
       name=$([ "$tree" = "$PWD" ] && echo this || echo "$BASE")
       result=$(PYTHONPATH="$tree/src" OMP_NUM_THREADS=$THREADS "$PY" bench/decode_roofline.py --dtype "$dtype" \
-        --threads "$THREADS" --repeats "${REPEATS:-8}" --prefill-tokens "${PREFILL_TOKENS:-1024}" | tr -d '\n ')
+        --threads "$THREADS" --repeats "${REPEATS:-8}" --prefill-tokens "${PREFILL_TOKENS:-1024}" ${EXTRA:-} | tr -d '\n ')
       echo "run $run $name $result"
     done
   done

@@ -12,6 +12,7 @@ of 512) and, with ``--profile``, prints the torch profiler's operator table
 for both, which is how the time per operator was found.
 
     python bench/decode_roofline.py [--dtype bfloat16] [--batch 32] [--context 384] [--threads 2] [--profile]
+    python bench/decode_roofline.py --threads 1 --cpu-time     # CPU cost per step on a shared machine
 """
 from __future__ import annotations
 
@@ -103,14 +104,17 @@ class Steps:
         return self.model.compute_logits(hidden[last]).argmax(-1)
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn, repeats: int) -> tuple[float, float]:
     """(median, min) seconds. On a shared machine the min is the figure
     least disturbed by other processes taking the cores."""
     times = []
     for i in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn(i)
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times), min(times)
 
 
@@ -142,9 +146,15 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time steps in process CPU seconds (use with --threads 1 on a busy machine: "
+                        "preemption by other processes then costs nothing)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype)
     model = loaded.model
