@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.core.block_pool import BlockPool, KVBlock
-from kvferry.core.hashing import ExtraKeys, extend_block_hashes
+from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
 from kvferry.core.kv_events import KVEvent
 from kvferry.request import Request
 
@@ -46,10 +46,12 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         model_fingerprint: str = "",
+        kv_dtype: str = "",
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
+        self.kv_dtype = kv_dtype
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's blocks are registered in the cache.
@@ -61,11 +63,14 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
 
     # -- hashing ---------------------------------------------------------
-    def _extra(self, request: Request) -> bytes:
-        return ExtraKeys(self.model_fingerprint, request.cache_namespace).encode()
+    def _scope(self, request: Request) -> CacheScope:
+        return CacheScope(request.cache_namespace, request.public_cache_namespace, request.num_public_blocks)
 
     def _update_hashes(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self._extra(request))
+        if len(request.block_hashes) >= len(request.all_token_ids) // self.block_size:
+            return  # nothing new (skip building the keys: this runs every step)
+        keys = ChainKeys.of(self._scope(request), self.model_fingerprint, self.kv_dtype)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, keys)
 
     # -- lookup ----------------------------------------------------------
     def find_prefix_hit(self, request: Request) -> PrefixHit:
@@ -145,16 +150,24 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_hashes(request)
+        # One run per owner: public blocks first, then the tenant's.
+        scope = self._scope(request)
+        split = min(max(start, scope.num_public_blocks), num_full)
+        for lo, hi in ((start, split), (split, num_full)):
+            if lo < hi:
+                self._publish(request, lo, hi, scope.namespace_of(lo))
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def _publish(self, request: Request, start: int, end: int, owner: str) -> None:
         bs = self.block_size
         self.pool.cache_blocks(
-            self.req_blocks[request.request_id][start:num_full],
-            request.block_hashes[start:num_full],
+            self.req_blocks[request.request_id][start:end],
+            request.block_hashes[start:end],
             parent=request.block_hashes[start - 1] if start else None,
-            token_ids=request.all_token_ids[start * bs : num_full * bs],
+            token_ids=request.all_token_ids[start * bs : end * bs],
             block_size=bs,
-            owner=request.cache_namespace,
+            owner=owner,
         )
-        self.num_cached_blocks[request.request_id] = num_full
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
