@@ -13,6 +13,7 @@ KEYS = {
     "sk-acme-1": {"tenant": "acme", "publish": True},
     "sk-acme-2": {"tenant": "acme"},
     "sk-beta-1": {"tenant": "beta", "quota": {"device_blocks": 100}},
+    "sk-root": {"tenant": "ops", "admin": True},
 }
 # Ends in a newline so the next word starts a new token (byte-level BPE
 # never merges across it).

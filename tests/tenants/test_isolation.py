@@ -96,3 +96,31 @@ def _register(server, key: str, prefix) -> dict:
                    headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_hits_are_split_by_scope_in_metrics_and_per_tenant_stats(acme, beta, tenant_server):
+    def scoped() -> tuple[float, float]:
+        return (tenant_server.metric("kvferry:prefix_cache_hits_total", scope="private"),
+                tenant_server.metric("kvferry:prefix_cache_hits_total", scope="public"))
+
+    def stats(key: str) -> dict:
+        r = httpx.get(f"{tenant_server.base_url}/v1/kv/stats", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["tenants"]
+
+    num_public = _register(tenant_server, "sk-acme-1", PUBLIC_TEXT)["num_tokens"] // BLOCK_SIZE * BLOCK_SIZE
+    prompt = PUBLIC_TEXT + unique_prompt()
+    cached(acme, prompt)  # warms the public blocks (if not yet) and acme's tail
+    private0, public0 = scoped()
+    beta0 = stats("sk-beta-1")["beta"]
+    assert cached(beta, prompt)[0] == num_public
+    private1, public1 = scoped()
+    assert (private1 - private0, public1 - public0) == (0, num_public)
+    _, _, n = cached(beta, prompt)
+    private2, public2 = scoped()
+    assert (private2 - private1, public2 - public1) == ((n - 1) // BLOCK_SIZE * BLOCK_SIZE - num_public, num_public)
+    beta1 = stats("sk-beta-1")
+    assert set(beta1) == {"beta"}  # a tenant sees only itself
+    assert beta1["beta"]["prefix_cache_hits_public"] - beta0["prefix_cache_hits_public"] == 2 * num_public
+    assert beta1["beta"]["prefix_cache_queries"] - beta0["prefix_cache_queries"] == 2 * n
+    assert {"acme", "beta"} <= set(stats("sk-root"))  # an admin sees every tenant

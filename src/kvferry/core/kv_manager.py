@@ -37,6 +37,10 @@ class NewBlocks:
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found
+    public_hits: int = 0  # of hits, tokens in public-prefix blocks
+    # Per cache namespace (the owner of the private part): [queries, hits,
+    # public_hits]. Bounded by the number of namespaces the server issues.
+    by_namespace: dict[str, list[int]] = field(default_factory=dict)
 
 
 class KVCacheManager:
@@ -96,8 +100,15 @@ class KVCacheManager:
         """Count a lookup once, when the request is admitted (a request that
         waits for blocks is looked up again each step)."""
         if self.enable_caching:
+            # Public blocks lead the chain, so the hit's first ones are public.
+            public = min(len(hit.blocks), request.num_public_blocks) * self.block_size
             self.stats.queries += request.num_tokens
             self.stats.hits += hit.num_tokens
+            self.stats.public_hits += public
+            counts = self.stats.by_namespace.setdefault(request.cache_namespace, [0, 0, 0])
+            counts[0] += request.num_tokens
+            counts[1] += hit.num_tokens
+            counts[2] += public
 
     # -- allocation ------------------------------------------------------
     def allocate_slots(

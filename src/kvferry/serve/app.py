@@ -75,8 +75,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     public = PublicPrefixRegistry(PublicPrefixes(client.ready.block_size), client.tokenizer, config.api.chat_template)
     if config.api.public_prefixes_file:
         public.load_file(config.api.public_prefixes_file)
-    client.input_processor.cache_policy = CachePolicy(CacheNamespaces.from_file(config.api.cache_secret_file),
-                                                      public.prefixes)
+    namespaces = CacheNamespaces.from_file(config.api.cache_secret_file)
+    client.input_processor.cache_policy = CachePolicy(namespaces, public.prefixes)
 
     def generation(model: type, handler: Callable[..., Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
@@ -119,6 +119,15 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
             raise bad_request(str(exc), "prefix") from None
         return JSONResponse(registration_body(registered, len(public.prefixes)))
 
+    async def kv_stats(request: Request) -> Response:
+        """Prefix-cache counters of the caller's tenant (every tenant's for an admin)."""
+        tenant = current_tenant.get()
+        by_tenant = namespaces.stats_by_tenant(client.stats.prefix_by_namespace)
+        if not tenant.admin:
+            by_tenant = {tenant.name: by_tenant.get(tenant.name, {"prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                                                                   "prefix_cache_hits_public": 0})}
+        return JSONResponse({"object": "kv.stats", "tenants": by_tenant})
+
     def reload_keys() -> None:
         try:
             keys.reload()
@@ -154,6 +163,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         Route("/v1/responses/{response_id}", partial(get_response, store), methods=["GET"]),
         Route("/v1/responses/{response_id}", partial(delete_response, store), methods=["DELETE"]),
         Route("/v1/kv/public_prefixes", register_public_prefix, methods=["POST"]),
+        Route("/v1/kv/stats", kv_stats, methods=["GET"]),
         Route("/tokenize", utility(TokenizeRequest, tokenize_endpoint), methods=["POST"]),
         Route("/detokenize", utility(DetokenizeRequest, detokenize_endpoint), methods=["POST"]),
     ]

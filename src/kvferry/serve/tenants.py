@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_TENANT_NAME = "default"
+MAX_TRACKED_NAMESPACES = 100_000
 _TENANT_FIELDS = {"tenant", "publish", "admin", "quota"}
 _QUOTA_FIELDS = {"device_blocks"}
 
@@ -132,6 +133,8 @@ class CacheNamespaces:
         if len(self._secret) < 16:
             raise ValueError("cache_secret: must hold at least 16 bytes")
         self.public = self._derive(b"public")
+        # namespace -> tenant, for the per-tenant stats (namespaces are one-way).
+        self.tenant_of: dict[str, str] = {}
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> "CacheNamespaces":
@@ -149,7 +152,23 @@ class CacheNamespaces:
         ns = self._derive(b"tenant\0" + name.encode())
         if salt:
             ns = hashlib.sha256(b"salt\0" + ns.encode() + b"\0" + salt.encode()).hexdigest()
+        if len(self.tenant_of) < MAX_TRACKED_NAMESPACES:
+            self.tenant_of[ns] = name
         return ns
+
+    def stats_by_tenant(self, by_namespace: dict[str, list[int]]) -> dict[str, dict[str, int]]:
+        """The core's per-namespace prefix-cache counters, summed per tenant."""
+        out: dict[str, dict[str, int]] = {}
+        for ns, (queries, hits, public_hits) in by_namespace.items():
+            name = self.tenant_of.get(ns)
+            if name is None:
+                continue  # not issued by this front end (e.g. the offline engine's)
+            t = out.setdefault(name, {"prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                                      "prefix_cache_hits_public": 0})
+            t["prefix_cache_queries"] += queries
+            t["prefix_cache_hits"] += hits
+            t["prefix_cache_hits_public"] += public_hits
+        return out
 
     def _derive(self, label: bytes) -> str:
         return hmac.new(self._secret, label, hashlib.sha256).hexdigest()
