@@ -53,6 +53,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     # (shared by every tenant); the rest stay in cache_namespace.
     public_cache_namespace: str = ""
     num_public_blocks: int = 0
+    # Most blocks the cache may hold for cache_namespace (the tenant's
+    # device quota, as the server sees it now); None: no cap.
+    cache_quota_blocks: int | None = None
 
 
 class EngineCoreAbort(msgspec.Struct, kw_only=True, tag=True):

@@ -91,3 +91,37 @@ def test_namespaces_are_keyed_by_the_secret_and_salt_only_narrows():
     assert len(salted) == 3
     with pytest.raises(ValueError, match="cache_secret"):
         CacheNamespaces(b"short")
+
+
+def quota_request(rid: str, ns: str, first: int, quota: int | None) -> Request:
+    tokens = list(range(first, first + 16)) + [7]  # four private blocks of 4
+    return Request(rid, tokens, SamplingParams(max_tokens=1), cache_namespace=ns, cache_quota_blocks=quota)
+
+
+def test_quota_refuses_writes_past_it_and_counts_them():
+    kv = KVCacheManager(32, 4)
+    run_prefill(kv, quota_request("a1", "ns-a", 100, quota=2))
+    assert len(kv.owned["ns-a"]) == 2 and kv.stats.of("ns-a")[3] == 2  # two cached, two refused
+    assert run_prefill(kv, quota_request("a2", "ns-a", 100, quota=2)) == 8  # the two cached blocks hit
+    run_prefill(kv, quota_request("a3", "ns-a", 500, quota=2))  # at quota: nothing new is cached
+    assert len(kv.owned["ns-a"]) == 2 and kv.stats.of("ns-a")[3] == 2 + 2 + 4
+    run_prefill(kv, quota_request("b1", "ns-b", 100, quota=None))  # no quota: everything cached
+    assert len(kv.owned["ns-b"]) == 4 and kv.namespace_stats()["ns-b"][3:] == [0, 4]
+    kv.check_integrity()
+
+
+def test_owner_over_a_lowered_quota_is_evicted_first():
+    kv = KVCacheManager(16, 4)
+    run_prefill(kv, quota_request("b1", "ns-b", 300, quota=None))  # 4 cached blocks of b (older)
+    run_prefill(kv, quota_request("a1", "ns-a", 100, quota=None))  # then 4 of a (newer)
+    # a's quota drops to 1: its next request is refused any new block, and
+    # a's three unused blocks over quota move to the head of the free queue.
+    run_prefill(kv, quota_request("a2", "ns-a", 700, quota=1))
+    assert kv.stats.of("ns-a")[3] == 4 and len(kv.owned["ns-a"]) == 4
+    head = [b.block_id for b in kv.pool.free_queue][:3]
+    assert set(head) <= kv.owned["ns-a"]
+    # The next allocations evict them before b's older blocks (LRU alone would take b's).
+    run_prefill(kv, Request("c1", list(range(1, 10)), SamplingParams(max_tokens=1), cache_namespace="ns-c"))
+    assert len(kv.owned["ns-a"]) == 1 and len(kv.owned["ns-b"]) == 4
+    assert run_prefill(kv, quota_request("b2", "ns-b", 300, quota=None)) == 16
+    kv.check_integrity()

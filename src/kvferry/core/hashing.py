@@ -50,6 +50,9 @@ class CacheScope:
     namespace: str = ""
     public_namespace: str = ""
     num_public_blocks: int = 0
+    # Cap on the blocks cached under ``namespace`` (the tenant's device
+    # quota); None: no cap. Public blocks are never capped.
+    quota_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_public_blocks < 0:

@@ -39,8 +39,12 @@ class PrefixCacheStats:
     hits: int = 0  # tokens found
     public_hits: int = 0  # of hits, tokens in public-prefix blocks
     # Per cache namespace (the owner of the private part): [queries, hits,
-    # public_hits]. Bounded by the number of namespaces the server issues.
+    # public_hits, blocks refused by its quota]. Bounded by the number of
+    # namespaces the server issues.
     by_namespace: dict[str, list[int]] = field(default_factory=dict)
+
+    def of(self, namespace: str) -> list[int]:
+        return self.by_namespace.setdefault(namespace, [0, 0, 0, 0])
 
 
 class KVCacheManager:
@@ -65,6 +69,14 @@ class KVCacheManager:
         # Extra references held by I/O in flight, by I/O id.
         self.pinned: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
+        # Owners (namespaces) of the blocks whose hash they published, for
+        # quotas: owner -> block ids, and back. A block leaves when it is
+        # reallocated (its cached content evicted).
+        self.owned: dict[str, set[int]] = {}
+        self._owner_of: dict[int, str] = {}
+        # Requests that hit their quota: their later blocks are not cached
+        # either (a chain with a gap could never be hit past the gap).
+        self._quota_refused: set[str] = set()
 
     # -- hashing ---------------------------------------------------------
     def _scope(self, request: Request) -> CacheScope:
@@ -105,7 +117,7 @@ class KVCacheManager:
             self.stats.queries += request.num_tokens
             self.stats.hits += hit.num_tokens
             self.stats.public_hits += public
-            counts = self.stats.by_namespace.setdefault(request.cache_namespace, [0, 0, 0])
+            counts = self.stats.of(request.cache_namespace)
             counts[0] += request.num_tokens
             counts[1] += hit.num_tokens
             counts[2] += public
@@ -143,6 +155,7 @@ class KVCacheManager:
             return None
         self.pool.touch(hit_blocks)
         new_blocks = self.pool.allocate(max(needed, 0))
+        self._disown(new_blocks)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(hit_blocks)
         blocks.extend(new_blocks)
@@ -164,13 +177,38 @@ class KVCacheManager:
         # One run per owner: public blocks first, then the tenant's.
         scope = self._scope(request)
         split = min(max(start, scope.num_public_blocks), num_full)
-        for lo, hi in ((start, split), (split, num_full)):
-            if lo < hi:
-                self._publish(request, lo, hi, scope.namespace_of(lo))
+        if start < split:
+            self._publish(request, start, split, scope.public_namespace)
+        if split < num_full:
+            end = self._within_quota(request, split, num_full)
+            if split < end:
+                self._publish(request, split, end, scope.namespace)
         self.num_cached_blocks[request.request_id] = num_full
+
+    def _within_quota(self, request: Request, start: int, end: int) -> int:
+        """How far the tenant's quota lets ``request`` publish: blocks past
+        it are refused (counted) and stay uncached. An owner already over
+        its quota (lowered since) has its unused blocks moved to be evicted first."""
+        quota, owner = request.cache_quota_blocks, request.cache_namespace
+        if quota is None:
+            return end
+        if request.request_id in self._quota_refused:
+            return start
+        owned = self.owned.get(owner, set())
+        if len(owned) > quota:
+            self.pool.evict_first(sorted((self.pool.blocks[i] for i in owned), key=lambda b: b.block_id)
+                                  [: len(owned) - quota])
+        room = max(0, quota - len(owned))
+        if end - start > room:
+            self.stats.of(owner)[3] += end - start - room
+            self._quota_refused.add(request.request_id)
+            return start + room
+        return end
 
     def _publish(self, request: Request, start: int, end: int, owner: str) -> None:
         bs = self.block_size
+        blocks = self.req_blocks[request.request_id][start:end]
+        fresh = [b for b in blocks if b.block_hash is None]
         self.pool.cache_blocks(
             self.req_blocks[request.request_id][start:end],
             request.block_hashes[start:end],
@@ -179,6 +217,24 @@ class KVCacheManager:
             block_size=bs,
             owner=owner,
         )
+        for b in fresh:
+            if b.block_hash is not None:  # registered now (not a duplicate of cached content)
+                self.owned.setdefault(owner, set()).add(b.block_id)
+                self._owner_of[b.block_id] = owner
+
+    def _disown(self, blocks: list[KVBlock]) -> None:
+        """Freshly allocated blocks lost their cached content (if any)."""
+        for b in blocks:
+            owner = self._owner_of.pop(b.block_id, None)
+            if owner is not None:
+                self.owned[owner].discard(b.block_id)
+
+    def namespace_stats(self) -> dict[str, list[int]]:
+        """Per namespace: [queries, hits, public_hits, refused_blocks, cached_blocks]."""
+        out = {ns: [*c, len(self.owned.get(ns, ()))] for ns, c in self.stats.by_namespace.items()}
+        for ns, blocks in self.owned.items():
+            out.setdefault(ns, [0, 0, 0, 0, len(blocks)])
+        return out
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -191,6 +247,7 @@ class KVCacheManager:
         """
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._quota_refused.discard(request.request_id)
         if delay:
             self.delayed_free[request.request_id] = blocks
             return
@@ -224,6 +281,9 @@ class KVCacheManager:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), (b, refs.get(b.block_id, 0))
+        for owner, ids in self.owned.items():
+            for i in ids:
+                assert self.pool.blocks[i].block_hash is not None and self._owner_of[i] == owner, (owner, i)
 
 
 def _cdiv(a: int, b: int) -> int:

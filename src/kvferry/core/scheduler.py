@@ -475,7 +475,7 @@ class Scheduler:
             prefix_queries=self.kv.stats.queries,
             prefix_hits=self.kv.stats.hits,
             prefix_hits_public=self.kv.stats.public_hits,
-            prefix_by_namespace={ns: list(c) for ns, c in self.kv.stats.by_namespace.items()},
+            prefix_by_namespace=self.kv.namespace_stats(),
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -84,6 +84,7 @@ class EngineCore:
             cache_namespace=req.cache_namespace,
             public_cache_namespace=req.public_cache_namespace,
             num_public_blocks=req.num_public_blocks,
+            cache_quota_blocks=req.cache_quota_blocks,
             eos_token_ids=tuple(req.eos_token_ids),
             max_model_len=self.max_model_len,
         )

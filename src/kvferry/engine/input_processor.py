@@ -53,6 +53,7 @@ class InputProcessor:
                 cache_namespace=scope.namespace,
                 public_cache_namespace=scope.public_namespace,
                 num_public_blocks=scope.num_public_blocks,
+                cache_quota_blocks=scope.quota_blocks,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]

@@ -44,7 +44,7 @@ from kvferry.serve.protocol import (
 )
 from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
 from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
-from kvferry.serve.tenants import ApiKeys, CacheNamespaces, current_cache_salt, current_tenant
+from kvferry.serve.tenants import ApiKeys, CacheNamespaces, current_cache_salt, current_tenant, empty_tenant_stats
 from kvferry.serve.tokenize import detokenize_endpoint, tokenize_endpoint
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         tenant = current_tenant.get()
         by_tenant = namespaces.stats_by_tenant(client.stats.prefix_by_namespace)
         if not tenant.admin:
-            by_tenant = {tenant.name: by_tenant.get(tenant.name, {"prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                                                                   "prefix_cache_hits_public": 0})}
+            by_tenant = {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}
         return JSONResponse({"object": "kv.stats", "tenants": by_tenant})
 
     def reload_keys() -> None:

@@ -107,10 +107,11 @@ class CachePolicy:
         self.prefixes = prefixes
 
     def __call__(self, token_ids: list[int]) -> CacheScope:
-        namespace = self.namespaces.tenant(current_tenant.get().name, current_cache_salt.get())
+        tenant = current_tenant.get()
+        namespace = self.namespaces.tenant(tenant.name, current_cache_salt.get())
         num_public_blocks = self.prefixes.match(token_ids) // self.prefixes.block_size
         public = self.namespaces.public if num_public_blocks else ""
-        return CacheScope(namespace, public, num_public_blocks)
+        return CacheScope(namespace, public, num_public_blocks, tenant.quota_device_blocks)
 
 
 # ---- items: text or chat messages -> token ids ------------------------------

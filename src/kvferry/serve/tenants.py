@@ -159,16 +159,22 @@ class CacheNamespaces:
     def stats_by_tenant(self, by_namespace: dict[str, list[int]]) -> dict[str, dict[str, int]]:
         """The core's per-namespace prefix-cache counters, summed per tenant."""
         out: dict[str, dict[str, int]] = {}
-        for ns, (queries, hits, public_hits) in by_namespace.items():
+        for ns, counts in by_namespace.items():
             name = self.tenant_of.get(ns)
             if name is None:
                 continue  # not issued by this front end (e.g. the offline engine's)
-            t = out.setdefault(name, {"prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                                      "prefix_cache_hits_public": 0})
-            t["prefix_cache_queries"] += queries
-            t["prefix_cache_hits"] += hits
-            t["prefix_cache_hits_public"] += public_hits
+            t = out.setdefault(name, empty_tenant_stats())
+            for field_name, value in zip(TENANT_STAT_FIELDS, counts):
+                t[field_name] += value
         return out
 
     def _derive(self, label: bytes) -> str:
         return hmac.new(self._secret, label, hashlib.sha256).hexdigest()
+
+
+TENANT_STAT_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hits_public",
+                      "quota_refused_blocks", "cached_blocks")
+
+
+def empty_tenant_stats() -> dict[str, int]:
+    return dict.fromkeys(TENANT_STAT_FIELDS, 0)
