@@ -124,3 +124,15 @@ def test_hits_are_split_by_scope_in_metrics_and_per_tenant_stats(acme, beta, ten
     assert beta1["beta"]["prefix_cache_hits_public"] - beta0["prefix_cache_hits_public"] == 2 * num_public
     assert beta1["beta"]["prefix_cache_queries"] - beta0["prefix_cache_queries"] == 2 * n
     assert {"acme", "beta"} <= set(stats("sk-root"))  # an admin sees every tenant
+
+
+def test_device_quota_caps_what_a_tenant_caches(tenant_server):
+    from tests.tenants.conftest import make_client
+
+    prompt = unique_prompt()
+    with make_client(tenant_server, "sk-tiny-1") as tiny:
+        assert cached(tiny, prompt)[0] == 0
+        assert cached(tiny, prompt)[0] == 2 * BLOCK_SIZE  # only the quota's two blocks were cached
+    r = httpx.get(f"{tenant_server.base_url}/v1/kv/stats", headers={"Authorization": "Bearer sk-tiny-1"})
+    stats = r.json()["tenants"]["tiny"]
+    assert stats["cached_blocks"] == 2 and stats["quota_refused_blocks"] >= 2
