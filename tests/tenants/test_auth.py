@@ -64,3 +64,19 @@ def test_sighup_reloads_the_key_file(tenant_server):
         tenant_server.proc.send_signal(signal.SIGHUP)
         time.sleep(0.5)
     assert status("sk-acme-2") == 200
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"sk-x": {"tenant": ""}}', "tenant: must be a non-empty string"),
+    ('{"sk-x": {"tenant": "a", "quota": {"device_blocks": -1}}}', "quota.device_blocks"),
+    ("[]", "non-empty JSON object"),
+])
+def test_bad_key_file_fails_start_up_before_the_model_loads(tmp_path, content, message):
+    import subprocess
+    import sys
+
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    r = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--api-keys", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
