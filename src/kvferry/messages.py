@@ -49,6 +49,13 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     # Cache namespace (tenant); set by the server from its own view of the
     # caller, never from client input.
     cache_namespace: str = ""
+    # Blocks wholly inside a declared public prefix, keyed in this namespace
+    # (shared by every tenant); the rest stay in cache_namespace.
+    public_cache_namespace: str = ""
+    num_public_blocks: int = 0
+    # Most blocks the cache may hold for cache_namespace (the tenant's
+    # device quota, as the server sees it now); None: no cap.
+    cache_quota_blocks: int | None = None
 
 
 class EngineCoreAbort(msgspec.Struct, kw_only=True, tag=True):

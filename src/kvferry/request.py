@@ -54,6 +54,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Cache namespace (tenant); comes from the server, never from the client.
     cache_namespace: str = ""
+    # The first num_public_blocks blocks lie wholly inside a declared public
+    # prefix and are keyed in public_cache_namespace (see core/hashing.py).
+    public_cache_namespace: str = ""
+    num_public_blocks: int = 0
+    # Most blocks the cache may hold for cache_namespace (the tenant's
+    # device quota, as the server sees it now); None: no cap.
+    cache_quota_blocks: int | None = None
     # Every end-of-sequence id of the model (Llama 3 has two).
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0  # 0: unbounded (set by the engine)

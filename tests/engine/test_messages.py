@@ -18,7 +18,8 @@ def _request() -> EngineCoreRequest:
     params = SamplingParams(n=1, max_tokens=7, temperature=0.5, top_k=3, seed=2**63, stop=["\n\n", "END"],
                             stop_token_ids=[9], logprobs=2, include_stop_str_in_output=True)
     return EngineCoreRequest(request_id="cmpl-1#0", prompt_token_ids=[1, 2, 3], sampling_params=params,
-                             eos_token_ids=[2, 7], arrival_time=123.25, cache_namespace="tenant-a")
+                             eos_token_ids=[2, 7], arrival_time=123.25, cache_namespace="tenant-a",
+                             public_cache_namespace="public", num_public_blocks=3)
 
 
 def _outputs() -> EngineCoreOutputs:

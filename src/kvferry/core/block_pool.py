@@ -58,6 +58,13 @@ class FreeBlockQueue:
         block.in_free_queue = True
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next
+        assert first is not None and not block.in_free_queue
+        self._head.next, block.prev, block.next, first.prev = block, self._head, first, block
+        block.in_free_queue = True
+        self.num_free += 1
+
     def remove(self, block: KVBlock) -> None:
         assert block.in_free_queue and block.prev is not None and block.next is not None
         block.prev.next, block.next.prev = block.next, block.prev
@@ -137,6 +144,14 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+
+    def evict_first(self, blocks: list[KVBlock]) -> None:
+        """Move unused cached blocks to the head of the free queue: the next
+        allocations evict them before anything else (an owner over quota)."""
+        for block in reversed(blocks):
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
 
     def pin(self, blocks: list[KVBlock]) -> None:
         """Hold blocks for I/O in flight (a read or write by a transfer):

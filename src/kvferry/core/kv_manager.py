@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.core.block_pool import BlockPool, KVBlock
-from kvferry.core.hashing import ExtraKeys, extend_block_hashes
+from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
 from kvferry.core.kv_events import KVEvent
 from kvferry.request import Request
 
@@ -37,6 +37,14 @@ class NewBlocks:
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found
+    public_hits: int = 0  # of hits, tokens in public-prefix blocks
+    # Per cache namespace (the owner of the private part): [queries, hits,
+    # public_hits, blocks refused by its quota]. Bounded by the number of
+    # namespaces the server issues.
+    by_namespace: dict[str, list[int]] = field(default_factory=dict)
+
+    def of(self, namespace: str) -> list[int]:
+        return self.by_namespace.setdefault(namespace, [0, 0, 0, 0])
 
 
 class KVCacheManager:
@@ -46,10 +54,12 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         model_fingerprint: str = "",
+        kv_dtype: str = "",
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
+        self.kv_dtype = kv_dtype
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's blocks are registered in the cache.
@@ -59,13 +69,24 @@ class KVCacheManager:
         # Extra references held by I/O in flight, by I/O id.
         self.pinned: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
+        # Owners (namespaces) of the blocks whose hash they published, for
+        # quotas: owner -> block ids, and back. A block leaves when it is
+        # reallocated (its cached content evicted).
+        self.owned: dict[str, set[int]] = {}
+        self._owner_of: dict[int, str] = {}
+        # Requests that hit their quota: their later blocks are not cached
+        # either (a chain with a gap could never be hit past the gap).
+        self._quota_refused: set[str] = set()
 
     # -- hashing ---------------------------------------------------------
-    def _extra(self, request: Request) -> bytes:
-        return ExtraKeys(self.model_fingerprint, request.cache_namespace).encode()
+    def _scope(self, request: Request) -> CacheScope:
+        return CacheScope(request.cache_namespace, request.public_cache_namespace, request.num_public_blocks)
 
     def _update_hashes(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self._extra(request))
+        if len(request.block_hashes) >= len(request.all_token_ids) // self.block_size:
+            return  # nothing new (skip building the keys: this runs every step)
+        keys = ChainKeys.of(self._scope(request), self.model_fingerprint, self.kv_dtype)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, keys)
 
     # -- lookup ----------------------------------------------------------
     def find_prefix_hit(self, request: Request) -> PrefixHit:
@@ -91,8 +112,15 @@ class KVCacheManager:
         """Count a lookup once, when the request is admitted (a request that
         waits for blocks is looked up again each step)."""
         if self.enable_caching:
+            # Public blocks lead the chain, so the hit's first ones are public.
+            public = min(len(hit.blocks), request.num_public_blocks) * self.block_size
             self.stats.queries += request.num_tokens
             self.stats.hits += hit.num_tokens
+            self.stats.public_hits += public
+            counts = self.stats.of(request.cache_namespace)
+            counts[0] += request.num_tokens
+            counts[1] += hit.num_tokens
+            counts[2] += public
 
     # -- allocation ------------------------------------------------------
     def allocate_slots(
@@ -127,6 +155,7 @@ class KVCacheManager:
             return None
         self.pool.touch(hit_blocks)
         new_blocks = self.pool.allocate(max(needed, 0))
+        self._disown(new_blocks)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(hit_blocks)
         blocks.extend(new_blocks)
@@ -145,16 +174,67 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_hashes(request)
-        bs = self.block_size
-        self.pool.cache_blocks(
-            self.req_blocks[request.request_id][start:num_full],
-            request.block_hashes[start:num_full],
-            parent=request.block_hashes[start - 1] if start else None,
-            token_ids=request.all_token_ids[start * bs : num_full * bs],
-            block_size=bs,
-            owner=request.cache_namespace,
-        )
+        # One run per owner: public blocks first, then the tenant's.
+        scope = self._scope(request)
+        split = min(max(start, scope.num_public_blocks), num_full)
+        if start < split:
+            self._publish(request, start, split, scope.public_namespace)
+        if split < num_full:
+            end = self._within_quota(request, split, num_full)
+            if split < end:
+                self._publish(request, split, end, scope.namespace)
         self.num_cached_blocks[request.request_id] = num_full
+
+    def _within_quota(self, request: Request, start: int, end: int) -> int:
+        """How far the tenant's quota lets ``request`` publish: blocks past
+        it are refused (counted) and stay uncached. An owner already over
+        its quota (lowered since) has its unused blocks moved to be evicted first."""
+        quota, owner = request.cache_quota_blocks, request.cache_namespace
+        if quota is None:
+            return end
+        if request.request_id in self._quota_refused:
+            return start
+        owned = self.owned.get(owner, set())
+        if len(owned) > quota:
+            self.pool.evict_first(sorted((self.pool.blocks[i] for i in owned), key=lambda b: b.block_id)
+                                  [: len(owned) - quota])
+        room = max(0, quota - len(owned))
+        if end - start > room:
+            self.stats.of(owner)[3] += end - start - room
+            self._quota_refused.add(request.request_id)
+            return start + room
+        return end
+
+    def _publish(self, request: Request, start: int, end: int, owner: str) -> None:
+        bs = self.block_size
+        blocks = self.req_blocks[request.request_id][start:end]
+        fresh = [b for b in blocks if b.block_hash is None]
+        self.pool.cache_blocks(
+            self.req_blocks[request.request_id][start:end],
+            request.block_hashes[start:end],
+            parent=request.block_hashes[start - 1] if start else None,
+            token_ids=request.all_token_ids[start * bs : end * bs],
+            block_size=bs,
+            owner=owner,
+        )
+        for b in fresh:
+            if b.block_hash is not None:  # registered now (not a duplicate of cached content)
+                self.owned.setdefault(owner, set()).add(b.block_id)
+                self._owner_of[b.block_id] = owner
+
+    def _disown(self, blocks: list[KVBlock]) -> None:
+        """Freshly allocated blocks lost their cached content (if any)."""
+        for b in blocks:
+            owner = self._owner_of.pop(b.block_id, None)
+            if owner is not None:
+                self.owned[owner].discard(b.block_id)
+
+    def namespace_stats(self) -> dict[str, list[int]]:
+        """Per namespace: [queries, hits, public_hits, refused_blocks, cached_blocks]."""
+        out = {ns: [*c, len(self.owned.get(ns, ()))] for ns, c in self.stats.by_namespace.items()}
+        for ns, blocks in self.owned.items():
+            out.setdefault(ns, [0, 0, 0, 0, len(blocks)])
+        return out
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -167,6 +247,7 @@ class KVCacheManager:
         """
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._quota_refused.discard(request.request_id)
         if delay:
             self.delayed_free[request.request_id] = blocks
             return
@@ -200,6 +281,9 @@ class KVCacheManager:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), (b, refs.get(b.block_id, 0))
+        for owner, ids in self.owned.items():
+            for i in ids:
+                assert self.pool.blocks[i].block_hash is not None and self._owner_of[i] == owner, (owner, i)
 
 
 def _cdiv(a: int, b: int) -> int:

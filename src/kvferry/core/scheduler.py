@@ -474,6 +474,8 @@ class Scheduler:
             kv_blocks_total=pool.num_blocks,
             prefix_queries=self.kv.stats.queries,
             prefix_hits=self.kv.stats.hits,
+            prefix_hits_public=self.kv.stats.public_hits,
+            prefix_by_namespace=self.kv.namespace_stats(),
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -1,7 +1,7 @@
 """Scheduler counters the engine reports (for /metrics). No torch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -14,5 +14,9 @@ class SchedulerStats:
     kv_blocks_total: int = 0
     prefix_queries: int = 0  # cumulative tokens
     prefix_hits: int = 0
+    prefix_hits_public: int = 0  # of prefix_hits, tokens in declared public prefixes
+    # Per cache namespace: [queries, hits, public_hits (cumulative tokens),
+    # blocks its quota refused to cache (cumulative), blocks it has cached now].
+    prefix_by_namespace: dict[str, list[int]] = field(default_factory=dict)
     num_draft_tokens: int = 0  # cumulative
     num_accepted_tokens: int = 0  # cumulative drafts accepted

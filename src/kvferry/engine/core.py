@@ -34,7 +34,7 @@ class EngineCore:
         # A sequence can never outgrow the pool.
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
-                            self.loaded.fingerprint)
+                            self.loaded.fingerprint, kv_dtype=str(self.loaded.dtype).removeprefix("torch."))
         num_swap = config.cache.num_swap_blocks
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None)
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap)
@@ -82,6 +82,9 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             arrival_time=req.arrival_time,
             cache_namespace=req.cache_namespace,
+            public_cache_namespace=req.public_cache_namespace,
+            num_public_blocks=req.num_public_blocks,
+            cache_quota_blocks=req.cache_quota_blocks,
             eos_token_ids=tuple(req.eos_token_ids),
             max_model_len=self.max_model_len,
         )

@@ -7,7 +7,10 @@ the core never sees input it would have to refuse.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from kvferry.core.hashing import CacheScope
 
 from kvferry.messages import EngineCoreReady, EngineCoreRequest
 from kvferry.model.tokenizer import Tokenizer
@@ -19,6 +22,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.core = core
         self.eos_token_ids = list(tokenizer.eos_token_ids)
+        # The server's cache policy: prompt token ids -> where its blocks are
+        # keyed (tenant namespace, public prefix). None: the namespace the
+        # caller passes, all private.
+        self.cache_policy: Callable[[list[int]], CacheScope] | None = None
 
     def process(
         self,
@@ -35,6 +42,7 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        scope = self.cache_policy(token_ids) if self.cache_policy is not None else CacheScope(cache_namespace)
         requests = [
             EngineCoreRequest(
                 request_id=child_id,
@@ -42,7 +50,10 @@ class InputProcessor:
                 sampling_params=_child_params(params, index),
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
-                cache_namespace=cache_namespace,
+                cache_namespace=scope.namespace,
+                public_cache_namespace=scope.public_namespace,
+                num_public_blocks=scope.num_public_blocks,
+                cache_quota_blocks=scope.quota_blocks,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]

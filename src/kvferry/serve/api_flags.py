@@ -30,6 +30,10 @@ class ApiOptions:
     chat_template: str | None = None  # the template's text (read from --chat-template FILE)
     responses_store_size: int = 1024
     responses_store_ttl_s: float = 3600.0
+    # Tenants and cache sharing (serve/tenants.py, serve/public_prefixes.py).
+    api_keys_file: str | None = None  # None: one tenant, no authentication
+    cache_secret_file: str | None = None  # None: a fresh secret per start
+    public_prefixes_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_default", "max_tokens_limit"):
@@ -57,6 +61,7 @@ class ApiOptions:
                 template = Path(args.chat_template).read_text(encoding="utf-8")
             except OSError as exc:
                 raise ValueError(f"chat_template: cannot read {args.chat_template}: {exc}") from None
+        _check_tenancy_files(args)
         return cls(
             max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
             allowed_origins=list(args.allowed_origins or []),
@@ -64,7 +69,22 @@ class ApiOptions:
             max_header_count=args.max_header_count, max_header_bytes=args.max_header_bytes,
             tool_call_parser=args.tool_call_parser, chat_template=template,
             responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
+            api_keys_file=args.api_keys, cache_secret_file=args.cache_secret_file,
+            public_prefixes_file=args.public_prefixes,
         )
+
+
+def _check_tenancy_files(args: argparse.Namespace) -> None:
+    """Fail before the model loads: a bad key, secret or prefix file is a
+    start-up error naming the field, not a crash after minutes of loading."""
+    from kvferry.serve.public_prefixes import load_prefix_file
+    from kvferry.serve.tenants import CacheNamespaces, parse_key_file
+
+    if args.api_keys is not None:
+        parse_key_file(Path(args.api_keys))
+    CacheNamespaces.from_file(args.cache_secret_file)
+    if args.public_prefixes is not None:
+        load_prefix_file(args.public_prefixes)
 
 
 def add_api_args(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +110,17 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                    help="stored /v1/responses kept for previous_response_id (oldest dropped first)")
     g.add_argument("--responses-store-ttl", type=float, default=3600.0,
                    help="seconds a stored response is kept")
+    t = parser.add_argument_group("tenants and prefix-cache sharing")
+    t.add_argument("--api-keys", default=None, metavar="FILE",
+                   help='JSON {"KEY": {"tenant": "acme", "publish": false, "admin": false, '
+                        '"quota": {"device_blocks": 800}}}; requests then need "Authorization: Bearer KEY" '
+                        "and each tenant's prefix cache is private (SIGHUP reloads the file). "
+                        "Default: no authentication, one tenant")
+    t.add_argument("--cache-secret-file", default=None, metavar="FILE",
+                   help="secret that keys the tenants' cache namespaces (default: a fresh one per start)")
+    t.add_argument("--public-prefixes", default=None, metavar="FILE",
+                   help="JSON list of prefixes shared by every tenant: a string (completions prompt prefix) "
+                        "or a list of chat messages (a leading run of a conversation)")
 
 
 def uvicorn_options(api: ApiOptions) -> dict:

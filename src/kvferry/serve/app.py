@@ -9,7 +9,11 @@ shutdown).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import logging
+import signal
 from functools import partial
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,21 +28,26 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvferry.serve.api_flags import ApiOptions
+from kvferry.serve.auth import AuthMiddleware
 from kvferry.serve.chat import create_chat_completion
 from kvferry.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.serve.completions import create_completion
 from kvferry.serve.engine_client import AsyncEngineClient
-from kvferry.serve.errors import EXCEPTION_HANDLERS, error_response
+from kvferry.serve.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
 from kvferry.serve.http_limits import RequestLimitsMiddleware, client_request_id
 from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvferry.serve.public_prefixes import CachePolicy, PublicPrefixes, PublicPrefixRegistry, registration_body
 from kvferry.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ResponsesRequest,
     TokenizeRequest, now_s,
 )
 from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
 from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
+from kvferry.serve.tenants import ApiKeys, CacheNamespaces, current_cache_salt, current_tenant, empty_tenant_stats
 from kvferry.serve.tokenize import detokenize_endpoint, tokenize_endpoint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -62,6 +71,12 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     client.observer = metrics
     ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer), config.api)
     store = ResponseStore(config.api.responses_store_size, config.api.responses_store_ttl_s)
+    keys = ApiKeys(config.api.api_keys_file) if config.api.api_keys_file else None
+    public = PublicPrefixRegistry(PublicPrefixes(client.ready.block_size), client.tokenizer, config.api.chat_template)
+    if config.api.public_prefixes_file:
+        public.load_file(config.api.public_prefixes_file)
+    namespaces = CacheNamespaces.from_file(config.api.cache_secret_file)
+    client.input_processor.cache_policy = CachePolicy(namespaces, public.prefixes)
 
     def generation(model: type, handler: Callable[..., Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
@@ -70,6 +85,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
             # read from receive(), and the watcher must not eat body chunks.
             req = await read_request(request, model, config.max_request_body_bytes)
             request_id = client_request_id(request.headers)
+            current_cache_salt.set(getattr(req, "cache_salt", None))  # narrows the tenant's namespace
             return await run_until_disconnected(request, handler(ctx, req, arrival, request_id))
         return endpoint
 
@@ -89,15 +105,48 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
                            max_model_len=client.max_model_len) for name in config.served_model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
+    async def register_public_prefix(request: Request) -> Response:
+        if not current_tenant.get().publish:
+            raise APIError(403, "this API key may not publish public prefixes", code="permission_denied")
+        body = await request.body()
+        try:
+            item = json.loads(body)["prefix"] if body else None
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
+            raise bad_request("expected a JSON object with a 'prefix' field", "prefix") from None
+        try:
+            registered = await asyncio.to_thread(public.register, item)
+        except ValueError as exc:
+            raise bad_request(str(exc), "prefix") from None
+        return JSONResponse(registration_body(registered, len(public.prefixes)))
+
+    async def kv_stats(request: Request) -> Response:
+        """Prefix-cache counters of the caller's tenant (every tenant's for an admin)."""
+        tenant = current_tenant.get()
+        by_tenant = namespaces.stats_by_tenant(client.stats.prefix_by_namespace)
+        if not tenant.admin:
+            by_tenant = {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}
+        return JSONResponse({"object": "kv.stats", "tenants": by_tenant})
+
+    def reload_keys() -> None:
+        try:
+            keys.reload()
+            logger.warning("reloaded %d API keys from %s", keys.num_keys, keys.path)
+        except ValueError as exc:
+            logger.error("kept the previous API keys: %s", exc)
+
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await client.start()
+        if keys is not None:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
         try:
             yield
         finally:
+            if keys is not None:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             # uvicorn has stopped accepting and drained (or cancelled) the
             # in-flight requests by now; abort anything left and stop the core.
             await client.shutdown(config.engine_stop_timeout_s)
@@ -112,6 +161,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
               methods=["POST"]),
         Route("/v1/responses/{response_id}", partial(get_response, store), methods=["GET"]),
         Route("/v1/responses/{response_id}", partial(delete_response, store), methods=["DELETE"]),
+        Route("/v1/kv/public_prefixes", register_public_prefix, methods=["POST"]),
+        Route("/v1/kv/stats", kv_stats, methods=["GET"]),
         Route("/tokenize", utility(TokenizeRequest, tokenize_endpoint), methods=["POST"]),
         Route("/detokenize", utility(DetokenizeRequest, detokenize_endpoint), methods=["POST"]),
     ]
@@ -120,6 +171,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     if config.api.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.api.allowed_origins,
                                      allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"]))
+    # After CORS: a browser's preflight carries no key and must still pass.
+    middleware.append(Middleware(AuthMiddleware, keys=keys))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.client = client
     app.state.metrics = metrics

@@ -114,7 +114,13 @@ class _EngineStatsCollector(Collector):
         yield gauge("kvferry:kv_blocks_used", "KV blocks held by requests.", s.kv_blocks_used)
         yield gauge("kvferry:kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)
         yield counter("kvferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
-        yield counter("kvferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
+        # Two series whose sum is every hit: "public" in declared public
+        # prefixes (shared across tenants), "private" in the caller's own.
+        hits = CounterMetricFamily("kvferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=["model_name", "scope"])
+        hits.add_metric([self.model_name, "private"], s.prefix_hits - s.prefix_hits_public)
+        hits.add_metric([self.model_name, "public"], s.prefix_hits_public)
+        yield hits
         yield counter("kvferry:num_preemptions", "Preempted sequences.", s.num_preemptions)
 
     def describe(self) -> Iterator[Metric]:

@@ -1,0 +1,180 @@
+"""Tenants: who a caller is (from an API key) and which cache namespace
+that makes.
+
+    ApiKeys.load(path)            the --api-keys file, validated
+    keys.authenticate(key)        -> Tenant | None (constant time over all keys)
+    CacheNamespaces(secret)       tenant -> namespace = HMAC(secret, tenant)
+
+The key file is a JSON object mapping each key to its tenant::
+
+    {"sk-acme-1": {"tenant": "acme", "publish": true, "admin": false,
+                   "quota": {"device_blocks": 800}}}
+
+Namespaces are derived on the server from the tenant alone, so nothing a
+client sends can name another tenant's cache. The secret makes them
+unguessable (a namespace never leaves the server, but KV events and logs
+carry it as the block owner).
+"""
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import json
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TENANT_NAME = "default"
+MAX_TRACKED_NAMESPACES = 100_000
+_TENANT_FIELDS = {"tenant", "publish", "admin", "quota"}
+_QUOTA_FIELDS = {"device_blocks"}
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    publish: bool = False  # may register public prefixes
+    admin: bool = False
+    quota_device_blocks: int | None = None  # None: no cap
+
+
+# The tenant of the HTTP request being served (set by the auth middleware;
+# asyncio tasks copy it, so a handler's inner tasks see it too).
+current_tenant: contextvars.ContextVar[Tenant] = contextvars.ContextVar(
+    "kvferry_tenant", default=Tenant(DEFAULT_TENANT_NAME, publish=True))
+# The request's cache salt (a client field): narrows the tenant's namespace.
+current_cache_salt: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvferry_cache_salt", default=None)
+
+
+class ApiKeys:
+    """The key -> tenant table of a key file; ``reload()`` swaps it whole
+    (SIGHUP), so a request sees either the old table or the new one."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._table: list[tuple[bytes, Tenant]] = parse_key_file(self.path)
+        self._lock = threading.Lock()
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._table)
+
+    def reload(self) -> None:
+        """Read the file again; on any error the old table stays and the
+        error (a ValueError naming the field) propagates."""
+        table = parse_key_file(self.path)
+        with self._lock:
+            self._table = table
+
+    def authenticate(self, key: str) -> Tenant | None:
+        """The key's tenant, or None. Compares against every key with
+        ``hmac.compare_digest`` and never stops early, so the time taken
+        does not tell how close a guess came or which entry matched."""
+        given = key.encode("utf-8", "surrogateescape")
+        found = None
+        for known, tenant in self._table:
+            if hmac.compare_digest(given, known) and found is None:
+                found = tenant
+        return found
+
+
+def parse_key_file(path: Path) -> list[tuple[bytes, Tenant]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"api_keys: cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"api_keys: {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not data:
+        raise ValueError("api_keys: the file must hold a non-empty JSON object mapping key -> tenant")
+    return [(key.encode("utf-8"), _parse_tenant(key, entry)) for key, entry in data.items()]
+
+
+def _parse_tenant(key: str, entry: object) -> Tenant:
+    where = f"api_keys[{_redact(key)}]"
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"{where}: a key must be non-empty and hold no whitespace")
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: must be an object with a 'tenant' field")
+    unknown = set(entry) - _TENANT_FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
+    name = entry.get("tenant")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}.tenant: must be a non-empty string")
+    for flag in ("publish", "admin"):
+        if not isinstance(entry.get(flag, False), bool):
+            raise ValueError(f"{where}.{flag}: must be true or false")
+    quota = entry.get("quota", {})
+    if not isinstance(quota, dict) or set(quota) - _QUOTA_FIELDS:
+        raise ValueError(f"{where}.quota: must be an object with only {sorted(_QUOTA_FIELDS)}")
+    blocks = quota.get("device_blocks")
+    if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
+        raise ValueError(f"{where}.quota.device_blocks: must be an integer >= 0")
+    return Tenant(name, entry.get("publish", False), entry.get("admin", False), blocks)
+
+
+def _redact(key: str) -> str:
+    """Enough of a key to find it in the file, not enough to use it."""
+    return repr(key[:4] + "…") if len(key) > 8 else "'…'"
+
+
+class CacheNamespaces:
+    """Namespaces keyed by a server secret: HMAC-SHA256(secret, label).
+
+    ``tenant(name)`` is private to that tenant; ``public`` is shared by all
+    (only declared public prefixes are hashed in it); ``salt`` narrows a
+    tenant's namespace (a client's cache_salt) and can never widen it."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
+        if len(self._secret) < 16:
+            raise ValueError("cache_secret: must hold at least 16 bytes")
+        self.public = self._derive(b"public")
+        # namespace -> tenant, for the per-tenant stats (namespaces are one-way).
+        self.tenant_of: dict[str, str] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> "CacheNamespaces":
+        """The secret from a file (stable across restarts, shared by the
+        servers of a fleet), or a fresh one per start when no file is given."""
+        if path is None:
+            return cls()
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"cache_secret_file: cannot read {path}: {exc.strerror or exc}") from None
+        return cls(secret)
+
+    def tenant(self, name: str, salt: str | None = None) -> str:
+        ns = self._derive(b"tenant\0" + name.encode())
+        if salt:
+            ns = hashlib.sha256(b"salt\0" + ns.encode() + b"\0" + salt.encode()).hexdigest()
+        if len(self.tenant_of) < MAX_TRACKED_NAMESPACES:
+            self.tenant_of[ns] = name
+        return ns
+
+    def stats_by_tenant(self, by_namespace: dict[str, list[int]]) -> dict[str, dict[str, int]]:
+        """The core's per-namespace prefix-cache counters, summed per tenant."""
+        out: dict[str, dict[str, int]] = {}
+        for ns, counts in by_namespace.items():
+            name = self.tenant_of.get(ns)
+            if name is None:
+                continue  # not issued by this front end (e.g. the offline engine's)
+            t = out.setdefault(name, empty_tenant_stats())
+            for field_name, value in zip(TENANT_STAT_FIELDS, counts):
+                t[field_name] += value
+        return out
+
+    def _derive(self, label: bytes) -> str:
+        return hmac.new(self._secret, label, hashlib.sha256).hexdigest()
+
+
+TENANT_STAT_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hits_public",
+                      "quota_refused_blocks", "cached_blocks")
+
+
+def empty_tenant_stats() -> dict[str, int]:
+    return dict.fromkeys(TENANT_STAT_FIELDS, 0)

@@ -1,0 +1,82 @@
+"""API keys: 401 for a missing / unknown / malformed key, open probes,
+and SIGHUP reloading the key file."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.tenants.conftest import KEYS, make_client
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_missing_and_wrong_keys_are_401(tenant_server):
+    for key in ("sk-nope", "sk-acme-1x", "sk-acme-"):
+        with make_client(tenant_server, key) as c, pytest.raises(openai.AuthenticationError) as err:
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert err.value.status_code == 401
+        assert err.value.body["code"] == "invalid_api_key"
+    r = httpx.post(f"{tenant_server.api_url}/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("header", ["Basic sk-acme-1", "Bearer", "Bearer sk-acme-1 extra", "sk-acme-1", "bearer\tsk-acme-1"])
+def test_malformed_authorization_is_401(tenant_server, header):
+    r = httpx.get(f"{tenant_server.api_url}/models", headers={"Authorization": header})
+    assert r.status_code == 401
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_health_and_metrics_stay_open(tenant_server):
+    assert httpx.get(f"{tenant_server.base_url}/health").status_code == 200
+    assert httpx.get(f"{tenant_server.base_url}/metrics").status_code == 200
+    assert httpx.get(f"{tenant_server.api_url}/models").status_code == 401
+    ok = httpx.get(f"{tenant_server.api_url}/models", headers={"Authorization": "Bearer sk-beta-1"})
+    assert ok.status_code == 200
+
+
+def test_sighup_reloads_the_key_file(tenant_server):
+    def status(key: str) -> int:
+        return httpx.get(f"{tenant_server.api_url}/models", headers={"Authorization": f"Bearer {key}"}).status_code
+
+    assert status("sk-gamma-1") == 401
+    new_keys = {k: v for k, v in KEYS.items() if k != "sk-acme-2"} | {"sk-gamma-1": {"tenant": "gamma"}}
+    try:
+        tenant_server.keys_path.write_text(json.dumps(new_keys))
+        tenant_server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while status("sk-gamma-1") != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status("sk-gamma-1") == 200 and status("sk-acme-2") == 401 and status("sk-acme-1") == 200
+        # A broken file is refused and the keys in force stay.
+        tenant_server.keys_path.write_text("{not json")
+        tenant_server.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert status("sk-gamma-1") == 200
+        assert "kept the previous API keys" in tenant_server.log()
+    finally:
+        tenant_server.keys_path.write_text(json.dumps(KEYS))
+        tenant_server.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+    assert status("sk-acme-2") == 200
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"sk-x": {"tenant": ""}}', "tenant: must be a non-empty string"),
+    ('{"sk-x": {"tenant": "a", "quota": {"device_blocks": -1}}}', "quota.device_blocks"),
+    ("[]", "non-empty JSON object"),
+])
+def test_bad_key_file_fails_start_up_before_the_model_loads(tmp_path, content, message):
+    import subprocess
+    import sys
+
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    r = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--api-keys", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -1,0 +1,127 @@
+"""Block keys under a cache scope: namespaces at the root and in every key,
+the public/private boundary, and the owners of published blocks."""
+from __future__ import annotations
+
+import pytest
+
+from kvferry.core.hashing import ROOT_PARENT, CacheScope, ChainKeys, ExtraKeys, chain_root, extend_block_hashes
+from kvferry.core.kv_events import BlockStored
+from kvferry.core.kv_manager import KVCacheManager
+from kvferry.request import Request
+from kvferry.sampling import SamplingParams
+from kvferry.serve.public_prefixes import PublicPrefixes, TokenTrie
+from kvferry.serve.tenants import CacheNamespaces
+
+TOKENS = list(range(100, 116))  # four blocks of 4
+
+
+def hashes(scope: CacheScope, tokens=TOKENS, fingerprint="m", kv_dtype="bfloat16") -> list[bytes]:
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, 4, ChainKeys.of(scope, fingerprint, kv_dtype))
+    return out
+
+
+def test_namespaces_share_no_key_and_public_blocks_are_shared():
+    a, b = hashes(CacheScope("ns-a")), hashes(CacheScope("ns-b"))
+    assert not set(a) & set(b)
+    pa = hashes(CacheScope("ns-a", "pub", num_public_blocks=2))
+    pb = hashes(CacheScope("ns-b", "pub", num_public_blocks=2))
+    assert pa[:2] == pb[:2]  # inside the public prefix: one key for every tenant
+    assert not set(pa[2:]) & set(pb[2:])  # past it: private, though the parent is shared
+    assert not set(pa[2:]) & set(a)  # and not the keys of a fully private chain either
+    assert chain_root("ns-a") != chain_root("ns-b") != ROOT_PARENT == chain_root("")
+
+
+def test_kv_dtype_and_model_are_in_every_key():
+    base = hashes(CacheScope("ns"))
+    assert not set(base) & set(hashes(CacheScope("ns"), kv_dtype="float32"))
+    assert not set(base) & set(hashes(CacheScope("ns"), fingerprint="m2"))
+    assert ExtraKeys("m", "n", "a").encode() != ExtraKeys("m", "na", "").encode()
+
+
+def test_scope_rejects_public_blocks_without_a_namespace():
+    with pytest.raises(ValueError, match="public_namespace"):
+        CacheScope("ns", "", 1)
+    with pytest.raises(ValueError, match="num_public_blocks"):
+        CacheScope("ns", "pub", -1)
+
+
+def request(rid: str, ns: str, public_blocks: int = 0) -> Request:
+    return Request(rid, list(TOKENS) + [7], SamplingParams(max_tokens=1), cache_namespace=ns,
+                   public_cache_namespace="pub" if public_blocks else "", num_public_blocks=public_blocks)
+
+
+def run_prefill(kv: KVCacheManager, req: Request) -> int:
+    hit = kv.find_prefix_hit(req)
+    kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+    kv.free(req)
+    return hit.num_tokens
+
+
+def test_manager_hits_only_own_and_public_blocks_and_events_name_owners():
+    kv = KVCacheManager(32, 4, model_fingerprint="m", kv_dtype="bfloat16")
+    assert run_prefill(kv, request("a1", "ns-a", public_blocks=2)) == 0
+    stored = [e for e in kv.take_events() if isinstance(e, BlockStored)]
+    assert [(e.owner, len(e.block_hashes)) for e in stored] == [("pub", 2), ("ns-a", 2)]
+    assert run_prefill(kv, request("b1", "ns-b", public_blocks=2)) == 8  # the public blocks only
+    assert run_prefill(kv, request("a2", "ns-a", public_blocks=2)) == 16  # its own tail too
+    assert run_prefill(kv, request("b2", "ns-b")) == 0  # no public prefix matched: all private
+    kv.check_integrity()
+
+
+def test_token_trie_longest_registered_prefix():
+    trie = TokenTrie()
+    assert trie.insert([1, 2, 3]) and trie.insert([1, 2, 3, 4, 5]) and not trie.insert([1, 2, 3])
+    assert trie.longest_prefix_of([1, 2, 3, 4, 9]) == 3
+    assert trie.longest_prefix_of([1, 2, 3, 4, 5, 6]) == 5
+    assert trie.longest_prefix_of([1, 2]) == 0 and trie.longest_prefix_of([]) == 0
+    prefixes = PublicPrefixes(block_size=4)
+    r = prefixes.register(list(range(10)))
+    assert (r.num_tokens, r.num_blocks, r.new) == (10, 2, True)
+
+
+def test_namespaces_are_keyed_by_the_secret_and_salt_only_narrows():
+    one, two = CacheNamespaces(b"s" * 32), CacheNamespaces(b"t" * 32)
+    assert one.tenant("acme") == CacheNamespaces(b"s" * 32).tenant("acme")
+    assert one.tenant("acme") != two.tenant("acme") and one.tenant("acme") != one.tenant("beta")
+    assert one.public not in {one.tenant("public"), one.tenant("")}
+    salted = {one.tenant("acme", "x"), one.tenant("beta", "x"), one.tenant("acme")}
+    assert len(salted) == 3
+    with pytest.raises(ValueError, match="cache_secret"):
+        CacheNamespaces(b"short")
+
+
+def quota_request(rid: str, ns: str, first: int, quota: int | None) -> Request:
+    tokens = list(range(first, first + 16)) + [7]  # four private blocks of 4
+    return Request(rid, tokens, SamplingParams(max_tokens=1), cache_namespace=ns, cache_quota_blocks=quota)
+
+
+def test_quota_refuses_writes_past_it_and_counts_them():
+    kv = KVCacheManager(32, 4)
+    run_prefill(kv, quota_request("a1", "ns-a", 100, quota=2))
+    assert len(kv.owned["ns-a"]) == 2 and kv.stats.of("ns-a")[3] == 2  # two cached, two refused
+    assert run_prefill(kv, quota_request("a2", "ns-a", 100, quota=2)) == 8  # the two cached blocks hit
+    run_prefill(kv, quota_request("a3", "ns-a", 500, quota=2))  # at quota: nothing new is cached
+    assert len(kv.owned["ns-a"]) == 2 and kv.stats.of("ns-a")[3] == 2 + 2 + 4
+    run_prefill(kv, quota_request("b1", "ns-b", 100, quota=None))  # no quota: everything cached
+    assert len(kv.owned["ns-b"]) == 4 and kv.namespace_stats()["ns-b"][3:] == [0, 4]
+    kv.check_integrity()
+
+
+def test_owner_over_a_lowered_quota_is_evicted_first():
+    kv = KVCacheManager(16, 4)
+    run_prefill(kv, quota_request("b1", "ns-b", 300, quota=None))  # 4 cached blocks of b (older)
+    run_prefill(kv, quota_request("a1", "ns-a", 100, quota=None))  # then 4 of a (newer)
+    # a's quota drops to 1: its next request is refused any new block, and
+    # a's three unused blocks over quota move to the head of the free queue.
+    run_prefill(kv, quota_request("a2", "ns-a", 700, quota=1))
+    assert kv.stats.of("ns-a")[3] == 4 and len(kv.owned["ns-a"]) == 4
+    head = [b.block_id for b in kv.pool.free_queue][:3]
+    assert set(head) <= kv.owned["ns-a"]
+    # The next allocations evict them before b's older blocks (LRU alone would take b's).
+    run_prefill(kv, Request("c1", list(range(1, 10)), SamplingParams(max_tokens=1), cache_namespace="ns-c"))
+    assert len(kv.owned["ns-a"]) == 1 and len(kv.owned["ns-b"]) == 4
+    assert run_prefill(kv, quota_request("b2", "ns-b", 300, quota=None)) == 16
+    kv.check_integrity()
