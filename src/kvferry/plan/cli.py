@@ -197,8 +197,11 @@ def run_simulate(args: argparse.Namespace) -> dict:
     from kvferry.plan.simulator import ClusterConfig, Simulation
 
     cost = StepCostModel.from_profile(args.profile)
-    cluster = ClusterConfig(**counts, instance=instance_config(args), router=args.router,
-                            transfer=transfer_model(args), fast=args.fast)
+    instance, transfer = instance_config(args), transfer_model(args)
+    try:
+        cluster = ClusterConfig(**counts, instance=instance, router=args.router, transfer=transfer, fast=args.fast)
+    except ValueError as e:
+        raise ValueError(f"--config: {e}") from None
     sim = Simulation(cluster, cost, capacity)
     results = list(sim.run(requests).values())
     summary = summarize(results, slo)
