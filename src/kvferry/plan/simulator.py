@@ -19,12 +19,9 @@ from kvferry.plan.cache_model import PrefixCache
 from kvferry.plan.fast import AnalyticInstance
 from kvferry.plan.instance import InstanceConfig, SchedulerInstance
 from kvferry.plan.latency import KVTransferModel, StepCostModel
+from kvferry.plan.router import ROUTERS, Router
 from kvferry.plan.workload import SimRequest
 
-ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
-# prefix-aware: how many more outstanding requests than the least loaded
-# instance a cache hit may cost.
-PREFIX_BALANCE_SLACK = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,43 +75,6 @@ class RequestResult:
         return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
 
 
-class _Router:
-    """Picks an instance of a pool. prefix-aware keeps its own index of the
-    blocks it sent to each instance (what KV events would tell a real router),
-    LRU-bounded by the instance's pool size."""
-
-    def __init__(self, policy: str, instances: list, capacity_blocks: int) -> None:
-        self.policy, self.instances = policy, instances
-        self._next = itertools.cycle(range(len(instances)))
-        self.index = [PrefixCache(capacity_blocks) for _ in instances] if policy == "prefix-aware" else []
-
-    def pick(self, req: SimRequest, now: float):
-        if self.policy == "round-robin":
-            i = next(self._next)
-        else:
-            for inst in self.instances:
-                if isinstance(inst, AnalyticInstance):
-                    inst.expire(now)
-            load = [inst.num_outstanding for inst in self.instances]
-            i = min(range(len(load)), key=load.__getitem__)
-            if self.policy == "prefix-aware":
-                i = self._best_prefix(req, load, i)
-        if self.index:
-            self.index[i].access(req.block_keys)
-        return self.instances[i]
-
-
-    def _best_prefix(self, req: SimRequest, load: list[int], least: int) -> int:
-        """The instance holding the longest prefix when it covers at least
-        half the prompt and is not much busier than the least loaded one
-        (cache affinity must not pile every request on one instance)."""
-        matches = [idx.match(req.block_keys) for idx in self.index]
-        best = max(range(len(matches)), key=lambda j: (matches[j], -load[j]))
-        if 2 * matches[best] >= len(req.block_keys) and load[best] <= load[least] + PREFIX_BALANCE_SLACK:
-            return best
-        return least
-
-
 class Simulation:
     def __init__(self, cluster: ClusterConfig, cost: StepCostModel, cache_blocks: int | None = None) -> None:
         self.cluster, self.cost = cluster, cost
@@ -133,9 +93,9 @@ class Simulation:
         else:
             self.front = [make(f"engine-{i}", "colocated") for i in range(cluster.num_colocated)]
             self.back = []
-        router_blocks = cfg.num_kv_blocks * cfg.block_size  # in tokens until the key block size is known
-        self.router = _Router(cluster.router, self.front, router_blocks)
-        self.decode_router = _Router("least-loaded", self.back, 0) if self.back else None
+        # The prefix index's capacity is set in run(), once the workload's key block size is known.
+        self.router = Router(cluster.router, self.front, None)
+        self.decode_router = Router("least-loaded", self.back, None) if self.back else None
         self._heap: list = []
         self._seq = itertools.count()
         self.results: dict[int, RequestResult] = {}
@@ -148,8 +108,8 @@ class Simulation:
         if requests:
             kbs = requests[0].key_block_size
             tokens = self.cluster.instance.num_kv_blocks * self.cluster.instance.block_size
-            for idx in self.router.index:
-                idx.capacity = max(tokens // kbs, 1)
+            if self.router.index is not None:
+                self.router.index.capacity = max(tokens // kbs, 1)
             if self.cluster.fast:
                 cap = self.cache_blocks if self.cache_blocks is not None else max(tokens // kbs, 1)
                 for inst in self.front + self.back:
@@ -171,7 +131,7 @@ class Simulation:
         return self.results
 
     def _arrive(self, req: SimRequest, now: float) -> None:
-        inst = self.router.pick(req, now)
+        inst = self.router.pick(req.block_keys, now)
         if isinstance(inst, AnalyticInstance):
             self._fast_front(inst, req, now)
             return
@@ -209,7 +169,7 @@ class Simulation:
         self._push(now + self.cluster.transfer.time(req.input_len), "kv", req)
 
     def _to_decode(self, req: SimRequest, now: float) -> None:
-        inst = self.decode_router.pick(req, now)
+        inst = self.decode_router.pick(req.block_keys, now)
         res = self.results[req.request_id]
         if isinstance(inst, AnalyticInstance):
             end = inst.decode(req, now, req.output_len - 1)
@@ -262,9 +222,9 @@ def simulate_cache_only(requests: list[SimRequest], num_instances: int, router: 
     ``capacity_blocks=None`` the trace's reuse ceiling. A prompt's hit is its
     longest run of leading blocks already served by the same instance."""
     instances = [_CacheOnlyInstance(f"engine-{i}", capacity_blocks) for i in range(num_instances)]
-    pick = _Router(router, instances, capacity_blocks)
+    pick = Router(router, instances, capacity_blocks)
     for req in sorted(requests, key=lambda r: r.arrival_s):
-        inst = pick.pick(req, req.arrival_s)
+        inst = pick.pick(req.block_keys, req.arrival_s)
         inst.cache.access(req.block_keys)
         inst.num_outstanding += 1
     return instances
