@@ -98,3 +98,14 @@ def test_prefix_aware_router_keeps_a_shared_prefix_on_one_instance():
     # prefix-aware: every request but the first of each group hits 64 of 80 tokens
     assert ratios["prefix-aware"] == pytest.approx(6 * 64 / (8 * 80))
     assert ratios["round-robin"] < ratios["prefix-aware"]
+
+
+def test_the_simulator_never_imports_torch():
+    """It drives the scheduler and KV bookkeeping alone, so it runs where torch is absent."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvferry.plan.simulator, kvferry.plan.search, kvferry.plan.cli; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
