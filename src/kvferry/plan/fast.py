@@ -4,15 +4,17 @@ Per request, not per step, so a million requests over a thousand instances
 take minutes rather than hours. What it keeps and what it drops:
 
 - Prefill is one FCFS server per instance (an M/G/1 queue): a prompt starts
-  when the previous one ends; its time is the profile's prefill time after
-  the prefix-cache hit (``PrefixCache``, LRU over blocks).
+  when the previous one ends; its time is the profile's time of its chunks
+  (``max_num_batched_tokens`` each) after the prefix-cache hit
+  (``PrefixCache``, LRU over blocks).
 - Decode is a batch whose size is the number of requests decoding when a
   request starts (capped by ``max_num_seqs``: beyond it a request waits for
   the earliest to finish); its TPOT is the decode step at that batch size
   and the batch's mean context, held for the request's whole decode.
-- Colocated: each prefill step also carries the running decodes (their
-  per-step cost is added to the prefill), and decodes are slowed by the
-  share of time the instance spends prefilling (TPOT / (1 - prefill share)).
+- Colocated: each prefill chunk's step also carries the running decodes
+  (their per-step cost is added, their tokens shrink the chunk), and a decode's TPOT is the mean
+  step time given the share of time spent in mixed (prefill chunk +
+  decodes) steps.
 It ignores chunk boundaries, preemption and the exact batch evolution;
 ``kvferry simulate`` without ``--fast`` runs the real scheduler.
 """
@@ -58,14 +60,18 @@ class AnalyticInstance:
         hit_blocks = self.cache.access(req.block_keys) if self.config.enable_prefix_caching else 0
         cached = min(hit_blocks * req.key_block_size, req.input_len - 1)
         new = req.input_len - cached
-        t = self.cost.prefill_time(new, cached)
         start = max(now, self.prefill_free_at)
+        batch = 0
         if self.role == "colocated":
             self._expire_decodes(start)
-            steps = -(-new // self.config.max_num_batched_tokens)
             batch = len(self.decoding)
-            if batch:
-                t += steps * (self.cost.decode[1] * batch + self.cost.decode[2] * self.context_sum)
+        # chunks of what the step budget leaves after the decodes, each attending to the ones before
+        budget = max(self.config.max_num_batched_tokens - batch, 1)
+        t, done = 0.0, 0
+        while done < new:
+            chunk = min(budget, new - done)
+            t += self.cost.step([(chunk, cached + done)], batch, self.context_sum if batch else 0)
+            done += chunk
         self.prefill_free_at = start + t
         self.prefill_busy += t
         self.busy_time += t
@@ -83,15 +89,25 @@ class AnalyticInstance:
             self._expire_decodes(start)
         context = req.input_len + req.output_len // 2
         batch = len(self.decoding) + 1
-        tpot = self.cost.decode_step(batch, (self.context_sum + context) / batch)
+        mean_context = (self.context_sum + context) / batch
+        tpot = self.cost.decode_step(batch, mean_context)
         if self.role == "colocated" and self.first_arrival is not None and start > self.first_arrival:
-            share = min(self.prefill_busy / (start - self.first_arrival), _MAX_PREFILL_SHARE)
-            tpot /= 1.0 - share
+            tpot = self._colocated_tpot(tpot, batch, mean_context, start)
         end = start + num_tokens * tpot
         heapq.heappush(self.decoding, (end, context))
         self.context_sum += context
         self.busy_time += num_tokens * tpot / batch  # this request's share of the decode steps
         return end
+
+    def _colocated_tpot(self, decode_only: float, batch: int, mean_context: float, now: float) -> float:
+        """Mean step time a decode sees: a share ``s`` of the time goes to
+        mixed steps (a full prefill chunk plus the decodes, ``t_mixed``), the
+        rest to decode-only steps; one token per step, so the mean over steps
+        is the harmonic mix ``1 / (s / t_mixed + (1 - s) / t_decode)``."""
+        share = min(self.prefill_busy / (now - self.first_arrival), _MAX_PREFILL_SHARE)
+        chunk = max(self.config.max_num_batched_tokens - batch, 1)
+        mixed = self.cost.step([(chunk, 0)], batch, int(batch * mean_context))
+        return 1.0 / (share / mixed + (1.0 - share) / decode_only)
 
     def _expire_decodes(self, now: float) -> None:
         while self.decoding and self.decoding[0][0] <= now:
