@@ -109,3 +109,28 @@ def test_the_simulator_never_imports_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("rate", [2.0, 6.0])
+def test_fast_model_agrees_with_the_scheduler_driven_instance(rate):
+    """The analytic model is a shortcut, not a different system: on a
+    Poisson workload its medians and TTFT tail stay close to the real
+    scheduler's (its TPOT tail is smoother: one TPOT per request)."""
+    from dataclasses import replace
+
+    from kvferry.plan.report import summarize
+
+    rng = random.Random(3)
+    t, reqs = 0.0, []
+    for i in range(400):
+        t += rng.expovariate(rate)
+        reqs.append(unique_request(i, t, rng.randint(200, 600), rng.randint(20, 60)))
+    step_cost = cost((0.01, 1e-4, 1e-8, 1e-8), (0.005, 2e-4, 1e-7))
+    summaries = {}
+    for fast in (False, True):
+        cluster = ClusterConfig(num_colocated=1, instance=InstanceConfig(max_num_batched_tokens=512), fast=fast)
+        summaries[fast] = summarize(list(Simulation(cluster, step_cost).run([replace(r) for r in reqs]).values()), {})
+    real, fast = summaries[False], summaries[True]
+    assert fast["ttft_ms"]["p50"] == pytest.approx(real["ttft_ms"]["p50"], rel=0.15)
+    assert fast["ttft_ms"]["p99"] == pytest.approx(real["ttft_ms"]["p99"], rel=0.15)
+    assert fast["tpot_ms"]["p50"] == pytest.approx(real["tpot_ms"]["p50"], rel=0.15)
