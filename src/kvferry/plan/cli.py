@@ -33,8 +33,9 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--router", default="round-robin", choices=("round-robin", "least-loaded", "prefix-aware"),
                      help="choice of (prefill) instance; decode instances are chosen least-loaded")
     sim.add_argument("--cache-blocks", default=None,
-                     help="prefix-cache size in workload blocks; 'inf' (or any value without --profile): "
-                          "cache-only mode, hit ratios without timing")
+                     help="prefix-cache size in workload blocks: with --profile --fast, the analytic "
+                          "cache (default: the KV pool); without --profile, or 'inf': cache-only mode, "
+                          "hit ratios without timing. The scheduler mode's cache is the KV pool itself.")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--output", default=None, help="also write the JSON result here")
     sim.set_defaults(func=cmd_simulate)
