@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub)
     from kvferry.bench.cli import add_bench_parsers  # bench, profile; light: tools load when they run
     add_bench_parsers(sub)
+    from kvferry.plan.cli import add_plan_parsers  # simulate, plan; light: the simulator loads when it runs
+    add_plan_parsers(sub)
     args = parser.parse_args(argv)
     if getattr(args, "subparser", None) is not None:  # commands that build an engine
         args.engine_args = engine_args_from(args.subparser, args)

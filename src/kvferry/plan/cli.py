@@ -1,0 +1,297 @@
+"""``kvferry simulate`` and ``kvferry plan``: arguments, validation, commands.
+
+    kvferry simulate --profile P (--workload W | --trace T) [--config colocated:N | prefill:P,decode:D]
+                     [--router R] [--slo ttft:MS,tpot:MS] [--fast] [--json]
+    kvferry simulate --trace T --cache-blocks inf          (cache-only: the trace's reuse ceiling)
+    kvferry plan --profile P --workload W --slo ttft:MS,tpot:MS --gpus N [--rate R]
+
+Bad arguments print one line and exit 2. Heavy modules load when a command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from kvferry.bench.cli import _one_line_error
+
+SIM_WORKLOADS = ("random", "shared-prefix")
+
+
+def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``kvferry simulate`` and ``kvferry plan``."""
+    sim = subparsers.add_parser("simulate", help="predict latency and goodput of a cluster (discrete-event)",
+                                description="Replay a workload or trace on simulated instances driven by "
+                                            "the real scheduler (or --fast: an analytic model).")
+    sim.error = _one_line_error("kvferry simulate")
+    _add_common(sim)
+    sim.add_argument("--config", default="colocated:1",
+                     help="colocated:N, or prefill:P,decode:D (disaggregated)")
+    sim.add_argument("--router", default="round-robin", choices=("round-robin", "least-loaded", "prefix-aware"),
+                     help="choice of (prefill) instance; decode instances are chosen least-loaded")
+    sim.add_argument("--cache-blocks", default=None,
+                     help="prefix-cache size in workload blocks: with --profile --fast, the analytic "
+                          "cache (default: the KV pool); without --profile, or 'inf': cache-only mode, "
+                          "hit ratios without timing. The scheduler mode's cache is the KV pool itself.")
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim.add_argument("--output", default=None, help="also write the JSON result here")
+    sim.set_defaults(func=cmd_simulate)
+
+    plan = subparsers.add_parser("plan", help="choose prefill/decode instance counts for a rate and SLOs",
+                                 description="DistServe-style placement search: simulate every split of "
+                                             "--gpus into prefill and decode instances and every colocated "
+                                             "count; pick the best goodput per GPU.")
+    plan.error = _one_line_error("kvferry plan")
+    _add_common(plan)
+    plan.add_argument("--gpus", type=int, required=True, help="most instances (one GPU each)")
+    plan.add_argument("--router", default="least-loaded", choices=("round-robin", "least-loaded", "prefix-aware"))
+    plan.add_argument("--min-attainment", type=float, default=90.0,
+                      help="percent of requests within the SLOs a placement must keep to qualify")
+    plan.add_argument("--output", default="plan.png", help="plot; the JSON goes next to it")
+    plan.set_defaults(func=cmd_plan)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None, help="kvferry profile JSON (step time fits)")
+    p.add_argument("--slo", default=None, help="ttft:MS,tpot:MS (also e2e, itl)")
+    p.add_argument("--fast", action="store_true", help="analytic instance model (fleet scale) instead "
+                                                       "of the real scheduler")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=SIM_WORKLOADS, default=None)
+    w.add_argument("--trace", default=None, help="Mooncake JSONL trace ('default': the shipped slice)")
+    w.add_argument("--rate", type=float, default=None,
+                   help="requests/s (workloads: default 1; traces: scales the timestamps to this mean rate)")
+    w.add_argument("--burstiness", type=float, default=1.0)
+    w.add_argument("--num-requests", type=int, default=None, help="workloads: default 200; traces: the first N")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--input-len", default="256")
+    w.add_argument("--output-len", default="64")
+    w.add_argument("--num-groups", type=int, default=4)
+    w.add_argument("--prompts-per-group", type=int, default=8)
+    w.add_argument("--system-prompt-len", type=int, default=512)
+    w.add_argument("--question-len", type=int, default=64)
+    w.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id")
+    w.add_argument("--max-input-len", type=int, default=None)
+    w.add_argument("--max-output-len", type=int, default=None)
+    i = p.add_argument_group("instance (as kvferry serve)")
+    i.add_argument("--num-kv-blocks", type=int, default=4096)
+    i.add_argument("--block-size", type=int, default=16)
+    i.add_argument("--max-num-seqs", type=int, default=64)
+    i.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    i.add_argument("--no-prefix-caching", action="store_true")
+    k = p.add_argument_group("KV transfer (disaggregated)")
+    k.add_argument("--kv-bytes-per-token", type=float, default=0.0, help="KV bytes per token, all layers")
+    k.add_argument("--kv-bandwidth-gbps", type=float, default=100.0, help="GB/s between prefill and decode")
+    k.add_argument("--kv-latency-ms", type=float, default=0.0)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"kvferry {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _user_errors():
+    from kvferry.bench.workloads import BenchError
+    from kvferry.plan.latency import PlanError
+
+    return (BenchError, PlanError, ValueError)
+
+
+# -- inputs ------------------------------------------------------------------------
+def parse_config(text: str) -> dict[str, int]:
+    """``colocated:N`` or ``prefill:P,decode:D`` -> ClusterConfig counts."""
+    counts = {}
+    for part in text.split(","):
+        name, _, value = part.partition(":")
+        name = name.strip()
+        if name not in ("colocated", "prefill", "decode") or not value.strip().isdigit():
+            raise ValueError(f"--config: expected colocated:N or prefill:P,decode:D, got {text!r}")
+        counts[f"num_{name}"] = int(value)
+    counts.setdefault("num_colocated", 0)
+    return counts
+
+
+def load_requests(args: argparse.Namespace):
+    from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
+
+    if (args.workload is None) == (args.trace is None):
+        raise ValueError("give one of --workload or --trace")
+    for name in ("num_requests", "max_input_len", "max_output_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.rate is not None and not args.rate > 0:
+        raise ValueError(f"--rate must be > 0, got {args.rate}")
+    if args.trace is not None:
+        from kvferry.bench.trace import load_trace
+
+        entries = load_trace(None if args.trace == "default" else args.trace)[: args.num_requests]
+        reqs = trace_requests(entries, 1.0, args.trace_block_size, args.max_input_len, args.max_output_len)
+        span = reqs[-1].arrival_s
+        if args.rate is not None and span > 0:  # rescale to the asked mean rate
+            for r in reqs:
+                r.arrival_s *= (len(reqs) - 1) / span / args.rate
+        return reqs
+    sessions = make_bench_sessions(args.workload, args)
+    return session_requests(sessions, args.num_requests or 200, args.rate or 1.0, args.burstiness,
+                            args.seed, args.block_size)
+
+
+def instance_config(args: argparse.Namespace):
+    from kvferry.plan.instance import InstanceConfig
+
+    for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return InstanceConfig(args.num_kv_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+                          not args.no_prefix_caching)
+
+
+def transfer_model(args: argparse.Namespace):
+    from kvferry.plan.latency import KVTransferModel
+
+    if args.kv_bytes_per_token < 0 or not args.kv_bandwidth_gbps > 0 or args.kv_latency_ms < 0:
+        raise ValueError("--kv-bytes-per-token, --kv-latency-ms must be >= 0 and --kv-bandwidth-gbps > 0")
+    return KVTransferModel(args.kv_bytes_per_token, args.kv_bandwidth_gbps, args.kv_latency_ms / 1000.0)
+
+
+def _cache_blocks(text: str | None) -> int | None:
+    """None: unbounded."""
+    if text is None or text.lower() in ("inf", "infinite", "none"):
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--cache-blocks: expected a block count >= 1 or 'inf', got {text!r}")
+    return int(text)
+
+
+# -- simulate ------------------------------------------------------------------------
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        result = run_simulate(args)
+    except _user_errors() as e:
+        return _fail("simulate", str(e))
+    text = json.dumps(result, indent=1)
+    if args.output:
+        Path(args.output).write_text(text)
+    print(text if args.json else format_simulate(result))
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> dict:
+    from kvferry.bench.metrics import parse_slo
+
+    slo = parse_slo(args.slo)
+    counts = parse_config(args.config)
+    cache_only = args.cache_blocks is not None and (args.profile is None or _cache_blocks(args.cache_blocks) is None)
+    if not cache_only and args.profile is None:
+        raise ValueError("--profile is required (only --cache-blocks runs without one)")
+    capacity = _cache_blocks(args.cache_blocks)
+    requests = load_requests(args)
+    start = time.perf_counter()
+    if cache_only:
+        return _run_cache_only(args, counts, requests, capacity, start)
+    from kvferry.plan.latency import StepCostModel
+    from kvferry.plan.report import instance_stats, summarize
+    from kvferry.plan.simulator import ClusterConfig, Simulation
+
+    cost = StepCostModel.from_profile(args.profile)
+    instance, transfer = instance_config(args), transfer_model(args)
+    try:
+        cluster = ClusterConfig(**counts, instance=instance, router=args.router, transfer=transfer, fast=args.fast)
+    except ValueError as e:
+        raise ValueError(f"--config: {e}") from None
+    sim = Simulation(cluster, cost, capacity)
+    results = list(sim.run(requests).values())
+    summary = summarize(results, slo)
+    return {"mode": "fast-analytic" if args.fast else "scheduler", "config": _config_json(args, counts),
+            "summary": summary, "instances": instance_stats(sim.instances(), summary["duration_s"]),
+            "wall_s": time.perf_counter() - start}
+
+
+def _run_cache_only(args, counts, requests, capacity, start) -> dict:
+    from kvferry.plan.simulator import simulate_cache_only
+
+    if counts.get("num_prefill"):
+        counts = {"num_colocated": counts["num_prefill"]}  # the prefill pool is where prompts hit
+    instances = simulate_cache_only(requests, max(counts["num_colocated"], 1), args.router, capacity)
+    q = sum(i.cache.query_blocks for i in instances)
+    h = sum(i.cache.hit_blocks for i in instances)
+    return {"mode": "cache-only", "config": _config_json(args, counts),
+            "summary": {"num_requests": len(requests), "block_hit_ratio": h / q if q else None,
+                        "cache_blocks": capacity, "key_block_size": requests[0].key_block_size},
+            "instances": [{"name": i.name, "role": "colocated", "block_hit_ratio": i.cache.block_hit_ratio,
+                           "num_requests": i.num_outstanding} for i in instances],
+            "wall_s": time.perf_counter() - start}
+
+
+def _config_json(args, counts) -> dict:
+    return {**counts, "router": args.router, "workload": args.workload, "trace": args.trace, "rate": args.rate,
+            "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "prefix_caching": not args.no_prefix_caching}
+
+
+def format_simulate(result: dict) -> str:
+    s = result["summary"]
+    lines = [f"===== kvferry simulate ({result['mode']}, {s['num_requests']} requests, "
+             f"{result['wall_s']:.2f} s wall) ====="]
+    if result["mode"] == "cache-only":
+        lines.append(f"block hit ratio: {_fmt(s['block_hit_ratio'])}")
+    else:
+        lines.append(f"completed {s['completed']}  failed {s['failed']}  simulated {s['duration_s']:.2f} s  "
+                     f"{s['request_throughput']:.3f} req/s")
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            v = s[name]
+            lines.append(f"{name:>8}: p50 {_fmt(v['p50'])}  p90 {_fmt(v['p90'])}  p99 {_fmt(v['p99'])}")
+        if s["goodput"] is not None:
+            lines.append(f"goodput {s['goodput']:.3f} req/s  (SLO attainment {s['slo_attainment_pct']:.1f}%)")
+    for inst in result["instances"]:
+        lines.append(f"  {inst['name']:>10}: block_hit_ratio {_fmt(inst['block_hit_ratio'])}"
+                     + (f"  busy {_fmt(inst.get('busy_fraction'))}" if "busy_fraction" in inst else ""))
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+
+
+# -- plan ------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        result = run_plan(args)
+    except _user_errors() as e:
+        return _fail("plan", str(e))
+    from kvferry.plan.search import format_plan, plot_plan
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot_plan(result, out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    print(format_plan(result))
+    print(f"plot: {out}  json: {out.with_suffix('.json')}")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    from kvferry.bench.metrics import parse_slo
+    from kvferry.plan.latency import StepCostModel
+    from kvferry.plan.search import search_placement
+
+    if args.profile is None:
+        raise ValueError("--profile is required")
+    slo = parse_slo(args.slo)
+    if not slo:
+        raise ValueError("--slo is required (e.g. ttft:500,tpot:50)")
+    if args.gpus < 1 or args.gpus > 64:
+        raise ValueError(f"--gpus must be in 1..64, got {args.gpus}")
+    if math.isinf(args.rate or 0):
+        raise ValueError("--rate must be finite")
+    if not 0 < args.min_attainment <= 100:
+        raise ValueError(f"--min-attainment must be in (0, 100], got {args.min_attainment}")
+    cost = StepCostModel.from_profile(args.profile)
+    requests = load_requests(args)
+    return search_placement(requests, cost, slo, args.gpus, instance_config(args), transfer_model(args),
+                            args.router, args.fast, args.min_attainment)

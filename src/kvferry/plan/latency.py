@@ -1,0 +1,81 @@
+"""Step time of one engine step, from the fitted ``kvferry profile`` models.
+
+A step runs prefill chunks and decodes together (chunked prefill)::
+
+    t = a_pre * [any prefill] + sum over chunks (b * new + c * new * cached + d * new^2)
+      + a_dec * [any decode] + b_dec * batch + c_dec * sum(context)
+
+where ``cached`` is what the chunk attends to before itself (prefix hit or
+earlier chunks). The two intercepts are fixed per-step costs (launch,
+sampling); a mixed step pays the larger one only, since it is one forward pass.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS
+
+
+class PlanError(Exception):
+    """A user-facing error of simulate / plan: one line, exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepCostModel:
+    # seconds per unit of PREFILL_TERMS: 1, new, new*cached, new^2
+    prefill: tuple[float, float, float, float]
+    # seconds per unit of DECODE_TERMS: 1, batch, batch*context
+    decode: tuple[float, float, float]
+
+    @classmethod
+    def from_profile(cls, path: str) -> StepCostModel:
+        try:
+            data = json.loads(Path(path).read_text())
+            pre, dec = data["prefill"]["fit"], data["decode"]["fit"]
+            if tuple(pre["terms"]) != PREFILL_TERMS or tuple(dec["terms"]) != DECODE_TERMS:
+                raise ValueError(f"fit terms {pre['terms']} / {dec['terms']} are not "
+                                 f"{list(PREFILL_TERMS)} / {list(DECODE_TERMS)}")
+            return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]))
+        except OSError as e:
+            raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise PlanError(f"--profile: {path} is not a kvferry profile JSON: {e}") from None
+
+    def prefill_chunk(self, new: int, cached: int) -> float:
+        """Variable cost of one prefill chunk (no intercept)."""
+        _, b, c, d = self.prefill
+        return max(b * new + c * new * cached + d * new * new, 0.0)
+
+    def step(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int) -> float:
+        """One step: prefill ``chunks`` of (new, cached) tokens plus ``decode_batch``
+        decodes whose contexts sum to ``decode_context``."""
+        t = 0.0
+        base = 0.0
+        if chunks:
+            base = self.prefill[0]
+            t += sum(self.prefill_chunk(n, c) for n, c in chunks)
+        if decode_batch:
+            base = max(base, self.decode[0])
+            t += self.decode[1] * decode_batch + self.decode[2] * decode_context
+        return max(base + t, 1e-9)
+
+    def prefill_time(self, new: int, cached: int) -> float:
+        """A whole prompt prefilled in one step."""
+        return self.step([(new, cached)], 0, 0)
+
+    def decode_step(self, batch: int, mean_context: float) -> float:
+        return self.step([], batch, int(batch * mean_context))
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferModel:
+    """Prefill -> decode KV transfer: a fixed latency plus bytes / bandwidth."""
+
+    bytes_per_token: float = 0.0  # KV bytes of one token over all layers (K and V)
+    bandwidth_gbps: float = 100.0  # GB/s
+    latency_s: float = 0.0
+
+    def time(self, num_tokens: int) -> float:
+        return self.latency_s + num_tokens * self.bytes_per_token / (self.bandwidth_gbps * 1e9)

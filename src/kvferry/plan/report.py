@@ -1,0 +1,46 @@
+"""The numbers of a simulated run: latency percentiles, goodput under the
+SLOs (as ``kvferry bench`` defines them) and per-instance prefix-cache hits."""
+from __future__ import annotations
+
+from kvferry.bench.metrics import stats_ms
+from kvferry.plan.simulator import RequestResult
+
+
+def meets(r: RequestResult, slo: dict[str, float]) -> bool:
+    if r.failed or r.finish_s is None:
+        return False
+    values = {"ttft": r.ttft_s, "tpot": r.tpot_s or 0.0, "e2e": r.finish_s - r.request.arrival_s,
+              "itl": r.tpot_s or 0.0}  # a simulated decode has even gaps
+    return all(values[k] <= limit for k, limit in slo.items())
+
+
+def summarize(results: list[RequestResult], slo: dict[str, float]) -> dict:
+    done = [r for r in results if not r.failed and r.finish_s is not None]
+    start = min((r.request.arrival_s for r in results), default=0.0)
+    end = max((r.finish_s for r in done), default=start)
+    duration = max(end - start, 1e-9)
+    good = sum(meets(r, slo) for r in results)
+    return {
+        "num_requests": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_token_throughput": sum(r.num_output_tokens for r in done) / duration,
+        "slo_ms": {k: v * 1000.0 for k, v in slo.items()},
+        "goodput": good / duration if slo else None,
+        "slo_attainment_pct": 100.0 * good / len(results) if slo and results else None,
+        "ttft_ms": stats_ms([r.ttft_s for r in done]),
+        "tpot_ms": stats_ms([t for r in done if (t := r.tpot_s) is not None]),
+        "e2e_ms": stats_ms([r.finish_s - r.request.arrival_s for r in done]),
+    }
+
+
+def instance_stats(instances: list, duration_s: float) -> list[dict]:
+    out = []
+    for inst in instances:
+        queries, hits = inst.cache_stats()
+        out.append({"name": inst.name, "role": inst.role,
+                    "block_hit_ratio": hits / queries if queries else None,
+                    "busy_fraction": min(inst.busy_time / duration_s, 1.0) if duration_s > 0 else None})
+    return out

@@ -1,0 +1,230 @@
+"""Discrete-event simulation of a serving cluster.
+
+    arrival ──router──▶ colocated instance ──────────────────────────────▶ done
+            ──router──▶ prefill instance ──KV (bytes / bandwidth)──▶ decode instance ──▶ done
+
+Events are kept in one heap ordered by time: request arrivals, step ends of
+scheduler-driven instances, and KV hand-overs to decode instances. A
+scheduler-driven instance (``SchedulerInstance``) steps while it has work;
+an analytic one (``AnalyticInstance``, ``fast=True``) answers each request's
+first-token and end times when it is dispatched.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from kvferry.plan.cache_model import PrefixCache
+from kvferry.plan.fast import AnalyticInstance
+from kvferry.plan.instance import InstanceConfig, SchedulerInstance
+from kvferry.plan.latency import KVTransferModel, StepCostModel
+from kvferry.plan.router import ROUTERS, Router
+from kvferry.plan.workload import SimRequest
+
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    num_colocated: int = 1
+    num_prefill: int = 0
+    num_decode: int = 0
+    instance: InstanceConfig = field(default_factory=InstanceConfig)
+    router: str = "round-robin"
+    transfer: KVTransferModel = field(default_factory=KVTransferModel)
+    fast: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_colocated", "num_prefill", "num_decode"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError("num_prefill and num_decode: a disaggregated pool needs both (or neither)")
+        if self.num_colocated and self.num_prefill:
+            raise ValueError("num_colocated: simulate colocated or disaggregated instances, not both")
+        if self.num_colocated + self.num_prefill == 0:
+            raise ValueError("num_colocated: need at least one instance")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {'/'.join(ROUTERS)}, got {self.router!r}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill > 0
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_colocated + self.num_prefill + self.num_decode
+
+
+@dataclass(slots=True)
+class RequestResult:
+    request: SimRequest
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_output_tokens: int = 0
+    failed: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.request.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.failed or self.finish_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+class Simulation:
+    def __init__(self, cluster: ClusterConfig, cost: StepCostModel, cache_blocks: int | None = None) -> None:
+        self.cluster, self.cost = cluster, cost
+        cfg = cluster.instance
+        # Analytic instances' cache size in workload key blocks; None: the KV pool's size.
+        self.cache_blocks = cache_blocks
+
+        def make(name: str, role: str):
+            if cluster.fast:
+                return AnalyticInstance(name, role, cost, cfg, cache_blocks)  # capacity set in run()
+            return SchedulerInstance(name, role, cost, cfg)
+
+        if cluster.disaggregated:
+            self.front = [make(f"prefill-{i}", "prefill") for i in range(cluster.num_prefill)]
+            self.back = [make(f"decode-{i}", "decode") for i in range(cluster.num_decode)]
+        else:
+            self.front = [make(f"engine-{i}", "colocated") for i in range(cluster.num_colocated)]
+            self.back = []
+        # The prefix index's capacity is set in run(), once the workload's key block size is known.
+        self.router = Router(cluster.router, self.front, None)
+        self.decode_router = Router("least-loaded", self.back, None) if self.back else None
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.results: dict[int, RequestResult] = {}
+
+    # -- events -----------------------------------------------------------------
+    def _push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def run(self, requests: list[SimRequest]) -> dict[int, RequestResult]:
+        if requests:
+            kbs = requests[0].key_block_size
+            tokens = self.cluster.instance.num_kv_blocks * self.cluster.instance.block_size
+            if self.router.index is not None:
+                self.router.index.capacity = max(tokens // kbs, 1)
+            if self.cluster.fast:
+                cap = self.cache_blocks if self.cache_blocks is not None else max(tokens // kbs, 1)
+                for inst in self.front + self.back:
+                    inst.cache.capacity = cap
+        for req in requests:
+            self.results[req.request_id] = RequestResult(req)
+        arrivals = iter(sorted(requests, key=lambda r: r.arrival_s))
+        nxt = next(arrivals, None)
+        while nxt is not None or self._heap:
+            if nxt is not None and (not self._heap or nxt.arrival_s <= self._heap[0][0]):
+                self._arrive(nxt, nxt.arrival_s)
+                nxt = next(arrivals, None)
+                continue
+            t, _, kind, payload = heapq.heappop(self._heap)
+            if kind == "step":
+                self._step_end(payload, t)
+            elif kind == "kv":
+                self._to_decode(payload, t)
+        return self.results
+
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        inst = self.router.pick(req.block_keys, now)
+        if isinstance(inst, AnalyticInstance):
+            self._fast_front(inst, req, now)
+            return
+        try:
+            inst.add(req, now)
+        except ValueError:
+            self.results[req.request_id].failed = True
+            return
+        self._kick(inst, now)
+
+    def _kick(self, inst: SchedulerInstance, now: float) -> None:
+        if not inst.busy:
+            end = inst.start_step(now)
+            if end is not None:
+                self._push(end, "step", inst)
+
+    def _step_end(self, inst: SchedulerInstance, now: float) -> None:
+        for ev in inst.finish_step(now):
+            res = self.results[ev.request.request_id]
+            if ev.failed:
+                res.failed = True
+                continue
+            if ev.num_tokens and res.first_token_s is None:
+                res.first_token_s = now
+            res.num_output_tokens += ev.num_tokens
+            if ev.finished:
+                if inst.role == "prefill" and ev.request.output_len > 1:
+                    self._hand_over(ev.request, now)
+                else:
+                    res.finish_s = now
+        self._kick(inst, now)
+
+    def _hand_over(self, req: SimRequest, now: float) -> None:
+        """The prefill is done: the KV of the prompt travels to a decode instance."""
+        self._push(now + self.cluster.transfer.time(req.input_len), "kv", req)
+
+    def _to_decode(self, req: SimRequest, now: float) -> None:
+        inst = self.decode_router.pick(req.block_keys, now)
+        res = self.results[req.request_id]
+        if isinstance(inst, AnalyticInstance):
+            end = inst.decode(req, now, req.output_len - 1)
+            inst.track(end)
+            res.num_output_tokens = req.output_len
+            res.finish_s = end
+            return
+        try:
+            inst.add(req, now)
+        except ValueError:
+            res.failed = True
+            return
+        self._kick(inst, now)
+
+    def _fast_front(self, inst: AnalyticInstance, req: SimRequest, now: float) -> None:
+        res = self.results[req.request_id]
+        first = inst.prefill(req, now)
+        res.first_token_s = first
+        if inst.role == "prefill":
+            inst.track(first)
+            res.num_output_tokens = 1
+            if req.output_len > 1:
+                self._hand_over(req, first)
+            else:
+                res.finish_s = first
+            return
+        end = inst.decode(req, first, req.output_len - 1)
+        inst.track(end)
+        res.num_output_tokens = req.output_len
+        res.finish_s = end
+
+    def instances(self) -> list:
+        return self.front + self.back
+
+
+class _CacheOnlyInstance:
+    def __init__(self, name: str, capacity: int | None) -> None:
+        self.name, self.role = name, "cache"
+        self.cache = PrefixCache(capacity)
+        self.num_outstanding = 0  # requests routed here: least-loaded balances counts
+        self.busy_time = 0.0
+
+    def cache_stats(self) -> tuple[int, int]:
+        return self.cache.query_blocks, self.cache.hit_blocks
+
+
+def simulate_cache_only(requests: list[SimRequest], num_instances: int, router: str,
+                        capacity_blocks: int | None) -> list[_CacheOnlyInstance]:
+    """Prefix-cache hits alone, in arrival order (no timing): with
+    ``capacity_blocks=None`` the trace's reuse ceiling. A prompt's hit is its
+    longest run of leading blocks already served by the same instance."""
+    instances = [_CacheOnlyInstance(f"engine-{i}", capacity_blocks) for i in range(num_instances)]
+    pick = Router(router, instances, capacity_blocks)
+    for req in sorted(requests, key=lambda r: r.arrival_s):
+        inst = pick.pick(req.block_keys, req.arrival_s)
+        inst.cache.access(req.block_keys)
+        inst.num_outstanding += 1
+    return instances
