@@ -1,7 +1,7 @@
 """Scheduler counters the engine reports (for /metrics). No torch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -14,5 +14,8 @@ class SchedulerStats:
     kv_blocks_total: int = 0
     prefix_queries: int = 0  # cumulative tokens
     prefix_hits: int = 0
+    num_drafts: int = 0  # cumulative verified proposals (steps that carried drafts)
     num_draft_tokens: int = 0  # cumulative
     num_accepted_tokens: int = 0  # cumulative drafts accepted
+    # Cumulative drafts accepted at each draft position (index 0: the first draft).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
