@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,11 +71,68 @@ class ModelLoadConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
+_SPEC_METHODS = ("ngram",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` keys, plus the
+    adaptive controller's). Drafts are verified losslessly: output is the
+    same as without, only faster or slower."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # Per-request k follows its measured acceptance (False: always k).
+    adaptive: bool = True
+    # Drafts only while num_running * (k + 1) stays within this. On CPU a
+    # verify window already costs ~1.7x a 1-token decode (GEMM, not GEMV),
+    # so by batch 16 drafts stop (24 // 16 - 1 = 0).
+    batch_token_threshold: int = 24
+    # A request at k = 0 retries one draft every this many decode steps.
+    probe_interval: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative.method must be one of {', '.join(_SPEC_METHODS)}; got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "batch_token_threshold", "probe_interval"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"speculative.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From a JSON string (the CLI), a dict (``LLM(speculative=...)``) or
+        None (off). Unknown keys are a ValueError naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a JSON object or dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelLoadConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    speculative: SpeculativeConfig | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -107,6 +165,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prompts across steps"))
     num_swap_blocks: int = field(default=0, metadata=_opt(
         "host-DRAM KV blocks for swapping out preempted requests (0: preemption recomputes)"))
+    speculative: str | dict | None = field(default=None, metadata=_opt(
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
+        flag="--speculative-config"))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -122,6 +184,7 @@ class EngineArgs:
                               self.enable_prefix_caching, self.num_swap_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,
                                       self.enable_chunked_prefill),
+            speculative=SpeculativeConfig.parse(self.speculative),
         )
 
     # -- command line -----------------------------------------------------------
@@ -131,7 +194,8 @@ class EngineArgs:
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(EngineArgs):
             meta = dict(f.metadata)
-            flag = "--" + f.name.replace("_", "-")
+            flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+            meta["dest"] = f.name
             if f.type in ("bool", bool):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **meta)
             else:

@@ -51,6 +51,17 @@ class DraftProposer(Protocol):
     def propose(self, request: Request) -> list[int]: ...
 
 
+class DraftBudget(Protocol):
+    """Decides each request's k per step and learns from verification
+    (``kvferry.spec.AdaptiveSpecController``)."""
+
+    def num_drafts(self, request_id: str, num_running: int) -> int: ...
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
 class ExternalKVSource(Protocol):
     """Scheduler side of a KV source outside the device pool (a tier, a
     prefill worker). The runner's KVConnector executes the load orders."""
@@ -77,6 +88,7 @@ class Scheduler:
         kv_source: ExternalKVSource | None = None,
         proposer: DraftProposer | None = None,
         num_speculative_tokens: int = 0,
+        draft_budget: DraftBudget | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -84,6 +96,7 @@ class Scheduler:
         self.kv_source = kv_source
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.draft_budget = draft_budget
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -104,8 +117,10 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        self.num_drafts = 0  # verified proposals
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos: list[int] = []  # [k_max]: drafts accepted at each position
 
     # -- intake ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -141,9 +156,14 @@ class Scheduler:
         caller may also set them directly before ``schedule``."""
         if self.proposer is None or self.num_speculative_tokens == 0:
             return
+        num_running = len(self.running)
         for request in self.running:
-            if request.num_tokens - request.num_computed_tokens == 1:
-                request.spec_token_ids = self.proposer.propose(request)[: self.num_speculative_tokens]
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            k = self.num_speculative_tokens
+            if self.draft_budget is not None:
+                k = min(k, self.draft_budget.num_drafts(request.request_id, num_running))
+            request.spec_token_ids = self.proposer.propose(request)[:k] if k > 0 else []
 
     def _drafts_for(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts worth verifying: only for a decode, within the budget,
@@ -362,8 +382,15 @@ class Scheduler:
         if not drafts or not sampled:
             return
         num_accepted = len(sampled) - 1
+        self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(drafts) - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+        if self.draft_budget is not None:
+            self.draft_budget.observe(request.request_id, len(drafts), num_accepted)
         # KV at the rejected drafts' positions is garbage; it is overwritten
         # when those positions are computed again.
         request.num_computed_tokens -= len(drafts) - num_accepted
@@ -444,6 +471,8 @@ class Scheduler:
         if swapped is not None:
             self.swap_space.free(swapped.host_slots)
         del self.requests[rid]
+        if self.draft_budget is not None:
+            self.draft_budget.forget(rid)
         self._runner_tokens.pop(rid, None)
         self._runner_blocks.pop(rid, None)
         if rid in self._runner_states:
@@ -476,6 +505,8 @@ class Scheduler:
             prefix_hits=self.kv.stats.hits,
             prefix_hits_public=self.kv.stats.public_hits,
             prefix_by_namespace=self.kv.namespace_stats(),
+            num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
         )

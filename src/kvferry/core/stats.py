@@ -18,5 +18,8 @@ class SchedulerStats:
     # Per cache namespace: [queries, hits, public_hits (cumulative tokens),
     # blocks its quota refused to cache (cumulative), blocks it has cached now].
     prefix_by_namespace: dict[str, list[int]] = field(default_factory=dict)
+    num_drafts: int = 0  # cumulative verified proposals (steps that carried drafts)
     num_draft_tokens: int = 0  # cumulative
     num_accepted_tokens: int = 0  # cumulative drafts accepted
+    # Cumulative drafts accepted at each draft position (index 0: the first draft).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

@@ -19,6 +19,7 @@ from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
+from kvferry.spec import speculation
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class EngineCore:
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=str(self.loaded.dtype).removeprefix("torch."))
         num_swap = config.cache.num_swap_blocks
-        self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None)
+        self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
+                                   **speculation(config.speculative))
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)

@@ -122,6 +122,31 @@ class _EngineStatsCollector(Collector):
         hits.add_metric([self.model_name, "public"], s.prefix_hits_public)
         yield hits
         yield counter("kvferry:num_preemptions", "Preempted sequences.", s.num_preemptions)
+        yield from _spec_decode_metrics(s, label)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _spec_decode_metrics(s: SchedulerStats, label: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters (all zero without speculation)."""
+    for name, doc, value in (
+        ("kvferry:spec_decode_num_drafts", "Verified draft proposals (decode steps that carried drafts).",
+         s.num_drafts),
+        ("kvferry:spec_decode_num_draft_tokens", "Draft tokens verified.", s.num_draft_tokens),
+        ("kvferry:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric(label, value)
+        yield c
+    per_pos = CounterMetricFamily("kvferry:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the proposal (0: first draft).",
+                                  labels=["model_name", "position"])
+    for pos, value in enumerate(s.num_accepted_tokens_per_pos):
+        per_pos.add_metric(label + [str(pos)], value)
+    yield per_pos
+    # Tokens per verified proposal, the bonus token included (1 = no draft accepted).
+    mean = GaugeMetricFamily("kvferry:spec_decode_mean_accepted_length",
+                             "Mean tokens emitted per verified proposal (accepted drafts + 1).", labels=["model_name"])
+    mean.add_metric(label, 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else 0.0)
+    yield mean

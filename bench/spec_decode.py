@@ -1,0 +1,133 @@
+"""ngram speculative decoding vs plain decoding, offline, in one process.
+
+Two engines (plain and ``--speculative-config ngram``) on the embedded
+SmolLM2-135M-Instruct, run interleaved (plain, ngram, plain, ngram, ...) so
+machine noise hits both alike. Prompts repeat across runs, so after the
+first run the prefix cache holds them and the timing is decode. Reports
+decode tok/s per batch size and task, and the ratio ngram / plain.
+
+Tasks:
+- ``copy``: "copy this passage" over a long document (Debian's bible-kjv via
+  the ``bible`` command when installed, else python3.11-doc text, else a
+  shipped passage): input-grounded, the case prompt lookup is for;
+- ``chat``: reply to chitchat-dataset conversations (pip chitchat-dataset):
+  little to look up, where speculation must not cost much.
+
+    python bench/spec_decode.py [--batch-sizes 1 4 16] [--runs 3] [--output-len 96] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+SHIPPED = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+           "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God "
+           "said, Let there be light: and there was light. And God saw the light, that it was good: and God divided "
+           "the light from the darkness. And God called the light Day, and the darkness he called Night. And the "
+           "evening and the morning were the first day.")
+
+
+def documents(num: int) -> list[str]:
+    """``num`` passages of a long document, one per request."""
+    if shutil.which("bible"):
+        chapters = [f"Genesis{c}:1-8" for c in range(1, num + 1)]
+        texts = [subprocess.run(["bible", "-f", ch], capture_output=True, text=True).stdout for ch in chapters]
+        return [" ".join(t.split())[:900] for t in texts]
+    doc = Path("/usr/share/doc/python3.11/html/_sources/tutorial/introduction.rst.txt")
+    text = doc.read_text() if doc.exists() else SHIPPED * 4
+    return [text[i * 300 : i * 300 + 900] or SHIPPED for i in range(num)]
+
+
+def chats(num: int) -> list[list[dict]]:
+    import chitchat_dataset
+
+    ds = chitchat_dataset.Dataset()
+    convs = []
+    for key in ds:
+        turns = [" ".join(m["text"] for m in group) for group in ds[key]["messages"]][:6]
+        if len(turns) < 3:
+            continue
+        roles = ["user", "assistant"] * 3
+        conv = [{"role": r, "content": t} for r, t in zip(roles, turns)]
+        if conv[-1]["role"] == "assistant":
+            conv = conv[:-1]
+        convs.append(conv)
+        if len(convs) == num:
+            return convs
+    return convs
+
+
+def prompts_for(llm, task: str, batch: int) -> list[list[int]]:
+    if task == "copy":
+        convs = [[{"role": "user", "content": f"Copy the following text exactly.\n\n{d}"}] for d in documents(batch)]
+    else:
+        convs = chats(batch)
+    tok = llm.tokenizer
+    return [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False) for c in convs]
+
+
+def timed(llm, prompts, params) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--tasks", nargs="+", default=["copy", "chat"])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", type=Path, help="also write the table here")
+    args = ap.parse_args()
+
+    import torch
+
+    from kvferry import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    common = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=0.5)
+    engines = {"plain": LLM(**common), "ngram": LLM(speculative=spec, **common)}
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    rows = []
+    for task in args.tasks:
+        for batch in args.batch_sizes:
+            prompts = prompts_for(engines["plain"], task, batch)
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            outputs = {}
+            for name, llm in engines.items():  # warm-up: fills the prefix cache
+                outputs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+            assert outputs["plain"] == outputs["ngram"], "greedy output changed under speculation"
+            for _ in range(args.runs):
+                for name, llm in engines.items():
+                    elapsed, tokens = timed(llm, prompts, params)
+                    rates[name].append(tokens / elapsed)
+            plain, ngram = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+            stats = engines["ngram"].engine.stats()
+            row = {"task": task, "batch": batch, "plain_tok_s": round(plain, 1), "ngram_tok_s": round(ngram, 1),
+                   "speedup": round(ngram / plain, 2),
+                   "acceptance": round(stats.num_accepted_tokens / max(stats.num_draft_tokens, 1), 2),
+                   "mean_accepted_length": round(1 + stats.num_accepted_tokens / max(stats.num_drafts, 1), 2)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| task | batch | plain tok/s | ngram tok/s | ngram / plain | acceptance (cumulative) | mean accepted length |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['task']} | {r['batch']} | {r['plain_tok_s']} | {r['ngram_tok_s']} | {r['speedup']}x "
+              f"| {r['acceptance']} | {r['mean_accepted_length']} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
