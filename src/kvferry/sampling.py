@@ -1,12 +1,67 @@
 """SamplingParams: what the user asks of one request's decoding. No torch here."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128
 # What a torch.Generator accepts.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``structured_outputs``): exactly one
+    of a JSON schema, any JSON object, a regex, a choice of strings or an EBNF
+    grammar. Plain data, so it crosses the process boundary inside
+    SamplingParams; ``json`` is kept as canonical JSON text so that equal
+    schemas make equal cache keys in the core's grammar cache.
+
+    Checks here are structural; whether the grammar compiles is checked at the
+    edge by ``kvferry.structured.spec.check_compiles`` (it needs xgrammar)."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF-style, root rule ``root``)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}, "
+                             f"got {given or 'none'}")
+        if self.json is not None:
+            self.json = _canonical_schema(self.json)
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, list) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+def _canonical_schema(schema: str | dict[str, Any]) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("structured_outputs.json must be a JSON object (a JSON Schema)")
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(slots=True)
@@ -34,6 +89,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
     skip_special_tokens: bool = True
+    # Constrain the output to a grammar (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +137,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -87,7 +146,9 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         """A copy the engine may own, so it never mutates the caller's object."""
-        return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+        structured = self.structured_outputs
+        return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                       structured_outputs=replace(structured) if structured is not None else None)
 
 
 def _check_int(name: str, value: object, lo: int | None = None) -> None:

@@ -7,9 +7,18 @@ updated in place from the scheduler's deltas) and per-request sampling state
 builds its inputs by numpy gathers over those rows, runs the forward pass,
 and returns 0 .. k+1 tokens per request (k = its draft tokens). There is one
 device->host sync per step: the sampled ids.
+
+Requests with ``structured_outputs`` keep a grammar matcher in their state;
+their rows of the token bitmask are filled on a worker thread during the
+forward pass and applied by the sampler before anything else
+(``kvferry.structured.step``). The matcher advances with each accepted token;
+it allows EOS only where the grammar is complete, so a finished grammar ends
+the request with finish_reason "stop".
 """
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +32,10 @@ from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, token_counts
 from kvferry.sampling import SamplingParams
+from kvferry.structured.backend import GrammarMatcher
+from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -39,6 +52,8 @@ class RequestState:
     # output tokens, [V] bool prompt membership.
     output_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
+    # Its position in its grammar (structured outputs only).
+    matcher: GrammarMatcher | None = None
 
     @property
     def penalizes(self) -> bool:
@@ -77,6 +92,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
+        self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -105,13 +121,29 @@ class ModelRunner:
             if data.sampling_params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(data.sampling_params.seed)
-            state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids, generator=gen)
+            state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids, generator=gen,
+                                 matcher=self._matcher(data))
             self.states[data.request_id] = state
         state.output_token_ids = list(data.output_token_ids)
         if state.penalizes:
             # Once per (re)admission: O(prompt + outputs). Steps then only add.
             state.prompt_mask = token_counts([data.prompt_token_ids], self.vocab_size, self.device)[0] > 0
             state.output_counts = token_counts([state.output_token_ids], self.vocab_size, self.device)[0]
+
+    def _matcher(self, data: NewRequestData) -> GrammarMatcher | None:
+        structured = data.sampling_params.structured_outputs
+        if structured is None:
+            return None
+        try:
+            matcher = self.grammars.matcher(structured)
+        except ValueError:
+            # The edge compiles every grammar first; reaching here is a bug, and
+            # one request must not take the core down: it runs unconstrained.
+            logger.exception("request %s: grammar does not compile; running it unconstrained", data.request_id)
+            return None
+        for token in data.output_token_ids:  # outputs made before it came here
+            matcher.accept_token(token)
+        return matcher
 
     # -- inputs ---------------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -172,10 +204,12 @@ class ModelRunner:
         out = RunnerOutput()
         if not sched.is_empty:
             inputs = self._prepare(sched)
+            # Started before the forward pass so the two overlap; joined before sampling.
+            pending_bitmask = self._start_bitmask(inputs.sampling)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
             if inputs.sampling:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab] fp32
-                self._sample(logits, inputs.sampling, out)
+                self._sample(logits, inputs.sampling, out, pending_bitmask)
         finished = self.connector.take_finished()
         out.finished_loading = finished.finished_loading
         out.finished_saving = finished.finished_saving
@@ -183,7 +217,17 @@ class ModelRunner:
         return out
 
     # -- sampling and verification --------------------------------------------
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[str, list[int]]], out: RunnerOutput) -> None:
+    def _start_bitmask(self, sampling: list[tuple[str, list[int]]]) -> "Future[StepBitmask] | None":
+        rows, first_logit = [], 0
+        for rid, drafts in sampling:
+            matcher = self.states[rid].matcher
+            if matcher is not None:
+                rows.append(GrammarRow(first_logit, matcher, drafts))
+            first_logit += len(drafts) + 1
+        return self.grammars.start_fill(rows) if rows else None
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[str, list[int]]], out: RunnerOutput,
+                pending_bitmask: "Future[StepBitmask] | None" = None) -> None:
         """Sample the target at every position and accept drafts while they
         equal the sample: exact for drafts without a distribution (the
         accepted tokens are each a sample of the target given the ones
@@ -208,6 +252,9 @@ class ModelRunner:
         reps = np.fromiter((len(d) + 1 for _, d in sampling), dtype=np.int64, count=len(sampling))
         knobs = np.repeat(self.batch.sampling_knobs[knob_rows], reps, axis=0)
         batch = SamplingBatch.build(rows, self.vocab_size, self.device, counts, prompt_mask, knobs)
+        if pending_bitmask is not None:
+            step_bitmask = pending_bitmask.result()
+            batch.grammar_rows, batch.grammar_bitmask = step_bitmask.rows, step_bitmask.bitmask
         result = self.sampler(logits, batch)
         i = 0
         for rid, drafts in sampling:
@@ -248,6 +295,14 @@ class ModelRunner:
         state = self.states[rid]
         state.output_token_ids.extend(accepted)
         self.batch.append_tokens(self.batch.index[rid], accepted)
+        if state.matcher is not None:
+            for token in accepted:
+                if not state.matcher.accept_token(token):
+                    # Only when something overrode the mask (min_tokens banning
+                    # the grammar's only way out): the grammar cannot follow.
+                    logger.warning("request %s: token %d breaks its grammar", rid, token)
+                    state.matcher = None
+                    break
         if state.output_counts is not None:
             ids = torch.tensor(accepted, device=self.device)
             state.output_counts.index_add_(0, ids, torch.ones(len(accepted), device=self.device))

@@ -6,6 +6,8 @@ Order within a step follows vLLM::
     raw logits [B, V] ──▶ logprobs: log_softmax of the model output (rows that ask)
         │
         ▼
+    grammar bitmask: ids the request's grammar forbids set to -inf
+        ▼
     repetition penalty (prompt + output tokens)
         ▼
     frequency / presence penalties (output tokens only)
@@ -35,6 +37,7 @@ import torch
 
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.sampling import SamplingParams
+from kvferry.structured.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -102,6 +105,11 @@ class SamplingBatch:
     logprob_row_ids: list[int]
     logprob_rows: torch.Tensor | None  # [R] int64
     max_num_logprobs: int
+    # Structured outputs: the constrained rows [G] int64 and their token
+    # bitmask [G, words] int32 (kvferry.structured.bitmask layout). Set by the
+    # runner after build, once the worker thread has filled the mask.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -274,6 +282,15 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def apply_grammar(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Forbidden ids to -inf on the constrained rows (out of place)."""
+    if batch.grammar_rows is None or batch.grammar_bitmask is None:
+        return logits
+    rows = batch.grammar_rows.to(logits.device)
+    masked = apply_token_bitmask(logits.index_select(0, rows), batch.grammar_bitmask)  # [G, V]
+    return logits.index_copy(0, rows, masked)
+
+
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Stop ids and EOS to -inf for rows still short of min_tokens (out of place)."""
     if batch.stop_mask_index is None:
@@ -335,7 +352,8 @@ class Sampler:
                 f"({batch.num_rows}, {batch.vocab_size})"
             )
         raw = logits.float()  # [B, V]; no copy when already float32
-        logits = apply_min_tokens(apply_penalties(raw, batch), batch)
+        # Grammar first: penalties and temperature then act on allowed ids only.
+        logits = apply_min_tokens(apply_penalties(apply_grammar(raw, batch), batch), batch)
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)  # [B]
         else:

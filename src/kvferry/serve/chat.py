@@ -30,7 +30,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                         else (req.max_tokens, "max_tokens"))
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.client.max_model_len, "messages",
                                     ctx.max_tokens(), param)
-    params = sampling_params(req, max_tokens, logprobs)
+    params = sampling_params(req, max_tokens, logprobs, plan)
     ids = RequestIds.make("chatcmpl", client_request_id)
     return await respond(
         ctx, ids, prompt_ids, params, arrival, req.stream,

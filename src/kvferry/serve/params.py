@@ -12,9 +12,10 @@ from typing import Any
 
 import jinja2
 
-from kvferry.sampling import SamplingParams
+from kvferry.sampling import SamplingParams, StructuredOutputsParams
 from kvferry.serve.errors import APIError, bad_request
 from kvferry.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from kvferry.structured.spec import GrammarSpec, check_compiles
 from kvferry.serve.tools import ToolPlan, message_dicts
 
 # Field names SamplingParams may name in a ValueError, mapped to the request
@@ -96,9 +97,12 @@ class MaxTokens:
     limit: int | None = None
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """Build SamplingParams; its own checks raise ValueError naming the field."""
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                    plan: ToolPlan | None = None) -> SamplingParams:
+    """Build SamplingParams; its own checks raise ValueError naming the field.
+    ``plan``: the request's tools, whose grammar enforces tool_choice."""
     _reject_unsupported(req)
+    structured = structured_outputs(req, plan.grammar if plan is not None else None)
     try:
         return SamplingParams(
             n=req.n,
@@ -118,9 +122,52 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured,
         )
     except ValueError as exc:
         raise bad_request(str(exc), named_field(str(exc))) from exc
+
+
+def structured_outputs(req: SamplingFields, tool_grammar: str | None = None) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever one way it was asked
+    for; compiled here (without a tokenizer) so that a bad schema, regex or
+    grammar is a 400 naming the field and never reaches the core."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        wrapper = fmt.json_schema
+        if not isinstance(wrapper, dict) or not isinstance(wrapper.get("schema"), dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON object",
+                              "response_format.json_schema.schema")
+        asked.append(("response_format.json_schema.schema", {"json": wrapper["schema"]}))
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        fields = {"json": so.json_, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
+                  "grammar": so.grammar}
+        asked.append(("structured_outputs", {k: v for k, v in fields.items() if v not in (None, False)}))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name, None) is not None:
+            asked.append((name, {kind: getattr(req, name)}))
+    if tool_grammar is not None:
+        asked.append(("tool_choice", {"grammar": tool_grammar}))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise bad_request(f"only one output constraint per request is allowed, got {names}", asked[1][0])
+    param, kwargs = asked[0]
+    try:
+        structured = StructuredOutputsParams(**kwargs)
+        check_compiles(GrammarSpec.from_params(structured), param)
+    except ValueError as exc:
+        message = str(exc)
+        if not message.startswith(param):
+            message = f"{param}: {message}"
+        raise bad_request(message, param) from None
+    return structured
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -137,10 +184,6 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 def _reject_unsupported(req: SamplingFields) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if req.response_format is not None and req.response_format.type != "text":
-        # Refused rather than ignored: the client relies on the output parsing.
-        raise bad_request(f"response_format {req.response_format.type!r} is not supported yet "
-                          "(structured generation is not built); only 'text' is", "response_format")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad_request("echo is not supported", "echo")

@@ -48,7 +48,18 @@ class StreamOptions(_Request):
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
+    # {"name": ..., "schema": {...}, "strict": true}; required for json_schema.
     json_schema: dict | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` extension: exactly one of these."""
+
+    json_: Annotated[str | dict | None, Field(alias="json")] = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(_Request):
@@ -75,6 +86,12 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
+    # Structured outputs, vLLM's extensions (at most one way per request).
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

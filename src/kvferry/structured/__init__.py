@@ -18,7 +18,15 @@ repeated schemas hit the compile cache.
 Wiring into the sampler is separate: the engine asks each request's matcher
 for its row of the bitmask and applies it before sampling.
 """
-from kvferry.structured.bitmask import allocate_bitmask, apply_token_bitmask, bitmask_width
 from kvferry.structured.spec import GrammarSpec
 
 __all__ = ["GrammarSpec", "apply_token_bitmask", "allocate_bitmask", "bitmask_width"]
+
+
+def __getattr__(name: str):
+    # The bitmask helpers need torch; the HTTP side imports only the spec.
+    if name in ("apply_token_bitmask", "allocate_bitmask", "bitmask_width"):
+        from kvferry.structured import bitmask
+
+        return getattr(bitmask, name)
+    raise AttributeError(name)

@@ -59,6 +59,8 @@ class GrammarCompiler:
                 return self._compiler.compile_json_schema(spec.source, any_whitespace=False)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.source)
+            if spec.kind == "grammar":
+                return self._compiler.compile_grammar(spec.source)
             # choice: an alternation of JSON-escaped literals, in EBNF.
             alternatives = " | ".join(_ebnf_literal(c) for c in spec.choices())
             return self._compiler.compile_grammar(f"root ::= {alternatives}")

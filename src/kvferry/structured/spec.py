@@ -2,27 +2,32 @@
 
 Kinds follow vLLM's guided-decoding options and OpenAI's ``response_format``:
 ``json_object`` (any JSON object), ``json_schema``, ``regex``, ``choice``
-(one of a list of strings)."""
+(one of a list of strings), ``grammar`` (EBNF, root rule ``root``)."""
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-Kind = Literal["json_object", "json_schema", "regex", "choice"]
+if TYPE_CHECKING:
+    from kvferry.sampling import StructuredOutputsParams
+
+Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True, frozen=True)
 class GrammarSpec:
     kind: Kind
     # json_schema: the schema as canonical JSON text (hashable, a cache key);
-    # regex: the pattern; choice: a JSON list of the strings; json_object: "".
+    # regex: the pattern; choice: a JSON list of the strings; grammar: the
+    # EBNF text; json_object: "".
     source: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema", "regex", "choice"):
-            raise ValueError(f"kind must be json_object, json_schema, regex or choice, got {self.kind!r}")
+        if self.kind not in _KINDS:
+            raise ValueError(f"kind must be one of {', '.join(_KINDS)}, got {self.kind!r}")
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> "GrammarSpec":
@@ -47,6 +52,20 @@ class GrammarSpec:
         return cls("choice", json.dumps(options))
 
     @classmethod
+    def from_params(cls, params: "StructuredOutputsParams") -> "GrammarSpec":
+        """The spec of SamplingParams.structured_outputs (already checked there)."""
+        kind = params.kind
+        if kind == "json":
+            return cls("json_schema", json.dumps(json.loads(params.json), sort_keys=True))
+        if kind == "json_object":
+            return cls("json_object")
+        if kind == "regex":
+            return cls("regex", params.regex)
+        if kind == "choice":
+            return cls("choice", json.dumps(params.choice))
+        return cls("grammar", params.grammar)
+
+    @classmethod
     def from_response_format(cls, response_format: dict[str, Any]) -> "GrammarSpec | None":
         """OpenAI's ``response_format``; None for ``{"type": "text"}`` (no constraint)."""
         kind = response_format.get("type")
@@ -64,3 +83,34 @@ class GrammarSpec:
     def choices(self) -> list[str]:
         assert self.kind == "choice"
         return json.loads(self.source)
+
+
+def check_compiles(spec: GrammarSpec, field: str) -> None:
+    """Raise ValueError naming ``field`` when the grammar cannot be built.
+
+    Runs at the edge, so a bad schema / regex / grammar is a 400 and never
+    reaches the core. Needs no tokenizer: xgrammar converts the spec to its
+    grammar form, which is where every syntax error surfaces; a JSON schema
+    is also checked against its metaschema (xgrammar skips keywords it does
+    not know)."""
+    import xgrammar as xgr  # heavy; only the serving edge and the core load it
+
+    try:
+        if spec.kind == "json_schema":
+            import jsonschema
+
+            schema = json.loads(spec.source)
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"{field} is not a valid JSON Schema: {exc.message}") from None
+            xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.source)
+        elif spec.kind == "grammar":
+            xgr.Grammar.from_ebnf(spec.source)
+    except RuntimeError as exc:
+        # xgrammar's messages start with a C++ source location: keep the reason.
+        reason = str(exc).strip().split("\n")[0]
+        reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
+        raise ValueError(f"{field} cannot be compiled: {reason}") from None

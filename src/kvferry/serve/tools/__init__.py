@@ -5,9 +5,10 @@ and output side (parse the generated text, check calls against the schemas).
     messages = plan.messages(req.messages)       # dicts for the chat template
     plan.parse(text) / plan.stream()             # ParsedOutput / StreamDelta
 
-``required`` and a named function are rendered as an instruction and checked
-afterwards; nothing forces the model to comply yet (that needs structured
-generation). A call that names a tool not offered, or whose arguments break
+``required`` and a named function are rendered as an instruction and enforced
+by a grammar (``plan.grammar``, see ``tools/grammar.py``): the reply is one
+call, in the parser's format, whose arguments follow the function's schema.
+A call that names a tool not offered, or whose arguments break
 the tool's JSON Schema, is not reported as a call: its text stays content.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jsonschema
 
 from kvferry.serve.errors import bad_request
 from kvferry.serve.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from kvferry.serve.tools.grammar import tool_call_grammar
 from kvferry.serve.tools.parsers import (
     ParsedOutput, ParsedToolCall, StreamDelta, ToolCallParser, ToolCallStream, make_parser,
 )
@@ -93,6 +95,8 @@ class ToolPlan:
     instruction: str | None = None
     parser: ToolCallParser | None = None  # None: no tool parsing
     validators: dict[str, Any] = field(default_factory=dict)  # tool name -> jsonschema validator
+    # EBNF the output must match: set for tool_choice "required" or a named function.
+    grammar: str | None = None
 
     @property
     def active(self) -> bool:
@@ -172,7 +176,13 @@ def plan_tools(tools: list[ToolDefinition] | None, tool_choice: Any, parser_name
         instruction = "You must call at least one of the functions."
     validators = {t.function.name: _validator(t, i, param) for i, t in enumerate(offered)}
     dumped = [t.model_dump(exclude_none=True) for t in offered]
-    return ToolPlan(dumped, instruction, make_parser(parser_name), validators)
+    grammar = None
+    if instruction is not None:
+        try:
+            grammar = tool_call_grammar(dumped, parser_name)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tool_choice" if "format" in str(exc) else param) from None
+    return ToolPlan(dumped, instruction, make_parser(parser_name), validators, grammar)
 
 
 def _validator(tool: ToolDefinition, i: int, param: str) -> Any:
