@@ -33,6 +33,21 @@ def test_private_prompt_never_hits_across_tenants(acme, acme2, beta):
     assert cached(beta, prompt)[0] == again  # beta's own copy from its first request, not acme's
 
 
+def test_cache_salt_narrows_a_tenants_namespace(acme, acme2, beta):
+    prompt = unique_prompt()
+
+    def salted(client, salt):
+        r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"cache_salt": salt} if salt else None)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert salted(acme, "s1") == 0
+    assert salted(acme, None) == 0  # unsalted: another namespace of the same tenant
+    assert salted(acme2, "s2") == 0  # another salt: another namespace
+    assert salted(beta, "s1") == 0  # the same salt in another tenant: never widened
+    assert salted(acme2, "s1") > 0  # the same salt within the tenant hits
+
+
 def test_public_prefix_hits_across_tenants_and_stops_at_the_boundary(acme, beta, tenant_server):
     num_prefix_tokens = _register(tenant_server, "sk-acme-1", PUBLIC_TEXT)["num_tokens"]
     public_tokens = num_prefix_tokens // BLOCK_SIZE * BLOCK_SIZE

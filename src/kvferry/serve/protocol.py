@@ -85,6 +85,8 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Narrows the caller's prefix-cache namespace (never widens it past the tenant).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     response_format: ResponseFormat | None = None
     # Structured outputs, vLLM's extensions (at most one way per request).
     structured_outputs: StructuredOutputsRequest | None = None
