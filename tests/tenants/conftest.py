@@ -31,10 +31,7 @@ def tenant_server(tmp_path_factory) -> ServerProcess:
     (d / "public.json").write_text(json.dumps([PUBLIC_TEXT]))
     srv = start_server(d / "server.log", ["--api-keys", str(d / "keys.json"), "--cache-secret-file", str(d / "secret"),
                                           "--public-prefixes", str(d / "public.json"),
-                                          "--block-size", str(BLOCK_SIZE),
-                                          # Greedy outputs are compared across hit and miss: float32 makes
-                                          # them exact (in bf16 a different chunking rounds differently).
-                                          "--dtype", "float32"])
+                                          "--block-size", str(BLOCK_SIZE)])
     srv.keys_path = d / "keys.json"
     yield srv
     code = srv.stop()
