@@ -62,7 +62,7 @@ bench() {  # name, run
     "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "$URL" --endpoint /v1/completions \
       --model smollm2 --tokenizer "$MODEL_DIR" --dataset-name random \
       --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --ignore-eos \
-      --num-prompts "$NUM_PROMPTS" --max-concurrency "$c" --seed "$2" \
+      --num-prompts "$NUM_PROMPTS" --max-concurrency "$c" --seed "$(( $2 * 1000 + c ))" \
       --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
       --goodput ttft:3000 tpot:300 \
       --save-result --result-dir "$OUT" --result-filename "$1_c${c}_run$2.json" \

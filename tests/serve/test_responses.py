@@ -143,12 +143,14 @@ def test_store_bounds_and_expiry():
     now = [0.0]
     store = ResponseStore(max_size=2, ttl_s=10, clock=lambda: now[0])
     conversation = [ChatMessage(role="user", content="hi")]
-    store.put(_response("a"), conversation)
-    store.put(_response("b"), conversation)
-    assert store.get("a") is not None  # a is now the most recently used
-    store.put(_response("c"), conversation)
-    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    store.put(_response("a"), conversation, "t1")
+    store.put(_response("b"), conversation, "t1")
+    assert store.get("a", "t1") is not None  # a is now the most recently used
+    store.put(_response("c"), conversation, "t1")
+    assert store.get("b", "t1") is None and store.get("a", "t1") is not None and len(store) == 2
     now[0] = 10.0
-    assert store.get("a") is None and store.get("c") is None and len(store) == 0
-    store.put(_response("d"), conversation)
-    assert store.delete("d") and not store.delete("d")
+    assert store.get("a", "t1") is None and store.get("c", "t1") is None and len(store) == 0
+    store.put(_response("d"), conversation, "t1")
+    # Another tenant neither sees nor deletes it; its owner does, once.
+    assert store.get("d", "t2") is None and not store.delete("d", "t2")
+    assert store.delete("d", "t1") and not store.delete("d", "t1")

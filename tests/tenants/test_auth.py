@@ -80,3 +80,20 @@ def test_bad_key_file_fails_start_up_before_the_model_loads(tmp_path, content, m
     r = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--api-keys", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_stored_responses_belong_to_their_tenant(tenant_server):
+    acme, acme2, beta = (make_client(tenant_server, k) for k in ("sk-acme-1", "sk-acme-2", "sk-beta-1"))
+    first = acme.responses.create(model="SmolLM2-135M-Instruct", input="Say hi.", max_output_tokens=4, store=True)
+    # The same tenant under another key continues and reads it.
+    follow = acme2.responses.create(model="SmolLM2-135M-Instruct", input="Again.", max_output_tokens=4,
+                                    previous_response_id=first.id)
+    assert acme2.responses.retrieve(first.id).id == first.id and follow.id != first.id
+    # Another tenant cannot read, continue or delete it: the id reads as unknown.
+    for attempt in (lambda: beta.responses.retrieve(first.id),
+                    lambda: beta.responses.delete(first.id),
+                    lambda: beta.responses.create(model="SmolLM2-135M-Instruct", input="x", max_output_tokens=2,
+                                                  previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert acme.responses.retrieve(first.id).id == first.id  # beta's delete did nothing

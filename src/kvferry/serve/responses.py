@@ -35,6 +35,7 @@ from kvferry.serve.protocol import (
 from kvferry.serve.serving import (
     Delta, EventStreamResponse, RequestIds, ServingContext, collect, start_request, stream_events,
 )
+from kvferry.serve.tenants import current_tenant
 from kvferry.serve.tools import ParsedOutput, ParsedToolCall, ToolPlan, plan_tools
 
 
@@ -45,6 +46,7 @@ class StoredResponse:
     response: ResponseObject
     conversation: list[ChatMessage]  # input and output of every turn so far, without instructions
     expires_at: float
+    owner: str  # the tenant that stored it: no other tenant can read, continue or delete it
 
 
 class ResponseStore:
@@ -56,23 +58,28 @@ class ResponseStore:
         self.clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: ResponseObject, conversation: list[ChatMessage]) -> None:
+    def put(self, response: ResponseObject, conversation: list[ChatMessage], owner: str) -> None:
         self._expire()
-        self._entries[response.id] = StoredResponse(response, conversation, self.clock() + self.ttl_s)
+        self._entries[response.id] = StoredResponse(response, conversation, self.clock() + self.ttl_s, owner)
         self._entries.move_to_end(response.id)
         while len(self._entries) > self.max_size:
             self._entries.popitem(last=False)  # the least recently used goes first
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The entry if ``owner`` stored it; another tenant's id reads as
+        absent, so ids reveal nothing across tenants."""
         self._expire()
         entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        self._entries.move_to_end(response_id)
         return entry
 
-    def delete(self, response_id: str) -> bool:
-        self._expire()
-        return self._entries.pop(response_id, None) is not None
+    def delete(self, response_id: str, owner: str) -> bool:
+        if self.get(response_id, owner) is None:
+            return False
+        del self._entries[response_id]
+        return True
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,7 +99,8 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
         raise bad_request("n must be 1 for /v1/responses", "n")
     if req.stream_options is not None:
         raise bad_request("stream_options is not supported on /v1/responses", "stream_options")
-    previous = _previous(store, req.previous_response_id)
+    owner = current_tenant.get().name
+    previous = _previous(store, req.previous_response_id, owner)
     conversation = previous + input_messages(req.input)
     messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + conversation
     plan = plan_tools([t.as_chat_tool() for t in req.tools] if req.tools else None, _tool_choice(req.tool_choice),
@@ -100,14 +108,14 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
     prompt_ids = await render_prompt(ctx, messages, plan, param="input")
     max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt_ids), ctx.client.max_model_len, "input",
                                     ctx.max_tokens(), "max_output_tokens")
-    params = sampling_params(req, max_tokens, None)
+    params = sampling_params(req, max_tokens, None, plan)
     ids = RequestIds.make("resp", client_request_id, sep="_")  # OpenAI's id style: resp_..., msg_...
     builder = _Builder(req, ids.public, model, len(prompt_ids), plan)
     handle = await start_request(ctx, ids.engine, prompt_ids, params, arrival)
 
     def keep(response: ResponseObject, parsed: ParsedOutput) -> None:
         if req.store:
-            store.put(response, conversation + [_assistant_message(parsed)])
+            store.put(response, conversation + [_assistant_message(parsed)], owner)
 
     if req.stream:
         events = _StreamEvents(builder, keep)
@@ -120,10 +128,10 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
     return _json(response)
 
 
-def _previous(store: ResponseStore, response_id: str | None) -> list[ChatMessage]:
+def _previous(store: ResponseStore, response_id: str | None, owner: str) -> list[ChatMessage]:
     if response_id is None:
         return []
-    entry = store.get(response_id)
+    entry = store.get(response_id, owner)
     if entry is None:
         raise APIError(404, f"Previous response with id '{response_id}' not found (never stored, deleted or "
                             "expired).", param="previous_response_id", code="response_not_found")
@@ -339,7 +347,7 @@ class _StreamEvents:
 # ---- GET / DELETE /v1/responses/{id} -------------------------------------------
 
 async def get_response(store: ResponseStore, request: Request) -> Response:
-    entry = store.get(request.path_params["response_id"])
+    entry = store.get(request.path_params["response_id"], current_tenant.get().name)
     if entry is None:
         raise _not_found(request.path_params["response_id"])
     return _json(entry.response)
@@ -347,7 +355,7 @@ async def get_response(store: ResponseStore, request: Request) -> Response:
 
 async def delete_response(store: ResponseStore, request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    if not store.delete(response_id):
+    if not store.delete(response_id, current_tenant.get().name):
         raise _not_found(response_id)
     return _json(DeletedResponse(id=response_id))
 
