@@ -131,3 +131,12 @@ def test_compare_prints_ratios(tmp_path):
     assert "0.50x better" in next(line for line in table.splitlines() if line.startswith("TTFT p50"))
     with pytest.raises(BenchError, match="missing.json"):
         compare_table(str(tmp_path / "missing.json"), str(tmp_path / "b.json"))
+
+
+def test_trace_arrivals_follow_timestamps_divided_by_the_time_scale():
+    from kvferry.bench.trace import trace_workload
+
+    entries = [TraceEntry(1000.0, 40, 4, (0,)), TraceEntry(3000.0, 40, 9, (0, 1)), TraceEntry(7000.0, 40, 2, (2,))]
+    sessions = list(trace_workload(entries, 32, 4.0, None, 3))
+    assert [s.arrival_s for s in sessions] == [0.0, 0.5, 1.5]  # (t - t0) / 1000 / 4
+    assert [s.requests[0].max_tokens for s in sessions] == [3, 3, 2]  # clipped by max_output_len
