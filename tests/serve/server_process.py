@@ -95,3 +95,16 @@ def start_server(log_path: Path, extra_args: list[str] | None = None) -> ServerP
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{log_path.read_text()}")
+
+
+def serve_for_tests(log_dir: Path):
+    """Body of a server fixture: yields one server, then asserts it exits 0.
+    ``KVFERRY_TEST_SERVER=http://127.0.0.1:PORT`` reuses a server started by
+    hand with SERVE_ARGS (it is left running), for iterating on tests."""
+    if url := os.environ.get("KVFERRY_TEST_SERVER"):
+        yield ServerProcess(None, url.rstrip("/"), Path(os.devnull))
+        return
+    srv = start_server(log_dir / "server.log")
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"

@@ -137,6 +137,20 @@ def run_profile(engine, grid: ProfileGrid, on_point=lambda kind, p: None) -> dic
             "decode": {"points": decode, "fit": fit(decode, DECODE_TERMS)}}
 
 
+def _plot_fit(ax, plt, part: dict, series_key: str, x_key: str, label: str, xlabel: str, ylabel: str,
+              name: str) -> None:
+    """Measured points and fitted lines of one fit, a series per value of ``series_key``."""
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, value in enumerate(sorted({p[series_key] for p in part["points"]})):
+        pts = sorted((p for p in part["points"] if p[series_key] == value), key=lambda p: p[x_key])
+        c = colors[i % len(colors)]
+        ax.plot([p[x_key] for p in pts], [1000 * p["time_s"] for p in pts], "o", color=c)
+        ax.plot([p[x_key] for p in pts], [1000 * predict(part["fit"], p) for p in pts], "-", color=c,
+                label=label.format(value))
+    ax.set(xlabel=xlabel, ylabel=ylabel,
+           title=f"{name}: points measured, lines fitted (R² {part['fit']['r2']:.3f})")
+
+
 def plot_profile(result: dict, title: str, path) -> None:
     import matplotlib
 
@@ -144,25 +158,10 @@ def plot_profile(result: dict, title: str, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    pre = result["prefill"]
-    for i, cached in enumerate(sorted({p["cached"] for p in pre["points"]})):
-        pts = sorted((p for p in pre["points"] if p["cached"] == cached), key=lambda p: p["new"])
-        c = colors[i % len(colors)]
-        left.plot([p["new"] for p in pts], [1000 * p["time_s"] for p in pts], "o", color=c)
-        left.plot([p["new"] for p in pts], [1000 * predict(pre["fit"], p) for p in pts], "-", color=c,
-                  label=f"{cached} cached")
-    left.set(xlabel="new (prefilled) tokens", ylabel="prefill step (ms)",
-             title=f"Prefill: points measured, lines fitted (R² {pre['fit']['r2']:.3f})")
-    dec = result["decode"]
-    for i, context in enumerate(sorted({p["context"] for p in dec["points"]})):
-        pts = sorted((p for p in dec["points"] if p["context"] == context), key=lambda p: p["batch"])
-        c = colors[i % len(colors)]
-        right.plot([p["batch"] for p in pts], [1000 * p["time_s"] for p in pts], "o", color=c)
-        right.plot([p["batch"] for p in pts], [1000 * predict(dec["fit"], p) for p in pts], "-", color=c,
-                   label=f"context {context}")
-    right.set(xlabel="batch size (sequences)", ylabel="decode step (ms)",
-              title=f"Decode: points measured, lines fitted (R² {dec['fit']['r2']:.3f})")
+    _plot_fit(left, plt, result["prefill"], "cached", "new", "{} cached", "new (prefilled) tokens",
+              "prefill step (ms)", "Prefill")
+    _plot_fit(right, plt, result["decode"], "context", "batch", "context {}", "batch size (sequences)",
+              "decode step (ms)", "Decode")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
