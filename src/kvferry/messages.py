@@ -56,6 +56,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     # Most blocks the cache may hold for cache_namespace (the tenant's
     # device quota, as the server sees it now); None: no cap.
     cache_quota_blocks: int | None = None
+    # The caller's tenant as the server authenticated it ("" with one tenant).
+    tenant: str = ""
 
 
 class EngineCoreAbort(msgspec.Struct, kw_only=True, tag=True):

@@ -61,6 +61,8 @@ class Request:
     # Most blocks the cache may hold for cache_namespace (the tenant's
     # device quota, as the server sees it now); None: no cap.
     cache_quota_blocks: int | None = None
+    # The caller's tenant as the server authenticated it ("" with one tenant).
+    tenant: str = ""
     # Every end-of-sequence id of the model (Llama 3 has two).
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0  # 0: unbounded (set by the engine)

@@ -53,6 +53,10 @@ class CacheScope:
     # Cap on the blocks cached under ``namespace`` (the tenant's device
     # quota); None: no cap. Public blocks are never capped.
     quota_blocks: int | None = None
+    # The tenant the blocks belong to ("" when the server runs one tenant):
+    # quotas, eviction fairness, tier encryption keys and per-tenant stats
+    # are per tenant, whatever cache salt narrowed the namespace.
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.num_public_blocks < 0:

@@ -87,6 +87,7 @@ class EngineCore:
             public_cache_namespace=req.public_cache_namespace,
             num_public_blocks=req.num_public_blocks,
             cache_quota_blocks=req.cache_quota_blocks,
+            tenant=req.tenant,
             eos_token_ids=tuple(req.eos_token_ids),
             max_model_len=self.max_model_len,
         )

@@ -54,6 +54,7 @@ class InputProcessor:
                 public_cache_namespace=scope.public_namespace,
                 num_public_blocks=scope.num_public_blocks,
                 cache_quota_blocks=scope.quota_blocks,
+                tenant=scope.tenant,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
