@@ -58,6 +58,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     cache_quota_blocks: int | None = None
     # The caller's tenant as the server authenticated it ("" with one tenant).
     tenant: str = ""
+    # The tenant's weight in fair admission and preemption (from the key file).
+    tenant_weight: float = 1.0
 
 
 class EngineCoreAbort(msgspec.Struct, kw_only=True, tag=True):

@@ -63,6 +63,8 @@ class Request:
     cache_quota_blocks: int | None = None
     # The caller's tenant as the server authenticated it ("" with one tenant).
     tenant: str = ""
+    # The tenant's share of the engine relative to others (core/fairness.py).
+    tenant_weight: float = 1.0
     # Every end-of-sequence id of the model (Llama 3 has two).
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0  # 0: unbounded (set by the engine)
@@ -89,6 +91,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if not self.tenant_weight > 0:
+            raise ValueError(f"tenant_weight must be > 0, got {self.tenant_weight}")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,6 +57,8 @@ class CacheScope:
     # quotas, eviction fairness, tier encryption keys and per-tenant stats
     # are per tenant, whatever cache salt narrowed the namespace.
     tenant: str = ""
+    # The tenant's weight in fair admission (travels with the scope to the core).
+    tenant_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_public_blocks < 0:

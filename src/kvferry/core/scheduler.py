@@ -5,8 +5,10 @@ The rule (after vLLM v1): each step gives every running request up to
 a per-step token budget (``max_num_batched_tokens``) and a cap on concurrent
 sequences (``max_num_seqs``). Running requests go first (decodes cost one
 token each, plus drafts), then waiting ones are admitted with whatever budget
-is left, chunking long prompts. When blocks run out, the most recently
-admitted running request is preempted: its KV is swapped out to host memory
+is left, chunking long prompts, in weighted fair order between tenants
+(``core/fairness.py``; FCFS with one tenant). When blocks run out, the most
+recently admitted running request of the most-served tenant is preempted
+(with one tenant: the most recently admitted): its KV is swapped out to host memory
 when the swap space has room, otherwise its blocks are freed and it is
 recomputed from its (prefix-cached) tokens later. Neither changes a greedy
 output.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvferry.config import SchedulerConfig
+from kvferry.core.fairness import TenantFairness
 from kvferry.core.kv_manager import KVCacheManager, PrefixHit
 from kvferry.core.outputs import (
     CachedRequestData,
@@ -98,6 +101,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_budget = draft_budget
         self.requests: dict[str, Request] = {}
+        self.fairness = TenantFairness()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: dict[str, SwappedKV] = {}
@@ -133,6 +137,7 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.fairness.on_arrival(request)
 
     def has_unfinished(self) -> bool:
         """Requests to run, or KV sends still to order or to complete (the
@@ -195,7 +200,9 @@ class Scheduler:
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     self._pending_outputs.append(self._core_output(request, []))
                     break
-                victim = self.running.pop()
+                # Only requests not yet scheduled this step (index >= i) may go.
+                victim = self.fairness.pick_victim(self.running[i:])
+                self.running.remove(victim)
                 self._preempt(victim, out)
                 preempted_any = True
                 if victim is request:
@@ -207,21 +214,19 @@ class Scheduler:
         return budget, preempted_any
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[i]
+        for request in self.fairness.admission_order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if request.status == RequestStatus.WAITING_FOR_KV:
-                i += 1  # its own KV is in flight; the rest of the queue is not blocked by that
-                continue
+                continue  # its own KV is in flight; the rest of the queue is not blocked by that
             admitted = self._admit(out, request, budget)
             if admitted is _SKIP:
-                i += 1  # too long for the budget left; a shorter one behind may fit
-                continue
+                continue  # too long for the budget left; a shorter one behind may fit
             if admitted is None:
-                break  # no blocks: every request behind it needs blocks too (FCFS)
+                break  # no blocks: every request behind it needs blocks too (fair order)
             if admitted == 0:
                 continue  # left the queue (finished, or now waiting for KV)
-            del self.waiting[i]
+            self.waiting.remove(request)
             budget -= admitted
 
     def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int | None | _Skip:
@@ -319,6 +324,7 @@ class Scheduler:
         self._runner_tokens[rid] = request.num_tokens
         self._runner_states.add(rid)
         out.num_scheduled_tokens[rid] = num_new + len(drafts)
+        self.fairness.charge(request, num_new + len(drafts))
         if drafts:
             out.spec_token_ids[rid] = list(drafts)
         # Advance now, as if the step already ran; update_from_output rolls
@@ -471,6 +477,7 @@ class Scheduler:
         if swapped is not None:
             self.swap_space.free(swapped.host_slots)
         del self.requests[rid]
+        self.fairness.on_departure(request)
         if self.draft_budget is not None:
             self.draft_budget.forget(rid)
         self._runner_tokens.pop(rid, None)

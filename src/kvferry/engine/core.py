@@ -88,6 +88,7 @@ class EngineCore:
             num_public_blocks=req.num_public_blocks,
             cache_quota_blocks=req.cache_quota_blocks,
             tenant=req.tenant,
+            tenant_weight=req.tenant_weight,
             eos_token_ids=tuple(req.eos_token_ids),
             max_model_len=self.max_model_len,
         )

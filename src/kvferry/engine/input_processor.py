@@ -55,6 +55,7 @@ class InputProcessor:
                 num_public_blocks=scope.num_public_blocks,
                 cache_quota_blocks=scope.quota_blocks,
                 tenant=scope.tenant,
+                tenant_weight=scope.tenant_weight,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]

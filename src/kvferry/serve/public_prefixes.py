@@ -111,7 +111,8 @@ class CachePolicy:
         namespace = self.namespaces.tenant(tenant.name, current_cache_salt.get())
         num_public_blocks = self.prefixes.match(token_ids) // self.prefixes.block_size
         public = self.namespaces.public if num_public_blocks else ""
-        return CacheScope(namespace, public, num_public_blocks, tenant.quota_device_blocks, tenant=tenant.name)
+        return CacheScope(namespace, public, num_public_blocks, tenant.quota_device_blocks,
+                          tenant=tenant.name, tenant_weight=tenant.weight)
 
 
 # ---- items: text or chat messages -> token ids ------------------------------

@@ -8,7 +8,7 @@ that makes.
 The key file is a JSON object mapping each key to its tenant::
 
     {"sk-acme-1": {"tenant": "acme", "publish": true, "admin": false,
-                   "quota": {"device_blocks": 800}}}
+                   "quota": {"device_blocks": 800}, "weight": 2}}
 
 Namespaces are derived on the server from the tenant alone, so nothing a
 client sends can name another tenant's cache. The secret makes them
@@ -28,7 +28,8 @@ from pathlib import Path
 
 DEFAULT_TENANT_NAME = "default"
 MAX_TRACKED_NAMESPACES = 100_000
-_TENANT_FIELDS = {"tenant", "publish", "admin", "quota"}
+MAX_TENANT_WEIGHT = 1e6
+_TENANT_FIELDS = {"tenant", "publish", "admin", "quota", "weight"}
 _QUOTA_FIELDS = {"device_blocks"}
 
 
@@ -38,6 +39,9 @@ class Tenant:
     publish: bool = False  # may register public prefixes
     admin: bool = False
     quota_device_blocks: int | None = None  # None: no cap
+    # Share of the engine in fair admission and preemption, relative to the
+    # other tenants' (core/fairness.py); one value per tenant.
+    weight: float = 1.0
 
 
 # The tenant of the HTTP request being served (set by the auth middleware;
@@ -113,7 +117,10 @@ def _parse_tenant(key: str, entry: object) -> Tenant:
     blocks = quota.get("device_blocks")
     if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
         raise ValueError(f"{where}.quota.device_blocks: must be an integer >= 0")
-    return Tenant(name, entry.get("publish", False), entry.get("admin", False), blocks)
+    weight = entry.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_TENANT_WEIGHT:
+        raise ValueError(f"{where}.weight: must be a number in (0, {MAX_TENANT_WEIGHT}]")
+    return Tenant(name, entry.get("publish", False), entry.get("admin", False), blocks, float(weight))
 
 
 def _redact(key: str) -> str:
