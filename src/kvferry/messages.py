@@ -10,6 +10,7 @@ the core owns token ids, scheduling and the forward pass::
     EngineCoreRequest  ------------------------>  scheduler.add_request
     EngineCoreAbort    ------------------------>  scheduler.finish_requests
     EngineCoreShutdown ------------------------>  abort everything, exit
+    EngineCorePurgeTenant --------------------->  drop a tenant's unused cached blocks
                        <------------------------  EngineCoreReady (once, after loading)
                        <------------------------  EngineCoreOutputs (one per step)
 
@@ -31,8 +32,8 @@ from kvferry.core.stats import SchedulerStats
 from kvferry.sampling import SamplingParams
 
 __all__ = [
-    "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreReady",
-    "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats", "decode", "encode",
+    "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreOutput", "EngineCoreOutputs", "EngineCorePurgeTenant",
+    "EngineCoreReady", "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats", "decode", "encode",
 ]
 
 
@@ -72,6 +73,15 @@ class EngineCoreShutdown(msgspec.Struct, kw_only=True, tag=True):
     """Abort whatever runs and exit (the front end is going away)."""
 
 
+class EngineCorePurgeTenant(msgspec.Struct, kw_only=True, tag=True):
+    """Drop the tenant's cached blocks that no running request uses (an
+    admin's DELETE /v1/kv/tenants/{tenant}). The core answers with an
+    EngineCoreOutputs whose ``purged`` maps ``purge_id`` to the count."""
+
+    purge_id: str
+    tenant: str
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
     """What one step did for one request."""
 
@@ -109,6 +119,8 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, tag=True):
     # Set on the last message of a core that is dying: why (e.g. a failed
     # integrity check). The front end then fails every open request.
     engine_error: str | None = None
+    # Answers to EngineCorePurgeTenant: purge_id -> blocks dropped.
+    purged: dict[str, int] | None = None
 
 
 class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
@@ -132,7 +144,7 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
 
 
 # One message type per direction.
-CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown]
+CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown, EngineCorePurgeTenant]
 CoreOutput = Union[EngineCoreReady, EngineCoreOutputs]
 
 

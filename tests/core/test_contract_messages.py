@@ -54,3 +54,12 @@ def test_block_events_round_trip_as_a_tagged_union():
     ]
     assert decode(encode(events), list[KVEvent]) == events
     assert msgspec.msgpack.decode(encode(events[1]), type=KVEvent) == events[1]
+
+
+def test_purge_tenant_and_its_answer_round_trip():
+    from kvferry.messages import CoreInput, EngineCoreOutputs, EngineCorePurgeTenant
+
+    purge = EngineCorePurgeTenant(purge_id="p1", tenant="acme")
+    assert decode(encode(purge), CoreInput) == purge
+    answer = EngineCoreOutputs(outputs=[], timestamp=1.0, purged={"p1": 3})
+    assert decode(encode(answer), EngineCoreOutputs) == answer

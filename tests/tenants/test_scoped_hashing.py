@@ -106,7 +106,7 @@ def test_quota_refuses_writes_past_it_and_counts_them():
     run_prefill(kv, quota_request("a3", "ns-a", 500, quota=2))  # at quota: nothing new is cached
     assert len(kv.owned["ns-a"]) == 2 and kv.stats.of("ns-a")[3] == 2 + 2 + 4
     run_prefill(kv, quota_request("b1", "ns-b", 100, quota=None))  # no quota: everything cached
-    assert len(kv.owned["ns-b"]) == 4 and kv.namespace_stats()["ns-b"][3:] == [0, 4]
+    assert len(kv.owned["ns-b"]) == 4 and kv.owner_stats()["ns-b"][3:] == [0, 0, 4]
     kv.check_integrity()
 
 

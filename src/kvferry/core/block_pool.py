@@ -153,6 +153,23 @@ class BlockPool:
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
 
+    def peek_free(self, n: int) -> list[KVBlock]:
+        """The first ``n`` blocks the next allocation would take."""
+        out = []
+        for block in self.free_queue:
+            if len(out) == n:
+                break
+            out.append(block)
+        return out
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop an unused block's cached content now (a purge): it becomes
+        a plain free block at the head of the queue."""
+        assert block.ref_cnt == 0 and block.in_free_queue, block
+        self._evict(block)
+        self.free_queue.remove(block)
+        self.free_queue.appendleft(block)
+
     def pin(self, blocks: list[KVBlock]) -> None:
         """Hold blocks for I/O in flight (a read or write by a transfer):
         they cannot be evicted or reallocated until ``unpin``."""

@@ -38,13 +38,22 @@ class PrefixCacheStats:
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found
     public_hits: int = 0  # of hits, tokens in public-prefix blocks
-    # Per cache namespace (the owner of the private part): [queries, hits,
-    # public_hits, blocks refused by its quota]. Bounded by the number of
-    # namespaces the server issues.
-    by_namespace: dict[str, list[int]] = field(default_factory=dict)
+    # Per owner (a tenant, or the public pool under its namespace):
+    # OWNER_STAT_FIELDS[:5]. Bounded by the number of tenants.
+    by_owner: dict[str, list[int]] = field(default_factory=dict)
 
-    def of(self, namespace: str) -> list[int]:
-        return self.by_namespace.setdefault(namespace, [0, 0, 0, 0])
+    def of(self, owner: str) -> list[int]:
+        return self.by_owner.setdefault(owner, [0, 0, 0, 0, 0])
+
+
+# The columns of ``KVCacheManager.owner_stats``: cumulative tokens looked
+# up, hit, hit in public blocks; cumulative blocks refused by the quota,
+# evicted (cached content lost to make room); blocks cached now.
+OWNER_STAT_FIELDS = ("queries", "hits", "public_hits", "refused_blocks", "evicted_blocks", "cached_blocks")
+# A tenant holding more than this times its weighted share of the tenants'
+# cached blocks loses its blocks first when the pool must evict (the slack
+# keeps near-equal tenants from trading places on every allocation).
+FAIR_EVICTION_SLACK = 1.1
 
 
 class KVCacheManager:
@@ -69,11 +78,16 @@ class KVCacheManager:
         # Extra references held by I/O in flight, by I/O id.
         self.pinned: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
-        # Owners (namespaces) of the blocks whose hash they published, for
-        # quotas: owner -> block ids, and back. A block leaves when it is
-        # reallocated (its cached content evicted).
+        # Owners of the blocks whose hash they published, for quotas and
+        # fair eviction: owner -> block ids, and back. The owner is the
+        # request's tenant (all its cache_salt namespaces share one quota),
+        # else its namespace (an engine without tenants), and the public
+        # namespace for public blocks. A block leaves when it is reallocated
+        # (its cached content evicted) or purged.
         self.owned: dict[str, set[int]] = {}
         self._owner_of: dict[int, str] = {}
+        self.public_owners: set[str] = set()
+        self.owner_weight: dict[str, float] = {}  # latest weight seen per tenant
         # Requests that hit their quota: their later blocks are not cached
         # either (a chain with a gap could never be hit past the gap).
         self._quota_refused: set[str] = set()
@@ -117,7 +131,7 @@ class KVCacheManager:
             self.stats.queries += request.num_tokens
             self.stats.hits += hit.num_tokens
             self.stats.public_hits += public
-            counts = self.stats.of(request.cache_namespace)
+            counts = self.stats.of(owner_of(request))
             counts[0] += request.num_tokens
             counts[1] += hit.num_tokens
             counts[2] += public
@@ -154,6 +168,7 @@ class KVCacheManager:
         if needed > self.pool.num_free_blocks - num_evictable_hits:
             return None
         self.pool.touch(hit_blocks)
+        self._evict_fairly(needed)
         new_blocks = self.pool.allocate(max(needed, 0))
         self._disown(new_blocks)
         blocks = self.req_blocks.setdefault(request.request_id, [])
@@ -178,18 +193,21 @@ class KVCacheManager:
         scope = self._scope(request)
         split = min(max(start, scope.num_public_blocks), num_full)
         if start < split:
-            self._publish(request, start, split, scope.public_namespace)
+            self.public_owners.add(scope.public_namespace)
+            self._publish(request, start, split, scope.public_namespace, scope.public_namespace)
         if split < num_full:
             end = self._within_quota(request, split, num_full)
             if split < end:
-                self._publish(request, split, end, scope.namespace)
+                owner = owner_of(request)
+                self.owner_weight[owner] = request.tenant_weight
+                self._publish(request, split, end, scope.namespace, owner)
         self.num_cached_blocks[request.request_id] = num_full
 
     def _within_quota(self, request: Request, start: int, end: int) -> int:
         """How far the tenant's quota lets ``request`` publish: blocks past
         it are refused (counted) and stay uncached. An owner already over
         its quota (lowered since) has its unused blocks moved to be evicted first."""
-        quota, owner = request.cache_quota_blocks, request.cache_namespace
+        quota, owner = request.cache_quota_blocks, owner_of(request)
         if quota is None:
             return end
         if request.request_id in self._quota_refused:
@@ -205,7 +223,7 @@ class KVCacheManager:
             return start + room
         return end
 
-    def _publish(self, request: Request, start: int, end: int, owner: str) -> None:
+    def _publish(self, request: Request, start: int, end: int, namespace: str, owner: str) -> None:
         bs = self.block_size
         blocks = self.req_blocks[request.request_id][start:end]
         fresh = [b for b in blocks if b.block_hash is None]
@@ -215,7 +233,7 @@ class KVCacheManager:
             parent=request.block_hashes[start - 1] if start else None,
             token_ids=request.all_token_ids[start * bs : end * bs],
             block_size=bs,
-            owner=owner,
+            owner=namespace,
         )
         for b in fresh:
             if b.block_hash is not None:  # registered now (not a duplicate of cached content)
@@ -223,17 +241,60 @@ class KVCacheManager:
                 self._owner_of[b.block_id] = owner
 
     def _disown(self, blocks: list[KVBlock]) -> None:
-        """Freshly allocated blocks lost their cached content (if any)."""
+        """Freshly allocated blocks lost their cached content (if any): an
+        eviction, counted against the owner."""
         for b in blocks:
             owner = self._owner_of.pop(b.block_id, None)
             if owner is not None:
                 self.owned[owner].discard(b.block_id)
+                self.stats.of(owner)[4] += 1
 
-    def namespace_stats(self) -> dict[str, list[int]]:
-        """Per namespace: [queries, hits, public_hits, refused_blocks, cached_blocks]."""
-        out = {ns: [*c, len(self.owned.get(ns, ()))] for ns, c in self.stats.by_namespace.items()}
-        for ns, blocks in self.owned.items():
-            out.setdefault(ns, [0, 0, 0, 0, len(blocks)])
+    def _evict_fairly(self, needed: int) -> None:
+        """Before taking ``needed`` blocks from the free queue: if that would
+        evict cached blocks of tenants, take them from the tenant most over
+        its weighted share of the tenants' cached blocks (its unused blocks,
+        least recently used first, move to the head of the queue). LRU alone
+        would let a flooding tenant push everyone else's blocks out."""
+        if needed <= 0 or len(self.owned) - len(self.public_owners) < 2:
+            return
+        head = self.pool.peek_free(needed)
+        plain = [b for b in head if b.block_hash is None]
+        victims = {self._owner_of.get(b.block_id) for b in head if b.block_hash is not None}
+        if not victims:
+            return  # plain free blocks only: nothing is evicted
+        owner = self._most_over_share()
+        if owner is None or victims == {owner}:
+            return
+        # The plain free blocks still go first; the evictions come from owner.
+        blocks = [b for b in self.pool.free_queue if self._owner_of.get(b.block_id) == owner]
+        self.pool.evict_first(plain + blocks[: needed - len(plain)])
+
+    def _most_over_share(self) -> str | None:
+        tenants = {o: len(ids) for o, ids in self.owned.items() if o not in self.public_owners and ids}
+        total_weight = sum(self.owner_weight.get(o, 1.0) for o in tenants)
+        total = sum(tenants.values())
+        if not tenants or total_weight <= 0:
+            return None
+        over = {o: n / (total * self.owner_weight.get(o, 1.0) / total_weight) for o, n in tenants.items()}
+        owner = max(over, key=over.__getitem__)
+        return owner if over[owner] > FAIR_EVICTION_SLACK else None
+
+    def purge(self, owner: str) -> int:
+        """Drop the owner's cached blocks that no request uses (they become
+        plain free blocks, first in line); blocks in use stay cached. Returns
+        how many were dropped."""
+        unused = [self.pool.blocks[i] for i in self.owned.get(owner, ()) if self.pool.blocks[i].ref_cnt == 0]
+        for b in unused:
+            self.pool.uncache(b)
+            self._owner_of.pop(b.block_id, None)
+            self.owned[owner].discard(b.block_id)
+        return len(unused)
+
+    def owner_stats(self) -> dict[str, list[int]]:
+        """Per owner (tenant, or public namespace): OWNER_STAT_FIELDS."""
+        out = {o: [*c, len(self.owned.get(o, ()))] for o, c in self.stats.by_owner.items()}
+        for o, blocks in self.owned.items():
+            out.setdefault(o, [0, 0, 0, 0, 0, len(blocks)])
         return out
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -284,6 +345,11 @@ class KVCacheManager:
         for owner, ids in self.owned.items():
             for i in ids:
                 assert self.pool.blocks[i].block_hash is not None and self._owner_of[i] == owner, (owner, i)
+
+
+def owner_of(request: Request) -> str:
+    """Whose quota a request's private blocks count against."""
+    return request.tenant or request.cache_namespace
 
 
 def _cdiv(a: int, b: int) -> int:

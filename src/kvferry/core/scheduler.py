@@ -511,7 +511,7 @@ class Scheduler:
             prefix_queries=self.kv.stats.queries,
             prefix_hits=self.kv.stats.hits,
             prefix_hits_public=self.kv.stats.public_hits,
-            prefix_by_namespace=self.kv.namespace_stats(),
+            prefix_by_owner=self.kv.owner_stats(),
             num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,

@@ -15,9 +15,10 @@ class SchedulerStats:
     prefix_queries: int = 0  # cumulative tokens
     prefix_hits: int = 0
     prefix_hits_public: int = 0  # of prefix_hits, tokens in declared public prefixes
-    # Per cache namespace: [queries, hits, public_hits (cumulative tokens),
-    # blocks its quota refused to cache (cumulative), blocks it has cached now].
-    prefix_by_namespace: dict[str, list[int]] = field(default_factory=dict)
+    # Per cache owner (tenant, or the public pool under its namespace): the
+    # columns of kv_manager.OWNER_STAT_FIELDS (queries, hits, public_hits,
+    # refused_blocks, evicted_blocks, cached_blocks).
+    prefix_by_owner: dict[str, list[int]] = field(default_factory=dict)
     num_drafts: int = 0  # cumulative verified proposals (steps that carried drafts)
     num_draft_tokens: int = 0  # cumulative
     num_accepted_tokens: int = 0  # cumulative drafts accepted

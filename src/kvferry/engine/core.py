@@ -99,6 +99,13 @@ class EngineCore:
         is sent for them: the front end asked, so it already knows."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def purge_tenant(self, tenant: str) -> int:
+        """Drop the tenant's unused cached blocks from the device pool now
+        (blocks running requests hold stay). Returns how many were dropped.
+        Tiers below the device pool (the node's KV store) take the same
+        purge here, by owner, once they are wired to the core."""
+        return self.scheduler.kv.purge(tenant)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -30,7 +30,8 @@ from kvferry.config import EngineConfig
 from kvferry.engine.core import EngineCore
 from kvferry.engine.core_client import CoreAddresses
 from kvferry.messages import (
-    CoreInput, EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineCoreShutdown,
+    CoreInput, EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant, EngineCoreReady,
+    EngineCoreRequest, EngineCoreShutdown,
     decode, encode,
 )
 
@@ -144,6 +145,11 @@ class EngineCoreProc:
     def _apply(self, message: CoreInput) -> None:
         if isinstance(message, EngineCoreAbort):
             self.core.abort_requests(message.request_ids)
+            return
+        if isinstance(message, EngineCorePurgeTenant):
+            purged = {message.purge_id: self.core.purge_tenant(message.tenant)}
+            self.outputs.put(EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), purged=purged,
+                                               stats=self.core.stats()))
             return
         assert isinstance(message, EngineCoreRequest)
         try:

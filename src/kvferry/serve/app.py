@@ -32,7 +32,7 @@ from kvferry.serve.auth import AuthMiddleware
 from kvferry.serve.chat import create_chat_completion
 from kvferry.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.serve.completions import create_completion
-from kvferry.serve.engine_client import AsyncEngineClient
+from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError
 from kvferry.serve.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
 from kvferry.serve.http_limits import RequestLimitsMiddleware, client_request_id
 from kvferry.serve.logprobs import TokenStrings
@@ -120,12 +120,30 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         return JSONResponse(registration_body(registered, len(public.prefixes)))
 
     async def kv_stats(request: Request) -> Response:
-        """Prefix-cache counters of the caller's tenant (every tenant's for an admin)."""
+        """Prefix-cache counters of the caller's tenant (every tenant's and
+        the public pool's for an admin)."""
         tenant = current_tenant.get()
-        by_tenant = namespaces.stats_by_tenant(client.stats.prefix_by_namespace)
+        by_tenant, public = namespaces.split_stats(client.stats.prefix_by_owner)
         if not tenant.admin:
-            by_tenant = {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}
-        return JSONResponse({"object": "kv.stats", "tenants": by_tenant})
+            return JSONResponse({"object": "kv.stats",
+                                 "tenants": {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}})
+        return JSONResponse({"object": "kv.stats", "tenants": by_tenant, "public": public})
+
+    async def purge_tenant(request: Request) -> Response:
+        """Admin: drop a tenant's unused cached blocks from the device pool now."""
+        if not current_tenant.get().admin:
+            raise APIError(403, "this API key may not purge tenants", code="permission_denied")
+        name = request.path_params["tenant"]
+        known = keys.tenant_names() if keys is not None else {current_tenant.get().name}
+        if name not in known and name not in client.stats.prefix_by_owner:
+            raise APIError(404, f"unknown tenant {name!r}", code="tenant_not_found", param="tenant")
+        try:
+            purged = await client.purge_tenant(name)
+        except TimeoutError:
+            raise APIError(503, "the engine core did not answer the purge in time", code="engine_busy") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+        return JSONResponse({"object": "kv.tenant.purged", "tenant": name, "purged_blocks": purged})
 
     def reload_keys() -> None:
         try:
@@ -163,6 +181,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         Route("/v1/responses/{response_id}", partial(delete_response, store), methods=["DELETE"]),
         Route("/v1/kv/public_prefixes", register_public_prefix, methods=["POST"]),
         Route("/v1/kv/stats", kv_stats, methods=["GET"]),
+        Route("/v1/kv/tenants/{tenant}", purge_tenant, methods=["DELETE"]),
         Route("/tokenize", utility(TokenizeRequest, tokenize_endpoint), methods=["POST"]),
         Route("/detokenize", utility(DetokenizeRequest, detokenize_endpoint), methods=["POST"]),
     ]

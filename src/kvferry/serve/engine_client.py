@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
 from typing import Any, Protocol
 
@@ -33,7 +34,9 @@ from kvferry.core.scheduler import SchedulerStats
 from kvferry.engine.core_client import CoreConnection, CoreProcess
 from kvferry.engine.input_processor import InputProcessor, load_tokenizer
 from kvferry.engine.output_processor import OutputProcessor
-from kvferry.messages import CoreOutput, EngineCoreAbort, EngineCoreReady, EngineCoreShutdown, decode
+from kvferry.messages import (
+    CoreOutput, EngineCoreAbort, EngineCorePurgeTenant, EngineCoreReady, EngineCoreShutdown, decode,
+)
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.outputs import RequestOutput
 from kvferry.sampling import SamplingParams
@@ -145,6 +148,8 @@ class AsyncEngineClient:
         self._output_task: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._stopped = False
+        # Purges sent to the core, by purge id, until it answers.
+        self._purges: dict[str, asyncio.Future[int]] = {}
         # Latest core stats, replaced by each message from the core.
         self.stats = SchedulerStats(kv_blocks_total=ready.num_kv_blocks)
 
@@ -227,6 +232,19 @@ class AsyncEngineClient:
             self.connection.send(req)
         return stream
 
+    async def purge_tenant(self, tenant: str, timeout_s: float = 30.0) -> int:
+        """Have the core drop the tenant's unused cached blocks; returns how
+        many it dropped. Raises EngineDeadError, or TimeoutError."""
+        if not self.is_alive:
+            raise self._dead_error or EngineDeadError("the engine core is not running")
+        purge_id = f"purge-{uuid.uuid4().hex}"
+        future = self._purges[purge_id] = asyncio.get_running_loop().create_future()
+        try:
+            self.connection.send(EngineCorePurgeTenant(purge_id=purge_id, tenant=tenant))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._purges.pop(purge_id, None)
+
     def abort(self, request_id: str) -> None:
         """Abort one request (all its sequences); its stream ends without
         an error. Unknown or finished ids are ignored."""
@@ -266,6 +284,10 @@ class AsyncEngineClient:
                     continue
                 if message.stats is not None:
                     self.stats = message.stats
+                for purge_id, count in (message.purged or {}).items():
+                    future = self._purges.get(purge_id)
+                    if future is not None and not future.done():
+                        future.set_result(count)
                 processed = self.output_processor.process(message)
                 if processed.stopped_by_string:
                     self.connection.send(EngineCoreAbort(request_ids=processed.stopped_by_string))
@@ -322,6 +344,9 @@ class AsyncEngineClient:
                 self.observer.on_request_finished(stream, out, now)
 
     def _fail_all(self, error: BaseException) -> None:
+        for future in self._purges.values():
+            if not future.done():
+                future.set_exception(error)
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.closed = True

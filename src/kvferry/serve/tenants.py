@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_TENANT_NAME = "default"
-MAX_TRACKED_NAMESPACES = 100_000
 MAX_TENANT_WEIGHT = 1e6
 _TENANT_FIELDS = {"tenant", "publish", "admin", "quota", "weight"}
 _QUOTA_FIELDS = {"device_blocks"}
@@ -71,6 +70,9 @@ class ApiKeys:
         table = parse_key_file(self.path)
         with self._lock:
             self._table = table
+
+    def tenant_names(self) -> set[str]:
+        return {tenant.name for _, tenant in self._table}
 
     def authenticate(self, key: str) -> Tenant | None:
         """The key's tenant, or None. Compares against every key with
@@ -140,8 +142,6 @@ class CacheNamespaces:
         if len(self._secret) < 16:
             raise ValueError("cache_secret: must hold at least 16 bytes")
         self.public = self._derive(b"public")
-        # namespace -> tenant, for the per-tenant stats (namespaces are one-way).
-        self.tenant_of: dict[str, str] = {}
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> "CacheNamespaces":
@@ -159,28 +159,24 @@ class CacheNamespaces:
         ns = self._derive(b"tenant\0" + name.encode())
         if salt:
             ns = hashlib.sha256(b"salt\0" + ns.encode() + b"\0" + salt.encode()).hexdigest()
-        if len(self.tenant_of) < MAX_TRACKED_NAMESPACES:
-            self.tenant_of[ns] = name
         return ns
 
-    def stats_by_tenant(self, by_namespace: dict[str, list[int]]) -> dict[str, dict[str, int]]:
-        """The core's per-namespace prefix-cache counters, summed per tenant."""
-        out: dict[str, dict[str, int]] = {}
-        for ns, counts in by_namespace.items():
-            name = self.tenant_of.get(ns)
-            if name is None:
-                continue  # not issued by this front end (e.g. the offline engine's)
-            t = out.setdefault(name, empty_tenant_stats())
-            for field_name, value in zip(TENANT_STAT_FIELDS, counts):
-                t[field_name] += value
-        return out
+    def split_stats(self, by_owner: dict[str, list[int]]) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        """The core's per-owner prefix-cache counters (owners are tenant
+        names, and the public namespace for the public pool) as named
+        fields: (per tenant, public pool)."""
+        tenants = {owner: dict(zip(TENANT_STAT_FIELDS, counts)) for owner, counts in by_owner.items()
+                   if owner != self.public}
+        public = dict(zip(TENANT_STAT_FIELDS, by_owner.get(self.public, ()))) or empty_tenant_stats()
+        return tenants, public
 
     def _derive(self, label: bytes) -> str:
         return hmac.new(self._secret, label, hashlib.sha256).hexdigest()
 
 
+# The columns of the core's per-owner stats (kv_manager.OWNER_STAT_FIELDS), named for the API.
 TENANT_STAT_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hits_public",
-                      "quota_refused_blocks", "cached_blocks")
+                      "quota_refused_blocks", "evicted_blocks", "cached_blocks")
 
 
 def empty_tenant_stats() -> dict[str, int]:
