@@ -34,6 +34,9 @@ class ApiOptions:
     api_keys_file: str | None = None  # None: one tenant, no authentication
     cache_secret_file: str | None = None  # None: a fresh secret per start
     public_prefixes_file: str | None = None
+    # Per-tenant Prometheus labels (off: cardinality), at most this many tenants named.
+    metrics_tenant_labels: bool = False
+    metrics_max_tenants: int = 20
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_default", "max_tokens_limit"):
@@ -47,7 +50,7 @@ class ApiOptions:
         for name in ("header_read_timeout_s", "body_read_timeout_s", "responses_store_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_header_count", "max_header_bytes", "responses_store_size"):
+        for name in ("max_header_count", "max_header_bytes", "responses_store_size", "metrics_max_tenants"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -71,6 +74,7 @@ class ApiOptions:
             responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
             api_keys_file=args.api_keys, cache_secret_file=args.cache_secret_file,
             public_prefixes_file=args.public_prefixes,
+            metrics_tenant_labels=args.metrics_tenant_labels, metrics_max_tenants=args.metrics_max_tenants,
         )
 
 
@@ -113,7 +117,7 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("tenants and prefix-cache sharing")
     t.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"KEY": {"tenant": "acme", "publish": false, "admin": false, '
-                        '"quota": {"device_blocks": 800}}}; requests then need "Authorization: Bearer KEY" '
+                        '"quota": {"device_blocks": 800}, "weight": 1}}; requests then need "Authorization: Bearer KEY" '
                         "and each tenant's prefix cache is private (SIGHUP reloads the file). "
                         "Default: no authentication, one tenant")
     t.add_argument("--cache-secret-file", default=None, metavar="FILE",
@@ -121,6 +125,12 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--public-prefixes", default=None, metavar="FILE",
                    help="JSON list of prefixes shared by every tenant: a string (completions prompt prefix) "
                         "or a list of chat messages (a leading run of a conversation)")
+    t.add_argument("--metrics-tenant-labels", action="store_true",
+                   help="label the request, token and prefix-cache metrics by tenant (off by default: "
+                        "each tenant adds time series)")
+    t.add_argument("--metrics-max-tenants", type=int, default=20, metavar="N",
+                   help="with --metrics-tenant-labels: at most N tenants get their own series, "
+                        'later ones share tenant="other"')
 
 
 def uvicorn_options(api: ApiOptions) -> dict:

@@ -36,7 +36,7 @@ from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError
 from kvferry.serve.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
 from kvferry.serve.http_limits import RequestLimitsMiddleware, client_request_id
 from kvferry.serve.logprobs import TokenStrings
-from kvferry.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvferry.serve.metrics import CONTENT_TYPE, PUBLIC_POOL_LABEL, ServerMetrics, TenantLabels
 from kvferry.serve.public_prefixes import CachePolicy, PublicPrefixes, PublicPrefixRegistry, registration_body
 from kvferry.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ResponsesRequest,
@@ -67,7 +67,10 @@ class ServerConfig:
 
 
 def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
-    metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats)
+    namespaces = CacheNamespaces.from_file(config.api.cache_secret_file)
+    tenant_labels = TenantLabels(config.api.metrics_max_tenants) if config.api.metrics_tenant_labels else None
+    metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats, tenant_labels,
+                            owner_label=lambda owner: PUBLIC_POOL_LABEL if owner == namespaces.public else owner)
     client.observer = metrics
     ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer), config.api)
     store = ResponseStore(config.api.responses_store_size, config.api.responses_store_ttl_s)
@@ -75,7 +78,6 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     public = PublicPrefixRegistry(PublicPrefixes(client.ready.block_size), client.tokenizer, config.api.chat_template)
     if config.api.public_prefixes_file:
         public.load_file(config.api.public_prefixes_file)
-    namespaces = CacheNamespaces.from_file(config.api.cache_secret_file)
     client.input_processor.cache_policy = CachePolicy(namespaces, public.prefixes)
 
     def generation(model: type, handler: Callable[..., Awaitable[Response]]):

@@ -52,7 +52,7 @@ class RequestObserver(Protocol):
     """Told about request lifecycle events, on the event loop (for metrics)."""
 
     def on_first_token(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
-    def on_tokens(self, num_tokens: int, gap_s: float | None) -> None: ...
+    def on_tokens(self, stream: "RequestStream", num_tokens: int, gap_s: float | None) -> None: ...
     def on_sequence_finished(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
     def on_request_finished(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
     def on_abort(self, stream: "RequestStream") -> None: ...
@@ -60,7 +60,7 @@ class RequestObserver(Protocol):
 
 class _NullObserver:
     def on_first_token(self, stream, output, now): pass
-    def on_tokens(self, num_tokens, gap_s): pass
+    def on_tokens(self, stream, num_tokens, gap_s): pass
     def on_sequence_finished(self, stream, output, now): pass
     def on_request_finished(self, stream, output, now): pass
     def on_abort(self, stream): pass
@@ -75,9 +75,11 @@ class RequestStream:
     finish. ``close()`` aborts the request if the engine has not finished it;
     call it in a ``finally`` so a vanished client frees its KV blocks."""
 
-    def __init__(self, client: "AsyncEngineClient", request_id: str, n: int, arrival_time: float) -> None:
+    def __init__(self, client: "AsyncEngineClient", request_id: str, n: int, arrival_time: float,
+                 tenant: str = "") -> None:
         self.client = client
         self.request_id = request_id
+        self.tenant = tenant  # the authenticated tenant ("" without tenants), for per-tenant metrics
         self.n = n
         self.arrival_time = arrival_time  # time.monotonic() when the HTTP request arrived
         self.first_token_time: float | None = None
@@ -226,7 +228,7 @@ class AsyncEngineClient:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, requests = self.input_processor.process(request_id, prompt, params, cache_namespace, arrival)
         self.output_processor.add_request(request_id, text, requests)
-        stream = RequestStream(self, request_id, params.n, arrival)
+        stream = RequestStream(self, request_id, params.n, arrival, requests[0].tenant)
         self._streams[request_id] = stream
         for req in requests:
             self.connection.send(req)
@@ -335,7 +337,7 @@ class AsyncEngineClient:
                 self.observer.on_first_token(stream, out, now)
             last = stream.last_token_time.get(index)
             # Several tokens in one step (speculation) share the gap.
-            self.observer.on_tokens(num_new, None if last is None else (now - last) / num_new)
+            self.observer.on_tokens(stream, num_new, None if last is None else (now - last) / num_new)
             stream.last_token_time[index] = now
         if out.finished:
             stream.num_finished += 1

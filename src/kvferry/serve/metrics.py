@@ -7,6 +7,12 @@ one process. Two kinds of source:
 - engine state (running / waiting, KV usage, cumulative prefix-cache and
   preemption counts), read at scrape time from the latest stats snapshot
   the engine loop published, so the loop never does metrics work.
+
+With ``--metrics-tenant-labels`` the request, token and prefix-cache
+metrics also carry a ``tenant`` label. Tenant names are unbounded input
+(one per key file entry), so at most ``--metrics-max-tenants`` keep their
+own series (the first seen); the rest share ``tenant="other"``. Off by
+default: every label value is another time series per metric.
 """
 from __future__ import annotations
 
@@ -31,20 +37,50 @@ _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1] + _REQUEST_BUCKETS
 
 
-class ServerMetrics:
-    """Per-request metrics; also the RequestObserver of the engine client."""
+OTHER_TENANTS = "other"
+PUBLIC_POOL_LABEL = "(public)"
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+
+class TenantLabels:
+    """Bounded ``tenant`` label values: the first ``max_tenants`` tenants
+    seen keep their names, every later one is ``other``."""
+
+    def __init__(self, max_tenants: int) -> None:
+        if max_tenants < 1:
+            raise ValueError(f"metrics_max_tenants must be >= 1, got {max_tenants}")
+        self.max_tenants = max_tenants
+        self._named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._named:
+            return tenant
+        if len(self._named) < self.max_tenants:
+            self._named.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
+
+class ServerMetrics:
+    """Per-request metrics; also the RequestObserver of the engine client.
+
+    ``tenant_labels``: label the per-request and prefix-cache metrics by
+    tenant (bounded); None: no tenant label. ``owner_label`` names the core's
+    cache owners (tenants, and the public pool's namespace) for labels."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats],
+                 tenant_labels: TenantLabels | None = None,
+                 owner_label: Callable[[str], str] = lambda owner: owner) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        self.tenant_labels = tenant_labels
+        labels = ["model_name"] + (["tenant"] if tenant_labels else [])
         r = self.registry
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            return Counter(name, doc, labels, registry=r)
 
         self.ttft = hist("kvferry:time_to_first_token_seconds", "Time to first token, from HTTP arrival.", _TTFT_BUCKETS)
         self.itl = hist("kvferry:inter_token_latency_seconds", "Time between successive output tokens of a sequence.",
@@ -56,31 +92,43 @@ class ServerMetrics:
         self.prompt_tokens = counter("kvferry:prompt_tokens", "Prefilled prompt tokens (once per request).")
         self.generation_tokens = counter("kvferry:generation_tokens", "Generated tokens.")
         self._success = Counter("kvferry:request_success", "Finished sequences, by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
-        self.registry.register(_EngineStatsCollector(model_name, stats))
+                                ["model_name", "finished_reason"] + labels[1:], registry=r)
+        self.registry.register(_EngineStatsCollector(model_name, stats, tenant_labels, owner_label))
+        if tenant_labels is None:  # expose every series from the start, at 0
+            for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
+                family.labels(model_name)
+
+    def _of(self, stream) -> list[str]:
+        """The label values of a stream's series (after model_name)."""
+        return [self.tenant_labels(stream.tenant)] if self.tenant_labels else []
 
     # -- RequestObserver ------------------------------------------------------
     def on_first_token(self, stream, output: RequestOutput, now: float) -> None:
-        self.ttft.observe(now - stream.arrival_time)
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        labels = [self.model_name, *self._of(stream)]
+        self.ttft.labels(*labels).observe(now - stream.arrival_time)
+        self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
 
-    def on_tokens(self, num_tokens: int, gap_s: float | None) -> None:
-        self.generation_tokens.inc(num_tokens)
+    def on_tokens(self, stream, num_tokens: int, gap_s: float | None) -> None:
+        labels = [self.model_name, *self._of(stream)]
+        self.generation_tokens.labels(*labels).inc(num_tokens)
         if gap_s is not None:
+            itl = self.itl.labels(*labels)
             for _ in range(num_tokens):
-                self.itl.observe(gap_s)
+                itl.observe(gap_s)
 
     def on_sequence_finished(self, stream, output: RequestOutput, now: float) -> None:
-        self._success.labels(self.model_name, output.outputs[0].finish_reason or "unknown").inc()
+        reason = output.outputs[0].finish_reason or "unknown"
+        self._success.labels(self.model_name, reason, *self._of(stream)).inc()
 
     def on_request_finished(self, stream, output: RequestOutput, now: float) -> None:
-        self.e2e.observe(now - stream.arrival_time)
+        labels = [self.model_name, *self._of(stream)]
+        self.e2e.labels(*labels).observe(now - stream.arrival_time)
         m = output.metrics
         if m is not None and m.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.queue_time.labels(*labels).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
 
     def on_abort(self, stream) -> None:
-        self._success.labels(self.model_name, "abort").inc(stream.n - stream.num_finished)
+        self._success.labels(self.model_name, "abort", *self._of(stream)).inc(stream.n - stream.num_finished)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -89,9 +137,12 @@ class ServerMetrics:
 class _EngineStatsCollector(Collector):
     """Gauges and cumulative counters straight from the engine's stats."""
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats],
+                 tenant_labels: TenantLabels | None, owner_label: Callable[[str], str]) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.tenant_labels = tenant_labels
+        self.owner_label = owner_label
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -113,16 +164,46 @@ class _EngineStatsCollector(Collector):
                     s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield gauge("kvferry:kv_blocks_used", "KV blocks held by requests.", s.kv_blocks_used)
         yield gauge("kvferry:kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)
-        yield counter("kvferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
-        # Two series whose sum is every hit: "public" in declared public
-        # prefixes (shared across tenants), "private" in the caller's own.
-        hits = CounterMetricFamily("kvferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   labels=["model_name", "scope"])
-        hits.add_metric([self.model_name, "private"], s.prefix_hits - s.prefix_hits_public)
-        hits.add_metric([self.model_name, "public"], s.prefix_hits_public)
-        yield hits
+        if self.tenant_labels is None:
+            yield counter("kvferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                          s.prefix_queries)
+            # Two series whose sum is every hit: "public" in declared public
+            # prefixes (shared across tenants), "private" in the caller's own.
+            hits = CounterMetricFamily("kvferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                       labels=["model_name", "scope"])
+            hits.add_metric([self.model_name, "private"], s.prefix_hits - s.prefix_hits_public)
+            hits.add_metric([self.model_name, "public"], s.prefix_hits_public)
+            yield hits
+            yield counter("kvferry:prefix_cache_evictions", "Cached KV blocks evicted to make room.",
+                          sum(row[4] for row in s.prefix_by_owner.values()))
+        else:
+            yield from self._per_tenant_cache_metrics(s)
         yield counter("kvferry:num_preemptions", "Preempted sequences.", s.num_preemptions)
         yield from _spec_decode_metrics(s, label)
+
+    def _per_tenant_cache_metrics(self, s: SchedulerStats) -> Iterator[Metric]:
+        """The prefix-cache counters split by (bounded) tenant; the public
+        pool's evictions under its own label."""
+        rows: dict[str, list[int]] = {}
+        for owner, row in s.prefix_by_owner.items():
+            name = self.owner_label(owner)
+            label = name if name == PUBLIC_POOL_LABEL else self.tenant_labels(name)
+            acc = rows.setdefault(label, [0] * len(row))
+            for i, value in enumerate(row):
+                acc[i] += value
+        queries = CounterMetricFamily("kvferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=["model_name", "tenant"])
+        hits = CounterMetricFamily("kvferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=["model_name", "scope", "tenant"])
+        evictions = CounterMetricFamily("kvferry:prefix_cache_evictions", "Cached KV blocks evicted to make room.",
+                                        labels=["model_name", "tenant"])
+        for label, (q, h, public, _refused, evicted, _cached) in sorted(rows.items()):
+            if label != PUBLIC_POOL_LABEL:
+                queries.add_metric([self.model_name, label], q)
+                hits.add_metric([self.model_name, "private", label], h - public)
+                hits.add_metric([self.model_name, "public", label], public)
+            evictions.add_metric([self.model_name, label], evicted)
+        yield from (queries, hits, evictions)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
