@@ -15,6 +15,7 @@ from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler, SchedulerStats
 from kvferry.core.swap_space import HostSwapSpace
+from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from kvferry.model.loader import LoadedModel, load_model
@@ -37,11 +38,30 @@ class EngineCore:
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=str(self.loaded.dtype).removeprefix("torch."))
         num_swap = config.cache.num_swap_blocks
+        self.kv_store = self._connect_kv_store()
+        kv_source = None
+        if self.kv_store is not None:
+            kv_source = StoreKVSource(self.kv_store, self.block_size, config.kv_tiers.max_load_tokens)
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
+                                   kv_source=kv_source, write_down=kv_source is not None,
                                    **speculation(config.speculative))
-        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap)
+        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
+                                  kv_store=self.kv_store)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
+
+    def _connect_kv_store(self):
+        """A client of the node's KV store when one is configured (None:
+        device-only caching). A store that is down at start is no error: the
+        client reconnects, and until then every lookup misses."""
+        tiers = self.config.kv_tiers
+        if not tiers.store_address:
+            return None
+        if not self.config.cache.enable_prefix_caching:
+            raise ValueError("kv_store needs enable_prefix_caching (blocks are found by their prefix hashes)")
+        from kvferry.kvstore.client import KVStoreClient
+
+        return KVStoreClient(tiers.store_address, block_nbytes=kv_block_bytes(self.loaded, self.block_size))
 
     def _resolve_max_model_len(self) -> int:
         limit = self.loaded.max_model_len
