@@ -32,3 +32,5 @@ class SchedulerStats:
     # Per tier, from the store's own stats (hits, misses, bytes read and
     # written, quarantined, refused writes, load seconds); empty without a store.
     kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per tier, per tenant: [hits, misses] (blocks, cumulative).
+    kv_tier_tenants: dict[str, dict[str, list[int]]] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from kvferry.core.scheduler import Scheduler, SchedulerStats
 from kvferry.core.swap_space import HostSwapSpace
 from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
+from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
@@ -38,6 +39,8 @@ class EngineCore:
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=str(self.loaded.dtype).removeprefix("torch."))
         num_swap = config.cache.num_swap_blocks
+        self.store_process = None
+        self.kv_store_io = None
         self.kv_store = self._connect_kv_store()
         kv_source = None
         if self.kv_store is not None:
@@ -46,7 +49,7 @@ class EngineCore:
                                    kv_source=kv_source, write_down=kv_source is not None,
                                    **speculation(config.speculative))
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
-                                  kv_store=self.kv_store)
+                                  kv_store=self.kv_store_io)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
 
@@ -55,13 +58,24 @@ class EngineCore:
         device-only caching). A store that is down at start is no error: the
         client reconnects, and until then every lookup misses."""
         tiers = self.config.kv_tiers
-        if not tiers.store_address:
+        if not tiers.enabled:
             return None
         if not self.config.cache.enable_prefix_caching:
             raise ValueError("kv_store needs enable_prefix_caching (blocks are found by their prefix hashes)")
         from kvferry.kvstore.client import KVStoreClient
+        from kvferry.kvstore.service import start_store
 
-        return KVStoreClient(tiers.store_address, block_nbytes=kv_block_bytes(self.loaded, self.block_size))
+        block_nbytes = kv_block_bytes(self.loaded, self.block_size)
+        address = tiers.store_address
+        if not address:  # offline: a store of this process's own (it exits with it)
+            self.store_process, address = start_store(
+                tiers.dram_gb, block_nbytes=block_nbytes, disk=tiers.disk_path or None,
+                disk_gb=tiers.disk_gb or None, remote=tiers.remote_url or None)
+        # The scheduler's lookups run on the step's path: a short timeout
+        # bounds what a dead store costs (one try per reconnect backoff).
+        # Loads and saves run on the runner's I/O thread with their own client.
+        self.kv_store_io = KVStoreClient(address, block_nbytes=block_nbytes)
+        return KVStoreClient(address, timeout_s=0.25, block_nbytes=block_nbytes)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.loaded.max_model_len
@@ -130,7 +144,22 @@ class EngineCore:
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        store_stats = getattr(self.runner.connector, "store_stats", None)
+        if store_stats is not None:
+            stats.kv_tiers, stats.kv_tier_tenants = tier_stats(store_stats)
+        return stats
+
+    def close(self) -> None:
+        """Stop the KV store I/O (and the store this core started, if any)."""
+        if isinstance(self.runner.connector, StoreConnector):
+            self.runner.connector.close()
+        for client in (self.kv_store, self.kv_store_io):
+            if client is not None:
+                client.close()
+        if self.store_process is not None:
+            self.store_process.terminate()
+            self.store_process.wait(timeout=10)
 
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()

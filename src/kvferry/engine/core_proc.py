@@ -167,6 +167,8 @@ class EngineCoreProc:
         self._in_sock.close(linger=0)
         self._out_sock.close(linger=1000)  # let the last messages (an error) out
         self._ctx.term()
+        if self.core is not None:
+            self.core.close()
 
 
 def _aborted(request_id: str) -> EngineCoreOutput:

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # How often the thread polls the store while loads are outstanding.
 _POLL_INTERVAL_S = 0.0005
+# How often the thread refreshes the store's own counters (for /metrics).
+_STATS_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -85,6 +87,10 @@ class StoreConnector(KVConnector):
         self._inbox: queue.Queue[tuple[str, TransferOrder, Any] | None] = queue.Queue()
         self._outbox = _Outbox()
         self._loads: list[_Load] = []
+        # The store's StoreStats as last fetched (None before the first),
+        # so that reading metrics never waits on the store.
+        self.store_stats: Any = None
+        self._stats_due = 0.0
         self._cuda = kv_cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv_cache.device) if self._cuda else None
         self._thread = threading.Thread(target=self._run, name="kvferry-kv-store-io", daemon=True)
@@ -125,15 +131,24 @@ class StoreConnector(KVConnector):
         with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
             while True:
                 try:
-                    item = self._inbox.get(timeout=_POLL_INTERVAL_S) if self._loads else self._inbox.get()
+                    item = self._inbox.get(timeout=_POLL_INTERVAL_S if self._loads else _STATS_INTERVAL_S)
                 except queue.Empty:
                     item = ()
+                if time.monotonic() >= self._stats_due:
+                    self._refresh_store_stats()
                 if item is None:
                     return
                 if item:
                     self._handle(*item)
                 if self._loads:
                     self._poll_loads()
+
+    def _refresh_store_stats(self) -> None:
+        self._stats_due = time.monotonic() + _STATS_INTERVAL_S
+        try:
+            self.store_stats = self.store.stats()
+        except Exception:
+            logger.debug("reading the KV store's stats failed", exc_info=True)
 
     def _handle(self, kind: str, order: TransferOrder, event: Any) -> None:
         if event is not None:
@@ -183,7 +198,8 @@ class StoreConnector(KVConnector):
 
     def _poll_loads(self) -> None:
         try:
-            results = self.store.poll_loads() if self.store.connected else []
+            # The client reports a load lost to a dead store as an empty result.
+            results = self.store.poll_loads()
         except Exception:
             logger.warning("polling KV loads failed", exc_info=True)
             results = []
@@ -194,8 +210,8 @@ class StoreConnector(KVConnector):
             result = by_ticket.get(load.ticket)
             if result is not None:
                 self._finish_load(load, list(result.slots))
-            elif not self.store.connected or now - load.started > self.load_timeout_s:
-                # The store went away (or never answered): recompute instead.
+            elif now - load.started > self.load_timeout_s:
+                # A store that never answers: recompute instead.
                 self._finish_load(load, [])
             else:
                 pending.append(load)
@@ -234,3 +250,16 @@ class StoreConnector(KVConnector):
         if self._stream is not None:
             self._stream.synchronize()  # in the device blocks before the completion is reported
 
+
+
+_TIER_FIELDS = ("hits", "misses", "bytes_read", "bytes_written", "quarantined", "refused_writes", "num_blocks",
+                "num_bytes", "load_seconds")
+
+
+def tier_stats(store_stats: Any) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[int]]]]:
+    """The store's StoreStats as plain data for SchedulerStats: per tier
+    counters, and per tier per tenant [hits, misses]."""
+    tiers = {name: {f: getattr(t, f) for f in _TIER_FIELDS} for name, t in store_stats.tiers.items()}
+    tenants = {name: {tenant: [s.hits, s.misses] for tenant, s in t.per_tenant.items()}
+               for name, t in store_stats.tiers.items()}
+    return tiers, tenants
