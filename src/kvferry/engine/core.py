@@ -41,6 +41,7 @@ class EngineCore:
         num_swap = config.cache.num_swap_blocks
         self.store_process = None
         self.kv_store_io = None
+        self._reported_store_stats = None
         self.kv_store = self._connect_kv_store()
         kv_source = None
         if self.kv_store is not None:
@@ -146,9 +147,16 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
         store_stats = getattr(self.runner.connector, "store_stats", None)
+        self._reported_store_stats = store_stats
         if store_stats is not None:
             stats.kv_tiers, stats.kv_tier_tenants = tier_stats(store_stats)
         return stats
+
+    def store_stats_changed(self) -> bool:
+        """Whether the KV store's counters were refreshed since the last
+        ``stats()`` (the store keeps counting while this core idles)."""
+        connector = self.runner.connector
+        return isinstance(connector, StoreConnector) and connector.store_stats is not self._reported_store_stats
 
     def close(self) -> None:
         """Stop the KV store I/O (and the store this core started, if any)."""

@@ -117,8 +117,9 @@ class EngineCoreProc:
             self._apply(message)
         if core.has_unfinished_requests():
             out = core.step()
-        elif inputs:
-            # Idle, but inputs changed the state (an abort freed blocks): say so.
+        elif inputs or core.store_stats_changed():
+            # Idle, but inputs changed the state (an abort freed blocks), or
+            # the KV store's counters moved: say so.
             out = EngineCoreOutputs(outputs=[], timestamp=time.monotonic())
         else:
             return True

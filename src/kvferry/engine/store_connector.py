@@ -146,9 +146,12 @@ class StoreConnector(KVConnector):
     def _refresh_store_stats(self) -> None:
         self._stats_due = time.monotonic() + _STATS_INTERVAL_S
         try:
-            self.store_stats = self.store.stats()
+            stats = self.store.stats()
         except Exception:
             logger.debug("reading the KV store's stats failed", exc_info=True)
+            return
+        if self.store_stats is None or stats != self.store_stats:
+            self.store_stats = stats  # a new object: the core reports it once
 
     def _handle(self, kind: str, order: TransferOrder, event: Any) -> None:
         if event is not None:

@@ -44,7 +44,7 @@ from kvferry.serve.protocol import (
 )
 from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
 from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
-from kvferry.serve.tenants import ApiKeys, CacheNamespaces, current_cache_salt, current_tenant, empty_tenant_stats
+from kvferry.serve.tenants import ApiKeys, CacheNamespaces, add_tier_hit_rates, current_cache_salt, current_tenant, empty_tenant_stats
 from kvferry.serve.tokenize import detokenize_endpoint, tokenize_endpoint
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,9 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     async def kv_stats(request: Request) -> Response:
         """Prefix-cache counters of the caller's tenant (every tenant's for an admin)."""
         tenant = current_tenant.get()
-        by_tenant = namespaces.stats_by_tenant(client.stats.prefix_by_namespace)
+        stats = client.stats
+        by_tenant = namespaces.stats_by_tenant(stats.prefix_by_namespace)
+        add_tier_hit_rates(by_tenant, stats.kv_tier_tenants)
         if not tenant.admin:
             by_tenant = {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}
         return JSONResponse({"object": "kv.stats", "tenants": by_tenant})

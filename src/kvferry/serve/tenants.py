@@ -178,3 +178,13 @@ TENANT_STAT_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache
 
 def empty_tenant_stats() -> dict[str, int]:
     return dict.fromkeys(TENANT_STAT_FIELDS, 0)
+
+
+def add_tier_hit_rates(by_tenant: dict[str, dict], tier_tenants: dict[str, dict[str, list[int]]]) -> None:
+    """Put each tenant's per-tier [hits, misses] of the KV store into its
+    /v1/kv/stats entry as ``kv_tiers: {tier: {hits, misses, hit_rate}}``."""
+    for tier, tenants in tier_tenants.items():
+        for tenant, (hits, misses) in tenants.items():
+            entry = by_tenant.setdefault(tenant, empty_tenant_stats())
+            entry.setdefault("kv_tiers", {})[tier] = {
+                "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0}
