@@ -137,6 +137,8 @@ class KVStoreService:
         num_slots = self.config.dram_bytes // block_nbytes
         if num_slots < 1:
             raise ValueError("dram_gb: the arena must hold at least one block")
+        if Arena.sweep_stale(self.config.shm_dir):
+            logger.info("removed the arenas of store processes that died without cleaning up")
         self.arena = Arena.create(num_slots, block_nbytes, self.config.shm_dir)
         self.index = DramIndex(num_slots, block_nbytes, self.config.quotas(block_nbytes),
                                can_demote=bool(self.cold), on_evict=self._write_back)
