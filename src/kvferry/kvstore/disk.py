@@ -414,14 +414,7 @@ class DiskTier(ColdTier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            stats = TierStats(**{f: getattr(self._stats, f) for f in
-                                 ("hits", "misses", "bytes_read", "bytes_written", "quarantined",
-                                  "refused_writes", "auth_failures", "load_seconds")})
-            stats.num_blocks = len(self._index)
-            stats.num_bytes = self._lru.total_bytes
-            stats.per_tenant = {pool: type(s)(s.hits, s.misses, s.num_blocks, s.num_bytes, s.refused_writes)
-                                for pool, s in self._lru.pool_stats.items()}
-        return stats
+            return self._lru.snapshot(self._stats)
 
     def check_integrity(self) -> None:
         """Index, LRU and slabs agree (tests call it when idle)."""

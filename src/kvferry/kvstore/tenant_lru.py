@@ -11,9 +11,10 @@ by the tier.
 from __future__ import annotations
 
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass, field
 
-from kvferry.kvstore.tier import BlockOwner, TenantTierStats
+from kvferry.kvstore.tier import BlockOwner, TenantTierStats, TierStats
 
 # The pool name of public blocks; never a tenant name (tenant names are
 # plain identifiers from the API keys file).
@@ -87,6 +88,15 @@ class TenantLRU:
         stats = self.pool_stats.get(pool)
         if stats is None:
             stats = self.pool_stats[pool] = TenantTierStats()
+        return stats
+
+    def snapshot(self, counters: TierStats) -> TierStats:
+        """A copy of the tier's ``counters`` with the block counts and the
+        per-pool figures filled in from this index."""
+        stats = dataclasses.replace(counters, per_tenant={
+            pool: dataclasses.replace(s) for pool, s in self.pool_stats.items()})
+        stats.num_blocks = len(self._all)
+        stats.num_bytes = self.total_bytes
         return stats
 
     def pool_bytes(self, pool: str) -> int:
