@@ -1,40 +1,30 @@
-import os
+from __future__ import annotations
+
 import uuid
 
-import numpy as np
 import pytest
 
-from kvferry.kvstore.client import KVStoreClient
-from kvferry.kvstore.service import GIB, start_store
+from kvferry.kvstore.crypto import TierCrypto
 
-BLOCK_NBYTES = 4096
-
-
-def gb(num_blocks: int, block_nbytes: int = BLOCK_NBYTES) -> float:
-    """GiB holding exactly ``num_blocks`` blocks (a power-of-two ratio: exact in a float)."""
-    return num_blocks * block_nbytes / GIB
+SECRET = b"0123456789abcdef0123456789abcdef"
 
 
-def block_bytes(seed: int, block_nbytes: int = BLOCK_NBYTES) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, block_nbytes, dtype=np.uint8)
+@pytest.fixture
+def crypto() -> TierCrypto:
+    return TierCrypto(SECRET)
 
 
-def key(i: int, tag: bytes = b"k") -> bytes:
-    return tag + i.to_bytes(8, "little") + bytes(23)
+def block(i: int, nbytes: int = 6000) -> bytes:
+    """Deterministic block bytes (distinct per i)."""
+    rng = __import__("random").Random(i)
+    return rng.randbytes(nbytes)
 
 
-def wait_loads(client: KVStoreClient, n: int = 1, timeout_s: float = 10.0):
-    import time
-
-    results = []
-    deadline = time.monotonic() + timeout_s
-    while len(results) < n:
-        assert time.monotonic() < deadline, "loads did not finish"
-        results += client.poll_loads()
-        time.sleep(0.002)
-    return results
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8  # 32 bytes, like a block hash
 
 
+# -- the store service ----------------------------------------------------------------
 @pytest.fixture
 def address(tmp_path):
     return f"ipc://{tmp_path}/kvstore-{uuid.uuid4().hex[:6]}.sock"
@@ -42,6 +32,10 @@ def address(tmp_path):
 
 @pytest.fixture
 def store_factory(address):
+    """Start store processes (terminated at the end); returns (process, address)."""
+    from kvferry.kvstore.service import start_store
+    from tests.kvstore.store_helpers import BLOCK_NBYTES, gb
+
     started = []
 
     def start(num_blocks: int = 16, *, block_nbytes: int | None = BLOCK_NBYTES, at: str | None = None, **kwargs):
@@ -58,6 +52,9 @@ def store_factory(address):
 
 @pytest.fixture
 def clients():
+    """Make KVStoreClients (closed at the end)."""
+    from kvferry.kvstore.client import KVStoreClient
+
     made = []
 
     def make(address: str, **kwargs) -> KVStoreClient:
@@ -68,7 +65,3 @@ def clients():
     yield make
     for client in made:
         client.close()
-
-
-def arena_files(pid: int) -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"kvferry-kvstore-{pid}-")]

@@ -14,7 +14,7 @@ import zmq
 
 from kvferry.kvstore.tier import BlockOwner
 
-from .conftest import BLOCK_NBYTES, arena_files, block_bytes, gb, key, wait_loads
+from tests.kvstore.store_helpers import BLOCK_NBYTES, arena_files, block_bytes, gb, key, wait_loads
 
 A = BlockOwner("acme")
 B = BlockOwner("bolt")
