@@ -8,7 +8,7 @@ from kvferry.kvstore.tier import BlockOwner, TenantTierStats, TierStats
 
 K = b"\x01" * 32
 REQUESTS = [
-    p.Hello(client_id="c", block_nbytes=4096), p.Hello(client_id="c"), p.Lookup(client_id="c", keys=[K, K]),
+    p.Hello(client_id="c", block_nbytes=4096, service_id="s"), p.Hello(client_id="c"), p.Lookup(client_id="c", keys=[K, K]),
     p.BeginLoad(client_id="c", ticket=7, keys=[K], owners=[BlockOwner("acme", public=True)]),
     p.PollLoads(client_id="c"), p.Release(client_id="c", tickets=[1, 2]),
     p.Reserve(client_id="c", keys=[K], owners=[BlockOwner("acme")]), p.Commit(client_id="c", keys=[K], slots=[3]),
@@ -17,7 +17,7 @@ REQUESTS = [
 ]
 REPLIES = [
     p.Welcome(service_id="s", arena_path="/dev/shm/x", num_slots=4, block_nbytes=8), p.Ok(), p.Count(n=3),
-    p.Slots(slots=[1, None]), p.Loads(results=[p.LoadResult(ticket=1, slots=[0, 2])]), p.Refused(reason="no"),
+    p.Slots(slots=[1, None]), p.Loads(results=[p.LoadResult(ticket=1, slots=[0, 2])]), p.Refused(reason="no"), p.Restarted(service_id="s2"),
     p.StoreStats(tiers={"dram": TierStats(hits=1, load_seconds=0.5, per_tenant={"acme": TenantTierStats(misses=2)})},
                  num_slots=4, loads=2, load_seconds=1.0),
 ]

@@ -268,3 +268,22 @@ def test_the_store_exits_when_the_process_that_started_it_dies(tmp_path):
         assert time.monotonic() < deadline, "the store outlived its parent"
         time.sleep(0.05)
     assert arena_files(store_pid) == []
+
+
+def test_a_store_restarted_at_the_same_address_is_noticed_on_the_next_call(store_factory, clients):
+    proc, address = store_factory(16)
+    client = clients(address)
+    save(client, [key(0)], A, [0])
+    ticket = client.begin_load([key(0)], [A])
+    generation = client.generation
+    proc.terminate()
+    assert proc.wait(10) == 0
+    store_factory(8)
+    # The REQ socket reconnects by itself; the new store must not take
+    # requests meant for the old one (its slots and tickets mean nothing here).
+    assert client.lookup([key(0)]) == 0
+    assert client.generation == generation + 1 and client.num_slots == 8
+    assert [(r.ticket, r.slots) for r in client.poll_loads()] == [(ticket, [])]
+    save(client, [key(1)], A, [1])
+    result = load(client, [key(1)], A)
+    np.testing.assert_array_equal(client.arena()[result.slots[0]], block_bytes(1))
