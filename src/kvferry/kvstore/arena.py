@@ -57,6 +57,21 @@ class Arena:
             os.close(fd)
         return cls(path, num_slots, block_nbytes, True, mm)
 
+    @staticmethod
+    def sweep_stale(directory: Path = SHM_DIR) -> int:
+        """Unlink arenas whose creator is gone (killed before it could
+        clean up: SIGKILL, OOM). The creator's pid is in the name."""
+        removed = 0
+        for path in directory.glob("kvferry-kvstore-*-*"):
+            try:
+                pid = int(path.name.split("-")[2])
+            except (IndexError, ValueError):
+                continue
+            if not _alive(pid):
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
     @classmethod
     def attach(cls, path: str | Path, num_slots: int, block_nbytes: int) -> "Arena":
         """Map an arena another process created (the store's)."""
@@ -81,3 +96,13 @@ class Arena:
             self._mmap.close()
         except BufferError:
             pass  # someone still holds a view: the mapping lives until it is dropped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True

@@ -204,11 +204,19 @@ class KVStoreClient:
         """One round trip; None when the service is down (then the
         connection is dropped and retried after the backoff)."""
         with self._lock:
-            if not self._ensure_connected():
-                return None
-            reply = self._roundtrip(self._sock, request)
-            if reply is None:
-                self._connection_lost()
+            for _ in range(2):  # a second time only after a restarted service said so
+                if not self._ensure_connected():
+                    return None
+                request.service_id = self._service_id
+                reply = self._roundtrip(self._sock, request)
+                if reply is None:
+                    self._connection_lost()
+                    return None
+                if not isinstance(reply, p.Restarted):
+                    break
+                logger.warning("kvstore at %s restarted: reconnecting", self.address)
+                self._connection_lost(retry_now=True)
+            else:
                 return None
             if isinstance(reply, p.Refused):
                 logger.debug("kvstore refused %s: %s", type(request).__name__, reply.reason)
@@ -248,8 +256,8 @@ class KVStoreClient:
             self._warned_down = False
         return True
 
-    def _connection_lost(self) -> None:
-        if not self._warned_down:
+    def _connection_lost(self, retry_now: bool = False) -> None:
+        if not self._warned_down and not retry_now:
             logger.warning("kvstore at %s does not answer: tiers below the device pool are off until it does",
                            self.address)
             self._warned_down = True
@@ -259,7 +267,7 @@ class KVStoreClient:
         self._lost.extend(LoadResult(ticket=t, slots=[]) for t in sorted(self._outstanding))
         self._outstanding.clear()
         self._backoff_s = _BACKOFF_MIN_S
-        self._retry_at = time.monotonic() + self._backoff_s
+        self._retry_at = 0.0 if retry_now else time.monotonic() + self._backoff_s
 
     def _new_socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.REQ)

@@ -20,6 +20,7 @@ live in the shared-memory arena, and messages carry slot numbers::
     GetStats                       ------>  StoreStats
     Goodbye                        ------>  Ok           (frees the client's pins and reservations)
                                    <------  Refused(reason)   (any request the service cannot take)
+                                   <------  Restarted         (the request was meant for an earlier service)
 
 Every request names its ``client_id`` so that tickets, pins and
 reservations belong to one client, and a client that says Hello again
@@ -35,13 +36,18 @@ from kvferry.kvstore.tier import BlockOwner, TierStats
 
 __all__ = [
     "Abandon", "BeginLoad", "Commit", "Count", "DropTenant", "GetStats", "Goodbye", "Hello", "LoadResult",
-    "Loads", "Lookup", "Ok", "PollLoads", "Refused", "Release", "Reply", "Request", "Reserve", "Retain", "Slots",
-    "StoreStats", "Welcome", "decode", "encode",
+    "Loads", "Lookup", "Ok", "PollLoads", "Refused", "Release", "Reply", "Request", "Reserve", "Restarted",
+    "Retain", "Slots", "StoreStats", "Welcome", "decode", "encode",
 ]
 
 
 class _Req(msgspec.Struct, kw_only=True, tag=True):
     client_id: str
+    # The service this client said Hello to. A REQ socket reconnects to
+    # whatever listens at the address, so a restarted service would
+    # otherwise take requests (slots, tickets) meant for its predecessor:
+    # it answers Restarted instead, and the client says Hello again.
+    service_id: str = ""
 
 
 class Hello(_Req):
@@ -165,7 +171,13 @@ class Refused(msgspec.Struct, kw_only=True, tag=True):
     reason: str
 
 
-Reply = Union[Welcome, Ok, Count, Slots, Loads, StoreStats, Refused]
+class Restarted(msgspec.Struct, kw_only=True, tag=True):
+    """The request named another service_id: this is a new service."""
+
+    service_id: str
+
+
+Reply = Union[Welcome, Ok, Count, Slots, Loads, StoreStats, Refused, Restarted]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}

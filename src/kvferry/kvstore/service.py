@@ -137,6 +137,8 @@ class KVStoreService:
         num_slots = self.config.dram_bytes // block_nbytes
         if num_slots < 1:
             raise ValueError("dram_gb: the arena must hold at least one block")
+        if Arena.sweep_stale(self.config.shm_dir):
+            logger.info("removed the arenas of store processes that died without cleaning up")
         self.arena = Arena.create(num_slots, block_nbytes, self.config.shm_dir)
         self.index = DramIndex(num_slots, block_nbytes, self.config.quotas(block_nbytes),
                                can_demote=bool(self.cold), on_evict=self._write_back)
@@ -188,6 +190,8 @@ class KVStoreService:
     def handle(self, request: p.Request) -> p.Reply:
         if isinstance(request, p.Hello):
             return self._hello(request)
+        if request.service_id and request.service_id != self.service_id:
+            return p.Restarted(service_id=self.service_id)
         if isinstance(request, p.GetStats):
             return self.stats()
         if self.index is None:
@@ -244,11 +248,8 @@ class KVStoreService:
 
     def _lookup(self, keys: list[bytes]) -> int:
         n = 0
-        while n < len(keys) and self.index.holds(keys[n]):
+        while n < len(keys) and (self.index.holds(keys[n]) or self._any_cold_contains(keys[n])):
             n += 1
-        for tier in self.cold:
-            while n < len(keys) and self._tier_contains(tier, keys[n]):
-                n += 1
         return n
 
     def _begin_load(self, request: p.BeginLoad, now: float) -> None:
@@ -257,20 +258,30 @@ class KVStoreService:
         tickets = self._tickets.setdefault(request.client_id, {})
         if request.ticket in tickets:
             raise ValueError(f"ticket: {request.ticket} is already in use")
+        # Pin what DRAM holds first, so that bringing up the missing blocks
+        # can never evict a later block of this same load.
+        found = [self.index.readable(key, owner) for key, owner in zip(request.keys, request.owners)]
+        for entry in found:
+            if entry is not None:
+                self.index.pin(entry)
         entries: list[Entry] = []
         to_load: list[Entry] = []
-        for key, owner in zip(request.keys, request.owners):
-            entry = self.index.readable(key, owner)
+        for key, owner, entry in zip(request.keys, request.owners, found):
             if entry is None and self.cold and self._any_cold_contains(key):
                 entry = self.index.allocate(key, owner, State.LOADING, now)
                 if entry is not None:
+                    self.index.pin(entry)
                     to_load.append(entry)
             if entry is None:
                 self.index.count_hit(owner, False)
                 break
-            self.index.count_hit(owner, entry.state is State.READY and entry not in to_load)
-            self.index.pin(entry)
+            hit = entry.state is State.READY and entry not in to_load
+            self.index.count_hit(owner, hit)
+            entry.hits += hit
             entries.append(entry)
+        for entry in found[len(entries):]:  # past the run: not this load's
+            if entry is not None:
+                self.index.unpin(entry)
         tickets[request.ticket] = _Ticket(request.client_id, request.ticket, entries, now)
         if to_load:
             self._loads_in_flight += 1
@@ -492,6 +503,9 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
                         help="DRAM quota of a tenant the key file gives none (default: no cap)")
     parser.add_argument("--public-dram-gb", type=float, default=None,
                         help="DRAM quota of the public pool (blocks of declared public prefixes)")
+    parser.add_argument("--default-disk-gb", type=float, default=None,
+                        help="disk quota of a tenant the key file gives none (default: no cap)")
+    parser.add_argument("--public-disk-gb", type=float, default=None, help="disk quota of the public pool")
     parser.add_argument("--io-threads", type=int, default=4, help="threads loading blocks from cold tiers")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit once this process is gone")
     parser.add_argument("--log-level", default="info")
@@ -532,10 +546,35 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
 
 
 def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
-    """The tiers below DRAM the flags ask for, in load order: disk, remote."""
+    """The tiers below DRAM the flags ask for, in load order: disk, remote.
+    Private blocks are sealed under per-tenant keys derived from the cache
+    secret; without ``--cache-secret-file`` a fresh secret per start (the
+    server's namespaces change on restart then too, so nothing is lost)."""
+    if (args.disk is None) != (args.disk_gb is None):
+        raise ValueError("disk / disk_gb: give both or neither")
+    if not (args.disk or args.remote):
+        return []
+    from kvferry.kvstore.crypto import TierCrypto
+    from kvferry.kvstore.tenant_lru import TierQuotas
+
+    if args.cache_secret_file is not None:
+        crypto = TierCrypto.from_file(args.cache_secret_file)
+    else:
+        logger.warning("no --cache-secret-file: private blocks at rest are sealed under a key of this start only")
+        crypto = TierCrypto(os.urandom(32))
     tiers: list[ColdTier] = []
-    if args.disk or args.remote:
-        raise ValueError("disk / remote: this build has no cold tiers yet")
+    if args.disk:
+        from kvferry.kvstore.disk import DiskTier
+
+        if args.disk_gb <= 0:
+            raise ValueError(f"disk_gb: must be > 0, got {args.disk_gb}")
+        quotas = TierQuotas.from_gb(tenant_quotas_gb(args.api_keys, "disk_gb"), default_tenant_gb=args.default_disk_gb,
+                                    public_gb=args.public_disk_gb)
+        tiers.append(DiskTier(args.disk, int(args.disk_gb * GIB), crypto=crypto, quotas=quotas))
+    if args.remote:
+        from kvferry.kvstore.remote import RedisTier
+
+        tiers.append(RedisTier(args.remote, crypto=crypto))
     return tiers
 
 
@@ -547,7 +586,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [kvstore] %(name)s: %(message)s")
     try:
         service = KVStoreService(config_from_args(args), cold_tiers_from_args(args))
-    except (ValueError, zmq.ZMQError) as exc:
+    except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"kvferry kvstore: {exc}", file=sys.stderr)
         return 2
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -29,7 +29,8 @@ from pathlib import Path
 DEFAULT_TENANT_NAME = "default"
 MAX_TRACKED_NAMESPACES = 100_000
 _TENANT_FIELDS = {"tenant", "publish", "admin", "quota"}
-_QUOTA_FIELDS = {"device_blocks"}
+# dram_gb / disk_gb: the node KV store's per-tier quotas (read by ``kvferry kvstore``).
+_QUOTA_FIELDS = {"device_blocks", "dram_gb", "disk_gb"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,10 @@ def _parse_tenant(key: str, entry: object) -> Tenant:
     blocks = quota.get("device_blocks")
     if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
         raise ValueError(f"{where}.quota.device_blocks: must be an integer >= 0")
+    for tier in ("dram_gb", "disk_gb"):
+        gb = quota.get(tier)
+        if gb is not None and (not isinstance(gb, (int, float)) or isinstance(gb, bool) or not gb >= 0):
+            raise ValueError(f"{where}.quota.{tier}: must be a number >= 0")
     return Tenant(name, entry.get("publish", False), entry.get("admin", False), blocks)
 
 
