@@ -165,3 +165,44 @@ def test_swap_preemption_through_the_store_keeps_greedy_output(case, store, mode
     assert stats.kv_loaded_tokens > 0
     llm.engine.check_integrity()
     llm.engine.core.close()
+
+
+def test_resume_from_the_ssd_tier_after_dram_was_flushed(case, tmp_path):
+    # DRAM of ~78 blocks over a disk tier: the conversations after turn 1
+    # push its blocks down to SSD, and the next turn loads them from there.
+    path, hf, prompts, expected = case
+    process, address = start_store(0.0003, disk=str(tmp_path / "kvdisk"), disk_gb=0.01)
+    try:
+        writer = tiered_llm(path, address)
+        history = prompts[3] + writer.generate([prompts[3]], GREEDY)[0].token_ids
+        rng = random.Random(11)
+        for _ in range(4):
+            writer.generate([[rng.randrange(3, 300) for _ in range(200)]], GREEDY)
+        writer.engine.core.close()
+        turn2 = history + [12, 13, 14]
+        reader = tiered_llm(path, address)
+        result = reader.generate([turn2], GREEDY)[0]
+        assert_greedy_match(hf, turn2, result.token_ids, hf_greedy(hf, turn2, MAX_NEW))
+        assert result.num_cached_tokens == (len(history) - 1) // BLOCK * BLOCK
+        assert store_stats(address).tiers["disk"].hits > 0
+        reader.engine.core.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_loads_are_capped_per_request(case, store):
+    # --max-load-tokens 16: two blocks come from the store, the rest of the
+    # prefix is recomputed; the output does not change.
+    path, hf, prompts, expected = case
+    _, address = store
+    writer = tiered_llm(path, address)
+    writer.generate([prompts[1]], GREEDY)
+    writer.engine.core.close()
+    reader = tiered_llm(path, address, max_load_tokens=2 * BLOCK)
+    result = reader.generate([prompts[1]], GREEDY)[0]
+    assert_greedy_match(hf, prompts[1], result.token_ids, expected[1])
+    stats = reader.engine.stats()
+    assert stats.kv_loaded_tokens == 2 * BLOCK and result.num_cached_tokens == 2 * BLOCK
+    assert stats.kv_partial_loads == 0
+    reader.engine.core.close()
