@@ -119,7 +119,7 @@ class KVStoreClient:
         """Loads finished since the last poll, each exactly once."""
         with self._lock:
             if self._outstanding:
-                reply = self._call(p.PollLoads(client_id=self.client_id))
+                reply = self._call(p.PollLoads(client_id=self.client_id, tickets=sorted(self._outstanding)))
                 if isinstance(reply, p.Loads):
                     for result in reply.results:
                         self._outstanding.discard(result.ticket)

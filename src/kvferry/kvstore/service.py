@@ -74,6 +74,11 @@ class StoreConfig:
     public_dram_bytes: int | None = None
     remote_min_hits: int = 2
     io_threads: int = 4
+    # A client not heard from for this long died without Goodbye: its pins
+    # and reservations are freed. Engines poll while their loads are in
+    # flight and commit right after reserving, so a live one never idles
+    # this long holding anything.
+    client_lease_s: float = 60.0
     shm_dir: Path = SHM_DIR
 
     def __post_init__(self) -> None:
@@ -87,6 +92,8 @@ class StoreConfig:
             raise ValueError(f"remote_min_hits: must be >= 0, got {self.remote_min_hits}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads: must be >= 1, got {self.io_threads}")
+        if not self.client_lease_s > 0:
+            raise ValueError(f"client_lease_s: must be > 0, got {self.client_lease_s}")
 
     def quotas(self, block_nbytes: int) -> PoolQuotas:
         def blocks(nbytes: int | None) -> int | None:
@@ -121,6 +128,8 @@ class KVStoreService:
         self._stop = threading.Event()
         # client_id -> ticket -> _Ticket
         self._tickets: dict[str, dict[int, _Ticket]] = {}
+        self._last_seen: dict[str, float] = {}  # client_id -> time.monotonic()
+        self._next_lease_check = 0.0
         self._done_loads = 0
         self._load_seconds = 0.0
         self._loaders = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-load")
@@ -160,6 +169,7 @@ class KVStoreService:
                             break
                         self._answer(frames)
                 self._apply_completions()
+                self._expire_leases()
         finally:
             self.close()
 
@@ -188,6 +198,7 @@ class KVStoreService:
 
     # -- requests ----------------------------------------------------------------------
     def handle(self, request: p.Request) -> p.Reply:
+        self._last_seen[request.client_id] = time.monotonic()
         if isinstance(request, p.Hello):
             return self._hello(request)
         if request.service_id and request.service_id != self.service_id:
@@ -205,8 +216,11 @@ class KVStoreService:
             case p.BeginLoad():
                 self._begin_load(request, now)
                 return p.Ok()
-            case p.PollLoads(client_id=client_id):
-                return p.Loads(results=self._finished_loads(client_id, now))
+            case p.PollLoads(client_id=client_id, tickets=waiting):
+                results = self._finished_loads(client_id, now)
+                known = self._tickets.get(client_id, {})
+                results += [p.LoadResult(ticket=t, slots=[]) for t in waiting if t not in known]
+                return p.Loads(results=results)
             case p.Release(client_id=client_id, tickets=tickets):
                 for ticket in tickets:
                     self._release(client_id, ticket)
@@ -227,6 +241,7 @@ class KVStoreService:
                 return p.Count(n=self._drop_tenant(tenant))
             case p.Goodbye(client_id=client_id):
                 self._forget_client(client_id)
+                self._last_seen.pop(client_id, None)
                 return p.Ok()
         raise ValueError(f"unknown request {type(request).__name__}")
 
@@ -353,6 +368,23 @@ class KVStoreService:
             except Exception:
                 logger.exception("tier %s: drop_tenant failed", tier.name)
         return n
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + min(1.0, self.config.client_lease_s / 4)
+        for client_id, seen in list(self._last_seen.items()):
+            if now - seen > self.config.client_lease_s:
+                del self._last_seen[client_id]
+                if self._holds_anything(client_id):
+                    logger.warning("client %s silent for %.0f s: freeing its pins and reservations", client_id,
+                                   now - seen)
+                self._forget_client(client_id)
+
+    def _holds_anything(self, client_id: str) -> bool:
+        return bool(self._tickets.get(client_id)) or any(
+            e.client_id == client_id for e in (self.index.entries.values() if self.index else ()))
 
     def _forget_client(self, client_id: str) -> None:
         """Free every pin and reservation of a client that left (or came back)."""
@@ -507,6 +539,8 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
                         help="disk quota of a tenant the key file gives none (default: no cap)")
     parser.add_argument("--public-disk-gb", type=float, default=None, help="disk quota of the public pool")
     parser.add_argument("--io-threads", type=int, default=4, help="threads loading blocks from cold tiers")
+    parser.add_argument("--client-lease-s", type=float, default=60.0,
+                        help="free the pins and reservations of a client silent this long (it died)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit once this process is gone")
     parser.add_argument("--log-level", default="info")
 
@@ -542,7 +576,7 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         address=args.address, dram_bytes=int(args.dram_gb * GIB), block_nbytes=args.block_nbytes,
         tenant_dram_bytes={t: int(g * GIB) for t, g in tenant_quotas_gb(args.api_keys, "dram_gb").items()},
         default_dram_bytes=nbytes(args.default_dram_gb), public_dram_bytes=nbytes(args.public_dram_gb),
-        remote_min_hits=args.remote_min_hits, io_threads=args.io_threads)
+        remote_min_hits=args.remote_min_hits, io_threads=args.io_threads, client_lease_s=args.client_lease_s)
 
 
 def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
