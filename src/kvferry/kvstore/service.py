@@ -256,8 +256,10 @@ class KVStoreService:
         if hello.block_nbytes is not None and hello.block_nbytes != self.arena.block_nbytes:
             return p.Refused(reason=f"block_nbytes: the store's arena holds blocks of {self.arena.block_nbytes} "
                                     f"bytes, this client's are {hello.block_nbytes}")
-        # A client saying Hello again reconnected: whatever it held is stale.
-        self._forget_client(hello.client_id)
+        # A client saying Hello again reconnected after a timeout: it may
+        # still be writing its reserved slots, so they stay its own (until
+        # Goodbye, its lease, or the reservation timeout); it releases the
+        # loads it gave up on itself.
         return p.Welcome(service_id=self.service_id, arena_path=str(self.arena.path),
                          num_slots=self.arena.num_slots, block_nbytes=self.arena.block_nbytes)
 
@@ -374,6 +376,13 @@ class KVStoreService:
         if now < self._next_lease_check:
             return
         self._next_lease_check = now + min(1.0, self.config.client_lease_s / 4)
+        if self.index is not None:
+            # A reservation whose Reserve reply never reached its client (a
+            # timeout) would otherwise hold its slot forever.
+            stale = [e for e in self.index.entries.values()
+                     if e.state is State.RESERVED and now - e.since > self.config.client_lease_s]
+            for entry in stale:
+                self.index.remove(entry)
         for client_id, seen in list(self._last_seen.items()):
             if now - seen > self.config.client_lease_s:
                 del self._last_seen[client_id]
