@@ -161,7 +161,8 @@ class StoreStats(msgspec.Struct, kw_only=True, tag=True):
     pinned_slots: int = 0
     retained_blocks: int = 0
     evictions: int = 0
-    written_back: int = 0  # DRAM evictions handed to the cold tiers
+    written_back: int = 0  # DRAM evictions written down to the cold tiers
+    write_backs_dropped: int = 0  # evictions not written down: the write-back queue was full
     loads: int = 0  # begin_load tickets finished
     load_seconds: float = 0.0  # their total time from begin_load to result
 

@@ -58,9 +58,9 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 _POLL_IDLE_MS = 100
 _POLL_BUSY_MS = 1  # while loads are in flight: their completions arrive on a queue
-# Evicted blocks waiting for the write-back thread; past this they are
-# dropped (and counted) rather than held in memory without bound.
-MAX_PENDING_WRITE_BACKS = 4096
+# Bytes of evicted blocks waiting for the write-back thread; past this
+# they are dropped (and counted) rather than held in memory without bound.
+MAX_PENDING_WRITE_BACK_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -467,7 +467,7 @@ class KVStoreService:
             return
         tiers = [t for t in self.cold if t.name != "remote" or entry.hits >= self.config.remote_min_hits]
         with self._write_back_lock:
-            if self._pending_write_backs >= MAX_PENDING_WRITE_BACKS:
+            if (self._pending_write_backs + 1) * self.arena.block_nbytes > MAX_PENDING_WRITE_BACK_BYTES:
                 self.write_backs_dropped += 1
                 return
             self._pending_write_backs += 1
@@ -508,6 +508,7 @@ class KVStoreService:
             retained_blocks=sum(1 for e in index.lru.values() if e.retain_until > now) if index else 0,
             evictions=index.evictions if index else 0,
             written_back=self.written_back,
+            write_backs_dropped=self.write_backs_dropped,
             loads=self._done_loads,
             load_seconds=self._load_seconds,
         )
