@@ -79,6 +79,9 @@ class StoreConfig:
     # flight and commit right after reserving, so a live one never idles
     # this long holding anything.
     client_lease_s: float = 60.0
+    # Check the DRAM index after every request (tests, debugging): a broken
+    # invariant is logged and makes the process exit non-zero at shutdown.
+    check_integrity: bool = False
     shm_dir: Path = SHM_DIR
 
     def __post_init__(self) -> None:
@@ -140,6 +143,7 @@ class KVStoreService:
         self._write_back_lock = threading.Lock()
         self.written_back = 0
         self.write_backs_dropped = 0
+        self.integrity_failures = 0
 
     # -- the arena ---------------------------------------------------------------------
     def _make_arena(self, block_nbytes: int) -> None:
@@ -189,6 +193,8 @@ class KVStoreService:
             try:
                 self._apply_completions()
                 reply = self.handle(request)
+                if self.config.check_integrity:
+                    self._check_integrity()
             except ValueError as exc:
                 reply = p.Refused(reason=str(exc))
             except Exception as exc:
@@ -371,6 +377,15 @@ class KVStoreService:
                 logger.exception("tier %s: drop_tenant failed", tier.name)
         return n
 
+    def _check_integrity(self) -> None:
+        if self.index is None:
+            return
+        try:
+            self.index.check_integrity()
+        except AssertionError as exc:
+            self.integrity_failures += 1
+            logger.error("DRAM index integrity check failed: %s", exc)
+
     def _expire_leases(self) -> None:
         now = time.monotonic()
         if now < self._next_lease_check:
@@ -551,6 +566,8 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-threads", type=int, default=4, help="threads loading blocks from cold tiers")
     parser.add_argument("--client-lease-s", type=float, default=60.0,
                         help="free the pins and reservations of a client silent this long (it died)")
+    parser.add_argument("--check-integrity", action="store_true",
+                        help="check the DRAM index after every request; exit non-zero if it ever broke")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit once this process is gone")
     parser.add_argument("--log-level", default="info")
 
@@ -586,7 +603,8 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         address=args.address, dram_bytes=int(args.dram_gb * GIB), block_nbytes=args.block_nbytes,
         tenant_dram_bytes={t: int(g * GIB) for t, g in tenant_quotas_gb(args.api_keys, "dram_gb").items()},
         default_dram_bytes=nbytes(args.default_dram_gb), public_dram_bytes=nbytes(args.public_dram_gb),
-        remote_min_hits=args.remote_min_hits, io_threads=args.io_threads, client_lease_s=args.client_lease_s)
+        remote_min_hits=args.remote_min_hits, io_threads=args.io_threads, client_lease_s=args.client_lease_s,
+        check_integrity=args.check_integrity)
 
 
 def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
@@ -639,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
         _watch_parent(args.parent_pid, service)
     logger.info("kvstore serving at %s", args.address)
     service.serve_forever()
-    return 0
+    return 3 if service.integrity_failures else 0
 
 
 def _watch_parent(parent_pid: int, service: KVStoreService) -> None:
