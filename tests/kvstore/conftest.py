@@ -38,8 +38,10 @@ def store_factory(address):
 
     started = []
 
-    def start(num_blocks: int = 16, *, block_nbytes: int | None = BLOCK_NBYTES, at: str | None = None, **kwargs):
-        proc, addr = start_store(gb(num_blocks), address=at or address, block_nbytes=block_nbytes, **kwargs)
+    def start(num_blocks: int = 16, *, block_nbytes: int | None = BLOCK_NBYTES, at: str | None = None,
+              extra_args: list[str] | None = None, **kwargs):
+        proc, addr = start_store(gb(num_blocks), address=at or address, block_nbytes=block_nbytes,
+                                 extra_args=["--check-integrity", *(extra_args or [])], **kwargs)
         started.append(proc)
         return proc, addr
 
@@ -47,7 +49,8 @@ def store_factory(address):
     for proc in started:
         if proc.poll() is None:
             proc.terminate()
-            proc.wait(10)
+            # 0: a clean shutdown with the DRAM index intact after every request
+            assert proc.wait(10) == 0, f"the store exited with {proc.returncode}"
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ K = b"\x01" * 32
 REQUESTS = [
     p.Hello(client_id="c", block_nbytes=4096, service_id="s"), p.Hello(client_id="c"), p.Lookup(client_id="c", keys=[K, K]),
     p.BeginLoad(client_id="c", ticket=7, keys=[K], owners=[BlockOwner("acme", public=True)]),
-    p.PollLoads(client_id="c"), p.Release(client_id="c", tickets=[1, 2]),
+    p.PollLoads(client_id="c"), p.PollLoads(client_id="c", tickets=[3]), p.Release(client_id="c", tickets=[1, 2]),
     p.Reserve(client_id="c", keys=[K], owners=[BlockOwner("acme")]), p.Commit(client_id="c", keys=[K], slots=[3]),
     p.Abandon(client_id="c", slots=[3]), p.Retain(client_id="c", keys=[K], owner=BlockOwner("b"), seconds=1.5),
     p.DropTenant(client_id="c", tenant="acme"), p.GetStats(client_id="c"), p.Goodbye(client_id="c"),

@@ -287,3 +287,62 @@ def test_a_store_restarted_at_the_same_address_is_noticed_on_the_next_call(store
     save(client, [key(1)], A, [1])
     result = load(client, [key(1)], A)
     np.testing.assert_array_equal(client.arena()[result.slots[0]], block_bytes(1))
+
+
+def test_a_client_that_dies_without_goodbye_loses_its_pins_after_its_lease(store_factory, clients):
+    _, address = store_factory(4, extra_args=["--client-lease-s", "0.5"])
+    dead = textwrap.dedent(f"""
+        import os
+        from kvferry.kvstore.client import KVStoreClient
+        from kvferry.kvstore.tier import BlockOwner
+        c = KVStoreClient({address!r})
+        slots = c.reserve([b"r" * 32], [BlockOwner("acme")])  # reserved, never committed
+        c.begin_load([b"k" + (0).to_bytes(8, "little") + bytes(23)], [BlockOwner("acme")])
+        os._exit(0)  # no Goodbye
+    """)
+    client = clients(address)
+    save(client, [key(0)], A, [0])
+    subprocess.run([sys.executable, "-c", dead], check=True, timeout=60, env=os.environ)
+    stats = client.stats()
+    assert stats.pinned_slots == 1 and stats.used_slots == 2
+    deadline = time.monotonic() + 10
+    while client.stats().pinned_slots or client.stats().used_slots != 1:
+        assert time.monotonic() < deadline, "the dead client's pin and reservation were never freed"
+        time.sleep(0.1)
+
+
+def test_polling_a_ticket_the_store_forgot_returns_it_empty(store_factory, clients):
+    _, address = store_factory(16, extra_args=["--client-lease-s", "0.3"])
+    client = clients(address)
+    save(client, [key(0)], A, [0])
+    ticket = client.begin_load([key(0)], [A])
+    time.sleep(1.5)  # silent past its lease: the store frees its pins and forgets the ticket
+    assert [(r.ticket, r.slots) for r in client.poll_loads()] == [(ticket, [])]
+    assert client.stats().pinned_slots == 0
+
+
+def test_a_store_that_stalls_past_the_timeout_loses_nothing_and_leaks_nothing(store_factory, clients):
+    proc, address = store_factory(16)
+    client = clients(address, timeout_s=0.3)
+    save(client, [key(0)], A, [0])
+    (reserved,) = client.reserve([key(1)], [A])
+    ticket = client.begin_load([key(0)], [A])
+    os.kill(proc.pid, signal.SIGSTOP)  # a stalled store: alive, silent
+    try:
+        assert [(r.ticket, r.slots) for r in client.poll_loads()] == [(ticket, [])]  # the engine recomputes
+        assert client.lookup([key(0)]) == 0 and not client.connected
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while not client.connected:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # The same store is back: the load given up on is unpinned there, the
+    # reservation made before the stall is still the client's to commit.
+    assert client.stats().pinned_slots == 0
+    client.arena()[reserved] = block_bytes(1)
+    client.commit([key(1)], [reserved])
+    result = load(client, [key(0), key(1)], A)
+    for i, slot in enumerate(result.slots):
+        np.testing.assert_array_equal(client.arena()[slot], block_bytes(i))
+    assert client.poll_loads() == []  # nothing reported twice

@@ -148,3 +148,28 @@ def test_only_reused_blocks_reach_the_remote_tier(store_factory, clients, tmp_pa
         np.testing.assert_array_equal(other.arena()[result.slots[0]], block_bytes(0))
     finally:
         redis.kill()
+
+
+def test_a_redis_outage_leaves_dram_and_disk_serving(store_factory, clients, tmp_path, secret_file):
+    from tests.kvstore.redis_server import RedisServer
+
+    redis = RedisServer(tmp_path)
+    redis.start()
+    try:
+        _, address = store_factory(2, disk=str(tmp_path / "ssd"), disk_gb=gb(64), remote=redis.url,
+                                   cache_secret_file=secret_file, extra_args=["--remote-min-hits", "0"])
+        client = clients(address)
+        redis.kill()
+        for i in range(6):  # evictions go to disk; the remote writes fail and are counted
+            save(client, [key(i)], A, [i])
+        wait_written_back(client, 4)
+        assert client.lookup([key(i) for i in range(6)]) == 6
+        result = load(client, [key(0), key(1)])
+        for i, slot in enumerate(result.slots):
+            np.testing.assert_array_equal(client.arena()[slot], block_bytes(i))
+        client.release(result.ticket)
+        assert client.lookup([key(99)]) == 0  # a miss everywhere asks the dead remote too, and answers
+        stats = client.stats()
+        assert stats.tiers["remote"].refused_writes >= 1 and stats.tiers["remote"].num_blocks == 0
+    finally:
+        redis.kill()

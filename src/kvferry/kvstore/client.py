@@ -8,15 +8,17 @@
     slots = client.reserve(keys, owners)        # write arena[slot] for each slot that is not None
     client.commit(keys_written, slots_written)  # now readers see them
 
-Every call is safe while the service is down: lookups miss, reserves are
-refused, loads finish empty (a ticket in flight when the service went away
-comes back from ``poll_loads`` with no slots, so nothing waits forever),
-and nothing raises into the engine. The client reconnects by itself, with
-backoff (50 ms doubling to 2 s), on the next call after the backoff; when
-the service that answers is a new one, it maps the new arena and bumps
-``generation``: an engine holding a view from ``arena()`` takes a fresh
-one when ``generation`` changed. Thread-safe (one lock; one request in
-flight at a time).
+Every call is safe while the service is down or stalled (no answer within
+``timeout_s``): lookups miss, reserves are refused, loads finish empty (a
+ticket in flight then comes back from ``poll_loads`` with no slots, so
+nothing waits forever), and nothing raises into the engine. The client
+reconnects by itself, with backoff (50 ms doubling to 2 s), on the next
+call after the backoff. If the same service answers again, the loads given
+up on are released there and reservations stay valid; if a new one
+answers (every request names the service it is meant for), the client maps
+the new arena and bumps ``generation``: an engine holding a view from
+``arena()`` takes a fresh one when ``generation`` changed. Thread-safe (one
+lock; one request in flight at a time).
 
 ``block_nbytes``: an arena is created by the first client that says Hello
 with one when the service was started without ``--block-nbytes``; a
@@ -66,8 +68,12 @@ class KVStoreClient:
         self._service_id: str | None = None
         self._arena: Arena | None = None
         self._next_ticket = 1
-        self._outstanding: set[int] = set()  # tickets the current service is loading
-        self._lost: list[LoadResult] = []  # tickets to report empty (service down / gone)
+        self._last_service_id: str | None = None  # the service last connected to (kept while down)
+        self._outstanding: set[int] = set()  # tickets the service is loading for us
+        self._ready: list[LoadResult] = []  # results for the next poll_loads
+        # Tickets reported empty while the service did not answer: if the
+        # same service answers again, they are released there (it still pins them).
+        self._abandoned: set[int] = set()
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._warned_down = False
@@ -112,19 +118,24 @@ class KVStoreClient:
                 if isinstance(reply, p.Ok):
                     self._outstanding.add(ticket)
                     return ticket
-            self._lost.append(LoadResult(ticket=ticket, slots=[]))
+                self._abandoned.add(ticket)  # the service may have taken it before going silent
+            self._ready.append(LoadResult(ticket=ticket, slots=[]))
             return ticket
 
     def poll_loads(self) -> list[LoadResult]:
         """Loads finished since the last poll, each exactly once."""
         with self._lock:
             if self._outstanding:
-                reply = self._call(p.PollLoads(client_id=self.client_id))
+                reply = self._call(p.PollLoads(client_id=self.client_id, tickets=sorted(self._outstanding)))
                 if isinstance(reply, p.Loads):
                     for result in reply.results:
-                        self._outstanding.discard(result.ticket)
-                    self._lost.extend(reply.results)
-            results, self._lost = self._lost, []
+                        if result.ticket in self._outstanding:  # each exactly once
+                            self._outstanding.discard(result.ticket)
+                            self._ready.append(result)
+                elif self._service_id is None:
+                    # Down: nothing will come back, and the engine must not wait.
+                    self._abandon(self._outstanding)
+            results, self._ready = self._ready, []
             return results
 
     def release(self, ticket: int) -> None:
@@ -248,8 +259,16 @@ class KVStoreClient:
                 self._arena.close()
             self._arena = arena
             self.generation += 1
-        self._service_id = reply.service_id
+        if reply.service_id != self._last_service_id:
+            # A new service: nothing of the old one's survives.
+            self._abandon(self._outstanding)
+            self._abandoned.clear()
+        self._service_id = self._last_service_id = reply.service_id
         self.num_slots, self.block_nbytes = reply.num_slots, reply.block_nbytes
+        if self._abandoned:  # the same service is back: unpin what we gave up on
+            tickets, self._abandoned = sorted(self._abandoned), set()
+            self._roundtrip(self._sock, p.Release(client_id=self.client_id, service_id=reply.service_id,
+                                                  tickets=tickets))
         self._backoff_s = 0.0
         if self._warned_down:
             logger.warning("kvstore at %s is back", self.address)
@@ -263,11 +282,14 @@ class KVStoreClient:
             self._warned_down = True
         self._drop_socket()
         self._service_id = None
-        # Nothing of the old connection will complete: report its loads empty.
-        self._lost.extend(LoadResult(ticket=t, slots=[]) for t in sorted(self._outstanding))
-        self._outstanding.clear()
         self._backoff_s = _BACKOFF_MIN_S
         self._retry_at = 0.0 if retry_now else time.monotonic() + self._backoff_s
+
+    def _abandon(self, tickets: set[int]) -> None:
+        """Report ``tickets`` finished and empty (the engine recomputes)."""
+        self._ready.extend(LoadResult(ticket=t, slots=[]) for t in sorted(tickets))
+        self._abandoned |= tickets
+        self._outstanding -= tickets
 
     def _new_socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.REQ)

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvferry.kvstore.tenant_lru import PUBLIC_POOL
 from kvferry.kvstore.tier import BlockOwner, TenantTierStats, TierStats
 
 Pool = str | None  # a tenant's name, or None for the public pool
@@ -58,6 +59,7 @@ class Entry:
     pins: int = 0
     retain_until: float = 0.0
     hits: int = 0  # loads served from this slot since it came in
+    since: float = 0.0  # when the slot was allocated (reservations time out)
 
 
 @dataclass(slots=True)
@@ -140,7 +142,7 @@ class DramIndex:
             if victim is None:
                 return self._refuse(owner)
             self._evict(victim)
-        entry = Entry(key, self.free.pop(), owner, state, client_id)
+        entry = Entry(key, self.free.pop(), owner, state, client_id, since=now)
         self.entries[key] = entry
         self.by_slot[entry.slot] = entry
         self.pool_slots[pool] = self.pool_slots.get(pool, 0) + 1
@@ -211,7 +213,7 @@ class DramIndex:
             tenant.misses += 1
 
     def tenant_stats(self, owner: BlockOwner) -> TenantTierStats:
-        name = "public" if owner.public else owner.tenant
+        name = PUBLIC_POOL if owner.public else owner.tenant
         stats = self.stats.per_tenant.get(name)
         if stats is None:
             stats = self.stats.per_tenant[name] = TenantTierStats()

@@ -10,7 +10,7 @@ live in the shared-memory arena, and messages carry slot numbers::
     Hello(client_id, block_nbytes) ------>  Welcome(arena_path, num_slots, ...)
     Lookup(keys)                   ------>  Count(n leading keys held)
     BeginLoad(ticket, keys, owners) ----->  Ok           (blocks come up in the background)
-    PollLoads                      ------>  Loads([LoadResult(ticket, slots)])
+    PollLoads(tickets)             ------>  Loads([LoadResult(ticket, slots)])
     Release(tickets)               ------>  Ok           (unpins)
     Reserve(keys, owners)          ------>  Slots([slot | None])
     Commit(keys, slots)            ------>  Ok           (now indexed: readers see them)
@@ -24,7 +24,8 @@ live in the shared-memory arena, and messages carry slot numbers::
 
 Every request names its ``client_id`` so that tickets, pins and
 reservations belong to one client, and a client that says Hello again
-(it reconnected) or Goodbye gets its leftovers freed.
+(it reconnected) or Goodbye gets its leftovers freed; so does one not heard
+from for the client lease (``--client-lease-s``: it died without Goodbye).
 """
 from __future__ import annotations
 
@@ -68,7 +69,10 @@ class BeginLoad(_Req):
 
 
 class PollLoads(_Req):
-    pass
+    # The tickets the client still waits for: one the service does not know
+    # (it forgot the client: a lease ran out, a Hello again) comes back
+    # finished and empty, so no engine waits on it forever.
+    tickets: list[int] = []
 
 
 class Release(_Req):
@@ -157,7 +161,8 @@ class StoreStats(msgspec.Struct, kw_only=True, tag=True):
     pinned_slots: int = 0
     retained_blocks: int = 0
     evictions: int = 0
-    written_back: int = 0  # DRAM evictions handed to the cold tiers
+    written_back: int = 0  # DRAM evictions written down to the cold tiers
+    write_backs_dropped: int = 0  # evictions not written down: the write-back queue was full
     loads: int = 0  # begin_load tickets finished
     load_seconds: float = 0.0  # their total time from begin_load to result
 

@@ -58,9 +58,9 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 _POLL_IDLE_MS = 100
 _POLL_BUSY_MS = 1  # while loads are in flight: their completions arrive on a queue
-# Evicted blocks waiting for the write-back thread; past this they are
-# dropped (and counted) rather than held in memory without bound.
-MAX_PENDING_WRITE_BACKS = 4096
+# Bytes of evicted blocks waiting for the write-back thread; past this
+# they are dropped (and counted) rather than held in memory without bound.
+MAX_PENDING_WRITE_BACK_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -74,6 +74,14 @@ class StoreConfig:
     public_dram_bytes: int | None = None
     remote_min_hits: int = 2
     io_threads: int = 4
+    # A client not heard from for this long died without Goodbye: its pins
+    # and reservations are freed. Engines poll while their loads are in
+    # flight and commit right after reserving, so a live one never idles
+    # this long holding anything.
+    client_lease_s: float = 60.0
+    # Check the DRAM index after every request (tests, debugging): a broken
+    # invariant is logged and makes the process exit non-zero at shutdown.
+    check_integrity: bool = False
     shm_dir: Path = SHM_DIR
 
     def __post_init__(self) -> None:
@@ -87,6 +95,8 @@ class StoreConfig:
             raise ValueError(f"remote_min_hits: must be >= 0, got {self.remote_min_hits}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads: must be >= 1, got {self.io_threads}")
+        if not self.client_lease_s > 0:
+            raise ValueError(f"client_lease_s: must be > 0, got {self.client_lease_s}")
 
     def quotas(self, block_nbytes: int) -> PoolQuotas:
         def blocks(nbytes: int | None) -> int | None:
@@ -121,6 +131,8 @@ class KVStoreService:
         self._stop = threading.Event()
         # client_id -> ticket -> _Ticket
         self._tickets: dict[str, dict[int, _Ticket]] = {}
+        self._last_seen: dict[str, float] = {}  # client_id -> time.monotonic()
+        self._next_lease_check = 0.0
         self._done_loads = 0
         self._load_seconds = 0.0
         self._loaders = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-load")
@@ -131,6 +143,7 @@ class KVStoreService:
         self._write_back_lock = threading.Lock()
         self.written_back = 0
         self.write_backs_dropped = 0
+        self.integrity_failures = 0
 
     # -- the arena ---------------------------------------------------------------------
     def _make_arena(self, block_nbytes: int) -> None:
@@ -160,6 +173,7 @@ class KVStoreService:
                             break
                         self._answer(frames)
                 self._apply_completions()
+                self._expire_leases()
         finally:
             self.close()
 
@@ -179,6 +193,8 @@ class KVStoreService:
             try:
                 self._apply_completions()
                 reply = self.handle(request)
+                if self.config.check_integrity:
+                    self._check_integrity()
             except ValueError as exc:
                 reply = p.Refused(reason=str(exc))
             except Exception as exc:
@@ -188,6 +204,7 @@ class KVStoreService:
 
     # -- requests ----------------------------------------------------------------------
     def handle(self, request: p.Request) -> p.Reply:
+        self._last_seen[request.client_id] = time.monotonic()
         if isinstance(request, p.Hello):
             return self._hello(request)
         if request.service_id and request.service_id != self.service_id:
@@ -205,8 +222,11 @@ class KVStoreService:
             case p.BeginLoad():
                 self._begin_load(request, now)
                 return p.Ok()
-            case p.PollLoads(client_id=client_id):
-                return p.Loads(results=self._finished_loads(client_id, now))
+            case p.PollLoads(client_id=client_id, tickets=waiting):
+                results = self._finished_loads(client_id, now)
+                known = self._tickets.get(client_id, {})
+                results += [p.LoadResult(ticket=t, slots=[]) for t in waiting if t not in known]
+                return p.Loads(results=results)
             case p.Release(client_id=client_id, tickets=tickets):
                 for ticket in tickets:
                     self._release(client_id, ticket)
@@ -227,6 +247,7 @@ class KVStoreService:
                 return p.Count(n=self._drop_tenant(tenant))
             case p.Goodbye(client_id=client_id):
                 self._forget_client(client_id)
+                self._last_seen.pop(client_id, None)
                 return p.Ok()
         raise ValueError(f"unknown request {type(request).__name__}")
 
@@ -241,8 +262,10 @@ class KVStoreService:
         if hello.block_nbytes is not None and hello.block_nbytes != self.arena.block_nbytes:
             return p.Refused(reason=f"block_nbytes: the store's arena holds blocks of {self.arena.block_nbytes} "
                                     f"bytes, this client's are {hello.block_nbytes}")
-        # A client saying Hello again reconnected: whatever it held is stale.
-        self._forget_client(hello.client_id)
+        # A client saying Hello again reconnected after a timeout: it may
+        # still be writing its reserved slots, so they stay its own (until
+        # Goodbye, its lease, or the reservation timeout); it releases the
+        # loads it gave up on itself.
         return p.Welcome(service_id=self.service_id, arena_path=str(self.arena.path),
                          num_slots=self.arena.num_slots, block_nbytes=self.arena.block_nbytes)
 
@@ -354,6 +377,39 @@ class KVStoreService:
                 logger.exception("tier %s: drop_tenant failed", tier.name)
         return n
 
+    def _check_integrity(self) -> None:
+        if self.index is None:
+            return
+        try:
+            self.index.check_integrity()
+        except AssertionError as exc:
+            self.integrity_failures += 1
+            logger.error("DRAM index integrity check failed: %s", exc)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + min(1.0, self.config.client_lease_s / 4)
+        if self.index is not None:
+            # A reservation whose Reserve reply never reached its client (a
+            # timeout) would otherwise hold its slot forever.
+            stale = [e for e in self.index.entries.values()
+                     if e.state is State.RESERVED and now - e.since > self.config.client_lease_s]
+            for entry in stale:
+                self.index.remove(entry)
+        for client_id, seen in list(self._last_seen.items()):
+            if now - seen > self.config.client_lease_s:
+                del self._last_seen[client_id]
+                if self._holds_anything(client_id):
+                    logger.warning("client %s silent for %.0f s: freeing its pins and reservations", client_id,
+                                   now - seen)
+                self._forget_client(client_id)
+
+    def _holds_anything(self, client_id: str) -> bool:
+        return bool(self._tickets.get(client_id)) or any(
+            e.client_id == client_id for e in (self.index.entries.values() if self.index else ()))
+
     def _forget_client(self, client_id: str) -> None:
         """Free every pin and reservation of a client that left (or came back)."""
         if self.index is None:
@@ -426,7 +482,7 @@ class KVStoreService:
             return
         tiers = [t for t in self.cold if t.name != "remote" or entry.hits >= self.config.remote_min_hits]
         with self._write_back_lock:
-            if self._pending_write_backs >= MAX_PENDING_WRITE_BACKS:
+            if (self._pending_write_backs + 1) * self.arena.block_nbytes > MAX_PENDING_WRITE_BACK_BYTES:
                 self.write_backs_dropped += 1
                 return
             self._pending_write_backs += 1
@@ -467,6 +523,7 @@ class KVStoreService:
             retained_blocks=sum(1 for e in index.lru.values() if e.retain_until > now) if index else 0,
             evictions=index.evictions if index else 0,
             written_back=self.written_back,
+            write_backs_dropped=self.write_backs_dropped,
             loads=self._done_loads,
             load_seconds=self._load_seconds,
         )
@@ -507,6 +564,10 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
                         help="disk quota of a tenant the key file gives none (default: no cap)")
     parser.add_argument("--public-disk-gb", type=float, default=None, help="disk quota of the public pool")
     parser.add_argument("--io-threads", type=int, default=4, help="threads loading blocks from cold tiers")
+    parser.add_argument("--client-lease-s", type=float, default=60.0,
+                        help="free the pins and reservations of a client silent this long (it died)")
+    parser.add_argument("--check-integrity", action="store_true",
+                        help="check the DRAM index after every request; exit non-zero if it ever broke")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit once this process is gone")
     parser.add_argument("--log-level", default="info")
 
@@ -542,7 +603,8 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         address=args.address, dram_bytes=int(args.dram_gb * GIB), block_nbytes=args.block_nbytes,
         tenant_dram_bytes={t: int(g * GIB) for t, g in tenant_quotas_gb(args.api_keys, "dram_gb").items()},
         default_dram_bytes=nbytes(args.default_dram_gb), public_dram_bytes=nbytes(args.public_dram_gb),
-        remote_min_hits=args.remote_min_hits, io_threads=args.io_threads)
+        remote_min_hits=args.remote_min_hits, io_threads=args.io_threads, client_lease_s=args.client_lease_s,
+        check_integrity=args.check_integrity)
 
 
 def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
@@ -595,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
         _watch_parent(args.parent_pid, service)
     logger.info("kvstore serving at %s", args.address)
     service.serve_forever()
-    return 0
+    return 3 if service.integrity_failures else 0
 
 
 def _watch_parent(parent_pid: int, service: KVStoreService) -> None:
