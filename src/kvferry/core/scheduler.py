@@ -38,6 +38,7 @@ from kvferry.core.outputs import (
     TransferOrder,
 )
 from kvferry.core.swap_space import HostSwapSpace
+from kvferry.core.tier_source import StoreKVSource, TierLookupStats
 from kvferry.core.stats import SchedulerStats
 from kvferry.messages import EngineCoreOutput
 from kvferry.request import FINISH_REASON, Request, RequestStatus
@@ -104,7 +105,7 @@ class Scheduler:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_budget = draft_budget
-        # Save full blocks to the KV store; kv_source is then a StoreKVSource.
+        # Save full blocks to the node's KV store (kv_source: a StoreKVSource).
         self.write_down = write_down
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -489,7 +490,8 @@ class Scheduler:
                     self._num_saved_blocks[request.request_id] = end
             num_tokens = loaded
         request.num_computed_tokens += num_tokens
-        request.num_cached_tokens = (request.num_cached_tokens or 0) + num_tokens
+        if request.num_output_tokens == 0:  # the prompt's first load, not a resume after preemption
+            request.num_cached_tokens = (request.num_cached_tokens or 0) + num_tokens
         self.num_loaded_tokens += num_tokens
         request.status = RequestStatus.WAITING
 
@@ -524,7 +526,8 @@ class Scheduler:
             self._retain(*self._retain_after_save.pop(rid))
 
     def _retain(self, request: Request, num_blocks: int, seconds: float) -> None:
-        self.kv_source.retain(request, num_blocks, seconds)  # type: ignore[union-attr]
+        if isinstance(self.kv_source, StoreKVSource):
+            self.kv_source.retain(request, num_blocks, seconds)
 
     def _after_finish_write_down(self, request: Request) -> None:
         """A finished request that asked to keep its conversation: retain
@@ -601,6 +604,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
+        lookups = self.kv_source.stats if isinstance(self.kv_source, StoreKVSource) else TierLookupStats()
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -616,8 +620,8 @@ class Scheduler:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
-            kv_store_queries=getattr(getattr(self.kv_source, "stats", None), "queries", 0),
-            kv_store_hits=getattr(getattr(self.kv_source, "stats", None), "hits", 0),
+            kv_store_queries=lookups.queries,
+            kv_store_hits=lookups.hits,
             kv_loaded_tokens=self.num_loaded_tokens,
             kv_partial_loads=self.num_partial_loads,
             kv_saved_blocks=self.num_saved_blocks,

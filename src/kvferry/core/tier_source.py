@@ -14,6 +14,7 @@ that is down answers every lookup with a miss. No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 from kvferry.kvstore.tier import BlockOwner
@@ -52,10 +53,16 @@ class StoreKVSource:
     hit whose KV some tier holds, capped per request by ``max_load_tokens``
     (0: no cap) so that one request cannot monopolize the store's I/O."""
 
-    def __init__(self, store: KVStoreIndex, block_size: int, max_load_tokens: int = 0) -> None:
+    def __init__(self, store: KVStoreIndex, block_size: int, max_load_tokens: int = 0,
+                 is_up: Callable[[], bool] | None = None) -> None:
         self.store = store
         self.block_size = block_size
         self.max_load_tokens = max_load_tokens
+        # Whether to ask the store at all. Lookups run on the step's path:
+        # a store that went away would stall each reconnect attempt, so
+        # the engine passes the view of a background thread that owns the
+        # reconnecting (default: ask the client, which reconnects in place).
+        self.is_up = is_up or (lambda: store.connected)
         self.stats = TierLookupStats()
 
     def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -65,7 +72,7 @@ class StoreKVSource:
         end = min((request.num_tokens - 1) // bs, len(request.block_hashes))
         if self.max_load_tokens:
             end = min(end, first + self.max_load_tokens // bs)
-        if end <= first or not self.store.connected:
+        if end <= first or not self.is_up():
             return 0
         held = min(self.store.lookup(list(request.block_hashes[first:end])), end - first)
         self.stats.queries += (end - first) * bs
@@ -75,7 +82,7 @@ class StoreKVSource:
     def retain(self, request: Request, num_blocks: int, seconds: float) -> None:
         """Pin the request's first ``num_blocks`` blocks for ``seconds``:
         one call per owner (the public prefix, then the tenant's part)."""
-        if num_blocks <= 0 or not self.store.connected:
+        if num_blocks <= 0 or not self.is_up():
             return
         keys = list(request.block_hashes[:num_blocks])
         split = min(request.num_public_blocks, num_blocks)

@@ -25,6 +25,9 @@ from kvferry.spec import speculation
 
 logger = logging.getLogger(__name__)
 
+# How long an idle step waits for background KV I/O before the next one.
+_IO_WAIT_S = 0.0005
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
@@ -43,14 +46,16 @@ class EngineCore:
         self.kv_store_io = None
         self._reported_store_stats = None
         self.kv_store = self._connect_kv_store()
+        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
+                                  kv_store=self.kv_store_io)
         kv_source = None
         if self.kv_store is not None:
-            kv_source = StoreKVSource(self.kv_store, self.block_size, config.kv_tiers.max_load_tokens)
+            connector = self.runner.connector
+            kv_source = StoreKVSource(self.kv_store, self.block_size, config.kv_tiers.max_load_tokens,
+                                      is_up=lambda: connector.store_up)
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
                                    kv_source=kv_source, write_down=kv_source is not None,
                                    **speculation(config.speculative))
-        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
-                                  kv_store=self.kv_store_io)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
 
@@ -72,11 +77,12 @@ class EngineCore:
             self.store_process, address = start_store(
                 tiers.dram_gb, block_nbytes=block_nbytes, disk=tiers.disk_path or None,
                 disk_gb=tiers.disk_gb or None, remote=tiers.remote_url or None)
-        # The scheduler's lookups run on the step's path: a short timeout
-        # bounds what a dead store costs (one try per reconnect backoff).
-        # Loads and saves run on the runner's I/O thread with their own client.
+        # Loads and saves run on the runner's I/O thread with a client of
+        # their own; that thread also notices a store going away and coming
+        # back, and the scheduler's lookups (on the step's path) only go out
+        # while it sees the store up.
         self.kv_store_io = KVStoreClient(address, block_nbytes=block_nbytes)
-        return KVStoreClient(address, timeout_s=0.25, block_nbytes=block_nbytes)
+        return KVStoreClient(address, block_nbytes=block_nbytes)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.loaded.max_model_len
@@ -142,6 +148,10 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
+        if sched.is_empty and not sched.kv_orders and not outputs:
+            # Only background KV I/O (loads, write-down) to wait for: yield
+            # the CPU to it rather than spin.
+            time.sleep(_IO_WAIT_S)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
     def stats(self) -> SchedulerStats:

@@ -91,6 +91,9 @@ class StoreConnector(KVConnector):
         # so that reading metrics never waits on the store.
         self.store_stats: Any = None
         self._stats_due = 0.0
+        # Whether the store answered this thread's last health check (read
+        # by the scheduler to skip lookups while the store is away).
+        self.store_up = bool(store.connected)
         self._cuda = kv_cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv_cache.device) if self._cuda else None
         self._thread = threading.Thread(target=self._run, name="kvferry-kv-store-io", daemon=True)
@@ -140,12 +143,17 @@ class StoreConnector(KVConnector):
                     return
                 if item:
                     self._handle(*item)
+                    self.store_up = bool(self.store.connected)  # a failed call dropped the connection
                 if self._loads:
                     self._poll_loads()
 
     def _refresh_store_stats(self) -> None:
+        """Health check (reconnecting here, off the step's path) and counters."""
         self._stats_due = time.monotonic() + _STATS_INTERVAL_S
         try:
+            self.store_up = bool(self.store.connected)
+            if not self.store_up:
+                return
             stats = self.store.stats()
         except Exception:
             logger.debug("reading the KV store's stats failed", exc_info=True)
