@@ -123,8 +123,11 @@ def bench_decode(args, rng: random.Random) -> None:
         process.terminate()
         process.wait()
     on, off = statistics.median(rates["write_down"]), statistics.median(rates["tiers_off"])
+    # The best round of each too: on a shared machine other load only ever slows a round down.
+    best_on, best_off = max(rates["write_down"]), max(rates["tiers_off"])
     print(json.dumps({"figure": "decode_tok_s", "batch": args.batch, "write_down": round(on, 1),
-                      "tiers_off": round(off, 1), "ratio": round(on / off, 3), "target": 0.95}))
+                      "tiers_off": round(off, 1), "ratio": round(on / off, 3),
+                      "ratio_best": round(best_on / best_off, 3), "target": 0.95}))
 
 
 def _worker_a(args, address: str, prompt: list[int]) -> None:

@@ -159,9 +159,9 @@ class KVTierConfig:
             raise ValueError(f"max_load_tokens must be an integer >= 0, got {self.max_load_tokens!r}")
         if self.disk_path and not self.disk_gb:
             raise ValueError("kv_disk_gb must be > 0 when kv_disk is set")
-        for name in ("store_address", "disk_path", "remote_url"):
+        for name, flag in (("store_address", "kv_store"), ("disk_path", "kv_disk"), ("remote_url", "kv_remote")):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+                raise ValueError(f"{flag} must be a string, got {getattr(self, name)!r}")
         if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote must be a redis:// URL, got {self.remote_url!r}")
 

@@ -206,3 +206,34 @@ def test_loads_are_capped_per_request(case, store):
     assert stats.kv_loaded_tokens == 2 * BLOCK and result.num_cached_tokens == 2 * BLOCK
     assert stats.kv_partial_loads == 0
     reader.engine.core.close()
+
+
+def test_tier_flags_parse_and_bad_values_name_the_flag():
+    import argparse
+
+    from kvferry.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args([
+        "--kv-store", "ipc:///tmp/s.sock", "--max-load-tokens", "256", "--preemption-mode", "swap",
+        "--kv-dram-gb", "2", "--kv-disk", "/tmp/d", "--kv-disk-gb", "10", "--kv-remote", "redis://127.0.0.1:6379/0"]))
+    config = args.create_engine_config()
+    assert config.kv_tiers.store_address == "ipc:///tmp/s.sock" and config.kv_tiers.max_load_tokens == 256
+    assert config.kv_tiers.disk_gb == 10 and config.scheduler.preemption_mode == "swap"
+    for field, value, flag in [("preemption_mode", "sometimes", "preemption_mode"), ("max_load_tokens", -1, None),
+                               ("kv_dram_gb", -1.0, None), ("kv_remote", "http://x", None),
+                               ("kv_disk", "/tmp/d", "kv_disk_gb")]:
+        with pytest.raises(ValueError, match=flag or field):
+            EngineArgs(**{field: value})
+
+
+def test_offline_engine_starts_a_store_of_its_own(case):
+    path, hf, prompts, expected = case
+    llm = LLM(model=path, dtype="float32", block_size=BLOCK, num_kv_blocks=64, kv_dram_gb=0.02)
+    store = llm.engine.core.store_process
+    assert store is not None and store.poll() is None
+    result = llm.generate([prompts[2]], GREEDY)[0]
+    assert_greedy_match(hf, prompts[2], result.token_ids, expected[2])
+    assert llm.engine.stats().kv_saved_blocks == (len(prompts[2]) + MAX_NEW - 1) // BLOCK
+    llm.engine.core.close()
+    assert store.poll() is not None  # stopped with the engine
