@@ -1,4 +1,4 @@
-"""kvferry command line: serve | engine-core | demo | bench | profile.
+"""kvferry command line: serve | engine-core | kvstore | demo | bench | profile.
 
 Engine flags come from EngineArgs (one flag per field), so every command
 that builds an engine takes the same options with the same defaults.
@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     core.set_defaults(func=cmd_engine_core, subparser=core)
 
     add_serve_parser(sub)
+    from kvferry.kvstore.service import add_kvstore_args, run as run_kvstore  # light: no torch in the store
+    kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
+    add_kvstore_args(kvstore)
+    kvstore.set_defaults(func=run_kvstore)
     from kvferry.bench.cli import add_bench_parsers  # bench, profile; light: tools load when they run
     add_bench_parsers(sub)
     from kvferry.plan.cli import add_plan_parsers  # simulate, plan; light: the simulator loads when it runs

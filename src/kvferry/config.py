@@ -45,8 +45,14 @@ class SchedulerConfig:
     # this, else the model's, and never more than the KV pool can hold.
     max_model_len: int = 0
     enable_chunked_prefill: bool = True
+    # What preemption does with a victim's KV: "swap" keeps it (host swap
+    # space, else the KV store's DRAM), "recompute" drops it. None: swap
+    # when a swap space is configured (num_swap_blocks > 0).
+    preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in (None, "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -128,11 +134,49 @@ class SpeculativeConfig:
 
 
 @dataclass(slots=True)
+class KVTierConfig:
+    """The node's KV store below the device pool (``kvferry.kvstore``).
+
+    ``store_address`` attaches to a running store; otherwise ``dram_gb`` > 0
+    makes the launcher start one (with the optional disk and remote tiers)
+    and fill in its address. Empty address: device-only caching."""
+
+    store_address: str = ""
+    dram_gb: float = 0.0
+    disk_path: str = ""
+    disk_gb: float = 0.0
+    remote_url: str = ""
+    # Most tokens one request may load from the store (0: no cap), so that
+    # one long conversation cannot monopolize the store's I/O.
+    max_load_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("dram_gb", "disk_gb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"kv_{name} must be >= 0, got {value!r}")
+        if not _is_int(self.max_load_tokens) or self.max_load_tokens < 0:
+            raise ValueError(f"max_load_tokens must be an integer >= 0, got {self.max_load_tokens!r}")
+        if self.disk_path and not self.disk_gb:
+            raise ValueError("kv_disk_gb must be > 0 when kv_disk is set")
+        for name, flag in (("store_address", "kv_store"), ("disk_path", "kv_disk"), ("remote_url", "kv_remote")):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{flag} must be a string, got {getattr(self, name)!r}")
+        if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote must be a redis:// URL, got {self.remote_url!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.store_address or self.dram_gb)
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelLoadConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig | None = None
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
 
 def _is_int(value: object) -> bool:
@@ -165,6 +209,18 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prompts across steps"))
     num_swap_blocks: int = field(default=0, metadata=_opt(
         "host-DRAM KV blocks for swapping out preempted requests (0: preemption recomputes)"))
+    preemption_mode: str | None = field(default=None, metadata=_opt(
+        "what preemption does with a victim's KV: swap it out (host swap space, else the KV store's DRAM) "
+        "or recompute it later (default: swap when --num-swap-blocks > 0)", choices=("swap", "recompute")))
+    kv_store: str = field(default="", metadata=_opt(
+        "address of a running KV store (kvferry kvstore) to load prefixes from and write blocks down to"))
+    kv_dram_gb: float = field(default=0.0, metadata=_opt(
+        "start a node KV store with this much host DRAM, GiB (0: none unless --kv-store)"))
+    kv_disk: str = field(default="", metadata=_opt("directory of the store's SSD tier (with --kv-dram-gb)"))
+    kv_disk_gb: float = field(default=0.0, metadata=_opt("size of the store's SSD tier, GiB"))
+    kv_remote: str = field(default="", metadata=_opt("redis:// URL of the store's remote tier"))
+    max_load_tokens: int = field(default=0, metadata=_opt(
+        "most tokens one request may load from the KV store (0: no cap)"))
     speculative: str | dict | None = field(default=None, metadata=_opt(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
@@ -183,8 +239,10 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb,
                               self.enable_prefix_caching, self.num_swap_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,
-                                      self.enable_chunked_prefill),
+                                      self.enable_chunked_prefill, self.preemption_mode),
             speculative=SpeculativeConfig.parse(self.speculative),
+            kv_tiers=KVTierConfig(self.kv_store, self.kv_dram_gb, self.kv_disk, self.kv_disk_gb, self.kv_remote,
+                                  self.max_load_tokens),
         )
 
     # -- command line -----------------------------------------------------------

@@ -9,6 +9,8 @@ _GREEDY_EPS = 1e-5
 MAX_N = 128
 # What a torch.Generator accepts.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Longest soft pin of a paused conversation's KV (one day).
+MAX_KV_RETENTION_S = 86400.0
 
 
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -91,6 +93,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrain the output to a grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
+    # Keep this conversation's KV (prompt + output) in the node's KV store
+    # for this many seconds after the request ends, so that the next turn
+    # resumes from it: a soft pin with an expiry, bounded by the tenant's
+    # quota. 0: no pin (blocks are still written down and evicted by LRU).
+    kv_retention_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -137,6 +144,9 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        _check_num("kv_retention_s", self.kv_retention_s, lo=0.0)
+        if self.kv_retention_s > MAX_KV_RETENTION_S:
+            raise ValueError(f"kv_retention_s must be <= {MAX_KV_RETENTION_S}, got {self.kv_retention_s}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 

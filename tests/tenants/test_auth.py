@@ -97,3 +97,16 @@ def test_stored_responses_belong_to_their_tenant(tenant_server):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert acme.responses.retrieve(first.id).id == first.id  # beta's delete did nothing
+
+
+def test_key_file_carries_the_kv_store_tier_quotas(tmp_path):
+    from kvferry.kvstore.service import tenant_quotas_gb
+    from kvferry.serve.tenants import ApiKeys
+
+    path = tmp_path / "keys.json"
+    path.write_text('{"sk-a": {"tenant": "a", "quota": {"device_blocks": 4, "dram_gb": 1.5, "disk_gb": 10}}}')
+    assert ApiKeys(path).num_keys == 1
+    assert tenant_quotas_gb(path, "dram_gb") == {"a": 1.5} and tenant_quotas_gb(path, "disk_gb") == {"a": 10.0}
+    path.write_text('{"sk-a": {"tenant": "a", "quota": {"dram_gb": -1}}}')
+    with pytest.raises(ValueError, match="quota.dram_gb"):
+        ApiKeys(path)

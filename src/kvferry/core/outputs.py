@@ -80,10 +80,14 @@ class TransferOrder:
     """Move whole blocks between the device pool and somewhere outside the
     runner: a tier (``keys`` are block hashes) or another worker (``peer``)."""
 
-    request_id: str
+    request_id: str  # the request's id, or an I/O id (a save: one request may have several in flight)
     device_block_ids: list[int]
     keys: list[bytes] = field(default_factory=list)
     peer: str = ""
+    # Whose blocks (tier quotas, encryption keys): the first
+    # ``num_public_blocks`` keys lie in a public prefix, the rest are the tenant's.
+    tenant: str = ""
+    num_public_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -150,3 +154,7 @@ class RunnerOutput:
     finished_loading: list[str] = field(default_factory=list)
     finished_saving: list[str] = field(default_factory=list)
     finished_sending: list[str] = field(default_factory=list)
+    # request_id -> leading blocks a finished load actually filled, present
+    # only when fewer than ordered (missing or corrupt in the tier): the
+    # rest are recomputed, never read.
+    num_loaded_blocks: dict[str, int] = field(default_factory=dict)

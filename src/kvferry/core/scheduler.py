@@ -13,6 +13,12 @@ when the swap space has room, otherwise its blocks are freed and it is
 recomputed from its (prefix-cached) tokens later. Neither changes a greedy
 output.
 
+With a KV store below the device pool (``write_down``), every newly full
+block, generated tokens' included, is ordered saved after the step that
+wrote it; its device block stays pinned until the runner reports the save
+done. A finished request that asked for ``kv_retention_s`` has its blocks
+retained in the store once its saves are done.
+
 Entry points: ``add_request``, ``schedule`` -> SchedulerOutput,
 ``update_from_output`` -> list[EngineCoreOutput], ``finish_requests``.
 """
@@ -35,6 +41,7 @@ from kvferry.core.outputs import (
     TransferOrder,
 )
 from kvferry.core.swap_space import HostSwapSpace
+from kvferry.core.tier_source import StoreKVSource, TierLookupStats
 from kvferry.core.stats import SchedulerStats
 from kvferry.messages import EngineCoreOutput
 from kvferry.request import FINISH_REASON, Request, RequestStatus
@@ -92,6 +99,7 @@ class Scheduler:
         proposer: DraftProposer | None = None,
         num_speculative_tokens: int = 0,
         draft_budget: DraftBudget | None = None,
+        write_down: bool = False,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -100,6 +108,8 @@ class Scheduler:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_budget = draft_budget
+        # Save full blocks to the node's KV store (kv_source: a StoreKVSource).
+        self.write_down = write_down
         self.requests: dict[str, Request] = {}
         self.fairness = TenantFairness()
         self.waiting: deque[Request] = deque()
@@ -108,6 +118,18 @@ class Scheduler:
         self.loading: dict[str, int] = {}  # request id -> external tokens in flight
         # Sends of finished requests' KV, ordered with the next step.
         self._pending_sends: list[TransferOrder] = []
+        # Write-down: saves ordered with the next step, saves in flight (I/O
+        # id -> request id), blocks per request already saved or ordered
+        # (block positions, kept across preemption), and finished requests'
+        # retentions waiting for their saves: request id -> (blocks, seconds).
+        self._pending_saves: list[TransferOrder] = []
+        self._saves: dict[str, str] = {}
+        self._num_saved_blocks: dict[str, int] = {}
+        self._retain_after_save: dict[str, tuple[Request, int, float]] = {}
+        self._next_save_id = 0
+        self.num_loaded_tokens = 0
+        self.num_partial_loads = 0
+        self.num_saved_blocks = 0
         self._finished_since_step: list[str] = []
         # What the runner's batch row holds per request: block count and
         # token count. A preempted request loses its row (re-sent in full).
@@ -142,13 +164,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Requests to run, or KV sends still to order or to complete (the
         engine must keep stepping to collect their completions)."""
-        return bool(self.waiting or self.running or self._pending_sends or self.kv.delayed_free)
+        return bool(self.waiting or self.running or self._pending_sends or self.kv.delayed_free
+                    or self._pending_saves or self._saves)
 
     # -- planning ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_since_step)
         self._finished_since_step = []
         out.kv_orders.send, self._pending_sends = self._pending_sends, []
+        out.kv_orders.save, self._pending_saves = self._pending_saves, []
         self.propose()
         budget = self.config.max_num_batched_tokens
         budget, preempted = self._schedule_running(out, budget)
@@ -262,6 +286,11 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = hit.num_tokens
             self.kv.record_lookup(request, hit)
+        if self.write_down:
+            # Blocks hit on the device were saved when they were computed,
+            # and loaded ones come from the store: neither is saved again.
+            saved = (request.num_computed_tokens + load_async) // self.kv.block_size
+            self._num_saved_blocks[request.request_id] = max(self._num_saved_blocks.get(request.request_id, 0), saved)
         if load_async:
             self._start_load(out, request, load_async)
             return 0
@@ -282,7 +311,9 @@ class Scheduler:
         count = num_tokens // bs
         block_ids = self.kv.block_ids(request.request_id)[first : first + count]
         keys = request.block_hashes[first : first + count]
-        out.kv_orders.load.append(TransferOrder(request.request_id, block_ids, keys=list(keys)))
+        out.kv_orders.load.append(TransferOrder(
+            request.request_id, block_ids, keys=list(keys), tenant=request.tenant,
+            num_public_blocks=max(0, request.num_public_blocks - first)))
         request.status = RequestStatus.WAITING_FOR_KV
         self.loading[request.request_id] = num_tokens
 
@@ -345,8 +376,15 @@ class Scheduler:
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> None:
         """Copy the computed KV to host slots when they are free; the copy
-        runs before this step's forward pass, so the blocks can be freed now."""
-        if self.swap_space is None or request.num_computed_tokens == 0:
+        runs before this step's forward pass, so the blocks can be freed now.
+        Without a swap space, a store below the pool takes the full blocks
+        (write-down has ordered most of them already; the resumed request
+        loads them back through the prefix lookup)."""
+        if self.config.preemption_mode == "recompute" or request.num_computed_tokens == 0:
+            return
+        if self.swap_space is None:
+            if self.write_down:
+                self._order_save(request)
             return
         num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
         slots = self.swap_space.allocate(num_blocks)
@@ -375,6 +413,8 @@ class Scheduler:
             new_tokens, stop = self._append_tokens(request, sampled)
             # The step wrote these blocks' KV: publish them (before a finish frees them).
             self.kv.cache_computed_blocks(request)
+            if self.write_down:
+                self._order_save(request)
             if stop is not None:
                 self._finish(request, stop)
             self._runner_tokens[rid] = request.num_tokens
@@ -436,10 +476,78 @@ class Scheduler:
             if request is None:
                 self.kv.release_delayed(rid)  # finished while loading
                 continue
-            request.num_computed_tokens += num_tokens
-            request.status = RequestStatus.WAITING
+            self._finish_load(request, num_tokens, result.num_loaded_blocks.get(rid))
         for rid in result.finished_sending:
             self.kv.release_delayed(rid)
+        for io_id in result.finished_saving:
+            self._finish_save(io_id)
+
+    def _finish_load(self, request: Request, num_tokens: int, num_loaded_blocks: int | None) -> None:
+        """A load ended. Only its leading run of filled blocks counts as
+        computed; a block after a gap (missing or corrupt in the tier) is
+        recomputed with everything behind it, so no step ever reads KV the
+        load did not write."""
+        if num_loaded_blocks is not None:
+            loaded = min(num_tokens, max(num_loaded_blocks, 0) * self.kv.block_size)
+            if loaded < num_tokens:
+                self.num_partial_loads += 1
+                if self.write_down:  # the missing blocks are saved again once recomputed
+                    end = (request.num_computed_tokens + loaded) // self.kv.block_size
+                    self._num_saved_blocks[request.request_id] = end
+            num_tokens = loaded
+        request.num_computed_tokens += num_tokens
+        if request.num_output_tokens == 0:  # the prompt's first load, not a resume after preemption
+            request.num_cached_tokens = (request.num_cached_tokens or 0) + num_tokens
+        self.num_loaded_tokens += num_tokens
+        request.status = RequestStatus.WAITING
+
+    # -- write-down ----------------------------------------------------------
+    def _order_save(self, request: Request) -> None:
+        """Order the request's newly full, written blocks saved to the store
+        with the next step, pinned until the save is done (a finish or a
+        preemption may free the request's blocks meanwhile)."""
+        rid = request.request_id
+        bs = self.kv.block_size
+        start = self._num_saved_blocks.get(rid, 0)
+        end = min(min(request.num_computed_tokens, request.num_tokens) // bs, len(request.block_hashes))
+        if end <= start or not self.kv.enable_caching:
+            return
+        block_ids = self.kv.block_ids(rid)[start:end]
+        io_id = f"save-{self._next_save_id}"
+        self._next_save_id += 1
+        self.kv.pin(io_id, block_ids)
+        self._pending_saves.append(TransferOrder(
+            io_id, block_ids, keys=list(request.block_hashes[start:end]), tenant=request.tenant,
+            num_public_blocks=max(0, request.num_public_blocks - start)))
+        self._saves[io_id] = rid
+        self._num_saved_blocks[rid] = end
+        self.num_saved_blocks += end - start
+
+    def _finish_save(self, io_id: str) -> None:
+        rid = self._saves.pop(io_id, None)
+        if rid is None:
+            return  # a swap-out: complete within its own step
+        self.kv.unpin(io_id)
+        if rid in self._retain_after_save and rid not in self._saves.values():
+            self._retain(*self._retain_after_save.pop(rid))
+
+    def _retain(self, request: Request, num_blocks: int, seconds: float) -> None:
+        if isinstance(self.kv_source, StoreKVSource):
+            self.kv_source.retain(request, num_blocks, seconds)
+
+    def _after_finish_write_down(self, request: Request) -> None:
+        """A finished request that asked to keep its conversation: retain
+        its written blocks (prompt and output) once their saves are done."""
+        rid = request.request_id
+        num_blocks = self._num_saved_blocks.pop(rid, 0)
+        seconds = request.sampling_params.kv_retention_s
+        if not seconds or num_blocks == 0 or request.status in (RequestStatus.FINISHED_ABORTED,
+                                                                RequestStatus.FINISHED_ERROR):
+            return
+        if rid in self._saves.values():
+            self._retain_after_save[rid] = (request, num_blocks, seconds)
+        else:
+            self._retain(request, num_blocks, seconds)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -476,6 +584,8 @@ class Scheduler:
         swapped = self.swapped.pop(rid, None)
         if swapped is not None:
             self.swap_space.free(swapped.host_slots)
+        if self.write_down:
+            self._after_finish_write_down(request)
         del self.requests[rid]
         self.fairness.on_departure(request)
         if self.draft_budget is not None:
@@ -501,6 +611,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
+        lookups = self.kv_source.stats if isinstance(self.kv_source, StoreKVSource) else TierLookupStats()
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -516,4 +627,9 @@ class Scheduler:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
+            kv_store_queries=lookups.queries,
+            kv_store_hits=lookups.hits,
+            kv_loaded_tokens=self.num_loaded_tokens,
+            kv_partial_loads=self.num_partial_loads,
+            kv_saved_blocks=self.num_saved_blocks,
         )

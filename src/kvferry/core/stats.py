@@ -24,3 +24,14 @@ class SchedulerStats:
     num_accepted_tokens: int = 0  # cumulative drafts accepted
     # Cumulative drafts accepted at each draft position (index 0: the first draft).
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # The node's KV store below the device pool (cumulative tokens / blocks).
+    kv_store_queries: int = 0  # tokens looked up past the device hit
+    kv_store_hits: int = 0  # of those, tokens some tier held
+    kv_loaded_tokens: int = 0  # tokens whose KV a load filled
+    kv_partial_loads: int = 0  # loads that came back short (the rest recomputed)
+    kv_saved_blocks: int = 0  # blocks ordered written down
+    # Per tier, from the store's own stats (hits, misses, bytes read and
+    # written, quarantined, refused writes, load seconds); empty without a store.
+    kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per tier, per tenant: [hits, misses] (blocks, cumulative).
+    kv_tier_tenants: dict[str, dict[str, list[int]]] = field(default_factory=dict)

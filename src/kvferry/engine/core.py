@@ -15,13 +15,18 @@ from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler, SchedulerStats
 from kvferry.core.swap_space import HostSwapSpace
+from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
+from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation
 
 logger = logging.getLogger(__name__)
+
+# How long an idle step waits for background KV I/O before the next one.
+_IO_WAIT_S = 0.0005
 
 
 class EngineCore:
@@ -37,11 +42,47 @@ class EngineCore:
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=str(self.loaded.dtype).removeprefix("torch."))
         num_swap = config.cache.num_swap_blocks
+        self.store_process = None
+        self.kv_store_io = None
+        self._reported_store_stats = None
+        self.kv_store = self._connect_kv_store()
+        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
+                                  kv_store=self.kv_store_io)
+        kv_source = None
+        if self.kv_store is not None:
+            connector = self.runner.connector
+            kv_source = StoreKVSource(self.kv_store, self.block_size, config.kv_tiers.max_load_tokens,
+                                      is_up=lambda: connector.store_up)
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
+                                   kv_source=kv_source, write_down=kv_source is not None,
                                    **speculation(config.speculative))
-        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
+
+    def _connect_kv_store(self):
+        """A client of the node's KV store when one is configured (None:
+        device-only caching). A store that is down at start is no error: the
+        client reconnects, and until then every lookup misses."""
+        tiers = self.config.kv_tiers
+        if not tiers.enabled:
+            return None
+        if not self.config.cache.enable_prefix_caching:
+            raise ValueError("kv_store needs enable_prefix_caching (blocks are found by their prefix hashes)")
+        from kvferry.kvstore.client import KVStoreClient
+        from kvferry.kvstore.service import start_store
+
+        block_nbytes = kv_block_bytes(self.loaded, self.block_size)
+        address = tiers.store_address
+        if not address:  # offline: a store of this process's own (it exits with it)
+            self.store_process, address = start_store(
+                tiers.dram_gb, block_nbytes=block_nbytes, disk=tiers.disk_path or None,
+                disk_gb=tiers.disk_gb or None, remote=tiers.remote_url or None)
+        # Loads and saves run on the runner's I/O thread with a client of
+        # their own; that thread also notices a store going away and coming
+        # back, and the scheduler's lookups (on the step's path) only go out
+        # while it sees the store up.
+        self.kv_store_io = KVStoreClient(address, block_nbytes=block_nbytes)
+        return KVStoreClient(address, block_nbytes=block_nbytes)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.loaded.max_model_len
@@ -115,10 +156,36 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
+        if sched.is_empty and not sched.kv_orders and not outputs:
+            # Only background KV I/O (loads, write-down) to wait for: yield
+            # the CPU to it rather than spin.
+            time.sleep(_IO_WAIT_S)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        store_stats = getattr(self.runner.connector, "store_stats", None)
+        self._reported_store_stats = store_stats
+        if store_stats is not None:
+            stats.kv_tiers, stats.kv_tier_tenants = tier_stats(store_stats)
+        return stats
+
+    def store_stats_changed(self) -> bool:
+        """Whether the KV store's counters were refreshed since the last
+        ``stats()`` (the store keeps counting while this core idles)."""
+        connector = self.runner.connector
+        return isinstance(connector, StoreConnector) and connector.store_stats is not self._reported_store_stats
+
+    def close(self) -> None:
+        """Stop the KV store I/O (and the store this core started, if any)."""
+        if isinstance(self.runner.connector, StoreConnector):
+            self.runner.connector.close()
+        for client in (self.kv_store, self.kv_store_io):
+            if client is not None:
+                client.close()
+        if self.store_process is not None:
+            self.store_process.terminate()
+            self.store_process.wait(timeout=10)
 
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()

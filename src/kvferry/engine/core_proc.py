@@ -118,8 +118,9 @@ class EngineCoreProc:
             self._apply(message)
         if core.has_unfinished_requests():
             out = core.step()
-        elif inputs:
-            # Idle, but inputs changed the state (an abort freed blocks): say so.
+        elif inputs or core.store_stats_changed():
+            # Idle, but inputs changed the state (an abort freed blocks), or
+            # the KV store's counters moved: say so.
             out = EngineCoreOutputs(outputs=[], timestamp=time.monotonic())
         else:
             return True
@@ -173,6 +174,8 @@ class EngineCoreProc:
         self._in_sock.close(linger=0)
         self._out_sock.close(linger=1000)  # let the last messages (an error) out
         self._ctx.term()
+        if self.core is not None:
+            self.core.close()
 
 
 def _aborted(request_id: str) -> EngineCoreOutput:

@@ -24,6 +24,9 @@ class KVCompletions:
     finished_loading: list[str] = field(default_factory=list)
     finished_saving: list[str] = field(default_factory=list)
     finished_sending: list[str] = field(default_factory=list)
+    # Loads that filled fewer blocks than ordered: request id -> the leading
+    # blocks filled (see RunnerOutput.num_loaded_blocks).
+    num_loaded_blocks: dict[str, int] = field(default_factory=dict)
 
 
 class KVConnector(ABC):

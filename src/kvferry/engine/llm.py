@@ -83,6 +83,10 @@ class LLM:
                         pending.discard(out.request_id)
             if pending and not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine idle with unfinished requests {sorted(pending)}")
+        # Finish the KV write-down of this batch, so that the node's store
+        # holds its blocks once generate returns (another process may resume).
+        while self.engine.has_unfinished_requests() and not self.engine.get_num_unfinished_requests():
+            self.engine.step()
         return [_merge(finals[rid]) for rid in ids]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch
 from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from kvferry.engine.input_batch import InputBatch
 from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
+from kvferry.engine.store_connector import StoreConnector
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
@@ -80,7 +82,8 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
+                 kv_store: Any = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -89,6 +92,8 @@ class ModelRunner:
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
         self.connector: KVConnector = HostSwapConnector(self.kv_cache, num_swap_blocks)
+        if kv_store is not None:  # a KVStoreClient: loads and write-down through the node's store
+            self.connector = StoreConnector(self.kv_cache, kv_store, self.connector)
         self.states: dict[str, RequestState] = {}
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
@@ -214,6 +219,7 @@ class ModelRunner:
         out.finished_loading = finished.finished_loading
         out.finished_saving = finished.finished_saving
         out.finished_sending = finished.finished_sending
+        out.num_loaded_blocks = finished.num_loaded_blocks
         return out
 
     # -- sampling and verification --------------------------------------------

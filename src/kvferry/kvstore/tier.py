@@ -51,6 +51,9 @@ class TierStats:
     # Blocks found torn or corrupted (or failing authentication), removed
     # from the index and never served.
     quarantined: int = 0
+    # Reads refused because the block is another tenant's private block, or
+    # its AES-GCM tag failed under the reader's key: misses, never data.
+    auth_failures: int = 0
     # Writes not taken: over quota, disk full, tier down.
     refused_writes: int = 0
     num_blocks: int = 0

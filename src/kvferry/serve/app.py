@@ -44,7 +44,7 @@ from kvferry.serve.protocol import (
 )
 from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
 from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
-from kvferry.serve.tenants import ApiKeys, CacheNamespaces, current_cache_salt, current_tenant, empty_tenant_stats
+from kvferry.serve.tenants import ApiKeys, CacheNamespaces, add_tier_hit_rates, current_cache_salt, current_tenant, empty_tenant_stats
 from kvferry.serve.tokenize import detokenize_endpoint, tokenize_endpoint
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,9 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         """Prefix-cache counters of the caller's tenant (every tenant's and
         the public pool's for an admin)."""
         tenant = current_tenant.get()
-        by_tenant, public = namespaces.split_stats(client.stats.prefix_by_owner)
+        stats = client.stats
+        by_tenant, public = namespaces.split_stats(stats.prefix_by_owner)
+        add_tier_hit_rates(by_tenant, stats.kv_tier_tenants)
         if not tenant.admin:
             return JSONResponse({"object": "kv.stats",
                                  "tenants": {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}})

@@ -179,6 +179,7 @@ class _EngineStatsCollector(Collector):
         else:
             yield from self._per_tenant_cache_metrics(s)
         yield counter("kvferry:num_preemptions", "Preempted sequences.", s.num_preemptions)
+        yield from _kv_tier_metrics(s, label)
         yield from _spec_decode_metrics(s, label)
 
     def _per_tenant_cache_metrics(self, s: SchedulerStats) -> Iterator[Metric]:
@@ -207,6 +208,44 @@ class _EngineStatsCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+# The node's KV store, per tier (store counters, blocks and bytes).
+_TIER_COUNTERS = (
+    ("kvferry:kv_tier_hits", "hits", "Blocks found in a KV store tier."),
+    ("kvferry:kv_tier_misses", "misses", "Blocks looked for in a KV store tier and not found."),
+    ("kvferry:kv_tier_read_bytes", "bytes_read", "Bytes read from a KV store tier."),
+    ("kvferry:kv_tier_written_bytes", "bytes_written", "Bytes written to a KV store tier."),
+    ("kvferry:kv_tier_quarantined_blocks", "quarantined", "Torn or corrupt blocks found, dropped, never served."),
+    ("kvferry:kv_tier_refused_writes", "refused_writes", "Writes a KV store tier refused (quota, full, down)."),
+    ("kvferry:kv_tier_load_seconds", "load_seconds", "Seconds spent reading blocks that a KV store tier returned."),
+)
+
+
+def _kv_tier_metrics(s: SchedulerStats, label: list[str]) -> Iterator[Metric]:
+    for name, key, doc in _TIER_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+        for tier, values in s.kv_tiers.items():
+            c.add_metric(label + [tier], values.get(key, 0))
+        yield c
+    blocks = GaugeMetricFamily("kvferry:kv_tier_blocks", "Blocks held by a KV store tier.",
+                               labels=["model_name", "tier"])
+    for tier, values in s.kv_tiers.items():
+        blocks.add_metric(label + [tier], values.get("num_blocks", 0))
+    yield blocks
+    # The engine's side: what lookups past the device pool found, and what it moved.
+    for name, doc, value in (
+        ("kvferry:kv_store_query_tokens", "Prompt tokens looked up in the KV store past the device pool.",
+         s.kv_store_queries),
+        ("kvferry:kv_store_hit_tokens", "Of those, tokens some tier of the KV store held.", s.kv_store_hits),
+        ("kvferry:kv_store_loaded_tokens", "Tokens whose KV was loaded from the KV store.", s.kv_loaded_tokens),
+        ("kvferry:kv_store_partial_loads", "Loads that came back short (the rest was recomputed).",
+         s.kv_partial_loads),
+        ("kvferry:kv_store_saved_blocks", "Blocks ordered written down to the KV store.", s.kv_saved_blocks),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric(label, value)
+        yield c
 
 
 def _spec_decode_metrics(s: SchedulerStats, label: list[str]) -> Iterator[Metric]:

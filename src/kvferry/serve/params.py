@@ -123,6 +123,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=structured,
+            kv_retention_s=req.kv_retention_s,
         )
     except ValueError as exc:
         raise bad_request(str(exc), named_field(str(exc))) from exc

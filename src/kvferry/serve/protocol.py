@@ -24,6 +24,7 @@ from pydantic import (
 # n fans out into n engine sequences; a bound keeps one request from
 # flooding the scheduler.
 MAX_N = 128
+MAX_KV_RETENTION_S = 86400.0  # one day (as SamplingParams)
 # Seeds feed torch.Generator.manual_seed, which takes a 64-bit integer.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -87,6 +88,9 @@ class SamplingFields(_Request):
     user: str | None = None
     # Narrows the caller's prefix-cache namespace (never widens it past the tenant).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # Keep the conversation's KV in the node's KV store this long after the
+    # request ends (a paused conversation); extension.
+    kv_retention_s: Annotated[float, Field(ge=0.0, le=MAX_KV_RETENTION_S, allow_inf_nan=False)] = 0.0
     response_format: ResponseFormat | None = None
     # Structured outputs, vLLM's extensions (at most one way per request).
     structured_outputs: StructuredOutputsRequest | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -63,17 +64,45 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
-                                          ready_timeout_s=args.engine_start_timeout, log_level=args.log_level)
-    except (ValueError, OSError, EngineCoreStartError) as exc:
+        store, engine_args = start_kv_store(args, engine_args)
+    except (ValueError, RuntimeError) as exc:
         listen.close()
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, config, client, listen)
+        try:
+            client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
+                                              ready_timeout_s=args.engine_start_timeout, log_level=args.log_level)
+        except (ValueError, OSError, EngineCoreStartError) as exc:
+            listen.close()
+            print(f"kvferry serve: error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            return _serve(args, config, client, listen)
+        finally:
+            if client.process is not None and client.process.is_alive():  # start-up failed inside uvicorn
+                client.process.process.kill()
     finally:
-        if client.process is not None and client.process.is_alive():  # start-up failed inside uvicorn
-            client.process.process.kill()
+        if store is not None:
+            store.terminate()
+            store.wait(timeout=10)
+
+
+def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs):
+    """``--kv-dram-gb`` without ``--kv-store``: start the node's KV store
+    ("kvferry: kvstore", with the disk and remote tiers asked for) and hand
+    its address to the engine core. Returns the store process (None when
+    there is none to start) and the engine args to launch with."""
+    if not engine_args.kv_dram_gb or engine_args.kv_store:
+        return None, engine_args
+    from kvferry.kvstore.service import start_store
+
+    process, address = start_store(
+        engine_args.kv_dram_gb, disk=engine_args.kv_disk or None, disk_gb=engine_args.kv_disk_gb or None,
+        remote=engine_args.kv_remote or None, api_keys=getattr(args, "api_keys", None),
+        cache_secret_file=getattr(args, "cache_secret_file", None))
+    logger.info("KV store started at %s (%.2f GiB DRAM)", address, engine_args.kv_dram_gb)
+    return process, dataclasses.replace(engine_args, kv_store=address)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

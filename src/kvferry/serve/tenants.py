@@ -29,7 +29,8 @@ from pathlib import Path
 DEFAULT_TENANT_NAME = "default"
 MAX_TENANT_WEIGHT = 1e6
 _TENANT_FIELDS = {"tenant", "publish", "admin", "quota", "weight"}
-_QUOTA_FIELDS = {"device_blocks"}
+# dram_gb / disk_gb: the node KV store's per-tier quotas (read by ``kvferry kvstore``).
+_QUOTA_FIELDS = {"device_blocks", "dram_gb", "disk_gb"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,10 @@ def _parse_tenant(key: str, entry: object) -> Tenant:
     blocks = quota.get("device_blocks")
     if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
         raise ValueError(f"{where}.quota.device_blocks: must be an integer >= 0")
+    for tier in ("dram_gb", "disk_gb"):
+        gb = quota.get(tier)
+        if gb is not None and (not isinstance(gb, (int, float)) or isinstance(gb, bool) or not gb >= 0):
+            raise ValueError(f"{where}.quota.{tier}: must be a number >= 0")
     weight = entry.get("weight", 1)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_TENANT_WEIGHT:
         raise ValueError(f"{where}.weight: must be a number in (0, {MAX_TENANT_WEIGHT}]")
@@ -181,3 +186,13 @@ TENANT_STAT_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache
 
 def empty_tenant_stats() -> dict[str, int]:
     return dict.fromkeys(TENANT_STAT_FIELDS, 0)
+
+
+def add_tier_hit_rates(by_tenant: dict[str, dict], tier_tenants: dict[str, dict[str, list[int]]]) -> None:
+    """Put each tenant's per-tier [hits, misses] of the KV store into its
+    /v1/kv/stats entry as ``kv_tiers: {tier: {hits, misses, hit_rate}}``."""
+    for tier, tenants in tier_tenants.items():
+        for tenant, (hits, misses) in tenants.items():
+            entry = by_tenant.setdefault(tenant, empty_tenant_stats())
+            entry.setdefault("kv_tiers", {})[tier] = {
+                "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0}

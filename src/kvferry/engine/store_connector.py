@@ -1,0 +1,276 @@
+"""Runner side of the node's KV store: loads and saves between the device
+pool and the store's shared-memory DRAM arena.
+
+Every store call and every copy runs on one background thread, so neither
+is on a step's critical path; ``execute`` only queues orders and
+``take_finished`` only drains completions::
+
+    step N     forward writes block b (full now)
+    step N+1   execute: save order for b -> queue      forward ...
+               thread:  reserve(key) -> slot s; arena[s] <- kv_cache[:, :, b]; commit
+    step N+k   take_finished: finished_saving (b unpinned by the scheduler)
+
+A load: ``begin_load`` (the store brings the blocks up to DRAM, from SSD or
+the remote tier if need be), poll until its result, copy the leading run of
+slots into the device blocks, ``release``. A result shorter than the order
+(a block missing, corrupt, or the store gone) is reported with
+``num_loaded_blocks``: the scheduler recomputes the rest.
+
+Arena slot layout = one device block, ``[num_layers, 2, block_size,
+num_kv_heads, head_dim]`` flattened to bytes; the pool holds blocks on dim 2
+(``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``), hence
+the permutes below.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvferry.core.outputs import KVOrders, TransferOrder
+from kvferry.core.tier_source import block_owners
+from kvferry.engine.kv_connector import HostSwapConnector, KVCompletions, KVConnector
+
+logger = logging.getLogger(__name__)
+
+# How often the thread polls the store while loads are outstanding.
+_POLL_INTERVAL_S = 0.0005
+# How often the thread refreshes the store's own counters (for /metrics).
+_STATS_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class _Load:
+    order: TransferOrder
+    ticket: Any
+    started: float
+
+
+@dataclass(slots=True)
+class StoreIOStats:
+    blocks_loaded: int = 0
+    blocks_saved: int = 0  # committed to the store
+    blocks_skipped: int = 0  # already held by the store (or refused by it)
+    failed_loads: int = 0  # loads that came back short
+    load_seconds: float = 0.0  # order -> device blocks filled, summed
+    save_seconds: float = 0.0  # background time spent saving, summed
+
+
+@dataclass(slots=True)
+class _Outbox:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: KVCompletions = field(default_factory=KVCompletions)
+    num_loaded_blocks: dict[str, int] = field(default_factory=dict)
+
+
+class StoreConnector(KVConnector):
+    """Loads and saves through a ``KVStoreClient``; swap orders go to the
+    host swap space as before. Completions come back through
+    ``take_finished``; every order completes (a failed save completes as
+    not saved, a failed load as loaded short), so nothing waits forever."""
+
+    def __init__(self, kv_cache: torch.Tensor, store: Any, swap: HostSwapConnector,
+                 load_timeout_s: float = 10.0) -> None:
+        # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = kv_cache
+        self.store = store
+        self.swap = swap
+        self.load_timeout_s = load_timeout_s
+        self.stats = StoreIOStats()
+        self._block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
+        self._inbox: queue.Queue[tuple[str, TransferOrder, Any] | None] = queue.Queue()
+        self._outbox = _Outbox()
+        self._loads: list[_Load] = []
+        # The store's StoreStats as last fetched (None before the first),
+        # so that reading metrics never waits on the store.
+        self.store_stats: Any = None
+        self._stats_due = 0.0
+        # Whether the store answered this thread's last health check (read
+        # by the scheduler to skip lookups while the store is away).
+        self.store_up = bool(store.connected)
+        self._cuda = kv_cache.device.type == "cuda"
+        self._stream = torch.cuda.Stream(kv_cache.device) if self._cuda else None
+        self._thread = threading.Thread(target=self._run, name="kvferry-kv-store-io", daemon=True)
+        self._thread.start()
+
+    # -- the step's side (cheap) --------------------------------------------
+    def execute(self, orders: KVOrders) -> None:
+        self.swap.execute(KVOrders(swap_out=orders.swap_out, swap_in=orders.swap_in))
+        if orders.send:
+            raise ValueError("send orders need a peer connector; only the KV store is set up")
+        # On CUDA the thread's stream waits for what the device has queued so
+        # far (the blocks to save were written by the previous step).
+        event = None
+        if self._cuda and (orders.save or orders.load):
+            event = torch.cuda.Event()
+            event.record()
+        for order in orders.save:
+            self._inbox.put(("save", order, event))
+        for order in orders.load:
+            self._inbox.put(("load", order, event))
+
+    def take_finished(self) -> KVCompletions:
+        swapped = self.swap.take_finished()
+        with self._outbox.lock:
+            done, self._outbox.done = self._outbox.done, KVCompletions()
+            partial, self._outbox.num_loaded_blocks = self._outbox.num_loaded_blocks, {}
+        done.finished_loading[:0] = swapped.finished_loading
+        done.finished_saving[:0] = swapped.finished_saving
+        done.num_loaded_blocks = partial
+        return done
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=5.0)
+
+    # -- the I/O thread -------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
+            while True:
+                try:
+                    item = self._inbox.get(timeout=_POLL_INTERVAL_S if self._loads else _STATS_INTERVAL_S)
+                except queue.Empty:
+                    item = ()
+                if time.monotonic() >= self._stats_due:
+                    self._refresh_store_stats()
+                if item is None:
+                    return
+                if item:
+                    self._handle(*item)
+                    self.store_up = bool(self.store.connected)  # a failed call dropped the connection
+                if self._loads:
+                    self._poll_loads()
+
+    def _refresh_store_stats(self) -> None:
+        """Health check (reconnecting here, off the step's path) and counters."""
+        self._stats_due = time.monotonic() + _STATS_INTERVAL_S
+        try:
+            self.store_up = bool(self.store.connected)
+            if not self.store_up:
+                return
+            stats = self.store.stats()
+        except Exception:
+            logger.debug("reading the KV store's stats failed", exc_info=True)
+            return
+        if self.store_stats is None or stats != self.store_stats:
+            self.store_stats = stats  # a new object: the core reports it once
+
+    def _handle(self, kind: str, order: TransferOrder, event: Any) -> None:
+        if event is not None:
+            self._stream.wait_event(event)
+        if kind == "save":
+            start = time.perf_counter()
+            try:
+                self._save(order)
+            except Exception:  # the store is a cache: a failed save loses nothing
+                logger.warning("KV write-down of %d blocks failed", len(order.keys), exc_info=True)
+            self.stats.save_seconds += time.perf_counter() - start
+            with self._outbox.lock:
+                self._outbox.done.finished_saving.append(order.request_id)
+            return
+        try:
+            owners = block_owners(order.tenant, order.num_public_blocks, 0, len(order.keys))
+            ticket = self.store.begin_load(list(order.keys), owners)
+        except Exception:
+            logger.warning("KV load of %d blocks could not start", len(order.keys), exc_info=True)
+            ticket = None
+        load = _Load(order, ticket, time.perf_counter())
+        if ticket is None:
+            self._finish_load(load, [])
+        else:
+            self._loads.append(load)
+
+    def _save(self, order: TransferOrder) -> None:
+        owners = block_owners(order.tenant, order.num_public_blocks, 0, len(order.keys))
+        slots = self.store.reserve(list(order.keys), owners)
+        todo = [i for i, slot in enumerate(slots) if slot is not None]
+        self.stats.blocks_skipped += len(order.keys) - len(todo)
+        if not todo:
+            return
+        taken = [slots[i] for i in todo]
+        try:
+            blocks = torch.tensor([order.device_block_ids[i] for i in todo], device=self.kv_cache.device)
+            # [L, 2, n, bs, H, D] -> [n, L, 2, bs, H, D] -> bytes [n, block_nbytes] on the host
+            data = self.kv_cache.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5).contiguous()
+            data = data.cpu().reshape(len(todo), -1).view(torch.uint8)
+            arena = torch.from_numpy(self.store.arena())  # [num_slots, block_nbytes] uint8
+            arena.index_copy_(0, torch.tensor(taken), data)
+        except Exception:
+            self.store.abandon(taken)
+            raise
+        self.store.commit([order.keys[i] for i in todo], taken)
+        self.stats.blocks_saved += len(todo)
+
+    def _poll_loads(self) -> None:
+        try:
+            # The client reports a load lost to a dead store as an empty result.
+            results = self.store.poll_loads()
+        except Exception:
+            logger.warning("polling KV loads failed", exc_info=True)
+            results = []
+        by_ticket = {r.ticket: r for r in results}
+        now = time.perf_counter()
+        pending = []
+        for load in self._loads:
+            result = by_ticket.get(load.ticket)
+            if result is not None:
+                self._finish_load(load, list(result.slots))
+            elif now - load.started > self.load_timeout_s:
+                # A store that never answers: recompute instead.
+                self._finish_load(load, [])
+            else:
+                pending.append(load)
+        self._loads = pending
+
+    def _finish_load(self, load: _Load, slots: list[int]) -> None:
+        order = load.order
+        n = min(len(slots), len(order.device_block_ids))
+        try:
+            if n:
+                self._copy_in(order.device_block_ids[:n], slots[:n])
+        except Exception:
+            logger.warning("copying %d loaded KV blocks failed", n, exc_info=True)
+            n = 0
+        finally:
+            if load.ticket is not None:
+                try:
+                    self.store.release(load.ticket)
+                except Exception:
+                    logger.warning("releasing a KV load failed", exc_info=True)
+        self.stats.blocks_loaded += n
+        self.stats.load_seconds += time.perf_counter() - load.started
+        with self._outbox.lock:
+            if n < len(order.device_block_ids):
+                self.stats.failed_loads += 1
+                self._outbox.num_loaded_blocks[order.request_id] = n
+            self._outbox.done.finished_loading.append(order.request_id)
+
+    def _copy_in(self, block_ids: list[int], slots: list[int]) -> None:
+        arena = torch.from_numpy(self.store.arena())  # [num_slots, block_nbytes] uint8
+        n = len(slots)
+        # bytes [n, block_nbytes] -> [n, L, 2, bs, H, D] -> [L, 2, n, bs, H, D]
+        data = arena.index_select(0, torch.tensor(slots)).view(self.kv_cache.dtype).reshape(n, *self._block_shape)
+        data = data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device, non_blocking=self._cuda)
+        self.kv_cache.index_copy_(2, torch.tensor(block_ids, device=self.kv_cache.device), data)
+        if self._stream is not None:
+            self._stream.synchronize()  # in the device blocks before the completion is reported
+
+
+
+_TIER_FIELDS = ("hits", "misses", "bytes_read", "bytes_written", "quarantined", "refused_writes", "num_blocks",
+                "num_bytes", "load_seconds")
+
+
+def tier_stats(store_stats: Any) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[int]]]]:
+    """The store's StoreStats as plain data for SchedulerStats: per tier
+    counters, and per tier per tenant [hits, misses]."""
+    tiers = {name: {f: getattr(t, f) for f in _TIER_FIELDS} for name, t in store_stats.tiers.items()}
+    tenants = {name: {tenant: [s.hits, s.misses] for tenant, s in t.per_tenant.items()}
+               for name, t in store_stats.tiers.items()}
+    return tiers, tenants

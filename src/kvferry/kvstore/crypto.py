@@ -1,0 +1,92 @@
+"""Encryption at rest for the cold tiers: AES-256-GCM with per-tenant keys.
+
+    tenant key = HKDF-SHA256(server secret, salt="kvferry kv at rest v1",
+                             info="tenant:" + tenant)          (32 bytes)
+    sealed     = nonce (12 random bytes) || ciphertext || tag (16 bytes)
+    associated data = "kvferry-kv" || len(key) || key || tenant
+
+The associated data binds each sealed block to its block hash and tenant:
+a block copied under another key, or read with another tenant's key, fails
+authentication (``open`` returns None) instead of yielding bytes. A random
+96-bit nonce per write keeps the GCM nonce bound (2**32 writes per key)
+far from any cache's lifetime of writes.
+
+Private blocks are sealed on disk and in the remote tier; public blocks
+(an operator-declared public prefix, shared by every tenant) stay in the
+clear, still checksummed.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+NONCE_BYTES = 12
+TAG_BYTES = 16
+# Bytes a sealed block carries beyond its plaintext.
+SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES
+
+_HKDF_SALT = b"kvferry kv at rest v1"
+_AD_PREFIX = b"kvferry-kv"
+
+
+def associated_data(key: bytes, tenant: str) -> bytes:
+    """What a sealed block is bound to; length-prefixed so that no
+    (key, tenant) pair can be split differently into another."""
+    return _AD_PREFIX + struct.pack("<H", len(key)) + key + tenant.encode()
+
+
+class TierCrypto:
+    """Seals and opens blocks under per-tenant keys derived from one server
+    secret. Thread-safe (derived keys are cached under a lock)."""
+
+    def __init__(self, secret: bytes) -> None:
+        if not isinstance(secret, bytes | bytearray) or len(secret) < 16:
+            raise ValueError("secret: must hold at least 16 bytes")
+        self._secret = bytes(secret)
+        self._ciphers: dict[str, AESGCM] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> TierCrypto:
+        """The server secret from a file (the same one that keys the cache
+        namespaces, so a restarted node can still open its disk)."""
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"secret_file: cannot read {path}: {exc.strerror or exc}") from None
+        return cls(secret)
+
+    def _cipher(self, tenant: str) -> AESGCM:
+        cipher = self._ciphers.get(tenant)
+        if cipher is None:
+            kdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=_HKDF_SALT,
+                       info=b"tenant:" + tenant.encode())
+            cipher = AESGCM(kdf.derive(self._secret))
+            with self._lock:
+                self._ciphers[tenant] = cipher
+        return cipher
+
+    def seal(self, key: bytes, tenant: str, plaintext: bytes | memoryview) -> tuple[bytes, bytes]:
+        """(nonce, ciphertext || tag); the caller writes them back to back
+        (two buffers, so the tier need not copy them into one)."""
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce, self._cipher(tenant).encrypt(nonce, plaintext, associated_data(key, tenant))
+
+    def open(self, key: bytes, tenant: str, sealed: bytes | memoryview) -> bytes | None:
+        """The plaintext, or None when authentication fails (another
+        tenant's key, another block key, any flipped bit)."""
+        if len(sealed) < SEAL_OVERHEAD:
+            return None
+        view = memoryview(sealed)
+        try:
+            return self._cipher(tenant).decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:],
+                                                associated_data(key, tenant))
+        except InvalidTag:
+            return None

@@ -1,0 +1,296 @@
+"""The remote KV tier on a Redis server, shared by every node that points
+at it (``--kv-remote redis://host:port/db``).
+
+Values::
+
+    key   = prefix || block key                     (binary-safe)
+    value = header | tenant | checksum | payload
+    header (8 bytes): magic "KVFR", version u8, flags u8 (public, sealed),
+                      tenant_len u16
+    checksum = xxh3-128 over the block key, header, tenant and payload
+
+Private blocks are sealed with the tenant's key (``kvferry.kvstore.crypto``)
+before they leave the process; public blocks travel and rest in the clear.
+A value that fails its checksum is deleted (quarantined, counted) and is a
+miss; another tenant's private block is a miss counted in
+``auth_failures``. ``prefix || "tenant:" || tenant`` is a set of that
+tenant's keys, so that ``drop_tenant`` reaches blocks other nodes wrote.
+
+Capacity and quotas are this node's view: what it wrote, in LRU order of
+its own reads (``tenant_lru``); over them it deletes its own least recently
+used blocks. The server's ``maxmemory`` policy bounds the shared whole; a
+block it evicted is a plain miss here.
+
+**Faults.** Any Redis error (refused connection, timeout, a server gone
+mid-call) disables the tier: one warning per outage, every call a miss or
+a refused write without touching the network, and a retry after a backoff
+that doubles up to ``retry_max_s``. The first call that succeeds logs that
+the tier is back. Nothing raises out of ``put``/``get``.
+
+**Other remote stores** (Mooncake Store, Valkey, S3) plug in at the same
+seam: a ``ColdTier`` subclass (``kvferry.kvstore.tier``) with ``put``,
+``get``/``get_many``, ``contains``, ``delete``, ``drop_tenant`` and
+``stats``. Valkey speaks this protocol unchanged (a ``redis://`` URL to
+it); Mooncake Store and S3 need only the five calls mapped to their
+clients, keeping this module's value format (checksum, sealing) so that
+every rule in ``tier.py`` holds the same way.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import sys
+import threading
+import time
+
+import redis
+import xxhash
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvferry.kvstore.crypto import TierCrypto
+from kvferry.kvstore.tenant_lru import TenantLRU, TierQuotas, pool_of
+from kvferry.kvstore.tier import BlockOwner, ColdTier, TierStats
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"KVFR"
+_VERSION = 1
+_HEADER = struct.Struct("<4sBBH")
+_CHECKSUM_BYTES = 16
+_FLAG_PUBLIC = 1
+_FLAG_SEALED = 2
+
+
+class RedisTier(ColdTier):
+    name = "remote"
+
+    def __init__(self, url: str, *, crypto: TierCrypto | None = None, quotas: TierQuotas | None = None,
+                 capacity_bytes: int | None = None, ttl_s: float | None = None, prefix: bytes = b"kvferry:kv:",
+                 timeout_s: float = 1.0, retry_initial_s: float = 1.0, retry_max_s: float = 60.0) -> None:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url: must be redis://, rediss:// or unix://, got {url!r}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError("ttl_s: must be > 0 or None")
+        if timeout_s <= 0 or retry_initial_s <= 0 or retry_max_s < retry_initial_s:
+            raise ValueError("timeout_s, retry_initial_s, retry_max_s: must be > 0 and max >= initial")
+        self.url = url
+        self.crypto = crypto
+        self.prefix = prefix
+        self.ttl_ms = None if ttl_s is None else int(ttl_s * 1000)
+        # No client-side retries: a failure is reported at once and the
+        # tier's own backoff decides when to try again.
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=Retry(NoBackoff(), 0))
+        self._lock = threading.Lock()
+        self._lru = TenantLRU(sys.maxsize if capacity_bytes is None else capacity_bytes, quotas)
+        self._stats = TierStats()
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._backoff_s = retry_initial_s
+        self._down_until = 0.0  # time.monotonic() before which calls skip the network
+        self.down = False
+        self.outages = 0
+
+    # ---- availability -------------------------------------------------
+
+    def _available(self) -> bool:
+        return not self.down or time.monotonic() >= self._down_until
+
+    def _failed(self, exc: Exception) -> None:
+        with self._lock:
+            if not self.down:
+                self.down = True
+                self.outages += 1
+                log.warning("remote KV tier %s is down (%s); disabled, retrying with backoff", self.url, exc)
+            else:
+                self._backoff_s = min(2 * self._backoff_s, self._retry_max_s)
+            self._down_until = time.monotonic() + self._backoff_s
+
+    def _succeeded(self) -> None:
+        if self.down:
+            with self._lock:
+                if self.down:
+                    self.down = False
+                    self._backoff_s = self._retry_initial_s
+                    log.warning("remote KV tier %s is back", self.url)
+
+    # ---- writes -------------------------------------------------------
+
+    def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
+        pool = pool_of(owner)
+        value = self._encode(key, data, owner)
+        with self._lock:
+            if not self._available():
+                self._refuse(pool)
+                return False
+            evicted, fits = self._lru.make_room(pool, len(value))
+            if not fits:
+                self._refuse(pool)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            if evicted:
+                pipe.delete(*(self.prefix + k for k in evicted))
+            if fits:
+                pipe.set(self.prefix + key, value, px=self.ttl_ms)
+                if not owner.public:
+                    pipe.sadd(self._tenant_set(owner.tenant), key)
+            pipe.execute()
+        except redis.RedisError as exc:
+            self._failed(exc)
+            if fits:
+                with self._lock:
+                    self._refuse(pool)
+            return False
+        self._succeeded()
+        if fits:
+            with self._lock:
+                self._lru.add(key, pool, len(value))
+                self._stats.bytes_written += len(data)
+        return fits
+
+    def _encode(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
+        sealed = self.crypto is not None and not owner.public
+        payload = b"".join(self.crypto.seal(key, owner.tenant, data)) if sealed else data
+        tenant = owner.tenant.encode()
+        header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
+                              len(tenant))
+        return b"".join((header, tenant, _checksum(key, header, tenant, payload), payload))
+
+    def _refuse(self, pool: str) -> None:
+        self._stats.refused_writes += 1
+        self._lru.stats_of(pool).refused_writes += 1
+
+    def _tenant_set(self, tenant: str) -> bytes:
+        return self.prefix + b"tenant:" + tenant.encode()
+
+    # ---- reads --------------------------------------------------------
+
+    def get(self, key: bytes, owner: BlockOwner) -> bytes | None:
+        return self.get_many([key], owner)[0]
+
+    def get_many(self, keys: list[bytes], owner: BlockOwner) -> list[bytes | None]:
+        start = time.perf_counter()
+        values: list[bytes | None] = [None] * len(keys)
+        if keys and self._available():
+            try:
+                values = self._redis.mget([self.prefix + k for k in keys])
+            except redis.RedisError as exc:
+                self._failed(exc)
+            else:
+                self._succeeded()
+        results = [None if v is None else self._decode(k, v, owner) for k, v in zip(keys, values)]
+        self._count_reads(keys, results, pool_of(owner), time.perf_counter() - start)
+        return results
+
+    def _decode(self, key: bytes, value: bytes, owner: BlockOwner) -> bytes | None:
+        view = memoryview(value)
+        body = _HEADER.size
+        if len(view) < body:
+            return self._quarantine(key)
+        magic, version, flags, tenant_len = _HEADER.unpack_from(view)
+        payload_at = body + tenant_len + _CHECKSUM_BYTES
+        if magic != _MAGIC or version != _VERSION or len(view) < payload_at:
+            return self._quarantine(key)
+        tenant, payload = view[body:body + tenant_len], view[payload_at:]
+        if _checksum(key, view[:body], tenant, payload) != view[body + tenant_len:payload_at]:
+            return self._quarantine(key)
+        if flags & _FLAG_PUBLIC:
+            return bytes(payload)
+        if owner.public or bytes(tenant) != owner.tenant.encode():
+            with self._lock:
+                self._stats.auth_failures += 1
+            return None
+        if not flags & _FLAG_SEALED:
+            return bytes(payload)
+        if self.crypto is None:
+            return None  # sealed by a node with a secret this one lacks
+        plain = self.crypto.open(key, owner.tenant, payload)
+        if plain is None:
+            # Checksum intact but the tag fails under the owner's own key:
+            # forged or moved to this key, never served.
+            with self._lock:
+                self._stats.auth_failures += 1
+            self._quarantine(key)
+        return plain
+
+    def _quarantine(self, key: bytes) -> None:  # returns the miss it is
+        with self._lock:
+            self._stats.quarantined += 1
+            self._lru.remove(key)
+        log.warning("remote KV tier: block %s failed its checksum; deleted", key.hex()[:16])
+        try:
+            self._redis.delete(self.prefix + key)
+        except redis.RedisError as exc:
+            self._failed(exc)
+        return None
+
+    def _count_reads(self, keys: list[bytes], results: list[bytes | None], pool: str, elapsed: float) -> None:
+        hits = sum(r is not None for r in results)
+        with self._lock:
+            for key, data in zip(keys, results):
+                if data is None:
+                    self._lru.remove(key)  # gone from the server (evicted, expired, restarted)
+                else:
+                    self._lru.touch(key)
+                    self._stats.bytes_read += len(data)
+            self._stats.hits += hits
+            self._stats.misses += len(keys) - hits
+            self._lru.stats_of(pool).hits += hits
+            self._lru.stats_of(pool).misses += len(keys) - hits
+            if hits:
+                self._stats.load_seconds += elapsed
+
+    # ---- the rest of the interface ------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        if not self._available():
+            return False
+        try:
+            found = bool(self._redis.exists(self.prefix + key))
+        except redis.RedisError as exc:
+            self._failed(exc)
+            return False
+        self._succeeded()
+        return found
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            self._lru.remove(key)
+        if self._available():
+            try:
+                self._redis.delete(self.prefix + key)
+            except redis.RedisError as exc:
+                self._failed(exc)
+
+    def drop_tenant(self, tenant: str) -> int:
+        """Every private block of ``tenant`` on the server, whichever node
+        wrote it; 0 while the server is down."""
+        with self._lock:
+            for key in self._lru.pool_keys(tenant):
+                self._lru.remove(key)
+        if not self._available():
+            return 0
+        try:
+            members = list(self._redis.smembers(self._tenant_set(tenant)))
+            removed = self._redis.delete(*(self.prefix + k for k in members)) if members else 0
+            self._redis.delete(self._tenant_set(tenant))
+        except redis.RedisError as exc:
+            self._failed(exc)
+            return 0
+        self._succeeded()
+        return removed
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return self._lru.snapshot(self._stats)
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+def _checksum(key: bytes, header, tenant, payload) -> bytes:
+    h = xxhash.xxh3_128()
+    for part in (key, header, tenant, payload):
+        h.update(part)
+    return h.digest()

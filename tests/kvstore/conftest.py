@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from kvferry.kvstore.crypto import TierCrypto
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def crypto() -> TierCrypto:
+    return TierCrypto(SECRET)
+
+
+def block(i: int, nbytes: int = 6000) -> bytes:
+    """Deterministic block bytes (distinct per i)."""
+    rng = __import__("random").Random(i)
+    return rng.randbytes(nbytes)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8  # 32 bytes, like a block hash
+
+
+# -- the store service ----------------------------------------------------------------
+@pytest.fixture
+def address(tmp_path):
+    return f"ipc://{tmp_path}/kvstore-{uuid.uuid4().hex[:6]}.sock"
+
+
+@pytest.fixture
+def store_factory(address):
+    """Start store processes (terminated at the end); returns (process, address)."""
+    from kvferry.kvstore.service import start_store
+    from tests.kvstore.store_helpers import BLOCK_NBYTES, gb
+
+    started = []
+
+    def start(num_blocks: int = 16, *, block_nbytes: int | None = BLOCK_NBYTES, at: str | None = None,
+              extra_args: list[str] | None = None, **kwargs):
+        proc, addr = start_store(gb(num_blocks), address=at or address, block_nbytes=block_nbytes,
+                                 extra_args=["--check-integrity", *(extra_args or [])], **kwargs)
+        started.append(proc)
+        return proc, addr
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+            # 0: a clean shutdown with the DRAM index intact after every request
+            assert proc.wait(10) == 0, f"the store exited with {proc.returncode}"
+
+
+@pytest.fixture
+def clients():
+    """Make KVStoreClients (closed at the end)."""
+    from kvferry.kvstore.client import KVStoreClient
+
+    made = []
+
+    def make(address: str, **kwargs) -> KVStoreClient:
+        client = KVStoreClient(address, **kwargs)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
