@@ -10,6 +10,7 @@ the core owns token ids, scheduling and the forward pass::
     EngineCoreRequest  ------------------------>  scheduler.add_request
     EngineCoreAbort    ------------------------>  scheduler.finish_requests
     EngineCoreShutdown ------------------------>  abort everything, exit
+    EngineCoreHello    ------------------------>  answer EngineCoreReady again (join, health check)
                        <------------------------  EngineCoreReady (once, after loading)
                        <------------------------  EngineCoreOutputs (one per step)
 
@@ -26,13 +27,14 @@ import msgspec
 
 from typing import Union
 
+from kvferry.core.kv_events import KVEvent
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.core.stats import SchedulerStats
 from kvferry.sampling import SamplingParams
 
 __all__ = [
     "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreReady",
-    "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats", "decode", "encode",
+    "EngineCoreHello", "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats", "decode", "encode",
 ]
 
 
@@ -68,6 +70,12 @@ class EngineCoreAbort(msgspec.Struct, kw_only=True, tag=True):
 
 class EngineCoreShutdown(msgspec.Struct, kw_only=True, tag=True):
     """Abort whatever runs and exit (the front end is going away)."""
+
+
+class EngineCoreHello(msgspec.Struct, kw_only=True, tag=True):
+    """Send EngineCoreReady again. A router that joins a running core (or
+    checks that it is alive) asks with this; the core's input thread answers
+    at once, even during a long step."""
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
@@ -107,6 +115,14 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, tag=True):
     # Set on the last message of a core that is dying: why (e.g. a failed
     # integrity check). The front end then fails every open request.
     engine_error: str | None = None
+    # Block events since the previous message (stored / removed hashes):
+    # the router's view of which prefixes this core holds.
+    kv_events: list[KVEvent] | None = None
+    # The step this message reports: tokens it computed and its wall time
+    # (0 for a message sent while idle); the router fits its step-time model
+    # on these.
+    num_scheduled_tokens: int = 0
+    step_duration_s: float = 0.0
 
 
 class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
@@ -127,10 +143,12 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     model_path: str
     # Every end-of-sequence id (from the tokenizer, else the model config).
     eos_token_ids: list[int]
+    # The KV dtype keyed into block hashes (a router recomputes them).
+    kv_dtype: str = ""
 
 
 # One message type per direction.
-CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown]
+CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown, EngineCoreHello]
 CoreOutput = Union[EngineCoreReady, EngineCoreOutputs]
 
 

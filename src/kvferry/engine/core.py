@@ -73,6 +73,7 @@ class EngineCore:
             model_fingerprint=self.loaded.fingerprint,
             model_path=self.loaded.model_path,
             eos_token_ids=list(self.loaded.tokenizer.eos_token_ids),
+            kv_dtype=self.scheduler.kv.kv_dtype,
         )
 
     # -- requests ----------------------------------------------------------------
@@ -104,10 +105,18 @@ class EngineCore:
     # -- stepping ----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """Run one batch; return only what it added to each request."""
+        start = time.monotonic()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+        now = time.monotonic()
+        return EngineCoreOutputs(outputs=outputs, timestamp=now, kv_events=self.take_kv_events(),
+                                 num_scheduled_tokens=sched.total_num_scheduled_tokens, step_duration_s=now - start)
+
+    def take_kv_events(self) -> list | None:
+        """Block events since the last call (None when there are none).
+        Drained every step, so that they never pile up unread."""
+        return self.scheduler.kv.take_events() or None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
