@@ -13,10 +13,10 @@ import time
 
 from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
-from kvferry.core.scheduler import Scheduler, SchedulerStats
+from kvferry.core.scheduler import KVTransferSettings, Scheduler, SchedulerStats
 from kvferry.core.swap_space import HostSwapSpace
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
-from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
+from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation
@@ -39,7 +39,13 @@ class EngineCore:
         num_swap = config.cache.num_swap_blocks
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
                                    **speculation(config.speculative))
-        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap)
+        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
+                                  kv_transfer=config.kv_transfer)
+        agent = self.runner.kv_transfer
+        if agent is not None:
+            t = config.kv_transfer
+            self.scheduler.kv_transfer = KVTransferSettings(agent.address, agent.shm_name, t.kv_transfer_timeout_s,
+                                                            t.kv_transfer_failure == "recompute")
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
 
@@ -91,8 +97,37 @@ class EngineCore:
             tenant=req.tenant,
             eos_token_ids=tuple(req.eos_token_ids),
             max_model_len=self.max_model_len,
+            kv_transfer=self._check_kv_transfer(req),
         )
         self.scheduler.add_request(request)
+
+    def _check_kv_transfer(self, req: EngineCoreRequest) -> KVTransferParams | None:
+        """A disaggregated request's part, validated (ValueError names the field)."""
+        params = req.kv_transfer
+        if params is None:
+            return None
+        if self.runner.kv_transfer is None:
+            raise ValueError("kv_transfer: this core has no KV transfer socket (--kv-transfer-address)")
+        if params.role == "decode":
+            return params
+        if params.role != "prefill":
+            raise ValueError(f"kv_transfer.role must be 'prefill' or 'decode', got {params.role!r}")
+        dest, bs = params.dest, self.block_size
+        if dest is None:
+            raise ValueError("kv_transfer.dest is required with role 'prefill'")
+        if dest.block_size != bs:
+            raise ValueError(f"kv_transfer.dest.block_size {dest.block_size} differs from this core's {bs}")
+        num_prompt = len(req.prompt_token_ids)
+        if dest.num_cached_tokens % bs or not 0 <= dest.num_cached_tokens < num_prompt:
+            raise ValueError("kv_transfer.dest.num_cached_tokens must be a multiple of block_size below the prompt length")
+        if len(dest.block_ids) != -(-num_prompt // bs) - dest.num_cached_tokens // bs:
+            raise ValueError("kv_transfer.dest.block_ids must cover the prompt past num_cached_tokens")
+        return params
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the shared-memory pool)."""
+        if self.runner.kv_transfer is not None:
+            self.runner.kv_transfer.close()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish these now; unknown or finished ids are ignored. No output

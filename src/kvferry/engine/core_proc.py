@@ -174,6 +174,8 @@ class EngineCoreProc:
         """Flush the output queue, stop the I/O threads, close the sockets."""
         self._stop.set()
         self.outputs.put(None)
+        if self.core is not None:
+            self.core.close()
         for t in self._threads:
             t.join(5)
         self._in_sock.close(linger=0)
