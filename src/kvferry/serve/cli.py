@@ -54,6 +54,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                        help="colocated: every core runs both phases (chunked prefill); disagg: prefill and decode pools")
     group.add_argument("--data-parallel-size", type=int, default=1,
                        help="engine cores to start in colocated mode (0 with --worker: joined cores only)")
+    group.add_argument("--prefill", type=int, default=1, help="prefill cores to start in disagg mode")
+    group.add_argument("--decode", type=int, default=1, help="decode cores to start in disagg mode")
+    group.add_argument("--prefill-cpus", default=None, help='CPUs of the prefill cores in disagg mode, e.g. "0"')
+    group.add_argument("--decode-cpus", default=None, help='CPUs of the decode cores in disagg mode, e.g. "1"')
     group.add_argument("--worker", action="append", default=[], metavar="ADDRESS",
                        help="join a running `kvferry engine-core --address ADDRESS` (repeatable)")
     group.add_argument("--engine-cpus", action="append", default=[], metavar="CPUS",
@@ -75,6 +79,7 @@ def router_config_from(args: argparse.Namespace):
 
     return RouterConfig(
         mode=args.mode, data_parallel_size=args.data_parallel_size, worker_addresses=list(args.worker),
+        num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
         engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
         health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
     )

@@ -25,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import deque
 from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
+from msgspec.structs import replace as _replace
 
 from kvferry.config import EngineArgs
 from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
@@ -39,14 +41,15 @@ from kvferry.engine.core_client import CoreAddresses, CoreConnection, CoreProces
 from kvferry.engine.input_processor import InputProcessor, load_tokenizer
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.messages import (
-    CoreOutput, EngineCoreAbort, EngineCoreHello, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-    EngineCoreShutdown, decode,
+    CoreOutput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+    EngineCoreShutdown, KVTransferParams, decode,
 )
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.outputs import RequestOutput
 from kvferry.router.admission import SloRejectedError, admit, predict
-from kvferry.router.config import ROLES, RouterConfig
-from kvferry.router.policy import Candidate, choose_prefill, uncached_tokens
+from kvferry.router.config import RouterConfig, check_role, split_worker
+from kvferry.router.pairing import MAX_PREFILL_ATTEMPTS, PairedSequence, first_token_finish
+from kvferry.router.policy import Candidate, choose_decode, choose_prefill, uncached_tokens
 from kvferry.router.prefix_index import PrefixIndex
 from kvferry.router.stats import merge_stats
 from kvferry.router.worker import Worker
@@ -59,6 +62,11 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine core has stopped (crashed, was killed, or shut down)."""
+
+
+class KVTransferFailedError(EngineDeadError):
+    """A disaggregated request's KV did not arrive intact and the decode core
+    was told to fail rather than recompute (--kv-transfer-failure fail)."""
 
 
 class RequestObserver(Protocol):
@@ -175,8 +183,11 @@ class AsyncEngineClient:
         self._worker_tasks: dict[str, asyncio.Task] = {}
         self._request_worker: dict[str, Worker] = {}  # parent request id -> its worker
         self._num_choices = 0
+        self._rng = random.Random(0)
         self._health_task: asyncio.Task | None = None
-        self._add_worker(Worker(name, "engine", address or connection.addresses.input, connection, ready, process))
+        self._paired: dict[str, PairedSequence] = {}  # disagg: child request id -> its two cores
+        role = "engine" if self.router.mode == "colocated" else name.rsplit("-", 1)[0]
+        self._add_worker(Worker(name, role, address or connection.addresses.input, connection, ready, process))
 
     @classmethod
     def launch(cls, args: EngineArgs, name: str = "engine-0", check_integrity_when_idle: bool = False,
@@ -188,31 +199,30 @@ class AsyncEngineClient:
         EngineCoreStartError (with the core's reason, e.g. a bad model path)
         when a core does not come up."""
         router = router or RouterConfig()
-        config = args.create_engine_config()
+        specs = router.core_specs()
         # Started together, so that N cores load their models in parallel.
-        processes = [CoreProcess.start(config, f"engine-{i}", check_integrity_when_idle, log_level,
-                                       cpus=router.cpus_of(i)) for i in range(router.data_parallel_size)]
+        processes = [CoreProcess.start(_core_config(args, role), name, check_integrity_when_idle, log_level,
+                                       cpus=cpus) for name, role, cpus in specs]
         connections: list[CoreConnection] = []
         try:
             workers = []
-            for i, process in enumerate(processes):
+            for (name, role, _), process in zip(specs, processes):
                 connections.append(CoreConnection(process.addresses))
                 ready = connections[-1].wait_ready(ready_timeout_s, process)
-                workers.append((f"engine-{i}", connections[-1], ready, process, process.addresses.input))
-            for j, address in enumerate(router.worker_addresses):
+                workers.append(Worker(name, role, process.addresses.input, connections[-1], ready, process))
+            for entry in router.worker_addresses:
+                role, address = split_worker(entry, router.mode)
                 connections.append(CoreConnection(CoreAddresses.from_address(address)))
                 ready = connections[-1].wait_ready(ready_timeout_s)
-                workers.append((f"engine-{len(processes) + j}", connections[-1], ready, None, address))
-            first_name, first_conn, first_ready, first_proc, first_addr = workers[0]
-            tokenizer = load_tokenizer(first_ready)
-            client = cls(first_conn, first_ready, tokenizer, first_proc, router=router, name=first_name,
-                         address=first_addr)
-            if first_proc is None:
-                client.workers[first_name].owned = False
-            for worker_name, conn, ready, process, address in workers[1:]:
-                _check_compatible(first_ready, ready, address)
-                client._add_worker(Worker(worker_name, "engine", address, conn, ready, process,
-                                          owned=process is not None))
+                index = sum(w.role == role for w in workers)
+                workers.append(Worker(f"{role}-{index}", role, address, connections[-1], ready, owned=False))
+            first = workers[0]
+            client = cls(first.connection, first.ready, load_tokenizer(first.ready), first.process, router=router,
+                         name=first.name, address=first.address)
+            client.workers[first.name] = first
+            for worker in workers[1:]:
+                _check_compatible(first.ready, worker.ready, worker.address)
+                client._add_worker(worker)
         except BaseException:
             for conn in connections:
                 conn.close()
@@ -299,10 +309,7 @@ class AsyncEngineClient:
         """Connect to a running core (``kvferry engine-core --address A``)
         and route to it from now on. Raises ValueError (bad address, role, a
         different model) or EngineCoreStartError (no answer)."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        if role != "engine":
-            raise ValueError(f"role {role!r} needs disaggregated mode, which this build does not have yet")
+        check_role(role, self.router.mode)
         addresses = CoreAddresses.from_address(address)
         if any(w.address == address and w.alive for w in self.workers.values()):
             raise ValueError(f"address {address!r} is already a worker")
@@ -404,8 +411,14 @@ class AsyncEngineClient:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, requests = self.input_processor.process(request_id, prompt, params, cache_namespace, arrival)
-        worker, new_tokens = self._choose_worker(requests[0])
-        self._admit(worker, new_tokens)
+        disagg = self.router.mode == "disagg"
+        # Colocated: the core that does both phases. Disagg: the decode core
+        # owns the stream; the prefill core is chosen (and may change) once
+        # the decode core says where the KV goes, so only its estimate is
+        # admitted here.
+        prefill, new_tokens = self._choose_worker(requests[0], "prefill" if disagg else "engine")
+        self._admit(prefill, new_tokens)
+        worker = self._choose_decode() if disagg else prefill
         self.output_processor.add_request(request_id, text, requests)
         stream = RequestStream(self, request_id, params.n, arrival)
         self._streams[request_id] = stream
@@ -413,15 +426,28 @@ class AsyncEngineClient:
         worker.requests.add(request_id)
         worker.num_routed += 1
         for req in requests:
-            worker.queued_prefill[req.request_id] = new_tokens
-            worker.connection.send(req)
+            if disagg:
+                self._paired[req.request_id] = PairedSequence(req, worker)
+                worker.connection.send(_replace(req, kv_transfer=KVTransferParams(role="decode")))
+            else:
+                worker.queued_prefill[req.request_id] = new_tokens
+                worker.connection.send(req)
         return stream
 
-    def _choose_worker(self, request: EngineCoreRequest) -> tuple[Worker, int]:
-        """The worker for this request, and the prompt tokens it will compute."""
-        live = [w for w in self.workers.values() if w.alive and w.accepting]
+    def _choose_decode(self) -> Worker:
+        live = [w for w in self.workers.values() if w.alive and w.accepting and w.role == "decode"]
         if not live:
-            raise self._dead_error or EngineDeadError("no engine core is accepting requests")
+            raise EngineDeadError("no decode core is accepting requests")
+        best = choose_decode([Candidate(w.name, 0, 0, 0, len(w.requests), w.kv_usage, w.stats.num_running)
+                              for w in live], self._rng)
+        return self.workers[best.name]
+
+    def _choose_worker(self, request: EngineCoreRequest, role: str = "engine") -> tuple[Worker, int]:
+        """The worker (of ``role``) to compute this prompt, and the prompt
+        tokens it will compute."""
+        live = [w for w in self.workers.values() if w.alive and w.accepting and w.role == role]
+        if not live:
+            raise self._dead_error or EngineDeadError(f"no {role} core is accepting requests")
         num_prompt = len(request.prompt_token_ids)
         block_size = self.ready.block_size
         if len(live) == 1 and not self.router.slo.enabled:
@@ -489,6 +515,9 @@ class AsyncEngineClient:
             worker.requests.discard(request_id)
             for child in child_ids:
                 worker.queued_prefill.pop(child, None)
+                seq = self._paired.pop(child, None)
+                if seq is not None:
+                    self._release_prefill(seq, child, abort=True)
             if child_ids and worker.alive and self.is_alive:
                 worker.connection.send(EngineCoreAbort(request_ids=child_ids))
 
@@ -522,6 +551,8 @@ class AsyncEngineClient:
             self.index.apply(worker.name, message.kv_events)
         if message.num_scheduled_tokens:
             worker.step_model.observe(message.num_scheduled_tokens, message.step_duration_s)
+        if self._paired:
+            message = _replace(message, outputs=self._pair_outputs(worker, message.outputs))
         for out in message.outputs:
             if out.new_token_ids or out.finished:
                 worker.queued_prefill.pop(out.request_id, None)
@@ -529,6 +560,118 @@ class AsyncEngineClient:
         if processed.stopped_by_string:
             worker.connection.send(EngineCoreAbort(request_ids=processed.stopped_by_string))
         self._dispatch(processed.outputs, time.monotonic())
+
+    # -- disagg: one sequence on a decode and a prefill core (router/pairing.py) --------
+    def _pair_outputs(self, worker: Worker, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """The outputs of paired sequences as the client must see them."""
+        result: list[EngineCoreOutput] = []
+        for out in outputs:
+            seq = self._paired.get(out.request_id)
+            if seq is None:
+                result.append(out)
+            elif worker is seq.decode:
+                result.extend(self._from_decode(seq, out))
+            elif worker is seq.prefill:
+                result.extend(self._from_prefill(seq, out))
+            # else: a prefill core this sequence has moved away from
+        return result
+
+    def _from_decode(self, seq: PairedSequence, out: EngineCoreOutput) -> list[EngineCoreOutput]:
+        child = out.request_id
+        if out.kv_destination is not None:
+            seq.dest = out.kv_destination
+            self._send_prefill(seq, child)
+            out = _replace(out, kv_destination=None)
+        if out.kv_transfer_error:
+            logger.warning("request %s: %s", child, out.kv_transfer_error)
+            self._release_prefill(seq, child, abort=True)
+            if out.finished:  # --kv-transfer-failure fail
+                self._paired.pop(child, None)
+                self._fail_child(child, KVTransferFailedError(out.kv_transfer_error))
+                return []
+            seq.recomputing = True  # D's own first token comes next
+            seq.drop_first_decode_token = seq.first_token_seen
+        if seq.drop_first_decode_token and out.new_token_ids:
+            seq.drop_first_decode_token = False
+            out = _replace(out, new_token_ids=out.new_token_ids[1:],
+                           new_logprobs=out.new_logprobs[1:] if out.new_logprobs else None)
+        if out.finished:
+            self._paired.pop(child, None)
+            self._release_prefill(seq, child, abort=True)
+        elif not seq.first_token_seen and not seq.recomputing:
+            if out.new_token_ids:
+                seq.held.append(out)  # overtook the prefill core's first token
+            return []
+        elif not out.new_token_ids:
+            return []
+        if seq.held:
+            held, seq.held = seq.held, []
+            return [*held, out]
+        return [out]
+
+    def _from_prefill(self, seq: PairedSequence, out: EngineCoreOutput) -> list[EngineCoreOutput]:
+        child = out.request_id
+        if out.finish_reason != "prefilled":
+            if out.finished:  # P could not take it (refused, aborted): another one may
+                self._release_prefill(seq, child, abort=False)
+                self._retry_prefill(seq, child, f"the prefill core ended it ({out.finish_reason})")
+            return []
+        self._release_prefill(seq, child, abort=False)
+        if seq.recomputing or seq.first_token_seen:
+            return []
+        seq.first_token_seen = True
+        finish = first_token_finish(seq.request, out.new_token_ids[0], self.max_model_len) if out.new_token_ids else None
+        first = _replace(out, finish_reason=finish[0] if finish else None, stop_reason=finish[1] if finish else None)
+        if finish is not None:  # D ends it too; its word is no longer needed
+            self._paired.pop(child, None)
+            return [first]
+        held, seq.held = seq.held, []
+        if any(o.finished for o in held):
+            self._paired.pop(child, None)
+        return [first, *held]
+
+    def _send_prefill(self, seq: PairedSequence, child: str) -> None:
+        seq.attempts += 1
+        try:
+            worker, new_tokens = self._choose_worker(seq.request, "prefill")
+        except EngineDeadError as exc:
+            # No prefill core: the decode core's lease ends it (recompute or fail).
+            logger.error("request %s: %s; the decode core's lease decides", child, exc)
+            return
+        seq.prefill = worker
+        worker.queued_prefill[child] = new_tokens
+        worker.num_routed += 1
+        worker.connection.send(_replace(seq.request, kv_transfer=KVTransferParams(role="prefill", dest=seq.dest)))
+
+    def _retry_prefill(self, seq: PairedSequence, child: str, reason: str) -> None:
+        if seq.dest is None:
+            return  # not sent to a prefill core yet: it goes when D reports
+        if seq.attempts >= MAX_PREFILL_ATTEMPTS or time.monotonic() >= seq.dest.deadline:
+            logger.error("request %s: %s; no retry left, the decode core's lease decides", child, reason)
+            return
+        logger.warning("request %s: %s; prefilling it on another core", child, reason)
+        self._send_prefill(seq, child)
+
+    def _release_prefill(self, seq: PairedSequence, child: str, abort: bool) -> None:
+        worker, seq.prefill = seq.prefill, None
+        if worker is None:
+            return
+        worker.queued_prefill.pop(child, None)
+        if abort and worker.alive:
+            with contextlib.suppress(zmq.ZMQError):
+                worker.connection.send(EngineCoreAbort(request_ids=[child]))
+
+    def _fail_child(self, child: str, error: BaseException) -> None:
+        """End the whole request of this sequence with ``error``."""
+        state = self.output_processor.seqs.get(child)
+        parent = state.parent_id if state is not None else child
+        stream = self._streams.pop(parent, None)
+        if stream is None:
+            return
+        self.observer.on_abort(stream)
+        self._abort_in_core([parent])
+        stream.closed = True
+        stream._push(error)
 
     def _on_process_exit(self, worker: Worker) -> None:
         assert self._loop is not None and worker.process is not None
@@ -548,9 +691,20 @@ class AsyncEngineClient:
         self._remove_process_reader(worker)
         self.index.drop(worker.name)
         error = EngineDeadError(reason)
+        # Disagg: a prefill core's sequences that have no first token yet
+        # are prefilled again elsewhere (the decode core still waits).
+        retry = [(child, seq) for child, seq in self._paired.items() if seq.prefill is worker]
+        worker.queued_prefill.clear()
+        for child, seq in retry:
+            seq.prefill = None
+            if not seq.first_token_seen and not seq.recomputing:
+                self._retry_prefill(seq, child, reason)
         for request_id in list(worker.requests):
             self._request_worker.pop(request_id, None)
-            self.output_processor.abort_requests([request_id])
+            for child in self.output_processor.abort_requests([request_id]):
+                seq = self._paired.pop(child, None)
+                if seq is not None:
+                    self._release_prefill(seq, child, abort=True)
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.closed = True
@@ -601,6 +755,15 @@ class AsyncEngineClient:
         for worker in self.workers.values():
             worker.requests.clear()
             worker.queued_prefill.clear()
+
+
+def _core_config(args: EngineArgs, role: str):
+    """The engine config of a core with this role: prefill and decode cores
+    get a KV transfer socket (a free loopback port unless one was given)."""
+    config = args.create_engine_config()
+    if role != "engine" and not config.kv_transfer.kv_transfer_address:
+        config.kv_transfer.kv_transfer_address = "tcp://127.0.0.1:0"
+    return config
 
 
 def _check_compatible(first: EngineCoreReady, other: EngineCoreReady, address: str) -> None:
