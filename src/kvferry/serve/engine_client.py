@@ -595,13 +595,15 @@ class AsyncEngineClient:
             seq.drop_first_decode_token = False
             out = _replace(out, new_token_ids=out.new_token_ids[1:],
                            new_logprobs=out.new_logprobs[1:] if out.new_logprobs else None)
+        waiting_first = not seq.first_token_seen and not seq.recomputing
+        if waiting_first and (out.new_token_ids or out.finish_reason in ("stop", "length")):
+            # Overtook the prefill core's first token (which D already has:
+            # it may even have ended the sequence): after it, in order.
+            seq.held.append(out)
+            return []
         if out.finished:
             self._paired.pop(child, None)
             self._release_prefill(seq, child, abort=True)
-        elif not seq.first_token_seen and not seq.recomputing:
-            if out.new_token_ids:
-                seq.held.append(out)  # overtook the prefill core's first token
-            return []
         elif not out.new_token_ids:
             return []
         if seq.held:
@@ -697,7 +699,11 @@ class AsyncEngineClient:
         worker.queued_prefill.clear()
         for child, seq in retry:
             seq.prefill = None
-            if not seq.first_token_seen and not seq.recomputing:
+            if any(o.finished for o in seq.held):
+                # D finished from this core's KV, but its first token died with it.
+                self._paired.pop(child, None)
+                self._fail_child(child, error)
+            elif not seq.first_token_seen and not seq.recomputing:
                 self._retry_prefill(seq, child, reason)
         for request_id in list(worker.requests):
             self._request_worker.pop(request_id, None)
