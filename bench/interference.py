@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -82,7 +83,7 @@ async def decode_stream(client: httpx.AsyncClient, model: str, index: int, strea
 
 
 async def arrivals(client: httpx.AsyncClient, model: str, args: argparse.Namespace, stop_at: float,
-                   ttfts: list[float]) -> None:
+                   ttfts: list[float], errors: list[str]) -> None:
     rng = random.Random(args.seed)
     lo, hi = args.prompt_tokens
     tasks = []
@@ -93,6 +94,8 @@ async def arrivals(client: httpx.AsyncClient, model: str, args: argparse.Namespa
                                                        "temperature": 0})
         if r.status_code == 200:
             ttfts.append(time.monotonic() - t0)
+        else:
+            errors.append(f"{r.status_code} {r.text[:200]}")
 
     await asyncio.sleep(args.arrival_interval / 2)
     while time.monotonic() < stop_at:
@@ -108,13 +111,15 @@ async def phase(base_url: str, args: argparse.Namespace, with_arrivals: bool) ->
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         gaps: list[float] = []
         ttfts: list[float] = []
+        errors: list[str] = []
         stop_at = time.monotonic() + args.duration
         jobs = [decode_stream(client, model, i, args.stream_tokens, stop_at, gaps) for i in range(args.num_streams)]
         if with_arrivals:
-            jobs.append(arrivals(client, model, args, stop_at, ttfts))
+            jobs.append(arrivals(client, model, args, stop_at, ttfts, errors))
         await asyncio.gather(*jobs)
     return {"tpot_p50_ms": pct(gaps, 50), "tpot_p99_ms": pct(gaps, 99), "num_gaps": len(gaps),
-            "num_prompts": len(ttfts), "prompt_latency_p50_ms": pct(ttfts, 50)}
+            "num_prompts": len(ttfts), "prompt_latency_p50_ms": pct(ttfts, 50),
+            "num_failed_prompts": len(errors), "first_error": errors[0] if errors else None}
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -142,6 +147,8 @@ def main() -> int:
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to every server")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    # SIGTERM unwinds (stopping the server in `finally`) instead of orphaning it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.configs:
