@@ -17,10 +17,15 @@ from tests.serve.server_process import MODEL_NAME, ServerProcess, start_server
 from tests.serve.test_router import PROMPTS, _all_greedy, _client, _greedy, _workers
 
 
+LEASE_S = 6
+
+
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("disagg") / "server.log",
-                       ["--mode", "disagg", "--prefill", "2", "--decode", "1"])
+                       ["--mode", "disagg", "--prefill", "2", "--decode", "1",
+                        # Short leases, so that a frozen prefill core is given up on fast.
+                        "--kv-transfer-timeout-s", str(LEASE_S)])
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"
@@ -55,6 +60,32 @@ def test_seeded_sampling_identical_to_colocated(disagg, client):
     expected = [c.text for c in client.completions.create(**kwargs).choices]
     with _client(disagg) as c:
         assert [ch.text for ch in c.completions.create(**kwargs).choices] == expected
+
+
+def test_a_stuck_transfer_ends_in_a_recompute_on_the_decode_core(disagg, client):
+    """Both prefill cores frozen: the decode core's lease runs out, it
+    computes the prompt itself, and the client gets the same greedy text
+    (no tokens from partial KV, no slot held forever)."""
+    prefill_pids = [w["pid"] for w in _workers(disagg).values() if w["role"] == "prefill"]
+    for pid in prefill_pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with _client(disagg) as c:
+            t0 = time.monotonic()
+            assert _greedy(c, PROMPTS[2], stream=True) == _greedy(client, PROMPTS[2])
+            assert LEASE_S - 1 < time.monotonic() - t0 < LEASE_S + 60
+    finally:
+        for pid in prefill_pids:
+            os.kill(pid, signal.SIGCONT)
+    # The frozen cores come back: their stale work changes nothing, and
+    # every core goes back to idle (no request, no queued prefill).
+    with _client(disagg) as c:
+        assert _all_greedy(c, PROMPTS[:2]) == _all_greedy(client, PROMPTS[:2])
+    deadline = time.monotonic() + 30
+    while any(w["num_requests"] or w["queued_prefill_tokens"] or w["num_running"]
+              for w in _workers(disagg).values()):
+        assert time.monotonic() < deadline, _workers(disagg)
+        time.sleep(0.2)
 
 
 def test_a_prefill_core_killed_before_the_first_token_is_replaced(disagg, client):

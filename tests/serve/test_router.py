@@ -30,9 +30,13 @@ PROMPTS = [
 LONG_PREFIX = "You are a careful assistant. Answer briefly and precisely. " * 6
 
 
+# Each core on its own CPU where there are two (sched_setaffinity in the core).
+PINNED = ["--engine-cpus", "0", "--engine-cpus", "1"] if {0, 1} <= os.sched_getaffinity(0) else []
+
+
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("dp2") / "server.log", ["--data-parallel-size", "2"])
+    srv = start_server(tmp_path_factory.mktemp("dp2") / "server.log", ["--data-parallel-size", "2", *PINNED])
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"
@@ -68,6 +72,8 @@ def test_two_cores_run_as_processes_and_report_health(dp2):
     for name, w in workers.items():
         with open(f"/proc/{w['pid']}/cmdline", "rb") as f:
             assert f.read().split(b"\0")[0] == f"kvferry: {name}".encode()
+        if PINNED:
+            assert os.sched_getaffinity(w["pid"]) == {int(name[-1])}
 
 
 def test_greedy_identical_to_one_core_streamed_and_not(dp2, client):

@@ -275,6 +275,9 @@ class AsyncEngineClient:
         if self._stopped:
             return
         self._stopped = True
+        # A joined core outlives us: it must drop our requests (known only until _fail_all).
+        leftovers = {w.name: self._children_of(w.requests | {c for c in w.queued_prefill})
+                     for w in self.workers.values() if not w.owned}
         self._fail_all(EngineDeadError("the server is shutting down"))
         if self._health_task is not None:
             self._health_task.cancel()
@@ -284,8 +287,8 @@ class AsyncEngineClient:
             try:
                 if worker.owned:
                     worker.connection.send(EngineCoreShutdown())
-                elif worker.requests:
-                    worker.connection.send(EngineCoreAbort(request_ids=self._children_of(worker.requests)))
+                elif leftovers.get(worker.name):
+                    worker.connection.send(EngineCoreAbort(request_ids=leftovers[worker.name]))
             except zmq.ZMQError:
                 pass
             if worker.process is not None:
@@ -336,8 +339,9 @@ class AsyncEngineClient:
         timeout, then they end with an error), and disconnect. Raises
         KeyError when no such worker, ValueError for the last live one."""
         worker = self._find_worker(name_or_address)
-        if worker.alive and sum(w.alive and w.accepting for w in self.workers.values()) <= 1 and worker.accepting:
-            raise ValueError("cannot remove the last live worker")
+        peers = [w for w in self.workers.values() if w.role == worker.role and w.alive and w.accepting]
+        if peers == [worker]:
+            raise ValueError(f"cannot remove the last live {worker.role} worker")
         worker.accepting = False
         deadline = time.monotonic() + drain_timeout_s
         while worker.requests and worker.alive and time.monotonic() < deadline:
