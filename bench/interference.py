@@ -36,7 +36,8 @@ import httpx
 
 READY_PREFIX = "kvferry serve: ready on "
 CONFIGS = {
-    "nochunk": ["--no-enable-chunked-prefill"],
+    # Without chunking a step must fit the longest prompt.
+    "nochunk": ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4608"],
     "chunked": ["--enable-chunked-prefill", "--max-num-batched-tokens", "512"],
     "disagg": ["--mode", "disagg", "--prefill", "1", "--decode", "1"],
 }

@@ -59,7 +59,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-cpus", default=None, help='CPUs of the prefill cores in disagg mode, e.g. "0"')
     group.add_argument("--decode-cpus", default=None, help='CPUs of the decode cores in disagg mode, e.g. "1"')
     group.add_argument("--worker", action="append", default=[], metavar="ADDRESS",
-                       help="join a running `kvferry engine-core --address ADDRESS` (repeatable)")
+                       help="join a running `kvferry engine-core --address ADDRESS` (repeatable; disagg: prefill=ADDRESS or decode=ADDRESS)")
     group.add_argument("--engine-cpus", action="append", default=[], metavar="CPUS",
                        help='CPUs of each started core, e.g. "0" then "1" (repeat per core, or once for all)')
     group.add_argument("--ttft-slo-ms", type=float, default=None,
