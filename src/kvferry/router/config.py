@@ -28,10 +28,10 @@ class RouterConfig:
     # CPUs of each started core, by index ("0", "2-3"); one entry applies to all.
     engine_cpus: list[str] = field(default_factory=list)
     slo: SloConfig = field(default_factory=SloConfig)
-    # Every core is asked for a hello this often; one silent for
-    # health_timeout_s counts as dead.
+    # Every joined core is asked for a hello this often; one silent for
+    # health_timeout_s counts as dead (a started core: when its process exits).
     health_check_interval_s: float = 1.0
-    health_timeout_s: float = 10.0
+    health_timeout_s: float = 30.0
     # Weight of prefill tokens against active KV tokens in the prefill cost.
     overlap_weight: float = 1.0
 

@@ -67,9 +67,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tpot-slo-ms", type=float, default=None,
                        help="refuse (429, Retry-After) a request whose predicted time per output token exceeds this")
     group.add_argument("--health-check-interval", type=float, default=1.0,
-                       help="seconds between hellos to each core")
-    group.add_argument("--health-timeout", type=float, default=10.0,
-                       help="a core silent this long counts as dead")
+                       help="seconds between hellos to each joined core")
+    group.add_argument("--health-timeout", type=float, default=30.0,
+                       help="a joined core silent this long counts as dead (started cores: when their process exits)")
 
 
 def router_config_from(args: argparse.Namespace):

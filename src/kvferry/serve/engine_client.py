@@ -384,15 +384,17 @@ class AsyncEngineClient:
             self._loop.remove_reader(worker.process.sentinel)
 
     async def _health_loop(self) -> None:
-        """Ask every live worker for a hello each interval; one that stays
-        silent past the timeout (a hung or unreachable core; a dead local
-        process is seen at once by its sentinel) is dead."""
+        """Ask every live joined worker for a hello each interval; one that
+        stays silent past the timeout (unreachable, or its host is gone) is
+        dead. A core this server started is watched by its process sentinel
+        instead: a long step may hold its GIL (a C++ kernel) for seconds,
+        which must not read as death."""
         interval, timeout = self.router.health_check_interval_s, self.router.health_timeout_s
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
             for worker in list(self.workers.values()):
-                if not worker.alive:
+                if not worker.alive or worker.process is not None:
                     continue
                 if now - worker.last_heard > timeout:
                     self._worker_died(worker, f"worker {worker.name} ({worker.address}) did not answer for "
