@@ -198,8 +198,13 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, name: str = 
 
     setproctitle.setproctitle(f"kvferry: {name}")
     if cpus:
-        # Before torch starts its thread pool, so that it sizes itself to these CPUs.
-        os.sched_setaffinity(0, parse_cpus(cpus))
+        allowed = parse_cpus(cpus)
+        os.sched_setaffinity(0, allowed)
+        # OpenMP sized its team when torch was imported (every CPU): more
+        # threads than allowed CPUs would spin against each other.
+        import torch
+
+        torch.set_num_threads(len(allowed))
     # Ctrl-C reaches the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
