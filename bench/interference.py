@@ -9,7 +9,7 @@ with no arrivals. One run starts every server itself, one after another.
 Each config runs two phases on one server: ``idle`` (the decode streams
 alone) and ``arrivals`` (the same streams while a prompt of a random length
 in --prompt-tokens arrives every --arrival-interval seconds, asking for one
-token). A decode stream asks for --stream-tokens tokens with ignore_eos and
+token; those still running when the phase ends are cancelled). A decode stream asks for --stream-tokens tokens with ignore_eos and
 starts again when it ends. TPOT here is the gap between successive content
 chunks of the decode streams (p50 / p99 over all gaps of the phase).
 
@@ -103,7 +103,12 @@ async def arrivals(client: httpx.AsyncClient, model: str, args: argparse.Namespa
         n = rng.randint(lo, hi)
         tasks.append(asyncio.create_task(one([rng.randrange(1000, 20000) for _ in range(n)])))
         await asyncio.sleep(args.arrival_interval)
-    await asyncio.gather(*tasks)
+    # The phase ends with the streams: prompts still running are cancelled
+    # (the client leaves; the server aborts them), so a phase stays bounded.
+    await asyncio.sleep(max(0.0, stop_at - time.monotonic()))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def phase(base_url: str, args: argparse.Namespace, with_arrivals: bool) -> dict:
