@@ -69,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_core_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input-address", required=True, help="where to receive inputs (ipc:// or tcp://)")
-    parser.add_argument("--output-address", required=True, help="where to send outputs (ipc:// or tcp://)")
+    parser.add_argument("--address", default=None,
+                        help="the core's address, as a router joins it: tcp://HOST:PORT (inputs on PORT, outputs on "
+                             "PORT+1) or ipc://PATH (PATH-input, PATH-output)")
+    parser.add_argument("--input-address", default=None, help="where to receive inputs (ipc:// or tcp://)")
+    parser.add_argument("--output-address", default=None, help="where to send outputs (ipc:// or tcp://)")
+    parser.add_argument("--cpus", default=None, help='CPUs this core may run on, e.g. "0", "2-3" (sched_setaffinity)')
     parser.add_argument("--name", default="engine-0", help="process title suffix: kvferry: NAME")
     parser.add_argument("--check-kv-integrity", action="store_true")
     parser.add_argument("--log-level", default="info")

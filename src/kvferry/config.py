@@ -133,6 +133,41 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+_KV_TRANSPORTS = ("shm", "tcp")
+_KV_FAILURE = ("recompute", "fail")
+
+
+@dataclass(slots=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation on one engine core (kvferry.disagg)."""
+
+    # The core's transfer socket (tcp://host:port; port 0 picks a free one).
+    # "": the core takes no part in disaggregation.
+    kv_transfer_address: str = ""
+    # How this core sends KV: "shm" writes straight into a decode core's
+    # pool on the same host (falling back to tcp when it cannot attach it).
+    kv_transport: str = "shm"
+    # A decode core whose KV does not arrive intact: recompute the prompt
+    # itself, or finish the request with an error.
+    kv_transfer_failure: str = "recompute"
+    # Lease of a transfer: a decode core waits this long for the KV; a
+    # prefill core holds its blocks this long for the acknowledgement.
+    kv_transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_transfer_address, str) or (
+                self.kv_transfer_address and not self.kv_transfer_address.startswith(("tcp://", "ipc://"))):
+            raise ValueError(f"kv_transfer_address must be tcp://host:port or ipc://path, "
+                             f"got {self.kv_transfer_address!r}")
+        if self.kv_transport not in _KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(_KV_TRANSPORTS)}; got {self.kv_transport!r}")
+        if self.kv_transfer_failure not in _KV_FAILURE:
+            raise ValueError(f"kv_transfer_failure must be one of {', '.join(_KV_FAILURE)}; "
+                             f"got {self.kv_transfer_failure!r}")
+        if not isinstance(self.kv_transfer_timeout_s, (int, float)) or not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s!r}")
+
+
 @dataclass(slots=True)
 class KVTierConfig:
     """The node's KV store below the device pool (``kvferry.kvstore``).
@@ -177,6 +212,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 def _is_int(value: object) -> bool:
@@ -225,6 +261,15 @@ class EngineArgs:
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
         flag="--speculative-config"))
+    kv_transfer_address: str = field(default="", metadata=_opt(
+        "prefill/decode disaggregation: this core's KV transfer socket, tcp://host:port (default: off)"))
+    kv_transport: str = field(default="shm", metadata=_opt(
+        "how KV is sent to a decode core: shm (same host, into its pool) or tcp", choices=_KV_TRANSPORTS))
+    kv_transfer_failure: str = field(default="recompute", metadata=_opt(
+        "a decode core whose KV transfer fails: recompute the prompt, or fail the request",
+        choices=_KV_FAILURE))
+    kv_transfer_timeout_s: float = field(default=30.0, metadata=_opt(
+        "lease of a KV transfer: how long a decode core waits and a prefill core holds its blocks"))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -243,6 +288,8 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative),
             kv_tiers=KVTierConfig(self.kv_store, self.kv_dram_gb, self.kv_disk, self.kv_disk_gb, self.kv_remote,
                                   self.max_load_tokens),
+            kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
+                                         self.kv_transfer_timeout_s),
         )
 
     # -- command line -----------------------------------------------------------

@@ -11,12 +11,37 @@ the core owns token ids, scheduling and the forward pass::
     EngineCoreAbort    ------------------------>  scheduler.finish_requests
     EngineCoreShutdown ------------------------>  abort everything, exit
     EngineCorePurgeTenant --------------------->  drop a tenant's unused cached blocks
+    EngineCoreHello    ------------------------>  answer EngineCoreReady again (join, health check)
                        <------------------------  EngineCoreReady (once, after loading)
                        <------------------------  EngineCoreOutputs (one per step)
 
 Each direction is one tagged union (``CoreInput`` / ``CoreOutput``), so a
 socket carries one message type per direction and a decoder knows every
 variant.
+
+Prefill/decode disaggregation (a router drives two cores, ``kvferry.disagg``)::
+
+    router                      decode core D                       prefill core P
+    ------                      -------------                       --------------
+    request(role="decode") -->  prefix hit; blocks for the rest of
+                                the prompt; WAITING_FOR_KV
+           <-- output.kv_destination (address, block ids, tokens
+                                D already has, transfer id, lease)
+    request(role="prefill", dest=...) ------------------------------>  computes the prompt (its own
+                                                                       prefix cache applies)
+                                <== KV of the blocks D lacks, layer by layer, as each layer finishes
+                                <== KVTransferDone: first token, output ids (penalty counts),
+                                    seeded generator state, checksum
+                                verify every layer + checksum
+                                ==> KVTransferAck ==================>  frees its blocks (or at lease end)
+           <------------------------------------------------------- output: the first token,
+                                                                     finish_reason "prefilled"
+           <-- outputs from the second token on (the first token is
+               P's to report); finish_reason as colocated
+
+On a timeout, error or checksum mismatch D recomputes the prompt itself, or,
+with ``--kv-transfer-failure fail``, finishes the request with
+finish_reason "error"; tokens never come from partially received KV.
 
 A core output carries only what a step added (``new_token_ids``, zero or
 more: speculative decoding accepts several per step), never a whole history.
@@ -27,14 +52,52 @@ import msgspec
 
 from typing import Union
 
+from kvferry.core.kv_events import KVEvent
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.core.stats import SchedulerStats
 from kvferry.sampling import SamplingParams
 
 __all__ = [
-    "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreOutput", "EngineCoreOutputs", "EngineCorePurgeTenant",
-    "EngineCoreReady", "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats", "decode", "encode",
+    "KVDestination", "KVTransferAck", "KVTransferDone", "KVLayerChunk", "KVTransferParams", "KVWire",
+    "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreReady",
+    "EngineCoreHello", "EngineCorePurgeTenant", "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats",
+    "decode", "encode",
 ]
+
+
+class KVDestination(msgspec.Struct, kw_only=True):
+    """Where a prefill core writes one request's KV: reported by the decode
+    core, passed on by the router unchanged."""
+
+    # Unique per transfer (a request retried on another prefill core keeps it).
+    transfer_id: str
+    # The decode core's transfer socket (tcp://host:port).
+    address: str
+    # The decode core's KV pool as a named shared-memory segment ("": not in
+    # shared memory, so only the socket transport reaches it).
+    shm_name: str = ""
+    # Blocks to fill, in order: the request's blocks from
+    # num_cached_tokens // block_size to the end of its prompt.
+    block_ids: list[int]
+    # Prompt tokens whose KV the decode core already has (its prefix hit, a
+    # multiple of block_size): their blocks are not sent.
+    num_cached_tokens: int
+    block_size: int
+    # The decode core waits this long for the whole transfer; a prefill core
+    # writes nothing into shared memory after ``deadline`` (time.monotonic()
+    # of the decode core, so shared memory (one host) can compare it).
+    lease_s: float
+    deadline: float
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True):
+    """This request's part in a disaggregated pair."""
+
+    # "decode": wait for the prompt's KV and report a KVDestination;
+    # "prefill": compute the prompt, stream its KV to ``dest``, report the
+    # first token and finish with "prefilled".
+    role: str
+    dest: KVDestination | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
@@ -61,6 +124,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     tenant: str = ""
     # The tenant's weight in fair admission and preemption (from the key file).
     tenant_weight: float = 1.0
+    # Prefill/decode disaggregation; None: the core does both phases.
+    kv_transfer: KVTransferParams | None = None
 
 
 class EngineCoreAbort(msgspec.Struct, kw_only=True, tag=True):
@@ -82,6 +147,12 @@ class EngineCorePurgeTenant(msgspec.Struct, kw_only=True, tag=True):
     tenant: str
 
 
+class EngineCoreHello(msgspec.Struct, kw_only=True, tag=True):
+    """Send EngineCoreReady again. A router that joins a running core (or
+    checks that it is alive) asks with this; the core's input thread answers
+    at once, even during a long step."""
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
     """What one step did for one request."""
 
@@ -99,6 +170,12 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     # time.monotonic() when the core first scheduled the request; set on the
     # request's first output only (for the queue-time metric).
     first_scheduled_time: float | None = None
+    # A decode-role request's KV destination, once its blocks are allocated
+    # (its first output; no tokens). The router passes it to a prefill core.
+    kv_destination: KVDestination | None = None
+    # Why a disaggregated request ended in "error", or what a decode core
+    # did instead of using a failed transfer (e.g. "recomputed: checksum").
+    kv_transfer_error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -121,6 +198,14 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, tag=True):
     engine_error: str | None = None
     # Answers to EngineCorePurgeTenant: purge_id -> blocks dropped.
     purged: dict[str, int] | None = None
+    # Block events since the previous message (stored / removed hashes):
+    # the router's view of which prefixes this core holds.
+    kv_events: list[KVEvent] | None = None
+    # The step this message reports: tokens it computed and its wall time
+    # (0 for a message sent while idle); the router fits its step-time model
+    # on these.
+    num_scheduled_tokens: int = 0
+    step_duration_s: float = 0.0
 
 
 class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
@@ -141,10 +226,53 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     model_path: str
     # Every end-of-sequence id (from the tokenizer, else the model config).
     eos_token_ids: list[int]
+    # The KV dtype keyed into block hashes (a router recomputes them).
+    kv_dtype: str = ""
 
+
+# -- prefill core -> decode core (its transfer socket) -----------------------------
+class KVLayerChunk(msgspec.Struct, kw_only=True, tag=True):
+    """One layer of a transfer, as soon as the prefill core computed it.
+    Over TCP the layer's blocks follow as the next frame of the same
+    multipart message (``[2, n, block_size, kv_heads, head_dim]`` raw bytes
+    in the pool's dtype, zero-copy); over shared memory nothing follows: the
+    bytes are already in the decode core's pool and this says so."""
+
+    transfer_id: str
+    layer: int
+    block_ids: list[int]  # decode-core block ids the chunk fills
+    has_payload: bool = False
+
+
+class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
+    """The last message of a transfer: what decode needs besides the KV."""
+
+    transfer_id: str
+    num_layers: int
+    block_ids: list[int]  # every block the transfer filled
+    # xxh64 of each layer's bytes over ``block_ids``, in layer order.
+    layer_checksums: list[int]
+    # The tokens the prefill core sampled (the first token).
+    output_token_ids: list[int]
+    # torch.Generator.get_state() of a seeded request after its first token.
+    generator_state: bytes = b""
+    # Set when the prefill core gave up (aborted, lease over): discard.
+    error: str = ""
+
+
+class KVTransferAck(msgspec.Struct, kw_only=True, tag=True):
+    """Decode core -> prefill core: the transfer is verified (or refused);
+    the prefill core may free its blocks."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+
+
+KVWire = Union[KVLayerChunk, KVTransferDone, KVTransferAck]
 
 # One message type per direction.
-CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown, EngineCorePurgeTenant]
+CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown, EngineCorePurgeTenant, EngineCoreHello]
 CoreOutput = Union[EngineCoreReady, EngineCoreOutputs]
 
 

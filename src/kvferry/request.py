@@ -25,6 +25,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     # The request can never be served (e.g. it outgrew the whole KV pool).
     FINISHED_ERROR = enum.auto()
+    # A prefill-role request (disaggregation): its prompt's KV and first
+    # token went to a decode core, which continues it.
+    FINISHED_PREFILLED = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -36,6 +39,7 @@ _FINISHED = {
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
+    RequestStatus.FINISHED_PREFILLED,
 }
 
 FINISH_REASON = {
@@ -43,6 +47,7 @@ FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_PREFILLED: "prefilled",
 }
 
 
@@ -71,6 +76,9 @@ class Request:
     # Worker to send this request's KV to when it finishes (prefill/decode
     # disaggregation); "" sends nothing.
     kv_send_peer: str = ""
+    # Prefill/decode disaggregation: a messages.KVTransferParams (its role and,
+    # for "prefill", the decode core's KVDestination); None: both phases here.
+    kv_transfer: object | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

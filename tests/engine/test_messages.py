@@ -6,9 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvferry.core.kv_events import BlockRemoved, BlockStored
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.messages import (
-    CoreInput, CoreOutput, EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+    CoreInput, CoreOutput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
     EngineCoreRequest, EngineCoreShutdown, SchedulerStats, decode, encode,
 )
 from kvferry.sampling import SamplingParams
@@ -35,16 +36,20 @@ def _outputs() -> EngineCoreOutputs:
         stats=SchedulerStats(num_running=2, num_waiting=1, num_preemptions=3, kv_blocks_used=4,
                              kv_blocks_total=64, prefix_queries=100, prefix_hits=32),
         engine_error=None,
+        kv_events=[BlockStored(block_hashes=[b"\x01" * 32, b"\x02" * 32], parent_block_hash=None,
+                               token_ids=list(range(8)), block_size=4, owner="tenant-a"),
+                   BlockRemoved(block_hashes=[b"\x03" * 32])],
+        num_scheduled_tokens=130, step_duration_s=0.25,
     )
 
 
-INPUTS = [_request(), EngineCoreAbort(request_ids=["a", "b#1"]), EngineCoreShutdown()]
+INPUTS = [_request(), EngineCoreAbort(request_ids=["a", "b#1"]), EngineCoreShutdown(), EngineCoreHello()]
 OUTPUTS = [
     _outputs(),
     EngineCoreOutputs(outputs=[], engine_error="the engine core died: AssertionError()"),
     EngineCoreReady(pid=42, max_model_len=2048, vocab_size=49152, num_kv_blocks=100, block_size=16,
                     max_num_batched_tokens=2048, enable_chunked_prefill=True, model_fingerprint="ab" * 32,
-                    model_path="/models/x", eos_token_ids=[2, 7]),
+                    model_path="/models/x", eos_token_ids=[2, 7], kv_dtype="float32"),
 ]
 
 
@@ -65,6 +70,7 @@ def test_round_trip_keeps_types_not_just_values():
     out = decode(encode(_outputs()), CoreOutput)
     assert isinstance(out.outputs[0].new_logprobs[0], TokenLogprobs) and isinstance(out.stats, SchedulerStats)
     assert out.outputs[1].finished and not out.outputs[0].finished
+    assert [type(e) for e in out.kv_events] == [BlockStored, BlockRemoved]
 
 
 def test_a_message_of_the_other_direction_is_refused():

@@ -91,12 +91,49 @@ class TransferOrder:
 
 
 @dataclass(slots=True)
+class ReceiveOrder:
+    """Decode side of a disaggregated request: expect KV from a prefill core
+    into ``block_ids`` (complete once every layer arrived and checks out,
+    failed at ``deadline``, time.monotonic())."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass(slots=True)
+class StreamOrder:
+    """Prefill side: while this step's forward runs, send each layer's
+    ``src_block_ids`` (this core's) into ``dst_block_ids`` (the decode
+    core's) as soon as the layer is computed. ``last``: the step computes the
+    end of the prompt; its first token and sampling state follow the KV."""
+
+    request_id: str
+    transfer_id: str
+    address: str
+    shm_name: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    # Every decode-core block of the transfer (checksummed once it is whole).
+    all_dst_block_ids: list[int]
+    all_src_block_ids: list[int]
+    last: bool
+    lease_s: float
+    deadline: float
+
+
+@dataclass(slots=True)
 class KVOrders:
     swap_out: list[SwapOrder] = field(default_factory=list)
     swap_in: list[SwapOrder] = field(default_factory=list)
     load: list[TransferOrder] = field(default_factory=list)
     save: list[TransferOrder] = field(default_factory=list)
     send: list[TransferOrder] = field(default_factory=list)
+    # Prefill/decode disaggregation (kvferry.disagg): run by the transfer
+    # agent, not the connector; streams run during the forward pass.
+    receive: list[ReceiveOrder] = field(default_factory=list)
+    stream: list[StreamOrder] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.load or self.save or self.send)
@@ -158,3 +195,8 @@ class RunnerOutput:
     # only when fewer than ordered (missing or corrupt in the tier): the
     # rest are recomputed, never read.
     num_loaded_blocks: dict[str, int] = field(default_factory=dict)
+    # Disaggregation, decode side: tokens the prefill core sampled, for each
+    # request in finished_loading whose KV came from one; and receives that
+    # failed (request id -> reason: timeout, checksum, incomplete, ...).
+    kv_received: dict[str, list[int]] = field(default_factory=dict)
+    failed_loading: dict[str, str] = field(default_factory=dict)

@@ -25,6 +25,7 @@ Entry points: ``add_request``, ``schedule`` -> SchedulerOutput,
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,15 +36,17 @@ from kvferry.core.kv_manager import KVCacheManager, PrefixHit
 from kvferry.core.outputs import (
     CachedRequestData,
     NewRequestData,
+    ReceiveOrder,
     RunnerOutput,
     SchedulerOutput,
+    StreamOrder,
     SwapOrder,
     TransferOrder,
 )
 from kvferry.core.swap_space import HostSwapSpace
 from kvferry.core.tier_source import StoreKVSource, TierLookupStats
 from kvferry.core.stats import SchedulerStats
-from kvferry.messages import EngineCoreOutput
+from kvferry.messages import EngineCoreOutput, KVDestination, KVTransferParams
 from kvferry.request import FINISH_REASON, Request, RequestStatus
 
 
@@ -84,6 +87,22 @@ class ExternalKVSource(Protocol):
 
 
 @dataclass(slots=True)
+class KVTransferSettings:
+    """This core's side of prefill/decode disaggregation (from the engine
+    core once its transfer socket and KV pool exist)."""
+
+    address: str  # the transfer socket a prefill core connects to
+    shm_name: str  # the KV pool's shared-memory segment ("": none)
+    timeout_s: float  # the lease of each transfer
+    recompute_on_failure: bool  # else finish the request with an error
+
+
+def _role(request: Request) -> str:
+    params = request.kv_transfer
+    return params.role if isinstance(params, KVTransferParams) else ""
+
+
+@dataclass(slots=True)
 class SwappedKV:
     host_slots: list[int]
     num_tokens: int  # computed tokens whose KV the slots hold
@@ -116,6 +135,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: dict[str, SwappedKV] = {}
         self.loading: dict[str, int] = {}  # request id -> external tokens in flight
+        # Disaggregation: this core's transfer settings (None: off), and per
+        # prefill-role request the first of its blocks not yet sent whole.
+        self.kv_transfer: KVTransferSettings | None = None
+        self._streams: dict[str, int] = {}
         # Sends of finished requests' KV, ordered with the next step.
         self._pending_sends: list[TransferOrder] = []
         # Write-down: saves ordered with the next step, saves in flight (I/O
@@ -259,8 +282,12 @@ class Scheduler:
         if its whole prompt must run at once and exceeds the budget left, or
         None if there are no blocks for it."""
         swapped = self.swapped.get(request.request_id)
-        first = request.num_computed_tokens == 0 and swapped is None
+        # (A decode-role request whose transfer failed holds its blocks
+        # already: it recomputes into them, with no second lookup.)
+        first = request.num_computed_tokens == 0 and swapped is None and request.request_id not in self.kv.req_blocks
         hit = self.kv.find_prefix_hit(request) if first else PrefixHit()
+        if first and _role(request) == "decode":
+            return self._admit_decode(out, request, hit)
         num_external = swapped.num_tokens if swapped else 0
         load_async = 0
         if first and self.kv_source is not None:
@@ -302,6 +329,95 @@ class Scheduler:
         self.running.append(request)
         self._emit(out, request, num_new, [])
         return num_new
+
+    # -- disaggregation ---------------------------------------------------------
+    def _admit_decode(self, out: SchedulerOutput, request: Request, hit: PrefixHit) -> int | None:
+        """Decode role: hold blocks for the whole prompt past the prefix hit,
+        expect its KV from a prefill core, and report where it goes::
+
+            | hit (ours) |  external: written by the prefill core  |
+            '-- kept --' '-- KVDestination.block_ids --------------'
+        """
+        if self.kv_transfer is None:
+            raise RuntimeError("a decode-role request reached a core without a KV transfer socket")
+        rid, bs = request.request_id, self.kv.block_size
+        num_external = request.num_tokens - hit.num_tokens
+        if self.kv.allocate_slots(request, 0, hit, num_external_tokens=num_external) is None:
+            if not self.running and not self.kv.can_fit(request.num_tokens):
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self._pending_outputs.append(self._core_output(request, []))
+                return 0
+            return None
+        request.num_computed_tokens += hit.num_tokens
+        request.num_cached_tokens = hit.num_tokens
+        self.kv.record_lookup(request, hit)
+        request.first_scheduled_time = time.monotonic()
+        settings = self.kv_transfer
+        deadline = time.monotonic() + settings.timeout_s
+        block_ids = self.kv.block_ids(rid)[hit.num_tokens // bs :]
+        transfer_id = f"{rid}@{uuid.uuid4().hex[:12]}"
+        out.kv_orders.receive.append(ReceiveOrder(rid, transfer_id, block_ids, deadline))
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[rid] = num_external
+        dest = KVDestination(transfer_id=transfer_id, address=settings.address, shm_name=settings.shm_name,
+                             block_ids=block_ids, num_cached_tokens=hit.num_tokens, block_size=bs,
+                             lease_s=settings.timeout_s, deadline=deadline)
+        output = self._core_output(request, [])
+        output.kv_destination = dest
+        self._pending_outputs.append(output)
+        return 0
+
+    def _order_stream(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Prefill role: stream, layer by layer during this step, every
+        block the step completes or touches that the decode core lacks (a
+        block partly written now is sent again, whole, by a later step)::
+
+            P blocks: | P's hit | computed before | this step |
+            D blocks: | D's hit |<-- sent earlier -->|<- now ->|
+        """
+        dest: KVDestination = request.kv_transfer.dest
+        rid, bs = request.request_id, self.kv.block_size
+        d_first = dest.num_cached_tokens // bs
+        lo = self._streams.get(rid, d_first)
+        end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
+        hi = -(-end // bs)
+        self._streams[rid] = max(lo, end // bs)
+        block_ids = self.kv.block_ids(rid)
+        out.kv_orders.stream.append(StreamOrder(
+            request_id=rid, transfer_id=dest.transfer_id, address=dest.address, shm_name=dest.shm_name,
+            src_block_ids=block_ids[lo:hi], dst_block_ids=dest.block_ids[lo - d_first : hi - d_first],
+            all_src_block_ids=block_ids[d_first:hi], all_dst_block_ids=list(dest.block_ids),
+            last=end >= request.num_prompt_tokens, lease_s=dest.lease_s, deadline=dest.deadline,
+        ))
+
+    def _apply_received(self, request: Request, num_tokens: int, first_tokens: list[int],
+                        outputs: list[EngineCoreOutput]) -> None:
+        """Decode role: the prompt's KV arrived whole and verified; resume
+        with the prefill core's first token appended (which that core
+        reported: only a finish is reported here)."""
+        request.num_computed_tokens += num_tokens
+        request.status = RequestStatus.WAITING
+        request.kv_transfer = None
+        _, stop = self._append_tokens(request, first_tokens)
+        self.kv.cache_computed_blocks(request)
+        if stop is not None:
+            self._finish(request, stop)
+            outputs.append(self._core_output(request, []))
+
+    def _transfer_failed(self, request: Request, reason: str, outputs: list[EngineCoreOutput]) -> None:
+        """Decode role: never decode from partial KV. Recompute the prompt
+        here (its blocks stay; nothing past the prefix hit was published),
+        or end the request with the reason."""
+        request.kv_transfer = None
+        if self.kv_transfer is not None and self.kv_transfer.recompute_on_failure:
+            request.status = RequestStatus.WAITING
+            output = self._core_output(request, [])
+            output.kv_transfer_error = f"KV transfer failed ({reason}); recomputing the prompt"
+        else:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            output = self._core_output(request, [])
+            output.kv_transfer_error = f"KV transfer failed: {reason}"
+        outputs.append(output)
 
     def _start_load(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
         """Order the external KV of ``request`` into its blocks; it waits,
@@ -354,6 +470,8 @@ class Scheduler:
         self._runner_blocks[rid] = len(block_ids)
         self._runner_tokens[rid] = request.num_tokens
         self._runner_states.add(rid)
+        if _role(request) == "prefill":
+            self._order_stream(out, request, num_new)
         out.num_scheduled_tokens[rid] = num_new + len(drafts)
         self.fairness.charge(request, num_new + len(drafts))
         if drafts:
@@ -403,7 +521,7 @@ class Scheduler:
         finished. Stop strings need text: the front end applies them and
         calls ``finish_requests``."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        self._apply_kv_completions(result)
+        self._apply_kv_completions(result, outputs)
         for rid, num_scheduled in sched.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.is_finished:
@@ -411,6 +529,8 @@ class Scheduler:
             sampled = result.sampled_token_ids.get(rid, [])
             self._rollback_drafts(request, sched.spec_token_ids.get(rid, []), sampled)
             new_tokens, stop = self._append_tokens(request, sampled)
+            if new_tokens and _role(request) == "prefill":
+                stop = RequestStatus.FINISHED_PREFILLED  # the decode core continues it
             # The step wrote these blocks' KV: publish them (before a finish frees them).
             self.kv.cache_computed_blocks(request)
             if self.write_down:
@@ -467,7 +587,7 @@ class Scheduler:
                                   if request.num_output_tokens == len(new_tokens) else None),
         )
 
-    def _apply_kv_completions(self, result: RunnerOutput) -> None:
+    def _apply_kv_completions(self, result: RunnerOutput, outputs: list[EngineCoreOutput]) -> None:
         for rid in result.finished_loading:
             if rid not in self.loading:
                 continue  # a swap-in: complete within its own step
@@ -476,8 +596,20 @@ class Scheduler:
             if request is None:
                 self.kv.release_delayed(rid)  # finished while loading
                 continue
+            if rid in result.kv_received:
+                self._apply_received(request, num_tokens, result.kv_received[rid], outputs)
+                continue
             self._finish_load(request, num_tokens, result.num_loaded_blocks.get(rid))
+        for rid, reason in result.failed_loading.items():
+            if self.loading.pop(rid, None) is None:
+                continue
+            request = self.requests.get(rid)
+            if request is None:
+                self.kv.release_delayed(rid)  # finished while loading
+                continue
+            self._transfer_failed(request, reason, outputs)
         for rid in result.finished_sending:
+            self._streams.pop(rid, None)
             self.kv.release_delayed(rid)
         for io_id in result.finished_saving:
             self._finish_save(io_id)
@@ -580,7 +712,7 @@ class Scheduler:
         send = self._order_send(request)
         # A load in flight still writes the blocks, a send will read them:
         # keep them until it completes.
-        self.kv.free(request, delay=rid in self.loading or send)
+        self.kv.free(request, delay=rid in self.loading or send or rid in self._streams)
         swapped = self.swapped.pop(rid, None)
         if swapped is not None:
             self.swap_space.free(swapped.host_slots)

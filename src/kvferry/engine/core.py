@@ -13,12 +13,12 @@ import time
 
 from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
-from kvferry.core.scheduler import Scheduler, SchedulerStats
+from kvferry.core.scheduler import KVTransferSettings, Scheduler, SchedulerStats
 from kvferry.core.swap_space import HostSwapSpace
 from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.store_connector import StoreConnector, tier_stats
-from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
+from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation
@@ -47,7 +47,7 @@ class EngineCore:
         self._reported_store_stats = None
         self.kv_store = self._connect_kv_store()
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
-                                  kv_store=self.kv_store_io)
+                                  kv_store=self.kv_store_io, kv_transfer=config.kv_transfer)
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector
@@ -56,6 +56,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
                                    kv_source=kv_source, write_down=kv_source is not None,
                                    **speculation(config.speculative))
+        agent = self.runner.kv_transfer
+        if agent is not None:
+            t = config.kv_transfer
+            self.scheduler.kv_transfer = KVTransferSettings(agent.address, agent.shm_name, t.kv_transfer_timeout_s,
+                                                            t.kv_transfer_failure == "recompute")
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
 
@@ -114,6 +119,7 @@ class EngineCore:
             model_fingerprint=self.loaded.fingerprint,
             model_path=self.loaded.model_path,
             eos_token_ids=list(self.loaded.tokenizer.eos_token_ids),
+            kv_dtype=self.scheduler.kv.kv_dtype,
         )
 
     # -- requests ----------------------------------------------------------------
@@ -132,8 +138,37 @@ class EngineCore:
             tenant_weight=req.tenant_weight,
             eos_token_ids=tuple(req.eos_token_ids),
             max_model_len=self.max_model_len,
+            kv_transfer=self._check_kv_transfer(req),
         )
         self.scheduler.add_request(request)
+
+    def _check_kv_transfer(self, req: EngineCoreRequest) -> KVTransferParams | None:
+        """A disaggregated request's part, validated (ValueError names the field)."""
+        params = req.kv_transfer
+        if params is None:
+            return None
+        if self.runner.kv_transfer is None:
+            raise ValueError("kv_transfer: this core has no KV transfer socket (--kv-transfer-address)")
+        if params.role == "decode":
+            return params
+        if params.role != "prefill":
+            raise ValueError(f"kv_transfer.role must be 'prefill' or 'decode', got {params.role!r}")
+        dest, bs = params.dest, self.block_size
+        if dest is None:
+            raise ValueError("kv_transfer.dest is required with role 'prefill'")
+        if dest.block_size != bs:
+            raise ValueError(f"kv_transfer.dest.block_size {dest.block_size} differs from this core's {bs}")
+        num_prompt = len(req.prompt_token_ids)
+        if dest.num_cached_tokens % bs or not 0 <= dest.num_cached_tokens < num_prompt:
+            raise ValueError("kv_transfer.dest.num_cached_tokens must be a multiple of block_size below the prompt length")
+        if len(dest.block_ids) != -(-num_prompt // bs) - dest.num_cached_tokens // bs:
+            raise ValueError("kv_transfer.dest.block_ids must cover the prompt past num_cached_tokens")
+        return params
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the shared-memory pool)."""
+        if self.runner.kv_transfer is not None:
+            self.runner.kv_transfer.close()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish these now; unknown or finished ids are ignored. No output
@@ -153,6 +188,7 @@ class EngineCore:
     # -- stepping ----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """Run one batch; return only what it added to each request."""
+        start = time.monotonic()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
@@ -160,7 +196,14 @@ class EngineCore:
             # Only background KV I/O (loads, write-down) to wait for: yield
             # the CPU to it rather than spin.
             time.sleep(_IO_WAIT_S)
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+        now = time.monotonic()
+        return EngineCoreOutputs(outputs=outputs, timestamp=now, kv_events=self.take_kv_events(),
+                                 num_scheduled_tokens=sched.total_num_scheduled_tokens, step_duration_s=now - start)
+
+    def take_kv_events(self) -> list | None:
+        """Block events since the last call (None when there are none).
+        Drained every step, so that they never pile up unread."""
+        return self.scheduler.kv.take_events() or None
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvferry.config import EngineConfig
-from kvferry.messages import CoreInput, CoreOutput, EngineCoreOutputs, EngineCoreReady, decode, encode
+from kvferry.messages import CoreInput, CoreOutput, EngineCoreHello, EngineCoreOutputs, EngineCoreReady, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,33 @@ class CoreAddresses:
 
     input: str
     output: str
+
+    @classmethod
+    def from_address(cls, address: str) -> "CoreAddresses":
+        """One address names a core: ``tcp://HOST:PORT`` takes inputs on PORT
+        and outputs on PORT+1; ``ipc://PATH`` uses PATH-input and PATH-output.
+        Raises ValueError naming the address."""
+        if address.startswith("ipc://") and len(address) > len("ipc://"):
+            return cls(f"{address}-input", f"{address}-output")
+        if address.startswith("tcp://"):
+            host, _, port = address[len("tcp://"):].rpartition(":")
+            if host and port.isdigit() and 0 < int(port) < 65535:
+                return cls(f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}")
+        raise ValueError(f"address must be tcp://HOST:PORT or ipc://PATH, got {address!r}")
+
+
+def parse_cpus(text: str) -> set[int]:
+    """"0", "0-3", "0,2-3" -> a set of CPU ids. Raises ValueError naming the text."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"cpus must look like '0', '0-3' or '0,2-3', got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"cpus must name at least one CPU id >= 0, got {text!r}")
+    return cpus
 
 
 class EngineCoreStartError(RuntimeError):
@@ -56,7 +83,8 @@ class CoreProcess:
 
     @classmethod
     def start(cls, config: EngineConfig, name: str = "engine-0", check_integrity_when_idle: bool = False,
-              log_level: str = "INFO", addresses: CoreAddresses | None = None) -> "CoreProcess":
+              log_level: str = "INFO", addresses: CoreAddresses | None = None,
+              cpus: str | None = None) -> "CoreProcess":
         from kvferry.engine.core_proc import run_engine_core  # torch: only the child runs it
 
         folder = None
@@ -66,7 +94,7 @@ class CoreProcess:
         process = ctx.Process(
             target=run_engine_core, name=name, daemon=True,
             kwargs=dict(config=config, addresses=addresses, name=name, parent_pid=os.getpid(),
-                        check_integrity_when_idle=check_integrity_when_idle, log_level=log_level),
+                        check_integrity_when_idle=check_integrity_when_idle, log_level=log_level, cpus=cpus),
         )
         process.start()
         return cls(process, addresses, folder)
@@ -123,6 +151,9 @@ class CoreConnection:
         """The core's handshake. Raises EngineCoreStartError with the core's
         own reason when it reported one, else its exit code or the timeout."""
         deadline = time.monotonic() + timeout_s
+        # A core that is up already sent its first ready message to whoever
+        # connected first; ask again (a loading core answers when loaded).
+        self.send(EngineCoreHello())
         while time.monotonic() < deadline:
             if self.output.poll(100):
                 message = decode(self.output.recv(), CoreOutput)

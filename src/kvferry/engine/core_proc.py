@@ -28,11 +28,10 @@ import zmq
 
 from kvferry.config import EngineConfig
 from kvferry.engine.core import EngineCore
-from kvferry.engine.core_client import CoreAddresses
+from kvferry.engine.core_client import CoreAddresses, parse_cpus
 from kvferry.messages import (
-    CoreInput, EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant, EngineCoreReady,
-    EngineCoreRequest, EngineCoreShutdown,
-    decode, encode,
+    CoreInput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant,
+    EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,6 +53,8 @@ class EngineCoreProc:
         self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
         self.outputs: queue.SimpleQueue[EngineCoreReady | EngineCoreOutputs | None] = queue.SimpleQueue()
         self._stop = threading.Event()
+        # Set once the model is loaded; the input thread answers hellos with it.
+        self._ready: EngineCoreReady | None = None
         self._ctx = zmq.Context()
         # Created (and bound) here; from then on each is used by its one thread only.
         self._in_sock = self._ctx.socket(zmq.PULL)
@@ -77,9 +78,18 @@ class EngineCoreProc:
                 continue
             data = self._in_sock.recv()
             try:
-                self.inputs.put(decode(data, CoreInput))
+                message = decode(data, CoreInput)
             except Exception:  # a malformed message must not kill the core
                 logger.exception("dropped an undecodable input message (%d bytes)", len(data))
+                continue
+            if isinstance(message, EngineCoreHello):
+                # Answered here, not by the step loop: a health check must
+                # not wait for a long prefill step. Before loading ends,
+                # run() sends the ready message anyway.
+                if self._ready is not None:
+                    self.outputs.put(self._ready)
+                continue
+            self.inputs.put(message)
 
     def _output_thread(self) -> None:
         while True:
@@ -91,7 +101,8 @@ class EngineCoreProc:
     # -- the step loop ------------------------------------------------------------------
     def run(self) -> None:
         assert self.core is not None
-        self.outputs.put(self.core.ready_message())
+        self._ready = self.core.ready_message()
+        self.outputs.put(self._ready)
         try:
             while self._turn():
                 pass
@@ -121,7 +132,7 @@ class EngineCoreProc:
         elif inputs or core.store_stats_changed():
             # Idle, but inputs changed the state (an abort freed blocks), or
             # the KV store's counters moved: say so.
-            out = EngineCoreOutputs(outputs=[], timestamp=time.monotonic())
+            out = EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), kv_events=core.take_kv_events())
         else:
             return True
         out.stats = core.stats()
@@ -169,6 +180,8 @@ class EngineCoreProc:
         """Flush the output queue, stop the I/O threads, close the sockets."""
         self._stop.set()
         self.outputs.put(None)
+        if self.core is not None:
+            self.core.close()
         for t in self._threads:
             t.join(5)
         self._in_sock.close(linger=0)
@@ -185,12 +198,21 @@ def _aborted(request_id: str) -> EngineCoreOutput:
 # -- process entry point (multiprocessing spawn target) ---------------------------------
 def run_engine_core(config: EngineConfig, addresses: CoreAddresses, name: str = "engine-0",
                     parent_pid: int | None = None, check_integrity_when_idle: bool = False,
-                    log_level: str = "INFO") -> None:
+                    log_level: str = "INFO", cpus: str | None = None) -> None:
     """Load the model, report ready, serve until shutdown. Exits non-zero on
-    failure. With ``parent_pid`` set, also exits once that process is gone."""
+    failure. With ``parent_pid`` set, also exits once that process is gone.
+    ``cpus`` ("0", "2-3", "0,2"): the CPUs this process may run on."""
     import setproctitle
 
     setproctitle.setproctitle(f"kvferry: {name}")
+    if cpus:
+        allowed = parse_cpus(cpus)
+        os.sched_setaffinity(0, allowed)
+        # OpenMP sized its team when torch was imported (every CPU): more
+        # threads than allowed CPUs would spin against each other.
+        import torch
+
+        torch.set_num_threads(len(allowed))
     # Ctrl-C reaches the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
@@ -236,9 +258,15 @@ def _run_off_main_thread(proc: EngineCoreProc) -> bool:
 def run_from_args(args, config: EngineConfig) -> int:  # args: the parsed ``kvferry engine-core`` flags
     """``kvferry engine-core``: a core on its own, for a front end (or a
     router) that connects by address, e.g. from another node over tcp://."""
-    run_engine_core(config, CoreAddresses(args.input_address, args.output_address), args.name, None,
-                    args.check_kv_integrity, args.log_level)
+    if args.address:
+        addresses = CoreAddresses.from_address(args.address)
+    elif args.input_address and args.output_address:
+        addresses = CoreAddresses(args.input_address, args.output_address)
+    else:
+        raise SystemExit("kvferry engine-core: give --address, or both --input-address and --output-address")
+    run_engine_core(config, addresses, args.name, None, args.check_kv_integrity, args.log_level, args.cpus)
     return 0
+
 
 
 def _watch_parent(parent_pid: int) -> None:

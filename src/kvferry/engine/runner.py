@@ -25,7 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
+from kvferry.disagg.agent import KVTransferAgent
+from kvferry.disagg.transport import SharedKVPool
 from kvferry.engine.input_batch import InputBatch
 from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.engine.store_connector import StoreConnector
@@ -83,7 +86,7 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 kv_store: Any = None) -> None:
+                 kv_store: Any = None, kv_transfer: KVTransferConfig | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -91,6 +94,12 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        # Prefill/decode disaggregation: the agent (and, on CPU, the pool in
+        # shared memory so that a prefill core on this host writes in place).
+        self.kv_transfer: KVTransferAgent | None = None
+        if kv_transfer is not None and kv_transfer.kv_transfer_address:
+            self.kv_transfer = _transfer_agent(self.kv_cache, kv_transfer)
+            self.kv_cache = self.kv_transfer.kv_cache
         self.connector: KVConnector = HostSwapConnector(self.kv_cache, num_swap_blocks)
         if kv_store is not None:  # a KVStoreClient: loads and write-down through the node's store
             self.connector = StoreConnector(self.kv_cache, kv_store, self.connector)
@@ -104,6 +113,8 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
             self.batch.remove(rid)
+        if self.kv_transfer is not None:
+            self.kv_transfer.finished_requests(sched.finished_request_ids)
         for rid in sched.preempted_request_ids:
             self.batch.remove(rid)  # the state stays: it comes back as new
         for data in sched.new_requests:
@@ -126,6 +137,9 @@ class ModelRunner:
             if data.sampling_params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(data.sampling_params.seed)
+                received = self.kv_transfer.generator_states.pop(data.request_id, None) if self.kv_transfer else None
+                if received:  # a prefill core sampled its first token: continue its stream
+                    gen.set_state(torch.frombuffer(bytearray(received), dtype=torch.uint8))
             state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids, generator=gen,
                                  matcher=self._matcher(data))
             self.states[data.request_id] = state
@@ -206,21 +220,40 @@ class ModelRunner:
         self._update_states(sched)
         if sched.kv_orders:
             self.connector.execute(sched.kv_orders)
+        step_transfer = self.kv_transfer.begin_step(sched.kv_orders) if self.kv_transfer else None
         out = RunnerOutput()
         if not sched.is_empty:
             inputs = self._prepare(sched)
+            inputs.meta.kv_transfer = step_transfer
             # Started before the forward pass so the two overlap; joined before sampling.
             pending_bitmask = self._start_bitmask(inputs.sampling)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
             if inputs.sampling:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab] fp32
                 self._sample(logits, inputs.sampling, out, pending_bitmask)
+            if step_transfer is not None:
+                step_transfer.finish(out.sampled_token_ids, {rid: s.generator for rid, s in self.states.items()})
         finished = self.connector.take_finished()
         out.finished_loading = finished.finished_loading
         out.finished_saving = finished.finished_saving
         out.finished_sending = finished.finished_sending
         out.num_loaded_blocks = finished.num_loaded_blocks
+        if self.kv_transfer is not None:
+            self._take_transfers(out, idle=sched.is_empty)
         return out
+
+    def _take_transfers(self, out: RunnerOutput, idle: bool) -> None:
+        """Disaggregation completions into the step's result. An idle step
+        (only transfers outstanding) first waits a little for one, rather
+        than let the step loop spin."""
+        if idle:
+            self.kv_transfer.wait(0.005)
+        received, failed, sent = self.kv_transfer.take()
+        for rid, r in received.items():
+            out.finished_loading.append(rid)
+            out.kv_received[rid] = r.output_token_ids
+        out.failed_loading.update(failed)
+        out.finished_sending.extend(sent)
 
     # -- sampling and verification --------------------------------------------
     def _start_bitmask(self, sampling: list[tuple[str, list[int]]]) -> "Future[StepBitmask] | None":
@@ -323,3 +356,12 @@ def _accept(drafts: list[int], samples: list[int]) -> list[int]:
             return samples[: k + 1]
     return samples[: len(drafts) + 1]
 
+
+def _transfer_agent(kv_cache: torch.Tensor, config: KVTransferConfig) -> KVTransferAgent:
+    """The agent over the pool it will serve: moved into shared memory on
+    CPU (a prefill core on this host writes there); as is on a GPU."""
+    pool = None
+    if kv_cache.device.type == "cpu":
+        pool = SharedKVPool.create(tuple(kv_cache.shape), kv_cache.dtype)
+        kv_cache = pool.tensor
+    return KVTransferAgent(kv_cache, config, pool)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,13 @@ class PrefillSlice:
     row_seq_lens: torch.Tensor | None = None  # [q_len] int64
 
 
+class LayerSink(Protocol):
+    """Told as each layer has written this step's KV (a prefill core
+    streaming it to a decode core: ``kvferry.disagg.agent.StepTransfer``)."""
+
+    def layer_done(self, layer: int) -> None: ...
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Describes one step's flattened batch for every layer.
@@ -80,6 +88,9 @@ class AttentionMetadata:
     # Requests [0, num_prefills) have more than one new token; requests
     # [num_prefills, num_reqs) have exactly one (decodes, or a 1-token chunk).
     num_prefills: int
+    # This step's outgoing KV transfer, if any: the model calls
+    # ``layer_done(i)`` after layer i (per step, never a global).
+    kv_transfer: LayerSink | None = None
 
     # ---- derived by prepare(); callers leave these alone ----
     prefills: list[PrefillSlice] = field(default_factory=list)

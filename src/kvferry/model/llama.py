@@ -233,6 +233,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(positions, self.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta)
+            if meta.kv_transfer is not None:
+                meta.kv_transfer.layer_done(i)  # layer i's KV is written: it may leave now
         return self.norm(h)
 
     @torch.no_grad()

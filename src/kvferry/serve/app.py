@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvferry.engine.core_client import EngineCoreStartError
 from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.auth import AuthMiddleware
 from kvferry.serve.chat import create_chat_completion
@@ -98,7 +99,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
 
     async def health(request: Request) -> Response:
         if client.is_alive:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse(client.health())  # "degraded" while some worker is down
         reason = str(client.dead_error) if client.dead_error else "the engine core is not running"
         return error_response(503, reason, code="engine_unavailable")
 
@@ -149,6 +150,51 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
             raise APIError(503, str(exc), code="engine_unavailable") from None
         return JSONResponse({"object": "kv.tenant.purged", "tenant": name, "purged_blocks": purged})
 
+    def require_admin() -> None:
+        if keys is not None and not current_tenant.get().admin:
+            raise APIError(403, "this API key may not manage workers", code="permission_denied")
+
+    async def list_workers(request: Request) -> Response:
+        require_admin()
+        return JSONResponse({"object": "list", "data": client.describe_workers()})
+
+    async def join_worker(request: Request) -> Response:
+        """{"address": "tcp://HOST:PORT", "role": "engine"}: connect to a running core."""
+        require_admin()
+        body = await request.body()
+        try:
+            item = json.loads(body) if body else None
+            address, role = item["address"], item.get("role", "engine")
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, AttributeError):
+            raise bad_request("expected a JSON object with an 'address' field", "address") from None
+        if not isinstance(address, str) or not isinstance(role, str):
+            raise bad_request("'address' and 'role' must be strings", "address")
+        try:
+            worker = await client.join_worker(address, role)
+        except ValueError as exc:
+            raise bad_request(str(exc), "role" if str(exc).startswith("role") else "address") from None
+        except EngineCoreStartError as exc:
+            raise APIError(502, f"could not join the worker at {address!r}: {exc}", "address",
+                           code="worker_unreachable") from None
+        return JSONResponse(worker.describe(client.index.num_blocks(worker.name)))
+
+    async def remove_worker(request: Request) -> Response:
+        """DELETE /v1/admin/workers/{name or address}, or DELETE with {"address": ...}."""
+        require_admin()
+        target = request.path_params.get("name")
+        if target is None:
+            try:
+                target = json.loads(await request.body())["address"]
+            except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
+                raise bad_request("expected a worker name in the path or a JSON 'address'", "address") from None
+        try:
+            worker = await client.leave_worker(str(target))
+        except KeyError:
+            raise APIError(404, f"no worker named or at {target!r}", "address", code="not_found") from None
+        except ValueError as exc:
+            raise APIError(409, str(exc), "address", code="last_worker") from None
+        return JSONResponse({"name": worker.name, "address": worker.address, "removed": True})
+
     def reload_keys() -> None:
         try:
             keys.reload()
@@ -186,6 +232,10 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         Route("/v1/kv/public_prefixes", register_public_prefix, methods=["POST"]),
         Route("/v1/kv/stats", kv_stats, methods=["GET"]),
         Route("/v1/kv/tenants/{tenant}", purge_tenant, methods=["DELETE"]),
+        Route("/v1/admin/workers", list_workers, methods=["GET"]),
+        Route("/v1/admin/workers", join_worker, methods=["POST"]),
+        Route("/v1/admin/workers", remove_worker, methods=["DELETE"]),
+        Route("/v1/admin/workers/{name:path}", remove_worker, methods=["DELETE"]),
         Route("/tokenize", utility(TokenizeRequest, tokenize_endpoint), methods=["POST"]),
         Route("/detokenize", utility(DetokenizeRequest, detokenize_endpoint), methods=["POST"]),
     ]

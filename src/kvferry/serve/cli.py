@@ -43,8 +43,46 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
     add_api_args(parser)
+    add_router_args(parser)
     parser.set_defaults(func=_run, subparser=parser)
     return parser
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("router (several engine cores behind one front end)")
+    group.add_argument("--mode", default="colocated", choices=["colocated", "disagg"],
+                       help="colocated: every core runs both phases (chunked prefill); disagg: prefill and decode pools")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine cores to start in colocated mode (0 with --worker: joined cores only)")
+    group.add_argument("--prefill", type=int, default=1, help="prefill cores to start in disagg mode")
+    group.add_argument("--decode", type=int, default=1, help="decode cores to start in disagg mode")
+    group.add_argument("--prefill-cpus", default=None, help='CPUs of the prefill cores in disagg mode, e.g. "0"')
+    group.add_argument("--decode-cpus", default=None, help='CPUs of the decode cores in disagg mode, e.g. "1"')
+    group.add_argument("--worker", action="append", default=[], metavar="ADDRESS",
+                       help="join a running `kvferry engine-core --address ADDRESS` (repeatable; disagg: prefill=ADDRESS or decode=ADDRESS)")
+    group.add_argument("--engine-cpus", action="append", default=[], metavar="CPUS",
+                       help='CPUs of each started core, e.g. "0" then "1" (repeat per core, or once for all)')
+    group.add_argument("--ttft-slo-ms", type=float, default=None,
+                       help="refuse (429, Retry-After) a request whose predicted time to first token exceeds this")
+    group.add_argument("--tpot-slo-ms", type=float, default=None,
+                       help="refuse (429, Retry-After) a request whose predicted time per output token exceeds this")
+    group.add_argument("--health-check-interval", type=float, default=1.0,
+                       help="seconds between hellos to each joined core")
+    group.add_argument("--health-timeout", type=float, default=30.0,
+                       help="a joined core silent this long counts as dead (started cores: when their process exits)")
+
+
+def router_config_from(args: argparse.Namespace):
+    """RouterConfig from the flags; raises ValueError naming the field."""
+    from kvferry.router.admission import SloConfig
+    from kvferry.router.config import RouterConfig
+
+    return RouterConfig(
+        mode=args.mode, data_parallel_size=args.data_parallel_size, worker_addresses=list(args.worker),
+        num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+        engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
+        health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

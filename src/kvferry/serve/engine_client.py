@@ -1,5 +1,6 @@
-"""AsyncEngineClient: the server's front end, an asyncio client of an engine
-core in another process (engine/core_proc.py).
+"""AsyncEngineClient: the server's front end, an asyncio client of one or
+more engine cores in other processes (engine/core_proc.py), which the
+router (kvferry.router) chooses among per request.
 
     event loop (HTTP handlers, this process)              engine core process
     ----------------------------------------              -------------------
@@ -13,14 +14,18 @@ here, under this process's GIL; the core's GIL does scheduling and compute
 only. Validation uses the core's ready message, so ``add_request`` raises
 ValueError at once and a bad request never crosses the socket.
 
-If the core dies (its process exits, or it reports ``engine_error``), every
-open stream ends with EngineDeadError, ``is_alive`` turns False (/health
-503) and new requests get EngineDeadError (503).
+If a core dies (its process exits, it reports ``engine_error``, or it stops
+answering hellos), every open stream on it ends with EngineDeadError and new
+requests go to the others (/health: degraded). With no core left,
+``is_alive`` turns False (/health 503) and new requests get EngineDeadError
+(503).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 import time
 import uuid
 from collections import deque
@@ -28,24 +33,41 @@ from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
+from msgspec.structs import replace as _replace
 
 from kvferry.config import EngineArgs
+from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
 from kvferry.core.scheduler import SchedulerStats
-from kvferry.engine.core_client import CoreConnection, CoreProcess
+from kvferry.engine.core_client import CoreAddresses, CoreConnection, CoreProcess
 from kvferry.engine.input_processor import InputProcessor, load_tokenizer
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.messages import (
-    CoreOutput, EngineCoreAbort, EngineCorePurgeTenant, EngineCoreReady, EngineCoreShutdown, decode,
+    CoreOutput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant,
+    EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, KVTransferParams, decode,
 )
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.outputs import RequestOutput
+from kvferry.router.admission import SloRejectedError, admit, predict
+from kvferry.router.config import RouterConfig, check_role, split_worker
+from kvferry.router.pairing import MAX_PREFILL_ATTEMPTS, PairedSequence, first_token_finish
+from kvferry.router.policy import Candidate, choose_decode, choose_prefill, uncached_tokens
+from kvferry.router.prefix_index import PrefixIndex
+from kvferry.router.stats import merge_stats
+from kvferry.router.worker import Worker
 from kvferry.sampling import SamplingParams
+
+__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestStream", "SloRejectedError"]
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     """The engine core has stopped (crashed, was killed, or shut down)."""
+
+
+class KVTransferFailedError(EngineDeadError):
+    """A disaggregated request's KV did not arrive intact and the decode core
+    was told to fail rather than recompute (--kv-transfer-failure fail)."""
 
 
 class RequestObserver(Protocol):
@@ -132,14 +154,23 @@ class RequestStream:
 
 
 class AsyncEngineClient:
-    """Front end of one engine core. Build it with a connection whose
-    handshake is done, then ``await start()`` on the event loop that uses it."""
+    """Front end of one or more engine cores (workers). Build it with a
+    connection whose handshake is done (the first worker), then ``await
+    start()`` on the event loop that uses it; ``launch`` starts the cores.
+
+    Each request goes to one worker, chosen by the router policy (KV-aware
+    prefill cost) and checked against the SLOs; its n sequences stay there.
+    A worker that dies ends only its own requests (EngineDeadError); the
+    client is dead when no worker is left."""
 
     def __init__(self, connection: CoreConnection, ready: EngineCoreReady, tokenizer: Tokenizer,
-                 process: CoreProcess | None = None, observer: RequestObserver | None = None) -> None:
+                 process: CoreProcess | None = None, observer: RequestObserver | None = None,
+                 router: RouterConfig | None = None, name: str = "engine-0", address: str | None = None) -> None:
+        # The first worker: the reference every joining core must match.
         self.connection = connection
         self.ready = ready
         self.process = process
+        self.router = router or RouterConfig()
         self.observer: RequestObserver = observer or _NullObserver()
         self.tokenizer = tokenizer
         self.max_model_len: int = ready.max_model_len
@@ -150,42 +181,73 @@ class AsyncEngineClient:
         self._output_task: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._stopped = False
-        # Purges sent to the core, by purge id, until it answers.
+        # Purges sent to the cores, by purge id, until each answers.
         self._purges: dict[str, asyncio.Future[int]] = {}
-        # Latest core stats, replaced by each message from the core.
-        self.stats = SchedulerStats(kv_blocks_total=ready.num_kv_blocks)
+        self.workers: dict[str, Worker] = {}
+        self.index = PrefixIndex()
+        self._worker_tasks: dict[str, asyncio.Task] = {}
+        self._request_worker: dict[str, Worker] = {}  # parent request id -> its worker
+        self._num_choices = 0
+        self._rng = random.Random(0)
+        self._health_task: asyncio.Task | None = None
+        self._paired: dict[str, PairedSequence] = {}  # disagg: child request id -> its two cores
+        role = "engine" if self.router.mode == "colocated" else name.rsplit("-", 1)[0]
+        self._add_worker(Worker(name, role, address or connection.addresses.input, connection, ready, process))
 
     @classmethod
     def launch(cls, args: EngineArgs, name: str = "engine-0", check_integrity_when_idle: bool = False,
-               ready_timeout_s: float = 600.0, log_level: str = "INFO") -> "AsyncEngineClient":
-        """Start an engine core process and wait for its handshake (blocking:
-        call before the event loop runs). Raises EngineCoreStartError (with
-        the core's reason, e.g. a bad model path) when the core does not
-        come up."""
-        process = CoreProcess.start(args.create_engine_config(), name, check_integrity_when_idle, log_level)
-        connection = CoreConnection(process.addresses)
+               ready_timeout_s: float = 600.0, log_level: str = "INFO",
+               router: RouterConfig | None = None) -> "AsyncEngineClient":
+        """Start the engine core processes (``router.data_parallel_size``,
+        default 1), connect to the joined addresses, and wait for every
+        handshake (blocking: call before the event loop runs). Raises
+        EngineCoreStartError (with the core's reason, e.g. a bad model path)
+        when a core does not come up."""
+        router = router or RouterConfig()
+        specs = router.core_specs()
+        # Started together, so that N cores load their models in parallel.
+        processes = [CoreProcess.start(_core_config(args, role), name, check_integrity_when_idle, log_level,
+                                       cpus=cpus) for name, role, cpus in specs]
+        connections: list[CoreConnection] = []
         try:
-            ready = connection.wait_ready(ready_timeout_s, process)
-            tokenizer = load_tokenizer(ready)
+            workers = []
+            for (name, role, _), process in zip(specs, processes):
+                connections.append(CoreConnection(process.addresses))
+                ready = connections[-1].wait_ready(ready_timeout_s, process)
+                workers.append(Worker(name, role, process.addresses.input, connections[-1], ready, process))
+            for entry in router.worker_addresses:
+                role, address = split_worker(entry, router.mode)
+                connections.append(CoreConnection(CoreAddresses.from_address(address)))
+                ready = connections[-1].wait_ready(ready_timeout_s)
+                index = sum(w.role == role for w in workers)
+                workers.append(Worker(f"{role}-{index}", role, address, connections[-1], ready, owned=False))
+            first = workers[0]
+            client = cls(first.connection, first.ready, load_tokenizer(first.ready), first.process, router=router,
+                         name=first.name, address=first.address)
+            client.workers[first.name] = first
+            for worker in workers[1:]:
+                _check_compatible(first.ready, worker.ready, worker.address)
+                client._add_worker(worker)
         except BaseException:
-            connection.close()
-            process.stop(timeout_s=0)
+            for conn in connections:
+                conn.close()
+            for process in processes:
+                process.stop(timeout_s=0)
             raise
-        return cls(connection, ready, tokenizer, process)
+        return client
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        # One socket, two faces: the handshake used it blocking; now asyncio reads it.
-        output = zmq.asyncio.Socket.shadow(self.connection.output.underlying)
-        self._output_task = asyncio.create_task(self._output_loop(output), name="kvferry-core-outputs")
-        if self.process is not None:
-            self._loop.add_reader(self.process.sentinel, self._on_process_exit)
+        for worker in self.workers.values():
+            self._start_worker(worker)
+        # The client-wide task: alive while the client is (is_alive checks it).
+        self._health_task = self._output_task = asyncio.create_task(self._health_loop(), name="kvferry-health")
 
     @property
     def is_alive(self) -> bool:
         return (self._output_task is not None and self._dead_error is None and not self._stopped
-                and (self.process is None or self.process.is_alive()))
+                and any(w.alive for w in self.workers.values()))
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -195,31 +257,164 @@ class AsyncEngineClient:
     def num_active_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def stats(self) -> SchedulerStats:
+        """Every live worker's scheduler counters, summed (one worker: its own)."""
+        live = [w.stats for w in self.workers.values() if w.alive] or [next(iter(self.workers.values())).stats]
+        return merge_stats(live)
+
+    def health(self) -> dict:
+        """{"status": "ok" | "degraded", "workers": {name: alive}} (one
+        worker: {"status": "ok"}, as before there was a router)."""
+        alive = {name: w.alive for name, w in self.workers.items()}
+        if len(alive) == 1:
+            return {"status": "ok"}
+        return {"status": "ok" if all(alive.values()) else "degraded", "workers": alive}
+
+    def describe_workers(self) -> list[dict]:
+        return [w.describe(self.index.num_blocks(w.name)) for w in self.workers.values()]
+
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort whatever is left, stop the core and wait for it to exit."""
+        """Abort whatever is left, stop the cores this server owns (a joined
+        core is only told to abort our requests) and wait for them to exit."""
         if self._stopped:
             return
         self._stopped = True
+        # A joined core outlives us: it must drop our requests (known only until _fail_all).
+        leftovers = {w.name: self._children_of(w.requests | {c for c in w.queued_prefill})
+                     for w in self.workers.values() if not w.owned}
         self._fail_all(EngineDeadError("the server is shutting down"))
-        if self._loop is not None and self.process is not None:
-            self._loop.remove_reader(self.process.sentinel)
+        if self._health_task is not None:
+            self._health_task.cancel()
+        stops = []
+        for worker in self.workers.values():
+            self._remove_process_reader(worker)
+            try:
+                if worker.owned:
+                    worker.connection.send(EngineCoreShutdown())
+                elif leftovers.get(worker.name):
+                    worker.connection.send(EngineCoreAbort(request_ids=leftovers[worker.name]))
+            except zmq.ZMQError:
+                pass
+            if worker.process is not None:
+                stops.append(asyncio.to_thread(worker.process.stop, timeout_s))
+        await asyncio.gather(*stops)
+        tasks = [t for t in [*self._worker_tasks.values(), self._health_task] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for worker in self.workers.values():
+            worker.connection.close()
+
+    def kill_processes(self) -> None:
+        """Kill every core this server started (start-up failed)."""
+        for worker in self.workers.values():
+            if worker.process is not None and worker.process.is_alive():
+                worker.process.process.kill()
+
+    # -- membership (event loop) ------------------------------------------------
+    async def join_worker(self, address: str, role: str = "engine", timeout_s: float = 30.0) -> Worker:
+        """Connect to a running core (``kvferry engine-core --address A``)
+        and route to it from now on. Raises ValueError (bad address, role, a
+        different model) or EngineCoreStartError (no answer)."""
+        check_role(role, self.router.mode)
+        addresses = CoreAddresses.from_address(address)
+        if any(w.address == address and w.alive for w in self.workers.values()):
+            raise ValueError(f"address {address!r} is already a worker")
+        connection = CoreConnection(addresses)
         try:
-            self.connection.send(EngineCoreShutdown())
-        except zmq.ZMQError:
-            pass
-        if self.process is not None:
-            await asyncio.to_thread(self.process.stop, timeout_s)
-        if self._output_task is not None:
-            self._output_task.cancel()
-            await asyncio.gather(self._output_task, return_exceptions=True)
-        self.connection.close()
+            ready = await asyncio.to_thread(connection.wait_ready, timeout_s)
+            _check_compatible(self.ready, ready, address)
+        except BaseException:
+            connection.close()
+            raise
+        index = sum(1 for w in self.workers.values() if w.role == role)
+        name = f"{role}-{index}"
+        while name in self.workers:
+            index += 1
+            name = f"{role}-{index}"
+        worker = Worker(name, role, address, connection, ready, owned=False)
+        self._add_worker(worker)
+        self._start_worker(worker)
+        logger.warning("worker %s joined from %s", name, address)
+        return worker
+
+    async def leave_worker(self, name_or_address: str, drain_timeout_s: float = 30.0) -> Worker:
+        """Stop routing to a worker, let its requests finish (up to the
+        timeout, then they end with an error), and disconnect. Raises
+        KeyError when no such worker, ValueError for the last live one."""
+        worker = self._find_worker(name_or_address)
+        peers = [w for w in self.workers.values() if w.role == worker.role and w.alive and w.accepting]
+        if peers == [worker]:
+            raise ValueError(f"cannot remove the last live {worker.role} worker")
+        worker.accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while worker.requests and worker.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._worker_died(worker, f"worker {worker.name} left the server", left=True)
+        task = self._worker_tasks.pop(worker.name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if worker.owned:
+            with contextlib.suppress(zmq.ZMQError):
+                worker.connection.send(EngineCoreShutdown())
+            if worker.process is not None:
+                await asyncio.to_thread(worker.process.stop, 10.0)
+        worker.connection.close()
+        del self.workers[worker.name]
+        logger.warning("worker %s left", worker.name)
+        return worker
+
+    def _find_worker(self, name_or_address: str) -> Worker:
+        for worker in self.workers.values():
+            if name_or_address in (worker.name, worker.address):
+                return worker
+        raise KeyError(name_or_address)
+
+    def _add_worker(self, worker: Worker) -> None:
+        self.workers[worker.name] = worker
+
+    def _start_worker(self, worker: Worker) -> None:
+        assert self._loop is not None
+        # One socket, two faces: the handshake used it blocking; now asyncio reads it.
+        output = zmq.asyncio.Socket.shadow(worker.connection.output.underlying)
+        self._worker_tasks[worker.name] = asyncio.create_task(self._output_loop(worker, output),
+                                                              name=f"kvferry-{worker.name}-outputs")
+        if worker.process is not None:
+            self._loop.add_reader(worker.process.sentinel, self._on_process_exit, worker)
+
+    def _remove_process_reader(self, worker: Worker) -> None:
+        if self._loop is not None and worker.process is not None:
+            self._loop.remove_reader(worker.process.sentinel)
+
+    async def _health_loop(self) -> None:
+        """Ask every live joined worker for a hello each interval; one that
+        stays silent past the timeout (unreachable, or its host is gone) is
+        dead. A core this server started is watched by its process sentinel
+        instead: a long step may hold its GIL (a C++ kernel) for seconds,
+        which must not read as death."""
+        interval, timeout = self.router.health_check_interval_s, self.router.health_timeout_s
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if not worker.alive or worker.process is not None:
+                    continue
+                if now - worker.last_heard > timeout:
+                    self._worker_died(worker, f"worker {worker.name} ({worker.address}) did not answer for "
+                                              f"{now - worker.last_heard:.0f} s")
+                    continue
+                with contextlib.suppress(zmq.ZMQError):
+                    worker.connection.send(EngineCoreHello())
 
     # -- requests (event loop) ------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           cache_namespace: str = "", arrival_time: float | None = None) -> RequestStream:
-        """Validate and send a request to the core.
+        """Validate, route and send a request to a worker.
 
-        Raises ValueError (bad input, naming the field) or EngineDeadError.
+        Raises ValueError (bad input, naming the field), SloRejectedError
+        (it cannot meet the SLO now) or EngineDeadError.
         """
         if not self.is_alive:
             raise self._dead_error or EngineDeadError("the engine core is not running")
@@ -227,25 +422,96 @@ class AsyncEngineClient:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, requests = self.input_processor.process(request_id, prompt, params, cache_namespace, arrival)
+        disagg = self.router.mode == "disagg"
+        # Colocated: the core that does both phases. Disagg: the decode core
+        # owns the stream; the prefill core is chosen (and may change) once
+        # the decode core says where the KV goes, so only its estimate is
+        # admitted here.
+        prefill, new_tokens = self._choose_worker(requests[0], "prefill" if disagg else "engine")
+        self._admit(prefill, new_tokens)
+        worker = self._choose_decode() if disagg else prefill
         self.output_processor.add_request(request_id, text, requests)
         stream = RequestStream(self, request_id, params.n, arrival, requests[0].tenant)
         self._streams[request_id] = stream
+        self._request_worker[request_id] = worker
+        worker.requests.add(request_id)
+        worker.num_routed += 1
         for req in requests:
-            self.connection.send(req)
+            if disagg:
+                self._paired[req.request_id] = PairedSequence(req, worker)
+                worker.connection.send(_replace(req, kv_transfer=KVTransferParams(role="decode")))
+            else:
+                worker.queued_prefill[req.request_id] = new_tokens
+                worker.connection.send(req)
         return stream
 
     async def purge_tenant(self, tenant: str, timeout_s: float = 30.0) -> int:
-        """Have the core drop the tenant's unused cached blocks; returns how
-        many it dropped. Raises EngineDeadError, or TimeoutError."""
+        """Have every live core drop the tenant's unused cached blocks;
+        returns how many they dropped. Raises EngineDeadError, or TimeoutError."""
         if not self.is_alive:
             raise self._dead_error or EngineDeadError("the engine core is not running")
-        purge_id = f"purge-{uuid.uuid4().hex}"
-        future = self._purges[purge_id] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        sent: list[str] = []
         try:
-            self.connection.send(EngineCorePurgeTenant(purge_id=purge_id, tenant=tenant))
-            return await asyncio.wait_for(future, timeout_s)
+            for worker in self.workers.values():
+                if not worker.alive:
+                    continue
+                purge_id = f"purge-{uuid.uuid4().hex}"
+                self._purges[purge_id] = loop.create_future()
+                sent.append(purge_id)
+                worker.connection.send(EngineCorePurgeTenant(purge_id=purge_id, tenant=tenant))
+            counts = await asyncio.wait_for(asyncio.gather(*(self._purges[p] for p in sent)), timeout_s)
+            return sum(counts)
         finally:
-            self._purges.pop(purge_id, None)
+            for purge_id in sent:
+                self._purges.pop(purge_id, None)
+
+    def _choose_decode(self) -> Worker:
+        live = [w for w in self.workers.values() if w.alive and w.accepting and w.role == "decode"]
+        if not live:
+            raise EngineDeadError("no decode core is accepting requests")
+        best = choose_decode([Candidate(w.name, 0, 0, 0, len(w.requests), w.kv_usage, w.stats.num_running)
+                              for w in live], self._rng)
+        return self.workers[best.name]
+
+    def _choose_worker(self, request: EngineCoreRequest, role: str = "engine") -> tuple[Worker, int]:
+        """The worker (of ``role``) to compute this prompt, and the prompt
+        tokens it will compute."""
+        live = [w for w in self.workers.values() if w.alive and w.accepting and w.role == role]
+        if not live:
+            raise self._dead_error or EngineDeadError(f"no {role} core is accepting requests")
+        num_prompt = len(request.prompt_token_ids)
+        block_size = self.ready.block_size
+        if len(live) == 1 and not self.router.slo.enabled:
+            chosen = live[0]  # nothing to weigh: skip hashing (today's single-core speed)
+            return chosen, uncached_tokens(num_prompt, 0, block_size)
+        hashes = self._block_hashes(request)
+        candidates = [Candidate(
+            name=w.name, cached_blocks=self.index.overlap_blocks(w.name, hashes),
+            queued_prefill_tokens=w.queued_prefill_tokens, active_kv_tokens=w.stats.kv_blocks_used * block_size,
+            num_in_flight=len(w.requests), kv_usage=w.kv_usage, num_running=w.stats.num_running,
+            last_chosen=w.last_chosen) for w in live]
+        best = choose_prefill(candidates, num_prompt, block_size, self.router.overlap_weight)
+        chosen = self.workers[best.name]
+        self._num_choices += 1
+        chosen.last_chosen = self._num_choices
+        return chosen, uncached_tokens(num_prompt, best.cached_blocks, block_size)
+
+    def _block_hashes(self, request: EngineCoreRequest) -> list[bytes]:
+        """The request's own chain, keyed exactly as its core keys it: rooted
+        in its namespace, so only its own tenant's (and public) blocks match."""
+        scope = CacheScope(request.cache_namespace, request.public_cache_namespace, request.num_public_blocks)
+        keys = ChainKeys.of(scope, self.ready.model_fingerprint, self.ready.kv_dtype)
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, request.prompt_token_ids, self.ready.block_size, keys)
+        return hashes
+
+    def _admit(self, worker: Worker, new_tokens: int) -> None:
+        if not self.router.slo.enabled:
+            return
+        prediction = predict(worker.step_model, worker.queued_prefill_tokens, new_tokens,
+                             worker.stats.num_running, worker.ready.max_num_batched_tokens)
+        admit(self.router.slo, prediction)
 
     def abort(self, request_id: str) -> None:
         """Abort one request (all its sequences); its stream ends without
@@ -273,49 +539,223 @@ class AsyncEngineClient:
         self._abort_in_core([stream.request_id])
 
     def _abort_in_core(self, request_ids: list[str]) -> None:
-        child_ids = self.output_processor.abort_requests(request_ids)
-        if child_ids and self.is_alive:
-            self.connection.send(EngineCoreAbort(request_ids=child_ids))
+        for request_id in request_ids:
+            worker = self._request_worker.pop(request_id, None)
+            child_ids = self.output_processor.abort_requests([request_id])
+            if worker is None:
+                continue
+            worker.requests.discard(request_id)
+            for child in child_ids:
+                worker.queued_prefill.pop(child, None)
+                seq = self._paired.pop(child, None)
+                if seq is not None:
+                    self._release_prefill(seq, child, abort=True)
+            if child_ids and worker.alive and self.is_alive:
+                worker.connection.send(EngineCoreAbort(request_ids=child_ids))
+
+    def _children_of(self, request_ids: set[str]) -> list[str]:
+        return [child for parent in request_ids
+                for child in (self.output_processor.parents[parent].child_ids
+                              if parent in self.output_processor.parents else [parent])]
 
     # -- outputs (event loop) ---------------------------------------------------
-    async def _output_loop(self, output: zmq.asyncio.Socket) -> None:
+    async def _output_loop(self, worker: Worker, output: zmq.asyncio.Socket) -> None:
         try:
             while True:
                 message = decode(await output.recv(), CoreOutput)
+                worker.last_heard = time.monotonic()
                 if isinstance(message, EngineCoreReady):
-                    continue
-                if message.stats is not None:
-                    self.stats = message.stats
-                for purge_id, count in (message.purged or {}).items():
-                    future = self._purges.get(purge_id)
-                    if future is not None and not future.done():
-                        future.set_result(count)
-                processed = self.output_processor.process(message)
-                if processed.stopped_by_string:
-                    self.connection.send(EngineCoreAbort(request_ids=processed.stopped_by_string))
-                self._dispatch(processed.outputs, time.monotonic())
+                    continue  # a hello's answer
+                self._on_message(worker, message)
                 if message.engine_error:
-                    self._on_dead(message.engine_error)
+                    self._worker_died(worker, message.engine_error)
                     return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a front end bug: never leave clients hanging
-            logger.exception("engine output handler died")
-            self._on_dead(f"the engine output handler died: {exc!r}")
+            logger.exception("engine output handler of %s died", worker.name)
+            self._worker_died(worker, f"the engine output handler died: {exc!r}")
 
-    def _on_process_exit(self) -> None:
-        assert self._loop is not None and self.process is not None
-        self._loop.remove_reader(self.process.sentinel)
-        self.process.process.join(1)  # reap it, so exitcode is known
-        self._on_dead(f"the engine core process exited with code {self.process.exitcode}")
+    def _on_message(self, worker: Worker, message: EngineCoreOutputs) -> None:
+        if message.stats is not None:
+            worker.stats = message.stats
+        for purge_id, count in (message.purged or {}).items():
+            future = self._purges.get(purge_id)
+            if future is not None and not future.done():
+                future.set_result(count)
+        if message.kv_events:
+            self.index.apply(worker.name, message.kv_events)
+        if message.num_scheduled_tokens:
+            worker.step_model.observe(message.num_scheduled_tokens, message.step_duration_s)
+        if self._paired:
+            message = _replace(message, outputs=self._pair_outputs(worker, message.outputs))
+        for out in message.outputs:
+            if out.new_token_ids or out.finished:
+                worker.queued_prefill.pop(out.request_id, None)
+        processed = self.output_processor.process(message)
+        if processed.stopped_by_string:
+            worker.connection.send(EngineCoreAbort(request_ids=processed.stopped_by_string))
+        self._dispatch(processed.outputs, time.monotonic())
 
-    def _on_dead(self, reason: str) -> None:
-        if self._dead_error is not None or self._stopped:
+    # -- disagg: one sequence on a decode and a prefill core (router/pairing.py) --------
+    def _pair_outputs(self, worker: Worker, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """The outputs of paired sequences as the client must see them."""
+        result: list[EngineCoreOutput] = []
+        for out in outputs:
+            seq = self._paired.get(out.request_id)
+            if seq is None:
+                result.append(out)
+            elif worker is seq.decode:
+                result.extend(self._from_decode(seq, out))
+            elif worker is seq.prefill:
+                result.extend(self._from_prefill(seq, out))
+            # else: a prefill core this sequence has moved away from
+        return result
+
+    def _from_decode(self, seq: PairedSequence, out: EngineCoreOutput) -> list[EngineCoreOutput]:
+        child = out.request_id
+        if out.kv_destination is not None:
+            seq.dest = out.kv_destination
+            self._send_prefill(seq, child)
+            out = _replace(out, kv_destination=None)
+        if out.kv_transfer_error:
+            logger.warning("request %s: %s", child, out.kv_transfer_error)
+            self._release_prefill(seq, child, abort=True)
+            if out.finished:  # --kv-transfer-failure fail
+                self._paired.pop(child, None)
+                self._fail_child(child, KVTransferFailedError(out.kv_transfer_error))
+                return []
+            seq.recomputing = True  # D's own first token comes next
+            seq.drop_first_decode_token = seq.first_token_seen
+        if seq.drop_first_decode_token and out.new_token_ids:
+            seq.drop_first_decode_token = False
+            out = _replace(out, new_token_ids=out.new_token_ids[1:],
+                           new_logprobs=out.new_logprobs[1:] if out.new_logprobs else None)
+        waiting_first = not seq.first_token_seen and not seq.recomputing
+        if waiting_first and (out.new_token_ids or out.finish_reason in ("stop", "length")):
+            # Overtook the prefill core's first token (which D already has:
+            # it may even have ended the sequence): after it, in order.
+            seq.held.append(out)
+            return []
+        if out.finished:
+            self._paired.pop(child, None)
+            self._release_prefill(seq, child, abort=True)
+        elif not out.new_token_ids:
+            return []
+        if seq.held:
+            held, seq.held = seq.held, []
+            return [*held, out]
+        return [out]
+
+    def _from_prefill(self, seq: PairedSequence, out: EngineCoreOutput) -> list[EngineCoreOutput]:
+        child = out.request_id
+        if out.finish_reason != "prefilled":
+            if out.finished:  # P could not take it (refused, aborted): another one may
+                self._release_prefill(seq, child, abort=False)
+                self._retry_prefill(seq, child, f"the prefill core ended it ({out.finish_reason})")
+            return []
+        self._release_prefill(seq, child, abort=False)
+        if seq.recomputing or seq.first_token_seen:
+            return []
+        seq.first_token_seen = True
+        finish = first_token_finish(seq.request, out.new_token_ids[0], self.max_model_len) if out.new_token_ids else None
+        first = _replace(out, finish_reason=finish[0] if finish else None, stop_reason=finish[1] if finish else None)
+        if finish is not None:  # D ends it too; its word is no longer needed
+            self._paired.pop(child, None)
+            return [first]
+        held, seq.held = seq.held, []
+        if any(o.finished for o in held):
+            self._paired.pop(child, None)
+        return [first, *held]
+
+    def _send_prefill(self, seq: PairedSequence, child: str) -> None:
+        seq.attempts += 1
+        try:
+            worker, new_tokens = self._choose_worker(seq.request, "prefill")
+        except EngineDeadError as exc:
+            # No prefill core: the decode core's lease ends it (recompute or fail).
+            logger.error("request %s: %s; the decode core's lease decides", child, exc)
             return
-        logger.error("%s", reason)
-        self._dead_error = EngineDeadError(reason)
-        self.output_processor.abort_requests(list(self._streams))
-        self._fail_all(self._dead_error)
+        seq.prefill = worker
+        worker.queued_prefill[child] = new_tokens
+        worker.num_routed += 1
+        worker.connection.send(_replace(seq.request, kv_transfer=KVTransferParams(role="prefill", dest=seq.dest)))
+
+    def _retry_prefill(self, seq: PairedSequence, child: str, reason: str) -> None:
+        if seq.dest is None:
+            return  # not sent to a prefill core yet: it goes when D reports
+        if seq.attempts >= MAX_PREFILL_ATTEMPTS or time.monotonic() >= seq.dest.deadline:
+            logger.error("request %s: %s; no retry left, the decode core's lease decides", child, reason)
+            return
+        logger.warning("request %s: %s; prefilling it on another core", child, reason)
+        self._send_prefill(seq, child)
+
+    def _release_prefill(self, seq: PairedSequence, child: str, abort: bool) -> None:
+        worker, seq.prefill = seq.prefill, None
+        if worker is None:
+            return
+        worker.queued_prefill.pop(child, None)
+        if abort and worker.alive:
+            with contextlib.suppress(zmq.ZMQError):
+                worker.connection.send(EngineCoreAbort(request_ids=[child]))
+
+    def _fail_child(self, child: str, error: BaseException) -> None:
+        """End the whole request of this sequence with ``error``."""
+        state = self.output_processor.seqs.get(child)
+        parent = state.parent_id if state is not None else child
+        stream = self._streams.pop(parent, None)
+        if stream is None:
+            return
+        self.observer.on_abort(stream)
+        self._abort_in_core([parent])
+        stream.closed = True
+        stream._push(error)
+
+    def _on_process_exit(self, worker: Worker) -> None:
+        assert self._loop is not None and worker.process is not None
+        self._loop.remove_reader(worker.process.sentinel)
+        worker.process.process.join(1)  # reap it, so exitcode is known
+        self._worker_died(worker, f"the engine core process {worker.name} exited with code {worker.process.exitcode}")
+
+    def _worker_died(self, worker: Worker, reason: str, left: bool = False) -> None:
+        """End this worker's requests with EngineDeadError(reason) and route
+        no more to it; the client dies with its last worker."""
+        if not worker.alive or self._stopped:
+            return
+        worker.alive = False
+        worker.dead_reason = reason
+        if not left:
+            logger.error("%s", reason)
+        self._remove_process_reader(worker)
+        self.index.drop(worker.name)
+        error = EngineDeadError(reason)
+        # Disagg: a prefill core's sequences that have no first token yet
+        # are prefilled again elsewhere (the decode core still waits).
+        retry = [(child, seq) for child, seq in self._paired.items() if seq.prefill is worker]
+        worker.queued_prefill.clear()
+        for child, seq in retry:
+            seq.prefill = None
+            if any(o.finished for o in seq.held):
+                # D finished from this core's KV, but its first token died with it.
+                self._paired.pop(child, None)
+                self._fail_child(child, error)
+            elif not seq.first_token_seen and not seq.recomputing:
+                self._retry_prefill(seq, child, reason)
+        for request_id in list(worker.requests):
+            self._request_worker.pop(request_id, None)
+            for child in self.output_processor.abort_requests([request_id]):
+                seq = self._paired.pop(child, None)
+                if seq is not None:
+                    self._release_prefill(seq, child, abort=True)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.closed = True
+                stream._push(error)
+        worker.requests.clear()
+        worker.queued_prefill.clear()
+        if not any(w.alive for w in self.workers.values()) and not left:
+            self._dead_error = error
+            self._fail_all(error)
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
@@ -326,6 +766,9 @@ class AsyncEngineClient:
             stream._push(out)
             if stream.engine_finished:
                 del self._streams[out.request_id]
+                worker = self._request_worker.pop(out.request_id, None)
+                if worker is not None:
+                    worker.requests.discard(out.request_id)
                 stream._push(_END)
 
     def _observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
@@ -353,3 +796,25 @@ class AsyncEngineClient:
         for stream in streams.values():
             stream.closed = True
             stream._push(error)
+        self._request_worker.clear()
+        for worker in self.workers.values():
+            worker.requests.clear()
+            worker.queued_prefill.clear()
+
+
+def _core_config(args: EngineArgs, role: str):
+    """The engine config of a core with this role: prefill and decode cores
+    get a KV transfer socket (a free loopback port unless one was given)."""
+    config = args.create_engine_config()
+    if role != "engine" and not config.kv_transfer.kv_transfer_address:
+        config.kv_transfer.kv_transfer_address = "tcp://127.0.0.1:0"
+    return config
+
+
+def _check_compatible(first: EngineCoreReady, other: EngineCoreReady, address: str) -> None:
+    """Every worker must serve the same model with the same block keys, or
+    the router's hashes and validation would be wrong for it."""
+    for name in ("model_fingerprint", "block_size", "kv_dtype", "vocab_size", "eos_token_ids"):
+        if getattr(first, name) != getattr(other, name):
+            raise ValueError(f"the core at {address!r} differs in {name}: {getattr(other, name)!r} "
+                             f"(the server's: {getattr(first, name)!r})")

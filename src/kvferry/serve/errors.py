@@ -24,6 +24,7 @@ _ERROR_TYPE = {
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -34,8 +35,9 @@ class APIError(Exception):
     """Raised anywhere in a handler; turned into an OpenAI error response."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 close_connection: bool = False) -> None:
+                 close_connection: bool = False, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers  # extra response headers (e.g. Retry-After on a 429)
         self.status = status
         self.message = message
         self.param = param
@@ -79,7 +81,10 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return error_response(exc.status, exc.message, exc.param, exc.code, exc.close_connection)
+    response = error_response(exc.status, exc.message, exc.param, exc.code, exc.close_connection)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -28,6 +28,7 @@ from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
 from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
+from kvferry.serve.cli import router_config_from
 from kvferry.serve.engine_client import AsyncEngineClient
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
@@ -59,6 +60,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             max_request_body_bytes=args.max_request_body_bytes,
             api=ApiOptions.from_args(args),
         )
+        router = router_config_from(args)
         listen = bind_socket(args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
@@ -72,7 +74,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     try:
         try:
             client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
-                                              ready_timeout_s=args.engine_start_timeout, log_level=args.log_level)
+                                              ready_timeout_s=args.engine_start_timeout, log_level=args.log_level,
+                                              router=router)
         except (ValueError, OSError, EngineCoreStartError) as exc:
             listen.close()
             print(f"kvferry serve: error: {exc}", file=sys.stderr)
@@ -80,8 +83,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         try:
             return _serve(args, config, client, listen)
         finally:
-            if client.process is not None and client.process.is_alive():  # start-up failed inside uvicorn
-                client.process.process.kill()
+            client.kill_processes()  # start-up failed inside uvicorn (after a clean stop: no-op)
     finally:
         if store is not None:
             store.terminate()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.outputs import RequestOutput
 from kvferry.sampling import SamplingParams
-from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError, RequestStream
+from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError, RequestStream, SloRejectedError
 from kvferry.serve.errors import APIError, bad_request, error_body
 from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.api_flags import ApiOptions
@@ -132,6 +133,9 @@ async def start_request(ctx: ServingContext, request_id: str, prompt_ids: list[i
         raise bad_request(str(exc), named_field(str(exc)) or "prompt") from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_unavailable") from None
+    except SloRejectedError as exc:
+        raise APIError(429, str(exc), code="slo_unattainable",
+                       headers={"Retry-After": str(math.ceil(exc.retry_after_s))}) from None
 
 
 async def collect(stream: RequestStream) -> list[RequestOutput]:

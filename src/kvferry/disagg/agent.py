@@ -1,0 +1,254 @@
+"""The transfer agent of one engine core: both halves of disaggregation.
+
+Decode side: ``ReceiveOrder``s register transfers with the ``KVReceiver``;
+verified ones come back as ``finished_loading`` with the prefill core's
+first token (and its seeded generator's state, handed to the runner when the
+request is first scheduled here); failed ones as ``failed_loading``.
+
+Prefill side: for a step with ``StreamOrder``s, ``begin_step`` returns a
+``StepTransfer`` that travels with the step's attention metadata (never a
+global). The model calls ``layer_done(i)`` as soon as layer ``i`` wrote its
+KV; that only queues a job, so the forward pass goes on to layer ``i + 1``
+while the sender thread gathers layer ``i``'s blocks and writes them through
+the link (overlapping transfer with compute). After sampling,
+``StepTransfer.finish`` queues the ``KVTransferDone``: first token, output
+ids (the penalties' counts), generator state and per-layer checksums of
+the whole transfer. Jobs run in order, so Done follows every write.
+
+Leases: a prefill core reports ``finished_sending`` (its blocks are freed)
+on the decode core's acknowledgement, or ``lease_s`` after it first sent,
+whichever comes first; it never writes into a decode core's shared memory
+past that core's deadline. An aborted prefill sends a Done with an error so
+the decode core gives up at once rather than at its deadline.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from kvferry.config import KVTransferConfig
+from kvferry.core.outputs import KVOrders, StreamOrder
+from kvferry.disagg.transport import (
+    KVReceiver, KVTransport, Received, SharedKVPool, ShmTransport, TcpTransport, layer_checksum,
+)
+from kvferry.messages import KVTransferDone
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Sender-thread state of one outgoing transfer."""
+
+    request_id: str
+    link: KVTransport
+    lease_end: float  # local clock: free the blocks by then, acked or not
+    shm_deadline: float  # the decode core's deadline (same host: same clock)
+    done_sent: bool = False
+    error: str = ""
+
+
+class StepTransfer:
+    """One step's outgoing KV, called by the model between layers."""
+
+    def __init__(self, jobs: queue.SimpleQueue, orders: list[StreamOrder]) -> None:
+        self._jobs = jobs
+        self.orders = orders
+
+    def layer_done(self, layer: int) -> None:
+        """Layer ``layer`` wrote this step's KV: queue its blocks (returns at once)."""
+        for order in self.orders:
+            if order.src_block_ids:
+                self._jobs.put(("layer", order, layer))
+
+    def finish(self, sampled: dict[str, list[int]], generators: dict[str, torch.Generator | None]) -> None:
+        """After sampling: close every transfer whose prompt ended this step."""
+        for order in self.orders:
+            if order.last:
+                gen = generators.get(order.request_id)
+                state = gen.get_state().numpy().tobytes() if gen is not None else b""
+                self._jobs.put(("done", order, list(sampled.get(order.request_id, [])), state))
+
+
+class KVTransferAgent:
+    def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, pool: SharedKVPool | None) -> None:
+        # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = kv_cache
+        self.config = config
+        self.pool = pool
+        self.receiver = KVReceiver(kv_cache, config.kv_transfer_address)
+        self.address = self.receiver.address
+        self.shm_name = pool.name if pool is not None else ""
+        self._ctx = zmq.Context.instance()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._finished_sending: list[str] = []
+        self._event = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # transfer id -> (sender thread only)
+        self._links: dict[tuple[str, str], KVTransport] = {}  # (address, shm name) -> (sender thread only)
+        self._streaming_rids: set[str] = set()  # step thread: requests with stream orders
+        # Seeded generator states received with a prefill, until the runner
+        # first schedules the request here.
+        self.generator_states: dict[str, bytes] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    # -- step thread --------------------------------------------------------------
+    def begin_step(self, orders: KVOrders) -> StepTransfer | None:
+        for r in orders.receive:
+            self.receiver.expect(r.request_id, r.transfer_id, r.block_ids, r.deadline)
+        if not orders.stream:
+            return None
+        self._streaming_rids.update(o.request_id for o in orders.stream)
+        return StepTransfer(self._jobs, orders.stream)
+
+    def finished_requests(self, request_ids: list[str]) -> None:
+        """The scheduler finished these: close any stream not closed yet."""
+        for rid in request_ids:
+            if rid in self._streaming_rids:
+                self._streaming_rids.discard(rid)
+                self._jobs.put(("close", rid))
+
+    def take(self) -> tuple[dict[str, Received], dict[str, str], list[str]]:
+        """(verified receives, failed receives, finished sends), once each."""
+        done, failed = self.receiver.take()
+        for rid, received in done.items():
+            if received.generator_state:
+                self.generator_states[rid] = received.generator_state
+        with self._lock:
+            sent, self._finished_sending = self._finished_sending, []
+        self._event.clear()
+        return done, failed, sent
+
+    def wait(self, timeout_s: float) -> None:
+        """Idle step: sleep until a send completes or a receive may have
+        (no spinning while only transfers are outstanding)."""
+        if self.receiver.num_pending:
+            self.receiver.wait(timeout_s)
+        else:
+            self._event.wait(timeout_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.receiver.close()
+        for link in self._links.values():
+            link.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- sender thread ------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.01)
+            except queue.Empty:
+                job = None
+            try:
+                if job is not None:
+                    getattr(self, f"_job_{job[0]}")(*job[1:])
+                self._collect_acks()
+            except Exception:  # one bad link must not stop every transfer
+                logger.exception("KV sender job %s failed", job[0] if job else "ack poll")
+                if job is not None and job[0] in ("layer", "done"):
+                    self._fail(job[1], "send failed")
+
+    def _stream(self, order: StreamOrder) -> _Stream:
+        stream = self._streams.get(order.transfer_id)
+        if stream is None:
+            stream = self._streams[order.transfer_id] = _Stream(
+                order.request_id, self._link(order), time.monotonic() + order.lease_s,
+                order.deadline if order.shm_name and self.config.kv_transport == "shm" else float("inf"))
+        return stream
+
+    def _link(self, order: StreamOrder) -> KVTransport:
+        use_shm = self.config.kv_transport == "shm" and bool(order.shm_name) and self.kv_cache.device.type == "cpu"
+        key = (order.address, order.shm_name if use_shm else "")
+        link = self._links.get(key)
+        if link is None:
+            if use_shm:
+                try:
+                    block_shape = (self.kv_cache.shape[0], 2, *self.kv_cache.shape[3:])
+                    pool = SharedKVPool.attach(order.shm_name, block_shape, self.kv_cache.dtype)
+                    link = ShmTransport(self._ctx, order.address, pool)
+                except (FileNotFoundError, OSError, ValueError):
+                    logger.warning("cannot map %s (another host?): sending over tcp", order.shm_name)
+            link = link or TcpTransport(self._ctx, order.address)
+            self._links[key] = link
+        return link
+
+    def _job_layer(self, order: StreamOrder, layer: int) -> None:
+        stream = self._stream(order)
+        if stream.error or stream.done_sent:
+            return
+        if time.monotonic() >= stream.shm_deadline:
+            self._fail(order, "lease over")
+            return
+        index = torch.tensor(order.src_block_ids, dtype=torch.int64, device=self.kv_cache.device)
+        data = self.kv_cache[layer].index_select(1, index)  # [2, n, bs, H, D]
+        stream.link.write_layer(order.transfer_id, layer, data, order.dst_block_ids)
+
+    def _job_done(self, order: StreamOrder, tokens: list[int], generator_state: bytes) -> None:
+        stream = self._stream(order)
+        if stream.error or stream.done_sent:
+            return
+        checksums = [layer_checksum(self.kv_cache, layer, order.all_src_block_ids)
+                     for layer in range(self.kv_cache.shape[0])]
+        stream.link.send_done(KVTransferDone(
+            transfer_id=order.transfer_id, num_layers=self.kv_cache.shape[0],
+            block_ids=order.all_dst_block_ids, layer_checksums=checksums,
+            output_token_ids=tokens, generator_state=generator_state))
+        stream.done_sent = True
+
+    def _job_close(self, request_id: str) -> None:
+        """A finished request: a transfer it never completed ends now."""
+        open_ = [(tid, s) for tid, s in self._streams.items() if s.request_id == request_id and not s.done_sent]
+        if not any(s.request_id == request_id for s in self._streams.values()):
+            self._finish_send(request_id)  # no job ever ran for it: nothing to wait for
+        for tid, stream in open_:
+            self._abandon(tid, stream, stream.error or "aborted")
+
+    def _fail(self, order: StreamOrder, reason: str) -> None:
+        stream = self._streams.get(order.transfer_id)
+        if stream is not None and not stream.done_sent:
+            self._abandon(order.transfer_id, stream, reason)
+
+    def _abandon(self, transfer_id: str, stream: _Stream, reason: str) -> None:
+        """Tell the decode core to give up now; our blocks are free to go."""
+        stream.error = reason
+        try:
+            stream.link.send_done(KVTransferDone(transfer_id=transfer_id, num_layers=0, block_ids=[],
+                                                 layer_checksums=[], output_token_ids=[], error=reason))
+        except zmq.ZMQError:
+            pass
+        stream.done_sent = True
+        self._streams.pop(transfer_id, None)
+        self._finish_send(stream.request_id)
+
+    def _collect_acks(self) -> None:
+        for link in self._links.values():
+            for ack in link.poll_acks():
+                stream = self._streams.pop(ack.transfer_id, None)
+                if stream is None:
+                    continue
+                if not ack.ok:
+                    logger.warning("decode core refused transfer %s: %s", ack.transfer_id, ack.reason)
+                self._finish_send(stream.request_id)
+        now = time.monotonic()
+        for tid, stream in list(self._streams.items()):
+            if now > stream.lease_end:
+                logger.warning("transfer %s: no acknowledgement within its lease; freeing its blocks", tid)
+                del self._streams[tid]
+                self._finish_send(stream.request_id)
+
+    def _finish_send(self, request_id: str) -> None:
+        with self._lock:
+            self._finished_sending.append(request_id)
+        self._event.set()

@@ -1,0 +1,325 @@
+"""Moving one layer of KV blocks from a prefill core's pool into a decode
+core's pool, and the decode core's receiving end.
+
+The pool layout is the project's one layout,
+``kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
+so a layer's blocks travel as ``[2, n, block_size, num_kv_heads, head_dim]``
+with no reshaping on either side.
+
+Every link has a control channel: a ZeroMQ DEALER on the prefill side
+connected to the decode core's ROUTER (its ``KVDestination.address``).
+The messages on it are ``messages.KVWire``: a ``KVLayerChunk`` per layer
+written, then one ``KVTransferDone``; the decode core answers one
+``KVTransferAck``.
+
+Transports (``KVTransport``, the sending half):
+
+* ``ShmTransport``: the decode core's pool lives in a named shared-memory
+  segment (``SharedKVPool``); the prefill core maps it and copies each layer
+  straight into the destination blocks, then says so on the control
+  channel. One host only.
+* ``TcpTransport``: each layer's bytes follow its ``KVLayerChunk`` as a
+  second frame; the decode core's receiver thread copies them into its pool.
+
+Seam for NIXL or Mooncake's Transfer Engine: a third ``KVTransport`` whose
+constructor registers both pools with the engine (NIXL ``register_memory``
+/ Mooncake ``register_memory`` of the pool tensor, with D's descriptors
+exchanged once, e.g. in ``KVDestination`` as an opaque blob beside
+``shm_name``), whose ``write_layer`` posts one RDMA write per block
+(``src block b -> dst block dst_block_ids[i]``, addresses computed from the
+layout above) without waiting, and whose ``send_done`` first waits for the
+writes' completion notifications, then sends ``KVTransferDone`` on the
+control channel. The receiver, the checksum and the lease rules stay as they
+are: D verifies its own pool, whatever wrote it.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+import xxhash
+import zmq
+
+from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire, decode, encode
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50
+
+
+def layer_checksum(kv_cache: torch.Tensor, layer: int, block_ids: list[int]) -> int:
+    """xxh64 of one layer's bytes over ``block_ids``, in order (K then V of
+    each block: the gathered ``[2, n, block_size, H, D]`` tensor)."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    data = kv_cache[layer].index_select(1, index).contiguous().cpu()  # [2, n, bs, H, D]
+    return xxhash.xxh64(_as_bytes(data)).intdigest()
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+# -- the decode core's pool in shared memory -------------------------------------------
+class SharedKVPool:
+    """A KV pool tensor over a named shared-memory segment.
+
+    The decode core creates it (and unlinks it on ``close``); a prefill core
+    on the same host attaches by name and writes into it. A pool made with
+    ``create`` is zero-filled (fresh shared memory is)."""
+
+    def __init__(self, tensor: torch.Tensor, name: str, shm: shared_memory.SharedMemory | None = None,
+                 mapping: mmap.mmap | None = None) -> None:
+        self.tensor = tensor  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.name = name
+        self._shm = shm  # set on the creating side, which unlinks it
+        self._mapping = mapping  # set on an attaching side
+
+    @classmethod
+    def create(cls, shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKVPool":
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        return cls(torch.frombuffer(shm.buf, dtype=dtype).view(shape), shm.name, shm=shm)
+
+    @classmethod
+    def attach(cls, name: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKVPool":
+        """Map another core's pool; ``block_shape`` is
+        ``(num_layers, 2, block_size, kv_heads, head_dim)`` (both cores serve
+        one model, so only the block count differs). Mapped from /dev/shm
+        directly: ``SharedMemory(name)`` would also register the segment with
+        Python's resource tracker (< 3.13), which unlinks it when this
+        process exits, though it is the decode core's."""
+        with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
+            mapping = mmap.mmap(f.fileno(), 0)
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_block = int(np.prod(block_shape)) * elem
+        num_blocks = len(mapping) // per_block
+        layers, two, *rest = block_shape
+        flat = torch.frombuffer(mapping, dtype=dtype, count=num_blocks * per_block // elem)
+        return cls(flat.view(layers, two, num_blocks, *rest), name, mapping=mapping)
+
+    def close(self) -> None:
+        self.tensor = None  # drop the view before the buffer goes
+        try:
+            if self._shm is not None:
+                self._shm.unlink()  # first: close() refuses while a view is alive
+                self._shm.close()
+            elif self._mapping is not None:
+                self._mapping.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the OS unmaps at exit
+        except FileNotFoundError:
+            pass
+
+
+# -- sending half ------------------------------------------------------------------------
+class KVTransport(ABC):
+    """The prefill side of one link to a decode core.
+
+    Contract: calls come from one thread (the agent's sender thread), in
+    transfer order. ``write_layer`` may return before the bytes land, but
+    everything a link wrote is in the destination pool before the decode
+    core handles the ``KVTransferDone`` that ``send_done`` sends next.
+    ``write_layer`` reads ``data`` before it returns (the caller may reuse
+    the source blocks afterwards). ``poll_acks`` never blocks."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.connect(address)
+
+    @abstractmethod
+    def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
+        """data: [2, n, block_size, kv_heads, head_dim], n = len(dst_block_ids)."""
+
+    def send_done(self, done: KVTransferDone) -> None:
+        self.sock.send(encode(done))
+
+    def poll_acks(self) -> list[KVTransferAck]:
+        acks = []
+        while self.sock.poll(0):
+            message = decode(self.sock.recv(), KVWire)
+            if isinstance(message, KVTransferAck):
+                acks.append(message)
+        return acks
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class TcpTransport(KVTransport):
+    """Layer bytes as a second frame after the chunk header (zero-copy)."""
+
+    def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
+        header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True)
+        payload = data.contiguous().cpu()
+        # copy=True: ZeroMQ owns a copy once send returns, so the tensor may go.
+        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=True)
+
+
+class ShmTransport(KVTransport):
+    """Copies each layer straight into the decode core's pool (same host)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, pool: SharedKVPool) -> None:
+        super().__init__(ctx, address)
+        self.pool = pool
+
+    def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
+        index = torch.tensor(dst_block_ids, dtype=torch.int64)
+        # [2, num_blocks, bs, H, D] view of the destination layer, written in place
+        self.pool.tensor[layer].index_copy_(1, index, data.cpu())
+        header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids)
+        self.sock.send(encode(header))
+
+    def close(self) -> None:
+        super().close()
+        self.pool.close()
+
+
+# -- receiving half ----------------------------------------------------------------------
+@dataclass(slots=True)
+class _Expected:
+    request_id: str
+    block_ids: list[int]
+    deadline: float
+    # layer -> decode-core block ids written so far
+    written: dict[int, set[int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Received:
+    """A verified transfer: the tokens and sampling state that came with it."""
+
+    output_token_ids: list[int]
+    generator_state: bytes
+
+
+class KVReceiver:
+    """The decode core's transfer socket (ROUTER) and a thread serving it.
+
+    ``expect`` registers a transfer before its destination is published;
+    chunks of unknown transfers are dropped unread (a transfer that timed
+    out can never write again over TCP). ``KVTransferDone`` is verified
+    here: every layer wrote every block, and each layer's xxh64 over the
+    pool equals the sender's. ``take`` hands out verified and failed
+    transfers once each; a transfer past its deadline (plus ``grace_s``, for
+    a shared-memory write that began just before it) fails as "timeout"."""
+
+    def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5) -> None:
+        self.kv_cache = kv_cache
+        self.grace_s = grace_s
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://") and address.rsplit(":", 1)[-1] in ("0", "*"):
+            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(address)
+        self.address = address
+        self._lock = threading.Lock()
+        self._expected: dict[str, _Expected] = {}
+        self._done: dict[str, Received] = {}  # request id ->
+        self._failed: dict[str, str] = {}  # request id -> reason
+        self._event = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
+        self._thread.start()
+
+    def expect(self, request_id: str, transfer_id: str, block_ids: list[int], deadline: float) -> None:
+        with self._lock:
+            self._expected[transfer_id] = _Expected(request_id, list(block_ids), deadline)
+
+    def take(self) -> tuple[dict[str, Received], dict[str, str]]:
+        now = time.monotonic()
+        with self._lock:
+            for tid, exp in list(self._expected.items()):
+                if now > exp.deadline + self.grace_s:
+                    del self._expected[tid]
+                    self._failed[exp.request_id] = "timeout"
+            done, self._done = self._done, {}
+            failed, self._failed = self._failed, {}
+            self._event.clear()
+        return done, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until a transfer completes or fails, at most ``timeout_s``."""
+        self._event.wait(timeout_s)
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._expected)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(_POLL_MS):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            identity, body = frames[0].bytes, frames[1].bytes
+            try:
+                message = decode(body, KVWire)
+                if isinstance(message, KVLayerChunk):
+                    self._on_chunk(message, frames[2].buffer if message.has_payload else None)
+                elif isinstance(message, KVTransferDone):
+                    ack = self._on_done(message)
+                    self._sock.send_multipart([identity, encode(ack)])
+            except Exception:  # a bad peer must not take the decode core down
+                logger.exception("dropped a malformed KV transfer message")
+
+    def _on_chunk(self, chunk: KVLayerChunk, payload: memoryview | None) -> None:
+        with self._lock:
+            exp = self._expected.get(chunk.transfer_id)
+            if exp is None or not set(chunk.block_ids) <= set(exp.block_ids):
+                return  # unknown, expired, or not this transfer's blocks
+            if payload is not None:
+                shape = (2, len(chunk.block_ids), *self.kv_cache.shape[3:])
+                # [2, n, bs, H, D] from the frame, into the pool's blocks
+                data = torch.frombuffer(payload, dtype=self.kv_cache.dtype).view(shape)
+                index = torch.tensor(chunk.block_ids, dtype=torch.int64, device=self.kv_cache.device)
+                self.kv_cache[chunk.layer].index_copy_(1, index, data.to(self.kv_cache.device))
+            exp.written.setdefault(chunk.layer, set()).update(chunk.block_ids)
+
+    def _on_done(self, done: KVTransferDone) -> KVTransferAck:
+        with self._lock:
+            exp = self._expected.pop(done.transfer_id, None)
+        if exp is None:
+            return KVTransferAck(transfer_id=done.transfer_id, ok=False, reason="unknown or expired transfer")
+        reason = self._verify(exp, done)
+        with self._lock:
+            if reason:
+                self._failed[exp.request_id] = reason
+            else:
+                self._done[exp.request_id] = Received(list(done.output_token_ids), done.generator_state)
+            self._event.set()
+        return KVTransferAck(transfer_id=done.transfer_id, ok=not reason, reason=reason)
+
+    def _verify(self, exp: _Expected, done: KVTransferDone) -> str:
+        """'' when the pool holds exactly what the sender computed."""
+        if done.error:
+            return f"the prefill core gave up: {done.error}"
+        num_layers = self.kv_cache.shape[0]
+        if done.num_layers != num_layers or done.block_ids != exp.block_ids:
+            return "the transfer does not match its destination"
+        want = set(exp.block_ids)
+        if any(exp.written.get(layer) != want for layer in range(num_layers)):
+            return "incomplete: a layer is missing blocks"
+        if len(done.layer_checksums) != num_layers or not done.output_token_ids:
+            return "incomplete: no checksums or first token"
+        for layer, expected in enumerate(done.layer_checksums):
+            if layer_checksum(self.kv_cache, layer, exp.block_ids) != expected:
+                return f"checksum mismatch in layer {layer}"
+        return ""
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(linger=0)

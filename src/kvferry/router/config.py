@@ -1,0 +1,89 @@
+"""RouterConfig: how many engine cores, where, and the SLOs they serve."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.router.admission import SloConfig
+
+# What a worker does: "engine" runs both phases (colocated, chunked
+# prefill); "prefill" / "decode" are the disaggregated pools.
+ROLES = ("engine", "prefill", "decode")
+MODES = ("colocated", "disagg")
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    mode: str = "colocated"
+    # Engine cores this server starts (colocated mode).
+    data_parallel_size: int = 1
+    # Prefill and decode cores this server starts (disagg mode).
+    num_prefill: int = 1
+    num_decode: int = 1
+    # CPUs of every prefill / decode core ("0", "2-3"); None: any.
+    prefill_cpus: str | None = None
+    decode_cpus: str | None = None
+    # Cores started elsewhere (``kvferry engine-core --address A``) to join at start.
+    worker_addresses: list[str] = field(default_factory=list)
+    # CPUs of each started core, by index ("0", "2-3"); one entry applies to all.
+    engine_cpus: list[str] = field(default_factory=list)
+    slo: SloConfig = field(default_factory=SloConfig)
+    # Every joined core is asked for a hello this often; one silent for
+    # health_timeout_s counts as dead (a started core: when its process exits).
+    health_check_interval_s: float = 1.0
+    health_timeout_s: float = 30.0
+    # Weight of prefill tokens against active KV tokens in the prefill cost.
+    overlap_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "disagg" and (self.num_prefill < 1 or self.num_decode < 1) and not self.worker_addresses:
+            raise ValueError(f"disagg mode needs prefill >= 1 and decode >= 1, got {self.num_prefill} "
+                             f"and {self.num_decode}")
+        for cpus in (self.prefill_cpus, self.decode_cpus):
+            if cpus:
+                parse_cpus(cpus)
+        if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.worker_addresses):
+            raise ValueError(f"data_parallel_size must be >= 1 (or 0 with --worker), got {self.data_parallel_size}")
+        for entry in self.worker_addresses:
+            role, address = split_worker(entry, self.mode)
+            CoreAddresses.from_address(address)  # raises ValueError naming it
+        if self.engine_cpus and len(self.engine_cpus) not in (1, self.data_parallel_size):
+            raise ValueError(f"engine_cpus must hold 1 or data_parallel_size ({self.data_parallel_size}) entries, "
+                             f"got {len(self.engine_cpus)}")
+        for cpus in self.engine_cpus:
+            parse_cpus(cpus)
+        if not self.health_check_interval_s > 0 or not self.health_timeout_s > self.health_check_interval_s:
+            raise ValueError("health_timeout_s must exceed health_check_interval_s, and both be > 0")
+        if not self.overlap_weight > 0:
+            raise ValueError(f"overlap_weight must be > 0, got {self.overlap_weight}")
+
+    def core_specs(self) -> list[tuple[str, str, str | None]]:
+        """(name, role, cpus) of every core this server starts."""
+        if self.mode == "colocated":
+            return [(f"engine-{i}", "engine", self.cpus_of(i)) for i in range(self.data_parallel_size)]
+        return ([(f"prefill-{i}", "prefill", self.prefill_cpus) for i in range(self.num_prefill)]
+                + [(f"decode-{i}", "decode", self.decode_cpus) for i in range(self.num_decode)])
+
+    def cpus_of(self, index: int) -> str | None:
+        if not self.engine_cpus:
+            return None
+        return self.engine_cpus[0] if len(self.engine_cpus) == 1 else self.engine_cpus[index]
+
+
+def split_worker(entry: str, mode: str) -> tuple[str, str]:
+    """``--worker`` value -> (role, address): "ROLE=ADDRESS" or ADDRESS
+    (role "engine" in colocated mode). Raises ValueError naming the role."""
+    role, sep, address = entry.partition("=")
+    if not sep:
+        role, address = "engine", entry
+    check_role(role, mode)
+    return role, address
+
+
+def check_role(role: str, mode: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if (role == "engine") != (mode == "colocated"):
+        raise ValueError(f"role {role!r} does not fit mode {mode!r} (colocated: engine; disagg: prefill, decode)")

@@ -1,0 +1,95 @@
+"""A small router stand-in for engine-side disaggregation tests: it drives a
+prefill core and a decode core (in-process ``EngineCore``s, each with its
+real transfer socket and agent) through the flow of ``kvferry.messages``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvferry.config import EngineArgs
+from kvferry.engine.core import EngineCore
+from kvferry.messages import EngineCoreOutput, EngineCoreRequest, KVDestination, KVTransferParams
+from kvferry.sampling import SamplingParams
+
+
+def make_core(path: str, loaded=None, **kwargs) -> EngineCore:
+    defaults = dict(model=path, dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=512,
+                    kv_transfer_address="tcp://127.0.0.1:0")
+    defaults.update(kwargs)
+    return EngineCore(EngineArgs(**defaults).create_engine_config(), loaded)
+
+
+def request(rid: str, prompt: list[int], params: SamplingParams, kv_transfer=None) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params, eos_token_ids=[2],
+                             arrival_time=time.monotonic(), kv_transfer=kv_transfer)
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    destination: KVDestination | None = None
+    prefill_output: EngineCoreOutput | None = None
+    transfer_errors: list[str] = field(default_factory=list)
+
+
+def step_until(core: EngineCore, done, timeout_s: float = 30.0) -> list[EngineCoreOutput]:
+    """Step ``core`` until ``done(outputs so far)``; every output, in order."""
+    seen: list[EngineCoreOutput] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(seen):
+        assert time.monotonic() < deadline, "the core never got there"
+        seen.extend(core.step().outputs)
+    return seen
+
+
+def decode_side(decode: EngineCore, rid: str, prompt: list[int], params: SamplingParams) -> KVDestination:
+    decode.add_request(request(rid, prompt, params, KVTransferParams(role="decode")))
+    outs = step_until(decode, lambda seen: any(o.kv_destination for o in seen))
+    return next(o.kv_destination for o in outs if o.kv_destination)
+
+
+def prefill_side(prefill: EngineCore, rid: str, prompt: list[int], params: SamplingParams,
+                 dest: KVDestination) -> EngineCoreOutput:
+    prefill.add_request(request(rid, prompt, params, KVTransferParams(role="prefill", dest=dest)))
+    outs = step_until(prefill, lambda seen: any(o.finished for o in seen))
+    return next(o for o in outs if o.finished)
+
+
+def finish_decode(decode: EngineCore, rid: str, result: Result, timeout_s: float = 30.0) -> Result:
+    for o in step_until(decode, lambda seen: any(o.finished and o.request_id == rid for o in seen), timeout_s):
+        if o.request_id == rid:
+            result.tokens += o.new_token_ids
+            result.finish_reason = o.finish_reason or result.finish_reason
+            if o.kv_transfer_error:
+                result.transfer_errors.append(o.kv_transfer_error)
+    return result
+
+
+def run_disagg(prefill: EngineCore, decode: EngineCore, rid: str, prompt: list[int],
+               params: SamplingParams) -> Result:
+    """The whole flow for one request: its tokens as the router streams them
+    (the prefill core's first token, then the decode core's)."""
+    result = Result()
+    result.destination = decode_side(decode, rid, prompt, params)
+    first = prefill_side(prefill, rid, prompt, params, result.destination)
+    assert first.finish_reason == "prefilled", first
+    result.prefill_output = first
+    result.tokens = list(first.new_token_ids)
+    return finish_decode(decode, rid, result)
+
+
+def drain(core: EngineCore, timeout_s: float = 10.0) -> None:
+    """Step until nothing is left (delayed frees included)."""
+    deadline = time.monotonic() + timeout_s
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the core never went idle"
+        core.step()
+
+
+def assert_idle(core: EngineCore) -> None:
+    """Every block back: none held by a request, a delayed free or a pin."""
+    kv = core.scheduler.kv
+    assert not kv.req_blocks and not kv.delayed_free and not kv.pinned
+    assert kv.pool.num_used_blocks == 0, kv.pool.num_used_blocks
+    core.check_integrity()
