@@ -49,12 +49,23 @@ def test_router_config_validation_names_the_field():
 
 def test_stats_of_several_cores_are_summed():
     a = SchedulerStats(num_running=2, kv_blocks_used=5, kv_blocks_total=10, prefix_hits=16,
-                       prefix_by_namespace={"t": [1, 2, 0, 0, 3]}, num_accepted_tokens_per_pos=[4])
+                       prefix_by_owner={"t": [1, 2, 0, 0, 3]}, num_accepted_tokens_per_pos=[4])
     b = SchedulerStats(num_running=1, kv_blocks_used=1, kv_blocks_total=10, prefix_hits=0,
-                       prefix_by_namespace={"t": [1, 0, 0, 0, 1], "u": [5, 5, 0, 0, 0]},
+                       prefix_by_owner={"t": [1, 0, 0, 0, 1], "u": [5, 5, 0, 0, 0]},
                        num_accepted_tokens_per_pos=[1, 1])
     total = merge_stats([a, b])
     assert (total.num_running, total.kv_blocks_used, total.kv_blocks_total, total.prefix_hits) == (3, 6, 20, 16)
-    assert total.prefix_by_namespace == {"t": [2, 2, 0, 0, 4], "u": [5, 5, 0, 0, 0]}
+    assert total.prefix_by_owner == {"t": [2, 2, 0, 0, 4], "u": [5, 5, 0, 0, 0]}
     assert total.num_accepted_tokens_per_pos == [5, 1]
     assert merge_stats([a]) is a
+
+
+def test_store_counters_shared_by_cores_are_taken_once():
+    # The cores of a node share one KV store: each reports the same store totals.
+    tiers = {"dram": {"hits": 3.0, "misses": 1.0}}
+    tenants = {"dram": {"acme": [3, 1]}}
+    a = SchedulerStats(kv_tiers=tiers, kv_tier_tenants=tenants, kv_store_hits=32)
+    b = SchedulerStats(kv_tiers=tiers, kv_tier_tenants=tenants, kv_store_hits=16)
+    total = merge_stats([a, b])
+    assert total.kv_tiers == tiers and total.kv_tier_tenants == tenants
+    assert total.kv_store_hits == 48  # the engines' own lookups are per core
