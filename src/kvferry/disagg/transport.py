@@ -196,7 +196,10 @@ class _Expected:
 
 @dataclass(slots=True)
 class Received:
-    """A verified transfer: the tokens and sampling state that came with it."""
+    """What came with a transfer's Done: the prefill core's tokens and
+    sampling state. Kept for a transfer whose KV failed verification too:
+    they were computed from the prefill core's own intact KV, so the decode
+    core recomputes only the prompt's KV and continues after them."""
 
     output_token_ids: list[int]
     generator_state: bytes
@@ -229,6 +232,9 @@ class KVReceiver:
         self._expected: dict[str, _Expected] = {}
         self._done: dict[str, Received] = {}  # request id ->
         self._failed: dict[str, str] = {}  # request id -> reason
+        # request id -> tokens of a transfer whose KV failed verification
+        self._failed_received: dict[str, Received] = {}
+        self.num_blocks_written = 0  # block-layers written into the pool, all transfers
         self._event = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
@@ -238,7 +244,8 @@ class KVReceiver:
         with self._lock:
             self._expected[transfer_id] = _Expected(request_id, list(block_ids), deadline)
 
-    def take(self) -> tuple[dict[str, Received], dict[str, str]]:
+    def take(self) -> tuple[dict[str, Received], dict[str, str], dict[str, Received]]:
+        """(verified, failed: reason, tokens that came with failed ones)."""
         now = time.monotonic()
         with self._lock:
             for tid, exp in list(self._expected.items()):
@@ -247,8 +254,9 @@ class KVReceiver:
                     self._failed[exp.request_id] = "timeout"
             done, self._done = self._done, {}
             failed, self._failed = self._failed, {}
+            failed_received, self._failed_received = self._failed_received, {}
             self._event.clear()
-        return done, failed
+        return done, failed, failed_received
 
     def wait(self, timeout_s: float) -> None:
         """Sleep until a transfer completes or fails, at most ``timeout_s``."""
@@ -287,6 +295,7 @@ class KVReceiver:
                 index = torch.tensor(chunk.block_ids, dtype=torch.int64, device=self.kv_cache.device)
                 self.kv_cache[chunk.layer].index_copy_(1, index, data.to(self.kv_cache.device))
             exp.written.setdefault(chunk.layer, set()).update(chunk.block_ids)
+            self.num_blocks_written += len(chunk.block_ids)
 
     def _on_done(self, done: KVTransferDone) -> KVTransferAck:
         with self._lock:
@@ -297,6 +306,9 @@ class KVReceiver:
         with self._lock:
             if reason:
                 self._failed[exp.request_id] = reason
+                if not done.error and done.output_token_ids:
+                    self._failed_received[exp.request_id] = Received(list(done.output_token_ids),
+                                                                     done.generator_state)
             else:
                 self._done[exp.request_id] = Received(list(done.output_token_ids), done.generator_state)
             self._event.set()
