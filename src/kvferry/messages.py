@@ -217,7 +217,8 @@ class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
     transfer_id: str
     num_layers: int
     block_ids: list[int]  # every block the transfer filled
-    # xxh64 of each layer's bytes over ``block_ids``, in layer order.
+    # xxh3-64 of each layer's bytes over ``block_ids``, in layer order
+    # (transport.layer_checksum).
     layer_checksums: list[int]
     # The tokens the prefill core sampled (the first token).
     output_token_ids: list[int]

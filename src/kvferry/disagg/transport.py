@@ -55,11 +55,16 @@ _POLL_MS = 50
 
 
 def layer_checksum(kv_cache: torch.Tensor, layer: int, block_ids: list[int]) -> int:
-    """xxh64 of one layer's bytes over ``block_ids``, in order (K then V of
-    each block: the gathered ``[2, n, block_size, H, D]`` tensor)."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-    data = kv_cache[layer].index_select(1, index).contiguous().cpu()  # [2, n, bs, H, D]
-    return xxhash.xxh64(_as_bytes(data)).intdigest()
+    """xxh3-64 of one layer's bytes over ``block_ids``, in the order of the
+    gathered ``[2, n, block_size, H, D]`` tensor (K of each block, then V of
+    each). Each ``[block_size, H, D]`` slice is contiguous in the pool, so
+    the hash streams over the pool in place, with no gather copy."""
+    h = xxhash.xxh3_64()
+    data = kv_cache[layer] if kv_cache.device.type == "cpu" else kv_cache[layer].cpu()  # [2, num_blocks, bs, H, D]
+    for kv in (data[0], data[1]):
+        for b in block_ids:
+            h.update(_as_bytes(kv[b]))
+    return h.intdigest()
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -161,8 +166,9 @@ class TcpTransport(KVTransport):
     def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
         header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True)
         payload = data.contiguous().cpu()
-        # copy=True: ZeroMQ owns a copy once send returns, so the tensor may go.
-        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=True)
+        # Zero-copy: the frame keeps ``payload`` alive until ZeroMQ sent it
+        # (the numpy view holds the tensor).
+        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=False)
 
 
 class ShmTransport(KVTransport):
@@ -211,7 +217,7 @@ class KVReceiver:
     ``expect`` registers a transfer before its destination is published;
     chunks of unknown transfers are dropped unread (a transfer that timed
     out can never write again over TCP). ``KVTransferDone`` is verified
-    here: every layer wrote every block, and each layer's xxh64 over the
+    here: every layer wrote every block, and each layer's xxh3-64 over the
     pool equals the sender's. ``take`` hands out verified and failed
     transfers once each; a transfer past its deadline (plus ``grace_s``, for
     a shared-memory write that began just before it) fails as "timeout"."""
