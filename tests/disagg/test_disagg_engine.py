@@ -63,12 +63,12 @@ def reference(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
     return list(llm.generate([prompt], params)[0].outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("prefill_budget", [512, 40], ids=["whole", "chunked"])
+@pytest.mark.parametrize(("transport", "prefill_budget"), [("shm", 512), ("tcp", 40)],
+                         ids=["shm-whole-prompt", "tcp-chunked-prompt"])
 def test_greedy_equals_colocated(cores, colocated, transport, prefill_budget):
     prefill = cores(kv_transport=transport, max_num_batched_tokens=prefill_budget)
     decode = cores()
-    for i, n in enumerate((1, 17, 64, 150)):
+    for i, n in enumerate((1, 17, 150)):
         prompt = prompt_of(n, seed=i)
         result = run_disagg(prefill, decode, f"r{i}", prompt, GREEDY)
         assert result.tokens == reference(colocated, prompt, GREEDY), n
