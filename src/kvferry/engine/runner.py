@@ -3,7 +3,7 @@
 The runner owns the model, the KV cache tensor, a persistent batch of the
 requests it holds (``InputBatch``: token ids and block tables as numpy rows,
 updated in place from the scheduler's deltas) and per-request sampling state
-(seeded generator, penalty counts updated with each sampled token). A step
+(penalty counts updated with each sampled token). A step
 builds its inputs by numpy gathers over those rows, runs the forward pass,
 and returns 0 .. k+1 tokens per request (k = its draft tokens). There is one
 device->host sync per step: the sampled ids.
@@ -32,6 +32,7 @@ from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, token_counts
 from kvferry.sampling import SamplingParams
+from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.structured.backend import GrammarMatcher
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
 
@@ -47,7 +48,6 @@ class RequestState:
     prompt_token_ids: list[int]
     eos_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     # Penalty state, only for requests that penalize: [V] float32 counts of
     # output tokens, [V] bool prompt membership.
     output_counts: torch.Tensor | None = None
@@ -117,11 +117,7 @@ class ModelRunner:
         self.batch.add(data)
         state = self.states.get(data.request_id)
         if state is None:
-            gen = None
-            if data.sampling_params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(data.sampling_params.seed)
-            state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids, generator=gen,
+            state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids,
                                  matcher=self._matcher(data))
             self.states[data.request_id] = state
         state.output_token_ids = list(data.output_token_ids)
@@ -228,20 +224,23 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[str, list[int]]], out: RunnerOutput,
                 pending_bitmask: "Future[StepBitmask] | None" = None) -> None:
-        """Sample the target at every position and accept drafts while they
-        equal the sample: exact for drafts without a distribution (the
-        accepted tokens are each a sample of the target given the ones
-        before), and greedy verification at temperature 0."""
+        """Sample the target at every position, verifying drafts by exact
+        rejection sampling (``kvferry.spec.rejection``): each request keeps
+        its drafts up to the first rejected one, then one sampled token."""
         rows: list[SamplingRow] = []
+        draft_ids: list[int] = []
         for rid, drafts in sampling:
             state = self.states[rid]
+            draft_ids.extend(drafts)
+            draft_ids.append(NO_DRAFT)
             for k in range(len(drafts) + 1):
                 rows.append(
                     SamplingRow(
                         params=state.params,
                         prompt_token_ids=state.prompt_token_ids,
                         output_token_ids=state.output_token_ids,
-                        generator=state.generator,
+                        generator=position_generator(state.params.seed, len(state.output_token_ids) + k,
+                                                     self.device),
                         eos_token_ids=state.eos_token_ids,
                         num_output_tokens=len(state.output_token_ids) + k,
                     )
@@ -255,10 +254,13 @@ class ModelRunner:
         if pending_bitmask is not None:
             step_bitmask = pending_bitmask.result()
             batch.grammar_rows, batch.grammar_bitmask = step_bitmask.rows, step_bitmask.bitmask
-        result = self.sampler(logits, batch)
+        if len(draft_ids) == len(sampling):  # no drafts this step
+            result = self.sampler(logits, batch)
+        else:
+            result = self.sampler.verify(logits, batch, draft_ids)
         i = 0
         for rid, drafts in sampling:
-            accepted = _accept(drafts, result.token_ids[i : i + len(drafts) + 1])
+            accepted = accepted_prefix(drafts, result.token_ids[i : i + len(drafts) + 1])
             lps = result.logprobs[i : i + len(accepted)]
             i += len(drafts) + 1
             self._record(rid, accepted)
@@ -308,12 +310,23 @@ class ModelRunner:
             state.output_counts.index_add_(0, ids, torch.ones(len(accepted), device=self.device))
 
 
-def _accept(drafts: list[int], samples: list[int]) -> list[int]:
-    """Tokens accepted by verification: the drafts up to the first one that
-    differs from the target's sample there, then that sample (or, when every
-    draft matched, the sample after the last draft)."""
-    for k, draft in enumerate(drafts):
-        if samples[k] != draft:
-            return samples[: k + 1]
-    return samples[: len(drafts) + 1]
+def position_generator(seed: int | None, position: int, device: torch.device) -> torch.Generator | None:
+    """The generator a seeded request samples its output token ``position``
+    with (None when unseeded). Keyed by position, not a running stream: how
+    many rows a step verifies depends on the batch (adaptive k), and the
+    noise behind each output token must not."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(_splitmix64(_splitmix64(seed) ^ position))
+    return generator
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mix (Steele et al.), so nearby (seed, position) pairs give
+    unrelated generator seeds; returned below 2**63 (manual_seed's range)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
 
