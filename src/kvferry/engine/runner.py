@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
-from kvferry.engine.input_batch import InputBatch
+from kvferry.engine.input_batch import InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import allocate_kv_cache
@@ -142,54 +142,35 @@ class ModelRunner:
         return matcher
 
     # -- inputs ---------------------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def _prepare(self, sched: SchedulerOutput, spec_token_ids: dict[str, list[int]]) -> StepInputs:
+        """``spec_token_ids``: each request's drafts (the scheduler's, or the
+        draft model's where the scheduler only reserved their slots)."""
         # Multi-token chunks first, then single-token ones (AttentionMetadata).
         order = sorted(sched.num_scheduled_tokens, key=lambda rid: sched.num_scheduled_tokens[rid] == 1)
-        batch, bs = self.batch, self.block_size
+        batch = self.batch
         rows = np.fromiter((batch.index[rid] for rid in order), dtype=np.int64, count=len(order))
         lens = np.fromiter((sched.num_scheduled_tokens[rid] for rid in order), dtype=np.int64, count=len(order))
-        num_prefills = int((lens > 1).sum())
-        query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=query_start_loc[1:])
-        starts = batch.num_computed_tokens[rows]
-        seq_lens = starts + lens
-        # positions: for request i, starts[i] .. starts[i] + lens[i] - 1
-        positions = np.repeat(starts - query_start_loc[:-1], lens) + np.arange(query_start_loc[-1])
-        req_of_token = np.repeat(np.arange(len(order)), lens)  # [num_tokens]
-        input_ids = batch.token_ids[rows[req_of_token], positions]
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks], one gather
-        # slot = block_tables[req, pos // bs] * bs + pos % bs   for every new token
-        slots = block_tables[req_of_token, positions // bs] * bs + positions % bs
+        flat = flatten(batch, rows, batch.num_computed_tokens[rows], lens, self.block_size)
         # A request samples when its tokens reach the end of the known ones
         # (a non-final prefill chunk does not); with k drafts it samples at
         # its last 1 + k positions.
-        num_drafts = np.fromiter((len(sched.spec_token_ids.get(rid, ())) for rid in order), dtype=np.int64, count=len(order))
-        samples = seq_lens - num_drafts >= batch.num_tokens[rows]
+        num_drafts = np.fromiter((len(spec_token_ids.get(rid, ())) for rid in order), dtype=np.int64, count=len(order))
+        samples = flat.seq_lens - num_drafts >= batch.num_tokens[rows]
         logits_indices = [
             np.arange(end - 1 - k, end)
-            for end, k, s in zip(query_start_loc[1:], num_drafts, samples)
+            for end, k, s in zip(flat.query_start_loc[1:], num_drafts, samples)
             if s
         ]
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc.tolist(),
-            seq_lens=seq_lens.tolist(),
-            slot_mapping=self._to_device(slots),
-            block_tables=self._to_device(block_tables),
-            block_size=bs,
-            num_prefills=num_prefills,
-        )
-        meta.prepare()
         return StepInputs(
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
-            meta=meta,
+            input_ids=self._to_device(flat.input_ids),
+            positions=self._to_device(flat.positions),
+            meta=flat.metadata(self.block_size, self.device),
             logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
-            sampling=[(rid, sched.spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
+            sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     # -- step -----------------------------------------------------------------
     @torch.inference_mode()
@@ -199,7 +180,7 @@ class ModelRunner:
             self.connector.execute(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
-            inputs = self._prepare(sched)
+            inputs = self._prepare(sched, sched.spec_token_ids)
             # Started before the forward pass so the two overlap; joined before sampling.
             pending_bitmask = self._start_bitmask(inputs.sampling)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
