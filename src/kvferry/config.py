@@ -71,7 +71,7 @@ class ModelLoadConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-_SPEC_METHODS = ("ngram",)
+_SPEC_METHODS = ("ngram", "draft")
 
 
 @dataclass(slots=True)
@@ -82,6 +82,9 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    # method "draft": the draft model (HF folder or .gguf) sharing the
+    # target's tokenizer and vocabulary.
+    model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Per-request k follows its measured acceptance (False: always k).
@@ -106,6 +109,10 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative.model must be a path, got {self.model!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError('speculative.model is required with method "draft" (the draft model\'s path)')
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":

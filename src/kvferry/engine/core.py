@@ -39,9 +39,18 @@ class EngineCore:
         num_swap = config.cache.num_swap_blocks
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
                                    **speculation(config.speculative))
-        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap)
+        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
+                                  draft=self._load_draft())
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
+
+    def _load_draft(self) -> LoadedModel | None:
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft":
+            return None
+        m = self.config.model
+        # The target's dtype name, so "auto" resolves the same way for both.
+        return load_model(spec.model, dtype=str(self.loaded.dtype).removeprefix("torch."), device=m.device)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.loaded.max_model_len

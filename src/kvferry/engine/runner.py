@@ -30,8 +30,9 @@ from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
-from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, token_counts
+from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, position_generator, token_counts
 from kvferry.sampling import SamplingParams
+from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.structured.backend import GrammarMatcher
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
@@ -80,7 +81,9 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
+                 draft: LoadedModel | None = None) -> None:
+        """``draft``: the draft model of speculative method "draft"."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -93,12 +96,16 @@ class ModelRunner:
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
         self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
+        self.drafter = (DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
+                        if draft is not None else None)
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
             self.batch.remove(rid)
+            if self.drafter is not None:
+                self.drafter.remove(rid)
         for rid in sched.preempted_request_ids:
             self.batch.remove(rid)  # the state stays: it comes back as new
         for data in sched.new_requests:
@@ -115,6 +122,8 @@ class ModelRunner:
     def _add_request(self, data: NewRequestData) -> None:
         self.batch.remove(data.request_id)
         self.batch.add(data)
+        if self.drafter is not None:
+            self.drafter.add(data.request_id)
         state = self.states.get(data.request_id)
         if state is None:
             state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids,
@@ -180,18 +189,35 @@ class ModelRunner:
             self.connector.execute(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
-            inputs = self._prepare(sched, sched.spec_token_ids)
+            spec_token_ids, proposals, drafted = sched.spec_token_ids, {}, []
+            if self.drafter is not None:
+                # The scheduler reserved the drafts' slots; the draft model fills them.
+                drafted = self._draft_requests(sched)
+                proposals = self.drafter.propose(self.batch, drafted)
+                spec_token_ids = {rid: p.token_ids for rid, p in proposals.items()}
+            inputs = self._prepare(sched, spec_token_ids)
             # Started before the forward pass so the two overlap; joined before sampling.
             pending_bitmask = self._start_bitmask(inputs.sampling)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
             if inputs.sampling:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab] fp32
-                self._sample(logits, inputs.sampling, out, pending_bitmask)
+                self._sample(logits, inputs.sampling, out, pending_bitmask, proposals)
+            for request in drafted:
+                self.drafter.advance(request, max(len(out.sampled_token_ids.get(request.request_id, [])) - 1, 0))
         finished = self.connector.take_finished()
         out.finished_loading = finished.finished_loading
         out.finished_saving = finished.finished_saving
         out.finished_sending = finished.finished_sending
         return out
+
+    def _draft_requests(self, sched: SchedulerOutput) -> list[DraftRequest]:
+        requests = []
+        for rid, num_scheduled in sched.num_scheduled_tokens.items():
+            row = self.batch.index[rid]
+            k = len(sched.spec_token_ids.get(rid, ()))
+            end = int(self.batch.num_computed_tokens[row]) + num_scheduled - k
+            requests.append(DraftRequest(rid, row, end, k, self.states[rid].params))
+        return requests
 
     # -- sampling and verification --------------------------------------------
     def _start_bitmask(self, sampling: list[tuple[str, list[int]]]) -> "Future[StepBitmask] | None":
@@ -204,7 +230,8 @@ class ModelRunner:
         return self.grammars.start_fill(rows) if rows else None
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[str, list[int]]], out: RunnerOutput,
-                pending_bitmask: "Future[StepBitmask] | None" = None) -> None:
+                pending_bitmask: "Future[StepBitmask] | None" = None,
+                proposals: "dict[str, Proposal] | None" = None) -> None:
         """Sample the target at every position, verifying drafts by exact
         rejection sampling (``kvferry.spec.rejection``): each request keeps
         its drafts up to the first rejected one, then one sampled token."""
@@ -238,7 +265,8 @@ class ModelRunner:
         if len(draft_ids) == len(sampling):  # no drafts this step
             result = self.sampler(logits, batch)
         else:
-            result = self.sampler.verify(logits, batch, draft_ids)
+            draft_probs, has_draft_probs = self._draft_probs(sampling, proposals or {})
+            result = self.sampler.verify(logits, batch, draft_ids, draft_probs, has_draft_probs)
         i = 0
         for rid, drafts in sampling:
             accepted = accepted_prefix(drafts, result.token_ids[i : i + len(drafts) + 1])
@@ -248,6 +276,23 @@ class ModelRunner:
             out.sampled_token_ids[rid] = accepted
             if lps and lps[0] is not None:
                 out.logprobs[rid] = [lp for lp in lps if lp is not None]
+
+    def _draft_probs(self, sampling: list[tuple[str, list[int]]],
+                     proposals: "dict[str, Proposal]") -> tuple[torch.Tensor | None, list[bool] | None]:
+        """[num_logits, V] q at each draft row (zeros elsewhere) and which
+        rows have one; (None, None) when every draft is deterministic."""
+        if not any(p.probs is not None for p in proposals.values()):
+            return None, None
+        parts, flags = [], []
+        for rid, drafts in sampling:
+            probs = proposals[rid].probs if rid in proposals else None
+            if probs is not None:
+                parts.append(probs[: len(drafts)])  # [k, V]
+            else:
+                parts.append(torch.zeros(len(drafts), self.vocab_size, device=self.device))
+            parts.append(torch.zeros(1, self.vocab_size, device=self.device))  # the bonus row
+            flags.extend([probs is not None] * len(drafts) + [False])
+        return torch.cat(parts), flags
 
     def _penalty_state(self, sampling: list[tuple[str, list[int]]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """[num_logits, V] output counts and prompt masks from each request's
@@ -289,25 +334,4 @@ class ModelRunner:
         if state.output_counts is not None:
             ids = torch.tensor(accepted, device=self.device)
             state.output_counts.index_add_(0, ids, torch.ones(len(accepted), device=self.device))
-
-
-def position_generator(seed: int | None, position: int, device: torch.device) -> torch.Generator | None:
-    """The generator a seeded request samples its output token ``position``
-    with (None when unseeded). Keyed by position, not a running stream: how
-    many rows a step verifies depends on the batch (adaptive k), and the
-    noise behind each output token must not."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(_splitmix64(_splitmix64(seed) ^ position))
-    return generator
-
-
-def _splitmix64(x: int) -> int:
-    """A 64-bit mix (Steele et al.), so nearby (seed, position) pairs give
-    unrelated generator seeds; returned below 2**63 (manual_seed's range)."""
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) >> 1
 

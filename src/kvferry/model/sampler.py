@@ -478,3 +478,28 @@ def _unpack(flat: list[float], batch: SamplingBatch) -> SamplerOutput:
             top_logprobs=lps,
         )
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def position_generator(
+    seed: int | None, position: int, device: torch.device | str, salt: int = 0
+) -> torch.Generator | None:
+    """The generator a seeded request samples its output token ``position``
+    with (None when unseeded). Keyed by position, not a running stream: how
+    many rows a step verifies depends on the batch (adaptive k), and the
+    noise behind each output token must not. ``salt`` separates other
+    streams of the same request (the draft model's own sampling)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(_splitmix64(_splitmix64(seed ^ salt) ^ position))
+    return generator
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mix (Steele et al.), so nearby (seed, position) pairs give
+    unrelated generator seeds; returned below 2**63 (manual_seed's range)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
+
