@@ -71,7 +71,7 @@ class ModelLoadConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-_SPEC_METHODS = ("ngram", "draft")
+_SPEC_METHODS = ("ngram", "draft", "head")
 
 
 @dataclass(slots=True)
@@ -83,7 +83,8 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
     # method "draft": the draft model (HF folder or .gguf) sharing the
-    # target's tokenizer and vocabulary.
+    # target's tokenizer and vocabulary. Method "head": the draft head file
+    # (``kvferry train-draft``); None: the embedded default model's head.
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2

@@ -20,6 +20,7 @@ from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreReque
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation
+from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
                                    **speculation(config.speculative))
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
-                                  draft=self._load_draft())
+                                  draft=self._load_draft(), head=self._load_head())
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
 
@@ -51,6 +52,15 @@ class EngineCore:
         m = self.config.model
         # The target's dtype name, so "auto" resolves the same way for both.
         return load_model(spec.model, dtype=str(self.loaded.dtype).removeprefix("torch."), device=m.device)
+
+    def _load_head(self) -> "EagleHead | None":
+        spec = self.config.speculative
+        if spec is None or spec.method != "head":
+            return None
+        if spec.model is None and self.config.model.model is not None:
+            raise ValueError('speculative.model: method "head" without a path uses the head of the embedded '
+                             "default model; this target needs its own (kvferry train-draft)")
+        return EagleHead.load(resolve_head_path(spec.model), device=self.config.model.device)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.loaded.max_model_len

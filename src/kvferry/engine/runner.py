@@ -33,6 +33,7 @@ from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, position_generator, token_counts
 from kvferry.sampling import SamplingParams
 from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
+from kvferry.spec.head import EagleHead, HeadProposer
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.structured.backend import GrammarMatcher
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
@@ -82,8 +83,9 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 draft: LoadedModel | None = None) -> None:
-        """``draft``: the draft model of speculative method "draft"."""
+                 draft: LoadedModel | None = None, head: EagleHead | None = None) -> None:
+        """``draft``: the draft model of speculative method "draft";
+        ``head``: the draft head of method "head"."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -96,8 +98,11 @@ class ModelRunner:
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
         self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
-        self.drafter = (DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
-                        if draft is not None else None)
+        self.drafter: DraftModelProposer | HeadProposer | None = None
+        if draft is not None:
+            self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
+        elif head is not None:
+            self.drafter = HeadProposer(head, self.model)
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -200,8 +205,11 @@ class ModelRunner:
             pending_bitmask = self._start_bitmask(inputs.sampling)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
             if inputs.sampling:
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab] fp32
+                sampled_hidden = hidden[inputs.logits_indices]  # [num_logits, hidden]
+                logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32
                 self._sample(logits, inputs.sampling, out, pending_bitmask, proposals)
+                if isinstance(self.drafter, HeadProposer):
+                    self._record_hidden(inputs.sampling, sampled_hidden, out)
             for request in drafted:
                 self.drafter.advance(request, max(len(out.sampled_token_ids.get(request.request_id, [])) - 1, 0))
         finished = self.connector.take_finished()
@@ -209,6 +217,18 @@ class ModelRunner:
         out.finished_saving = finished.finished_saving
         out.finished_sending = finished.finished_sending
         return out
+
+    def _record_hidden(self, sampling: list[tuple[str, list[int]]], sampled_hidden: torch.Tensor,
+                       out: RunnerOutput) -> None:
+        """The draft head's input: each request's hidden state at the row
+        that sampled its newest token (its last accepted row)."""
+        assert isinstance(self.drafter, HeadProposer)
+        first = 0
+        for rid, drafts in sampling:
+            emitted = len(out.sampled_token_ids.get(rid, ()))
+            if emitted:
+                self.drafter.record(rid, sampled_hidden[first + emitted - 1].clone())
+            first += len(drafts) + 1
 
     def _draft_requests(self, sched: SchedulerOutput) -> list[DraftRequest]:
         requests = []

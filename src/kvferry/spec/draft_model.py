@@ -95,7 +95,7 @@ class DraftModelProposer:
             active = [r for r in drafting if r.num_drafts > i]
             if i > 0:
                 logits = self._feed(batch, active, i)
-            drawn, q = self._draw(logits, active, i)
+            drawn, q = draw_drafts(logits, active, i)
             for j, r in enumerate(active):
                 batch.token_ids[r.row, r.end + i] = drawn[j]
                 tokens[r.request_id].append(drawn[j])
@@ -104,9 +104,7 @@ class DraftModelProposer:
             # Requests with fewer drafts fall out of the next pass: keep the rows that go on.
             keep = [j for j, r in enumerate(active) if r.num_drafts > i + 1]
             logits = logits[keep]
-        return {
-            rid: Proposal(ids, torch.stack(probs[rid]) if probs[rid] else None) for rid, ids in tokens.items()
-        }
+        return collect(tokens, probs)
 
     def advance(self, request: DraftRequest, num_accepted: int) -> None:
         """After verification: the draft's KV is valid through the accepted
@@ -142,21 +140,28 @@ class DraftModelProposer:
         return self.model(dev(flat.input_ids), dev(flat.positions), self.kv_cache,
                           flat.metadata(self.block_size, self.device))
 
-    def _draw(self, logits: torch.Tensor, active: list[DraftRequest], i: int) -> tuple[list[int], torch.Tensor | None]:
-        """x_{i+1} for each active request and, when any samples, the
-        [A, V] distributions they were drawn from (greedy rows: argmax,
-        their q row unused). Random rows use the request's temperature."""
-        greedy = [r.params.greedy for r in active]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist(), None
-        temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, active)],
-                                   device=logits.device)
-        q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, V]
-        noise = torch.empty_like(q).exponential_()
-        for j, r in enumerate(active):
-            gen = position_generator(r.params.seed, r.end + i, q.device, salt=_DRAFT_NOISE_SALT)
-            if gen is not None:
-                noise[j].exponential_(generator=gen)
-        drawn = (q / noise.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-        drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)
-        return drawn.tolist(), q
+
+def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int) -> tuple[list[int], torch.Tensor | None]:
+    """Draft i + 1 (0-based ``i``) for each active request from its logits
+    [A, V] and, when any samples, the [A, V] distributions they were drawn
+    from (greedy rows: argmax, their q row unused). Random rows use the
+    request's temperature and their own noise stream (seeded: keyed by
+    position, salted apart from the target's)."""
+    greedy = [r.params.greedy for r in active]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist(), None
+    temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, active)],
+                               device=logits.device)
+    q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, V]
+    noise = torch.empty_like(q).exponential_()
+    for j, r in enumerate(active):
+        gen = position_generator(r.params.seed, r.end + i, q.device, salt=_DRAFT_NOISE_SALT)
+        if gen is not None:
+            noise[j].exponential_(generator=gen)
+    drawn = (q / noise.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+    drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)
+    return drawn.tolist(), q
+
+
+def collect(proposals: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> dict[str, Proposal]:
+    return {rid: Proposal(ids, torch.stack(probs[rid]) if probs.get(rid) else None) for rid, ids in proposals.items()}
