@@ -96,6 +96,9 @@ class SpeculativeConfig:
     batch_token_threshold: int = 24
     # A request at k = 0 retries one draft every this many decode steps.
     probe_interval: int = 8
+    # Drafting stops at batch sizes where measured step times say it cannot
+    # pay (kvferry.spec.adaptive).
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -108,8 +111,9 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
+        for name in ("adaptive", "cost_aware"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"speculative.{name} must be true or false, got {getattr(self, name)!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative.model must be a path, got {self.model!r}")
         if self.method == "draft" and not self.model:

@@ -123,10 +123,22 @@ class EngineCore:
     # -- stepping ----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """Run one batch; return only what it added to each request."""
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
+        self._observe_step_cost(sched, time.perf_counter() - started)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+    def _observe_step_cost(self, sched, seconds: float) -> None:  # noqa: ANN001 - a SchedulerOutput
+        """Decode-only steps' times teach speculation where it pays."""
+        budget = self.scheduler.draft_budget
+        if budget is None or not hasattr(budget, "observe_step") or not sched.num_scheduled_tokens:
+            return
+        num_drafts = {rid: len(d) for rid, d in sched.spec_token_ids.items()}
+        if any(n != 1 + num_drafts.get(rid, 0) for rid, n in sched.num_scheduled_tokens.items()):
+            return  # a prefill chunk rode along: not a decode step's cost
+        budget.observe_step(len(sched.num_scheduled_tokens), sum(num_drafts.values()), seconds)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -27,5 +27,6 @@ def speculation(config: SpeculativeConfig | None) -> dict:
         "proposer": proposer,
         "num_speculative_tokens": k,
         "draft_budget": AdaptiveSpecController(k, config.batch_token_threshold,
-                                               probe_interval=config.probe_interval, adaptive=config.adaptive),
+                                               probe_interval=config.probe_interval, adaptive=config.adaptive,
+                                               cost_aware=config.cost_aware),
     }
