@@ -1,10 +1,18 @@
-"""ngram speculative decoding vs plain decoding, offline, in one process.
+"""Speculative decoding (ngram, draft model, draft head) vs plain decoding,
+offline, in one process.
 
-Two engines (plain and ``--speculative-config ngram``) on the embedded
-SmolLM2-135M-Instruct, run interleaved (plain, ngram, plain, ngram, ...) so
-machine noise hits both alike. Prompts repeat across runs, so after the
-first run the prefix cache holds them and the timing is decode. Reports
-decode tok/s per batch size and task, and the ratio ngram / plain.
+One engine per method (plain, and each of ``--methods``) on the embedded
+SmolLM2-135M-Instruct (or ``--model``), run interleaved (plain, ngram,
+head, plain, ngram, head, ...) so machine noise hits all alike. Prompts
+repeat across runs, so after the first run the prefix cache holds them and
+the timing is decode. Reports decode tok/s per batch size and task, each
+method's ratio to plain, and its acceptance over that task and batch size
+(accepted / drafted tokens, and the mean accepted length per verify step,
+bonus token included). Greedy outputs must equal plain decoding's.
+
+Methods: ``ngram`` (prompt lookup), ``head`` (the committed EAGLE-style head
+of the embedded model, or ``--head PATH``), ``draft`` (needs
+``--draft-model PATH``, a smaller model with the same tokenizer).
 
 Tasks:
 - ``copy``: "copy this passage" over a long document (Debian's bible-kjv via
@@ -13,7 +21,7 @@ Tasks:
 - ``chat``: reply to chitchat-dataset conversations (pip chitchat-dataset):
   little to look up, where speculation must not cost much.
 
-    python bench/spec_decode.py [--batch-sizes 1 4 16] [--runs 3] [--output-len 96] [--threads 2]
+    python bench/spec_decode.py [--methods ngram head] [--batch-sizes 1 4 16] [--runs 3] [--output-len 96]
 """
 from __future__ import annotations
 
@@ -77,8 +85,25 @@ def timed(llm, prompts, params) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
 
+def method_config(method: str, args: argparse.Namespace) -> dict:
+    spec = {"method": method, "num_speculative_tokens": args.k}
+    if method == "ngram":
+        spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    elif method == "draft":
+        if not args.draft_model:
+            raise SystemExit("--methods draft needs --draft-model PATH")
+        spec["model"] = args.draft_model
+    elif method == "head" and args.head:
+        spec["model"] = args.head
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", nargs="+", default=["ngram", "head"], choices=["ngram", "draft", "head"])
+    ap.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft-model", default=None, help="draft model for --methods draft")
+    ap.add_argument("--head", default=None, help="head file for --methods head (default: the committed one)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--tasks", nargs="+", default=["copy", "chat"])
     ap.add_argument("--runs", type=int, default=3)
@@ -95,9 +120,11 @@ def main() -> None:
     from kvferry import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    common = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=0.5)
-    engines = {"plain": LLM(**common), "ngram": LLM(speculative=spec, **common)}
+    common = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
+                  kv_cache_memory_gb=0.5)
+    engines = {"plain": LLM(**common)}
+    for method in args.methods:
+        engines[method] = LLM(speculative=method_config(method, args), **common)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     rows = []
     for task in args.tasks:
@@ -107,24 +134,33 @@ def main() -> None:
             outputs = {}
             for name, llm in engines.items():  # warm-up: fills the prefix cache
                 outputs[name] = [o.token_ids for o in llm.generate(prompts, params)]
-            assert outputs["plain"] == outputs["ngram"], "greedy output changed under speculation"
+            for method in args.methods:
+                assert outputs["plain"] == outputs[method], f"greedy output changed under {method}"
+            before = {m: engines[m].engine.stats() for m in args.methods}
             for _ in range(args.runs):
                 for name, llm in engines.items():
                     elapsed, tokens = timed(llm, prompts, params)
                     rates[name].append(tokens / elapsed)
-            plain, ngram = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
-            stats = engines["ngram"].engine.stats()
-            row = {"task": task, "batch": batch, "plain_tok_s": round(plain, 1), "ngram_tok_s": round(ngram, 1),
-                   "speedup": round(ngram / plain, 2),
-                   "acceptance": round(stats.num_accepted_tokens / max(stats.num_draft_tokens, 1), 2),
-                   "mean_accepted_length": round(1 + stats.num_accepted_tokens / max(stats.num_drafts, 1), 2)}
+            plain = statistics.median(rates["plain"])
+            row = {"task": task, "batch": batch, "plain_tok_s": round(plain, 1)}
+            for m in args.methods:
+                after = engines[m].engine.stats()
+                drafts = after.num_drafts - before[m].num_drafts
+                drafted = after.num_draft_tokens - before[m].num_draft_tokens
+                accepted = after.num_accepted_tokens - before[m].num_accepted_tokens
+                rate = statistics.median(rates[m])
+                row[m] = {"tok_s": round(rate, 1), "speedup": round(rate / plain, 2),
+                          "acceptance": round(accepted / max(drafted, 1), 2),
+                          "mean_accepted_length": round(1 + accepted / max(drafts, 1), 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| task | batch | plain tok/s | ngram tok/s | ngram / plain | acceptance (cumulative) | mean accepted length |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| task | batch | plain tok/s | method | tok/s | / plain | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['task']} | {r['batch']} | {r['plain_tok_s']} | {r['ngram_tok_s']} | {r['speedup']}x "
-              f"| {r['acceptance']} | {r['mean_accepted_length']} |")
+        for m in args.methods:
+            c = r[m]
+            print(f"| {r['task']} | {r['batch']} | {r['plain_tok_s']} | {m} | {c['tok_s']} | {c['speedup']}x "
+                  f"| {c['acceptance']} | {c['mean_accepted_length']} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parsers(sub)
     from kvferry.plan.cli import add_plan_parsers  # simulate, plan; light: the simulator loads when it runs
     add_plan_parsers(sub)
+    from kvferry.spec.train_cli import add_train_parser  # train-draft; light: torch loads when it runs
+    add_train_parser(sub)
     args = parser.parse_args(argv)
     if getattr(args, "subparser", None) is not None:  # commands that build an engine
         args.engine_args = engine_args_from(args.subparser, args)

@@ -77,7 +77,7 @@ class ModelLoadConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-_SPEC_METHODS = ("ngram",)
+_SPEC_METHODS = ("ngram", "draft", "head")
 
 
 @dataclass(slots=True)
@@ -88,6 +88,10 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    # method "draft": the draft model (HF folder or .gguf) sharing the
+    # target's tokenizer and vocabulary. Method "head": the draft head file
+    # (``kvferry train-draft``); None: the embedded default model's head.
+    model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Per-request k follows its measured acceptance (False: always k).
@@ -98,6 +102,9 @@ class SpeculativeConfig:
     batch_token_threshold: int = 24
     # A request at k = 0 retries one draft every this many decode steps.
     probe_interval: int = 8
+    # Drafting stops at batch sizes where measured step times say it cannot
+    # pay (kvferry.spec.adaptive).
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -110,8 +117,13 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
+        for name in ("adaptive", "cost_aware"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"speculative.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative.model must be a path, got {self.model!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError('speculative.model is required with method "draft" (the draft model\'s path)')
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -51,3 +51,46 @@ def test_forget_resets_a_request():
     run(c, [0.0] * 3)
     c.forget("r")
     assert c.num_drafts("r", 1) == 4
+
+
+def steps(c: AdaptiveSpecController, num_running: int, n: int, plain_s: float, spec_s: float,
+          accepted_per_request: float) -> list[int]:
+    """``n`` decode steps at ``num_running``: the cap each step got, with
+    the given step times and acceptance."""
+    caps = []
+    for _ in range(n):
+        cap = c.batch_cap(num_running)
+        caps.append(cap)
+        if cap:
+            c.observe("r", cap * num_running, round(accepted_per_request * num_running))
+        c.observe_step(num_running, cap * num_running, spec_s if cap else plain_s)
+    return caps
+
+
+def test_measured_cost_turns_drafting_off_where_it_cannot_pay():
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=8)
+    # Batch 16: a verify step costs 1.8x and gains 1.3 tokens per request.
+    caps = steps(c, 16, 24, plain_s=1.0, spec_s=1.8, accepted_per_request=0.3)
+    assert c.speedup(16) < 1
+    # One step each way to measure, then off but for one probe in 8.
+    assert caps[:2] == [4, 0] and caps.count(4) <= 1 + 24 // 8
+    assert caps[-8:].count(0) >= 7
+    # Batch 1 is its own bucket: 1.3x cost for 2.5 tokens a step pays.
+    caps = steps(c, 1, 24, plain_s=1.0, spec_s=1.3, accepted_per_request=1.5)
+    assert c.speedup(1) > 1.5
+    assert caps[-8:].count(4) >= 7
+
+
+def test_cost_model_switches_back_when_speculation_starts_paying():
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=4, cost_alpha=0.5)
+    steps(c, 8, 16, plain_s=1.0, spec_s=2.0, accepted_per_request=0.2)
+    assert c.batch_cap(8) == 0 or c.speedup(8) < 1
+    # Acceptance rises (a repetitive passage): probes see it, drafting returns.
+    caps = steps(c, 8, 32, plain_s=1.0, spec_s=2.0, accepted_per_request=3.0)
+    assert c.speedup(8) > 1
+    assert caps[-4:].count(4) >= 3
+
+
+def test_cost_aware_off_keeps_the_static_cap():
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_aware=False)
+    assert steps(c, 16, 10, plain_s=1.0, spec_s=5.0, accepted_per_request=0.0) == [4] * 10

@@ -95,6 +95,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(case):
     assert alone[0].token_ids == first[-1].token_ids
 
 
+def test_seeded_sampling_with_prompt_lookup_equals_plain_seeded_sampling(case):
+    """A deterministic draft is verified by the race plain sampling runs
+    (q one-hot), and a seeded token's noise is keyed by its position: the
+    tokens are those of plain decoding, penalties and top-k/top-p included."""
+    path, _, prompts, _ = case
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.05, top_k=40, top_p=0.95, min_p=0.01,
+                             repetition_penalty=1.02, frequency_penalty=0.05, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]
+    llm, speculative = generate(path, prompts, params)
+    plain = LLM(model=path, dtype="float32").generate(prompts, params)
+    assert llm.engine.stats().num_accepted_tokens > 0
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+
+
 def test_not_adaptive_gives_the_same_greedy_output(case):
     path, hf, prompts, expected = case
     llm = LLM(model=path, dtype="float32", speculative={**NGRAM, "adaptive": False})

@@ -22,6 +22,7 @@ from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreReque
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation
+from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class EngineCore:
         self._reported_store_stats = None
         self.kv_store = self._connect_kv_store()
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
-                                  kv_store=self.kv_store_io, kv_transfer=config.kv_transfer)
+                                  kv_store=self.kv_store_io, kv_transfer=config.kv_transfer,
+                                  draft=self._load_draft(), head=self._load_head())
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector
@@ -88,6 +90,23 @@ class EngineCore:
         # while it sees the store up.
         self.kv_store_io = KVStoreClient(address, block_nbytes=block_nbytes)
         return KVStoreClient(address, block_nbytes=block_nbytes)
+
+    def _load_draft(self) -> LoadedModel | None:
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft":
+            return None
+        m = self.config.model
+        # The target's dtype name, so "auto" resolves the same way for both.
+        return load_model(spec.model, dtype=str(self.loaded.dtype).removeprefix("torch."), device=m.device)
+
+    def _load_head(self) -> "EagleHead | None":
+        spec = self.config.speculative
+        if spec is None or spec.method != "head":
+            return None
+        if spec.model is None and self.config.model.model is not None:
+            raise ValueError('speculative.model: method "head" without a path uses the head of the embedded '
+                             "default model; this target needs its own (kvferry train-draft)")
+        return EagleHead.load(resolve_head_path(spec.model), device=self.config.model.device)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.loaded.max_model_len
@@ -192,6 +211,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
+        self._observe_step_cost(sched, time.monotonic() - start)
         if sched.is_empty and not sched.kv_orders and not outputs:
             # Only background KV I/O (loads, write-down) to wait for: yield
             # the CPU to it rather than spin.
@@ -204,6 +224,16 @@ class EngineCore:
         """Block events since the last call (None when there are none).
         Drained every step, so that they never pile up unread."""
         return self.scheduler.kv.take_events() or None
+
+    def _observe_step_cost(self, sched, seconds: float) -> None:  # noqa: ANN001 - a SchedulerOutput
+        """Decode-only steps' times teach speculation where it pays."""
+        budget = self.scheduler.draft_budget
+        if budget is None or not hasattr(budget, "observe_step") or not sched.num_scheduled_tokens:
+            return
+        num_drafts = {rid: len(d) for rid, d in sched.spec_token_ids.items()}
+        if any(n != 1 + num_drafts.get(rid, 0) for rid, n in sched.num_scheduled_tokens.items()):
+            return  # a prefill chunk rode along: not a decode step's cost
+        budget.observe_step(len(sched.num_scheduled_tokens), sum(num_drafts.values()), seconds)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

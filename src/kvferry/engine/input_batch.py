@@ -16,9 +16,13 @@ doubling when a request outgrows them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
 
 from kvferry.core.outputs import NewRequestData
+from kvferry.model.attention import AttentionMetadata
 from kvferry.model.sampler import row_knobs
 
 NUM_KNOBS = 8
@@ -122,3 +126,51 @@ def _grown(array: np.ndarray, rows: int, cols: int) -> np.ndarray:
     grown = np.zeros((new_rows, new_cols), dtype=array.dtype)
     grown[:old_rows, :old_cols] = array
     return grown
+
+
+@dataclass(slots=True)
+class FlatStep:
+    """One forward pass's flattened inputs over some rows of the batch:
+    request i computes positions ``starts[i] .. starts[i] + lens[i] - 1``
+    (multi-token requests first, as AttentionMetadata wants)."""
+
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slots: np.ndarray  # [num_tokens] int64: where each token's K/V goes
+    query_start_loc: np.ndarray  # [num_reqs + 1] int64
+    seq_lens: np.ndarray  # [num_reqs] int64
+    block_tables: np.ndarray  # [num_reqs, max_blocks] int64
+    num_prefills: int
+
+    def metadata(self, block_size: int, device: torch.device) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            query_start_loc=self.query_start_loc.tolist(),
+            seq_lens=self.seq_lens.tolist(),
+            slot_mapping=to_device(self.slots, device),
+            block_tables=to_device(self.block_tables, device),
+            block_size=block_size,
+            num_prefills=self.num_prefills,
+        )
+        meta.prepare()
+        return meta
+
+
+def flatten(batch: InputBatch, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, block_size: int) -> FlatStep:
+    """Gather a step's inputs for ``rows`` (already ordered multi-token
+    first) with numpy, reading token ids from the batch's rows."""
+    query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lens, out=query_start_loc[1:])
+    seq_lens = starts + lens
+    # positions: for request i, starts[i] .. starts[i] + lens[i] - 1
+    positions = np.repeat(starts - query_start_loc[:-1], lens) + np.arange(query_start_loc[-1])
+    req_of_token = np.repeat(np.arange(len(rows)), lens)  # [num_tokens]
+    input_ids = batch.token_ids[rows[req_of_token], positions]
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks], one gather
+    # slot = block_tables[req, pos // bs] * bs + pos % bs   for every new token
+    slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    return FlatStep(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, int((lens > 1).sum()))
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)

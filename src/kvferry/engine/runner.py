@@ -3,7 +3,7 @@
 The runner owns the model, the KV cache tensor, a persistent batch of the
 requests it holds (``InputBatch``: token ids and block tables as numpy rows,
 updated in place from the scheduler's deltas) and per-request sampling state
-(seeded generator, penalty counts updated with each sampled token). A step
+(penalty counts updated with each sampled token). A step
 builds its inputs by numpy gathers over those rows, runs the forward pass,
 and returns 0 .. k+1 tokens per request (k = its draft tokens). There is one
 device->host sync per step: the sampled ids.
@@ -29,14 +29,17 @@ from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from kvferry.disagg.agent import KVTransferAgent
 from kvferry.disagg.transport import SharedKVPool
-from kvferry.engine.input_batch import InputBatch
+from kvferry.engine.input_batch import InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.engine.store_connector import StoreConnector
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
-from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, token_counts
+from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, position_generator, token_counts
 from kvferry.sampling import SamplingParams
+from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
+from kvferry.spec.head import EagleHead, HeadProposer
+from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.structured.backend import GrammarMatcher
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
 
@@ -52,7 +55,6 @@ class RequestState:
     prompt_token_ids: list[int]
     eos_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     # Penalty state, only for requests that penalize: [V] float32 counts of
     # output tokens, [V] bool prompt membership.
     output_counts: torch.Tensor | None = None
@@ -86,7 +88,12 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 kv_store: Any = None, kv_transfer: KVTransferConfig | None = None) -> None:
+                 kv_store: Any = None, kv_transfer: KVTransferConfig | None = None,
+                 draft: LoadedModel | None = None, head: EagleHead | None = None) -> None:
+        """``kv_store``: a KVStoreClient (loads and write-down through the
+        node's store); ``kv_transfer``: prefill/decode disaggregation;
+        ``draft``: the draft model of speculative method "draft"; ``head``:
+        the draft head of method "head"."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -107,12 +114,19 @@ class ModelRunner:
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
         self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
+        self.drafter: DraftModelProposer | HeadProposer | None = None
+        if draft is not None:
+            self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
+        elif head is not None:
+            self.drafter = HeadProposer(head, self.model)
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
             self.batch.remove(rid)
+            if self.drafter is not None:
+                self.drafter.remove(rid)
         if self.kv_transfer is not None:
             self.kv_transfer.finished_requests(sched.finished_request_ids)
         for rid in sched.preempted_request_ids:
@@ -131,16 +145,11 @@ class ModelRunner:
     def _add_request(self, data: NewRequestData) -> None:
         self.batch.remove(data.request_id)
         self.batch.add(data)
+        if self.drafter is not None:
+            self.drafter.add(data.request_id)
         state = self.states.get(data.request_id)
         if state is None:
-            gen = None
-            if data.sampling_params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(data.sampling_params.seed)
-                received = self.kv_transfer.generator_states.pop(data.request_id, None) if self.kv_transfer else None
-                if received:  # a prefill core sampled its first token: continue its stream
-                    gen.set_state(torch.frombuffer(bytearray(received), dtype=torch.uint8))
-            state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids, generator=gen,
+            state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids,
                                  matcher=self._matcher(data))
             self.states[data.request_id] = state
         state.output_token_ids = list(data.output_token_ids)
@@ -165,54 +174,35 @@ class ModelRunner:
         return matcher
 
     # -- inputs ---------------------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def _prepare(self, sched: SchedulerOutput, spec_token_ids: dict[str, list[int]]) -> StepInputs:
+        """``spec_token_ids``: each request's drafts (the scheduler's, or the
+        draft model's where the scheduler only reserved their slots)."""
         # Multi-token chunks first, then single-token ones (AttentionMetadata).
         order = sorted(sched.num_scheduled_tokens, key=lambda rid: sched.num_scheduled_tokens[rid] == 1)
-        batch, bs = self.batch, self.block_size
+        batch = self.batch
         rows = np.fromiter((batch.index[rid] for rid in order), dtype=np.int64, count=len(order))
         lens = np.fromiter((sched.num_scheduled_tokens[rid] for rid in order), dtype=np.int64, count=len(order))
-        num_prefills = int((lens > 1).sum())
-        query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=query_start_loc[1:])
-        starts = batch.num_computed_tokens[rows]
-        seq_lens = starts + lens
-        # positions: for request i, starts[i] .. starts[i] + lens[i] - 1
-        positions = np.repeat(starts - query_start_loc[:-1], lens) + np.arange(query_start_loc[-1])
-        req_of_token = np.repeat(np.arange(len(order)), lens)  # [num_tokens]
-        input_ids = batch.token_ids[rows[req_of_token], positions]
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks], one gather
-        # slot = block_tables[req, pos // bs] * bs + pos % bs   for every new token
-        slots = block_tables[req_of_token, positions // bs] * bs + positions % bs
+        flat = flatten(batch, rows, batch.num_computed_tokens[rows], lens, self.block_size)
         # A request samples when its tokens reach the end of the known ones
         # (a non-final prefill chunk does not); with k drafts it samples at
         # its last 1 + k positions.
-        num_drafts = np.fromiter((len(sched.spec_token_ids.get(rid, ())) for rid in order), dtype=np.int64, count=len(order))
-        samples = seq_lens - num_drafts >= batch.num_tokens[rows]
+        num_drafts = np.fromiter((len(spec_token_ids.get(rid, ())) for rid in order), dtype=np.int64, count=len(order))
+        samples = flat.seq_lens - num_drafts >= batch.num_tokens[rows]
         logits_indices = [
             np.arange(end - 1 - k, end)
-            for end, k, s in zip(query_start_loc[1:], num_drafts, samples)
+            for end, k, s in zip(flat.query_start_loc[1:], num_drafts, samples)
             if s
         ]
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc.tolist(),
-            seq_lens=seq_lens.tolist(),
-            slot_mapping=self._to_device(slots),
-            block_tables=self._to_device(block_tables),
-            block_size=bs,
-            num_prefills=num_prefills,
-        )
-        meta.prepare()
         return StepInputs(
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
-            meta=meta,
+            input_ids=self._to_device(flat.input_ids),
+            positions=self._to_device(flat.positions),
+            meta=flat.metadata(self.block_size, self.device),
             logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
-            sampling=[(rid, sched.spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
+            sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     # -- step -----------------------------------------------------------------
     @torch.inference_mode()
@@ -223,16 +213,29 @@ class ModelRunner:
         step_transfer = self.kv_transfer.begin_step(sched.kv_orders) if self.kv_transfer else None
         out = RunnerOutput()
         if not sched.is_empty:
-            inputs = self._prepare(sched)
+            spec_token_ids, proposals, drafted = sched.spec_token_ids, {}, []
+            if self.drafter is not None:
+                # The scheduler reserved the drafts' slots; the draft model fills them.
+                drafted = self._draft_requests(sched)
+                proposals = self.drafter.propose(self.batch, drafted)
+                spec_token_ids = {rid: p.token_ids for rid, p in proposals.items()}
+            inputs = self._prepare(sched, spec_token_ids)
             inputs.meta.kv_transfer = step_transfer
             # Started before the forward pass so the two overlap; joined before sampling.
             pending_bitmask = self._start_bitmask(inputs.sampling)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
             if inputs.sampling:
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, vocab] fp32
-                self._sample(logits, inputs.sampling, out, pending_bitmask)
+                sampled_hidden = hidden[inputs.logits_indices]  # [num_logits, hidden]
+                logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32
+                self._sample(logits, inputs.sampling, out, pending_bitmask, proposals)
+                if isinstance(self.drafter, HeadProposer):
+                    self._record_hidden(inputs.sampling, sampled_hidden, out)
+            for request in drafted:
+                self.drafter.advance(request, max(len(out.sampled_token_ids.get(request.request_id, [])) - 1, 0))
             if step_transfer is not None:
-                step_transfer.finish(out.sampled_token_ids, {rid: s.generator for rid, s in self.states.items()})
+                # Seeded sampling is keyed by output position (position_generator):
+                # the decode core draws the same noise with no generator state sent.
+                step_transfer.finish(out.sampled_token_ids, {})
         finished = self.connector.take_finished()
         out.finished_loading = finished.finished_loading
         out.finished_saving = finished.finished_saving
@@ -256,6 +259,26 @@ class ModelRunner:
         for rid, r in failed_received.items():
             out.kv_received[rid] = r.output_token_ids
         out.finished_sending.extend(sent)
+    def _record_hidden(self, sampling: list[tuple[str, list[int]]], sampled_hidden: torch.Tensor,
+                       out: RunnerOutput) -> None:
+        """The draft head's input: each request's hidden state at the row
+        that sampled its newest token (its last accepted row)."""
+        assert isinstance(self.drafter, HeadProposer)
+        first = 0
+        for rid, drafts in sampling:
+            emitted = len(out.sampled_token_ids.get(rid, ()))
+            if emitted:
+                self.drafter.record(rid, sampled_hidden[first + emitted - 1].clone())
+            first += len(drafts) + 1
+
+    def _draft_requests(self, sched: SchedulerOutput) -> list[DraftRequest]:
+        requests = []
+        for rid, num_scheduled in sched.num_scheduled_tokens.items():
+            row = self.batch.index[rid]
+            k = len(sched.spec_token_ids.get(rid, ()))
+            end = int(self.batch.num_computed_tokens[row]) + num_scheduled - k
+            requests.append(DraftRequest(rid, row, end, k, self.states[rid].params))
+        return requests
 
     # -- sampling and verification --------------------------------------------
     def _start_bitmask(self, sampling: list[tuple[str, list[int]]]) -> "Future[StepBitmask] | None":
@@ -268,21 +291,25 @@ class ModelRunner:
         return self.grammars.start_fill(rows) if rows else None
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[str, list[int]]], out: RunnerOutput,
-                pending_bitmask: "Future[StepBitmask] | None" = None) -> None:
-        """Sample the target at every position and accept drafts while they
-        equal the sample: exact for drafts without a distribution (the
-        accepted tokens are each a sample of the target given the ones
-        before), and greedy verification at temperature 0."""
+                pending_bitmask: "Future[StepBitmask] | None" = None,
+                proposals: "dict[str, Proposal] | None" = None) -> None:
+        """Sample the target at every position, verifying drafts by exact
+        rejection sampling (``kvferry.spec.rejection``): each request keeps
+        its drafts up to the first rejected one, then one sampled token."""
         rows: list[SamplingRow] = []
+        draft_ids: list[int] = []
         for rid, drafts in sampling:
             state = self.states[rid]
+            draft_ids.extend(drafts)
+            draft_ids.append(NO_DRAFT)
             for k in range(len(drafts) + 1):
                 rows.append(
                     SamplingRow(
                         params=state.params,
                         prompt_token_ids=state.prompt_token_ids,
                         output_token_ids=state.output_token_ids,
-                        generator=state.generator,
+                        generator=position_generator(state.params.seed, len(state.output_token_ids) + k,
+                                                     self.device),
                         eos_token_ids=state.eos_token_ids,
                         num_output_tokens=len(state.output_token_ids) + k,
                     )
@@ -296,16 +323,37 @@ class ModelRunner:
         if pending_bitmask is not None:
             step_bitmask = pending_bitmask.result()
             batch.grammar_rows, batch.grammar_bitmask = step_bitmask.rows, step_bitmask.bitmask
-        result = self.sampler(logits, batch)
+        if len(draft_ids) == len(sampling):  # no drafts this step
+            result = self.sampler(logits, batch)
+        else:
+            draft_probs, has_draft_probs = self._draft_probs(sampling, proposals or {})
+            result = self.sampler.verify(logits, batch, draft_ids, draft_probs, has_draft_probs)
         i = 0
         for rid, drafts in sampling:
-            accepted = _accept(drafts, result.token_ids[i : i + len(drafts) + 1])
+            accepted = accepted_prefix(drafts, result.token_ids[i : i + len(drafts) + 1])
             lps = result.logprobs[i : i + len(accepted)]
             i += len(drafts) + 1
             self._record(rid, accepted)
             out.sampled_token_ids[rid] = accepted
             if lps and lps[0] is not None:
                 out.logprobs[rid] = [lp for lp in lps if lp is not None]
+
+    def _draft_probs(self, sampling: list[tuple[str, list[int]]],
+                     proposals: "dict[str, Proposal]") -> tuple[torch.Tensor | None, list[bool] | None]:
+        """[num_logits, V] q at each draft row (zeros elsewhere) and which
+        rows have one; (None, None) when every draft is deterministic."""
+        if not any(p.probs is not None for p in proposals.values()):
+            return None, None
+        parts, flags = [], []
+        for rid, drafts in sampling:
+            probs = proposals[rid].probs if rid in proposals else None
+            if probs is not None:
+                parts.append(probs[: len(drafts)])  # [k, V]
+            else:
+                parts.append(torch.zeros(len(drafts), self.vocab_size, device=self.device))
+            parts.append(torch.zeros(1, self.vocab_size, device=self.device))  # the bonus row
+            flags.extend([probs is not None] * len(drafts) + [False])
+        return torch.cat(parts), flags
 
     def _penalty_state(self, sampling: list[tuple[str, list[int]]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """[num_logits, V] output counts and prompt masks from each request's
@@ -348,15 +396,6 @@ class ModelRunner:
             ids = torch.tensor(accepted, device=self.device)
             state.output_counts.index_add_(0, ids, torch.ones(len(accepted), device=self.device))
 
-
-def _accept(drafts: list[int], samples: list[int]) -> list[int]:
-    """Tokens accepted by verification: the drafts up to the first one that
-    differs from the target's sample there, then that sample (or, when every
-    draft matched, the sample after the last draft)."""
-    for k, draft in enumerate(drafts):
-        if samples[k] != draft:
-            return samples[: k + 1]
-    return samples[: len(drafts) + 1]
 
 
 def _transfer_agent(kv_cache: torch.Tensor, config: KVTransferConfig) -> KVTransferAgent:

@@ -37,6 +37,7 @@ import torch
 
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.sampling import SamplingParams
+from kvferry.spec.rejection import rejection_sample
 from kvferry.structured.bitmask import apply_token_bitmask
 
 
@@ -47,9 +48,10 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Made by the engine from ``params.seed`` and kept for the request's life,
-    # so the noise stream continues across steps. None when unseeded. It must
-    # live on the same device as the logits.
+    # Made by the engine from ``params.seed`` and the row's output position
+    # (the runner's ``position_generator``), so a token's noise does not
+    # depend on how many rows a step holds. None when unseeded. It must live
+    # on the same device as the logits.
     generator: torch.Generator | None = None
     # The model's EOS ids; masked with ``stop_token_ids`` under min_tokens.
     eos_token_ids: list[int] = field(default_factory=list)
@@ -364,14 +366,73 @@ class Sampler:
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.need_temperature:
-            logits = logits / batch.temperature[:, None]
-        if batch.need_top_k or batch.need_top_p:
-            logits = apply_top_k_top_p(logits, batch)
-        probs = logits.softmax(dim=-1)  # [B, V]
-        if batch.need_min_p:
-            probs = apply_min_p(probs, batch)
+        probs = _random_probs(logits, batch)  # [B, V]
         return probs.div_(_exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        draft_token_ids: list[int],
+        draft_probs: torch.Tensor | None = None,
+        has_draft_probs: list[bool] | None = None,
+    ) -> SamplerOutput:
+        """One token per row, verifying drafts (``kvferry.spec.rejection``):
+        ``draft_token_ids`` [B] holds the draft each row checks (NO_DRAFT at
+        bonus rows), ``draft_probs`` [B, V] the draft's distribution on rows
+        flagged in ``has_draft_probs`` (others are deterministic drafts).
+        A row's token equals its draft exactly when the draft is accepted."""
+        if logits.shape != (batch.num_rows, batch.vocab_size):
+            raise ValueError(f"logits shape {tuple(logits.shape)} != ({batch.num_rows}, {batch.vocab_size})")
+        raw = logits.float()  # [B, V]
+        logits = apply_min_tokens(apply_penalties(apply_grammar(raw, batch), batch), batch)
+        with_q = draft_probs is not None and has_draft_probs is not None and any(has_draft_probs)
+        if batch.all_greedy and not with_q:
+            # p is one-hot at the argmax: accept exactly the drafts equal to it.
+            return _to_host(raw, logits.argmax(dim=-1), batch)
+        probs = _target_probs(logits, batch)  # [B, V]
+        noise = _exponential_noise(probs, batch)  # [B, V]
+        draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64, device=probs.device)  # [B]
+        if not with_q:
+            return _to_host(raw, rejection_sample(probs, draft_ids, noise), batch)
+        flags = torch.tensor(has_draft_probs, dtype=torch.bool, device=probs.device)  # [B]
+        tokens = rejection_sample(probs, draft_ids, noise, _uniforms(batch, probs.device), draft_probs, flags)
+        return _to_host(raw, tokens, batch)
+
+
+def _random_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] sampling distribution of each row (greedy rows: whatever the
+    neutral knobs give; callers override them). Min-p leaves rows
+    unnormalized: fine for the race, which is scale-free."""
+    if batch.need_temperature:
+        logits = logits / batch.temperature[:, None]
+    if batch.need_top_k or batch.need_top_p:
+        logits = apply_top_k_top_p(logits, batch)
+    probs = logits.softmax(dim=-1)  # [B, V]
+    if batch.need_min_p:
+        probs = apply_min_p(probs, batch)
+    return probs
+
+
+def _target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] normalized distribution each row samples from: one-hot at the
+    argmax on greedy rows (rejection sampling compares it with q)."""
+    probs = _random_probs(logits, batch)
+    if batch.need_min_p:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if batch.any_greedy:
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(batch.greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+    """[B] U[0, 1) acceptance draws; seeded rows draw from their own
+    generator after their exponential noise (one draw a row)."""
+    u = torch.rand(batch.num_rows, device=device)
+    for row, generator in batch.seeded:
+        u[row] = torch.rand((), device=device, generator=generator)
+    return u
 
 
 def _to_host(raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -417,3 +478,28 @@ def _unpack(flat: list[float], batch: SamplingBatch) -> SamplerOutput:
             top_logprobs=lps,
         )
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def position_generator(
+    seed: int | None, position: int, device: torch.device | str, salt: int = 0
+) -> torch.Generator | None:
+    """The generator a seeded request samples its output token ``position``
+    with (None when unseeded). Keyed by position, not a running stream: how
+    many rows a step verifies depends on the batch (adaptive k), and the
+    noise behind each output token must not. ``salt`` separates other
+    streams of the same request (the draft model's own sampling)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(_splitmix64(_splitmix64(seed ^ salt) ^ position))
+    return generator
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mix (Steele et al.), so nearby (seed, position) pairs give
+    unrelated generator seeds; returned below 2**63 (manual_seed's range)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
+

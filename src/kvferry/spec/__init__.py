@@ -1,14 +1,17 @@
 """Speculative decoding: draft proposers and the adaptive controller.
 
-No torch here (the scheduler calls into this package): proposers work on
-token ids with numpy. The runner verifies drafts losslessly, so a proposer
-only decides speed, never output.
+No torch in what this package imports (the scheduler calls into it):
+proposers work on token ids with numpy. The runner-side modules
+(``rejection``, ``draft_model``) use torch and are imported by the runner.
+The runner verifies drafts losslessly, so a proposer only decides speed,
+never output.
 """
 from kvferry.config import SpeculativeConfig
 from kvferry.spec.adaptive import AdaptiveSpecController
 from kvferry.spec.ngram import NgramProposer
+from kvferry.spec.reserved import ReservedDraftSlots
 
-__all__ = ["AdaptiveSpecController", "NgramProposer", "speculation"]
+__all__ = ["AdaptiveSpecController", "NgramProposer", "ReservedDraftSlots", "speculation"]
 
 
 def speculation(config: SpeculativeConfig | None) -> dict:
@@ -16,9 +19,14 @@ def speculation(config: SpeculativeConfig | None) -> dict:
     if config is None:
         return {}
     k = config.num_speculative_tokens
+    if config.method == "ngram":
+        proposer = NgramProposer(k, config.prompt_lookup_max, config.prompt_lookup_min)
+    else:  # the runner drafts (kvferry.spec.draft_model); the scheduler reserves slots
+        proposer = ReservedDraftSlots(k)
     return {
-        "proposer": NgramProposer(k, config.prompt_lookup_max, config.prompt_lookup_min),
+        "proposer": proposer,
         "num_speculative_tokens": k,
         "draft_budget": AdaptiveSpecController(k, config.batch_token_threshold,
-                                               probe_interval=config.probe_interval, adaptive=config.adaptive),
+                                               probe_interval=config.probe_interval, adaptive=config.adaptive,
+                                               cost_aware=config.cost_aware),
     }

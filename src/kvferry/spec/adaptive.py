@@ -12,11 +12,34 @@ Two rules, both cheap and deterministic:
   Drafts are cut so that ``num_running * (k + 1)`` stays within
   ``batch_token_threshold``: at large batches decode is already
   compute-efficient, and drafts would only slow every request down.
+- **Measured cost** (``cost_aware``). The engine reports each decode-only
+  step's wall time (``observe_step``). Per batch-size bucket (powers of
+  two) the controller keeps EWMAs of the plain step's seconds, the
+  speculative step's seconds (draft + verify) and the tokens a request gains
+  per speculative step (1 + accepted). Speculation pays while
+  ``gain * plain / speculative >= 1``; where it does not, the bucket stops
+  drafting. Every ``cost_probe_steps`` steps a bucket runs one step the
+  other way, so both costs stay measured and a bucket can switch back.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _BucketCost:
+    """EWMAs for one batch-size bucket; None until first measured."""
+
+    plain_s: float | None = None  # seconds per decode step without drafts
+    spec_s: float | None = None  # seconds per decode step with drafts
+    gain: float | None = None  # tokens per request per speculative step
+    steps: int = 0  # decode steps seen in this bucket
+
+    def pays(self) -> bool:
+        if self.plain_s is None or self.spec_s is None or self.gain is None:
+            return True  # not measured both ways yet: try
+        return self.gain * self.plain_s >= self.spec_s
 
 
 @dataclass(slots=True)
@@ -27,19 +50,59 @@ class _RequestSpecState:
 
 class AdaptiveSpecController:
     def __init__(self, k_max: int, batch_token_threshold: int, ewma_alpha: float = 0.5,
-                 probe_interval: int = 8, adaptive: bool = True) -> None:
+                 probe_interval: int = 8, adaptive: bool = True, cost_aware: bool = True,
+                 cost_probe_steps: int = 32, cost_alpha: float = 0.2) -> None:
         self.k_max = k_max
         self.batch_token_threshold = batch_token_threshold
         self.ewma_alpha = ewma_alpha
         self.probe_interval = probe_interval
         self.adaptive = adaptive
+        self.cost_aware = cost_aware
+        self.cost_probe_steps = cost_probe_steps
+        self.cost_alpha = cost_alpha
         self._states: dict[str, _RequestSpecState] = {}
+        self._costs: dict[int, _BucketCost] = {}
+        self._step_accepted = 0  # accepted drafts reported since the last observe_step
 
     def batch_cap(self, num_running: int) -> int:
         """Most drafts per request while ``num_running`` requests decode."""
         if num_running < 1:
             return self.k_max
-        return max(0, min(self.k_max, self.batch_token_threshold // num_running - 1))
+        cap = max(0, min(self.k_max, self.batch_token_threshold // num_running - 1))
+        if cap == 0 or not self.cost_aware:
+            return cap
+        cost = self._costs.get(num_running.bit_length())
+        if cost is None or cost.spec_s is None:
+            return cap  # measure a speculative step first
+        if cost.plain_s is None:
+            return 0  # then a plain one, at once
+        # A probe step runs the other way from what the measurements say.
+        probe = cost.steps % self.cost_probe_steps == self.cost_probe_steps - 1
+        return cap if cost.pays() != probe else 0
+
+    def observe_step(self, num_decodes: int, num_draft_tokens: int, seconds: float) -> None:
+        """One decode-only step's wall time (the engine calls this after
+        the step's outputs were applied, so ``observe`` already counted its
+        accepted drafts)."""
+        accepted, self._step_accepted = self._step_accepted, 0
+        if num_decodes < 1 or seconds <= 0:
+            return
+        cost = self._costs.setdefault(num_decodes.bit_length(), _BucketCost())
+        cost.steps += 1
+        a = self.cost_alpha
+        if num_draft_tokens == 0:
+            cost.plain_s = seconds if cost.plain_s is None else (1 - a) * cost.plain_s + a * seconds
+            return
+        gain = 1.0 + accepted / num_decodes
+        cost.spec_s = seconds if cost.spec_s is None else (1 - a) * cost.spec_s + a * seconds
+        cost.gain = gain if cost.gain is None else (1 - a) * cost.gain + a * gain
+
+    def speedup(self, num_running: int) -> float | None:
+        """Measured tokens/s with drafts over without, for this batch size's bucket."""
+        cost = self._costs.get(num_running.bit_length())
+        if cost is None or cost.plain_s is None or cost.spec_s is None or cost.gain is None:
+            return None
+        return cost.gain * cost.plain_s / cost.spec_s
 
     def num_drafts(self, request_id: str, num_running: int) -> int:
         """k for this request's next decode step (call once per step)."""
@@ -61,6 +124,7 @@ class AdaptiveSpecController:
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Record a verified proposal (only steps that proposed: no match
         found is not a rejection)."""
+        self._step_accepted += max(num_accepted, 0)
         if num_drafts <= 0 or not self.adaptive:
             return
         state = self._states.setdefault(request_id, _RequestSpecState())

@@ -1,0 +1,167 @@
+"""Method "draft": a small model with the target's tokenizer proposes k
+tokens per step, with the distribution each was drawn from (for exact
+rejection sampling, ``kvferry.spec.rejection``).
+
+The draft keeps its own paged KV: its own cache tensor, indexed by the
+target's block tables (same block ids, same slots), so it needs no block
+bookkeeping of its own. Each step, inside the runner, before the target's
+forward pass::
+
+    pass 0        every scheduled request: the draft computes its tokens
+                  from where its KV is valid up to ``end`` (the target's
+                  new real tokens, plus any accepted draft the draft has not
+                  computed yet), and, for a request with k drafts, gives q_1
+                  at the last one; x_1 ~ q_1
+    pass i (<k)   x_i at position end - 1 + i   -> q_{i+1}; x_{i+1} ~ q_{i+1}
+
+    sequence   | ........ real tokens ........ | x_1 | x_2 | .. | x_k |
+                 0                          end-1  end              end+k-1
+    draft KV     valid up to ``num_computed``, written up to end + k - 2
+
+The scheduler reserved slots for the target's 1 + k tokens from end - 1,
+so every draft write lands in an allocated block. After verification with
+a drafts accepted the draft's KV is valid up to end + min(a, k - 1) (x_k
+was drawn, never fed); the next pass 0 catches up from there.
+
+A request (re)admitted (new, after preemption, swap-in, or a prefix-cache
+hit) starts over at position 0: blocks that arrive from elsewhere carry the
+target's KV, not necessarily the draft's. Recomputing costs a draft prefill;
+stale draft KV would only cost acceptance, never correctness.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvferry.engine.input_batch import InputBatch, flatten
+from kvferry.model.llama import allocate_kv_cache
+from kvferry.model.loader import LoadedModel
+from kvferry.model.sampler import position_generator
+from kvferry.sampling import SamplingParams
+
+_DRAFT_NOISE_SALT = 0x6472616674  # "draft": the draft's sampling noise is its own stream
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """One scheduled request, as the draft sees it this step."""
+
+    request_id: str
+    row: int  # its InputBatch row
+    end: int  # one past the last real token the target computes this step
+    num_drafts: int  # k (0: only keep the draft's KV in step)
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Proposal:
+    token_ids: list[int]  # the k drafts
+    # [k, V] float32 distributions the drafts were drawn from; None when the
+    # drafts are deterministic (greedy requests: argmax of the draft).
+    probs: torch.Tensor | None
+
+
+class DraftModelProposer:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab_size: int) -> None:
+        if loaded.config.vocab_size != target_vocab_size:
+            raise ValueError(f"speculative.model has a vocabulary of {loaded.config.vocab_size} tokens; "
+                             f"the target's has {target_vocab_size} (they must share the tokenizer)")
+        self.model = loaded.model
+        self.device = next(loaded.model.parameters()).device
+        self.block_size = block_size
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] of the draft's shapes
+        self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.num_computed: dict[str, int] = {}  # positions [0, n) hold valid draft KV
+
+    def add(self, request_id: str) -> None:
+        self.num_computed[request_id] = 0
+
+    def remove(self, request_id: str) -> None:
+        self.num_computed.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, requests: list[DraftRequest]) -> dict[str, Proposal]:
+        """Run the draft over ``requests`` and write each one's drafts into
+        its batch row (over the scheduler's placeholders)."""
+        if not requests:
+            return {}
+        logits = self._catch_up(batch, requests)  # [num drafting, V], in requests order
+        drafting = [r for r in requests if r.num_drafts > 0]
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in drafting}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in drafting}
+        for i in range(max((r.num_drafts for r in drafting), default=0)):
+            active = [r for r in drafting if r.num_drafts > i]
+            if i > 0:
+                logits = self._feed(batch, active, i)
+            drawn, q = draw_drafts(logits, active, i)
+            for j, r in enumerate(active):
+                batch.token_ids[r.row, r.end + i] = drawn[j]
+                tokens[r.request_id].append(drawn[j])
+                if q is not None and not r.params.greedy:
+                    probs[r.request_id].append(q[j])
+            # Requests with fewer drafts fall out of the next pass: keep the rows that go on.
+            keep = [j for j, r in enumerate(active) if r.num_drafts > i + 1]
+            logits = logits[keep]
+        return collect(tokens, probs)
+
+    def advance(self, request: DraftRequest, num_accepted: int) -> None:
+        """After verification: the draft's KV is valid through the accepted
+        drafts it fed itself (all but the last)."""
+        fed = min(num_accepted, request.num_drafts - 1) if request.num_drafts > 0 else 0
+        self.num_computed[request.request_id] = request.end + fed
+
+    def _catch_up(self, batch: InputBatch, requests: list[DraftRequest]) -> torch.Tensor:
+        """Pass 0 over every scheduled request; the logits at the last token
+        of each request that drafts, [num drafting, V]."""
+        starts = np.array([min(self.num_computed.get(r.request_id, 0), r.end - 1) for r in requests], np.int64)
+        ends = np.array([r.end for r in requests], dtype=np.int64)
+        order = np.argsort(ends - starts == 1, kind="stable")  # multi-token first
+        rows = np.array([requests[i].row for i in order], dtype=np.int64)
+        flat = flatten(batch, rows, starts[order], (ends - starts)[order], self.block_size)
+        hidden = self._forward(flat)  # [num_tokens, hidden]
+        last = flat.query_start_loc[1:] - 1  # [num_reqs]: each request's last token
+        position_of = {int(i): p for p, i in enumerate(order)}
+        picks = [last[position_of[i]] for i, r in enumerate(requests) if r.num_drafts > 0]
+        return self.model.compute_logits(hidden[torch.as_tensor(np.array(picks, dtype=np.int64))])
+
+    def _feed(self, batch: InputBatch, active: list[DraftRequest], i: int) -> torch.Tensor:
+        """Feed x_i (at position end - 1 + i) for each active request: [A, V]."""
+        rows = np.array([r.row for r in active], dtype=np.int64)
+        starts = np.array([r.end - 1 + i for r in active], dtype=np.int64)
+        flat = flatten(batch, rows, starts, np.ones(len(active), dtype=np.int64), self.block_size)
+        return self.model.compute_logits(self._forward(flat))
+
+    def _forward(self, flat) -> torch.Tensor:  # noqa: ANN001 - a FlatStep
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+        return self.model(dev(flat.input_ids), dev(flat.positions), self.kv_cache,
+                          flat.metadata(self.block_size, self.device))
+
+
+def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int) -> tuple[list[int], torch.Tensor | None]:
+    """Draft i + 1 (0-based ``i``) for each active request from its logits
+    [A, V] and, when any samples, the [A, V] distributions they were drawn
+    from (greedy rows: argmax, their q row unused). Random rows use the
+    request's temperature and their own noise stream (seeded: keyed by
+    position, salted apart from the target's)."""
+    greedy = [r.params.greedy for r in active]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist(), None
+    temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, active)],
+                               device=logits.device)
+    q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, V]
+    noise = torch.empty_like(q).exponential_()
+    for j, r in enumerate(active):
+        gen = position_generator(r.params.seed, r.end + i, q.device, salt=_DRAFT_NOISE_SALT)
+        if gen is not None:
+            noise[j].exponential_(generator=gen)
+    drawn = (q / noise.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+    drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)
+    return drawn.tolist(), q
+
+
+def collect(proposals: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> dict[str, Proposal]:
+    return {rid: Proposal(ids, torch.stack(probs[rid]) if probs.get(rid) else None) for rid, ids in proposals.items()}

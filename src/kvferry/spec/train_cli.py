@@ -1,0 +1,36 @@
+"""The ``train-draft`` subcommand's arguments (light: torch loads when it runs)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+CORPORA = ("chitchat", "bible", "pydoc")
+
+
+def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
+    p = sub.add_parser("train-draft", help="train an EAGLE-style draft head by self-distillation")
+    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--corpus", choices=CORPORA, default="chitchat",
+                   help="chitchat (PyPI chitchat-dataset), bible (Debian bible-kjv), pydoc (Debian python3.11-doc)")
+    p.add_argument("--out", required=True, type=Path, help="folder for head.safetensors and head.json")
+    p.add_argument("--num-prompts", type=_positive, default=256)
+    p.add_argument("--max-tokens", type=_positive, default=96, help="answer length per prompt")
+    p.add_argument("--epochs", type=_positive, default=3)
+    p.add_argument("--batch-tokens", type=_positive, default=256, help="positions per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--intermediate-size", type=_positive, default=576, help="the head's MLP width")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from kvferry.spec.train_head import run_from_args
+
+    return run_from_args(args)

@@ -1,0 +1,183 @@
+"""``kvferry train-draft``: train an EAGLE-style draft head by self-distillation.
+
+1. **Texts.** Prompts from an offline corpus: ``chitchat`` (the PyPI
+   package ``chitchat-dataset``: real chat turns), ``bible`` (Debian's
+   ``bible-kjv``) or ``pydoc`` (Debian's ``python3.11-doc``); the document
+   corpora become "continue this text" chat prompts.
+2. **Targets from the target.** The target model answers each prompt
+   (greedy, through the engine): the head learns the text the target
+   itself writes, which is what it will be asked to draft.
+3. **Features.** One forward pass of the target over each prompt + answer
+   gives its hidden states h_t [n, H] (the head's inputs and regression
+   targets); the target's next-token distribution at t is lm_head(h_t),
+   recomputed per batch, never stored ([n, V] would not fit).
+4. **Training.** For answer positions t, the head predicts f_t from
+   (h_{t-1}, emb(x_t)), then f_{t+1} from (f_t, emb(x_{t+1})) as it will
+   when drafting its second token. Loss per step: KL(target || head) of the
+   token distributions plus a smooth-L1 pull of f toward h (EAGLE's two
+   terms).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kvferry.model.attention import AttentionMetadata
+from kvferry.model.llama import allocate_kv_cache
+from kvferry.spec.head import EagleHead
+from kvferry.spec.train_cli import CORPORA
+
+PROMPT_CHARS = 400  # prompts are cut here: the answers are what the head learns
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    target: str | None
+    corpus: str
+    out: Path
+    num_prompts: int = 256
+    max_tokens: int = 96
+    epochs: int = 3
+    batch_tokens: int = 256
+    lr: float = 2e-3
+    intermediate_size: int = 576
+    seed: int = 0
+
+
+def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
+    """Chat prompts (one user message each) from an offline corpus."""
+    rng = random.Random(seed)
+    if corpus == "chitchat":
+        try:
+            import chitchat_dataset
+        except ImportError:
+            raise ValueError("--corpus chitchat needs the PyPI package chitchat-dataset") from None
+        turns = [m for conv in chitchat_dataset.ConversationDataset() for m in list(conv)[:1] if m]
+        rng.shuffle(turns)
+        return [[{"role": "user", "content": t[:PROMPT_CHARS]}] for t in turns[:num]]
+    from kvferry.bench.corpus import load_documents
+    from kvferry.bench.workloads import BenchError
+
+    source = {"bible": "bible-kjv", "pydoc": "python3.11-doc"}.get(corpus)
+    if source is None:
+        raise ValueError(f"--corpus must be one of {', '.join(CORPORA)}; got {corpus!r}")
+    try:
+        docs = load_documents(source, num, 600, seed)
+    except BenchError as exc:
+        raise ValueError(str(exc)) from None
+    tasks = ["Continue this text:", "Summarize this text:", "Rewrite this text in plain words:"]
+    return [[{"role": "user", "content": f"{rng.choice(tasks)}\n\n{d[:PROMPT_CHARS]}"}] for d in docs]
+
+
+def self_distill(llm, prompts: list[list[dict]], max_tokens: int) -> list[tuple[list[int], int]]:  # noqa: ANN001
+    """(prompt + the target's greedy answer, prompt length) per prompt."""
+    from kvferry import SamplingParams
+
+    outs = llm.chat(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return [(o.prompt_token_ids + list(o.outputs[0].token_ids), len(o.prompt_token_ids)) for o in outs]
+
+
+@torch.no_grad()  # not inference_mode: the results are training inputs
+def hidden_states(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:  # noqa: ANN001
+    """[n, H] float32: the target's hidden states over one sequence (a
+    one-off prefill into a scratch KV cache of its own)."""
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    kv = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype, "cpu")
+    meta = AttentionMetadata(query_start_loc=[0, n], seq_lens=[n], slot_mapping=torch.arange(n),
+                             block_tables=torch.arange(num_blocks)[None], block_size=block_size,
+                             num_prefills=1 if n > 1 else 0)
+    return model(torch.tensor(token_ids), torch.arange(n), kv, meta).float()
+
+
+@dataclass(slots=True)
+class Features:
+    hidden: torch.Tensor  # [N, H] all sequences concatenated
+    tokens: torch.Tensor  # [N] int64
+    starts: torch.Tensor  # [M] int64: positions t (answer tokens with t - 1 and t + 1 in the same sequence)
+
+
+def build_features(model, sequences: list[tuple[list[int], int]]) -> Features:  # noqa: ANN001
+    hidden, tokens, starts, offset = [], [], [], 0
+    for ids, prompt_len in tqdm(sequences, desc="target features", unit="seq"):
+        if len(ids) - prompt_len < 3:
+            continue
+        hidden.append(hidden_states(model, ids))
+        tokens.append(torch.tensor(ids))
+        # t from the first answer token to the second-to-last one
+        starts.append(torch.arange(offset + prompt_len, offset + len(ids) - 1))
+        offset += len(ids)
+    if not hidden:
+        raise ValueError("no answers long enough to train on")
+    return Features(torch.cat(hidden), torch.cat(tokens), torch.cat(starts))
+
+
+def head_loss(head: EagleHead, model, feats: Features, t: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """Two drafting steps from positions t [B]: KL + 0.1 * smooth-L1 each."""
+    lm_head = model.lm_head.detach().float()  # [V, H]: the target stays frozen
+    embed = model.embed_tokens.detach().float()  # [V, H]
+    h = feats.hidden
+    f = h[t - 1]
+    loss = torch.zeros(())
+    for step in range(2):
+        pos = t + step
+        f = head(F.embedding(feats.tokens[pos], embed), f)  # [B, H]
+        teacher = F.log_softmax(h[pos] @ lm_head.T, dim=-1)  # [B, V]
+        student = F.log_softmax(f @ lm_head.T, dim=-1)
+        kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+        loss = loss + kl + 0.1 * F.smooth_l1_loss(f, h[pos])
+    return loss
+
+
+def train(cfg: TrainConfig) -> dict:
+    from kvferry import LLM
+
+    torch.manual_seed(cfg.seed)
+    started = time.monotonic()
+    llm = LLM(model=cfg.target, max_num_seqs=32)
+    loaded = llm.engine.core.loaded
+    model = loaded.model
+    prompts = corpus_prompts(cfg.corpus, cfg.num_prompts, cfg.seed)
+    print(f"self-distillation: {len(prompts)} prompts from {cfg.corpus}, up to {cfg.max_tokens} tokens each")
+    sequences = self_distill(llm, prompts, cfg.max_tokens)
+    feats = build_features(model, sequences)
+    head = EagleHead(model.config.hidden_size, cfg.intermediate_size)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # t + 1 must stay inside the sequence: starts already end one early.
+    steps_per_epoch = max(1, len(feats.starts) // cfg.batch_tokens)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=cfg.epochs * steps_per_epoch)
+    bar = tqdm(total=cfg.epochs * steps_per_epoch, desc="training head", unit="step")
+    for _ in range(cfg.epochs):
+        order = feats.starts[torch.randperm(len(feats.starts))]
+        for b in range(steps_per_epoch):
+            t = order[b * cfg.batch_tokens : (b + 1) * cfg.batch_tokens]
+            loss = head_loss(head, model, feats, t)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update()
+    bar.close()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    head.save(cfg.out / "head.safetensors", target=loaded.fingerprint)
+    report = {"target": loaded.model_path, "target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus,
+              "num_prompts": len(prompts), "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
+              "intermediate_size": cfg.intermediate_size, "seconds": round(time.monotonic() - started, 1)}
+    (cfg.out / "head.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
+                      args.batch_tokens, args.lr, args.intermediate_size, args.seed)
+    print(json.dumps(train(cfg), indent=2))
+    return 0

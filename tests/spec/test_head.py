@@ -1,0 +1,107 @@
+"""Method "head" through the real engine (tiny checkpoints): greedy output is
+HF-exact across batch mixes, chunked prefill and preemption whatever the
+head proposes; ``kvferry train-draft`` trains a head whose drafts the target
+accepts far more often than an untrained one's; the committed head fits the
+embedded model; bad paths are ValueErrors naming the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvferry import LLM, SamplingParams
+from kvferry.cli import main
+from kvferry.spec.head import EMBEDDED_HEAD, EagleHead
+from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
+from tests.spec.test_engine import repetitive_prompts
+from tests.tiny_models import make_tiny_checkpoint
+
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("head")
+    target = str(make_tiny_checkpoint(root, arch="llama", max_position_embeddings=1024))
+    hf = load_hf(target)
+    torch.manual_seed(0)
+    untrained = root / "untrained.safetensors"
+    EagleHead(hf.config.hidden_size, 64).save(untrained, target="random")
+    prompts = repetitive_prompts(hf.config.vocab_size)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    return target, str(untrained), hf, prompts, expected, root
+
+
+def run(target, head, prompts, params=GREEDY, **kwargs):
+    spec = {"method": "head", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=target, dtype="float32", speculative=spec, **kwargs)
+    return llm, llm.generate(prompts, params)
+
+
+def check(hf, prompts, expected, results):
+    for p, e, r in zip(prompts, expected, results):
+        assert_greedy_match(hf, p, r.token_ids, e)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 16},
+                                    {"block_size": 8, "num_kv_blocks": 64, "enable_prefix_caching": False}],
+                         ids=["batch", "chunked", "preempt"])
+def test_greedy_is_hf_exact(case, kwargs):
+    target, head, hf, prompts, expected, _ = case
+    llm, results = run(target, head, prompts, **kwargs)
+    check(hf, prompts, expected, results)
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > 0
+    if "num_kv_blocks" in kwargs:
+        assert stats.num_preemptions > 0
+    llm.engine.check_integrity()
+
+
+def test_seeded_sampling_reproducible(case):
+    target, head, _, prompts, _, _ = case
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=s, ignore_eos=True) for s in range(len(prompts))]
+    _, first = run(target, head, prompts, params)
+    _, alone = run(target, head, prompts[-1:], params[-1:])
+    assert alone[0].token_ids == first[-1].token_ids
+
+
+def test_train_draft_makes_a_head_the_target_accepts(case, capsys):
+    target, untrained, hf, prompts, expected, root = case
+    out = root / "trained"
+    assert main(["train-draft", "--target", target, "--corpus", "chitchat", "--out", str(out),
+                 "--num-prompts", "24", "--max-tokens", "24", "--epochs", "4", "--batch-tokens", "64",
+                 "--intermediate-size", "64"]) == 0
+    report = json.loads((out / "head.json").read_text())
+    assert report["corpus"] == "chitchat" and report["train_positions"] > 200
+    # Self-distilled drafts: on the target's own chat answers (the training
+    # distribution) the trained head's drafts are accepted far more often.
+    chat = [[{"role": "user", "content": "Hello! How are you today?"}], [{"role": "user", "content": "hi there"}]]
+    rates = {}
+    for name, head in (("untrained", untrained), (("trained"), str(out))):
+        llm = LLM(model=target, dtype="float32",
+                  speculative={"method": "head", "model": head, "num_speculative_tokens": 3, "adaptive": False})
+        llm.chat(chat, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        s = llm.engine.stats()
+        rates[name] = s.num_accepted_tokens / max(s.num_draft_tokens, 1)
+    print(rates)
+    assert rates["trained"] > max(0.04, 2 * rates["untrained"])
+
+
+def test_the_committed_head_fits_the_embedded_model():
+    head = EagleHead.load(EMBEDDED_HEAD)
+    assert head.hidden_size == 576  # SmolLM2-135M
+    assert EMBEDDED_HEAD.stat().st_size < 8 * 2**20
+
+
+def test_bad_head_paths_are_value_errors(case, tmp_path):
+    target = case[0]
+    with pytest.raises(ValueError, match=r"speculative\.model"):
+        LLM(model=target, dtype="float32", speculative={"method": "head", "model": str(tmp_path / "nope")})
+    with pytest.raises(ValueError, match=r"speculative\.model"):  # the embedded head is for the embedded model
+        LLM(model=target, dtype="float32", speculative={"method": "head"})
+    wrong = tmp_path / "wrong.safetensors"
+    EagleHead(32, 16).save(wrong, target="random")
+    with pytest.raises(ValueError, match=r"speculative\.model"):
+        LLM(model=target, dtype="float32", speculative={"method": "head", "model": str(wrong)})
