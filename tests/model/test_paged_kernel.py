@@ -80,8 +80,8 @@ def test_decode_matches_torch_path(kernel, monkeypatch, group, head_dim, block_s
 
 
 def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
-    """Verify windows / short chunks (kernel, one row per token), a long chunk
-    (SDPA either way), a fresh prompt, and decodes in one step."""
+    """Verify windows / short chunks (kernel, causal inside the chunk), a long
+    chunk (SDPA either way), a short fresh prompt (kernel), and decodes in one step."""
     q_lens, seq_lens = [4, 16, 40, 7, 1, 1], [53, 16 + 16, 90, 7, 20, 1]
     kv_heads, group, head_dim, block_size = 3, 3, 64, 16
     cache, meta_args, gen = _batch(q_lens, seq_lens, kv_heads, head_dim, block_size)
@@ -91,8 +91,11 @@ def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
     v = torch.randn(t, kv_heads, head_dim, generator=gen)
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
-    assert [p.row_seq_lens is not None for p in meta.prefills] == [True, True, False, False]
-    assert meta.prefills[0].row_seq_lens.tolist() == [50, 51, 52, 53]
+    assert [p.use_kernel for p in meta.prefills] == [True, True, False, True]
+    # One kernel call: the short chunks (requests 0, 1, 3), then the decodes.
+    assert meta.kernel_seq_lens.tolist() == [53, 32, 7, 20, 1]
+    assert meta.kernel_query_starts.tolist() == [0, 4, 60, 67, 68]
+    assert meta.kernel_query_lens.tolist() == [4, 16, 7, 1, 1]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -129,7 +132,9 @@ def test_kernel_against_explicit_softmax(kernel):
     v_cache = torch.randn(6, 4, 1, 8, generator=gen)
     q = torch.randn(2, 2, 8, generator=gen)
     tables = torch.tensor([[5, 2, 0], [3, 0, 0]])
-    out = kernel(q, k_cache, v_cache, tables, torch.tensor([9, 3], dtype=torch.int32), 0.5)
+    out = torch.empty_like(q)
+    kernel(q, k_cache, v_cache, tables, torch.tensor([9, 3], dtype=torch.int32), torch.tensor([0, 1]),
+           torch.tensor([1, 1]), 0.5, out)
     for r, (blocks, n) in enumerate([([5, 2, 0], 9), ([3], 3)]):
         keys = k_cache[blocks].reshape(-1, 8)[:n]  # [n, D]
         vals = v_cache[blocks].reshape(-1, 8)[:n]
@@ -140,10 +145,13 @@ def test_kernel_against_explicit_softmax(kernel):
 def test_bad_block_table_is_an_error(kernel):
     cache = torch.zeros(4, 4, 1, 8)
     q = torch.zeros(1, 1, 8)
+    one = torch.tensor([1])
     with pytest.raises(RuntimeError, match="out of range"):
-        kernel(q, cache, cache, torch.tensor([[0, 7]]), torch.tensor([6]), 1.0)
+        kernel(q, cache, cache, torch.tensor([[0, 7]]), torch.tensor([6]), torch.tensor([0]), one, 1.0, q.clone())
     with pytest.raises(RuntimeError, match="does not fit"):
-        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), torch.tensor([0]), one, 1.0, q.clone())
+    with pytest.raises(RuntimeError, match="query rows"):
+        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([6]), torch.tensor([1]), one, 1.0, q.clone())
 
 
 def test_disabled_by_env(monkeypatch):
@@ -162,8 +170,9 @@ import sys, torch
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 k = get_paged_decode_kernel()
 assert k is not None
-out = k(torch.ones(1, 1, 4), torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), torch.zeros(1, 1, dtype=torch.long),
-        torch.tensor([2]), 1.0)
+out = torch.zeros(1, 1, 4)
+k(torch.ones(1, 1, 4), torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), torch.zeros(1, 1, dtype=torch.long),
+  torch.tensor([2]), torch.tensor([0]), torch.tensor([1]), 1.0, out)
 assert torch.equal(out, torch.ones(1, 1, 4))
 """
 
