@@ -266,6 +266,55 @@ void tile_scores_dpbf16(const at::BFloat16* __restrict q, const at::BFloat16* __
   if (n == kTile) body(kTile); else body(n);
   _mm512_storeu_ps(s, _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale)));
 }
+
+// acc += sum_t p[t] * v_t for bf16 rows, dim % 32 == 0, with vdpbf16ps over
+// pairs of tokens: the weights are rounded to bf16 (as torch's bf16 flash
+// attention does before its P @ V product) and each product pair is summed
+// in float32. Interleaving rows t and t+1 (unpack, within 128-bit lanes)
+// leaves acc in a permuted order: in each 32-dim chunk, position e holds
+// dimension pair_dim(e) (see below); alpha and the final division act
+// elementwise, and the output is un-permuted once per work item.
+inline int64_t pair_dim(int64_t e) {  // e in [0, 32)
+  const int64_t hi = e / 16, lane = (e % 16) / 4, j = e % 4;
+  return 8 * lane + 4 * hi + j;
+}
+
+template <int kChunks>  // 32-dim chunks handled together: independent FMA chains
+inline void accumulate_dpbf16_chunks(float* __restrict acc, __m512 av, const uint32_t* pp,
+                                     const at::BFloat16* __restrict v, int64_t stride, int64_t n) {
+  __m512 a[2 * kChunks];
+  for (int c = 0; c < 2 * kChunks; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), av);
+  int64_t t = 0;
+  for (; t + 1 < n; t += 2) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));  // (p[t], p[t+1])
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * c);
+      const __m512i y = _mm512_loadu_si512(v + (t + 1) * stride + 32 * c);
+      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, y), w);
+      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), w);
+    }
+  }
+  if (t < n) {  // odd count: pair the last row with zeros (its partner's weight is 0 too)
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * c);
+      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, _mm512_setzero_si512()), w);
+      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, _mm512_setzero_si512()), w);
+    }
+  }
+  for (int c = 0; c < 2 * kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+void tile_accumulate_dpbf16(float* __restrict acc, float alpha, const float* __restrict p,
+                            const at::BFloat16* __restrict v, int64_t stride, int64_t n, int64_t dim) {
+  alignas(64) uint32_t pp[kTile / 2];  // bf16 pairs (p[2k], p[2k+1]); weights past n are 0
+  const __m512 pv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(pv));
+  const __m512 av = _mm512_set1_ps(alpha);
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) accumulate_dpbf16_chunks<2>(acc + d, av, pp, v + d, stride, n);
+  for (; d < dim; d += 32) accumulate_dpbf16_chunks<1>(acc + d, av, pp, v + d, stride, n);
+}
 #endif
 
 // acc [dim] = acc * alpha + sum_t p[t] * v_t, t < n; dim % 16 == 0. 64 dims
@@ -421,7 +470,14 @@ struct Attend {
             tile_scores16(w.qf.data() + i * D, kt, row_stride, visible, D, scale, s);
           }
           const float alpha = softmax_update(s, visible, w.m[i], w.l[i]);
-          tile_accumulate16(acc, alpha, s, vt, row_stride, visible, D);
+#ifdef KVFERRY_AVX512_BF16
+          if constexpr (kPath == Path::kDpbf16) {
+            tile_accumulate_dpbf16(acc, alpha, s, vt, row_stride, visible, D);
+          } else
+#endif
+          {
+            tile_accumulate16(acc, alpha, s, vt, row_stride, visible, D);
+          }
         }
 #endif
       }
@@ -429,7 +485,14 @@ struct Attend {
     for (int64_t i = 0; i < M; ++i) {
       const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;  // seq_len == 0: zeros, not NaN
       qscalar_t* o = out_ptr + ((seq.q_start + i / group) * num_heads + h * group + i % group) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<qscalar_t>(w.acc[i * D + d] * inv);
+      const float* a = w.acc.data() + i * D;
+      if constexpr (kPath == Path::kDpbf16) {
+#ifdef KVFERRY_AVX512_BF16
+        for (int64_t d = 0; d < D; ++d) o[d / 32 * 32 + pair_dim(d % 32)] = static_cast<qscalar_t>(a[d] * inv);
+#endif
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<qscalar_t>(a[d] * inv);
+      }
     }
   }
 
