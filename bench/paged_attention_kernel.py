@@ -21,6 +21,7 @@ import time
 import torch
 
 from kvferry.model import paged_kernel
+from kvferry.model import attention
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.cpu_features import cpu_features
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
     kernel_ms, torch_ms = [], []
     for _ in range(args.rounds):  # interleaved
         kernel_ms.append(_time(kernel_fn, args.repeats))
-        torch_ms.append(_time(torch_fn, args.repeats))
+        torch_ms.append(float("nan") if args.no_torch else _time(torch_fn, args.repeats))
     kv_bytes = 2 * args.batch * (args.context + q_len) * args.kv_heads * args.head_dim * cache.element_size()
     km = statistics.median(kernel_ms)
     return {"q_len": q_len, "kernel_ms": round(km, 3), "torch_ms": round(statistics.median(torch_ms), 3),
@@ -91,7 +92,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved kernel / torch rounds")
+    ap.add_argument("--kernel-max-tokens", type=int, default=None,
+                    help="chunks up to this many tokens go to the kernel (default: attention.py's threshold)")
+    ap.add_argument("--no-torch", action="store_true", help="time the kernel only (for profiling)")
     args = ap.parse_args()
+    if args.kernel_max_tokens is not None:
+        attention._KERNEL_MAX_PREFILL_TOKENS = args.kernel_max_tokens
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(json.dumps({"cpu": cpu_features().describe(), "threads": args.threads, "dtype": args.dtype,

@@ -233,8 +233,8 @@ inline __m512 transpose_sum16(__m512 v[16]) {
 
 // s[t] = (q . k_t) * scale for t < n <= 16; float q [dim], dim % 16 == 0.
 template <typename scalar_t>
-void tile_scores16(const float* __restrict q, const scalar_t* __restrict k, int64_t stride, int64_t n,
-                   int64_t dim, float scale, float* __restrict s) {
+__m512 tile_scores16(const float* __restrict q, const scalar_t* __restrict k, int64_t stride, int64_t n,
+                     int64_t dim, float scale) {
   __m512 acc[kTile];
   for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
   // A full tile (the common case) with a constant trip count, so that acc stays in registers.
@@ -245,14 +245,14 @@ void tile_scores16(const float* __restrict q, const scalar_t* __restrict k, int6
     }
   };
   if (n == kTile) body(kTile); else body(n);
-  _mm512_storeu_ps(s, _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale)));
+  return _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
 }
 
 #ifdef KVFERRY_AVX512_BF16
 // The same for a bf16 query and bf16 rows, dim % 32 == 0: vdpbf16ps adds
 // q[2i] k[2i] + q[2i+1] k[2i+1] (exact products) into each float32 lane.
-void tile_scores_dpbf16(const at::BFloat16* __restrict q, const at::BFloat16* __restrict k, int64_t stride,
-                        int64_t n, int64_t dim, float scale, float* __restrict s) {
+__m512 tile_scores_dpbf16(const at::BFloat16* __restrict q, const at::BFloat16* __restrict k, int64_t stride,
+                          int64_t n, int64_t dim, float scale) {
   __m512 acc[kTile];
   for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
   auto body = [&](const int64_t nn) __attribute__((always_inline)) {
@@ -264,7 +264,7 @@ void tile_scores_dpbf16(const at::BFloat16* __restrict q, const at::BFloat16* __
     }
   };
   if (n == kTile) body(kTile); else body(n);
-  _mm512_storeu_ps(s, _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale)));
+  return _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
 }
 
 // acc += sum_t p[t] * v_t for bf16 rows, dim % 32 == 0, with vdpbf16ps over
@@ -305,10 +305,9 @@ inline void accumulate_dpbf16_chunks(float* __restrict acc, __m512 av, const uin
   for (int c = 0; c < 2 * kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
-void tile_accumulate_dpbf16(float* __restrict acc, float alpha, const float* __restrict p,
-                            const at::BFloat16* __restrict v, int64_t stride, int64_t n, int64_t dim) {
+void tile_accumulate_dpbf16(float* __restrict acc, float alpha, __m512 pv, const at::BFloat16* __restrict v,
+                            int64_t stride, int64_t n, int64_t dim) {
   alignas(64) uint32_t pp[kTile / 2];  // bf16 pairs (p[2k], p[2k+1]); weights past n are 0
-  const __m512 pv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(pv));
   const __m512 av = _mm512_set1_ps(alpha);
   int64_t d = 0;
@@ -316,6 +315,42 @@ void tile_accumulate_dpbf16(float* __restrict acc, float alpha, const float* __r
   for (; d < dim; d += 32) accumulate_dpbf16_chunks<1>(acc + d, av, pp, v + d, stride, n);
 }
 #endif
+
+// exp for x <= 0, 16 lanes: the Cephes expf of exp256 above.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Online softmax step for one query over one tile, in registers: scores s
+// (lanes < n valid) in, weights exp(s - m) out (lanes >= n zero); returns in
+// alpha the factor by which l (updated here) and acc (by the caller) are
+// rescaled to the new running max m.
+inline __m512 softmax_tile(__m512 s, int64_t n, float& m, float& l, float& alpha) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  const float tile_max = _mm512_mask_reduce_max_ps(valid, s);
+  alpha = 1.f;
+  if (tile_max > m) {
+    alpha = std::exp(m - tile_max);  // exp(-inf) = 0 on the first tile
+    l *= alpha;
+    m = tile_max;
+  }
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+  l += _mm512_reduce_add_ps(p);
+  return p;
+}
 
 // acc [dim] = acc * alpha + sum_t p[t] * v_t, t < n; dim % 16 == 0. 64 dims
 // of acc stay in registers across the tile's tokens.
@@ -461,21 +496,17 @@ struct Attend {
         }
 #ifdef KVFERRY_AVX512
         if constexpr (kPath != Path::kPortable) {
+          float alpha = 1.f;
 #ifdef KVFERRY_AVX512_BF16
           if constexpr (kPath == Path::kDpbf16) {
-            tile_scores_dpbf16(query(i / group, i % group, h, seq), kt, row_stride, visible, D, scale, s);
+            const __m512 sv = tile_scores_dpbf16(query(i / group, i % group, h, seq), kt, row_stride, visible, D, scale);
+            const __m512 p = softmax_tile(sv, visible, w.m[i], w.l[i], alpha);
+            tile_accumulate_dpbf16(acc, alpha, p, vt, row_stride, visible, D);
           } else
 #endif
           {
-            tile_scores16(w.qf.data() + i * D, kt, row_stride, visible, D, scale, s);
-          }
-          const float alpha = softmax_update(s, visible, w.m[i], w.l[i]);
-#ifdef KVFERRY_AVX512_BF16
-          if constexpr (kPath == Path::kDpbf16) {
-            tile_accumulate_dpbf16(acc, alpha, s, vt, row_stride, visible, D);
-          } else
-#endif
-          {
+            const __m512 sv = tile_scores16(w.qf.data() + i * D, kt, row_stride, visible, D, scale);
+            _mm512_store_ps(s, softmax_tile(sv, visible, w.m[i], w.l[i], alpha));
             tile_accumulate16(acc, alpha, s, vt, row_stride, visible, D);
           }
         }
