@@ -26,7 +26,7 @@ from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.cpu_features import cpu_features
 
 
-def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int) -> dict:
+def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int, dtype: torch.dtype) -> dict:
     per_seq = -(-(context + q_len) // block_size)
     perm = torch.randperm(num_blocks)[: batch * per_seq].view(batch, per_seq)  # scattered blocks
     slots = []
@@ -35,7 +35,7 @@ def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int
             slots.append(int(perm[r, p // block_size]) * block_size + p % block_size)
     return dict(query_start_loc=[r * q_len for r in range(batch + 1)], seq_lens=[context + q_len] * batch,
                 slot_mapping=torch.tensor(slots), block_tables=perm.contiguous(), block_size=block_size,
-                num_prefills=batch if q_len > 1 else 0)
+                num_prefills=batch if q_len > 1 else 0, kv_dtype=dtype)
 
 
 def _time(fn, repeats: int) -> float:
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
     q = torch.randn(t, args.heads, args.head_dim).to(dtype)
     k = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
-    meta_args = _meta(args.batch, args.context, q_len, args.block_size, num_blocks)
+    meta_args = _meta(args.batch, args.context, q_len, args.block_size, num_blocks, dtype)
     scale = args.head_dim ** -0.5
 
     def call(disable: bool):
@@ -98,6 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.kernel_max_tokens is not None:
         attention._KERNEL_MAX_PREFILL_TOKENS = args.kernel_max_tokens
+        attention._KERNEL_MAX_PREFILL_TOKENS_BF16 = args.kernel_max_tokens
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(json.dumps({"cpu": cpu_features().describe(), "threads": args.threads, "dtype": args.dtype,

@@ -282,3 +282,22 @@ def test_avx2_build_matches_explicit_softmax(kernel):
     env = {**os.environ, "KVFERRY_KERNEL_ISA": "avx2", "KVFERRY_DISABLE_CPP_KERNELS": "0",
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", _AVX2], env=env, check=True, timeout=600)
+
+
+def test_chunk_threshold_follows_the_cache_dtype(kernel, monkeypatch):
+    """A 40-token chunk over context: the kernel takes it with a bf16 cache on
+    a CPU with vdpbf16ps (where it beats SDPA), SDPA otherwise; same output."""
+    from kvferry.model.attention import kernel_max_chunk_tokens
+    from kvferry.model.cpu_features import cpu_features
+
+    native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
+    assert kernel_max_chunk_tokens(torch.float32) == 16
+    assert kernel_max_chunk_tokens(torch.bfloat16) == (64 if native else 16)
+    dtype = torch.bfloat16
+    cache, meta_args, gen = _batch([40, 1], [90, 20], 3, 64, 16, dtype=dtype)
+    meta_args["kv_dtype"] = dtype
+    q, k, v = (torch.randn(41, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+    ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
+    out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
+    assert meta.prefills[0].use_kernel == native
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

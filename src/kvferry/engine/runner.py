@@ -182,6 +182,7 @@ class ModelRunner:
             block_tables=self._to_device(block_tables),
             block_size=bs,
             num_prefills=num_prefills,
+            kv_dtype=self.kv_cache.dtype,
         )
         meta.prepare()
         return StepInputs(

@@ -27,14 +27,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvferry.model.paged_kernel import get_paged_decode_kernel
+from kvferry.model.cpu_features import cpu_features
+from kvferry.model.paged_kernel import get_paged_decode_kernel, kernel_isa
 
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Chunks with at most this many new tokens use the kernel (it reads the
+# Chunks with at most this many new tokens use the kernel: it reads the
 # context once per chunk, but its dot products are vector, not matrix,
-# products: long chunks are better off with SDPA's flash kernel).
+# products, so long chunks are better off with SDPA's flash kernel. Measured
+# (bench/paged_attention_kernel.py, one thread, context 384-2048): in float32
+# the kernel ties the gather + SDPA path at 16 tokens and is 1.2-1.3x slower at
+# 64-128; with a bf16 cache on a CPU with AVX512-BF16 (vdpbf16ps) it stays
+# 0.7-0.8x of SDPA's time up to 256 tokens, so bf16 takes longer chunks.
 _KERNEL_MAX_PREFILL_TOKENS = 16
+_KERNEL_MAX_PREFILL_TOKENS_BF16 = 64
+
+
+def kernel_max_chunk_tokens(kv_dtype: torch.dtype | None) -> int:
+    """Longest chunk (new tokens of one request) the C++ kernel takes."""
+    if kv_dtype == torch.bfloat16 and kernel_isa() == "native" and "avx512_bf16" in cpu_features().flags:
+        return max(_KERNEL_MAX_PREFILL_TOKENS, _KERNEL_MAX_PREFILL_TOKENS_BF16)
+    return _KERNEL_MAX_PREFILL_TOKENS
 
 
 @dataclass(slots=True)
@@ -81,6 +94,9 @@ class AttentionMetadata:
     # Requests [0, num_prefills) have more than one new token; requests
     # [num_prefills, num_reqs) have exactly one (decodes, or a 1-token chunk).
     num_prefills: int
+    # The KV cache's dtype: how long a chunk the kernel takes (None: the
+    # float32 threshold).
+    kv_dtype: torch.dtype | None = None
 
     # ---- derived by prepare(); callers leave these alone ----
     prefills: list[PrefillSlice] = field(default_factory=list)
@@ -137,7 +153,7 @@ class AttentionMetadata:
         context_len = seq_len - q_len
         if q_len < 1 or context_len < 0:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
-        if q_len <= _KERNEL_MAX_PREFILL_TOKENS and self._use_kernel():
+        if q_len <= kernel_max_chunk_tokens(self.kv_dtype) and self._use_kernel():
             return PrefillSlice(start, end, context_len, use_kernel=True)
         if context_len == 0:
             return PrefillSlice(start, end, 0)
