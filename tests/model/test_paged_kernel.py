@@ -80,8 +80,8 @@ def test_decode_matches_torch_path(kernel, monkeypatch, group, head_dim, block_s
 
 
 def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
-    """Verify windows / short chunks (kernel, one row per token), a long chunk
-    (SDPA either way), a fresh prompt, and decodes in one step."""
+    """Verify windows / short chunks (kernel, causal inside the chunk), a long
+    chunk (SDPA either way), a short fresh prompt (kernel), and decodes in one step."""
     q_lens, seq_lens = [4, 16, 40, 7, 1, 1], [53, 16 + 16, 90, 7, 20, 1]
     kv_heads, group, head_dim, block_size = 3, 3, 64, 16
     cache, meta_args, gen = _batch(q_lens, seq_lens, kv_heads, head_dim, block_size)
@@ -91,8 +91,11 @@ def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
     v = torch.randn(t, kv_heads, head_dim, generator=gen)
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
-    assert [p.row_seq_lens is not None for p in meta.prefills] == [True, True, False, False]
-    assert meta.prefills[0].row_seq_lens.tolist() == [50, 51, 52, 53]
+    assert [p.use_kernel for p in meta.prefills] == [True, True, False, True]
+    # One kernel call: the short chunks (requests 0, 1, 3), then the decodes.
+    assert meta.kernel_seq_lens.tolist() == [53, 32, 7, 20, 1]
+    assert meta.kernel_query_starts.tolist() == [0, 4, 60, 67, 68]
+    assert meta.kernel_query_lens.tolist() == [4, 16, 7, 1, 1]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -129,7 +132,9 @@ def test_kernel_against_explicit_softmax(kernel):
     v_cache = torch.randn(6, 4, 1, 8, generator=gen)
     q = torch.randn(2, 2, 8, generator=gen)
     tables = torch.tensor([[5, 2, 0], [3, 0, 0]])
-    out = kernel(q, k_cache, v_cache, tables, torch.tensor([9, 3], dtype=torch.int32), 0.5)
+    out = torch.empty_like(q)
+    kernel(q, k_cache, v_cache, tables, torch.tensor([9, 3], dtype=torch.int32), torch.tensor([0, 1]),
+           torch.tensor([1, 1]), 0.5, out)
     for r, (blocks, n) in enumerate([([5, 2, 0], 9), ([3], 3)]):
         keys = k_cache[blocks].reshape(-1, 8)[:n]  # [n, D]
         vals = v_cache[blocks].reshape(-1, 8)[:n]
@@ -140,10 +145,13 @@ def test_kernel_against_explicit_softmax(kernel):
 def test_bad_block_table_is_an_error(kernel):
     cache = torch.zeros(4, 4, 1, 8)
     q = torch.zeros(1, 1, 8)
+    one = torch.tensor([1])
     with pytest.raises(RuntimeError, match="out of range"):
-        kernel(q, cache, cache, torch.tensor([[0, 7]]), torch.tensor([6]), 1.0)
+        kernel(q, cache, cache, torch.tensor([[0, 7]]), torch.tensor([6]), torch.tensor([0]), one, 1.0, q.clone())
     with pytest.raises(RuntimeError, match="does not fit"):
-        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), torch.tensor([0]), one, 1.0, q.clone())
+    with pytest.raises(RuntimeError, match="query rows"):
+        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([6]), torch.tensor([1]), one, 1.0, q.clone())
 
 
 def test_disabled_by_env(monkeypatch):
@@ -162,8 +170,9 @@ import sys, torch
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 k = get_paged_decode_kernel()
 assert k is not None
-out = k(torch.ones(1, 1, 4), torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), torch.zeros(1, 1, dtype=torch.long),
-        torch.tensor([2]), 1.0)
+out = torch.zeros(1, 1, 4)
+k(torch.ones(1, 1, 4), torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), torch.zeros(1, 1, dtype=torch.long),
+  torch.tensor([2]), torch.tensor([0]), torch.tensor([1]), 1.0, out)
 assert torch.equal(out, torch.ones(1, 1, 4))
 """
 
@@ -177,3 +186,118 @@ def test_concurrent_first_builds_share_one_cache(kernel, tmp_path):
     builds = list((tmp_path / "torch_ext").iterdir())
     assert len(builds) == 1 and (builds[0] / f"{builds[0].name}.so").exists()
     assert not (builds[0] / "lock").exists()
+
+
+def _explicit(q, k_cache, v_cache, table, seq_len, q_start, q_len, scale, group):
+    """float64 softmax attention of one sequence's query rows, causal inside the chunk."""
+    d = q.shape[-1]
+    keys = k_cache[table].reshape(-1, k_cache.shape[2], d)[:seq_len].double()  # [S, KVH, D]
+    vals = v_cache[table].reshape(-1, v_cache.shape[2], d)[:seq_len].double()
+    qs = q[q_start:q_start + q_len].double()  # [q_len, H, D]
+    keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)  # [S, H, D]
+    scores = torch.einsum("jhd,shd->hjs", qs, keys) * scale
+    pos = torch.arange(seq_len)
+    visible = pos[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]  # [q_len, S]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hjs,shd->jhd", probs, vals)
+
+
+def _multi_query_case(dtype, block_size, head_dim, seed):
+    """Sequences with 1..17 query rows (decode, verify windows, chunks longer
+    than a tile), scattered blocks, q a strided column slice, a gap row."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, group = 3, 3
+    q_lens, seq_lens = [1, 3, 5, 16, 17, 2], [40, 3, 37, 16, 50, 9]
+    starts = [0, 1, 5, 10, 26, 44]  # row 4 belongs to no sequence
+    blocks = [-(-s // block_size) for s in seq_lens]
+    ids = torch.randperm(sum(blocks) + 2, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
+    used = 0
+    for r, b in enumerate(blocks):
+        tables[r, :b] = ids[used:used + b]
+        used += b
+    num_blocks = sum(blocks) + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tokens = starts[-1] + q_lens[-1]
+    wide = torch.randn(tokens, kv_heads * group + 2, head_dim, generator=gen).to(dtype)
+    q = wide[:, 1:1 + kv_heads * group]  # token rows strided, as q sliced from the fused qkv
+    return q, k_cache, v_cache, tables, seq_lens, starts, q_lens, group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 64), (16, 32), (4, 80)])
+def test_multi_query_causal_against_explicit_softmax(kernel, dtype, block_size, head_dim):
+    q, k_cache, v_cache, tables, seq_lens, starts, q_lens, group = _multi_query_case(dtype, block_size, head_dim, 3)
+    out = torch.full(q.shape, 7.0, dtype=dtype)
+    scale = head_dim ** -0.5
+    kernel(q, k_cache, v_cache, tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens),
+           scale, out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output itself is rounded to bf16
+    for r in range(len(seq_lens)):
+        expected = _explicit(q, k_cache, v_cache, tables[r], seq_lens[r], starts[r], q_lens[r], scale, group)
+        got = out[starts[r]:starts[r] + q_lens[r]].double()
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    assert (out[4] == 7.0).all()  # rows of no sequence are left alone
+
+
+def test_kernel_path_follows_the_cpu(kernel):
+    from kvferry.model.cpu_features import cpu_features
+
+    path = paged_kernel.kernel_path(torch.bfloat16, torch.bfloat16, 64)
+    if paged_kernel.kernel_isa() == "avx2" or not cpu_features().avx512:
+        assert path == "portable"
+    elif "avx512_bf16" in cpu_features().flags:
+        assert path == "dpbf16"
+    else:
+        assert path == "avx512"
+    assert paged_kernel.kernel_path(torch.float32, torch.bfloat16, 40) == "portable"  # 40 % 16 != 0
+
+
+_AVX2 = """
+import torch
+from kvferry.model import paged_kernel
+from tests.model.test_paged_kernel import _explicit, _multi_query_case
+assert paged_kernel.kernel_isa() == "avx2"
+kernel = paged_kernel.get_paged_decode_kernel()
+assert kernel is not None
+assert paged_kernel.kernel_path(torch.bfloat16, torch.bfloat16, 64) == "portable"
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    q, kc, vc, tables, seq_lens, starts, q_lens, group = _multi_query_case(dtype, 16, 64, 5)
+    out = torch.empty(q.shape, dtype=dtype)
+    kernel(q, kc, vc, tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens), 0.125, out)
+    for r in range(len(seq_lens)):
+        exp = _explicit(q, kc, vc, tables[r], seq_lens[r], starts[r], q_lens[r], 0.125, group)
+        torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), exp, atol=tol, rtol=tol)
+"""
+
+
+def test_avx2_build_matches_explicit_softmax(kernel):
+    """The build without AVX-512 (what an AVX2-only CPU gets), in its own
+    process: a process loads one build of the op."""
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "KVFERRY_KERNEL_ISA": "avx2", "KVFERRY_DISABLE_CPP_KERNELS": "0",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", _AVX2], env=env, check=True, timeout=600)
+
+
+def test_chunk_threshold_follows_the_cache_dtype(kernel, monkeypatch):
+    """A 40-token chunk over context: the kernel takes it with a bf16 cache on
+    a CPU with vdpbf16ps (where it beats SDPA), SDPA otherwise; same output."""
+    from kvferry.model.attention import kernel_max_chunk_tokens
+    from kvferry.model.cpu_features import cpu_features
+
+    native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
+    assert kernel_max_chunk_tokens(torch.float32) == 16
+    assert kernel_max_chunk_tokens(torch.bfloat16) == (64 if native else 16)
+    dtype = torch.bfloat16
+    cache, meta_args, gen = _batch([40, 1], [90, 20], 3, 64, 16, dtype=dtype)
+    meta_args["kv_dtype"] = dtype
+    q, k, v = (torch.randn(41, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+    ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
+    out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
+    assert meta.prefills[0].use_kernel == native
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

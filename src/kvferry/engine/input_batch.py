@@ -142,7 +142,7 @@ class FlatStep:
     block_tables: np.ndarray  # [num_reqs, max_blocks] int64
     num_prefills: int
 
-    def metadata(self, block_size: int, device: torch.device) -> AttentionMetadata:
+    def metadata(self, block_size: int, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionMetadata:
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc.tolist(),
             seq_lens=self.seq_lens.tolist(),
@@ -150,6 +150,7 @@ class FlatStep:
             block_tables=to_device(self.block_tables, device),
             block_size=block_size,
             num_prefills=self.num_prefills,
+            kv_dtype=kv_dtype,
         )
         meta.prepare()
         return meta

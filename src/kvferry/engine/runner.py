@@ -196,7 +196,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=self._to_device(flat.input_ids),
             positions=self._to_device(flat.positions),
-            meta=flat.metadata(self.block_size, self.device),
+            meta=flat.metadata(self.block_size, self.device, self.kv_cache.dtype),
             logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
             sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
         )

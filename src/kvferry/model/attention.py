@@ -12,10 +12,12 @@ block ``bt[p // block_size]`` at offset ``p % block_size``; its "slot" is
 
 The same code runs on CPU and CUDA: it is plain torch indexing plus
 ``scaled_dot_product_attention``; every derived tensor lives on the device
-of ``block_tables``. On CPU, single-token decodes (and short chunks over a
-cached context, such as speculative verify windows) use the C++ kernel of
-``paged_kernel.py`` when it builds, which reads each K/V row in place once;
-``KVFERRY_DISABLE_CPP_KERNELS=1`` forces the torch path everywhere.
+of ``block_tables``. On CPU, single-token decodes and short chunks (speculative
+verify windows, short prefill chunks over a cached context) go to the C++
+kernel of ``paged_kernel.py`` when it builds: one call per layer for all of
+them, reading each sequence's K/V rows in place once for all its query
+tokens and heads. ``KVFERRY_DISABLE_CPP_KERNELS=1`` forces the torch path
+everywhere.
 """
 from __future__ import annotations
 
@@ -26,14 +28,27 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvferry.model.paged_kernel import get_paged_decode_kernel
+from kvferry.model.cpu_features import cpu_features
+from kvferry.model.paged_kernel import get_paged_decode_kernel, kernel_isa
 
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Chunks over a cached context with at most this many new tokens use the
-# kernel (one row per token: K/V is re-read per token, so long chunks are
-# better off with SDPA's matrix products).
+# Chunks with at most this many new tokens use the kernel: it reads the
+# context once per chunk, but its dot products are vector, not matrix,
+# products, so long chunks are better off with SDPA's flash kernel. Measured
+# (bench/paged_attention_kernel.py, one thread, context 384-2048): in float32
+# the kernel ties the gather + SDPA path at 16 tokens and is 1.2-1.3x slower at
+# 64-128; with a bf16 cache on a CPU with AVX512-BF16 (vdpbf16ps) it stays
+# 0.7-0.8x of SDPA's time up to 256 tokens, so bf16 takes longer chunks.
 _KERNEL_MAX_PREFILL_TOKENS = 16
+_KERNEL_MAX_PREFILL_TOKENS_BF16 = 64
+
+
+def kernel_max_chunk_tokens(kv_dtype: torch.dtype | None) -> int:
+    """Longest chunk (new tokens of one request) the C++ kernel takes."""
+    if kv_dtype == torch.bfloat16 and kernel_isa() == "native" and "avx512_bf16" in cpu_features().flags:
+        return max(_KERNEL_MAX_PREFILL_TOKENS, _KERNEL_MAX_PREFILL_TOKENS_BF16)
+    return _KERNEL_MAX_PREFILL_TOKENS
 
 
 @dataclass(slots=True)
@@ -49,10 +64,9 @@ class PrefillSlice:
     slots: torch.Tensor | None = None
     # [q_len, seq_len] bool, True = may attend; None when causal from 0
     mask: torch.Tensor | None = None
-    # Kernel path (then slots/mask stay None): query token j sees positions
-    # 0 .. context_len + j, i.e. row_seq_lens[j] = context_len + j + 1.
-    row_block_tables: torch.Tensor | None = None  # [q_len, max_num_blocks] int64
-    row_seq_lens: torch.Tensor | None = None  # [q_len] int64
+    # Served by the kernel call of the step (then slots/mask stay None unless
+    # a layer's cache dtype needs the torch path after all).
+    use_kernel: bool = False
 
 
 class LayerSink(Protocol):
@@ -91,17 +105,23 @@ class AttentionMetadata:
     # This step's outgoing KV transfer, if any: the model calls
     # ``layer_done(i)`` after layer i (per step, never a global).
     kv_transfer: LayerSink | None = None
+    # The KV cache's dtype: how long a chunk the kernel takes (None: the
+    # float32 threshold).
+    kv_dtype: torch.dtype | None = None
 
     # ---- derived by prepare(); callers leave these alone ----
     prefills: list[PrefillSlice] = field(default_factory=list)
     num_decodes: int = 0
     decode_start: int = 0  # token offset of the first decode in the batch
-    # C++ kernel path: the kernel, the decodes' block tables and lengths. The
-    # padded slots/mask below are then built only if a layer needs the torch
-    # path after all (a cache dtype the kernel does not read).
-    kernel: Callable[..., torch.Tensor] | None = None
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_num_blocks] int64
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
+    # C++ kernel path: the kernel and the sequences it serves (short chunks,
+    # then every decode), one call per layer. The padded slots/mask below are
+    # then built only if a layer needs the torch path after all (a cache
+    # dtype the kernel does not read).
+    kernel: Callable[..., None] | None = None
+    kernel_block_tables: torch.Tensor | None = None  # [kernel_seqs, max_num_blocks] int64
+    kernel_seq_lens: torch.Tensor | None = None  # [kernel_seqs] int64
+    kernel_query_starts: torch.Tensor | None = None  # [kernel_seqs] int64, token offset in the batch
+    kernel_query_lens: torch.Tensor | None = None  # [kernel_seqs] int64
     # [num_decodes * max_decode_len] int64 slots, row-major over (request, position)
     decode_slots: torch.Tensor | None = None
     # [num_decodes, 1, 1, max_decode_len] bool, True = real context (not padding)
@@ -121,6 +141,7 @@ class AttentionMetadata:
             )
         self.prefills = [self._prefill_slice(i) for i in range(self.num_prefills)]
         self._prepare_decodes(num_reqs)
+        self._prepare_kernel_seqs(num_reqs)
         self.prepared = True
 
     def _use_kernel(self) -> bool:
@@ -143,18 +164,17 @@ class AttentionMetadata:
         context_len = seq_len - q_len
         if q_len < 1 or context_len < 0:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
+        if q_len <= kernel_max_chunk_tokens(self.kv_dtype) and self._use_kernel():
+            return PrefillSlice(start, end, context_len, use_kernel=True)
         if context_len == 0:
             return PrefillSlice(start, end, 0)
-        if q_len <= _KERNEL_MAX_PREFILL_TOKENS and self._use_kernel():
-            return PrefillSlice(
-                start, end, context_len,
-                row_block_tables=self.block_tables[i].expand(q_len, -1).contiguous(),
-                row_seq_lens=torch.arange(context_len + 1, seq_len + 1),
-            )
         return PrefillSlice(start, end, context_len, *self._context_slots_and_mask(i, context_len, seq_len))
 
-    def context_slots_and_mask(self, p: PrefillSlice) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch path's slots and mask for a slice prepared for the kernel."""
+    def context_slots_and_mask(self, p: PrefillSlice) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The torch path's slots and mask for a slice prepared for the kernel
+        (None, None when it has no cached context)."""
+        if p.context_len == 0:
+            return None, None
         i = self.query_start_loc.index(p.start)
         return self._context_slots_and_mask(i, p.context_len, self.seq_lens[i])
 
@@ -179,11 +199,25 @@ class AttentionMetadata:
             return
         lens = self.seq_lens[self.num_prefills:]
         self.max_decode_len = max(lens)
-        if self._use_kernel():
-            self.decode_block_tables = self.block_tables[self.num_prefills:]  # contiguous row slice: a view
-            self.decode_seq_lens = torch.tensor(lens, dtype=torch.int64)
+        if not self._use_kernel():
+            self.build_decode_slots()
+
+    def _prepare_kernel_seqs(self, num_reqs: int) -> None:
+        """The kernel call's sequences: short chunks, then all decodes."""
+        if self.kernel is None:
             return
-        self.build_decode_slots()
+        rows = [i for i, p in enumerate(self.prefills) if p.use_kernel]
+        rows += range(self.num_prefills, num_reqs)
+        if not rows:
+            return
+        if rows == list(range(rows[0], num_reqs)):
+            self.kernel_block_tables = self.block_tables[rows[0]:]  # contiguous row slice: a view
+        else:
+            self.kernel_block_tables = self.block_tables[torch.tensor(rows)]
+        qsl = self.query_start_loc
+        self.kernel_seq_lens = torch.tensor([self.seq_lens[i] for i in rows], dtype=torch.int64)
+        self.kernel_query_starts = torch.tensor([qsl[i] for i in rows], dtype=torch.int64)
+        self.kernel_query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in rows], dtype=torch.int64)
 
     def build_decode_slots(self) -> None:
         """The torch decode path's padded slots and mask (idempotent)."""
@@ -233,34 +267,20 @@ def paged_attention(
     if not meta.prepared:
         meta.prepare()
     write_kv(kv_cache_layer, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
     flat = kv_cache_layer.view(2, -1, kv_cache_layer.shape[3], kv_cache_layer.shape[4])
-    kernel = meta.kernel if kv_cache_layer.dtype in _KERNEL_CACHE_DTYPES else None
+    kernel = meta.kernel if kv_cache_layer.dtype in _KERNEL_CACHE_DTYPES and q.dtype in _KERNEL_CACHE_DTYPES else None
+    if kernel is not None and meta.kernel_seq_lens is not None:
+        # Short chunks and decodes, in place into their rows of out.
+        kernel(q, kv_cache_layer[0], kv_cache_layer[1], meta.kernel_block_tables, meta.kernel_seq_lens,
+               meta.kernel_query_starts, meta.kernel_query_lens, scale, out)
     for p in meta.prefills:
-        if p.row_seq_lens is not None and kernel is not None:
-            out[p.start:p.end] = _kernel_attention(kernel, q[p.start:p.end], kv_cache_layer, p.row_block_tables,
-                                                   p.row_seq_lens, scale)
-        else:
+        if not (p.use_kernel and kernel is not None):
             out[p.start:p.end] = _prefill_attention(q, k, v, flat, p, scale, meta)
-    if meta.num_decodes:
-        qd = q[meta.decode_start:]
-        if kernel is not None:
-            out[meta.decode_start:] = _kernel_attention(kernel, qd, kv_cache_layer, meta.decode_block_tables,
-                                                        meta.decode_seq_lens, scale)
-        else:
-            meta.build_decode_slots()
-            out[meta.decode_start:] = _decode_attention(qd, flat, meta, scale)
+    if meta.num_decodes and kernel is None:
+        meta.build_decode_slots()
+        out[meta.decode_start:] = _decode_attention(q[meta.decode_start:], flat, meta, scale)
     return out
-
-
-def _kernel_attention(
-    kernel: Callable[..., torch.Tensor], q: torch.Tensor, kv_cache_layer: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:
-    """q: [rows, H, D]; row r attends to positions 0..seq_lens[r]-1 of block
-    table row r, read in place from the cache. Returns [rows, H, D]."""
-    o = kernel(q.float(), kv_cache_layer[0], kv_cache_layer[1], block_tables, seq_lens, scale)
-    return o.to(q.dtype)
 
 
 def _prefill_attention(
@@ -270,8 +290,8 @@ def _prefill_attention(
     """One request's chunk: [q_len, H, D] attending to its context."""
     qh = q[p.start:p.end].transpose(0, 1)  # [H, q_len, D]
     group = q.shape[1] // k.shape[1]
-    if p.row_seq_lens is not None and p.slots is None:
-        # Prepared for the kernel, but this layer's cache dtype needs torch.
+    if p.use_kernel and p.slots is None:
+        # Prepared for the kernel, but this layer's dtypes need torch.
         p.slots, p.mask = meta.context_slots_and_mask(p)
     # SDPA gets 4-D [1, H, L, D] inputs: on CPU only those reach the fused
     # flash kernel (3-D ones take the unfused math path, measured 4-6x slower

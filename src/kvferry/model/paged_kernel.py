@@ -2,13 +2,27 @@
 
 ``get_paged_decode_kernel()`` returns a callable
 
-    kernel(q, k_cache, v_cache, block_tables, seq_lens, scale) -> out
+    kernel(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out) -> None
 
-    q:            [rows, num_heads, head_dim] float32
+    q:            [tokens, num_heads, head_dim] float32 / bf16 / fp16 (token rows may be strided)
     k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] float32 / bf16 / fp16
-    block_tables: [rows, max_blocks] int64
-    seq_lens:     [rows] int32 / int64; row r attends to positions 0..seq_lens[r]-1
-    out:          [rows, num_heads, head_dim] float32
+    block_tables: [seqs, max_blocks] int64
+    seq_lens:     [seqs] int32 / int64: context length of sequence s after this step
+    query_starts, query_lens: [seqs]: sequence s owns q rows
+                  query_starts[s] .. query_starts[s] + query_lens[s] - 1, its last
+                  query_lens[s] positions (causal among themselves)
+    out:          [tokens, num_heads, head_dim], q's dtype, contiguous; only the
+                  sequences' rows are written
+
+or None when the kernel is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``, no
+compiler, a failed build); callers then use the torch path. The reason is
+logged once. ``kernel_path(q_dtype, cache_dtype, head_dim)`` names the dot
+product a call takes ("dpbf16", "avx512" or "portable").
+
+``KVFERRY_KERNEL_ISA=avx2`` builds without AVX-512 (``-mno-avx512f``), so the
+AVX2 / portable path can be tested and timed on an AVX-512 machine; it is a
+separate build (its own cache folder). Read once per process: a process
+loads one build of the op.
 
 or None when the kernel is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``, no
 compiler, a failed build); callers then use the torch path. The reason is
@@ -42,7 +56,8 @@ from kvferry.model.cpu_features import cpu_features
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_BASE_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_ISA_CFLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
 _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
@@ -53,6 +68,25 @@ _disabled_logged = False
 
 def kernels_disabled() -> bool:
     return os.environ.get("KVFERRY_DISABLE_CPP_KERNELS", "") not in ("", "0")
+
+
+def kernel_isa() -> str:
+    """The instruction set the kernel is built for: "native" (default) or "avx2"."""
+    isa = os.environ.get("KVFERRY_KERNEL_ISA", "native") or "native"
+    if isa not in _ISA_CFLAGS:
+        raise ValueError(f"KVFERRY_KERNEL_ISA must be one of {sorted(_ISA_CFLAGS)}, got {isa!r}")
+    return isa
+
+
+def _cflags() -> list[str]:
+    return _BASE_CFLAGS + _ISA_CFLAGS[kernel_isa()]
+
+
+def kernel_path(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> str | None:
+    """The dot-product path the loaded kernel takes for these inputs, or None without a kernel."""
+    if get_paged_decode_kernel() is None:
+        return None
+    return torch.ops.kvferry.paged_attention_path(q_dtype, cache_dtype, head_dim)
 
 
 def get_paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
@@ -75,7 +109,7 @@ def get_paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
 
 def _ext_name() -> str:
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
+    for part in (_SOURCE.read_bytes(), " ".join(_cflags() + _LDFLAGS).encode(),
                  torch.__version__.encode(), cpu_features().fingerprint.encode()):
         h.update(part)
         h.update(b"\0")
@@ -115,7 +149,7 @@ def _compile(name: str, build_dir: Path) -> None:
     _remove_stale_lock(build_dir / "lock")
     logger.info("building the C++ paged attention kernel in %s (first use only)", build_dir)
     # is_python_module=False: the library registers torch.ops.kvferry.* on load.
-    load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+    load(name=name, sources=[str(_SOURCE)], extra_cflags=_cflags(), extra_ldflags=_LDFLAGS,
          build_directory=str(build_dir), is_python_module=False, verbose=False)
 
 

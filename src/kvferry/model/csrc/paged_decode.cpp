@@ -1,33 +1,46 @@
-// Paged attention for query tokens that each attend to a prefix of one
-// request's paged KV cache (single-token decode; also short prefill chunks,
-// one row per query token). CPU only; built at first use by paged_kernel.py.
+// Paged attention over one request's paged KV cache for each of its query
+// tokens: single-token decode, speculative verify windows (k+1 tokens) and
+// short prefill chunks over a cached context. CPU only; built at first use by
+// paged_kernel.py.
 //
 // Layout (see attention.py): k_cache, v_cache [num_blocks, block_size, KVH, D];
-// token p of row r lives in block block_tables[r][p / block_size] at offset
-// p % block_size. Row r attends to positions 0 .. seq_lens[r]-1 and nothing else,
-// so unwritten (possibly NaN) slots are never read.
+// token p of sequence s lives in block block_tables[s][p / block_size] at
+// offset p % block_size. Sequence s owns q rows query_starts[s] ..
+// query_starts[s] + query_lens[s] - 1; they are its last query_lens[s]
+// positions, so query token j (0-based) sits at position
+// seq_lens[s] - query_lens[s] + j and sees positions 0 .. that one (causal
+// inside the chunk). Nothing past seq_lens[s] is read, so unwritten
+// (possibly NaN) slots never reach the output.
 //
-// Work item = (row, kv_head): its G = H / KVH query heads stream over the
-// row's blocks once (a block's K/V rows stay in L1 while the G heads use them).
-// Per block and head: scores [n] = q . k * scale, then an online softmax update
-// (running max m, running sum l, accumulator acc [D]) that rescales once per
-// block rather than once per token.
+// Work item = (sequence, kv_head): its M = query_lens * G query vectors
+// (G = H / KVH heads share the KV head) stream over the sequence's blocks
+// once, a tile of up to 16 tokens at a time; the tile's K/V rows stay in L1
+// while the M queries use them, so the context is read from memory once per
+// work item, not once per head or per query token. Per tile and query: scores
+// [<=16] = q . k * scale, an online softmax update in float32 (running max m,
+// sum l, accumulator acc [D] rescaled once per tile), acc += p . V.
+// Items are handed out longest first from a shared counter, so one thread
+// never ends up with all the long sequences.
 //
-// Two builds of the block primitives, chosen at compile time (-march=native):
-// AVX-512 (16 lanes) reads float32 / bf16 / fp16 cache rows in place and
-// widens them in registers (bf16 -> f32 is a 16-bit shift), for head_dim a
-// multiple of 16; otherwise AVX2 (8 lanes, float rows; other cache dtypes are
-// first converted into a per-thread float buffer) or portable loops.
+// Builds, chosen at compile time (-march=native, or -mno-avx512f when
+// KVFERRY_KERNEL_ISA=avx2):
+//   AVX-512 (head_dim % 16 == 0): cache rows read in place and widened in
+//     registers; 16 token dot products reduced together by one transpose.
+//     With AVX512-BF16, a bf16 query and bf16 cache (head_dim % 32 == 0) take
+//     vdpbf16ps: bf16 pairs multiplied exactly, summed in float32.
+//   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
+//     per-thread float buffer) or portable loops.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <type_traits>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -40,6 +53,14 @@ constexpr bool kHaveAvx512 = true;
 #else
 constexpr bool kHaveAvx512 = false;
 #endif
+#if defined(KVFERRY_AVX512) && defined(__AVX512BF16__)
+#define KVFERRY_AVX512_BF16 1
+constexpr bool kHaveDpbf16 = true;
+#else
+constexpr bool kHaveDpbf16 = false;
+#endif
+
+constexpr int64_t kTile = 16;  // tokens per tile (one AVX-512 register of scores)
 
 namespace {
 
@@ -189,43 +210,158 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// s[t] = (q . k_t) * scale, t < n; dim % 16 == 0. Four tokens at a time so
-// that four independent FMA chains hide the FMA latency.
-template <typename scalar_t>
-void block_scores16(const float* __restrict q, const scalar_t* __restrict k, int64_t stride, int64_t n,
-                    int64_t dim, float scale, float* __restrict s) {
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    const scalar_t* k0 = k + t * stride;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      a0 = _mm512_fmadd_ps(load16(k0 + d), qv, a0);
-      a1 = _mm512_fmadd_ps(load16(k0 + stride + d), qv, a1);
-      a2 = _mm512_fmadd_ps(load16(k0 + 2 * stride + d), qv, a2);
-      a3 = _mm512_fmadd_ps(load16(k0 + 3 * stride + d), qv, a3);
-    }
-    s[t] = _mm512_reduce_add_ps(a0) * scale;
-    s[t + 1] = _mm512_reduce_add_ps(a1) * scale;
-    s[t + 2] = _mm512_reduce_add_ps(a2) * scale;
-    s[t + 3] = _mm512_reduce_add_ps(a3) * scale;
+// v[0..15] -> one vector whose lane t is the horizontal sum of v[t].
+// Three rounds of interleave-and-add (45 instructions for 16 sums, against
+// about 8 per sum for one reduction at a time).
+inline __m512 transpose_sum16(__m512 v[16]) {
+  __m512 x[8], y[4];
+  // Round 1, per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for a = v[2k], b = v[2k+1].
+  for (int k = 0; k < 8; ++k) {
+    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
   }
-  for (; t < n; ++t) {
-    __m512 a0 = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) a0 = _mm512_fmadd_ps(load16(k + t * stride + d), _mm512_loadu_ps(q + d), a0);
-    s[t] = _mm512_reduce_add_ps(a0) * scale;
+  // Round 2, per 128-bit lane: the lane's sums of v[4k], v[4k+1], v[4k+2], v[4k+3].
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(x[2 * k]), b = _mm512_castps_pd(x[2 * k + 1]);
+    // Shuffled as 64-bit pairs, added as floats.
+    y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
+  // Round 3: add the four 128-bit lanes of y[k] into lane k of the result.
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
-// acc [dim] += sum_t p[t] * v_t; dim % 16 == 0. 64 dims of acc stay in
-// registers across the block's tokens.
+// s[t] = (q . k_t) * scale for t < n <= 16; float q [dim], dim % 16 == 0.
 template <typename scalar_t>
-void block_accumulate16(float* __restrict acc, const float* __restrict p, const scalar_t* __restrict v,
-                        int64_t stride, int64_t n, int64_t dim) {
+__m512 tile_scores16(const float* __restrict q, const scalar_t* __restrict k, int64_t stride, int64_t n,
+                     int64_t dim, float scale) {
+  __m512 acc[kTile];
+  for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+  // A full tile (the common case) with a constant trip count, so that acc stays in registers.
+  auto body = [&](const int64_t nn) __attribute__((always_inline)) {
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int64_t t = 0; t < nn; ++t) acc[t] = _mm512_fmadd_ps(load16(k + t * stride + d), qv, acc[t]);
+    }
+  };
+  if (n == kTile) body(kTile); else body(n);
+  return _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
+}
+
+#ifdef KVFERRY_AVX512_BF16
+// The same for a bf16 query and bf16 rows, dim % 32 == 0: vdpbf16ps adds
+// q[2i] k[2i] + q[2i+1] k[2i+1] (exact products) into each float32 lane.
+__m512 tile_scores_dpbf16(const at::BFloat16* __restrict q, const at::BFloat16* __restrict k, int64_t stride,
+                          int64_t n, int64_t dim, float scale) {
+  __m512 acc[kTile];
+  for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+  auto body = [&](const int64_t nn) __attribute__((always_inline)) {
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+      for (int64_t t = 0; t < nn; ++t) {
+        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(k + t * stride + d), qv);
+      }
+    }
+  };
+  if (n == kTile) body(kTile); else body(n);
+  return _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
+}
+
+// acc += sum_t p[t] * v_t for bf16 rows, dim % 32 == 0, with vdpbf16ps over
+// pairs of tokens: the weights are rounded to bf16 (as torch's bf16 flash
+// attention does before its P @ V product) and each product pair is summed
+// in float32. Interleaving rows t and t+1 (unpack, within 128-bit lanes)
+// leaves acc in a permuted order: in each 32-dim chunk, position e holds
+// dimension pair_dim(e) (see below); alpha and the final division act
+// elementwise, and the output is un-permuted once per work item.
+inline int64_t pair_dim(int64_t e) {  // e in [0, 32)
+  const int64_t hi = e / 16, lane = (e % 16) / 4, j = e % 4;
+  return 8 * lane + 4 * hi + j;
+}
+
+template <int kChunks>  // 32-dim chunks handled together: independent FMA chains
+inline void accumulate_dpbf16_chunks(float* __restrict acc, __m512 av, const uint32_t* pp,
+                                     const at::BFloat16* __restrict v, int64_t stride, int64_t n) {
+  __m512 a[2 * kChunks];
+  for (int c = 0; c < 2 * kChunks; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), av);
+  int64_t t = 0;
+  for (; t + 1 < n; t += 2) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));  // (p[t], p[t+1])
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * c);
+      const __m512i y = _mm512_loadu_si512(v + (t + 1) * stride + 32 * c);
+      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, y), w);
+      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), w);
+    }
+  }
+  if (t < n) {  // odd count: pair the last row with zeros (its partner's weight is 0 too)
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * c);
+      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, _mm512_setzero_si512()), w);
+      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, _mm512_setzero_si512()), w);
+    }
+  }
+  for (int c = 0; c < 2 * kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+void tile_accumulate_dpbf16(float* __restrict acc, float alpha, __m512 pv, const at::BFloat16* __restrict v,
+                            int64_t stride, int64_t n, int64_t dim) {
+  alignas(64) uint32_t pp[kTile / 2];  // bf16 pairs (p[2k], p[2k+1]); weights past n are 0
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(pv));
+  const __m512 av = _mm512_set1_ps(alpha);
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) accumulate_dpbf16_chunks<2>(acc + d, av, pp, v + d, stride, n);
+  for (; d < dim; d += 32) accumulate_dpbf16_chunks<1>(acc + d, av, pp, v + d, stride, n);
+}
+#endif
+
+// exp for x <= 0, 16 lanes: the Cephes expf of exp256 above.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Online softmax step for one query over one tile, in registers: scores s
+// (lanes < n valid) in, weights exp(s - m) out (lanes >= n zero); returns in
+// alpha the factor by which l (updated here) and acc (by the caller) are
+// rescaled to the new running max m.
+inline __m512 softmax_tile(__m512 s, int64_t n, float& m, float& l, float& alpha) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  const float tile_max = _mm512_mask_reduce_max_ps(valid, s);
+  alpha = 1.f;
+  if (tile_max > m) {
+    alpha = std::exp(m - tile_max);  // exp(-inf) = 0 on the first tile
+    l *= alpha;
+    m = tile_max;
+  }
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+  l += _mm512_reduce_add_ps(p);
+  return p;
+}
+
+// acc [dim] = acc * alpha + sum_t p[t] * v_t, t < n; dim % 16 == 0. 64 dims
+// of acc stay in registers across the tile's tokens.
+template <typename scalar_t>
+void tile_accumulate16(float* __restrict acc, float alpha, const float* __restrict p,
+                       const scalar_t* __restrict v, int64_t stride, int64_t n, int64_t dim) {
+  const __m512 av = _mm512_set1_ps(alpha);
   int64_t d = 0;
   for (; d + 64 <= dim; d += 64) {
-    __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16);
-    __m512 a2 = _mm512_loadu_ps(acc + d + 32), a3 = _mm512_loadu_ps(acc + d + 48);
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d), av), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16), av);
+    __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 32), av), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 48), av);
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* vt = v + t * stride + d;
       const __m512 pt = _mm512_set1_ps(p[t]);
@@ -240,7 +376,7 @@ void block_accumulate16(float* __restrict acc, const float* __restrict p, const 
     _mm512_storeu_ps(acc + d + 48, a3);
   }
   for (; d < dim; d += 16) {
-    __m512 a0 = _mm512_loadu_ps(acc + d);
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d), av);
     for (int64_t t = 0; t < n; ++t) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v + t * stride + d), a0);
     _mm512_storeu_ps(acc + d, a0);
   }
@@ -248,17 +384,19 @@ void block_accumulate16(float* __restrict acc, const float* __restrict p, const 
 
 #endif  // KVFERRY_AVX512
 
-// Online softmax step for one head over one block: s [n] scores in, weights
-// exp(s - m) out (in place); l and acc [dim] rescaled once to the new running max m.
-inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, int64_t dim) {
-  const float block_max = *std::max_element(s, s + n);
-  if (block_max > m) {
-    const float alpha = std::exp(m - block_max);  // exp(-inf) = 0 on the first block
+// Online softmax step for one query over one tile: s [n] scores in, weights
+// exp(s - m) out (in place); returns alpha, the factor by which l (updated
+// here) and acc (by the caller) are rescaled to the new running max m.
+inline float softmax_update(float* s, int64_t n, float& m, float& l) {
+  const float tile_max = *std::max_element(s, s + n);
+  float alpha = 1.f;
+  if (tile_max > m) {
+    alpha = std::exp(m - tile_max);  // exp(-inf) = 0 on the first tile
     l *= alpha;
-    for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
-    m = block_max;
+    m = tile_max;
   }
   l += exp_sum(s, n, m);
+  return alpha;
 }
 
 // Rows [n, dim] at `stride` as float: the cache itself for float caches (same
@@ -278,133 +416,260 @@ inline const float* as_float<float>(const float* src, int64_t stride, int64_t, i
   return src;
 }
 
-// kDirect: the AVX-512 primitives read the cache rows in place (any dtype).
-template <typename scalar_t, bool kDirect>
-void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_tables, const std::vector<int64_t>& lens, double scale,
-                          at::Tensor& out) {
-  const int64_t rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t row_stride = kv_heads * head_dim;        // between tokens of a block
-  const int64_t block_stride = block_size * row_stride;  // between blocks
-  const float* q_ptr = q.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-  const int64_t* bt_ptr = block_tables.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+// How a tile's rows are read.
+enum class Path {
+  kPortable,  // rows converted to float (or used in place), AVX2 / plain-loop primitives
+  kWiden,     // AVX-512: rows widened in registers, float query
+  kDpbf16,    // AVX-512 BF16: bf16 query and rows, vdpbf16ps dot products
+};
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per-thread scratch, reused across this chunk's work items.
-    std::vector<float> acc(group * head_dim), scores(group * block_size), m(group), l(group);
-    std::vector<float> kbuf(std::is_same_v<scalar_t, float> || kDirect ? 0 : block_size * head_dim);
-    std::vector<float> vbuf(kbuf.size());
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[r];
-      const float* qg = q_ptr + (r * num_heads + h * group) * head_dim;  // [G, D], head h*G + g
-      float* og = out_ptr + (r * num_heads + h * group) * head_dim;      // [G, D]
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      const int64_t* table = bt_ptr + r * max_blocks;
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);  // valid tokens of this block
-        const int64_t base = table[start / block_size] * block_stride + h * head_dim;
-#ifdef KVFERRY_AVX512
-        if constexpr (kDirect) {
-          for (int64_t g = 0; g < group; ++g) {
-            float* s = scores.data() + g * block_size;
-            float* a = acc.data() + g * head_dim;
-            block_scores16(qg + g * head_dim, k_ptr + base, row_stride, n, head_dim, fscale, s);
-            softmax_update(s, n, m[g], l[g], a, head_dim);
-            block_accumulate16(a, s, v_ptr + base, row_stride, n, head_dim);
-          }
-          continue;
-        }
-#endif
-        int64_t ks = 0, vs = 0;
-        const float* kb = as_float(k_ptr + base, row_stride, n, head_dim, kbuf.data(), ks);  // [n, D] at stride ks
-        const float* vb = as_float(v_ptr + base, row_stride, n, head_dim, vbuf.data(), vs);
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * block_size;
-          float* a = acc.data() + g * head_dim;
-          block_scores(qg + g * head_dim, kb, ks, n, head_dim, fscale, s);
-          softmax_update(s, n, m[g], l[g], a, head_dim);
-          block_accumulate(a, s, vb, vs, n, head_dim);
+struct Seq {
+  int64_t q_start, q_len, seq_len;
+  const int64_t* table;  // its block table row
+};
+
+template <typename scalar_t, typename qscalar_t, Path kPath>
+struct Attend {
+  const qscalar_t* q_ptr;
+  qscalar_t* out_ptr;
+  const scalar_t* k_ptr;
+  const scalar_t* v_ptr;
+  int64_t q_token_stride;  // between q's tokens (q may be a column slice of a wider tensor)
+  int64_t num_heads, kv_heads, head_dim, group, block_size;
+  float scale;
+
+  // Per-thread scratch, reused across work items.
+  struct Scratch {
+    std::vector<float> acc, m, l, qf, kbuf, vbuf;
+    std::vector<int64_t> limit;  // visible positions per query
+  };
+
+  void run(const Seq& seq, int64_t h, Scratch& w) const {
+    const int64_t M = seq.q_len * group, D = head_dim;
+    const int64_t row_stride = kv_heads * D;  // between tokens of a block
+    const int64_t context_len = seq.seq_len - seq.q_len;
+    w.acc.assign(M * D, 0.f);
+    w.m.assign(M, -std::numeric_limits<float>::infinity());
+    w.l.assign(M, 0.f);
+    w.limit.resize(M);
+    if constexpr (kPath != Path::kDpbf16) w.qf.resize(M * D);
+    for (int64_t j = 0; j < seq.q_len; ++j) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = j * group + g;  // query vector: token j, head h * G + g
+        w.limit[i] = context_len + j + 1;
+        if constexpr (kPath != Path::kDpbf16) {
+          const qscalar_t* qi = query(j, g, h, seq);
+          for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(qi[d]);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // len == 0: zeros, not NaN
-        for (int64_t d = 0; d < head_dim; ++d) og[g * head_dim + d] = acc[g * head_dim + d] * inv;
+    }
+    if constexpr (kPath == Path::kPortable && !std::is_same_v<scalar_t, float>) {
+      w.kbuf.resize(kTile * D);
+      w.vbuf.resize(kTile * D);
+    }
+    alignas(64) float s[kTile];
+    const int64_t* table = seq.table;
+    int64_t n = 0;  // tokens in the current tile: up to 16, never across a block boundary
+    for (int64_t start = 0; start < seq.seq_len; start += n) {
+      const int64_t in_block = start % block_size;
+      n = std::min({kTile, seq.seq_len - start, block_size - in_block});
+      const int64_t base = (table[start / block_size] * block_size + in_block) * row_stride + h * D;
+      const scalar_t* kt = k_ptr + base;
+      const scalar_t* vt = v_ptr + base;
+      const float* kf = nullptr;
+      const float* vf = nullptr;
+      int64_t ks = 0, vs = 0;
+      if constexpr (kPath == Path::kPortable) {
+        kf = as_float(kt, row_stride, n, D, w.kbuf.data(), ks);  // [n, D] at stride ks
+        vf = as_float(vt, row_stride, n, D, w.vbuf.data(), vs);
+      }
+      // Earlier query tokens see fewer positions; query i sees tile tokens < visible.
+      for (int64_t i = M - 1; i >= 0; --i) {
+        const int64_t visible = std::min(n, w.limit[i] - start);
+        if (visible <= 0) break;  // queries below i see even less (limits grow with i)
+        float* acc = w.acc.data() + i * D;
+        if constexpr (kPath == Path::kPortable) {
+          block_scores(w.qf.data() + i * D, kf, ks, visible, D, scale, s);
+          const float alpha = softmax_update(s, visible, w.m[i], w.l[i]);
+          if (alpha != 1.f) for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+          block_accumulate(acc, s, vf, vs, visible, D);
+        }
+#ifdef KVFERRY_AVX512
+        if constexpr (kPath != Path::kPortable) {
+          float alpha = 1.f;
+#ifdef KVFERRY_AVX512_BF16
+          if constexpr (kPath == Path::kDpbf16) {
+            const __m512 sv = tile_scores_dpbf16(query(i / group, i % group, h, seq), kt, row_stride, visible, D, scale);
+            const __m512 p = softmax_tile(sv, visible, w.m[i], w.l[i], alpha);
+            tile_accumulate_dpbf16(acc, alpha, p, vt, row_stride, visible, D);
+          } else
+#endif
+          {
+            const __m512 sv = tile_scores16(w.qf.data() + i * D, kt, row_stride, visible, D, scale);
+            _mm512_store_ps(s, softmax_tile(sv, visible, w.m[i], w.l[i], alpha));
+            tile_accumulate16(acc, alpha, s, vt, row_stride, visible, D);
+          }
+        }
+#endif
+      }
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;  // seq_len == 0: zeros, not NaN
+      qscalar_t* o = out_ptr + ((seq.q_start + i / group) * num_heads + h * group + i % group) * D;
+      const float* a = w.acc.data() + i * D;
+      if constexpr (kPath == Path::kDpbf16) {
+#ifdef KVFERRY_AVX512_BF16
+        for (int64_t d = 0; d < D; ++d) o[d / 32 * 32 + pair_dim(d % 32)] = static_cast<qscalar_t>(a[d] * inv);
+#endif
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<qscalar_t>(a[d] * inv);
+      }
+    }
+  }
+
+  const qscalar_t* query(int64_t j, int64_t g, int64_t h, const Seq& seq) const {
+    return q_ptr + (seq.q_start + j) * q_token_stride + (h * group + g) * head_dim;
+  }
+
+};
+
+// Runs every (sequence, kv_head) item, longest first, over torch's threads.
+template <typename scalar_t, typename qscalar_t, Path kPath>
+void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& seqs) {
+  const int64_t kvh = op.kv_heads;
+  const int64_t items = static_cast<int64_t>(seqs.size()) * kvh;
+  // Cost of an item ~ context length x (query vectors + the K/V read).
+  std::vector<int64_t> order(seqs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return seqs[a].seq_len * (seqs[a].q_len + 1) > seqs[b].seq_len * (seqs[b].q_len + 1);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    typename Attend<scalar_t, qscalar_t, kPath>::Scratch w;
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
+        op.run(seqs[order[item / kvh]], item % kvh, w);
       }
     }
   });
 }
 
-template <typename scalar_t>
-void dispatch(bool direct, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-              const at::Tensor& block_tables, const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
-  if (direct) {
-    paged_attention_impl<scalar_t, kHaveAvx512>(q, k_cache, v_cache, block_tables, lens, scale, out);
-  } else {
-    paged_attention_impl<scalar_t, false>(q, k_cache, v_cache, block_tables, lens, scale, out);
+template <typename scalar_t, typename qscalar_t>
+void dispatch_path(Path path, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const std::vector<Seq>& seqs, double scale, at::Tensor& out) {
+  auto make = [&](auto tag) {
+    using Op = Attend<scalar_t, qscalar_t, decltype(tag)::value>;
+    Op op{q.data_ptr<qscalar_t>(), out.data_ptr<qscalar_t>(), k_cache.data_ptr<scalar_t>(),
+          v_cache.data_ptr<scalar_t>(), q.stride(0), q.size(1), k_cache.size(2), q.size(2), q.size(1) / k_cache.size(2),
+          k_cache.size(1), static_cast<float>(scale)};
+    attend_all(op, seqs);
+  };
+  if constexpr (kHaveDpbf16 && std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<qscalar_t, at::BFloat16>) {
+    if (path == Path::kDpbf16) return make(std::integral_constant<Path, Path::kDpbf16>{});
+  }
+  if constexpr (kHaveAvx512) {
+    if (path != Path::kPortable) return make(std::integral_constant<Path, Path::kWiden>{});
+  }
+  make(std::integral_constant<Path, Path::kPortable>{});
+}
+
+template <typename qscalar_t>
+void dispatch_cache(Path path, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const std::vector<Seq>& seqs, double scale, at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return dispatch_path<float, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    case at::kBFloat16:
+      return dispatch_path<at::BFloat16, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    case at::kHalf: return dispatch_path<at::Half, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
 }
 
-// q [rows, H, D] float32; k_cache, v_cache [num_blocks, block_size, KVH, D]
-// float32 / bfloat16 / float16; block_tables [rows, max_blocks] int64;
-// seq_lens [rows] int32 or int64. Returns [rows, H, D] float32.
-at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [rows, H, D] float32");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v cache must be [blocks, block_size, KVH, D]");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache dtypes differ");
-  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim mismatch");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
-                  block_tables.scalar_type() == at::kLong, "block_tables must be [rows, max_blocks] int64");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0), "seq_lens must be [rows]");
-  q = q.contiguous();
-  k_cache = k_cache.contiguous();  // views of the layer cache are already contiguous: no copy
-  v_cache = v_cache.contiguous();
-  block_tables = block_tables.contiguous();
-  const at::Tensor lens_t = seq_lens.to(at::kLong).contiguous();
-  const int64_t rows = q.size(0), block_size = k_cache.size(1), num_blocks = k_cache.size(0);
-  const int64_t max_blocks = block_tables.size(1);
-  std::vector<int64_t> lens(lens_t.data_ptr<int64_t>(), lens_t.data_ptr<int64_t>() + rows);
-  // Validate every block the kernel will read, here on the calling thread, so
-  // a bad table is an error rather than an out-of-bounds read.
+std::vector<int64_t> as_longs(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+// q [T, H, D] (rows may be strided), out [T, H, D] contiguous (same dtype: float32 / bfloat16 / float16; out written in
+// place, only the rows of the given sequences); k_cache, v_cache
+// [num_blocks, block_size, KVH, D] float32 / bfloat16 / float16;
+// block_tables [S, max_blocks] int64; seq_lens, query_starts, query_lens [S]
+// int32 or int64.
+void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, double scale, at::Tensor out) {
+  TORCH_CHECK(q_in.device().is_cpu() && k_cache_in.device().is_cpu() && v_cache_in.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q_in.dim() == 3, "q must be [tokens, H, D]");
+  TORCH_CHECK(out.sizes() == q_in.sizes() && out.scalar_type() == q_in.scalar_type() && out.is_contiguous(),
+              "out must be a contiguous tensor of q's shape and dtype");
+  TORCH_CHECK(k_cache_in.dim() == 4 && k_cache_in.sizes() == v_cache_in.sizes(),
+              "k/v cache must be [blocks, block_size, KVH, D]");
+  TORCH_CHECK(k_cache_in.scalar_type() == v_cache_in.scalar_type(), "k/v cache dtypes differ");
+  TORCH_CHECK(k_cache_in.size(3) == q_in.size(2), "head_dim mismatch");
+  TORCH_CHECK(q_in.size(1) % k_cache_in.size(2) == 0, "num_heads must be a multiple of kv_heads");
+  const int64_t num_seqs = block_tables_in.size(0);
+  TORCH_CHECK(block_tables_in.dim() == 2 && block_tables_in.scalar_type() == at::kLong,
+              "block_tables must be [seqs, max_blocks] int64");
+  TORCH_CHECK(seq_lens.numel() == num_seqs && query_starts.numel() == num_seqs && query_lens.numel() == num_seqs,
+              "seq_lens, query_starts and query_lens must have one entry per block table row");
+  // Token rows may be strided (q sliced from the fused qkv); heads and dims must be dense.
+  const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
+  const at::Tensor k_cache = k_cache_in.contiguous();  // views of the layer cache are already contiguous: no copy
+  const at::Tensor v_cache = v_cache_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.contiguous();
+  const std::vector<int64_t> lens = as_longs(seq_lens), starts = as_longs(query_starts), qlens = as_longs(query_lens);
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  const int64_t max_blocks = block_tables.size(1), tokens = q.size(0);
+  // Validate everything the kernel will read or write, here on the calling
+  // thread, so a bad table is an error rather than an out-of-bounds access.
+  std::vector<Seq> seqs(num_seqs);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < num_seqs; ++r) {
     TORCH_CHECK(lens[r] >= 0 && lens[r] <= max_blocks * block_size, "seq_len ", lens[r], " of row ", r,
                 " does not fit its block table");
+    TORCH_CHECK(qlens[r] >= 0 && qlens[r] <= lens[r] && starts[r] >= 0 && starts[r] + qlens[r] <= tokens,
+                "query rows of sequence ", r, " out of range");
     for (int64_t b = 0; b * block_size < lens[r]; ++b) {
       const int64_t id = bt[r * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " out of range in row ", r);
     }
+    seqs[r] = Seq{starts[r], qlens[r], lens[r], bt + r * max_blocks};
   }
-  at::Tensor out = at::empty_like(q);
-  const bool direct = kHaveAvx512 && q.size(2) % 16 == 0;
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: dispatch<float>(direct, q, k_cache, v_cache, block_tables, lens, scale, out); break;
-    case at::kBFloat16: dispatch<at::BFloat16>(direct, q, k_cache, v_cache, block_tables, lens, scale, out); break;
-    case at::kHalf: dispatch<at::Half>(direct, q, k_cache, v_cache, block_tables, lens, scale, out); break;
-    default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
+  const int64_t head_dim = q.size(2);
+  Path path = Path::kPortable;
+  if (kHaveAvx512 && head_dim % 16 == 0) path = Path::kWiden;
+  if (kHaveDpbf16 && head_dim % 32 == 0 && q.scalar_type() == at::kBFloat16 &&
+      k_cache.scalar_type() == at::kBFloat16) {
+    path = Path::kDpbf16;
   }
-  return out;
+  switch (q.scalar_type()) {
+    case at::kFloat: return dispatch_cache<float>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    case at::kBFloat16:
+      return dispatch_cache<at::BFloat16>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    case at::kHalf: return dispatch_cache<at::Half>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    default: TORCH_CHECK(false, "unsupported query dtype ", q.scalar_type());
+  }
+}
+
+// Which dot-product path a call with these dtypes and head_dim takes (for
+// tests and benchmark records): "dpbf16", "avx512" or "portable".
+std::string kernel_path(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim) {
+  if (kHaveDpbf16 && head_dim % 32 == 0 && q_dtype == at::kBFloat16 && cache_dtype == at::kBFloat16) return "dpbf16";
+  if (kHaveAvx512 && head_dim % 16 == 0) return "avx512";
+  return "portable";
 }
 
 }  // namespace
 
-// Registered as torch.ops.kvferry.paged_attention; no Python headers, so the
-// build takes seconds rather than a minute.
+// Registered as torch.ops.kvferry.*; no Python headers, so the build takes
+// seconds rather than a minute.
 TORCH_LIBRARY(kvferry, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "Tensor query_starts, Tensor query_lens, float scale, Tensor(a!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("paged_attention_path(ScalarType q_dtype, ScalarType cache_dtype, int head_dim) -> str",
+        TORCH_FN(kernel_path));
 }

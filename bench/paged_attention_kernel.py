@@ -1,0 +1,113 @@
+"""Time the C++ paged attention kernel alone, against the torch path (gather + SDPA).
+
+One layer's attention for a batch of sequences with `--context` cached tokens
+each and `--q-len` new query tokens per sequence (1 = decode; k+1 = a
+speculative verify window; a short prefill chunk), SmolLM2-135M's head shapes
+by default. Times are process CPU seconds per call (use `--threads 1` on a
+busy machine: preemption then costs nothing), median of `--repeats`, with the
+kernel and torch calls interleaved. `--q-lens 1,2,4,8,16,32` sweeps the
+chunk length to find where SDPA overtakes the kernel.
+
+    python bench/paged_attention_kernel.py --threads 1 --q-lens 1,4,8,16,32,64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from kvferry.model import paged_kernel
+from kvferry.model import attention
+from kvferry.model.attention import AttentionMetadata, paged_attention
+from kvferry.model.cpu_features import cpu_features
+
+
+def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int, dtype: torch.dtype) -> dict:
+    per_seq = -(-(context + q_len) // block_size)
+    perm = torch.randperm(num_blocks)[: batch * per_seq].view(batch, per_seq)  # scattered blocks
+    slots = []
+    for r in range(batch):
+        for p in range(context, context + q_len):
+            slots.append(int(perm[r, p // block_size]) * block_size + p % block_size)
+    return dict(query_start_loc=[r * q_len for r in range(batch + 1)], seq_lens=[context + q_len] * batch,
+                slot_mapping=torch.tensor(slots), block_tables=perm.contiguous(), block_size=block_size,
+                num_prefills=batch if q_len > 1 else 0, kv_dtype=dtype)
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up (and the kernel's first build / load)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        samples.append(time.process_time() - t0)
+    return statistics.median(samples) * 1e3
+
+
+def run(args: argparse.Namespace, q_len: int) -> dict:
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    t = args.batch * q_len
+    per_seq = -(-(args.context + q_len) // args.block_size)
+    num_blocks = args.batch * per_seq + 8
+    cache = torch.randn(2, num_blocks, args.block_size, args.kv_heads, args.head_dim).to(dtype)
+    q = torch.randn(t, args.heads, args.head_dim).to(dtype)
+    k = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
+    v = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
+    meta_args = _meta(args.batch, args.context, q_len, args.block_size, num_blocks, dtype)
+    scale = args.head_dim ** -0.5
+
+    def call(disable: bool):
+        os.environ["KVFERRY_DISABLE_CPP_KERNELS"] = "1" if disable else "0"
+        meta = AttentionMetadata(**meta_args)
+        meta.prepare()  # per step in the engine, not per layer: outside the timed call
+        return lambda: paged_attention(q, k, v, cache, meta, scale)
+
+    kernel_fn, torch_fn = call(False), call(True)
+    kernel_ms, torch_ms = [], []
+    for _ in range(args.rounds):  # interleaved
+        kernel_ms.append(_time(kernel_fn, args.repeats))
+        torch_ms.append(float("nan") if args.no_torch else _time(torch_fn, args.repeats))
+    kv_bytes = 2 * args.batch * (args.context + q_len) * args.kv_heads * args.head_dim * cache.element_size()
+    km = statistics.median(kernel_ms)
+    return {"q_len": q_len, "kernel_ms": round(km, 3), "torch_ms": round(statistics.median(torch_ms), 3),
+            "kernel_over_torch": round(km / statistics.median(torch_ms), 3),
+            "kv_read_gb_s": round(kv_bytes / km / 1e6, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=384, help="cached tokens per sequence before the step")
+    ap.add_argument("--q-lens", default="1", help="comma-separated new tokens per sequence")
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved kernel / torch rounds")
+    ap.add_argument("--kernel-max-tokens", type=int, default=None,
+                    help="chunks up to this many tokens go to the kernel (default: attention.py's threshold)")
+    ap.add_argument("--no-torch", action="store_true", help="time the kernel only (for profiling)")
+    args = ap.parse_args()
+    if args.kernel_max_tokens is not None:
+        attention._KERNEL_MAX_PREFILL_TOKENS = args.kernel_max_tokens
+        attention._KERNEL_MAX_PREFILL_TOKENS_BF16 = args.kernel_max_tokens
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(json.dumps({"cpu": cpu_features().describe(), "threads": args.threads, "dtype": args.dtype,
+                      "isa": paged_kernel.kernel_isa(),
+                      "path": paged_kernel.kernel_path(dtype, dtype, args.head_dim),
+                      "batch": args.batch, "context": args.context}))
+    for q_len in (int(x) for x in args.q_lens.split(",")):
+        print(json.dumps(run(args, q_len)))
+
+
+if __name__ == "__main__":
+    main()
