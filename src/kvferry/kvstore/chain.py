@@ -4,6 +4,10 @@ threads that move blocks between them and the arena. No torch.
     load threads      cold tier get_many -> arena slot (pinned, LOADING)  -> completion queue
     write-back thread evicted block's bytes -> disk; -> remote too once reused enough
 
+A block waiting for the write-back thread stays findable: ``contains``
+sees it and a load copies it straight from the pending bytes, so an
+eviction never makes a block briefly vanish.
+
 The store's main loop owns the DRAM index; this module never touches it.
 Loads report ``(entry, ok)`` pairs through ``completions()``, which the
 main loop applies. Every tier call is guarded: a tier that raises counts as
@@ -37,14 +41,18 @@ class ColdChain:
         self._loaders = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-load")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-writeback")
         self._completions: queue.SimpleQueue[list[tuple[Entry, bool]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # the write-back counters
-        self._pending_write_backs = 0
+        self._lock = threading.Lock()  # the pending write-backs and their counters
+        self._pending: dict[bytes, tuple[bytes, BlockOwner]] = {}  # key -> (bytes, owner), not yet written
+        self._drops: dict[str, int] = {}  # tenant -> drop_tenant calls so far
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
 
     # -- lookups (main loop) ---------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._pending:
+                return True
         return any(self._contains(tier, key) for tier in self.tiers)
 
     @staticmethod
@@ -77,7 +85,15 @@ class ColdChain:
         into its slot. A block of the wrong size is a miss."""
         loaded: set[int] = set()
         try:
-            missing = list(entries)
+            missing = []
+            for entry in entries:
+                with self._lock:
+                    data, owner = self._pending.get(entry.key, (None, None))
+                if data is not None and _same_owner(owner, entry.owner):
+                    arena.view[entry.slot] = memoryview(data).cast("B")
+                    loaded.add(entry.slot)
+                else:
+                    missing.append(entry)
             for tier in self.tiers:
                 if not missing:
                     break
@@ -108,14 +124,20 @@ class ColdChain:
             return
         tiers = [t for t in self.tiers if t.name != "remote" or entry.hits >= self.remote_min_hits]
         with self._lock:
-            if (self._pending_write_backs + 1) * arena.block_nbytes > MAX_PENDING_WRITE_BACK_BYTES:
+            if entry.key in self._pending:
+                return
+            if (len(self._pending) + 1) * arena.block_nbytes > MAX_PENDING_WRITE_BACK_BYTES:
                 self.write_backs_dropped += 1
                 return
-            self._pending_write_backs += 1
-        data = arena.view[entry.slot].tobytes()
+            data = arena.view[entry.slot].tobytes()
+            self._pending[entry.key] = (data, entry.owner)
         self._writer.submit(self._write_down, entry.key, data, entry.owner, tiers)
 
     def _write_down(self, key: bytes, data: bytes, owner: BlockOwner, tiers: list[ColdTier]) -> None:
+        with self._lock:
+            if key not in self._pending:
+                return  # its tenant was dropped meanwhile
+            drops = self._drops.get(owner.tenant, 0)
         try:
             for tier in tiers:
                 try:
@@ -125,11 +147,24 @@ class ColdChain:
                     logger.exception("tier %s: write-back failed", tier.name)
         finally:
             with self._lock:
-                self._pending_write_backs -= 1
+                dropped = not owner.public and self._drops.get(owner.tenant, 0) != drops
+                self._pending.pop(key, None)
                 self.written_back += 1
+        if dropped:  # drop_tenant ran while this was being written
+            for tier in tiers:
+                try:
+                    tier.delete(key)
+                except Exception:
+                    logger.exception("tier %s: delete failed", tier.name)
 
     # -- the rest -------------------------------------------------------------------------------
     def drop_tenant(self, tenant: str) -> int:
+        with self._lock:
+            # Pending write-backs of the tenant's are cancelled; one being
+            # written now deletes what it wrote (see _write_down).
+            for key in [k for k, (_, owner) in self._pending.items() if not owner.public and owner.tenant == tenant]:
+                del self._pending[key]
+            self._drops[tenant] = self._drops.get(tenant, 0) + 1
         n = 0
         for tier in self.tiers:
             try:
@@ -155,3 +190,8 @@ class ColdChain:
                 tier.close()
             except Exception:
                 logger.exception("tier %s: close failed", tier.name)
+
+
+def _same_owner(a: BlockOwner, b: BlockOwner) -> bool:
+    """Whether a load by ``b`` may read ``a``'s block (as DramIndex.readable)."""
+    return a.public == b.public and (a.public or a.tenant == b.tenant)
