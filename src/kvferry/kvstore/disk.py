@@ -69,8 +69,9 @@ _FLAG_PUBLIC = 1
 _FLAG_SEALED = 2
 _ALIGN = 4096  # O_DIRECT offsets and lengths; also the slot granularity
 _SLAB_NAME = re.compile(r"^slab-(\d+)\.dat$")
-# Merged reads stop at this size, so a batch still spreads over the threads.
-_MAX_READ_BYTES = 16 << 20
+# Merged reads stop at this size: large enough for the disk, small enough
+# that one thread decrypts a run while the others read the next ones.
+_MAX_READ_BYTES = 4 << 20
 
 
 def _round_up(n: int, align: int = _ALIGN) -> int:
