@@ -6,15 +6,16 @@ import logging
 import time
 
 import pytest
-import redis
 import xxhash
 
 from kvferry.kvstore.crypto import TierCrypto
-from kvferry.kvstore.remote import RedisTier
 from kvferry.kvstore.tenant_lru import PUBLIC_POOL, TierQuotas
 from kvferry.kvstore.tier import BlockOwner
 from tests.kvstore.conftest import SECRET, block, key
 from tests.kvstore.redis_server import RedisServer
+
+redis = pytest.importorskip("redis", reason="the redis package (pip install kvferry[remote])")
+from kvferry.kvstore.remote import RedisTier  # noqa: E402 (needs redis)
 
 ACME = BlockOwner("acme")
 BETA = BlockOwner("beta")

@@ -113,8 +113,24 @@ class _Slab:
         except OSError:
             self.read_fd = os.open(path, os.O_RDONLY)
             self.direct = False
+        self._reopen_lock = threading.Lock()
         self.num_slots = os.fstat(self.write_fd).st_size // slot_bytes
         self.free: list[int] = []
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` (page-aligned) from ``offset``; bytes read. A file
+        system that takes O_DIRECT at open but refuses it at read (EINVAL)
+        gets a buffered fd from then on."""
+        try:
+            return os.preadv(self.read_fd, [view], offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:
+                raise
+        with self._reopen_lock:
+            if self.direct:
+                fd, self.read_fd, self.direct = self.read_fd, os.open(self.path, os.O_RDONLY), False
+                os.close(fd)
+        return os.preadv(self.read_fd, [view], offset)
 
     def allocate(self) -> int:
         if self.free:
@@ -157,6 +173,7 @@ class DiskTier(ColdTier):
     def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
         if not 0 < len(key) < 1 << 16:
             raise ValueError("key: must hold 1..65535 bytes")
+        data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
         pool = pool_of(owner)
         with self._lock:
             slot = self._index.get(key)
@@ -298,10 +315,12 @@ class DiskTier(ColdTier):
         buf = self._buffer(length)
         view = memoryview(buf)[:length]
         try:
-            got = os.preadv(slab.read_fd, [view], run[0][1].offset)
+            got = slab.read_into(view, run[0][1].offset)
         except OSError as exc:
+            # An I/O error says nothing about the blocks' bytes: a miss, and
+            # the blocks stay indexed for the next try.
             log.warning("disk tier: read from %s failed: %s", slab.path, exc)
-            got = 0
+            return [(i, None) for i, _ in run]
         out = []
         for n, (i, slot) in enumerate(run):
             lo = n * slab.slot_bytes

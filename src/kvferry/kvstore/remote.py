@@ -118,6 +118,7 @@ class RedisTier(ColdTier):
     # ---- writes -------------------------------------------------------
 
     def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
+        data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
         pool = pool_of(owner)
         value = self._encode(key, data, owner)
         with self._lock:
