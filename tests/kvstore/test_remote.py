@@ -2,6 +2,7 @@
 tenants, quotas, corruption, and a server killed and restarted."""
 from __future__ import annotations
 
+import array
 import logging
 import time
 
@@ -171,6 +172,13 @@ def test_bad_arguments_name_the_field():
         RedisTier("http://localhost:6379")
     with pytest.raises(ValueError, match="ttl_s"):
         RedisTier("redis://127.0.0.1:1/0", ttl_s=0)
+
+
+def test_a_typed_buffer_is_stored_as_its_bytes(server):
+    values = array.array("f", range(1000))
+    tier = RedisTier(server.url, crypto=TierCrypto(SECRET))
+    assert tier.put(key(1), memoryview(values), ACME)
+    assert tier.get(key(1), ACME) == values.tobytes() and tier.stats().bytes_written == 4000
 
 
 def test_ttl_expires_blocks(server):
