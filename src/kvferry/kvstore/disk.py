@@ -195,10 +195,14 @@ class DiskTier(ColdTier):
             evicted, fits = self._lru.make_room(pool, slot_bytes)
             for old in evicted:
                 self._free_slot(self._index.pop(old))
-            if not fits:
+            try:
+                slab = self._slab(slot_bytes) if fits else None
+            except OSError as exc:  # no inode or fd left for a new slab file
+                log.warning("disk tier: cannot open a slab in %s: %s", self.path, exc)
+                slab = None
+            if slab is None:
                 self._refuse(pool)
                 return False
-            slab = self._slab(slot_bytes)
             slot = _Slot(slab, slab.allocate(), self._next_seq())
             # Hold the bytes now, so that concurrent puts never overshoot
             # capacity; the key itself is indexed after the data is durable.
