@@ -116,6 +116,7 @@ def test_quotas_evict_the_tenants_own_blocks(server):
     stats = tier.stats()
     assert stats.refused_writes == 2 and stats.per_tenant[PUBLIC_POOL].refused_writes == 1
     assert stats.per_tenant["acme"].num_bytes == 2 * size
+    tier.check_integrity()
 
 
 def test_drop_tenant_reaches_blocks_other_nodes_wrote(server):

@@ -447,6 +447,7 @@ class DiskTier(ColdTier):
     def check_integrity(self) -> None:
         """Index, LRU and slabs agree (tests call it when idle)."""
         with self._lock:
+            self._lru.check_integrity()
             assert len(self._lru) == len(self._index), "LRU and index disagree"
             assert self._lru.total_bytes == sum(s.slab.slot_bytes for s in self._index.values())
             used: set[tuple[int, int]] = set()
