@@ -323,3 +323,25 @@ def test_a_full_disk_refuses_writes_and_keeps_serving(tiny_fs):
     assert tier.put(key(500), block(500, 60_000), ACME)  # freed slots take writes again
     assert tier.get(key(500), ACME) == block(500, 60_000)
     tier.close()
+
+
+def test_a_restart_under_another_secret_serves_no_private_block(tmp_path, crypto):
+    tier = DiskTier(tmp_path, 64 * MB, crypto=crypto)
+    tier.put(key(1), block(1), ACME)
+    tier.put(key(2), block(2), PUBLIC)
+    tier.close()
+    tier = DiskTier(tmp_path, 64 * MB, crypto=TierCrypto(b"another secret of 32 bytes......"))
+    assert tier.get_many([key(1), key(2)], ACME) == [None, block(2)]
+    assert tier.stats().quarantined == 1  # unreadable under this secret: freed for new blocks
+    tier.close()
+    tier = DiskTier(tmp_path, 64 * MB)  # no crypto at all
+    assert tier.get(key(2), ACME) == block(2)
+
+
+def test_bad_arguments_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskTier(tmp_path, 0)
+    with pytest.raises(ValueError, match="read_threads"):
+        DiskTier(tmp_path, MB, read_threads=0)
+    with pytest.raises(ValueError, match="key"):
+        DiskTier(tmp_path, MB).put(b"", b"x", ACME)
