@@ -323,6 +323,14 @@ def test_a_full_disk_refuses_writes_and_keeps_serving(tiny_fs):
     assert tier.put(key(500), block(500, 60_000), ACME)  # freed slots take writes again
     assert tier.get(key(500), ACME) == block(500, 60_000)
     tier.close()
+    # A restart on the full disk finds every acknowledged block and serves
+    # nothing from the writes that failed.
+    kept = stored[4:] + [500]
+    tier = DiskTier(tiny_fs, 64 * MB)
+    assert tier.get_many([key(i) for i in kept], ACME) == [block(i, 60_000) for i in kept]
+    assert all(not tier.contains(key(i)) for i in range(200) if i not in stored)
+    tier.check_integrity()
+    tier.close()
 
 
 def test_a_restart_under_another_secret_serves_no_private_block(tmp_path, crypto):
