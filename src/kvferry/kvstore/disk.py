@@ -6,12 +6,13 @@ Layout under ``path``::
     slab-<slot_bytes>.dat      slot i at offset i * slot_bytes (4 KiB multiple)
 
     slot = header | block key | tenant | payload | (padding to slot_bytes)
-    header (48 bytes, little endian):
+    header (44 bytes, little endian):
         magic "KVFB", version u8, flags u8 (public, sealed),
         key_len u16, tenant_len u16, reserved u16,
         payload_len u64, seq u64 (write order, for LRU on restart),
         checksum 16 bytes = xxh3-128 over the header fields before it,
-                            key, tenant and payload
+                            key, tenant and (clear blocks) payload;
+                            a sealed payload is covered by its GCM tag
 
 Rules:
 
@@ -68,8 +69,9 @@ _FLAG_PUBLIC = 1
 _FLAG_SEALED = 2
 _ALIGN = 4096  # O_DIRECT offsets and lengths; also the slot granularity
 _SLAB_NAME = re.compile(r"^slab-(\d+)\.dat$")
-# Merged reads stop at this size, so a batch still spreads over the threads.
-_MAX_READ_BYTES = 16 << 20
+# Merged reads stop at this size: large enough for the disk, small enough
+# that one thread decrypts a run while the others read the next ones.
+_MAX_READ_BYTES = 4 << 20
 
 
 def _round_up(n: int, align: int = _ALIGN) -> int:
@@ -111,8 +113,24 @@ class _Slab:
         except OSError:
             self.read_fd = os.open(path, os.O_RDONLY)
             self.direct = False
+        self._reopen_lock = threading.Lock()
         self.num_slots = os.fstat(self.write_fd).st_size // slot_bytes
         self.free: list[int] = []
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` (page-aligned) from ``offset``; bytes read. A file
+        system that takes O_DIRECT at open but refuses it at read (EINVAL)
+        gets a buffered fd from then on."""
+        try:
+            return os.preadv(self.read_fd, [view], offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:
+                raise
+        with self._reopen_lock:
+            if self.direct:
+                fd, self.read_fd, self.direct = self.read_fd, os.open(self.path, os.O_RDONLY), False
+                os.close(fd)
+        return os.preadv(self.read_fd, [view], offset)
 
     def allocate(self) -> int:
         if self.free:
@@ -155,6 +173,7 @@ class DiskTier(ColdTier):
     def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
         if not 0 < len(key) < 1 << 16:
             raise ValueError("key: must hold 1..65535 bytes")
+        data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
         pool = pool_of(owner)
         with self._lock:
             slot = self._index.get(key)
@@ -176,17 +195,24 @@ class DiskTier(ColdTier):
             evicted, fits = self._lru.make_room(pool, slot_bytes)
             for old in evicted:
                 self._free_slot(self._index.pop(old))
-            if not fits:
+            try:
+                slab = self._slab(slot_bytes) if fits else None
+            except OSError as exc:  # no inode or fd left for a new slab file
+                log.warning("disk tier: cannot open a slab in %s: %s", self.path, exc)
+                slab = None
+            if slab is None:
                 self._refuse(pool)
                 return False
-            slab = self._slab(slot_bytes)
             slot = _Slot(slab, slab.allocate(), self._next_seq())
             # Hold the bytes now, so that concurrent puts never overshoot
             # capacity; the key itself is indexed after the data is durable.
             self._lru.reserve(pool, slot_bytes)
         flags = (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0)
         fields = _HEADER.pack(_MAGIC, _VERSION, flags, len(key), len(tenant), 0, payload_len, slot.seq)
-        record = [fields, _checksum(fields, key, tenant, payload), key, tenant, *payload]
+        # A sealed payload's checksum is its AES-GCM tag (a MAC over the
+        # payload, the key and the tenant); xxh3 then covers the rest, and a
+        # read makes one pass over the bytes instead of two.
+        record = [fields, _checksum(fields, key, tenant, [] if sealed else payload), key, tenant, *payload]
         error = self._write(slab, record, slot.offset)
         with self._lock:
             self._lru.release(pool, slot_bytes)
@@ -293,10 +319,12 @@ class DiskTier(ColdTier):
         buf = self._buffer(length)
         view = memoryview(buf)[:length]
         try:
-            got = os.preadv(slab.read_fd, [view], run[0][1].offset)
+            got = slab.read_into(view, run[0][1].offset)
         except OSError as exc:
+            # An I/O error says nothing about the blocks' bytes: a miss, and
+            # the blocks stay indexed for the next try.
             log.warning("disk tier: read from %s failed: %s", slab.path, exc)
-            got = 0
+            return [(i, None) for i, _ in run]
         out = []
         for n, (i, slot) in enumerate(run):
             lo = n * slab.slot_bytes
@@ -419,6 +447,7 @@ class DiskTier(ColdTier):
     def check_integrity(self) -> None:
         """Index, LRU and slabs agree (tests call it when idle)."""
         with self._lock:
+            self._lru.check_integrity()
             assert len(self._lru) == len(self._index), "LRU and index disagree"
             assert self._lru.total_bytes == sum(s.slab.slot_bytes for s in self._index.values())
             used: set[tuple[int, int]] = set()
@@ -474,7 +503,7 @@ def _parse(record: memoryview) -> _Record | None:
     key = record[HEADER_BYTES:HEADER_BYTES + key_len]
     tenant = record[HEADER_BYTES + key_len:body]
     payload = record[body:body + payload_len]
-    checksum = _checksum(record[:_HEADER.size], key, tenant, [payload])
+    checksum = _checksum(record[:_HEADER.size], key, tenant, [] if flags & _FLAG_SEALED else [payload])
     if checksum != record[_HEADER.size:HEADER_BYTES]:
         return None
     try:

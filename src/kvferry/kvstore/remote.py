@@ -24,8 +24,8 @@ block it evicted is a plain miss here.
 **Faults.** Any Redis error (refused connection, timeout, a server gone
 mid-call) disables the tier: one warning per outage, every call a miss or
 a refused write without touching the network, and a retry after a backoff
-that doubles up to ``retry_max_s``. The first call that succeeds logs that
-the tier is back. Nothing raises out of ``put``/``get``.
+that doubles up to ``retry_max_s``. The first call that succeeds logs (at
+INFO) that the tier is back. Nothing raises out of ``put``/``get``.
 
 **Other remote stores** (Mooncake Store, Valkey, S3) plug in at the same
 seam: a ``ColdTier`` subclass (``kvferry.kvstore.tier``) with ``put``,
@@ -113,20 +113,24 @@ class RedisTier(ColdTier):
                 if self.down:
                     self.down = False
                     self._backoff_s = self._retry_initial_s
-                    log.warning("remote KV tier %s is back", self.url)
+                    log.info("remote KV tier %s is back", self.url)
 
     # ---- writes -------------------------------------------------------
 
     def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
+        data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
         pool = pool_of(owner)
+        if not self._available():  # down: no sealing, no network
+            with self._lock:
+                self._refuse(pool)
+            return False
         value = self._encode(key, data, owner)
         with self._lock:
-            if not self._available():
-                self._refuse(pool)
-                return False
             evicted, fits = self._lru.make_room(pool, len(value))
             if not fits:
                 self._refuse(pool)
+        if not fits and not evicted:
+            return False
         try:
             pipe = self._redis.pipeline(transaction=False)
             if evicted:
@@ -284,6 +288,11 @@ class RedisTier(ColdTier):
     def stats(self) -> TierStats:
         with self._lock:
             return self._lru.snapshot(self._stats)
+
+    def check_integrity(self) -> None:
+        """This node's view of what it holds is self-consistent (tests)."""
+        with self._lock:
+            self._lru.check_integrity()
 
     def close(self) -> None:
         self._redis.close()

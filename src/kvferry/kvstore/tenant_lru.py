@@ -168,6 +168,16 @@ class TenantLRU:
             evicted.append(self._evict(next(iter(self._all))))
         return evicted, True
 
+    def check_integrity(self) -> None:
+        """Pools and the overall order hold the same keys and bytes (when
+        idle: no write in flight)."""
+        assert sum(len(keys) for keys in self._pools.values()) == len(self._all), "a key in no pool"
+        for pool, keys in self._pools.items():
+            assert all(self._all[k].pool == pool for k in keys), "a key in the wrong pool"
+            assert self._pool_bytes[pool] == sum(self._all[k].nbytes for k in keys), "pool bytes drifted"
+            assert self.pool_stats[pool].num_blocks == len(keys)
+        assert self.total_bytes == sum(e.nbytes for e in self._all.values()), "total bytes drifted"
+
     def _evict(self, key: bytes) -> bytes:
         self.remove(key)
         return key
