@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--pin", action="store_true", help="page-lock the arena for the device (CUDA only)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return parser.parse_args()
 
 
@@ -56,6 +57,8 @@ def timed(fn, sync) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     block_shape = (args.num_layers, 2, args.block_size, args.num_kv_heads, args.head_dim)

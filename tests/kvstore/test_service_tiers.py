@@ -173,3 +173,22 @@ def test_a_redis_outage_leaves_dram_and_disk_serving(store_factory, clients, tmp
         assert stats.tiers["remote"].refused_writes >= 1 and stats.tiers["remote"].num_blocks == 0
     finally:
         redis.kill()
+
+
+def test_loading_a_block_that_is_being_written_again_is_a_miss_not_a_crash(store_factory, clients, tmp_path,
+                                                                         secret_file):
+    _, address = store_factory(3, disk=str(tmp_path / "ssd"), disk_gb=gb(64), cache_secret_file=secret_file)
+    writer, reader = clients(address), clients(address)
+    for i in range(4):
+        save(writer, [key(i)], A, [i])
+    wait_written_back(writer, 1)  # key(0) is on disk only; 1, 2, 3 in DRAM
+    (slot,) = writer.reserve([key(0)], [A])  # key(0) is being written into DRAM again (1 goes)
+    assert slot is not None
+    result = load(reader, [key(2), key(0)])
+    assert len(result.slots) == 1  # the run ends at the block being written
+    reader.release(result.ticket)
+    assert reader.stats().pinned_slots == 0
+    writer.arena()[slot] = block_bytes(0)
+    writer.commit([key(0)], [slot])
+    result = load(reader, [key(0)])
+    np.testing.assert_array_equal(reader.arena()[result.slots[0]], block_bytes(0))

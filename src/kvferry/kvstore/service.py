@@ -35,14 +35,12 @@ import argparse
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,17 +48,15 @@ import zmq
 
 from kvferry.kvstore import protocol as p
 from kvferry.kvstore.arena import SHM_DIR, Arena
+from kvferry.kvstore.chain import ColdChain
 from kvferry.kvstore.policy import DramIndex, Entry, PoolQuotas, State, pool_of
-from kvferry.kvstore.tier import BlockOwner, ColdTier, TierStats
+from kvferry.kvstore.tier import ColdTier, TierStats
 
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
 _POLL_IDLE_MS = 100
 _POLL_BUSY_MS = 1  # while loads are in flight: their completions arrive on a queue
-# Bytes of evicted blocks waiting for the write-back thread; past this
-# they are dropped (and counted) rather than held in memory without bound.
-MAX_PENDING_WRITE_BACK_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -118,7 +114,7 @@ class _Ticket:
 class KVStoreService:
     def __init__(self, config: StoreConfig, cold_tiers: list[ColdTier] | None = None) -> None:
         self.config = config
-        self.cold: list[ColdTier] = list(cold_tiers or [])
+        self.cold = ColdChain(cold_tiers or [], io_threads=config.io_threads, remote_min_hits=config.remote_min_hits)
         self.service_id = uuid.uuid4().hex
         self.arena: Arena | None = None
         self.index: DramIndex | None = None
@@ -135,14 +131,6 @@ class KVStoreService:
         self._next_lease_check = 0.0
         self._done_loads = 0
         self._load_seconds = 0.0
-        self._loaders = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-load")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-writeback")
-        self._completions: queue.SimpleQueue[list[tuple[Entry, bool]]] = queue.SimpleQueue()
-        self._loads_in_flight = 0
-        self._pending_write_backs = 0
-        self._write_back_lock = threading.Lock()
-        self.written_back = 0
-        self.write_backs_dropped = 0
         self.integrity_failures = 0
 
     # -- the arena ---------------------------------------------------------------------
@@ -154,7 +142,8 @@ class KVStoreService:
             logger.info("removed the arenas of store processes that died without cleaning up")
         self.arena = Arena.create(num_slots, block_nbytes, self.config.shm_dir)
         self.index = DramIndex(num_slots, block_nbytes, self.config.quotas(block_nbytes),
-                               can_demote=bool(self.cold), on_evict=self._write_back)
+                               can_demote=bool(self.cold),
+                               on_evict=lambda entry: self.cold.write_back(entry, self.arena))
         logger.info("arena %s: %d slots of %d bytes (%.2f GiB)", self.arena.path, num_slots, block_nbytes,
                     num_slots * block_nbytes / GIB)
 
@@ -164,7 +153,7 @@ class KVStoreService:
         poller.register(self._sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                busy = self._loads_in_flight > 0
+                busy = self.cold.loads_in_flight > 0
                 if poller.poll(_POLL_BUSY_MS if busy else _POLL_IDLE_MS):
                     while True:
                         try:
@@ -271,7 +260,7 @@ class KVStoreService:
 
     def _lookup(self, keys: list[bytes]) -> int:
         n = 0
-        while n < len(keys) and (self.index.holds(keys[n]) or self._any_cold_contains(keys[n])):
+        while n < len(keys) and (self.index.holds(keys[n]) or self.cold.contains(keys[n])):
             n += 1
         return n
 
@@ -289,26 +278,35 @@ class KVStoreService:
                 self.index.pin(entry)
         entries: list[Entry] = []
         to_load: list[Entry] = []
-        for key, owner, entry in zip(request.keys, request.owners, found):
-            if entry is None and self.cold and self._any_cold_contains(key):
-                entry = self.index.allocate(key, owner, State.LOADING, now)
-                if entry is not None:
-                    self.index.pin(entry)
-                    to_load.append(entry)
-            if entry is None:
-                self.index.count_hit(owner, False)
-                break
-            hit = entry.state is State.READY and entry not in to_load
-            self.index.count_hit(owner, hit)
-            entry.hits += hit
-            entries.append(entry)
+        try:
+            for key, owner, entry in zip(request.keys, request.owners, found):
+                # A key being written again (reserved) is a miss here, even if a
+                # cold tier holds it: its slot is not ours to load into.
+                if entry is None and key not in self.index.entries and self.cold and self.cold.contains(key):
+                    entry = self.index.allocate(key, owner, State.LOADING, now)
+                    if entry is not None:
+                        self.index.pin(entry)
+                        to_load.append(entry)
+                if entry is None:
+                    self.index.count_hit(owner, False)
+                    break
+                hit = entry.state is State.READY and entry not in to_load
+                self.index.count_hit(owner, hit)
+                entry.hits += hit
+                entries.append(entry)
+        except BaseException:
+            # Whatever went wrong, no pin of a load that never started stays behind.
+            for entry in [e for e in found if e is not None] + to_load:
+                self.index.unpin(entry)
+            for entry in to_load:
+                self.index.remove(entry)
+            raise
         for entry in found[len(entries):]:  # past the run: not this load's
             if entry is not None:
                 self.index.unpin(entry)
         tickets[request.ticket] = _Ticket(request.client_id, request.ticket, entries, now)
         if to_load:
-            self._loads_in_flight += 1
-            self._loaders.submit(self._load_from_cold, to_load)
+            self.cold.start_load(to_load, self.arena)
 
     def _finished_loads(self, client_id: str, now: float) -> list[p.LoadResult]:
         results = []
@@ -369,13 +367,7 @@ class KVStoreService:
                 self.index.remove(entry)
 
     def _drop_tenant(self, tenant: str) -> int:
-        n = self.index.drop_pool(tenant)
-        for tier in self.cold:
-            try:
-                n += tier.drop_tenant(tenant)
-            except Exception:
-                logger.exception("tier %s: drop_tenant failed", tier.name)
-        return n
+        return self.index.drop_pool(tenant) + self.cold.drop_tenant(tenant)
 
     def _check_integrity(self) -> None:
         if self.index is None:
@@ -421,97 +413,21 @@ class KVStoreService:
                       if e.state is State.RESERVED and e.client_id == client_id]:
             self.index.remove(entry)
 
-    # -- cold tiers (load threads, write-back thread) --------------------------------------
-    def _tier_contains(self, tier: ColdTier, key: bytes) -> bool:
-        try:
-            return tier.contains(key)
-        except Exception:
-            logger.exception("tier %s: contains failed", tier.name)
-            return False
-
-    def _any_cold_contains(self, key: bytes) -> bool:
-        return any(self._tier_contains(tier, key) for tier in self.cold)
-
-    def _load_from_cold(self, entries: list[Entry]) -> None:
-        """On a load thread: read each block from the first tier that has it
-        into its (pinned, LOADING) slot. A block of the wrong size is a miss."""
-        outcome: dict[int, bool] = {}
-        try:
-            missing = list(entries)
-            for tier in self.cold:
-                if not missing:
-                    break
-                by_owner: dict[BlockOwner, list[Entry]] = {}
-                for entry in missing:
-                    by_owner.setdefault(entry.owner, []).append(entry)
-                missing = []
-                for owner, group in by_owner.items():
-                    try:
-                        datas = tier.get_many([e.key for e in group], owner)
-                    except Exception:
-                        logger.exception("tier %s: get_many failed", tier.name)
-                        datas = [None] * len(group)
-                    for entry, data in zip(group, datas):
-                        if data is not None and len(data) == self.arena.block_nbytes:
-                            self.arena.view[entry.slot] = memoryview(data).cast("B")
-                            outcome[entry.slot] = True
-                        else:
-                            missing.append(entry)
-        finally:
-            self._completions.put([(e, outcome.get(e.slot, False)) for e in entries])
-
     def _apply_completions(self) -> None:
-        while True:
-            try:
-                done = self._completions.get_nowait()
-            except queue.Empty:
-                return
-            self._loads_in_flight -= 1
-            for entry, ok in done:
-                if entry.state is not State.LOADING:
-                    continue  # dropped meanwhile
-                if ok:
-                    self.index.make_ready(entry)
-                else:
-                    self.index.remove(entry)
-
-    def _write_back(self, entry: Entry) -> None:
-        """Called by the index just before it evicts ``entry``: copy the
-        bytes out now (the slot is reused next), write them down later."""
-        if not self.cold:
-            return
-        tiers = [t for t in self.cold if t.name != "remote" or entry.hits >= self.config.remote_min_hits]
-        with self._write_back_lock:
-            if (self._pending_write_backs + 1) * self.arena.block_nbytes > MAX_PENDING_WRITE_BACK_BYTES:
-                self.write_backs_dropped += 1
-                return
-            self._pending_write_backs += 1
-        data = self.arena.view[entry.slot].tobytes()
-        self._writer.submit(self._write_down, entry.key, data, entry.owner, tiers)
-
-    def _write_down(self, key: bytes, data: bytes, owner: BlockOwner, tiers: list[ColdTier]) -> None:
-        try:
-            for tier in tiers:
-                try:
-                    if not tier.contains(key):
-                        tier.put(key, data, owner)
-                except Exception:
-                    logger.exception("tier %s: write-back failed", tier.name)
-        finally:
-            with self._write_back_lock:
-                self._pending_write_backs -= 1
-                self.written_back += 1
+        for entry, ok in self.cold.completions():
+            if entry.state is not State.LOADING:
+                continue  # dropped meanwhile
+            if ok:
+                self.index.make_ready(entry)
+            else:
+                self.index.remove(entry)
 
     # -- stats, shutdown ---------------------------------------------------------------------
     def stats(self) -> p.StoreStats:
         tiers: dict[str, TierStats] = {}
         if self.index is not None:
             tiers["dram"] = self.index.snapshot()
-        for tier in self.cold:
-            try:
-                tiers[tier.name] = tier.stats()
-            except Exception:
-                logger.exception("tier %s: stats failed", tier.name)
+        tiers.update(self.cold.stats())
         index = self.index
         now = time.monotonic()
         return p.StoreStats(
@@ -522,20 +438,14 @@ class KVStoreService:
             pinned_slots=sum(1 for e in index.by_slot.values() if e.pins) if index else 0,
             retained_blocks=sum(1 for e in index.lru.values() if e.retain_until > now) if index else 0,
             evictions=index.evictions if index else 0,
-            written_back=self.written_back,
-            write_backs_dropped=self.write_backs_dropped,
+            written_back=self.cold.written_back,
+            write_backs_dropped=self.cold.write_backs_dropped,
             loads=self._done_loads,
             load_seconds=self._load_seconds,
         )
 
     def close(self) -> None:
-        self._loaders.shutdown(wait=True, cancel_futures=True)
-        self._writer.shutdown(wait=True)  # write-backs in flight finish (they are durable or refused)
-        for tier in self.cold:
-            try:
-                tier.close()
-            except Exception:
-                logger.exception("tier %s: close failed", tier.name)
+        self.cold.close()
         self._sock.close(0)
         self._ctx.term()
         if self.arena is not None:

@@ -1,0 +1,197 @@
+"""The tiers below DRAM, in load order (disk, then remote), and the
+threads that move blocks between them and the arena. No torch.
+
+    load threads      cold tier get_many -> arena slot (pinned, LOADING)  -> completion queue
+    write-back thread evicted block's bytes -> disk; -> remote too once reused enough
+
+A block waiting for the write-back thread stays findable: ``contains``
+sees it and a load copies it straight from the pending bytes, so an
+eviction never makes a block briefly vanish.
+
+The store's main loop owns the DRAM index; this module never touches it.
+Loads report ``(entry, ok)`` pairs through ``completions()``, which the
+main loop applies. Every tier call is guarded: a tier that raises counts as
+a miss (or a skipped write) and is logged, never a crash of the store.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from kvferry.kvstore.arena import Arena
+from kvferry.kvstore.policy import Entry
+from kvferry.kvstore.tier import BlockOwner, ColdTier, TierStats
+
+logger = logging.getLogger(__name__)
+
+# Bytes of evicted blocks waiting for the write-back thread; past this
+# they are dropped (and counted) rather than held in memory without bound.
+MAX_PENDING_WRITE_BACK_BYTES = 256 << 20
+
+
+class ColdChain:
+    def __init__(self, tiers: list[ColdTier], *, io_threads: int = 4, remote_min_hits: int = 2) -> None:
+        self.tiers = list(tiers)
+        self.remote_min_hits = remote_min_hits
+        self.loads_in_flight = 0  # main loop only
+        self.written_back = 0
+        self.write_backs_dropped = 0
+        self._loaders = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-writeback")
+        self._completions: queue.SimpleQueue[list[tuple[Entry, bool]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the pending write-backs and their counters
+        self._pending: dict[bytes, tuple[bytes, BlockOwner]] = {}  # key -> (bytes, owner), not yet written
+        self._drops: dict[str, int] = {}  # tenant -> drop_tenant calls so far
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    # -- lookups (main loop) ---------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._pending:
+                return True
+        return any(self._contains(tier, key) for tier in self.tiers)
+
+    @staticmethod
+    def _contains(tier: ColdTier, key: bytes) -> bool:
+        try:
+            return tier.contains(key)
+        except Exception:
+            logger.exception("tier %s: contains failed", tier.name)
+            return False
+
+    # -- loads ------------------------------------------------------------------------------
+    def start_load(self, entries: list[Entry], arena: Arena) -> None:
+        """Bring ``entries`` (LOADING, pinned) into their slots in the background."""
+        self.loads_in_flight += 1
+        self._loaders.submit(self._load, entries, arena)
+
+    def completions(self) -> list[tuple[Entry, bool]]:
+        """Entries whose loads finished since the last call: (entry, ok)."""
+        done: list[tuple[Entry, bool]] = []
+        while True:
+            try:
+                batch = self._completions.get_nowait()
+            except queue.Empty:
+                return done
+            self.loads_in_flight -= 1
+            done += batch
+
+    def _load(self, entries: list[Entry], arena: Arena) -> None:
+        """On a load thread: read each block from the first tier that has it
+        into its slot. A block of the wrong size is a miss."""
+        loaded: set[int] = set()
+        try:
+            missing = []
+            for entry in entries:
+                with self._lock:
+                    data, owner = self._pending.get(entry.key, (None, None))
+                if data is not None and _same_owner(owner, entry.owner):
+                    arena.view[entry.slot] = memoryview(data).cast("B")
+                    loaded.add(entry.slot)
+                else:
+                    missing.append(entry)
+            for tier in self.tiers:
+                if not missing:
+                    break
+                by_owner: dict[BlockOwner, list[Entry]] = {}
+                for entry in missing:
+                    by_owner.setdefault(entry.owner, []).append(entry)
+                missing = []
+                for owner, group in by_owner.items():
+                    try:
+                        datas = tier.get_many([e.key for e in group], owner)
+                    except Exception:
+                        logger.exception("tier %s: get_many failed", tier.name)
+                        datas = [None] * len(group)
+                    for entry, data in zip(group, datas):
+                        if data is not None and len(data) == arena.block_nbytes:
+                            arena.view[entry.slot] = memoryview(data).cast("B")
+                            loaded.add(entry.slot)
+                        else:
+                            missing.append(entry)
+        finally:
+            self._completions.put([(e, e.slot in loaded) for e in entries])
+
+    # -- write-back ---------------------------------------------------------------------------
+    def write_back(self, entry: Entry, arena: Arena) -> None:
+        """``entry`` is about to leave DRAM: copy its bytes out now (the slot
+        is reused next) and write them down on the write-back thread."""
+        if not self.tiers:
+            return
+        tiers = [t for t in self.tiers if t.name != "remote" or entry.hits >= self.remote_min_hits]
+        with self._lock:
+            if entry.key in self._pending:
+                return
+            if (len(self._pending) + 1) * arena.block_nbytes > MAX_PENDING_WRITE_BACK_BYTES:
+                self.write_backs_dropped += 1
+                return
+            data = arena.view[entry.slot].tobytes()
+            self._pending[entry.key] = (data, entry.owner)
+        self._writer.submit(self._write_down, entry.key, data, entry.owner, tiers)
+
+    def _write_down(self, key: bytes, data: bytes, owner: BlockOwner, tiers: list[ColdTier]) -> None:
+        with self._lock:
+            if key not in self._pending:
+                return  # its tenant was dropped meanwhile
+            drops = self._drops.get(owner.tenant, 0)
+        try:
+            for tier in tiers:
+                try:
+                    if not tier.contains(key):
+                        tier.put(key, data, owner)
+                except Exception:
+                    logger.exception("tier %s: write-back failed", tier.name)
+        finally:
+            with self._lock:
+                dropped = not owner.public and self._drops.get(owner.tenant, 0) != drops
+                self._pending.pop(key, None)
+                self.written_back += 1
+        if dropped:  # drop_tenant ran while this was being written
+            for tier in tiers:
+                try:
+                    tier.delete(key)
+                except Exception:
+                    logger.exception("tier %s: delete failed", tier.name)
+
+    # -- the rest -------------------------------------------------------------------------------
+    def drop_tenant(self, tenant: str) -> int:
+        with self._lock:
+            # Pending write-backs of the tenant's are cancelled; one being
+            # written now deletes what it wrote (see _write_down).
+            for key in [k for k, (_, owner) in self._pending.items() if not owner.public and owner.tenant == tenant]:
+                del self._pending[key]
+            self._drops[tenant] = self._drops.get(tenant, 0) + 1
+        n = 0
+        for tier in self.tiers:
+            try:
+                n += tier.drop_tenant(tenant)
+            except Exception:
+                logger.exception("tier %s: drop_tenant failed", tier.name)
+        return n
+
+    def stats(self) -> dict[str, TierStats]:
+        out: dict[str, TierStats] = {}
+        for tier in self.tiers:
+            try:
+                out[tier.name] = tier.stats()
+            except Exception:
+                logger.exception("tier %s: stats failed", tier.name)
+        return out
+
+    def close(self) -> None:
+        self._loaders.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True)  # write-backs in flight finish (durable or refused)
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception:
+                logger.exception("tier %s: close failed", tier.name)
+
+
+def _same_owner(a: BlockOwner, b: BlockOwner) -> bool:
+    """Whether a load by ``b`` may read ``a``'s block (as DramIndex.readable)."""
+    return a.public == b.public and (a.public or a.tenant == b.tenant)
