@@ -19,6 +19,8 @@ compare the ratios, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import multiprocessing
 import random
@@ -26,17 +28,35 @@ import statistics
 import time
 
 from kvferry import LLM, SamplingParams
+from kvferry.config import EngineArgs
+from kvferry.engine.engine import LLMEngine
 from kvferry.kvstore.service import start_store
 
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
+_LOADED: dict[tuple, object] = {}
+
+
 def engine(args, store: str | None) -> LLM:
-    """A fresh engine, warmed up (first-call costs are not the figure)."""
+    """A fresh engine (its own empty device pool), warmed up: first-call
+    costs are not the figure. Engines of one process share the loaded
+    weights, so that many fresh engines fit in memory."""
     extra = {"kv_store": store} if store else {}
-    llm = LLM(model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, **extra)
+    engine_args = EngineArgs(model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, **extra)
+    key = (args.model, args.dtype)
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(engine_args.create_engine_config(), _LOADED.get(key))
+    _LOADED[key] = llm.engine.core.loaded
+    llm.tokenizer, llm._ids = llm.engine.tokenizer, itertools.count()
     llm.generate([random_prompt(random.Random(-1), 48)], SamplingParams(max_tokens=2, temperature=0.0))
     return llm
+
+
+def close(llm: LLM) -> None:
+    llm.engine.core.close()
+    del llm.engine
+    gc.collect()
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int = 30000) -> list[int]:
@@ -82,14 +102,15 @@ def bench_resume(args, rng: random.Random) -> None:
                 if name == "ssd":
                     flush_device_pool(writer, rng, args)
                     flush_device_pool(writer, rng, args)
-                writer.engine.core.close()
+                close(writer)
                 reader = engine(args, address)
                 seconds, cached[name] = ttft(reader, turn2, f"resume-{r}")
                 results[name].append(seconds)
-                reader.engine.core.close()
+                close(reader)
             plain = engine(args, None)
             seconds, cached["recompute"] = ttft(plain, turn2, f"resume-{r}")
             results["recompute"].append(seconds)
+            close(plain)
     finally:
         for process, _ in stores.values():
             process.terminate()
@@ -118,7 +139,8 @@ def bench_decode(args, rng: random.Random) -> None:
             pair = [("write_down", tiered), ("tiers_off", plain)]
             for name, llm in pair if r % 2 == 0 else pair[::-1]:
                 rates[name].append(decode_rate(llm, prompts, args.decode_tokens))
-        tiered.engine.core.close()
+        close(tiered)
+        close(plain)
     finally:
         process.terminate()
         process.wait()
@@ -133,7 +155,7 @@ def bench_decode(args, rng: random.Random) -> None:
 def _worker_a(args, address: str, prompt: list[int]) -> None:
     llm = engine(args, address)
     llm.generate([prompt], GREEDY_ONE)
-    llm.engine.core.close()
+    close(llm)
 
 
 def bench_cross_worker(args, rng: random.Random) -> None:
@@ -152,7 +174,7 @@ def bench_cross_worker(args, rng: random.Random) -> None:
             # The same prefix again on B: now a hit in B's own device pool.
             seconds, _ = ttft(worker_b, prefix + random_prompt(rng, 16), f"own-{r}")
             own_device.append(seconds)
-        worker_b.engine.core.close()
+        close(worker_b)
     finally:
         process.terminate()
         process.wait()

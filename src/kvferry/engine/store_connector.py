@@ -237,12 +237,6 @@ class StoreConnector(KVConnector):
         except Exception:
             logger.warning("copying %d loaded KV blocks failed", n, exc_info=True)
             n = 0
-        finally:
-            if load.ticket is not None:
-                try:
-                    self.store.release(load.ticket)
-                except Exception:
-                    logger.warning("releasing a KV load failed", exc_info=True)
         self.stats.blocks_loaded += n
         self.stats.load_seconds += time.perf_counter() - load.started
         with self._outbox.lock:
@@ -250,6 +244,13 @@ class StoreConnector(KVConnector):
                 self.stats.failed_loads += 1
                 self._outbox.num_loaded_blocks[order.request_id] = n
             self._outbox.done.finished_loading.append(order.request_id)
+        # The blocks are in the device pool: unpin the slots, off the
+        # request's path (the completion is already out).
+        if load.ticket is not None:
+            try:
+                self.store.release(load.ticket)
+            except Exception:
+                logger.warning("releasing a KV load failed", exc_info=True)
 
     def _copy_in(self, block_ids: list[int], slots: list[int]) -> None:
         arena = torch.from_numpy(self.store.arena())  # [num_slots, block_nbytes] uint8
