@@ -184,11 +184,6 @@ class EngineCore:
             raise ValueError("kv_transfer.dest.block_ids must cover the prompt past num_cached_tokens")
         return params
 
-    def close(self) -> None:
-        """Release what outlives the process otherwise (the shared-memory pool)."""
-        if self.runner.kv_transfer is not None:
-            self.runner.kv_transfer.close()
-
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish these now; unknown or finished ids are ignored. No output
         is sent for them: the front end asked, so it already knows."""
@@ -196,10 +191,12 @@ class EngineCore:
 
     def purge_tenant(self, tenant: str) -> int:
         """Drop the tenant's unused cached blocks from the device pool now
-        (blocks running requests hold stay). Returns how many were dropped.
-        Tiers below the device pool (the node's KV store) take the same
-        purge here, by owner, once they are wired to the core."""
-        return self.scheduler.kv.purge(tenant)
+        (blocks running requests hold stay), and its private blocks from
+        every tier of the node's KV store. Returns how many were dropped."""
+        dropped = self.scheduler.kv.purge(tenant)
+        if self.kv_store is not None:
+            dropped += self.kv_store.drop_tenant(tenant)
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -250,7 +247,11 @@ class EngineCore:
         return isinstance(connector, StoreConnector) and connector.store_stats is not self._reported_store_stats
 
     def close(self) -> None:
-        """Stop the KV store I/O (and the store this core started, if any)."""
+        """Release what outlives the process otherwise: the transfer agent's
+        shared-memory pool, the KV store I/O (and the store this core
+        started, if any)."""
+        if self.runner.kv_transfer is not None:
+            self.runner.kv_transfer.close()
         if isinstance(self.runner.connector, StoreConnector):
             self.runner.connector.close()
         for client in (self.kv_store, self.kv_store_io):
