@@ -40,7 +40,13 @@ Prefill/decode disaggregation (a router drives two cores, ``kvferry.disagg``)::
 
 On a timeout, error or checksum mismatch D recomputes the prompt itself, or,
 with ``--kv-transfer-failure fail``, finishes the request with
-finish_reason "error"; tokens never come from partially received KV.
+finish_reason "error"; tokens never come from partially received KV. Either
+way D first sends an output with ``kv_transfer_error`` set. When P's
+KVTransferDone arrived (only its KV was bad), D keeps P's first token and
+its outputs still start at the second; after a timeout D samples the first
+token itself, and a router that already streamed P's drops it (the same
+token: same KV, same seed). A router that retries the prefill on another
+core passes the same KVDestination while its lease runs.
 
 A core output carries only what a step added (``new_token_ids``, zero or
 more: speculative decoding accepts several per step), never a whole history.
@@ -235,7 +241,8 @@ class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
     transfer_id: str
     num_layers: int
     block_ids: list[int]  # every block the transfer filled
-    # xxh64 of each layer's bytes over ``block_ids``, in layer order.
+    # xxh3-64 of each layer's bytes over ``block_ids``, in layer order
+    # (transport.layer_checksum).
     layer_checksums: list[int]
     # The tokens the prefill core sampled (the first token).
     output_token_ids: list[int]

@@ -370,13 +370,24 @@ class Scheduler:
             self._finish(request, stop)
             outputs.append(self._core_output(request, []))
 
-    def _transfer_failed(self, request: Request, reason: str, outputs: list[EngineCoreOutput]) -> None:
+    def _transfer_failed(self, request: Request, reason: str, first_tokens: list[int],
+                         outputs: list[EngineCoreOutput]) -> None:
         """Decode role: never decode from partial KV. Recompute the prompt
         here (its blocks stay; nothing past the prefix hit was published),
-        or end the request with the reason."""
+        or end the request with the reason.
+
+        ``first_tokens``: the prefill core's first token when its Done
+        arrived (only the KV failed): it was computed from intact KV and
+        reported already, so it is appended and the recompute samples the
+        second token. Without it (a timeout) the recompute samples the first
+        token here; a router that streamed one from the prefill core drops
+        this core's first (the same token: same KV, same seed)."""
         request.kv_transfer = None
         if self.kv_transfer is not None and self.kv_transfer.recompute_on_failure:
             request.status = RequestStatus.WAITING
+            _, stop = self._append_tokens(request, first_tokens)
+            if stop is not None:
+                self._finish(request, stop)
             output = self._core_output(request, [])
             output.kv_transfer_error = f"KV transfer failed ({reason}); recomputing the prompt"
         else:
@@ -562,7 +573,7 @@ class Scheduler:
             if request is None:
                 self.kv.release_delayed(rid)  # finished while loading
                 continue
-            self._transfer_failed(request, reason, outputs)
+            self._transfer_failed(request, reason, result.kv_received.get(rid, []), outputs)
         for rid in result.finished_sending:
             self._streams.pop(rid, None)
             self.kv.release_delayed(rid)

@@ -116,16 +116,17 @@ class KVTransferAgent:
                 self._streaming_rids.discard(rid)
                 self._jobs.put(("close", rid))
 
-    def take(self) -> tuple[dict[str, Received], dict[str, str], list[str]]:
-        """(verified receives, failed receives, finished sends), once each."""
-        done, failed = self.receiver.take()
-        for rid, received in done.items():
+    def take(self) -> tuple[dict[str, Received], dict[str, str], dict[str, Received], list[str]]:
+        """(verified receives, failed receives, the tokens that came with
+        failed ones, finished sends), each once."""
+        done, failed, failed_received = self.receiver.take()
+        for rid, received in [*done.items(), *failed_received.items()]:
             if received.generator_state:
                 self.generator_states[rid] = received.generator_state
         with self._lock:
             sent, self._finished_sending = self._finished_sending, []
         self._event.clear()
-        return done, failed, sent
+        return done, failed, failed_received, sent
 
     def wait(self, timeout_s: float) -> None:
         """Idle step: sleep until a send completes or a receive may have

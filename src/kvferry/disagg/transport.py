@@ -55,11 +55,16 @@ _POLL_MS = 50
 
 
 def layer_checksum(kv_cache: torch.Tensor, layer: int, block_ids: list[int]) -> int:
-    """xxh64 of one layer's bytes over ``block_ids``, in order (K then V of
-    each block: the gathered ``[2, n, block_size, H, D]`` tensor)."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-    data = kv_cache[layer].index_select(1, index).contiguous().cpu()  # [2, n, bs, H, D]
-    return xxhash.xxh64(_as_bytes(data)).intdigest()
+    """xxh3-64 of one layer's bytes over ``block_ids``, in the order of the
+    gathered ``[2, n, block_size, H, D]`` tensor (K of each block, then V of
+    each). Each ``[block_size, H, D]`` slice is contiguous in the pool, so
+    the hash streams over the pool in place, with no gather copy."""
+    h = xxhash.xxh3_64()
+    data = kv_cache[layer] if kv_cache.device.type == "cpu" else kv_cache[layer].cpu()  # [2, num_blocks, bs, H, D]
+    for kv in (data[0], data[1]):
+        for b in block_ids:
+            h.update(_as_bytes(kv[b]))
+    return h.intdigest()
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -161,8 +166,9 @@ class TcpTransport(KVTransport):
     def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
         header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True)
         payload = data.contiguous().cpu()
-        # copy=True: ZeroMQ owns a copy once send returns, so the tensor may go.
-        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=True)
+        # Zero-copy: the frame keeps ``payload`` alive until ZeroMQ sent it
+        # (the numpy view holds the tensor).
+        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=False)
 
 
 class ShmTransport(KVTransport):
@@ -196,7 +202,10 @@ class _Expected:
 
 @dataclass(slots=True)
 class Received:
-    """A verified transfer: the tokens and sampling state that came with it."""
+    """What came with a transfer's Done: the prefill core's tokens and
+    sampling state. Kept for a transfer whose KV failed verification too:
+    they were computed from the prefill core's own intact KV, so the decode
+    core recomputes only the prompt's KV and continues after them."""
 
     output_token_ids: list[int]
     generator_state: bytes
@@ -208,7 +217,7 @@ class KVReceiver:
     ``expect`` registers a transfer before its destination is published;
     chunks of unknown transfers are dropped unread (a transfer that timed
     out can never write again over TCP). ``KVTransferDone`` is verified
-    here: every layer wrote every block, and each layer's xxh64 over the
+    here: every layer wrote every block, and each layer's xxh3-64 over the
     pool equals the sender's. ``take`` hands out verified and failed
     transfers once each; a transfer past its deadline (plus ``grace_s``, for
     a shared-memory write that began just before it) fails as "timeout"."""
@@ -229,6 +238,9 @@ class KVReceiver:
         self._expected: dict[str, _Expected] = {}
         self._done: dict[str, Received] = {}  # request id ->
         self._failed: dict[str, str] = {}  # request id -> reason
+        # request id -> tokens of a transfer whose KV failed verification
+        self._failed_received: dict[str, Received] = {}
+        self.num_blocks_written = 0  # block-layers written into the pool, all transfers
         self._event = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
@@ -238,7 +250,8 @@ class KVReceiver:
         with self._lock:
             self._expected[transfer_id] = _Expected(request_id, list(block_ids), deadline)
 
-    def take(self) -> tuple[dict[str, Received], dict[str, str]]:
+    def take(self) -> tuple[dict[str, Received], dict[str, str], dict[str, Received]]:
+        """(verified, failed: reason, tokens that came with failed ones)."""
         now = time.monotonic()
         with self._lock:
             for tid, exp in list(self._expected.items()):
@@ -247,8 +260,9 @@ class KVReceiver:
                     self._failed[exp.request_id] = "timeout"
             done, self._done = self._done, {}
             failed, self._failed = self._failed, {}
+            failed_received, self._failed_received = self._failed_received, {}
             self._event.clear()
-        return done, failed
+        return done, failed, failed_received
 
     def wait(self, timeout_s: float) -> None:
         """Sleep until a transfer completes or fails, at most ``timeout_s``."""
@@ -287,6 +301,7 @@ class KVReceiver:
                 index = torch.tensor(chunk.block_ids, dtype=torch.int64, device=self.kv_cache.device)
                 self.kv_cache[chunk.layer].index_copy_(1, index, data.to(self.kv_cache.device))
             exp.written.setdefault(chunk.layer, set()).update(chunk.block_ids)
+            self.num_blocks_written += len(chunk.block_ids)
 
     def _on_done(self, done: KVTransferDone) -> KVTransferAck:
         with self._lock:
@@ -297,6 +312,9 @@ class KVReceiver:
         with self._lock:
             if reason:
                 self._failed[exp.request_id] = reason
+                if not done.error and done.output_token_ids:
+                    self._failed_received[exp.request_id] = Received(list(done.output_token_ids),
+                                                                     done.generator_state)
             else:
                 self._done[exp.request_id] = Received(list(done.output_token_ids), done.generator_state)
             self._event.set()

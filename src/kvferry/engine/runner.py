@@ -243,11 +243,13 @@ class ModelRunner:
         than let the step loop spin."""
         if idle:
             self.kv_transfer.wait(0.005)
-        received, failed, sent = self.kv_transfer.take()
+        received, failed, failed_received, sent = self.kv_transfer.take()
         for rid, r in received.items():
             out.finished_loading.append(rid)
             out.kv_received[rid] = r.output_token_ids
         out.failed_loading.update(failed)
+        for rid, r in failed_received.items():
+            out.kv_received[rid] = r.output_token_ids
         out.finished_sending.extend(sent)
 
     # -- sampling and verification --------------------------------------------
