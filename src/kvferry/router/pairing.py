@@ -7,9 +7,9 @@
 
 The client sees one stream: P's first token (made an ordinary token), then
 D's. D's outputs that overtake P's first token are held until it arrives.
-If D recomputes the prompt itself (a failed transfer), D's own first token
-is used, and dropped if P's was already streamed (the same token: greedy and
-seeded sampling are identical across cores).
+If D recomputes the prompt itself (a failed transfer) before P's token came
+(P stuck: a timeout), D samples the first token and P's is dropped; if P's
+token came already, D kept it too and continues from the second.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ class PairedSequence:
     dest: KVDestination | None = None
     first_token_seen: bool = False  # streamed to the client
     recomputing: bool = False  # D computes the prompt (and first token) itself
-    drop_first_decode_token: bool = False
     held: list[EngineCoreOutput] = field(default_factory=list)
     attempts: int = 0
 

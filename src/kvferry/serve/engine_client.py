@@ -625,12 +625,14 @@ class AsyncEngineClient:
                 self._paired.pop(child, None)
                 self._fail_child(child, KVTransferFailedError(out.kv_transfer_error))
                 return []
-            seq.recomputing = True  # D's own first token comes next
-            seq.drop_first_decode_token = seq.first_token_seen
-        if seq.drop_first_decode_token and out.new_token_ids:
-            seq.drop_first_decode_token = False
-            out = _replace(out, new_token_ids=out.new_token_ids[1:],
-                           new_logprobs=out.new_logprobs[1:] if out.new_logprobs else None)
+            # D kept P's first token if P's Done reached it (only the KV was
+            # bad: then P has reported, or soon reports, that token, and D's
+            # outputs start at the second). After a timeout D samples the first
+            # token itself. The router cannot see which; it goes by whether
+            # P's token has come: P reports it as it sends Done, so a token
+            # already here means Done was sent, and none yet means P is stuck.
+            if not seq.first_token_seen:
+                seq.recomputing = True  # D's own first token comes next; P's is dropped
         waiting_first = not seq.first_token_seen and not seq.recomputing
         if waiting_first and (out.new_token_ids or out.finish_reason in ("stop", "length")):
             # Overtook the prefill core's first token (which D already has:
