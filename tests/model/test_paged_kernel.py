@@ -91,11 +91,11 @@ def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
     v = torch.randn(t, kv_heads, head_dim, generator=gen)
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
-    assert [p.use_kernel for p in meta.prefills] == [True, True, False, True]
-    # One kernel call: the short chunks (requests 0, 1, 3), then the decodes.
-    assert meta.kernel_seq_lens.tolist() == [53, 32, 7, 20, 1]
-    assert meta.kernel_query_starts.tolist() == [0, 4, 60, 67, 68]
-    assert meta.kernel_query_lens.tolist() == [4, 16, 7, 1, 1]
+    assert [p.use_kernel for p in meta.prefills] == [True, True, False, False]
+    # One kernel call: the short chunks over context (requests 0, 1), then the decodes.
+    assert meta.kernel_seq_lens.tolist() == [53, 32, 20, 1]
+    assert meta.kernel_query_starts.tolist() == [0, 4, 67, 68]
+    assert meta.kernel_query_lens.tolist() == [4, 16, 1, 1]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -284,20 +284,21 @@ def test_avx2_build_matches_explicit_softmax(kernel):
     subprocess.run([sys.executable, "-c", _AVX2], env=env, check=True, timeout=600)
 
 
-def test_chunk_threshold_follows_the_cache_dtype(kernel, monkeypatch):
-    """A 40-token chunk over context: the kernel takes it with a bf16 cache on
-    a CPU with vdpbf16ps (where it beats SDPA), SDPA otherwise; same output."""
-    from kvferry.model.attention import kernel_max_chunk_tokens
-    from kvferry.model.cpu_features import cpu_features
+def test_chunk_threshold_and_a_long_bf16_chunk(kernel, monkeypatch):
+    """The threshold per cache dtype, and a 40-token bf16 chunk over context
+    sent through the kernel (threshold raised) against the SDPA path."""
+    from kvferry.model import attention
 
-    native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
-    assert kernel_max_chunk_tokens(torch.float32) == 16
-    assert kernel_max_chunk_tokens(torch.bfloat16) == (64 if native else 16)
+    assert attention.kernel_max_chunk_tokens(torch.float32) == 16
+    assert attention.kernel_max_chunk_tokens(torch.bfloat16) == 16
+    monkeypatch.setattr(attention, "_KERNEL_MAX_PREFILL_TOKENS_BF16", 64)
     dtype = torch.bfloat16
     cache, meta_args, gen = _batch([40, 1], [90, 20], 3, 64, 16, dtype=dtype)
     meta_args["kv_dtype"] = dtype
     q, k, v = (torch.randn(41, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
+    from kvferry.model.cpu_features import cpu_features
+    native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
     assert meta.prefills[0].use_kernel == native
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
