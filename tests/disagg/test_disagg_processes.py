@@ -13,7 +13,7 @@ import pytest
 from kvferry import LLM, SamplingParams
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import CoreConnection, CoreProcess
-from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreShutdown, KVTransferParams, decode
+from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreShutdown, KVTransferParams, decode
 from tests.disagg.driver import request
 from tests.disagg.test_disagg_engine import prompt_of
 from tests.tiny_models import make_tiny_checkpoint
@@ -45,6 +45,8 @@ class Core:
             assert time.monotonic() < deadline, "the core never got there"
             if self.conn.output.poll(100):
                 message = decode(self.conn.output.recv(), CoreOutput)
+                if isinstance(message, EngineCoreReady):
+                    continue  # the answer to wait_ready's hello, after the first handshake
                 assert isinstance(message, EngineCoreOutputs) and not message.engine_error
                 seen.extend(message.outputs)
                 self.last_stats = message.stats or self.last_stats
