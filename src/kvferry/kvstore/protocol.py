@@ -33,6 +33,9 @@ from typing import Union
 
 import msgspec
 
+# The project's one serializer (msgspec msgpack, a cached decoder per type).
+from kvferry.messages import decode, encode  # noqa: F401 (re-exported)
+
 from kvferry.kvstore.tier import BlockOwner, TierStats
 
 __all__ = [
@@ -184,16 +187,3 @@ class Restarted(msgspec.Struct, kw_only=True, tag=True):
 
 Reply = Union[Welcome, Ok, Count, Slots, Loads, StoreStats, Refused, Restarted]
 
-_encoder = msgspec.msgpack.Encoder()
-_decoders: dict[object, msgspec.msgpack.Decoder] = {}
-
-
-def encode(message: msgspec.Struct) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode(data: bytes, message_type: object):
-    decoder = _decoders.get(message_type)
-    if decoder is None:
-        decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
-    return decoder.decode(data)
