@@ -176,7 +176,9 @@ def test_engine_core_alone_over_tcp(tiny):
     """``kvferry engine-core`` serves whoever connects to its addresses (as a
     worker on another node would): handshake, a request, shutdown."""
     from kvferry.engine.core_client import CoreAddresses, CoreConnection
-    from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreShutdown, decode
+    from kvferry.messages import (
+        CoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode,
+    )
     from kvferry.sampling import SamplingParams
 
     addresses = CoreAddresses(f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}")
@@ -195,6 +197,8 @@ def test_engine_core_alone_over_tcp(tiny):
         while finish is None:
             assert conn.output.poll(30_000), "no output from the core"
             message = decode(conn.output.recv(), CoreOutput)
+            if isinstance(message, EngineCoreReady):
+                continue  # the answer to wait_ready's hello, when the first handshake beat it
             assert isinstance(message, EngineCoreOutputs) and message.engine_error is None
             for out in message.outputs:
                 tokens += out.new_token_ids
