@@ -36,8 +36,9 @@ def test_touch_pulls_cached_block_out_of_free_queue():
     assert hit is a[0]
     pool.touch([hit])
     assert hit.ref_cnt == 1 and not hit.in_free_queue
-    # The hit block can no longer be handed out: remaining order is 2, 1.
-    assert [b.block_id for b in pool.allocate(2)] == [2, 1]
+    # The hit block can no longer be handed out: remaining order is 1 (plain,
+    # freed to the head), 2.
+    assert [b.block_id for b in pool.allocate(2)] == [1, 2]
     assert pool.counts() == {"free": 0, "cached": 0, "in_use": 3}
     pool.check_integrity()
 

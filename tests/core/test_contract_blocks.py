@@ -67,28 +67,29 @@ def test_prefix_hit_ids_and_eviction_order():
     s.add_request(req("a", range(10), max_tokens=1))
     simulate_step(s, s.schedule())
     assert not s.has_unfinished()
-    # Freed tail first: the free queue is now [3, 4, 5, 6, 7, 2, 1, 0].
-    assert [b.block_id for b in s.kv.pool.free_queue] == [3, 4, 5, 6, 7, 2, 1, 0]
+    # Freed tail first: block 2 (partial, uncached) goes to the head, the
+    # cached 1, 0 to the tail: the free queue is now [2, 3, 4, 5, 6, 7, 1, 0].
+    assert [b.block_id for b in s.kv.pool.free_queue] == [2, 3, 4, 5, 6, 7, 1, 0]
     s.kv.take_events()
     s.add_request(req("b", range(13), max_tokens=1))
     out = s.schedule()
     # Blocks 0 and 1 hit; two new ones come from the head of the queue.
-    assert out.new_requests[0].block_ids == [0, 1, 3, 4]
+    assert out.new_requests[0].block_ids == [0, 1, 2, 3]
     assert out.new_requests[0].num_computed_tokens == 8 and out.num_scheduled_tokens == {"b": 5}
-    simulate_step(s, out)  # b computed 13 tokens: block 3 (tokens 8..11) is published
-    # b freed tail first: the queue is [5, 6, 7, 2, 4, 3, 1, 0].
-    assert [b.block_id for b in s.kv.pool.free_queue] == [5, 6, 7, 2, 4, 3, 1, 0]
+    simulate_step(s, out)  # b computed 13 tokens: block 2 (tokens 8..11) is published
+    # b freed tail first: its partial block 3 to the head, 2, 1, 0 to the tail.
+    assert [b.block_id for b in s.kv.pool.free_queue] == [3, 4, 5, 6, 7, 2, 1, 0]
     s.kv.take_events()
     s.add_request(req("c", range(100, 116), max_tokens=1))
     out = s.schedule()
-    assert out.new_requests[0].block_ids == [5, 6, 7, 2]
-    simulate_step(s, out)
+    assert out.new_requests[0].block_ids == [3, 4, 5, 6]
+    simulate_step(s, out)  # c's four full blocks are cached: queue [7, 2, 1, 0, 6, 5, 4, 3]
     s.kv.take_events()
     s.add_request(req("d", range(200, 205), max_tokens=1))
     out = s.schedule()
-    # d takes b's tail block 4 (never full), then 3, evicting b's third
-    # block; a's and b's shared prefix (0, 1) stays cached.
-    assert out.new_requests[0].block_ids == [4, 3]
+    # d takes the plain block 7, then 2, evicting b's third block (the
+    # least recently used); a's and b's shared prefix (0, 1) stays cached.
+    assert out.new_requests[0].block_ids == [7, 2]
     h0, h1, h2 = h(range(4), range(4, 8), range(8, 12))
     assert s.kv.take_events() == [BlockRemoved(block_hashes=[h2])]
     assert s.kv.pool.lookup(h0).block_id == 0 and s.kv.pool.lookup(h1).block_id == 1
@@ -102,8 +103,9 @@ def test_eviction_publishes_removed_in_order():
     assert [e.block_hashes for e in stored] == [h(range(4), range(4, 8))]
     s.add_request(req("b", range(100, 115), max_tokens=1))
     s.schedule()
-    # b takes 3, 2 (free: plain), then 1, 0 (cached: evicted tail first).
-    assert s.kv.block_ids("b") == [3, 2, 1, 0]
+    # b takes 2, 3 (plain: a's partial block went back to the head), then
+    # 1, 0 (cached: evicted tail first).
+    assert s.kv.block_ids("b") == [2, 3, 1, 0]
     h0, h1 = h(range(4), range(4, 8))
     assert s.kv.take_events() == [BlockRemoved(block_hashes=[h1]), BlockRemoved(block_hashes=[h0])]
 
@@ -119,7 +121,8 @@ def test_preempted_request_is_resent_in_full():
     simulate_step(s, s.schedule())  # both have computed 8 tokens: pool full
     out = s.schedule()  # a needs a third block: b, admitted last, is preempted
     assert out.preempted_request_ids == ["b"]
-    assert out.cached_requests == [CachedRequestData("a", [3], 8, [])]  # b freed 3, 2 (tail first)
+    # b freed 3, then 2, each plain, each to the head of the queue: 2 is first.
+    assert out.cached_requests == [CachedRequestData("a", [2], 8, [])]
     simulate_step(s, out)
     while "a" in s.requests:  # b cannot fit back until a is done
         out = s.schedule()
@@ -211,7 +214,7 @@ def test_pinned_blocks_are_never_evicted_until_unpinned():
     s.kv.unpin("save-a")
     s.kv.check_integrity()
     s.schedule()
-    assert s.kv.block_ids("b") == [3, 2, 1, 0]
+    assert s.kv.block_ids("b") == [2, 3, 1, 0]
 
 
 def test_delayed_free_holds_blocks_until_released():
@@ -286,7 +289,8 @@ def test_send_of_finished_request_delays_its_free_until_sent():
     assert s.kv.pool.num_used_blocks == 3  # not sent yet
     s.update_from_output(s.schedule(), RunnerOutput(finished_sending=["a"]))
     assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished()
-    assert [b.block_id for b in s.kv.pool.free_queue][-3:] == [2, 1, 0]  # tail first
+    queue = [b.block_id for b in s.kv.pool.free_queue]
+    assert queue[0] == 2 and queue[-2:] == [1, 0]  # partial block to the head, cached ones tail first
     s.kv.check_integrity()
 
 

@@ -71,12 +71,6 @@ def quiet_hit_rate(quiet, flood, flood_per_quiet: int) -> float:
     return cached / total
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open: the flooder's quota-refused blocks are freed uncached to the tail of the free queue, so the "
-    "queue's head holds the quiet tenant's older cached blocks; once the capped flooder holds fewer cached "
-    "blocks than the quiet tenant, the quiet tenant counts as most over its share and loses them (hit rate "
-    "0.93 -> 0.0). Freeing uncached blocks to the head fixes it (checked) but changes the block order "
-    "that eight contract tests pin."))
 def test_a_flooding_tenant_lowers_anothers_hit_rate_by_at_most_10_points(server):
     with make_client(server, "sk-quiet") as quiet, make_client(server, "sk-flood") as flood:
         alone = quiet_hit_rate(quiet, flood, 0)

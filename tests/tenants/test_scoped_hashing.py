@@ -115,13 +115,18 @@ def test_owner_over_a_lowered_quota_is_evicted_first():
     run_prefill(kv, quota_request("b1", "ns-b", 300, quota=None))  # 4 cached blocks of b (older)
     run_prefill(kv, quota_request("a1", "ns-a", 100, quota=None))  # then 4 of a (newer)
     # a's quota drops to 1: its next request is refused any new block, and
-    # a's three unused blocks over quota move to the head of the free queue.
+    # a's three unused blocks over quota move to the head of the free queue,
+    # behind only plain (uncached) blocks.
     run_prefill(kv, quota_request("a2", "ns-a", 700, quota=1))
     assert kv.stats.of("ns-a")[3] == 4 and len(kv.owned["ns-a"]) == 4
-    head = [b.block_id for b in kv.pool.free_queue][:3]
-    assert set(head) <= kv.owned["ns-a"]
-    # The next allocations evict them before b's older blocks (LRU alone would take b's).
-    run_prefill(kv, Request("c1", list(range(1, 10)), SamplingParams(max_tokens=1), cache_namespace="ns-c"))
+    queue = list(kv.pool.free_queue)
+    first_cached = next(i for i, b in enumerate(queue) if b.block_hash is not None)
+    assert all(b.block_hash is None for b in queue[:first_cached])
+    assert {b.block_id for b in queue[first_cached:first_cached + 3]} <= kv.owned["ns-a"]
+    # The next allocations (8 plain blocks, then 3 more) evict them before
+    # b's older blocks (LRU alone would take b's).
+    assert kv.pool.counts()["free"] == 8
+    run_prefill(kv, Request("c1", list(range(1, 42)), SamplingParams(max_tokens=1), cache_namespace="ns-c"))
     assert len(kv.owned["ns-a"]) == 1 and len(kv.owned["ns-b"]) == 4
     assert run_prefill(kv, quota_request("b2", "ns-b", 300, quota=None)) == 16
     kv.check_integrity()

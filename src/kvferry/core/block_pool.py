@@ -135,15 +135,21 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
-        """Drop one reference on each block; blocks reaching zero join the
-        tail of the free queue in the order given (earlier = evicted sooner).
-        Callers pass a request's blocks in reverse, so that its tail blocks,
-        the least likely to be shared, are evicted first."""
+        """Drop one reference on each block. Cached blocks reaching zero join
+        the tail of the free queue in the order given (earlier = evicted
+        sooner); callers pass a request's blocks in reverse, so that its tail
+        blocks, the least likely to be shared, are evicted first. Blocks that
+        hold no cached content (partial, refused by a quota, or never
+        published) go to the head: reusing them costs nothing, whereas taking
+        a cached block first would evict reusable KV while empty blocks wait."""
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def evict_first(self, blocks: list[KVBlock]) -> None:
         """Move unused cached blocks to the head of the free queue: the next
