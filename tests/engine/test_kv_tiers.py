@@ -131,14 +131,17 @@ def test_store_killed_mid_run_keeps_serving_then_reconnects(case, store):
     results = llm.generate(prompts[1:], GREEDY)
     for p, e, r in zip(prompts[1:], expected[1:], results):
         assert_greedy_match(hf, p, r.token_ids, e)
-    assert time.monotonic() - start < 30
+    # No hang: each failed store call costs at most its timeout, then the
+    # engine stops trying until the backoff ends (generous for a loaded CI box).
+    assert time.monotonic() - start < 60
     # A store comes back at the same address: the engine reconnects and
     # writes down again.
     process2, _ = start_store(0.02, address=address)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # the backoff is at most 2 s; the rest is slack for a loaded box
         while not llm.engine.core.kv_store.connected and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert llm.engine.core.kv_store.connected, "the engine did not reconnect to the restarted store"
         saved = llm.engine.stats().kv_saved_blocks
         llm.generate([prompts[2] + [3, 4]], GREEDY)
         assert llm.engine.stats().kv_saved_blocks > saved
