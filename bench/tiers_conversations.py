@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=400, help="each message cut to this many characters")
     parser.add_argument("--reply-tokens", type=int, default=24, help="the model's turn-1 reply (max_tokens)")
     parser.add_argument("--resume-tokens", type=int, default=2, help="max_tokens of a resume (TTFT is the figure)")
-    parser.add_argument("--num-kv-blocks", type=int, default=256, help="device pool of each server (blocks of 16)")
+    parser.add_argument("--num-kv-blocks", type=int, default=224, help="device pool of each server (blocks of 16)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8, help="turn-1 requests in flight")
     parser.add_argument("--dram-gb", type=float, default=0.5, help="the store's DRAM arena")

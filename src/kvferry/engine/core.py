@@ -211,9 +211,11 @@ class EngineCore:
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
         self._observe_step_cost(sched, time.monotonic() - start)
-        if sched.is_empty and not sched.kv_orders and not outputs:
+        completed = result.finished_loading or result.finished_saving
+        if sched.is_empty and not sched.kv_orders and not outputs and not completed:
             # Only background KV I/O (loads, write-down) to wait for: yield
-            # the CPU to it rather than spin.
+            # the CPU to it rather than spin. (A completion just applied may
+            # have made a request runnable: no wait then.)
             wait_for_io = getattr(self.runner.connector, "wait_for_io", None)
             if wait_for_io is not None:
                 wait_for_io(_IO_WAIT_SIGNALLED_S)
