@@ -457,7 +457,9 @@ class Scheduler:
         if self.kv_source is None or not self.waiting:
             return
         spare = self._spare_blocks()
-        for request in self.fairness.admission_order(self.waiting):
+        # Queue order (arrival, preempted first): cheap with many tenants,
+        # and each request behind is looked up once only.
+        for request in list(self.waiting):
             if spare <= 0:
                 break
             rid = request.request_id
@@ -474,7 +476,7 @@ class Scheduler:
             needed = -(-(hit.num_tokens + num_load) // bs) - len(hit.blocks)
             needed += sum(1 for b in hit.blocks if b.ref_cnt == 0)  # touching them takes them off the free queue
             if needed > spare:
-                break  # fair order: the requests behind it do not jump ahead
+                break  # the requests behind it do not jump ahead
             if self.kv.allocate_slots(request, 0, hit, num_external_tokens=num_load) is None:
                 break
             spare -= needed
