@@ -135,6 +135,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: dict[str, SwappedKV] = {}
         self.loading: dict[str, int] = {}  # request id -> external tokens in flight
+        # Load at arrival: queued requests whose tier hits were looked up
+        # ahead of admission -> the end (in tokens) of what the store held
+        # then; and the requests holding blocks loaded ahead (not running yet).
+        self._ahead_held: dict[str, int] = {}
+        self._loaded_ahead: set[str] = set()
+        self.num_loads_ahead = 0
         # Disaggregation: this core's transfer settings (None: off), and per
         # prefill-role request the first of its blocks not yet sent whole.
         self.kv_transfer: KVTransferSettings | None = None
@@ -201,6 +207,7 @@ class Scheduler:
         budget, preempted = self._schedule_running(out, budget)
         if not preempted:
             self._schedule_waiting(out, budget)
+            self._load_ahead(out)
         return out
 
     def propose(self) -> None:
@@ -247,6 +254,8 @@ class Scheduler:
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     self._pending_outputs.append(self._core_output(request, []))
                     break
+                if self._release_loaded_ahead():
+                    continue  # blocks a queued request loaded ahead: cheaper to give up than a running one
                 # Only requests not yet scheduled this step (index >= i) may go.
                 victim = self.fairness.pick_victim(self.running[i:])
                 self.running.remove(victim)
@@ -267,6 +276,8 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_KV:
                 continue  # its own KV is in flight; the rest of the queue is not blocked by that
             admitted = self._admit(out, request, budget)
+            while admitted is None and self._release_loaded_ahead(keep=request):
+                admitted = self._admit(out, request, budget)  # a request behind it had loaded ahead
             if admitted is _SKIP:
                 continue  # too long for the budget left; a shorter one behind may fit
             if admitted is None:
@@ -325,6 +336,7 @@ class Scheduler:
             self._swap_in(out, request, swapped)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
+        self._forget_ahead(request.request_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._emit(out, request, num_new, [])
@@ -429,6 +441,94 @@ class Scheduler:
             output = self._core_output(request, [])
             output.kv_transfer_error = f"KV transfer failed: {reason}"
         outputs.append(output)
+
+    # -- load at arrival --------------------------------------------------------
+    def _load_ahead(self, out: SchedulerOutput) -> None:
+        """Requests still queued (behind ``max_num_seqs`` or the token
+        budget) start loading their tier hits now, not when admitted, so
+        that the load overlaps their wait. Each is looked up in the store
+        once. A load ahead takes only blocks the running requests cannot
+        need for their prompts and next token (``_spare_blocks``); the
+        blocks belong to the request (nothing evicts them) until it runs,
+        finishes, or gives them up to a running request (``_release_loaded_ahead``)::
+
+            queued request: | device hit | loaded ahead (tier) | computed once admitted |
+        """
+        if self.kv_source is None or not self.waiting:
+            return
+        spare = self._spare_blocks()
+        # Queue order (arrival, preempted first): cheap with many tenants,
+        # and each request behind is looked up once only.
+        for request in list(self.waiting):
+            if spare <= 0:
+                break
+            rid = request.request_id
+            if self._ahead_held.get(rid) == 0 or not self._may_load_ahead(request):
+                continue
+            hit = self.kv.find_prefix_hit(request)
+            if rid not in self._ahead_held:
+                held = self.kv_source.num_matched_tokens(request, hit.num_tokens)
+                self._ahead_held[rid] = hit.num_tokens + held if held else 0
+            num_load = self._ahead_held[rid] - hit.num_tokens
+            if num_load <= 0:
+                continue
+            bs = self.kv.block_size
+            needed = -(-(hit.num_tokens + num_load) // bs) - len(hit.blocks)
+            needed += sum(1 for b in hit.blocks if b.ref_cnt == 0)  # touching them takes them off the free queue
+            if needed > spare:
+                break  # the requests behind it do not jump ahead
+            if self.kv.allocate_slots(request, 0, hit, num_external_tokens=num_load) is None:
+                break
+            spare -= needed
+            request.num_computed_tokens += hit.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+                self.kv.record_lookup(request, hit)
+            if self.write_down:
+                self._num_saved_blocks[rid] = (hit.num_tokens + num_load) // bs
+            self._start_load(out, request, num_load)
+            self._loaded_ahead.add(rid)
+            self.num_loads_ahead += 1
+
+    def _may_load_ahead(self, request: Request) -> bool:
+        """Queued, never looked up, holding nothing, and not a decode-role
+        request (its KV comes from a prefill core)."""
+        rid = request.request_id
+        return (request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and rid not in self._loaded_ahead
+                and request.num_computed_tokens == 0 and rid not in self.swapped and rid not in self.kv.req_blocks
+                and _role(request) != "decode")
+
+    def _spare_blocks(self) -> int:
+        """Free blocks beyond what the running requests need to finish their
+        prompts and take their next token (and its drafts)."""
+        bs, reserved = self.kv.block_size, 0
+        for request in self.running:
+            held = len(self.kv.req_blocks.get(request.request_id, ()))
+            reserved += max(0, -(-(request.num_tokens + 1 + self.num_speculative_tokens) // bs) - held)
+        return self.kv.pool.num_free_blocks - reserved
+
+    def _forget_ahead(self, request_id: str) -> None:
+        """Running or finished: a later preemption looks it up afresh."""
+        self._ahead_held.pop(request_id, None)
+        self._loaded_ahead.discard(request_id)
+
+    def _release_loaded_ahead(self, keep: Request | None = None) -> bool:
+        """Give up the blocks of the last queued request (other than
+        ``keep``) that loaded ahead and is done loading: its KV is published
+        first, so that its blocks stay in the prefix cache (evictable) and a
+        later admission hits them. Returns whether one was released."""
+        for request in reversed(self.waiting):
+            rid = request.request_id
+            if (request is keep or rid not in self._loaded_ahead or rid in self.loading
+                    or rid not in self.kv.req_blocks):
+                continue
+            self.kv.cache_computed_blocks(request)
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self._loaded_ahead.discard(rid)
+            self._ahead_held[rid] = 0  # not again: the pool is short
+            return True
+        return False
 
     def _start_load(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
         """Order the external KV of ``request`` into its blocks; it waits,
@@ -738,6 +838,7 @@ class Scheduler:
         if rid in self._runner_states:
             self._runner_states.discard(rid)
             self._finished_since_step.append(rid)
+        self._forget_ahead(rid)
 
     def _order_send(self, request: Request) -> bool:
         """Queue a send of a normally finished request's computed KV to its

@@ -26,8 +26,10 @@ from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
 
-# How long an idle step waits for background KV I/O before the next one.
+# How long an idle step waits for background KV I/O before the next one
+# (a connector that signals its completions wakes it sooner).
 _IO_WAIT_S = 0.0005
+_IO_WAIT_SIGNALLED_S = 0.002
 
 
 class EngineCore:
@@ -209,10 +211,16 @@ class EngineCore:
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
         self._observe_step_cost(sched, time.monotonic() - start)
-        if sched.is_empty and not sched.kv_orders and not outputs:
+        completed = result.finished_loading or result.finished_saving
+        if sched.is_empty and not sched.kv_orders and not outputs and not completed:
             # Only background KV I/O (loads, write-down) to wait for: yield
-            # the CPU to it rather than spin.
-            time.sleep(_IO_WAIT_S)
+            # the CPU to it rather than spin. (A completion just applied may
+            # have made a request runnable: no wait then.)
+            wait_for_io = getattr(self.runner.connector, "wait_for_io", None)
+            if wait_for_io is not None:
+                wait_for_io(_IO_WAIT_SIGNALLED_S)
+            else:
+                time.sleep(_IO_WAIT_S)
         now = time.monotonic()
         return EngineCoreOutputs(outputs=outputs, timestamp=now, kv_events=self.take_kv_events(),
                                  num_scheduled_tokens=sched.total_num_scheduled_tokens, step_duration_s=now - start)

@@ -86,6 +86,9 @@ class StoreConnector(KVConnector):
         self._block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
         self._inbox: queue.Queue[tuple[str, TransferOrder, Any] | None] = queue.Queue()
         self._outbox = _Outbox()
+        # Set when a completion lands in the outbox: an idle step waits on it
+        # rather than polling (a resumed request starts the step its load ends).
+        self._completed = threading.Event()
         self._loads: list[_Load] = []
         # The store's StoreStats as last fetched (None before the first),
         # so that reading metrics never waits on the store.
@@ -124,6 +127,11 @@ class StoreConnector(KVConnector):
         done.finished_saving[:0] = swapped.finished_saving
         done.num_loaded_blocks = partial
         return done
+
+    def wait_for_io(self, timeout_s: float) -> None:
+        """Block an idle step until a load or save completes, at most ``timeout_s``."""
+        if self._completed.wait(timeout_s):
+            self._completed.clear()
 
     def close(self) -> None:
         self._inbox.put(None)
@@ -173,6 +181,7 @@ class StoreConnector(KVConnector):
             self.stats.save_seconds += time.perf_counter() - start
             with self._outbox.lock:
                 self._outbox.done.finished_saving.append(order.request_id)
+            self._completed.set()
             return
         try:
             owners = block_owners(order.tenant, order.num_public_blocks, 0, len(order.keys))
@@ -195,12 +204,7 @@ class StoreConnector(KVConnector):
             return
         taken = [slots[i] for i in todo]
         try:
-            blocks = torch.tensor([order.device_block_ids[i] for i in todo], device=self.kv_cache.device)
-            # [L, 2, n, bs, H, D] -> [n, L, 2, bs, H, D] -> bytes [n, block_nbytes] on the host
-            data = self.kv_cache.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5).contiguous()
-            data = data.cpu().reshape(len(todo), -1).view(torch.uint8)
-            arena = torch.from_numpy(self.store.arena())  # [num_slots, block_nbytes] uint8
-            arena.index_copy_(0, torch.tensor(taken), data)
+            self._copy_out([order.device_block_ids[i] for i in todo], taken)
         except Exception:
             self.store.abandon(taken)
             raise
@@ -244,6 +248,7 @@ class StoreConnector(KVConnector):
                 self.stats.failed_loads += 1
                 self._outbox.num_loaded_blocks[order.request_id] = n
             self._outbox.done.finished_loading.append(order.request_id)
+        self._completed.set()
         # The blocks are in the device pool: unpin the slots, off the
         # request's path (the completion is already out).
         if load.ticket is not None:
@@ -252,15 +257,38 @@ class StoreConnector(KVConnector):
             except Exception:
                 logger.warning("releasing a KV load failed", exc_info=True)
 
+    def _copy_out(self, block_ids: list[int], slots: list[int]) -> None:
+        arena = torch.from_numpy(self.store.arena())  # [num_slots, block_nbytes] uint8
+        if not self._cuda:
+            # One pass per block, straight into its slot (no staging copy).
+            for block_id, slot in zip(block_ids, slots):
+                self._slot(arena, slot).copy_(self.kv_cache[:, :, block_id])
+            return
+        blocks = torch.tensor(block_ids, device=self.kv_cache.device)
+        # [L, 2, n, bs, H, D] -> [n, L, 2, bs, H, D] -> bytes [n, block_nbytes] on the host (one transfer)
+        data = self.kv_cache.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5).contiguous()
+        data = data.cpu().reshape(len(block_ids), -1).view(torch.uint8)
+        arena.index_copy_(0, torch.tensor(slots), data)
+
     def _copy_in(self, block_ids: list[int], slots: list[int]) -> None:
         arena = torch.from_numpy(self.store.arena())  # [num_slots, block_nbytes] uint8
+        if not self._cuda:
+            # One pass per block, straight from its slot: a gather into a
+            # staging tensor and a scatter out of it cost twice the memory
+            # traffic, and the load is on the resumed request's TTFT.
+            for block_id, slot in zip(block_ids, slots):
+                self.kv_cache[:, :, block_id].copy_(self._slot(arena, slot))
+            return
         n = len(slots)
-        # bytes [n, block_nbytes] -> [n, L, 2, bs, H, D] -> [L, 2, n, bs, H, D]
+        # bytes [n, block_nbytes] -> [n, L, 2, bs, H, D] -> [L, 2, n, bs, H, D] (one transfer)
         data = arena.index_select(0, torch.tensor(slots)).view(self.kv_cache.dtype).reshape(n, *self._block_shape)
-        data = data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device, non_blocking=self._cuda)
+        data = data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device, non_blocking=True)
         self.kv_cache.index_copy_(2, torch.tensor(block_ids, device=self.kv_cache.device), data)
-        if self._stream is not None:
-            self._stream.synchronize()  # in the device blocks before the completion is reported
+        self._stream.synchronize()  # in the device blocks before the completion is reported
+
+    def _slot(self, arena: torch.Tensor, slot: int) -> torch.Tensor:
+        """Slot bytes as one block: [L, 2, bs, H, D]."""
+        return arena[slot].view(self.kv_cache.dtype).view(self._block_shape)
 
 
 
