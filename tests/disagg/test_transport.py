@@ -5,6 +5,7 @@ the block ids say, and a chunk whose bytes differ from its checksum fails
 the transfer."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -127,3 +128,27 @@ def test_missing_layer_is_incomplete(link_pair):
     link.send_done(KVTransferDone(transfer_id="t4", num_layers=LAYERS, block_ids=[1, 2], output_token_ids=[1]))
     ack = await_ack(link)
     assert not ack.ok and "missing blocks" in ack.reason
+
+
+def test_pools_of_dead_decode_cores_are_removed(tmp_path):
+    """A decode core killed with SIGKILL never unlinks its pool: the next
+    pool created on the host removes it, and leaves live ones alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(child.stdout)
+    stale = Path(f"/dev/shm/kvferry-kvpool-{dead_pid}-deadbeef0000")
+    stale.write_bytes(b"\0" * 4096)
+    live = SharedKVPool.create((1, 2, 2, BS, HEADS, DIM), torch.float32)
+    try:
+        assert not stale.exists()
+        assert Path(f"/dev/shm/{live.name}").exists() and live.name.startswith(f"kvferry-kvpool-{os.getpid()}-")
+        again = SharedKVPool.create((1, 2, 2, BS, HEADS, DIM), torch.float32)  # sweeps, keeps ours
+        assert Path(f"/dev/shm/{live.name}").exists()
+        again.close()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.close()
+    assert not Path(f"/dev/shm/{live.name}").exists()

@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,6 +55,8 @@ from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
+_SHM_DIR = Path("/dev/shm")
+_POOL_PREFIX = "kvferry-kvpool-"
 
 
 def chunk_checksum(data: torch.Tensor, num_blocks: int) -> int:
@@ -138,8 +143,12 @@ class SharedKVPool:
 
     @classmethod
     def create(cls, shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKVPool":
+        """A new segment named after this process (``kvferry-kvpool-<pid>-<random>``),
+        after unlinking the segments of pools whose creator is gone."""
+        remove_stale_pools()
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        name = f"{_POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         return cls(torch.frombuffer(shm.buf, dtype=dtype).view(shape), shm.name, shm=shm)
 
     @classmethod
@@ -171,6 +180,35 @@ class SharedKVPool:
             pass  # a view is still alive somewhere; the OS unmaps at exit
         except FileNotFoundError:
             pass
+
+
+def remove_stale_pools(directory: Path = _SHM_DIR) -> list[str]:
+    """Unlink the pool segments of decode cores that are gone without
+    cleaning up (SIGKILL, OOM: a ``close`` that never ran). The creator's
+    pid is in the name; a live pid (or one reused since) keeps its segment.
+    Assumes one pid namespace per /dev/shm, as on one host."""
+    removed = []
+    for path in directory.glob(f"{_POOL_PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(_POOL_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        logger.warning("removed %d KV pool segment(s) left by dead processes: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 # -- sending half ------------------------------------------------------------------------
