@@ -88,26 +88,28 @@ def pool_checksum(pool_layer: torch.Tensor, block_ids: list[int]) -> int:
 def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive ids: ``(position in block_ids, first id,
     count)``; a run of blocks is one contiguous range of a pool layer."""
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            pos, first, count = runs[-1]
-            runs[-1] = (pos, first, count + 1)
-        else:
-            runs.append((i, b, 1))
-    return runs
+    return [(pos, block_ids[pos], count) for pos, count in _run_bounds(np.asarray(block_ids, dtype=np.int64))]
 
 
 def paired_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
     """Maximal runs where both ``src_ids`` and ``dst_ids`` are consecutive:
     ``(first src id, first dst id, count)``, each one contiguous copy."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    return [(src_ids[pos], dst_ids[pos], count) for pos, count in _run_bounds(src, dst)]
+
+
+def _run_bounds(*ids: np.ndarray) -> list[tuple[int, int]]:
+    """(start, length) of the maximal stretches where every array steps by
+    one (vectorized: called per layer, so a Python loop over blocks would
+    cost a third of a shared-memory transfer)."""
+    n = len(ids[0])
+    if n == 0:
+        return []
+    step = np.ones(n - 1, dtype=bool)
+    for a in ids:
+        step &= np.diff(a) == 1
+    starts = [0, *(np.flatnonzero(~step) + 1).tolist()]
+    return [(start, end - start) for start, end in zip(starts, [*starts[1:], n])]
 
 
 def gather_blocks(pool_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
@@ -336,8 +338,9 @@ class KVReceiver:
     ``expect`` registers a transfer before its destination is published;
     chunks of unknown transfers are dropped unread (a transfer that timed
     out can never write again over TCP). Each chunk is verified as it lands
-    (its final blocks' xxh3-64, read back from the pool, equal the
-    sender's), on this thread while the sender writes the next layer, so a
+    (its final blocks' xxh3-64 equals the sender's: over the frame's bytes
+    before they are copied in, for TCP; read back from the pool, for shared
+    memory), on this thread while the sender writes the next layer, so a
     ``KVTransferDone`` only checks that every layer verified every block.
     ``take`` hands out verified and failed
     transfers once each; a transfer past its deadline (plus ``grace_s``, for
@@ -417,12 +420,17 @@ class KVReceiver:
                 return  # unknown, expired, failed, or not this transfer's blocks
         # Outside the lock: the copy and the hash must not stall ``take``.
         pool_layer = self.kv_cache[chunk.layer]  # [2, num_blocks, bs, H, D]
+        final = chunk.block_ids[:chunk.num_final_blocks]
         if payload is not None:
             shape = (2, len(chunk.block_ids), *self.kv_cache.shape[3:])
-            # [2, n, bs, H, D] from the frame, into the pool's blocks
-            write_blocks(pool_layer, chunk.block_ids, torch.frombuffer(payload, dtype=self.kv_cache.dtype).view(shape))
-        final = chunk.block_ids[:chunk.num_final_blocks]
-        ok = not final or pool_checksum(pool_layer, final) == chunk.checksum
+            data = torch.frombuffer(payload, dtype=self.kv_cache.dtype).view(shape)  # [2, n, bs, H, D]
+            # The bytes as they came off the wire, hashed contiguously before
+            # the copy into the pool reads them (still in cache).
+            ok = chunk_checksum(data, len(final)) == chunk.checksum
+            if ok:
+                write_blocks(pool_layer, chunk.block_ids, data)
+        else:  # written in place by the sender: read back what landed
+            ok = not final or pool_checksum(pool_layer, final) == chunk.checksum
         with self._lock:
             if not ok:
                 exp.error = exp.error or f"checksum mismatch in layer {chunk.layer}"
