@@ -4,16 +4,19 @@ the same bytes measured in the same run (interleaved, best of N).
 A receiver process (a decode core's ``KVReceiver`` over a ``SharedKVPool``)
 expects a transfer; this process plays the prefill core and sends the
 request's KV layer by layer through ``ShmTransport`` or ``TcpTransport``,
-then ``KVTransferDone`` with the per-layer checksums. Time runs from the
-first layer write to the acknowledgement, so it includes the decode core's
-completion check and checksum of the received blocks. The baseline copies
-the same blocks between two pools in this process (``index_copy_`` per
-layer, the shape of the transfer without any link).
+then ``KVTransferDone``. Time runs from the first layer's gather to the
+acknowledgement, so it includes the sender's per-chunk checksums, the
+decode core's verification of every chunk (read back from its pool) and its
+completion check. The baseline copies
+the same blocks between two pools in this process (per layer: one
+``copy_`` of a contiguous run, or ``index_select`` + ``index_copy_`` of
+scattered blocks: the shape of the transfer without any link).
 
 Default shape: SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, bf16), a
 2048-token request in blocks of 16 (about 47 MiB of KV).
 
-    python bench/disagg_transfer.py [--tokens 2048] [--dtype bfloat16] [--repeats 5] [--json]
+    python bench/disagg_transfer.py [--tokens 2048] [--dtype bfloat16] [--repeats 5]
+                                    [--layout scattered|contiguous] [--json]
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 import zmq
 
 from kvferry.disagg.transport import (
-    KVReceiver, SharedKVPool, ShmTransport, TcpTransport, layer_checksum,
+    KVReceiver, SharedKVPool, ShmTransport, TcpTransport, block_runs,
 )
 from kvferry.messages import KVTransferDone
 
@@ -56,14 +59,13 @@ def receiver_main(args, conn) -> None:
     pool.close()
 
 
-def transfer_once(link, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int], transfer_id: str,
-                  checksums: list[int]) -> float:
-    index = torch.tensor(src_blocks, dtype=torch.int64)
+def transfer_once(link, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int], transfer_id: str) -> float:
+    """What the prefill core's sender thread does for a whole prompt."""
     start = time.perf_counter()
     for layer in range(src.shape[0]):
-        link.write_layer(transfer_id, layer, src[layer].index_select(1, index), dst_blocks)
+        link.write_layer(transfer_id, layer, src[layer], src_blocks, dst_blocks, len(dst_blocks))
     link.send_done(KVTransferDone(transfer_id=transfer_id, num_layers=src.shape[0], block_ids=dst_blocks,
-                                  layer_checksums=checksums, output_token_ids=[1]))
+                                  output_token_ids=[1]))
     while True:
         acks = link.poll_acks()
         if acks:
@@ -73,11 +75,18 @@ def transfer_once(link, src: torch.Tensor, src_blocks: list[int], dst_blocks: li
 
 
 def memcpy_once(src: torch.Tensor, dst: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> float:
+    """The same bytes between two pools in this process: one copy per layer
+    of a contiguous run, else a gather and a scatter (``index_copy_``)."""
     src_index = torch.tensor(src_blocks, dtype=torch.int64)
     dst_index = torch.tensor(dst_blocks, dtype=torch.int64)
+    runs = len(block_runs(src_blocks)) == len(block_runs(dst_blocks)) == 1
+    s0, d0, n = src_blocks[0], dst_blocks[0], len(src_blocks)
     start = time.perf_counter()
     for layer in range(src.shape[0]):
-        dst[layer].index_copy_(1, dst_index, src[layer].index_select(1, src_index))
+        if runs:
+            dst[layer, :, d0 : d0 + n].copy_(src[layer, :, s0 : s0 + n])
+        else:
+            dst[layer].index_copy_(1, dst_index, src[layer].index_select(1, src_index))
     return time.perf_counter() - start
 
 
@@ -91,6 +100,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on each side")
+    parser.add_argument("--layout", choices=["scattered", "contiguous"], default="scattered",
+                        help="the request's blocks in both pools: every other block, or one run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,10 +110,12 @@ def main() -> None:
     src_pool_blocks = 2 * num_blocks + 8
     src = torch.randn(pool_shape(args, src_pool_blocks)).to(DTYPES[args.dtype])
     local_dst = torch.zeros_like(src)
-    # Scattered, as in a pool that has served a while: every other block.
-    src_blocks = list(range(1, 2 * num_blocks + 1, 2))
-    dst_blocks = list(range(2, 2 * num_blocks + 2, 2))
-    checksums = [layer_checksum(src, layer, src_blocks) for layer in range(args.layers)]
+    if args.layout == "scattered":  # as in a pool that has served a while: every other block
+        src_blocks = list(range(1, 2 * num_blocks + 1, 2))
+        dst_blocks = list(range(2, 2 * num_blocks + 2, 2))
+    else:  # as in a fresh pool
+        src_blocks = list(range(1, num_blocks + 1))
+        dst_blocks = list(range(3, num_blocks + 3))
     nbytes = args.layers * 2 * num_blocks * args.block_size * args.kv_heads * args.head_dim * src.element_size()
 
     ctx = mp.get_context("spawn")
@@ -126,7 +139,7 @@ def main() -> None:
                 n += 1
                 parent.send((f"t{n}", dst_blocks))
                 assert parent.recv() == "ready"
-                seconds = transfer_once(links[name], src, src_blocks, dst_blocks, f"t{n}", checksums)
+                seconds = transfer_once(links[name], src, src_blocks, dst_blocks, f"t{n}")
             times[name].append(seconds)
     parent.send(None)
     proc.join(10)
@@ -135,7 +148,7 @@ def main() -> None:
 
     best = {name: min(ts[1:]) for name, ts in times.items()}
     result = {
-        "tokens": args.tokens, "bytes": nbytes, "dtype": args.dtype,
+        "tokens": args.tokens, "bytes": nbytes, "dtype": args.dtype, "layout": args.layout,
         "gbps": {name: nbytes / t / 1e9 for name, t in best.items()},
         "median_ms": {name: 1e3 * statistics.median(ts[1:]) for name, ts in times.items()},
         "ratio_to_memcpy": {name: best["memcpy"] / best[name] for name in ("shm", "tcp")},
@@ -143,7 +156,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{args.tokens}-token request, {nbytes / 2**20:.1f} MiB of KV ({args.dtype}), best of {args.repeats}")
+    print(f"{args.tokens}-token request, {nbytes / 2**20:.1f} MiB of KV ({args.dtype}, {args.layout} blocks), "
+          f"best of {args.repeats}")
     for name in ("memcpy", "shm", "tcp"):
         ratio = "" if name == "memcpy" else f"  {result['ratio_to_memcpy'][name]:.2f}x memcpy"
         print(f"  {name:7s} {result['gbps'][name]:6.2f} GB/s  median {result['median_ms'][name]:7.1f} ms{ratio}")

@@ -248,6 +248,13 @@ class KVLayerChunk(msgspec.Struct, kw_only=True, tag=True):
     layer: int
     block_ids: list[int]  # decode-core block ids the chunk fills
     has_payload: bool = False
+    # The first ``num_final_blocks`` of ``block_ids`` hold their final bytes
+    # (a trailing block the step only partly computed is sent again, whole,
+    # by a later chunk); ``checksum`` is the xxh3-64 of those blocks' bytes
+    # in payload order (transport.chunk_checksum). The decode core verifies
+    # each chunk as it lands, so nothing is left to hash after the last one.
+    num_final_blocks: int = 0
+    checksum: int = 0
 
 
 class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
@@ -256,9 +263,6 @@ class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
     transfer_id: str
     num_layers: int
     block_ids: list[int]  # every block the transfer filled
-    # xxh3-64 of each layer's bytes over ``block_ids``, in layer order
-    # (transport.layer_checksum).
-    layer_checksums: list[int]
     # The tokens the prefill core sampled (the first token).
     output_token_ids: list[int]
     # torch.Generator.get_state() of a seeded request after its first token.

@@ -32,11 +32,11 @@ def test_output_with_destination_round_trips():
 
 
 @pytest.mark.parametrize("message", [
-    KVLayerChunk(transfer_id="t", layer=3, block_ids=[1, 2], has_payload=True),
-    KVTransferDone(transfer_id="t", num_layers=2, block_ids=[1, 2], layer_checksums=[2**64 - 1, 0],
-                   output_token_ids=[9], generator_state=b"\x00\xff" * 8),
-    KVTransferDone(transfer_id="t", num_layers=0, block_ids=[], layer_checksums=[], output_token_ids=[],
-                   error="aborted"),
+    KVLayerChunk(transfer_id="t", layer=3, block_ids=[1, 2], has_payload=True, num_final_blocks=1,
+                 checksum=2**64 - 1),
+    KVTransferDone(transfer_id="t", num_layers=2, block_ids=[1, 2], output_token_ids=[9],
+                   generator_state=b"\x00\xff" * 8),
+    KVTransferDone(transfer_id="t", num_layers=0, block_ids=[], output_token_ids=[], error="aborted"),
     KVTransferAck(transfer_id="t", ok=False, reason="unknown or expired transfer"),
 ], ids=lambda m: type(m).__name__)
 def test_wire_round_trips(message):

@@ -117,7 +117,9 @@ class StreamOrder:
     dst_block_ids: list[int]
     # Every decode-core block of the transfer (checksummed once it is whole).
     all_dst_block_ids: list[int]
-    all_src_block_ids: list[int]
+    # The first ``num_final_blocks`` of ``src_block_ids`` are complete after
+    # this step (a trailing partly computed block is sent again later).
+    num_final_blocks: int
     last: bool
     lease_s: float
     deadline: float

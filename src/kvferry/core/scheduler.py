@@ -398,7 +398,8 @@ class Scheduler:
         out.kv_orders.stream.append(StreamOrder(
             request_id=rid, transfer_id=dest.transfer_id, address=dest.address, shm_name=dest.shm_name,
             src_block_ids=block_ids[lo:hi], dst_block_ids=dest.block_ids[lo - d_first : hi - d_first],
-            all_src_block_ids=block_ids[d_first:hi], all_dst_block_ids=list(dest.block_ids),
+            all_dst_block_ids=list(dest.block_ids),
+            num_final_blocks=hi - lo if end >= request.num_prompt_tokens else end // bs - lo,
             last=end >= request.num_prompt_tokens, lease_s=dest.lease_s, deadline=dest.deadline,
         ))
 

@@ -12,8 +12,10 @@ KV; that only queues a job, so the forward pass goes on to layer ``i + 1``
 while the sender thread gathers layer ``i``'s blocks and writes them through
 the link (overlapping transfer with compute). After sampling,
 ``StepTransfer.finish`` queues the ``KVTransferDone``: first token, output
-ids (the penalties' counts), generator state and per-layer checksums of
-the whole transfer. Jobs run in order, so Done follows every write.
+ids (the penalties' counts) and generator state. Each layer's chunk carries
+its own checksum, taken as the layer is sent and verified by the decode
+core as it lands, so Done adds no hashing at the end. Jobs run in order, so
+Done follows every write.
 
 Leases: a prefill core reports ``finished_sending`` (its blocks are freed)
 on the decode core's acknowledgement, or ``lease_s`` after it first sent,
@@ -35,7 +37,7 @@ import zmq
 from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import KVOrders, StreamOrder
 from kvferry.disagg.transport import (
-    KVReceiver, KVTransport, Received, SharedKVPool, ShmTransport, TcpTransport, layer_checksum,
+    KVReceiver, KVTransport, Received, SharedKVPool, ShmTransport, TcpTransport,
 )
 from kvferry.messages import KVTransferDone
 
@@ -192,19 +194,15 @@ class KVTransferAgent:
         if time.monotonic() >= stream.shm_deadline:
             self._fail(order, "lease over")
             return
-        index = torch.tensor(order.src_block_ids, dtype=torch.int64, device=self.kv_cache.device)
-        data = self.kv_cache[layer].index_select(1, index)  # [2, n, bs, H, D]
-        stream.link.write_layer(order.transfer_id, layer, data, order.dst_block_ids)
+        stream.link.write_layer(order.transfer_id, layer, self.kv_cache[layer], order.src_block_ids,
+                                order.dst_block_ids, order.num_final_blocks)
 
     def _job_done(self, order: StreamOrder, tokens: list[int], generator_state: bytes) -> None:
         stream = self._stream(order)
         if stream.error or stream.done_sent:
             return
-        checksums = [layer_checksum(self.kv_cache, layer, order.all_src_block_ids)
-                     for layer in range(self.kv_cache.shape[0])]
         stream.link.send_done(KVTransferDone(
-            transfer_id=order.transfer_id, num_layers=self.kv_cache.shape[0],
-            block_ids=order.all_dst_block_ids, layer_checksums=checksums,
+            transfer_id=order.transfer_id, num_layers=self.kv_cache.shape[0], block_ids=order.all_dst_block_ids,
             output_token_ids=tokens, generator_state=generator_state))
         stream.done_sent = True
 
@@ -226,7 +224,7 @@ class KVTransferAgent:
         stream.error = reason
         try:
             stream.link.send_done(KVTransferDone(transfer_id=transfer_id, num_layers=0, block_ids=[],
-                                                 layer_checksums=[], output_token_ids=[], error=reason))
+                                                 output_token_ids=[], error=reason))
         except zmq.ZMQError:
             pass
         stream.done_sent = True

@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,23 +55,77 @@ from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
+_SHM_DIR = Path("/dev/shm")
+_POOL_PREFIX = "kvferry-kvpool-"
 
 
-def layer_checksum(kv_cache: torch.Tensor, layer: int, block_ids: list[int]) -> int:
-    """xxh3-64 of one layer's bytes over ``block_ids``, in the order of the
-    gathered ``[2, n, block_size, H, D]`` tensor (K of each block, then V of
-    each). Each ``[block_size, H, D]`` slice is contiguous in the pool, so
-    the hash streams over the pool in place, with no gather copy."""
+def chunk_checksum(data: torch.Tensor, num_blocks: int) -> int:
+    """xxh3-64 of the first ``num_blocks`` blocks of a gathered layer
+    ``data: [2, n, block_size, H, D]`` (contiguous): K of each block, then V
+    of each. Two hash calls over contiguous memory, on the sender while the
+    gathered bytes are still in cache."""
     h = xxhash.xxh3_64()
-    data = kv_cache[layer] if kv_cache.device.type == "cpu" else kv_cache[layer].cpu()  # [2, num_blocks, bs, H, D]
-    for kv in (data[0], data[1]):
-        for b in block_ids:
-            h.update(_as_bytes(kv[b]))
+    for kv in data[:, :num_blocks]:  # [num_blocks, bs, H, D], contiguous
+        h.update(_as_bytes(kv))
     return h.intdigest()
+
+
+def pool_checksum(pool_layer: torch.Tensor, block_ids: list[int]) -> int:
+    """``chunk_checksum`` of blocks ``block_ids`` read in place from a pool
+    layer ``[2, num_blocks, bs, H, D]``: one hash update per contiguous run
+    of blocks, with no gather copy."""
+    if pool_layer.device.type != "cpu":
+        index = torch.tensor(block_ids, dtype=torch.int64, device=pool_layer.device)
+        return chunk_checksum(pool_layer.index_select(1, index).cpu(), len(block_ids))
+    runs = block_runs(block_ids)
+    h = xxhash.xxh3_64()
+    for kv in pool_layer.view(torch.uint8).numpy():  # [num_blocks, bs, H, D * elem], bytes
+        for _, first, count in runs:
+            h.update(kv[first : first + count])
+    return h.intdigest()
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ids: ``(position in block_ids, first id,
+    count)``; a run of blocks is one contiguous range of a pool layer."""
+    return [(pos, block_ids[pos], count) for pos, count in _run_bounds(np.asarray(block_ids, dtype=np.int64))]
+
+
+def paired_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs where both ``src_ids`` and ``dst_ids`` are consecutive:
+    ``(first src id, first dst id, count)``, each one contiguous copy."""
+    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    return [(src_ids[pos], dst_ids[pos], count) for pos, count in _run_bounds(src, dst)]
+
+
+def _run_bounds(*ids: np.ndarray) -> list[tuple[int, int]]:
+    """(start, length) of the maximal stretches where every array steps by
+    one (vectorized: called per layer, so a Python loop over blocks would
+    cost a third of a shared-memory transfer)."""
+    n = len(ids[0])
+    if n == 0:
+        return []
+    step = np.ones(n - 1, dtype=bool)
+    for a in ids:
+        step &= np.diff(a) == 1
+    starts = [0, *(np.flatnonzero(~step) + 1).tolist()]
+    return [(start, end - start) for start, end in zip(starts, [*starts[1:], n])]
+
+
+def gather_blocks(pool_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """[2, n, bs, H, D], contiguous, from a pool layer [2, num_blocks, bs, H, D]."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=pool_layer.device)
+    return pool_layer.index_select(1, index)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+# Per-run copies (and per-run hash updates) beat a gather-scatter kernel
+# while the blocks form a few contiguous ranges, the usual case in a pool
+# that is not fragmented; past this many runs, gather once.
+_MAX_RUN_COPIES = 8
 
 
 # -- the decode core's pool in shared memory -------------------------------------------
@@ -88,8 +145,12 @@ class SharedKVPool:
 
     @classmethod
     def create(cls, shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKVPool":
+        """A new segment named after this process (``kvferry-kvpool-<pid>-<random>``),
+        after unlinking the segments of pools whose creator is gone."""
+        remove_stale_pools()
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        name = f"{_POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         return cls(torch.frombuffer(shm.buf, dtype=dtype).view(shape), shm.name, shm=shm)
 
     @classmethod
@@ -123,6 +184,35 @@ class SharedKVPool:
             pass
 
 
+def remove_stale_pools(directory: Path = _SHM_DIR) -> list[str]:
+    """Unlink the pool segments of decode cores that are gone without
+    cleaning up (SIGKILL, OOM: a ``close`` that never ran). The creator's
+    pid is in the name; a live pid (or one reused since) keeps its segment.
+    Assumes one pid namespace per /dev/shm, as on one host."""
+    removed = []
+    for path in directory.glob(f"{_POOL_PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(_POOL_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        logger.warning("removed %d KV pool segment(s) left by dead processes: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 # -- sending half ------------------------------------------------------------------------
 class KVTransport(ABC):
     """The prefill side of one link to a decode core.
@@ -131,8 +221,8 @@ class KVTransport(ABC):
     transfer order. ``write_layer`` may return before the bytes land, but
     everything a link wrote is in the destination pool before the decode
     core handles the ``KVTransferDone`` that ``send_done`` sends next.
-    ``write_layer`` reads ``data`` before it returns (the caller may reuse
-    the source blocks afterwards). ``poll_acks`` never blocks."""
+    ``write_layer`` reads the source blocks before it returns (the caller
+    may reuse them afterwards). ``poll_acks`` never blocks."""
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
         self.address = address
@@ -142,8 +232,13 @@ class KVTransport(ABC):
         self.sock.connect(address)
 
     @abstractmethod
-    def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
-        """data: [2, n, block_size, kv_heads, head_dim], n = len(dst_block_ids)."""
+    def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
+                    dst_block_ids: list[int], num_final_blocks: int) -> None:
+        """Send blocks ``src_block_ids`` of ``src_layer: [2, num_blocks,
+        block_size, kv_heads, head_dim]`` (this core's pool) into the decode
+        core's ``dst_block_ids`` of layer ``layer``. The first
+        ``num_final_blocks`` are final: checksummed here (while the bytes are
+        in cache) and verified by the decode core as they land."""
 
     def send_done(self, done: KVTransferDone) -> None:
         self.sock.send(encode(done))
@@ -163,31 +258,56 @@ class KVTransport(ABC):
 class TcpTransport(KVTransport):
     """Layer bytes as a second frame after the chunk header (zero-copy)."""
 
-    def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
-        header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True)
-        payload = data.contiguous().cpu()
+    def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
+                    dst_block_ids: list[int], num_final_blocks: int) -> None:
+        payload = gather_blocks(src_layer, src_block_ids).cpu()  # [2, n, bs, H, D]
+        header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True,
+                              num_final_blocks=num_final_blocks, checksum=chunk_checksum(payload, num_final_blocks))
         # Zero-copy: the frame keeps ``payload`` alive until ZeroMQ sent it
         # (the numpy view holds the tensor).
         self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=False)
 
 
 class ShmTransport(KVTransport):
-    """Copies each layer straight into the decode core's pool (same host)."""
+    """Copies each layer straight into the decode core's pool (same host):
+    one ``copy_`` per run of blocks consecutive on both sides, or, for a
+    fragmented request, one gather here and one scatter there."""
 
     def __init__(self, ctx: zmq.Context, address: str, pool: SharedKVPool) -> None:
         super().__init__(ctx, address)
         self.pool = pool
 
-    def write_layer(self, transfer_id: str, layer: int, data: torch.Tensor, dst_block_ids: list[int]) -> None:
-        index = torch.tensor(dst_block_ids, dtype=torch.int64)
-        # [2, num_blocks, bs, H, D] view of the destination layer, written in place
-        self.pool.tensor[layer].index_copy_(1, index, data.cpu())
-        header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids)
-        self.sock.send(encode(header))
+    def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
+                    dst_block_ids: list[int], num_final_blocks: int) -> None:
+        dst_layer = self.pool.tensor[layer]  # [2, num_blocks, bs, H, D], the decode core's
+        runs = paired_runs(src_block_ids, dst_block_ids)
+        if len(runs) <= _MAX_RUN_COPIES:
+            checksum = pool_checksum(src_layer, src_block_ids[:num_final_blocks])
+            for s, d, n in runs:
+                dst_layer[:, d : d + n].copy_(src_layer[:, s : s + n])
+        else:
+            data = gather_blocks(src_layer, src_block_ids)  # [2, n, bs, H, D]
+            checksum = chunk_checksum(data, num_final_blocks)  # before the scatter: the bytes are hot
+            write_blocks(dst_layer, dst_block_ids, data)
+        self.sock.send(encode(KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids,
+                                           num_final_blocks=num_final_blocks, checksum=checksum)))
 
     def close(self) -> None:
         super().close()
         self.pool.close()
+
+
+def write_blocks(pool_layer: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
+    """pool_layer: [2, num_blocks, bs, H, D]; data: [2, n, bs, H, D] into
+    blocks ``block_ids``: one copy per contiguous run of destination blocks
+    while there are few runs, else one scatter."""
+    runs = block_runs(block_ids)
+    if len(runs) <= _MAX_RUN_COPIES:
+        for pos, first, count in runs:
+            pool_layer[:, first : first + count].copy_(data[:, pos : pos + count])
+        return
+    index = torch.tensor(block_ids, dtype=torch.int64, device=pool_layer.device)
+    pool_layer.index_copy_(1, index, data.to(pool_layer.device))
 
 
 # -- receiving half ----------------------------------------------------------------------
@@ -196,8 +316,9 @@ class _Expected:
     request_id: str
     block_ids: list[int]
     deadline: float
-    # layer -> decode-core block ids written so far
-    written: dict[int, set[int]] = field(default_factory=dict)
+    # layer -> decode-core block ids whose final bytes landed and checked out
+    verified: dict[int, set[int]] = field(default_factory=dict)
+    error: str = ""  # the first chunk that failed its checksum
 
 
 @dataclass(slots=True)
@@ -216,9 +337,12 @@ class KVReceiver:
 
     ``expect`` registers a transfer before its destination is published;
     chunks of unknown transfers are dropped unread (a transfer that timed
-    out can never write again over TCP). ``KVTransferDone`` is verified
-    here: every layer wrote every block, and each layer's xxh3-64 over the
-    pool equals the sender's. ``take`` hands out verified and failed
+    out can never write again over TCP). Each chunk is verified as it lands
+    (its final blocks' xxh3-64 equals the sender's: over the frame's bytes
+    before they are copied in, for TCP; read back from the pool, for shared
+    memory), on this thread while the sender writes the next layer, so a
+    ``KVTransferDone`` only checks that every layer verified every block.
+    ``take`` hands out verified and failed
     transfers once each; a transfer past its deadline (plus ``grace_s``, for
     a shared-memory write that began just before it) fails as "timeout"."""
 
@@ -292,15 +416,25 @@ class KVReceiver:
     def _on_chunk(self, chunk: KVLayerChunk, payload: memoryview | None) -> None:
         with self._lock:
             exp = self._expected.get(chunk.transfer_id)
-            if exp is None or not set(chunk.block_ids) <= set(exp.block_ids):
-                return  # unknown, expired, or not this transfer's blocks
-            if payload is not None:
-                shape = (2, len(chunk.block_ids), *self.kv_cache.shape[3:])
-                # [2, n, bs, H, D] from the frame, into the pool's blocks
-                data = torch.frombuffer(payload, dtype=self.kv_cache.dtype).view(shape)
-                index = torch.tensor(chunk.block_ids, dtype=torch.int64, device=self.kv_cache.device)
-                self.kv_cache[chunk.layer].index_copy_(1, index, data.to(self.kv_cache.device))
-            exp.written.setdefault(chunk.layer, set()).update(chunk.block_ids)
+            if exp is None or exp.error or not set(chunk.block_ids) <= set(exp.block_ids):
+                return  # unknown, expired, failed, or not this transfer's blocks
+        # Outside the lock: the copy and the hash must not stall ``take``.
+        pool_layer = self.kv_cache[chunk.layer]  # [2, num_blocks, bs, H, D]
+        final = chunk.block_ids[:chunk.num_final_blocks]
+        if payload is not None:
+            shape = (2, len(chunk.block_ids), *self.kv_cache.shape[3:])
+            data = torch.frombuffer(payload, dtype=self.kv_cache.dtype).view(shape)  # [2, n, bs, H, D]
+            # The bytes as they came off the wire, hashed contiguously before
+            # the copy into the pool reads them (still in cache).
+            ok = chunk_checksum(data, len(final)) == chunk.checksum
+            if ok:
+                write_blocks(pool_layer, chunk.block_ids, data)
+        else:  # written in place by the sender: read back what landed
+            ok = not final or pool_checksum(pool_layer, final) == chunk.checksum
+        with self._lock:
+            if not ok:
+                exp.error = exp.error or f"checksum mismatch in layer {chunk.layer}"
+            exp.verified.setdefault(chunk.layer, set()).update(final)
             self.num_blocks_written += len(chunk.block_ids)
 
     def _on_done(self, done: KVTransferDone) -> KVTransferAck:
@@ -321,20 +455,20 @@ class KVReceiver:
         return KVTransferAck(transfer_id=done.transfer_id, ok=not reason, reason=reason)
 
     def _verify(self, exp: _Expected, done: KVTransferDone) -> str:
-        """'' when the pool holds exactly what the sender computed."""
+        """'' when the pool holds exactly what the sender computed (each
+        chunk was checked as it landed)."""
         if done.error:
             return f"the prefill core gave up: {done.error}"
+        if exp.error:
+            return exp.error
         num_layers = self.kv_cache.shape[0]
         if done.num_layers != num_layers or done.block_ids != exp.block_ids:
             return "the transfer does not match its destination"
         want = set(exp.block_ids)
-        if any(exp.written.get(layer) != want for layer in range(num_layers)):
+        if any(exp.verified.get(layer) != want for layer in range(num_layers)):
             return "incomplete: a layer is missing blocks"
-        if len(done.layer_checksums) != num_layers or not done.output_token_ids:
-            return "incomplete: no checksums or first token"
-        for layer, expected in enumerate(done.layer_checksums):
-            if layer_checksum(self.kv_cache, layer, exp.block_ids) != expected:
-                return f"checksum mismatch in layer {layer}"
+        if not done.output_token_ids:
+            return "incomplete: no first token"
         return ""
 
     def close(self) -> None:

@@ -19,7 +19,9 @@ from starlette.types import Receive, Scope, Send
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.outputs import RequestOutput
 from kvferry.sampling import SamplingParams
-from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError, RequestStream, SloRejectedError
+from kvferry.serve.engine_client import (
+    AsyncEngineClient, EngineDeadError, KVTransferFailedError, RequestStream, SloRejectedError,
+)
 from kvferry.serve.errors import APIError, bad_request, error_body
 from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.api_flags import ApiOptions
@@ -125,6 +127,11 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 # ---- admission and collection ---------------------------------------------
 
+def engine_error_code(exc: EngineDeadError) -> str:
+    """The OpenAI-style error code of a request the engine side ended."""
+    return "kv_transfer_failed" if isinstance(exc, KVTransferFailedError) else "engine_unavailable"
+
+
 async def start_request(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
                         arrival_time: float) -> RequestStream:
     try:
@@ -146,7 +153,7 @@ async def collect(stream: RequestStream) -> list[RequestOutput]:
             if out.finished:
                 finals[out.outputs[0].index] = out
     except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_unavailable") from None
+        raise APIError(503, str(exc), code=engine_error_code(exc)) from None
     finally:
         stream.close()
     return [finals[i] for i in sorted(finals)]
@@ -235,7 +242,7 @@ async def stream_events(stream: RequestStream,
             yield event
     except EngineDeadError as exc:
         # Headers are gone already; report in-band as vLLM does.
-        yield sse(error_body(503, str(exc), code="engine_unavailable"))
+        yield sse(error_body(503, str(exc), code=engine_error_code(exc)))
     finally:
         stream.close()
     if done:
