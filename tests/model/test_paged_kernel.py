@@ -91,11 +91,12 @@ def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
     v = torch.randn(t, kv_heads, head_dim, generator=gen)
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
-    assert [p.use_kernel for p in meta.prefills] == [True, True, False, False]
-    # One kernel call: the short chunks over context (requests 0, 1), then the decodes.
-    assert meta.kernel_seq_lens.tolist() == [53, 32, 20, 1]
-    assert meta.kernel_query_starts.tolist() == [0, 4, 67, 68]
-    assert meta.kernel_query_lens.tolist() == [4, 16, 1, 1]
+    assert [p.use_kernel for p in meta.prefills] == [True, True, False, True]
+    # One kernel call: the short chunks (requests 0, 1 over context, 3 a fresh
+    # prompt), then the decodes.
+    assert meta.kernel_seq_lens.tolist() == [53, 32, 7, 20, 1]
+    assert meta.kernel_query_starts.tolist() == [0, 4, 60, 67, 68]
+    assert meta.kernel_query_lens.tolist() == [4, 16, 7, 1, 1]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -284,21 +285,48 @@ def test_avx2_build_matches_explicit_softmax(kernel):
     subprocess.run([sys.executable, "-c", _AVX2], env=env, check=True, timeout=600)
 
 
-def test_chunk_threshold_and_a_long_bf16_chunk(kernel, monkeypatch):
-    """The threshold per cache dtype, and a 40-token bf16 chunk over context
-    sent through the kernel (threshold raised) against the SDPA path."""
+def test_chunk_threshold_and_long_bf16_chunks(kernel, monkeypatch):
+    """The threshold per cache dtype; a 40-token bf16 chunk over context and
+    a 100-token fresh bf16 prompt (more than one 32-token query block per
+    work item) through the kernel where vdpbf16ps runs, against SDPA."""
     from kvferry.model import attention
+    from kvferry.model.cpu_features import cpu_features
 
+    native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
     assert attention.kernel_max_chunk_tokens(torch.float32) == 16
-    assert attention.kernel_max_chunk_tokens(torch.bfloat16) == 16
-    monkeypatch.setattr(attention, "_KERNEL_MAX_PREFILL_TOKENS_BF16", 64)
+    assert attention.kernel_max_chunk_tokens(torch.bfloat16) == (1024 if native else 16)
     dtype = torch.bfloat16
-    cache, meta_args, gen = _batch([40, 1], [90, 20], 3, 64, 16, dtype=dtype)
+    cache, meta_args, gen = _batch([40, 100, 1], [90, 100, 20], 3, 64, 16, dtype=dtype)
     meta_args["kv_dtype"] = dtype
-    q, k, v = (torch.randn(41, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+    q, k, v = (torch.randn(141, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
-    from kvferry.model.cpu_features import cpu_features
-    native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
-    assert meta.prefills[0].use_kernel == native
+    assert [p.use_kernel for p in meta.prefills] == [native, native]
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_long_chunk_split_into_query_blocks_float32(kernel):
+    """A 150-token chunk over 70 cached tokens and a 75-token fresh prompt:
+    each is split into 32-token query blocks across work items; float32
+    results equal an explicit softmax to 1e-5, and every row is written."""
+    q, k_cache, v_cache, tables, seq_lens, starts, q_lens, group = _long_case()
+    out = torch.full(q.shape, float("nan"))
+    kernel(q, k_cache, v_cache, tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens),
+           0.125, out)
+    for r in range(len(seq_lens)):
+        expected = _explicit(q, k_cache, v_cache, tables[r], seq_lens[r], starts[r], q_lens[r], 0.125, group)
+        torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def _long_case():
+    gen = torch.Generator().manual_seed(3)
+    block_size, kv_heads, group, head_dim = 16, 3, 3, 64
+    seq_lens, q_lens = [220, 75], [150, 75]
+    starts = [0, 150]
+    num_blocks = 40
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([perm[:14], perm[14:28]])
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(225, kv_heads * group, head_dim, generator=gen)
+    return q, k_cache, v_cache, tables, seq_lens, starts, q_lens, group

@@ -85,10 +85,12 @@ def test_stream_usage_chunk(client):
 
 def test_greedy_matches_offline_llm(client):
     """Same model, same token ids, temperature 0: the server must produce
-    exactly what LLM.generate produces in-process."""
+    exactly what LLM.generate produces in-process. Both in float32, the
+    server's dtype: in bf16 two logits can round to a tie and then greedy
+    answers follow the attention path's rounding."""
     from kvferry import LLM, SamplingParams
 
-    llm = LLM(model=None, max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.1)
+    llm = LLM(model=None, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.1)
     prompt_ids = llm.tokenizer.encode("Once upon a time, in a small village,")
     params = SamplingParams(max_tokens=16, temperature=0.0)
     expected = llm.generate([prompt_ids], params)[0]

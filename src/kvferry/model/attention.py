@@ -33,16 +33,22 @@ from kvferry.model.paged_kernel import get_paged_decode_kernel, kernel_isa
 
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Chunks with at most this many new tokens use the kernel: it reads the
-# context once per chunk, but its dot products are vector, not matrix,
-# products, so long chunks are better off with SDPA's flash kernel. Measured
-# (bench/paged_attention_kernel.py, one thread, context 384-2048): in float32
-# the kernel ties the gather + SDPA path at 16 tokens and is 1.2-1.3x slower at
-# 64-128; with a bf16 cache on a CPU with AVX512-BF16 (vdpbf16ps) it stays
-# 0.7-0.8x of SDPA's time up to 256 tokens, so bf16 takes longer chunks.
+# Chunks with at most this many new tokens use the kernel, fresh prompts
+# included: it reads the context once per chunk, but its dot products are
+# vector, not matrix, products, so long float32 chunks are better off with
+# SDPA's flash kernel. Measured (bench/paged_attention_kernel.py, one thread,
+# process CPU time): in float32 the kernel ties the gather + SDPA path at 16
+# tokens and is 1.2-1.3x slower at 64-128. With a bf16 cache on a CPU with
+# AVX512-BF16 (vdpbf16ps) torch's bf16 flash attention is no faster than its
+# float32 one, and the kernel takes 0.62-0.70x of SDPA's time on fresh
+# prompts of 64-512 tokens (0.80x at 1024) and 0.69-0.87x on 64-1024-token
+# chunks over 512 cached tokens: bf16 sends every chunk up to 1024 tokens.
+# Greedy outputs may differ from the SDPA path's where two logits tie at bf16
+# resolution (a fresh 37-token chat prompt of the embedded model: every
+# layer is as close to float32 on either path, but its first token's top two
+# logits, 0.08 apart in float32, round to the same bf16 value on one path).
 _KERNEL_MAX_PREFILL_TOKENS = 16
-# Kept at 16 for now: see the fresh-prompt note in _prefill_slice.
-_KERNEL_MAX_PREFILL_TOKENS_BF16 = 16
+_KERNEL_MAX_PREFILL_TOKENS_BF16 = 1024
 
 
 def kernel_max_chunk_tokens(kv_dtype: torch.dtype | None) -> int:
@@ -165,13 +171,10 @@ class AttentionMetadata:
         context_len = seq_len - q_len
         if q_len < 1 or context_len < 0:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
-        if context_len == 0:
-            # A fresh prompt stays on SDPA: sent through the kernel (bf16, 30
-            # tokens) it changed a greedy chat answer of the embedded model
-            # from the SDPA / HF one; not yet explained.
-            return PrefillSlice(start, end, 0)
         if q_len <= kernel_max_chunk_tokens(self.kv_dtype) and self._use_kernel():
             return PrefillSlice(start, end, context_len, use_kernel=True)
+        if context_len == 0:
+            return PrefillSlice(start, end, 0)  # SDPA over the new k/v themselves: no gather
         return PrefillSlice(start, end, context_len, *self._context_slots_and_mask(i, context_len, seq_len))
 
     def context_slots_and_mask(self, p: PrefillSlice) -> tuple[torch.Tensor | None, torch.Tensor | None]:

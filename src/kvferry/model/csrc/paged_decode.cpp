@@ -12,11 +12,12 @@
 // inside the chunk). Nothing past seq_lens[s] is read, so unwritten
 // (possibly NaN) slots never reach the output.
 //
-// Work item = (sequence, kv_head): its M = query_lens * G query vectors
-// (G = H / KVH heads share the KV head) stream over the sequence's blocks
-// once, a tile of up to 16 tokens at a time; the tile's K/V rows stay in L1
-// while the M queries use them, so the context is read from memory once per
-// work item, not once per head or per query token. Per tile and query: scores
+// Work item = (sequence, block of up to 32 query tokens, kv_head): its
+// M = tokens * G query vectors (G = H / KVH heads share the KV head) stream
+// over the sequence's blocks once, a tile of up to 16 tokens at a time; the
+// tile's K/V rows stay in L1 while the M queries use them, so the context is
+// read once per work item, not once per head or per query token. Splitting
+// long chunks into query blocks lets one long prompt use every thread. Per tile and query: scores
 // [<=16] = q . k * scale, an online softmax update in float32 (running max m,
 // sum l, accumulator acc [D] rescaled once per tile), acc += p . V.
 // Items are handed out longest first from a shared counter, so one thread
@@ -444,18 +445,21 @@ struct Attend {
     std::vector<int64_t> limit;  // visible positions per query
   };
 
-  void run(const Seq& seq, int64_t h, Scratch& w) const {
-    const int64_t M = seq.q_len * group, D = head_dim;
+  // Query tokens [j0, j1) of `seq` against KV head h: their positions see
+  // the context up to the last one's, end = context_len + j1.
+  void run(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    const int64_t M = (j1 - j0) * group, D = head_dim;
     const int64_t row_stride = kv_heads * D;  // between tokens of a block
     const int64_t context_len = seq.seq_len - seq.q_len;
+    const int64_t end = context_len + j1;
     w.acc.assign(M * D, 0.f);
     w.m.assign(M, -std::numeric_limits<float>::infinity());
     w.l.assign(M, 0.f);
     w.limit.resize(M);
     if constexpr (kPath != Path::kDpbf16) w.qf.resize(M * D);
-    for (int64_t j = 0; j < seq.q_len; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t i = j * group + g;  // query vector: token j, head h * G + g
+        const int64_t i = (j - j0) * group + g;  // query vector: token j, head h * G + g
         w.limit[i] = context_len + j + 1;
         if constexpr (kPath != Path::kDpbf16) {
           const qscalar_t* qi = query(j, g, h, seq);
@@ -470,9 +474,9 @@ struct Attend {
     alignas(64) float s[kTile];
     const int64_t* table = seq.table;
     int64_t n = 0;  // tokens in the current tile: up to 16, never across a block boundary
-    for (int64_t start = 0; start < seq.seq_len; start += n) {
+    for (int64_t start = 0; start < end; start += n) {
       const int64_t in_block = start % block_size;
-      n = std::min({kTile, seq.seq_len - start, block_size - in_block});
+      n = std::min({kTile, end - start, block_size - in_block});
       const int64_t base = (table[start / block_size] * block_size + in_block) * row_stride + h * D;
       const scalar_t* kt = k_ptr + base;
       const scalar_t* vt = v_ptr + base;
@@ -499,7 +503,7 @@ struct Attend {
           float alpha = 1.f;
 #ifdef KVFERRY_AVX512_BF16
           if constexpr (kPath == Path::kDpbf16) {
-            const __m512 sv = tile_scores_dpbf16(query(i / group, i % group, h, seq), kt, row_stride, visible, D, scale);
+            const __m512 sv = tile_scores_dpbf16(query(j0 + i / group, i % group, h, seq), kt, row_stride, visible, D, scale);
             const __m512 p = softmax_tile(sv, visible, w.m[i], w.l[i], alpha);
             tile_accumulate_dpbf16(acc, alpha, p, vt, row_stride, visible, D);
           } else
@@ -515,7 +519,7 @@ struct Attend {
     }
     for (int64_t i = 0; i < M; ++i) {
       const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;  // seq_len == 0: zeros, not NaN
-      qscalar_t* o = out_ptr + ((seq.q_start + i / group) * num_heads + h * group + i % group) * D;
+      qscalar_t* o = out_ptr + ((seq.q_start + j0 + i / group) * num_heads + h * group + i % group) * D;
       const float* a = w.acc.data() + i * D;
       if constexpr (kPath == Path::kDpbf16) {
 #ifdef KVFERRY_AVX512_BF16
@@ -533,24 +537,39 @@ struct Attend {
 
 };
 
-// Runs every (sequence, kv_head) item, longest first, over torch's threads.
+// Query tokens per work item: a long chunk is split into blocks of this
+// many tokens, so that one long prompt keeps every thread busy (it would
+// otherwise be only KVH items). Each block reads the context up to its own
+// last position; the tiles it shares with other blocks come from cache.
+constexpr int64_t kQueryBlock = 32;
+
+struct Item {
+  int64_t seq, j0, j1, cost;
+};
+
+// Runs every (sequence, query block, kv_head) item, longest first, over torch's threads.
 template <typename scalar_t, typename qscalar_t, Path kPath>
 void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& seqs) {
   const int64_t kvh = op.kv_heads;
-  const int64_t items = static_cast<int64_t>(seqs.size()) * kvh;
-  // Cost of an item ~ context length x (query vectors + the K/V read).
-  std::vector<int64_t> order(seqs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return seqs[a].seq_len * (seqs[a].q_len + 1) > seqs[b].seq_len * (seqs[b].q_len + 1);
-  });
+  std::vector<Item> blocks;
+  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
+    const int64_t context_len = seqs[s].seq_len - seqs[s].q_len;
+    for (int64_t j0 = 0; j0 < std::max<int64_t>(seqs[s].q_len, 1); j0 += kQueryBlock) {
+      const int64_t j1 = std::min(j0 + kQueryBlock, seqs[s].q_len);
+      // Cost ~ context it reads x (its query tokens + the K/V read itself).
+      blocks.push_back(Item{s, j0, j1, (context_len + j1) * (j1 - j0 + 1)});
+    }
+  }
+  std::stable_sort(blocks.begin(), blocks.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t items = static_cast<int64_t>(blocks.size()) * kvh;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     typename Attend<scalar_t, qscalar_t, kPath>::Scratch w;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
-        op.run(seqs[order[item / kvh]], item % kvh, w);
+        const Item& b = blocks[item / kvh];
+        op.run(seqs[b.seq], b.j0, b.j1, item % kvh, w);
       }
     }
   });
