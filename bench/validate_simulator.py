@@ -61,8 +61,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-dir", default="runs/simval")
     p.add_argument("--quick", action="store_true", help="smoke run: one rate each, few requests, small profile")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--profile", default=None, help="reuse this profile JSON for colocated engines")
-    p.add_argument("--profile-1cpu", default=None, help="reuse this profile JSON (--threads 1) for disagg cores")
+    p.add_argument("--profile-mode", choices=("served", "engine"), default="served",
+                   help="served: `kvferry profile --url` against each configuration's server before its runs "
+                        "(HTTP, IPC, CPU sharing and the disagg hand-over included); engine: the in-process "
+                        "profile (engine steps alone), once per thread count")
+    p.add_argument("--profile", default=None, help="engine mode: reuse this profile JSON for colocated engines")
+    p.add_argument("--profile-1cpu", default=None,
+                   help="engine mode: reuse this profile JSON (--threads 1) for disagg cores")
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--rates-shared", default="1,2", help="shared-prefix request rates (req/s)")
     p.add_argument("--rates-random", default="1,2", help="random request rates (req/s)")
@@ -95,13 +100,21 @@ def kvferry(*argv: str, log: Path | None = None) -> None:
 
 
 # -- profiles ---------------------------------------------------------------------
-def profiles(args: argparse.Namespace, out: Path) -> dict[str, str]:
-    grid = (["--new-tokens", "32,128,256", "--cached-tokens", "0,256", "--batch-sizes", "1,4,16",
-             "--context-lens", "128", "--repeats", "1", "--decode-steps", "4"] if args.quick else
-            ["--new-tokens", "32,64,128,256,512", "--cached-tokens", "0,256", "--batch-sizes", "1,2,4,8,16",
-             "--context-lens", "128,320", "--repeats", "3", "--decode-steps", "8"])
-    model = ["--model", args.model] if args.model else []
+def profile_grid(args: argparse.Namespace) -> list[str]:
+    if args.quick:
+        return ["--new-tokens", "32,128,256", "--cached-tokens", "0,256", "--batch-sizes", "1,4",
+                "--context-lens", "64,256", "--repeats", "1", "--decode-steps", "4"]
+    return ["--new-tokens", "16,64,128,256,320", "--cached-tokens", "0,256", "--batch-sizes", "1,2,4,8",
+            "--context-lens", "96,320", "--repeats", "2", "--decode-steps", "8"]
+
+
+def profiles(args: argparse.Namespace, out: Path) -> dict[str, str | None]:
+    """Engine mode: the in-process profiles (served mode profiles each server in run_config)."""
     paths = {"colocated": args.profile, "one_cpu": args.profile_1cpu}
+    if args.profile_mode == "served":
+        return paths
+    grid = profile_grid(args)
+    model = ["--model", args.model] if args.model else []
     needed = {CONFIGS[c][3] for c in args.configs}
     for key, threads in (("colocated", []), ("one_cpu", ["--threads", "1"])):
         if paths[key] is None and key in needed:
@@ -184,12 +197,18 @@ def bench_flags(args: argparse.Namespace, workload: str) -> list[str]:
 
 
 # -- one configuration ------------------------------------------------------------
-def run_config(args: argparse.Namespace, name: str, rates: list[float], profile: str, out: Path) -> list[dict]:
+def run_config(args: argparse.Namespace, name: str, rates: list[float], profile: str | None,
+               out: Path) -> list[dict]:
     workload, flags, sim_config, _, sim_flags = CONFIGS[name]
     rows = []
     proc, url = start_server(args, flags, out / f"{name}.server.log")
     try:
         warm_up(url, args.warmup_requests)
+        if profile is None:
+            profile = str(out / f"{name}.profile.json")
+            print(f"{name}: profile the server ...", flush=True)
+            kvferry("profile", "--url", url, *profile_grid(args), "--output", profile,
+                    log=out / f"{name}.profile.log")
         runs = []
         for i, rate in enumerate(rates):
             run = f"{name}@{rate:g}"
@@ -235,7 +254,7 @@ def main() -> int:
         workload, _, _, profile_key, _ = CONFIGS[name]
         rows += run_config(args, name, rates[workload], paths[profile_key], out)
     table = markdown_table(rows)
-    (out / "validation.json").write_text(json.dumps({"args": vars(args), "profiles": paths, "rows": rows},
+    (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows},
                                                     indent=1))
     (out / "validation.md").write_text(table + "\n")
     plot_validation(rows, out / "validation.png")

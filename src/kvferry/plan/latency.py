@@ -69,6 +69,17 @@ class StepCostModel:
         return self.step([], batch, int(batch * mean_context))
 
 
+def profile_handover_s(path: str) -> float:
+    """The prefill -> decode hand-over a served profile (``kvferry profile
+    --url``) measured; 0 for an in-process profile."""
+    try:
+        return float(json.loads(Path(path).read_text()).get("handover_s") or 0.0)
+    except OSError as e:
+        raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise PlanError(f"--profile: {path} is not a kvferry profile JSON: {e}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class KVTransferModel:
     """Prefill -> decode KV transfer: a fixed latency plus bytes / bandwidth."""

@@ -1,0 +1,132 @@
+"""``kvferry profile --url URL``: the step-time fits measured through a live
+server, as a client sees them.
+
+The in-process profile (``profile.py``) times ``engine.step()`` alone. A
+served request also pays what that leaves out: HTTP and tokenization on the
+way in, the front end <-> engine process hop, detokenization and SSE on the
+way out, the front end's threads competing with the engine's for the same
+CPUs, and in disagg mode the prefill -> decode hand-over. Measured at the
+client, these land where the simulator charges them:
+
+- prefill: TTFT of a lone request (``max_tokens`` 1) of ``new`` words after
+  a ``cached`` prefix warmed by an earlier request; the fit's intercept then
+  holds the per-request overhead. Token counts are the server's usage
+  (``prompt_tokens``, ``cached_tokens``), not the asked ones.
+- decode: ``batch`` concurrent streams (``ignore_eos``); once every stream
+  has its second token, the median gap between chunks is the step time at
+  that batch, detokenization and IPC included.
+- hand-over (disagg): a lone stream's gap between its first token (from the
+  prefill core) and its second (from the decode core) less a decode step:
+  the KV transfer and the decode core's first step.
+
+Same fits and JSON as the in-process profile, plus ``served`` (the URL) and
+``handover_s``.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+import httpx
+
+from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit
+from kvferry.bench.text import random_words
+
+
+class _Stream:
+    """One streaming completion: chunk arrival times and the server's usage."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    async def run(self, client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> _Stream:
+        import json
+
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    self.times.append(time.perf_counter())
+                if usage := chunk.get("usage"):
+                    self.prompt_tokens = usage.get("prompt_tokens") or 0
+                    self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return self
+
+
+async def _prefill_point(client, model, rng, new: int, cached: int, repeats: int) -> dict:
+    times, news, hits = [], [], []
+    for _ in range(repeats):
+        prefix = random_words(rng, cached) + " " if cached else ""
+        if cached:
+            await _Stream().run(client, model, prefix, 1)
+        start = time.perf_counter()
+        s = await _Stream().run(client, model, prefix + random_words(rng, new), 1)
+        times.append((s.times[0] if s.times else time.perf_counter()) - start)
+        news.append(s.prompt_tokens - s.cached_tokens)
+        hits.append(s.cached_tokens)
+    return {"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
+            "time_s": statistics.median(times)}
+
+
+def _steady_gaps(streams: list[_Stream]) -> list[float]:
+    """Chunk gaps once every stream decodes (has its second token) and
+    before any stream ends: the steps of a full batch."""
+    begin = max(s.times[1] for s in streams)
+    end = min(s.times[-1] for s in streams)
+    return [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if a >= begin and b <= end]
+
+
+async def _decode_point(client, model, rng, batch: int, context: int, steps: int) -> dict:
+    # Later streams wait for earlier prefills; enough tokens that all overlap for ``steps`` steps.
+    max_tokens = steps + 8 + 4 * batch
+    streams = await asyncio.gather(*(_Stream().run(client, model, random_words(rng, context), max_tokens)
+                                     for _ in range(batch)))
+    gaps = _steady_gaps(streams)
+    mean_context = statistics.mean(s.prompt_tokens for s in streams) + max_tokens / 2
+    return {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None}
+
+
+async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
+    gaps = []
+    for _ in range(repeats):
+        s = await _Stream().run(client, model, random_words(rng, 64), 8)
+        gaps.append(s.times[1] - s.times[0])
+    return max(statistics.median(gaps) - decode_step_s, 0.0)
+
+
+async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
+    rng = random.Random(grid.seed)
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        await _prefill_point(client, model, rng, min(grid.new_tokens), 0, 2)  # warm-up
+        prefill = []
+        for cached in grid.cached_tokens:
+            for new in grid.new_tokens:
+                prefill.append(await _prefill_point(client, model, rng, new, cached, grid.repeats))
+                on_point("prefill", prefill[-1])
+        decode = []
+        for context in grid.context_lens:
+            for batch in grid.batch_sizes:
+                p = await _decode_point(client, model, rng, batch, context, grid.decode_steps)
+                if p["time_s"] is not None:
+                    decode.append(p)
+                    on_point("decode", p)
+        result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
+                  "decode": {"points": decode, "fit": fit(decode, DECODE_TERMS)}}
+        one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
+        result["handover_s"] = await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)
+    return result
+
+
+def run_served_profile(url: str, model: str, grid: ProfileGrid, on_point=lambda kind, p: None) -> dict:
+    """Profile the server at ``url`` (base URL, no /v1) serving ``model``."""
+    return asyncio.run(_run(url, model, grid, on_point))
