@@ -125,3 +125,17 @@ def test_served_profile_hand_over_is_the_default_transfer_latency(tmp_path):
     assert transfer_model(args).latency_s == pytest.approx(0.025)
     args.kv_latency_ms = 5.0
     assert transfer_model(args).latency_s == pytest.approx(0.005)
+
+
+def test_request_overhead_delays_the_arrival_at_the_engine():
+    """A served profile's per-request overhead (HTTP, process hops) adds to
+    TTFT and queues: B, sent 5 ms after A, starts after A's 10 ms prefill."""
+    from kvferry.plan.latency import StepCostModel
+
+    a, b = unique_request(0, 0.0, 10, 1), unique_request(1, 0.005, 10, 1)
+    inst = InstanceConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=10)
+    sim = Simulation(ClusterConfig(num_colocated=1, instance=inst),
+                     StepCostModel((0, 0.001, 0, 0), (0, 0, 0), request_overhead_s=0.020))
+    res = sim.run([a, b])
+    assert res[0].ttft_s == pytest.approx(0.030)
+    assert res[1].ttft_s == pytest.approx(0.040 - 0.005)

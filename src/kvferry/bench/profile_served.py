@@ -19,12 +19,18 @@ client, these land where the simulator charges them:
   prefill core) and its second (from the decode core) less a decode step:
   the KV transfer and the decode core's first step.
 
-Same fits and JSON as the in-process profile, plus ``served`` (the URL) and
-``handover_s``.
+- request overhead: a one-word prompt's TTFT less a decode step; it is
+  taken out of the prefill points before the fit (a prefill point keeps its
+  client TTFT as ``ttft_s``), so the fits stay engine step times and the
+  simulator adds the overhead to each request's arrival.
+
+Same fits and JSON as the in-process profile, plus ``served`` (the URL),
+``request_overhead_s`` and ``handover_s``.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 import time
@@ -39,6 +45,7 @@ class _Stream:
     """One streaming completion: chunk arrival times and the server's usage."""
 
     def __init__(self) -> None:
+        self.start = 0.0
         self.times: list[float] = []
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -48,6 +55,7 @@ class _Stream:
 
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
+        self.start = time.perf_counter()
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -86,14 +94,21 @@ def _steady_gaps(streams: list[_Stream]) -> list[float]:
     return [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if a >= begin and b <= end]
 
 
-async def _decode_point(client, model, rng, batch: int, context: int, steps: int) -> dict:
-    # Later streams wait for earlier prefills; enough tokens that all overlap for ``steps`` steps.
-    max_tokens = steps + 8 + 4 * batch
+async def _decode_point(client, model, rng, batch: int, context: int, steps: int, lone: _Stream | None) -> dict:
+    """``lone``: a batch-1 stream at this context, whose TTFT and step say how
+    long the later streams' prefills keep the earlier ones decoding alone:
+    each stream asks for enough tokens that all overlap for ``steps`` steps."""
+    max_tokens = steps + 8
+    if lone is not None and len(lone.times) > 2:
+        ttft = lone.times[0] - lone.start
+        step = statistics.median(b - a for a, b in zip(lone.times[1:], lone.times[2:]))
+        max_tokens += math.ceil(1.5 * batch * ttft / max(step, 1e-3))
     streams = await asyncio.gather(*(_Stream().run(client, model, random_words(rng, context), max_tokens)
                                      for _ in range(batch)))
     gaps = _steady_gaps(streams)
     mean_context = statistics.mean(s.prompt_tokens for s in streams) + max_tokens / 2
-    return {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None}
+    point = {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None}
+    return point, streams[0]
 
 
 async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
@@ -115,16 +130,33 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                 on_point("prefill", prefill[-1])
         decode = []
         for context in grid.context_lens:
+            lone = None
             for batch in grid.batch_sizes:
-                p = await _decode_point(client, model, rng, batch, context, grid.decode_steps)
+                p, first = await _decode_point(client, model, rng, batch, context, grid.decode_steps, lone)
+                lone = first if batch == 1 else lone
                 if p["time_s"] is not None:
                     decode.append(p)
                     on_point("decode", p)
-        result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
-                  "decode": {"points": decode, "fit": fit(decode, DECODE_TERMS)}}
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
-        result["handover_s"] = await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)
+        step = one["time_s"] if one else 0.0
+        overhead = await _request_overhead(client, model, grid.repeats + 2, step)
+        for p in prefill:  # the engine's share of a TTFT: what the step model fits
+            p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
+        result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
+                  "decode": {"points": decode, "fit": fit(decode, DECODE_TERMS)},
+                  "request_overhead_s": overhead,
+                  "handover_s": await _handover(client, model, rng, grid.repeats, step)}
     return result
+
+
+async def _request_overhead(client, model, repeats: int, decode_step_s: float) -> float:
+    """A one-word prompt's TTFT less a decode step (about its one-token step):
+    HTTP, tokenization and the process hops in, detokenization and SSE out."""
+    ttfts = []
+    for i in range(repeats):
+        s = await _Stream().run(client, model, f"w{i}", 1)
+        ttfts.append(s.times[0] - s.start if s.times else 0.0)
+    return max(statistics.median(ttfts) - decode_step_s, 0.0)
 
 
 def run_served_profile(url: str, model: str, grid: ProfileGrid, on_point=lambda kind, p: None) -> dict:

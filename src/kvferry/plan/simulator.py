@@ -119,9 +119,10 @@ class Simulation:
             self.results[req.request_id] = RequestResult(req)
         arrivals = iter(sorted(requests, key=lambda r: r.arrival_s))
         nxt = next(arrivals, None)
+        ingress = self.cost.request_overhead_s  # a request reaches the engine this much after it is sent
         while nxt is not None or self._heap:
-            if nxt is not None and (not self._heap or nxt.arrival_s <= self._heap[0][0]):
-                self._arrive(nxt, nxt.arrival_s)
+            if nxt is not None and (not self._heap or nxt.arrival_s + ingress <= self._heap[0][0]):
+                self._arrive(nxt, nxt.arrival_s + ingress)
                 nxt = next(arrivals, None)
                 continue
             t, _, kind, payload = heapq.heappop(self._heap)
