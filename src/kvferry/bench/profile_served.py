@@ -8,8 +8,8 @@ way out, the front end's threads competing with the engine's for the same
 CPUs, and in disagg mode the prefill -> decode hand-over. Measured at the
 client, these land where the simulator charges them:
 
-- prefill: TTFT of a lone request (``max_tokens`` 1) of ``new`` words after
-  a ``cached`` prefix warmed by an earlier request; the fit's intercept then
+- prefill: TTFT of a lone chat request (``max_tokens`` 1) of ``new`` words
+  after a ``cached``-word system prompt warmed by an earlier request; the fit's intercept then
   holds the per-request overhead. Token counts are the server's usage
   (``prompt_tokens``, ``cached_tokens``), not the asked ones.
 - decode: ``batch`` concurrent streams (``ignore_eos``); once every stream
@@ -19,7 +19,8 @@ client, these land where the simulator charges them:
   prefill core) and its second (from the decode core) less a decode step:
   the KV transfer and the decode core's first step.
 
-- request overhead: a one-word prompt's TTFT less a decode step; it is
+- request overhead: the client prefill fit's intercept less the decode
+  fit's (what a request pays once, beyond any step's fixed cost); it is
   taken out of the prefill points before the fit (a prefill point keeps its
   client TTFT as ``ttft_s``), so the fits stay engine step times and the
   simulator adds the overhead to each request's arrival.
@@ -50,20 +51,20 @@ class _Stream:
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
-    async def run(self, client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> _Stream:
+    async def run(self, client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int) -> _Stream:
         import json
 
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         self.start = time.perf_counter()
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices") and (chunk["choices"][0].get("delta") or {}).get("content"):
                     self.times.append(time.perf_counter())
                 if usage := chunk.get("usage"):
                     self.prompt_tokens = usage.get("prompt_tokens") or 0
@@ -74,16 +75,20 @@ class _Stream:
 async def _prefill_point(client, model, rng, new: int, cached: int, repeats: int) -> dict:
     times, news, hits = [], [], []
     for _ in range(repeats):
-        prefix = random_words(rng, cached) + " " if cached else ""
+        # the cached part: a system prompt an earlier request warmed (the chat template's header included)
+        system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
         if cached:
-            await _Stream().run(client, model, prefix, 1)
-        start = time.perf_counter()
-        s = await _Stream().run(client, model, prefix + random_words(rng, new), 1)
-        times.append((s.times[0] if s.times else time.perf_counter()) - start)
+            await _Stream().run(client, model, system, 1)
+        s = await _Stream().run(client, model, system + _user(random_words(rng, new)), 1)
+        times.append((s.times[0] if s.times else time.perf_counter()) - s.start)
         news.append(s.prompt_tokens - s.cached_tokens)
         hits.append(s.cached_tokens)
     return {"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
             "time_s": statistics.median(times)}
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
 
 
 def _steady_gaps(streams: list[_Stream]) -> list[float]:
@@ -103,7 +108,7 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
         ttft = lone.times[0] - lone.start
         step = statistics.median(b - a for a, b in zip(lone.times[1:], lone.times[2:]))
         max_tokens += math.ceil(1.5 * batch * ttft / max(step, 1e-3))
-    streams = await asyncio.gather(*(_Stream().run(client, model, random_words(rng, context), max_tokens)
+    streams = await asyncio.gather(*(_Stream().run(client, model, _user(random_words(rng, context)), max_tokens)
                                      for _ in range(batch)))
     gaps = _steady_gaps(streams)
     mean_context = statistics.mean(s.prompt_tokens for s in streams) + max_tokens / 2
@@ -114,7 +119,7 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
 async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
     gaps = []
     for _ in range(repeats):
-        s = await _Stream().run(client, model, random_words(rng, 64), 8)
+        s = await _Stream().run(client, model, _user(random_words(rng, 64)), 8)
         gaps.append(s.times[1] - s.times[0])
     return max(statistics.median(gaps) - decode_step_s, 0.0)
 
@@ -137,26 +142,19 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                 if p["time_s"] is not None:
                     decode.append(p)
                     on_point("decode", p)
-        one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
-        step = one["time_s"] if one else 0.0
-        overhead = await _request_overhead(client, model, grid.repeats + 2, step)
+        decode_fit = fit(decode, DECODE_TERMS)
+        client_fit = fit(prefill, PREFILL_TERMS)
+        # A prefill's fixed cost beyond a decode step's is the request's own: HTTP, templating,
+        # tokenization, process hops, detokenization and SSE of its first token.
+        overhead = max(client_fit["coef"][0] - decode_fit["coef"][0], 0.0)
         for p in prefill:  # the engine's share of a TTFT: what the step model fits
             p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
+        one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
         result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
-                  "decode": {"points": decode, "fit": fit(decode, DECODE_TERMS)},
+                  "decode": {"points": decode, "fit": decode_fit},
                   "request_overhead_s": overhead,
-                  "handover_s": await _handover(client, model, rng, grid.repeats, step)}
+                  "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
     return result
-
-
-async def _request_overhead(client, model, repeats: int, decode_step_s: float) -> float:
-    """A one-word prompt's TTFT less a decode step (about its one-token step):
-    HTTP, tokenization and the process hops in, detokenization and SSE out."""
-    ttfts = []
-    for i in range(repeats):
-        s = await _Stream().run(client, model, f"w{i}", 1)
-        ttfts.append(s.times[0] - s.start if s.times else 0.0)
-    return max(statistics.median(ttfts) - decode_step_s, 0.0)
 
 
 def run_served_profile(url: str, model: str, grid: ProfileGrid, on_point=lambda kind, p: None) -> dict:
