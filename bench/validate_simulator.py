@@ -6,17 +6,22 @@ for real under ``kvferry bench`` load, replay the very same request list
 report the relative error of TTFT p50/p99, TPOT p50/p99 and goodput.
 
     python bench/validate_simulator.py [--quick] [--output-dir runs/simval] \\
-        [--profile P.json --profile-1cpu P1.json] [--rates-shared 1,2] [--rates-random 1,2]
+        [--profile-mode served|engine] [--rates-shared 1,2] [--rates-random 1,2] [--configs ...]
 
 Configurations (each at every rate of its workload):
   cache-on / cache-off   colocated, chunked prefill, prefix cache on / off; shared-prefix workload
   colocated / disagg     colocated chunked prefill / disagg 1+1 (prefill on CPU 0, decode on CPU 1);
                          random workload
 
-Profiles: the colocated engine runs torch on every CPU, a disagg core on one;
-so ``kvferry profile`` runs twice (default threads, then --threads 1) unless
-given. Each configuration's server starts once; its rates use different
-seeds so that no run finds an earlier run's prompts in the cache.
+Profiles (--profile-mode): ``served`` (default) runs ``kvferry profile --url``
+against each server before its runs, so HTTP, process hops,
+detokenization, CPU sharing and the disagg hand-over are in the fits;
+``engine`` profiles the in-process engine instead (the colocated engine runs
+torch on every CPU, a disagg core on one: default threads and --threads 1).
+
+Configurations with the same server flags (cache-on, colocated) share one
+server; each run uses a fresh seed's prompts, so that no run finds an
+earlier run's prompts in the cache.
 
 Writes to --output-dir: profiles, every bench JSON, trace and simulate JSON,
 validation.json (rows: run, metric, measured, predicted, rel_error),
@@ -69,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-1cpu", default=None,
                    help="engine mode: reuse this profile JSON (--threads 1) for disagg cores")
     p.add_argument("--model", default=None, help="default: the embedded model")
-    p.add_argument("--rates-shared", default="1,2", help="shared-prefix request rates (req/s)")
+    p.add_argument("--rates-shared", default="0.5,1", help="shared-prefix request rates (req/s)")
     p.add_argument("--rates-random", default="1,2", help="random request rates (req/s)")
     p.add_argument("--num-requests", type=int, default=40, help="requests per run")
     p.add_argument("--slo", default="ttft:1000,tpot:150", help="goodput SLOs (ms), both workloads")
@@ -105,7 +110,7 @@ def profile_grid(args: argparse.Namespace) -> list[str]:
         return ["--new-tokens", "32,128,256", "--cached-tokens", "0,256", "--batch-sizes", "1,4",
                 "--context-lens", "64,256", "--repeats", "1", "--decode-steps", "4"]
     return ["--new-tokens", "16,64,128,256,320", "--cached-tokens", "0,256", "--batch-sizes", "1,2,4,8",
-            "--context-lens", "96,320", "--repeats", "2", "--decode-steps", "8"]
+            "--context-lens", "96,320", "--repeats", "3", "--decode-steps", "8"]
 
 
 def profiles(args: argparse.Namespace, out: Path) -> dict[str, str | None]:
@@ -197,47 +202,61 @@ def bench_flags(args: argparse.Namespace, workload: str) -> list[str]:
 
 
 # -- one configuration ------------------------------------------------------------
-def run_config(args: argparse.Namespace, name: str, rates: list[float], profile: str | None,
+def run_server(args: argparse.Namespace, names: list[str], rates: dict[str, list[float]], profile: str | None,
                out: Path) -> list[dict]:
-    workload, flags, sim_config, _, sim_flags = CONFIGS[name]
-    rows = []
-    proc, url = start_server(args, flags, out / f"{name}.server.log")
+    """One server for ``names`` (configurations with the same server flags):
+    profile it (served mode), bench each configuration at each rate, then
+    simulate every run."""
+    label = "+".join(names)
+    proc, url = start_server(args, CONFIGS[names[0]][1], out / f"{label}.server.log")
+    runs = []
     try:
         warm_up(url, args.warmup_requests)
         if profile is None:
-            profile = str(out / f"{name}.profile.json")
-            print(f"{name}: profile the server ...", flush=True)
+            profile = str(out / f"{label}.profile.json")
+            print(f"{label}: profile the server ...", flush=True)
             kvferry("profile", "--url", url, *profile_grid(args), "--output", profile,
-                    log=out / f"{name}.profile.log")
-        runs = []
-        for i, rate in enumerate(rates):
-            run = f"{name}@{rate:g}"
-            seed = 1000 + i  # a fresh prompt set per rate: no run hits an earlier run's cache
-            prompts = prompts_token_ids(url, args, workload, seed)
-            bench_json = out / f"{run}.bench.json"
-            print(f"{run}: bench ({workload}, {args.num_requests} requests) ...", flush=True)
-            kvferry("bench", "--url", url, "--workload", workload, "--rate", f"{rate:g}", "--seed", str(seed),
-                    "--num-requests", str(args.num_requests), "--ignore-eos", "--slo", args.slo,
-                    *bench_flags(args, workload), "--no-progress", "--no-plots", "--output", str(bench_json),
-                    log=out / f"{run}.bench.log")
-            runs.append((run, prompts, bench_json))
+                    log=out / f"{label}.profile.log")
+        for name in names:
+            workload = CONFIGS[name][0]
+            for i, rate in enumerate(rates[workload]):
+                seed = 1000 + i  # a fresh prompt set per rate: no run hits an earlier run's cache
+                runs.append((name, f"{name}@{rate:g}", *bench_run(args, url, workload, rate, seed, out, name)))
     finally:
         stop_server(proc)
-    slo = parse_slo(args.slo)
-    for run, prompts, bench_json in runs:
-        records = json.loads(bench_json.read_text())["records"]
-        trace = out / f"{run}.trace.jsonl"
-        trace.write_text("".join(json.dumps(line) + "\n" for line in trace_lines(records, prompts, args.block_size)))
-        sim_json = out / f"{run}.sim.json"
-        print(f"{run}: simulate ...", flush=True)
-        kvferry("simulate", "--profile", profile, "--trace", str(trace), "--trace-block-size", str(args.block_size),
-                "--config", sim_config, "--slo", args.slo, "--num-kv-blocks", str(args.num_kv_blocks),
-                "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                "--max-num-seqs", str(args.max_num_seqs), *sim_flags, "--json", "--output", str(sim_json),
-                log=out / f"{run}.sim.log")
-        predicted = predicted_summary(json.loads(sim_json.read_text()))
-        rows += error_rows(run, measured_summary(records, slo), predicted)
-    return rows
+    return [row for name, run, prompts, bench_json in runs
+            for row in simulate_run(args, name, run, prompts, bench_json, profile, out)]
+
+
+def bench_run(args: argparse.Namespace, url: str, workload: str, rate: float, seed: int, out: Path,
+              name: str) -> tuple[list[list[int]], Path]:
+    run = f"{name}@{rate:g}"
+    prompts = prompts_token_ids(url, args, workload, seed)
+    bench_json = out / f"{run}.bench.json"
+    print(f"{run}: bench ({workload}, {args.num_requests} requests) ...", flush=True)
+    kvferry("bench", "--url", url, "--workload", workload, "--rate", f"{rate:g}", "--seed", str(seed),
+            "--num-requests", str(args.num_requests), "--ignore-eos", "--slo", args.slo,
+            *bench_flags(args, workload), "--no-progress", "--no-plots", "--output", str(bench_json),
+            log=out / f"{run}.bench.log")
+    return prompts, bench_json
+
+
+def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
+                 profile: str, out: Path) -> list[dict]:
+    """Replay one bench run's request list through ``kvferry simulate``; its error rows."""
+    _, _, sim_config, _, sim_flags = CONFIGS[name]
+    records = json.loads(bench_json.read_text())["records"]
+    trace = out / f"{run}.trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in trace_lines(records, prompts, args.block_size)))
+    sim_json = out / f"{run}.sim.json"
+    print(f"{run}: simulate ...", flush=True)
+    kvferry("simulate", "--profile", profile, "--trace", str(trace), "--trace-block-size", str(args.block_size),
+            "--config", sim_config, "--slo", args.slo, "--num-kv-blocks", str(args.num_kv_blocks),
+            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-seqs", str(args.max_num_seqs), *sim_flags, "--json", "--output", str(sim_json),
+            log=out / f"{run}.sim.log")
+    predicted = predicted_summary(json.loads(sim_json.read_text()))
+    return error_rows(run, measured_summary(records, parse_slo(args.slo)), predicted)
 
 
 def main() -> int:
@@ -249,10 +268,13 @@ def main() -> int:
     paths = profiles(args, out)
     rates = {"shared-prefix": [float(r) for r in args.rates_shared.split(",")],
              "random": [float(r) for r in args.rates_random.split(",")]}
-    rows: list[dict] = []
+    # configurations with the same server flags share one server (and its profile)
+    servers: dict[tuple[str, ...], list[str]] = {}
     for name in args.configs:
-        workload, _, _, profile_key, _ = CONFIGS[name]
-        rows += run_config(args, name, rates[workload], paths[profile_key], out)
+        servers.setdefault(tuple(CONFIGS[name][1]), []).append(name)
+    rows: list[dict] = []
+    for names in servers.values():
+        rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
     table = markdown_table(rows)
     (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows},
                                                     indent=1))

@@ -72,19 +72,33 @@ class _Stream:
         return self
 
 
-async def _prefill_point(client, model, rng, new: int, cached: int, repeats: int) -> dict:
-    times, news, hits = [], [], []
-    for _ in range(repeats):
-        # the cached part: a system prompt an earlier request warmed (the chat template's header included)
-        system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
-        if cached:
-            await _Stream().run(client, model, system, 1)
-        s = await _Stream().run(client, model, system + _user(random_words(rng, new)), 1)
-        times.append((s.times[0] if s.times else time.perf_counter()) - s.start)
-        news.append(s.prompt_tokens - s.cached_tokens)
-        hits.append(s.cached_tokens)
-    return {"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
-            "time_s": statistics.median(times)}
+async def _prefill_sample(client, model, rng, new: int, cached: int) -> tuple[float, int, int]:
+    """(TTFT, new tokens, cached tokens) of one request."""
+    # the cached part: a system prompt an earlier request warmed (the chat template's header included)
+    system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
+    if cached:
+        await _Stream().run(client, model, system, 1)
+    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), 1)
+    ttft = (s.times[0] if s.times else time.perf_counter()) - s.start
+    return ttft, s.prompt_tokens - s.cached_tokens, s.cached_tokens
+
+
+async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+    """One round over the whole grid per repeat, medians per point: a slow
+    spell of a shared machine then touches every point a little rather than
+    bending the fit at the few points it fell on."""
+    cells = [(new, cached) for cached in grid.cached_tokens for new in grid.new_tokens]
+    samples: dict[tuple[int, int], list[tuple[float, int, int]]] = {c: [] for c in cells}
+    for _ in range(grid.repeats):
+        for cell in cells:
+            samples[cell].append(await _prefill_sample(client, model, rng, *cell))
+    points = []
+    for cell in cells:
+        times, news, hits = zip(*samples[cell])
+        points.append({"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
+                       "time_s": statistics.median(times)})
+        on_point("prefill", points[-1])
+    return points
 
 
 def _user(text: str) -> list[dict]:
@@ -127,12 +141,9 @@ async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> f
 async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
     rng = random.Random(grid.seed)
     async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
-        await _prefill_point(client, model, rng, min(grid.new_tokens), 0, 2)  # warm-up
-        prefill = []
-        for cached in grid.cached_tokens:
-            for new in grid.new_tokens:
-                prefill.append(await _prefill_point(client, model, rng, new, cached, grid.repeats))
-                on_point("prefill", prefill[-1])
+        for _ in range(2):  # warm-up
+            await _prefill_sample(client, model, rng, min(grid.new_tokens), 0)
+        prefill = await _prefill_points(client, model, rng, grid, on_point)
         decode = []
         for context in grid.context_lens:
             lone = None
