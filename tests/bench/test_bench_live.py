@@ -219,3 +219,27 @@ def test_duration_and_max_time_bound_the_run(server, tmp_path):
     assert s["failed"] >= 1 and all(e.startswith("cancelled") for e in s["errors"])
     assert elapsed < 8, elapsed
     server.wait_for_metric("kvferry:num_requests_running", lambda v: v == 0)  # the server aborted them
+
+
+def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys):
+    """``kvferry profile --url``: the client-side grid (prefix hits are the
+    server's own), fits, the per-request overhead taken out of the prefill
+    points, and the hand-over; the simulator reads them back."""
+    from kvferry.plan.latency import StepCostModel
+
+    out = tmp_path / "served.json"
+    code = main(["profile", "--url", server.base_url, "--new-tokens", "4,12", "--cached-tokens", "0,32",
+                 "--batch-sizes", "1,2", "--context-lens", "8,24", "--decode-steps", "2", "--repeats", "1",
+                 "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["served"] == server.base_url
+    pre, dec = data["prefill"]["points"], data["decode"]["points"]
+    # counts are the server's: the chat template's header is cached too, the warmed system prompt more
+    assert len(pre) == 4 and min(p["cached"] for p in pre[2:]) > max(p["cached"] for p in pre[:2])
+    overhead = data["request_overhead_s"]
+    assert overhead >= 0 and data["handover_s"] >= 0
+    assert all(p["time_s"] == pytest.approx(max(p["ttft_s"] - overhead, 0.0)) for p in pre)
+    assert {p["batch"] for p in dec} == {1, 2} and all(p["time_s"] > 0 for p in dec)
+    assert StepCostModel.from_profile(str(out)).request_overhead_s == data["request_overhead_s"]
+    assert_png(out.with_suffix(".png"))

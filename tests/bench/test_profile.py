@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, fit, predict
@@ -21,6 +22,19 @@ def test_fit_recovers_a_known_linear_model():
     assert model["coef"] == pytest.approx([truth[t] for t in PREFILL_TERMS], rel=1e-6)
     assert predict(model, {"new": 100, "cached": 50}) == pytest.approx(
         0.002 + 1e-3 + 2e-8 * 5000 + 3e-9 * 1e4)
+
+
+def test_fit_keeps_every_cost_non_negative():
+    """Noise that makes a larger batch look faster must not give a negative
+    per-sequence cost (and a huge intercept): that term is dropped."""
+    points = [{"batch": b, "context": c, "time_s": t}
+              for b, c, t in ((1, 100, 0.050), (4, 100, 0.044), (1, 300, 0.052), (4, 300, 0.060), (8, 100, 0.047))]
+    model = fit(points, DECODE_TERMS)
+    free = np.linalg.lstsq(np.array([[1, p["batch"], p["batch"] * p["context"]] for p in points]),
+                           np.array([p["time_s"] for p in points]), rcond=None)[0]
+    assert free[1] < 0  # the case is one a free fit gets wrong
+    assert model["coef"][1] == 0 and model["coef"][0] > 0 and model["coef"][2] > 0
+    assert predict(model, {"batch": 1, "context": 100}) == pytest.approx(0.047, abs=0.001)
 
 
 def test_profile_tiny_model(tmp_path, capsys, request):

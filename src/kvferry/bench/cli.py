@@ -37,7 +37,11 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                               description="Measure prefill time against new and cached tokens and decode "
                                           "step time against batch size and context; fit, save, plot.")
     p.error = _one_line_error("kvferry profile")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded model)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded model); "
+                                                 "with --url: the served model name (default: the first)")
+    p.add_argument("--url", default=None, help="profile a running server from the client side instead of the "
+                                               "in-process engine (HTTP, IPC, detokenization and CPU sharing "
+                                               "included; disagg: the prefill -> decode hand-over too)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
@@ -95,9 +99,11 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise BenchError("need at least 4 prefill points and 3 decode points to fit")
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}")
+    if args.url:
+        return _run_served_profile(args, grid)
     import torch
 
-    from kvferry.bench.profile import plot_profile, run_profile
+    from kvferry.bench.profile import run_profile
     from kvferry.engine.engine import LLMEngine
 
     if args.threads:
@@ -114,12 +120,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     if longest >= engine.max_model_len:
         raise BenchError(f"the grid needs {longest + 1} tokens of context; the model has {engine.max_model_len}")
 
-    def show(kind: str, p: dict) -> None:
-        where = f"new {p['new']:>5} cached {p['cached']:>5}" if kind == "prefill" else \
-            f"batch {p['batch']:>4} context {p['context']:>5}"
-        print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.2f} ms", flush=True)
-
-    result = run_profile(engine, grid, show)
+    result = run_profile(engine, grid, _show_point)
     misses = [p for p in result["prefill"]["points"] if p["num_cached_tokens"] != p["cached"]]
     if misses:
         raise BenchError(f"prefix cache missed: {misses[0]['num_cached_tokens']} of {misses[0]['cached']} "
@@ -128,17 +129,43 @@ def _run_profile(args: argparse.Namespace) -> int:
     data = {"model": model_name, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
             "threads": torch.get_num_threads(),
             "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
+    _save_profile(args, data, f"kvferry profile: {model_name} ({args.device}, {args.dtype})")
+    return 0
+
+
+def _show_point(kind: str, p: dict) -> None:
+    where = f"new {p['new']:>5} cached {p['cached']:>5}" if kind == "prefill" else \
+        f"batch {p['batch']:>4} context {p['context']:>5}"
+    print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.2f} ms", flush=True)
+
+
+def _save_profile(args: argparse.Namespace, data: dict, title: str) -> None:
+    from kvferry.bench.profile import plot_profile
+
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     png = out.with_suffix(".png")
-    plot_profile(result, f"kvferry profile: {model_name} ({args.device}, {args.dtype})", png)
+    plot_profile(data, title, png)
     for kind in ("prefill", "decode"):
-        f = result[kind]["fit"]
+        f = data[kind]["fit"]
         terms = " + ".join(f"{c * 1e6:.3g} us*{t}" if t != "1" else f"{c * 1e6:.3g} us"
                            for t, c in zip(f["terms"], f["coef"]))
         print(f"{kind} fit: t = {terms}   (R^2 {f['r2']:.3f})")
     print(f"wrote {out}, {png}")
+
+
+def _run_served_profile(args: argparse.Namespace, grid) -> int:
+    from kvferry.bench.profile_served import run_served_profile
+    from kvferry.bench.run import resolve_target
+
+    base, model = resolve_target(argparse.Namespace(url=args.url, api_key=None, model=args.model))
+    result = run_served_profile(base, model, grid, _show_point)
+    data = {"model": model, "served": base, "block_size": args.block_size,
+            "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
+    _save_profile(args, data, f"kvferry profile: {model} served at {base}")
+    print(f"request overhead (prefill intercept less decode intercept): {1000 * result['request_overhead_s']:.1f} ms; "
+          f"hand-over (first -> second token, less a decode step): {1000 * result['handover_s']:.1f} ms")
     return 0
 
 

@@ -94,17 +94,36 @@ def measure_decode(engine, prompts: _Prompts, batch: int, context: int, steps: i
 
 
 def fit(points: list[dict], terms: tuple[str, ...]) -> dict:
-    """Least-squares coefficients (seconds per unit of each term), R^2 and
-    each point's prediction."""
+    """Non-negative least-squares coefficients (seconds per unit of each
+    term), R^2 and each point's prediction."""
     import numpy as np
 
     x = np.array([_term_values(p, terms) for p in points])                 # [num_points, num_terms]
     y = np.array([p["time_s"] for p in points])            # [num_points]
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    coef = _nonnegative_lstsq(x, y)
     pred = x @ coef
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
     return {"terms": list(terms), "coef": [float(c) for c in coef], "r2": r2, "predicted_s": pred.tolist()}
+
+
+def _nonnegative_lstsq(x, y):
+    """Least squares with every coefficient >= 0: each term is a cost, and on
+    a noisy (shared) machine a free fit trades a negative slope for a large
+    intercept, which predicts nonsense off the grid. Terms whose coefficient
+    comes out negative are dropped and the rest refitted (few terms: this
+    active-set loop ends in at most ``num_terms`` rounds)."""
+    import numpy as np
+
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sub, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sub >= 0).all():
+            coef[active] = sub
+            break
+        active = [a for a, c in zip(active, sub) if c >= 0] if (sub >= 0).any() else []
+    return coef
 
 
 def _term_values(p: dict, terms) -> list[float]:

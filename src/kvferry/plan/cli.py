@@ -85,7 +85,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("KV transfer (disaggregated)")
     k.add_argument("--kv-bytes-per-token", type=float, default=0.0, help="KV bytes per token, all layers")
     k.add_argument("--kv-bandwidth-gbps", type=float, default=100.0, help="GB/s between prefill and decode")
-    k.add_argument("--kv-latency-ms", type=float, default=0.0)
+    k.add_argument("--kv-latency-ms", type=float, default=None,
+                   help="fixed hand-over time (default: the profile's measured hand-over, else 0)")
 
 
 def _fail(command: str, message: str) -> int:
@@ -151,11 +152,14 @@ def instance_config(args: argparse.Namespace):
 
 
 def transfer_model(args: argparse.Namespace):
-    from kvferry.plan.latency import KVTransferModel
+    from kvferry.plan.latency import KVTransferModel, profile_handover_s
 
-    if args.kv_bytes_per_token < 0 or not args.kv_bandwidth_gbps > 0 or args.kv_latency_ms < 0:
+    latency_ms = args.kv_latency_ms
+    if latency_ms is None:  # a served profile measured the hand-over (transfer + the decode core's first step)
+        latency_ms = 1000.0 * profile_handover_s(args.profile) if args.profile else 0.0
+    if args.kv_bytes_per_token < 0 or not args.kv_bandwidth_gbps > 0 or latency_ms < 0:
         raise ValueError("--kv-bytes-per-token, --kv-latency-ms must be >= 0 and --kv-bandwidth-gbps > 0")
-    return KVTransferModel(args.kv_bytes_per_token, args.kv_bandwidth_gbps, args.kv_latency_ms / 1000.0)
+    return KVTransferModel(args.kv_bytes_per_token, args.kv_bandwidth_gbps, latency_ms / 1000.0)
 
 
 def _cache_blocks(text: str | None) -> int | None:

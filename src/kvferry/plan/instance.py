@@ -73,6 +73,7 @@ class SchedulerInstance:
         self.scheduler = Scheduler(sched_config, self.kv, kv_source=self.source)
         self.sim: dict[str, SimRequest] = {}
         self.busy = False
+        self.step_end = 0.0  # when the running step ends (valid while busy)
         self.busy_time = 0.0
         self.num_steps = 0
         self._step: tuple[SchedulerOutput, RunnerOutput] | None = None
@@ -120,7 +121,8 @@ class SchedulerInstance:
         self.busy = True
         self.busy_time += duration
         self.num_steps += 1
-        return now + duration
+        self.step_end = now + duration
+        return self.step_end
 
     def _step_time(self, out: SchedulerOutput) -> float:
         chunks: list[tuple[int, int]] = []

@@ -28,6 +28,9 @@ class StepCostModel:
     prefill: tuple[float, float, float, float]
     # seconds per unit of DECODE_TERMS: 1, batch, batch*context
     decode: tuple[float, float, float]
+    # A served profile's per-request time outside engine steps (HTTP, tokenization,
+    # process hops, detokenization): a request reaches its engine this much later.
+    request_overhead_s: float = 0.0
 
     @classmethod
     def from_profile(cls, path: str) -> StepCostModel:
@@ -37,7 +40,8 @@ class StepCostModel:
             if tuple(pre["terms"]) != PREFILL_TERMS or tuple(dec["terms"]) != DECODE_TERMS:
                 raise ValueError(f"fit terms {pre['terms']} / {dec['terms']} are not "
                                  f"{list(PREFILL_TERMS)} / {list(DECODE_TERMS)}")
-            return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]))
+            return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
+                       float(data.get("request_overhead_s") or 0.0))
         except OSError as e:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:
@@ -67,6 +71,17 @@ class StepCostModel:
 
     def decode_step(self, batch: int, mean_context: float) -> float:
         return self.step([], batch, int(batch * mean_context))
+
+
+def profile_handover_s(path: str) -> float:
+    """The prefill -> decode hand-over a served profile (``kvferry profile
+    --url``) measured; 0 for an in-process profile."""
+    try:
+        return float(json.loads(Path(path).read_text()).get("handover_s") or 0.0)
+    except OSError as e:
+        raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise PlanError(f"--profile: {path} is not a kvferry profile JSON: {e}") from None
 
 
 @dataclass(frozen=True, slots=True)

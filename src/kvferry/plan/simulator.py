@@ -99,6 +99,7 @@ class Simulation:
         self._heap: list = []
         self._seq = itertools.count()
         self.results: dict[int, RequestResult] = {}
+        self._decode_of: dict[int, SchedulerInstance] = {}  # disagg: the decode instance chosen at arrival
 
     # -- events -----------------------------------------------------------------
     def _push(self, t: float, kind: str, payload) -> None:
@@ -118,9 +119,10 @@ class Simulation:
             self.results[req.request_id] = RequestResult(req)
         arrivals = iter(sorted(requests, key=lambda r: r.arrival_s))
         nxt = next(arrivals, None)
+        ingress = self.cost.request_overhead_s  # a request reaches the engine this much after it is sent
         while nxt is not None or self._heap:
-            if nxt is not None and (not self._heap or nxt.arrival_s <= self._heap[0][0]):
-                self._arrive(nxt, nxt.arrival_s)
+            if nxt is not None and (not self._heap or nxt.arrival_s + ingress <= self._heap[0][0]):
+                self._arrive(nxt, nxt.arrival_s + ingress)
                 nxt = next(arrivals, None)
                 continue
             t, _, kind, payload = heapq.heappop(self._heap)
@@ -128,9 +130,22 @@ class Simulation:
                 self._step_end(payload, t)
             elif kind == "kv":
                 self._to_decode(payload, t)
+            elif kind == "route":
+                self._route(payload, t)
         return self.results
 
     def _arrive(self, req: SimRequest, now: float) -> None:
+        if self.back and not self.cluster.fast:
+            # As the served router does: the decode instance takes the request
+            # first and names where its KV goes; only then is the prompt sent to
+            # a prefill instance. A busy decode instance answers after its step.
+            dest = self.decode_router.pick(req.block_keys, now)
+            self._decode_of[req.request_id] = dest
+            self._push(dest.step_end if dest.busy else now, "route", req)
+            return
+        self._route(req, now)
+
+    def _route(self, req: SimRequest, now: float) -> None:
         inst = self.router.pick(req.block_keys, now)
         if isinstance(inst, AnalyticInstance):
             self._fast_front(inst, req, now)
@@ -169,7 +184,7 @@ class Simulation:
         self._push(now + self.cluster.transfer.time(req.input_len), "kv", req)
 
     def _to_decode(self, req: SimRequest, now: float) -> None:
-        inst = self.decode_router.pick(req.block_keys, now)
+        inst = self._decode_of.pop(req.request_id, None) or self.decode_router.pick(req.block_keys, now)
         res = self.results[req.request_id]
         if isinstance(inst, AnalyticInstance):
             end = inst.decode(req, now, req.output_len - 1)

@@ -1,0 +1,289 @@
+"""Validate ``kvferry simulate`` against real runs on this machine.
+
+One command: profile the model (or reuse profiles), serve each configuration
+for real under ``kvferry bench`` load, replay the very same request list
+(send times, token counts, prompt blocks) through ``kvferry simulate``, and
+report the relative error of TTFT p50/p99, TPOT p50/p99 and goodput.
+
+    python bench/validate_simulator.py [--quick] [--output-dir runs/simval] \\
+        [--profile-mode served|engine] [--rates-shared 1,2] [--rates-random 1,2] [--configs ...]
+
+Configurations (each at every rate of its workload):
+  cache-on / cache-off   colocated, chunked prefill, prefix cache on / off; shared-prefix workload
+  colocated / disagg     colocated chunked prefill / disagg 1+1 (prefill on CPU 0, decode on CPU 1);
+                         random workload
+
+Profiles (--profile-mode): ``served`` (default) runs ``kvferry profile --url``
+against each server before its runs, so HTTP, process hops,
+detokenization, CPU sharing and the disagg hand-over are in the fits;
+``engine`` profiles the in-process engine instead (the colocated engine runs
+torch on every CPU, a disagg core on one: default threads and --threads 1).
+
+Configurations with the same server flags (cache-on, colocated) share one
+server; each run uses a fresh seed's prompts, so that no run finds an
+earlier run's prompts in the cache.
+
+Writes to --output-dir: profiles, every bench JSON, trace and simulate JSON,
+validation.json (rows: run, metric, measured, predicted, rel_error),
+validation.md (the table, also printed) and validation.png (predicted vs
+measured).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvferry.bench.metrics import parse_slo  # noqa: E402
+from kvferry.plan.validate import (  # noqa: E402
+    error_rows, markdown_table, measured_summary, plot_validation, predicted_summary, trace_lines)
+
+READY_PREFIX = "kvferry serve: ready on "
+COLOCATED = ["--enable-chunked-prefill"]
+# name -> (workload, server flags, simulate --config, profile key, simulate extra flags)
+CONFIGS = {
+    "cache-on": ("shared-prefix", COLOCATED, "colocated:1", "colocated", []),
+    "cache-off": ("shared-prefix", COLOCATED + ["--no-enable-prefix-caching"], "colocated:1", "colocated",
+                  ["--no-prefix-caching"]),
+    "colocated": ("random", COLOCATED, "colocated:1", "colocated", []),
+    "disagg": ("random", ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--prefill-cpus", "0",
+                          "--decode-cpus", "1"], "prefill:1,decode:1", "one_cpu", []),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--output-dir", default="runs/simval")
+    p.add_argument("--quick", action="store_true", help="smoke run: one rate each, few requests, small profile")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--profile-mode", choices=("served", "engine"), default="served",
+                   help="served: `kvferry profile --url` against each configuration's server before its runs "
+                        "(HTTP, IPC, CPU sharing and the disagg hand-over included); engine: the in-process "
+                        "profile (engine steps alone), once per thread count")
+    p.add_argument("--profile", default=None, help="engine mode: reuse this profile JSON for colocated engines")
+    p.add_argument("--profile-1cpu", default=None,
+                   help="engine mode: reuse this profile JSON (--threads 1) for disagg cores")
+    p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--rates-shared", default="0.5,1", help="shared-prefix request rates (req/s)")
+    p.add_argument("--rates-random", default="1,2", help="random request rates (req/s)")
+    p.add_argument("--num-requests", type=int, default=40, help="requests per run")
+    p.add_argument("--slo", default="ttft:1000,tpot:150", help="goodput SLOs (ms), both workloads")
+    p.add_argument("--input-len", default="96:160", help="random workload prompt tokens")
+    p.add_argument("--output-len", default="24:40", help="both workloads: generated tokens (ignore_eos)")
+    p.add_argument("--system-prompt-len", type=int, default=256, help="shared-prefix")
+    p.add_argument("--question-len", type=int, default=32, help="shared-prefix")
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix")
+    p.add_argument("--num-kv-blocks", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--warmup-requests", type=int, default=3, help="sent before each server's first run")
+    args = p.parse_args()
+    if args.quick:
+        args.rates_shared = args.rates_shared.split(",")[0]
+        args.rates_random = args.rates_random.split(",")[0]
+        args.num_requests = min(args.num_requests, 12)
+    return args
+
+
+def kvferry(*argv: str, log: Path | None = None) -> None:
+    cmd = [sys.executable, "-m", "kvferry.cli", *argv]
+    with open(log, "w") if log else open("/dev/null", "w") as out:
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd[2:5])} ... failed (exit {rc}); see {log}")
+
+
+# -- profiles ---------------------------------------------------------------------
+def profile_grid(args: argparse.Namespace) -> list[str]:
+    if args.quick:
+        return ["--new-tokens", "32,128,256", "--cached-tokens", "0,256", "--batch-sizes", "1,4",
+                "--context-lens", "64,256", "--repeats", "1", "--decode-steps", "4"]
+    return ["--new-tokens", "16,64,128,256,320", "--cached-tokens", "0,256", "--batch-sizes", "1,2,4,8",
+            "--context-lens", "96,320", "--repeats", "3", "--decode-steps", "8"]
+
+
+def profiles(args: argparse.Namespace, out: Path) -> dict[str, str | None]:
+    """Engine mode: the in-process profiles (served mode profiles each server in run_config)."""
+    paths = {"colocated": args.profile, "one_cpu": args.profile_1cpu}
+    if args.profile_mode == "served":
+        return paths
+    grid = profile_grid(args)
+    model = ["--model", args.model] if args.model else []
+    needed = {CONFIGS[c][3] for c in args.configs}
+    for key, threads in (("colocated", []), ("one_cpu", ["--threads", "1"])):
+        if paths[key] is None and key in needed:
+            paths[key] = str(out / f"profile_{key}.json")
+            print(f"profiling ({key}) ...", flush=True)
+            kvferry("profile", *grid, *threads, *model, "--block-size", str(args.block_size),
+                    "--output", paths[key], log=out / f"profile_{key}.log")
+    return paths
+
+
+# -- servers ----------------------------------------------------------------------
+def start_server(args: argparse.Namespace, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--max-model-len", "2048",
+           "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(args.block_size),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
+           "--log-level", "warning", "--disable-uvicorn-access-log", *flags]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(READY_PREFIX):
+                return proc, line[len(READY_PREFIX):].split()[0]
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log.read_text()[-2000:]}")
+        time.sleep(0.3)
+    stop_server(proc)
+    raise RuntimeError(f"server not ready after 300 s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def warm_up(url: str, n: int) -> None:
+    """First requests build kernels and allocate: keep them out of the measurements."""
+    for i in range(n):
+        httpx.post(f"{url}/v1/completions", json={"prompt": f"warm up {i}: " + "ferry " * 100, "max_tokens": 8,
+                                                  "temperature": 0}, timeout=300, trust_env=False)
+
+
+def prompts_token_ids(url: str, args: argparse.Namespace, workload: str, seed: int) -> list[list[int]]:
+    """The token ids of the run's prompts, as the server tokenizes them (chat
+    template included): the same sessions the bench generates for ``seed``."""
+    from itertools import islice
+
+    from kvferry.bench.run import make_workload
+
+    wargs = argparse.Namespace(workload=workload, seed=seed, **workload_args(args))
+    sessions, _ = make_workload(wargs)
+    ids = []
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
+        for s in islice(sessions, args.num_requests):
+            resp = client.post("/tokenize", json={"messages": s.requests[0].messages})
+            resp.raise_for_status()
+            ids.append(resp.json()["tokens"])
+    return ids
+
+
+def workload_args(args: argparse.Namespace) -> dict:
+    return {"input_len": args.input_len, "output_len": args.output_len, "num_groups": args.num_groups,
+            "prompts_per_group": max(args.num_requests // args.num_groups, 1),
+            "system_prompt_len": args.system_prompt_len, "question_len": args.question_len}
+
+
+def bench_flags(args: argparse.Namespace, workload: str) -> list[str]:
+    w = workload_args(args)
+    flags = ["--output-len", w["output_len"]]
+    if workload == "random":
+        return flags + ["--input-len", w["input_len"]]
+    return flags + ["--num-groups", str(w["num_groups"]), "--prompts-per-group", str(w["prompts_per_group"]),
+                    "--system-prompt-len", str(w["system_prompt_len"]), "--question-len", str(w["question_len"])]
+
+
+# -- one configuration ------------------------------------------------------------
+def run_server(args: argparse.Namespace, names: list[str], rates: dict[str, list[float]], profile: str | None,
+               out: Path) -> list[dict]:
+    """One server for ``names`` (configurations with the same server flags):
+    profile it (served mode), bench each configuration at each rate, then
+    simulate every run."""
+    label = "+".join(names)
+    proc, url = start_server(args, CONFIGS[names[0]][1], out / f"{label}.server.log")
+    runs = []
+    try:
+        warm_up(url, args.warmup_requests)
+        if profile is None:
+            profile = str(out / f"{label}.profile.json")
+            print(f"{label}: profile the server ...", flush=True)
+            kvferry("profile", "--url", url, *profile_grid(args), "--output", profile,
+                    log=out / f"{label}.profile.log")
+        for name in names:
+            workload = CONFIGS[name][0]
+            for i, rate in enumerate(rates[workload]):
+                seed = 1000 + i  # a fresh prompt set per rate: no run hits an earlier run's cache
+                runs.append((name, f"{name}@{rate:g}", *bench_run(args, url, workload, rate, seed, out, name)))
+    finally:
+        stop_server(proc)
+    return [row for name, run, prompts, bench_json in runs
+            for row in simulate_run(args, name, run, prompts, bench_json, profile, out)]
+
+
+def bench_run(args: argparse.Namespace, url: str, workload: str, rate: float, seed: int, out: Path,
+              name: str) -> tuple[list[list[int]], Path]:
+    run = f"{name}@{rate:g}"
+    prompts = prompts_token_ids(url, args, workload, seed)
+    bench_json = out / f"{run}.bench.json"
+    print(f"{run}: bench ({workload}, {args.num_requests} requests) ...", flush=True)
+    kvferry("bench", "--url", url, "--workload", workload, "--rate", f"{rate:g}", "--seed", str(seed),
+            "--num-requests", str(args.num_requests), "--ignore-eos", "--slo", args.slo,
+            *bench_flags(args, workload), "--no-progress", "--no-plots", "--output", str(bench_json),
+            log=out / f"{run}.bench.log")
+    return prompts, bench_json
+
+
+def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
+                 profile: str, out: Path) -> list[dict]:
+    """Replay one bench run's request list through ``kvferry simulate``; its error rows."""
+    _, _, sim_config, _, sim_flags = CONFIGS[name]
+    records = json.loads(bench_json.read_text())["records"]
+    trace = out / f"{run}.trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in trace_lines(records, prompts, args.block_size)))
+    sim_json = out / f"{run}.sim.json"
+    print(f"{run}: simulate ...", flush=True)
+    kvferry("simulate", "--profile", profile, "--trace", str(trace), "--trace-block-size", str(args.block_size),
+            "--config", sim_config, "--slo", args.slo, "--num-kv-blocks", str(args.num_kv_blocks),
+            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-seqs", str(args.max_num_seqs), *sim_flags, "--json", "--output", str(sim_json),
+            log=out / f"{run}.sim.log")
+    predicted = predicted_summary(json.loads(sim_json.read_text()))
+    return error_rows(run, measured_summary(records, parse_slo(args.slo)), predicted)
+
+
+def main() -> int:
+    args = parse_args()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # unwind: servers stop in `finally`
+    start = time.monotonic()
+    paths = profiles(args, out)
+    rates = {"shared-prefix": [float(r) for r in args.rates_shared.split(",")],
+             "random": [float(r) for r in args.rates_random.split(",")]}
+    # configurations with the same server flags share one server (and its profile)
+    servers: dict[tuple[str, ...], list[str]] = {}
+    for name in args.configs:
+        servers.setdefault(tuple(CONFIGS[name][1]), []).append(name)
+    rows: list[dict] = []
+    for names in servers.values():
+        rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
+    table = markdown_table(rows)
+    (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows},
+                                                    indent=1))
+    (out / "validation.md").write_text(table + "\n")
+    plot_validation(rows, out / "validation.png")
+    print(table)
+    print(f"wrote {out}/validation.json, validation.md, validation.png ({time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""``kvferry profile --url URL``: the step-time fits measured through a live
+server, as a client sees them.
+
+The in-process profile (``profile.py``) times ``engine.step()`` alone. A
+served request also pays what that leaves out: HTTP and tokenization on the
+way in, the front end <-> engine process hop, detokenization and SSE on the
+way out, the front end's threads competing with the engine's for the same
+CPUs, and in disagg mode the prefill -> decode hand-over. Measured at the
+client, these land where the simulator charges them:
+
+- prefill: TTFT of a lone chat request (``max_tokens`` 1) of ``new`` words
+  after a ``cached``-word system prompt warmed by an earlier request; the fit's intercept then
+  holds the per-request overhead. Token counts are the server's usage
+  (``prompt_tokens``, ``cached_tokens``), not the asked ones.
+- decode: ``batch`` concurrent streams (``ignore_eos``); once every stream
+  has its second token, the median gap between chunks is the step time at
+  that batch, detokenization and IPC included.
+- hand-over (disagg): a lone stream's gap between its first token (from the
+  prefill core) and its second (from the decode core) less a decode step:
+  the KV transfer and the decode core's first step.
+
+- request overhead: the client prefill fit's intercept less the decode
+  fit's (what a request pays once, beyond any step's fixed cost); it is
+  taken out of the prefill points before the fit (a prefill point keeps its
+  client TTFT as ``ttft_s``), so the fits stay engine step times and the
+  simulator adds the overhead to each request's arrival.
+
+Same fits and JSON as the in-process profile, plus ``served`` (the URL),
+``request_overhead_s`` and ``handover_s``.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+
+import httpx
+
+from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit
+from kvferry.bench.text import random_words
+
+
+class _Stream:
+    """One streaming completion: chunk arrival times and the server's usage."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.times: list[float] = []
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    async def run(self, client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int) -> _Stream:
+        import json
+
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        self.start = time.perf_counter()
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("choices") and (chunk["choices"][0].get("delta") or {}).get("content"):
+                    self.times.append(time.perf_counter())
+                if usage := chunk.get("usage"):
+                    self.prompt_tokens = usage.get("prompt_tokens") or 0
+                    self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return self
+
+
+async def _prefill_sample(client, model, rng, new: int, cached: int) -> tuple[float, int, int]:
+    """(TTFT, new tokens, cached tokens) of one request."""
+    # the cached part: a system prompt an earlier request warmed (the chat template's header included)
+    system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
+    if cached:
+        await _Stream().run(client, model, system, 1)
+    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), 1)
+    ttft = (s.times[0] if s.times else time.perf_counter()) - s.start
+    return ttft, s.prompt_tokens - s.cached_tokens, s.cached_tokens
+
+
+async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+    """One round over the whole grid per repeat, medians per point: a slow
+    spell of a shared machine then touches every point a little rather than
+    bending the fit at the few points it fell on."""
+    cells = [(new, cached) for cached in grid.cached_tokens for new in grid.new_tokens]
+    samples: dict[tuple[int, int], list[tuple[float, int, int]]] = {c: [] for c in cells}
+    for _ in range(grid.repeats):
+        for cell in cells:
+            samples[cell].append(await _prefill_sample(client, model, rng, *cell))
+    points = []
+    for cell in cells:
+        times, news, hits = zip(*samples[cell])
+        points.append({"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
+                       "time_s": statistics.median(times)})
+        on_point("prefill", points[-1])
+    return points
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _steady_gaps(streams: list[_Stream]) -> list[float]:
+    """Chunk gaps once every stream decodes (has its second token) and
+    before any stream ends: the steps of a full batch."""
+    begin = max(s.times[1] for s in streams)
+    end = min(s.times[-1] for s in streams)
+    return [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if a >= begin and b <= end]
+
+
+async def _decode_point(client, model, rng, batch: int, context: int, steps: int, lone: _Stream | None) -> dict:
+    """``lone``: a batch-1 stream at this context, whose TTFT and step say how
+    long the later streams' prefills keep the earlier ones decoding alone:
+    each stream asks for enough tokens that all overlap for ``steps`` steps."""
+    max_tokens = steps + 8
+    if lone is not None and len(lone.times) > 2:
+        ttft = lone.times[0] - lone.start
+        step = statistics.median(b - a for a, b in zip(lone.times[1:], lone.times[2:]))
+        max_tokens += math.ceil(1.5 * batch * ttft / max(step, 1e-3))
+    streams = await asyncio.gather(*(_Stream().run(client, model, _user(random_words(rng, context)), max_tokens)
+                                     for _ in range(batch)))
+    gaps = _steady_gaps(streams)
+    mean_context = statistics.mean(s.prompt_tokens for s in streams) + max_tokens / 2
+    point = {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None}
+    return point, streams[0]
+
+
+async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
+    gaps = []
+    for _ in range(repeats):
+        s = await _Stream().run(client, model, _user(random_words(rng, 64)), 8)
+        gaps.append(s.times[1] - s.times[0])
+    return max(statistics.median(gaps) - decode_step_s, 0.0)
+
+
+async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
+    rng = random.Random(grid.seed)
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        for _ in range(2):  # warm-up
+            await _prefill_sample(client, model, rng, min(grid.new_tokens), 0)
+        prefill = await _prefill_points(client, model, rng, grid, on_point)
+        decode = []
+        for context in grid.context_lens:
+            lone = None
+            for batch in grid.batch_sizes:
+                p, first = await _decode_point(client, model, rng, batch, context, grid.decode_steps, lone)
+                lone = first if batch == 1 else lone
+                if p["time_s"] is not None:
+                    decode.append(p)
+                    on_point("decode", p)
+        decode_fit = fit(decode, DECODE_TERMS)
+        client_fit = fit(prefill, PREFILL_TERMS)
+        # A prefill's fixed cost beyond a decode step's is the request's own: HTTP, templating,
+        # tokenization, process hops, detokenization and SSE of its first token.
+        overhead = max(client_fit["coef"][0] - decode_fit["coef"][0], 0.0)
+        for p in prefill:  # the engine's share of a TTFT: what the step model fits
+            p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
+        one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
+        result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
+                  "decode": {"points": decode, "fit": decode_fit},
+                  "request_overhead_s": overhead,
+                  "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
+    return result
+
+
+def run_served_profile(url: str, model: str, grid: ProfileGrid, on_point=lambda kind, p: None) -> dict:
+    """Profile the server at ``url`` (base URL, no /v1) serving ``model``."""
+    return asyncio.run(_run(url, model, grid, on_point))

@@ -1,0 +1,164 @@
+"""Simulator validation: the same requests, measured and predicted.
+
+A ``kvferry bench`` run records every request's send time and token counts;
+the prompts' token ids (from the server's ``/tokenize``) give the prefix
+structure. ``trace_lines`` turns both into a Mooncake-format trace whose
+blocks are the engine's KV blocks, so ``kvferry simulate --trace`` replays
+exactly that request list::
+
+    record i:  start_s, prompt_tokens, completion_tokens      (bench JSON)
+    prompt i:  token ids  ──blocks of block_size──▶ hash_ids   (equal blocks, equal ids)
+    trace i:   {"timestamp": 1000 * start_s, "input_length", "output_length", "hash_ids"}
+
+``measured_summary`` computes the measured side with the simulator's
+definitions (goodput over first arrival -> last finish), ``error_rows`` the
+relative errors, ``markdown_table`` and ``plot_validation`` show them.
+Pure functions, no I/O but the plot.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput")
+
+
+def block_hash_ids(token_ids: list[int], block_size: int) -> list[int]:
+    """One id per block of ``block_size`` tokens (the last one partial): equal
+    token blocks give equal ids, on every run (sha256, not Python's hash)."""
+    ids = []
+    for start in range(0, len(token_ids), block_size):
+        block = ",".join(map(str, token_ids[start:start + block_size])).encode()
+        ids.append(int.from_bytes(hashlib.sha256(block).digest()[:7], "big"))  # 56 bits: no sign issues
+    return ids
+
+
+def trace_lines(records: list[dict], prompts: list[list[int]], block_size: int) -> list[dict]:
+    """Mooncake trace lines for the completed ``records`` (bench JSON
+    records, in send order) with ``prompts[i]`` the token ids of record i.
+    A prompt whose length differs from the server's usage count means the
+    two lists are not aligned: ValueError."""
+    if len(prompts) < len(records):
+        raise ValueError(f"prompts: {len(prompts)} prompts for {len(records)} records")
+    lines = []
+    for rec, ids in zip(records, prompts):
+        if rec.get("error") is not None:
+            continue
+        if rec["prompt_tokens"] and rec["prompt_tokens"] != len(ids):
+            raise ValueError(f"prompts: request {rec['request_id']} has {rec['prompt_tokens']} prompt tokens "
+                             f"on the server but {len(ids)} here: the request lists are not aligned")
+        lines.append({"timestamp": 1000.0 * rec["start_s"], "input_length": len(ids),
+                      "output_length": max(int(rec["completion_tokens"]), 1),
+                      "hash_ids": block_hash_ids(ids, block_size)})
+    if not lines:
+        raise ValueError("records: no completed request to replay")
+    lines.sort(key=lambda d: d["timestamp"])
+    return lines
+
+
+def _tpot(rec: dict) -> float | None:
+    n = rec["completion_tokens"]
+    if n < 2 or rec.get("ttft_s") is None or rec.get("e2e_s") is None:
+        return None
+    return (rec["e2e_s"] - rec["ttft_s"]) / (n - 1)
+
+
+def _pct_ms(values: list[float], p: float) -> float | None:
+    return float(np.percentile(np.asarray(values) * 1000.0, p)) if values else None
+
+
+def measured_summary(records: list[dict], slo: dict[str, float]) -> dict[str, float | None]:
+    """TTFT/TPOT p50/p99 (ms) and goodput (req/s) of bench records, as the
+    simulator defines them: goodput counts requests meeting every SLO over
+    the span from the first send to the last finish."""
+    ok = [r for r in records if r.get("error") is None and r.get("e2e_s") is not None]
+    ttft = [r["ttft_s"] for r in ok]
+    tpot = [t for r in ok if (t := _tpot(r)) is not None]
+    good = 0
+    for r in ok:
+        values = {"ttft": r["ttft_s"], "tpot": _tpot(r) or 0.0, "e2e": r["e2e_s"], "itl": _tpot(r) or 0.0}
+        good += all(values[k] <= limit for k, limit in slo.items())
+    span = (max(r["start_s"] + r["e2e_s"] for r in ok) - min(r["start_s"] for r in records)) if ok else 0.0
+    return {"ttft_p50": _pct_ms(ttft, 50), "ttft_p99": _pct_ms(ttft, 99),
+            "tpot_p50": _pct_ms(tpot, 50), "tpot_p99": _pct_ms(tpot, 99),
+            "goodput": good / span if slo and span > 0 else None}
+
+
+def predicted_summary(sim_result: dict) -> dict[str, float | None]:
+    """The same numbers from a ``kvferry simulate --json`` result."""
+    s = sim_result["summary"]
+    return {"ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
+            "tpot_p50": s["tpot_ms"]["p50"], "tpot_p99": s["tpot_ms"]["p99"], "goodput": s["goodput"]}
+
+
+def relative_error(measured: float | None, predicted: float | None) -> float | None:
+    """(predicted - measured) / measured; None when either is missing or the
+    measured value is 0 (no relative error of nothing)."""
+    if measured is None or predicted is None or measured == 0:
+        return None
+    return (predicted - measured) / measured
+
+
+def error_rows(name: str, measured: dict, predicted: dict) -> list[dict]:
+    """One row per metric of one configuration run."""
+    return [{"run": name, "metric": m, "measured": measured.get(m), "predicted": predicted.get(m),
+             "rel_error": relative_error(measured.get(m), predicted.get(m))} for m in METRICS]
+
+
+def _cell(v: float | None, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:+.1f}%" if pct else f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Runs down, metrics across: 'measured / predicted (error)' per cell, and
+    a last line with the mean and largest absolute error per metric."""
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    by = {(r["run"], r["metric"]): r for r in rows}
+    head = "| run | " + " | ".join(f"{m} meas / pred (err)" for m in METRICS) + " |"
+    lines = [head, "|" + "---|" * (len(METRICS) + 1)]
+    for run in runs:
+        cells = []
+        for m in METRICS:
+            r = by.get((run, m))
+            cells.append("-" if r is None else
+                         f"{_cell(r['measured'])} / {_cell(r['predicted'])} ({_cell(r['rel_error'], True)})")
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    cells = []
+    for m in METRICS:
+        errs = [abs(r["rel_error"]) for r in rows if r["metric"] == m and r["rel_error"] is not None]
+        cells.append(f"mean {100 * np.mean(errs):.1f}%, max {100 * max(errs):.1f}%" if errs else "-")
+    lines.append("| **abs. error** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_validation(rows: list[dict], path, title: str = "kvferry simulate vs measured") -> None:
+    """Predicted against measured, one panel per metric, y = x and a +-10% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 4.4))
+    configs = sorted({r["run"].rsplit("@", 1)[0] for r in rows})
+    colors = dict(zip(configs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    units = {"goodput": "req/s"}
+    for ax, m in zip(axes, METRICS):
+        pts = [r for r in rows if r["metric"] == m and r["measured"] is not None and r["predicted"] is not None]
+        top = max([max(r["measured"], r["predicted"]) for r in pts] + [1e-9]) * 1.15
+        ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="0.9", label="±10%")
+        ax.plot([0, top], [0, top], "k-", lw=0.8)
+        for cfg in configs:
+            sel = [r for r in pts if r["run"].rsplit("@", 1)[0] == cfg]
+            ax.plot([r["measured"] for r in sel], [r["predicted"] for r in sel], "o", color=colors[cfg],
+                    label=cfg)
+        unit = units.get(m, "ms")
+        ax.set(xlim=(0, top), ylim=(0, top), xlabel=f"measured ({unit})", ylabel=f"predicted ({unit})", title=m)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(title, fontsize=13)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

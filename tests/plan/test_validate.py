@@ -1,0 +1,141 @@
+"""Simulator validation's deterministic parts: the measured request list
+becomes the simulated one (same send times, lengths and shared blocks), the
+measured side is summarized with the simulator's definitions, and the error
+table is computed and printed. The errors themselves are measured by
+bench/validate_simulator.py, not tested."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvferry.plan.cli import load_requests, transfer_model
+from kvferry.plan.instance import InstanceConfig
+from kvferry.plan.simulator import ClusterConfig, Simulation
+from kvferry.plan.validate import (
+    block_hash_ids, error_rows, markdown_table, measured_summary, plot_validation, relative_error, trace_lines)
+from tests.plan.helpers import cost, unique_request, write_profile
+
+
+def record(i: int, start: float, prompt: int, completion: int, ttft: float, e2e: float, error=None) -> dict:
+    return {"request_id": i, "start_s": start, "prompt_tokens": prompt, "completion_tokens": completion,
+            "ttft_s": ttft, "e2e_s": e2e, "error": error}
+
+
+def test_block_hash_ids_name_equal_blocks_equally():
+    a = block_hash_ids(list(range(40)), 16)
+    b = block_hash_ids(list(range(32)) + [7] * 8, 16)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert a == block_hash_ids(list(range(40)), 16)  # no per-process salt
+    assert block_hash_ids(list(range(16)), 16) != block_hash_ids(list(range(1, 17)), 16)
+
+
+def test_trace_replays_the_measured_request_list(tmp_path):
+    """Two prompts sharing 2 full blocks (a system prompt) and one sharing
+    nothing: the simulated requests keep the send times, the lengths and
+    exactly the shared leading blocks; a failed request is not replayed."""
+    system = list(range(1000, 1032))
+    prompts = [system + [1, 2, 3], list(range(5000, 5020)), system + [9] * 20, [1, 2]]
+    records = [record(0, 0.50, 35, 4, 0.1, 0.3), record(1, 0.75, 20, 6, 0.1, 0.4),
+               record(2, 1.25, 52, 5, 0.2, 0.5), record(3, 1.5, 2, 3, None, None, error="HTTP 500: boom")]
+    lines = trace_lines(records, prompts, 16)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = argparse.Namespace(workload=None, trace=str(trace), num_requests=None, max_input_len=None,
+                              max_output_len=None, rate=None, trace_block_size=16)
+    reqs = load_requests(args)
+    assert [(r.arrival_s, r.input_len, r.output_len) for r in reqs] == [(0.0, 35, 4), (0.25, 20, 6), (0.75, 52, 5)]
+    assert [len(r.block_keys) for r in reqs] == [3, 2, 4]
+    assert reqs[0].block_keys[:2] == reqs[2].block_keys[:2]
+    assert reqs[0].block_keys[2] != reqs[2].block_keys[2]
+    assert not set(reqs[1].block_keys) & set(reqs[0].block_keys)
+    # the real scheduler sees the shared system prompt as equal tokens
+    assert reqs[0].token_ids()[:32] == reqs[2].token_ids()[:32]
+
+
+def test_misaligned_request_lists_are_refused():
+    with pytest.raises(ValueError, match="not aligned"):
+        trace_lines([record(0, 0.0, 10, 2, 0.1, 0.2)], [[1] * 11], 16)
+    with pytest.raises(ValueError, match="prompts"):
+        trace_lines([record(0, 0.0, 10, 2, 0.1, 0.2)] * 2, [[1] * 10], 16)
+
+
+def test_measured_summary_uses_the_simulator_definitions():
+    """TPOT = (e2e - ttft) / (tokens - 1); goodput over first send -> last finish."""
+    records = [record(0, 1.0, 10, 5, 0.2, 0.6),     # tpot 0.1, finishes 1.6
+               record(1, 2.0, 10, 3, 0.5, 0.9),     # tpot 0.2, finishes 2.9
+               record(2, 2.5, 10, 1, 0.3, 0.3),     # no tpot (one token), meets the SLO
+               record(3, 3.0, 10, 2, None, None, error="HTTP 500: boom")]
+    s = measured_summary(records, {"ttft": 0.4, "tpot": 0.15})
+    assert s["ttft_p50"] == pytest.approx(300.0)
+    assert s["tpot_p50"] == pytest.approx(150.0)
+    assert s["tpot_p99"] == pytest.approx(199.0)
+    assert s["goodput"] == pytest.approx(2 / (2.9 - 1.0))
+    assert measured_summary(records, {})["goodput"] is None
+
+
+def test_error_table_rows_markdown_and_plot(tmp_path):
+    assert relative_error(100.0, 110.0) == pytest.approx(0.1)
+    assert relative_error(0.0, 1.0) is None and relative_error(None, 1.0) is None
+    rows = (error_rows("colocated@1", {"ttft_p50": 100.0, "ttft_p99": 200.0, "tpot_p50": 50.0, "tpot_p99": 80.0,
+                                       "goodput": 1.0},
+                       {"ttft_p50": 90.0, "ttft_p99": 230.0, "tpot_p50": 50.0, "tpot_p99": 88.0, "goodput": 1.0})
+            + error_rows("disagg@1", {"ttft_p50": 100.0, "ttft_p99": 100.0, "tpot_p50": 40.0, "tpot_p99": 40.0,
+                                      "goodput": 0.0},
+                         {"ttft_p50": 120.0, "ttft_p99": 100.0, "tpot_p50": 30.0, "tpot_p99": 40.0, "goodput": 0.5}))
+    errs = {(r["run"], r["metric"]): r["rel_error"] for r in rows}
+    assert errs[("colocated@1", "ttft_p50")] == pytest.approx(-0.1)
+    assert errs[("colocated@1", "ttft_p99")] == pytest.approx(0.15)
+    assert errs[("disagg@1", "tpot_p50")] == pytest.approx(-0.25)
+    assert errs[("disagg@1", "goodput")] is None
+    table = markdown_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 5 and lines[2].startswith("| colocated@1 | 100 / 90 (-10.0%)")
+    assert "mean 15.0%, max 20.0%" in lines[-1]  # ttft_p50: |-10%| and |+20%|
+    plot_validation(rows, tmp_path / "v.png")
+    assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_disaggregated_request_waits_for_its_decode_instance_step():
+    """The decode instance names the KV destination before the prompt goes
+    to a prefill instance; mid-step, it answers at the step's end. A decodes
+    on D in 10 ms steps (from t = 0.011: its partial-block step ends at
+    0.011 + 0.004 + ... ); B arriving at 0.030 while D is mid-step starts
+    its prefill only when that step ends."""
+    a = unique_request(0, 0.0, 10, 8)
+    b = unique_request(1, 0.030, 10, 2)
+    inst = InstanceConfig(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    cluster = ClusterConfig(num_colocated=0, num_prefill=1, num_decode=1, instance=inst)
+    # prefill: 1 ms per token (10 ms per prompt); decode step 10 ms (a mixed step pays 10 ms too)
+    sim = Simulation(cluster, cost((0, 0.001, 0, 0), (0.010, 0, 0)))
+    res = sim.run([a, b])
+    assert res[0].ttft_s == pytest.approx(0.010)
+    # D's steps for A: [0.010, 0.021] (partial block 10 + first token: 11 ms), then 10 ms decodes:
+    # [0.021, 0.031], ... B arrives at 0.030 mid-step; its prefill runs [0.031, 0.041].
+    assert res[1].first_token_s == pytest.approx(0.041)
+
+
+def test_served_profile_hand_over_is_the_default_transfer_latency(tmp_path):
+    prof = write_profile(tmp_path / "p.json", (0.01, 0, 0, 0), (0.01, 0, 0))
+    data = json.loads(prof.read_text())
+    data["handover_s"] = 0.025
+    prof.write_text(json.dumps(data))
+    args = argparse.Namespace(profile=str(prof), kv_latency_ms=None, kv_bytes_per_token=0.0, kv_bandwidth_gbps=1.0)
+    assert transfer_model(args).latency_s == pytest.approx(0.025)
+    args.kv_latency_ms = 5.0
+    assert transfer_model(args).latency_s == pytest.approx(0.005)
+
+
+def test_request_overhead_delays_the_arrival_at_the_engine():
+    """A served profile's per-request overhead (HTTP, process hops) adds to
+    TTFT and queues: B, sent 5 ms after A, starts after A's 10 ms prefill."""
+    from kvferry.plan.latency import StepCostModel
+
+    a, b = unique_request(0, 0.0, 10, 1), unique_request(1, 0.005, 10, 1)
+    inst = InstanceConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=10)
+    sim = Simulation(ClusterConfig(num_colocated=1, instance=inst),
+                     StepCostModel((0, 0.001, 0, 0), (0, 0, 0), request_overhead_s=0.020))
+    res = sim.run([a, b])
+    assert res[0].ttft_s == pytest.approx(0.030)
+    assert res[1].ttft_s == pytest.approx(0.040 - 0.005)
