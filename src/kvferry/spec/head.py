@@ -35,7 +35,7 @@ from torch import nn
 
 from kvferry.engine.input_batch import InputBatch
 from kvferry.model.llama import LlamaModel
-from kvferry.spec.draft_model import DraftRequest, Proposal, collect, draw_drafts
+from kvferry.spec.draft_model import DraftRequest, Proposal, collect, draw_drafts, keeps_distribution
 
 EMBEDDED_HEAD = Path(__file__).parent / "data" / "smollm2-135m-instruct-head.safetensors"
 
@@ -138,7 +138,7 @@ class HeadProposer:
             for j, r in enumerate(active):
                 batch.token_ids[r.row, r.end + i] = drawn[j]
                 tokens[r.request_id].append(drawn[j])
-                if q is not None and not r.params.greedy:
+                if q is not None and keeps_distribution(r.params):
                     probs[r.request_id].append(q[j])
             keep = [j for j, r in enumerate(active) if r.num_drafts > i + 1]
             active = [active[j] for j in keep]

@@ -36,6 +36,7 @@ from kvferry.spec.head import EagleHead
 from kvferry.spec.train_cli import CORPORA
 
 PROMPT_CHARS = 400  # prompts are cut here: the answers are what the head learns
+HELD_OUT_CHATS = 256  # chitchat conversations never trained on (the benchmark's)
 
 
 @dataclass(slots=True)
@@ -60,9 +61,20 @@ def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
             import chitchat_dataset
         except ImportError:
             raise ValueError("--corpus chitchat needs the PyPI package chitchat-dataset") from None
-        turns = [m for conv in chitchat_dataset.ConversationDataset() for m in list(conv)[:1] if m]
-        rng.shuffle(turns)
-        return [[{"role": "user", "content": t[:PROMPT_CHARS]}] for t in turns[:num]]
+        # The benchmark (bench/spec_decode.py) replies to the first
+        # conversations in dataset order: those are held out of training.
+        convs = [list(conv) for i, conv in enumerate(chitchat_dataset.ConversationDataset()) if i >= HELD_OUT_CHATS]
+        rng.shuffle(convs)
+        prompts = []
+        for conv in convs[:num]:
+            # 1, 3 or 5 turns, ending with the user's, as a chat reply is asked for
+            turns = [t for t in conv if t][: rng.choice((1, 3, 5))]
+            if len(turns) % 2 == 0:
+                turns = turns[:-1]
+            if turns:
+                roles = ["user", "assistant"] * 3
+                prompts.append([{"role": r, "content": t[:PROMPT_CHARS]} for r, t in zip(roles, turns)])
+        return prompts
     from kvferry.bench.corpus import load_documents
     from kvferry.bench.workloads import BenchError
 
@@ -100,7 +112,7 @@ def hidden_states(model, token_ids: list[int], block_size: int = 16) -> torch.Te
 
 @dataclass(slots=True)
 class Features:
-    hidden: torch.Tensor  # [N, H] all sequences concatenated
+    hidden: torch.Tensor  # [N, H] bf16, all sequences concatenated
     tokens: torch.Tensor  # [N] int64
     starts: torch.Tensor  # [M] int64: positions t (answer tokens with t - 1 and t + 1 in the same sequence)
 
@@ -110,7 +122,7 @@ def build_features(model, sequences: list[tuple[list[int], int]]) -> Features:  
     for ids, prompt_len in tqdm(sequences, desc="target features", unit="seq"):
         if len(ids) - prompt_len < 3:
             continue
-        hidden.append(hidden_states(model, ids))
+        hidden.append(hidden_states(model, ids).to(torch.bfloat16))  # bf16 halves what is held
         tokens.append(torch.tensor(ids))
         # t from the first answer token to the second-to-last one
         starts.append(torch.arange(offset + prompt_len, offset + len(ids) - 1))
@@ -125,15 +137,16 @@ def head_loss(head: EagleHead, model, feats: Features, t: torch.Tensor) -> torch
     lm_head = model.lm_head.detach().float()  # [V, H]: the target stays frozen
     embed = model.embed_tokens.detach().float()  # [V, H]
     h = feats.hidden
-    f = h[t - 1]
+    f = h[t - 1].float()
     loss = torch.zeros(())
     for step in range(2):
         pos = t + step
         f = head(F.embedding(feats.tokens[pos], embed), f)  # [B, H]
-        teacher = F.log_softmax(h[pos] @ lm_head.T, dim=-1)  # [B, V]
+        target = h[pos].float()  # [B, H]
+        teacher = F.log_softmax(target @ lm_head.T, dim=-1)  # [B, V]
         student = F.log_softmax(f @ lm_head.T, dim=-1)
         kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-        loss = loss + kl + 0.1 * F.smooth_l1_loss(f, h[pos])
+        loss = loss + kl + 0.1 * F.smooth_l1_loss(f, target)
     return loss
 
 
