@@ -58,6 +58,16 @@ class DraftRequest:
 
 
 @dataclass(slots=True)
+class DraftVocab:
+    """A draft vocabulary (FR-Spec): the draft scores only these ids, the
+    most frequent in the text it learned from, so a drafting step's LM head
+    reads D rows of the embedding matrix instead of V."""
+
+    ids: torch.Tensor  # [D] int64, sorted
+    size: int  # V, the target's vocabulary size
+
+
+@dataclass(slots=True)
 class Proposal:
     token_ids: list[int]  # the k drafts
     # [k, V] float32 distributions the drafts were drawn from; None when the
@@ -151,10 +161,14 @@ def keeps_distribution(params: SamplingParams) -> bool:
     return not params.greedy and params.seed is None
 
 
-def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int) -> tuple[list[int], torch.Tensor | None]:
+def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int,
+                vocab: "DraftVocab | None" = None) -> tuple[list[int], torch.Tensor | None]:
     """Draft i + 1 (0-based ``i``) for each active request from its logits
     [A, V] and, when any samples, the [A, V] distributions they were drawn
-    from (greedy rows: argmax, their q row unused).
+    from (greedy rows: argmax, their q row unused). With ``vocab`` (a
+    draft vocabulary; logits are then [A, D], a column per id it holds) the drafts
+    are drawn among those ids and q is zero elsewhere, still a distribution
+    over the whole vocabulary, as rejection sampling needs.
 
     Unseeded rows race q against fresh noise; their q goes to rejection
     sampling. A seeded row races q against the very noise the target's
@@ -167,19 +181,31 @@ def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int) -> tup
     accepts often where q resembles p."""
     greedy = [r.params.greedy for r in active]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist(), None
+        drawn = logits.argmax(dim=-1)  # [A]
+        return (drawn if vocab is None else vocab.ids[drawn]).tolist(), None
     temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, active)],
                                device=logits.device)
-    q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, V]
+    q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, D]
     noise = torch.empty_like(q).exponential_()
+    full_noise = None  # [V]: a seeded row's draw spans the whole vocabulary, as the sampler's does
     for j, r in enumerate(active):
         # The sampler's generator for the row verifying this draft: output index + i.
         gen = position_generator(r.params.seed, r.num_output_tokens + i, q.device)
-        if gen is not None:
+        if gen is None:
+            continue
+        if vocab is None:
             noise[j].exponential_(generator=gen)
+        else:
+            if full_noise is None:
+                full_noise = torch.empty(vocab.size, dtype=q.dtype, device=q.device)
+            noise[j] = full_noise.exponential_(generator=gen)[vocab.ids]
     drawn = (q / noise.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-    drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)
-    return drawn.tolist(), q
+    drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)  # [A] in [0, D)
+    if vocab is None:
+        return drawn.tolist(), q
+    full_q = q.new_zeros(q.shape[0], vocab.size)  # [A, V]
+    full_q[:, vocab.ids] = q
+    return vocab.ids[drawn].tolist(), full_q
 
 
 def collect(proposals: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> dict[str, Proposal]:

@@ -51,6 +51,7 @@ class TrainConfig:
     lr: float = 2e-3
     intermediate_size: int = 576
     seed: int = 0
+    draft_vocab_size: int = 8192  # 0: draft over the whole vocabulary
 
 
 def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
@@ -132,6 +133,19 @@ def build_features(model, sequences: list[tuple[list[int], int]]) -> Features:  
     return Features(torch.cat(hidden), torch.cat(tokens), torch.cat(starts))
 
 
+def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` ids most frequent in the target's answers (then in the
+    prompts), sorted, and the share of answer tokens they cover."""
+    answers = torch.tensor([t for ids, n in sequences for t in ids[n:]], dtype=torch.int64)
+    prompts = torch.tensor([t for ids, n in sequences for t in ids[:n]], dtype=torch.int64)
+    # Answer counts first; prompt counts only break ties among the rest.
+    score = torch.bincount(answers, minlength=vocab_size).double() * 1e6
+    score += torch.bincount(prompts, minlength=vocab_size).double()
+    ids = torch.topk(score, min(size, vocab_size)).indices.sort().values
+    covered = torch.isin(answers, ids).double().mean().item() if len(answers) else 1.0
+    return ids, covered
+
+
 def head_loss(head: EagleHead, model, feats: Features, t: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
     """Two drafting steps from positions t [B]: KL + 0.1 * smooth-L1 each."""
     lm_head = model.lm_head.detach().float()  # [V, H]: the target stays frozen
@@ -163,6 +177,9 @@ def train(cfg: TrainConfig) -> dict:
     sequences = self_distill(llm, prompts, cfg.max_tokens)
     feats = build_features(model, sequences)
     head = EagleHead(model.config.hidden_size, cfg.intermediate_size)
+    coverage = 1.0
+    if 0 < cfg.draft_vocab_size < model.config.vocab_size:
+        head.draft_vocab, coverage = draft_vocabulary(sequences, model.config.vocab_size, cfg.draft_vocab_size)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     # t + 1 must stay inside the sequence: starts already end one early.
     steps_per_epoch = max(1, len(feats.starts) // cfg.batch_tokens)
@@ -184,13 +201,15 @@ def train(cfg: TrainConfig) -> dict:
     head.save(cfg.out / "head.safetensors", target=loaded.fingerprint)
     report = {"target": loaded.model_path, "target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus,
               "num_prompts": len(prompts), "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
-              "intermediate_size": cfg.intermediate_size, "seconds": round(time.monotonic() - started, 1)}
+              "intermediate_size": cfg.intermediate_size,
+              "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab),
+              "draft_vocab_answer_coverage": round(coverage, 4), "seconds": round(time.monotonic() - started, 1)}
     (cfg.out / "head.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
-                      args.batch_tokens, args.lr, args.intermediate_size, args.seed)
+                      args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size)
     print(json.dumps(train(cfg), indent=2))
     return 0
