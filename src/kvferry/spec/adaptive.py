@@ -8,6 +8,15 @@ Two rules, both cheap and deterministic:
   stops paying for verification. A request at k = 0 probes with one draft
   every ``probe_interval`` decode steps, so a text that turns repetitive
   later (a quoted passage, code) wins its drafts back.
+- **Marginal cost.** Once both step costs of a batch-size bucket are
+  measured (below), the acceptance rule above gives way to an expected-gain
+  rule: with per-token acceptance a (accepted drafts over accepted drafts
+  plus rejections, EWMAs) and a measured marginal cost c of one draft
+  token relative to a plain step, k maximizes
+  ``(1 + a + a^2 + .. + a^k) / (1 + c k)``. Where a verify window costs
+  about what a plain step does (batch 1 on a bandwidth-bound decode, c near
+  0) a rejected draft costs nothing and k stays high even at modest
+  acceptance; where it costs (c large) only well-accepted drafts pay.
 - **Batch size.** Verification costs ``k + 1`` token slots per request.
   Drafts are cut so that ``num_running * (k + 1)`` stays within
   ``batch_token_threshold``: at large batches decode is already
@@ -34,7 +43,14 @@ class _BucketCost:
     plain_s: float | None = None  # seconds per decode step without drafts
     spec_s: float | None = None  # seconds per decode step with drafts
     gain: float | None = None  # tokens per request per speculative step
+    drafts: float | None = None  # draft tokens per request per speculative step
     steps: int = 0  # decode steps seen in this bucket
+
+    def draft_cost(self) -> float | None:
+        """c: one draft token's cost as a fraction of a plain step."""
+        if self.plain_s is None or self.spec_s is None or not self.drafts:
+            return None
+        return max(0.0, self.spec_s / self.plain_s - 1.0) / self.drafts
 
     def pays(self) -> bool:
         if self.plain_s is None or self.spec_s is None or self.gain is None:
@@ -46,6 +62,13 @@ class _BucketCost:
 class _RequestSpecState:
     acceptance: float = 1.0  # EWMA of accepted / proposed
     steps_without_drafts: int = 0  # decode steps at k = 0 since the last probe
+    # EWMAs of accepted drafts and of rejections per verified proposal:
+    # per-token acceptance = accepted / (accepted + rejected). Optimistic start.
+    accepted: float = 1.0
+    rejected: float = 0.0
+
+    def token_acceptance(self) -> float:
+        return self.accepted / max(self.accepted + self.rejected, 1e-9)
 
 
 class AdaptiveSpecController:
@@ -94,8 +117,10 @@ class AdaptiveSpecController:
             cost.plain_s = seconds if cost.plain_s is None else (1 - a) * cost.plain_s + a * seconds
             return
         gain = 1.0 + accepted / num_decodes
+        drafts = num_draft_tokens / num_decodes
         cost.spec_s = seconds if cost.spec_s is None else (1 - a) * cost.spec_s + a * seconds
         cost.gain = gain if cost.gain is None else (1 - a) * cost.gain + a * gain
+        cost.drafts = drafts if cost.drafts is None else (1 - a) * cost.drafts + a * drafts
 
     def speedup(self, num_running: int) -> float | None:
         """Measured tokens/s with drafts over without, for this batch size's bucket."""
@@ -112,7 +137,12 @@ class AdaptiveSpecController:
         if not self.adaptive:
             return cap
         state = self._states.setdefault(request_id, _RequestSpecState())
-        k = min(self.k_max, math.floor(state.acceptance * (self.k_max + 1)))
+        cost = self._costs.get(num_running.bit_length()) if self.cost_aware else None
+        c = cost.draft_cost() if cost is not None else None
+        if c is not None:
+            k = best_k(state.token_acceptance(), c, cap)
+        else:
+            k = min(self.k_max, math.floor(state.acceptance * (self.k_max + 1)))
         if k > 0:
             return min(k, cap)
         state.steps_without_drafts += 1
@@ -130,6 +160,8 @@ class AdaptiveSpecController:
         state = self._states.setdefault(request_id, _RequestSpecState())
         a = self.ewma_alpha
         state.acceptance = (1 - a) * state.acceptance + a * num_accepted / num_drafts
+        state.accepted = (1 - a) * state.accepted + a * num_accepted
+        state.rejected = (1 - a) * state.rejected + a * (num_accepted < num_drafts)
 
     def acceptance(self, request_id: str) -> float:
         state = self._states.get(request_id)
@@ -137,3 +169,17 @@ class AdaptiveSpecController:
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+
+
+def best_k(acceptance: float, draft_cost: float, cap: int) -> int:
+    """The k in [0, cap] with the most expected tokens per unit of step
+    cost, ``(1 + a + .. + a^k) / (1 + c k)`` for per-token acceptance a and
+    marginal draft cost c (ties: the smaller k)."""
+    best, best_rate, tokens, power = 0, 1.0, 1.0, 1.0
+    for k in range(1, cap + 1):
+        power *= acceptance
+        tokens += power
+        rate = tokens / (1.0 + draft_cost * k)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best

@@ -41,7 +41,6 @@ from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import position_generator
 from kvferry.sampling import SamplingParams
 
-_DRAFT_NOISE_SALT = 0x6472616674  # "draft": the draft's sampling noise is its own stream
 
 
 @dataclass(slots=True)
@@ -53,6 +52,19 @@ class DraftRequest:
     end: int  # one past the last real token the target computes this step
     num_drafts: int  # k (0: only keep the draft's KV in step)
     params: SamplingParams
+    # Output index the first draft would take (the target's sampler keys a
+    # seeded request's noise by it: ``position_generator``).
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class DraftVocab:
+    """A draft vocabulary (FR-Spec): the draft scores only these ids, the
+    most frequent in the text it learned from, so a drafting step's LM head
+    reads D rows of the embedding matrix instead of V."""
+
+    ids: torch.Tensor  # [D] int64, sorted
+    size: int  # V, the target's vocabulary size
 
 
 @dataclass(slots=True)
@@ -99,7 +111,7 @@ class DraftModelProposer:
             for j, r in enumerate(active):
                 batch.token_ids[r.row, r.end + i] = drawn[j]
                 tokens[r.request_id].append(drawn[j])
-                if q is not None and not r.params.greedy:
+                if q is not None and keeps_distribution(r.params):
                     probs[r.request_id].append(q[j])
             # Requests with fewer drafts fall out of the next pass: keep the rows that go on.
             keep = [j for j, r in enumerate(active) if r.num_drafts > i + 1]
@@ -141,26 +153,59 @@ class DraftModelProposer:
                           flat.metadata(self.block_size, self.device))
 
 
-def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int) -> tuple[list[int], torch.Tensor | None]:
+def keeps_distribution(params: SamplingParams) -> bool:
+    """Whether a draft for this request is verified against the distribution
+    it was drawn from (exact rejection sampling). Greedy drafts are argmaxes;
+    a seeded request's drafts are coupled to the target's own noise (see
+    ``draw_drafts``) and verified as deterministic guesses."""
+    return not params.greedy and params.seed is None
+
+
+def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int,
+                vocab: "DraftVocab | None" = None) -> tuple[list[int], torch.Tensor | None]:
     """Draft i + 1 (0-based ``i``) for each active request from its logits
     [A, V] and, when any samples, the [A, V] distributions they were drawn
-    from (greedy rows: argmax, their q row unused). Random rows use the
-    request's temperature and their own noise stream (seeded: keyed by
-    position, salted apart from the target's)."""
+    from (greedy rows: argmax, their q row unused). With ``vocab`` (a
+    draft vocabulary; logits are then [A, D], a column per id it holds) the drafts
+    are drawn among those ids and q is zero elsewhere, still a distribution
+    over the whole vocabulary, as rejection sampling needs.
+
+    Unseeded rows race q against fresh noise; their q goes to rejection
+    sampling. A seeded row races q against the very noise the target's
+    sampler will draw for the output position this draft stands at (same
+    generator, same [V] draw). The target then emits its plain sample
+    ``argmax p / noise`` there, and the draft is accepted exactly when it
+    equals it (the race, as for prompt lookup). So a seeded request's tokens
+    are those of plain seeded sampling, whatever k, the drafts, the batch or
+    the step timings that steer the adaptive k; the coupled race still
+    accepts often where q resembles p."""
     greedy = [r.params.greedy for r in active]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist(), None
+        drawn = logits.argmax(dim=-1)  # [A]
+        return (drawn if vocab is None else vocab.ids[drawn]).tolist(), None
     temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, active)],
                                device=logits.device)
-    q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, V]
+    q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, D]
     noise = torch.empty_like(q).exponential_()
+    full_noise = None  # [V]: a seeded row's draw spans the whole vocabulary, as the sampler's does
     for j, r in enumerate(active):
-        gen = position_generator(r.params.seed, r.end + i, q.device, salt=_DRAFT_NOISE_SALT)
-        if gen is not None:
+        # The sampler's generator for the row verifying this draft: output index + i.
+        gen = position_generator(r.params.seed, r.num_output_tokens + i, q.device)
+        if gen is None:
+            continue
+        if vocab is None:
             noise[j].exponential_(generator=gen)
+        else:
+            if full_noise is None:
+                full_noise = torch.empty(vocab.size, dtype=q.dtype, device=q.device)
+            noise[j] = full_noise.exponential_(generator=gen)[vocab.ids]
     drawn = (q / noise.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-    drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)
-    return drawn.tolist(), q
+    drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)  # [A] in [0, D)
+    if vocab is None:
+        return drawn.tolist(), q
+    full_q = q.new_zeros(q.shape[0], vocab.size)  # [A, V]
+    full_q[:, vocab.ids] = q
+    return vocab.ids[drawn].tolist(), full_q
 
 
 def collect(proposals: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> dict[str, Proposal]:

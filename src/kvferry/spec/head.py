@@ -20,9 +20,16 @@ recorded by the runner after each step (``record``).
 Hidden states here are what ``LlamaModel.forward`` returns (after the final
 norm), so ``compute_logits`` applies to them and to f alike.
 
+Drafting scores a draft vocabulary when the file has one (FR-Spec, Zhao et
+al. 2025): the D most frequent ids of the text the head was trained on. A
+drafting step's LM head then reads D rows of the [V, H] matrix, not V: at
+batch 1 on CPU a full-vocabulary LM head is about a fifth of a target step,
+and a head pays it once per draft. Verification still scores every id.
+
 File format: one safetensors file, weights ``fc``, ``norm``, ``up`` (gate
-and up stacked), ``down``, with metadata ``hidden_size``,
-``intermediate_size`` and ``target`` (a description of the target).
+and up stacked), ``down``, optionally ``draft_vocab`` ([D] int64, sorted
+ids), with metadata ``hidden_size``, ``intermediate_size`` and ``target``
+(a description of the target).
 """
 from __future__ import annotations
 
@@ -34,8 +41,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvferry.engine.input_batch import InputBatch
+from kvferry.model.linear import linear, pack_weight
 from kvferry.model.llama import LlamaModel
-from kvferry.spec.draft_model import DraftRequest, Proposal, collect, draw_drafts
+from kvferry.spec.draft_model import DraftRequest, DraftVocab, Proposal, collect, draw_drafts, keeps_distribution
 
 EMBEDDED_HEAD = Path(__file__).parent / "data" / "smollm2-135m-instruct-head.safetensors"
 
@@ -49,6 +57,7 @@ class EagleHead(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
         self.up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # gate and up, stacked
         self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.draft_vocab: torch.Tensor | None = None  # [D] int64 sorted ids; None: the whole vocabulary
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """token_embeds, hidden: [N, H] -> predicted next hidden state [N, H]."""
@@ -58,6 +67,8 @@ class EagleHead(nn.Module):
 
     def save(self, path: str | Path, target: str) -> None:
         tensors = {name: p.detach().to(torch.float16).contiguous() for name, p in self.state_dict().items()}
+        if self.draft_vocab is not None:
+            tensors["draft_vocab"] = self.draft_vocab.to(torch.int64).contiguous()
         meta = {"hidden_size": str(self.hidden_size), "intermediate_size": str(self.intermediate_size),
                 "target": target}
         save_file(tensors, str(path), metadata=meta)
@@ -72,8 +83,10 @@ class EagleHead(nn.Module):
             head = cls(int(meta["hidden_size"]), int(meta["intermediate_size"]))
         except (KeyError, ValueError):
             raise ValueError(f"speculative.model {path} is not a draft head file (no sizes in its metadata)") from None
-        state = {k: v.float() for k, v in load_file(str(path)).items()}
-        head.load_state_dict(state)
+        state = load_file(str(path))
+        vocab = state.pop("draft_vocab", None)
+        head.load_state_dict({k: v.float() for k, v in state.items()})
+        head.draft_vocab = vocab
         return head.to(device).eval()
 
 
@@ -99,6 +112,15 @@ class HeadProposer:
                              f"the target's are {target.config.hidden_size}")
         self.head = head
         self.target = target
+        self.vocab: DraftVocab | None = None
+        if head.draft_vocab is not None:
+            ids = head.draft_vocab.to(torch.int64)
+            if int(ids.max()) >= target.config.vocab_size:
+                raise ValueError(f"speculative.model: the head's draft vocabulary holds id {int(ids.max())}; "
+                                 f"the target has {target.config.vocab_size} tokens")
+            self.vocab = DraftVocab(ids.to(target.lm_head.device), target.config.vocab_size)
+            self.lm_head = target.lm_head.detach()[self.vocab.ids].contiguous()  # [D, H]
+            self.lm_head_packed = pack_weight(self.lm_head)
         # [H] per request: the target's hidden state at the position that
         # sampled its newest token. Kept across preemption (same tokens).
         self.last_hidden: dict[str, torch.Tensor] = {}
@@ -133,14 +155,20 @@ class HeadProposer:
         for i in range(max(r.num_drafts for r in active)):
             embeds = F.embedding(newest.to(self.target.embed_tokens.device), self.target.embed_tokens).float()
             hidden = self.head(embeds, hidden)  # [A, H]
-            logits = self.target.compute_logits(hidden.to(self.target.dtype))  # [A, V]
-            drawn, q = draw_drafts(logits, active, i)
+            drawn, q = draw_drafts(self._logits(hidden), active, i, self.vocab)
             for j, r in enumerate(active):
                 batch.token_ids[r.row, r.end + i] = drawn[j]
                 tokens[r.request_id].append(drawn[j])
-                if q is not None and not r.params.greedy:
+                if q is not None and keeps_distribution(r.params):
                     probs[r.request_id].append(q[j])
             keep = [j for j, r in enumerate(active) if r.num_drafts > i + 1]
             active = [active[j] for j in keep]
             hidden, newest = hidden[keep], torch.tensor(drawn, dtype=torch.int64)[keep]
         return collect(tokens, probs)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[A, H] -> [A, V] float32, or [A, D] over the draft vocabulary."""
+        hidden = hidden.to(self.target.dtype)
+        if self.vocab is None:
+            return self.target.compute_logits(hidden)
+        return linear(hidden, self.lm_head, None, self.lm_head_packed).float()

@@ -20,6 +20,8 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--intermediate-size", type=_positive, default=576, help="the head's MLP width")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="draft over the N ids most frequent in the target's answers (0: the whole vocabulary)")
     p.set_defaults(func=_cmd_train)
 
 

@@ -36,6 +36,7 @@ from kvferry.spec.head import EagleHead
 from kvferry.spec.train_cli import CORPORA
 
 PROMPT_CHARS = 400  # prompts are cut here: the answers are what the head learns
+HELD_OUT_CHATS = 256  # chitchat conversations never trained on (the benchmark's)
 
 
 @dataclass(slots=True)
@@ -50,6 +51,7 @@ class TrainConfig:
     lr: float = 2e-3
     intermediate_size: int = 576
     seed: int = 0
+    draft_vocab_size: int = 8192  # 0: draft over the whole vocabulary
 
 
 def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
@@ -60,9 +62,20 @@ def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
             import chitchat_dataset
         except ImportError:
             raise ValueError("--corpus chitchat needs the PyPI package chitchat-dataset") from None
-        turns = [m for conv in chitchat_dataset.ConversationDataset() for m in list(conv)[:1] if m]
-        rng.shuffle(turns)
-        return [[{"role": "user", "content": t[:PROMPT_CHARS]}] for t in turns[:num]]
+        # The benchmark (bench/spec_decode.py) replies to the first
+        # conversations in dataset order: those are held out of training.
+        convs = [list(conv) for i, conv in enumerate(chitchat_dataset.ConversationDataset()) if i >= HELD_OUT_CHATS]
+        rng.shuffle(convs)
+        prompts = []
+        for conv in convs[:num]:
+            # 1, 3 or 5 turns, ending with the user's, as a chat reply is asked for
+            turns = [t for t in conv if t][: rng.choice((1, 3, 5))]
+            if len(turns) % 2 == 0:
+                turns = turns[:-1]
+            if turns:
+                roles = ["user", "assistant"] * 3
+                prompts.append([{"role": r, "content": t[:PROMPT_CHARS]} for r, t in zip(roles, turns)])
+        return prompts
     from kvferry.bench.corpus import load_documents
     from kvferry.bench.workloads import BenchError
 
@@ -100,7 +113,7 @@ def hidden_states(model, token_ids: list[int], block_size: int = 16) -> torch.Te
 
 @dataclass(slots=True)
 class Features:
-    hidden: torch.Tensor  # [N, H] all sequences concatenated
+    hidden: torch.Tensor  # [N, H] bf16, all sequences concatenated
     tokens: torch.Tensor  # [N] int64
     starts: torch.Tensor  # [M] int64: positions t (answer tokens with t - 1 and t + 1 in the same sequence)
 
@@ -110,7 +123,7 @@ def build_features(model, sequences: list[tuple[list[int], int]]) -> Features:  
     for ids, prompt_len in tqdm(sequences, desc="target features", unit="seq"):
         if len(ids) - prompt_len < 3:
             continue
-        hidden.append(hidden_states(model, ids))
+        hidden.append(hidden_states(model, ids).to(torch.bfloat16))  # bf16 halves what is held
         tokens.append(torch.tensor(ids))
         # t from the first answer token to the second-to-last one
         starts.append(torch.arange(offset + prompt_len, offset + len(ids) - 1))
@@ -120,20 +133,34 @@ def build_features(model, sequences: list[tuple[list[int], int]]) -> Features:  
     return Features(torch.cat(hidden), torch.cat(tokens), torch.cat(starts))
 
 
+def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` ids most frequent in the target's answers (then in the
+    prompts), sorted, and the share of answer tokens they cover."""
+    answers = torch.tensor([t for ids, n in sequences for t in ids[n:]], dtype=torch.int64)
+    prompts = torch.tensor([t for ids, n in sequences for t in ids[:n]], dtype=torch.int64)
+    # Answer counts first; prompt counts only break ties among the rest.
+    score = torch.bincount(answers, minlength=vocab_size).double() * 1e6
+    score += torch.bincount(prompts, minlength=vocab_size).double()
+    ids = torch.topk(score, min(size, vocab_size)).indices.sort().values
+    covered = torch.isin(answers, ids).double().mean().item() if len(answers) else 1.0
+    return ids, covered
+
+
 def head_loss(head: EagleHead, model, feats: Features, t: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
     """Two drafting steps from positions t [B]: KL + 0.1 * smooth-L1 each."""
     lm_head = model.lm_head.detach().float()  # [V, H]: the target stays frozen
     embed = model.embed_tokens.detach().float()  # [V, H]
     h = feats.hidden
-    f = h[t - 1]
+    f = h[t - 1].float()
     loss = torch.zeros(())
     for step in range(2):
         pos = t + step
         f = head(F.embedding(feats.tokens[pos], embed), f)  # [B, H]
-        teacher = F.log_softmax(h[pos] @ lm_head.T, dim=-1)  # [B, V]
+        target = h[pos].float()  # [B, H]
+        teacher = F.log_softmax(target @ lm_head.T, dim=-1)  # [B, V]
         student = F.log_softmax(f @ lm_head.T, dim=-1)
         kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-        loss = loss + kl + 0.1 * F.smooth_l1_loss(f, h[pos])
+        loss = loss + kl + 0.1 * F.smooth_l1_loss(f, target)
     return loss
 
 
@@ -150,6 +177,9 @@ def train(cfg: TrainConfig) -> dict:
     sequences = self_distill(llm, prompts, cfg.max_tokens)
     feats = build_features(model, sequences)
     head = EagleHead(model.config.hidden_size, cfg.intermediate_size)
+    coverage = 1.0
+    if 0 < cfg.draft_vocab_size < model.config.vocab_size:
+        head.draft_vocab, coverage = draft_vocabulary(sequences, model.config.vocab_size, cfg.draft_vocab_size)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     # t + 1 must stay inside the sequence: starts already end one early.
     steps_per_epoch = max(1, len(feats.starts) // cfg.batch_tokens)
@@ -171,13 +201,15 @@ def train(cfg: TrainConfig) -> dict:
     head.save(cfg.out / "head.safetensors", target=loaded.fingerprint)
     report = {"target": loaded.model_path, "target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus,
               "num_prompts": len(prompts), "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
-              "intermediate_size": cfg.intermediate_size, "seconds": round(time.monotonic() - started, 1)}
+              "intermediate_size": cfg.intermediate_size,
+              "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab),
+              "draft_vocab_answer_coverage": round(coverage, 4), "seconds": round(time.monotonic() - started, 1)}
     (cfg.out / "head.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
-                      args.batch_tokens, args.lr, args.intermediate_size, args.seed)
+                      args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size)
     print(json.dumps(train(cfg), indent=2))
     return 0
