@@ -217,7 +217,10 @@ def test_duration_and_max_time_bound_the_run(server, tmp_path):
     # nothing is sent after 1 s; what still runs at 2.5 s is cancelled and counted as failed
     assert all(x["start_s"] < 1.05 for x in r["records"]) and s["num_requests"] >= 1
     assert s["failed"] >= 1 and all(e.startswith("cancelled") for e in s["errors"])
-    assert elapsed < 8, elapsed
+    # The run itself stops at --max-time; the wall clock adds the client's
+    # process start-up, which a loaded 2-core box stretches.
+    assert s["duration_s"] < 3.5, s["duration_s"]
+    assert elapsed < 30, elapsed
     server.wait_for_metric("kvferry:num_requests_running", lambda v: v == 0)  # the server aborted them
 
 
