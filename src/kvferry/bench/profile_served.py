@@ -31,6 +31,7 @@ Same fits and JSON as the in-process profile, plus ``served`` (the URL),
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import statistics
@@ -52,8 +53,6 @@ class _Stream:
         self.cached_tokens = 0
 
     async def run(self, client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int) -> _Stream:
-        import json
-
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         self.start = time.perf_counter()
@@ -113,7 +112,8 @@ def _steady_gaps(streams: list[_Stream]) -> list[float]:
     return [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if a >= begin and b <= end]
 
 
-async def _decode_point(client, model, rng, batch: int, context: int, steps: int, lone: _Stream | None) -> dict:
+async def _decode_point(client, model, rng, batch: int, context: int, steps: int,
+                        lone: _Stream | None) -> tuple[dict, _Stream]:
     """``lone``: a batch-1 stream at this context, whose TTFT and step say how
     long the later streams' prefills keep the earlier ones decoding alone:
     each stream asks for enough tokens that all overlap for ``steps`` steps."""
