@@ -172,8 +172,12 @@ def run(args: argparse.Namespace) -> None:
             r_url = stack.enter_context(server(workdir, "recompute", common))
             model = openai.OpenAI(base_url=t_url + "/v1", api_key=admin).models.list().data[0].id
 
+            # One HTTP connection pool per server; each conversation its own key.
+            bases = {url: openai.OpenAI(base_url=url + "/v1", api_key=admin, max_retries=0, timeout=600)
+                     for url in (t_url, r_url)}
+
             def client(url: str, i: int) -> openai.OpenAI:
-                return openai.OpenAI(base_url=url + "/v1", api_key=f"sk-conv-{i:04d}", max_retries=0, timeout=600)
+                return bases[url].with_options(api_key=f"sk-conv-{i:04d}")
 
             # Turn 1 of every conversation on T (R never sees them).
             t0 = time.perf_counter()

@@ -43,8 +43,10 @@ def test_spec_counters_follow_a_copy_request(spec_server):
     per_pos = [delta("kvferry:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))
                for i in range(SPEC["num_speculative_tokens"])]
     assert drafts > 0 and drafts <= draft_tokens <= drafts * SPEC["num_speculative_tokens"]
-    # Copying a passage: most drafts hold. Fewer decode steps than tokens.
-    assert accepted > draft_tokens / 2, (accepted, draft_tokens)
+    # Copying a passage: many drafts hold, so there are far fewer decode steps
+    # than tokens. (Per draft token the rate is lower than it would be with
+    # backoff: where verification costs about a plain step, k stays high.)
+    assert accepted >= 8 and accepted > draft_tokens / 4, (accepted, draft_tokens)
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert after[("kvferry:spec_decode_mean_accepted_length", ())] == pytest.approx(
         1 + after[("kvferry:spec_decode_num_accepted_tokens_total", ())] / after[("kvferry:spec_decode_num_drafts_total", ())])

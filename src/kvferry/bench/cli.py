@@ -164,7 +164,7 @@ def _run_served_profile(args: argparse.Namespace, grid) -> int:
     data = {"model": model, "served": base, "block_size": args.block_size,
             "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
     _save_profile(args, data, f"kvferry profile: {model} served at {base}")
-    print(f"request overhead (prefill intercept less decode intercept): {1000 * result['request_overhead_s']:.1f} ms; "
+    print(f"request overhead (one-word TTFT less its engine step): {1000 * result['request_overhead_s']:.1f} ms; "
           f"hand-over (first -> second token, less a decode step): {1000 * result['handover_s']:.1f} ms")
     return 0
 

@@ -19,8 +19,8 @@ client, these land where the simulator charges them:
   prefill core) and its second (from the decode core) less a decode step:
   the KV transfer and the decode core's first step.
 
-- request overhead: the client prefill fit's intercept less the decode
-  fit's (what a request pays once, beyond any step's fixed cost); it is
+- request overhead: a one-word request's TTFT less its engine step (the
+  decode fit's intercept plus the prefill fit's per-token terms); it is
   taken out of the prefill points before the fit (a prefill point keeps its
   client TTFT as ``ttft_s``), so the fits stay engine step times and the
   simulator adds the overhead to each request's arrival.
@@ -31,6 +31,7 @@ Same fits and JSON as the in-process profile, plus ``served`` (the URL),
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import statistics
@@ -38,7 +39,7 @@ import time
 
 import httpx
 
-from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit
+from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, predict
 from kvferry.bench.text import random_words
 
 
@@ -52,8 +53,6 @@ class _Stream:
         self.cached_tokens = 0
 
     async def run(self, client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int) -> _Stream:
-        import json
-
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         self.start = time.perf_counter()
@@ -113,7 +112,8 @@ def _steady_gaps(streams: list[_Stream]) -> list[float]:
     return [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if a >= begin and b <= end]
 
 
-async def _decode_point(client, model, rng, batch: int, context: int, steps: int, lone: _Stream | None) -> dict:
+async def _decode_point(client, model, rng, batch: int, context: int, steps: int,
+                        lone: _Stream | None) -> tuple[dict, _Stream]:
     """``lone``: a batch-1 stream at this context, whose TTFT and step say how
     long the later streams' prefills keep the earlier ones decoding alone:
     each stream asks for enough tokens that all overlap for ``steps`` steps."""
@@ -128,6 +128,21 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
     mean_context = statistics.mean(s.prompt_tokens for s in streams) + max_tokens / 2
     point = {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None}
     return point, streams[0]
+
+
+async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, decode_fit: dict) -> float:
+    """What a request pays once, outside engine steps (HTTP, templating,
+    tokenization, process hops, detokenization and SSE of its first token):
+    a one-word chat request's TTFT less its engine step, that is a step's
+    fixed cost (the decode fit's intercept) plus its tokens' cost (the
+    prefill fit without its intercept). Measured directly because on a noisy
+    machine the prefill fit's intercept is the least certain coefficient."""
+    rest = {"terms": client_fit["terms"][1:], "coef": client_fit["coef"][1:]}
+    samples = []
+    for i in range(repeats):
+        ttft, new, cached = await _prefill_sample(client, model, rng, 1, 0)
+        samples.append(ttft - decode_fit["coef"][0] - predict(rest, {"new": new, "cached": cached}))
+    return max(statistics.median(samples), 0.0)
 
 
 async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
@@ -154,10 +169,8 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                     decode.append(p)
                     on_point("decode", p)
         decode_fit = fit(decode, DECODE_TERMS)
-        client_fit = fit(prefill, PREFILL_TERMS)
-        # A prefill's fixed cost beyond a decode step's is the request's own: HTTP, templating,
-        # tokenization, process hops, detokenization and SSE of its first token.
-        overhead = max(client_fit["coef"][0] - decode_fit["coef"][0], 0.0)
+        overhead = await _request_overhead(client, model, rng, grid.repeats + 2, fit(prefill, PREFILL_TERMS),
+                                           decode_fit)
         for p in prefill:  # the engine's share of a TTFT: what the step model fits
             p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)

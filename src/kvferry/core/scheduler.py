@@ -485,8 +485,9 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
                 self.kv.record_lookup(request, hit)
-            if self.write_down:
-                self._num_saved_blocks[rid] = (hit.num_tokens + num_load) // bs
+            if self.write_down:  # hit blocks were saved when computed; loaded ones come from the store
+                saved = (hit.num_tokens + num_load) // bs
+                self._num_saved_blocks[rid] = max(self._num_saved_blocks.get(rid, 0), saved)
             self._start_load(out, request, num_load)
             self._loaded_ahead.add(rid)
             self.num_loads_ahead += 1

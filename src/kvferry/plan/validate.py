@@ -135,28 +135,35 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot_validation(rows: list[dict], path, title: str = "kvferry simulate vs measured") -> None:
-    """Predicted against measured, one panel per metric, y = x and a +-10% band."""
+    """Predicted against measured, one panel per metric (log-log), y = x and
+    a +-10% band; a run with a zero value is left out of that panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 4.4))
     configs = sorted({r["run"].rsplit("@", 1)[0] for r in rows})
     colors = dict(zip(configs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
     units = {"goodput": "req/s"}
     for ax, m in zip(axes, METRICS):
-        pts = [r for r in rows if r["metric"] == m and r["measured"] is not None and r["predicted"] is not None]
-        top = max([max(r["measured"], r["predicted"]) for r in pts] + [1e-9]) * 1.15
-        ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="0.9", label="±10%")
-        ax.plot([0, top], [0, top], "k-", lw=0.8)
+        # log-log: errors are ratios, and a run's values span orders of magnitude (a zero has no place)
+        pts = [r for r in rows if r["metric"] == m and (r["measured"] or 0) > 0 and (r["predicted"] or 0) > 0]
+        values = [v for r in pts for v in (r["measured"], r["predicted"])] or [1.0]
+        lo, hi = min(values) / 1.5, max(values) * 1.5
+        ax.fill_between([lo, hi], [0.9 * lo, 0.9 * hi], [1.1 * lo, 1.1 * hi], color="0.85", label="±10%")
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
         for cfg in configs:
             sel = [r for r in pts if r["run"].rsplit("@", 1)[0] == cfg]
             ax.plot([r["measured"] for r in sel], [r["predicted"] for r in sel], "o", color=colors[cfg],
                     label=cfg)
         unit = units.get(m, "ms")
-        ax.set(xlim=(0, top), ylim=(0, top), xlabel=f"measured ({unit})", ylabel=f"predicted ({unit})", title=m)
-        ax.grid(alpha=0.3)
+        ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel=f"measured ({unit})",
+               ylabel=f"predicted ({unit})", title=m)
+        ax.grid(alpha=0.3, which="both")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_minor_formatter(NullFormatter())  # labels on decades only
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(title, fontsize=13)
     fig.tight_layout()

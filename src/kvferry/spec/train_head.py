@@ -138,9 +138,11 @@ def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, si
     prompts), sorted, and the share of answer tokens they cover."""
     answers = torch.tensor([t for ids, n in sequences for t in ids[n:]], dtype=torch.int64)
     prompts = torch.tensor([t for ids, n in sequences for t in ids[:n]], dtype=torch.int64)
-    # Answer counts first; prompt counts only break ties among the rest.
-    score = torch.bincount(answers, minlength=vocab_size).double() * 1e6
-    score += torch.bincount(prompts, minlength=vocab_size).double()
+    # Answer counts first; prompt counts break ties among the rest, then the
+    # lower id (BPE merges come roughly in order of frequency).
+    score = torch.bincount(answers, minlength=vocab_size).double() * 1e12
+    score += torch.bincount(prompts, minlength=vocab_size).double() * vocab_size
+    score -= torch.arange(vocab_size, dtype=torch.float64) / vocab_size
     ids = torch.topk(score, min(size, vocab_size)).indices.sort().values
     covered = torch.isin(answers, ids).double().mean().item() if len(answers) else 1.0
     return ids, covered
