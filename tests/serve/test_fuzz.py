@@ -156,7 +156,11 @@ def test_fuzz_bodies(conn, endpoint, damage, where):
         # Chat and completions end with [DONE]; the Responses API with a typed final event.
         end = b"event: response." if path == "/v1/responses" else b"data: [DONE]"
         assert end in data.rstrip().rsplit(b"\n\n", 1)[-1], data[-300:]
-        assert b'"error"' not in data, data[-500:]
+        # No event is an error (parsed: the generated text itself may be the word "error").
+        for line in data.splitlines():
+            if line.startswith(b"data: {"):
+                event = json.loads(line[len(b"data: "):])
+                assert "error" not in event and event.get("type") not in ("error", "response.failed"), line[:500]
 
 
 def test_server_healthy_after_fuzzing(server):
