@@ -230,8 +230,13 @@ def main() -> None:
             outputs = {}
             for name, llm in engines.items():  # warm-up: fills the prefix cache
                 outputs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+            identical = {}
             for method in args.methods:
-                assert outputs["plain"] == outputs[method], f"greedy output changed under {method}"
+                # float32 must be exact (the tests check it); in bf16 a verify window's matmul shapes
+                # round differently from one-token steps, so a near-tie may flip: report, do not stop.
+                identical[method] = outputs["plain"] == outputs[method]
+                if not identical[method] and args.dtype == "float32":
+                    raise AssertionError(f"greedy output changed under {method}")
             plain_outputs[f"{task}:{batch}"] = outputs["plain"]
             before = {m: engines[m].engine.stats() for m in args.methods}
             for _ in range(args.runs):
@@ -248,7 +253,8 @@ def main() -> None:
                 rate = statistics.median(rates[m])
                 row[m] = {"tok_s": round(rate, 1), "speedup": round(rate / plain, 2),
                           "acceptance": round(accepted / max(drafted, 1), 2),
-                          "mean_accepted_length": round(1 + accepted / max(drafts, 1), 2)}
+                          "mean_accepted_length": round(1 + accepted / max(drafts, 1), 2),
+                          "greedy_identical": identical[m]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.vllm_python:
