@@ -36,13 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-READY_PREFIX = "kvferry serve: ready on "
+import _servers
+
 
 
 def config_flags(name: str, cpus: list[str]) -> list[str]:
@@ -57,32 +57,10 @@ def config_flags(name: str, cpus: list[str]) -> list[str]:
 
 
 def start_server(args: argparse.Namespace, name: str, log: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--max-model-len", str(args.max_model_len),
-           "--dtype", args.dtype, "--kv-cache-memory-gb", "1", "--log-level", "warning",
-           "--disable-uvicorn-access-log", *config_flags(name, args.cpus), *args.server_args]
-    if args.model:
-        cmd += ["--model", args.model]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith(READY_PREFIX):
-                return proc, line[len(READY_PREFIX):].split()[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} server exited:\n{log.read_text()}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{name} server not ready:\n{log.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    flags = ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--kv-cache-memory-gb", "1",
+             "--log-level", "warning", "--disable-uvicorn-access-log", *config_flags(name, args.cpus),
+             *args.server_args]
+    return _servers.start_server(flags + (["--model", args.model] if args.model else []), log)
 
 
 def bench_once(args: argparse.Namespace, url: str, rate: float, seed: int, out: Path) -> dict:
@@ -166,7 +144,7 @@ def main() -> None:
                       f"({p['slo_attainment_pct']:5.1f}% within SLO)  TTFT p50 {p['ttft_ms']['p50'] or 0:7.0f} ms  "
                       f"TPOT p50 {p['tpot_ms']['p50'] or 0:6.1f} ms  failed {p['failed']}", flush=True)
         finally:
-            stop_server(proc)
+            _servers.stop_server(proc)
     data = {"slo": args.slo, "workload": {"input_len": args.input_len, "output_len": args.output_len,
                                           "duration_s": args.duration, "arrivals": "poisson"},
             "dtype": args.dtype, **env_note, "wall_s": time.monotonic() - started, "results": results}

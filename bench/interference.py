@@ -25,16 +25,15 @@ import asyncio
 import json
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _servers
 import httpx
 
-READY_PREFIX = "kvferry serve: ready on "
 CONFIGS = {
     # Without chunking a step must fit the longest prompt.
     "nochunk": ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4608"],
@@ -46,22 +45,9 @@ CONFIGS = {
 def start_server(args: argparse.Namespace, config: str, log: Path) -> tuple[subprocess.Popen, str]:
     cpus = (["--prefill-cpus", args.prefill_cpus, "--decode-cpus", args.decode_cpus] if config == "disagg"
             else ["--engine-cpus", args.colocated_cpus])
-    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--max-model-len", str(args.max_model_len),
-           "--dtype", args.dtype, "--kv-cache-memory-gb", "1", "--log-level", "warning",
-           "--disable-uvicorn-access-log", *CONFIGS[config], *cpus, *args.server_args]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith(READY_PREFIX):
-                return proc, line[len(READY_PREFIX):].split()[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"{config} server exited:\n{log.read_text()}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{config} server not ready:\n{log.read_text()}")
+    flags = ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--kv-cache-memory-gb", "1",
+             "--log-level", "warning", "--disable-uvicorn-access-log", *CONFIGS[config], *cpus, *args.server_args]
+    return _servers.start_server(flags + (["--model", args.model] if args.model else []), log)
 
 
 async def decode_stream(client: httpx.AsyncClient, model: str, index: int, stream_tokens: int,
@@ -163,8 +149,7 @@ def main() -> int:
                 results[config] = {"idle": asyncio.run(phase(url, args, False)),
                                    "arrivals": asyncio.run(phase(url, args, True))}
             finally:
-                proc.terminate()
-                proc.wait(60)
+                _servers.stop_server(proc)
             r = results[config]
             ratio = (r["arrivals"]["tpot_p99_ms"] / r["idle"]["tpot_p99_ms"]
                      if r["idle"]["tpot_p99_ms"] and r["arrivals"]["tpot_p99_ms"] else None)

@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +38,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from _servers import served
 
-READY_PREFIX = "kvferry serve: ready on "
 KEYS = {f"sk-bench-{i}": {"tenant": f"tenant{i}", "publish": True} for i in (1, 2, 3)}
 
 
@@ -48,30 +47,8 @@ KEYS = {f"sk-bench-{i}": {"tenant": f"tenant{i}", "publish": True} for i in (1, 
 
 @contextmanager
 def server(workdir: Path, name: str, args: list[str], common: list[str]):
-    log_path = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *common, *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        yield _wait_ready(proc, log_path) + "/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_ready(proc: subprocess.Popen, log_path: Path, timeout_s: float = 600) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith(READY_PREFIX):
-                return line[len(READY_PREFIX):].split()[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
-    raise RuntimeError("server not ready in time")
+    with served([*common, *args], workdir / f"{name}.log") as url:
+        yield url + "/v1"
 
 
 # ---- requests ---------------------------------------------------------------

@@ -30,22 +30,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import openai
+from _servers import served
 
-READY_PREFIX = "kvferry serve: ready on "
 
 
 # ---- the conversations ----------------------------------------------------------
@@ -79,32 +76,8 @@ def load_conversations(num: int, history_messages: int, max_chars: int, seed: in
 
 # ---- servers ----------------------------------------------------------------------
 
-@contextmanager
 def server(workdir: Path, name: str, args: list[str]):
-    log_path = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        yield _wait_ready(proc, log_path)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_ready(proc: subprocess.Popen, log_path: Path, timeout_s: float = 600) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith(READY_PREFIX):
-                return line[len(READY_PREFIX):].split()[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
-    raise RuntimeError("server not ready in time")
+    return served(args, workdir / f"{name}.log")
 
 
 def tier_counters(url: str, admin_key: str) -> dict[str, dict[str, int]]:

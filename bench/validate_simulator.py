@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import _servers
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,6 @@ from kvferry.bench.metrics import parse_slo  # noqa: E402
 from kvferry.plan.validate import (  # noqa: E402
     error_rows, markdown_table, measured_summary, plot_validation, predicted_summary, trace_lines)
 
-READY_PREFIX = "kvferry serve: ready on "
 COLOCATED = ["--enable-chunked-prefill"]
 # name -> (workload, server flags, simulate --config, profile key, simulate extra flags)
 CONFIGS = {
@@ -132,33 +132,11 @@ def profiles(args: argparse.Namespace, out: Path) -> dict[str, str | None]:
 
 # -- servers ----------------------------------------------------------------------
 def start_server(args: argparse.Namespace, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--max-model-len", "2048",
-           "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(args.block_size),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
-           "--log-level", "warning", "--disable-uvicorn-access-log", *flags]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith(READY_PREFIX):
-                return proc, line[len(READY_PREFIX):].split()[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()[-2000:]}")
-        time.sleep(0.3)
-    stop_server(proc)
-    raise RuntimeError(f"server not ready after 300 s; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    common = ["--max-model-len", "2048", "--num-kv-blocks", str(args.num_kv_blocks), "--block-size",
+              str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning", "--disable-uvicorn-access-log"]
+    return _servers.start_server([*common, *flags, *(["--model", args.model] if args.model else [])], log,
+                                 timeout_s=300)
 
 
 def warm_up(url: str, n: int) -> None:
@@ -223,7 +201,7 @@ def run_server(args: argparse.Namespace, names: list[str], rates: dict[str, list
                 seed = 1000 + i  # a fresh prompt set per rate: no run hits an earlier run's cache
                 runs.append((name, f"{name}@{rate:g}", *bench_run(args, url, workload, rate, seed, out, name)))
     finally:
-        stop_server(proc)
+        _servers.stop_server(proc)
     return [row for name, run, prompts, bench_json in runs
             for row in simulate_run(args, name, run, prompts, bench_json, profile, out)]
 
