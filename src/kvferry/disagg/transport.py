@@ -51,6 +51,7 @@ import xxhash
 import zmq
 
 from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire, decode, encode
+from kvferry.shm_segments import unlink_dead_segments
 
 logger = logging.getLogger(__name__)
 
@@ -186,31 +187,11 @@ class SharedKVPool:
 
 def remove_stale_pools(directory: Path = _SHM_DIR) -> list[str]:
     """Unlink the pool segments of decode cores that are gone without
-    cleaning up (SIGKILL, OOM: a ``close`` that never ran). The creator's
-    pid is in the name; a live pid (or one reused since) keeps its segment.
-    Assumes one pid namespace per /dev/shm, as on one host."""
-    removed = []
-    for path in directory.glob(f"{_POOL_PREFIX}*-*"):
-        try:
-            pid = int(path.name[len(_POOL_PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if not _alive(pid):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+    cleaning up (SIGKILL, OOM: a ``close`` that never ran)."""
+    removed = unlink_dead_segments(directory, _POOL_PREFIX)
     if removed:
         logger.warning("removed %d KV pool segment(s) left by dead processes: %s", len(removed), removed)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 # -- sending half ------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvferry.shm_segments import unlink_dead_segments
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -61,16 +63,7 @@ class Arena:
     def sweep_stale(directory: Path = SHM_DIR) -> int:
         """Unlink arenas whose creator is gone (killed before it could
         clean up: SIGKILL, OOM). The creator's pid is in the name."""
-        removed = 0
-        for path in directory.glob("kvferry-kvstore-*-*"):
-            try:
-                pid = int(path.name.split("-")[2])
-            except (IndexError, ValueError):
-                continue
-            if not _alive(pid):
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        return len(unlink_dead_segments(directory, "kvferry-kvstore-"))
 
     @classmethod
     def attach(cls, path: str | Path, num_slots: int, block_nbytes: int) -> "Arena":
@@ -97,12 +90,3 @@ class Arena:
         except BufferError:
             pass  # someone still holds a view: the mapping lives until it is dropped
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
