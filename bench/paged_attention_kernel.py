@@ -38,13 +38,13 @@ def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int
                 num_prefills=batch if q_len > 1 else 0, kv_dtype=dtype)
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn, repeats: int, clock=time.process_time) -> float:
     fn()  # warm-up (and the kernel's first build / load)
     samples = []
     for _ in range(repeats):
-        t0 = time.process_time()
+        t0 = clock()
         fn()
-        samples.append(time.process_time() - t0)
+        samples.append(clock() - t0)
     return statistics.median(samples) * 1e3
 
 
@@ -68,15 +68,21 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
         return lambda: paged_attention(q, k, v, cache, meta, scale)
 
     kernel_fn, torch_fn = call(False), call(True)
-    kernel_ms, torch_ms = [], []
+    clock = time.perf_counter if args.wall else time.process_time
+    kernel_ms, torch_ms, legacy_ms = [], [], []
     for _ in range(args.rounds):  # interleaved
-        kernel_ms.append(_time(kernel_fn, args.repeats))
-        torch_ms.append(float("nan") if args.no_torch else _time(torch_fn, args.repeats))
+        kernel_ms.append(_time(kernel_fn, args.repeats, clock))
+        if args.legacy:
+            os.environ["KVFERRY_KERNEL_LEGACY"] = "1"
+            legacy_ms.append(_time(kernel_fn, args.repeats, clock))
+            os.environ["KVFERRY_KERNEL_LEGACY"] = "0"
+        torch_ms.append(float("nan") if args.no_torch else _time(torch_fn, args.repeats, clock))
     kv_bytes = 2 * args.batch * (args.context + q_len) * args.kv_heads * args.head_dim * cache.element_size()
     km = statistics.median(kernel_ms)
     return {"q_len": q_len, "kernel_ms": round(km, 3), "torch_ms": round(statistics.median(torch_ms), 3),
             "kernel_over_torch": round(km / statistics.median(torch_ms), 3),
-            "kv_read_gb_s": round(kv_bytes / km / 1e6, 2)}
+            "kv_read_gb_s": round(kv_bytes / km / 1e6, 2),
+            **({"legacy_ms": round(statistics.median(legacy_ms), 3)} if args.legacy else {})}
 
 
 def main() -> None:
@@ -94,6 +100,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved kernel / torch rounds")
     ap.add_argument("--kernel-max-tokens", type=int, default=None,
                     help="chunks up to this many tokens go to the kernel (default: attention.py's threshold)")
+    ap.add_argument("--wall", action="store_true", help="wall-clock time per call instead of process CPU time")
+    ap.add_argument("--legacy", action="store_true", help="also time the per-query bf16 path (A/B)")
     ap.add_argument("--no-torch", action="store_true", help="time the kernel only (for profiling)")
     args = ap.parse_args()
     if args.kernel_max_tokens is not None:

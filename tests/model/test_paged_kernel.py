@@ -330,3 +330,65 @@ def _long_case():
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     q = torch.randn(225, kv_heads * group, head_dim, generator=gen)
     return q, k_cache, v_cache, tables, seq_lens, starts, q_lens, group
+
+
+def _bf16_case(group, head_dim, block_size, q_lens, seq_lens, seed, q_scale=1.0):
+    """bf16 caches whose never-written slots (past each sequence's length,
+    and spare blocks) are NaN, blocks scattered, 2 KV heads."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads = 2
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 2
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    v_cache = k_cache.clone()
+    used = 0
+    for r, (b, s) in enumerate(zip(blocks, seq_lens)):
+        tables[r, :b] = ids[used:used + b]
+        used += b
+        for p in range(s):
+            blk, off = tables[r, p // block_size], p % block_size
+            k_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+            v_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    starts = [sum(q_lens[:r]) for r in range(len(q_lens))]
+    q = (torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen) * q_scale).to(torch.bfloat16)
+    return q, k_cache, v_cache, tables, starts
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_tiles_against_float64_softmax(kernel, group, head_dim, block_size):
+    """bf16 queries and caches on every path a bf16 call can take (one query
+    row per KV head and a few: each query reads the rows in place; more:
+    each tile is re-laid out once for all of them): decode and chunks of odd
+    lengths, tails shorter than a tile, a tile spanning two blocks (block
+    size 8), a chunk longer than one 32-token query block; within bf16
+    resolution of a float64 softmax over the same bf16 inputs."""
+    q_lens, seq_lens = [1, 2, 5, 1, 17, 40, 1], [1, 2, 23, 33, 47, 71, 129]
+    q, k_cache, v_cache, tables, starts = _bf16_case(group, head_dim, block_size, q_lens, seq_lens,
+                                                     seed=group * 1000 + head_dim + block_size)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    kernel(q, k_cache, v_cache, tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens),
+           scale, out)
+    assert torch.isfinite(out).all()  # no NaN slot was read
+    for r in range(len(seq_lens)):
+        expected = _explicit(q, k_cache, v_cache, tables[r], seq_lens[r], starts[r], q_lens[r], scale, group)
+        torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_peaked_scores_rescale(kernel):
+    """Scores spread over tens of units (queries scaled by 6), so the running
+    max moves often and by a lot: the online softmax rescales without
+    overflow or lost mass, on both bf16 paths (decode and a 24-token chunk)."""
+    group, head_dim = 4, 64
+    q_lens, seq_lens = [1, 24], [300, 300]
+    q, k_cache, v_cache, tables, starts = _bf16_case(group, head_dim, 16, q_lens, seq_lens, seed=7, q_scale=6.0)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    kernel(q, k_cache, v_cache, tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens),
+           0.125, out)
+    for r in range(2):
+        expected = _explicit(q, k_cache, v_cache, tables[r], seq_lens[r], starts[r], q_lens[r], 0.125, group)
+        torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), expected, atol=3e-2, rtol=3e-2)

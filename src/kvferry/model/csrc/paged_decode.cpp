@@ -39,6 +39,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -316,6 +317,65 @@ void tile_accumulate_dpbf16(float* __restrict acc, float alpha, __m512 pv, const
   for (; d < dim; d += 32) accumulate_dpbf16_chunks<1>(acc + d, av, pp, v + d, stride, n);
 }
 #endif
+#ifdef KVFERRY_AVX512_BF16
+// ---- The staged bf16 tile: re-laid out once, shared by every query of a work item ----
+//
+// kp [D/2] vectors: lane t of kp[i] is token t's dims (2i, 2i+1) as one bf16
+// pair, so one query's 16 scores are D/2 vdpbf16ps with the query's pair i
+// broadcast, landing one token per lane: no horizontal reduction per query.
+// vp [8 token pairs][D/32 chunks][2]: tokens 2j and 2j+1 interleaved per dim
+// (unpacklo/hi within 128-bit lanes), so acc += p . V is vdpbf16ps with the
+// pair (p[2j], p[2j+1]) broadcast; acc comes out in pair_dim order per
+// 32-dim chunk and is un-permuted once per work item. Rows past the tile's n
+// tokens are zero (never read from the cache).
+
+// 16 rows of 16 uint32 -> 16 columns: out[i] lane t = in[t] lane i.
+// Three rounds of unpack inside 128-bit lanes, then a 4x4 transpose of the lanes.
+inline void transpose16x16_epi32(const __m512i in[16], __m512i* __restrict out) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane L: rows 2k, 2k+1 at elements 4L..4L+1 | 4L+2..4L+3
+    t[2 * k] = _mm512_unpacklo_epi32(in[2 * k], in[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(in[2 * k], in[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // u[4k + j], lane L: rows 4k..4k+3 at element 4L + j
+    u[4 * k + 0] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // out[4L + j], lane k = u[4k + j], lane L
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    out[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    out[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    out[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    out[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// rows[t] (t < n; D bf16 each) -> kp [D/2] and vp [8][D/32][2] as above.
+// kFull: n == 16 (all but a sequence's last tile), loads without per-row tests.
+template <bool kFull>
+inline void stage_tile_bf16(const at::BFloat16* const* krows, const at::BFloat16* const* vrows, int64_t n, int64_t dim,
+                            __m512i* __restrict kp, __m512i* __restrict vp) {
+  const __m512i zero = _mm512_setzero_si512();
+  auto row = [&](const at::BFloat16* const* rows, int64_t t, int64_t c) __attribute__((always_inline)) {
+    return kFull || t < n ? _mm512_loadu_si512(rows[t] + 32 * c) : zero;
+  };
+  for (int64_t c = 0; c < dim / 32; ++c) {  // 32 dims = 16 pairs = one 16x16 block
+    __m512i in[16];
+    for (int64_t t = 0; t < kTile; ++t) in[t] = row(krows, t, c);
+    transpose16x16_epi32(in, kp + 16 * c);
+    for (int64_t j = 0; j < kTile / 2; ++j) {
+      const __m512i x = row(vrows, 2 * j, c), y = row(vrows, 2 * j + 1, c);
+      __m512i* out = vp + (j * (dim / 32) + c) * 2;
+      out[0] = _mm512_unpacklo_epi16(x, y);
+      out[1] = _mm512_unpackhi_epi16(x, y);
+    }
+  }
+}
+#endif  // KVFERRY_AVX512_BF16
 
 // exp for x <= 0, 16 lanes: the Cephes expf of exp256 above.
 inline __m512 exp512(__m512 x) {
@@ -352,6 +412,73 @@ inline __m512 softmax_tile(__m512 s, int64_t n, float& m, float& l, float& alpha
   l += _mm512_reduce_add_ps(p);
   return p;
 }
+
+#ifdef KVFERRY_AVX512_BF16
+// Q queries (1..4) against one staged tile, interleaved so that their
+// independent vdpbf16ps chains overlap (one query alone waits on each
+// instruction's latency): scores, online softmax, acc += p . V.
+// q[k]: bf16 query [D]; acc[k]: float [D] (pair_dim order); m: running max;
+// l: running sum per lane (16 partial sums); visible[k]: tile tokens query k sees (<= 0: none, it is left as is).
+// p is rounded to bf16 for the P . V vdpbf16ps, as flash-attention kernels
+// round P before their P @ V product (bf16 path only; float32 is exact).
+constexpr float kLazyRescale = 8.f;
+
+template <int Q>
+inline void staged_group(const at::BFloat16* const* q, float* const* acc, float* m, __m512* l, const int64_t* visible,
+                         const __m512i* __restrict kp, const __m512i* __restrict vp, int64_t dim, float scale) {
+  constexpr int kChains = 4;  // per query
+  __m512 s[Q][kChains];
+  for (int k = 0; k < Q; ++k) for (int c = 0; c < kChains; ++c) s[k][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim / 2; i += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      const __m512bh kv = (__m512bh)kp[i + c];
+      for (int k = 0; k < Q; ++k) {
+        const int32_t pair = reinterpret_cast<const int32_t*>(q[k])[i + c];  // (q[2i], q[2i+1])
+        s[k][c] = _mm512_dpbf16_ps(s[k][c], kv, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  }
+  alignas(32) int32_t pp[Q][kTile / 2];  // (p[2j], p[2j+1]) as bf16 pairs; zero past the visible tokens
+  __m512 alpha[Q];
+  for (int k = 0; k < Q; ++k) {
+    const __m512 sk = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s[k][0], s[k][1]), _mm512_add_ps(s[k][2], s[k][3])),
+                                    _mm512_set1_ps(scale));
+    const __mmask16 valid = visible[k] >= kTile ? 0xFFFF : visible[k] > 0 ? (1u << visible[k]) - 1u : 0u;
+    // Lazy rescaling: m moves only when a score passes it by more than
+    // kLazyRescale, so the horizontal max and the rescale of acc and l are
+    // rare after the first tile. Any m gives the same softmax; this one keeps
+    // every weight below e^kLazyRescale, far from float32 (and bf16) overflow.
+    alpha[k] = _mm512_set1_ps(1.f);
+    if (_mm512_mask_cmp_ps_mask(valid, sk, _mm512_set1_ps(m[k] + kLazyRescale), _CMP_GT_OQ)) {
+      const float tile_max = _mm512_mask_reduce_max_ps(valid, sk);
+      alpha[k] = _mm512_set1_ps(std::exp(m[k] - tile_max));  // exp(-inf) = 0 on the first tile
+      l[k] = _mm512_mul_ps(l[k], alpha[k]);
+      m[k] = tile_max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sk, _mm512_set1_ps(m[k]))));
+    l[k] = _mm512_add_ps(l[k], p);  // per-lane partial sums, added up once per work item
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[k]), (__m256i)_mm512_cvtneps_pbh(p));
+  }
+  const int64_t chunks = dim / 32;
+  for (int64_t c = 0; c < chunks; c += 2) {  // 64 dims (4 accumulators per query) at a time
+    const int cc = chunks - c >= 2 ? 4 : 2;
+    __m512 o[Q][4];
+    for (int k = 0; k < Q; ++k) {
+      for (int r = 0; r < cc; ++r) o[k][r] = _mm512_mul_ps(_mm512_loadu_ps(acc[k] + 32 * c + 16 * r), alpha[k]);
+    }
+    for (int64_t j = 0; j < kTile / 2; ++j) {
+      const __m512i* v = vp + (j * chunks + c) * 2;
+      for (int r = 0; r < cc; ++r) {
+        const __m512bh vr = (__m512bh)v[r];
+        for (int k = 0; k < Q; ++k) o[k][r] = _mm512_dpbf16_ps(o[k][r], vr, (__m512bh)_mm512_set1_epi32(pp[k][j]));
+      }
+    }
+    for (int k = 0; k < Q; ++k) {
+      for (int r = 0; r < cc; ++r) _mm512_storeu_ps(acc[k] + 32 * c + 16 * r, o[k][r]);
+    }
+  }
+}
+#endif
 
 // acc [dim] = acc * alpha + sum_t p[t] * v_t, t < n; dim % 16 == 0. 64 dims
 // of acc stay in registers across the tile's tokens.
@@ -421,8 +548,18 @@ inline const float* as_float<float>(const float* src, int64_t stride, int64_t, i
 enum class Path {
   kPortable,  // rows converted to float (or used in place), AVX2 / plain-loop primitives
   kWiden,     // AVX-512: rows widened in registers, float query
-  kDpbf16,    // AVX-512 BF16: bf16 query and rows, vdpbf16ps dot products
+  kDpbf16,    // AVX-512 BF16: bf16 query and rows, vdpbf16ps dot products (items of
+              // kStageMinQueries or more queries stage each tile: run_staged)
 };
+
+// Work items with at least this many query vectors stage each tile (K
+// transposed into dim pairs, V into token pairs) once for all of them; below
+// it (decode: M = G, 1-3 heads per KV head in the models we serve) the
+// 16x16 transpose costs about what it saves, and each query reads the rows in
+// place. Measured (bench/paged_attention_kernel.py, one thread, batch 32,
+// context 384, G = 3): staging is 1.07x the per-query time at M = 3, 0.86x at
+// M = 6, 0.63-0.72x at M = 12-48.
+constexpr int64_t kStageMinQueries = 4;
 
 struct Seq {
   int64_t q_start, q_len, seq_len;
@@ -438,12 +575,82 @@ struct Attend {
   int64_t q_token_stride;  // between q's tokens (q may be a column slice of a wider tensor)
   int64_t num_heads, kv_heads, head_dim, group, block_size;
   float scale;
+  int64_t stage_min_queries = kStageMinQueries;
 
   // Per-thread scratch, reused across work items.
   struct Scratch {
     std::vector<float> acc, m, l, qf, kbuf, vbuf;
     std::vector<int64_t> limit;  // visible positions per query
+#ifdef KVFERRY_AVX512_BF16
+    std::vector<__m512i> kp, vp;  // the staged tile (run_staged)
+    std::vector<__m512> lvec;      // run_staged: per query, softmax sums per lane
+#endif
   };
+
+#ifdef KVFERRY_AVX512_BF16
+  // Row pointers of K and V for positions [start, start + n) of seq, wherever their blocks are.
+  void tile_rows(const Seq& seq, int64_t h, int64_t start, int64_t n, const scalar_t** krows,
+                 const scalar_t** vrows) const {
+    const int64_t row_stride = kv_heads * head_dim;
+    int64_t b = start / block_size, off = start % block_size;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t row = (seq.table[b] * block_size + off) * row_stride + h * head_dim;
+      krows[t] = k_ptr + row;
+      vrows[t] = v_ptr + row;
+      if (++off == block_size) off = 0, ++b;
+    }
+  }
+
+  // Items of kStageMinQueries or more queries: the tile [start, start + 16)
+  // is staged once (K transposed into dim pairs, V into token pairs) and
+  // every query of the item reads the staged copy from L1. A tile may span
+  // blocks (its rows are looked up one by one), so any block size works.
+  // (Software prefetch of the next tile's rows measured no gain.)
+  void run_staged(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    const int64_t M = (j1 - j0) * group, D = head_dim;
+    const int64_t end = seq.seq_len - seq.q_len + j1;
+    w.kp.resize(D / 2);
+    w.vp.resize(D / 2);  // 8 pairs x D/32 chunks x 2
+    w.lvec.assign(M, _mm512_setzero_ps());
+    const scalar_t* krows[kTile];
+    const scalar_t* vrows[kTile];
+    for (int64_t start = 0; start < end; start += kTile) {
+      const int64_t n = std::min(kTile, end - start);
+      tile_rows(seq, h, start, n, krows, vrows);
+      const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
+      const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
+      if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, w.kp.data(), w.vp.data());
+      else stage_tile_bf16<false>(kb, vb, n, D, w.kp.data(), w.vp.data());
+      // Later queries see more (limits grow with i): from the last down, in groups of up to 4.
+      for (int64_t top = M - 1; top >= 0 && w.limit[top] > start; top -= 4) {
+        const int q = static_cast<int>(std::min<int64_t>(4, top + 1));
+        const at::BFloat16* qs[4];
+        float* accs[4];
+        float ms[4];
+        __m512 ls[4];
+        int64_t visible[4];
+        for (int k = 0; k < q; ++k) {
+          const int64_t i = top - k;
+          qs[k] = reinterpret_cast<const at::BFloat16*>(query(j0 + i / group, i % group, h, seq));
+          accs[k] = w.acc.data() + i * D;
+          ms[k] = w.m[i];
+          ls[k] = w.lvec[i];
+          visible[k] = std::min(n, w.limit[i] - start);
+        }
+        switch (q) {
+          case 4: staged_group<4>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale); break;
+          case 3: staged_group<3>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale); break;
+          case 2: staged_group<2>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale); break;
+          default: staged_group<1>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale);
+        }
+        for (int k = 0; k < q; ++k) {
+          w.m[top - k] = ms[k];
+          w.lvec[top - k] = ls[k];
+        }
+      }
+    }
+  }
+#endif
 
   // Query tokens [j0, j1) of `seq` against KV head h: their positions see
   // the context up to the last one's, end = context_len + j1.
@@ -456,17 +663,26 @@ struct Attend {
     w.m.assign(M, -std::numeric_limits<float>::infinity());
     w.l.assign(M, 0.f);
     w.limit.resize(M);
-    if constexpr (kPath != Path::kDpbf16) w.qf.resize(M * D);
+    if constexpr (kPath == Path::kPortable || kPath == Path::kWiden) w.qf.resize(M * D);
     for (int64_t j = j0; j < j1; ++j) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t i = (j - j0) * group + g;  // query vector: token j, head h * G + g
         w.limit[i] = context_len + j + 1;
-        if constexpr (kPath != Path::kDpbf16) {
+        if constexpr (kPath == Path::kPortable || kPath == Path::kWiden) {
           const qscalar_t* qi = query(j, g, h, seq);
           for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(qi[d]);
         }
       }
     }
+#ifdef KVFERRY_AVX512_BF16
+    if constexpr (kPath == Path::kDpbf16) {
+      if (M >= stage_min_queries) {
+        run_staged(seq, j0, j1, h, w);
+        for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
+        return finish(seq, j0, M, h, w);
+      }
+    }
+#endif
     if constexpr (kPath == Path::kPortable && !std::is_same_v<scalar_t, float>) {
       w.kbuf.resize(kTile * D);
       w.vbuf.resize(kTile * D);
@@ -517,6 +733,12 @@ struct Attend {
 #endif
       }
     }
+    finish(seq, j0, M, h, w);
+  }
+
+  // out rows of the item's M queries = acc / l.
+  void finish(const Seq& seq, int64_t j0, int64_t M, int64_t h, Scratch& w) const {
+    const int64_t D = head_dim;
     for (int64_t i = 0; i < M; ++i) {
       const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;  // seq_len == 0: zeros, not NaN
       qscalar_t* o = out_ptr + ((seq.q_start + j0 + i / group) * num_heads + h * group + i % group) * D;
@@ -583,6 +805,9 @@ void dispatch_path(Path path, const at::Tensor& q, const at::Tensor& k_cache, co
     Op op{q.data_ptr<qscalar_t>(), out.data_ptr<qscalar_t>(), k_cache.data_ptr<scalar_t>(),
           v_cache.data_ptr<scalar_t>(), q.stride(0), q.size(1), k_cache.size(2), q.size(2), q.size(1) / k_cache.size(2),
           k_cache.size(1), static_cast<float>(scale)};
+    // Old per-query path for every item, selectable for A/B timing while the staged one is measured.
+    const char* legacy = std::getenv("KVFERRY_KERNEL_LEGACY");
+    if (legacy != nullptr && legacy[0] == '1') op.stage_min_queries = std::numeric_limits<int64_t>::max();
     attend_all(op, seqs);
   };
   if constexpr (kHaveDpbf16 && std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<qscalar_t, at::BFloat16>) {
