@@ -414,6 +414,27 @@ inline __m512 softmax_tile(__m512 s, int64_t n, float& m, float& l, float& alpha
 }
 
 #ifdef KVFERRY_AVX512_BF16
+// acc[k][32c, 32c + 16R) = acc * alpha[k] + p_k . V over a staged tile, R
+// accumulators (16 dims each) per query, fixed at compile time so that they stay in registers.
+template <int Q, int R>
+inline void staged_pv(float* const* acc, const __m512* alpha, const int32_t (*pp)[kTile / 2],
+                      const __m512i* __restrict vp, int64_t chunks, int64_t c) {
+  __m512 o[Q][R];
+  for (int k = 0; k < Q; ++k) {
+    for (int r = 0; r < R; ++r) o[k][r] = _mm512_mul_ps(_mm512_loadu_ps(acc[k] + 32 * c + 16 * r), alpha[k]);
+  }
+  for (int64_t j = 0; j < kTile / 2; ++j) {
+    const __m512i* v = vp + (j * chunks + c) * 2;
+    for (int r = 0; r < R; ++r) {
+      const __m512bh vr = (__m512bh)v[r];
+      for (int k = 0; k < Q; ++k) o[k][r] = _mm512_dpbf16_ps(o[k][r], vr, (__m512bh)_mm512_set1_epi32(pp[k][j]));
+    }
+  }
+  for (int k = 0; k < Q; ++k) {
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[k] + 32 * c + 16 * r, o[k][r]);
+  }
+}
+
 // Q queries (1..4) against one staged tile, interleaved so that their
 // independent vdpbf16ps chains overlap (one query alone waits on each
 // instruction's latency): scores, online softmax, acc += p . V.
@@ -422,6 +443,29 @@ inline __m512 softmax_tile(__m512 s, int64_t n, float& m, float& l, float& alpha
 // p is rounded to bf16 for the P . V vdpbf16ps, as flash-attention kernels
 // round P before their P @ V product (bf16 path only; float32 is exact).
 constexpr float kLazyRescale = 8.f;
+
+// Online softmax step for one query over one tile of scores s (lanes <
+// visible valid): weights p = exp(s - m) into pp as bf16 pairs (zero past
+// visible), l (16 per-lane partial sums) += p; returns alpha, the factor by
+// which acc must be rescaled first (1 unless m moved).
+// Lazy rescaling: m moves only when a score passes it by more than
+// kLazyRescale, so the horizontal max and the rescale of acc and l are rare
+// after the first tile. Any m gives the same softmax; this one keeps every
+// weight below e^kLazyRescale, far from float32 (and bf16) overflow.
+inline __m512 lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, int32_t* pp) {
+  const __mmask16 valid = visible >= kTile ? 0xFFFF : visible > 0 ? (1u << visible) - 1u : 0u;
+  __m512 alpha = _mm512_set1_ps(1.f);
+  if (_mm512_mask_cmp_ps_mask(valid, s, _mm512_set1_ps(m + kLazyRescale), _CMP_GT_OQ)) {
+    const float tile_max = _mm512_mask_reduce_max_ps(valid, s);
+    alpha = _mm512_set1_ps(std::exp(m - tile_max));  // exp(-inf) = 0 on the first tile
+    l = _mm512_mul_ps(l, alpha);
+    m = tile_max;
+  }
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+  l = _mm512_add_ps(l, p);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+  return alpha;
+}
 
 template <int Q>
 inline void staged_group(const at::BFloat16* const* q, float* const* acc, float* m, __m512* l, const int64_t* visible,
@@ -443,40 +487,57 @@ inline void staged_group(const at::BFloat16* const* q, float* const* acc, float*
   for (int k = 0; k < Q; ++k) {
     const __m512 sk = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s[k][0], s[k][1]), _mm512_add_ps(s[k][2], s[k][3])),
                                     _mm512_set1_ps(scale));
-    const __mmask16 valid = visible[k] >= kTile ? 0xFFFF : visible[k] > 0 ? (1u << visible[k]) - 1u : 0u;
-    // Lazy rescaling: m moves only when a score passes it by more than
-    // kLazyRescale, so the horizontal max and the rescale of acc and l are
-    // rare after the first tile. Any m gives the same softmax; this one keeps
-    // every weight below e^kLazyRescale, far from float32 (and bf16) overflow.
-    alpha[k] = _mm512_set1_ps(1.f);
-    if (_mm512_mask_cmp_ps_mask(valid, sk, _mm512_set1_ps(m[k] + kLazyRescale), _CMP_GT_OQ)) {
-      const float tile_max = _mm512_mask_reduce_max_ps(valid, sk);
-      alpha[k] = _mm512_set1_ps(std::exp(m[k] - tile_max));  // exp(-inf) = 0 on the first tile
-      l[k] = _mm512_mul_ps(l[k], alpha[k]);
-      m[k] = tile_max;
-    }
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sk, _mm512_set1_ps(m[k]))));
-    l[k] = _mm512_add_ps(l[k], p);  // per-lane partial sums, added up once per work item
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[k]), (__m256i)_mm512_cvtneps_pbh(p));
+    alpha[k] = lazy_softmax(sk, visible[k], m[k], l[k], pp[k]);
   }
   const int64_t chunks = dim / 32;
-  for (int64_t c = 0; c < chunks; c += 2) {  // 64 dims (4 accumulators per query) at a time
-    const int cc = chunks - c >= 2 ? 4 : 2;
-    __m512 o[Q][4];
-    for (int k = 0; k < Q; ++k) {
-      for (int r = 0; r < cc; ++r) o[k][r] = _mm512_mul_ps(_mm512_loadu_ps(acc[k] + 32 * c + 16 * r), alpha[k]);
-    }
-    for (int64_t j = 0; j < kTile / 2; ++j) {
-      const __m512i* v = vp + (j * chunks + c) * 2;
-      for (int r = 0; r < cc; ++r) {
-        const __m512bh vr = (__m512bh)v[r];
-        for (int k = 0; k < Q; ++k) o[k][r] = _mm512_dpbf16_ps(o[k][r], vr, (__m512bh)_mm512_set1_epi32(pp[k][j]));
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) staged_pv<Q, 4>(acc, alpha, pp, vp, chunks, c);
+  if (c < chunks) staged_pv<Q, 2>(acc, alpha, pp, vp, chunks, c);
+}
+
+// acc[j][c, c + 16R) = acc * alpha[j] + sum_t p_j[t] v_t[c, c + 16R) for
+// the Q queries of inplace_group: R accumulators (16 dims each) per query,
+// fixed at compile time so that they stay in registers.
+template <int Q, int R>
+inline void inplace_pv(float* const* acc, const __m512* alpha, const int32_t (*pp)[kTile / 2],
+                       const at::BFloat16* __restrict v, int64_t stride, int64_t n, int64_t c) {
+  __m512 o[Q][R];
+  for (int j = 0; j < Q; ++j) {
+    for (int r = 0; r < R; ++r) o[j][r] = _mm512_mul_ps(_mm512_loadu_ps(acc[j] + c + 16 * r), alpha[j]);
+  }
+  for (int64_t t = 0; t < n; t += 2) {
+    for (int h = 0; h < R / 2; ++h) {  // 32-dim halves
+      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * h);
+      const __m512i y = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * stride + 32 * h) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int j = 0; j < Q; ++j) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pp[j][t / 2]);
+        o[j][2 * h] = _mm512_dpbf16_ps(o[j][2 * h], lo, w);
+        o[j][2 * h + 1] = _mm512_dpbf16_ps(o[j][2 * h + 1], hi, w);
       }
     }
-    for (int k = 0; k < Q; ++k) {
-      for (int r = 0; r < cc; ++r) _mm512_storeu_ps(acc[k] + 32 * c + 16 * r, o[k][r]);
-    }
   }
+  for (int j = 0; j < Q; ++j) {
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[j] + c + 16 * r, o[j][r]);
+  }
+}
+
+// The same for items of few queries (decode), reading the tile's n rows in
+// place (row t at k + t * stride, n <= 16, never past the sequence): per
+// query the 16 scores are 16 dot products reduced by one transpose; V rows
+// are interleaved in registers once per token pair and used by all Q queries.
+template <int Q>
+inline void inplace_group(const at::BFloat16* const* q, float* const* acc, float* m, __m512* l, const int64_t* visible,
+                          const at::BFloat16* __restrict k, const at::BFloat16* __restrict v, int64_t stride,
+                          int64_t n, int64_t dim, float scale) {
+  alignas(32) int32_t pp[Q][kTile / 2];
+  __m512 alpha[Q];
+  for (int j = 0; j < Q; ++j) {
+    alpha[j] = lazy_softmax(tile_scores_dpbf16(q[j], k, stride, n, dim, scale), visible[j], m[j], l[j], pp[j]);
+  }
+  int64_t c = 0;
+  for (; c + 64 <= dim; c += 64) inplace_pv<Q, 4>(acc, alpha, pp, v + c, stride, n, c);
+  if (c < dim) inplace_pv<Q, 2>(acc, alpha, pp, v + c, stride, n, c);
 }
 #endif
 
@@ -576,6 +637,7 @@ struct Attend {
   int64_t num_heads, kv_heads, head_dim, group, block_size;
   float scale;
   int64_t stage_min_queries = kStageMinQueries;
+  bool legacy = false;
 
   // Per-thread scratch, reused across work items.
   struct Scratch {
@@ -601,6 +663,59 @@ struct Attend {
     }
   }
 
+  // Calls run_group(std::integral_constant<int, Q>, q, acc, m, l, visible)
+  // for the item's queries that see any of tile [start, start + n), from
+  // the last down (later queries see more: limits grow with i), in groups of
+  // up to 4, and stores their softmax state back.
+  template <typename RunGroup>
+  void for_query_groups(const Seq& seq, int64_t j0, int64_t h, int64_t start, int64_t n, Scratch& w,
+                        RunGroup&& run_group) const {
+    const int64_t M = static_cast<int64_t>(w.m.size());
+    for (int64_t top = M - 1; top >= 0 && w.limit[top] > start; top -= 4) {
+      const int q = static_cast<int>(std::min<int64_t>(4, top + 1));
+      const at::BFloat16* qs[4];
+      float* accs[4];
+      float ms[4];
+      __m512 ls[4];
+      int64_t visible[4];
+      for (int k = 0; k < q; ++k) {
+        const int64_t i = top - k;
+        qs[k] = reinterpret_cast<const at::BFloat16*>(query(j0 + i / group, i % group, h, seq));
+        accs[k] = w.acc.data() + i * head_dim;
+        ms[k] = w.m[i];
+        ls[k] = w.lvec[i];
+        visible[k] = std::min(n, w.limit[i] - start);
+      }
+      switch (q) {
+        case 4: run_group(std::integral_constant<int, 4>{}, qs, accs, ms, ls, visible); break;
+        case 3: run_group(std::integral_constant<int, 3>{}, qs, accs, ms, ls, visible); break;
+        case 2: run_group(std::integral_constant<int, 2>{}, qs, accs, ms, ls, visible); break;
+        default: run_group(std::integral_constant<int, 1>{}, qs, accs, ms, ls, visible);
+      }
+      for (int k = 0; k < q; ++k) {
+        w.m[top - k] = ms[k];
+        w.lvec[top - k] = ls[k];
+      }
+    }
+  }
+
+  // Items of fewer queries: tiles of up to 16 rows inside one block, read in place.
+  void run_inplace(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    const int64_t D = head_dim, row_stride = kv_heads * D;
+    const int64_t end = seq.seq_len - seq.q_len + j1;
+    int64_t n = 0;
+    for (int64_t start = 0; start < end; start += n) {
+      const int64_t in_block = start % block_size;
+      n = std::min({kTile, end - start, block_size - in_block});
+      const int64_t base = (seq.table[start / block_size] * block_size + in_block) * row_stride + h * D;
+      const auto* kt = reinterpret_cast<const at::BFloat16*>(k_ptr + base);
+      const auto* vt = reinterpret_cast<const at::BFloat16*>(v_ptr + base);
+      for_query_groups(seq, j0, h, start, n, w, [&](auto tag, auto&&... a) {
+        inplace_group<decltype(tag)::value>(a..., kt, vt, row_stride, n, D, scale);
+      });
+    }
+  }
+
   // Items of kStageMinQueries or more queries: the tile [start, start + 16)
   // is staged once (K transposed into dim pairs, V into token pairs) and
   // every query of the item reads the staged copy from L1. A tile may span
@@ -611,7 +726,6 @@ struct Attend {
     const int64_t end = seq.seq_len - seq.q_len + j1;
     w.kp.resize(D / 2);
     w.vp.resize(D / 2);  // 8 pairs x D/32 chunks x 2
-    w.lvec.assign(M, _mm512_setzero_ps());
     const scalar_t* krows[kTile];
     const scalar_t* vrows[kTile];
     for (int64_t start = 0; start < end; start += kTile) {
@@ -621,33 +735,9 @@ struct Attend {
       const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
       if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, w.kp.data(), w.vp.data());
       else stage_tile_bf16<false>(kb, vb, n, D, w.kp.data(), w.vp.data());
-      // Later queries see more (limits grow with i): from the last down, in groups of up to 4.
-      for (int64_t top = M - 1; top >= 0 && w.limit[top] > start; top -= 4) {
-        const int q = static_cast<int>(std::min<int64_t>(4, top + 1));
-        const at::BFloat16* qs[4];
-        float* accs[4];
-        float ms[4];
-        __m512 ls[4];
-        int64_t visible[4];
-        for (int k = 0; k < q; ++k) {
-          const int64_t i = top - k;
-          qs[k] = reinterpret_cast<const at::BFloat16*>(query(j0 + i / group, i % group, h, seq));
-          accs[k] = w.acc.data() + i * D;
-          ms[k] = w.m[i];
-          ls[k] = w.lvec[i];
-          visible[k] = std::min(n, w.limit[i] - start);
-        }
-        switch (q) {
-          case 4: staged_group<4>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale); break;
-          case 3: staged_group<3>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale); break;
-          case 2: staged_group<2>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale); break;
-          default: staged_group<1>(qs, accs, ms, ls, visible, w.kp.data(), w.vp.data(), D, scale);
-        }
-        for (int k = 0; k < q; ++k) {
-          w.m[top - k] = ms[k];
-          w.lvec[top - k] = ls[k];
-        }
-      }
+      for_query_groups(seq, j0, h, start, n, w, [&](auto tag, auto&&... a) {
+        staged_group<decltype(tag)::value>(a..., w.kp.data(), w.vp.data(), D, scale);
+      });
     }
   }
 #endif
@@ -676,8 +766,10 @@ struct Attend {
     }
 #ifdef KVFERRY_AVX512_BF16
     if constexpr (kPath == Path::kDpbf16) {
-      if (M >= stage_min_queries) {
-        run_staged(seq, j0, j1, h, w);
+      if (M >= stage_min_queries || !legacy) {
+        w.lvec.assign(M, _mm512_setzero_ps());
+        if (M >= stage_min_queries) run_staged(seq, j0, j1, h, w);
+        else run_inplace(seq, j0, j1, h, w);
         for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
         return finish(seq, j0, M, h, w);
       }
@@ -807,7 +899,8 @@ void dispatch_path(Path path, const at::Tensor& q, const at::Tensor& k_cache, co
           k_cache.size(1), static_cast<float>(scale)};
     // Old per-query path for every item, selectable for A/B timing while the staged one is measured.
     const char* legacy = std::getenv("KVFERRY_KERNEL_LEGACY");
-    if (legacy != nullptr && legacy[0] == '1') op.stage_min_queries = std::numeric_limits<int64_t>::max();
+    if (legacy != nullptr && legacy[0] == '1') op.stage_min_queries = std::numeric_limits<int64_t>::max(), op.legacy = true;
+    if (const char* smin = std::getenv("KVFERRY_STAGE_MIN"); smin != nullptr && (legacy == nullptr || legacy[0] != '1')) op.stage_min_queries = std::atoll(smin);
     attend_all(op, seqs);
   };
   if constexpr (kHaveDpbf16 && std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<qscalar_t, at::BFloat16>) {
