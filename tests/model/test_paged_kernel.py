@@ -294,7 +294,7 @@ def test_chunk_threshold_and_long_bf16_chunks(kernel, monkeypatch):
 
     native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
     assert attention.kernel_max_chunk_tokens(torch.float32) == 16
-    assert attention.kernel_max_chunk_tokens(torch.bfloat16) == (1024 if native else 16)
+    assert attention.kernel_max_chunk_tokens(torch.bfloat16) == (8192 if native else 16)
     dtype = torch.bfloat16
     cache, meta_args, gen = _batch([40, 100, 1], [90, 100, 20], 3, 64, 16, dtype=dtype)
     meta_args["kv_dtype"] = dtype

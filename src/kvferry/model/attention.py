@@ -40,15 +40,17 @@ _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # process CPU time): in float32 the kernel ties the gather + SDPA path at 16
 # tokens and is 1.2-1.3x slower at 64-128. With a bf16 cache on a CPU with
 # AVX512-BF16 (vdpbf16ps) torch's bf16 flash attention is no faster than its
-# float32 one, and the kernel takes 0.62-0.70x of SDPA's time on fresh
-# prompts of 64-512 tokens (0.80x at 1024) and 0.69-0.87x on 64-1024-token
-# chunks over 512 cached tokens: bf16 sends every chunk up to 1024 tokens.
+# float32 one, and the kernel (its long chunks staging each K/V tile once for
+# all query rows) takes 0.55-0.64x of SDPA's time on fresh prompts of
+# 1024-4096 tokens and 0.40-0.45x on 1024-2048-token chunks over 1024 cached
+# tokens: bf16 sends every chunk up to 8192 tokens (the longest measured
+# was 4096).
 # Greedy outputs may differ from the SDPA path's where two logits tie at bf16
 # resolution (a fresh 37-token chat prompt of the embedded model: every
 # layer is as close to float32 on either path, but its first token's top two
 # logits, 0.08 apart in float32, round to the same bf16 value on one path).
 _KERNEL_MAX_PREFILL_TOKENS = 16
-_KERNEL_MAX_PREFILL_TOKENS_BF16 = 1024
+_KERNEL_MAX_PREFILL_TOKENS_BF16 = 8192
 
 
 def kernel_max_chunk_tokens(kv_dtype: torch.dtype | None) -> int:

@@ -837,7 +837,17 @@ struct Attend {
       const float* a = w.acc.data() + i * D;
       if constexpr (kPath == Path::kDpbf16) {
 #ifdef KVFERRY_AVX512_BF16
-        for (int64_t d = 0; d < D; ++d) o[d / 32 * 32 + pair_dim(d % 32)] = static_cast<qscalar_t>(a[d] * inv);
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (int64_t c = 0; c < D; c += 32) {
+          // In pair_dim order, 128-bit lane L of lo holds dims 8L..8L+3 and of hi 8L+4..8L+7.
+          const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(a + c), iv);
+          const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), iv);
+          // [lo.L0, lo.L1, hi.L0, hi.L1] -> lanes (0, 2, 1, 3): dims 0..15; likewise L2, L3: dims 16..31.
+          const __m512 x0 = _mm512_shuffle_f32x4(lo, hi, 0x44), x1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+          const __m512 n0 = _mm512_shuffle_f32x4(x0, x0, 0xD8), n1 = _mm512_shuffle_f32x4(x1, x1, 0xD8);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), (__m256i)_mm512_cvtneps_pbh(n0));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c + 16), (__m256i)_mm512_cvtneps_pbh(n1));
+        }
 #endif
       } else {
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<qscalar_t>(a[d] * inv);
