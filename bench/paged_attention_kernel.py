@@ -4,7 +4,9 @@ One layer's attention for a batch of sequences with `--context` cached tokens
 each and `--q-len` new query tokens per sequence (1 = decode; k+1 = a
 speculative verify window; a short prefill chunk), SmolLM2-135M's head shapes
 by default. Times are process CPU seconds per call (use `--threads 1` on a
-busy machine: preemption then costs nothing), median of `--repeats`, with the
+busy machine: preemption then costs nothing; `--wall` for wall-clock time,
+the figure that matters with several threads on a quiet machine), median of
+`--repeats`, with the
 kernel and torch calls interleaved. `--q-lens 1,2,4,8,16,32` sweeps the
 chunk length to find where SDPA overtakes the kernel.
 
@@ -69,20 +71,15 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
 
     kernel_fn, torch_fn = call(False), call(True)
     clock = time.perf_counter if args.wall else time.process_time
-    kernel_ms, torch_ms, legacy_ms = [], [], []
+    kernel_ms, torch_ms = [], []
     for _ in range(args.rounds):  # interleaved
         kernel_ms.append(_time(kernel_fn, args.repeats, clock))
-        if args.legacy:
-            os.environ["KVFERRY_KERNEL_LEGACY"] = "1"
-            legacy_ms.append(_time(kernel_fn, args.repeats, clock))
-            os.environ["KVFERRY_KERNEL_LEGACY"] = "0"
         torch_ms.append(float("nan") if args.no_torch else _time(torch_fn, args.repeats, clock))
     kv_bytes = 2 * args.batch * (args.context + q_len) * args.kv_heads * args.head_dim * cache.element_size()
     km = statistics.median(kernel_ms)
     return {"q_len": q_len, "kernel_ms": round(km, 3), "torch_ms": round(statistics.median(torch_ms), 3),
             "kernel_over_torch": round(km / statistics.median(torch_ms), 3),
-            "kv_read_gb_s": round(kv_bytes / km / 1e6, 2),
-            **({"legacy_ms": round(statistics.median(legacy_ms), 3)} if args.legacy else {})}
+            "kv_read_gb_s": round(kv_bytes / km / 1e6, 2)}
 
 
 def main() -> None:
@@ -101,7 +98,6 @@ def main() -> None:
     ap.add_argument("--kernel-max-tokens", type=int, default=None,
                     help="chunks up to this many tokens go to the kernel (default: attention.py's threshold)")
     ap.add_argument("--wall", action="store_true", help="wall-clock time per call instead of process CPU time")
-    ap.add_argument("--legacy", action="store_true", help="also time the per-query bf16 path (A/B)")
     ap.add_argument("--no-torch", action="store_true", help="time the kernel only (for profiling)")
     args = ap.parse_args()
     if args.kernel_max_tokens is not None:

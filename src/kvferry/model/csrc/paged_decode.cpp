@@ -1,6 +1,6 @@
 // Paged attention over one request's paged KV cache for each of its query
 // tokens: single-token decode, speculative verify windows (k+1 tokens) and
-// short prefill chunks over a cached context. CPU only; built at first use by
+// prefill chunks, fresh or over a cached context. CPU only; built at first use by
 // paged_kernel.py.
 //
 // Layout (see attention.py): k_cache, v_cache [num_blocks, block_size, KVH, D];
@@ -28,7 +28,11 @@
 //   AVX-512 (head_dim % 16 == 0): cache rows read in place and widened in
 //     registers; 16 token dot products reduced together by one transpose.
 //     With AVX512-BF16, a bf16 query and bf16 cache (head_dim % 32 == 0) take
-//     vdpbf16ps: bf16 pairs multiplied exactly, summed in float32.
+//     vdpbf16ps: bf16 pairs multiplied exactly, summed in float32. Items of
+//     kStageMinQueries or more query vectors stage each tile once (K as dim
+//     pairs, V as token pairs: run_staged), smaller ones read rows in place
+//     (run_inplace); both run up to 4 queries interleaved with a lazily
+//     rescaled online softmax.
 //   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
 //     per-thread float buffer) or portable loops.
 #include <ATen/Parallel.h>
@@ -39,7 +43,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -269,52 +272,14 @@ __m512 tile_scores_dpbf16(const at::BFloat16* __restrict q, const at::BFloat16* 
   return _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
 }
 
-// acc += sum_t p[t] * v_t for bf16 rows, dim % 32 == 0, with vdpbf16ps over
-// pairs of tokens: the weights are rounded to bf16 (as torch's bf16 flash
-// attention does before its P @ V product) and each product pair is summed
-// in float32. Interleaving rows t and t+1 (unpack, within 128-bit lanes)
-// leaves acc in a permuted order: in each 32-dim chunk, position e holds
-// dimension pair_dim(e) (see below); alpha and the final division act
-// elementwise, and the output is un-permuted once per work item.
+// P @ V with vdpbf16ps over pairs of tokens (see inplace_pv and staged_pv):
+// interleaving rows t and t+1 (unpack, within 128-bit lanes) leaves acc in a
+// permuted order: in each 32-dim chunk, position e holds dimension
+// pair_dim(e); alpha and the final division act elementwise, and the output
+// is un-permuted once per work item (finish).
 inline int64_t pair_dim(int64_t e) {  // e in [0, 32)
   const int64_t hi = e / 16, lane = (e % 16) / 4, j = e % 4;
   return 8 * lane + 4 * hi + j;
-}
-
-template <int kChunks>  // 32-dim chunks handled together: independent FMA chains
-inline void accumulate_dpbf16_chunks(float* __restrict acc, __m512 av, const uint32_t* pp,
-                                     const at::BFloat16* __restrict v, int64_t stride, int64_t n) {
-  __m512 a[2 * kChunks];
-  for (int c = 0; c < 2 * kChunks; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), av);
-  int64_t t = 0;
-  for (; t + 1 < n; t += 2) {
-    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));  // (p[t], p[t+1])
-    for (int c = 0; c < kChunks; ++c) {
-      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * c);
-      const __m512i y = _mm512_loadu_si512(v + (t + 1) * stride + 32 * c);
-      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, y), w);
-      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), w);
-    }
-  }
-  if (t < n) {  // odd count: pair the last row with zeros (its partner's weight is 0 too)
-    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));
-    for (int c = 0; c < kChunks; ++c) {
-      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * c);
-      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_unpacklo_epi16(x, _mm512_setzero_si512()), w);
-      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x, _mm512_setzero_si512()), w);
-    }
-  }
-  for (int c = 0; c < 2 * kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-}
-
-void tile_accumulate_dpbf16(float* __restrict acc, float alpha, __m512 pv, const at::BFloat16* __restrict v,
-                            int64_t stride, int64_t n, int64_t dim) {
-  alignas(64) uint32_t pp[kTile / 2];  // bf16 pairs (p[2k], p[2k+1]); weights past n are 0
-  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(pv));
-  const __m512 av = _mm512_set1_ps(alpha);
-  int64_t d = 0;
-  for (; d + 64 <= dim; d += 64) accumulate_dpbf16_chunks<2>(acc + d, av, pp, v + d, stride, n);
-  for (; d < dim; d += 32) accumulate_dpbf16_chunks<1>(acc + d, av, pp, v + d, stride, n);
 }
 #endif
 #ifdef KVFERRY_AVX512_BF16
@@ -636,8 +601,6 @@ struct Attend {
   int64_t q_token_stride;  // between q's tokens (q may be a column slice of a wider tensor)
   int64_t num_heads, kv_heads, head_dim, group, block_size;
   float scale;
-  int64_t stage_min_queries = kStageMinQueries;
-  bool legacy = false;
 
   // Per-thread scratch, reused across work items.
   struct Scratch {
@@ -766,13 +729,11 @@ struct Attend {
     }
 #ifdef KVFERRY_AVX512_BF16
     if constexpr (kPath == Path::kDpbf16) {
-      if (M >= stage_min_queries || !legacy) {
-        w.lvec.assign(M, _mm512_setzero_ps());
-        if (M >= stage_min_queries) run_staged(seq, j0, j1, h, w);
-        else run_inplace(seq, j0, j1, h, w);
-        for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
-        return finish(seq, j0, M, h, w);
-      }
+      w.lvec.assign(M, _mm512_setzero_ps());
+      if (M >= kStageMinQueries) run_staged(seq, j0, j1, h, w);
+      else run_inplace(seq, j0, j1, h, w);
+      for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
+      return finish(seq, j0, M, h, w);
     }
 #endif
     if constexpr (kPath == Path::kPortable && !std::is_same_v<scalar_t, float>) {
@@ -809,13 +770,6 @@ struct Attend {
 #ifdef KVFERRY_AVX512
         if constexpr (kPath != Path::kPortable) {
           float alpha = 1.f;
-#ifdef KVFERRY_AVX512_BF16
-          if constexpr (kPath == Path::kDpbf16) {
-            const __m512 sv = tile_scores_dpbf16(query(j0 + i / group, i % group, h, seq), kt, row_stride, visible, D, scale);
-            const __m512 p = softmax_tile(sv, visible, w.m[i], w.l[i], alpha);
-            tile_accumulate_dpbf16(acc, alpha, p, vt, row_stride, visible, D);
-          } else
-#endif
           {
             const __m512 sv = tile_scores16(w.qf.data() + i * D, kt, row_stride, visible, D, scale);
             _mm512_store_ps(s, softmax_tile(sv, visible, w.m[i], w.l[i], alpha));
@@ -907,10 +861,6 @@ void dispatch_path(Path path, const at::Tensor& q, const at::Tensor& k_cache, co
     Op op{q.data_ptr<qscalar_t>(), out.data_ptr<qscalar_t>(), k_cache.data_ptr<scalar_t>(),
           v_cache.data_ptr<scalar_t>(), q.stride(0), q.size(1), k_cache.size(2), q.size(2), q.size(1) / k_cache.size(2),
           k_cache.size(1), static_cast<float>(scale)};
-    // Old per-query path for every item, selectable for A/B timing while the staged one is measured.
-    const char* legacy = std::getenv("KVFERRY_KERNEL_LEGACY");
-    if (legacy != nullptr && legacy[0] == '1') op.stage_min_queries = std::numeric_limits<int64_t>::max(), op.legacy = true;
-    if (const char* smin = std::getenv("KVFERRY_STAGE_MIN"); smin != nullptr && (legacy == nullptr || legacy[0] != '1')) op.stage_min_queries = std::atoll(smin);
     attend_all(op, seqs);
   };
   if constexpr (kHaveDpbf16 && std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<qscalar_t, at::BFloat16>) {
