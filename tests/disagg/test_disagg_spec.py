@@ -52,7 +52,9 @@ def plain(checkpoint):
 
 
 def spec_of(method: str, checkpoint: str, draft_checkpoint: str, head_file: str) -> dict:
-    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False, "batch_token_threshold": 10**6}
+    # k fixed whatever the step timings, so two runs draft alike
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False, "cost_aware": False,
+            "batch_token_threshold": 10**6}
     if method == "ngram":
         spec["prompt_lookup_min"] = 1  # the first token alone finds a match (see repetitive_prompt)
     elif method == "draft":
@@ -94,6 +96,14 @@ def test_decode_core_drafts_at_its_first_step_and_recomputes_nothing(
         stats = decode.stats()
         if method != "head":  # a random head's drafts are rarely right; prompt lookup's and the self-draft's are
             assert stats.num_accepted_tokens > 0, stats
+        # The decode core drafted exactly as a colocated core does: the same
+        # drafter state (context, hidden state, draft KV) from the first step.
+        colocated = LLM(model=checkpoint, dtype="float32", speculative=spec)
+        assert list(colocated.generate([prompt], GREEDY)[0].outputs[0].token_ids) == expected
+        c = colocated.engine.stats()
+        assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                stats.num_accepted_tokens_per_pos) == (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
+                                                       c.num_accepted_tokens_per_pos)
         assert stats.num_prompt_tokens_computed == 0
         assert stats.num_draft_prompt_tokens_computed == 0
         if method == "draft":  # the prefill core's draft computed the whole prompt
