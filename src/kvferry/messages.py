@@ -31,7 +31,9 @@ Prefill/decode disaggregation (a router drives two cores, ``kvferry.disagg``)::
                                                                        prefix cache applies)
                                 <== KV of the blocks D lacks, layer by layer, as each layer finishes
                                 <== KVTransferDone: first token, output ids (penalty counts),
-                                    seeded generator state, checksum
+                                    seeded generator state, checksum; with speculation the
+                                    core's signature and the head's hidden state (a draft
+                                    model's KV came as layers after the target's)
                                 verify every layer + checksum
                                 ==> KVTransferAck ==================>  frees its blocks (or at lease end)
            <------------------------------------------------------- output: the first token,
