@@ -31,7 +31,9 @@ Prefill/decode disaggregation (a router drives two cores, ``kvferry.disagg``)::
                                                                        prefix cache applies)
                                 <== KV of the blocks D lacks, layer by layer, as each layer finishes
                                 <== KVTransferDone: first token, output ids (penalty counts),
-                                    seeded generator state, checksum
+                                    seeded generator state, checksum; with speculation the
+                                    core's signature and the head's hidden state (a draft
+                                    model's KV came as layers after the target's)
                                 verify every layer + checksum
                                 ==> KVTransferAck ==================>  frees its blocks (or at lease end)
            <------------------------------------------------------- output: the first token,
@@ -234,6 +236,9 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     eos_token_ids: list[int]
     # The KV dtype keyed into block hashes (a router recomputes them).
     kv_dtype: str = ""
+    # Its speculation (``kvferry.spec.speculation_signature``; "": none).
+    # Prefill and decode cores of one server must agree.
+    speculative: str = ""
 
 
 # -- prefill core -> decode core (its transfer socket) -----------------------------
@@ -245,6 +250,7 @@ class KVLayerChunk(msgspec.Struct, kw_only=True, tag=True):
     bytes are already in the decode core's pool and this says so."""
 
     transfer_id: str
+    # 0 .. L-1: the target's layers; L ..: the draft model's (method "draft").
     layer: int
     block_ids: list[int]  # decode-core block ids the chunk fills
     has_payload: bool = False
@@ -269,6 +275,18 @@ class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
     generator_state: bytes = b""
     # Set when the prefill core gave up (aborted, lease over): discard.
     error: str = ""
+    # The prefill core's speculation (``kvferry.spec.speculation_signature``):
+    # what it ships besides the target's KV. The decode core refuses a
+    # transfer whose signature differs from its own.
+    speculative: str = ""
+    # Method "head": the target's last hidden state at the row that sampled
+    # the first token ([hidden_size] raw bytes in ``hidden_state_dtype``, as
+    # the model runs), with its xxh3-64, so the decode core's head drafts at
+    # its first step. (Method "draft" ships the draft model's KV instead, as
+    # layers num_target_layers .. num_layers - 1 of the same transfer.)
+    hidden_state: bytes = b""
+    hidden_state_dtype: str = ""
+    hidden_state_checksum: int = 0
 
 
 class KVTransferAck(msgspec.Struct, kw_only=True, tag=True):

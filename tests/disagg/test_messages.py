@@ -37,6 +37,9 @@ def test_output_with_destination_round_trips():
     KVTransferDone(transfer_id="t", num_layers=2, block_ids=[1, 2], output_token_ids=[9],
                    generator_state=b"\x00\xff" * 8),
     KVTransferDone(transfer_id="t", num_layers=0, block_ids=[], output_token_ids=[], error="aborted"),
+    # Speculation: the signature, and a head's hidden state with its checksum.
+    KVTransferDone(transfer_id="t", num_layers=3, block_ids=[4], output_token_ids=[9], speculative="head",
+                   hidden_state=b"\x01\x02" * 16, hidden_state_dtype="bfloat16", hidden_state_checksum=2**64 - 1),
     KVTransferAck(transfer_id="t", ok=False, reason="unknown or expired transfer"),
 ], ids=lambda m: type(m).__name__)
 def test_wire_round_trips(message):

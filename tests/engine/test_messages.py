@@ -49,7 +49,7 @@ OUTPUTS = [
     EngineCoreOutputs(outputs=[], engine_error="the engine core died: AssertionError()"),
     EngineCoreReady(pid=42, max_model_len=2048, vocab_size=49152, num_kv_blocks=100, block_size=16,
                     max_num_batched_tokens=2048, enable_chunked_prefill=True, model_fingerprint="ab" * 32,
-                    model_path="/models/x", eos_token_ids=[2, 7], kv_dtype="float32"),
+                    model_path="/models/x", eos_token_ids=[2, 7], kv_dtype="float32", speculative="draft:cd"),
 ]
 
 

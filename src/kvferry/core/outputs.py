@@ -202,3 +202,5 @@ class RunnerOutput:
     # failed (request id -> reason: timeout, checksum, incomplete, ...).
     kv_received: dict[str, list[int]] = field(default_factory=dict)
     failed_loading: dict[str, str] = field(default_factory=dict)
+    # Prompt positions the draft model computed this step (method "draft").
+    num_draft_prompt_tokens: int = 0

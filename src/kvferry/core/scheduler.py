@@ -97,6 +97,13 @@ class KVTransferSettings:
     recompute_on_failure: bool  # else finish the request with an error
 
 
+def first_decode_step(request: Request, swapped: "SwappedKV | None", hit: "PrefixHit") -> bool:
+    """Admitted with its whole context's KV already in place but for the
+    newest token (a decode-role request resumed with received KV)."""
+    return (swapped is None and hit.num_tokens == 0 and request.num_output_tokens > 0
+            and request.num_tokens - request.num_computed_tokens == 1)
+
+
 def _role(request: Request) -> str:
     params = request.kv_transfer
     return params.role if isinstance(params, KVTransferParams) else ""
@@ -176,6 +183,8 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos: list[int] = []  # [k_max]: drafts accepted at each position
+        self.num_prompt_tokens_computed = 0  # target forward positions inside a prompt
+        self.num_draft_prompt_tokens_computed = 0  # the draft model's (runner-reported)
 
     # -- intake ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -219,10 +228,24 @@ class Scheduler:
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
-            k = self.num_speculative_tokens
-            if self.draft_budget is not None:
-                k = min(k, self.draft_budget.num_drafts(request.request_id, num_running))
-            request.spec_token_ids = self.proposer.propose(request)[:k] if k > 0 else []
+            request.spec_token_ids = self._proposal(request, num_running)
+
+    def _proposal(self, request: Request, num_running: int) -> list[int]:
+        k = self.num_speculative_tokens
+        if self.draft_budget is not None:
+            k = min(k, self.draft_budget.num_drafts(request.request_id, num_running))
+        return self.proposer.propose(request)[:k] if k > 0 else []
+
+    def _admission_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Drafts for a request admitted with only its newest token to
+        compute: a decode-role request whose prompt KV and first token came
+        from a prefill core. It drafts at its first step here, as a running
+        decode would (the proposer sees prompt + first token)."""
+        if (self.proposer is None or self.num_speculative_tokens == 0 or num_new != 1
+                or request.num_output_tokens == 0):
+            return []
+        request.spec_token_ids = self._proposal(request, len(self.running) + 1)
+        return self._drafts_for(request, num_new, budget)
 
     def _drafts_for(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts worth verifying: only for a decode, within the budget,
@@ -312,7 +335,9 @@ class Scheduler:
         if num_new > budget and not self.config.enable_chunked_prefill and not resumed:
             return _SKIP
         num_new = 0 if load_async else min(num_new, budget)
-        new = self.kv.allocate_slots(request, num_new, hit, num_external_tokens=num_external + load_async)
+        drafts = self._admission_drafts(request, num_new, budget) if first_decode_step(request, swapped, hit) else []
+        new = self.kv.allocate_slots(request, num_new + len(drafts), hit,
+                                     num_external_tokens=num_external + load_async)
         if new is None:
             total = request.num_computed_tokens + hit.num_tokens + num_external + load_async + num_new
             if not self.running and not self.kv.can_fit(total):
@@ -339,8 +364,8 @@ class Scheduler:
         self._forget_ahead(request.request_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._emit(out, request, num_new, [])
-        return num_new
+        self._emit(out, request, num_new, drafts)
+        return num_new + len(drafts)
 
     # -- disaggregation ---------------------------------------------------------
     def _admit_decode(self, out: SchedulerOutput, request: Request, hit: PrefixHit) -> int | None:
@@ -586,6 +611,10 @@ class Scheduler:
         if _role(request) == "prefill":
             self._order_stream(out, request, num_new)
         out.num_scheduled_tokens[rid] = num_new + len(drafts)
+        # Prompt positions the target computes here (0 on a decode core for a
+        # request whose prompt KV was received).
+        self.num_prompt_tokens_computed += max(
+            0, min(request.num_computed_tokens + num_new, request.num_prompt_tokens) - request.num_computed_tokens)
         self.fairness.charge(request, num_new + len(drafts))
         if drafts:
             out.spec_token_ids[rid] = list(drafts)
@@ -634,6 +663,7 @@ class Scheduler:
         finished. Stop strings need text: the front end applies them and
         calls ``finish_requests``."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.num_draft_prompt_tokens_computed += result.num_draft_prompt_tokens
         self._apply_kv_completions(result, outputs)
         for rid, num_scheduled in sched.num_scheduled_tokens.items():
             request = self.requests.get(rid)
@@ -873,6 +903,8 @@ class Scheduler:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_draft_prompt_tokens_computed=self.num_draft_prompt_tokens_computed,
             kv_store_queries=lookups.queries,
             kv_store_hits=lookups.hits,
             kv_loaded_tokens=self.num_loaded_tokens,

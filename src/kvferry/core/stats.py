@@ -24,6 +24,11 @@ class SchedulerStats:
     num_accepted_tokens: int = 0  # cumulative drafts accepted
     # Cumulative drafts accepted at each draft position (index 0: the first draft).
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Cumulative prompt positions the target's forward pass computed, and the
+    # draft model's (method "draft"). A decode core that received a prompt's
+    # KV (and its draft's) computes none of them.
+    num_prompt_tokens_computed: int = 0
+    num_draft_prompt_tokens_computed: int = 0
     # The node's KV store below the device pool (cumulative tokens / blocks).
     kv_store_queries: int = 0  # tokens looked up past the device hit
     kv_store_hits: int = 0  # of those, tokens some tier held

@@ -10,9 +10,12 @@ Prefill side: for a step with ``StreamOrder``s, ``begin_step`` returns a
 global). The model calls ``layer_done(i)`` as soon as layer ``i`` wrote its
 KV; that only queues a job, so the forward pass goes on to layer ``i + 1``
 while the sender thread gathers layer ``i``'s blocks and writes them through
-the link (overlapping transfer with compute). After sampling,
+the link (overlapping transfer with compute). With a draft model (method
+"draft") its layers follow as layers L.. of the same transfer, queued as
+soon as the draft ran (before the target's forward pass). After sampling,
 ``StepTransfer.finish`` queues the ``KVTransferDone``: first token, output
-ids (the penalties' counts) and generator state. Each layer's chunk carries
+ids (the penalties' counts), generator state, and with method "head" the
+hidden state the decode core's head drafts from. Each layer's chunk carries
 its own checksum, taken as the layer is sent and verified by the decode
 core as it lands, so Done adds no hashing at the end. Jobs run in order, so
 Done follows every write.
@@ -37,7 +40,7 @@ import zmq
 from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import KVOrders, StreamOrder
 from kvferry.disagg.transport import (
-    KVReceiver, KVTransport, Received, SharedKVPool, ShmTransport, TcpTransport,
+    KVReceiver, KVTransport, Received, SharedKVPool, ShmTransport, TcpTransport, hidden_state_checksum,
 )
 from kvferry.messages import KVTransferDone
 
@@ -59,9 +62,12 @@ class _Stream:
 class StepTransfer:
     """One step's outgoing KV, called by the model between layers."""
 
-    def __init__(self, jobs: queue.SimpleQueue, orders: list[StreamOrder]) -> None:
+    def __init__(self, jobs: queue.SimpleQueue, orders: list[StreamOrder], num_layers: int = 0,
+                 num_draft_layers: int = 0) -> None:
         self._jobs = jobs
         self.orders = orders
+        self.num_layers = num_layers  # the target's
+        self.num_draft_layers = num_draft_layers
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer`` wrote this step's KV: queue its blocks (returns at once)."""
@@ -69,22 +75,41 @@ class StepTransfer:
             if order.src_block_ids:
                 self._jobs.put(("layer", order, layer))
 
-    def finish(self, sampled: dict[str, list[int]], generators: dict[str, torch.Generator | None]) -> None:
-        """After sampling: close every transfer whose prompt ended this step."""
+    def draft_done(self) -> None:
+        """The draft model wrote this step's KV (it runs before the target's
+        forward pass): queue its layers, numbered after the target's."""
+        for i in range(self.num_draft_layers):
+            self.layer_done(self.num_layers + i)
+
+    def finish(self, sampled: dict[str, list[int]], generators: dict[str, torch.Generator | None],
+               hidden: dict[str, torch.Tensor] | None = None) -> None:
+        """After sampling: close every transfer whose prompt ended this step.
+        ``hidden``: method "head", each request's last hidden state [H]."""
         for order in self.orders:
             if order.last:
                 gen = generators.get(order.request_id)
                 state = gen.get_state().numpy().tobytes() if gen is not None else b""
-                self._jobs.put(("done", order, list(sampled.get(order.request_id, [])), state))
+                h = (hidden or {}).get(order.request_id)
+                self._jobs.put(("done", order, list(sampled.get(order.request_id, [])), state, h))
 
 
 class KVTransferAgent:
-    def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, pool: SharedKVPool | None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, pool: SharedKVPool | None,
+                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "") -> None:
+        """``draft_kv_cache``: method "draft", the draft model's pool (same
+        block ids, its own shapes), sent and received as layers L.. after
+        the target's L; ``speculative``: this core's speculation signature,
+        sent with each Done and required of each received one."""
         # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
+        # [draft_layers, 2, num_blocks, block_size, draft_kv_heads, draft_head_dim] or None
+        self.draft_kv_cache = draft_kv_cache
+        self.num_draft_layers = draft_kv_cache.shape[0] if draft_kv_cache is not None else 0
+        self.speculative = speculative
         self.config = config
         self.pool = pool
-        self.receiver = KVReceiver(kv_cache, config.kv_transfer_address)
+        self.receiver = KVReceiver(kv_cache, config.kv_transfer_address, draft_kv_cache=draft_kv_cache,
+                                   speculative=speculative)
         self.address = self.receiver.address
         self.shm_name = pool.name if pool is not None else ""
         self._ctx = zmq.Context.instance()
@@ -109,7 +134,7 @@ class KVTransferAgent:
         if not orders.stream:
             return None
         self._streaming_rids.update(o.request_id for o in orders.stream)
-        return StepTransfer(self._jobs, orders.stream)
+        return StepTransfer(self._jobs, orders.stream, self.kv_cache.shape[0], self.num_draft_layers)
 
     def finished_requests(self, request_ids: list[str]) -> None:
         """The scheduler finished these: close any stream not closed yet."""
@@ -194,16 +219,28 @@ class KVTransferAgent:
         if time.monotonic() >= stream.shm_deadline:
             self._fail(order, "lease over")
             return
-        stream.link.write_layer(order.transfer_id, layer, self.kv_cache[layer], order.src_block_ids,
-                                order.dst_block_ids, order.num_final_blocks)
+        num_target = self.kv_cache.shape[0]
+        if layer < num_target:
+            stream.link.write_layer(order.transfer_id, layer, self.kv_cache[layer], order.src_block_ids,
+                                    order.dst_block_ids, order.num_final_blocks)
+        else:  # a draft layer: its pool is not in shared memory, so framed bytes on any link
+            stream.link.write_framed(order.transfer_id, layer, self.draft_kv_cache[layer - num_target],
+                                     order.src_block_ids, order.dst_block_ids, order.num_final_blocks)
 
-    def _job_done(self, order: StreamOrder, tokens: list[int], generator_state: bytes) -> None:
+    def _job_done(self, order: StreamOrder, tokens: list[int], generator_state: bytes,
+                  hidden: torch.Tensor | None = None) -> None:
         stream = self._stream(order)
         if stream.error or stream.done_sent:
             return
+        hidden_bytes, hidden_dtype = b"", ""
+        if hidden is not None:
+            h = hidden.detach().contiguous().cpu()  # [H], the model's dtype
+            hidden_bytes, hidden_dtype = h.view(torch.uint8).numpy().tobytes(), str(h.dtype).removeprefix("torch.")
         stream.link.send_done(KVTransferDone(
-            transfer_id=order.transfer_id, num_layers=self.kv_cache.shape[0], block_ids=order.all_dst_block_ids,
-            output_token_ids=tokens, generator_state=generator_state))
+            transfer_id=order.transfer_id, num_layers=self.kv_cache.shape[0] + self.num_draft_layers,
+            block_ids=order.all_dst_block_ids, output_token_ids=tokens, generator_state=generator_state,
+            speculative=self.speculative, hidden_state=hidden_bytes, hidden_state_dtype=hidden_dtype,
+            hidden_state_checksum=hidden_state_checksum(hidden_bytes) if hidden_bytes else 0))
         stream.done_sent = True
 
     def _job_close(self, request_id: str) -> None:

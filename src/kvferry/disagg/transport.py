@@ -221,6 +221,18 @@ class KVTransport(ABC):
         ``num_final_blocks`` are final: checksummed here (while the bytes are
         in cache) and verified by the decode core as they land."""
 
+    def write_framed(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
+                     dst_block_ids: list[int], num_final_blocks: int) -> None:
+        """``write_layer`` with the bytes as a second frame after the chunk
+        header (zero-copy), whatever the link: the TCP transport, and a
+        draft model's layers, whose pool is not in shared memory."""
+        payload = gather_blocks(src_layer, src_block_ids).cpu()  # [2, n, bs, H, D]
+        header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True,
+                              num_final_blocks=num_final_blocks, checksum=chunk_checksum(payload, num_final_blocks))
+        # Zero-copy: the frame keeps ``payload`` alive until ZeroMQ sent it
+        # (the numpy view holds the tensor).
+        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=False)
+
     def send_done(self, done: KVTransferDone) -> None:
         self.sock.send(encode(done))
 
@@ -241,12 +253,7 @@ class TcpTransport(KVTransport):
 
     def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
                     dst_block_ids: list[int], num_final_blocks: int) -> None:
-        payload = gather_blocks(src_layer, src_block_ids).cpu()  # [2, n, bs, H, D]
-        header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True,
-                              num_final_blocks=num_final_blocks, checksum=chunk_checksum(payload, num_final_blocks))
-        # Zero-copy: the frame keeps ``payload`` alive until ZeroMQ sent it
-        # (the numpy view holds the tensor).
-        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=False)
+        self.write_framed(transfer_id, layer, src_layer, src_block_ids, dst_block_ids, num_final_blocks)
 
 
 class ShmTransport(KVTransport):
@@ -311,6 +318,14 @@ class Received:
 
     output_token_ids: list[int]
     generator_state: bytes
+    # Method "head": the prefill core's last hidden state (raw bytes, dtype
+    # name), verified against its checksum; b"" without one.
+    hidden_state: bytes = b""
+    hidden_state_dtype: str = ""
+
+
+def hidden_state_checksum(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
 
 
 class KVReceiver:
@@ -327,8 +342,14 @@ class KVReceiver:
     transfers once each; a transfer past its deadline (plus ``grace_s``, for
     a shared-memory write that began just before it) fails as "timeout"."""
 
-    def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5) -> None:
+    def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5,
+                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "") -> None:
         self.kv_cache = kv_cache
+        # Every layer a transfer fills, each [2, num_blocks, bs, H, D]: the
+        # target's, then the draft model's (its own head count and size,
+        # indexed by the same block ids).
+        self.layers: list[torch.Tensor] = [*kv_cache, *(draft_kv_cache if draft_kv_cache is not None else [])]
+        self.speculative = speculative  # this core's speculation signature
         self.grace_s = grace_s
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -397,14 +418,15 @@ class KVReceiver:
     def _on_chunk(self, chunk: KVLayerChunk, payload: memoryview | None) -> None:
         with self._lock:
             exp = self._expected.get(chunk.transfer_id)
-            if exp is None or exp.error or not set(chunk.block_ids) <= set(exp.block_ids):
-                return  # unknown, expired, failed, or not this transfer's blocks
+            if (exp is None or exp.error or not 0 <= chunk.layer < len(self.layers)
+                    or not set(chunk.block_ids) <= set(exp.block_ids)):
+                return  # unknown, expired, failed, or not this transfer's layers and blocks
         # Outside the lock: the copy and the hash must not stall ``take``.
-        pool_layer = self.kv_cache[chunk.layer]  # [2, num_blocks, bs, H, D]
+        pool_layer = self.layers[chunk.layer]  # [2, num_blocks, bs, H, D]
         final = chunk.block_ids[:chunk.num_final_blocks]
         if payload is not None:
-            shape = (2, len(chunk.block_ids), *self.kv_cache.shape[3:])
-            data = torch.frombuffer(payload, dtype=self.kv_cache.dtype).view(shape)  # [2, n, bs, H, D]
+            shape = (2, len(chunk.block_ids), *pool_layer.shape[2:])
+            data = torch.frombuffer(payload, dtype=pool_layer.dtype).view(shape)  # [2, n, bs, H, D]
             # The bytes as they came off the wire, hashed contiguously before
             # the copy into the pool reads them (still in cache).
             ok = chunk_checksum(data, len(final)) == chunk.checksum
@@ -431,7 +453,8 @@ class KVReceiver:
                     self._failed_received[exp.request_id] = Received(list(done.output_token_ids),
                                                                      done.generator_state)
             else:
-                self._done[exp.request_id] = Received(list(done.output_token_ids), done.generator_state)
+                self._done[exp.request_id] = Received(list(done.output_token_ids), done.generator_state,
+                                                      done.hidden_state, done.hidden_state_dtype)
             self._event.set()
         return KVTransferAck(transfer_id=done.transfer_id, ok=not reason, reason=reason)
 
@@ -440,9 +463,14 @@ class KVReceiver:
         chunk was checked as it landed)."""
         if done.error:
             return f"the prefill core gave up: {done.error}"
+        if done.speculative != self.speculative:
+            return (f"speculative configurations differ: the prefill core runs {done.speculative or 'none'!r}, "
+                    f"this core {self.speculative or 'none'!r} (start both with the same --speculative-config)")
         if exp.error:
             return exp.error
-        num_layers = self.kv_cache.shape[0]
+        if done.hidden_state and hidden_state_checksum(done.hidden_state) != done.hidden_state_checksum:
+            return "checksum mismatch in the hidden state"
+        num_layers = len(self.layers)
         if done.num_layers != num_layers or done.block_ids != exp.block_ids:
             return "the transfer does not match its destination"
         want = set(exp.block_ids)

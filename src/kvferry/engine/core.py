@@ -21,7 +21,7 @@ from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.request import Request, RequestStatus
-from kvferry.spec import speculation
+from kvferry.spec import speculation, speculation_signature
 from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,11 @@ class EngineCore:
         self.kv_store_io = None
         self._reported_store_stats = None
         self.kv_store = self._connect_kv_store()
+        draft = self._load_draft()
+        self.speculative = speculation_signature(config.speculative, draft.fingerprint if draft else "")
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
                                   kv_store=self.kv_store_io, kv_transfer=config.kv_transfer,
-                                  draft=self._load_draft(), head=self._load_head())
+                                  draft=draft, head=self._load_head(), speculative=self.speculative)
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector
@@ -141,6 +143,7 @@ class EngineCore:
             model_path=self.loaded.model_path,
             eos_token_ids=list(self.loaded.tokenizer.eos_token_ids),
             kv_dtype=self.scheduler.kv.kv_dtype,
+            speculative=self.speculative,
         )
 
     # -- requests ----------------------------------------------------------------

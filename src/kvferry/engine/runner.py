@@ -28,7 +28,7 @@ import torch
 from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from kvferry.disagg.agent import KVTransferAgent
-from kvferry.disagg.transport import SharedKVPool
+from kvferry.disagg.transport import Received, SharedKVPool
 from kvferry.engine.input_batch import InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.engine.store_connector import StoreConnector
@@ -89,11 +89,14 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
                  kv_store: Any = None, kv_transfer: KVTransferConfig | None = None,
-                 draft: LoadedModel | None = None, head: EagleHead | None = None) -> None:
+                 draft: LoadedModel | None = None, head: EagleHead | None = None,
+                 speculative: str = "") -> None:
         """``kv_store``: a KVStoreClient (loads and write-down through the
         node's store); ``kv_transfer``: prefill/decode disaggregation;
         ``draft``: the draft model of speculative method "draft"; ``head``:
-        the draft head of method "head"."""
+        the draft head of method "head"; ``speculative``: the speculation
+        signature a disaggregated pair compares
+        (``kvferry.spec.speculation_signature``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -101,12 +104,22 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.drafter: DraftModelProposer | HeadProposer | None = None
+        if draft is not None:
+            self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
+        elif head is not None:
+            self.drafter = HeadProposer(head, self.model)
         # Prefill/decode disaggregation: the agent (and, on CPU, the pool in
         # shared memory so that a prefill core on this host writes in place).
+        # A draft model's pool travels with the target's, as layers after them.
         self.kv_transfer: KVTransferAgent | None = None
         if kv_transfer is not None and kv_transfer.kv_transfer_address:
-            self.kv_transfer = _transfer_agent(self.kv_cache, kv_transfer)
+            draft_kv = self.drafter.kv_cache if isinstance(self.drafter, DraftModelProposer) else None
+            self.kv_transfer = _transfer_agent(self.kv_cache, kv_transfer, draft_kv, speculative)
             self.kv_cache = self.kv_transfer.kv_cache
+        # Decode side: requests whose draft KV came with their prompt's, until
+        # first scheduled here (the draft then starts past the prompt).
+        self._draft_kv_received: set[str] = set()
         self.connector: KVConnector = HostSwapConnector(self.kv_cache, num_swap_blocks)
         if kv_store is not None:  # a KVStoreClient: loads and write-down through the node's store
             self.connector = StoreConnector(self.kv_cache, kv_store, self.connector)
@@ -114,17 +127,13 @@ class ModelRunner:
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
         self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
-        self.drafter: DraftModelProposer | HeadProposer | None = None
-        if draft is not None:
-            self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
-        elif head is not None:
-            self.drafter = HeadProposer(head, self.model)
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
             self.batch.remove(rid)
+            self._draft_kv_received.discard(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
         if self.kv_transfer is not None:
@@ -145,7 +154,12 @@ class ModelRunner:
     def _add_request(self, data: NewRequestData) -> None:
         self.batch.remove(data.request_id)
         self.batch.add(data)
-        if self.drafter is not None:
+        if isinstance(self.drafter, DraftModelProposer) and data.request_id in self._draft_kv_received:
+            # Its prompt's draft KV was received with the target's: the draft
+            # starts where the target does (once: a readmission starts over).
+            self._draft_kv_received.discard(data.request_id)
+            self.drafter.add(data.request_id, num_computed_tokens=data.num_computed_tokens)
+        elif self.drafter is not None:
             self.drafter.add(data.request_id)
         state = self.states.get(data.request_id)
         if state is None:
@@ -219,6 +233,10 @@ class ModelRunner:
                 drafted = self._draft_requests(sched)
                 proposals = self.drafter.propose(self.batch, drafted)
                 spec_token_ids = {rid: p.token_ids for rid, p in proposals.items()}
+                if isinstance(self.drafter, DraftModelProposer):
+                    out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
+                    if step_transfer is not None:
+                        step_transfer.draft_done()
             inputs = self._prepare(sched, spec_token_ids)
             inputs.meta.kv_transfer = step_transfer
             # Started before the forward pass so the two overlap; joined before sampling.
@@ -235,7 +253,8 @@ class ModelRunner:
             if step_transfer is not None:
                 # Seeded sampling is keyed by output position (position_generator):
                 # the decode core draws the same noise with no generator state sent.
-                step_transfer.finish(out.sampled_token_ids, {})
+                hidden = self.drafter.last_hidden if isinstance(self.drafter, HeadProposer) else None
+                step_transfer.finish(out.sampled_token_ids, {}, hidden)
         finished = self.connector.take_finished()
         out.finished_loading = finished.finished_loading
         out.finished_saving = finished.finished_saving
@@ -255,10 +274,26 @@ class ModelRunner:
         for rid, r in received.items():
             out.finished_loading.append(rid)
             out.kv_received[rid] = r.output_token_ids
+            self._install_draft_state(rid, r)
         out.failed_loading.update(failed)
         for rid, r in failed_received.items():
             out.kv_received[rid] = r.output_token_ids
         out.finished_sending.extend(sent)
+
+    def _install_draft_state(self, rid: str, received: Received) -> None:
+        """What the prefill core's drafter state became here: the hidden
+        state the head drafts from, or the note that the draft model's
+        prompt KV is in place. Nothing of the prompt is recomputed."""
+        if isinstance(self.drafter, DraftModelProposer):
+            self._draft_kv_received.add(rid)
+        elif isinstance(self.drafter, HeadProposer) and received.hidden_state:
+            hidden = _hidden_from_bytes(received, self.loaded.config.hidden_size, self.device)
+            if hidden is None:
+                logger.warning("request %s: a hidden state of %d bytes (%s) does not fit this head; it drafts "
+                               "from its second step", rid, len(received.hidden_state), received.hidden_state_dtype)
+            else:
+                self.drafter.record(rid, hidden)
+
     def _record_hidden(self, sampling: list[tuple[str, list[int]]], sampled_hidden: torch.Tensor,
                        out: RunnerOutput) -> None:
         """The draft head's input: each request's hidden state at the row
@@ -278,7 +313,8 @@ class ModelRunner:
             k = len(sched.spec_token_ids.get(rid, ()))
             end = int(self.batch.num_computed_tokens[row]) + num_scheduled - k
             state = self.states[rid]
-            requests.append(DraftRequest(rid, row, end, k, state.params, len(state.output_token_ids)))
+            requests.append(DraftRequest(rid, row, end, k, state.params, len(state.output_token_ids),
+                                         len(state.prompt_token_ids)))
         return requests
 
     # -- sampling and verification --------------------------------------------
@@ -399,11 +435,23 @@ class ModelRunner:
 
 
 
-def _transfer_agent(kv_cache: torch.Tensor, config: KVTransferConfig) -> KVTransferAgent:
+def _transfer_agent(kv_cache: torch.Tensor, config: KVTransferConfig, draft_kv_cache: torch.Tensor | None,
+                    speculative: str) -> KVTransferAgent:
     """The agent over the pool it will serve: moved into shared memory on
     CPU (a prefill core on this host writes there); as is on a GPU."""
     pool = None
     if kv_cache.device.type == "cpu":
         pool = SharedKVPool.create(tuple(kv_cache.shape), kv_cache.dtype)
         kv_cache = pool.tensor
-    return KVTransferAgent(kv_cache, config, pool)
+    return KVTransferAgent(kv_cache, config, pool, draft_kv_cache, speculative)
+
+
+_HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _hidden_from_bytes(received: Received, hidden_size: int, device: torch.device) -> torch.Tensor | None:
+    """[hidden_size] from a Done's raw bytes, or None when they do not fit."""
+    dtype = _HIDDEN_DTYPES.get(received.hidden_state_dtype)
+    if dtype is None or len(received.hidden_state) != hidden_size * torch.empty((), dtype=dtype).element_size():
+        return None
+    return torch.frombuffer(bytearray(received.hidden_state), dtype=dtype).to(device)

@@ -60,5 +60,9 @@ class Worker:
             "num_running": s.num_running, "num_waiting": s.num_waiting,
             "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
             "prefix_queries": s.prefix_queries, "prefix_hits": s.prefix_hits,
+            "speculative": self.ready.speculative, "num_drafts": s.num_drafts,
+            "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
+            "prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "draft_prompt_tokens_computed": s.num_draft_prompt_tokens_computed,
             "step_model": self.step_model.fit(),
         }

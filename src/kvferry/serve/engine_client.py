@@ -226,7 +226,7 @@ class AsyncEngineClient:
                          name=first.name, address=first.address)
             client.workers[first.name] = first
             for worker in workers[1:]:
-                _check_compatible(first.ready, worker.ready, worker.address)
+                _check_compatible(first.ready, worker.ready, worker.address, disagg=router.mode == "disagg")
                 client._add_worker(worker)
         except BaseException:
             for conn in connections:
@@ -324,7 +324,7 @@ class AsyncEngineClient:
         connection = CoreConnection(addresses)
         try:
             ready = await asyncio.to_thread(connection.wait_ready, timeout_s)
-            _check_compatible(self.ready, ready, address)
+            _check_compatible(self.ready, ready, address, disagg=self.router.mode == "disagg")
         except BaseException:
             connection.close()
             raise
@@ -813,10 +813,13 @@ def _core_config(args: EngineArgs, role: str):
     return config
 
 
-def _check_compatible(first: EngineCoreReady, other: EngineCoreReady, address: str) -> None:
+def _check_compatible(first: EngineCoreReady, other: EngineCoreReady, address: str, disagg: bool = False) -> None:
     """Every worker must serve the same model with the same block keys, or
-    the router's hashes and validation would be wrong for it."""
-    for name in ("model_fingerprint", "block_size", "kv_dtype", "vocab_size", "eos_token_ids"):
+    the router's hashes and validation would be wrong for it. In disagg
+    mode prefill and decode cores must also speculate alike: a prefill core
+    ships what the decode core's drafter needs (kvferry.spec.speculation_signature)."""
+    names = ("model_fingerprint", "block_size", "kv_dtype", "vocab_size", "eos_token_ids")
+    for name in names + (("speculative",) if disagg else ()):
         if getattr(first, name) != getattr(other, name):
             raise ValueError(f"the core at {address!r} differs in {name}: {getattr(other, name)!r} "
                              f"(the server's: {getattr(first, name)!r})")

@@ -11,7 +11,19 @@ from kvferry.spec.adaptive import AdaptiveSpecController
 from kvferry.spec.ngram import NgramProposer
 from kvferry.spec.reserved import ReservedDraftSlots
 
-__all__ = ["AdaptiveSpecController", "NgramProposer", "ReservedDraftSlots", "speculation"]
+__all__ = ["AdaptiveSpecController", "NgramProposer", "ReservedDraftSlots", "speculation", "speculation_signature"]
+
+
+def speculation_signature(config: SpeculativeConfig | None, draft_fingerprint: str = "") -> str:
+    """What a prefill core ships besides the target's KV, as a string both
+    cores of a disaggregated pair compare: "" (off), "ngram" (nothing: the
+    decode core has the whole context), "head" (the hidden state), or
+    "draft:<fingerprint>" (the draft model's KV, so its layers' shapes)."""
+    if config is None:
+        return ""
+    if config.method == "draft":
+        return f"draft:{draft_fingerprint}"
+    return config.method
 
 
 def speculation(config: SpeculativeConfig | None) -> dict:

@@ -26,7 +26,10 @@ was drawn, never fed); the next pass 0 catches up from there.
 A request (re)admitted (new, after preemption, swap-in, or a prefix-cache
 hit) starts over at position 0: blocks that arrive from elsewhere carry the
 target's KV, not necessarily the draft's. Recomputing costs a draft prefill;
-stale draft KV would only cost acceptance, never correctness.
+stale draft KV would only cost acceptance, never correctness. The exception
+is a disaggregated decode core: the prefill core's draft computed the prompt
+and its KV came with the target's (``add(..., num_computed_tokens)``), so
+the draft here starts at the first token.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class DraftRequest:
     # Output index the first draft would take (the target's sampler keys a
     # seeded request's noise by it: ``position_generator``).
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0  # (counts the draft's prompt work)
 
 
 @dataclass(slots=True)
@@ -86,9 +90,18 @@ class DraftModelProposer:
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] of the draft's shapes
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
         self.num_computed: dict[str, int] = {}  # positions [0, n) hold valid draft KV
+        self._prompt_tokens_computed = 0  # since the last take_prompt_tokens_computed
 
-    def add(self, request_id: str) -> None:
-        self.num_computed[request_id] = 0
+    def add(self, request_id: str, num_computed_tokens: int = 0) -> None:
+        """``num_computed_tokens``: leading positions whose draft KV is
+        already in the request's blocks (received from a prefill core with
+        the target's); 0 starts over."""
+        self.num_computed[request_id] = num_computed_tokens
+
+    def take_prompt_tokens_computed(self) -> int:
+        """Prompt positions the draft computed since the last call."""
+        n, self._prompt_tokens_computed = self._prompt_tokens_computed, 0
+        return n
 
     def remove(self, request_id: str) -> None:
         self.num_computed.pop(request_id, None)
@@ -129,6 +142,8 @@ class DraftModelProposer:
         of each request that drafts, [num drafting, V]."""
         starts = np.array([min(self.num_computed.get(r.request_id, 0), r.end - 1) for r in requests], np.int64)
         ends = np.array([r.end for r in requests], dtype=np.int64)
+        prompts = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
+        self._prompt_tokens_computed += int(np.maximum(np.minimum(ends, prompts) - starts, 0).sum())
         order = np.argsort(ends - starts == 1, kind="stable")  # multi-token first
         rows = np.array([requests[i].row for i in order], dtype=np.int64)
         flat = flatten(batch, rows, starts[order], (ends - starts)[order], self.block_size)
