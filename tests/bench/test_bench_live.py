@@ -245,4 +245,9 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
     assert all(p["time_s"] == pytest.approx(max(p["ttft_s"] - overhead, 0.0)) for p in pre)
     assert {p["batch"] for p in dec} == {1, 2} and all(p["time_s"] > 0 for p in dec)
     assert StepCostModel.from_profile(str(out)).request_overhead_s == data["request_overhead_s"]
+    # every sample's spread around the fit is kept: one ratio per prefill repeat, per steady decode gap
+    noise = data["step_noise"]
+    assert len(noise["prefill"]) == sum(len(p["samples_s"]) for p in pre) == 4
+    assert len(noise["decode"]) >= 2 and all(r > 0 for r in noise["prefill"] + noise["decode"])
+    assert StepCostModel.from_profile(str(out)).noise is not None
     assert_png(out.with_suffix(".png"))

@@ -25,8 +25,18 @@ client, these land where the simulator charges them:
   client TTFT as ``ttft_s``), so the fits stay engine step times and the
   simulator adds the overhead to each request's arrival.
 
+- step noise: every sample's step time over its fit's prediction (each
+  prefill repeat, each steady decode gap), kept whole as ``step_noise``:
+  the simulator draws each step's time from it, so that queueing and the
+  p99s see the spread a single fitted time hides.
+
+A prefill sample asks for ``PREFILL_MAX_TOKENS`` tokens, not one, as a
+served request does: its first token then leaves the front end while the
+engine already runs the next (decode) step on the same CPUs, and pays for
+that contention as the served request's first token does.
+
 Same fits and JSON as the in-process profile, plus ``served`` (the URL),
-``request_overhead_s`` and ``handover_s``.
+``request_overhead_s``, ``handover_s`` and ``step_noise``.
 """
 from __future__ import annotations
 
@@ -41,6 +51,10 @@ import httpx
 
 from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, predict
 from kvferry.bench.text import random_words
+
+# Tokens a prefill sample asks for: enough that the engine keeps stepping
+# while the first token travels out.
+PREFILL_MAX_TOKENS = 4
 
 
 class _Stream:
@@ -72,12 +86,12 @@ class _Stream:
 
 
 async def _prefill_sample(client, model, rng, new: int, cached: int) -> tuple[float, int, int]:
-    """(TTFT, new tokens, cached tokens) of one request."""
+    """(TTFT, new tokens, cached tokens) of one request of ``PREFILL_MAX_TOKENS`` tokens."""
     # the cached part: a system prompt an earlier request warmed (the chat template's header included)
     system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
     if cached:
         await _Stream().run(client, model, system, 1)
-    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), 1)
+    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), PREFILL_MAX_TOKENS)
     ttft = (s.times[0] if s.times else time.perf_counter()) - s.start
     return ttft, s.prompt_tokens - s.cached_tokens, s.cached_tokens
 
@@ -95,7 +109,7 @@ async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> li
     for cell in cells:
         times, news, hits = zip(*samples[cell])
         points.append({"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
-                       "time_s": statistics.median(times)})
+                       "time_s": statistics.median(times), "samples_s": list(times)})
         on_point("prefill", points[-1])
     return points
 
@@ -126,8 +140,20 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
                                      for _ in range(batch)))
     gaps = _steady_gaps(streams)
     mean_context = statistics.mean(s.prompt_tokens for s in streams) + max_tokens / 2
-    point = {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None}
+    point = {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None,
+             "samples_s": gaps}
     return point, streams[0]
+
+
+def noise_ratios(points: list[dict], model: dict) -> list[float]:
+    """Every sample of every point over the fit's prediction there (points
+    the fit predicts no time for are skipped), rounded to 0.1%."""
+    ratios = []
+    for p in points:
+        pred = predict(model, p)
+        if pred > 0:
+            ratios += [round(t / pred, 3) for t in p.get("samples_s", ()) if t > 0]
+    return ratios
 
 
 async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, decode_fit: dict) -> float:
@@ -173,10 +199,14 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                                            decode_fit)
         for p in prefill:  # the engine's share of a TTFT: what the step model fits
             p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
+            p["samples_s"] = [max(t - overhead, 0.0) for t in p["samples_s"]]
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
-        result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
+        prefill_fit = fit(prefill, PREFILL_TERMS)
+        result = {"prefill": {"points": prefill, "fit": prefill_fit},
                   "decode": {"points": decode, "fit": decode_fit},
                   "request_overhead_s": overhead,
+                  "step_noise": {"prefill": noise_ratios(prefill, prefill_fit),
+                                 "decode": noise_ratios(decode, decode_fit)},
                   "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
     return result
 

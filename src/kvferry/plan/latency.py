@@ -12,6 +12,7 @@ sampling); a mixed step pays the larger one only, since it is one forward pass.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,45 @@ class PlanError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class StepNoise:
+    """How much a real step varies around the fitted time: ratios of measured
+    step times to the fit's prediction at the same point (a served profile's
+    every sample, ``step_noise`` in its JSON), one list for steps that carry
+    prefill tokens and one for decode-only steps.
+
+    A simulated step draws one ratio uniformly from its list and multiplies
+    the fitted time by it. The mean of the draws is the mean of the ratios, so
+    the simulated mean step is the measured mean step (the fits are medians,
+    and the ratios carry the skew above them); the draws' spread gives
+    queueing and the p99s the tail that one fitted time cannot."""
+
+    prefill: tuple[float, ...]
+    decode: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            ratios = getattr(self, name)
+            if not ratios or any(not r > 0 for r in ratios):
+                raise ValueError(f"step_noise.{name}: need at least one ratio, all > 0")
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> StepNoise | None:
+        """A profile's ``step_noise``; None when it has none (an in-process
+        profile) or measured no sample of one kind."""
+        if not data or not data.get("prefill") or not data.get("decode"):
+            return None
+        return cls(tuple(float(r) for r in data["prefill"]), tuple(float(r) for r in data["decode"]))
+
+    def factor(self, rng: random.Random, has_prefill: bool) -> float:
+        ratios = self.prefill if has_prefill else self.decode
+        return ratios[rng.randrange(len(ratios))]
+
+    def mean(self, has_prefill: bool) -> float:
+        ratios = self.prefill if has_prefill else self.decode
+        return sum(ratios) / len(ratios)
+
+
+@dataclass(frozen=True, slots=True)
 class StepCostModel:
     # seconds per unit of PREFILL_TERMS: 1, new, new*cached, new^2
     prefill: tuple[float, float, float, float]
@@ -31,6 +71,8 @@ class StepCostModel:
     # A served profile's per-request time outside engine steps (HTTP, tokenization,
     # process hops, detokenization): a request reaches its engine this much later.
     request_overhead_s: float = 0.0
+    # A served profile's measured step-time spread; None: every step takes its fitted time.
+    noise: StepNoise | None = None
 
     @classmethod
     def from_profile(cls, path: str) -> StepCostModel:
@@ -41,7 +83,7 @@ class StepCostModel:
                 raise ValueError(f"fit terms {pre['terms']} / {dec['terms']} are not "
                                  f"{list(PREFILL_TERMS)} / {list(DECODE_TERMS)}")
             return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
-                       float(data.get("request_overhead_s") or 0.0))
+                       float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")))
         except OSError as e:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:
@@ -64,6 +106,15 @@ class StepCostModel:
             base = max(base, self.decode[0])
             t += self.decode[1] * decode_batch + self.decode[2] * decode_context
         return max(base + t, 1e-9)
+
+    def noisy_step(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int,
+                   rng: random.Random | None) -> float:
+        """``step`` times a measured noise ratio drawn from ``rng`` (the fitted
+        time alone without a noise model or an ``rng``)."""
+        t = self.step(chunks, decode_batch, decode_context)
+        if self.noise is None or rng is None:
+            return t
+        return t * self.noise.factor(rng, bool(chunks))
 
     def prefill_time(self, new: int, cached: int) -> float:
         """A whole prompt prefilled in one step."""

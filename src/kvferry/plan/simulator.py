@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 
 from kvferry.plan.cache_model import PrefixCache
@@ -76,7 +77,8 @@ class RequestResult:
 
 
 class Simulation:
-    def __init__(self, cluster: ClusterConfig, cost: StepCostModel, cache_blocks: int | None = None) -> None:
+    def __init__(self, cluster: ClusterConfig, cost: StepCostModel, cache_blocks: int | None = None,
+                 seed: int = 0) -> None:
         self.cluster, self.cost = cluster, cost
         cfg = cluster.instance
         # Analytic instances' cache size in workload key blocks; None: the KV pool's size.
@@ -85,7 +87,8 @@ class Simulation:
         def make(name: str, role: str):
             if cluster.fast:
                 return AnalyticInstance(name, role, cost, cfg, cache_blocks)  # capacity set in run()
-            return SchedulerInstance(name, role, cost, cfg)
+            # one noise stream per instance, fixed by (seed, name): a run replays exactly
+            return SchedulerInstance(name, role, cost, cfg, random.Random(f"{seed}:{name}"))
 
         if cluster.disaggregated:
             self.front = [make(f"prefill-{i}", "prefill") for i in range(cluster.num_prefill)]
