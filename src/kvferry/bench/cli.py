@@ -135,7 +135,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 def _show_point(kind: str, p: dict) -> None:
     where = f"new {p['new']:>5} cached {p['cached']:>5}" if kind == "prefill" else \
-        f"batch {p['batch']:>4} context {p['context']:>5}"
+        f"batch {p['batch']:>4} context {p['context']:>5}" + (f" + new {p['new']:>5}" if kind == "mixed" else "")
     print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.2f} ms", flush=True)
 
 

@@ -25,6 +25,13 @@ client, these land where the simulator charges them:
   client TTFT as ``ttft_s``), so the fits stay engine step times and the
   simulator adds the overhead to each request's arrival.
 
+- mixed steps: ``batch`` streams decode; once each has a few tokens, a
+  newcomer's prompt of ``new`` words arrives, and the step that prefills it
+  also decodes the streams. Its length is the gap each stream sees ending
+  at the newcomer's first token (median over the streams). What it costs
+  beyond the prefill and decode fits' sum is the ``mixed`` fit
+  (``fit_mixed``); a disaggregated server never mixes, and that fit comes
+  out zero.
 - step noise: every sample's step time over its fit's prediction (each
   prefill repeat, each steady decode gap), kept whole as ``step_noise``:
   the simulator draws each step's time from it, so that queueing and the
@@ -49,12 +56,15 @@ import time
 
 import httpx
 
-from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, predict
+from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, fit_mixed, predict
 from kvferry.bench.text import random_words
 
 # Tokens a prefill sample asks for: enough that the engine keeps stepping
 # while the first token travels out.
 PREFILL_MAX_TOKENS = 4
+# What a decode stream of a mixed point asks for: more than it lives (it is
+# cancelled at the newcomer's first token), within any context length served.
+MIXED_STREAM_TOKENS = 256
 
 
 class _Stream:
@@ -145,6 +155,73 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
     return point, streams[0]
 
 
+def _mixed_cells(grid: ProfileGrid) -> list[tuple[int, int, int]]:
+    """(batch, context, new) of the mixed points: the smallest and a middle
+    batch, a middle and the largest prompt, at the shortest context."""
+    batches = sorted({min(grid.batch_sizes), max([b for b in grid.batch_sizes if b <= 4] or grid.batch_sizes)})
+    news = sorted({sorted(grid.new_tokens)[len(grid.new_tokens) // 2], max(grid.new_tokens)})
+    return [(b, min(grid.context_lens), n) for b in batches for n in news]
+
+
+async def _prompt_tokens(client, messages: list[dict]) -> int:
+    resp = await client.post("/tokenize", json={"messages": messages})
+    resp.raise_for_status()
+    return len(resp.json()["tokens"])
+
+
+async def _mixed_sample(client, model, rng, batch: int, context: int, new: int) -> dict | None:
+    """One mixed step: ``batch`` streams decoding at ``context`` when a
+    ``new``-word prompt joins (None when no stream saw that step)."""
+    prompts = [_user(random_words(rng, context)) for _ in range(batch)]
+    streams = [_Stream() for _ in prompts]
+    # the streams only have to outlive the newcomer's first token: they are cancelled then
+    tasks = [asyncio.create_task(s.run(client, model, m, MIXED_STREAM_TOKENS)) for s, m in zip(streams, prompts)]
+    try:
+        while any(len(s.times) < 3 for s in streams) and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.002)
+        newcomer = await _Stream().run(client, model, _user(random_words(rng, new)), PREFILL_MAX_TOKENS)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not newcomer.times:
+        return None
+    first = newcomer.times[0]
+    gaps = []
+    for s in streams:  # the stream's chunk nearest the newcomer's first token came out of the same step
+        k = min(range(1, len(s.times)), key=lambda i: abs(s.times[i] - first), default=None)
+        if k is not None and abs(s.times[k] - first) < 0.5 * (s.times[k] - s.times[k - 1]):
+            gaps.append(s.times[k] - s.times[k - 1])
+    if not gaps:
+        return None
+    decoded = statistics.mean(sum(1 for t in s.times if t < first) for s in streams)
+    ctx = await _prompt_tokens(client, prompts[0])
+    return {"new": newcomer.prompt_tokens - newcomer.cached_tokens, "cached": newcomer.cached_tokens,
+            "batch": batch, "context": round(ctx + decoded), "time_s": statistics.median(gaps)}
+
+
+async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+    """Medians per cell over ``grid.repeats`` rounds of the whole grid."""
+    cells = _mixed_cells(grid)
+    samples: dict[tuple, list[dict]] = {c: [] for c in cells}
+    for _ in range(grid.repeats):
+        for cell in cells:
+            if (sample := await _mixed_sample(client, model, rng, *cell)) is not None:
+                samples[cell].append(sample)
+    points = []
+    for cell in cells:
+        if not samples[cell]:
+            continue
+        group = samples[cell]
+        points.append({"new": round(statistics.median(p["new"] for p in group)),
+                       "cached": round(statistics.median(p["cached"] for p in group)), "batch": cell[0],
+                       "context": round(statistics.median(p["context"] for p in group)),
+                       "time_s": statistics.median(p["time_s"] for p in group),
+                       "samples_s": [p["time_s"] for p in group]})
+        on_point("mixed", points[-1])
+    return points
+
+
 def noise_ratios(points: list[dict], model: dict) -> list[float]:
     """Every sample of every point over the fit's prediction there (points
     the fit predicts no time for are skipped), rounded to 0.1%."""
@@ -154,6 +231,13 @@ def noise_ratios(points: list[dict], model: dict) -> list[float]:
         if pred > 0:
             ratios += [round(t / pred, 3) for t in p.get("samples_s", ()) if t > 0]
     return ratios
+
+
+def mixed_noise_ratios(points: list[dict], mixed_fit: dict) -> list[float]:
+    """Each mixed sample over the whole predicted mixed step (the two fits'
+    sum, ``sum_s``, plus the mixed fit's extra)."""
+    return [round(t / pred, 3) for p in points
+            if (pred := p["sum_s"] + predict(mixed_fit, p)) > 0 for t in p["samples_s"] if t > 0]
 
 
 async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, decode_fit: dict) -> float:
@@ -202,10 +286,15 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
             p["samples_s"] = [max(t - overhead, 0.0) for t in p["samples_s"]]
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
         prefill_fit = fit(prefill, PREFILL_TERMS)
+        mixed = await _mixed_points(client, model, rng, grid, on_point)
+        mixed_fit = fit_mixed(mixed, prefill_fit, decode_fit)
         result = {"prefill": {"points": prefill, "fit": prefill_fit},
                   "decode": {"points": decode, "fit": decode_fit},
+                  "mixed": {"points": mixed, "fit": mixed_fit},
                   "request_overhead_s": overhead,
-                  "step_noise": {"prefill": noise_ratios(prefill, prefill_fit),
+                  # a mixed step carries prefill tokens: its spread joins the prefill steps'
+                  "step_noise": {"prefill": noise_ratios(prefill, prefill_fit)
+                                 + mixed_noise_ratios(mixed, mixed_fit),
                                  "decode": noise_ratios(decode, decode_fit)},
                   "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
     return result

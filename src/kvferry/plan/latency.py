@@ -4,10 +4,13 @@ A step runs prefill chunks and decodes together (chunked prefill)::
 
     t = a_pre * [any prefill] + sum over chunks (b * new + c * new * cached + d * new^2)
       + a_dec * [any decode] + b_dec * batch + c_dec * sum(context)
+      + [both] * (m_1 + m_batch * batch + m_new * sum(new))
 
 where ``cached`` is what the chunk attends to before itself (prefix hit or
 earlier chunks). The two intercepts are fixed per-step costs (launch,
-sampling); a mixed step pays the larger one only, since it is one forward pass.
+sampling); a mixed step pays the larger one only, since it is one forward pass,
+plus what a served profile measured a mixed step to cost beyond that sum (the
+front end's work for the decoding streams competing with a longer step).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS
+from kvferry.bench.profile import DECODE_TERMS, MIXED_TERMS, PREFILL_TERMS
 
 
 class PlanError(Exception):
@@ -73,6 +76,10 @@ class StepCostModel:
     request_overhead_s: float = 0.0
     # A served profile's measured step-time spread; None: every step takes its fitted time.
     noise: StepNoise | None = None
+    # seconds per unit of MIXED_TERMS (1, batch, new): what a step that both
+    # prefills and decodes costs beyond the two fits' sum (a served profile's
+    # ``mixed`` fit; zero without one)
+    mixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @classmethod
     def from_profile(cls, path: str) -> StepCostModel:
@@ -82,8 +89,12 @@ class StepCostModel:
             if tuple(pre["terms"]) != PREFILL_TERMS or tuple(dec["terms"]) != DECODE_TERMS:
                 raise ValueError(f"fit terms {pre['terms']} / {dec['terms']} are not "
                                  f"{list(PREFILL_TERMS)} / {list(DECODE_TERMS)}")
+            mixed = (data.get("mixed") or {}).get("fit") or {"terms": MIXED_TERMS, "coef": (0.0, 0.0, 0.0)}
+            if tuple(mixed["terms"]) != MIXED_TERMS:
+                raise ValueError(f"mixed fit terms {mixed['terms']} are not {list(MIXED_TERMS)}")
             return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
-                       float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")))
+                       float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")),
+                       tuple(float(c) for c in mixed["coef"]))
         except OSError as e:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:
@@ -105,6 +116,8 @@ class StepCostModel:
         if decode_batch:
             base = max(base, self.decode[0])
             t += self.decode[1] * decode_batch + self.decode[2] * decode_context
+        if chunks and decode_batch:
+            t += self.mixed[0] + self.mixed[1] * decode_batch + self.mixed[2] * sum(n for n, _ in chunks)
         return max(base + t, 1e-9)
 
     def noisy_step(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int,
