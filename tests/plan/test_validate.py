@@ -14,7 +14,8 @@ from kvferry.plan.cli import load_requests, transfer_model
 from kvferry.plan.instance import InstanceConfig
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from kvferry.plan.validate import (
-    block_hash_ids, error_rows, markdown_table, measured_summary, plot_validation, relative_error, trace_lines)
+    block_hash_ids, breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, relative_error,
+    request_breakdown, trace_lines)
 from tests.plan.helpers import cost, unique_request, write_profile
 
 
@@ -139,3 +140,20 @@ def test_request_overhead_delays_the_arrival_at_the_engine():
     res = sim.run([a, b])
     assert res[0].ttft_s == pytest.approx(0.030)
     assert res[1].ttft_s == pytest.approx(0.040 - 0.005)
+
+
+def test_request_breakdown_splits_ttft_error_by_idle_and_busy_server():
+    """Requests 0 and 2 find the server idle, 1 is sent while 0 runs; a
+    failed request is not paired. Errors are (predicted - measured) / measured."""
+    records = [record(0, 0.0, 10, 5, 0.100, 0.500), record(1, 0.2, 10, 5, 0.200, 0.600),
+               record(9, 0.3, 10, 5, None, None, error="HTTP 500"), record(2, 2.0, 10, 5, 0.100, 0.300)]
+    sims = [{"request_id": i, "arrival_s": t, "ttft_ms": ttft, "tpot_ms": tpot}
+            for i, t, ttft, tpot in ((0, 0.0, 90.0, 100.0), (1, 0.2, 150.0, 100.0), (2, 2.0, 110.0, 50.0))]
+    b = request_breakdown(records, sims)
+    assert b["ttft_idle"]["n"] == 2 and b["ttft_idle"]["mean_rel_error"] == pytest.approx(0.0)  # -10%, +10%
+    assert b["ttft_busy"]["n"] == 1 and b["ttft_busy"]["mean_rel_error"] == pytest.approx(-0.25)
+    # measured TPOTs: 100, 100, 50 ms
+    assert b["tpot"]["n"] == 3 and b["tpot"]["mean_rel_error"] == pytest.approx(0.0)
+    assert "| r | +0.0% (2) | -25.0% (1) | +0.0% (3) |" in breakdown_table({"r": b})
+    with pytest.raises(ValueError, match="sim_requests"):
+        request_breakdown(records, sims[:2])
