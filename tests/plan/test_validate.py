@@ -100,10 +100,10 @@ def test_error_table_rows_markdown_and_plot(tmp_path):
 
 def test_disaggregated_request_waits_for_its_decode_instance_step():
     """The decode instance names the KV destination before the prompt goes
-    to a prefill instance; mid-step, it answers at the step's end. A decodes
-    on D in 10 ms steps (from t = 0.011: its partial-block step ends at
-    0.011 + 0.004 + ... ); B arriving at 0.030 while D is mid-step starts
-    its prefill only when that step ends."""
+    to a prefill instance: it admits the request when it plans its next step
+    and answers with that step's outputs. A decodes on D in 10 ms steps; B
+    arriving at 0.030 while D is mid-step is admitted by the step after, and
+    starts its prefill only when that one ends."""
     a = unique_request(0, 0.0, 10, 8)
     b = unique_request(1, 0.030, 10, 2)
     inst = InstanceConfig(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
@@ -113,8 +113,9 @@ def test_disaggregated_request_waits_for_its_decode_instance_step():
     res = sim.run([a, b])
     assert res[0].ttft_s == pytest.approx(0.010)
     # D's steps for A: [0.010, 0.021] (partial block 10 + first token: 11 ms), then 10 ms decodes:
-    # [0.021, 0.031], ... B arrives at 0.030 mid-step; its prefill runs [0.031, 0.041].
-    assert res[1].first_token_s == pytest.approx(0.041)
+    # [0.021, 0.031], [0.031, 0.041] ... B arrives at 0.030 mid-step, D admits it in [0.031, 0.041]
+    # and answers at 0.041; its prefill runs [0.041, 0.051].
+    assert res[1].first_token_s == pytest.approx(0.051)
 
 
 def test_served_profile_hand_over_is_the_default_transfer_latency(tmp_path):

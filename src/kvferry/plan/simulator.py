@@ -103,6 +103,10 @@ class Simulation:
         self._seq = itertools.count()
         self.results: dict[int, RequestResult] = {}
         self._decode_of: dict[int, SchedulerInstance] = {}  # disagg: the decode instance chosen at arrival
+        # disagg: requests a busy decode instance has yet to admit (at its next
+        # step's start), and those the running step admitted (answered at its end)
+        self._awaiting: dict[SchedulerInstance, list[SimRequest]] = {}
+        self._admitting: dict[SchedulerInstance, list[SimRequest]] = {}
 
     # -- events -----------------------------------------------------------------
     def _push(self, t: float, kind: str, payload) -> None:
@@ -141,10 +145,15 @@ class Simulation:
         if self.back and not self.cluster.fast:
             # As the served router does: the decode instance takes the request
             # first and names where its KV goes; only then is the prompt sent to
-            # a prefill instance. A busy decode instance answers after its step.
+            # a prefill instance. The decode core admits it when it plans its
+            # next step and answers with that step's outputs: a busy core after
+            # the step now running AND the next one, an idle core at once.
             dest = self.decode_router.pick(req.block_keys, now)
             self._decode_of[req.request_id] = dest
-            self._push(dest.step_end if dest.busy else now, "route", req)
+            if dest.busy:
+                self._awaiting.setdefault(dest, []).append(req)
+            else:
+                self._push(now, "route", req)
             return
         self._route(req, now)
 
@@ -163,8 +172,13 @@ class Simulation:
     def _kick(self, inst: SchedulerInstance, now: float) -> None:
         if not inst.busy:
             end = inst.start_step(now)
+            admitted = self._awaiting.pop(inst, [])
             if end is not None:
                 self._push(end, "step", inst)
+                self._admitting[inst] = admitted
+            else:  # nothing else to run: the admitting step is empty and answers at once
+                for req in admitted:
+                    self._push(now, "route", req)
 
     def _step_end(self, inst: SchedulerInstance, now: float) -> None:
         for ev in inst.finish_step(now):
@@ -180,6 +194,8 @@ class Simulation:
                     self._hand_over(ev.request, now)
                 else:
                     res.finish_s = now
+        for req in self._admitting.pop(inst, []):  # the step that admitted them answers now
+            self._push(now, "route", req)
         self._kick(inst, now)
 
     def _hand_over(self, req: SimRequest, now: float) -> None:
