@@ -12,6 +12,7 @@ import pytest
 
 from kvferry.plan.cli import load_requests, transfer_model
 from kvferry.plan.instance import InstanceConfig
+from kvferry.plan.latency import StepCostModel
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from kvferry.plan.validate import (
     block_hash_ids, breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, relative_error,
@@ -132,8 +133,6 @@ def test_served_profile_hand_over_is_the_default_transfer_latency(tmp_path):
 def test_request_overhead_delays_the_arrival_at_the_engine():
     """A served profile's per-request overhead (HTTP, process hops) adds to
     TTFT and queues: B, sent 5 ms after A, starts after A's 10 ms prefill."""
-    from kvferry.plan.latency import StepCostModel
-
     a, b = unique_request(0, 0.0, 10, 1), unique_request(1, 0.005, 10, 1)
     inst = InstanceConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=10)
     sim = Simulation(ClusterConfig(num_colocated=1, instance=inst),
@@ -158,3 +157,21 @@ def test_request_breakdown_splits_ttft_error_by_idle_and_busy_server():
     assert "| r | +0.0% (2) | -25.0% (1) | +0.0% (3) |" in breakdown_table({"r": b})
     with pytest.raises(ValueError, match="sim_requests"):
         request_breakdown(records, sims[:2])
+
+
+def test_a_token_leaving_while_its_instance_steps_on_arrives_first_token_delay_later(tmp_path):
+    """Prefill 1 ms per token, decode steps 10 ms, delay 5 ms. A (10 tokens,
+    3 out) steps on after its first token: TTFT 10 + 5 ms; its last token
+    leaves an idle instance: no delay. B (1 token out) ends its instance's work."""
+    inst = InstanceConfig(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    delayed = StepCostModel((0, 0.001, 0, 0), (0.010, 0, 0), first_token_delay_s=0.005)
+    res = Simulation(ClusterConfig(num_colocated=1, instance=inst), delayed).run(
+        [unique_request(0, 0.0, 10, 3), unique_request(1, 1.0, 10, 1)])
+    assert res[0].first_token_s == pytest.approx(0.015)
+    assert res[0].finish_s == pytest.approx(0.030)  # prefill step, then two 10 ms decode steps
+    assert res[1].first_token_s == pytest.approx(1.010) and res[1].finish_s == pytest.approx(1.010)
+    path = write_profile(tmp_path / "p.json", (0, 0.001, 0, 0), (0.010, 0, 0))
+    data = json.loads(path.read_text())
+    data["first_token_delay_s"] = 0.005
+    path.write_text(json.dumps(data))
+    assert StepCostModel.from_profile(str(path)).first_token_delay_s == 0.005

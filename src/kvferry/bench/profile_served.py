@@ -37,13 +37,17 @@ client, these land where the simulator charges them:
   the simulator draws each step's time from it, so that queueing and the
   p99s see the spread a single fitted time hides.
 
-A prefill sample asks for ``PREFILL_MAX_TOKENS`` tokens, not one, as a
-served request does: its first token then leaves the front end while the
-engine already runs the next (decode) step on the same CPUs, and pays for
-that contention as the served request's first token does.
+- first-token delay: a prefill sample asks for one token, so the engine
+  idles once it is out. A served request asks for more, and its first token
+  leaves while the engine already runs the next step on the same CPUs: the
+  median TTFT of such requests (``LONG_MAX_TOKENS``) less that of one-token
+  requests of the same length, interleaved, is ``first_token_delay_s``; the
+  simulator adds it to a token that ends a request's phase (first, last)
+  when its instance steps on.
 
 Same fits and JSON as the in-process profile, plus ``served`` (the URL),
-``request_overhead_s``, ``handover_s`` and ``step_noise``.
+``request_overhead_s``, ``first_token_delay_s``, ``handover_s``, ``mixed`` and
+``step_noise``.
 """
 from __future__ import annotations
 
@@ -59,9 +63,9 @@ import httpx
 from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, fit_mixed, predict
 from kvferry.bench.text import random_words
 
-# Tokens a prefill sample asks for: enough that the engine keeps stepping
-# while the first token travels out.
-PREFILL_MAX_TOKENS = 4
+# Tokens the first-token delay's requests ask for: enough that the engine
+# keeps stepping while the first token travels out.
+LONG_MAX_TOKENS = 4
 # What a decode stream of a mixed point asks for: more than it lives (it is
 # cancelled at the newcomer's first token), within any context length served.
 MIXED_STREAM_TOKENS = 256
@@ -95,13 +99,14 @@ class _Stream:
         return self
 
 
-async def _prefill_sample(client, model, rng, new: int, cached: int) -> tuple[float, int, int]:
-    """(TTFT, new tokens, cached tokens) of one request of ``PREFILL_MAX_TOKENS`` tokens."""
+async def _prefill_sample(client, model, rng, new: int, cached: int,
+                          max_tokens: int = 1) -> tuple[float, int, int]:
+    """(TTFT, new tokens, cached tokens) of one request."""
     # the cached part: a system prompt an earlier request warmed (the chat template's header included)
     system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
     if cached:
         await _Stream().run(client, model, system, 1)
-    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), PREFILL_MAX_TOKENS)
+    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), max_tokens)
     ttft = (s.times[0] if s.times else time.perf_counter()) - s.start
     return ttft, s.prompt_tokens - s.cached_tokens, s.cached_tokens
 
@@ -179,7 +184,7 @@ async def _mixed_sample(client, model, rng, batch: int, context: int, new: int) 
     try:
         while any(len(s.times) < 3 for s in streams) and not any(t.done() for t in tasks):
             await asyncio.sleep(0.002)
-        newcomer = await _Stream().run(client, model, _user(random_words(rng, new)), PREFILL_MAX_TOKENS)
+        newcomer = await _Stream().run(client, model, _user(random_words(rng, new)), LONG_MAX_TOKENS)
     finally:
         for t in tasks:
             t.cancel()
@@ -255,6 +260,17 @@ async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, 
     return max(statistics.median(samples), 0.0)
 
 
+async def _first_token_delay(client, model, rng, repeats: int, new: int) -> float:
+    """How much later a first token reaches the client when the engine steps
+    on after it (a request of ``LONG_MAX_TOKENS``) than when it idles (one
+    token): medians over interleaved pairs of equal prompt length."""
+    one, more = [], []
+    for _ in range(repeats):
+        one.append((await _prefill_sample(client, model, rng, new, 0))[0])
+        more.append((await _prefill_sample(client, model, rng, new, 0, LONG_MAX_TOKENS))[0])
+    return max(statistics.median(more) - statistics.median(one), 0.0)
+
+
 async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
     gaps = []
     for _ in range(repeats):
@@ -292,6 +308,8 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                   "decode": {"points": decode, "fit": decode_fit},
                   "mixed": {"points": mixed, "fit": mixed_fit},
                   "request_overhead_s": overhead,
+                  "first_token_delay_s": await _first_token_delay(client, model, rng, grid.repeats + 2,
+                                                                  sorted(grid.new_tokens)[len(grid.new_tokens) // 2]),
                   # a mixed step carries prefill tokens: its spread joins the prefill steps'
                   "step_noise": {"prefill": noise_ratios(prefill, prefill_fit)
                                  + mixed_noise_ratios(mixed, mixed_fit),

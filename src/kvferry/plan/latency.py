@@ -80,6 +80,9 @@ class StepCostModel:
     # prefills and decodes costs beyond the two fits' sum (a served profile's
     # ``mixed`` fit; zero without one)
     mixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # A served profile's measured lag of a token that reaches the client while
+    # its engine runs the next step (the output path competes with the step).
+    first_token_delay_s: float = 0.0
 
     @classmethod
     def from_profile(cls, path: str) -> StepCostModel:
@@ -94,7 +97,7 @@ class StepCostModel:
                 raise ValueError(f"mixed fit terms {mixed['terms']} are not {list(MIXED_TERMS)}")
             return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
                        float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")),
-                       tuple(float(c) for c in mixed["coef"]))
+                       tuple(float(c) for c in mixed["coef"]), float(data.get("first_token_delay_s") or 0.0))
         except OSError as e:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:

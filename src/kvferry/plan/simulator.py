@@ -181,22 +181,27 @@ class Simulation:
                     self._push(now, "route", req)
 
     def _step_end(self, inst: SchedulerInstance, now: float) -> None:
+        delivered: list[tuple[RequestResult, str]] = []  # (result, "first_token_s" / "finish_s") set now
         for ev in inst.finish_step(now):
             res = self.results[ev.request.request_id]
             if ev.failed:
                 res.failed = True
                 continue
             if ev.num_tokens and res.first_token_s is None:
-                res.first_token_s = now
+                delivered.append((res, "first_token_s"))
             res.num_output_tokens += ev.num_tokens
             if ev.finished:
                 if inst.role == "prefill" and ev.request.output_len > 1:
                     self._hand_over(ev.request, now)
                 else:
-                    res.finish_s = now
+                    delivered.append((res, "finish_s"))
         for req in self._admitting.pop(inst, []):  # the step that admitted them answers now
             self._push(now, "route", req)
         self._kick(inst, now)
+        # A token leaving while its instance runs the next step reaches the client later.
+        at = now + (self.cost.first_token_delay_s if inst.busy else 0.0)
+        for res, name in delivered:
+            setattr(res, name, at)
 
     def _hand_over(self, req: SimRequest, now: float) -> None:
         """The prefill is done: the KV of the prompt travels to a decode instance."""
