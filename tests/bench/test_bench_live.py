@@ -241,7 +241,8 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
     # counts are the server's: the chat template's header is cached too, the warmed system prompt more
     assert len(pre) == 4 and min(p["cached"] for p in pre[2:]) > max(p["cached"] for p in pre[:2])
     overhead = data["request_overhead_s"]
-    assert overhead >= 0 and data["handover_s"] >= 0
+    assert overhead >= 0 and data["handover_s"] >= 0 and data["first_token_delay_s"] >= 0
+    assert StepCostModel.from_profile(str(out)).first_token_delay_s == data["first_token_delay_s"]
     assert all(p["time_s"] == pytest.approx(max(p["ttft_s"] - overhead, 0.0)) for p in pre)
     assert {p["batch"] for p in dec} == {1, 2} and all(p["time_s"] > 0 for p in dec)
     assert StepCostModel.from_profile(str(out)).request_overhead_s == data["request_overhead_s"]
