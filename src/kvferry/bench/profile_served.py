@@ -69,6 +69,8 @@ LONG_MAX_TOKENS = 4
 # What a decode stream of a mixed point asks for: more than it lives (it is
 # cancelled at the newcomer's first token), within any context length served.
 MIXED_STREAM_TOKENS = 256
+# How far apart the chunks of one step's outputs may reach the client.
+_DELIVERY_JITTER_S = 0.005
 
 
 class _Stream:
@@ -192,11 +194,15 @@ async def _mixed_sample(client, model, rng, batch: int, context: int, new: int) 
     if not newcomer.times:
         return None
     first = newcomer.times[0]
+    # The mixed step ends between the newcomer's send and its first text (a
+    # first token that decodes to no text yet shows up a step later): it is
+    # each stream's longest gap ending in that window.
+    end = first + _DELIVERY_JITTER_S
     gaps = []
-    for s in streams:  # the stream's chunk nearest the newcomer's first token came out of the same step
-        k = min(range(1, len(s.times)), key=lambda i: abs(s.times[i] - first), default=None)
-        if k is not None and abs(s.times[k] - first) < 0.5 * (s.times[k] - s.times[k - 1]):
-            gaps.append(s.times[k] - s.times[k - 1])
+    for s in streams:
+        window = [b - a for a, b in zip(s.times, s.times[1:]) if newcomer.start < b <= end]
+        if window:
+            gaps.append(max(window))
     if not gaps:
         return None
     decoded = statistics.mean(sum(1 for t in s.times if t < first) for s in streams)
