@@ -62,3 +62,16 @@ def test_profile_mixed_fit_is_read_and_checked(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(PlanError, match="mixed fit terms"):
         StepCostModel.from_profile(str(path))
+
+
+def test_the_mixed_step_is_the_longest_gap_ending_between_send_and_first_text():
+    from kvferry.bench.profile_served import mixed_gap
+
+    # decode steps of 30 ms; the newcomer is sent at 0.100 and its prefill rides the step
+    # [0.120, 0.320]; its first text comes with the stream's chunk at 0.320 (delivered 1 ms apart)
+    times = [0.030, 0.060, 0.090, 0.120, 0.320, 0.350, 0.380]
+    assert mixed_gap(times, sent=0.100, first=0.321) == pytest.approx(0.200)
+    # a first token without text: the newcomer's first text comes a step later; still the mixed step
+    assert mixed_gap(times, sent=0.100, first=0.351) == pytest.approx(0.200)
+    # the stream saw no step end in the window
+    assert mixed_gap([0.030, 0.060], sent=0.100, first=0.321) is None

@@ -194,21 +194,22 @@ async def _mixed_sample(client, model, rng, batch: int, context: int, new: int) 
     if not newcomer.times:
         return None
     first = newcomer.times[0]
-    # The mixed step ends between the newcomer's send and its first text (a
-    # first token that decodes to no text yet shows up a step later): it is
-    # each stream's longest gap ending in that window.
-    end = first + _DELIVERY_JITTER_S
-    gaps = []
-    for s in streams:
-        window = [b - a for a, b in zip(s.times, s.times[1:]) if newcomer.start < b <= end]
-        if window:
-            gaps.append(max(window))
+    gaps = [g for s in streams if (g := mixed_gap(s.times, newcomer.start, first)) is not None]
     if not gaps:
         return None
     decoded = statistics.mean(sum(1 for t in s.times if t < first) for s in streams)
     ctx = await _prompt_tokens(client, prompts[0])
     return {"new": newcomer.prompt_tokens - newcomer.cached_tokens, "cached": newcomer.cached_tokens,
             "batch": batch, "context": round(ctx + decoded), "time_s": statistics.median(gaps)}
+
+
+def mixed_gap(times: list[float], sent: float, first: float) -> float | None:
+    """The mixed step as one decoding stream (chunk arrival ``times``) saw
+    it: the step ends between the newcomer's send and its first text (a
+    first token that decodes to no text yet shows up a step later), so it is
+    the stream's longest gap ending in that window; None if none does."""
+    window = [b - a for a, b in zip(times, times[1:]) if sent < b <= first + _DELIVERY_JITTER_S]
+    return max(window, default=None)
 
 
 async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
