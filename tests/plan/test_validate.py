@@ -11,7 +11,7 @@ import json
 import pytest
 
 from kvferry.plan.cli import load_requests, transfer_model
-from kvferry.plan.instance import InstanceConfig
+from kvferry.plan.instance import InstanceConfig, SchedulerInstance
 from kvferry.plan.latency import StepCostModel
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from kvferry.plan.validate import (
@@ -175,3 +175,17 @@ def test_a_token_leaving_while_its_instance_steps_on_arrives_first_token_delay_l
     data["first_token_delay_s"] = 0.005
     path.write_text(json.dumps(data))
     assert StepCostModel.from_profile(str(path)).first_token_delay_s == 0.005
+
+
+def test_simulated_instances_default_to_the_servers_scheduler_settings():
+    """The simulator runs the real scheduler: with the server's defaults,
+    unless told otherwise, so that a replay plans the same steps."""
+    from kvferry.config import EngineArgs
+
+    served, sim = EngineArgs(), InstanceConfig()
+    assert (sim.block_size, sim.max_num_seqs, sim.max_num_batched_tokens, sim.enable_prefix_caching) == \
+        (served.block_size, served.max_num_seqs, served.max_num_batched_tokens, served.enable_prefix_caching)
+    sched = served.create_engine_config().scheduler
+    inst = SchedulerInstance("engine-0", "colocated", cost((0, 0, 0, 0), (0, 0, 0)), sim)
+    assert inst.scheduler.config.enable_chunked_prefill == sched.enable_chunked_prefill
+    assert inst.scheduler.config.preemption_mode == sched.preemption_mode
