@@ -24,9 +24,10 @@ server; each run uses a fresh seed's prompts, so that no run finds an
 earlier run's prompts in the cache.
 
 Writes to --output-dir: profiles, every bench JSON, trace and simulate JSON,
-validation.json (rows: run, metric, measured, predicted, rel_error),
-validation.md (the table, also printed) and validation.png (predicted vs
-measured).
+validation.json (rows: run, metric, measured, predicted, rel_error;
+breakdown: per run, the mean TTFT error of requests sent to an idle and to a
+busy server, and the mean TPOT error), validation.md (both tables, also
+printed) and validation.png (predicted vs measured).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvferry.bench.metrics import parse_slo  # noqa: E402
 from kvferry.plan.validate import (  # noqa: E402
-    error_rows, markdown_table, measured_summary, plot_validation, predicted_summary, trace_lines)
+    breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, predicted_summary,
+    request_breakdown, trace_lines)
 
 COLOCATED = ["--enable-chunked-prefill"]
 # name -> (workload, server flags, simulate --config, profile key, simulate extra flags)
@@ -180,6 +182,7 @@ def bench_flags(args: argparse.Namespace, workload: str) -> list[str]:
 
 
 # -- one configuration ------------------------------------------------------------
+BREAKDOWNS: dict[str, dict] = {}  # run -> request_breakdown
 def run_server(args: argparse.Namespace, names: list[str], rates: dict[str, list[float]], profile: str | None,
                out: Path) -> list[dict]:
     """One server for ``names`` (configurations with the same server flags):
@@ -221,7 +224,8 @@ def bench_run(args: argparse.Namespace, url: str, workload: str, rate: float, se
 
 def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
                  profile: str, out: Path) -> list[dict]:
-    """Replay one bench run's request list through ``kvferry simulate``; its error rows."""
+    """Replay one bench run's request list through ``kvferry simulate``; its
+    error rows (and, per request, where the error sits: BREAKDOWNS)."""
     _, _, sim_config, _, sim_flags = CONFIGS[name]
     records = json.loads(bench_json.read_text())["records"]
     trace = out / f"{run}.trace.jsonl"
@@ -231,9 +235,11 @@ def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[li
     kvferry("simulate", "--profile", profile, "--trace", str(trace), "--trace-block-size", str(args.block_size),
             "--config", sim_config, "--slo", args.slo, "--num-kv-blocks", str(args.num_kv_blocks),
             "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-num-seqs", str(args.max_num_seqs), *sim_flags, "--json", "--output", str(sim_json),
-            log=out / f"{run}.sim.log")
-    predicted = predicted_summary(json.loads(sim_json.read_text()))
+            "--max-num-seqs", str(args.max_num_seqs), *sim_flags, "--per-request", "--json",
+            "--output", str(sim_json), log=out / f"{run}.sim.log")
+    sim = json.loads(sim_json.read_text())
+    BREAKDOWNS[run] = request_breakdown(records, sim["requests"])
+    predicted = predicted_summary(sim)
     return error_rows(run, measured_summary(records, parse_slo(args.slo)), predicted)
 
 
@@ -253,8 +259,9 @@ def main() -> int:
     rows: list[dict] = []
     for names in servers.values():
         rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
-    table = markdown_table(rows)
-    (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows},
+    table = markdown_table(rows) + "\n\nWhere the error sits (mean relative error per request):\n\n" + \
+        breakdown_table(BREAKDOWNS)
+    (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows, "breakdown": BREAKDOWNS},
                                                     indent=1))
     (out / "validation.md").write_text(table + "\n")
     plot_validation(rows, out / "validation.png")

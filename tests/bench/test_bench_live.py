@@ -241,8 +241,20 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
     # counts are the server's: the chat template's header is cached too, the warmed system prompt more
     assert len(pre) == 4 and min(p["cached"] for p in pre[2:]) > max(p["cached"] for p in pre[:2])
     overhead = data["request_overhead_s"]
-    assert overhead >= 0 and data["handover_s"] >= 0
+    assert overhead >= 0 and data["handover_s"] >= 0 and data["first_token_delay_s"] >= 0
+    assert StepCostModel.from_profile(str(out)).first_token_delay_s == data["first_token_delay_s"]
     assert all(p["time_s"] == pytest.approx(max(p["ttft_s"] - overhead, 0.0)) for p in pre)
     assert {p["batch"] for p in dec} == {1, 2} and all(p["time_s"] > 0 for p in dec)
     assert StepCostModel.from_profile(str(out)).request_overhead_s == data["request_overhead_s"]
+    # every sample's spread around the fit is kept: one ratio per prefill (and mixed) repeat, per steady
+    # decode gap
+    noise = data["step_noise"]
+    assert len(noise["prefill"]) == 4 + sum(len(p["samples_s"]) for p in data["mixed"]["points"])
+    assert len(noise["decode"]) >= 2 and all(r > 0 for r in noise["prefill"] + noise["decode"])
+    assert StepCostModel.from_profile(str(out)).noise is not None
+    # mixed steps: a newcomer's prefill joining 1 and 2 decoding streams; the extra over the fits' sum
+    mixed = data["mixed"]
+    assert {p["batch"] for p in mixed["points"]} <= {1, 2} and all(p["new"] > 0 for p in mixed["points"])
+    assert len(mixed["fit"]["coef"]) == 3 and min(mixed["fit"]["coef"]) >= 0
+    assert StepCostModel.from_profile(str(out)).mixed == tuple(mixed["fit"]["coef"])
     assert_png(out.with_suffix(".png"))

@@ -59,6 +59,25 @@ def test_simulate_reports_mode_percentiles_goodput_and_hits(tmp_path):
         assert prefill["block_hit_ratio"] > 0.6
 
 
+def test_simulate_with_measured_noise_averages_seeds_and_lists_requests(tmp_path):
+    """A profile with step noise: --noise-seeds runs, their mean reported;
+    --per-request lists every request; the same command gives the same JSON."""
+    profile = write_profile(tmp_path / "p.json", (0.002, 1e-5, 0, 0), (0.001, 1e-5, 0))
+    data = json.loads(profile.read_text())
+    data["step_noise"] = {"prefill": [0.8, 1.0, 1.6], "decode": [1.0, 3.0]}
+    profile.write_text(json.dumps(data))
+    args = ["simulate", "--profile", str(profile), "--workload", "random", "--num-requests", "12", "--rate", "20",
+            "--input-len", "64", "--output-len", "8", "--per-request", "--json"]
+    runs = [kvferry(*args, "--noise-seeds", n) for n in ("3", "3", "1")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    three, again, one = (json.loads(r.stdout) for r in runs)
+    assert three["noise_seeds"] == 3 and one["noise_seeds"] == 1
+    assert three["summary"] == again["summary"] and three["summary"]["ttft_ms"] != one["summary"]["ttft_ms"]
+    reqs = three["requests"]
+    assert [r["request_id"] for r in reqs] == list(range(12)) and all(r["ttft_ms"] > 0 for r in reqs)
+    assert sum(r["ttft_ms"] for r in reqs) / 12 == pytest.approx(three["summary"]["ttft_ms"]["mean"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--workload", "random"], "--profile is required"),
     (["--profile", "{p}", "--workload", "random", "--config", "prefill:2"], "--config: num_prefill and num_decode"),
@@ -72,6 +91,7 @@ def test_simulate_reports_mode_percentiles_goodput_and_hits(tmp_path):
     (["--trace", "{tmp}/missing.jsonl", "--cache-blocks", "inf"], "cannot read"),
     (["--trace", "default", "--cache-blocks", "lots"], "--cache-blocks"),
     (["--profile", "{p}", "--workload", "nope"], "invalid choice"),
+    (["--profile", "{p}", "--workload", "random", "--noise-seeds", "0"], "--noise-seeds"),
 ])
 def test_bad_arguments_print_one_line_and_exit_2(tmp_path, args, message):
     profile = write_profile(tmp_path / "p.json", (0.001, 0, 0, 0), (0.001, 0, 0))

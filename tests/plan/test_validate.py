@@ -11,10 +11,12 @@ import json
 import pytest
 
 from kvferry.plan.cli import load_requests, transfer_model
-from kvferry.plan.instance import InstanceConfig
+from kvferry.plan.instance import InstanceConfig, SchedulerInstance
+from kvferry.plan.latency import StepCostModel
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from kvferry.plan.validate import (
-    block_hash_ids, error_rows, markdown_table, measured_summary, plot_validation, relative_error, trace_lines)
+    block_hash_ids, breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, relative_error,
+    request_breakdown, trace_lines)
 from tests.plan.helpers import cost, unique_request, write_profile
 
 
@@ -99,10 +101,10 @@ def test_error_table_rows_markdown_and_plot(tmp_path):
 
 def test_disaggregated_request_waits_for_its_decode_instance_step():
     """The decode instance names the KV destination before the prompt goes
-    to a prefill instance; mid-step, it answers at the step's end. A decodes
-    on D in 10 ms steps (from t = 0.011: its partial-block step ends at
-    0.011 + 0.004 + ... ); B arriving at 0.030 while D is mid-step starts
-    its prefill only when that step ends."""
+    to a prefill instance: it admits the request when it plans its next step
+    and answers with that step's outputs. A decodes on D in 10 ms steps; B
+    arriving at 0.030 while D is mid-step is admitted by the step after, and
+    starts its prefill only when that one ends."""
     a = unique_request(0, 0.0, 10, 8)
     b = unique_request(1, 0.030, 10, 2)
     inst = InstanceConfig(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
@@ -112,8 +114,9 @@ def test_disaggregated_request_waits_for_its_decode_instance_step():
     res = sim.run([a, b])
     assert res[0].ttft_s == pytest.approx(0.010)
     # D's steps for A: [0.010, 0.021] (partial block 10 + first token: 11 ms), then 10 ms decodes:
-    # [0.021, 0.031], ... B arrives at 0.030 mid-step; its prefill runs [0.031, 0.041].
-    assert res[1].first_token_s == pytest.approx(0.041)
+    # [0.021, 0.031], [0.031, 0.041] ... B arrives at 0.030 mid-step, D admits it in [0.031, 0.041]
+    # and answers at 0.041; its prefill runs [0.041, 0.051].
+    assert res[1].first_token_s == pytest.approx(0.051)
 
 
 def test_served_profile_hand_over_is_the_default_transfer_latency(tmp_path):
@@ -130,8 +133,6 @@ def test_served_profile_hand_over_is_the_default_transfer_latency(tmp_path):
 def test_request_overhead_delays_the_arrival_at_the_engine():
     """A served profile's per-request overhead (HTTP, process hops) adds to
     TTFT and queues: B, sent 5 ms after A, starts after A's 10 ms prefill."""
-    from kvferry.plan.latency import StepCostModel
-
     a, b = unique_request(0, 0.0, 10, 1), unique_request(1, 0.005, 10, 1)
     inst = InstanceConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=10)
     sim = Simulation(ClusterConfig(num_colocated=1, instance=inst),
@@ -139,3 +140,52 @@ def test_request_overhead_delays_the_arrival_at_the_engine():
     res = sim.run([a, b])
     assert res[0].ttft_s == pytest.approx(0.030)
     assert res[1].ttft_s == pytest.approx(0.040 - 0.005)
+
+
+def test_request_breakdown_splits_ttft_error_by_idle_and_busy_server():
+    """Requests 0 and 2 find the server idle, 1 is sent while 0 runs; a
+    failed request is not paired. Errors are (predicted - measured) / measured."""
+    records = [record(0, 0.0, 10, 5, 0.100, 0.500), record(1, 0.2, 10, 5, 0.200, 0.600),
+               record(9, 0.3, 10, 5, None, None, error="HTTP 500"), record(2, 2.0, 10, 5, 0.100, 0.300)]
+    sims = [{"request_id": i, "arrival_s": t, "ttft_ms": ttft, "tpot_ms": tpot}
+            for i, t, ttft, tpot in ((0, 0.0, 90.0, 100.0), (1, 0.2, 150.0, 100.0), (2, 2.0, 110.0, 50.0))]
+    b = request_breakdown(records, sims)
+    assert b["ttft_idle"]["n"] == 2 and b["ttft_idle"]["mean_rel_error"] == pytest.approx(0.0)  # -10%, +10%
+    assert b["ttft_busy"]["n"] == 1 and b["ttft_busy"]["mean_rel_error"] == pytest.approx(-0.25)
+    # measured TPOTs: 100, 100, 50 ms
+    assert b["tpot"]["n"] == 3 and b["tpot"]["mean_rel_error"] == pytest.approx(0.0)
+    assert "| r | +0.0% (2) | -25.0% (1) | +0.0% (3) |" in breakdown_table({"r": b})
+    with pytest.raises(ValueError, match="sim_requests"):
+        request_breakdown(records, sims[:2])
+
+
+def test_a_token_leaving_while_its_instance_steps_on_arrives_first_token_delay_later(tmp_path):
+    """Prefill 1 ms per token, decode steps 10 ms, delay 5 ms. A (10 tokens,
+    3 out) steps on after its first token: TTFT 10 + 5 ms; its last token
+    leaves an idle instance: no delay. B (1 token out) ends its instance's work."""
+    inst = InstanceConfig(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    delayed = StepCostModel((0, 0.001, 0, 0), (0.010, 0, 0), first_token_delay_s=0.005)
+    res = Simulation(ClusterConfig(num_colocated=1, instance=inst), delayed).run(
+        [unique_request(0, 0.0, 10, 3), unique_request(1, 1.0, 10, 1)])
+    assert res[0].first_token_s == pytest.approx(0.015)
+    assert res[0].finish_s == pytest.approx(0.030)  # prefill step, then two 10 ms decode steps
+    assert res[1].first_token_s == pytest.approx(1.010) and res[1].finish_s == pytest.approx(1.010)
+    path = write_profile(tmp_path / "p.json", (0, 0.001, 0, 0), (0.010, 0, 0))
+    data = json.loads(path.read_text())
+    data["first_token_delay_s"] = 0.005
+    path.write_text(json.dumps(data))
+    assert StepCostModel.from_profile(str(path)).first_token_delay_s == 0.005
+
+
+def test_simulated_instances_default_to_the_servers_scheduler_settings():
+    """The simulator runs the real scheduler: with the server's defaults,
+    unless told otherwise, so that a replay plans the same steps."""
+    from kvferry.config import EngineArgs
+
+    served, sim = EngineArgs(), InstanceConfig()
+    assert (sim.block_size, sim.max_num_seqs, sim.max_num_batched_tokens, sim.enable_prefix_caching) == \
+        (served.block_size, served.max_num_seqs, served.max_num_batched_tokens, served.enable_prefix_caching)
+    sched = served.create_engine_config().scheduler
+    inst = SchedulerInstance("engine-0", "colocated", cost((0, 0, 0, 0), (0, 0, 0)), sim)
+    assert inst.scheduler.config.enable_chunked_prefill == sched.enable_chunked_prefill
+    assert inst.scheduler.config.preemption_mode == sched.preemption_mode

@@ -135,7 +135,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 def _show_point(kind: str, p: dict) -> None:
     where = f"new {p['new']:>5} cached {p['cached']:>5}" if kind == "prefill" else \
-        f"batch {p['batch']:>4} context {p['context']:>5}"
+        f"batch {p['batch']:>4} context {p['context']:>5}" + (f" + new {p['new']:>5}" if kind == "mixed" else "")
     print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.2f} ms", flush=True)
 
 
@@ -164,6 +164,8 @@ def _run_served_profile(args: argparse.Namespace, grid) -> int:
     data = {"model": model, "served": base, "block_size": args.block_size,
             "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
     _save_profile(args, data, f"kvferry profile: {model} served at {base}")
+    print(f"first-token delay when the engine steps on: {1000 * result['first_token_delay_s']:.1f} ms; "
+          f"mixed-step fit (1, batch, new): {result['mixed']['fit']['coef']}")
     print(f"request overhead (one-word TTFT less its engine step): {1000 * result['request_overhead_s']:.1f} ms; "
           f"hand-over (first -> second token, less a decode step): {1000 * result['handover_s']:.1f} ms")
     return 0

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 PREFILL_TERMS = ("1", "new", "new*cached", "new^2")
 DECODE_TERMS = ("1", "batch", "batch*context")
+# A mixed step (prefill chunks and decodes in one forward pass) costs the two
+# fits' sum plus this: ``new`` is the step's prefill tokens, ``batch`` its decodes.
+MIXED_TERMS = ("1", "batch", "new")
 
 
 @dataclass(slots=True)
@@ -105,6 +108,25 @@ def fit(points: list[dict], terms: tuple[str, ...]) -> dict:
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
     return {"terms": list(terms), "coef": [float(c) for c in coef], "r2": r2, "predicted_s": pred.tolist()}
+
+
+def fit_mixed(points: list[dict], prefill_fit: dict, decode_fit: dict) -> dict:
+    """What a mixed step costs beyond the sum of the prefill and decode fits
+    (as the simulator adds them: one intercept, the larger), fitted over
+    ``MIXED_TERMS``: each point (keys new, cached, batch, context, time_s)
+    keeps that sum as ``sum_s`` and the rest as ``extra_s``. Non-negative: a
+    mixed step never costs less than its parts' fits say."""
+    from kvferry.plan.latency import StepCostModel
+
+    parts = StepCostModel(tuple(prefill_fit["coef"]), tuple(decode_fit["coef"]))
+    extra = []
+    for p in points:
+        p["sum_s"] = parts.step([(p["new"], p["cached"])], p["batch"], p["batch"] * p["context"])
+        p["extra_s"] = p["time_s"] - p["sum_s"]
+        extra.append({"new": p["new"], "batch": p["batch"], "time_s": p["extra_s"]})
+    if not extra:
+        return {"terms": list(MIXED_TERMS), "coef": [0.0] * len(MIXED_TERMS), "r2": None, "predicted_s": []}
+    return fit(extra, MIXED_TERMS)
 
 
 def _nonnegative_lstsq(x, y):

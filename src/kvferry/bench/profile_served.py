@@ -25,8 +25,29 @@ client, these land where the simulator charges them:
   client TTFT as ``ttft_s``), so the fits stay engine step times and the
   simulator adds the overhead to each request's arrival.
 
+- mixed steps: ``batch`` streams decode; once each has a few tokens, a
+  newcomer's prompt of ``new`` words arrives, and the step that prefills it
+  also decodes the streams. Its length is the gap each stream sees ending
+  at the newcomer's first token (median over the streams). What it costs
+  beyond the prefill and decode fits' sum is the ``mixed`` fit
+  (``fit_mixed``); a disaggregated server never mixes, and that fit comes
+  out zero.
+- step noise: every sample's step time over its fit's prediction (each
+  prefill repeat, each steady decode gap), kept whole as ``step_noise``:
+  the simulator draws each step's time from it, so that queueing and the
+  p99s see the spread a single fitted time hides.
+
+- first-token delay: a prefill sample asks for one token, so the engine
+  idles once it is out. A served request asks for more, and its first token
+  leaves while the engine already runs the next step on the same CPUs: the
+  median TTFT of such requests (``LONG_MAX_TOKENS``) less that of one-token
+  requests of the same length, interleaved, is ``first_token_delay_s``; the
+  simulator adds it to a token that ends a request's phase (first, last)
+  when its instance steps on.
+
 Same fits and JSON as the in-process profile, plus ``served`` (the URL),
-``request_overhead_s`` and ``handover_s``.
+``request_overhead_s``, ``first_token_delay_s``, ``handover_s``, ``mixed`` and
+``step_noise``.
 """
 from __future__ import annotations
 
@@ -39,8 +60,17 @@ import time
 
 import httpx
 
-from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, predict
+from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, fit_mixed, predict
 from kvferry.bench.text import random_words
+
+# Tokens the first-token delay's requests ask for: enough that the engine
+# keeps stepping while the first token travels out.
+LONG_MAX_TOKENS = 4
+# What a decode stream of a mixed point asks for: more than it lives (it is
+# cancelled at the newcomer's first token), within any context length served.
+MIXED_STREAM_TOKENS = 256
+# How far apart the chunks of one step's outputs may reach the client.
+_DELIVERY_JITTER_S = 0.005
 
 
 class _Stream:
@@ -71,13 +101,14 @@ class _Stream:
         return self
 
 
-async def _prefill_sample(client, model, rng, new: int, cached: int) -> tuple[float, int, int]:
+async def _prefill_sample(client, model, rng, new: int, cached: int,
+                          max_tokens: int = 1) -> tuple[float, int, int]:
     """(TTFT, new tokens, cached tokens) of one request."""
     # the cached part: a system prompt an earlier request warmed (the chat template's header included)
     system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
     if cached:
         await _Stream().run(client, model, system, 1)
-    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), 1)
+    s = await _Stream().run(client, model, system + _user(random_words(rng, new)), max_tokens)
     ttft = (s.times[0] if s.times else time.perf_counter()) - s.start
     return ttft, s.prompt_tokens - s.cached_tokens, s.cached_tokens
 
@@ -95,7 +126,7 @@ async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> li
     for cell in cells:
         times, news, hits = zip(*samples[cell])
         points.append({"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
-                       "time_s": statistics.median(times)})
+                       "time_s": statistics.median(times), "samples_s": list(times)})
         on_point("prefill", points[-1])
     return points
 
@@ -126,8 +157,99 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
                                      for _ in range(batch)))
     gaps = _steady_gaps(streams)
     mean_context = statistics.mean(s.prompt_tokens for s in streams) + max_tokens / 2
-    point = {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None}
+    point = {"batch": batch, "context": round(mean_context), "time_s": statistics.median(gaps) if gaps else None,
+             "samples_s": gaps}
     return point, streams[0]
+
+
+def _mixed_cells(grid: ProfileGrid) -> list[tuple[int, int, int]]:
+    """(batch, context, new) of the mixed points: the smallest and a middle
+    batch, a middle and the largest prompt, at the shortest context."""
+    batches = sorted({min(grid.batch_sizes), max([b for b in grid.batch_sizes if b <= 4] or grid.batch_sizes)})
+    news = sorted({sorted(grid.new_tokens)[len(grid.new_tokens) // 2], max(grid.new_tokens)})
+    return [(b, min(grid.context_lens), n) for b in batches for n in news]
+
+
+async def _prompt_tokens(client, messages: list[dict]) -> int:
+    resp = await client.post("/tokenize", json={"messages": messages})
+    resp.raise_for_status()
+    return len(resp.json()["tokens"])
+
+
+async def _mixed_sample(client, model, rng, batch: int, context: int, new: int) -> dict | None:
+    """One mixed step: ``batch`` streams decoding at ``context`` when a
+    ``new``-word prompt joins (None when no stream saw that step)."""
+    prompts = [_user(random_words(rng, context)) for _ in range(batch)]
+    streams = [_Stream() for _ in prompts]
+    # the streams only have to outlive the newcomer's first token: they are cancelled then
+    tasks = [asyncio.create_task(s.run(client, model, m, MIXED_STREAM_TOKENS)) for s, m in zip(streams, prompts)]
+    try:
+        while any(len(s.times) < 3 for s in streams) and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.002)
+        newcomer = await _Stream().run(client, model, _user(random_words(rng, new)), LONG_MAX_TOKENS)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not newcomer.times:
+        return None
+    first = newcomer.times[0]
+    gaps = [g for s in streams if (g := mixed_gap(s.times, newcomer.start, first)) is not None]
+    if not gaps:
+        return None
+    decoded = statistics.mean(sum(1 for t in s.times if t < first) for s in streams)
+    ctx = await _prompt_tokens(client, prompts[0])
+    return {"new": newcomer.prompt_tokens - newcomer.cached_tokens, "cached": newcomer.cached_tokens,
+            "batch": batch, "context": round(ctx + decoded), "time_s": statistics.median(gaps)}
+
+
+def mixed_gap(times: list[float], sent: float, first: float) -> float | None:
+    """The mixed step as one decoding stream (chunk arrival ``times``) saw
+    it: the step ends between the newcomer's send and its first text (a
+    first token that decodes to no text yet shows up a step later), so it is
+    the stream's longest gap ending in that window; None if none does."""
+    window = [b - a for a, b in zip(times, times[1:]) if sent < b <= first + _DELIVERY_JITTER_S]
+    return max(window, default=None)
+
+
+async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+    """Medians per cell over ``grid.repeats`` rounds of the whole grid."""
+    cells = _mixed_cells(grid)
+    samples: dict[tuple, list[dict]] = {c: [] for c in cells}
+    for _ in range(grid.repeats):
+        for cell in cells:
+            if (sample := await _mixed_sample(client, model, rng, *cell)) is not None:
+                samples[cell].append(sample)
+    points = []
+    for cell in cells:
+        if not samples[cell]:
+            continue
+        group = samples[cell]
+        points.append({"new": round(statistics.median(p["new"] for p in group)),
+                       "cached": round(statistics.median(p["cached"] for p in group)), "batch": cell[0],
+                       "context": round(statistics.median(p["context"] for p in group)),
+                       "time_s": statistics.median(p["time_s"] for p in group),
+                       "samples_s": [p["time_s"] for p in group]})
+        on_point("mixed", points[-1])
+    return points
+
+
+def noise_ratios(points: list[dict], model: dict) -> list[float]:
+    """Every sample of every point over the fit's prediction there (points
+    the fit predicts no time for are skipped), rounded to 0.1%."""
+    ratios = []
+    for p in points:
+        pred = predict(model, p)
+        if pred > 0:
+            ratios += [round(t / pred, 3) for t in p.get("samples_s", ()) if t > 0]
+    return ratios
+
+
+def mixed_noise_ratios(points: list[dict], mixed_fit: dict) -> list[float]:
+    """Each mixed sample over the whole predicted mixed step (the two fits'
+    sum, ``sum_s``, plus the mixed fit's extra)."""
+    return [round(t / pred, 3) for p in points
+            if (pred := p["sum_s"] + predict(mixed_fit, p)) > 0 for t in p["samples_s"] if t > 0]
 
 
 async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, decode_fit: dict) -> float:
@@ -143,6 +265,17 @@ async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, 
         ttft, new, cached = await _prefill_sample(client, model, rng, 1, 0)
         samples.append(ttft - decode_fit["coef"][0] - predict(rest, {"new": new, "cached": cached}))
     return max(statistics.median(samples), 0.0)
+
+
+async def _first_token_delay(client, model, rng, repeats: int, new: int) -> float:
+    """How much later a first token reaches the client when the engine steps
+    on after it (a request of ``LONG_MAX_TOKENS``) than when it idles (one
+    token): medians over interleaved pairs of equal prompt length."""
+    one, more = [], []
+    for _ in range(repeats):
+        one.append((await _prefill_sample(client, model, rng, new, 0))[0])
+        more.append((await _prefill_sample(client, model, rng, new, 0, LONG_MAX_TOKENS))[0])
+    return max(statistics.median(more) - statistics.median(one), 0.0)
 
 
 async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
@@ -173,10 +306,21 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                                            decode_fit)
         for p in prefill:  # the engine's share of a TTFT: what the step model fits
             p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
+            p["samples_s"] = [max(t - overhead, 0.0) for t in p["samples_s"]]
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
-        result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
+        prefill_fit = fit(prefill, PREFILL_TERMS)
+        mixed = await _mixed_points(client, model, rng, grid, on_point)
+        mixed_fit = fit_mixed(mixed, prefill_fit, decode_fit)
+        result = {"prefill": {"points": prefill, "fit": prefill_fit},
                   "decode": {"points": decode, "fit": decode_fit},
+                  "mixed": {"points": mixed, "fit": mixed_fit},
                   "request_overhead_s": overhead,
+                  "first_token_delay_s": await _first_token_delay(client, model, rng, grid.repeats + 2,
+                                                                  sorted(grid.new_tokens)[len(grid.new_tokens) // 2]),
+                  # a mixed step carries prefill tokens: its spread joins the prefill steps'
+                  "step_noise": {"prefill": noise_ratios(prefill, prefill_fit)
+                                 + mixed_noise_ratios(mixed, mixed_fit),
+                                 "decode": noise_ratios(decode, decode_fit)},
                   "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
     return result
 

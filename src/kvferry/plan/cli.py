@@ -14,6 +14,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvferry.bench.cli import _one_line_error
@@ -36,6 +37,11 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
                      help="prefix-cache size in workload blocks: with --profile --fast, the analytic "
                           "cache (default: the KV pool); without --profile, or 'inf': cache-only mode, "
                           "hit ratios without timing. The scheduler mode's cache is the KV pool itself.")
+    sim.add_argument("--noise-seeds", type=int, default=5,
+                     help="with a profile that measured step-time noise: simulate this many seeded runs "
+                          "(step times drawn from the measured spread) and report the mean of each number")
+    sim.add_argument("--per-request", action="store_true",
+                     help="add each request's arrival, TTFT and TPOT (mean over the noise seeds) to the JSON")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--output", default=None, help="also write the JSON result here")
     sim.set_defaults(func=cmd_simulate)
@@ -198,7 +204,7 @@ def run_simulate(args: argparse.Namespace) -> dict:
     if cache_only:
         return _run_cache_only(args, counts, requests, capacity, start)
     from kvferry.plan.latency import StepCostModel
-    from kvferry.plan.report import instance_stats, summarize
+    from kvferry.plan.report import instance_stats, mean_summary, summarize
     from kvferry.plan.simulator import ClusterConfig, Simulation
 
     cost = StepCostModel.from_profile(args.profile)
@@ -207,12 +213,37 @@ def run_simulate(args: argparse.Namespace) -> dict:
         cluster = ClusterConfig(**counts, instance=instance, router=args.router, transfer=transfer, fast=args.fast)
     except ValueError as e:
         raise ValueError(f"--config: {e}") from None
-    sim = Simulation(cluster, cost, capacity)
-    results = list(sim.run(requests).values())
-    summary = summarize(results, slo)
-    return {"mode": "fast-analytic" if args.fast else "scheduler", "config": _config_json(args, counts),
-            "summary": summary, "instances": instance_stats(sim.instances(), summary["duration_s"]),
-            "wall_s": time.perf_counter() - start}
+    if args.noise_seeds < 1:
+        raise ValueError(f"--noise-seeds must be >= 1, got {args.noise_seeds}")
+    # Without measured noise (or in the analytic mode) every seed gives the same run.
+    seeds = range(args.noise_seeds if cost.noise is not None and not args.fast else 1)
+    summaries, runs, sim = [], [], None
+    for seed in seeds:
+        sim = Simulation(cluster, cost, capacity, seed=seed)
+        runs.append(list(sim.run([replace(r) for r in requests]).values()))
+        summaries.append(summarize(runs[-1], slo))
+    result = {"mode": "fast-analytic" if args.fast else "scheduler", "config": _config_json(args, counts),
+              "noise_seeds": len(seeds), "summary": mean_summary(summaries),
+              "instances": instance_stats(sim.instances(), summaries[-1]["duration_s"])}
+    if args.per_request:
+        result["requests"] = per_request(runs)
+    return {**result, "wall_s": time.perf_counter() - start}
+
+
+def per_request(runs: list[list]) -> list[dict]:
+    """Each request's arrival, TTFT and TPOT (ms), the mean over seeded runs
+    of the same requests (None where a run has no value)."""
+    out = []
+    for results in zip(*runs):
+        req = results[0].request
+
+        def mean_ms(values: list) -> float | None:
+            return None if any(v is None for v in values) else 1000.0 * sum(values) / len(values)
+
+        out.append({"request_id": req.request_id, "arrival_s": req.arrival_s,
+                    "ttft_ms": mean_ms([r.ttft_s for r in results]),
+                    "tpot_ms": mean_ms([r.tpot_s for r in results])})
+    return out
 
 
 def _run_cache_only(args, counts, requests, capacity, start) -> dict:

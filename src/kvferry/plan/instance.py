@@ -14,6 +14,7 @@ partial last block and the first token are computed locally).
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from kvferry.config import SchedulerConfig
@@ -64,8 +65,10 @@ class _TransferredKV:
 class SchedulerInstance:
     mode = "scheduler"
 
-    def __init__(self, name: str, role: str, cost: StepCostModel, config: InstanceConfig) -> None:
+    def __init__(self, name: str, role: str, cost: StepCostModel, config: InstanceConfig,
+                 rng: random.Random | None = None) -> None:
         self.name, self.role, self.cost, self.config = name, role, cost, config
+        self.rng = rng  # draws each step's noise ratio (when the cost model has one)
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.source = _TransferredKV(config.block_size) if role == "decode" else None
         sched_config = SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -135,7 +138,7 @@ class SchedulerInstance:
                 context += cached + 1
             else:
                 chunks.append((num_new, cached))
-        return self.cost.step(chunks, batch, context)
+        return self.cost.noisy_step(chunks, batch, context, self.rng)
 
     def finish_step(self, now: float) -> list[TokenEvent]:
         out, result = self._step

@@ -4,22 +4,65 @@ A step runs prefill chunks and decodes together (chunked prefill)::
 
     t = a_pre * [any prefill] + sum over chunks (b * new + c * new * cached + d * new^2)
       + a_dec * [any decode] + b_dec * batch + c_dec * sum(context)
+      + [both] * (m_1 + m_batch * batch + m_new * sum(new))
 
 where ``cached`` is what the chunk attends to before itself (prefix hit or
 earlier chunks). The two intercepts are fixed per-step costs (launch,
-sampling); a mixed step pays the larger one only, since it is one forward pass.
+sampling); a mixed step pays the larger one only, since it is one forward pass,
+plus what a served profile measured a mixed step to cost beyond that sum (the
+front end's work for the decoding streams competing with a longer step).
 """
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS
+from kvferry.bench.profile import DECODE_TERMS, MIXED_TERMS, PREFILL_TERMS
 
 
 class PlanError(Exception):
     """A user-facing error of simulate / plan: one line, exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepNoise:
+    """How much a real step varies around the fitted time: ratios of measured
+    step times to the fit's prediction at the same point (a served profile's
+    every sample, ``step_noise`` in its JSON), one list for steps that carry
+    prefill tokens and one for decode-only steps.
+
+    A simulated step draws one ratio uniformly from its list and multiplies
+    the fitted time by it. The mean of the draws is the mean of the ratios, so
+    the simulated mean step is the measured mean step (the fits are medians,
+    and the ratios carry the skew above them); the draws' spread gives
+    queueing and the p99s the tail that one fitted time cannot."""
+
+    prefill: tuple[float, ...]
+    decode: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            ratios = getattr(self, name)
+            if not ratios or any(not r > 0 for r in ratios):
+                raise ValueError(f"step_noise.{name}: need at least one ratio, all > 0")
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> StepNoise | None:
+        """A profile's ``step_noise``; None when it has none (an in-process
+        profile) or measured no sample of one kind."""
+        if not data or not data.get("prefill") or not data.get("decode"):
+            return None
+        return cls(tuple(float(r) for r in data["prefill"]), tuple(float(r) for r in data["decode"]))
+
+    def factor(self, rng: random.Random, has_prefill: bool) -> float:
+        ratios = self.prefill if has_prefill else self.decode
+        return ratios[rng.randrange(len(ratios))]
+
+    def mean(self, has_prefill: bool) -> float:
+        ratios = self.prefill if has_prefill else self.decode
+        return sum(ratios) / len(ratios)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +74,15 @@ class StepCostModel:
     # A served profile's per-request time outside engine steps (HTTP, tokenization,
     # process hops, detokenization): a request reaches its engine this much later.
     request_overhead_s: float = 0.0
+    # A served profile's measured step-time spread; None: every step takes its fitted time.
+    noise: StepNoise | None = None
+    # seconds per unit of MIXED_TERMS (1, batch, new): what a step that both
+    # prefills and decodes costs beyond the two fits' sum (a served profile's
+    # ``mixed`` fit; zero without one)
+    mixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # A served profile's measured lag of a token that reaches the client while
+    # its engine runs the next step (the output path competes with the step).
+    first_token_delay_s: float = 0.0
 
     @classmethod
     def from_profile(cls, path: str) -> StepCostModel:
@@ -40,8 +92,12 @@ class StepCostModel:
             if tuple(pre["terms"]) != PREFILL_TERMS or tuple(dec["terms"]) != DECODE_TERMS:
                 raise ValueError(f"fit terms {pre['terms']} / {dec['terms']} are not "
                                  f"{list(PREFILL_TERMS)} / {list(DECODE_TERMS)}")
+            mixed = (data.get("mixed") or {}).get("fit") or {"terms": MIXED_TERMS, "coef": (0.0, 0.0, 0.0)}
+            if tuple(mixed["terms"]) != MIXED_TERMS:
+                raise ValueError(f"mixed fit terms {mixed['terms']} are not {list(MIXED_TERMS)}")
             return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
-                       float(data.get("request_overhead_s") or 0.0))
+                       float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")),
+                       tuple(float(c) for c in mixed["coef"]), float(data.get("first_token_delay_s") or 0.0))
         except OSError as e:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:
@@ -63,7 +119,18 @@ class StepCostModel:
         if decode_batch:
             base = max(base, self.decode[0])
             t += self.decode[1] * decode_batch + self.decode[2] * decode_context
+        if chunks and decode_batch:
+            t += self.mixed[0] + self.mixed[1] * decode_batch + self.mixed[2] * sum(n for n, _ in chunks)
         return max(base + t, 1e-9)
+
+    def noisy_step(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int,
+                   rng: random.Random | None) -> float:
+        """``step`` times a measured noise ratio drawn from ``rng`` (the fitted
+        time alone without a noise model or an ``rng``)."""
+        t = self.step(chunks, decode_batch, decode_context)
+        if self.noise is None or rng is None:
+            return t
+        return t * self.noise.factor(rng, bool(chunks))
 
     def prefill_time(self, new: int, cached: int) -> float:
         """A whole prompt prefilled in one step."""

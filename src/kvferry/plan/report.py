@@ -36,6 +36,23 @@ def summarize(results: list[RequestResult], slo: dict[str, float]) -> dict:
     }
 
 
+def mean_summary(summaries: list[dict]) -> dict:
+    """The mean of several seeded runs' summaries, number by number (nested
+    dicts such as ``ttft_ms`` too); a value missing from any run stays None."""
+    out = {}
+    for key, first in summaries[0].items():
+        values = [s.get(key) for s in summaries]
+        if isinstance(first, dict):
+            out[key] = mean_summary(values)
+        elif all(v == first for v in values):
+            out[key] = first
+        elif isinstance(first, (int, float)) and all(isinstance(v, (int, float)) for v in values):
+            out[key] = sum(values) / len(values)
+        else:
+            out[key] = None
+    return out
+
+
 def instance_stats(instances: list, duration_s: float) -> list[dict]:
     out = []
     for inst in instances:

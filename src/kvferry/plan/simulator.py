@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 
 from kvferry.plan.cache_model import PrefixCache
@@ -76,7 +77,8 @@ class RequestResult:
 
 
 class Simulation:
-    def __init__(self, cluster: ClusterConfig, cost: StepCostModel, cache_blocks: int | None = None) -> None:
+    def __init__(self, cluster: ClusterConfig, cost: StepCostModel, cache_blocks: int | None = None,
+                 seed: int = 0) -> None:
         self.cluster, self.cost = cluster, cost
         cfg = cluster.instance
         # Analytic instances' cache size in workload key blocks; None: the KV pool's size.
@@ -85,7 +87,8 @@ class Simulation:
         def make(name: str, role: str):
             if cluster.fast:
                 return AnalyticInstance(name, role, cost, cfg, cache_blocks)  # capacity set in run()
-            return SchedulerInstance(name, role, cost, cfg)
+            # one noise stream per instance, fixed by (seed, name): a run replays exactly
+            return SchedulerInstance(name, role, cost, cfg, random.Random(f"{seed}:{name}"))
 
         if cluster.disaggregated:
             self.front = [make(f"prefill-{i}", "prefill") for i in range(cluster.num_prefill)]
@@ -100,6 +103,10 @@ class Simulation:
         self._seq = itertools.count()
         self.results: dict[int, RequestResult] = {}
         self._decode_of: dict[int, SchedulerInstance] = {}  # disagg: the decode instance chosen at arrival
+        # disagg: requests a busy decode instance has yet to admit (at its next
+        # step's start), and those the running step admitted (answered at its end)
+        self._awaiting: dict[SchedulerInstance, list[SimRequest]] = {}
+        self._admitting: dict[SchedulerInstance, list[SimRequest]] = {}
 
     # -- events -----------------------------------------------------------------
     def _push(self, t: float, kind: str, payload) -> None:
@@ -138,10 +145,15 @@ class Simulation:
         if self.back and not self.cluster.fast:
             # As the served router does: the decode instance takes the request
             # first and names where its KV goes; only then is the prompt sent to
-            # a prefill instance. A busy decode instance answers after its step.
+            # a prefill instance. The decode core admits it when it plans its
+            # next step and answers with that step's outputs: a busy core after
+            # the step now running AND the next one, an idle core at once.
             dest = self.decode_router.pick(req.block_keys, now)
             self._decode_of[req.request_id] = dest
-            self._push(dest.step_end if dest.busy else now, "route", req)
+            if dest.busy:
+                self._awaiting.setdefault(dest, []).append(req)
+            else:
+                self._push(now, "route", req)
             return
         self._route(req, now)
 
@@ -160,24 +172,36 @@ class Simulation:
     def _kick(self, inst: SchedulerInstance, now: float) -> None:
         if not inst.busy:
             end = inst.start_step(now)
+            admitted = self._awaiting.pop(inst, [])
             if end is not None:
                 self._push(end, "step", inst)
+                self._admitting[inst] = admitted
+            else:  # nothing else to run: the admitting step is empty and answers at once
+                for req in admitted:
+                    self._push(now, "route", req)
 
     def _step_end(self, inst: SchedulerInstance, now: float) -> None:
+        delivered: list[tuple[RequestResult, str]] = []  # (result, "first_token_s" / "finish_s") set now
         for ev in inst.finish_step(now):
             res = self.results[ev.request.request_id]
             if ev.failed:
                 res.failed = True
                 continue
             if ev.num_tokens and res.first_token_s is None:
-                res.first_token_s = now
+                delivered.append((res, "first_token_s"))
             res.num_output_tokens += ev.num_tokens
             if ev.finished:
                 if inst.role == "prefill" and ev.request.output_len > 1:
                     self._hand_over(ev.request, now)
                 else:
-                    res.finish_s = now
+                    delivered.append((res, "finish_s"))
+        for req in self._admitting.pop(inst, []):  # the step that admitted them answers now
+            self._push(now, "route", req)
         self._kick(inst, now)
+        # A token leaving while its instance runs the next step reaches the client later.
+        at = now + (self.cost.first_token_delay_s if inst.busy else 0.0)
+        for res, name in delivered:
+            setattr(res, name, at)
 
     def _hand_over(self, req: SimRequest, now: float) -> None:
         """The prefill is done: the KV of the prompt travels to a decode instance."""

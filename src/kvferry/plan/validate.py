@@ -85,6 +85,44 @@ def measured_summary(records: list[dict], slo: dict[str, float]) -> dict[str, fl
             "goodput": good / span if slo and span > 0 else None}
 
 
+def _in_flight_at(records: list[dict], rec: dict) -> bool:
+    """Did another request hold the server when ``rec`` was sent?"""
+    t = rec["start_s"]
+    return any(o is not rec and o["start_s"] <= t < o["start_s"] + o["e2e_s"] for o in records)
+
+
+def request_breakdown(records: list[dict], sim_requests: list[dict]) -> dict:
+    """Where the error sits, request by request: completed ``records`` in
+    send order pair with ``sim_requests`` (``kvferry simulate --per-request``)
+    in arrival order, as ``trace_lines`` built them. A request sent to an
+    idle server measures service alone (the step model and the per-request
+    overhead); one sent while others ran adds queueing and batching. Mean
+    relative error of TTFT over each kind, of TPOT over all."""
+    ok = sorted((r for r in records if r.get("error") is None and r.get("e2e_s") is not None),
+                key=lambda r: r["start_s"])
+    sims = sorted(sim_requests, key=lambda r: r["arrival_s"])
+    if len(ok) != len(sims):
+        raise ValueError(f"sim_requests: {len(sims)} simulated requests for {len(ok)} completed records")
+    errs: dict[str, list[float]] = {"ttft_idle": [], "ttft_busy": [], "tpot": []}
+    for rec, sim in zip(ok, sims):
+        if (e := relative_error(rec["ttft_s"] * 1000.0, sim["ttft_ms"])) is not None:
+            errs["ttft_busy" if _in_flight_at(ok, rec) else "ttft_idle"].append(e)
+        tpot = _tpot(rec)
+        if (e := relative_error(None if tpot is None else tpot * 1000.0, sim["tpot_ms"])) is not None:
+            errs["tpot"].append(e)
+    return {k: {"mean_rel_error": float(np.mean(v)) if v else None, "n": len(v)} for k, v in errs.items()}
+
+
+def breakdown_table(breakdowns: dict[str, dict]) -> str:
+    """Runs down: mean TTFT error of requests that found the server idle
+    (service) and busy (queueing too), and mean TPOT error, with counts."""
+    lines = ["| run | TTFT err, idle server (n) | TTFT err, busy server (n) | TPOT err (n) |", "|---|---|---|---|"]
+    for run, b in breakdowns.items():
+        cells = [f"{_cell(b[k]['mean_rel_error'], True)} ({b[k]['n']})" for k in ("ttft_idle", "ttft_busy", "tpot")]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def predicted_summary(sim_result: dict) -> dict[str, float | None]:
     """The same numbers from a ``kvferry simulate --json`` result."""
     s = sim_result["summary"]
