@@ -12,6 +12,7 @@ from kvferry.model.sampler import (
     SamplingBatch,
     SamplingRow,
     apply_penalties,
+    exponential_,
 )
 from kvferry.sampling import SamplingParams
 
@@ -42,6 +43,20 @@ def _row(
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]):
     batch = SamplingBatch.build(rows, logits.shape[1], "cpu")
     return Sampler()(logits, batch)
+
+
+# ---------------------------------------------------------------- noise
+
+
+def test_exponential_noise_is_exp1_and_seeded_draws_repeat() -> None:
+    """The race's noise: Exp(1) by a Kolmogorov-Smirnov test, never negative
+    or infinite, and a generator's draws repeat from the same seed."""
+    draws = exponential_(torch.empty(100_000), torch.Generator().manual_seed(0))
+    assert torch.isfinite(draws).all() and (draws >= 0).all()
+    assert scipy_stats.kstest(draws.numpy(), "expon").pvalue > P_MIN
+    again = exponential_(torch.empty(100_000), torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)
+    assert not torch.equal(draws, exponential_(torch.empty(100_000)))
 
 
 # ---------------------------------------------------------------- greedy

@@ -20,6 +20,7 @@ from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model.loader import LoadedModel, load_model
+from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
 from kvferry.spec.head import EagleHead, resolve_head_path
@@ -54,6 +55,11 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
                                   kv_store=self.kv_store_io, kv_transfer=config.kv_transfer,
                                   draft=draft, head=self._load_head(), speculative=self.speculative)
+        if m.device == "cpu":
+            # Build (or load) the C++ attention kernel now, before the ready
+            # message: otherwise the first requests' TTFT pays for it (a
+            # 15-30 s build whenever the kernel's cache is cold).
+            get_paged_decode_kernel()
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector

@@ -331,14 +331,27 @@ def apply_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+def exponential_(out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill ``out`` with Exp(1) draws in place (one uniform per value) and
+    return it: what ``out.exponential_(generator=generator)`` does, faster.
+
+    Drawn as ``-log1p(-u)`` with u ~ U[0, 1): on CPU torch's own
+    ``exponential_`` takes a scalar log per value, 15 ms of one core for
+    16 x 49152 (a third of a decode step at batch 16), while ``uniform_``
+    plus a vectorized ``log1p`` takes 3 ms. Every request that samples (the
+    OpenAI default temperature is 1) pays this every step. Draft proposers
+    call it too, so a seeded draft races the very noise its verifier draws."""
+    return out.uniform_(generator=generator).neg_().log1p_().neg_()
+
+
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """q ~ Exp(1), [B, V]: one batch-wide draw for unseeded rows, then each
     seeded row overwritten from its own generator (exactly V draws a step)."""
     q = torch.empty_like(probs)
     if batch.any_unseeded_random:
-        q.exponential_()
+        exponential_(q)
     for row, generator in batch.seeded:
-        q[row].exponential_(generator=generator)
+        exponential_(q[row], generator)
     # A zero draw would make p / q inf or nan (nan wins argmax) even for a
     # masked token with p == 0.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)

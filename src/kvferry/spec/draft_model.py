@@ -41,7 +41,7 @@ import torch
 from kvferry.engine.input_batch import InputBatch, flatten
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
-from kvferry.model.sampler import position_generator
+from kvferry.model.sampler import exponential_, position_generator
 from kvferry.sampling import SamplingParams
 
 
@@ -201,7 +201,7 @@ def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int,
     temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, active)],
                                device=logits.device)
     q = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # [A, D]
-    noise = torch.empty_like(q).exponential_()
+    noise = exponential_(torch.empty_like(q))
     full_noise = None  # [V]: a seeded row's draw spans the whole vocabulary, as the sampler's does
     for j, r in enumerate(active):
         # The sampler's generator for the row verifying this draft: output index + i.
@@ -209,11 +209,11 @@ def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int,
         if gen is None:
             continue
         if vocab is None:
-            noise[j].exponential_(generator=gen)
+            exponential_(noise[j], gen)
         else:
             if full_noise is None:
                 full_noise = torch.empty(vocab.size, dtype=q.dtype, device=q.device)
-            noise[j] = full_noise.exponential_(generator=gen)[vocab.ids]
+            noise[j] = exponential_(full_noise, gen)[vocab.ids]
     drawn = (q / noise.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
     drawn = torch.where(torch.tensor(greedy, device=q.device), logits.argmax(dim=-1), drawn)  # [A] in [0, D)
     if vocab is None:
