@@ -93,7 +93,7 @@ def test_a_draft_vocabulary_keeps_outputs_exact(case, tmp_path):
     llm, results = run(target, str(path), prompts)
     check(hf, prompts, expected, results)
     drafted = llm.engine.core.runner.drafter
-    assert drafted.lm_head.shape == (hf.config.vocab_size // 2, hf.config.hidden_size)
+    assert drafted.lm_head.weight.shape == (hf.config.vocab_size // 2, hf.config.hidden_size)
     assert llm.engine.stats().num_draft_tokens > 0
     params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=s, ignore_eos=True) for s in range(len(prompts))]
     _, sampled = run(target, str(path), prompts, params)
