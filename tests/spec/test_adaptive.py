@@ -136,3 +136,21 @@ def test_cheap_verification_keeps_drafting_at_modest_acceptance():
             assert ks[-4:] == [expected_k] * 4, ks
         else:
             assert ks[-4:].count(0) >= 3, ks
+
+
+def test_within_a_measured_level_only_a_request_far_below_its_peers_stops():
+    """At batch 1 the level's figures are the request's own: a run of
+    rejected drafts does not cut it below the level. In a batch, a request
+    whose drafts fail far more often than the batch's does get k = 0."""
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=10**6)
+    for num_running in (1, 4):  # measure every level of both buckets: level 4 pays
+        for _ in range(5):
+            cap = c.batch_cap(num_running)
+            c.observe("warm", cap * num_running, cap * num_running // 2)
+            c.observe_step(num_running, cap * num_running, 1.0 + 0.05 * cap)
+    for _ in range(3):
+        c.observe("alone", 4, 0)
+        c.observe("weak", 4, 0)
+    assert c.num_drafts("alone", 1) == 4
+    assert c.num_drafts("weak", 4) == 0
+    assert c.num_drafts("warm", 4) == 4

@@ -26,8 +26,10 @@ Three rules, all cheap and deterministic:
   1; ties go to the lower level). Every level is measured once first; then
   every ``cost_probe_steps`` steps one other level runs (the best's
   neighbours and plain decoding, in turn), so that the figures stay
-  current and a level that starts paying (a repetitive passage) is found. Within the level, a request gets L drafts unless its
-  own acceptance says its drafts fail (then 0, with probes, as above).
+  current and a level that starts paying (a repetitive passage) is found.
+  Within the level, a request gets L drafts (at batch 1, always: the
+  level's figures are its own), unless its acceptance EWMA is under half
+  the level's mean acceptance (then 0, with probes, as above).
 """
 from __future__ import annotations
 
@@ -82,6 +84,11 @@ class _BucketCost:
         # plain decoding, the reference every rate is measured against.
         others = [level for level in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= level <= cap and level != best]
         return others[(self.steps // probe_steps) % len(others)]
+
+    def mean_acceptance(self, level: int) -> float | None:
+        """Accepted drafts per draft at ``level`` (as if each request took all L)."""
+        gain = self.gain[level] if level else None
+        return None if gain is None else (gain - 1.0) / level
 
     def speedup_known(self) -> bool:
         """Plain decoding and at least one level measured."""
@@ -159,19 +166,23 @@ class AdaptiveSpecController:
         if not self.adaptive:
             return cap
         state = self._states.setdefault(request_id, _RequestSpecState())
-        k = math.floor(state.acceptance * (self.k_max + 1))
+        cost = self._costs.get(num_running.bit_length()) if self.cost_aware else None
+        if cost is not None and cost.speedup_known():
+            # The measured level already weighs the bucket's acceptance
+            # against its cost: at batch 1 that is this request's own, so it
+            # gets the level; in a batch, a request whose drafts fail far
+            # more often than its peers' stops drafting.
+            mean = cost.mean_acceptance(cap)
+            k = cap if num_running == 1 or mean is None or state.acceptance >= 0.5 * mean else 0
+        else:
+            k = min(math.floor(state.acceptance * (self.k_max + 1)), cap)
         if k > 0:
-            # A measured level already weighs the bucket's acceptance against its cost.
-            return cap if self._measured(num_running) else min(k, cap)
+            return k
         state.steps_without_drafts += 1
         if state.steps_without_drafts >= self.probe_interval:
             state.steps_without_drafts = 0
             return 1
         return 0
-
-    def _measured(self, num_running: int) -> bool:
-        cost = self._costs.get(num_running.bit_length()) if self.cost_aware else None
-        return cost is not None and cost.speedup_known()
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Record a verified proposal (only steps that proposed: no match

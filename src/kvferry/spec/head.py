@@ -217,9 +217,10 @@ class HeadProposer:
         for i in range(chain.num_steps):
             hidden = self._step(newest, hidden)  # [A, H]
             drawn = chain.draw(self._logits(hidden), i, self.vocab)
-            if chain.active:
+            if len(chain.kept) < len(drawn):  # some requests are done drafting
                 hidden = hidden[chain.kept]
-                newest = torch.tensor([drawn[j] for j in chain.kept], dtype=torch.int64, device=newest.device)
+                drawn = [drawn[j] for j in chain.kept]
+            newest = torch.tensor(drawn, dtype=torch.int64, device=newest.device)
         proposals.update(chain.proposals())
         return proposals
 
