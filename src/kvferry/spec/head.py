@@ -159,8 +159,6 @@ class HeadProposer:
                                  f"the target has {target.config.vocab_size} tokens")
             self.vocab = DraftVocab(ids.to(target.lm_head.device), target.config.vocab_size)
             lm_head = lm_head[self.vocab.ids]  # [D, H]
-        device = target.lm_head.device
-        self.head.to(device)
         self.fc = _PackedLinear(head.fc.weight, self.dtype)  # [H, 2H]
         self.up = _PackedLinear(head.up.weight, self.dtype)  # [2I, H]
         self.down = _PackedLinear(head.down.weight, self.dtype)  # [H, I]
