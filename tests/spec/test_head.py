@@ -61,6 +61,28 @@ def test_greedy_is_hf_exact(case, kwargs):
     llm.engine.check_integrity()
 
 
+def test_steps_without_drafts_run_no_head_and_copy_nothing(case):
+    """Where no request drafts (here the batch threshold allows none), the
+    head never runs, and its state is each request's row index into the
+    step's own sampled hidden states: one tensor per step, no copies."""
+    target, head, hf, prompts, expected, _ = case
+    spec = {"method": "head", "model": head, "num_speculative_tokens": 3, "batch_token_threshold": 1}
+    llm = LLM(model=target, dtype="float32", speculative=spec)
+    drafter = llm.engine.core.runner.drafter
+    proposed, shared = [], []
+    propose, record_step = drafter.propose, drafter.record_step
+    drafter.propose = lambda *args: proposed.append(args) or propose(*args)
+
+    def record_and_check(hidden, rows):
+        record_step(hidden, rows)
+        shared.append(all(drafter._hidden[rid][0] is hidden for rid in rows))
+
+    drafter.record_step = record_and_check
+    check(hf, prompts, expected, llm.generate(prompts, GREEDY))
+    assert proposed == [] and llm.engine.stats().num_draft_tokens == 0
+    assert shared and all(shared)
+
+
 def test_seeded_sampling_is_plain_seeded_sampling(case):
     """A seeded request's drafts are coupled to the target's own noise
     (draft_model.draw_drafts): its tokens are those of plain seeded sampling,
@@ -93,7 +115,7 @@ def test_a_draft_vocabulary_keeps_outputs_exact(case, tmp_path):
     llm, results = run(target, str(path), prompts)
     check(hf, prompts, expected, results)
     drafted = llm.engine.core.runner.drafter
-    assert drafted.lm_head.shape == (hf.config.vocab_size // 2, hf.config.hidden_size)
+    assert drafted.lm_head.weight.shape == (hf.config.vocab_size // 2, hf.config.hidden_size)
     assert llm.engine.stats().num_draft_tokens > 0
     params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=s, ignore_eos=True) for s in range(len(prompts))]
     _, sampled = run(target, str(path), prompts, params)

@@ -228,7 +228,7 @@ class ModelRunner:
         out = RunnerOutput()
         if not sched.is_empty:
             spec_token_ids, proposals, drafted = sched.spec_token_ids, {}, []
-            if self.drafter is not None:
+            if self.drafter is not None and (sched.spec_token_ids or self.drafter.every_step):
                 # The scheduler reserved the drafts' slots; the draft model fills them.
                 drafted = self._draft_requests(sched)
                 proposals = self.drafter.propose(self.batch, drafted)
@@ -296,15 +296,17 @@ class ModelRunner:
 
     def _record_hidden(self, sampling: list[tuple[str, list[int]]], sampled_hidden: torch.Tensor,
                        out: RunnerOutput) -> None:
-        """The draft head's input: each request's hidden state at the row
-        that sampled its newest token (its last accepted row)."""
+        """The draft head's input: each request's row of ``sampled_hidden``
+        [num_logits, H] that sampled its newest token (its last accepted
+        row). Only indices here; the head gathers the rows it drafts from."""
         assert isinstance(self.drafter, HeadProposer)
-        first = 0
+        rows, first = {}, 0
         for rid, drafts in sampling:
             emitted = len(out.sampled_token_ids.get(rid, ()))
             if emitted:
-                self.drafter.record(rid, sampled_hidden[first + emitted - 1].clone())
+                rows[rid] = first + emitted - 1
             first += len(drafts) + 1
+        self.drafter.record_step(sampled_hidden, rows)
 
     def _draft_requests(self, sched: SchedulerOutput) -> list[DraftRequest]:
         requests = []

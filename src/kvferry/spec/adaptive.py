@@ -1,34 +1,35 @@
 """How many drafts each request gets this step.
 
-Two rules, both cheap and deterministic:
+Three rules, all cheap and deterministic:
 
 - **Acceptance.** Each request keeps an EWMA of accepted / proposed drafts
-  (starting optimistic, at 1). Its k is ``floor(ewma * (k_max + 1))``,
-  capped at k_max: a request whose drafts keep failing drops to k = 0 and
-  stops paying for verification. A request at k = 0 probes with one draft
-  every ``probe_interval`` decode steps, so a text that turns repetitive
-  later (a quoted passage, code) wins its drafts back.
-- **Marginal cost.** Once both step costs of a batch-size bucket are
-  measured (below), the acceptance rule above gives way to an expected-gain
-  rule: with per-token acceptance a (accepted drafts over accepted drafts
-  plus rejections, EWMAs) and a measured marginal cost c of one draft
-  token relative to a plain step, k maximizes
-  ``(1 + a + a^2 + .. + a^k) / (1 + c k)``. Where a verify window costs
-  about what a plain step does (batch 1 on a bandwidth-bound decode, c near
-  0) a rejected draft costs nothing and k stays high even at modest
-  acceptance; where it costs (c large) only well-accepted drafts pay.
+  (starting optimistic, at 1). Until its batch size's costs are measured
+  (below) its k is ``floor(ewma * (k_max + 1))``, capped at k_max. A
+  request whose drafts keep failing drops to k = 0 and stops paying for
+  verification; at k = 0 it probes with one draft every
+  ``probe_interval`` decode steps, so a text that turns repetitive later
+  (a quoted passage, code) wins its drafts back.
 - **Batch size.** Verification costs ``k + 1`` token slots per request.
   Drafts are cut so that ``num_running * (k + 1)`` stays within
   ``batch_token_threshold``: at large batches decode is already
   compute-efficient, and drafts would only slow every request down.
-- **Measured cost** (``cost_aware``). The engine reports each decode-only
-  step's wall time (``observe_step``). Per batch-size bucket (powers of
-  two) the controller keeps EWMAs of the plain step's seconds, the
-  speculative step's seconds (draft + verify) and the tokens a request gains
-  per speculative step (1 + accepted). Speculation pays while
-  ``gain * plain / speculative >= 1``; where it does not, the bucket stops
-  drafting. Every ``cost_probe_steps`` steps a bucket runs one step the
-  other way, so both costs stay measured and a bucket can switch back.
+- **Measured cost per level** (``cost_aware``). The engine reports each
+  decode-only step's wall time (``observe_step``). Per batch-size bucket
+  (powers of two) the controller picks a *level* L in [0, cap], the most
+  drafts any request gets, and keeps per level EWMAs of the step's seconds
+  and of the tokens a request gains per step (1 + accepted). A step's cost
+  is not linear in its drafts (on a CPU the first draft turns each
+  projection from a matrix-vector product into a matrix multiply, later
+  ones add less; drafting adds its own cost per draft), so each level is
+  measured, not modelled. The bucket runs the level with the best
+  ``gain[L] * seconds[0] / seconds[L]`` (level 0, plain decoding, scores
+  1; ties go to the lower level). Every level is measured once first; then
+  every ``cost_probe_steps`` steps one other level runs (the best's
+  neighbours and plain decoding, in turn), so that the figures stay
+  current and a level that starts paying (a repetitive passage) is found.
+  Within the level, a request gets L drafts (at batch 1, always: the
+  level's figures are its own), unless its acceptance EWMA is under half
+  the level's mean acceptance (then 0, with probes, as above).
 """
 from __future__ import annotations
 
@@ -38,37 +39,73 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class _BucketCost:
-    """EWMAs for one batch-size bucket; None until first measured."""
+    """EWMAs for one batch-size bucket, per level (index = the most drafts a
+    request gets; 0 = plain decoding); None until measured."""
 
-    plain_s: float | None = None  # seconds per decode step without drafts
-    spec_s: float | None = None  # seconds per decode step with drafts
-    gain: float | None = None  # tokens per request per speculative step
-    drafts: float | None = None  # draft tokens per request per speculative step
+    seconds: list[float | None]  # wall seconds per decode step
+    gain: list[float | None]  # tokens per request per step
     steps: int = 0  # decode steps seen in this bucket
+    in_flight: int = 0  # the level of the step now running
 
-    def draft_cost(self) -> float | None:
-        """c: one draft token's cost as a fraction of a plain step."""
-        if self.plain_s is None or self.spec_s is None or not self.drafts:
+    @classmethod
+    def new(cls, k_max: int) -> "_BucketCost":
+        return cls([None] * (k_max + 1), [None] * (k_max + 1))
+
+    def rate(self, level: int) -> float | None:
+        """Tokens per second at ``level`` relative to plain decoding."""
+        plain, spec, gain = self.seconds[0], self.seconds[level], self.gain[level]
+        if plain is None:
             return None
-        return max(0.0, self.spec_s / self.plain_s - 1.0) / self.drafts
+        if level == 0:
+            return 1.0
+        if spec is None or gain is None:
+            return None
+        return gain * plain / spec
 
-    def pays(self) -> bool:
-        if self.plain_s is None or self.spec_s is None or self.gain is None:
-            return True  # not measured both ways yet: try
-        return self.gain * self.plain_s >= self.spec_s
+    def best(self, cap: int) -> int:
+        best, best_rate = 0, 1.0
+        for level in range(1, cap + 1):
+            rate = self.rate(level)
+            if rate is not None and rate > best_rate * (1 + 1e-9):
+                best, best_rate = level, rate
+        return best
+
+    def choose(self, cap: int, probe_steps: int) -> int:
+        """This step's level: an unmeasured one first (the cap, then plain,
+        then upward), else the best, but for one probe of another level
+        every ``probe_steps`` steps."""
+        for level in (cap, 0, *range(1, cap)):
+            if self.seconds[level] is None:
+                return level
+        best = self.best(cap)
+        if self.steps % probe_steps != probe_steps - 1:
+            return best
+        # The neighbours, where a better level would be found first, and
+        # plain decoding, the reference every rate is measured against.
+        others = [level for level in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= level <= cap and level != best]
+        return others[(self.steps // probe_steps) % len(others)]
+
+    def mean_acceptance(self, level: int) -> float | None:
+        """Accepted drafts per draft at ``level`` (as if each request took all L)."""
+        gain = self.gain[level] if level else None
+        return None if gain is None else (gain - 1.0) / level
+
+    def speedup_known(self) -> bool:
+        """Plain decoding and at least one level measured."""
+        return self.seconds[0] is not None and any(g is not None for g in self.gain)
+
+    def observe(self, level: int, seconds: float, gain: float, alpha: float) -> None:
+        old = self.seconds[level]
+        self.seconds[level] = seconds if old is None else (1 - alpha) * old + alpha * seconds
+        if level:
+            old = self.gain[level]
+            self.gain[level] = gain if old is None else (1 - alpha) * old + alpha * gain
 
 
 @dataclass(slots=True)
 class _RequestSpecState:
     acceptance: float = 1.0  # EWMA of accepted / proposed
     steps_without_drafts: int = 0  # decode steps at k = 0 since the last probe
-    # EWMAs of accepted drafts and of rejections per verified proposal:
-    # per-token acceptance = accepted / (accepted + rejected). Optimistic start.
-    accepted: float = 1.0
-    rejected: float = 0.0
-
-    def token_acceptance(self) -> float:
-        return self.accepted / max(self.accepted + self.rejected, 1e-9)
 
 
 class AdaptiveSpecController:
@@ -88,20 +125,16 @@ class AdaptiveSpecController:
         self._step_accepted = 0  # accepted drafts reported since the last observe_step
 
     def batch_cap(self, num_running: int) -> int:
-        """Most drafts per request while ``num_running`` requests decode."""
+        """Most drafts per request while ``num_running`` requests decode: this
+        step's level (the same for every call until ``observe_step``)."""
         if num_running < 1:
             return self.k_max
         cap = max(0, min(self.k_max, self.batch_token_threshold // num_running - 1))
         if cap == 0 or not self.cost_aware:
             return cap
-        cost = self._costs.get(num_running.bit_length())
-        if cost is None or cost.spec_s is None:
-            return cap  # measure a speculative step first
-        if cost.plain_s is None:
-            return 0  # then a plain one, at once
-        # A probe step runs the other way from what the measurements say.
-        probe = cost.steps % self.cost_probe_steps == self.cost_probe_steps - 1
-        return cap if cost.pays() != probe else 0
+        cost = self._costs.setdefault(num_running.bit_length(), _BucketCost.new(self.k_max))
+        cost.in_flight = cost.choose(cap, self.cost_probe_steps)
+        return cost.in_flight
 
     def observe_step(self, num_decodes: int, num_draft_tokens: int, seconds: float) -> None:
         """One decode-only step's wall time (the engine calls this after
@@ -110,24 +143,20 @@ class AdaptiveSpecController:
         accepted, self._step_accepted = self._step_accepted, 0
         if num_decodes < 1 or seconds <= 0:
             return
-        cost = self._costs.setdefault(num_decodes.bit_length(), _BucketCost())
+        cost = self._costs.setdefault(num_decodes.bit_length(), _BucketCost.new(self.k_max))
         cost.steps += 1
-        a = self.cost_alpha
-        if num_draft_tokens == 0:
-            cost.plain_s = seconds if cost.plain_s is None else (1 - a) * cost.plain_s + a * seconds
-            return
-        gain = 1.0 + accepted / num_decodes
-        drafts = num_draft_tokens / num_decodes
-        cost.spec_s = seconds if cost.spec_s is None else (1 - a) * cost.spec_s + a * seconds
-        cost.gain = gain if cost.gain is None else (1 - a) * cost.gain + a * gain
-        cost.drafts = drafts if cost.drafts is None else (1 - a) * cost.drafts + a * drafts
+        # A step whose requests all declined their drafts ran plain.
+        level = cost.in_flight if num_draft_tokens else 0
+        cost.observe(level, seconds, 1.0 + accepted / num_decodes, self.cost_alpha)
 
     def speedup(self, num_running: int) -> float | None:
-        """Measured tokens/s with drafts over without, for this batch size's bucket."""
+        """Measured tokens/s with drafts over without at this batch size's
+        bucket, at its best measured level (None until measured both ways)."""
         cost = self._costs.get(num_running.bit_length())
-        if cost is None or cost.plain_s is None or cost.spec_s is None or cost.gain is None:
+        if cost is None:
             return None
-        return cost.gain * cost.plain_s / cost.spec_s
+        rates = [r for r in (cost.rate(level) for level in range(1, self.k_max + 1)) if r is not None]
+        return max(rates) if rates else None
 
     def num_drafts(self, request_id: str, num_running: int) -> int:
         """k for this request's next decode step (call once per step)."""
@@ -138,13 +167,17 @@ class AdaptiveSpecController:
             return cap
         state = self._states.setdefault(request_id, _RequestSpecState())
         cost = self._costs.get(num_running.bit_length()) if self.cost_aware else None
-        c = cost.draft_cost() if cost is not None else None
-        if c is not None:
-            k = best_k(state.token_acceptance(), c, cap)
+        if cost is not None and cost.speedup_known():
+            # The measured level already weighs the bucket's acceptance
+            # against its cost: at batch 1 that is this request's own, so it
+            # gets the level; in a batch, a request whose drafts fail far
+            # more often than its peers' stops drafting.
+            mean = cost.mean_acceptance(cap)
+            k = cap if num_running == 1 or mean is None or state.acceptance >= 0.5 * mean else 0
         else:
-            k = min(self.k_max, math.floor(state.acceptance * (self.k_max + 1)))
+            k = min(math.floor(state.acceptance * (self.k_max + 1)), cap)
         if k > 0:
-            return min(k, cap)
+            return k
         state.steps_without_drafts += 1
         if state.steps_without_drafts >= self.probe_interval:
             state.steps_without_drafts = 0
@@ -160,8 +193,6 @@ class AdaptiveSpecController:
         state = self._states.setdefault(request_id, _RequestSpecState())
         a = self.ewma_alpha
         state.acceptance = (1 - a) * state.acceptance + a * num_accepted / num_drafts
-        state.accepted = (1 - a) * state.accepted + a * num_accepted
-        state.rejected = (1 - a) * state.rejected + a * (num_accepted < num_drafts)
 
     def acceptance(self, request_id: str) -> float:
         state = self._states.get(request_id)
@@ -169,17 +200,3 @@ class AdaptiveSpecController:
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
-
-
-def best_k(acceptance: float, draft_cost: float, cap: int) -> int:
-    """The k in [0, cap] with the most expected tokens per unit of step
-    cost, ``(1 + a + .. + a^k) / (1 + c k)`` for per-token acceptance a and
-    marginal draft cost c (ties: the smaller k)."""
-    best, best_rate, tokens, power = 0, 1.0, 1.0, 1.0
-    for k in range(1, cap + 1):
-        power *= acceptance
-        tokens += power
-        rate = tokens / (1.0 + draft_cost * k)
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = k, rate
-    return best

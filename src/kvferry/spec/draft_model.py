@@ -80,6 +80,10 @@ class Proposal:
 
 
 class DraftModelProposer:
+    # Its KV must follow every scheduled token, drafting or not: the runner
+    # calls ``propose`` every step.
+    every_step = True
+
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab_size: int) -> None:
         if loaded.config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative.model has a vocabulary of {loaded.config.vocab_size} tokens; "
@@ -113,23 +117,12 @@ class DraftModelProposer:
         if not requests:
             return {}
         logits = self._catch_up(batch, requests)  # [num drafting, V], in requests order
-        drafting = [r for r in requests if r.num_drafts > 0]
-        tokens: dict[str, list[int]] = {r.request_id: [] for r in drafting}
-        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in drafting}
-        for i in range(max((r.num_drafts for r in drafting), default=0)):
-            active = [r for r in drafting if r.num_drafts > i]
+        chain = DraftChain(batch, [r for r in requests if r.num_drafts > 0])
+        for i in range(chain.num_steps):
             if i > 0:
-                logits = self._feed(batch, active, i)
-            drawn, q = draw_drafts(logits, active, i)
-            for j, r in enumerate(active):
-                batch.token_ids[r.row, r.end + i] = drawn[j]
-                tokens[r.request_id].append(drawn[j])
-                if q is not None and keeps_distribution(r.params):
-                    probs[r.request_id].append(q[j])
-            # Requests with fewer drafts fall out of the next pass: keep the rows that go on.
-            keep = [j for j, r in enumerate(active) if r.num_drafts > i + 1]
-            logits = logits[keep]
-        return collect(tokens, probs)
+                logits = self._feed(batch, chain.active, i)
+            chain.draw(logits, i)
+        return chain.proposals()
 
     def advance(self, request: DraftRequest, num_accepted: int) -> None:
         """After verification: the draft's KV is valid through the accepted
@@ -223,5 +216,36 @@ def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int,
     return vocab.ids[drawn].tolist(), full_q
 
 
-def collect(proposals: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> dict[str, Proposal]:
-    return {rid: Proposal(ids, torch.stack(probs[rid]) if probs.get(rid) else None) for rid, ids in proposals.items()}
+class DraftChain:
+    """The drafts of one ``propose`` call, drawn a position at a time for
+    every request still drafting: each draft goes into its request's batch
+    row (over the scheduler's placeholder) and into its proposal, with q
+    where the request is verified against it. ``active`` then holds the
+    requests that draw another, in the order of the previous call's
+    ``logits`` rows; ``kept`` indexes those rows."""
+
+    def __init__(self, batch: InputBatch, drafting: list[DraftRequest]) -> None:
+        self.batch = batch
+        self.active = list(drafting)
+        self.kept: list[int] = list(range(len(drafting)))
+        self.num_steps = max((r.num_drafts for r in drafting), default=0)
+        self.tokens: dict[str, list[int]] = {r.request_id: [] for r in drafting}
+        self.probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in drafting}
+
+    def draw(self, logits: torch.Tensor, i: int, vocab: DraftVocab | None = None) -> list[int]:
+        """Draft i + 1 of each active request from its row of ``logits``
+        ([A, V], or [A, D] over ``vocab``); returns the drawn ids [A]."""
+        drawn, q = draw_drafts(logits, self.active, i, vocab)
+        for j, r in enumerate(self.active):
+            self.batch.token_ids[r.row, r.end + i] = drawn[j]
+            self.tokens[r.request_id].append(drawn[j])
+            if q is not None and keeps_distribution(r.params):
+                self.probs[r.request_id].append(q[j])
+        # Requests with fewer drafts fall out of the next pass: keep the rows that go on.
+        self.kept = [j for j, r in enumerate(self.active) if r.num_drafts > i + 1]
+        self.active = [self.active[j] for j in self.kept]
+        return drawn
+
+    def proposals(self) -> dict[str, Proposal]:
+        return {rid: Proposal(ids, torch.stack(self.probs[rid]) if self.probs[rid] else None)
+                for rid, ids in self.tokens.items()}

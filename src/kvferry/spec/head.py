@@ -43,7 +43,7 @@ from torch import nn
 from kvferry.engine.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
 from kvferry.model.llama import LlamaModel
-from kvferry.spec.draft_model import DraftRequest, DraftVocab, Proposal, collect, draw_drafts, keeps_distribution
+from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal
 
 EMBEDDED_HEAD = Path(__file__).parent / "data" / "smollm2-135m-instruct-head.safetensors"
 
@@ -103,8 +103,45 @@ def resolve_head_path(path: str | None) -> Path:
     return p
 
 
+def draft_dtype(target: LlamaModel) -> torch.dtype:
+    """The dtype the head drafts in: bf16 on a CPU that multiplies bf16
+    natively (a drafting step is a handful of one-row matmuls, and at one
+    row reading the weights is the cost: bf16 reads half), else the
+    target's. Drafts only steer speed; verification is in the target's
+    dtype, so outputs do not depend on this."""
+    if target.dtype == torch.float32 and target.lm_head.device.type == "cpu":
+        try:
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return torch.bfloat16
+        except (AttributeError, RuntimeError):
+            pass
+    return target.dtype
+
+
+class _PackedLinear:
+    """One weight [out, in] in the drafting dtype, prepacked for oneDNN."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.packed = pack_weight(self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None, self.packed)
+
+
 class HeadProposer:
-    """Runner side of method "head" (same interface as DraftModelProposer)."""
+    """Runner side of method "head" (same interface as DraftModelProposer).
+
+    Its state per request is where the target's hidden state at the
+    request's newest sampled token lies: a row of the step's own
+    ``[num_logits, H]`` sampled hidden tensor (``record_step``: no copy,
+    nothing per request but an index), or a vector handed in whole
+    (``record``). ``propose`` gathers the rows of the requests that draft,
+    once, and runs the head in ``draft_dtype`` with prepacked weights."""
+
+    # The runner calls ``propose`` only in steps where some request drafts
+    # (the head keeps no KV that would need catching up in between).
+    every_step = False
 
     def __init__(self, head: EagleHead, target: LlamaModel) -> None:
         if head.hidden_size != target.config.hidden_size:
@@ -112,27 +149,51 @@ class HeadProposer:
                              f"the target's are {target.config.hidden_size}")
         self.head = head
         self.target = target
+        self.dtype = draft_dtype(target)
         self.vocab: DraftVocab | None = None
+        lm_head = target.lm_head.detach()  # [V, H]
         if head.draft_vocab is not None:
             ids = head.draft_vocab.to(torch.int64)
             if int(ids.max()) >= target.config.vocab_size:
                 raise ValueError(f"speculative.model: the head's draft vocabulary holds id {int(ids.max())}; "
                                  f"the target has {target.config.vocab_size} tokens")
             self.vocab = DraftVocab(ids.to(target.lm_head.device), target.config.vocab_size)
-            self.lm_head = target.lm_head.detach()[self.vocab.ids].contiguous()  # [D, H]
-            self.lm_head_packed = pack_weight(self.lm_head)
-        # [H] per request: the target's hidden state at the position that
-        # sampled its newest token. Kept across preemption (same tokens).
-        self.last_hidden: dict[str, torch.Tensor] = {}
+            lm_head = lm_head[self.vocab.ids]  # [D, H]
+        self.fc = _PackedLinear(head.fc.weight, self.dtype)  # [H, 2H]
+        self.up = _PackedLinear(head.up.weight, self.dtype)  # [2I, H]
+        self.down = _PackedLinear(head.down.weight, self.dtype)  # [H, I]
+        self.norm_weight = head.norm.weight.detach().to(self.dtype)  # [H]
+        self.norm_eps = head.norm.eps or 1e-6
+        if self.vocab is None and self.dtype == target.dtype:
+            self.lm_head = target.compute_logits  # the whole vocabulary: the target's own packed lm_head
+        else:
+            self.lm_head = _PackedLinear(lm_head, self.dtype)  # [D or V, H]
+        # request id -> (a [N, H] tensor, the row in it): the target's hidden
+        # state at the position that sampled the request's newest token.
+        # Kept across preemption (same tokens).
+        self._hidden: dict[str, tuple[torch.Tensor, int]] = {}
 
     def add(self, request_id: str) -> None:
         pass
 
     def remove(self, request_id: str) -> None:
-        self.last_hidden.pop(request_id, None)
+        self._hidden.pop(request_id, None)
 
     def record(self, request_id: str, hidden: torch.Tensor) -> None:
-        self.last_hidden[request_id] = hidden
+        """The request's hidden state [H], handed in whole."""
+        self._hidden[request_id] = (hidden.reshape(1, -1), 0)
+
+    def record_step(self, hidden: torch.Tensor, rows: dict[str, int]) -> None:
+        """hidden [N, H]: this step's sampled hidden states; ``rows``: the
+        row of each request's newest token in it. The tensor is kept, not
+        copied (a step allocates its hidden states afresh)."""
+        for request_id, row in rows.items():
+            self._hidden[request_id] = (hidden, row)
+
+    def hidden_state(self, request_id: str) -> torch.Tensor | None:
+        """[H]: what the next draft of this request starts from (None: not known)."""
+        entry = self._hidden.get(request_id)
+        return None if entry is None else entry[0][entry[1]]
 
     def advance(self, request: DraftRequest, num_accepted: int) -> None:
         pass
@@ -140,35 +201,45 @@ class HeadProposer:
     @torch.inference_mode()
     def propose(self, batch: InputBatch, requests: list[DraftRequest]) -> dict[str, Proposal]:
         drafting = [r for r in requests if r.num_drafts > 0]
-        tokens: dict[str, list[int]] = {r.request_id: [] for r in drafting}
-        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in drafting}
         # A decode always follows a sampling step, so its hidden state is
         # known; a request without one keeps the placeholders (verified, rejected).
-        active = [r for r in drafting if r.request_id in self.last_hidden]
-        for r in drafting:
-            if r.request_id not in self.last_hidden:
-                tokens[r.request_id] = [int(t) for t in batch.token_ids[r.row, r.end : r.end + r.num_drafts]]
+        active = [r for r in drafting if r.request_id in self._hidden]
+        chain = DraftChain(batch, active)
+        proposals = {r.request_id: Proposal([int(t) for t in batch.token_ids[r.row, r.end : r.end + r.num_drafts]],
+                                            None) for r in drafting if r.request_id not in self._hidden}
         if not active:
-            return collect(tokens, probs)
-        hidden = torch.stack([self.last_hidden[r.request_id] for r in active]).float()  # [A, H]
-        newest = torch.tensor([int(batch.token_ids[r.row, r.end - 1]) for r in active])  # [A]
-        for i in range(max(r.num_drafts for r in active)):
-            embeds = F.embedding(newest.to(self.target.embed_tokens.device), self.target.embed_tokens).float()
-            hidden = self.head(embeds, hidden)  # [A, H]
-            drawn, q = draw_drafts(self._logits(hidden), active, i, self.vocab)
-            for j, r in enumerate(active):
-                batch.token_ids[r.row, r.end + i] = drawn[j]
-                tokens[r.request_id].append(drawn[j])
-                if q is not None and keeps_distribution(r.params):
-                    probs[r.request_id].append(q[j])
-            keep = [j for j, r in enumerate(active) if r.num_drafts > i + 1]
-            active = [active[j] for j in keep]
-            hidden, newest = hidden[keep], torch.tensor(drawn, dtype=torch.int64)[keep]
-        return collect(tokens, probs)
+            return proposals
+        hidden = self._gather([self._hidden[r.request_id] for r in active])  # [A, H]
+        newest = torch.from_numpy(batch.token_ids[[r.row for r in active], [r.end - 1 for r in active]])  # [A]
+        newest = newest.to(self.target.embed_tokens.device)
+        for i in range(chain.num_steps):
+            hidden = self._step(newest, hidden)  # [A, H]
+            drawn = chain.draw(self._logits(hidden), i, self.vocab)
+            if len(chain.kept) < len(drawn):  # some requests are done drafting
+                hidden = hidden[chain.kept]
+                drawn = [drawn[j] for j in chain.kept]
+            newest = torch.tensor(drawn, dtype=torch.int64, device=newest.device)
+        proposals.update(chain.proposals())
+        return proposals
+
+    def _gather(self, entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """[A, H] in the drafting dtype: one index_select when every row
+        comes from the same step (the usual case), else row by row."""
+        first = entries[0][0]
+        if all(t is first for t, _ in entries):
+            rows = torch.tensor([row for _, row in entries], dtype=torch.int64, device=first.device)
+            return first.index_select(0, rows).to(self.dtype)
+        return torch.stack([t[row] for t, row in entries]).to(self.dtype)
+
+    def _step(self, newest: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """EagleHead.forward with the packed weights: newest [A] ids,
+        hidden [A, H] -> the predicted next hidden state [A, H]."""
+        embeds = F.embedding(newest, self.target.embed_tokens).to(self.dtype)  # [A, H]
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [A, H]
+        normed = F.rms_norm(x, (x.shape[-1],), self.norm_weight, self.norm_eps)
+        gate, up = self.up(normed).chunk(2, dim=-1)  # [A, I] each
+        return x + self.down(F.silu(gate) * up)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[A, H] -> [A, V] float32, or [A, D] over the draft vocabulary."""
-        hidden = hidden.to(self.target.dtype)
-        if self.vocab is None:
-            return self.target.compute_logits(hidden)
-        return linear(hidden, self.lm_head, None, self.lm_head_packed).float()
+        return self.lm_head(hidden).float()
