@@ -253,7 +253,10 @@ class ModelRunner:
             if step_transfer is not None:
                 # Seeded sampling is keyed by output position (position_generator):
                 # the decode core draws the same noise with no generator state sent.
-                hidden = self.drafter.last_hidden if isinstance(self.drafter, HeadProposer) else None
+                hidden = None
+                if isinstance(self.drafter, HeadProposer):  # the head drafts from it on the decode core
+                    hidden = {o.request_id: h for o in step_transfer.orders
+                              if o.last and (h := self.drafter.hidden_state(o.request_id)) is not None}
                 step_transfer.finish(out.sampled_token_ids, {}, hidden)
         finished = self.connector.take_finished()
         out.finished_loading = finished.finished_loading
