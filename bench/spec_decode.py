@@ -107,6 +107,8 @@ def method_config(method: str, args: argparse.Namespace) -> dict:
         spec["model"] = args.draft_model
     elif method == "head" and args.head:
         spec["model"] = args.head
+    if args.fixed_k:
+        spec.update(adaptive=False, cost_aware=False)
     return spec
 
 
@@ -203,6 +205,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="always k drafts (adaptive and cost_aware off): the drafter's own effect, without the "
+                         "controller's choices")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--cpu-time", action="store_true",

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from kvferry.spec.adaptive import AdaptiveSpecController
 
+# The hand-worked step sequences below measure each level in one step.
+ONE_SAMPLE = {"cost_warmup_steps": 0, "cost_min_samples": 1}
+
 
 def run(controller: AdaptiveSpecController, accepted_fraction: list[float], num_running: int = 1) -> list[int]:
     """k asked each step; each step's drafts accept ``round(k * fraction)``."""
@@ -69,7 +72,7 @@ def steps(c: AdaptiveSpecController, num_running: int, n: int, plain_s: float, s
 
 
 def test_measured_cost_turns_drafting_off_where_it_cannot_pay():
-    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=8)
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=8)
     # Batch 16: a verify step costs 1.8x and gains 1.3 tokens per request.
     caps = steps(c, 16, 24, plain_s=1.0, spec_s=1.8, accepted_per_request=0.3)
     assert c.speedup(16) < 1
@@ -83,7 +86,7 @@ def test_measured_cost_turns_drafting_off_where_it_cannot_pay():
 
 
 def test_cost_model_switches_back_when_speculation_starts_paying():
-    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=4, cost_alpha=0.5)
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=4, cost_alpha=0.5)
     steps(c, 8, 16, plain_s=1.0, spec_s=2.0, accepted_per_request=0.2)
     assert c.batch_cap(8) == 0 or c.speedup(8) < 1
     # Acceptance rises (a repetitive passage): probes of each level in turn
@@ -95,7 +98,7 @@ def test_cost_model_switches_back_when_speculation_starts_paying():
 
 
 def test_cost_aware_off_keeps_the_static_cap():
-    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_aware=False)
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_aware=False)
     assert steps(c, 16, 10, plain_s=1.0, spec_s=5.0, accepted_per_request=0.0) == [4] * 10
 
 
@@ -104,7 +107,7 @@ def test_each_level_is_measured_and_the_best_one_runs():
     most (a verify window at all) and later ones little, while acceptance
     falls with depth. The controller measures every level and settles on
     the one with the most tokens per second."""
-    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=8)
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=8)
     seconds = {0: 1.0, 1: 1.3, 2: 1.35, 3: 1.4, 4: 1.45}
     gain = {0: 1.0, 1: 1.25, 2: 1.75, 3: 1.75, 4: 1.75}  # rates 0.96, 1.30, 1.25, 1.21
     caps = []
@@ -125,7 +128,7 @@ def test_cheap_verification_keeps_drafting_at_modest_acceptance():
     plain step keeps k high for a request whose drafts are half accepted;
     an expensive one turns that request's drafts off."""
     for spec_s, expected_k in ((1.04, 4), (3.0, 0)):
-        c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=10**6)
+        c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=10**6)
         ks = []
         for step in range(12):
             k = c.num_drafts("r", 1)
@@ -142,7 +145,7 @@ def test_within_a_measured_level_only_a_request_far_below_its_peers_stops():
     """At batch 1 the level's figures are the request's own: a run of
     rejected drafts does not cut it below the level. In a batch, a request
     whose drafts fail far more often than the batch's does get k = 0."""
-    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=10**6)
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=10**6)
     for num_running in (1, 4):  # measure every level of both buckets: level 4 pays
         for _ in range(5):
             cap = c.batch_cap(num_running)
@@ -154,3 +157,24 @@ def test_within_a_measured_level_only_a_request_far_below_its_peers_stops():
     assert c.num_drafts("alone", 1) == 4
     assert c.num_drafts("weak", 4) == 0
     assert c.num_drafts("warm", 4) == 4
+
+
+def test_a_levels_first_step_is_warm_up_and_it_is_measured_over_several():
+    """A level's first step (new matmul shapes, paying their set-up) is not
+    counted, and a level runs ``cost_min_samples`` counted steps before its
+    figures are compared: one slow first step at level 4 does not turn
+    drafting off for good."""
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, cost_probe_steps=10**6,
+                               cost_warmup_steps=1, cost_min_samples=3)
+    seconds = {0: 1.0, 1: 1.05, 2: 1.08, 3: 1.1, 4: 1.12}
+    caps = []
+    for step in range(30):
+        cap = c.batch_cap(1)
+        caps.append(cap)
+        c.observe("r", cap, cap // 2)
+        first = caps.count(cap) == 1
+        c.observe_step(1, cap, 20.0 if first else seconds[cap])  # each level's first step: 20x
+    # 4 steps per level (1 warm-up + 3), the cap first, then plain, then upward.
+    assert caps[:20] == [4] * 4 + [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert c.speedup(1) is not None and c.speedup(1) > 2.5
+    assert caps[20:] == [4] * 10  # the best level: 3 tokens a step for 1.12x the cost

@@ -21,7 +21,9 @@ Three rules, all cheap and deterministic:
   is not linear in its drafts (on a CPU the first draft turns each
   projection from a matrix-vector product into a matrix multiply, later
   ones add less; drafting adds its own cost per draft), so each level is
-  measured, not modelled. The bucket runs the level with the best
+  measured, not modelled: a level counts as measured after
+  ``cost_min_samples`` steps, its first ``cost_warmup_steps`` not counted
+  (new matmul shapes pay their set-up on first use). The bucket runs the level with the best
   ``gain[L] * seconds[0] / seconds[L]`` (level 0, plain decoding, scores
   1; ties go to the lower level). Every level is measured once first; then
   every ``cost_probe_steps`` steps one other level runs (the best's
@@ -44,21 +46,27 @@ class _BucketCost:
 
     seconds: list[float | None]  # wall seconds per decode step
     gain: list[float | None]  # tokens per request per step
+    seen: list[int]  # steps observed per level, warm-up ones included
+    warmup: int  # first steps of a level not counted (see observe)
+    min_samples: int  # counted steps before a level's figures are trusted
     steps: int = 0  # decode steps seen in this bucket
     in_flight: int = 0  # the level of the step now running
 
     @classmethod
-    def new(cls, k_max: int) -> "_BucketCost":
-        return cls([None] * (k_max + 1), [None] * (k_max + 1))
+    def new(cls, k_max: int, warmup: int, min_samples: int) -> "_BucketCost":
+        return cls([None] * (k_max + 1), [None] * (k_max + 1), [0] * (k_max + 1), warmup, max(1, min_samples))
+
+    def measured(self, level: int) -> bool:
+        return self.seen[level] >= self.warmup + self.min_samples
 
     def rate(self, level: int) -> float | None:
         """Tokens per second at ``level`` relative to plain decoding."""
         plain, spec, gain = self.seconds[0], self.seconds[level], self.gain[level]
-        if plain is None:
+        if plain is None or not self.measured(0):
             return None
         if level == 0:
             return 1.0
-        if spec is None or gain is None:
+        if spec is None or gain is None or not self.measured(level):
             return None
         return gain * plain / spec
 
@@ -75,7 +83,7 @@ class _BucketCost:
         then upward), else the best, but for one probe of another level
         every ``probe_steps`` steps."""
         for level in (cap, 0, *range(1, cap)):
-            if self.seconds[level] is None:
+            if not self.measured(level):
                 return level
         best = self.best(cap)
         if self.steps % probe_steps != probe_steps - 1:
@@ -92,9 +100,16 @@ class _BucketCost:
 
     def speedup_known(self) -> bool:
         """Plain decoding and at least one level measured."""
-        return self.seconds[0] is not None and any(g is not None for g in self.gain)
+        return self.rate(0) is not None and any(self.rate(level) is not None for level in range(1, len(self.gain)))
 
     def observe(self, level: int, seconds: float, gain: float, alpha: float) -> None:
+        # A level's first steps run new matmul shapes (k + 1 rows per
+        # request), whose first calls pay oneDNN's primitive creation: kept
+        # out, they would price the level far above its cost and, as the
+        # best level is re-measured only by probes, keep it off for good.
+        self.seen[level] += 1
+        if self.seen[level] <= self.warmup:
+            return
         old = self.seconds[level]
         self.seconds[level] = seconds if old is None else (1 - alpha) * old + alpha * seconds
         if level:
@@ -111,7 +126,8 @@ class _RequestSpecState:
 class AdaptiveSpecController:
     def __init__(self, k_max: int, batch_token_threshold: int, ewma_alpha: float = 0.5,
                  probe_interval: int = 8, adaptive: bool = True, cost_aware: bool = True,
-                 cost_probe_steps: int = 32, cost_alpha: float = 0.2) -> None:
+                 cost_probe_steps: int = 32, cost_alpha: float = 0.2, cost_warmup_steps: int = 1,
+                 cost_min_samples: int = 3) -> None:
         self.k_max = k_max
         self.batch_token_threshold = batch_token_threshold
         self.ewma_alpha = ewma_alpha
@@ -120,9 +136,14 @@ class AdaptiveSpecController:
         self.cost_aware = cost_aware
         self.cost_probe_steps = cost_probe_steps
         self.cost_alpha = cost_alpha
+        self.cost_warmup_steps = cost_warmup_steps
+        self.cost_min_samples = cost_min_samples
         self._states: dict[str, _RequestSpecState] = {}
         self._costs: dict[int, _BucketCost] = {}
         self._step_accepted = 0  # accepted drafts reported since the last observe_step
+
+    def _new_bucket(self) -> _BucketCost:
+        return _BucketCost.new(self.k_max, self.cost_warmup_steps, self.cost_min_samples)
 
     def batch_cap(self, num_running: int) -> int:
         """Most drafts per request while ``num_running`` requests decode: this
@@ -132,7 +153,7 @@ class AdaptiveSpecController:
         cap = max(0, min(self.k_max, self.batch_token_threshold // num_running - 1))
         if cap == 0 or not self.cost_aware:
             return cap
-        cost = self._costs.setdefault(num_running.bit_length(), _BucketCost.new(self.k_max))
+        cost = self._costs.setdefault(num_running.bit_length(), self._new_bucket())
         cost.in_flight = cost.choose(cap, self.cost_probe_steps)
         return cost.in_flight
 
@@ -143,7 +164,7 @@ class AdaptiveSpecController:
         accepted, self._step_accepted = self._step_accepted, 0
         if num_decodes < 1 or seconds <= 0:
             return
-        cost = self._costs.setdefault(num_decodes.bit_length(), _BucketCost.new(self.k_max))
+        cost = self._costs.setdefault(num_decodes.bit_length(), self._new_bucket())
         cost.steps += 1
         # A step whose requests all declined their drafts ran plain.
         level = cost.in_flight if num_draft_tokens else 0
