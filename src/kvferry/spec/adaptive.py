@@ -127,7 +127,7 @@ class AdaptiveSpecController:
     def __init__(self, k_max: int, batch_token_threshold: int, ewma_alpha: float = 0.5,
                  probe_interval: int = 8, adaptive: bool = True, cost_aware: bool = True,
                  cost_probe_steps: int = 32, cost_alpha: float = 0.2, cost_warmup_steps: int = 1,
-                 cost_min_samples: int = 3) -> None:
+                 cost_min_samples: int = 8) -> None:
         self.k_max = k_max
         self.batch_token_threshold = batch_token_threshold
         self.ewma_alpha = ewma_alpha
