@@ -246,3 +246,16 @@ def _gguf_name(hf: str) -> str:
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     return f"blk.{layer}.{names[module]}.{parts[-1]}"
+
+
+def make_random_head(checkpoint: str, out_dir: Path) -> str:
+    """A seeded random-weight draft head for ``checkpoint`` (MLP width 64):
+    enough to exercise drafting, rarely accepted."""
+    from kvferry.model.loader import load_model
+    from kvferry.spec.head import EagleHead
+
+    hidden = load_model(checkpoint, dtype="float32").config.hidden_size
+    torch.manual_seed(0)
+    path = Path(out_dir) / "head.safetensors"
+    EagleHead(hidden, 64).save(path, target="random")
+    return str(path)

@@ -7,15 +7,13 @@ refused at hand-over."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.spec.head import EagleHead
 from tests.disagg.driver import (
     Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side, run_disagg, step_until,
 )
 from tests.disagg.test_disagg_engine import prompt_of
-from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_models import make_tiny_checkpoint, make_random_head
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -37,13 +35,7 @@ def draft_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def head_file(checkpoint, tmp_path_factory):
-    from kvferry.model.loader import load_model
-
-    hidden = load_model(checkpoint, dtype="float32").config.hidden_size
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("disagg-spec-head") / "head.safetensors"
-    EagleHead(hidden, 64).save(path, target="random")
-    return str(path)
+    return make_random_head(checkpoint, tmp_path_factory.mktemp("disagg-spec-head"))
 
 
 @pytest.fixture(scope="module")

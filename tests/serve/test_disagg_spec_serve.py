@@ -15,14 +15,12 @@ import sys
 import httpx
 import openai
 import pytest
-import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.spec.head import EagleHead
 from tests.serve.server_process import ServerProcess, start_server
 from tests.serve.test_router import _core_args, _free_port_pair, _workers
 from tests.disagg.test_disagg_spec import repetitive_prompt
-from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_models import make_tiny_checkpoint, make_random_head
 
 TINY = "tiny"
 
@@ -73,13 +71,7 @@ def check_decode_core(srv: ServerProcess, num_prompt_tokens: int, accepts: bool 
 
 @pytest.fixture(scope="module")
 def head_file(tiny, tmp_path_factory):
-    from kvferry.model.loader import load_model
-
-    hidden = load_model(tiny, dtype="float32").config.hidden_size
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("disagg-spec-serve-head") / "head.safetensors"
-    EagleHead(hidden, 64).save(path, target="random")
-    return str(path)
+    return make_random_head(tiny, tmp_path_factory.mktemp("disagg-spec-serve-head"))
 
 
 @pytest.mark.parametrize("method", ["ngram", "head", "draft"])
