@@ -61,14 +61,24 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be an integer >= 0, got {self.max_model_len!r}")
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(slots=True)
 class ModelLoadConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded default
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     seed: int = 0
+    attention_backend: str = "auto"  # auto | torch | triton (model/attention.py)
+    enforce_eager: bool = False  # CUDA: no decode graphs
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a boolean, got {self.enforce_eager!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -244,6 +254,11 @@ class EngineArgs:
         "HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"))
     dtype: str = field(default="auto", metadata=_opt("weights and activations dtype", choices=_DTYPES))
     device: str = field(default="cpu", metadata=_opt("cpu or cuda[:N]"))
+    attention_backend: str = field(default="auto", metadata=_opt(
+        "attention kernels: torch (torch ops and, on CPU, the C++ kernel), triton (Triton kernels; on CPU only "
+        "in Triton's interpreter), auto (triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS))
+    enforce_eager: bool = field(default=False, metadata=_opt(
+        "CUDA: run every step eagerly (no CUDA graphs for decode batches)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))
@@ -292,7 +307,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed),
+            model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed, self.attention_backend,
+                                  self.enforce_eager),
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb,
                               self.enable_prefix_caching, self.num_swap_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,

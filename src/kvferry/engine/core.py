@@ -54,7 +54,9 @@ class EngineCore:
         self.speculative = speculation_signature(config.speculative, draft.fingerprint if draft else "")
         self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
                                   kv_store=self.kv_store_io, kv_transfer=config.kv_transfer,
-                                  draft=draft, head=self._load_head(), speculative=self.speculative)
+                                  draft=draft, head=self._load_head(), speculative=self.speculative,
+                                  attention_backend=m.attention_backend, cuda_graphs=not m.enforce_eager,
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
         if m.device == "cpu":
             # Build (or load) the C++ attention kernel now, before the ready
             # message: otherwise the first requests' TTFT pays for it (a

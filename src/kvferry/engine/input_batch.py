@@ -142,7 +142,8 @@ class FlatStep:
     block_tables: np.ndarray  # [num_reqs, max_blocks] int64
     num_prefills: int
 
-    def metadata(self, block_size: int, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionMetadata:
+    def metadata(self, block_size: int, device: torch.device, kv_dtype: torch.dtype | None = None,
+                 triton: bool = False) -> AttentionMetadata:
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc.tolist(),
             seq_lens=self.seq_lens.tolist(),
@@ -151,6 +152,7 @@ class FlatStep:
             block_size=block_size,
             num_prefills=self.num_prefills,
             kv_dtype=kv_dtype,
+            triton=triton,
         )
         meta.prepare()
         return meta
@@ -174,4 +176,10 @@ def flatten(batch: InputBatch, rows: np.ndarray, starts: np.ndarray, lens: np.nd
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+    """A host array on ``device``. To CUDA it goes through pinned memory (torch's
+    caching host allocator, which keeps a buffer until the copy that reads it
+    has run), so the copy is asynchronous; on CPU the array is shared."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -29,10 +29,12 @@ from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from kvferry.disagg.agent import KVTransferAgent
 from kvferry.disagg.transport import Received, SharedKVPool
-from kvferry.engine.input_batch import InputBatch, flatten, to_device
+from kvferry.engine.cuda_graphs import DecodeGraphs
+from kvferry.engine.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.engine.store_connector import StoreConnector
 from kvferry.model.attention import AttentionMetadata
+from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, position_generator, token_counts
@@ -70,9 +72,12 @@ class RequestState:
 
 @dataclass(slots=True)
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
+    flat: FlatStep
+    # The eager forward's tensors; None for a step a CUDA graph replays
+    # (it copies ``flat`` into its own buffers).
+    input_ids: torch.Tensor | None  # [num_tokens] int64
+    positions: torch.Tensor | None  # [num_tokens] int64
+    meta: AttentionMetadata | None
     # [num_logits] indices into the flattened batch: for each sampling
     # request, its last 1 + k tokens (k drafts)
     logits_indices: torch.Tensor
@@ -90,13 +95,17 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
                  kv_store: Any = None, kv_transfer: KVTransferConfig | None = None,
                  draft: LoadedModel | None = None, head: EagleHead | None = None,
-                 speculative: str = "") -> None:
+                 speculative: str = "", attention_backend: str = "auto", cuda_graphs: bool = True,
+                 max_num_seqs: int = 64, max_model_len: int = 0) -> None:
         """``kv_store``: a KVStoreClient (loads and write-down through the
         node's store); ``kv_transfer``: prefill/decode disaggregation;
         ``draft``: the draft model of speculative method "draft"; ``head``:
         the draft head of method "head"; ``speculative``: the speculation
         signature a disaggregated pair compares
-        (``kvferry.spec.speculation_signature``)."""
+        (``kvferry.spec.speculation_signature``); ``attention_backend``:
+        ``model.attention.attention_backend``; ``cuda_graphs``: capture decode
+        batches of up to ``max_num_seqs`` requests of up to ``max_model_len``
+        tokens (CUDA with the Triton backend only)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -104,6 +113,7 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.triton = attention_backend_for(attention_backend, self.device) == "triton"
         self.drafter: DraftModelProposer | HeadProposer | None = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
@@ -127,6 +137,10 @@ class ModelRunner:
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
         self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.triton and self.device.type == "cuda":
+            max_blocks = -(-(max_model_len or loaded.config.max_position_embeddings) // block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size, max_num_seqs, max_blocks)
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -188,7 +202,7 @@ class ModelRunner:
         return matcher
 
     # -- inputs ---------------------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput, spec_token_ids: dict[str, list[int]]) -> StepInputs:
+    def _prepare(self, sched: SchedulerOutput, spec_token_ids: dict[str, list[int]], graph_ok: bool) -> StepInputs:
         """``spec_token_ids``: each request's drafts (the scheduler's, or the
         draft model's where the scheduler only reserved their slots)."""
         # Multi-token chunks first, then single-token ones (AttentionMetadata).
@@ -207,13 +221,30 @@ class ModelRunner:
             for end, k, s in zip(flat.query_start_loc[1:], num_drafts, samples)
             if s
         ]
-        return StepInputs(
-            input_ids=self._to_device(flat.input_ids),
-            positions=self._to_device(flat.positions),
-            meta=flat.metadata(self.block_size, self.device, self.kv_cache.dtype),
+        inputs = StepInputs(
+            flat=flat, input_ids=None, positions=None, meta=None,
             logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
             sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
         )
+        if not (graph_ok and self.graphs is not None and self.graphs.can_run(flat)):
+            self._eager_inputs(inputs)
+        return inputs
+
+    def _eager_inputs(self, inputs: StepInputs) -> None:
+        flat = inputs.flat
+        inputs.input_ids = self._to_device(flat.input_ids)
+        inputs.positions = self._to_device(flat.positions)
+        inputs.meta = flat.metadata(self.block_size, self.device, self.kv_cache.dtype, self.triton)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """[num_tokens, hidden]: a CUDA graph's replay where the step has one
+        (``inputs.meta`` is None), else the eager forward."""
+        if inputs.meta is None:
+            hidden = self.graphs.run(inputs.flat)
+            if hidden is not None:
+                return hidden
+            self._eager_inputs(inputs)  # the capture failed: eager from now on
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
@@ -237,11 +268,12 @@ class ModelRunner:
                     out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
                     if step_transfer is not None:
                         step_transfer.draft_done()
-            inputs = self._prepare(sched, spec_token_ids)
-            inputs.meta.kv_transfer = step_transfer
+            inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None)
+            if inputs.meta is not None:
+                inputs.meta.kv_transfer = step_transfer
             # Started before the forward pass so the two overlap; joined before sampling.
             pending_bitmask = self._start_bitmask(inputs.sampling)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+            hidden = self._forward(inputs)
             if inputs.sampling:
                 sampled_hidden = hidden[inputs.logits_indices]  # [num_logits, hidden]
                 logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32

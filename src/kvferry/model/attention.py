@@ -18,6 +18,13 @@ kernel of ``paged_kernel.py`` when it builds: one call per layer for all of
 them, reading each sequence's K/V rows in place once for all its query
 tokens and heads. ``KVFERRY_DISABLE_CPP_KERNELS=1`` forces the torch path
 everywhere.
+
+With ``AttentionMetadata.triton`` set (the CUDA default, see
+``attention_backend``) every layer instead makes two Triton calls
+(``triton_attention.py``): one KV write, one attention launch per kind of
+sequence (chunks, then single tokens), with no per-sequence Python work and
+no data-dependent shapes, so that a decode step can be captured in a CUDA
+graph.
 """
 from __future__ import annotations
 
@@ -28,8 +35,25 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvferry.config import ATTENTION_BACKENDS
+from kvferry.model import triton_attention
 from kvferry.model.cpu_features import cpu_features
 from kvferry.model.paged_kernel import get_paged_decode_kernel, kernel_isa
+
+
+def attention_backend(requested: str, device: torch.device) -> str:
+    """"triton" or "torch" (torch's own ops, and the C++ kernel on CPU).
+
+    "auto" takes Triton on CUDA when it is installed; on CPU the C++ kernel
+    is faster than anything Triton's interpreter can do, so CPU takes
+    "triton" only when asked (the tests check the kernels that way)."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {requested!r}")
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and triton_attention.triton_available() else "torch"
+    if requested == "triton" and not triton_attention.triton_available():
+        raise ValueError("attention_backend 'triton' needs the triton package")
+    return requested
 
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -117,6 +141,14 @@ class AttentionMetadata:
     # The KV cache's dtype: how long a chunk the kernel takes (None: the
     # float32 threshold).
     kv_dtype: torch.dtype | None = None
+    # The Triton path (every layer: triton_attention's kernels).
+    triton: bool = False
+    # Its tensors, on the batch's device: [num_reqs] int32 context lengths and
+    # [num_reqs + 1] int32 query offsets. Built by prepare() from the lists
+    # above unless given (a CUDA graph's static buffers).
+    triton_seq_lens: torch.Tensor | None = None
+    triton_query_start_loc: torch.Tensor | None = None
+    max_prefill_query_len: int = 0
 
     # ---- derived by prepare(); callers leave these alone ----
     prefills: list[PrefillSlice] = field(default_factory=list)
@@ -148,10 +180,25 @@ class AttentionMetadata:
             raise ValueError(
                 f"query_start_loc has {len(self.query_start_loc)} entries, expected num_reqs + 1 = {num_reqs + 1}"
             )
+        if self.triton:
+            self._prepare_triton(num_reqs)
+            self.prepared = True
+            return
         self.prefills = [self._prefill_slice(i) for i in range(self.num_prefills)]
         self._prepare_decodes(num_reqs)
         self._prepare_kernel_seqs(num_reqs)
         self.prepared = True
+
+    def _prepare_triton(self, num_reqs: int) -> None:
+        self.num_decodes = num_reqs - self.num_prefills
+        self.decode_start = self.query_start_loc[self.num_prefills]
+        qsl = self.query_start_loc
+        self.max_prefill_query_len = max((qsl[i + 1] - qsl[i] for i in range(self.num_prefills)), default=0)
+        device = self.block_tables.device
+        if self.triton_seq_lens is None:
+            self.triton_seq_lens = torch.tensor(self.seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+        if self.triton_query_start_loc is None:
+            self.triton_query_start_loc = torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True)
 
     def _use_kernel(self) -> bool:
         """Fetch the C++ kernel (built on the first step that needs it: a
@@ -275,6 +322,8 @@ def paged_attention(
     """
     if not meta.prepared:
         meta.prepare()
+    if meta.triton:
+        return _triton_attention(q, k, v, kv_cache_layer, meta, scale)
     write_kv(kv_cache_layer, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
     flat = kv_cache_layer.view(2, -1, kv_cache_layer.shape[3], kv_cache_layer.shape[4])
@@ -289,6 +338,24 @@ def paged_attention(
     if meta.num_decodes and kernel is None:
         meta.build_decode_slots()
         out[meta.decode_start:] = _decode_attention(q[meta.decode_start:], flat, meta, scale)
+    return out
+
+
+def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The Triton path: write the new K/V, then one launch for the chunks and
+    one for the single tokens (each sized for its kind of query tile)."""
+    k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
+    triton_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    p = meta.num_prefills
+    seq_lens, qsl = meta.triton_seq_lens, meta.triton_query_start_loc
+    if p:
+        triton_attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables[:p], seq_lens[:p],
+                                         qsl[:p + 1], meta.max_prefill_query_len, scale)
+    if seq_lens.shape[0] > p:
+        triton_attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables[p:], seq_lens[p:],
+                                         qsl[p:], 1, scale)
     return out
 
 
