@@ -6,11 +6,13 @@ No model can be downloaded, so the checkpoints are random-weight Llamas of
 real shapes, written in bf16 with ``transformers``: SmolLM2-135M's (30 layers,
 576 hidden, 9 heads / 3 KV heads) and Llama-3.2-1B's (16 layers, 2048
 hidden, 32 / 8 heads, 128k vocabulary). Greedy, ``ignore_eos``: random
-weights produce tokens as fast as real ones. Workloads: the CPU benchmark's
+weights produce tokens as fast as real ones. Each system is warmed up before
+it is timed (Triton's compiles, kvferry's CUDA graphs captured at start-up,
+HF's first generate), in every run. Workloads: the CPU benchmark's
 (32 requests, prompts of 128-512 tokens, 128 output tokens) and the same at
 256 requests.
 
-    python bench/gpu_offline.py [--runs 2] [--models smollm2-135m llama-1b] \
+    python bench/gpu_offline.py [--runs 3] [--models smollm2-135m llama-1b] \
         [--requests 32 256] [--budget-s 300] [--json out.json]
 
 Each result line is printed as it comes (and the JSON rewritten), so a run
@@ -67,14 +69,15 @@ def run_kvferry(path: str, prompts: list[list[int]], output_len: int, **engine) 
 
     llm = LLM(model=path, dtype="bfloat16", device="cuda", max_num_seqs=len(prompts),
               max_num_batched_tokens=8192, kv_cache_memory_gb=16, max_model_len=1024, **engine)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # Triton compiles here
+    # Warm-up: Triton compiles, the allocators (device and pinned host) fill.
+    llm.generate([p[:64] for p in prompts[:16]], SamplingParams(max_tokens=8, temperature=0.0))
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     graphs = llm.engine.core.runner.graphs
-    captured = sorted(graphs._graphs) if graphs is not None else []
+    captured = {"graph_replays": graphs.replays} if graphs is not None else {}
     del llm
     torch.cuda.empty_cache()
     return {"elapsed": elapsed, "output_tokens": sum(len(o.token_ids) for o in outs), "graphs": captured}
@@ -84,6 +87,9 @@ def run_hf(path: str, prompts: list[list[int]], output_len: int, batch_size: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    with torch.inference_mode():  # warm-up: cuBLAS handles, the allocator
+        model.generate(torch.tensor([prompts[0][:16]], device="cuda"), max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
     produced = 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -105,7 +111,7 @@ def run_hf(path: str, prompts: list[list[int]], output_len: int, batch_size: int
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3)
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--requests", nargs="+", type=int, default=[32, 256])
     p.add_argument("--output-len", type=int, default=128)

@@ -3,6 +3,7 @@ chunked prefill, prefix hits and batched decodes through the kernels
 (Triton's interpreter on CPU; compiled on a GPU, where test_cuda.py also runs
 the CUDA graphs)."""
 import pytest
+import torch
 
 from kvferry import LLM, SamplingParams
 from kvferry.model import triton_attention
@@ -20,7 +21,9 @@ def test_triton_backend_greedy_matches_hf(tmp_path, arch):
     prompts = mixed_prompts(hf.config.vocab_size, lengths=(1, 17, 70, 150))
     prompts.append(prompts[3][:100] + prompts[0])  # a prefix hit on a shared 96-token prefix
     expected = [hf_greedy(hf, p, 6) for p in prompts]
-    llm = LLM(model=path, dtype="float32", attention_backend="triton", max_num_batched_tokens=64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter runs CPU tensors
+    llm = LLM(model=path, dtype="float32", attention_backend="triton", max_num_batched_tokens=64, device=device,
+              enforce_eager=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     for p, e, o in zip(prompts, expected, outs):
         assert_greedy_match(hf, p, o.token_ids, e)

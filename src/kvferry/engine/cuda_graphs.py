@@ -13,8 +13,10 @@ multiples of 16) over static buffers that each step fills:
 Rows past the real batch are padding: slot -1 (the KV write skips it) and
 length 0 (the attention kernel writes zeros), so they touch no KV and their
 outputs are dropped. Only the forward pass is captured; logits and sampling
-run eagerly on the real rows. Graphs are captured lazily, the first time a
-batch size is needed, into one shared memory pool.
+run eagerly on the real rows. ``capture_all`` captures every size when the
+runner starts (largest first, into one shared memory pool), as vLLM does,
+so that no step pays for a capture; a size missing for any reason is
+captured the first time it is needed.
 
 Steps with a prompt chunk, speculative drafts, an outgoing KV transfer or a
 context longer than the block table's width run eagerly.
@@ -22,6 +24,7 @@ context longer than the block table's width run eagerly.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -61,6 +64,17 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.disabled = False
+        self.replays = 0  # steps served by a graph (tests and stats read it)
+
+    def capture_all(self) -> None:
+        """Capture every batch size now. The static buffers hold padding only
+        (slot -1, length 0), so the captures write no KV."""
+        t0 = time.perf_counter()
+        for size in reversed(self.sizes):
+            if self._capture(size) is None:
+                return
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batches of %s in %.2f s", self.sizes, time.perf_counter() - t0)
 
     def can_run(self, flat: FlatStep) -> bool:
         n = len(flat.seq_lens)
@@ -81,6 +95,7 @@ class DecodeGraphs:
                 return None
         graph, hidden = entry
         graph.replay()
+        self.replays += 1
         return hidden[:n]
 
     def _fill(self, flat: FlatStep, n: int, size: int) -> None:
@@ -134,5 +149,4 @@ class DecodeGraphs:
             self.disabled = True
             return None
         self._graphs[size] = (graph, hidden)
-        logger.info("captured a CUDA graph for decode batches of %d", size)
         return graph, hidden

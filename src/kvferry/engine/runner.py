@@ -141,6 +141,7 @@ class ModelRunner:
         if cuda_graphs and self.triton and self.device.type == "cuda":
             max_blocks = -(-(max_model_len or loaded.config.max_position_embeddings) // block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size, max_num_seqs, max_blocks)
+            self.graphs.capture_all()
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
