@@ -21,6 +21,6 @@ fi
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   nproc; } 2>&1 | tee "$OUT/machine.txt"
 timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider --timeout 240 -rf \
-  tests/model/test_triton_attention.py tests/engine/test_triton_backend.py tests/engine/test_cuda.py 2>&1 | tee "$OUT/tests.log"
+  tests/model/test_triton_attention.py tests/engine/test_triton_backend.py tests/engine/test_cuda.py tests/serve/test_cuda_serve.py 2>&1 | tee "$OUT/tests.log"
 timeout ${BENCH_TIMEOUT:-300} $PY bench/gpu_offline.py --budget-s ${BENCH_BUDGET:-200} ${BENCH_ARGS:-} \
   --json "$OUT/gpu_offline.json" 2>&1 | tee "$OUT/bench.log"

@@ -64,7 +64,8 @@ def make_prompts(vocab: int, num: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(128, 512))] for _ in range(num)]
 
 
-def run_kvferry(path: str, prompts: list[list[int]], output_len: int, **engine) -> dict:
+def run_kvferry(path: str, prompts: list[list[int]], output_len: int, profile: str | None = None,
+                **engine) -> dict:
     from kvferry import LLM, SamplingParams
 
     llm = LLM(model=path, dtype="bfloat16", device="cuda", max_num_seqs=len(prompts),
@@ -73,9 +74,24 @@ def run_kvferry(path: str, prompts: list[list[int]], output_len: int, **engine) 
     llm.generate([p[:64] for p in prompts[:16]], SamplingParams(max_tokens=8, temperature=0.0))
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     torch.cuda.synchronize()
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        with open(profile, "w") as f:
+            f.write(f"{len(prompts)} requests, {elapsed:.3f} s (under cProfile)\n")
+            stats = pstats.Stats(profiler, stream=f).sort_stats("tottime")
+            stats.print_stats(40)
+            stats.sort_stats("cumulative").print_stats(40)
     graphs = llm.engine.core.runner.graphs
     captured = {"graph_replays": graphs.replays} if graphs is not None else {}
     del llm
@@ -118,6 +134,9 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new measurements after this")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="only profile kvferry's host side: one cProfile'd run per model and request count "
+                        "(FILE gets a suffix each), no timing table")
     args = p.parse_args()
     start = time.perf_counter()
     import triton
@@ -139,6 +158,12 @@ def main() -> None:
             path = make_checkpoint(Path(tmp) / shape, shape)
             for num in args.requests:
                 prompts = make_prompts(SHAPES[shape]["vocab_size"], num)
+                if args.profile:
+                    out = f"{args.profile}.{shape}.{num}.txt"
+                    r = run_kvferry(path, prompts, args.output_len, profile=out)
+                    print(f"{shape} n={num}: profile in {out} ({r['output_tokens'] / r['elapsed']:.0f} tok/s "
+                          f"under the profiler)", flush=True)
+                    continue
                 rates: dict[str, list[float]] = {s: [] for s in systems}
                 for run in range(args.runs):
                     for name, fn in systems.items():
