@@ -2,7 +2,8 @@
 # The CUDA checks, as one run on a GPU machine (from the repo root):
 #   bash bench/gpu_check.sh [OUT_DIR]
 # - the GPU tests: Triton kernels against the torch path, HF greedy
-#   equivalence with CUDA graphs, eagerly and on torch's ops;
+#   equivalence with CUDA graphs, eagerly and on torch's ops; the server
+#   with its core on the GPU through the openai client;
 # - bench/gpu_offline.py: kvferry against HF generate on the same GPU.
 # A machine without the project's Python dependencies gets them from wheels
 # in .whl/ (installed into /tmp/site), where that folder exists.
