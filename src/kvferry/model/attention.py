@@ -350,12 +350,13 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     p = meta.num_prefills
     seq_lens, qsl = meta.triton_seq_lens, meta.triton_query_start_loc
+    num_seqs = seq_lens.shape[0]
     if p:
-        triton_attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables[:p], seq_lens[:p],
-                                         qsl[:p + 1], meta.max_prefill_query_len, scale)
-    if seq_lens.shape[0] > p:
-        triton_attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables[p:], seq_lens[p:],
-                                         qsl[p:], 1, scale)
+        triton_attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables, seq_lens, qsl,
+                                         meta.max_prefill_query_len, scale, first_seq=0, num_seqs=p)
+    if num_seqs > p:
+        triton_attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables, seq_lens, qsl, 1, scale,
+                                         first_seq=p, num_seqs=num_seqs - p)
     return out
 
 

@@ -64,10 +64,16 @@ if triton is not None:
             tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # Triton compiles a variant per value class of an integer argument (1,
+    # multiple of 16) and per pointer alignment. The block table's width and
+    # the first sequence change from step to step, and the tensors are
+    # always passed whole (never as slices at an offset), so that a serving
+    # engine compiles each variant once, not in the middle of a step.
+    @triton.jit(do_not_specialize=["stride_bt", "first_seq"])
     def _attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        first_seq,  # program s serves sequence first_seq + s
         scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -81,7 +87,7 @@ if triton is not None:
         # interpreter, whose dot multiplies bf16 bit patterns as integers.
         IEEE_DOT: tl.constexpr,
     ):
-        seq = tl.program_id(0)
+        seq = tl.program_id(0) + first_seq
         q_block = tl.program_id(1)
         kv_head = tl.program_id(2)
         q_start = tl.load(query_start_ptr + seq)
@@ -184,8 +190,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    max_query_len: int, scale: float) -> None:
-    """Attention of ``len(seq_lens)`` sequences, written into ``out``.
+                    max_query_len: int, scale: float, first_seq: int = 0, num_seqs: int | None = None) -> None:
+    """Attention of sequences ``first_seq .. first_seq + num_seqs - 1`` (default:
+    all of ``seq_lens``), written into ``out``.
 
     q, out: [tokens, num_heads, head_dim]; k/v_cache: [num_blocks,
     block_size, kv_heads, head_dim]; block_tables: [seqs, max_blocks];
@@ -194,8 +201,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     its last positions. ``max_query_len`` bounds the query tiles launched
     (1 for decodes).
     """
-    num_seqs = seq_lens.shape[0]
-    if num_seqs == 0:
+    if num_seqs is None:
+        num_seqs = seq_lens.shape[0] - first_seq
+    if num_seqs <= 0:
         return
     _, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -209,7 +217,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1:
         q = q.contiguous()
     attend[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, first_seq, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
