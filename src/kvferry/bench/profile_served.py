@@ -289,7 +289,7 @@ def host_sharing(apart: list[dict], prefill_fit: dict, overhead_s: float) -> dic
     there are none): ``prefill``, the newcomer's prefill (TTFT less the
     request overhead and the routing hop, 1.5 of the streams' steps) over
     the prefill fit; ``decode``, the streams' steps during that prefill
-    over their steps before it. Medians, at least 1."""
+    over their steps before it. Medians, at least 1; the points are kept."""
     if not apart:
         return None
     prefill = [(p["ttft_s"] - overhead_s - 1.5 * p["decode_gap_s"]) / pred for p in apart
@@ -297,7 +297,8 @@ def host_sharing(apart: list[dict], prefill_fit: dict, overhead_s: float) -> dic
     decode = [g / p["decode_gap_s"] for p in apart if p["decode_gap_s"] > 0 for g in p["overlap_gaps_s"]]
     return {"prefill": max(statistics.median(prefill), 1.0) if prefill else 1.0,
             "decode": max(statistics.median(decode), 1.0) if decode else 1.0,
-            "prefill_ratios": [round(r, 3) for r in prefill], "decode_ratios": [round(r, 3) for r in decode]}
+            "prefill_ratios": [round(r, 3) for r in prefill], "decode_ratios": [round(r, 3) for r in decode],
+            "points": apart}
 
 
 def noise_ratios(points: list[dict], model: dict) -> list[float]:
