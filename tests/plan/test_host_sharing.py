@@ -11,7 +11,7 @@ import pytest
 from kvferry.bench.profile_served import host_sharing, noise_ratios, overlap_sample, server_mixes
 from kvferry.plan.host import HostClock, HostSharing, place
 from kvferry.plan.instance import InstanceConfig
-from kvferry.plan.latency import StepCostModel
+from kvferry.plan.latency import StepCostModel, StepNoise
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from tests.plan.helpers import unique_request, write_profile
 
@@ -170,3 +170,24 @@ def test_noise_of_a_disaggregated_profile_keeps_only_real_prefill_samples():
     # the bug this guards: decode-only gaps over a prefill+decode prediction gave ratios of ~0.1
     points = [{"new": 170, "cached": 16, "time_s": 0.2, "samples_s": [0.2, 0.21]}]
     assert noise_ratios(points, PREFILL) == [1.0, 1.05]
+
+
+def _fast_run(per_host: int, sharing: HostSharing | None, noise: StepNoise | None = None) -> dict:
+    cost = StepCostModel((0.01, 0.001, 0.0, 0.0), (0.02, 0.0, 0.0), noise=noise, host_sharing=sharing)
+    cluster = ClusterConfig(num_colocated=0, num_prefill=1, num_decode=1, fast=True, instances_per_host=per_host)
+    reqs = [unique_request(0, 0.0, 100, 51), unique_request(1, 0.5, 190, 2)]
+    return Simulation(cluster, cost).run(reqs)
+
+
+def test_fast_mode_slows_a_prefill_beside_decodes_on_its_host():
+    alone, shared = _fast_run(1, HostSharing(1.5, 1.0)), _fast_run(2, HostSharing(1.5, 1.0))
+    assert shared[0].ttft_s == pytest.approx(alone[0].ttft_s)  # the decode instance was idle
+    assert shared[1].ttft_s == pytest.approx(alone[1].ttft_s + 0.5 * 0.2)  # request 0 was decoding
+    assert [r.finish_s for r in _fast_run(1, None).values()] == [r.finish_s for r in alone.values()]
+
+
+def test_fast_mode_prices_steps_at_the_mean_measured_spread():
+    plain = _fast_run(1, None)
+    noisy = _fast_run(1, None, StepNoise(prefill=(1.0, 1.4), decode=(0.9, 1.1)))
+    assert noisy[0].ttft_s == pytest.approx(1.2 * plain[0].ttft_s)
+    assert noisy[0].tpot_s == pytest.approx(plain[0].tpot_s)

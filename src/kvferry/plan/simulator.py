@@ -106,10 +106,16 @@ class Simulation:
         self.router = Router(cluster.router, self.front, None)
         self.decode_router = Router("least-loaded", self.back, None) if self.back else None
         # Shared hosts re-time each other's steps; None (own hosts, no measured
-        # sharing, or --fast): every step takes the time its instance gave it.
+        # sharing, or --fast: fast.py): every step takes the time its instance gave it.
         self.clock = None
-        if cluster.instances_per_host > 1 and cost.host_sharing is not None and not cluster.fast:
-            self.clock = HostClock(place(self.front, self.back, cluster.instances_per_host), cost.host_sharing)
+        if cluster.instances_per_host > 1 and cost.host_sharing is not None:
+            hosts = place(self.front, self.back, cluster.instances_per_host)
+            if cluster.fast:  # per request, not per step: each instance looks at its host's others
+                for members in hosts:
+                    for inst in members:
+                        inst.host_mates = [o for o in members if o is not inst]
+            else:
+                self.clock = HostClock(hosts, cost.host_sharing)
         self._heap: list = []
         self._seq = itertools.count()
         self.results: dict[int, RequestResult] = {}
