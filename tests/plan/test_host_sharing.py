@@ -78,8 +78,8 @@ def test_host_sharing_is_checked_and_read():
 def _disagg_run(per_host: int, sharing: HostSharing | None) -> dict:
     # prefill: 0.01 + 0.001/token; decode: 0.02 per step
     cost = StepCostModel((0.01, 0.001, 0.0, 0.0), (0.02, 0.0, 0.0), host_sharing=sharing)
-    cluster = ClusterConfig(num_colocated=0, num_prefill=1, num_decode=1, instance=InstanceConfig(max_num_batched_tokens=2048),
-                            instances_per_host=per_host)
+    cluster = ClusterConfig(num_colocated=0, num_prefill=1, num_decode=1,
+                            instance=InstanceConfig(max_num_batched_tokens=2048), instances_per_host=per_host)
     # request 0 decodes 50 tokens (1 s); request 1 arrives while it decodes
     reqs = [unique_request(0, 0.0, 100, 51), unique_request(1, 0.5, 190, 2)]
     return Simulation(cluster, cost).run(reqs)
