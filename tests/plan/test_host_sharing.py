@@ -130,30 +130,36 @@ def test_simulate_cli_takes_instances_per_host(tmp_path):
 
 
 # -- the served profile's measurement -----------------------------------------------
-def _probe(time_s: float, ttft_s: float, decode_gap_s: float, overlap: list[float]) -> dict:
+def _probe(time_s: float, pairs: list[tuple[float, float, float, list[float]]]) -> dict:
+    """A mixed point; pairs: (ttft_s, alone_ttft_s, decode_gap_s, overlap_gaps_s) per sample."""
     return {"new": 170, "cached": 16, "batch": 1, "context": 130, "time_s": time_s, "samples_s": [time_s],
-            "ttft_s": ttft_s, "decode_gap_s": decode_gap_s, "overlap_gaps_s": overlap}
+            "pairs": [dict(zip(("ttft_s", "alone_ttft_s", "decode_gap_s", "overlap_gaps_s"), q)) for q in pairs]}
 
 
 def test_a_server_that_mixes_measures_no_host_sharing():
     pred = 0.030 + 0.001 * 170  # 0.2 s
-    mixed = _probe(pred + 0.03, 0.3, 0.03, [])
+    mixed = _probe(pred + 0.03, [])
     assert server_mixes([mixed], PREFILL)
     assert not server_mixes([mixed], PREFILL, {"prefill", "decode"})  # the roles decide where known
-    assert server_mixes([_probe(0.03, 0.3, 0.03, [])], PREFILL, {"engine"})
-    assert host_sharing([], PREFILL, 0.01) is None
+    assert server_mixes([_probe(0.03, [])], PREFILL, {"engine"})
+    assert host_sharing([], 0.01) is None
 
 
 def test_a_disaggregated_server_measures_host_sharing():
-    # TTFT 0.355 = overhead 0.01 + routing hop 1.5 * 0.03 + prefill 0.3 (1.5x the fit's 0.2)
-    probe = _probe(0.03, 0.355, 0.03, [0.033, 0.036, 0.03])
-    assert not server_mixes([probe, mixed_looking := _probe(0.2, 0.3, 0.03, []), probe], PREFILL)
+    # TTFT 0.355 = overhead 0.01 + routing hop 1.5 * 0.03 + prefill 0.3, alone 0.21 = 0.01 + 0.2: 1.5x;
+    # the streams stepped at 0.03 s before the newcomer and at a median 0.033 s beside its prefill: 1.1x
+    probe = _probe(0.03, [(0.355, 0.21, 0.03, [0.033, 0.036, 0.03]), (0.355, 0.21, 0.03, [0.033])])
+    assert not server_mixes([probe, mixed_looking := _probe(0.2, []), probe], PREFILL)
     assert server_mixes([probe, mixed_looking, mixed_looking], PREFILL)
-    sharing = host_sharing([probe], PREFILL, 0.01)
-    assert sharing["prefill"] == pytest.approx(1.5)
+    sharing = host_sharing([probe], 0.01)
+    assert sharing["prefill"] == pytest.approx(1.5) and sharing["prefill_ratios"] == [1.5, 1.5]
     assert sharing["decode"] == pytest.approx(1.1)
+    # the median over samples: one slow pair does not carry it
+    skewed = _probe(0.03, [(0.355, 0.21, 0.03, [0.03])] * 2 + [(0.9, 0.21, 0.03, [0.03])])
+    assert host_sharing([skewed], 0.01)["prefill"] == pytest.approx(1.5)
     # a measured speed-up is noise: sharing never speeds a step up
-    assert host_sharing([_probe(0.03, 0.1, 0.03, [0.02])], PREFILL, 0.01)["prefill"] == 1.0
+    assert host_sharing([_probe(0.03, [(0.1, 0.21, 0.03, [0.02])])], 0.01) | {"points": None} == {
+        "prefill": 1.0, "decode": 1.0, "prefill_ratios": [0.225], "decode_ratios": [0.667], "points": None}
 
 
 def test_overlap_sample_reads_the_steps_beside_the_prefill():

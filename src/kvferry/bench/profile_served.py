@@ -36,10 +36,13 @@ client, these land where the simulator charges them:
   "mixed" steps are far shorter than their newcomers' prefills,
   ``server_mixes``): its "mixed" samples saw decode steps alone. They measure instead how the two cores of one host
   slow each other (``host_sharing``): the newcomer's prefill while the
-  decode core runs the streams, over the prefill fit (its TTFT less the
-  request overhead and the routing hop: the decode core admits it at its
-  next step and answers at that step's end, 1.5 decode steps on average),
-  and the streams' steps during that prefill over their steps before it.
+  decode core runs the streams (its TTFT less the request overhead and the
+  routing hop: the decode core admits it at its next step and answers at
+  that step's end, 1.5 decode steps on average) over the same prompt
+  length's prefill with the decode core idle, sent just before the streams
+  (a pair a few seconds apart: a shared machine's load drifts less within
+  it than over the whole profile), and the streams' steps during that
+  prefill over their steps before it.
   Such samples join neither the mixed fit nor the step noise.
 - step noise: every sample's step time over its fit's prediction (each
   prefill repeat, each steady decode gap), kept whole as ``step_noise``:
@@ -190,6 +193,8 @@ async def _mixed_sample(client, model, rng, batch: int, context: int, new: int,
     """One mixed step: ``batch`` streams decoding at ``context`` when a
     ``new``-word prompt joins (None when no stream saw that step). Also what
     a disaggregated server's host sharing needs (``overlap_sample``)."""
+    # the same prompt length alone first: host sharing's baseline when the server does not mix
+    alone = await _Stream().run(client, model, _user(random_words(rng, new)), LONG_MAX_TOKENS)
     prompts = [_user(random_words(rng, context)) for _ in range(batch)]
     streams = [_Stream() for _ in prompts]
     # the streams only have to outlive the newcomer's first token: they are cancelled then
@@ -212,7 +217,8 @@ async def _mixed_sample(client, model, rng, batch: int, context: int, new: int,
     ctx = await _prompt_tokens(client, prompts[0])
     return {"new": newcomer.prompt_tokens - newcomer.cached_tokens, "cached": newcomer.cached_tokens,
             "batch": batch, "context": round(ctx + decoded), "time_s": statistics.median(gaps),
-            **overlap_sample([s.times for s in streams], newcomer.start, first, overhead_s)}
+            **overlap_sample([s.times for s in streams], newcomer.start, first, overhead_s),
+            "alone_ttft_s": (alone.times[0] if alone.times else time.perf_counter()) - alone.start}
 
 
 def overlap_sample(times: list[list[float]], sent: float, first: float, overhead_s: float) -> dict:
@@ -256,8 +262,8 @@ async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point, overhea
                        "time_s": statistics.median(p["time_s"] for p in group),
                        "samples_s": [p["time_s"] for p in group],
                        "ttft_s": statistics.median(p["ttft_s"] for p in group),
-                       "decode_gap_s": statistics.median(p["decode_gap_s"] for p in group),
-                       "overlap_gaps_s": [g for p in group for g in p["overlap_gaps_s"]]})
+                       "pairs": [{k: p[k] for k in ("ttft_s", "alone_ttft_s", "decode_gap_s", "overlap_gaps_s")}
+                                 for p in group]})
         on_point("mixed", points[-1])
     return points
 
@@ -266,7 +272,7 @@ async def _worker_roles(client) -> set[str] | None:
     """The roles of the server's engine cores (None: no such view, e.g. not kvferry)."""
     try:
         resp = await client.get("/v1/admin/workers")
-        return {w["role"] for w in resp.json()} if resp.status_code == 200 else None
+        return {w["role"] for w in resp.json()["data"]} if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError, TypeError, KeyError):
         return None
 
@@ -283,18 +289,22 @@ def server_mixes(points: list[dict], prefill_fit: dict, roles: set[str] | None =
     return not ratios or statistics.median(ratios) >= 0.5
 
 
-def host_sharing(apart: list[dict], prefill_fit: dict, overhead_s: float) -> dict | None:
+def host_sharing(apart: list[dict], overhead_s: float) -> dict | None:
     """The slowdowns of a step while the other core of the host steps, from
     the "mixed" points of a server that does not mix (``apart``; None when
-    there are none): ``prefill``, the newcomer's prefill (TTFT less the
-    request overhead and the routing hop, 1.5 of the streams' steps) over
-    the prefill fit; ``decode``, the streams' steps during that prefill
-    over their steps before it. Medians, at least 1; the points are kept."""
-    if not apart:
+    there are none), one ratio per sample (``pairs``): ``prefill``, the
+    newcomer's prefill (TTFT less the request overhead and the routing hop,
+    1.5 of the streams' steps) over the same prompt's prefill alone (its
+    TTFT less the overhead); ``decode``, the streams' median step during
+    that prefill over their step before it. Medians, at least 1; the points
+    are kept."""
+    pairs = [q for p in apart for q in p["pairs"]]
+    if not pairs:
         return None
-    prefill = [(p["ttft_s"] - overhead_s - 1.5 * p["decode_gap_s"]) / pred for p in apart
-               if (pred := predict(prefill_fit, p)) > 0]
-    decode = [g / p["decode_gap_s"] for p in apart if p["decode_gap_s"] > 0 for g in p["overlap_gaps_s"]]
+    prefill = [(q["ttft_s"] - overhead_s - 1.5 * q["decode_gap_s"]) / (q["alone_ttft_s"] - overhead_s)
+               for q in pairs if q["alone_ttft_s"] > overhead_s]
+    decode = [statistics.median(q["overlap_gaps_s"]) / q["decode_gap_s"] for q in pairs
+              if q["decode_gap_s"] > 0 and q["overlap_gaps_s"]]
     return {"prefill": max(statistics.median(prefill), 1.0) if prefill else 1.0,
             "decode": max(statistics.median(decode), 1.0) if decode else 1.0,
             "prefill_ratios": [round(r, 3) for r in prefill], "decode_ratios": [round(r, 3) for r in decode],
@@ -384,7 +394,7 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
         result = {"prefill": {"points": prefill, "fit": prefill_fit},
                   "decode": {"points": decode, "fit": decode_fit},
                   "mixed": {"points": mixed, "fit": mixed_fit},
-                  "host_sharing": host_sharing(apart, prefill_fit, overhead),
+                  "host_sharing": host_sharing(apart, overhead),
                   "request_overhead_s": overhead,
                   "first_token_delay_s": await _first_token_delay(client, model, rng, grid.repeats + 2,
                                                                   sorted(grid.new_tokens)[len(grid.new_tokens) // 2]),
