@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from kvferry.bench.profile_served import noise_ratios
 from kvferry.cli import main
 from kvferry.plan.latency import StepCostModel
 from tests.serve.server_process import start_server
@@ -37,8 +38,8 @@ def test_disagg_profile_measures_host_sharing_and_simulate_applies_it(disagg, tm
     assert data["mixed"]["points"] == [] and data["mixed"]["fit"]["coef"] == [0.0, 0.0, 0.0]
     sharing = data["host_sharing"]
     assert sharing["prefill"] >= 1.0 and sharing["decode"] >= 1.0 and sharing["prefill_ratios"]
-    # step noise: one ratio per prefill sample, none from the probes' decode gaps
-    assert len(data["step_noise"]["prefill"]) == len(data["prefill"]["points"])
+    # step noise: the prefill samples' ratios alone, none from the probes' decode gaps
+    assert data["step_noise"]["prefill"] == noise_ratios(data["prefill"]["points"], data["prefill"]["fit"])
     cost = StepCostModel.from_profile(str(out))
     assert (cost.host_sharing.prefill, cost.host_sharing.decode) == (sharing["prefill"], sharing["decode"])
 
