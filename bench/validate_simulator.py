@@ -11,7 +11,8 @@ report the relative error of TTFT p50/p99, TPOT p50/p99 and goodput.
 Configurations (each at every rate of its workload):
   cache-on / cache-off   colocated, chunked prefill, prefix cache on / off; shared-prefix workload
   colocated / disagg     colocated chunked prefill / disagg 1+1 (prefill on CPU 0, decode on CPU 1);
-                         random workload
+                         random workload; simulated with --instances-per-host 2 (one host: the
+                         served profile's measured host sharing applies)
 
 Profiles (--profile-mode): ``served`` (default) runs ``kvferry profile --url``
 against each server before its runs, so HTTP, process hops,
@@ -58,7 +59,8 @@ CONFIGS = {
                   ["--no-prefix-caching"]),
     "colocated": ("random", COLOCATED, "colocated:1", "colocated", []),
     "disagg": ("random", ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--prefill-cpus", "0",
-                          "--decode-cpus", "1"], "prefill:1,decode:1", "one_cpu", []),
+                          "--decode-cpus", "1"], "prefill:1,decode:1", "one_cpu",
+               ["--instances-per-host", "2"]),  # both cores on this one host: they slow each other
 }
 
 

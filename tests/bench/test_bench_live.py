@@ -257,4 +257,6 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
     assert {p["batch"] for p in mixed["points"]} <= {1, 2} and all(p["new"] > 0 for p in mixed["points"])
     assert len(mixed["fit"]["coef"]) == 3 and min(mixed["fit"]["coef"]) >= 0
     assert StepCostModel.from_profile(str(out)).mixed == tuple(mixed["fit"]["coef"])
+    # one engine core mixes: it shares its host with no other core
+    assert data["host_sharing"] is None and StepCostModel.from_profile(str(out)).host_sharing is None
     assert_png(out.with_suffix(".png"))

@@ -168,6 +168,9 @@ def _run_served_profile(args: argparse.Namespace, grid) -> int:
           f"mixed-step fit (1, batch, new): {result['mixed']['fit']['coef']}")
     print(f"request overhead (one-word TTFT less its engine step): {1000 * result['request_overhead_s']:.1f} ms; "
           f"hand-over (first -> second token, less a decode step): {1000 * result['handover_s']:.1f} ms")
+    if sharing := result.get("host_sharing"):  # a server that does not mix: its cores overlap instead
+        print(f"host sharing (step slowdown while the other core steps): prefill x{sharing['prefill']:.3f}, "
+              f"decode x{sharing['decode']:.3f}")
     return 0
 
 

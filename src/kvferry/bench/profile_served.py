@@ -30,8 +30,20 @@ client, these land where the simulator charges them:
   also decodes the streams. Its length is the gap each stream sees ending
   at the newcomer's first token (median over the streams). What it costs
   beyond the prefill and decode fits' sum is the ``mixed`` fit
-  (``fit_mixed``); a disaggregated server never mixes, and that fit comes
-  out zero.
+  (``fit_mixed``).
+- host sharing: a disaggregated server never mixes (its workers' roles,
+  ``GET /v1/admin/workers``; a server without that view mixes unless its
+  "mixed" steps are far shorter than their newcomers' prefills,
+  ``server_mixes``): its "mixed" samples saw decode steps alone. They measure instead how the two cores of one host
+  slow each other (``host_sharing``): the newcomer's prefill while the
+  decode core runs the streams (its TTFT less the request overhead and the
+  routing hop: the decode core admits it at its next step and answers at
+  that step's end, 1.5 decode steps on average) over the same prompt
+  length's prefill with the decode core idle, sent just before the streams
+  (a pair a few seconds apart: a shared machine's load drifts less within
+  it than over the whole profile), and the streams' steps during that
+  prefill over their steps before it.
+  Such samples join neither the mixed fit nor the step noise.
 - step noise: every sample's step time over its fit's prediction (each
   prefill repeat, each steady decode gap), kept whole as ``step_noise``:
   the simulator draws each step's time from it, so that queueing and the
@@ -176,9 +188,13 @@ async def _prompt_tokens(client, messages: list[dict]) -> int:
     return len(resp.json()["tokens"])
 
 
-async def _mixed_sample(client, model, rng, batch: int, context: int, new: int) -> dict | None:
+async def _mixed_sample(client, model, rng, batch: int, context: int, new: int,
+                        overhead_s: float = 0.0) -> dict | None:
     """One mixed step: ``batch`` streams decoding at ``context`` when a
-    ``new``-word prompt joins (None when no stream saw that step)."""
+    ``new``-word prompt joins (None when no stream saw that step). Also what
+    a disaggregated server's host sharing needs (``overlap_sample``)."""
+    # the same prompt length alone first: host sharing's baseline when the server does not mix
+    alone = await _Stream().run(client, model, _user(random_words(rng, new)), LONG_MAX_TOKENS)
     prompts = [_user(random_words(rng, context)) for _ in range(batch)]
     streams = [_Stream() for _ in prompts]
     # the streams only have to outlive the newcomer's first token: they are cancelled then
@@ -200,7 +216,22 @@ async def _mixed_sample(client, model, rng, batch: int, context: int, new: int) 
     decoded = statistics.mean(sum(1 for t in s.times if t < first) for s in streams)
     ctx = await _prompt_tokens(client, prompts[0])
     return {"new": newcomer.prompt_tokens - newcomer.cached_tokens, "cached": newcomer.cached_tokens,
-            "batch": batch, "context": round(ctx + decoded), "time_s": statistics.median(gaps)}
+            "batch": batch, "context": round(ctx + decoded), "time_s": statistics.median(gaps),
+            **overlap_sample([s.times for s in streams], newcomer.start, first, overhead_s),
+            "alone_ttft_s": (alone.times[0] if alone.times else time.perf_counter()) - alone.start}
+
+
+def overlap_sample(times: list[list[float]], sent: float, first: float, overhead_s: float) -> dict:
+    """What the streams (chunk arrival ``times`` each) and a newcomer (sent
+    at ``sent``, first text at ``first``) say when the server does not mix:
+    ``ttft_s``; ``decode_gap_s``, the streams' median step before the
+    newcomer; ``overlap_gaps_s``, their steps once the newcomer's prefill
+    runs (ending after it was admitted: the request overhead and two steps)."""
+    before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= sent][-3 * len(times):]
+    step = statistics.median(before) if before else 0.0
+    admitted = sent + overhead_s + 2 * step
+    during = [b - a for t in times for a, b in zip(t, t[1:]) if a >= sent and admitted < b <= first]
+    return {"ttft_s": first - sent, "decode_gap_s": step, "overlap_gaps_s": during}
 
 
 def mixed_gap(times: list[float], sent: float, first: float) -> float | None:
@@ -212,13 +243,13 @@ def mixed_gap(times: list[float], sent: float, first: float) -> float | None:
     return max(window, default=None)
 
 
-async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point, overhead_s: float = 0.0) -> list[dict]:
     """Medians per cell over ``grid.repeats`` rounds of the whole grid."""
     cells = _mixed_cells(grid)
     samples: dict[tuple, list[dict]] = {c: [] for c in cells}
     for _ in range(grid.repeats):
         for cell in cells:
-            if (sample := await _mixed_sample(client, model, rng, *cell)) is not None:
+            if (sample := await _mixed_sample(client, model, rng, *cell, overhead_s)) is not None:
                 samples[cell].append(sample)
     points = []
     for cell in cells:
@@ -229,9 +260,55 @@ async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point) -> list
                        "cached": round(statistics.median(p["cached"] for p in group)), "batch": cell[0],
                        "context": round(statistics.median(p["context"] for p in group)),
                        "time_s": statistics.median(p["time_s"] for p in group),
-                       "samples_s": [p["time_s"] for p in group]})
+                       "samples_s": [p["time_s"] for p in group],
+                       "ttft_s": statistics.median(p["ttft_s"] for p in group),
+                       "pairs": [{k: p[k] for k in ("ttft_s", "alone_ttft_s", "decode_gap_s", "overlap_gaps_s")}
+                                 for p in group]})
         on_point("mixed", points[-1])
     return points
+
+
+async def _worker_roles(client) -> set[str] | None:
+    """The roles of the server's engine cores (None: no such view, e.g. not kvferry)."""
+    try:
+        resp = await client.get("/v1/admin/workers")
+        return {w["role"] for w in resp.json()["data"]} if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, TypeError, KeyError):
+        return None
+
+
+def server_mixes(points: list[dict], prefill_fit: dict, roles: set[str] | None = None) -> bool:
+    """Does the step that prefills a newcomer also decode running streams?
+    Not on a server of prefill and decode cores (``roles``). Without roles:
+    a step that prefills runs at least about as long as the prefill, while a
+    disaggregated server's streams see only decode steps, far shorter (the
+    median point under half the prefill fit here)."""
+    if roles is not None:
+        return not roles & {"prefill", "decode"}
+    ratios = [p["time_s"] / pred for p in points if (pred := predict(prefill_fit, p)) > 0]
+    return not ratios or statistics.median(ratios) >= 0.5
+
+
+def host_sharing(apart: list[dict], overhead_s: float) -> dict | None:
+    """The slowdowns of a step while the other core of the host steps, from
+    the "mixed" points of a server that does not mix (``apart``; None when
+    there are none), one ratio per sample (``pairs``): ``prefill``, the
+    newcomer's prefill (TTFT less the request overhead and the routing hop,
+    1.5 of the streams' steps) over the same prompt's prefill alone (its
+    TTFT less the overhead); ``decode``, the streams' median step during
+    that prefill over their step before it. Medians, at least 1; the points
+    are kept."""
+    pairs = [q for p in apart for q in p["pairs"]]
+    if not pairs:
+        return None
+    prefill = [(q["ttft_s"] - overhead_s - 1.5 * q["decode_gap_s"]) / (q["alone_ttft_s"] - overhead_s)
+               for q in pairs if q["alone_ttft_s"] > overhead_s]
+    decode = [statistics.median(q["overlap_gaps_s"]) / q["decode_gap_s"] for q in pairs
+              if q["decode_gap_s"] > 0 and q["overlap_gaps_s"]]
+    return {"prefill": max(statistics.median(prefill), 1.0) if prefill else 1.0,
+            "decode": max(statistics.median(decode), 1.0) if decode else 1.0,
+            "prefill_ratios": [round(r, 3) for r in prefill], "decode_ratios": [round(r, 3) for r in decode],
+            "points": apart}
 
 
 def noise_ratios(points: list[dict], model: dict) -> list[float]:
@@ -309,11 +386,15 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
             p["samples_s"] = [max(t - overhead, 0.0) for t in p["samples_s"]]
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
         prefill_fit = fit(prefill, PREFILL_TERMS)
-        mixed = await _mixed_points(client, model, rng, grid, on_point)
+        probes = await _mixed_points(client, model, rng, grid, on_point, overhead)
+        # a server that does not mix (disagg) measured host sharing instead
+        mixes = server_mixes(probes, prefill_fit, await _worker_roles(client))
+        mixed, apart = (probes, []) if mixes else ([], probes)
         mixed_fit = fit_mixed(mixed, prefill_fit, decode_fit)
         result = {"prefill": {"points": prefill, "fit": prefill_fit},
                   "decode": {"points": decode, "fit": decode_fit},
                   "mixed": {"points": mixed, "fit": mixed_fit},
+                  "host_sharing": host_sharing(apart, overhead),
                   "request_overhead_s": overhead,
                   "first_token_delay_s": await _first_token_delay(client, model, rng, grid.repeats + 2,
                                                                   sorted(grid.new_tokens)[len(grid.new_tokens) // 2]),

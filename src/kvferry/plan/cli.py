@@ -33,6 +33,10 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
                      help="colocated:N, or prefill:P,decode:D (disaggregated)")
     sim.add_argument("--router", default="round-robin", choices=("round-robin", "least-loaded", "prefix-aware"),
                      help="choice of (prefill) instance; decode instances are chosen least-loaded")
+    sim.add_argument("--instances-per-host", type=int, default=1,
+                     help="instances sharing one host (filled prefill-0, decode-0, prefill-1, ...): those on "
+                          "one host slow each other's steps by the profile's measured host_sharing while both "
+                          "step (a served disagg profile measures it). Default 1: each its own host, no effect")
     sim.add_argument("--cache-blocks", default=None,
                      help="prefix-cache size in workload blocks: with --profile --fast, the analytic "
                           "cache (default: the KV pool); without --profile, or 'inf': cache-only mode, "
@@ -210,9 +214,11 @@ def run_simulate(args: argparse.Namespace) -> dict:
     cost = StepCostModel.from_profile(args.profile)
     instance, transfer = instance_config(args), transfer_model(args)
     try:
-        cluster = ClusterConfig(**counts, instance=instance, router=args.router, transfer=transfer, fast=args.fast)
+        cluster = ClusterConfig(**counts, instance=instance, router=args.router, transfer=transfer, fast=args.fast,
+                                instances_per_host=args.instances_per_host)
     except ValueError as e:
-        raise ValueError(f"--config: {e}") from None
+        flag = "--instances-per-host" if "instances_per_host" in str(e) else "--config"
+        raise ValueError(f"{flag}: {e}") from None
     if args.noise_seeds < 1:
         raise ValueError(f"--noise-seeds must be >= 1, got {args.noise_seeds}")
     # Without measured noise (or in the analytic mode) every seed gives the same run.
@@ -266,7 +272,8 @@ def _config_json(args, counts) -> dict:
     return {**counts, "router": args.router, "workload": args.workload, "trace": args.trace, "rate": args.rate,
             "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "prefix_caching": not args.no_prefix_caching}
+            "prefix_caching": not args.no_prefix_caching,
+            "instances_per_host": getattr(args, "instances_per_host", 1)}
 
 
 def format_simulate(result: dict) -> str:

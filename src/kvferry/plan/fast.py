@@ -15,8 +15,18 @@ take minutes rather than hours. What it keeps and what it drops:
   (their per-step cost is added, their tokens shrink the chunk), and a decode's TPOT is the mean
   step time given the share of time spent in mixed (prefill chunk +
   decodes) steps.
-It ignores chunk boundaries, preemption and the exact batch evolution;
-``kvferry simulate`` without ``--fast`` runs the real scheduler.
+- A served profile's parts: the request overhead and the hand-over as in
+  the scheduler mode; the mixed-step cost inside every step it prices; the
+  step noise as its mean ratio (prefill and decode steps apart: a mean
+  step, no drawn spread, so the p99s see no step-time tail); host sharing
+  (``--instances-per-host`` > 1) as a prefill slowed by the whole prefill
+  factor when an instance of its host is decoding as it starts, and a
+  decode's steps slowed in proportion to the busy share of the prefills
+  on its host (``1 + share * (factor - 1)``).
+It ignores chunk boundaries, preemption, the exact batch evolution, the
+disagg routing hop (a busy decode core admitting a request at its next
+step) and the first-token delay; ``kvferry simulate`` without ``--fast``
+runs the real scheduler.
 """
 from __future__ import annotations
 
@@ -44,6 +54,11 @@ class AnalyticInstance:
         self.decoding: list[tuple[float, int]] = []  # heap of (decode end, context at mid-decode)
         self.context_sum = 0
         self.ends: list[float] = []  # heap of outstanding requests' end times
+        # the mean of the measured step spread (1 without one)
+        noise = cost.noise
+        self.prefill_scale = noise.mean(True) if noise is not None else 1.0
+        self.decode_scale = noise.mean(False) if noise is not None else 1.0
+        self.host_mates: list[AnalyticInstance] = []  # other instances of its host (host sharing applies)
 
     @property
     def num_outstanding(self) -> int:
@@ -72,6 +87,7 @@ class AnalyticInstance:
             chunk = min(budget, new - done)
             t += self.cost.step([(chunk, cached + done)], batch, self.context_sum if batch else 0)
             done += chunk
+        t *= self.prefill_scale * self._prefill_sharing(start)
         self.prefill_free_at = start + t
         self.prefill_busy += t
         self.busy_time += t
@@ -90,9 +106,10 @@ class AnalyticInstance:
         context = req.input_len + req.output_len // 2
         batch = len(self.decoding) + 1
         mean_context = (self.context_sum + context) / batch
-        tpot = self.cost.decode_step(batch, mean_context)
+        tpot = self.cost.decode_step(batch, mean_context) * self.decode_scale
         if self.role == "colocated" and self.first_arrival is not None and start > self.first_arrival:
             tpot = self._colocated_tpot(tpot, batch, mean_context, start)
+        tpot *= self._decode_sharing(start)
         end = start + num_tokens * tpot
         heapq.heappush(self.decoding, (end, context))
         self.context_sum += context
@@ -108,6 +125,28 @@ class AnalyticInstance:
         chunk = max(self.config.max_num_batched_tokens - batch, 1)
         mixed = self.cost.step([(chunk, 0)], batch, int(batch * mean_context))
         return 1.0 / (share / mixed + (1.0 - share) / decode_only)
+
+    def _prefill_sharing(self, start: float) -> float:
+        """A prefill starting while an instance of its host decodes runs
+        slower by the whole prefill factor."""
+        sharing = self.cost.host_sharing
+        if sharing is None or not self.host_mates:
+            return 1.0
+        for mate in self.host_mates:
+            mate._expire_decodes(start)
+        return sharing.prefill if any(mate.decoding for mate in self.host_mates) else 1.0
+
+    def _decode_sharing(self, start: float) -> float:
+        """Decode steps slow in proportion to the busy share of the prefills
+        of its host so far."""
+        sharing = self.cost.host_sharing
+        if sharing is None or not self.host_mates:
+            return 1.0
+        share = 0.0
+        for mate in self.host_mates:
+            if mate.first_arrival is not None and start > mate.first_arrival:
+                share = max(share, min(mate.prefill_busy / (start - mate.first_arrival), 1.0))
+        return 1.0 + share * (sharing.decode - 1.0)
 
     def _expire_decodes(self, now: float) -> None:
         while self.decoding and self.decoding[0][0] <= now:

@@ -76,7 +76,8 @@ class SchedulerInstance:
         self.scheduler = Scheduler(sched_config, self.kv, kv_source=self.source)
         self.sim: dict[str, SimRequest] = {}
         self.busy = False
-        self.step_end = 0.0  # when the running step ends (valid while busy)
+        self.step_end = 0.0  # when the running step ends alone (valid while busy)
+        self.step_has_prefill = False  # the running step carries prefill tokens
         self.busy_time = 0.0
         self.num_steps = 0
         self._step: tuple[SchedulerOutput, RunnerOutput] | None = None
@@ -138,6 +139,7 @@ class SchedulerInstance:
                 context += cached + 1
             else:
                 chunks.append((num_new, cached))
+        self.step_has_prefill = bool(chunks)
         return self.cost.noisy_step(chunks, batch, context, self.rng)
 
     def finish_step(self, now: float) -> list[TokenEvent]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.bench.profile import DECODE_TERMS, MIXED_TERMS, PREFILL_TERMS
+from kvferry.plan.host import HostSharing
 
 
 class PlanError(Exception):
@@ -83,6 +84,9 @@ class StepCostModel:
     # A served profile's measured lag of a token that reaches the client while
     # its engine runs the next step (the output path competes with the step).
     first_token_delay_s: float = 0.0
+    # A served profile's measured slowdown of a step while another instance of
+    # its host steps (applied only to instances placed on one host).
+    host_sharing: HostSharing | None = None
 
     @classmethod
     def from_profile(cls, path: str) -> StepCostModel:
@@ -97,7 +101,8 @@ class StepCostModel:
                 raise ValueError(f"mixed fit terms {mixed['terms']} are not {list(MIXED_TERMS)}")
             return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
                        float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")),
-                       tuple(float(c) for c in mixed["coef"]), float(data.get("first_token_delay_s") or 0.0))
+                       tuple(float(c) for c in mixed["coef"]), float(data.get("first_token_delay_s") or 0.0),
+                       HostSharing.from_json(data.get("host_sharing")))
         except OSError as e:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:

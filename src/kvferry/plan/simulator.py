@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kvferry.plan.cache_model import PrefixCache
 from kvferry.plan.fast import AnalyticInstance
+from kvferry.plan.host import HostClock, place
 from kvferry.plan.instance import InstanceConfig, SchedulerInstance
 from kvferry.plan.latency import KVTransferModel, StepCostModel
 from kvferry.plan.router import ROUTERS, Router
@@ -34,8 +35,13 @@ class ClusterConfig:
     router: str = "round-robin"
     transfer: KVTransferModel = field(default_factory=KVTransferModel)
     fast: bool = False
+    # Instances per host (host.py): those sharing one slow each other by the
+    # profile's measured host_sharing while both step. 1: each its own host.
+    instances_per_host: int = 1
 
     def __post_init__(self) -> None:
+        if self.instances_per_host < 1:
+            raise ValueError(f"instances_per_host must be >= 1, got {self.instances_per_host}")
         for name in ("num_colocated", "num_prefill", "num_decode"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -99,6 +105,17 @@ class Simulation:
         # The prefix index's capacity is set in run(), once the workload's key block size is known.
         self.router = Router(cluster.router, self.front, None)
         self.decode_router = Router("least-loaded", self.back, None) if self.back else None
+        # Shared hosts re-time each other's steps; None (own hosts, no measured
+        # sharing, or --fast: fast.py): every step takes the time its instance gave it.
+        self.clock = None
+        if cluster.instances_per_host > 1 and cost.host_sharing is not None:
+            hosts = place(self.front, self.back, cluster.instances_per_host)
+            if cluster.fast:  # per request, not per step: each instance looks at its host's others
+                for members in hosts:
+                    for inst in members:
+                        inst.host_mates = [o for o in members if o is not inst]
+            else:
+                self.clock = HostClock(hosts, cost.host_sharing)
         self._heap: list = []
         self._seq = itertools.count()
         self.results: dict[int, RequestResult] = {}
@@ -134,7 +151,9 @@ class Simulation:
                 continue
             t, _, kind, payload = heapq.heappop(self._heap)
             if kind == "step":
-                self._step_end(payload, t)
+                inst, version = payload
+                if self.clock is None or self.clock.is_current(inst, version):
+                    self._step_end(inst, t)
             elif kind == "kv":
                 self._to_decode(payload, t)
             elif kind == "route":
@@ -174,13 +193,25 @@ class Simulation:
             end = inst.start_step(now)
             admitted = self._awaiting.pop(inst, [])
             if end is not None:
-                self._push(end, "step", inst)
+                self._schedule_step(inst, now, end)
                 self._admitting[inst] = admitted
             else:  # nothing else to run: the admitting step is empty and answers at once
                 for req in admitted:
                     self._push(now, "route", req)
 
+    def _schedule_step(self, inst: SchedulerInstance, now: float, end: float) -> None:
+        if self.clock is None:
+            self._push(end, "step", (inst, 0))
+            return
+        for member, at, version in self.clock.start(inst, now, end - now, inst.step_has_prefill):
+            self._push(at, "step", (member, version))
+
     def _step_end(self, inst: SchedulerInstance, now: float) -> None:
+        if self.clock is not None:
+            stretch, moved = self.clock.finish(inst, now)
+            inst.busy_time += stretch
+            for member, at, version in moved:
+                self._push(at, "step", (member, version))
         delivered: list[tuple[RequestResult, str]] = []  # (result, "first_token_s" / "finish_s") set now
         for ev in inst.finish_step(now):
             res = self.results[ev.request.request_id]

@@ -1,0 +1,59 @@
+"""``kvferry profile --url`` against a real disaggregated server (1 prefill
++ 1 decode core): it measures host sharing instead of a mixed-step fit, its
+step noise holds real prefill samples only, and ``kvferry simulate``
+applies the sharing only to instances placed on one host.
+
+Tiny prompts: the numbers checked are structure and bounds, not speeds."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvferry.bench.profile_served import noise_ratios
+from kvferry.cli import main
+from kvferry.plan.latency import StepCostModel
+from tests.serve.server_process import start_server
+
+
+@pytest.fixture(scope="module")
+def disagg(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("disagg") / "server.log",
+                       ["--mode", "disagg", "--prefill", "1", "--decode", "1"])
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_disagg_profile_measures_host_sharing_and_simulate_applies_it(disagg, tmp_path, capsys):
+    out = tmp_path / "disagg.json"
+    code = main(["profile", "--url", disagg.base_url, "--new-tokens", "8,24", "--cached-tokens", "0,16",
+                 "--batch-sizes", "1,2", "--context-lens", "8,24", "--decode-steps", "2", "--repeats", "1",
+                 "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert "host sharing" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    # the decode core never prefills: no mixed fit, and the probes went to host sharing
+    assert data["mixed"]["points"] == [] and data["mixed"]["fit"]["coef"] == [0.0, 0.0, 0.0]
+    sharing = data["host_sharing"]
+    assert sharing["prefill"] >= 1.0 and sharing["decode"] >= 1.0 and sharing["prefill_ratios"]
+    # step noise: the prefill samples' ratios alone, none from the probes' decode gaps
+    assert data["step_noise"]["prefill"] == noise_ratios(data["prefill"]["points"], data["prefill"]["fit"])
+    cost = StepCostModel.from_profile(str(out))
+    assert (cost.host_sharing.prefill, cost.host_sharing.decode) == (sharing["prefill"], sharing["decode"])
+
+    # a slowdown the simulation can see: requests every 50 ms beside long decodes
+    data["host_sharing"].update(prefill=2.0, decode=1.5)
+    out.write_text(json.dumps(data))
+
+    def simulate(*extra: str) -> dict:
+        res = subprocess.run([sys.executable, "-m", "kvferry.cli", "simulate", "--profile", str(out), "--workload",
+                              "random", "--rate", "20", "--num-requests", "20", "--input-len", "64",
+                              "--output-len", "16", "--noise-seeds", "1", "--config", "prefill:1,decode:1", "--json",
+                              *extra], capture_output=True, text=True, check=True)
+        return json.loads(res.stdout)["summary"]
+
+    apart, shared = simulate(), simulate("--instances-per-host", "2")
+    assert shared["ttft_ms"]["p50"] > apart["ttft_ms"]["p50"]
+    assert shared["tpot_ms"]["p50"] > apart["tpot_ms"]["p50"]
