@@ -14,7 +14,7 @@ import torch
 from kvferry import LLM, SamplingParams
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import CoreConnection, CoreProcess
-from kvferry.engine.cpu_threads import bind_step_thread, default_cpus
+from kvferry.engine.cpu_threads import bind_step_thread, default_cpus, step_executor
 from kvferry.messages import EngineCoreShutdown
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -124,9 +124,16 @@ def test_engine_core_process_pins_its_team(checkpoint):
         conn.close()
 
 
-def test_llm_generate_still_matches_itself_across_calls(checkpoint):
-    # Many generate calls share the one stepping thread; outputs stay deterministic.
+def test_llm_steps_follow_the_callers_thread_count(checkpoint):
+    # generate calls share the stepping thread until the caller changes its
+    # torch thread count; then a new one has a team of the new size.
     llm = LLM(model=checkpoint, dtype="float32", num_kv_blocks=32)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    first = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)]
-    assert [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)] == first
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    first = [o.token_ids for o in llm.generate(prompts, params)]
+    torch.set_num_threads(1)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == first
+    assert step_executor().submit(torch.get_num_threads).result() == 1
+    torch.set_num_threads(2)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == first
+    assert step_executor().submit(torch.get_num_threads).result() == 2

@@ -102,22 +102,30 @@ def bind_step_thread(cpus: list[int] | None = None) -> ThreadBinding | None:
 
 
 _executor: ThreadPoolExecutor | None = None
+_executor_threads = 0
 _executor_lock = threading.Lock()
 
 
 def step_executor() -> ThreadPoolExecutor:
     """The process's stepping thread for in-process engines, pinned when it
-    starts; created on first use."""
-    global _executor
+    starts, with as many OpenMP threads as the caller's torch uses. A
+    thread's team size is fixed once it ran an op, so a caller that changed
+    ``torch.set_num_threads`` since gets a new stepping thread."""
+    global _executor, _executor_threads
+    num_threads = torch.get_num_threads()
     with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(1, thread_name_prefix="kvferry-steps", initializer=_bind_quietly)
+        if _executor is None or _executor_threads != num_threads:
+            if _executor is not None:
+                _executor.shutdown(wait=False)  # its thread ends after any step in flight
+            _executor = ThreadPoolExecutor(1, thread_name_prefix="kvferry-steps", initializer=_bind_quietly,
+                                           initargs=(num_threads,))
+            _executor_threads = num_threads
         return _executor
 
 
-def _bind_quietly() -> None:
+def _bind_quietly(num_threads: int) -> None:
     try:
-        bind_step_thread()
+        bind_step_thread(default_cpus(num_threads))
     except Exception:  # pinning is only a speed-up: never break the engine over it
         logger.exception("CPU binding failed; threads left unpinned")
 
