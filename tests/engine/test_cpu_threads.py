@@ -66,11 +66,13 @@ def test_bind_off_sizes_the_team_but_pins_nothing(monkeypatch):
     assert binding is None and own == set(ALLOWED)
 
 
-def test_default_cpus_reads_a_cpu_list_from_the_environment(monkeypatch):
+def test_default_cpus_pins_a_team_that_covers_the_process_or_a_listed_set(monkeypatch):
     monkeypatch.setenv("KVFERRY_CPU_BIND", "3,5-6")
-    assert default_cpus() == [3, 5, 6]
+    assert default_cpus() == ([3, 5, 6], True)
     monkeypatch.setenv("KVFERRY_CPU_BIND", "1")
-    assert default_cpus(1) == ALLOWED[:1]
+    assert default_cpus(len(ALLOWED)) == (ALLOWED, True)
+    # A smaller team than the process's CPUs is left to the kernel's placement.
+    assert default_cpus(1) == (ALLOWED[:1], len(ALLOWED) == 1)
     monkeypatch.setenv("KVFERRY_CPU_BIND", "3-x")
     with pytest.raises(ValueError, match="cpus"):
         default_cpus()
@@ -83,7 +85,7 @@ def checkpoint(tmp_path_factory):
 
 _OFFLINE = """
 import os, sys, threading, torch
-torch.set_num_threads(2)
+torch.set_num_threads(len(os.sched_getaffinity(0)))  # a team over every CPU: pinned by default
 from kvferry import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], dtype="float32", num_kv_blocks=32)
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -103,21 +105,24 @@ def test_offline_llm_steps_on_a_pinned_thread(checkpoint, bind):
                           timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     if bind == "1":
-        assert f"steps [{ALLOWED[0]}] pinned [[{ALLOWED[0]}], [{ALLOWED[1]}]]" in done.stdout
+        assert f"steps [{ALLOWED[0]}] pinned {[[c] for c in ALLOWED]}" in done.stdout
     else:
         assert f"steps {ALLOWED} pinned []" in done.stdout
 
 
 @needs_two_cpus
 def test_engine_core_process_pins_its_team(checkpoint):
-    core = CoreProcess.start(EngineArgs(model=checkpoint, dtype="float32", num_kv_blocks=32).create_engine_config())
+    # --cpus 2 CPUs: the core runs 2 threads there, a team over its whole set.
+    cpus = ALLOWED[:2]
+    core = CoreProcess.start(EngineArgs(model=checkpoint, dtype="float32", num_kv_blocks=32).create_engine_config(),
+                             cpus=",".join(map(str, cpus)))
     conn = CoreConnection(core.addresses)
     try:
         conn.wait_ready(timeout_s=120, process=core)  # sent by the step thread, after it pinned itself
         threads = affinity_by_thread(core.pid)
         single = sorted(next(iter(c)) for c in threads.values() if len(c) == 1)
-        assert len(single) >= 2 and single == ALLOWED[: len(single)]  # one thread per CPU, in order
-        assert threads[core.pid] == set(ALLOWED)  # the main thread (and the I/O threads) stay unpinned
+        assert single == cpus  # one thread per CPU, in order
+        assert threads[core.pid] == set(cpus)  # the main thread (and the I/O threads) keep the process's set
     finally:
         conn.send(EngineCoreShutdown())
         core.stop(10)

@@ -23,9 +23,10 @@ same with no compiled code, from the stepping thread itself:
 Threads that are not the team (socket I/O, the parent watchdog, the HTTP
 front end in its own process) keep the process's whole CPU set.
 
+By default the team is the first ``torch.get_num_threads()`` CPUs this
+process may run on, pinned when that is all of them (see ``default_cpus``).
 ``KVFERRY_CPU_BIND=0`` turns pinning off (the team is still sized);
-``KVFERRY_CPU_BIND=2-3`` (a CPU list) pins to those CPUs instead of the
-first ``torch.get_num_threads()`` CPUs this process may run on.
+``KVFERRY_CPU_BIND=2-3`` (a CPU list) pins to those CPUs.
 """
 from __future__ import annotations
 
@@ -58,27 +59,36 @@ def binding_enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def default_cpus(num_threads: int | None = None) -> list[int]:
-    """The CPUs to pin to: ``KVFERRY_CPU_BIND``'s list if it gives one, else
-    the first ``num_threads`` (default: torch's thread count) CPUs this
-    process may run on."""
+def default_cpus(num_threads: int | None = None) -> tuple[list[int], bool]:
+    """(the CPUs of the team, whether to pin to them).
+
+    ``KVFERRY_CPU_BIND=<list>``: those CPUs, pinned. Otherwise the first
+    ``num_threads`` (default: torch's thread count) CPUs this process may
+    run on, pinned only if that is all of them: a team smaller than the
+    process's CPU set may share the machine with other processes that would
+    pin to the same first CPUs (two servers of 4 threads on 16 CPUs), where
+    the kernel's own placement is the better bet."""
     from kvferry.engine.core_client import parse_cpus
 
     value = os.environ.get(ENV, "").strip()
     if value and value[0].isdigit() and value not in ("0", "1"):
-        return sorted(parse_cpus(value))
+        return sorted(parse_cpus(value)), True
     allowed = sorted(os.sched_getaffinity(0))
-    return allowed[: max(1, min(num_threads or torch.get_num_threads(), len(allowed)))]
+    cpus = allowed[: max(1, min(num_threads or torch.get_num_threads(), len(allowed)))]
+    return cpus, len(cpus) == len(allowed)
 
 
-def bind_step_thread(cpus: list[int] | None = None) -> ThreadBinding | None:
+def bind_step_thread(cpus: list[int] | None = None, num_threads: int | None = None) -> ThreadBinding | None:
     """Pin the calling thread to ``cpus[0]`` and its new OpenMP workers to
-    ``cpus[1:]``. Returns the binding, or None where it is off or cannot be
-    done (no ``sched_setaffinity``, a team that already existed); the
-    thread count is set in every case."""
-    cpus = cpus if cpus is not None else default_cpus()
+    ``cpus[1:]`` (default: ``default_cpus(num_threads)``, where it says so).
+    Returns the binding, or None where it is off or cannot be done (no
+    ``sched_setaffinity``, a team that already existed); the thread count
+    is set in every case."""
+    pin = True
+    if cpus is None:
+        cpus, pin = default_cpus(num_threads)
     torch.set_num_threads(len(cpus))
-    if not binding_enabled() or not hasattr(os, "sched_setaffinity"):
+    if not pin or not binding_enabled() or not hasattr(os, "sched_setaffinity"):
         return None
     before = _thread_ids()
     _run_parallel_op()
@@ -125,7 +135,7 @@ def step_executor() -> ThreadPoolExecutor:
 
 def _bind_quietly(num_threads: int) -> None:
     try:
-        bind_step_thread(default_cpus(num_threads))
+        bind_step_thread(num_threads=num_threads)
     except Exception:  # pinning is only a speed-up: never break the engine over it
         logger.exception("CPU binding failed; threads left unpinned")
 
