@@ -44,10 +44,29 @@ def run_kvferry(args, prompts) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    sched0 = thread_sched_counts()
     t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"elapsed": elapsed, "cpu_s": cpu, "output_tokens": sum(len(o.token_ids) for o in outs)}
+    moved = {k: v - sched0.get(k, 0) for k, v in thread_sched_counts().items()}
+    return {"elapsed": elapsed, "cpu_s": cpu, "output_tokens": sum(len(o.token_ids) for o in outs), **moved}
+
+
+def thread_sched_counts() -> dict[str, int]:
+    """Migrations between CPUs and involuntary switches, summed over this
+    process's threads (/proc/self/task/*/sched; empty where the kernel has
+    no scheduler statistics)."""
+    keys = {"se.nr_migrations": "migrations", "nr_involuntary_switches": "preempted"}
+    totals = dict.fromkeys(keys.values(), 0)
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            for line in Path(f"/proc/self/task/{tid}/sched").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() in keys:
+                    totals[keys[key.strip()]] += int(float(value))
+    except OSError:
+        return {}
+    return totals
 
 
 def run_hf(args, prompts) -> dict:
@@ -177,6 +196,8 @@ def main() -> None:
                 r = spawn(args, system, prompts_file, extra_env)
                 rates[label].append(r["output_tokens"] / r["elapsed"])
                 cpu = f", {r['cpu_s'] / r['elapsed']:.2f} CPU-s/s" if "cpu_s" in r else ""
+                if "migrations" in r:
+                    cpu += f", {r['migrations']} migrations, {r['preempted']} preempted"
                 line.append(f"{label} {rates[label][-1]:.1f} tok/s (threads {r['threads']}{cpu})")
             print(f"run {run}: " + ", ".join(line), flush=True)
     finally:

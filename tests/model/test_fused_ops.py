@@ -81,3 +81,41 @@ def test_build_flags_match_torchs_vector_level():
     level = fused_ops._capability()
     assert f"-DCPU_CAPABILITY={level}" in flags and "-ffp-contract=off" in flags
     assert level in ("AVX512", "AVX2", "DEFAULT")
+
+
+_AVX2_PROBE = """
+import torch, torch.nn.functional as F
+from kvferry.model import fused_ops
+assert fused_ops._capability() in ("AVX2", "DEFAULT"), fused_ops._capability()
+if not fused_ops.fused_ops_available():
+    print("no build")
+    raise SystemExit(0)
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    qkv = torch.randn(9, 7, 64).to(dtype)
+    a = torch.randn(9, 32) * 3
+    cos, sin = a.cos().to(dtype)[:, None, :], a.sin().to(dtype)[:, None, :]
+    x1, x2 = qkv[:, :4].chunk(2, dim=-1)
+    assert torch.equal(fused_ops.rope_neox(qkv[:, :4], cos, sin),
+                       torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    gate_up = (torch.randn(9, 2 * 40) * 4).to(dtype)
+    ref = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    # torch may dispatch a wider exp here than the AVX2 build's: equal to within an ulp
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), ref)
+print("avx2 fused ops ok")
+"""
+
+
+def test_the_avx2_build_is_right_too():
+    """The build an AVX2-only CPU gets (KVFERRY_KERNEL_ISA=avx2 on this one)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVFERRY_KERNEL_ISA": "avx2", "KVFERRY_DISABLE_CPP_KERNELS": "0"}
+    env.pop("KVFERRY_DISABLE_FUSED_OPS", None)
+    done = subprocess.run([sys.executable, "-c", _AVX2_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if "no build" in done.stdout:
+        pytest.skip("the C++ fused ops did not build here")
+    assert "avx2 fused ops ok" in done.stdout

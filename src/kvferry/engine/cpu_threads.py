@@ -26,7 +26,8 @@ front end in its own process) keep the process's whole CPU set.
 By default the team is the first ``torch.get_num_threads()`` CPUs this
 process may run on, pinned when that is all of them (see ``default_cpus``).
 ``KVFERRY_CPU_BIND=0`` turns pinning off (the team is still sized);
-``KVFERRY_CPU_BIND=2-3`` (a CPU list) pins to those CPUs.
+``KVFERRY_CPU_BIND=2-3`` (a CPU list) pins to those CPUs (CPU 1 alone is
+``1-1``: a bare ``0``/``1`` means off/on).
 """
 from __future__ import annotations
 
