@@ -1,6 +1,7 @@
-"""The stepping thread and its OpenMP team are pinned one per CPU: in a
-fresh thread, in the offline LLM's stepping thread, and in a real engine-core
-process (read back from /proc); ``KVFERRY_CPU_BIND=0`` leaves them alone."""
+"""With ``KVFERRY_CPU_BIND=1`` (or a CPU list) the stepping thread and its
+OpenMP team are pinned one per CPU: in a fresh thread, in the offline LLM's
+stepping thread, and in a real engine-core process (read back from /proc);
+unset or ``0`` leaves them alone."""
 from __future__ import annotations
 
 import os
@@ -66,13 +67,14 @@ def test_bind_off_sizes_the_team_but_pins_nothing(monkeypatch):
     assert binding is None and own == set(ALLOWED)
 
 
-def test_default_cpus_pins_a_team_that_covers_the_process_or_a_listed_set(monkeypatch):
+def test_default_cpus_pins_only_when_asked(monkeypatch):
+    monkeypatch.delenv("KVFERRY_CPU_BIND", raising=False)
+    assert default_cpus(1) == (ALLOWED[:1], False)
     monkeypatch.setenv("KVFERRY_CPU_BIND", "3,5-6")
     assert default_cpus() == ([3, 5, 6], True)
     monkeypatch.setenv("KVFERRY_CPU_BIND", "1")
     assert default_cpus(len(ALLOWED)) == (ALLOWED, True)
-    # A smaller team than the process's CPUs is left to the kernel's placement.
-    assert default_cpus(1) == (ALLOWED[:1], len(ALLOWED) == 1)
+    assert default_cpus(1) == (ALLOWED[:1], True)
     monkeypatch.setenv("KVFERRY_CPU_BIND", "3-x")
     with pytest.raises(ValueError, match="cpus"):
         default_cpus()
@@ -97,10 +99,12 @@ print("steps", sorted(os.sched_getaffinity(steps.native_id)), "pinned", [sorted(
 
 
 @needs_two_cpus
-@pytest.mark.parametrize("bind", ["1", "0"])
+@pytest.mark.parametrize("bind", ["1", "0", None])
 def test_offline_llm_steps_on_a_pinned_thread(checkpoint, bind):
     # A fresh process: this one's stepping thread may be bound already.
-    env = dict(os.environ, KVFERRY_CPU_BIND=bind)
+    env = {k: v for k, v in os.environ.items() if k != "KVFERRY_CPU_BIND"}
+    if bind is not None:
+        env["KVFERRY_CPU_BIND"] = bind
     done = subprocess.run([sys.executable, "-c", _OFFLINE, checkpoint], capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -111,7 +115,8 @@ def test_offline_llm_steps_on_a_pinned_thread(checkpoint, bind):
 
 
 @needs_two_cpus
-def test_engine_core_process_pins_its_team(checkpoint):
+def test_engine_core_process_pins_its_team(checkpoint, monkeypatch):
+    monkeypatch.setenv("KVFERRY_CPU_BIND", "1")  # the spawned core inherits it
     # --cpus 2 CPUs: the core runs 2 threads there, a team over its whole set.
     cpus = ALLOWED[:2]
     core = CoreProcess.start(EngineArgs(model=checkpoint, dtype="float32", num_kv_blocks=32).create_engine_config(),

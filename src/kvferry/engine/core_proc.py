@@ -240,7 +240,8 @@ def _run_off_main_thread(proc: EngineCoreProc) -> bool:
     vanishes with OMP_WAIT_POLICY=PASSIVE, so it is the main thread's OpenMP
     team spin-waiting; the previous in-process engine ran on a thread too.
     The main thread only waits here, and so stays free for signals. The
-    step thread pins itself and its OpenMP team one per core (cpu_threads).
+    step thread sizes its OpenMP team and, with KVFERRY_CPU_BIND set, pins
+    it one thread per core (cpu_threads).
     """
     failed: list[BaseException] = []
 
@@ -248,7 +249,7 @@ def _run_off_main_thread(proc: EngineCoreProc) -> bool:
         try:
             binding = bind_step_thread()  # before any op: this thread's OpenMP team is new
             if binding is not None:
-                logger.info("OpenMP threads pinned (%s=0 turns this off): %s", CPU_BIND_ENV, binding.describe())
+                logger.info("OpenMP threads pinned (%s): %s", CPU_BIND_ENV, binding.describe())
             proc.run()
         except BaseException as exc:  # logged and reported to the front end by run()
             failed.append(exc)

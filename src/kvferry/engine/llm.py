@@ -76,8 +76,8 @@ class LLM:
     def _run(self, ids: list[str], n_of: dict[str, int]) -> list[RequestOutput]:
         finals: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
         pending = set(ids)
-        # Steps run on the process's pinned stepping thread (cpu_threads.py),
-        # never on the caller's, whose OpenMP team is neither new nor pinned.
+        # Steps run on the process's stepping thread (cpu_threads.py), whose
+        # OpenMP team is its own and can be pinned (KVFERRY_CPU_BIND).
         steps = step_executor()
         while pending:
             for out in steps.submit(self.engine.step).result():
