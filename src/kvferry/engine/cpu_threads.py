@@ -121,8 +121,9 @@ _executor_lock = threading.Lock()
 
 
 def step_executor() -> ThreadPoolExecutor:
-    """The process's stepping thread for in-process engines, pinned when it
-    starts, with as many OpenMP threads as the caller's torch uses. A
+    """The process's stepping thread for in-process engines, with as many
+    OpenMP threads as the caller's torch uses, pinned when it starts if
+    ``KVFERRY_CPU_BIND`` asks. A
     thread's team size is fixed once it ran an op, so a caller that changed
     ``torch.set_num_threads`` since gets a new stepping thread."""
     global _executor, _executor_threads
