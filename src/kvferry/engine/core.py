@@ -20,6 +20,7 @@ from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model.loader import LoadedModel, load_model
+from kvferry.model.fused_ops import fused_ops_available
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
@@ -62,6 +63,7 @@ class EngineCore:
             # message: otherwise the first requests' TTFT pays for it (a
             # 15-30 s build whenever the kernel's cache is cold).
             get_paged_decode_kernel()
+            fused_ops_available()  # the same for the fused elementwise ops
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector

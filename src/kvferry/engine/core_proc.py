@@ -29,6 +29,7 @@ import zmq
 from kvferry.config import EngineConfig
 from kvferry.engine.core import EngineCore
 from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.engine.cpu_threads import ENV as CPU_BIND_ENV, bind_step_thread
 from kvferry.messages import (
     CoreInput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant,
     EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
@@ -238,12 +239,17 @@ def _run_off_main_thread(proc: EngineCoreProc) -> bool:
     the same process (2 cores shared with other busy processes). The gap
     vanishes with OMP_WAIT_POLICY=PASSIVE, so it is the main thread's OpenMP
     team spin-waiting; the previous in-process engine ran on a thread too.
-    The main thread only waits here, and so stays free for signals.
+    The main thread only waits here, and so stays free for signals. The
+    step thread sizes its OpenMP team and, with KVFERRY_CPU_BIND set, pins
+    it one thread per core (cpu_threads).
     """
     failed: list[BaseException] = []
 
     def loop() -> None:
         try:
+            binding = bind_step_thread()  # before any op: this thread's OpenMP team is new
+            if binding is not None:
+                logger.info("OpenMP threads pinned (%s): %s", CPU_BIND_ENV, binding.describe())
             proc.run()
         except BaseException as exc:  # logged and reported to the front end by run()
             failed.append(exc)

@@ -5,6 +5,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvferry.config import EngineArgs
+from kvferry.engine.cpu_threads import step_executor
 from kvferry.engine.engine import LLMEngine
 from kvferry.outputs import CompletionOutput, RequestOutput
 from kvferry.sampling import SamplingParams
@@ -75,8 +76,11 @@ class LLM:
     def _run(self, ids: list[str], n_of: dict[str, int]) -> list[RequestOutput]:
         finals: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
         pending = set(ids)
+        # Steps run on the process's stepping thread (cpu_threads.py), whose
+        # OpenMP team is its own and can be pinned (KVFERRY_CPU_BIND).
+        steps = step_executor()
         while pending:
-            for out in self.engine.step():
+            for out in steps.submit(self.engine.step).result():
                 if out.finished and out.request_id in finals:
                     finals[out.request_id][out.outputs[0].index] = out
                     if len(finals[out.request_id]) == n_of[out.request_id]:
@@ -86,7 +90,7 @@ class LLM:
         # Finish the KV write-down of this batch, so that the node's store
         # holds its blocks once generate returns (another process may resume).
         while self.engine.has_unfinished_requests() and not self.engine.get_num_unfinished_requests():
-            self.engine.step()
+            steps.submit(self.engine.step).result()
         return [_merge(finals[rid]) for rid in ids]
 
 

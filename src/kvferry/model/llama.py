@@ -22,6 +22,7 @@ from torch import nn
 
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.config import ModelConfig, RopeScaling
+from kvferry.model.fused_ops import rope_neox, silu_and_mul
 from kvferry.model.linear import linear, pack_weight
 
 
@@ -94,10 +95,10 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim], rotate-half (NeoX) layout as HF.
 
-    Same roundings as HF's ``x * cos + rotate_half(x) * sin``, computed per half.
+    Same roundings as HF's ``x * cos + rotate_half(x) * sin``, computed per
+    half; on CPU one fused op (fused_ops.py), else seven torch ops.
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rope_neox(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -157,8 +158,8 @@ class MLP(nn.Module):
         self.gate_up_packed, self.down_packed = pack_weight(self.gate_up_weight), pack_weight(self.down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, None, self.gate_up_packed).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, None, self.down_packed)
+        gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)  # [T, 2 * inter]
+        return linear(silu_and_mul(gate_up), self.down_weight, None, self.down_packed)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,233 @@
+// Fused elementwise ops of the decoder layer, with HF's roundings.
+//
+// silu_and_mul(x) -> out
+//   x:   [tokens, 2 * inter] (gate | up), the gate_up matmul's output; rows may be strided
+//   out: [tokens, inter] contiguous, x's dtype
+//   out = silu(gate) * up, rounded as HF's ``act_fn(gate_proj(x)) * up_proj(x)``:
+//   silu in float32, rounded to the dtype, then the product in float32,
+//   rounded again (a no-op in float32).
+//
+// rope_neox(x, cos, sin) -> out
+//   x:        [tokens, heads, head_dim]; head_dim contiguous, other strides free
+//   cos, sin: [tokens, head_dim / 2] contiguous, x's dtype (HF casts them so)
+//   out:      [tokens, heads, head_dim] contiguous
+//   rotate-half (NeoX) RoPE with HF's roundings, every product and sum
+//   rounded to the dtype as torch's ops do:
+//     out[:half] = r(r(x1 * cos) - r(x2 * sin)),  out[half:] = r(r(x2 * cos) + r(x1 * sin))
+//   (HF's ``x * cos + rotate_half(x) * sin``; negation is exact). One op in
+//   place of seven (chunk, four products, a sum, a difference, a cat).
+//
+// silu_and_mul is one pass instead of two ops: torch reads the strided gate, writes silu's
+// [tokens, inter] result, then reads it and up and writes the product.
+// silu uses at::vec's exp (Sleef's u10 expf, the one torch's own silu kernel
+// calls for this instruction set), so the values match torch's bit for bit.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+
+namespace {
+
+using at::vec::Vectorized;
+
+// Rows per parallel task: at least ~16K elements each, so decode-sized
+// batches stay on one thread (a fork costs more than the work).
+int64_t grain_rows(int64_t inter) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inter)); }
+
+inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
+
+// Widening and rounding (to nearest even) between a reduced type and float,
+// the conversions torch's own kernels use.
+inline std::tuple<Vectorized<float>, Vectorized<float>> to_float(const Vectorized<at::BFloat16>& v) {
+  return at::vec::convert_bfloat16_float(v);
+}
+inline std::tuple<Vectorized<float>, Vectorized<float>> to_float(const Vectorized<at::Half>& v) {
+  return at::vec::convert_half_float(v);
+}
+template <typename T>
+Vectorized<T> from_float(const Vectorized<float>& a, const Vectorized<float>& b);
+template <>
+Vectorized<at::BFloat16> from_float<at::BFloat16>(const Vectorized<float>& a, const Vectorized<float>& b) {
+  return at::vec::convert_float_bfloat16(a, b);
+}
+template <>
+Vectorized<at::Half> from_float<at::Half>(const Vectorized<float>& a, const Vectorized<float>& b) {
+  return at::vec::convert_float_half(a, b);
+}
+
+void silu_and_mul_float(const float* x, float* out, int64_t rows, int64_t inter, int64_t x_stride) {
+  using fVec = Vectorized<float>;
+  const fVec one(1.0f);
+  at::parallel_for(0, rows, grain_rows(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = x + r * x_stride;
+      const float* u = g + inter;
+      float* o = out + r * inter;
+      int64_t i = 0;
+      for (; i + fVec::size() <= inter; i += fVec::size()) {
+        const fVec gv = fVec::loadu(g + i);
+        const fVec s = gv / (one + gv.neg().exp());
+        (s * fVec::loadu(u + i)).store(o + i);
+      }
+      for (; i < inter; ++i) o[i] = silu_scalar(g[i]) * u[i];
+    }
+  });
+}
+
+template <typename T>  // at::BFloat16 or at::Half
+void silu_and_mul_reduced(const T* x, T* out, int64_t rows, int64_t inter, int64_t x_stride) {
+  using rVec = Vectorized<T>;
+  using fVec = Vectorized<float>;
+  const fVec one(1.0f);
+  at::parallel_for(0, rows, grain_rows(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * x_stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i = 0;
+      for (; i + rVec::size() <= inter; i += rVec::size()) {
+        auto [g0, g1] = to_float(rVec::loadu(g + i));
+        // silu rounded to T, as torch's silu returns it ...
+        const rVec s = from_float<T>(g0 / (one + g0.neg().exp()), g1 / (one + g1.neg().exp()));
+        auto [s0, s1] = to_float(s);
+        auto [u0, u1] = to_float(rVec::loadu(u + i));
+        // ... then the product in float, rounded once more.
+        from_float<T>(s0 * u0, s1 * u1).store(o + i);
+      }
+      for (; i < inter; ++i) {
+        const float s = static_cast<float>(static_cast<T>(silu_scalar(static_cast<float>(g[i]))));
+        o[i] = static_cast<T>(s * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// r(x) for a float vector: round to T and widen back (a no-op for float).
+template <typename T>
+inline Vectorized<float> round_to(const Vectorized<float>& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    // Vectorized<T> holds two float vectors' worth; only the low half is used.
+    return std::get<0>(to_float(from_float<T>(v, v)));
+  }
+}
+
+template <typename T>
+inline float round_scalar(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+inline Vectorized<float> load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vectorized<float>::loadu(p);
+  } else {
+    // Read only size() elements of T (not a whole Vectorized<T>): a row may end here.
+    return std::get<0>(to_float(Vectorized<T>::loadu(p, Vectorized<float>::size())));
+  }
+}
+
+template <typename T>
+inline void store_float(T* p, const Vectorized<float>& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    from_float<T>(v, v).store(p, Vectorized<float>::size());
+  }
+}
+
+template <typename T>
+void rope_rows(const at::Tensor& x, const T* cos, const T* sin, T* out) {
+  using fVec = Vectorized<float>;
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, heads * dim));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x1 = xp + t * st + h * sh;
+        const T* x2 = x1 + half;
+        T* o1 = out + (t * heads + h) * dim;
+        T* o2 = o1 + half;
+        int64_t i = 0;
+        for (; i + fVec::size() <= half; i += fVec::size()) {
+          const fVec a = load_float(x1 + i), b = load_float(x2 + i);
+          const fVec cv = load_float(c + i), sv = load_float(s + i);
+          store_float(o1 + i, round_to<T>(round_to<T>(a * cv) - round_to<T>(b * sv)));
+          store_float(o2 + i, round_to<T>(round_to<T>(b * cv) + round_to<T>(a * sv)));
+        }
+        for (; i < half; ++i) {
+          const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
+          const float cv = static_cast<float>(c[i]), sv = static_cast<float>(s[i]);
+          o1[i] = static_cast<T>(round_scalar<T>(a * cv) - round_scalar<T>(b * sv));
+          o2[i] = static_cast<T>(round_scalar<T>(b * cv) + round_scalar<T>(a * sv));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0 && x.stride(2) == 1,
+              "rope_neox: x must be [tokens, heads, head_dim] with contiguous rows, got ", x.sizes());
+  const int64_t half = x.size(2) / 2;
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == half && t->is_contiguous() &&
+                    t->scalar_type() == x.scalar_type(),
+                "rope_neox: cos and sin must be contiguous [tokens, head_dim / 2] of x's dtype, got ", t->sizes());
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rope_rows<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      rope_rows<at::BFloat16>(x, cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(),
+                              out.data_ptr<at::BFloat16>());
+      break;
+    case at::kHalf:
+      rope_rows<at::Half>(x, cos.data_ptr<at::Half>(), sin.data_ptr<at::Half>(), out.data_ptr<at::Half>());
+      break;
+    default:
+      TORCH_CHECK(false, "rope_neox: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [tokens, 2 * inter], got ", x.sizes());
+  TORCH_CHECK(x.stride(1) == 1, "silu_and_mul: x's rows must be contiguous");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, x.options());
+  if (rows == 0) return out;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      silu_and_mul_float(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter, x.stride(0));
+      break;
+    case at::kBFloat16:
+      silu_and_mul_reduced(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter, x.stride(0));
+      break;
+    case at::kHalf:
+      silu_and_mul_reduced(x.data_ptr<at::Half>(), out.data_ptr<at::Half>(), rows, inter, x.stride(0));
+      break;
+    default:
+      TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvferry_fused, m) {
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
+  m.def("rope_neox(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.impl("rope_neox", c10::DispatchKey::CPU, TORCH_FN(rope_neox));
+}

@@ -1,0 +1,129 @@
+"""Fused elementwise ops of the decoder layer (``csrc/fused_ops.cpp``), built at first use.
+
+``silu_and_mul(gate_up)``: ``[T, 2 * inter]`` (gate | up) -> ``[T, inter]``,
+``silu(gate) * up`` with HF's roundings in one pass over memory, bit for bit
+torch's ``F.silu(gate) * up`` (the same Sleef exp torch's silu kernel uses).
+
+``rope_neox(x, cos, sin)``: rotate-half RoPE in one op, every product and
+sum rounded to the dtype as torch's seven ops (and HF) round them.
+
+Where an op is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``,
+``KVFERRY_DISABLE_FUSED_OPS=1``, no compiler, a failed build, a non-CPU
+tensor) it is exactly the torch ops it replaces.
+
+The build shares paged_kernel.py's machinery and cache folder
+(``$KVFERRY_CACHE_DIR/torch_ext``), keyed by this source, the flags, torch's
+version and the CPU. It is compiled for the vector level torch dispatches to
+on this CPU (``torch.backends.cpu.get_cpu_capability()``, capped by
+``KVFERRY_KERNEL_ISA``), so that at::vec picks the same exp as torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvferry.model import paged_kernel
+from kvferry.model.cpu_features import cpu_features
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+_lock = threading.Lock()
+_loaded = False
+_available = False
+
+
+def fused_ops_disabled() -> bool:
+    return paged_kernel.kernels_disabled() or os.environ.get("KVFERRY_DISABLE_FUSED_OPS", "") not in ("", "0")
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 * inter] -> [T, inter]."""
+    if gate_up.device.type == "cpu" and fused_ops_available():
+        return torch.ops.kvferry_fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] (head_dim contiguous), cos/sin [T, 1, head_dim // 2]
+    in x's dtype -> rotate-half RoPE, [T, heads, head_dim] contiguous."""
+    if x.device.type == "cpu" and x.stride(-1) == 1 and x.numel() and fused_ops_available():
+        n = x.shape[0]
+        return torch.ops.kvferry_fused.rope_neox(x, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous())
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def fused_ops_available() -> bool:
+    """True once the library is loaded (building or loading it on the first call)."""
+    global _loaded, _available
+    if fused_ops_disabled():
+        return False  # checked per call, so tests can switch paths per test
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _available = _load()
+                _loaded = True
+    return _available
+
+
+def _capability() -> str:
+    """The at::vec level to compile: torch's dispatch level, capped by the ISA build."""
+    level = cpu_features().torch_capability
+    if paged_kernel.kernel_isa() == "avx2" and level.startswith("AVX512"):
+        level = "AVX2"
+    return level if level in ("AVX512", "AVX2") else "DEFAULT"
+
+
+def _cflags() -> list[str]:
+    level = _capability()
+    # -ffp-contract=off: no fused multiply-adds, so that each product is
+    # rounded before the sum as in torch's separate ops.
+    flags = paged_kernel._cflags() + ["-ffp-contract=off", f"-DCPU_CAPABILITY={level}"]
+    return flags + ([f"-DCPU_CAPABILITY_{level}"] if level != "DEFAULT" else [])
+
+
+def _ext_name() -> str:
+    h = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_cflags() + paged_kernel._LDFLAGS).encode(),
+                 torch.__version__.encode(), cpu_features().fingerprint.encode()):
+        h.update(part)
+        h.update(b"\0")
+    return f"kvferry_fused_{h.hexdigest()[:16]}"
+
+
+def _load() -> bool:
+    t0 = time.perf_counter()
+    try:
+        name = _ext_name()
+        build_dir = paged_kernel._build_dir(name)
+        built = build_dir / f"{name}.so"
+        if built.exists() and not (build_dir / "lock").exists():
+            torch.ops.load_library(str(built))
+            how = "loaded"
+        else:
+            _compile(name, build_dir)
+            how = "built"
+    except Exception as e:  # no compiler, a compile error: the torch ops are still right
+        logger.warning("C++ fused ops unavailable, using torch ops: %s", e)
+        return False
+    logger.info("C++ fused ops %s in %.2fs (%s)", how, time.perf_counter() - t0, build_dir)
+    return True
+
+
+def _compile(name: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load  # lazily: it pulls in setuptools
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    paged_kernel._remove_stale_lock(build_dir / "lock")
+    logger.info("building the C++ fused ops in %s (first use only)", build_dir)
+    load(name=name, sources=[str(_SOURCE)], extra_cflags=_cflags(), extra_ldflags=paged_kernel._LDFLAGS,
+         build_directory=str(build_dir), is_python_module=False, verbose=False)

@@ -1,0 +1,121 @@
+"""The fused C++ ops give torch's ops' results bit for bit (HF's roundings):
+float32, bf16 and fp16, strided inputs as the model hands them over, vector
+tails, empty batches; switched off they are those torch ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvferry.model import fused_ops
+from kvferry.model.fused_ops import fused_ops_available, rope_neox, silu_and_mul
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+needs_ops = pytest.mark.skipif(not fused_ops_available(), reason="the C++ fused ops did not build here")
+
+
+def torch_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def angles(tokens: int, half: int, dtype: torch.dtype):
+    a = torch.randn(tokens, half) * 3
+    return a.cos().to(dtype)[:, None, :], a.sin().to(dtype)[:, None, :]  # [T, 1, half], as RotaryEmbedding gives
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (32, 1536), (700, 256), (5, 37)])
+def test_silu_and_mul_is_torch_bit_for_bit(dtype, tokens, inter):
+    torch.manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * inter) * 4).to(dtype)
+    out = silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert out.is_contiguous() and out.shape == (tokens, inter)
+    assert torch.equal(out, F.silu(gate) * up)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 12, 64), (40, 12, 64), (600, 4, 64), (5, 6, 16), (3, 4, 8),
+                                                     (7, 3, 128)])
+def test_rope_is_torch_bit_for_bit_on_strided_heads(dtype, tokens, heads, head_dim):
+    torch.manual_seed(heads)
+    qkv = torch.randn(tokens, heads + 3, head_dim).to(dtype)
+    x = qkv[:, :heads]  # q (and k) heads inside the fused qkv output: strided rows
+    cos, sin = angles(tokens, head_dim // 2, dtype)
+    out = rope_neox(x, cos, sin)
+    assert out.is_contiguous()
+    assert torch.equal(out, torch_rope(x, cos, sin))
+
+
+@needs_ops
+def test_empty_batches():
+    assert silu_and_mul(torch.empty(0, 8)).shape == (0, 4)
+    cos, sin = angles(0, 4, torch.float32)
+    assert rope_neox(torch.empty(0, 2, 8), cos, sin).shape == (0, 2, 8)
+
+
+def test_switched_off_they_are_the_torch_ops(monkeypatch):
+    monkeypatch.setenv("KVFERRY_DISABLE_FUSED_OPS", "1")
+    assert not fused_ops_available()
+    gate_up = torch.randn(3, 10)
+    assert torch.equal(silu_and_mul(gate_up), F.silu(gate_up[:, :5]) * gate_up[:, 5:])
+    x = torch.randn(3, 2, 8)
+    cos, sin = angles(3, 4, torch.float32)
+    assert torch.equal(rope_neox(x, cos, sin), torch_rope(x, cos, sin))
+
+
+@needs_ops
+def test_bad_shapes_are_refused_not_crashing():
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        torch.ops.kvferry_fused.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="rope_neox"):
+        torch.ops.kvferry_fused.rope_neox(torch.randn(2, 3, 8), torch.randn(2, 3), torch.randn(2, 4))
+
+
+def test_build_flags_match_torchs_vector_level():
+    flags = fused_ops._cflags()
+    level = fused_ops._capability()
+    assert f"-DCPU_CAPABILITY={level}" in flags and "-ffp-contract=off" in flags
+    assert level in ("AVX512", "AVX2", "DEFAULT")
+
+
+_AVX2_PROBE = """
+import torch, torch.nn.functional as F
+from kvferry.model import fused_ops
+assert fused_ops._capability() in ("AVX2", "DEFAULT"), fused_ops._capability()
+if not fused_ops.fused_ops_available():
+    print("no build")
+    raise SystemExit(0)
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    qkv = torch.randn(9, 7, 64).to(dtype)
+    a = torch.randn(9, 32) * 3
+    cos, sin = a.cos().to(dtype)[:, None, :], a.sin().to(dtype)[:, None, :]
+    x1, x2 = qkv[:, :4].chunk(2, dim=-1)
+    assert torch.equal(fused_ops.rope_neox(qkv[:, :4], cos, sin),
+                       torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    gate_up = (torch.randn(9, 2 * 40) * 4).to(dtype)
+    ref = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    # torch may dispatch a wider exp here than the AVX2 build's: equal to within an ulp
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), ref)
+print("avx2 fused ops ok")
+"""
+
+
+def test_the_avx2_build_is_right_too():
+    """The build an AVX2-only CPU gets (KVFERRY_KERNEL_ISA=avx2 on this one)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVFERRY_KERNEL_ISA": "avx2", "KVFERRY_DISABLE_CPP_KERNELS": "0"}
+    env.pop("KVFERRY_DISABLE_FUSED_OPS", None)
+    done = subprocess.run([sys.executable, "-c", _AVX2_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if "no build" in done.stdout:
+        pytest.skip("the C++ fused ops did not build here")
+    assert "avx2 fused ops ok" in done.stdout
