@@ -19,6 +19,8 @@ same with no compiled code, from the stepping thread itself, when asked:
   thread, right after it starts, and ``step_executor()``'s one thread, on
   which the offline ``LLM`` runs its steps (every engine in the process
   shares it: two engines stepping at once would only fight for the cores).
+  Without ``KVFERRY_CPU_BIND`` the offline ``LLM`` steps on the caller's
+  thread.
 
 Threads that are not the team (socket I/O, the parent watchdog, the HTTP
 front end in its own process) keep the process's whole CPU set.
@@ -60,6 +62,12 @@ class ThreadBinding:
 def binding_enabled() -> bool:
     """False only where pinning is switched off outright (``KVFERRY_CPU_BIND=0``)."""
     return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "off", "no")
+
+
+def pinning_requested() -> bool:
+    """``KVFERRY_CPU_BIND`` is 1 or a CPU list."""
+    value = os.environ.get(ENV, "").strip().lower()
+    return value in ("1", "on", "true", "yes") or (bool(value) and value[0].isdigit() and value != "0")
 
 
 def default_cpus(num_threads: int | None = None) -> tuple[list[int], bool]:

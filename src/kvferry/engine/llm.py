@@ -5,7 +5,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvferry.config import EngineArgs
-from kvferry.engine.cpu_threads import step_executor
+from kvferry.engine.cpu_threads import pinning_requested, step_executor
 from kvferry.engine.engine import LLMEngine
 from kvferry.outputs import CompletionOutput, RequestOutput
 from kvferry.sampling import SamplingParams
@@ -76,11 +76,13 @@ class LLM:
     def _run(self, ids: list[str], n_of: dict[str, int]) -> list[RequestOutput]:
         finals: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
         pending = set(ids)
-        # Steps run on the process's stepping thread (cpu_threads.py), whose
-        # OpenMP team is its own and can be pinned (KVFERRY_CPU_BIND).
-        steps = step_executor()
+        # With KVFERRY_CPU_BIND, steps run on the process's stepping thread
+        # (cpu_threads.py), whose OpenMP team is its own and pinned; otherwise
+        # on the caller's thread (no hand-off per step).
+        steps = step_executor() if pinning_requested() else None
+        step = (lambda: steps.submit(self.engine.step).result()) if steps is not None else self.engine.step
         while pending:
-            for out in steps.submit(self.engine.step).result():
+            for out in step():
                 if out.finished and out.request_id in finals:
                     finals[out.request_id][out.outputs[0].index] = out
                     if len(finals[out.request_id]) == n_of[out.request_id]:
@@ -90,7 +92,7 @@ class LLM:
         # Finish the KV write-down of this batch, so that the node's store
         # holds its blocks once generate returns (another process may resume).
         while self.engine.has_unfinished_requests() and not self.engine.get_num_unfinished_requests():
-            steps.submit(self.engine.step).result()
+            step()
         return [_merge(finals[rid]) for rid in ids]
 
 
