@@ -19,7 +19,6 @@ on this CPU (``torch.backends.cpu.get_cpu_capability()``, capped by
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -92,12 +91,7 @@ def _cflags() -> list[str]:
 
 
 def _ext_name() -> str:
-    h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_cflags() + paged_kernel._LDFLAGS).encode(),
-                 torch.__version__.encode(), cpu_features().fingerprint.encode()):
-        h.update(part)
-        h.update(b"\0")
-    return f"kvferry_fused_{h.hexdigest()[:16]}"
+    return paged_kernel.extension_name("kvferry_fused", _SOURCE, _cflags())
 
 
 def _load() -> bool:

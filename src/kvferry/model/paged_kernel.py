@@ -107,13 +107,19 @@ def get_paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     return _kernel
 
 
-def _ext_name() -> str:
+def extension_name(prefix: str, source: Path, cflags: list[str]) -> str:
+    """A build's cache name: it hashes the source, the flags, torch's version
+    and the CPU's features, so that no build is loaded where it does not fit."""
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_cflags() + _LDFLAGS).encode(),
+    for part in (source.read_bytes(), " ".join(cflags + _LDFLAGS).encode(),
                  torch.__version__.encode(), cpu_features().fingerprint.encode()):
         h.update(part)
         h.update(b"\0")
-    return f"kvferry_paged_{h.hexdigest()[:16]}"
+    return f"{prefix}_{h.hexdigest()[:16]}"
+
+
+def _ext_name() -> str:
+    return extension_name("kvferry_paged", _SOURCE, _cflags())
 
 
 def _build_dir(name: str) -> Path:
