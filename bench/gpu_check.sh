@@ -6,7 +6,15 @@
 #   with its core on the GPU through the openai client;
 # - bench/gpu_offline.py: kvferry against HF generate on the same GPU.
 # A machine without the project's Python dependencies gets them from wheels
-# in .whl/ (installed into /tmp/site), where that folder exists.
+# in .whl/ (installed into /tmp/site), where that folder exists. A GPU machine
+# with its own torch, Triton and transformers but no registry needed these
+# (Python 3.12), fetched here with `pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --platform manylinux_2_28_x86_64 ... -d .whl` at the
+# versions of the project's venv: msgspec pyzmq pydantic pydantic-core
+# annotated-types typing-inspection typing-extensions xgrammar apache-tvm-ffi
+# setproctitle fastapi starlette uvicorn openai httpx2 httpcore2 jiter sniffio
+# jsonschema referencing rpds-py jsonschema-specifications opentelemetry-api
+# annotated-doc prometheus-client truststore anyio attrs click h11 idna.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 mkdir -p "$OUT"
