@@ -99,25 +99,9 @@ def _load() -> bool:
     try:
         name = _ext_name()
         build_dir = paged_kernel._build_dir(name)
-        built = build_dir / f"{name}.so"
-        if built.exists() and not (build_dir / "lock").exists():
-            torch.ops.load_library(str(built))
-            how = "loaded"
-        else:
-            _compile(name, build_dir)
-            how = "built"
+        how = paged_kernel.load_extension(name, build_dir, _SOURCE, _cflags(), "the C++ fused ops")
     except Exception as e:  # no compiler, a compile error: the torch ops are still right
         logger.warning("C++ fused ops unavailable, using torch ops: %s", e)
         return False
     logger.info("C++ fused ops %s in %.2fs (%s)", how, time.perf_counter() - t0, build_dir)
     return True
-
-
-def _compile(name: str, build_dir: Path) -> None:
-    from torch.utils.cpp_extension import load  # lazily: it pulls in setuptools
-
-    build_dir.mkdir(parents=True, exist_ok=True)
-    paged_kernel._remove_stale_lock(build_dir / "lock")
-    logger.info("building the C++ fused ops in %s (first use only)", build_dir)
-    load(name=name, sources=[str(_SOURCE)], extra_cflags=_cflags(), extra_ldflags=paged_kernel._LDFLAGS,
-         build_directory=str(build_dir), is_python_module=False, verbose=False)

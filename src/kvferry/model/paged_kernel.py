@@ -132,15 +132,7 @@ def _load() -> Callable[..., torch.Tensor] | None:
     try:
         name = _ext_name()
         build_dir = _build_dir(name)
-        built = build_dir / f"{name}.so"
-        # A finished build with no lock held: import it without running the
-        # build system (the lock exists only while some process is building).
-        if built.exists() and not (build_dir / "lock").exists():
-            torch.ops.load_library(str(built))
-            how = "loaded"
-        else:
-            _compile(name, build_dir)
-            how = "built"
+        how = load_extension(name, build_dir, _SOURCE, _cflags(), "the C++ paged attention kernel")
     except Exception as e:  # no compiler, no ninja, a compile error: fall back to torch
         logger.warning("C++ paged attention kernel unavailable, using the torch path: %s", e)
         return None
@@ -148,15 +140,24 @@ def _load() -> Callable[..., torch.Tensor] | None:
     return torch.ops.kvferry.paged_attention
 
 
-def _compile(name: str, build_dir: Path) -> None:
+def load_extension(name: str, build_dir: Path, source: Path, cflags: list[str], what: str) -> str:
+    """Load the library ``name`` from ``build_dir``, building it from ``source``
+    first where needed; "loaded" or "built". Raises where it cannot be built."""
+    built = build_dir / f"{name}.so"
+    # A finished build with no lock held: import it without running the
+    # build system (the lock exists only while some process is building).
+    if built.exists() and not (build_dir / "lock").exists():
+        torch.ops.load_library(str(built))
+        return "loaded"
     from torch.utils.cpp_extension import load  # imported lazily: it pulls in setuptools
 
     build_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_lock(build_dir / "lock")
-    logger.info("building the C++ paged attention kernel in %s (first use only)", build_dir)
-    # is_python_module=False: the library registers torch.ops.kvferry.* on load.
-    load(name=name, sources=[str(_SOURCE)], extra_cflags=_cflags(), extra_ldflags=_LDFLAGS,
+    logger.info("building %s in %s (first use only)", what, build_dir)
+    # is_python_module=False: the library registers its torch.ops.* on load.
+    load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=_LDFLAGS,
          build_directory=str(build_dir), is_python_module=False, verbose=False)
+    return "built"
 
 
 # A build takes ~15 s; a lock much older than that was left by a process
