@@ -88,8 +88,15 @@ def test_padding_rows_touch_nothing():
     torch.testing.assert_close(out[:2], expected, atol=2e-5, rtol=2e-5)
 
 
-def test_backend_choice():
+def test_backend_choice(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what CPU needs for "triton" (set here on a GPU machine too)
     assert attention_backend("auto", torch.device("cpu")) == "torch"
     assert attention_backend("triton", torch.device("cpu")) == "triton"
     with pytest.raises(ValueError, match="attention_backend"):
         attention_backend("flash", torch.device("cpu"))
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused_at_start(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        attention_backend("triton", torch.device("cpu"))

@@ -28,6 +28,7 @@ graph.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,6 +54,10 @@ def attention_backend(requested: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_attention.triton_available() else "torch"
     if requested == "triton" and not triton_attention.triton_available():
         raise ValueError("attention_backend 'triton' needs the triton package")
+    if requested == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Caught at start-up rather than at the first step's kernel launch.
+        raise ValueError("attention_backend 'triton' runs on CPU only in Triton's interpreter: "
+                         "set TRITON_INTERPRET=1 (or use 'auto' / 'torch')")
     return requested
 
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
