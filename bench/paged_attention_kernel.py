@@ -11,6 +11,7 @@ kernel and torch calls interleaved. `--q-lens 1,2,4,8,16,32` sweeps the
 chunk length to find where SDPA overtakes the kernel.
 
     python bench/paged_attention_kernel.py --threads 1 --q-lens 1,4,8,16,32,64
+    python bench/paged_attention_kernel.py --threads 2 --wall --layers 30 --no-torch   # cold K/V
 """
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
     t = args.batch * q_len
     per_seq = -(-(args.context + q_len) // args.block_size)
     num_blocks = args.batch * per_seq + 8
-    cache = torch.randn(2, num_blocks, args.block_size, args.kv_heads, args.head_dim).to(dtype)
+    # --layers caches, one per call in turn: with enough of them the K/V come
+    # from memory, as in a forward pass (one layer's cache alone stays in L3).
+    caches = [torch.randn(2, num_blocks, args.block_size, args.kv_heads, args.head_dim).to(dtype)
+              for _ in range(args.layers)]
     q = torch.randn(t, args.heads, args.head_dim).to(dtype)
     k = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
         os.environ["KVFERRY_DISABLE_CPP_KERNELS"] = "1" if disable else "0"
         meta = AttentionMetadata(**meta_args)
         meta.prepare()  # per step in the engine, not per layer: outside the timed call
-        return lambda: paged_attention(q, k, v, cache, meta, scale)
+        turn = iter(range(1 << 62))
+        return lambda: paged_attention(q, k, v, caches[next(turn) % len(caches)], meta, scale)
 
     kernel_fn, torch_fn = call(False), call(True)
     clock = time.perf_counter if args.wall else time.process_time
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
     for _ in range(args.rounds):  # interleaved
         kernel_ms.append(_time(kernel_fn, args.repeats, clock))
         torch_ms.append(float("nan") if args.no_torch else _time(torch_fn, args.repeats, clock))
-    kv_bytes = 2 * args.batch * (args.context + q_len) * args.kv_heads * args.head_dim * cache.element_size()
+    kv_bytes = 2 * args.batch * (args.context + q_len) * args.kv_heads * args.head_dim * caches[0].element_size()
     km = statistics.median(kernel_ms)
     return {"q_len": q_len, "kernel_ms": round(km, 3), "torch_ms": round(statistics.median(torch_ms), 3),
             "kernel_over_torch": round(km / statistics.median(torch_ms), 3),
@@ -93,6 +98,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="caches called in turn (30: K/V read from memory as in a forward pass; 1: warm in L3)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved kernel / torch rounds")
     ap.add_argument("--kernel-max-tokens", type=int, default=None,
@@ -108,7 +115,7 @@ def main() -> None:
     print(json.dumps({"cpu": cpu_features().describe(), "threads": args.threads, "dtype": args.dtype,
                       "isa": paged_kernel.kernel_isa(),
                       "path": paged_kernel.kernel_path(dtype, dtype, args.head_dim),
-                      "batch": args.batch, "context": args.context}))
+                      "batch": args.batch, "context": args.context, "layers": args.layers}))
     for q_len in (int(x) for x in args.q_lens.split(",")):
         print(json.dumps(run(args, q_len)))
 

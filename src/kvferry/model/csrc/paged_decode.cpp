@@ -67,6 +67,17 @@ constexpr bool kHaveDpbf16 = false;
 
 constexpr int64_t kTile = 16;  // tokens per tile (one AVX-512 register of scores)
 
+// A cache line requested into L1 ahead of its use. Written as asm because
+// with __builtin_prefetch GCC 12 (-O3) left no prefetch instruction in this
+// kernel's object code.
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 namespace {
 
 // ---- three primitives over one block's rows (row t at base + t * stride) ----
@@ -587,6 +598,9 @@ enum class Path {
 // M = 6, 0.63-0.72x at M = 12-48.
 constexpr int64_t kStageMinQueries = 4;
 
+// How many blocks ahead of the one being read a work item prefetches.
+constexpr int64_t kPrefetchBlocks = 2;
+
 struct Seq {
   int64_t q_start, q_len, seq_len;
   const int64_t* table;  // its block table row
@@ -611,6 +625,34 @@ struct Attend {
     std::vector<__m512> lvec;      // run_staged: per query, softmax sums per lane
 #endif
   };
+
+  // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see
+  // the next one coming: before a tile ending at position tile_end is read,
+  // the blocks up to kPrefetchBlocks past its own are requested. `next` is
+  // the first block not yet requested (0 at the start of a work item).
+  // Measured on the decode of batch 32, context 384, with K/V coming from
+  // memory (bench/paged_attention_kernel.py --layers 30, 2 threads): 0.79 ->
+  // 0.49 ms per layer.
+  void prefetch_ahead(const Seq& seq, int64_t h, int64_t tile_end, int64_t end, int64_t& next) const {
+    const int64_t last = std::min((tile_end - 1) / block_size + kPrefetchBlocks, (end - 1) / block_size);
+    for (; next <= last; ++next) prefetch_block(seq, next, h, end);
+  }
+
+  // Asks for block b's K and V rows of head h (those below end) to be brought into cache.
+  void prefetch_block(const Seq& seq, int64_t b, int64_t h, int64_t end) const {
+    const int64_t first = b * block_size;
+    if (first >= end) return;
+    const int64_t rows = std::min(block_size, end - first), row_stride = kv_heads * head_dim;
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+    const scalar_t* kb = k_ptr + seq.table[b] * block_size * row_stride + h * head_dim;
+    const scalar_t* vb = v_ptr + seq.table[b] * block_size * row_stride + h * head_dim;
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        prefetch_line(reinterpret_cast<const char*>(kb + t * row_stride) + off);
+        prefetch_line(reinterpret_cast<const char*>(vb + t * row_stride) + off);
+      }
+    }
+  }
 
 #ifdef KVFERRY_AVX512_BF16
   // Row pointers of K and V for positions [start, start + n) of seq, wherever their blocks are.
@@ -666,10 +708,11 @@ struct Attend {
   void run_inplace(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t D = head_dim, row_stride = kv_heads * D;
     const int64_t end = seq.seq_len - seq.q_len + j1;
-    int64_t n = 0;
+    int64_t n = 0, prefetched = 0;
     for (int64_t start = 0; start < end; start += n) {
       const int64_t in_block = start % block_size;
       n = std::min({kTile, end - start, block_size - in_block});
+      prefetch_ahead(seq, h, start + n, end, prefetched);
       const int64_t base = (seq.table[start / block_size] * block_size + in_block) * row_stride + h * D;
       const auto* kt = reinterpret_cast<const at::BFloat16*>(k_ptr + base);
       const auto* vt = reinterpret_cast<const at::BFloat16*>(v_ptr + base);
@@ -683,7 +726,6 @@ struct Attend {
   // is staged once (K transposed into dim pairs, V into token pairs) and
   // every query of the item reads the staged copy from L1. A tile may span
   // blocks (its rows are looked up one by one), so any block size works.
-  // (Software prefetch of the next tile's rows measured no gain.)
   void run_staged(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t M = (j1 - j0) * group, D = head_dim;
     const int64_t end = seq.seq_len - seq.q_len + j1;
@@ -691,8 +733,10 @@ struct Attend {
     w.vp.resize(D / 2);  // 8 pairs x D/32 chunks x 2
     const scalar_t* krows[kTile];
     const scalar_t* vrows[kTile];
+    int64_t prefetched = 0;
     for (int64_t start = 0; start < end; start += kTile) {
       const int64_t n = std::min(kTile, end - start);
+      prefetch_ahead(seq, h, start + n, end, prefetched);
       tile_rows(seq, h, start, n, krows, vrows);
       const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
       const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
@@ -705,13 +749,10 @@ struct Attend {
   }
 #endif
 
-  // Query tokens [j0, j1) of `seq` against KV head h: their positions see
-  // the context up to the last one's, end = context_len + j1.
-  void run(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+  // Sets up w for query tokens [j0, j1) of seq against KV head h.
+  void init_item(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t M = (j1 - j0) * group, D = head_dim;
-    const int64_t row_stride = kv_heads * D;  // between tokens of a block
     const int64_t context_len = seq.seq_len - seq.q_len;
-    const int64_t end = context_len + j1;
     w.acc.assign(M * D, 0.f);
     w.m.assign(M, -std::numeric_limits<float>::infinity());
     w.l.assign(M, 0.f);
@@ -728,8 +769,20 @@ struct Attend {
       }
     }
 #ifdef KVFERRY_AVX512_BF16
+    if constexpr (kPath == Path::kDpbf16) w.lvec.assign(M, _mm512_setzero_ps());
+#endif
+  }
+
+  // Query tokens [j0, j1) of `seq` against KV head h: their positions see
+  // the context up to the last one's, end = context_len + j1.
+  void run(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    const int64_t M = (j1 - j0) * group, D = head_dim;
+    const int64_t row_stride = kv_heads * D;  // between tokens of a block
+    const int64_t context_len = seq.seq_len - seq.q_len;
+    const int64_t end = context_len + j1;
+    init_item(seq, j0, j1, h, w);
+#ifdef KVFERRY_AVX512_BF16
     if constexpr (kPath == Path::kDpbf16) {
-      w.lvec.assign(M, _mm512_setzero_ps());
       if (M >= kStageMinQueries) run_staged(seq, j0, j1, h, w);
       else run_inplace(seq, j0, j1, h, w);
       for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
@@ -743,9 +796,11 @@ struct Attend {
     alignas(64) float s[kTile];
     const int64_t* table = seq.table;
     int64_t n = 0;  // tokens in the current tile: up to 16, never across a block boundary
+    int64_t prefetched = 0;
     for (int64_t start = 0; start < end; start += n) {
       const int64_t in_block = start % block_size;
       n = std::min({kTile, end - start, block_size - in_block});
+      prefetch_ahead(seq, h, start + n, end, prefetched);
       const int64_t base = (table[start / block_size] * block_size + in_block) * row_stride + h * D;
       const scalar_t* kt = k_ptr + base;
       const scalar_t* vt = v_ptr + base;
