@@ -138,3 +138,42 @@ def test_plan_picks_the_placement_solvable_by_hand(tmp_path):
     assert colo["goodput_per_gpu"] == pytest.approx(result["rate"] / 3)
     assert "best: 1P1D" in out.stdout
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_packs_instances_onto_hosts(tmp_path):
+    """The hand-solvable case above, with a measured host sharing of 1.5 for
+    decode steps (prefill unaffected). --instances-per-host 1 is the default
+    search, candidate for candidate. With 2 per host, 1P1D shares a host: a
+    decode step takes 15 ms while the prefill core runs a prompt (64 of every
+    100 ms), so a decode's mean step is about 13 ms > the 12 ms TPOT SLO and
+    1P1D fails; in 1P2D decode-1 has a host of its own (prefill-0, decode-0 |
+    decode-1), so about half the requests (least-loaded) still meet the SLOs."""
+    rows = [(100 * i, 16, 21, [1000 + i]) for i in range(40)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    profile = write_profile(tmp_path / "p.json", (0, 0.004, 0, 0), (0.010, 0, 0))
+    data = json.loads(profile.read_text())
+    data["host_sharing"] = {"prefill": 1.0, "decode": 1.5}
+    profile.write_text(json.dumps(data))
+
+    def plan(name: str, *extra: str) -> tuple[dict, str]:
+        png = tmp_path / f"{name}.png"
+        out = kvferry("plan", "--profile", str(profile), "--trace", str(trace), "--trace-block-size", "16",
+                      "--slo", "ttft:100,tpot:12", "--gpus", "4", "--output", str(png), *extra)
+        assert out.returncode == 0, out.stderr
+        return json.loads(png.with_suffix(".json").read_text()), out.stdout
+
+    (default, _), (one, _), (two, text) = plan("d"), plan("k1", "--instances-per-host", "1"), \
+        plan("k2", "--instances-per-host", "2")
+    assert one["candidates"] == default["candidates"] and one["best"] == default["best"]
+    assert default["instances_per_host"] == 1 and two["instances_per_host"] == 2
+    assert (default["best"]["num_prefill"], default["best"]["num_decode"]) == (1, 1)
+    by_label = {(c["num_colocated"], c["num_prefill"], c["num_decode"]): c for c in two["candidates"]}
+    assert by_label[(0, 1, 1)]["slo_attainment_pct"] < 10
+    assert 35 < by_label[(0, 1, 2)]["slo_attainment_pct"] < 70
+    assert (two["best"]["num_prefill"], two["best"]["num_decode"]) != (1, 1)
+    assert "(2 per host)" in text
+
+    bad = kvferry("plan", "--profile", str(profile), "--trace", str(trace), "--slo", "ttft:100", "--gpus", "2",
+                  "--instances-per-host", "0", "--output", str(tmp_path / "bad.png"))
+    assert bad.returncode == 2 and "--instances-per-host" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -3,7 +3,7 @@
     kvferry simulate --profile P (--workload W | --trace T) [--config colocated:N | prefill:P,decode:D]
                      [--router R] [--slo ttft:MS,tpot:MS] [--fast] [--json]
     kvferry simulate --trace T --cache-blocks inf          (cache-only: the trace's reuse ceiling)
-    kvferry plan --profile P --workload W --slo ttft:MS,tpot:MS --gpus N [--rate R]
+    kvferry plan --profile P --workload W --slo ttft:MS,tpot:MS --gpus N [--rate R] [--instances-per-host K]
 
 Bad arguments print one line and exit 2. Heavy modules load when a command runs.
 """
@@ -33,10 +33,6 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
                      help="colocated:N, or prefill:P,decode:D (disaggregated)")
     sim.add_argument("--router", default="round-robin", choices=("round-robin", "least-loaded", "prefix-aware"),
                      help="choice of (prefill) instance; decode instances are chosen least-loaded")
-    sim.add_argument("--instances-per-host", type=int, default=1,
-                     help="instances sharing one host (filled prefill-0, decode-0, prefill-1, ...): those on "
-                          "one host slow each other's steps by the profile's measured host_sharing while both "
-                          "step (a served disagg profile measures it). Default 1: each its own host, no effect")
     sim.add_argument("--cache-blocks", default=None,
                      help="prefix-cache size in workload blocks: with --profile --fast, the analytic "
                           "cache (default: the KV pool); without --profile, or 'inf': cache-only mode, "
@@ -66,6 +62,10 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="kvferry profile JSON (step time fits)")
+    p.add_argument("--instances-per-host", type=int, default=1,
+                   help="instances sharing one host (filled prefill-0, decode-0, prefill-1, ...): those on "
+                        "one host slow each other's steps by the profile's measured host_sharing while both "
+                        "step (a served disagg profile measures it). Default 1: each its own host, no effect")
     p.add_argument("--slo", default=None, help="ttft:MS,tpot:MS (also e2e, itl)")
     p.add_argument("--fast", action="store_true", help="analytic instance model (fleet scale) instead "
                                                        "of the real scheduler")
@@ -333,7 +333,9 @@ def run_plan(args: argparse.Namespace) -> dict:
         raise ValueError("--rate must be finite")
     if not 0 < args.min_attainment <= 100:
         raise ValueError(f"--min-attainment must be in (0, 100], got {args.min_attainment}")
+    if args.instances_per_host < 1:
+        raise ValueError(f"--instances-per-host must be >= 1, got {args.instances_per_host}")
     cost = StepCostModel.from_profile(args.profile)
     requests = load_requests(args)
     return search_placement(requests, cost, slo, args.gpus, instance_config(args), transfer_model(args),
-                            args.router, args.fast, args.min_attainment)
+                            args.router, args.fast, args.min_attainment, args.instances_per_host)

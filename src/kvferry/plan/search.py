@@ -52,8 +52,13 @@ def _rank(c: dict) -> tuple:
 
 def search_placement(requests: list[SimRequest], cost: StepCostModel, slo: dict[str, float], gpus: int,
                      instance: InstanceConfig, transfer: KVTransferModel, router: str, fast: bool,
-                     min_attainment_pct: float = 90.0) -> dict:
-    base = dict(instance=instance, transfer=transfer, router=router, fast=fast)
+                     min_attainment_pct: float = 90.0, instances_per_host: int = 1) -> dict:
+    """``instances_per_host``: every candidate's instances are packed onto
+    hosts of that many (``host.place``: prefill-0, decode-0, prefill-1, ...;
+    colocated engine-0, engine-1, ...), slowing each other by the profile's
+    ``host_sharing`` while both step; 1 (the default): each its own host."""
+    base = dict(instance=instance, transfer=transfer, router=router, fast=fast,
+                instances_per_host=instances_per_host)
     clusters = [ClusterConfig(num_colocated=c, **base) for c in range(1, gpus + 1)]
     clusters += [ClusterConfig(num_colocated=0, num_prefill=p, num_decode=d, **base)
                  for p in range(1, gpus) for d in range(1, gpus - p + 1)]
@@ -65,7 +70,7 @@ def search_placement(requests: list[SimRequest], cost: StepCostModel, slo: dict[
     overall = min((b for b in best.values() if b is not None), key=_rank)
     return {"mode": "fast-analytic" if fast else "scheduler", "rate": offered_rate(requests),
             "num_requests": len(requests), "slo_ms": {k: v * 1000 for k, v in slo.items()}, "gpus": gpus,
-            "min_attainment_pct": min_attainment_pct,
+            "min_attainment_pct": min_attainment_pct, "instances_per_host": instances_per_host,
             "candidates": sorted(candidates, key=_rank), "best_colocated": best["colocated"],
             "best_disaggregated": best["disaggregated"], "best": overall}
 
@@ -76,8 +81,9 @@ def label(c: dict) -> str:
 
 def format_plan(result: dict) -> str:
     lines = [f"===== kvferry plan ({result['mode']}): {result['num_requests']} requests at "
-             f"{result['rate']:.3f} req/s, SLO {result['slo_ms']}, up to {result['gpus']} GPUs, "
-             f"attainment >= {result['min_attainment_pct']:g}% =====",
+             f"{result['rate']:.3f} req/s, SLO {result['slo_ms']}, up to {result['gpus']} GPUs"
+             + (f" ({result['instances_per_host']} per host)" if result.get("instances_per_host", 1) > 1 else "")
+             + f", attainment >= {result['min_attainment_pct']:g}% =====",
              f"{'placement':>10} {'GPUs':>5} {'attain%':>8} {'goodput':>9} {'per GPU':>9}"]
     for c in result["candidates"][:15]:
         lines.append(f"{label(c):>10} {c['gpus']:>5} {c['slo_attainment_pct']:>8.1f} {c['goodput']:>9.3f} "
