@@ -27,8 +27,10 @@ earlier run's prompts in the cache.
 Writes to --output-dir: profiles, every bench JSON, trace and simulate JSON,
 validation.json (rows: run, metric, measured, predicted, rel_error;
 breakdown: per run, the mean TTFT error of requests sent to an idle and to a
-busy server, and the mean TPOT error), validation.md (both tables, also
-printed) and validation.png (predicted vs measured).
+busy server, and the mean TPOT error; profile_quality: each served profile's
+fit quality), validation.md (both tables and any profile warnings, also
+printed) and validation.png (predicted vs measured). Each served profile's
+fit quality is printed when it is taken.
 """
 from __future__ import annotations
 
@@ -131,7 +133,27 @@ def profiles(args: argparse.Namespace, out: Path) -> dict[str, str | None]:
             print(f"profiling ({key}) ...", flush=True)
             kvferry("profile", *grid, *threads, *model, "--block-size", str(args.block_size),
                     "--output", paths[key], log=out / f"profile_{key}.log")
+            report_profile_quality(key, paths[key])
     return paths
+
+
+PROFILE_QUALITY: dict[str, dict] = {}  # server label -> the profile's quality
+
+
+def report_profile_quality(label: str, profile: str) -> None:
+    """Print a fresh profile's fit quality (and its warnings: a run simulated
+    from a poor profile is not the simulator's error alone)."""
+    quality = json.loads(Path(profile).read_text()).get("quality") or {}
+    PROFILE_QUALITY[label] = quality
+    for kind in ("prefill", "decode"):
+        q = quality.get(kind) or {}
+        if q.get("rms_rel_error") is not None:
+            print(f"{label}: {kind} fit: rms {100 * q['rms_rel_error']:.1f}%, worst point "
+                  f"{100 * q['max_rel_error']:.1f}%, R^2 {q['r2']:.3f}"
+                  + (f", rounds {q['round_trend']}" if q.get("round_trend") else "")
+                  + (f", noise mean {q['noise_mean']:.3f}" if q.get("noise_mean") else ""), flush=True)
+    for line in quality.get("warnings", ()):
+        print(f"{label}: PROFILE WARNING: {line}", flush=True)
 
 
 # -- servers ----------------------------------------------------------------------
@@ -200,6 +222,7 @@ def run_server(args: argparse.Namespace, names: list[str], rates: dict[str, list
             print(f"{label}: profile the server ...", flush=True)
             kvferry("profile", "--url", url, *profile_grid(args), "--output", profile,
                     log=out / f"{label}.profile.log")
+            report_profile_quality(label, profile)
         for name in names:
             workload = CONFIGS[name][0]
             for i, rate in enumerate(rates[workload]):
@@ -263,8 +286,11 @@ def main() -> int:
         rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
     table = markdown_table(rows) + "\n\nWhere the error sits (mean relative error per request):\n\n" + \
         breakdown_table(BREAKDOWNS)
-    (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows, "breakdown": BREAKDOWNS},
-                                                    indent=1))
+    warnings = [f"- {label}: {w}" for label, q in PROFILE_QUALITY.items() for w in q.get("warnings", ())]
+    if warnings:
+        table += "\n\nProfile warnings (fit quality, `quality` in each profile JSON):\n\n" + "\n".join(warnings)
+    (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows, "breakdown": BREAKDOWNS,
+                                                     "profile_quality": PROFILE_QUALITY}, indent=1))
     (out / "validation.md").write_text(table + "\n")
     plot_validation(rows, out / "validation.png")
     print(table)

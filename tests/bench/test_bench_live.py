@@ -232,7 +232,7 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
 
     out = tmp_path / "served.json"
     code = main(["profile", "--url", server.base_url, "--new-tokens", "4,12", "--cached-tokens", "0,32",
-                 "--batch-sizes", "1,2", "--context-lens", "8,24", "--decode-steps", "2", "--repeats", "1",
+                 "--batch-sizes", "1,2", "--context-lens", "8,24", "--decode-steps", "2", "--repeats", "2",
                  "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
@@ -245,11 +245,22 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
     assert StepCostModel.from_profile(str(out)).first_token_delay_s == data["first_token_delay_s"]
     assert all(p["time_s"] == pytest.approx(max(p["ttft_s"] - overhead, 0.0)) for p in pre)
     assert {p["batch"] for p in dec} == {1, 2} and all(p["time_s"] > 0 for p in dec)
+    # two rounds over each grid: a point is the median of its rounds (decode: of each round's median gap)
+    assert all(len(p["samples_s"]) == 2 for p in pre)
+    assert all(len(p["rounds_s"]) == 2 and p["time_s"] == pytest.approx(sum(p["rounds_s"]) / 2) for p in dec)
+    # the robust fits say how well they fit, and the profile how far to trust it
+    for kind in ("prefill", "decode"):
+        f = data[kind]["fit"]
+        assert f["method"] == "huber-irls-relative" and len(f["weights"]) == len(data[kind]["points"])
+        assert data["quality"][kind]["rms_rel_error"] == f["rms_rel_error"] >= 0
+    assert len(data["quality"]["decode"]["round_trend"]) == 2
+    assert data["quality"]["ok"] == (data["quality"]["warnings"] == [])
     assert StepCostModel.from_profile(str(out)).request_overhead_s == data["request_overhead_s"]
     # every sample's spread around the fit is kept: one ratio per prefill (and mixed) repeat, per steady
     # decode gap
     noise = data["step_noise"]
-    assert len(noise["prefill"]) == 4 + sum(len(p["samples_s"]) for p in data["mixed"]["points"])
+    assert len(noise["prefill"]) == sum(1 for p in pre for t in p["samples_s"] if t > 0) + \
+        sum(len(p["samples_s"]) for p in data["mixed"]["points"])
     assert len(noise["decode"]) >= 2 and all(r > 0 for r in noise["prefill"] + noise["decode"])
     assert StepCostModel.from_profile(str(out)).noise is not None
     # mixed steps: a newcomer's prefill joining 1 and 2 decoding streams; the extra over the fits' sum

@@ -51,7 +51,10 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--batch-sizes", default="1,2,4,8,16", help="decode: sequences per step")
     p.add_argument("--context-lens", default="128,512", help="decode: context per sequence")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per point")
-    p.add_argument("--repeats", type=int, default=3, help="prefill repeats per point (median)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds over the grid, a point's time the median of its rounds: prefill points; "
+                        "with --url the decode and mixed points too (time grows with it: "
+                        "bench/validate_simulator.py's grid at 3 takes roughly a minute on 2 CPUs)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="profile.json", help="results JSON; the PNG goes next to it")

@@ -14,7 +14,14 @@ client, these land where the simulator charges them:
   (``prompt_tokens``, ``cached_tokens``), not the asked ones.
 - decode: ``batch`` concurrent streams (``ignore_eos``); once every stream
   has its second token, the median gap between chunks is the step time at
-  that batch, detokenization and IPC included.
+  that batch, detokenization and IPC included. Like the prefill points,
+  ``grid.repeats`` rounds over the whole grid, a point's time the median of
+  its rounds (a slow spell falls on one round of a point, not on a point).
+- fits: robust (Huber IRLS, non-negative, relative residuals: ``fit``), so
+  that a point a slow spell still moved weighs little; ``quality``
+  (``fit_quality``) says how far the points sit from their fits, whether
+  the decode rounds drifted and the step noise's mean, and warns (stderr)
+  past its thresholds.
 - hand-over (disagg): a lone stream's gap between its first token (from the
   prefill core) and its second (from the decode core) less a decode step:
   the KV transfer and the decode core's first step.
@@ -58,8 +65,11 @@ client, these land where the simulator charges them:
   when its instance steps on.
 
 Same fits and JSON as the in-process profile, plus ``served`` (the URL),
-``request_overhead_s``, ``first_token_delay_s``, ``handover_s``, ``mixed`` and
-``step_noise``.
+``request_overhead_s``, ``first_token_delay_s``, ``handover_s``, ``mixed``,
+``step_noise`` and ``host_sharing``. Time: about (prefill cells + mixed
+cells + decode points) x ``repeats`` samples of a second or less each; the
+validation grid (10 + 4 + 8 cells, 3 repeats) takes roughly a minute on 2
+CPUs (an estimate; the decode rounds add about 20 s over a single pass).
 """
 from __future__ import annotations
 
@@ -68,11 +78,13 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 
 import httpx
 
-from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, fit_mixed, predict
+from kvferry.bench.profile import (DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, fit_mixed, fit_quality,
+                                   predict)
 from kvferry.bench.text import random_words
 
 # Tokens the first-token delay's requests ask for: enough that the engine
@@ -174,6 +186,36 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
     return point, streams[0]
 
 
+async def _decode_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+    """``grid.repeats`` rounds over the whole decode grid, as for the
+    prefill: a point's ``time_s`` is the median of its rounds' median gaps
+    (``rounds_s``), its ``samples_s`` every steady gap of every round. One
+    point is one burst of a second or two, so a slow spell of the machine
+    used to fall on a whole point (batch-1 steps of 37 and 51 ms at two
+    contexts in one profile); now it falls on one round of a point, and the
+    median drops it."""
+    cells = [(batch, context) for context in grid.context_lens for batch in grid.batch_sizes]
+    rounds: dict[tuple[int, int], list[dict]] = {c: [] for c in cells}
+    lone: dict[int, _Stream] = {}  # context -> the latest batch-1 stream there
+    for _ in range(grid.repeats):
+        for batch, context in cells:
+            p, first = await _decode_point(client, model, rng, batch, context, grid.decode_steps, lone.get(context))
+            if batch == 1:
+                lone[context] = first
+            if p["time_s"] is not None:
+                rounds[(batch, context)].append(p)
+    points = []
+    for (batch, context), group in rounds.items():
+        if not group:
+            continue
+        points.append({"batch": batch, "context": round(statistics.median(p["context"] for p in group)),
+                       "time_s": statistics.median(p["time_s"] for p in group),
+                       "rounds_s": [p["time_s"] for p in group],
+                       "samples_s": [g for p in group for g in p["samples_s"]]})
+        on_point("decode", points[-1])
+    return points
+
+
 def _mixed_cells(grid: ProfileGrid) -> list[tuple[int, int, int]]:
     """(batch, context, new) of the mixed points: the smallest and a middle
     batch, a middle and the largest prompt, at the shortest context."""
@@ -213,7 +255,7 @@ async def _mixed_sample(client, model, rng, batch: int, context: int, new: int,
     gaps = [g for s in streams if (g := mixed_gap(s.times, newcomer.start, first)) is not None]
     if not gaps:
         return None
-    decoded = statistics.mean(sum(1 for t in s.times if t < first) for s in streams)
+    decoded = statistics.median(sum(1 for t in s.times if t < first) for s in streams)
     ctx = await _prompt_tokens(client, prompts[0])
     return {"new": newcomer.prompt_tokens - newcomer.cached_tokens, "cached": newcomer.cached_tokens,
             "batch": batch, "context": round(ctx + decoded), "time_s": statistics.median(gaps),
@@ -369,15 +411,7 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
         for _ in range(2):  # warm-up
             await _prefill_sample(client, model, rng, min(grid.new_tokens), 0)
         prefill = await _prefill_points(client, model, rng, grid, on_point)
-        decode = []
-        for context in grid.context_lens:
-            lone = None
-            for batch in grid.batch_sizes:
-                p, first = await _decode_point(client, model, rng, batch, context, grid.decode_steps, lone)
-                lone = first if batch == 1 else lone
-                if p["time_s"] is not None:
-                    decode.append(p)
-                    on_point("decode", p)
+        decode = await _decode_points(client, model, rng, grid, on_point)
         decode_fit = fit(decode, DECODE_TERMS)
         overhead = await _request_overhead(client, model, rng, grid.repeats + 2, fit(prefill, PREFILL_TERMS),
                                            decode_fit)
@@ -403,9 +437,15 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                                  + mixed_noise_ratios(mixed, mixed_fit),
                                  "decode": noise_ratios(decode, decode_fit)},
                   "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
+    result["quality"] = fit_quality(result)
     return result
 
 
 def run_served_profile(url: str, model: str, grid: ProfileGrid, on_point=lambda kind, p: None) -> dict:
-    """Profile the server at ``url`` (base URL, no /v1) serving ``model``."""
-    return asyncio.run(_run(url, model, grid, on_point))
+    """Profile the server at ``url`` (base URL, no /v1) serving ``model``;
+    what ``fit_quality`` warns about goes to stderr (and stays in the
+    result's ``quality``)."""
+    result = asyncio.run(_run(url, model, grid, on_point))
+    for line in result["quality"]["warnings"]:
+        print(f"kvferry profile: WARNING: {line}", file=sys.stderr, flush=True)
+    return result
