@@ -118,7 +118,12 @@ class KVTransferAgent:
         self._finished_sending: list[str] = []
         self._event = threading.Event()
         self._streams: dict[str, _Stream] = {}  # transfer id -> (sender thread only)
-        self._links: dict[tuple[str, str], KVTransport] = {}  # (address, shm name) -> (sender thread only)
+        # (address, shm name) -> link. Sender thread only: it creates, uses
+        # and closes each link's DEALER socket (a ZeroMQ socket is never
+        # called from two threads; one closed under another thread's call
+        # aborts the process) and writes through its mapping of the decode
+        # core's pool (unmapped under a write, it would crash).
+        self._links: dict[tuple[str, str], KVTransport] = {}
         self._streaming_rids: set[str] = set()  # step thread: requests with stream orders
         # Seeded generator states received with a prefill, until the runner
         # first schedules the request here.
@@ -164,16 +169,25 @@ class KVTransferAgent:
             self._event.wait(timeout_s)
 
     def close(self) -> None:
+        """Stop both threads; the sender closes its links as it exits (if a
+        long write holds it past the join, it still does, afterwards)."""
         self._stop.set()
         self._thread.join(2)
+        if self._thread.is_alive():
+            logger.warning("KV sender thread did not stop within 2 s")
         self.receiver.close()
-        for link in self._links.values():
-            link.close()
         if self.pool is not None:
             self.pool.close()
 
     # -- sender thread ------------------------------------------------------------
     def _send_loop(self) -> None:
+        try:
+            self._send_until_stopped()
+        finally:
+            for link in self._links.values():
+                link.close()
+
+    def _send_until_stopped(self) -> None:
         while not self._stop.is_set():
             try:
                 job = self._jobs.get(timeout=0.01)

@@ -198,12 +198,13 @@ def remove_stale_pools(directory: Path = _SHM_DIR) -> list[str]:
 class KVTransport(ABC):
     """The prefill side of one link to a decode core.
 
-    Contract: calls come from one thread (the agent's sender thread), in
-    transfer order. ``write_layer`` may return before the bytes land, but
-    everything a link wrote is in the destination pool before the decode
-    core handles the ``KVTransferDone`` that ``send_done`` sends next.
-    ``write_layer`` reads the source blocks before it returns (the caller
-    may reuse them afterwards). ``poll_acks`` never blocks."""
+    Contract: calls come from one thread (the agent's sender thread),
+    ``close`` included (the socket is a ZeroMQ DEALER), in transfer order.
+    ``write_layer`` may return before the bytes land, but everything a link
+    wrote is in the destination pool before the decode core handles the
+    ``KVTransferDone`` that ``send_done`` sends next. ``write_layer`` reads
+    the source blocks before it returns (the caller may reuse them
+    afterwards). ``poll_acks`` never blocks."""
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
         self.address = address
@@ -340,7 +341,11 @@ class KVReceiver:
     ``KVTransferDone`` only checks that every layer verified every block.
     ``take`` hands out verified and failed
     transfers once each; a transfer past its deadline (plus ``grace_s``, for
-    a shared-memory write that began just before it) fails as "timeout"."""
+    a shared-memory write that began just before it) fails as "timeout".
+
+    The socket is created and bound by the constructor, then used and
+    closed by the thread only: a socket closed while the thread is inside
+    ``poll`` aborts the process in libzmq (``pfd.revents & POLLIN``)."""
 
     def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5,
                  draft_kv_cache: torch.Tensor | None = None, speculative: str = "") -> None:
@@ -400,6 +405,12 @@ class KVReceiver:
             return len(self._expected)
 
     def _serve(self) -> None:
+        try:
+            self._serve_until_stopped()
+        finally:
+            self._sock.close(linger=0)  # on its one thread (see the class docstring)
+
+    def _serve_until_stopped(self) -> None:
         while not self._stop.is_set():
             if not self._sock.poll(_POLL_MS):
                 continue
@@ -481,6 +492,10 @@ class KVReceiver:
         return ""
 
     def close(self) -> None:
+        """Stop the thread, which closes the socket as it exits. If it is
+        stuck (a long copy into the pool), it closes it when it gets out;
+        closing it from here could abort the process."""
         self._stop.set()
-        self._thread.join(2)
-        self._sock.close(linger=0)
+        self._thread.join(_POLL_MS / 1000 + 2)
+        if self._thread.is_alive():
+            logger.warning("KV receiver thread did not stop within %.1f s", _POLL_MS / 1000 + 2)

@@ -13,6 +13,15 @@ threads, which release the GIL while they wait. The first message out is
 EngineCoreReady (or, if loading failed, EngineCoreOutputs with
 ``engine_error``); a failing loop also sends ``engine_error`` before it
 exits, so the front end can tell its clients why.
+
+Each socket has one owner thread, which alone calls it, closes it included:
+a ZeroMQ socket closed while another thread is inside a call on it aborts
+the process (libzmq: ``Assertion failed: pfd.revents & POLLIN
+(signaler.cpp)``, the mailbox fd closed under that thread's poll). So no
+thread waits inside a socket call without looking up: a PUSH with no front
+end connected (it left, or a router refused this core at join) blocks every
+send, so the output thread sends with a timeout and, once ``close`` began,
+gives up at a flush deadline.
 """
 from __future__ import annotations
 
@@ -41,6 +50,8 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 1.0
 # How often the I/O threads and the parent watchdog look up from waiting.
 _POLL_MS = 200
+# How long ``close`` lets queued outputs (a final error) wait for a front end.
+_FLUSH_S = 1.0
 
 
 class EngineCoreProc:
@@ -56,12 +67,16 @@ class EngineCoreProc:
         self._stop = threading.Event()
         # Set once the model is loaded; the input thread answers hellos with it.
         self._ready: EngineCoreReady | None = None
+        self._flush_deadline = float("inf")  # set by close(): when the output thread stops waiting
         self._ctx = zmq.Context()
-        # Created (and bound) here; from then on each is used by its one thread only.
+        # Created and bound here (a bad address fails the constructor); from
+        # then on each is used, and closed, by its one I/O thread only.
         self._in_sock = self._ctx.socket(zmq.PULL)
         self._in_sock.bind(addresses.input)
         self._out_sock = self._ctx.socket(zmq.PUSH)
         self._out_sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow reader
+        # ...but a PUSH with no reader at all blocks: look up every _POLL_MS.
+        self._out_sock.setsockopt(zmq.SNDTIMEO, _POLL_MS)
         self._out_sock.bind(addresses.output)
         self._threads = [
             threading.Thread(target=self._input_thread, name="core-input", daemon=True),
@@ -72,6 +87,12 @@ class EngineCoreProc:
 
     # -- I/O threads ------------------------------------------------------------------
     def _input_thread(self) -> None:
+        try:
+            self._receive_inputs()
+        finally:
+            self._in_sock.close(linger=0)  # here: no other thread may be inside a call on it
+
+    def _receive_inputs(self) -> None:
         poller = zmq.Poller()
         poller.register(self._in_sock, zmq.POLLIN)
         while not self._stop.is_set():
@@ -93,11 +114,32 @@ class EngineCoreProc:
             self.inputs.put(message)
 
     def _output_thread(self) -> None:
+        dropped = 0
+        try:
+            while True:
+                message = self.outputs.get()
+                if message is None:
+                    break
+                if dropped or not self._send(encode(message)):
+                    dropped += 1  # past the flush deadline with no front end: drop the rest
+        finally:
+            if dropped:
+                logger.warning("no front end connected: %d output message(s) dropped at shutdown", dropped)
+            # Here, not in close(): this thread may still be inside send.
+            # The linger lets what is queued for a connected front end out.
+            self._out_sock.close(linger=int(_FLUSH_S * 1000))
+
+    def _send(self, data: bytes) -> bool:
+        """Send one message; False if no front end took it by the flush
+        deadline. While the core runs, waits for a front end to connect
+        (a standalone core's ready message waits for its router)."""
         while True:
-            message = self.outputs.get()
-            if message is None:
-                return
-            self._out_sock.send(encode(message), copy=False)
+            try:
+                self._out_sock.send(data, copy=False)  # raises Again after SNDTIMEO without a reader
+                return True
+            except zmq.Again:
+                if self._stop.is_set() and time.monotonic() >= self._flush_deadline:
+                    return False
 
     # -- the step loop ------------------------------------------------------------------
     def run(self) -> None:
@@ -178,16 +220,22 @@ class EngineCoreProc:
         self.inputs.put(EngineCoreShutdown())
 
     def close(self) -> None:
-        """Flush the output queue, stop the I/O threads, close the sockets."""
+        """Flush the output queue (for up to _FLUSH_S if no front end is
+        connected), stop the I/O threads; each closes its own socket."""
+        self._flush_deadline = time.monotonic() + _FLUSH_S
         self._stop.set()
         self.outputs.put(None)
         if self.core is not None:
             self.core.close()
         for t in self._threads:
-            t.join(5)
-        self._in_sock.close(linger=0)
-        self._out_sock.close(linger=1000)  # let the last messages (an error) out
-        self._ctx.term()
+            t.join(_FLUSH_S + 4 * _POLL_MS / 1000 + 2)
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            # Never close a socket under its thread, nor term the context
+            # (it waits for every socket): the process exits around them.
+            logger.warning("I/O thread(s) %s did not stop; leaving their sockets open", stuck)
+        else:
+            self._ctx.term()
         if self.core is not None:
             self.core.close()
 

@@ -322,8 +322,19 @@ class AsyncEngineClient:
         if any(w.address == address and w.alive for w in self.workers.values()):
             raise ValueError(f"address {address!r} is already a worker")
         connection = CoreConnection(addresses)
+        # The handshake's thread uses the sockets until it returns. If this
+        # coroutine is cancelled first, closing them now would close them
+        # under that thread (libzmq aborts): close them once it is done.
+        handshake = asyncio.ensure_future(asyncio.to_thread(connection.wait_ready, timeout_s))
         try:
-            ready = await asyncio.to_thread(connection.wait_ready, timeout_s)
+            ready = await asyncio.shield(handshake)
+        except asyncio.CancelledError:
+            handshake.add_done_callback(lambda f: (f.cancelled() or f.exception(), connection.close()))
+            raise
+        except BaseException:
+            connection.close()
+            raise
+        try:
             _check_compatible(self.ready, ready, address, disagg=self.router.mode == "disagg")
         except BaseException:
             connection.close()
