@@ -17,7 +17,9 @@ Order within a step follows vLLM::
     greedy rows: argmax        other rows: / temperature ─▶ top-k ─▶ top-p ─▶ min-p
                                             ─▶ softmax ─▶ exponential race
 
-Sampling is an "exponential race": with q_i ~ Exp(1) drawn independently,
+Unseeded rows draw by inverse CDF, one uniform a row (``_inverse_cdf``).
+Seeded rows, and every row of a speculative verify, sample by an
+"exponential race": with q_i ~ Exp(1) drawn independently,
 ``argmax_i p_i / q_i`` is distributed as Categorical(p), because
 ``q_i / p_i ~ Exp(p_i)`` and the smallest of independent exponentials is
 index ``i`` with probability ``p_i / sum(p)``. The race lets each seeded row
@@ -344,6 +346,25 @@ def exponential_(out: torch.Tensor, generator: torch.Generator | None = None) ->
     return out.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
+def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row of Categorical(probs), [B, V] (rows need not sum
+    to 1) -> [B] int64: the first token whose running sum passes u * total.
+
+    One uniform per row instead of the race's V exponentials: at batch 64
+    over 49152 tokens the race's noise alone took 8 ms of one core (uniform_
+    plus log1p), this whole draw 4 ms. It serves the unseeded rows, which
+    promise no particular stream; seeded rows keep the race, so that a
+    seeded request gives the same tokens with or without speculation.
+
+    The token found always has p > 0: the running sum only rises at such
+    tokens, and u * total is kept strictly below the total (the factor
+    1 - 2^-23 outweighs the two float32 roundings of the product)."""
+    cdf = probs.cumsum(dim=-1)  # [B, V], non-decreasing
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)
+    target = u.mul_(cdf[:, -1:]).mul_(1.0 - 2.0**-23)  # [B, 1], in [0, total)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
+
+
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """q ~ Exp(1), [B, V]: one batch-wide draw for unseeded rows, then each
     seeded row overwritten from its own generator (exactly V draws a step)."""
@@ -379,8 +400,19 @@ class Sampler:
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Unseeded rows draw one uniform each (inverse CDF); seeded rows
+        race their own generator's noise (see module doc)."""
         probs = _random_probs(logits, batch)  # [B, V]
-        return probs.div_(_exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
+        sampled = _inverse_cdf(probs)  # [B]
+        if batch.seeded:
+            rows = torch.tensor([r for r, _ in batch.seeded], dtype=torch.int64, device=probs.device)
+            seeded_probs = probs.index_select(0, rows)  # [S, V]
+            noise = torch.empty_like(seeded_probs)
+            for i, (_, generator) in enumerate(batch.seeded):
+                exponential_(noise[i], generator)
+            raced = seeded_probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+            sampled = sampled.index_copy_(0, rows, raced)
+        return sampled
 
     def verify(
         self,
