@@ -30,6 +30,7 @@ from kvferry.core.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from kvferry.disagg.agent import KVTransferAgent
 from kvferry.disagg.transport import Received, SharedKVPool
 from kvferry.engine.cuda_graphs import DecodeGraphs
+from kvferry.engine.host_memory import tune_malloc
 from kvferry.engine.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
 from kvferry.engine.store_connector import StoreConnector
@@ -109,6 +110,8 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
+        if self.device.type == "cpu":
+            tune_malloc()  # steps' temporaries from the heap, not fresh pages (host_memory.py)
         self.block_size = block_size
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
