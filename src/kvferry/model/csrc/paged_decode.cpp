@@ -78,6 +78,15 @@ inline void prefetch_line(const void* p) {
 #endif
 }
 
+// The same into L2 only (prefetcht1), for lines wanted later.
+inline void prefetch_line_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 namespace {
 
 // ---- three primitives over one block's rows (row t at base + t * stride) ----
@@ -626,6 +635,21 @@ struct Attend {
 #endif
   };
 
+  // A work item's first kPrefetchTokens rows of head h, requested into L2
+  // while the thread still runs the item before it.
+  void prefetch_first_rows(const Seq& seq, int64_t h) const {
+    const int64_t last = std::min(seq.seq_len, kPrefetchTokens);
+    const int64_t row_stride = kv_heads * head_dim;
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t p = 0; p < last; ++p) {
+      const int64_t row = (seq.table[p / block_size] * block_size + p % block_size) * row_stride + h * head_dim;
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        prefetch_line_l2(reinterpret_cast<const char*>(k_ptr + row) + off);
+        prefetch_line_l2(reinterpret_cast<const char*>(v_ptr + row) + off);
+      }
+    }
+  }
+
   // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see
   // the next one coming: before a tile ending at position tile_end is read,
   // the K and V rows of head h up to kPrefetchTokens past it are requested.
@@ -894,9 +918,14 @@ void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& s
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     typename Attend<scalar_t, qscalar_t, kPath>::Scratch w;
     for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
+      // Each thread claims its next item before running the current one and
+      // requests that item's first rows, so that it does not start cold.
+      for (int64_t item = next.fetch_add(1); item < items;) {
+        const int64_t following = next.fetch_add(1);
+        if (following < items) op.prefetch_first_rows(seqs[blocks[following / kvh].seq], following % kvh);
         const Item& b = blocks[item / kvh];
         op.run(seqs[b.seq], b.j0, b.j1, item % kvh, w);
+        item = following;
       }
     }
   });
