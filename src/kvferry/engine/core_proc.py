@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -268,44 +269,56 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, name: str = 
     if parent_pid is not None:
         _watch_parent(parent_pid)
     proc = EngineCoreProc(None, addresses, check_integrity_when_idle)
-    try:
-        proc.core = EngineCore(config)
-    except Exception as exc:
-        logger.exception("engine core failed to start")
-        proc.send_error(f"the engine core failed to start: {exc}")
-        proc.close()
-        sys.exit(1)
-    signal.signal(signal.SIGTERM, lambda signum, frame: proc.request_shutdown())
-    sys.exit(0 if _run_off_main_thread(proc) else 1)
+    sys.exit(0 if _run_off_main_thread(proc, lambda: EngineCore(config)) else 1)
 
 
-def _run_off_main_thread(proc: EngineCoreProc) -> bool:
-    """Run the step loop on a thread of its own; True if it ended cleanly.
+def _run_off_main_thread(proc: EngineCoreProc, build_core: Callable[[], EngineCore]) -> bool:
+    """Build the core and run the step loop on one thread of its own; True
+    if it ended cleanly. The main thread only waits, and so stays free for
+    signals (SIGTERM drains once the core is built).
 
-    Why not the main thread: on CPU, a decode step issued from the main
-    thread measured 3-5x slower than the same step from a second thread of
-    the same process (2 cores shared with other busy processes). The gap
-    vanishes with OMP_WAIT_POLICY=PASSIVE, so it is the main thread's OpenMP
-    team spin-waiting; the previous in-process engine ran on a thread too.
-    The main thread only waits here, and so stays free for signals. The
-    step thread sizes its OpenMP team and, with KVFERRY_CPU_BIND set, pins
-    it one thread per core (cpu_threads).
+    One thread does every torch op of the process, the model's loading and
+    weight packing included: each thread that runs a parallel op gets an
+    OpenMP team of its own, and once the process holds more OpenMP threads
+    than CPUs, libgomp stops spin-waiting between parallel regions (its
+    throttled spin count) and puts the workers to sleep at each one. With
+    the model loaded on the main thread and stepped on this one, a decode
+    step at batch 64 took 93 ms served against 57 ms offline, and an
+    offline run on a second thread 1.33x as long as on the first. The step
+    thread sizes its OpenMP team and, with KVFERRY_CPU_BIND set, pins it
+    one thread per core (cpu_threads).
     """
     failed: list[BaseException] = []
+    built = threading.Event()
 
     def loop() -> None:
         try:
             binding = bind_step_thread()  # before any op: this thread's OpenMP team is new
             if binding is not None:
                 logger.info("OpenMP threads pinned (%s): %s", CPU_BIND_ENV, binding.describe())
+            try:
+                proc.core = build_core()
+            except Exception as exc:
+                logger.exception("engine core failed to start")
+                proc.send_error(f"the engine core failed to start: {exc}")
+                proc.close()
+                failed.append(exc)
+                return
+            built.set()
             proc.run()
         except BaseException as exc:  # logged and reported to the front end by run()
             failed.append(exc)
 
     thread = threading.Thread(target=loop, name="core-steps")
     thread.start()
+    handler_set = False
     while thread.is_alive():
-        thread.join(0.5)
+        if not handler_set and built.is_set():
+            # Until the core is built, SIGTERM ends the process at once, as it
+            # did before the split; from now on it drains.
+            signal.signal(signal.SIGTERM, lambda signum, frame: proc.request_shutdown())
+            handler_set = True
+        thread.join(0.05 if not handler_set else 0.5)
     return not failed
 
 
