@@ -18,7 +18,15 @@ class LLM:
     EngineArgs field (see ``kvferry serve --help`` for the same options)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        args = EngineArgs(model=model, **engine_args)
+        if pinning_requested():
+            # Built on the stepping thread that will run its steps: a second
+            # thread running torch ops would give the process a second
+            # OpenMP team, and libgomp then sleeps its workers at every
+            # parallel region (see engine/core_proc.py).
+            self.engine = step_executor().submit(LLMEngine.from_engine_args, args).result()
+        else:
+            self.engine = LLMEngine.from_engine_args(args)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
