@@ -83,7 +83,7 @@ class Steps:
         pos = torch.full((b,), self.context + step, dtype=torch.int64)
         slots = tables[:, (self.context + step) // bs] * bs + (self.context + step) % bs
         meta = AttentionMetadata(query_start_loc=list(range(b + 1)), seq_lens=seq_lens, slot_mapping=slots,
-                                 block_tables=tables, block_size=bs, num_prefills=0)
+                                 block_tables=tables, block_size=bs, num_prefills=0, kv_dtype=self.kv.dtype)
         ids = torch.randint(100, self.vocab, (b,))
         hidden = self.model(ids, pos, self.kv, meta)
         return self.model.compute_logits(hidden).argmax(-1)
@@ -96,8 +96,11 @@ class Steps:
         tables = torch.arange(n * blocks, dtype=torch.int64).view(n, blocks)
         pos = torch.arange(chunk).repeat(n)
         slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(n, -1)[:, :chunk].reshape(-1)
+        # kv_dtype as the runner gives it: the chunks take the engine's path
+        # (the C++ kernel for bf16 on AVX512-BF16, else SDPA).
         meta = AttentionMetadata(query_start_loc=[i * chunk for i in range(n + 1)], seq_lens=[chunk] * n,
-                                 slot_mapping=slots, block_tables=tables, block_size=bs, num_prefills=n)
+                                 slot_mapping=slots, block_tables=tables, block_size=bs, num_prefills=n,
+                                 kv_dtype=self.kv.dtype)
         ids = torch.randint(100, self.vocab, (n * chunk,))
         hidden = self.model(ids, pos, self.kv, meta)
         last = torch.arange(1, n + 1) * chunk - 1
