@@ -67,23 +67,20 @@ constexpr bool kHaveDpbf16 = false;
 
 constexpr int64_t kTile = 16;  // tokens per tile (one AVX-512 register of scores)
 
-// A cache line requested into L1 ahead of its use. Written as asm because
-// with __builtin_prefetch GCC 12 (-O3) left no prefetch instruction in this
-// kernel's object code.
+// A cache line requested ahead of its use: into L1 (kL2Only false,
+// prefetcht0) or into L2 only (prefetcht1, for lines wanted later). Written
+// as asm because with __builtin_prefetch GCC 12 (-O3) left no prefetch
+// instruction in this kernel's object code.
+template <bool kL2Only>
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  if constexpr (kL2Only) {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  }
 #else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-// The same into L2 only (prefetcht1), for lines wanted later.
-inline void prefetch_line_l2(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p, 0, 2);
+  __builtin_prefetch(p, 0, kL2Only ? 2 : 3);
 #endif
 }
 
@@ -635,19 +632,25 @@ struct Attend {
 #endif
   };
 
+  // The K and V rows of head h at positions [from, to) of seq, requested
+  // into cache (see prefetch_line).
+  template <bool kL2Only>
+  void prefetch_rows(const Seq& seq, int64_t h, int64_t from, int64_t to) const {
+    const int64_t row_stride = kv_heads * head_dim;
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t p = from; p < to; ++p) {
+      const int64_t row = (seq.table[p / block_size] * block_size + p % block_size) * row_stride + h * head_dim;
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        prefetch_line<kL2Only>(reinterpret_cast<const char*>(k_ptr + row) + off);
+        prefetch_line<kL2Only>(reinterpret_cast<const char*>(v_ptr + row) + off);
+      }
+    }
+  }
+
   // A work item's first kPrefetchTokens rows of head h, requested into L2
   // while the thread still runs the item before it.
   void prefetch_first_rows(const Seq& seq, int64_t h) const {
-    const int64_t last = std::min(seq.seq_len, kPrefetchTokens);
-    const int64_t row_stride = kv_heads * head_dim;
-    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
-    for (int64_t p = 0; p < last; ++p) {
-      const int64_t row = (seq.table[p / block_size] * block_size + p % block_size) * row_stride + h * head_dim;
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        prefetch_line_l2(reinterpret_cast<const char*>(k_ptr + row) + off);
-        prefetch_line_l2(reinterpret_cast<const char*>(v_ptr + row) + off);
-      }
-    }
+    prefetch_rows<true>(seq, h, 0, std::min(seq.seq_len, kPrefetchTokens));
   }
 
   // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see
@@ -659,17 +662,8 @@ struct Attend {
   // threads): 0.87 -> 0.37 ms per layer (whole-block prefetches: 0.48).
   void prefetch_ahead(const Seq& seq, int64_t h, int64_t tile_end, int64_t end, int64_t& next) const {
     const int64_t last = std::min(end, tile_end + kPrefetchTokens);
-    const int64_t row_stride = kv_heads * head_dim;
-    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
-    for (; next < last; ++next) {
-      const int64_t row = (seq.table[next / block_size] * block_size + next % block_size) * row_stride + h * head_dim;
-      const char* k = reinterpret_cast<const char*>(k_ptr + row);
-      const char* v = reinterpret_cast<const char*>(v_ptr + row);
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        prefetch_line(k + off);
-        prefetch_line(v + off);
-      }
-    }
+    if (next < last) prefetch_rows<false>(seq, h, next, last);
+    next = std::max(next, last);
   }
 
 #ifdef KVFERRY_AVX512_BF16
@@ -767,10 +761,13 @@ struct Attend {
   }
 #endif
 
-  // Sets up w for query tokens [j0, j1) of seq against KV head h.
-  void init_item(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+  // Query tokens [j0, j1) of `seq` against KV head h: their positions see
+  // the context up to the last one's, end = context_len + j1.
+  void run(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t M = (j1 - j0) * group, D = head_dim;
+    const int64_t row_stride = kv_heads * D;  // between tokens of a block
     const int64_t context_len = seq.seq_len - seq.q_len;
+    const int64_t end = context_len + j1;
     w.acc.assign(M * D, 0.f);
     w.m.assign(M, -std::numeric_limits<float>::infinity());
     w.l.assign(M, 0.f);
@@ -787,20 +784,8 @@ struct Attend {
       }
     }
 #ifdef KVFERRY_AVX512_BF16
-    if constexpr (kPath == Path::kDpbf16) w.lvec.assign(M, _mm512_setzero_ps());
-#endif
-  }
-
-  // Query tokens [j0, j1) of `seq` against KV head h: their positions see
-  // the context up to the last one's, end = context_len + j1.
-  void run(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    const int64_t M = (j1 - j0) * group, D = head_dim;
-    const int64_t row_stride = kv_heads * D;  // between tokens of a block
-    const int64_t context_len = seq.seq_len - seq.q_len;
-    const int64_t end = context_len + j1;
-    init_item(seq, j0, j1, h, w);
-#ifdef KVFERRY_AVX512_BF16
     if constexpr (kPath == Path::kDpbf16) {
+      w.lvec.assign(M, _mm512_setzero_ps());
       if (M >= kStageMinQueries) run_staged(seq, j0, j1, h, w);
       else run_inplace(seq, j0, j1, h, w);
       for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
