@@ -11,6 +11,12 @@ on the host shares) and the tokens it scheduled. From those, per step:
 * delivery: how long the message took from the core's send to the front
   end's handling (socket, decode, event loop backlog).
 
+And per request (rows with ``"request"``): its HTTP arrival, when the front
+end had sent it to the core, when the core first scheduled it and when its
+first token reached the front end. ``--waves`` prints them grouped by the
+client's waves (arrivals closer than 50 ms to the previous one), which shows
+how the arrivals of a wave are split into the core's steps.
+
 Usage (drive it with any client, e.g. ``vllm bench serve``; stop it with
 SIGTERM or Ctrl-C, then the summary prints and the trace is saved):
 
@@ -45,6 +51,29 @@ def record(trace: Path) -> None:
             rows[-1]["handled"] = time.monotonic() - received
 
     AsyncEngineClient._on_message = on_message
+
+    add_request = AsyncEngineClient.add_request
+
+    async def add_request_traced(self, request_id, *args, **kwargs):  # noqa: ANN001
+        stream = await add_request(self, request_id, *args, **kwargs)
+        requests[request_id] = dict(request=request_id, arrival=stream.arrival_time, sent=time.monotonic())
+        return stream
+
+    observe = AsyncEngineClient._observe
+
+    def observe_traced(self, stream, out, now):  # noqa: ANN001
+        row = requests.get(stream.request_id)
+        if row is not None and out.new_token_ids and "first_token" not in row:
+            row["first_token"] = now
+        if row is not None and out.finished and out.metrics is not None:
+            row["first_scheduled"] = out.metrics.first_scheduled_time
+            row["prompt_tokens"] = out.metrics.num_prompt_tokens
+            rows.append(requests.pop(stream.request_id))
+        observe(self, stream, out, now)
+
+    requests: dict[str, dict] = {}
+    AsyncEngineClient.add_request = add_request_traced
+    AsyncEngineClient._observe = observe_traced
     atexit.register(lambda: (trace.write_text("\n".join(json.dumps(r) for r in rows)), summarize(trace)))
 
 
@@ -53,8 +82,12 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def summarize(trace: Path) -> None:
+def summarize(trace: Path, waves: bool = False) -> None:
     rows = [json.loads(line) for line in trace.read_text().splitlines() if line]
+    reqs = [r for r in rows if "request" in r]
+    rows = [r for r in rows if "request" not in r]
+    if reqs:
+        summarize_requests(reqs, rows, waves)
     if not rows:
         print("no steps recorded")
         return
@@ -85,14 +118,47 @@ def summarize(trace: Path) -> None:
                                        for b, d in sorted(by_batch.items()) if len(d) >= 5))
 
 
+def summarize_requests(reqs: list[dict], steps: list[dict], waves: bool) -> None:
+    """Where a request's TTFT goes: front end (arrival -> sent), queue in the
+    core (sent -> first scheduled), its prefill step(s) and the delivery."""
+    reqs.sort(key=lambda r: r["arrival"])
+    front = [(r["sent"] - r["arrival"]) * 1e3 for r in reqs]
+    queue = [(r["first_scheduled"] - r["sent"]) * 1e3 for r in reqs if r.get("first_scheduled")]
+    ttft = [(r["first_token"] - r["arrival"]) * 1e3 for r in reqs if r.get("first_token")]
+    print(f"{len(reqs)} requests: front end (arrival -> sent) p50 {_pct(front, .5):.1f} ms p99 {_pct(front, .99):.1f}; "
+          f"sent -> first scheduled p50 {_pct(queue, .5):.1f} ms p99 {_pct(queue, .99):.1f}; "
+          f"TTFT p50 {_pct(ttft, .5):.0f} ms p99 {_pct(ttft, .99):.0f}")
+    if not waves:
+        return
+    groups: list[list[dict]] = []
+    for r in reqs:
+        if groups and r["arrival"] - groups[-1][-1]["arrival"] < 0.05:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    for g in groups:
+        t0 = g[0]["arrival"]
+        print(f"wave of {len(g)} at {t0:.3f}: arrivals over {(g[-1]['arrival'] - t0) * 1e3:.0f} ms, sent over "
+              f"{(max(r['sent'] for r in g) - t0) * 1e3:.0f} ms")
+        by_step: dict[float, list[dict]] = {}
+        for r in g:
+            by_step.setdefault(round(r.get("first_scheduled") or 0.0, 4), []).append(r)
+        for start, rs in sorted(by_step.items()):
+            firsts = sorted(r.get("first_token", float("nan")) - t0 for r in rs)
+            print(f"  scheduled +{(start - t0) * 1e3:6.0f} ms: {len(rs):3d} requests "
+                  f"(last sent +{(max(r['sent'] for r in rs) - t0) * 1e3:.0f} ms), first tokens "
+                  f"+{firsts[0] * 1e3:.0f}..{firsts[-1] * 1e3:.0f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, help="record steps while serving; write them here")
     parser.add_argument("--summarize", type=Path, help="summarize a recorded trace and exit")
+    parser.add_argument("--waves", action="store_true", help="with --summarize: per-request timeline by wave")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `kvferry serve` flags")
     args = parser.parse_args()
     if args.summarize:
-        summarize(args.summarize)
+        summarize(args.summarize, args.waves)
         return
     if not args.trace:
         parser.error("give --trace PATH (or --summarize PATH)")

@@ -72,8 +72,11 @@ class ModelLoadConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | triton (model/attention.py)
     enforce_eager: bool = False  # CUDA: no decode graphs
+    warm_up: bool = True  # one full-size dummy step before the core reports ready
 
     def __post_init__(self) -> None:
+        if not isinstance(self.warm_up, bool):
+            raise ValueError(f"warm_up must be a boolean, got {self.warm_up!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -259,6 +262,9 @@ class EngineArgs:
         "in Triton's interpreter), auto (triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS))
     enforce_eager: bool = field(default=False, metadata=_opt(
         "CUDA: run every step eagerly (no CUDA graphs for decode batches)"))
+    warm_up: bool = field(default=True, metadata=_opt(
+        "run one full-size dummy prefill step and a decode step before reporting ready, so that the first "
+        "requests do not pay for the first forward pass's one-time costs"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))
@@ -308,7 +314,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed, self.attention_backend,
-                                  self.enforce_eager),
+                                  self.enforce_eager, self.warm_up),
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb,
                               self.enable_prefix_caching, self.num_swap_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,

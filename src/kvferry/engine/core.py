@@ -77,6 +77,11 @@ class EngineCore:
             t = config.kv_transfer
             self.scheduler.kv_transfer = KVTransferSettings(agent.address, agent.shm_name, t.kv_transfer_timeout_s,
                                                             t.kv_transfer_failure == "recompute")
+        if m.warm_up:
+            start = time.perf_counter()
+            tokens = self.runner.warm_up(config.scheduler.max_num_batched_tokens, self.max_model_len)
+            logger.info("warm-up: a %d-token prefill step and a decode step in %.2f s",
+                        tokens, time.perf_counter() - start)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
 

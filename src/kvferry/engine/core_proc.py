@@ -40,6 +40,7 @@ from kvferry.config import EngineConfig
 from kvferry.engine.core import EngineCore
 from kvferry.engine.core_client import CoreAddresses, parse_cpus
 from kvferry.engine.cpu_threads import ENV as CPU_BIND_ENV, bind_step_thread
+from kvferry.gc_heap import freeze_startup_heap
 from kvferry.messages import (
     CoreInput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant,
     EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
@@ -290,6 +291,7 @@ def _run_off_main_thread(proc: EngineCoreProc, build_core: Callable[[], EngineCo
     """
     failed: list[BaseException] = []
     built = threading.Event()
+    draining = threading.Event()  # the SIGTERM handler is installed: the loop may report ready
 
     def loop() -> None:
         try:
@@ -304,21 +306,26 @@ def _run_off_main_thread(proc: EngineCoreProc, build_core: Callable[[], EngineCo
                 proc.close()
                 failed.append(exc)
                 return
+            freeze_startup_heap("engine core")  # no full-heap GC pauses inside steps
             built.set()
+            # Not ready before SIGTERM drains: whoever sees the ready message
+            # may send SIGTERM at once.
+            draining.wait()
             proc.run()
         except BaseException as exc:  # logged and reported to the front end by run()
             failed.append(exc)
 
     thread = threading.Thread(target=loop, name="core-steps")
     thread.start()
-    handler_set = False
+    while thread.is_alive() and not built.wait(0.05):
+        pass
+    if built.is_set():
+        # Until the core is built, SIGTERM ends the process at once, as it
+        # did before the split; from now on it drains.
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.request_shutdown())
+    draining.set()
     while thread.is_alive():
-        if not handler_set and built.is_set():
-            # Until the core is built, SIGTERM ends the process at once, as it
-            # did before the split; from now on it drains.
-            signal.signal(signal.SIGTERM, lambda signum, frame: proc.request_shutdown())
-            handler_set = True
-        thread.join(0.05 if not handler_set else 0.5)
+        thread.join(0.5)
     return not failed
 
 
