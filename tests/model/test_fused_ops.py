@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvferry.model import fused_ops
-from kvferry.model.fused_ops import fused_ops_available, rope_neox, silu_and_mul
+from kvferry.model.fused_ops import fused_ops_available, rms_norm, rope_neox, silu_and_mul
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -52,7 +52,24 @@ def test_rope_is_torch_bit_for_bit_on_strided_heads(dtype, tokens, heads, head_d
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,dim", [(1, 576), (32, 576), (2048, 576), (300, 960), (5, 37), (3, 8)])
+def test_rms_norm_is_torch_bit_for_bit_on_strided_rows(dtype, tokens, dim):
+    torch.manual_seed(dim)
+    wide = (torch.randn(tokens, dim + 16) * 3).to(dtype)
+    x = wide[:, 3:dim + 3]  # strided rows (a view into a wider activation)
+    weight = (torch.randn(dim) * 0.5 + 1).to(dtype)
+    out = rms_norm(x, weight, 1e-5)
+    assert out.is_contiguous() and out.shape == (tokens, dim)
+    assert torch.equal(out, weight * F.rms_norm(x, (dim,), None, 1e-5))
+    # and HF's own spelling of it
+    hf = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(out, hf)
+
+
+@needs_ops
 def test_empty_batches():
+    assert rms_norm(torch.empty(0, 8), torch.ones(8), 1e-6).shape == (0, 8)
     assert silu_and_mul(torch.empty(0, 8)).shape == (0, 4)
     cos, sin = angles(0, 4, torch.float32)
     assert rope_neox(torch.empty(0, 2, 8), cos, sin).shape == (0, 2, 8)
@@ -66,6 +83,8 @@ def test_switched_off_they_are_the_torch_ops(monkeypatch):
     x = torch.randn(3, 2, 8)
     cos, sin = angles(3, 4, torch.float32)
     assert torch.equal(rope_neox(x, cos, sin), torch_rope(x, cos, sin))
+    h, w = torch.randn(3, 8), torch.randn(8)
+    assert torch.equal(rms_norm(h, w, 1e-6), w * F.rms_norm(h, (8,), None, 1e-6))
 
 
 @needs_ops

@@ -7,6 +7,10 @@ torch's ``F.silu(gate) * up`` (the same Sleef exp torch's silu kernel uses).
 ``rope_neox(x, cos, sin)``: rotate-half RoPE in one op, every product and
 sum rounded to the dtype as torch's seven ops (and HF) round them.
 
+``rms_norm(x, weight, eps)``: HF's RMSNorm, bit for bit ``weight *
+F.rms_norm(x, ...)``: the float32 squares in one pass, torch's own mean
+over them, the normalization and the weight in a second pass.
+
 Where an op is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``,
 ``KVFERRY_DISABLE_FUSED_OPS=1``, no compiler, a failed build, a non-CPU
 tensor) it is exactly the torch ops it replaces.
@@ -59,6 +63,15 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
         return torch.ops.kvferry_fused.rope_neox(x, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous())
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: ``weight * F.rms_norm(x, (dim,), None, eps)``, bit for bit,
+    in two passes over memory (the mean is torch's own reduction)."""
+    if (x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == x.dtype
+            and fused_ops_available()):
+        return torch.ops.kvferry_fused.rms_norm(x, weight, eps)
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def fused_ops_available() -> bool:
