@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import json
 import statistics
 import time
@@ -130,6 +131,7 @@ def summarize_requests(reqs: list[dict], steps: list[dict], waves: bool) -> None
           f"TTFT p50 {_pct(ttft, .5):.0f} ms p99 {_pct(ttft, .99):.0f}")
     if not waves:
         return
+    starts = sorted(st["end"] - st["dur"] for st in steps)
     groups: list[list[dict]] = []
     for r in reqs:
         if groups and r["arrival"] - groups[-1][-1]["arrival"] < 0.05:
@@ -140,9 +142,12 @@ def summarize_requests(reqs: list[dict], steps: list[dict], waves: bool) -> None
         t0 = g[0]["arrival"]
         print(f"wave of {len(g)} at {t0:.3f}: arrivals over {(g[-1]['arrival'] - t0) * 1e3:.0f} ms, sent over "
               f"{(max(r['sent'] for r in g) - t0) * 1e3:.0f} ms")
+        # The step a request was first scheduled in: the last step that
+        # started at or before that time (the scheduler stamps it as it plans).
         by_step: dict[float, list[dict]] = {}
         for r in g:
-            by_step.setdefault(round(r.get("first_scheduled") or 0.0, 4), []).append(r)
+            i = bisect.bisect_right(starts, r.get("first_scheduled") or 0.0) - 1
+            by_step.setdefault(starts[i] if i >= 0 else t0, []).append(r)
         for start, rs in sorted(by_step.items()):
             firsts = sorted(r.get("first_token", float("nan")) - t0 for r in rs)
             print(f"  scheduled +{(start - t0) * 1e3:6.0f} ms: {len(rs):3d} requests "
