@@ -28,9 +28,19 @@ Writes to --output-dir: profiles, every bench JSON, trace and simulate JSON,
 validation.json (rows: run, metric, measured, predicted, rel_error;
 breakdown: per run, the mean TTFT error of requests sent to an idle and to a
 busy server, and the mean TPOT error; profile_quality: each served profile's
-fit quality), validation.md (both tables and any profile warnings, also
-printed) and validation.png (predicted vs measured). Each served profile's
-fit quality is printed when it is taken.
+fit quality; speed and calibrated_rows, below), validation.md (the tables
+and any profile warnings, also printed) and validation.png (predicted vs
+measured). Each served profile's fit quality is printed when it is taken.
+
+Speed calibration: the machine's speed drifts between the profile and a run
+minutes later (the same request's TTFT moved 30 -> 18 ms over a few minutes
+on one idle server). Each run is therefore also simulated with every step
+time scaled by the run's measured engine busy time (the server's
+``kvferry:engine_step_seconds``, before and after) over the simulated busy
+time (``busy_s``): ``speed`` holds the three numbers per run,
+``calibrated_rows`` and validation-calibrated.png the errors then. The raw
+rows are the simulator's prediction; the calibrated ones its model error
+once the run's speed is known.
 """
 from __future__ import annotations
 
@@ -51,7 +61,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from kvferry.bench.metrics import parse_slo  # noqa: E402
 from kvferry.plan.validate import (  # noqa: E402
     breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, predicted_summary,
-    request_breakdown, trace_lines)
+    request_breakdown, speed_table, trace_lines)
 
 COLOCATED = ["--enable-chunked-prefill"]
 # name -> (workload, server flags, simulate --config, profile key, simulate extra flags)
@@ -250,22 +260,43 @@ def bench_run(args: argparse.Namespace, url: str, workload: str, rate: float, se
 def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
                  profile: str, out: Path) -> list[dict]:
     """Replay one bench run's request list through ``kvferry simulate``; its
-    error rows (and, per request, where the error sits: BREAKDOWNS)."""
-    _, _, sim_config, _, sim_flags = CONFIGS[name]
-    records = json.loads(bench_json.read_text())["records"]
+    error rows (and, per request, where the error sits: BREAKDOWNS). Then
+    once more with the step times scaled by the run's measured engine busy
+    time over the simulated one (CALIBRATED: the machine's speed in that run
+    taken as known, so what is left is the model's error)."""
+    records = json.loads(bench_json.read_text())
     trace = out / f"{run}.trace.jsonl"
-    trace.write_text("".join(json.dumps(line) + "\n" for line in trace_lines(records, prompts, args.block_size)))
-    sim_json = out / f"{run}.sim.json"
+    trace.write_text("".join(json.dumps(line) + "\n"
+                             for line in trace_lines(records["records"], prompts, args.block_size)))
+    measured = measured_summary(records["records"], parse_slo(args.slo))
+    sim = simulate(args, name, run, profile, trace, out / f"{run}.sim.json", out / f"{run}.sim.log")
+    BREAKDOWNS[run] = request_breakdown(records["records"], sim["requests"])
+    busy = (records.get("server") or {}).get("engine_step_seconds_delta")
+    if busy and sim.get("busy_s"):
+        scale = busy / sim["busy_s"]
+        print(f"{run}: engine busy {busy:.2f} s measured, {sim['busy_s']:.2f} s simulated: "
+              f"simulate again with step times x{scale:.3f} ...", flush=True)
+        calibrated = simulate(args, name, run, profile, trace, out / f"{run}.sim-calibrated.json",
+                              out / f"{run}.sim-calibrated.log", ["--step-time-scale", f"{scale:.4f}"])
+        SPEED[run] = {"measured_busy_s": busy, "simulated_busy_s": sim["busy_s"], "scale": scale}
+        CALIBRATED.extend(error_rows(run, measured, predicted_summary(calibrated)))
+    return error_rows(run, measured, predicted_summary(sim))
+
+
+SPEED: dict[str, dict] = {}  # run -> engine busy seconds measured / simulated, and their ratio
+CALIBRATED: list[dict] = []  # error rows of the speed-calibrated simulations
+
+
+def simulate(args: argparse.Namespace, name: str, run: str, profile: str, trace: Path, sim_json: Path, log: Path,
+             extra: list[str] = ()) -> dict:
+    _, _, sim_config, _, sim_flags = CONFIGS[name]
     print(f"{run}: simulate ...", flush=True)
     kvferry("simulate", "--profile", profile, "--trace", str(trace), "--trace-block-size", str(args.block_size),
             "--config", sim_config, "--slo", args.slo, "--num-kv-blocks", str(args.num_kv_blocks),
             "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-num-seqs", str(args.max_num_seqs), *sim_flags, "--per-request", "--json",
-            "--output", str(sim_json), log=out / f"{run}.sim.log")
-    sim = json.loads(sim_json.read_text())
-    BREAKDOWNS[run] = request_breakdown(records, sim["requests"])
-    predicted = predicted_summary(sim)
-    return error_rows(run, measured_summary(records, parse_slo(args.slo)), predicted)
+            "--max-num-seqs", str(args.max_num_seqs), *sim_flags, *extra, "--per-request", "--json",
+            "--output", str(sim_json), log=log)
+    return json.loads(sim_json.read_text())
 
 
 def main() -> int:
@@ -286,13 +317,21 @@ def main() -> int:
         rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
     table = markdown_table(rows) + "\n\nWhere the error sits (mean relative error per request):\n\n" + \
         breakdown_table(BREAKDOWNS)
+    if CALIBRATED:
+        table += ("\n\nSpeed-calibrated (step times scaled by each run's measured engine busy time over the "
+                  "simulated one, `engine_step_seconds` from the server's /metrics):\n\n"
+                  + speed_table(SPEED) + "\n\n" + markdown_table(CALIBRATED))
     warnings = [f"- {label}: {w}" for label, q in PROFILE_QUALITY.items() for w in q.get("warnings", ())]
     if warnings:
         table += "\n\nProfile warnings (fit quality, `quality` in each profile JSON):\n\n" + "\n".join(warnings)
     (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows, "breakdown": BREAKDOWNS,
+                                                     "speed": SPEED, "calibrated_rows": CALIBRATED,
                                                      "profile_quality": PROFILE_QUALITY}, indent=1))
     (out / "validation.md").write_text(table + "\n")
     plot_validation(rows, out / "validation.png")
+    if CALIBRATED:
+        plot_validation(CALIBRATED, out / "validation-calibrated.png",
+                        title="kvferry simulate (speed-calibrated per run) vs measured")
     print(table)
     print(f"wrote {out}/validation.json, validation.md, validation.png ({time.monotonic() - start:.0f} s)")
     return 0

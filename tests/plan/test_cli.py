@@ -78,6 +78,23 @@ def test_simulate_with_measured_noise_averages_seeds_and_lists_requests(tmp_path
     assert sum(r["ttft_ms"] for r in reqs) / 12 == pytest.approx(three["summary"]["ttft_ms"]["mean"])
 
 
+def test_step_time_scale_stretches_every_step_and_reports_busy_time(tmp_path):
+    """--step-time-scale 2: twice the simulated busy time, and a lone
+    request's TTFT twice its prefill step plus the unscaled request overhead."""
+    profile = write_profile(tmp_path / "p.json", (0.002, 1e-5, 0, 0), (0.001, 1e-5, 0))
+    data = json.loads(profile.read_text())
+    data["request_overhead_s"] = 0.004
+    profile.write_text(json.dumps(data))
+    args = ["simulate", "--profile", str(profile), "--workload", "random", "--num-requests", "3", "--rate", "0.5",
+            "--input-len", "100", "--output-len", "4", "--json"]
+    one, two = (json.loads(kvferry(*args, *scale).stdout) for scale in ([], ["--step-time-scale", "2"]))
+    assert one["step_time_scale"] == 1.0 and two["step_time_scale"] == 2.0
+    assert two["busy_s"] == pytest.approx(2 * one["busy_s"]) and one["busy_s"] > 0
+    prefill = 0.002 + 100 * 1e-5
+    assert one["summary"]["ttft_ms"]["p50"] == pytest.approx(1000 * (0.004 + prefill), rel=0.02)
+    assert two["summary"]["ttft_ms"]["p50"] == pytest.approx(1000 * (0.004 + 2 * prefill), rel=0.02)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--workload", "random"], "--profile is required"),
     (["--profile", "{p}", "--workload", "random", "--config", "prefill:2"], "--config: num_prefill and num_decode"),
@@ -92,6 +109,7 @@ def test_simulate_with_measured_noise_averages_seeds_and_lists_requests(tmp_path
     (["--trace", "default", "--cache-blocks", "lots"], "--cache-blocks"),
     (["--profile", "{p}", "--workload", "nope"], "invalid choice"),
     (["--profile", "{p}", "--workload", "random", "--noise-seeds", "0"], "--noise-seeds"),
+    (["--profile", "{p}", "--workload", "random", "--step-time-scale", "0"], "--step-time-scale"),
 ])
 def test_bad_arguments_print_one_line_and_exit_2(tmp_path, args, message):
     profile = write_profile(tmp_path / "p.json", (0.001, 0, 0, 0), (0.001, 0, 0))

@@ -16,7 +16,7 @@ from kvferry.plan.latency import StepCostModel
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from kvferry.plan.validate import (
     block_hash_ids, breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, relative_error,
-    request_breakdown, trace_lines)
+    request_breakdown, speed_table, trace_lines)
 from tests.plan.helpers import cost, unique_request, write_profile
 
 
@@ -97,6 +97,8 @@ def test_error_table_rows_markdown_and_plot(tmp_path):
     assert "mean 15.0%, max 20.0%" in lines[-1]  # ttft_p50: |-10%| and |+20%|
     plot_validation(rows, tmp_path / "v.png")
     assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"
+    speed = speed_table({"colocated@1": {"measured_busy_s": 3.3, "simulated_busy_s": 3.0, "scale": 1.1}})
+    assert speed.splitlines()[-1] == "| colocated@1 | 3.30 | 3.00 | 1.100 |"
 
 
 def test_disaggregated_request_waits_for_its_decode_instance_step():

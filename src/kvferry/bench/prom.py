@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import httpx
 
+# engine_steps / engine_step_seconds: kvferry's busy time per core clock
+# (the simulator validation calibrates machine speed from it)
 COUNTERS = ("prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
-            "request_success")
+            "request_success", "engine_steps", "engine_step_seconds")
 PREFIXES = ("kvferry:", "vllm:")
 
 

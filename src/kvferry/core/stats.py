@@ -35,6 +35,12 @@ class SchedulerStats:
     kv_loaded_tokens: int = 0  # tokens whose KV a load filled
     kv_partial_loads: int = 0  # loads that came back short (the rest recomputed)
     kv_saved_blocks: int = 0  # blocks ordered written down
+    # Cumulative engine steps that ran a batch, and the seconds they took (the
+    # core's own clock: schedule, forward pass, update). Busy time as the core
+    # sees it, without HTTP, IPC or idle waits; a simulator's step model
+    # can be checked against it run by run.
+    num_steps: int = 0
+    step_seconds: float = 0.0
     # Per tier, from the store's own stats (hits, misses, bytes read and
     # written, quarantined, refused writes, load seconds); empty without a store.
     kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)

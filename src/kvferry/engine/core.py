@@ -72,6 +72,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
                                    kv_source=kv_source, write_down=kv_source is not None,
                                    **speculation(config.speculative))
+        self._num_steps, self._step_seconds = 0, 0.0  # steps that ran a batch (stats)
         agent = self.runner.kv_transfer
         if agent is not None:
             t = config.kv_transfer
@@ -228,7 +229,11 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
-        self._observe_step_cost(sched, time.monotonic() - start)
+        seconds = time.monotonic() - start
+        self._observe_step_cost(sched, seconds)
+        if sched.total_num_scheduled_tokens:
+            self._num_steps += 1
+            self._step_seconds += seconds
         completed = result.finished_loading or result.finished_saving
         if sched.is_empty and not sched.kv_orders and not outputs and not completed:
             # Only background KV I/O (loads, write-down) to wait for: yield
@@ -260,6 +265,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
+        stats.num_steps, stats.step_seconds = self._num_steps, self._step_seconds
         store_stats = getattr(self.runner.connector, "store_stats", None)
         self._reported_store_stats = store_stats
         if store_stats is not None:

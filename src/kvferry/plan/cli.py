@@ -40,6 +40,10 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--noise-seeds", type=int, default=5,
                      help="with a profile that measured step-time noise: simulate this many seeded runs "
                           "(step times drawn from the measured spread) and report the mean of each number")
+    sim.add_argument("--step-time-scale", type=float, default=1.0,
+                     help="multiply every fitted step time by this (e.g. a run's measured engine busy time "
+                          "over the simulated one: the profile on a machine that has since sped up or slowed "
+                          "down); the JSON's busy_s is the simulated busy time to compare")
     sim.add_argument("--per-request", action="store_true",
                      help="add each request's arrival, TTFT and TPOT (mean over the noise seeds) to the JSON")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -212,6 +216,8 @@ def run_simulate(args: argparse.Namespace) -> dict:
     from kvferry.plan.simulator import ClusterConfig, Simulation
 
     cost = StepCostModel.from_profile(args.profile)
+    if args.step_time_scale != 1.0:
+        cost = cost.scaled(args.step_time_scale)
     instance, transfer = instance_config(args), transfer_model(args)
     try:
         cluster = ClusterConfig(**counts, instance=instance, router=args.router, transfer=transfer, fast=args.fast,
@@ -223,13 +229,16 @@ def run_simulate(args: argparse.Namespace) -> dict:
         raise ValueError(f"--noise-seeds must be >= 1, got {args.noise_seeds}")
     # Without measured noise (or in the analytic mode) every seed gives the same run.
     seeds = range(args.noise_seeds if cost.noise is not None and not args.fast else 1)
-    summaries, runs, sim = [], [], None
+    summaries, runs, sim, busy = [], [], None, []
     for seed in seeds:
         sim = Simulation(cluster, cost, capacity, seed=seed)
         runs.append(list(sim.run([replace(r) for r in requests]).values()))
         summaries.append(summarize(runs[-1], slo))
+        busy.append(sum(inst.busy_time for inst in sim.instances()))
     result = {"mode": "fast-analytic" if args.fast else "scheduler", "config": _config_json(args, counts),
               "noise_seeds": len(seeds), "summary": mean_summary(summaries),
+              # the instances' summed step time (mean over seeds): a server's engine_step_seconds
+              "busy_s": sum(busy) / len(busy), "step_time_scale": args.step_time_scale,
               "instances": instance_stats(sim.instances(), summaries[-1]["duration_s"])}
     if args.per_request:
         result["requests"] = per_request(runs)

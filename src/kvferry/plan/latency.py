@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvferry.bench.profile import DECODE_TERMS, MIXED_TERMS, PREFILL_TERMS
@@ -107,6 +107,15 @@ class StepCostModel:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:
             raise PlanError(f"--profile: {path} is not a kvferry profile JSON: {e}") from None
+
+    def scaled(self, factor: float) -> StepCostModel:
+        """Every step ``factor`` times as long (the fits' coefficients scaled;
+        the request overhead and first-token delay, spent outside steps, kept):
+        the same model on a machine that runs steps ``1 / factor`` as fast."""
+        if not factor > 0:
+            raise ValueError(f"--step-time-scale must be > 0, got {factor}")
+        return replace(self, prefill=tuple(factor * c for c in self.prefill),
+                       decode=tuple(factor * c for c in self.decode), mixed=tuple(factor * c for c in self.mixed))
 
     def prefill_chunk(self, new: int, cached: int) -> float:
         """Variable cost of one prefill chunk (no intercept)."""

@@ -123,6 +123,16 @@ def breakdown_table(breakdowns: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def speed_table(speed: dict[str, dict]) -> str:
+    """Runs down: the server's engine busy seconds in the run, the
+    simulator's for the same requests, and their ratio (the step-time scale
+    a calibrated simulation applies)."""
+    lines = ["| run | engine busy, measured (s) | simulated (s) | measured / simulated |", "|---|---|---|---|"]
+    for run, s in speed.items():
+        lines.append(f"| {run} | {s['measured_busy_s']:.2f} | {s['simulated_busy_s']:.2f} | {s['scale']:.3f} |")
+    return "\n".join(lines)
+
+
 def predicted_summary(sim_result: dict) -> dict[str, float | None]:
     """The same numbers from a ``kvferry simulate --json`` result."""
     s = sim_result["summary"]

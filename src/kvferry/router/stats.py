@@ -20,7 +20,7 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
                 if value and not getattr(total, f.name):
                     setattr(total, f.name, value)
                 continue
-            if isinstance(value, int):
+            if isinstance(value, (int, float)):
                 setattr(total, f.name, getattr(total, f.name) + value)
             elif isinstance(value, list):
                 setattr(total, f.name, _add_lists(getattr(total, f.name), value))

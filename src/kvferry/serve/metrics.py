@@ -179,6 +179,10 @@ class _EngineStatsCollector(Collector):
         else:
             yield from self._per_tenant_cache_metrics(s)
         yield counter("kvferry:num_preemptions", "Preempted sequences.", s.num_preemptions)
+        yield counter("kvferry:engine_steps", "Engine steps that ran a batch, summed over cores.", s.num_steps)
+        yield counter("kvferry:engine_step_seconds",
+                      "Seconds those steps took on the cores' own clocks (busy time, no HTTP or IPC).",
+                      s.step_seconds)
         yield from _kv_tier_metrics(s, label)
         yield from _spec_decode_metrics(s, label)
 
