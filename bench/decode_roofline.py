@@ -7,6 +7,14 @@ the figure reported is ``step_time / floor`` (goal <= 3x). Bandwidth is the
 best of several large-tensor copies (read + write bytes counted), with the
 same torch thread count as the model.
 
+The weight-read floor leaves out two things a batch-32 step cannot avoid:
+reading every request's K/V, and the matmuls' arithmetic (2 * batch flops
+per weight, which on a CPU without AMX outgrows the read time well before
+batch 32). So the run also measures the machine's peak matmul rate (the
+model's own largest layer, oneDNN-packed as in serving, on a 2048-row
+input) and reports the roofline floor ``max((weights + KV) / bandwidth,
+flops / peak)``: no schedule of this step on this machine can be faster.
+
 Also times one prefill-heavy step (``--prefill-tokens`` new tokens in chunks
 of 512) and, with ``--profile``, prints the torch profiler's operator table
 for both, which is how the time per operator was found.
@@ -52,6 +60,41 @@ def read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
         src.sum()
         best = min(best, time.perf_counter() - t0)
     return num_bytes / best
+
+
+def peak_matmul_flops(model: LlamaModel, rows: int = 2048, repeats: int = 7) -> float:
+    """Flop/s of the model's largest decoder matmul (the MLP's gate_up, with
+    its packed weight) over ``rows`` rows: the best of several. Compute-bound
+    at that size, so it is what this machine's cores multiply at."""
+    from kvferry.model.linear import linear
+
+    mlp = model.layers[0].mlp
+    w, packed = mlp.gate_up_weight, mlp.gate_up_packed
+    x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+    linear(x, w, None, packed)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        linear(x, w, None, packed)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * w.shape[0] * w.shape[1] / best
+
+
+def decode_step_work(model: LlamaModel, batch: int, context: int) -> tuple[float, int]:
+    """(flops, KV bytes) of one decode step of ``batch`` requests that each
+    attend to ``context + 1`` positions: 2 flops per weight of every matmul
+    per request (the lm_head included, the embedding lookup not), plus q.k
+    and p.v over the context per head; every layer's K and V of every
+    position read once."""
+    c = model.config
+    matmul_weights = sum(p.numel() for name, p in model.named_parameters()
+                         if p.dim() == 2 and name != "embed_tokens")
+    if c.tie_word_embeddings:
+        matmul_weights += model.lm_head.numel()  # the lm_head is the embedding, listed once as embed_tokens
+    positions = context + 1
+    attention = 4 * c.num_attention_heads * c.head_dim * positions * c.num_hidden_layers
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * positions * model.dtype.itemsize
+    return batch * (2 * matmul_weights + attention), batch * kv_bytes
 
 
 def weight_bytes(model: LlamaModel) -> int:
@@ -170,9 +213,13 @@ def main() -> None:
         decode_s, decode_min_s = timed(steps.decode, args.repeats)
         prefill_s, prefill_min_s = timed(lambda i: steps.prefill(args.prefill_tokens), max(3, args.repeats // 3))
         bw_read = read_bandwidth()
+        peak = peak_matmul_flops(model)
         bw = max(bw_copy, bw_read)
         wbytes = weight_bytes(model)
         floor_s = wbytes / bw
+        flops, kv_bytes = decode_step_work(model, args.batch, args.context)
+        memory_s, compute_s = (wbytes + kv_bytes) / bw, flops / peak
+        roofline_s = max(memory_s, compute_s)
         result = {
             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "cpu": cpu_description(), "batch": args.batch, "context": args.context,
@@ -184,6 +231,12 @@ def main() -> None:
             "decode_step_min_ms": round(decode_min_s * 1e3, 2),
             "decode_min_over_floor": round(decode_min_s / floor_s, 2),
             "decode_tok_s": round(args.batch / decode_s, 1),
+            "peak_matmul_gflop_s": round(peak / 1e9, 1), "decode_gflop": round(flops / 1e9, 2),
+            "kv_read_mb": round(kv_bytes / 2**20, 1),
+            "memory_floor_ms": round(memory_s * 1e3, 2), "compute_floor_ms": round(compute_s * 1e3, 2),
+            "roofline_floor_ms": round(roofline_s * 1e3, 2),
+            "roofline_over_weight_floor": round(roofline_s / floor_s, 2),
+            "decode_over_roofline": round(decode_s / roofline_s, 2),
             "prefill_tokens": args.prefill_tokens, "prefill_step_ms": round(prefill_s * 1e3, 1),
             "prefill_tok_s": round(args.prefill_tokens / prefill_s, 1),
             "prefill_best_tok_s": round(args.prefill_tokens / prefill_min_s, 1),

@@ -26,11 +26,17 @@ client, these land where the simulator charges them:
   prefill core) and its second (from the decode core) less a decode step:
   the KV transfer and the decode core's first step.
 
-- request overhead: a one-word request's TTFT less its engine step (the
-  decode fit's intercept plus the prefill fit's per-token terms); it is
-  taken out of the prefill points before the fit (a prefill point keeps its
-  client TTFT as ``ttft_s``), so the fits stay engine step times and the
-  simulator adds the overhead to each request's arrival.
+- request overhead: what a TTFT spends outside engine steps. A kvferry
+  server exports its own step time (``kvferry:engine_step_seconds`` in
+  /metrics): each prefill sample reads it before and after, the prefill fit
+  is fitted to those step times, and the overhead is the median over every
+  prefill sample of its TTFT less its step (``request_overhead_from``
+  "engine_step_seconds"). Another server: a one-word request's TTFT less its
+  engine step as the fits put it (the decode fit's intercept plus the
+  prefill fit's per-token terms), taken out of the prefill points before
+  the fit. Either way a prefill point keeps its client TTFT as ``ttft_s``,
+  the fits stay engine step times and the simulator adds the overhead to
+  each request's arrival.
 
 - mixed steps: ``batch`` streams decode; once each has a few tokens, a
   newcomer's prompt of ``new`` words arrives, and the step that prefills it
@@ -60,7 +66,8 @@ client, these land where the simulator charges them:
   idles once it is out. A served request asks for more, and its first token
   leaves while the engine already runs the next step on the same CPUs: the
   median TTFT of such requests (``LONG_MAX_TOKENS``) less that of one-token
-  requests of the same length, interleaved, is ``first_token_delay_s``; the
+  requests of the same (the grid's shortest) length, interleaved over many
+  pairs, is ``first_token_delay_s``; the
   simulator adds it to a token that ends a request's phase (first, last)
   when its instance steps on.
 
@@ -126,15 +133,36 @@ class _Stream:
 
 
 async def _prefill_sample(client, model, rng, new: int, cached: int,
-                          max_tokens: int = 1) -> tuple[float, int, int]:
-    """(TTFT, new tokens, cached tokens) of one request."""
+                          max_tokens: int = 1) -> tuple[float, int, int, float | None]:
+    """(TTFT, new tokens, cached tokens, the engine's step seconds) of one
+    request. The step seconds are what the server's
+    ``kvferry:engine_step_seconds`` counter moved by over the request (its
+    prefill step alone when ``max_tokens`` is 1); None from a server without
+    that counter."""
     # the cached part: a system prompt an earlier request warmed (the chat template's header included)
     system = [{"role": "system", "content": random_words(rng, cached)}] if cached else []
     if cached:
         await _Stream().run(client, model, system, 1)
+    before = await engine_step_seconds(client)
     s = await _Stream().run(client, model, system + _user(random_words(rng, new)), max_tokens)
     ttft = (s.times[0] if s.times else time.perf_counter()) - s.start
-    return ttft, s.prompt_tokens - s.cached_tokens, s.cached_tokens
+    after = await engine_step_seconds(client) if before is not None else None
+    step = after - before if after is not None and after > before else None
+    return ttft, s.prompt_tokens - s.cached_tokens, s.cached_tokens, step
+
+
+async def engine_step_seconds(client) -> float | None:
+    """The server's cumulative engine step time (``kvferry:engine_step_seconds``
+    in its /metrics, summed over series); None when it exports none."""
+    try:
+        resp = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in resp.text.splitlines()
+              if line.startswith("kvferry:engine_step_seconds_total")]
+    return sum(values) if values else None
 
 
 async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
@@ -148,9 +176,11 @@ async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> li
             samples[cell].append(await _prefill_sample(client, model, rng, *cell))
     points = []
     for cell in cells:
-        times, news, hits = zip(*samples[cell])
+        times, news, hits, steps = zip(*samples[cell])
         points.append({"new": round(statistics.median(news)), "cached": round(statistics.median(hits)),
                        "time_s": statistics.median(times), "samples_s": list(times)})
+        if all(t is not None for t in steps):
+            points[-1]["engine_steps_s"] = list(steps)
         on_point("prefill", points[-1])
     return points
 
@@ -381,7 +411,7 @@ async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, 
     rest = {"terms": client_fit["terms"][1:], "coef": client_fit["coef"][1:]}
     samples = []
     for i in range(repeats):
-        ttft, new, cached = await _prefill_sample(client, model, rng, 1, 0)
+        ttft, new, cached, _ = await _prefill_sample(client, model, rng, 1, 0)
         samples.append(ttft - decode_fit["coef"][0] - predict(rest, {"new": new, "cached": cached}))
     return max(statistics.median(samples), 0.0)
 
@@ -389,7 +419,9 @@ async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, 
 async def _first_token_delay(client, model, rng, repeats: int, new: int) -> float:
     """How much later a first token reaches the client when the engine steps
     on after it (a request of ``LONG_MAX_TOKENS``) than when it idles (one
-    token): medians over interleaved pairs of equal prompt length."""
+    token): medians over interleaved pairs of equal prompt length. A few ms
+    (the front end's and the client's turn on CPUs the next step holds),
+    so short prompts, whose TTFT varies least, and many pairs."""
     one, more = [], []
     for _ in range(repeats):
         one.append((await _prefill_sample(client, model, rng, new, 0))[0])
@@ -413,11 +445,22 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
         prefill = await _prefill_points(client, model, rng, grid, on_point)
         decode = await _decode_points(client, model, rng, grid, on_point)
         decode_fit = fit(decode, DECODE_TERMS)
-        overhead = await _request_overhead(client, model, rng, grid.repeats + 2, fit(prefill, PREFILL_TERMS),
-                                           decode_fit)
-        for p in prefill:  # the engine's share of a TTFT: what the step model fits
-            p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
-            p["samples_s"] = [max(t - overhead, 0.0) for t in p["samples_s"]]
+        if all("engine_steps_s" in p for p in prefill):
+            # the server timed each prefill step itself: fit those, and the
+            # overhead is what each TTFT spent outside its step
+            overhead = max(statistics.median(t - e for p in prefill
+                                             for t, e in zip(p["samples_s"], p["engine_steps_s"])), 0.0)
+            for p in prefill:
+                p["ttft_s"], p["time_s"] = p["time_s"], statistics.median(p["engine_steps_s"])
+                p["ttft_samples_s"], p["samples_s"] = p["samples_s"], p.pop("engine_steps_s")
+            overhead_from = "engine_step_seconds"
+        else:
+            overhead = await _request_overhead(client, model, rng, grid.repeats + 2, fit(prefill, PREFILL_TERMS),
+                                               decode_fit)
+            for p in prefill:  # the engine's share of a TTFT: what the step model fits
+                p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
+                p["samples_s"] = [max(t - overhead, 0.0) for t in p["samples_s"]]
+            overhead_from = "one-word requests less the fits"
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
         prefill_fit = fit(prefill, PREFILL_TERMS)
         probes = await _mixed_points(client, model, rng, grid, on_point, overhead)
@@ -429,9 +472,9 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                   "decode": {"points": decode, "fit": decode_fit},
                   "mixed": {"points": mixed, "fit": mixed_fit},
                   "host_sharing": host_sharing(apart, overhead),
-                  "request_overhead_s": overhead,
-                  "first_token_delay_s": await _first_token_delay(client, model, rng, grid.repeats + 2,
-                                                                  sorted(grid.new_tokens)[len(grid.new_tokens) // 2]),
+                  "request_overhead_s": overhead, "request_overhead_from": overhead_from,
+                  "first_token_delay_s": await _first_token_delay(client, model, rng, 4 * (grid.repeats + 2),
+                                                                  min(grid.new_tokens)),
                   # a mixed step carries prefill tokens: its spread joins the prefill steps'
                   "step_noise": {"prefill": noise_ratios(prefill, prefill_fit)
                                  + mixed_noise_ratios(mixed, mixed_fit),
