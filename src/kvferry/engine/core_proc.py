@@ -41,7 +41,6 @@ from kvferry.engine.core import EngineCore
 from kvferry.engine.core_client import CoreAddresses, parse_cpus
 from kvferry.engine.cpu_threads import ENV as CPU_BIND_ENV, bind_step_thread
 from kvferry.gc_heap import freeze_startup_heap
-from kvferry.gil import shorten_switch_interval
 from kvferry.messages import (
     CoreInput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant,
     EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
@@ -308,7 +307,6 @@ def _run_off_main_thread(proc: EngineCoreProc, build_core: Callable[[], EngineCo
                 failed.append(exc)
                 return
             freeze_startup_heap("engine core")  # no full-heap GC pauses inside steps
-            shorten_switch_interval()  # the output thread sends while the next step runs Python
             built.set()
             # Not ready before SIGTERM drains: whoever sees the ready message
             # may send SIGTERM at once.

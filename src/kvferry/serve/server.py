@@ -27,7 +27,6 @@ import uvicorn
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
 from kvferry.gc_heap import freeze_startup_heap
-from kvferry.gil import shorten_switch_interval
 from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.cli import router_config_from
@@ -174,7 +173,6 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         freeze_startup_heap("front end")  # no full-heap GC pauses between arrival and hand-off
-        shorten_switch_interval()  # the event loop and worker threads (tokenization) trade the GIL
         if self.started and self.servers and self.servers[0].sockets:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self.on_ready(f"http://{host}:{port}")
