@@ -264,14 +264,14 @@ def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[li
     once more with the step times scaled by the run's measured engine busy
     time over the simulated one (CALIBRATED: the machine's speed in that run
     taken as known, so what is left is the model's error)."""
-    records = json.loads(bench_json.read_text())
+    bench = json.loads(bench_json.read_text())
     trace = out / f"{run}.trace.jsonl"
     trace.write_text("".join(json.dumps(line) + "\n"
-                             for line in trace_lines(records["records"], prompts, args.block_size)))
-    measured = measured_summary(records["records"], parse_slo(args.slo))
+                             for line in trace_lines(bench["records"], prompts, args.block_size)))
+    measured = measured_summary(bench["records"], parse_slo(args.slo))
     sim = simulate(args, name, run, profile, trace, out / f"{run}.sim.json", out / f"{run}.sim.log")
-    BREAKDOWNS[run] = request_breakdown(records["records"], sim["requests"])
-    busy = (records.get("server") or {}).get("engine_step_seconds_delta")
+    BREAKDOWNS[run] = request_breakdown(bench["records"], sim["requests"])
+    busy = (bench.get("server") or {}).get("engine_step_seconds_delta")
     if busy and sim.get("busy_s"):
         scale = busy / sim["busy_s"]
         print(f"{run}: engine busy {busy:.2f} s measured, {sim['busy_s']:.2f} s simulated: "

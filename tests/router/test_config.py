@@ -49,11 +49,11 @@ def test_router_config_validation_names_the_field():
 
 def test_stats_of_several_cores_are_summed():
     a = SchedulerStats(num_running=2, kv_blocks_used=5, kv_blocks_total=10, prefix_hits=16,
-                       prefix_by_owner={"t": [1, 2, 0, 0, 3]}, num_accepted_tokens_per_pos=[4])
+                       prefix_by_owner={"t": [1, 2, 0, 0, 3]}, num_accepted_tokens_per_pos=[4],
+                       num_steps=2, step_seconds=0.5)
     b = SchedulerStats(num_running=1, kv_blocks_used=1, kv_blocks_total=10, prefix_hits=0,
                        prefix_by_owner={"t": [1, 0, 0, 0, 1], "u": [5, 5, 0, 0, 0]},
                        num_accepted_tokens_per_pos=[1, 1], num_steps=3, step_seconds=0.25)
-    a.num_steps, a.step_seconds = 2, 0.5
     total = merge_stats([a, b])
     assert (total.num_steps, total.step_seconds) == (5, 0.75)
     assert (total.num_running, total.kv_blocks_used, total.kv_blocks_total, total.prefix_hits) == (3, 6, 20, 16)

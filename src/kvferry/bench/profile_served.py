@@ -93,6 +93,7 @@ import httpx
 
 from kvferry.bench.profile import (DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, fit_mixed, fit_quality,
                                    predict)
+from kvferry.bench.prom import parse_counters
 from kvferry.bench.text import random_words
 
 # Tokens the first-token delay's requests ask for: enough that the engine
@@ -161,11 +162,8 @@ async def engine_step_seconds(client) -> float | None:
         resp = await client.get("/metrics")
     except httpx.HTTPError:
         return None
-    if resp.status_code != 200:
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in resp.text.splitlines()
-              if line.startswith("kvferry:engine_step_seconds_total")]
-    return sum(values) if values else None
+    counters = parse_counters(resp.text) if resp.status_code == 200 else None
+    return counters.totals.get("engine_step_seconds") if counters is not None else None
 
 
 async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:

@@ -22,12 +22,21 @@ class ServerCounters:
 def scrape(base_url: str, timeout_s: float = 10.0) -> ServerCounters | None:
     """The COUNTERS the server exports; None when it has no Prometheus
     endpoint or exports none of them."""
+    try:
+        resp = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return parse_counters(resp.text) if resp.status_code == 200 else None
+
+
+def parse_counters(text: str) -> ServerCounters | None:
+    """The COUNTERS in a /metrics body (summed over labels); None when it
+    holds none of them or is not Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        resp = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
-        families = list(text_string_to_metric_families(resp.text)) if resp.status_code == 200 else []
-    except (httpx.HTTPError, ValueError):
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
         return None
     for prefix in PREFIXES:
         totals: dict[str, float] = {}
