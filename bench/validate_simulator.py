@@ -41,6 +41,19 @@ time (``busy_s``): ``speed`` holds the three numbers per run,
 ``calibrated_rows`` and validation-calibrated.png the errors then. The raw
 rows are the simulator's prediction; the calibrated ones its model error
 once the run's speed is known.
+
+Probe: right before each run, ``--probe-requests`` random-workload requests
+go to the server one at a time; simulated likewise, their measured over
+simulated busy time is the machine's speed just then (``probe_scale`` in
+``speed``). Each run is simulated once more with that scale
+(``probed_rows``, validation-probed.png): a prediction that knows the speed
+of a few seconds before the run, not of the run itself.
+
+Spread: the simulator runs each request list under several noise seeds;
+``spread`` holds, per run and metric, the relative standard deviation over
+the seeds: how far a single run may land from the mean of many when only
+the steps' noise differs (with 40 requests the p99 is their largest one
+or two).
 """
 from __future__ import annotations
 
@@ -60,8 +73,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvferry.bench.metrics import parse_slo  # noqa: E402
 from kvferry.plan.validate import (  # noqa: E402
-    breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, predicted_summary,
-    request_breakdown, speed_table, trace_lines)
+    breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, predicted_spread,
+    predicted_summary, request_breakdown, speed_table, spread_table, trace_lines)
 
 COLOCATED = ["--enable-chunked-prefill"]
 # name -> (workload, server flags, simulate --config, profile key, simulate extra flags)
@@ -104,11 +117,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--warmup-requests", type=int, default=3, help="sent before each server's first run")
+    p.add_argument("--probe-requests", type=int, default=8,
+                   help="random-workload requests sent one at a time right before each run, to measure the "
+                        "machine's speed then (0: no probe)")
     args = p.parse_args()
     if args.quick:
         args.rates_shared = args.rates_shared.split(",")[0]
         args.rates_random = args.rates_random.split(",")[0]
         args.num_requests = min(args.num_requests, 12)
+        args.probe_requests = min(args.probe_requests, 3)
     return args
 
 
@@ -182,7 +199,8 @@ def warm_up(url: str, n: int) -> None:
                                                   "temperature": 0}, timeout=300, trust_env=False)
 
 
-def prompts_token_ids(url: str, args: argparse.Namespace, workload: str, seed: int) -> list[list[int]]:
+def prompts_token_ids(url: str, args: argparse.Namespace, workload: str, seed: int,
+                      num_requests: int | None = None) -> list[list[int]]:
     """The token ids of the run's prompts, as the server tokenizes them (chat
     template included): the same sessions the bench generates for ``seed``."""
     from itertools import islice
@@ -193,7 +211,7 @@ def prompts_token_ids(url: str, args: argparse.Namespace, workload: str, seed: i
     sessions, _ = make_workload(wargs)
     ids = []
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
-        for s in islice(sessions, args.num_requests):
+        for s in islice(sessions, num_requests or args.num_requests):
             resp = client.post("/tokenize", json={"messages": s.requests[0].messages})
             resp.raise_for_status()
             ids.append(resp.json()["tokens"])
@@ -237,11 +255,30 @@ def run_server(args: argparse.Namespace, names: list[str], rates: dict[str, list
             workload = CONFIGS[name][0]
             for i, rate in enumerate(rates[workload]):
                 seed = 1000 + i  # a fresh prompt set per rate: no run hits an earlier run's cache
-                runs.append((name, f"{name}@{rate:g}", *bench_run(args, url, workload, rate, seed, out, name)))
+                run = f"{name}@{rate:g}"
+                probe = probe_run(args, url, run, out) if args.probe_requests else None
+                runs.append((name, run, *bench_run(args, url, workload, rate, seed, out, name), probe))
     finally:
         _servers.stop_server(proc)
-    return [row for name, run, prompts, bench_json in runs
-            for row in simulate_run(args, name, run, prompts, bench_json, profile, out)]
+    return [row for name, run, prompts, bench_json, probe in runs
+            for row in simulate_run(args, name, run, prompts, bench_json, profile, out, probe)]
+
+
+_probe_seeds = iter(range(5000, 6000))  # every probe its own prompts: none hits an earlier one in the cache
+
+
+def probe_run(args: argparse.Namespace, url: str, run: str, out: Path) -> tuple[list[list[int]], Path]:
+    """A few random-workload requests, one at a time, right before the run:
+    the machine's speed then, which the profile taken minutes earlier does
+    not know. Simulated like a run (``simulate_run``), its busy time against
+    the measured one gives a step-time scale known before the run starts."""
+    seed = next(_probe_seeds)
+    prompts = prompts_token_ids(url, args, "random", seed, args.probe_requests)
+    bench_json = out / f"{run}.probe.bench.json"
+    kvferry("bench", "--url", url, "--workload", "random", "--concurrency", "1", "--seed", str(seed),
+            "--num-requests", str(args.probe_requests), "--ignore-eos", *bench_flags(args, "random"),
+            "--no-progress", "--no-plots", "--output", str(bench_json), log=out / f"{run}.probe.bench.log")
+    return prompts, bench_json
 
 
 def bench_run(args: argparse.Namespace, url: str, workload: str, rate: float, seed: int, out: Path,
@@ -257,34 +294,62 @@ def bench_run(args: argparse.Namespace, url: str, workload: str, rate: float, se
     return prompts, bench_json
 
 
-def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
-                 profile: str, out: Path) -> list[dict]:
-    """Replay one bench run's request list through ``kvferry simulate``; its
-    error rows (and, per request, where the error sits: BREAKDOWNS). Then
-    once more with the step times scaled by the run's measured engine busy
-    time over the simulated one (CALIBRATED: the machine's speed in that run
-    taken as known, so what is left is the model's error)."""
+def write_trace(bench: dict, prompts: list[list[int]], block_size: int, path: Path) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in trace_lines(bench["records"], prompts, block_size)))
+    return path
+
+
+def busy_scale(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
+               profile: str, out: Path, tag: str) -> tuple[float, dict] | None:
+    """Measured engine busy seconds of a bench run over the simulated ones
+    for its requests (None without the server's counter), and the simulation."""
     bench = json.loads(bench_json.read_text())
-    trace = out / f"{run}.trace.jsonl"
-    trace.write_text("".join(json.dumps(line) + "\n"
-                             for line in trace_lines(bench["records"], prompts, args.block_size)))
+    busy = (bench.get("server") or {}).get("engine_step_seconds_delta")
+    trace = write_trace(bench, prompts, args.block_size, out / f"{run}.{tag}.trace.jsonl")
+    sim = simulate(args, name, run, profile, trace, out / f"{run}.{tag}.sim.json", out / f"{run}.{tag}.sim.log")
+    return (busy / sim["busy_s"], sim) if busy and sim.get("busy_s") else None
+
+
+def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
+                 profile: str, out: Path, probe: tuple[list[list[int]], Path] | None = None) -> list[dict]:
+    """Replay one bench run's request list through ``kvferry simulate``; its
+    error rows (and, per request, where the error sits: BREAKDOWNS;
+    the simulator's own seed-to-seed spread: SPREAD). Then again with every
+    step time scaled, twice:
+
+    - PROBED: by the probe's measured busy time over its simulated one (the
+      machine's speed right before the run: still a prediction);
+    - CALIBRATED: by the run's own measured busy time over the simulated one
+      (its speed taken as known, so what is left is the model's error)."""
+    bench = json.loads(bench_json.read_text())
+    trace = write_trace(bench, prompts, args.block_size, out / f"{run}.trace.jsonl")
     measured = measured_summary(bench["records"], parse_slo(args.slo))
     sim = simulate(args, name, run, profile, trace, out / f"{run}.sim.json", out / f"{run}.sim.log")
     BREAKDOWNS[run] = request_breakdown(bench["records"], sim["requests"])
+    SPREAD[run] = predicted_spread(sim)
     busy = (bench.get("server") or {}).get("engine_step_seconds_delta")
     if busy and sim.get("busy_s"):
         scale = busy / sim["busy_s"]
+        SPEED[run] = {"measured_busy_s": busy, "simulated_busy_s": sim["busy_s"], "scale": scale}
+        if probe is not None and (probed := busy_scale(args, name, run, *probe, profile, out, "probe")):
+            SPEED[run]["probe_scale"] = probed[0]
+            print(f"{run}: the probe before it ran x{probed[0]:.3f} the profile's step times: "
+                  "simulate again with that ...", flush=True)
+            sim_probed = simulate(args, name, run, profile, trace, out / f"{run}.sim-probed.json",
+                                  out / f"{run}.sim-probed.log", ["--step-time-scale", f"{probed[0]:.4f}"])
+            PROBED.extend(error_rows(run, measured, predicted_summary(sim_probed)))
         print(f"{run}: engine busy {busy:.2f} s measured, {sim['busy_s']:.2f} s simulated: "
               f"simulate again with step times x{scale:.3f} ...", flush=True)
         calibrated = simulate(args, name, run, profile, trace, out / f"{run}.sim-calibrated.json",
                               out / f"{run}.sim-calibrated.log", ["--step-time-scale", f"{scale:.4f}"])
-        SPEED[run] = {"measured_busy_s": busy, "simulated_busy_s": sim["busy_s"], "scale": scale}
         CALIBRATED.extend(error_rows(run, measured, predicted_summary(calibrated)))
     return error_rows(run, measured, predicted_summary(sim))
 
 
-SPEED: dict[str, dict] = {}  # run -> engine busy seconds measured / simulated, and their ratio
-CALIBRATED: list[dict] = []  # error rows of the speed-calibrated simulations
+SPEED: dict[str, dict] = {}  # run -> engine busy seconds measured / simulated, their ratio (and the probe's)
+CALIBRATED: list[dict] = []  # error rows of the simulations scaled by the run's own busy time
+PROBED: list[dict] = []  # error rows of the simulations scaled by the probe before the run
+SPREAD: dict[str, dict] = {}  # run -> the simulator's seed-to-seed spread per metric
 
 
 def simulate(args: argparse.Namespace, name: str, run: str, profile: str, trace: Path, sim_json: Path, log: Path,
@@ -317,18 +382,30 @@ def main() -> int:
         rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
     table = markdown_table(rows) + "\n\nWhere the error sits (mean relative error per request):\n\n" + \
         breakdown_table(BREAKDOWNS)
+    table += ("\n\nThe simulator's spread over its noise seeds (relative standard deviation of each "
+              "metric across seeded runs of the same requests: how far one run lands from the mean of "
+              "many when only step noise differs):\n\n" + spread_table(SPREAD))
+    if SPEED:
+        table += ("\n\nEngine busy time (`engine_step_seconds` from the server's /metrics) over the "
+                  "simulated one, in each run and in the probe sent right before it:\n\n" + speed_table(SPEED))
+    if PROBED:
+        table += ("\n\nProbe-calibrated (step times scaled by the probe's ratio: the machine's speed "
+                  "right before the run, so still a prediction):\n\n" + markdown_table(PROBED))
     if CALIBRATED:
-        table += ("\n\nSpeed-calibrated (step times scaled by each run's measured engine busy time over the "
-                  "simulated one, `engine_step_seconds` from the server's /metrics):\n\n"
-                  + speed_table(SPEED) + "\n\n" + markdown_table(CALIBRATED))
+        table += ("\n\nSpeed-calibrated (step times scaled by the run's own ratio: its speed taken as "
+                  "known, so what is left is the model's error):\n\n" + markdown_table(CALIBRATED))
     warnings = [f"- {label}: {w}" for label, q in PROFILE_QUALITY.items() for w in q.get("warnings", ())]
     if warnings:
         table += "\n\nProfile warnings (fit quality, `quality` in each profile JSON):\n\n" + "\n".join(warnings)
     (out / "validation.json").write_text(json.dumps({"args": vars(args), "rows": rows, "breakdown": BREAKDOWNS,
                                                      "speed": SPEED, "calibrated_rows": CALIBRATED,
+                                                     "probed_rows": PROBED, "spread": SPREAD,
                                                      "profile_quality": PROFILE_QUALITY}, indent=1))
     (out / "validation.md").write_text(table + "\n")
     plot_validation(rows, out / "validation.png")
+    if PROBED:
+        plot_validation(PROBED, out / "validation-probed.png",
+                        title="kvferry simulate (probe-calibrated before each run) vs measured")
     if CALIBRATED:
         plot_validation(CALIBRATED, out / "validation-calibrated.png",
                         title="kvferry simulate (speed-calibrated per run) vs measured")

@@ -237,6 +237,9 @@ def run_simulate(args: argparse.Namespace) -> dict:
         busy.append(sum(inst.busy_time for inst in sim.instances()))
     result = {"mode": "fast-analytic" if args.fast else "scheduler", "config": _config_json(args, counts),
               "noise_seeds": len(seeds), "summary": mean_summary(summaries),
+              # each seeded run's own summary: how much one run of these very
+              # requests varies with the step noise alone
+              "seed_summaries": summaries,
               # the instances' summed step time (mean over seeds): a server's engine_step_seconds
               "busy_s": sum(busy) / len(busy), "step_time_scale": args.step_time_scale,
               "instances": instance_stats(sim.instances(), summaries[-1]["duration_s"])}

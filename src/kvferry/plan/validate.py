@@ -126,10 +126,17 @@ def breakdown_table(breakdowns: dict[str, dict]) -> str:
 def speed_table(speed: dict[str, dict]) -> str:
     """Runs down: the server's engine busy seconds in the run, the
     simulator's for the same requests, and their ratio (the step-time scale
-    a calibrated simulation applies)."""
-    lines = ["| run | engine busy, measured (s) | simulated (s) | measured / simulated |", "|---|---|---|---|"]
+    a calibrated simulation applies); with a probe before the run
+    (``probe_scale``), the same ratio over the probe's requests too."""
+    probes = any("probe_scale" in s for s in speed.values())
+    head = "| run | engine busy, measured (s) | simulated (s) | measured / simulated |"
+    lines = [head + (" probe before the run: measured / simulated |" if probes else ""),
+             "|---|---|---|---|" + ("---|" if probes else "")]
     for run, s in speed.items():
-        lines.append(f"| {run} | {s['measured_busy_s']:.2f} | {s['simulated_busy_s']:.2f} | {s['scale']:.3f} |")
+        line = f"| {run} | {s['measured_busy_s']:.2f} | {s['simulated_busy_s']:.2f} | {s['scale']:.3f} |"
+        if probes:
+            line += f" {s['probe_scale']:.3f} |" if s.get("probe_scale") is not None else " - |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -138,6 +145,34 @@ def predicted_summary(sim_result: dict) -> dict[str, float | None]:
     s = sim_result["summary"]
     return {"ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
             "tpot_p50": s["tpot_ms"]["p50"], "tpot_p99": s["tpot_ms"]["p99"], "goodput": s["goodput"]}
+
+
+def predicted_spread(sim_result: dict) -> dict[str, float | None]:
+    """Per metric, the relative standard deviation of the simulator's seeded
+    runs of the same requests (``seed_summaries``): how far one run is
+    expected to land from the mean of many when only the steps' noise
+    differs. None with fewer than two seeds or a zero mean."""
+    runs = [predicted_summary({"summary": s}) for s in sim_result.get("seed_summaries") or ()]
+    out: dict[str, float | None] = {}
+    for m in METRICS:
+        values = [r[m] for r in runs if r[m] is not None]
+        mean = float(np.mean(values)) if len(values) >= 2 else 0.0
+        out[m] = float(np.std(values)) / mean if len(values) == len(runs) >= 2 and mean > 0 else None
+    return out
+
+
+def spread_table(spreads: dict[str, dict]) -> str:
+    """Runs down, metrics across: the simulator's seed-to-seed spread
+    (``predicted_spread``), then its mean over the runs."""
+    lines = ["| run | " + " | ".join(METRICS) + " |", "|" + "---|" * (len(METRICS) + 1)]
+    for run, s in spreads.items():
+        lines.append(f"| {run} | " + " | ".join("-" if s[m] is None else f"{100 * s[m]:.1f}%" for m in METRICS) + " |")
+    means = []
+    for m in METRICS:
+        values = [s[m] for s in spreads.values() if s[m] is not None]
+        means.append(f"{100 * np.mean(values):.1f}%" if values else "-")
+    lines.append("| **mean** | " + " | ".join(means) + " |")
+    return "\n".join(lines)
 
 
 def relative_error(measured: float | None, predicted: float | None) -> float | None:
