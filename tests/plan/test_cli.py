@@ -73,6 +73,11 @@ def test_simulate_with_measured_noise_averages_seeds_and_lists_requests(tmp_path
     three, again, one = (json.loads(r.stdout) for r in runs)
     assert three["noise_seeds"] == 3 and one["noise_seeds"] == 1
     assert three["summary"] == again["summary"] and three["summary"]["ttft_ms"] != one["summary"]["ttft_ms"]
+    # each seed's own run is kept, and the reported summary is their mean
+    seeds = three["seed_summaries"]
+    assert len(seeds) == 3 and len(one["seed_summaries"]) == 1
+    assert len({s["ttft_ms"]["p99"] for s in seeds}) > 1
+    assert sum(s["ttft_ms"]["p99"] for s in seeds) / 3 == pytest.approx(three["summary"]["ttft_ms"]["p99"])
     reqs = three["requests"]
     assert [r["request_id"] for r in reqs] == list(range(12)) and all(r["ttft_ms"] > 0 for r in reqs)
     assert sum(r["ttft_ms"] for r in reqs) / 12 == pytest.approx(three["summary"]["ttft_ms"]["mean"])

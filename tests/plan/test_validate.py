@@ -15,8 +15,8 @@ from kvferry.plan.instance import InstanceConfig, SchedulerInstance
 from kvferry.plan.latency import StepCostModel
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from kvferry.plan.validate import (
-    block_hash_ids, breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, relative_error,
-    request_breakdown, speed_table, trace_lines)
+    block_hash_ids, breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, predicted_spread,
+    relative_error, request_breakdown, speed_table, spread_table, trace_lines)
 from tests.plan.helpers import cost, unique_request, write_profile
 
 
@@ -99,6 +99,33 @@ def test_error_table_rows_markdown_and_plot(tmp_path):
     assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"
     speed = speed_table({"colocated@1": {"measured_busy_s": 3.3, "simulated_busy_s": 3.0, "scale": 1.1}})
     assert speed.splitlines()[-1] == "| colocated@1 | 3.30 | 3.00 | 1.100 |"
+    # a probe's scale gets its own column; a run without one shows a dash
+    speed = speed_table({"a@1": {"measured_busy_s": 3.3, "simulated_busy_s": 3.0, "scale": 1.1, "probe_scale": 0.95},
+                         "b@1": {"measured_busy_s": 2.0, "simulated_busy_s": 2.0, "scale": 1.0}})
+    lines = speed.splitlines()
+    assert "probe" in lines[0] and lines[2] == "| a@1 | 3.30 | 3.00 | 1.100 | 0.950 |"
+    assert lines[3] == "| b@1 | 2.00 | 2.00 | 1.000 | - |"
+
+
+def _sim_summary(ttft_p50: float, ttft_p99: float, goodput: float) -> dict:
+    return {"ttft_ms": {"p50": ttft_p50, "p99": ttft_p99}, "tpot_ms": {"p50": 10.0, "p99": 10.0},
+            "goodput": goodput}
+
+
+def test_predicted_spread_is_the_relative_std_over_noise_seeds():
+    """p99s of 90 and 110 over two seeds: mean 100, std 10, so 10%; equal
+    values spread 0; one seed, or a metric a seed lacks, has no spread."""
+    sim = {"seed_summaries": [_sim_summary(50.0, 90.0, 1.0), _sim_summary(50.0, 110.0, None)]}
+    spread = predicted_spread(sim)
+    assert spread["ttft_p99"] == pytest.approx(0.10)
+    assert spread["ttft_p50"] == 0.0 and spread["tpot_p99"] == 0.0
+    assert spread["goodput"] is None
+    assert all(v is None for v in predicted_spread({"seed_summaries": [_sim_summary(1, 2, 1)]}).values())
+    assert all(v is None for v in predicted_spread({}).values())
+    table = spread_table({"a@1": spread, "b@1": predicted_spread({"seed_summaries": [_sim_summary(40, 80, 1)] * 2})})
+    lines = table.splitlines()
+    assert lines[2] == "| a@1 | 0.0% | 10.0% | 0.0% | 0.0% | - |"
+    assert lines[-1] == "| **mean** | 0.0% | 5.0% | 0.0% | 0.0% | 0.0% |"
 
 
 def test_disaggregated_request_waits_for_its_decode_instance_step():
