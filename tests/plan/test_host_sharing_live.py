@@ -40,6 +40,7 @@ def test_disagg_profile_measures_host_sharing_and_simulate_applies_it(disagg, tm
     assert sharing["prefill"] >= 1.0 and sharing["decode"] >= 1.0 and sharing["prefill_ratios"]
     # step noise: the prefill samples' ratios alone, none from the probes' decode gaps
     assert data["step_noise"]["prefill"] == noise_ratios(data["prefill"]["points"], data["prefill"]["fit"])
+    assert len(data["step_noise"]["prefill_at_s"]) == len(data["step_noise"]["prefill"])
     cost = StepCostModel.from_profile(str(out))
     assert (cost.host_sharing.prefill, cost.host_sharing.decode) == (sharing["prefill"], sharing["decode"])
 

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from kvferry.bench.profile_served import noise_ratios
+from kvferry.bench.profile_served import noise_ratios, step_noise
 from kvferry.plan.instance import InstanceConfig
 from kvferry.plan.latency import PlanError, StepCostModel, StepNoise
 from kvferry.plan.report import mean_summary, summarize
@@ -103,3 +103,48 @@ def test_mean_summary_averages_numbers_and_keeps_what_all_runs_agree_on():
     runs = [{"n": 40, "ttft_ms": {"p50": 10.0, "p99": None}, "goodput": 1.0, "mode": "x"},
             {"n": 40, "ttft_ms": {"p50": 20.0, "p99": None}, "goodput": 2.0, "mode": "x"}]
     assert mean_summary(runs) == {"n": 40, "ttft_ms": {"p50": 15.0, "p99": None}, "goodput": 1.5, "mode": "x"}
+
+
+def test_a_step_draws_its_noise_from_profiled_steps_of_about_its_length():
+    """Sixteen samples: eight at a fitted 20 ms (one of them 2.4x: a hiccup
+    of a short step) and eight at 100 ms (0.95-1.05). A 100 ms step draws
+    only from the 100 ms samples, a 20 ms one only from the 20 ms ones; with
+    fewer than MIN_NEAR alike, the nearest MIN_NEAR by ratio of times."""
+    short = [1.0] * 7 + [2.4]
+    long_ = [0.95, 1.0, 1.05, 1.0, 0.95, 1.0, 1.05, 1.0]
+    noise = StepNoise.from_json({"prefill": long_ + short, "decode": [1.0],
+                                 "prefill_at_s": [0.1] * 8 + [0.02] * 8})
+    assert noise.prefill_at == tuple([0.02] * 8 + [0.1] * 8)  # sorted by fitted time, ratios with them
+    rng = random.Random(0)
+    assert {noise.factor(rng, True, 0.1) for _ in range(500)} == {0.95, 1.0, 1.05}
+    assert {noise.factor(rng, True, 0.02) for _ in range(500)} == {1.0, 2.4}
+    # 45 ms: within 2x of neither group's eight alone (0.02 is 2.25x off): the 8 nearest are the 100 ms ones
+    assert {noise.factor(rng, True, 0.045) for _ in range(500)} == {0.95, 1.0, 1.05}
+    # no fitted time asked for, or none kept: any sample
+    assert 2.4 in {noise.factor(rng, True) for _ in range(500)}
+    plain = StepNoise(tuple(long_ + short), (1.0,))
+    assert 2.4 in {plain.factor(rng, True, 0.1) for _ in range(500)}
+    # through the cost model: a 100 ms fitted step never takes the short steps' 2.4x
+    cost = StepCostModel((0.0, 0.001, 0.0, 0.0), (0.005, 0.001, 0.0), noise=noise)
+    assert max(cost.noisy_step([(100, 0)], 0, 0, rng) for _ in range(500)) == pytest.approx(0.105)
+
+
+def test_noise_times_must_match_the_ratios():
+    with pytest.raises(ValueError, match="step_noise.prefill_at_s"):
+        StepNoise.from_json({"prefill": [1.0, 1.1], "decode": [1.0], "prefill_at_s": [0.01]})
+    with pytest.raises(ValueError, match="step_noise.decode_at_s"):
+        StepNoise((1.0,), (1.0, 1.0), decode_at=(0.02, 0.01))  # not ascending
+
+
+def test_profile_step_noise_keeps_each_ratio_with_its_fitted_time():
+    fit = {"terms": ["1", "new"], "coef": [0.010, 0.001]}
+    prefill = [{"new": 10, "samples_s": [0.02, 0.03]}, {"new": 90, "samples_s": [0.1]}]
+    decode_fit = {"terms": ["1"], "coef": [0.005]}
+    decode = [{"samples_s": [0.005, 0.006]}]
+    mixed = [{"sum_s": 0.05, "samples_s": [0.06]}]
+    mixed_fit = {"terms": ["1"], "coef": [0.0]}
+    noise = step_noise(prefill, fit, decode, decode_fit, mixed, mixed_fit)
+    assert noise["prefill"] == [1.0, 1.5, 1.0, 1.2] and noise["prefill_at_s"] == [0.02, 0.02, 0.1, 0.05]
+    assert noise["decode"] == [1.0, 1.2] and noise["decode_at_s"] == [0.005, 0.005]
+    parsed = StepNoise.from_json(noise)
+    assert parsed.prefill_at == (0.02, 0.02, 0.05, 0.1) and parsed.prefill == (1.0, 1.5, 1.2, 1.0)

@@ -16,7 +16,7 @@ from kvferry.plan.latency import StepCostModel
 from kvferry.plan.simulator import ClusterConfig, Simulation
 from kvferry.plan.validate import (
     block_hash_ids, breakdown_table, error_rows, markdown_table, measured_summary, plot_validation, predicted_spread,
-    relative_error, request_breakdown, speed_table, spread_table, trace_lines)
+    relative_error, request_breakdown, sittings_comparison, sittings_table, speed_table, spread_table, trace_lines)
 from tests.plan.helpers import cost, unique_request, write_profile
 
 
@@ -218,3 +218,29 @@ def test_simulated_instances_default_to_the_servers_scheduler_settings():
     inst = SchedulerInstance("engine-0", "colocated", cost((0, 0, 0, 0), (0, 0, 0)), sim)
     assert inst.scheduler.config.enable_chunked_prefill == sched.enable_chunked_prefill
     assert inst.scheduler.config.preemption_mode == sched.preemption_mode
+
+
+def test_sittings_comparison_measures_the_runs_reproducibility_and_the_error_against_their_mean():
+    """Two sittings of one run: measured 90 and 110 (mean 100, std 14.1%);
+    predictions 100 and 121. Sitting a: 11.1% off its own run, 0% off the
+    mean, and the mean 11.1% off its run; b: 10%, 21% and 9.1%. A metric
+    one sitting lacks is left out; one sitting alone is refused."""
+    def rows(measured: float, predicted: float, tpot: float | None) -> list[dict]:
+        return error_rows("c@1", {"ttft_p99": measured, "tpot_p50": tpot}, {"ttft_p99": predicted, "tpot_p50": 5.0})
+
+    cmp = sittings_comparison({"a": rows(90.0, 100.0, 5.0), "b": rows(110.0, 121.0, None)})
+    assert cmp["spread"]["c@1"]["ttft_p99"] == pytest.approx(14.142 / 100, rel=1e-3)
+    assert "tpot_p50" not in cmp["spread"]["c@1"]
+    a, b = cmp["per_sitting"]["a"], cmp["per_sitting"]["b"]
+    assert a["own"]["ttft_p99"] == pytest.approx(10 / 90)
+    assert a["prediction_vs_mean"]["ttft_p99"] == pytest.approx(0.0)
+    assert a["mean_vs_own"]["ttft_p99"] == pytest.approx(10 / 90)
+    assert b["own"]["ttft_p99"] == pytest.approx(0.10)
+    assert b["prediction_vs_mean"]["ttft_p99"] == pytest.approx(0.21)
+    assert b["mean_vs_own"]["ttft_p99"] == pytest.approx(10 / 110)
+    assert a["own"]["tpot_p50"] is None
+    table = sittings_table(cmp).splitlines()
+    assert table[0] == "| run | ttft_p99 spread |" and table[2] == "| c@1 | 14.1% |"
+    assert "| b | prediction vs mean of sittings | 21.0% |" in table
+    with pytest.raises(ValueError, match="at least two"):
+        sittings_comparison({"a": rows(90.0, 100.0, 5.0)})

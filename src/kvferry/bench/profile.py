@@ -216,8 +216,9 @@ def fit_quality(result: dict) -> dict:
         if max(trend) - min(trend) > DRIFT_WARN:
             warn(f"decode rounds: the typical step went {' -> '.join(f'{t:.2f}' for t in trend)} of its median "
                  f"over the profile (more than {100 * DRIFT_WARN:.0f}% apart): the server's speed drifted")
-    for kind, ratios in (result.get("step_noise") or {}).items():
-        if ratios:
+    noise = result.get("step_noise") or {}
+    for kind in ("prefill", "decode"):
+        if ratios := noise.get(kind):
             mean = sum(ratios) / len(ratios)
             quality[kind]["noise_mean"] = round(mean, 3)
             if mean > NOISE_MEAN_WARN:

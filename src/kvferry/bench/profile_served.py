@@ -384,22 +384,39 @@ def host_sharing(apart: list[dict], overhead_s: float) -> dict | None:
             "points": apart}
 
 
-def noise_ratios(points: list[dict], model: dict) -> list[float]:
-    """Every sample of every point over the fit's prediction there (points
-    the fit predicts no time for are skipped), rounded to 0.1%."""
-    ratios = []
+def noise_samples(points: list[dict], model: dict) -> list[tuple[float, float]]:
+    """Every sample of every point as (its ratio to the fit's prediction
+    there, rounded to 0.1%; that prediction, s). Points the fit predicts
+    no time for are skipped."""
+    out = []
     for p in points:
         pred = predict(model, p)
         if pred > 0:
-            ratios += [round(t / pred, 3) for t in p.get("samples_s", ()) if t > 0]
-    return ratios
+            out += [(round(t / pred, 3), pred) for t in p.get("samples_s", ()) if t > 0]
+    return out
 
 
-def mixed_noise_ratios(points: list[dict], mixed_fit: dict) -> list[float]:
+def noise_ratios(points: list[dict], model: dict) -> list[float]:
+    return [r for r, _ in noise_samples(points, model)]
+
+
+def mixed_noise_samples(points: list[dict], mixed_fit: dict) -> list[tuple[float, float]]:
     """Each mixed sample over the whole predicted mixed step (the two fits'
-    sum, ``sum_s``, plus the mixed fit's extra)."""
-    return [round(t / pred, 3) for p in points
+    sum, ``sum_s``, plus the mixed fit's extra), with that prediction."""
+    return [(round(t / pred, 3), pred) for p in points
             if (pred := p["sum_s"] + predict(mixed_fit, p)) > 0 for t in p["samples_s"] if t > 0]
+
+
+def step_noise(prefill: list[dict], prefill_fit: dict, decode: list[dict], decode_fit: dict,
+               mixed: list[dict], mixed_fit: dict) -> dict:
+    """``step_noise`` of a profile: the ratios, and the fitted step time each
+    was measured at (``*_at_s``: the simulator draws a step's noise from
+    steps of about its length). A mixed step carries prefill tokens: its
+    spread joins the prefill steps'."""
+    pre = noise_samples(prefill, prefill_fit) + mixed_noise_samples(mixed, mixed_fit)
+    dec = noise_samples(decode, decode_fit)
+    return {"prefill": [r for r, _ in pre], "decode": [r for r, _ in dec],
+            "prefill_at_s": [round(t, 6) for _, t in pre], "decode_at_s": [round(t, 6) for _, t in dec]}
 
 
 async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, decode_fit: dict) -> float:
@@ -481,10 +498,7 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                   "request_overhead_s": overhead, "request_overhead_from": overhead_from,
                   "first_token_delay_s": await _first_token_delay(client, model, rng, 3 * (grid.repeats + 2),
                                                                   min(grid.new_tokens)),
-                  # a mixed step carries prefill tokens: its spread joins the prefill steps'
-                  "step_noise": {"prefill": noise_ratios(prefill, prefill_fit)
-                                 + mixed_noise_ratios(mixed, mixed_fit),
-                                 "decode": noise_ratios(decode, decode_fit)},
+                  "step_noise": step_noise(prefill, prefill_fit, decode, decode_fit, mixed, mixed_fit),
                   "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
     result["quality"] = fit_quality(result)
     return result

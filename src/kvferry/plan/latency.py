@@ -14,6 +14,7 @@ front end's work for the decoding streams competing with a longer step).
 """
 from __future__ import annotations
 
+import bisect
 import json
 import random
 from dataclasses import dataclass, replace
@@ -34,20 +35,38 @@ class StepNoise:
     every sample, ``step_noise`` in its JSON), one list for steps that carry
     prefill tokens and one for decode-only steps.
 
-    A simulated step draws one ratio uniformly from its list and multiplies
-    the fitted time by it. The mean of the draws is the mean of the ratios, so
-    the simulated mean step is the measured mean step (the fits are medians,
-    and the ratios carry the skew above them); the draws' spread gives
-    queueing and the p99s the tail that one fitted time cannot."""
+    A simulated step draws one ratio and multiplies the fitted time by it.
+    Where the profile says at what fitted time each ratio was measured
+    (``prefill_at_s``, ``decode_at_s``), the draw is among the samples of
+    steps of about the same length (fitted within a factor of
+    ``NEAR_FACTOR``, or the ``MIN_NEAR`` nearest): a hiccup of a few ms
+    doubles a 20 ms step but is a few percent of a 100 ms one, so the
+    short steps' outliers must not stretch the long ones (measured: one 46-token
+    prefill sample at 2.4x its fit made every simulated 290-token prompt
+    draw 2.4x one time in 42, and the TTFT p99 of a cache-off run came out
+    25-30% over the measured one). Without the times, the draw is uniform
+    over the whole list. Either way the draws' mean is the (local) mean of
+    the ratios, so the simulated mean step is the measured one (the fits
+    are medians, and the ratios carry the skew above them); their spread
+    gives queueing and the p99s the tail that one fitted time cannot."""
 
     prefill: tuple[float, ...]
     decode: tuple[float, ...]
+    # The fitted step time (s) each ratio was measured at, ascending; () : unknown.
+    prefill_at: tuple[float, ...] = ()
+    decode_at: tuple[float, ...] = ()
+
+    NEAR_FACTOR = 2.0
+    MIN_NEAR = 8
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
-            ratios = getattr(self, name)
+            ratios, at = getattr(self, name), getattr(self, f"{name}_at")
             if not ratios or any(not r > 0 for r in ratios):
                 raise ValueError(f"step_noise.{name}: need at least one ratio, all > 0")
+            if at and (len(at) != len(ratios) or any(not t > 0 for t in at)
+                       or any(a > b for a, b in zip(at, at[1:]))):
+                raise ValueError(f"step_noise.{name}_at_s: one fitted time > 0 per ratio, ascending")
 
     @classmethod
     def from_json(cls, data: dict | None) -> StepNoise | None:
@@ -55,11 +74,41 @@ class StepNoise:
         profile) or measured no sample of one kind."""
         if not data or not data.get("prefill") or not data.get("decode"):
             return None
-        return cls(tuple(float(r) for r in data["prefill"]), tuple(float(r) for r in data["decode"]))
+        lists = {}
+        for name in ("prefill", "decode"):
+            ratios = [float(r) for r in data[name]]
+            at = data.get(f"{name}_at_s")
+            if at is not None and len(at) == len(ratios):
+                pairs = sorted(zip((float(t) for t in at), ratios))  # by fitted time
+                lists[name], lists[f"{name}_at"] = tuple(r for _, r in pairs), tuple(t for t, _ in pairs)
+            else:
+                if at is not None:
+                    raise ValueError(f"step_noise.{name}_at_s: {len(at)} times for {len(ratios)} ratios")
+                lists[name] = tuple(ratios)
+        return cls(**lists)
 
-    def factor(self, rng: random.Random, has_prefill: bool) -> float:
+    def factor(self, rng: random.Random, has_prefill: bool, at_s: float | None = None) -> float:
+        """A ratio for a step of fitted time ``at_s`` (any step's when None
+        or when the profile kept no times)."""
         ratios = self.prefill if has_prefill else self.decode
-        return ratios[rng.randrange(len(ratios))]
+        at = self.prefill_at if has_prefill else self.decode_at
+        if not at or at_s is None:
+            return ratios[rng.randrange(len(ratios))]
+        lo = bisect.bisect_left(at, at_s / self.NEAR_FACTOR)
+        hi = bisect.bisect_right(at, at_s * self.NEAR_FACTOR)
+        if hi - lo < self.MIN_NEAR:  # too few alike: the nearest MIN_NEAR by fitted time
+            n = min(self.MIN_NEAR, len(at))
+            centre = bisect.bisect_left(at, at_s)
+            lo = max(0, min(centre - n // 2, len(at) - n))
+            def far(t: float) -> float:  # distance by ratio, either side
+                return max(t / at_s, at_s / t)
+
+            while lo > 0 and far(at[lo - 1]) < far(at[lo + n - 1]):
+                lo -= 1  # slide toward whichever side holds nearer samples
+            while lo + n < len(at) and far(at[lo + n]) < far(at[lo]):
+                lo += 1
+            hi = lo + n
+        return ratios[rng.randrange(lo, hi)]
 
     def mean(self, has_prefill: bool) -> float:
         ratios = self.prefill if has_prefill else self.decode
@@ -144,7 +193,7 @@ class StepCostModel:
         t = self.step(chunks, decode_batch, decode_context)
         if self.noise is None or rng is None:
             return t
-        return t * self.noise.factor(rng, bool(chunks))
+        return t * self.noise.factor(rng, bool(chunks), t)
 
     def prefill_time(self, new: int, cached: int) -> float:
         """A whole prompt prefilled in one step."""

@@ -217,6 +217,65 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sittings_comparison(sittings: dict[str, list[dict]]) -> dict:
+    """Several sittings of the same validation (the same request lists, so
+    only the machine and the time differ): how reproducible the measurement
+    itself is, and the simulator's error against it.
+
+    ``sittings`` maps a sitting's name to its ``error_rows``. Only the
+    (run, metric) pairs measured in every sitting count. Returns
+    ``spread[run][metric]``, the measured values' relative standard
+    deviation over the sittings (ddof 1), and per sitting and metric the
+    mean over runs of three absolute relative errors:
+
+    - ``own``: its prediction against its own measurement (the validation's figure);
+    - ``prediction_vs_mean``: its prediction against the mean measurement of all sittings;
+    - ``mean_vs_own``: that mean measurement against its own measurement,
+      what a predictor that knew the real system's average would score.
+    """
+    names = list(sittings)
+    if len(names) < 2:
+        raise ValueError(f"sittings: need at least two to compare, got {len(names)}")
+    by = {name: {(r["run"], r["metric"]): r for r in rows} for name, rows in sittings.items()}
+    keys = [k for k in by[names[0]]
+            if all(k in by[n] and by[n][k]["measured"] and by[n][k]["predicted"] is not None for n in names)]
+    spread: dict[str, dict[str, float]] = {}
+    errs = {n: {kind: {m: [] for m in METRICS} for kind in ("own", "prediction_vs_mean", "mean_vs_own")}
+            for n in names}
+    for run, metric in keys:
+        measured = np.array([by[n][(run, metric)]["measured"] for n in names], dtype=float)
+        mean = float(measured.mean())
+        spread.setdefault(run, {})[metric] = float(measured.std(ddof=1) / mean)
+        for n, own in zip(names, measured):
+            predicted = by[n][(run, metric)]["predicted"]
+            errs[n]["own"][metric].append(abs(predicted - own) / own)
+            errs[n]["prediction_vs_mean"][metric].append(abs(predicted - mean) / mean)
+            errs[n]["mean_vs_own"][metric].append(abs(mean - own) / own)
+    per_sitting = {n: {kind: {m: (float(np.mean(v)) if v else None) for m, v in kinds.items()}
+                       for kind, kinds in errs[n].items()} for n in names}
+    return {"sittings": names, "spread": spread, "per_sitting": per_sitting}
+
+
+def sittings_table(comparison: dict) -> str:
+    """``sittings_comparison`` as markdown: the measured spread per run, then
+    per sitting the three mean errors for each metric."""
+    metrics = [m for m in METRICS if any(m in s for s in comparison["spread"].values())]
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    lines = ["| run | " + " | ".join(f"{m} spread" for m in metrics) + " |", "|" + "---|" * (len(metrics) + 1)]
+    for run, s in comparison["spread"].items():
+        lines.append(f"| {run} | " + " | ".join(pct(s.get(m)) for m in metrics) + " |")
+    means = [np.mean([s[m] for s in comparison["spread"].values() if m in s]) for m in metrics]
+    lines.append("| **mean** | " + " | ".join(pct(float(v)) for v in means) + " |")
+    lines += ["", "| sitting | error | " + " | ".join(metrics) + " |", "|---|" + "---|" * (len(metrics) + 1)]
+    labels = {"own": "prediction vs own run", "prediction_vs_mean": "prediction vs mean of sittings",
+              "mean_vs_own": "mean of sittings vs own run"}
+    for name in comparison["sittings"]:
+        for kind, label in labels.items():
+            row = comparison["per_sitting"][name][kind]
+            lines.append(f"| {name} | {label} | " + " | ".join(pct(row[m]) for m in metrics) + " |")
+    return "\n".join(lines)
+
+
 def plot_validation(rows: list[dict], path, title: str = "kvferry simulate vs measured") -> None:
     """Predicted against measured, one panel per metric (log-log), y = x and
     a +-10% band; a run with a zero value is left out of that panel."""
