@@ -49,6 +49,11 @@ simulated busy time is the machine's speed just then (``probe_scale`` in
 (``probed_rows``, validation-probed.png): a prediction that knows the speed
 of a few seconds before the run, not of the run itself.
 
+Re-simulation: ``--resimulate DIR`` reads an earlier served-mode sitting's
+output folder (its bench JSONs, traces, probes and profiles) and simulates
+its runs again with this tree, starting no server, into ``--output-dir``:
+a change to the model is then judged against every stored sitting.
+
 Spread: the simulator runs each request list under several noise seeds;
 ``spread`` holds, per run and metric, the relative standard deviation over
 the seeds: how far a single run may land from the mean of many when only
@@ -117,6 +122,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--warmup-requests", type=int, default=3, help="sent before each server's first run")
+    p.add_argument("--resimulate", default=None, metavar="DIR",
+                   help="simulate the runs of an earlier sitting's output folder again with this tree "
+                        "(its bench JSONs, traces and profiles; no server is started)")
     p.add_argument("--probe-requests", type=int, default=8,
                    help="random-workload requests sent one at a time right before each run, to measure the "
                         "machine's speed then (0: no probe)")
@@ -260,8 +268,16 @@ def run_server(args: argparse.Namespace, names: list[str], rates: dict[str, list
                 runs.append((name, run, *bench_run(args, url, workload, rate, seed, out, name), probe))
     finally:
         _servers.stop_server(proc)
-    return [row for name, run, prompts, bench_json, probe in runs
-            for row in simulate_run(args, name, run, prompts, bench_json, profile, out, probe)]
+    rows = []
+    for name, run, prompts, bench_json, probe in runs:
+        trace = write_trace(bench_json, prompts, args.block_size, out / f"{run}.trace.jsonl")
+        probe_files = None
+        if probe is not None:
+            probe_prompts, probe_json = probe
+            probe_files = (probe_json, write_trace(probe_json, probe_prompts, args.block_size,
+                                                   out / f"{run}.probe.trace.jsonl"))
+        rows += simulate_run(args, name, run, bench_json, trace, profile, out, probe_files)
+    return rows
 
 
 _probe_seeds = iter(range(5000, 6000))  # every probe its own prompts: none hits an earlier one in the cache
@@ -294,24 +310,26 @@ def bench_run(args: argparse.Namespace, url: str, workload: str, rate: float, se
     return prompts, bench_json
 
 
-def write_trace(bench: dict, prompts: list[list[int]], block_size: int, path: Path) -> Path:
-    path.write_text("".join(json.dumps(line) + "\n" for line in trace_lines(bench["records"], prompts, block_size)))
+def write_trace(bench_json: Path, prompts: list[list[int]], block_size: int, path: Path) -> Path:
+    """The bench run's request list as a trace (``trace_lines``), saved
+    beside it so that ``--resimulate`` can replay it later."""
+    records = json.loads(bench_json.read_text())["records"]
+    path.write_text("".join(json.dumps(line) + "\n" for line in trace_lines(records, prompts, block_size)))
     return path
 
 
-def busy_scale(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
+def busy_scale(args: argparse.Namespace, name: str, run: str, bench_json: Path, trace: Path,
                profile: str, out: Path, tag: str) -> tuple[float, dict] | None:
     """Measured engine busy seconds of a bench run over the simulated ones
     for its requests (None without the server's counter), and the simulation."""
     bench = json.loads(bench_json.read_text())
     busy = (bench.get("server") or {}).get("engine_step_seconds_delta")
-    trace = write_trace(bench, prompts, args.block_size, out / f"{run}.{tag}.trace.jsonl")
     sim = simulate(args, name, run, profile, trace, out / f"{run}.{tag}.sim.json", out / f"{run}.{tag}.sim.log")
     return (busy / sim["busy_s"], sim) if busy and sim.get("busy_s") else None
 
 
-def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[list[int]], bench_json: Path,
-                 profile: str, out: Path, probe: tuple[list[list[int]], Path] | None = None) -> list[dict]:
+def simulate_run(args: argparse.Namespace, name: str, run: str, bench_json: Path, trace: Path,
+                 profile: str, out: Path, probe: tuple[Path, Path] | None = None) -> list[dict]:
     """Replay one bench run's request list through ``kvferry simulate``; its
     error rows (and, per request, where the error sits: BREAKDOWNS;
     the simulator's own seed-to-seed spread: SPREAD). Then again with every
@@ -322,7 +340,6 @@ def simulate_run(args: argparse.Namespace, name: str, run: str, prompts: list[li
     - CALIBRATED: by the run's own measured busy time over the simulated one
       (its speed taken as known, so what is left is the model's error)."""
     bench = json.loads(bench_json.read_text())
-    trace = write_trace(bench, prompts, args.block_size, out / f"{run}.trace.jsonl")
     measured = measured_summary(bench["records"], parse_slo(args.slo))
     sim = simulate(args, name, run, profile, trace, out / f"{run}.sim.json", out / f"{run}.sim.log")
     BREAKDOWNS[run] = request_breakdown(bench["records"], sim["requests"])
@@ -364,13 +381,64 @@ def simulate(args: argparse.Namespace, name: str, run: str, profile: str, trace:
     return json.loads(sim_json.read_text())
 
 
+def resimulate_server(args: argparse.Namespace, names: list[str], rates: dict[str, list[float]], src: Path,
+                      out: Path) -> list[dict]:
+    """``--resimulate``: the runs of a served-mode sitting in ``src`` (bench
+    JSONs, traces, probes, the server's profile) simulated again by this
+    tree, no server started. A profile of an older tree gets the fields
+    this one reads that it can derive from its own points and fits (the
+    fitted time of each step-noise ratio)."""
+    from kvferry.bench.profile_served import step_noise
+
+    label = "+".join(names)
+    data = json.loads((src / f"{label}.profile.json").read_text())
+    noise = data.get("step_noise") or {}
+    if noise and "prefill_at_s" not in noise:
+        derived = step_noise(data["prefill"]["points"], data["prefill"]["fit"], data["decode"]["points"],
+                             data["decode"]["fit"], data["mixed"]["points"], data["mixed"]["fit"])
+        if derived["prefill"] != noise["prefill"] or derived["decode"] != noise["decode"]:
+            raise RuntimeError(f"{label}: the profile's step_noise is not its points over its fits")
+        data["step_noise"] = derived
+    profile = out / f"{label}.profile.json"
+    profile.write_text(json.dumps(data))
+    report_profile_quality(label, str(profile))
+    rows = []
+    for name in names:
+        for rate in rates[CONFIGS[name][0]]:
+            run = f"{name}@{rate:g}"
+            bench_json = out / f"{run}.bench.json"
+            bench_json.write_bytes((src / f"{run}.bench.json").read_bytes())
+            probe = None
+            if (src / f"{run}.probe.trace.jsonl").exists():
+                probe = (src / f"{run}.probe.bench.json", src / f"{run}.probe.trace.jsonl")
+            rows += simulate_run(args, name, run, bench_json, src / f"{run}.trace.jsonl", str(profile), out, probe)
+    return rows
+
+
 def main() -> int:
     args = parse_args()
     out = Path(args.output_dir)
+    src = Path(args.resimulate) if args.resimulate else None
+    if src is not None:
+        if src.resolve() == out.resolve():
+            print("error: --resimulate needs an --output-dir other than the sitting it reads", file=sys.stderr)
+            return 2
+        try:
+            stored = json.loads((src / "validation.json").read_text())["args"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --resimulate {src}: no validation.json of a sitting there ({e})", file=sys.stderr)
+            return 2
+        if stored.get("profile_mode", "served") != "served" or stored.get("resimulate"):
+            print(f"error: --resimulate {src}: only a served-mode sitting with its own runs can be replayed",
+                  file=sys.stderr)
+            return 2
+        # the sitting's own request lists and server settings
+        for key in ("configs", "rates_shared", "rates_random", "num_requests", "slo", "block_size",
+                    "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            setattr(args, key, stored[key])
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # unwind: servers stop in `finally`
     start = time.monotonic()
-    paths = profiles(args, out)
     rates = {"shared-prefix": [float(r) for r in args.rates_shared.split(",")],
              "random": [float(r) for r in args.rates_random.split(",")]}
     # configurations with the same server flags share one server (and its profile)
@@ -378,8 +446,13 @@ def main() -> int:
     for name in args.configs:
         servers.setdefault(tuple(CONFIGS[name][1]), []).append(name)
     rows: list[dict] = []
-    for names in servers.values():
-        rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
+    if src is not None:
+        for names in servers.values():
+            rows += resimulate_server(args, names, rates, src, out)
+    else:
+        paths = profiles(args, out)
+        for names in servers.values():
+            rows += run_server(args, names, rates, paths[CONFIGS[names[0]][3]], out)
     table = markdown_table(rows) + "\n\nWhere the error sits (mean relative error per request):\n\n" + \
         breakdown_table(BREAKDOWNS)
     table += ("\n\nThe simulator's spread over its noise seeds (relative standard deviation of each "
