@@ -320,13 +320,13 @@ def write_trace(bench_json: Path, prompts: list[list[int]], block_size: int, pat
 
 
 def busy_scale(args: argparse.Namespace, name: str, run: str, bench_json: Path, trace: Path,
-               profile: str, out: Path, tag: str) -> tuple[float, dict] | None:
+               profile: str, out: Path, tag: str) -> float | None:
     """Measured engine busy seconds of a bench run over the simulated ones
-    for its requests (None without the server's counter), and the simulation."""
+    for its requests (None without the server's counter)."""
     bench = json.loads(bench_json.read_text())
     busy = (bench.get("server") or {}).get("engine_step_seconds_delta")
     sim = simulate(args, name, run, profile, trace, out / f"{run}.{tag}.sim.json", out / f"{run}.{tag}.sim.log")
-    return (busy / sim["busy_s"], sim) if busy and sim.get("busy_s") else None
+    return busy / sim["busy_s"] if busy and sim.get("busy_s") else None
 
 
 def simulate_run(args: argparse.Namespace, name: str, run: str, bench_json: Path, trace: Path,
@@ -350,11 +350,11 @@ def simulate_run(args: argparse.Namespace, name: str, run: str, bench_json: Path
         scale = busy / sim["busy_s"]
         SPEED[run] = {"measured_busy_s": busy, "simulated_busy_s": sim["busy_s"], "scale": scale}
         if probe is not None and (probed := busy_scale(args, name, run, *probe, profile, out, "probe")):
-            SPEED[run]["probe_scale"] = probed[0]
-            print(f"{run}: the probe before it ran x{probed[0]:.3f} the profile's step times: "
+            SPEED[run]["probe_scale"] = probed
+            print(f"{run}: the probe before it ran x{probed:.3f} the profile's step times: "
                   "simulate again with that ...", flush=True)
             sim_probed = simulate(args, name, run, profile, trace, out / f"{run}.sim-probed.json",
-                                  out / f"{run}.sim-probed.log", ["--step-time-scale", f"{probed[0]:.4f}"])
+                                  out / f"{run}.sim-probed.log", ["--step-time-scale", f"{probed:.4f}"])
             PROBED.extend(error_rows(run, measured, predicted_summary(sim_probed)))
         print(f"{run}: engine busy {busy:.2f} s measured, {sim['busy_s']:.2f} s simulated: "
               f"simulate again with step times x{scale:.3f} ...", flush=True)

@@ -96,18 +96,13 @@ class StepNoise:
             return ratios[rng.randrange(len(ratios))]
         lo = bisect.bisect_left(at, at_s / self.NEAR_FACTOR)
         hi = bisect.bisect_right(at, at_s * self.NEAR_FACTOR)
-        if hi - lo < self.MIN_NEAR:  # too few alike: the nearest MIN_NEAR by fitted time
-            n = min(self.MIN_NEAR, len(at))
-            centre = bisect.bisect_left(at, at_s)
-            lo = max(0, min(centre - n // 2, len(at) - n))
-            def far(t: float) -> float:  # distance by ratio, either side
-                return max(t / at_s, at_s / t)
-
-            while lo > 0 and far(at[lo - 1]) < far(at[lo + n - 1]):
-                lo -= 1  # slide toward whichever side holds nearer samples
-            while lo + n < len(at) and far(at[lo + n]) < far(at[lo]):
-                lo += 1
-            hi = lo + n
+        if hi - lo < self.MIN_NEAR:  # too few alike: the MIN_NEAR nearest by ratio of fitted times
+            lo = hi = bisect.bisect_left(at, at_s)  # at[:lo] <= at_s <= at[hi:]
+            while hi - lo < min(self.MIN_NEAR, len(at)):
+                if lo > 0 and (hi == len(at) or at_s / at[lo - 1] <= at[hi] / at_s):
+                    lo -= 1
+                else:
+                    hi += 1
         return ratios[rng.randrange(lo, hi)]
 
     def mean(self, has_prefill: bool) -> float:

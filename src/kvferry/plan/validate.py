@@ -155,9 +155,9 @@ def predicted_spread(sim_result: dict) -> dict[str, float | None]:
     runs = [predicted_summary({"summary": s}) for s in sim_result.get("seed_summaries") or ()]
     out: dict[str, float | None] = {}
     for m in METRICS:
-        values = [r[m] for r in runs if r[m] is not None]
-        mean = float(np.mean(values)) if len(values) >= 2 else 0.0
-        out[m] = float(np.std(values)) / mean if len(values) == len(runs) >= 2 and mean > 0 else None
+        values = [r[m] for r in runs]
+        mean = float(np.mean(values)) if len(values) >= 2 and None not in values else 0.0
+        out[m] = float(np.std(values)) / mean if mean > 0 else None
     return out
 
 
