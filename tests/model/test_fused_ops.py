@@ -138,3 +138,34 @@ def test_the_avx2_build_is_right_too():
     if "no build" in done.stdout:
         pytest.skip("the C++ fused ops did not build here")
     assert "avx2 fused ops ok" in done.stdout
+
+
+def _edge_values(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values where rounding to bf16 / fp16 is decided: halfway cases (both
+    parities of the kept bit), the largest finite ones, values whose rounding
+    overflows to inf, subnormals, zeros of both signs, infinities, NaN."""
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40, 3e38, -3e38,
+                            1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, 65504.0, 1e-7, 88.0, -88.0, -104.0])
+    x = torch.randn(n) * 4
+    x[: special.numel()] = special
+    return x if dtype == torch.float32 else x.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edge_values_round_as_torch(dtype):
+    """Each op's roundings on the values where they matter, NaN and inf included."""
+    torch.manual_seed(1)
+    gate_up = torch.stack([_edge_values(2 * 64, dtype), _edge_values(2 * 64, dtype).flip(0)])
+    _same(silu_and_mul(gate_up), F.silu(gate_up[:, :64]) * gate_up[:, 64:])
+    x = _edge_values(4 * 3 * 64, dtype).view(4, 3, 64)
+    cos, sin = angles(4, 32, dtype)
+    _same(rope_neox(x, cos, sin), torch_rope(x, cos, sin))
+    h = _edge_values(3 * 64, dtype).view(3, 64)
+    h[1] = h[1].nan_to_num(0.0, 0.0, 0.0)  # a row with finite values only: the others normalize to NaN
+    weight = (torch.randn(64) * 0.5 + 1).to(dtype)
+    _same(rms_norm(h, weight, 1e-5), weight * F.rms_norm(h, (64,), None, 1e-5))

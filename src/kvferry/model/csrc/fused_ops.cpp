@@ -69,6 +69,78 @@ Vectorized<at::Half> from_float<at::Half>(const Vectorized<float>& a, const Vect
   return at::vec::convert_float_half(a, b);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// bf16 kept in float32 lanes: rounding to nearest even is integer arithmetic
+// on each lane's bits (torch's own rounding, c10::round_to_nearest_even),
+// without packing to 16 bits and widening back, which at::vec's
+// conversions do in about four times the instructions. NaN lanes become
+// 0xFFFF, as at::vec's conversion makes them.
+constexpr bool kLaneBf16 = true;
+inline __m512 bf16_round_lanes(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                                           _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(-65536), rounded));
+}
+inline __m512 bf16_load_lanes(const at::BFloat16* p) {  // 16 bf16 -> 16 floats
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline void bf16_store_lanes(at::BFloat16* p, __m512 v) {  // rounds, then keeps each lane's top 16 bits
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(bf16_round_lanes(v)), 16)));
+}
+#else
+constexpr bool kLaneBf16 = false;
+#endif
+
+// r(x) for a float vector: round to T and widen back (a no-op for float).
+template <typename T>
+inline Vectorized<float> round_to(const Vectorized<float>& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+#if defined(CPU_CAPABILITY_AVX512)
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return Vectorized<float>(bf16_round_lanes(v));
+#endif
+  } else {
+    // Vectorized<T> holds two float vectors' worth; only the low half is used.
+    return std::get<0>(to_float(from_float<T>(v, v)));
+  }
+}
+
+template <typename T>
+inline float round_scalar(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+inline Vectorized<float> load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vectorized<float>::loadu(p);
+#if defined(CPU_CAPABILITY_AVX512)
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return Vectorized<float>(bf16_load_lanes(p));
+#endif
+  } else {
+    // Read only size() elements of T (not a whole Vectorized<T>): a row may end here.
+    return std::get<0>(to_float(Vectorized<T>::loadu(p, Vectorized<float>::size())));
+  }
+}
+
+template <typename T>
+inline void store_float(T* p, const Vectorized<float>& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+#if defined(CPU_CAPABILITY_AVX512)
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    bf16_store_lanes(p, v);
+#endif
+  } else {
+    from_float<T>(v, v).store(p, Vectorized<float>::size());
+  }
+}
+
 void silu_and_mul_float(const float* x, float* out, int64_t rows, int64_t inter, int64_t x_stride) {
   using fVec = Vectorized<float>;
   const fVec one(1.0f);
@@ -101,10 +173,15 @@ void silu_and_mul_reduced(const T* x, T* out, int64_t rows, int64_t inter, int64
       int64_t i = 0;
       for (; i + rVec::size() <= inter; i += rVec::size()) {
         auto [g0, g1] = to_float(rVec::loadu(g + i));
-        // silu rounded to T, as torch's silu returns it ...
-        const rVec s = from_float<T>(g0 / (one + g0.neg().exp()), g1 / (one + g1.neg().exp()));
-        auto [s0, s1] = to_float(s);
         auto [u0, u1] = to_float(rVec::loadu(u + i));
+        // silu rounded to T, as torch's silu returns it ...
+        fVec s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
+        if constexpr (kLaneBf16 && std::is_same_v<T, at::BFloat16>) {
+          s0 = round_to<T>(s0);
+          s1 = round_to<T>(s1);
+        } else {
+          std::tie(s0, s1) = to_float(from_float<T>(s0, s1));
+        }
         // ... then the product in float, rounded once more.
         from_float<T>(s0 * u0, s1 * u1).store(o + i);
       }
@@ -114,39 +191,6 @@ void silu_and_mul_reduced(const T* x, T* out, int64_t rows, int64_t inter, int64
       }
     }
   });
-}
-
-// r(x) for a float vector: round to T and widen back (a no-op for float).
-template <typename T>
-inline Vectorized<float> round_to(const Vectorized<float>& v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    // Vectorized<T> holds two float vectors' worth; only the low half is used.
-    return std::get<0>(to_float(from_float<T>(v, v)));
-  }
-}
-
-template <typename T>
-inline float round_scalar(float v) { return static_cast<float>(static_cast<T>(v)); }
-
-template <typename T>
-inline Vectorized<float> load_float(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vectorized<float>::loadu(p);
-  } else {
-    // Read only size() elements of T (not a whole Vectorized<T>): a row may end here.
-    return std::get<0>(to_float(Vectorized<T>::loadu(p, Vectorized<float>::size())));
-  }
-}
-
-template <typename T>
-inline void store_float(T* p, const Vectorized<float>& v) {
-  if constexpr (std::is_same_v<T, float>) {
-    v.store(p);
-  } else {
-    from_float<T>(v, v).store(p, Vectorized<float>::size());
-  }
 }
 
 template <typename T>
