@@ -85,6 +85,9 @@ def test_switched_off_they_are_the_torch_ops(monkeypatch):
     assert torch.equal(rope_neox(x, cos, sin), torch_rope(x, cos, sin))
     h, w = torch.randn(3, 8), torch.randn(8)
     assert torch.equal(rms_norm(h, w, 1e-6), w * F.rms_norm(h, (8,), None, 1e-6))
+    r = torch.randn(3, 8)
+    nh, normed = fused_ops.add_rms_norm(h, r, w, 1e-6)
+    assert torch.equal(nh, r + h) and torch.equal(normed, w * F.rms_norm(r + h, (8,), None, 1e-6))
 
 
 @needs_ops
@@ -169,3 +172,46 @@ def test_edge_values_round_as_torch(dtype):
     h[1] = h[1].nan_to_num(0.0, 0.0, 0.0)  # a row with finite values only: the others normalize to NaN
     weight = (torch.randn(64) * 0.5 + 1).to(dtype)
     _same(rms_norm(h, weight, 1e-5), weight * F.rms_norm(h, (64,), None, 1e-5))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,dim", [(1, 576), (32, 576), (2048, 576), (5, 37)])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(dtype, tokens, dim):
+    torch.manual_seed(tokens + dim)
+    wide = (torch.randn(tokens, dim + 8) * 3).to(dtype)
+    x = wide[:, 8:]  # strided rows, as an o_proj / down_proj output slice could be
+    residual = (torch.randn(tokens, dim) * 5).to(dtype)
+    weight = (torch.randn(dim) * 0.5 + 1).to(dtype)
+    h, out = fused_ops.add_rms_norm(x, residual, weight, 1e-5)
+    ref_h = residual + x  # HF: hidden_states = residual + hidden_states
+    assert torch.equal(h, ref_h)
+    assert torch.equal(out, weight * F.rms_norm(ref_h, (dim,), None, 1e-5))
+    e = _edge_values(2 * 64, dtype).view(2, 64)
+    w64 = (torch.randn(64) * 0.5 + 1).to(dtype)
+    eh, eo = fused_ops.add_rms_norm(e, e.flip(1), w64, 1e-5)
+    _same(eh, e.flip(1) + e)
+    _same(eo, w64 * F.rms_norm(e.flip(1) + e, (64,), None, 1e-5))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_puts_each_row_in_its_slot(dtype):
+    """The step's K/V rows (slices of the fused qkv, as the layer hands them
+    over) land in exactly their slots; the others are left as they were."""
+    torch.manual_seed(3)
+    tokens, kvh, d, num_slots = 37, 3, 64, 200
+    qkv = torch.randn(tokens, (9 + 2 * kvh) * d).to(dtype)
+    k = qkv[:, 9 * d:(9 + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (9 + kvh) * d:].view(tokens, kvh, d)
+    k_cache = torch.randn(num_slots, kvh, d).to(dtype)
+    v_cache = torch.randn(num_slots, kvh, d).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_slots)[:tokens]
+    fused_ops.write_kv(k, v, k_cache, v_cache, slots)
+    ref_k.index_copy_(0, slots, k)
+    ref_v.index_copy_(0, slots, v)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.kvferry_fused.write_kv(k, v, k_cache, v_cache, slots + num_slots)
+    assert torch.equal(k_cache, ref_k)  # refused before anything was written

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvferry.config import ATTENTION_BACKENDS
-from kvferry.model import triton_attention
+from kvferry.model import fused_ops, triton_attention
 from kvferry.model.cpu_features import cpu_features
 from kvferry.model.paged_kernel import get_paged_decode_kernel, kernel_isa
 
@@ -307,8 +307,7 @@ def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     """
     _, _, _, kv_heads, head_dim = kv_cache_layer.shape
     flat = kv_cache_layer.view(2, -1, kv_heads, head_dim)  # [2, num_slots, kvh, hd]
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+    fused_ops.write_kv(k, v, flat[0], flat[1], slot_mapping)
 
 
 def paged_attention(

@@ -11,6 +11,13 @@ sum rounded to the dtype as torch's seven ops (and HF) round them.
 F.rms_norm(x, ...)``: the float32 squares in one pass, torch's own mean
 over them, the normalization and the weight in a second pass.
 
+``write_kv(k, v, k_cache, v_cache, slots)``: the step's new K/V rows into
+their cache slots, one copy per token (``index_copy_`` elsewhere).
+
+``add_rms_norm(x, residual, weight, eps)``: ``h = residual + x`` and
+``rms_norm(h, ...)`` with the add in the first of those passes (the decoder
+layer's residual add fused into the norm that follows it).
+
 Where an op is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``,
 ``KVFERRY_DISABLE_FUSED_OPS=1``, no compiler, a failed build, a non-CPU
 tensor) it is exactly the torch ops it replaces.
@@ -72,6 +79,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             and fused_ops_available()):
         return torch.ops.kvferry_fused.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block's residual add and the RMSNorm after it:
+    ``h = residual + x`` and ``rms_norm(h, weight, eps)``, bit for bit, in one
+    pass fewer over memory."""
+    if (x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and residual.shape == x.shape
+            and residual.dim() == 2 and residual.stride(-1) == 1 and residual.dtype == x.dtype == weight.dtype
+            and fused_ops_available()):
+        return torch.ops.kvferry_fused.add_rms_norm(x, residual, weight, eps)
+    h = residual + x
+    return h, rms_norm(h, weight, eps)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v [T, KVH, D] into k_cache / v_cache [slots, KVH, D] at ``slots``
+    [T]: ``index_copy_`` (with k / v cast to the cache's dtype), one row
+    copy per token on CPU."""
+    if (k.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1
+            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and fused_ops_available()):
+        torch.ops.kvferry_fused.write_kv(k, v, k_cache, v_cache, slots)
+        return
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def fused_ops_available() -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.config import ModelConfig, RopeScaling
-from kvferry.model.fused_ops import rms_norm, rope_neox, silu_and_mul
+from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
 from kvferry.model.linear import linear, pack_weight
 
 
@@ -174,14 +174,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """h: [T, hidden] -> [T, hidden]; pre-norm residual block."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache_layer, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual block. h: the residual stream [T, hidden]; x:
+        ``input_layernorm(h)``, which the step before computed together with
+        its residual add. Returns the new stream and ``next_norm`` of it (the
+        next layer's input norm, or the model's final one): each residual add
+        is fused with the norm that reads it (``fused_ops.add_rms_norm``)."""
+        a = self.post_attention_layernorm
+        h, x = add_rms_norm(self.self_attn(x, cos, sin, kv_cache_layer, meta), h, a.weight, a.eps)
+        return add_rms_norm(self.mlp(x), h, next_norm.weight, next_norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -233,11 +240,14 @@ class LlamaModel(nn.Module):
         meta.prepare()
         h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos, sin = self.rotary(positions, self.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i], meta)
+        layers = self.layers
+        x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h, x = layer(h, x, cos, sin, kv_cache[i], meta, next_norm)
             if meta.kv_transfer is not None:
                 meta.kv_transfer.layer_done(i)  # layer i's KV is written: it may leave now
-        return self.norm(h)
+        return x  # self.norm(h)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
