@@ -14,9 +14,10 @@
 //
 // Work item = (sequence, block of up to 32 query tokens, kv_head): its
 // M = tokens * G query vectors (G = H / KVH heads share the KV head) stream
-// over the sequence's blocks once, a tile of up to 16 tokens at a time; the
-// tile's K/V rows stay in L1 while the M queries use them, so the context is
-// read once per work item, not once per head or per query token. Splitting
+// over the sequence's blocks once, a tile of up to 16 tokens (or a stripe of
+// such tiles, run_staged) at a time; its K/V rows stay in cache while the M
+// queries use them, so the context is read once per work item, not once per
+// head or per query token. Splitting
 // long chunks into query blocks lets one long prompt use every thread. Per tile and query: scores
 // [<=16] = q . k * scale, an online softmax update in float32 (running max m,
 // sum l, accumulator acc [D] rescaled once per tile), acc += p . V.
@@ -29,10 +30,12 @@
 //     registers; 16 token dot products reduced together by one transpose.
 //     With AVX512-BF16, a bf16 query and bf16 cache (head_dim % 32 == 0) take
 //     vdpbf16ps: bf16 pairs multiplied exactly, summed in float32. Items of
-//     kStageMinQueries or more query vectors stage each tile once (K as dim
-//     pairs, V as token pairs: run_staged), smaller ones read rows in place
-//     (run_inplace); both run up to 4 queries interleaved with a lazily
-//     rescaled online softmax.
+//     kStageMinQueries or more query vectors stage a stripe of tiles at a
+//     time (K as dim pairs, V as token pairs: run_staged) and run each group
+//     of queries over the whole stripe, its accumulators in registers where
+//     they fit (staged_group, software pipelined across tiles); smaller
+//     items read rows in place, tile by tile (run_inplace). Both run up to 4
+//     queries interleaved with a lazily rescaled online softmax.
 //   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
 //     per-thread float buffer) or portable loops.
 #include <ATen/Parallel.h>
@@ -417,13 +420,13 @@ inline void staged_pv(float* const* acc, const __m512* alpha, const int32_t (*pp
   }
 }
 
-// Q queries (1..4) against one staged tile, interleaved so that their
-// independent vdpbf16ps chains overlap (one query alone waits on each
-// instruction's latency): scores, online softmax, acc += p . V.
-// q[k]: bf16 query [D]; acc[k]: float [D] (pair_dim order); m: running max;
-// l: running sum per lane (16 partial sums); visible[k]: tile tokens query k sees (<= 0: none, it is left as is).
-// p is rounded to bf16 for the P . V vdpbf16ps, as flash-attention kernels
-// round P before their P @ V product (bf16 path only; float32 is exact).
+// The bf16 groups (staged_group, inplace_group) run up to 4 queries
+// interleaved, so that their independent vdpbf16ps chains overlap (one query
+// alone waits on each instruction's latency). Per query: q[k] bf16 [D];
+// acc[k] float [D] (pair_dim order); m running max; l running sum per lane
+// (16 partial sums). p is rounded to bf16 for the P . V vdpbf16ps, as
+// flash-attention kernels round P before their P @ V product (bf16 path
+// only; float32 is exact).
 constexpr float kLazyRescale = 8.f;
 
 // Online softmax step for one query over one tile of scores s (lanes <
@@ -434,13 +437,23 @@ constexpr float kLazyRescale = 8.f;
 // kLazyRescale, so the horizontal max and the rescale of acc and l are rare
 // after the first tile. Any m gives the same softmax; this one keeps every
 // weight below e^kLazyRescale, far from float32 (and bf16) overflow.
-inline __m512 lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, int32_t* pp) {
+// kInlineExp: alpha by exp512 rather than by a call to std::exp, across
+// which no zmm register survives; staged_group needs it (its accumulators
+// would otherwise be kept in memory across the whole tile loop: 1.12x the
+// time), inplace_group is faster with the call (1.07x with exp512 inlined).
+template <bool kInlineExp>
+inline float lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, int32_t* pp) {
   const __mmask16 valid = visible >= kTile ? 0xFFFF : visible > 0 ? (1u << visible) - 1u : 0u;
-  __m512 alpha = _mm512_set1_ps(1.f);
+  float alpha = 1.f;
   if (_mm512_mask_cmp_ps_mask(valid, s, _mm512_set1_ps(m + kLazyRescale), _CMP_GT_OQ)) {
     const float tile_max = _mm512_mask_reduce_max_ps(valid, s);
-    alpha = _mm512_set1_ps(std::exp(m - tile_max));  // exp(-inf) = 0 on the first tile
-    l = _mm512_mul_ps(l, alpha);
+    if constexpr (kInlineExp) {
+      alpha = m == -std::numeric_limits<float>::infinity() ? 0.f  // the first tile
+                                                           : _mm512_cvtss_f32(exp512(_mm512_set1_ps(m - tile_max)));
+    } else {
+      alpha = std::exp(m - tile_max);  // exp(-inf) = 0 on the first tile
+    }
+    l = _mm512_mul_ps(l, _mm512_set1_ps(alpha));
     m = tile_max;
   }
   const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m))));
@@ -449,32 +462,93 @@ inline __m512 lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, int32
   return alpha;
 }
 
-template <int Q>
+// Q queries (1..4) against the `tiles` staged tiles of a stripe (tile t at
+// kp + t * D/2, vp + t * D/2), in order: per tile, scores, online softmax,
+// acc += p . V. visible[k]: stripe tokens query k sees (query 0 sees the
+// most; tiles it does not see are skipped).
+// Software pipelined: tile t + 1's scores are issued before tile t's P . V
+// and its softmax step after it, so that the scores' vdpbf16ps chains and
+// the softmax's long dependent chain (reductions, exp) each overlap P . V,
+// which does not depend on them (in tile order they would leave the
+// vdpbf16ps units idle once per tile; scores and softmax both before P . V
+// measured 1.07x the time).
+// kDim: the head_dim when the Q queries' accumulators fit in registers
+// (Q * kDim / 16 <= 16 of the 32: head_dim 32 or 64 with 4 queries, 128
+// with 2); they are then loaded and stored once per stripe, not once per
+// tile, and rescaled only when some query's running max moves (rare with
+// the lazy rescale). 0: any head_dim, acc updated in memory per tile
+// (staged_pv).
+template <int Q, int kDim>
 inline void staged_group(const at::BFloat16* const* q, float* const* acc, float* m, __m512* l, const int64_t* visible,
-                         const __m512i* __restrict kp, const __m512i* __restrict vp, int64_t dim, float scale) {
-  constexpr int kChains = 4;  // per query
-  __m512 s[Q][kChains];
-  for (int k = 0; k < Q; ++k) for (int c = 0; c < kChains; ++c) s[k][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < dim / 2; i += kChains) {
-    for (int c = 0; c < kChains; ++c) {
-      const __m512bh kv = (__m512bh)kp[i + c];
-      for (int k = 0; k < Q; ++k) {
-        const int32_t pair = reinterpret_cast<const int32_t*>(q[k])[i + c];  // (q[2i], q[2i+1])
-        s[k][c] = _mm512_dpbf16_ps(s[k][c], kv, (__m512bh)_mm512_set1_epi32(pair));
+                         const __m512i* __restrict kp, const __m512i* __restrict vp, int64_t tiles, int64_t dim,
+                         float scale) {
+  constexpr int R = kDim / 16;  // accumulators in registers per query
+  const int64_t D = kDim ? kDim : dim, pairs = D / 2;
+  tiles = std::min(tiles, (visible[0] + kTile - 1) / kTile);
+  __m512 s[Q];                           // scores of the next tile
+  alignas(32) int32_t pp[Q][kTile / 2];  // (p[2j], p[2j+1]) as bf16 pairs; zero past the visible tokens
+  float alpha[Q];
+  bool rescaled = false;
+  auto scores = [&](int64_t t) __attribute__((always_inline)) {
+    const __m512i* tk = kp + t * pairs;
+    constexpr int kChains = 4;  // per query (2: 1.05x the time)
+    __m512 c4[Q][kChains];
+    for (int k = 0; k < Q; ++k) for (int c = 0; c < kChains; ++c) c4[k][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; i += kChains) {
+      for (int c = 0; c < kChains; ++c) {
+        const __m512bh kv = (__m512bh)tk[i + c];
+        for (int k = 0; k < Q; ++k) {
+          const int32_t pair = reinterpret_cast<const int32_t*>(q[k])[i + c];  // (q[2i], q[2i+1])
+          c4[k][c] = _mm512_dpbf16_ps(c4[k][c], kv, (__m512bh)_mm512_set1_epi32(pair));
+        }
       }
     }
+    for (int k = 0; k < Q; ++k) {
+      s[k] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(c4[k][0], c4[k][1]), _mm512_add_ps(c4[k][2], c4[k][3])),
+                           _mm512_set1_ps(scale));
+    }
+  };
+  auto softmax = [&](int64_t t) __attribute__((always_inline)) {
+    rescaled = false;
+    for (int k = 0; k < Q; ++k) {
+      alpha[k] = lazy_softmax<true>(s[k], std::min(kTile, visible[k] - t * kTile), m[k], l[k], pp[k]);
+      rescaled |= alpha[k] != 1.f;
+    }
+  };
+  __m512 o[Q][R > 0 ? R : 1];
+  if constexpr (R > 0) {
+    for (int k = 0; k < Q; ++k) for (int r = 0; r < R; ++r) o[k][r] = _mm512_loadu_ps(acc[k] + 16 * r);
   }
-  alignas(32) int32_t pp[Q][kTile / 2];  // (p[2j], p[2j+1]) as bf16 pairs; zero past the visible tokens
-  __m512 alpha[Q];
-  for (int k = 0; k < Q; ++k) {
-    const __m512 sk = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s[k][0], s[k][1]), _mm512_add_ps(s[k][2], s[k][3])),
-                                    _mm512_set1_ps(scale));
-    alpha[k] = lazy_softmax(sk, visible[k], m[k], l[k], pp[k]);
+  if (tiles > 0) scores(0), softmax(0);
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (t + 1 < tiles) scores(t + 1);
+    const __m512i* tv = vp + t * pairs;
+    if constexpr (R > 0) {
+      if (rescaled) {
+        for (int k = 0; k < Q; ++k) {
+          const __m512 a = _mm512_set1_ps(alpha[k]);
+          for (int r = 0; r < R; ++r) o[k][r] = _mm512_mul_ps(o[k][r], a);
+        }
+      }
+      for (int64_t j = 0; j < kTile / 2; ++j) {
+        for (int r = 0; r < R; ++r) {
+          const __m512bh vr = (__m512bh)tv[j * R + r];
+          for (int k = 0; k < Q; ++k) o[k][r] = _mm512_dpbf16_ps(o[k][r], vr, (__m512bh)_mm512_set1_epi32(pp[k][j]));
+        }
+      }
+    } else {
+      __m512 av[Q];
+      for (int k = 0; k < Q; ++k) av[k] = _mm512_set1_ps(alpha[k]);
+      const int64_t chunks = D / 32;
+      int64_t c = 0;
+      for (; c + 2 <= chunks; c += 2) staged_pv<Q, 4>(acc, av, pp, tv, chunks, c);
+      if (c < chunks) staged_pv<Q, 2>(acc, av, pp, tv, chunks, c);
+    }
+    if (t + 1 < tiles) softmax(t + 1);  // pp and alpha of tile t are used: tile t + 1 takes their place
   }
-  const int64_t chunks = dim / 32;
-  int64_t c = 0;
-  for (; c + 2 <= chunks; c += 2) staged_pv<Q, 4>(acc, alpha, pp, vp, chunks, c);
-  if (c < chunks) staged_pv<Q, 2>(acc, alpha, pp, vp, chunks, c);
+  if constexpr (R > 0) {
+    for (int k = 0; k < Q; ++k) for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[k] + 16 * r, o[k][r]);
+  }
 }
 
 // acc[j][c, c + 16R) = acc * alpha[j] + sum_t p_j[t] v_t[c, c + 16R) for
@@ -515,7 +589,8 @@ inline void inplace_group(const at::BFloat16* const* q, float* const* acc, float
   alignas(32) int32_t pp[Q][kTile / 2];
   __m512 alpha[Q];
   for (int j = 0; j < Q; ++j) {
-    alpha[j] = lazy_softmax(tile_scores_dpbf16(q[j], k, stride, n, dim, scale), visible[j], m[j], l[j], pp[j]);
+    alpha[j] = _mm512_set1_ps(
+        lazy_softmax<false>(tile_scores_dpbf16(q[j], k, stride, n, dim, scale), visible[j], m[j], l[j], pp[j]));
   }
   int64_t c = 0;
   for (; c + 64 <= dim; c += 64) inplace_pv<Q, 4>(acc, alpha, pp, v + c, stride, n, c);
@@ -604,6 +679,16 @@ enum class Path {
 // M = 6, 0.63-0.72x at M = 12-48.
 constexpr int64_t kStageMinQueries = 4;
 
+// Bytes of staged tiles per stripe in run_staged (a tile is 64 * head_dim
+// bytes), for groups of 4 and of 2 queries (see run_staged). Every group
+// reads the whole stripe, and each group starts its pipeline afresh per
+// stripe: longer stripes start fewer, but fall out of L1, and 2-query groups
+// read the stripe twice as often. Measured (one thread, batch 8, 256-token
+// prompts): head_dim 64, 16 tiles (64 KB) 0.96x the time of 8 tiles; head_dim
+// 128, 16 tiles (128 KB) 1.1-1.25x the time of 4 (32 KB).
+constexpr int64_t kStripeBytes4 = 64 * 1024;
+constexpr int64_t kStripeBytes2 = 32 * 1024;
+
 // How many positions past the tile being read a work item prefetches.
 constexpr int64_t kPrefetchTokens = 32;
 
@@ -627,7 +712,7 @@ struct Attend {
     std::vector<float> acc, m, l, qf, kbuf, vbuf;
     std::vector<int64_t> limit;  // visible positions per query
 #ifdef KVFERRY_AVX512_BF16
-    std::vector<__m512i> kp, vp;  // the staged tile (run_staged)
+    std::vector<__m512i> kp, vp;  // the staged stripe (run_staged)
     std::vector<__m512> lvec;      // run_staged: per query, softmax sums per lane
 #endif
   };
@@ -681,15 +766,15 @@ struct Attend {
   }
 
   // Calls run_group(std::integral_constant<int, Q>, q, acc, m, l, visible)
-  // for the item's queries that see any of tile [start, start + n), from
-  // the last down (later queries see more: limits grow with i), in groups of
-  // up to 4, and stores their softmax state back.
+  // for the item's queries that see any of positions [start, start + n),
+  // from the last down (later queries see more: limits grow with i), in
+  // groups of up to max_group (<= 4), and stores their softmax state back.
   template <typename RunGroup>
-  void for_query_groups(const Seq& seq, int64_t j0, int64_t h, int64_t start, int64_t n, Scratch& w,
+  void for_query_groups(const Seq& seq, int64_t j0, int64_t h, int64_t start, int64_t n, int max_group, Scratch& w,
                         RunGroup&& run_group) const {
     const int64_t M = static_cast<int64_t>(w.m.size());
-    for (int64_t top = M - 1; top >= 0 && w.limit[top] > start; top -= 4) {
-      const int q = static_cast<int>(std::min<int64_t>(4, top + 1));
+    for (int64_t top = M - 1; top >= 0 && w.limit[top] > start; top -= max_group) {
+      const int q = static_cast<int>(std::min<int64_t>(max_group, top + 1));
       const at::BFloat16* qs[4];
       float* accs[4];
       float ms[4];
@@ -728,34 +813,55 @@ struct Attend {
       const int64_t base = (seq.table[start / block_size] * block_size + in_block) * row_stride + h * D;
       const auto* kt = reinterpret_cast<const at::BFloat16*>(k_ptr + base);
       const auto* vt = reinterpret_cast<const at::BFloat16*>(v_ptr + base);
-      for_query_groups(seq, j0, h, start, n, w, [&](auto tag, auto&&... a) {
+      for_query_groups(seq, j0, h, start, n, 4, w, [&](auto tag, auto&&... a) {
         inplace_group<decltype(tag)::value>(a..., kt, vt, row_stride, n, D, scale);
       });
     }
   }
 
-  // Items of kStageMinQueries or more queries: the tile [start, start + 16)
-  // is staged once (K transposed into dim pairs, V into token pairs) and
-  // every query of the item reads the staged copy from L1. A tile may span
-  // blocks (its rows are looked up one by one), so any block size works.
+  // Items of kStageMinQueries or more queries: a stripe of consecutive
+  // tiles (kStripeBytes4 or 2 of them) is staged once (K transposed into dim
+  // pairs, V into token pairs) and every query group of the item then runs
+  // over all of its tiles from cache, so that a group's accumulators and
+  // softmax state are loaded and stored once per stripe rather than once per
+  // tile. A tile may span blocks (its rows are looked up one by one), so any
+  // block size works.
   void run_staged(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    const int64_t M = (j1 - j0) * group, D = head_dim;
+    const int64_t D = head_dim;
     const int64_t end = seq.seq_len - seq.q_len + j1;
-    w.kp.resize(D / 2);
-    w.vp.resize(D / 2);  // 8 pairs x D/32 chunks x 2
+    // Groups whose accumulators fit in registers (staged_group): 4 queries
+    // at head_dim <= 64, 2 at 128; otherwise 4, acc kept in memory.
+    const int max_group = D == 128 ? 2 : 4;
+    const int64_t stripe_tiles = std::max<int64_t>(1, (max_group == 4 ? kStripeBytes4 : kStripeBytes2) / (64 * D));
+    w.kp.resize(stripe_tiles * D / 2);
+    w.vp.resize(stripe_tiles * D / 2);  // per tile: 8 pairs x D/32 chunks x 2
     const scalar_t* krows[kTile];
     const scalar_t* vrows[kTile];
     int64_t prefetched = 0;
-    for (int64_t start = 0; start < end; start += kTile) {
-      const int64_t n = std::min(kTile, end - start);
-      prefetch_ahead(seq, h, start + n, end, prefetched);
-      tile_rows(seq, h, start, n, krows, vrows);
-      const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
-      const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
-      if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, w.kp.data(), w.vp.data());
-      else stage_tile_bf16<false>(kb, vb, n, D, w.kp.data(), w.vp.data());
-      for_query_groups(seq, j0, h, start, n, w, [&](auto tag, auto&&... a) {
-        staged_group<decltype(tag)::value>(a..., w.kp.data(), w.vp.data(), D, scale);
+    for (int64_t stripe = 0; stripe < end; stripe += stripe_tiles * kTile) {
+      const int64_t tokens = std::min(stripe_tiles * kTile, end - stripe);
+      const int64_t tiles = (tokens + kTile - 1) / kTile;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t start = stripe + t * kTile, n = std::min(kTile, end - start);
+        prefetch_ahead(seq, h, start + n, end, prefetched);
+        tile_rows(seq, h, start, n, krows, vrows);
+        const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
+        const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
+        __m512i* kp = w.kp.data() + t * D / 2;
+        __m512i* vp = w.vp.data() + t * D / 2;
+        if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, kp, vp);
+        else stage_tile_bf16<false>(kb, vb, n, D, kp, vp);
+      }
+      for_query_groups(seq, j0, h, stripe, tokens, max_group, w, [&](auto tag, auto&&... a) {
+        constexpr int Q = decltype(tag)::value;
+        const __m512i* kp = w.kp.data();
+        const __m512i* vp = w.vp.data();
+        if constexpr (Q <= 2) {
+          if (D == 128) return staged_group<Q, 128>(a..., kp, vp, tiles, D, scale);
+        }
+        if (D == 64) staged_group<Q, 64>(a..., kp, vp, tiles, D, scale);
+        else if (D == 32) staged_group<Q, 32>(a..., kp, vp, tiles, D, scale);
+        else staged_group<Q, 0>(a..., kp, vp, tiles, D, scale);
       });
     }
   }
