@@ -109,7 +109,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.kernel_max_tokens is not None:
         attention._KERNEL_MAX_PREFILL_TOKENS = args.kernel_max_tokens
-        attention._KERNEL_MAX_PREFILL_TOKENS_BF16 = args.kernel_max_tokens
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(json.dumps({"cpu": cpu_features().describe(), "threads": args.threads, "dtype": args.dtype,

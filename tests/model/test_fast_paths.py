@@ -98,15 +98,19 @@ def test_disabled_packing_gives_same_outputs(tmp_path, monkeypatch):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
 
 
-def test_prefill_attention_uses_fused_sdpa(tmp_path):
-    """3-D SDPA inputs fall to the unfused math kernel on CPU; ours must be 4-D."""
+def test_prefill_attention_uses_fused_sdpa(tmp_path, monkeypatch):
+    """3-D SDPA inputs fall to the unfused math kernel on CPU; ours must be 4-D.
+    (Chunks over 16 tokens are sent to SDPA here, as chunks over 8192 are.)"""
+    from kvferry.model import attention
+
+    monkeypatch.setattr(attention, "_KERNEL_MAX_PREFILL_TOKENS", 16)
     path = make_tiny_checkpoint(tmp_path, "llama")
     model = load_model(str(path), dtype="float32").model
     harness = PagedHarness(model)
     seqs = {0: list(range(3, 40))}
     with profile() as prof:
         harness.step(seqs, {0: 20})  # no context: causal
-        harness.step(seqs, {0: 17})  # 17 > the kernel's chunk limit: SDPA with a mask over cached context
+        harness.step(seqs, {0: 17})  # 17 > the chunk limit: SDPA with a mask over cached context
     ops = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops

@@ -80,8 +80,13 @@ def test_decode_matches_torch_path(kernel, monkeypatch, group, head_dim, block_s
 
 
 def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
-    """Verify windows / short chunks (kernel, causal inside the chunk), a long
-    chunk (SDPA either way), a short fresh prompt (kernel), and decodes in one step."""
+    """Verify windows / short chunks (kernel, causal inside the chunk), a
+    chunk over the kernel's limit (SDPA either way; the limit lowered to 16
+    here), a short fresh prompt (kernel), and decodes in one step; then the
+    same step at the real limit, every chunk through the kernel."""
+    from kvferry.model import attention
+
+    monkeypatch.setattr(attention, "_KERNEL_MAX_PREFILL_TOKENS", 16)
     q_lens, seq_lens = [4, 16, 40, 7, 1, 1], [53, 16 + 16, 90, 7, 20, 1]
     kv_heads, group, head_dim, block_size = 3, 3, 64, 16
     cache, meta_args, gen = _batch(q_lens, seq_lens, kv_heads, head_dim, block_size)
@@ -98,6 +103,11 @@ def test_short_chunks_over_context_match_torch_path(kernel, monkeypatch):
     assert meta.kernel_query_starts.tolist() == [0, 4, 60, 67, 68]
     assert meta.kernel_query_lens.tolist() == [4, 16, 7, 1, 1]
     assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(attention, "_KERNEL_MAX_PREFILL_TOKENS", 8192)
+    out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
+    assert [p.use_kernel for p in meta.prefills] == [True, True, True, True]
+    assert meta.kernel_query_lens.tolist() == [4, 16, 40, 7, 1, 1]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -286,22 +296,20 @@ def test_avx2_build_matches_explicit_softmax(kernel):
 
 
 def test_chunk_threshold_and_long_bf16_chunks(kernel, monkeypatch):
-    """The threshold per cache dtype; a 40-token bf16 chunk over context and
-    a 100-token fresh bf16 prompt (more than one 32-token query block per
-    work item) through the kernel where vdpbf16ps runs, against SDPA."""
+    """The threshold (every cache dtype); a 40-token bf16 chunk over context
+    and a 100-token fresh bf16 prompt (more than one 32-token query block per
+    work item) through the kernel (vdpbf16ps where the CPU has it), against
+    SDPA."""
     from kvferry.model import attention
-    from kvferry.model.cpu_features import cpu_features
 
-    native = "avx512_bf16" in cpu_features().flags and paged_kernel.kernel_isa() == "native"
-    assert attention.kernel_max_chunk_tokens(torch.float32) == 16
-    assert attention.kernel_max_chunk_tokens(torch.bfloat16) == (8192 if native else 16)
+    assert attention.kernel_max_chunk_tokens() == 8192
     dtype = torch.bfloat16
     cache, meta_args, gen = _batch([40, 100, 1], [90, 100, 20], 3, 64, 16, dtype=dtype)
     meta_args["kv_dtype"] = dtype
     q, k, v = (torch.randn(141, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
     ref, _ = _run(monkeypatch, True, q, k, v, cache, meta_args, 0.125)
     out, meta = _run(monkeypatch, False, q, k, v, cache, meta_args, 0.125)
-    assert [p.use_kernel for p in meta.prefills] == [native, native]
+    assert [p.use_kernel for p in meta.prefills] == [True, True]
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

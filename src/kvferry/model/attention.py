@@ -38,8 +38,7 @@ import torch.nn.functional as F
 
 from kvferry.config import ATTENTION_BACKENDS
 from kvferry.model import fused_ops, triton_attention
-from kvferry.model.cpu_features import cpu_features
-from kvferry.model.paged_kernel import get_paged_decode_kernel, kernel_isa
+from kvferry.model.paged_kernel import get_paged_decode_kernel
 
 
 def attention_backend(requested: str, device: torch.device) -> str:
@@ -63,29 +62,27 @@ def attention_backend(requested: str, device: torch.device) -> str:
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Chunks with at most this many new tokens use the kernel, fresh prompts
-# included: it reads the context once per chunk, but its dot products are
-# vector, not matrix, products, so long float32 chunks are better off with
-# SDPA's flash kernel. Measured (bench/paged_attention_kernel.py, one thread,
-# process CPU time): in float32 the kernel ties the gather + SDPA path at 16
-# tokens and is 1.2-1.3x slower at 64-128. With a bf16 cache on a CPU with
-# AVX512-BF16 (vdpbf16ps) torch's bf16 flash attention is no faster than its
-# float32 one, and the kernel (its long chunks staging each K/V tile once for
-# all query rows) takes 0.55-0.64x of SDPA's time on fresh prompts of
-# 1024-4096 tokens and 0.40-0.45x on 1024-2048-token chunks over 1024 cached
-# tokens: bf16 sends every chunk up to 8192 tokens (the longest measured
-# was 4096).
+# included; longer ones (none the scheduler makes at its default 2048-token
+# budget) use SDPA. The kernel reads the context once per 32-token query
+# block and is faster than the torch path (gather + SDPA's flash kernel) at
+# every length measured, for every cache dtype and build
+# (bench/paged_attention_kernel.py, 2 threads, wall time, session 11):
+# float32 0.24-0.68x on fresh prompts of 16-256 tokens, 0.86x on one of
+# 2048, 0.54-0.88x on 32-1024-token chunks over 512-2048 cached tokens; the
+# AVX2 build (KVFERRY_KERNEL_ISA=avx2) 0.67-0.74x in float32 and 0.57-0.76x
+# in bf16; with AVX512-BF16 (vdpbf16ps, tiles staged once for all query
+# rows) 0.21x at 8 x 256 bf16 tokens. An earlier kernel was 1.2-1.3x slower
+# than SDPA on 64-128-token float32 chunks, hence a limit of 16 tokens
+# outside bf16 until then.
 # Greedy outputs may differ from the SDPA path's where two logits tie at bf16
 # resolution (a fresh 37-token chat prompt of the embedded model: every
 # layer is as close to float32 on either path, but its first token's top two
 # logits, 0.08 apart in float32, round to the same bf16 value on one path).
-_KERNEL_MAX_PREFILL_TOKENS = 16
-_KERNEL_MAX_PREFILL_TOKENS_BF16 = 8192
+_KERNEL_MAX_PREFILL_TOKENS = 8192
 
 
-def kernel_max_chunk_tokens(kv_dtype: torch.dtype | None) -> int:
+def kernel_max_chunk_tokens() -> int:
     """Longest chunk (new tokens of one request) the C++ kernel takes."""
-    if kv_dtype == torch.bfloat16 and kernel_isa() == "native" and "avx512_bf16" in cpu_features().flags:
-        return max(_KERNEL_MAX_PREFILL_TOKENS, _KERNEL_MAX_PREFILL_TOKENS_BF16)
     return _KERNEL_MAX_PREFILL_TOKENS
 
 
@@ -225,7 +222,7 @@ class AttentionMetadata:
         context_len = seq_len - q_len
         if q_len < 1 or context_len < 0:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
-        if q_len <= kernel_max_chunk_tokens(self.kv_dtype) and self._use_kernel():
+        if q_len <= kernel_max_chunk_tokens() and self._use_kernel():
             return PrefillSlice(start, end, context_len, use_kernel=True)
         if context_len == 0:
             return PrefillSlice(start, end, 0)  # SDPA over the new k/v themselves: no gather
