@@ -36,6 +36,13 @@
 //     they fit (staged_group, software pipelined across tiles); smaller
 //     items read rows in place, tile by tile (run_inplace). Both run up to 4
 //     queries interleaved with a lazily rescaled online softmax.
+//     A float32 query over a float32 cache (CPUs without bf16 run float32)
+//     stages its items of kStageMinQueries or more query vectors likewise:
+//     K transposed so that lane = token (a query's 16 scores are D FMAs with
+//     q[d] broadcast, no horizontal sum), V rows copied (stage_tile_f32), 4
+//     query groups over the stripe with accumulators in registers
+//     (staged_group_f32); float32 FMAs throughout. Smaller items, and other
+//     dtype pairs, take the per-query loop of run().
 //   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
 //     per-thread float buffer) or portable loops.
 #include <ATen/Parallel.h>
@@ -302,7 +309,6 @@ inline int64_t pair_dim(int64_t e) {  // e in [0, 32)
   return 8 * lane + 4 * hi + j;
 }
 #endif
-#ifdef KVFERRY_AVX512_BF16
 // ---- The staged bf16 tile: re-laid out once, shared by every query of a work item ----
 //
 // kp [D/2] vectors: lane t of kp[i] is token t's dims (2i, 2i+1) as one bf16
@@ -339,6 +345,31 @@ inline void transpose16x16_epi32(const __m512i in[16], __m512i* __restrict out) 
   }
 }
 
+// The staged float32 tile (float32 query and cache): kt [D] vectors, lane t
+// of kt[d] is token t's dim d (16x16 transposes of the rows), so one query's
+// 16 scores are D FMAs with q[d] broadcast, one token per lane, no
+// horizontal reduction; vt [16 tokens][D/16]: the V rows as they are, copied
+// so that a stripe sits contiguous in cache whatever blocks it spans. Rows
+// past the tile's n tokens are zero (never read from the cache: an unwritten
+// slot may hold NaN, and 0 * NaN would reach acc).
+// kFull: n == 16, loads without per-row tests.
+template <bool kFull>
+inline void stage_tile_f32(const float* const* krows, const float* const* vrows, int64_t n, int64_t dim,
+                           __m512i* __restrict kt, __m512i* __restrict vt) {
+  const __m512i zero = _mm512_setzero_si512();
+  auto row = [&](const float* const* rows, int64_t t, int64_t c) __attribute__((always_inline)) {
+    return kFull || t < n ? _mm512_loadu_si512(rows[t] + 16 * c) : zero;
+  };
+  const int64_t chunks = dim / 16;
+  for (int64_t c = 0; c < chunks; ++c) {  // 16 dims = one 16x16 block
+    __m512i in[16];
+    for (int64_t t = 0; t < kTile; ++t) in[t] = row(krows, t, c);
+    transpose16x16_epi32(in, kt + 16 * c);
+    for (int64_t t = 0; t < kTile; ++t) vt[t * chunks + c] = row(vrows, t, c);
+  }
+}
+
+#ifdef KVFERRY_AVX512_BF16
 // rows[t] (t < n; D bf16 each) -> kp [D/2] and vp [8][D/32][2] as above.
 // kFull: n == 16 (all but a sequence's last tile), loads without per-row tests.
 template <bool kFull>
@@ -419,6 +450,7 @@ inline void staged_pv(float* const* acc, const __m512* alpha, const int32_t (*pp
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[k] + 32 * c + 16 * r, o[k][r]);
   }
 }
+#endif
 
 // The bf16 groups (staged_group, inplace_group) run up to 4 queries
 // interleaved, so that their independent vdpbf16ps chains overlap (one query
@@ -430,8 +462,8 @@ inline void staged_pv(float* const* acc, const __m512* alpha, const int32_t (*pp
 constexpr float kLazyRescale = 8.f;
 
 // Online softmax step for one query over one tile of scores s (lanes <
-// visible valid): weights p = exp(s - m) into pp as bf16 pairs (zero past
-// visible), l (16 per-lane partial sums) += p; returns alpha, the factor by
+// visible valid): weights p = exp(s - m) into pp (zero past visible; see
+// Out below), l (16 per-lane partial sums) += p; returns alpha, the factor by
 // which acc must be rescaled first (1 unless m moved).
 // Lazy rescaling: m moves only when a score passes it by more than
 // kLazyRescale, so the horizontal max and the rescale of acc and l are rare
@@ -441,8 +473,12 @@ constexpr float kLazyRescale = 8.f;
 // which no zmm register survives; staged_group needs it (its accumulators
 // would otherwise be kept in memory across the whole tile loop: 1.12x the
 // time), inplace_group is faster with the call (1.07x with exp512 inlined).
-template <bool kInlineExp>
-inline float lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, int32_t* pp) {
+// (GCC still calls lazy_softmax out of line from staged_group;
+// staged_group_f32 inlines it, see there.)
+// Out: int32_t, p rounded into bf16 pairs (pp [8], the bf16 paths); float,
+// p itself (pp [16], the float32 staged path).
+template <bool kInlineExp, typename Out>
+inline float lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, Out* pp) {
   const __mmask16 valid = visible >= kTile ? 0xFFFF : visible > 0 ? (1u << visible) - 1u : 0u;
   float alpha = 1.f;
   if (_mm512_mask_cmp_ps_mask(valid, s, _mm512_set1_ps(m + kLazyRescale), _CMP_GT_OQ)) {
@@ -458,9 +494,16 @@ inline float lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, int32_
   }
   const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m))));
   l = _mm512_add_ps(l, p);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm512_store_ps(pp, p);
+  } else {
+#ifdef KVFERRY_AVX512_BF16
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+#endif
+  }
   return alpha;
 }
+#ifdef KVFERRY_AVX512_BF16
 
 // Q queries (1..4) against the `tiles` staged tiles of a stripe (tile t at
 // kp + t * D/2, vp + t * D/2), in order: per tile, scores, online softmax,
@@ -598,6 +641,120 @@ inline void inplace_group(const at::BFloat16* const* q, float* const* acc, float
 }
 #endif
 
+// acc[k][16c, 16c + 16R) = acc * alpha[k] + p_k . V over a staged float32
+// tile (vt [16][chunks]), for head_dims whose accumulators do not fit in
+// registers (staged_group_f32 with kDim 0).
+template <int Q, int R>
+inline void staged_pv_f32(float* const* acc, const __m512* alpha, const float (*pf)[kTile],
+                          const __m512i* __restrict vt, int64_t chunks, int64_t c) {
+  __m512 o[Q][R];
+  for (int k = 0; k < Q; ++k) {
+    for (int r = 0; r < R; ++r) o[k][r] = _mm512_mul_ps(_mm512_loadu_ps(acc[k] + 16 * (c + r)), alpha[k]);
+  }
+  for (int64_t t = 0; t < kTile; ++t) {
+    for (int r = 0; r < R; ++r) {
+      const __m512 vr = _mm512_castsi512_ps(vt[t * chunks + c + r]);
+      for (int k = 0; k < Q; ++k) o[k][r] = _mm512_fmadd_ps(_mm512_set1_ps(pf[k][t]), vr, o[k][r]);
+    }
+  }
+  for (int k = 0; k < Q; ++k) {
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[k] + 16 * (c + r), o[k][r]);
+  }
+}
+
+// staged_group for a float32 query over staged float32 tiles (stage_tile_f32;
+// tile t at kt + t * D, vt + t * D): q[k] float [D], acc[k] float [D] in
+// natural order, p kept in float32, so every product and sum is a float32
+// FMA. The same pipelining (tile t + 1's scores before tile t's P . V, its
+// softmax after) and register accumulators (kDim: 16, 32, 64 with 4 queries,
+// 128 with 2; 0 = any head_dim, acc in memory per tile).
+// flatten: GCC otherwise keeps lazy_softmax out of line, and its calls make
+// the accumulators go to memory and back once per tile (measured 1.03x the time).
+template <int Q, int kDim>
+__attribute__((flatten)) inline void staged_group_f32(const float* const* q, float* const* acc, float* m, __m512* l,
+                                                      const int64_t* visible, const __m512i* __restrict kt,
+                                                      const __m512i* __restrict vt, int64_t tiles, int64_t dim,
+                                                      float scale) {
+  constexpr int R = kDim / 16;  // accumulators in registers per query
+  const int64_t D = kDim ? kDim : dim;
+  tiles = std::min(tiles, (visible[0] + kTile - 1) / kTile);
+  __m512 s[Q];                      // scores of the next tile
+  alignas(64) float pf[Q][kTile];   // p; zero past the visible tokens
+  float alpha[Q];
+  bool rescaled = false;
+  auto scores = [&](int64_t t) __attribute__((always_inline)) {
+    const __m512i* tk = kt + t * D;
+    // 8 independent FMA chains in all (4-cycle latency, 2 FMA pipes); more
+    // would not leave registers for the Q x R accumulators.
+    constexpr int kChains = Q >= 3 ? 2 : Q == 2 ? 4 : 8;
+    // The chains restart every 32 dims and are summed into tot: one chain
+    // over all of a long head_dim (128 dependent FMAs at 256) measured about
+    // 3x the rounding error of the in-place path's 16-lane dot products
+    // against a float64 softmax (1.4x the tests' 1e-5 tolerance with peaked
+    // scores; restarting every 32 dims: 0.7x, the in-place path 0.4x).
+    // Restarting every 16 dims measured 1.08x the time.
+    __m512 tot[Q];
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      __m512 c[Q][kChains];
+      for (int k = 0; k < Q; ++k) for (int i = 0; i < kChains; ++i) c[k][i] = _mm512_setzero_ps();
+      for (int64_t d = d0; d < std::min(D, d0 + 32); d += kChains) {
+        for (int i = 0; i < kChains; ++i) {
+          const __m512 kv = _mm512_castsi512_ps(tk[d + i]);
+          for (int k = 0; k < Q; ++k) c[k][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[k][d + i]), kv, c[k][i]);
+        }
+      }
+      for (int k = 0; k < Q; ++k) {
+        for (int w = kChains / 2; w > 0; w /= 2) {
+          for (int i = 0; i < w; ++i) c[k][i] = _mm512_add_ps(c[k][i], c[k][i + w]);
+        }
+        tot[k] = d0 == 0 ? c[k][0] : _mm512_add_ps(tot[k], c[k][0]);
+      }
+    }
+    for (int k = 0; k < Q; ++k) s[k] = _mm512_mul_ps(tot[k], _mm512_set1_ps(scale));
+  };
+  auto softmax = [&](int64_t t) __attribute__((always_inline)) {
+    rescaled = false;
+    for (int k = 0; k < Q; ++k) {
+      alpha[k] = lazy_softmax<true>(s[k], std::min(kTile, visible[k] - t * kTile), m[k], l[k], pf[k]);
+      rescaled |= alpha[k] != 1.f;
+    }
+  };
+  __m512 o[Q][R > 0 ? R : 1];
+  if constexpr (R > 0) {
+    for (int k = 0; k < Q; ++k) for (int r = 0; r < R; ++r) o[k][r] = _mm512_loadu_ps(acc[k] + 16 * r);
+  }
+  if (tiles > 0) scores(0), softmax(0);
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (t + 1 < tiles) scores(t + 1);
+    const __m512i* tv = vt + t * D;
+    if constexpr (R > 0) {
+      if (rescaled) {
+        for (int k = 0; k < Q; ++k) {
+          const __m512 a = _mm512_set1_ps(alpha[k]);
+          for (int r = 0; r < R; ++r) o[k][r] = _mm512_mul_ps(o[k][r], a);
+        }
+      }
+      for (int64_t j = 0; j < kTile; ++j) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 vr = _mm512_castsi512_ps(tv[j * R + r]);
+          for (int k = 0; k < Q; ++k) o[k][r] = _mm512_fmadd_ps(_mm512_set1_ps(pf[k][j]), vr, o[k][r]);
+        }
+      }
+    } else {
+      __m512 av[Q];
+      for (int k = 0; k < Q; ++k) av[k] = _mm512_set1_ps(alpha[k]);
+      const int64_t chunks = D / 16;
+      int64_t c = 0;
+      for (; c + 4 <= chunks; c += 4) staged_pv_f32<Q, 4>(acc, av, pf, tv, chunks, c);
+      for (; c < chunks; ++c) staged_pv_f32<Q, 1>(acc, av, pf, tv, chunks, c);
+    }
+    if (t + 1 < tiles) softmax(t + 1);  // pf and alpha of tile t are used: tile t + 1 takes their place
+  }
+  if constexpr (R > 0) {
+    for (int k = 0; k < Q; ++k) for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[k] + 16 * r, o[k][r]);
+  }
+}
+
 // acc [dim] = acc * alpha + sum_t p[t] * v_t, t < n; dim % 16 == 0. 64 dims
 // of acc stay in registers across the tile's tokens.
 template <typename scalar_t>
@@ -665,7 +822,8 @@ inline const float* as_float<float>(const float* src, int64_t stride, int64_t, i
 // How a tile's rows are read.
 enum class Path {
   kPortable,  // rows converted to float (or used in place), AVX2 / plain-loop primitives
-  kWiden,     // AVX-512: rows widened in registers, float query
+  kWiden,     // AVX-512: rows widened in registers, float query (float32 query and cache, items of
+              // kStageMinQueries or more queries: staged, run_staged)
   kDpbf16,    // AVX-512 BF16: bf16 query and rows, vdpbf16ps dot products (items of
               // kStageMinQueries or more queries stage each tile: run_staged)
 };
@@ -676,16 +834,19 @@ enum class Path {
 // 16x16 transpose costs about what it saves, and each query reads the rows in
 // place. Measured (bench/paged_attention_kernel.py, one thread, batch 32,
 // context 384, G = 3): staging is 1.07x the per-query time at M = 3, 0.86x at
-// M = 6, 0.63-0.72x at M = 12-48.
+// M = 6, 0.63-0.72x at M = 12-48. float32 (G = 1 and 3): about even at M =
+// 4, 0.87x at M = 8, 0.8x at M = 12.
 constexpr int64_t kStageMinQueries = 4;
 
-// Bytes of staged tiles per stripe in run_staged (a tile is 64 * head_dim
+// Bytes of staged tiles per stripe in run_staged (a bf16 tile is 64 * head_dim
 // bytes), for groups of 4 and of 2 queries (see run_staged). Every group
 // reads the whole stripe, and each group starts its pipeline afresh per
 // stripe: longer stripes start fewer, but fall out of L1, and 2-query groups
 // read the stripe twice as often. Measured (one thread, batch 8, 256-token
 // prompts): head_dim 64, 16 tiles (64 KB) 0.96x the time of 8 tiles; head_dim
-// 128, 16 tiles (128 KB) 1.1-1.25x the time of 4 (32 KB).
+// 128, 16 tiles (128 KB) 1.1-1.25x the time of 4 (32 KB). A float32 tile is
+// twice the bytes (128 * head_dim); at head_dim 64, stripes of 4, 8 and 16
+// of them (32, 64, 128 KB) measured the same within noise.
 constexpr int64_t kStripeBytes4 = 64 * 1024;
 constexpr int64_t kStripeBytes2 = 32 * 1024;
 
@@ -707,11 +868,14 @@ struct Attend {
   int64_t num_heads, kv_heads, head_dim, group, block_size;
   float scale;
 
+  // The query type the staged groups read: bf16 (kDpbf16) or the float copy in Scratch::qf.
+  using group_q_t = std::conditional_t<kPath == Path::kDpbf16, at::BFloat16, float>;
+
   // Per-thread scratch, reused across work items.
   struct Scratch {
     std::vector<float> acc, m, l, qf, kbuf, vbuf;
     std::vector<int64_t> limit;  // visible positions per query
-#ifdef KVFERRY_AVX512_BF16
+#ifdef KVFERRY_AVX512
     std::vector<__m512i> kp, vp;  // the staged stripe (run_staged)
     std::vector<__m512> lvec;      // run_staged: per query, softmax sums per lane
 #endif
@@ -751,7 +915,7 @@ struct Attend {
     next = std::max(next, last);
   }
 
-#ifdef KVFERRY_AVX512_BF16
+#ifdef KVFERRY_AVX512
   // Row pointers of K and V for positions [start, start + n) of seq, wherever their blocks are.
   void tile_rows(const Seq& seq, int64_t h, int64_t start, int64_t n, const scalar_t** krows,
                  const scalar_t** vrows) const {
@@ -775,14 +939,18 @@ struct Attend {
     const int64_t M = static_cast<int64_t>(w.m.size());
     for (int64_t top = M - 1; top >= 0 && w.limit[top] > start; top -= max_group) {
       const int q = static_cast<int>(std::min<int64_t>(max_group, top + 1));
-      const at::BFloat16* qs[4];
+      const group_q_t* qs[4];
       float* accs[4];
       float ms[4];
       __m512 ls[4];
       int64_t visible[4];
       for (int k = 0; k < q; ++k) {
         const int64_t i = top - k;
-        qs[k] = reinterpret_cast<const at::BFloat16*>(query(j0 + i / group, i % group, h, seq));
+        if constexpr (kPath == Path::kDpbf16) {
+          qs[k] = reinterpret_cast<const at::BFloat16*>(query(j0 + i / group, i % group, h, seq));
+        } else {
+          qs[k] = w.qf.data() + i * head_dim;  // float32 path: the query as float
+        }
         accs[k] = w.acc.data() + i * head_dim;
         ms[k] = w.m[i];
         ls[k] = w.lvec[i];
@@ -801,6 +969,7 @@ struct Attend {
     }
   }
 
+#ifdef KVFERRY_AVX512_BF16
   // Items of fewer queries: tiles of up to 16 rows inside one block, read in place.
   void run_inplace(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t D = head_dim, row_stride = kv_heads * D;
@@ -818,23 +987,27 @@ struct Attend {
       });
     }
   }
+#endif
 
   // Items of kStageMinQueries or more queries: a stripe of consecutive
-  // tiles (kStripeBytes4 or 2 of them) is staged once (K transposed into dim
-  // pairs, V into token pairs) and every query group of the item then runs
-  // over all of its tiles from cache, so that a group's accumulators and
-  // softmax state are loaded and stored once per stripe rather than once per
-  // tile. A tile may span blocks (its rows are looked up one by one), so any
-  // block size works.
+  // tiles (kStripeBytes4 or 2 of them) is staged once (bf16: K transposed
+  // into dim pairs, V into token pairs; float32: K transposed, V copied) and
+  // every query group of the item then runs over all of its tiles from
+  // cache, so that a group's accumulators and softmax state are loaded and
+  // stored once per stripe rather than once per tile. A tile may span blocks
+  // (its rows are looked up one by one), so any block size works.
   void run_staged(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t D = head_dim;
     const int64_t end = seq.seq_len - seq.q_len + j1;
     // Groups whose accumulators fit in registers (staged_group): 4 queries
     // at head_dim <= 64, 2 at 128; otherwise 4, acc kept in memory.
     const int max_group = D == 128 ? 2 : 4;
-    const int64_t stripe_tiles = std::max<int64_t>(1, (max_group == 4 ? kStripeBytes4 : kStripeBytes2) / (64 * D));
-    w.kp.resize(stripe_tiles * D / 2);
-    w.vp.resize(stripe_tiles * D / 2);  // per tile: 8 pairs x D/32 chunks x 2
+    // Vectors per staged tile, each of K and V: D / 2 for bf16, D for float32.
+    const int64_t per_tile = kPath == Path::kDpbf16 ? D / 2 : D;
+    const int64_t stripe_tiles =
+        std::max<int64_t>(1, (max_group == 4 ? kStripeBytes4 : kStripeBytes2) / (2 * 64 * per_tile));
+    w.kp.resize(stripe_tiles * per_tile);
+    w.vp.resize(stripe_tiles * per_tile);
     const scalar_t* krows[kTile];
     const scalar_t* vrows[kTile];
     int64_t prefetched = 0;
@@ -845,23 +1018,42 @@ struct Attend {
         const int64_t start = stripe + t * kTile, n = std::min(kTile, end - start);
         prefetch_ahead(seq, h, start + n, end, prefetched);
         tile_rows(seq, h, start, n, krows, vrows);
-        const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
-        const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
-        __m512i* kp = w.kp.data() + t * D / 2;
-        __m512i* vp = w.vp.data() + t * D / 2;
-        if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, kp, vp);
-        else stage_tile_bf16<false>(kb, vb, n, D, kp, vp);
+        __m512i* kp = w.kp.data() + t * per_tile;
+        __m512i* vp = w.vp.data() + t * per_tile;
+        if constexpr (kPath == Path::kDpbf16) {
+#ifdef KVFERRY_AVX512_BF16
+          const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
+          const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
+          if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, kp, vp);
+          else stage_tile_bf16<false>(kb, vb, n, D, kp, vp);
+#endif
+        } else {
+          if (n == kTile) stage_tile_f32<true>(krows, vrows, n, D, kp, vp);
+          else stage_tile_f32<false>(krows, vrows, n, D, kp, vp);
+        }
       }
       for_query_groups(seq, j0, h, stripe, tokens, max_group, w, [&](auto tag, auto&&... a) {
         constexpr int Q = decltype(tag)::value;
         const __m512i* kp = w.kp.data();
         const __m512i* vp = w.vp.data();
-        if constexpr (Q <= 2) {
-          if (D == 128) return staged_group<Q, 128>(a..., kp, vp, tiles, D, scale);
+        if constexpr (kPath == Path::kDpbf16) {
+#ifdef KVFERRY_AVX512_BF16
+          if constexpr (Q <= 2) {
+            if (D == 128) return staged_group<Q, 128>(a..., kp, vp, tiles, D, scale);
+          }
+          if (D == 64) staged_group<Q, 64>(a..., kp, vp, tiles, D, scale);
+          else if (D == 32) staged_group<Q, 32>(a..., kp, vp, tiles, D, scale);
+          else staged_group<Q, 0>(a..., kp, vp, tiles, D, scale);
+#endif
+        } else {
+          if constexpr (Q <= 2) {
+            if (D == 128) return staged_group_f32<Q, 128>(a..., kp, vp, tiles, D, scale);
+          }
+          if (D == 64) staged_group_f32<Q, 64>(a..., kp, vp, tiles, D, scale);
+          else if (D == 32) staged_group_f32<Q, 32>(a..., kp, vp, tiles, D, scale);
+          else if (D == 16) staged_group_f32<Q, 16>(a..., kp, vp, tiles, D, scale);
+          else staged_group_f32<Q, 0>(a..., kp, vp, tiles, D, scale);
         }
-        if (D == 64) staged_group<Q, 64>(a..., kp, vp, tiles, D, scale);
-        else if (D == 32) staged_group<Q, 32>(a..., kp, vp, tiles, D, scale);
-        else staged_group<Q, 0>(a..., kp, vp, tiles, D, scale);
       });
     }
   }
@@ -896,6 +1088,19 @@ struct Attend {
       else run_inplace(seq, j0, j1, h, w);
       for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
       return finish(seq, j0, M, h, w);
+    }
+#endif
+#ifdef KVFERRY_AVX512
+    // A float32 query over a float32 cache: items of kStageMinQueries or
+    // more query vectors stage their tiles too (stage_tile_f32,
+    // staged_group_f32); the rest read rows in place below.
+    if constexpr (kPath == Path::kWiden && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+      if (M >= kStageMinQueries) {
+        w.lvec.assign(M, _mm512_setzero_ps());
+        run_staged(seq, j0, j1, h, w);
+        for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
+        return finish(seq, j0, M, h, w);
+      }
     }
 #endif
     if constexpr (kPath == Path::kPortable && !std::is_same_v<scalar_t, float>) {
