@@ -86,9 +86,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """The pre-norm block's residual add and the RMSNorm after it:
     ``h = residual + x`` and ``rms_norm(h, weight, eps)``, bit for bit, in one
     pass fewer over memory."""
-    if (x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and residual.shape == x.shape
-            and residual.dim() == 2 and residual.stride(-1) == 1 and residual.dtype == x.dtype == weight.dtype
-            and fused_ops_available()):
+    if (x.device.type == "cpu" and x.dim() == 2 and residual.shape == x.shape and x.stride(-1) == 1
+            and residual.stride(-1) == 1 and residual.dtype == x.dtype == weight.dtype and fused_ops_available()):
         return torch.ops.kvferry_fused.add_rms_norm(x, residual, weight, eps)
     h = residual + x
     return h, rms_norm(h, weight, eps)
