@@ -19,8 +19,9 @@ from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
-from kvferry.model.loader import LoadedModel, load_model
+from kvferry.model import small_gemm
 from kvferry.model.fused_ops import fused_ops_available
+from kvferry.model.loader import LoadedModel, load_model
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
@@ -64,6 +65,7 @@ class EngineCore:
             # 15-30 s build whenever the kernel's cache is cold).
             get_paged_decode_kernel()
             fused_ops_available()  # the same for the fused elementwise ops
+            small_gemm.available()  # and the small-batch matmul, where the CPU fits it
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector

@@ -8,8 +8,12 @@ on one AVX-512 core (SmolLM2-135M shapes, batch 32): the layers' matmuls take
 ~17% less time in bf16 and ~25% less in float32; the 49152-row lm_head gains
 most (25-40%). Prefill-sized batches gain 0-10%.
 
+Decode-sized batches of bf16 rows (up to ``small_gemm.MAX_ROWS``) go to
+``small_gemm`` instead where it applies (AVX512-BF16 without AMX), which is
+faster than oneDNN there; such a weight keeps both packed copies.
+
 The plain weight stays the model's parameter (loading, tying and
-fingerprinting read it); the packed copy sits beside it. Packing is skipped,
+fingerprinting read it); the packed copies (``PackedWeight``) sit beside it. Packing is skipped,
 and ``F.linear`` used, for non-CPU tensors, other dtypes, a torch without
 oneDNN, when ``KVFERRY_DISABLE_ONEDNN_PACKING=1``, or if packing fails.
 float32 results differ from ``F.linear`` only by summation order (~1e-6
@@ -29,9 +33,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvferry.model import small_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +62,24 @@ def packing_disabled() -> bool:
     return os.environ.get("KVFERRY_DISABLE_ONEDNN_PACKING", "") not in ("", "0")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [out, in] -> oneDNN's blocked copy, or None where unsupported."""
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A weight's packed copies (the plain weight stays the model's parameter)."""
+    onednn: torch.Tensor | None  # oneDNN's blocked copy (opaque); None: F.linear
+    small: torch.Tensor | None  # small_gemm's copy, for row counts up to small_gemm.MAX_ROWS
+    out_features: int
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """weight [out, in] -> its packed copies, or None where neither applies."""
+    small = small_gemm.pack(weight)
+    onednn = _pack_onednn(weight)
+    if small is None and onednn is None:
+        return None
+    return PackedWeight(onednn, small, weight.shape[0])
+
+
+def _pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     global _failure_logged
     if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or packing_disabled()
             or not torch.backends.mkldnn.is_available()):
@@ -75,15 +98,21 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out]; ``packed`` is ``pack_weight(weight)`` or None."""
     rows = x.shape[0]
     if packed is None or rows == 0:
         return F.linear(x, weight, bias)
+    if (packed.small is not None and rows <= small_gemm.MAX_ROWS and bias is None and x.dtype == torch.bfloat16
+            and small_gemm.available()):
+        return small_gemm.linear(x, packed.small, packed.out_features)
+    if packed.onednn is None:
+        return F.linear(x, weight, bias)
+    onednn = packed.onednn
     padded = padded_rows(rows)
     if padded != rows:
         xp = x.new_empty((padded, x.shape[1]))
         xp[:rows] = x
         xp[rows:].zero_()
-        return torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")[:rows]
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(xp, onednn, bias, "none", [], "")[:rows]
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn, bias, "none", [], "")

@@ -23,7 +23,7 @@ from torch import nn
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.config import ModelConfig, RopeScaling
 from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
-from kvferry.model.linear import linear, pack_weight
+from kvferry.model.linear import PackedWeight, linear, pack_weight
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -115,8 +115,8 @@ class Attention(nn.Module):
         self.o_weight = _param(c.hidden_size, c.q_size, dtype=dtype, device=device)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
-        self.qkv_packed: torch.Tensor | None = None  # oneDNN copies (pack_weights); None = F.linear
-        self.o_packed: torch.Tensor | None = None
+        self.qkv_packed: PackedWeight | None = None  # packed copies (pack_weights); None = F.linear
+        self.o_packed: PackedWeight | None = None
 
     def pack_weights(self) -> None:
         self.qkv_packed, self.o_packed = pack_weight(self.qkv_weight), pack_weight(self.o_weight)
@@ -152,8 +152,8 @@ class MLP(nn.Module):
         # rows: [gate (I) | up (I)]
         self.gate_up_weight = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device)
         self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
-        self.gate_up_packed: torch.Tensor | None = None
-        self.down_packed: torch.Tensor | None = None
+        self.gate_up_packed: PackedWeight | None = None
+        self.down_packed: PackedWeight | None = None
 
     def pack_weights(self) -> None:
         self.gate_up_packed, self.down_packed = pack_weight(self.gate_up_weight), pack_weight(self.down_weight)
@@ -210,7 +210,7 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: PackedWeight | None = None
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
 
     def pack_weights(self) -> None:

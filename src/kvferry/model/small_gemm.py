@@ -1,0 +1,94 @@
+"""A bf16 matmul for decode-sized batches (``csrc/small_gemm.cpp``), built at first use.
+
+A decode step multiplies every weight by a few dozen rows. oneDNN's kernels
+are tuned for large row counts: at 32 rows on a CPU with AVX512-BF16 and no
+AMX they reach about 60% of their large-batch rate, and less when the
+weights stream from DRAM, as they do in a step (each layer's weights are read
+once). This kernel keeps a register block of rows by 16-column vectors over
+the whole reduction, with the weights packed once into vdpbf16ps pairs and
+the next panel prefetched while the current one is multiplied.
+
+    pack(weight)          weight [N, K] bf16 -> the packed copy (any N, K), or None where it does not apply
+    linear(x, packed, n)  x [M, K] bf16 -> [M, n] bf16 (float32 sums, rounded once)
+
+It applies only where it is faster than oneDNN: a CPU with AVX512-BF16 but
+no AMX (oneDNN's AMX kernels are faster at every size), the native build
+(not ``KVFERRY_KERNEL_ISA=avx2``), bf16 weights, and up to ``MAX_ROWS`` rows
+(linear.py sends larger batches to oneDNN). ``KVFERRY_DISABLE_SMALL_GEMM=1``
+(or ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns it off; a failed build logs a
+warning and leaves oneDNN in charge.
+
+The build shares paged_kernel.py's machinery and cache folder.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry.model import paged_kernel
+from kvferry.model.cpu_features import cpu_features
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+MAX_ROWS = 64  # row counts above this go to oneDNN
+_lock = threading.Lock()
+_loaded = False
+_available = False
+
+
+def small_gemm_disabled() -> bool:
+    return paged_kernel.kernels_disabled() or os.environ.get("KVFERRY_DISABLE_SMALL_GEMM", "") not in ("", "0")
+
+
+def cpu_fits() -> bool:
+    """AVX512-BF16 without AMX, in the native build."""
+    flags = cpu_features().flags
+    return "avx512_bf16" in flags and "amx_bf16" not in flags and paged_kernel.kernel_isa() == "native"
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] -> the kernel's packed copy, or None where the kernel does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not available():
+        return None
+    return torch.ops.kvferry_gemm.pack(weight.detach().contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bf16 (M <= MAX_ROWS) -> [M, n] bf16."""
+    return torch.ops.kvferry_gemm.linear(x.contiguous(), packed, n)
+
+
+def available() -> bool:
+    """True once the library is loaded on a CPU it fits (building it on the first call)."""
+    global _loaded, _available
+    if small_gemm_disabled() or not cpu_fits():
+        return False  # checked per call, so tests can switch paths per test
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _available = _load()
+                _loaded = True
+    return _available
+
+
+def _cflags() -> list[str]:
+    return paged_kernel._cflags()
+
+
+def _load() -> bool:
+    t0 = time.perf_counter()
+    try:
+        name = paged_kernel.extension_name("kvferry_gemm", _SOURCE, _cflags())
+        build_dir = paged_kernel._build_dir(name)
+        how = paged_kernel.load_extension(name, build_dir, _SOURCE, _cflags(), "the C++ small-batch matmul")
+    except Exception as e:  # no compiler, a compile error: oneDNN is still right
+        logger.warning("C++ small-batch matmul unavailable, using oneDNN: %s", e)
+        return False
+    logger.info("C++ small-batch matmul %s in %.2fs (%s)", how, time.perf_counter() - t0, build_dir)
+    return True

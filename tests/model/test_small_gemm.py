@@ -1,0 +1,109 @@
+"""The small-batch bf16 matmul (model/small_gemm.py, csrc/small_gemm.cpp):
+results within one bf16 rounding of a float32 reference, every row count up
+to MAX_ROWS, and linear() routing decode-sized batches to it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvferry.model import small_gemm
+from kvferry.model.linear import linear, pack_weight
+from kvferry.model.loader import load_model
+from tests.model.paged_harness import PagedHarness
+from tests.tiny_models import load_hf_model, make_tiny_checkpoint
+
+needs_kernel = pytest.mark.skipif(not small_gemm.available(),
+                                  reason="small-batch matmul needs AVX512-BF16 without AMX and a compiler")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 sums of the bf16 products, rounded once to bf16."""
+    return (x.float() @ w.float().T).to(torch.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(16, 32), (96, 64), (960, 576), (576, 1536), (3072, 576), (100, 7), (65, 577), (1, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 32, 64])
+def test_matches_float32_reference(n, k, rows):
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    packed = small_gemm.pack(w)
+    assert packed is not None
+    got = small_gemm.linear(x, packed, n)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    want = _reference(x, w)
+    # Summation order differs from the reference: at most a rounding step of the output apart.
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert (got == want).float().mean() > 0.9
+
+
+@needs_kernel
+def test_exact_on_integers():
+    """Small integers multiply and add exactly in float32: the result is exact,
+    whatever the summation order, so a layout or tail bug cannot hide in tolerance."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k, rows in [(48, 96, 5), (3072, 576, 33), (3000, 575, 64), (49152, 576, 9)]:
+        w = torch.randint(-3, 4, (n, k), generator=gen).to(torch.bfloat16)
+        x = torch.randint(-3, 4, (rows, k), generator=gen).to(torch.bfloat16)
+        got = small_gemm.linear(x, small_gemm.pack(w), n)
+        assert torch.equal(got, _reference(x, w))
+
+
+@needs_kernel
+def test_strided_rows_and_inputs_it_declines():
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(64, 64, generator=gen) * 0.05).to(torch.bfloat16)
+    wide = torch.randn(8, 128, generator=gen).to(torch.bfloat16)
+    packed = pack_weight(w)
+    assert packed is not None and packed.small is not None
+    torch.testing.assert_close(linear(wide[:, ::2], w, None, packed).float(), _reference(wide[:, ::2], w).float(),
+                               atol=1e-2, rtol=1e-2)
+    # A repeated row (stride 0) and no rows at all.
+    row = torch.randn(1, 64, generator=gen).to(torch.bfloat16).expand(5, 64)
+    assert torch.equal(small_gemm.linear(row, packed.small, 64), small_gemm.linear(row.contiguous(), packed.small, 64))
+    assert small_gemm.linear(wide[:0, :64], packed.small, 64).shape == (0, 64)
+    # Other dtypes get no small copy; a wrong n or K is refused with an error.
+    assert small_gemm.pack(torch.randn(64, 64)) is None
+    with pytest.raises(RuntimeError):
+        small_gemm.linear(wide[:, :64], packed.small, 200)
+    with pytest.raises(RuntimeError):
+        small_gemm.linear(wide[:, :96].contiguous(), packed.small, 64)
+
+
+@needs_kernel
+def test_linear_routes_by_row_count(monkeypatch):
+    """Up to MAX_ROWS rows take the small kernel, more take oneDNN; both agree
+    with the reference, and with KVFERRY_DISABLE_SMALL_GEMM=1 no small copy is made."""
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(256, 128, generator=gen) * 0.05).to(torch.bfloat16)
+    packed = pack_weight(w)
+    assert packed is not None and packed.small is not None
+    for rows in (small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        torch.testing.assert_close(linear(x, w, None, packed).float(), _reference(x, w).float(),
+                                   atol=1e-2, rtol=1e-2)
+    x = torch.randn(small_gemm.MAX_ROWS, 128, generator=gen).to(torch.bfloat16)
+    assert torch.equal(linear(x, w, None, packed), small_gemm.linear(x, packed.small, 256))
+    monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")
+    assert not small_gemm.available()
+    off = pack_weight(w)
+    assert off is not None and off.small is None
+    torch.testing.assert_close(linear(x, w, None, off).float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_bf16_model_with_small_gemm_matches_hf(tmp_path):
+    """A bf16 tiny model's decode steps (a few rows) run through the kernel and
+    stay within bf16 noise of HF's logits."""
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    model = load_model(str(path), dtype="bfloat16").model
+    seq = list(range(3, 20))
+    harness = PagedHarness(model)
+    got = harness.step({0: seq, 1: seq[:7]}, {0: len(seq), 1: 7})
+    assert model.layers[0].mlp.gate_up_packed.small is not None
+    hf = load_hf_model(path).to(torch.bfloat16)
+    with torch.no_grad():
+        want = hf(torch.tensor([seq])).logits[0].float()
+    torch.testing.assert_close(got[0].float(), want, atol=5e-2, rtol=5e-2)
