@@ -34,7 +34,9 @@
 //     time (K as dim pairs, V as token pairs: run_staged) and run each group
 //     of queries over the whole stripe, its accumulators in registers where
 //     they fit (staged_group, software pipelined across tiles); smaller
-//     items read rows in place, tile by tile (run_inplace). Both run up to 4
+//     items read rows in place, tile by tile (run_inplace; decode items of
+//     1-3 query vectors at head_dim 32/64, 1-2 at 128, take its compile-time
+//     specialization run_inplace_fast). Both run up to 4
 //     queries interleaved with a lazily rescaled online softmax.
 //     A float32 query over a float32 cache (CPUs without bf16 run float32)
 //     stages its items of kStageMinQueries or more query vectors likewise:
