@@ -124,6 +124,10 @@ for dtype in (torch.float32, torch.bfloat16):
     ref = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
     # torch may dispatch a wider exp here than the AVX2 build's: equal to within an ulp
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), ref)
+logits = torch.randn(5, 1003)
+logits[1, 7] = logits[1, 900] = 50.0
+logits[2, 500] = float("nan")
+assert torch.equal(fused_ops.argmax_rows(logits), logits.argmax(dim=-1))
 print("avx2 fused ops ok")
 """
 
@@ -215,3 +219,31 @@ def test_write_kv_puts_each_row_in_its_slot(dtype):
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.kvferry_fused.write_kv(k, v, k_cache, v_cache, slots + num_slots)
     assert torch.equal(k_cache, ref_k)  # refused before anything was written
+
+
+@needs_ops
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 31, 32, 33, 100, 1003, 49152])
+def test_argmax_rows_is_torchs_argmax(n):
+    """The same index as torch.argmax: first of equal maxima, the first NaN
+    where a row has one, -inf rows, signed zeros, vector and tail positions."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(12, n, generator=gen)
+    if n > 1:
+        x[1, :] = 2.0  # all equal: index 0
+        x[2, n // 2] = x[2, n - 1] = 99.0  # tie: the first
+        x[3, n - 1] = float("nan")  # NaN in the tail
+        x[4, n // 3] = float("nan")
+        x[4, n - 1] = float("nan")  # two NaNs: the first
+        x[4, 0] = 1e30
+        x[5, :] = float("-inf")
+        x[6, :] = 0.0
+        x[6, n // 2] = -0.0  # -0 == 0: still index 0
+        x[7, n - 1] = float("inf")
+        x[8, 0] = float("nan")
+    want = x.argmax(dim=-1)
+    assert torch.equal(fused_ops.argmax_rows(x), want)
+    # Strided rows (a row slice of a wider tensor), a single row and float64 (torch's path).
+    wide = torch.randn(3, n + 8, generator=gen)
+    assert torch.equal(fused_ops.argmax_rows(wide[:, :n]), wide[:, :n].argmax(dim=-1))
+    assert torch.equal(fused_ops.argmax_rows(x[:1]), want[:1])
+    assert torch.equal(fused_ops.argmax_rows(x.double()), want)

@@ -18,6 +18,9 @@ their cache slots, one copy per token (``index_copy_`` elsewhere).
 ``rms_norm(h, ...)`` with the add in the first of those passes (the decoder
 layer's residual add fused into the norm that follows it).
 
+``argmax_rows(x)``: ``x.argmax(dim=-1)`` over float32 rows (greedy sampling),
+the same index (first maximum; a NaN wins) in one vectorized pass.
+
 Where an op is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``,
 ``KVFERRY_DISABLE_FUSED_OPS=1``, no compiler, a failed build, a non-CPU
 tensor) it is exactly the torch ops it replaces.
@@ -104,6 +107,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> [rows] int64: ``x.argmax(dim=-1)`` (first maximum; a NaN wins)."""
+    if (x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0
+            and x.stride(-1) == 1 and fused_ops_available()):
+        return torch.ops.kvferry_fused.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def fused_ops_available() -> bool:

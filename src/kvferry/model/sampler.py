@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kvferry.core.outputs import TokenLogprobs
+from kvferry.model.fused_ops import argmax_rows
 from kvferry.sampling import SamplingParams
 from kvferry.spec.rejection import rejection_sample
 from kvferry.structured.bitmask import apply_token_bitmask
@@ -391,11 +392,11 @@ class Sampler:
         # Grammar first: penalties and temperature then act on allowed ids only.
         logits = apply_min_tokens(apply_penalties(apply_grammar(raw, batch), batch), batch)
         if batch.all_greedy:
-            sampled = logits.argmax(dim=-1)  # [B]
+            sampled = argmax_rows(logits)  # [B]
         else:
             sampled = self._sample_random(logits, batch)
             if batch.any_greedy:
-                sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(batch.greedy, argmax_rows(logits), sampled)
         return _to_host(raw, sampled, batch)
 
     @staticmethod
@@ -434,7 +435,7 @@ class Sampler:
         with_q = draft_probs is not None and has_draft_probs is not None and any(has_draft_probs)
         if batch.all_greedy and not with_q:
             # p is one-hot at the argmax: accept exactly the drafts equal to it.
-            return _to_host(raw, logits.argmax(dim=-1), batch)
+            return _to_host(raw, argmax_rows(logits), batch)
         probs = _target_probs(logits, batch)  # [B, V]
         noise = _exponential_noise(probs, batch)  # [B, V]
         draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64, device=probs.device)  # [B]

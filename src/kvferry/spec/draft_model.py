@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from kvferry.engine.input_batch import InputBatch, flatten
+from kvferry.model.fused_ops import argmax_rows
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import exponential_, position_generator
@@ -189,7 +190,7 @@ def draw_drafts(logits: torch.Tensor, active: list[DraftRequest], i: int,
     accepts often where q resembles p."""
     greedy = [r.params.greedy for r in active]
     if all(greedy):
-        drawn = logits.argmax(dim=-1)  # [A]
+        drawn = argmax_rows(logits)  # [A]
         return (drawn if vocab is None else vocab.ids[drawn]).tolist(), None
     temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, active)],
                                device=logits.device)
