@@ -43,6 +43,7 @@ def test_packed_linear_matches_f_linear(dtype, rows, monkeypatch):
 
 def test_packing_skipped_where_unsupported(monkeypatch):
     monkeypatch.delenv("KVFERRY_DISABLE_ONEDNN_PACKING", raising=False)
+    monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")  # oneDNN's packing alone
     assert pack_weight(torch.randn(4, 4, dtype=torch.float16)) is None
     assert pack_weight(torch.randn(4, 4, dtype=torch.float64)) is None
     monkeypatch.setenv("KVFERRY_DISABLE_ONEDNN_PACKING", "1")
@@ -56,6 +57,7 @@ def test_packing_failure_falls_back(monkeypatch):
         raise RuntimeError("no such op")
 
     monkeypatch.delenv("KVFERRY_DISABLE_ONEDNN_PACKING", raising=False)
+    monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")  # oneDNN's packing alone
     monkeypatch.setattr(linear_mod, "_reorder", broken)
     assert pack_weight(torch.randn(4, 4)) is None
 
@@ -87,6 +89,7 @@ def test_model_packs_on_first_forward_and_after_reload(tmp_path, monkeypatch):
 
 @needs_onednn
 def test_disabled_packing_gives_same_outputs(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")  # oneDNN's packing alone
     path = make_tiny_checkpoint(tmp_path, "llama")
     seq = list(range(3, 30))
     outs = []

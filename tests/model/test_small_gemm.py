@@ -1,6 +1,7 @@
-"""The small-batch bf16 matmul (model/small_gemm.py, csrc/small_gemm.cpp):
-results within one bf16 rounding of a float32 reference, every row count up
-to MAX_ROWS, and linear() routing decode-sized batches to it."""
+"""The small-batch matmuls (model/small_gemm.py, csrc/small_gemm.cpp): bf16
+results within one rounding of a float32 reference, float32 results within
+summation-order noise of a float64 one, exact on small integers, every row
+count up to MAX_ROWS, and linear() routing decode-sized batches to them."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,10 @@ from kvferry.model.loader import load_model
 from tests.model.paged_harness import PagedHarness
 from tests.tiny_models import load_hf_model, make_tiny_checkpoint
 
-needs_kernel = pytest.mark.skipif(not small_gemm.available(),
-                                  reason="small-batch matmul needs AVX512-BF16 without AMX and a compiler")
+needs_kernel = pytest.mark.skipif(not small_gemm.available(torch.bfloat16),
+                                  reason="the bf16 small-batch matmul needs AVX512-BF16 without AMX and a compiler")
+needs_f32 = pytest.mark.skipif(not small_gemm.available(torch.float32),
+                               reason="the float32 small-batch matmul needs AVX2+FMA or AVX-512 and a compiler")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -65,7 +68,7 @@ def test_strided_rows_and_inputs_it_declines():
     assert torch.equal(small_gemm.linear(row, packed.small, 64), small_gemm.linear(row.contiguous(), packed.small, 64))
     assert small_gemm.linear(wide[:0, :64], packed.small, 64).shape == (0, 64)
     # Other dtypes get no small copy; a wrong n or K is refused with an error.
-    assert small_gemm.pack(torch.randn(64, 64)) is None
+    assert small_gemm.pack(torch.randn(64, 64).half()) is None
     with pytest.raises(RuntimeError):
         small_gemm.linear(wide[:, :64], packed.small, 200)
     with pytest.raises(RuntimeError):
@@ -87,7 +90,7 @@ def test_linear_routes_by_row_count(monkeypatch):
     x = torch.randn(small_gemm.MAX_ROWS, 128, generator=gen).to(torch.bfloat16)
     assert torch.equal(linear(x, w, None, packed), small_gemm.linear(x, packed.small, 256))
     monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")
-    assert not small_gemm.available()
+    assert not small_gemm.available(torch.bfloat16) and not small_gemm.available(torch.float32)
     off = pack_weight(w)
     assert off is not None and off.small is None
     torch.testing.assert_close(linear(x, w, None, off).float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2)
@@ -107,3 +110,37 @@ def test_bf16_model_with_small_gemm_matches_hf(tmp_path):
     with torch.no_grad():
         want = hf(torch.tensor([seq])).logits[0].float()
     torch.testing.assert_close(got[0].float(), want, atol=5e-2, rtol=5e-2)
+
+
+@needs_f32
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 576), (100, 7), (65, 577), (1, 64)])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 17, 32, 33, 64])
+def test_float32_matches_float64_reference(n, k, rows):
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen)
+    packed = small_gemm.pack(w)
+    assert packed is not None and packed.dtype == torch.float32
+    got = small_gemm.linear(x, packed, n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), atol=1e-4, rtol=1e-4)
+
+
+@needs_f32
+def test_float32_exact_on_integers_and_routed_by_linear():
+    gen = torch.Generator().manual_seed(3)
+    for n, k, rows in [(48, 96, 5), (3072, 576, 33), (3000, 575, 64), (49152, 576, 9)]:
+        w = torch.randint(-3, 4, (n, k), generator=gen).float()
+        x = torch.randint(-3, 4, (rows, k), generator=gen).float()
+        packed = pack_weight(w)
+        assert packed is not None and packed.small is not None
+        want = x @ w.T
+        assert torch.equal(small_gemm.linear(x, packed.small, n), want)
+        assert torch.equal(linear(x, w, None, packed), want)
+    # Strided rows; a bias goes to oneDNN (F.linear's fused add).
+    wide = torch.randn(8, 128, generator=gen)
+    w = torch.randn(64, 64, generator=gen) * 0.05
+    b = torch.randn(64, generator=gen)
+    packed = pack_weight(w)
+    torch.testing.assert_close(linear(wide[:, ::2], w, None, packed), F.linear(wide[:, ::2], w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(wide[:, :64], w, b, packed), F.linear(wide[:, :64], w, b), atol=1e-5, rtol=1e-5)

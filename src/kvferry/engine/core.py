@@ -65,7 +65,7 @@ class EngineCore:
             # 15-30 s build whenever the kernel's cache is cold).
             get_paged_decode_kernel()
             fused_ops_available()  # the same for the fused elementwise ops
-            small_gemm.available()  # and the small-batch matmul, where the CPU fits it
+            small_gemm.available(self.loaded.dtype)  # and the small-batch matmul, where the CPU fits it
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector

@@ -8,9 +8,10 @@ on one AVX-512 core (SmolLM2-135M shapes, batch 32): the layers' matmuls take
 ~17% less time in bf16 and ~25% less in float32; the 49152-row lm_head gains
 most (25-40%). Prefill-sized batches gain 0-10%.
 
-Decode-sized batches of bf16 rows (up to ``small_gemm.MAX_ROWS``) go to
-``small_gemm`` instead where it applies (AVX512-BF16 without AMX), which is
-faster than oneDNN there; such a weight keeps both packed copies.
+Decode-sized batches (up to ``small_gemm.MAX_ROWS`` rows) go to
+``small_gemm`` instead where it applies (bf16: AVX512-BF16 without AMX;
+float32: AVX-512F or AVX2+FMA), which is faster than oneDNN there; such a
+weight keeps both packed copies.
 
 The plain weight stays the model's parameter (loading, tying and
 fingerprinting read it); the packed copies (``PackedWeight``) sit beside it. Packing is skipped,
@@ -103,8 +104,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if packed is None or rows == 0:
         return F.linear(x, weight, bias)
-    if (packed.small is not None and rows <= small_gemm.MAX_ROWS and bias is None and x.dtype == torch.bfloat16
-            and small_gemm.available()):
+    if (packed.small is not None and rows <= small_gemm.MAX_ROWS and bias is None and x.dtype == packed.small.dtype
+            and small_gemm.available(x.dtype)):
         return small_gemm.linear(x, packed.small, packed.out_features)
     if packed.onednn is None:
         return F.linear(x, weight, bias)

@@ -1,22 +1,23 @@
-"""A bf16 matmul for decode-sized batches (``csrc/small_gemm.cpp``), built at first use.
+"""Matmuls for decode-sized batches (``csrc/small_gemm.cpp``), built at first use.
 
 A decode step multiplies every weight by a few dozen rows. oneDNN's kernels
-are tuned for large row counts: at 32 rows on a CPU with AVX512-BF16 and no
-AMX they reach about 60% of their large-batch rate, and less when the
-weights stream from DRAM, as they do in a step (each layer's weights are read
-once). This kernel keeps a register block of rows by 16-column vectors over
-the whole reduction, with the weights packed once into vdpbf16ps pairs and
-the next panel prefetched while the current one is multiplied.
+are tuned for large row counts: at 32 rows they reach about 60% of their
+large-batch rate, and less when the weights stream from DRAM, as they do in
+a step (each layer's weights are read once). These kernels keep a register
+block of rows by column vectors over the whole reduction, with the weights
+packed once into one contiguous stream per column block and the next block
+prefetched while the current one is multiplied.
 
-    pack(weight)          weight [N, K] bf16 -> the packed copy (any N, K), or None where it does not apply
-    linear(x, packed, n)  x [M, K] bf16 -> [M, n] bf16 (float32 sums, rounded once)
+    pack(weight)          weight [N, K] bf16 / float32 -> the packed copy, or None where it does not apply
+    linear(x, packed, n)  x [M, K] in the weight's dtype -> [M, n] (float32 sums; bf16 rounded once)
 
-It applies only where it is faster than oneDNN: a CPU with AVX512-BF16 but
-no AMX (oneDNN's AMX kernels are faster at every size), the native build
-(not ``KVFERRY_KERNEL_ISA=avx2``), bf16 weights, and up to ``MAX_ROWS`` rows
-(linear.py sends larger batches to oneDNN). ``KVFERRY_DISABLE_SMALL_GEMM=1``
-(or ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns it off; a failed build logs a
-warning and leaves oneDNN in charge.
+bf16 (vdpbf16ps) applies on a CPU with AVX512-BF16 but no AMX (oneDNN's AMX
+kernels are faster at every size); float32 (FMA) on any CPU with AVX-512F or
+AVX2+FMA. Both need the native build (with ``KVFERRY_KERNEL_ISA=avx2`` on an
+AVX-512 machine oneDNN still runs AVX-512, which the AVX2 kernel cannot
+beat), and serve up to ``MAX_ROWS`` rows (linear.py sends larger batches to
+oneDNN). ``KVFERRY_DISABLE_SMALL_GEMM=1`` (or ``KVFERRY_DISABLE_CPP_KERNELS=1``)
+turns them off; a failed build logs a warning and leaves oneDNN in charge.
 
 The build shares paged_kernel.py's machinery and cache folder.
 """
@@ -46,28 +47,40 @@ def small_gemm_disabled() -> bool:
     return paged_kernel.kernels_disabled() or os.environ.get("KVFERRY_DISABLE_SMALL_GEMM", "") not in ("", "0")
 
 
-def cpu_fits() -> bool:
-    """AVX512-BF16 without AMX, in the native build."""
+def cpu_fits(dtype: torch.dtype) -> bool:
+    """Whether the kernel for ``dtype`` beats oneDNN on this CPU, in this build."""
+    if paged_kernel.kernel_isa() != "native":
+        return False
     flags = cpu_features().flags
-    return "avx512_bf16" in flags and "amx_bf16" not in flags and paged_kernel.kernel_isa() == "native"
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" in flags and "amx_bf16" not in flags
+    if dtype == torch.float32:
+        return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
+    return False
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] -> the kernel's packed copy, or None where the kernel does not apply."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not available():
+    """weight [N, K] -> the kernel's packed copy (any N, K), or None where the kernel does not apply."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not available(weight.dtype):
         return None
-    return torch.ops.kvferry_gemm.pack(weight.detach().contiguous())
+    w = weight.detach().contiguous()
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.kvferry_gemm.pack(w)
+    return torch.ops.kvferry_gemm.pack_f32(w)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] bf16 (M <= MAX_ROWS) -> [M, n] bf16."""
-    return torch.ops.kvferry_gemm.linear(x.contiguous(), packed, n)
+    """x [M, K] (M <= MAX_ROWS), packed's dtype -> [M, n]."""
+    if packed.dtype == torch.bfloat16:
+        return torch.ops.kvferry_gemm.linear(x, packed, n)
+    return torch.ops.kvferry_gemm.linear_f32(x, packed, n)
 
 
-def available() -> bool:
-    """True once the library is loaded on a CPU it fits (building it on the first call)."""
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """True once the library is loaded on a CPU where ``dtype``'s kernel fits
+    (building it on the first call)."""
     global _loaded, _available
-    if small_gemm_disabled() or not cpu_fits():
+    if small_gemm_disabled() or not cpu_fits(dtype):
         return False  # checked per call, so tests can switch paths per test
     if not _loaded:
         with _lock:

@@ -275,13 +275,16 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 //   one contiguous stream over all of K (BN * 4 bytes per k step), the next
 //   block is prefetched (prefetcht0) across the row blocks' k loops and a
 //   thread's first block by its first row block, as in the bf16 op; threads
-//   split the blocks of N. Built without AVX2/FMA: linear_f32 throws.
+//   split the blocks of N. Whole blocks store unmasked: masked stores cost
+//   10% at M >= 32 where y's row stride is a multiple of 4 KiB (N = 3072,
+//   49152); y of >= 1 MiB is stored non-temporally (+10% on lm_head).
+//   Built without AVX2/FMA: linear_f32 throws.
 //   Measured on Zen5 (one core, 30 layers of cold weights): AVX-512 ~235
 //   GFLOP/s at M >= 16 (about the 2-FMA-pipe peak), M = 8 streams ~35 GB/s;
 //   AVX2 ~122 GFLOP/s at M >= 8 (its peak: half of AVX-512's), so against
 //   oneDNN's AVX-512 kernels the AVX2 build wins only at M <= 8. Tried, no
 //   better: 6 x 2 and 3 x 4 AVX2 blocks, prefetching 2 blocks ahead, other
-//   first-block leads.
+//   first-block leads (16, 192 lines).
 #if defined(__AVX512F__)
 #define KVF_F32 1
 constexpr int F_VL = 16;
@@ -341,6 +344,8 @@ inline FV fv_bcast(const float* p) { return _mm512_set1_ps(*p); }
 inline FV fv_fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
 inline FMask fv_mask(int64_t c) { return FMask((uint32_t(1) << c) - 1); }
 inline void fv_store(float* p, FV v, FMask m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void fv_store_full(float* p, FV v) { _mm512_storeu_ps(p, v); }
+inline void fv_stream(float* p, FV v) { _mm512_stream_ps(p, v); }
 #else
 using FV = __m256;
 using FMask = __m256i;
@@ -352,13 +357,16 @@ inline FMask fv_mask(int64_t c) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 inline void fv_store(float* p, FV v, FMask m) { _mm256_maskstore_ps(p, m, v); }
+inline void fv_store_full(float* p, FV v) { _mm256_storeu_ps(p, v); }
+inline void fv_stream(float* p, FV v) { _mm256_stream_ps(p, v); }
 #endif
 
 // One register block: rows [0, MR) of x against one packed block, all of K.
 // pf, pf_lines, pps: prefetch pf_lines lines from pf, pps per k step.
 template <int MR>
 void micro_f32(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
-               float* __restrict y, int64_t ldy, const FMask* masks, const char* pf, int64_t pf_lines, int pps) {
+               float* __restrict y, int64_t ldy, const FMask* masks, const char* pf, int64_t pf_lines, int pps,
+               int store) {
   FV acc[MR][F_NV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -398,6 +406,20 @@ void micro_f32(const float* __restrict x, int64_t ldx, const float* __restrict w
       for (int v = 0; v < F_NV; ++v) acc[r][v] = fv_fma(a, b[v], acc[r][v]);
     }
   }
+  if (store == 2) {  // non-temporal
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < F_NV; ++v) fv_stream(y + r * ldy + v * F_VL, acc[r][v]);
+    return;
+  }
+  if (store == 1) {  // whole block, unmasked
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < F_NV; ++v) fv_store_full(y + r * ldy + v * F_VL, acc[r][v]);
+    return;
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
@@ -405,7 +427,7 @@ void micro_f32(const float* __restrict x, int64_t ldx, const float* __restrict w
 }
 
 using MicroF32Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const FMask*,
-                            const char*, int64_t, int);
+                            const char*, int64_t, int, int);
 
 template <int... I>
 constexpr auto make_table_f32(std::integer_sequence<int, I...>) {
@@ -447,6 +469,11 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   const int64_t base = M / R, extra = M % R;
   const int64_t block_flops = 2 * M * K * F_BN;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, block_flops));
+  // Outputs of 1 MiB or more (lm_head) are written non-temporally where
+  // aligned: they would leave L2 anyway, and regular stores of a y whose row
+  // stride is a multiple of 4 KiB cost up to 10% (L1 set conflicts).
+  const bool stream = M * n * int64_t(sizeof(float)) >= (int64_t(1) << 20) &&
+                      ((reinterpret_cast<uintptr_t>(yp) | uintptr_t(n * sizeof(float))) % sizeof(FV)) == 0;
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t c0 = b * F_BN;
@@ -454,6 +481,7 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       FMask masks[F_NV];
       for (int v = 0; v < F_NV; ++v) masks[v] = fv_mask(std::clamp<int64_t>(cols - v * F_VL, 0, F_VL));
       const float* wb = wp + b * block_elems;
+      const int store = cols < F_BN ? 0 : stream ? 2 : 1;
       const bool pf_on = b + F_PF < b1;
       const char* pfb = reinterpret_cast<const char*>(pf_on ? wb + F_PF * block_elems : wb);
       const int64_t pf_total = pf_on ? block_lines : 0;
@@ -469,16 +497,17 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
           const bool lead_on = block_lines > F_LEAD;
           kMicroF32[mr - 1](xp, ldx, wb, K, yp + c0, n, masks,
                             reinterpret_cast<const char*>(wb) + (lead_on ? F_LEAD * LINE : 0),
-                            lead_on ? block_lines - F_LEAD : 0, pps_lead);
+                            lead_on ? block_lines - F_LEAD : 0, pps_lead, store);
         } else {
           const int64_t rr = first ? r - 1 : r;
           const int64_t l0 = std::min(pf_total, rr * per), l1 = std::min(pf_total, (rr + 1) * per);
           kMicroF32[mr - 1](xp + row * ldx, ldx, wb, K, yp + row * n + c0, n, masks, pfb + l0 * LINE, l1 - l0,
-                            pps_next);
+                            pps_next, store);
         }
         row += mr;
       }
     }
+    if (stream) _mm_sfence();  // order the non-temporal stores before the task ends
   });
   return y;
 #endif
