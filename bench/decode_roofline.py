@@ -35,6 +35,12 @@ from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import LlamaModel, allocate_kv_cache
 from kvferry.model.loader import load_model
 
+try:  # greedy sampling as the engine's sampler does it; trees before it had torch's argmax
+    from kvferry.model.fused_ops import argmax_rows
+except ImportError:
+    def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(-1)
+
 
 def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
     """Bytes/s moved by a large tensor copy (counting read + write): the
@@ -129,7 +135,7 @@ class Steps:
                                  block_tables=tables, block_size=bs, num_prefills=0, kv_dtype=self.kv.dtype)
         ids = torch.randint(100, self.vocab, (b,))
         hidden = self.model(ids, pos, self.kv, meta)
-        return self.model.compute_logits(hidden).argmax(-1)
+        return argmax_rows(self.model.compute_logits(hidden))  # greedy, as the engine's sampler
 
     def prefill(self, tokens: int, chunk: int = 512) -> torch.Tensor:
         """``tokens`` new tokens as prompts of ``chunk`` tokens (no context)."""
@@ -147,7 +153,7 @@ class Steps:
         ids = torch.randint(100, self.vocab, (n * chunk,))
         hidden = self.model(ids, pos, self.kv, meta)
         last = torch.arange(1, n + 1) * chunk - 1
-        return self.model.compute_logits(hidden[last]).argmax(-1)
+        return argmax_rows(self.model.compute_logits(hidden[last]))
 
 
 CLOCK = time.perf_counter
