@@ -61,6 +61,41 @@ constexpr int LINE = 64;
 constexpr int PF_BLOCKS = 1;     // software prefetch runs this many blocks ahead
 constexpr int LEAD = 64;         // lines a thread's first block is prefetched ahead of its loads
 
+// One column block b of a thread's range [b0, b1): its R row blocks (sizes
+// base + 1 for the first `extra`, base for the rest) run micro(rows, row,
+// pf, pf_lines, pps) in turn, sharing the prefetch of the block pf_blocks
+// ahead (block_bytes apart, block_lines lines): row block r requests its
+// share of those lines, pps per k step over ksteps steps. A thread's first
+// block has nobody to prefetch it, so there (with R >= 2) row block 0
+// prefetches the block itself, `lead` lines ahead of its own loads (pps_lead
+// a step), and the other row blocks share the next block. Both dtypes' ops
+// schedule their blocks through this.
+template <typename Micro>
+inline void run_column_block(int64_t b, int64_t b0, int64_t b1, int64_t R, int64_t base, int64_t extra,
+                             const char* wb, int64_t block_bytes, int64_t block_lines, int64_t ksteps,
+                             int64_t lead, int pps_lead, int pf_blocks, const Micro& micro) {
+  const bool pf_on = b + pf_blocks < b1;
+  const char* pfb = pf_on ? wb + pf_blocks * block_bytes : wb;
+  const int64_t pf_total = pf_on ? block_lines : 0;
+  const bool first = b == b0 && R >= 2;
+  const int64_t R_next = first ? R - 1 : R;
+  const int64_t per = (block_lines + R_next - 1) / R_next;
+  const int pps_next = int(std::max<int64_t>(1, (per + ksteps - 1) / ksteps));
+  int64_t row = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t mr = base + (r < extra ? 1 : 0);
+    if (first && r == 0) {
+      const bool lead_on = block_lines > lead;
+      micro(mr, row, wb + (lead_on ? lead * LINE : 0), lead_on ? block_lines - lead : 0, pps_lead);
+    } else {
+      const int64_t rr = first ? r - 1 : r;
+      const int64_t l0 = std::min(pf_total, rr * per), l1 = std::min(pf_total, (rr + 1) * per);
+      micro(mr, row, pfb + l0 * LINE, l1 - l0, pps_next);
+    }
+    row += mr;
+  }
+}
+
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "kvferry_gemm.pack: w must be 2-D [N, K], got ", w.sizes());
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kvferry_gemm.pack: w must be bfloat16, got ", w.scalar_type());
@@ -218,33 +253,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
         masks[v] = __mmask16((uint32_t(1) << c) - 1);
       }
       const uint16_t* wb = wp + b * block_elems;
-      // The block PF_BLOCKS ahead, if this thread has it.
-      const bool pf_on = b + PF_BLOCKS < b1;
-      const char* pfb = reinterpret_cast<const char*>(pf_on ? wb + PF_BLOCKS * block_elems : wb);
-      const int64_t pf_total = pf_on ? block_lines : 0;
-      // The thread's first block has nobody to prefetch it: with R >= 2 its
-      // first row block prefetches it LEAD lines ahead of its own loads and
-      // the other row blocks share the next block's lines.
-      const bool first = b == b0 && R >= 2;
-      const int64_t R_next = first ? R - 1 : R;
-      const int64_t per = (block_lines + R_next - 1) / R_next;
-      const int pps_next = int(std::max<int64_t>(1, (per + ksteps - 1) / ksteps));
-      int64_t row = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t mr = base + (r < extra ? 1 : 0);
-        if (first && r == 0) {
-          const bool lead_on = block_lines > LEAD;
-          kMicro[mr - 1](xp, ldx, wb, K2, kodd, yp + c0, n, masks,
-                         reinterpret_cast<const char*>(wb) + (lead_on ? LEAD * LINE : 0),
-                         lead_on ? block_lines - LEAD : 0, NV);
-        } else {
-          const int64_t rr = first ? r - 1 : r;
-          const int64_t l0 = std::min(pf_total, rr * per), l1 = std::min(pf_total, (rr + 1) * per);
-          kMicro[mr - 1](xp + row * ldx, ldx, wb, K2, kodd, yp + row * n + c0, n, masks, pfb + l0 * LINE, l1 - l0,
-                         pps_next);
-        }
-        row += mr;
-      }
+      run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 2, block_lines,
+                       ksteps, LEAD, NV, PF_BLOCKS,
+                       [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
+                         kMicro[mr - 1](xp + row * ldx, ldx, wb, K2, kodd, yp + row * n + c0, n, masks, pf,
+                                        pf_lines, pps);
+                       });
     }
   });
   return y;
@@ -482,30 +496,13 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       for (int v = 0; v < F_NV; ++v) masks[v] = fv_mask(std::clamp<int64_t>(cols - v * F_VL, 0, F_VL));
       const float* wb = wp + b * block_elems;
       const int store = cols < F_BN ? 0 : stream ? 2 : 1;
-      const bool pf_on = b + F_PF < b1;
-      const char* pfb = reinterpret_cast<const char*>(pf_on ? wb + F_PF * block_elems : wb);
-      const int64_t pf_total = pf_on ? block_lines : 0;
-      const bool first = b == b0 && R >= 2;
-      const int64_t R_next = first ? R - 1 : R;
-      const int64_t per = (block_lines + R_next - 1) / R_next;
-      const int pps_next = int(std::max<int64_t>(1, (per + K - 1) / K));
       const int pps_lead = int(std::max<int64_t>(1, (F_BN * 4 + LINE - 1) / LINE));
-      int64_t row = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t mr = base + (r < extra ? 1 : 0);
-        if (first && r == 0) {
-          const bool lead_on = block_lines > F_LEAD;
-          kMicroF32[mr - 1](xp, ldx, wb, K, yp + c0, n, masks,
-                            reinterpret_cast<const char*>(wb) + (lead_on ? F_LEAD * LINE : 0),
-                            lead_on ? block_lines - F_LEAD : 0, pps_lead, store);
-        } else {
-          const int64_t rr = first ? r - 1 : r;
-          const int64_t l0 = std::min(pf_total, rr * per), l1 = std::min(pf_total, (rr + 1) * per);
-          kMicroF32[mr - 1](xp + row * ldx, ldx, wb, K, yp + row * n + c0, n, masks, pfb + l0 * LINE, l1 - l0,
-                            pps_next, store);
-        }
-        row += mr;
-      }
+      run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 4, block_lines,
+                       K, F_LEAD, pps_lead, F_PF,
+                       [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
+                         kMicroF32[mr - 1](xp + row * ldx, ldx, wb, K, yp + row * n + c0, n, masks, pf, pf_lines,
+                                           pps, store);
+                       });
     }
     if (stream) _mm_sfence();  // order the non-temporal stores before the task ends
   });
