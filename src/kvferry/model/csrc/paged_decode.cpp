@@ -265,20 +265,6 @@ inline __m512 transpose_sum16(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
-// Rounds 2 and 3 of transpose_sum16: x[k] holds, in each 128-bit lane,
-// partial sums of tokens 2k (even elements) and 2k + 1 (odd elements) ->
-// lane t = the sum for token t.
-inline __m512 transpose_sum16_pairs(const __m512 x[8]) {
-  __m512 y[4];
-  for (int k = 0; k < 4; ++k) {
-    const __m512d a = _mm512_castps_pd(x[2 * k]), b = _mm512_castps_pd(x[2 * k + 1]);
-    y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
 // s[t] = (q . k_t) * scale for t < n <= 16; float q [dim], dim % 16 == 0.
 template <typename scalar_t>
 __m512 tile_scores16(const float* __restrict q, const scalar_t* __restrict k, int64_t stride, int64_t n,
