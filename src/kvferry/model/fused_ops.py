@@ -33,10 +33,8 @@ on this CPU (``torch.backends.cpu.get_cpu_capability()``, capped by
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -44,8 +42,6 @@ import torch.nn.functional as F
 
 from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 _lock = threading.Lock()
@@ -146,18 +142,5 @@ def _cflags() -> list[str]:
     return flags + ([f"-DCPU_CAPABILITY_{level}"] if level != "DEFAULT" else [])
 
 
-def _ext_name() -> str:
-    return paged_kernel.extension_name("kvferry_fused", _SOURCE, _cflags())
-
-
 def _load() -> bool:
-    t0 = time.perf_counter()
-    try:
-        name = _ext_name()
-        build_dir = paged_kernel._build_dir(name)
-        how = paged_kernel.load_extension(name, build_dir, _SOURCE, _cflags(), "the C++ fused ops")
-    except Exception as e:  # no compiler, a compile error: the torch ops are still right
-        logger.warning("C++ fused ops unavailable, using torch ops: %s", e)
-        return False
-    logger.info("C++ fused ops %s in %.2fs (%s)", how, time.perf_counter() - t0, build_dir)
-    return True
+    return paged_kernel.try_load_library("kvferry_fused", _SOURCE, _cflags(), "the C++ fused ops", "torch ops")

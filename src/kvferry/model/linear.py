@@ -104,8 +104,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if packed is None or rows == 0:
         return F.linear(x, weight, bias)
-    if (packed.small is not None and rows <= small_gemm.MAX_ROWS and bias is None and x.dtype == packed.small.dtype
-            and small_gemm.available(x.dtype)):
+    # A small copy exists only where the kernel was available when the weight
+    # was packed: no per-call check on this path (121 calls a decode step).
+    if packed.small is not None and rows <= small_gemm.MAX_ROWS and bias is None and x.dtype == packed.small.dtype:
         return small_gemm.linear(x, packed.small, packed.out_features)
     if packed.onednn is None:
         return F.linear(x, weight, bias)

@@ -140,6 +140,22 @@ def _load() -> Callable[..., torch.Tensor] | None:
     return torch.ops.kvferry.paged_attention
 
 
+def try_load_library(prefix: str, source: Path, cflags: list[str], what: str, fallback: str) -> bool:
+    """Build or load ``source`` as the library ``extension_name(prefix, ...)``;
+    False, with a warning naming ``fallback`` (what runs instead), where it
+    cannot be built. The fused ops and the small-batch matmuls load this way."""
+    t0 = time.perf_counter()
+    try:
+        name = extension_name(prefix, source, cflags)
+        build_dir = _build_dir(name)
+        how = load_extension(name, build_dir, source, cflags, what)
+    except Exception as e:  # no compiler, a compile error: the fallback is still right
+        logger.warning("%s unavailable, using %s: %s", what, fallback, e)
+        return False
+    logger.info("%s %s in %.2fs (%s)", what, how, time.perf_counter() - t0, build_dir)
+    return True
+
+
 def load_extension(name: str, build_dir: Path, source: Path, cflags: list[str], what: str) -> str:
     """Load the library ``name`` from ``build_dir``, building it from ``source``
     first where needed; "loaded" or "built". Raises where it cannot be built."""

@@ -23,18 +23,14 @@ The build shares paged_kernel.py's machinery and cache folder.
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
 MAX_ROWS = 64  # row counts above this go to oneDNN
@@ -90,18 +86,6 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     return _available
 
 
-def _cflags() -> list[str]:
-    return paged_kernel._cflags()
-
-
 def _load() -> bool:
-    t0 = time.perf_counter()
-    try:
-        name = paged_kernel.extension_name("kvferry_gemm", _SOURCE, _cflags())
-        build_dir = paged_kernel._build_dir(name)
-        how = paged_kernel.load_extension(name, build_dir, _SOURCE, _cflags(), "the C++ small-batch matmul")
-    except Exception as e:  # no compiler, a compile error: oneDNN is still right
-        logger.warning("C++ small-batch matmul unavailable, using oneDNN: %s", e)
-        return False
-    logger.info("C++ small-batch matmul %s in %.2fs (%s)", how, time.perf_counter() - t0, build_dir)
-    return True
+    return paged_kernel.try_load_library("kvferry_gemm", _SOURCE, paged_kernel._cflags(),
+                                         "the C++ small-batch matmul", "oneDNN")
