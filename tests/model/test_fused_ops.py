@@ -124,6 +124,9 @@ for dtype in (torch.float32, torch.bfloat16):
     ref = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
     # torch may dispatch a wider exp here than the AVX2 build's: equal to within an ulp
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), ref)
+for dim in (8, 37, 64, 576, 1000, 4096):  # the row sums in at::sum's order (the AVX2 build's own vectors)
+    x, w = torch.randn(33, dim) * 3, torch.randn(dim)
+    assert torch.equal(fused_ops.rms_norm(x, w, 1e-6), w * F.rms_norm(x, (dim,), None, 1e-6)), dim
 logits = torch.randn(5, 1003)
 logits[1, 7] = logits[1, 900] = 50.0
 logits[2, 500] = float("nan")
@@ -176,6 +179,25 @@ def test_edge_values_round_as_torch(dtype):
     h[1] = h[1].nan_to_num(0.0, 0.0, 0.0)  # a row with finite values only: the others normalize to NaN
     weight = (torch.randn(64) * 0.5 + 1).to(dtype)
     _same(rms_norm(h, weight, 1e-5), weight * F.rms_norm(h, (64,), None, 1e-5))
+
+
+@needs_ops
+@pytest.mark.parametrize("dims", [range(1, 160), [191, 255, 256, 257, 576, 960, 1023, 1024, 1536, 2048, 2049, 3072,
+                                                  4096, 5120, 8192, 16384, 16385, 20000]])
+def test_rms_norm_mean_is_torchs_summation_order_for_every_dim(dims):
+    """The norms sum the squares in at::sum's order themselves (csrc/fused_ops.cpp):
+    every vector tail, cascade level and fallback width, in float32, where no
+    rounding after the norm hides a mean that is one ulp off, over rows of
+    very different scales."""
+    torch.manual_seed(0)
+    for dim in dims:
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, dim) * torch.rand(rows, 1) * 10
+            w = torch.randn(dim) * 0.5 + 1
+            assert torch.equal(rms_norm(x, w, 1e-6), w * F.rms_norm(x, (dim,), None, 1e-6)), (dim, rows)
+            r = torch.randn(rows, dim) * 3
+            _, out = fused_ops.add_rms_norm(x, r, w, 1e-6)
+            assert torch.equal(out, w * F.rms_norm(r + x, (dim,), None, 1e-6)), (dim, rows)
 
 
 @needs_ops

@@ -8,14 +8,15 @@ torch's ``F.silu(gate) * up`` (the same Sleef exp torch's silu kernel uses).
 sum rounded to the dtype as torch's seven ops (and HF) round them.
 
 ``rms_norm(x, weight, eps)``: HF's RMSNorm, bit for bit ``weight *
-F.rms_norm(x, ...)``: the float32 squares in one pass, torch's own mean
-over them, the normalization and the weight in a second pass.
+F.rms_norm(x, ...)``, in one pass per row: the float32 squares summed in
+at::sum's own order (so the mean is torch's to the bit), the normalization
+and the weight.
 
 ``write_kv(k, v, k_cache, v_cache, slots)``: the step's new K/V rows into
 their cache slots, one copy per token (``index_copy_`` elsewhere).
 
 ``add_rms_norm(x, residual, weight, eps)``: ``h = residual + x`` and
-``rms_norm(h, ...)`` with the add in the first of those passes (the decoder
+``rms_norm(h, ...)`` with the add in the same pass (the decoder
 layer's residual add fused into the norm that follows it).
 
 ``argmax_rows(x)``: ``x.argmax(dim=-1)`` over float32 rows (greedy sampling),
@@ -73,7 +74,7 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: ``weight * F.rms_norm(x, (dim,), None, eps)``, bit for bit,
-    in two passes over memory (the mean is torch's own reduction)."""
+    in one pass per row (the squares summed in torch's own order)."""
     if (x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == x.dtype
             and fused_ops_available()):
         return torch.ops.kvferry_fused.rms_norm(x, weight, eps)

@@ -22,16 +22,16 @@
 //   out:    [tokens, dim] contiguous
 //   HF's RMSNorm with its roundings: w * r((x * rsqrt(mean(x^2) + eps))) with
 //   the normalization in float32 and the weight's product rounded again. The
-//   mean is torch's own (at::mean over the float32 squares), so its
-//   summation order, and every bit of the result, is F.rms_norm's; the rest
-//   is two passes where torch's composite takes nine ops (two casts, pow,
-//   sum, div, add, rsqrt, two products): 0.30 -> 0.19 ms at 2048 x 576 bf16.
+//   mean of the float32 squares is summed in at::sum's own order (see
+//   torch_order_row_sum), so every bit of the result is F.rms_norm's, in one
+//   pass per row where torch's composite takes nine ops (two casts, pow,
+//   sum, div, add, rsqrt, two products).
 //
 // add_rms_norm(x, residual, weight, eps) -> (h, out)
 //   x, residual: [tokens, dim], rows contiguous; weight [dim]; all one dtype
 //   h = residual + x (HF's residual add, rounded to the dtype) and out =
-//   rms_norm(h, weight, eps), as above: the add and the squares in one pass
-//   (the decoder layer's residual add fused into the norm after it).
+//   rms_norm(h, weight, eps), as above, the add in the same pass (the
+//   decoder layer's residual add fused into the norm after it).
 //
 // write_kv(k, v, k_cache, v_cache, slots): the step's new K/V rows into
 //   their cache slots (see the function).
@@ -53,6 +53,7 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -291,74 +292,156 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-template <typename T>
-void squares_rows(const T* x, float* sq, int64_t rows, int64_t dim, int64_t x_stride) {
-  using fVec = Vectorized<float>;
-  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_stride;
-      float* o = sq + r * dim;
-      int64_t i = 0;
-      for (; i + fVec::size() <= dim; i += fVec::size()) {
-        const fVec v = load_float(xr + i);
-        (v * v).store(o + i);  // pow(x, 2) is x * x in torch
-      }
-      for (; i < dim; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        o[i] = v * v;
-      }
-    }
-  });
+// ---- RMSNorm: the mean of the squares in torch's own summation order ----
+//
+// F.rms_norm's mean is at::sum over the row's float32 squares, then a
+// division by dim. Its CPU kernel (built for AVX2 and AVX512 alike with
+// 8-float vectors) adds the row's 8-float vectors lane-wise into 4
+// interleaved accumulators (vector 4i + k into accumulator k), each a
+// cascade of 4 levels: every 2^p rows of 4 vectors (p = max(4,
+// ceil_log2(rows) / 4)) level 0 is added into level 1, and so on up while
+// the row count is a multiple of the next level's span. Then the levels are
+// added up, the leftover vectors into accumulator 0, accumulators 1-3 into
+// it, and the scalar tail and the 8 lanes, in order, into a float that
+// starts at 0. Summing in that order here, per row in one pass with the
+// squares kept in cache, is every bit of at::mean, where calling it took
+// three ops (sum, a scalar tensor, div_) and a [tokens, dim] squares tensor:
+// about half of the op's time at decode sizes. test_fused_ops compares the
+// result with F.rms_norm bit for bit over many dims; rows this order does not
+// cover (fewer than 8 floats, where torch sums by scalars, or builds without
+// AVX2) still take at::mean.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kOwnRowSum = true;
+#else
+constexpr bool kOwnRowSum = false;
+#endif
+constexpr int64_t kOwnRowSumMinDim = 8;
+// Beyond this a single row may be split across threads by at::sum, which changes its order.
+constexpr int64_t kOwnRowSumMaxDim = 16384;
+
+struct Lanes8 {
+  float v[8];
+};
+inline void add_lanes(Lanes8& a, const float* x) {
+  for (int e = 0; e < 8; ++e) a.v[e] += x[e];
+}
+inline void add_lanes(Lanes8& a, const Lanes8& b) { add_lanes(a, b.v); }
+
+inline int64_t ceil_log2(int64_t x) {
+  return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<unsigned long long>(x - 1));
 }
 
-template <typename T>
-void normalize_rows(const T* x, const T* w, const float* var, float eps, T* out, int64_t rows, int64_t dim,
-                    int64_t x_stride) {
-  using fVec = Vectorized<float>;
-  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      // torch's rsqrt: a correctly rounded sqrt, then a correctly rounded 1 / it.
-      const float rstd = 1.0f / std::sqrt(var[r] + eps);
-      const fVec rv(rstd);
-      const T* xr = x + r * x_stride;
-      T* o = out + r * dim;
-      int64_t i = 0;
-      for (; i + fVec::size() <= dim; i += fVec::size()) {
-        const fVec normed = round_to<T>(load_float(xr + i) * rv);  // .to(dtype)
-        store_float(o + i, load_float(w + i) * normed);            // weight * it, rounded once more
+float torch_order_row_sum(const float* x, int64_t n) {
+  constexpr int kLevels = 4, kChains = 4;
+  const int64_t vectors = n / 8, rows = vectors / kChains;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / kLevels);
+  const int64_t span = int64_t{1} << power, span_mask = span - 1;
+  Lanes8 acc[kLevels][kChains] = {};
+  auto add_row = [&](int64_t i) {
+    for (int k = 0; k < kChains; ++k) add_lanes(acc[0][k], x + (i * kChains + k) * 8);
+  };
+  int64_t i = 0;
+  while (i + span <= rows) {
+    for (int64_t j = 0; j < span; ++j, ++i) add_row(i);
+    for (int l = 1; l < kLevels; ++l) {
+      for (int k = 0; k < kChains; ++k) {
+        add_lanes(acc[l][k], acc[l - 1][k]);
+        acc[l - 1][k] = Lanes8{};
       }
-      for (; i < dim; ++i) {
-        const float normed = round_scalar<T>(static_cast<float>(xr[i]) * rstd);
-        o[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
-      }
+      if ((i & (span_mask << (l * power))) != 0) break;
     }
-  });
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int l = 1; l < kLevels; ++l)
+    for (int k = 0; k < kChains; ++k) add_lanes(acc[0][k], acc[l][k]);
+  Lanes8 total = acc[0][0];
+  for (int64_t v = rows * kChains; v < vectors; ++v) add_lanes(total, x + v * 8);
+  for (int k = 1; k < kChains; ++k) add_lanes(total, acc[0][k]);
+  float sum = 0.f;
+  for (int64_t t = vectors * 8; t < n; ++t) sum += x[t];
+  for (int e = 0; e < 8; ++e) sum += total.v[e];
+  return sum;
 }
 
-// h = r(residual + x) (torch's add: in float32, rounded to T) and the float32
-// squares of h, in one pass; rows of x and residual contiguous, strides free.
+inline bool own_row_sum(int64_t dim) { return kOwnRowSum && dim >= kOwnRowSumMinDim && dim <= kOwnRowSumMaxDim; }
+
+// One row's float32 squares of xr into sq (pow(x, 2) is x * x in torch).
 template <typename T>
-void add_squares_rows(const T* x, const T* residual, T* h, float* sq, int64_t rows, int64_t dim, int64_t x_stride,
-                      int64_t r_stride) {
+inline void square_row(const T* xr, float* sq, int64_t dim) {
   using fVec = Vectorized<float>;
+  int64_t i = 0;
+  for (; i + fVec::size() <= dim; i += fVec::size()) {
+    const fVec v = load_float(xr + i);
+    (v * v).store(sq + i);
+  }
+  for (; i < dim; ++i) {
+    const float v = static_cast<float>(xr[i]);
+    sq[i] = v * v;
+  }
+}
+
+// h = r(residual + x) (torch's add: in float32, rounded to T) and its float32 squares, one row.
+template <typename T>
+inline void add_square_row(const T* xr, const T* rr, T* hr, float* sq, int64_t dim) {
+  using fVec = Vectorized<float>;
+  int64_t i = 0;
+  for (; i + fVec::size() <= dim; i += fVec::size()) {
+    const fVec v = round_to<T>(load_float(rr + i) + load_float(xr + i));
+    store_float(hr + i, v);
+    (v * v).store(sq + i);
+  }
+  for (; i < dim; ++i) {
+    const float v = round_scalar<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+    hr[i] = static_cast<T>(v);
+    sq[i] = v * v;
+  }
+}
+
+// out = w * r(x * rsqrt(var + eps)), one row.
+template <typename T>
+inline void normalize_row(const T* xr, const T* w, float var, float eps, T* o, int64_t dim) {
+  using fVec = Vectorized<float>;
+  // torch's rsqrt: a correctly rounded sqrt, then a correctly rounded 1 / it.
+  const float rstd = 1.0f / std::sqrt(var + eps);
+  const fVec rv(rstd);
+  int64_t i = 0;
+  for (; i + fVec::size() <= dim; i += fVec::size()) {
+    const fVec normed = round_to<T>(load_float(xr + i) * rv);  // .to(dtype)
+    store_float(o + i, load_float(w + i) * normed);            // weight * it, rounded once more
+  }
+  for (; i < dim; ++i) {
+    const float normed = round_scalar<T>(static_cast<float>(xr[i]) * rstd);
+    o[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
+  }
+}
+
+// The norm of `rows` rows of `src` (x, or h after the residual add): with
+// our own row sum in one pass per row, the squares in a per-task buffer;
+// otherwise the squares of every row, at::mean over them, and a second pass.
+// square(r, sq) writes row r's squares (and h for add_rms_norm).
+template <typename T, typename SquareRow>
+void norm_rows(const T* src, int64_t src_stride, const T* w, float eps, T* out, int64_t rows, int64_t dim,
+               const at::TensorOptions& options, SquareRow square) {
+  if (own_row_sum(dim)) {
+    at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
+      std::vector<float> sq(dim);
+      for (int64_t r = begin; r < end; ++r) {
+        square(r, sq.data());
+        const float var = torch_order_row_sum(sq.data(), dim) / static_cast<float>(dim);
+        normalize_row<T>(src + r * src_stride, w, var, eps, out + r * dim, dim);
+      }
+    });
+    return;
+  }
+  at::Tensor sq = at::empty({rows, dim}, options.dtype(at::kFloat));
+  float* sqp = sq.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_stride;
-      const T* rr = residual + r * r_stride;
-      T* hr = h + r * dim;
-      float* o = sq + r * dim;
-      int64_t i = 0;
-      for (; i + fVec::size() <= dim; i += fVec::size()) {
-        const fVec v = round_to<T>(load_float(rr + i) + load_float(xr + i));
-        store_float(hr + i, v);
-        (v * v).store(o + i);
-      }
-      for (; i < dim; ++i) {
-        const float v = round_scalar<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
-        hr[i] = static_cast<T>(v);
-        o[i] = v * v;
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) square(r, sqp + r * dim);
+  });
+  const at::Tensor var = at::mean(sq, {1}).contiguous();  // torch's reduction, bit for bit
+  const float* vp = var.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) normalize_row<T>(src + r * src_stride, w, vp[r], eps, out + r * dim, dim);
   });
 }
 
@@ -369,12 +452,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_typed(const at::Tensor& x, const
   at::Tensor h = at::empty({rows, dim}, x.options());
   at::Tensor out = at::empty({rows, dim}, x.options());
   if (rows == 0) return {h, out};
-  at::Tensor sq = at::empty({rows, dim}, x.options().dtype(at::kFloat));
-  add_squares_rows<T>(x.data_ptr<T>(), residual.data_ptr<T>(), h.data_ptr<T>(), sq.data_ptr<float>(), rows, dim,
-                      x.stride(0), residual.stride(0));
-  const at::Tensor var = at::mean(sq, {1}).contiguous();  // torch's reduction, bit for bit
-  normalize_rows<T>(h.data_ptr<T>(), weight.data_ptr<T>(), var.data_ptr<float>(), static_cast<float>(eps),
-                    out.data_ptr<T>(), rows, dim, dim);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual.data_ptr<T>();
+  T* hp = h.data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  norm_rows<T>(hp, dim, weight.data_ptr<T>(), static_cast<float>(eps), out.data_ptr<T>(), rows, dim, x.options(),
+               [&](int64_t r, float* sq) { add_square_row<T>(xp + r * xs, rp + r * rs, hp + r * dim, sq, dim); });
   return {h, out};
 }
 
@@ -383,11 +466,10 @@ at::Tensor rms_norm_typed(const at::Tensor& x, const at::Tensor& weight, double 
   const int64_t rows = x.size(0), dim = x.size(1);
   at::Tensor out = at::empty({rows, dim}, x.options());
   if (rows == 0) return out;
-  at::Tensor sq = at::empty({rows, dim}, x.options().dtype(at::kFloat));
-  squares_rows<T>(x.data_ptr<T>(), sq.data_ptr<float>(), rows, dim, x.stride(0));
-  const at::Tensor var = at::mean(sq, {1}).contiguous();  // torch's reduction, bit for bit
-  normalize_rows<T>(x.data_ptr<T>(), weight.data_ptr<T>(), var.data_ptr<float>(), static_cast<float>(eps),
-                    out.data_ptr<T>(), rows, dim, x.stride(0));
+  const T* xp = x.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  norm_rows<T>(xp, xs, weight.data_ptr<T>(), static_cast<float>(eps), out.data_ptr<T>(), rows, dim, x.options(),
+               [&](int64_t r, float* sq) { square_row<T>(xp + r * xs, sq, dim); });
   return out;
 }
 
