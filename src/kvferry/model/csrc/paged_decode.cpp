@@ -43,10 +43,13 @@
 //     K transposed so that lane = token (a query's 16 scores are D FMAs with
 //     q[d] broadcast, no horizontal sum), V rows copied (stage_tile_f32), 4
 //     query groups over the stripe with accumulators in registers
-//     (staged_group_f32); float32 FMAs throughout. Smaller items, and other
-//     dtype pairs, take the per-query loop of run().
+//     (staged_group_f32); float32 FMAs throughout. Its decode items of 1-3
+//     query vectors at head_dim 32/64 (1-2 at 128) take run_inplace_f32,
+//     run_inplace_fast's float32 counterpart. Other items, and other dtype
+//     pairs, take the per-query loop of run().
 //   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
-//     per-thread float buffer) or portable loops.
+//     per-thread float buffer) or portable loops; float32 decode items of
+//     1-3 query vectors at head_dim 32/64/128 take run_inplace_f32_avx2.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -1021,6 +1024,16 @@ struct Attend {
   // 0.39 -> 0.21 ms a layer. Tried and not kept: issuing tile t + 1's scores
   // and softmax before tile t's P . V (no gain), prefetching 48-96 tokens
   // ahead or into L2 only, prefetching the next KV head's rows (slower).
+  // Also tried, with K/V from memory (--layers 30, batch 32): one work item
+  // per decode sequence running its KV heads in turn, the first head's pass
+  // also requesting the other heads' rows of each block into L2, so that
+  // the blocks are read front to back and the later heads run from L2:
+  // 1.1x the time at context 384 (one thread; 2 threads 1.15x), 1.28x at
+  // 1024 (a sequence's K/V then fill L2), 1.19x warm; the same items
+  // without the L2 requests: even within noise. All KV heads per tile, each
+  // head's softmax state indexed at run time: 1.33x warm (GCC keeps it in
+  // memory). Prefetching 16 tokens ahead: 1.08x; adding L2 requests 2-8
+  // blocks ahead: no gain.
   template <int Q, int kDim>
   void run_inplace_fast(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     constexpr int C = kDim / 32, R = kDim / 16;
@@ -1196,6 +1209,200 @@ struct Attend {
   }
 #endif
 
+#ifdef KVFERRY_AVX512
+  // The float32 counterpart of run_inplace_fast (float32 query and cache):
+  // decode items of 1-3 query vectors at head_dim 32/64, 1-2 at 128, in one
+  // loop specialized at compile time, rows read in place tile by tile. The
+  // tile's K rows are interleaved in token pairs (unpack of 32-bit lanes,
+  // once for all Q queries) and multiplied with each query duplicated
+  // likewise, so each query's 16 scores need rounds 2 and 3 of
+  // transpose_sum16 only (21 instructions instead of 45), and each V row is
+  // loaded once for all Q queries (run()'s per-query loop reads every row Q
+  // times and keeps acc in memory across the tile). Lazy softmax rescaling
+  // and the spread prefetch of the next block as in run_inplace_fast; every
+  // product and sum is a float32 FMA, p stays float32. Measured (batch 32,
+  // context 384, G = 3, head_dim 64, against run()'s loop, alternating A/B):
+  // one thread warm 0.5-0.55x the time, K/V from memory (--layers 30) 0.68x
+  // on one thread, about 0.75x on two. Tried and not kept: letting these
+  // items take run_staged (1.15x the per-query loop's time at M = 3), tile
+  // t + 1's scores and softmax before tile t's P . V (no gain, as in
+  // run_inplace_fast), each query vector loaded once for four token pairs
+  // (1.2x: GCC then spills), prefetching 48 or 64 tokens ahead or into L2
+  // only (1.05-1.1x).
+  template <int Q, int kDim>
+  void run_inplace_f32(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    static_assert(std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>);
+    constexpr int C = kDim / 16;  // 16-float chunks per row (= accumulators per query)
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    const int64_t end = seq.seq_len - seq.q_len + j1;
+    // The queries duplicated for the token-pair layout: lanes 4L + 2i and
+    // 4L + 2i + 1 of qbuf[k][c][0] (L a 128-bit lane) hold dim 16c + 4L + i,
+    // of qbuf[k][c][1] dim 16c + 4L + 2 + i. (GCC keeps them in registers
+    // across the tile loop, up to 24 at Q = 3; forcing them to be read from
+    // memory per tile measured no faster.)
+    alignas(64) __m512 qbuf[Q][C][2];
+    __m512 l[Q];
+    float m[Q];
+    float* const acc = w.acc.data();  // [Q][kDim], zero; updated in memory per tile
+    int64_t limit[Q];
+    for (int k = 0; k < Q; ++k) {
+      const float* qk = w.qf.data() + k * kDim;
+      for (int c = 0; c < C; ++c) {
+        const __m512 qv = _mm512_loadu_ps(qk + 16 * c);
+        qbuf[k][c][0] = _mm512_unpacklo_ps(qv, qv);
+        qbuf[k][c][1] = _mm512_unpackhi_ps(qv, qv);
+      }
+      l[k] = _mm512_setzero_ps();
+      m[k] = -std::numeric_limits<float>::infinity();
+      limit[k] = w.limit[k];
+    }
+    const float* kbase = k_ptr + h * kDim;
+    const float* vbase = v_ptr + h * kDim;
+    int64_t pf = 0, pf_b = 0, pf_off = 0;  // prefetch cursor: first position not yet requested
+    const char *spread_k = nullptr, *spread_v = nullptr;
+    const int64_t row_bytes = row_stride * 4;
+    // A token pair's rows at base (then advanced past them).
+    auto spread = [&](const char*& base) __attribute__((always_inline)) {
+      for (int t = 0; t < 2; ++t, base += row_bytes) {
+        for (int64_t off = 0; off < kDim * 4; off += 64) prefetch_line<false>(base + off);
+      }
+    };
+    auto prefetch_to = [&](int64_t last) __attribute__((always_inline)) {
+      // A whole block of 16 rows: its prefetches are issued by the tile, a
+      // token pair at a time inside its loops (see run_inplace_fast).
+      if (bs == kTile && pf_off == 0 && last - pf >= kTile) {
+        spread_k = reinterpret_cast<const char*>(kbase + seq.table[pf_b] * kTile * row_stride);
+        spread_v = reinterpret_cast<const char*>(vbase + seq.table[pf_b] * kTile * row_stride);
+        pf += kTile;
+        ++pf_b;
+      }
+      for (; pf < last; ++pf) {
+        const int64_t row = (seq.table[pf_b] * bs + pf_off) * row_stride;
+        for (int64_t off = 0; off < kDim * 4; off += 64) {
+          prefetch_line<false>(reinterpret_cast<const char*>(kbase + row) + off);
+          prefetch_line<false>(reinterpret_cast<const char*>(vbase + row) + off);
+        }
+        if (++pf_off == bs) pf_off = 0, ++pf_b;
+      }
+    };
+    const __m512 zero = _mm512_setzero_ps();
+    auto tile = [&](auto full, const float* kt, const float* vt, int64_t start, int64_t n)
+                    __attribute__((always_inline)) {
+      constexpr bool kFull = decltype(full)::value;
+      // Rows past n are zero, never read (an unwritten slot may hold NaN).
+      // The row pointers advance by a token pair at a time (not 16 offsets
+      // from kt: GCC keeps those on the stack and reloads them per row).
+      auto row = [&](const float* p, int64_t t, int c) __attribute__((always_inline)) {
+        return kFull || t < n ? _mm512_loadu_ps(p + 16 * c) : zero;
+      };
+      const float* kr = kt;
+      // Per 4 tokens (two pairs), round 2 of the reduction right away, so
+      // that few partial vectors are live: y[k][qd & 1] holds tokens 4qd..4qd+3.
+      // (Separate chains for each pair's lo and hi products, for more FMAs
+      // in flight with 1-2 queries, measured no faster.)
+      __m512 y[Q][2], wv[Q][2];
+#pragma GCC unroll 4
+      for (int qd = 0; qd < 4; ++qd) {
+        __m512 x[Q][2];
+        for (int k = 0; k < Q; ++k) x[k][0] = x[k][1] = zero;
+#pragma GCC unroll 2
+        for (int e = 0; e < 2; ++e) {
+          const int p = 2 * qd + e;
+          if (spread_k) spread(spread_k);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) {
+            const __m512 a = row(kr, 2 * p, c), b = row(kr + row_stride, 2 * p + 1, c);
+            const __m512 lo = _mm512_unpacklo_ps(a, b), hi = _mm512_unpackhi_ps(a, b);
+            for (int k = 0; k < Q; ++k) {
+              x[k][e] = _mm512_fmadd_ps(lo, qbuf[k][c][0], x[k][e]);
+              x[k][e] = _mm512_fmadd_ps(hi, qbuf[k][c][1], x[k][e]);
+            }
+          }
+          kr += 2 * row_stride;
+        }
+        for (int k = 0; k < Q; ++k) {
+          const __m512d a = _mm512_castps_pd(x[k][0]), b = _mm512_castps_pd(x[k][1]);
+          y[k][qd & 1] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+          if (qd & 1) {
+            wv[k][qd / 2] = _mm512_add_ps(_mm512_shuffle_f32x4(y[k][0], y[k][1], 0x44),
+                                          _mm512_shuffle_f32x4(y[k][0], y[k][1], 0xEE));
+          }
+        }
+      }
+      alignas(64) float pp[Q][kTile];
+      float alpha[Q];
+      bool rescaled = false;
+      for (int k = 0; k < Q; ++k) {
+        const __m512 w0 = wv[k][0], w1 = wv[k][1];
+        const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+        const __m512 sk = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+        alpha[k] = lazy_softmax<true, float, true>(sk, std::min(n, limit[k] - start), m[k], l[k], pp[k]);
+        rescaled |= alpha[k] != 1.f;
+      }
+      // The weights are then read by broadcast loads, the queries from memory (see run_inplace_fast).
+      asm volatile("" ::: "memory");
+      __m512 o[Q][C];
+      for (int k = 0; k < Q; ++k) for (int r = 0; r < C; ++r) o[k][r] = _mm512_loadu_ps(acc + k * kDim + 16 * r);
+      if (rescaled) {
+        for (int k = 0; k < Q; ++k) {
+          const __m512 a = _mm512_set1_ps(alpha[k]);
+          for (int r = 0; r < C; ++r) o[k][r] = _mm512_mul_ps(o[k][r], a);
+        }
+      }
+      if (!kFull && spread_v) {
+        for (int p = 0; p < 8; ++p) spread(spread_v);
+        spread_v = nullptr;
+      }
+#pragma GCC unroll 16
+      for (int t = 0; t < kTile; ++t) {
+        if (kFull && spread_v && t % 2 == 0) spread(spread_v);
+        if (!kFull && t >= n) break;
+        for (int c = 0; c < C; ++c) {
+          const __m512 vr = _mm512_loadu_ps(vt + 16 * c);
+          for (int k = 0; k < Q; ++k) o[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(pp[k][t]), vr, o[k][c]);
+        }
+        vt += row_stride;
+      }
+      for (int k = 0; k < Q; ++k) for (int r = 0; r < C; ++r) _mm512_storeu_ps(acc + k * kDim + 16 * r, o[k][r]);
+    };
+    int64_t n = 0;
+    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
+      n = std::min({kTile, end - start, bs - in_block});
+      prefetch_to(std::min(end, start + n + kPrefetchTokens));
+      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
+      if (n == kTile) tile(std::true_type{}, kbase + base, vbase + base, start, n);
+      else tile(std::false_type{}, kbase + base, vbase + base, start, n);
+      spread_k = spread_v = nullptr;
+      in_block += n;
+      if (in_block == bs) in_block = 0, ++b;
+    }
+    for (int k = 0; k < Q; ++k) {
+      w.m[k] = m[k];
+      w.lvec[k] = l[k];
+    }
+  }
+
+  // The float32 items run_inplace_f32 has a specialization for; false otherwise.
+  bool try_inplace_f32(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+      const int64_t M = static_cast<int64_t>(w.m.size());
+      if (head_dim == 64) {
+        if (M == 1) return run_inplace_f32<1, 64>(seq, j0, j1, h, w), true;
+        if (M == 2) return run_inplace_f32<2, 64>(seq, j0, j1, h, w), true;
+        if (M == 3) return run_inplace_f32<3, 64>(seq, j0, j1, h, w), true;
+      } else if (head_dim == 32) {
+        if (M == 1) return run_inplace_f32<1, 32>(seq, j0, j1, h, w), true;
+        if (M == 2) return run_inplace_f32<2, 32>(seq, j0, j1, h, w), true;
+        if (M == 3) return run_inplace_f32<3, 32>(seq, j0, j1, h, w), true;
+      } else if (head_dim == 128) {
+        if (M == 1) return run_inplace_f32<1, 128>(seq, j0, j1, h, w), true;
+        if (M == 2) return run_inplace_f32<2, 128>(seq, j0, j1, h, w), true;
+      }
+    }
+    return false;
+  }
+#endif
+
   // Items of kStageMinQueries or more queries: a stripe of consecutive
   // tiles (kStripeBytes4 or 2 of them) is staged once (bf16: K transposed
   // into dim pairs, V into token pairs; float32: K transposed, V copied) and
@@ -1266,6 +1473,229 @@ struct Attend {
   }
 #endif
 
+#if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
+  // run_inplace_f32 for the AVX2 build (8 lanes, 16 registers): float32
+  // query and cache, items of 1-3 query vectors (decode) at head_dim 32, 64
+  // or 128, in one loop specialized at compile time. run()'s per-query loop
+  // reads each tile's rows once per query (block_scores reduces 8 dot
+  // products with hadd per query, softmax_update takes an exact max and a
+  // separate exp pass per query, block_accumulate keeps acc in memory);
+  // here the K rows of a token pair are interleaved once (unpack of 32-bit
+  // lanes) for all Q queries, each query's 8 scores need two rounds of
+  // shuffles, the softmax is rescaled lazily (lazy_softmax's kLazyRescale)
+  // and each V row is loaded once per pass for all Q queries. P . V runs in
+  // passes of R registers (32 dims, 64 with one query) per query so that Q x
+  // R accumulators fit. Tiles of up to 16 tokens inside one block, rows read
+  // in place, never past n; float32 FMAs throughout. Measured (AVX2 build,
+  // batch 32, context 384, G = 3, head_dim 64, against run()'s loop): one
+  // thread warm 0.54x the time, K/V from memory 0.6x. Loading each query
+  // vector once for both token pairs of a 4-token step measured 1.36x
+  // (GCC hoists all Q * C * 2 of them out of the loop and spills).
+  template <int Q, int kDim>
+  void run_inplace_f32_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    static_assert(std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>);
+    constexpr int C = kDim / 8;                       // 8-float chunks per row
+    constexpr int R = Q == 1 ? std::min(C, 8) : 4;    // accumulators per query per P . V pass
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    const int64_t end = seq.seq_len - seq.q_len + j1;
+    constexpr float kLazy = 8.f;  // lazy_softmax's kLazyRescale (defined for AVX-512 builds only)
+    // The queries duplicated for the token-pair layout (see run_inplace_f32),
+    // read as memory operands of the FMAs.
+    alignas(32) __m256 qbuf[Q][C][2];
+    __m256 l[Q][2];  // softmax sums per lane, tokens 0-7 and 8-15 of the tiles
+    float m[Q];
+    float* const acc = w.acc.data();  // [Q][kDim], zero; updated in memory per tile
+    int64_t limit[Q];
+    for (int k = 0; k < Q; ++k) {
+      const float* qk = w.qf.data() + k * kDim;
+      for (int c = 0; c < C; ++c) {
+        const __m256 qv = _mm256_loadu_ps(qk + 8 * c);
+        qbuf[k][c][0] = _mm256_unpacklo_ps(qv, qv);
+        qbuf[k][c][1] = _mm256_unpackhi_ps(qv, qv);
+      }
+      l[k][0] = l[k][1] = _mm256_setzero_ps();
+      m[k] = -std::numeric_limits<float>::infinity();
+      limit[k] = w.limit[k];
+    }
+    const float* kbase = k_ptr + h * kDim;
+    const float* vbase = v_ptr + h * kDim;
+    // Prefetch as run_inplace_f32 does (a cursor instead of prefetch_ahead's
+    // division per row, which took a tenth of the time here; a whole block's
+    // rows issued a token pair at a time inside the tile's score loop).
+    int64_t pf = 0, pf_b = 0, pf_off = 0;  // first position not yet requested
+    const char *spread_k = nullptr, *spread_v = nullptr;
+    const int64_t row_bytes = row_stride * 4;
+    auto spread = [&](const char*& base) __attribute__((always_inline)) {  // a token pair's rows
+      for (int t = 0; t < 2; ++t, base += row_bytes) {
+        for (int64_t off = 0; off < kDim * 4; off += 64) prefetch_line<false>(base + off);
+      }
+    };
+    auto prefetch_to = [&](int64_t last) __attribute__((always_inline)) {
+      if (bs == kTile && pf_off == 0 && last - pf >= kTile) {
+        spread_k = reinterpret_cast<const char*>(kbase + seq.table[pf_b] * kTile * row_stride);
+        spread_v = reinterpret_cast<const char*>(vbase + seq.table[pf_b] * kTile * row_stride);
+        pf += kTile;
+        ++pf_b;
+      }
+      for (; pf < last; ++pf) {
+        const int64_t row = (seq.table[pf_b] * bs + pf_off) * row_stride;
+        for (int64_t off = 0; off < kDim * 4; off += 64) {
+          prefetch_line<false>(reinterpret_cast<const char*>(kbase + row) + off);
+          prefetch_line<false>(reinterpret_cast<const char*>(vbase + row) + off);
+        }
+        if (++pf_off == bs) pf_off = 0, ++pf_b;
+      }
+    };
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    alignas(32) float pp[Q][kTile];
+    auto tile = [&](auto full, const float* kt, const float* vt, int64_t start, int64_t n)
+                    __attribute__((always_inline)) {
+      constexpr bool kFull = decltype(full)::value;
+      // Rows past n are zero, never read (an unwritten slot may hold NaN).
+      auto row = [&](const float* p, int64_t t, int c) __attribute__((always_inline)) {
+        return kFull || t < n ? _mm256_loadu_ps(p + 8 * c) : zero;
+      };
+      // Scores: s[k][half] lane j = token 8 half + j. Per 4 tokens (two
+      // pairs) the first round of the reduction right away: y[k][qd & 1]
+      // holds tokens 4qd..4qd+3 (per 128-bit lane: partial sums of the four).
+      __m256 s[Q][2], y[Q][2];
+      const float* kr = kt;
+#pragma GCC unroll 4
+      for (int qd = 0; qd < 4; ++qd) {
+        __m256 x[Q][2];
+        for (int k = 0; k < Q; ++k) x[k][0] = x[k][1] = zero;
+#pragma GCC unroll 2
+        for (int e = 0; e < 2; ++e) {
+          const int p = 2 * qd + e;
+          if (spread_k) spread(spread_k), spread(spread_v);
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) {
+            const __m256 a = row(kr, 2 * p, c), b = row(kr + row_stride, 2 * p + 1, c);
+            const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
+            for (int k = 0; k < Q; ++k) {
+              x[k][e] = _mm256_fmadd_ps(lo, qbuf[k][c][0], x[k][e]);
+              x[k][e] = _mm256_fmadd_ps(hi, qbuf[k][c][1], x[k][e]);
+            }
+          }
+          kr += 2 * row_stride;
+        }
+        for (int k = 0; k < Q; ++k) {
+          const __m256d a = _mm256_castps_pd(x[k][0]), b = _mm256_castps_pd(x[k][1]);
+          y[k][qd & 1] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+          if (qd & 1) {  // add the two 128-bit lanes: tokens 8 (qd / 2) .. + 7 in order
+            s[k][qd / 2] = _mm256_add_ps(_mm256_permute2f128_ps(y[k][0], y[k][1], 0x20),
+                                         _mm256_permute2f128_ps(y[k][0], y[k][1], 0x31));
+          }
+        }
+      }
+      // Online softmax step per query, rescaled lazily as lazy_softmax does.
+      float alpha[Q];
+      bool rescaled = false;
+      for (int k = 0; k < Q; ++k) {
+        const __m256 sc = _mm256_set1_ps(scale);
+        const __m256 s0 = _mm256_mul_ps(s[k][0], sc), s1 = _mm256_mul_ps(s[k][1], sc);
+        const __m256i vis = _mm256_set1_epi32(static_cast<int>(std::min(n, limit[k] - start)));
+        const __m256 valid0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, iota0));
+        const __m256 valid1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, iota1));
+        alpha[k] = 1.f;
+        const __m256 th = _mm256_set1_ps(m[k] + kLazy);
+        const __m256 over = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(s0, th, _CMP_GT_OQ), valid0),
+                                         _mm256_and_ps(_mm256_cmp_ps(s1, th, _CMP_GT_OQ), valid1));
+        if (_mm256_movemask_ps(over)) {
+          const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          __m256 mx = _mm256_max_ps(_mm256_blendv_ps(ninf, s0, valid0), _mm256_blendv_ps(ninf, s1, valid1));
+          mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+          mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
+          mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
+          const float tile_max = _mm256_cvtss_f32(mx);
+          alpha[k] = m[k] == -std::numeric_limits<float>::infinity()
+                         ? 0.f  // the first tile
+                         : _mm256_cvtss_f32(exp256(_mm256_set1_ps(m[k] - tile_max)));
+          const __m256 av = _mm256_set1_ps(alpha[k]);
+          l[k][0] = _mm256_mul_ps(l[k][0], av);
+          l[k][1] = _mm256_mul_ps(l[k][1], av);
+          m[k] = tile_max;
+        }
+        const __m256 mv = _mm256_set1_ps(m[k]);
+        // and, not blend: an invalid lane's exp may be inf; its bits become 0.
+        const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(s0, mv)), valid0);
+        const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(s1, mv)), valid1);
+        l[k][0] = _mm256_add_ps(l[k][0], p0);
+        l[k][1] = _mm256_add_ps(l[k][1], p1);
+        _mm256_store_ps(pp[k], p0);
+        _mm256_store_ps(pp[k] + 8, p1);
+        rescaled |= alpha[k] != 1.f;
+      }
+      // As in run_inplace_fast: the weights are then read by broadcast loads.
+      asm volatile("" ::: "memory");
+#pragma GCC unroll 4
+      for (int c0 = 0; c0 < C; c0 += R) {
+        __m256 o[Q][R];
+        for (int k = 0; k < Q; ++k) for (int r = 0; r < R; ++r) o[k][r] = _mm256_loadu_ps(acc + k * kDim + 8 * (c0 + r));
+        if (rescaled) {
+          for (int k = 0; k < Q; ++k) {
+            const __m256 a = _mm256_set1_ps(alpha[k]);
+            for (int r = 0; r < R; ++r) o[k][r] = _mm256_mul_ps(o[k][r], a);
+          }
+        }
+        const float* vr = vt + 8 * c0;
+#pragma GCC unroll 16
+        for (int t = 0; t < kTile; ++t) {
+          if (!kFull && t >= n) break;
+          for (int r = 0; r < R; ++r) {
+            const __m256 v = _mm256_loadu_ps(vr + 8 * r);
+            for (int k = 0; k < Q; ++k) o[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pp[k][t]), v, o[k][r]);
+          }
+          vr += row_stride;
+        }
+        for (int k = 0; k < Q; ++k) for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + k * kDim + 8 * (c0 + r), o[k][r]);
+      }
+    };
+    int64_t n = 0;
+    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
+      n = std::min({kTile, end - start, bs - in_block});
+      prefetch_to(std::min(end, start + n + kPrefetchTokens));
+      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
+      if (n == kTile) tile(std::true_type{}, kbase + base, vbase + base, start, n);
+      else tile(std::false_type{}, kbase + base, vbase + base, start, n);
+      spread_k = spread_v = nullptr;
+      in_block += n;
+      if (in_block == bs) in_block = 0, ++b;
+    }
+    for (int k = 0; k < Q; ++k) {
+      w.m[k] = m[k];
+      const __m256 ls = _mm256_add_ps(l[k][0], l[k][1]);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, ls);
+      float total = 0.f;
+      for (int j = 0; j < 8; ++j) total += lanes[j];
+      w.l[k] = total;
+    }
+  }
+
+  // The float32 items run_inplace_f32_avx2 has a specialization for; false otherwise.
+  bool try_inplace_f32_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+      const int64_t M = static_cast<int64_t>(w.m.size());
+      if (head_dim == 64) {
+        if (M == 1) return run_inplace_f32_avx2<1, 64>(seq, j0, j1, h, w), true;
+        if (M == 2) return run_inplace_f32_avx2<2, 64>(seq, j0, j1, h, w), true;
+        if (M == 3) return run_inplace_f32_avx2<3, 64>(seq, j0, j1, h, w), true;
+      } else if (head_dim == 32) {
+        if (M == 1) return run_inplace_f32_avx2<1, 32>(seq, j0, j1, h, w), true;
+        if (M == 2) return run_inplace_f32_avx2<2, 32>(seq, j0, j1, h, w), true;
+        if (M == 3) return run_inplace_f32_avx2<3, 32>(seq, j0, j1, h, w), true;
+      } else if (head_dim == 128) {
+        if (M == 1) return run_inplace_f32_avx2<1, 128>(seq, j0, j1, h, w), true;
+        if (M == 2) return run_inplace_f32_avx2<2, 128>(seq, j0, j1, h, w), true;
+        if (M == 3) return run_inplace_f32_avx2<3, 128>(seq, j0, j1, h, w), true;
+      }
+    }
+    return false;
+  }
+#endif
+
   // Query tokens [j0, j1) of `seq` against KV head h: their positions see
   // the context up to the last one's, end = context_len + j1.
   void run(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
@@ -1300,14 +1730,23 @@ struct Attend {
 #ifdef KVFERRY_AVX512
     // A float32 query over a float32 cache: items of kStageMinQueries or
     // more query vectors stage their tiles too (stage_tile_f32,
-    // staged_group_f32); the rest read rows in place below.
+    // staged_group_f32), decode items of 1-3 take run_inplace_f32; the rest
+    // read rows in place below.
     if constexpr (kPath == Path::kWiden && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
-      if (M >= kStageMinQueries) {
-        w.lvec.assign(M, _mm512_setzero_ps());
-        run_staged(seq, j0, j1, h, w);
+      w.lvec.assign(M, _mm512_setzero_ps());
+      bool done = true;
+      if (M >= kStageMinQueries) run_staged(seq, j0, j1, h, w);
+      else done = try_inplace_f32(seq, j0, j1, h, w);  // false: no specialization, the loop below
+      if (done) {
         for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
         return finish(seq, j0, M, h, w);
       }
+    }
+#endif
+#if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
+    // The AVX2 build: decode items of 1-3 float32 query vectors take run_inplace_f32_avx2.
+    if constexpr (kPath == Path::kPortable && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+      if (M < kStageMinQueries && try_inplace_f32_avx2(seq, j0, j1, h, w)) return finish(seq, j0, M, h, w);
     }
 #endif
     if constexpr (kPath == Path::kPortable && !std::is_same_v<scalar_t, float>) {
