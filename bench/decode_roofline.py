@@ -17,7 +17,10 @@ flops / peak)``: no schedule of this step on this machine can be faster.
 
 Also times one prefill-heavy step (``--prefill-tokens`` new tokens in chunks
 of 512) and, with ``--profile``, prints the torch profiler's operator table
-for both, which is how the time per operator was found.
+for both, which is how the time per operator was found. Malloc is tuned as
+the engine's runner tunes it (engine/host_memory.py): without it the
+logits' float32 copy alone faulted in fresh pages every step (~0.4 ms of a
+24 ms bf16 step).
 
     python bench/decode_roofline.py [--dtype bfloat16] [--batch 32] [--context 384] [--threads 2] [--profile]
     python bench/decode_roofline.py --threads 1 --cpu-time     # CPU cost per step on a shared machine
@@ -208,6 +211,11 @@ def main() -> None:
     if args.cpu_time:
         CLOCK = time.process_time
     torch.set_num_threads(args.threads)
+    try:  # the runner's malloc settings, so the steps' temporaries do not fault fresh pages each step
+        from kvferry.engine.host_memory import tune_malloc
+        tune_malloc()
+    except ImportError:  # a tree from before host_memory
+        pass
     loaded = load_model(args.model, dtype=args.dtype)
     model = loaded.model
     steps = Steps(model, args.batch, args.context)
