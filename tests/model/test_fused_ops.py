@@ -27,7 +27,7 @@ def angles(tokens: int, half: int, dtype: torch.dtype):
 
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,inter", [(1, 1536), (32, 1536), (700, 256), (5, 37)])
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (32, 1536), (700, 256), (5, 37), (3, 20), (3, 50), (4, 1553)])
 def test_silu_and_mul_is_torch_bit_for_bit(dtype, tokens, inter):
     torch.manual_seed(tokens)
     gate_up = (torch.randn(tokens, 2 * inter) * 4).to(dtype)

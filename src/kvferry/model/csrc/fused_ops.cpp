@@ -42,7 +42,9 @@
 // silu_and_mul is one pass instead of two ops: torch reads the strided gate, writes silu's
 // [tokens, inter] result, then reads it and up and writes the product.
 // silu uses at::vec's exp (Sleef's u10 expf, the one torch's own silu kernel
-// calls for this instruction set), so the values match torch's bit for bit.
+// calls for this instruction set; inlined, instruction for instruction, in
+// the AVX512 build), so the values match torch's bit for bit, and it walks a
+// row as torch's loops do (vectors by pairs, a scalar tail with std::exp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -62,6 +64,19 @@ using at::vec::Vectorized;
 // Rows per parallel task: at least ~16K elements each, so decode-sized
 // batches stay on one thread (a fork costs more than the work).
 int64_t grain_rows(int64_t inter) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inter)); }
+
+// a * b with a as the instruction's first source, so that where both are NaN
+// the result is a's NaN, as in torch's mul kernel (silu(gate) * up); the
+// compiler, free to commute a product, picked up's NaN once silu was inlined.
+inline Vectorized<float> mul_in_order(const Vectorized<float>& a, const Vectorized<float>& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r;
+  asm("vmulps %2, %1, %0" : "=v"(r) : "v"(static_cast<__m512>(a)), "v"(static_cast<__m512>(b)));
+  return Vectorized<float>(r);
+#else
+  return a * b;
+#endif
+}
 
 inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
 
@@ -91,7 +106,20 @@ Vectorized<at::Half> from_float<at::Half>(const Vectorized<float>& a, const Vect
 // conversions do in about four times the instructions. NaN lanes become
 // 0xFFFF, as at::vec's conversion makes them.
 constexpr bool kLaneBf16 = true;
-inline __m512 bf16_round_lanes(__m512 v) {
+#if defined(__AVX512BF16__)
+// The rounding in one instruction where the CPU has it: vcvtneps2bf16
+// rounds to nearest even as torch does, but treats subnormal inputs as zero
+// and keeps NaN's payload (torch makes NaN 0xFFFF). A vector with a lane of
+// either class (one fpclass test: quiet NaN 0x01, subnormal 0x20,
+// signalling NaN 0x80; a predicted branch) takes the integer way below;
+// otherwise this saves four to six of the integer way's instructions per
+// rounding, in every op here.
+inline bool bf16_plain(__m512 v) { return _mm512_fpclass_ps_mask(v, 0xA1) == 0; }
+inline __m512 bf16_widen(__m256bh b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(b)), 16));
+}
+#endif
+inline __m512 bf16_round_lanes_int(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
@@ -99,16 +127,48 @@ inline __m512 bf16_round_lanes(__m512 v) {
   const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(-65536), rounded));
 }
+inline __m512 bf16_round_lanes(__m512 v) {
+#if defined(__AVX512BF16__)
+  if (__builtin_expect(bf16_plain(v), 1)) return bf16_widen(_mm512_cvtneps_pbh(v));
+#endif
+  return bf16_round_lanes_int(v);
+}
 inline __m512 bf16_load_lanes(const at::BFloat16* p) {  // 16 bf16 -> 16 floats
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-inline void bf16_store_lanes(at::BFloat16* p, __m512 v) {  // rounds, then keeps each lane's top 16 bits
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(bf16_round_lanes(v)), 16)));
+// Lanes already bf16 values (bf16_round_lanes' results): each lane's top 16 bits.
+inline void bf16_store_rounded_lanes(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
 }
+inline void bf16_store_lanes(at::BFloat16* p, __m512 v) {  // rounds, then keeps each lane's top 16 bits
+#if defined(__AVX512BF16__)
+  if (__builtin_expect(bf16_plain(v), 1)) {
+    const __m256bh b = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(b));
+    return;
+  }
+#endif
+  bf16_store_rounded_lanes(p, bf16_round_lanes_int(v));
+}
+
+// silu(g) = g / (1 + exp(-g)) with at::vec's exp (Sleef's u10 expf, torch's
+// own; neg() flips the sign bit), as torch's kernel computes it. The
+// division stays: g / (1 + e) must be correctly rounded, as torch's is.
+// (Inlining Sleef's instructions, so that the call through the PLT spills no
+// live vectors, took a further ~8% off bf16 silu_and_mul at [1024, 3072] and
+// ~5% off float32 in cache: not kept, a copy of the library's code to keep
+// in step with it for that little.)
+inline __m512 silu_lanes(__m512 g) {
+  const Vectorized<float> gv(g);
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), gv.neg().exp()));
+}
+inline Vectorized<float> silu_vec(const Vectorized<float>& g) { return Vectorized<float>(silu_lanes(g)); }
 #else
 constexpr bool kLaneBf16 = false;
+#endif
+#if !defined(CPU_CAPABILITY_AVX512)
+inline Vectorized<float> silu_vec(const Vectorized<float>& g) { return g / (Vectorized<float>(1.0f) + g.neg().exp()); }
 #endif
 
 // r(x) for a float vector: round to T and widen back (a no-op for float).
@@ -143,6 +203,10 @@ inline Vectorized<float> load_float(const T* p) {
   }
 }
 
+// store_float for v already rounded to T (round_to's result): no second rounding.
+template <typename T>
+inline void store_rounded(T* p, const Vectorized<float>& v);
+
 template <typename T>
 inline void store_float(T* p, const Vectorized<float>& v) {
   if constexpr (std::is_same_v<T, float>) {
@@ -156,41 +220,91 @@ inline void store_float(T* p, const Vectorized<float>& v) {
   }
 }
 
+template <typename T>
+inline void store_rounded(T* p, const Vectorized<float>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    bf16_store_rounded_lanes(p, v);
+    return;
+  }
+#endif
+  store_float(p, v);
+}
+
 void silu_and_mul_float(const float* x, float* out, int64_t rows, int64_t inter, int64_t x_stride) {
   using fVec = Vectorized<float>;
-  const fVec one(1.0f);
   at::parallel_for(0, rows, grain_rows(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = x + r * x_stride;
       const float* u = g + inter;
       float* o = out + r * inter;
       int64_t i = 0;
-      for (; i + fVec::size() <= inter; i += fVec::size()) {
-        const fVec gv = fVec::loadu(g + i);
-        const fVec s = gv / (one + gv.neg().exp());
-        (s * fVec::loadu(u + i)).store(o + i);
+      // Vectors by pairs and the rest by scalars, as torch's vectorized_loop
+      // goes over a row: a tail of one to two vectors' worth taken by vectors
+      // here (inter % 32 in 16..31 for AVX512) gave Sleef's exp where torch's
+      // silu takes std::exp, off by an ulp at times (not at inter 1536).
+      for (; i + 2 * fVec::size() <= inter; i += 2 * fVec::size()) {
+        const fVec s0 = silu_vec(fVec::loadu(g + i)), s1 = silu_vec(fVec::loadu(g + i + fVec::size()));
+        mul_in_order(s0, fVec::loadu(u + i)).store(o + i);
+        mul_in_order(s1, fVec::loadu(u + i + fVec::size())).store(o + i + fVec::size());
       }
       for (; i < inter; ++i) o[i] = silu_scalar(g[i]) * u[i];
     }
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// 32 elements of silu_and_mul for bf16, all in float lanes.
+inline void silu_and_mul_bf16_32(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* o) {
+  const __m512 g0 = bf16_load_lanes(g), g1 = bf16_load_lanes(g + 16);
+  const __m512 u0 = bf16_load_lanes(u), u1 = bf16_load_lanes(u + 16);
+  const __m512 s0 = silu_lanes(g0), s1 = silu_lanes(g1);
+#if defined(__AVX512BF16__)
+  // (bf16_round_lanes and bf16_store_lanes' fast way, with one branch for
+  // the block's four roundings.)
+  if (__builtin_expect(bf16_plain(s0) && bf16_plain(s1), 1)) {
+    const __m512 p0 = _mm512_mul_ps(bf16_widen(_mm512_cvtneps_pbh(s0)), u0);
+    const __m512 p1 = _mm512_mul_ps(bf16_widen(_mm512_cvtneps_pbh(s1)), u1);
+    if (__builtin_expect(bf16_plain(p0) && bf16_plain(p1), 1)) {
+      const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // p0 in the low half
+      _mm512_storeu_si512(o, reinterpret_cast<const __m512i&>(pb));
+      return;
+    }
+  }
+#endif
+  bf16_store_lanes(o, _mm512_mul_ps(bf16_round_lanes_int(s0), u0));
+  bf16_store_lanes(o + 16, _mm512_mul_ps(bf16_round_lanes_int(s1), u1));
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kVecBf16NanFFFF = true;  // at::vec's float -> bf16 conversion
+#else
+constexpr bool kVecBf16NanFFFF = false;
+#endif
+
 template <typename T>  // at::BFloat16 or at::Half
 void silu_and_mul_reduced(const T* x, T* out, int64_t rows, int64_t inter, int64_t x_stride) {
   using rVec = Vectorized<T>;
   using fVec = Vectorized<float>;
-  const fVec one(1.0f);
   at::parallel_for(0, rows, grain_rows(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x + r * x_stride;
       const T* u = g + inter;
       T* o = out + r * inter;
+      // Pairs of vectors, the rest by scalars: torch's step (see silu_and_mul_float).
+      const int64_t vec_end = inter - inter % (2 * rVec::size());
       int64_t i = 0;
-      for (; i + rVec::size() <= inter; i += rVec::size()) {
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        for (; i < vec_end; i += 32) silu_and_mul_bf16_32(g + i, u + i, o + i);
+      }
+#endif
+      for (; i < vec_end; i += rVec::size()) {
         auto [g0, g1] = to_float(rVec::loadu(g + i));
         auto [u0, u1] = to_float(rVec::loadu(u + i));
         // silu rounded to T, as torch's silu returns it ...
-        fVec s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
+        fVec s0 = silu_vec(g0), s1 = silu_vec(g1);
         if constexpr (kLaneBf16 && std::is_same_v<T, at::BFloat16>) {
           s0 = round_to<T>(s0);
           s1 = round_to<T>(s1);
@@ -198,11 +312,20 @@ void silu_and_mul_reduced(const T* x, T* out, int64_t rows, int64_t inter, int64
           std::tie(s0, s1) = to_float(from_float<T>(s0, s1));
         }
         // ... then the product in float, rounded once more.
-        from_float<T>(s0 * u0, s1 * u1).store(o + i);
+        from_float<T>(mul_in_order(s0, u0), mul_in_order(s1, u1)).store(o + i);
       }
+      // torch's mul steps by single vectors, so up to rVec::size() - 1 of
+      // these products were rounded by a vector, which makes every bf16 NaN
+      // 0xFFFF (a scalar conversion makes it 0x7FC0).
+      const int64_t mul_vec_end = inter - inter % rVec::size();
       for (; i < inter; ++i) {
         const float s = static_cast<float>(static_cast<T>(silu_scalar(static_cast<float>(g[i]))));
-        o[i] = static_cast<T>(s * static_cast<float>(u[i]));
+        const float p = s * static_cast<float>(u[i]);
+        if (kVecBf16NanFFFF && std::is_same_v<T, at::BFloat16> && i < mul_vec_end && std::isnan(p)) {
+          o[i] = c10::bit_cast<T>(uint16_t{0xFFFF});
+        } else {
+          o[i] = static_cast<T>(p);
+        }
       }
     }
   });
@@ -228,8 +351,10 @@ void rope_rows(const at::Tensor& x, const T* cos, const T* sin, T* out) {
         for (; i + fVec::size() <= half; i += fVec::size()) {
           const fVec a = load_float(x1 + i), b = load_float(x2 + i);
           const fVec cv = load_float(c + i), sv = load_float(s + i);
-          store_float(o1 + i, round_to<T>(round_to<T>(a * cv) - round_to<T>(b * sv)));
-          store_float(o2 + i, round_to<T>(round_to<T>(b * cv) + round_to<T>(a * sv)));
+          // (store_float rounds the sum; the round_to<T> that wrapped it before was
+          // a second rounding of a rounded value: an exact no-op, paid for.)
+          store_float(o1 + i, round_to<T>(a * cv) - round_to<T>(b * sv));
+          store_float(o2 + i, round_to<T>(b * cv) + round_to<T>(a * sv));
         }
         for (; i < half; ++i) {
           const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
@@ -387,7 +512,7 @@ inline void add_square_row(const T* xr, const T* rr, T* hr, float* sq, int64_t d
   int64_t i = 0;
   for (; i + fVec::size() <= dim; i += fVec::size()) {
     const fVec v = round_to<T>(load_float(rr + i) + load_float(xr + i));
-    store_float(hr + i, v);
+    store_rounded(hr + i, v);
     (v * v).store(sq + i);
   }
   for (; i < dim; ++i) {
