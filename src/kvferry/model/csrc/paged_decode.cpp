@@ -416,6 +416,27 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// exp512 with its last step, y * 2^n with 2^n built from n's bits
+// (cvtps2dq, vpaddd, vpslld, vmulps), done by one vscalefps: the same value
+// bit for bit (y * 2^n is exact in both unless it is subnormal, and then
+// both round the same product; checked against exp512 on every 7th float in
+// [-88, 9]: no difference), three instructions fewer (group_softmax).
+inline __m512 exp512_sc(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
 // The same exp in fewer instructions: 2^(x log2 e) as 2^n (vscalefps) times
 // a degree-5 polynomial for 2^f, f in [-1/2, 1/2] (relative error 1.5e-7,
 // as exp512's); 0 below -87 like exp512.
@@ -527,7 +548,59 @@ inline float lazy_softmax(__m512 s, int64_t visible, float& m, __m512& l, Out* p
   }
   return alpha;
 }
+// lazy_softmax for the Q queries of a staged group at once (staged_group,
+// staged_group_f32): n[k] visible scores of query k in s[k]. The same math
+// per query as lazy_softmax<true>, but the common case (no score passes its
+// running max by kLazyRescale, so m stays and alpha is 1) is one test for
+// all Q queries and then straight-line code, the Q exps interleaved; a
+// per-query loop (what GCC made of Q calls of lazy_softmax, the scores
+// spilled to the stack and a test and branch per query) left the exps'
+// dependent chains one after another. Returns whether any alpha is not 1.
+template <int Q, typename Out, int kOut>
+inline __attribute__((always_inline)) bool group_softmax(const __m512* s, const int64_t* n, float* m, __m512* l,
+                                                         Out (*pp)[kOut], float* alpha) {
+  __mmask16 valid[Q];
+  __mmask16 over = 0;
+  for (int k = 0; k < Q; ++k) {
+    valid[k] = n[k] >= kTile ? 0xFFFF : n[k] > 0 ? (1u << n[k]) - 1u : 0u;
+    over |= _mm512_mask_cmp_ps_mask(valid[k], s[k], _mm512_set1_ps(m[k] + kLazyRescale), _CMP_GT_OQ);
+  }
+  if (__builtin_expect(over != 0, 0)) {
+    bool rescaled = false;
+    for (int k = 0; k < Q; ++k) {
+      alpha[k] = lazy_softmax<true>(s[k], n[k], m[k], l[k], pp[k]);
+      rescaled |= alpha[k] != 1.f;
+    }
+    return rescaled;
+  }
+  for (int k = 0; k < Q; ++k) {
+    alpha[k] = 1.f;
+    const __m512 p = _mm512_maskz_mov_ps(valid[k], exp512_sc(_mm512_sub_ps(s[k], _mm512_set1_ps(m[k]))));
+    l[k] = _mm512_add_ps(l[k], p);
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_store_ps(pp[k], p);
+    } else {
 #ifdef KVFERRY_AVX512_BF16
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[k]), (__m256i)_mm512_cvtneps_pbh(p));
+#endif
+    }
+  }
+  return false;
+}
+#ifdef KVFERRY_AVX512_BF16
+
+// acc + a . (pair, pair, ...): vdpbf16ps with the bf16 pair at `pair`
+// broadcast by the instruction itself ({1to16}). GCC does not fold
+// _mm512_set1_epi32 of a load into the instruction: it issues a separate
+// vpbroadcastd per product, one more uop for each. Used for the scores
+// (staged_group: 0.93-0.95x the time of a 2 x 512-token prefill, one
+// thread); the P . V weights taken the same way measured 1.5x the time (pp
+// is stored just before: presumably the broadcast operand cannot take the
+// store's forwarded data), so they keep _mm512_set1_epi32.
+inline __attribute__((always_inline)) __m512 dpbf16_bcast(__m512 acc, __m512i a, const int32_t* pair) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*pair));
+  return acc;
+}
 
 // Q queries (1..4) against the `tiles` staged tiles of a stripe (tile t at
 // kp + t * D/2, vp + t * D/2), in order: per tile, scores, online softmax,
@@ -565,8 +638,8 @@ inline void staged_group(const at::BFloat16* const* q, float* const* acc, float*
       for (int c = 0; c < kChains; ++c) {
         const __m512bh kv = (__m512bh)tk[i + c];
         for (int k = 0; k < Q; ++k) {
-          const int32_t pair = reinterpret_cast<const int32_t*>(q[k])[i + c];  // (q[2i], q[2i+1])
-          c4[k][c] = _mm512_dpbf16_ps(c4[k][c], kv, (__m512bh)_mm512_set1_epi32(pair));
+          // (q[2i], q[2i+1])
+          c4[k][c] = dpbf16_bcast(c4[k][c], (__m512i)kv, reinterpret_cast<const int32_t*>(q[k]) + i + c);
         }
       }
     }
@@ -576,11 +649,9 @@ inline void staged_group(const at::BFloat16* const* q, float* const* acc, float*
     }
   };
   auto softmax = [&](int64_t t) __attribute__((always_inline)) {
-    rescaled = false;
-    for (int k = 0; k < Q; ++k) {
-      alpha[k] = lazy_softmax<true>(s[k], std::min(kTile, visible[k] - t * kTile), m[k], l[k], pp[k]);
-      rescaled |= alpha[k] != 1.f;
-    }
+    int64_t n[Q];
+    for (int k = 0; k < Q; ++k) n[k] = std::min(kTile, visible[k] - t * kTile);
+    rescaled = group_softmax<Q>(s, n, m, l, pp, alpha);
   };
   __m512 o[Q][R > 0 ? R : 1];
   if constexpr (R > 0) {
@@ -737,11 +808,9 @@ __attribute__((flatten)) inline void staged_group_f32(const float* const* q, flo
     for (int k = 0; k < Q; ++k) s[k] = _mm512_mul_ps(tot[k], _mm512_set1_ps(scale));
   };
   auto softmax = [&](int64_t t) __attribute__((always_inline)) {
-    rescaled = false;
-    for (int k = 0; k < Q; ++k) {
-      alpha[k] = lazy_softmax<true>(s[k], std::min(kTile, visible[k] - t * kTile), m[k], l[k], pf[k]);
-      rescaled |= alpha[k] != 1.f;
-    }
+    int64_t n[Q];
+    for (int k = 0; k < Q; ++k) n[k] = std::min(kTile, visible[k] - t * kTile);
+    rescaled = group_softmax<Q>(s, n, m, l, pf, alpha);
   };
   __m512 o[Q][R > 0 ? R : 1];
   if constexpr (R > 0) {
@@ -872,6 +941,12 @@ constexpr int64_t kStageMinQueries = 4;
 // twice the bytes (128 * head_dim); at head_dim 64, stripes of 4, 8 and 16
 // of them (32, 64, 128 KB) measured the same within noise.
 constexpr int64_t kStripeBytes4 = 64 * 1024;
+// bf16 4-query groups: 32 tiles at head_dim 64 (128 KB, from L2) measured
+// 0.96-0.97x the time of 16 (one thread, 2 x 512-token prompts, and 256 over
+// 768 cached); 64 tiles (256 KB) the same as 32. Longer stripes start each
+// group's pipeline (its first tile's scores and softmax, which nothing
+// overlaps) fewer times. float32 at 16 tiles (128 KB) measured even with 8.
+constexpr int64_t kStripeBytes4Bf16 = 128 * 1024;
 constexpr int64_t kStripeBytes2 = 32 * 1024;
 
 // How many positions past the tile being read a work item prefetches.
@@ -1419,7 +1494,8 @@ struct Attend {
     // Vectors per staged tile, each of K and V: D / 2 for bf16, D for float32.
     const int64_t per_tile = kPath == Path::kDpbf16 ? D / 2 : D;
     const int64_t stripe_tiles =
-        std::max<int64_t>(1, (max_group == 4 ? kStripeBytes4 : kStripeBytes2) / (2 * 64 * per_tile));
+        std::max<int64_t>(1, (max_group == 4 ? (kPath == Path::kDpbf16 ? kStripeBytes4Bf16 : kStripeBytes4) : kStripeBytes2) /
+                                 (2 * 64 * per_tile));
     w.kp.resize(stripe_tiles * per_tile);
     w.vp.resize(stripe_tiles * per_tile);
     const scalar_t* krows[kTile];
@@ -1834,7 +1910,14 @@ struct Attend {
 // many tokens, so that one long prompt keeps every thread busy (it would
 // otherwise be only KVH items). Each block reads the context up to its own
 // last position; the tiles it shares with other blocks come from cache.
+// 64 where that still leaves at least kMinItemsPerThread items per thread
+// (else 32): each item stages the tiles it reads, so 64-token blocks halve
+// the staging per query vector (one thread, 2 x 512-token
+// prompts: 0.95x the time of 32-token blocks; 256 tokens over 768 cached:
+// 0.95x), but fewer items balance worse over the threads (longest first).
 constexpr int64_t kQueryBlock = 32;
+constexpr int64_t kLongQueryBlock = 64;
+constexpr int64_t kMinItemsPerThread = 4;
 
 struct Item {
   int64_t seq, j0, j1, cost;
@@ -1845,10 +1928,14 @@ template <typename scalar_t, typename qscalar_t, Path kPath>
 void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& seqs) {
   const int64_t kvh = op.kv_heads;
   std::vector<Item> blocks;
+  int64_t long_blocks = 0;
+  for (const Seq& seq : seqs) long_blocks += (std::max<int64_t>(seq.q_len, 1) + kLongQueryBlock - 1) / kLongQueryBlock;
+  const int64_t qblock =
+      long_blocks * kvh >= kMinItemsPerThread * at::get_num_threads() ? kLongQueryBlock : kQueryBlock;
   for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
     const int64_t context_len = seqs[s].seq_len - seqs[s].q_len;
-    for (int64_t j0 = 0; j0 < std::max<int64_t>(seqs[s].q_len, 1); j0 += kQueryBlock) {
-      const int64_t j1 = std::min(j0 + kQueryBlock, seqs[s].q_len);
+    for (int64_t j0 = 0; j0 < std::max<int64_t>(seqs[s].q_len, 1); j0 += qblock) {
+      const int64_t j1 = std::min(j0 + qblock, seqs[s].q_len);
       // Cost ~ context it reads x (its query tokens + the K/V read itself).
       blocks.push_back(Item{s, j0, j1, (context_len + j1) * (j1 - j0 + 1)});
     }
