@@ -19,7 +19,7 @@ Also times one prefill-heavy step (``--prefill-tokens`` new tokens in chunks
 of 512) and, with ``--profile``, prints the torch profiler's operator table
 for both, which is how the time per operator was found. Malloc is tuned as
 the engine's runner tunes it (engine/host_memory.py): without it the
-logits' float32 copy alone faulted in fresh pages every step (~0.4 ms of a
+logits' float32 copy alone faulted in fresh pages every step (~0.3 ms of a
 24 ms bf16 step).
 
     python bench/decode_roofline.py [--dtype bfloat16] [--batch 32] [--context 384] [--threads 2] [--profile]
