@@ -42,9 +42,9 @@
 // silu_and_mul is one pass instead of two ops: torch reads the strided gate, writes silu's
 // [tokens, inter] result, then reads it and up and writes the product.
 // silu uses at::vec's exp (Sleef's u10 expf, the one torch's own silu kernel
-// calls for this instruction set; inlined, instruction for instruction, in
-// the AVX512 build), so the values match torch's bit for bit, and it walks a
-// row as torch's loops do (vectors by pairs, a scalar tail with std::exp).
+// calls for this instruction set), so the values match torch's bit for bit,
+// and it walks a row as torch's loops do (vectors by pairs, a scalar tail
+// with std::exp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -66,8 +66,9 @@ using at::vec::Vectorized;
 int64_t grain_rows(int64_t inter) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inter)); }
 
 // a * b with a as the instruction's first source, so that where both are NaN
-// the result is a's NaN, as in torch's mul kernel (silu(gate) * up); the
-// compiler, free to commute a product, picked up's NaN once silu was inlined.
+// the result is a's NaN, as in torch's mul kernel (silu(gate) * up): the
+// compiler is free to commute a product, and with the operands in other
+// registers it has picked up's NaN.
 inline Vectorized<float> mul_in_order(const Vectorized<float>& a, const Vectorized<float>& b) {
 #if defined(CPU_CAPABILITY_AVX512)
   __m512 r;
