@@ -78,15 +78,17 @@ def peak_matmul_flops(model: LlamaModel, rows: int = 2048, repeats: int = 7) -> 
     from kvferry.model.linear import linear
 
     mlp = model.layers[0].mlp
+    # Shapes from the config: once packed, the plain weight may be released.
+    n, k = 2 * model.config.intermediate_size, model.config.hidden_size
     w, packed = mlp.gate_up_weight, mlp.gate_up_packed
-    x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+    x = torch.randn(rows, k, dtype=model.dtype)
     linear(x, w, None, packed)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         linear(x, w, None, packed)
         best = min(best, time.perf_counter() - t0)
-    return 2 * rows * w.shape[0] * w.shape[1] / best
+    return 2 * rows * n * k / best
 
 
 def decode_step_work(model: LlamaModel, batch: int, context: int) -> tuple[float, int]:
@@ -218,6 +220,10 @@ def main() -> None:
         pass
     loaded = load_model(args.model, dtype=args.dtype)
     model = loaded.model
+    # Counted from the parameters before the first forward packs them (and
+    # releases the plain copies).
+    wbytes = weight_bytes(model)
+    flops, kv_bytes = decode_step_work(model, args.batch, args.context)
     steps = Steps(model, args.batch, args.context)
     with torch.inference_mode():
         for i in range(3):
@@ -229,9 +235,7 @@ def main() -> None:
         bw_read = read_bandwidth()
         peak = peak_matmul_flops(model)
         bw = max(bw_copy, bw_read)
-        wbytes = weight_bytes(model)
         floor_s = wbytes / bw
-        flops, kv_bytes = decode_step_work(model, args.batch, args.context)
         memory_s, compute_s = (wbytes + kv_bytes) / bw, flops / peak
         roofline_s = max(memory_s, compute_s)
         result = {

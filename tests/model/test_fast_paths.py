@@ -69,12 +69,17 @@ def test_model_packs_on_first_forward_and_after_reload(tmp_path, monkeypatch):
     loaded = load_model(str(path), dtype="float32")
     model = loaded.model
     assert not model.weights_packed
+    attn = model.layers[0].self_attn
+    shapes = (attn.qkv_weight.shape, attn.o_weight.shape)
     seq = list(range(3, 15))
     got = PagedHarness(model).step({0: seq}, {0: len(seq)})[0]
     assert model.weights_packed
-    attn = model.layers[0].self_attn
     assert attn.qkv_packed is not None and model.layers[0].mlp.down_packed is not None
     assert model.lm_head_packed is not None
+    # Each packed weight is in memory once: its plain parameter is released.
+    assert attn.qkv_weight.numel() == 0 and attn.o_weight.numel() == 0
+    assert model.layers[0].mlp.gate_up_weight.numel() == 0
+    assert model.embed_tokens.numel() > 0  # the embedding table is read by every step
     with torch.no_grad():
         want = load_hf_model(path)(torch.tensor([seq])).logits[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
@@ -82,6 +87,7 @@ def test_model_packs_on_first_forward_and_after_reload(tmp_path, monkeypatch):
     from kvferry.model.loader import iter_safetensors
     model.load_weights((n, t * 2 if n.endswith("o_proj.weight") else t) for n, t in iter_safetensors(path))
     assert not model.weights_packed
+    assert (attn.qkv_weight.shape, attn.o_weight.shape) == shapes  # storage again, with the new weights
     changed = PagedHarness(model).step({0: seq}, {0: len(seq)})[0]
     assert model.weights_packed
     assert not torch.allclose(changed, got)

@@ -1,7 +1,8 @@
 """The small-batch matmuls (model/small_gemm.py, csrc/small_gemm.cpp): bf16
 results within one rounding of a float32 reference, float32 results within
-summation-order noise of a float64 one, exact on small integers, every row
-count up to MAX_ROWS, and linear() routing decode-sized batches to them."""
+summation-order noise of a float64 one, exact on small integers at every row
+count (decode batches and prefill chunks, which run in passes of rows), and
+linear() routing every row count of a packed weight to them."""
 from __future__ import annotations
 
 import pytest
@@ -77,23 +78,46 @@ def test_strided_rows_and_inputs_it_declines():
 
 @needs_kernel
 def test_linear_routes_by_row_count(monkeypatch):
-    """Up to MAX_ROWS rows take the small kernel, more take oneDNN; both agree
-    with the reference, and with KVFERRY_DISABLE_SMALL_GEMM=1 no small copy is made."""
+    """Where the kernel applies, a packed weight has only the small copy and
+    every row count takes it (a 2048-row prefill chunk too); a bias goes to
+    oneDNN; with KVFERRY_DISABLE_SMALL_GEMM=1 no small copy is made."""
     gen = torch.Generator().manual_seed(2)
     w = (torch.randn(256, 128, generator=gen) * 0.05).to(torch.bfloat16)
     packed = pack_weight(w)
-    assert packed is not None and packed.small is not None
-    for rows in (small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1, 300):
+    assert packed is not None and packed.small is not None and packed.onednn is None
+    for rows in (1, 64, 65, 300, 2048):
         x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
-        torch.testing.assert_close(linear(x, w, None, packed).float(), _reference(x, w).float(),
-                                   atol=1e-2, rtol=1e-2)
-    x = torch.randn(small_gemm.MAX_ROWS, 128, generator=gen).to(torch.bfloat16)
-    assert torch.equal(linear(x, w, None, packed), small_gemm.linear(x, packed.small, 256))
+        got = linear(x, torch.empty(0), None, packed)  # the plain weight is never read
+        assert torch.equal(got, small_gemm.linear(x, packed.small, 256))
+        torch.testing.assert_close(got.float(), _reference(x, w).float(), atol=1e-2, rtol=1e-2)
+    assert linear(x[:0], torch.empty(0), None, packed).shape == (0, 256)
+    b = torch.randn(256, generator=gen).to(torch.bfloat16)
+    biased = pack_weight(w, b)
+    assert biased is not None and biased.small is None and biased.onednn is not None
     monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")
     assert not small_gemm.available(torch.bfloat16) and not small_gemm.available(torch.float32)
     off = pack_weight(w)
     assert off is not None and off.small is None
     torch.testing.assert_close(linear(x, w, None, off).float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,rows", [(96, 576, 700), (576, 1536, 150), (100, 577, 1000), (48, 7, 3000)])
+def test_passes_over_rows_exact_on_integers(dtype, n, k, rows):
+    """A prefill-sized M runs in passes of rows (csrc rows_per_pass: ~384 KB
+    of x each, so 3 passes of K = 576 bf16 at 700 rows, 3 of K = 1536 float32
+    at 150): every pass's rows, the last pass's short one included, are exact."""
+    if not small_gemm.available(dtype):
+        pytest.skip(f"no small-batch matmul for {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(rows + k)
+    w = torch.randint(-3, 4, (n, k), generator=gen).to(dtype)
+    x = torch.randint(-3, 4, (rows, k), generator=gen).to(dtype)
+    want = (x.float() @ w.float().T).to(dtype)
+    assert torch.equal(small_gemm.linear(x, small_gemm.pack(w), n), want)
+    # Strided rows of a wider tensor take the same passes.
+    wide = torch.zeros(rows, k + 5, dtype=dtype)
+    wide[:, :k] = x
+    assert torch.equal(small_gemm.linear(wide[:, :k], small_gemm.pack(w), n), want)
 
 
 @needs_kernel
@@ -137,10 +161,14 @@ def test_float32_exact_on_integers_and_routed_by_linear():
         want = x @ w.T
         assert torch.equal(small_gemm.linear(x, packed.small, n), want)
         assert torch.equal(linear(x, w, None, packed), want)
-    # Strided rows; a bias goes to oneDNN (F.linear's fused add).
+    # Strided rows; a bias packed with its weight goes to oneDNN (F.linear's
+    # fused add); one passed to a small copy is added after it.
     wide = torch.randn(8, 128, generator=gen)
     w = torch.randn(64, 64, generator=gen) * 0.05
     b = torch.randn(64, generator=gen)
     packed = pack_weight(w)
     torch.testing.assert_close(linear(wide[:, ::2], w, None, packed), F.linear(wide[:, ::2], w), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(linear(wide[:, :64], w, b, packed), F.linear(wide[:, :64], w, b), atol=1e-5, rtol=1e-5)
+    biased = pack_weight(w, b)
+    assert biased is not None and biased.small is None
+    torch.testing.assert_close(linear(wide[:, :64], w, b, biased), F.linear(wide[:, :64], w, b), atol=1e-5, rtol=1e-5)

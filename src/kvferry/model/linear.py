@@ -8,17 +8,22 @@ on one AVX-512 core (SmolLM2-135M shapes, batch 32): the layers' matmuls take
 ~17% less time in bf16 and ~25% less in float32; the 49152-row lm_head gains
 most (25-40%). Prefill-sized batches gain 0-10%.
 
-Decode-sized batches (up to ``small_gemm.MAX_ROWS`` rows) go to
-``small_gemm`` instead where it applies (bf16: AVX512-BF16 without AMX;
-float32: AVX-512F or AVX2+FMA), which is faster than oneDNN there; such a
-weight keeps both packed copies.
+Where ``small_gemm``'s kernel applies (bf16: AVX512-BF16 without AMX;
+float32: AVX-512F or AVX2+FMA) and the weight has no bias, its packed copy is
+the weight's only one: it matches or beats oneDNN at every row count, from
+decode batches (1-64 rows: 0.4-0.9x oneDNN's time) to 2048-row prefill
+chunks (0.94-1.0x), measured on Zen5 with both AVX-512 and AVX2 builds
+(oneDNN capped by ``ONEDNN_MAX_CPU_ISA=AVX2``) against each.
 
-The plain weight stays the model's parameter (loading, tying and
-fingerprinting read it); the packed copies (``PackedWeight``) sit beside it. Packing is skipped,
-and ``F.linear`` used, for non-CPU tensors, other dtypes, a torch without
-oneDNN, when ``KVFERRY_DISABLE_ONEDNN_PACKING=1``, or if packing fails.
-float32 results differ from ``F.linear`` only by summation order (~1e-6
-relative).
+Once a model has packed its weights, the plain parameter of every packed
+weight is released (``release_plain``): the packed copy is then the only
+one in memory, as in vLLM, instead of three (plain, oneDNN's, small_gemm's:
+3x the weights' bytes). ``LlamaModel.load_weights`` gives them storage
+again before it copies new weights in. Packing is skipped, and ``F.linear``
+used on the plain weight, for non-CPU tensors, other dtypes, a torch without
+oneDNN, when ``KVFERRY_DISABLE_ONEDNN_PACKING=1`` (and small_gemm does not
+apply), or if packing fails. float32 results differ from ``F.linear`` only
+by summation order (~1e-6 relative).
 
 oneDNN builds a primitive (a JIT kernel) for each new number of rows and
 keeps it in a cache of ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` entries: a row
@@ -65,19 +70,38 @@ def packing_disabled() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A weight's packed copies (the plain weight stays the model's parameter)."""
-    onednn: torch.Tensor | None  # oneDNN's blocked copy (opaque); None: F.linear
-    small: torch.Tensor | None  # small_gemm's copy, for row counts up to small_gemm.MAX_ROWS
+    """A weight's packed copy: exactly one of ``onednn`` and ``small``."""
+    onednn: torch.Tensor | None  # oneDNN's blocked copy (opaque)
+    small: torch.Tensor | None  # small_gemm's copy, for every row count
     out_features: int
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """weight [out, in] -> its packed copies, or None where neither applies."""
-    small = small_gemm.pack(weight)
-    onednn = _pack_onednn(weight)
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
+    """weight [out, in] -> its packed copy, or None where none applies.
+
+    small_gemm's where its kernel applies and there is no bias (it has no
+    bias epilogue, and a separate add would round bf16 twice), else oneDNN's.
+    """
+    small = small_gemm.pack(weight) if bias is None else None
+    onednn = _pack_onednn(weight) if small is None else None
     if small is None and onednn is None:
         return None
     return PackedWeight(onednn, small, weight.shape[0])
+
+
+def release_plain(param: torch.Tensor) -> torch.Size:
+    """Free a packed weight's plain storage (the packed copy serves every
+    call); returns the shape, for ``restore_plain``. Reading the released
+    parameter fails loudly: it is then an empty tensor."""
+    shape = param.shape
+    param.data = param.data.new_empty(0)
+    return shape
+
+
+def restore_plain(param: torch.Tensor, shape: torch.Size) -> None:
+    """Give a released parameter storage of its old shape again (contents undefined)."""
+    if param.shape != shape:
+        param.data = param.data.new_empty(shape)
 
 
 def _pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -100,16 +124,19 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out]; ``packed`` is ``pack_weight(weight)`` or None."""
-    rows = x.shape[0]
-    if packed is None or rows == 0:
+    """x [T, in] -> [T, out]; ``packed`` is ``pack_weight(weight, bias)`` or
+    None. With a packed copy the plain ``weight`` is never read (it may have
+    been released)."""
+    if packed is None:
         return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if rows == 0:
+        return x.new_empty((0, packed.out_features))
     # A small copy exists only where the kernel was available when the weight
     # was packed: no per-call check on this path (121 calls a decode step).
-    if packed.small is not None and rows <= small_gemm.MAX_ROWS and bias is None and x.dtype == packed.small.dtype:
-        return small_gemm.linear(x, packed.small, packed.out_features)
-    if packed.onednn is None:
-        return F.linear(x, weight, bias)
+    if packed.small is not None:
+        y = small_gemm.linear(x, packed.small, packed.out_features)
+        return y if bias is None else y.add_(bias)
     onednn = packed.onednn
     padded = padded_rows(rows)
     if padded != rows:

@@ -8,8 +8,9 @@ KV cache is the shared paged tensor
 Parameters are plain tensors (no nn.Linear) so construction does no random
 init; q/k/v and gate/up are fused into single matmuls because on CPU many
 small matmuls cost more than one larger one. Weights arrive through
-``load_weights`` with HF names; on CPU the first forward then prepacks every
-matmul weight for oneDNN (see linear.py), beside the plain parameter.
+``load_weights`` with HF names; on CPU the first forward then packs every
+matmul weight once (small_gemm's layout or oneDNN's, see linear.py) and
+releases the plain parameter, so each weight is in memory once.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch import nn
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.config import ModelConfig, RopeScaling
 from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
-from kvferry.model.linear import PackedWeight, linear, pack_weight
+from kvferry.model.linear import PackedWeight, linear, pack_weight, release_plain, restore_plain
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -115,11 +116,13 @@ class Attention(nn.Module):
         self.o_weight = _param(c.hidden_size, c.q_size, dtype=dtype, device=device)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
-        self.qkv_packed: PackedWeight | None = None  # packed copies (pack_weights); None = F.linear
+        self.qkv_packed: PackedWeight | None = None  # packed copy (pack_weights); None = F.linear
         self.o_packed: PackedWeight | None = None
 
-    def pack_weights(self) -> None:
-        self.qkv_packed, self.o_packed = pack_weight(self.qkv_weight), pack_weight(self.o_weight)
+    def pack_weights(self) -> list[tuple[nn.Parameter, PackedWeight | None]]:
+        self.qkv_packed = pack_weight(self.qkv_weight, self.qkv_bias)
+        self.o_packed = pack_weight(self.o_weight)
+        return [(self.qkv_weight, self.qkv_packed), (self.o_weight, self.o_packed)]
 
     def forward(
         self,
@@ -155,8 +158,9 @@ class MLP(nn.Module):
         self.gate_up_packed: PackedWeight | None = None
         self.down_packed: PackedWeight | None = None
 
-    def pack_weights(self) -> None:
+    def pack_weights(self) -> list[tuple[nn.Parameter, PackedWeight | None]]:
         self.gate_up_packed, self.down_packed = pack_weight(self.gate_up_weight), pack_weight(self.down_weight)
+        return [(self.gate_up_weight, self.gate_up_packed), (self.down_weight, self.down_packed)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)  # [T, 2 * inter]
@@ -212,14 +216,22 @@ class LlamaModel(nn.Module):
         )
         self.lm_head_packed: PackedWeight | None = None
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
+        # Parameters whose plain storage pack_weights released, with their shapes.
+        self._released: list[tuple[nn.Parameter, torch.Size]] = []
 
     def pack_weights(self) -> None:
-        """Prepack every matmul weight for oneDNN (a no-op off CPU). Runs on
-        the first forward after loading; the plain parameters stay as they are."""
+        """Pack every matmul weight once (a no-op off CPU) and release the
+        plain parameter of each packed one: the packed copy serves every row
+        count, so the weights are in memory once. Runs on the first forward
+        after loading. The lm_head keeps its plain matrix: tied, it is the
+        embedding table, and the speculative heads (spec/head.py) and their
+        training (spec/train_head.py) read it."""
+        packed: list[tuple[nn.Parameter, PackedWeight | None]] = []
         for layer in self.layers:
-            layer.self_attn.pack_weights()
-            layer.mlp.pack_weights()
+            packed += layer.self_attn.pack_weights()
+            packed += layer.mlp.pack_weights()
         self.lm_head_packed = pack_weight(self.lm_head)
+        self._released += [(param, release_plain(param)) for param, p in packed if p is not None]
         self.weights_packed = True
 
     @torch.no_grad()
@@ -259,6 +271,9 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raise ValueError on unknown or missing names."""
         self.weights_packed = False  # packed copies of old weights must not survive
+        for param, shape in self._released:  # storage for the new plain weights
+            restore_plain(param, shape)
+        self._released.clear()
         loaded: set[str] = set()
         for name, tensor in weights:
             target = self._target(name)

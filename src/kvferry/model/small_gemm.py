@@ -15,8 +15,8 @@ bf16 (vdpbf16ps) applies on a CPU with AVX512-BF16 but no AMX (oneDNN's AMX
 kernels are faster at every size); float32 (FMA) on any CPU with AVX-512F or
 AVX2+FMA. Both need the native build (with ``KVFERRY_KERNEL_ISA=avx2`` on an
 AVX-512 machine oneDNN still runs AVX-512, which the AVX2 kernel cannot
-beat), and serve up to ``MAX_ROWS`` rows (linear.py sends larger batches to
-oneDNN). ``KVFERRY_DISABLE_SMALL_GEMM=1`` (or ``KVFERRY_DISABLE_CPP_KERNELS=1``)
+beat). Where they apply they serve every row count: a prefill chunk runs
+in passes of rows that stay in L2, and then matches oneDNN (linear.py). ``KVFERRY_DISABLE_SMALL_GEMM=1`` (or ``KVFERRY_DISABLE_CPP_KERNELS=1``)
 turns them off; a failed build logs a warning and leaves oneDNN in charge.
 
 The build shares paged_kernel.py's machinery and cache folder.
@@ -33,7 +33,6 @@ from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
 
 _SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
-MAX_ROWS = 64  # row counts above this go to oneDNN
 _lock = threading.Lock()
 _loaded = False
 _available = False
@@ -66,7 +65,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), packed's dtype -> [M, n]."""
+    """x [M, K] (any M), packed's dtype -> [M, n]."""
     if packed.dtype == torch.bfloat16:
         return torch.ops.kvferry_gemm.linear(x, packed, n)
     return torch.ops.kvferry_gemm.linear_f32(x, packed, n)

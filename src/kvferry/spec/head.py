@@ -119,7 +119,7 @@ def draft_dtype(target: LlamaModel) -> torch.dtype:
 
 
 class _PackedLinear:
-    """One weight [out, in] in the drafting dtype, prepacked for oneDNN."""
+    """One weight [out, in] in the drafting dtype, packed once (linear.pack_weight)."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         self.weight = weight.detach().to(dtype).contiguous()

@@ -1,4 +1,5 @@
-// bf16 GEMM for small row counts (decode batches): y = x @ W^T.
+// bf16 GEMM, y = x @ W^T, built for decode batches and serving every row
+// count where it applies (linear.py keeps no other copy of the weight).
 //
 // pack(w) -> packed
 //   w:      [N, K] bf16 (any strides; copied). Any N >= 0, K >= 0.
@@ -9,7 +10,8 @@
 //
 // linear(x, packed, n) -> y
 //   x: [M, K] bf16, unit column stride (rows may be strided, else it is
-//      copied), any M >= 0 (built for M <= 64; larger M works, unoptimized)
+//      copied), any M >= 0 (decode batches in one pass; a prefill chunk in
+//      passes of rows_per_pass rows, split across threads by rows)
 //   n: w's N, with (NB - 1) * BN < n <= NB * BN
 //   y: [M, n] bf16 contiguous; float32 accumulation (vdpbf16ps), rounded to
 //      bf16 round-to-nearest-even (vcvtneps2bf16, torch's rounding for
@@ -31,9 +33,10 @@
 // all the row blocks' k loops (pps lines per k step), so DRAM streaming
 // overlaps the multiply; without it cold weights ran 10-25% slower. A
 // thread's first block is prefetched by its own first row block, LEAD lines
-// ahead (+3-5% on the 30-layer cold set at M = 32). Threads split the blocks of N
-// (at::parallel_for; 960/576/3072/49152 columns are whole blocks, so two
-// threads get equal halves). Measured on Zen5 (one core): ~490 GFLOP/s with
+// ahead (+3-5% on the 30-layer cold set at M = 32). Below ROW_SPLIT_MIN_ROWS
+// rows, threads split the blocks of N (at::parallel_for; 960/576/3072/49152
+// columns are whole blocks, so two threads get equal halves); from it, the
+// rows (split_work). Measured on Zen5 (one core): ~490 GFLOP/s with
 // warm weights at M >= 32 (the vdpbf16ps peak); M = 8 streams cold weights at
 // ~41 GB/s, the core's DRAM limit. Tried, no better: 4 x 6 and 2 x 12
 // register blocks, prefetcht1/t2/nta, prefetching 2 blocks ahead, a
@@ -60,6 +63,34 @@ constexpr int MR_MAX = 8;        // rows per register block (MR_MAX x NV = 24 ac
 constexpr int LINE = 64;
 constexpr int PF_BLOCKS = 1;     // software prefetch runs this many blocks ahead
 constexpr int LEAD = 64;         // lines a thread's first block is prefetched ahead of its loads
+
+// Rows of x per pass over a thread's column blocks. A large M (a prefill
+// chunk) runs in passes of this many rows, so that one pass's rows of x stay
+// in L2 while all the thread's blocks of W go by; in one pass over M = 2048
+// rows of K = 1536 float32 (12 MB), every block re-read x from L3 and ran
+// ~9% behind oneDNN. Decode batches are one pass.
+constexpr int64_t PASS_BYTES = int64_t(384) << 10;
+inline int64_t rows_per_pass(int64_t M, int64_t row_bytes) {
+  const int64_t fit = PASS_BYTES / std::max<int64_t>(1, row_bytes);
+  return std::min(M, std::max<int64_t>(64, fit / 8 * 8));
+}
+
+// How threads share a matmul. By column blocks for a decode batch: each
+// thread reads its share of W once, and W's read is the cost there. By rows
+// for a prefill-sized M: each thread then writes whole rows of y, which the
+// next op (silu, the residual norm: torch's ops split rows across threads
+// the same way) reads from its own core's cache. Split by columns, half of
+// every row came from the other core's L2, and those ops ran ~25-40% longer.
+// run(r0, r1, b0, b1) does rows [r0, r1) against column blocks [b0, b1).
+constexpr int64_t ROW_SPLIT_MIN_ROWS = 256;
+template <typename Run>
+inline void split_work(int64_t M, int64_t NB, int64_t block_grain, const Run& run) {
+  if (M >= ROW_SPLIT_MIN_ROWS) {
+    at::parallel_for(0, M, ROW_SPLIT_MIN_ROWS / 4, [&](int64_t r0, int64_t r1) { run(r0, r1, int64_t(0), NB); });
+  } else {
+    at::parallel_for(0, NB, block_grain, [&](int64_t b0, int64_t b1) { run(int64_t(0), M, b0, b1); });
+  }
+}
 
 // One column block b of a thread's range [b0, b1): its R row blocks (sizes
 // base + 1 for the first `extra`, base for the rest) run micro(rows, row,
@@ -236,14 +267,19 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   const bool kodd = (K & 1) != 0;
   const int64_t block_elems = K2 * NV * 32;
   const int64_t block_lines = block_elems * 2 / LINE;
-  // Row blocks: as few as MR_MAX allows, sizes within one of each other.
-  const int64_t R = (M + MR_MAX - 1) / MR_MAX;
-  const int64_t base = M / R, extra = M % R;
   const int64_t ksteps = std::max<int64_t>(1, K2 - (kodd ? 1 : 0));  // k steps that prefetch
   // Blocks per task: at least ~256K flops each, else one thread does it all.
   const int64_t block_flops = 2 * M * K * BN;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, block_flops));
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t MC = rows_per_pass(M, K * 2);
+  split_work(M, NB, grain, [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
+   for (int64_t m0 = r0; m0 < r1; m0 += MC) {
+    // Row blocks of this pass: as few as MR_MAX allows, sizes within one of each other.
+    const int64_t mc = std::min(MC, r1 - m0);
+    const int64_t R = (mc + MR_MAX - 1) / MR_MAX;
+    const int64_t base = mc / R, extra = mc % R;
+    const uint16_t* xm = xp + m0 * ldx;
+    uint16_t* ym = yp + m0 * n;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t c0 = b * BN;
       const int64_t cols = std::min<int64_t>(BN, n - c0);
@@ -256,10 +292,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
       run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 2, block_lines,
                        ksteps, LEAD, NV, PF_BLOCKS,
                        [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
-                         kMicro[mr - 1](xp + row * ldx, ldx, wb, K2, kodd, yp + row * n + c0, n, masks, pf,
+                         kMicro[mr - 1](xm + row * ldx, ldx, wb, K2, kodd, ym + row * n + c0, n, masks, pf,
                                         pf_lines, pps);
                        });
     }
+   }
   });
   return y;
 #endif
@@ -278,7 +315,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 //
 // linear_f32(x, packed, n) -> y
 //   x: [M, K] float32, unit column stride (else copied), rows may be strided;
-//      any M >= 0 (built for M <= 64). n: w's N, (NB - 1) * BN < n <= NB * BN.
+//      any M >= 0 (passes and thread split as the bf16 op's). n: w's N,
+//      (NB - 1) * BN < n <= NB * BN.
 //   y: [M, n] float32 contiguous, float32 FMA sums over k in order.
 //   AVX-512F build: 8 rows x 3 zmm (48 columns) = 24 accumulators, 3 weight
 //   loads + 8 broadcasts per 24 FMAs. AVX2+FMA build (no AVX-512F, e.g.
@@ -291,7 +329,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 //   thread's first block by its first row block, as in the bf16 op; threads
 //   split the blocks of N. Whole blocks store unmasked: masked stores cost
 //   10% at M >= 32 where y's row stride is a multiple of 4 KiB (N = 3072,
-//   49152); y of >= 1 MiB is stored non-temporally (+10% on lm_head).
+//   49152); a y of >= 1 MiB and >= 16384 columns (the lm_head's) is stored
+//   non-temporally (+10% on lm_head).
 //   Built without AVX2/FMA: linear_f32 throws.
 //   Measured on Zen5 (one core, 30 layers of cold weights): AVX-512 ~235
 //   GFLOP/s at M >= 16 (about the 2-FMA-pipe peak), M = 8 streams ~35 GB/s;
@@ -317,6 +356,7 @@ constexpr int F_MR = 4;
 constexpr int F_BN = F_VL * F_NV;
 constexpr int F_LEAD = 64;  // lines a thread's first block is prefetched ahead of its loads
 constexpr int F_PF = 1;     // blocks the software prefetch runs ahead
+constexpr int64_t STREAM_MIN_COLS = 16384;  // outputs at least this wide may be stored non-temporally
 
 at::Tensor pack_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "kvferry_gemm.pack_f32: w must be 2-D [N, K], got ", w.sizes());
@@ -479,16 +519,24 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   float* yp = y.data_ptr<float>();
   const int64_t block_elems = K * F_BN;
   const int64_t block_lines = (block_elems * 4 + LINE - 1) / LINE;
-  const int64_t R = (M + F_MR - 1) / F_MR;
-  const int64_t base = M / R, extra = M % R;
   const int64_t block_flops = 2 * M * K * F_BN;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, block_flops));
-  // Outputs of 1 MiB or more (lm_head) are written non-temporally where
-  // aligned: they would leave L2 anyway, and regular stores of a y whose row
-  // stride is a multiple of 4 KiB cost up to 10% (L1 set conflicts).
-  const bool stream = M * n * int64_t(sizeof(float)) >= (int64_t(1) << 20) &&
+  // A wide output of 1 MiB or more (the lm_head's logits) is written
+  // non-temporally where aligned: it would leave L2 anyway, and regular
+  // stores of a y whose row stride is a multiple of 4 KiB cost up to 10% (L1
+  // set conflicts). A prefill chunk's layer outputs are stored normally:
+  // the next op (silu, the residual norm) then reads them from cache, not
+  // DRAM (streamed, those ops took ~25% longer).
+  const bool stream = n >= STREAM_MIN_COLS && M * n * int64_t(sizeof(float)) >= (int64_t(1) << 20) &&
                       ((reinterpret_cast<uintptr_t>(yp) | uintptr_t(n * sizeof(float))) % sizeof(FV)) == 0;
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t MC = rows_per_pass(M, K * 4);
+  split_work(M, NB, grain, [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
+   for (int64_t m0 = r0; m0 < r1; m0 += MC) {
+    const int64_t mc = std::min(MC, r1 - m0);
+    const int64_t R = (mc + F_MR - 1) / F_MR;
+    const int64_t base = mc / R, extra = mc % R;
+    const float* xm = xp + m0 * ldx;
+    float* ym = yp + m0 * n;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t c0 = b * F_BN;
       const int64_t cols = std::min<int64_t>(F_BN, n - c0);
@@ -500,10 +548,11 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 4, block_lines,
                        K, F_LEAD, pps_lead, F_PF,
                        [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
-                         kMicroF32[mr - 1](xp + row * ldx, ldx, wb, K, yp + row * n + c0, n, masks, pf, pf_lines,
+                         kMicroF32[mr - 1](xm + row * ldx, ldx, wb, K, ym + row * n + c0, n, masks, pf, pf_lines,
                                            pps, store);
                        });
     }
+   }
     if (stream) _mm_sfence();  // order the non-temporal stores before the task ends
   });
   return y;
