@@ -87,3 +87,35 @@ def test_freeze_exempts_the_startup_heap_from_collections():
     out = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], capture_output=True, text=True, check=True)
     # gc.get_objects() lists what collections walk: the frozen heap is not in it.
     assert out.stdout.split() == ["True", "False", "True"]
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_warm_up_with_speculation_warms_the_draft_and_leaves_no_trace(checkpoint, method, caplog):
+    """The draft model (here a copy of the target) runs in the warm-up, its
+    weights packed before the first request, and the decode step verifies
+    k drafts a request; afterwards no request, block or draft state is left,
+    and outputs equal a cold engine's."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft":
+        spec["model"] = checkpoint
+    with caplog.at_level(logging.INFO, logger="kvferry.engine.core"):
+        core = _core(checkpoint, num_kv_blocks=256, max_num_batched_tokens=512, speculative=spec)
+    assert "warm-up: a 512-token prefill step and a decode step" in caplog.text
+    drafter = core.runner.drafter
+    if method == "draft":
+        assert drafter.model.weights_packed and drafter.num_computed == {}
+    else:
+        assert drafter is None
+    assert core.runner.states == {} and core.runner.batch.req_ids == []
+    assert core.scheduler.kv.pool.num_free_blocks == 256
+    core.check_integrity()
+    core.close()
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (6, 50)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results = {}
+    for warm in (True, False):
+        llm = LLM(model=checkpoint, dtype="float32", warm_up=warm, speculative=spec)
+        results[warm] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.engine.check_integrity()
+    assert results[True] == results[False]

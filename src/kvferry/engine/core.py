@@ -82,7 +82,9 @@ class EngineCore:
                                                             t.kv_transfer_failure == "recompute")
         if m.warm_up:
             start = time.perf_counter()
-            tokens = self.runner.warm_up(config.scheduler.max_num_batched_tokens, self.max_model_len)
+            spec = config.speculative
+            tokens = self.runner.warm_up(config.scheduler.max_num_batched_tokens, self.max_model_len,
+                                         num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0)
             logger.info("warm-up: a %d-token prefill step and a decode step in %.2f s",
                         tokens, time.perf_counter() - start)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",

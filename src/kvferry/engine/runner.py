@@ -43,6 +43,7 @@ from kvferry.sampling import SamplingParams
 from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
 from kvferry.spec.head import EagleHead, HeadProposer
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
+from kvferry.spec.reserved import PLACEHOLDER_ID
 from kvferry.structured.backend import GrammarMatcher
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
 
@@ -305,29 +306,36 @@ class ModelRunner:
 
     # -- warm-up --------------------------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, max_num_tokens: int, max_model_len: int, num_seqs: int = 8) -> int:
+    def warm_up(self, max_num_tokens: int, max_model_len: int, num_seqs: int = 8,
+                num_spec_tokens: int = 0) -> int:
         """Run one prefill step of up to ``max_num_tokens`` tokens over
-        ``num_seqs`` dummy sequences, then one decode step of them, and drop
+        ``num_seqs`` dummy sequences, then one decode step of them (with
+        ``num_spec_tokens`` drafts each when speculation is on), and drop
         them; returns the prefill's token count (0: the pool is too small).
 
         Called before the core reports ready. The first forward pass of a
-        process pays one-time costs (oneDNN's set-up and first kernels, the
-        attention kernel's first call, the allocator growing to a full
-        step's temporaries): 0.4 s on a 2-core CPU with SmolLM2-135M, on top
-        of a 256-token prefill's 0.09 s. Without this, the first requests a
-        server takes wait for it. The dummy sequences write KV into blocks
-        no request holds yet (every block is written before it is read) and
-        never reach the scheduler, the prefix cache, the connectors or the
-        drafter; greedy sampling leaves the random state alone.
+        process pays one-time costs (the kernels' first calls, weight
+        packing, the allocator growing to a full step's temporaries): 0.4 s
+        on a 2-core CPU with SmolLM2-135M, on top of a 256-token prefill's
+        0.09 s. Without this, the first requests a server takes wait for it.
+        With speculation the decode step verifies ``num_spec_tokens`` drafts
+        a request (1 + k tokens each), and a draft model or head is warmed
+        too: it runs over the prompts and drafts them (ngram drafts are
+        placeholders here). The dummy sequences write KV (the target's
+        and the draft's) into blocks no request holds yet (every block is
+        written before it is read) and never reach the scheduler, the prefix
+        cache or the connectors; the drafter forgets them when they finish.
+        Greedy sampling leaves the random state alone.
         """
         bs = self.block_size
         num_blocks = self.kv_cache.shape[2]
+        k = num_spec_tokens
         num_seqs = max(1, min(num_seqs, max_num_tokens, num_blocks))
-        per_seq = min(max_num_tokens // num_seqs, max_model_len - 1, (num_blocks // num_seqs) * bs - 1)
+        per_seq = min(max_num_tokens // num_seqs, max_model_len - 1 - k, (num_blocks // num_seqs) * bs - 1 - k)
         if per_seq < 1:
             return 0
-        blocks_per_seq = -(-(per_seq + 1) // bs)
-        params = SamplingParams(temperature=0.0, max_tokens=2)
+        blocks_per_seq = -(-(per_seq + 1 + k) // bs)
+        params = SamplingParams(temperature=0.0, max_tokens=2 + k)
         new, ids = [], []
         for i in range(num_seqs):
             rid = f"kvferry-warm-up-{i}"
@@ -335,16 +343,17 @@ class ModelRunner:
             blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             new.append(NewRequestData(rid, prompt, params, [], blocks, 0))
             ids.append(rid)
-        drafter, transfer = self.drafter, self.kv_transfer
-        self.drafter, self.kv_transfer = None, None  # the target model's path only
+        transfer = self.kv_transfer
+        self.kv_transfer = None  # nothing of the warm-up leaves the process
         try:
             self.execute(SchedulerOutput(new_requests=new, num_scheduled_tokens={rid: per_seq for rid in ids}))
             self.execute(SchedulerOutput(
                 cached_requests=[CachedRequestData(rid, [], per_seq) for rid in ids],
-                num_scheduled_tokens={rid: 1 for rid in ids}))
+                num_scheduled_tokens={rid: 1 + k for rid in ids},
+                spec_token_ids={rid: [PLACEHOLDER_ID] * k for rid in ids} if k else {}))
         finally:
             self.execute(SchedulerOutput(finished_request_ids=ids))
-            self.drafter, self.kv_transfer = drafter, transfer
+            self.kv_transfer = transfer
         return per_seq * num_seqs
 
     def _take_transfers(self, out: RunnerOutput, idle: bool) -> None:
