@@ -92,6 +92,27 @@ inline void split_work(int64_t M, int64_t NB, int64_t block_grain, const Run& ru
   }
 }
 
+// Both dtypes' ops: each thread's share of the work (split_work), in passes
+// of rows_per_pass(M, row_bytes) rows, every column block of the share per
+// pass: block(m0, R, base, extra, b, b0, b1) runs column block b of the
+// thread's range [b0, b1) for the pass starting at row m0, whose R row
+// blocks have sizes base + 1 (the first `extra`) and base (the rest, as few
+// as mr_max allows). task_done() runs once at the end of each thread's share.
+template <typename Block, typename Done>
+inline void for_each_block(int64_t M, int64_t NB, int64_t block_grain, int64_t row_bytes, int64_t mr_max,
+                           const Block& block, const Done& task_done) {
+  const int64_t MC = rows_per_pass(M, row_bytes);
+  split_work(M, NB, block_grain, [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
+    for (int64_t m0 = r0; m0 < r1; m0 += MC) {
+      const int64_t mc = std::min(MC, r1 - m0);
+      const int64_t R = (mc + mr_max - 1) / mr_max;
+      const int64_t base = mc / R, extra = mc % R;
+      for (int64_t b = b0; b < b1; ++b) block(m0, R, base, extra, b, b0, b1);
+    }
+    task_done();
+  });
+}
+
 // One column block b of a thread's range [b0, b1): its R row blocks (sizes
 // base + 1 for the first `extra`, base for the rest) run micro(rows, row,
 // pf, pf_lines, pps) in turn, sharing the prefetch of the block pf_blocks
@@ -271,33 +292,25 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   // Blocks per task: at least ~256K flops each, else one thread does it all.
   const int64_t block_flops = 2 * M * K * BN;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, block_flops));
-  const int64_t MC = rows_per_pass(M, K * 2);
-  split_work(M, NB, grain, [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
-   for (int64_t m0 = r0; m0 < r1; m0 += MC) {
-    // Row blocks of this pass: as few as MR_MAX allows, sizes within one of each other.
-    const int64_t mc = std::min(MC, r1 - m0);
-    const int64_t R = (mc + MR_MAX - 1) / MR_MAX;
-    const int64_t base = mc / R, extra = mc % R;
+  for_each_block(M, NB, grain, K * 2, MR_MAX,
+                 [&](int64_t m0, int64_t R, int64_t base, int64_t extra, int64_t b, int64_t b0, int64_t b1) {
+    const int64_t c0 = b * BN;
+    const int64_t cols = std::min<int64_t>(BN, n - c0);
+    __mmask16 masks[NV];
+    for (int v = 0; v < NV; ++v) {
+      const int64_t c = std::clamp<int64_t>(cols - v * 16, 0, 16);
+      masks[v] = __mmask16((uint32_t(1) << c) - 1);
+    }
+    const uint16_t* wb = wp + b * block_elems;
     const uint16_t* xm = xp + m0 * ldx;
     uint16_t* ym = yp + m0 * n;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * BN;
-      const int64_t cols = std::min<int64_t>(BN, n - c0);
-      __mmask16 masks[NV];
-      for (int v = 0; v < NV; ++v) {
-        const int64_t c = std::clamp<int64_t>(cols - v * 16, 0, 16);
-        masks[v] = __mmask16((uint32_t(1) << c) - 1);
-      }
-      const uint16_t* wb = wp + b * block_elems;
-      run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 2, block_lines,
-                       ksteps, LEAD, NV, PF_BLOCKS,
-                       [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
-                         kMicro[mr - 1](xm + row * ldx, ldx, wb, K2, kodd, ym + row * n + c0, n, masks, pf,
-                                        pf_lines, pps);
-                       });
-    }
-   }
-  });
+    run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 2, block_lines,
+                     ksteps, LEAD, NV, PF_BLOCKS,
+                     [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
+                       kMicro[mr - 1](xm + row * ldx, ldx, wb, K2, kodd, ym + row * n + c0, n, masks, pf,
+                                      pf_lines, pps);
+                     });
+  }, [] {});
   return y;
 #endif
 }
@@ -529,30 +542,24 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   // DRAM (streamed, those ops took ~25% longer).
   const bool stream = n >= STREAM_MIN_COLS && M * n * int64_t(sizeof(float)) >= (int64_t(1) << 20) &&
                       ((reinterpret_cast<uintptr_t>(yp) | uintptr_t(n * sizeof(float))) % sizeof(FV)) == 0;
-  const int64_t MC = rows_per_pass(M, K * 4);
-  split_work(M, NB, grain, [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
-   for (int64_t m0 = r0; m0 < r1; m0 += MC) {
-    const int64_t mc = std::min(MC, r1 - m0);
-    const int64_t R = (mc + F_MR - 1) / F_MR;
-    const int64_t base = mc / R, extra = mc % R;
+  const int pps_lead = int(std::max<int64_t>(1, (F_BN * 4 + LINE - 1) / LINE));
+  for_each_block(M, NB, grain, K * 4, F_MR,
+                 [&](int64_t m0, int64_t R, int64_t base, int64_t extra, int64_t b, int64_t b0, int64_t b1) {
+    const int64_t c0 = b * F_BN;
+    const int64_t cols = std::min<int64_t>(F_BN, n - c0);
+    FMask masks[F_NV];
+    for (int v = 0; v < F_NV; ++v) masks[v] = fv_mask(std::clamp<int64_t>(cols - v * F_VL, 0, F_VL));
+    const float* wb = wp + b * block_elems;
     const float* xm = xp + m0 * ldx;
     float* ym = yp + m0 * n;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * F_BN;
-      const int64_t cols = std::min<int64_t>(F_BN, n - c0);
-      FMask masks[F_NV];
-      for (int v = 0; v < F_NV; ++v) masks[v] = fv_mask(std::clamp<int64_t>(cols - v * F_VL, 0, F_VL));
-      const float* wb = wp + b * block_elems;
-      const int store = cols < F_BN ? 0 : stream ? 2 : 1;
-      const int pps_lead = int(std::max<int64_t>(1, (F_BN * 4 + LINE - 1) / LINE));
-      run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 4, block_lines,
-                       K, F_LEAD, pps_lead, F_PF,
-                       [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
-                         kMicroF32[mr - 1](xm + row * ldx, ldx, wb, K, ym + row * n + c0, n, masks, pf, pf_lines,
-                                           pps, store);
-                       });
-    }
-   }
+    const int store = cols < F_BN ? 0 : stream ? 2 : 1;
+    run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 4, block_lines,
+                     K, F_LEAD, pps_lead, F_PF,
+                     [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
+                       kMicroF32[mr - 1](xm + row * ldx, ldx, wb, K, ym + row * n + c0, n, masks, pf, pf_lines,
+                                         pps, store);
+                     });
+  }, [&] {
     if (stream) _mm_sfence();  // order the non-temporal stores before the task ends
   });
   return y;
