@@ -35,7 +35,6 @@ on this CPU (``torch.backends.cpu.get_cpu_capability()``, capped by
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -45,9 +44,7 @@ from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
-_lock = threading.Lock()
-_loaded = False
-_available = False
+_library = paged_kernel.LazyLibrary(lambda: _load())
 
 
 def fused_ops_disabled() -> bool:
@@ -116,15 +113,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def fused_ops_available() -> bool:
     """True once the library is loaded (building or loading it on the first call)."""
-    global _loaded, _available
     if fused_ops_disabled():
         return False  # checked per call, so tests can switch paths per test
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _available = _load()
-                _loaded = True
-    return _available
+    return _library.available()
 
 
 def _capability() -> str:

@@ -140,6 +140,25 @@ def _load() -> Callable[..., torch.Tensor] | None:
     return torch.ops.kvferry.paged_attention
 
 
+class LazyLibrary:
+    """A C++ library built or loaded once, on the first ``available()`` call
+    (thread-safe; the fused ops and the small-batch matmuls each keep one).
+    ``load`` returns whether it loaded, and is read at that first call, so a
+    module's ``_SOURCE`` may still be pointed elsewhere before it."""
+
+    def __init__(self, load: Callable[[], bool]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._available: bool | None = None  # None: not tried yet
+
+    def available(self) -> bool:
+        if self._available is None:
+            with self._lock:
+                if self._available is None:
+                    self._available = self._load()
+        return self._available
+
+
 def try_load_library(prefix: str, source: Path, cflags: list[str], what: str, fallback: str) -> bool:
     """Build or load ``source`` as the library ``extension_name(prefix, ...)``;
     False, with a warning naming ``fallback`` (what runs instead), where it

@@ -24,7 +24,6 @@ The build shares paged_kernel.py's machinery and cache folder.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -33,9 +32,7 @@ from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
 
 _SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
-_lock = threading.Lock()
-_loaded = False
-_available = False
+_library = paged_kernel.LazyLibrary(lambda: _load())
 
 
 def small_gemm_disabled() -> bool:
@@ -74,15 +71,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """True once the library is loaded on a CPU where ``dtype``'s kernel fits
     (building it on the first call)."""
-    global _loaded, _available
     if small_gemm_disabled() or not cpu_fits(dtype):
         return False  # checked per call, so tests can switch paths per test
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _available = _load()
-                _loaded = True
-    return _available
+    return _library.available()
 
 
 def _load() -> bool:
