@@ -100,8 +100,7 @@ def release_plain(param: torch.Tensor) -> torch.Size:
 
 def restore_plain(param: torch.Tensor, shape: torch.Size) -> None:
     """Give a released parameter storage of its old shape again (contents undefined)."""
-    if param.shape != shape:
-        param.data = param.data.new_empty(shape)
+    param.data = param.data.new_empty(shape)
 
 
 def _pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:

@@ -16,8 +16,9 @@ kernels are faster at every size); float32 (FMA) on any CPU with AVX-512F or
 AVX2+FMA. Both need the native build (with ``KVFERRY_KERNEL_ISA=avx2`` on an
 AVX-512 machine oneDNN still runs AVX-512, which the AVX2 kernel cannot
 beat). Where they apply they serve every row count: a prefill chunk runs
-in passes of rows that stay in L2, and then matches oneDNN (linear.py). ``KVFERRY_DISABLE_SMALL_GEMM=1`` (or ``KVFERRY_DISABLE_CPP_KERNELS=1``)
-turns them off; a failed build logs a warning and leaves oneDNN in charge.
+in passes of rows that stay in L2, and then matches oneDNN (linear.py).
+``KVFERRY_DISABLE_SMALL_GEMM=1`` (or ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns
+them off; a failed build logs a warning and leaves oneDNN in charge.
 
 The build shares paged_kernel.py's machinery and cache folder.
 """
