@@ -940,6 +940,64 @@ struct Seq {
   const int64_t* table;  // its block table row
 };
 
+// The prefetch cursor of the in-place decode kernels (run_inplace_fast,
+// run_inplace_f32, run_inplace_f32_avx2): head kDim's K and V rows of one
+// sequence, elements of type T, positions row_stride elements apart.
+// to(last) requests the rows of the positions before `last` not yet
+// requested, tracked as block and offset (not prefetch_ahead's division per
+// row, which took a tenth of run_inplace_f32_avx2's time). A whole block of
+// 16 rows (the steady state at block_size 16) is not requested there: its K
+// and V row bases are handed to the next tile (k, v), which issues them a
+// token pair at a time inside its loops (pair, indexed by the pair, or
+// next_pair, advancing a pointer; each kernel says where) and then clears
+// them: no per-row address arithmetic, and no burst of requests before the
+// tile. Measured (run_inplace_fast, against the burst): 0.95x the time
+// warm, 0.85-0.9x with K/V from memory (--layers 30). Other rows (partial
+// blocks, other block sizes) are requested by to() row by row.
+template <typename T, int kDim>
+struct PrefetchCursor {
+  static constexpr int64_t kRowBytes = kDim * static_cast<int64_t>(sizeof(T));  // a head's row
+  const T* kbase;  // head h's rows of block 0 (the block table indexes from there)
+  const T* vbase;
+  const Seq& seq;
+  int64_t row_stride, bs;  // elements between positions; the block size
+  int64_t pos = 0, blk = 0, in_block = 0;  // the first position not yet requested
+  const char *k = nullptr, *v = nullptr;   // a whole block's K and V rows, for the tile to request
+
+  // Rows 2p and 2p + 1 at base.
+  __attribute__((always_inline)) void pair(const char* base, int p) const {
+    const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+    for (int t = 2 * p; t < 2 * p + 2; ++t) {
+      for (int64_t off = 0; off < kRowBytes; off += 64) prefetch_line<false>(base + t * row_bytes + off);
+    }
+  }
+
+  // A token pair's rows at base, then base advanced past them.
+  __attribute__((always_inline)) void next_pair(const char*& base) const {
+    const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+    for (int t = 0; t < 2; ++t, base += row_bytes) {
+      for (int64_t off = 0; off < kRowBytes; off += 64) prefetch_line<false>(base + off);
+    }
+  }
+
+  __attribute__((always_inline)) void to(int64_t last) {
+    if (bs == kTile && in_block == 0 && last - pos >= kTile) {
+      k = reinterpret_cast<const char*>(kbase + seq.table[blk] * kTile * row_stride);
+      v = reinterpret_cast<const char*>(vbase + seq.table[blk] * kTile * row_stride);
+      pos += kTile;
+      ++blk;
+    }
+    for (; pos < last; ++pos) {
+      const int64_t row = (seq.table[blk] * bs + in_block) * row_stride;
+      for (int64_t off = 0; off < kRowBytes; off += 64) {
+        prefetch_line<false>(reinterpret_cast<const char*>(kbase + row) + off);
+        prefetch_line<false>(reinterpret_cast<const char*>(vbase + row) + off);
+      }
+      if (++in_block == bs) in_block = 0, ++blk;
+    }
+  }
+};
+
 template <typename scalar_t, typename qscalar_t, Path kPath>
 struct Attend {
   const qscalar_t* q_ptr;
@@ -1118,38 +1176,9 @@ struct Attend {
     }
     const scalar_t* kbase = k_ptr + h * kDim;
     const scalar_t* vbase = v_ptr + h * kDim;
-    // Prefetch cursor: the first position not yet requested, as block and offset.
-    int64_t pf = 0, pf_b = 0, pf_off = 0;
-    const char *spread_k = nullptr, *spread_v = nullptr;
-    const int64_t row_bytes = row_stride * 2;
-    auto spread = [&](const char* base, int p) __attribute__((always_inline)) {
-      for (int t = 2 * p; t < 2 * p + 2; ++t) {
-        for (int64_t off = 0; off < kDim * 2; off += 64) prefetch_line<false>(base + t * row_bytes + off);
-      }
-    };
-    auto prefetch_to = [&](int64_t last) __attribute__((always_inline)) {
-      // A whole block of 16 rows (the steady state at block_size 16): no
-      // per-row address arithmetic, and its prefetches are issued by the
-      // tile, a token pair at a time inside its loops (K during the scores,
-      // V during P . V) rather than in one burst before it: measured 0.95x
-      // the time warm, 0.85-0.9x with K/V from memory (--layers 30).
-      if (bs == kTile && pf_off == 0 && last - pf >= kTile) {
-        const char* kr = reinterpret_cast<const char*>(kbase + seq.table[pf_b] * kTile * row_stride);
-        const char* vr = reinterpret_cast<const char*>(vbase + seq.table[pf_b] * kTile * row_stride);
-        spread_k = kr;  // issued by the tile, spread over its loops
-        spread_v = vr;
-        pf += kTile;
-        ++pf_b;
-      }
-      for (; pf < last; ++pf) {
-        const int64_t row = (seq.table[pf_b] * bs + pf_off) * row_stride;
-        for (int64_t off = 0; off < kDim * 2; off += 64) {
-          prefetch_line<false>(reinterpret_cast<const char*>(kbase + row) + off);
-          prefetch_line<false>(reinterpret_cast<const char*>(vbase + row) + off);
-        }
-        if (++pf_off == bs) pf_off = 0, ++pf_b;
-      }
-    };
+    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
+    // K rows during the scores, its V rows during P . V.
+    PrefetchCursor<at::BFloat16, kDim> pf{kbase, vbase, seq, row_stride, bs};
     const __m512i zero = _mm512_setzero_si512();
     auto tile = [&](auto full, const at::BFloat16* kt, const at::BFloat16* vt, int64_t start, int64_t n)
                     __attribute__((always_inline)) {
@@ -1167,7 +1196,7 @@ struct Attend {
 #pragma GCC unroll 2
         for (int e = 0; e < 2; ++e) {
           const int p = 2 * qd + e;
-          if (spread_k) spread(spread_k, p);
+          if (pf.k) pf.pair(pf.k, p);
 #pragma GCC unroll 4
           for (int c = 0; c < C; ++c) {
             const __m512i a = row(kt, 2 * p, c), b = row(kt, 2 * p + 1, c);
@@ -1209,13 +1238,13 @@ struct Attend {
           for (int r = 0; r < R; ++r) o[k][r] = _mm512_mul_ps(o[k][r], a);
         }
       }
-      if (!kFull && spread_v) {
-        for (int p = 0; p < 8; ++p) spread(spread_v, p);
-        spread_v = nullptr;
+      if (!kFull && pf.v) {
+        for (int p = 0; p < 8; ++p) pf.pair(pf.v, p);
+        pf.v = nullptr;
       }
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
-        if (kFull && spread_v) spread(spread_v, p);
+        if (kFull && pf.v) pf.pair(pf.v, p);
         if (!kFull && 2 * p >= n) break;
         for (int c = 0; c < C; ++c) {
           const __m512i a = row(vt, 2 * p, c), b = row(vt, 2 * p + 1, c);
@@ -1232,13 +1261,13 @@ struct Attend {
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
-      prefetch_to(std::min(end, start + n + kPrefetchTokens));
+      pf.to(std::min(end, start + n + kPrefetchTokens));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
       const auto* kt = reinterpret_cast<const at::BFloat16*>(kbase + base);
       const auto* vt = reinterpret_cast<const at::BFloat16*>(vbase + base);
       if (n == kTile) tile(std::true_type{}, kt, vt, start, n);
       else tile(std::false_type{}, kt, vt, start, n);
-      spread_k = spread_v = nullptr;
+      pf.k = pf.v = nullptr;
       in_block += n;
       if (in_block == bs) in_block = 0, ++b;
     }
@@ -1316,33 +1345,9 @@ struct Attend {
     }
     const float* kbase = k_ptr + h * kDim;
     const float* vbase = v_ptr + h * kDim;
-    int64_t pf = 0, pf_b = 0, pf_off = 0;  // prefetch cursor: first position not yet requested
-    const char *spread_k = nullptr, *spread_v = nullptr;
-    const int64_t row_bytes = row_stride * 4;
-    // A token pair's rows at base (then advanced past them).
-    auto spread = [&](const char*& base) __attribute__((always_inline)) {
-      for (int t = 0; t < 2; ++t, base += row_bytes) {
-        for (int64_t off = 0; off < kDim * 4; off += 64) prefetch_line<false>(base + off);
-      }
-    };
-    auto prefetch_to = [&](int64_t last) __attribute__((always_inline)) {
-      // A whole block of 16 rows: its prefetches are issued by the tile, a
-      // token pair at a time inside its loops (see run_inplace_fast).
-      if (bs == kTile && pf_off == 0 && last - pf >= kTile) {
-        spread_k = reinterpret_cast<const char*>(kbase + seq.table[pf_b] * kTile * row_stride);
-        spread_v = reinterpret_cast<const char*>(vbase + seq.table[pf_b] * kTile * row_stride);
-        pf += kTile;
-        ++pf_b;
-      }
-      for (; pf < last; ++pf) {
-        const int64_t row = (seq.table[pf_b] * bs + pf_off) * row_stride;
-        for (int64_t off = 0; off < kDim * 4; off += 64) {
-          prefetch_line<false>(reinterpret_cast<const char*>(kbase + row) + off);
-          prefetch_line<false>(reinterpret_cast<const char*>(vbase + row) + off);
-        }
-        if (++pf_off == bs) pf_off = 0, ++pf_b;
-      }
-    };
+    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
+    // K rows during the scores, its V rows during P . V, a token pair at a time.
+    PrefetchCursor<float, kDim> pf{kbase, vbase, seq, row_stride, bs};
     const __m512 zero = _mm512_setzero_ps();
     auto tile = [&](auto full, const float* kt, const float* vt, int64_t start, int64_t n)
                     __attribute__((always_inline)) {
@@ -1366,7 +1371,7 @@ struct Attend {
 #pragma GCC unroll 2
         for (int e = 0; e < 2; ++e) {
           const int p = 2 * qd + e;
-          if (spread_k) spread(spread_k);
+          if (pf.k) pf.next_pair(pf.k);
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) {
             const __m512 a = row(kr, 2 * p, c), b = row(kr + row_stride, 2 * p + 1, c);
@@ -1407,13 +1412,13 @@ struct Attend {
           for (int r = 0; r < C; ++r) o[k][r] = _mm512_mul_ps(o[k][r], a);
         }
       }
-      if (!kFull && spread_v) {
-        for (int p = 0; p < 8; ++p) spread(spread_v);
-        spread_v = nullptr;
+      if (!kFull && pf.v) {
+        for (int p = 0; p < 8; ++p) pf.next_pair(pf.v);
+        pf.v = nullptr;
       }
 #pragma GCC unroll 16
       for (int t = 0; t < kTile; ++t) {
-        if (kFull && spread_v && t % 2 == 0) spread(spread_v);
+        if (kFull && pf.v && t % 2 == 0) pf.next_pair(pf.v);
         if (!kFull && t >= n) break;
         for (int c = 0; c < C; ++c) {
           const __m512 vr = _mm512_loadu_ps(vt + 16 * c);
@@ -1426,11 +1431,11 @@ struct Attend {
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
-      prefetch_to(std::min(end, start + n + kPrefetchTokens));
+      pf.to(std::min(end, start + n + kPrefetchTokens));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
       if (n == kTile) tile(std::true_type{}, kbase + base, vbase + base, start, n);
       else tile(std::false_type{}, kbase + base, vbase + base, start, n);
-      spread_k = spread_v = nullptr;
+      pf.k = pf.v = nullptr;
       in_block += n;
       if (in_block == bs) in_block = 0, ++b;
     }
@@ -1578,33 +1583,9 @@ struct Attend {
     }
     const float* kbase = k_ptr + h * kDim;
     const float* vbase = v_ptr + h * kDim;
-    // Prefetch as run_inplace_f32 does (a cursor instead of prefetch_ahead's
-    // division per row, which took a tenth of the time here; a whole block's
-    // rows issued a token pair at a time inside the tile's score loop).
-    int64_t pf = 0, pf_b = 0, pf_off = 0;  // first position not yet requested
-    const char *spread_k = nullptr, *spread_v = nullptr;
-    const int64_t row_bytes = row_stride * 4;
-    auto spread = [&](const char*& base) __attribute__((always_inline)) {  // a token pair's rows
-      for (int t = 0; t < 2; ++t, base += row_bytes) {
-        for (int64_t off = 0; off < kDim * 4; off += 64) prefetch_line<false>(base + off);
-      }
-    };
-    auto prefetch_to = [&](int64_t last) __attribute__((always_inline)) {
-      if (bs == kTile && pf_off == 0 && last - pf >= kTile) {
-        spread_k = reinterpret_cast<const char*>(kbase + seq.table[pf_b] * kTile * row_stride);
-        spread_v = reinterpret_cast<const char*>(vbase + seq.table[pf_b] * kTile * row_stride);
-        pf += kTile;
-        ++pf_b;
-      }
-      for (; pf < last; ++pf) {
-        const int64_t row = (seq.table[pf_b] * bs + pf_off) * row_stride;
-        for (int64_t off = 0; off < kDim * 4; off += 64) {
-          prefetch_line<false>(reinterpret_cast<const char*>(kbase + row) + off);
-          prefetch_line<false>(reinterpret_cast<const char*>(vbase + row) + off);
-        }
-        if (++pf_off == bs) pf_off = 0, ++pf_b;
-      }
-    };
+    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
+    // K and V rows during the scores, a token pair of each at a time.
+    PrefetchCursor<float, kDim> pf{kbase, vbase, seq, row_stride, bs};
     const __m256 zero = _mm256_setzero_ps();
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
     alignas(32) float pp[Q][kTile];
@@ -1627,7 +1608,7 @@ struct Attend {
 #pragma GCC unroll 2
         for (int e = 0; e < 2; ++e) {
           const int p = 2 * qd + e;
-          if (spread_k) spread(spread_k), spread(spread_v);
+          if (pf.k) pf.next_pair(pf.k), pf.next_pair(pf.v);
 #pragma GCC unroll 16
           for (int c = 0; c < C; ++c) {
             const __m256 a = row(kr, 2 * p, c), b = row(kr + row_stride, 2 * p + 1, c);
@@ -1714,11 +1695,11 @@ struct Attend {
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
-      prefetch_to(std::min(end, start + n + kPrefetchTokens));
+      pf.to(std::min(end, start + n + kPrefetchTokens));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
       if (n == kTile) tile(std::true_type{}, kbase + base, vbase + base, start, n);
       else tile(std::false_type{}, kbase + base, vbase + base, start, n);
-      spread_k = spread_v = nullptr;
+      pf.k = pf.v = nullptr;
       in_block += n;
       if (in_block == bs) in_block = 0, ++b;
     }
