@@ -15,6 +15,15 @@ model's own largest layer, oneDNN-packed as in serving, on a 2048-row
 input) and reports the roofline floor ``max((weights + KV) / bandwidth,
 flops / peak)``: no schedule of this step on this machine can be faster.
 
+That roofline assumes the K/V read overlaps the matmuls completely and runs
+at the contiguous read bandwidth. Neither holds on a small CPU: the K/V
+blocks are scattered, and K/V requested during the matmuls slows them by
+about its own read time (BENCHMARKS.md, session 15). So the run also reports
+the serial floor ``flops / peak + KV / scattered_bw``, where scattered_bw is
+what ``bench/scattered_read.c`` (built with gcc, if there is one) reads of
+the model's own KV blocks in random order, one head's rows at a time, on the
+same threads.
+
 Also times one prefill-heavy step (``--prefill-tokens`` new tokens in chunks
 of 512) and, with ``--profile``, prints the torch profiler's operator table
 for both, which is how the time per operator was found. Malloc is tuned as
@@ -29,8 +38,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -69,6 +82,29 @@ def read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
         src.sum()
         best = min(best, time.perf_counter() - t0)
     return num_bytes / best
+
+
+def scattered_read_bandwidth(model: LlamaModel, block_size: int, threads: int) -> float | None:
+    """Bytes/s that bench/scattered_read.c reads of this model's K (or V)
+    blocks of one layer in random order, one KV head's row slice at a time
+    with a software prefetch, as a decode work item reads them; None without
+    a C compiler with OpenMP."""
+    c = model.config
+    row = c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+    if row % 64 or (c.head_dim * model.dtype.itemsize) % 64:
+        return None
+    source = Path(__file__).with_name("scattered_read.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "scattered_read")
+        try:
+            subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-o", exe, str(source)], check=True,
+                           capture_output=True, timeout=120)
+            out = subprocess.run([exe, str(block_size * row), str(row), str(c.head_dim * model.dtype.itemsize), "64"],
+                                 check=True, capture_output=True, text=True, timeout=300,
+                                 env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return json.loads(out.strip().splitlines()[-1])["gb_s"] * 1e9
 
 
 def peak_matmul_flops(model: LlamaModel, rows: int = 2048, repeats: int = 7) -> float:
@@ -234,6 +270,7 @@ def main() -> None:
         prefill_s, prefill_min_s = timed(lambda i: steps.prefill(args.prefill_tokens), max(3, args.repeats // 3))
         bw_read = read_bandwidth()
         peak = peak_matmul_flops(model)
+        bw_scattered = scattered_read_bandwidth(model, steps.block_size, torch.get_num_threads())
         bw = max(bw_copy, bw_read)
         floor_s = wbytes / bw
         memory_s, compute_s = (wbytes + kv_bytes) / bw, flops / peak
@@ -255,6 +292,16 @@ def main() -> None:
             "roofline_floor_ms": round(roofline_s * 1e3, 2),
             "roofline_over_weight_floor": round(roofline_s / floor_s, 2),
             "decode_over_roofline": round(decode_s / roofline_s, 2),
+        }
+        if bw_scattered:
+            serial_s = compute_s + kv_bytes / bw_scattered
+            result |= {
+                "scattered_read_bw_gb_s": round(bw_scattered / 1e9, 2),
+                "serial_floor_ms": round(serial_s * 1e3, 2),
+                "serial_floor_over_weight_floor": round(serial_s / floor_s, 2),
+                "decode_over_serial_floor": round(decode_s / serial_s, 2),
+            }
+        result |= {
             "prefill_tokens": args.prefill_tokens, "prefill_step_ms": round(prefill_s * 1e3, 1),
             "prefill_tok_s": round(args.prefill_tokens / prefill_s, 1),
             "prefill_best_tok_s": round(args.prefill_tokens / prefill_min_s, 1),
