@@ -19,7 +19,7 @@ from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
-from kvferry.model import small_gemm
+from kvferry.model import layer_op, small_gemm
 from kvferry.model.fused_ops import fused_ops_available
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.model.paged_kernel import get_paged_decode_kernel
@@ -65,7 +65,10 @@ class EngineCore:
             # 15-30 s build whenever the kernel's cache is cold).
             get_paged_decode_kernel()
             fused_ops_available()  # the same for the fused elementwise ops
-            small_gemm.available(self.loaded.dtype)  # and the small-batch matmul, where the CPU fits it
+            # The small-batch matmul, where the CPU fits it, and the one-call
+            # decoder layer, which runs only over that matmul.
+            if small_gemm.available(self.loaded.dtype):
+                layer_op.available()
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector

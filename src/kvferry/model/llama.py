@@ -23,6 +23,7 @@ from torch import nn
 
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.config import ModelConfig, RopeScaling
+from kvferry.model import layer_op
 from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
 from kvferry.model.linear import PackedWeight, linear, pack_weight, release_plain, restore_plain
 
@@ -218,6 +219,9 @@ class LlamaModel(nn.Module):
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
         # Parameters whose plain storage pack_weights released, with their shapes.
         self._released: list[tuple[nn.Parameter, torch.Size]] = []
+        # Each layer's arguments for the one-call C++ layer (layer_op.py), or
+        # None where some layer does not fit it; set by pack_weights.
+        self._layer_args: list[layer_op.LayerArgs] | None = None
 
     def pack_weights(self) -> None:
         """Pack every matmul weight once (a no-op off CPU) and release the
@@ -232,6 +236,7 @@ class LlamaModel(nn.Module):
             packed += layer.mlp.pack_weights()
         self.lm_head_packed = pack_weight(self.lm_head)
         self._released += [(param, release_plain(param)) for param, p in packed if p is not None]
+        self._layer_args = layer_op.model_layer_args(self)
         self.weights_packed = True
 
     @torch.no_grad()
@@ -254,6 +259,17 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(positions, self.dtype)
         layers = self.layers
         x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
+        if (self._layer_args is not None and layer_op.step_applies(meta, kv_cache, self.dtype, h.shape[0])
+                and layer_op.available()):
+            # Every layer one C++ call: the same ops as below, without the
+            # Python between them (layer_op.py).
+            n = h.shape[0]
+            cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+            for i, args in enumerate(self._layer_args):
+                h, x = layer_op.run_layer(args, h, x, cos, sin, kv_cache[i], meta)
+                if meta.kv_transfer is not None:
+                    meta.kv_transfer.layer_done(i)
+            return x
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             h, x = layer(h, x, cos, sin, kv_cache[i], meta, next_norm)
@@ -271,6 +287,7 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raise ValueError on unknown or missing names."""
         self.weights_packed = False  # packed copies of old weights must not survive
+        self._layer_args = None  # nor the layer op's references to them
         for param, shape in self._released:  # storage for the new plain weights
             restore_plain(param, shape)
         self._released.clear()

@@ -1,0 +1,102 @@
+"""One decoder layer as one C++ call (``csrc/decoder_layer.cpp``), built at first use.
+
+A decode step of a small model is short: SmolLM2-135M's is ~10 ms at batch 1
+and ~25 ms at batch 32 on two cores, and about 3 ms of either went to Python
+between the layer's dozen ops (module calls, the wrappers' checks, views,
+the interpreter's dispatch of each op). ``decoder_layer`` runs the same ops
+in the same order from C++, so the results are the Python layer's to the bit
+(tests/model/test_layer_op.py compares them).
+
+It applies to a step (``layer_args(model, meta, kv_cache)`` returns the
+per-layer arguments, else None) where every op of every layer is this
+project's own CPU kernel:
+
+- each layer's four matmuls have small_gemm's packed weight, with no bias
+  (Qwen2's biased qkv goes to oneDNN) and no per-head q/k norm (Qwen3);
+- the fused ops are available, and the paged attention kernel serves every
+  sequence of the step (no chunk left to the torch path) with the KV cache
+  in the model's dtype;
+- the op's library builds. ``KVFERRY_DISABLE_LAYER_OP=1`` (or
+  ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns it off.
+
+Elsewhere (other devices, AMX machines where oneDNN does the matmuls, the
+Triton path) the Python layer runs, as before.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvferry.model import fused_ops, paged_kernel
+
+if TYPE_CHECKING:
+    from kvferry.model.attention import AttentionMetadata
+    from kvferry.model.llama import LlamaModel
+
+_SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.cpp"
+_library = paged_kernel.LazyLibrary(lambda: _load())
+
+# A layer's arguments after (h, x, cos, sin, kv_cache_layer, <the step's five
+# sequence tensors>): qkv_w, qkv_n, o_w, o_n, post_norm_w, post_eps,
+# gate_up_w, gate_up_n, down_w, down_n, next_norm_w, next_eps, heads,
+# kv_heads, scale.
+LayerArgs = tuple
+
+
+def layer_op_disabled() -> bool:
+    return paged_kernel.kernels_disabled() or os.environ.get("KVFERRY_DISABLE_LAYER_OP", "") not in ("", "0")
+
+
+def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
+    """Each layer's weight arguments, or None where some layer does not fit
+    the op (see the module docstring). Needs packed weights."""
+    layers = model.layers
+    if not len(layers) or model.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    out = []
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        packed = (attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed)
+        if attn.qkv_bias is not None or attn.q_norm is not None or any(p is None or p.small is None for p in packed):
+            return None
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        post = layer.post_attention_layernorm
+        out.append((packed[0].small, packed[0].out_features, packed[1].small, packed[1].out_features,
+                    post.weight, post.eps, packed[2].small, packed[2].out_features,
+                    packed[3].small, packed[3].out_features, nxt.weight, nxt.eps,
+                    attn.num_heads, attn.num_kv_heads, attn.scale))
+    return out
+
+
+def step_applies(meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype, num_tokens: int) -> bool:
+    """Whether this step's attention is the kernel's alone (every sequence,
+    one call a layer) over a cache in the model's dtype."""
+    return (num_tokens > 0 and kv_cache.device.type == "cpu" and kv_cache.dtype == dtype and not meta.triton
+            and meta.kernel is not None and meta.kernel_seq_lens is not None
+            and meta.kernel_seq_lens.shape[0] == len(meta.seq_lens)
+            and all(p.use_kernel for p in meta.prefills))
+
+
+def available() -> bool:
+    """True once the op's library is loaded (building it on the first call)."""
+    if layer_op_disabled() or not fused_ops.fused_ops_available():
+        return False  # checked per step, so tests can switch paths per test
+    return _library.available()
+
+
+def run_layer(args: LayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              kv_cache_layer: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer of ``args`` on (h, x): the new residual stream and
+    the next norm of it, as DecoderLayer.forward returns them. cos, sin:
+    [T, head_dim // 2] in the model's dtype."""
+    return torch.ops.kvferry_layer.decoder_layer(
+        h, x, cos, sin, kv_cache_layer, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
+        meta.kernel_query_starts, meta.kernel_query_lens, *args)
+
+
+def _load() -> bool:
+    return paged_kernel.try_load_library("kvferry_layer", _SOURCE, paged_kernel._cflags(),
+                                         "the C++ decoder layer", "the Python layer")
