@@ -2,6 +2,9 @@
 where it does not, and the Python layer's results to the bit."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import profile
@@ -38,12 +41,26 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layer_op_equals_python_layer(tmp_path, monkeypatch, dtype):
-    _needs_op(getattr(torch, dtype))
-    path = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+@pytest.mark.parametrize("arch,dtype,matmuls", [
+    ("llama", "float32", "small_gemm"), ("llama", "bfloat16", "small_gemm"),
+    ("llama", "float32", "onednn"), ("llama", "bfloat16", "onednn"),
+    ("qwen2", "float32", "small_gemm"),  # the biased qkv goes to oneDNN, the other matmuls to small_gemm
+])
+def test_layer_op_equals_python_layer(tmp_path, monkeypatch, arch, dtype, matmuls):
+    if matmuls == "small_gemm":
+        _needs_op(getattr(torch, dtype))
+    elif not layer_op.available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("the layer op or oneDNN is not available")
+    else:  # oneDNN's packed matmuls, as on an AMX machine
+        monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")
+    path = make_tiny_checkpoint(tmp_path, arch, num_hidden_layers=3)
     model = load_model(str(path), dtype=dtype).model
     fast, fast_cache, fast_ops = _run(model, monkeypatch, "0")
+    attn = model.layers[0].self_attn
+    if matmuls == "onednn" and attn.o_packed is None:
+        pytest.skip(f"oneDNN does not pack {dtype} weights on this CPU")
+    kinds = {"small" if p.small is not None else "onednn" for p in (attn.qkv_packed, attn.o_packed)}
+    assert kinds == ({"onednn"} if matmuls == "onednn" else {"small", "onednn"} if arch == "qwen2" else {"small"})
     slow, slow_cache, slow_ops = _run(model, monkeypatch, "1")
     assert OP in fast_ops and OP not in slow_ops
     for got, want in zip(fast, slow, strict=True):
@@ -58,14 +75,31 @@ def test_layer_op_equals_python_layer(tmp_path, monkeypatch, dtype):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_layer_op_not_taken_where_an_op_is_not_ours(tmp_path, monkeypatch, arch):
-    """Qwen2's biased qkv (oneDNN) and Qwen3's per-head q/k norms run in the Python layer."""
+def test_layer_op_not_taken_with_per_head_qk_norms(tmp_path, monkeypatch):
+    """Qwen3's per-head q/k RMSNorms before RoPE run in the Python layer."""
     _needs_op(torch.float32)
-    model = load_model(str(make_tiny_checkpoint(tmp_path, arch, num_hidden_layers=2)), dtype="float32").model
+    model = load_model(str(make_tiny_checkpoint(tmp_path, "qwen3", num_hidden_layers=2)), dtype="float32").model
     _, _, ops = _run(model, monkeypatch, "0")
     assert OP not in ops
     assert model._layer_args is None
+
+
+def test_layer_op_over_more_rows_than_exact_rows(tmp_path, monkeypatch):
+    """A step of more than EXACT_ROWS tokens pads oneDNN's rows as linear.py does."""
+    from kvferry.model.linear import EXACT_ROWS
+
+    if not layer_op.available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("the layer op or oneDNN is not available")
+    monkeypatch.setenv("KVFERRY_DISABLE_SMALL_GEMM", "1")
+    model = load_model(str(make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2)), dtype="float32").model
+    seqs = {0: list(range(3, 3 + EXACT_ROWS + 9))}
+    outs = []
+    for disabled in ("0", "1"):
+        monkeypatch.setenv("KVFERRY_DISABLE_LAYER_OP", disabled)
+        with profile() as prof:
+            outs.append(PagedHarness(model, num_blocks=64).step(seqs, {0: EXACT_ROWS + 9})[0])
+        assert (OP in {e.key for e in prof.key_averages()}) == (disabled == "0")
+    assert _same(outs[0], outs[1])
 
 
 def test_layer_op_not_taken_for_a_chunk_left_to_sdpa(tmp_path, monkeypatch):
@@ -83,3 +117,31 @@ def test_layer_op_not_taken_for_a_chunk_left_to_sdpa(tmp_path, monkeypatch):
     with profile() as prof:
         harness.step(SEQS, {0: 8})
     assert OP not in {e.key for e in prof.key_averages()}
+
+
+def test_layer_op_in_a_process_without_small_gemm(tmp_path):
+    """With small_gemm off its library is never loaded: the op must not need it."""
+    import subprocess
+    import sys
+
+    if not layer_op.available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("the layer op or oneDNN is not available")
+    path = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    script = f"""
+import torch
+from torch.profiler import profile
+from kvferry.model.loader import load_model
+from tests.model.paged_harness import PagedHarness
+model = load_model({str(path)!r}, dtype="float32").model
+with profile() as prof:
+    PagedHarness(model).step({{0: list(range(3, 20))}}, {{0: 17}})
+assert model.layers[0].mlp.down_packed.small is None
+from kvferry.model import small_gemm
+assert small_gemm._library._available is None  # its library never loaded
+print("{OP}" in {{e.key for e in prof.key_averages()}})
+"""
+    env = {**os.environ, "KVFERRY_DISABLE_SMALL_GEMM": "1", "KVFERRY_DISABLE_LAYER_OP": "0"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

@@ -7,20 +7,20 @@ the interpreter's dispatch of each op). ``decoder_layer`` runs the same ops
 in the same order from C++, so the results are the Python layer's to the bit
 (tests/model/test_layer_op.py compares them).
 
-It applies to a step (``layer_args(model, meta, kv_cache)`` returns the
-per-layer arguments, else None) where every op of every layer is this
-project's own CPU kernel:
+It applies to a step where every op of every layer is a C++ kernel
+(``model_layer_args`` for the model, ``step_applies`` for the step):
 
-- each layer's four matmuls have small_gemm's packed weight, with no bias
-  (Qwen2's biased qkv goes to oneDNN) and no per-head q/k norm (Qwen3);
+- each layer's four matmuls have a packed weight, small_gemm's or oneDNN's
+  (AMX machines, Qwen2's biased qkv), run as linear.py runs them; no layer
+  has per-head q/k norms (Qwen3);
 - the fused ops are available, and the paged attention kernel serves every
   sequence of the step (no chunk left to the torch path) with the KV cache
   in the model's dtype;
 - the op's library builds. ``KVFERRY_DISABLE_LAYER_OP=1`` (or
   ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns it off.
 
-Elsewhere (other devices, AMX machines where oneDNN does the matmuls, the
-Triton path) the Python layer runs, as before.
+Elsewhere (other devices, the Triton path, unpacked weights) the Python
+layer runs, as before.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvferry.model import fused_ops, paged_kernel
+from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET, PackedWeight
 
 if TYPE_CHECKING:
     from kvferry.model.attention import AttentionMetadata
@@ -40,9 +41,10 @@ _SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.cpp"
 _library = paged_kernel.LazyLibrary(lambda: _load())
 
 # A layer's arguments after (h, x, cos, sin, kv_cache_layer, <the step's five
-# sequence tensors>): qkv_w, qkv_n, o_w, o_n, post_norm_w, post_eps,
-# gate_up_w, gate_up_n, down_w, down_n, next_norm_w, next_eps, heads,
-# kv_heads, scale.
+# sequence tensors>): qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
+# post_norm_w, post_eps, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n,
+# down_kind, next_norm_w, next_eps, heads, kv_heads, scale, exact_rows,
+# row_bucket. A kind is 1 for small_gemm's packed copy, 2 for oneDNN's.
 LayerArgs = tuple
 
 
@@ -60,15 +62,21 @@ def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         packed = (attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed)
-        if attn.qkv_bias is not None or attn.q_norm is not None or any(p is None or p.small is None for p in packed):
+        if attn.q_norm is not None or any(p is None for p in packed):
             return None
+        qkv, o, gate_up, down = (_matmul(p) for p in packed)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
         post = layer.post_attention_layernorm
-        out.append((packed[0].small, packed[0].out_features, packed[1].small, packed[1].out_features,
-                    post.weight, post.eps, packed[2].small, packed[2].out_features,
-                    packed[3].small, packed[3].out_features, nxt.weight, nxt.eps,
-                    attn.num_heads, attn.num_kv_heads, attn.scale))
+        out.append((*qkv, attn.qkv_bias, *o, post.weight, post.eps, *gate_up, *down, nxt.weight, nxt.eps,
+                    attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS, ROW_BUCKET))
     return out
+
+
+def _matmul(p: PackedWeight) -> tuple[torch.Tensor, int, int]:
+    """(packed copy, output width, kind) of one matmul."""
+    if p.small is not None:
+        return p.small, p.out_features, 1
+    return p.onednn, p.out_features, 2
 
 
 def step_applies(meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype, num_tokens: int) -> bool:

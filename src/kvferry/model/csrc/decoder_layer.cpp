@@ -2,9 +2,10 @@
 //
 // decoder_layer(h, x, ...) -> (h', x') runs exactly the ops the Python layer
 // (llama.py: DecoderLayer, Attention, MLP) runs where every one of them is
-// this project's own kernel, in the same order and on the same views:
+// a C++ kernel (this project's, or oneDNN's packed matmul), in the same
+// order and on the same views:
 //
-//   qkv  = gemm(x, qkv_w)                          [T, (H + 2 KVH) D]
+//   qkv  = gemm(x, qkv_w) (+ qkv_bias, fused by oneDNN)   [T, (H + 2 KVH) D]
 //   q, k = rope_neox(qkv[:, :(H + KVH) D] as [T, H + KVH, D], cos, sin) split
 //   v    = qkv[:, (H + KVH) D:] as [T, KVH, D]
 //   write_kv(k, v, K cache, V cache, slot_mapping)
@@ -12,17 +13,23 @@
 //   h1, x1 = add_rms_norm(gemm(o, o_w), h, post_norm_w)
 //   h', x' = add_rms_norm(gemm(silu_and_mul(gemm(x1, gate_up_w)), down_w), h1, next_norm_w)
 //
-// so its results are the Python path's to the bit. What it saves is the
+// where gemm is linear.py's: small_gemm's kernel for its packed copy, else
+// oneDNN's _linear_pointwise on its blocked copy, with the rows above
+// exact_rows padded to a multiple of row_bucket as linear.py pads them. So
+// its results are the Python path's to the bit. What it saves is the
 // Python between those ops: about 90 us a layer (module calls, wrappers
 // with their per-call checks, views and slices, and the interpreter's
 // dispatch of each op), ~2.7 ms of a SmolLM2-135M decode step (30 layers),
 // against a few us here. The ops are called through the dispatcher, by
 // name: their libraries (kvferry_gemm, kvferry_fused, kvferry) are loaded by
-// the time layer_op.py lets a step take this path.
+// the time layer_op.py lets a step take this path (oneDNN's op is torch's).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <string>
 #include <tuple>
 
 namespace {
@@ -34,13 +41,22 @@ c10::TypedOperatorHandle<Fn> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-// Each op's handle, looked up on first use. The signatures are the kernels'
-// own C++ signatures (the dispatcher checks them).
+using GemmFn = Tensor(const Tensor&, const Tensor&, int64_t);
+
+// small_gemm's op for x's dtype, looked up when a layer first has its packed
+// copy (its library is not loaded where small_gemm does not apply).
+const c10::TypedOperatorHandle<GemmFn>& small_gemm_op(bool bf16) {
+  if (bf16) {
+    static const auto handle = find_op<GemmFn>("kvferry_gemm::linear");
+    return handle;
+  }
+  static const auto handle = find_op<GemmFn>("kvferry_gemm::linear_f32");
+  return handle;
+}
+
+// Each other op's handle, looked up on first use. The signatures are the
+// kernels' own C++ signatures (the dispatcher checks them).
 struct Ops {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> gemm_bf16 =
-      find_op<Tensor(const Tensor&, const Tensor&, int64_t)>("kvferry_gemm::linear");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> gemm_f32 =
-      find_op<Tensor(const Tensor&, const Tensor&, int64_t)>("kvferry_gemm::linear_f32");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&)> rope =
       find_op<Tensor(const Tensor&, const Tensor&, const Tensor&)>("kvferry_fused::rope_neox");
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&)> write_kv =
@@ -56,6 +72,23 @@ struct Ops {
                                const Tensor&, const Tensor&, double, Tensor)>("kvferry::paged_attention");
 };
 
+// Tensor? and str? arguments make oneDNN's op awkward to call typed; one
+// boxed call costs about a microsecond more.
+Tensor onednn_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 const Ops& ops() {
   static const Ops handles;  // a failed lookup throws, and the next call tries again
   return handles;
@@ -66,25 +99,48 @@ const Ops& ops() {
 // slot_mapping [T]; block_tables .. query_lens: the paged kernel's sequences
 // (every sequence of the step); *_w: small_gemm's packed weights, *_n their
 // output widths.
+// One matmul as linear.py's linear(x, weight, bias, packed) runs it: kind 1
+// is small_gemm's copy (never with a bias), kind 2 oneDNN's.
+struct Matmul {
+  bool bf16;
+  int64_t exact_rows, row_bucket;
+  Tensor operator()(const Tensor& x, const Tensor& w, int64_t n, int64_t kind,
+                    const std::optional<Tensor>& bias = std::nullopt) const {
+    if (kind == 1) {
+      TORCH_CHECK(!bias.has_value(), "decoder_layer: small_gemm's copy has no bias");
+      return small_gemm_op(bf16).call(x, w, n);
+    }
+    TORCH_CHECK(kind == 2, "decoder_layer: matmul kind must be 1 (small_gemm) or 2 (oneDNN)");
+    const int64_t rows = x.size(0);
+    const int64_t padded = rows <= exact_rows ? rows : (rows + row_bucket - 1) / row_bucket * row_bucket;
+    if (padded == rows) return onednn_linear(x.contiguous(), w, bias);
+    Tensor xp = at::empty({padded, x.size(1)}, x.options());
+    xp.narrow(0, 0, rows).copy_(x);
+    xp.narrow(0, rows, padded - rows).zero_();
+    return onednn_linear(xp, w, bias).narrow(0, 0, rows);
+  }
+};
+
 std::tuple<Tensor, Tensor> decoder_layer(
     const Tensor& h, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
-    const Tensor& query_lens, const Tensor& qkv_w, int64_t qkv_n, const Tensor& o_w, int64_t o_n,
-    const Tensor& post_norm_w, double post_eps, const Tensor& gate_up_w, int64_t gate_up_n, const Tensor& down_w,
-    int64_t down_n, const Tensor& next_norm_w, double next_eps, int64_t num_heads, int64_t num_kv_heads,
-    double scale) {
+    const Tensor& query_lens, const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind,
+    const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n, int64_t o_kind, const Tensor& post_norm_w,
+    double post_eps, const Tensor& gate_up_w, int64_t gate_up_n, int64_t gate_up_kind, const Tensor& down_w,
+    int64_t down_n, int64_t down_kind, const Tensor& next_norm_w, double next_eps, int64_t num_heads,
+    int64_t num_kv_heads, double scale, int64_t exact_rows, int64_t row_bucket) {
   TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes(), "decoder_layer: h and x must be [tokens, hidden]");
   TORCH_CHECK(kv_cache_layer.dim() == 5 && kv_cache_layer.size(0) == 2 && kv_cache_layer.size(3) == num_kv_heads,
               "decoder_layer: kv_cache_layer must be [2, num_blocks, block_size, KVH, D]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "decoder_layer: bfloat16 or float32 only");
   const Ops& op = ops();
-  const auto& gemm = x.scalar_type() == at::kBFloat16 ? op.gemm_bf16 : op.gemm_f32;
+  const Matmul gemm{x.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
   const int64_t T = x.size(0), D = kv_cache_layer.size(4);
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   TORCH_CHECK(qkv_n == q_size + 2 * kv_size, "decoder_layer: qkv_n is not (H + 2 KVH) * D");
 
-  const Tensor qkv = gemm.call(x, qkv_w, qkv_n);
+  const Tensor qkv = gemm(x, qkv_w, qkv_n, qkv_kind, qkv_bias);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   const Tensor qk = op.rope.call(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, D}), cos, sin);
   const Tensor q = qk.narrow(1, 0, num_heads);
@@ -93,9 +149,9 @@ std::tuple<Tensor, Tensor> decoder_layer(
   op.write_kv.call(k, v, k_cache.view({-1, num_kv_heads, D}), v_cache.view({-1, num_kv_heads, D}), slot_mapping);
   Tensor out = at::empty(q.sizes(), q.options());
   op.attention.call(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out);
-  auto [h1, x1] = op.add_rms_norm.call(gemm.call(out.view({T, q_size}), o_w, o_n), h, post_norm_w, post_eps);
-  const Tensor up = op.silu_and_mul.call(gemm.call(x1, gate_up_w, gate_up_n));
-  return op.add_rms_norm.call(gemm.call(up, down_w, down_n), h1, next_norm_w, next_eps);
+  auto [h1, x1] = op.add_rms_norm.call(gemm(out.view({T, q_size}), o_w, o_n, o_kind), h, post_norm_w, post_eps);
+  const Tensor up = op.silu_and_mul.call(gemm(x1, gate_up_w, gate_up_n, gate_up_kind));
+  return op.add_rms_norm.call(gemm(up, down_w, down_n, down_kind), h1, next_norm_w, next_eps);
 }
 
 }  // namespace
@@ -104,8 +160,11 @@ TORCH_LIBRARY(kvferry_layer, m) {
   m.def(
       "decoder_layer(Tensor h, Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv_cache_layer, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, Tensor qkv_w, int qkv_n, "
-      "Tensor o_w, int o_n, Tensor post_norm_w, float post_eps, Tensor gate_up_w, int gate_up_n, Tensor down_w, "
-      "int down_n, Tensor next_norm_w, float next_eps, int num_heads, int num_kv_heads, float scale) "
-      "-> (Tensor, Tensor)");
+      "int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, Tensor post_norm_w, float post_eps, "
+      "Tensor gate_up_w, int gate_up_n, int gate_up_kind, Tensor down_w, int down_n, int down_kind, "
+      "Tensor next_norm_w, float next_eps, int num_heads, int num_kv_heads, float scale, int exact_rows, "
+      "int row_bucket) -> (Tensor, Tensor)");
   m.impl("decoder_layer", c10::DispatchKey::CPU, TORCH_FN(decoder_layer));
+  // oneDNN's packed weights are MkldnnCPU tensors: a call with one dispatches there.
+  m.impl("decoder_layer", c10::DispatchKey::MkldnnCPU, TORCH_FN(decoder_layer));
 }
