@@ -45,6 +45,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     ("llama", "float32", "small_gemm"), ("llama", "bfloat16", "small_gemm"),
     ("llama", "float32", "onednn"), ("llama", "bfloat16", "onednn"),
     ("qwen2", "float32", "small_gemm"),  # the biased qkv goes to oneDNN, the other matmuls to small_gemm
+    ("qwen3", "float32", "small_gemm"), ("qwen3", "bfloat16", "small_gemm"),  # per-head q/k norms
 ])
 def test_layer_op_equals_python_layer(tmp_path, monkeypatch, arch, dtype, matmuls):
     if matmuls == "small_gemm":
@@ -73,15 +74,6 @@ def test_layer_op_equals_python_layer(tmp_path, monkeypatch, arch, dtype, matmul
             want = load_hf_model(path)(torch.tensor([SEQS[0][:16]])).logits[0]
         got = torch.cat([fast[0][0], fast[1][0], fast[2][0], fast[3][0]])  # request 0's first 16 tokens
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-
-
-def test_layer_op_not_taken_with_per_head_qk_norms(tmp_path, monkeypatch):
-    """Qwen3's per-head q/k RMSNorms before RoPE run in the Python layer."""
-    _needs_op(torch.float32)
-    model = load_model(str(make_tiny_checkpoint(tmp_path, "qwen3", num_hidden_layers=2)), dtype="float32").model
-    _, _, ops = _run(model, monkeypatch, "0")
-    assert OP not in ops
-    assert model._layer_args is None
 
 
 def test_layer_op_over_more_rows_than_exact_rows(tmp_path, monkeypatch):

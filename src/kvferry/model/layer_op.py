@@ -11,8 +11,8 @@ It applies to a step where every op of every layer is a C++ kernel
 (``model_layer_args`` for the model, ``step_applies`` for the step):
 
 - each layer's four matmuls have a packed weight, small_gemm's or oneDNN's
-  (AMX machines, Qwen2's biased qkv), run as linear.py runs them; no layer
-  has per-head q/k norms (Qwen3);
+  (AMX machines, Qwen2's biased qkv), run as linear.py runs them (Qwen3's
+  per-head q/k norms run as torch's ops, as in the Python layer);
 - the fused ops are available, and the paged attention kernel serves every
   sequence of the step (no chunk left to the torch path) with the KV cache
   in the model's dtype;
@@ -35,7 +35,7 @@ from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET, PackedWeight
 
 if TYPE_CHECKING:
     from kvferry.model.attention import AttentionMetadata
-    from kvferry.model.llama import LlamaModel
+    from kvferry.model.llama import Attention, LlamaModel
 
 _SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.cpp"
 _library = paged_kernel.LazyLibrary(lambda: _load())
@@ -44,7 +44,8 @@ _library = paged_kernel.LazyLibrary(lambda: _load())
 # sequence tensors>): qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
 # post_norm_w, post_eps, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n,
 # down_kind, next_norm_w, next_eps, heads, kv_heads, scale, exact_rows,
-# row_bucket. A kind is 1 for small_gemm's packed copy, 2 for oneDNN's.
+# row_bucket, q_norm_w, k_norm_w, qk_eps (None, None, 0.0 without Qwen3's
+# per-head norms). A kind is 1 for small_gemm's packed copy, 2 for oneDNN's.
 LayerArgs = tuple
 
 
@@ -62,14 +63,21 @@ def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         packed = (attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed)
-        if attn.q_norm is not None or any(p is None for p in packed):
+        if any(p is None for p in packed) or (attn.q_norm is not None and attn.q_norm.eps != attn.k_norm.eps):
             return None
         qkv, o, gate_up, down = (_matmul(p) for p in packed)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
         post = layer.post_attention_layernorm
         out.append((*qkv, attn.qkv_bias, *o, post.weight, post.eps, *gate_up, *down, nxt.weight, nxt.eps,
-                    attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS, ROW_BUCKET))
+                    attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS, ROW_BUCKET, *_head_norms(attn)))
     return out
+
+
+def _head_norms(attn: Attention) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """(q_norm_w, k_norm_w, eps) of Qwen3's per-head norms, or (None, None, 0.0)."""
+    if attn.q_norm is None:
+        return None, None, 0.0
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
 
 
 def _matmul(p: PackedWeight) -> tuple[torch.Tensor, int, int]:

@@ -7,6 +7,8 @@
 //
 //   qkv  = gemm(x, qkv_w) (+ qkv_bias, fused by oneDNN)   [T, (H + 2 KVH) D]
 //   q, k = rope_neox(qkv[:, :(H + KVH) D] as [T, H + KVH, D], cos, sin) split
+//          (Qwen3: q, k = rope_neox(q_norm_w * rms_norm(q)), rope_neox(k_norm_w * rms_norm(k)),
+//          the per-head norms as torch's ops, as the Python layer runs them on 3-D views)
 //   v    = qkv[:, (H + KVH) D:] as [T, KVH, D]
 //   write_kv(k, v, K cache, V cache, slot_mapping)
 //   o    = paged_attention(q, K cache, V cache, the kernel's sequences)
@@ -128,7 +130,8 @@ std::tuple<Tensor, Tensor> decoder_layer(
     const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n, int64_t o_kind, const Tensor& post_norm_w,
     double post_eps, const Tensor& gate_up_w, int64_t gate_up_n, int64_t gate_up_kind, const Tensor& down_w,
     int64_t down_n, int64_t down_kind, const Tensor& next_norm_w, double next_eps, int64_t num_heads,
-    int64_t num_kv_heads, double scale, int64_t exact_rows, int64_t row_bucket) {
+    int64_t num_kv_heads, double scale, int64_t exact_rows, int64_t row_bucket,
+    const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w, double qk_eps) {
   TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes(), "decoder_layer: h and x must be [tokens, hidden]");
   TORCH_CHECK(kv_cache_layer.dim() == 5 && kv_cache_layer.size(0) == 2 && kv_cache_layer.size(3) == num_kv_heads,
               "decoder_layer: kv_cache_layer must be [2, num_blocks, block_size, KVH, D]");
@@ -142,9 +145,21 @@ std::tuple<Tensor, Tensor> decoder_layer(
 
   const Tensor qkv = gemm(x, qkv_w, qkv_n, qkv_kind, qkv_bias);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
-  const Tensor qk = op.rope.call(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, D}), cos, sin);
-  const Tensor q = qk.narrow(1, 0, num_heads);
-  const Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+  Tensor q, k;
+  if (q_norm_w.has_value() != k_norm_w.has_value()) TORCH_CHECK(false, "decoder_layer: q and k norms go together");
+  if (q_norm_w.has_value()) {
+    // RMSNorm.forward on a 3-D view: weight * F.rms_norm(x, (D,), None, eps).
+    const auto head_norm = [&](const Tensor& x, const Tensor& w) {
+      return op.rope.call(at::mul(w, at::rms_norm(x, {D}, std::nullopt, qk_eps)), cos, sin);
+    };
+    q = head_norm(qkv.narrow(1, 0, q_size).view({T, num_heads, D}), *q_norm_w);
+    k = head_norm(qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D}), *k_norm_w);
+  } else {
+    const Tensor qk =
+        op.rope.call(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, D}), cos, sin);
+    q = qk.narrow(1, 0, num_heads);
+    k = qk.narrow(1, num_heads, num_kv_heads);
+  }
   const Tensor k_cache = kv_cache_layer.select(0, 0), v_cache = kv_cache_layer.select(0, 1);
   op.write_kv.call(k, v, k_cache.view({-1, num_kv_heads, D}), v_cache.view({-1, num_kv_heads, D}), slot_mapping);
   Tensor out = at::empty(q.sizes(), q.options());
@@ -163,7 +178,7 @@ TORCH_LIBRARY(kvferry_layer, m) {
       "int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, Tensor post_norm_w, float post_eps, "
       "Tensor gate_up_w, int gate_up_n, int gate_up_kind, Tensor down_w, int down_n, int down_kind, "
       "Tensor next_norm_w, float next_eps, int num_heads, int num_kv_heads, float scale, int exact_rows, "
-      "int row_bucket) -> (Tensor, Tensor)");
+      "int row_bucket, Tensor? q_norm_w, Tensor? k_norm_w, float qk_eps) -> (Tensor, Tensor)");
   m.impl("decoder_layer", c10::DispatchKey::CPU, TORCH_FN(decoder_layer));
   // oneDNN's packed weights are MkldnnCPU tensors: a call with one dispatches there.
   m.impl("decoder_layer", c10::DispatchKey::MkldnnCPU, TORCH_FN(decoder_layer));
