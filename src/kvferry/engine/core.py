@@ -65,10 +65,8 @@ class EngineCore:
             # 15-30 s build whenever the kernel's cache is cold).
             get_paged_decode_kernel()
             fused_ops_available()  # the same for the fused elementwise ops
-            # The small-batch matmul, where the CPU fits it, and the one-call
-            # decoder layer, which runs only over that matmul.
-            if small_gemm.available(self.loaded.dtype):
-                layer_op.available()
+            small_gemm.available(self.loaded.dtype)  # and the small-batch matmul, where the CPU fits it
+            layer_op.available()  # and the one-call decoder layer (over it or oneDNN's matmuls)
         kv_source = None
         if self.kv_store is not None:
             connector = self.runner.connector

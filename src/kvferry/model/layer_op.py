@@ -1,4 +1,5 @@
-"""One decoder layer as one C++ call (``csrc/decoder_layer.cpp``), built at first use.
+"""One decoder layer as one C++ call (``csrc/decoder_layer.cpp``), built at first use
+(the engine core builds it before its ready message).
 
 A decode step of a small model is short: SmolLM2-135M's is ~10 ms at batch 1
 and ~25 ms at batch 32 on two cores, and about 3 ms of either went to Python

@@ -96,11 +96,6 @@ const Ops& ops() {
   return handles;
 }
 
-// h, x [T, hidden] (x = the layer's input norm of h); cos, sin [T, D / 2] in
-// the model's dtype; kv_cache_layer [2, num_blocks, block_size, KVH, D];
-// slot_mapping [T]; block_tables .. query_lens: the paged kernel's sequences
-// (every sequence of the step); *_w: small_gemm's packed weights, *_n their
-// output widths.
 // One matmul as linear.py's linear(x, weight, bias, packed) runs it: kind 1
 // is small_gemm's copy (never with a bias), kind 2 oneDNN's.
 struct Matmul {
@@ -123,6 +118,12 @@ struct Matmul {
   }
 };
 
+// h, x [T, hidden] (x = the layer's input norm of h); cos, sin [T, D / 2] in
+// the model's dtype; kv_cache_layer [2, num_blocks, block_size, KVH, D];
+// slot_mapping [T]; block_tables .. query_lens: the paged kernel's sequences
+// (every sequence of the step); *_w: the packed weights, *_n their output
+// widths, *_kind whose copy (see Matmul); q_norm_w, k_norm_w: Qwen3's
+// per-head norms, or none.
 std::tuple<Tensor, Tensor> decoder_layer(
     const Tensor& h, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
@@ -146,7 +147,7 @@ std::tuple<Tensor, Tensor> decoder_layer(
   const Tensor qkv = gemm(x, qkv_w, qkv_n, qkv_kind, qkv_bias);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   Tensor q, k;
-  if (q_norm_w.has_value() != k_norm_w.has_value()) TORCH_CHECK(false, "decoder_layer: q and k norms go together");
+  TORCH_CHECK(q_norm_w.has_value() == k_norm_w.has_value(), "decoder_layer: q and k norms go together");
   if (q_norm_w.has_value()) {
     // RMSNorm.forward on a 3-D view: weight * F.rms_norm(x, (D,), None, eps).
     const auto head_norm = [&](const Tensor& x, const Tensor& w) {
