@@ -84,14 +84,16 @@ def read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
     return num_bytes / best
 
 
-def scattered_read_bandwidth(model: LlamaModel, block_size: int, threads: int) -> float | None:
+def scattered_read_bandwidth(model: LlamaModel, block_size: int, threads: int,
+                             itemsize: int | None = None) -> float | None:
     """Bytes/s that bench/scattered_read.c reads of this model's K (or V)
     blocks of one layer in random order, one KV head's row slice at a time
     with a software prefetch, as a decode work item reads them; None without
     a C compiler with OpenMP."""
     c = model.config
-    row = c.num_key_value_heads * c.head_dim * model.dtype.itemsize
-    if row % 64 or (c.head_dim * model.dtype.itemsize) % 64:
+    itemsize = itemsize or model.dtype.itemsize  # the cache's element size
+    row = c.num_key_value_heads * c.head_dim * itemsize
+    if row % 64 or (c.head_dim * itemsize) % 64:
         return None
     source = Path(__file__).with_name("scattered_read.c")
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +101,7 @@ def scattered_read_bandwidth(model: LlamaModel, block_size: int, threads: int) -
         try:
             subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-o", exe, str(source)], check=True,
                            capture_output=True, timeout=120)
-            out = subprocess.run([exe, str(block_size * row), str(row), str(c.head_dim * model.dtype.itemsize), "64"],
+            out = subprocess.run([exe, str(block_size * row), str(row), str(c.head_dim * itemsize), "64"],
                                  check=True, capture_output=True, text=True, timeout=300,
                                  env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
         except (OSError, subprocess.SubprocessError):
@@ -127,7 +129,7 @@ def peak_matmul_flops(model: LlamaModel, rows: int = 2048, repeats: int = 7) -> 
     return 2 * rows * n * k / best
 
 
-def decode_step_work(model: LlamaModel, batch: int, context: int) -> tuple[float, int]:
+def decode_step_work(model: LlamaModel, batch: int, context: int, cache_itemsize: int) -> tuple[float, int]:
     """(flops, KV bytes) of one decode step of ``batch`` requests that each
     attend to ``context + 1`` positions: 2 flops per weight of every matmul
     per request (the lm_head included, the embedding lookup not), plus q.k
@@ -140,7 +142,7 @@ def decode_step_work(model: LlamaModel, batch: int, context: int) -> tuple[float
         matmul_weights += model.lm_head.numel()  # the lm_head is the embedding, listed once as embed_tokens
     positions = context + 1
     attention = 4 * c.num_attention_heads * c.head_dim * positions * c.num_hidden_layers
-    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * positions * model.dtype.itemsize
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * positions * cache_itemsize
     return batch * (2 * matmul_weights + attention), batch * kv_bytes
 
 
@@ -158,12 +160,14 @@ def weight_bytes(model: LlamaModel) -> int:
 class Steps:
     """Decode and prefill steps over a paged cache with contiguous block tables."""
 
-    def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16) -> None:
+    def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16,
+                 cache_dtype: torch.dtype | None = None) -> None:
         self.model, self.batch, self.context, self.block_size = model, batch, context, block_size
         self.blocks_per_req = -(-(context + 64) // block_size)
         num_blocks = batch * self.blocks_per_req + 64
-        self.kv = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype)
-        self.kv.normal_()  # context K/V: random, finite
+        self.kv = allocate_kv_cache(model.config, num_blocks, block_size, cache_dtype or model.dtype)
+        for layer in self.kv:  # context K/V: random, finite (one layer at a time: torch has no fp8 normal_)
+            layer.copy_(torch.randn(layer.shape))
         self.vocab = model.config.vocab_size
 
     def decode(self, step: int = 0) -> torch.Tensor:
@@ -238,6 +242,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=384, help="cached tokens per request before the step")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8_e5m2")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--cpu-time", action="store_true",
                    help="time steps in process CPU seconds (use with --threads 1 on a busy machine: "
@@ -259,8 +264,10 @@ def main() -> None:
     # Counted from the parameters before the first forward packs them (and
     # releases the plain copies).
     wbytes = weight_bytes(model)
-    flops, kv_bytes = decode_step_work(model, args.batch, args.context)
-    steps = Steps(model, args.batch, args.context)
+    cache_dtype = model.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype.replace(
+        "fp8_e5m2", "float8_e5m2"))
+    flops, kv_bytes = decode_step_work(model, args.batch, args.context, cache_dtype.itemsize)
+    steps = Steps(model, args.batch, args.context, cache_dtype=cache_dtype)
     with torch.inference_mode():
         for i in range(3):
             steps.decode(i)  # warm-up: kernel build/load, allocator, oneDNN primitives
@@ -270,13 +277,15 @@ def main() -> None:
         prefill_s, prefill_min_s = timed(lambda i: steps.prefill(args.prefill_tokens), max(3, args.repeats // 3))
         bw_read = read_bandwidth()
         peak = peak_matmul_flops(model)
-        bw_scattered = scattered_read_bandwidth(model, steps.block_size, torch.get_num_threads())
+        bw_scattered = scattered_read_bandwidth(model, steps.block_size, torch.get_num_threads(),
+                                                cache_dtype.itemsize)
         bw = max(bw_copy, bw_read)
         floor_s = wbytes / bw
         memory_s, compute_s = (wbytes + kv_bytes) / bw, flops / peak
         roofline_s = max(memory_s, compute_s)
         result = {
-            "dtype": str(loaded.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(cache_dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "cpu": cpu_description(), "batch": args.batch, "context": args.context,
             "weight_mb": round(wbytes / 2**20, 1),
             "copy_bw_gb_s": round(bw_copy / 1e9, 2), "read_bw_gb_s": round(bw_read / 1e9, 2),

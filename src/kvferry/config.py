@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype (kvferry.model.kv_cache_dtype): "auto" is the model's dtype.
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")
 
 
 @dataclass(slots=True)
@@ -24,8 +26,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host-DRAM blocks for swapping out preempted requests (0: always recompute).
     num_swap_blocks: int = 0
+    # K/V storage: "auto" (the model's dtype, exact) or "fp8_e5m2" ("fp8"):
+    # half the bytes, lossy (kvferry.model.kv_cache_dtype).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
@@ -274,6 +282,9 @@ class EngineArgs:
     num_kv_blocks: int | None = field(default=None, metadata=_opt(
         "KV blocks in the pool (default: sized from --kv-cache-memory-gb)"))
     kv_cache_memory_gb: float = field(default=2.0, metadata=_opt("memory for the KV pool, GiB"))
+    kv_cache_dtype: str = field(default="auto", metadata=_opt(
+        "KV cache storage: auto (the model's dtype; outputs exact to HF) or fp8_e5m2 (alias fp8; half the bytes, "
+        "so twice the blocks and half the K/V a decode step reads; lossy; CPU only)", choices=_KV_CACHE_DTYPES))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV of shared prompt prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prompts across steps"))
     num_swap_blocks: int = field(default=0, metadata=_opt(
@@ -316,7 +327,7 @@ class EngineArgs:
             model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed, self.attention_backend,
                                   self.enforce_eager, self.warm_up),
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb,
-                              self.enable_prefix_caching, self.num_swap_blocks),
+                              self.enable_prefix_caching, self.num_swap_blocks, self.kv_cache_dtype),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,
                                       self.enable_chunked_prefill, self.preemption_mode),
             speculative=SpeculativeConfig.parse(self.speculative),

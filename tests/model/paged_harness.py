@@ -12,14 +12,15 @@ from kvferry.model.llama import LlamaModel
 
 
 class PagedHarness:
-    def __init__(self, model: LlamaModel, num_blocks: int = 64, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int = 64, block_size: int = 4, seed: int = 0,
+                 cache_dtype: torch.dtype | None = None) -> None:
         c = model.config
         self.model = model
         self.block_size = block_size
         # NaN everywhere: reading any slot that was never written poisons the output.
         self.kv_cache = torch.full(
             (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim),
-            float("nan"), dtype=model.dtype,
+            float("nan"), dtype=cache_dtype or model.dtype,
         )
         self.free = list(range(1, num_blocks))  # block 0 never handed out: padding must not need it
         random.Random(seed).shuffle(self.free)  # non-contiguous block tables

@@ -26,11 +26,12 @@ def _needs_op(dtype: torch.dtype) -> None:
         pytest.skip(f"small_gemm for {dtype} or the layer op is not available on this CPU / build")
 
 
-def _run(model, monkeypatch, disabled: str) -> tuple[list[dict[int, torch.Tensor]], torch.Tensor, set[str]]:
+def _run(model, monkeypatch, disabled: str,
+         cache_dtype: torch.dtype | None = None) -> tuple[list[dict[int, torch.Tensor]], torch.Tensor, set[str]]:
     """Every plan through a fresh harness (same seed: same block tables)
     with the layer op on or off; the logits, the KV cache and the ops seen."""
     monkeypatch.setenv("KVFERRY_DISABLE_LAYER_OP", disabled)
-    harness = PagedHarness(model, seed=3)
+    harness = PagedHarness(model, seed=3, cache_dtype=cache_dtype)
     with profile() as prof:
         logits = [harness.step(SEQS, plan) for plan in PLANS]
     return logits, harness.kv_cache, {e.key for e in prof.key_averages()}
@@ -38,6 +39,8 @@ def _run(model, monkeypatch, disabled: str) -> tuple[list[dict[int, torch.Tensor
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal to the bit, NaN (never-written cache slots) where the other has NaN."""
+    if a.dtype == torch.float8_e5m2:
+        a, b = a.float(), b.float()
     return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
 
@@ -74,6 +77,21 @@ def test_layer_op_equals_python_layer(tmp_path, monkeypatch, arch, dtype, matmul
             want = load_hf_model(path)(torch.tensor([SEQS[0][:16]])).logits[0]
         got = torch.cat([fast[0][0], fast[1][0], fast[2][0], fast[3][0]])  # request 0's first 16 tokens
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_op_over_an_fp8_cache_equals_python_layer(tmp_path, monkeypatch, dtype):
+    """--kv-cache-dtype fp8_e5m2: the op writes and reads the same fp8 K/V as
+    the Python layer (both call write_kv and the paged kernel)."""
+    _needs_op(getattr(torch, dtype))
+    model = load_model(str(make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=3)), dtype=dtype).model
+    fast, fast_cache, fast_ops = _run(model, monkeypatch, "0", torch.float8_e5m2)
+    slow, slow_cache, slow_ops = _run(model, monkeypatch, "1", torch.float8_e5m2)
+    assert OP in fast_ops and OP not in slow_ops
+    for got, want in zip(fast, slow, strict=True):
+        for rid in got:
+            assert _same(got[rid], want[rid]), f"request {rid}: logits differ"
+    assert fast_cache.dtype == torch.float8_e5m2 and _same(fast_cache, slow_cache)
 
 
 def test_layer_op_over_more_rows_than_exact_rows(tmp_path, monkeypatch):

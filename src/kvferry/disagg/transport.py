@@ -51,6 +51,7 @@ import xxhash
 import zmq
 
 from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire, decode, encode
+from kvferry.model.kv_cache_dtype import index_copy_into
 from kvferry.shm_segments import unlink_dead_segments
 
 logger = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ def write_blocks(pool_layer: torch.Tensor, block_ids: list[int], data: torch.Ten
             pool_layer[:, first : first + count].copy_(data[:, pos : pos + count])
         return
     index = torch.tensor(block_ids, dtype=torch.int64, device=pool_layer.device)
-    pool_layer.index_copy_(1, index, data.to(pool_layer.device))
+    index_copy_into(pool_layer, 1, index, data.to(pool_layer.device))
 
 
 # -- receiving half ----------------------------------------------------------------------

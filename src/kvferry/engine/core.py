@@ -11,6 +11,8 @@ import logging
 import os
 import time
 
+import torch
+
 from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import KVTransferSettings, Scheduler, SchedulerStats
@@ -20,7 +22,9 @@ from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model import layer_op, small_gemm
+from kvferry.model.attention import attention_backend
 from kvferry.model.fused_ops import fused_ops_available
+from kvferry.model.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.request import Request, RequestStatus
@@ -41,12 +45,15 @@ class EngineCore:
         m = config.model
         self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device)
         self.block_size = config.cache.block_size
+        device = torch.device(m.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype, device,
+                                                     attention_backend(m.attention_backend, device) == "triton")
         self.max_model_len = self._resolve_max_model_len()
         self.num_kv_blocks = self._resolve_num_blocks()
         # A sequence can never outgrow the pool.
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
-                            self.loaded.fingerprint, kv_dtype=str(self.loaded.dtype).removeprefix("torch."))
+                            self.loaded.fingerprint, kv_dtype=dtype_name(self.kv_cache_dtype))
         num_swap = config.cache.num_swap_blocks
         self.store_process = None
         self.kv_store_io = None
@@ -58,7 +65,8 @@ class EngineCore:
                                   kv_store=self.kv_store_io, kv_transfer=config.kv_transfer,
                                   draft=draft, head=self._load_head(), speculative=self.speculative,
                                   attention_backend=m.attention_backend, cuda_graphs=not m.enforce_eager,
-                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         if m.device == "cpu":
             # Build (or load) the C++ attention kernel now, before the ready
             # message: otherwise the first requests' TTFT pays for it (a
@@ -103,7 +111,7 @@ class EngineCore:
         from kvferry.kvstore.client import KVStoreClient
         from kvferry.kvstore.service import start_store
 
-        block_nbytes = kv_block_bytes(self.loaded, self.block_size)
+        block_nbytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
         address = tiers.store_address
         if not address:  # offline: a store of this process's own (it exits with it)
             self.store_process, address = start_store(
@@ -144,7 +152,7 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        by_memory = int(cache.kv_cache_memory_gb * 2**30) // kv_block_bytes(self.loaded, self.block_size)
+        by_memory = int(cache.kv_cache_memory_gb * 2**30) // kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
         # No point holding more than every running sequence at full length
         # (plus as much again for the prefix cache).
         per_seq = -(-self.max_model_len // self.block_size)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvferry.core.outputs import KVOrders, SwapOrder, TransferOrder
+from kvferry.model.kv_cache_dtype import index_copy_into
 
 
 @dataclass(slots=True)
@@ -96,13 +97,13 @@ class HostSwapConnector(KVConnector):
         blocks = torch.tensor(order.device_block_ids, dtype=torch.int64, device=self.kv_cache.device)
         slots = torch.tensor(order.host_slots, dtype=torch.int64)
         # [L, 2, n, bs, H, D] gathered on the device, then one copy to the host
-        self.host.index_copy_(2, slots, self.kv_cache.index_select(2, blocks).cpu())
+        index_copy_into(self.host, 2, slots, self.kv_cache.index_select(2, blocks).cpu())
 
     def _copy_in(self, order: SwapOrder) -> None:
         blocks = torch.tensor(order.device_block_ids, dtype=torch.int64, device=self.kv_cache.device)
         slots = torch.tensor(order.host_slots, dtype=torch.int64)
         data = self.host.index_select(2, slots).to(self.kv_cache.device, non_blocking=True)
-        self.kv_cache.index_copy_(2, blocks, data)
+        index_copy_into(self.kv_cache, 2, blocks, data)
 
     def take_finished(self) -> KVCompletions:
         finished, self._finished = self._finished, KVCompletions()

@@ -87,9 +87,10 @@ class StepInputs:
     sampling: list[tuple[str, list[int]]]
 
 
-def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
+def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one block over every layer, K and V, in ``cache_dtype`` (default: the model's)."""
     cfg = loaded.config
-    elem = torch.empty((), dtype=loaded.dtype).element_size()
+    elem = torch.empty((), dtype=cache_dtype or loaded.dtype).element_size()
     return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
@@ -98,7 +99,7 @@ class ModelRunner:
                  kv_store: Any = None, kv_transfer: KVTransferConfig | None = None,
                  draft: LoadedModel | None = None, head: EagleHead | None = None,
                  speculative: str = "", attention_backend: str = "auto", cuda_graphs: bool = True,
-                 max_num_seqs: int = 64, max_model_len: int = 0) -> None:
+                 max_num_seqs: int = 64, max_model_len: int = 0, kv_cache_dtype: torch.dtype | None = None) -> None:
         """``kv_store``: a KVStoreClient (loads and write-down through the
         node's store); ``kv_transfer``: prefill/decode disaggregation;
         ``draft``: the draft model of speculative method "draft"; ``head``:
@@ -107,7 +108,9 @@ class ModelRunner:
         (``kvferry.spec.speculation_signature``); ``attention_backend``:
         ``model.attention.attention_backend``; ``cuda_graphs``: capture decode
         batches of up to ``max_num_seqs`` requests of up to ``max_model_len``
-        tokens (CUDA with the Triton backend only)."""
+        tokens (CUDA with the Triton backend only); ``kv_cache_dtype``: the
+        cache's storage dtype (default: the model's; the engine core resolves
+        ``--kv-cache-dtype`` with ``kv_cache_dtype.resolve_kv_cache_dtype``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
@@ -116,7 +119,8 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
-        self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, kv_cache_dtype or loaded.dtype,
+                                          self.device)
         self.triton = attention_backend_for(attention_backend, self.device) == "triton"
         self.drafter: DraftModelProposer | HeadProposer | None = None
         if draft is not None:

@@ -36,6 +36,7 @@ import torch
 from kvferry.core.outputs import KVOrders, TransferOrder
 from kvferry.core.tier_source import block_owners
 from kvferry.engine.kv_connector import HostSwapConnector, KVCompletions, KVConnector
+from kvferry.model.kv_cache_dtype import index_copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ class StoreConnector(KVConnector):
         # bytes [n, block_nbytes] -> [n, L, 2, bs, H, D] -> [L, 2, n, bs, H, D] (one transfer)
         data = arena.index_select(0, torch.tensor(slots)).view(self.kv_cache.dtype).reshape(n, *self._block_shape)
         data = data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device, non_blocking=True)
-        self.kv_cache.index_copy_(2, torch.tensor(block_ids, device=self.kv_cache.device), data)
+        index_copy_into(self.kv_cache, 2, torch.tensor(block_ids, device=self.kv_cache.device), data)
         self._stream.synchronize()  # in the device blocks before the completion is reported
 
     def _slot(self, arena: torch.Tensor, slot: int) -> torch.Tensor:

@@ -60,7 +60,9 @@ def attention_backend(requested: str, device: torch.device) -> str:
     return requested
 
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
-_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2)
+# Query dtypes it takes.
+_KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Chunks with at most this many new tokens use the kernel, fresh prompts
 # included; longer ones (none the scheduler makes at its default 2048-token
 # budget) use SDPA. The kernel reads the context once per 32-token query
@@ -328,7 +330,7 @@ def paged_attention(
     write_kv(kv_cache_layer, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
     flat = kv_cache_layer.view(2, -1, kv_cache_layer.shape[3], kv_cache_layer.shape[4])
-    kernel = meta.kernel if kv_cache_layer.dtype in _KERNEL_CACHE_DTYPES and q.dtype in _KERNEL_CACHE_DTYPES else None
+    kernel = meta.kernel if kv_cache_layer.dtype in _KERNEL_CACHE_DTYPES and q.dtype in _KERNEL_QUERY_DTYPES else None
     if kernel is not None and meta.kernel_seq_lens is not None:
         # Short chunks and decodes, in place into their rows of out.
         kernel(q, kv_cache_layer[0], kv_cache_layer[1], meta.kernel_block_tables, meta.kernel_seq_lens,
@@ -381,6 +383,9 @@ def _prefill_attention(
         # No cached context: the new tokens are the whole sequence.
         kh = k[p.start:p.end].transpose(0, 1)  # [KVH, q_len, D]
         vh = v[p.start:p.end].transpose(0, 1)
+        if flat.dtype != q.dtype:
+            # As the cache holds them (fp8): every path attends to K/V as stored.
+            kh, vh = kh.to(flat.dtype).to(q.dtype), vh.to(flat.dtype).to(q.dtype)
         o = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], is_causal=True, scale=scale,
                                            enable_gqa=gqa)
     else:

@@ -90,8 +90,9 @@ def _matmul(p: PackedWeight) -> tuple[torch.Tensor, int, int]:
 
 def step_applies(meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype, num_tokens: int) -> bool:
     """Whether this step's attention is the kernel's alone (every sequence,
-    one call a layer) over a cache in the model's dtype."""
-    return (num_tokens > 0 and kv_cache.device.type == "cpu" and kv_cache.dtype == dtype and not meta.triton
+    one call a layer) over a cache in the model's dtype or fp8."""
+    return (num_tokens > 0 and kv_cache.device.type == "cpu" and kv_cache.dtype in (dtype, torch.float8_e5m2)
+            and not meta.triton
             and meta.kernel is not None and meta.kernel_seq_lens is not None
             and meta.kernel_seq_lens.shape[0] == len(meta.seq_lens)
             and all(p.use_kernel for p in meta.prefills))
