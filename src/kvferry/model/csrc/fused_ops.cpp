@@ -34,7 +34,8 @@
 //   decoder layer's residual add fused into the norm after it).
 //
 // write_kv(k, v, k_cache, v_cache, slots): the step's new K/V rows into
-//   their cache slots (see the function).
+//   their cache slots (see the function); into a float8_e5m2 cache
+//   converted as ``.to(torch.float8_e5m2)`` rounds.
 //
 // argmax_rows(x) -> [rows] int64: torch.argmax(x, dim=-1) for float32 rows
 //   (greedy sampling over the vocabulary; see the function).
@@ -638,19 +639,105 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   }
 }
 
+// float -> float8_e5m2 bits, bit for bit c10::Float8_e5m2(float) (what
+// ``.to(torch.float8_e5m2)`` computes): round to nearest even, magnitudes
+// from 61440 (57344 + half its ulp) up to inf become inf (0x7C), NaN 0x7F,
+// the sign kept. The vector versions are c10's integer arithmetic per
+// 32-bit lane (at::vec's own AVX-512 conversion is the same): below 2^-14,
+// |x| + 128.0f lands on a multiple of 2^-16 (the subnormal step), rounded
+// by the FPU to nearest even, and its low mantissa bits are the result;
+// above, the exponent is rebiased and the 21 dropped bits rounded to
+// nearest even by adding 0xFFFFF plus the kept bit. Rounding to fp16 first
+// (vcvtps2ph) and then to the top byte would round twice: a float just
+// above an e5m2 tie can land on the tie in fp16 and then go to even, down.
+inline uint8_t fp8e5m2_bits(float f) { return c10::Float8_e5m2(f).x; }
+
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m128i fp8e5m2_from_lanes(__m512 x) {  // 16 floats -> 16 bytes
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(bits, sign);  // |x|
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 21), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_set1_epi32(static_cast<int>((uint32_t(15 - 127) << 23) + 0xFFFFF));  // rebias, round
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), 21);
+  const __m512i denorm = _mm512_set1_epi32(134 << 23);  // 128.0f
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))), denorm);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(113 << 23)), sub);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(143 << 23)), _mm512_set1_epi32(0x7C));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline uint64_t fp8e5m2_from_lanes(__m256 x) {  // 8 floats -> 8 bytes
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i a = _mm256_xor_si256(bits, sign);  // |x|: below 2^31, so signed compares order it
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 21), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_set1_epi32(static_cast<int>((uint32_t(15 - 127) << 23) + 0xFFFFF));  // rebias, round
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, bias), odd), 21);
+  const __m256i denorm = _mm256_set1_epi32(134 << 23);  // 128.0f
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(denorm))), denorm);
+  r = _mm256_blendv_epi8(r, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(113 << 23), a));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7C), _mm256_cmpgt_epi32(a, _mm256_set1_epi32((143 << 23) - 1)));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
+  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+  // The low byte of each lane, in order.
+  const __m256i packed = _mm256_shuffle_epi8(r, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, -1, -1));
+  return static_cast<uint32_t>(_mm256_extract_epi32(packed, 0)) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(packed, 4))) << 32);
+}
+#endif
+
+// n elements of a float32 or bf16 row -> float8_e5m2 bytes.
+template <typename T>
+void row_to_fp8e5m2(const T* src, uint8_t* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    __m512 x;
+    if constexpr (std::is_same_v<T, float>) x = _mm512_loadu_ps(src + i);
+    else x = bf16_load_lanes(src + i);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), fp8e5m2_from_lanes(x));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    __m256 x;
+    if constexpr (std::is_same_v<T, float>) {
+      x = _mm256_loadu_ps(src + i);
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    const uint64_t bytes = fp8e5m2_from_lanes(x);
+    std::memcpy(dst + i, &bytes, 8);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = fp8e5m2_bits(static_cast<float>(src[i]));
+}
+
 // k, v [tokens, KVH, D] (each token's heads dense; token strides free, as
 // slices of the fused qkv output are); k_cache, v_cache [slots, KVH, D]
-// contiguous, same dtype; slots [tokens] int64. Row t of k and v goes to
-// slot slots[t]: one copy of KVH * D elements per token and tensor, where
-// index_copy_ takes ~5x as long for the step's 2048 rows of 3 x 64 bf16.
+// contiguous, of k's dtype, or float8_e5m2 with k, v bf16 or float32 (the
+// --kv-cache-dtype fp8_e5m2 cache: each element rounded as
+// ``.to(torch.float8_e5m2)``); slots [tokens] int64. Row t of k and v goes
+// to slot slots[t]: one copy (or conversion) of KVH * D elements per token
+// and tensor, where index_copy_ takes ~5x as long for the step's 2048 rows
+// of 3 x 64 bf16.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slots_in) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
                   k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
               "write_kv: k, v must be [tokens, KVH, D] and the caches [slots, KVH, D], got ", k.sizes(), " and ",
               k_cache.sizes());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
-                  v_cache.scalar_type() == k.scalar_type(),
+  const bool to_fp8 = k_cache.scalar_type() == at::kFloat8_e5m2 && v_cache.scalar_type() == at::kFloat8_e5m2 &&
+                      v.scalar_type() == k.scalar_type() &&
+                      (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat);
+  TORCH_CHECK(to_fp8 || (k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                         v_cache.scalar_type() == k.scalar_type()),
               "write_kv: k, v and the caches must share one dtype");
   const int64_t row = k.size(1) * k.size(2);
   for (const at::Tensor* t : {&k, &v}) {
@@ -664,13 +751,30 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot ", sp[t], " out of range for ", num_slots, " slots");
   }
-  const int64_t bytes = row * static_cast<int64_t>(k.element_size());
+  const int64_t bytes = row * static_cast<int64_t>(k.element_size());  // of a source row
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 2 * bytes)), [&](int64_t b, int64_t e) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 2 * bytes));
+  if (to_fp8) {
+    auto convert = [&](auto tag) {
+      using T = decltype(tag);
+      auto* kc8 = reinterpret_cast<uint8_t*>(kc);
+      auto* vc8 = reinterpret_cast<uint8_t*>(vc);
+      at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          row_to_fp8e5m2(reinterpret_cast<const T*>(kp + t * ks), kc8 + sp[t] * row, row);
+          row_to_fp8e5m2(reinterpret_cast<const T*>(vp + t * vs), vc8 + sp[t] * row, row);
+        }
+      });
+    };
+    if (k.scalar_type() == at::kFloat) convert(float{});
+    else convert(at::BFloat16{});
+    return;
+  }
+  at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
       std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);

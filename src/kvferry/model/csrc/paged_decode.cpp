@@ -50,6 +50,17 @@
 //   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
 //     per-thread float buffer) or portable loops; float32 decode items of
 //     1-3 query vectors at head_dim 32/64/128 take run_inplace_f32_avx2.
+//   A float8_e5m2 cache (--kv-cache-dtype fp8_e5m2; e5m2 is the top byte of
+//   an fp16, so every value is exact in bf16 and in float) is dequantized in
+//   registers as its rows are read, and attention is exactly that over the
+//   K/V as float: under a bf16 query (head_dim % 32 == 0, AVX512-BF16 and
+//   VBMI) the rows' bytes become the very bf16 vectors the bf16 kernels
+//   build (fp8_to_bf16: vpermt2b table lookups), in place (run_inplace_fast)
+//   or as tiles are staged (stage_tile_fp8), the kernels after that the
+//   bf16 ones; other queries take the float32 kernels (staged_group_f32,
+//   run_inplace_f32; run_inplace_f32_avx2 in the AVX2 build), rows widened
+//   to float by vcvtph2ps. Half the bytes of a bf16 cache: decode, reading
+//   scattered blocks from memory, takes ~0.5x the time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -79,6 +90,35 @@ constexpr bool kHaveDpbf16 = true;
 #else
 constexpr bool kHaveDpbf16 = false;
 #endif
+// A float8_e5m2 cache under a bf16 query takes vdpbf16ps too where the CPU
+// has AVX512-VBMI (vpermt2b: the rows' bytes converted to bf16 by a table
+// lookup, see fp8_to_bf16); AVX512-BF16 CPUs without it (Cooper Lake) widen
+// the rows to float instead (kWiden).
+#if defined(KVFERRY_AVX512_BF16) && defined(__AVX512VBMI__)
+#define KVFERRY_FP8_DPBF16 1
+constexpr bool kHaveFp8Dpbf16 = true;
+#else
+constexpr bool kHaveFp8Dpbf16 = false;
+#endif
+
+// The fp8 KV cache (--kv-cache-dtype fp8_e5m2): one byte per element, the
+// top byte of an IEEE fp16 (sign, 5 exponent bits, 2 mantissa bits), so
+// (uint16_t)byte << 8 read as fp16 is its exact value. Rows are dequantized
+// in registers as they are read; attention is exactly that over K/V as
+// float (bf16 holds every e5m2 value too: 8 exponent bits, 2 mantissa bits
+// used).
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, at::Float8_e5m2>;
+// Cache / query dtype pairs whose AVX-512 (kWiden) items take the float32
+// kernels (run_staged's stage_tile_f32, run_inplace_f32; the AVX2 build's
+// run_inplace_f32_avx2): float32 over float32, and a query over an fp8
+// cache, whose rows are widened to float as they are read (the query is
+// float in Scratch::qf). Not bf16 where it takes vdpbf16ps over fp8: those
+// kernels would be compiled once more (~7 s of the build) for the head_dims
+// it leaves to kWiden (not a multiple of 32), which run()'s loop serves.
+template <typename S, typename Q>
+constexpr bool kWidenF32 = (std::is_same_v<S, float> && std::is_same_v<Q, float>) ||
+                           (kIsFp8<S> && !(kHaveFp8Dpbf16 && std::is_same_v<Q, at::BFloat16>));
 
 constexpr int64_t kTile = 16;  // tokens per tile (one AVX-512 register of scores)
 
@@ -139,6 +179,21 @@ void block_scores(const float* __restrict q, const float* __restrict k, int64_t 
     for (int j = 0; j < 8; ++j) s[t + j] = (s[t + j] + dot(q + dim8, kt + j * stride + dim8, dim - dim8)) * scale;
   }
   for (; t < n; ++t) s[t] = dot(q, k + t * stride, dim) * scale;
+}
+
+// 8 consecutive cache elements as 8 floats (run_inplace_f32_avx2). An
+// e5m2 byte is the top byte of an IEEE fp16: zero-extended to 16 bits,
+// shifted up 8 and widened by F16C's vcvtph2ps, exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Float8_e5m2* p) {
+#if defined(__F16C__)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
 }
 
 // exp for x <= 0 (Cephes expf: range reduction to [-ln2/2, ln2/2], degree-5
@@ -246,6 +301,10 @@ inline __m512 load16(const at::BFloat16* p) {
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const at::Float8_e5m2* p) {  // bytes -> fp16 (<< 8) -> float, exact
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+}
 
 // v[0..15] -> one vector whose lane t is the horizontal sum of v[t].
 // Three rounds of interleave-and-add (45 instructions for 16 sums, against
@@ -314,6 +373,101 @@ inline int64_t pair_dim(int64_t e) {  // e in [0, 32)
   return 8 * lane + 4 * hi + j;
 }
 #endif
+
+#ifdef KVFERRY_FP8_DPBF16
+// ---- float8_e5m2 rows as bf16 pairs, for vdpbf16ps ----
+//
+// A byte's bf16 is exact (every e5m2 value, subnormals included, is a bf16
+// normal; inf and NaN stay so) and is a lookup on the byte's 7 low bits:
+// vpermt2b with a 128-entry table in two registers gives the bf16's low
+// byte, another its high byte, the sign bit is ORed back into that (one
+// vpternlogd), and unpacking the two interleaves them into words, within
+// 128-bit lanes: bytes 0-7 of each lane into one register, 8-15 into
+// another: 5 instructions per 64 elements, about half of what the way by
+// float (vcvtph2ps, vcvtne2ps2bf16) or an exponent rebias (with fix-ups for
+// zero, subnormals, inf and NaN) takes. Before the lookup one vpermb / vpermt2b arranges
+// the bytes (of two tokens' rows at once for the in-place kernels) so that
+// the words come out exactly as the bf16 kernels' unpacks of bf16 rows
+// leave them (fp8_pair, fp8_row): every kernel after that is the bf16 one,
+// accumulators in pair_dim order included, so the results are bit for bit
+// those over the cache converted to bf16. Measured against widening the
+// rows to float under the query as float (kWiden's run_inplace_f32; decode,
+// batch 32, context 384, G = 3, head_dim 64, two threads): 0.7x the time
+// warm, 0.8x with K/V from memory.
+constexpr uint16_t fp8e5m2_bf16_bits(int i) {  // i: the byte without its sign bit
+  const int e = i >> 2, m = i & 3;
+  if (e == 31) return static_cast<uint16_t>(0x7F80 | (m << 5));                 // inf (m == 0), NaN
+  if (e == 0) return m == 0 ? 0 : m == 1 ? 0x3780 : m == 2 ? 0x3800 : 0x3840;  // m * 2^-16
+  return static_cast<uint16_t>(((e + 112) << 7) | (m << 5));                    // 2^(e - 15) (1 + m / 4)
+}
+
+struct Fp8Tables {
+  alignas(64) uint8_t lo[128];  // the bf16's low byte, by the byte's 7 low bits
+  alignas(64) uint8_t hi[128];  // its high byte, sign clear
+  // vpermt2b indices (0-63: token a's 64 bytes, 64-127: token b's) of the
+  // bytes of 32-dim chunk o (0, 1) of a pair of 64-byte row pieces, so that
+  // fp8_to_bf16 gives, for rows A and B in bf16, K: unpack{lo,hi}_epi32(A,
+  // B) (bytes 4u..4u+3 of a lane: dims 2u, 2u+1 of a, then of b), V:
+  // unpack{lo,hi}_epi16(A, B) (dim by dim, a then b).
+  alignas(64) uint8_t pair_k[2][64];
+  alignas(64) uint8_t pair_v[2][64];
+  // vpermb indices of one 64-byte row piece: fp8_to_bf16's lo is then dims
+  // 0-31 in order, hi dims 32-63 (the staged tiles' rows).
+  alignas(64) uint8_t row[64];
+  constexpr Fp8Tables() : lo(), hi(), pair_k(), pair_v(), row() {
+    for (int i = 0; i < 128; ++i) {
+      lo[i] = static_cast<uint8_t>(fp8e5m2_bf16_bits(i) & 0xFF);
+      hi[i] = static_cast<uint8_t>(fp8e5m2_bf16_bits(i) >> 8);
+    }
+    for (int o = 0; o < 2; ++o) {
+      for (int lane = 0; lane < 4; ++lane) {
+        for (int j = 0; j < 16; ++j) {
+          const int dim = 32 * o + 8 * lane;
+          pair_k[o][16 * lane + j] = static_cast<uint8_t>(64 * (j % 4 / 2) + dim + 2 * (j / 4) + j % 2);
+          pair_v[o][16 * lane + j] = static_cast<uint8_t>(64 * (j % 2) + dim + j / 2);
+        }
+      }
+    }
+    for (int lane = 0; lane < 4; ++lane) {
+      for (int j = 0; j < 16; ++j) row[16 * lane + j] = static_cast<uint8_t>(32 * (j / 8) + 8 * lane + j % 8);
+    }
+  }
+};
+inline constexpr Fp8Tables kFp8{};
+
+inline __m512i fp8_table(const uint8_t* t) { return _mm512_load_si512(t); }
+
+// 64 e5m2 bytes -> their bf16 words: bytes 0-7 of each 128-bit lane into lo, 8-15 into hi.
+inline __attribute__((always_inline)) void fp8_to_bf16(__m512i x, __m512i& lo, __m512i& hi) {
+  const __m512i l = _mm512_permutex2var_epi8(fp8_table(kFp8.lo), x, fp8_table(kFp8.lo + 64));
+  const __m512i h = _mm512_permutex2var_epi8(fp8_table(kFp8.hi), x, fp8_table(kFp8.hi + 64));
+  // h | (x & 0x80): the sign
+  const __m512i hs = _mm512_ternarylogic_epi32(h, x, _mm512_set1_epi32(static_cast<int>(0x80808080u)), 0xF8);
+  lo = _mm512_unpacklo_epi8(l, hs);
+  hi = _mm512_unpackhi_epi8(l, hs);
+}
+
+// Tokens a and b: 64-byte pieces ra, rb of their rows (for head_dim 32 the
+// low 32 bytes) -> the bf16 pairs of the pieces' 32-dim chunk o, as the
+// bf16 kernels build them from bf16 rows A, B: kV false (K, scores):
+// unpack{lo,hi}_epi32(A, B); kV true (V, P . V): unpack{lo,hi}_epi16(A, B).
+template <bool kV>
+inline __attribute__((always_inline)) void fp8_pair(__m512i ra, __m512i rb, int o, __m512i& lo, __m512i& hi) {
+  const __m512i idx = fp8_table(kV ? kFp8.pair_v[o] : kFp8.pair_k[o]);
+  fp8_to_bf16(_mm512_permutex2var_epi8(ra, idx, rb), lo, hi);
+}
+
+// One 64-byte row piece -> its dims 0-31 (lo) and 32-63 (hi) as bf16, in order.
+inline __attribute__((always_inline)) void fp8_row(__m512i r, __m512i& lo, __m512i& hi) {
+  fp8_to_bf16(_mm512_permutexvar_epi8(fp8_table(kFp8.row), r), lo, hi);
+}
+
+// 64 bytes of a row (32 for a 32-byte row: the rest unread), or zero past a tile's n tokens.
+inline __attribute__((always_inline)) __m512i fp8_piece(const at::Float8_e5m2* p, int64_t bytes) {
+  if (bytes >= 64) return _mm512_loadu_si512(p);
+  return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 // ---- The staged bf16 tile: re-laid out once, shared by every query of a work item ----
 //
 // kp [D/2] vectors: lane t of kp[i] is token t's dims (2i, 2i+1) as one bf16
@@ -357,13 +511,14 @@ inline void transpose16x16_epi32(const __m512i in[16], __m512i* __restrict out) 
 // so that a stripe sits contiguous in cache whatever blocks it spans. Rows
 // past the tile's n tokens are zero (never read from the cache: an unwritten
 // slot may hold NaN, and 0 * NaN would reach acc).
-// kFull: n == 16, loads without per-row tests.
-template <bool kFull>
-inline void stage_tile_f32(const float* const* krows, const float* const* vrows, int64_t n, int64_t dim,
+// kFull: n == 16, loads without per-row tests. Rows of a float8_e5m2 cache
+// (T) are widened to float as they are staged (load16).
+template <bool kFull, typename T>
+inline void stage_tile_f32(const T* const* krows, const T* const* vrows, int64_t n, int64_t dim,
                            __m512i* __restrict kt, __m512i* __restrict vt) {
   const __m512i zero = _mm512_setzero_si512();
-  auto row = [&](const float* const* rows, int64_t t, int64_t c) __attribute__((always_inline)) {
-    return kFull || t < n ? _mm512_loadu_si512(rows[t] + 16 * c) : zero;
+  auto row = [&](const T* const* rows, int64_t t, int64_t c) __attribute__((always_inline)) {
+    return kFull || t < n ? _mm512_castps_si512(load16(rows[t] + 16 * c)) : zero;
   };
   const int64_t chunks = dim / 16;
   for (int64_t c = 0; c < chunks; ++c) {  // 16 dims = one 16x16 block
@@ -397,6 +552,36 @@ inline void stage_tile_bf16(const at::BFloat16* const* krows, const at::BFloat16
   }
 }
 #endif  // KVFERRY_AVX512_BF16
+
+#ifdef KVFERRY_FP8_DPBF16
+// stage_tile_bf16 for float8_e5m2 rows: the same kp and vp, the bytes
+// converted to bf16 on the way, a 64-dim piece of the rows at a time (K
+// rows by fp8_row, then transposed; V token pairs by fp8_pair, which gives
+// the unpacks of stage_tile_bf16 directly).
+template <bool kFull>
+inline void stage_tile_fp8(const at::Float8_e5m2* const* krows, const at::Float8_e5m2* const* vrows, int64_t n,
+                           int64_t dim, __m512i* __restrict kp, __m512i* __restrict vp) {
+  const __m512i zero = _mm512_setzero_si512();
+  const int64_t chunks = dim / 32;
+  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+    const int64_t bytes = std::min<int64_t>(64, dim - d0);  // 64, or 32 at the end of a head_dim of 32 (mod 64)
+    const int64_t c0 = d0 / 32;                             // the piece's first 32-dim chunk
+    auto piece = [&](const at::Float8_e5m2* const* rows, int64_t t) __attribute__((always_inline)) {
+      return kFull || t < n ? fp8_piece(rows[t] + d0, bytes) : zero;
+    };
+    __m512i in0[16], in1[16];
+    for (int64_t t = 0; t < kTile; ++t) fp8_row(piece(krows, t), in0[t], in1[t]);
+    transpose16x16_epi32(in0, kp + 16 * c0);
+    if (bytes == 64) transpose16x16_epi32(in1, kp + 16 * (c0 + 1));
+    for (int64_t j = 0; j < kTile / 2; ++j) {
+      const __m512i x = piece(vrows, 2 * j), y = piece(vrows, 2 * j + 1);
+      __m512i* out = vp + (j * chunks + c0) * 2;
+      fp8_pair<true>(x, y, 0, out[0], out[1]);
+      if (bytes == 64) fp8_pair<true>(x, y, 1, out[2], out[3]);
+    }
+  }
+}
+#endif
 
 // exp for x <= 0, 16 lanes: the Cephes expf of exp256 above.
 inline __m512 exp512(__m512 x) {
@@ -894,13 +1079,26 @@ inline const float* as_float<float>(const float* src, int64_t stride, int64_t, i
   out_stride = stride;
   return src;
 }
+#if defined(__AVX2__) && defined(__FMA__)
+template <>
+inline const float* as_float<at::Float8_e5m2>(const at::Float8_e5m2* src, int64_t stride, int64_t n, int64_t dim,
+                                             float* buf, int64_t& out_stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(buf + t * dim + d, load8(src + t * stride + d));
+    for (; d < dim; ++d) buf[t * dim + d] = static_cast<float>(src[t * stride + d]);
+  }
+  out_stride = dim;
+  return buf;
+}
+#endif
 
 // How a tile's rows are read.
 enum class Path {
   kPortable,  // rows converted to float (or used in place), AVX2 / plain-loop primitives
   kWiden,     // AVX-512: rows widened in registers, float query (float32 query and cache, items of
               // kStageMinQueries or more queries: staged, run_staged)
-  kDpbf16,    // AVX-512 BF16: bf16 query and rows, vdpbf16ps dot products (items of
+  kDpbf16,    // AVX-512 BF16: bf16 query and rows (fp8 rows converted to bf16), vdpbf16ps dot products (items of
               // kStageMinQueries or more queries stage each tile: run_staged)
 };
 
@@ -934,6 +1132,11 @@ constexpr int64_t kStripeBytes2 = 32 * 1024;
 
 // How many positions past the tile being read a work item prefetches.
 constexpr int64_t kPrefetchTokens = 32;
+// For fp8 rows (half the bytes): twice the positions, the same bytes in
+// flight. Measured (decode, batch 32, context 384, G = 3, head_dim 64, two
+// threads, K/V from memory, A/B in one process): 32 positions 1.17x the
+// time of 64; 48 and 80 even with 64; 128 1.09x.
+constexpr int64_t kPrefetchTokensFp8 = 64;
 
 struct Seq {
   int64_t q_start, q_len, seq_len;
@@ -1008,6 +1211,9 @@ struct Attend {
   int64_t num_heads, kv_heads, head_dim, group, block_size;
   float scale;
 
+  // Positions requested ahead of the tile being read.
+  static constexpr int64_t kAhead = kIsFp8<scalar_t> ? kPrefetchTokensFp8 : kPrefetchTokens;
+
   // The query type the staged groups read: bf16 (kDpbf16) or the float copy in Scratch::qf.
   using group_q_t = std::conditional_t<kPath == Path::kDpbf16, at::BFloat16, float>;
 
@@ -1036,21 +1242,21 @@ struct Attend {
     }
   }
 
-  // A work item's first kPrefetchTokens rows of head h, requested into L2
+  // A work item's first kAhead rows of head h, requested into L2
   // while the thread still runs the item before it.
   void prefetch_first_rows(const Seq& seq, int64_t h) const {
-    prefetch_rows<true>(seq, h, 0, std::min(seq.seq_len, kPrefetchTokens));
+    prefetch_rows<true>(seq, h, 0, std::min(seq.seq_len, kAhead));
   }
 
   // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see
   // the next one coming: before a tile ending at position tile_end is read,
-  // the K and V rows of head h up to kPrefetchTokens past it are requested.
+  // the K and V rows of head h up to kAhead past it are requested.
   // `next` is the first position not yet requested (0 at the start of a
   // work item). Measured on the decode of batch 32, context 384, with K/V
   // coming from memory (bench/paged_attention_kernel.py --layers 30, 2
   // threads): 0.87 -> 0.37 ms per layer (whole-block prefetches: 0.48).
   void prefetch_ahead(const Seq& seq, int64_t h, int64_t tile_end, int64_t end, int64_t& next) const {
-    const int64_t last = std::min(end, tile_end + kPrefetchTokens);
+    const int64_t last = std::min(end, tile_end + kAhead);
     if (next < last) prefetch_rows<false>(seq, h, next, last);
     next = std::max(next, last);
   }
@@ -1177,15 +1383,31 @@ struct Attend {
     const scalar_t* kbase = k_ptr + h * kDim;
     const scalar_t* vbase = v_ptr + h * kDim;
     // The rows ahead (see PrefetchCursor): the tile requests a whole block's
-    // K rows during the scores, its V rows during P . V.
-    PrefetchCursor<at::BFloat16, kDim> pf{kbase, vbase, seq, row_stride, bs};
+    // K rows during the scores, its V rows during P . V. (An fp8 row is
+    // head_dim bytes: one cache line at head_dim 64.)
+    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
     const __m512i zero = _mm512_setzero_si512();
-    auto tile = [&](auto full, const at::BFloat16* kt, const at::BFloat16* vt, int64_t start, int64_t n)
+    auto tile = [&](auto full, const scalar_t* kt, const scalar_t* vt, int64_t start, int64_t n)
                     __attribute__((always_inline)) {
       constexpr bool kFull = decltype(full)::value;
-      auto row = [&](const at::BFloat16* p, int64_t t, int c) __attribute__((always_inline)) {
+      auto row = [&](const scalar_t* p, int64_t t, int c) __attribute__((always_inline)) {
         return kFull || t < n ? _mm512_loadu_si512(p + t * row_stride + 32 * c) : zero;
       };
+#ifdef KVFERRY_FP8_DPBF16
+      // An fp8 cache: token pair p's rows, a 64-byte piece at a time (chunks
+      // c, c + 1), converted into the vectors the bf16 unpacks below give
+      // (fp8_pair, kV: the V layout), once for all Q queries. (base: auto,
+      // so that the bf16 instantiation leaves the body unchecked.)
+      auto fp8_pairs = [&](auto v_tag, auto base, int p, __m512i* lo, __m512i* hi)
+                           __attribute__((always_inline)) {
+        for (int c = 0; c < C; c += 2) {
+          const __m512i a = kFull || 2 * p < n ? fp8_piece(base + 2 * p * row_stride + 32 * c, kDim) : zero;
+          const __m512i b = kFull || 2 * p + 1 < n ? fp8_piece(base + (2 * p + 1) * row_stride + 32 * c, kDim) : zero;
+          fp8_pair<decltype(v_tag)::value>(a, b, 0, lo[c], hi[c]);
+          if (c + 1 < C) fp8_pair<decltype(v_tag)::value>(a, b, 1, lo[c + 1], hi[c + 1]);
+        }
+      };
+#endif
       // Per 4 tokens (two pairs), round 2 of the reduction right away, so
       // that few partial vectors are live: y[k][qd] holds tokens 4qd..4qd+3.
       __m512 y[Q][2], wv[Q][2];
@@ -1197,6 +1419,19 @@ struct Attend {
         for (int e = 0; e < 2; ++e) {
           const int p = 2 * qd + e;
           if (pf.k) pf.pair(pf.k, p);
+          if constexpr (kIsFp8<scalar_t>) {
+#ifdef KVFERRY_FP8_DPBF16
+            __m512i lo[C], hi[C];
+            fp8_pairs(std::false_type{}, kt, p, lo, hi);
+            for (int c = 0; c < C; ++c) {
+              for (int k = 0; k < Q; ++k) {
+                x[k][e] = _mm512_dpbf16_ps(x[k][e], (__m512bh)lo[c], (__m512bh)qbuf[k][c][0]);
+                x[k][e] = _mm512_dpbf16_ps(x[k][e], (__m512bh)hi[c], (__m512bh)qbuf[k][c][1]);
+              }
+            }
+#endif
+            continue;  // (the bf16 rows' unpacks below)
+          }
 #pragma GCC unroll 4
           for (int c = 0; c < C; ++c) {
             const __m512i a = row(kt, 2 * p, c), b = row(kt, 2 * p + 1, c);
@@ -1246,6 +1481,20 @@ struct Attend {
       for (int p = 0; p < 8; ++p) {
         if (kFull && pf.v) pf.pair(pf.v, p);
         if (!kFull && 2 * p >= n) break;
+        if constexpr (kIsFp8<scalar_t>) {
+#ifdef KVFERRY_FP8_DPBF16
+          __m512i vlo[C], vhi[C];
+          fp8_pairs(std::true_type{}, vt, p, vlo, vhi);
+          for (int c = 0; c < C; ++c) {
+            for (int k = 0; k < Q; ++k) {
+              const __m512bh wk = (__m512bh)_mm512_set1_epi32(pp[k][p]);
+              o[k][2 * c] = _mm512_dpbf16_ps(o[k][2 * c], (__m512bh)vlo[c], wk);
+              o[k][2 * c + 1] = _mm512_dpbf16_ps(o[k][2 * c + 1], (__m512bh)vhi[c], wk);
+            }
+          }
+#endif
+          continue;  // (the bf16 rows' unpacks below)
+        }
         for (int c = 0; c < C; ++c) {
           const __m512i a = row(vt, 2 * p, c), b = row(vt, 2 * p + 1, c);
           const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
@@ -1261,10 +1510,10 @@ struct Attend {
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kPrefetchTokens));
+      pf.to(std::min(end, start + n + kAhead));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      const auto* kt = reinterpret_cast<const at::BFloat16*>(kbase + base);
-      const auto* vt = reinterpret_cast<const at::BFloat16*>(vbase + base);
+      const scalar_t* kt = kbase + base;
+      const scalar_t* vt = vbase + base;
       if (n == kTile) tile(std::true_type{}, kt, vt, start, n);
       else tile(std::false_type{}, kt, vt, start, n);
       pf.k = pf.v = nullptr;
@@ -1316,9 +1565,10 @@ struct Attend {
   // run_inplace_fast), each query vector loaded once for four token pairs
   // (1.2x: GCC then spills), prefetching 48 or 64 tokens ahead or into L2
   // only (1.05-1.1x).
+  // An fp8 cache's rows are widened to float as they are loaded (load16).
   template <int Q, int kDim>
   void run_inplace_f32(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    static_assert(std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>);
+    static_assert(kWidenF32<scalar_t, qscalar_t>);
     constexpr int C = kDim / 16;  // 16-float chunks per row (= accumulators per query)
     const int64_t row_stride = kv_heads * kDim, bs = block_size;
     const int64_t end = seq.seq_len - seq.q_len + j1;
@@ -1343,22 +1593,22 @@ struct Attend {
       m[k] = -std::numeric_limits<float>::infinity();
       limit[k] = w.limit[k];
     }
-    const float* kbase = k_ptr + h * kDim;
-    const float* vbase = v_ptr + h * kDim;
+    const scalar_t* kbase = k_ptr + h * kDim;
+    const scalar_t* vbase = v_ptr + h * kDim;
     // The rows ahead (see PrefetchCursor): the tile requests a whole block's
     // K rows during the scores, its V rows during P . V, a token pair at a time.
-    PrefetchCursor<float, kDim> pf{kbase, vbase, seq, row_stride, bs};
+    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
     const __m512 zero = _mm512_setzero_ps();
-    auto tile = [&](auto full, const float* kt, const float* vt, int64_t start, int64_t n)
+    auto tile = [&](auto full, const scalar_t* kt, const scalar_t* vt, int64_t start, int64_t n)
                     __attribute__((always_inline)) {
       constexpr bool kFull = decltype(full)::value;
       // Rows past n are zero, never read (an unwritten slot may hold NaN).
       // The row pointers advance by a token pair at a time (not 16 offsets
       // from kt: GCC keeps those on the stack and reloads them per row).
-      auto row = [&](const float* p, int64_t t, int c) __attribute__((always_inline)) {
-        return kFull || t < n ? _mm512_loadu_ps(p + 16 * c) : zero;
+      auto row = [&](const scalar_t* p, int64_t t, int c) __attribute__((always_inline)) {
+        return kFull || t < n ? load16(p + 16 * c) : zero;
       };
-      const float* kr = kt;
+      const scalar_t* kr = kt;
       // Per 4 tokens (two pairs), round 2 of the reduction right away, so
       // that few partial vectors are live: y[k][qd & 1] holds tokens 4qd..4qd+3.
       // (Separate chains for each pair's lo and hi products, for more FMAs
@@ -1421,7 +1671,7 @@ struct Attend {
         if (kFull && pf.v && t % 2 == 0) pf.next_pair(pf.v);
         if (!kFull && t >= n) break;
         for (int c = 0; c < C; ++c) {
-          const __m512 vr = _mm512_loadu_ps(vt + 16 * c);
+          const __m512 vr = load16(vt + 16 * c);
           for (int k = 0; k < Q; ++k) o[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(pp[k][t]), vr, o[k][c]);
         }
         vt += row_stride;
@@ -1431,7 +1681,7 @@ struct Attend {
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kPrefetchTokens));
+      pf.to(std::min(end, start + n + kAhead));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
       if (n == kTile) tile(std::true_type{}, kbase + base, vbase + base, start, n);
       else tile(std::false_type{}, kbase + base, vbase + base, start, n);
@@ -1447,7 +1697,7 @@ struct Attend {
 
   // The float32 items run_inplace_f32 has a specialization for; false otherwise.
   bool try_inplace_f32(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+    if constexpr (kWidenF32<scalar_t, qscalar_t>) {
       const int64_t M = static_cast<int64_t>(w.m.size());
       if (head_dim == 64) {
         if (M == 1) return run_inplace_f32<1, 64>(seq, j0, j1, h, w), true;
@@ -1498,7 +1748,12 @@ struct Attend {
         tile_rows(seq, h, start, n, krows, vrows);
         __m512i* kp = w.kp.data() + t * per_tile;
         __m512i* vp = w.vp.data() + t * per_tile;
-        if constexpr (kPath == Path::kDpbf16) {
+        if constexpr (kPath == Path::kDpbf16 && kIsFp8<scalar_t>) {
+#ifdef KVFERRY_FP8_DPBF16
+          if (n == kTile) stage_tile_fp8<true>(krows, vrows, n, D, kp, vp);
+          else stage_tile_fp8<false>(krows, vrows, n, D, kp, vp);
+#endif
+        } else if constexpr (kPath == Path::kDpbf16) {
 #ifdef KVFERRY_AVX512_BF16
           const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
           const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
@@ -1557,7 +1812,7 @@ struct Attend {
   // (GCC hoists all Q * C * 2 of them out of the loop and spills).
   template <int Q, int kDim>
   void run_inplace_f32_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    static_assert(std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>);
+    static_assert(kWidenF32<scalar_t, qscalar_t>);
     constexpr int C = kDim / 8;                       // 8-float chunks per row
     constexpr int R = Q == 1 ? std::min(C, 8) : 4;    // accumulators per query per P . V pass
     const int64_t row_stride = kv_heads * kDim, bs = block_size;
@@ -1581,26 +1836,26 @@ struct Attend {
       m[k] = -std::numeric_limits<float>::infinity();
       limit[k] = w.limit[k];
     }
-    const float* kbase = k_ptr + h * kDim;
-    const float* vbase = v_ptr + h * kDim;
+    const scalar_t* kbase = k_ptr + h * kDim;
+    const scalar_t* vbase = v_ptr + h * kDim;
     // The rows ahead (see PrefetchCursor): the tile requests a whole block's
     // K and V rows during the scores, a token pair of each at a time.
-    PrefetchCursor<float, kDim> pf{kbase, vbase, seq, row_stride, bs};
+    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
     const __m256 zero = _mm256_setzero_ps();
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
     alignas(32) float pp[Q][kTile];
-    auto tile = [&](auto full, const float* kt, const float* vt, int64_t start, int64_t n)
+    auto tile = [&](auto full, const scalar_t* kt, const scalar_t* vt, int64_t start, int64_t n)
                     __attribute__((always_inline)) {
       constexpr bool kFull = decltype(full)::value;
       // Rows past n are zero, never read (an unwritten slot may hold NaN).
-      auto row = [&](const float* p, int64_t t, int c) __attribute__((always_inline)) {
-        return kFull || t < n ? _mm256_loadu_ps(p + 8 * c) : zero;
+      auto row = [&](const scalar_t* p, int64_t t, int c) __attribute__((always_inline)) {
+        return kFull || t < n ? load8(p + 8 * c) : zero;
       };
       // Scores: s[k][half] lane j = token 8 half + j. Per 4 tokens (two
       // pairs) the first round of the reduction right away: y[k][qd & 1]
       // holds tokens 4qd..4qd+3 (per 128-bit lane: partial sums of the four).
       __m256 s[Q][2], y[Q][2];
-      const float* kr = kt;
+      const scalar_t* kr = kt;
 #pragma GCC unroll 4
       for (int qd = 0; qd < 4; ++qd) {
         __m256 x[Q][2];
@@ -1679,12 +1934,12 @@ struct Attend {
             for (int r = 0; r < R; ++r) o[k][r] = _mm256_mul_ps(o[k][r], a);
           }
         }
-        const float* vr = vt + 8 * c0;
+        const scalar_t* vr = vt + 8 * c0;
 #pragma GCC unroll 16
         for (int t = 0; t < kTile; ++t) {
           if (!kFull && t >= n) break;
           for (int r = 0; r < R; ++r) {
-            const __m256 v = _mm256_loadu_ps(vr + 8 * r);
+            const __m256 v = load8(vr + 8 * r);
             for (int k = 0; k < Q; ++k) o[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pp[k][t]), v, o[k][r]);
           }
           vr += row_stride;
@@ -1695,7 +1950,7 @@ struct Attend {
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kPrefetchTokens));
+      pf.to(std::min(end, start + n + kAhead));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
       if (n == kTile) tile(std::true_type{}, kbase + base, vbase + base, start, n);
       else tile(std::false_type{}, kbase + base, vbase + base, start, n);
@@ -1714,9 +1969,10 @@ struct Attend {
     }
   }
 
-  // The float32 items run_inplace_f32_avx2 has a specialization for; false otherwise.
+  // The float32 items run_inplace_f32_avx2 has a specialization for (and
+  // fp8 ones, rows widened by load8); false otherwise.
   bool try_inplace_f32_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+    if constexpr (kWidenF32<scalar_t, qscalar_t>) {
       const int64_t M = static_cast<int64_t>(w.m.size());
       if (head_dim == 64) {
         if (M == 1) return run_inplace_f32_avx2<1, 64>(seq, j0, j1, h, w), true;
@@ -1761,8 +2017,15 @@ struct Attend {
 #ifdef KVFERRY_AVX512_BF16
     if constexpr (kPath == Path::kDpbf16) {
       w.lvec.assign(M, _mm512_setzero_ps());
-      if (M >= kStageMinQueries) run_staged(seq, j0, j1, h, w);
-      else if (!try_inplace_fast(seq, j0, j1, h, w)) run_inplace(seq, j0, j1, h, w);
+      if (M >= kStageMinQueries) {
+        run_staged(seq, j0, j1, h, w);
+      } else if (!try_inplace_fast(seq, j0, j1, h, w)) {
+        // run_inplace reads bf16 rows in place; an fp8 cache's items
+        // without a run_inplace_fast specialization (3 query vectors at
+        // head_dim 128, head_dims other than 32/64/128) stage their tiles.
+        if constexpr (kIsFp8<scalar_t>) run_staged(seq, j0, j1, h, w);
+        else run_inplace(seq, j0, j1, h, w);
+      }
       for (int64_t i = 0; i < M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
       return finish(seq, j0, M, h, w);
     }
@@ -1771,8 +2034,10 @@ struct Attend {
     // A float32 query over a float32 cache: items of kStageMinQueries or
     // more query vectors stage their tiles too (stage_tile_f32,
     // staged_group_f32), decode items of 1-3 take run_inplace_f32; the rest
-    // read rows in place below.
-    if constexpr (kPath == Path::kWiden && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+    // read rows in place below. Likewise an fp8 cache under a float32 or
+    // float16 query (its float copy in qf; a bf16 one where the CPU has no
+    // VBMI), the rows widened to float as they are staged or read (load16).
+    if constexpr (kPath == Path::kWiden && kWidenF32<scalar_t, qscalar_t>) {
       w.lvec.assign(M, _mm512_setzero_ps());
       bool done = true;
       if (M >= kStageMinQueries) run_staged(seq, j0, j1, h, w);
@@ -1784,8 +2049,9 @@ struct Attend {
     }
 #endif
 #if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
-    // The AVX2 build: decode items of 1-3 float32 query vectors take run_inplace_f32_avx2.
-    if constexpr (kPath == Path::kPortable && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) {
+    // The AVX2 build: decode items of 1-3 float32 query vectors take
+    // run_inplace_f32_avx2, as do those over an fp8 cache (any query).
+    if constexpr (kPath == Path::kPortable && kWidenF32<scalar_t, qscalar_t>) {
       if (M < kStageMinQueries && try_inplace_f32_avx2(seq, j0, j1, h, w)) return finish(seq, j0, M, h, w);
     }
 #endif
@@ -1937,6 +2203,9 @@ void dispatch_path(Path path, const at::Tensor& q, const at::Tensor& k_cache, co
   if constexpr (kHaveDpbf16 && std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<qscalar_t, at::BFloat16>) {
     if (path == Path::kDpbf16) return make(std::integral_constant<Path, Path::kDpbf16>{});
   }
+  if constexpr (kHaveFp8Dpbf16 && kIsFp8<scalar_t> && std::is_same_v<qscalar_t, at::BFloat16>) {
+    if (path == Path::kDpbf16) return make(std::integral_constant<Path, Path::kDpbf16>{});
+  }
   if constexpr (kHaveAvx512) {
     if (path != Path::kPortable) return make(std::integral_constant<Path, Path::kWiden>{});
   }
@@ -1951,8 +2220,17 @@ void dispatch_cache(Path path, const at::Tensor& q, const at::Tensor& k_cache, c
     case at::kBFloat16:
       return dispatch_path<at::BFloat16, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
     case at::kHalf: return dispatch_path<at::Half, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    case at::kFloat8_e5m2:
+      return dispatch_path<at::Float8_e5m2, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
+}
+
+// A bf16 query over a bf16 cache, or over an fp8 one (its rows converted
+// to bf16 in registers: fp8_to_bf16), takes vdpbf16ps where the CPU has it.
+bool takes_dpbf16(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim) {
+  if (head_dim % 32 != 0 || q_dtype != at::kBFloat16) return false;
+  return (kHaveDpbf16 && cache_dtype == at::kBFloat16) || (kHaveFp8Dpbf16 && cache_dtype == at::kFloat8_e5m2);
 }
 
 std::vector<int64_t> as_longs(const at::Tensor& t) {
@@ -1962,7 +2240,7 @@ std::vector<int64_t> as_longs(const at::Tensor& t) {
 
 // q [T, H, D] (rows may be strided), out [T, H, D] contiguous (same dtype: float32 / bfloat16 / float16; out written in
 // place, only the rows of the given sequences); k_cache, v_cache
-// [num_blocks, block_size, KVH, D] float32 / bfloat16 / float16;
+// [num_blocks, block_size, KVH, D] float32 / bfloat16 / float16 / float8_e5m2;
 // block_tables [S, max_blocks] int64; seq_lens, query_starts, query_lens [S]
 // int32 or int64.
 void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
@@ -2008,10 +2286,7 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const
   const int64_t head_dim = q.size(2);
   Path path = Path::kPortable;
   if (kHaveAvx512 && head_dim % 16 == 0) path = Path::kWiden;
-  if (kHaveDpbf16 && head_dim % 32 == 0 && q.scalar_type() == at::kBFloat16 &&
-      k_cache.scalar_type() == at::kBFloat16) {
-    path = Path::kDpbf16;
-  }
+  if (takes_dpbf16(q.scalar_type(), k_cache.scalar_type(), head_dim)) path = Path::kDpbf16;
   switch (q.scalar_type()) {
     case at::kFloat: return dispatch_cache<float>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
     case at::kBFloat16:
@@ -2024,7 +2299,7 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const
 // Which dot-product path a call with these dtypes and head_dim takes (for
 // tests and benchmark records): "dpbf16", "avx512" or "portable".
 std::string kernel_path(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim) {
-  if (kHaveDpbf16 && head_dim % 32 == 0 && q_dtype == at::kBFloat16 && cache_dtype == at::kBFloat16) return "dpbf16";
+  if (takes_dpbf16(q_dtype, cache_dtype, head_dim)) return "dpbf16";
   if (kHaveAvx512 && head_dim % 16 == 0) return "avx512";
   return "portable";
 }
