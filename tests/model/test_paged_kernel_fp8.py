@@ -40,17 +40,23 @@ def fp8_values(shape, gen, spread=1.0):
     return x.to(torch.float8_e5m2)
 
 
-def make_case(q_lens, ctx_lens, kv_heads, group, head_dim, block_size, qdtype, seed, q_scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+def scattered_tables(seq_lens, block_size, spare, gen):
+    """Block tables over a shuffled pool of just enough blocks plus ``spare``."""
     blocks = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks) + 3
+    num_blocks = sum(blocks) + spare
     ids = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
     used = 0
     for r, b in enumerate(blocks):
         tables[r, :b] = ids[used:used + b]
         used += b
+    return tables, num_blocks
+
+
+def make_case(q_lens, ctx_lens, kv_heads, group, head_dim, block_size, qdtype, seed, q_scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    tables, num_blocks = scattered_tables(seq_lens, block_size, 3, gen)
     nan = torch.full((num_blocks, block_size, kv_heads, head_dim), 0x7F, dtype=torch.uint8).view(torch.float8_e5m2)
     kc, vc = nan.clone(), nan.clone()  # NaN wherever no token was written
     for r, s in enumerate(seq_lens):
@@ -169,14 +175,7 @@ def test_fp8_through_attention_py(kernel, monkeypatch):
     kvh, group, d, bs = 3, 3, 64, 16
     q_lens, ctx = [5, 16, 1, 1], [40, 0, 100, 7]  # prefills first
     seq_lens = [c + q for c, q in zip(ctx, q_lens)]
-    blocks = [-(-s // bs) for s in seq_lens]
-    nb = sum(blocks) + 2
-    ids = torch.randperm(nb, generator=gen)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
-    used = 0
-    for r, b in enumerate(blocks):
-        tables[r, :b] = ids[used:used + b]
-        used += b
+    tables, nb = scattered_tables(seq_lens, bs, 2, gen)
     cache = torch.full((2, nb, bs, kvh, d), 0x7F, dtype=torch.uint8).view(torch.float8_e5m2)
     slots, qsl = [], [0]
     for r in range(len(seq_lens)):

@@ -57,4 +57,7 @@ def test_disagg_profile_measures_host_sharing_and_simulate_applies_it(disagg, tm
 
     apart, shared = simulate(), simulate("--instances-per-host", "2")
     assert shared["ttft_ms"]["p50"] > apart["ttft_ms"]["p50"]
-    assert shared["tpot_ms"]["p50"] > apart["tpot_ms"]["p50"]
+    # The mean, not the median: how many decode steps overlap a prefill on
+    # the shared host depends on the measured prefill times, and on a quiet
+    # minute the median request's decodes may overlap none.
+    assert shared["tpot_ms"]["mean"] > apart["tpot_ms"]["mean"]
