@@ -17,7 +17,9 @@
 #
 # Usage: bench/vllm_bench_serve.sh [VLLM_VENV]
 # Env:   DTYPE (default: what kvferry's dtype=auto picks on this CPU), THREADS=2,
-#        CONCURRENCY="16 64", NUM_PROMPTS=64, INPUT_LEN=256, OUTPUT_LEN=64, RUNS=2
+#        CONCURRENCY="16 64", NUM_PROMPTS=64, INPUT_LEN=256, OUTPUT_LEN=64, RUNS=2,
+#        KVFERRY_ARGS / VLLM_ARGS: extra flags for each server (e.g. both
+#        "--kv-cache-dtype fp8")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${1:-/work/vllm-venv}
@@ -46,14 +48,14 @@ wait_ready() {  # url, pid
 
 start_kvferry() {
   OMP_NUM_THREADS=$THREADS .venv/bin/kvferry serve --model "$MODEL_DIR" --dtype "$DTYPE" \
-    --served-model-name smollm2 --port 8100 > "$OUT/kvferry_server.log" 2>&1 &
+    --served-model-name smollm2 --port 8100 ${KVFERRY_ARGS:-} > "$OUT/kvferry_server.log" 2>&1 &
   PID=$!; URL=http://127.0.0.1:8100; wait_ready $URL $PID
 }
 
 start_vllm() {
   VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
     "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --dtype "$DTYPE" --served-model-name smollm2 \
-    --host 127.0.0.1 --port 8200 --max-model-len 8192 > "$OUT/vllm_server.log" 2>&1 &
+    --host 127.0.0.1 --port 8200 --max-model-len 8192 ${VLLM_ARGS:-} > "$OUT/vllm_server.log" 2>&1 &
   PID=$!; URL=http://127.0.0.1:8200; wait_ready $URL $PID
 }
 
