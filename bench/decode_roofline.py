@@ -242,7 +242,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=384, help="cached tokens per request before the step")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8_e5m2")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 or fp8_e5m2")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--cpu-time", action="store_true",
                    help="time steps in process CPU seconds (use with --threads 1 on a busy machine: "
@@ -264,8 +264,10 @@ def main() -> None:
     # Counted from the parameters before the first forward packs them (and
     # releases the plain copies).
     wbytes = weight_bytes(model)
-    cache_dtype = model.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype.replace(
-        "fp8_e5m2", "float8_e5m2"))
+    cache_dtype = model.dtype
+    if args.kv_cache_dtype != "auto":  # (imported here: A/B runs time older trees without it)
+        from kvferry.model.kv_cache_dtype import resolve_kv_cache_dtype
+        cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype, torch.device("cpu"), False)
     flops, kv_bytes = decode_step_work(model, args.batch, args.context, cache_dtype.itemsize)
     steps = Steps(model, args.batch, args.context, cache_dtype=cache_dtype)
     with torch.inference_mode():

@@ -14,7 +14,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --kv-cache-dtype (kvferry.model.kv_cache_dtype): "auto" is the model's dtype.
-_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")
 
 
 @dataclass(slots=True)
@@ -31,8 +31,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}, "
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
@@ -284,7 +284,7 @@ class EngineArgs:
     kv_cache_memory_gb: float = field(default=2.0, metadata=_opt("memory for the KV pool, GiB"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
         "KV cache storage: auto (the model's dtype; outputs exact to HF) or fp8_e5m2 (alias fp8; half the bytes, "
-        "so twice the blocks and half the K/V a decode step reads; lossy; CPU only)", choices=_KV_CACHE_DTYPES))
+        "so twice the blocks and half the K/V a decode step reads; lossy; CPU only)", choices=KV_CACHE_DTYPES))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV of shared prompt prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prompts across steps"))
     num_swap_blocks: int = field(default=0, metadata=_opt(

@@ -152,7 +152,8 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        by_memory = int(cache.kv_cache_memory_gb * 2**30) // kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
+        block_bytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
+        by_memory = int(cache.kv_cache_memory_gb * 2**30) // block_bytes
         # No point holding more than every running sequence at full length
         # (plus as much again for the prefix cache).
         per_seq = -(-self.max_model_len // self.block_size)

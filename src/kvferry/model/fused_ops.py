@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
-from kvferry.model.kv_cache_dtype import index_copy_into
+from kvferry.model.kv_cache_dtype import index_copy_into, is_fp8
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 _library = paged_kernel.LazyLibrary(lambda: _load())
@@ -98,7 +98,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     copy per token on CPU (converting bf16 / float32 rows as it goes into
     an fp8 cache, rounded as ``.to(torch.float8_e5m2)`` rounds)."""
     same = k.dtype == v.dtype == k_cache.dtype
-    to_fp8 = k_cache.dtype == torch.float8_e5m2 and k.dtype == v.dtype and k.dtype in (torch.bfloat16, torch.float32)
+    to_fp8 = is_fp8(k_cache.dtype) and k.dtype == v.dtype and k.dtype in (torch.bfloat16, torch.float32)
     if (k.device.type == "cpu" and (same or to_fp8) and k.stride(-1) == 1 and v.stride(-1) == 1
             and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and fused_ops_available()):
         torch.ops.kvferry_fused.write_kv(k, v, k_cache, v_cache, slots)

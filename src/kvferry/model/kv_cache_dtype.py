@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 
-# Names accepted by --kv-cache-dtype, "auto" first (config.py lists them too,
-# without importing torch).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")
+from kvferry.config import KV_CACHE_DTYPES  # the names --kv-cache-dtype takes (config imports no torch)
 _FP8_DTYPES = (torch.float8_e5m2,)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from kvferry.model import fused_ops, paged_kernel
 from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET, PackedWeight
+from kvferry.model.kv_cache_dtype import is_fp8
 
 if TYPE_CHECKING:
     from kvferry.model.attention import AttentionMetadata
@@ -91,7 +92,7 @@ def _matmul(p: PackedWeight) -> tuple[torch.Tensor, int, int]:
 def step_applies(meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype, num_tokens: int) -> bool:
     """Whether this step's attention is the kernel's alone (every sequence,
     one call a layer) over a cache in the model's dtype or fp8."""
-    return (num_tokens > 0 and kv_cache.device.type == "cpu" and kv_cache.dtype in (dtype, torch.float8_e5m2)
+    return (num_tokens > 0 and kv_cache.device.type == "cpu" and (kv_cache.dtype == dtype or is_fp8(kv_cache.dtype))
             and not meta.triton
             and meta.kernel is not None and meta.kernel_seq_lens is not None
             and meta.kernel_seq_lens.shape[0] == len(meta.seq_lens)
