@@ -1,6 +1,7 @@
-"""Decode steps over a cache in the model's dtype against one in fp8, alternated
-in one process (the same model, weights and threads; the machine's noise
-then hits both alike): medians of per-round step times, ms.
+"""Decode steps over a cache in the model's dtype against fp8 ones (each
+``--kv-cache-dtypes`` entry), alternated in one process (the same model,
+weights and threads; the machine's noise then hits all alike): medians of
+per-round step times, ms, and each fp8 cache's ratio to the exact one.
 
     python bench/ab_kv_cache_dtype.py --batch 32 --context 384 --rounds 8
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_roofline import Steps, cpu_description  # noqa: E402
 
 from kvferry.engine.host_memory import tune_malloc  # noqa: E402
+from kvferry.model.kv_cache_dtype import resolve_kv_cache_dtype  # noqa: E402
 from kvferry.model.loader import load_model  # noqa: E402
 
 
@@ -31,12 +33,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=6, help="decode steps per round and cache")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["fp8_e4m3", "fp8_e5m2"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tune_malloc()
     model = load_model(args.model, dtype=args.dtype).model
-    runs = {"exact": Steps(model, args.batch, args.context), "fp8": Steps(model, args.batch, args.context,
-                                                                          cache_dtype=torch.float8_e5m2)}
+    runs = {"exact": Steps(model, args.batch, args.context)}
+    for name in args.kv_cache_dtypes:
+        runs[name] = Steps(model, args.batch, args.context,
+                           cache_dtype=resolve_kv_cache_dtype(name, model.dtype, torch.device("cpu"), False))
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
         for steps in runs.values():
@@ -51,9 +56,10 @@ def main() -> None:
     med = {name: statistics.median(t) for name, t in times.items()}
     print(json.dumps({"cpu": cpu_description(), "dtype": args.dtype, "threads": args.threads, "batch": args.batch,
                       "context": args.context, "rounds": args.rounds,
-                      "exact_ms": round(med["exact"], 2), "fp8_ms": round(med["fp8"], 2),
-                      "fp8_over_exact": round(med["fp8"] / med["exact"], 3),
-                      "per_round_ratio": [round(f / e, 3) for e, f in zip(times["exact"], times["fp8"])]}))
+                      "ms": {name: round(m, 2) for name, m in med.items()},
+                      "over_exact": {name: round(med[name] / med["exact"], 3) for name in args.kv_cache_dtypes},
+                      "per_round_ratio": {name: [round(f / e, 3) for e, f in zip(times["exact"], times[name])]
+                                          for name in args.kv_cache_dtypes}}))
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=384, help="cached tokens per request before the step")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 or fp8_e5m2")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3 or fp8_e5m2")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--cpu-time", action="store_true",
                    help="time steps in process CPU seconds (use with --threads 1 on a busy machine: "

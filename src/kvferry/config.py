@@ -14,7 +14,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --kv-cache-dtype (kvferry.model.kv_cache_dtype): "auto" is the model's dtype.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(slots=True)
@@ -26,8 +26,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host-DRAM blocks for swapping out preempted requests (0: always recompute).
     num_swap_blocks: int = 0
-    # K/V storage: "auto" (the model's dtype, exact) or "fp8_e5m2" ("fp8"):
-    # half the bytes, lossy (kvferry.model.kv_cache_dtype).
+    # K/V storage: "auto" (the model's dtype, exact), "fp8_e4m3" ("fp8") or
+    # "fp8_e5m2": half the bytes, lossy (kvferry.model.kv_cache_dtype).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -283,8 +283,9 @@ class EngineArgs:
         "KV blocks in the pool (default: sized from --kv-cache-memory-gb)"))
     kv_cache_memory_gb: float = field(default=2.0, metadata=_opt("memory for the KV pool, GiB"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
-        "KV cache storage: auto (the model's dtype; outputs exact to HF) or fp8_e5m2 (alias fp8; half the bytes, "
-        "so twice the blocks and half the K/V a decode step reads; lossy; CPU only)", choices=KV_CACHE_DTYPES))
+        "KV cache storage: auto (the model's dtype; outputs exact to HF), fp8_e4m3 (alias fp8) or fp8_e5m2 "
+        "(one byte per element, no scale: twice the blocks and half the K/V a decode step reads; lossy, e4m3 "
+        "the closer; CPU only)", choices=KV_CACHE_DTYPES))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV of shared prompt prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prompts across steps"))
     num_swap_blocks: int = field(default=0, metadata=_opt(

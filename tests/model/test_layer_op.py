@@ -39,7 +39,7 @@ def _run(model, monkeypatch, disabled: str,
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal to the bit, NaN (never-written cache slots) where the other has NaN."""
-    if a.dtype == torch.float8_e5m2:
+    if a.dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
         a, b = a.float(), b.float()
     return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
@@ -79,19 +79,20 @@ def test_layer_op_equals_python_layer(tmp_path, monkeypatch, arch, dtype, matmul
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e5m2, torch.float8_e4m3fn], ids=["e5m2", "e4m3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layer_op_over_an_fp8_cache_equals_python_layer(tmp_path, monkeypatch, dtype):
-    """--kv-cache-dtype fp8_e5m2: the op writes and reads the same fp8 K/V as
-    the Python layer (both call write_kv and the paged kernel)."""
+def test_layer_op_over_an_fp8_cache_equals_python_layer(tmp_path, monkeypatch, dtype, fp8):
+    """--kv-cache-dtype fp8_e5m2 / fp8_e4m3: the op writes and reads the same
+    fp8 K/V as the Python layer (both call write_kv and the paged kernel)."""
     _needs_op(getattr(torch, dtype))
     model = load_model(str(make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=3)), dtype=dtype).model
-    fast, fast_cache, fast_ops = _run(model, monkeypatch, "0", torch.float8_e5m2)
-    slow, slow_cache, slow_ops = _run(model, monkeypatch, "1", torch.float8_e5m2)
+    fast, fast_cache, fast_ops = _run(model, monkeypatch, "0", fp8)
+    slow, slow_cache, slow_ops = _run(model, monkeypatch, "1", fp8)
     assert OP in fast_ops and OP not in slow_ops
     for got, want in zip(fast, slow, strict=True):
         for rid in got:
             assert _same(got[rid], want[rid]), f"request {rid}: logits differ"
-    assert fast_cache.dtype == torch.float8_e5m2 and _same(fast_cache, slow_cache)
+    assert fast_cache.dtype == fp8 and _same(fast_cache, slow_cache)
 
 
 def test_layer_op_over_more_rows_than_exact_rows(tmp_path, monkeypatch):

@@ -1,13 +1,21 @@
-"""The paged kernel over a float8_e5m2 cache against the same kernel over the
-dequantized cache (float32 / bf16: every e5m2 value is exact in both) and a
-float64 softmax; and attention.py over it against the torch path."""
+"""The paged kernel over fp8 caches (float8_e5m2, float8_e4m3fn) against the
+same kernel over the dequantized cache (float32 / bf16: every value of both
+formats is exact in both) and a float64 softmax; and attention.py over them
+against the torch path."""
 
 import pytest
 import torch
 
 from kvferry.model import paged_kernel
+from kvferry.model.kv_cache_dtype import to_cache_dtype
 
 ISA = paged_kernel.kernel_isa()
+FORMATS = [torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+@pytest.fixture(params=FORMATS, ids=["e5m2", "e4m3"])
+def fp8(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +38,18 @@ def explicit(q, kf, vf, table, seq_len, q_start, q_len, scale, group):
     return torch.einsum("hjs,shd->jhd", probs, vals)
 
 
-def fp8_values(shape, gen, spread=1.0):
-    """randn with a few e5m2 subnormals (|x| < 2^-14), zeros of both signs and large values."""
+def fp8_values(shape, gen, fp8, spread=1.0):
+    """randn with a few subnormals (e5m2: |x| < 2^-14, e4m3: < 2^-6), zeros of both signs and large
+    values (e4m3: some past 448, saturated as the cache's writes saturate)."""
     x = torch.randn(shape, generator=gen) * spread
     r = torch.rand(shape, generator=gen)
-    x = torch.where(r < 0.05, x * 3e-5, x)           # subnormals and underflow to zero
+    tiny = 3e-5 if fp8 == torch.float8_e5m2 else 4e-3
+    x = torch.where(r < 0.05, x * tiny, x)           # subnormals and underflow to zero
     x = torch.where((r > 0.05) & (r < 0.07), torch.zeros(()) * torch.sign(x), x)  # +-0
     x = torch.where((r > 0.07) & (r < 0.08), x * 40, x)
-    return x.to(torch.float8_e5m2)
+    if fp8 == torch.float8_e4m3fn:
+        x = torch.where((r > 0.08) & (r < 0.082), x * 400, x)
+    return to_cache_dtype(x, fp8)
 
 
 def scattered_tables(seq_lens, block_size, spare, gen):
@@ -53,17 +65,17 @@ def scattered_tables(seq_lens, block_size, spare, gen):
     return tables, num_blocks
 
 
-def make_case(q_lens, ctx_lens, kv_heads, group, head_dim, block_size, qdtype, seed, q_scale=1.0):
+def make_case(q_lens, ctx_lens, kv_heads, group, head_dim, block_size, qdtype, seed, fp8, q_scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     tables, num_blocks = scattered_tables(seq_lens, block_size, 3, gen)
-    nan = torch.full((num_blocks, block_size, kv_heads, head_dim), 0x7F, dtype=torch.uint8).view(torch.float8_e5m2)
+    nan = torch.full((num_blocks, block_size, kv_heads, head_dim), 0x7F, dtype=torch.uint8).view(fp8)
     kc, vc = nan.clone(), nan.clone()  # NaN wherever no token was written
     for r, s in enumerate(seq_lens):
         for p in range(s):
             b, off = tables[r, p // block_size], p % block_size
-            kc[b, off] = fp8_values((kv_heads, head_dim), gen)
-            vc[b, off] = fp8_values((kv_heads, head_dim), gen)
+            kc[b, off] = fp8_values((kv_heads, head_dim), gen, fp8)
+            vc[b, off] = fp8_values((kv_heads, head_dim), gen, fp8)
     starts, acc = [], 0
     for q in q_lens:
         starts.append(acc)
@@ -97,10 +109,10 @@ def same_route_as_bf16(head_dim, group, q_lens):
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 96, 48, 80, 16, 40])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_fp8_cache(kernel, qdtype, group, head_dim, block_size):
+def test_fp8_cache(kernel, qdtype, group, head_dim, block_size, fp8):
     kv_heads = 2 if head_dim != 64 else 3
     q, kc, vc, tables, seq_lens, starts = make_case(Q_LENS, CTX, kv_heads, group, head_dim, block_size, qdtype,
-                                                    seed=head_dim * 100 + group * 10 + block_size)
+                                                    seed=head_dim * 100 + group * 10 + block_size, fp8=fp8)
     scale = head_dim ** -0.5
     out = run(kernel, q, kc, vc, tables, seq_lens, starts, Q_LENS, scale)
     kf, vf = kc.float(), vc.float()
@@ -109,12 +121,12 @@ def test_fp8_cache(kernel, qdtype, group, head_dim, block_size):
     assert (out[gaps] == 7.0).all()
     # 1. The float32 kernel over the dequantized cache, query as float32.
     ref32 = run(kernel, q.float(), kf, vf, tables, seq_lens, starts, Q_LENS, scale)
-    fp8_dpbf16_build = paged_kernel.kernel_path(torch.bfloat16, torch.float8_e5m2, 64) == "dpbf16"
+    fp8_dpbf16_build = paged_kernel.kernel_path(torch.bfloat16, fp8, 64) == "dpbf16"
     if qdtype == torch.bfloat16 and fp8_dpbf16_build and head_dim % 32:
         # run()'s per-query loop, as for a bf16 query over the float32 cache: the same bits.
         ref = run(kernel, q, kf, vf, tables, seq_lens, starts, Q_LENS, scale)
         assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
-    elif qdtype != torch.bfloat16 or paged_kernel.kernel_path(qdtype, torch.float8_e5m2, head_dim) != "dpbf16":
+    elif qdtype != torch.bfloat16 or paged_kernel.kernel_path(qdtype, fp8, head_dim) != "dpbf16":
         # The same float32 kernels over the same float values: the same bits.
         assert torch.equal(out, ref32.to(qdtype)), (out.float() - ref32).abs().max()
     else:
@@ -139,10 +151,11 @@ def test_fp8_cache(kernel, qdtype, group, head_dim, block_size):
 
 
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
-def test_fp8_peaked_scores(kernel, qdtype):
+def test_fp8_peaked_scores(kernel, qdtype, fp8):
     """Queries scaled up: the running max moves often; decode and a 24-token chunk."""
     q_lens, ctx = [1, 24, 1], [299, 276, 64]
-    q, kc, vc, tables, seq_lens, starts = make_case(q_lens, ctx, 2, 4, 64, 16, qdtype, seed=9, q_scale=6.0)
+    q, kc, vc, tables, seq_lens, starts = make_case(q_lens, ctx, 2, 4, 64, 16, qdtype, seed=9, fp8=fp8,
+                                                    q_scale=6.0)
     out = run(kernel, q, kc, vc, tables, seq_lens, starts, q_lens, 0.125)
     kf, vf = kc.float(), vc.float()
     if qdtype == torch.float32:  # the float32 kernel over the dequantized cache, bit for bit
@@ -153,22 +166,22 @@ def test_fp8_peaked_scores(kernel, qdtype):
         torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), exp, atol=tol, rtol=tol)
 
 
-def test_fp8_path_names(kernel):
+def test_fp8_path_names(kernel, fp8):
     from kvferry.model.cpu_features import cpu_features
     bf16_path = paged_kernel.kernel_path(torch.bfloat16, torch.bfloat16, 64)
-    p = paged_kernel.kernel_path(torch.bfloat16, torch.float8_e5m2, 64)
+    p = paged_kernel.kernel_path(torch.bfloat16, fp8, 64)
     if ISA == "avx2" or not cpu_features().avx512:
         assert p == bf16_path == "portable"
     elif "avx512_bf16" in cpu_features().flags and "avx512vbmi" in cpu_features().flags:
         assert p == "dpbf16"
     else:
         assert p == "avx512"
-    assert paged_kernel.kernel_path(torch.float32, torch.float8_e5m2, 64) == ("portable" if ISA == "avx2" else "avx512")
-    assert paged_kernel.kernel_path(torch.bfloat16, torch.float8_e5m2, 40) == "portable"
-    assert paged_kernel.kernel_path(torch.bfloat16, torch.float8_e5m2, 48) in ("avx512", "portable")
+    assert paged_kernel.kernel_path(torch.float32, fp8, 64) == ("portable" if ISA == "avx2" else "avx512")
+    assert paged_kernel.kernel_path(torch.bfloat16, fp8, 40) == "portable"
+    assert paged_kernel.kernel_path(torch.bfloat16, fp8, 48) in ("avx512", "portable")
 
 
-def test_fp8_through_attention_py(kernel, monkeypatch):
+def test_fp8_through_attention_py(kernel, monkeypatch, fp8):
     """paged_attention (write_kv into the fp8 cache, then the kernel) against the torch path."""
     from kvferry.model.attention import AttentionMetadata, paged_attention
     gen = torch.Generator().manual_seed(5)
@@ -176,22 +189,24 @@ def test_fp8_through_attention_py(kernel, monkeypatch):
     q_lens, ctx = [5, 16, 1, 1], [40, 0, 100, 7]  # prefills first
     seq_lens = [c + q for c, q in zip(ctx, q_lens)]
     tables, nb = scattered_tables(seq_lens, bs, 2, gen)
-    cache = torch.full((2, nb, bs, kvh, d), 0x7F, dtype=torch.uint8).view(torch.float8_e5m2)
+    cache = torch.full((2, nb, bs, kvh, d), 0x7F, dtype=torch.uint8).view(fp8)
     slots, qsl = [], [0]
     for r in range(len(seq_lens)):
         for p in range(seq_lens[r]):
             b, off = tables[r, p // bs], p % bs
             if p < ctx[r]:
-                cache[:, b, off] = fp8_values((2, kvh, d), gen)
+                cache[:, b, off] = fp8_values((2, kvh, d), gen, fp8)
             else:
                 slots.append(int(b) * bs + off)
         qsl.append(qsl[-1] + q_lens[r])
     T = sum(q_lens)
     q = torch.randn(T, kvh * group, d, generator=gen).bfloat16()
     k = torch.randn(T, kvh, d, generator=gen).bfloat16()
-    v = torch.randn(T, kvh, d, generator=gen).bfloat16()
+    # The last KV head's V past e4m3's 448: both paths saturate it alike.
+    v_scale = torch.tensor([1.0, 1.0, 600.0])
+    v = (torch.randn(T, kvh, d, generator=gen) * v_scale[:, None]).bfloat16()
     meta_args = dict(query_start_loc=qsl, seq_lens=seq_lens, slot_mapping=torch.tensor(slots), block_tables=tables,
-                     block_size=bs, num_prefills=sum(ql > 1 for ql in q_lens), kv_dtype=torch.float8_e5m2)
+                     block_size=bs, num_prefills=sum(ql > 1 for ql in q_lens), kv_dtype=fp8)
     outs = {}
     for disable in ("0", "1"):
         monkeypatch.setenv("KVFERRY_DISABLE_CPP_KERNELS", disable)
@@ -199,5 +214,7 @@ def test_fp8_through_attention_py(kernel, monkeypatch):
         meta.prepare()
         c = cache.clone()
         outs[disable] = (paged_attention(q, k, v, c, meta, d ** -0.5), c)
-    torch.testing.assert_close(outs["0"][0].float(), outs["1"][0].float(), atol=2e-2, rtol=2e-2)
+    per_head = v_scale.repeat_interleave(group)[None, :, None]  # outputs in units of their V's spread
+    torch.testing.assert_close(outs["0"][0].float() / per_head, outs["1"][0].float() / per_head,
+                               atol=2e-2, rtol=2e-2)
     assert torch.equal(outs["0"][1].view(torch.uint8), outs["1"][1].view(torch.uint8))

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from kvferry.config import ATTENTION_BACKENDS
 from kvferry.model import fused_ops, triton_attention
+from kvferry.model.kv_cache_dtype import to_cache_dtype
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 
 
@@ -60,7 +61,7 @@ def attention_backend(requested: str, device: torch.device) -> str:
     return requested
 
 # Cache dtypes the C++ kernel reads (converting rows to float32 on the fly).
-_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2)
+_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 # Query dtypes it takes.
 _KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Chunks with at most this many new tokens use the kernel, fresh prompts
@@ -385,7 +386,7 @@ def _prefill_attention(
         vh = v[p.start:p.end].transpose(0, 1)
         if flat.dtype != q.dtype:
             # As the cache holds them (fp8): every path attends to K/V as stored.
-            kh, vh = kh.to(flat.dtype).to(q.dtype), vh.to(flat.dtype).to(q.dtype)
+            kh, vh = to_cache_dtype(kh, flat.dtype).to(q.dtype), to_cache_dtype(vh, flat.dtype).to(q.dtype)
         o = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], is_causal=True, scale=scale,
                                            enable_gqa=gqa)
     else:

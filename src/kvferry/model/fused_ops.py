@@ -96,15 +96,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """k, v [T, KVH, D] into k_cache / v_cache [slots, KVH, D] at ``slots``
     [T]: ``index_copy_`` (with k / v cast to the cache's dtype), one row
     copy per token on CPU (converting bf16 / float32 rows as it goes into
-    an fp8 cache, rounded as ``.to(torch.float8_e5m2)`` rounds)."""
+    an fp8 cache, rounded as ``kv_cache_dtype.to_cache_dtype`` rounds)."""
     same = k.dtype == v.dtype == k_cache.dtype
     to_fp8 = is_fp8(k_cache.dtype) and k.dtype == v.dtype and k.dtype in (torch.bfloat16, torch.float32)
     if (k.device.type == "cpu" and (same or to_fp8) and k.stride(-1) == 1 and v.stride(-1) == 1
             and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and fused_ops_available()):
         torch.ops.kvferry_fused.write_kv(k, v, k_cache, v_cache, slots)
         return
-    index_copy_into(k_cache, 0, slots, k.to(k_cache.dtype))
-    index_copy_into(v_cache, 0, slots, v.to(v_cache.dtype))
+    index_copy_into(k_cache, 0, slots, k)
+    index_copy_into(v_cache, 0, slots, v)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

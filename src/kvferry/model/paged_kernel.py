@@ -5,7 +5,7 @@
     kernel(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out) -> None
 
     q:            [tokens, num_heads, head_dim] float32 / bf16 / fp16 (token rows may be strided)
-    k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] float32 / bf16 / fp16 / float8_e5m2
+    k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] float32 / bf16 / fp16 / float8_e5m2 / float8_e4m3fn
     block_tables: [seqs, max_blocks] int64
     seq_lens:     [seqs] int32 / int64: context length of sequence s after this step
     query_starts, query_lens: [seqs]: sequence s owns q rows

@@ -34,8 +34,8 @@
 //   decoder layer's residual add fused into the norm after it).
 //
 // write_kv(k, v, k_cache, v_cache, slots): the step's new K/V rows into
-//   their cache slots (see the function); into a float8_e5m2 cache
-//   converted as ``.to(torch.float8_e5m2)`` rounds.
+//   their cache slots (see the function); into an fp8 cache converted as
+//   ``.to(torch.float8_e5m2)`` rounds, or saturated and rounded to e4m3.
 //
 // argmax_rows(x) -> [rows] int64: torch.argmax(x, dim=-1) for float32 rows
 //   (greedy sampling over the vocabulary; see the function).
@@ -51,6 +51,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -692,16 +693,86 @@ inline uint64_t fp8e5m2_from_lanes(__m256 x) {  // 8 floats -> 8 bytes
 }
 #endif
 
-// n elements of a float32 or bf16 row -> float8_e5m2 bytes.
-template <typename T>
-void row_to_fp8e5m2(const T* src, uint8_t* dst, int64_t n) {
+// float -> float8_e4m3fn bits, saturating: c10::Float8_e4m3fn(clamp(f,
+// -448, 448)), NaN kept (0x7F, signed): what vLLM's fp8 cache writes, where
+// ``.to(torch.float8_e4m3fn)`` alone would turn |f| >= 480 (inf included)
+// into NaN. The vector versions are c10's integer arithmetic per lane on
+// the clamped |x|: below 2^-6, |x| + 16384.0f lands on a multiple of 2^-9 (the
+// subnormal step), rounded to nearest even by the FPU, and its low bits are
+// the result; above, the exponent is rebiased and the 20 dropped bits
+// rounded to nearest even by adding 0x7FFFF plus the kept bit.
+inline uint8_t fp8e4m3_bits(float f) {
+  if (!std::isnan(f)) f = std::min(std::max(f, -448.0f), 448.0f);
+  return c10::Float8_e4m3fn(f).x;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m128i fp8e4m3_from_lanes(__m512 x) {  // 16 floats -> 16 bytes
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i abs = _mm512_xor_si512(bits, sign);
+  const __m512i a = _mm512_min_epu32(abs, _mm512_set1_epi32(0x43E00000));  // 448.0f
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_set1_epi32(static_cast<int>((uint32_t(7 - 127) << 23) + 0x7FFFF));  // rebias, round
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), 20);
+  const __m512i denorm = _mm512_set1_epi32(141 << 23);  // 16384.0f: its ulp is 2^-9
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))), denorm);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), sub);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline uint64_t fp8e4m3_from_lanes(__m256 x) {  // 8 floats -> 8 bytes
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i abs = _mm256_xor_si256(bits, sign);  // below 2^31, so signed compares order it
+  const __m256i a = _mm256_min_epu32(abs, _mm256_set1_epi32(0x43E00000));  // 448.0f
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_set1_epi32(static_cast<int>((uint32_t(7 - 127) << 23) + 0x7FFFF));  // rebias, round
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, bias), odd), 20);
+  const __m256i denorm = _mm256_set1_epi32(141 << 23);  // 16384.0f: its ulp is 2^-9
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(denorm))), denorm);
+  r = _mm256_blendv_epi8(r, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), a));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F800000)));
+  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+  const __m256i packed = _mm256_shuffle_epi8(r, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, -1, -1));
+  return static_cast<uint32_t>(_mm256_extract_epi32(packed, 0)) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(packed, 4))) << 32);
+}
+#endif
+
+// One fp8 format's conversions, for row_to_fp8.
+struct E5m2 {
+  static uint8_t bits(float f) { return fp8e5m2_bits(f); }
+#if defined(CPU_CAPABILITY_AVX512)
+  static __m128i lanes(__m512 x) { return fp8e5m2_from_lanes(x); }
+#elif defined(CPU_CAPABILITY_AVX2)
+  static uint64_t lanes(__m256 x) { return fp8e5m2_from_lanes(x); }
+#endif
+};
+struct E4m3 {
+  static uint8_t bits(float f) { return fp8e4m3_bits(f); }
+#if defined(CPU_CAPABILITY_AVX512)
+  static __m128i lanes(__m512 x) { return fp8e4m3_from_lanes(x); }
+#elif defined(CPU_CAPABILITY_AVX2)
+  static uint64_t lanes(__m256 x) { return fp8e4m3_from_lanes(x); }
+#endif
+};
+
+// n elements of a float32 or bf16 row -> fp8 bytes of format F (E5m2, E4m3).
+template <typename F, typename T>
+void row_to_fp8(const T* src, uint8_t* dst, int64_t n) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   for (; i + 16 <= n; i += 16) {
     __m512 x;
     if constexpr (std::is_same_v<T, float>) x = _mm512_loadu_ps(src + i);
     else x = bf16_load_lanes(src + i);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), fp8e5m2_from_lanes(x));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), F::lanes(x));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   for (; i + 8 <= n; i += 8) {
@@ -712,18 +783,19 @@ void row_to_fp8e5m2(const T* src, uint8_t* dst, int64_t n) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
       x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
     }
-    const uint64_t bytes = fp8e5m2_from_lanes(x);
+    const uint64_t bytes = F::lanes(x);
     std::memcpy(dst + i, &bytes, 8);
   }
 #endif
-  for (; i < n; ++i) dst[i] = fp8e5m2_bits(static_cast<float>(src[i]));
+  for (; i < n; ++i) dst[i] = F::bits(static_cast<float>(src[i]));
 }
 
 // k, v [tokens, KVH, D] (each token's heads dense; token strides free, as
 // slices of the fused qkv output are); k_cache, v_cache [slots, KVH, D]
-// contiguous, of k's dtype, or float8_e5m2 with k, v bf16 or float32 (the
-// --kv-cache-dtype fp8_e5m2 cache: each element rounded as
-// ``.to(torch.float8_e5m2)``); slots [tokens] int64. Row t of k and v goes
+// contiguous, of k's dtype, or float8_e5m2 / float8_e4m3fn with k, v bf16
+// or float32 (the --kv-cache-dtype fp8 caches: each element rounded as
+// ``.to(torch.float8_e5m2)`` does, or clamped to +-448 and rounded as
+// ``.to(torch.float8_e4m3fn)`` does); slots [tokens] int64. Row t of k and v goes
 // to slot slots[t]: one copy (or conversion) of KVH * D elements per token
 // and tensor, where index_copy_ takes ~5x as long for the step's 2048 rows
 // of 3 x 64 bf16.
@@ -733,8 +805,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
                   k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
               "write_kv: k, v must be [tokens, KVH, D] and the caches [slots, KVH, D], got ", k.sizes(), " and ",
               k_cache.sizes());
-  const bool to_fp8 = k_cache.scalar_type() == at::kFloat8_e5m2 && v_cache.scalar_type() == at::kFloat8_e5m2 &&
-                      v.scalar_type() == k.scalar_type() &&
+  const at::ScalarType cache_dtype = k_cache.scalar_type();
+  const bool to_fp8 = (cache_dtype == at::kFloat8_e5m2 || cache_dtype == at::kFloat8_e4m3fn) &&
+                      v_cache.scalar_type() == cache_dtype && v.scalar_type() == k.scalar_type() &&
                       (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat);
   TORCH_CHECK(to_fp8 || (k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
                          v_cache.scalar_type() == k.scalar_type()),
@@ -759,19 +832,21 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 2 * bytes));
   if (to_fp8) {
-    auto convert = [&](auto tag) {
+    auto convert = [&](auto tag, auto format) {
       using T = decltype(tag);
+      using F = decltype(format);
       auto* kc8 = reinterpret_cast<uint8_t*>(kc);
       auto* vc8 = reinterpret_cast<uint8_t*>(vc);
       at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
-          row_to_fp8e5m2(reinterpret_cast<const T*>(kp + t * ks), kc8 + sp[t] * row, row);
-          row_to_fp8e5m2(reinterpret_cast<const T*>(vp + t * vs), vc8 + sp[t] * row, row);
+          row_to_fp8<F>(reinterpret_cast<const T*>(kp + t * ks), kc8 + sp[t] * row, row);
+          row_to_fp8<F>(reinterpret_cast<const T*>(vp + t * vs), vc8 + sp[t] * row, row);
         }
       });
     };
-    if (k.scalar_type() == at::kFloat) convert(float{});
-    else convert(at::BFloat16{});
+    const bool e4m3 = cache_dtype == at::kFloat8_e4m3fn;
+    if (k.scalar_type() == at::kFloat) e4m3 ? convert(float{}, E4m3{}) : convert(float{}, E5m2{});
+    else e4m3 ? convert(at::BFloat16{}, E4m3{}) : convert(at::BFloat16{}, E5m2{});
     return;
   }
   at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {

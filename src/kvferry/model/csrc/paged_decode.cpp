@@ -50,16 +50,16 @@
 //   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
 //     per-thread float buffer) or portable loops; float32 decode items of
 //     1-3 query vectors at head_dim 32/64/128 take run_inplace_f32_avx2.
-//   A float8_e5m2 cache (--kv-cache-dtype fp8_e5m2; e5m2 is the top byte of
-//   an fp16, so every value is exact in bf16 and in float) is dequantized in
-//   registers as its rows are read, and attention is exactly that over the
+//   A float8_e5m2 or float8_e4m3fn cache (--kv-cache-dtype fp8_e5m2 /
+//   fp8_e4m3; every value of either is exact in bf16 and in float) is
+//   dequantized in registers as its rows are read, and attention is exactly that over the
 //   K/V as float: under a bf16 query (head_dim % 32 == 0, AVX512-BF16 and
 //   VBMI) the rows' bytes become the very bf16 vectors the bf16 kernels
 //   build (fp8_to_bf16: vpermt2b table lookups), in place (run_inplace_fast)
 //   or as tiles are staged (stage_tile_fp8), the kernels after that the
 //   bf16 ones; other queries take the float32 kernels (staged_group_f32,
 //   run_inplace_f32; run_inplace_f32_avx2 in the AVX2 build), rows widened
-//   to float by vcvtph2ps. Half the bytes of a bf16 cache: decode, reading
+//   to float by vcvtph2ps (load8, load16). Half the bytes of a bf16 cache: decode, reading
 //   scattered blocks from memory, takes ~0.5x the time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -90,7 +90,7 @@ constexpr bool kHaveDpbf16 = true;
 #else
 constexpr bool kHaveDpbf16 = false;
 #endif
-// A float8_e5m2 cache under a bf16 query takes vdpbf16ps too where the CPU
+// An fp8 cache under a bf16 query takes vdpbf16ps too where the CPU
 // has AVX512-VBMI (vpermt2b: the rows' bytes converted to bf16 by a table
 // lookup, see fp8_to_bf16); AVX512-BF16 CPUs without it (Cooper Lake) widen
 // the rows to float instead (kWiden).
@@ -101,14 +101,18 @@ constexpr bool kHaveFp8Dpbf16 = true;
 constexpr bool kHaveFp8Dpbf16 = false;
 #endif
 
-// The fp8 KV cache (--kv-cache-dtype fp8_e5m2): one byte per element, the
-// top byte of an IEEE fp16 (sign, 5 exponent bits, 2 mantissa bits), so
-// (uint16_t)byte << 8 read as fp16 is its exact value. Rows are dequantized
-// in registers as they are read; attention is exactly that over K/V as
-// float (bf16 holds every e5m2 value too: 8 exponent bits, 2 mantissa bits
-// used).
+// The fp8 KV caches (--kv-cache-dtype): one byte per element, no scale.
+// float8_e5m2 (sign, 5 exponent bits, 2 mantissa bits) is the top byte of
+// an IEEE fp16, so (uint16_t)byte << 8 read as fp16 is its exact value.
+// float8_e4m3fn (sign, 4 exponent bits with bias 7, 3 mantissa bits, no
+// inf, NaN only at 0x7F / 0xFF) is, shifted into an fp16's bits below its
+// top exponent bit, its value times 2^-8 (subnormals too), so widening
+// multiplies by 256 once (exact); its NaN bytes widen to 480 there (never
+// written from finite K/V: the write saturates at 448). Rows are
+// dequantized in registers as they are read; attention is exactly that
+// over K/V as float (bf16 holds every value of both formats too).
 template <typename T>
-constexpr bool kIsFp8 = std::is_same_v<T, at::Float8_e5m2>;
+constexpr bool kIsFp8 = std::is_same_v<T, at::Float8_e5m2> || std::is_same_v<T, at::Float8_e4m3fn>;
 // Cache / query dtype pairs whose AVX-512 (kWiden) items take the float32
 // kernels (run_staged's stage_tile_f32, run_inplace_f32; the AVX2 build's
 // run_inplace_f32_avx2): float32 over float32, and a query over an fp8
@@ -183,12 +187,26 @@ void block_scores(const float* __restrict q, const float* __restrict k, int64_t 
 
 // 8 consecutive cache elements as 8 floats (run_inplace_f32_avx2). An
 // e5m2 byte is the top byte of an IEEE fp16: zero-extended to 16 bits,
-// shifted up 8 and widened by F16C's vcvtph2ps, exactly.
+// shifted up 8 and widened by F16C's vcvtph2ps, exactly. An e4m3 byte,
+// sign-extended to 16 bits and shifted up 7, is S1EEEEMMM0000000: with
+// the 1 (bit 14, the fp16's top exponent bit) cleared it is the fp16 of
+// the value / 256.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Float8_e5m2* p) {
 #if defined(__F16C__)
   const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+inline __m256 load8(const at::Float8_e4m3fn* p) {
+#if defined(__F16C__)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(raw), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 #else
   alignas(32) float f[8];
   for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
@@ -305,6 +323,12 @@ inline __m512 load16(const at::Float8_e5m2* p) {  // bytes -> fp16 (<< 8) -> flo
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
 }
+inline __m512 load16(const at::Float8_e4m3fn* p) {  // bytes -> fp16 of value / 256 (see load8) -> float * 256, exact
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
 
 // v[0..15] -> one vector whose lane t is the horizontal sum of v[t].
 // Three rounds of interleave-and-add (45 instructions for 16 sums, against
@@ -375,10 +399,10 @@ inline int64_t pair_dim(int64_t e) {  // e in [0, 32)
 #endif
 
 #ifdef KVFERRY_FP8_DPBF16
-// ---- float8_e5m2 rows as bf16 pairs, for vdpbf16ps ----
+// ---- fp8 rows as bf16 pairs, for vdpbf16ps ----
 //
-// A byte's bf16 is exact (every e5m2 value, subnormals included, is a bf16
-// normal; inf and NaN stay so) and is a lookup on the byte's 7 low bits:
+// A byte's bf16 is exact (every e5m2 and e4m3 value, subnormals included,
+// is a bf16 normal; inf and NaN stay so) and is a lookup on the byte's 7 low bits:
 // vpermt2b with a 128-entry table in two registers gives the bf16's low
 // byte, another its high byte, the sign bit is ORed back into that (one
 // vpternlogd), and unpacking the two interleaves them into words, within
@@ -400,7 +424,24 @@ constexpr uint16_t fp8e5m2_bf16_bits(int i) {  // i: the byte without its sign b
   if (e == 0) return m == 0 ? 0 : m == 1 ? 0x3780 : m == 2 ? 0x3800 : 0x3840;  // m * 2^-16
   return static_cast<uint16_t>(((e + 112) << 7) | (m << 5));                    // 2^(e - 15) (1 + m / 4)
 }
+constexpr uint16_t fp8e4m3_bf16_bits(int i) {  // i: the byte without its sign bit
+  const int e = i >> 3, m = i & 7;
+  if (i == 0x7F) return 0x7FC0;  // NaN (e4m3fn has no inf)
+  if (e == 0) {                  // m * 2^-9: normalized as 1.f * 2^(-6 - s)
+    if (m == 0) return 0;
+    int s = 0;
+    while ((m << s) < 8) ++s;
+    return static_cast<uint16_t>(((121 - s) << 7) | (((m << s) & 7) << 4));
+  }
+  return static_cast<uint16_t>(((e + 120) << 7) | (m << 4));  // 2^(e - 7) (1 + m / 8)
+}
+template <typename T>
+constexpr uint16_t fp8_bf16_bits(int i) {
+  if constexpr (std::is_same_v<T, at::Float8_e5m2>) return fp8e5m2_bf16_bits(i);
+  else return fp8e4m3_bf16_bits(i);
+}
 
+template <typename T>  // at::Float8_e5m2 or at::Float8_e4m3fn
 struct Fp8Tables {
   alignas(64) uint8_t lo[128];  // the bf16's low byte, by the byte's 7 low bits
   alignas(64) uint8_t hi[128];  // its high byte, sign clear
@@ -416,8 +457,8 @@ struct Fp8Tables {
   alignas(64) uint8_t row[64];
   constexpr Fp8Tables() : lo(), hi(), pair_k(), pair_v(), row() {
     for (int i = 0; i < 128; ++i) {
-      lo[i] = static_cast<uint8_t>(fp8e5m2_bf16_bits(i) & 0xFF);
-      hi[i] = static_cast<uint8_t>(fp8e5m2_bf16_bits(i) >> 8);
+      lo[i] = static_cast<uint8_t>(fp8_bf16_bits<T>(i) & 0xFF);
+      hi[i] = static_cast<uint8_t>(fp8_bf16_bits<T>(i) >> 8);
     }
     for (int o = 0; o < 2; ++o) {
       for (int lane = 0; lane < 4; ++lane) {
@@ -433,14 +474,16 @@ struct Fp8Tables {
     }
   }
 };
-inline constexpr Fp8Tables kFp8{};
+template <typename T>
+inline constexpr Fp8Tables<T> kFp8{};
 
 inline __m512i fp8_table(const uint8_t* t) { return _mm512_load_si512(t); }
 
-// 64 e5m2 bytes -> their bf16 words: bytes 0-7 of each 128-bit lane into lo, 8-15 into hi.
+// 64 fp8 bytes (format T) -> their bf16 words: bytes 0-7 of each 128-bit lane into lo, 8-15 into hi.
+template <typename T>
 inline __attribute__((always_inline)) void fp8_to_bf16(__m512i x, __m512i& lo, __m512i& hi) {
-  const __m512i l = _mm512_permutex2var_epi8(fp8_table(kFp8.lo), x, fp8_table(kFp8.lo + 64));
-  const __m512i h = _mm512_permutex2var_epi8(fp8_table(kFp8.hi), x, fp8_table(kFp8.hi + 64));
+  const __m512i l = _mm512_permutex2var_epi8(fp8_table(kFp8<T>.lo), x, fp8_table(kFp8<T>.lo + 64));
+  const __m512i h = _mm512_permutex2var_epi8(fp8_table(kFp8<T>.hi), x, fp8_table(kFp8<T>.hi + 64));
   // h | (x & 0x80): the sign
   const __m512i hs = _mm512_ternarylogic_epi32(h, x, _mm512_set1_epi32(static_cast<int>(0x80808080u)), 0xF8);
   lo = _mm512_unpacklo_epi8(l, hs);
@@ -451,19 +494,21 @@ inline __attribute__((always_inline)) void fp8_to_bf16(__m512i x, __m512i& lo, _
 // low 32 bytes) -> the bf16 pairs of the pieces' 32-dim chunk o, as the
 // bf16 kernels build them from bf16 rows A, B: kV false (K, scores):
 // unpack{lo,hi}_epi32(A, B); kV true (V, P . V): unpack{lo,hi}_epi16(A, B).
-template <bool kV>
+template <bool kV, typename T>
 inline __attribute__((always_inline)) void fp8_pair(__m512i ra, __m512i rb, int o, __m512i& lo, __m512i& hi) {
-  const __m512i idx = fp8_table(kV ? kFp8.pair_v[o] : kFp8.pair_k[o]);
-  fp8_to_bf16(_mm512_permutex2var_epi8(ra, idx, rb), lo, hi);
+  const __m512i idx = fp8_table(kV ? kFp8<T>.pair_v[o] : kFp8<T>.pair_k[o]);
+  fp8_to_bf16<T>(_mm512_permutex2var_epi8(ra, idx, rb), lo, hi);
 }
 
 // One 64-byte row piece -> its dims 0-31 (lo) and 32-63 (hi) as bf16, in order.
+template <typename T>
 inline __attribute__((always_inline)) void fp8_row(__m512i r, __m512i& lo, __m512i& hi) {
-  fp8_to_bf16(_mm512_permutexvar_epi8(fp8_table(kFp8.row), r), lo, hi);
+  fp8_to_bf16<T>(_mm512_permutexvar_epi8(fp8_table(kFp8<T>.row), r), lo, hi);
 }
 
 // 64 bytes of a row (32 for a 32-byte row: the rest unread), or zero past a tile's n tokens.
-inline __attribute__((always_inline)) __m512i fp8_piece(const at::Float8_e5m2* p, int64_t bytes) {
+template <typename T>
+inline __attribute__((always_inline)) __m512i fp8_piece(const T* p, int64_t bytes) {
   if (bytes >= 64) return _mm512_loadu_si512(p);
   return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -511,8 +556,8 @@ inline void transpose16x16_epi32(const __m512i in[16], __m512i* __restrict out) 
 // so that a stripe sits contiguous in cache whatever blocks it spans. Rows
 // past the tile's n tokens are zero (never read from the cache: an unwritten
 // slot may hold NaN, and 0 * NaN would reach acc).
-// kFull: n == 16, loads without per-row tests. Rows of a float8_e5m2 cache
-// (T) are widened to float as they are staged (load16).
+// kFull: n == 16, loads without per-row tests. Rows of an fp8 cache (T)
+// are widened to float as they are staged (load16).
 template <bool kFull, typename T>
 inline void stage_tile_f32(const T* const* krows, const T* const* vrows, int64_t n, int64_t dim,
                            __m512i* __restrict kt, __m512i* __restrict vt) {
@@ -554,30 +599,30 @@ inline void stage_tile_bf16(const at::BFloat16* const* krows, const at::BFloat16
 #endif  // KVFERRY_AVX512_BF16
 
 #ifdef KVFERRY_FP8_DPBF16
-// stage_tile_bf16 for float8_e5m2 rows: the same kp and vp, the bytes
+// stage_tile_bf16 for fp8 rows (T: at::Float8_e5m2 / at::Float8_e4m3fn): the same kp and vp, the bytes
 // converted to bf16 on the way, a 64-dim piece of the rows at a time (K
 // rows by fp8_row, then transposed; V token pairs by fp8_pair, which gives
 // the unpacks of stage_tile_bf16 directly).
-template <bool kFull>
-inline void stage_tile_fp8(const at::Float8_e5m2* const* krows, const at::Float8_e5m2* const* vrows, int64_t n,
-                           int64_t dim, __m512i* __restrict kp, __m512i* __restrict vp) {
+template <bool kFull, typename T>
+inline void stage_tile_fp8(const T* const* krows, const T* const* vrows, int64_t n, int64_t dim,
+                           __m512i* __restrict kp, __m512i* __restrict vp) {
   const __m512i zero = _mm512_setzero_si512();
   const int64_t chunks = dim / 32;
   for (int64_t d0 = 0; d0 < dim; d0 += 64) {
     const int64_t bytes = std::min<int64_t>(64, dim - d0);  // 64, or 32 at the end of a head_dim of 32 (mod 64)
     const int64_t c0 = d0 / 32;                             // the piece's first 32-dim chunk
-    auto piece = [&](const at::Float8_e5m2* const* rows, int64_t t) __attribute__((always_inline)) {
+    auto piece = [&](const T* const* rows, int64_t t) __attribute__((always_inline)) {
       return kFull || t < n ? fp8_piece(rows[t] + d0, bytes) : zero;
     };
     __m512i in0[16], in1[16];
-    for (int64_t t = 0; t < kTile; ++t) fp8_row(piece(krows, t), in0[t], in1[t]);
+    for (int64_t t = 0; t < kTile; ++t) fp8_row<T>(piece(krows, t), in0[t], in1[t]);
     transpose16x16_epi32(in0, kp + 16 * c0);
     if (bytes == 64) transpose16x16_epi32(in1, kp + 16 * (c0 + 1));
     for (int64_t j = 0; j < kTile / 2; ++j) {
       const __m512i x = piece(vrows, 2 * j), y = piece(vrows, 2 * j + 1);
       __m512i* out = vp + (j * chunks + c0) * 2;
-      fp8_pair<true>(x, y, 0, out[0], out[1]);
-      if (bytes == 64) fp8_pair<true>(x, y, 1, out[2], out[3]);
+      fp8_pair<true, T>(x, y, 0, out[0], out[1]);
+      if (bytes == 64) fp8_pair<true, T>(x, y, 1, out[2], out[3]);
     }
   }
 }
@@ -1080,9 +1125,9 @@ inline const float* as_float<float>(const float* src, int64_t stride, int64_t, i
   return src;
 }
 #if defined(__AVX2__) && defined(__FMA__)
-template <>
-inline const float* as_float<at::Float8_e5m2>(const at::Float8_e5m2* src, int64_t stride, int64_t n, int64_t dim,
-                                             float* buf, int64_t& out_stride) {
+template <typename T>
+inline const float* fp8_as_float(const T* src, int64_t stride, int64_t n, int64_t dim, float* buf,
+                                 int64_t& out_stride) {
   for (int64_t t = 0; t < n; ++t) {
     int64_t d = 0;
     for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(buf + t * dim + d, load8(src + t * stride + d));
@@ -1090,6 +1135,16 @@ inline const float* as_float<at::Float8_e5m2>(const at::Float8_e5m2* src, int64_
   }
   out_stride = dim;
   return buf;
+}
+template <>
+inline const float* as_float<at::Float8_e5m2>(const at::Float8_e5m2* src, int64_t stride, int64_t n, int64_t dim,
+                                             float* buf, int64_t& out_stride) {
+  return fp8_as_float(src, stride, n, dim, buf, out_stride);
+}
+template <>
+inline const float* as_float<at::Float8_e4m3fn>(const at::Float8_e4m3fn* src, int64_t stride, int64_t n,
+                                               int64_t dim, float* buf, int64_t& out_stride) {
+  return fp8_as_float(src, stride, n, dim, buf, out_stride);
 }
 #endif
 
@@ -1403,8 +1458,9 @@ struct Attend {
         for (int c = 0; c < C; c += 2) {
           const __m512i a = kFull || 2 * p < n ? fp8_piece(base + 2 * p * row_stride + 32 * c, kDim) : zero;
           const __m512i b = kFull || 2 * p + 1 < n ? fp8_piece(base + (2 * p + 1) * row_stride + 32 * c, kDim) : zero;
-          fp8_pair<decltype(v_tag)::value>(a, b, 0, lo[c], hi[c]);
-          if (c + 1 < C) fp8_pair<decltype(v_tag)::value>(a, b, 1, lo[c + 1], hi[c + 1]);
+          using T = std::remove_cv_t<std::remove_pointer_t<decltype(base)>>;
+          fp8_pair<decltype(v_tag)::value, T>(a, b, 0, lo[c], hi[c]);
+          if (c + 1 < C) fp8_pair<decltype(v_tag)::value, T>(a, b, 1, lo[c + 1], hi[c + 1]);
         }
       };
 #endif
@@ -2222,6 +2278,8 @@ void dispatch_cache(Path path, const at::Tensor& q, const at::Tensor& k_cache, c
     case at::kHalf: return dispatch_path<at::Half, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
     case at::kFloat8_e5m2:
       return dispatch_path<at::Float8_e5m2, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
+    case at::kFloat8_e4m3fn:
+      return dispatch_path<at::Float8_e4m3fn, qscalar_t>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
 }
@@ -2230,7 +2288,8 @@ void dispatch_cache(Path path, const at::Tensor& q, const at::Tensor& k_cache, c
 // to bf16 in registers: fp8_to_bf16), takes vdpbf16ps where the CPU has it.
 bool takes_dpbf16(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim) {
   if (head_dim % 32 != 0 || q_dtype != at::kBFloat16) return false;
-  return (kHaveDpbf16 && cache_dtype == at::kBFloat16) || (kHaveFp8Dpbf16 && cache_dtype == at::kFloat8_e5m2);
+  return (kHaveDpbf16 && cache_dtype == at::kBFloat16) ||
+         (kHaveFp8Dpbf16 && (cache_dtype == at::kFloat8_e5m2 || cache_dtype == at::kFloat8_e4m3fn));
 }
 
 std::vector<int64_t> as_longs(const at::Tensor& t) {
@@ -2240,7 +2299,7 @@ std::vector<int64_t> as_longs(const at::Tensor& t) {
 
 // q [T, H, D] (rows may be strided), out [T, H, D] contiguous (same dtype: float32 / bfloat16 / float16; out written in
 // place, only the rows of the given sequences); k_cache, v_cache
-// [num_blocks, block_size, KVH, D] float32 / bfloat16 / float16 / float8_e5m2;
+// [num_blocks, block_size, KVH, D] float32 / bfloat16 / float16 / float8_e5m2 / float8_e4m3fn;
 // block_tables [S, max_blocks] int64; seq_lens, query_starts, query_lens [S]
 // int32 or int64.
 void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
