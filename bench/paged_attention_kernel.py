@@ -12,6 +12,7 @@ chunk length to find where SDPA overtakes the kernel.
 
     python bench/paged_attention_kernel.py --threads 1 --q-lens 1,4,8,16,32,64
     python bench/paged_attention_kernel.py --threads 2 --wall --layers 30 --no-torch   # cold K/V
+    python bench/paged_attention_kernel.py --threads 2 --wall --layers 30 --no-torch --kv-cache-dtype fp8_e4m3
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kvferry.model import paged_kernel
 from kvferry.model import attention
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.cpu_features import cpu_features
+from kvferry.model.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype
 
 
 def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int, dtype: torch.dtype) -> dict:
@@ -53,18 +55,19 @@ def _time(fn, repeats: int, clock=time.process_time) -> float:
 
 def run(args: argparse.Namespace, q_len: int) -> dict:
     dtype = getattr(torch, args.dtype)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, torch.device("cpu"), False)
     torch.manual_seed(0)
     t = args.batch * q_len
     per_seq = -(-(args.context + q_len) // args.block_size)
     num_blocks = args.batch * per_seq + 8
     # --layers caches, one per call in turn: with enough of them the K/V come
     # from memory, as in a forward pass (one layer's cache alone stays in L3).
-    caches = [torch.randn(2, num_blocks, args.block_size, args.kv_heads, args.head_dim).to(dtype)
+    caches = [to_cache_dtype(torch.randn(2, num_blocks, args.block_size, args.kv_heads, args.head_dim), cache_dtype)
               for _ in range(args.layers)]
     q = torch.randn(t, args.heads, args.head_dim).to(dtype)
     k = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
-    meta_args = _meta(args.batch, args.context, q_len, args.block_size, num_blocks, dtype)
+    meta_args = _meta(args.batch, args.context, q_len, args.block_size, num_blocks, cache_dtype)
     scale = args.head_dim ** -0.5
 
     def call(disable: bool):
@@ -98,6 +101,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the query's dtype), fp8_e4m3 or fp8_e5m2")
     ap.add_argument("--layers", type=int, default=1,
                     help="caches called in turn (30: K/V read from memory as in a forward pass; 1: warm in L3)")
     ap.add_argument("--repeats", type=int, default=20)
@@ -111,9 +115,10 @@ def main() -> None:
         attention._KERNEL_MAX_PREFILL_TOKENS = args.kernel_max_tokens
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, torch.device("cpu"), False)
     print(json.dumps({"cpu": cpu_features().describe(), "threads": args.threads, "dtype": args.dtype,
-                      "isa": paged_kernel.kernel_isa(),
-                      "path": paged_kernel.kernel_path(dtype, dtype, args.head_dim),
+                      "kv_cache_dtype": str(cache_dtype).removeprefix("torch."), "isa": paged_kernel.kernel_isa(),
+                      "path": paged_kernel.kernel_path(dtype, cache_dtype, args.head_dim),
                       "batch": args.batch, "context": args.context, "layers": args.layers}))
     for q_len in (int(x) for x in args.q_lens.split(",")):
         print(json.dumps(run(args, q_len)))
