@@ -161,10 +161,11 @@ class Steps:
     """Decode and prefill steps over a paged cache with contiguous block tables."""
 
     def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, prefill_tokens: int = 0) -> None:
         self.model, self.batch, self.context, self.block_size = model, batch, context, block_size
         self.blocks_per_req = -(-(context + 64) // block_size)
-        num_blocks = batch * self.blocks_per_req + 64
+        # Enough blocks for the decode batch and for prefill(prefill_tokens) (small batches too).
+        num_blocks = max(batch * self.blocks_per_req, -(-max(prefill_tokens, 512) // block_size)) + 64
         self.kv = allocate_kv_cache(model.config, num_blocks, block_size, cache_dtype or model.dtype)
         for layer in self.kv:  # context K/V: random, finite (one layer at a time: torch has no fp8 normal_)
             layer.copy_(torch.randn(layer.shape))
@@ -269,7 +270,7 @@ def main() -> None:
         from kvferry.model.kv_cache_dtype import resolve_kv_cache_dtype
         cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype, torch.device("cpu"), False)
     flops, kv_bytes = decode_step_work(model, args.batch, args.context, cache_dtype.itemsize)
-    steps = Steps(model, args.batch, args.context, cache_dtype=cache_dtype)
+    steps = Steps(model, args.batch, args.context, cache_dtype=cache_dtype, prefill_tokens=args.prefill_tokens)
     with torch.inference_mode():
         for i in range(3):
             steps.decode(i)  # warm-up: kernel build/load, allocator, oneDNN primitives
