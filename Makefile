@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 serve: $(STAMP)
 	$(VENV)/bin/kvferry serve --host 127.0.0.1 --port 8000
