@@ -26,6 +26,10 @@ SERVE_ARGS = [
     "--dtype", "float32",
     "--kv-cache-memory-gb", "0.5",
     "--check-kv-integrity",
+    # The warm-up is one full-size (2048-token) prefill, 5-8 s per engine core
+    # on a slow AVX2 CPU; these servers' tests do not time a cold first
+    # request (tests/engine/test_warm_up.py tests the warm-up itself).
+    "--no-warm-up",
     "--disable-uvicorn-access-log",
     "--log-level", "warning",
 ]
