@@ -72,6 +72,16 @@ def ipc_addresses() -> tuple[CoreAddresses, str]:
     return CoreAddresses(input=f"ipc://{folder}/input", output=f"ipc://{folder}/output"), folder
 
 
+def _core_process_main(**kwargs) -> None:
+    """The spawned core's entry point. The core (and with it torch, ~3 s to
+    import on a slow CPU) is imported here, in the child: a front end that
+    imported it only to name the target would pay that import before the
+    child could start its own."""
+    from kvferry.engine.core_proc import run_engine_core
+
+    run_engine_core(**kwargs)
+
+
 @dataclass
 class CoreProcess:
     """An engine core in a spawned process (no fork-inherited state: it gets
@@ -85,14 +95,12 @@ class CoreProcess:
     def start(cls, config: EngineConfig, name: str = "engine-0", check_integrity_when_idle: bool = False,
               log_level: str = "INFO", addresses: CoreAddresses | None = None,
               cpus: str | None = None) -> "CoreProcess":
-        from kvferry.engine.core_proc import run_engine_core  # torch: only the child runs it
-
         folder = None
         if addresses is None:
             addresses, folder = ipc_addresses()
         ctx = multiprocessing.get_context("spawn")
         process = ctx.Process(
-            target=run_engine_core, name=name, daemon=True,
+            target=_core_process_main, name=name, daemon=True,
             kwargs=dict(config=config, addresses=addresses, name=name, parent_pid=os.getpid(),
                         check_integrity_when_idle=check_integrity_when_idle, log_level=log_level, cpus=cpus),
         )

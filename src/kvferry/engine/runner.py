@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,8 +44,10 @@ from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
 from kvferry.spec.head import EagleHead, HeadProposer
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.spec.reserved import PLACEHOLDER_ID
-from kvferry.structured.backend import GrammarMatcher
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
+
+if TYPE_CHECKING:
+    from kvferry.structured.backend import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 

@@ -18,14 +18,16 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvferry.sampling import StructuredOutputsParams
-from kvferry.structured.backend import GrammarCompiler, GrammarMatcher
 from kvferry.structured.bitmask import allocate_bitmask
 from kvferry.structured.spec import GrammarSpec
+
+if TYPE_CHECKING:  # xgrammar (and transformers under it): ~1.3 s to import, so on first use
+    from kvferry.structured.backend import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class StepGrammars:
         """Raises ValueError when the grammar does not compile (the edge checks
         first, so this means the edge and the core disagree)."""
         if self._compiler is None:
+            from kvferry.structured.backend import GrammarCompiler
+
             self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size)
         return self._compiler.matcher(GrammarSpec.from_params(params))
 
