@@ -31,6 +31,7 @@ from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.cli import router_config_from
 from kvferry.serve.engine_client import AsyncEngineClient
+from kvferry.structured.spec import import_backend_in_background
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 READY_PREFIX = "kvferry serve: ready on "
@@ -72,6 +73,9 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         listen.close()
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
+    # In parallel with the core's start-up; its objects are exempted from GC
+    # as the rest of the start-up heap is (again: it may end after serving began).
+    import_backend_in_background(then=lambda: freeze_startup_heap("front end, xgrammar imported"))
     try:
         try:
             client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -83,6 +85,24 @@ class GrammarSpec:
     def choices(self) -> list[str]:
         assert self.kind == "choice"
         return json.loads(self.source)
+
+
+def import_backend_in_background(then: Callable[[], object] | None = None) -> threading.Thread:
+    """Import xgrammar (with torch and transformers under it: ~4 s on a slow
+    CPU) on a daemon thread, then call ``then``. A server's front end starts
+    it next to its engine core's start-up, so that neither its readiness nor
+    its first structured request waits for the import (a request that comes
+    sooner waits on Python's import lock for the rest of it)."""
+
+    def load() -> None:
+        import xgrammar  # noqa: F401
+
+        if then is not None:
+            then()
+
+    thread = threading.Thread(target=load, name="kvferry-import-xgrammar", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_compiles(spec: GrammarSpec, field: str) -> None:
