@@ -237,7 +237,7 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
     out = tmp_path / "served.json"
     code = main(["profile", "--url", server.base_url, "--new-tokens", "4,12", "--cached-tokens", "0,32",
                  "--batch-sizes", "1,2", "--context-lens", "8,24", "--decode-steps", "2", "--repeats", "2",
-                 "--output", str(out)])
+                 "--idle-gap", "0.1", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     assert data["served"] == server.base_url

@@ -63,10 +63,12 @@ def test_profile_tiny_model(tmp_path, capsys, request):
     assert png[:4] == b"\x89PNG" and len(png) > 20_000
 
 
-def test_profile_bad_grid_is_one_line(capsys):
-    assert main(["profile", "--cached-tokens", "0,10", "--block-size", "16"]) == 2
+@pytest.mark.parametrize("args,flag", [(["--cached-tokens", "0,10", "--block-size", "16"], "--cached-tokens"),
+                                       (["--idle-gap", "-1"], "--idle-gap"), (["--idle-gap", "nan"], "--idle-gap")])
+def test_profile_bad_grid_is_one_line(capsys, args, flag):
+    assert main(["profile", *args]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--cached-tokens" in err
+    assert err.count("\n") == 1 and flag in err
 
 
 # -- the robust fit ---------------------------------------------------------------

@@ -30,7 +30,7 @@ def test_disagg_profile_measures_host_sharing_and_simulate_applies_it(disagg, tm
     out = tmp_path / "disagg.json"
     code = main(["profile", "--url", disagg.base_url, "--new-tokens", "8,24", "--cached-tokens", "0,16",
                  "--batch-sizes", "1,2", "--context-lens", "8,24", "--decode-steps", "2", "--repeats", "1",
-                 "--output", str(out)])
+                 "--idle-gap", "0.1", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     assert "host sharing" in capsys.readouterr().out
     data = json.loads(out.read_text())

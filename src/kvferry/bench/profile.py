@@ -41,6 +41,8 @@ class ProfileGrid:
     decode_steps: int = 8
     repeats: int = 3
     seed: int = 0
+    # --url: how long the server idles before each first-token-delay request
+    idle_gap_s: float = 0.5
 
 
 class _Prompts:

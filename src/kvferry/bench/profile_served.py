@@ -67,7 +67,7 @@ client, these land where the simulator charges them:
   leaves while the engine already runs the next step on the same CPUs: the
   median TTFT of such requests (``LONG_MAX_TOKENS``) less that of one-token
   requests of the same (the grid's shortest) length, interleaved over many
-  pairs, each sent to a server idle for ``IDLE_GAP_S``, is
+  pairs, each sent to a server idle for ``idle_gap_s`` (``--idle-gap``), is
   ``first_token_delay_s``; the
   simulator adds it to a token that ends a request's phase (first, last)
   when its instance steps on.
@@ -99,8 +99,6 @@ from kvferry.bench.text import random_words
 # Tokens the first-token delay's requests ask for: enough that the engine
 # keeps stepping while the first token travels out.
 LONG_MAX_TOKENS = 4
-# How long the server idles before each first-token-delay request.
-IDLE_GAP_S = 0.5
 # What a decode stream of a mixed point asks for: more than it lives (it is
 # cancelled at the newcomer's first token), within any context length served.
 MIXED_STREAM_TOKENS = 256
@@ -434,20 +432,20 @@ async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, 
     return max(statistics.median(samples), 0.0)
 
 
-async def _first_token_delay(client, model, rng, repeats: int, new: int) -> float:
+async def _first_token_delay(client, model, rng, repeats: int, new: int, idle_gap_s: float) -> float:
     """How much later a first token reaches the client when the engine steps
     on after it (a request of ``LONG_MAX_TOKENS``) than when it idles (one
     token): medians over interleaved pairs of equal prompt length. A few ms
     (the front end's and the client's turn on CPUs the next step holds), so
     short prompts, whose TTFT varies least, and many pairs. Each request
-    finds the server idle for ``IDLE_GAP_S``, as a request of a moderate rate
+    finds the server idle for ``idle_gap_s``, as a request of a moderate rate
     does: measured on one server, the lag was ~0.4 ms for requests sent back
     to back and ~5 ms after 0.6 s idle."""
     one, more = [], []
     for _ in range(repeats):
-        await asyncio.sleep(IDLE_GAP_S)
+        await asyncio.sleep(idle_gap_s)
         one.append((await _prefill_sample(client, model, rng, new, 0))[0])
-        await asyncio.sleep(IDLE_GAP_S)
+        await asyncio.sleep(idle_gap_s)
         more.append((await _prefill_sample(client, model, rng, new, 0, LONG_MAX_TOKENS))[0])
     return max(statistics.median(more) - statistics.median(one), 0.0)
 
@@ -497,7 +495,7 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                   "host_sharing": host_sharing(apart, overhead),
                   "request_overhead_s": overhead, "request_overhead_from": overhead_from,
                   "first_token_delay_s": await _first_token_delay(client, model, rng, 3 * (grid.repeats + 2),
-                                                                  min(grid.new_tokens)),
+                                                                  min(grid.new_tokens), grid.idle_gap_s),
                   "step_noise": step_noise(prefill, prefill_fit, decode, decode_fit, mixed, mixed_fit),
                   "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
     result["quality"] = fit_quality(result)
