@@ -15,15 +15,16 @@ SAMPLES = 8
 
 
 def prompt(tag: str) -> str:
-    # ~170 tokens, all unique to this tag; equal length for every tag.
-    return " ".join(f"Record {i} of set {tag} holds value {i * 7 % 13}." for i in range(16)) + " Total:"
+    # ~110 tokens (a miss prefills them: ~0.4 s on a slow 2-core CPU, a hit
+    # a tenth of that), all unique to this tag; equal length for every tag.
+    return " ".join(f"Record {i} of set {tag} holds value {i * 7 % 13}." for i in range(10)) + " Total:"
 
 
 def latency(client, text: str) -> float:
     start = time.perf_counter()
     r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=text, max_tokens=1, temperature=0)
     elapsed = time.perf_counter() - start
-    assert r.usage.prompt_tokens > 150
+    assert r.usage.prompt_tokens > 100
     return elapsed
 
 
