@@ -225,7 +225,7 @@ def test_duration_and_max_time_bound_the_run(server, tmp_path):
     # process start-up, which a loaded 2-core box stretches.
     assert s["duration_s"] < 3.5, s["duration_s"]
     assert elapsed < 30, elapsed
-    server.wait_for_metric("kvferry:num_requests_running", lambda v: v == 0)  # the server aborted them
+    assert server.wait_for_metric("kvferry:num_requests_running", lambda v: v == 0) == 0  # the server aborted them
 
 
 def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys):
