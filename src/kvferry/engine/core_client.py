@@ -76,7 +76,11 @@ def _core_process_main(**kwargs) -> None:
     """The spawned core's entry point. The core (and with it torch, ~3 s to
     import on a slow CPU) is imported here, in the child: a front end that
     imported it only to name the target would pay that import before the
-    child could start its own."""
+    child could start its own. ``ps`` names the process by its role from
+    the start, not only once torch is in."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"kvferry: {kwargs['name']}")
     from kvferry.engine.core_proc import run_engine_core
 
     run_engine_core(**kwargs)
