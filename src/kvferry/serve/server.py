@@ -73,9 +73,10 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         listen.close()
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
-    # In parallel with the core's start-up; its objects are exempted from GC
-    # as the rest of the start-up heap is (again: it may end after serving began).
-    import_backend_in_background(then=lambda: freeze_startup_heap("front end, xgrammar imported"))
+    # In parallel with the core's start-up; joined before serving, so that
+    # no import runs beside uvicorn's own and the start-up heap frozen
+    # below holds its objects.
+    grammar_import = import_backend_in_background()
     try:
         try:
             client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
@@ -85,6 +86,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             listen.close()
             print(f"kvferry serve: error: {exc}", file=sys.stderr)
             return 2
+        grammar_import.join()
         try:
             return _serve(args, config, client, listen)
         finally:

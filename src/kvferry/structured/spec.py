@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -87,18 +86,15 @@ class GrammarSpec:
         return json.loads(self.source)
 
 
-def import_backend_in_background(then: Callable[[], object] | None = None) -> threading.Thread:
+def import_backend_in_background() -> threading.Thread:
     """Import xgrammar (with torch and transformers under it: ~4 s on a slow
-    CPU) on a daemon thread, then call ``then``. A server's front end starts
-    it next to its engine core's start-up, so that neither its readiness nor
-    its first structured request waits for the import (a request that comes
-    sooner waits on Python's import lock for the rest of it)."""
+    CPU) on a daemon thread. A server's front end starts it next to its
+    engine core's start-up and joins it before it serves, so that the import
+    overlaps the core's loading instead of delaying the first structured
+    request."""
 
     def load() -> None:
         import xgrammar  # noqa: F401
-
-        if then is not None:
-            then()
 
     thread = threading.Thread(target=load, name="kvferry-import-xgrammar", daemon=True)
     thread.start()
