@@ -64,7 +64,8 @@ def test_profile_tiny_model(tmp_path, capsys, request):
 
 
 @pytest.mark.parametrize("args,flag", [(["--cached-tokens", "0,10", "--block-size", "16"], "--cached-tokens"),
-                                       (["--idle-gap", "-1"], "--idle-gap"), (["--idle-gap", "nan"], "--idle-gap")])
+                                       (["--idle-gap", "-1"], "--idle-gap"), (["--idle-gap", "nan"], "--idle-gap"),
+                                       (["--idle-gap", "inf"], "--idle-gap")])
 def test_profile_bad_grid_is_one_line(capsys, args, flag):
     assert main(["profile", *args]) == 2
     err = capsys.readouterr().err

@@ -101,8 +101,8 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise BenchError(f"--cached-tokens: each must be a multiple of --block-size ({args.block_size})")
     if args.decode_steps < 1 or args.repeats < 1:
         raise BenchError("--decode-steps and --repeats must be >= 1")
-    if not args.idle_gap >= 0:
-        raise BenchError(f"--idle-gap must be >= 0 seconds, got {args.idle_gap}")
+    if not 0 <= args.idle_gap <= 60:  # NaN fails too; inf would never end
+        raise BenchError(f"--idle-gap must be between 0 and 60 seconds, got {args.idle_gap}")
     if len(grid.new_tokens) * len(grid.cached_tokens) < 4 or len(grid.batch_sizes) * len(grid.context_lens) < 3:
         raise BenchError("need at least 4 prefill points and 3 decode points to fit")
     if args.threads is not None and args.threads < 1:
