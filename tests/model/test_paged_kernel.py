@@ -429,3 +429,24 @@ def test_build_kernels_reports_each_build(kernel):  # kernel: skips where nothin
     lines = done.stdout.splitlines()
     assert "kvferry kernels: paged (native): ok" in lines and "kvferry kernels: fused (native): ok" in lines
     assert lines[-1].startswith("kvferry kernels: done in ")
+
+
+def test_a_build_leaves_the_next_builds_cache_names_alone(kernel, tmp_path):
+    # torch's load() appends its libraries to the flag lists it is handed: a
+    # build must not change the names (cache keys) of the builds after it.
+    code = """
+import sys
+from pathlib import Path
+from kvferry.model import paged_kernel as pk
+name = lambda: pk.extension_name("kvferry_other", Path(sys.argv[1]), pk._cflags())
+before = name()
+assert pk.try_load_library("kvferry_build_test", Path(sys.argv[1]), [], "a test library", "nothing")
+print(before == name())
+"""
+    source = tmp_path / "tiny.cpp"
+    source.write_text(_TINY_SOURCE)
+    env = {**__import__("os").environ, "KVFERRY_CACHE_DIR": str(tmp_path / "cache"), "KVFERRY_DISABLE_CPP_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", code, str(source)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "True"

@@ -190,7 +190,11 @@ def load_extension(name: str, build_dir: Path, source: Path, cflags: list[str], 
     _remove_stale_lock(build_dir / "lock")
     logger.info("building %s in %s (first use only)", what, build_dir)
     # is_python_module=False: the library registers its torch.ops.* on load.
-    load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=_LDFLAGS,
+    # Copies: load() appends torch's libraries to the lists it is given, and
+    # _LDFLAGS is part of every later build's cache name in this process (a
+    # cold process then named, built and cached each kernel after its first
+    # under another name than a warm one looks for).
+    load(name=name, sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=list(_LDFLAGS),
          build_directory=str(build_dir), is_python_module=False, verbose=False)
     return "built"
 
