@@ -72,7 +72,7 @@ def ipc_addresses() -> tuple[CoreAddresses, str]:
     return CoreAddresses(input=f"ipc://{folder}/input", output=f"ipc://{folder}/output"), folder
 
 
-def _core_process_main(**kwargs) -> None:
+def _core_process_main(name: str, **kwargs) -> None:
     """The spawned core's entry point. The core (and with it torch, ~3 s to
     import on a slow CPU) is imported here, in the child: a front end that
     imported it only to name the target would pay that import before the
@@ -80,10 +80,10 @@ def _core_process_main(**kwargs) -> None:
     the start, not only once torch is in."""
     import setproctitle
 
-    setproctitle.setproctitle(f"kvferry: {kwargs['name']}")
+    setproctitle.setproctitle(f"kvferry: {name}")
     from kvferry.engine.core_proc import run_engine_core
 
-    run_engine_core(**kwargs)
+    run_engine_core(name=name, **kwargs)
 
 
 @dataclass
