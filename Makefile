@@ -24,7 +24,8 @@ install: $(STAMP)
 
 test: $(STAMP)
 	# Loads when cached; after a kernel source change, builds. The AVX2 builds
-	# are what some kernel tests compare this CPU's build against.
+	# are what some kernel tests compare this CPU's build against (on a CPU
+	# without AVX-512, the native build itself: nothing more to compile).
 	$(PY) -m kvferry.model.build_kernels --isa native avx2
 	$(PY) -m pytest -q -ra --durations=15
 

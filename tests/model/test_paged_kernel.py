@@ -431,6 +431,24 @@ def test_build_kernels_reports_each_build(kernel):  # kernel: skips where nothin
     assert lines[-1].startswith("kvferry kernels: done in ")
 
 
+def test_the_avx2_build_is_the_native_one_only_without_avx512(monkeypatch):
+    """Without AVX-512, -mno-avx512f changes nothing: the AVX2 build shares
+    the native build's cache name (one compile), and build_kernels says so
+    instead of starting it. With AVX-512 they are two builds."""
+    from kvferry.model import build_kernels
+    from kvferry.model.cpu_features import cpu_features
+
+    names = {}
+    for isa in ("native", "avx2"):
+        monkeypatch.setenv("KVFERRY_KERNEL_ISA", isa)
+        names[isa] = paged_kernel._ext_name()
+    assert (names["native"] == names["avx2"]) == (not cpu_features().avx512)
+    if not cpu_features().avx512:
+        got = build_kernels.build(["avx2", "native"], ["paged"], 600.0)
+        assert ("avx2", "paged", "same build as native on this CPU") in got
+        assert len(got) == 2  # the native build ran, the AVX2 one did not
+
+
 def test_a_build_leaves_the_next_builds_cache_names_alone(kernel, tmp_path):
     # torch's load() appends its libraries to the flag lists it is handed: a
     # build must not change the names (cache keys) of the builds after it.

@@ -32,15 +32,22 @@ ISAS = ("native", "avx2")
 
 def build(isas: list[str], kernels: list[str], timeout_s: float) -> list[tuple[str, str, str]]:
     """Build each kernel for each ISA in parallel processes; returns
-    (isa, kernel, "ok" | "unavailable" | "failed: ...") per build."""
+    (isa, kernel, "ok" | "unavailable" | "same build as native on this CPU" | "failed: ...")
+    per build."""
     procs = []
+    results = []
+    if "native" in isas:
+        from kvferry.model.paged_kernel import isa_is_native
+
+        for isa in [i for i in isas if i != "native" and isa_is_native(i)]:
+            isas = [i for i in isas if i != isa]
+            results += [(isa, name, "same build as native on this CPU") for name in kernels]
     for isa in isas:
         env = {**os.environ, "KVFERRY_KERNEL_ISA": isa, "KVFERRY_DISABLE_CPP_KERNELS": "0"}
         for name in kernels:
             code = _LOADERS[name]
             procs.append((isa, name, subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
-    results = []
     deadline = time.monotonic() + timeout_s
     for isa, name, proc in procs:
         try:

@@ -21,7 +21,8 @@ product a call takes ("dpbf16", "avx512" or "portable").
 
 ``KVFERRY_KERNEL_ISA=avx2`` builds without AVX-512 (``-mno-avx512f``), so the
 AVX2 / portable path can be tested and timed on an AVX-512 machine; it is a
-separate build (its own cache folder). Read once per process: a process
+separate build (its own cache folder) there, and the native build itself on a
+CPU without AVX-512. Read once per process: a process
 loads one build of the op.
 
 or None when the kernel is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``, no
@@ -78,8 +79,16 @@ def kernel_isa() -> str:
     return isa
 
 
+def isa_is_native(isa: str) -> bool:
+    """Whether ``isa``'s build is this CPU's native build. Without AVX-512,
+    ``-mno-avx512f`` changes nothing, so the AVX2 build is the native one and
+    shares its cache name: one compile, not two (minutes on a slow CPU)."""
+    return isa == "native" or not cpu_features().avx512
+
+
 def _cflags() -> list[str]:
-    return _BASE_CFLAGS + _ISA_CFLAGS[kernel_isa()]
+    isa = kernel_isa()
+    return _BASE_CFLAGS + (_ISA_CFLAGS["native"] if isa_is_native(isa) else _ISA_CFLAGS[isa])
 
 
 def kernel_path(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> str | None:

@@ -42,7 +42,7 @@ def small_gemm_disabled() -> bool:
 
 def cpu_fits(dtype: torch.dtype) -> bool:
     """Whether the kernel for ``dtype`` beats oneDNN on this CPU, in this build."""
-    if paged_kernel.kernel_isa() != "native":
+    if not paged_kernel.isa_is_native(paged_kernel.kernel_isa()):
         return False
     flags = cpu_features().flags
     if dtype == torch.bfloat16:
