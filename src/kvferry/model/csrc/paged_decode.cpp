@@ -22,7 +22,11 @@
 // [<=16] = q . k * scale, an online softmax update in float32 (running max m,
 // sum l, accumulator acc [D] rescaled once per tile), acc += p . V.
 // Items are handed out longest first from a shared counter, so one thread
-// never ends up with all the long sequences.
+// never ends up with all the long sequences. In the AVX2 build, a float32
+// decode batch with enough sequences runs each sequence as one item over
+// all its KV heads (run_rows_f32_avx2): the heads' tiles of a block run back
+// to back, so the block is read as whole rows, contiguous, not as one
+// head's slice of each row (see attend_all).
 //
 // Builds, chosen at compile time (-march=native, or -mno-avx512f when
 // KVFERRY_KERNEL_ISA=avx2):
