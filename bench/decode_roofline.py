@@ -21,8 +21,9 @@ blocks are scattered, and K/V requested during the matmuls slows them by
 about its own read time (BENCHMARKS.md, session 15). So the run also reports
 the serial floor ``flops / peak + KV / scattered_bw``, where scattered_bw is
 what ``bench/scattered_read.c`` (built with gcc, if there is one) reads of
-the model's own KV blocks in random order, one head's rows at a time, on the
-same threads.
+the model's own KV blocks in random order, read as the kernel reads them
+(one head's rows at a time, or whole rows where its decode items cover all
+KV heads: the AVX2 build in float32), on the same threads.
 
 Also times one prefill-heavy step (``--prefill-tokens`` new tokens in chunks
 of 512) and, with ``--profile``, prints the torch profiler's operator table
@@ -84,15 +85,32 @@ def read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
     return num_bytes / best
 
 
+def kernel_reads_whole_rows(model: LlamaModel, cache_dtype: torch.dtype, batch: int, threads: int) -> bool:
+    """Whether the paged attention kernel's decode items cover all KV heads of
+    a sequence, reading its blocks as whole rows (the AVX2 build, a float32
+    cache, kv heads 2-8 and head_dim 32/64/128, at least 2 sequences a
+    thread; see csrc/paged_decode.cpp, attend_all), rather than one head's
+    slice of each row."""
+    from kvferry.model import paged_kernel
+    from kvferry.model.cpu_features import cpu_features
+
+    c = model.config
+    avx2_build = paged_kernel.kernel_isa() == "avx2" or not cpu_features().avx512
+    return (avx2_build and cache_dtype == torch.float32 and model.dtype == torch.float32
+            and 1 < c.num_key_value_heads <= 8 and c.head_dim in (32, 64, 128) and batch >= 2 * threads
+            and os.environ.get("KVFERRY_ATTN_ALL_HEADS_ITEMS", "") != "0")
+
+
 def scattered_read_bandwidth(model: LlamaModel, block_size: int, threads: int,
-                             itemsize: int | None = None) -> float | None:
+                             itemsize: int | None = None, whole_rows: bool = False) -> float | None:
     """Bytes/s that bench/scattered_read.c reads of this model's K (or V)
-    blocks of one layer in random order, one KV head's row slice at a time
-    with a software prefetch, as a decode work item reads them; None without
-    a C compiler with OpenMP."""
+    blocks of one layer in random order, with a software prefetch, as a
+    decode work item reads them: one KV head's row slice at a time, or whole
+    rows (``whole_rows``); None without a C compiler with OpenMP."""
     c = model.config
     itemsize = itemsize or model.dtype.itemsize  # the cache's element size
     row = c.num_key_value_heads * c.head_dim * itemsize
+    read = row if whole_rows else c.head_dim * itemsize
     if row % 64 or (c.head_dim * itemsize) % 64:
         return None
     source = Path(__file__).with_name("scattered_read.c")
@@ -101,7 +119,7 @@ def scattered_read_bandwidth(model: LlamaModel, block_size: int, threads: int,
         try:
             subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-o", exe, str(source)], check=True,
                            capture_output=True, timeout=120)
-            out = subprocess.run([exe, str(block_size * row), str(row), str(c.head_dim * itemsize), "64"],
+            out = subprocess.run([exe, str(block_size * row), str(row), str(read), "64"],
                                  check=True, capture_output=True, text=True, timeout=300,
                                  env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
         except (OSError, subprocess.SubprocessError):
@@ -280,8 +298,9 @@ def main() -> None:
         prefill_s, prefill_min_s = timed(lambda i: steps.prefill(args.prefill_tokens), max(3, args.repeats // 3))
         bw_read = read_bandwidth()
         peak = peak_matmul_flops(model)
+        whole_rows = kernel_reads_whole_rows(model, cache_dtype, args.batch, torch.get_num_threads())
         bw_scattered = scattered_read_bandwidth(model, steps.block_size, torch.get_num_threads(),
-                                                cache_dtype.itemsize)
+                                                cache_dtype.itemsize, whole_rows)
         bw = max(bw_copy, bw_read)
         floor_s = wbytes / bw
         memory_s, compute_s = (wbytes + kv_bytes) / bw, flops / peak
@@ -309,6 +328,7 @@ def main() -> None:
             serial_s = compute_s + kv_bytes / bw_scattered
             result |= {
                 "scattered_read_bw_gb_s": round(bw_scattered / 1e9, 2),
+                "scattered_read_of": "whole rows" if whole_rows else "one head's row slices",
                 "serial_floor_ms": round(serial_s * 1e3, 2),
                 "serial_floor_over_weight_floor": round(serial_s / floor_s, 2),
                 "decode_over_serial_floor": round(decode_s / serial_s, 2),
