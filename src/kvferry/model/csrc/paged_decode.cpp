@@ -2386,9 +2386,9 @@ constexpr int64_t kAllHeads = -1;
 // torch's threads. Where at least kMinAllHeadsItemsPerThread query blocks
 // per thread can (Attend::all_heads_item), each of those is one item over
 // every KV head instead. Measured (AVX2 build, Zen 1, 2 threads, float32,
-// K/V from memory): batch 32 at context 128-2048 0.6-0.72x the per-head
-// items' time, batch 4-8 0.78x; batch 2, where two items leave the threads
-// nothing to balance, 1.06-1.09x.
+// K/V from memory): batch 32 at context 128-2048 0.6-0.82x the per-head
+// items' time, batch 4-8 0.78-0.83x; batch 2, where two items leave the
+// threads nothing to balance, 1.03-1.09x.
 constexpr int64_t kMinAllHeadsItemsPerThread = 2;
 
 template <typename scalar_t, typename qscalar_t, Path kPath>
