@@ -11,6 +11,19 @@ from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import LlamaModel
 
 
+def scattered_tables(seq_lens, block_size, spare, gen):
+    """Block tables over a shuffled pool of just enough blocks plus ``spare``."""
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + spare
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
+    used = 0
+    for r, b in enumerate(blocks):
+        tables[r, :b] = ids[used:used + b]
+        used += b
+    return tables, num_blocks
+
+
 class PagedHarness:
     def __init__(self, model: LlamaModel, num_blocks: int = 64, block_size: int = 4, seed: int = 0,
                  cache_dtype: torch.dtype | None = None) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from kvferry.model import paged_kernel
 from kvferry.model.attention import AttentionMetadata, paged_attention
+from tests.model.paged_harness import scattered_tables
 
 
 @pytest.fixture(scope="module")
@@ -233,19 +234,6 @@ def _explicit(q, k_cache, v_cache, table, seq_len, q_start, q_len, scale, group)
     return torch.einsum("hjs,shd->jhd", probs, vals)
 
 
-def _scattered_tables(seq_lens, block_size, spare, gen):
-    """Block tables of shuffled block ids, ``spare`` blocks left unused: (tables, num_blocks)."""
-    blocks = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks) + spare
-    ids = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
-    used = 0
-    for r, b in enumerate(blocks):
-        tables[r, :b] = ids[used:used + b]
-        used += b
-    return tables, num_blocks
-
-
 def _multi_query_case(dtype, block_size, head_dim, seed):
     """Sequences with 1..17 query rows (decode, verify windows, chunks longer
     than a tile), scattered blocks, q a strided column slice, a gap row."""
@@ -253,7 +241,7 @@ def _multi_query_case(dtype, block_size, head_dim, seed):
     kv_heads, group = 3, 3
     q_lens, seq_lens = [1, 3, 5, 16, 17, 2], [40, 3, 37, 16, 50, 9]
     starts = [0, 1, 5, 10, 26, 44]  # row 4 belongs to no sequence
-    tables, num_blocks = _scattered_tables(seq_lens, block_size, 2, gen)
+    tables, num_blocks = scattered_tables(seq_lens, block_size, 2, gen)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     tokens = starts[-1] + q_lens[-1]
@@ -291,7 +279,7 @@ def test_all_heads_items_match_per_head_items(kernel, monkeypatch, kv_heads, gro
     gen = torch.Generator().manual_seed(kv_heads * 100 + head_dim + block_size)
     q_lens = [1] * 8 + [2, 9]
     seq_lens = [1, 15, 16, 17, 40, 100, 257, 300, 33, 60]
-    tables, num_blocks = _scattered_tables(seq_lens, block_size, 3, gen)
+    tables, num_blocks = scattered_tables(seq_lens, block_size, 3, gen)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     starts = [sum(q_lens[:r]) for r in range(len(q_lens))]

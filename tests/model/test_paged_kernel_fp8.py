@@ -8,6 +8,7 @@ import torch
 
 from kvferry.model import paged_kernel
 from kvferry.model.kv_cache_dtype import to_cache_dtype
+from tests.model.paged_harness import scattered_tables
 
 ISA = paged_kernel.kernel_isa()
 FORMATS = [torch.float8_e5m2, torch.float8_e4m3fn]
@@ -50,19 +51,6 @@ def fp8_values(shape, gen, fp8, spread=1.0):
     if fp8 == torch.float8_e4m3fn:
         x = torch.where((r > 0.08) & (r < 0.082), x * 400, x)
     return to_cache_dtype(x, fp8)
-
-
-def scattered_tables(seq_lens, block_size, spare, gen):
-    """Block tables over a shuffled pool of just enough blocks plus ``spare``."""
-    blocks = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks) + spare
-    ids = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
-    used = 0
-    for r, b in enumerate(blocks):
-        tables[r, :b] = ids[used:used + b]
-        used += b
-    return tables, num_blocks
 
 
 def make_case(q_lens, ctx_lens, kv_heads, group, head_dim, block_size, qdtype, seed, fp8, q_scale=1.0):
