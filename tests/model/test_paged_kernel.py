@@ -297,6 +297,60 @@ def test_all_heads_items_match_per_head_items(kernel, monkeypatch, kv_heads, gro
         torch.testing.assert_close(outs["1"][starts[r]:starts[r] + q_lens[r]].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def _staged_items_check(kernel, kv_heads, group, head_dim, block_size, cache_dtype):
+    """Items of 4 or more float32 query vectors (a group-1 verify window of
+    4, a verify window of 2 tokens, a chunk over cached context, a fresh
+    prompt split into query blocks) with the AVX2 build's staged groups and
+    with run()'s per-query loop (KVFERRY_ATTN_STAGED_AVX2=0): each within
+    1e-5 of a float64 softmax, and of each other. The long sequences span
+    several staged stripes; NaN fills every slot past a sequence's length,
+    so a row read there would poison its output."""
+    import os
+
+    gen = torch.Generator().manual_seed(kv_heads * 1000 + head_dim * 10 + block_size)
+    q_lens = [4, 2, 37, 70, 1]
+    seq_lens = [104, 302, 87, 70, 700]
+    tables, num_blocks = scattered_tables(seq_lens, block_size, 3, gen)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for r, n in enumerate(seq_lens):
+        for p in range(n):
+            k_cache[tables[r, p // block_size], p % block_size] = torch.randn(kv_heads, head_dim, generator=gen)
+            v_cache[tables[r, p // block_size], p % block_size] = torch.randn(kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    starts = [sum(q_lens[:r]) for r in range(len(q_lens))]
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen) * 2
+    args = (tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens), head_dim ** -0.5)
+    outs = {}
+    before = os.environ.get("KVFERRY_ATTN_STAGED_AVX2")
+    try:
+        for mode in ("1", "0"):
+            os.environ["KVFERRY_ATTN_STAGED_AVX2"] = mode
+            outs[mode] = torch.full(q.shape, 7.0)
+            kernel(q, k_cache, v_cache, *args, outs[mode])
+    finally:
+        if before is None:
+            os.environ.pop("KVFERRY_ATTN_STAGED_AVX2", None)
+        else:
+            os.environ["KVFERRY_ATTN_STAGED_AVX2"] = before
+    kf, vf = k_cache.float(), v_cache.float()
+    for mode, out in outs.items():
+        assert torch.isfinite(out).all(), mode
+        for r in range(len(seq_lens)):
+            expected = _explicit(q, kf, vf, tables[r], seq_lens[r], starts[r], q_lens[r], head_dim ** -0.5, group)
+            torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), expected, atol=1e-5,
+                                       rtol=1e-5, msg=lambda m, mode=mode, r=r: f"mode {mode} row {r}: {m}")
+    torch.testing.assert_close(outs["1"], outs["0"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size,cache_dtype",
+                         [(3, 3, 64, 16, torch.float32), (2, 1, 32, 5, torch.float32),
+                          (1, 4, 128, 16, torch.float32), (2, 2, 40, 8, torch.float32),
+                          (3, 3, 64, 16, torch.float8_e4m3fn)])
+def test_staged_items_match_the_per_query_loop(kernel, kv_heads, group, head_dim, block_size, cache_dtype):
+    _staged_items_check(kernel, kv_heads, group, head_dim, block_size, cache_dtype)
+
+
 def test_kernel_path_follows_the_cpu(kernel):
     from kvferry.model.cpu_features import cpu_features
 
@@ -313,10 +367,12 @@ def test_kernel_path_follows_the_cpu(kernel):
 _AVX2 = """
 import torch
 from kvferry.model import paged_kernel
-from tests.model.test_paged_kernel import _explicit, _multi_query_case
+from tests.model.test_paged_kernel import _explicit, _multi_query_case, _staged_items_check
 assert paged_kernel.kernel_isa() == "avx2"
 kernel = paged_kernel.get_paged_decode_kernel()
 assert kernel is not None
+_staged_items_check(kernel, 3, 3, 64, 16, torch.float32)
+_staged_items_check(kernel, 2, 2, 40, 8, torch.float8_e5m2)
 assert paged_kernel.kernel_path(torch.bfloat16, torch.bfloat16, 64) == "portable"
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     q, kc, vc, tables, seq_lens, starts, q_lens, group = _multi_query_case(dtype, 16, 64, 5)

@@ -287,6 +287,187 @@ void block_accumulate(float* __restrict acc, const float* __restrict p, const fl
   }
 }
 
+
+// ---- The staged float32 group of the AVX2 build (prefill chunks, verify windows) ----
+// The AVX2 counterpart of stage_tile_f32 / staged_group_f32: items of
+// kStageMinQueries or more float32 query vectors (a float32 query over a
+// float32 or fp8 cache) stage a tile of 16 tokens once for all of them, and
+// groups of up to 4 queries run over it with every product a float32 FMA.
+
+// 8 rows of 8 floats -> 8 vectors, vector i holding element i of each row.
+inline void transpose8x8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// One staged tile of 16 tokens, dim % 8 == 0: kt [dim][2], lane j of
+// kt[d][half] token 8 * half + j's dim d (8x8 transposes of the rows), so a
+// query's 16 scores are dim x 2 FMAs with q[d] broadcast and no horizontal
+// sum; vt [16][dim / 8], the V rows as they are, contiguous whatever blocks
+// the tile spans. Rows past n are zero, never read from the cache (an
+// unwritten slot may hold NaN, and 0 * NaN would reach acc). Rows of an fp8
+// cache (T) are widened to float as they are staged (load8).
+template <bool kFull, typename T>
+inline void stage_tile_f32_avx2(const T* const* krows, const T* const* vrows, int64_t n, int64_t dim,
+                                __m256* __restrict kt, __m256* __restrict vt) {
+  const __m256 zero = _mm256_setzero_ps();
+  auto row = [&](const T* const* rows, int64_t t, int64_t c) __attribute__((always_inline)) {
+    return kFull || t < n ? load8(rows[t] + 8 * c) : zero;
+  };
+  const int64_t chunks = dim / 8;
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t half = 0; half < 2; ++half) {
+      __m256 r[8];
+      for (int64_t j = 0; j < 8; ++j) r[j] = row(krows, 8 * half + j, c);
+      transpose8x8(r);
+      for (int64_t i = 0; i < 8; ++i) kt[(8 * c + i) * 2 + half] = r[i];
+    }
+    for (int64_t t = 0; t < kTile; ++t) vt[t * chunks + c] = row(vrows, t, c);
+  }
+}
+
+// Lazy rescaling as lazy_softmax's (kLazyRescale, AVX-512 builds): the
+// running max m moves only when a score passes it by more than this.
+constexpr float kLazyRescaleAvx2 = 8.f;
+#ifndef KVFERRY_SCORE_RUN
+#define KVFERRY_SCORE_RUN 16
+#endif
+constexpr int64_t kScoreRun = KVFERRY_SCORE_RUN;
+
+// Q float32 queries (q[k] [dim], scores scaled by `scale`) over `tiles`
+// staged tiles (stage_tile_f32_avx2; tile t at kt + t * 2 * dim, vt + t *
+// 2 * dim): the online softmax (m[k], l[k]) and acc[k] [dim] (natural order)
+// updated in place. visible[k]: the positions of the stripe query k sees
+// (visible[0] the most); tokens past them weigh 0.
+template <int Q>
+__attribute__((flatten)) inline void staged_group_f32_avx2(const float* const* q, float* const* acc, float* m,
+                                                           float* l, const int64_t* visible,
+                                                           const __m256* __restrict kt, const __m256* __restrict vt,
+                                                           int64_t tiles, int64_t dim, float scale) {
+  const int64_t chunks = dim / 8;
+  tiles = std::min(tiles, (visible[0] + kTile - 1) / kTile);
+  const __m256 lane_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 lane_hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 lsum[Q];  // per-lane partial sums of l; lane 0 starts with l[k]
+  for (int k = 0; k < Q; ++k) lsum[k] = _mm256_setr_ps(l[k], 0, 0, 0, 0, 0, 0, 0);
+  alignas(32) float pf[Q][kTile];  // this tile's weights; zero past the visible tokens
+  for (int64_t t = 0; t < tiles; ++t) {
+    const __m256* tk = kt + t * 2 * dim;
+    const __m256* tv = vt + t * 2 * dim;
+    // Scores: 2 x Q independent FMA chains, restarted every kScoreRun dims
+    // and summed (as staged_group_f32: one chain over a long head_dim rounds worse).
+    __m256 s[Q][2];
+    for (int64_t d0 = 0; d0 < dim; d0 += kScoreRun) {
+      __m256 c[Q][2];
+      for (int k = 0; k < Q; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
+      const int64_t d1 = std::min(dim, d0 + kScoreRun);
+      for (int64_t d = d0; d < d1; ++d) {
+        const __m256 k0 = tk[2 * d], k1 = tk[2 * d + 1];
+        for (int k = 0; k < Q; ++k) {
+          const __m256 b = _mm256_broadcast_ss(q[k] + d);
+          c[k][0] = _mm256_fmadd_ps(b, k0, c[k][0]);
+          c[k][1] = _mm256_fmadd_ps(b, k1, c[k][1]);
+        }
+      }
+      for (int k = 0; k < Q; ++k) {
+        for (int i = 0; i < 2; ++i) s[k][i] = d0 == 0 ? c[k][i] : _mm256_add_ps(s[k][i], c[k][i]);
+      }
+    }
+    // Softmax: p = exp(s - m) over the visible lanes.
+    float alpha[Q];
+    int64_t n_max = 0;
+    for (int k = 0; k < Q; ++k) {
+      const int64_t n = std::min(kTile, visible[k] - t * kTile);
+      alpha[k] = 1.f;
+      if (n <= 0) {
+        _mm256_store_ps(pf[k], _mm256_setzero_ps());
+        _mm256_store_ps(pf[k] + 8, _mm256_setzero_ps());
+        continue;
+      }
+      n_max = std::max(n_max, n);
+      const __m256 nv = _mm256_set1_ps(static_cast<float>(n));
+      const __m256 valid0 = _mm256_cmp_ps(lane_lo, nv, _CMP_LT_OQ), valid1 = _mm256_cmp_ps(lane_hi, nv, _CMP_LT_OQ);
+      const __m256 sc = _mm256_set1_ps(scale);
+      const __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(s[k][0], sc), valid0);
+      const __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(s[k][1], sc), valid1);
+      const __m256 bound = _mm256_set1_ps(m[k] + kLazyRescaleAvx2);
+      const __m256 over = _mm256_or_ps(_mm256_cmp_ps(s0, bound, _CMP_GT_OQ), _mm256_cmp_ps(s1, bound, _CMP_GT_OQ));
+      if (_mm256_movemask_ps(over)) {
+        __m256 mx = _mm256_max_ps(s0, s1);
+        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
+        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
+        const float tile_max = _mm256_cvtss_f32(mx);
+        alpha[k] = std::exp(m[k] - tile_max);  // exp(-inf) = 0 on the first tile
+        lsum[k] = _mm256_mul_ps(lsum[k], _mm256_set1_ps(alpha[k]));
+        m[k] = tile_max;
+      }
+      const __m256 mv = _mm256_set1_ps(m[k]);
+      // exp256 of -inf lanes is clamped, not 0: the mask zeroes them.
+      const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(s0, mv)), valid0);
+      const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(s1, mv)), valid1);
+      lsum[k] = _mm256_add_ps(lsum[k], _mm256_add_ps(p0, p1));
+      _mm256_store_ps(pf[k], p0);
+      _mm256_store_ps(pf[k] + 8, p1);
+    }
+    // P . V: acc = acc * alpha + p . V in passes of 16 dims (2 registers) per
+    // query, Q x 2 accumulators; tokens past every query's view are skipped.
+    __m256 av[Q];
+    for (int k = 0; k < Q; ++k) av[k] = _mm256_set1_ps(alpha[k]);
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+      __m256 o[Q][2];
+      for (int k = 0; k < Q; ++k) {
+        o[k][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[k] + 8 * c), av[k]);
+        o[k][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[k] + 8 * c + 8), av[k]);
+      }
+      for (int64_t j = 0; j < n_max; ++j) {
+        const __m256 v0 = tv[j * chunks + c], v1 = tv[j * chunks + c + 1];
+        for (int k = 0; k < Q; ++k) {
+          const __m256 p = _mm256_broadcast_ss(pf[k] + j);
+          o[k][0] = _mm256_fmadd_ps(p, v0, o[k][0]);
+          o[k][1] = _mm256_fmadd_ps(p, v1, o[k][1]);
+        }
+      }
+      for (int k = 0; k < Q; ++k) {
+        _mm256_storeu_ps(acc[k] + 8 * c, o[k][0]);
+        _mm256_storeu_ps(acc[k] + 8 * c + 8, o[k][1]);
+      }
+    }
+    if (c < chunks) {  // dim % 16 == 8
+      __m256 o[Q];
+      for (int k = 0; k < Q; ++k) o[k] = _mm256_mul_ps(_mm256_loadu_ps(acc[k] + 8 * c), av[k]);
+      for (int64_t j = 0; j < n_max; ++j) {
+        const __m256 v0 = tv[j * chunks + c];
+        for (int k = 0; k < Q; ++k) o[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(pf[k] + j), v0, o[k]);
+      }
+      for (int k = 0; k < Q; ++k) _mm256_storeu_ps(acc[k] + 8 * c, o[k]);
+    }
+  }
+  for (int k = 0; k < Q; ++k) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, lsum[k]);
+    float total = 0.f;
+    for (int j = 0; j < 8; ++j) total += lanes[j];
+    l[k] = total;
+  }
+}
+
 #else  // portable
 
 void block_scores(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n, int64_t dim,
@@ -1189,6 +1370,8 @@ constexpr int64_t kStripeBytes4 = 64 * 1024;
 // overlaps) fewer times. float32 at 16 tiles (128 KB) measured even with 8.
 constexpr int64_t kStripeBytes4Bf16 = 128 * 1024;
 constexpr int64_t kStripeBytes2 = 32 * 1024;
+// The AVX2 build's stripe (run_staged_avx2): a float32 tile is 128 * head_dim bytes.
+constexpr int64_t kStripeBytesAvx2 = 64 * 1024;
 
 // How many positions past the tile being read a work item prefetches.
 constexpr int64_t kPrefetchTokens = 32;
@@ -1320,6 +1503,9 @@ struct Attend {
   int64_t q_token_stride;  // between q's tokens (q may be a column slice of a wider tensor)
   int64_t num_heads, kv_heads, head_dim, group, block_size;
   float scale;
+  // The AVX2 build's staged items (run_staged_avx2); off: run()'s per-query
+  // loop (KVFERRY_ATTN_STAGED_AVX2=0, for tests and comparisons).
+  bool staged_avx2_enabled = true;
 
   // Positions requested ahead of the tile being read.
   static constexpr int64_t kAhead = kIsFp8<scalar_t> ? kPrefetchTokensFp8 : kPrefetchTokens;
@@ -1334,6 +1520,8 @@ struct Attend {
 #ifdef KVFERRY_AVX512
     std::vector<__m512i> kp, vp;  // the staged stripe (run_staged)
     std::vector<__m512> lvec;      // run_staged: per query, softmax sums per lane
+#elif defined(__AVX2__) && defined(__FMA__)
+    std::vector<__m256> kt8, vt8;  // the staged stripe (run_staged_avx2)
 #endif
   };
 
@@ -1371,7 +1559,6 @@ struct Attend {
     next = std::max(next, last);
   }
 
-#ifdef KVFERRY_AVX512
   // Row pointers of K and V for positions [start, start + n) of seq, wherever their blocks are.
   void tile_rows(const Seq& seq, int64_t h, int64_t start, int64_t n, const scalar_t** krows,
                  const scalar_t** vrows) const {
@@ -1384,6 +1571,8 @@ struct Attend {
       if (++off == block_size) off = 0, ++b;
     }
   }
+
+#ifdef KVFERRY_AVX512
 
   // Calls run_group(std::integral_constant<int, Q>, q, acc, m, l, visible)
   // for the item's queries that see any of positions [start, start + n),
@@ -2100,6 +2289,65 @@ struct Attend {
     st.store(w.m.data(), w.l.data());
   }
 
+  // Items of kStageMinQueries or more float32 query vectors over a float32
+  // or fp8 cache (prompt chunks, verify windows), head_dim % 8 == 0: a
+  // stripe of kStripeBytesAvx2 of tiles is staged once (stage_tile_f32_avx2:
+  // K transposed, V copied) and every group of up to 4 queries then runs over
+  // all of its tiles from cache (staged_group_f32_avx2). run()'s per-query
+  // loop instead reads each tile's rows once per query and reduces every
+  // score horizontally.
+  void run_staged_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    const int64_t D = head_dim, M = (j1 - j0) * group;
+    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t per_tile = 2 * D;  // vectors per staged tile, each of K and V
+    const int64_t stripe_tiles = std::max<int64_t>(1, kStripeBytesAvx2 / (2 * 32 * per_tile));
+    w.kt8.resize(stripe_tiles * per_tile);
+    w.vt8.resize(stripe_tiles * per_tile);
+    const scalar_t* krows[kTile];
+    const scalar_t* vrows[kTile];
+    int64_t prefetched = 0;
+    for (int64_t stripe = 0; stripe < end; stripe += stripe_tiles * kTile) {
+      const int64_t tokens = std::min(stripe_tiles * kTile, end - stripe);
+      const int64_t tiles = (tokens + kTile - 1) / kTile;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t start = stripe + t * kTile, n = std::min(kTile, end - start);
+        prefetch_ahead(seq, h, start + n, end, prefetched);
+        tile_rows(seq, h, start, n, krows, vrows);
+        __m256* kt = w.kt8.data() + t * per_tile;
+        __m256* vt = w.vt8.data() + t * per_tile;
+        if (n == kTile) stage_tile_f32_avx2<true>(krows, vrows, n, D, kt, vt);
+        else stage_tile_f32_avx2<false>(krows, vrows, n, D, kt, vt);
+      }
+      // The queries that see any of the stripe, from the last down (later
+      // queries see more: limits grow with i), in groups of up to 4.
+      for (int64_t top = M - 1; top >= 0 && w.limit[top] > stripe; top -= 4) {
+        const int q = static_cast<int>(std::min<int64_t>(4, top + 1));
+        const float* qs[4];
+        float* accs[4];
+        int64_t visible[4];
+        for (int k = 0; k < q; ++k) {
+          const int64_t i = top - k;
+          qs[k] = w.qf.data() + i * D;
+          accs[k] = w.acc.data() + i * D;
+          visible[k] = std::min(tokens, w.limit[i] - stripe);
+        }
+        float* ms = w.m.data() + top - (q - 1);  // queries top - q + 1 .. top, reversed below
+        float* ls = w.l.data() + top - (q - 1);
+        float mk[4], lk[4];
+        for (int k = 0; k < q; ++k) mk[k] = ms[q - 1 - k], lk[k] = ls[q - 1 - k];
+        const __m256* kt = w.kt8.data();
+        const __m256* vt = w.vt8.data();
+        switch (q) {
+          case 4: staged_group_f32_avx2<4>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
+          case 3: staged_group_f32_avx2<3>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
+          case 2: staged_group_f32_avx2<2>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
+          default: staged_group_f32_avx2<1>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale);
+        }
+        for (int k = 0; k < q; ++k) ms[q - 1 - k] = mk[k], ls[q - 1 - k] = lk[k];
+      }
+    }
+  }
+
   // Most KV heads an all-heads item takes (run_rows_f32_avx2).
   static constexpr int64_t kMaxRowHeads = 8;
 
@@ -2279,6 +2527,10 @@ struct Attend {
     // run_inplace_f32_avx2, as do those over an fp8 cache (any query).
     if constexpr (kPath == Path::kPortable && kWidenF32<scalar_t, qscalar_t>) {
       if (M < kStageMinQueries && try_inplace_f32_avx2(seq, j0, j1, h, w)) return finish(seq, j0, M, h, w);
+      if (M >= kStageMinQueries && D % 8 == 0 && staged_avx2_enabled) {
+        run_staged_avx2(seq, j0, j1, h, w);
+        return finish(seq, j0, M, h, w);
+      }
     }
 #endif
     if constexpr (kPath == Path::kPortable && !std::is_same_v<scalar_t, float>) {
@@ -2410,6 +2662,8 @@ void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& s
   const char* env = all_heads_blocks ? std::getenv("KVFERRY_ATTN_ALL_HEADS_ITEMS") : nullptr;
   const bool all_heads = all_heads_blocks >= kMinAllHeadsItemsPerThread * at::get_num_threads() &&
                          !(env && env[0] == '0');
+  const char* staged_env = std::getenv("KVFERRY_ATTN_STAGED_AVX2");
+  op.staged_avx2_enabled = !(staged_env && staged_env[0] == '0');
   each_block([&](int64_t s, int64_t j0, int64_t j1) {
     const int64_t context_len = seqs[s].seq_len - seqs[s].q_len;
     // Cost ~ context it reads x (its query tokens + the K/V read itself).
