@@ -53,7 +53,9 @@
 //     pairs, take the per-query loop of run().
 //   otherwise AVX2 (8 lanes; rows of other dtypes first converted into a
 //     per-thread float buffer) or portable loops; float32 decode items of
-//     1-3 query vectors at head_dim 32/64/128 take run_inplace_f32_avx2.
+//     1-3 query vectors at head_dim 32/64/128 take run_inplace_f32_avx2;
+//     float32 items of 8 or more (prompt chunks, verify windows) stage
+//     their tiles, K transposed as in staged_group_f32 (run_staged_avx2).
 //   A float8_e5m2 or float8_e4m3fn cache (--kv-cache-dtype fp8_e5m2 /
 //   fp8_e4m3; every value of either is exact in bf16 and in float) is
 //   dequantized in registers as its rows are read, and attention is exactly that over the
@@ -317,11 +319,11 @@ inline void transpose8x8(__m256 r[8]) {
 // One staged tile of 16 tokens, dim % 8 == 0: kt [dim][2], lane j of
 // kt[d][half] token 8 * half + j's dim d (8x8 transposes of the rows), so a
 // query's 16 scores are dim x 2 FMAs with q[d] broadcast and no horizontal
-// sum; vt [16][dim / 8], the V rows as they are, contiguous whatever blocks
-// the tile spans. Rows past n are zero, never read from the cache (an
-// unwritten slot may hold NaN, and 0 * NaN would reach acc). Rows of an fp8
-// cache (T) are widened to float as they are staged (load8).
-template <bool kFull, typename T>
+// sum. K rows past n are zero, never read from the cache (an unwritten slot
+// may hold NaN, and 0 * NaN would reach a score). Rows of an fp8 cache (T)
+// are widened to float as they are staged (load8), V's too: vt [16][dim /
+// 8] (kCopyV); a float32 cache's V rows are read in place.
+template <bool kFull, bool kCopyV, typename T>
 inline void stage_tile_f32_avx2(const T* const* krows, const T* const* vrows, int64_t n, int64_t dim,
                                 __m256* __restrict kt, __m256* __restrict vt) {
   const __m256 zero = _mm256_setzero_ps();
@@ -336,28 +338,32 @@ inline void stage_tile_f32_avx2(const T* const* krows, const T* const* vrows, in
       transpose8x8(r);
       for (int64_t i = 0; i < 8; ++i) kt[(8 * c + i) * 2 + half] = r[i];
     }
-    for (int64_t t = 0; t < kTile; ++t) vt[t * chunks + c] = row(vrows, t, c);
+    if constexpr (kCopyV) {
+      for (int64_t t = 0; t < kTile; ++t) vt[t * chunks + c] = row(vrows, t, c);
+    }
   }
 }
 
 // Lazy rescaling as lazy_softmax's (kLazyRescale, AVX-512 builds): the
 // running max m moves only when a score passes it by more than this.
 constexpr float kLazyRescaleAvx2 = 8.f;
-#ifndef KVFERRY_SCORE_RUN
-#define KVFERRY_SCORE_RUN 16
-#endif
-constexpr int64_t kScoreRun = KVFERRY_SCORE_RUN;
+// Dims per score chain before it is restarted and summed: runs of 32
+// measured 3.6x the tests' 1e-4 tolerance against a float64 softmax (fp8
+// e4m3 cache, peaked scores); runs of 16 pass, at the same speed.
+constexpr int64_t kScoreRun = 16;
 
 // Q float32 queries (q[k] [dim], scores scaled by `scale`) over `tiles`
-// staged tiles (stage_tile_f32_avx2; tile t at kt + t * 2 * dim, vt + t *
-// 2 * dim): the online softmax (m[k], l[k]) and acc[k] [dim] (natural order)
-// updated in place. visible[k]: the positions of the stripe query k sees
-// (visible[0] the most); tokens past them weigh 0.
+// staged tiles (stage_tile_f32_avx2; tile t's K at kt + t * 2 * dim, its
+// token j's V row at vrows[16 * t + j]): the online softmax (m[k], l[k])
+// and acc[k] [dim] (natural order) updated in place. visible[k]: the
+// positions of the stripe query k sees (visible[0] the most); tokens past
+// them weigh 0, and V rows past every query's view are never read.
 template <int Q>
 __attribute__((flatten)) inline void staged_group_f32_avx2(const float* const* q, float* const* acc, float* m,
                                                            float* l, const int64_t* visible,
-                                                           const __m256* __restrict kt, const __m256* __restrict vt,
-                                                           int64_t tiles, int64_t dim, float scale) {
+                                                           const __m256* __restrict kt,
+                                                           const float* const* __restrict vrows, int64_t tiles,
+                                                           int64_t dim, float scale) {
   const int64_t chunks = dim / 8;
   tiles = std::min(tiles, (visible[0] + kTile - 1) / kTile);
   const __m256 lane_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -368,7 +374,7 @@ __attribute__((flatten)) inline void staged_group_f32_avx2(const float* const* q
   alignas(32) float pf[Q][kTile];  // this tile's weights; zero past the visible tokens
   for (int64_t t = 0; t < tiles; ++t) {
     const __m256* tk = kt + t * 2 * dim;
-    const __m256* tv = vt + t * 2 * dim;
+    const float* const* tv = vrows + t * kTile;
     // Scores: 2 x Q independent FMA chains, restarted every kScoreRun dims
     // and summed (as staged_group_f32: one chain over a long head_dim rounds worse).
     __m256 s[Q][2];
@@ -437,7 +443,7 @@ __attribute__((flatten)) inline void staged_group_f32_avx2(const float* const* q
         o[k][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[k] + 8 * c + 8), av[k]);
       }
       for (int64_t j = 0; j < n_max; ++j) {
-        const __m256 v0 = tv[j * chunks + c], v1 = tv[j * chunks + c + 1];
+        const __m256 v0 = _mm256_loadu_ps(tv[j] + 8 * c), v1 = _mm256_loadu_ps(tv[j] + 8 * c + 8);
         for (int k = 0; k < Q; ++k) {
           const __m256 p = _mm256_broadcast_ss(pf[k] + j);
           o[k][0] = _mm256_fmadd_ps(p, v0, o[k][0]);
@@ -453,7 +459,7 @@ __attribute__((flatten)) inline void staged_group_f32_avx2(const float* const* q
       __m256 o[Q];
       for (int k = 0; k < Q; ++k) o[k] = _mm256_mul_ps(_mm256_loadu_ps(acc[k] + 8 * c), av[k]);
       for (int64_t j = 0; j < n_max; ++j) {
-        const __m256 v0 = tv[j * chunks + c];
+        const __m256 v0 = _mm256_loadu_ps(tv[j] + 8 * c);
         for (int k = 0; k < Q; ++k) o[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(pf[k] + j), v0, o[k]);
       }
       for (int k = 0; k < Q; ++k) _mm256_storeu_ps(acc[k] + 8 * c, o[k]);
@@ -1370,8 +1376,16 @@ constexpr int64_t kStripeBytes4 = 64 * 1024;
 // overlaps) fewer times. float32 at 16 tiles (128 KB) measured even with 8.
 constexpr int64_t kStripeBytes4Bf16 = 128 * 1024;
 constexpr int64_t kStripeBytes2 = 32 * 1024;
-// The AVX2 build's stripe (run_staged_avx2): a float32 tile is 128 * head_dim bytes.
+// The AVX2 build's staged items (run_staged_avx2). Stripes: a float32 tile
+// is 128 * head_dim bytes (K and V); 16, 32, 64 and 128 KB measured the
+// same within noise (2 threads, a 2048-token prompt). From how many query
+// vectors an item stages (below, run()'s per-query loop), measured (2
+// threads, batch 32, context 384, head_dim 64, against that loop): G = 3
+// verify windows of 2 / 3 / 4 / 8 tokens (M = 6 / 9 / 12 / 24) 1.0x /
+// 0.9x / 0.86x / 0.79x the time; G = 1, M = 4 1.04x, M = 8 0.88-0.94x.
+// Prompts: 512 and 2048 tokens 0.69x, 256 over 768 cached 0.69x.
 constexpr int64_t kStripeBytesAvx2 = 64 * 1024;
+constexpr int64_t kStageMinQueriesAvx2 = 8;
 
 // How many positions past the tile being read a work item prefetches.
 constexpr int64_t kPrefetchTokens = 32;
@@ -1522,6 +1536,7 @@ struct Attend {
     std::vector<__m512> lvec;      // run_staged: per query, softmax sums per lane
 #elif defined(__AVX2__) && defined(__FMA__)
     std::vector<__m256> kt8, vt8;  // the staged stripe (run_staged_avx2)
+    std::vector<const float*> vrow8;  // its V rows, staged or in place
 #endif
   };
 
@@ -2289,20 +2304,24 @@ struct Attend {
     st.store(w.m.data(), w.l.data());
   }
 
-  // Items of kStageMinQueries or more float32 query vectors over a float32
-  // or fp8 cache (prompt chunks, verify windows), head_dim % 8 == 0: a
-  // stripe of kStripeBytesAvx2 of tiles is staged once (stage_tile_f32_avx2:
-  // K transposed, V copied) and every group of up to 4 queries then runs over
-  // all of its tiles from cache (staged_group_f32_avx2). run()'s per-query
-  // loop instead reads each tile's rows once per query and reduces every
-  // score horizontally.
+  // Items of kStageMinQueriesAvx2 or more float32 query vectors over a
+  // float32 or fp8 cache (prompt chunks, verify windows), head_dim % 8 ==
+  // 0: a stripe of kStripeBytesAvx2 of tiles is staged once
+  // (stage_tile_f32_avx2: K transposed; an fp8 cache's V widened, a float32
+  // cache's read in place) and every group of up to 4 queries then runs
+  // over all of its tiles (staged_group_f32_avx2). run()'s per-query loop
+  // instead reads each tile's rows once per query and reduces every score
+  // horizontally.
   void run_staged_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t D = head_dim, M = (j1 - j0) * group;
     const int64_t end = seq.seq_len - seq.q_len + j1;
     const int64_t per_tile = 2 * D;  // vectors per staged tile, each of K and V
     const int64_t stripe_tiles = std::max<int64_t>(1, kStripeBytesAvx2 / (2 * 32 * per_tile));
+    // V rows of an fp8 cache are widened into the stripe; a float32 cache's are read in place.
+    constexpr bool kCopyV = !std::is_same_v<scalar_t, float>;
     w.kt8.resize(stripe_tiles * per_tile);
-    w.vt8.resize(stripe_tiles * per_tile);
+    if constexpr (kCopyV) w.vt8.resize(stripe_tiles * per_tile);
+    w.vrow8.resize(stripe_tiles * kTile);
     const scalar_t* krows[kTile];
     const scalar_t* vrows[kTile];
     int64_t prefetched = 0;
@@ -2314,9 +2333,13 @@ struct Attend {
         prefetch_ahead(seq, h, start + n, end, prefetched);
         tile_rows(seq, h, start, n, krows, vrows);
         __m256* kt = w.kt8.data() + t * per_tile;
-        __m256* vt = w.vt8.data() + t * per_tile;
-        if (n == kTile) stage_tile_f32_avx2<true>(krows, vrows, n, D, kt, vt);
-        else stage_tile_f32_avx2<false>(krows, vrows, n, D, kt, vt);
+        __m256* vt = kCopyV ? w.vt8.data() + t * per_tile : nullptr;
+        if (n == kTile) stage_tile_f32_avx2<true, kCopyV>(krows, vrows, n, D, kt, vt);
+        else stage_tile_f32_avx2<false, kCopyV>(krows, vrows, n, D, kt, vt);
+        for (int64_t j = 0; j < n; ++j) {
+          if constexpr (kCopyV) w.vrow8[t * kTile + j] = reinterpret_cast<const float*>(vt + j * (D / 8));
+          else w.vrow8[t * kTile + j] = reinterpret_cast<const float*>(vrows[j]);
+        }
       }
       // The queries that see any of the stripe, from the last down (later
       // queries see more: limits grow with i), in groups of up to 4.
@@ -2336,7 +2359,7 @@ struct Attend {
         float mk[4], lk[4];
         for (int k = 0; k < q; ++k) mk[k] = ms[q - 1 - k], lk[k] = ls[q - 1 - k];
         const __m256* kt = w.kt8.data();
-        const __m256* vt = w.vt8.data();
+        const float* const* vt = w.vrow8.data();
         switch (q) {
           case 4: staged_group_f32_avx2<4>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
           case 3: staged_group_f32_avx2<3>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
@@ -2524,10 +2547,11 @@ struct Attend {
 #endif
 #if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
     // The AVX2 build: decode items of 1-3 float32 query vectors take
-    // run_inplace_f32_avx2, as do those over an fp8 cache (any query).
+    // run_inplace_f32_avx2, as do those over an fp8 cache (any query);
+    // items of kStageMinQueriesAvx2 or more take run_staged_avx2.
     if constexpr (kPath == Path::kPortable && kWidenF32<scalar_t, qscalar_t>) {
       if (M < kStageMinQueries && try_inplace_f32_avx2(seq, j0, j1, h, w)) return finish(seq, j0, M, h, w);
-      if (M >= kStageMinQueries && D % 8 == 0 && staged_avx2_enabled) {
+      if (M >= kStageMinQueriesAvx2 && D % 8 == 0 && staged_avx2_enabled) {
         run_staged_avx2(seq, j0, j1, h, w);
         return finish(seq, j0, M, h, w);
       }
