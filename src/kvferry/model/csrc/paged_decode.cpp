@@ -1587,6 +1587,29 @@ struct Attend {
     }
   }
 
+  // The staged kernels' walk over positions [0, end) of seq for head h, in
+  // stripes of stripe_tiles tiles: stage(t, n, krows, vrows) for each tile
+  // t of a stripe (n rows, their K and V row pointers, prefetched ahead),
+  // then groups(stripe, tokens, tiles) once the stripe is staged.
+  template <typename Stage, typename Groups>
+  void for_each_stripe(const Seq& seq, int64_t h, int64_t end, int64_t stripe_tiles, Stage&& stage,
+                       Groups&& groups) const {
+    const scalar_t* krows[kTile];
+    const scalar_t* vrows[kTile];
+    int64_t prefetched = 0;
+    for (int64_t stripe = 0; stripe < end; stripe += stripe_tiles * kTile) {
+      const int64_t tokens = std::min(stripe_tiles * kTile, end - stripe);
+      const int64_t tiles = (tokens + kTile - 1) / kTile;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t start = stripe + t * kTile, n = std::min(kTile, end - start);
+        prefetch_ahead(seq, h, start + n, end, prefetched);
+        tile_rows(seq, h, start, n, krows, vrows);
+        stage(t, n, krows, vrows);
+      }
+      groups(stripe, tokens, tiles);
+    }
+  }
+
 #ifdef KVFERRY_AVX512
 
   // Calls run_group(std::integral_constant<int, Q>, q, acc, m, l, visible)
@@ -2051,35 +2074,27 @@ struct Attend {
                                  (2 * 64 * per_tile));
     w.kp.resize(stripe_tiles * per_tile);
     w.vp.resize(stripe_tiles * per_tile);
-    const scalar_t* krows[kTile];
-    const scalar_t* vrows[kTile];
-    int64_t prefetched = 0;
-    for (int64_t stripe = 0; stripe < end; stripe += stripe_tiles * kTile) {
-      const int64_t tokens = std::min(stripe_tiles * kTile, end - stripe);
-      const int64_t tiles = (tokens + kTile - 1) / kTile;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t start = stripe + t * kTile, n = std::min(kTile, end - start);
-        prefetch_ahead(seq, h, start + n, end, prefetched);
-        tile_rows(seq, h, start, n, krows, vrows);
-        __m512i* kp = w.kp.data() + t * per_tile;
-        __m512i* vp = w.vp.data() + t * per_tile;
-        if constexpr (kPath == Path::kDpbf16 && kIsFp8<scalar_t>) {
+    auto stage = [&](int64_t t, int64_t n, const scalar_t* const* krows, const scalar_t* const* vrows) {
+      __m512i* kp = w.kp.data() + t * per_tile;
+      __m512i* vp = w.vp.data() + t * per_tile;
+      if constexpr (kPath == Path::kDpbf16 && kIsFp8<scalar_t>) {
 #ifdef KVFERRY_FP8_DPBF16
-          if (n == kTile) stage_tile_fp8<true>(krows, vrows, n, D, kp, vp);
-          else stage_tile_fp8<false>(krows, vrows, n, D, kp, vp);
+        if (n == kTile) stage_tile_fp8<true>(krows, vrows, n, D, kp, vp);
+        else stage_tile_fp8<false>(krows, vrows, n, D, kp, vp);
 #endif
-        } else if constexpr (kPath == Path::kDpbf16) {
+      } else if constexpr (kPath == Path::kDpbf16) {
 #ifdef KVFERRY_AVX512_BF16
-          const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
-          const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
-          if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, kp, vp);
-          else stage_tile_bf16<false>(kb, vb, n, D, kp, vp);
+        const auto* kb = reinterpret_cast<const at::BFloat16* const*>(krows);
+        const auto* vb = reinterpret_cast<const at::BFloat16* const*>(vrows);
+        if (n == kTile) stage_tile_bf16<true>(kb, vb, n, D, kp, vp);
+        else stage_tile_bf16<false>(kb, vb, n, D, kp, vp);
 #endif
-        } else {
-          if (n == kTile) stage_tile_f32<true>(krows, vrows, n, D, kp, vp);
-          else stage_tile_f32<false>(krows, vrows, n, D, kp, vp);
-        }
+      } else {
+        if (n == kTile) stage_tile_f32<true>(krows, vrows, n, D, kp, vp);
+        else stage_tile_f32<false>(krows, vrows, n, D, kp, vp);
       }
+    };
+    auto groups = [&](int64_t stripe, int64_t tokens, int64_t tiles) {
       for_query_groups(seq, j0, h, stripe, tokens, max_group, w, [&](auto tag, auto&&... a) {
         constexpr int Q = decltype(tag)::value;
         const __m512i* kp = w.kp.data();
@@ -2103,7 +2118,8 @@ struct Attend {
           else staged_group_f32<Q, 0>(a..., kp, vp, tiles, D, scale);
         }
       });
-    }
+    };
+    for_each_stripe(seq, h, end, stripe_tiles, stage, groups);
   }
 #endif
 
@@ -2322,53 +2338,45 @@ struct Attend {
     w.kt8.resize(stripe_tiles * per_tile);
     if constexpr (kCopyV) w.vt8.resize(stripe_tiles * per_tile);
     w.vrow8.resize(stripe_tiles * kTile);
-    const scalar_t* krows[kTile];
-    const scalar_t* vrows[kTile];
-    int64_t prefetched = 0;
-    for (int64_t stripe = 0; stripe < end; stripe += stripe_tiles * kTile) {
-      const int64_t tokens = std::min(stripe_tiles * kTile, end - stripe);
-      const int64_t tiles = (tokens + kTile - 1) / kTile;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t start = stripe + t * kTile, n = std::min(kTile, end - start);
-        prefetch_ahead(seq, h, start + n, end, prefetched);
-        tile_rows(seq, h, start, n, krows, vrows);
-        __m256* kt = w.kt8.data() + t * per_tile;
-        __m256* vt = kCopyV ? w.vt8.data() + t * per_tile : nullptr;
-        if (n == kTile) stage_tile_f32_avx2<true, kCopyV>(krows, vrows, n, D, kt, vt);
-        else stage_tile_f32_avx2<false, kCopyV>(krows, vrows, n, D, kt, vt);
-        for (int64_t j = 0; j < n; ++j) {
-          if constexpr (kCopyV) w.vrow8[t * kTile + j] = reinterpret_cast<const float*>(vt + j * (D / 8));
-          else w.vrow8[t * kTile + j] = reinterpret_cast<const float*>(vrows[j]);
-        }
+    auto stage = [&](int64_t t, int64_t n, const scalar_t* const* krows, const scalar_t* const* vrows) {
+      __m256* kt = w.kt8.data() + t * per_tile;
+      __m256* vt = kCopyV ? w.vt8.data() + t * per_tile : nullptr;
+      if (n == kTile) stage_tile_f32_avx2<true, kCopyV>(krows, vrows, n, D, kt, vt);
+      else stage_tile_f32_avx2<false, kCopyV>(krows, vrows, n, D, kt, vt);
+      for (int64_t j = 0; j < n; ++j) {
+        if constexpr (kCopyV) w.vrow8[t * kTile + j] = reinterpret_cast<const float*>(vt + j * (D / 8));
+        else w.vrow8[t * kTile + j] = reinterpret_cast<const float*>(vrows[j]);
       }
-      // The queries that see any of the stripe, from the last down (later
-      // queries see more: limits grow with i), in groups of up to 4.
+    };
+    // The queries that see any of the stripe, from the last down (later
+    // queries see more: limits grow with i), in groups of up to 4.
+    auto groups = [&](int64_t stripe, int64_t tokens, int64_t tiles) {
       for (int64_t top = M - 1; top >= 0 && w.limit[top] > stripe; top -= 4) {
         const int q = static_cast<int>(std::min<int64_t>(4, top + 1));
         const float* qs[4];
         float* accs[4];
+        float ms[4], ls[4];
         int64_t visible[4];
         for (int k = 0; k < q; ++k) {
           const int64_t i = top - k;
           qs[k] = w.qf.data() + i * D;
           accs[k] = w.acc.data() + i * D;
+          ms[k] = w.m[i];
+          ls[k] = w.l[i];
           visible[k] = std::min(tokens, w.limit[i] - stripe);
         }
-        float* ms = w.m.data() + top - (q - 1);  // queries top - q + 1 .. top, reversed below
-        float* ls = w.l.data() + top - (q - 1);
-        float mk[4], lk[4];
-        for (int k = 0; k < q; ++k) mk[k] = ms[q - 1 - k], lk[k] = ls[q - 1 - k];
         const __m256* kt = w.kt8.data();
         const float* const* vt = w.vrow8.data();
         switch (q) {
-          case 4: staged_group_f32_avx2<4>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
-          case 3: staged_group_f32_avx2<3>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
-          case 2: staged_group_f32_avx2<2>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale); break;
-          default: staged_group_f32_avx2<1>(qs, accs, mk, lk, visible, kt, vt, tiles, D, scale);
+          case 4: staged_group_f32_avx2<4>(qs, accs, ms, ls, visible, kt, vt, tiles, D, scale); break;
+          case 3: staged_group_f32_avx2<3>(qs, accs, ms, ls, visible, kt, vt, tiles, D, scale); break;
+          case 2: staged_group_f32_avx2<2>(qs, accs, ms, ls, visible, kt, vt, tiles, D, scale); break;
+          default: staged_group_f32_avx2<1>(qs, accs, ms, ls, visible, kt, vt, tiles, D, scale);
         }
-        for (int k = 0; k < q; ++k) ms[q - 1 - k] = mk[k], ls[q - 1 - k] = lk[k];
+        for (int k = 0; k < q; ++k) w.m[top - k] = ms[k], w.l[top - k] = ls[k];
       }
-    }
+    };
+    for_each_stripe(seq, h, end, stripe_tiles, stage, groups);
   }
 
   // Most KV heads an all-heads item takes (run_rows_f32_avx2).
