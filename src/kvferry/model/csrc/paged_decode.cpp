@@ -289,12 +289,11 @@ void block_accumulate(float* __restrict acc, const float* __restrict p, const fl
   }
 }
 
-
-// ---- The staged float32 group of the AVX2 build (prefill chunks, verify windows) ----
+// ---- The staged float32 group of the AVX2 build (prompt chunks, verify windows) ----
 // The AVX2 counterpart of stage_tile_f32 / staged_group_f32: items of
-// kStageMinQueries or more float32 query vectors (a float32 query over a
-// float32 or fp8 cache) stage a tile of 16 tokens once for all of them, and
-// groups of up to 4 queries run over it with every product a float32 FMA.
+// kStageMinQueriesAvx2 or more float32 query vectors (a float32 query over
+// a float32 or fp8 cache) stage a tile of 16 tokens once for all of them,
+// and groups of up to 4 queries run over it with every product a float32 FMA.
 
 // 8 rows of 8 floats -> 8 vectors, vector i holding element i of each row.
 inline void transpose8x8(__m256 r[8]) {
@@ -344,12 +343,13 @@ inline void stage_tile_f32_avx2(const T* const* krows, const T* const* vrows, in
   }
 }
 
-// Lazy rescaling as lazy_softmax's (kLazyRescale, AVX-512 builds): the
-// running max m moves only when a score passes it by more than this.
+// Lazy rescaling as lazy_softmax's (kLazyRescale, AVX-512 builds), for the
+// AVX2 kernels (staged_group_f32_avx2, run_inplace_f32_avx2): the running
+// max m moves only when a score passes it by more than this.
 constexpr float kLazyRescaleAvx2 = 8.f;
-// Dims per score chain before it is restarted and summed: runs of 32
-// measured 3.6x the tests' 1e-4 tolerance against a float64 softmax (fp8
-// e4m3 cache, peaked scores); runs of 16 pass, at the same speed.
+// Dims per score chain before it is restarted and summed: with runs of 32
+// the error against a float64 softmax (fp8 e4m3 cache, peaked scores)
+// measured 3.6x the tests' 1e-4 tolerance; runs of 16 pass, at the same speed.
 constexpr int64_t kScoreRun = 16;
 
 // Q float32 queries (q[k] [dim], scores scaled by `scale`) over `tiles`
@@ -2149,7 +2149,6 @@ struct Attend {
   struct InplaceF32Avx2 {
     static constexpr int C = kDim / 8;                       // 8-float chunks per row
     static constexpr int R = Q == 1 ? std::min(C, 8) : 4;    // accumulators per query per P . V pass
-    static constexpr float kLazy = 8.f;  // lazy_softmax's kLazyRescale (defined for AVX-512 builds only)
     alignas(32) __m256 qbuf[Q][C][2];
     __m256 l[Q][2];  // softmax sums per lane, tokens 0-7 and 8-15 of the tiles
     float m[Q];
@@ -2226,7 +2225,7 @@ struct Attend {
         const __m256 valid0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, iota0));
         const __m256 valid1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, iota1));
         alpha[k] = 1.f;
-        const __m256 th = _mm256_set1_ps(m[k] + kLazy);
+        const __m256 th = _mm256_set1_ps(m[k] + kLazyRescaleAvx2);
         const __m256 over = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(s0, th, _CMP_GT_OQ), valid0),
                                          _mm256_and_ps(_mm256_cmp_ps(s1, th, _CMP_GT_OQ), valid1));
         if (_mm256_movemask_ps(over)) {
