@@ -174,6 +174,22 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// The sum of a vector's 8 lanes, added in lane order (the softmax sums' last step).
+inline float sum_lanes(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float total = 0.f;
+  for (int j = 0; j < 8; ++j) total += lanes[j];
+  return total;
+}
+
+// The largest of a vector's 8 lanes, in every lane.
+inline __m256 max_lanes(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  return _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+}
+
 void block_scores(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n, int64_t dim,
                   float scale, float* __restrict s) {
   const int64_t dim8 = dim & ~int64_t{7};
@@ -248,10 +264,7 @@ float exp_sum(float* s, int64_t n, float m) {
     _mm256_storeu_ps(s + t, p);
     sum = _mm256_add_ps(sum, p);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  float total = 0.f;
-  for (int j = 0; j < 8; ++j) total += lanes[j];
+  float total = sum_lanes(sum);
   for (; t < n; ++t) {
     s[t] = std::exp(s[t] - m);
     total += s[t];
@@ -414,11 +427,7 @@ __attribute__((flatten)) inline void staged_group_f32_avx2(const float* const* q
       const __m256 bound = _mm256_set1_ps(m[k] + kLazyRescaleAvx2);
       const __m256 over = _mm256_or_ps(_mm256_cmp_ps(s0, bound, _CMP_GT_OQ), _mm256_cmp_ps(s1, bound, _CMP_GT_OQ));
       if (_mm256_movemask_ps(over)) {
-        __m256 mx = _mm256_max_ps(s0, s1);
-        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
-        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
-        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
-        const float tile_max = _mm256_cvtss_f32(mx);
+        const float tile_max = _mm256_cvtss_f32(max_lanes(_mm256_max_ps(s0, s1)));
         alpha[k] = std::exp(m[k] - tile_max);  // exp(-inf) = 0 on the first tile
         lsum[k] = _mm256_mul_ps(lsum[k], _mm256_set1_ps(alpha[k]));
         m[k] = tile_max;
@@ -465,13 +474,7 @@ __attribute__((flatten)) inline void staged_group_f32_avx2(const float* const* q
       for (int k = 0; k < Q; ++k) _mm256_storeu_ps(acc[k] + 8 * c, o[k]);
     }
   }
-  for (int k = 0; k < Q; ++k) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, lsum[k]);
-    float total = 0.f;
-    for (int j = 0; j < 8; ++j) total += lanes[j];
-    l[k] = total;
-  }
+  for (int k = 0; k < Q; ++k) l[k] = sum_lanes(lsum[k]);
 }
 
 #else  // portable
@@ -2230,11 +2233,8 @@ struct Attend {
                                          _mm256_and_ps(_mm256_cmp_ps(s1, th, _CMP_GT_OQ), valid1));
         if (_mm256_movemask_ps(over)) {
           const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-          __m256 mx = _mm256_max_ps(_mm256_blendv_ps(ninf, s0, valid0), _mm256_blendv_ps(ninf, s1, valid1));
-          mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
-          mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
-          mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
-          const float tile_max = _mm256_cvtss_f32(mx);
+          const float tile_max = _mm256_cvtss_f32(
+              max_lanes(_mm256_max_ps(_mm256_blendv_ps(ninf, s0, valid0), _mm256_blendv_ps(ninf, s1, valid1))));
           alpha[k] = m[k] == -std::numeric_limits<float>::infinity()
                          ? 0.f  // the first tile
                          : _mm256_cvtss_f32(exp256(_mm256_set1_ps(m[k] - tile_max)));
@@ -2283,12 +2283,7 @@ struct Attend {
     void store(float* m_out, float* l_out) const {
       for (int k = 0; k < Q; ++k) {
         m_out[k] = m[k];
-        const __m256 ls = _mm256_add_ps(l[k][0], l[k][1]);
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, ls);
-        float total = 0.f;
-        for (int j = 0; j < 8; ++j) total += lanes[j];
-        l_out[k] = total;
+        l_out[k] = sum_lanes(_mm256_add_ps(l[k][0], l[k][1]));
       }
     }
   };
