@@ -305,42 +305,54 @@ def _staged_items_check(kernel, kv_heads, group, head_dim, block_size, cache_dty
     1e-5 of a float64 softmax, and of each other. The long sequences span
     several staged stripes; NaN fills every slot past a sequence's length,
     so a row read there would poison its output."""
-    import os
-
-    gen = torch.Generator().manual_seed(kv_heads * 1000 + head_dim * 10 + block_size)
     q_lens = [4, 2, 37, 70, 1]
     seq_lens = [104, 302, 87, 70, 700]
+    _toggle_check(kernel, "KVFERRY_ATTN_STAGED_AVX2", q_lens, seq_lens, kv_heads, group, head_dim, block_size,
+                  cache_dtype, torch.float32, seed=kv_heads * 1000 + head_dim * 10 + block_size)
+
+
+def _toggle_check(kernel, env, q_lens, seq_lens, kv_heads, group, head_dim, block_size, cache_dtype, q_dtype, seed,
+                  tol=1e-5):
+    """One step over a NaN-padded cache (a row read past a sequence's
+    length poisons its output) with the kernel path that environment
+    variable `env` turns off on ("1") and off ("0"): each within tol of a
+    float64 softmax, and of each other."""
+    import os
+
+    gen = torch.Generator().manual_seed(seed)
     tables, num_blocks = scattered_tables(seq_lens, block_size, 3, gen)
     k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
     for r, n in enumerate(seq_lens):
-        for p in range(n):
-            k_cache[tables[r, p // block_size], p % block_size] = torch.randn(kv_heads, head_dim, generator=gen)
-            v_cache[tables[r, p // block_size], p % block_size] = torch.randn(kv_heads, head_dim, generator=gen)
+        rows = torch.arange(n)
+        blocks, offsets = tables[r, rows // block_size], rows % block_size
+        k_cache[blocks, offsets] = torch.randn(n, kv_heads, head_dim, generator=gen)
+        v_cache[blocks, offsets] = torch.randn(n, kv_heads, head_dim, generator=gen)
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     starts = [sum(q_lens[:r]) for r in range(len(q_lens))]
-    q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen) * 2
+    q = (torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen) * 2).to(q_dtype)
     args = (tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens), head_dim ** -0.5)
     outs = {}
-    before = os.environ.get("KVFERRY_ATTN_STAGED_AVX2")
+    before = os.environ.get(env)
     try:
         for mode in ("1", "0"):
-            os.environ["KVFERRY_ATTN_STAGED_AVX2"] = mode
-            outs[mode] = torch.full(q.shape, 7.0)
+            os.environ[env] = mode
+            outs[mode] = torch.full(q.shape, 7.0, dtype=q_dtype)
             kernel(q, k_cache, v_cache, *args, outs[mode])
     finally:
         if before is None:
-            os.environ.pop("KVFERRY_ATTN_STAGED_AVX2", None)
+            os.environ.pop(env, None)
         else:
-            os.environ["KVFERRY_ATTN_STAGED_AVX2"] = before
+            os.environ[env] = before
     kf, vf = k_cache.float(), v_cache.float()
     for mode, out in outs.items():
         assert torch.isfinite(out).all(), mode
         for r in range(len(seq_lens)):
-            expected = _explicit(q, kf, vf, tables[r], seq_lens[r], starts[r], q_lens[r], head_dim ** -0.5, group)
-            torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), expected, atol=1e-5,
-                                       rtol=1e-5, msg=lambda m, mode=mode, r=r: f"mode {mode} row {r}: {m}")
-    torch.testing.assert_close(outs["1"], outs["0"], atol=1e-5, rtol=1e-5)
+            expected = _explicit(q.float(), kf, vf, tables[r], seq_lens[r], starts[r], q_lens[r], head_dim ** -0.5,
+                                 group)
+            torch.testing.assert_close(out[starts[r]:starts[r] + q_lens[r]].double(), expected, atol=tol,
+                                       rtol=tol, msg=lambda m, mode=mode, r=r: f"{env}={mode} row {r}: {m}")
+    torch.testing.assert_close(outs["1"].double(), outs["0"].double(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size,cache_dtype",
@@ -349,6 +361,39 @@ def _staged_items_check(kernel, kv_heads, group, head_dim, block_size, cache_dty
                           (3, 3, 64, 16, torch.float8_e4m3fn)])
 def test_staged_items_match_the_per_query_loop(kernel, kv_heads, group, head_dim, block_size, cache_dtype):
     _staged_items_check(kernel, kv_heads, group, head_dim, block_size, cache_dtype)
+
+
+# (q_lens, seq_lens): one decode sequence (parts of 256+ positions: 7);
+# a decode and a 4-token verify window (4 parts each); two decodes, one too
+# short to split, and a 40-token chunk over 600 cached positions.
+_SPLIT_BATCHES = [([1], [2000]), ([1, 4], [1500, 1204]), ([1, 1, 40], [600, 255, 640])]
+
+
+def _split_check(kernel, batch, kv_heads, group, head_dim, block_size, cache_dtype, q_dtype=torch.float32):
+    q_lens, seq_lens = _SPLIT_BATCHES[batch]
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2  # bf16: the output itself is rounded to bf16
+    _toggle_check(kernel, "KVFERRY_ATTN_SPLIT_CONTEXT", q_lens, seq_lens, kv_heads, group, head_dim, block_size,
+                  cache_dtype, q_dtype, seed=batch * 100 + head_dim + block_size, tol=tol)
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,head_dim,block_size,cache_dtype,q_dtype",
+                         [(0, 3, 3, 64, 16, torch.float32, torch.float32),
+                          (1, 2, 1, 32, 5, torch.float32, torch.float32),
+                          (2, 8, 2, 128, 32, torch.float32, torch.float32),
+                          (0, 2, 2, 40, 300, torch.float32, torch.float32),
+                          (1, 3, 3, 64, 16, torch.float8_e4m3fn, torch.float32),
+                          (1, 3, 3, 64, 16, torch.bfloat16, torch.bfloat16),
+                          (2, 2, 4, 64, 16, torch.float8_e5m2, torch.bfloat16)])
+def test_context_parts_match_whole_contexts(kernel, batch, kv_heads, group, head_dim, block_size, cache_dtype,
+                                             q_dtype):
+    """Batches of 1-3 sequences over long contexts, each cut into parts
+    that run as items of their own and are merged after (split items), and
+    whole (KVFERRY_ATTN_SPLIT_CONTEXT=0): both match a float64 softmax, and
+    each other. Covers per-head and all-heads items, the staged verify and
+    chunk items, a head_dim with an 8-lane tail (40), block sizes that do
+    not divide a tile (5) or a part (300: the cut falls on a block
+    boundary), fp8 and bf16 caches (on an AVX-512 CPU, the dpbf16 path)."""
+    _split_check(kernel, batch, kv_heads, group, head_dim, block_size, cache_dtype, q_dtype)
 
 
 def test_kernel_path_follows_the_cpu(kernel):
@@ -367,12 +412,14 @@ def test_kernel_path_follows_the_cpu(kernel):
 _AVX2 = """
 import torch
 from kvferry.model import paged_kernel
-from tests.model.test_paged_kernel import _explicit, _multi_query_case, _staged_items_check
+from tests.model.test_paged_kernel import _explicit, _multi_query_case, _split_check, _staged_items_check
 assert paged_kernel.kernel_isa() == "avx2"
 kernel = paged_kernel.get_paged_decode_kernel()
 assert kernel is not None
 _staged_items_check(kernel, 3, 3, 64, 16, torch.float32)
 _staged_items_check(kernel, 2, 2, 40, 8, torch.float8_e5m2)
+_split_check(kernel, 0, 3, 3, 64, 16, torch.float32)
+_split_check(kernel, 1, 2, 2, 40, 5, torch.float8_e5m2)
 assert paged_kernel.kernel_path(torch.bfloat16, torch.bfloat16, 64) == "portable"
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     q, kc, vc, tables, seq_lens, starts, q_lens, group = _multi_query_case(dtype, 16, 64, 5)

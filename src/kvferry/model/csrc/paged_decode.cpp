@@ -1398,9 +1398,20 @@ constexpr int64_t kPrefetchTokens = 32;
 // time of 64; 48 and 80 even with 64; 128 1.09x.
 constexpr int64_t kPrefetchTokensFp8 = 64;
 
+// A sequence as the kernels see it, or one part of its context (a split
+// item, see attend_all): table starts at the part's first block, seq_len
+// counts from there, and positions from `cap` on are not read. A part's
+// unnormalized result goes to `part` (finish), for combine_parts.
 struct Seq {
   int64_t q_start, q_len, seq_len;
   const int64_t* table;  // its block table row
+  int64_t cap = std::numeric_limits<int64_t>::max();
+  float* part = nullptr;
+
+  // The positions query tokens [.., j1) read: [0, end(j1)).
+  int64_t end(int64_t j1) const { return std::min(seq_len - q_len + j1, cap); }
+  // The positions query token j sees: [0, limit(j)).
+  int64_t limit(int64_t j) const { return std::min(seq_len - q_len + j + 1, cap); }
 };
 
 // The prefetch cursor of the in-place decode kernels (run_inplace_fast,
@@ -1561,7 +1572,7 @@ struct Attend {
   // A work item's first kAhead rows of head h, requested into L2
   // while the thread still runs the item before it.
   void prefetch_first_rows(const Seq& seq, int64_t h) const {
-    prefetch_rows<true>(seq, h, 0, std::min(seq.seq_len, kAhead));
+    prefetch_rows<true>(seq, h, 0, std::min(seq.end(seq.q_len), kAhead));
   }
 
   // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see
@@ -1659,7 +1670,7 @@ struct Attend {
   // Items of fewer queries: tiles of up to 16 rows inside one block, read in place.
   void run_inplace(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t D = head_dim, row_stride = kv_heads * D;
-    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t end = seq.end(j1);
     int64_t n = 0, prefetched = 0;
     for (int64_t start = 0; start < end; start += n) {
       const int64_t in_block = start % block_size;
@@ -1700,7 +1711,7 @@ struct Attend {
   void run_inplace_fast(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     constexpr int C = kDim / 32, R = kDim / 16;
     const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t end = seq.end(j1);
     // The queries' pairs, duplicated for the token-pair layout, in memory:
     // read as memory operands of vdpbf16ps (in registers they leave too few
     // for the rest: GCC then spills the V rows).
@@ -1912,7 +1923,7 @@ struct Attend {
     static_assert(kWidenF32<scalar_t, qscalar_t>);
     constexpr int C = kDim / 16;  // 16-float chunks per row (= accumulators per query)
     const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t end = seq.end(j1);
     // The queries duplicated for the token-pair layout: lanes 4L + 2i and
     // 4L + 2i + 1 of qbuf[k][c][0] (L a 128-bit lane) hold dim 16c + 4L + i,
     // of qbuf[k][c][1] dim 16c + 4L + 2 + i. (GCC keeps them in registers
@@ -2066,7 +2077,7 @@ struct Attend {
   // (its rows are looked up one by one), so any block size works.
   void run_staged(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t D = head_dim;
-    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t end = seq.end(j1);
     // Groups whose accumulators fit in registers (staged_group): 4 queries
     // at head_dim <= 64, 2 at 128; otherwise 4, acc kept in memory.
     const int max_group = D == 128 ? 2 : 4;
@@ -2292,7 +2303,7 @@ struct Attend {
   void run_inplace_f32_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     static_assert(kWidenF32<scalar_t, qscalar_t>);
     const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t end = seq.end(j1);
     InplaceF32Avx2<Q, kDim> st;
     st.init(w.qf.data(), w.limit.data(), w.acc.data());
     const scalar_t* kbase = k_ptr + h * kDim;
@@ -2324,7 +2335,7 @@ struct Attend {
   // horizontally.
   void run_staged_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t D = head_dim, M = (j1 - j0) * group;
-    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t end = seq.end(j1);
     const int64_t per_tile = 2 * D;  // vectors per staged tile, each of K and V
     const int64_t stripe_tiles = std::max<int64_t>(1, kStripeBytesAvx2 / (2 * 32 * per_tile));
     // V rows of an fp8 cache are widened into the stripe; a float32 cache's are read in place.
@@ -2387,7 +2398,7 @@ struct Attend {
   void run_rows_f32_avx2(const Seq& seq, int64_t j1, Scratch& w) const {
     static_assert(kWidenF32<scalar_t, qscalar_t>);
     const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.seq_len - seq.q_len + j1;
+    const int64_t end = seq.end(j1);
     InplaceF32Avx2<Q, kDim> st[kMaxRowHeads];
     for (int64_t h = 0; h < kv_heads; ++h) st[h].init(w.qf.data() + h * Q * kDim, w.limit.data(), w.acc.data() + h * Q * kDim);
     RowCursor<scalar_t, kDim> pf{k_ptr, v_ptr, seq, row_stride, bs};
@@ -2454,7 +2465,7 @@ struct Attend {
   void run_all_heads(const Seq& seq, int64_t j0, int64_t j1, Scratch& w) const {
 #if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
     if constexpr (kAllHeadsItems) {
-      const int64_t M = (j1 - j0) * group, D = head_dim, context_len = seq.seq_len - seq.q_len;
+      const int64_t M = (j1 - j0) * group, D = head_dim;
       w.acc.assign(kv_heads * M * D, 0.f);
       w.m.resize(kv_heads * M);
       w.l.resize(kv_heads * M);
@@ -2463,7 +2474,7 @@ struct Attend {
       for (int64_t j = j0; j < j1; ++j) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = (j - j0) * group + g;
-          w.limit[i] = context_len + j + 1;
+          w.limit[i] = seq.limit(j);
           for (int64_t h = 0; h < kv_heads; ++h) {
             const qscalar_t* qi = query(j, g, h, seq);
             for (int64_t d = 0; d < D; ++d) w.qf[(h * M + i) * D + d] = static_cast<float>(qi[d]);
@@ -2492,12 +2503,11 @@ struct Attend {
   }
 
   // Query tokens [j0, j1) of `seq` against KV head h: their positions see
-  // the context up to the last one's, end = context_len + j1.
+  // the context up to the last one's, end = seq.end(j1).
   void run(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     const int64_t M = (j1 - j0) * group, D = head_dim;
     const int64_t row_stride = kv_heads * D;  // between tokens of a block
-    const int64_t context_len = seq.seq_len - seq.q_len;
-    const int64_t end = context_len + j1;
+    const int64_t end = seq.end(j1);
     w.acc.assign(M * D, 0.f);
     w.m.assign(M, -std::numeric_limits<float>::infinity());
     w.l.assign(M, 0.f);
@@ -2506,7 +2516,7 @@ struct Attend {
     for (int64_t j = j0; j < j1; ++j) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t i = (j - j0) * group + g;  // query vector: token j, head h * G + g
-        w.limit[i] = context_len + j + 1;
+        w.limit[i] = seq.limit(j);
         if constexpr (kPath == Path::kPortable || kPath == Path::kWiden) {
           const qscalar_t* qi = query(j, g, h, seq);
           for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(qi[d]);
@@ -2607,31 +2617,70 @@ struct Attend {
     finish(seq, j0, M, h, w);
   }
 
-  // out rows of the item's M queries = acc / l.
+  // Floats per query vector in a split item's partial result: acc [D], m, l.
+  int64_t part_stride() const { return head_dim + 2; }
+
+  // out rows of the item's M queries = acc / l; a split item's (seq.part)
+  // keep acc, m and l for combine_parts instead.
   // `first`: where head h's query vectors start in w's arrays (all-heads items).
   void finish(const Seq& seq, int64_t j0, int64_t M, int64_t h, Scratch& w, int64_t first = 0) const {
     const int64_t D = head_dim;
     for (int64_t i = 0; i < M; ++i) {
-      const float inv = w.l[first + i] > 0.f ? 1.f / w.l[first + i] : 0.f;  // seq_len == 0: zeros, not NaN
-      qscalar_t* o = out_ptr + ((seq.q_start + j0 + i / group) * num_heads + h * group + i % group) * D;
+      const int64_t row = (j0 + i / group) * num_heads + h * group + i % group;  // the query vector's row of seq
       const float* a = w.acc.data() + (first + i) * D;
-      if constexpr (kPath == Path::kDpbf16) {
-#ifdef KVFERRY_AVX512_BF16
-        const __m512 iv = _mm512_set1_ps(inv);
-        for (int64_t c = 0; c < D; c += 32) {
-          // In pair_dim order, 128-bit lane L of lo holds dims 8L..8L+3 and of hi 8L+4..8L+7.
-          const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(a + c), iv);
-          const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), iv);
-          // [lo.L0, lo.L1, hi.L0, hi.L1] -> lanes (0, 2, 1, 3): dims 0..15; likewise L2, L3: dims 16..31.
-          const __m512 x0 = _mm512_shuffle_f32x4(lo, hi, 0x44), x1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
-          const __m512 n0 = _mm512_shuffle_f32x4(x0, x0, 0xD8), n1 = _mm512_shuffle_f32x4(x1, x1, 0xD8);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), (__m256i)_mm512_cvtneps_pbh(n0));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c + 16), (__m256i)_mm512_cvtneps_pbh(n1));
-        }
-#endif
-      } else {
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<qscalar_t>(a[d] * inv);
+      if (seq.part) {
+        float* p = seq.part + row * part_stride();
+        std::copy(a, a + D, p);
+        p[D] = w.m[first + i];
+        p[D + 1] = w.l[first + i];
+        continue;
       }
+      const float inv = w.l[first + i] > 0.f ? 1.f / w.l[first + i] : 0.f;  // seq_len == 0: zeros, not NaN
+      emit(out_ptr + (seq.q_start * num_heads + row) * D, a, inv);
+    }
+  }
+
+  // The parts of a split sequence (seq.part, rows of parts consecutive
+  // buffers of q_len * num_heads query vectors each) merged into its out
+  // rows: acc and l of each part scaled by exp(m_part - max m).
+  void combine_parts(const Seq& seq, const float* parts, int64_t count, std::vector<float>& acc) const {
+    const int64_t D = head_dim, stride = part_stride(), rows = seq.q_len * num_heads;
+    acc.resize(D);
+    for (int64_t row = 0; row < rows; ++row) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t k = 0; k < count; ++k) m = std::max(m, parts[(k * rows + row) * stride + D]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float l = 0.f;
+      for (int64_t k = 0; k < count; ++k) {
+        const float* p = parts + (k * rows + row) * stride;
+        if (p[D + 1] <= 0.f) continue;  // a part this query sees nothing of
+        const float c = std::exp(p[D] - m);
+        for (int64_t d = 0; d < D; ++d) acc[d] += c * p[d];
+        l += c * p[D + 1];
+      }
+      emit(out_ptr + (seq.q_start * num_heads + row) * D, acc.data(), l > 0.f ? 1.f / l : 0.f);
+    }
+  }
+
+  // One query vector's out row o = a * inv (a in the accumulator's dim order).
+  void emit(qscalar_t* o, const float* a, float inv) const {
+    const int64_t D = head_dim;
+    if constexpr (kPath == Path::kDpbf16) {
+#ifdef KVFERRY_AVX512_BF16
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (int64_t c = 0; c < D; c += 32) {
+        // In pair_dim order, 128-bit lane L of lo holds dims 8L..8L+3 and of hi 8L+4..8L+7.
+        const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(a + c), iv);
+        const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), iv);
+        // [lo.L0, lo.L1, hi.L0, hi.L1] -> lanes (0, 2, 1, 3): dims 0..15; likewise L2, L3: dims 16..31.
+        const __m512 x0 = _mm512_shuffle_f32x4(lo, hi, 0x44), x1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+        const __m512 n0 = _mm512_shuffle_f32x4(x0, x0, 0xD8), n1 = _mm512_shuffle_f32x4(x1, x1, 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), (__m256i)_mm512_cvtneps_pbh(n0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c + 16), (__m256i)_mm512_cvtneps_pbh(n1));
+      }
+#endif
+    } else {
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<qscalar_t>(a[d] * inv);
     }
   }
 
@@ -2669,14 +2718,102 @@ constexpr int64_t kAllHeads = -1;
 // threads nothing to balance, 1.03-1.09x.
 constexpr int64_t kMinAllHeadsItemsPerThread = 2;
 
+// Context parts (split items). A step of fewer work items than
+// kMinItemsPerThread per thread (decode at batch 1-7 on 2 threads) leaves
+// threads idle, or waiting on the one that reads the longest context.
+// There, the context of each sequence whose query tokens form one block is
+// cut at block boundaries into parts of at least kMinSplitTokens positions,
+// so that there are about kMinItemsPerThread items per thread. Each part is
+// a Seq of its own (Seq::cap, Seq::part); its unnormalized result is merged
+// into the out rows after all items ran (combine_parts). With enough parts,
+// a float32 batch of the AVX2 build also takes the all-heads items, whose
+// whole-row reads are the faster ones. Measured (Zen 1, 2 threads, float32,
+// K/V from memory, bench/paged_attention_kernel.py --layers 30): batch 1 at
+// context 4096 0.58-0.62x the time of whole contexts, 2048 0.7x, 512-768
+// 0.8-0.9x, 256 even; batch 2 at 4096 0.6x; batch 3 at 1024 0.7-0.8x.
+// Parts of 128 positions were as fast as or faster than 256 at every
+// context, and 4, 8 or 16 parts at 4096 the same within noise.
+constexpr int64_t kMinSplitTokens = 128;
+
+// The sequences as work: each one, or its context parts (split items),
+// with the buffer their partial results go to.
+struct SplitWork {
+  struct Split {
+    int64_t seq, first, count;  // seqs[seq]'s parts are work[first, first + count)
+    int64_t offset;             // where their results start in parts
+  };
+  std::vector<Seq> work;
+  std::vector<Split> splits;
+  std::vector<float> parts;
+};
+
+// items_of(j0, j1): the work items query tokens [j0, j1) of a sequence
+// would be, whole (1 where one item covers every KV head, else KVH).
+template <typename ItemsOf>
+SplitWork split_contexts(const std::vector<Seq>& seqs, int64_t qblock, int64_t block_size, int64_t part_floats_per_token,
+                         bool enabled, ItemsOf&& items_of) {
+  SplitWork out;
+  int64_t items = 0;
+  for (const Seq& seq : seqs) {
+    for (int64_t j0 = 0; j0 < std::max<int64_t>(seq.q_len, 1); j0 += qblock) items += items_of(j0, std::min(j0 + qblock, seq.q_len));
+  }
+  const int64_t target = kMinItemsPerThread * at::get_num_threads();
+  const int64_t wanted = enabled && items < target ? (target + items - 1) / std::max<int64_t>(items, 1) : 1;
+  // Boundaries per sequence, before any pointer into `parts` is taken.
+  std::vector<std::vector<int64_t>> cuts(seqs.size());
+  int64_t floats = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const Seq& seq = seqs[s];
+    const int64_t context = seq.seq_len - seq.q_len;
+    const int64_t count = seq.q_len >= 1 && seq.q_len <= qblock ? std::min(wanted, context / kMinSplitTokens) : 1;
+    if (count < 2) continue;
+    cuts[s].push_back(0);
+    for (int64_t k = 1; k < count; ++k) {
+      const int64_t cut = k * context / count / block_size * block_size;
+      if (cut > cuts[s].back()) cuts[s].push_back(cut);
+    }
+    if (cuts[s].size() < 2) {  // blocks longer than the parts: no split
+      cuts[s].clear();
+      continue;
+    }
+    floats += static_cast<int64_t>(cuts[s].size()) * seq.q_len * part_floats_per_token;
+  }
+  out.parts.resize(floats);
+  int64_t offset = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const Seq& seq = seqs[s];
+    if (cuts[s].empty()) {
+      out.work.push_back(seq);
+      continue;
+    }
+    const int64_t count = static_cast<int64_t>(cuts[s].size());
+    out.splits.push_back({static_cast<int64_t>(s), static_cast<int64_t>(out.work.size()), count, offset});
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t from = cuts[s][k];
+      Seq part{seq.q_start, seq.q_len, seq.seq_len - from, seq.table + from / block_size};
+      if (k + 1 < count) part.cap = cuts[s][k + 1] - from;  // the last part runs to the query tokens
+      part.part = out.parts.data() + offset;
+      offset += seq.q_len * part_floats_per_token;
+      out.work.push_back(part);
+    }
+  }
+  return out;
+}
+
 template <typename scalar_t, typename qscalar_t, Path kPath>
-void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& seqs) {
+void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& all_seqs) {
   const int64_t kvh = op.kv_heads;
   std::vector<Item> items;
   int64_t long_blocks = 0;
-  for (const Seq& seq : seqs) long_blocks += (std::max<int64_t>(seq.q_len, 1) + kLongQueryBlock - 1) / kLongQueryBlock;
+  for (const Seq& seq : all_seqs) long_blocks += (std::max<int64_t>(seq.q_len, 1) + kLongQueryBlock - 1) / kLongQueryBlock;
   const int64_t qblock =
       long_blocks * kvh >= kMinItemsPerThread * at::get_num_threads() ? kLongQueryBlock : kQueryBlock;
+  // KVFERRY_ATTN_SPLIT_CONTEXT=0: no context parts (tests and comparisons).
+  const char* split_env = std::getenv("KVFERRY_ATTN_SPLIT_CONTEXT");
+  const SplitWork split = split_contexts(
+      all_seqs, qblock, op.block_size, op.num_heads * op.part_stride(), !(split_env && split_env[0] == '0'),
+      [&](int64_t j0, int64_t j1) { return op.all_heads_item(j0, j1) ? int64_t{1} : kvh; });
+  const std::vector<Seq>& seqs = split.work;
   auto each_block = [&](auto fn) {
     for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
       for (int64_t j0 = 0; j0 < std::max<int64_t>(seqs[s].q_len, 1); j0 += qblock) fn(s, j0, std::min(j0 + qblock, seqs[s].q_len));
@@ -2691,9 +2828,8 @@ void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& s
   const char* staged_env = std::getenv("KVFERRY_ATTN_STAGED_AVX2");
   op.staged_avx2_enabled = !(staged_env && staged_env[0] == '0');
   each_block([&](int64_t s, int64_t j0, int64_t j1) {
-    const int64_t context_len = seqs[s].seq_len - seqs[s].q_len;
     // Cost ~ context it reads x (its query tokens + the K/V read itself).
-    const int64_t cost = (context_len + j1) * (j1 - j0 + 1);
+    const int64_t cost = seqs[s].end(j1) * (j1 - j0 + 1);
     if (all_heads && op.all_heads_item(j0, j1)) {
       items.push_back(Item{s, j0, j1, cost * kvh, kAllHeads});
     } else {
@@ -2723,6 +2859,10 @@ void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& s
       }
     }
   });
+  std::vector<float> acc;
+  for (const SplitWork::Split& s : split.splits) {
+    op.combine_parts(all_seqs[s.seq], split.parts.data() + s.offset, s.count, acc);
+  }
 }
 
 template <typename scalar_t, typename qscalar_t>
