@@ -22,7 +22,9 @@
 // [<=16] = q . k * scale, an online softmax update in float32 (running max m,
 // sum l, accumulator acc [D] rescaled once per tile), acc += p . V.
 // Items are handed out longest first from a shared counter, so one thread
-// never ends up with all the long sequences. In the AVX2 build, a float32
+// never ends up with all the long sequences. A step of few items (decode at
+// small batch) cuts long contexts into parts that run as items of their
+// own and are merged after (split items: attend_all). In the AVX2 build, a float32
 // decode batch with enough sequences runs each sequence as one item over
 // all its KV heads (run_rows_f32_avx2): the heads' tiles of a block run back
 // to back, so the block is read as whole rows, contiguous, not as one
