@@ -2721,8 +2721,10 @@ constexpr int64_t kAllHeads = -1;
 constexpr int64_t kMinAllHeadsItemsPerThread = 2;
 
 // Context parts (split items). A step of fewer work items than
-// kMinItemsPerThread per thread (decode at batch 1-7 on 2 threads) leaves
-// threads idle, or waiting on the one that reads the longest context.
+// kMinItemsPerThread per thread leaves threads idle, or waiting on the one
+// that reads the longest context (on 2 threads: a float32 decode at batch
+// 1-7 in the AVX2 build, one item per sequence; batch 1-2 where items are
+// per KV head, at 3 KV heads).
 // There, the context of each sequence whose query tokens form one block is
 // cut at block boundaries into parts of at least kMinSplitTokens positions,
 // so that there are about kMinItemsPerThread items per thread. Each part is
@@ -2741,8 +2743,8 @@ constexpr int64_t kMinSplitTokens = 128;
 // with the buffer their partial results go to.
 struct SplitWork {
   struct Split {
-    int64_t seq, first, count;  // seqs[seq]'s parts are work[first, first + count)
-    int64_t offset;             // where their results start in parts
+    int64_t seq, count;  // seqs[seq] runs as `count` parts
+    int64_t offset;      // where their results start in `parts`, one after another
   };
   std::vector<Seq> work;
   std::vector<Split> splits;
@@ -2789,7 +2791,7 @@ SplitWork split_contexts(const std::vector<Seq>& seqs, int64_t qblock, int64_t b
       continue;
     }
     const int64_t count = static_cast<int64_t>(cuts[s].size());
-    out.splits.push_back({static_cast<int64_t>(s), static_cast<int64_t>(out.work.size()), count, offset});
+    out.splits.push_back({static_cast<int64_t>(s), count, offset});
     for (int64_t k = 0; k < count; ++k) {
       const int64_t from = cuts[s][k];
       Seq part{seq.q_start, seq.q_len, seq.seq_len - from, seq.table + from / block_size};
