@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("healthy")
 
 HEADER_TIMEOUT_S = 2
 BODY_TIMEOUT_S = 2
+KEEP_ALIVE_S = 5  # longer than the header deadline: an idle connection outlives it
 MAX_TOKENS_DEFAULT = 5
 MAX_TOKENS_LIMIT = 40
 ORIGIN = "http://agent.example"
@@ -34,6 +35,7 @@ def strict_server(tmp_path_factory) -> ServerProcess:
     (folder / "template.jinja").write_text(CUSTOM_TEMPLATE)
     srv = start_server(folder / "server.log", ["--chat-template", str(folder / "template.jinja"),
         "--header-read-timeout", str(HEADER_TIMEOUT_S), "--body-read-timeout", str(BODY_TIMEOUT_S),
+        "--timeout-keep-alive", str(KEEP_ALIVE_S),
         "--max-tokens-default", str(MAX_TOKENS_DEFAULT), "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
         "--allowed-origins", ORIGIN, "--max-header-count", "50",
     ])
@@ -177,6 +179,52 @@ def test_slow_clients_are_cut_off(strict_server, data, expect):
     assert received.startswith(b"HTTP/1.1 " + expect) if expect else received == b""
     if expect:
         assert b"connection: close" in received.lower()
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole response (head and a Content-Length body) off a kept-alive socket."""
+    def more() -> bytes:
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the kept-alive connection"
+        return chunk
+
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += more()
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += more()
+    return head
+
+
+def test_kept_alive_connection_idles_until_the_keep_alive_timeout(strict_server):
+    """Between requests a connection is the keep-alive timer's, not the header
+    deadline's: a client idle past the header deadline (as httpx reuses a
+    connection for 5 s) still gets an answer; the next head's deadline runs
+    from its first bytes; an idle connection closes at the keep-alive timeout."""
+    host, port = strict_server.base_url.removeprefix("http://").split(":")
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(health)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(HEADER_TIMEOUT_S + 1)
+        sock.sendall(health)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(HEADER_TIMEOUT_S + 1)
+        start = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # a head that never ends
+        received = b""
+        while chunk := sock.recv(4096):
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 408")
+        assert HEADER_TIMEOUT_S - 0.5 < time.monotonic() - start < HEADER_TIMEOUT_S + 2
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(health)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        assert sock.recv(4096) == b""  # closed, with nothing sent
+        assert KEEP_ALIVE_S - 0.5 < time.monotonic() - start < KEEP_ALIVE_S + 2
 
 
 def test_slow_body_does_not_block_others(strict_server):

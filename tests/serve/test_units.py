@@ -167,6 +167,7 @@ def test_token_bytes_sentencepiece_byte_fallback(tmp_path):
     ({"max_tokens_limit": -1}, "max_tokens_limit"),
     ({"max_tokens_default": 10, "max_tokens_limit": 5}, "max_tokens_default"),
     ({"header_read_timeout_s": 0}, "header_read_timeout_s"),
+    ({"keep_alive_timeout_s": -1}, "keep_alive_timeout_s"),
     ({"max_header_count": 0}, "max_header_count"),
     ({"tool_call_parser": "nope"}, "tool_call_parser"),
     ({"responses_store_size": 0}, "responses_store_size"),

@@ -24,6 +24,10 @@ class ApiOptions:
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
     header_read_timeout_s: float = 10.0
     body_read_timeout_s: float = 30.0
+    # Idle keep-alive connections close after this. Longer than the clients'
+    # own idle expiry (httpx 5 s, aiohttp 15 s): a server that closes first
+    # races a client reusing the connection, whose request then fails.
+    keep_alive_timeout_s: float = 30.0
     max_header_count: int = 100
     max_header_bytes: int = 16 * 1024
     tool_call_parser: str = "hermes"
@@ -47,7 +51,7 @@ class ApiOptions:
                 and self.max_tokens_default > self.max_tokens_limit):
             raise ValueError(f"max_tokens_default ({self.max_tokens_default}) must not exceed "
                              f"max_tokens_limit ({self.max_tokens_limit})")
-        for name in ("header_read_timeout_s", "body_read_timeout_s", "responses_store_ttl_s"):
+        for name in ("header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s", "responses_store_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_header_count", "max_header_bytes", "responses_store_size", "metrics_max_tenants"):
@@ -69,6 +73,7 @@ class ApiOptions:
             max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
             allowed_origins=list(args.allowed_origins or []),
             header_read_timeout_s=args.header_read_timeout, body_read_timeout_s=args.body_read_timeout,
+            keep_alive_timeout_s=args.timeout_keep_alive,
             max_header_count=args.max_header_count, max_header_bytes=args.max_header_bytes,
             tool_call_parser=args.tool_call_parser, chat_template=template,
             responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
@@ -104,6 +109,8 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a client gets to send a request's headers (then 408 and close)")
     g.add_argument("--body-read-timeout", type=float, default=30.0,
                    help="seconds a client gets to send a request's body (then 408 and close)")
+    g.add_argument("--timeout-keep-alive", type=float, default=30.0,
+                   help="seconds an idle keep-alive connection is kept open (longer than clients' own idle expiry)")
     g.add_argument("--max-header-count", type=int, default=100, help="more request headers: 431")
     g.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="larger request heads: 431 (400 while still arriving)")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
@@ -137,4 +144,5 @@ def uvicorn_options(api: ApiOptions) -> dict:
     from kvferry.serve.http_limits import header_timeout_protocol
 
     return {"http": header_timeout_protocol(api.header_read_timeout_s),
+            "timeout_keep_alive": api.keep_alive_timeout_s,
             "h11_max_incomplete_event_size": api.max_header_bytes}

@@ -2,12 +2,15 @@
 bodies (slowloris), plus the X-Request-Id echo.
 
 uvicorn bounds the header bytes (``h11_max_incomplete_event_size``) and
-closes idle keep-alive connections, but waits forever for a request whose
-headers or body never finish. Two pieces close that gap:
+closes idle keep-alive connections (``--timeout-keep-alive``), but waits
+forever for a request whose headers or body never finish. Two pieces close
+that gap:
 
 - ``header_timeout_protocol(s)``: an h11 protocol class that closes a
   connection (with a 408) when a request's headers are not complete ``s``
-  seconds after the connection opened or the previous response ended;
+  seconds after the connection opened, or after the first bytes of a later
+  request arrived on a kept-alive one. Between requests the connection is
+  uvicorn's keep-alive timer's to close;
 - ``RequestLimitsMiddleware``: an ASGI middleware that rejects too many
   headers (431) and ends a body not fully received in time (408, and the
   connection closes: its remaining bytes are unknown).
@@ -42,6 +45,8 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
         _partial_head = False  # bytes of a request head arrived since the timer was armed
 
         def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm_header_timer()  # the first bytes of the next request on a kept-alive connection
             self._partial_head = True
             super().data_received(data)
 
@@ -54,8 +59,14 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
+            # Idle until the next request: uvicorn's keep-alive timer closes
+            # the connection. It must outlast the clients' own idle expiry
+            # (httpx: 5 s); a server that closes at the same instant races a
+            # client sending on the connection, which then fails with no
+            # response. The next request's first bytes arm the deadline.
+            self._disarm_header_timer()
+            self._partial_head = False
             super().on_response_complete()
-            self._arm_header_timer()  # the next request's headers get the same deadline
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
