@@ -1461,6 +1461,21 @@ struct PrefetchCursor {
     if (k) next_pair(k), next_pair(v);
   }
 
+  // Token pair p's K (or V) rows of the block handed to the tile, if any
+  // (run_inplace_fast: K during the scores, V during P . V); v_rest(): all
+  // of its V rows at once, for a partial tile.
+  __attribute__((always_inline)) void k_pair(int p) const {
+    if (k) pair(k, p);
+  }
+  __attribute__((always_inline)) void v_pair(int p) const {
+    if (v) pair(v, p);
+  }
+  __attribute__((always_inline)) void v_rest() {
+    if (!v) return;
+    for (int p = 0; p < kTile / 2; ++p) pair(v, p);
+    v = nullptr;
+  }
+
   __attribute__((always_inline)) void to(int64_t last) {
     if (bs == kTile && in_block == 0 && last - pos >= kTile) {
       k = reinterpret_cast<const char*>(kbase + seq.table[blk] * kTile * row_stride);
@@ -1494,7 +1509,7 @@ struct RowCursor {
   const Seq& seq;
   int64_t row_stride, bs;
   int64_t pos = 0, blk = 0, in_block = 0;
-  const char *k = nullptr, *v = nullptr, *kend = nullptr;
+  const char *k = nullptr, *v = nullptr, *kend = nullptr, *vend = nullptr;
 
   __attribute__((always_inline)) void pair_step() {
     if (!k) return;
@@ -1504,12 +1519,34 @@ struct RowCursor {
     if (k >= kend) k = v = nullptr;
   }
 
+  // The hooks of InplaceBf16::tile (run_rows_bf16): the next two head rows'
+  // bytes of the block's K during the scores, of its V during P . V, and
+  // what is left of its V for a partial tile. (p: the token pair, unused:
+  // the block is requested in order over all heads' tiles.)
+  __attribute__((always_inline)) void k_pair(int) {
+    if (!k) return;
+    for (int64_t off = 0; off < kStepBytes; off += 64) prefetch_line<false>(k + off);
+    k += kStepBytes;
+    if (k >= kend) k = nullptr;
+  }
+  __attribute__((always_inline)) void v_pair(int) {
+    if (!v) return;
+    for (int64_t off = 0; off < kStepBytes; off += 64) prefetch_line<false>(v + off);
+    v += kStepBytes;
+    if (v >= vend) v = nullptr;
+  }
+  __attribute__((always_inline)) void v_rest() {
+    for (; v && v < vend; v += 64) prefetch_line<false>(v);
+    v = nullptr;
+  }
+
   __attribute__((always_inline)) void to(int64_t last) {
     const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
     if (bs == kTile && in_block == 0 && last - pos >= kTile) {
       k = reinterpret_cast<const char*>(kbase + seq.table[blk] * kTile * row_stride);
       v = reinterpret_cast<const char*>(vbase + seq.table[blk] * kTile * row_stride);
       kend = k + kTile * row_bytes;
+      vend = v + kTile * row_bytes;
       pos += kTile;
       ++blk;
     }
@@ -1526,6 +1563,9 @@ struct RowCursor {
 
 template <typename scalar_t, typename qscalar_t, Path kPath>
 struct Attend {
+  // Most KV heads an all-heads item takes (run_rows_f32_avx2, run_rows_bf16).
+  static constexpr int64_t kMaxRowHeads = 8;
+
   const qscalar_t* q_ptr;
   qscalar_t* out_ptr;
   const scalar_t* k_ptr;
@@ -1709,40 +1749,51 @@ struct Attend {
   // head's softmax state indexed at run time: 1.33x warm (GCC keeps it in
   // memory). Prefetching 16 tokens ahead: 1.08x; adding L2 requests 2-8
   // blocks ahead: no gain.
+  // The state and tile step of run_inplace_fast (one KV head, Q query
+  // vectors, head_dim kDim), also run over every KV head of an item at once
+  // (run_rows_bf16). The cursor (PrefetchCursor or RowCursor) gets k_pair(p)
+  // once per token pair during the scores and v_pair(p) during P . V.
   template <int Q, int kDim>
-  void run_inplace_fast(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    constexpr int C = kDim / 32, R = kDim / 16;
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
+  struct InplaceBf16 {
+    static constexpr int C = kDim / 32, R = kDim / 16;
     // The queries' pairs, duplicated for the token-pair layout, in memory:
     // read as memory operands of vdpbf16ps (in registers they leave too few
     // for the rest: GCC then spills the V rows).
     alignas(64) __m512i qbuf[Q][C][2];
     __m512 l[Q];
     float m[Q];
-    float* const acc = w.acc.data();  // [Q][kDim], zero; updated in memory per tile
     int64_t limit[Q];
-    for (int k = 0; k < Q; ++k) {
-      const auto* qk = reinterpret_cast<const at::BFloat16*>(query(j0 + k / group, k % group, h, seq));
-      for (int c = 0; c < C; ++c) {
-        const __m512i qv = _mm512_loadu_si512(qk + 32 * c);
-        qbuf[k][c][0] = _mm512_unpacklo_epi32(qv, qv);
-        qbuf[k][c][1] = _mm512_unpackhi_epi32(qv, qv);
+    float* acc;  // [Q][kDim], zero; updated in memory per tile
+
+    void init(const Attend& op, const Seq& seq, int64_t j0, int64_t h, const int64_t* limits, float* acc_) {
+      acc = acc_;
+      for (int k = 0; k < Q; ++k) {
+        const auto* qk = reinterpret_cast<const at::BFloat16*>(op.query(j0 + k / op.group, k % op.group, h, seq));
+        for (int c = 0; c < C; ++c) {
+          const __m512i qv = _mm512_loadu_si512(qk + 32 * c);
+          qbuf[k][c][0] = _mm512_unpacklo_epi32(qv, qv);
+          qbuf[k][c][1] = _mm512_unpackhi_epi32(qv, qv);
+        }
+        l[k] = _mm512_setzero_ps();
+        m[k] = -std::numeric_limits<float>::infinity();
+        limit[k] = limits[k];
       }
-      l[k] = _mm512_setzero_ps();
-      m[k] = -std::numeric_limits<float>::infinity();
-      limit[k] = w.limit[k];
     }
-    const scalar_t* kbase = k_ptr + h * kDim;
-    const scalar_t* vbase = v_ptr + h * kDim;
-    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
-    // K rows during the scores, its V rows during P . V. (An fp8 row is
-    // head_dim bytes: one cache line at head_dim 64.)
-    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
-    const __m512i zero = _mm512_setzero_si512();
-    auto tile = [&](auto full, const scalar_t* kt, const scalar_t* vt, int64_t start, int64_t n)
-                    __attribute__((always_inline)) {
-      constexpr bool kFull = decltype(full)::value;
+
+    // The softmax state into query vectors [first, first + Q) of w.
+    void store(Scratch& w, int64_t first) const {
+      for (int k = 0; k < Q; ++k) {
+        w.m[first + k] = m[k];
+        w.lvec[first + k] = l[k];
+      }
+    }
+
+    // Tokens [start, start + n) of one block, head rows at kt and vt
+    // (row_stride elements apart).
+    template <bool kFull, typename Cursor>
+    __attribute__((always_inline)) void tile(Cursor& pf, const scalar_t* kt, const scalar_t* vt, int64_t row_stride,
+                                             int64_t start, int64_t n, float scale) {
+      const __m512i zero = _mm512_setzero_si512();
       auto row = [&](const scalar_t* p, int64_t t, int c) __attribute__((always_inline)) {
         return kFull || t < n ? _mm512_loadu_si512(p + t * row_stride + 32 * c) : zero;
       };
@@ -1772,7 +1823,7 @@ struct Attend {
 #pragma GCC unroll 2
         for (int e = 0; e < 2; ++e) {
           const int p = 2 * qd + e;
-          if (pf.k) pf.pair(pf.k, p);
+          pf.k_pair(p);
           if constexpr (kIsFp8<scalar_t>) {
 #ifdef KVFERRY_FP8_DPBF16
             __m512i lo[C], hi[C];
@@ -1827,13 +1878,10 @@ struct Attend {
           for (int r = 0; r < R; ++r) o[k][r] = _mm512_mul_ps(o[k][r], a);
         }
       }
-      if (!kFull && pf.v) {
-        for (int p = 0; p < 8; ++p) pf.pair(pf.v, p);
-        pf.v = nullptr;
-      }
+      if (!kFull) pf.v_rest();
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
-        if (kFull && pf.v) pf.pair(pf.v, p);
+        if (kFull) pf.v_pair(p);
         if (!kFull && 2 * p >= n) break;
         if constexpr (kIsFp8<scalar_t>) {
 #ifdef KVFERRY_FP8_DPBF16
@@ -1860,24 +1908,62 @@ struct Attend {
         }
       }
       for (int k = 0; k < Q; ++k) for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + k * kDim + 16 * r, o[k][r]);
-    };
+    }
+  };
+
+  template <int Q, int kDim>
+  void run_inplace_fast(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    const int64_t end = seq.end(j1);
+    InplaceBf16<Q, kDim> st;
+    st.init(*this, seq, j0, h, w.limit.data(), w.acc.data());
+    const scalar_t* kbase = k_ptr + h * kDim;
+    const scalar_t* vbase = v_ptr + h * kDim;
+    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
+    // K rows during the scores, its V rows during P . V. (An fp8 row is
+    // head_dim bytes: one cache line at head_dim 64.)
+    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
       pf.to(std::min(end, start + n + kAhead));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      const scalar_t* kt = kbase + base;
-      const scalar_t* vt = vbase + base;
-      if (n == kTile) tile(std::true_type{}, kt, vt, start, n);
-      else tile(std::false_type{}, kt, vt, start, n);
+      if (n == kTile) st.template tile<true>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
+      else st.template tile<false>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
       pf.k = pf.v = nullptr;
       in_block += n;
       if (in_block == bs) in_block = 0, ++b;
     }
-    for (int k = 0; k < Q; ++k) {
-      w.m[k] = m[k];
-      w.lvec[k] = l[k];
+    st.store(w, 0);
+  }
+
+  // run_inplace_fast over every KV head of a decode item at once, tile by
+  // tile: the heads' tiles of one block run back to back, so each block's
+  // K and V are read as whole rows (the block's contiguous bytes), not as
+  // one head's slice of each row (as run_rows_f32_avx2 in the AVX2 build).
+  // Query vectors [h * Q, h * Q + Q) of w's state are head h's.
+  template <int Q, int kDim>
+  void run_rows_bf16(const Seq& seq, int64_t j0, int64_t j1, Scratch& w) const {
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    const int64_t end = seq.end(j1);
+    InplaceBf16<Q, kDim> st[kMaxRowHeads];
+    for (int64_t h = 0; h < kv_heads; ++h) st[h].init(*this, seq, j0, h, w.limit.data(), w.acc.data() + h * Q * kDim);
+    RowCursor<scalar_t, kDim> pf{k_ptr, v_ptr, seq, row_stride, bs};
+    int64_t n = 0;
+    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
+      n = std::min({kTile, end - start, bs - in_block});
+      pf.to(std::min(end, start + n + kAhead));
+      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = base + h * kDim;
+        if (n == kTile) st[h].template tile<true>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
+        else st[h].template tile<false>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
+      }
+      pf.k = pf.v = nullptr;
+      in_block += n;
+      if (in_block == bs) in_block = 0, ++b;
     }
+    for (int64_t h = 0; h < kv_heads; ++h) st[h].store(w, h * Q);
   }
 
   // run_inplace through run_inplace_fast where a specialization exists; false otherwise.
@@ -2386,9 +2472,6 @@ struct Attend {
     for_each_stripe(seq, h, end, stripe_tiles, stage, groups);
   }
 
-  // Most KV heads an all-heads item takes (run_rows_f32_avx2).
-  static constexpr int64_t kMaxRowHeads = 8;
-
   // run_inplace_f32_avx2 over every KV head of the item at once, tile by
   // tile: the heads' tiles of one block run back to back, so each block's
   // K and V are read as whole rows (the block's contiguous bytes), not as
@@ -2445,19 +2528,21 @@ struct Attend {
 #endif
 
   // Whether query tokens [j0, j1) of a sequence can run as one item over
-  // every KV head (run_all_heads) rather than as one item per head: float32
-  // decode items of 1-3 query vectors per head in the AVX2 build. Not over
-  // an fp8 cache: there the widening, not the read, is the bound (measured
-  // 0.94-1.0x the per-head items' time), and its instantiations would add
-  // minutes to a cold build.
-  static constexpr bool kAllHeadsItems = kPath == Path::kPortable && std::is_same_v<scalar_t, float> &&
-                                         std::is_same_v<qscalar_t, float>;
+  // every KV head (run_all_heads) rather than as one item per head: decode
+  // items of 1-3 query vectors per head, float32 in the AVX2 build
+  // (run_rows_f32_avx2), bf16 with AVX512-BF16 (run_rows_bf16; 1-2 at
+  // head_dim 128, as run_inplace_fast). Not over an fp8 cache: there the
+  // widening, not the read, is the bound (AVX2: 0.94-1.0x the per-head
+  // items' time), and its instantiations would add minutes to a cold build.
+  static constexpr bool kAllHeadsItems =
+      (kPath == Path::kPortable && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) ||
+      (kPath == Path::kDpbf16 && std::is_same_v<scalar_t, at::BFloat16>);
   bool all_heads_item(int64_t j0, int64_t j1) const {
-#if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#if (!defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)) || defined(KVFERRY_AVX512_BF16)
     if constexpr (kAllHeadsItems) {
       const int64_t M = (j1 - j0) * group;
-      return M >= 1 && M < kStageMinQueries && kv_heads > 1 &&
-             kv_heads <= kMaxRowHeads && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+      return M >= 1 && M < kStageMinQueries && kv_heads > 1 && kv_heads <= kMaxRowHeads &&
+             (head_dim == 32 || head_dim == 64 || (head_dim == 128 && (kPath != Path::kDpbf16 || M <= 2)));
     }
 #endif
     return false;
@@ -2466,7 +2551,7 @@ struct Attend {
   // Query tokens [j0, j1) of `seq` against every KV head (all_heads_item).
   void run_all_heads(const Seq& seq, int64_t j0, int64_t j1, Scratch& w) const {
 #if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
-    if constexpr (kAllHeadsItems) {
+    if constexpr (kAllHeadsItems && kPath == Path::kPortable) {
       const int64_t M = (j1 - j0) * group, D = head_dim;
       w.acc.assign(kv_heads * M * D, 0.f);
       w.m.resize(kv_heads * M);
@@ -2497,6 +2582,29 @@ struct Attend {
       if (D == 64) by_q(std::integral_constant<int, 64>{});
       else if (D == 32) by_q(std::integral_constant<int, 32>{});
       else by_q(std::integral_constant<int, 128>{});
+      for (int64_t h = 0; h < kv_heads; ++h) finish(seq, j0, M, h, w, h * M);
+      return;
+    }
+#endif
+#ifdef KVFERRY_AVX512_BF16
+    if constexpr (kAllHeadsItems && kPath == Path::kDpbf16) {
+      const int64_t M = (j1 - j0) * group, D = head_dim;
+      w.acc.assign(kv_heads * M * D, 0.f);
+      w.m.resize(kv_heads * M);
+      w.l.resize(kv_heads * M);
+      w.lvec.resize(kv_heads * M);
+      w.limit.resize(M);
+      for (int64_t i = 0; i < M; ++i) w.limit[i] = seq.limit(j0 + i / group);
+      auto by_q = [&](auto dim) {
+        constexpr int kDim = decltype(dim)::value;
+        if (M == 1) run_rows_bf16<1, kDim>(seq, j0, j1, w);
+        else if (M == 2) run_rows_bf16<2, kDim>(seq, j0, j1, w);
+        else if constexpr (kDim != 128) run_rows_bf16<3, kDim>(seq, j0, j1, w);
+      };
+      if (D == 64) by_q(std::integral_constant<int, 64>{});
+      else if (D == 32) by_q(std::integral_constant<int, 32>{});
+      else by_q(std::integral_constant<int, 128>{});
+      for (int64_t i = 0; i < kv_heads * M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
       for (int64_t h = 0; h < kv_heads; ++h) finish(seq, j0, M, h, w, h * M);
       return;
     }
