@@ -87,16 +87,21 @@ def read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
 
 def kernel_reads_whole_rows(model: LlamaModel, cache_dtype: torch.dtype, batch: int, threads: int) -> bool:
     """Whether the paged attention kernel's decode items cover all KV heads of
-    a sequence, reading its blocks as whole rows (the AVX2 build, a float32
-    cache, kv heads 2-8 and head_dim 32/64/128, at least 2 sequences a
-    thread; see csrc/paged_decode.cpp, attend_all), rather than one head's
+    a sequence, reading its blocks as whole rows (kv heads 2-8, head_dim
+    32/64/128, at least 2 sequences a thread, and either the AVX2 build with
+    a float32 model and cache or the AVX512-BF16 build with a bf16 model and
+    cache; see csrc/paged_decode.cpp, attend_all), rather than one head's
     slice of each row."""
     from kvferry.model import paged_kernel
     from kvferry.model.cpu_features import cpu_features
 
     c = model.config
-    avx2_build = paged_kernel.kernel_isa() == "avx2" or not cpu_features().avx512
-    return (avx2_build and cache_dtype == torch.float32 and model.dtype == torch.float32
+    features = cpu_features()
+    avx2_build = paged_kernel.kernel_isa() == "avx2" or not features.avx512
+    float32_rows = avx2_build and cache_dtype == torch.float32 and model.dtype == torch.float32
+    bf16_rows = (not avx2_build and "avx512_bf16" in features.flags and cache_dtype == torch.bfloat16
+                 and model.dtype == torch.bfloat16)
+    return ((float32_rows or bf16_rows)
             and 1 < c.num_key_value_heads <= 8 and c.head_dim in (32, 64, 128) and batch >= 2 * threads
             and os.environ.get("KVFERRY_ATTN_ALL_HEADS_ITEMS", "") != "0")
 

@@ -266,14 +266,17 @@ def test_multi_query_causal_against_explicit_softmax(kernel, dtype, block_size, 
     assert (out[4] == 7.0).all()  # rows of no sequence are left alone
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float8_e4m3fn),
+                                               (torch.bfloat16, torch.float8_e5m2)])
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size",
                          [(3, 3, 64, 16), (2, 1, 32, 8), (8, 2, 128, 32), (3, 3, 64, 5)])
-def test_all_heads_items_match_per_head_items(kernel, monkeypatch, dtype, kv_heads, group, head_dim, block_size):
+def test_all_heads_items_match_per_head_items(kernel, monkeypatch, dtype, cache_dtype, kv_heads, group, head_dim,
+                                              block_size):
     """A decode batch large enough that each sequence runs as one item over
     all KV heads (rows read whole) where the build has such items (float32
-    in the AVX2 build, bf16 with AVX512-BF16; elsewhere the items are per
-    head either way): the same bits as per-head items
+    in the AVX2 build; a bf16 query over a bf16 or fp8 cache with
+    AVX512-BF16; elsewhere the items are per head either way): the same bits as per-head items
     (KVFERRY_ATTN_ALL_HEADS_ITEMS=0), and a float64 softmax's result. Contexts
     end inside, at and past a tile; a verify window (2 tokens) and a prompt
     chunk (9 tokens: per-head items) share the step; whole blocks of 16
@@ -282,8 +285,8 @@ def test_all_heads_items_match_per_head_items(kernel, monkeypatch, dtype, kv_hea
     q_lens = [1] * 8 + [2, 9]
     seq_lens = [1, 15, 16, 17, 40, 100, 257, 300, 33, 60]
     tables, num_blocks = scattered_tables(seq_lens, block_size, 3, gen)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     starts = [sum(q_lens[:r]) for r in range(len(q_lens))]
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     args = (tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens), head_dim ** -0.5)
@@ -294,8 +297,9 @@ def test_all_heads_items_match_per_head_items(kernel, monkeypatch, dtype, kv_hea
         kernel(q, k_cache, v_cache, *args, outs[mode])
     assert torch.equal(outs["1"], outs["0"])
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output itself is rounded to bf16
+    kf, vf = k_cache.float(), v_cache.float()  # an fp8 cache's exact values
     for r in range(len(seq_lens)):
-        expected = _explicit(q, k_cache, v_cache, tables[r], seq_lens[r], starts[r], q_lens[r], head_dim ** -0.5,
+        expected = _explicit(q.float(), kf, vf, tables[r], seq_lens[r], starts[r], q_lens[r], head_dim ** -0.5,
                              group)
         torch.testing.assert_close(outs["1"][starts[r]:starts[r] + q_lens[r]].double(), expected, atol=tol, rtol=tol)
 

@@ -24,11 +24,12 @@
 // Items are handed out longest first from a shared counter, so one thread
 // never ends up with all the long sequences. A step of few items (decode at
 // small batch) cuts long contexts into parts that run as items of their
-// own and are merged after (split items: attend_all). In the AVX2 build, a float32
-// decode batch with enough sequences runs each sequence as one item over
-// all its KV heads (run_rows_f32_avx2): the heads' tiles of a block run back
-// to back, so the block is read as whole rows, contiguous, not as one
-// head's slice of each row (see attend_all).
+// own and are merged after (split items: attend_all). A decode batch with
+// enough sequences runs each sequence as one item over all its KV heads
+// (float32 in the AVX2 build: run_rows_f32_avx2; a bf16 query over a bf16
+// or fp8 cache with AVX512-BF16: run_rows_bf16): the heads' tiles of a
+// block run back to back, so the block is read as whole rows, contiguous,
+// not as one head's slice of each row (see attend_all).
 //
 // Builds, chosen at compile time (-march=native, or -mno-avx512f when
 // KVFERRY_KERNEL_ISA=avx2):
@@ -2530,13 +2531,16 @@ struct Attend {
   // Whether query tokens [j0, j1) of a sequence can run as one item over
   // every KV head (run_all_heads) rather than as one item per head: decode
   // items of 1-3 query vectors per head, float32 in the AVX2 build
-  // (run_rows_f32_avx2), bf16 with AVX512-BF16 (run_rows_bf16; 1-2 at
-  // head_dim 128, as run_inplace_fast). Not over an fp8 cache: there the
-  // widening, not the read, is the bound (AVX2: 0.94-1.0x the per-head
-  // items' time), and its instantiations would add minutes to a cold build.
+  // (run_rows_f32_avx2), a bf16 query over a bf16 or fp8 cache with
+  // AVX512-BF16 (run_rows_bf16; 1-2 at head_dim 128, as run_inplace_fast;
+  // an fp8 cache's 64-byte head rows are a third of each row's lines at 3
+  // KV heads: 0.73-0.79x the per-head items' time, bf16 0.83-0.88x, batch
+  // 32, context 384, 30 layers, Zen 4). Not the AVX2 build's fp8 items:
+  // there the widening, not the read, is the bound (0.94-1.0x), and their
+  // instantiations would add minutes to a cold build.
   static constexpr bool kAllHeadsItems =
       (kPath == Path::kPortable && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) ||
-      (kPath == Path::kDpbf16 && std::is_same_v<scalar_t, at::BFloat16>);
+      (kPath == Path::kDpbf16 && (std::is_same_v<scalar_t, at::BFloat16> || (kHaveFp8Dpbf16 && kIsFp8<scalar_t>)));
   bool all_heads_item(int64_t j0, int64_t j1) const {
 #if (!defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)) || defined(KVFERRY_AVX512_BF16)
     if constexpr (kAllHeadsItems) {
