@@ -90,7 +90,8 @@ def kernel_reads_whole_rows(model: LlamaModel, cache_dtype: torch.dtype, batch: 
     a sequence, reading its blocks as whole rows (kv heads 2-8, head_dim
     32/64/128, at least 2 sequences a thread, and either the AVX2 build with
     a float32 model and cache or the AVX512-BF16 build with a bf16 model and
-    cache; see csrc/paged_decode.cpp, attend_all), rather than one head's
+    a bf16 cache (an fp8 one with AVX512-VBMI too); see
+    csrc/paged_decode.cpp, attend_all), rather than one head's
     slice of each row."""
     from kvferry.model import paged_kernel
     from kvferry.model.cpu_features import cpu_features
@@ -99,8 +100,9 @@ def kernel_reads_whole_rows(model: LlamaModel, cache_dtype: torch.dtype, batch: 
     features = cpu_features()
     avx2_build = paged_kernel.kernel_isa() == "avx2" or not features.avx512
     float32_rows = avx2_build and cache_dtype == torch.float32 and model.dtype == torch.float32
-    bf16_rows = (not avx2_build and "avx512_bf16" in features.flags and cache_dtype == torch.bfloat16
-                 and model.dtype == torch.bfloat16)
+    fp8_cache = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    bf16_rows = (not avx2_build and "avx512_bf16" in features.flags and model.dtype == torch.bfloat16
+                 and (cache_dtype == torch.bfloat16 or (fp8_cache and "avx512vbmi" in features.flags)))
     return ((float32_rows or bf16_rows)
             and 1 < c.num_key_value_heads <= 8 and c.head_dim in (32, 64, 128) and batch >= 2 * threads
             and os.environ.get("KVFERRY_ATTN_ALL_HEADS_ITEMS", "") != "0")

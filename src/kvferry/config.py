@@ -55,7 +55,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # What preemption does with a victim's KV: "swap" keeps it (host swap
     # space, else the KV store's DRAM), "recompute" drops it. None: swap
-    # when a swap space is configured (num_swap_blocks > 0).
+    # when a swap space (num_swap_blocks > 0) or a KV store is configured.
     preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
@@ -289,10 +289,11 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV of shared prompt prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prompts across steps"))
     num_swap_blocks: int = field(default=0, metadata=_opt(
-        "host-DRAM KV blocks for swapping out preempted requests (0: preemption recomputes)"))
+        "host-DRAM KV blocks for swapping out preempted requests (0: none; preemption then recomputes unless "
+        "a KV store takes the blocks)"))
     preemption_mode: str | None = field(default=None, metadata=_opt(
         "what preemption does with a victim's KV: swap it out (host swap space, else the KV store's DRAM) "
-        "or recompute it later (default: swap when --num-swap-blocks > 0)", choices=("swap", "recompute")))
+        "or recompute it later (default: swap when --num-swap-blocks > 0 or a KV store is attached)", choices=("swap", "recompute")))
     kv_store: str = field(default="", metadata=_opt(
         "address of a running KV store (kvferry kvstore) to load prefixes from and write blocks down to"))
     kv_dram_gb: float = field(default=0.0, metadata=_opt(
