@@ -88,9 +88,9 @@ def read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
 def kernel_reads_whole_rows(model: LlamaModel, cache_dtype: torch.dtype, batch: int, threads: int) -> bool:
     """Whether the paged attention kernel's decode items cover all KV heads of
     a sequence, reading its blocks as whole rows (kv heads 2-8, head_dim
-    32/64/128, at least 2 sequences a thread, and either the AVX2 build with
-    a float32 model and cache or the AVX512-BF16 build with a bf16 model and
-    a bf16 cache (an fp8 one with AVX512-VBMI too); see
+    32/64/128, at least 2 sequences a thread, and either a float32 model and
+    cache or the AVX512-BF16 build with a bf16 model and a bf16 cache (an
+    fp8 one with AVX512-VBMI too); see
     csrc/paged_decode.cpp, attend_all), rather than one head's
     slice of each row."""
     from kvferry.model import paged_kernel
@@ -99,7 +99,7 @@ def kernel_reads_whole_rows(model: LlamaModel, cache_dtype: torch.dtype, batch: 
     c = model.config
     features = cpu_features()
     avx2_build = paged_kernel.kernel_isa() == "avx2" or not features.avx512
-    float32_rows = avx2_build and cache_dtype == torch.float32 and model.dtype == torch.float32
+    float32_rows = cache_dtype == torch.float32 and model.dtype == torch.float32
     fp8_cache = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     bf16_rows = (not avx2_build and "avx512_bf16" in features.flags and model.dtype == torch.bfloat16
                  and (cache_dtype == torch.bfloat16 or (fp8_cache and "avx512vbmi" in features.flags)))

@@ -275,8 +275,9 @@ def test_all_heads_items_match_per_head_items(kernel, monkeypatch, dtype, cache_
                                               block_size):
     """A decode batch large enough that each sequence runs as one item over
     all KV heads (rows read whole) where the build has such items (float32
-    in the AVX2 build; a bf16 query over a bf16 or fp8 cache with
-    AVX512-BF16; elsewhere the items are per head either way): the same bits as per-head items
+    in the AVX2 and AVX-512 builds; a bf16 query over a bf16 or fp8 cache
+    with AVX512-BF16; elsewhere the items are per head either way): the same
+    bits as per-head items
     (KVFERRY_ATTN_ALL_HEADS_ITEMS=0), and a float64 softmax's result. Contexts
     end inside, at and past a tile; a verify window (2 tokens) and a prompt
     chunk (9 tokens: per-head items) share the step; whole blocks of 16

@@ -26,8 +26,9 @@
 // small batch) cuts long contexts into parts that run as items of their
 // own and are merged after (split items: attend_all). A decode batch with
 // enough sequences runs each sequence as one item over all its KV heads
-// (float32 in the AVX2 build: run_rows_f32_avx2; a bf16 query over a bf16
-// or fp8 cache with AVX512-BF16: run_rows_bf16): the heads' tiles of a
+// (float32: run_rows_f32_avx2 in the AVX2 build, run_rows_f32 in the
+// AVX-512 one; a bf16 query over a bf16 or fp8 cache with AVX512-BF16:
+// run_rows_bf16): the heads' tiles of a
 // block run back to back, so the block is read as whole rows, contiguous,
 // not as one head's slice of each row (see attend_all).
 //
@@ -2007,42 +2008,52 @@ struct Attend {
   // (1.2x: GCC then spills), prefetching 48 or 64 tokens ahead or into L2
   // only (1.05-1.1x).
   // An fp8 cache's rows are widened to float as they are loaded (load16).
+  // The state and tile step of run_inplace_f32 (one KV head, Q float32
+  // query vectors, head_dim kDim), also run over every KV head of an item at
+  // once (run_rows_f32), as InplaceBf16 is for bf16.
   template <int Q, int kDim>
-  void run_inplace_f32(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    static_assert(kWidenF32<scalar_t, qscalar_t>);
-    constexpr int C = kDim / 16;  // 16-float chunks per row (= accumulators per query)
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
+  struct InplaceF32 {
+    static constexpr int C = kDim / 16;  // 16-float chunks per row (= accumulators per query)
     // The queries duplicated for the token-pair layout: lanes 4L + 2i and
     // 4L + 2i + 1 of qbuf[k][c][0] (L a 128-bit lane) hold dim 16c + 4L + i,
     // of qbuf[k][c][1] dim 16c + 4L + 2 + i. (GCC keeps them in registers
-    // across the tile loop, up to 24 at Q = 3; forcing them to be read from
-    // memory per tile measured no faster.)
+    // across the tile loop of run_inplace_f32, up to 24 at Q = 3; forcing
+    // them to be read from memory per tile measured no faster.)
     alignas(64) __m512 qbuf[Q][C][2];
     __m512 l[Q];
     float m[Q];
-    float* const acc = w.acc.data();  // [Q][kDim], zero; updated in memory per tile
     int64_t limit[Q];
-    for (int k = 0; k < Q; ++k) {
-      const float* qk = w.qf.data() + k * kDim;
-      for (int c = 0; c < C; ++c) {
-        const __m512 qv = _mm512_loadu_ps(qk + 16 * c);
-        qbuf[k][c][0] = _mm512_unpacklo_ps(qv, qv);
-        qbuf[k][c][1] = _mm512_unpackhi_ps(qv, qv);
+    float* acc;  // [Q][kDim], zero; updated in memory per tile
+
+    void init(const float* qf, const int64_t* limits, float* acc_) {
+      acc = acc_;
+      for (int k = 0; k < Q; ++k) {
+        const float* qk = qf + k * kDim;
+        for (int c = 0; c < C; ++c) {
+          const __m512 qv = _mm512_loadu_ps(qk + 16 * c);
+          qbuf[k][c][0] = _mm512_unpacklo_ps(qv, qv);
+          qbuf[k][c][1] = _mm512_unpackhi_ps(qv, qv);
+        }
+        l[k] = _mm512_setzero_ps();
+        m[k] = -std::numeric_limits<float>::infinity();
+        limit[k] = limits[k];
       }
-      l[k] = _mm512_setzero_ps();
-      m[k] = -std::numeric_limits<float>::infinity();
-      limit[k] = w.limit[k];
     }
-    const scalar_t* kbase = k_ptr + h * kDim;
-    const scalar_t* vbase = v_ptr + h * kDim;
-    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
-    // K rows during the scores, its V rows during P . V, a token pair at a time.
-    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
-    const __m512 zero = _mm512_setzero_ps();
-    auto tile = [&](auto full, const scalar_t* kt, const scalar_t* vt, int64_t start, int64_t n)
-                    __attribute__((always_inline)) {
-      constexpr bool kFull = decltype(full)::value;
+
+    // The softmax state into query vectors [first, first + Q) of w.
+    void store(Scratch& w, int64_t first) const {
+      for (int k = 0; k < Q; ++k) {
+        w.m[first + k] = m[k];
+        w.lvec[first + k] = l[k];
+      }
+    }
+
+    // Tokens [start, start + n) of one block, head rows at kt and vt
+    // (row_stride elements apart); the cursor's hooks as in InplaceBf16.
+    template <bool kFull, typename Cursor>
+    __attribute__((always_inline)) void tile(Cursor& pf, const scalar_t* kt, const scalar_t* vt, int64_t row_stride,
+                                             int64_t start, int64_t n, float scale) {
+      const __m512 zero = _mm512_setzero_ps();
       // Rows past n are zero, never read (an unwritten slot may hold NaN).
       // The row pointers advance by a token pair at a time (not 16 offsets
       // from kt: GCC keeps those on the stack and reloads them per row).
@@ -2062,7 +2073,7 @@ struct Attend {
 #pragma GCC unroll 2
         for (int e = 0; e < 2; ++e) {
           const int p = 2 * qd + e;
-          if (pf.k) pf.next_pair(pf.k);
+          pf.k_pair(p);
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) {
             const __m512 a = row(kr, 2 * p, c), b = row(kr + row_stride, 2 * p + 1, c);
@@ -2103,13 +2114,10 @@ struct Attend {
           for (int r = 0; r < C; ++r) o[k][r] = _mm512_mul_ps(o[k][r], a);
         }
       }
-      if (!kFull && pf.v) {
-        for (int p = 0; p < 8; ++p) pf.next_pair(pf.v);
-        pf.v = nullptr;
-      }
+      if (!kFull) pf.v_rest();
 #pragma GCC unroll 16
       for (int t = 0; t < kTile; ++t) {
-        if (kFull && pf.v && t % 2 == 0) pf.next_pair(pf.v);
+        if (kFull && t % 2 == 0) pf.v_pair(t / 2);
         if (!kFull && t >= n) break;
         for (int c = 0; c < C; ++c) {
           const __m512 vr = load16(vt + 16 * c);
@@ -2118,22 +2126,61 @@ struct Attend {
         vt += row_stride;
       }
       for (int k = 0; k < Q; ++k) for (int r = 0; r < C; ++r) _mm512_storeu_ps(acc + k * kDim + 16 * r, o[k][r]);
-    };
+    }
+  };
+
+  template <int Q, int kDim>
+  void run_inplace_f32(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    static_assert(kWidenF32<scalar_t, qscalar_t>);
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    const int64_t end = seq.end(j1);
+    InplaceF32<Q, kDim> st;
+    st.init(w.qf.data(), w.limit.data(), w.acc.data());
+    const scalar_t* kbase = k_ptr + h * kDim;
+    const scalar_t* vbase = v_ptr + h * kDim;
+    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
+    // K rows during the scores, its V rows during P . V, a token pair at a time.
+    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
     int64_t n = 0;
     for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
       n = std::min({kTile, end - start, bs - in_block});
       pf.to(std::min(end, start + n + kAhead));
       const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      if (n == kTile) tile(std::true_type{}, kbase + base, vbase + base, start, n);
-      else tile(std::false_type{}, kbase + base, vbase + base, start, n);
+      if (n == kTile) st.template tile<true>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
+      else st.template tile<false>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
       pf.k = pf.v = nullptr;
       in_block += n;
       if (in_block == bs) in_block = 0, ++b;
     }
-    for (int k = 0; k < Q; ++k) {
-      w.m[k] = m[k];
-      w.lvec[k] = l[k];
+    st.store(w, 0);
+  }
+
+  // run_inplace_f32 over every KV head of a decode item at once, tile by
+  // tile (whole rows read, as run_rows_bf16). Query vectors [h * Q, h * Q +
+  // Q) of w.qf and of w's state are head h's.
+  template <int Q, int kDim>
+  void run_rows_f32(const Seq& seq, int64_t j1, Scratch& w) const {
+    static_assert(kWidenF32<scalar_t, qscalar_t>);
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    const int64_t end = seq.end(j1);
+    InplaceF32<Q, kDim> st[kMaxRowHeads];
+    for (int64_t h = 0; h < kv_heads; ++h) st[h].init(w.qf.data() + h * Q * kDim, w.limit.data(), w.acc.data() + h * Q * kDim);
+    RowCursor<scalar_t, kDim> pf{k_ptr, v_ptr, seq, row_stride, bs};
+    int64_t n = 0;
+    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
+      n = std::min({kTile, end - start, bs - in_block});
+      pf.to(std::min(end, start + n + kAhead));
+      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = base + h * kDim;
+        if (n == kTile) st[h].template tile<true>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
+        else st[h].template tile<false>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
+      }
+      pf.k = pf.v = nullptr;
+      in_block += n;
+      if (in_block == bs) in_block = 0, ++b;
     }
+    for (int64_t h = 0; h < kv_heads; ++h) st[h].store(w, h * Q);
   }
 
   // The float32 items run_inplace_f32 has a specialization for; false otherwise.
@@ -2531,22 +2578,24 @@ struct Attend {
   // Whether query tokens [j0, j1) of a sequence can run as one item over
   // every KV head (run_all_heads) rather than as one item per head: decode
   // items of 1-3 query vectors per head, float32 in the AVX2 build
-  // (run_rows_f32_avx2), a bf16 query over a bf16 or fp8 cache with
-  // AVX512-BF16 (run_rows_bf16; 1-2 at head_dim 128, as run_inplace_fast;
+  // (run_rows_f32_avx2) and in the AVX-512 one (run_rows_f32; 1-2 at
+  // head_dim 128, as run_inplace_f32), a bf16 query over a bf16 or fp8
+  // cache with AVX512-BF16 (run_rows_bf16; 1-2 at head_dim 128;
   // an fp8 cache's 64-byte head rows are a third of each row's lines at 3
   // KV heads: 0.73-0.79x the per-head items' time, bf16 0.83-0.88x, batch
   // 32, context 384, 30 layers, Zen 4). Not the AVX2 build's fp8 items:
   // there the widening, not the read, is the bound (0.94-1.0x), and their
   // instantiations would add minutes to a cold build.
   static constexpr bool kAllHeadsItems =
-      (kPath == Path::kPortable && std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>) ||
+      ((kPath == Path::kPortable || kPath == Path::kWiden) && std::is_same_v<scalar_t, float> &&
+       std::is_same_v<qscalar_t, float>) ||
       (kPath == Path::kDpbf16 && (std::is_same_v<scalar_t, at::BFloat16> || (kHaveFp8Dpbf16 && kIsFp8<scalar_t>)));
   bool all_heads_item(int64_t j0, int64_t j1) const {
-#if (!defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)) || defined(KVFERRY_AVX512_BF16)
+#if (!defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)) || defined(KVFERRY_AVX512)
     if constexpr (kAllHeadsItems) {
       const int64_t M = (j1 - j0) * group;
       return M >= 1 && M < kStageMinQueries && kv_heads > 1 && kv_heads <= kMaxRowHeads &&
-             (head_dim == 32 || head_dim == 64 || (head_dim == 128 && (kPath != Path::kDpbf16 || M <= 2)));
+             (head_dim == 32 || head_dim == 64 || (head_dim == 128 && (kPath == Path::kPortable || M <= 2)));
     }
 #endif
     return false;
@@ -2586,6 +2635,37 @@ struct Attend {
       if (D == 64) by_q(std::integral_constant<int, 64>{});
       else if (D == 32) by_q(std::integral_constant<int, 32>{});
       else by_q(std::integral_constant<int, 128>{});
+      for (int64_t h = 0; h < kv_heads; ++h) finish(seq, j0, M, h, w, h * M);
+      return;
+    }
+#endif
+#ifdef KVFERRY_AVX512
+    if constexpr (kAllHeadsItems && kPath == Path::kWiden) {
+      const int64_t M = (j1 - j0) * group, D = head_dim;
+      w.acc.assign(kv_heads * M * D, 0.f);
+      w.m.resize(kv_heads * M);
+      w.l.resize(kv_heads * M);
+      w.lvec.resize(kv_heads * M);
+      w.limit.resize(M);
+      w.qf.resize(kv_heads * M * D);
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t j = j0 + i / group, g = i % group;
+        w.limit[i] = seq.limit(j);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const qscalar_t* qi = query(j, g, h, seq);
+          std::copy(qi, qi + D, w.qf.data() + (h * M + i) * D);
+        }
+      }
+      auto by_q = [&](auto dim) {
+        constexpr int kDim = decltype(dim)::value;
+        if (M == 1) run_rows_f32<1, kDim>(seq, j1, w);
+        else if (M == 2) run_rows_f32<2, kDim>(seq, j1, w);
+        else if constexpr (kDim != 128) run_rows_f32<3, kDim>(seq, j1, w);
+      };
+      if (D == 64) by_q(std::integral_constant<int, 64>{});
+      else if (D == 32) by_q(std::integral_constant<int, 32>{});
+      else by_q(std::integral_constant<int, 128>{});
+      for (int64_t i = 0; i < kv_heads * M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
       for (int64_t h = 0; h < kv_heads; ++h) finish(seq, j0, M, h, w, h * M);
       return;
     }
