@@ -271,17 +271,22 @@ def test_multi_query_causal_against_explicit_softmax(kernel, dtype, block_size, 
                                                (torch.bfloat16, torch.float8_e5m2)])
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size",
                          [(3, 3, 64, 16), (2, 1, 32, 8), (8, 2, 128, 32), (3, 3, 64, 5)])
-def test_all_heads_items_match_per_head_items(kernel, monkeypatch, dtype, cache_dtype, kv_heads, group, head_dim,
-                                              block_size):
+def test_all_heads_items_match_per_head_items(kernel, dtype, cache_dtype, kv_heads, group, head_dim, block_size):
     """A decode batch large enough that each sequence runs as one item over
     all KV heads (rows read whole) where the build has such items (float32
     in the AVX2 and AVX-512 builds; a bf16 query over a bf16 or fp8 cache
     with AVX512-BF16; elsewhere the items are per head either way): the same
-    bits as per-head items
-    (KVFERRY_ATTN_ALL_HEADS_ITEMS=0), and a float64 softmax's result. Contexts
-    end inside, at and past a tile; a verify window (2 tokens) and a prompt
-    chunk (9 tokens: per-head items) share the step; whole blocks of 16
-    take the hand-off prefetch, other block sizes the per-row one."""
+    bits as per-head items (KVFERRY_ATTN_ALL_HEADS_ITEMS=0), and a float64
+    softmax's result. Contexts end inside, at and past a tile; a verify
+    window (2 tokens) and a prompt chunk (9 tokens: per-head items) share
+    the step; whole blocks of 16 take the hand-off prefetch, other block
+    sizes the per-row one."""
+    _all_heads_check(kernel, dtype, cache_dtype, kv_heads, group, head_dim, block_size)
+
+
+def _all_heads_check(kernel, dtype, cache_dtype, kv_heads, group, head_dim, block_size):
+    import os
+
     gen = torch.Generator().manual_seed(kv_heads * 100 + head_dim + block_size)
     q_lens = [1] * 8 + [2, 9]
     seq_lens = [1, 15, 16, 17, 40, 100, 257, 300, 33, 60]
@@ -292,10 +297,17 @@ def test_all_heads_items_match_per_head_items(kernel, monkeypatch, dtype, cache_
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     args = (tables, torch.tensor(seq_lens), torch.tensor(starts), torch.tensor(q_lens), head_dim ** -0.5)
     outs = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("KVFERRY_ATTN_ALL_HEADS_ITEMS", mode)
-        outs[mode] = torch.full(q.shape, 7.0, dtype=dtype)
-        kernel(q, k_cache, v_cache, *args, outs[mode])
+    before = os.environ.get("KVFERRY_ATTN_ALL_HEADS_ITEMS")
+    try:
+        for mode in ("1", "0"):
+            os.environ["KVFERRY_ATTN_ALL_HEADS_ITEMS"] = mode
+            outs[mode] = torch.full(q.shape, 7.0, dtype=dtype)
+            kernel(q, k_cache, v_cache, *args, outs[mode])
+    finally:
+        if before is None:
+            os.environ.pop("KVFERRY_ATTN_ALL_HEADS_ITEMS", None)
+        else:
+            os.environ["KVFERRY_ATTN_ALL_HEADS_ITEMS"] = before
     assert torch.equal(outs["1"], outs["0"])
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output itself is rounded to bf16
     kf, vf = k_cache.float(), v_cache.float()  # an fp8 cache's exact values
@@ -420,10 +432,13 @@ def test_kernel_path_follows_the_cpu(kernel):
 _AVX2 = """
 import torch
 from kvferry.model import paged_kernel
-from tests.model.test_paged_kernel import _explicit, _multi_query_case, _split_check, _staged_items_check
+from tests.model.test_paged_kernel import (_all_heads_check, _explicit, _multi_query_case, _split_check,
+                                           _staged_items_check)
 assert paged_kernel.kernel_isa() == "avx2"
 kernel = paged_kernel.get_paged_decode_kernel()
 assert kernel is not None
+_all_heads_check(kernel, torch.float32, torch.float32, 3, 3, 64, 16)
+_all_heads_check(kernel, torch.float32, torch.float32, 8, 2, 128, 5)
 _staged_items_check(kernel, 3, 3, 64, 16, torch.float32)
 _staged_items_check(kernel, 2, 2, 40, 8, torch.float8_e5m2)
 _split_check(kernel, 0, 3, 3, 64, 16, torch.float32)

@@ -1668,7 +1668,85 @@ struct Attend {
     }
   }
 
+  // An in-place decode state st (InplaceBf16, InplaceF32, InplaceF32Avx2)
+  // over head h's tiles of positions [0, end) of seq, its rows requested
+  // ahead by a PrefetchCursor (its hooks: when the state's tile step calls
+  // them, a token pair at a time).
+  template <typename State>
+  void run_head_tiles(const Seq& seq, int64_t end, int64_t h, State& st) const {
+    constexpr int kDim = State::kHeadDim;
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    const scalar_t* kbase = k_ptr + h * kDim;
+    const scalar_t* vbase = v_ptr + h * kDim;
+    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
+    int64_t n = 0;
+    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
+      n = std::min({kTile, end - start, bs - in_block});
+      pf.to(std::min(end, start + n + kAhead));
+      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
+      if (n == kTile) st.template tile<true>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
+      else st.template tile<false>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
+      pf.k = pf.v = nullptr;
+      in_block += n;
+      if (in_block == bs) in_block = 0, ++b;
+    }
+  }
+
+  // The states st[0 .. kv_heads) (one per KV head) over positions [0, end)
+  // of seq, tile by tile: the heads' tiles of one block run back to back,
+  // so each block's K and V are read as whole rows (the block's contiguous
+  // bytes), not as one head's slice of each row; a RowCursor requests them
+  // ahead in order over all heads' tiles.
+  template <typename State>
+  void run_rows_tiles(const Seq& seq, int64_t end, State* st) const {
+    constexpr int kDim = State::kHeadDim;
+    const int64_t row_stride = kv_heads * kDim, bs = block_size;
+    RowCursor<scalar_t, kDim> pf{k_ptr, v_ptr, seq, row_stride, bs};
+    int64_t n = 0;
+    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
+      n = std::min({kTile, end - start, bs - in_block});
+      pf.to(std::min(end, start + n + kAhead));
+      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = base + h * kDim;
+        if (n == kTile) st[h].template tile<true>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
+        else st[h].template tile<false>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
+      }
+      pf.k = pf.v = nullptr;
+      in_block += n;
+      if (in_block == bs) in_block = 0, ++b;
+    }
+  }
+
 #ifdef KVFERRY_AVX512
+
+  // What the in-place decode states (InplaceBf16, InplaceF32) share: per
+  // query vector, the online softmax's sums per lane and running max, the
+  // positions it sees, and its accumulator row.
+  template <int Q>
+  struct InplaceState {
+    __m512 l[Q];
+    float m[Q];
+    int64_t limit[Q];
+    float* acc;  // [Q][head_dim], zero; updated in memory per tile
+
+    void reset(const int64_t* limits, float* acc_) {
+      acc = acc_;
+      for (int k = 0; k < Q; ++k) {
+        l[k] = _mm512_setzero_ps();
+        m[k] = -std::numeric_limits<float>::infinity();
+        limit[k] = limits[k];
+      }
+    }
+
+    // The softmax state into query vectors [first, first + Q) of w.
+    void store(Scratch& w, int64_t first) const {
+      for (int k = 0; k < Q; ++k) {
+        w.m[first + k] = m[k];
+        w.lvec[first + k] = l[k];
+      }
+    }
+  };
 
   // Calls run_group(std::integral_constant<int, Q>, q, acc, m, l, visible)
   // for the item's queries that see any of positions [start, start + n),
@@ -1756,19 +1834,16 @@ struct Attend {
   // (run_rows_bf16). The cursor (PrefetchCursor or RowCursor) gets k_pair(p)
   // once per token pair during the scores and v_pair(p) during P . V.
   template <int Q, int kDim>
-  struct InplaceBf16 {
-    static constexpr int C = kDim / 32, R = kDim / 16;
+  struct InplaceBf16 : InplaceState<Q> {
+    using InplaceState<Q>::l, InplaceState<Q>::m, InplaceState<Q>::limit, InplaceState<Q>::acc;
+    static constexpr int kHeadDim = kDim, C = kDim / 32, R = kDim / 16;
     // The queries' pairs, duplicated for the token-pair layout, in memory:
     // read as memory operands of vdpbf16ps (in registers they leave too few
     // for the rest: GCC then spills the V rows).
     alignas(64) __m512i qbuf[Q][C][2];
-    __m512 l[Q];
-    float m[Q];
-    int64_t limit[Q];
-    float* acc;  // [Q][kDim], zero; updated in memory per tile
 
     void init(const Attend& op, const Seq& seq, int64_t j0, int64_t h, const int64_t* limits, float* acc_) {
-      acc = acc_;
+      this->reset(limits, acc_);
       for (int k = 0; k < Q; ++k) {
         const auto* qk = reinterpret_cast<const at::BFloat16*>(op.query(j0 + k / op.group, k % op.group, h, seq));
         for (int c = 0; c < C; ++c) {
@@ -1776,17 +1851,6 @@ struct Attend {
           qbuf[k][c][0] = _mm512_unpacklo_epi32(qv, qv);
           qbuf[k][c][1] = _mm512_unpackhi_epi32(qv, qv);
         }
-        l[k] = _mm512_setzero_ps();
-        m[k] = -std::numeric_limits<float>::infinity();
-        limit[k] = limits[k];
-      }
-    }
-
-    // The softmax state into query vectors [first, first + Q) of w.
-    void store(Scratch& w, int64_t first) const {
-      for (int k = 0; k < Q; ++k) {
-        w.m[first + k] = m[k];
-        w.lvec[first + k] = l[k];
       }
     }
 
@@ -1915,56 +1979,19 @@ struct Attend {
 
   template <int Q, int kDim>
   void run_inplace_fast(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
     InplaceBf16<Q, kDim> st;
     st.init(*this, seq, j0, h, w.limit.data(), w.acc.data());
-    const scalar_t* kbase = k_ptr + h * kDim;
-    const scalar_t* vbase = v_ptr + h * kDim;
-    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
-    // K rows during the scores, its V rows during P . V. (An fp8 row is
-    // head_dim bytes: one cache line at head_dim 64.)
-    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
-    int64_t n = 0;
-    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
-      n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kAhead));
-      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      if (n == kTile) st.template tile<true>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
-      else st.template tile<false>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
-      pf.k = pf.v = nullptr;
-      in_block += n;
-      if (in_block == bs) in_block = 0, ++b;
-    }
+    run_head_tiles(seq, seq.end(j1), h, st);
     st.store(w, 0);
   }
 
-  // run_inplace_fast over every KV head of a decode item at once, tile by
-  // tile: the heads' tiles of one block run back to back, so each block's
-  // K and V are read as whole rows (the block's contiguous bytes), not as
-  // one head's slice of each row (as run_rows_f32_avx2 in the AVX2 build).
-  // Query vectors [h * Q, h * Q + Q) of w's state are head h's.
+  // run_inplace_fast over every KV head of a decode item at once
+  // (run_rows_tiles). Query vectors [h * Q, h * Q + Q) of w's state are head h's.
   template <int Q, int kDim>
   void run_rows_bf16(const Seq& seq, int64_t j0, int64_t j1, Scratch& w) const {
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
     InplaceBf16<Q, kDim> st[kMaxRowHeads];
     for (int64_t h = 0; h < kv_heads; ++h) st[h].init(*this, seq, j0, h, w.limit.data(), w.acc.data() + h * Q * kDim);
-    RowCursor<scalar_t, kDim> pf{k_ptr, v_ptr, seq, row_stride, bs};
-    int64_t n = 0;
-    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
-      n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kAhead));
-      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t at = base + h * kDim;
-        if (n == kTile) st[h].template tile<true>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
-        else st[h].template tile<false>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
-      }
-      pf.k = pf.v = nullptr;
-      in_block += n;
-      if (in_block == bs) in_block = 0, ++b;
-    }
+    run_rows_tiles(seq, seq.end(j1), st);
     for (int64_t h = 0; h < kv_heads; ++h) st[h].store(w, h * Q);
   }
 
@@ -2012,7 +2039,9 @@ struct Attend {
   // query vectors, head_dim kDim), also run over every KV head of an item at
   // once (run_rows_f32), as InplaceBf16 is for bf16.
   template <int Q, int kDim>
-  struct InplaceF32 {
+  struct InplaceF32 : InplaceState<Q> {
+    using InplaceState<Q>::l, InplaceState<Q>::m, InplaceState<Q>::limit, InplaceState<Q>::acc;
+    static constexpr int kHeadDim = kDim;
     static constexpr int C = kDim / 16;  // 16-float chunks per row (= accumulators per query)
     // The queries duplicated for the token-pair layout: lanes 4L + 2i and
     // 4L + 2i + 1 of qbuf[k][c][0] (L a 128-bit lane) hold dim 16c + 4L + i,
@@ -2020,13 +2049,9 @@ struct Attend {
     // across the tile loop of run_inplace_f32, up to 24 at Q = 3; forcing
     // them to be read from memory per tile measured no faster.)
     alignas(64) __m512 qbuf[Q][C][2];
-    __m512 l[Q];
-    float m[Q];
-    int64_t limit[Q];
-    float* acc;  // [Q][kDim], zero; updated in memory per tile
 
     void init(const float* qf, const int64_t* limits, float* acc_) {
-      acc = acc_;
+      this->reset(limits, acc_);
       for (int k = 0; k < Q; ++k) {
         const float* qk = qf + k * kDim;
         for (int c = 0; c < C; ++c) {
@@ -2034,17 +2059,6 @@ struct Attend {
           qbuf[k][c][0] = _mm512_unpacklo_ps(qv, qv);
           qbuf[k][c][1] = _mm512_unpackhi_ps(qv, qv);
         }
-        l[k] = _mm512_setzero_ps();
-        m[k] = -std::numeric_limits<float>::infinity();
-        limit[k] = limits[k];
-      }
-    }
-
-    // The softmax state into query vectors [first, first + Q) of w.
-    void store(Scratch& w, int64_t first) const {
-      for (int k = 0; k < Q; ++k) {
-        w.m[first + k] = m[k];
-        w.lvec[first + k] = l[k];
       }
     }
 
@@ -2132,54 +2146,21 @@ struct Attend {
   template <int Q, int kDim>
   void run_inplace_f32(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     static_assert(kWidenF32<scalar_t, qscalar_t>);
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
     InplaceF32<Q, kDim> st;
     st.init(w.qf.data(), w.limit.data(), w.acc.data());
-    const scalar_t* kbase = k_ptr + h * kDim;
-    const scalar_t* vbase = v_ptr + h * kDim;
-    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
-    // K rows during the scores, its V rows during P . V, a token pair at a time.
-    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
-    int64_t n = 0;
-    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
-      n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kAhead));
-      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      if (n == kTile) st.template tile<true>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
-      else st.template tile<false>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
-      pf.k = pf.v = nullptr;
-      in_block += n;
-      if (in_block == bs) in_block = 0, ++b;
-    }
+    run_head_tiles(seq, seq.end(j1), h, st);
     st.store(w, 0);
   }
 
-  // run_inplace_f32 over every KV head of a decode item at once, tile by
-  // tile (whole rows read, as run_rows_bf16). Query vectors [h * Q, h * Q +
-  // Q) of w.qf and of w's state are head h's.
+  // run_inplace_f32 over every KV head of a decode item at once
+  // (run_rows_tiles). Query vectors [h * Q, h * Q + Q) of w.qf and of w's
+  // state are head h's.
   template <int Q, int kDim>
   void run_rows_f32(const Seq& seq, int64_t j1, Scratch& w) const {
     static_assert(kWidenF32<scalar_t, qscalar_t>);
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
     InplaceF32<Q, kDim> st[kMaxRowHeads];
     for (int64_t h = 0; h < kv_heads; ++h) st[h].init(w.qf.data() + h * Q * kDim, w.limit.data(), w.acc.data() + h * Q * kDim);
-    RowCursor<scalar_t, kDim> pf{k_ptr, v_ptr, seq, row_stride, bs};
-    int64_t n = 0;
-    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
-      n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kAhead));
-      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t at = base + h * kDim;
-        if (n == kTile) st[h].template tile<true>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
-        else st[h].template tile<false>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
-      }
-      pf.k = pf.v = nullptr;
-      in_block += n;
-      if (in_block == bs) in_block = 0, ++b;
-    }
+    run_rows_tiles(seq, seq.end(j1), st);
     for (int64_t h = 0; h < kv_heads; ++h) st[h].store(w, h * Q);
   }
 
@@ -2297,6 +2278,7 @@ struct Attend {
   // the FMAs; acc [Q][kDim] (zero at the start) is updated in memory per tile.
   template <int Q, int kDim>
   struct InplaceF32Avx2 {
+    static constexpr int kHeadDim = kDim;
     static constexpr int C = kDim / 8;                       // 8-float chunks per row
     static constexpr int R = Q == 1 ? std::min(C, 8) : 4;    // accumulators per query per P . V pass
     alignas(32) __m256 qbuf[Q][C][2];
@@ -2438,26 +2420,9 @@ struct Attend {
   template <int Q, int kDim>
   void run_inplace_f32_avx2(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
     static_assert(kWidenF32<scalar_t, qscalar_t>);
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
     InplaceF32Avx2<Q, kDim> st;
     st.init(w.qf.data(), w.limit.data(), w.acc.data());
-    const scalar_t* kbase = k_ptr + h * kDim;
-    const scalar_t* vbase = v_ptr + h * kDim;
-    // The rows ahead (see PrefetchCursor): the tile requests a whole block's
-    // K and V rows during the scores, a token pair of each at a time.
-    PrefetchCursor<scalar_t, kDim> pf{kbase, vbase, seq, row_stride, bs};
-    int64_t n = 0;
-    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
-      n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kAhead));
-      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      if (n == kTile) st.template tile<true>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
-      else st.template tile<false>(pf, kbase + base, vbase + base, row_stride, start, n, scale);
-      pf.k = pf.v = nullptr;
-      in_block += n;
-      if (in_block == bs) in_block = 0, ++b;
-    }
+    run_head_tiles(seq, seq.end(j1), h, st);  // K and V rows requested during the scores
     st.store(w.m.data(), w.l.data());
   }
 
@@ -2530,25 +2495,9 @@ struct Attend {
   template <int Q, int kDim>
   void run_rows_f32_avx2(const Seq& seq, int64_t j1, Scratch& w) const {
     static_assert(kWidenF32<scalar_t, qscalar_t>);
-    const int64_t row_stride = kv_heads * kDim, bs = block_size;
-    const int64_t end = seq.end(j1);
     InplaceF32Avx2<Q, kDim> st[kMaxRowHeads];
     for (int64_t h = 0; h < kv_heads; ++h) st[h].init(w.qf.data() + h * Q * kDim, w.limit.data(), w.acc.data() + h * Q * kDim);
-    RowCursor<scalar_t, kDim> pf{k_ptr, v_ptr, seq, row_stride, bs};
-    int64_t n = 0;
-    for (int64_t start = 0, b = 0, in_block = 0; start < end; start += n) {
-      n = std::min({kTile, end - start, bs - in_block});
-      pf.to(std::min(end, start + n + kAhead));
-      const int64_t base = (seq.table[b] * bs + in_block) * row_stride;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t at = base + h * kDim;
-        if (n == kTile) st[h].template tile<true>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
-        else st[h].template tile<false>(pf, k_ptr + at, v_ptr + at, row_stride, start, n, scale);
-      }
-      pf.k = pf.v = nullptr;
-      in_block += n;
-      if (in_block == bs) in_block = 0, ++b;
-    }
+    run_rows_tiles(seq, seq.end(j1), st);
     for (int64_t h = 0; h < kv_heads; ++h) st[h].store(w.m.data() + h * Q, w.l.data() + h * Q);
   }
 
