@@ -270,7 +270,7 @@ def test_multi_query_causal_against_explicit_softmax(kernel, dtype, block_size, 
                                                (torch.bfloat16, torch.float8_e4m3fn),
                                                (torch.bfloat16, torch.float8_e5m2)])
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size",
-                         [(3, 3, 64, 16), (2, 1, 32, 8), (8, 2, 128, 32), (3, 3, 64, 5)])
+                         [(3, 3, 64, 16), (2, 1, 32, 8), (8, 2, 128, 32), (3, 3, 64, 5), (3, 3, 64, 64)])
 def test_all_heads_items_match_per_head_items(kernel, dtype, cache_dtype, kv_heads, group, head_dim, block_size):
     """A decode batch large enough that each sequence runs as one item over
     all KV heads (rows read whole) where the build has such items (float32
@@ -279,8 +279,8 @@ def test_all_heads_items_match_per_head_items(kernel, dtype, cache_dtype, kv_hea
     bits as per-head items (KVFERRY_ATTN_ALL_HEADS_ITEMS=0), and a float64
     softmax's result. Contexts end inside, at and past a tile; a verify
     window (2 tokens) and a prompt chunk (9 tokens: per-head items) share
-    the step; whole blocks of 16 take the hand-off prefetch, other block
-    sizes the per-row one."""
+    the step; blocks of 16, 32 and 64 take the hand-off prefetch 16 rows at
+    a time, other block sizes the per-row one."""
     _all_heads_check(kernel, dtype, cache_dtype, kv_heads, group, head_dim, block_size)
 
 

@@ -1423,15 +1423,18 @@ struct Seq {
 // sequence, elements of type T, positions row_stride elements apart.
 // to(last) requests the rows of the positions before `last` not yet
 // requested, tracked as block and offset (not prefetch_ahead's division per
-// row, which took a tenth of run_inplace_f32_avx2's time). A whole block of
-// 16 rows (the steady state at block_size 16) is not requested there: its K
-// and V row bases are handed to the next tile (k, v), which issues them a
+// row, which took a tenth of run_inplace_f32_avx2's time). 16 rows of a
+// block that start at a multiple of 16 in it (the steady state at block
+// sizes that are multiples of 16: consecutive rows, contiguous) are not
+// requested there: their K and V row bases are handed to the next tile (k, v), which issues them a
 // token pair at a time inside its loops (pair, indexed by the pair, or
 // next_pair, advancing a pointer; each kernel says where) and then clears
 // them: no per-row address arithmetic, and no burst of requests before the
 // tile. Measured (run_inplace_fast, against the burst): 0.95x the time
-// warm, 0.85-0.9x with K/V from memory (--layers 30). Other rows (partial
-// blocks, other block sizes) are requested by to() row by row.
+// warm, 0.85-0.9x with K/V from memory (--layers 30). Other rows (a
+// sequence's last rows, block sizes not a multiple of 16) are requested by
+// to() row by row (at block_size 32-128 that was 1.2-1.6x the time of
+// block_size 16 with K/V from memory, before those blocks were handed too).
 template <typename T, int kDim>
 struct PrefetchCursor {
   static constexpr int64_t kRowBytes = kDim * static_cast<int64_t>(sizeof(T));  // a head's row
@@ -1479,11 +1482,12 @@ struct PrefetchCursor {
   }
 
   __attribute__((always_inline)) void to(int64_t last) {
-    if (bs == kTile && in_block == 0 && last - pos >= kTile) {
-      k = reinterpret_cast<const char*>(kbase + seq.table[blk] * kTile * row_stride);
-      v = reinterpret_cast<const char*>(vbase + seq.table[blk] * kTile * row_stride);
+    if (bs % kTile == 0 && in_block % kTile == 0 && last - pos >= kTile) {
+      const int64_t first = (seq.table[blk] * bs + in_block) * row_stride;
+      k = reinterpret_cast<const char*>(kbase + first);
+      v = reinterpret_cast<const char*>(vbase + first);
       pos += kTile;
-      ++blk;
+      if ((in_block += kTile) == bs) in_block = 0, ++blk;
     }
     for (; pos < last; ++pos) {
       const int64_t row = (seq.table[blk] * bs + in_block) * row_stride;
@@ -1498,8 +1502,8 @@ struct PrefetchCursor {
 
 // PrefetchCursor for an item over all KV heads (run_rows_f32_avx2): whole
 // rows of every head, positions row_stride elements apart, kDim the head_dim.
-// A whole block of 16 rows (block_size 16) is a contiguous stretch of K and
-// one of V; it is handed to the tiles of the next position (k, v), whose
+// 16 rows of a block from a multiple of 16 in it (as in PrefetchCursor) are
+// a contiguous stretch of K and one of V; they are handed to the tiles of the next position (k, v), whose
 // pair_step() calls, one per token pair and head, each request two head
 // rows' bytes of it in order, so that the block is requested once over all
 // heads' tiles. Other rows are requested by to() row by row.
@@ -1544,13 +1548,14 @@ struct RowCursor {
 
   __attribute__((always_inline)) void to(int64_t last) {
     const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
-    if (bs == kTile && in_block == 0 && last - pos >= kTile) {
-      k = reinterpret_cast<const char*>(kbase + seq.table[blk] * kTile * row_stride);
-      v = reinterpret_cast<const char*>(vbase + seq.table[blk] * kTile * row_stride);
+    if (bs % kTile == 0 && in_block % kTile == 0 && last - pos >= kTile) {
+      const int64_t first = (seq.table[blk] * bs + in_block) * row_stride;
+      k = reinterpret_cast<const char*>(kbase + first);
+      v = reinterpret_cast<const char*>(vbase + first);
       kend = k + kTile * row_bytes;
       vend = v + kTile * row_bytes;
       pos += kTile;
-      ++blk;
+      if ((in_block += kTile) == bs) in_block = 0, ++blk;
     }
     for (; pos < last; ++pos) {
       const int64_t row = (seq.table[blk] * bs + in_block) * row_stride;
