@@ -2545,113 +2545,78 @@ struct Attend {
   // 32, context 384, 30 layers, Zen 4). Not the AVX2 build's fp8 items:
   // there the widening, not the read, is the bound (0.94-1.0x), and their
   // instantiations would add minutes to a cold build.
+  static constexpr bool kFloat32Items = std::is_same_v<scalar_t, float> && std::is_same_v<qscalar_t, float>;
   static constexpr bool kAllHeadsItems =
-      ((kPath == Path::kPortable || kPath == Path::kWiden) && std::is_same_v<scalar_t, float> &&
-       std::is_same_v<qscalar_t, float>) ||
-      (kPath == Path::kDpbf16 && (std::is_same_v<scalar_t, at::BFloat16> || (kHaveFp8Dpbf16 && kIsFp8<scalar_t>)));
+#if defined(KVFERRY_AVX512)
+      (kPath == Path::kWiden && kFloat32Items) ||
+      (kHaveDpbf16 && kPath == Path::kDpbf16 &&
+       (std::is_same_v<scalar_t, at::BFloat16> || (kHaveFp8Dpbf16 && kIsFp8<scalar_t>)));
+#elif defined(__AVX2__) && defined(__FMA__)
+      kPath == Path::kPortable && kFloat32Items;
+#else
+      false;
+#endif
   bool all_heads_item(int64_t j0, int64_t j1) const {
-#if (!defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)) || defined(KVFERRY_AVX512)
     if constexpr (kAllHeadsItems) {
       const int64_t M = (j1 - j0) * group;
       return M >= 1 && M < kStageMinQueries && kv_heads > 1 && kv_heads <= kMaxRowHeads &&
              (head_dim == 32 || head_dim == 64 || (head_dim == 128 && (kPath == Path::kPortable || M <= 2)));
     }
-#endif
     return false;
+  }
+
+  // This build's all-heads run of the item for Q query vectors per head at
+  // head_dim kDim (kAllHeadsItems).
+  template <int Q, int kDim>
+  void run_rows(const Seq& seq, int64_t j0, int64_t j1, Scratch& w) const {
+#if defined(KVFERRY_AVX512)
+    if constexpr (kPath == Path::kWiden) run_rows_f32<Q, kDim>(seq, j1, w);
+#if defined(KVFERRY_AVX512_BF16)
+    if constexpr (kPath == Path::kDpbf16) run_rows_bf16<Q, kDim>(seq, j0, j1, w);
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+    if constexpr (kPath == Path::kPortable) run_rows_f32_avx2<Q, kDim>(seq, j1, w);
+#endif
   }
 
   // Query tokens [j0, j1) of `seq` against every KV head (all_heads_item).
   void run_all_heads(const Seq& seq, int64_t j0, int64_t j1, Scratch& w) const {
-#if !defined(KVFERRY_AVX512) && defined(__AVX2__) && defined(__FMA__)
-    if constexpr (kAllHeadsItems && kPath == Path::kPortable) {
+    if constexpr (kAllHeadsItems) {
       const int64_t M = (j1 - j0) * group, D = head_dim;
       w.acc.assign(kv_heads * M * D, 0.f);
       w.m.resize(kv_heads * M);
       w.l.resize(kv_heads * M);
       w.limit.resize(M);
-      w.qf.resize(kv_heads * M * D);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t i = (j - j0) * group + g;
-          w.limit[i] = seq.limit(j);
-          for (int64_t h = 0; h < kv_heads; ++h) {
-            const qscalar_t* qi = query(j, g, h, seq);
-            for (int64_t d = 0; d < D; ++d) w.qf[(h * M + i) * D + d] = static_cast<float>(qi[d]);
-          }
-        }
-      }
-      auto go = [&](auto q, auto dim) {
-        run_rows_f32_avx2<decltype(q)::value, decltype(dim)::value>(seq, j1, w);
-      };
-      using I1 = std::integral_constant<int, 1>;
-      using I2 = std::integral_constant<int, 2>;
-      using I3 = std::integral_constant<int, 3>;
-      auto by_q = [&](auto dim) {
-        if (M == 1) go(I1{}, dim);
-        else if (M == 2) go(I2{}, dim);
-        else go(I3{}, dim);
-      };
-      if (D == 64) by_q(std::integral_constant<int, 64>{});
-      else if (D == 32) by_q(std::integral_constant<int, 32>{});
-      else by_q(std::integral_constant<int, 128>{});
-      for (int64_t h = 0; h < kv_heads; ++h) finish(seq, j0, M, h, w, h * M);
-      return;
-    }
-#endif
-#ifdef KVFERRY_AVX512
-    if constexpr (kAllHeadsItems && kPath == Path::kWiden) {
-      const int64_t M = (j1 - j0) * group, D = head_dim;
-      w.acc.assign(kv_heads * M * D, 0.f);
-      w.m.resize(kv_heads * M);
-      w.l.resize(kv_heads * M);
-      w.lvec.resize(kv_heads * M);
-      w.limit.resize(M);
-      w.qf.resize(kv_heads * M * D);
+      // Float32 items read a float copy of the queries, head h's vectors at [h * M, h * M + M).
+      if constexpr (kFloat32Items) w.qf.resize(kv_heads * M * D);
       for (int64_t i = 0; i < M; ++i) {
         const int64_t j = j0 + i / group, g = i % group;
         w.limit[i] = seq.limit(j);
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          const qscalar_t* qi = query(j, g, h, seq);
-          std::copy(qi, qi + D, w.qf.data() + (h * M + i) * D);
+        if constexpr (kFloat32Items) {
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            const qscalar_t* qi = query(j, g, h, seq);
+            std::copy(qi, qi + D, w.qf.data() + (h * M + i) * D);
+          }
         }
       }
-      auto by_q = [&](auto dim) {
-        constexpr int kDim = decltype(dim)::value;
-        if (M == 1) run_rows_f32<1, kDim>(seq, j1, w);
-        else if (M == 2) run_rows_f32<2, kDim>(seq, j1, w);
-        else if constexpr (kDim != 128) run_rows_f32<3, kDim>(seq, j1, w);
-      };
-      if (D == 64) by_q(std::integral_constant<int, 64>{});
-      else if (D == 32) by_q(std::integral_constant<int, 32>{});
-      else by_q(std::integral_constant<int, 128>{});
-      for (int64_t i = 0; i < kv_heads * M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
-      for (int64_t h = 0; h < kv_heads; ++h) finish(seq, j0, M, h, w, h * M);
-      return;
-    }
-#endif
-#ifdef KVFERRY_AVX512_BF16
-    if constexpr (kAllHeadsItems && kPath == Path::kDpbf16) {
-      const int64_t M = (j1 - j0) * group, D = head_dim;
-      w.acc.assign(kv_heads * M * D, 0.f);
-      w.m.resize(kv_heads * M);
-      w.l.resize(kv_heads * M);
+#ifdef KVFERRY_AVX512
       w.lvec.resize(kv_heads * M);
-      w.limit.resize(M);
-      for (int64_t i = 0; i < M; ++i) w.limit[i] = seq.limit(j0 + i / group);
+#endif
       auto by_q = [&](auto dim) {
         constexpr int kDim = decltype(dim)::value;
-        if (M == 1) run_rows_bf16<1, kDim>(seq, j0, j1, w);
-        else if (M == 2) run_rows_bf16<2, kDim>(seq, j0, j1, w);
-        else if constexpr (kDim != 128) run_rows_bf16<3, kDim>(seq, j0, j1, w);
+        if (M == 1) run_rows<1, kDim>(seq, j0, j1, w);
+        else if (M == 2) run_rows<2, kDim>(seq, j0, j1, w);
+        else if constexpr (kDim != 128 || kPath == Path::kPortable) run_rows<3, kDim>(seq, j0, j1, w);
       };
       if (D == 64) by_q(std::integral_constant<int, 64>{});
       else if (D == 32) by_q(std::integral_constant<int, 32>{});
       else by_q(std::integral_constant<int, 128>{});
+#ifdef KVFERRY_AVX512
       for (int64_t i = 0; i < kv_heads * M; ++i) w.l[i] = _mm512_reduce_add_ps(w.lvec[i]);
+#endif
       for (int64_t h = 0; h < kv_heads; ++h) finish(seq, j0, M, h, w, h * M);
       return;
     }
-#endif
     for (int64_t h = 0; h < kv_heads; ++h) run(seq, j0, j1, h, w);
   }
 
