@@ -183,10 +183,11 @@ def weight_bytes(model: LlamaModel) -> int:
 
 
 class Steps:
-    """Decode and prefill steps over a paged cache with contiguous block tables."""
+    """Decode and prefill steps over a paged cache (block tables in order, or scattered)."""
 
     def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16,
-                 cache_dtype: torch.dtype | None = None, prefill_tokens: int = 0) -> None:
+                 cache_dtype: torch.dtype | None = None, prefill_tokens: int = 0,
+                 table_order: str = "ascending") -> None:
         self.model, self.batch, self.context, self.block_size = model, batch, context, block_size
         self.blocks_per_req = -(-(context + 64) // block_size)
         # Enough blocks for the decode batch and for prefill(prefill_tokens) (small batches too).
@@ -195,11 +196,17 @@ class Steps:
         for layer in self.kv:  # context K/V: random, finite (one layer at a time: torch has no fp8 normal_)
             layer.copy_(torch.randn(layer.shape))
         self.vocab = model.config.vocab_size
+        # The decode batch's block tables: in order (a fresh engine's prompts),
+        # descending (blocks reused from the free queue's tail, where a finished
+        # request's blocks go in reverse), or a random draw from the pool.
+        ids = torch.randperm(num_blocks) if table_order == "random" else torch.arange(num_blocks)
+        tables = ids[: batch * self.blocks_per_req].view(batch, self.blocks_per_req)
+        self.decode_tables = (tables.flip(1) if table_order == "descending" else tables).contiguous()
 
     def decode(self, step: int = 0) -> torch.Tensor:
         b, bs = self.batch, self.block_size
         seq_lens = [self.context + 1 + step] * b
-        tables = torch.arange(b * self.blocks_per_req, dtype=torch.int64).view(b, self.blocks_per_req)
+        tables = self.decode_tables
         pos = torch.full((b,), self.context + step, dtype=torch.int64)
         slots = tables[:, (self.context + step) // bs] * bs + (self.context + step) % bs
         meta = AttentionMetadata(query_start_loc=list(range(b + 1)), seq_lens=seq_lens, slot_mapping=slots,
@@ -266,6 +273,9 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=384, help="cached tokens per request before the step")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--table-order", choices=("ascending", "descending", "random"), default="ascending",
+                   help="each request's decode blocks: in order, in reverse order, or drawn at random from the pool")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3 or fp8_e5m2")
@@ -295,7 +305,8 @@ def main() -> None:
         from kvferry.model.kv_cache_dtype import resolve_kv_cache_dtype
         cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype, torch.device("cpu"), False)
     flops, kv_bytes = decode_step_work(model, args.batch, args.context, cache_dtype.itemsize)
-    steps = Steps(model, args.batch, args.context, cache_dtype=cache_dtype, prefill_tokens=args.prefill_tokens)
+    steps = Steps(model, args.batch, args.context, block_size=args.block_size, cache_dtype=cache_dtype,
+                  prefill_tokens=args.prefill_tokens, table_order=args.table_order)
     with torch.inference_mode():
         for i in range(3):
             steps.decode(i)  # warm-up: kernel build/load, allocator, oneDNN primitives
@@ -315,7 +326,7 @@ def main() -> None:
         result = {
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(cache_dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "cpu": cpu_description(), "batch": args.batch, "context": args.context,
+            "cpu": cpu_description(), "batch": args.batch, "context": args.context, "block_size": args.block_size, "table_order": args.table_order,
             "weight_mb": round(wbytes / 2**20, 1),
             "copy_bw_gb_s": round(bw_copy / 1e9, 2), "read_bw_gb_s": round(bw_read / 1e9, 2),
             "weight_read_floor_ms": round(floor_s * 1e3, 2),

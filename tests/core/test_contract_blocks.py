@@ -89,7 +89,8 @@ def test_prefix_hit_ids_and_eviction_order():
     out = s.schedule()
     # d takes the plain block 7, then 2, evicting b's third block (the
     # least recently used); a's and b's shared prefix (0, 1) stays cached.
-    assert out.new_requests[0].block_ids == [7, 2]
+    # The blocks taken are handed out in ascending id.
+    assert out.new_requests[0].block_ids == [2, 7]
     h0, h1, h2 = h(range(4), range(4, 8), range(8, 12))
     assert s.kv.take_events() == [BlockRemoved(block_hashes=[h2])]
     assert s.kv.pool.lookup(h0).block_id == 0 and s.kv.pool.lookup(h1).block_id == 1
@@ -104,8 +105,9 @@ def test_eviction_publishes_removed_in_order():
     s.add_request(req("b", range(100, 115), max_tokens=1))
     s.schedule()
     # b takes 2, 3 (plain: a's partial block went back to the head), then
-    # 1, 0 (cached: evicted tail first).
-    assert s.kv.block_ids("b") == [2, 3, 1, 0]
+    # 1, 0 (cached: evicted tail first, as the events show), and holds them
+    # in ascending id.
+    assert s.kv.block_ids("b") == [0, 1, 2, 3]
     h0, h1 = h(range(4), range(4, 8))
     assert s.kv.take_events() == [BlockRemoved(block_hashes=[h1]), BlockRemoved(block_hashes=[h0])]
 
@@ -214,7 +216,7 @@ def test_pinned_blocks_are_never_evicted_until_unpinned():
     s.kv.unpin("save-a")
     s.kv.check_integrity()
     s.schedule()
-    assert s.kv.block_ids("b") == [2, 3, 1, 0]
+    assert s.kv.block_ids("b") == [0, 1, 2, 3]
 
 
 def test_delayed_free_holds_blocks_until_released():
@@ -302,3 +304,16 @@ def test_aborted_request_sends_nothing():
     simulate_step(s, s.schedule())
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert s.schedule().kv_orders.send == [] and s.kv.pool.num_used_blocks == 0
+
+
+def test_blocks_taken_from_a_descending_run_are_held_in_ascending_order():
+    """A finished request's cached blocks rejoin the queue in reverse; the
+    next long prompt takes them and lays its KV forward in memory."""
+    s = make(num_blocks=8)
+    s.add_request(req("a", range(16), max_tokens=1))
+    simulate_step(s, s.schedule())  # a's four full blocks cached, freed tail first
+    assert [b.block_id for b in s.kv.pool.free_queue][-4:] == [3, 2, 1, 0]
+    s.add_request(req("b", range(100, 131), max_tokens=1))  # 32 tokens: eight blocks
+    s.schedule()
+    assert s.kv.block_ids("b") == list(range(8))
+    s.kv.check_integrity()
