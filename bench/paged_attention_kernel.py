@@ -31,9 +31,13 @@ from kvferry.model.cpu_features import cpu_features
 from kvferry.model.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype
 
 
-def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int, dtype: torch.dtype) -> dict:
+def _meta(batch: int, context: int, q_len: int, block_size: int, num_blocks: int, dtype: torch.dtype,
+          table_order: str = "random") -> dict:
     per_seq = -(-(context + q_len) // block_size)
-    perm = torch.randperm(num_blocks)[: batch * per_seq].view(batch, per_seq)  # scattered blocks
+    ids = torch.randperm(num_blocks) if table_order == "random" else torch.arange(num_blocks)
+    perm = ids[: batch * per_seq].view(batch, per_seq)
+    if table_order == "descending":
+        perm = perm.flip(1)
     slots = []
     for r in range(batch):
         for p in range(context, context + q_len):
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace, q_len: int) -> dict:
     q = torch.randn(t, args.heads, args.head_dim).to(dtype)
     k = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn(t, args.kv_heads, args.head_dim).to(dtype)
-    meta_args = _meta(args.batch, args.context, q_len, args.block_size, num_blocks, cache_dtype)
+    meta_args = _meta(args.batch, args.context, q_len, args.block_size, num_blocks, cache_dtype, args.table_order)
     scale = args.head_dim ** -0.5
 
     def call(disable: bool):
@@ -99,6 +103,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--table-order", choices=("random", "ascending", "descending"), default="random",
+                    help="each sequence's blocks: drawn at random from the pool (a long-running engine), in order, or in reverse")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the query's dtype), fp8_e4m3 or fp8_e5m2")
@@ -119,7 +125,8 @@ def main() -> None:
     print(json.dumps({"cpu": cpu_features().describe(), "threads": args.threads, "dtype": args.dtype,
                       "kv_cache_dtype": str(cache_dtype).removeprefix("torch."), "isa": paged_kernel.kernel_isa(),
                       "path": paged_kernel.kernel_path(dtype, cache_dtype, args.head_dim),
-                      "batch": args.batch, "context": args.context, "layers": args.layers}))
+                      "batch": args.batch, "context": args.context, "layers": args.layers,
+                      "block_size": args.block_size, "table_order": args.table_order}))
     for q_len in (int(x) for x in args.q_lens.split(",")):
         print(json.dumps(run(args, q_len)))
 
