@@ -126,9 +126,9 @@ class BlockPool:
         decides which of them holds which part of the sequence. Finished
         requests join the queue in reverse, so the head often holds
         descending runs of ids; handed out as popped, a long prompt's blocks
-        would lie backwards in memory, and decode attention reads backwards
-        runs 1.25x slower than forward ones (bench/decode_roofline.py
-        --table-order)."""
+        would lie backwards in memory, and a decode step over backwards runs
+        took 1.25x the time of one over forward runs (batch 8, context 4096;
+        bench/decode_roofline.py --table-order)."""
         if n > self.free_queue.num_free:
             raise ValueError(f"cannot allocate {n} blocks, {self.free_queue.num_free} free")
         out = []
