@@ -275,7 +275,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=384, help="cached tokens per request before the step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--table-order", choices=("ascending", "descending", "random"), default="ascending",
-                   help="each request's decode blocks: in order, in reverse order, or drawn at random from the pool")
+                   help="each request's decode blocks: in order, in reverse, or drawn at random from the pool")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3 or fp8_e5m2")
@@ -326,7 +326,8 @@ def main() -> None:
         result = {
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(cache_dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "cpu": cpu_description(), "batch": args.batch, "context": args.context, "block_size": args.block_size, "table_order": args.table_order,
+            "cpu": cpu_description(), "batch": args.batch, "context": args.context,
+            "block_size": args.block_size, "table_order": args.table_order,
             "weight_mb": round(wbytes / 2**20, 1),
             "copy_bw_gb_s": round(bw_copy / 1e9, 2), "read_bw_gb_s": round(bw_read / 1e9, 2),
             "weight_read_floor_ms": round(floor_s * 1e3, 2),

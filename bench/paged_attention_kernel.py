@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--table-order", choices=("random", "ascending", "descending"), default="random",
-                    help="each sequence's blocks: drawn at random from the pool (a long-running engine), in order, or in reverse")
+                    help="each sequence's blocks: drawn at random from the pool, in order, or in reverse")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the query's dtype), fp8_e4m3 or fp8_e5m2")
