@@ -11,6 +11,14 @@ MAX_N = 128
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Longest soft pin of a paused conversation's KV (one day).
 MAX_KV_RETENTION_S = 86400.0
+# Integer fields cross to the core as int64 (msgspec) and into int64 tensors.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The sampler's knobs are float32 tensors. A float64 value outside float32's
+# normal range would round to 0 (a top_p of 1e-46 becomes 0 and masks every
+# token) or to inf there, so such values are refused at the edge: a knob is
+# either exactly 0 or has a magnitude in [FLOAT32_MIN_NORMAL, FLOAT32_MAX].
+FLOAT32_MIN_NORMAL = 2.0**-126
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -115,6 +123,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_num("temperature", self.temperature, lo=0.0)
         _check_num("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
@@ -132,7 +142,8 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}")
             if not SEED_MIN <= self.seed <= SEED_MAX:
                 raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         for s in self.stop:
@@ -144,7 +155,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
-        _check_num("kv_retention_s", self.kv_retention_s, lo=0.0)
+        _check_num("kv_retention_s", self.kv_retention_s, lo=0.0, float32=False)
         if self.kv_retention_s > MAX_KV_RETENTION_S:
             raise ValueError(f"kv_retention_s must be <= {MAX_KV_RETENTION_S}, got {self.kv_retention_s}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -166,12 +177,19 @@ def _check_int(name: str, value: object, lo: int | None = None) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be a 64-bit integer (at most {INT64_MAX}), got {value}")
 
 
-def _check_num(name: str, value: object, lo: float | None = None) -> None:
+def _check_num(name: str, value: object, lo: float | None = None, float32: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be finite, got {value}")
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {value}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if float32 and value and not FLOAT32_MIN_NORMAL <= abs(value) <= FLOAT32_MAX:
+        raise ValueError(f"{name} must be 0 or have a magnitude in [{FLOAT32_MIN_NORMAL:.6g}, "
+                         f"{FLOAT32_MAX:.6g}] (what the sampler's float32 can hold), got {value}")

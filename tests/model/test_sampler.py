@@ -393,3 +393,38 @@ def test_logits_shape_mismatch_is_rejected() -> None:
     batch = SamplingBatch.build([_row()], 10, "cpu")
     with pytest.raises(ValueError, match="logits shape"):
         Sampler()(torch.randn(2, 10), batch)
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), float("nan"), float("inf")])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_row_without_probability_mass_still_samples_inside_the_vocabulary(fill: float, seeded: bool) -> None:
+    """Logits that leave a row no finite distribution (all masked, NaN,
+    +inf) must not make the sampler answer V: that id killed the engine
+    core at the next step's embedding lookup."""
+    vocab = 8
+    logits = torch.zeros(3, vocab)
+    logits[1].fill_(fill)
+    gen = torch.Generator().manual_seed(3) if seeded else None
+    rows = [_row(temperature=1.0), _row(temperature=0.7, top_p=0.5, generator=gen), _row(temperature=0.0)]
+    for _ in range(20):
+        out = _sample(logits, rows)
+        assert all(0 <= t < vocab for t in out.token_ids), out.token_ids
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
+    """top_p below float32's range is refused at the edge; inside the
+    sampler a knob of 0 must still keep one token, the argmax."""
+    logits = DIST_LOGITS[None, :].clone()
+    rows = [_row(temperature=1.0, top_p=1.2e-38)]
+    batch = SamplingBatch.build(rows, logits.shape[1], "cpu")
+    batch.top_p.zero_()
+    for _ in range(20):
+        assert Sampler()(logits, batch).token_ids == [int(DIST_LOGITS.argmax())]
+
+
+@pytest.mark.parametrize("field,value", [("top_p", 1e-46), ("repetition_penalty", 1e-46), ("temperature", 1e39),
+                                         ("min_p", 5e-324), ("presence_penalty", -1e-40), ("top_k", 2**70),
+                                         ("min_tokens", 2**64), ("stop_token_ids", [2**63])])
+def test_values_a_knob_cannot_hold_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**{field: value})

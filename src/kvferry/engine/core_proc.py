@@ -211,11 +211,12 @@ class EngineCoreProc:
         assert isinstance(message, EngineCoreRequest)
         try:
             self.core.add_request(message)
-        except ValueError as exc:
-            # The front end validates first, so this is a front end bug; end
-            # the request rather than the core.
-            logger.error("rejected request %s: %s", message.request_id, exc)
-            self.outputs.put(EngineCoreOutputs(outputs=[_aborted(message.request_id)], timestamp=time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - one request's fault, whatever its kind
+            # The front end validates first, so this is a front end bug (or a
+            # peer that skipped it); end the request with an error rather
+            # than the core: one request must never take the others down.
+            logger.error("rejected request %s: %r", message.request_id, exc)
+            self.outputs.put(EngineCoreOutputs(outputs=[_rejected(message.request_id)], timestamp=time.monotonic()))
 
     def request_shutdown(self) -> None:
         """Thread- and signal-safe: the loop stops at its next turn."""
@@ -242,8 +243,8 @@ class EngineCoreProc:
             self.core.close()
 
 
-def _aborted(request_id: str) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="abort")
+def _rejected(request_id: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="error")
 
 
 # -- process entry point (multiprocessing spawn target) ---------------------------------

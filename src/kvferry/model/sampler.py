@@ -323,6 +323,9 @@ def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         # Rows with top_p == 1 keep everything; rounding in the cumsum could
         # otherwise drop their far tail.
         drop = (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1.0)[:, None]
+        # The most likely token stays whatever top_p is (mass_before is 0
+        # there, and a top_p that rounded to 0 would drop it).
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
@@ -363,7 +366,13 @@ def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)  # [B, V], non-decreasing
     u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)
     target = u.mul_(cdf[:, -1:]).mul_(1.0 - 2.0**-23)  # [B, 1], in [0, total)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
+    # A row with no mass (every token masked) or a NaN total has no first
+    # index past the target: searchsorted answers V, outside the
+    # vocabulary. Such a row takes its most likely token instead (argmax,
+    # where a NaN wins: still an id inside [0, V)).
+    has_mass = cdf[:, -1] > 0  # [B]; False for 0 and NaN
+    return torch.where(has_mass, drawn, argmax_rows(probs))
 
 
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -490,6 +499,10 @@ def _to_host(raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> 
         | sampled ids [B] | sampled lp [R] | rank [R] | top ids [R*n] | top lp [R*n] |
     """
     num_rows = batch.num_rows
+    # The last guard of the vocabulary: whatever the knobs did to the
+    # distribution (a float underflow, a masked-out row), no id outside
+    # [0, V) may reach the embedding of the next step.
+    sampled = sampled.clamp(0, batch.vocab_size - 1)
     if batch.logprob_rows is None:
         return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * num_rows)
     lp = torch.log_softmax(raw.index_select(0, batch.logprob_rows), dim=-1)  # [R, V]
