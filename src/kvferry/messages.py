@@ -125,6 +125,11 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     # (shared by every tenant); the rest stay in cache_namespace.
     public_cache_namespace: str = ""
     num_public_blocks: int = 0
+    # True only for a declaration's own prefill (POST /v1/kv/public_prefixes):
+    # the one request that may write blocks in public_cache_namespace. Any
+    # other request reads public blocks that are cached and computes the rest
+    # in its own namespace (core/kv_manager.py).
+    writes_public_blocks: bool = False
     # Most blocks the cache may hold for cache_namespace (the tenant's
     # device quota, as the server sees it now); None: no cap.
     cache_quota_blocks: int | None = None

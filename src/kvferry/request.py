@@ -63,6 +63,9 @@ class Request:
     # prefix and are keyed in public_cache_namespace (see core/hashing.py).
     public_cache_namespace: str = ""
     num_public_blocks: int = 0
+    # Only a declaration's own prefill writes public blocks; every other
+    # request reads them or stays private (core/kv_manager.py).
+    writes_public_blocks: bool = False
     # Most blocks the cache may hold for cache_namespace (the tenant's
     # device quota, as the server sees it now); None: no cap.
     cache_quota_blocks: int | None = None

@@ -46,9 +46,16 @@ def test_scope_rejects_public_blocks_without_a_namespace():
         CacheScope("ns", "pub", -1)
 
 
-def request(rid: str, ns: str, public_blocks: int = 0) -> Request:
-    return Request(rid, list(TOKENS) + [7], SamplingParams(max_tokens=1), cache_namespace=ns,
-                   public_cache_namespace="pub" if public_blocks else "", num_public_blocks=public_blocks)
+def request(rid: str, ns: str, public_blocks: int = 0, writes: bool = False, tokens=None) -> Request:
+    return Request(rid, list(tokens or TOKENS) + [7], SamplingParams(max_tokens=1), cache_namespace=ns,
+                   public_cache_namespace="pub" if public_blocks else "", num_public_blocks=public_blocks,
+                   writes_public_blocks=writes)
+
+
+def declaration(rid: str = "decl", public_blocks: int = 2) -> Request:
+    """A declaration's own prefill: the prefix alone, in the public namespace."""
+    return Request(rid, list(TOKENS[: public_blocks * 4]), SamplingParams(max_tokens=1), cache_namespace="pub",
+                   public_cache_namespace="pub", num_public_blocks=public_blocks, writes_public_blocks=True)
 
 
 def run_prefill(kv: KVCacheManager, req: Request) -> int:
@@ -60,14 +67,49 @@ def run_prefill(kv: KVCacheManager, req: Request) -> int:
     return hit.num_tokens
 
 
-def test_manager_hits_only_own_and_public_blocks_and_events_name_owners():
+def stored_owners(kv: KVCacheManager) -> list[tuple[str, int]]:
+    return [(e.owner, len(e.block_hashes)) for e in kv.take_events() if isinstance(e, BlockStored)]
+
+
+def test_only_the_declaration_writes_public_blocks_and_readers_hit_them():
     kv = KVCacheManager(32, 4, model_fingerprint="m", kv_dtype="bfloat16")
+    # A tenant's prompt that matches a prefix not yet prefilled stays private:
+    # nothing it computes is keyed public.
     assert run_prefill(kv, request("a1", "ns-a", public_blocks=2)) == 0
-    stored = [e for e in kv.take_events() if isinstance(e, BlockStored)]
-    assert [(e.owner, len(e.block_hashes)) for e in stored] == [("pub", 2), ("ns-a", 2)]
+    assert stored_owners(kv) == [("ns-a", 4)]
+    assert run_prefill(kv, declaration()) == 0
+    assert stored_owners(kv) == [("pub", 2)]
     assert run_prefill(kv, request("b1", "ns-b", public_blocks=2)) == 8  # the public blocks only
-    assert run_prefill(kv, request("a2", "ns-a", public_blocks=2)) == 16  # its own tail too
+    assert stored_owners(kv) == [("ns-b", 2)]  # its own tail, private
+    # A keeps its private hits after the declaration (its private chain is longer).
+    assert run_prefill(kv, request("a2", "ns-a", public_blocks=2)) == 16
     assert run_prefill(kv, request("b2", "ns-b")) == 0  # no public prefix matched: all private
+    kv.check_integrity()
+
+
+def test_a_reader_never_publishes_public_blocks_and_they_stay_pinned():
+    kv = KVCacheManager(32, 4, model_fingerprint="m", kv_dtype="bfloat16")
+    # A prompt that ends inside the prefix computes the prefix's last block
+    # itself: it stays unpublished (only the declaration writes public keys).
+    assert run_prefill(kv, request("a1", "ns-a", public_blocks=4, tokens=TOKENS[:12])) == 0
+    assert stored_owners(kv) == [("ns-a", 3)]
+    assert run_prefill(kv, declaration(public_blocks=4)) == 0
+    assert stored_owners(kv) == [("pub", 4)]
+    reader = request("b1", "ns-b", public_blocks=4, tokens=TOKENS[:15])
+    assert run_prefill(kv, reader) == 12 and reader.num_public_blocks == 4
+    assert stored_owners(kv) == []
+    # Public blocks are pinned: pressure never evicts them (the order
+    # readers touched them must not decide which survive).
+    public_ids = {b.block_id for b in kv.pinned["public-prefixes"]}
+    assert len(public_ids) == 4
+    for i in range(8):
+        run_prefill(kv, Request(f"f{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 20)),
+                                SamplingParams(max_tokens=1), cache_namespace="ns-f"))
+    assert all(kv.pool.blocks[i].block_hash is not None for i in public_ids)
+    assert run_prefill(kv, request("c1", "ns-c", public_blocks=4)) == 16
+    # A purge of the public pool lets them go.
+    assert kv.purge("pub") == 4 and "public-prefixes" not in kv.pinned
+    assert run_prefill(kv, request("c2", "ns-c", public_blocks=4)) == 0
     kv.check_integrity()
 
 

@@ -59,6 +59,11 @@ class CacheScope:
     tenant: str = ""
     # The tenant's weight in fair admission (travels with the scope to the core).
     tenant_weight: float = 1.0
+    # Whether this request may write the public blocks: only a declaration's
+    # own prefill does. Every other request reads public blocks that are
+    # cached and keeps whatever it computes in ``namespace``, so nothing a
+    # tenant sends ever lands where another tenant can hit it.
+    writes_public: bool = False
 
     def __post_init__(self) -> None:
         if self.num_public_blocks < 0:

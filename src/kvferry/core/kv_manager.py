@@ -54,6 +54,12 @@ OWNER_STAT_FIELDS = ("queries", "hits", "public_hits", "refused_blocks", "evicte
 # cached blocks loses its blocks first when the pool must evict (the slack
 # keeps near-equal tenants from trading places on every allocation).
 FAIR_EVICTION_SLACK = 1.1
+# The pin that holds every public block a declaration wrote: public blocks
+# are never evicted by pressure, only dropped by a purge of the public pool
+# (a declaration deleted). Were they evictable, the order in which readers
+# touched them would tell a publisher which of its prefixes another tenant
+# read (its candidates' survival under eviction pressure).
+PUBLIC_PIN = "public-prefixes"
 
 
 class KVCacheManager:
@@ -96,6 +102,41 @@ class KVCacheManager:
     def _scope(self, request: Request) -> CacheScope:
         return CacheScope(request.cache_namespace, request.public_cache_namespace, request.num_public_blocks)
 
+    def _settle_public_scope(self, request: Request) -> None:
+        """Whether a reader of a public prefix keeps its public blocks.
+
+        Only a declaration's own prefill writes public blocks. Any other
+        request whose prompt begins with a declared prefix reads the public
+        chain only if it is cached in full (every block of the prefix the
+        request may hit) and gives at least as many hits as the request's
+        private chain; otherwise the request drops to its private namespace
+        for good, and what it computes is never keyed public::
+
+            prompt     | p p p p | p p p p | p x x x |
+            public     |  hit    |  hit    |  ...     -> read public, compute privately after
+            public     |  hit    |  miss   |          -> private chain for every block
+        """
+        if not request.num_public_blocks or request.writes_public_blocks:
+            return
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        needed = min(request.num_public_blocks, max_blocks)
+        public_hits = self._num_cached(request.block_hashes[:max_blocks])
+        private = ChainKeys.of(CacheScope(request.cache_namespace), self.model_fingerprint, self.kv_dtype)
+        private_hashes: list = []
+        extend_block_hashes(private_hashes, request.all_token_ids, self.block_size, private)
+        if public_hits >= needed and public_hits >= self._num_cached(private_hashes[:max_blocks]):
+            return
+        request.num_public_blocks = 0
+        request.block_hashes[:] = private_hashes
+
+    def _num_cached(self, hashes: list) -> int:
+        """How many leading blocks of a chain are cached on this pool."""
+        for i, block_hash in enumerate(hashes):
+            if self.pool.lookup(block_hash) is None:
+                return i
+        return len(hashes)
+
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) >= len(request.all_token_ids) // self.block_size:
             return  # nothing new (skip building the keys: this runs every step)
@@ -111,6 +152,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return PrefixHit()
+        self._settle_public_scope(request)
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit = PrefixHit()
@@ -186,15 +228,20 @@ class KVCacheManager:
             return
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks[request.request_id]
+        if request.writes_public_blocks and num_full:
+            # The declaration holds its public blocks, those it hit (cached by
+            # an earlier declaration, unpinned by a purge) and those it writes.
+            self._update_hashes(request)
+            self._publish_public(request, start, num_full)
         if num_full <= start:
             return
         self._update_hashes(request)
         # One run per owner: public blocks first, then the tenant's.
         scope = self._scope(request)
         split = min(max(start, scope.num_public_blocks), num_full)
-        if start < split:
-            self.public_owners.add(scope.public_namespace)
-            self._publish(request, start, split, scope.public_namespace, scope.public_namespace)
+        # (Public-range blocks were published above for a declaration; a
+        # reader computes some only where its prompt ends inside the prefix,
+        # and they stay unpublished: never written public.)
         if split < num_full:
             end = self._within_quota(request, split, num_full)
             if split < end:
@@ -279,10 +326,29 @@ class KVCacheManager:
         owner = max(over, key=over.__getitem__)
         return owner if over[owner] > FAIR_EVICTION_SLACK else None
 
+    def _publish_public(self, request: Request, start: int, num_full: int) -> None:
+        """A declaration's prefill: publish its new public blocks and hold
+        every public block it has under PUBLIC_PIN (each once)."""
+        scope = self._scope(request)
+        split = min(scope.num_public_blocks, num_full)
+        if not split:
+            return
+        self.public_owners.add(scope.public_namespace)
+        if start < split:
+            self._publish(request, start, split, scope.public_namespace, scope.public_namespace)
+        held = {b.block_id for b in self.pinned.get(PUBLIC_PIN, ())}
+        blocks = [b for h in request.block_hashes[:split]
+                  if (b := self.pool.lookup(h)) is not None and b.block_id not in held]
+        if blocks:
+            self.pin(PUBLIC_PIN, [b.block_id for b in blocks])
+
     def purge(self, owner: str) -> int:
         """Drop the owner's cached blocks that no request uses (they become
         plain free blocks, first in line); blocks in use stay cached. Returns
-        how many were dropped."""
+        how many were dropped. Purging a public pool first lets go of the
+        public pin (its declarations' prefills write them again)."""
+        if owner in self.public_owners:
+            self.unpin(PUBLIC_PIN)
         unused = [self.pool.blocks[i] for i in self.owned.get(owner, ()) if self.pool.blocks[i].ref_cnt == 0]
         for b in unused:
             self.pool.uncache(b)

@@ -784,6 +784,8 @@ class Scheduler:
         rid = request.request_id
         bs = self.kv.block_size
         start = self._num_saved_blocks.get(rid, 0)
+        if not request.writes_public_blocks:
+            start = max(start, request.num_public_blocks)  # public blocks are written by their declaration only
         end = min(min(request.num_computed_tokens, request.num_tokens) // bs, len(request.block_hashes))
         if end <= start or not self.kv.enable_caching:
             return

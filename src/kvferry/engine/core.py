@@ -187,6 +187,7 @@ class EngineCore:
             cache_namespace=req.cache_namespace,
             public_cache_namespace=req.public_cache_namespace,
             num_public_blocks=req.num_public_blocks,
+            writes_public_blocks=req.writes_public_blocks,
             cache_quota_blocks=req.cache_quota_blocks,
             tenant=req.tenant,
             tenant_weight=req.tenant_weight,

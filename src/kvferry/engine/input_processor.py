@@ -34,15 +34,20 @@ class InputProcessor:
         params: SamplingParams,
         cache_namespace: str = "",
         arrival_time: float | None = None,
+        cache_scope: CacheScope | None = None,
     ) -> tuple[str | None, list[EngineCoreRequest]]:
         """The prompt text (None for token ids) and one core request per
-        sequence: n > 1 fans out into ids ``request_id#i`` with seeds seed + i."""
+        sequence: n > 1 fans out into ids ``request_id#i`` with seeds seed + i.
+        ``cache_scope``: the server's own scope for a request it makes itself
+        (a public prefix's prefill); else the cache policy decides."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        scope = self.cache_policy(token_ids) if self.cache_policy is not None else CacheScope(cache_namespace)
+        scope = cache_scope
+        if scope is None:
+            scope = self.cache_policy(token_ids) if self.cache_policy is not None else CacheScope(cache_namespace)
         requests = [
             EngineCoreRequest(
                 request_id=child_id,
@@ -53,6 +58,7 @@ class InputProcessor:
                 cache_namespace=scope.namespace,
                 public_cache_namespace=scope.public_namespace,
                 num_public_blocks=scope.num_public_blocks,
+                writes_public_blocks=scope.writes_public,
                 cache_quota_blocks=scope.quota_blocks,
                 tenant=scope.tenant,
                 tenant_weight=scope.tenant_weight,

@@ -17,10 +17,18 @@ prefix in the public namespace and every other block in the caller's own::
     prompt   | p p p p | p p p p | p p x x | x x x x |
     block    |   0     |   1     |   2     |   3     |
     scope    | public  | public  | private (holds a non-prefix token), and after
+
+Only a declaration writes public blocks: registering a prefix prefills it,
+in the publisher's name (``PublicPrefixService``). A tenant's request reads
+public blocks that are cached and keeps everything it computes private (the
+core drops it to its private chain when the public one is not cached in
+full), so a publisher can never learn what another tenant sent.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +45,47 @@ class Registered:
     num_tokens: int
     num_blocks: int  # whole blocks inside the prefix: the part that is shared
     new: bool  # False: the same prefix was registered before
+    id: str = ""  # the declaration's id (DELETE /v1/kv/public_prefixes/{id})
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """One declared public prefix and who declared it ("" for the operator's file)."""
+
+    id: str
+    owner: str
+    token_ids: tuple[int, ...]
+    created: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLimits:
+    """What public prefixes may hold. Public blocks are pinned in the device
+    pool while declared, so the totals are bounded by a share of the pool."""
+
+    max_prefixes: int = 4096  # on the server
+    max_total_tokens: int | None = None  # on the server; None: no cap
+    max_tokens_per_prefix: int | None = None  # None: no cap (the context length, by the server)
+    max_prefixes_per_tenant: int = 64
+    max_tokens_per_tenant: int = 65536
+
+    def __post_init__(self) -> None:
+        for name in ("max_prefixes", "max_prefixes_per_tenant", "max_tokens_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class PrefixLimitError(ValueError):
+    """A declaration past one of the PrefixLimits (a 400 naming ``prefix``)."""
+
+
+def declaration_id(token_ids: list[int] | tuple[int, ...]) -> str:
+    digest = hashlib.sha256(b"kvferry-public-prefix" + json.dumps(list(token_ids)).encode()).hexdigest()
+    return f"pp-{digest[:24]}"
 
 
 class _Node:
@@ -65,6 +114,25 @@ class TokenTrie:
         self.size += 1
         return True
 
+    def remove(self, token_ids: list[int] | tuple[int, ...]) -> bool:
+        """Unregister one sequence (pruning nodes nothing else passes through)."""
+        path = [self._root]
+        for t in token_ids:
+            node = path[-1].children.get(t)
+            if node is None:
+                return False
+            path.append(node)
+        if not path[-1].terminal:
+            return False
+        path[-1].terminal = False
+        self.size -= 1
+        for parent, t in zip(reversed(path[:-1]), reversed(list(token_ids))):
+            child = parent.children[t]
+            if child.terminal or child.children:
+                break
+            del parent.children[t]
+        return True
+
     def longest_prefix_of(self, token_ids: list[int]) -> int:
         node, best = self._root, 0
         for depth, t in enumerate(token_ids, start=1):
@@ -77,21 +145,56 @@ class TokenTrie:
 
 
 class PublicPrefixes:
-    def __init__(self, block_size: int, max_prefixes: int = MAX_PUBLIC_PREFIXES) -> None:
+    def __init__(self, block_size: int, max_prefixes: int = MAX_PUBLIC_PREFIXES,
+                 limits: PrefixLimits | None = None) -> None:
         self.block_size = block_size
-        self.max_prefixes = max_prefixes
+        self.limits = limits or PrefixLimits(max_prefixes=max_prefixes)
+        self.max_prefixes = self.limits.max_prefixes
         self._trie = TokenTrie()
+        self.declarations: dict[str, Declaration] = {}  # by id, in declaration order
 
     def __len__(self) -> int:
         return self._trie.size
 
-    def register(self, token_ids: list[int]) -> Registered:
+    def register(self, token_ids: list[int], owner: str = "") -> Registered:
+        """Declare a prefix in ``owner``'s name (PrefixLimitError past a limit).
+        The same tokens declared again are the same declaration."""
         if not token_ids:
             raise ValueError("prefix: renders to no tokens")
-        if len(self) >= self.max_prefixes:
-            raise ValueError(f"prefix: the server already holds {self.max_prefixes} public prefixes")
-        new = self._trie.insert(list(token_ids))
-        return Registered(len(token_ids), len(token_ids) // self.block_size, new)
+        pid = declaration_id(token_ids)
+        if pid in self.declarations:
+            return Registered(len(token_ids), len(token_ids) // self.block_size, False, pid)
+        self._check_limits(len(token_ids), owner)
+        self._trie.insert(list(token_ids))
+        self.declarations[pid] = Declaration(pid, owner, tuple(token_ids), int(time.time()))
+        return Registered(len(token_ids), len(token_ids) // self.block_size, True, pid)
+
+    def remove(self, pid: str) -> Declaration:
+        """KeyError for an unknown id."""
+        declared = self.declarations.pop(pid)
+        self._trie.remove(declared.token_ids)
+        return declared
+
+    def of(self, owner: str | None = None) -> list[Declaration]:
+        """Every declaration (None), or those of one owner."""
+        return [d for d in self.declarations.values() if owner is None or d.owner == owner]
+
+    def _check_limits(self, num_tokens: int, owner: str) -> None:
+        lim, mine = self.limits, self.of(owner)
+        if lim.max_tokens_per_prefix is not None and num_tokens > lim.max_tokens_per_prefix:
+            raise PrefixLimitError(f"prefix: renders to {num_tokens} tokens, more than the "
+                                   f"{lim.max_tokens_per_prefix} a public prefix may hold on this server")
+        if len(self.declarations) >= lim.max_prefixes:
+            raise PrefixLimitError(f"prefix: the server already holds {lim.max_prefixes} public prefixes")
+        if len(mine) >= lim.max_prefixes_per_tenant:
+            raise PrefixLimitError(f"prefix: this tenant already holds {lim.max_prefixes_per_tenant} public prefixes")
+        if sum(d.num_tokens for d in mine) + num_tokens > lim.max_tokens_per_tenant:
+            raise PrefixLimitError(f"prefix: this tenant's public prefixes would hold more than "
+                                   f"{lim.max_tokens_per_tenant} tokens")
+        total = sum(d.num_tokens for d in self.declarations.values()) + num_tokens
+        if lim.max_total_tokens is not None and total > lim.max_total_tokens:
+            raise PrefixLimitError(f"prefix: the server's public prefixes would hold more than "
+                                   f"{lim.max_total_tokens} tokens (a share of the KV cache)")
 
     def match(self, token_ids: list[int]) -> int:
         return self._trie.longest_prefix_of(token_ids)
@@ -123,8 +226,9 @@ def render_prefix(item: Any, tokenizer: Any, chat_template: str | None = None, w
     checked = check_item(item, where)
     if isinstance(checked, str):
         return tokenizer.encode(checked)
-    text = tokenizer.apply_chat_template(checked, add_generation_prompt=False, chat_template=chat_template)
-    return tokenizer.encode(text, add_special_tokens=False)
+    # As the chat endpoint encodes messages: special-token text typed in
+    # their content stays plain text (the server's default).
+    return tokenizer.encode_chat(checked, add_generation_prompt=False, chat_template=chat_template)
 
 
 def check_item(item: Any, where: str = "prefix") -> str | list[dict[str, str]]:
@@ -171,13 +275,23 @@ class PublicPrefixRegistry:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
-    def register(self, item: Any, where: str = "prefix") -> Registered:
-        return self.prefixes.register(render_prefix(item, self.tokenizer, self.chat_template, where))
+    def render(self, item: Any, where: str = "prefix") -> list[int]:
+        return render_prefix(item, self.tokenizer, self.chat_template, where)
+
+    def register(self, item: Any, where: str = "prefix", owner: str = "") -> Registered:
+        return self.prefixes.register(self.render(item, where), owner)
 
     def load_file(self, path: str | Path) -> list[Registered]:
         return load_prefix_file(path, self.register)
 
 
-def registration_body(registered: Registered, total: int) -> dict[str, Any]:
-    return {"object": "kv.public_prefix", "num_tokens": registered.num_tokens,
-            "num_blocks": registered.num_blocks, "new": registered.new, "num_public_prefixes": total}
+def registration_body(registered: Registered, total: int, prefilled: bool = False) -> dict[str, Any]:
+    return {"object": "kv.public_prefix", "id": registered.id, "num_tokens": registered.num_tokens,
+            "num_blocks": registered.num_blocks, "new": registered.new, "prefilled": prefilled,
+            "num_public_prefixes": total}
+
+
+def declaration_body(declared: Declaration, block_size: int) -> dict[str, Any]:
+    return {"object": "kv.public_prefix", "id": declared.id, "owner": declared.owner,
+            "num_tokens": declared.num_tokens, "num_blocks": declared.num_tokens // block_size,
+            "created": declared.created}

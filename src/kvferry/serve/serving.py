@@ -4,6 +4,7 @@ SSE framing and usage accounting."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 import uuid
@@ -20,7 +21,7 @@ from kvferry.core.outputs import TokenLogprobs
 from kvferry.outputs import RequestOutput
 from kvferry.sampling import SamplingParams
 from kvferry.serve.engine_client import (
-    AsyncEngineClient, EngineDeadError, KVTransferFailedError, RequestStream, SloRejectedError,
+    AsyncEngineClient, EngineDeadError, EngineRestartingError, KVTransferFailedError, RequestStream, SloRejectedError,
 )
 from kvferry.serve.errors import APIError, bad_request, error_body
 from kvferry.serve.logprobs import TokenStrings
@@ -67,7 +68,12 @@ class RequestIds:
 # ---- request body ---------------------------------------------------------
 
 async def read_request(request: Request, model: type[M], limit: int) -> M:
-    """Read, size-check, JSON-decode and validate a body; 400 / 413 on bad input.
+    """Read, size-check, JSON-decode and validate a body; 400 / 413 on bad input."""
+    return parse_body(await read_body(request, limit), model)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """A request's body, at most ``limit`` bytes (413 past it; 400 if empty).
 
     Content-Length is checked first (cheap rejection of a declared huge body),
     then the bytes actually read (a lying or chunked body)."""
@@ -84,7 +90,7 @@ async def read_request(request: Request, model: type[M], limit: int) -> M:
         raise bad_request("the client disconnected while sending the body") from None
     if not body:
         raise bad_request("the request body is empty; expected a JSON object")
-    return parse_body(bytes(body), model)
+    return bytes(body)
 
 
 def parse_body(body: bytes, model: type[M]) -> M:
@@ -129,7 +135,10 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 def engine_error_code(exc: EngineDeadError) -> str:
     """The OpenAI-style error code of a request the engine side ended."""
-    return "kv_transfer_failed" if isinstance(exc, KVTransferFailedError) else "engine_unavailable"
+    if isinstance(exc, KVTransferFailedError):
+        return "kv_transfer_failed"
+    # A dead core being started again: the client may retry shortly.
+    return "engine_restarting" if isinstance(exc, EngineRestartingError) else "engine_unavailable"
 
 
 async def start_request(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -139,7 +148,7 @@ async def start_request(ctx: ServingContext, request_id: str, prompt_ids: list[i
     except ValueError as exc:
         raise bad_request(str(exc), named_field(str(exc)) or "prompt") from None
     except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_unavailable") from None
+        raise APIError(503, str(exc), code=engine_error_code(exc)) from None
     except SloRejectedError as exc:
         raise APIError(429, str(exc), code="slo_unattainable",
                        headers={"Retry-After": str(math.ceil(exc.retry_after_s))}) from None
@@ -229,20 +238,26 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 async def stream_events(stream: RequestStream,
-                        render: Callable[[list[Delta]], list[str]],
+                        render: Callable[[list[Delta]], list[str] | Awaitable[list[str]]],
                         final: Callable[[], list[str]], done: bool = True) -> AsyncIterator[str]:
-    """SSE chunks of a stream: ``render`` turns merged deltas into events,
-    ``final`` adds the closing ones (usage) before ``[DONE]`` (which the
-    Responses API does not send: ``done=False``)."""
+    """SSE chunks of a stream: ``render`` turns merged deltas into events
+    (a coroutine where it checks tool calls off the event loop), ``final``
+    adds the closing ones (usage) before ``[DONE]`` (which the Responses API
+    does not send: ``done=False``)."""
     try:
         async for out in stream:
-            for event in render(merge_deltas([out, *stream.pending()])):
+            events = render(merge_deltas([out, *stream.pending()]))
+            for event in await events if inspect.isawaitable(events) else events:
                 yield event
         for event in final():
             yield event
     except EngineDeadError as exc:
         # Headers are gone already; report in-band as vLLM does.
         yield sse(error_body(503, str(exc), code=engine_error_code(exc)))
+    except APIError as exc:
+        # The same for a request that fails mid-stream (a tool call that
+        # cannot be checked against its schema): the status line is sent.
+        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
     finally:
         stream.close()
     if done:
@@ -270,15 +285,18 @@ class EventStreamResponse(StreamingResponse):
 
 async def respond(ctx: ServingContext, request_id: RequestIds, prompt_ids: list[int], params: SamplingParams,
                   arrival_time: float, stream: bool, make_chunks: Callable[[], Any],
-                  make_body: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+                  make_body: Callable[[list[RequestOutput]], BaseModel | Awaitable[BaseModel]]) -> Response:
     """Admit a request, then stream it as SSE (``make_chunks()`` renders the
-    events) or wait for every sequence and answer ``make_body(finals)``."""
+    events) or wait for every sequence and answer ``make_body(finals)`` (a
+    coroutine where it checks tool calls off the event loop)."""
     handle = await start_request(ctx, request_id.engine, prompt_ids, params, arrival_time)
     if stream:
         chunks = make_chunks()
         return EventStreamResponse(stream_events(handle, chunks.render, chunks.final), handle)
     finals = await collect(handle)
-    return Response(make_body(finals).model_dump_json(), media_type="application/json")
+    body = make_body(finals)
+    body = await body if inspect.isawaitable(body) else body
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def final_usage(num_prompt_tokens: int, finals: list[RequestOutput]) -> Usage:

@@ -1,0 +1,168 @@
+"""The public-prefix routes, and the service that prefills a declaration.
+
+    POST   /v1/kv/public_prefixes        {"prefix": text | [chat messages]}  (a publish key)
+    GET    /v1/kv/public_prefixes        the caller's declarations (an admin's: every one)
+    DELETE /v1/kv/public_prefixes/{id}   its owner or an admin
+
+Declaring a prefix prefills it at once, in the publisher's name: the
+declaration's own request is the only one that ever writes public blocks
+(``CacheScope.writes_public``), and the core holds them pinned while they
+are declared. Every other tenant's request only reads them. Deleting a
+declaration drops the public pool on every core and prefills the remaining
+declarations again (a public purge cannot pick one prefix's blocks: prefixes
+share their leading blocks).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvferry.core.hashing import CacheScope
+from kvferry.sampling import SamplingParams
+from kvferry.serve.engine_client import AsyncEngineClient, EngineDeadError
+from kvferry.serve.errors import APIError, bad_request
+from kvferry.serve.public_prefixes import (
+    Declaration, PublicPrefixRegistry, Registered, declaration_body, registration_body,
+)
+from kvferry.serve.serving import read_body
+from kvferry.serve.tenants import CacheNamespaces, current_tenant
+
+logger = logging.getLogger(__name__)
+
+
+class _PrefixMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+
+
+class PublicPrefixBody(BaseModel):
+    """The registration body. pydantic's JSON parser bounds nesting and
+    refuses lone surrogates, which json.loads lets through to the tokenizer."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prefix: Annotated[str, Field(min_length=1)] | Annotated[list[_PrefixMessage], Field(min_length=1)]
+
+
+def parse_prefix_body(body: bytes) -> str | list[dict[str, str]]:
+    try:
+        prefix = PublicPrefixBody.model_validate_json(body).prefix
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        raise bad_request(f"expected a JSON object with a non-empty 'prefix' (a string or a list of "
+                          f"chat messages): {first['msg']}", "prefix") from None
+    return prefix if isinstance(prefix, str) else [m.model_dump() for m in prefix]
+
+
+class PublicPrefixService:
+    """Declarations of one server and their prefills."""
+
+    def __init__(self, client: AsyncEngineClient, registry: PublicPrefixRegistry, namespaces: CacheNamespaces) -> None:
+        self.client = client
+        self.registry = registry
+        self.namespaces = namespaces
+        # One change at a time: the limits are checked against the set the
+        # change will leave, and a purge must not race a prefill.
+        self._lock = asyncio.Lock()
+
+    @property
+    def prefixes(self):  # noqa: ANN201 - PublicPrefixes
+        return self.registry.prefixes
+
+    async def declare(self, item: Any, owner: str) -> tuple[Registered, bool]:
+        """Register and prefill; ValueError names the field (PrefixLimitError
+        past a limit). Returns the registration and whether the prefill ran."""
+        token_ids = await asyncio.to_thread(self.registry.render, item, "prefix")
+        async with self._lock:
+            registered = self.prefixes.register(token_ids, owner)
+            try:
+                prefilled = await self._prefill(self.prefixes.declarations[registered.id])
+            except EngineDeadError:
+                if registered.new:  # nothing declared that was never computed
+                    self.prefixes.remove(registered.id)
+                raise
+        return registered, prefilled
+
+    async def delete(self, pid: str) -> Declaration:
+        """KeyError for an unknown id."""
+        async with self._lock:
+            declared = self.prefixes.remove(pid)
+            await self.client.purge_tenant(self.namespaces.public)
+            for other in self.prefixes.of():
+                await self._prefill(other)
+        return declared
+
+    async def prefill_all(self) -> int:
+        """Prefill every declaration (the file's at start-up); returns how many ran."""
+        async with self._lock:
+            return sum([await self._prefill(d) for d in self.prefixes.of()])
+
+    async def _prefill(self, declared: Declaration) -> bool:
+        """Compute the prefix's KV as the only writer of its public blocks
+        (one token generated, discarded). False: shorter than a block,
+        nothing to share."""
+        num_blocks = declared.num_tokens // self.prefixes.block_size
+        if not num_blocks:
+            return False
+        scope = CacheScope(self.namespaces.tenant(declared.owner), self.namespaces.public, num_blocks,
+                           tenant=declared.owner, writes_public=True)
+        stream = await self.client.add_request(f"public-prefix-{uuid.uuid4().hex}", list(declared.token_ids),
+                                               SamplingParams(max_tokens=1, temperature=0.0), cache_scope=scope)
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            stream.close()
+        return True
+
+
+def public_prefix_routes(service: PublicPrefixService, max_body_bytes: int) -> list[Route]:
+    block_size = service.prefixes.block_size
+
+    async def register(request: Request) -> Response:
+        tenant = current_tenant.get()
+        if not tenant.publish:
+            raise APIError(403, "this API key may not publish public prefixes", code="permission_denied")
+        item = parse_prefix_body(await read_body(request, max_body_bytes))
+        try:
+            registered, prefilled = await service.declare(item, tenant.name)
+        except ValueError as exc:
+            raise bad_request(str(exc), "prefix") from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"the prefix could not be prefilled: {exc}", code="engine_unavailable") from None
+        return JSONResponse(registration_body(registered, len(service.prefixes), prefilled))
+
+    async def list_prefixes(request: Request) -> Response:
+        tenant = current_tenant.get()
+        declared = service.prefixes.of(None if tenant.admin else tenant.name)
+        return JSONResponse({"object": "list", "data": [declaration_body(d, block_size) for d in declared]})
+
+    async def delete(request: Request) -> Response:
+        tenant, pid = current_tenant.get(), request.path_params["prefix_id"]
+        declared = service.prefixes.declarations.get(pid)
+        # Another tenant's declaration answers as an unknown one: ids are not
+        # secrets, but whether a prefix is declared by someone else is no
+        # business of the caller's.
+        if declared is None or not (tenant.admin or declared.owner == tenant.name):
+            raise APIError(404, f"no public prefix {pid!r}", "prefix_id", code="not_found")
+        try:
+            await service.delete(pid)
+        except KeyError:
+            raise APIError(404, f"no public prefix {pid!r}", "prefix_id", code="not_found") from None
+        except (EngineDeadError, TimeoutError) as exc:
+            raise APIError(503, f"the public pool could not be purged: {exc}", code="engine_unavailable") from None
+        return JSONResponse({"object": "kv.public_prefix.deleted", "id": pid, "deleted": True})
+
+    return [
+        Route("/v1/kv/public_prefixes", register, methods=["POST"]),
+        Route("/v1/kv/public_prefixes", list_prefixes, methods=["GET"]),
+        Route("/v1/kv/public_prefixes/{prefix_id}", delete, methods=["DELETE"]),
+    ]
+
