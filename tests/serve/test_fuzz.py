@@ -55,13 +55,30 @@ message = st.one_of(
 tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": st.from_regex(r"[a-z_]{1,10}", fullmatch=True)},
     optional={"parameters": st.just({"type": "object", "properties": {"x": {"type": "integer"}}})})})
+# Numbers at the edges of what the sampler's float32 knobs and the wire's
+# int64 hold: subnormals, values that round to 0 or overflow in float32,
+# negative zero, NaN and infinities (json.dumps writes NaN / Infinity),
+# integers around 2^31, 2^63 and 2^64.
+edge_float = st.sampled_from([0.0, -0.0, 5e-324, 1e-46, 1e-40, 2.0**-126, 1.2e-38, 1e-5, 3.4028234663852886e38,
+                              3.5e38, 1e308, -1e-46, -3.5e38, float("nan"), float("inf"), float("-inf")])
+edge_int = st.sampled_from([0, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, -(2**63) - 1])
+
+
+def knob(plausible):
+    return st.one_of(plausible, plausible, edge_float)
+
+
 sampling = {
     "model": st.just("SmolLM2-135M-Instruct"), "n": st.sampled_from([1, 1, 2]),
-    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
-    "seed": st.integers(-(2**63), 2**63 - 1), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "temperature": knob(st.floats(0, 2)), "top_p": knob(st.floats(0.01, 1)),
+    "top_k": st.one_of(st.integers(0, 50), edge_int), "min_p": knob(st.floats(0, 1)),
+    "repetition_penalty": knob(st.floats(0.5, 2)), "frequency_penalty": knob(st.floats(-2, 2)),
+    "min_tokens": st.one_of(st.integers(0, 2), edge_int),
+    "seed": st.one_of(st.integers(-(2**63), 2**63 - 1), edge_int),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "response_format": st.just({"type": "text"}), "presence_penalty": st.floats(-2, 2),
-    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=2), "ignore_eos": st.booleans(),
+    "response_format": st.just({"type": "text"}), "presence_penalty": knob(st.floats(-2, 2)),
+    "stop_token_ids": st.lists(st.one_of(st.integers(0, 49151), edge_int), max_size=2), "ignore_eos": st.booleans(),
 }
 completion = st.fixed_dictionaries(
     {"prompt": st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 49151), min_size=1, max_size=8)),
@@ -102,9 +119,14 @@ def corrupted(draw, path: str, bodies) -> tuple[str, dict]:
     return path, body
 
 
+# The operator route a publisher reaches (the server runs without keys: the
+# one tenant may publish). Prefixes stay short: each valid one is prefilled.
+public_prefix = st.fixed_dictionaries({"prefix": st.one_of(
+    st.text(min_size=1, max_size=40), st.lists(message, min_size=1, max_size=2))})
 ENDPOINTS = st.one_of(
     corrupted("/v1/completions", completion), corrupted("/v1/chat/completions", chat),
     corrupted("/v1/responses", responses), corrupted("/tokenize", tokenize), corrupted("/detokenize", detokenize),
+    corrupted("/v1/kv/public_prefixes", public_prefix),
 )
 
 

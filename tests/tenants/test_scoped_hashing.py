@@ -172,3 +172,27 @@ def test_owner_over_a_lowered_quota_is_evicted_first():
     assert len(kv.owned["ns-a"]) == 1 and len(kv.owned["ns-b"]) == 4
     assert run_prefill(kv, quota_request("b2", "ns-b", 300, quota=None)) == 16
     kv.check_integrity()
+
+
+def test_public_prefix_limits_per_tenant_and_server():
+    from kvferry.serve.public_prefixes import PrefixLimitError, PrefixLimits
+
+    prefixes = PublicPrefixes(4, limits=PrefixLimits(max_prefixes=5, max_total_tokens=100, max_tokens_per_prefix=40,
+                                                     max_prefixes_per_tenant=2, max_tokens_per_tenant=60))
+    a1 = prefixes.register(list(range(30)), "a")
+    assert prefixes.register(list(range(30)), "a") == type(a1)(30, 7, False, a1.id)  # the same declaration
+    prefixes.register(list(range(100, 125)), "a")
+    with pytest.raises(PrefixLimitError, match="this tenant already holds 2"):
+        prefixes.register([7, 8, 9], "a")
+    with pytest.raises(PrefixLimitError, match="more than the 40"):
+        prefixes.register(list(range(41)), "b")
+    with pytest.raises(PrefixLimitError, match="more than 60 tokens"):
+        prefixes.register(list(range(200, 240)), "b") and prefixes.register(list(range(300, 330)), "b")
+    prefixes.register(list(range(400, 404)), "c")  # 99 tokens on the server
+    with pytest.raises(PrefixLimitError, match="server's public prefixes would hold more than 100"):
+        prefixes.register(list(range(500, 510)), "d")
+    # A deleted declaration frees its room, and the trie forgets it.
+    prefixes.remove(a1.id)
+    assert prefixes.match(list(range(35))) == 0 and prefixes.match(list(range(100, 130))) == 25
+    prefixes.register(list(range(500, 505)), "d")
+    assert {d.owner for d in prefixes.of()} == {"a", "b", "c", "d"} and len(prefixes.of("a")) == 1
