@@ -366,13 +366,11 @@ def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)  # [B, V], non-decreasing
     u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)
     target = u.mul_(cdf[:, -1:]).mul_(1.0 - 2.0**-23)  # [B, 1], in [0, total)
-    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
-    # A row with no mass (every token masked) or a NaN total has no first
-    # index past the target: searchsorted answers V, outside the
-    # vocabulary. Such a row takes its most likely token instead (argmax,
-    # where a NaN wins: still an id inside [0, V)).
-    has_mass = cdf[:, -1] > 0  # [B]; False for 0 and NaN
-    return torch.where(has_mass, drawn, argmax_rows(probs))
+    # A row with no mass (every token masked) or a NaN total has no index
+    # past the target: searchsorted answers V, outside the vocabulary.
+    # _to_host clamps every sampled id into [0, V), so such a row (reachable
+    # only through knobs that overflow its logits) still yields a real token.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
 
 
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
