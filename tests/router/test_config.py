@@ -41,6 +41,11 @@ def test_router_config_validation_names_the_field():
         RouterConfig(data_parallel_size=3, engine_cpus=["0", "1"])
     with pytest.raises(ValueError, match="prefill"):
         RouterConfig(mode="disagg", num_prefill=0)
+    with pytest.raises(ValueError, match="engine_restarts"):
+        RouterConfig(engine_restarts=-1)
+    with pytest.raises(ValueError, match="engine_restart_window_s"):
+        RouterConfig(engine_restart_window_s=0)
+    RouterConfig(engine_restarts=0)  # no restart: the first death ends the server
     specs = RouterConfig(mode="disagg", num_prefill=2, num_decode=1, prefill_cpus="0", decode_cpus="1").core_specs()
     assert specs == [("prefill-0", "prefill", "0"), ("prefill-1", "prefill", "0"), ("decode-0", "decode", "1")]
     assert RouterConfig(data_parallel_size=2, engine_cpus=["0", "1"]).core_specs() == [

@@ -43,6 +43,8 @@ class ServerProcess:
     proc: subprocess.Popen | None  # None: a server this test run did not start
     base_url: str
     log_path: Path
+    # With --api-keys, /metrics is an admin key's: the key its helpers send.
+    metrics_key: str | None = None
 
     @property
     def api_url(self) -> str:
@@ -53,7 +55,10 @@ class ServerProcess:
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample: (name, sorted labels without model_name) -> value."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
+        r = httpx.get(f"{self.base_url}/metrics", headers=headers, timeout=10)
+        assert r.status_code == 200, r.text  # a refused scrape must not read as zero counters
+        text = r.text
         samples = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:

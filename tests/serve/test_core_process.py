@@ -1,7 +1,8 @@
 """``kvferry serve`` as two processes: the front end ("kvferry: api-server")
-and the engine core ("kvferry: engine-0"). A dead core turns into 503s and
-ended streams, never a hang; a dead front end takes its core with it; bad
-flags and busy ports fail before any model loads."""
+and the engine core ("kvferry: engine-0"). A dead core turns into ended
+streams and 503s, never a hang, and is started again (a death past
+--engine-restarts ends the server, non-zero); a dead front end takes its
+core with it; bad flags and busy ports fail before any model loads."""
 from __future__ import annotations
 
 import json
@@ -42,12 +43,13 @@ def is_running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def core_pid(server_pid: int, timeout_s: float = 10.0) -> int:
-    """The engine core child of a server process."""
+def core_pid(server_pid: int, timeout_s: float = 10.0, other_than: int | None = None) -> int:
+    """The engine core child of a server process (``other_than``: a new one,
+    not that pid)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
+            if not entry.name.isdigit() or int(entry.name) == other_than:
                 continue
             try:
                 ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -57,6 +59,15 @@ def core_pid(server_pid: int, timeout_s: float = 10.0) -> int:
                 return int(entry.name)
         time.sleep(0.1)
     raise AssertionError(f"no engine core child of {server_pid}")
+
+
+def wait_healthy(base_url: str, timeout_s: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(base_url + "/health", timeout=5)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:
@@ -106,7 +117,7 @@ class _Stream(threading.Thread):
             self.first.set()
 
 
-def test_killed_core_gives_503_and_ends_streams(tiny, tmp_path):
+def test_killed_core_ends_streams_then_is_restarted(tiny, tmp_path):
     srv = start_server(tmp_path / "server.log", ["--model", tiny, "--dtype", "float32"])
     model = httpx.get(srv.api_url + "/models", timeout=10).json()["data"][0]["id"]
     try:
@@ -122,14 +133,61 @@ def test_killed_core_gives_503_and_ends_streams(tiny, tmp_path):
         # The stream ended properly: an error event, then [DONE].
         assert stream.done and "error" in stream.events[-1], stream.events[-2:]
         assert stream.events[-1]["error"]["code"] == "engine_unavailable"
+        # While the core restarts (a backoff, then a model load), the probe
+        # and new requests say so with their own code, naming the death.
         health = httpx.get(srv.base_url + "/health", timeout=5)
-        assert health.status_code == 503 and "exited" in health.json()["error"]["message"]
+        assert health.status_code == 503, health.text
+        assert health.json()["error"]["code"] == "engine_restarting"
+        assert "exited with code -9" in health.json()["error"]["message"]
         r = httpx.post(srv.api_url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
                        timeout=5)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_restarting", r.text
+        # Then a new core (a new process) serves again.
+        assert wait_healthy(srv.base_url, 120).status_code == 200, srv.log()[-3000:]
+        assert core_pid(srv.proc.pid, other_than=core) != core
+        r = httpx.post(srv.api_url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert "restarting engine core engine-0" in srv.log() and "engine core engine-0 restarted" in srv.log()
         # The front end still shuts down cleanly.
         code = srv.stop(signal.SIGTERM, timeout_s=30)
         assert code == 0, srv.log()[-3000:]
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_a_core_dying_past_its_restart_budget_ends_the_server(tiny, tmp_path):
+    """--engine-restarts 1: the first death is restarted, the second ends
+    the server with a non-zero status (for a supervisor to restart it)."""
+    srv = start_server(tmp_path / "server.log", ["--model", tiny, "--dtype", "float32", "--engine-restarts", "1"])
+    try:
+        first = core_pid(srv.proc.pid)
+        os.kill(first, signal.SIGKILL)
+        assert wait_healthy(srv.base_url, 120).status_code == 200, srv.log()[-3000:]
+        second = core_pid(srv.proc.pid, other_than=first)
+        assert srv.proc.poll() is None
+        os.kill(second, signal.SIGKILL)
+        code = srv.proc.wait(60)
+        assert code == 3, srv.log()[-3000:]
+        assert "no engine restart left (1 within 600 s)" in srv.log(), srv.log()[-3000:]
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_sigterm_while_a_core_restarts_leaves_no_core_behind(tiny, tmp_path):
+    """The server stops in the middle of a restart (the new core spawned,
+    its handshake not done): it still exits 0, and the half-started core
+    goes with it."""
+    srv = start_server(tmp_path / "server.log", ["--model", tiny, "--dtype", "float32"])
+    try:
+        first = core_pid(srv.proc.pid)
+        os.kill(first, signal.SIGKILL)
+        second = core_pid(srv.proc.pid, other_than=first)
+        assert httpx.get(srv.base_url + "/health", timeout=5).json()["error"]["code"] == "engine_restarting"
+        code = srv.stop(signal.SIGTERM, timeout_s=30)
+        assert code == 0, srv.log()[-3000:]
+        assert wait_gone(second, 5.0), f"restarted core {second} outlived its front end: {proc_title(second)}"
+        assert "Traceback" not in srv.log() and "never retrieved" not in srv.log(), srv.log()[-3000:]
     finally:
         srv.stop(signal.SIGKILL)
 

@@ -3,7 +3,8 @@ processes, real HTTP and real signals: a transfer that never completes (the
 prefill core frozen with SIGSTOP) ends the request with a clear
 OpenAI-style error, a 503 body or an in-band SSE error event, within the
 lease and without a hang; the server keeps serving the same greedy text as
-a colocated one, and every core's pool goes back to idle."""
+a colocated one, and every core's pool goes back to idle. A killed decode
+core (the only one) makes /health a 503 until it is restarted."""
 from __future__ import annotations
 
 import json
@@ -102,4 +103,31 @@ def test_failed_transfer_is_a_clear_error_then_the_server_serves_on(failing, cli
         for prompt in PROMPTS[:3]:
             assert _greedy(c, prompt, max_tokens=8) == _greedy(client, prompt, max_tokens=8)
     assert httpx.get(f"{failing.base_url}/health", timeout=10).json()["status"] == "ok"
+    _assert_idle(failing)
+
+
+def test_no_decode_core_is_503_until_it_is_restarted(failing, client):
+    """The only decode core killed: no request can get through, so /health
+    is a 503 (not 200 "degraded") while it restarts, and new requests get
+    the same code; then the restarted core serves the same greedy text."""
+    victim = _workers(failing)["decode-0"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while (health := httpx.get(f"{failing.base_url}/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline, health.text  # the sentinel reports the death within a second
+        time.sleep(0.05)
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_restarting", health.text
+    assert "decode-0" in health.json()["error"]["message"]
+    r = httpx.post(f"{failing.api_url}/completions", json=_body(PROMPTS[0], stream=False), timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_restarting", r.text
+    deadline = time.monotonic() + 120
+    while (health := httpx.get(f"{failing.base_url}/health", timeout=10)).status_code != 200:
+        assert time.monotonic() < deadline, failing.log()[-3000:]
+        time.sleep(0.1)
+    assert health.json()["status"] == "ok"
+    workers = _workers(failing)
+    assert workers["decode-0"]["alive"] and workers["decode-0"]["pid"] != victim["pid"], workers
+    assert workers["decode-0"]["num_restarts"] == 1
+    with _client(failing) as c:
+        assert _greedy(c, PROMPTS[1], max_tokens=8) == _greedy(client, PROMPTS[1], max_tokens=8)
     _assert_idle(failing)

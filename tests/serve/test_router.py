@@ -167,7 +167,7 @@ def test_a_core_joins_while_requests_run_then_leaves(dp2, client, tmp_path):
 
 
 def test_kill_9_of_one_core_ends_its_stream_promptly_and_the_other_serves(dp2, client):
-    """Runs last on this server: it leaves one core dead."""
+    """Runs last on this server: it kills one core, which is restarted."""
     with _client(dp2) as c:
         stream = c.completions.create(model=MODEL_NAME, prompt="Tell me a very long story:", max_tokens=600,
                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
@@ -181,11 +181,22 @@ def test_kill_9_of_one_core_ends_its_stream_promptly_and_the_other_serves(dp2, c
             for _ in chunks:
                 pass
         assert time.monotonic() - killed_at < 15
+        victim = busy[0]["name"]
         health = httpx.get(f"{dp2.base_url}/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "degraded"
-        assert health.json()["workers"][busy[0]["name"]] is False
+        assert health.json()["workers"][victim] is False and health.json()["restarting"] == [victim]
         # New requests go to the survivor, with the same greedy outputs.
         assert _all_greedy(c, PROMPTS[:3]) == _all_greedy(client, PROMPTS[:3])
+        # The dead core alone is started again (a new process), and takes requests.
+        deadline = time.monotonic() + 120
+        while not (w := _workers(dp2)[victim])["alive"]:
+            assert time.monotonic() < deadline, dp2.log()[-3000:]
+            time.sleep(0.1)
+        assert w["pid"] != busy[0]["pid"] and w["num_restarts"] == 1 and not w["restarting"]
+        assert httpx.get(f"{dp2.base_url}/health", timeout=10).json()["status"] == "ok"
+        routed = w["num_routed"]
+        assert _all_greedy(c, PROMPTS) == _all_greedy(client, PROMPTS)
+        assert _workers(dp2)[victim]["num_routed"] > routed
 
 
 def test_impossible_ttft_slo_gets_429_with_retry_after(tmp_path):

@@ -33,6 +33,7 @@ def tenant_server(tmp_path_factory) -> ServerProcess:
                                           "--public-prefixes", str(d / "public.json"),
                                           "--block-size", str(BLOCK_SIZE)])
     srv.keys_path = d / "keys.json"
+    srv.metrics_key = "sk-root"  # /metrics is an admin key's
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"

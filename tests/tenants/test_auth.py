@@ -1,5 +1,6 @@
-"""API keys: 401 for a missing / unknown / malformed key, open probes,
-and SIGHUP reloading the key file."""
+"""API keys: 401 for a missing / unknown / malformed key, an open health
+probe, /metrics for admin keys (or for anyone with --metrics-public, minus
+the per-tenant series), and SIGHUP reloading the key file."""
 from __future__ import annotations
 
 import json
@@ -32,9 +33,22 @@ def test_malformed_authorization_is_401(tenant_server, header):
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_health_and_metrics_stay_open(tenant_server):
+def _metrics(server, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(f"{server.base_url}/metrics", headers=headers, timeout=10)
+
+
+def test_health_stays_open_and_metrics_need_an_admin_key(tenant_server):
     assert httpx.get(f"{tenant_server.base_url}/health").status_code == 200
-    assert httpx.get(f"{tenant_server.base_url}/metrics").status_code == 200
+    # /metrics names tenants and their traffic: no key or a wrong one is a
+    # 401, a tenant's key a 403, an admin's key gets the exposition.
+    for key in (None, "sk-nope"):
+        r = _metrics(tenant_server, key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = _metrics(tenant_server, "sk-beta-1")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied", r.text
+    r = _metrics(tenant_server, "sk-root")
+    assert r.status_code == 200 and "kvferry:num_requests_running" in r.text
     assert httpx.get(f"{tenant_server.api_url}/models").status_code == 401
     ok = httpx.get(f"{tenant_server.api_url}/models", headers={"Authorization": "Bearer sk-beta-1"})
     assert ok.status_code == 200
@@ -64,6 +78,34 @@ def test_sighup_reloads_the_key_file(tenant_server):
         tenant_server.proc.send_signal(signal.SIGHUP)
         time.sleep(0.5)
     assert status("sk-acme-2") == 200
+
+
+def test_public_metrics_leave_tenant_series_to_admins(tmp_path):
+    """--metrics-public opens /metrics to any scraper, but a sample with a
+    tenant label (whose traffic, cache hits, acceptance) reaches admin keys only."""
+    from tests.serve.server_process import start_server
+    from tests.tiny_models import make_tiny_checkpoint
+
+    tiny = make_tiny_checkpoint(tmp_path / "tiny", arch="llama", max_position_embeddings=4096)
+    (tmp_path / "keys.json").write_text(json.dumps(KEYS))
+    srv = start_server(tmp_path / "server.log", ["--model", str(tiny), "--api-keys", str(tmp_path / "keys.json"),
+                                                 "--metrics-tenant-labels", "--metrics-public"])
+    try:
+        model = httpx.get(f"{srv.api_url}/models", headers={"Authorization": "Bearer sk-acme-1"},
+                          timeout=10).json()["data"][0]["id"]
+        with make_client(srv, "sk-acme-1") as acme:
+            acme.completions.create(model=model, prompt="hello there", max_tokens=3, extra_body={"ignore_eos": True})
+        admin = _metrics(srv, "sk-root")
+        assert admin.status_code == 200 and 'tenant="acme"' in admin.text, admin.text
+        for key in (None, "sk-beta-1", "sk-nope"):
+            r = _metrics(srv, key)
+            assert r.status_code == 200, r.text
+            assert "tenant=" not in r.text and "acme" not in r.text, r.text
+            # The series without a tenant label stay (engine state, speculation counters).
+            assert "kvferry:num_requests_running" in r.text and "kvferry:spec_decode_num_drafts" in r.text
+        assert srv.stop() == 0, srv.log()[-3000:]
+    finally:
+        srv.stop(signal.SIGKILL)
 
 
 @pytest.mark.parametrize("content, message", [

@@ -37,6 +37,7 @@ def fair_server(tmp_path_factory) -> ServerProcess:
         "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", "96",
         "--metrics-tenant-labels", "--metrics-max-tenants", "2",
     ])
+    srv.metrics_key = "sk-admin"  # /metrics (and its tenant series) are an admin key's
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"

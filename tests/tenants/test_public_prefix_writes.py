@@ -141,3 +141,29 @@ def test_operator_route_bodies_get_4xx_never_5xx(tenant_server):
     r = httpx.post(url, json={"prefix": "token " * 3000}, headers=auth, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prefix", r.text
     assert httpx.get(f"{tenant_server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_a_restarted_core_gets_the_public_prefixes_again(tenant_server):
+    """The pinned public blocks die with their core; the server prefills
+    every declaration again once the new core is up (the last test of this
+    file: it restarts the shared server's core)."""
+    import os
+    import signal
+
+    from tests.serve.test_core_process import core_pid, wait_healthy
+
+    text = "Standing instructions of the night shift: " + " ".join(["check the gauges."] * 30)
+    declared = declare(tenant_server, "sk-acme-1", text)
+    core = core_pid(tenant_server.proc.pid)
+    os.kill(core, signal.SIGKILL)
+    assert core_pid(tenant_server.proc.pid, timeout_s=180, other_than=core) != core
+    assert wait_healthy(tenant_server.base_url, 180).status_code == 200, tenant_server.log()[-3000:]
+    with make_client(tenant_server, "sk-beta-1") as beta:
+        deadline = time.monotonic() + 60
+        while True:
+            _, hit = timed(beta, text + " Question: " + uuid.uuid4().hex)
+            if hit == declared["num_blocks"] * BLOCK_SIZE or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert hit == declared["num_blocks"] * BLOCK_SIZE, tenant_server.log()[-3000:]
+    assert delete(tenant_server, "sk-acme-1", declared["id"]).status_code == 200

@@ -34,6 +34,12 @@ class RouterConfig:
     health_timeout_s: float = 30.0
     # Weight of prefill tokens against active KV tokens in the prefill cost.
     overlap_weight: float = 1.0
+    # A started core that dies is started again, with exponential backoff,
+    # at most engine_restarts times within engine_restart_window_s (all
+    # cores together); one more death ends the server (non-zero exit), so
+    # that a supervisor restarts the whole process.
+    engine_restarts: int = 3
+    engine_restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -58,6 +64,10 @@ class RouterConfig:
             raise ValueError("health_timeout_s must exceed health_check_interval_s, and both be > 0")
         if not self.overlap_weight > 0:
             raise ValueError(f"overlap_weight must be > 0, got {self.overlap_weight}")
+        if self.engine_restarts < 0:
+            raise ValueError(f"engine_restarts must be >= 0, got {self.engine_restarts}")
+        if not self.engine_restart_window_s > 0:
+            raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
 
     def core_specs(self) -> list[tuple[str, str, str | None]]:
         """(name, role, cpus) of every core this server starts."""

@@ -35,6 +35,9 @@ class Worker:
     alive: bool = True
     accepting: bool = True  # False once it is leaving
     dead_reason: str | None = None
+    # Dead, and the server is starting its process again (a started core only).
+    restarting: bool = False
+    num_restarts: int = 0  # how often this core's process was started again
     last_heard: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -54,7 +57,8 @@ class Worker:
         s = self.stats
         return {
             "name": self.name, "role": self.role, "address": self.address, "alive": self.alive,
-            "accepting": self.accepting, "error": self.dead_reason,
+            "accepting": self.accepting, "error": self.dead_reason, "restarting": self.restarting,
+            "num_restarts": self.num_restarts,
             "pid": self.ready.pid, "num_requests": len(self.requests), "num_routed": self.num_routed,
             "queued_prefill_tokens": self.queued_prefill_tokens, "cached_blocks": num_index_blocks,
             "num_running": s.num_running, "num_waiting": s.num_waiting,

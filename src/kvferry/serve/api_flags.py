@@ -32,15 +32,25 @@ class ApiOptions:
     max_header_bytes: int = 16 * 1024
     tool_call_parser: str = "hermes"
     chat_template: str | None = None  # the template's text (read from --chat-template FILE)
+    # Off: special-token text in messages (a typed "<|im_start|>") is encoded
+    # as plain text, so a user cannot forge turns or roles; only the chat
+    # template's own markers are special tokens.
+    allow_special_tokens_in_content: bool = False
     responses_store_size: int = 1024
     responses_store_ttl_s: float = 3600.0
     # Tenants and cache sharing (serve/tenants.py, serve/public_prefixes.py).
     api_keys_file: str | None = None  # None: one tenant, no authentication
-    cache_secret_file: str | None = None  # None: a fresh secret per start
+    cache_secret_file: str | None = None  # None: a fresh secret per start (serve keeps one beside a persistent tier)
     public_prefixes_file: str | None = None
+    # What one tenant may declare through POST /v1/kv/public_prefixes.
+    max_public_prefixes_per_tenant: int = 64
+    max_public_prefix_tokens_per_tenant: int = 65536
     # Per-tenant Prometheus labels (off: cardinality), at most this many tenants named.
     metrics_tenant_labels: bool = False
     metrics_max_tenants: int = 20
+    # With API keys /metrics is an admin key's; this opens it (series with a
+    # tenant label still go to admin keys only).
+    metrics_public: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_default", "max_tokens_limit"):
@@ -54,7 +64,8 @@ class ApiOptions:
         for name in ("header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s", "responses_store_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_header_count", "max_header_bytes", "responses_store_size", "metrics_max_tenants"):
+        for name in ("max_header_count", "max_header_bytes", "responses_store_size", "metrics_max_tenants",
+                     "max_public_prefixes_per_tenant", "max_public_prefix_tokens_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -76,10 +87,14 @@ class ApiOptions:
             keep_alive_timeout_s=args.timeout_keep_alive,
             max_header_count=args.max_header_count, max_header_bytes=args.max_header_bytes,
             tool_call_parser=args.tool_call_parser, chat_template=template,
+            allow_special_tokens_in_content=args.allow_special_tokens_in_content,
             responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
             api_keys_file=args.api_keys, cache_secret_file=args.cache_secret_file,
             public_prefixes_file=args.public_prefixes,
+            max_public_prefixes_per_tenant=args.max_public_prefixes_per_tenant,
+            max_public_prefix_tokens_per_tenant=args.max_public_prefix_tokens_per_tenant,
             metrics_tenant_labels=args.metrics_tenant_labels, metrics_max_tenants=args.metrics_max_tenants,
+            metrics_public=args.metrics_public,
         )
 
 
@@ -117,6 +132,10 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                    help="how tool calls are found in generated text (by model family)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file that replaces the model's")
+    g.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="encode special-token text in chat messages and tools (e.g. a typed <|im_start|>) as the "
+                        "special token itself; default: as plain text, so only the chat template writes control "
+                        "tokens")
     g.add_argument("--responses-store-size", type=int, default=1024,
                    help="stored /v1/responses kept for previous_response_id (oldest dropped first)")
     g.add_argument("--responses-store-ttl", type=float, default=3600.0,
@@ -128,16 +147,25 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                         "and each tenant's prefix cache is private (SIGHUP reloads the file). "
                         "Default: no authentication, one tenant")
     t.add_argument("--cache-secret-file", default=None, metavar="FILE",
-                   help="secret that keys the tenants' cache namespaces (default: a fresh one per start)")
+                   help="secret that keys the tenants' cache namespaces (default: with --kv-disk or --kv-remote, "
+                        "one generated once and kept beside the tier, DIR/cache-secret; else a fresh one per start)")
     t.add_argument("--public-prefixes", default=None, metavar="FILE",
                    help="JSON list of prefixes shared by every tenant: a string (completions prompt prefix) "
                         "or a list of chat messages (a leading run of a conversation)")
+    t.add_argument("--max-public-prefixes-per-tenant", type=int, default=64, metavar="N",
+                   help="public prefixes one tenant may declare through POST /v1/kv/public_prefixes (400 past it)")
+    t.add_argument("--max-public-prefix-tokens-per-tenant", type=int, default=65536, metavar="N",
+                   help="tokens one tenant's declared public prefixes may hold in all (400 past it); the server's "
+                        "public prefixes hold at most a quarter of the KV cache, pinned while declared")
     t.add_argument("--metrics-tenant-labels", action="store_true",
                    help="label the request, token and prefix-cache metrics by tenant (off by default: "
                         "each tenant adds time series)")
     t.add_argument("--metrics-max-tenants", type=int, default=20, metavar="N",
                    help="with --metrics-tenant-labels: at most N tenants get their own series, "
                         'later ones share tenant="other"')
+    t.add_argument("--metrics-public", action="store_true",
+                   help="with --api-keys: serve /metrics to any caller (default: admin keys only; 401 without a "
+                        "key, 403 for a tenant's); series with a tenant label still go to admin keys only")
 
 
 def uvicorn_options(api: ApiOptions) -> dict:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 from functools import partial
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -29,7 +30,7 @@ from starlette.routing import Route
 
 from kvferry.engine.core_client import EngineCoreStartError
 from kvferry.serve.api_flags import ApiOptions
-from kvferry.serve.auth import AuthMiddleware
+from kvferry.serve.auth import AuthMiddleware, metrics_access
 from kvferry.serve.chat import create_chat_completion
 from kvferry.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.serve.completions import create_completion
@@ -38,13 +39,14 @@ from kvferry.serve.errors import EXCEPTION_HANDLERS, APIError, bad_request, erro
 from kvferry.serve.http_limits import RequestLimitsMiddleware, client_request_id
 from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.metrics import CONTENT_TYPE, PUBLIC_POOL_LABEL, ServerMetrics, TenantLabels
-from kvferry.serve.public_prefixes import CachePolicy, PublicPrefixes, PublicPrefixRegistry, registration_body
+from kvferry.serve.kv_routes import PublicPrefixService, public_prefix_routes
+from kvferry.serve.public_prefixes import CachePolicy, PrefixLimits, PublicPrefixes, PublicPrefixRegistry
 from kvferry.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ResponsesRequest,
     TokenizeRequest, now_s,
 )
 from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
-from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
+from kvferry.serve.serving import ServingContext, read_body, read_request, run_until_disconnected
 from kvferry.serve.tenants import ApiKeys, CacheNamespaces, add_tier_hit_rates, current_cache_salt, current_tenant, empty_tenant_stats
 from kvferry.serve.tokenize import detokenize_endpoint, tokenize_endpoint
 
@@ -67,6 +69,23 @@ class ServerConfig:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
 
 
+class _WorkerBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    address: Annotated[str, Field(min_length=1, max_length=1024)]
+    role: Annotated[str, Field(max_length=16)] = "engine"
+
+
+def _worker_body(body: bytes) -> _WorkerBody:
+    """pydantic's JSON parser bounds nesting (json.loads recursed until a
+    RecursionError, a 500) and refuses lone surrogates."""
+    try:
+        return _WorkerBody.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        raise bad_request(f"expected a JSON object with a string 'address' (and 'role'): {first['msg']}",
+                          "address") from None
+
+
 def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     namespaces = CacheNamespaces.from_file(config.api.cache_secret_file)
     tenant_labels = TenantLabels(config.api.metrics_max_tenants) if config.api.metrics_tenant_labels else None
@@ -76,10 +95,23 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer), config.api)
     store = ResponseStore(config.api.responses_store_size, config.api.responses_store_ttl_s)
     keys = ApiKeys(config.api.api_keys_file) if config.api.api_keys_file else None
-    public = PublicPrefixRegistry(PublicPrefixes(client.ready.block_size), client.tokenizer, config.api.chat_template)
+    ready = client.ready
+    limits = PrefixLimits(
+        max_tokens_per_prefix=client.max_model_len - 1,
+        # Public blocks stay pinned in the device pool while declared: at
+        # most a quarter of it, so tenants always keep the rest.
+        max_total_tokens=ready.num_kv_blocks * ready.block_size // 4,
+        max_prefixes_per_tenant=config.api.max_public_prefixes_per_tenant,
+        max_tokens_per_tenant=config.api.max_public_prefix_tokens_per_tenant)
+    public = PublicPrefixRegistry(PublicPrefixes(ready.block_size, limits=limits), client.tokenizer,
+                                  config.api.chat_template)
     if config.api.public_prefixes_file:
         public.load_file(config.api.public_prefixes_file)
     client.input_processor.cache_policy = CachePolicy(namespaces, public.prefixes)
+    prefix_service = PublicPrefixService(client, public, namespaces)
+    # A restarted core has lost its pinned public blocks: prefill them again
+    # (until then readers keep to their private chains, which is safe).
+    client.on_restarted = lambda name: prefix_service.prefill_soon()
 
     def generation(model: type, handler: Callable[..., Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
@@ -98,29 +130,16 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         return endpoint
 
     async def health(request: Request) -> Response:
-        if client.is_alive:
-            return JSONResponse(client.health())  # "degraded" while some worker is down
-        reason = str(client.dead_error) if client.dead_error else "the engine core is not running"
-        return error_response(503, reason, code="engine_unavailable")
+        state = client.health()
+        if state["status"] in ("ok", "degraded"):  # "degraded": some core is down, every role still has one
+            return JSONResponse(state)
+        code = "engine_restarting" if state["status"] == "restarting" else "engine_unavailable"
+        return error_response(503, state["reason"], code=code)
 
     async def models(request: Request) -> Response:
         cards = [ModelCard(id=name, created=now_s(), root=config.model_path or name,
                            max_model_len=client.max_model_len) for name in config.served_model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
-
-    async def register_public_prefix(request: Request) -> Response:
-        if not current_tenant.get().publish:
-            raise APIError(403, "this API key may not publish public prefixes", code="permission_denied")
-        body = await request.body()
-        try:
-            item = json.loads(body)["prefix"] if body else None
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
-            raise bad_request("expected a JSON object with a 'prefix' field", "prefix") from None
-        try:
-            registered = await asyncio.to_thread(public.register, item)
-        except ValueError as exc:
-            raise bad_request(str(exc), "prefix") from None
-        return JSONResponse(registration_body(registered, len(public.prefixes)))
 
     async def kv_stats(request: Request) -> Response:
         """Prefix-cache counters of the caller's tenant (every tenant's and
@@ -161,14 +180,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     async def join_worker(request: Request) -> Response:
         """{"address": "tcp://HOST:PORT", "role": "engine"}: connect to a running core."""
         require_admin()
-        body = await request.body()
-        try:
-            item = json.loads(body) if body else None
-            address, role = item["address"], item.get("role", "engine")
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, AttributeError):
-            raise bad_request("expected a JSON object with an 'address' field", "address") from None
-        if not isinstance(address, str) or not isinstance(role, str):
-            raise bad_request("'address' and 'role' must be strings", "address")
+        item = _worker_body(await read_body(request, config.max_request_body_bytes))
+        address, role = item.address, item.role
         try:
             worker = await client.join_worker(address, role)
         except ValueError as exc:
@@ -183,10 +196,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         require_admin()
         target = request.path_params.get("name")
         if target is None:
-            try:
-                target = json.loads(await request.body())["address"]
-            except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
-                raise bad_request("expected a worker name in the path or a JSON 'address'", "address") from None
+            target = _worker_body(await read_body(request, config.max_request_body_bytes)).address
         try:
             worker = await client.leave_worker(str(target))
         except KeyError:
@@ -203,11 +213,18 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
             logger.error("kept the previous API keys: %s", exc)
 
     async def prometheus(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # Checked here, not by the middleware: open without keys (and with
+        # --metrics-public), while per-tenant series are an admin's only.
+        admin = metrics_access(keys, request.scope["headers"], public=config.api.metrics_public)
+        return Response(metrics.render(include_tenants=admin), media_type=CONTENT_TYPE)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await client.start()
+        # The file's prefixes are computed before the server is ready: their
+        # declarations are the only writers of public blocks.
+        if num := await prefix_service.prefill_all():
+            logger.info("prefilled %d public prefixes", num)
         if keys is not None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
         try:
@@ -229,7 +246,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
               methods=["POST"]),
         Route("/v1/responses/{response_id}", partial(get_response, store), methods=["GET"]),
         Route("/v1/responses/{response_id}", partial(delete_response, store), methods=["DELETE"]),
-        Route("/v1/kv/public_prefixes", register_public_prefix, methods=["POST"]),
+        *public_prefix_routes(prefix_service, config.max_request_body_bytes),
         Route("/v1/kv/stats", kv_stats, methods=["GET"]),
         Route("/v1/kv/tenants/{tenant}", purge_tenant, methods=["DELETE"]),
         Route("/v1/admin/workers", list_workers, methods=["GET"]),

@@ -1,15 +1,21 @@
 """API-key authentication: ``Authorization: Bearer KEY`` -> the caller's Tenant.
 
-An ASGI middleware in front of every route but the open ones (``/health``,
-``/metrics``: probes and scrapers carry no key). A missing, malformed or
-unknown key is a 401 with an OpenAI-style body; the request never reaches
-a handler. Without a key file every caller is the one default tenant.
+An ASGI middleware in front of every route but the open ones (``/health``:
+probes carry no key; ``/metrics``, which checks keys itself, see
+``metrics_access``). A missing, malformed or unknown key is a 401 with an
+OpenAI-style body; the request never reaches a handler. Without a key file
+every caller is the one default tenant.
+
+``/metrics`` with API keys is an admin key's (no key or a wrong one: 401;
+a tenant's key: 403), unless ``--metrics-public`` opens it to any scraper;
+either way only an admin key gets the series labelled by tenant (another
+tenant's traffic, cache hits and evictions are not a tenant's to read).
 """
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvferry.serve.errors import error_response
+from kvferry.serve.errors import APIError, error_response
 from kvferry.serve.tenants import ApiKeys, current_tenant
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -36,6 +42,25 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
         finally:
             current_tenant.reset(token)
+
+
+def metrics_access(keys: ApiKeys | None, headers: list[tuple[bytes, bytes]], public: bool) -> bool:
+    """Whether this /metrics caller sees the per-tenant series. Without keys
+    there is one tenant: everything. Raises APIError 401 (no or a wrong
+    key) or 403 (not an admin's) unless ``public``, where such a caller gets
+    the series without a tenant label."""
+    if keys is None:
+        return True
+    key, problem = bearer_key(headers)
+    tenant = keys.authenticate(key) if key is not None else None
+    if tenant is not None and tenant.admin:
+        return True
+    if public:
+        return False
+    if tenant is None:
+        raise APIError(401, problem or "incorrect API key provided", code="invalid_api_key")
+    raise APIError(403, "this API key may not read /metrics (an admin key may; see --metrics-public)",
+                   code="permission_denied")
 
 
 def bearer_key(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:

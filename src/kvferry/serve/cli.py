@@ -70,6 +70,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds between hellos to each joined core")
     group.add_argument("--health-timeout", type=float, default=30.0,
                        help="a joined core silent this long counts as dead (started cores: when their process exits)")
+    group.add_argument("--engine-restarts", type=int, default=3, metavar="N",
+                       help="a started core that dies is restarted (backoff 0.5 s doubling to 30 s), at most N times "
+                            "within --engine-restart-window; one more death exits the server with code 3")
+    group.add_argument("--engine-restart-window", type=float, default=600.0, metavar="SECONDS",
+                       help="the window --engine-restarts counts in")
 
 
 def router_config_from(args: argparse.Namespace):
@@ -82,6 +87,7 @@ def router_config_from(args: argparse.Namespace):
         num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
         engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
         health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
+        engine_restarts=args.engine_restarts, engine_restart_window_s=args.engine_restart_window,
     )
 
 

@@ -16,9 +16,16 @@ ValueError at once and a bad request never crosses the socket.
 
 If a core dies (its process exits, it reports ``engine_error``, or it stops
 answering hellos), every open stream on it ends with EngineDeadError and new
-requests go to the others (/health: degraded). With no core left,
-``is_alive`` turns False (/health 503) and new requests get EngineDeadError
-(503).
+requests go to the others (/health: degraded). A core this server started
+is started again (``RouterConfig.engine_restarts`` times within
+``engine_restart_window_s``, after a backoff of 0.5 s doubling to 30 s);
+while a role (engine; prefill or decode) has no live core and one of its
+cores restarts, /health and new requests get EngineRestartingError (503,
+``engine_restarting``), and once the new core's handshake is done it takes
+requests again. A death past that budget is fatal: the client dies and
+calls ``on_fatal`` (the server then exits non-zero, for a supervisor to
+restart it). With no core left, ``is_alive`` turns False (/health 503) and
+new requests get EngineDeadError (503).
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import zmq
@@ -38,7 +47,7 @@ from msgspec.structs import replace as _replace
 from kvferry.config import EngineArgs
 from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
 from kvferry.core.scheduler import SchedulerStats
-from kvferry.engine.core_client import CoreAddresses, CoreConnection, CoreProcess
+from kvferry.engine.core_client import CoreAddresses, CoreConnection, CoreProcess, EngineCoreStartError
 from kvferry.engine.input_processor import InputProcessor, load_tokenizer
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.messages import (
@@ -56,13 +65,35 @@ from kvferry.router.stats import merge_stats
 from kvferry.router.worker import Worker
 from kvferry.sampling import SamplingParams
 
-__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestStream", "SloRejectedError"]
+__all__ = ["AsyncEngineClient", "EngineDeadError", "EngineRestartingError", "RequestStream", "SloRejectedError"]
 
 logger = logging.getLogger(__name__)
+
+# Backoff before a dead core is started again: doubles with each restart
+# still inside the window, so a core that dies at once is not respawned in
+# a tight loop (each start loads a model), but the first comes back fast.
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine core has stopped (crashed, was killed, or shut down)."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """No core can take the request now, but a dead one is being started
+    again: a client may retry shortly (503 ``engine_restarting``)."""
+
+
+@dataclass(slots=True)
+class _LaunchOptions:
+    """How ``launch`` started the cores, to start a dead one the same way."""
+
+    args: EngineArgs
+    check_integrity_when_idle: bool
+    ready_timeout_s: float
+    log_level: str
+    cpus: dict[str, str | None] = field(default_factory=dict)  # by core name
 
 
 class KVTransferFailedError(EngineDeadError):
@@ -172,6 +203,9 @@ class AsyncEngineClient:
         self.process = process
         self.router = router or RouterConfig()
         self.observer: RequestObserver = observer or _NullObserver()
+        # Called (on the event loop) with the worker's name once a dead core
+        # is back: the server prefills its public prefixes again there.
+        self.on_restarted: Callable[[str], None] | None = None
         self.tokenizer = tokenizer
         self.max_model_len: int = ready.max_model_len
         self.input_processor = InputProcessor(tokenizer, ready)
@@ -191,6 +225,14 @@ class AsyncEngineClient:
         self._rng = random.Random(0)
         self._health_task: asyncio.Task | None = None
         self._paired: dict[str, PairedSequence] = {}  # disagg: child request id -> its two cores
+        # Restarts (set by ``launch``; None: a dead core stays dead, as for a
+        # client built around cores it did not start).
+        self._launch: _LaunchOptions | None = None
+        self._restart_times: deque[float] = deque()  # when each restart inside the window began
+        self._restart_tasks: dict[str, asyncio.Task] = {}  # by worker name
+        # Called once, on the event loop, when a core dies past the restart budget.
+        self.on_fatal: Callable[[str], None] | None = None
+        self.fatal_error: str | None = None
         role = "engine" if self.router.mode == "colocated" else name.rsplit("-", 1)[0]
         self._add_worker(Worker(name, role, address or connection.addresses.input, connection, ready, process))
 
@@ -228,6 +270,8 @@ class AsyncEngineClient:
             for worker in workers[1:]:
                 _check_compatible(first.ready, worker.ready, worker.address, disagg=router.mode == "disagg")
                 client._add_worker(worker)
+            client._launch = _LaunchOptions(args, check_integrity_when_idle, ready_timeout_s, log_level,
+                                            {name: cpus for name, _, cpus in specs})
         except BaseException:
             for conn in connections:
                 conn.close()
@@ -246,8 +290,10 @@ class AsyncEngineClient:
 
     @property
     def is_alive(self) -> bool:
+        # A core being restarted keeps the client alive: requests wait for
+        # it with 503 engine_restarting, not engine_unavailable.
         return (self._output_task is not None and self._dead_error is None and not self._stopped
-                and any(w.alive for w in self.workers.values()))
+                and any(w.alive or w.restarting for w in self.workers.values()))
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -265,11 +311,37 @@ class AsyncEngineClient:
 
     def health(self) -> dict:
         """{"status": "ok" | "degraded", "workers": {name: alive}} (one
-        worker: {"status": "ok"}, as before there was a router)."""
+        worker: {"status": "ok"}, as before there was a router) while every
+        role has a live core; else {"status": "restarting" | "unavailable",
+        "reason": ...}: a role with no live core cannot serve any request
+        (disagg: no decode core means no request gets through), so that is
+        never "degraded"."""
+        if not self.is_alive:
+            reason = str(self._dead_error) if self._dead_error else "the engine core is not running"
+            return {"status": "unavailable", "reason": reason}
+        roles = ("engine",) if self.router.mode == "colocated" else ("prefill", "decode")
+        for role in roles:
+            members = [w for w in self.workers.values() if w.role == role]
+            if any(w.alive and w.accepting for w in members):
+                continue
+            restarting = [w for w in members if w.restarting]
+            if restarting:
+                return {"status": "restarting", "reason": self._restarting_message(role, restarting)}
+            why = "; ".join(w.dead_reason for w in members if w.dead_reason)
+            return {"status": "unavailable", "reason": f"no {role} core is running" + (f": {why}" if why else "")}
         alive = {name: w.alive for name, w in self.workers.items()}
         if len(alive) == 1:
             return {"status": "ok"}
-        return {"status": "ok" if all(alive.values()) else "degraded", "workers": alive}
+        health: dict = {"status": "ok" if all(alive.values()) else "degraded", "workers": alive}
+        if restarting := [w.name for w in self.workers.values() if w.restarting]:
+            health["restarting"] = restarting
+        return health
+
+    @staticmethod
+    def _restarting_message(role: str, workers: list[Worker]) -> str:
+        names = ", ".join(w.name for w in workers)
+        why = workers[0].dead_reason
+        return f"no {role} core is up: {names} restarting" + (f" (after: {why})" if why else "")
 
     def describe_workers(self) -> list[dict]:
         return [w.describe(self.index.num_blocks(w.name)) for w in self.workers.values()]
@@ -284,6 +356,11 @@ class AsyncEngineClient:
         leftovers = {w.name: self._children_of(w.requests | {c for c in w.queued_prefill})
                      for w in self.workers.values() if not w.owned}
         self._fail_all(EngineDeadError("the server is shutting down"))
+        # No core may be started after this; one half started is stopped by its task.
+        restarts = list(self._restart_tasks.values())
+        for task in restarts:
+            task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
         stops = []
@@ -355,6 +432,11 @@ class AsyncEngineClient:
         timeout, then they end with an error), and disconnect. Raises
         KeyError when no such worker, ValueError for the last live one."""
         worker = self._find_worker(name_or_address)
+        restart = self._restart_tasks.pop(worker.name, None)
+        if restart is not None:  # dead and being restarted: leaving ends the restart
+            restart.cancel()
+            await asyncio.gather(restart, return_exceptions=True)
+            worker.restarting = False
         peers = [w for w in self.workers.values() if w.role == worker.role and w.alive and w.accepting]
         if peers == [worker]:
             raise ValueError(f"cannot remove the last live {worker.role} worker")
@@ -421,8 +503,11 @@ class AsyncEngineClient:
 
     # -- requests (event loop) ------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          cache_namespace: str = "", arrival_time: float | None = None) -> RequestStream:
-        """Validate, route and send a request to a worker.
+                          cache_namespace: str = "", arrival_time: float | None = None,
+                          cache_scope: "CacheScope | None" = None) -> RequestStream:
+        """Validate, route and send a request to a worker. ``cache_scope``:
+        the server's own scope for a request it makes (a public prefix's
+        prefill); else the cache policy's.
 
         Raises ValueError (bad input, naming the field), SloRejectedError
         (it cannot meet the SLO now) or EngineDeadError.
@@ -432,7 +517,8 @@ class AsyncEngineClient:
         arrival = arrival_time or time.monotonic()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, requests = self.input_processor.process(request_id, prompt, params, cache_namespace, arrival)
+        text, requests = self.input_processor.process(request_id, prompt, params, cache_namespace, arrival,
+                                                      cache_scope)
         disagg = self.router.mode == "disagg"
         # Colocated: the core that does both phases. Disagg: the decode core
         # owns the stream; the prefill core is chosen (and may change) once
@@ -461,6 +547,9 @@ class AsyncEngineClient:
         returns how many they dropped. Raises EngineDeadError, or TimeoutError."""
         if not self.is_alive:
             raise self._dead_error or EngineDeadError("the engine core is not running")
+        if restarting := [w for w in self.workers.values() if w.restarting]:
+            # A purge must reach every core (and, through each, the KV store's tiers).
+            raise EngineRestartingError(self._restarting_message(restarting[0].role, restarting))
         loop = asyncio.get_running_loop()
         sent: list[str] = []
         try:
@@ -480,6 +569,7 @@ class AsyncEngineClient:
     def _choose_decode(self) -> Worker:
         live = [w for w in self.workers.values() if w.alive and w.accepting and w.role == "decode"]
         if not live:
+            self._raise_restarting("decode")
             raise EngineDeadError("no decode core is accepting requests")
         best = choose_decode([Candidate(w.name, 0, 0, 0, len(w.requests), w.kv_usage, w.stats.num_running)
                               for w in live], self._rng)
@@ -490,6 +580,8 @@ class AsyncEngineClient:
         tokens it will compute."""
         live = [w for w in self.workers.values() if w.alive and w.accepting and w.role == role]
         if not live:
+            if self._dead_error is None:
+                self._raise_restarting(role)
             raise self._dead_error or EngineDeadError(f"no {role} core is accepting requests")
         num_prompt = len(request.prompt_token_ids)
         block_size = self.ready.block_size
@@ -507,6 +599,11 @@ class AsyncEngineClient:
         self._num_choices += 1
         chosen.last_chosen = self._num_choices
         return chosen, uncached_tokens(num_prompt, best.cached_blocks, block_size)
+
+    def _raise_restarting(self, role: str) -> None:
+        restarting = [w for w in self.workers.values() if w.role == role and w.restarting]
+        if restarting:
+            raise EngineRestartingError(self._restarting_message(role, restarting))
 
     def _block_hashes(self, request: EngineCoreRequest) -> list[bytes]:
         """The request's own chain, keyed exactly as its core keys it: rooted
@@ -766,9 +863,119 @@ class AsyncEngineClient:
                 stream._push(error)
         worker.requests.clear()
         worker.queued_prefill.clear()
-        if not any(w.alive for w in self.workers.values()) and not left:
+        if not left and self._launch is not None and worker.owned and worker.process is not None:
+            delay = self._next_restart_delay()
+            if delay is None:
+                self._give_up(worker, reason)
+                return
+            worker.restarting = True
+            self._restart_tasks[worker.name] = asyncio.get_running_loop().create_task(
+                self._restart(worker, delay), name=f"kvferry-{worker.name}-restart")
+        if not any(w.alive or w.restarting for w in self.workers.values()) and not left:
             self._dead_error = error
             self._fail_all(error)
+
+    # -- restarts (event loop) ------------------------------------------------------
+    def _next_restart_delay(self) -> float | None:
+        """Counts one more restart and returns its backoff; None when the
+        budget (``engine_restarts`` within the window) is spent."""
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > self.router.engine_restart_window_s:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.router.engine_restarts:
+            return None
+        self._restart_times.append(now)
+        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (len(self._restart_times) - 1))
+
+    def _give_up(self, worker: Worker, reason: str) -> None:
+        """A core died past the restart budget: end everything and tell the
+        server (which exits non-zero: a supervisor restarts the whole process)."""
+        message = (f"{reason}; no engine restart left ({self.router.engine_restarts} within "
+                   f"{self.router.engine_restart_window_s:.0f} s), the server stops")
+        logger.critical("%s", message)
+        self.fatal_error = message
+        self.abort_all(message)  # aborts what the other cores run, while they are still reachable
+        self._dead_error = EngineDeadError(message)
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    async def _restart(self, old: Worker, delay: float) -> None:
+        """Start a dead core's process again, after ``delay``, and route to
+        it once its handshake is done; a start that fails is retried with a
+        longer backoff while the budget lasts."""
+        name = old.name
+        try:
+            while True:
+                logger.error("restarting engine core %s in %.1f s (restart %d of at most %d within %.0f s)",
+                             name, delay, len(self._restart_times), self.router.engine_restarts,
+                             self.router.engine_restart_window_s)
+                await asyncio.sleep(delay)
+                # Nothing reads the dead core's socket any more, and its process is reaped.
+                task = self._worker_tasks.pop(name, None)
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                if old.process is not None:
+                    await asyncio.to_thread(old.process.stop, 0)
+                try:
+                    new = await self._start_core(old)
+                    break
+                except (EngineCoreStartError, ValueError, OSError) as exc:
+                    reason = f"engine core {name} failed to restart: {exc}"
+                    logger.error("%s", reason)
+                    old.dead_reason = reason
+                    next_delay = self._next_restart_delay()
+                    if next_delay is None:
+                        old.restarting = False
+                        self._give_up(old, reason)
+                        return
+                    delay = next_delay
+            if self._stopped or self._dead_error is not None or self.workers.get(name) is not old:
+                # Given up (another core's death) or removed meanwhile.
+                with contextlib.suppress(zmq.ZMQError):
+                    new.connection.send(EngineCoreShutdown())
+                await asyncio.to_thread(new.process.stop, 10.0)
+                new.connection.close()
+                return
+            self.workers[name] = new
+            if self.process is old.process:
+                self.process, self.connection = new.process, new.connection
+            old.connection.close()
+            self._start_worker(new)
+            logger.warning("engine core %s restarted (pid %s, restart %d of this core)", name, new.ready.pid,
+                           new.num_restarts)
+            if self.on_restarted is not None:
+                self.on_restarted(name)
+        finally:
+            # Registered until here, so that a shutdown waits for any core this task started.
+            if self._restart_tasks.get(name) is asyncio.current_task():
+                del self._restart_tasks[name]
+
+    async def _start_core(self, old: Worker) -> Worker:
+        """A fresh process for ``old``'s name and role, handshake done."""
+        opts = self._launch
+        assert opts is not None
+        process = CoreProcess.start(_core_config(opts.args, old.role), old.name, opts.check_integrity_when_idle,
+                                    opts.log_level, cpus=opts.cpus.get(old.name))
+        connection = CoreConnection(process.addresses)
+        # The handshake's thread uses the sockets until it returns: on any
+        # failure (a cancel at shutdown too) kill the process, which ends
+        # the handshake within its 0.1 s poll, and only then close them.
+        handshake = asyncio.ensure_future(asyncio.to_thread(connection.wait_ready, opts.ready_timeout_s, process))
+        try:
+            ready = await asyncio.shield(handshake)
+            _check_compatible(self.ready, ready, old.name, disagg=self.router.mode == "disagg")
+        except BaseException:
+            if process.is_alive():
+                process.process.kill()
+            await asyncio.wait([handshake])
+            if not handshake.cancelled():
+                handshake.exception()  # retrieved: the failure that matters is the one raised below
+            connection.close()
+            await asyncio.to_thread(process.stop, 5.0)
+            raise
+        return Worker(old.name, old.role, process.addresses.input, connection, ready, process,
+                      num_restarts=old.num_restarts + 1)
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:

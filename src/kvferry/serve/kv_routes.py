@@ -71,6 +71,7 @@ class PublicPrefixService:
         # One change at a time: the limits are checked against the set the
         # change will leave, and a purge must not race a prefill.
         self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()  # background prefills, held until done
 
     @property
     def prefixes(self):  # noqa: ANN201 - PublicPrefixes
@@ -103,6 +104,17 @@ class PublicPrefixService:
         """Prefill every declaration (the file's at start-up); returns how many ran."""
         async with self._lock:
             return sum([await self._prefill(d) for d in self.prefixes.of()])
+
+    def prefill_soon(self) -> None:
+        """prefill_all in the background (a core came back); failures are logged."""
+        task = asyncio.get_running_loop().create_task(self.prefill_all())
+        self._tasks.add(task)
+        task.add_done_callback(self._prefilled)
+
+    def _prefilled(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("public prefixes not prefilled again: %r", task.exception())
 
     async def _prefill(self, declared: Declaration) -> bool:
         """Compute the prefix's KV as the only writer of its public blocks

@@ -130,8 +130,27 @@ class ServerMetrics:
     def on_abort(self, stream) -> None:
         self._success.labels(self.model_name, "abort", *self._of(stream)).inc(stream.n - stream.num_finished)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, include_tenants: bool = True) -> bytes:
+        """The exposition text; without ``include_tenants``, every sample
+        with a ``tenant`` label is left out (for a caller who is not an admin:
+        one tenant must not read another's traffic or cache behaviour)."""
+        return generate_latest(self.registry if include_tenants else _WithoutTenants(self.registry))
+
+
+class _WithoutTenants:
+    """A registry's families, minus their samples labelled by tenant (a
+    family left with none is dropped whole)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            samples = [s for s in family.samples if "tenant" not in s.labels]
+            if samples:
+                kept = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples = samples
+                yield kept
 
 
 class _EngineStatsCollector(Collector):

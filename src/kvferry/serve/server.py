@@ -24,6 +24,7 @@ from pathlib import Path
 import prometheus_client
 import uvicorn
 
+from kvferry import peer_auth
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
 from kvferry.gc_heap import freeze_startup_heap
@@ -37,6 +38,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 READY_PREFIX = "kvferry serve: ready on "
 # uvicorn's own drain limit, past ours: it cancels tasks, cutting connections.
 _BACKSTOP_S = 5.0
+# The exit status once an engine core died past --engine-restarts: not 0
+# (a supervisor must restart the server), not 1 or 2 (start-up failures).
+EXIT_ENGINE_FAILED = 3
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,11 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # No *_created series: vLLM-style dashboards do not use them.
     prometheus_client.disable_created_metrics()
     try:
+        keep_tier_secret(args, engine_args)
+        # Before any store or core starts (they inherit it): the secret their
+        # socket tokens derive from, the cache secret's when one is given, so
+        # that a store or cores started apart with the same file accept ours.
+        peer_auth.socket_secret(getattr(args, "cache_secret_file", None))
         config = ServerConfig(
             served_model_names=args.served_model_name or [default_model_name(args.model)],
             model_path=args.model,
@@ -95,6 +104,26 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         if store is not None:
             store.terminate()
             store.wait(timeout=10)
+
+
+def keep_tier_secret(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """A store this server starts with a persistent tier (``--kv-disk``,
+    ``--kv-remote``) and no ``--cache-secret-file``: use the secret kept
+    beside the tier, generated at its first start. A fresh secret per start
+    would change every tenant's namespace, so no block written before a
+    restart would ever be found again. The front end (namespaces) and the
+    store (keys at rest) both read it."""
+    if getattr(args, "cache_secret_file", None) is not None or not engine_args.kv_dram_gb or engine_args.kv_store:
+        return
+    from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
+
+    path = tier_secret_path(engine_args.kv_disk, engine_args.kv_remote)
+    if path is None:
+        return
+    path, created = ensure_secret_file(path)
+    logger.warning("no --cache-secret-file: %s the cache secret in %s, so the KV tiers survive a restart",
+                   "generated" if created else "using", path)
+    args.cache_secret_file = str(path)
 
 
 def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs):
@@ -144,8 +173,14 @@ def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineCl
     model = f"model {config.served_model_names[0]}, max_model_len {client.max_model_len}"
     server = _Server(uv_config, lambda url: print(f"{READY_PREFIX}{url} ({model})", flush=True),
                      client, args.shutdown_timeout)
+    # A core dead past its restart budget: stop serving (the same graceful
+    # path as SIGTERM, so the other cores are stopped too) and exit non-zero.
+    client.on_fatal = lambda reason: setattr(server, "should_exit", True)
     _make_signal_reraise_harmless()
     server.run(sockets=[listen])
+    if client.fatal_error is not None:
+        print(f"kvferry serve: error: {client.fatal_error}", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
 
 
