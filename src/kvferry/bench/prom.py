@@ -19,11 +19,13 @@ class ServerCounters:
     totals: dict[str, float]     # counter name without prefix and _total -> sum over labels
 
 
-def scrape(base_url: str, timeout_s: float = 10.0) -> ServerCounters | None:
+def scrape(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> ServerCounters | None:
     """The COUNTERS the server exports; None when it has no Prometheus
-    endpoint or exports none of them."""
+    endpoint, exports none of them, or refuses the key (a server with API
+    keys serves /metrics to admin keys)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        resp = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+        resp = httpx.get(f"{base_url}/metrics", timeout=timeout_s, headers=headers)
     except httpx.HTTPError:
         return None
     return parse_counters(resp.text) if resp.status_code == 200 else None

@@ -94,10 +94,10 @@ def run_once(args: argparse.Namespace, base_url: str, model: str, rate: float | 
                     concurrency=args.concurrency, use_timestamps=use_timestamps, ignore_eos=args.ignore_eos,
                     temperature=args.temperature, request_timeout_s=args.request_timeout,
                     hard_deadline_s=hard, seed=args.seed)
-    before = scrape(base_url)
+    before = scrape(base_url, api_key=args.api_key)
     records, duration = run_load(cfg, sessions, show_progress=not args.no_progress,
                                  progress_total=None if num_requests == UNBOUNDED else num_requests)
-    after = scrape(base_url)
+    after = scrape(base_url, api_key=args.api_key)
     return {
         "config": {"url": base_url, "model": model, "endpoint": args.endpoint, "workload": args.workload,
                    "rate": rate, "concurrency": args.concurrency, "burstiness": args.burstiness,
