@@ -165,6 +165,53 @@ def test_store_killed_mid_run_keeps_serving_then_reconnects(case, store):
         process2.wait(timeout=10)
 
 
+class StoreKillingClient(KVStoreClient):
+    """The real client, which SIGKILLs the store the moment the store has
+    accepted a load: a store lost in the middle of a load, every time
+    (a kill timed from outside mostly lands before or after the load)."""
+
+    def __init__(self, address: str, process) -> None:
+        super().__init__(address)
+        self.process = process
+
+    def begin_load(self, keys, owners) -> int:
+        ticket = super().begin_load(keys, owners)
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        return ticket
+
+
+def test_a_store_killed_mid_load_fails_the_load_at_once_and_the_request_recomputes(case, store):
+    path, hf, prompts, expected = case
+    process, address = store
+    writer = tiered_llm(path, address)
+    writer.generate([prompts[1]], GREEDY)
+    writer.engine.core.close()
+    reader = tiered_llm(path, address)  # its device pool never saw the prompt: it loads from the store
+    connector = reader.engine.core.runner.connector
+    connector.store = StoreKillingClient(address, process)
+    start = time.monotonic()
+    result = reader.generate([prompts[1]], GREEDY)[0]
+    elapsed = time.monotonic() - start
+    assert process.returncode == -signal.SIGKILL  # the load did start, and the store died under it
+    assert_greedy_match(hf, prompts[1], result.token_ids, expected[1])
+    stats = reader.engine.stats()
+    assert stats.kv_partial_loads == 1 and stats.kv_loaded_tokens == 0 and result.num_cached_tokens == 0
+    # The load failed as soon as the store's end of the socket closed: not
+    # after the client's 1 s call timeout (nor the connector's 10 s load
+    # timeout), which a request used to wait out before recomputing.
+    assert connector.stats.failed_loads == 1 and connector.stats.load_seconds < 0.5, connector.stats
+    # generate() also drains the request's saves, each refused by the dead
+    # store without a wait.
+    assert elapsed < 6.0, elapsed
+    # The engine keeps serving without the store.
+    other = reader.generate([prompts[2]], GREEDY)[0]
+    assert_greedy_match(hf, prompts[2], other.token_ids, expected[2])
+    reader.engine.check_integrity()
+    reader.engine.core.close()
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_swap_preemption_through_the_store_keeps_greedy_output(case, store, mode):
     # 32 blocks of 8 admit the four prompts (31 blocks) but not their

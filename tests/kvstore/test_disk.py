@@ -3,17 +3,19 @@ full disk, capacity and quotas, tenants."""
 from __future__ import annotations
 
 import array
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from kvferry.kvstore.crypto import TierCrypto
+from kvferry.kvstore.crypto import TENANT_TAG_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.disk import HEADER_BYTES, DiskTier
 from kvferry.kvstore.tenant_lru import PUBLIC_POOL, TierQuotas
 from kvferry.kvstore.tier import BlockOwner
@@ -244,10 +246,10 @@ def test_a_forged_tenant_field_fails_authentication_under_the_readers_key(tmp_pa
     slab = slab_files(tmp_path)[0]
     raw = bytearray(slab.read_bytes())
     tenant_at = HEADER_BYTES + 32
-    assert raw[tenant_at:tenant_at + 4] == b"acme"
-    raw[tenant_at:tenant_at + 4] = b"beta"
+    assert raw[tenant_at:tenant_at + TENANT_TAG_BYTES] == tenant_tag(crypto, "acme")
+    raw[tenant_at:tenant_at + TENANT_TAG_BYTES] = tenant_tag(crypto, "beta")
     h = xxhash.xxh3_128()  # a sealed record's checksum leaves the payload to its GCM tag
-    for part in (raw[:28], raw[HEADER_BYTES:HEADER_BYTES + 36]):
+    for part in (raw[:28], raw[HEADER_BYTES:HEADER_BYTES + 32 + TENANT_TAG_BYTES]):
         h.update(bytes(part))
     raw[28:HEADER_BYTES] = h.digest()
     slab.write_bytes(bytes(raw))
@@ -330,6 +332,31 @@ def test_a_full_disk_refuses_writes_and_keeps_serving(tiny_fs):
     assert tier.get_many([key(i) for i in kept], ACME) == [block(i, 60_000) for i in kept]
     assert all(not tier.contains(key(i)) for i in range(200) if i not in stored)
     tier.check_integrity()
+    tier.close()
+
+
+def test_a_full_disk_is_logged_once_per_interval_with_the_count(tiny_fs, caplog):
+    caplog.set_level(logging.WARNING, logger="kvferry.kvstore.disk")
+    tier = DiskTier(tiny_fs, 64 * MB)  # capacity above the disk: ENOSPC, not the tier's own limit
+    for i in range(200):
+        tier.put(key(i), block(i, 60_000), ACME)
+    refused = tier.stats().refused_writes
+
+    def full_warnings():
+        return [r.getMessage() for r in caplog.records if "is full" in r.getMessage()]
+
+    # Many refusals inside one interval (60 s): one warning, naming the tier's path.
+    assert refused > 100
+    assert len(full_warnings()) == 1 and str(tiny_fs) in full_warnings()[0]
+    assert "1 block write(s) refused" in full_warnings()[0]
+    # The next warning, once the interval has passed, counts every refusal
+    # since the last one (the silent ones and its own).
+    tier.full_warning_interval_s = 0.2
+    time.sleep(0.3)
+    for i in range(200, 210):
+        assert not tier.put(key(i), block(i, 60_000), ACME)
+    assert len(full_warnings()) == 2
+    assert f"{refused} block write(s) refused" in full_warnings()[1]
     tier.close()
 
 

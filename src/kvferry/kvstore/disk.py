@@ -5,14 +5,20 @@ Layout under ``path``::
 
     slab-<slot_bytes>.dat      slot i at offset i * slot_bytes (4 KiB multiple)
 
-    slot = header | block key | tenant | payload | (padding to slot_bytes)
+    slot = header | block key | tenant tag | payload | (padding to slot_bytes)
     header (44 bytes, little endian):
-        magic "KVFB", version u8, flags u8 (public, sealed),
+        magic "KVFB", version u8 (2), flags u8 (public, sealed),
         key_len u16, tenant_len u16, reserved u16,
         payload_len u64, seq u64 (write order, for LRU on restart),
         checksum 16 bytes = xxh3-128 over the header fields before it,
-                            key, tenant and (clear blocks) payload;
+                            key, tenant tag and (clear blocks) payload;
                             a sealed payload is covered by its GCM tag
+    tenant tag: ``crypto.tenant_tag`` (24 bytes) of a private block's
+        tenant, never its name; empty for a public block
+
+Pools (quotas, LRU, drops) are keyed by the tag too, so a restarted tier
+knows whose blocks it holds without any name on disk; stats name the
+tenants this process has seen, the others by their tag (hex).
 
 Rules:
 
@@ -28,8 +34,10 @@ Rules:
   private block read by another tenant fails authentication: a miss,
   counted in ``auth_failures``, the block kept for its owner.
 * **Full disk or capacity:** the write is refused (False, counted); the
-  tier keeps serving. Capacity and quotas count whole slots; eviction is
-  LRU per tenant within its quota, then LRU overall (``tenant_lru``).
+  tier keeps serving. A full file system is also logged, at most once a
+  minute, with the writes refused since the last warning. Capacity and
+  quotas count whole slots; eviction is LRU per tenant within its quota,
+  then LRU overall (``tenant_lru``).
 * **Restart** scans each slot's header (one small read per slot) and
   rebuilds the index and LRU order from ``seq``; a deleted slot has a
   zeroed header.
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import re
@@ -49,19 +58,21 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import xxhash
 
-from kvferry.kvstore.crypto import TierCrypto
-from kvferry.kvstore.tenant_lru import PUBLIC_POOL, TenantLRU, TierQuotas, pool_of
+from kvferry.kvstore.crypto import SECRET_ID_BYTES, TierCrypto, tenant_tag
+from kvferry.kvstore.tenant_lru import PUBLIC_POOL, TenantLRU, TierQuotas
 from kvferry.kvstore.tier import BlockOwner, ColdTier, TierStats
 
 log = logging.getLogger(__name__)
 
 _MAGIC = b"KVFB"
-_VERSION = 1
+# 2: the tenant field holds the tenant's tag. A version-1 slot (a name in
+# the clear) is freed and its name zeroed by the restart scan.
+_VERSION = 2
 _HEADER = struct.Struct("<4sBBHHHQQ")  # everything before the checksum
 _CHECKSUM_BYTES = 16
 HEADER_BYTES = _HEADER.size + _CHECKSUM_BYTES  # 44
@@ -148,6 +159,10 @@ class _Slab:
 
 class DiskTier(ColdTier):
     name = "disk"
+    # Full-disk warnings (_warn_full): at most one per interval.
+    full_warning_interval_s = 60.0
+    _full_refusals = 0  # since the last warning
+    _full_warned_at = -math.inf
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, crypto: TierCrypto | None = None,
                  quotas: TierQuotas | None = None, read_threads: int = 4) -> None:
@@ -159,6 +174,9 @@ class DiskTier(ColdTier):
         self.path.mkdir(parents=True, exist_ok=True)
         self.crypto = crypto
         self._lock = threading.Lock()
+        self._names: dict[str, str] = {}  # pool (tag hex) -> tenant name, for the tenants seen
+        if quotas is not None:  # keyed by pool, as the LRU is
+            quotas = replace(quotas, tenant_bytes={self._tenant_pool(t): b for t, b in quotas.tenant_bytes.items()})
         self._lru = TenantLRU(capacity_bytes, quotas)
         self._index: dict[bytes, _Slot] = {}
         self._slabs: dict[int, _Slab] = {}
@@ -168,13 +186,23 @@ class DiskTier(ColdTier):
         self._buffers = threading.local()
         self._load_index()
 
+    # ---- tenants ------------------------------------------------------
+
+    def _tenant_pool(self, tenant: str) -> str:
+        pool = tenant_tag(self.crypto, tenant).hex()
+        self._names.setdefault(pool, tenant)
+        return pool
+
+    def _pool_of(self, owner: BlockOwner) -> str:
+        return PUBLIC_POOL if owner.public else self._tenant_pool(owner.tenant)
+
     # ---- writes -------------------------------------------------------
 
     def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
         if not 0 < len(key) < 1 << 16:
             raise ValueError("key: must hold 1..65535 bytes")
         data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
-        pool = pool_of(owner)
+        pool = self._pool_of(owner)
         with self._lock:
             slot = self._index.get(key)
             if slot is not None and self._lru.pool_of_key(key) == pool:
@@ -183,7 +211,7 @@ class DiskTier(ColdTier):
                 self._lru.touch(key)
                 return True
         sealed = self.crypto is not None and not owner.public
-        tenant = owner.tenant.encode()
+        tenant = b"" if owner.public else tenant_tag(self.crypto, owner.tenant)
         if sealed:
             nonce, body = self.crypto.seal(key, owner.tenant, data)
             payload = [nonce, body]
@@ -220,7 +248,9 @@ class DiskTier(ColdTier):
                 self._free_slot(slot)
                 self._refuse(pool)
         if error is not None:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._warn_full(error)
+            else:
                 log.warning("disk tier: write to %s failed: %s", slab.path, error)
             return False
         with self._lock:
@@ -250,6 +280,21 @@ class DiskTier(ColdTier):
         self._stats.refused_writes += 1
         self._lru.stats_of(pool).refused_writes += 1
 
+    def _warn_full(self, error: OSError) -> None:
+        """A full file system refuses every write-back until space frees
+        up, so it is logged at most once per ``full_warning_interval_s``,
+        with the writes refused since the last warning: an operator learns
+        of it without a line per evicted block."""
+        with self._lock:
+            self._full_refusals += 1
+            now = time.monotonic()
+            if now - self._full_warned_at < self.full_warning_interval_s:
+                return
+            count, self._full_refusals, self._full_warned_at = self._full_refusals, 0, now
+        log.warning("disk tier: %s is full (%s): %d block write(s) refused since the last warning "
+                    "(warned at most every %.0f s)", self.path, error.strerror or error, count,
+                    self.full_warning_interval_s)
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -260,13 +305,13 @@ class DiskTier(ColdTier):
             slab = self._slabs[slot_bytes] = _Slab(self.path / f"slab-{slot_bytes}.dat", slot_bytes)
         return slab
 
-    def _free_slot(self, slot: _Slot, zero: bool = True) -> None:
+    def _free_slot(self, slot: _Slot, zero: bool = True, zero_bytes: int = HEADER_BYTES) -> None:
         """Return a slot to its slab (under the lock). Zeroing the header
         keeps a restart from bringing the block back; it needs no fsync
         because a block that does come back is still a whole, valid one."""
         if zero:
             try:
-                os.pwrite(slot.slab.write_fd, bytes(HEADER_BYTES), slot.offset)
+                os.pwrite(slot.slab.write_fd, bytes(zero_bytes), slot.offset)
             except OSError:
                 pass
         slot.slab.free.append(slot.index)
@@ -288,7 +333,7 @@ class DiskTier(ColdTier):
                 results[i] = data
         elapsed = time.perf_counter() - start
         with self._lock:
-            pool = self._lru.stats_of(pool_of(owner))
+            pool = self._lru.stats_of(self._pool_of(owner))
             hits = 0
             for key, data in zip(keys, results):
                 if data is None:
@@ -339,12 +384,16 @@ class DiskTier(ColdTier):
             return None
         if parsed.public:
             return bytes(parsed.payload)  # public blocks serve every tenant
-        if parsed.tenant != owner.tenant or owner.public:
+        tag = tenant_tag(self.crypto, owner.tenant)
+        if parsed.tenant != tag or owner.public:
             # Another tenant's private block: a miss, and the block stays for
-            # its owner. (Were the tenant field forged to the reader's name,
-            # the reader's key would fail the tag below.)
+            # its owner. (Were the tenant field forged to the reader's tag,
+            # the reader's key would fail the GCM tag below.)
             with self._lock:
                 self._stats.auth_failures += 1
+            if self.crypto is not None and parsed.tenant[:SECRET_ID_BYTES] != tag[:SECRET_ID_BYTES]:
+                # Sealed under another secret: no key here opens it, ever.
+                self._quarantine(key, slot)
             return None
         if not parsed.sealed:
             return bytes(parsed.payload)
@@ -388,13 +437,18 @@ class DiskTier(ColdTier):
                 if meta is None:
                     slab.free.append(index)
                     continue
+                if meta == "old":
+                    # Names a tenant in the clear: never indexed, and the
+                    # name is zeroed now rather than whenever the slot is reused.
+                    self._free_slot(_Slot(slab, index, 0), zero_bytes=min(slab.slot_bytes, _ALIGN))
+                    continue
                 key, tenant, public, record_len, seq = meta
                 if index * slab.slot_bytes + record_len > size:
                     # Torn at the end of the file: counted now, never indexed.
                     self._stats.quarantined += 1
                     slab.free.append(index)
                     continue
-                entries.append((seq, key, PUBLIC_POOL if public else tenant, index, _Slot(slab, index, seq)))
+                entries.append((seq, key, PUBLIC_POOL if public else tenant.hex(), index, _Slot(slab, index, seq)))
             slab.num_slots = max(slab.num_slots, (size + slab.slot_bytes - 1) // slab.slot_bytes)
             slab.free = [i for i in slab.free if i < slab.num_slots]
         entries.sort(key=lambda e: e[0])
@@ -430,7 +484,7 @@ class DiskTier(ColdTier):
 
     def drop_tenant(self, tenant: str) -> int:
         with self._lock:
-            keys = self._lru.pool_keys(tenant)
+            keys = self._lru.pool_keys(self._tenant_pool(tenant))
             for key in keys:
                 self._lru.remove(key)
                 self._free_slot(self._index.pop(key))
@@ -442,7 +496,9 @@ class DiskTier(ColdTier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return self._lru.snapshot(self._stats)
+            stats = self._lru.snapshot(self._stats)
+            stats.per_tenant = {self._names.get(pool, pool): s for pool, s in stats.per_tenant.items()}
+            return stats
 
     def check_integrity(self) -> None:
         """Index, LRU and slabs agree (tests call it when idle)."""
@@ -469,26 +525,26 @@ class DiskTier(ColdTier):
 @dataclass(slots=True)
 class _Record:
     key: bytes
-    tenant: str
+    tenant: bytes  # the tenant's tag; empty for a public block
     public: bool
     sealed: bool
     seq: int
     payload: memoryview
 
 
-def _parse_head(head: bytes) -> tuple[bytes, str, bool, int, int] | None:
-    """(key, tenant, public, record_len, seq) from a slot's first bytes, or
-    None for a free or unreadable slot."""
+def _parse_head(head: bytes) -> tuple[bytes, bytes, bool, int, int] | str | None:
+    """(key, tenant tag, public, record_len, seq) from a slot's first bytes;
+    "old" for a record of an earlier version (to be scrubbed), None for a
+    free or unreadable slot."""
     if len(head) < HEADER_BYTES:
         return None
     magic, version, flags, key_len, tenant_len, _, payload_len, seq = _HEADER.unpack_from(head)
+    if magic == _MAGIC and version < _VERSION:
+        return "old"
     if magic != _MAGIC or version != _VERSION or HEADER_BYTES + key_len + tenant_len > len(head):
         return None
     key = bytes(head[HEADER_BYTES:HEADER_BYTES + key_len])
-    try:
-        tenant = bytes(head[HEADER_BYTES + key_len:HEADER_BYTES + key_len + tenant_len]).decode()
-    except UnicodeDecodeError:
-        return None
+    tenant = bytes(head[HEADER_BYTES + key_len:HEADER_BYTES + key_len + tenant_len])
     return key, tenant, bool(flags & _FLAG_PUBLIC), HEADER_BYTES + key_len + tenant_len + payload_len, seq
 
 
@@ -506,11 +562,7 @@ def _parse(record: memoryview) -> _Record | None:
     checksum = _checksum(record[:_HEADER.size], key, tenant, [] if flags & _FLAG_SEALED else [payload])
     if checksum != record[_HEADER.size:HEADER_BYTES]:
         return None
-    try:
-        tenant_name = bytes(tenant).decode()
-    except UnicodeDecodeError:
-        return None
-    return _Record(bytes(key), tenant_name, bool(flags & _FLAG_PUBLIC), bool(flags & _FLAG_SEALED), seq, payload)
+    return _Record(bytes(key), bytes(tenant), bool(flags & _FLAG_PUBLIC), bool(flags & _FLAG_SEALED), seq, payload)
 
 
 def _merge_runs(found: list[tuple[int, _Slot]]) -> list[list[tuple[int, _Slot]]]:
