@@ -163,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvferry-soak-"))
     (work / "keys.json").write_text(json.dumps(KEYS))
-    flags = ["--api-keys", str(work / "keys.json"), "--kv-dram-gb", "0.5", "--kv-disk", str(work / "disk"),
+    flags = ["--api-keys", str(work / "keys.json"), "--kv-dram-gb", "0.5", "--kv-disk", str(work / "disk"), "--kv-disk-gb", "1",
              "--kv-cache-memory-gb", "0.5", "--max-model-len", "1024",
              "--engine-restarts", str(int(args.duration_s // args.core_kill_every_s) + 2),
              "--disable-uvicorn-access-log", "--log-level", "warning"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import threading
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -39,6 +41,10 @@ class Tokenizer:
         )
         self._added_token_ids = frozenset(self._tok.get_added_tokens_decoder())
         self._byte_level = _uses_byte_level_decoder(json.loads(self._tok.to_str()).get("decoder"))
+        self._content_guard = _ContentGuard(
+            [t.content for i, t in self._tok.get_added_tokens_decoder().items() if i in self.special_token_ids])
+        self._plain_lock = threading.Lock()
+        self._plain_tok: dict[bool, HFTokenizer] = {}  # at_start -> a copy that reads special tokens as text
 
     @property
     def vocab_size(self) -> int:
@@ -96,6 +102,79 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **kwargs,
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
+        """Token ids of a rendered conversation, with the template's own
+        special tokens (role markers, BOS) as special ids and, unless
+        ``special_tokens_in_content``, special-token text that came from the
+        messages or tools (a user typing ``<|im_start|>``) as plain text.
+
+        Encoding the rendered string in one go cannot tell the two apart:
+        by then a typed ``<|im_start|>`` is the same characters as the
+        template's. So every request string is first scanned; where one
+        holds special-token text (or ends or starts with a piece of one,
+        which could join a neighbouring string into a whole one), that text
+        is swapped for a random sentinel before rendering. Every special
+        token left in the rendered text is then the template's; the spans
+        between them that hold a sentinel are encoded, sentinels restored,
+        with special tokens read as text. A template could branch on the
+        content or change it (upper-case it, say), so the sentinel rendering
+        must give back exactly the real rendering once restored, or this
+        raises ValueError rather than guess. Requests whose strings hold no
+        such text (nearly all) take one render and one encode, as before."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template)
+        if special_tokens_in_content:
+            return self.encode(text, add_special_tokens=False)
+        swap = self._content_guard.swap()
+        guarded_messages, guarded_tools = swap.protect(messages), swap.protect(tools)
+        if not swap.originals:  # no request string holds special-token text
+            return self.encode(text, add_special_tokens=False)
+        guarded = self.apply_chat_template(guarded_messages, add_generation_prompt, guarded_tools, chat_template)
+        if swap.restore(guarded) != text:
+            raise ValueError("this chat template changes message text that holds special-token text, so the "
+                             "server cannot keep that text plain; remove the special tokens from the messages")
+        encoding = self._tok.encode(guarded, add_special_tokens=False)
+        ids: list[int] = []
+        prev_index, prev_end = -1, 0
+        boundaries = [(k, start, end) for k, (tid, (start, end)) in enumerate(zip(encoding.ids, encoding.offsets))
+                      if tid in self.special_token_ids]
+        # Each span between two of the template's special tokens is a hard
+        # boundary in the one-go encoding too, so re-encoding one span alone
+        # leaves every other token as it was.
+        for index, start, end in [*boundaries, (len(encoding.ids), len(guarded), len(guarded))]:
+            span = guarded[prev_end:start]
+            if swap.holds_sentinel(span):
+                ids += self._plain(at_start=prev_end == 0).encode(swap.restore(span), add_special_tokens=False).ids
+            else:
+                ids += encoding.ids[prev_index + 1:index]
+            if index < len(encoding.ids):
+                ids.append(encoding.ids[index])
+            prev_index, prev_end = index, end
+        return ids
+
+    def _plain(self, at_start: bool) -> HFTokenizer:
+        """A copy of the tokenizer that encodes special-token text as plain
+        text. A span encoded alone starts at offset 0, where a sentencepiece
+        pre-tokenizer with prepend_scheme "first" adds its leading "▁";
+        inside the full text it would not, so spans that are not at the
+        start use a copy that never prepends."""
+        with self._plain_lock:
+            tok = self._plain_tok.get(at_start)
+            if tok is None:
+                spec = json.loads(self._tok.to_str())
+                if not at_start:
+                    _never_prepend(spec.get("pre_tokenizer"))
+                tok = HFTokenizer.from_str(json.dumps(spec))
+                tok.encode_special_tokens = True
+                self._plain_tok[at_start] = tok
+            return tok
 
     # ---- special ids ----
 
@@ -202,6 +281,86 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+# ---- special-token text in request strings ----
+
+class _ContentGuard:
+    """The special-token strings of one tokenizer, and the pieces of them
+    (proper prefixes and suffixes) that a string's end or start could
+    contribute to a whole one next to another string."""
+
+    def __init__(self, specials: list[str]) -> None:
+        specials = sorted({s for s in specials if s}, key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.prefixes = {s[:k] for s in specials for k in range(1, len(s))}
+        self.suffixes = {s[k:] for s in specials for k in range(1, len(s))}
+        self.longest = max(map(len, specials), default=0)
+
+    def swap(self) -> "_Swap":
+        return _Swap(self)
+
+
+class _Swap:
+    """One request's sentinels: ``kvf<nonce>s<n>z``, letters and digits
+    only, so they pass a template's string filters (tojson, trim)
+    unchanged; the random nonce makes them unguessable, so no request text
+    can pass for one."""
+
+    def __init__(self, guard: _ContentGuard) -> None:
+        self.guard = guard
+        self.nonce = secrets.token_hex(8)
+        self.sentinel = re.compile(f"kvf{self.nonce}s(\\d+)z")
+        self.originals: list[str] = []
+
+    def protect(self, value: Any) -> Any:
+        """``value`` (messages, tools: JSON-like) with sentinels swapped in."""
+        if isinstance(value, str):
+            return self._protect_str(value)
+        if isinstance(value, dict):
+            return {self.protect(k): self.protect(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.protect(v) for v in value]
+        return value
+
+    def _protect_str(self, text: str) -> str:
+        guard = self.guard
+        if guard.pattern is None:
+            return text
+        text = guard.pattern.sub(lambda m: self._sentinel(m.group(0)), text)
+        # A piece of a special token at either end (whitespace aside, which
+        # templates often trim) could complete one with what the template
+        # puts next to it.
+        core_end = len(text.rstrip())
+        for k in range(min(guard.longest - 1, core_end), 0, -1):
+            if text[core_end - k:core_end] in guard.prefixes:
+                text = text[:core_end - k] + self._sentinel(text[core_end - k:core_end]) + text[core_end:]
+                break
+        core_start = len(text) - len(text.lstrip())
+        for k in range(min(guard.longest - 1, len(text) - core_start), 0, -1):
+            if text[core_start:core_start + k] in guard.suffixes:
+                text = text[:core_start] + self._sentinel(text[core_start:core_start + k]) + text[core_start + k:]
+                break
+        return text
+
+    def _sentinel(self, original: str) -> str:
+        self.originals.append(original)
+        return f"kvf{self.nonce}s{len(self.originals) - 1}z"
+
+    def holds_sentinel(self, text: str) -> bool:
+        return self.sentinel.search(text) is not None
+
+    def restore(self, text: str) -> str:
+        return self.sentinel.sub(lambda m: self.originals[int(m.group(1))], text)
+
+
+def _never_prepend(pre_tokenizer: dict[str, Any] | None) -> None:
+    if not pre_tokenizer:
+        return
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+    for inner in pre_tokenizer.get("pretokenizers") or []:
+        _never_prepend(inner)
 
 
 # ---- token bytes ----

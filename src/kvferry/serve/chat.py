@@ -45,7 +45,7 @@ async def render_prompt(ctx: ServingContext, messages: list[ChatMessage], plan: 
     uses_tools = plan.active or any(m.tool_calls or m.role == "tool" for m in messages)
     template = template_for(ctx.client.tokenizer.chat_template, ctx.api.chat_template, uses_tools)
     return await tokenize(chat_prompt_ids, messages, ctx.client.tokenizer, plan, template,
-                          add_generation_prompt, param)
+                          add_generation_prompt, param, ctx.api.allow_special_tokens_in_content)
 
 
 def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
@@ -58,12 +58,12 @@ def tool_call_models(calls: list[ParsedToolCall]) -> list[ResponseToolCall]:
             for c in calls]
 
 
-def _response(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, model: str,
-              num_prompt_tokens: int, finals: list[RequestOutput]) -> ChatCompletionResponse:
+async def _response(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, model: str,
+                    num_prompt_tokens: int, finals: list[RequestOutput]) -> ChatCompletionResponse:
     choices = []
     for out in finals:
         seq = out.outputs[0]
-        parsed = plan.parse(seq.text) if plan.active else ParsedOutput(seq.text)
+        parsed = await plan.parse_async(seq.text) if plan.active else ParsedOutput(seq.text)
         content = parsed.content
         if parsed.tool_calls and not content.strip():
             content = None  # as OpenAI: a reply that only calls tools has no content
@@ -100,7 +100,7 @@ class _ChatChunks:
         self.tool_streams = {i: plan.stream() for i in range(req.n)} if plan.active else {}
         self.num_calls_sent = [0] * req.n
 
-    def render(self, deltas: list[Delta]) -> list[str]:
+    async def render(self, deltas: list[Delta]) -> list[str]:
         events = []
         for d in deltas:
             self.num_completion_tokens += d.num_tokens
@@ -109,7 +109,7 @@ class _ChatChunks:
                 self.sent_role.add(d.index)
                 role = ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))
                 events.append(sse(self._chunk([role])))
-            text, calls = self._parse(d)
+            text, calls = await self._parse(d)
             logprobs = chat_logprobs(d.logprobs, self.ctx.token_strings) if self.req.logprobs and d.logprobs else None
             if not text and not calls and logprobs is None and d.finish_reason is None:
                 continue  # text held back (partial character, possible stop string, a call in progress)
@@ -131,14 +131,14 @@ class _ChatChunks:
                 events.append(sse(self._chunk([choice])))
         return events
 
-    def _parse(self, d: Delta) -> tuple[str, list[DeltaToolCall]]:
+    async def _parse(self, d: Delta) -> tuple[str, list[DeltaToolCall]]:
         stream = self.tool_streams.get(d.index)
         if stream is None:
             return d.text, []
-        step = stream.feed(d.text)
+        step = await stream.feed(d.text)
         text, calls = step.content, list(step.tool_calls)
         if d.finish_reason is not None:
-            last = stream.finish()
+            last = await stream.finish()
             text, calls = text + last.content, calls + last.tool_calls
         deltas = []
         for call in calls:

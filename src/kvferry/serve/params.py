@@ -43,20 +43,23 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, plan: ToolPlan, template: str | None,
-                    add_generation_prompt: bool = True, param: str = "messages") -> list[int]:
+                    add_generation_prompt: bool = True, param: str = "messages",
+                    special_tokens_in_content: bool = False) -> list[int]:
     """Render the chat template (with the request's tools) and encode it. The
-    template already writes BOS / role tokens, so no special tokens are added again."""
+    template already writes BOS / role tokens, so no special tokens are added
+    again; special-token text inside the messages and tools stays plain text
+    (a user cannot open a system turn by typing one) unless the server runs
+    with --allow-special-tokens-in-content."""
     if not messages:
         raise bad_request(f"{param} must not be empty", param)
     dicts = plan.template_messages(message_dicts(messages))
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
-                                             tools=plan.tools or None, chat_template=template)
+        return tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=plan.tools or None,
+                                     chat_template=template, special_tokens_in_content=special_tokens_in_content)
     except jinja2.TemplateError as exc:
         raise bad_request(f"chat template error: {exc}", param) from exc
     except (ValueError, TypeError) as exc:  # no chat template; a template tripping over odd input
         raise bad_request(f"chat template error: {exc}", param) from exc
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,

@@ -122,7 +122,7 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
         return EventStreamResponse(stream_events(handle, events.render, events.final, done=False), handle)
     finals = await collect(handle)
     seq = finals[0].outputs[0]
-    parsed = plan.parse(seq.text) if plan.active else ParsedOutput(seq.text)
+    parsed = await plan.parse_async(seq.text) if plan.active else ParsedOutput(seq.text)
     response = builder.response(parsed, seq.finish_reason, len(seq.token_ids), finals[0].num_cached_tokens)
     keep(response, parsed)
     return _json(response)
@@ -248,17 +248,17 @@ class _StreamEvents:
         self.sequence_number += 1
         return f"event: {type_}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def render(self, deltas: list[Delta]) -> list[str]:
+    async def render(self, deltas: list[Delta]) -> list[str]:
         events = self._start()
         for d in deltas:
             self.num_output_tokens += d.num_tokens
             self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
             text, calls = d.text, []
             if self.tool_stream is not None:
-                step = self.tool_stream.feed(d.text)
+                step = await self.tool_stream.feed(d.text)
                 text, calls = step.content, list(step.tool_calls)
                 if d.finish_reason is not None:
-                    last = self.tool_stream.finish()
+                    last = await self.tool_stream.finish()
                     text, calls = text + last.content, calls + last.tool_calls
             if d.finish_reason is not None:
                 self.finish_reason = d.finish_reason

@@ -115,7 +115,16 @@ def check_compiles(spec: GrammarSpec, field: str) -> None:
         if spec.kind == "json_schema":
             import jsonschema
 
+            from kvferry.structured.schema_guard import UnsafeSchemaError, check_schema
+
             schema = json.loads(spec.source)
+            try:
+                # xgrammar treats a reference outside the schema as "any
+                # value" (with a warning), so such a schema would constrain
+                # nothing there; and no code here may ever fetch one.
+                check_schema(schema, validation=False)
+            except UnsafeSchemaError as exc:
+                raise ValueError(f"{field}: {exc}") from None
             try:
                 jsonschema.validators.validator_for(schema).check_schema(schema)
             except jsonschema.SchemaError as exc:
