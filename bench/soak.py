@@ -7,7 +7,8 @@ and chats (some streamed, some cancelled after the first chunk), a public
 prefix declared by a publisher and read by both tenants, and bad requests
 (sampling values past float32, integers past int64, deep nesting, broken
 JSON). Every ``--core-kill-every-s`` the engine core is SIGKILLed (the server
-restarts it); once, at ``--store-kill-at-s``, the KV store is SIGKILLed.
+restarts it, holding new requests meanwhile); once, at ``--store-kill-at-s``,
+the KV store is SIGKILLed.
 
 It reports requests answered by status, the 5xx split into the killed core's
 own streams (in flight at a kill), 503s while a core restarts, and any other
@@ -130,6 +131,10 @@ class Soak:
         if kind == "stream_cancel":
             body = {"model": MODEL, "prompt": words, "max_tokens": 64, "stream": True}
             with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    r.read()
+                    self.count(kind, r.status_code, _code(r), started)
+                    return
                 for _ in r.iter_lines():
                     break  # the client leaves after the first chunk
                 self.count(kind, r.status_code, "", started)

@@ -134,15 +134,15 @@ def test_killed_core_ends_streams_then_is_restarted(tiny, tmp_path):
         assert stream.done and "error" in stream.events[-1], stream.events[-2:]
         assert stream.events[-1]["error"]["code"] == "engine_unavailable"
         # While the core restarts (a backoff, then a model load), the probe
-        # and new requests say so with their own code, naming the death.
+        # says so with its own code, naming the death; a new request waits
+        # for the new core (--engine-restart-wait) and is served by it.
         health = httpx.get(srv.base_url + "/health", timeout=5)
         assert health.status_code == 503, health.text
         assert health.json()["error"]["code"] == "engine_restarting"
         assert "exited with code -9" in health.json()["error"]["message"]
         r = httpx.post(srv.api_url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
-                       timeout=5)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_restarting", r.text
-        # Then a new core (a new process) serves again.
+                       timeout=150)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
         assert wait_healthy(srv.base_url, 120).status_code == 200, srv.log()[-3000:]
         assert core_pid(srv.proc.pid, other_than=core) != core
         r = httpx.post(srv.api_url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
@@ -159,10 +159,18 @@ def test_killed_core_ends_streams_then_is_restarted(tiny, tmp_path):
 def test_a_core_dying_past_its_restart_budget_ends_the_server(tiny, tmp_path):
     """--engine-restarts 1: the first death is restarted, the second ends
     the server with a non-zero status (for a supervisor to restart it)."""
-    srv = start_server(tmp_path / "server.log", ["--model", tiny, "--dtype", "float32", "--engine-restarts", "1"])
+    srv = start_server(tmp_path / "server.log", ["--model", tiny, "--dtype", "float32", "--engine-restarts", "1",
+                                                 "--engine-restart-wait", "0"])
     try:
         first = core_pid(srv.proc.pid)
         os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.base_url + "/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # --engine-restart-wait 0: a request during the restart is answered at once.
+        r = httpx.post(srv.api_url + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_restarting", r.text
         assert wait_healthy(srv.base_url, 120).status_code == 200, srv.log()[-3000:]
         second = core_pid(srv.proc.pid, other_than=first)
         assert srv.proc.poll() is None

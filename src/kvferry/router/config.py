@@ -40,6 +40,10 @@ class RouterConfig:
     # that a supervisor restarts the whole process.
     engine_restarts: int = 3
     engine_restart_window_s: float = 600.0
+    # A request that arrives while every core of its role restarts waits
+    # this long for one (a restart is a pause, not an error), then gets
+    # 503 engine_restarting. 0: answer 503 at once.
+    engine_restart_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +72,8 @@ class RouterConfig:
             raise ValueError(f"engine_restarts must be >= 0, got {self.engine_restarts}")
         if not self.engine_restart_window_s > 0:
             raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
+        if not 0 <= self.engine_restart_wait_s <= 3600:
+            raise ValueError(f"engine_restart_wait_s must be in [0, 3600], got {self.engine_restart_wait_s}")
 
     def core_specs(self) -> list[tuple[str, str, str | None]]:
         """(name, role, cpus) of every core this server starts."""

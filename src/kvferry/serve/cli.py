@@ -75,6 +75,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                             "within --engine-restart-window; one more death exits the server with code 3")
     group.add_argument("--engine-restart-window", type=float, default=600.0, metavar="SECONDS",
                        help="the window --engine-restarts counts in")
+    group.add_argument("--engine-restart-wait", type=float, default=60.0, metavar="SECONDS",
+                       help="a request that arrives while every core of its role restarts waits this long for one, "
+                            "then gets 503 engine_restarting (0: at once)")
 
 
 def router_config_from(args: argparse.Namespace):
@@ -88,6 +91,7 @@ def router_config_from(args: argparse.Namespace):
         engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
         health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
         engine_restarts=args.engine_restarts, engine_restart_window_s=args.engine_restart_window,
+        engine_restart_wait_s=args.engine_restart_wait,
     )
 
 

@@ -206,6 +206,9 @@ class AsyncEngineClient:
         # Called (on the event loop) with the worker's name once a dead core
         # is back: the server prefills its public prefixes again there.
         self.on_restarted: Callable[[str], None] | None = None
+        # Set (and replaced) whenever a restart ends, well or not: requests
+        # held while their role's cores restart wake up on it.
+        self._restart_ended = asyncio.Event()
         self.tokenizer = tokenizer
         self.max_model_len: int = ready.max_model_len
         self.input_processor = InputProcessor(tokenizer, ready)
@@ -520,6 +523,9 @@ class AsyncEngineClient:
         text, requests = self.input_processor.process(request_id, prompt, params, cache_namespace, arrival,
                                                       cache_scope)
         disagg = self.router.mode == "disagg"
+        await self._wait_for_restarts(("prefill", "decode") if disagg else ("engine",))
+        if request_id in self.output_processor.parents:  # taken while this one waited
+            raise ValueError(f"request_id {request_id!r} is already in use")
         # Colocated: the core that does both phases. Disagg: the decode core
         # owns the stream; the prefill core is chosen (and may change) once
         # the decode core says where the KV goes, so only its estimate is
@@ -599,6 +605,29 @@ class AsyncEngineClient:
         self._num_choices += 1
         chosen.last_chosen = self._num_choices
         return chosen, uncached_tokens(num_prompt, best.cached_blocks, block_size)
+
+    async def _wait_for_restarts(self, roles: tuple[str, ...]) -> None:
+        """Hold a new request while every core of one of its roles is being
+        restarted, up to engine_restart_wait_s: then it runs on the new core,
+        or (still restarting) _choose_worker answers engine_restarting."""
+        deadline = time.monotonic() + self.router.engine_restart_wait_s
+        while any(self._only_restarting(role) for role in roles):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            ended = self._restart_ended
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), left)
+            if self._dead_error is not None or self._stopped:
+                raise self._dead_error or EngineDeadError("the server is stopping")
+
+    def _only_restarting(self, role: str) -> bool:
+        workers = [w for w in self.workers.values() if w.role == role]
+        return not any(w.alive and w.accepting for w in workers) and any(w.restarting for w in workers)
+
+    def _notify_restart_ended(self) -> None:
+        self._restart_ended.set()
+        self._restart_ended = asyncio.Event()
 
     def _raise_restarting(self, role: str) -> None:
         restarting = [w for w in self.workers.values() if w.role == role and w.restarting]
@@ -950,6 +979,7 @@ class AsyncEngineClient:
             # Registered until here, so that a shutdown waits for any core this task started.
             if self._restart_tasks.get(name) is asyncio.current_task():
                 del self._restart_tasks[name]
+            self._notify_restart_ended()
 
     async def _start_core(self, old: Worker) -> Worker:
         """A fresh process for ``old``'s name and role, handshake done."""
