@@ -29,6 +29,7 @@ import time
 import torch
 import zmq
 
+from kvferry import peer_auth
 from kvferry.disagg.transport import (
     KVReceiver, SharedKVPool, ShmTransport, TcpTransport, block_runs,
 )
@@ -118,6 +119,7 @@ def main() -> None:
         dst_blocks = list(range(3, num_blocks + 3))
     nbytes = args.layers * 2 * num_blocks * args.block_size * args.kv_heads * args.head_dim * src.element_size()
 
+    peer_auth.socket_secret()  # before the spawn: the receiver inherits it and expects our token
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver_main, args=(args, child), daemon=True)

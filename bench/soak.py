@@ -96,7 +96,11 @@ class Soak:
         self.status: Counter[str] = Counter()
         self.five_xx: Counter[str] = Counter()
         self.kill_times: list[float] = []
+        self.store_kill_time: float | None = None
+        self.start = time.monotonic()
+        self.timeouts: list[tuple[str, float]] = []  # kind, seconds into the run it was sent
         self.lock = threading.Lock()
+        self.request_timeout_s = 120.0
 
     def count(self, kind: str, status: int, code: str = "", started: float = 0.0) -> None:
         with self.lock:
@@ -110,7 +114,7 @@ class Soak:
 
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
-        with httpx.Client(base_url=self.url, timeout=120) as http:
+        with httpx.Client(base_url=self.url, timeout=self.request_timeout_s) as http:
             while time.monotonic() < self.deadline:
                 kind = rng.choices(["completion", "chat", "stream_cancel", "public", "bad"], [4, 3, 2, 2, 2])[0]
                 key = rng.choice(["sk-a", "sk-b"])
@@ -118,6 +122,8 @@ class Soak:
                 try:
                     self.one(http, rng, kind, key, started)
                 except httpx.HTTPError as exc:
+                    if isinstance(exc, httpx.TimeoutException):
+                        self.timeouts.append((kind, round(started - self.start, 1)))
                     self.count(kind, 599, type(exc).__name__, started)
 
     def one(self, http: httpx.Client, rng: random.Random, kind: str, key: str, started: float) -> None:
@@ -164,6 +170,7 @@ def main() -> None:
     ap.add_argument("--core-kill-every-s", type=float, default=300)
     ap.add_argument("--store-kill-at-s", type=float, default=600)
     ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--request-timeout-s", type=float, default=120.0, help="a request slower than this counts as hung")
     ap.add_argument("--out", default=None, help="write the summary as JSON here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvferry-soak-"))
@@ -181,6 +188,7 @@ def main() -> None:
         rss_start = rss_mb(process_tree(proc.pid))
         start = time.monotonic()
         soak = Soak(url, start + args.duration_s)
+        soak.request_timeout_s = args.request_timeout_s
         threads = [threading.Thread(target=soak.worker, args=(i,), daemon=True) for i in range(args.clients)]
         for t in threads:
             t.start()
@@ -188,7 +196,8 @@ def main() -> None:
         while time.monotonic() < soak.deadline:
             time.sleep(1)
             now = time.monotonic()
-            if now >= next_kill:
+            # No kill in the last minute: the run ends with the server settled.
+            if now >= next_kill and soak.deadline - now > 60:
                 pid = find_process(proc.pid, "kvferry: engine")
                 if pid is not None:
                     soak.kill_times.append(now)
@@ -205,13 +214,20 @@ def main() -> None:
                 break
         for t in threads:
             t.join(150)
-        health = httpx.get(f"{url}/health", timeout=30) if proc.poll() is None else None
+        health = None
+        for _ in range(120):  # settled: a core restarted near the end is back
+            if proc.poll() is not None:
+                break
+            health = httpx.get(f"{url}/health", timeout=30)
+            if health.status_code == 200:
+                break
+            time.sleep(1)
         rss_end = rss_mb(process_tree(proc.pid))
         log = (work / "server.log").read_text(errors="replace")
         summary = {
             "duration_s": round(time.monotonic() - start), "clients": args.clients,
             "requests": sum(soak.status.values()), "by_kind_and_status": dict(sorted(soak.status.items())),
-            "5xx": dict(soak.five_xx), "kills": dict(kills),
+            "5xx": dict(soak.five_xx), "hung (seconds into the run)": soak.timeouts, "kills": dict(kills),
             "restarts_logged": log.lower().count("restarting engine core"),
             "server_alive_at_end": proc.poll() is None,
             "health_at_end": health.status_code if health is not None else None,

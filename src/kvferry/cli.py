@@ -33,8 +33,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_engine_core(args: argparse.Namespace) -> int:
+    from kvferry import peer_auth
     from kvferry.engine.core_proc import run_from_args
 
+    try:
+        # The KV store's and the KV transfer peers' tokens derive from it: a
+        # core started apart (another node) agrees with its peers through
+        # the same --cache-secret-file.
+        peer_auth.socket_secret(args.cache_secret_file)
+    except ValueError as exc:
+        args.subparser.error(str(exc))
     return run_from_args(args, args.engine_args.create_engine_config())
 
 
@@ -78,6 +86,9 @@ def _add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-address", default=None, help="where to send outputs (ipc:// or tcp://)")
     parser.add_argument("--cpus", default=None, help='CPUs this core may run on, e.g. "0", "2-3" (sched_setaffinity)')
     parser.add_argument("--name", default="engine-0", help="process title suffix: kvferry: NAME")
+    parser.add_argument("--cache-secret-file", default=None,
+                        help="the servers' cache secret: this core's KV store and KV transfer tokens derive from it "
+                             "(give a store and the cores started apart from it the same file)")
     parser.add_argument("--check-kv-integrity", action="store_true")
     parser.add_argument("--log-level", default="info")
 

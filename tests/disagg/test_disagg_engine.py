@@ -133,12 +133,12 @@ class CorruptingProxy:
         while not self._stop.is_set():
             events = dict(poller.poll(20))
             if self.front in events:
-                identity, *frames = self.front.recv_multipart()
-                message = decode(frames[0], KVWire)
+                identity, *frames = self.front.recv_multipart()  # [token, header, payload?]
+                message = decode(frames[1], KVWire)
                 if isinstance(message, KVLayerChunk) and message.has_payload and not self.corrupted:
-                    payload = bytearray(frames[1])
+                    payload = bytearray(frames[2])
                     payload[len(payload) // 2] ^= 0xFF
-                    frames[1] = bytes(payload)
+                    frames[2] = bytes(payload)
                     self.corrupted += 1
                 self.back.send_multipart(frames)
             if self.back in events:

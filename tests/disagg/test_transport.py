@@ -16,7 +16,7 @@ from kvferry.disagg.transport import (
     KVReceiver, SharedKVPool, ShmTransport, TcpTransport, block_runs, chunk_checksum, gather_blocks, paired_runs,
     pool_checksum,
 )
-from kvferry.messages import KVLayerChunk, KVTransferDone, encode
+from kvferry.messages import KVLayerChunk, KVTransferDone
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 3, 40, 4, 2, 8
 BLOCK_SHAPE = (LAYERS, 2, BS, HEADS, DIM)
@@ -109,8 +109,8 @@ def test_wrong_checksum_fails_the_transfer(link_pair):
     for layer in range(LAYERS):
         link.write_layer("t3", layer, src[layer], [3, 4], [1, 2], 2)
     # Layer 1 again, claiming bytes the pool does not hold.
-    link.sock.send(encode(KVLayerChunk(transfer_id="t3", layer=1, block_ids=[1, 2], num_final_blocks=2,
-                                       checksum=12345)))
+    link.send_message(KVLayerChunk(transfer_id="t3", layer=1, block_ids=[1, 2], num_final_blocks=2,
+                                   checksum=12345))
     link.send_done(KVTransferDone(transfer_id="t3", num_layers=LAYERS, block_ids=[1, 2], output_token_ids=[1]))
     ack = await_ack(link)
     assert not ack.ok and ack.reason == "checksum mismatch in layer 1"

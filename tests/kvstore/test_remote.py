@@ -9,7 +9,7 @@ import time
 import pytest
 import xxhash
 
-from kvferry.kvstore.crypto import TierCrypto
+from kvferry.kvstore.crypto import TENANT_TAG_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tenant_lru import PUBLIC_POOL, TierQuotas
 from kvferry.kvstore.tier import BlockOwner
 from tests.kvstore.conftest import SECRET, block, key
@@ -60,10 +60,12 @@ def test_private_blocks_are_sealed_in_redis_and_public_ones_are_not(server):
     assert block(2)[:256] in client.get(b"kvferry:kv:" + key(2))
 
 
-def forge(key_: bytes, tenant: bytes, sealed_payload: bytes) -> bytes:
-    """A value naming ``tenant`` with a valid checksum, as someone with
-    write access to the shared Redis could make it."""
-    header = b"KVFR" + bytes([1, 2]) + len(tenant).to_bytes(2, "little")
+def forge(key_: bytes, tenant: str, sealed_payload: bytes) -> bytes:
+    """A value tagged as ``tenant``'s with a valid checksum, as someone with
+    write access to the shared Redis (who can tell the tags apart, but not
+    open the blocks) could make it."""
+    tenant = tenant_tag(TierCrypto(SECRET), tenant)
+    header = b"KVFR" + bytes([2, 2]) + len(tenant).to_bytes(2, "little")
     h = xxhash.xxh3_128()
     for part in (key_, header, tenant, sealed_payload):
         h.update(part)
@@ -77,12 +79,12 @@ def test_another_tenants_private_block_fails_authentication(server):
     assert other.get(key(1), BETA) is None
     assert other.stats().auth_failures == 1 and other.stats().quarantined == 0  # kept for acme
     client = raw_client(server)
-    sealed = client.get(b"kvferry:kv:" + key(1))[8 + 4 + 16:]
+    sealed = client.get(b"kvferry:kv:" + key(1))[8 + TENANT_TAG_BYTES + 16:]
     # Relabelled to beta: beta's key cannot open it.
-    client.set(b"kvferry:kv:" + key(1), forge(key(1), b"beta", sealed))
+    client.set(b"kvferry:kv:" + key(1), forge(key(1), "beta", sealed))
     assert other.get(key(1), BETA) is None
     # Moved to another block key under acme: the associated data differs.
-    client.set(b"kvferry:kv:" + key(2), forge(key(2), b"acme", sealed))
+    client.set(b"kvferry:kv:" + key(2), forge(key(2), "acme", sealed))
     assert tier.get(key(2), ACME) is None
     assert other.stats().auth_failures == 2 and tier.stats().auth_failures == 1
     # Both forgeries are deleted from the server.

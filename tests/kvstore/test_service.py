@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvferry import peer_auth
 from kvferry.kvstore.tier import BlockOwner
 
 from tests.kvstore.store_helpers import BLOCK_NBYTES, arena_files, block_bytes, gb, key, wait_loads
@@ -217,7 +218,8 @@ def test_malformed_requests_are_refused_and_the_store_keeps_serving(store_factor
     sock = ctx.socket(zmq.REQ)
     sock.connect(address)
     try:
-        for body in (b"\x00garbage", p.encode(p.Reserve(client_id="x", keys=[key(0)], owners=[]))):
+        token = peer_auth.token(peer_auth.KVSTORE)
+        for body in (b"\x00garbage", p.encode(p.Reserve(client_id="x", keys=[key(0)], owners=[], token=token))):
             sock.send(body)
             assert sock.poll(5000)
             reply = p.decode(sock.recv(), p.Reply)

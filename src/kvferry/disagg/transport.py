@@ -21,6 +21,15 @@ Transports (``KVTransport``, the sending half):
 * ``TcpTransport``: each layer's bytes follow its ``KVLayerChunk`` as a
   second frame; the decode core's receiver thread copies them into its pool.
 
+Every message on a control channel starts with a token frame
+(``peer_auth.token(KV_TRANSFER)``, from the secret both cores inherit from
+the front end that started them, or derive from the same cache secret
+file): the receiver drops a message without it unread, so no other process
+can write into the pool or fail a transfer. The receiving socket caps each
+frame at what a transfer can need (``max_frame_bytes``: one whole layer of
+its pool, or a header); libzmq drops a larger frame, and the connection
+that sent it, before allocating it.
+
 Seam for NIXL or Mooncake's Transfer Engine: a third ``KVTransport`` whose
 constructor registers both pools with the engine (NIXL ``register_memory``
 / Mooncake ``register_memory`` of the pool tensor, with D's descriptors
@@ -50,6 +59,7 @@ import torch
 import xxhash
 import zmq
 
+from kvferry import peer_auth
 from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire, decode, encode
 from kvferry.model.kv_cache_dtype import index_copy_into
 from kvferry.shm_segments import unlink_dead_segments
@@ -57,6 +67,13 @@ from kvferry.shm_segments import unlink_dead_segments
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
+# A header frame holds at most a list of block ids (msgpack: at most 9
+# bytes an id) besides a bounded rest: a few tokens, a generator state
+# (5 KB on CPU), one hidden-state vector.
+_HEADER_BYTES_PER_BLOCK = 9
+_HEADER_SLACK_BYTES = 4 << 20
+# What a prefill core accepts back: acknowledgements, a few hundred bytes.
+_MAX_ACK_BYTES = 1 << 20
 _SHM_DIR = Path("/dev/shm")
 _POOL_PREFIX = "kvferry-kvpool-"
 
@@ -207,11 +224,14 @@ class KVTransport(ABC):
     the source blocks before it returns (the caller may reuse them
     afterwards). ``poll_acks`` never blocks."""
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, token: bytes | None = None) -> None:
         self.address = address
+        # Presented with every message (None: this process tree's).
+        self.token = peer_auth.token(peer_auth.KV_TRANSFER) if token is None else token
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_ACK_BYTES)
         self.sock.connect(address)
 
     @abstractmethod
@@ -233,10 +253,14 @@ class KVTransport(ABC):
                               num_final_blocks=num_final_blocks, checksum=chunk_checksum(payload, num_final_blocks))
         # Zero-copy: the frame keeps ``payload`` alive until ZeroMQ sent it
         # (the numpy view holds the tensor).
-        self.sock.send_multipart([encode(header), _as_bytes(payload)], copy=False)
+        self.sock.send_multipart([self.token, encode(header), _as_bytes(payload)], copy=False)
+
+    def send_message(self, message: KVLayerChunk | KVTransferDone) -> None:
+        """One message with no payload frame, after the token."""
+        self.sock.send_multipart([self.token, encode(message)])
 
     def send_done(self, done: KVTransferDone) -> None:
-        self.sock.send(encode(done))
+        self.send_message(done)
 
     def poll_acks(self) -> list[KVTransferAck]:
         acks = []
@@ -263,8 +287,8 @@ class ShmTransport(KVTransport):
     one ``copy_`` per run of blocks consecutive on both sides, or, for a
     fragmented request, one gather here and one scatter there."""
 
-    def __init__(self, ctx: zmq.Context, address: str, pool: SharedKVPool) -> None:
-        super().__init__(ctx, address)
+    def __init__(self, ctx: zmq.Context, address: str, pool: SharedKVPool, token: bytes | None = None) -> None:
+        super().__init__(ctx, address, token)
         self.pool = pool
 
     def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
@@ -279,8 +303,8 @@ class ShmTransport(KVTransport):
             data = gather_blocks(src_layer, src_block_ids)  # [2, n, bs, H, D]
             checksum = chunk_checksum(data, num_final_blocks)  # before the scatter: the bytes are hot
             write_blocks(dst_layer, dst_block_ids, data)
-        self.sock.send(encode(KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids,
-                                           num_final_blocks=num_final_blocks, checksum=checksum)))
+        self.send_message(KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids,
+                                       num_final_blocks=num_final_blocks, checksum=checksum))
 
     def close(self) -> None:
         super().close()
@@ -301,6 +325,16 @@ def write_blocks(pool_layer: torch.Tensor, block_ids: list[int], data: torch.Ten
 
 
 # -- receiving half ----------------------------------------------------------------------
+def max_frame_bytes(layers: list[torch.Tensor]) -> int:
+    """The largest frame a transfer into pool ``layers`` (each ``[2,
+    num_blocks, bs, H, D]``) can need: a layer's payload covers distinct
+    blocks of the pool, so at most the whole layer; a header, at most every
+    block id of the pool and a bounded rest."""
+    layer_bytes = max((t.numel() * t.element_size() for t in layers), default=0)
+    num_blocks = max((t.shape[1] for t in layers), default=0)
+    return max(layer_bytes, _HEADER_BYTES_PER_BLOCK * num_blocks + _HEADER_SLACK_BYTES)
+
+
 @dataclass(slots=True)
 class _Expected:
     request_id: str
@@ -349,7 +383,8 @@ class KVReceiver:
     ``poll`` aborts the process in libzmq (``pfd.revents & POLLIN``)."""
 
     def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5,
-                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "") -> None:
+                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "",
+                 token: bytes | None = None) -> None:
         self.kv_cache = kv_cache
         # Every layer a transfer fills, each [2, num_blocks, bs, H, D]: the
         # target's, then the draft model's (its own head count and size,
@@ -357,9 +392,16 @@ class KVReceiver:
         self.layers: list[torch.Tensor] = [*kv_cache, *(draft_kv_cache if draft_kv_cache is not None else [])]
         self.speculative = speculative  # this core's speculation signature
         self.grace_s = grace_s
+        # What every sender must present (None: this process tree's).
+        self.token = peer_auth.token(peer_auth.KV_TRANSFER) if token is None else token
+        self.max_frame_bytes = max_frame_bytes(self.layers)
+        self.num_refused = 0  # messages dropped for a missing or wrong token
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Before bind: libzmq checks each frame's size in its header and
+        # drops the connection of a peer that sends more, without reading it.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if address.startswith("tcp://") and address.rsplit(":", 1)[-1] in ("0", "*"):
             port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
             address = f"{address.rsplit(':', 1)[0]}:{port}"
@@ -416,16 +458,27 @@ class KVReceiver:
             if not self._sock.poll(_POLL_MS):
                 continue
             frames = self._sock.recv_multipart(copy=False)
-            identity, body = frames[0].bytes, frames[1].bytes
+            # [identity, token, header] or [identity, token, header, payload]
+            if len(frames) < 3 or not peer_auth.check(frames[1].bytes, self.token):
+                self._refuse(frames[0].bytes)
+                continue
+            identity, body = frames[0].bytes, frames[2].bytes
             try:
                 message = decode(body, KVWire)
                 if isinstance(message, KVLayerChunk):
-                    self._on_chunk(message, frames[2].buffer if message.has_payload else None)
+                    self._on_chunk(message, frames[3].buffer if message.has_payload else None)
                 elif isinstance(message, KVTransferDone):
                     ack = self._on_done(message)
                     self._sock.send_multipart([identity, encode(ack)])
             except Exception:  # a bad peer must not take the decode core down
                 logger.exception("dropped a malformed KV transfer message")
+
+    def _refuse(self, identity: bytes) -> None:
+        """A message without the transfer token: dropped unread, counted."""
+        self.num_refused += 1
+        level = logging.WARNING if self.num_refused == 1 or self.num_refused % 1000 == 0 else logging.DEBUG
+        logger.log(level, "dropped a KV transfer message without a valid token (peer %s; %d so far)",
+                   identity.hex(), self.num_refused)
 
     def _on_chunk(self, chunk: KVLayerChunk, payload: memoryview | None) -> None:
         with self._lock:

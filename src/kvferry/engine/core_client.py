@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
+from kvferry import peer_auth
 from kvferry.config import EngineConfig
 from kvferry.messages import CoreInput, CoreOutput, EngineCoreHello, EngineCoreOutputs, EngineCoreReady, decode, encode
+from kvferry.shm_segments import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +70,47 @@ class EngineCoreStartError(RuntimeError):
     """The core did not come up (it failed to load, died, or timed out)."""
 
 
+_FOLDER_PREFIX = "kvferry-core-"
+
+
 def ipc_addresses() -> tuple[CoreAddresses, str]:
-    """Fresh ipc:// socket paths in a private temporary folder (returned too,
-    for removal)."""
-    folder = tempfile.mkdtemp(prefix="kvferry-core-")
+    """Fresh ipc:// socket paths in a private (0700) temporary folder named
+    after this process (returned too, for removal), after removing the
+    folders of processes that are gone: a front end killed with SIGKILL
+    never removes its cores' folders itself."""
+    remove_dead_folders(Path(tempfile.gettempdir()))
+    folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
     return CoreAddresses(input=f"ipc://{folder}/input", output=f"ipc://{folder}/output"), folder
+
+
+def remove_dead_folders(directory: Path) -> list[str]:
+    """Remove ``kvferry-core-<pid>-*`` folders of this user whose ``pid``
+    no longer runs; the names removed."""
+    removed = []
+    for path in directory.glob(f"{_FOLDER_PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(_FOLDER_PREFIX):].split("-")[0])
+            if pid_alive(pid) or not path.is_dir() or path.lstat().st_uid != os.getuid():
+                continue
+        except (ValueError, OSError):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
+
+
+def _remove_when_gone(process: multiprocessing.process.BaseProcess, folder: str) -> None:
+    """Remove a core's socket folder as soon as its process ends, however
+    it ends (a core that crashed or was killed, and is never stopped or
+    restarted, must not leave its folder behind for the front end's life)."""
+    def watch() -> None:
+        try:
+            multiprocessing.connection.wait([process.sentinel])
+        except (OSError, ValueError):  # the process object was closed: stop() removes the folder
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+
+    threading.Thread(target=watch, name="core-folder-cleanup", daemon=True).start()
 
 
 def _core_process_main(name: str, **kwargs) -> None:
@@ -102,6 +143,9 @@ class CoreProcess:
         folder = None
         if addresses is None:
             addresses, folder = ipc_addresses()
+        # In the environment before the spawn: the core inherits this
+        # process tree's socket secret (its KV store and transfer tokens).
+        peer_auth.socket_secret()
         ctx = multiprocessing.get_context("spawn")
         process = ctx.Process(
             target=_core_process_main, name=name, daemon=True,
@@ -109,6 +153,8 @@ class CoreProcess:
                         check_integrity_when_idle=check_integrity_when_idle, log_level=log_level, cpus=cpus),
         )
         process.start()
+        if folder is not None:
+            _remove_when_gone(process, folder)
         return cls(process, addresses, folder)
 
     @property

@@ -8,10 +8,14 @@
     slots = client.reserve(keys, owners)        # write arena[slot] for each slot that is not None
     client.commit(keys_written, slots_written)  # now readers see them
 
-Every call is safe while the service is down or stalled (no answer within
+Every request carries the store's token (``kvferry.peer_auth``): a store
+expecting another one refuses this client, which then acts as if it were
+down. Every call is safe while the service is down or stalled (no answer within
 ``timeout_s``): lookups miss, reserves are refused, loads finish empty (a
 ticket in flight then comes back from ``poll_loads`` with no slots, so
-nothing waits forever), and nothing raises into the engine. The client
+nothing waits forever), and nothing raises into the engine. A store that
+died is noticed at once (its end of the connection closes, or a connect is
+refused), not after ``timeout_s``. The client
 reconnects by itself, with backoff (50 ms doubling to 2 s), on the next
 call after the backoff. If the same service answers again, the loads given
 up on are released there and reservations stay valid; if a new one
@@ -36,6 +40,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from kvferry import peer_auth
 from kvferry.kvstore import protocol as p
 from kvferry.kvstore.arena import Arena
 from kvferry.kvstore.protocol import LoadResult, StoreStats
@@ -47,11 +52,28 @@ logger = logging.getLogger(__name__)
 
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
+# The socket events that say the store's end is gone: a connection closed
+# under us (the process died or restarted), or a connect refused (nothing
+# listens). A REQ socket never gets the reply to a request sent before
+# either, so waiting out the timeout would only delay the miss.
+_PEER_GONE_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+def _peer_gone(sock: zmq.Socket) -> bool:
+    """Whether one of _PEER_GONE_EVENTS is queued on the socket's monitor."""
+    return bool(sock.get_monitor_socket().poll(0, zmq.POLLIN))
+
+
+def _close_socket(sock: zmq.Socket) -> None:
+    monitor = sock.get_monitor_socket()
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
 
 
 class KVStoreClient:
     def __init__(self, address: str, *, timeout_s: float = 1.0, block_nbytes: int | None = None,
-                 client_id: str | None = None) -> None:
+                 client_id: str | None = None, token: bytes | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         self.address = address
@@ -62,6 +84,9 @@ class KVStoreClient:
         # Bumped each time a (new) service's arena is mapped.
         self.generation = 0
         self._want_block_nbytes = block_nbytes
+        # What the store asks of every request (None: this process tree's,
+        # which a store started by it, or given the same cache secret, expects).
+        self._token = peer_auth.token(peer_auth.KVSTORE) if token is None else token
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._lock = threading.RLock()
@@ -192,13 +217,16 @@ class KVStoreClient:
             try:
                 return self._roundtrip(sock, p.GetStats(client_id=self.client_id)) is not None
             finally:
-                sock.close(0)
+                _close_socket(sock)
 
     def close(self) -> None:
         with self._lock:
             if self._service_id is not None and self._sock is not None:
                 self._roundtrip(self._sock, p.Goodbye(client_id=self.client_id), timeout_s=min(self.timeout_s, 0.2))
             self._drop_socket()
+            # Closed: a call from now on finds the store down (never a
+            # socket on the terminated context).
+            self._service_id, self._retry_at = None, float("inf")
             self._ctx.term()
             if self._arena is not None:
                 self._arena.close()
@@ -235,7 +263,12 @@ class KVStoreClient:
 
     def _ensure_connected(self) -> bool:
         if self._service_id is not None:
-            return True
+            if not _peer_gone(self._sock):
+                return True
+            # The store's end of the connection closed since the last call
+            # (it died or restarted): say Hello again now. A restarted store
+            # answers it; a dead one's refused connect fails it at once.
+            self._connection_lost(retry_now=True)
         if time.monotonic() < self._retry_at:
             return False
         self._sock = self._new_socket()
@@ -243,6 +276,8 @@ class KVStoreClient:
         if not isinstance(reply, p.Welcome):
             if isinstance(reply, p.Refused):
                 logger.warning("kvstore at %s refused this client: %s", self.address, reply.reason)
+            elif self._last_service_id is not None:
+                self._warn_down()  # it was up before: it is gone, not starting
             self._drop_socket()
             self._backoff_s = min(max(self._backoff_s * 2, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
             self._retry_at = time.monotonic() + self._backoff_s
@@ -276,14 +311,18 @@ class KVStoreClient:
         return True
 
     def _connection_lost(self, retry_now: bool = False) -> None:
-        if not self._warned_down and not retry_now:
-            logger.warning("kvstore at %s does not answer: tiers below the device pool are off until it does",
-                           self.address)
-            self._warned_down = True
+        if not retry_now:
+            self._warn_down()
         self._drop_socket()
         self._service_id = None
         self._backoff_s = _BACKOFF_MIN_S
         self._retry_at = 0.0 if retry_now else time.monotonic() + self._backoff_s
+
+    def _warn_down(self) -> None:
+        if not self._warned_down:
+            logger.warning("kvstore at %s does not answer: tiers below the device pool are off until it does",
+                           self.address)
+            self._warned_down = True
 
     def _abandon(self, tickets: set[int]) -> None:
         """Report ``tickets`` finished and empty (the engine recomputes)."""
@@ -294,22 +333,37 @@ class KVStoreClient:
     def _new_socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        # Watch the connection before connecting, so that a refused first
+        # connect is seen too (see _peer_gone).
+        sock.get_monitor_socket(_PEER_GONE_EVENTS).setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
         return sock
 
     def _drop_socket(self) -> None:
         if self._sock is not None:
-            self._sock.close(0)
+            _close_socket(self._sock)
             self._sock = None
 
     def _roundtrip(self, sock: zmq.Socket, request: p.Request, timeout_s: float | None = None) -> p.Reply | None:
         """Send and wait for the reply; None on timeout (the REQ socket is
         then unusable: the caller drops it)."""
         try:
+            request.token = self._token
             sock.send(p.encode(request))
-            if not sock.poll(int((timeout_s or self.timeout_s) * 1000), zmq.POLLIN):
-                return None
-            return p.decode(sock.recv(), p.Reply)
+            # Wait for the reply or for the store's end to close, whichever
+            # comes first: a killed store fails the call (and the loads it
+            # polls for) within a step, not after the whole timeout.
+            monitor = sock.get_monitor_socket()
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            deadline = time.monotonic() + (timeout_s or self.timeout_s)
+            while True:
+                ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+                if sock in ready or (monitor in ready and sock.poll(0, zmq.POLLIN)):
+                    return p.decode(sock.recv(), p.Reply)  # (a reply that raced the close still counts)
+                if monitor in ready or time.monotonic() >= deadline:
+                    return None
         except (zmq.ZMQError, msgspec.MsgspecError, ValueError) as exc:
             logger.debug("kvstore round trip failed: %s", exc)
             return None

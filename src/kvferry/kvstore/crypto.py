@@ -14,9 +14,23 @@ far from any cache's lifetime of writes.
 Private blocks are sealed on disk and in the remote tier; public blocks
 (an operator-declared public prefix, shared by every tenant) stay in the
 clear, still checksummed.
+
+Tenant names never rest in a tier either: records and keys carry the
+tenant's tag instead (``tenant_tag``),
+
+    tenant tag = secret id (8 bytes) || tenant id (16 bytes)
+    secret id  = HMAC-SHA256(server secret, "kvferry secret id v1")[:8]
+    tenant id  = HMAC-SHA256(server secret, "kvferry tenant id v1" 0x00 tenant)[:16]
+
+the same for a tenant across restarts with the same secret (so a
+restarted tier finds, quotas and drops its blocks), unlinkable to the name
+without the secret. The secret id tells a block sealed under another
+secret (unreadable now) from another tenant's.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import struct
 import threading
@@ -34,6 +48,20 @@ SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES
 
 _HKDF_SALT = b"kvferry kv at rest v1"
 _AD_PREFIX = b"kvferry-kv"
+_SECRET_ID_LABEL = b"kvferry secret id v1"
+_TENANT_ID_LABEL = b"kvferry tenant id v1\0"
+SECRET_ID_BYTES = 8
+TENANT_TAG_BYTES = SECRET_ID_BYTES + 16
+
+
+def tenant_tag(crypto: "TierCrypto | None", tenant: str) -> bytes:
+    """What a tier stores in place of ``tenant``'s name. Without crypto (a
+    tier built without a secret: tests, tools) an unkeyed digest under an
+    all-zero secret id: the name is not in the clear, but a guessed name
+    can be checked against it."""
+    if crypto is not None:
+        return crypto.tenant_tag(tenant)
+    return bytes(SECRET_ID_BYTES) + hashlib.sha256(_TENANT_ID_LABEL + tenant.encode()).digest()[:16]
 
 
 def associated_data(key: bytes, tenant: str) -> bytes:
@@ -51,7 +79,9 @@ class TierCrypto:
             raise ValueError("secret: must hold at least 16 bytes")
         self._secret = bytes(secret)
         self._ciphers: dict[str, AESGCM] = {}
+        self._tags: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self.secret_id = hmac.new(self._secret, _SECRET_ID_LABEL, hashlib.sha256).digest()[:SECRET_ID_BYTES]
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> TierCrypto:
@@ -62,6 +92,16 @@ class TierCrypto:
         except OSError as exc:
             raise ValueError(f"secret_file: cannot read {path}: {exc.strerror or exc}") from None
         return cls(secret)
+
+    def tenant_tag(self, tenant: str) -> bytes:
+        """``TENANT_TAG_BYTES`` naming ``tenant`` at rest (module docstring)."""
+        tag = self._tags.get(tenant)
+        if tag is None:
+            tag = self.secret_id + hmac.new(self._secret, _TENANT_ID_LABEL + tenant.encode(),
+                                            hashlib.sha256).digest()[:16]
+            with self._lock:
+                self._tags[tenant] = tag
+        return tag
 
     def _cipher(self, tenant: str) -> AESGCM:
         cipher = self._ciphers.get(tenant)

@@ -22,7 +22,8 @@ live in the shared-memory arena, and messages carry slot numbers::
                                    <------  Refused(reason)   (any request the service cannot take)
                                    <------  Restarted         (the request was meant for an earlier service)
 
-Every request names its ``client_id`` so that tickets, pins and
+Every request carries the store's token (``kvferry.peer_auth``; refused
+without it) and names its ``client_id`` so that tickets, pins and
 reservations belong to one client, and a client that says Hello again
 (it reconnected) or Goodbye gets its leftovers freed; so does one not heard
 from for the client lease (``--client-lease-s``: it died without Goodbye).
@@ -52,6 +53,9 @@ class _Req(msgspec.Struct, kw_only=True, tag=True):
     # otherwise take requests (slots, tickets) meant for its predecessor:
     # it answers Restarted instead, and the client says Hello again.
     service_id: str = ""
+    # peer_auth.token(KVSTORE): any local process can reach the socket, so
+    # a request without the right token is refused before it runs.
+    token: bytes = b""
 
 
 class Hello(_Req):

@@ -4,17 +4,21 @@ at it (``--kv-remote redis://host:port/db``).
 Values::
 
     key   = prefix || block key                     (binary-safe)
-    value = header | tenant | checksum | payload
-    header (8 bytes): magic "KVFR", version u8, flags u8 (public, sealed),
+    value = header | tenant tag | checksum | payload
+    header (8 bytes): magic "KVFR", version u8 (2), flags u8 (public, sealed),
                       tenant_len u16
-    checksum = xxh3-128 over the block key, header, tenant and payload
+    checksum = xxh3-128 over the block key, header, tenant tag and payload
+    tenant tag = ``crypto.tenant_tag`` of a private block's tenant (24
+                 bytes; empty for a public block): no tenant name is ever
+                 stored in Redis, in a key or in a value
 
 Private blocks are sealed with the tenant's key (``kvferry.kvstore.crypto``)
 before they leave the process; public blocks travel and rest in the clear.
 A value that fails its checksum is deleted (quarantined, counted) and is a
 miss; another tenant's private block is a miss counted in
-``auth_failures``. ``prefix || "tenant:" || tenant`` is a set of that
-tenant's keys, so that ``drop_tenant`` reaches blocks other nodes wrote.
+``auth_failures``. ``prefix || "tenant:" || hex(tenant tag)`` is a set of
+that tenant's keys, so that ``drop_tenant`` reaches blocks other nodes
+wrote (nodes with the same secret agree on the tag).
 
 Capacity and quotas are this node's view: what it wrote, in LRU order of
 its own reads (``tenant_lru``); over them it deletes its own least recently
@@ -48,14 +52,14 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvferry.kvstore.crypto import TierCrypto
+from kvferry.kvstore.crypto import TierCrypto, tenant_tag
 from kvferry.kvstore.tenant_lru import TenantLRU, TierQuotas, pool_of
 from kvferry.kvstore.tier import BlockOwner, ColdTier, TierStats
 
 log = logging.getLogger(__name__)
 
 _MAGIC = b"KVFR"
-_VERSION = 1
+_VERSION = 2  # 2: a tenant tag where 1 held the name (a version-1 value read is deleted)
 _HEADER = struct.Struct("<4sBBH")
 _CHECKSUM_BYTES = 16
 _FLAG_PUBLIC = 1
@@ -156,7 +160,7 @@ class RedisTier(ColdTier):
     def _encode(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
         sealed = self.crypto is not None and not owner.public
         payload = b"".join(self.crypto.seal(key, owner.tenant, data)) if sealed else data
-        tenant = owner.tenant.encode()
+        tenant = b"" if owner.public else tenant_tag(self.crypto, owner.tenant)
         header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
                               len(tenant))
         return b"".join((header, tenant, _checksum(key, header, tenant, payload), payload))
@@ -166,7 +170,7 @@ class RedisTier(ColdTier):
         self._lru.stats_of(pool).refused_writes += 1
 
     def _tenant_set(self, tenant: str) -> bytes:
-        return self.prefix + b"tenant:" + tenant.encode()
+        return self.prefix + b"tenant:" + tenant_tag(self.crypto, tenant).hex().encode()
 
     # ---- reads --------------------------------------------------------
 
@@ -201,7 +205,7 @@ class RedisTier(ColdTier):
             return self._quarantine(key)
         if flags & _FLAG_PUBLIC:
             return bytes(payload)
-        if owner.public or bytes(tenant) != owner.tenant.encode():
+        if owner.public or bytes(tenant) != tenant_tag(self.crypto, owner.tenant):
             with self._lock:
                 self._stats.auth_failures += 1
             return None

@@ -23,6 +23,11 @@ Tiers and policy (see policy.py for DRAM):
   served from DRAM is a DRAM hit; one brought up from disk is a DRAM miss
   and a disk hit; ``lookup`` counts nothing (schedulers ask it often).
 
+Every request must carry the store's token (``kvferry.peer_auth``, derived
+from the cache secret or the secret of the process tree that started the
+store): without it the store answers Refused and runs nothing. An ipc://
+socket file is made 0600 as soon as it is bound, and removed at shutdown.
+
 The arena's block size comes from ``--block-nbytes``, or else from the
 first client that says Hello with one: the arena is created then, and a
 client with another block size is refused.
@@ -38,6 +43,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -46,6 +52,7 @@ from pathlib import Path
 
 import zmq
 
+from kvferry import peer_auth
 from kvferry.kvstore import protocol as p
 from kvferry.kvstore.arena import SHM_DIR, Arena
 from kvferry.kvstore.chain import ColdChain
@@ -57,6 +64,11 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 _POLL_IDLE_MS = 100
 _POLL_BUSY_MS = 1  # while loads are in flight: their completions arrive on a queue
+# Requests carry keys and slots, never block bytes: a lookup of a
+# million-token prompt is a few MB. Anything larger is dropped by the
+# socket before it is read (an unauthenticated peer must not make the
+# store allocate what it sends).
+MAX_REQUEST_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -79,6 +91,9 @@ class StoreConfig:
     # invariant is logged and makes the process exit non-zero at shutdown.
     check_integrity: bool = False
     shm_dir: Path = SHM_DIR
+    # What every request must carry (None: this process tree's
+    # peer_auth.token(KVSTORE), which the clients it starts present).
+    token: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -121,9 +136,12 @@ class KVStoreService:
         if config.block_nbytes is not None:
             self._make_arena(config.block_nbytes)
         self._ctx = zmq.Context()
+        self._token = config.token if config.token is not None else peer_auth.token(peer_auth.KVSTORE)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._sock.bind(config.address)
+        self._socket_file = _private_socket_file(config.address)
         self._stop = threading.Event()
         # client_id -> ticket -> _Ticket
         self._tickets: dict[str, dict[int, _Ticket]] = {}
@@ -179,6 +197,11 @@ class KVStoreService:
         except Exception as exc:  # a malformed message must not stop the store
             reply: p.Reply = p.Refused(reason=f"undecodable request: {exc}")
         else:
+            if not peer_auth.check(request.token, self._token):
+                # Nothing runs for a peer without the token (DropTenant,
+                # Reserve, ...); not even its client id is remembered.
+                self._sock.send_multipart([identity, b"", p.encode(p.Refused(reason=_NOT_AUTHENTICATED))])
+                return
             try:
                 self._apply_completions()
                 reply = self.handle(request)
@@ -450,6 +473,39 @@ class KVStoreService:
         self._ctx.term()
         if self.arena is not None:
             self.arena.close()
+        if self._socket_file is not None:
+            self._socket_file.remove()
+
+
+_NOT_AUTHENTICATED = ("not authenticated: the request lacks this store's token (start the store and its "
+                      "engines from one process, or give each the same --cache-secret-file)")
+
+
+@dataclass(slots=True)
+class _SocketFile:
+    """The file of an ipc:// socket this store bound, made private to its
+    user at once (it is created with whatever mode the umask leaves, 0777
+    under umask 000), and removed at shutdown if it is still ours."""
+
+    path: Path
+    inode: tuple[int, int]
+
+    def remove(self) -> None:
+        try:
+            st = self.path.stat()
+            if (st.st_dev, st.st_ino) == self.inode:  # not a successor's socket at the same path
+                self.path.unlink()
+        except OSError:
+            pass
+
+
+def _private_socket_file(address: str) -> _SocketFile | None:
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):  # tcp://, or an abstract socket
+        return None
+    path = Path(address[len("ipc://"):])
+    os.chmod(path, 0o600)
+    st = path.stat()
+    return _SocketFile(path, (st.st_dev, st.st_ino))
 
 
 # -- configuration from flags ------------------------------------------------------------
@@ -520,8 +576,9 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
 def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     """The tiers below DRAM the flags ask for, in load order: disk, remote.
     Private blocks are sealed under per-tenant keys derived from the cache
-    secret; without ``--cache-secret-file`` a fresh secret per start (the
-    server's namespaces change on restart then too, so nothing is lost)."""
+    secret; without ``--cache-secret-file`` the one kept beside the tiers
+    (``secret_file.py``, generated at the first start), so that a restarted
+    store can still open what it wrote."""
     if (args.disk is None) != (args.disk_gb is None):
         raise ValueError("disk / disk_gb: give both or neither")
     if not (args.disk or args.remote):
@@ -529,11 +586,14 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     from kvferry.kvstore.crypto import TierCrypto
     from kvferry.kvstore.tenant_lru import TierQuotas
 
-    if args.cache_secret_file is not None:
-        crypto = TierCrypto.from_file(args.cache_secret_file)
-    else:
-        logger.warning("no --cache-secret-file: private blocks at rest are sealed under a key of this start only")
-        crypto = TierCrypto(os.urandom(32))
+    secret_file = args.cache_secret_file
+    if secret_file is None:
+        from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
+
+        secret_file, created = ensure_secret_file(tier_secret_path(args.disk, args.remote))
+        logger.warning("no --cache-secret-file: %s the cache secret in %s, so the tiers survive a restart",
+                       "generated" if created else "using", secret_file)
+    crypto = TierCrypto.from_file(secret_file)
     tiers: list[ColdTier] = []
     if args.disk:
         from kvferry.kvstore.disk import DiskTier
@@ -557,6 +617,12 @@ def run(args: argparse.Namespace) -> int:
     setproctitle.setproctitle("kvferry: kvstore")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [kvstore] %(name)s: %(message)s")
     try:
+        if peer_auth.SECRET_ENV not in os.environ and args.cache_secret_file is None:
+            logger.warning("no --cache-secret-file: only engines started by this process could present this "
+                           "store's token; give the store and its servers the same --cache-secret-file")
+        # The secret the engines' tokens derive from: inherited from the
+        # process that started this one, else from the cache secret file.
+        peer_auth.socket_secret(args.cache_secret_file)
         service = KVStoreService(config_from_args(args), cold_tiers_from_args(args))
     except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"kvferry kvstore: {exc}", file=sys.stderr)
@@ -582,7 +648,26 @@ def _watch_parent(parent_pid: int, service: KVStoreService) -> None:
 
 # -- starting one from a server ------------------------------------------------------------
 def ipc_address() -> str:
-    return f"ipc:///tmp/kvferry-kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+    """A fresh socket path named after this process (the store's parent),
+    after removing those of parents that are gone: a store killed with
+    SIGKILL never removes its own (its parent's death ends a live one)."""
+    _remove_dead_sockets(Path(tempfile.gettempdir()))
+    return f"ipc://{tempfile.gettempdir()}/{_SOCKET_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+
+
+_SOCKET_PREFIX = "kvferry-kvstore-"
+
+
+def _remove_dead_sockets(directory: Path) -> None:
+    from kvferry.shm_segments import pid_alive
+
+    for path in directory.glob(f"{_SOCKET_PREFIX}*-*.sock"):
+        try:
+            pid = int(path.name[len(_SOCKET_PREFIX):].split("-")[0])
+            if not pid_alive(pid) and path.is_socket() and path.lstat().st_uid == os.getuid():
+                path.unlink()
+        except (ValueError, OSError):
+            continue
 
 
 def start_store(dram_gb: float, *, address: str | None = None, block_nbytes: int | None = None,
@@ -595,6 +680,7 @@ def start_store(dram_gb: float, *, address: str | None = None, block_nbytes: int
     ``process.terminate()`` (SIGTERM: a clean shutdown) and ``wait()``."""
     from kvferry.kvstore.client import KVStoreClient
 
+    peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
     address = address or ipc_address()
     argv = [sys.executable, "-m", "kvferry.kvstore.service", "--address", address, "--dram-gb", str(dram_gb),
             "--parent-pid", str(os.getpid())]
