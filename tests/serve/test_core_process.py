@@ -5,6 +5,7 @@ streams and 503s, never a hang, and is started again (a death past
 core with it; bad flags and busy ports fail before any model loads."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -277,3 +278,61 @@ def test_engine_core_alone_over_tcp(tiny):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_restarted_core_leaves_no_stale_socket_registration(tiny):
+    """Regression: the front end's asyncio reader for a dead core's output
+    socket outlived that socket. Its fd number, freed when the connection
+    closed, stayed in asyncio's selector map (epoll itself dropped it), so
+    the next socket given that number (a later restarted core's output
+    socket, an HTTP connection) was never polled: every request to it hung.
+    Here a socket is given the dead connection's fd number on purpose, and
+    must be read; the restarted core must still serve."""
+    from kvferry.config import EngineArgs
+    from kvferry.sampling import SamplingParams
+    from kvferry.serve.engine_client import AsyncEngineClient
+
+    async def main():
+        client = AsyncEngineClient.launch(EngineArgs(model=tiny, dtype="float32"), ready_timeout_s=120)
+        await client.start()
+        loop = asyncio.get_running_loop()
+        try:
+            for restart in (1, 2):
+                old = client.workers["engine-0"]
+                await asyncio.sleep(0.2)  # its output loop waits in recv: its fd is registered
+                old_fd = old.connection.output.FD
+                os.kill(old.process.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 120
+                while not (client.workers["engine-0"] is not old and client.workers["engine-0"].alive):
+                    assert time.monotonic() < deadline, f"restart {restart} did not end"
+                    await asyncio.sleep(0.05)
+                # The dead core's connection is closed: its fd number is the lowest free one or near it.
+                pairs = []
+                try:
+                    reader = None
+                    for _ in range(64):
+                        pairs.append(socket.socketpair())
+                        reader = next((s for s in pairs[-1] if s.fileno() == old_fd), None)
+                        if reader is not None:
+                            break
+                    assert reader is not None, f"fd {old_fd} was not free after restart {restart}"
+                    writer = next(s for s in pairs[-1] if s is not reader)
+                    reader.setblocking(False)
+                    received = asyncio.ensure_future(loop.sock_recv(reader, 1))
+                    await asyncio.sleep(0.05)  # registered before the data is there
+                    writer.send(b"x")
+                    assert await asyncio.wait_for(received, 5) == b"x"
+                finally:
+                    for pair in pairs:
+                        for s in pair:
+                            s.close()
+                stream = await client.add_request(f"r{restart}", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+                outs = await asyncio.wait_for(_collect(stream), 30)
+                assert outs[-1].finished, outs
+        finally:
+            await client.shutdown()
+
+    async def _collect(stream):
+        return [out async for out in stream]
+
+    asyncio.run(main())

@@ -697,6 +697,22 @@ class AsyncEngineClient:
 
     # -- outputs (event loop) ---------------------------------------------------
     async def _output_loop(self, worker: Worker, output: zmq.asyncio.Socket) -> None:
+        # The asyncio shadow registers the socket's fd with the event loop on
+        # its first recv and unregisters it only in its own close(), which is
+        # never called (it would zmq_close the handle that the connection's
+        # own close() then closes again). Unregister it when this loop ends,
+        # before the connection is closed: a stale registration outlives the
+        # closed fd (epoll drops it, asyncio's selector map does not), and
+        # the next socket given that fd number (a restarted core's output
+        # socket, an HTTP connection) is then "added" by asyncio without
+        # ever reaching epoll, so it is never read (requests hang forever).
+        fd = output.FD
+        try:
+            await self._read_outputs(worker, output)
+        finally:
+            asyncio.get_running_loop().remove_reader(fd)
+
+    async def _read_outputs(self, worker: Worker, output: zmq.asyncio.Socket) -> None:
         try:
             while True:
                 message = decode(await output.recv(), CoreOutput)
