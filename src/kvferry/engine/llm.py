@@ -58,14 +58,15 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one or many conversations."""
+        """Apply the model's chat template to one or many conversations.
+        Special-token text typed in a message (``<|im_start|>``) stays text
+        unless ``special_tokens_in_content`` (as the server's flag)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
-                add_special_tokens=False,
-            )
+            self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt,
+                                       special_tokens_in_content=special_tokens_in_content)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
