@@ -106,9 +106,15 @@ class Soak:
         with self.lock:
             self.status[f"{kind} {status}"] += 1
             if status >= 500:
+                # A request in flight at a kill, or one routed to the dead
+                # core in the moment before its death was noticed (it ends
+                # with engine_unavailable), went down with that core's
+                # streams; engine_restarting is a request that waited out
+                # --engine-restart-wait.
                 in_flight_at_kill = any(started <= k <= time.monotonic() for k in self.kill_times)
                 cause = ("killed core's own stream" if in_flight_at_kill else
-                         "503 while restarting" if code in ("engine_restarting", "engine_unavailable") else
+                         "routed to the dead core before its death was noticed" if code == "engine_unavailable" else
+                         "503 after waiting for a restart" if code == "engine_restarting" else
                          f"other ({code})")
                 self.five_xx[cause] += 1
 
