@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from kvferry.kvstore.client import KVStoreClient
-from kvferry.kvstore.service import GIB, start_store
+from kvferry.config import KVTierConfig
+from kvferry.kvstore.launch import start_store
+from kvferry.kvstore.service import GIB
 from kvferry.kvstore.tier import BlockOwner
 
 
@@ -68,7 +70,7 @@ def main() -> None:
     kv_cache = torch.randn(args.num_layers, 2, args.num_blocks, *block_shape[2:], dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    process, address = start_store(2 * n * block_nbytes / GIB, block_nbytes=block_nbytes)
+    process, address = start_store(KVTierConfig(kv_dram_gb=2 * n * block_nbytes / GIB), block_nbytes=block_nbytes)
     client = KVStoreClient(address, block_nbytes=block_nbytes)
     try:
         # [num_slots, num_layers, 2, block_size, num_kv_heads, head_dim] over the shared bytes

@@ -11,7 +11,7 @@ message) is sent, one at a time in a seeded random order, to
 
 * server T: ``kvferry serve`` with a small device pool (``--num-kv-blocks``)
   over the node's KV store (a ``kvferry: kvstore`` process it starts: a
-  DRAM arena of ``--dram-gb`` over an SSD tier of ``--disk-gb``);
+  DRAM arena of ``--kv-dram-gb`` over an SSD tier of ``--kv-disk-gb``);
 * server R: the same engine with the tiers off (recompute), interleaved with
   T per resume (alternating which goes first).
 
@@ -19,7 +19,7 @@ Each conversation is its own tenant (an API key), so the per-tenant tier
 counters of ``GET /v1/kv/stats`` say which tier served each resume: DRAM,
 SSD, a mix, the device pool itself, or nothing (recompute).
 
-    python bench/tiers_conversations.py --conversations 200 --disk /var/tmp/kvconv
+    python bench/tiers_conversations.py --conversations 200 --kv-disk /var/tmp/kvconv
     python bench/tiers_conversations.py --conversations 20 --num-kv-blocks 32   # a quick run
 
 Prints one JSON object per figure and a summary. Real server and store
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.time_limit
     convs = load_conversations(args.conversations, args.history_messages, args.max_chars, args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="kvconv-"))
-    disk = Path(args.disk) if args.disk else workdir / "ssd"
+    disk = Path(args.kv_disk) if args.kv_disk else workdir / "ssd"
     keys = {f"sk-conv-{i:04d}": {"tenant": f"conv{i:04d}"} for i in range(len(convs))}
     admin = "sk-bench-admin"
     keys[admin] = {"tenant": "admin", "admin": True}
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> None:
               str(args.max_num_seqs), "--api-keys", str(workdir / "keys.json"), "--disable-uvicorn-access-log"]
     if args.model:
         common += ["--model", args.model]
-    tiered = ["--kv-dram-gb", str(args.dram_gb), "--kv-disk", str(disk), "--kv-disk-gb", str(args.disk_gb)]
+    tiered = ["--kv-dram-gb", str(args.kv_dram_gb), "--kv-disk", str(disk), "--kv-disk-gb", str(args.kv_disk_gb)]
     try:
         with ExitStack() as stack:
             t_url = stack.enter_context(server(workdir, "tiered", common + tiered))
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> None:
             time.sleep(2.5)
             after = tier_counters(t_url, admin)
     finally:
-        if not args.disk:
+        if not args.kv_disk:
             shutil.rmtree(workdir, ignore_errors=True)
     report(args, rows, before, after, len(convs))
 
@@ -233,9 +233,13 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=224, help="device pool of each server (blocks of 16)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8, help="turn-1 requests in flight")
-    parser.add_argument("--dram-gb", type=float, default=0.5, help="the store's DRAM arena")
-    parser.add_argument("--disk", default=None, help="SSD tier directory (default: a temporary one, removed after)")
-    parser.add_argument("--disk-gb", type=float, default=4.0)
+    # The store's flags, as kvferry serve names them; the short spellings
+    # (in older recorded commands) still parse.
+    parser.add_argument("--kv-dram-gb", "--dram-gb", dest="kv_dram_gb", type=float, default=0.5,
+                        help="the store's DRAM arena")
+    parser.add_argument("--kv-disk", "--disk", dest="kv_disk", default=None,
+                        help="SSD tier directory (default: a temporary one, removed after)")
+    parser.add_argument("--kv-disk-gb", "--disk-gb", dest="kv_disk_gb", type=float, default=4.0)
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded model)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds; resumes stop being sent after")

@@ -3,7 +3,7 @@
 1. **Resume TTFT.** A conversation of ``--prompt-tokens`` tokens is computed
    once (turn 1); turn 2 (turn 1 + a short new message) is then timed on an
    engine whose device pool never saw it: KV loaded from the store's DRAM,
-   from its SSD tier (``--disk``: DRAM flushed by other conversations
+   from its SSD tier (``--kv-disk``: DRAM flushed by other conversations
    first), or recomputed (tiers off).
 2. **Decode with write-down.** Decode tokens/s of ``--batch`` requests with
    write-down to the store against tiers off, interleaved rounds (target >= 0.95x).
@@ -11,7 +11,7 @@
    worker B's TTFT for it through the shared store's DRAM against B's own
    device-pool hit (target within 1.5x).
 
-    python bench/tiers_resume.py [--model PATH] [--prompt-tokens 1024] [--disk /tmp/kvdisk] [--rounds 3]
+    python bench/tiers_resume.py [--model PATH] [--prompt-tokens 1024] [--kv-disk /tmp/kvdisk] [--rounds 3]
 
 Prints one JSON object per figure. Timings on a shared machine are noisy:
 compare the ratios, measured in the same run.
@@ -28,9 +28,9 @@ import statistics
 import time
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import EngineArgs
+from kvferry.config import EngineArgs, KVTierConfig
 from kvferry.engine.engine import LLMEngine
-from kvferry.kvstore.service import start_store
+from kvferry.kvstore.launch import start_store
 
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -85,11 +85,12 @@ def flush_device_pool(llm: LLM, rng: random.Random, args) -> None:
 
 
 def bench_resume(args, rng: random.Random) -> None:
-    stores = {"dram": start_store(args.dram_gb)}
-    if args.disk:
+    stores = {"dram": start_store(KVTierConfig(kv_dram_gb=args.kv_dram_gb))}
+    if args.kv_disk:
         # A DRAM arena of a few conversations, over the disk tier: turn 1 is
         # pushed down to SSD by the conversations after it.
-        stores["ssd"] = start_store(args.ssd_dram_gb, disk=args.disk, disk_gb=args.disk_gb)
+        stores["ssd"] = start_store(KVTierConfig(kv_dram_gb=args.ssd_dram_gb, kv_disk=args.kv_disk,
+                                                kv_disk_gb=args.kv_disk_gb))
     results: dict[str, list[float]] = {name: [] for name in [*stores, "recompute"]}
     cached: dict[str, int] = {}
     try:
@@ -130,7 +131,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def bench_decode(args, rng: random.Random) -> None:
-    process, address = start_store(args.dram_gb)
+    process, address = start_store(KVTierConfig(kv_dram_gb=args.kv_dram_gb))
     try:
         tiered, plain = engine(args, address), engine(args, None)
         rates: dict[str, list[float]] = {"write_down": [], "tiers_off": []}
@@ -159,7 +160,7 @@ def _worker_a(args, address: str, prompt: list[int]) -> None:
 
 
 def bench_cross_worker(args, rng: random.Random) -> None:
-    process, address = start_store(args.dram_gb)
+    process, address = start_store(KVTierConfig(kv_dram_gb=args.kv_dram_gb))
     ctx = multiprocessing.get_context("spawn")
     via_store, own_device, load_path, cached = [], [], [], 0
     try:
@@ -198,9 +199,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--num-kv-blocks", type=int, default=256, help="device pool (blocks of 16)")
-    parser.add_argument("--dram-gb", type=float, default=1.0)
-    parser.add_argument("--disk", default=None, help="directory for the SSD tier (default: no SSD figure)")
-    parser.add_argument("--disk-gb", type=float, default=2.0)
+    # Named as the store's flags; the short spellings (in older recorded
+    # commands) still parse.
+    parser.add_argument("--kv-dram-gb", "--dram-gb", dest="kv_dram_gb", type=float, default=1.0)
+    parser.add_argument("--kv-disk", "--disk", dest="kv_disk", default=None,
+                        help="directory for the SSD tier (default: no SSD figure)")
+    parser.add_argument("--kv-disk-gb", "--disk-gb", dest="kv_disk_gb", type=float, default=2.0)
     parser.add_argument("--ssd-dram-gb", type=float, default=0.1, help="DRAM over the SSD tier (small: forces SSD)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=64)

@@ -205,37 +205,40 @@ class KVTransferConfig:
 class KVTierConfig:
     """The node's KV store below the device pool (``kvferry.kvstore``).
 
-    ``store_address`` attaches to a running store; otherwise ``dram_gb`` > 0
-    makes the launcher start one (with the optional disk and remote tiers)
-    and fill in its address. Empty address: device-only caching."""
+    The fields are named as the ``--kv-*`` flags of ``kvferry serve`` and
+    ``kvferry kvstore`` (one name per option everywhere). ``kv_store``
+    attaches to a running store; otherwise ``kv_dram_gb`` > 0 makes the
+    launcher start one (``kvstore.launch.start_store``, with the optional
+    disk and remote tiers) and fill in its address. Neither: device-only
+    caching."""
 
-    store_address: str = ""
-    dram_gb: float = 0.0
-    disk_path: str = ""
-    disk_gb: float = 0.0
-    remote_url: str = ""
+    kv_store: str = ""
+    kv_dram_gb: float = 0.0
+    kv_disk: str = ""
+    kv_disk_gb: float = 0.0
+    kv_remote: str = ""
     # Most tokens one request may load from the store (0: no cap), so that
     # one long conversation cannot monopolize the store's I/O.
     max_load_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("dram_gb", "disk_gb"):
+        for name in ("kv_dram_gb", "kv_disk_gb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"kv_{name} must be >= 0, got {value!r}")
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
         if not _is_int(self.max_load_tokens) or self.max_load_tokens < 0:
             raise ValueError(f"max_load_tokens must be an integer >= 0, got {self.max_load_tokens!r}")
-        if self.disk_path and not self.disk_gb:
+        if self.kv_disk and not self.kv_disk_gb:
             raise ValueError("kv_disk_gb must be > 0 when kv_disk is set")
-        for name, flag in (("store_address", "kv_store"), ("disk_path", "kv_disk"), ("remote_url", "kv_remote")):
+        for name in ("kv_store", "kv_disk", "kv_remote"):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{flag} must be a string, got {getattr(self, name)!r}")
-        if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kv_remote must be a redis:// URL, got {self.remote_url!r}")
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.kv_remote and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
 
     @property
     def enabled(self) -> bool:
-        return bool(self.store_address or self.dram_gb)
+        return bool(self.kv_store or self.kv_dram_gb)
 
 
 @dataclass(slots=True)
@@ -246,6 +249,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    # A KV connector from outside the package, "module:Class" ("": none;
+    # kvferry.engine.kv_connector.connectors.load_connector).
+    kv_connector: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kv_connector and (not isinstance(self.kv_connector, str) or self.kv_connector.count(":") != 1
+                                  or not all(self.kv_connector.split(":"))):
+            raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -316,6 +327,9 @@ class EngineArgs:
         choices=_KV_FAILURE))
     kv_transfer_timeout_s: float = field(default=30.0, metadata=_opt(
         "lease of a KV transfer: how long a decode core waits and a prefill core holds its blocks"))
+    kv_connector: str = field(default="", metadata=_opt(
+        "a KV connector from outside the package, module:Class (a KVConnector with a scheduler half and a "
+        "worker half), composed after the built-in ones (default: none)"))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -333,10 +347,12 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,
                                       self.enable_chunked_prefill, self.preemption_mode),
             speculative=SpeculativeConfig.parse(self.speculative),
-            kv_tiers=KVTierConfig(self.kv_store, self.kv_dram_gb, self.kv_disk, self.kv_disk_gb, self.kv_remote,
-                                  self.max_load_tokens),
+            kv_tiers=KVTierConfig(kv_store=self.kv_store, kv_dram_gb=self.kv_dram_gb, kv_disk=self.kv_disk,
+                                  kv_disk_gb=self.kv_disk_gb, kv_remote=self.kv_remote,
+                                  max_load_tokens=self.max_load_tokens),
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
                                          self.kv_transfer_timeout_s),
+            kv_connector=self.kv_connector,
         )
 
     # -- command line -----------------------------------------------------------

@@ -60,6 +60,7 @@ import msgspec
 
 from typing import Union
 
+from kvferry.core.hashing import CacheScope
 from kvferry.core.kv_events import KVEvent
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.core.stats import SchedulerStats
@@ -118,25 +119,12 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag=True):
     eos_token_ids: list[int]
     # time.monotonic() on the front end (CLOCK_MONOTONIC: one clock per host).
     arrival_time: float
-    # Cache namespace (tenant); set by the server from its own view of the
-    # caller, never from client input.
-    cache_namespace: str = ""
-    # Blocks wholly inside a declared public prefix, keyed in this namespace
-    # (shared by every tenant); the rest stay in cache_namespace.
-    public_cache_namespace: str = ""
-    num_public_blocks: int = 0
-    # True only for a declaration's own prefill (POST /v1/kv/public_prefixes):
-    # the one request that may write blocks in public_cache_namespace. Any
-    # other request reads public blocks that are cached and computes the rest
-    # in its own namespace (core/kv_manager.py).
-    writes_public_blocks: bool = False
-    # Most blocks the cache may hold for cache_namespace (the tenant's
-    # device quota, as the server sees it now); None: no cap.
-    cache_quota_blocks: int | None = None
-    # The caller's tenant as the server authenticated it ("" with one tenant).
-    tenant: str = ""
-    # The tenant's weight in fair admission and preemption (from the key file).
-    tenant_weight: float = 1.0
+    # Where the request's KV blocks are keyed and whose they are: tenant
+    # namespace, public prefix blocks, quota, tenant and weight, as the
+    # server derived them from the caller's API key (never from client
+    # input). One typed field, so the core gets exactly what the front end
+    # built. The default: one tenant, everything private.
+    cache_scope: CacheScope = CacheScope()
     # Prefill/decode disaggregation; None: the core does both phases.
     kv_transfer: KVTransferParams | None = None
 

@@ -32,7 +32,9 @@ import secrets
 import threading
 from pathlib import Path
 
-SECRET_ENV = "KVFERRY_SOCKET_SECRET"
+from kvferry import envs
+
+SECRET_ENV = envs.SOCKET_SECRET  # written here for the processes this one starts
 TOKEN_BYTES = 32
 
 # Purposes: one token per kind of socket, so that a token seen on one
@@ -55,7 +57,7 @@ def socket_secret(cache_secret_file: str | os.PathLike | None = None) -> bytes:
 
 
 def _socket_secret(cache_secret_file: str | os.PathLike | None) -> bytes:
-    value = os.environ.get(SECRET_ENV)
+    value = envs.socket_secret()
     if value:
         try:
             secret = bytes.fromhex(value)

@@ -10,7 +10,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvferry.core.hashing import CacheScope
 from kvferry.sampling import SamplingParams
+
+# Requests built without a scope: one tenant, every block private.
+DEFAULT_CACHE_SCOPE = CacheScope()
 
 
 class RequestStatus(enum.Enum):
@@ -57,28 +61,15 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
-    # Cache namespace (tenant); comes from the server, never from the client.
-    cache_namespace: str = ""
-    # The first num_public_blocks blocks lie wholly inside a declared public
-    # prefix and are keyed in public_cache_namespace (see core/hashing.py).
-    public_cache_namespace: str = ""
-    num_public_blocks: int = 0
-    # Only a declaration's own prefill writes public blocks; every other
-    # request reads them or stays private (core/kv_manager.py).
-    writes_public_blocks: bool = False
-    # Most blocks the cache may hold for cache_namespace (the tenant's
-    # device quota, as the server sees it now); None: no cap.
-    cache_quota_blocks: int | None = None
-    # The caller's tenant as the server authenticated it ("" with one tenant).
-    tenant: str = ""
-    # The tenant's share of the engine relative to others (core/fairness.py).
-    tenant_weight: float = 1.0
+    # Where its KV blocks are keyed and whose they are (tenant namespace,
+    # public prefix blocks, quota, tenant, weight): the scope the server
+    # built for the caller, as it crossed the wire. The properties below
+    # read and write its fields under the names the scheduler and the KV
+    # manager use.
+    cache_scope: CacheScope = DEFAULT_CACHE_SCOPE
     # Every end-of-sequence id of the model (Llama 3 has two).
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0  # 0: unbounded (set by the engine)
-    # Worker to send this request's KV to when it finishes (prefill/decode
-    # disaggregation); "" sends nothing.
-    kv_send_peer: str = ""
     # Prefill/decode disaggregation: a messages.KVTransferParams (its role and,
     # for "prefill", the decode core's KVDestination); None: both phases here.
     kv_transfer: object | None = None
@@ -102,8 +93,74 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if not self.tenant_weight > 0:
-            raise ValueError(f"tenant_weight must be > 0, got {self.tenant_weight}")
+
+    # -- the cache scope's fields, by their old names ------------------------
+    # A scope is immutable: a setter swaps in a changed copy (validated), so
+    # a scope the request was given is never changed under another holder.
+    @property
+    def cache_namespace(self) -> str:
+        """The tenant's private namespace (narrowed by its cache salt)."""
+        return self.cache_scope.namespace
+
+    @cache_namespace.setter
+    def cache_namespace(self, value: str) -> None:
+        self.cache_scope = self.cache_scope.replace(namespace=value)
+
+    @property
+    def public_cache_namespace(self) -> str:
+        """The namespace of the first ``num_public_blocks`` blocks (see core/hashing.py)."""
+        return self.cache_scope.public_namespace
+
+    @public_cache_namespace.setter
+    def public_cache_namespace(self, value: str) -> None:
+        self.cache_scope = self.cache_scope.replace(public_namespace=value)
+
+    @property
+    def num_public_blocks(self) -> int:
+        """Leading blocks wholly inside a declared public prefix."""
+        return self.cache_scope.num_public_blocks
+
+    @num_public_blocks.setter
+    def num_public_blocks(self, value: int) -> None:
+        self.cache_scope = self.cache_scope.replace(num_public_blocks=value)
+
+    @property
+    def writes_public_blocks(self) -> bool:
+        """Only a declaration's own prefill writes public blocks; every other
+        request reads them or stays private (core/kv_manager.py)."""
+        return self.cache_scope.writes_public
+
+    @writes_public_blocks.setter
+    def writes_public_blocks(self, value: bool) -> None:
+        self.cache_scope = self.cache_scope.replace(writes_public=value)
+
+    @property
+    def cache_quota_blocks(self) -> int | None:
+        """Most blocks the cache may hold for the tenant (its device quota,
+        as the server saw it); None: no cap."""
+        return self.cache_scope.quota_blocks
+
+    @cache_quota_blocks.setter
+    def cache_quota_blocks(self, value: int | None) -> None:
+        self.cache_scope = self.cache_scope.replace(quota_blocks=value)
+
+    @property
+    def tenant(self) -> str:
+        """The caller's tenant as the server authenticated it ("" with one tenant)."""
+        return self.cache_scope.tenant
+
+    @tenant.setter
+    def tenant(self, value: str) -> None:
+        self.cache_scope = self.cache_scope.replace(tenant=value)
+
+    @property
+    def tenant_weight(self) -> float:
+        """The tenant's share of the engine relative to others (core/fairness.py)."""
+        return self.cache_scope.tenant_weight
+
+    @tenant_weight.setter
+    def tenant_weight(self, value: float) -> None:
+        self.cache_scope = self.cache_scope.replace(tenant_weight=value)
 
     @property
     def num_prompt_tokens(self) -> int:

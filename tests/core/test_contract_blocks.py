@@ -5,6 +5,7 @@ KV loaded from elsewhere, and the stored/removed events."""
 from kvferry.config import SchedulerConfig
 from kvferry.core.hashing import ExtraKeys, ROOT_PARENT, hash_block
 from kvferry.core.kv_events import BlockRemoved, BlockStored
+from kvferry.core.kv_connector import HostSwapScheduler, TierKVScheduler
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.outputs import CachedRequestData, RunnerOutput, SwapOrder, TransferOrder
 from kvferry.core.scheduler import Scheduler
@@ -16,9 +17,10 @@ from tests.core.sim import simulate_step
 EXTRA = ExtraKeys().encode()
 
 
-def make(num_blocks=8, block_size=4, caching=True, budget=64, **kwargs):
+def make(num_blocks=8, block_size=4, caching=True, budget=64, swap_space=None, kv_source=None):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget), kv, **kwargs)
+    connector = HostSwapScheduler(swap_space) if swap_space else TierKVScheduler(kv_source) if kv_source else None
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget), kv, connector=connector)
 
 
 def req(rid, tokens, max_tokens=8, **kwargs):
@@ -148,7 +150,7 @@ def test_preemption_swaps_out_and_back_in_when_host_has_room():
     assert out.preempted_request_ids == ["b"]
     # b had computed 8 tokens: its two blocks go to host slots 0 and 1.
     assert out.kv_orders.swap_out == [SwapOrder("b", [2, 3], [0, 1])]
-    assert s.swap_space.num_free == 2
+    assert s.connector.space.num_free == 2
     simulate_step(s, out)  # a: 3rd token, finished; frees 3, 1, 0
     out = s.schedule()
     [new] = out.new_requests
@@ -156,8 +158,8 @@ def test_preemption_swaps_out_and_back_in_when_host_has_room():
     assert out.kv_orders.swap_in == [SwapOrder("b", new.block_ids[:2], [0, 1])]
     assert out.num_scheduled_tokens == {"b": 1}  # only the token after the swapped KV
     simulate_step(s, out)
-    assert s.swap_space.num_free == 4
-    assert s.num_swapped_out == 1 and s.num_preemptions == 1
+    assert s.connector.space.num_free == 4
+    assert s.stats().num_swapped_out == 1 and s.num_preemptions == 1
 
 
 def test_draft_rollback_and_publication_of_accepted_tokens():
@@ -274,36 +276,6 @@ def test_finishing_while_loading_keeps_blocks_until_the_load_ends():
     s.update_from_output(out, RunnerOutput(finished_loading=["b"]))
     assert s.kv.pool.num_used_blocks == 0
     s.kv.check_integrity()
-
-
-def test_send_of_finished_request_delays_its_free_until_sent():
-    s = make(num_blocks=8)
-    a = req("a", range(10), max_tokens=1)
-    a.kv_send_peer = "decode-0"
-    s.add_request(a)
-    simulate_step(s, s.schedule())  # prefill, one token, finished
-    assert a.is_finished and s.kv.pool.num_used_blocks == 3  # held for the send
-    assert s.has_unfinished()  # the engine keeps stepping to see the send through
-    out = s.schedule()
-    assert out.kv_orders.send == [TransferOrder("a", [0, 1, 2], keys=a.block_hashes[:3], peer="decode-0")]
-    assert out.is_empty
-    s.update_from_output(out, RunnerOutput())
-    assert s.kv.pool.num_used_blocks == 3  # not sent yet
-    s.update_from_output(s.schedule(), RunnerOutput(finished_sending=["a"]))
-    assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished()
-    queue = [b.block_id for b in s.kv.pool.free_queue]
-    assert queue[0] == 2 and queue[-2:] == [1, 0]  # partial block to the head, cached ones tail first
-    s.kv.check_integrity()
-
-
-def test_aborted_request_sends_nothing():
-    s = make(num_blocks=8)
-    a = req("a", range(10), max_tokens=5)
-    a.kv_send_peer = "decode-0"
-    s.add_request(a)
-    simulate_step(s, s.schedule())
-    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert s.schedule().kv_orders.send == [] and s.kv.pool.num_used_blocks == 0
 
 
 def test_blocks_taken_from_a_descending_run_are_held_in_ascending_order():

@@ -28,7 +28,7 @@ def test_scheduler_output_round_trip():
             swap_out=[SwapOrder("c", [1], [0])],
             swap_in=[SwapOrder("e", [4], [1])],
             load=[TransferOrder("d", [2], keys=[b"k" * 32])],
-            send=[TransferOrder("f", [5, 6], peer="decode-0")],
+            save=[TransferOrder("f", [5, 6], keys=[b"s" * 32, b"t" * 32], tenant="acme", num_public_blocks=1)],
         ),
         finished_request_ids=["z"],
         preempted_request_ids=["y"],

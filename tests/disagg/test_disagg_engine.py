@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from kvferry import LLM, SamplingParams
+from kvferry.engine.kv_connector import PDTransferWorker
 from kvferry.messages import KVDestination, KVLayerChunk, KVWire, decode
 from tests.disagg.driver import (
     Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side, request, run_disagg, step_until,
@@ -73,7 +74,7 @@ def test_greedy_equals_colocated(cores, colocated, transport, prefill_budget):
         result = run_disagg(prefill, decode, f"r{i}", prompt, GREEDY)
         assert result.tokens == reference(colocated, prompt, GREEDY), n
         assert result.finish_reason == "length" and not result.transfer_errors
-    link_kinds = {type(link).__name__ for link in prefill.runner.kv_transfer._links.values()}
+    link_kinds = {type(link).__name__ for link in prefill.runner.connector.find(PDTransferWorker).agent._links.values()}
     assert link_kinds == {"ShmTransport" if transport == "shm" else "TcpTransport"}
     drain(prefill)
     drain(decode)
@@ -98,7 +99,7 @@ def test_only_missing_blocks_are_sent(cores, colocated):
     first = shared + prompt_of(20, seed=4)
     second = shared + prompt_of(40, seed=5)
     run_disagg(prefill, decode, "a", first, GREEDY)
-    received = decode.runner.kv_transfer.receiver
+    received = decode.runner.connector.find(PDTransferWorker).agent.receiver
     before = received.num_blocks_written
     result = run_disagg(prefill, decode, "b", second, GREEDY)
     dest = result.destination
@@ -195,7 +196,7 @@ def test_prefill_core_gone_mid_transfer(cores, colocated):
     prefill.add_request(request("k", prompt, GREEDY, kv_transfer_params(dest)))
     prefill.step()  # the first 32 tokens' KV goes out, layer by layer
     time.sleep(0.2)
-    assert decode.runner.kv_transfer.receiver.num_blocks_written == 3 * 2
+    assert decode.runner.connector.find(PDTransferWorker).agent.receiver.num_blocks_written == 3 * 2
     prefill.close()  # gone: no more layers, no Done
     started = time.monotonic()
     result = finish_decode(decode, "k", Result(), timeout_s=10)

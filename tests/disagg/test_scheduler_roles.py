@@ -7,7 +7,8 @@ from __future__ import annotations
 from kvferry.config import SchedulerConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.outputs import RunnerOutput
-from kvferry.core.scheduler import KVTransferSettings, Scheduler
+from kvferry.core.kv_connector import KVTransferSettings, PDTransferScheduler
+from kvferry.core.scheduler import Scheduler
 from kvferry.messages import KVDestination, KVTransferParams
 from kvferry.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
@@ -16,9 +17,9 @@ BS = 16
 
 
 def make(recompute: bool = True, budget: int = 512) -> Scheduler:
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), KVCacheManager(32, BS))
-    s.kv_transfer = KVTransferSettings("tcp://d:1", "psm_d", 5.0, recompute)
-    return s
+    settings = KVTransferSettings("tcp://d:1", "psm_d", 5.0, recompute)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), KVCacheManager(32, BS),
+                     connector=PDTransferScheduler(settings))
 
 
 def req(rid: str, n: int, params: KVTransferParams, start: int = 100) -> Request:

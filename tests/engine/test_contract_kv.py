@@ -10,7 +10,7 @@ import torch
 
 from kvferry import LLM, SamplingParams
 from kvferry.core.outputs import KVOrders, SwapOrder, TransferOrder
-from kvferry.engine.kv_connector import HostSwapConnector
+from kvferry.engine.kv_connector import HostSwapWorker
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -22,7 +22,7 @@ def test_swap_out_then_in_is_bit_exact(dtype):
     # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     kv = torch.randn(3, 2, 10, 4, 2, 8).to(dtype)
     original = kv.clone()
-    swap = HostSwapConnector(kv, num_slots=6)
+    swap = HostSwapWorker(kv, num_slots=6)
     swap.execute(KVOrders(swap_out=[SwapOrder("a", [3, 5, 1], [0, 1, 2]), SwapOrder("b", [8], [5])]))
     kv.zero_()  # the blocks are reused by others meanwhile
     swap.execute(KVOrders(swap_in=[SwapOrder("a", [7, 2, 4], [0, 1, 2]), SwapOrder("b", [0], [5])]))
@@ -34,7 +34,7 @@ def test_swap_out_then_in_is_bit_exact(dtype):
 
 
 def test_transfer_orders_without_a_tier_are_refused():
-    swap = HostSwapConnector(torch.zeros(1, 2, 4, 4, 1, 8), num_slots=2)
+    swap = HostSwapWorker(torch.zeros(1, 2, 4, 4, 1, 8), num_slots=2)
     with pytest.raises(ValueError, match="load orders"):
         swap.execute(KVOrders(load=[TransferOrder("a", [0], keys=[b"k"])]))
 
@@ -68,7 +68,7 @@ def test_forced_swapping_keeps_greedy_output(preempt_case, num_swap_blocks):
     assert stats.num_swapped_out > 0
     if num_swap_blocks == 10:
         assert stats.num_preemptions > stats.num_swapped_out
-    assert llm.engine.core.scheduler.swap_space.num_free == num_swap_blocks
+    assert llm.engine.core.scheduler.connector.space.num_free == num_swap_blocks
     llm.engine.check_integrity()
 
 

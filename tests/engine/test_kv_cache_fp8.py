@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import EngineArgs
-from kvferry.engine.kv_connector import HostSwapConnector
+from kvferry.config import EngineArgs, KVTierConfig
+from kvferry.engine.kv_connector import HostSwapWorker
 from kvferry.core.outputs import KVOrders, SwapOrder
-from kvferry.kvstore.service import start_store
+from kvferry.kvstore.launch import start_store
 from kvferry.model.kv_cache_dtype import dtype_name, index_copy_into, resolve_kv_cache_dtype, to_cache_dtype
 from tests.engine.hf_reference import load_hf
 from tests.tiny_models import make_tiny_checkpoint
@@ -146,7 +146,7 @@ def test_forced_swapping_keeps_greedy_output(case):
 def test_swap_space_moves_fp8_blocks_bit_exactly(fp8):
     kv = torch.randn(3, 2, 10, 4, 2, 8).to(fp8)
     original = kv.clone()
-    swap = HostSwapConnector(kv, num_slots=6)
+    swap = HostSwapWorker(kv, num_slots=6)
     swap.execute(KVOrders(swap_out=[SwapOrder("a", [3, 5, 1], [0, 1, 2])]))
     kv.view(torch.uint8).zero_()
     swap.execute(KVOrders(swap_in=[SwapOrder("a", [7, 2, 4], [0, 1, 2])]))
@@ -172,7 +172,7 @@ def test_store_blocks_are_resumed_by_fp8_engines_only(case):
     from tests.engine.hf_reference import assert_greedy_match, hf_greedy
 
     path, hf, prompts, expected, fmt = case
-    process, address = start_store(0.02)
+    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
     try:
         first = fp8_llm(path, fmt, num_kv_blocks=64, kv_store=address)
         first.generate(prompts[:2], GREEDY)

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from kvferry import SamplingParams
+from kvferry.config import KVTierConfig
 from kvferry.engine.engine import LLMEngine
-from kvferry.kvstore.service import start_store
+from kvferry.kvstore.launch import start_store
 from kvferry.request import RequestStatus
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
@@ -39,7 +40,7 @@ def case(tmp_path_factory):
 def store(case):
     """A store holding ``history``'s KV (written by an engine of its own)."""
     path, _, _, history, _ = case
-    process, address = start_store(0.02)
+    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
     writer = engine(path, address, num_kv_blocks=64)
     writer.add_request("history", history, greedy(1))
     run_to_end(writer)

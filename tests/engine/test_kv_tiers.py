@@ -12,9 +12,10 @@ import time
 import pytest
 
 from kvferry import LLM, SamplingParams
+from kvferry.config import KVTierConfig
 from kvferry.kvstore.client import KVStoreClient
+from kvferry.kvstore.launch import start_store
 from kvferry.kvstore.protocol import LoadResult
-from kvferry.kvstore.service import start_store
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -34,7 +35,7 @@ def case(tmp_path_factory):
 
 @pytest.fixture
 def store():
-    process, address = start_store(0.02)
+    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
     yield process, address
     if process.poll() is None:
         process.terminate()
@@ -135,7 +136,7 @@ def test_store_killed_mid_run_keeps_serving_then_reconnects(case, store):
     process, address = store
     llm = tiered_llm(path, address)
     connector = llm.engine.core.runner.connector
-    lookups = llm.engine.core.scheduler.kv_source.stats
+    lookups = llm.engine.core.scheduler.connector.source.stats
     assert_greedy_match(hf, prompts[0], llm.generate([prompts[0]], GREEDY)[0].token_ids, expected[0])
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
@@ -152,7 +153,7 @@ def test_store_killed_mid_run_keeps_serving_then_reconnects(case, store):
     assert time.monotonic() - start < 120
     # A store comes back at the same address: the engine reconnects and
     # writes down again.
-    process2, _ = start_store(0.02, address=address)
+    process2, _ = start_store(KVTierConfig(kv_store=address, kv_dram_gb=0.02))
     try:
         wait_for(lambda: connector.store_up, "the I/O thread to reconnect")
         saved = llm.engine.stats().kv_saved_blocks
@@ -234,7 +235,8 @@ def test_resume_from_the_ssd_tier_after_dram_was_flushed(case, tmp_path):
     # DRAM of ~78 blocks over a disk tier: the conversations after turn 1
     # push its blocks down to SSD, and the next turn loads them from there.
     path, hf, prompts, expected = case
-    process, address = start_store(0.0003, disk=str(tmp_path / "kvdisk"), disk_gb=0.01)
+    process, address = start_store(KVTierConfig(kv_dram_gb=0.0003, kv_disk=str(tmp_path / "kvdisk"),
+                                                kv_disk_gb=0.01))
     try:
         writer = tiered_llm(path, address)
         history = prompts[3] + writer.generate([prompts[3]], GREEDY)[0].token_ids
@@ -281,8 +283,8 @@ def test_tier_flags_parse_and_bad_values_name_the_flag():
         "--kv-store", "ipc:///tmp/s.sock", "--max-load-tokens", "256", "--preemption-mode", "swap",
         "--kv-dram-gb", "2", "--kv-disk", "/tmp/d", "--kv-disk-gb", "10", "--kv-remote", "redis://127.0.0.1:6379/0"]))
     config = args.create_engine_config()
-    assert config.kv_tiers.store_address == "ipc:///tmp/s.sock" and config.kv_tiers.max_load_tokens == 256
-    assert config.kv_tiers.disk_gb == 10 and config.scheduler.preemption_mode == "swap"
+    assert config.kv_tiers.kv_store == "ipc:///tmp/s.sock" and config.kv_tiers.max_load_tokens == 256
+    assert config.kv_tiers.kv_disk_gb == 10 and config.scheduler.preemption_mode == "swap"
     for field, value, flag in [("preemption_mode", "sometimes", "preemption_mode"), ("max_load_tokens", -1, None),
                                ("kv_dram_gb", -1.0, None), ("kv_remote", "http://x", None),
                                ("kv_disk", "/tmp/d", "kv_disk_gb")]:

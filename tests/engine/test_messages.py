@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvferry.core.hashing import CacheScope
 from kvferry.core.kv_events import BlockRemoved, BlockStored
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.messages import (
@@ -19,8 +20,8 @@ def _request() -> EngineCoreRequest:
     params = SamplingParams(n=1, max_tokens=7, temperature=0.5, top_k=3, seed=2**63, stop=["\n\n", "END"],
                             stop_token_ids=[9], logprobs=2, include_stop_str_in_output=True)
     return EngineCoreRequest(request_id="cmpl-1#0", prompt_token_ids=[1, 2, 3], sampling_params=params,
-                             eos_token_ids=[2, 7], arrival_time=123.25, cache_namespace="tenant-a",
-                             public_cache_namespace="public", num_public_blocks=3)
+                             eos_token_ids=[2, 7], arrival_time=123.25,
+                             cache_scope=CacheScope("tenant-a", "public", num_public_blocks=3))
 
 
 def _outputs() -> EngineCoreOutputs:

@@ -32,15 +32,20 @@ def address(tmp_path):
 
 @pytest.fixture
 def store_factory(address):
-    """Start store processes (terminated at the end); returns (process, address)."""
-    from kvferry.kvstore.service import start_store
+    """Start store processes (terminated at the end); returns (process, address).
+    ``kv_disk``, ``kv_disk_gb``, ``kv_remote``: the store's cold tiers."""
+    from kvferry.config import KVTierConfig
+    from kvferry.kvstore.launch import start_store
     from tests.kvstore.store_helpers import BLOCK_NBYTES, gb
 
     started = []
 
     def start(num_blocks: int = 16, *, block_nbytes: int | None = BLOCK_NBYTES, at: str | None = None,
-              extra_args: list[str] | None = None, **kwargs):
-        proc, addr = start_store(gb(num_blocks), address=at or address, block_nbytes=block_nbytes,
+              extra_args: list[str] | None = None, kv_disk: str = "", kv_disk_gb: float = 0.0,
+              kv_remote: str = "", **kwargs):
+        tiers = KVTierConfig(kv_store=at or address, kv_dram_gb=gb(num_blocks), kv_disk=kv_disk,
+                             kv_disk_gb=kv_disk_gb, kv_remote=kv_remote)
+        proc, addr = start_store(tiers, block_nbytes=block_nbytes,
                                  extra_args=["--check-integrity", *(extra_args or [])], **kwargs)
         started.append(proc)
         return proc, addr

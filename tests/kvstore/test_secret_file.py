@@ -68,7 +68,7 @@ def test_racing_starts_agree_on_one_secret(tmp_path):
 
 def test_a_store_without_a_secret_file_opens_its_disk_after_a_restart(store_factory, clients, tmp_path):
     disk = tmp_path / "ssd"
-    proc, address = store_factory(2, disk=str(disk), disk_gb=gb(64))
+    proc, address = store_factory(2, kv_disk=str(disk), kv_disk_gb=gb(64))
     client = clients(address, timeout_s=0.3)
     for i in range(6):
         slots = client.reserve([key(i)], [A])
@@ -81,7 +81,7 @@ def test_a_store_without_a_secret_file_opens_its_disk_after_a_restart(store_fact
     proc.terminate()
     assert proc.wait(10) == 0
     assert stat.S_IMODE((disk / "cache-secret").stat().st_mode) == 0o600
-    store_factory(2, disk=str(disk), disk_gb=gb(64))
+    store_factory(2, kv_disk=str(disk), kv_disk_gb=gb(64))
     deadline = time.monotonic() + 5
     while not client.connected:
         assert time.monotonic() < deadline

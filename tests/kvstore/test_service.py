@@ -255,8 +255,9 @@ def test_the_store_exits_when_the_process_that_started_it_dies(tmp_path):
     address = f"ipc://{tmp_path}/orphan.sock"
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from kvferry.kvstore.service import start_store
-        proc, _ = start_store({gb(4)}, address={address!r}, block_nbytes={BLOCK_NBYTES})
+        from kvferry.config import KVTierConfig
+        from kvferry.kvstore.launch import start_store
+        proc, _ = start_store(KVTierConfig(kv_store={address!r}, kv_dram_gb={gb(4)}), block_nbytes={BLOCK_NBYTES})
         print(proc.pid, flush=True)
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True, env=os.environ)

@@ -15,8 +15,10 @@ import pytest
 import zmq
 
 from kvferry import peer_auth
+from kvferry.config import KVTierConfig
 from kvferry.kvstore import protocol as p
-from kvferry.kvstore.service import ipc_address, start_store
+from kvferry.kvstore.launch import start_store
+from kvferry.kvstore.service import ipc_address
 from kvferry.kvstore.tier import BlockOwner
 
 from tests.kvstore.redis_server import free_port
@@ -58,8 +60,8 @@ def raw_request(address: str, request: p._Req) -> p.Reply:
 def test_the_socket_file_is_private_under_umask_000_and_removed_at_shutdown(tmp_path, default_address):
     old = os.umask(0)  # the store inherits it: before the fix its socket was 0777
     try:
-        proc, address = start_store(gb(4), block_nbytes=BLOCK_NBYTES,
-                                    address=None if default_address else f"ipc://{tmp_path}/store.sock")
+        at = "" if default_address else f"ipc://{tmp_path}/store.sock"
+        proc, address = start_store(KVTierConfig(kv_store=at, kv_dram_gb=gb(4)), block_nbytes=BLOCK_NBYTES)
     finally:
         os.umask(old)
     try:
@@ -128,7 +130,7 @@ def test_a_store_given_a_cache_secret_file_expects_the_token_derived_from_it(tmp
     secret.write_text("a cache secret of at least sixteen bytes\n")
     address = f"ipc://{tmp_path}/apart.sock"
     env = {k: v for k, v in os.environ.items() if k != peer_auth.SECRET_ENV}  # nothing inherited
-    store = subprocess.Popen([sys.executable, "-m", "kvferry.kvstore.service", "--address", address, "--dram-gb",
+    store = subprocess.Popen([sys.executable, "-m", "kvferry.kvstore.service", "--address", address, "--kv-dram-gb",
                               str(gb(4)), "--block-nbytes", str(BLOCK_NBYTES), "--cache-secret-file", str(secret)],
                              env=env)
     client_code = f"""

@@ -46,7 +46,7 @@ def secret_file(tmp_path) -> str:
 
 def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(store_factory, clients, tmp_path, secret_file):
     disk = tmp_path / "ssd"
-    _, address = store_factory(8, disk=str(disk), disk_gb=gb(64), cache_secret_file=secret_file)
+    _, address = store_factory(8, kv_disk=str(disk), kv_disk_gb=gb(64), cache_secret_file=secret_file)
     client = clients(address)
     for i in range(14):
         save(client, [key(i)], A, [i])
@@ -66,14 +66,14 @@ def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(store_factory, client
 
 def test_the_disk_tier_survives_a_store_restart(store_factory, clients, tmp_path, secret_file):
     disk = tmp_path / "ssd"
-    proc, address = store_factory(2, disk=str(disk), disk_gb=gb(64), cache_secret_file=secret_file)
+    proc, address = store_factory(2, kv_disk=str(disk), kv_disk_gb=gb(64), cache_secret_file=secret_file)
     client = clients(address, timeout_s=0.3)
     for i in range(6):
         save(client, [key(i)], A, [i])
     wait_written_back(client, 4)
     proc.terminate()
     assert proc.wait(10) == 0
-    store_factory(2, disk=str(disk), disk_gb=gb(64), cache_secret_file=secret_file)
+    store_factory(2, kv_disk=str(disk), kv_disk_gb=gb(64), cache_secret_file=secret_file)
     deadline = time.monotonic() + 5
     while not client.connected:
         assert time.monotonic() < deadline
@@ -87,7 +87,7 @@ def test_the_disk_tier_survives_a_store_restart(store_factory, clients, tmp_path
 def test_a_corrupted_block_on_disk_ends_the_load_there_and_is_quarantined(store_factory, clients, tmp_path,
                                                                           secret_file):
     disk = tmp_path / "ssd"
-    _, address = store_factory(4, disk=str(disk), disk_gb=gb(64), cache_secret_file=secret_file)
+    _, address = store_factory(4, kv_disk=str(disk), kv_disk_gb=gb(64), cache_secret_file=secret_file)
     client = clients(address)
     for i in range(8):
         save(client, [key(i)], A, [i])
@@ -112,7 +112,7 @@ def test_a_corrupted_block_on_disk_ends_the_load_there_and_is_quarantined(store_
 
 
 def test_retained_blocks_are_demoted_to_disk_not_dropped(store_factory, clients, tmp_path, secret_file):
-    _, address = store_factory(4, disk=str(tmp_path / "ssd"), disk_gb=gb(64), cache_secret_file=secret_file)
+    _, address = store_factory(4, kv_disk=str(tmp_path / "ssd"), kv_disk_gb=gb(64), cache_secret_file=secret_file)
     client = clients(address)
     save(client, [key(0), key(1)], A, [0, 1])
     assert client.retain([key(0), key(1)], A, 60) == 2
@@ -130,7 +130,7 @@ def test_only_reused_blocks_reach_the_remote_tier(store_factory, clients, tmp_pa
     redis = RedisServer(tmp_path)
     redis.start()
     try:
-        _, address = store_factory(2, remote=redis.url, cache_secret_file=secret_file,
+        _, address = store_factory(2, kv_remote=redis.url, cache_secret_file=secret_file,
                                    extra_args=["--remote-min-hits", "1"])
         client = clients(address)
         save(client, [key(0), key(1)], A, [0, 1])
@@ -142,7 +142,7 @@ def test_only_reused_blocks_reach_the_remote_tier(store_factory, clients, tmp_pa
         assert client.lookup([key(0)]) == 1 and client.lookup([key(1)]) == 0
 
         # Another node's store with the same remote (and secret) finds it.
-        _, other_address = store_factory(2, at=address + "-node2", remote=redis.url, cache_secret_file=secret_file)
+        _, other_address = store_factory(2, at=address + "-node2", kv_remote=redis.url, cache_secret_file=secret_file)
         other = clients(other_address)
         result = load(other, [key(0)])
         np.testing.assert_array_equal(other.arena()[result.slots[0]], block_bytes(0))
@@ -156,7 +156,7 @@ def test_a_redis_outage_leaves_dram_and_disk_serving(store_factory, clients, tmp
     redis = RedisServer(tmp_path)
     redis.start()
     try:
-        _, address = store_factory(2, disk=str(tmp_path / "ssd"), disk_gb=gb(64), remote=redis.url,
+        _, address = store_factory(2, kv_disk=str(tmp_path / "ssd"), kv_disk_gb=gb(64), kv_remote=redis.url,
                                    cache_secret_file=secret_file, extra_args=["--remote-min-hits", "0"])
         client = clients(address)
         redis.kill()
@@ -177,7 +177,7 @@ def test_a_redis_outage_leaves_dram_and_disk_serving(store_factory, clients, tmp
 
 def test_loading_a_block_that_is_being_written_again_is_a_miss_not_a_crash(store_factory, clients, tmp_path,
                                                                          secret_file):
-    _, address = store_factory(3, disk=str(tmp_path / "ssd"), disk_gb=gb(64), cache_secret_file=secret_file)
+    _, address = store_factory(3, kv_disk=str(tmp_path / "ssd"), kv_disk_gb=gb(64), cache_secret_file=secret_file)
     writer, reader = clients(address), clients(address)
     for i in range(4):
         save(writer, [key(i)], A, [i])

@@ -73,7 +73,7 @@ def test_concurrent_clients_under_pressure_only_ever_read_what_was_written(store
     secret.write_bytes(SECRET)
     keys = tmp_path / "keys.json"
     keys.write_text('{"a": {"tenant": "acme", "quota": {"dram_gb": %r}}}' % gb(10))
-    _, address = store_factory(16, disk=str(tmp_path / "ssd"), disk_gb=gb(40), cache_secret_file=str(secret),
+    _, address = store_factory(16, kv_disk=str(tmp_path / "ssd"), kv_disk_gb=gb(40), cache_secret_file=str(secret),
                                api_keys=str(keys), extra_args=["--public-dram-gb", repr(gb(4))])
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, address, str(seed), "200"], stdout=subprocess.PIPE,
                                 text=True, env=os.environ) for seed in range(3)]

@@ -77,7 +77,7 @@ def test_no_tenant_name_on_disk_or_in_redis_and_loads_work_across_restarts(store
     server = RedisServer(tmp_path)
     server.start()
     try:
-        tiers = dict(disk=str(disk), disk_gb=gb(64), remote=server.url, cache_secret_file=str(secret_file),
+        tiers = dict(kv_disk=str(disk), kv_disk_gb=gb(64), kv_remote=server.url, cache_secret_file=str(secret_file),
                      extra_args=["--remote-min-hits", "0"])  # every eviction goes to Redis too
         proc, address = store_factory(2, **tiers)
         client = clients(address, timeout_s=0.5)
@@ -105,7 +105,7 @@ def test_no_tenant_name_on_disk_or_in_redis_and_loads_work_across_restarts(store
         client.release(result.ticket)
 
         # Another node's store (Redis only, same secret) loads them from Redis.
-        _, node2 = store_factory(4, at=address + "-node2", remote=server.url, cache_secret_file=str(secret_file))
+        _, node2 = store_factory(4, at=address + "-node2", kv_remote=server.url, cache_secret_file=str(secret_file))
         other = clients(node2)
         result = load(other, [key(2), key(3)])
         assert len(result.slots) == 2

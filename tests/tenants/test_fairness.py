@@ -6,6 +6,7 @@ import pytest
 
 from kvferry.config import SchedulerConfig
 from kvferry.core.fairness import TenantFairness
+from kvferry.core.hashing import CacheScope
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler
 from kvferry.request import Request
@@ -20,8 +21,8 @@ def make(num_blocks=256, block_size=4, max_num_seqs=2, budget=64) -> Scheduler:
 
 def req(rid: str, tenant: str, n_prompt: int = 8, max_tokens: int = 4, weight: float = 1.0, start: int = 0) -> Request:
     tokens = list(range(start, start + n_prompt))
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), tenant=tenant,
-                   tenant_weight=weight)
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   cache_scope=CacheScope(tenant=tenant, tenant_weight=weight))
 
 
 def run_to_completion(s: Scheduler, max_steps: int = 2000) -> list[str]:

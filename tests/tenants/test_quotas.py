@@ -3,6 +3,7 @@ share its quota, the tenant most over its share loses blocks first, every
 eviction is counted against its owner, and a purge drops only unused blocks."""
 from __future__ import annotations
 
+from kvferry.core.hashing import CacheScope
 from kvferry.core.kv_manager import OWNER_STAT_FIELDS, KVCacheManager
 from kvferry.request import Request
 from kvferry.sampling import SamplingParams
@@ -14,8 +15,8 @@ EVICTED = OWNER_STAT_FIELDS.index("evicted_blocks")
 def tenant_request(rid: str, tenant: str, first: int, ns: str | None = None, quota: int | None = None,
                    weight: float = 1.0, num_blocks: int = 4) -> Request:
     tokens = list(range(first, first + 4 * num_blocks)) + [7]  # num_blocks private blocks of 4
-    return Request(rid, tokens, SamplingParams(max_tokens=1), cache_namespace=ns or f"ns-{tenant}",
-                   cache_quota_blocks=quota, tenant=tenant, tenant_weight=weight)
+    scope = CacheScope(ns or f"ns-{tenant}", quota_blocks=quota, tenant=tenant, tenant_weight=weight)
+    return Request(rid, tokens, SamplingParams(max_tokens=1), cache_scope=scope)
 
 
 def test_a_tenants_salted_namespaces_share_its_quota():

@@ -47,15 +47,14 @@ def test_scope_rejects_public_blocks_without_a_namespace():
 
 
 def request(rid: str, ns: str, public_blocks: int = 0, writes: bool = False, tokens=None) -> Request:
-    return Request(rid, list(tokens or TOKENS) + [7], SamplingParams(max_tokens=1), cache_namespace=ns,
-                   public_cache_namespace="pub" if public_blocks else "", num_public_blocks=public_blocks,
-                   writes_public_blocks=writes)
+    scope = CacheScope(ns, "pub" if public_blocks else "", public_blocks, writes_public=writes)
+    return Request(rid, list(tokens or TOKENS) + [7], SamplingParams(max_tokens=1), cache_scope=scope)
 
 
 def declaration(rid: str = "decl", public_blocks: int = 2) -> Request:
     """A declaration's own prefill: the prefix alone, in the public namespace."""
-    return Request(rid, list(TOKENS[: public_blocks * 4]), SamplingParams(max_tokens=1), cache_namespace="pub",
-                   public_cache_namespace="pub", num_public_blocks=public_blocks, writes_public_blocks=True)
+    return Request(rid, list(TOKENS[: public_blocks * 4]), SamplingParams(max_tokens=1),
+                   cache_scope=CacheScope("pub", "pub", public_blocks, writes_public=True))
 
 
 def run_prefill(kv: KVCacheManager, req: Request) -> int:
@@ -104,7 +103,7 @@ def test_a_reader_never_publishes_public_blocks_and_they_stay_pinned():
     assert len(public_ids) == 4
     for i in range(8):
         run_prefill(kv, Request(f"f{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 20)),
-                                SamplingParams(max_tokens=1), cache_namespace="ns-f"))
+                                SamplingParams(max_tokens=1), cache_scope=CacheScope("ns-f")))
     assert all(kv.pool.blocks[i].block_hash is not None for i in public_ids)
     assert run_prefill(kv, request("c1", "ns-c", public_blocks=4)) == 16
     # A purge of the public pool lets them go.
@@ -137,7 +136,7 @@ def test_namespaces_are_keyed_by_the_secret_and_salt_only_narrows():
 
 def quota_request(rid: str, ns: str, first: int, quota: int | None) -> Request:
     tokens = list(range(first, first + 16)) + [7]  # four private blocks of 4
-    return Request(rid, tokens, SamplingParams(max_tokens=1), cache_namespace=ns, cache_quota_blocks=quota)
+    return Request(rid, tokens, SamplingParams(max_tokens=1), cache_scope=CacheScope(ns, quota_blocks=quota))
 
 
 def test_quota_refuses_writes_past_it_and_counts_them():
@@ -168,7 +167,7 @@ def test_owner_over_a_lowered_quota_is_evicted_first():
     # The next allocations (8 plain blocks, then 3 more) evict them before
     # b's older blocks (LRU alone would take b's).
     assert kv.pool.counts()["free"] == 8
-    run_prefill(kv, Request("c1", list(range(1, 42)), SamplingParams(max_tokens=1), cache_namespace="ns-c"))
+    run_prefill(kv, Request("c1", list(range(1, 42)), SamplingParams(max_tokens=1), cache_scope=CacheScope("ns-c")))
     assert len(kv.owned["ns-a"]) == 1 and len(kv.owned["ns-b"]) == 4
     assert run_prefill(kv, quota_request("b2", "ns-b", 300, quota=None)) == 16
     kv.check_integrity()

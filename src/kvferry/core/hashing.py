@@ -23,6 +23,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
+import msgspec
+
 BlockHash = bytes
 
 ROOT_PARENT: BlockHash = hashlib.sha256(b"kvferry-root-v1").digest()
@@ -41,11 +43,18 @@ class ExtraKeys:
                 + _tagged(b"kvdtype", self.kv_dtype.encode()))
 
 
-@dataclass(frozen=True, slots=True)
-class CacheScope:
+class CacheScope(msgspec.Struct, frozen=True, omit_defaults=True):
     """Where a request's blocks live: its first ``num_public_blocks`` blocks
     (wholly inside a declared public prefix) in ``public_namespace``, every
-    other block in ``namespace``. Set by the server, never by a client."""
+    other block in ``namespace``. Set by the server, never by a client.
+
+    Built once on the front end (serve/public_prefixes.py ``CachePolicy``
+    from the authenticated tenant), it crosses to the core whole as
+    ``EngineCoreRequest.cache_scope`` and the core's ``Request`` holds it,
+    so no hop can drop or reorder one of its fields. A Struct so that it
+    encodes natively with the messages; ``omit_defaults`` keeps the
+    one-tenant case (every field at its default) an empty map on the wire.
+    Validated wherever it is built, decoding included."""
 
     namespace: str = ""
     public_namespace: str = ""
@@ -57,7 +66,8 @@ class CacheScope:
     # quotas, eviction fairness, tier encryption keys and per-tenant stats
     # are per tenant, whatever cache salt narrowed the namespace.
     tenant: str = ""
-    # The tenant's weight in fair admission (travels with the scope to the core).
+    # The tenant's weight in fair admission, preemption and eviction
+    # (core/fairness.py, core/kv_manager.py).
     tenant_weight: float = 1.0
     # Whether this request may write the public blocks: only a declaration's
     # own prefill does. Every other request reads public blocks that are
@@ -70,9 +80,15 @@ class CacheScope:
             raise ValueError(f"num_public_blocks must be >= 0, got {self.num_public_blocks}")
         if self.num_public_blocks and not self.public_namespace:
             raise ValueError("public_namespace must be set when num_public_blocks > 0")
+        if not self.tenant_weight > 0:
+            raise ValueError(f"tenant_weight must be > 0, got {self.tenant_weight}")
 
     def namespace_of(self, block_index: int) -> str:
         return self.public_namespace if block_index < self.num_public_blocks else self.namespace
+
+    def replace(self, **changes) -> "CacheScope":
+        """A copy with ``changes`` (validated like a new scope)."""
+        return msgspec.structs.replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,7 +100,7 @@ class KVCacheManager:
 
     # -- hashing ---------------------------------------------------------
     def _scope(self, request: Request) -> CacheScope:
-        return CacheScope(request.cache_namespace, request.public_cache_namespace, request.num_public_blocks)
+        return request.cache_scope
 
     def _settle_public_scope(self, request: Request) -> None:
         """Whether a reader of a public prefix keeps its public blocks.

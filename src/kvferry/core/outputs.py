@@ -8,7 +8,7 @@ Each step the scheduler sends deltas, never whole histories::
                                            tokens the runner did not sample itself
       num_scheduled_tokens                 tokens to compute per request (drafts included)
       spec_token_ids                       k draft tokens per request, verified by the runner
-      kv_orders         KVOrders           swap out / swap in / load / save / send, run before the forward
+      kv_orders         KVOrders           the KV connector's orders: swap, load, save, receive, stream
       finished_request_ids, preempted_request_ids
 
     RunnerOutput
@@ -77,13 +77,12 @@ class SwapOrder:
 
 @dataclass(slots=True)
 class TransferOrder:
-    """Move whole blocks between the device pool and somewhere outside the
-    runner: a tier (``keys`` are block hashes) or another worker (``peer``)."""
+    """Move whole blocks between the device pool and a tier (``keys`` are
+    the blocks' hashes)."""
 
     request_id: str  # the request's id, or an I/O id (a save: one request may have several in flight)
     device_block_ids: list[int]
     keys: list[bytes] = field(default_factory=list)
-    peer: str = ""
     # Whose blocks (tier quotas, encryption keys): the first
     # ``num_public_blocks`` keys lie in a public prefix, the rest are the tenant's.
     tenant: str = ""
@@ -131,14 +130,13 @@ class KVOrders:
     swap_in: list[SwapOrder] = field(default_factory=list)
     load: list[TransferOrder] = field(default_factory=list)
     save: list[TransferOrder] = field(default_factory=list)
-    send: list[TransferOrder] = field(default_factory=list)
-    # Prefill/decode disaggregation (kvferry.disagg): run by the transfer
-    # agent, not the connector; streams run during the forward pass.
+    # Prefill/decode disaggregation: receives are registered before the
+    # forward pass, streams run during it (layer by layer).
     receive: list[ReceiveOrder] = field(default_factory=list)
     stream: list[StreamOrder] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.load or self.save or self.send)
+        return bool(self.swap_out or self.swap_in or self.load or self.save or self.receive or self.stream)
 
 
 @dataclass(slots=True)

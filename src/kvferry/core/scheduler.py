@@ -8,53 +8,38 @@ token each, plus drafts), then waiting ones are admitted with whatever budget
 is left, chunking long prompts, in weighted fair order between tenants
 (``core/fairness.py``; FCFS with one tenant). When blocks run out, the most
 recently admitted running request of the most-served tenant is preempted
-(with one tenant: the most recently admitted): its KV is swapped out to host memory
-when the swap space has room, otherwise its blocks are freed and it is
+(with one tenant: the most recently admitted): its KV connector may keep its
+KV (host swap, the node store), otherwise its blocks are freed and it is
 recomputed from its (prefix-cached) tokens later. Neither changes a greedy
 output.
 
-With a KV store below the device pool (``write_down``), every newly full
-block, generated tokens' included, is ordered saved after the step that
-wrote it; its device block stays pinned until the runner reports the save
-done. A finished request that asked for ``kv_retention_s`` has its blocks
-retained in the store once its saves are done.
+KV that comes from outside the device pool (a swap space, the node's
+store, a prefill core) is the KV connector's business
+(``core/kv_connector``): the scheduler asks it how many tokens it can
+supply, allocates their blocks, and parks a request whose load is
+asynchronous until the load completes (``loading``). Queued requests start
+such loads ahead of admission (``core/load_ahead.py``).
 
 Entry points: ``add_request``, ``schedule`` -> SchedulerOutput,
 ``update_from_output`` -> list[EngineCoreOutput], ``finish_requests``.
 """
 from __future__ import annotations
 
+import enum
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvferry.config import SchedulerConfig
 from kvferry.core.fairness import TenantFairness
+from kvferry.core.kv_connector import KVConnectorScheduler, ExternalTokens, NO_EXTERNAL_TOKENS, kv_role
 from kvferry.core.kv_manager import KVCacheManager, PrefixHit
-from kvferry.core.outputs import (
-    CachedRequestData,
-    NewRequestData,
-    ReceiveOrder,
-    RunnerOutput,
-    SchedulerOutput,
-    StreamOrder,
-    SwapOrder,
-    TransferOrder,
-)
-from kvferry.core.swap_space import HostSwapSpace
-from kvferry.core.tier_source import StoreKVSource, TierLookupStats
+from kvferry.core.load_ahead import LoadAhead
+from kvferry.core.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from kvferry.core.stats import SchedulerStats
-from kvferry.messages import EngineCoreOutput, KVDestination, KVTransferParams
+from kvferry.messages import EngineCoreOutput
 from kvferry.request import FINISH_REASON, Request, RequestStatus
-
-
-class _Skip:
-    """``_admit`` result: leave the request queued, try the next one."""
-
-
-_SKIP = _Skip()
 
 
 class DraftProposer(Protocol):
@@ -75,44 +60,29 @@ class DraftBudget(Protocol):
     def forget(self, request_id: str) -> None: ...
 
 
-class ExternalKVSource(Protocol):
-    """Scheduler side of a KV source outside the device pool (a tier, a
-    prefill worker). The runner's KVConnector executes the load orders."""
-
-    def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens after ``num_computed_tokens`` whose KV can be loaded; a
-        multiple of the block size, leaving at least the last prompt token
-        to compute."""
-        ...
+class AdmitOutcome(enum.Enum):
+    SCHEDULED = "scheduled"  # runs this step
+    LEFT_QUEUE = "left_queue"  # finished, or waits for its KV now: not running
+    TOO_LONG = "too_long"  # its whole prompt must run at once and exceeds the budget left
+    NO_BLOCKS = "no_blocks"  # the pool cannot take it now
 
 
-@dataclass(slots=True)
-class KVTransferSettings:
-    """This core's side of prefill/decode disaggregation (from the engine
-    core once its transfer socket and KV pool exist)."""
-
-    address: str  # the transfer socket a prefill core connects to
-    shm_name: str  # the KV pool's shared-memory segment ("": none)
-    timeout_s: float  # the lease of each transfer
-    recompute_on_failure: bool  # else finish the request with an error
+@dataclass(frozen=True, slots=True)
+class Admission:
+    outcome: AdmitOutcome
+    num_tokens: int = 0  # scheduled this step (drafts included)
 
 
-def first_decode_step(request: Request, swapped: "SwappedKV | None", hit: "PrefixHit") -> bool:
+_LEFT_QUEUE = Admission(AdmitOutcome.LEFT_QUEUE)
+_TOO_LONG = Admission(AdmitOutcome.TOO_LONG)
+_NO_BLOCKS = Admission(AdmitOutcome.NO_BLOCKS)
+
+
+def first_decode_step(request: Request, resumed_tokens: int, hit: PrefixHit) -> bool:
     """Admitted with its whole context's KV already in place but for the
     newest token (a decode-role request resumed with received KV)."""
-    return (swapped is None and hit.num_tokens == 0 and request.num_output_tokens > 0
+    return (resumed_tokens == 0 and hit.num_tokens == 0 and request.num_output_tokens > 0
             and request.num_tokens - request.num_computed_tokens == 1)
-
-
-def _role(request: Request) -> str:
-    params = request.kv_transfer
-    return params.role if isinstance(params, KVTransferParams) else ""
-
-
-@dataclass(slots=True)
-class SwappedKV:
-    host_slots: list[int]
-    num_tokens: int  # computed tokens whose KV the slots hold
 
 
 class Scheduler:
@@ -120,52 +90,25 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
-        swap_space: HostSwapSpace | None = None,
-        kv_source: ExternalKVSource | None = None,
+        connector: KVConnectorScheduler | None = None,
         proposer: DraftProposer | None = None,
         num_speculative_tokens: int = 0,
         draft_budget: DraftBudget | None = None,
-        write_down: bool = False,
     ) -> None:
         self.config = config
         self.kv = kv
-        self.swap_space = swap_space
-        self.kv_source = kv_source
+        self.connector = connector or KVConnectorScheduler()
+        self.connector.bind(self)
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_budget = draft_budget
-        # Save full blocks to the node's KV store (kv_source: a StoreKVSource).
-        self.write_down = write_down
         self.requests: dict[str, Request] = {}
         self.fairness = TenantFairness()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.swapped: dict[str, SwappedKV] = {}
-        self.loading: dict[str, int] = {}  # request id -> external tokens in flight
-        # Load at arrival: queued requests whose tier hits were looked up
-        # ahead of admission -> the end (in tokens) of what the store held
-        # then; and the requests holding blocks loaded ahead (not running yet).
-        self._ahead_held: dict[str, int] = {}
-        self._loaded_ahead: set[str] = set()
-        self.num_loads_ahead = 0
-        # Disaggregation: this core's transfer settings (None: off), and per
-        # prefill-role request the first of its blocks not yet sent whole.
-        self.kv_transfer: KVTransferSettings | None = None
-        self._streams: dict[str, int] = {}
-        # Sends of finished requests' KV, ordered with the next step.
-        self._pending_sends: list[TransferOrder] = []
-        # Write-down: saves ordered with the next step, saves in flight (I/O
-        # id -> request id), blocks per request already saved or ordered
-        # (block positions, kept across preemption), and finished requests'
-        # retentions waiting for their saves: request id -> (blocks, seconds).
-        self._pending_saves: list[TransferOrder] = []
-        self._saves: dict[str, str] = {}
-        self._num_saved_blocks: dict[str, int] = {}
-        self._retain_after_save: dict[str, tuple[Request, int, float]] = {}
-        self._next_save_id = 0
+        self.loading: dict[str, int] = {}  # request id -> external tokens in flight (asynchronous loads)
+        self.ahead = LoadAhead(self)
         self.num_loaded_tokens = 0
-        self.num_partial_loads = 0
-        self.num_saved_blocks = 0
         self._finished_since_step: list[str] = []
         # What the runner's batch row holds per request: block count and
         # token count. A preempted request loses its row (re-sent in full).
@@ -178,13 +121,16 @@ class Scheduler:
         # next update_from_output.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
-        self.num_swapped_out = 0
         self.num_drafts = 0  # verified proposals
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos: list[int] = []  # [k_max]: drafts accepted at each position
         self.num_prompt_tokens_computed = 0  # target forward positions inside a prompt
         self.num_draft_prompt_tokens_computed = 0  # the draft model's (runner-reported)
+
+    @property
+    def num_loads_ahead(self) -> int:
+        return self.ahead.num_loads_ahead
 
     # -- intake ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -200,23 +146,21 @@ class Scheduler:
         self.fairness.on_arrival(request)
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or KV sends still to order or to complete (the
+        """Requests to run, or KV I/O still to order or to complete (the
         engine must keep stepping to collect their completions)."""
-        return bool(self.waiting or self.running or self._pending_sends or self.kv.delayed_free
-                    or self._pending_saves or self._saves)
+        return bool(self.waiting or self.running or self.kv.delayed_free or self.connector.has_pending())
 
     # -- planning ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_since_step)
         self._finished_since_step = []
-        out.kv_orders.send, self._pending_sends = self._pending_sends, []
-        out.kv_orders.save, self._pending_saves = self._pending_saves, []
+        self.connector.start_step(out.kv_orders)
         self.propose()
         budget = self.config.max_num_batched_tokens
         budget, preempted = self._schedule_running(out, budget)
         if not preempted:
             self._schedule_waiting(out, budget)
-            self._load_ahead(out)
+            self.ahead.start_loads(out)
         return out
 
     def propose(self) -> None:
@@ -274,10 +218,10 @@ class Scheduler:
                 if not self.kv.can_fit(request.num_computed_tokens + num_new):
                     # Alone it would need more blocks than the pool has:
                     # preempting others cannot help, and retrying would spin.
-                    self._finish(request, RequestStatus.FINISHED_ERROR)
-                    self._pending_outputs.append(self._core_output(request, []))
+                    self.finish(request, RequestStatus.FINISHED_ERROR)
+                    self._pending_outputs.append(self.core_output(request, []))
                     break
-                if self._release_loaded_ahead():
+                if self.ahead.release():
                     continue  # blocks a queued request loaded ahead: cheaper to give up than a running one
                 # Only requests not yet scheduled this step (index >= i) may go.
                 victim = self.fairness.pick_victim(self.running[i:])
@@ -298,287 +242,79 @@ class Scheduler:
                 break
             if request.status == RequestStatus.WAITING_FOR_KV:
                 continue  # its own KV is in flight; the rest of the queue is not blocked by that
-            admitted = self._admit(out, request, budget)
-            while admitted is None and self._release_loaded_ahead(keep=request):
-                admitted = self._admit(out, request, budget)  # a request behind it had loaded ahead
-            if admitted is _SKIP:
-                continue  # too long for the budget left; a shorter one behind may fit
-            if admitted is None:
-                break  # no blocks: every request behind it needs blocks too (fair order)
-            if admitted == 0:
-                continue  # left the queue (finished, or now waiting for KV)
+            admission = self._admit(out, request, budget)
+            while admission.outcome is AdmitOutcome.NO_BLOCKS and self.ahead.release(keep=request):
+                admission = self._admit(out, request, budget)  # a request behind it had loaded ahead
+            if admission.outcome is AdmitOutcome.TOO_LONG:
+                continue  # a shorter one behind may fit
+            if admission.outcome is AdmitOutcome.NO_BLOCKS:
+                break  # every request behind it needs blocks too (fair order)
+            if admission.outcome is AdmitOutcome.LEFT_QUEUE:
+                continue
             self.waiting.remove(request)
-            budget -= admitted
+            budget -= admission.num_tokens
 
-    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int | None | _Skip:
-        """Try to start or resume ``request``. Returns the tokens it was
-        scheduled for, 0 if it left the runnable set without running, _SKIP
-        if its whole prompt must run at once and exceeds the budget left, or
-        None if there are no blocks for it."""
-        swapped = self.swapped.get(request.request_id)
+    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> Admission:
+        """Try to start or resume ``request``: its prefix hit, then the KV
+        its connector can supply (kept across a preemption, or matched past
+        the hit), then blocks for all of it and this step's tokens."""
+        rid = request.request_id
+        resumed_tokens = self.connector.resume_tokens(request) if request.num_computed_tokens == 0 else 0
         # (A decode-role request whose transfer failed holds its blocks
         # already: it recomputes into them, with no second lookup.)
-        first = request.num_computed_tokens == 0 and swapped is None and request.request_id not in self.kv.req_blocks
+        first = request.num_computed_tokens == 0 and not resumed_tokens and rid not in self.kv.req_blocks
         hit = self.kv.find_prefix_hit(request) if first else PrefixHit()
-        if first and _role(request) == "decode":
-            return self._admit_decode(out, request, hit)
-        num_external = swapped.num_tokens if swapped else 0
-        load_async = 0
-        if first and self.kv_source is not None:
-            load_async = self.kv_source.num_matched_tokens(request, hit.num_tokens)
-        num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens - num_external - load_async
+        if resumed_tokens:
+            external = ExternalTokens(resumed_tokens, is_async=False)
+        elif first:
+            external = self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
+        else:
+            external = NO_EXTERNAL_TOKENS
+        num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens - external.num_tokens
         # Without chunked prefill a prompt runs whole. A resumed request
         # (preempted after generating) may recompute in chunks: that is
         # invisible to its output, and its prompt + output can exceed the
         # budget, so it would otherwise never run again.
-        resumed = request.num_output_tokens > 0
-        if num_new > budget and not self.config.enable_chunked_prefill and not resumed:
-            return _SKIP
-        num_new = 0 if load_async else min(num_new, budget)
-        drafts = self._admission_drafts(request, num_new, budget) if first_decode_step(request, swapped, hit) else []
-        new = self.kv.allocate_slots(request, num_new + len(drafts), hit,
-                                     num_external_tokens=num_external + load_async)
+        if num_new > budget and not self.config.enable_chunked_prefill and request.num_output_tokens == 0:
+            return _TOO_LONG
+        num_new = 0 if external.is_async else min(num_new, budget)
+        drafts = (self._admission_drafts(request, num_new, budget)
+                  if first_decode_step(request, resumed_tokens, hit) else [])
+        new = self.kv.allocate_slots(request, num_new + len(drafts), hit, num_external_tokens=external.num_tokens)
         if new is None:
-            total = request.num_computed_tokens + hit.num_tokens + num_external + load_async + num_new
+            total = request.num_computed_tokens + hit.num_tokens + external.num_tokens + num_new
             if not self.running and not self.kv.can_fit(total):
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                self._pending_outputs.append(self._core_output(request, []))
-                return 0
-            return None
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                self._pending_outputs.append(self.core_output(request, []))
+                return _LEFT_QUEUE
+            return _NO_BLOCKS
         request.num_computed_tokens += hit.num_tokens
         if request.num_cached_tokens is None:
             request.num_cached_tokens = hit.num_tokens
             self.kv.record_lookup(request, hit)
-        if self.write_down:
-            # Blocks hit on the device were saved when they were computed,
-            # and loaded ones come from the store: neither is saved again.
-            saved = (request.num_computed_tokens + load_async) // self.kv.block_size
-            self._num_saved_blocks[request.request_id] = max(self._num_saved_blocks.get(request.request_id, 0), saved)
-        if load_async:
-            self._start_load(out, request, load_async)
-            return 0
-        if swapped is not None:
-            self._swap_in(out, request, swapped)
+        dest = self.connector.update_state_after_alloc(request, external, out.kv_orders)
+        if external.is_async:
+            self.wait_for_load(request, external.num_tokens)
+            if dest is not None:  # tell the front end where the KV goes, now
+                output = self.core_output(request, [])
+                output.kv_destination = dest
+                self._pending_outputs.append(output)
+            return _LEFT_QUEUE
+        # Synchronous: the KV is in place before this step's forward pass.
+        request.num_computed_tokens += external.num_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        self._forget_ahead(request.request_id)
+        self.ahead.forget(rid)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._emit(out, request, num_new, drafts)
-        return num_new + len(drafts)
+        return Admission(AdmitOutcome.SCHEDULED, num_new + len(drafts))
 
-    # -- disaggregation ---------------------------------------------------------
-    def _admit_decode(self, out: SchedulerOutput, request: Request, hit: PrefixHit) -> int | None:
-        """Decode role: hold blocks for the whole prompt past the prefix hit,
-        expect its KV from a prefill core, and report where it goes::
-
-            | hit (ours) |  external: written by the prefill core  |
-            '-- kept --' '-- KVDestination.block_ids --------------'
-        """
-        if self.kv_transfer is None:
-            raise RuntimeError("a decode-role request reached a core without a KV transfer socket")
-        rid, bs = request.request_id, self.kv.block_size
-        num_external = request.num_tokens - hit.num_tokens
-        if self.kv.allocate_slots(request, 0, hit, num_external_tokens=num_external) is None:
-            if not self.running and not self.kv.can_fit(request.num_tokens):
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                self._pending_outputs.append(self._core_output(request, []))
-                return 0
-            return None
-        request.num_computed_tokens += hit.num_tokens
-        request.num_cached_tokens = hit.num_tokens
-        self.kv.record_lookup(request, hit)
-        request.first_scheduled_time = time.monotonic()
-        settings = self.kv_transfer
-        deadline = time.monotonic() + settings.timeout_s
-        block_ids = self.kv.block_ids(rid)[hit.num_tokens // bs :]
-        transfer_id = f"{rid}@{uuid.uuid4().hex[:12]}"
-        out.kv_orders.receive.append(ReceiveOrder(rid, transfer_id, block_ids, deadline))
-        request.status = RequestStatus.WAITING_FOR_KV
-        self.loading[rid] = num_external
-        dest = KVDestination(transfer_id=transfer_id, address=settings.address, shm_name=settings.shm_name,
-                             block_ids=block_ids, num_cached_tokens=hit.num_tokens, block_size=bs,
-                             lease_s=settings.timeout_s, deadline=deadline)
-        output = self._core_output(request, [])
-        output.kv_destination = dest
-        self._pending_outputs.append(output)
-        return 0
-
-    def _order_stream(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        """Prefill role: stream, layer by layer during this step, every
-        block the step completes or touches that the decode core lacks (a
-        block partly written now is sent again, whole, by a later step)::
-
-            P blocks: | P's hit | computed before | this step |
-            D blocks: | D's hit |<-- sent earlier -->|<- now ->|
-        """
-        dest: KVDestination = request.kv_transfer.dest
-        rid, bs = request.request_id, self.kv.block_size
-        d_first = dest.num_cached_tokens // bs
-        lo = self._streams.get(rid, d_first)
-        end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-        hi = -(-end // bs)
-        self._streams[rid] = max(lo, end // bs)
-        block_ids = self.kv.block_ids(rid)
-        out.kv_orders.stream.append(StreamOrder(
-            request_id=rid, transfer_id=dest.transfer_id, address=dest.address, shm_name=dest.shm_name,
-            src_block_ids=block_ids[lo:hi], dst_block_ids=dest.block_ids[lo - d_first : hi - d_first],
-            all_dst_block_ids=list(dest.block_ids),
-            num_final_blocks=hi - lo if end >= request.num_prompt_tokens else end // bs - lo,
-            last=end >= request.num_prompt_tokens, lease_s=dest.lease_s, deadline=dest.deadline,
-        ))
-
-    def _apply_received(self, request: Request, num_tokens: int, first_tokens: list[int],
-                        outputs: list[EngineCoreOutput]) -> None:
-        """Decode role: the prompt's KV arrived whole and verified; resume
-        with the prefill core's first token appended (which that core
-        reported: only a finish is reported here)."""
-        request.num_computed_tokens += num_tokens
-        request.status = RequestStatus.WAITING
-        request.kv_transfer = None
-        _, stop = self._append_tokens(request, first_tokens)
-        self.kv.cache_computed_blocks(request)
-        if stop is not None:
-            self._finish(request, stop)
-            outputs.append(self._core_output(request, []))
-
-    def _transfer_failed(self, request: Request, reason: str, first_tokens: list[int],
-                         outputs: list[EngineCoreOutput]) -> None:
-        """Decode role: never decode from partial KV. Recompute the prompt
-        here (its blocks stay; nothing past the prefix hit was published),
-        or end the request with the reason.
-
-        ``first_tokens``: the prefill core's first token when its Done
-        arrived (only the KV failed): it was computed from intact KV and
-        reported already, so it is appended and the recompute samples the
-        second token. Without it (a timeout) the recompute samples the first
-        token here; a router that streamed one from the prefill core drops
-        this core's first (the same token: same KV, same seed)."""
-        request.kv_transfer = None
-        if self.kv_transfer is not None and self.kv_transfer.recompute_on_failure:
-            request.status = RequestStatus.WAITING
-            _, stop = self._append_tokens(request, first_tokens)
-            if stop is not None:
-                self._finish(request, stop)
-            output = self._core_output(request, [])
-            output.kv_transfer_error = f"KV transfer failed ({reason}); recomputing the prompt"
-        else:
-            self._finish(request, RequestStatus.FINISHED_ERROR)
-            output = self._core_output(request, [])
-            output.kv_transfer_error = f"KV transfer failed: {reason}"
-        outputs.append(output)
-
-    # -- load at arrival --------------------------------------------------------
-    def _load_ahead(self, out: SchedulerOutput) -> None:
-        """Requests still queued (behind ``max_num_seqs`` or the token
-        budget) start loading their tier hits now, not when admitted, so
-        that the load overlaps their wait. Each is looked up in the store
-        once. A load ahead takes only blocks the running requests cannot
-        need for their prompts and next token (``_spare_blocks``); the
-        blocks belong to the request (nothing evicts them) until it runs,
-        finishes, or gives them up to a running request (``_release_loaded_ahead``)::
-
-            queued request: | device hit | loaded ahead (tier) | computed once admitted |
-        """
-        if self.kv_source is None or not self.waiting:
-            return
-        spare = self._spare_blocks()
-        # Queue order (arrival, preempted first): cheap with many tenants,
-        # and each request behind is looked up once only.
-        for request in list(self.waiting):
-            if spare <= 0:
-                break
-            rid = request.request_id
-            if self._ahead_held.get(rid) == 0 or not self._may_load_ahead(request):
-                continue
-            hit = self.kv.find_prefix_hit(request)
-            if rid not in self._ahead_held:
-                held = self.kv_source.num_matched_tokens(request, hit.num_tokens)
-                self._ahead_held[rid] = hit.num_tokens + held if held else 0
-            num_load = self._ahead_held[rid] - hit.num_tokens
-            if num_load <= 0:
-                continue
-            bs = self.kv.block_size
-            needed = -(-(hit.num_tokens + num_load) // bs) - len(hit.blocks)
-            needed += sum(1 for b in hit.blocks if b.ref_cnt == 0)  # touching them takes them off the free queue
-            if needed > spare:
-                break  # the requests behind it do not jump ahead
-            if self.kv.allocate_slots(request, 0, hit, num_external_tokens=num_load) is None:
-                break
-            spare -= needed
-            request.num_computed_tokens += hit.num_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = hit.num_tokens
-                self.kv.record_lookup(request, hit)
-            if self.write_down:  # hit blocks were saved when computed; loaded ones come from the store
-                saved = (hit.num_tokens + num_load) // bs
-                self._num_saved_blocks[rid] = max(self._num_saved_blocks.get(rid, 0), saved)
-            self._start_load(out, request, num_load)
-            self._loaded_ahead.add(rid)
-            self.num_loads_ahead += 1
-
-    def _may_load_ahead(self, request: Request) -> bool:
-        """Queued, never looked up, holding nothing, and not a decode-role
-        request (its KV comes from a prefill core)."""
-        rid = request.request_id
-        return (request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and rid not in self._loaded_ahead
-                and request.num_computed_tokens == 0 and rid not in self.swapped and rid not in self.kv.req_blocks
-                and _role(request) != "decode")
-
-    def _spare_blocks(self) -> int:
-        """Free blocks beyond what the running requests need to finish their
-        prompts and take their next token (and its drafts)."""
-        bs, reserved = self.kv.block_size, 0
-        for request in self.running:
-            held = len(self.kv.req_blocks.get(request.request_id, ()))
-            reserved += max(0, -(-(request.num_tokens + 1 + self.num_speculative_tokens) // bs) - held)
-        return self.kv.pool.num_free_blocks - reserved
-
-    def _forget_ahead(self, request_id: str) -> None:
-        """Running or finished: a later preemption looks it up afresh."""
-        self._ahead_held.pop(request_id, None)
-        self._loaded_ahead.discard(request_id)
-
-    def _release_loaded_ahead(self, keep: Request | None = None) -> bool:
-        """Give up the blocks of the last queued request (other than
-        ``keep``) that loaded ahead and is done loading: its KV is published
-        first, so that its blocks stay in the prefix cache (evictable) and a
-        later admission hits them. Returns whether one was released."""
-        for request in reversed(self.waiting):
-            rid = request.request_id
-            if (request is keep or rid not in self._loaded_ahead or rid in self.loading
-                    or rid not in self.kv.req_blocks):
-                continue
-            self.kv.cache_computed_blocks(request)
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            self._loaded_ahead.discard(rid)
-            self._ahead_held[rid] = 0  # not again: the pool is short
-            return True
-        return False
-
-    def _start_load(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        """Order the external KV of ``request`` into its blocks; it waits,
+    def wait_for_load(self, request: Request, num_tokens: int) -> None:
+        """The request's external KV is ordered into its blocks; it waits,
         skipped by the queue, until the runner reports ``finished_loading``."""
-        bs = self.kv.block_size
-        first = request.num_computed_tokens // bs
-        count = num_tokens // bs
-        block_ids = self.kv.block_ids(request.request_id)[first : first + count]
-        keys = request.block_hashes[first : first + count]
-        out.kv_orders.load.append(TransferOrder(
-            request.request_id, block_ids, keys=list(keys), tenant=request.tenant,
-            num_public_blocks=max(0, request.num_public_blocks - first)))
         request.status = RequestStatus.WAITING_FOR_KV
         self.loading[request.request_id] = num_tokens
-
-    def _swap_in(self, out: SchedulerOutput, request: Request, swapped: SwappedKV) -> None:
-        del self.swapped[request.request_id]
-        block_ids = self.kv.block_ids(request.request_id)[: len(swapped.host_slots)]
-        out.kv_orders.swap_in.append(SwapOrder(request.request_id, block_ids, swapped.host_slots))
-        # Swap-in runs before this step's forward pass, so the tokens count
-        # as computed for the step.
-        request.num_computed_tokens += swapped.num_tokens
-        self.swap_space.free(swapped.host_slots)
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int]) -> None:
         rid = request.request_id
@@ -608,8 +344,7 @@ class Scheduler:
         self._runner_blocks[rid] = len(block_ids)
         self._runner_tokens[rid] = request.num_tokens
         self._runner_states.add(rid)
-        if _role(request) == "prefill":
-            self._order_stream(out, request, num_new)
+        self.connector.on_scheduled(request, num_new, out.kv_orders)
         out.num_scheduled_tokens[rid] = num_new + len(drafts)
         # Prompt positions the target computes here (0 on a decode core for a
         # request whose prompt KV was received).
@@ -623,7 +358,8 @@ class Scheduler:
         request.num_computed_tokens += num_new + len(drafts)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self._swap_out(request, out)
+        if self.config.preemption_mode != "recompute" and request.num_computed_tokens > 0:
+            self.connector.on_preempt(request, out.kv_orders)  # keep its KV (swap, store) if one can
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -633,27 +369,6 @@ class Scheduler:
         self._runner_blocks.pop(request.request_id, None)
         self.waiting.appendleft(request)
         out.preempted_request_ids.append(request.request_id)
-
-    def _swap_out(self, request: Request, out: SchedulerOutput) -> None:
-        """Copy the computed KV to host slots when they are free; the copy
-        runs before this step's forward pass, so the blocks can be freed now.
-        Without a swap space, a store below the pool takes the full blocks
-        (write-down has ordered most of them already; the resumed request
-        loads them back through the prefix lookup)."""
-        if self.config.preemption_mode == "recompute" or request.num_computed_tokens == 0:
-            return
-        if self.swap_space is None:
-            if self.write_down:
-                self._order_save(request)
-            return
-        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
-        slots = self.swap_space.allocate(num_blocks)
-        if slots is None:
-            return  # no room: recompute later
-        block_ids = self.kv.block_ids(request.request_id)[:num_blocks]
-        out.kv_orders.swap_out.append(SwapOrder(request.request_id, block_ids, slots))
-        self.swapped[request.request_id] = SwappedKV(slots, request.num_computed_tokens)
-        self.num_swapped_out += 1
 
     # -- results -----------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
@@ -671,19 +386,18 @@ class Scheduler:
                 continue  # finished (aborted) while the step ran
             sampled = result.sampled_token_ids.get(rid, [])
             self._rollback_drafts(request, sched.spec_token_ids.get(rid, []), sampled)
-            new_tokens, stop = self._append_tokens(request, sampled)
-            if new_tokens and _role(request) == "prefill":
+            new_tokens, stop = self._append_sampled(request, sampled)
+            if new_tokens and kv_role(request) == "prefill":
                 stop = RequestStatus.FINISHED_PREFILLED  # the decode core continues it
             # The step wrote these blocks' KV: publish them (before a finish frees them).
             self.kv.cache_computed_blocks(request)
-            if self.write_down:
-                self._order_save(request)
+            self.connector.request_computed(request)
             if stop is not None:
-                self._finish(request, stop)
+                self.finish(request, stop)
             self._runner_tokens[rid] = request.num_tokens
             if new_tokens or request.is_finished:
                 logprobs = result.logprobs.get(rid)
-                outputs.append(self._core_output(request, new_tokens, logprobs))
+                outputs.append(self.core_output(request, new_tokens, logprobs))
         return outputs
 
     def _rollback_drafts(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
@@ -704,7 +418,7 @@ class Scheduler:
         # when those positions are computed again.
         request.num_computed_tokens -= len(drafts) - num_accepted
 
-    def _append_tokens(self, request: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
+    def _append_sampled(self, request: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens one at a time; a stop in the middle of an accepted
         run drops the rest. Returns the tokens kept and the stop, if any."""
         for n, token in enumerate(sampled, start=1):
@@ -716,7 +430,11 @@ class Scheduler:
                 return sampled[:n], status
         return sampled, None
 
-    def _core_output(self, request: Request, new_tokens: list[int], logprobs=None) -> EngineCoreOutput:
+    def append_tokens(self, request: Request, tokens: list[int]) -> RequestStatus | None:
+        """Tokens sampled elsewhere (a prefill core's first token); the stop, if any."""
+        return self._append_sampled(request, tokens)[1]
+
+    def core_output(self, request: Request, new_tokens: list[int], logprobs=None) -> EngineCoreOutput:
         finished = request.is_finished
         return EngineCoreOutput(
             request_id=request.request_id,
@@ -739,10 +457,7 @@ class Scheduler:
             if request is None:
                 self.kv.release_delayed(rid)  # finished while loading
                 continue
-            if rid in result.kv_received:
-                self._apply_received(request, num_tokens, result.kv_received[rid], outputs)
-                continue
-            self._finish_load(request, num_tokens, result.num_loaded_blocks.get(rid))
+            self.connector.load_finished(request, num_tokens, result, outputs)
         for rid, reason in result.failed_loading.items():
             if self.loading.pop(rid, None) is None:
                 continue
@@ -750,81 +465,17 @@ class Scheduler:
             if request is None:
                 self.kv.release_delayed(rid)  # finished while loading
                 continue
-            self._transfer_failed(request, reason, result.kv_received.get(rid, []), outputs)
+            self.connector.load_failed(request, reason, result, outputs)
         for rid in result.finished_sending:
-            self._streams.pop(rid, None)
             self.kv.release_delayed(rid)
-        for io_id in result.finished_saving:
-            self._finish_save(io_id)
+        self.connector.apply_completions(result)
 
-    def _finish_load(self, request: Request, num_tokens: int, num_loaded_blocks: int | None) -> None:
-        """A load ended. Only its leading run of filled blocks counts as
-        computed; a block after a gap (missing or corrupt in the tier) is
-        recomputed with everything behind it, so no step ever reads KV the
-        load did not write."""
-        if num_loaded_blocks is not None:
-            loaded = min(num_tokens, max(num_loaded_blocks, 0) * self.kv.block_size)
-            if loaded < num_tokens:
-                self.num_partial_loads += 1
-                if self.write_down:  # the missing blocks are saved again once recomputed
-                    end = (request.num_computed_tokens + loaded) // self.kv.block_size
-                    self._num_saved_blocks[request.request_id] = end
-            num_tokens = loaded
+    def mark_loaded(self, request: Request, num_tokens: int) -> None:
         request.num_computed_tokens += num_tokens
         if request.num_output_tokens == 0:  # the prompt's first load, not a resume after preemption
             request.num_cached_tokens = (request.num_cached_tokens or 0) + num_tokens
         self.num_loaded_tokens += num_tokens
         request.status = RequestStatus.WAITING
-
-    # -- write-down ----------------------------------------------------------
-    def _order_save(self, request: Request) -> None:
-        """Order the request's newly full, written blocks saved to the store
-        with the next step, pinned until the save is done (a finish or a
-        preemption may free the request's blocks meanwhile)."""
-        rid = request.request_id
-        bs = self.kv.block_size
-        start = self._num_saved_blocks.get(rid, 0)
-        if not request.writes_public_blocks:
-            start = max(start, request.num_public_blocks)  # public blocks are written by their declaration only
-        end = min(min(request.num_computed_tokens, request.num_tokens) // bs, len(request.block_hashes))
-        if end <= start or not self.kv.enable_caching:
-            return
-        block_ids = self.kv.block_ids(rid)[start:end]
-        io_id = f"save-{self._next_save_id}"
-        self._next_save_id += 1
-        self.kv.pin(io_id, block_ids)
-        self._pending_saves.append(TransferOrder(
-            io_id, block_ids, keys=list(request.block_hashes[start:end]), tenant=request.tenant,
-            num_public_blocks=max(0, request.num_public_blocks - start)))
-        self._saves[io_id] = rid
-        self._num_saved_blocks[rid] = end
-        self.num_saved_blocks += end - start
-
-    def _finish_save(self, io_id: str) -> None:
-        rid = self._saves.pop(io_id, None)
-        if rid is None:
-            return  # a swap-out: complete within its own step
-        self.kv.unpin(io_id)
-        if rid in self._retain_after_save and rid not in self._saves.values():
-            self._retain(*self._retain_after_save.pop(rid))
-
-    def _retain(self, request: Request, num_blocks: int, seconds: float) -> None:
-        if isinstance(self.kv_source, StoreKVSource):
-            self.kv_source.retain(request, num_blocks, seconds)
-
-    def _after_finish_write_down(self, request: Request) -> None:
-        """A finished request that asked to keep its conversation: retain
-        its written blocks (prompt and output) once their saves are done."""
-        rid = request.request_id
-        num_blocks = self._num_saved_blocks.pop(rid, 0)
-        seconds = request.sampling_params.kv_retention_s
-        if not seconds or num_blocks == 0 or request.status in (RequestStatus.FINISHED_ABORTED,
-                                                                RequestStatus.FINISHED_ERROR):
-            return
-        if rid in self._saves.values():
-            self._retain_after_save[rid] = (request, num_blocks, seconds)
-        else:
-            self._retain(request, num_blocks, seconds)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -844,9 +495,9 @@ class Scheduler:
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
-                self._finish(request, status)
+                self.finish(request, status)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
         request.status = status
         request.spec_token_ids = []
@@ -854,15 +505,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        send = self._order_send(request)
-        # A load in flight still writes the blocks, a send will read them:
-        # keep them until it completes.
-        self.kv.free(request, delay=rid in self.loading or send or rid in self._streams)
-        swapped = self.swapped.pop(rid, None)
-        if swapped is not None:
-            self.swap_space.free(swapped.host_slots)
-        if self.write_down:
-            self._after_finish_write_down(request)
+        # A load in flight still writes the blocks, a connector's send may
+        # still read them: keep them until it completes.
+        hold = self.connector.request_finished(request)
+        self.kv.free(request, delay=rid in self.loading or hold)
         del self.requests[rid]
         self.fairness.on_departure(request)
         if self.draft_budget is not None:
@@ -872,29 +518,14 @@ class Scheduler:
         if rid in self._runner_states:
             self._runner_states.discard(rid)
             self._finished_since_step.append(rid)
-        self._forget_ahead(rid)
-
-    def _order_send(self, request: Request) -> bool:
-        """Queue a send of a normally finished request's computed KV to its
-        peer; True when one was queued."""
-        if not request.kv_send_peer or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
-            return False
-        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
-        block_ids = self.kv.block_ids(request.request_id)[:num_blocks]
-        if not block_ids or request.request_id in self.loading:
-            return False
-        keys = list(request.block_hashes[:num_blocks])
-        self._pending_sends.append(TransferOrder(request.request_id, block_ids, keys=keys, peer=request.kv_send_peer))
-        return True
+        self.ahead.forget(rid)
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
-        lookups = self.kv_source.stats if isinstance(self.kv_source, StoreKVSource) else TierLookupStats()
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
-            num_swapped_out=self.num_swapped_out,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_total=pool.num_blocks,
             prefix_queries=self.kv.stats.queries,
@@ -907,9 +538,7 @@ class Scheduler:
             num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_draft_prompt_tokens_computed=self.num_draft_prompt_tokens_computed,
-            kv_store_queries=lookups.queries,
-            kv_store_hits=lookups.hits,
             kv_loaded_tokens=self.num_loaded_tokens,
-            kv_partial_loads=self.num_partial_loads,
-            kv_saved_blocks=self.num_saved_blocks,
         )
+        self.connector.fill_stats(stats)
+        return stats

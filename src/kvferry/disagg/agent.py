@@ -133,9 +133,13 @@ class KVTransferAgent:
         self._thread.start()
 
     # -- step thread --------------------------------------------------------------
-    def begin_step(self, orders: KVOrders) -> StepTransfer | None:
+    def expect(self, orders: KVOrders) -> None:
+        """Decode side: register the step's receives with the receiver."""
         for r in orders.receive:
             self.receiver.expect(r.request_id, r.transfer_id, r.block_ids, r.deadline)
+
+    def begin_step(self, orders: KVOrders) -> StepTransfer | None:
+        """Prefill side: the step's layer hooks when it streams KV."""
         if not orders.stream:
             return None
         self._streaming_rids.update(o.request_id for o in orders.stream)

@@ -15,11 +15,9 @@ import torch
 
 from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
-from kvferry.core.scheduler import KVTransferSettings, Scheduler, SchedulerStats
-from kvferry.core.swap_space import HostSwapSpace
-from kvferry.core.tier_source import StoreKVSource
+from kvferry.core.scheduler import Scheduler, SchedulerStats
+from kvferry.engine.kv_connector import NodeStoreWorker, PDTransferWorker, SchedulerContext, for_engine, tier_stats
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
-from kvferry.engine.store_connector import StoreConnector, tier_stats
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model import layer_op, small_gemm
 from kvferry.model.attention import attention_backend
@@ -54,19 +52,18 @@ class EngineCore:
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=dtype_name(self.kv_cache_dtype))
-        num_swap = config.cache.num_swap_blocks
         self.store_process = None
         self.kv_store_io = None
         self._reported_store_stats = None
         self.kv_store = self._connect_kv_store()
         draft = self._load_draft()
         self.speculative = speculation_signature(config.speculative, draft.fingerprint if draft else "")
-        self.runner = ModelRunner(self.loaded, self.num_kv_blocks, self.block_size, num_swap_blocks=num_swap,
-                                  kv_store=self.kv_store_io, kv_transfer=config.kv_transfer,
-                                  draft=draft, head=self._load_head(), speculative=self.speculative,
-                                  attention_backend=m.attention_backend, cuda_graphs=not m.enforce_eager,
-                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                                  kv_cache_dtype=self.kv_cache_dtype)
+        # The KV connector: its worker half is made by the runner over the
+        # pool, its scheduler half below.
+        connector = for_engine(config, self.kv_store, self.kv_store_io)
+        self.runner = ModelRunner(self.loaded, config, self.num_kv_blocks, self.max_model_len,
+                                  kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
+                                  head=self._load_head(), speculative=self.speculative)
         if m.device == "cpu":
             # Build (or load) the C++ attention kernel now, before the ready
             # message: otherwise the first requests' TTFT pays for it (a
@@ -75,20 +72,10 @@ class EngineCore:
             fused_ops_available()  # the same for the fused elementwise ops
             small_gemm.available(self.loaded.dtype)  # and the small-batch matmul, where the CPU fits it
             layer_op.available()  # and the one-call decoder layer (over it or oneDNN's matmuls)
-        kv_source = None
-        if self.kv_store is not None:
-            connector = self.runner.connector
-            kv_source = StoreKVSource(self.kv_store, self.block_size, config.kv_tiers.max_load_tokens,
-                                      is_up=lambda: connector.store_up)
-        self.scheduler = Scheduler(config.scheduler, kv, swap_space=HostSwapSpace(num_swap) if num_swap else None,
-                                   kv_source=kv_source, write_down=kv_source is not None,
-                                   **speculation(config.speculative))
+        scheduler_half = (connector.scheduler_half(SchedulerContext(self.block_size, self.num_kv_blocks))
+                          if connector is not None else None)
+        self.scheduler = Scheduler(config.scheduler, kv, connector=scheduler_half, **speculation(config.speculative))
         self._num_steps, self._step_seconds = 0, 0.0  # steps that ran a batch (stats)
-        agent = self.runner.kv_transfer
-        if agent is not None:
-            t = config.kv_transfer
-            self.scheduler.kv_transfer = KVTransferSettings(agent.address, agent.shm_name, t.kv_transfer_timeout_s,
-                                                            t.kv_transfer_failure == "recompute")
         if m.warm_up:
             start = time.perf_counter()
             spec = config.speculative
@@ -109,14 +96,12 @@ class EngineCore:
         if not self.config.cache.enable_prefix_caching:
             raise ValueError("kv_store needs enable_prefix_caching (blocks are found by their prefix hashes)")
         from kvferry.kvstore.client import KVStoreClient
-        from kvferry.kvstore.service import start_store
+        from kvferry.kvstore.launch import start_store
 
         block_nbytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
-        address = tiers.store_address
+        address = tiers.kv_store
         if not address:  # offline: a store of this process's own (it exits with it)
-            self.store_process, address = start_store(
-                tiers.dram_gb, block_nbytes=block_nbytes, disk=tiers.disk_path or None,
-                disk_gb=tiers.disk_gb or None, remote=tiers.remote_url or None)
+            self.store_process, address = start_store(tiers, block_nbytes=block_nbytes)
         # Loads and saves run on the runner's I/O thread with a client of
         # their own; that thread also notices a store going away and coming
         # back, and the scheduler's lookups (on the step's path) only go out
@@ -184,13 +169,8 @@ class EngineCore:
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             arrival_time=req.arrival_time,
-            cache_namespace=req.cache_namespace,
-            public_cache_namespace=req.public_cache_namespace,
-            num_public_blocks=req.num_public_blocks,
-            writes_public_blocks=req.writes_public_blocks,
-            cache_quota_blocks=req.cache_quota_blocks,
-            tenant=req.tenant,
-            tenant_weight=req.tenant_weight,
+            # Whole, as the front end built it (validated when decoded).
+            cache_scope=req.cache_scope,
             eos_token_ids=tuple(req.eos_token_ids),
             max_model_len=self.max_model_len,
             kv_transfer=self._check_kv_transfer(req),
@@ -202,7 +182,7 @@ class EngineCore:
         params = req.kv_transfer
         if params is None:
             return None
-        if self.runner.kv_transfer is None:
+        if self._find_worker(PDTransferWorker) is None:
             raise ValueError("kv_transfer: this core has no KV transfer socket (--kv-transfer-address)")
         if params.role == "decode":
             return params
@@ -254,10 +234,8 @@ class EngineCore:
             # Only background KV I/O (loads, write-down) to wait for: yield
             # the CPU to it rather than spin. (A completion just applied may
             # have made a request runnable: no wait then.)
-            wait_for_io = getattr(self.runner.connector, "wait_for_io", None)
-            if wait_for_io is not None:
-                wait_for_io(_IO_WAIT_SIGNALLED_S)
-            else:
+            connector = self.runner.connector
+            if connector is None or not connector.wait_for_io(_IO_WAIT_SIGNALLED_S):
                 time.sleep(_IO_WAIT_S)
         now = time.monotonic()
         return EngineCoreOutputs(outputs=outputs, timestamp=now, kv_events=self.take_kv_events(),
@@ -281,7 +259,8 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
         stats.num_steps, stats.step_seconds = self._num_steps, self._step_seconds
-        store_stats = getattr(self.runner.connector, "store_stats", None)
+        store = self._find_worker(NodeStoreWorker)
+        store_stats = store.store_stats if store is not None else None
         self._reported_store_stats = store_stats
         if store_stats is not None:
             stats.kv_tiers, stats.kv_tier_tenants = tier_stats(store_stats)
@@ -290,16 +269,19 @@ class EngineCore:
     def store_stats_changed(self) -> bool:
         """Whether the KV store's counters were refreshed since the last
         ``stats()`` (the store keeps counting while this core idles)."""
+        store = self._find_worker(NodeStoreWorker)
+        return store is not None and store.store_stats is not self._reported_store_stats
+
+    def _find_worker(self, kind):  # noqa: ANN001, ANN202 - a KVConnectorWorker subclass
+        """The part of the runner's KV connector of type ``kind``, or None."""
         connector = self.runner.connector
-        return isinstance(connector, StoreConnector) and connector.store_stats is not self._reported_store_stats
+        return connector.find(kind) if connector is not None else None
 
     def close(self) -> None:
         """Release what outlives the process otherwise: the transfer agent's
         shared-memory pool, the KV store I/O (and the store this core
         started, if any)."""
-        if self.runner.kv_transfer is not None:
-            self.runner.kv_transfer.close()
-        if isinstance(self.runner.connector, StoreConnector):
+        if self.runner.connector is not None:
             self.runner.connector.close()
         for client in (self.kv_store, self.kv_store_io):
             if client is not None:

@@ -36,10 +36,11 @@ from collections.abc import Callable
 
 import zmq
 
+from kvferry import envs
 from kvferry.config import EngineConfig
 from kvferry.engine.core import EngineCore
 from kvferry.engine.core_client import CoreAddresses, parse_cpus
-from kvferry.engine.cpu_threads import ENV as CPU_BIND_ENV, bind_step_thread
+from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.messages import (
     CoreInput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant,
@@ -298,7 +299,7 @@ def _run_off_main_thread(proc: EngineCoreProc, build_core: Callable[[], EngineCo
         try:
             binding = bind_step_thread()  # before any op: this thread's OpenMP team is new
             if binding is not None:
-                logger.info("OpenMP threads pinned (%s): %s", CPU_BIND_ENV, binding.describe())
+                logger.info("OpenMP threads pinned (%s): %s", envs.CPU_BIND, binding.describe())
             try:
                 proc.core = build_core()
             except Exception as exc:

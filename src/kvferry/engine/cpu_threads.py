@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kvferry import envs
 
-ENV = "KVFERRY_CPU_BIND"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +61,12 @@ class ThreadBinding:
 
 def binding_enabled() -> bool:
     """False only where pinning is switched off outright (``KVFERRY_CPU_BIND=0``)."""
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "off", "no")
+    return envs.cpu_bind() not in ("0", "false", "off", "no")
 
 
 def pinning_requested() -> bool:
     """``KVFERRY_CPU_BIND`` is 1 or a CPU list."""
-    value = os.environ.get(ENV, "").strip().lower()
+    value = envs.cpu_bind()
     return value in ("1", "on", "true", "yes") or (bool(value) and value[0].isdigit() and value != "0")
 
 
@@ -82,7 +82,7 @@ def default_cpus(num_threads: int | None = None) -> tuple[list[int], bool]:
     unpinned one next to it got 0.75-1.07)."""
     from kvferry.engine.core_client import parse_cpus
 
-    value = os.environ.get(ENV, "").strip().lower()
+    value = envs.cpu_bind()
     if value and value[0].isdigit() and value not in ("0", "1"):
         return sorted(parse_cpus(value)), True
     allowed = sorted(os.sched_getaffinity(0))

@@ -44,7 +44,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_namespace: str = "",
     ) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field."""
+        """Validate and queue a request; raises ValueError naming the bad field.
+
+        ``cache_namespace``: the request's private prefix-cache namespace
+        (requests in different namespaces never share KV blocks; "" is the
+        one shared default). Always honoured: the tenant and public-prefix
+        policy belongs to the server, which passes its own scope to its
+        input processor and never goes through this method."""
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")

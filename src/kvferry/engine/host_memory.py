@@ -30,9 +30,10 @@ import logging
 import os
 import threading
 
+from kvferry import envs
+
 logger = logging.getLogger(__name__)
 
-ENV = "KVFERRY_MALLOC_TUNING"
 MMAP_THRESHOLD_BYTES = 256 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 # glibc's mallopt parameter numbers (malloc.h)
@@ -67,6 +68,6 @@ def tune_malloc() -> bool:
 
 
 def _wanted() -> bool:
-    if os.environ.get(ENV, "1").strip() == "0":
+    if not envs.malloc_tuning():
         return False
     return not any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES" for k in os.environ)

@@ -7,11 +7,9 @@ the core never sees input it would have to refuse.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from kvferry.core.hashing import CacheScope
-
 from kvferry.messages import EngineCoreReady, EngineCoreRequest
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.sampling import SamplingParams
@@ -22,10 +20,6 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.core = core
         self.eos_token_ids = list(tokenizer.eos_token_ids)
-        # The server's cache policy: prompt token ids -> where its blocks are
-        # keyed (tenant namespace, public prefix). None: the namespace the
-        # caller passes, all private.
-        self.cache_policy: Callable[[list[int]], CacheScope] | None = None
 
     def process(
         self,
@@ -38,16 +32,24 @@ class InputProcessor:
     ) -> tuple[str | None, list[EngineCoreRequest]]:
         """The prompt text (None for token ids) and one core request per
         sequence: n > 1 fans out into ids ``request_id#i`` with seeds seed + i.
-        ``cache_scope``: the server's own scope for a request it makes itself
-        (a public prefix's prefill); else the cache policy decides."""
+
+        Where the request's blocks are keyed: ``cache_scope`` when given (the
+        server builds one per request from the caller's API key and prompt,
+        serve/public_prefixes.py), else a private ``cache_namespace`` (the
+        offline engine's per-request namespace; "" shares the one default
+        cache). The scope goes to the core unchanged. Passing both is a
+        ValueError unless they agree: a namespace that the scope would
+        overrule must not be dropped silently."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
+        if cache_scope is None:
+            cache_scope = CacheScope(cache_namespace)
+        elif cache_namespace and cache_namespace != cache_scope.namespace:
+            raise ValueError("cache_namespace: pass either cache_namespace or cache_scope (which names its own "
+                             "namespace), not both")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        scope = cache_scope
-        if scope is None:
-            scope = self.cache_policy(token_ids) if self.cache_policy is not None else CacheScope(cache_namespace)
         requests = [
             EngineCoreRequest(
                 request_id=child_id,
@@ -55,13 +57,7 @@ class InputProcessor:
                 sampling_params=_child_params(params, index),
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
-                cache_namespace=scope.namespace,
-                public_cache_namespace=scope.public_namespace,
-                num_public_blocks=scope.num_public_blocks,
-                writes_public_blocks=scope.writes_public,
-                cache_quota_blocks=scope.quota_blocks,
-                tenant=scope.tenant,
-                tenant_weight=scope.tenant_weight,
+                cache_scope=cache_scope,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]

@@ -25,15 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvferry.config import KVTransferConfig
+from kvferry.config import EngineConfig
 from kvferry.core.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from kvferry.disagg.agent import KVTransferAgent
-from kvferry.disagg.transport import Received, SharedKVPool
+from kvferry.disagg.transport import Received
 from kvferry.engine.cuda_graphs import DecodeGraphs
 from kvferry.engine.host_memory import tune_malloc
 from kvferry.engine.input_batch import FlatStep, InputBatch, flatten, to_device
-from kvferry.engine.kv_connector import HostSwapConnector, KVConnector
-from kvferry.engine.store_connector import StoreConnector
+from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.llama import allocate_kv_cache
@@ -97,60 +95,52 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 kv_store: Any = None, kv_transfer: KVTransferConfig | None = None,
-                 draft: LoadedModel | None = None, head: EagleHead | None = None,
-                 speculative: str = "", attention_backend: str = "auto", cuda_graphs: bool = True,
-                 max_num_seqs: int = 64, max_model_len: int = 0, kv_cache_dtype: torch.dtype | None = None) -> None:
-        """``kv_store``: a KVStoreClient (loads and write-down through the
-        node's store); ``kv_transfer``: prefill/decode disaggregation;
-        ``draft``: the draft model of speculative method "draft"; ``head``:
-        the draft head of method "head"; ``speculative``: the speculation
-        signature a disaggregated pair compares
-        (``kvferry.spec.speculation_signature``); ``attention_backend``:
-        ``model.attention.attention_backend``; ``cuda_graphs``: capture decode
-        batches of up to ``max_num_seqs`` requests of up to ``max_model_len``
-        tokens (CUDA with the Triton backend only); ``kv_cache_dtype``: the
-        cache's storage dtype (default: the model's; the engine core resolves
-        ``--kv-cache-dtype`` with ``kv_cache_dtype.resolve_kv_cache_dtype``)."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 kv_cache_dtype: torch.dtype | None = None, connector: KVConnector | None = None,
+                 draft: LoadedModel | None = None, head: EagleHead | None = None, speculative: str = "") -> None:
+        """``config``: the engine's (block size, attention backend, CUDA
+        graphs, max_num_seqs); ``num_blocks`` and ``max_model_len``: as the
+        engine core resolved them; ``kv_cache_dtype``: the cache's storage
+        dtype (default: the model's; ``kv_cache_dtype.resolve_kv_cache_dtype``);
+        ``connector``: the KV connector whose worker half this runner builds
+        over its pool (None: the device pool alone); ``draft``: the draft
+        model of speculative method "draft"; ``head``: the draft head of
+        method "head"; ``speculative``: the speculation signature a
+        disaggregated pair compares (``kvferry.spec.speculation_signature``)."""
+        m = config.model
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(loaded.model.parameters()).device
         if self.device.type == "cpu":
             tune_malloc()  # steps' temporaries from the heap, not fresh pages (host_memory.py)
-        self.block_size = block_size
+        self.block_size = block_size = config.cache.block_size
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, kv_cache_dtype or loaded.dtype,
                                           self.device)
-        self.triton = attention_backend_for(attention_backend, self.device) == "triton"
+        self.triton = attention_backend_for(m.attention_backend, self.device) == "triton"
         self.drafter: DraftModelProposer | HeadProposer | None = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
         elif head is not None:
             self.drafter = HeadProposer(head, self.model)
-        # Prefill/decode disaggregation: the agent (and, on CPU, the pool in
-        # shared memory so that a prefill core on this host writes in place).
-        # A draft model's pool travels with the target's, as layers after them.
-        self.kv_transfer: KVTransferAgent | None = None
-        if kv_transfer is not None and kv_transfer.kv_transfer_address:
-            draft_kv = self.drafter.kv_cache if isinstance(self.drafter, DraftModelProposer) else None
-            self.kv_transfer = _transfer_agent(self.kv_cache, kv_transfer, draft_kv, speculative)
-            self.kv_cache = self.kv_transfer.kv_cache
         # Decode side: requests whose draft KV came with their prompt's, until
         # first scheduled here (the draft then starts past the prompt).
         self._draft_kv_received: set[str] = set()
-        self.connector: KVConnector = HostSwapConnector(self.kv_cache, num_swap_blocks)
-        if kv_store is not None:  # a KVStoreClient: loads and write-down through the node's store
-            self.connector = StoreConnector(self.kv_cache, kv_store, self.connector)
+        self.connector: KVConnectorWorker | None = None
+        if connector is not None:
+            draft_kv = self.drafter.kv_cache if isinstance(self.drafter, DraftModelProposer) else None
+            self.connector = connector.worker_half(WorkerContext(self.kv_cache, block_size, draft_kv, speculative))
+            self.kv_cache = self.connector.kv_cache  # moved into shared memory for a prefill core, maybe
         self.states: dict[str, RequestState] = {}
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
         self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.triton and self.device.type == "cuda":
+        if not m.enforce_eager and self.triton and self.device.type == "cuda":
             max_blocks = -(-(max_model_len or loaded.config.max_position_embeddings) // block_size)
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size, max_num_seqs, max_blocks)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size, config.scheduler.max_num_seqs,
+                                       max_blocks)
             self.graphs.capture_all()
 
     # -- applying the scheduler's deltas ------------------------------------
@@ -161,8 +151,8 @@ class ModelRunner:
             self._draft_kv_received.discard(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
-        if self.kv_transfer is not None:
-            self.kv_transfer.finished_requests(sched.finished_request_ids)
+        if self.connector is not None and sched.finished_request_ids:
+            self.connector.finished_requests(sched.finished_request_ids)
         for rid in sched.preempted_request_ids:
             self.batch.remove(rid)  # the state stays: it comes back as new
         for data in sched.new_requests:
@@ -264,9 +254,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._update_states(sched)
+        step_transfer = None  # the connector's layer hooks for this step
         if sched.kv_orders:
+            if self.connector is None:
+                raise ValueError("KV orders reached a runner without a KV connector")
             self.connector.execute(sched.kv_orders)
-        step_transfer = self.kv_transfer.begin_step(sched.kv_orders) if self.kv_transfer else None
+            step_transfer = self.connector.begin_step(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
             spec_token_ids, proposals, drafted = sched.spec_token_ids, {}, []
@@ -301,13 +294,8 @@ class ModelRunner:
                     hidden = {o.request_id: h for o in step_transfer.orders
                               if o.last and (h := self.drafter.hidden_state(o.request_id)) is not None}
                 step_transfer.finish(out.sampled_token_ids, {}, hidden)
-        finished = self.connector.take_finished()
-        out.finished_loading = finished.finished_loading
-        out.finished_saving = finished.finished_saving
-        out.finished_sending = finished.finished_sending
-        out.num_loaded_blocks = finished.num_loaded_blocks
-        if self.kv_transfer is not None:
-            self._take_transfers(out, idle=sched.is_empty)
+        if self.connector is not None:
+            self._take_completions(out, idle=sched.is_empty)
         return out
 
     # -- warm-up --------------------------------------------------------------
@@ -349,8 +337,8 @@ class ModelRunner:
             blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             new.append(NewRequestData(rid, prompt, params, [], blocks, 0))
             ids.append(rid)
-        transfer = self.kv_transfer
-        self.kv_transfer = None  # nothing of the warm-up leaves the process
+        connector = self.connector
+        self.connector = None  # nothing of the warm-up reaches a connector (or leaves the process)
         try:
             self.execute(SchedulerOutput(new_requests=new, num_scheduled_tokens={rid: per_seq for rid in ids}))
             self.execute(SchedulerOutput(
@@ -359,24 +347,21 @@ class ModelRunner:
                 spec_token_ids={rid: [PLACEHOLDER_ID] * k for rid in ids} if k else {}))
         finally:
             self.execute(SchedulerOutput(finished_request_ids=ids))
-            self.kv_transfer = transfer
+            self.connector = connector
         return per_seq * num_seqs
 
-    def _take_transfers(self, out: RunnerOutput, idle: bool) -> None:
-        """Disaggregation completions into the step's result. An idle step
-        (only transfers outstanding) first waits a little for one, rather
-        than let the step loop spin."""
-        if idle:
-            self.kv_transfer.wait(0.005)
-        received, failed, failed_received, sent = self.kv_transfer.take()
-        for rid, r in received.items():
-            out.finished_loading.append(rid)
-            out.kv_received[rid] = r.output_token_ids
-            self._install_draft_state(rid, r)
-        out.failed_loading.update(failed)
-        for rid, r in failed_received.items():
-            out.kv_received[rid] = r.output_token_ids
-        out.finished_sending.extend(sent)
+    def _take_completions(self, out: RunnerOutput, idle: bool) -> None:
+        """The connector's completions into the step's result. An idle step
+        (only KV I/O outstanding) lets the connector wait a little for one."""
+        done = self.connector.take_finished(idle)
+        out.finished_loading = done.finished_loading
+        out.finished_saving = done.finished_saving
+        out.finished_sending = done.finished_sending
+        out.num_loaded_blocks = done.num_loaded_blocks
+        out.failed_loading = done.failed_loading
+        out.kv_received = done.kv_received
+        for rid, received in done.payloads.items():
+            self._install_draft_state(rid, received)
 
     def _install_draft_state(self, rid: str, received: Received) -> None:
         """What the prefill core's drafter state became here: the hidden
@@ -533,17 +518,6 @@ class ModelRunner:
             ids = torch.tensor(accepted, device=self.device)
             state.output_counts.index_add_(0, ids, torch.ones(len(accepted), device=self.device))
 
-
-
-def _transfer_agent(kv_cache: torch.Tensor, config: KVTransferConfig, draft_kv_cache: torch.Tensor | None,
-                    speculative: str) -> KVTransferAgent:
-    """The agent over the pool it will serve: moved into shared memory on
-    CPU (a prefill core on this host writes there); as is on a GPU."""
-    pool = None
-    if kv_cache.device.type == "cpu":
-        pool = SharedKVPool.create(tuple(kv_cache.shape), kv_cache.dtype)
-        kv_cache = pool.tensor
-    return KVTransferAgent(kv_cache, config, pool, draft_kv_cache, speculative)
 
 
 _HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -52,7 +52,7 @@ class Arena:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 path.unlink(missing_ok=True)
-                raise ValueError(f"dram_gb: cannot allocate {size / 2**30:.2f} GiB in {directory}: "
+                raise ValueError(f"kv_dram_gb: cannot allocate {size / 2**30:.2f} GiB in {directory}: "
                                  f"{exc.strerror or exc}") from None
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

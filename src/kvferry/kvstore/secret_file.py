@@ -25,6 +25,8 @@ import os
 import secrets
 from pathlib import Path
 
+from kvferry import envs
+
 logger = logging.getLogger(__name__)
 
 SECRET_FILE_NAME = "cache-secret"
@@ -33,7 +35,7 @@ _MIN_SECRET_BYTES = 16
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVFERRY_CACHE_DIR") or Path.home() / ".cache" / "kvferry")
+    return envs.cache_dir()
 
 
 def tier_secret_path(disk: str | None, remote: str | None) -> Path | None:

@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,7 +51,7 @@ from pathlib import Path
 
 import zmq
 
-from kvferry import peer_auth
+from kvferry import envs, peer_auth
 from kvferry.kvstore import protocol as p
 from kvferry.kvstore.arena import SHM_DIR, Arena
 from kvferry.kvstore.chain import ColdChain
@@ -97,11 +96,11 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
-            raise ValueError(f"dram_gb: must be > 0, got {self.dram_bytes / GIB}")
+            raise ValueError(f"kv_dram_gb: must be > 0, got {self.dram_bytes / GIB}")
         if self.block_nbytes is not None and self.block_nbytes <= 0:
             raise ValueError(f"block_nbytes: must be > 0, got {self.block_nbytes}")
         if self.block_nbytes is not None and self.block_nbytes > self.dram_bytes:
-            raise ValueError("dram_gb: the arena must hold at least one block")
+            raise ValueError("kv_dram_gb: the arena must hold at least one block")
         if self.remote_min_hits < 0:
             raise ValueError(f"remote_min_hits: must be >= 0, got {self.remote_min_hits}")
         if self.io_threads < 1:
@@ -155,7 +154,7 @@ class KVStoreService:
     def _make_arena(self, block_nbytes: int) -> None:
         num_slots = self.config.dram_bytes // block_nbytes
         if num_slots < 1:
-            raise ValueError("dram_gb: the arena must hold at least one block")
+            raise ValueError("kv_dram_gb: the arena must hold at least one block")
         if Arena.sweep_stale(self.config.shm_dir):
             logger.info("removed the arenas of store processes that died without cleaning up")
         self.arena = Arena.create(num_slots, block_nbytes, self.config.shm_dir)
@@ -511,12 +510,17 @@ def _private_socket_file(address: str) -> _SocketFile | None:
 # -- configuration from flags ------------------------------------------------------------
 def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", required=True, help="where to listen: ipc:///path or tcp://127.0.0.1:PORT")
-    parser.add_argument("--dram-gb", type=float, required=True, help="size of the shared-memory DRAM arena")
+    # The tier flags are spelled as kvferry serve's --kv-* flags (the same
+    # options, one name each); the short spellings still parse, deprecated.
+    parser.add_argument("--kv-dram-gb", "--dram-gb", dest="kv_dram_gb", type=float, required=True,
+                        help="size of the shared-memory DRAM arena, GiB")
     parser.add_argument("--block-nbytes", type=int, default=None,
                         help="bytes per KV block; default: taken from the first engine that connects")
-    parser.add_argument("--disk", default=None, help="directory of the SSD tier")
-    parser.add_argument("--disk-gb", type=float, default=None, help="size of the SSD tier")
-    parser.add_argument("--remote", default=None, help="remote tier, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--kv-disk", "--disk", dest="kv_disk", default=None, help="directory of the SSD tier")
+    parser.add_argument("--kv-disk-gb", "--disk-gb", dest="kv_disk_gb", type=float, default=None,
+                        help="size of the SSD tier, GiB")
+    parser.add_argument("--kv-remote", "--remote", dest="kv_remote", default=None,
+                        help="remote tier, e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--remote-min-hits", type=int, default=2,
                         help="loads a block must serve before write-back sends it to the remote tier too")
     parser.add_argument("--cache-secret-file", default=None, help="server secret: per-tenant keys at rest")
@@ -566,7 +570,7 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         return None if gb is None else int(gb * GIB)
 
     return StoreConfig(
-        address=args.address, dram_bytes=int(args.dram_gb * GIB), block_nbytes=args.block_nbytes,
+        address=args.address, dram_bytes=int(args.kv_dram_gb * GIB), block_nbytes=args.block_nbytes,
         tenant_dram_bytes={t: int(g * GIB) for t, g in tenant_quotas_gb(args.api_keys, "dram_gb").items()},
         default_dram_bytes=nbytes(args.default_dram_gb), public_dram_bytes=nbytes(args.public_dram_gb),
         remote_min_hits=args.remote_min_hits, io_threads=args.io_threads, client_lease_s=args.client_lease_s,
@@ -579,9 +583,9 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     secret; without ``--cache-secret-file`` the one kept beside the tiers
     (``secret_file.py``, generated at the first start), so that a restarted
     store can still open what it wrote."""
-    if (args.disk is None) != (args.disk_gb is None):
-        raise ValueError("disk / disk_gb: give both or neither")
-    if not (args.disk or args.remote):
+    if (args.kv_disk is None) != (args.kv_disk_gb is None):
+        raise ValueError("kv_disk / kv_disk_gb: give both or neither")
+    if not (args.kv_disk or args.kv_remote):
         return []
     from kvferry.kvstore.crypto import TierCrypto
     from kvferry.kvstore.tenant_lru import TierQuotas
@@ -590,23 +594,23 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     if secret_file is None:
         from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
 
-        secret_file, created = ensure_secret_file(tier_secret_path(args.disk, args.remote))
+        secret_file, created = ensure_secret_file(tier_secret_path(args.kv_disk, args.kv_remote))
         logger.warning("no --cache-secret-file: %s the cache secret in %s, so the tiers survive a restart",
                        "generated" if created else "using", secret_file)
     crypto = TierCrypto.from_file(secret_file)
     tiers: list[ColdTier] = []
-    if args.disk:
+    if args.kv_disk:
         from kvferry.kvstore.disk import DiskTier
 
-        if args.disk_gb <= 0:
-            raise ValueError(f"disk_gb: must be > 0, got {args.disk_gb}")
+        if args.kv_disk_gb <= 0:
+            raise ValueError(f"kv_disk_gb: must be > 0, got {args.kv_disk_gb}")
         quotas = TierQuotas.from_gb(tenant_quotas_gb(args.api_keys, "disk_gb"), default_tenant_gb=args.default_disk_gb,
                                     public_gb=args.public_disk_gb)
-        tiers.append(DiskTier(args.disk, int(args.disk_gb * GIB), crypto=crypto, quotas=quotas))
-    if args.remote:
+        tiers.append(DiskTier(args.kv_disk, int(args.kv_disk_gb * GIB), crypto=crypto, quotas=quotas))
+    if args.kv_remote:
         from kvferry.kvstore.remote import RedisTier
 
-        tiers.append(RedisTier(args.remote, crypto=crypto))
+        tiers.append(RedisTier(args.kv_remote, crypto=crypto))
     return tiers
 
 
@@ -617,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
     setproctitle.setproctitle("kvferry: kvstore")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [kvstore] %(name)s: %(message)s")
     try:
-        if peer_auth.SECRET_ENV not in os.environ and args.cache_secret_file is None:
+        if envs.socket_secret() is None and args.cache_secret_file is None:
             logger.warning("no --cache-secret-file: only engines started by this process could present this "
                            "store's token; give the store and its servers the same --cache-secret-file")
         # The secret the engines' tokens derive from: inherited from the
@@ -646,7 +650,7 @@ def _watch_parent(parent_pid: int, service: KVStoreService) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-# -- starting one from a server ------------------------------------------------------------
+# -- socket addresses (launch.py starts a store) -------------------------------------------
 def ipc_address() -> str:
     """A fresh socket path named after this process (the store's parent),
     after removing those of parents that are gone: a store killed with
@@ -668,41 +672,6 @@ def _remove_dead_sockets(directory: Path) -> None:
                 path.unlink()
         except (ValueError, OSError):
             continue
-
-
-def start_store(dram_gb: float, *, address: str | None = None, block_nbytes: int | None = None,
-                disk: str | None = None, disk_gb: float | None = None, remote: str | None = None,
-                api_keys: str | None = None, cache_secret_file: str | None = None,
-                extra_args: list[str] | None = None, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """Start a store process for this one (which it outlives by at most a
-    fraction of a second: it exits when its parent is gone) and wait until
-    it answers. Returns the process and its address. Stop it with
-    ``process.terminate()`` (SIGTERM: a clean shutdown) and ``wait()``."""
-    from kvferry.kvstore.client import KVStoreClient
-
-    peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
-    address = address or ipc_address()
-    argv = [sys.executable, "-m", "kvferry.kvstore.service", "--address", address, "--dram-gb", str(dram_gb),
-            "--parent-pid", str(os.getpid())]
-    for flag, value in (("--block-nbytes", block_nbytes), ("--disk", disk), ("--disk-gb", disk_gb),
-                        ("--remote", remote), ("--api-keys", api_keys), ("--cache-secret-file", cache_secret_file)):
-        if value is not None:
-            argv += [flag, str(value)]
-    process = subprocess.Popen(argv + list(extra_args or []))
-    deadline = time.monotonic() + timeout_s
-    probe = KVStoreClient(address, timeout_s=0.5)
-    try:
-        while not probe.ping():
-            if process.poll() is not None:
-                raise RuntimeError(f"the kvstore process exited with code {process.returncode} before answering")
-            if time.monotonic() > deadline:
-                process.kill()
-                process.wait()
-                raise RuntimeError(f"the kvstore process did not answer at {address} within {timeout_s} s")
-            time.sleep(0.05)
-    finally:
-        probe.close()
-    return process, address
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from kvferry import envs
+
 # What loads each kernel, building it first where needed; prints True when it is usable.
 _LOADERS = {
     "paged": "from kvferry.model import paged_kernel as k; print(k.get_paged_decode_kernel() is not None)",
@@ -43,7 +45,7 @@ def build(isas: list[str], kernels: list[str], timeout_s: float) -> list[tuple[s
             isas = [i for i in isas if i != isa]
             results += [(isa, name, "same build as native on this CPU") for name in kernels]
     for isa in isas:
-        env = {**os.environ, "KVFERRY_KERNEL_ISA": isa, "KVFERRY_DISABLE_CPP_KERNELS": "0"}
+        env = {**os.environ, envs.KERNEL_ISA: isa, envs.DISABLE_CPP_KERNELS: "0"}
         for name in kernels:
             code = _LOADERS[name]
             procs.append((isa, name, subprocess.Popen([sys.executable, "-c", code], env=env, text=True,

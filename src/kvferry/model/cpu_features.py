@@ -17,12 +17,13 @@ comparing both dtypes on one machine).
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvferry import envs
 
 # Flags that mean bf16 dot products run in hardware.
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -36,9 +37,9 @@ class CpuFeatures:
 
     @property
     def native_bf16(self) -> bool:
-        override = os.environ.get("KVFERRY_CPU_BF16", "")
-        if override in ("0", "1"):
-            return override == "1"
+        override = envs.cpu_bf16()
+        if override is not None:
+            return override
         return any(f in self.flags for f in _NATIVE_BF16_FLAGS)
 
     @property

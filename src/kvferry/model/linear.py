@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvferry import envs
 from kvferry.model import small_gemm
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ _failure_logged = False
 
 
 def packing_disabled() -> bool:
-    return os.environ.get("KVFERRY_DISABLE_ONEDNN_PACKING", "") not in ("", "0")
+    return envs.disabled(envs.DISABLE_ONEDNN_PACKING)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -52,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from kvferry import envs
 from kvferry.model.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -68,14 +68,14 @@ _disabled_logged = False
 
 
 def kernels_disabled() -> bool:
-    return os.environ.get("KVFERRY_DISABLE_CPP_KERNELS", "") not in ("", "0")
+    return envs.disabled(envs.DISABLE_CPP_KERNELS)
 
 
 def kernel_isa() -> str:
     """The instruction set the kernel is built for: "native" (default) or "avx2"."""
-    isa = os.environ.get("KVFERRY_KERNEL_ISA", "native") or "native"
+    isa = envs.kernel_isa()
     if isa not in _ISA_CFLAGS:
-        raise ValueError(f"KVFERRY_KERNEL_ISA must be one of {sorted(_ISA_CFLAGS)}, got {isa!r}")
+        raise ValueError(f"{envs.KERNEL_ISA} must be one of {sorted(_ISA_CFLAGS)}, got {isa!r}")
     return isa
 
 
@@ -132,8 +132,7 @@ def _ext_name() -> str:
 
 
 def _build_dir(name: str) -> Path:
-    root = Path(os.environ.get("KVFERRY_CACHE_DIR") or Path.home() / ".cache" / "kvferry")
-    return root / "torch_ext" / name
+    return envs.cache_dir() / "torch_ext" / name
 
 
 def _load() -> Callable[..., torch.Tensor] | None:

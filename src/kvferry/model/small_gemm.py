@@ -24,11 +24,11 @@ The build shares paged_kernel.py's machinery and cache folder.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
+from kvferry import envs
 from kvferry.model import paged_kernel
 from kvferry.model.cpu_features import cpu_features
 
@@ -37,7 +37,7 @@ _library = paged_kernel.LazyLibrary(lambda: _load())
 
 
 def small_gemm_disabled() -> bool:
-    return paged_kernel.kernels_disabled() or os.environ.get("KVFERRY_DISABLE_SMALL_GEMM", "") not in ("", "0")
+    return paged_kernel.kernels_disabled() or envs.disabled(envs.DISABLE_SMALL_GEMM)
 
 
 def cpu_fits(dtype: torch.dtype) -> bool:

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from kvferry.config import SchedulerConfig
+from kvferry.core.kv_connector import TierKVScheduler
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.core.scheduler import Scheduler
@@ -73,7 +74,8 @@ class SchedulerInstance:
         self.source = _TransferredKV(config.block_size) if role == "decode" else None
         sched_config = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                        max_num_batched_tokens=config.max_num_batched_tokens)
-        self.scheduler = Scheduler(sched_config, self.kv, kv_source=self.source)
+        self.scheduler = Scheduler(sched_config, self.kv,
+                                   connector=TierKVScheduler(self.source) if self.source else None)
         self.sim: dict[str, SimRequest] = {}
         self.busy = False
         self.step_end = 0.0  # when the running step ends alone (valid while busy)

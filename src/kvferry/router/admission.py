@@ -18,6 +18,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # worker.py imports this module
+    from kvferry.router.worker import Worker
 
 
 class SloRejectedError(RuntimeError):
@@ -119,3 +123,20 @@ def admit(slo: SloConfig, prediction: Prediction | None) -> None:
         raise SloRejectedError(
             f"predicted time per output token {prediction.tpot_s * 1000:.1f} ms exceeds the TPOT SLO of "
             f"{slo.tpot_slo_ms:g} ms; retry later", retry)
+
+
+class Admission:
+    """Admits a request to the worker it was routed to, or raises
+    SloRejectedError: the worker's own step-time model predicts its TTFT and
+    TPOT there. Without SLOs every request passes, at no cost."""
+
+    def __init__(self, slo: SloConfig) -> None:
+        self.slo = slo
+
+    def check(self, worker: "Worker", new_tokens: int) -> None:
+        """``new_tokens``: the prompt tokens ``worker`` would compute for it."""
+        if not self.slo.enabled:
+            return
+        prediction = predict(worker.step_model, worker.queued_prefill_tokens, new_tokens,
+                             worker.stats.num_running, worker.ready.max_num_batched_tokens)
+        admit(self.slo, prediction)

@@ -5,6 +5,10 @@
     router --request(role=prefill, dest)--> P --first token, "prefilled"--> router
     D --tokens from the second on--> router
 
+``Pairing`` runs that for every paired sequence of the client: it sends
+each to its cores, rewrites their outputs into the one stream below, and
+moves the prefill to another core when P dies or refuses it.
+
 The client sees one stream: P's first token (made an ordinary token), then
 D's. D's outputs that overtake P's first token are held until it arrives.
 If D recomputes the prompt itself (a failed transfer) before P's token came
@@ -13,9 +17,21 @@ token came already, D kept it too and continues from the second.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvferry.messages import EngineCoreOutput, EngineCoreRequest, KVDestination
+import zmq
+from msgspec.structs import replace as _replace
+
+from kvferry.messages import EngineCoreAbort, EngineCoreOutput, EngineCoreRequest, KVDestination, KVTransferParams
+from kvferry.router.errors import EngineDeadError, KVTransferFailedError
+from kvferry.router.routing import Router
+from kvferry.router.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 # Prefill attempts per sequence (the first, then retries on other prefill
 # cores when one dies or refuses); past them D's lease decides.
@@ -25,8 +41,8 @@ MAX_PREFILL_ATTEMPTS = 3
 @dataclass(eq=False)
 class PairedSequence:
     request: EngineCoreRequest  # as the front end built it (no kv_transfer)
-    decode: object  # the Worker decoding it
-    prefill: object | None = None  # the Worker prefilling it now
+    decode: Worker  # decoding it
+    prefill: Worker | None = None  # prefilling it now
     dest: KVDestination | None = None
     first_token_seen: bool = False  # streamed to the client
     recomputing: bool = False  # D computes the prompt (and first token) itself
@@ -51,3 +67,151 @@ def first_token_finish(request: EngineCoreRequest, token: int, max_model_len: in
     if max_model_len and len(request.prompt_token_ids) + 1 >= max_model_len:
         return "length", None
     return None
+
+
+class Pairing:
+    """The paired sequences, by child request id, from the decode request
+    until the stream no longer needs either core's word. ``router`` picks
+    each prefill core; ``fail(child, error)`` ends the client's whole
+    request of a sequence that cannot go on (its stream gets ``error``)."""
+
+    def __init__(self, router: Router, fail: Callable[[str, BaseException], None], max_model_len: int) -> None:
+        self.router = router
+        self.fail = fail
+        self.max_model_len = max_model_len
+        self._seqs: dict[str, PairedSequence] = {}
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def get(self, child: str) -> PairedSequence | None:
+        return self._seqs.get(child)
+
+    def start(self, request: EngineCoreRequest, decode: Worker) -> None:
+        """Send a sequence to its decode core, which answers with where its
+        KV goes; the prefill core is chosen then."""
+        self._seqs[request.request_id] = PairedSequence(request, decode)
+        decode.connection.send(_replace(request, kv_transfer=KVTransferParams(role="decode")))
+
+    def drop(self, child: str) -> None:
+        """Forget a sequence the client ended; its prefill (if any) is aborted."""
+        seq = self._seqs.pop(child, None)
+        if seq is not None:
+            self._release_prefill(seq, child, abort=True)
+
+    def prefill_lost(self, worker: Worker, error: BaseException) -> None:
+        """``worker`` died: its sequences that have no first token yet are
+        prefilled again elsewhere (the decode core still waits)."""
+        retry = [(child, seq) for child, seq in self._seqs.items() if seq.prefill is worker]
+        for child, seq in retry:
+            seq.prefill = None
+            if any(o.finished for o in seq.held):
+                # D finished from this core's KV, but its first token died with it.
+                self._seqs.pop(child, None)
+                self.fail(child, error)
+            elif not seq.first_token_seen and not seq.recomputing:
+                self._retry_prefill(seq, child, str(error))
+
+    def outputs(self, worker: Worker, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """The outputs of paired sequences as the client must see them."""
+        result: list[EngineCoreOutput] = []
+        for out in outputs:
+            seq = self._seqs.get(out.request_id)
+            if seq is None:
+                result.append(out)
+            elif worker is seq.decode:
+                result.extend(self._from_decode(seq, out))
+            elif worker is seq.prefill:
+                result.extend(self._from_prefill(seq, out))
+            # else: a prefill core this sequence has moved away from
+        return result
+
+    def _from_decode(self, seq: PairedSequence, out: EngineCoreOutput) -> list[EngineCoreOutput]:
+        child = out.request_id
+        if out.kv_destination is not None:
+            seq.dest = out.kv_destination
+            self._send_prefill(seq, child)
+            out = _replace(out, kv_destination=None)
+        if out.kv_transfer_error:
+            logger.warning("request %s: %s", child, out.kv_transfer_error)
+            self._release_prefill(seq, child, abort=True)
+            if out.finished:  # --kv-transfer-failure fail
+                self._seqs.pop(child, None)
+                self.fail(child, KVTransferFailedError(out.kv_transfer_error))
+                return []
+            # D kept P's first token if P's Done reached it (only the KV was
+            # bad: then P has reported, or soon reports, that token, and D's
+            # outputs start at the second). After a timeout D samples the first
+            # token itself. The router cannot see which; it goes by whether
+            # P's token has come: P reports it as it sends Done, so a token
+            # already here means Done was sent, and none yet means P is stuck.
+            if not seq.first_token_seen:
+                seq.recomputing = True  # D's own first token comes next; P's is dropped
+        waiting_first = not seq.first_token_seen and not seq.recomputing
+        if waiting_first and (out.new_token_ids or out.finish_reason in ("stop", "length")):
+            # Overtook the prefill core's first token (which D already has:
+            # it may even have ended the sequence): after it, in order.
+            seq.held.append(out)
+            return []
+        if out.finished:
+            self._seqs.pop(child, None)
+            self._release_prefill(seq, child, abort=True)
+        elif not out.new_token_ids:
+            return []
+        if seq.held:
+            held, seq.held = seq.held, []
+            return [*held, out]
+        return [out]
+
+    def _from_prefill(self, seq: PairedSequence, out: EngineCoreOutput) -> list[EngineCoreOutput]:
+        child = out.request_id
+        if out.finish_reason != "prefilled":
+            if out.finished:  # P could not take it (refused, aborted): another one may
+                self._release_prefill(seq, child, abort=False)
+                self._retry_prefill(seq, child, f"the prefill core ended it ({out.finish_reason})")
+            return []
+        self._release_prefill(seq, child, abort=False)
+        if seq.recomputing or seq.first_token_seen:
+            return []
+        seq.first_token_seen = True
+        finish = (first_token_finish(seq.request, out.new_token_ids[0], self.max_model_len)
+                  if out.new_token_ids else None)
+        first = _replace(out, finish_reason=finish[0] if finish else None, stop_reason=finish[1] if finish else None)
+        if finish is not None:  # D ends it too; its word is no longer needed
+            self._seqs.pop(child, None)
+            return [first]
+        held, seq.held = seq.held, []
+        if any(o.finished for o in held):
+            self._seqs.pop(child, None)
+        return [first, *held]
+
+    def _send_prefill(self, seq: PairedSequence, child: str) -> None:
+        seq.attempts += 1
+        try:
+            worker, new_tokens = self.router.choose(seq.request, "prefill")
+        except EngineDeadError as exc:
+            # No prefill core: the decode core's lease ends it (recompute or fail).
+            logger.error("request %s: %s; the decode core's lease decides", child, exc)
+            return
+        seq.prefill = worker
+        worker.queued_prefill[child] = new_tokens
+        worker.num_routed += 1
+        worker.connection.send(_replace(seq.request, kv_transfer=KVTransferParams(role="prefill", dest=seq.dest)))
+
+    def _retry_prefill(self, seq: PairedSequence, child: str, reason: str) -> None:
+        if seq.dest is None:
+            return  # not sent to a prefill core yet: it goes when D reports
+        if seq.attempts >= MAX_PREFILL_ATTEMPTS or time.monotonic() >= seq.dest.deadline:
+            logger.error("request %s: %s; no retry left, the decode core's lease decides", child, reason)
+            return
+        logger.warning("request %s: %s; prefilling it on another core", child, reason)
+        self._send_prefill(seq, child)
+
+    def _release_prefill(self, seq: PairedSequence, child: str, abort: bool) -> None:
+        worker, seq.prefill = seq.prefill, None
+        if worker is None:
+            return
+        worker.queued_prefill.pop(child, None)
+        if abort and worker.alive:
+            with contextlib.suppress(zmq.ZMQError):
+                worker.connection.send(EngineCoreAbort(request_ids=[child]))

@@ -15,12 +15,14 @@ from kvferry.serve.protocol import (
 from kvferry.serve.serving import (
     Delta, RequestIds, ServingContext, final_usage, respond, sse, tokenize, usage,
 )
+from kvferry.serve.tenants import Caller
 from kvferry.serve.tools import ParsedOutput, ParsedToolCall, ToolPlan, plan_tools, template_for
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, arrival: float,
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, caller: Caller, arrival: float,
                                  client_request_id: str | None = None) -> Response:
-    """``arrival``: time.monotonic() when the HTTP request arrived (for TTFT)."""
+    """``caller``: who sent it (its cache scope); ``arrival``: time.monotonic()
+    when the HTTP request arrived (for TTFT)."""
     model = raise_for_model(req.model, ctx.served_model_names)
     logprobs = requested_logprobs(req)
     plan = plan_tools(req.tools, req.tool_choice, ctx.api.tool_call_parser)
@@ -33,7 +35,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = sampling_params(req, max_tokens, logprobs, plan)
     ids = RequestIds.make("chatcmpl", client_request_id)
     return await respond(
-        ctx, ids, prompt_ids, params, arrival, req.stream,
+        ctx, ids, prompt_ids, params, arrival, caller, req.stream,
         make_chunks=lambda: _ChatChunks(ctx, req, plan, ids.public, model, len(prompt_ids)),
         make_body=lambda finals: _response(ctx, req, plan, ids.public, model, len(prompt_ids), finals),
     )

@@ -10,15 +10,17 @@ from kvferry.serve.protocol import CompletionChoice, CompletionRequest, Completi
 from kvferry.serve.serving import (
     Delta, RequestIds, ServingContext, final_usage, respond, sse, tokenize, usage,
 )
+from kvferry.serve.tenants import Caller
 
 
 # OpenAI's default length for completions.
 DEFAULT_MAX_TOKENS = 16
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest, arrival: float,
+async def create_completion(ctx: ServingContext, req: CompletionRequest, caller: Caller, arrival: float,
                             client_request_id: str | None = None) -> Response:
-    """``arrival``: time.monotonic() when the HTTP request arrived (for TTFT)."""
+    """``caller``: who sent it (its cache scope); ``arrival``: time.monotonic()
+    when the HTTP request arrived (for TTFT)."""
     model = raise_for_model(req.model, ctx.served_model_names)
     prompt_ids = await tokenize(completion_prompt_ids, req, ctx.client.tokenizer)
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), ctx.client.max_model_len, "prompt",
@@ -26,7 +28,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, arrival
     params = sampling_params(req, max_tokens, req.logprobs)
     ids = RequestIds.make("cmpl", client_request_id)
     return await respond(
-        ctx, ids, prompt_ids, params, arrival, req.stream,
+        ctx, ids, prompt_ids, params, arrival, caller, req.stream,
         make_chunks=lambda: _CompletionChunks(ctx, req, ids.public, model, len(prompt_ids)),
         make_body=lambda finals: _response(ctx, req, ids.public, model, len(prompt_ids), finals),
     )

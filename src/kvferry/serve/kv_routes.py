@@ -1,8 +1,11 @@
-"""The public-prefix routes, and the service that prefills a declaration.
+"""The /v1/kv routes (public prefixes, per-tenant cache stats, purges), and
+the service that prefills a declaration.
 
     POST   /v1/kv/public_prefixes        {"prefix": text | [chat messages]}  (a publish key)
     GET    /v1/kv/public_prefixes        the caller's declarations (an admin's: every one)
     DELETE /v1/kv/public_prefixes/{id}   its owner or an admin
+    GET    /v1/kv/stats                  the caller's prefix-cache counters (an admin's: every tenant's)
+    DELETE /v1/kv/tenants/{tenant}       an admin: drop the tenant's unused cached blocks
 
 Declaring a prefix prefills it at once, in the publisher's name: the
 declaration's own request is the only one that ever writes public blocks
@@ -32,7 +35,7 @@ from kvferry.serve.public_prefixes import (
     Declaration, PublicPrefixRegistry, Registered, declaration_body, registration_body,
 )
 from kvferry.serve.serving import read_body
-from kvferry.serve.tenants import CacheNamespaces, current_tenant
+from kvferry.serve.tenants import ApiKeys, CacheNamespaces, add_tier_hit_rates, current_tenant, empty_tenant_stats
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +181,38 @@ def public_prefix_routes(service: PublicPrefixService, max_body_bytes: int) -> l
         Route("/v1/kv/public_prefixes/{prefix_id}", delete, methods=["DELETE"]),
     ]
 
+
+def kv_tenant_routes(client: AsyncEngineClient, namespaces: CacheNamespaces, keys: ApiKeys | None) -> list[Route]:
+    async def kv_stats(request: Request) -> Response:
+        """Prefix-cache counters of the caller's tenant (every tenant's and
+        the public pool's for an admin)."""
+        tenant = current_tenant.get()
+        stats = client.stats
+        by_tenant, public = namespaces.split_stats(stats.prefix_by_owner)
+        add_tier_hit_rates(by_tenant, stats.kv_tier_tenants)
+        if not tenant.admin:
+            return JSONResponse({"object": "kv.stats",
+                                 "tenants": {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}})
+        return JSONResponse({"object": "kv.stats", "tenants": by_tenant, "public": public})
+
+    async def purge_tenant(request: Request) -> Response:
+        """Admin: drop a tenant's unused cached blocks from the device pool now."""
+        caller = current_tenant.get()
+        if not caller.admin:
+            raise APIError(403, "this API key may not purge tenants", code="permission_denied")
+        name = request.path_params["tenant"]
+        known = keys.tenant_names() if keys is not None else {caller.name}
+        if name not in known and name not in client.stats.prefix_by_owner:
+            raise APIError(404, f"unknown tenant {name!r}", code="tenant_not_found", param="tenant")
+        try:
+            purged = await client.purge_tenant(name)
+        except TimeoutError:
+            raise APIError(503, "the engine core did not answer the purge in time", code="engine_busy") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+        return JSONResponse({"object": "kv.tenant.purged", "tenant": name, "purged_blocks": purged})
+
+    return [
+        Route("/v1/kv/stats", kv_stats, methods=["GET"]),
+        Route("/v1/kv/tenants/{tenant}", purge_tenant, methods=["DELETE"]),
+    ]

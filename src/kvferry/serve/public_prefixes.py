@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.core.hashing import CacheScope
-from kvferry.serve.tenants import CacheNamespaces, current_cache_salt, current_tenant
+from kvferry.serve.tenants import CacheNamespaces, Caller
 
 MAX_PUBLIC_PREFIXES = 4096
 
@@ -201,17 +201,17 @@ class PublicPrefixes:
 
 
 class CachePolicy:
-    """The server's cache scope for a prompt of the current request's tenant:
-    private namespace (narrowed by its cache salt, if any) plus the whole
-    blocks of a matched public prefix."""
+    """The server's cache scope for one caller's prompt: the tenant's private
+    namespace (narrowed by its cache salt, if any), its quota and weight,
+    plus the whole blocks of a matched public prefix."""
 
     def __init__(self, namespaces: CacheNamespaces, prefixes: PublicPrefixes) -> None:
         self.namespaces = namespaces
         self.prefixes = prefixes
 
-    def __call__(self, token_ids: list[int]) -> CacheScope:
-        tenant = current_tenant.get()
-        namespace = self.namespaces.tenant(tenant.name, current_cache_salt.get())
+    def scope(self, caller: Caller, token_ids: list[int]) -> CacheScope:
+        tenant = caller.tenant
+        namespace = self.namespaces.tenant(tenant.name, caller.cache_salt)
         num_public_blocks = self.prefixes.match(token_ids) // self.prefixes.block_size
         public = self.namespaces.public if num_public_blocks else ""
         return CacheScope(namespace, public, num_public_blocks, tenant.quota_device_blocks,

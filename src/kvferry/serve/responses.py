@@ -20,7 +20,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvferry.outputs import RequestOutput
@@ -35,7 +34,7 @@ from kvferry.serve.protocol import (
 from kvferry.serve.serving import (
     Delta, EventStreamResponse, RequestIds, ServingContext, collect, start_request, stream_events,
 )
-from kvferry.serve.tenants import current_tenant
+from kvferry.serve.tenants import Caller
 from kvferry.serve.tools import ParsedOutput, ParsedToolCall, ToolPlan, plan_tools
 
 
@@ -92,14 +91,14 @@ class ResponseStore:
 
 # ---- POST /v1/responses ---------------------------------------------------------
 
-async def create_response(store: ResponseStore, ctx: ServingContext, req: ResponsesRequest, arrival: float,
-                          client_request_id: str | None = None) -> Response:
+async def create_response(store: ResponseStore, ctx: ServingContext, req: ResponsesRequest, caller: Caller,
+                          arrival: float, client_request_id: str | None = None) -> Response:
     model = raise_for_model(req.model, ctx.served_model_names)
     if req.n != 1:
         raise bad_request("n must be 1 for /v1/responses", "n")
     if req.stream_options is not None:
         raise bad_request("stream_options is not supported on /v1/responses", "stream_options")
-    owner = current_tenant.get().name
+    owner = caller.tenant.name
     previous = _previous(store, req.previous_response_id, owner)
     conversation = previous + input_messages(req.input)
     messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + conversation
@@ -111,7 +110,7 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
     params = sampling_params(req, max_tokens, None, plan)
     ids = RequestIds.make("resp", client_request_id, sep="_")  # OpenAI's id style: resp_..., msg_...
     builder = _Builder(req, ids.public, model, len(prompt_ids), plan)
-    handle = await start_request(ctx, ids.engine, prompt_ids, params, arrival)
+    handle = await start_request(ctx, ids.engine, prompt_ids, params, arrival, caller)
 
     def keep(response: ResponseObject, parsed: ParsedOutput) -> None:
         if req.store:
@@ -346,16 +345,16 @@ class _StreamEvents:
 
 # ---- GET / DELETE /v1/responses/{id} -------------------------------------------
 
-async def get_response(store: ResponseStore, request: Request) -> Response:
-    entry = store.get(request.path_params["response_id"], current_tenant.get().name)
+async def get_response(store: ResponseStore, response_id: str, owner: str) -> Response:
+    """``owner``: the caller's tenant; another tenant's response reads as absent."""
+    entry = store.get(response_id, owner)
     if entry is None:
-        raise _not_found(request.path_params["response_id"])
+        raise _not_found(response_id)
     return _json(entry.response)
 
 
-async def delete_response(store: ResponseStore, request: Request) -> Response:
-    response_id = request.path_params["response_id"]
-    if not store.delete(response_id, current_tenant.get().name):
+async def delete_response(store: ResponseStore, response_id: str, owner: str) -> Response:
+    if not store.delete(response_id, owner):
         raise _not_found(response_id)
     return _json(DeletedResponse(id=response_id))
 

@@ -133,11 +133,10 @@ def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs):
     there is none to start) and the engine args to launch with."""
     if not engine_args.kv_dram_gb or engine_args.kv_store:
         return None, engine_args
-    from kvferry.kvstore.service import start_store
+    from kvferry.kvstore.launch import start_store
 
     process, address = start_store(
-        engine_args.kv_dram_gb, disk=engine_args.kv_disk or None, disk_gb=engine_args.kv_disk_gb or None,
-        remote=engine_args.kv_remote or None, api_keys=getattr(args, "api_keys", None),
+        engine_args.create_engine_config().kv_tiers, api_keys=getattr(args, "api_keys", None),
         cache_secret_file=getattr(args, "cache_secret_file", None))
     logger.info("KV store started at %s (%.2f GiB DRAM)", address, engine_args.kv_dram_gb)
     return process, dataclasses.replace(engine_args, kv_store=address)

@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvferry.core.hashing import CacheScope
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.outputs import RequestOutput
 from kvferry.sampling import SamplingParams
@@ -28,6 +29,8 @@ from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.params import MaxTokens, named_field
 from kvferry.serve.protocol import PromptTokensDetails, Usage
+from kvferry.serve.public_prefixes import CachePolicy
+from kvferry.serve.tenants import Caller
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -40,11 +43,20 @@ class ServingContext:
     served_model_names: list[str]
     token_strings: TokenStrings
     api: ApiOptions = field(default_factory=ApiOptions)
+    # Caller and prompt -> where the request's blocks are keyed (tenant
+    # namespace, public prefix, quota, weight). None: one tenant, all private.
+    cache_policy: CachePolicy | None = None
 
     def max_tokens(self, default: int | None = None) -> MaxTokens:
         """The server's length policy; ``default`` is the endpoint's own
         (16 for completions), which --max-tokens-default replaces."""
         return MaxTokens(self.api.max_tokens_default or default, self.api.max_tokens_limit)
+
+    def cache_scope(self, caller: Caller, prompt_ids: list[int]) -> CacheScope:
+        """The one scope of a caller's request; it reaches the core unchanged."""
+        if self.cache_policy is None:
+            return CacheScope()
+        return self.cache_policy.scope(caller, prompt_ids)
 
 
 @dataclass(slots=True, frozen=True)
@@ -142,9 +154,11 @@ def engine_error_code(exc: EngineDeadError) -> str:
 
 
 async def start_request(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        arrival_time: float) -> RequestStream:
+                        arrival_time: float, caller: Caller) -> RequestStream:
     try:
-        return await ctx.client.add_request(request_id, prompt_ids, params, arrival_time=arrival_time)
+        scope = ctx.cache_scope(caller, prompt_ids)
+        return await ctx.client.add_request(request_id, prompt_ids, params, arrival_time=arrival_time,
+                                            cache_scope=scope)
     except ValueError as exc:
         raise bad_request(str(exc), named_field(str(exc)) or "prompt") from None
     except EngineDeadError as exc:
@@ -284,12 +298,13 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def respond(ctx: ServingContext, request_id: RequestIds, prompt_ids: list[int], params: SamplingParams,
-                  arrival_time: float, stream: bool, make_chunks: Callable[[], Any],
+                  arrival_time: float, caller: Caller, stream: bool, make_chunks: Callable[[], Any],
                   make_body: Callable[[list[RequestOutput]], BaseModel | Awaitable[BaseModel]]) -> Response:
-    """Admit a request, then stream it as SSE (``make_chunks()`` renders the
-    events) or wait for every sequence and answer ``make_body(finals)`` (a
-    coroutine where it checks tool calls off the event loop)."""
-    handle = await start_request(ctx, request_id.engine, prompt_ids, params, arrival_time)
+    """Admit a request in ``caller``'s cache scope, then stream it as SSE
+    (``make_chunks()`` renders the events) or wait for every sequence and
+    answer ``make_body(finals)`` (a coroutine where it checks tool calls off
+    the event loop)."""
+    handle = await start_request(ctx, request_id.engine, prompt_ids, params, arrival_time, caller)
     if stream:
         chunks = make_chunks()
         return EventStreamResponse(stream_events(handle, chunks.render, chunks.final), handle)

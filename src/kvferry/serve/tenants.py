@@ -44,12 +44,23 @@ class Tenant:
     weight: float = 1.0
 
 
-# The tenant of the HTTP request being served (set by the auth middleware;
-# asyncio tasks copy it, so a handler's inner tasks see it too).
+# The tenant of the HTTP request being served, as the auth middleware
+# authenticated it (the default tenant without a key file). Only the route
+# modules read it, once per request; everything below them gets the Tenant
+# (or the Caller) as an argument.
 current_tenant: contextvars.ContextVar[Tenant] = contextvars.ContextVar(
     "kvferry_tenant", default=Tenant(DEFAULT_TENANT_NAME, publish=True))
-# The request's cache salt (a client field): narrows the tenant's namespace.
-current_cache_salt: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvferry_cache_salt", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent one generation request: the tenant of its API key, and the
+    cache salt its body asked for (narrows the tenant's namespace, never
+    widens it). The cache policy turns it and the prompt into the request's
+    CacheScope (serve/public_prefixes.py)."""
+
+    tenant: Tenant
+    cache_salt: str | None = None
 
 
 class ApiKeys:

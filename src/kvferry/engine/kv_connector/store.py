@@ -1,4 +1,4 @@
-"""Runner side of the node's KV store: loads and saves between the device
+"""The node KV store, worker half: loads and saves between the device
 pool and the store's shared-memory DRAM arena.
 
 Every store call and every copy runs on one background thread, so neither
@@ -35,7 +35,7 @@ import torch
 
 from kvferry.core.outputs import KVOrders, TransferOrder
 from kvferry.core.tier_source import block_owners
-from kvferry.engine.kv_connector import HostSwapConnector, KVCompletions, KVConnector
+from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker
 from kvferry.model.kv_cache_dtype import index_copy_into
 
 logger = logging.getLogger(__name__)
@@ -70,18 +70,18 @@ class _Outbox:
     num_loaded_blocks: dict[str, int] = field(default_factory=dict)
 
 
-class StoreConnector(KVConnector):
-    """Loads and saves through a ``KVStoreClient``; swap orders go to the
-    host swap space as before. Completions come back through
-    ``take_finished``; every order completes (a failed save completes as
-    not saved, a failed load as loaded short), so nothing waits forever."""
+class NodeStoreWorker(KVConnectorWorker):
+    """Loads and saves through a ``KVStoreClient``. Completions come back
+    through ``take_finished``; every order completes (a failed save
+    completes as not saved, a failed load as loaded short), so nothing
+    waits forever."""
 
-    def __init__(self, kv_cache: torch.Tensor, store: Any, swap: HostSwapConnector,
-                 load_timeout_s: float = 10.0) -> None:
+    order_kinds = frozenset({"load", "save"})
+
+    def __init__(self, kv_cache: torch.Tensor, store: Any, load_timeout_s: float = 10.0) -> None:
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.store = store
-        self.swap = swap
         self.load_timeout_s = load_timeout_s
         self.stats = StoreIOStats()
         self._block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
@@ -104,10 +104,7 @@ class StoreConnector(KVConnector):
         self._thread.start()
 
     # -- the step's side (cheap) --------------------------------------------
-    def execute(self, orders: KVOrders) -> None:
-        self.swap.execute(KVOrders(swap_out=orders.swap_out, swap_in=orders.swap_in))
-        if orders.send:
-            raise ValueError("send orders need a peer connector; only the KV store is set up")
+    def run_orders(self, orders: KVOrders) -> None:
         # On CUDA the thread's stream waits for what the device has queued so
         # far (the blocks to save were written by the previous step).
         event = None
@@ -119,20 +116,18 @@ class StoreConnector(KVConnector):
         for order in orders.load:
             self._inbox.put(("load", order, event))
 
-    def take_finished(self) -> KVCompletions:
-        swapped = self.swap.take_finished()
+    def take_finished(self, idle: bool = False) -> KVCompletions:
         with self._outbox.lock:
             done, self._outbox.done = self._outbox.done, KVCompletions()
             partial, self._outbox.num_loaded_blocks = self._outbox.num_loaded_blocks, {}
-        done.finished_loading[:0] = swapped.finished_loading
-        done.finished_saving[:0] = swapped.finished_saving
         done.num_loaded_blocks = partial
         return done
 
-    def wait_for_io(self, timeout_s: float) -> None:
+    def wait_for_io(self, timeout_s: float) -> bool:
         """Block an idle step until a load or save completes, at most ``timeout_s``."""
         if self._completed.wait(timeout_s):
             self._completed.clear()
+        return True
 
     def close(self) -> None:
         self._inbox.put(None)

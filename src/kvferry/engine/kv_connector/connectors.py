@@ -1,0 +1,169 @@
+"""KV connectors as the engine core sees them: each one a pair of halves,
+made in order (the worker half inside the runner, over the KV pool; then
+the scheduler half, which may read its worker half's live state: both live
+in the engine core's process).
+
+Built in: ``PDTransferConnector`` (prefill/decode transfer), ``HostSwapConnector``
+(preemption swap), ``NodeStoreConnector`` (the node KV store). ``for_engine``
+composes what a configuration asks for, plus a connector from outside the
+package (``--kv-connector module:Class``), with ``MultiKVConnector``.
+
+A connector of one's own subclasses ``KVConnector``; its constructor takes
+the ``EngineConfig``.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kvferry.config import EngineConfig
+from kvferry.core.kv_connector import (
+    HostSwapScheduler,
+    KVConnectorScheduler,
+    MultiKVConnectorScheduler,
+    PDTransferScheduler,
+    TierKVScheduler,
+)
+from kvferry.core.swap_space import HostSwapSpace
+from kvferry.core.tier_source import StoreKVSource
+from kvferry.engine.kv_connector.base import KVConnectorWorker
+from kvferry.engine.kv_connector.disagg import PDTransferWorker
+from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
+from kvferry.engine.kv_connector.store import NodeStoreWorker
+from kvferry.engine.kv_connector.swap import HostSwapWorker
+
+
+@dataclass(slots=True)
+class WorkerContext:
+    """What a worker half is built over."""
+
+    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor
+    block_size: int
+    # Speculative method "draft": the draft model's pool (same block ids,
+    # its own shapes), else None.
+    draft_kv_cache: torch.Tensor | None = None
+    # This core's speculation signature (``kvferry.spec.speculation_signature``).
+    speculative: str = ""
+
+
+@dataclass(slots=True)
+class SchedulerContext:
+    block_size: int
+    num_kv_blocks: int
+
+
+class KVConnector(ABC):
+    """A KV connector's two halves."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        """Made first, by the runner, over its KV pool."""
+
+    @abstractmethod
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        """Made after the worker half."""
+
+
+class HostSwapConnector(KVConnector):
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        return HostSwapWorker(ctx.kv_cache, self.config.cache.num_swap_blocks)
+
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        return HostSwapScheduler(HostSwapSpace(self.config.cache.num_swap_blocks))
+
+
+class NodeStoreConnector(KVConnector):
+    """Over two clients of the node's store: ``index`` for the scheduler's
+    lookups and retentions, ``io`` for the worker's loads and saves (each on
+    its own thread)."""
+
+    def __init__(self, config: EngineConfig, index: Any, io: Any) -> None:
+        super().__init__(config)
+        self.index, self.io = index, io
+        self.worker: NodeStoreWorker | None = None
+
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        self.worker = NodeStoreWorker(ctx.kv_cache, self.io)
+        return self.worker
+
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        worker = self.worker
+        assert worker is not None, "the worker half is made first"
+        # Lookups run on the step's path: they only go out while the
+        # worker's I/O thread (which owns reconnecting) sees the store up.
+        source = StoreKVSource(self.index, ctx.block_size, self.config.kv_tiers.max_load_tokens,
+                               is_up=lambda: worker.store_up)
+        return TierKVScheduler(source, write_down=True)
+
+
+class PDTransferConnector(KVConnector):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.worker: PDTransferWorker | None = None
+
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        self.worker = PDTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.draft_kv_cache, ctx.speculative)
+        return self.worker
+
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        assert self.worker is not None, "the worker half is made first"
+        return PDTransferScheduler(self.worker.settings())
+
+
+class MultiKVConnector(KVConnector):
+    """Several connectors as one (see the two ``multi.py`` halves for the
+    rules). Each worker half is built over the pool the one before left,
+    so a connector that moves the pool (the prefill/decode transfer's
+    shared memory) comes first."""
+
+    def __init__(self, config: EngineConfig, connectors: list[KVConnector]) -> None:
+        super().__init__(config)
+        self.connectors = list(connectors)
+
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        workers = []
+        for connector in self.connectors:
+            worker = connector.worker_half(ctx)
+            ctx = replace(ctx, kv_cache=worker.kv_cache)
+            workers.append(worker)
+        return MultiKVConnectorWorker(workers)
+
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        return MultiKVConnectorScheduler([c.scheduler_half(ctx) for c in self.connectors])
+
+
+def load_connector(spec: str) -> type[KVConnector]:
+    """The class named by ``module:Class`` (ValueError naming the flag when
+    it cannot be imported or is not a KVConnector)."""
+    module_name, _, class_name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"kv_connector {spec!r} cannot be loaded: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, KVConnector)):
+        raise ValueError(f"kv_connector {spec!r} is not a kvferry.engine.kv_connector.KVConnector")
+    return cls
+
+
+def for_engine(config: EngineConfig, store_index: Any = None, store_io: Any = None) -> KVConnector | None:
+    """The connector a configuration asks for (None: the device pool alone)."""
+    connectors: list[KVConnector] = []
+    if config.kv_transfer.kv_transfer_address:
+        connectors.append(PDTransferConnector(config))  # first: it moves the pool into shared memory
+    if config.cache.num_swap_blocks:
+        connectors.append(HostSwapConnector(config))
+    if store_io is not None:
+        connectors.append(NodeStoreConnector(config, store_index, store_io))
+    if config.kv_connector:
+        connectors.append(load_connector(config.kv_connector)(config))
+    if len(connectors) > 1:
+        return MultiKVConnector(config, connectors)
+    return connectors[0] if connectors else None

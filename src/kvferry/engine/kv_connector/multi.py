@@ -1,0 +1,52 @@
+"""Several connectors as one, worker half: every order goes to the worker
+that executes its kind, completions are gathered in the workers' order,
+and the layer hooks of the (one) worker that streams are the step's."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.core.outputs import KVOrders
+from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker, _W
+
+
+class MultiKVConnectorWorker(KVConnectorWorker):
+    def __init__(self, workers: list[KVConnectorWorker]) -> None:
+        if not workers:
+            raise ValueError("a multi-connector needs at least one connector")
+        self.workers = list(workers)
+        self.order_kinds = frozenset().union(*(w.order_kinds for w in self.workers))
+        self.kv_cache = self.workers[-1].kv_cache  # each was built over the pool the one before left
+
+    def run_orders(self, orders: KVOrders) -> None:
+        for worker in self.workers:
+            worker.run_orders(orders)
+
+    def begin_step(self, orders: KVOrders) -> Any:
+        hooks = None
+        for worker in self.workers:
+            hooks = worker.begin_step(orders) or hooks
+        return hooks
+
+    def finished_requests(self, request_ids: list[str]) -> None:
+        for worker in self.workers:
+            worker.finished_requests(request_ids)
+
+    def take_finished(self, idle: bool = False) -> KVCompletions:
+        done = KVCompletions()
+        for worker in self.workers:
+            done.extend(worker.take_finished(idle))
+        return done
+
+    def wait_for_io(self, timeout_s: float) -> bool:
+        return any(worker.wait_for_io(timeout_s) for worker in self.workers)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+    def find(self, kind: type[_W]) -> _W | None:
+        for worker in self.workers:
+            found = worker.find(kind)
+            if found is not None:
+                return found
+        return None

@@ -1,0 +1,36 @@
+"""GET /health and GET /metrics.
+
+/health is open (probes carry no key). /metrics checks keys itself rather
+than through the auth middleware: it is open without keys (and with
+--metrics-public), while the per-tenant series are an admin's only.
+"""
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvferry.serve.auth import metrics_access
+from kvferry.serve.engine_client import AsyncEngineClient
+from kvferry.serve.errors import error_response
+from kvferry.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvferry.serve.tenants import ApiKeys
+
+
+def health_routes(client: AsyncEngineClient, metrics: ServerMetrics, keys: ApiKeys | None,
+                  metrics_public: bool) -> list[Route]:
+    async def health(request: Request) -> Response:
+        state = client.health()
+        if state["status"] in ("ok", "degraded"):  # "degraded": some core is down, every role still has one
+            return JSONResponse(state)
+        code = "engine_restarting" if state["status"] == "restarting" else "engine_unavailable"
+        return error_response(503, state["reason"], code=code)
+
+    async def prometheus(request: Request) -> Response:
+        admin = metrics_access(keys, request.scope["headers"], public=metrics_public)
+        return Response(metrics.render(include_tenants=admin), media_type=CONTENT_TYPE)
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
