@@ -7,7 +7,8 @@
 #
 # Usage: bench/ab_serve.sh [BASE_COMMIT] [RUNS]
 # Env:   THREADS=2, CONCURRENCY="16 64", NUM_PROMPTS=64, INPUT_LEN=256,
-#        OUTPUT_LEN=64, VLLM_VENV=/work/vllm-venv, OUT=bench/results/ab_serve
+#        OUTPUT_LEN=64, VLLM_VENV=/work/vllm-venv, OUT=bench/results/ab_serve,
+#        SERVE_ARGS="" (more `kvferry serve` flags for both, e.g. a disagg layout)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${1:-HEAD~1}
@@ -19,6 +20,7 @@ INPUT_LEN=${INPUT_LEN:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 VLLM_VENV=${VLLM_VENV:-/work/vllm-venv}
 OUT=${OUT:-bench/results/ab_serve}
+SERVE_ARGS=${SERVE_ARGS:-}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 BASE_DIR=$(mktemp -d)
@@ -30,7 +32,7 @@ echo "base=$BASE dtype=$DTYPE threads=$THREADS cpu: $(grep -o -w 'avx2\|avx512f\
 
 serve_and_bench() {  # name, source tree, run
   PYTHONPATH="$2/src" OMP_NUM_THREADS=$THREADS $PY -m kvferry.cli serve --model "$MODEL_DIR" --dtype "$DTYPE" \
-    --served-model-name smollm2 --port 8300 > "$OUT/$1_run$3_server.log" 2>&1 &
+    --served-model-name smollm2 --port 8300 $SERVE_ARGS > "$OUT/$1_run$3_server.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 600); do
     curl -sf http://127.0.0.1:8300/health >/dev/null 2>&1 && break

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -98,7 +99,11 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnectorScheduler()
-        self.connector.bind(self)
+        # The connector and the load-ahead planner refer back weakly: no
+        # reference cycle, so an engine is freed as soon as it is dropped
+        # (its store clients' sockets closed then, not at a random
+        # collection inside another engine's step).
+        self.connector.bind(weakref.proxy(self))
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_budget = draft_budget
@@ -107,7 +112,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, int] = {}  # request id -> external tokens in flight (asynchronous loads)
-        self.ahead = LoadAhead(self)
+        self.ahead = LoadAhead(weakref.proxy(self))
         self.num_loaded_tokens = 0
         self._finished_since_step: list[str] = []
         # What the runner's batch row holds per request: block count and

@@ -37,9 +37,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+
 
 import zmq
 from msgspec.structs import replace as _replace
@@ -67,94 +66,12 @@ from kvferry.router.stats import merge_stats
 from kvferry.router.supervisor import RestartSupervisor, start_cores, stop_cores
 from kvferry.router.worker import Worker
 from kvferry.sampling import SamplingParams
+from kvferry.serve.request_stream import _END, RequestObserver, RequestStream, _NullObserver
 
 __all__ = ["AsyncEngineClient", "EngineDeadError", "EngineRestartingError", "KVTransferFailedError", "RequestStream",
            "SloRejectedError"]
 
 logger = logging.getLogger(__name__)
-
-class RequestObserver(Protocol):
-    """Told about request lifecycle events, on the event loop (for metrics)."""
-
-    def on_first_token(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
-    def on_tokens(self, stream: "RequestStream", num_tokens: int, gap_s: float | None) -> None: ...
-    def on_sequence_finished(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
-    def on_request_finished(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
-    def on_abort(self, stream: "RequestStream") -> None: ...
-
-
-class _NullObserver:
-    def on_first_token(self, stream, output, now): pass
-    def on_tokens(self, stream, num_tokens, gap_s): pass
-    def on_sequence_finished(self, stream, output, now): pass
-    def on_request_finished(self, stream, output, now): pass
-    def on_abort(self, stream): pass
-
-
-_END = object()  # queued after a request's last sequence finishes
-
-
-class RequestStream:
-    """One request's outputs, in engine order: an async iterator of
-    RequestOutput (one per sequence per step), ending after all n sequences
-    finish. ``close()`` aborts the request if the engine has not finished it;
-    call it in a ``finally`` so a vanished client frees its KV blocks."""
-
-    def __init__(self, client: "AsyncEngineClient", request_id: str, n: int, arrival_time: float,
-                 tenant: str = "") -> None:
-        self.client = client
-        self.request_id = request_id
-        self.tenant = tenant  # the authenticated tenant ("" without tenants), for per-tenant metrics
-        self.n = n
-        self.arrival_time = arrival_time  # time.monotonic() when the HTTP request arrived
-        self.first_token_time: float | None = None
-        self.last_token_time: dict[int, float] = {}  # per sequence index
-        self.num_finished = 0
-        self.closed = False
-        # Outputs, then _END or an exception, which stay at the head once
-        # reached so that every later read reports the same end.
-        self._items: deque[Any] = deque()
-        self._ready = asyncio.Event()
-
-    @property
-    def engine_finished(self) -> bool:
-        return self.num_finished >= self.n
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        head = self._items[0]
-        if head is _END:
-            raise StopAsyncIteration
-        if isinstance(head, BaseException):
-            raise head
-        return self._items.popleft()
-
-    def pending(self) -> list[RequestOutput]:
-        """Outputs already here (without waiting), for coalescing chunks when
-        the client reads slower than the engine steps."""
-        items = []
-        while self._items and self._items[0] is not _END and not isinstance(self._items[0], BaseException):
-            items.append(self._items.popleft())
-        return items
-
-    def close(self) -> None:
-        """Idempotent. Aborts the request in the engine unless it finished."""
-        if self.closed:
-            return
-        self.closed = True
-        if not self.engine_finished:
-            self.client._abort_stream(self)
-
-    # -- called by the client on the event loop ----------------------------
-    def _push(self, item: Any) -> None:
-        self._items.append(item)
-        self._ready.set()
-
 
 class AsyncEngineClient:
     """Front end of one or more engine cores (workers). Build it with a
