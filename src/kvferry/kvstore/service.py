@@ -55,7 +55,7 @@ from kvferry import envs, peer_auth
 from kvferry.kvstore import protocol as p
 from kvferry.kvstore.arena import SHM_DIR, Arena
 from kvferry.kvstore.chain import ColdChain
-from kvferry.kvstore.policy import DramIndex, Entry, PoolQuotas, State, pool_of
+from kvferry.kvstore.policy import DramIndex, Entry, PoolQuotas, State
 from kvferry.kvstore.tier import ColdTier, TierStats
 
 logger = logging.getLogger(__name__)

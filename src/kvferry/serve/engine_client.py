@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
 
@@ -50,7 +49,7 @@ from kvferry.engine.core_client import CoreConnection, CoreProcess
 from kvferry.engine.input_processor import InputProcessor, load_tokenizer
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.messages import (
-    EngineCoreAbort, EngineCoreOutputs, EngineCorePurgeTenant, EngineCoreReady, EngineCoreShutdown,
+    EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreShutdown,
 )
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.outputs import RequestOutput
@@ -61,6 +60,7 @@ from kvferry.router.listener import WorkerListener
 from kvferry.router.membership import HealthMonitor, Membership, restarting_message
 from kvferry.router.pairing import Pairing
 from kvferry.router.prefix_index import PrefixIndex
+from kvferry.router.purges import PurgeBroadcast
 from kvferry.router.routing import Router
 from kvferry.router.stats import merge_stats
 from kvferry.router.supervisor import RestartSupervisor, start_cores, stop_cores
@@ -102,8 +102,7 @@ class AsyncEngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._output_task: asyncio.Task | None = None
         self._stopped = False
-        # Purges sent to the cores, by purge id, until each answers.
-        self._purges: dict[str, asyncio.Future[int]] = {}
+        self.purges = PurgeBroadcast()
         self._request_worker: dict[str, Worker] = {}  # parent request id -> its worker
         self._health_task: asyncio.Task | None = None
         # The router (kvferry.router): who serves, where each request goes,
@@ -335,21 +334,7 @@ class AsyncEngineClient:
         if restarting := self.members.restarting():
             # A purge must reach every core (and, through each, the KV store's tiers).
             raise EngineRestartingError(restarting_message(restarting[0].role, restarting))
-        loop = asyncio.get_running_loop()
-        sent: list[str] = []
-        try:
-            for worker in self.workers.values():
-                if not worker.alive:
-                    continue
-                purge_id = f"purge-{uuid.uuid4().hex}"
-                self._purges[purge_id] = loop.create_future()
-                sent.append(purge_id)
-                worker.connection.send(EngineCorePurgeTenant(purge_id=purge_id, tenant=tenant))
-            counts = await asyncio.wait_for(asyncio.gather(*(self._purges[p] for p in sent)), timeout_s)
-            return sum(counts)
-        finally:
-            for purge_id in sent:
-                self._purges.pop(purge_id, None)
+        return await self.purges.run(self.workers.values(), tenant, timeout_s)
 
     def abort(self, request_id: str) -> None:
         """Abort one request (all its sequences); its stream ends without
@@ -398,10 +383,8 @@ class AsyncEngineClient:
     def _on_message(self, worker: Worker, message: EngineCoreOutputs) -> None:
         if message.stats is not None:
             worker.stats = message.stats
-        for purge_id, count in (message.purged or {}).items():
-            future = self._purges.get(purge_id)
-            if future is not None and not future.done():
-                future.set_result(count)
+        if message.purged:
+            self.purges.answered(message.purged)
         if message.kv_events:
             self.index.apply(worker.name, message.kv_events)
         if message.num_scheduled_tokens:
@@ -465,7 +448,7 @@ class AsyncEngineClient:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted after this step was planned
                 continue
-            self._observe(stream, out, now)
+            stream.observe(out, now, self.observer)
             stream._push(out)
             if stream.engine_finished:
                 del self._streams[out.request_id]
@@ -474,27 +457,8 @@ class AsyncEngineClient:
                     worker.requests.discard(out.request_id)
                 stream._push(_END)
 
-    def _observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
-        index = out.outputs[0].index
-        num_new = len(out.new_token_ids)
-        if num_new:
-            if stream.first_token_time is None:
-                stream.first_token_time = now
-                self.observer.on_first_token(stream, out, now)
-            last = stream.last_token_time.get(index)
-            # Several tokens in one step (speculation) share the gap.
-            self.observer.on_tokens(stream, num_new, None if last is None else (now - last) / num_new)
-            stream.last_token_time[index] = now
-        if out.finished:
-            stream.num_finished += 1
-            self.observer.on_sequence_finished(stream, out, now)
-            if stream.engine_finished:
-                self.observer.on_request_finished(stream, out, now)
-
     def _fail_all(self, error: BaseException) -> None:
-        for future in self._purges.values():
-            if not future.done():
-                future.set_exception(error)
+        self.purges.fail_all(error)
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.closed = True

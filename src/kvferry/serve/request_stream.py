@@ -91,6 +91,24 @@ class RequestStream:
             self.client._abort_stream(self)
 
     # -- called by the client on the event loop ----------------------------
+    def observe(self, out: RequestOutput, now: float, observer: RequestObserver) -> None:
+        """Token timings of an output about to be pushed, told to ``observer``."""
+        index = out.outputs[0].index
+        num_new = len(out.new_token_ids)
+        if num_new:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                observer.on_first_token(self, out, now)
+            last = self.last_token_time.get(index)
+            # Several tokens in one step (speculation) share the gap.
+            observer.on_tokens(self, num_new, None if last is None else (now - last) / num_new)
+            self.last_token_time[index] = now
+        if out.finished:
+            self.num_finished += 1
+            observer.on_sequence_finished(self, out, now)
+            if self.engine_finished:
+                observer.on_request_finished(self, out, now)
+
     def _push(self, item: Any) -> None:
         self._items.append(item)
         self._ready.set()

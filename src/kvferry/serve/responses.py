@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from kvferry.outputs import RequestOutput
 from kvferry.serve.chat import render_prompt
 from kvferry.serve.errors import APIError, bad_request
 from kvferry.serve.params import raise_for_model, resolve_max_tokens, sampling_params

@@ -58,24 +58,11 @@ def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
     """Chat prompts (one user message each) from an offline corpus."""
     rng = random.Random(seed)
     if corpus == "chitchat":
-        try:
-            import chitchat_dataset
-        except ImportError:
-            raise ValueError("--corpus chitchat needs the PyPI package chitchat-dataset") from None
-        # The benchmark (bench/spec_decode.py) replies to the first
-        # conversations in dataset order: those are held out of training.
-        convs = [list(conv) for i, conv in enumerate(chitchat_dataset.ConversationDataset()) if i >= HELD_OUT_CHATS]
+        # The benchmark (bench/spec_decode.py) and held_out_acceptance reply
+        # to the first conversations in dataset order: those are held out.
+        convs = [conv for i, conv in enumerate(_chitchat_conversations()) if i >= HELD_OUT_CHATS]
         rng.shuffle(convs)
-        prompts = []
-        for conv in convs[:num]:
-            # 1, 3 or 5 turns, ending with the user's, as a chat reply is asked for
-            turns = [t for t in conv if t][: rng.choice((1, 3, 5))]
-            if len(turns) % 2 == 0:
-                turns = turns[:-1]
-            if turns:
-                roles = ["user", "assistant"] * 3
-                prompts.append([{"role": r, "content": t[:PROMPT_CHARS]} for r, t in zip(roles, turns)])
-        return prompts
+        return _chat_prompts(convs[:num], rng)
     from kvferry.bench.corpus import load_documents
     from kvferry.bench.workloads import BenchError
 
@@ -88,6 +75,76 @@ def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
         raise ValueError(str(exc)) from None
     tasks = ["Continue this text:", "Summarize this text:", "Rewrite this text in plain words:"]
     return [[{"role": "user", "content": f"{rng.choice(tasks)}\n\n{d[:PROMPT_CHARS]}"}] for d in docs]
+
+
+def _chitchat_conversations() -> list[list[str]]:
+    """Every chitchat-dataset conversation (a list of turns), in dataset order."""
+    try:
+        import chitchat_dataset
+    except ImportError:
+        raise ValueError("--corpus chitchat needs the PyPI package chitchat-dataset") from None
+    return [list(conv) for conv in chitchat_dataset.ConversationDataset()]
+
+
+def _chat_prompts(convs: list[list[str]], rng: random.Random) -> list[list[dict]]:
+    """Each conversation cut to 1, 3 or 5 turns, ending with the user's (a
+    chat reply is what is asked for), each turn at PROMPT_CHARS."""
+    prompts = []
+    for conv in convs:
+        turns = [t for t in conv if t][: rng.choice((1, 3, 5))]
+        if len(turns) % 2 == 0:
+            turns = turns[:-1]
+        if turns:
+            roles = ["user", "assistant"] * 3
+            prompts.append([{"role": r, "content": t[:PROMPT_CHARS]} for r, t in zip(roles, turns)])
+    return prompts
+
+
+def held_out_chats(num: int, seed: int = 0) -> list[list[dict]]:
+    """``num`` chat prompts from the held-out chitchat conversations (the
+    first HELD_OUT_CHATS in dataset order, which training never sees),
+    shaped as the training prompts are."""
+    convs = _chitchat_conversations()[: min(num, HELD_OUT_CHATS)]
+    return _chat_prompts(convs, random.Random(seed))
+
+
+@dataclass(slots=True)
+class Acceptance:
+    prompts: int
+    drafted: int  # draft tokens verified
+    accepted: int  # draft tokens kept
+    drafts: int  # verify steps that carried drafts
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step, the bonus token included."""
+        return 1 + self.accepted / self.drafts if self.drafts else 1.0
+
+    def line(self, k: int) -> str:
+        return (f"held-out chat acceptance: {100 * self.rate:.1f}% of {self.drafted} draft tokens "
+                f"(mean accepted length {self.mean_accepted_length:.2f}, k = {k}, greedy, "
+                f"{self.prompts} chitchat conversations never trained on)")
+
+
+def held_out_acceptance(target: str | None, head: str | Path, num_prompts: int = 32, max_tokens: int = 96,
+                        k: int = 4, **llm_kwargs) -> Acceptance:
+    """What a user should expect of ``head`` on chat: greedy replies to
+    held-out chitchat conversations with k drafts every step (no adaptive
+    k, no cost model: those only decide *whether* to draft, and would hide
+    the acceptance), ending at EOS as real replies do."""
+    from kvferry import LLM, SamplingParams
+
+    prompts = held_out_chats(num_prompts)
+    spec = {"method": "head", "model": str(head), "num_speculative_tokens": k, "adaptive": False,
+            "cost_aware": False, "batch_token_threshold": 10**6}
+    llm = LLM(model=target, speculative=spec, **llm_kwargs)
+    llm.chat(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    s = llm.engine.stats()
+    return Acceptance(len(prompts), s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)
 
 
 def self_distill(llm, prompts: list[list[dict]], max_tokens: int) -> list[tuple[list[int], int]]:  # noqa: ANN001
