@@ -24,7 +24,7 @@ echo "base=$BASE this=$(git rev-parse --short HEAD)$(git diff --quiet || echo +d
      "cpu: $(grep -o -w 'avx2\|avx512f\|avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')" | tee "$OUT/header.txt"
 
 echo "== 1. offline throughput"
-$PY bench/offline_throughput.py --systems kvferry --runs "$RUNS" --threads "$THREADS" \
+PYTHONPATH="$PWD/src" $PY bench/offline_throughput.py --systems kvferry --runs "$RUNS" --threads "$THREADS" \
     --kvferry-env "base:PYTHONPATH=$BASE_DIR/src" 2>&1 | tee "$OUT/offline.txt" | grep -E "^run|tok_s|ratio" || true
 
 echo "== 2. vllm bench serve, c16, colocated"
