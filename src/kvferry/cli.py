@@ -1,7 +1,21 @@
-"""kvferry command line: serve | engine-core | kvstore | demo | bench | profile.
+"""kvferry command line, nine commands:
 
-Engine flags come from EngineArgs (one flag per field), so every command
-that builds an engine takes the same options with the same defaults.
+    kvferry serve [MODEL]      OpenAI-compatible HTTP server (vllm serve's flags work too)
+    kvferry engine-core        an engine core alone, joined by a server's --worker
+    kvferry kvstore            the node's KV store service (DRAM arena, cold tiers)
+    kvferry demo [PROMPT ...]  generate text in-process from the embedded default model
+    kvferry bench              load-test an OpenAI-compatible server (bench compare A B: two runs)
+    kvferry profile            fit this machine's prefill and decode step times
+    kvferry simulate           predict latency and goodput from a profile
+    kvferry plan               search prefill/decode instance counts for goodput per GPU
+    kvferry train-draft        train a draft head for speculative decoding
+
+``kvferry --version``; ``kvferry COMMAND --help`` lists a command's flags
+with their defaults. Engine flags come from EngineArgs (one flag per field),
+so every command that builds an engine takes the same options with the same
+defaults. Parsers are kvferry.cli_parser.Parser: no abbreviated flags, and
+an error is the short usage and one line (an unknown flag names the nearest
+supported one).
 """
 from __future__ import annotations
 
@@ -9,7 +23,13 @@ import argparse
 import dataclasses
 import sys
 
+from kvferry.cli_parser import Parser, nearest_flag_error, package_version
 from kvferry.config import EngineArgs
+
+# What `kvferry demo` passes to LLM(...): the model and how it runs, not the
+# serving-only options (KV store, disaggregation, connectors).
+DEMO_ENGINE_FIELDS = ("model", "dtype", "device", "attention_backend", "enforce_eager", "seed", "max_model_len",
+                      "kv_cache_memory_gb", "kv_cache_dtype", "speculative")
 
 
 def engine_args_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineArgs:
@@ -46,13 +66,17 @@ def cmd_engine_core(args: argparse.Namespace) -> int:
     return run_from_args(args, args.engine_args.create_engine_config())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvferry")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="generate text from the embedded default model")
-    EngineArgs.add_cli_args(demo)
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("prompt", nargs="*")
+def build_parser() -> Parser:
+    parser = Parser(prog="kvferry", description="LLM serving with paged KV, prefix sharing, KV tiers, "
+                                                "disaggregation and speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"kvferry {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="generate text in-process from the embedded default model",
+                          description="Generate text in-process (no server): greedy answers to PROMPTs.")
+    EngineArgs.add_cli_args(demo, only=DEMO_ENGINE_FIELDS)
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
+    demo.add_argument("prompt", nargs="*", metavar="PROMPT",
+                      help="questions to answer (default: two examples)")
     demo.set_defaults(func=cmd_demo, subparser=demo)
     from kvferry.serve.cli import add_serve_parser  # light: heavy imports happen when serve runs
 
@@ -72,10 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_parsers(sub)
     from kvferry.spec.train_cli import add_train_parser  # train-draft; light: torch loads when it runs
     add_train_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        nearest_flag_error(_command_parser(parser, args), unknown)
     if getattr(args, "subparser", None) is not None:  # commands that build an engine
+        if (before := getattr(args, "before_engine_args", None)) is not None:
+            before(args.subparser, args)
         args.engine_args = engine_args_from(args.subparser, args)
     return args.func(args)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)parser the command line chose: the one whose
+    flags an unknown argument is compared with."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen is None or chosen not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[chosen]
 
 
 def _add_core_args(parser: argparse.ArgumentParser) -> None:
@@ -89,8 +133,9 @@ def _add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-secret-file", default=None,
                         help="the servers' cache secret: this core's KV store and KV transfer tokens derive from it "
                              "(give a store and the cores started apart from it the same file)")
-    parser.add_argument("--check-kv-integrity", action="store_true")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--check-kv-integrity", action="store_true",
+                        help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
+    parser.add_argument("--log-level", default="info", help="the core's logging level")
 
 
 if __name__ == "__main__":

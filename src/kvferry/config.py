@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,7 @@ class ModelLoadConfig:
 
 
 _SPEC_METHODS = ("ngram", "draft", "head")
+_SPEC_METHOD_ALIASES = {"eagle": "head", "eagle3": "head"}  # vLLM's names
 
 
 @dataclass(slots=True)
@@ -159,6 +161,13 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative must be a JSON object: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative must be a JSON object or dict, got {type(value).__name__}")
+        if value.get("method") in _SPEC_METHOD_ALIASES:
+            # vLLM's EAGLE names: kvferry's own draft head does that job, from a
+            # head file of `kvferry train-draft` (not an EAGLE checkpoint).
+            alias = value["method"]
+            value = {**value, "method": _SPEC_METHOD_ALIASES[alias]}
+            logging.getLogger(__name__).warning(
+                'speculative method "%s" is served as "head" (a kvferry draft head: kvferry train-draft)', alias)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -168,6 +177,17 @@ class SpeculativeConfig:
 
 _KV_TRANSPORTS = ("shm", "tcp")
 _KV_FAILURE = ("recompute", "fail")
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*", "")
+
+
+def kv_transfer_host(address: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` transfer address ('' for ipc://)."""
+    return address[len("tcp://"):].rpartition(":")[0] if address.startswith("tcp://") else ""
+
+
+def is_wildcard_address(address: str) -> bool:
+    """tcp://0.0.0.0:P, tcp://[::]:P, tcp://*:P: every interface of the host."""
+    return address.startswith("tcp://") and kv_transfer_host(address) in _WILDCARD_HOSTS
 
 
 @dataclass(slots=True)
@@ -186,12 +206,28 @@ class KVTransferConfig:
     # Lease of a transfer: a decode core waits this long for the KV; a
     # prefill core holds its blocks this long for the acknowledgement.
     kv_transfer_timeout_s: float = 30.0
+    # Listen on every interface (the address's host is then only what peers
+    # are told to connect to; a wildcard host tells them this host's name).
+    # Off: the socket binds to the address's own interface, and a wildcard
+    # address is refused, so a transfer port is never opened to every
+    # network by accident (its peers must still present the token).
+    kv_transfer_bind_any: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_transfer_address, str) or (
                 self.kv_transfer_address and not self.kv_transfer_address.startswith(("tcp://", "ipc://"))):
             raise ValueError(f"kv_transfer_address must be tcp://host:port or ipc://path, "
                              f"got {self.kv_transfer_address!r}")
+        if self.kv_transfer_address.startswith("tcp://"):
+            port = self.kv_transfer_address.rpartition(":")[2]
+            if ":" not in self.kv_transfer_address[len("tcp://"):] or not (port.isdigit() or port == "*"):
+                raise ValueError(f"kv_transfer_address must be tcp://host:port, got {self.kv_transfer_address!r}")
+        if is_wildcard_address(self.kv_transfer_address) and not self.kv_transfer_bind_any:
+            raise ValueError(f"kv_transfer_address {self.kv_transfer_address!r} listens on every interface: "
+                             "give this node's own address (e.g. tcp://10.0.0.5:5600 or tcp://127.0.0.1:0), "
+                             "or pass --kv-transfer-bind-any to open it on all of them on purpose")
+        if not isinstance(self.kv_transfer_bind_any, bool):
+            raise ValueError(f"kv_transfer_bind_any must be a bool, got {self.kv_transfer_bind_any!r}")
         if self.kv_transport not in _KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {', '.join(_KV_TRANSPORTS)}; got {self.kv_transport!r}")
         if self.kv_transfer_failure not in _KV_FAILURE:
@@ -199,6 +235,10 @@ class KVTransferConfig:
                              f"got {self.kv_transfer_failure!r}")
         if not isinstance(self.kv_transfer_timeout_s, (int, float)) or not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s!r}")
+
+
+# DRAM of the node store started for --kv-cluster without --kv-dram-gb, GiB.
+DEFAULT_CLUSTER_DRAM_GB = 1.0
 
 
 @dataclass(slots=True)
@@ -209,14 +249,18 @@ class KVTierConfig:
     ``kvferry kvstore`` (one name per option everywhere). ``kv_store``
     attaches to a running store; otherwise ``kv_dram_gb`` > 0 makes the
     launcher start one (``kvstore.launch.start_store``, with the optional
-    disk and remote tiers) and fill in its address. Neither: device-only
-    caching."""
+    disk, cluster and remote tiers) and fill in its address. Neither:
+    device-only caching. ``kv_cluster`` alone starts a store too, with
+    ``DEFAULT_CLUSTER_DRAM_GB`` of DRAM."""
 
     kv_store: str = ""
     kv_dram_gb: float = 0.0
     kv_disk: str = ""
     kv_disk_gb: float = 0.0
     kv_remote: str = ""
+    # The cluster KV pool, mooncake://MASTER_HOST:PORT?metadata=URL
+    # (kvferry.kvstore.cluster): a tier of the store this config starts.
+    kv_cluster: str = ""
     # Most tokens one request may load from the store (0: no cap), so that
     # one long conversation cannot monopolize the store's I/O.
     max_load_tokens: int = 0
@@ -230,11 +274,17 @@ class KVTierConfig:
             raise ValueError(f"max_load_tokens must be an integer >= 0, got {self.max_load_tokens!r}")
         if self.kv_disk and not self.kv_disk_gb:
             raise ValueError("kv_disk_gb must be > 0 when kv_disk is set")
-        for name in ("kv_store", "kv_disk", "kv_remote"):
+        for name in ("kv_store", "kv_disk", "kv_remote", "kv_cluster"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.kv_remote and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
+        if self.kv_cluster:
+            from kvferry.kvstore.cluster import PoolAddress  # only with a cluster pool: it imports the crypto
+
+            PoolAddress.parse(self.kv_cluster)
+            if not self.kv_store and not self.kv_dram_gb:
+                self.kv_dram_gb = DEFAULT_CLUSTER_DRAM_GB  # the pool lies below a node store's DRAM
 
     @property
     def enabled(self) -> bool:
@@ -273,7 +323,8 @@ class EngineArgs:
     """Every engine option, once. ``--flag-name`` is the field name with dashes."""
 
     model: str | None = field(default=None, metadata=_opt(
-        "HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"))
+        "a folder (config.json, tokenizer, safetensors), a .gguf file or a Hugging Face id org/name in the "
+        "local cache (default: the embedded SmolLM2-135M-Instruct)"))
     dtype: str = field(default="auto", metadata=_opt("weights and activations dtype", choices=_DTYPES))
     device: str = field(default="cpu", metadata=_opt("cpu or cuda[:N]"))
     attention_backend: str = field(default="auto", metadata=_opt(
@@ -312,6 +363,9 @@ class EngineArgs:
     kv_disk: str = field(default="", metadata=_opt("directory of the store's SSD tier (with --kv-dram-gb)"))
     kv_disk_gb: float = field(default=0.0, metadata=_opt("size of the store's SSD tier, GiB"))
     kv_remote: str = field(default="", metadata=_opt("redis:// URL of the store's remote tier"))
+    kv_cluster: str = field(default="", metadata=_opt(
+        "cluster KV pool shared by every node's store, mooncake://MASTER_HOST:PORT?metadata=URL (Mooncake "
+        f"Store); starts the node store it needs (--kv-dram-gb, default {DEFAULT_CLUSTER_DRAM_GB} GiB with it)"))
     max_load_tokens: int = field(default=0, metadata=_opt(
         "most tokens one request may load from the KV store (0: no cap)"))
     speculative: str | dict | None = field(default=None, metadata=_opt(
@@ -319,7 +373,9 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
         flag="--speculative-config"))
     kv_transfer_address: str = field(default="", metadata=_opt(
-        "prefill/decode disaggregation: this core's KV transfer socket, tcp://host:port (default: off)"))
+        "prefill/decode disaggregation: this core's KV transfer socket, tcp://host:port, bound to that host's "
+        "interface (a wildcard host needs --kv-transfer-bind-any; peers must hold the cluster secret: "
+        "--cache-secret-file) (default: off)"))
     kv_transport: str = field(default="shm", metadata=_opt(
         "how KV is sent to a decode core: shm (same host, into its pool) or tcp", choices=_KV_TRANSPORTS))
     kv_transfer_failure: str = field(default="recompute", metadata=_opt(
@@ -327,6 +383,10 @@ class EngineArgs:
         choices=_KV_FAILURE))
     kv_transfer_timeout_s: float = field(default=30.0, metadata=_opt(
         "lease of a KV transfer: how long a decode core waits and a prefill core holds its blocks"))
+    kv_transfer_bind_any: bool = field(default=False, metadata=_opt(
+        "listen for KV transfers on every interface (tcp://0.0.0.0:PORT or tcp://[::]:PORT, or any "
+        "--kv-transfer-address: bind all interfaces, advertise its host); off: bind only the address's own "
+        "interface and refuse a wildcard one"))
     kv_connector: str = field(default="", metadata=_opt(
         "a KV connector from outside the package, module:Class (a KVConnector with a scheduler half and a "
         "worker half), composed after the built-in ones (default: none)"))
@@ -336,6 +396,8 @@ class EngineArgs:
             raise ValueError(f"model must be a path string or None, got {self.model!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 0):
             raise ValueError(f"max_model_len must be an integer >= 0 (0: the model's), got {self.max_model_len!r}")
+        if self.kv_cluster and not self.kv_store and not self.kv_dram_gb:
+            self.kv_dram_gb = DEFAULT_CLUSTER_DRAM_GB  # --kv-cluster alone: the server starts the store it needs
         self.create_engine_config()  # validates every component's fields
 
     def create_engine_config(self) -> EngineConfig:
@@ -348,19 +410,23 @@ class EngineArgs:
                                       self.enable_chunked_prefill, self.preemption_mode),
             speculative=SpeculativeConfig.parse(self.speculative),
             kv_tiers=KVTierConfig(kv_store=self.kv_store, kv_dram_gb=self.kv_dram_gb, kv_disk=self.kv_disk,
-                                  kv_disk_gb=self.kv_disk_gb, kv_remote=self.kv_remote,
+                                  kv_disk_gb=self.kv_disk_gb, kv_remote=self.kv_remote, kv_cluster=self.kv_cluster,
                                   max_load_tokens=self.max_load_tokens),
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
-                                         self.kv_transfer_timeout_s),
+                                         self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
         )
 
     # -- command line -----------------------------------------------------------
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """One flag per field; a bool gets --x / --no-x."""
+    def add_cli_args(parser: argparse.ArgumentParser, only: "tuple[str, ...] | None" = None) -> argparse.ArgumentParser:
+        """One flag per field (``only``: these fields alone; the others keep
+        their defaults); a bool gets --x / --no-x. The help shows each
+        default (kvferry.cli_parser.HelpFormatter)."""
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(EngineArgs):
+            if only is not None and f.name not in only:
+                continue
             meta = dict(f.metadata)
             flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
             meta["dest"] = f.name
@@ -372,7 +438,7 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
 def _cli_type(annotation: Any) -> type:

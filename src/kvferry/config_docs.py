@@ -66,29 +66,12 @@ def _default(value: Any) -> str:
     return _code(value)
 
 
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        super().__init__()
-        self.parser = parser
-
-
 def kvferry_parser() -> argparse.ArgumentParser:
-    """The parser ``kvferry`` builds (``kvferry.cli.main``), taken just
-    before it would parse: the same subcommands and flags as ``--help``."""
+    """The parser ``kvferry`` builds (``kvferry.cli.build_parser``, what
+    ``kvferry.cli.main`` parses with): the same subcommands and flags as ``--help``."""
     from kvferry import cli
 
-    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
-        raise _Captured(self)
-
-    original = argparse.ArgumentParser.parse_args
-    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
-    try:
-        cli.main([])
-    except _Captured as captured:
-        return captured.parser
-    finally:
-        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
-    raise RuntimeError("kvferry.cli.main did not build a parser")
+    return cli.build_parser()
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser, str]]:

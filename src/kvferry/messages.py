@@ -162,6 +162,12 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     new_token_ids: list[int]
     # One entry per new token when the request asked for logprobs.
     new_logprobs: list[TokenLogprobs] | None = None
+    # Once, with the output of the step that computed the end of the prompt,
+    # when the request asked for prompt logprobs: one entry per prompt token
+    # (None for the first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A pooling request's embedding (its only output; no tokens).
+    pooled: list[float] | None = None
     # "stop" | "length" | "abort" once the core finished the request.
     finish_reason: str | None = None
     # The stop token id that ended it (EOS is reported as None, as in vLLM).

@@ -36,6 +36,11 @@ class RequestOutput:
     new_text: str = ""
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     metrics: "RequestMetrics | None" = None
+    # With SamplingParams.prompt_logprobs, once the prompt is computed: one
+    # entry per prompt token (None for the first, which has no context).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With SamplingParams.pooling: the prompt's embedding (L2-normalized).
+    embedding: list[float] | None = None
 
     # Convenience accessors for the common n == 1 case.
     @property

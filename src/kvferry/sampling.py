@@ -21,6 +21,9 @@ FLOAT32_MIN_NORMAL = 2.0**-126
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+# How an embedding pools the final hidden states over the prompt.
+POOLINGS = ("last", "mean")
+
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -106,6 +109,19 @@ class SamplingParams:
     # resumes from it: a soft pin with an expiry, bounded by the tenant's
     # quota. 0: no pin (blocks are still written down and evicted by LRU).
     kv_retention_s: float = 0.0
+    # Logprobs of the prompt's own tokens: at each position after the first,
+    # the prompt token's logprob, rank and the top-n (vLLM's
+    # ``prompt_logprobs``; lm-eval's loglikelihood reads them through echo).
+    # Such a request computes its whole prompt: it takes no prefix-cache hit.
+    prompt_logprobs: int | None = None
+    # Compute the prompt only: nothing is sampled, and the request finishes
+    # ("length", no tokens) once its prompt is computed (echo with
+    # max_tokens=0, embeddings). ``max_tokens`` is then not used.
+    prompt_only: bool = False
+    # Return the final hidden state (after the final norm) pooled over the
+    # prompt, "last" token or "mean", L2-normalized, instead of sampling:
+    # an embedding. Implies ``prompt_only``.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +130,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.pooling is not None:
+            self.prompt_only = True
         self._validate()
 
     def _validate(self) -> None:
@@ -155,6 +173,14 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0)
+            if self.prompt_logprobs > 20:
+                raise ValueError(f"prompt_logprobs must be <= 20, got {self.prompt_logprobs}")
+        if not isinstance(self.prompt_only, bool):
+            raise ValueError(f"prompt_only must be a boolean, got {self.prompt_only!r}")
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         _check_num("kv_retention_s", self.kv_retention_s, lo=0.0, float32=False)
         if self.kv_retention_s > MAX_KV_RETENTION_S:
             raise ValueError(f"kv_retention_s must be <= {MAX_KV_RETENTION_S}, got {self.kv_retention_s}")
@@ -164,6 +190,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_prompt_positions(self) -> bool:
+        """Whether the runner must compute every prompt position itself (so
+        the request may not start from a prefix-cache hit or loaded KV)."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
+
+    @property
+    def has_prompt_work(self) -> bool:
+        """Whether the runner does anything at prompt positions besides KV."""
+        return self.prompt_logprobs is not None or self.prompt_only
 
     def clone(self) -> "SamplingParams":
         """A copy the engine may own, so it never mutates the caller's object."""

@@ -281,3 +281,26 @@ def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys
     # one engine core mixes: it shares its host with no other core
     assert data["host_sharing"] is None and StepCostModel.from_profile(str(out)).host_sharing is None
     assert_png(out.with_suffix(".png"))
+
+
+def test_trace_prompts_are_clipped_to_the_served_context_by_default(server, tmp_path, capsys):
+    from tests.serve.server_process import MAX_MODEL_LEN
+
+    # The shipped trace's prompts are 900 to 120,000 tokens; the server serves 1024.
+    r = bench(server, tmp_path, "clip", "--workload", "trace", "--num-requests", "2", "--max-output-len", "2",
+              "--concurrency", "1")
+    s, cfg = r["summary"], r["config"]
+    assert s["completed"] == 2 and s["failed"] == 0, s["errors"]
+    assert cfg["max_model_len"] == MAX_MODEL_LEN and cfg["clipped_requests"] == 2
+    assert all(x["prompt_tokens"] + x["completion_tokens"] <= MAX_MODEL_LEN for x in r["records"])
+    assert "kvferry bench: 2 trace prompts clipped to fit the served context (max_model_len 1024)" in \
+        capsys.readouterr().err
+
+
+def test_a_model_the_server_does_not_serve_is_one_line_naming_the_served_ones(server, capsys):
+    from tests.serve.server_process import MODEL_NAME
+
+    code = main(["bench", "--url", server.base_url, "--workload", "random", "--model", "wrong", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--model 'wrong' is not served by {server.base_url}; it serves: {MODEL_NAME}" in err

@@ -33,7 +33,7 @@ def address(tmp_path):
 @pytest.fixture
 def store_factory(address):
     """Start store processes (terminated at the end); returns (process, address).
-    ``kv_disk``, ``kv_disk_gb``, ``kv_remote``: the store's cold tiers."""
+    ``kv_disk``, ``kv_disk_gb``, ``kv_remote``, ``kv_cluster``: the store's cold tiers."""
     from kvferry.config import KVTierConfig
     from kvferry.kvstore.launch import start_store
     from tests.kvstore.store_helpers import BLOCK_NBYTES, gb
@@ -42,9 +42,9 @@ def store_factory(address):
 
     def start(num_blocks: int = 16, *, block_nbytes: int | None = BLOCK_NBYTES, at: str | None = None,
               extra_args: list[str] | None = None, kv_disk: str = "", kv_disk_gb: float = 0.0,
-              kv_remote: str = "", **kwargs):
+              kv_remote: str = "", kv_cluster: str = "", **kwargs):
         tiers = KVTierConfig(kv_store=at or address, kv_dram_gb=gb(num_blocks), kv_disk=kv_disk,
-                             kv_disk_gb=kv_disk_gb, kv_remote=kv_remote)
+                             kv_disk_gb=kv_disk_gb, kv_remote=kv_remote, kv_cluster=kv_cluster)
         proc, addr = start_store(tiers, block_nbytes=block_nbytes,
                                  extra_args=["--check-integrity", *(extra_args or [])], **kwargs)
         started.append(proc)

@@ -90,10 +90,13 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(log_path: Path, extra_args: list[str] | None = None) -> ServerProcess:
-    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *SERVE_ARGS, *(extra_args or [])]
+def start_server(log_path: Path, extra_args: list[str] | None = None, *, serve_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """``serve_args``: in place of SERVE_ARGS; ``env``: added to this process's environment."""
+    args = SERVE_ARGS if serve_args is None else serve_args
+    cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *args, *(extra_args or [])]
     log = open(log_path, "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """``kvferry bench`` and ``kvferry profile``: arguments, validation and commands.
 
-    kvferry bench --url URL --workload W [--rate R | --concurrency C]
+    kvferry bench --url URL --workload W [--rate R | --concurrency C]   (--url and --workload required)
                   [--num-requests N | --duration S] [--slo ttft:MS,tpot:MS] [--output FILE.json]
     kvferry bench compare A.json B.json
     kvferry profile [--model PATH] [--new-tokens ...] [--batch-sizes ...] [--output profile.json]
@@ -20,10 +20,19 @@ WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "trace", "mult
 
 
 def _one_line_error(prog: str):
+    """A parser's error() that prints the message alone, one line (a
+    kvferry.cli_parser.Parser still names the nearest flag for an unknown one)."""
     def error(message: str):
         print(f"{prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
     return error
+
+
+def _one_line(parser: argparse.ArgumentParser, prog: str) -> None:
+    if hasattr(parser, "usage_on_error"):  # kvferry.cli_parser.Parser (the kvferry CLI's)
+        parser.usage_on_error = False
+    else:
+        parser.error = _one_line_error(prog)
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +45,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p = subparsers.add_parser("profile", help="fit prefill and decode step times of the in-process engine",
                               description="Measure prefill time against new and cached tokens and decode "
                                           "step time against batch size and context; fit, save, plot.")
-    p.error = _one_line_error("kvferry profile")
+    _one_line(p, "kvferry profile")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded model); "
                                                  "with --url: the served model name (default: the first)")
     p.add_argument("--url", default=None, help="profile a running server from the client side instead of the "
@@ -185,24 +194,30 @@ def _run_served_profile(args: argparse.Namespace, grid) -> int:
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server (goodput under SLOs)",
                               description="Load-test any OpenAI-compatible server; report latency, "
-                                          "throughput and goodput under SLOs.")
-    p.error = _one_line_error("kvferry bench")
+                                          "throughput and goodput under SLOs.",
+                              usage="%(prog)s --url URL --workload WORKLOAD [options]\n"
+                                    "       %(prog)s compare A.json B.json")
+    _one_line(p, "kvferry bench")
     sub = p.add_subparsers(dest="bench_command", metavar="compare")
-    cmp = sub.add_parser("compare", help="print two result files side by side with ratios")
-    cmp.error = _one_line_error("kvferry bench compare")
+    cmp = sub.add_parser("compare", help="print two result files side by side with ratios",
+                         prog="kvferry bench compare")  # not derived from the bench usage above
+    _one_line(cmp, "kvferry bench compare")
     cmp.add_argument("a", metavar="A.json")
     cmp.add_argument("b", metavar="B.json")
 
+    # Not argparse-required: `kvferry bench compare` takes neither (_validate checks them).
+    req = p.add_argument_group("required (but for `compare`)")
+    req.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    req.add_argument("--workload", choices=WORKLOADS, help="what to send (see the workloads group)")
     t = p.add_argument_group("target")
-    t.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    t.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
+    t.add_argument("--model", default=None,
+                   help="one of the models GET /v1/models lists (default: its first; another is an error)")
     t.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM extension)")
     t.add_argument("--temperature", type=float, default=0.0)
 
     load = p.add_argument_group("load")
-    load.add_argument("--workload", choices=WORKLOADS)
     mode = load.add_mutually_exclusive_group()
     mode.add_argument("--rate", "--request-rate", type=float, default=None,
                       help="sessions per second (default: all at once; trace: its own timestamps)")
@@ -236,7 +251,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     w.add_argument("--trace", default=None, help="trace: a Mooncake JSONL file (default: the shipped slice)")
     w.add_argument("--trace-block-size", type=int, default=512, help="trace: tokens per hash id")
     w.add_argument("--time-scale", type=float, default=1.0, help="trace: >1 replays faster")
-    w.add_argument("--max-input-len", type=int, default=None, help="trace: clip prompts (small models)")
+    w.add_argument("--max-input-len", type=int, default=None,
+                   help="trace: clip prompts to N tokens (default: to what the served context, max_model_len "
+                        "of GET /v1/models, leaves beside the output; the run reports how many it clipped)")
     w.add_argument("--max-output-len", type=int, default=None, help="trace: clip outputs")
     w.add_argument("--tenant-keys", default=None,
                    help="multi-tenant: KEY1,KEY2,...; the last one floods (default tenant-0..2 + flood)")
@@ -248,6 +265,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     out.add_argument("--slo", "--goodput", nargs="+", default=None, metavar="NAME:MS",
                      help="ttft:MS,tpot:MS[,itl:MS,e2e:MS] (commas or spaces): goodput counts requests "
                           "meeting all")
+    out.add_argument("--price-per-hour", type=float, default=None, metavar="P",
+                     help="the served fleet's price per hour (any currency unit): adds the cost per million "
+                          "useful tokens, P * wall hours / output tokens of requests meeting --slo * 1e6")
     out.add_argument("--output", default=None, help="results JSON; PNG plots go next to it")
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
@@ -298,6 +318,8 @@ def _validate(args: argparse.Namespace) -> None:
               "private_prefix_len")
     if args.think_time < 0:
         raise BenchError(f"--think-time must be >= 0, got {args.think_time}")
+    if args.price_per_hour is not None and not (args.price_per_hour >= 0 and math.isfinite(args.price_per_hour)):
+        raise BenchError(f"--price-per-hour must be a finite number >= 0, got {args.price_per_hour}")
     if args.temperature < 0:
         raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
 
@@ -316,7 +338,7 @@ def _sweep_rates(text: str) -> list[float]:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from kvferry.bench.metrics import parse_slo
-    from kvferry.bench.run import make_workload, resolve_target, run_once
+    from kvferry.bench.run import clipped_trace_requests, make_workload, resolve_served, run_once
     from kvferry.bench.workloads import BenchError
 
     _validate(args)
@@ -326,10 +348,19 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise BenchError(str(e)) from None
     rates = _sweep_rates(args.sweep) if args.sweep else [args.rate]
     make_workload(args)  # fail fast on a bad workload argument, before touching the server
-    base_url, model = resolve_target(args)
+    target = resolve_served(args)
+    if clipped := clipped_trace_requests(args, target.max_model_len):
+        context = (f"the served context (max_model_len {target.max_model_len}) with their outputs"
+                   if target.max_model_len else "")
+        limits = " and ".join(x for x in (context, args.max_input_len and f"--max-input-len {args.max_input_len}") if x)
+        print(f"kvferry bench: {clipped} trace prompts clipped to fit {limits}", file=sys.stderr)
     results = []
     for rate in rates:
-        results.append(run_once(args, base_url, model, rate, slo))
+        results.append(run_once(args, target.base_url, target.model, rate, slo, target.max_model_len))
+        if args.price_per_hour is not None:
+            from kvferry.bench.metrics import add_cost
+
+            add_cost(results[-1]["summary"], args.price_per_hour)
         _print_summary(results[-1])
     _write_outputs(args, results)
     return 0
@@ -344,11 +375,19 @@ def _print_summary(result: dict) -> None:
              f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.1f} s"]
     for err, n in s["errors"].items():
         lines.append(f"  {n} x {err}")
+    if clipped := result["config"].get("clipped_requests"):
+        lines.append(f"clipped prompts: {clipped} (to fit max_model_len {result['config']['max_model_len']} "
+                     "or --max-input-len)")
     lines.append(f"throughput: {s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output "
                  f"tok/s, {s['total_token_throughput']:.1f} total tok/s")
     if s["goodput"] is not None:
         slo = ", ".join(f"{k} <= {v:.0f} ms" for k, v in s["slo_ms"].items())
         lines.append(f"goodput: {s['goodput']:.2f} req/s ({s['slo_attainment_pct']:.1f}% meet {slo})")
+    if s.get("price_per_hour") is not None:
+        cost = s["cost_per_million_useful_tokens"]
+        lines.append(f"cost: {'- (no useful tokens)' if cost is None else f'{cost:.4g}'} per million useful tokens "
+                     f"({s['useful_output_tokens']} useful output tokens in {s['duration_s']:.1f} s at "
+                     f"{s['price_per_hour']:g}/h)")
     for m in ("ttft", "tpot", "itl", "e2e"):
         st = s[f"{m}_ms"]
         if st["mean"] is not None:

@@ -8,6 +8,10 @@ Definitions (as vLLM's ``bench serve``):
   output token have none.
 - Goodput (DistServe): completed requests per second that meet every SLO;
   attainment: the share of all requests (failed ones included) that do.
+- Useful output tokens: the completion tokens of the requests that meet
+  every SLO (all completed requests' without an SLO). Cost per million
+  useful tokens: price per hour * run hours / useful tokens * 1e6 (the
+  same formula as ``kvferry plan --hardware``).
 """
 from __future__ import annotations
 
@@ -110,6 +114,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "total_token_throughput": (prompt + output) / duration_s,
         "total_prompt_tokens": prompt,
         "total_output_tokens": output,
+        "useful_output_tokens": sum(r.completion_tokens for r in good),
         "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "client_prefix_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
         "slo_ms": {k: v * 1000.0 for k, v in slo.items()},
@@ -120,6 +125,35 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "itl_ms": stats_ms([g for r in ok for g in r.itl_s]),
         "e2e_ms": stats_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
     }
+
+
+def cost_per_million_useful_tokens(price_per_hour: float | None, run_s: float,
+                                   useful_output_tokens: int) -> float | None:
+    """(price per hour * run hours) / useful output tokens * 1e6; None when
+    unpriced or when no token was useful (an infinite cost: JSON has no inf)."""
+    if price_per_hour is None or useful_output_tokens <= 0:
+        return None
+    return price_per_hour * (run_s / 3600.0) / useful_output_tokens * 1e6
+
+
+def add_cost(summary: dict, price_per_hour: float) -> dict:
+    """A run summary (``summarize``) with its cost: ``price_per_hour`` (of
+    the whole served fleet) over the run's wall time and its useful tokens."""
+    summary["price_per_hour"] = price_per_hour
+    summary["cost_per_million_useful_tokens"] = cost_per_million_useful_tokens(
+        price_per_hour, summary["duration_s"], summary["useful_output_tokens"])
+    return summary
+
+
+def cost_of_run(result: dict, price_per_hour: float) -> float | None:
+    """The cost per million useful tokens of a recorded run (a ``kvferry
+    bench --output`` JSON object: its records, wall time and SLO), priced
+    after the fact."""
+    records = [RequestRecord.from_json(r) for r in result["records"]]
+    summary = result["summary"]
+    slo = {k: v / 1000.0 for k, v in (summary.get("slo_ms") or {}).items()}
+    useful = sum(r.completion_tokens for r in records if meets_slo(r, slo))
+    return cost_per_million_useful_tokens(price_per_hour, summary["duration_s"], useful)
 
 
 def summarize_by_tenant(records: list[RequestRecord], duration_s: float, slo: dict[str, float]) -> dict:

@@ -10,6 +10,16 @@ from kvferry.bench.metrics import RequestRecord
 _PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))
 
 
+def readable_title(text: str, width: int = 70) -> str:
+    """A figure title that fits: absolute paths shortened to their last
+    part (a model cache path is most of a long title), then wrapped into
+    lines of ``width`` characters instead of running off the figure."""
+    import textwrap
+
+    words = [w.rstrip("/").rsplit("/", 1)[-1] if w.startswith("/") and len(w) > 24 else w for w in text.split(" ")]
+    return "\n".join(textwrap.wrap(" ".join(words), width)) or text
+
+
 def _pyplot():
     import matplotlib
 
@@ -58,7 +68,7 @@ def plot_latency_cdfs(records: list[RequestRecord], summary: dict, title: str, p
             ax.axvline(slo[metric], color="tab:red", ls="--", lw=1.5,
                        label=f"SLO {slo[metric]:.0f} ms ({within:.0f}% within)")
         ax.legend(loc="lower right", fontsize=9)
-    fig.suptitle(title, fontsize=13)
+    fig.suptitle(readable_title(title, 90), fontsize=13)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -104,7 +114,7 @@ def plot_sweep(points: list[dict], title: str, path: Path) -> Path:
     right.set_title("Latency", fontweight="bold")
     right.legend(fontsize=8)
     right.grid(alpha=0.3, which="both")
-    fig.suptitle(title, fontsize=13)
+    fig.suptitle(readable_title(title, 90), fontsize=13)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

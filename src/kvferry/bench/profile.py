@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -182,6 +183,13 @@ def fit(points: list[dict], terms: tuple[str, ...], relative: bool = True) -> di
 
 # What fit_quality warns about (the simulator's target is 10% error).
 FIT_RMS_WARN = 0.10     # a fit's points further than this (rms, relative) from it
+# A poor fit (``poor_fits``: simulate and plan refuse the profile without
+# --allow-poor-fit): R^2 under POOR_R2 with its points more than POOR_RMS
+# (rms, relative) from it. R^2 alone would flag a good decode fit whose
+# batch size barely matters (little variance to explain, so noise of a few
+# percent pulls R^2 down); the scatter condition keeps those.
+POOR_R2 = 0.9
+POOR_RMS = 0.05
 POINT_WARN = 0.25       # one point further than this from its fit
 DRIFT_WARN = 0.10       # decode rounds whose typical step differs by more than this
 NOISE_MEAN_WARN = 1.15  # step noise whose mean ratio is this far above its fit
@@ -195,8 +203,9 @@ def fit_quality(result: dict) -> dict:
     over the point's median: a server whose speed drifted during the profile
     shows rounds apart) and each step noise's mean ratio (what the simulator
     multiplies the fit by on average). ``warnings`` lists what crosses the
-    thresholds above; ``ok`` is True when none does. R^2 alone warns of
-    nothing: a decode fit's is low whenever batch size barely matters."""
+    thresholds above (``poor_fits`` among them); ``ok`` is True when none
+    does. R^2 alone warns of nothing: a decode fit's is low whenever batch
+    size barely matters."""
     import statistics
 
     quality: dict = {"warnings": []}
@@ -211,6 +220,8 @@ def fit_quality(result: dict) -> dict:
                  f"(over {100 * FIT_RMS_WARN:.0f}%): the step times scatter")
         if (q["max_rel_error"] or 0) > POINT_WARN:
             warn(f"{kind} fit: a point is {100 * q['max_rel_error']:.0f}% from it (over {100 * POINT_WARN:.0f}%)")
+    for line in poor_fits(result):
+        warn(line)
     rounds = [p["rounds_s"] for p in result["decode"]["points"] if len(p.get("rounds_s", ())) > 1]
     if rounds and len({len(r) for r in rounds}) == 1:
         trend = [statistics.median(r[i] / statistics.median(r) for r in rounds) for i in range(len(rounds[0]))]
@@ -228,6 +239,28 @@ def fit_quality(result: dict) -> dict:
                      f"steps take {100 * (mean - 1):.0f}% longer than the fit on average")
     quality["ok"] = not quality["warnings"]
     return quality
+
+
+def poor_fits(result: dict) -> list[str]:
+    """One line per poor step-time fit of a profile (its ``prefill`` and
+    ``decode`` fits; see POOR_R2), naming the fit and what to do. A fit
+    without R^2 (a hand-written profile) is taken as it is."""
+    lines = []
+    for kind in ("prefill", "decode"):
+        f = (result.get(kind) or {}).get("fit") or {}
+        r2, rms = f.get("r2"), f.get("rms_rel_error")
+        if r2 is None or r2 >= POOR_R2 or (rms is not None and rms <= POOR_RMS):
+            continue
+        scatter = f", its points {100 * rms:.0f}% (rms) from it" if rms is not None else ""
+        lines.append(f"{kind} fit is poor (R² {r2:.2f} < {POOR_R2}{scatter}): the machine was busy; "
+                     "rerun on a quiet machine")
+    return lines
+
+
+def warn_quality(quality: dict) -> None:
+    """What ``fit_quality`` warns about, on stderr, one line each."""
+    for line in quality["warnings"]:
+        print(f"kvferry profile: WARNING: {line}", file=sys.stderr, flush=True)
 
 
 def fit_mixed(points: list[dict], prefill_fit: dict, decode_fit: dict) -> dict:
@@ -303,7 +336,9 @@ def run_profile(engine, grid: ProfileGrid, on_point=lambda kind, p: None) -> dic
             on_point("decode", decode[-1])
     result = {"prefill": {"points": prefill, "fit": fit(prefill, PREFILL_TERMS)},
               "decode": {"points": decode, "fit": fit(decode, DECODE_TERMS)}}
-    return {**result, "quality": fit_quality(result)}
+    quality = fit_quality(result)
+    warn_quality(quality)
+    return {**result, "quality": quality}
 
 
 def _plot_fit(ax, plt, part: dict, series_key: str, x_key: str, label: str, xlabel: str, ylabel: str,
@@ -316,8 +351,8 @@ def _plot_fit(ax, plt, part: dict, series_key: str, x_key: str, label: str, xlab
         ax.plot([p[x_key] for p in pts], [1000 * p["time_s"] for p in pts], "o", color=c)
         ax.plot([p[x_key] for p in pts], [1000 * predict(part["fit"], p) for p in pts], "-", color=c,
                 label=label.format(value))
-    ax.set(xlabel=xlabel, ylabel=ylabel,
-           title=f"{name}: points measured, lines fitted (R² {part['fit']['r2']:.3f})")
+    # short: the two panels' titles sit side by side (dots and lines are explained in the suptitle)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{name} (R² {part['fit']['r2']:.3f})")
 
 
 def plot_profile(result: dict, title: str, path) -> None:
@@ -335,7 +370,9 @@ def plot_profile(result: dict, title: str, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
         ax.set_ylim(bottom=0)
-    fig.suptitle(title, fontsize=13)
+    from kvferry.bench.plots import readable_title
+
+    fig.suptitle(f"{readable_title(title, 100)}\ndots: measured; lines: fitted", fontsize=12)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -78,6 +78,10 @@ Same fits and JSON as the in-process profile, plus ``served`` (the URL),
 cells + decode points) x ``repeats`` samples of a second or less each; the
 validation grid (10 + 4 + 8 cells, 3 repeats) takes roughly a minute on 2
 CPUs (an estimate; the decode rounds add about 20 s over a single pass).
+The largest decode batches cost most: each stream outlives the others'
+prefills, so a batch of 16 at a long context runs hundreds of steps.
+``Progress`` prints a line per sample with the elapsed time and an
+estimate of what is left, so a long profile is never silent.
 """
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ import time
 import httpx
 
 from kvferry.bench.profile import (DECODE_TERMS, PREFILL_TERMS, ProfileGrid, fit, fit_mixed, fit_quality,
-                                   predict)
+                                   predict, warn_quality)
 from kvferry.bench.prom import parse_counters
 from kvferry.bench.text import random_words
 
@@ -104,6 +108,84 @@ LONG_MAX_TOKENS = 4
 MIXED_STREAM_TOKENS = 256
 # How far apart the chunks of one step's outputs may reach the client.
 _DELIVERY_JITTER_S = 0.005
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(int(round(seconds)), 0)
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Progress:
+    """One line per sample of a served profile: which phase and point, how
+    long it took, the time elapsed and an estimate of the time left (ETA).
+
+    ``phases``: samples planned per phase, in order. The estimate takes each
+    phase's mean sample so far for its remaining samples; a phase not yet
+    started borrows the mean of all samples so far, plus ``prior_s`` (a
+    sample's known fixed wait, such as the first-token delay's idle gaps).
+    It is rough until each phase has begun (a decode burst lasts longer than
+    a prefill sample), hence the "~"."""
+
+    def __init__(self, phases: dict[str, int], prior_s: dict[str, float] | None = None, out=None,
+                 clock=time.monotonic) -> None:
+        self.planned = dict(phases)
+        self.done = dict.fromkeys(phases, 0)
+        self.spent = dict.fromkeys(phases, 0.0)
+        self.prior_s = prior_s or {}
+        self.out, self.clock = out, clock
+        self.start = self.last = clock()
+
+    @property
+    def total(self) -> int:
+        return sum(self.planned.values())
+
+    def remaining_s(self) -> float:
+        done = sum(self.done.values())
+        mean = sum(self.spent.values()) / done if done else 0.0
+        left = 0.0
+        for phase, planned in self.planned.items():
+            if (n := planned - self.done[phase]) > 0:
+                per = self.spent[phase] / self.done[phase] if self.done[phase] else mean + self.prior_s.get(phase, 0)
+                left += n * per
+        return left
+
+    def tick(self, phase: str, what: str = "") -> str:
+        now = self.clock()
+        took, self.last = now - self.last, now
+        self.done[phase] += 1
+        self.spent[phase] += took
+        line = (f"profile [{sum(self.done.values()):>3}/{self.total}] {phase}{' ' + what if what else ''}: "
+                f"{took:.1f} s | elapsed {_clock(now - self.start)} | ETA ~{_clock(self.remaining_s())}")
+        print(line, file=self.out or sys.stdout, flush=True)
+        return line
+
+    def skip(self, phase: str) -> None:
+        """A planned phase that will not run."""
+        self.planned[phase] = self.done[phase]
+
+
+class _Quiet(Progress):
+    def __init__(self) -> None:
+        super().__init__({})
+
+    def tick(self, phase: str, what: str = "") -> str:
+        return ""
+
+    def skip(self, phase: str) -> None:
+        pass
+
+
+def plan_progress(grid: ProfileGrid, out=None) -> Progress:
+    """The served profile's phases and their sample counts (as ``_run`` takes them)."""
+    r = grid.repeats
+    phases = {"warm-up": 2,
+              "prefill": len(grid.new_tokens) * len(grid.cached_tokens) * r,
+              "decode": len(grid.batch_sizes) * len(grid.context_lens) * r,
+              "request overhead": r + 2,  # skipped on a server that times its own steps
+              "mixed": len(_mixed_cells(grid)) * r,
+              "first-token delay": 3 * (r + 2),
+              "hand-over": r}
+    return Progress(phases, {"first-token delay": 2 * grid.idle_gap_s}, out)
 
 
 class _Stream:
@@ -164,15 +246,16 @@ async def engine_step_seconds(client) -> float | None:
     return counters.totals.get("engine_step_seconds") if counters is not None else None
 
 
-async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+async def _prefill_points(client, model, rng, grid: ProfileGrid, on_point, progress: Progress) -> list[dict]:
     """One round over the whole grid per repeat, medians per point: a slow
     spell of a shared machine then touches every point a little rather than
     bending the fit at the few points it fell on."""
     cells = [(new, cached) for cached in grid.cached_tokens for new in grid.new_tokens]
     samples: dict[tuple[int, int], list[tuple[float, int, int]]] = {c: [] for c in cells}
-    for _ in range(grid.repeats):
+    for i in range(grid.repeats):
         for cell in cells:
             samples[cell].append(await _prefill_sample(client, model, rng, *cell))
+            progress.tick("prefill", f"round {i + 1}/{grid.repeats} new {cell[0]} cached {cell[1]}")
     points = []
     for cell in cells:
         times, news, hits, steps = zip(*samples[cell])
@@ -215,7 +298,7 @@ async def _decode_point(client, model, rng, batch: int, context: int, steps: int
     return point, streams[0]
 
 
-async def _decode_points(client, model, rng, grid: ProfileGrid, on_point) -> list[dict]:
+async def _decode_points(client, model, rng, grid: ProfileGrid, on_point, progress: Progress) -> list[dict]:
     """``grid.repeats`` rounds over the whole decode grid, as for the
     prefill: a point's ``time_s`` is the median of its rounds' median gaps
     (``rounds_s``), its ``samples_s`` every steady gap of every round. One
@@ -226,9 +309,10 @@ async def _decode_points(client, model, rng, grid: ProfileGrid, on_point) -> lis
     cells = [(batch, context) for context in grid.context_lens for batch in grid.batch_sizes]
     rounds: dict[tuple[int, int], list[dict]] = {c: [] for c in cells}
     lone: dict[int, _Stream] = {}  # context -> the latest batch-1 stream there
-    for _ in range(grid.repeats):
+    for i in range(grid.repeats):
         for batch, context in cells:
             p, first = await _decode_point(client, model, rng, batch, context, grid.decode_steps, lone.get(context))
+            progress.tick("decode", f"round {i + 1}/{grid.repeats} batch {batch} context {context}")
             if batch == 1:
                 lone[context] = first
             if p["time_s"] is not None:
@@ -314,14 +398,17 @@ def mixed_gap(times: list[float], sent: float, first: float) -> float | None:
     return max(window, default=None)
 
 
-async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point, overhead_s: float = 0.0) -> list[dict]:
+async def _mixed_points(client, model, rng, grid: ProfileGrid, on_point, overhead_s: float = 0.0,
+                        progress: Progress | None = None) -> list[dict]:
     """Medians per cell over ``grid.repeats`` rounds of the whole grid."""
+    progress = progress or _Quiet()
     cells = _mixed_cells(grid)
     samples: dict[tuple, list[dict]] = {c: [] for c in cells}
-    for _ in range(grid.repeats):
+    for i in range(grid.repeats):
         for cell in cells:
             if (sample := await _mixed_sample(client, model, rng, *cell, overhead_s)) is not None:
                 samples[cell].append(sample)
+            progress.tick("mixed", f"round {i + 1}/{grid.repeats} batch {cell[0]} + new {cell[2]}")
     points = []
     for cell in cells:
         if not samples[cell]:
@@ -417,7 +504,8 @@ def step_noise(prefill: list[dict], prefill_fit: dict, decode: list[dict], decod
             "prefill_at_s": [round(t, 6) for _, t in pre], "decode_at_s": [round(t, 6) for _, t in dec]}
 
 
-async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, decode_fit: dict) -> float:
+async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, decode_fit: dict,
+                            progress: Progress) -> float:
     """What a request pays once, outside engine steps (HTTP, templating,
     tokenization, process hops, detokenization and SSE of its first token):
     a one-word chat request's TTFT less its engine step, that is a step's
@@ -429,10 +517,12 @@ async def _request_overhead(client, model, rng, repeats: int, client_fit: dict, 
     for i in range(repeats):
         ttft, new, cached, _ = await _prefill_sample(client, model, rng, 1, 0)
         samples.append(ttft - decode_fit["coef"][0] - predict(rest, {"new": new, "cached": cached}))
+        progress.tick("request overhead", f"{i + 1}/{repeats}")
     return max(statistics.median(samples), 0.0)
 
 
-async def _first_token_delay(client, model, rng, repeats: int, new: int, idle_gap_s: float) -> float:
+async def _first_token_delay(client, model, rng, repeats: int, new: int, idle_gap_s: float,
+                             progress: Progress) -> float:
     """How much later a first token reaches the client when the engine steps
     on after it (a request of ``LONG_MAX_TOKENS``) than when it idles (one
     token): medians over interleaved pairs of equal prompt length. A few ms
@@ -442,29 +532,32 @@ async def _first_token_delay(client, model, rng, repeats: int, new: int, idle_ga
     does: measured on one server, the lag was ~0.4 ms for requests sent back
     to back and ~5 ms after 0.6 s idle."""
     one, more = [], []
-    for _ in range(repeats):
+    for i in range(repeats):
         await asyncio.sleep(idle_gap_s)
         one.append((await _prefill_sample(client, model, rng, new, 0))[0])
         await asyncio.sleep(idle_gap_s)
         more.append((await _prefill_sample(client, model, rng, new, 0, LONG_MAX_TOKENS))[0])
+        progress.tick("first-token delay", f"pair {i + 1}/{repeats}")
     return max(statistics.median(more) - statistics.median(one), 0.0)
 
 
-async def _handover(client, model, rng, repeats: int, decode_step_s: float) -> float:
+async def _handover(client, model, rng, repeats: int, decode_step_s: float, progress: Progress) -> float:
     gaps = []
-    for _ in range(repeats):
+    for i in range(repeats):
         s = await _Stream().run(client, model, _user(random_words(rng, 64)), 8)
         gaps.append(s.times[1] - s.times[0])
+        progress.tick("hand-over", f"{i + 1}/{repeats}")
     return max(statistics.median(gaps) - decode_step_s, 0.0)
 
 
-async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
+async def _run(url: str, model: str, grid: ProfileGrid, on_point, progress: Progress) -> dict:
     rng = random.Random(grid.seed)
     async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
-        for _ in range(2):  # warm-up
+        for i in range(2):  # warm-up
             await _prefill_sample(client, model, rng, min(grid.new_tokens), 0)
-        prefill = await _prefill_points(client, model, rng, grid, on_point)
-        decode = await _decode_points(client, model, rng, grid, on_point)
+            progress.tick("warm-up", f"{i + 1}/2")
+        prefill = await _prefill_points(client, model, rng, grid, on_point, progress)
+        decode = await _decode_points(client, model, rng, grid, on_point, progress)
         decode_fit = fit(decode, DECODE_TERMS)
         if all("engine_steps_s" in p for p in prefill):
             # the server timed each prefill step itself: fit those, and the
@@ -475,16 +568,17 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                 p["ttft_s"], p["time_s"] = p["time_s"], statistics.median(p["engine_steps_s"])
                 p["ttft_samples_s"], p["samples_s"] = p["samples_s"], p.pop("engine_steps_s")
             overhead_from = "engine_step_seconds"
+            progress.skip("request overhead")
         else:
             overhead = await _request_overhead(client, model, rng, grid.repeats + 2, fit(prefill, PREFILL_TERMS),
-                                               decode_fit)
+                                               decode_fit, progress)
             for p in prefill:  # the engine's share of a TTFT: what the step model fits
                 p["ttft_s"], p["time_s"] = p["time_s"], max(p["time_s"] - overhead, 0.0)
                 p["samples_s"] = [max(t - overhead, 0.0) for t in p["samples_s"]]
             overhead_from = "one-word requests less the fits"
         one = min((p for p in decode if p["batch"] == 1), key=lambda p: p["context"], default=None)
         prefill_fit = fit(prefill, PREFILL_TERMS)
-        probes = await _mixed_points(client, model, rng, grid, on_point, overhead)
+        probes = await _mixed_points(client, model, rng, grid, on_point, overhead, progress)
         # a server that does not mix (disagg) measured host sharing instead
         mixes = server_mixes(probes, prefill_fit, await _worker_roles(client))
         mixed, apart = (probes, []) if mixes else ([], probes)
@@ -495,18 +589,24 @@ async def _run(url: str, model: str, grid: ProfileGrid, on_point) -> dict:
                   "host_sharing": host_sharing(apart, overhead),
                   "request_overhead_s": overhead, "request_overhead_from": overhead_from,
                   "first_token_delay_s": await _first_token_delay(client, model, rng, 3 * (grid.repeats + 2),
-                                                                  min(grid.new_tokens), grid.idle_gap_s),
+                                                                  min(grid.new_tokens), grid.idle_gap_s,
+                                                                  progress),
                   "step_noise": step_noise(prefill, prefill_fit, decode, decode_fit, mixed, mixed_fit),
-                  "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0)}
+                  "handover_s": await _handover(client, model, rng, grid.repeats, one["time_s"] if one else 0.0,
+                                                progress)}
     result["quality"] = fit_quality(result)
     return result
 
 
-def run_served_profile(url: str, model: str, grid: ProfileGrid, on_point=lambda kind, p: None) -> dict:
+def run_served_profile(url: str, model: str, grid: ProfileGrid, on_point=lambda kind, p: None,
+                       progress: Progress | None = None) -> dict:
     """Profile the server at ``url`` (base URL, no /v1) serving ``model``;
-    what ``fit_quality`` warns about goes to stderr (and stays in the
-    result's ``quality``)."""
-    result = asyncio.run(_run(url, model, grid, on_point))
-    for line in result["quality"]["warnings"]:
-        print(f"kvferry profile: WARNING: {line}", file=sys.stderr, flush=True)
+    a progress line per sample on stdout (``progress``, default
+    ``plan_progress``); what ``fit_quality`` warns about goes to stderr (and
+    stays in the result's ``quality``)."""
+    progress = progress or plan_progress(grid)
+    print(f"kvferry profile: {progress.total} samples against {url} (the first phases' times set the ETA)",
+          flush=True)
+    result = asyncio.run(_run(url, model, grid, on_point, progress))
+    warn_quality(result["quality"])
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 
@@ -14,9 +15,10 @@ from kvferry.bench.runner import RunConfig, run_load
 from kvferry.bench.workloads import BenchError, LengthDist, Session
 
 
-def make_workload(args: argparse.Namespace) -> tuple[Iterator[Session], int | None]:
+def make_workload(args: argparse.Namespace, context_len: int | None = None) -> tuple[Iterator[Session], int | None]:
     """The session stream for ``args.workload`` and its natural length (a
-    trace's number of entries; None for endless generators)."""
+    trace's number of entries; None for endless generators). ``context_len``:
+    the served context, to which a trace's prompts are clipped."""
     from kvferry.bench import workloads as w
 
     out_len = LengthDist.parse(args.output_len, "--output-len")
@@ -41,7 +43,7 @@ def make_workload(args: argparse.Namespace) -> tuple[Iterator[Session], int | No
 
         entries = load_trace(args.trace)
         return trace_workload(entries, args.trace_block_size, args.time_scale, args.max_input_len,
-                              args.max_output_len), len(entries)
+                              args.max_output_len, context_len), len(entries)
     raise BenchError(f"--workload: unknown {args.workload!r}")
 
 
@@ -54,9 +56,36 @@ def _tenant_keys(text: str | None) -> list[str]:
     return keys
 
 
+def clipped_trace_requests(args: argparse.Namespace, context_len: int | None) -> int:
+    """How many of the trace's requests (those the run sends) get their
+    prompts clipped, to --max-input-len or to the served context."""
+    if args.workload != "trace":
+        return 0
+    from kvferry.bench.trace import count_clipped, load_trace
+
+    entries = load_trace(args.trace)[:args.num_requests]
+    return count_clipped(entries, args.max_input_len, args.max_output_len, context_len)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    base_url: str  # without /v1
+    model: str
+    # The served context (GET /v1/models' max_model_len: kvferry and vLLM
+    # give it); None when the server does not say.
+    max_model_len: int | None = None
+
+
 def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
-    """(base URL without /v1, model name): the model is --model or the
-    server's first; an unreachable server is a BenchError."""
+    """(base URL without /v1, model name); see ``resolve_served``."""
+    target = resolve_served(args)
+    return target.base_url, target.model
+
+
+def resolve_served(args: argparse.Namespace) -> Target:
+    """The server, the model (--model, which must be one the server lists,
+    or the server's first) and its context. An unreachable server or a
+    model it does not serve is a BenchError (one line)."""
     base = args.url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -66,20 +95,23 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
     if resp.status_code != 200:
         raise BenchError(f"{base}/v1/models answered HTTP {resp.status_code}: {resp.text[:200]}")
     try:
-        models = [m["id"] for m in resp.json()["data"]]
+        entries = {m["id"]: m for m in resp.json()["data"]}
     except (ValueError, KeyError, TypeError):
         raise BenchError(f"{base}/v1/models did not answer an OpenAI model list") from None
-    if args.model:
-        return base, args.model
-    if not models:
-        raise BenchError(f"{base} serves no model; pass --model")
-    return base, models[0]
+    if not entries:
+        raise BenchError(f"{base} serves no model (GET /v1/models is empty)")
+    if args.model and args.model not in entries:
+        raise BenchError(f"--model {args.model!r} is not served by {base}; it serves: {', '.join(entries)}")
+    model = args.model or next(iter(entries))
+    context = entries[model].get("max_model_len")
+    return Target(base, model, context if isinstance(context, int) and context > 0 else None)
 
 
 def run_once(args: argparse.Namespace, base_url: str, model: str, rate: float | None,
-             slo: dict[str, float]) -> dict:
-    """One run at ``rate`` (None: the default arrivals); the result JSON object."""
-    sessions, natural_len = make_workload(args)
+             slo: dict[str, float], context_len: int | None = None) -> dict:
+    """One run at ``rate`` (None: the default arrivals); the result JSON object.
+    ``context_len``: the served context (trace prompts are clipped to it)."""
+    sessions, natural_len = make_workload(args, context_len)
     use_timestamps = args.workload == "trace" and rate is None and args.concurrency is None
     if args.num_requests is not None:
         num_requests = args.num_requests
@@ -103,6 +135,7 @@ def run_once(args: argparse.Namespace, base_url: str, model: str, rate: float | 
                    "rate": rate, "concurrency": args.concurrency, "burstiness": args.burstiness,
                    "use_timestamps": use_timestamps, "num_requests": args.num_requests,
                    "duration": args.duration, "seed": args.seed, "ignore_eos": args.ignore_eos,
+                   "max_model_len": context_len, "clipped_requests": clipped_trace_requests(args, context_len),
                    "workload_args": _workload_args(args)},
         "summary": summarize(records, duration, slo),
         "per_tenant": summarize_by_tenant(records, duration, slo),

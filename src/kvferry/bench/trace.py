@@ -79,13 +79,42 @@ def trace_prompt(entry: TraceEntry, block_size: int, max_input_len: int | None) 
     return "".join(parts), length
 
 
+# Tokens a served context keeps for the chat template around a trace prompt
+# (a trace's words are one token each with the usual BPE vocabularies).
+TEMPLATE_MARGIN = 64
+
+
+def clipped_lengths(entry: TraceEntry, max_input_len: int | None, max_output_len: int | None,
+                    context_len: int | None) -> tuple[int | None, int]:
+    """(input cap, output length) of one entry. ``context_len``: the
+    server's context; prompt and output must fit in it, so the input is cut
+    to what the output and the template leave (the output, if need be, to
+    half the context)."""
+    out = entry.output_length if max_output_len is None else min(entry.output_length, max_output_len)
+    if context_len is None:
+        return max_input_len, out
+    out = min(out, max(1, context_len // 2))
+    room = max(1, context_len - out - TEMPLATE_MARGIN)
+    return (room if max_input_len is None else min(room, max_input_len)), out
+
+
+def count_clipped(entries: list[TraceEntry], max_input_len: int | None, max_output_len: int | None,
+                  context_len: int | None) -> int:
+    """How many entries' prompts ``trace_workload`` cuts short."""
+    return sum(1 for e in entries
+               if (cap := clipped_lengths(e, max_input_len, max_output_len, context_len)[0]) is not None
+               and e.input_length > cap)
+
+
 def trace_workload(entries: list[TraceEntry], block_size: int, time_scale: float,
-                   max_input_len: int | None, max_output_len: int | None) -> Iterator[Session]:
+                   max_input_len: int | None, max_output_len: int | None,
+                   context_len: int | None = None) -> Iterator[Session]:
     """One session per entry, arriving at ``timestamp / time_scale`` (relative
-    to the first entry). The trace is replayed once."""
+    to the first entry). The trace is replayed once. ``context_len``: clip
+    each prompt so that it and its output fit (``clipped_lengths``)."""
     t0 = entries[0].timestamp_ms
     for e in entries:
-        prompt, n = trace_prompt(e, block_size, max_input_len)
-        out = e.output_length if max_output_len is None else min(e.output_length, max_output_len)
+        cap, out = clipped_lengths(e, max_input_len, max_output_len, context_len)
+        prompt, n = trace_prompt(e, block_size, cap)
         arrival = (e.timestamp_ms - t0) / 1000.0 / time_scale
         yield Session([RequestSpec(user(prompt), out, n, arrival_s=arrival)])

@@ -14,6 +14,8 @@ Each step the scheduler sends deltas, never whole histories::
     RunnerOutput
       sampled_token_ids  0 .. k+1 tokens per request (none for a non-final prefill chunk)
       logprobs           one entry per sampled token, for requests that ask
+      prompt_logprobs    one entry per prompt token, once, for requests that ask
+      pooled             the pooled final hidden state of a pooling (embedding) request
       finished_loading / finished_saving / finished_sending   KV order completions
 
 The runner keeps each request's token ids and block table from the first
@@ -202,3 +204,9 @@ class RunnerOutput:
     failed_loading: dict[str, str] = field(default_factory=dict)
     # Prompt positions the draft model computed this step (method "draft").
     num_draft_prompt_tokens: int = 0
+    # Requests that asked for work at prompt positions, reported once, on
+    # the step that computed the end of the prompt: request_id -> one entry
+    # per prompt token (None for the first, which has no context), and
+    # request_id -> the pooled, L2-normalized final hidden state (pooling).
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -269,9 +269,14 @@ class Scheduler:
         # already: it recomputes into them, with no second lookup.)
         first = request.num_computed_tokens == 0 and not resumed_tokens and rid not in self.kv.req_blocks
         hit = self.kv.find_prefix_hit(request) if first else PrefixHit()
+        # Prompt logprobs and mean pooling read every prompt position's
+        # output: such a request computes its prompt itself (as vLLM).
+        whole = first and request.num_output_tokens == 0 and request.sampling_params.needs_prompt_positions
+        if whole:
+            hit = PrefixHit()
         if resumed_tokens:
             external = ExternalTokens(resumed_tokens, is_async=False)
-        elif first:
+        elif first and not whole:
             external = self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
         else:
             external = NO_EXTERNAL_TOKENS
@@ -392,6 +397,9 @@ class Scheduler:
             sampled = result.sampled_token_ids.get(rid, [])
             self._rollback_drafts(request, sched.spec_token_ids.get(rid, []), sampled)
             new_tokens, stop = self._append_sampled(request, sampled)
+            if (not sampled and stop is None and request.sampling_params.prompt_only
+                    and request.num_computed_tokens >= request.num_tokens):
+                stop = RequestStatus.FINISHED_LENGTH  # its prompt is computed: all it asked for
             if new_tokens and kv_role(request) == "prefill":
                 stop = RequestStatus.FINISHED_PREFILLED  # the decode core continues it
             # The step wrote these blocks' KV: publish them (before a finish frees them).
@@ -403,6 +411,10 @@ class Scheduler:
             if new_tokens or request.is_finished:
                 logprobs = result.logprobs.get(rid)
                 outputs.append(self.core_output(request, new_tokens, logprobs))
+        if result.prompt_logprobs or result.pooled:
+            for output in outputs:
+                output.prompt_logprobs = result.prompt_logprobs.get(output.request_id)
+                output.pooled = result.pooled.get(output.request_id)
         return outputs
 
     def _rollback_drafts(self, request: Request, drafts: list[int], sampled: list[int]) -> None:

@@ -109,7 +109,7 @@ class KVTransferAgent:
         self.config = config
         self.pool = pool
         self.receiver = KVReceiver(kv_cache, config.kv_transfer_address, draft_kv_cache=draft_kv_cache,
-                                   speculative=speculative)
+                                   speculative=speculative, bind_any=config.kv_transfer_bind_any)
         self.address = self.receiver.address
         self.shm_name = pool.name if pool is not None else ""
         self._ctx = zmq.Context.instance()

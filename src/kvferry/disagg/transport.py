@@ -30,6 +30,17 @@ frame at what a transfer can need (``max_frame_bytes``: one whole layer of
 its pool, or a header); libzmq drops a larger frame, and the connection
 that sent it, before allocating it.
 
+What a stranger on the transfer port gets: nothing. KV only ever flows
+from a prefill core's DEALER into the decode core's ROUTER, and the ROUTER
+sends only an acknowledgement, only to the peer that sent an authenticated
+``KVTransferDone``; a message without the token is dropped before it is
+decoded. The decode core binds the interface of its
+``--kv-transfer-address`` only; a wildcard address (0.0.0.0, ::) is
+refused unless ``--kv-transfer-bind-any`` (``bind_address``). The frames
+are not encrypted: across an untrusted network, run the link inside one
+(a VPN, an IPsec or WireGuard tunnel), since a sniffer of the link reads
+the KV and the token.
+
 Seam for NIXL or Mooncake's Transfer Engine: a third ``KVTransport`` whose
 constructor registers both pools with the engine (NIXL ``register_memory``
 / Mooncake ``register_memory`` of the pool tensor, with D's descriptors
@@ -46,6 +57,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import socket
 import threading
 import time
 import uuid
@@ -232,6 +244,8 @@ class KVTransport(ABC):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_ACK_BYTES)
+        if _is_ipv6(address):
+            self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.connect(address)
 
     @abstractmethod
@@ -364,6 +378,30 @@ def hidden_state_checksum(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def bind_address(address: str, bind_any: bool) -> tuple[str, str]:
+    """(where the receiving socket binds, what senders are told) for a
+    transfer address. A tcp:// one binds its own host's interface; with
+    ``bind_any`` every interface (``*``: dual-stack when the host is an IPv6
+    one), while senders are still told the host given, or this host's name
+    when that is a wildcard. A wildcard without ``bind_any`` is refused: a
+    KV port open on every network is a decision, not a default."""
+    if not address.startswith("tcp://"):
+        return address, address
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    wildcard = host in ("0.0.0.0", "::", "[::]", "*", "")
+    if wildcard and not bind_any:
+        raise ValueError(f"kv_transfer_address {address!r} listens on every interface: give this node's own "
+                         "address, or pass --kv-transfer-bind-any to open it on all of them on purpose")
+    if not bind_any:
+        return address, address
+    return f"tcp://*:{port}", f"tcp://{socket.gethostname() if wildcard else host}:{port}"
+
+
+def _is_ipv6(address: str) -> bool:
+    """tcp://[v6 address]:port or tcp://:::port: the socket needs ZMQ_IPV6."""
+    return address.startswith(("tcp://[", "tcp://::"))
+
+
 class KVReceiver:
     """The decode core's transfer socket (ROUTER) and a thread serving it.
 
@@ -384,7 +422,12 @@ class KVReceiver:
 
     def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5,
                  draft_kv_cache: torch.Tensor | None = None, speculative: str = "",
-                 token: bytes | None = None) -> None:
+                 token: bytes | None = None, bind_any: bool = False) -> None:
+        """``address``: tcp://HOST:PORT (port 0 or *: a free one) or
+        ipc://PATH. The socket binds to HOST's interface only; a wildcard
+        HOST (0.0.0.0, ::, *) is refused unless ``bind_any``, which binds
+        every interface and advertises HOST (this host's name for a
+        wildcard) in ``address``."""
         self.kv_cache = kv_cache
         # Every layer a transfer fills, each [2, num_blocks, bs, H, D]: the
         # target's, then the draft model's (its own head count and size,
@@ -396,18 +439,22 @@ class KVReceiver:
         self.token = peer_auth.token(peer_auth.KV_TRANSFER) if token is None else token
         self.max_frame_bytes = max_frame_bytes(self.layers)
         self.num_refused = 0  # messages dropped for a missing or wrong token
+        bind, advertised = bind_address(address, bind_any)  # ValueError before any socket exists
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Before bind: libzmq checks each frame's size in its header and
         # drops the connection of a peer that sends more, without reading it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        if address.startswith("tcp://") and address.rsplit(":", 1)[-1] in ("0", "*"):
-            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
-            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        if _is_ipv6(address):
+            self._sock.setsockopt(zmq.IPV6, 1)
+        if bind.startswith("tcp://") and bind.rsplit(":", 1)[-1] in ("0", "*"):
+            port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            bind, advertised = (f"{a.rsplit(':', 1)[0]}:{port}" for a in (bind, advertised))
         else:
-            self._sock.bind(address)
-        self.address = address
+            self._sock.bind(bind)
+        self.bound_address = bind  # the interface(s) listened on
+        self.address = advertised  # what senders connect to (KVDestination.address)
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
         self._done: dict[str, Received] = {}  # request id ->

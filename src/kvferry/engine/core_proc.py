@@ -81,6 +81,10 @@ class EngineCoreProc:
         # ...but a PUSH with no reader at all blocks: look up every _POLL_MS.
         self._out_sock.setsockopt(zmq.SNDTIMEO, _POLL_MS)
         self._out_sock.bind(addresses.output)
+        # The addresses really bound (a tcp:// port "*" resolved): what a
+        # front end connects to. Read here, before the threads own the sockets.
+        self.bound = CoreAddresses(self._in_sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                                   self._out_sock.getsockopt_string(zmq.LAST_ENDPOINT))
         self._threads = [
             threading.Thread(target=self._input_thread, name="core-input", daemon=True),
             threading.Thread(target=self._output_thread, name="core-output", daemon=True),

@@ -116,4 +116,6 @@ def _merge(by_index: dict[int, RequestOutput]) -> RequestOutput:
         finished=True,
         num_cached_tokens=first.num_cached_tokens,
         metrics=first.metrics,
+        prompt_logprobs=first.prompt_logprobs,
+        embedding=first.embedding,
     )

@@ -45,6 +45,8 @@ class SequenceState:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -111,6 +113,10 @@ class OutputProcessor:
             seq.token_ids += out.new_token_ids
             if out.new_logprobs and seq.logprobs is not None:
                 seq.logprobs += out.new_logprobs
+            if out.prompt_logprobs is not None:
+                seq.prompt_logprobs = out.prompt_logprobs
+            if out.pooled is not None:
+                seq.embedding = out.pooled
             if out.first_scheduled_time is not None:
                 seq.first_scheduled_time = out.first_scheduled_time
             if seq.first_token_time is None and out.new_token_ids:
@@ -170,6 +176,8 @@ class OutputProcessor:
             new_token_ids=out.new_token_ids,
             new_text=new_text,
             new_logprobs=out.new_logprobs or [],
+            prompt_logprobs=seq.prompt_logprobs,
+            embedding=seq.embedding,
             metrics=RequestMetrics(
                 arrival_time=seq.arrival_time,
                 first_scheduled_time=seq.first_scheduled_time,

@@ -32,6 +32,7 @@ from kvferry.engine.cuda_graphs import DecodeGraphs
 from kvferry.engine.host_memory import tune_malloc
 from kvferry.engine.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
+from kvferry.engine.prompt_work import PromptStep, PromptWork
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.llama import allocate_kv_cache
@@ -85,6 +86,8 @@ class StepInputs:
     logits_indices: torch.Tensor
     # (request id, its drafts) for each sampling request, in logits order
     sampling: list[tuple[str, list[int]]]
+    # Prompt logprobs / pooling rows of the step (None: no request asks).
+    prompt: PromptStep | None = None
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
@@ -135,6 +138,8 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.batch = InputBatch(self.vocab_size)
         self.sampler = Sampler()
+        # Requests that asked for prompt logprobs, pooling or no sampling (prompt_work.py).
+        self.prompt_work = PromptWork(self.device)
         self.grammars = StepGrammars(loaded.tokenizer, self.vocab_size)
         self.graphs: DecodeGraphs | None = None
         if not m.enforce_eager and self.triton and self.device.type == "cuda":
@@ -145,6 +150,9 @@ class ModelRunner:
 
     # -- applying the scheduler's deltas ------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
+        if self.prompt_work.tasks:
+            for rid in sched.finished_request_ids:
+                self.prompt_work.remove(rid)
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
             self.batch.remove(rid)
@@ -181,6 +189,7 @@ class ModelRunner:
             state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids,
                                  matcher=self._matcher(data))
             self.states[data.request_id] = state
+            self.prompt_work.add(data.request_id, data.sampling_params, data.prompt_token_ids)
         state.output_token_ids = list(data.output_token_ids)
         if state.penalizes:
             # Once per (re)admission: O(prompt + outputs). Steps then only add.
@@ -211,12 +220,16 @@ class ModelRunner:
         batch = self.batch
         rows = np.fromiter((batch.index[rid] for rid in order), dtype=np.int64, count=len(order))
         lens = np.fromiter((sched.num_scheduled_tokens[rid] for rid in order), dtype=np.int64, count=len(order))
-        flat = flatten(batch, rows, batch.num_computed_tokens[rows], lens, self.block_size)
+        starts = batch.num_computed_tokens[rows]
+        flat = flatten(batch, rows, starts, lens, self.block_size)
         # A request samples when its tokens reach the end of the known ones
         # (a non-final prefill chunk does not); with k drafts it samples at
         # its last 1 + k positions.
         num_drafts = np.fromiter((len(spec_token_ids.get(rid, ())) for rid in order), dtype=np.int64, count=len(order))
         samples = flat.seq_lens - num_drafts >= batch.num_tokens[rows]
+        prompt = None
+        if self.prompt_work.tasks:  # (clears ``samples`` of prompt-only requests)
+            prompt = self.prompt_work.plan(order, starts, lens, flat.query_start_loc, samples)
         logits_indices = [
             np.arange(end - 1 - k, end)
             for end, k, s in zip(flat.query_start_loc[1:], num_drafts, samples)
@@ -226,6 +239,7 @@ class ModelRunner:
             flat=flat, input_ids=None, positions=None, meta=None,
             logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
             sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
+            prompt=prompt,
         )
         if not (graph_ok and self.graphs is not None and self.graphs.can_run(flat)):
             self._eager_inputs(inputs)
@@ -278,6 +292,8 @@ class ModelRunner:
             # Started before the forward pass so the two overlap; joined before sampling.
             pending_bitmask = self._start_bitmask(inputs.sampling)
             hidden = self._forward(inputs)
+            if inputs.prompt is not None:
+                self.prompt_work.run(self.model, hidden, inputs.prompt, out)
             if inputs.sampling:
                 sampled_hidden = hidden[inputs.logits_indices]  # [num_logits, hidden]
                 logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32

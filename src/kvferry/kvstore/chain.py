@@ -1,8 +1,14 @@
-"""The tiers below DRAM, in load order (disk, then remote), and the
+"""The tiers below DRAM, in load order (disk, cluster, remote), and the
 threads that move blocks between them and the arena. No torch.
 
     load threads      cold tier get_many -> arena slot (pinned, LOADING)  -> completion queue
     write-back thread evicted block's bytes -> disk; -> remote too once reused enough
+    pool writer       a block's bytes once it is written (or reused enough) -> cluster pool
+
+The cluster pool (``cluster.py``) is written through rather than back: a
+block goes up when it becomes readable in DRAM (``cluster_min_hits`` 0,
+the default) or when it has served that many loads, so that another node
+finds it while this one still holds it. Eviction does not write to it.
 
 A block waiting for the write-back thread stays findable: ``contains``
 sees it and a load copies it straight from the pending bytes, so an
@@ -32,9 +38,12 @@ MAX_PENDING_WRITE_BACK_BYTES = 256 << 20
 
 
 class ColdChain:
-    def __init__(self, tiers: list[ColdTier], *, io_threads: int = 4, remote_min_hits: int = 2) -> None:
+    def __init__(self, tiers: list[ColdTier], *, io_threads: int = 4, remote_min_hits: int = 2,
+                 cluster_min_hits: int = 0) -> None:
         self.tiers = list(tiers)
         self.remote_min_hits = remote_min_hits
+        self.cluster_min_hits = cluster_min_hits
+        self._pool_tiers = [t for t in self.tiers if t.name == "cluster"]
         self.loads_in_flight = 0  # main loop only
         self.written_back = 0
         self.write_backs_dropped = 0
@@ -43,6 +52,10 @@ class ColdChain:
         self._completions: queue.SimpleQueue[list[tuple[Entry, bool]]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the pending write-backs and their counters
         self._pending: dict[bytes, tuple[bytes, BlockOwner]] = {}  # key -> (bytes, owner), not yet written
+        # The same for write-through to the pool, on a thread of its own (a
+        # slow pool never holds up the disk's write-backs).
+        self._through: dict[bytes, tuple[bytes, BlockOwner]] = {}
+        self._pool_writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-pool-write")
         self._drops: dict[str, int] = {}  # tenant -> drop_tenant calls so far
 
     def __bool__(self) -> bool:
@@ -51,7 +64,7 @@ class ColdChain:
     # -- lookups (main loop) ---------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            if key in self._pending:
+            if key in self._pending or key in self._through:
                 return True
         return any(self._contains(tier, key) for tier in self.tiers)
 
@@ -88,7 +101,7 @@ class ColdChain:
             missing = []
             for entry in entries:
                 with self._lock:
-                    data, owner = self._pending.get(entry.key, (None, None))
+                    data, owner = self._pending.get(entry.key) or self._through.get(entry.key, (None, None))
                 if data is not None and _same_owner(owner, entry.owner):
                     arena.view[entry.slot] = memoryview(data).cast("B")
                     loaded.add(entry.slot)
@@ -120,36 +133,61 @@ class ColdChain:
     def write_back(self, entry: Entry, arena: Arena) -> None:
         """``entry`` is about to leave DRAM: copy its bytes out now (the slot
         is reused next) and write them down on the write-back thread."""
-        if not self.tiers:
+        tiers = [t for t in self.tiers
+                 if t.name != "cluster" and (t.name != "remote" or entry.hits >= self.remote_min_hits)]
+        if not tiers:
             return
-        tiers = [t for t in self.tiers if t.name != "remote" or entry.hits >= self.remote_min_hits]
         with self._lock:
             if entry.key in self._pending:
                 return
-            if (len(self._pending) + 1) * arena.block_nbytes > MAX_PENDING_WRITE_BACK_BYTES:
+            if not self._room_for(arena.block_nbytes):
                 self.write_backs_dropped += 1
                 return
             data = arena.view[entry.slot].tobytes()
             self._pending[entry.key] = (data, entry.owner)
-        self._writer.submit(self._write_down, entry.key, data, entry.owner, tiers)
+        self._writer.submit(self._write_down, entry.key, data, entry.owner, tiers, self._pending)
 
-    def _write_down(self, key: bytes, data: bytes, owner: BlockOwner, tiers: list[ColdTier]) -> None:
+    def write_through(self, entry: Entry, arena: Arena) -> None:
+        """``entry`` became readable in DRAM (a commit) or served another
+        load: once it has served ``cluster_min_hits`` loads, copy its bytes
+        now (the slot may be reused later) and write them to the pool on
+        the pool writer thread. The pool's ``put`` skips a block it already
+        holds, so each block crosses the network once."""
+        if not self._pool_tiers or entry.hits != self.cluster_min_hits:
+            return
         with self._lock:
-            if key not in self._pending:
+            if entry.key in self._through:
+                return
+            if not self._room_for(arena.block_nbytes):
+                self.write_backs_dropped += 1
+                return
+            data = arena.view[entry.slot].tobytes()
+            self._through[entry.key] = (data, entry.owner)
+        self._pool_writer.submit(self._write_down, entry.key, data, entry.owner, self._pool_tiers, self._through,
+                                 check=False)
+
+    def _room_for(self, nbytes: int) -> bool:
+        return (len(self._pending) + len(self._through) + 1) * nbytes <= MAX_PENDING_WRITE_BACK_BYTES
+
+    def _write_down(self, key: bytes, data: bytes, owner: BlockOwner, tiers: list[ColdTier],
+                    pending: dict[bytes, tuple[bytes, BlockOwner]], check: bool = True) -> None:
+        with self._lock:
+            if key not in pending:
                 return  # its tenant was dropped meanwhile
             drops = self._drops.get(owner.tenant, 0)
         try:
             for tier in tiers:
                 try:
-                    if not tier.contains(key):
+                    if not (check and tier.contains(key)):
                         tier.put(key, data, owner)
                 except Exception:
                     logger.exception("tier %s: write-back failed", tier.name)
         finally:
             with self._lock:
                 dropped = not owner.public and self._drops.get(owner.tenant, 0) != drops
-                self._pending.pop(key, None)
-                self.written_back += 1
+                pending.pop(key, None)
+                if pending is self._pending:
+                    self.written_back += 1
         if dropped:  # drop_tenant ran while this was being written
             for tier in tiers:
                 try:
@@ -162,8 +200,9 @@ class ColdChain:
         with self._lock:
             # Pending write-backs of the tenant's are cancelled; one being
             # written now deletes what it wrote (see _write_down).
-            for key in [k for k, (_, owner) in self._pending.items() if not owner.public and owner.tenant == tenant]:
-                del self._pending[key]
+            for pending in (self._pending, self._through):
+                for key in [k for k, (_, owner) in pending.items() if not owner.public and owner.tenant == tenant]:
+                    del pending[key]
             self._drops[tenant] = self._drops.get(tenant, 0) + 1
         n = 0
         for tier in self.tiers:
@@ -185,6 +224,7 @@ class ColdChain:
     def close(self) -> None:
         self._loaders.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)  # write-backs in flight finish (durable or refused)
+        self._pool_writer.shutdown(wait=True)  # a clean stop flushes what the pool has not got yet
         for tier in self.tiers:
             try:
                 tier.close()

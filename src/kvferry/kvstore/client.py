@@ -50,6 +50,8 @@ __all__ = ["BlockOwner", "KVStoreClient", "LoadResult", "StoreStats"]
 
 logger = logging.getLogger(__name__)
 
+# How the store's refusal of a Hello before any arena exists begins (service.py).
+NO_ARENA_YET = "no arena yet"
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
 # The socket events that say the store's end is gone: a connection closed
@@ -275,7 +277,12 @@ class KVStoreClient:
         reply = self._roundtrip(self._sock, p.Hello(client_id=self.client_id, block_nbytes=self._want_block_nbytes))
         if not isinstance(reply, p.Welcome):
             if isinstance(reply, p.Refused):
-                logger.warning("kvstore at %s refused this client: %s", self.address, reply.reason)
+                # A client with no block size (a probe, a stats reader) asking
+                # before any engine made the arena is early, not refused:
+                # every server start with a store does that once.
+                early = self._want_block_nbytes is None and reply.reason.startswith(NO_ARENA_YET)
+                logger.log(logging.DEBUG if early else logging.WARNING,
+                           "kvstore at %s refused this client: %s", self.address, reply.reason)
             elif self._last_service_id is not None:
                 self._warn_down()  # it was up before: it is gone, not starting
             self._drop_socket()

@@ -28,7 +28,8 @@ def store_argv(tiers: KVTierConfig, address: str, *, block_nbytes: int | None = 
     (empty tier fields: no such tier)."""
     argv = ["--address", address, "--kv-dram-gb", str(tiers.kv_dram_gb)]
     for flag, value in (("--kv-disk", tiers.kv_disk or None), ("--kv-disk-gb", tiers.kv_disk_gb or None),
-                        ("--kv-remote", tiers.kv_remote or None), ("--block-nbytes", block_nbytes),
+                        ("--kv-remote", tiers.kv_remote or None), ("--kv-cluster", tiers.kv_cluster or None),
+                        ("--block-nbytes", block_nbytes),
                         ("--api-keys", api_keys), ("--cache-secret-file", cache_secret_file)):
         if value is not None:
             argv += [flag, str(value)]
@@ -38,7 +39,7 @@ def store_argv(tiers: KVTierConfig, address: str, *, block_nbytes: int | None = 
 def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_keys: str | None = None,
                 cache_secret_file: str | None = None, extra_args: list[str] | None = None,
                 timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """Start a store with ``tiers``' DRAM, disk and remote tiers for this
+    """Start a store with ``tiers``' DRAM, disk, cluster and remote tiers for this
     process (which it outlives by at most a fraction of a second: it exits
     when its parent is gone) and wait until it answers. It listens at
     ``tiers.kv_store`` when that is set (a store restarted at a known
@@ -48,6 +49,10 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     from kvferry.kvstore.client import KVStoreClient
     from kvferry.kvstore.service import ipc_address
 
+    if tiers.kv_cluster:
+        from kvferry.kvstore.cluster import check_available
+
+        check_available()  # a ValueError naming the missing package or library, here rather than in the child
     peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
     address = tiers.kv_store or ipc_address()
     argv = [sys.executable, "-m", "kvferry.kvstore.service",

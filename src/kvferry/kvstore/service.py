@@ -15,6 +15,10 @@ Tiers and policy (see policy.py for DRAM):
   copied out on the main loop before the slot is reused, then written by
   the write-back thread), and to the remote tier too once it served at
   least ``remote_min_hits`` loads.
+* The cluster pool (``--kv-cluster``, Mooncake Store, shared by every
+  node's store) is written through: a block goes up when it is committed
+  (or once it served ``cluster_min_hits`` loads), on its own writer
+  thread; a clean stop flushes what is still on its way.
 * ``begin_load`` pins the blocks DRAM holds and brings the others up from
   the first cold tier that has them (disk, then remote), on a load thread;
   the ticket's result is the leading run that made it (a block missing,
@@ -55,6 +59,7 @@ from kvferry import envs, peer_auth
 from kvferry.kvstore import protocol as p
 from kvferry.kvstore.arena import SHM_DIR, Arena
 from kvferry.kvstore.chain import ColdChain
+from kvferry.kvstore.client import NO_ARENA_YET  # the client tells an early probe from a refusal by it
 from kvferry.kvstore.policy import DramIndex, Entry, PoolQuotas, State
 from kvferry.kvstore.tier import ColdTier, TierStats
 
@@ -80,6 +85,9 @@ class StoreConfig:
     default_dram_bytes: int | None = None
     public_dram_bytes: int | None = None
     remote_min_hits: int = 2
+    # Loads a block must serve before it is written to the cluster pool (0:
+    # at its commit, so another node finds it while this one holds it).
+    cluster_min_hits: int = 0
     io_threads: int = 4
     # A client not heard from for this long died without Goodbye: its pins
     # and reservations are freed. Engines poll while their loads are in
@@ -103,6 +111,8 @@ class StoreConfig:
             raise ValueError("kv_dram_gb: the arena must hold at least one block")
         if self.remote_min_hits < 0:
             raise ValueError(f"remote_min_hits: must be >= 0, got {self.remote_min_hits}")
+        if self.cluster_min_hits < 0:
+            raise ValueError(f"cluster_min_hits: must be >= 0, got {self.cluster_min_hits}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads: must be >= 1, got {self.io_threads}")
         if not self.client_lease_s > 0:
@@ -128,7 +138,8 @@ class _Ticket:
 class KVStoreService:
     def __init__(self, config: StoreConfig, cold_tiers: list[ColdTier] | None = None) -> None:
         self.config = config
-        self.cold = ColdChain(cold_tiers or [], io_threads=config.io_threads, remote_min_hits=config.remote_min_hits)
+        self.cold = ColdChain(cold_tiers or [], io_threads=config.io_threads, remote_min_hits=config.remote_min_hits,
+                              cluster_min_hits=config.cluster_min_hits)
         self.service_id = uuid.uuid4().hex
         self.arena: Arena | None = None
         self.index: DramIndex | None = None
@@ -225,7 +236,7 @@ class KVStoreService:
         if self.index is None:
             if isinstance(request, p.PollLoads):
                 return p.Loads(results=[])
-            return p.Refused(reason="no arena yet: no client has said Hello with block_nbytes")
+            return p.Refused(reason=f"{NO_ARENA_YET}: no client has said Hello with block_nbytes")
         now = time.monotonic()
         match request:
             case p.Lookup(keys=keys):
@@ -265,7 +276,7 @@ class KVStoreService:
     def _hello(self, hello: p.Hello) -> p.Reply:
         if self.arena is None:
             if hello.block_nbytes is None:
-                return p.Refused(reason="no arena yet: say Hello with block_nbytes")
+                return p.Refused(reason=f"{NO_ARENA_YET}: say Hello with block_nbytes")
             if hello.block_nbytes <= 0:
                 raise ValueError(f"block_nbytes: must be > 0, got {hello.block_nbytes}")
             self._make_arena(hello.block_nbytes)
@@ -315,6 +326,8 @@ class KVStoreService:
                 hit = entry.state is State.READY and entry not in to_load
                 self.index.count_hit(owner, hit)
                 entry.hits += hit
+                if hit:
+                    self.cold.write_through(entry, self.arena)
                 entries.append(entry)
         except BaseException:
             # Whatever went wrong, no pin of a load that never started stays behind.
@@ -381,6 +394,7 @@ class KVStoreService:
             if (entry is not None and entry.state is State.RESERVED and entry.key == key
                     and entry.client_id == request.client_id):
                 self.index.make_ready(entry)
+                self.cold.write_through(entry, self.arena)
 
     def _abandon(self, client_id: str, slots: list[int]) -> None:
         for slot in slots:
@@ -523,6 +537,11 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
                         help="remote tier, e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--remote-min-hits", type=int, default=2,
                         help="loads a block must serve before write-back sends it to the remote tier too")
+    parser.add_argument("--kv-cluster", dest="kv_cluster", default=None,
+                        help="cluster KV pool shared by every node's store, "
+                             "mooncake://MASTER_HOST:PORT?metadata=URL (Mooncake Store)")
+    parser.add_argument("--cluster-min-hits", type=int, default=0,
+                        help="loads a block must serve before it is written to the cluster pool (0: at its commit)")
     parser.add_argument("--cache-secret-file", default=None, help="server secret: per-tenant keys at rest")
     parser.add_argument("--api-keys", default=None,
                         help="the server's key file: per-tenant quotas from quota.dram_gb / quota.disk_gb")
@@ -573,19 +592,20 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         address=args.address, dram_bytes=int(args.kv_dram_gb * GIB), block_nbytes=args.block_nbytes,
         tenant_dram_bytes={t: int(g * GIB) for t, g in tenant_quotas_gb(args.api_keys, "dram_gb").items()},
         default_dram_bytes=nbytes(args.default_dram_gb), public_dram_bytes=nbytes(args.public_dram_gb),
-        remote_min_hits=args.remote_min_hits, io_threads=args.io_threads, client_lease_s=args.client_lease_s,
-        check_integrity=args.check_integrity)
+        remote_min_hits=args.remote_min_hits, cluster_min_hits=args.cluster_min_hits, io_threads=args.io_threads,
+        client_lease_s=args.client_lease_s, check_integrity=args.check_integrity)
 
 
 def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
-    """The tiers below DRAM the flags ask for, in load order: disk, remote.
+    """The tiers below DRAM the flags ask for, in load order: disk, cluster,
+    remote.
     Private blocks are sealed under per-tenant keys derived from the cache
     secret; without ``--cache-secret-file`` the one kept beside the tiers
     (``secret_file.py``, generated at the first start), so that a restarted
     store can still open what it wrote."""
     if (args.kv_disk is None) != (args.kv_disk_gb is None):
         raise ValueError("kv_disk / kv_disk_gb: give both or neither")
-    if not (args.kv_disk or args.kv_remote):
+    if not (args.kv_disk or args.kv_remote or args.kv_cluster):
         return []
     from kvferry.kvstore.crypto import TierCrypto
     from kvferry.kvstore.tenant_lru import TierQuotas
@@ -594,9 +614,12 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     if secret_file is None:
         from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
 
-        secret_file, created = ensure_secret_file(tier_secret_path(args.kv_disk, args.kv_remote))
+        secret_file, created = ensure_secret_file(tier_secret_path(args.kv_disk, args.kv_remote or args.kv_cluster))
         logger.warning("no --cache-secret-file: %s the cache secret in %s, so the tiers survive a restart",
                        "generated" if created else "using", secret_file)
+        if args.kv_cluster:
+            logger.warning("no --cache-secret-file: this node shares no private blocks with the cluster pool's "
+                           "other nodes (give every node's store and server the same secret file)")
     crypto = TierCrypto.from_file(secret_file)
     tiers: list[ColdTier] = []
     if args.kv_disk:
@@ -607,6 +630,10 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
         quotas = TierQuotas.from_gb(tenant_quotas_gb(args.api_keys, "disk_gb"), default_tenant_gb=args.default_disk_gb,
                                     public_gb=args.public_disk_gb)
         tiers.append(DiskTier(args.kv_disk, int(args.kv_disk_gb * GIB), crypto=crypto, quotas=quotas))
+    if args.kv_cluster:
+        from kvferry.kvstore.cluster import MooncakeTier
+
+        tiers.append(MooncakeTier(args.kv_cluster, crypto=crypto))
     if args.kv_remote:
         from kvferry.kvstore.remote import RedisTier
 

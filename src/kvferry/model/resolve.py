@@ -70,8 +70,9 @@ def resolve_model(name: str | None) -> ResolvedModel:
 def _local(path: Path, name: str) -> ResolvedModel:
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"model file {name} is not a .gguf file; pass a .gguf file or a folder with {FOLDER_FILES}")
-        return ResolvedModel(path.resolve(), "gguf", name)
+            raise ValueError(f"model file {name} is not a .gguf file; "
+                             f"pass a .gguf file or a folder with {FOLDER_FILES}")
+        return ResolvedModel(path.absolute(), "gguf", name)  # not resolve(): a symlink may name a blob
     check_model_folder(path)
     return ResolvedModel(path.resolve(), "folder", name)
 

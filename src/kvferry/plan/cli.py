@@ -4,6 +4,12 @@
                      [--router R] [--slo ttft:MS,tpot:MS] [--fast] [--json]
     kvferry simulate --trace T --cache-blocks inf          (cache-only: the trace's reuse ceiling)
     kvferry plan --profile P --workload W --slo ttft:MS,tpot:MS --gpus N [--rate R] [--instances-per-host K]
+                 [--output DIR | PREFIX]
+    kvferry plan --hardware fast=F.json:4 --hardware cheap=C.json:1 [--prefill-hardware fast]
+                 [--decode-hardware cheap] ...   (priced pools: ranked by cost per million useful tokens)
+
+A profile whose fits are poor (``kvferry.bench.profile.poor_fits``) is refused
+unless --allow-poor-fit.
 
 Bad arguments print one line and exit 2. Heavy modules load when a command runs.
 """
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -20,6 +27,7 @@ from pathlib import Path
 from kvferry.bench.cli import _one_line_error
 
 SIM_WORKLOADS = ("random", "shared-prefix")
+DEFAULT_PLAN_DIR = "kvferry-plan"  # plan's output folder when --output is not given
 
 
 def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -53,19 +61,39 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser("plan", help="choose prefill/decode instance counts for a rate and SLOs",
                                  description="DistServe-style placement search: simulate every split of "
                                              "--gpus into prefill and decode instances and every colocated "
-                                             "count; pick the best goodput per GPU.")
+                                             "count; pick the best goodput per GPU, or with priced "
+                                             "--hardware pools the lowest cost per million useful tokens.")
     plan.error = _one_line_error("kvferry plan")
     _add_common(plan)
     plan.add_argument("--gpus", type=int, required=True, help="most instances (one GPU each)")
     plan.add_argument("--router", default="least-loaded", choices=("round-robin", "least-loaded", "prefix-aware"))
     plan.add_argument("--min-attainment", type=float, default=90.0,
                       help="percent of requests within the SLOs a placement must keep to qualify")
-    plan.add_argument("--output", default="plan.png", help="plot; the JSON goes next to it")
+    hw = plan.add_argument_group("hardware and prices (instead of --profile)")
+    hw.add_argument("--hardware", action="append", default=None, metavar="NAME=PROFILE.json:PRICE",
+                    help="a hardware: its kvferry profile JSON and its price per instance per hour (any "
+                         "currency unit); repeatable. Candidates put each pool on one hardware (colocated "
+                         "counts on each; prefill/decode splits on every pair) and rank by cost per million "
+                         "useful tokens (output tokens of requests meeting the SLO)")
+    hw.add_argument("--prefill-hardware", default=None, metavar="NAME[,NAME]",
+                    help="the hardware prefill pools may use (default: every --hardware)")
+    hw.add_argument("--decode-hardware", default=None, metavar="NAME[,NAME]",
+                    help="the hardware decode pools may use (default: every --hardware)")
+    hw.add_argument("--colocated-hardware", default=None, metavar="NAME[,NAME]",
+                    help="the hardware colocated pools may use (default: every --hardware; none: no "
+                         "colocated candidates)")
+    plan.add_argument("--output", default=None,
+                      help=f"where the plot and the JSON go: a folder (DIR/plan.png, DIR/plan.json) or a file "
+                           f"prefix (PREFIX.png, PREFIX.json; a .png or .json ending is dropped). Default: "
+                           f"{DEFAULT_PLAN_DIR}/ under the working directory; the paths are printed")
     plan.set_defaults(func=cmd_plan)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="kvferry profile JSON (step time fits)")
+    p.add_argument("--allow-poor-fit", action="store_true",
+                   help="use a profile whose fits are poor (R² < 0.9 with scattered points: measured on a busy "
+                        "machine) instead of refusing it; a warning says so")
     p.add_argument("--instances-per-host", type=int, default=1,
                    help="instances sharing one host (filled prefill-0, decode-0, prefill-1, ...): those on "
                         "one host slow each other's steps by the profile's measured host_sharing while both "
@@ -211,10 +239,11 @@ def run_simulate(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     if cache_only:
         return _run_cache_only(args, counts, requests, capacity, start)
-    from kvferry.plan.latency import StepCostModel
+    from kvferry.plan.latency import StepCostModel, check_profile_fits
     from kvferry.plan.report import instance_stats, mean_summary, summarize
     from kvferry.plan.simulator import ClusterConfig, Simulation
 
+    check_profile_fits(args.profile, args.allow_poor_fit, "simulate")
     cost = StepCostModel.from_profile(args.profile)
     if args.step_time_scale != 1.0:
         cost = cost.scaled(args.step_time_scale)
@@ -320,22 +349,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _fail("plan", str(e))
     from kvferry.plan.search import format_plan, plot_plan
 
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plot_plan(result, out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    png, js = plan_output_paths(args.output)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot_plan(result, png)
+    js.write_text(json.dumps(result, indent=1))
     print(format_plan(result))
-    print(f"plot: {out}  json: {out.with_suffix('.json')}")
+    print(f"wrote the plot to {png} and the result to {js}")
     return 0
+
+
+def plan_output_paths(output: str | None) -> tuple[Path, Path]:
+    """(plot, JSON) for plan's ``--output``: a folder (an existing one, or a
+    path ending in a separator) gets plan.png and plan.json; anything else is
+    a prefix, a .png or .json ending dropped. Absolute, so the printed paths
+    say exactly where the files are."""
+    if output is None:
+        prefix = Path(DEFAULT_PLAN_DIR) / "plan"
+    elif output.endswith(("/", os.sep)) or Path(output).is_dir():
+        prefix = Path(output) / "plan"
+    else:
+        prefix = Path(output)
+        if prefix.suffix.lower() in (".png", ".json"):
+            prefix = prefix.with_suffix("")
+    prefix = prefix.expanduser().absolute()
+    return prefix.parent / f"{prefix.name}.png", prefix.parent / f"{prefix.name}.json"
 
 
 def run_plan(args: argparse.Namespace) -> dict:
     from kvferry.bench.metrics import parse_slo
-    from kvferry.plan.latency import StepCostModel
     from kvferry.plan.search import search_placement
 
-    if args.profile is None:
-        raise ValueError("--profile is required")
     slo = parse_slo(args.slo)
     if not slo:
         raise ValueError("--slo is required (e.g. ttft:500,tpot:50)")
@@ -347,7 +390,55 @@ def run_plan(args: argparse.Namespace) -> dict:
         raise ValueError(f"--min-attainment must be in (0, 100], got {args.min_attainment}")
     if args.instances_per_host < 1:
         raise ValueError(f"--instances-per-host must be >= 1, got {args.instances_per_host}")
-    cost = StepCostModel.from_profile(args.profile)
+    pools = plan_pools(args)
+    if args.instances_per_host > 1 and len(pools.all) > 1:
+        raise ValueError("--instances-per-host: pools of different hardware do not share hosts; give one "
+                         "--hardware (or --profile) to pack instances onto hosts")
     requests = load_requests(args)
-    return search_placement(requests, cost, slo, args.gpus, instance_config(args), transfer_model(args),
-                            args.router, args.fast, args.min_attainment, args.instances_per_host)
+    return search_placement(requests, pools, slo, args.gpus, instance_config(args), pair_transfer(args),
+                            args.router, args.fast, args.min_attainment, args.instances_per_host,
+                            rate=args.rate)
+
+
+def plan_pools(args: argparse.Namespace):
+    """The hardware each pool may use: the --hardware list (priced), or
+    --profile alone as one unpriced hardware (the goodput-per-GPU search)."""
+    from kvferry.plan.hardware import Hardware, load_hardware, pick
+    from kvferry.plan.latency import StepCostModel, check_profile_fits
+    from kvferry.plan.search import Pools
+
+    if args.hardware and args.profile is not None:
+        raise ValueError("--profile: give either --profile or --hardware NAME=PROFILE.json:PRICE, not both")
+    if not args.hardware:
+        if args.profile is None:
+            raise ValueError("--profile is required (or --hardware NAME=PROFILE.json:PRICE, repeatable)")
+        for flag in ("prefill_hardware", "decode_hardware", "colocated_hardware"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --hardware NAME=PROFILE.json:PRICE")
+        check_profile_fits(args.profile, args.allow_poor_fit, "plan")
+        only = Hardware("profile", args.profile, None, StepCostModel.from_profile(args.profile))
+        return Pools([only], [only], [only])
+    hardware = load_hardware(args.hardware, args.allow_poor_fit)
+    colocated = ([] if (args.colocated_hardware or "").strip().lower() == "none"
+                 else pick(hardware, args.colocated_hardware, "--colocated-hardware"))
+    return Pools(colocated, pick(hardware, args.prefill_hardware, "--prefill-hardware"),
+                 pick(hardware, args.decode_hardware, "--decode-hardware"))
+
+
+def pair_transfer(args: argparse.Namespace):
+    """The hand-over between a prefill and a decode pool: the flags' bytes
+    and bandwidth, and a fixed latency of --kv-latency-ms or else the larger
+    of the two profiles' measured hand-overs (each includes its decode
+    core's first step; which pool's dominates a mixed pair is not measured)."""
+    from kvferry.plan.latency import KVTransferModel, profile_handover_s
+
+    if args.kv_bytes_per_token < 0 or not args.kv_bandwidth_gbps > 0 or (args.kv_latency_ms or 0) < 0:
+        raise ValueError("--kv-bytes-per-token, --kv-latency-ms must be >= 0 and --kv-bandwidth-gbps > 0")
+
+    def transfer(prefill, decode) -> KVTransferModel:
+        latency_ms = args.kv_latency_ms
+        if latency_ms is None:
+            latency_ms = 1000.0 * max(profile_handover_s(prefill.profile), profile_handover_s(decode.profile))
+        return KVTransferModel(args.kv_bytes_per_token, args.kv_bandwidth_gbps, latency_ms / 1000.0)
+
+    return transfer

@@ -198,6 +198,33 @@ class StepCostModel:
         return self.step([], batch, int(batch * mean_context))
 
 
+def check_profile_fits(path: str, allow_poor_fit: bool, command: str) -> None:
+    """Refuse a profile whose step-time fits are poor (``poor_fits``: a busy
+    machine's scatter, so every prediction made from it is off), unless
+    ``allow_poor_fit``: then say so on stderr and go on."""
+    import sys
+
+    from kvferry.bench.profile import poor_fits
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise PlanError(f"--profile: {path} is not a kvferry profile JSON: {e}") from None
+    try:
+        problems = poor_fits(data)
+    except (AttributeError, TypeError):  # not a profile's shape: from_profile says what is wrong
+        return
+    if not problems:
+        return
+    what = "; ".join(problems)
+    if not allow_poor_fit:
+        raise PlanError(f"--profile: {path}: {what} (or pass --allow-poor-fit to use it anyway)")
+    print(f"kvferry {command}: WARNING: --profile {path}: {what}; --allow-poor-fit: using it anyway, "
+          "so expect the predictions to be off", file=sys.stderr, flush=True)
+
+
 def profile_handover_s(path: str) -> float:
     """The prefill -> decode hand-over a served profile (``kvferry profile
     --url``) measured; 0 for an in-process profile."""

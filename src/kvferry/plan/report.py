@@ -2,16 +2,39 @@
 SLOs (as ``kvferry bench`` defines them) and per-instance prefix-cache hits."""
 from __future__ import annotations
 
+import math
+
 from kvferry.bench.metrics import stats_ms
 from kvferry.plan.simulator import RequestResult
 
 
-def meets(r: RequestResult, slo: dict[str, float]) -> bool:
+def slo_values(r: RequestResult) -> dict[str, float]:
+    """A request's value (s) of each SLO metric; inf for all when it failed."""
     if r.failed or r.finish_s is None:
-        return False
-    values = {"ttft": r.ttft_s, "tpot": r.tpot_s or 0.0, "e2e": r.finish_s - r.request.arrival_s,
-              "itl": r.tpot_s or 0.0}  # a simulated decode has even gaps
+        return {k: float("inf") for k in ("ttft", "tpot", "e2e", "itl")}
+    return {"ttft": r.ttft_s, "tpot": r.tpot_s or 0.0, "e2e": r.finish_s - r.request.arrival_s,
+            "itl": r.tpot_s or 0.0}  # a simulated decode has even gaps
+
+
+def meets(r: RequestResult, slo: dict[str, float]) -> bool:
+    values = slo_values(r)
     return all(values[k] <= limit for k, limit in slo.items())
+
+
+def at_percentile_ms(results: list[RequestResult], slo: dict[str, float], pct: float) -> dict[str, float | None]:
+    """Each SLO metric's ``pct``-th percentile (nearest rank) over the
+    requests, in ms (None: beyond every finite value, i.e. that share of the
+    requests failed): what a placement must bring under the limit for ``pct``
+    percent of its requests to meet that metric."""
+    out: dict[str, float | None] = {}
+    for k in slo:
+        values = sorted(slo_values(r)[k] for r in results)
+        if not values:
+            out[k] = None
+            continue
+        v = values[min(len(values) - 1, max(0, math.ceil(len(values) * pct / 100) - 1))]
+        out[k] = None if v == float("inf") else 1000.0 * v
+    return out
 
 
 def summarize(results: list[RequestResult], slo: dict[str, float]) -> dict:

@@ -10,16 +10,36 @@ Only placements that keep at least ``min_attainment`` of the requests
 within the SLOs qualify (DistServe's attainment target; a lone overloaded
 instance must not win on a per-GPU basis); among them the best score wins,
 ties going to fewer GPUs, then higher attainment. The best disaggregated
-placement is compared with the best colocated one.
+placement is compared with the best colocated one. When none qualifies,
+the plan says so and lists the nearest (highest attainment) with what each
+misses: each SLO metric at the attainment target's percentile against its
+limit.
+
+Heterogeneous pools (``--hardware NAME=PROFILE.json:PRICE``, ``hardware.py``):
+each pool of a candidate runs on one hardware with its own profile's step
+times, colocated counts on each hardware and disaggregated splits on each
+(prefill, decode) pair. With every hardware priced the ranking is by cost
+per million useful tokens (fleet price * run hours / output tokens of the
+requests that met the SLO), qualifying placements first, then goodput per
+GPU; ``best_mixed`` is the best layout whose prefill and decode pools run
+on different hardware.
+
+The rate is the user's (``--rate``) wherever it is printed and in goodput;
+the sampled arrivals' own mean rate (a Poisson sample of 200 requests at
+8 req/s may come out at 7.7) is kept as ``offered_rate``.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
+from kvferry.bench.metrics import cost_per_million_useful_tokens
+from kvferry.plan.hardware import Hardware, fleet_price_per_hour
 from kvferry.plan.instance import InstanceConfig
-from kvferry.plan.latency import KVTransferModel, StepCostModel
-from kvferry.plan.report import meets
-from kvferry.plan.simulator import ClusterConfig, Simulation
+from kvferry.plan.latency import KVTransferModel
+from kvferry.plan.report import at_percentile_ms, meets
+from kvferry.plan.simulator import ClusterConfig, RequestResult, Simulation
 from kvferry.plan.workload import SimRequest
 
 
@@ -29,16 +49,66 @@ def offered_rate(requests: list[SimRequest]) -> float:
     return (len(times) - 1) / span if span > 0 else float(len(times))
 
 
-def evaluate(requests: list[SimRequest], cost: StepCostModel, slo: dict[str, float],
-             cluster: ClusterConfig) -> dict:
-    results = Simulation(cluster, cost).run(_fresh(requests))
-    attainment = sum(meets(r, slo) for r in results.values()) / len(results)
-    goodput = offered_rate(requests) * attainment
+@dataclass(frozen=True, slots=True)
+class Pools:
+    """The hardware each pool may use: colocated candidates enumerate
+    ``colocated``, disaggregated ones every (prefill, decode) pair."""
+
+    colocated: list[Hardware]
+    prefill: list[Hardware]
+    decode: list[Hardware]
+
+    @property
+    def all(self) -> list[Hardware]:
+        out: list[Hardware] = []
+        for h in self.colocated + self.prefill + self.decode:
+            if h not in out:
+                out.append(h)
+        return out
+
+    @property
+    def priced(self) -> bool:
+        return all(h.price_per_hour is not None for h in self.all)
+
+
+def run_span_s(results: list[RequestResult]) -> float:
+    """What the fleet is paid for: first arrival to the last finish (or the
+    last arrival, should every late request fail)."""
+    start = min(r.request.arrival_s for r in results)
+    end = max([r.request.arrival_s for r in results] + [r.finish_s for r in results if r.finish_s is not None])
+    return max(end - start, 1e-9)
+
+
+def evaluate(requests: list[SimRequest], slo: dict[str, float], cluster: ClusterConfig,
+             front: Hardware, back: Hardware | None = None, rate: float | None = None,
+             target_pct: float = 90.0) -> dict:
+    """One placement's attainment and goodput (at ``rate``, default the
+    arrivals' own), each SLO metric at the ``target_pct`` percentile
+    (``at_target_ms``: what to compare with the SLO when it falls short),
+    and its cost per million useful tokens (None when unpriced or when no
+    request met the SLO). ``front``: the colocated or prefill pool's
+    hardware; ``back``: the decode pool's."""
+    decode_cost = back.cost if back is not None and back is not front else None
+    results = list(Simulation(cluster, front.cost, decode_cost=decode_cost).run(_fresh(requests)).values())
+    good = [r for r in results if meets(r, slo)]
+    attainment = len(good) / len(results)
+    goodput = (rate or offered_rate(requests)) * attainment
+    if cluster.disaggregated:
+        hardware = {"prefill": front.name, "decode": (back or front).name}
+        price = fleet_price_per_hour([(cluster.num_prefill, front), (cluster.num_decode, back or front)])
+    else:
+        hardware = {"colocated": front.name}
+        price = fleet_price_per_hour([(cluster.num_colocated, front)])
+    span, useful = run_span_s(results), sum(r.num_output_tokens for r in good)
     return {"kind": "disaggregated" if cluster.disaggregated else "colocated",
             "num_prefill": cluster.num_prefill, "num_decode": cluster.num_decode,
             "num_colocated": cluster.num_colocated, "gpus": cluster.num_gpus,
+            "hardware": hardware, "mixed_hardware": len(set(hardware.values())) > 1,
             "slo_attainment_pct": 100.0 * attainment, "goodput": goodput,
-            "goodput_per_gpu": goodput / cluster.num_gpus}
+            "goodput_per_gpu": goodput / cluster.num_gpus,
+            "at_target_ms": at_percentile_ms(results, slo, target_pct),
+            "price_per_hour": price, "run_s": span, "useful_output_tokens": useful,
+            "cost_per_million_useful_tokens": cost_per_million_useful_tokens(price, span, useful)}
 
 
 def _fresh(requests: list[SimRequest]) -> list[SimRequest]:
@@ -50,69 +120,187 @@ def _rank(c: dict) -> tuple:
     return (not c["qualifies"], -round(c["goodput_per_gpu"], 9), c["gpus"], -c["slo_attainment_pct"])
 
 
-def search_placement(requests: list[SimRequest], cost: StepCostModel, slo: dict[str, float], gpus: int,
-                     instance: InstanceConfig, transfer: KVTransferModel, router: str, fast: bool,
-                     min_attainment_pct: float = 90.0, instances_per_host: int = 1) -> dict:
-    """``instances_per_host``: every candidate's instances are packed onto
+def _rank_by_cost(c: dict) -> tuple:
+    """Cheapest useful token first (no useful token: last), then as _rank."""
+    cost = c["cost_per_million_useful_tokens"]
+    return (not c["qualifies"], math.inf if cost is None else round(cost, 9), *_rank(c)[1:])
+
+
+def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, float], gpus: int,
+                     instance: InstanceConfig, transfer: Callable[[Hardware, Hardware], KVTransferModel],
+                     router: str, fast: bool, min_attainment_pct: float = 90.0, instances_per_host: int = 1,
+                     rate: float | None = None) -> dict:
+    """Every colocated count on each of ``pools.colocated`` and every
+    prefill/decode split on each (prefill, decode) hardware pair, at most
+    ``gpus`` instances in all. Ranked by cost per million useful tokens
+    when every hardware is priced, else by goodput per GPU (qualifying
+    placements first either way). ``transfer(prefill hw, decode hw)``: the
+    hand-over between the two pools.
+    ``instances_per_host``: every candidate's instances are packed onto
     hosts of that many (``host.place``: prefill-0, decode-0, prefill-1, ...;
     colocated engine-0, engine-1, ...), slowing each other by the profile's
-    ``host_sharing`` while both step; 1 (the default): each its own host."""
-    base = dict(instance=instance, transfer=transfer, router=router, fast=fast,
-                instances_per_host=instances_per_host)
-    clusters = [ClusterConfig(num_colocated=c, **base) for c in range(1, gpus + 1)]
-    clusters += [ClusterConfig(num_colocated=0, num_prefill=p, num_decode=d, **base)
-                 for p in range(1, gpus) for d in range(1, gpus - p + 1)]
-    candidates = [evaluate(requests, cost, slo, cluster) for cluster in clusters]
+    ``host_sharing`` while both step; 1 (the default): each its own host.
+    ``rate``: the rate the user asked for (None: the arrivals' own)."""
+    base = dict(instance=instance, router=router, fast=fast, instances_per_host=instances_per_host)
+    layouts = [(ClusterConfig(num_colocated=c, **base), hw, None)
+               for hw in pools.colocated for c in range(1, gpus + 1)]
+    layouts += [(ClusterConfig(num_colocated=0, num_prefill=p, num_decode=d, transfer=transfer(ph, dh), **base),
+                 ph, dh)
+                for ph in pools.prefill for dh in pools.decode
+                for p in range(1, gpus) for d in range(1, gpus - p + 1)]
+    candidates = [evaluate(requests, slo, cluster, front, back, rate, min_attainment_pct)
+                  for cluster, front, back in layouts]
     for c in candidates:
         c["qualifies"] = c["slo_attainment_pct"] >= min_attainment_pct
-    best = {kind: min((c for c in candidates if c["kind"] == kind), key=_rank, default=None)
+    rank = _rank_by_cost if pools.priced else _rank
+    best = {kind: min((c for c in candidates if c["kind"] == kind), key=rank, default=None)
             for kind in ("colocated", "disaggregated")}
-    overall = min((b for b in best.values() if b is not None), key=_rank)
-    return {"mode": "fast-analytic" if fast else "scheduler", "rate": offered_rate(requests),
-            "num_requests": len(requests), "slo_ms": {k: v * 1000 for k, v in slo.items()}, "gpus": gpus,
-            "min_attainment_pct": min_attainment_pct, "instances_per_host": instances_per_host,
-            "candidates": sorted(candidates, key=_rank), "best_colocated": best["colocated"],
-            "best_disaggregated": best["disaggregated"], "best": overall}
+    overall = min((b for b in best.values() if b is not None), key=rank)
+    # nearest: highest attainment first, then fewer GPUs
+    nearest = sorted(candidates, key=lambda c: (-c["slo_attainment_pct"], c["gpus"]))[:NEAREST]
+    hardware = pools.all
+    out = {"mode": "fast-analytic" if fast else "scheduler", "rate": rate or offered_rate(requests),
+           "offered_rate": offered_rate(requests),
+           "num_requests": len(requests), "slo_ms": {k: v * 1000 for k, v in slo.items()}, "gpus": gpus,
+           "min_attainment_pct": min_attainment_pct, "instances_per_host": instances_per_host,
+           "hardware": [h.to_json() for h in hardware],
+           "ranked_by": "cost_per_million_useful_tokens" if pools.priced else "goodput_per_gpu",
+           "candidates": sorted(candidates, key=rank), "best_colocated": best["colocated"],
+           "best_disaggregated": best["disaggregated"], "best": overall,
+           # False: no placement keeps min_attainment_pct within the SLO ("best" is then only the
+           # least bad by the ranking; "nearest" are the closest by attainment)
+           "meets_slo": overall["qualifies"], "nearest": [] if overall["qualifies"] else nearest}
+    if len(hardware) > 1:  # the best disaggregated layout with its pools on different hardware
+        out["best_mixed"] = min((c for c in candidates if c["mixed_hardware"]), key=rank, default=None)
+    return out
 
 
-def label(c: dict) -> str:
-    return f"{c['num_prefill']}P{c['num_decode']}D" if c["kind"] == "disaggregated" else f"{c['num_colocated']}C"
+NEAREST = 3  # placements listed when none meets the SLO
+
+
+def label(c: dict, with_hardware: bool = False) -> str:
+    """3C, 1P2D; with the hardware: 3C@cheap, 1P@fast+2D@cheap."""
+    if c["kind"] == "disaggregated":
+        if with_hardware:
+            return f"{c['num_prefill']}P@{c['hardware']['prefill']}+{c['num_decode']}D@{c['hardware']['decode']}"
+        return f"{c['num_prefill']}P{c['num_decode']}D"
+    return f"{c['num_colocated']}C@{c['hardware']['colocated']}" if with_hardware else f"{c['num_colocated']}C"
+
+
+def _with_hardware(result: dict) -> bool:
+    return len(result.get("hardware") or ()) > 1
+
+
+def _cost_text(c: dict) -> str:
+    cost = c.get("cost_per_million_useful_tokens")
+    return "-" if cost is None else f"{cost:.4g}"
+
+
+def _duration(ms: float | None) -> str:
+    """2.1 s, 850 ms, 12.5 ms; None: "no finish" (requests that failed)."""
+    if ms is None:
+        return "no finish"
+    if ms >= 1000:
+        return f"{ms / 1000:.3g} s"
+    return f"{ms:.3g} ms"
+
+
+def slo_text(slo_ms: dict[str, float]) -> str:
+    """TTFT <= 1 s, TPOT <= 50 ms."""
+    return ", ".join(f"{k.upper()} <= {_duration(v)}" for k, v in slo_ms.items())
+
+
+def misses(c: dict, slo_ms: dict[str, float], pct: float) -> str:
+    """What a placement misses: each SLO metric over its limit at the
+    attainment target's percentile ("TTFT p90 2.1 s vs 1 s")."""
+    at = c.get("at_target_ms") or {}
+    over = [f"{k.upper()} p{pct:g} {_duration(at[k])} vs {_duration(limit)}" for k, limit in slo_ms.items()
+            if k in at and (at[k] is None or at[k] > limit)]
+    if over:
+        return "; ".join(over)
+    # each limit alone holds at the percentile, but different requests miss different ones
+    return f"each limit holds for {pct:g}% of requests alone, not all at once"
+
+
+def no_placement_text(result: dict) -> str:
+    """The plain statement that nothing meets the SLO, and the nearest ones."""
+    pct = result["min_attainment_pct"]
+    hw = _with_hardware(result)
+    head = (f"no placement meets the SLO at {result['rate']:g} req/s ({pct:g}% of requests within "
+            f"{slo_text(result['slo_ms'])}) with up to {result['gpus']} GPUs; nearest:")
+    rows = [f"  {label(c, hw)}, {c['slo_attainment_pct']:.1f}% within SLO: {misses(c, result['slo_ms'], pct)}"
+            for c in result["nearest"]]
+    return "\n".join([head, *rows, "  (try a lower --rate, more --gpus or a looser --slo)"])
 
 
 def format_plan(result: dict) -> str:
+    hw = _with_hardware(result)
+    priced = result.get("ranked_by") == "cost_per_million_useful_tokens"
+    width = max([10] + [len(label(c, hw)) for c in result["candidates"][:15]])
     lines = [f"===== kvferry plan ({result['mode']}): {result['num_requests']} requests at "
-             f"{result['rate']:.3f} req/s, SLO {result['slo_ms']}, up to {result['gpus']} GPUs"
+             f"{result['rate']:g} req/s, SLO {slo_text(result['slo_ms'])}, up to {result['gpus']} GPUs"
              + (f" ({result['instances_per_host']} per host)" if result.get("instances_per_host", 1) > 1 else "")
              + f", attainment >= {result['min_attainment_pct']:g}% =====",
-             f"{'placement':>10} {'GPUs':>5} {'attain%':>8} {'goodput':>9} {'per GPU':>9}"]
+             f"{'placement':>{width}} {'GPUs':>5} {'attain%':>8} {'goodput':>9} {'per GPU':>9}"
+             + (f" {'price/h':>8} {'cost/M useful tok':>17}" if priced else "")]
+    if priced:
+        lines.insert(1, "hardware: " + ", ".join(f"{h['name']} ({h['price_per_hour']:g}/h, {h['profile']})"
+                                                 for h in result["hardware"])
+                     + "; ranked by cost per million useful tokens")
     for c in result["candidates"][:15]:
-        lines.append(f"{label(c):>10} {c['gpus']:>5} {c['slo_attainment_pct']:>8.1f} {c['goodput']:>9.3f} "
-                     f"{c['goodput_per_gpu']:>9.3f}" + ("" if c["qualifies"] else "  (below target)"))
-    for name in ("best_colocated", "best_disaggregated", "best"):
-        c = result[name]
-        if c is not None:
-            lines.append(f"{name:>19}: {label(c)} ({c['goodput_per_gpu']:.3f} req/s per GPU, "
-                         f"{c['slo_attainment_pct']:.1f}% within SLO)")
+        lines.append(f"{label(c, hw):>{width}} {c['gpus']:>5} {c['slo_attainment_pct']:>8.1f} {c['goodput']:>9.3f} "
+                     f"{c['goodput_per_gpu']:>9.3f}"
+                     + (f" {c['price_per_hour']:>8.4g} {_cost_text(c):>17}" if priced else "")
+                     + ("" if c["qualifies"] else "  (below target)"))
+    for name in ("best_colocated", "best_disaggregated", "best_mixed", "best"):
+        c = result.get(name)
+        if c is None or (name == "best" and not c["qualifies"]):
+            continue
+        lines.append(f"{name:>19}: {label(c, hw)} ({c['goodput_per_gpu']:.3f} req/s per GPU, "
+                     + (f"{_cost_text(c)} per million useful tokens, " if priced else "")
+                     + f"{c['slo_attainment_pct']:.1f}% within SLO)" + ("" if c["qualifies"] else "  (below target)"))
+    if not result["best"]["qualifies"]:
+        lines.append(no_placement_text(result))
     return "\n".join(lines)
 
 
 def plot_plan(result: dict, path) -> None:
+    """Goodput per GPU of every candidate, or, when ranked by cost, each
+    one's cost per million useful tokens (none drawn where nothing was useful)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cands = sorted(result["candidates"], key=lambda c: (c["kind"], c["gpus"], c["num_prefill"]))
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(cands)), 4.5))
-    colors = ["tab:blue" if c["kind"] == "colocated" else "tab:orange" for c in cands]
-    ax.bar(range(len(cands)), [c["goodput_per_gpu"] for c in cands], color=colors)
+    hw = _with_hardware(result)
+    priced = result.get("ranked_by") == "cost_per_million_useful_tokens"
+
+    def value(c: dict) -> float:
+        if not priced:
+            return c["goodput_per_gpu"]
+        cost = c["cost_per_million_useful_tokens"]
+        return math.nan if cost is None else cost
+
+    cands = sorted(result["candidates"], key=lambda c: (c["kind"], c["gpus"], c["num_prefill"], label(c, hw)))
+    fig, ax = plt.subplots(figsize=(max(6, (0.65 if hw else 0.45) * len(cands)), 4.5))
+    colors = ["tab:blue" if c["kind"] == "colocated" else "tab:green" if c.get("mixed_hardware") else "tab:orange"
+              for c in cands]
+    bars = ax.bar(range(len(cands)), [value(c) for c in cands], color=colors)
+    for bar, c in zip(bars, cands):  # below the attainment target: hatched, pale
+        if not c["qualifies"]:
+            bar.set(hatch="//", alpha=0.4)
     best = result["best"]
     for i, c in enumerate(cands):
-        if c is best or c == best:
-            ax.annotate("best", (i, c["goodput_per_gpu"]), ha="center", va="bottom", fontsize=9)
-    ax.set_xticks(range(len(cands)), [label(c) for c in cands], rotation=60, fontsize=8)
-    ax.set(ylabel="goodput per GPU (req/s)", xlabel="placement (C: colocated, P/D: prefill/decode)",
-           title=f"kvferry plan: {result['rate']:.2f} req/s, SLO {result['slo_ms']}")
+        if best["qualifies"] and (c is best or c == best):
+            ax.annotate("best", (i, value(c)), ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(cands)), [label(c, hw) for c in cands], rotation=60, fontsize=8)
+    ax.set(ylabel="cost per million useful tokens" if priced else "goodput per GPU (req/s)",
+           xlabel="placement (C: colocated, P/D: prefill/decode)\nhatched: below the attainment target"
+           + ("; green: mixed hardware" if hw else ""))
+    # Two short lines: one long line overran a narrow figure (few candidates).
+    verdict = "" if best["qualifies"] else ": none meets it"
+    ax.set_title(f"kvferry plan: {result['rate']:g} req/s, up to {result['gpus']} GPUs\n"
+                 f"SLO {slo_text(result['slo_ms'])} for {result['min_attainment_pct']:g}%{verdict}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

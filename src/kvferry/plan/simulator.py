@@ -84,17 +84,23 @@ class RequestResult:
 
 class Simulation:
     def __init__(self, cluster: ClusterConfig, cost: StepCostModel, cache_blocks: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, decode_cost: StepCostModel | None = None) -> None:
+        """``cost``: the step times of every instance, or of the front pool
+        (colocated / prefill) when ``decode_cost`` gives the decode pool's
+        own (a mixed-hardware layout). The request overhead is the front's."""
         self.cluster, self.cost = cluster, cost
         cfg = cluster.instance
         # Analytic instances' cache size in workload key blocks; None: the KV pool's size.
         self.cache_blocks = cache_blocks
+        if decode_cost is not None and cluster.instances_per_host > 1 and decode_cost.host_sharing != cost.host_sharing:
+            raise ValueError("instances_per_host: pools of different hardware do not share hosts")
 
         def make(name: str, role: str):
+            own = decode_cost if role == "decode" and decode_cost is not None else cost
             if cluster.fast:
-                return AnalyticInstance(name, role, cost, cfg, cache_blocks)  # capacity set in run()
+                return AnalyticInstance(name, role, own, cfg, cache_blocks)  # capacity set in run()
             # one noise stream per instance, fixed by (seed, name): a run replays exactly
-            return SchedulerInstance(name, role, cost, cfg, random.Random(f"{seed}:{name}"))
+            return SchedulerInstance(name, role, own, cfg, random.Random(f"{seed}:{name}"))
 
         if cluster.disaggregated:
             self.front = [make(f"prefill-{i}", "prefill") for i in range(cluster.num_prefill)]
@@ -230,7 +236,7 @@ class Simulation:
             self._push(now, "route", req)
         self._kick(inst, now)
         # A token leaving while its instance runs the next step reaches the client later.
-        at = now + (self.cost.first_token_delay_s if inst.busy else 0.0)
+        at = now + (inst.cost.first_token_delay_s if inst.busy else 0.0)
         for res, name in delivered:
             setattr(res, name, at)
 

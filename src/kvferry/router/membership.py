@@ -163,7 +163,16 @@ class Membership:
 
     def describe(self, index: PrefixIndex) -> list[dict]:
         """The admin view of every worker (GET /v1/admin/workers)."""
-        return [w.describe(index.num_blocks(w.name)) for w in self.workers.values()]
+        return [w.describe(index.num_blocks(w.name)) | ray_placement(w) for w in self.workers.values()]
+
+
+def ray_placement(worker: Worker) -> dict:
+    """Where a core runs on a Ray cluster: its Ray node id and actor id
+    (None for a local process or a joined core). A Ray core's process is
+    an actor incarnation (kvferry.fleet.ray_cores.ActorProcess), which
+    knows both; nothing else does."""
+    process = getattr(worker.process, "process", None)
+    return {"node_id": getattr(process, "node_id", None), "ray_actor": getattr(process, "actor_id", None)}
 
 
 def restarting_message(role: str, workers: list[Worker]) -> str:

@@ -8,6 +8,11 @@ fatal: the server gives up so that a supervisor of its own restarts the
 whole process. While every core of a role restarts, a new request waits for
 one (up to ``engine_restart_wait_s``) rather than fail at once.
 
+On a Ray cluster (``--ray``) each core is an actor that Ray restarts; the
+supervisor then waits for the actor's next incarnation and re-joins it by
+its new addresses (kvferry.fleet.ray_cores) instead of spawning a process,
+within the same budget.
+
 The supervisor owns the restart budget and the restart tasks; the client
 owns the sockets it reads and the requests, so it is reached through four
 hooks (see ``RestartSupervisor``).
@@ -21,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -31,6 +37,9 @@ from kvferry.router.config import RouterConfig, split_worker
 from kvferry.router.errors import EngineDeadError
 from kvferry.router.membership import Membership
 from kvferry.router.worker import Worker
+
+if TYPE_CHECKING:  # ray is imported only with --ray
+    from kvferry.fleet.ray_cores import RayCores
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,8 @@ class LaunchOptions:
     ready_timeout_s: float
     log_level: str
     cpus: dict[str, str | None] = field(default_factory=dict)  # by core name
+    # The cores are Ray actors (--ray): a dead one is restarted by Ray and re-joined.
+    ray: RayCores | None = None
 
 
 def core_config(args: EngineArgs, role: str):
@@ -62,14 +73,19 @@ def core_config(args: EngineArgs, role: str):
 
 
 def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idle: bool, ready_timeout_s: float,
-                log_level: str) -> tuple[list[Worker], LaunchOptions]:
-    """Start the cores ``router`` names, connect to its joined addresses,
-    and wait for every handshake (blocking). On any failure what was
-    started is stopped again before the error propagates."""
+                log_level: str, ray: RayCores | None = None) -> tuple[list[Worker], LaunchOptions]:
+    """Start the cores ``router`` names (local processes, or Ray actors
+    with ``ray``), connect to its joined addresses, and wait for every
+    handshake (blocking). On any failure what was started is stopped again
+    before the error propagates."""
     specs = router.core_specs()
     # Started together, so that N cores load their models in parallel.
-    processes = [CoreProcess.start(core_config(args, role), name, check_integrity_when_idle, log_level,
-                                   cpus=cpus) for name, role, cpus in specs]
+    if ray is not None:
+        processes = ray.start([(name, role, core_config(args, role), cpus) for name, role, cpus in specs],
+                              check_integrity_when_idle, log_level, ready_timeout_s)
+    else:
+        processes = [CoreProcess.start(core_config(args, role), name, check_integrity_when_idle, log_level,
+                                       cpus=cpus) for name, role, cpus in specs]
     connections: list[CoreConnection] = []
     try:
         workers = []
@@ -87,7 +103,7 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
         _stop(connections, processes)
         raise
     options = LaunchOptions(args, check_integrity_when_idle, ready_timeout_s, log_level,
-                            {name: cpus for name, _, cpus in specs})
+                            {name: cpus for name, _, cpus in specs}, ray)
     return workers, options
 
 
@@ -213,9 +229,10 @@ class RestartSupervisor:
                              name, delay, len(self._restart_times), self.config.engine_restarts,
                              self.config.engine_restart_window_s)
                 await asyncio.sleep(delay)
-                # Nothing reads the dead core's socket any more, and its process is reaped.
+                # Nothing reads the dead core's socket any more, and its process
+                # is reaped (a Ray actor's is Ray's: it restarts it).
                 await self.stop_reading(old)
-                if old.process is not None:
+                if old.process is not None and self.launch.ray is None:
                     await asyncio.to_thread(old.process.stop, 0)
                 try:
                     new = await self._start_core(old)
@@ -249,11 +266,16 @@ class RestartSupervisor:
             self._notify_ended()
 
     async def _start_core(self, old: Worker) -> Worker:
-        """A fresh process for ``old``'s name and role, handshake done."""
+        """A fresh process for ``old``'s name and role, handshake done: a
+        new local process, or on Ray the actor's next incarnation (Ray
+        restarts it; this waits for it to come back and re-joins it)."""
         opts = self.launch
         assert opts is not None
-        process = CoreProcess.start(core_config(opts.args, old.role), old.name, opts.check_integrity_when_idle,
-                                    opts.log_level, cpus=opts.cpus.get(old.name))
+        if opts.ray is not None:
+            process = await opts.ray.rejoin(old.name, old.process, opts.ready_timeout_s)
+        else:
+            process = CoreProcess.start(core_config(opts.args, old.role), old.name, opts.check_integrity_when_idle,
+                                        opts.log_level, cpus=opts.cpus.get(old.name))
         connection = CoreConnection(process.addresses)
         # The handshake's thread uses the sockets until it returns: on any
         # failure (a cancel at shutdown too) kill the process, which ends

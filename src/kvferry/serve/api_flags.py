@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json")
+EMBEDDING_POOLINGS = ("last", "mean")  # as kvferry.sampling.POOLINGS
 
 
 @dataclass(slots=True)
@@ -40,6 +41,8 @@ class ApiOptions:
     responses_store_ttl_s: float = 3600.0
     # Tenants and cache sharing (serve/tenants.py, serve/public_prefixes.py).
     api_keys_file: str | None = None  # None: one tenant, no authentication
+    # --api-key KEY (vLLM's): keys of the one default tenant (authentication only).
+    plain_api_keys: list[str] = field(default_factory=list)
     cache_secret_file: str | None = None  # None: a fresh secret per start (serve keeps one beside a persistent tier)
     public_prefixes_file: str | None = None
     # What one tenant may declare through POST /v1/kv/public_prefixes.
@@ -51,6 +54,8 @@ class ApiOptions:
     # With API keys /metrics is an admin key's; this opens it (series with a
     # tenant label still go to admin keys only).
     metrics_public: bool = False
+    # /v1/embeddings: the final hidden states pooled by "last" token or "mean".
+    embedding_pooling: str = "last"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_default", "max_tokens_limit"):
@@ -70,6 +75,8 @@ class ApiOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(f"embedding_pooling must be one of {EMBEDDING_POOLINGS}, got {self.embedding_pooling!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ApiOptions":
@@ -89,12 +96,15 @@ class ApiOptions:
             tool_call_parser=args.tool_call_parser, chat_template=template,
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
             responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
-            api_keys_file=args.api_keys, cache_secret_file=args.cache_secret_file,
+            api_keys_file=args.api_keys, plain_api_keys=list(args.api_key or []),
+            cache_secret_file=args.cache_secret_file,
             public_prefixes_file=args.public_prefixes,
             max_public_prefixes_per_tenant=args.max_public_prefixes_per_tenant,
             max_public_prefix_tokens_per_tenant=args.max_public_prefix_tokens_per_tenant,
             metrics_tenant_labels=args.metrics_tenant_labels, metrics_max_tenants=args.metrics_max_tenants,
-            metrics_public=args.metrics_public,
+            # vLLM's --api-key leaves /metrics open; with such keys alone no key is an admin's.
+            metrics_public=args.metrics_public or (bool(args.api_key) and args.api_keys is None),
+            embedding_pooling=args.embedding_pooling,
         )
 
 
@@ -106,6 +116,9 @@ def _check_tenancy_files(args: argparse.Namespace) -> None:
 
     if args.api_keys is not None:
         parse_key_file(Path(args.api_keys))
+    for key in args.api_key or []:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError("api_key: a key must be non-empty and hold no whitespace")
     CacheNamespaces.from_file(args.cache_secret_file)
     if args.public_prefixes is not None:
         load_prefix_file(args.public_prefixes)
@@ -140,12 +153,19 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                    help="stored /v1/responses kept for previous_response_id (oldest dropped first)")
     g.add_argument("--responses-store-ttl", type=float, default=3600.0,
                    help="seconds a stored response is kept")
+    g.add_argument("--embedding-pooling", choices=EMBEDDING_POOLINGS, default="last",
+                   help="/v1/embeddings: pool the final hidden states (after the final norm) by the last token or "
+                        "their mean over the input; the vector is L2-normalized")
     t = parser.add_argument_group("tenants and prefix-cache sharing")
     t.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"KEY": {"tenant": "acme", "publish": false, "admin": false, '
                         '"quota": {"device_blocks": 800}, "weight": 1}}; requests then need "Authorization: Bearer KEY" '
                         "and each tenant's prefix cache is private (SIGHUP reloads the file). "
                         "Default: no authentication, one tenant")
+    t.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="vLLM's flag (repeatable): requests then need 'Authorization: Bearer KEY'; every such key "
+                        "is the one default tenant's (no admin, no quota) and /metrics stays open. With "
+                        "--api-keys, the file's keys and these are all accepted")
     t.add_argument("--cache-secret-file", default=None, metavar="FILE",
                    help="secret that keys the tenants' cache namespaces (default: with --kv-disk or --kv-remote, "
                         "one generated once and kept beside the tier, DIR/cache-secret; else a fresh one per start)")

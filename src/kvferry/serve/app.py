@@ -34,6 +34,7 @@ from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.metrics import PUBLIC_POOL_LABEL, ServerMetrics, TenantLabels
 from kvferry.serve.public_prefixes import CachePolicy, PrefixLimits, PublicPrefixes, PublicPrefixRegistry
 from kvferry.serve.responses import ResponseStore
+from kvferry.serve.routes.embeddings import embedding_routes
 from kvferry.serve.routes.health import health_routes
 from kvferry.serve.routes.models import model_routes, tokenize_routes
 from kvferry.serve.routes.openai import generation_routes
@@ -68,7 +69,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
                             owner_label=lambda owner: PUBLIC_POOL_LABEL if owner == namespaces.public else owner)
     client.observer = metrics
     store = ResponseStore(api.responses_store_size, api.responses_store_ttl_s)
-    keys = ApiKeys(api.api_keys_file) if api.api_keys_file else None
+    keys = ApiKeys(api.api_keys_file, api.plain_api_keys) if api.api_keys_file or api.plain_api_keys else None
     public = _public_prefixes(client, api)
     ctx = ServingContext(client, list(config.served_model_names), TokenStrings(client.tokenizer), api,
                          cache_policy=CachePolicy(namespaces, public.prefixes))
@@ -86,6 +87,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         *kv_tenant_routes(client, namespaces, keys),
         *worker_routes(client, keys, max_body),
         *tokenize_routes(ctx, max_body),
+        *embedding_routes(ctx, max_body),
     ]
     middleware = [Middleware(RequestLimitsMiddleware, max_header_count=api.max_header_count,
                              max_header_bytes=api.max_header_bytes, body_read_timeout_s=api.body_read_timeout_s)]

@@ -1,7 +1,7 @@
 """API-key authentication: ``Authorization: Bearer KEY`` -> the caller's Tenant.
 
-An ASGI middleware in front of every route but the open ones (``/health``:
-probes carry no key; ``/metrics``, which checks keys itself, see
+An ASGI middleware in front of every route but the open ones (``/health``
+and ``/version``: probes and deploy checks carry no key; ``/metrics``, which checks keys itself, see
 ``metrics_access``). A missing, malformed or unknown key is a 401 with an
 OpenAI-style body; the request never reaches a handler. Without a key file
 every caller is the one default tenant.
@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvferry.serve.errors import APIError, error_response
 from kvferry.serve.tenants import ApiKeys, current_tenant
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 
 class AuthMiddleware:

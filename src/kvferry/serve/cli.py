@@ -2,16 +2,22 @@
 imports this module for every subcommand; the server itself is imported
 only when ``serve`` runs.
 
-    kvferry serve [--model PATH] [--host 127.0.0.1] [--port 8000]
-                  [--served-model-name NAME ...] [engine flags]
+    kvferry serve [MODEL | --model MODEL] [--host 127.0.0.1] [--port 8000]
+                  [--served-model-name NAME ...] [engine flags] [vLLM's flags]
+
+MODEL is a folder, a .gguf file or a Hugging Face id in the local cache
+(``kvferry.model.resolve``); a bad one fails before anything starts, in one
+line. vLLM's ``vllm serve`` flags are accepted too (serve/vllm_flags.py).
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvferry.config import EngineArgs
 
 from kvferry.serve.api_flags import add_api_args
+from kvferry.serve.vllm_flags import add_vllm_args
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
 
@@ -27,7 +33,11 @@ def _port(text: str) -> int:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                   description="Serve a model over the OpenAI API (vllm serve's flags work too).")
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model: a folder, a .gguf file or a Hugging Face id in the local "
+                             "cache (default: the embedded SmolLM2-135M-Instruct)")
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000, help="0: pick a free port (named in the ready line)")
@@ -35,6 +45,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="name(s) clients send as 'model' (default: the model folder / file name)")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-stats-interval-s", type=float, default=10.0,
+                        help="seconds between engine stats lines in the log (throughput, queue, KV cache, "
+                             "hit rates), logged only while busy; 0: off")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
@@ -44,8 +57,29 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
     add_api_args(parser)
     add_router_args(parser)
-    parser.set_defaults(func=_run, subparser=parser)
+    add_ray_args(parser)
+    add_vllm_args(parser)
+    parser.set_defaults(func=_run, subparser=parser, before_engine_args=_merge_model_args)
     return parser
+
+
+def _merge_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``kvferry serve MODEL`` is ``--model MODEL`` (vLLM's form); both, differing: a usage error."""
+    positional = args.model_positional
+    if positional is not None and args.model is not None and positional != args.model:
+        parser.error(f"the model is given twice: {positional!r} and --model {args.model!r}; give one")
+    if positional is not None:
+        args.model = positional
+
+
+def check_model(model: str | None) -> None:
+    """Raise ValueError (one line) unless ``model`` names a model on this
+    machine; before any process starts, so a typo fails at once."""
+    if model is None:
+        return  # the embedded default
+    from kvferry.model.resolve import resolve_model
+
+    resolve_model(model)
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +114,17 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                             "then gets 503 engine_restarting (0: at once)")
 
 
+def add_ray_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Ray cluster (the engine cores as Ray actors, placed by resources)")
+    group.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help="start the engine cores as actors on this running Ray cluster: 'auto' or the head's "
+                            "HOST:PORT (the front end and router stay in this process; default: local processes)")
+    for role, what in (("engine", "colocated mode"), ("prefill", "disagg mode"), ("decode", "disagg mode")):
+        group.add_argument(f"--ray-{role}-resources", default='{"CPU": 1}', metavar="JSON",
+                           help=f'Ray resources of each {role} core\'s actor ({what}), e.g. \'{{"GPU": 1}}\' or a '
+                                f'custom node resource \'{{"{role[0]}node": 1}}\'')
+
+
 def router_config_from(args: argparse.Namespace):
     """RouterConfig from the flags; raises ValueError naming the field."""
     from kvferry.router.admission import SloConfig
@@ -95,7 +140,22 @@ def router_config_from(args: argparse.Namespace):
     )
 
 
+def _starts_local_cores(args: argparse.Namespace) -> bool:
+    if args.mode == "disagg":
+        return args.prefill + args.decode > 0
+    return args.data_parallel_size > 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    from kvferry.serve.vllm_flags import apply_vllm_args
+
+    try:
+        if _starts_local_cores(args):  # joined cores (--worker) load the model on their own machines
+            check_model(args.model)
+        engine_args = apply_vllm_args(args, args.engine_args)
+    except ValueError as exc:
+        print(f"kvferry serve: error: {exc}", file=sys.stderr)
+        return 2
     from kvferry.serve.server import run_server
 
-    return run_server(args, args.engine_args)
+    return run_server(args, engine_args)

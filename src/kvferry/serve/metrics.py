@@ -94,6 +94,9 @@ class ServerMetrics:
         self._success = Counter("kvferry:request_success", "Finished sequences, by finish reason.",
                                 ["model_name", "finished_reason"] + labels[1:], registry=r)
         self.registry.register(_EngineStatsCollector(model_name, stats, tenant_labels, owner_label))
+        # Plain totals over every label, for the periodic stats line (serve/stats_logger.py).
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
         if tenant_labels is None:  # expose every series from the start, at 0
             for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
                 family.labels(model_name)
@@ -107,10 +110,12 @@ class ServerMetrics:
         labels = [self.model_name, *self._of(stream)]
         self.ttft.labels(*labels).observe(now - stream.arrival_time)
         self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
+        self.prompt_tokens_total += len(output.prompt_token_ids)
 
     def on_tokens(self, stream, num_tokens: int, gap_s: float | None) -> None:
         labels = [self.model_name, *self._of(stream)]
         self.generation_tokens.labels(*labels).inc(num_tokens)
+        self.generation_tokens_total += num_tokens
         if gap_s is not None:
             itl = self.itl.labels(*labels)
             for _ in range(num_tokens):
@@ -129,6 +134,10 @@ class ServerMetrics:
 
     def on_abort(self, stream) -> None:
         self._success.labels(self.model_name, "abort", *self._of(stream)).inc(stream.n - stream.num_finished)
+
+    def token_totals(self) -> tuple[int, int]:
+        """(prompt, generation) tokens seen since start, every tenant together."""
+        return self.prompt_tokens_total, self.generation_tokens_total
 
     def render(self, include_tenants: bool = True) -> bytes:
         """The exposition text; without ``include_tenants``, every sample

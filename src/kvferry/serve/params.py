@@ -146,6 +146,10 @@ def structured_outputs(req: SamplingFields, tool_grammar: str | None = None) -> 
             raise bad_request("response_format.json_schema.schema must be a JSON object",
                               "response_format.json_schema.schema")
         asked.append(("response_format.json_schema.schema", {"json": wrapper["schema"]}))
+    text = getattr(req, "text", None)  # /v1/responses: the same kinds, under text.format
+    constraint = text.format.constraint() if text is not None and text.format is not None else None
+    if constraint is not None:
+        asked.append(constraint)
     so = getattr(req, "structured_outputs", None)
     if so is not None:
         fields = {"json": so.json_, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
@@ -189,8 +193,6 @@ def _reject_unsupported(req: SamplingFields) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:

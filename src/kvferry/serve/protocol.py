@@ -370,6 +370,40 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+# ---- embeddings ----------------------------------------------------------------
+
+# OpenAI's limit on inputs per embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    # A string, strings, token ids, or lists of token ids: one vector each.
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # accepted only when absent (no truncation)
+    user: str | None = None
+
+
+class EmbeddingData(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    # floats, or base64 of their little-endian float32 bytes
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 # ---- /v1/responses (the subset vLLM serves) ----------------------------------
 
 class ResponsesFunctionTool(_Request):
@@ -417,6 +451,44 @@ class FunctionCallOutputItem(_Request):
 InputItem = Annotated[InputMessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
 
 
+class ResponsesTextFormat(_Request):
+    """``text.format``: chat's ``response_format`` kinds, with the json_schema
+    fields (name, schema, strict, description) flattened into the format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    # name and schema are required for json_schema (as OpenAI's): see
+    # missing_field(). Not required here because a validator's error would
+    # name the Python field (schema_), not the wire one.
+    name: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")] | None = None
+    # "schema" would shadow BaseModel.schema(): the alias is the wire name.
+    schema_: Annotated[dict | None, Field(alias="schema")] = None
+    description: str | None = None
+    strict: bool | None = None  # the grammar is always enforced, strict or not (as vLLM)
+
+    def missing_field(self) -> str | None:
+        """The wire name of a field this format's type requires but lacks."""
+        if self.type == "json_schema":
+            return "name" if self.name is None else "schema" if self.schema_ is None else None
+        return None
+
+    def constraint(self) -> tuple[str, dict] | None:
+        """(the field a bad constraint's 400 names, StructuredOutputsParams
+        arguments); None for plain text. For a format without a missing_field()."""
+        if self.type == "json_object":
+            return "text.format", {"json_object": True}
+        if self.type == "json_schema":
+            return "text.format.schema", {"json": self.schema_}
+        return None
+
+    def echo(self) -> dict:
+        """As the response object's ``text.format`` repeats it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ResponsesText(_Request):
+    format: ResponsesTextFormat | None = None
+
+
 class ResponsesRequest(SamplingFields):
     input: str | list[InputItem]
     instructions: str | None = None
@@ -427,6 +499,7 @@ class ResponsesRequest(SamplingFields):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    text: ResponsesText | None = None  # text.format: the output's format, as chat's response_format
 
     @model_validator(mode="before")
     @classmethod

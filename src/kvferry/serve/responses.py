@@ -7,9 +7,11 @@ output items; not its instructions, as OpenAI), then the new ``input``
 items. It is rendered through the same chat template and tool plan as
 /v1/chat/completions, so a continued conversation's prompt starts with the
 previous one's and its prefix KV blocks are reused (``cached_tokens``).
+``text.format`` constrains the output as chat's ``response_format`` does
+(params.structured_outputs compiles it, with the same schema checks).
 
-Stored responses live in a bounded in-memory store with expiry. They are
-not yet scoped to an API key: any client that knows an id can read it.
+Stored responses live in a bounded in-memory store with expiry, each
+readable only by the tenant that stored it.
 """
 from __future__ import annotations
 
@@ -97,6 +99,7 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
         raise bad_request("n must be 1 for /v1/responses", "n")
     if req.stream_options is not None:
         raise bad_request("stream_options is not supported on /v1/responses", "stream_options")
+    _check_text_format(req)
     owner = caller.tenant.name
     previous = _previous(store, req.previous_response_id, owner)
     conversation = previous + input_messages(req.input)
@@ -124,6 +127,17 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
     response = builder.response(parsed, seq.finish_reason, len(seq.token_ids), finals[0].num_cached_tokens)
     keep(response, parsed)
     return _json(response)
+
+
+def _check_text_format(req: ResponsesRequest) -> None:
+    """``text.format`` becomes the request's output constraint in
+    ``sampling_params`` (the grammar path of chat's response_format, schema
+    checks included); here only the fields its type requires."""
+    fmt = req.text.format if req.text is not None else None
+    missing = fmt.missing_field() if fmt is not None else None
+    if missing is not None:
+        raise bad_request(f"text.format.{missing} is required when text.format.type is {fmt.type}",
+                          f"text.format.{missing}")
 
 
 def _previous(store: ResponseStore, response_id: str | None, owner: str) -> list[ChatMessage]:
@@ -189,6 +203,7 @@ class _Builder:
     def base(self, status: str) -> ResponseObject:
         req = self.req
         choice = req.tool_choice
+        fmt = req.text.format if req.text is not None else None
         return ResponseObject(
             id=self.response_id, created_at=self.created_at, status=status, model=self.model,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
@@ -196,6 +211,7 @@ class _Builder:
             top_p=req.top_p, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
             tool_choice=choice.model_dump() if isinstance(choice, ResponsesNamedToolChoice) else (choice or "auto"),
             parallel_tool_calls=req.parallel_tool_calls, metadata=req.metadata or {},
+            text={"format": fmt.echo() if fmt is not None else {"type": "text"}},
         )
 
     def response(self, parsed: ParsedOutput, finish_reason: str | None, num_output_tokens: int,

@@ -27,11 +27,14 @@ import uvicorn
 from kvferry import peer_auth
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
+from kvferry.fleet.placement import RayPlacement, placement_from_args
 from kvferry.gc_heap import freeze_startup_heap
+from kvferry.serve.access_log import quiet_probes
 from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.cli import router_config_from
 from kvferry.serve.engine_client import AsyncEngineClient
+from kvferry.serve.stats_logger import StatsLogger
 from kvferry.structured.spec import import_backend_in_background
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
@@ -72,6 +75,12 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             api=ApiOptions.from_args(args),
         )
         router = router_config_from(args)
+        placement = placement_from_args(args)
+        if placement is not None and engine_args.kv_dram_gb and not engine_args.kv_store:
+            raise ValueError("--kv-dram-gb starts a KV store on this node only; with --ray, start one per node "
+                             "(kvferry kvstore) and give its tcp:// address with --kv-store")
+        if not getattr(args, "log_stats_interval_s", 0.0) >= 0:
+            raise ValueError(f"log_stats_interval_s must be >= 0 (0: off), got {args.log_stats_interval_s}")
         listen = bind_socket(args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
@@ -86,11 +95,13 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # no import runs beside uvicorn's own and the start-up heap frozen
     # below holds its objects.
     grammar_import = import_backend_in_background()
+    ray_cores = None
     try:
         try:
+            ray_cores = connect_ray(placement, router.engine_restarts)
             client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
                                               ready_timeout_s=args.engine_start_timeout, log_level=args.log_level,
-                                              router=router)
+                                              router=router, ray=ray_cores)
         except (ValueError, OSError, EngineCoreStartError) as exc:
             listen.close()
             print(f"kvferry serve: error: {exc}", file=sys.stderr)
@@ -101,9 +112,21 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         finally:
             client.kill_processes()  # start-up failed inside uvicorn (after a clean stop: no-op)
     finally:
+        if ray_cores is not None:
+            ray_cores.close()
         if store is not None:
             store.terminate()
             store.wait(timeout=10)
+
+
+def connect_ray(placement: RayPlacement | None, max_restarts: int):
+    """``--ray``: join the cluster, whose actors will be the engine cores
+    (None without it: ray is never imported). Raises ConnectionError."""
+    if placement is None:
+        return None
+    from kvferry.fleet.ray_cores import RayCores
+
+    return RayCores.connect(placement, max_restarts)
 
 
 def keep_tier_secret(args: argparse.Namespace, engine_args: EngineArgs) -> None:
@@ -117,7 +140,7 @@ def keep_tier_secret(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         return
     from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
 
-    path = tier_secret_path(engine_args.kv_disk, engine_args.kv_remote)
+    path = tier_secret_path(engine_args.kv_disk, engine_args.kv_remote or engine_args.kv_cluster)
     if path is None:
         return
     path, created = ensure_secret_file(path)
@@ -169,9 +192,14 @@ def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineCl
         timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
         **uvicorn_options(config.api),
     )
+    quiet_probes()  # after uvicorn.Config, which configures its loggers
+    interval_s = getattr(args, "log_stats_interval_s", 0.0)
+    stats_logger = None
+    if interval_s > 0:
+        stats_logger = StatsLogger(interval_s, app.state.metrics.token_totals, lambda: client.stats)
     model = f"model {config.served_model_names[0]}, max_model_len {client.max_model_len}"
     server = _Server(uv_config, lambda url: print(f"{READY_PREFIX}{url} ({model})", flush=True),
-                     client, args.shutdown_timeout)
+                     client, args.shutdown_timeout, stats_logger)
     # A core dead past its restart budget: stop serving (the same graceful
     # path as SIGTERM, so the other cores are stopped too) and exit non-zero.
     client.on_fatal = lambda reason: setattr(server, "should_exit", True)
@@ -191,13 +219,17 @@ class _Server(uvicorn.Server):
     instead of uvicorn cancelling its task and cutting the connection."""
 
     def __init__(self, config: uvicorn.Config, on_ready: Callable[[str], None],
-                 client: AsyncEngineClient, drain_timeout_s: float) -> None:
+                 client: AsyncEngineClient, drain_timeout_s: float, stats_logger: StatsLogger | None = None) -> None:
         super().__init__(config)
         self.on_ready = on_ready
         self.client = client
         self.drain_timeout_s = drain_timeout_s
+        self.stats_logger = stats_logger
+        self._stats_task: asyncio.Task | None = None
 
     async def shutdown(self, sockets=None) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         deadline = asyncio.ensure_future(self._abort_after_deadline())
         try:
             await super().shutdown(sockets)
@@ -216,6 +248,8 @@ class _Server(uvicorn.Server):
         if self.started and self.servers and self.servers[0].sockets:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self.on_ready(f"http://{host}:{port}")
+        if self.started and self.stats_logger is not None:
+            self._stats_task = asyncio.ensure_future(self.stats_logger.run())
 
 
 def _make_signal_reraise_harmless() -> None:

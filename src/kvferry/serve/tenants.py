@@ -65,12 +65,20 @@ class Caller:
 
 class ApiKeys:
     """The key -> tenant table of a key file; ``reload()`` swaps it whole
-    (SIGHUP), so a request sees either the old table or the new one."""
+    (SIGHUP), so a request sees either the old table or the new one.
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._table: list[tuple[bytes, Tenant]] = parse_key_file(self.path)
+    ``plain_keys`` (``--api-key KEY``, vLLM's flag) are keys of the one
+    default tenant, as a server without keys has: they authenticate and
+    nothing else (no admin, no quota), and a reload keeps them."""
+
+    def __init__(self, path: str | Path | None, plain_keys: "list[str] | tuple[str, ...]" = ()) -> None:
+        self.path = Path(path) if path is not None else None
+        self._plain = [(_check_plain_key(k), Tenant(DEFAULT_TENANT_NAME, publish=True)) for k in plain_keys]
+        self._table: list[tuple[bytes, Tenant]] = self._read()
         self._lock = threading.Lock()
+
+    def _read(self) -> list[tuple[bytes, Tenant]]:
+        return (parse_key_file(self.path) if self.path is not None else []) + self._plain
 
     @property
     def num_keys(self) -> int:
@@ -79,7 +87,7 @@ class ApiKeys:
     def reload(self) -> None:
         """Read the file again; on any error the old table stays and the
         error (a ValueError naming the field) propagates."""
-        table = parse_key_file(self.path)
+        table = self._read()
         with self._lock:
             self._table = table
 
@@ -139,6 +147,12 @@ def _parse_tenant(key: str, entry: object) -> Tenant:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_TENANT_WEIGHT:
         raise ValueError(f"{where}.weight: must be a number in (0, {MAX_TENANT_WEIGHT}]")
     return Tenant(name, entry.get("publish", False), entry.get("admin", False), blocks, float(weight))
+
+
+def _check_plain_key(key: str) -> bytes:
+    if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+        raise ValueError("api_key: a key must be non-empty and hold no whitespace")
+    return key.encode("utf-8")
 
 
 def _redact(key: str) -> str:

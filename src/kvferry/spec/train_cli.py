@@ -22,6 +22,9 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft over the N ids most frequent in the target's answers (0: the whole vocabulary)")
+    p.add_argument("--eval-prompts", type=_non_negative, default=64,
+                   help="held-out chat conversations (never trained on) the finished head drafts for; its "
+                        "acceptance is printed last and saved in head.json (0: skip)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -29,6 +32,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

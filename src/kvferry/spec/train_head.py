@@ -16,6 +16,10 @@
    when drafting its second token. Loss per step: KL(target || head) of the
    token distributions plus a smooth-L1 pull of f toward h (EAGLE's two
    terms).
+5. **Held-out acceptance.** The saved head drafts (k = 4, greedy) replies
+   to chitchat conversations training never saw (``held_out_acceptance``);
+   the share of its drafts the target keeps is the last line printed and
+   goes into head.json: what a user should expect on chat.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ class TrainConfig:
     intermediate_size: int = 576
     seed: int = 0
     draft_vocab_size: int = 8192  # 0: draft over the whole vocabulary
+    eval_prompts: int = 64  # held-out chats the finished head is measured on (0: none)
 
 
 def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
@@ -263,12 +268,41 @@ def train(cfg: TrainConfig) -> dict:
               "intermediate_size": cfg.intermediate_size,
               "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab),
               "draft_vocab_answer_coverage": round(coverage, 4), "seconds": round(time.monotonic() - started, 1)}
+    del llm, loaded, model, feats  # the evaluation builds an engine of its own
+    acceptance = evaluate_head(cfg)
+    if acceptance is not None:
+        report["held_out_chat_acceptance"] = round(acceptance.rate, 4)
+        report["held_out_chat_mean_accepted_length"] = round(acceptance.mean_accepted_length, 3)
+        report["held_out_chat_prompts"] = acceptance.prompts
     (cfg.out / "head.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
+EVAL_K = 4  # draft tokens per step in the held-out measurement (the documented figure's k)
+
+
+def evaluate_head(cfg: TrainConfig) -> Acceptance | None:
+    """The saved head's acceptance on held-out chats, printed as the last
+    line of training (None: --eval-prompts 0, or no chitchat-dataset)."""
+    if cfg.eval_prompts < 1:
+        return None
+    try:
+        acceptance = held_out_acceptance(cfg.target, cfg.out / "head.safetensors", cfg.eval_prompts,
+                                         cfg.max_tokens, EVAL_K, max_num_seqs=32, kv_cache_memory_gb=0.5)
+    except ValueError as e:  # chitchat-dataset missing: training itself may not have needed it
+        print(f"held-out chat acceptance: not measured ({e})")
+        return None
+    print(acceptance.line(EVAL_K))
+    return acceptance
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
-                      args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size)
-    print(json.dumps(train(cfg), indent=2))
+                      args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
+                      args.eval_prompts)
+    report = train(cfg)
+    print(json.dumps(report, indent=2))
+    if "held_out_chat_acceptance" in report:  # again last, where it is seen
+        print(f"held-out chat acceptance: {100 * report['held_out_chat_acceptance']:.1f}% "
+              f"(mean accepted length {report['held_out_chat_mean_accepted_length']:.2f}, k = {EVAL_K})")
     return 0

@@ -3,7 +3,7 @@
     openai.py       POST /v1/completions, /v1/chat/completions, /v1/responses;
                     GET and DELETE /v1/responses/{id}
     models.py       GET /v1/models; POST /tokenize, /detokenize
-    health.py       GET /health, /metrics
+    health.py       GET /health, /version, /metrics
     workers.py      /v1/admin/workers (an admin's)
     ../kv_routes.py /v1/kv/*: public prefixes, per-tenant stats, purges
 

@@ -1,6 +1,6 @@
-"""GET /health and GET /metrics.
+"""GET /health, GET /version and GET /metrics.
 
-/health is open (probes carry no key). /metrics checks keys itself rather
+/health and /version are open (probes and deploy checks carry no key). /metrics checks keys itself rather
 than through the auth middleware: it is open without keys (and with
 --metrics-public), while the per-tenant series are an admin's only.
 """
@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvferry.cli_parser import package_version
 from kvferry.serve.auth import metrics_access
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.errors import error_response
@@ -26,11 +27,16 @@ def health_routes(client: AsyncEngineClient, metrics: ServerMetrics, keys: ApiKe
         code = "engine_restarting" if state["status"] == "restarting" else "engine_unavailable"
         return error_response(503, state["reason"], code=code)
 
+    async def version(request: Request) -> Response:
+        # As vLLM's /version: the installed distribution's version.
+        return JSONResponse({"version": package_version()})
+
     async def prometheus(request: Request) -> Response:
         admin = metrics_access(keys, request.scope["headers"], public=metrics_public)
         return Response(metrics.render(include_tenants=admin), media_type=CONTENT_TYPE)
 
     return [
         Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]

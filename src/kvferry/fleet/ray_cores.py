@@ -1,0 +1,250 @@
+"""The front end's side of engine cores on a Ray cluster.
+
+    cores = RayCores.connect(placement, max_restarts=3)    # ray.init(address=...)
+    processes = cores.start(specs, ready_timeout_s)         # one actor per core, placed by resources
+    process = await cores.rejoin(name, dead, timeout_s)     # after a death: the actor's next incarnation
+
+Each core is a CoreActor (core_actor.py) whose process runs the core; the
+front end connects to its tcp:// addresses as it connects to any core. The
+rest of the server sees each actor incarnation as a process: an
+``ActorProcess`` has the parts of multiprocessing.Process that CoreProcess,
+the listener and the restart supervisor use (pid, a sentinel fd readable
+once it is dead, is_alive, exitcode, join, terminate, kill), so a Ray core
+is a CoreProcess like a local one.
+
+Healing: Ray restarts a dead actor (up to ``max_restarts``); the supervisor,
+instead of spawning a process, calls ``rejoin``: wait for the actor's next
+incarnation, then connect and handshake as at start. An actor Ray gave up
+on (its restarts spent) is created afresh, within the supervisor's budget.
+
+Imports ray: only ``kvferry serve --ray`` imports this module.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
+from kvferry import envs
+from kvferry.config import EngineConfig
+from kvferry.engine.core_client import CoreAddresses, CoreProcess, EngineCoreStartError
+from kvferry.fleet.core_actor import CoreActor, CoreActorInfo
+from kvferry.fleet.placement import RayPlacement, actor_resources
+
+logger = logging.getLogger(__name__)
+
+# Threads of a core's actor: ``wait`` holds one for the core's life, ``info`` needs another.
+_ACTOR_CONCURRENCY = 4
+# How long a dead core's old incarnation may take to end after reporting its
+# error (it flushes its outputs, then exits) before Ray is asked to restart it.
+_OLD_EXIT_S = 5.0
+
+
+class ActorProcess:
+    """One incarnation of a core's actor, with multiprocessing.Process's
+    interface. Its death is learnt from ``wait``, a call that returns only
+    when the core's loop ends (or fails when the actor dies): no polling."""
+
+    def __init__(self, actor: "ray.actor.ActorHandle", info: CoreActorInfo) -> None:
+        self.actor = actor
+        self.info = info
+        self.exitcode: int | None = None
+        self.death: str | None = None  # why the incarnation ended, as Ray said
+        self._clean = False
+        self._dead = threading.Event()
+        # The sentinel: readable once dead (the listener watches it like a process's).
+        self._read_fd, self._write_fd = os.pipe()
+        actor.wait.remote(info.incarnation).future().add_done_callback(self._on_end)
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+    @property
+    def actor_id(self) -> str:
+        return self.info.actor_id
+
+    @property
+    def sentinel(self) -> int:
+        return self._read_fd
+
+    def is_alive(self) -> bool:
+        return not self._dead.is_set()
+
+    def _on_end(self, future) -> None:  # on a Ray thread: no Ray calls here
+        error = future.exception()
+        self._clean = error is None and future.result() is True
+        self.exitcode = 0 if self._clean else 1
+        self.death = None if error is None else str(error).splitlines()[0]
+        self._dead.set()
+        os.write(self._write_fd, b"x")
+
+    def join(self, timeout: float | None = None) -> None:
+        self._dead.wait(timeout)
+        if self._clean:
+            self._end_actor()  # the core stopped when told to: release the actor for good
+
+    def terminate(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        """End the actor for good (Ray restarts it no more)."""
+        self._end_actor()
+
+    def _end_actor(self) -> None:
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except (RayActorError, ValueError):  # gone already
+            pass
+
+    def restart(self) -> None:
+        """Kill this incarnation and let Ray start the next one."""
+        try:
+            ray.kill(self.actor, no_restart=False)
+        except (RayActorError, ValueError):
+            pass
+
+    def __del__(self) -> None:
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def core_process(actor: "ray.actor.ActorHandle", info: CoreActorInfo) -> CoreProcess:
+    return CoreProcess(ActorProcess(actor, info), CoreAddresses(info.input, info.output))  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class _ActorSpec:
+    """How a core's actor was created: to create it again."""
+
+    config: EngineConfig
+    role: str
+    check_integrity_when_idle: bool
+    log_level: str
+    cpus: str | None
+
+
+class RayCores:
+    """Creates the cores' actors and brings a restarted one back. One per
+    server; the actors are the serve process's (they end with it)."""
+
+    def __init__(self, placement: RayPlacement, max_restarts: int) -> None:
+        self.placement = placement
+        self.max_restarts = max_restarts
+        self._actor_class = ray.remote(CoreActor)
+        self._actors: dict[str, "ray.actor.ActorHandle"] = {}  # by core name: the current actor
+        self._specs: dict[str, _ActorSpec] = {}
+
+    @classmethod
+    def connect(cls, placement: RayPlacement, max_restarts: int) -> "RayCores":
+        """Join the running cluster at ``placement.address`` as a driver.
+        Raises ConnectionError when there is none."""
+        if not ray.is_initialized():
+            try:
+                # The cores' logs stay in the cluster's log folders: the
+                # server's own output is its log and ready line.
+                ray.init(address=placement.address, namespace="kvferry", log_to_driver=False,
+                         logging_level=logging.WARNING)
+            except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; all mean the same here
+                raise ConnectionError(f"--ray {placement.address}: cannot join the Ray cluster: "
+                                      f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+        logger.info("on the Ray cluster at %s: %s", placement.address, ray.cluster_resources())
+        return cls(placement, max_restarts)
+
+    def close(self) -> None:
+        ray.shutdown()
+
+    # -- start (blocking: before the event loop runs) ---------------------------------
+    def start(self, cores: list[tuple[str, str, EngineConfig, str | None]], check_integrity_when_idle: bool,
+              log_level: str, ready_timeout_s: float) -> list[CoreProcess]:
+        """One actor per (name, role, config, cpus), created together (they
+        load their models in parallel); returns once each is placed and has
+        bound its sockets (its handshake is the caller's). On any failure
+        every actor created is ended before EngineCoreStartError propagates."""
+        for name, role, config, cpus in cores:
+            self._specs[name] = _ActorSpec(config, role, check_integrity_when_idle, log_level, cpus)
+            self._actors[name] = self._create(name)
+        deadline = time.monotonic() + ready_timeout_s
+        processes = []
+        try:
+            for name, *_ in cores:
+                info = self._get_info(name, deadline - time.monotonic())
+                processes.append(core_process(self._actors[name], info))
+        except BaseException:
+            for actor in self._actors.values():
+                ray.kill(actor, no_restart=True)
+            raise
+        return processes
+
+    def _create(self, name: str) -> "ray.actor.ActorHandle":
+        spec = self._specs[name]
+        options = actor_resources(self.placement.resources_of(spec.role))
+        env = {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_")}
+        env[envs.SOCKET_SECRET] = os.environ.get(envs.SOCKET_SECRET, "")
+        return self._actor_class.options(max_restarts=self.max_restarts, max_concurrency=_ACTOR_CONCURRENCY,
+                                         **options).remote(spec.config, name, spec.role, env,
+                                                           spec.check_integrity_when_idle, spec.log_level,
+                                                           spec.cpus)
+
+    def _get_info(self, name: str, timeout_s: float) -> CoreActorInfo:
+        try:
+            return ray.get(self._actors[name].info.remote(), timeout=max(0.0, timeout_s))
+        except GetTimeoutError:
+            resources = self.placement.resources_of(self._specs[name].role)
+            raise EngineCoreStartError(
+                f"the Ray cluster did not place {name} (resources {resources}) within the start timeout: "
+                f"does a node offer them? (ray status)") from None
+        except RayActorError as exc:
+            raise EngineCoreStartError(f"the Ray actor of {name} failed to start: {exc}") from None
+
+    # -- restart (event loop) ----------------------------------------------------------
+    async def rejoin(self, name: str, dead: CoreProcess, timeout_s: float) -> CoreProcess:
+        """The next incarnation of ``name``'s actor, once Ray restarted it
+        (its handshake is the caller's). Raises EngineCoreStartError when
+        none is up within ``timeout_s``."""
+        old: ActorProcess = dead.process  # type: ignore[assignment]
+        deadline = time.monotonic() + timeout_s
+        # Dead by its own report (an engine error): its process exits once
+        # its outputs are flushed; one that does not is killed, for Ray to restart.
+        if not await asyncio.to_thread(old._dead.wait, _OLD_EXIT_S):
+            old.restart()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineCoreStartError(f"the Ray actor of {name} did not come back within {timeout_s:.0f} s")
+            actor = self._actors[name]
+            # Retried by Ray across the restart: answers once the new process is up.
+            ref = actor.info.options(max_task_retries=-1).remote()
+            try:
+                info = await asyncio.wait_for(asyncio.wrap_future(ref.future()), left)
+            except TimeoutError:
+                continue  # the deadline check above raises
+            except ActorDiedError as exc:
+                # Ray restarts it no more (its restarts spent, or killed for
+                # good by a failed handshake): a fresh actor, same options.
+                logger.warning("the Ray actor of %s is gone (%s); creating a new one", name,
+                               str(exc).splitlines()[0])
+                self._actors[name] = self._create(name)
+                continue
+            except RayActorError:
+                await asyncio.sleep(0.2)  # unavailable for a moment: ask again
+                continue
+            if info.incarnation == old.info.incarnation:
+                old.restart()  # still the dead core's process
+                await asyncio.sleep(0.2)
+                continue
+            logger.warning("the Ray actor of %s is back: pid %d on node %s", name, info.pid, info.node_id)
+            return core_process(actor, info)

@@ -1,0 +1,566 @@
+"""The cluster KV pool on Mooncake Store: a tier below each node store's
+DRAM, shared by every node whose store points at the same Mooncake master
+(``--kv-cluster mooncake://MASTER_HOST:PORT?metadata=URL``).
+
+    node store A --+                                +-- segment of A's DRAM (mounted by A's client)
+                   +-- Mooncake master (metadata) --+
+    node store B --+                                +-- segment of B's DRAM
+    (put/get move block bytes between the clients' buffers and the segments)
+
+Each node's store process runs one Mooncake client. It contributes
+``segment_gb`` of its memory to the pool (Mooncake places and evicts
+objects across all segments) and moves blocks through a local transfer
+buffer of ``buffer_mb``. A block written by one node is a hit for every
+other node whose engines compute the same block hash: the same model, KV
+dtype and cache namespace, so the same ``--cache-secret-file`` on every
+node for private blocks.
+
+Objects (string keys, ``ns`` the URL's namespace, default ``kvferry``)::
+
+    {ns}/{owner}/{block hash hex}   the value, remote.py's format: header,
+                                    tenant tag, xxh3-128 checksum, payload;
+                                    a private payload is sealed with the
+                                    tenant's AES-GCM key (crypto.py)
+    {ns}/k/{block hash hex}         a one-byte marker: some owner's block
+                                    with this hash is in the pool
+
+``owner`` is ``pub`` for a public block, else the hex of the tenant's tag
+(``crypto.tenant_tag``: no tenant name is ever stored). A reader fetches
+the object under its own owner part, so another tenant's private block is
+never even transferred; the checksum and the AES-GCM tag are checked all
+the same. ``contains`` (asked without an owner) reads the marker.
+``drop_tenant`` removes ``{ns}/{tag}/*`` on the master by pattern, whichever
+node wrote them. Markers may outlive their block (a purge, an eviction):
+such a block is found by ``contains``, comes back a miss from ``get`` (the
+load is short, the engine recomputes) and is written again, marker and
+all, by the next write-through.
+
+Capacity is Mooncake's: the master evicts objects when the segments fill
+(its ``--eviction_high_watermark_ratio``); an evicted block is a plain miss
+here, and a put the pool cannot place is a refused write.
+
+**Faults.** A master that stops answering (a call failing with an RPC
+error) disables the tier: one warning per outage, every call a miss or a
+refused write without touching the network, and a key lookup after a
+backoff that doubles up to ``retry_max_s``. The client library reconnects
+by itself (and mounts this node's segment again on a restarted master);
+when the master answers, the tier logs (INFO) that it is back. A master
+absent at start is waited for on a thread (``setup`` blocks while it
+retries): the store serves at once, the pool missing until then. Nothing
+raises out of ``put``/``get``. Mooncake's own log lines (glog, on stderr)
+are kept to fatal ones unless ``GLOG_minloglevel`` is set.
+
+``stats()``: hits, misses and bytes of this node's reads and writes;
+``num_blocks``/``num_bytes`` stay 0, the pool's contents being the
+master's to count (its metrics port).
+
+``mooncake`` is imported lazily: only a store started with
+``--kv-cluster`` needs it (``pip install 'kvferry[cluster]'``, and the
+Debian libraries ``libibverbs1`` and ``librdmacm1``). ``check_available``
+names what is missing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import xxhash
+
+from kvferry.kvstore.crypto import TierCrypto, tenant_tag
+from kvferry.kvstore.tenant_lru import pool_of
+from kvferry.kvstore.tier import BlockOwner, ColdTier, TenantTierStats, TierStats
+
+log = logging.getLogger(__name__)
+
+SCHEME = "mooncake://"
+MIB = 2**20
+GIB = 2**30
+# What this node lends the pool, and the client's transfer buffer (every
+# block a put or a batched get moves passes through it).
+DEFAULT_SEGMENT_GB = 1.0
+DEFAULT_BUFFER_MB = 256
+# The port the master's built-in HTTP metadata server listens on by default
+# (mooncake_master --enable_http_metadata_server=true).
+DEFAULT_METADATA_PORT = 8080
+_INSTALL_HINT = "pip install 'kvferry[cluster]' (the mooncake-transfer-engine-non-cuda package)"
+_LIBS_HINT = "apt-get install libibverbs1 librdmacm1"
+
+# The value format of the remote tier (remote.py), so that every rule of
+# tier.py holds the same way: header | tenant tag | checksum | payload.
+_MAGIC = b"KVFR"
+_VERSION = 2
+_HEADER = struct.Struct("<4sBBH")
+_CHECKSUM_BYTES = 16
+_FLAG_PUBLIC = 1
+_FLAG_SEALED = 2
+_MARKER = b"\x01"
+_PUBLIC_PART = "pub"
+_MARKER_PART = "k"
+
+
+# -- the --kv-cluster URL ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PoolAddress:
+    """A parsed ``mooncake://MASTER_HOST:PORT?metadata=URL[&...]``.
+
+    Query options: ``metadata`` (the metadata server; default the master's
+    built-in one, ``http://MASTER_HOST:8080/metadata``), ``protocol``
+    (``tcp`` or ``rdma``), ``device`` (RDMA devices), ``host`` (this node's
+    address as the other nodes reach it; default the address this node
+    reaches the master from), ``segment_gb``, ``buffer_mb``, ``namespace``
+    (the key prefix; stores that should share blocks use the same one)."""
+
+    url: str
+    master: str
+    metadata: str
+    protocol: str = "tcp"
+    device: str = ""
+    host: str = ""
+    segment_bytes: int = int(DEFAULT_SEGMENT_GB * GIB)
+    buffer_bytes: int = DEFAULT_BUFFER_MB * MIB
+    namespace: str = "kvferry"
+
+    @classmethod
+    def parse(cls, url: str) -> PoolAddress:
+        if not isinstance(url, str) or not url.startswith(SCHEME):
+            raise ValueError(f"kv_cluster: must be {SCHEME}MASTER_HOST:PORT?metadata=URL, got {url!r}")
+        parts = urlsplit(url)
+        try:
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:  # a port that is not a number
+            raise ValueError(f"kv_cluster: {exc} in {url!r}") from None
+        if not host or port is None or parts.path not in ("", "/"):
+            raise ValueError(f"kv_cluster: must be {SCHEME}MASTER_HOST:PORT?metadata=URL, got {url!r}")
+        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+        unknown = set(query) - {"metadata", "protocol", "device", "host", "segment_gb", "buffer_mb", "namespace"}
+        if unknown:
+            raise ValueError(f"kv_cluster: unknown option(s) {', '.join(sorted(unknown))} in {url!r}")
+        master = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        metadata = query.get("metadata") or f"http://{master.rsplit(':', 1)[0]}:{DEFAULT_METADATA_PORT}/metadata"
+        if not metadata.startswith(("http://", "https://", "etcd://", "redis://")) and metadata != "P2PHANDSHAKE":
+            raise ValueError(f"kv_cluster: metadata must be an http://, etcd:// or redis:// URL, got {metadata!r}")
+        protocol = query.get("protocol", "tcp")
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"kv_cluster: protocol must be tcp or rdma, got {protocol!r}")
+        namespace = query.get("namespace", "kvferry")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
+            raise ValueError(f"kv_cluster: namespace must be letters, digits, '_', '.', '-', got {namespace!r}")
+
+        def size(name: str, default: float, unit: int) -> int:
+            raw = query.get(name)
+            try:
+                value = default if raw is None else float(raw)
+            except ValueError:
+                raise ValueError(f"kv_cluster: {name} must be a number, got {raw!r}") from None
+            if not value > 0:
+                raise ValueError(f"kv_cluster: {name} must be > 0, got {raw!r}")
+            return int(value * unit)
+
+        return cls(url=url, master=master, metadata=metadata, protocol=protocol, device=query.get("device", ""),
+                   host=query.get("host", ""), segment_bytes=size("segment_gb", DEFAULT_SEGMENT_GB, GIB),
+                   buffer_bytes=size("buffer_mb", DEFAULT_BUFFER_MB, MIB), namespace=namespace)
+
+    def local_host(self) -> str:
+        """This node's address for the pool: ``host`` if given, else the
+        local address of the route to the master (loopback for a master on
+        this machine)."""
+        if self.host:
+            return self.host
+        master_host = self.master.rsplit(":", 1)[0].strip("[]")
+        family = socket.AF_INET6 if ":" in master_host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((master_host, 9))  # UDP: no packet is sent
+                return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+# -- availability of the client library ------------------------------------------------------
+def load_store_module() -> Any:
+    """``mooncake.store``, or a ValueError naming what is missing: the
+    package, or the shared libraries its extension needs."""
+    # Its client logs every failed RPC while a master is down (several a
+    # second); the tier says so once. An operator's own setting wins.
+    os.environ.setdefault("GLOG_minloglevel", "3")
+    try:
+        import mooncake.store as store
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "mooncake":
+            raise ValueError(f"kv_cluster: the mooncake package is not installed: {_INSTALL_HINT}") from None
+        raise ValueError(f"kv_cluster: mooncake.store cannot load: {exc}") from None
+    except ImportError as exc:  # the extension module's own libraries
+        missing = re.findall(r"([\w.+-]+\.so[\w.]*): cannot open shared object file", str(exc))
+        if missing:
+            raise ValueError(f"kv_cluster: mooncake.store cannot load: {', '.join(missing)} not found "
+                             f"({_LIBS_HINT})") from None
+        raise ValueError(f"kv_cluster: mooncake.store cannot load: {exc}") from None
+    return store
+
+
+def check_available(timeout_s: float = 60.0) -> None:
+    """Raise a ValueError naming what is missing for ``--kv-cluster``
+    (called before a store with a cluster tier is started). It tries the
+    import in a child process, so that the caller (a server's front end)
+    never loads Mooncake's libraries itself."""
+    code = ("import sys\nfrom kvferry.kvstore.cluster import load_store_module\n"
+            "try:\n    load_store_module()\nexcept ValueError as exc:\n    sys.exit(str(exc))\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"kv_cluster: cannot check the mooncake package: {exc}") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        reason = lines[-1] if lines else f"the check exited with code {proc.returncode}"
+        raise ValueError(reason if reason.startswith("kv_cluster:") else f"kv_cluster: {reason}")
+
+
+# -- the tier ---------------------------------------------------------------------------------
+class MooncakeTier(ColdTier):
+    name = "cluster"
+
+    def __init__(self, address: str | PoolAddress, *, crypto: TierCrypto | None = None,
+                 retry_initial_s: float = 1.0, retry_max_s: float = 30.0, connect_wait_s: float = 10.0) -> None:
+        if retry_initial_s <= 0 or retry_max_s < retry_initial_s:
+            raise ValueError("retry_initial_s, retry_max_s: must be > 0 and max >= initial")
+        self.address = address if isinstance(address, PoolAddress) else PoolAddress.parse(address)
+        self._module = load_store_module()
+        self.crypto = crypto
+        self.ns = self.address.namespace
+        self._host = self.address.local_host()
+        self._lock = threading.Lock()  # stats, availability, the client handle
+        self._stats = TierStats()
+        self._per_pool: dict[str, TenantTierStats] = {}
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._backoff_s = retry_initial_s
+        self._down_until = float("inf")  # time.monotonic() before which calls skip the network
+        self._probing = False
+        self.down = True  # until the first setup succeeds
+        self.outages = 0
+        self._store: Any = None
+        self._closed = threading.Event()
+        self._put_config = self._module.ReplicateConfig()
+        self._put_config.replica_num = 1
+        # setup() blocks while it retries an absent master (about 90 s), so
+        # it runs on a thread of its own: the store serves at once, every
+        # pool call a miss until the client is up. A master that is up is
+        # waited for (a second), so that a fresh store starts with its pool.
+        self._connected = threading.Event()
+        self._connector = threading.Thread(target=self._connect_loop, name="kvstore-pool-connect", daemon=True)
+        self._connector.start()
+        if not self._connected.wait(connect_wait_s):
+            log.warning("cluster KV tier: no Mooncake master at %s yet; every block a miss until it answers",
+                        self.address.master)
+
+    # ---- the client -----------------------------------------------------
+
+    def _connect_loop(self) -> None:
+        """Set a client up, retrying with backoff until it is (or the tier
+        closes). Once set up, the client library itself reconnects to a
+        master that restarts (and mounts this node's segment again)."""
+        backoff = self._retry_initial_s
+        while not self._closed.is_set():
+            store = self._module.MooncakeDistributedStore()
+            rc = store.setup({
+                "local_hostname": self._host, "metadata_server": self.address.metadata,
+                "global_segment_size": self.address.segment_bytes, "local_buffer_size": self.address.buffer_bytes,
+                "protocol": self.address.protocol, "rdma_devices": self.address.device,
+                "master_server_addr": self.address.master,
+            })
+            if rc == 0:
+                with self._lock:
+                    if not self._closed.is_set():
+                        self._store = store
+                        self.down = False
+                        store = None
+                if store is None:
+                    log.info("cluster KV tier: connected to the Mooncake master %s as %s", self.address.master,
+                             self._store.get_hostname())
+                    self._connected.set()
+                    return
+            _close_quietly(store)
+            self._closed.wait(backoff)
+            backoff = min(2 * backoff, self._retry_max_s)
+
+    def _client(self) -> Any:
+        """The client to call now, or None while the tier is down and its
+        backoff has not run out. When it has, one caller asks the master
+        (a key lookup: the client library reconnects by itself) and the
+        tier comes back if it answers."""
+        with self._lock:
+            if self._closed.is_set():
+                return None
+            if not self.down:
+                return self._store
+            store = self._store
+            if store is None or self._probing or time.monotonic() < self._down_until:
+                return None
+            self._probing = True
+        try:
+            answered = _answers(store, f"{self.ns}/probe")
+        finally:
+            with self._lock:
+                self._probing = False
+        with self._lock:
+            if not answered:
+                self._backoff_s = min(2 * self._backoff_s, self._retry_max_s)
+                self._down_until = time.monotonic() + self._backoff_s
+                return None
+            self.down = False
+            self._backoff_s = self._retry_initial_s
+        log.info("cluster KV tier: the Mooncake master %s is back", self.address.master)
+        return store
+
+    def _master_lost(self, store: Any, what: str) -> bool:
+        """After a failed call: is the master gone (then the tier goes down:
+        one warning per outage), or was it this call alone (a full pool)?"""
+        if _answers(store, f"{self.ns}/probe"):
+            return False
+        with self._lock:
+            if not self.down:
+                self.down = True
+                self.outages += 1
+                log.warning("cluster KV tier: the Mooncake master %s is unreachable (%s); every block a miss "
+                            "until it answers, retrying with backoff", self.address.master, what)
+            self._down_until = time.monotonic() + self._backoff_s
+        return True
+
+    # ---- keys -----------------------------------------------------------
+
+    def _owner_part(self, owner: BlockOwner) -> str:
+        return _PUBLIC_PART if owner.public else tenant_tag(self.crypto, owner.tenant).hex()
+
+    def object_key(self, key: bytes, owner: BlockOwner) -> str:
+        """The pool key of ``owner``'s block ``key`` (tests read it raw)."""
+        return f"{self.ns}/{self._owner_part(owner)}/{key.hex()}"
+
+    def _marker_key(self, key: bytes) -> str:
+        return f"{self.ns}/{_MARKER_PART}/{key.hex()}"
+
+    # ---- writes ---------------------------------------------------------
+
+    def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
+        data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
+        pool = pool_of(owner)
+        store = self._client()
+        if store is None:
+            self._refuse(pool)
+            return False
+        names = [self.object_key(key, owner), self._marker_key(key)]
+        try:
+            # Each block crosses the network once: another node (or this
+            # one, before) may have written it already. A block whose marker
+            # is gone (evicted) is written again, value and marker in one
+            # upsert.
+            if store.batch_is_exist(names) == [1, 1]:
+                return True
+            rc = store.upsert_batch(names, [self._encode(key, data, owner), _MARKER], self._put_config)
+        except Exception as exc:
+            rc = -1
+            log.warning("cluster KV tier: put raised %r", exc)
+        if rc != 0:
+            self._master_lost(store, f"put returned {rc}")
+            self._refuse(pool)
+            return False
+        with self._lock:
+            self._stats.bytes_written += len(data)
+        return True
+
+    def _encode(self, key: bytes, data: memoryview, owner: BlockOwner) -> bytes:
+        sealed = self.crypto is not None and not owner.public
+        payload = b"".join(self.crypto.seal(key, owner.tenant, data)) if sealed else data
+        tenant = b"" if owner.public else tenant_tag(self.crypto, owner.tenant)
+        header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
+                              len(tenant))
+        return b"".join((header, tenant, _checksum(key, header, tenant, payload), payload))
+
+    def _refuse(self, pool: str) -> None:
+        with self._lock:
+            self._stats.refused_writes += 1
+            self._pool_stats(pool).refused_writes += 1
+
+    def _pool_stats(self, pool: str) -> TenantTierStats:
+        stats = self._per_pool.get(pool)
+        if stats is None:
+            stats = self._per_pool[pool] = TenantTierStats()
+        return stats
+
+    # ---- reads ----------------------------------------------------------
+
+    def get(self, key: bytes, owner: BlockOwner) -> bytes | None:
+        return self.get_many([key], owner)[0]
+
+    def get_many(self, keys: list[bytes], owner: BlockOwner) -> list[bytes | None]:
+        start = time.perf_counter()
+        values: list[bytes] = []
+        store = self._client() if keys else None
+        if store is not None:
+            names = [self.object_key(k, owner) for k in keys]
+            try:
+                # A lookup first: get answers an absent block and a master
+                # that is gone alike (empty bytes), and only what the pool
+                # holds is then fetched.
+                present = store.batch_is_exist(names)
+                if any(p < 0 for p in present):
+                    raise OSError(f"batch_is_exist returned {min(present)}")
+                wanted = [n for n, p in zip(names, present) if p == 1]
+                got = dict(zip(wanted, store.get_batch(wanted))) if wanted else {}
+                values = [got.get(n, b"") for n in names]
+            except Exception as exc:
+                values = []
+                self._master_lost(store, f"get failed: {exc}")
+        results = [self._decode(k, v, owner) if v else None for k, v in zip(keys, values)]
+        results += [None] * (len(keys) - len(results))
+        self._count_reads(results, pool_of(owner), time.perf_counter() - start)
+        return results
+
+    def _decode(self, key: bytes, value: bytes, owner: BlockOwner) -> bytes | None:
+        view = memoryview(value)
+        body = _HEADER.size
+        if len(view) < body:
+            return self._quarantine(key, owner)
+        magic, version, flags, tenant_len = _HEADER.unpack_from(view)
+        payload_at = body + tenant_len + _CHECKSUM_BYTES
+        if magic != _MAGIC or version != _VERSION or len(view) < payload_at:
+            return self._quarantine(key, owner)
+        tenant, payload = view[body:body + tenant_len], view[payload_at:]
+        if _checksum(key, view[:body], tenant, payload) != view[body + tenant_len:payload_at]:
+            return self._quarantine(key, owner)
+        if bool(flags & _FLAG_PUBLIC) != owner.public or (
+                not owner.public and bytes(tenant) != tenant_tag(self.crypto, owner.tenant)):
+            # Under this owner's key but labelled another's: never served.
+            with self._lock:
+                self._stats.auth_failures += 1
+            return None
+        if owner.public or not flags & _FLAG_SEALED:
+            return bytes(payload)
+        if self.crypto is None:
+            return None  # sealed by a node with a secret this one lacks
+        plain = self.crypto.open(key, owner.tenant, payload)
+        if plain is None:
+            # Checksum intact but the tag fails under the owner's own key:
+            # forged, or moved here from another block key.
+            with self._lock:
+                self._stats.auth_failures += 1
+            self._quarantine(key, owner)
+        return plain
+
+    def _quarantine(self, key: bytes, owner: BlockOwner) -> None:  # returns the miss it is
+        with self._lock:
+            self._stats.quarantined += 1
+        log.warning("cluster KV tier: block %s failed its checksum; removed", key.hex()[:16])
+        store = self._client()
+        if store is not None:
+            try:
+                store.remove(self.object_key(key, owner), True)
+            except Exception:
+                pass
+        return None
+
+    def _count_reads(self, results: list[bytes | None], pool: str, elapsed: float) -> None:
+        hits = sum(r is not None for r in results)
+        with self._lock:
+            self._stats.bytes_read += sum(len(r) for r in results if r is not None)
+            self._stats.hits += hits
+            self._stats.misses += len(results) - hits
+            stats = self._pool_stats(pool)
+            stats.hits += hits
+            stats.misses += len(results) - hits
+            if hits:
+                self._stats.load_seconds += elapsed
+
+    # ---- the rest of the interface ----------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        store = self._client()
+        if store is None:
+            return False
+        try:
+            found = store.is_exist(self._marker_key(key))
+        except Exception:
+            found = -1
+        if found < 0:
+            self._master_lost(store, f"is_exist returned {found}")
+        return found == 1
+
+    def delete(self, key: bytes) -> None:
+        """Every owner's object of ``key`` and its marker (one pattern)."""
+        self._remove_matching(rf"^{re.escape(self.ns)}/[0-9a-z]+/{key.hex()}$")
+
+    def drop_tenant(self, tenant: str) -> int:
+        """Every private block of ``tenant`` in the pool, whichever node
+        wrote it; 0 while the master is down."""
+        with self._lock:
+            self._per_pool.pop(tenant, None)
+        return self._remove_matching(rf"^{re.escape(self.ns)}/{tenant_tag(self.crypto, tenant).hex()}/.*$")
+
+    def _remove_matching(self, pattern: str) -> int:
+        store = self._client()
+        if store is None:
+            return 0
+        try:
+            # force: a block read a moment ago still holds a lease; a purge
+            # must not wait for it.
+            removed = store.remove_by_regex(pattern, True)
+        except Exception as exc:
+            removed = -1
+            log.warning("cluster KV tier: remove raised %r", exc)
+        if removed < 0:
+            self._master_lost(store, f"remove returned {removed}")
+            return 0
+        return removed
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            s = self._stats
+            return TierStats(hits=s.hits, misses=s.misses, bytes_read=s.bytes_read, bytes_written=s.bytes_written,
+                             quarantined=s.quarantined, auth_failures=s.auth_failures,
+                             refused_writes=s.refused_writes, num_blocks=s.num_blocks, num_bytes=s.num_bytes,
+                             load_seconds=s.load_seconds,
+                             per_tenant={p: TenantTierStats(t.hits, t.misses, t.num_blocks, t.num_bytes,
+                                                            t.refused_writes)
+                                         for p, t in self._per_pool.items()})
+
+    def close(self) -> None:
+        """Unmount this node's segment (the blocks in it leave the pool) and
+        drop the client."""
+        with self._lock:
+            self._closed.set()
+            store, self._store = self._store, None
+        _close_quietly(store)
+
+
+def _answers(store: Any, probe_key: str) -> bool:
+    """Whether the master answers a key lookup (0 or 1; an RPC failure is
+    negative). Not ``health_check``: it reports a master that just died as
+    healthy for a while."""
+    try:
+        return store.is_exist(probe_key) >= 0
+    except Exception:
+        return False
+
+
+def _close_quietly(store: Any) -> None:
+    if store is not None:
+        try:
+            store.close()
+        except Exception:
+            log.exception("cluster KV tier: closing the Mooncake client failed")
+
+
+def _checksum(key: bytes, header, tenant, payload) -> bytes:
+    h = xxhash.xxh3_128()
+    for part in (key, header, tenant, payload):
+        h.update(part)
+    return h.digest()

@@ -1,0 +1,98 @@
+"""Hardware pools and their price: what ``kvferry plan --hardware`` lays
+out, and the cost lens it ranks placements by.
+
+A hardware is a name, a ``kvferry profile`` JSON measured on it (its step
+times) and a price per instance per hour (any currency unit)::
+
+    --hardware fast=h200.json:4.5 --hardware cheap=l4.json:0.8
+
+A placement puts each pool on one hardware: colocated ``C`` instances of
+one, or ``P`` prefill instances of one and ``D`` decode instances of
+another (the same or not: a mixed layout). Its cost per million useful
+tokens is
+
+    sum of instance prices (per hour) * run hours / useful output tokens * 1e6
+
+where the run is the simulated span (first arrival to last finish) and a
+useful token is an output token of a request that met every SLO: a fleet
+that misses the SLO pays for tokens nobody can use (the formula is
+``bench.metrics.cost_per_million_useful_tokens``, which ``kvferry bench
+--price-per-hour`` uses too). No torch, no I/O but reading the profiles.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from kvferry.plan.latency import PlanError, StepCostModel
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    name: str
+    profile: str  # path of its kvferry profile JSON
+    price_per_hour: float | None  # per instance; None: not priced (plain --profile)
+    cost: StepCostModel
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "profile": self.profile, "price_per_hour": self.price_per_hour}
+
+
+def parse_hardware_spec(text: str) -> tuple[str, str, float]:
+    """``NAME=PROFILE.json:PRICE`` -> (name, path, price). The price follows
+    the last colon, so a path may hold colons."""
+    name, eq, rest = text.partition("=")
+    path, colon, price_text = rest.rpartition(":")
+    form = f"expected NAME=PROFILE.json:PRICE_PER_HOUR, got {text!r}"
+    if not eq or not colon or not path:
+        raise PlanError(f"--hardware: {form}")
+    if not _NAME.match(name):
+        raise PlanError(f"--hardware: the name must be letters, digits, '_', '.' or '-' (at most 64), "
+                        f"got {name!r} in {text!r}")
+    try:
+        price = float(price_text)
+    except ValueError:
+        price = -1.0
+    if not (price >= 0 and math.isfinite(price)):
+        raise PlanError(f"--hardware: the price per hour must be a finite number >= 0, got {price_text!r} "
+                        f"in {text!r}")
+    return name, path, price
+
+
+def load_hardware(specs: list[str], allow_poor_fit: bool) -> list[Hardware]:
+    """Each ``--hardware`` spec with its profile read and checked."""
+    from kvferry.plan.latency import check_profile_fits
+
+    out: list[Hardware] = []
+    for spec in specs:
+        name, path, price = parse_hardware_spec(spec)
+        if any(h.name == name for h in out):
+            raise PlanError(f"--hardware: {name!r} is given twice")
+        check_profile_fits(path, allow_poor_fit, "plan")
+        out.append(Hardware(name, path, price, StepCostModel.from_profile(path)))
+    return out
+
+
+def pick(hardware: list[Hardware], names: str | None, flag: str) -> list[Hardware]:
+    """The hardware a pool may use: all, or the comma list ``names``."""
+    if names is None:
+        return hardware
+    by_name = {h.name: h for h in hardware}
+    chosen = []
+    for name in (n.strip() for n in names.split(",")):
+        if name not in by_name:
+            known = ", ".join(by_name) or "none: give --hardware NAME=PROFILE.json:PRICE"
+            raise PlanError(f"{flag}: no hardware named {name!r} (known: {known})")
+        if by_name[name] not in chosen:
+            chosen.append(by_name[name])
+    return chosen
+
+
+def fleet_price_per_hour(counts_and_hardware: list[tuple[int, Hardware]]) -> float | None:
+    """The fleet's price per hour; None when any pool is unpriced."""
+    if any(h.price_per_hour is None for _, h in counts_and_hardware):
+        return None
+    return sum(n * h.price_per_hour for n, h in counts_and_hardware)

@@ -1,0 +1,165 @@
+"""``kvferry serve --ray ADDRESS --mode disagg``: the prefill and decode cores
+as Ray actors on a real two-node Ray cluster (two ``ray start`` nodes on this
+host, one offering resource "pnode", the other "dnode"), reached over real
+HTTP through the openai client.
+
+Greedy outputs equal the offline engine's; each core lands on the node its
+resources name (the node ids /v1/admin/workers reports are the cluster's);
+a core whose process is killed (SIGKILL) ends only its own streams, Ray
+starts its actor again, and the server re-joins it and serves as before.
+
+One cluster and one server for the module: Ray is heavy on a 2-core host."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray", reason="ray is not installed (pip install 'kvferry[ray]')")
+
+import openai  # noqa: E402
+
+from kvferry import LLM, SamplingParams  # noqa: E402
+from tests.fleet.ray_cluster import RayCluster  # noqa: E402
+from tests.serve.server_process import ServerProcess, start_server  # noqa: E402
+from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
+
+MODEL = "tiny"
+PROMPTS = ["The quick brown fox", "Hello world! How are", "the cat sat on the mat; the dog"]
+MAX_TOKENS = 16
+LONG_TOKENS = 400  # a stream still running when a core is killed
+RESTART_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("ray-tiny"), arch="llama", num_hidden_layers=2,
+                                    max_position_embeddings=1024))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> dict[tuple[str, int], str]:
+    """The offline engine's greedy text of each (prompt, max_tokens)."""
+    llm = LLM(model=tiny, dtype="float32")
+    params = {n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (MAX_TOKENS, LONG_TOKENS)}
+    out = {(p, n): llm.generate([p], params[n])[0].outputs[0].text for p in PROMPTS for n in params}
+    del llm
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with RayCluster(tmp_path_factory.mktemp("ray-cluster"), {"pnode": 1}, {"dnode": 1}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def server(cluster, tiny, tmp_path_factory):
+    log = tmp_path_factory.mktemp("ray-serve") / "server.log"
+    try:
+        srv = start_server(log, [tiny, "--served-model-name", MODEL, "--ray", cluster.address, "--mode", "disagg",
+                                 "--prefill", "1", "--decode", "1",
+                                 "--ray-prefill-resources", json.dumps({"pnode": 1}),
+                                 "--ray-decode-resources", json.dumps({"dnode": 1})])
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}\n--- Ray cluster:\n{cluster.logs()}") from None
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"
+
+
+def _client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=180)
+
+
+def _workers(srv: ServerProcess) -> dict[str, dict]:
+    r = httpx.get(f"{srv.base_url}/v1/admin/workers", timeout=10)
+    assert r.status_code == 200, r.text
+    return {w["name"]: w for w in r.json()["data"]}
+
+
+def _greedy(c: openai.OpenAI, prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = False) -> str:
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    if not stream:
+        return c.completions.create(**kwargs).choices[0].text
+    return "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kwargs) if ch.choices)
+
+
+def _title(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[0]
+
+
+def _wait_restarted(srv: ServerProcess, name: str, old_pid: int) -> dict:
+    """The worker once it is back: alive, a new process, restarted once more."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        w = _workers(srv)[name]
+        if w["alive"] and not w["restarting"] and w["pid"] != old_pid:
+            return w
+        assert time.monotonic() < deadline, f"{name} not back: {w}\n{srv.log()[-5000:]}"
+        time.sleep(0.5)
+
+
+def test_cores_are_actors_on_the_nodes_their_resources_name(server, cluster):
+    workers = _workers(server)
+    assert {n: w["role"] for n, w in workers.items()} == {"prefill-0": "prefill", "decode-0": "decode"}
+    assert workers["prefill-0"]["node_id"] == cluster.node_ids["pnode"]
+    assert workers["decode-0"]["node_id"] == cluster.node_ids["dnode"]
+    assert cluster.node_ids["pnode"] != cluster.node_ids["dnode"]
+    for name, w in workers.items():
+        # Bound on the interface the node is known by in the cluster.
+        node = "pnode" if name.startswith("prefill") else "dnode"
+        assert w["ray_actor"] and w["address"].startswith(f"tcp://{cluster.node_hosts[node]}:")
+        assert _title(w["pid"]) == f"kvferry: {name}".encode()
+    assert workers["prefill-0"]["ray_actor"] != workers["decode-0"]["ray_actor"]
+
+
+def test_greedy_identical_to_the_offline_engine(server, expected):
+    with _client(server) as c:
+        for prompt in PROMPTS:
+            assert _greedy(c, prompt) == expected[(prompt, MAX_TOKENS)]
+        assert _greedy(c, PROMPTS[0], stream=True) == expected[(PROMPTS[0], MAX_TOKENS)]
+    workers = _workers(server)
+    assert workers["prefill-0"]["num_routed"] > 0 and workers["decode-0"]["num_routed"] >= len(PROMPTS) + 1
+
+
+def test_a_killed_core_ends_only_its_streams_and_is_rejoined_after_ray_restarts_it(server, cluster, expected):
+    """Runs last on this server: it kills both cores, one after the other."""
+    before = _workers(server)
+    prompt = PROMPTS[1]
+    with _client(server) as c:
+        # The prefill core dies while a request decodes: that stream is the
+        # decode core's and goes on to the end, unchanged.
+        stream = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=LONG_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}))
+        text = next(stream).choices[0].text
+        os.kill(before["prefill-0"]["pid"], signal.SIGKILL)
+        chunks = list(stream)
+        text += "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert text == expected[(prompt, LONG_TOKENS)]
+        prefill = _wait_restarted(server, "prefill-0", before["prefill-0"]["pid"])
+        assert prefill["num_restarts"] == 1 and prefill["node_id"] == cluster.node_ids["pnode"]
+        assert prefill["ray_actor"] == before["prefill-0"]["ray_actor"]  # the same actor, restarted by Ray
+        assert _title(prefill["pid"]) == b"kvferry: prefill-0"
+
+        # The decode core dies mid-stream: its stream ends with an error.
+        stream = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=LONG_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}))
+        next(stream)
+        os.kill(before["decode-0"]["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(openai.APIError, match="decode-0"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed_at < 30
+        decode = _wait_restarted(server, "decode-0", before["decode-0"]["pid"])
+        assert decode["num_restarts"] == 1 and decode["node_id"] == cluster.node_ids["dnode"]
+        assert httpx.get(f"{server.base_url}/health", timeout=10).json()["status"] == "ok"
+        # Served again, with the same greedy outputs.
+        for p in PROMPTS:
+            assert _greedy(c, p) == expected[(p, MAX_TOKENS)]

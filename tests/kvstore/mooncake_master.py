@@ -1,0 +1,75 @@
+"""A real ``mooncake_master`` (from the mooncake pip package) on 127.0.0.1
+for the tests: free ports, its built-in HTTP metadata server, no HA;
+killed (SIGKILL) and restarted on the same ports at will."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.kvstore.redis_server import free_port
+
+
+def mooncake_binary() -> str:
+    """The master binary, or a skip naming what is missing."""
+    from kvferry.kvstore.cluster import load_store_module
+
+    try:
+        load_store_module()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    import mooncake
+
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    if not os.access(binary, os.X_OK):
+        pytest.skip(f"no executable mooncake_master in {binary.parent}")
+    return str(binary)
+
+
+class MooncakeMaster:
+    def __init__(self, workdir: Path, *, segment_gb: float = 1 / 32, buffer_mb: int = 16) -> None:
+        self.binary = mooncake_binary()
+        self.workdir = workdir
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.url = (f"mooncake://127.0.0.1:{self.rpc_port}?metadata={self.metadata}"
+                    f"&segment_gb={segment_gb}&buffer_mb={buffer_mb}")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.workdir / "mooncake_master.log", "ab")
+        self.proc = subprocess.Popen(
+            [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
+             "--enable_metric_reporting=false", "--client_ttl=3"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        log.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode} "
+                                   f"(log: {self.workdir / 'mooncake_master.log'})")
+            if all(_listening(port) for port in (self.rpc_port, self.http_port)):
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError("mooncake_master did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL: the master vanishes mid-run
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
