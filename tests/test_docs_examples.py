@@ -80,7 +80,7 @@ class DocSession:
 
     def server_for(self, block: Block) -> ServerProcess:
         """The server of the last serve block above this one on its page, else the shared one."""
-        above = [b for b in PAGES[block.page] if b.action == "serve" and b.line < block.line]
+        above = [b for b in PAGES.get(block.page, []) if b.action == "serve" and b.line < block.line]
         return self.servers[above[-1].id] if above else self.shared
 
     def env(self, server: ServerProcess) -> dict[str, str]:
@@ -90,7 +90,7 @@ class DocSession:
     def run(self, block: Block) -> None:
         # A block may rely on the files and the server of the page's earlier
         # blocks: run those first when this block runs alone (pytest -k).
-        for earlier in PAGES[block.page]:
+        for earlier in PAGES.get(block.page, []):
             if earlier.line >= block.line:
                 break
             if earlier.action not in ("file", "serve"):
@@ -189,3 +189,15 @@ def test_docs_example(block: Block, request: pytest.FixtureRequest) -> None:
         pytest.skip(block.reason)
     docs: DocSession = request.getfixturevalue("docs")  # no server for a run that only skips
     docs.run(block)
+
+
+@pytest.mark.parametrize(("lang", "text"), [
+    ("bash", "curl -s localhost:8000/v1/no-such-route\n"),  # an HTTP error, though curl is shown without -f
+    ("bash", "false\necho never\n"),
+    ("bash", "false | cat\n"),
+    ("python", "raise SystemExit(3)\n"),
+])
+def test_a_failing_example_fails(lang: str, text: str, docs: DocSession) -> None:
+    block = Block(Path("synthetic.md"), 1, lang, text, "run")
+    with pytest.raises(AssertionError, match="synthetic.md:1 exited with"):
+        docs.run(block)

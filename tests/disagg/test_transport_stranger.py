@@ -162,3 +162,16 @@ def test_the_socket_binds_only_the_interface_it_is_given():
     finally:
         loopback.close()
         anywhere.close()
+
+
+def test_a_shared_memory_pool_is_readable_by_its_owner_only():
+    """Over shm the KV never crosses a socket; the segment is the pool, so
+    another user of the host must not be able to map it."""
+    from kvferry.disagg.transport import SharedKVPool
+
+    pool = SharedKVPool.create(SHAPE, torch.bfloat16)
+    try:
+        mode = os.stat(f"/dev/shm/{pool.name.lstrip('/')}").st_mode & 0o777
+        assert mode == 0o600, oct(mode)
+    finally:
+        pool.close()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -126,6 +128,30 @@ def test_greedy_identical_to_the_offline_engine(server, expected):
         assert _greedy(c, PROMPTS[0], stream=True) == expected[(PROMPTS[0], MAX_TOKENS)]
     workers = _workers(server)
     assert workers["prefill-0"]["num_routed"] > 0 and workers["decode-0"]["num_routed"] >= len(PROMPTS) + 1
+
+
+def test_a_core_no_node_can_host_fails_the_start_clearly(cluster, tiny, tmp_path):
+    """Resources no node offers: the actor stays pending, the server says
+    so at once in its log, exits 2 at --engine-start-timeout naming the
+    core, and leaves no actor behind (the other core's included)."""
+    cmd = [sys.executable, "-m", "kvferry.cli", "serve", tiny, "--port", "0", "--ray", cluster.address,
+           # The prefill core can be placed (a CPU: the module's server holds "pnode").
+           "--mode", "disagg", "--ray-prefill-resources", json.dumps({"CPU": 1}),
+           "--ray-decode-resources", json.dumps({"nowhere": 1}), "--engine-start-timeout", "10"]
+    before = _num_titled("kvferry: prefill-0")  # the module's server's, if it runs
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "no node of the Ray cluster offers {'nowhere': 1.0}, which decode-0 asks for" in out.stderr
+    assert "did not place decode-0 (resources {'nowhere': 1.0})" in out.stderr
+    deadline = time.monotonic() + 60
+    while _num_titled("kvferry: prefill-0") > before:  # its prefill actor is ended
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def _num_titled(title: str) -> int:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return sum(line.strip() == title for line in ps.splitlines())
 
 
 def test_a_killed_core_ends_only_its_streams_and_is_rejoined_after_ray_restarts_it(server, cluster, expected):

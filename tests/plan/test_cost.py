@@ -105,3 +105,6 @@ def test_pools_can_be_pinned_to_hardware_and_bad_specs_are_refused(tmp_path, har
                       "--output", str(tmp_path / "bad"))
         assert out.returncode == 2, (args, out.stderr)
         assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, (args, out.stderr)
+    out = kvferry("plan", "--hardware", f"a={profile}:1", "--colocated-hardware", "none", "--trace", str(trace),
+                  "--slo", SLO, "--gpus", "1", "--output", str(tmp_path / "bad"))
+    assert out.returncode == 2 and "leaves no placement" in out.stderr, out.stderr

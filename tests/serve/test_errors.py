@@ -71,7 +71,7 @@ BAD_JSON_BODIES = [
     ("chat-top-logprobs-30", CHAT, chat(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
     ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("logit-bias", COMPLETIONS, completion(logit_bias={"50": 10}), 400, "logit_bias"),
-    ("echo", COMPLETIONS, completion(echo=True), 400, "echo"),
+    ("echo-stream", COMPLETIONS, completion(echo=True, stream=True), 400, "echo"),
     ("tools-empty", CHAT, chat(tools=[]), 400, "tools"),
     ("tool-name-invalid", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
      "tools.0.function.name"),

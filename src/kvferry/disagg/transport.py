@@ -36,10 +36,11 @@ sends only an acknowledgement, only to the peer that sent an authenticated
 ``KVTransferDone``; a message without the token is dropped before it is
 decoded. The decode core binds the interface of its
 ``--kv-transfer-address`` only; a wildcard address (0.0.0.0, ::) is
-refused unless ``--kv-transfer-bind-any`` (``bind_address``). The frames
-are not encrypted: across an untrusted network, run the link inside one
-(a VPN, an IPsec or WireGuard tunnel), since a sniffer of the link reads
-the KV and the token.
+refused unless ``--kv-transfer-bind-any`` (``bind_address``). Over shared
+memory the KV crosses no socket; the pool's segment is created 0600, so
+only its user maps it. The TCP frames are not encrypted: across an
+untrusted network, run the link inside one (a VPN, an IPsec or WireGuard
+tunnel), since a sniffer of the link reads the KV and the token.
 
 Seam for NIXL or Mooncake's Transfer Engine: a third ``KVTransport`` whose
 constructor registers both pools with the engine (NIXL ``register_memory``

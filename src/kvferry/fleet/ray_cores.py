@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-from kvferry import envs
+from kvferry import envs, peer_auth
 from kvferry.config import EngineConfig
 from kvferry.engine.core_client import CoreAddresses, CoreProcess, EngineCoreStartError
 from kvferry.fleet.core_actor import CoreActor, CoreActorInfo
@@ -51,7 +52,8 @@ class ActorProcess:
     interface. Its death is learnt from ``wait``, a call that returns only
     when the core's loop ends (or fails when the actor dies): no polling."""
 
-    def __init__(self, actor: "ray.actor.ActorHandle", info: CoreActorInfo) -> None:
+    def __init__(self, name: str, actor: "ray.actor.ActorHandle", info: CoreActorInfo) -> None:
+        self.name = name
         self.actor = actor
         self.info = info
         self.exitcode: int | None = None
@@ -86,6 +88,8 @@ class ActorProcess:
         self._clean = error is None and future.result() is True
         self.exitcode = 0 if self._clean else 1
         self.death = None if error is None else str(error).splitlines()[0]
+        if error is not None:
+            logger.error("the Ray actor of %s (pid %d) died: %s", self.name, self.pid, self.death)
         self._dead.set()
         os.write(self._write_fd, b"x")
 
@@ -122,8 +126,30 @@ class ActorProcess:
                 pass
 
 
-def core_process(actor: "ray.actor.ActorHandle", info: CoreActorInfo) -> CoreProcess:
-    return CoreProcess(ActorProcess(actor, info), CoreAddresses(info.input, info.output))  # type: ignore[arg-type]
+def core_process(name: str, actor: "ray.actor.ActorHandle", info: CoreActorInfo) -> CoreProcess:
+    return CoreProcess(ActorProcess(name, actor, info), CoreAddresses(info.input, info.output))  # type: ignore[arg-type]
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise ConnectionError unless something listens at HOST:PORT: Ray's
+    own client retries an unreachable head for minutes before it gives up."""
+    if address == "auto":
+        return  # Ray looks the local cluster up itself, and fails fast
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
+
+
+def warn_if_no_node_fits(name: str, resources: dict[str, float]) -> None:
+    """Say so at once when no node of the cluster offers ``resources`` now:
+    Ray keeps such an actor pending (an autoscaler may add a node for it),
+    and the start only fails at --engine-start-timeout."""
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    if not any(all(offered.get(k, 0.0) >= v for k, v in resources.items()) for offered in nodes):
+        logger.warning("no node of the Ray cluster offers %s, which %s asks for: it waits for one "
+                       "(up to --engine-start-timeout)", resources, name)
 
 
 @dataclass(slots=True)
@@ -153,6 +179,7 @@ class RayCores:
         """Join the running cluster at ``placement.address`` as a driver.
         Raises ConnectionError when there is none."""
         if not ray.is_initialized():
+            check_reachable(placement.address)
             try:
                 # The cores' logs stay in the cluster's log folders: the
                 # server's own output is its log and ready line.
@@ -176,13 +203,14 @@ class RayCores:
         every actor created is ended before EngineCoreStartError propagates."""
         for name, role, config, cpus in cores:
             self._specs[name] = _ActorSpec(config, role, check_integrity_when_idle, log_level, cpus)
+            warn_if_no_node_fits(name, self.placement.resources_of(role))
             self._actors[name] = self._create(name)
         deadline = time.monotonic() + ready_timeout_s
         processes = []
         try:
             for name, *_ in cores:
                 info = self._get_info(name, deadline - time.monotonic())
-                processes.append(core_process(self._actors[name], info))
+                processes.append(core_process(name, self._actors[name], info))
         except BaseException:
             for actor in self._actors.values():
                 ray.kill(actor, no_restart=True)
@@ -192,8 +220,10 @@ class RayCores:
     def _create(self, name: str) -> "ray.actor.ActorHandle":
         spec = self._specs[name]
         options = actor_resources(self.placement.resources_of(spec.role))
+        # What a core spawned here would inherit: the KVFERRY_* settings, and
+        # the socket secret every core of this server shares (KV transfer tokens).
         env = {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_")}
-        env[envs.SOCKET_SECRET] = os.environ.get(envs.SOCKET_SECRET, "")
+        env[envs.SOCKET_SECRET] = peer_auth.socket_secret().hex()
         return self._actor_class.options(max_restarts=self.max_restarts, max_concurrency=_ACTOR_CONCURRENCY,
                                          **options).remote(spec.config, name, spec.role, env,
                                                            spec.check_integrity_when_idle, spec.log_level,
@@ -247,4 +277,4 @@ class RayCores:
                 await asyncio.sleep(0.2)
                 continue
             logger.warning("the Ray actor of %s is back: pid %d on node %s", name, info.pid, info.node_id)
-            return core_process(actor, info)
+            return core_process(name, actor, info)

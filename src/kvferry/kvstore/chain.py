@@ -133,10 +133,10 @@ class ColdChain:
     def write_back(self, entry: Entry, arena: Arena) -> None:
         """``entry`` is about to leave DRAM: copy its bytes out now (the slot
         is reused next) and write them down on the write-back thread."""
+        if not self.tiers:
+            return
         tiers = [t for t in self.tiers
                  if t.name != "cluster" and (t.name != "remote" or entry.hits >= self.remote_min_hits)]
-        if not tiers:
-            return
         with self._lock:
             if entry.key in self._pending:
                 return

@@ -35,9 +35,12 @@ such a block is found by ``contains``, comes back a miss from ``get`` (the
 load is short, the engine recomputes) and is written again, marker and
 all, by the next write-through.
 
-Capacity is Mooncake's: the master evicts objects when the segments fill
-(its ``--eviction_high_watermark_ratio``); an evicted block is a plain miss
-here, and a put the pool cannot place is a refused write.
+A store that stops unmounts its segment: the blocks placed in it leave the
+pool (``segment_gb=0``: a node that lends nothing, whose blocks all live
+in the other nodes' segments). Capacity is Mooncake's: the master evicts
+objects when the segments fill (its ``--eviction_high_watermark_ratio``);
+an evicted block is a plain miss here, and a put the pool cannot place is
+a refused write.
 
 **Faults.** A master that stops answering (a call failing with an RPC
 error) disables the tier: one warning per outage, every call a miss or a
@@ -45,10 +48,12 @@ refused write without touching the network, and a key lookup after a
 backoff that doubles up to ``retry_max_s``. The client library reconnects
 by itself (and mounts this node's segment again on a restarted master);
 when the master answers, the tier logs (INFO) that it is back. A master
-absent at start is waited for on a thread (``setup`` blocks while it
-retries): the store serves at once, the pool missing until then. Nothing
+absent at start is waited for on a thread (its port probed before each
+``setup``, which holds the GIL while it retries): the store serves at
+once, the pool missing until then. Nothing
 raises out of ``put``/``get``. Mooncake's own log lines (glog, on stderr)
-are kept to fatal ones unless ``GLOG_minloglevel`` is set.
+are kept to errors unless ``MC_LOG_LEVEL`` is set (its failed RPCs while
+a master is down are among them).
 
 ``stats()``: hits, misses and bytes of this node's reads and writes;
 ``num_blocks``/``num_bytes`` stay 0, the pool's contents being the
@@ -156,19 +161,35 @@ class PoolAddress:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
             raise ValueError(f"kv_cluster: namespace must be letters, digits, '_', '.', '-', got {namespace!r}")
 
-        def size(name: str, default: float, unit: int) -> int:
+        def size(name: str, default: float, unit: int, zero_ok: bool = False) -> int:
             raw = query.get(name)
             try:
                 value = default if raw is None else float(raw)
             except ValueError:
                 raise ValueError(f"kv_cluster: {name} must be a number, got {raw!r}") from None
-            if not value > 0:
-                raise ValueError(f"kv_cluster: {name} must be > 0, got {raw!r}")
+            if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+                raise ValueError(f"kv_cluster: {name} must be {'>= 0' if zero_ok else '> 0'}, got {raw!r}")
             return int(value * unit)
 
+        # segment_gb=0: a node that lends the pool nothing (its blocks live
+        # in the other nodes' segments, and outlive its store).
         return cls(url=url, master=master, metadata=metadata, protocol=protocol, device=query.get("device", ""),
-                   host=query.get("host", ""), segment_bytes=size("segment_gb", DEFAULT_SEGMENT_GB, GIB),
+                   host=query.get("host", ""), segment_bytes=size("segment_gb", DEFAULT_SEGMENT_GB, GIB, zero_ok=True),
                    buffer_bytes=size("buffer_mb", DEFAULT_BUFFER_MB, MIB), namespace=namespace)
+
+    def reachable(self, timeout_s: float = 1.0) -> bool:
+        """Whether the master's port (and an http:// metadata server's)
+        accept a TCP connection."""
+        endpoints = [_host_port(self.master, 0)]
+        if self.metadata.startswith(("http://", "https://")):
+            endpoints.append(_host_port(urlsplit(self.metadata).netloc,
+                                        443 if self.metadata.startswith("https://") else 80))
+        for host, port in endpoints:
+            try:
+                socket.create_connection((host, port), timeout=timeout_s).close()
+            except (OSError, ValueError):
+                return False
+        return True
 
     def local_host(self) -> str:
         """This node's address for the pool: ``host`` if given, else the
@@ -186,13 +207,18 @@ class PoolAddress:
             return "127.0.0.1"
 
 
+def _host_port(netloc: str, default_port: int) -> tuple[str, int]:
+    parts = urlsplit("//" + netloc)
+    return parts.hostname or "", parts.port or default_port
+
+
 # -- availability of the client library ------------------------------------------------------
 def load_store_module() -> Any:
     """``mooncake.store``, or a ValueError naming what is missing: the
     package, or the shared libraries its extension needs."""
-    # Its client logs every failed RPC while a master is down (several a
-    # second); the tier says so once. An operator's own setting wins.
-    os.environ.setdefault("GLOG_minloglevel", "3")
+    # Its client logs a dozen INFO lines per start and a warning per
+    # lookup of an absent segment; errors only, unless the operator says.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         import mooncake.store as store
     except ModuleNotFoundError as exc:
@@ -230,7 +256,7 @@ class MooncakeTier(ColdTier):
     name = "cluster"
 
     def __init__(self, address: str | PoolAddress, *, crypto: TierCrypto | None = None,
-                 retry_initial_s: float = 1.0, retry_max_s: float = 30.0, connect_wait_s: float = 10.0) -> None:
+                 retry_initial_s: float = 1.0, retry_max_s: float = 30.0, connect_wait_s: float = 5.0) -> None:
         if retry_initial_s <= 0 or retry_max_s < retry_initial_s:
             raise ValueError("retry_initial_s, retry_max_s: must be > 0 and max >= initial")
         self.address = address if isinstance(address, PoolAddress) else PoolAddress.parse(address)
@@ -252,14 +278,15 @@ class MooncakeTier(ColdTier):
         self._closed = threading.Event()
         self._put_config = self._module.ReplicateConfig()
         self._put_config.replica_num = 1
-        # setup() blocks while it retries an absent master (about 90 s), so
-        # it runs on a thread of its own: the store serves at once, every
-        # pool call a miss until the client is up. A master that is up is
-        # waited for (a second), so that a fresh store starts with its pool.
-        self._connected = threading.Event()
+        # The client is set up on a thread of its own: the store serves at
+        # once, every pool call a miss until the client is up. A master
+        # that is up is waited for (a second), so that a fresh store starts
+        # with its pool.
+        self._first_try = threading.Event()
         self._connector = threading.Thread(target=self._connect_loop, name="kvstore-pool-connect", daemon=True)
         self._connector.start()
-        if not self._connected.wait(connect_wait_s):
+        self._first_try.wait(connect_wait_s)
+        if self.down:
             log.warning("cluster KV tier: no Mooncake master at %s yet; every block a miss until it answers",
                         self.address.master)
 
@@ -271,6 +298,14 @@ class MooncakeTier(ColdTier):
         master that restarts (and mounts this node's segment again)."""
         backoff = self._retry_initial_s
         while not self._closed.is_set():
+            if not self.address.reachable():
+                # setup() holds the GIL while it retries an absent master
+                # (about 90 s): the whole store would stall. A refused
+                # connection is the common case, told apart here at once.
+                self._first_try.set()
+                self._closed.wait(backoff)
+                backoff = min(2 * backoff, self._retry_max_s)
+                continue
             store = self._module.MooncakeDistributedStore()
             rc = store.setup({
                 "local_hostname": self._host, "metadata_server": self.address.metadata,
@@ -279,16 +314,16 @@ class MooncakeTier(ColdTier):
                 "master_server_addr": self.address.master,
             })
             if rc == 0:
+                name = store.get_hostname()
                 with self._lock:
                     if not self._closed.is_set():
-                        self._store = store
+                        self._store, store = store, None
                         self.down = False
-                        store = None
                 if store is None:
-                    log.info("cluster KV tier: connected to the Mooncake master %s as %s", self.address.master,
-                             self._store.get_hostname())
-                    self._connected.set()
+                    log.info("cluster KV tier: connected to the Mooncake master %s as %s", self.address.master, name)
+                    self._first_try.set()
                     return
+            self._first_try.set()
             _close_quietly(store)
             self._closed.wait(backoff)
             backoff = min(2 * backoff, self._retry_max_s)
@@ -534,11 +569,26 @@ class MooncakeTier(ColdTier):
 
     def close(self) -> None:
         """Unmount this node's segment (the blocks in it leave the pool) and
-        drop the client."""
+        drop the client. With the master gone, the client is left as it is:
+        its close retries the unmount for ten seconds and more, and the
+        master forgets a silent client's segment by itself (its
+        ``--client_ttl``). A process that leaves it so should end with
+        ``os._exit``: the library's teardown at exit retries the same way."""
         with self._lock:
             self._closed.set()
             store, self._store = self._store, None
+        if store is None:
+            return
+        if not self.address.reachable():
+            log.warning("cluster KV tier: the Mooncake master %s is unreachable; leaving without unmounting",
+                        self.address.master)
+            _ABANDONED.append(store)  # never destroyed: its destructor would retry too
+            return
         _close_quietly(store)
+
+
+# Clients left open by close() with their master gone.
+_ABANDONED: list[Any] = []
 
 
 def _answers(store: Any, probe_key: str) -> bool:

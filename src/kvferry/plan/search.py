@@ -148,6 +148,9 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
                  ph, dh)
                 for ph in pools.prefill for dh in pools.decode
                 for p in range(1, gpus) for d in range(1, gpus - p + 1)]
+    if not layouts:
+        raise ValueError(f"--gpus {gpus} with no colocated hardware leaves no placement (a disaggregated one "
+                         "needs 2 instances)")
     candidates = [evaluate(requests, slo, cluster, front, back, rate, min_attainment_pct)
                   for cluster, front, back in layouts]
     for c in candidates:

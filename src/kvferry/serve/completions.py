@@ -39,14 +39,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, caller:
     prompt_only = req.echo and req.max_tokens == 0  # echo the prompt, generate nothing (as vLLM)
     max_tokens = resolve_max_tokens(1 if prompt_only else req.max_tokens, len(prompt_ids),
                                     ctx.client.max_model_len, "prompt", ctx.max_tokens(DEFAULT_MAX_TOKENS))
+    if req.echo and (prompt_only or req.logprobs is not None) and ctx.client.router.mode == "disagg":
+        # The prefill core computes the prompt; its prompt results do not travel with the KV.
+        raise bad_request("echo with logprobs or max_tokens=0 is not supported with disaggregated prefill", "echo")
     params = sampling_params(req, max_tokens, req.logprobs)
     if req.echo:
-        params = replace(params, prompt_only=prompt_only,
-                         prompt_logprobs=req.logprobs if req.logprobs is not None else None)
+        params = replace(params, prompt_only=prompt_only, prompt_logprobs=req.logprobs)
     ids = RequestIds.make("cmpl", client_request_id)
     prompt_text = None
     if req.echo:
-        prompt_text = _prompt_text(req) or await tokenize(ctx.client.tokenizer.decode, prompt_ids)
+        # Token ids are echoed as their text, special tokens included.
+        prompt_text = _prompt_text(req) or await tokenize(ctx.client.tokenizer.decode, prompt_ids, False)
     return await respond(
         ctx, ids, prompt_ids, params, arrival, caller, req.stream,
         make_chunks=lambda: _CompletionChunks(ctx, req, ids.public, model, len(prompt_ids)),

@@ -31,6 +31,9 @@ from kvferry.serve.tenants import Caller
 async def create_embeddings(ctx: ServingContext, req: EmbeddingRequest, caller: Caller, arrival: float,
                             pooling: str) -> Response:
     model = raise_for_model(req.model, ctx.served_model_names)
+    if ctx.client.router.mode == "disagg":
+        # A prompt-only request has no first token for a decode core to continue from.
+        raise bad_request("embeddings are not supported with disaggregated prefill", "model")
     if req.dimensions is not None:
         raise bad_request("dimensions is not supported (the model's hidden size is returned)", "dimensions")
     inputs = await tokenize(embedding_inputs, req.input, ctx.client.tokenizer)

@@ -77,8 +77,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         router = router_config_from(args)
         placement = placement_from_args(args)
         if placement is not None and engine_args.kv_dram_gb and not engine_args.kv_store:
-            raise ValueError("--kv-dram-gb starts a KV store on this node only; with --ray, start one per node "
-                             "(kvferry kvstore) and give its tcp:// address with --kv-store")
+            raise ValueError("--kv-dram-gb starts a KV store on the serve node only, for cores that run there; "
+                             "it is not supported with --ray yet")
         if not getattr(args, "log_stats_interval_s", 0.0) >= 0:
             raise ValueError(f"log_stats_interval_s must be >= 0 (0: off), got {args.log_stats_interval_s}")
         listen = bind_socket(args.host, args.port)
