@@ -59,10 +59,6 @@ class Block:
         return f"{self.page}:{self.line}"
 
     @property
-    def is_shell(self) -> bool:
-        return self.lang in SHELL_LANGS
-
-    @property
     def is_python(self) -> bool:
         return self.lang == "python"
 
@@ -103,8 +99,13 @@ def parse_page(path: Path, repo: Path = REPO) -> list[Block]:
             raise DirectiveError(f"{path}:{start + 1}: docs-test: serve marks a shell block, not {lang or 'a bare one'}")
         if action == "run" and lang not in RUNNABLE_LANGS:
             raise DirectiveError(f"{path}:{start + 1}: a {lang or 'bare'} block cannot run")
-        blocks.append(Block(path.relative_to(repo), start + 1, lang, "\n".join(body) + "\n",
-                            action, reason, file_name))
+        text = "\n".join(body) + "\n"
+        if action == "serve":
+            try:
+                split_serve(text)
+            except (DirectiveError, ValueError) as exc:  # ValueError: shlex, unbalanced quotes
+                raise DirectiveError(f"{path}:{start + 1}: {exc}") from None
+        blocks.append(Block(path.relative_to(repo), start + 1, lang, text, action, reason, file_name))
     return blocks
 
 
@@ -140,13 +141,9 @@ def console_commands(text: str) -> str:
 def split_serve(script: str) -> tuple[str, list[str]]:
     """A serve block: (the shell lines before its last command, the
     ``kvferry serve`` command's arguments after ``serve``)."""
-    commands: list[list[str]] = []
-    for logical in script.replace("\\\n", " ").splitlines():
-        words = shlex.split(logical, comments=True)
-        if words:
-            commands.append(words)
-    if not commands or commands[-1][:2] != ["kvferry", "serve"]:
+    lines = script.replace("\\\n", " ").splitlines()  # continuation lines joined
+    commands = [(i, words) for i, line in enumerate(lines) if (words := shlex.split(line, comments=True))]
+    if not commands or commands[-1][1][:2] != ["kvferry", "serve"]:
         raise DirectiveError("a docs-test: serve block must end with a `kvferry serve` command")
-    lines = script.replace("\\\n", " ").splitlines()
-    last = max(i for i, line in enumerate(lines) if shlex.split(line, comments=True))
-    return "\n".join(lines[:last]) + "\n", commands[-1][2:]
+    last, words = commands[-1]
+    return "\n".join(lines[:last]) + "\n", words[2:]

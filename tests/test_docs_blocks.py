@@ -58,9 +58,11 @@ def test_a_bad_comment_is_an_error(tmp_path, comment):
         page(tmp_path, f"{comment}\n```bash\necho\n```\n")
 
 
-def test_serve_marks_only_a_shell_block(tmp_path):
+def test_serve_marks_only_a_shell_block_ending_in_kvferry_serve(tmp_path):
     with pytest.raises(DirectiveError, match="shell block"):
         page(tmp_path, "<!-- docs-test: serve -->\n```python\nprint()\n```\n")
+    with pytest.raises(DirectiveError, match="page.md:2: .*must end with"):
+        page(tmp_path, "<!-- docs-test: serve -->\n```bash\nkvferry serve\necho after\n```\n")
 
 
 def test_console_blocks_run_their_commands_only(tmp_path):
