@@ -116,7 +116,7 @@ def test_not_adaptive_gives_the_same_greedy_output(case):
 
 
 @pytest.mark.parametrize("bad, field", [
-    ({"method": "eagle"}, "speculative.method"),
+    ({"method": "medusa"}, "speculative.method"),  # eagle and eagle3 are read as "head"
     ({"num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
     ({"num_speculative_tokens": "4"}, "speculative.num_speculative_tokens"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "speculative.prompt_lookup_min"),
