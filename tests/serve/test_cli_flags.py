@@ -199,3 +199,14 @@ def test_api_key_server(keyed_server):
     # as vLLM's: /metrics and /health need no key
     assert httpx.get(f"{keyed_server.base_url}/metrics", timeout=10).status_code == 200
     assert "--enable-auto-tool-choice: no-op" in keyed_server.log()
+
+
+def test_served_name_is_the_hub_id_as_given_and_a_folders_name_for_paths(tmp_path):
+    from kvferry.serve.server import default_model_name
+
+    assert default_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    folder = tmp_path / "org" / "my-model"
+    folder.mkdir(parents=True)
+    assert default_model_name(str(folder)) == "my-model"
+    assert default_model_name(str(tmp_path / "m.gguf")) == "m"
+    assert default_model_name("./org/name") == "name"

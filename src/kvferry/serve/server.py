@@ -52,7 +52,15 @@ def default_model_name(model: str | None) -> str:
     if model is None:
         return DEFAULT_MODEL_NAME
     path = Path(model.rstrip("/"))
+    if not path.exists() and _is_hub_id(model):
+        return model  # a Hugging Face id is served under the id itself, as vLLM does
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _is_hub_id(model: str) -> bool:
+    """``org/name``: one slash, neither part a path component of its own."""
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
 
 
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
