@@ -210,3 +210,11 @@ def test_served_name_is_the_hub_id_as_given_and_a_folders_name_for_paths(tmp_pat
     assert default_model_name(str(folder)) == "my-model"
     assert default_model_name(str(tmp_path / "m.gguf")) == "m"
     assert default_model_name("./org/name") == "name"
+
+
+def test_disable_log_stats_turns_the_stats_line_off(capsys):
+    args = serve_args("--disable-log-stats")
+    assert args.log_stats_interval_s == 10.0
+    apply_vllm_args(args, EngineArgs.from_cli_args(args))
+    assert args.log_stats_interval_s == 0
+    assert "--disable-log-stats: --log-stats-interval-s 0" in capsys.readouterr().err

@@ -10,6 +10,7 @@ kvferry's own option, with one line on stderr saying which.
     --tensor-parallel-size 1       no-op; > 1 is refused (one device per engine core)
     --swap-space GiB               --num-swap-blocks = GiB / the bytes of one KV block of this model
     --uvicorn-log-level LEVEL      no-op: uvicorn logs at --log-level
+    --disable-log-stats            --log-stats-interval-s 0 (no periodic stats line)
     --gpu-memory-utilization F     CUDA: --kv-cache-memory-gb = F x total memory, less what is in use,
                                    the weights and a reserve; CPU: no-op
 
@@ -44,6 +45,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                         "KV block size")
     g.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                    help="no-op: uvicorn logs at --log-level")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line: the same as --log-stats-interval-s 0")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="CUDA: sets --kv-cache-memory-gb to FRACTION of the device's memory, less what is in "
                         f"use, the weights and a {ACTIVATION_RESERVE_GB:g} GiB reserve; CPU: no-op")
@@ -67,6 +70,9 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
         note("--enable-auto-tool-choice: no-op (tool calls are always parsed when a request sends tools)")
     if args.uvicorn_log_level is not None:
         note(f"--uvicorn-log-level {args.uvicorn_log_level}: no-op (uvicorn logs at --log-level {args.log_level})")
+    if getattr(args, "disable_log_stats", False):
+        note("--disable-log-stats: --log-stats-interval-s 0")
+        args.log_stats_interval_s = 0
     if args.swap_space is not None:
         engine_args = _map_swap_space(args.swap_space, engine_args)
     if args.gpu_memory_utilization is not None:
