@@ -70,7 +70,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -79,8 +78,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import xxhash
 
+from kvferry.kvstore.block_value import encode_value, parse_value
 from kvferry.kvstore.crypto import TierCrypto, tenant_tag
 from kvferry.kvstore.tenant_lru import pool_of
 from kvferry.kvstore.tier import BlockOwner, ColdTier, TenantTierStats, TierStats
@@ -100,14 +99,6 @@ DEFAULT_METADATA_PORT = 8080
 _INSTALL_HINT = "pip install 'kvferry[cluster]' (the mooncake-transfer-engine-non-cuda package)"
 _LIBS_HINT = "apt-get install libibverbs1 librdmacm1"
 
-# The value format of the remote tier (remote.py), so that every rule of
-# tier.py holds the same way: header | tenant tag | checksum | payload.
-_MAGIC = b"KVFR"
-_VERSION = 2
-_HEADER = struct.Struct("<4sBBH")
-_CHECKSUM_BYTES = 16
-_FLAG_PUBLIC = 1
-_FLAG_SEALED = 2
 _MARKER = b"\x01"
 _PUBLIC_PART = "pub"
 _MARKER_PART = "k"
@@ -412,13 +403,8 @@ class MooncakeTier(ColdTier):
             self._stats.bytes_written += len(data)
         return True
 
-    def _encode(self, key: bytes, data: memoryview, owner: BlockOwner) -> bytes:
-        sealed = self.crypto is not None and not owner.public
-        payload = b"".join(self.crypto.seal(key, owner.tenant, data)) if sealed else data
-        tenant = b"" if owner.public else tenant_tag(self.crypto, owner.tenant)
-        header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
-                              len(tenant))
-        return b"".join((header, tenant, _checksum(key, header, tenant, payload), payload))
+    def _encode(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
+        return encode_value(self.crypto, key, data, owner)
 
     def _refuse(self, pool: str) -> None:
         with self._lock:
@@ -461,24 +447,17 @@ class MooncakeTier(ColdTier):
         return results
 
     def _decode(self, key: bytes, value: bytes, owner: BlockOwner) -> bytes | None:
-        view = memoryview(value)
-        body = _HEADER.size
-        if len(view) < body:
+        parsed = parse_value(key, value)
+        if parsed is None:
             return self._quarantine(key, owner)
-        magic, version, flags, tenant_len = _HEADER.unpack_from(view)
-        payload_at = body + tenant_len + _CHECKSUM_BYTES
-        if magic != _MAGIC or version != _VERSION or len(view) < payload_at:
-            return self._quarantine(key, owner)
-        tenant, payload = view[body:body + tenant_len], view[payload_at:]
-        if _checksum(key, view[:body], tenant, payload) != view[body + tenant_len:payload_at]:
-            return self._quarantine(key, owner)
-        if bool(flags & _FLAG_PUBLIC) != owner.public or (
+        tenant, payload = parsed.tenant, parsed.payload
+        if parsed.public != owner.public or (
                 not owner.public and bytes(tenant) != tenant_tag(self.crypto, owner.tenant)):
             # Under this owner's key but labelled another's: never served.
             with self._lock:
                 self._stats.auth_failures += 1
             return None
-        if owner.public or not flags & _FLAG_SEALED:
+        if owner.public or not parsed.sealed:
             return bytes(payload)
         if self.crypto is None:
             return None  # sealed by a node with a secret this one lacks
@@ -608,9 +587,3 @@ def _close_quietly(store: Any) -> None:
         except Exception:
             log.exception("cluster KV tier: closing the Mooncake client failed")
 
-
-def _checksum(key: bytes, header, tenant, payload) -> bytes:
-    h = xxhash.xxh3_128()
-    for part in (key, header, tenant, payload):
-        h.update(part)
-    return h.digest()

@@ -42,28 +42,20 @@ every rule in ``tier.py`` holds the same way.
 from __future__ import annotations
 
 import logging
-import struct
 import sys
 import threading
 import time
 
 import redis
-import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvferry.kvstore.block_value import encode_value, parse_value
 from kvferry.kvstore.crypto import TierCrypto, tenant_tag
 from kvferry.kvstore.tenant_lru import TenantLRU, TierQuotas, pool_of
 from kvferry.kvstore.tier import BlockOwner, ColdTier, TierStats
 
 log = logging.getLogger(__name__)
-
-_MAGIC = b"KVFR"
-_VERSION = 2  # 2: a tenant tag where 1 held the name (a version-1 value read is deleted)
-_HEADER = struct.Struct("<4sBBH")
-_CHECKSUM_BYTES = 16
-_FLAG_PUBLIC = 1
-_FLAG_SEALED = 2
 
 
 class RedisTier(ColdTier):
@@ -158,12 +150,7 @@ class RedisTier(ColdTier):
         return fits
 
     def _encode(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
-        sealed = self.crypto is not None and not owner.public
-        payload = b"".join(self.crypto.seal(key, owner.tenant, data)) if sealed else data
-        tenant = b"" if owner.public else tenant_tag(self.crypto, owner.tenant)
-        header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
-                              len(tenant))
-        return b"".join((header, tenant, _checksum(key, header, tenant, payload), payload))
+        return encode_value(self.crypto, key, data, owner)
 
     def _refuse(self, pool: str) -> None:
         self._stats.refused_writes += 1
@@ -192,24 +179,17 @@ class RedisTier(ColdTier):
         return results
 
     def _decode(self, key: bytes, value: bytes, owner: BlockOwner) -> bytes | None:
-        view = memoryview(value)
-        body = _HEADER.size
-        if len(view) < body:
+        parsed = parse_value(key, value)
+        if parsed is None:
             return self._quarantine(key)
-        magic, version, flags, tenant_len = _HEADER.unpack_from(view)
-        payload_at = body + tenant_len + _CHECKSUM_BYTES
-        if magic != _MAGIC or version != _VERSION or len(view) < payload_at:
-            return self._quarantine(key)
-        tenant, payload = view[body:body + tenant_len], view[payload_at:]
-        if _checksum(key, view[:body], tenant, payload) != view[body + tenant_len:payload_at]:
-            return self._quarantine(key)
-        if flags & _FLAG_PUBLIC:
+        tenant, payload = parsed.tenant, parsed.payload
+        if parsed.public:
             return bytes(payload)
         if owner.public or bytes(tenant) != tenant_tag(self.crypto, owner.tenant):
             with self._lock:
                 self._stats.auth_failures += 1
             return None
-        if not flags & _FLAG_SEALED:
+        if not parsed.sealed:
             return bytes(payload)
         if self.crypto is None:
             return None  # sealed by a node with a secret this one lacks
@@ -301,9 +281,3 @@ class RedisTier(ColdTier):
     def close(self) -> None:
         self._redis.close()
 
-
-def _checksum(key: bytes, header, tenant, payload) -> bytes:
-    h = xxhash.xxh3_128()
-    for part in (key, header, tenant, payload):
-        h.update(part)
-    return h.digest()
