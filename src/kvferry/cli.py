@@ -1,8 +1,9 @@
-"""kvferry command line, nine commands:
+"""kvferry command line, ten commands:
 
     kvferry serve [MODEL]      OpenAI-compatible HTTP server (vllm serve's flags work too)
     kvferry engine-core        an engine core alone, joined by a server's --worker
     kvferry kvstore            the node's KV store service (DRAM arena, cold tiers)
+    kvferry scale              grow or shrink a running server's pools of engine cores
     kvferry demo [PROMPT ...]  generate text in-process from the embedded default model
     kvferry bench              load-test an OpenAI-compatible server (bench compare A B: two runs)
     kvferry profile            fit this machine's prefill and decode step times
@@ -90,6 +91,8 @@ def build_parser() -> Parser:
     kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
     add_kvstore_args(kvstore)
     kvstore.set_defaults(func=run_kvstore)
+    from kvferry.fleet.scale_cli import add_scale_parser  # light: an HTTP call to a running server
+    add_scale_parser(sub)
     from kvferry.bench.cli import add_bench_parsers  # bench, profile; light: tools load when they run
     add_bench_parsers(sub)
     from kvferry.plan.cli import add_plan_parsers  # simulate, plan; light: the simulator loads when it runs

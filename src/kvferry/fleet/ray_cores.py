@@ -3,6 +3,8 @@
     cores = RayCores.connect(placement, max_restarts=3)    # ray.init(address=...)
     processes = cores.start(specs, ready_timeout_s)         # one actor per core, placed by resources
     process = await cores.rejoin(name, dead, timeout_s)     # after a death: the actor's next incarnation
+    process = await cores.add(name, role, config, ...)      # a pool scaled up: one more actor
+    cores.forget(name)                                      # a pool scaled down: its actor ends for good
 
 Each core is a CoreActor (core_actor.py) whose process runs the core; the
 front end connects to its tcp:// addresses as it connects to any core. The
@@ -239,6 +241,43 @@ class RayCores:
                 f"does a node offer them? (ray status)") from None
         except RayActorError as exc:
             raise EngineCoreStartError(f"the Ray actor of {name} failed to start: {exc}") from None
+
+    # -- scaling (event loop) ----------------------------------------------------------
+    async def add(self, name: str, role: str, config: EngineConfig, cpus: str | None,
+                  check_integrity_when_idle: bool, log_level: str, ready_timeout_s: float) -> CoreProcess:
+        """One more core's actor (a pool scaled up), placed by its role's
+        resources; returns once it is placed and has bound its sockets (its
+        handshake is the caller's). Raises EngineCoreStartError, after
+        ending the actor, when it is not up within ``ready_timeout_s``."""
+        self._specs[name] = _ActorSpec(config, role, check_integrity_when_idle, log_level, cpus)
+        await asyncio.to_thread(warn_if_no_node_fits, name, self.placement.resources_of(role))
+        actor = self._actors[name] = self._create(name)
+        try:
+            info = await asyncio.wait_for(asyncio.wrap_future(actor.info.remote().future()), ready_timeout_s)
+        except TimeoutError:
+            self._end(name)
+            resources = self.placement.resources_of(role)
+            raise EngineCoreStartError(
+                f"the Ray cluster did not place {name} (resources {resources}) within the start timeout: "
+                f"does a node offer them? (ray status)") from None
+        except RayActorError as exc:
+            self._end(name)
+            raise EngineCoreStartError(f"the Ray actor of {name} failed to start: {exc}") from None
+        return core_process(name, actor, info)
+
+    def forget(self, name: str) -> None:
+        """A core removed from its pool: end its actor for good (a no-op
+        when it already ended) and forget how it was made."""
+        self._end(name)
+
+    def _end(self, name: str) -> None:
+        self._specs.pop(name, None)
+        actor = self._actors.pop(name, None)
+        if actor is not None:
+            try:
+                ray.kill(actor, no_restart=True)
+            except (RayActorError, ValueError):
+                pass
 
     # -- restart (event loop) ----------------------------------------------------------
     async def rejoin(self, name: str, dead: CoreProcess, timeout_s: float) -> CoreProcess:

@@ -82,6 +82,15 @@ class RouterConfig:
         return ([(f"prefill-{i}", "prefill", self.prefill_cpus) for i in range(self.num_prefill)]
                 + [(f"decode-{i}", "decode", self.decode_cpus) for i in range(self.num_decode)])
 
+    def cpus_of_role(self, role: str) -> str | None:
+        """The CPUs a core of ``role`` added later is bound to (its role's
+        --*-cpus; one engine core list shared by all, or none)."""
+        if role == "prefill":
+            return self.prefill_cpus
+        if role == "decode":
+            return self.decode_cpus
+        return self.engine_cpus[0] if len(self.engine_cpus) == 1 else None
+
     def cpus_of(self, index: int) -> str | None:
         if not self.engine_cpus:
             return None

@@ -249,10 +249,7 @@ class RestartSupervisor:
                     delay = next_delay
             if self.stopping() or self.members.dead_error is not None or self.members.workers.get(name) is not old:
                 # Given up (another core's death) or removed meanwhile.
-                with contextlib.suppress(zmq.ZMQError):
-                    new.connection.send(EngineCoreShutdown())
-                await asyncio.to_thread(new.process.stop, 10.0)
-                new.connection.close()
+                await self.stop_new_core(new)
                 return
             self.members.add(new)
             old.connection.close()
@@ -276,6 +273,46 @@ class RestartSupervisor:
         else:
             process = CoreProcess.start(core_config(opts.args, old.role), old.name, opts.check_integrity_when_idle,
                                         opts.log_level, cpus=opts.cpus.get(old.name))
+        return await self._handshake(old.name, old.role, process, num_restarts=old.num_restarts + 1)
+
+    async def start_new_core(self, name: str, role: str, cpus: str | None) -> Worker:
+        """A core this server did not run before (a pool scaled up): a new
+        local process, or a new Ray actor placed by its role's resources;
+        handshake done and checked against the server's model, not yet a
+        member. Raises EngineCoreStartError, ValueError (a different model)
+        or RuntimeError (this server did not start its cores)."""
+        opts = self.launch
+        if opts is None:
+            raise RuntimeError("this server did not start its engine cores, so it cannot start more: "
+                               "join running cores with POST /v1/admin/workers")
+        opts.cpus[name] = cpus
+        config = core_config(opts.args, role)
+        if opts.ray is not None:
+            process = await opts.ray.add(name, role, config, cpus, opts.check_integrity_when_idle, opts.log_level,
+                                         opts.ready_timeout_s)
+        else:
+            process = CoreProcess.start(config, name, opts.check_integrity_when_idle, opts.log_level, cpus=cpus)
+        return await self._handshake(name, role, process)
+
+    @staticmethod
+    async def stop_new_core(worker: Worker) -> None:
+        """Stop a core started here that never became a member."""
+        with contextlib.suppress(zmq.ZMQError):
+            worker.connection.send(EngineCoreShutdown())
+        await asyncio.to_thread(worker.process.stop, 10.0)
+        worker.connection.close()
+
+    def forget_core(self, name: str) -> None:
+        """A core removed from its pool for good: no restart, no Ray actor kept for it."""
+        if self.launch is not None:
+            self.launch.cpus.pop(name, None)
+            if self.launch.ray is not None:
+                self.launch.ray.forget(name)
+
+    async def _handshake(self, name: str, role: str, process: CoreProcess, num_restarts: int = 0) -> Worker:
+        """Connect to a started core and wait for its handshake."""
+        opts = self.launch
+        assert opts is not None
         connection = CoreConnection(process.addresses)
         # The handshake's thread uses the sockets until it returns: on any
         # failure (a cancel at shutdown too) kill the process, which ends
@@ -283,7 +320,7 @@ class RestartSupervisor:
         handshake = asyncio.ensure_future(asyncio.to_thread(connection.wait_ready, opts.ready_timeout_s, process))
         try:
             ready = await asyncio.shield(handshake)
-            self.members.check_compatible(ready, old.name)
+            self.members.check_compatible(ready, name)
         except BaseException:
             if process.is_alive():
                 process.process.kill()
@@ -293,5 +330,4 @@ class RestartSupervisor:
             connection.close()
             await asyncio.to_thread(process.stop, 5.0)
             raise
-        return Worker(old.name, old.role, process.addresses.input, connection, ready, process,
-                      num_restarts=old.num_restarts + 1)
+        return Worker(name, role, process.addresses.input, connection, ready, process, num_restarts=num_restarts)

@@ -38,6 +38,7 @@ from kvferry.serve.routes.embeddings import embedding_routes
 from kvferry.serve.routes.health import health_routes
 from kvferry.serve.routes.models import model_routes, tokenize_routes
 from kvferry.serve.routes.openai import generation_routes
+from kvferry.serve.routes.scale import scale_routes
 from kvferry.serve.routes.workers import worker_routes
 from kvferry.serve.serving import ServingContext
 from kvferry.serve.tenants import ApiKeys, CacheNamespaces
@@ -86,6 +87,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         *public_prefix_routes(prefix_service, max_body),
         *kv_tenant_routes(client, namespaces, keys),
         *worker_routes(client, keys, max_body),
+        *scale_routes(client, keys, max_body),
         *tokenize_routes(ctx, max_body),
         *embedding_routes(ctx, max_body),
     ]

@@ -62,6 +62,7 @@ from kvferry.router.pairing import Pairing
 from kvferry.router.prefix_index import PrefixIndex
 from kvferry.router.purges import PurgeBroadcast
 from kvferry.router.routing import Router
+from kvferry.router.scaling import PoolScaler
 from kvferry.router.stats import merge_stats
 from kvferry.router.supervisor import RestartSupervisor, start_cores, stop_cores
 from kvferry.router.worker import Worker
@@ -119,6 +120,11 @@ class AsyncEngineClient:
         self.supervisor = RestartSupervisor(self.router, self.members, stop_reading=self.listener.stop,
                                             adopt=self._adopt, give_up=self._fatal, stopping=lambda: self._stopped)
         self.pairing = Pairing(self.routing, self._fail_child, self.max_model_len)
+        # Each pool grown or shrunk while requests run (POST /v1/admin/scale, --autoscale).
+        self.scaler = PoolScaler(self.router.mode, self.members, self.supervisor, adopt=self._adopt_new,
+                                 leave=self.leave_worker, cpus_of=self.router.cpus_of_role)
+        # The --autoscale loop (kvferry.fleet.autoscale), when the server runs one: shown by GET /v1/admin/scale.
+        self.autoscaler = None
         # Called once, on the event loop, when a core dies past the restart budget.
         self.on_fatal: Callable[[str], None] | None = None
         self.fatal_error: str | None = None
@@ -251,7 +257,9 @@ class AsyncEngineClient:
         self.members.check_can_leave(worker)
         worker.accepting = False
         deadline = time.monotonic() + drain_timeout_s
-        while worker.requests and worker.alive and time.monotonic() < deadline:
+        # Its streams (colocated, decode) and the prefills it still owes (a
+        # prefill core: dropped at each sequence's first token).
+        while (worker.requests or worker.queued_prefill) and worker.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._worker_died(worker, f"worker {worker.name} left the server", left=True)
         await self.listener.stop(worker)
@@ -273,6 +281,13 @@ class AsyncEngineClient:
         self.listener.start(new)
         if self.on_restarted is not None:
             self.on_restarted(new.name)
+
+    def _adopt_new(self, worker: Worker) -> None:
+        """A core added to a pool (a member already): read it, and prefill
+        the server's public prefixes there as on a restarted one."""
+        self.listener.start(worker)
+        if self.on_restarted is not None:
+            self.on_restarted(worker.name)
 
     def _fatal(self, message: str) -> None:
         """A core died past the restart budget: end everything and tell the server."""

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,11 +38,18 @@ def _worker_body(body: bytes) -> _WorkerBody:
                           "address") from None
 
 
-def worker_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_bytes: int) -> list[Route]:
+def admin_check(keys: ApiKeys | None) -> Callable[[], None]:
+    """A check that the caller's key is an admin's (403 otherwise)."""
     def require_admin() -> None:
         # Without a key file there is one tenant, and it runs the server.
         if keys is not None and not current_tenant.get().admin:
             raise APIError(403, "this API key may not manage workers", code="permission_denied")
+
+    return require_admin
+
+
+def worker_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_bytes: int) -> list[Route]:
+    require_admin = admin_check(keys)
 
     async def list_workers(request: Request) -> Response:
         require_admin()

@@ -1,0 +1,83 @@
+"""The admin's scaling routes (with API keys, an admin key's only)::
+
+    GET  /v1/admin/scale     each pool's count, the scale in progress, the last scales, the autoscaler's decisions
+    POST /v1/admin/scale     {"engines": N} or {"prefill": N, "decode": M} (and "drain_timeout_s"): add or drain cores
+
+A POST returns when every new core serves and every removed one has
+drained and stopped (``kvferry scale`` waits for it); 409 while another
+scale runs.
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvferry.router.scaling import DEFAULT_DRAIN_TIMEOUT_S, ScaleInProgressError
+from kvferry.serve.engine_client import AsyncEngineClient
+from kvferry.serve.errors import APIError, bad_request
+from kvferry.serve.routes.workers import admin_check
+from kvferry.serve.serving import read_body
+from kvferry.serve.tenants import ApiKeys
+
+
+class _ScaleBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    engines: int | None = None
+    prefill: int | None = None
+    decode: int | None = None
+    drain_timeout_s: Annotated[float, Field(ge=0, le=86400)] = DEFAULT_DRAIN_TIMEOUT_S
+
+
+def _scale_body(body: bytes) -> _ScaleBody:
+    try:
+        return _ScaleBody.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        raise bad_request(f"expected a JSON object such as {{\"decode\": 2}}: {field or 'body'}: {first['msg']}",
+                          field) from None
+
+
+def scale_state(client: AsyncEngineClient) -> dict:
+    """GET /v1/admin/scale's body (also the end of a POST's)."""
+    scaler = client.scaler
+    autoscaler = client.autoscaler
+    return {
+        "mode": client.router.mode,
+        "counts": scaler.counts(),
+        "scaling": scaler.busy,
+        "target": scaler.target,
+        "history": [event.to_json() for event in scaler.history],
+        "autoscale": autoscaler.describe() if autoscaler is not None else None,
+    }
+
+
+def scale_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_bytes: int) -> list[Route]:
+    require_admin = admin_check(keys)
+
+    async def show(request: Request) -> Response:
+        require_admin()
+        return JSONResponse(scale_state(client))
+
+    async def scale(request: Request) -> Response:
+        require_admin()
+        body = _scale_body(await read_body(request, max_body_bytes))
+        target = {role: count for role, count in (("engine", body.engines), ("prefill", body.prefill),
+                                                  ("decode", body.decode)) if count is not None}
+        try:
+            event = await client.scaler.scale(target, drain_timeout_s=body.drain_timeout_s)
+        except ValueError as exc:
+            head = str(exc).partition(":")[0]
+            raise bad_request(str(exc), head if head in ("engines", "prefill", "decode") else None) from None
+        except ScaleInProgressError as exc:
+            raise APIError(409, str(exc), code="scale_in_progress") from None
+        return JSONResponse(event.to_json() | {"state": scale_state(client)}, status_code=200 if event.ok else 502)
+
+    return [
+        Route("/v1/admin/scale", show, methods=["GET"]),
+        Route("/v1/admin/scale", scale, methods=["POST"]),
+    ]
