@@ -55,7 +55,8 @@ def expected(tiny) -> dict[tuple[str, int], str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with RayCluster(tmp_path_factory.mktemp("ray-cluster"), {"pnode": 1}, {"dnode": 1}) as c:
+    # Room for a second decode core on the decode node: the pool is scaled up there.
+    with RayCluster(tmp_path_factory.mktemp("ray-cluster"), {"pnode": 1}, {"dnode": 2}) as c:
         yield c
 
 
@@ -147,6 +148,38 @@ def test_a_core_no_node_can_host_fails_the_start_clearly(cluster, tiny, tmp_path
     while _num_titled("kvferry: prefill-0") > before:  # its prefill actor is ended
         assert time.monotonic() < deadline
         time.sleep(0.5)
+
+
+def test_the_decode_pool_scales_up_on_its_node_and_down_while_a_stream_runs(server, cluster, expected):
+    """A new decode actor lands where the decode resources name, serves, and
+    is drained away again; the stream running throughout never fails."""
+    prompt = PROMPTS[2]
+    with _client(server) as c:
+        stream = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=LONG_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}))
+        text = next(stream).choices[0].text
+        r = httpx.post(f"{server.base_url}/v1/admin/scale", json={"decode": 2}, timeout=RESTART_TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["ok"], r.text
+        added = _workers(server)["decode-1"]
+        assert added["alive"] and added["node_id"] == cluster.node_ids["dnode"] and added["ray_actor"]
+        assert added["ray_actor"] != _workers(server)["decode-0"]["ray_actor"]
+        assert _title(added["pid"]) == b"kvferry: decode-1"
+        # Both decode cores serve, with the offline engine's outputs.
+        for p in PROMPTS * 2:
+            assert _greedy(c, p) == expected[(p, MAX_TOKENS)]
+        assert _workers(server)["decode-1"]["num_routed"] > 0
+        # Down to one: the long stream (on whichever core) finishes untouched.
+        r = httpx.post(f"{server.base_url}/v1/admin/scale", json={"decode": 1}, timeout=RESTART_TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["ok"], r.text
+        text += "".join(ch.choices[0].text for ch in stream if ch.choices)
+        assert text == expected[(prompt, LONG_TOKENS)]
+    # The newer core goes (the stream, routed before it existed, is decode-0's, or over).
+    assert sorted(_workers(server)) == ["decode-0", "prefill-0"]
+    gone = added
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{gone['pid']}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{gone['pid']}"), "the removed core's actor process is still running"
 
 
 def _num_titled(title: str) -> int:
