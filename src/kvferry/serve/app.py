@@ -38,6 +38,7 @@ from kvferry.serve.routes.embeddings import embedding_routes
 from kvferry.serve.routes.health import health_routes
 from kvferry.serve.routes.models import model_routes, tokenize_routes
 from kvferry.serve.routes.openai import generation_routes
+from kvferry.serve.request_stream import ObserverGroup
 from kvferry.serve.routes.scale import scale_routes
 from kvferry.serve.routes.workers import worker_routes
 from kvferry.serve.serving import ServingContext
@@ -68,7 +69,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     tenant_labels = TenantLabels(api.metrics_max_tenants) if api.metrics_tenant_labels else None
     metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats, tenant_labels,
                             owner_label=lambda owner: PUBLIC_POOL_LABEL if owner == namespaces.public else owner)
-    client.observer = metrics
+    # The autoscaler's window (--autoscale) hears every request too.
+    client.observer = metrics if client.autoscaler is None else ObserverGroup(metrics, client.autoscaler)
     store = ResponseStore(api.responses_store_size, api.responses_store_ttl_s)
     keys = ApiKeys(api.api_keys_file, api.plain_api_keys) if api.api_keys_file or api.plain_api_keys else None
     public = _public_prefixes(client, api)
@@ -140,9 +142,13 @@ def _lifespan(client: AsyncEngineClient, prefix_service: PublicPrefixService, ke
             logger.info("prefilled %d public prefixes", num)
         if keys is not None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
+        if client.autoscaler is not None:
+            await client.autoscaler.start()
         try:
             yield
         finally:
+            if client.autoscaler is not None:
+                await client.autoscaler.stop()
             if keys is not None:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             # uvicorn has stopped accepting and drained (or cancelled) the

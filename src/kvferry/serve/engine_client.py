@@ -331,6 +331,7 @@ class AsyncEngineClient:
         self.output_processor.add_request(request_id, text, requests)
         stream = RequestStream(self, request_id, params.n, arrival, requests[0].cache_scope.tenant)
         self._streams[request_id] = stream
+        self.observer.on_arrival(stream)
         self._request_worker[request_id] = worker
         worker.requests.add(request_id)
         worker.num_routed += 1

@@ -106,6 +106,9 @@ class ServerMetrics:
         return [self.tenant_labels(stream.tenant)] if self.tenant_labels else []
 
     # -- RequestObserver ------------------------------------------------------
+    def on_arrival(self, stream) -> None:
+        pass  # counted once it finishes or is aborted
+
     def on_first_token(self, stream, output: RequestOutput, now: float) -> None:
         labels = [self.model_name, *self._of(stream)]
         self.ttft.labels(*labels).observe(now - stream.arrival_time)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class RequestObserver(Protocol):
     """Told about request lifecycle events, on the event loop (for metrics)."""
 
+    def on_arrival(self, stream: "RequestStream") -> None: ...
     def on_first_token(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
     def on_tokens(self, stream: "RequestStream", num_tokens: int, gap_s: float | None) -> None: ...
     def on_sequence_finished(self, stream: "RequestStream", output: RequestOutput, now: float) -> None: ...
@@ -24,11 +25,43 @@ class RequestObserver(Protocol):
 
 
 class _NullObserver:
+    def on_arrival(self, stream): pass
     def on_first_token(self, stream, output, now): pass
     def on_tokens(self, stream, num_tokens, gap_s): pass
     def on_sequence_finished(self, stream, output, now): pass
     def on_request_finished(self, stream, output, now): pass
     def on_abort(self, stream): pass
+
+
+class ObserverGroup:
+    """Several observers told the same events, in order (the metrics, the autoscaler's window)."""
+
+    def __init__(self, *observers: RequestObserver) -> None:
+        self.observers = observers
+
+    def on_arrival(self, stream):
+        for o in self.observers:
+            o.on_arrival(stream)
+
+    def on_first_token(self, stream, output, now):
+        for o in self.observers:
+            o.on_first_token(stream, output, now)
+
+    def on_tokens(self, stream, num_tokens, gap_s):
+        for o in self.observers:
+            o.on_tokens(stream, num_tokens, gap_s)
+
+    def on_sequence_finished(self, stream, output, now):
+        for o in self.observers:
+            o.on_sequence_finished(stream, output, now)
+
+    def on_request_finished(self, stream, output, now):
+        for o in self.observers:
+            o.on_request_finished(stream, output, now)
+
+    def on_abort(self, stream):
+        for o in self.observers:
+            o.on_abort(stream)
 
 
 _END = object()  # queued after a request's last sequence finishes
