@@ -7,7 +7,8 @@ process: its step loop and socket threads run here, as in a core that
 interface, so that the front end (and the peer cores' KV transfers) reach
 it from any node.
 
-    __init__          bind tcp://<node ip>:* (input, output), start the core's thread (it loads the model)
+    __init__          with --kv-dram-gb: its node's KV store address (node_store.py);
+                      bind tcp://<node ip>:* (input, output), start the core's thread (it loads the model)
     info()            CoreActorInfo: the bound addresses, pid, Ray node id, incarnation
     wait(incarnation) returns once the core's loop ended: True when it stopped cleanly (a shutdown message)
 
@@ -62,6 +63,16 @@ class CoreActor:
         host = node_address(node_id)
         if role != "engine":
             config.kv_transfer.kv_transfer_address = on_node(config.kv_transfer.kv_transfer_address, host)
+        store_error = None
+        if config.kv_tiers.enabled and not config.kv_tiers.kv_store:
+            # --kv-dram-gb: the store of this node, shared with its other
+            # cores (node_store.py); a restarted core finds the same one.
+            from kvferry.fleet.node_store import node_store_address
+
+            try:
+                config.kv_tiers.kv_store = node_store_address(node_id)
+            except RuntimeError as exc:
+                store_error = exc  # the core's start failure, reported as a model that fails to load
         if cpus:
             _bind_cpus(cpus)
         # Port "*": the kernel picks free ports; ``bound`` says which.
@@ -71,7 +82,7 @@ class CoreActor:
                                    ray.get_runtime_context().get_actor_id(), uuid.uuid4().hex)
         self._ended = threading.Event()
         self._clean = False
-        threading.Thread(target=self._run, args=(config,), name="core-steps", daemon=True).start()
+        threading.Thread(target=self._run, args=(config, store_error), name="core-steps", daemon=True).start()
 
     def info(self) -> CoreActorInfo:
         return self._info
@@ -87,7 +98,7 @@ class CoreActor:
         self._ended.wait()
         return self._clean
 
-    def _run(self, config) -> None:
+    def _run(self, config, store_error: Exception | None) -> None:
         """Build the core and run its step loop on this one thread (as
         core_proc._run_off_main_thread does, for the same OpenMP reason)."""
         from kvferry.engine.core import EngineCore
@@ -97,6 +108,8 @@ class CoreActor:
         try:
             bind_step_thread()
             try:
+                if store_error is not None:
+                    raise store_error
                 self.proc.core = EngineCore(config)
             except Exception as exc:
                 logger.exception("engine core failed to start")

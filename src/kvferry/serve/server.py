@@ -27,14 +27,17 @@ import uvicorn
 from kvferry import peer_auth
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
+from kvferry.fleet.autoscale import autoscaler_from_args, window_from_args
 from kvferry.fleet.placement import RayPlacement, placement_from_args
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.serve.access_log import quiet_probes
 from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
+from kvferry.serve.autoscaling import AutoscaleService
 from kvferry.serve.cli import router_config_from
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.stats_logger import StatsLogger
+from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level
 from kvferry.structured.spec import import_backend_in_background
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
@@ -71,6 +74,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # No *_created series: vLLM-style dashboards do not use them.
     prometheus_client.disable_created_metrics()
     try:
+        # The node stores' on a Ray cluster (a secret generated below stays on this node).
+        given_secret_file = getattr(args, "cache_secret_file", None)
         keep_tier_secret(args, engine_args)
         # Before any store or core starts (they inherit it): the secret their
         # socket tokens derive from, the cache secret's when one is given, so
@@ -84,9 +89,9 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         )
         router = router_config_from(args)
         placement = placement_from_args(args)
-        if placement is not None and engine_args.kv_dram_gb and not engine_args.kv_store:
-            raise ValueError("--kv-dram-gb starts a KV store on the serve node only, for cores that run there; "
-                             "it is not supported with --ray yet")
+        slo_s = {name: ms / 1000.0 for name, ms in (("ttft", router.slo.ttft_slo_ms), ("tpot", router.slo.tpot_slo_ms))
+                 if ms is not None}
+        autoscaler = autoscaler_from_args(args, router.mode, slo_s, engine_args)
         if not getattr(args, "log_stats_interval_s", 0.0) >= 0:
             raise ValueError(f"log_stats_interval_s must be >= 0 (0: off), got {args.log_stats_interval_s}")
         listen = bind_socket(args.host, args.port)
@@ -94,7 +99,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        store, engine_args = start_kv_store(args, engine_args)
+        # With --ray the cores' nodes get a store each instead (start_node_stores).
+        store, engine_args = start_kv_store(args, engine_args) if placement is None else (None, engine_args)
     except (ValueError, RuntimeError) as exc:
         listen.close()
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
@@ -103,10 +109,11 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # no import runs beside uvicorn's own and the start-up heap frozen
     # below holds its objects.
     grammar_import = import_backend_in_background()
-    ray_cores = None
+    ray_cores = node_stores = None
     try:
         try:
             ray_cores = connect_ray(placement, router.engine_restarts)
+            node_stores = start_node_stores(placement, args, engine_args, router.engine_restarts, given_secret_file)
             client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
                                               ready_timeout_s=args.engine_start_timeout, log_level=args.log_level,
                                               router=router, ray=ray_cores)
@@ -115,11 +122,15 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             print(f"kvferry serve: error: {exc}", file=sys.stderr)
             return 2
         grammar_import.join()
+        if autoscaler is not None:
+            client.autoscaler = AutoscaleService(autoscaler, window_from_args(args), client)
         try:
             return _serve(args, config, client, listen)
         finally:
             client.kill_processes()  # start-up failed inside uvicorn (after a clean stop: no-op)
     finally:
+        if node_stores is not None:
+            node_stores.close()  # after the cores (their clients), before the driver leaves the cluster
         if ray_cores is not None:
             ray_cores.close()
         if store is not None:
@@ -135,6 +146,22 @@ def connect_ray(placement: RayPlacement | None, max_restarts: int):
     from kvferry.fleet.ray_cores import RayCores
 
     return RayCores.connect(placement, max_restarts)
+
+
+def start_node_stores(placement: RayPlacement | None, args: argparse.Namespace, engine_args: EngineArgs,
+                      max_restarts: int, cache_secret_file: str | None):
+    """``--ray`` with ``--kv-dram-gb`` (or ``--kv-cluster``) and no
+    ``--kv-store``: the server's registry of node KV stores, from which each
+    core gets its node's store, started on first use with the server's tier
+    flags, key file and cache secret file (kvferry.fleet.node_store). None
+    when there is none to start."""
+    if placement is None or not engine_args.kv_dram_gb or engine_args.kv_store:
+        return None
+    from kvferry.fleet.node_store import NodeStores, NodeStoreSpec, server_env
+
+    spec = NodeStoreSpec(engine_args.create_engine_config().kv_tiers, getattr(args, "api_keys", None),
+                         cache_secret_file, server_env(), max_restarts, args.log_level)
+    return NodeStores.start(spec)
 
 
 def keep_tier_secret(args: argparse.Namespace, engine_args: EngineArgs) -> None:
@@ -194,13 +221,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineClient, listen: socket.socket) -> int:
     app = build_app(client, config)
     uv_config = uvicorn.Config(
-        app, log_level=args.log_level, lifespan="on",
+        app, log_level=uvicorn_log_level(args), lifespan="on",
         access_log=not args.disable_uvicorn_access_log,
         # A backstop only: _Server ends the requests itself at shutdown_timeout.
         timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
         **uvicorn_options(config.api),
     )
-    quiet_probes()  # after uvicorn.Config, which configures its loggers
+    set_uvicorn_log_level(args)  # after uvicorn.Config, which configures its loggers
+    quiet_probes()
     interval_s = getattr(args, "log_stats_interval_s", 0.0)
     stats_logger = None
     if interval_s > 0:

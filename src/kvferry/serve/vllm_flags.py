@@ -4,12 +4,14 @@ kvferry's own option, with one line on stderr saying which.
 
     add_vllm_args(parser)                   the flags, in one argument group
     apply_vllm_args(args, engine_args)      -> EngineArgs (mapped); ValueError (one line)
+    set_uvicorn_log_level(args)             uvicorn's loggers at --uvicorn-log-level (else --log-level)
 
     --api-key KEY                  (api_flags.py) a plain key of the one default tenant
     --enable-auto-tool-choice      no-op: tool calls are always parsed when a request sends tools
     --tensor-parallel-size 1       no-op; > 1 is refused (one device per engine core)
     --swap-space GiB               --num-swap-blocks = GiB / the bytes of one KV block of this model
-    --uvicorn-log-level LEVEL      no-op: uvicorn logs at --log-level
+    --uvicorn-log-level LEVEL      the level of uvicorn's loggers (its access log among them); the
+                                   rest logs at --log-level
     --disable-log-stats            --log-stats-interval-s 0 (no periodic stats line)
     --gpu-memory-utilization F     CUDA: --kv-cache-memory-gb = F x total memory, less what is in use,
                                    the weights and a reserve; CPU: no-op
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -43,8 +46,9 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=None, metavar="GiB",
                    help="host memory for preempted requests' KV: sets --num-swap-blocks from the model's "
                         "KV block size")
-    g.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
-                   help="no-op: uvicorn logs at --log-level")
+    g.add_argument("--uvicorn-log-level", type=str.lower, choices=UVICORN_LOG_LEVELS, default=None,
+                   help="the level of uvicorn's loggers (uvicorn, uvicorn.error, uvicorn.access: warning "
+                        "and above leaves no access-log line per request); default: --log-level")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line: the same as --log-stats-interval-s 0")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
@@ -69,7 +73,8 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
     if args.enable_auto_tool_choice:
         note("--enable-auto-tool-choice: no-op (tool calls are always parsed when a request sends tools)")
     if args.uvicorn_log_level is not None:
-        note(f"--uvicorn-log-level {args.uvicorn_log_level}: no-op (uvicorn logs at --log-level {args.log_level})")
+        note(f"--uvicorn-log-level {args.uvicorn_log_level}: uvicorn's loggers log at {args.uvicorn_log_level} "
+             f"(the rest at --log-level {args.log_level})")
     if getattr(args, "disable_log_stats", False):
         note("--disable-log-stats: --log-stats-interval-s 0")
         args.log_stats_interval_s = 0
@@ -78,6 +83,23 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
     if args.gpu_memory_utilization is not None:
         engine_args = _map_gpu_memory_utilization(args.gpu_memory_utilization, engine_args)
     return engine_args
+
+
+def uvicorn_log_level(args: argparse.Namespace) -> str:
+    """The level of uvicorn's loggers: --uvicorn-log-level, else --log-level."""
+    return getattr(args, "uvicorn_log_level", None) or args.log_level
+
+
+def set_uvicorn_log_level(args: argparse.Namespace) -> None:
+    """Set uvicorn's loggers to ``uvicorn_log_level(args)``, as vLLM's flag
+    does. Call it after building uvicorn.Config, whose logging set-up resets
+    them (it sets the same level on uvicorn.error, .access and .asgi given
+    the level; the parent ``uvicorn`` logger is set here too)."""
+    from uvicorn.config import LOG_LEVELS
+
+    level = LOG_LEVELS[uvicorn_log_level(args)]
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
+        logging.getLogger(name).setLevel(level)
 
 
 def _map_swap_space(gib: float, engine_args: EngineArgs) -> EngineArgs:
