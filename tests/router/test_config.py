@@ -76,3 +76,15 @@ def test_store_counters_shared_by_cores_are_taken_once():
     total = merge_stats([a, b])
     assert total.kv_tiers == tiers and total.kv_tier_tenants == tenants
     assert total.kv_store_hits == 48  # the engines' own lookups are per core
+
+
+def test_store_counters_of_different_stores_are_added():
+    # On a Ray cluster each node has its own store: the cores of node 1 share
+    # one, node 2's core another; each store is counted once, and the two added.
+    node1 = dict(kv_tiers={"dram": {"hits": 3.0, "misses": 1.0}}, kv_tier_tenants={"dram": {"acme": [3, 1]}},
+                 kv_store_id="ipc:///tmp/store-node-1")
+    node2 = dict(kv_tiers={"dram": {"hits": 2.0, "misses": 5.0}, "disk": {"hits": 1.0, "misses": 0.0}},
+                 kv_tier_tenants={"dram": {"acme": [2, 5], "beta": [0, 1]}}, kv_store_id="ipc:///tmp/store-node-2")
+    total = merge_stats([SchedulerStats(**node1), SchedulerStats(**node1), SchedulerStats(**node2)])
+    assert total.kv_tiers == {"dram": {"hits": 5.0, "misses": 6.0}, "disk": {"hits": 1.0, "misses": 0.0}}
+    assert total.kv_tier_tenants == {"dram": {"acme": [5, 6], "beta": [0, 1]}}

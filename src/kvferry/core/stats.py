@@ -44,5 +44,8 @@ class SchedulerStats:
     # Per tier, from the store's own stats (hits, misses, bytes read and
     # written, quarantined, refused writes, load seconds); empty without a store.
     kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Which store those come from (its address): cores of one node share one,
+    # on a Ray cluster each node has its own; merged once per store.
+    kv_store_id: str = ""
     # Per tier, per tenant: [hits, misses] (blocks, cumulative).
     kv_tier_tenants: dict[str, dict[str, list[int]]] = field(default_factory=dict)

@@ -264,6 +264,7 @@ class EngineCore:
         self._reported_store_stats = store_stats
         if store_stats is not None:
             stats.kv_tiers, stats.kv_tier_tenants = tier_stats(store_stats)
+            stats.kv_store_id = str(getattr(store.store, "address", ""))
         return stats
 
     def store_stats_changed(self) -> bool:

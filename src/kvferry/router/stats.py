@@ -1,7 +1,8 @@
 """One SchedulerStats for /metrics from several cores: every field summed
 (per-owner and per-position lists element-wise), except the KV store's
 per-tier counters: the cores of one node share one store, so each reports
-the same store totals and they are taken once."""
+the same store totals; they are taken once per store (``kv_store_id``) and
+the stores' added up (on a Ray cluster, one store per node)."""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -13,12 +14,14 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     if len(stats) == 1:
         return stats[0]
     total = SchedulerStats()
+    stores_seen: set[str] = set()
     for s in stats:
+        if s.kv_tiers and s.kv_store_id not in stores_seen:
+            stores_seen.add(s.kv_store_id)
+            _add_store(total, s)
         for f in fields(SchedulerStats):
             value = getattr(s, f.name)
             if f.name in _SHARED_STORE_FIELDS:
-                if value and not getattr(total, f.name):
-                    setattr(total, f.name, value)
                 continue
             if isinstance(value, (int, float)):
                 setattr(total, f.name, getattr(total, f.name) + value)
@@ -31,7 +34,19 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     return total
 
 
-_SHARED_STORE_FIELDS = ("kv_tiers", "kv_tier_tenants")
+_SHARED_STORE_FIELDS = ("kv_tiers", "kv_tier_tenants", "kv_store_id")
+
+
+def _add_store(total: SchedulerStats, s: SchedulerStats) -> None:
+    """One store's per-tier counters added to ``total``'s."""
+    for tier, values in s.kv_tiers.items():
+        merged = total.kv_tiers.setdefault(tier, {})
+        for key, value in values.items():
+            merged[key] = merged.get(key, 0) + value
+    for tier, tenants in s.kv_tier_tenants.items():
+        merged_tenants = total.kv_tier_tenants.setdefault(tier, {})
+        for tenant, counts in tenants.items():
+            merged_tenants[tenant] = _add_lists(merged_tenants.get(tenant, []), counts)
 
 
 def _add_lists(a: list[int], b: list[int]) -> list[int]:
