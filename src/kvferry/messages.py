@@ -183,6 +183,10 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     # Why a disaggregated request ended in "error", or what a decode core
     # did instead of using a failed transfer (e.g. "recomputed: checksum").
     kv_transfer_error: str | None = None
+    # With kv_transfer_error, recomputing: this core samples the first token
+    # itself (the prefill core's never reached it). A router that streamed
+    # the prefill core's first token drops this one (the same under greedy).
+    kv_first_token_resampled: bool = False
 
     @property
     def finished(self) -> bool:

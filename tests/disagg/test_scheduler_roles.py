@@ -64,6 +64,8 @@ def test_decode_role_failure_recomputes_or_errors():
         assert "checksum mismatch" in o.kv_transfer_error
         if recompute:
             assert not o.finished
+            # No first token of the prefill core's came with it: this core samples its own, and says so.
+            assert o.kv_first_token_resampled
             out = s.schedule()  # the whole prompt, into the same blocks
             assert out.num_scheduled_tokens == {"d": 40} and s.kv.block_ids("d") == blocks
         else:

@@ -131,6 +131,28 @@ def test_a_failed_transfer_fails_or_recomputes_as_decode_says():
     assert cores.failed == []
 
 
+def test_after_the_first_token_streamed_a_decode_core_that_samples_its_own_has_it_dropped():
+    # P reported its first token (streamed), but D's lease ended before P's
+    # Done reached it: D recomputes and samples the first token itself (the
+    # same under greedy). The client sees it once.
+    cores = Cores()
+    cores.start()
+    [first] = cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled")])
+    assert first.new_token_ids == [5]
+    assert cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: timeout",
+                                                kv_first_token_resampled=True)]) == []
+    assert cores.pairing.outputs(cores.d, [out(tokens=[5])]) == []  # D's duplicate of the first
+    assert cores.pairing.outputs(cores.d, [out(tokens=[7, 8])])[0].new_token_ids == [7, 8]
+
+    # D kept P's token (its Done came; only the KV was bad): D goes on from the second.
+    cores = Cores()
+    cores.start()
+    cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled")])
+    assert cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: checksum")]) == []
+    assert cores.pairing.outputs(cores.d, [out(tokens=[6])])[0].new_token_ids == [6]
+    assert cores.failed == []
+
+
 def test_drop_aborts_the_prefill_and_stale_cores_are_ignored():
     cores = Cores()
     cores.start()

@@ -12,8 +12,11 @@ moves the prefill to another core when P dies or refuses it.
 The client sees one stream: P's first token (made an ordinary token), then
 D's. D's outputs that overtake P's first token are held until it arrives.
 If D recomputes the prompt itself (a failed transfer) before P's token came
-(P stuck: a timeout), D samples the first token and P's is dropped; if P's
-token came already, D kept it too and continues from the second.
+(P stuck: a timeout), D samples the first token and P's is dropped. If P's
+token came already, D either kept it too (P's Done reached D: only the KV
+was bad) and continues from the second, or says it samples the first token
+itself (``kv_first_token_resampled``: its lease ended before P's Done came),
+and that first token of D's is dropped.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class PairedSequence:
     dest: KVDestination | None = None
     first_token_seen: bool = False  # streamed to the client
     recomputing: bool = False  # D computes the prompt (and first token) itself
+    drop_first: bool = False  # P's first token was streamed and D samples its own: drop D's
     held: list[EngineCoreOutput] = field(default_factory=list)
     attempts: int = 0
 
@@ -140,13 +144,20 @@ class Pairing:
                 self.fail(child, KVTransferFailedError(out.kv_transfer_error))
                 return []
             # D kept P's first token if P's Done reached it (only the KV was
-            # bad: then P has reported, or soon reports, that token, and D's
-            # outputs start at the second). After a timeout D samples the first
-            # token itself. The router cannot see which; it goes by whether
-            # P's token has come: P reports it as it sends Done, so a token
-            # already here means Done was sent, and none yet means P is stuck.
+            # bad: D's outputs start at the second). After a timeout D samples
+            # the first token itself, and says so. No token of P's here yet:
+            # P is stuck (it reports the token as it sends Done), so D's own
+            # first token is streamed and P's dropped. P's token here already
+            # while D's lease ended before its Done came (a race under load):
+            # D's first token is the duplicate, and is dropped.
             if not seq.first_token_seen:
                 seq.recomputing = True  # D's own first token comes next; P's is dropped
+            elif out.kv_first_token_resampled:
+                seq.drop_first = True  # P's is streamed already: D's own first comes next, and goes
+        if seq.drop_first and out.new_token_ids:
+            seq.drop_first = False
+            out = _replace(out, new_token_ids=out.new_token_ids[1:],
+                           new_logprobs=out.new_logprobs[1:] if out.new_logprobs else out.new_logprobs)
         waiting_first = not seq.first_token_seen and not seq.recomputing
         if waiting_first and (out.new_token_ids or out.finish_reason in ("stop", "length")):
             # Overtook the prefill core's first token (which D already has:

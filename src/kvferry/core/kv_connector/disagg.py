@@ -101,11 +101,13 @@ class PDTransferScheduler(KVConnectorScheduler):
         control = self.control
         if self.settings.recompute_on_failure:
             request.status = RequestStatus.WAITING
-            stop = control.append_tokens(request, result.kv_received.get(request.request_id, []))
+            first = result.kv_received.get(request.request_id, [])
+            stop = control.append_tokens(request, first)
             if stop is not None:
                 control.finish(request, stop)
             output = control.core_output(request, [])
             output.kv_transfer_error = f"KV transfer failed ({reason}); recomputing the prompt"
+            output.kv_first_token_resampled = not first
         else:
             control.finish(request, RequestStatus.FINISHED_ERROR)
             output = control.core_output(request, [])
