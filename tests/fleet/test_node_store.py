@@ -60,9 +60,8 @@ def expected(tiny) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with RayCluster(tmp_path_factory.mktemp("store-cluster"), {"pnode": 1}, {"dnode": 1}) as c:
-        yield c
+def cluster(ray_cluster):
+    return ray_cluster  # the fleet tests' one cluster (conftest.py)
 
 
 @pytest.fixture(scope="module")

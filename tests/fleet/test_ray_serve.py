@@ -8,7 +8,8 @@ resources name (the node ids /v1/admin/workers reports are the cluster's);
 a core whose process is killed (SIGKILL) ends only its own streams, Ray
 starts its actor again, and the server re-joins it and serves as before.
 
-One cluster and one server for the module: Ray is heavy on a 2-core host."""
+One server for the module, on the fleet tests' one cluster (conftest.py): Ray is
+heavy on a 2-core host."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,6 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'kvferry[ra
 import openai  # noqa: E402
 
 from kvferry import LLM, SamplingParams  # noqa: E402
-from tests.fleet.ray_cluster import RayCluster  # noqa: E402
 from tests.serve.server_process import ServerProcess, start_server  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -54,10 +54,8 @@ def expected(tiny) -> dict[tuple[str, int], str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    # Room for a second decode core on the decode node: the pool is scaled up there.
-    with RayCluster(tmp_path_factory.mktemp("ray-cluster"), {"pnode": 1}, {"dnode": 2}) as c:
-        yield c
+def cluster(ray_cluster):
+    return ray_cluster  # the fleet tests' one cluster (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -138,8 +138,6 @@ def test_echo_without_logprobs_and_errors(served):
     assert out.usage.completion_tokens == 3 and out.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=0)  # no echo: nothing to return
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, echo=True, stream=True)
 
 
 @pytest.mark.parametrize("fmt", ["float", "base64"])

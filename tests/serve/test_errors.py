@@ -38,7 +38,8 @@ BAD_JSON_BODIES = [
     ("image-content", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages.0.content"),
     ("missing-prompt", COMPLETIONS, without(completion(), "prompt"), 400, "prompt"),
-    ("two-prompts", COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt"),
+    ("two-prompts-one-empty", COMPLETIONS, completion(prompt=["a", ""]), 400, "prompt"),
+    ("prompts-times-n", COMPLETIONS, completion(prompt=["a"] * 17, n=128), 400, "prompt"),
     ("empty-prompt", COMPLETIONS, completion(prompt=""), 400, "prompt"),
     ("empty-token-prompt", COMPLETIONS, completion(prompt=[]), 400, "prompt"),
     ("token-outside-vocab", COMPLETIONS, completion(prompt=[1, 2, 10**9]), 400, "prompt"),
@@ -71,7 +72,6 @@ BAD_JSON_BODIES = [
     ("chat-top-logprobs-30", CHAT, chat(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
     ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("logit-bias", COMPLETIONS, completion(logit_bias={"50": 10}), 400, "logit_bias"),
-    ("echo-stream", COMPLETIONS, completion(echo=True, stream=True), 400, "echo"),
     ("tools-empty", CHAT, chat(tools=[]), 400, "tools"),
     ("tool-name-invalid", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
      "tools.0.function.name"),

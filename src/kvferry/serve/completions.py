@@ -1,25 +1,41 @@
 """POST /v1/completions.
 
+``prompt``: a string, token ids, or a list of either: each prompt is its own
+engine request (n sequences each), and the choices are numbered
+``prompt_index * n + i``, as vLLM numbers them; usage sums them all. Every
+prompt is checked before any runs.
+
 ``echo``: the returned text starts with the prompt; with ``logprobs`` the
 logprobs cover the prompt's tokens too (the first one has none: null), which
 is how lm-eval's loglikelihood requests read a continuation's logprob
 (``echo=true, logprobs=1, max_tokens=0 or 1``). ``max_tokens=0`` is allowed
 only with echo: the engine computes the prompt and samples nothing.
+Streamed, a choice's first chunk carries its prompt (and the prompt's
+logprobs) before what it generated, as vLLM streams it.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from starlette.responses import Response
 
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.outputs import RequestOutput
+from kvferry.sampling import SamplingParams
+from kvferry.serve.choice_streams import ChoiceStreams
 from kvferry.serve.errors import APIError, bad_request
 from kvferry.serve.logprobs import TokenStrings, completion_logprobs
-from kvferry.serve.params import completion_prompt_ids, raise_for_model, resolve_max_tokens, sampling_params
-from kvferry.serve.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, now_s
+from kvferry.serve.params import (
+    CompletionPrompt, completion_prompts, raise_for_model, resolve_max_tokens, sampling_params,
+)
+from kvferry.serve.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, now_s,
+)
+from kvferry.serve.request_stream import RequestStream
 from kvferry.serve.serving import (
-    Delta, RequestIds, ServingContext, final_usage, respond, sse, tokenize, usage,
+    Delta, EventStreamResponse, RequestIds, ServingContext, collect, sse, start_request, stream_events, tokenize,
+    usage,
 )
 from kvferry.serve.tenants import Caller
 
@@ -33,57 +49,85 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, caller:
     """``caller``: who sent it (its cache scope); ``arrival``: time.monotonic()
     when the HTTP request arrived (for TTFT)."""
     model = raise_for_model(req.model, ctx.served_model_names)
-    if req.echo and req.stream:
-        raise bad_request("echo is not supported with stream", "echo")
-    prompt_ids = await tokenize(completion_prompt_ids, req, ctx.client.tokenizer)
+    prompts = await tokenize(completion_prompts, req, ctx.client.tokenizer, ctx.client.ready.vocab_size)
     prompt_only = req.echo and req.max_tokens == 0  # echo the prompt, generate nothing (as vLLM)
-    max_tokens = resolve_max_tokens(1 if prompt_only else req.max_tokens, len(prompt_ids),
-                                    ctx.client.max_model_len, "prompt", ctx.max_tokens(DEFAULT_MAX_TOKENS))
     if req.echo and (prompt_only or req.logprobs is not None) and ctx.client.router.mode == "disagg":
         # The prefill core computes the prompt; its prompt results do not travel with the KV.
         raise bad_request("echo with logprobs or max_tokens=0 is not supported with disaggregated prefill", "echo")
-    params = sampling_params(req, max_tokens, req.logprobs)
+    params = _prompt_params(ctx, req, prompts, prompt_only)
+    ids = RequestIds.make("cmpl", client_request_id)
+    echo_texts = await tokenize(_echo_texts, prompts, ctx.client.tokenizer) if req.echo else None
+    streams: list[RequestStream] = []
+    try:
+        for k, (prompt, p) in enumerate(zip(prompts, params)):
+            engine_id = ids.engine if len(prompts) == 1 else f"{ids.engine}-{k}"
+            streams.append(await start_request(ctx, engine_id, prompt.ids, p, arrival, caller))
+    except BaseException:
+        # One refused (overload, a dead engine) or the client gone: none runs.
+        for stream in streams:
+            stream.close()
+        raise
+    choices = ChoiceStreams(streams, req.n)
+    if req.stream:
+        chunks = _CompletionChunks(ctx, req, ids.public, model, prompts, echo_texts, choices)
+        return EventStreamResponse(stream_events(choices, chunks.render, chunks.final), choices)
+    finals = await collect(choices)
+    body = _response(ctx, req, ids.public, model, prompts, echo_texts, finals)
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _prompt_params(ctx: ServingContext, req: CompletionRequest, prompts: list[CompletionPrompt],
+                   prompt_only: bool) -> list[SamplingParams]:
+    """Each prompt's SamplingParams (they differ only in max_tokens, which
+    depends on the prompt's length when the request leaves it out)."""
+    limits = ctx.max_tokens(DEFAULT_MAX_TOKENS)
+    lengths = [resolve_max_tokens(1 if prompt_only else req.max_tokens, len(prompt.ids), ctx.client.max_model_len,
+                                  "prompt", limits, which=f"prompt[{k}]" if len(prompts) > 1 else None)
+               for k, prompt in enumerate(prompts)]
+    # Built (and its output constraint compiled) once; copies differ in max_tokens.
+    params = sampling_params(req, lengths[0], req.logprobs)
     if req.echo:
         params = replace(params, prompt_only=prompt_only, prompt_logprobs=req.logprobs)
-    ids = RequestIds.make("cmpl", client_request_id)
-    prompt_text = None
-    if req.echo:
-        # Token ids are echoed as their text, special tokens included.
-        prompt_text = _prompt_text(req) or await tokenize(ctx.client.tokenizer.decode, prompt_ids, False)
-    return await respond(
-        ctx, ids, prompt_ids, params, arrival, caller, req.stream,
-        make_chunks=lambda: _CompletionChunks(ctx, req, ids.public, model, len(prompt_ids)),
-        make_body=lambda finals: _response(ctx, req, ids.public, model, prompt_ids, prompt_text, finals),
-    )
+    return [params if m == params.max_tokens else replace(params, max_tokens=m) for m in lengths]
 
 
-def _prompt_text(req: CompletionRequest) -> str | None:
-    """The prompt as the client sent it, when it sent text."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else None
+def _echo_texts(prompts: list[CompletionPrompt], tokenizer: Any) -> list[str]:
+    """The text each prompt is echoed as: as sent, or token ids as their
+    text, special tokens included."""
+    return [p.text if p.text is not None else tokenizer.decode(p.ids, False) for p in prompts]
 
 
 def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str,
-              prompt_ids: list[int], prompt_text: str | None, finals: list[RequestOutput]) -> CompletionResponse:
-    """``prompt_text``: set with echo (the text's prefix)."""
+              prompts: list[CompletionPrompt], echo_texts: list[str] | None,
+              finals: list[RequestOutput]) -> CompletionResponse:
+    """``finals``: every choice's final output, by choice index."""
     choices = []
     for out in finals:
         seq = out.outputs[0]
+        prompt = prompts[seq.index // req.n]
         text, logprobs = seq.text, None
-        if prompt_text is not None:
-            text = prompt_text + seq.text
+        if echo_texts is not None:
+            text = echo_texts[seq.index // req.n] + seq.text
             if req.logprobs is not None:
-                logprobs = _echo_logprobs(prompt_ids, out.prompt_logprobs, seq.logprobs or [], ctx.token_strings)
+                logprobs = _echo_logprobs(prompt.ids, out.prompt_logprobs, seq.logprobs or [], ctx.token_strings)
         elif req.logprobs is not None:
             logprobs = completion_logprobs(seq.logprobs or [], ctx.token_strings, 0)
         choices.append(CompletionChoice(index=seq.index, text=text, logprobs=logprobs,
                                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
     return CompletionResponse(
         id=request_id, created=now_s(), model=model, choices=choices,
-        usage=final_usage(len(prompt_ids), finals),
+        usage=_usage(prompts, req.n, finals),
     )
+
+
+def _usage(prompts: list[CompletionPrompt], n: int, finals: list[RequestOutput]) -> Usage:
+    """Every prompt once, every choice's tokens; cached tokens per prompt (its
+    n sequences share one prompt) summed over the prompts."""
+    cached = [0] * len(prompts)
+    for out in finals:
+        k = out.outputs[0].index // n
+        cached[k] = max(cached[k], out.num_cached_tokens)
+    return usage(sum(len(p.ids) for p in prompts), sum(len(out.outputs[0].token_ids) for out in finals), sum(cached))
 
 
 def _echo_logprobs(prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None] | None,
@@ -113,33 +157,47 @@ def _echo_logprobs(prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | 
 
 class _CompletionChunks:
     """Renders one streamed completion; keeps the running counts that the
-    usage chunk and the logprobs text offsets need."""
+    usage chunk and the logprobs text offsets need. With echo, a choice's
+    first chunk starts with its prompt (text and logprobs), as in vLLM."""
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest, request_id: str, model: str,
-                 num_prompt_tokens: int) -> None:
+                 prompts: list[CompletionPrompt], echo_texts: list[str] | None, choices: ChoiceStreams) -> None:
         self.ctx = ctx
         self.req = req
         self.request_id = request_id
         self.model = model
         self.created = now_s()
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompts = prompts
+        self.echo_texts = echo_texts
+        self.choices = choices
+        num_choices = len(prompts) * req.n
         self.num_completion_tokens = 0
-        self.num_cached_tokens = 0
-        self.text_offset = [0] * req.n
+        self.num_cached_tokens = [0] * len(prompts)  # per prompt: its n sequences share it
+        self.text_offset = [0] * num_choices
+        self.to_echo = set(range(num_choices)) if echo_texts is not None else set()
 
     def render(self, deltas: list[Delta]) -> list[str]:
         events = []
         for d in deltas:
+            k = d.index // self.req.n
             self.num_completion_tokens += d.num_tokens
-            self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
-            logprobs = None
-            if self.req.logprobs is not None and d.logprobs:
+            self.num_cached_tokens[k] = max(self.num_cached_tokens[k], d.num_cached_tokens)
+            text, logprobs = d.text, None
+            if d.index in self.to_echo:
+                assert self.echo_texts is not None
+                self.to_echo.discard(d.index)
+                text = self.echo_texts[k] + d.text
+                if self.req.logprobs is not None:
+                    logprobs = _echo_logprobs(self.prompts[k].ids, self.choices.prompt_logprobs.get(d.index),
+                                              d.logprobs, self.ctx.token_strings)
+            elif self.req.logprobs is not None and d.logprobs:
                 logprobs = completion_logprobs(d.logprobs, self.ctx.token_strings, self.text_offset[d.index])
+            if logprobs is not None and logprobs.tokens:
                 # Offsets count token strings, as in the non-streamed response.
                 self.text_offset[d.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-            if not d.text and logprobs is None and d.finish_reason is None:
+            if not text and logprobs is None and d.finish_reason is None:
                 continue  # text held back (partial character or possible stop string)
-            choice = CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
+            choice = CompletionChoice(index=d.index, text=text, logprobs=logprobs,
                                       finish_reason=d.finish_reason, stop_reason=d.stop_reason)
             events.append(sse(self._chunk([choice])))
         return events
@@ -148,7 +206,8 @@ class _CompletionChunks:
         if not (self.req.stream_options and self.req.stream_options.include_usage):
             return []
         chunk = self._chunk([])
-        chunk.usage = usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+        chunk.usage = usage(sum(len(p.ids) for p in self.prompts), self.num_completion_tokens,
+                            sum(self.num_cached_tokens))
         return [sse(chunk)]
 
     def _chunk(self, choices: list[CompletionChoice]) -> CompletionResponse:

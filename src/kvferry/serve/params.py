@@ -26,20 +26,52 @@ _PARAM_FIELDS = {
 }
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
-    """The one prompt of a completions request, as token ids."""
+# prompts x n: each prompt is its own engine request of n sequences; the
+# bound keeps one request from flooding the scheduler (the same 2048 as
+# OpenAI's bound on embeddings inputs).
+MAX_COMPLETION_SEQUENCES = 2048
+
+
+@dataclass(slots=True, frozen=True)
+class CompletionPrompt:
+    """One prompt of a completions request: its token ids, and the text the
+    client sent (None when it sent token ids)."""
+
+    ids: list[int]
+    text: str | None = None
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[CompletionPrompt]:
+    """The prompts of a completions request, as OpenAI and vLLM read
+    ``prompt``: a string, a list of strings, token ids (one prompt), or a
+    list of token-id lists. Every one is checked here (400 naming
+    ``prompt``), so that a bad one fails the request before any runs."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
+    items: list[str | list[int]]
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        return tokenizer.encode(prompt)
-    if not prompt:
+        items = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]  # one prompt as token ids
+    else:
+        items = list(prompt)
+    if not items:
         raise bad_request("prompt must not be empty", "prompt")
-    return list(prompt)
+    if len(items) * req.n > MAX_COMPLETION_SEQUENCES:
+        raise bad_request(f"prompt holds {len(items)} prompts and n is {req.n}: {len(items) * req.n} sequences; "
+                          f"at most {MAX_COMPLETION_SEQUENCES} (prompts x n) per request", "prompt")
+    out = []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if not item:
+            raise bad_request(f"{where} must not be empty", "prompt")
+        if isinstance(item, str):
+            out.append(CompletionPrompt(tokenizer.encode(item), item))
+            continue
+        bad = next((t for t in item if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+        out.append(CompletionPrompt(list(item)))
+    return out
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, plan: ToolPlan, template: str | None,
@@ -64,14 +96,17 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, plan: ToolPlan,
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
                        prompt_param: str, limits: "MaxTokens | None" = None,
-                       param: str = "max_tokens") -> int:
+                       param: str = "max_tokens", which: str | None = None) -> int:
     """Check the prompt and max_tokens against the context length (as vLLM
     does: prompt + max_tokens must fit) and the server's cap; None means the
-    server default, else "up to the context" (capped by the limit)."""
+    server default, else "up to the context" (capped by the limit).
+    ``which``: the prompt's name in a request of several (``prompt[2]``),
+    put before the context-length errors."""
     limits = limits or MaxTokens()
+    where = f"{which}: " if which else ""
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{where}This model's maximum context length is {max_model_len} tokens. However, your prompt has "
             f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the prompt.",
             prompt_param,
         )
@@ -84,7 +119,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
         raise bad_request(f"{param} must be at most {limits.limit} on this server, got {requested}", param)
     if num_prompt_tokens + requested > max_model_len:
         raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{where}This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in the "
             "completion). Please reduce the length of the prompt or the completion.",
             param,
