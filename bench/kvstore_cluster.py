@@ -6,14 +6,18 @@
    same prompt from the pool. Against the same prompt recomputed by an
    engine without a store.
 2. **Pool bandwidth.** Blocks of the model's size put and got through the
-   tier (``MooncakeTier``: checksum, and AES-GCM sealing for private
-   blocks) against Mooncake's own client (``put_batch``/``get_batch``,
-   raw bytes) on the same pool.
+   tier, 32 a call as the store's pool writer and load threads do
+   (``MooncakeTier.put_many``, and ``get_into`` DRAM slots; ``get_many``
+   too, which returns fresh bytes: one lookup per put batch, checksum,
+   AES-GCM sealing for private blocks, in registered transfer buffers)
+   against Mooncake's own client (``put_batch``/``get_batch``, raw bytes,
+   32 a call) on the same pool.
 
 A ``mooncake_master`` (from the mooncake package) is started on loopback;
 the stores use TCP.
 
-    python bench/kvstore_cluster.py [--model PATH] [--prompt-tokens 2048] [--rounds 3]
+    python bench/kvstore_cluster.py [--model PATH] [--prompt-tokens 2048] [--rounds 3] [--bandwidth-repeats 3]
+    python bench/kvstore_cluster.py --skip-reuse    # the bandwidth figures alone (no model)
 
 Prints one JSON object per figure. Timings on a shared machine are noisy:
 compare the ratios, measured in the same run.
@@ -123,44 +127,68 @@ def reuse(args, url: str, secret: str) -> dict:
             process.wait(timeout=30)
 
 
-def bandwidth(url: str, block_nbytes: int, num_blocks: int) -> list[dict]:
+def bandwidth(url: str, block_nbytes: int, num_blocks: int, repeats: int) -> list[dict]:
+    """Blocks put and got through the tier, 32 a call as the store's pool
+    writer and load threads do (``put_many``/``get_many``), against the
+    Mooncake client's own ``put_batch``/``get_batch`` of raw bytes, 32 a
+    call, on the same pool. Each repeat measures every path once, back to
+    back; the ratios are the medians of each repeat's ratio."""
     crypto = TierCrypto(os.urandom(32))
     writer, reader = MooncakeTier(url + "&namespace=bw", crypto=crypto), MooncakeTier(url + "&namespace=bw",
                                                                                       crypto=crypto)
     data = [os.urandom(block_nbytes) for _ in range(8)]
-    out = []
+    paths = {"tier, private (sealed)": BlockOwner("acme"), "tier, public (clear)": BlockOwner("acme", public=True)}
+    rates: dict[str, dict[str, list[float]]] = {p: {"put": [], "get": [], "get_many": []} for p in [*paths, "raw"]}
+    # The store's loads read into its DRAM slots (get_into); get_many
+    # returns fresh bytes per block, as get_batch does.
+    arena = memoryview(bytearray(32 * block_nbytes))
+    slots = [arena[i * block_nbytes:(i + 1) * block_nbytes] for i in range(32)]
+
+    def rate(seconds: float) -> float:
+        return num_blocks * block_nbytes / seconds / 1e6
+
     try:
-        for label, owner in (("tier, private (sealed)", BlockOwner("acme")),
-                             ("tier, public (clear)", BlockOwner("acme", public=True))):
-            keys = [os.urandom(32) for _ in range(num_blocks)]
+        for rep in range(repeats):
+            for label, owner in paths.items():
+                keys = [os.urandom(32) for _ in range(num_blocks)]
+                start = time.perf_counter()
+                for i in range(0, num_blocks, 32):
+                    assert all(writer.put_many([(k, data[(i + j) % 8], owner)
+                                                for j, k in enumerate(keys[i:i + 32])]))
+                rates[label]["put"].append(rate(time.perf_counter() - start))
+                start = time.perf_counter()
+                for i in range(0, num_blocks, 32):
+                    assert all(reader.get_into(keys[i:i + 32], owner, slots[:len(keys[i:i + 32])]))
+                rates[label]["get"].append(rate(time.perf_counter() - start))
+                start = time.perf_counter()
+                got = [reader.get_many(keys[i:i + 32], owner) for i in range(0, num_blocks, 32)]
+                rates[label]["get_many"].append(rate(time.perf_counter() - start))
+                assert all(g is not None for batch in got for g in batch)
+            raw_w, raw_r = writer._store, reader._store
+            names = [f"bw/raw/{rep}/{i}" for i in range(num_blocks)]
             start = time.perf_counter()
-            for i, k in enumerate(keys):
-                writer.put(k, data[i % 8], owner)
-            put_s = time.perf_counter() - start
+            for i in range(0, num_blocks, 32):
+                assert raw_w.put_batch(names[i:i + 32],
+                                       [data[j % 8] for j in range(i, min(i + 32, num_blocks))]) == 0
+            rates["raw"]["put"].append(rate(time.perf_counter() - start))
             start = time.perf_counter()
-            got = [reader.get_many(keys[i:i + 32], owner) for i in range(0, num_blocks, 32)]
-            get_s = time.perf_counter() - start
-            assert all(g is not None for batch in got for g in batch)
-            out.append({"figure": "pool bandwidth", "path": label, "block_bytes": block_nbytes, "blocks": num_blocks,
-                        "put_MBps": round(num_blocks * block_nbytes / put_s / 1e6),
-                        "get_MBps": round(num_blocks * block_nbytes / get_s / 1e6)})
-        raw_w, raw_r = writer._store, reader._store
-        names = [f"bw/raw/{i}" for i in range(num_blocks)]
-        start = time.perf_counter()
-        for i in range(0, num_blocks, 32):
-            assert raw_w.put_batch(names[i:i + 32], [data[j % 8] for j in range(i, min(i + 32, num_blocks))]) == 0
-        put_s = time.perf_counter() - start
-        start = time.perf_counter()
-        for i in range(0, num_blocks, 32):
-            raw_r.get_batch(names[i:i + 32])
-        get_s = time.perf_counter() - start
-        out.append({"figure": "pool bandwidth", "path": "Mooncake client put_batch/get_batch (raw)",
-                    "block_bytes": block_nbytes, "blocks": num_blocks,
-                    "put_MBps": round(num_blocks * block_nbytes / put_s / 1e6),
-                    "get_MBps": round(num_blocks * block_nbytes / get_s / 1e6)})
+            for i in range(0, num_blocks, 32):
+                assert all(raw_r.get_batch(names[i:i + 32]))
+            rates["raw"]["get"].append(rate(time.perf_counter() - start))
     finally:
         writer.close()
         reader.close()
+    out = []
+    for label in rates:
+        row = {"figure": "pool bandwidth",
+               "path": label if label != "raw" else "Mooncake client put_batch/get_batch (raw)",
+               "block_bytes": block_nbytes, "blocks": num_blocks, "repeats": repeats}
+        for op in ("put", "get", "get_many") if label != "raw" else ("put", "get"):
+            row[f"{op}_MBps"] = round(statistics.median(rates[label][op]))
+            if label != "raw":
+                raw = rates["raw"]["get" if op == "get_many" else op]
+                row[f"{op}_ratio"] = round(statistics.median(t / r for t, r in zip(rates[label][op], raw)), 2)
+        out.append(row)
     return out
 
 
@@ -173,15 +201,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dram-gb", type=float, default=1.0)
     parser.add_argument("--bandwidth-blocks", type=int, default=256)
+    parser.add_argument("--bandwidth-repeats", type=int, default=3)
+    parser.add_argument("--skip-reuse", action="store_true",
+                        help="the bandwidth figures alone (blocks of --block-bytes)")
+    parser.add_argument("--block-bytes", type=int, default=360 * 1024)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         secret = Path(tmp) / "secret"
         secret.write_text(os.urandom(32).hex())
         master, url = start_master(Path(tmp))
         try:
-            result = reuse(args, url, str(secret))
-            print(json.dumps(result), flush=True)
-            for row in bandwidth(url, result["block_bytes"], args.bandwidth_blocks):
+            block_nbytes = args.block_bytes
+            if not args.skip_reuse:
+                result = reuse(args, url, str(secret))
+                print(json.dumps(result), flush=True)
+                block_nbytes = result["block_bytes"]
+            for row in bandwidth(url, block_nbytes, args.bandwidth_blocks, args.bandwidth_repeats):
                 print(json.dumps(row), flush=True)
         finally:
             master.kill()

@@ -31,13 +31,15 @@ def mooncake_binary() -> str:
 
 
 class MooncakeMaster:
-    def __init__(self, workdir: Path, *, segment_gb: float = 1 / 32, buffer_mb: int = 16) -> None:
+    def __init__(self, workdir: Path, *, segment_gb: float = 1 / 32, buffer_mb: int = 16,
+                 extra_args: list[str] | None = None) -> None:
         self.binary = mooncake_binary()
         self.workdir = workdir
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
         self.url = (f"mooncake://127.0.0.1:{self.rpc_port}?metadata={self.metadata}"
                     f"&segment_gb={segment_gb}&buffer_mb={buffer_mb}")
+        self.extra_args = list(extra_args or [])  # more mooncake_master flags
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -46,7 +48,7 @@ class MooncakeMaster:
             [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
              f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
-             "--enable_metric_reporting=false", "--client_ttl=3"],
+             "--enable_metric_reporting=false", "--client_ttl=3", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
         log.close()
         deadline = time.monotonic() + 20

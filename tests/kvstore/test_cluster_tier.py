@@ -110,6 +110,38 @@ def test_drop_tenant_reaches_what_any_node_wrote(nodes):
     assert a.put(key(20), block(20), gamma) and b.get(key(20), gamma) == block(20)
 
 
+def test_put_many_writes_each_block_once_and_restores_a_lost_marker(nodes):
+    a, b = nodes
+    items = [(key(30 + i), block(30 + i), ACME if i % 2 else PUBLIC) for i in range(5)]
+    before_a, before_b = a.stats().bytes_written, b.stats().bytes_written
+    assert a.put_many(items) == [True] * 5
+    assert a.stats().bytes_written - before_a == 5 * 6000
+    # Another node computing the same blocks: the pool holds them already.
+    assert b.put_many(items) == [True] * 5 and b.stats().bytes_written == before_b
+    # A marker evicted: the block is not found until a write puts it back.
+    assert a._store.remove(a._marker_key(key(30)), True) == 0 and not b.contains(key(30))
+    assert b.put_many(items[:2]) == [True, True] and b.contains(key(30))
+    assert b.stats().bytes_written == before_b  # the marker alone went again
+    assert b.get_many([key(30), key(31)], PUBLIC) == [block(30), None]  # key 31 is acme's
+
+
+def test_get_into_opens_each_block_in_place(nodes):
+    a, b = nodes
+    assert a.put_many([(key(40), block(40), ACME), (key(41), block(41), PUBLIC)]) == [True, True]
+    slots = [memoryview(bytearray(6000)) for _ in range(3)]
+    assert b.get_into([key(40), key(42)], ACME, slots[:2]) == [True, False]
+    assert bytes(slots[0]) == block(40)
+    assert b.get_into([key(41)], PUBLIC, slots[2:]) == [True] and bytes(slots[2]) == block(41)
+    # A block of another size than the slot is a miss, sealed or not.
+    assert b.get_into([key(40)], ACME, [memoryview(bytearray(5999))]) == [False]
+    assert b.get_into([key(41)], PUBLIC, [memoryview(bytearray(6001))]) == [False]
+    # A forgery (relabelled, put under beta's key) fails its tag in place too.
+    sealed = a._store.get(a.object_key(key(40), ACME))[8 + TENANT_TAG_BYTES + 16:]
+    assert a._store.upsert(b.object_key(key(40), BETA), forge(key(40), "beta", sealed)) == 0
+    failures = b.stats().auth_failures
+    assert b.get_into([key(40)], BETA, slots[:1]) == [False] and b.stats().auth_failures == failures + 1
+
+
 def test_bad_urls_name_the_field():
     from kvferry.config import KVTierConfig
     from kvferry.kvstore.cluster import PoolAddress
@@ -330,4 +362,44 @@ def test_a_master_absent_at_start_is_joined_when_it_comes(tmp_path, store_factor
             if client.stats().tiers["cluster"].bytes_written > 0:
                 break
     finally:
+        master.kill()
+
+
+# -- soft pin (kv_retention_s) ------------------------------------------------------------
+def test_retained_blocks_are_soft_pinned_and_outlive_unpinned_ones(tmp_path, store_factory, clients, secret_file):
+    """A paused conversation's blocks (the store's Retain) are soft-pinned in
+    the pool: when its 32 MiB fill up, the master evicts unpinned blocks and
+    keeps the pinned ones, readable."""
+    from kvferry.kvstore.cluster import MooncakeTier
+
+    # Leases of 50 ms (10 s by default): a block read or written a moment
+    # ago can be evicted at once, so that the pressure below takes seconds.
+    master = MooncakeMaster(tmp_path, extra_args=["--default_kv_lease_ttl=50"])
+    master.start()
+    filler = None
+    try:
+        url = master.url + "&namespace=pin"
+        filler = MooncakeTier(url, crypto=TierCrypto(SECRET))  # the pool's only segment (32 MiB)
+        _, address = store_factory(16, kv_cluster=url + "&segment_gb=0", cache_secret_file=secret_file)
+        client = clients(address)
+        kept, paused = [store_key(i, b"kept") for i in range(2)], [store_key(i, b"paused") for i in range(2)]
+        save(client, kept + paused, ACME, range(4))
+        wait_for(lambda: all(filler.contains(k) for k in kept + paused), "the blocks never reached the pool")
+        assert client.retain(paused, ACME, 600) == 2  # a conversation paused for 10 minutes
+        # The pin is set on the store's pool writer, in order: once a block
+        # committed after it is in the pool, the pin is done.
+        save(client, [store_key(0, b"after")], ACME, [9])
+        wait_for(lambda: filler.contains(store_key(0, b"after")), "the pool writer never got past the pin")
+        # Pressure: twice the pool in unpinned 1 MiB blocks from another node.
+        big = os.urandom(1 << 20)
+        for i in range(0, 64, 4):
+            filler.put_many([(key(1000 + j), big, ACME) for j in range(i, i + 4)])
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert filler.get_many(paused, ACME) == [block_bytes(i).tobytes() for i in (2, 3)]
+        assert all(filler.contains(k) for k in paused)  # the markers were pinned with them
+        assert filler.get_many(kept, ACME) == [None, None]  # unpinned: evicted first
+    finally:
+        if filler is not None:
+            filler.close()
         master.kill()

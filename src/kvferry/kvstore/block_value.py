@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvferry.kvstore.crypto import TierCrypto, tenant_tag
+from kvferry.kvstore.crypto import SEAL_OVERHEAD, TENANT_TAG_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tier import BlockOwner
 
 _MAGIC = b"KVFR"
@@ -45,6 +45,34 @@ def encode_value(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview
     header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
                           len(tenant))
     return b"".join((header, tenant, _checksum(key, header, tenant, payload), payload))
+
+
+def value_nbytes(crypto: TierCrypto | None, data_nbytes: int, owner: BlockOwner) -> int:
+    """The length of ``encode_value``'s result for a block of ``data_nbytes``."""
+    sealed = crypto is not None and not owner.public
+    return (_HEADER.size + (0 if owner.public else TENANT_TAG_BYTES) + _CHECKSUM_BYTES + data_nbytes
+            + (SEAL_OVERHEAD if sealed else 0))
+
+
+def encode_value_into(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview, owner: BlockOwner,
+                      out: memoryview) -> int:
+    """``encode_value`` written into ``out`` (at least ``value_nbytes``
+    bytes: a transfer buffer); returns the bytes written. The payload is
+    sealed or copied straight into place, and the checksum taken there."""
+    sealed = crypto is not None and not owner.public
+    tenant = b"" if owner.public else tenant_tag(crypto, owner.tenant)
+    header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
+                          len(tenant))
+    payload_at = _HEADER.size + len(tenant) + _CHECKSUM_BYTES
+    if sealed:
+        end = payload_at + crypto.seal_into(key, owner.tenant, data, out[payload_at:])
+    else:
+        end = payload_at + len(data)
+        out[payload_at:end] = memoryview(data).cast("B")
+    out[:_HEADER.size] = header
+    out[_HEADER.size:_HEADER.size + len(tenant)] = tenant
+    out[_HEADER.size + len(tenant):payload_at] = _checksum(key, header, tenant, out[payload_at:end])
+    return end
 
 
 def parse_value(key: bytes, value: bytes) -> BlockValue | None:

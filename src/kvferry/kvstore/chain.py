@@ -1,9 +1,9 @@
 """The tiers below DRAM, in load order (disk, cluster, remote), and the
 threads that move blocks between them and the arena. No torch.
 
-    load threads      cold tier get_many -> arena slot (pinned, LOADING)  -> completion queue
+    load threads      cold tier get_into -> arena slot (pinned, LOADING)  -> completion queue
     write-back thread evicted block's bytes -> disk; -> remote too once reused enough
-    pool writer       a block's bytes once it is written (or reused enough) -> cluster pool
+    pool writer       blocks once written (or reused enough), in batches     -> cluster pool
 
 The cluster pool (``cluster.py``) is written through rather than back: a
 block goes up when it becomes readable in DRAM (``cluster_min_hits`` 0,
@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from kvferry.kvstore.arena import Arena
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 # Bytes of evicted blocks waiting for the write-back thread; past this
 # they are dropped (and counted) rather than held in memory without bound.
 MAX_PENDING_WRITE_BACK_BYTES = 256 << 20
+# Blocks per write to the cluster pool (one lookup and one transfer call).
+POOL_WRITE_BATCH = 32
 
 
 class ColdChain:
@@ -56,6 +59,8 @@ class ColdChain:
         # slow pool never holds up the disk's write-backs).
         self._through: dict[bytes, tuple[bytes, BlockOwner]] = {}
         self._pool_writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-pool-write")
+        self._through_order: deque[bytes] = deque()  # keys of _through, oldest first
+        self._draining = False  # a _drain_through is queued or running on the pool writer
         self._drops: dict[str, int] = {}  # tenant -> drop_tenant calls so far
 
     def __bool__(self) -> bool:
@@ -116,13 +121,15 @@ class ColdChain:
                 missing = []
                 for owner, group in by_owner.items():
                     try:
-                        datas = tier.get_many([e.key for e in group], owner)
+                        # Straight into the slots (LOADING: nobody reads them
+                        # until the completion says ok).
+                        oks = tier.get_into([e.key for e in group], owner,
+                                            [memoryview(arena.view[e.slot]) for e in group])
                     except Exception:
-                        logger.exception("tier %s: get_many failed", tier.name)
-                        datas = [None] * len(group)
-                    for entry, data in zip(group, datas):
-                        if data is not None and len(data) == arena.block_nbytes:
-                            arena.view[entry.slot] = memoryview(data).cast("B")
+                        logger.exception("tier %s: get_into failed", tier.name)
+                        oks = [False] * len(group)
+                    for entry, ok in zip(group, oks):
+                        if ok:
                             loaded.add(entry.slot)
                         else:
                             missing.append(entry)
@@ -161,16 +168,65 @@ class ColdChain:
             if not self._room_for(arena.block_nbytes):
                 self.write_backs_dropped += 1
                 return
-            data = arena.view[entry.slot].tobytes()
-            self._through[entry.key] = (data, entry.owner)
-        self._pool_writer.submit(self._write_down, entry.key, data, entry.owner, self._pool_tiers, self._through,
-                                 check=False)
+            self._through[entry.key] = (arena.view[entry.slot].tobytes(), entry.owner)
+            self._through_order.append(entry.key)
+            if self._draining:
+                return
+            self._draining = True
+        self._pool_writer.submit(self._drain_through)
+
+    def _drain_through(self) -> None:
+        """On the pool writer: write what waits for the pool in batches of
+        up to ``POOL_WRITE_BATCH`` (what is pending, when less), one
+        ``put_many`` a batch, until nothing waits."""
+        while True:
+            with self._lock:
+                batch: list[tuple[bytes, bytes, BlockOwner]] = []
+                while self._through_order and len(batch) < POOL_WRITE_BATCH:
+                    key = self._through_order.popleft()
+                    if key in self._through and all(key != k for k, _, _ in batch):  # else dropped meanwhile
+                        batch.append((key, *self._through[key]))
+                if not batch:
+                    self._draining = False
+                    return
+                drops = {owner.tenant: self._drops.get(owner.tenant, 0) for _, _, owner in batch}
+            try:
+                for tier in self._pool_tiers:
+                    try:
+                        tier.put_many(batch)
+                    except Exception:
+                        logger.exception("tier %s: write-through failed", tier.name)
+            finally:
+                with self._lock:
+                    dropped = [key for key, _, owner in batch
+                               if not owner.public and self._drops.get(owner.tenant, 0) != drops[owner.tenant]]
+                    for key, _, _ in batch:
+                        self._through.pop(key, None)
+            for key in dropped:  # drop_tenant ran while these were being written
+                for tier in self._pool_tiers:
+                    try:
+                        tier.delete(key)
+                    except Exception:
+                        logger.exception("tier %s: delete failed", tier.name)
+
+    def retain(self, keys: list[bytes], owner: BlockOwner, seconds: float) -> None:
+        """A paused conversation's blocks: soft-pin them in the pool for
+        ``seconds``, on the pool writer, after the writes queued before."""
+        if self._pool_tiers and seconds > 0 and keys:
+            self._pool_writer.submit(self._retain, list(keys), owner, seconds)
+
+    def _retain(self, keys: list[bytes], owner: BlockOwner, seconds: float) -> None:
+        for tier in self._pool_tiers:
+            try:
+                tier.retain(keys, owner, seconds)
+            except Exception:
+                logger.exception("tier %s: retain failed", tier.name)
 
     def _room_for(self, nbytes: int) -> bool:
         return (len(self._pending) + len(self._through) + 1) * nbytes <= MAX_PENDING_WRITE_BACK_BYTES
 
     def _write_down(self, key: bytes, data: bytes, owner: BlockOwner, tiers: list[ColdTier],
-                    pending: dict[bytes, tuple[bytes, BlockOwner]], check: bool = True) -> None:
+                    pending: dict[bytes, tuple[bytes, BlockOwner]]) -> None:
         with self._lock:
             if key not in pending:
                 return  # its tenant was dropped meanwhile
@@ -178,7 +234,7 @@ class ColdChain:
         try:
             for tier in tiers:
                 try:
-                    if not (check and tier.contains(key)):
+                    if not tier.contains(key):
                         tier.put(key, data, owner)
                 except Exception:
                     logger.exception("tier %s: write-back failed", tier.name)

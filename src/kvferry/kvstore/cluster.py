@@ -35,6 +35,19 @@ such a block is found by ``contains``, comes back a miss from ``get`` (the
 load is short, the engine recomputes) and is written again, marker and
 all, by the next write-through.
 
+**Batches.** The store's pool writer hands blocks over in batches
+(``put_many``): one ``batch_is_exist`` of their values and markers, then
+what is missing in one ``batch_put_from``, each value encoded and sealed
+in place in a registered transfer buffer (``cluster_buffers.py``). Loads
+(``get_into``, the store's DRAM slots; ``get_many`` for bytes) use one
+``batch_get_into`` per batch and no lookup: an absent value is a cheap
+per-key miss. Values are checked and opened in their transfer slot.
+
+**Soft pin.** ``retain`` (a paused conversation's blocks,
+``kv_retention_s``) writes the blocks the pool holds again, in place, with
+Mooncake's soft pin and that TTL: the master evicts them only after every
+unpinned object, until the pin lapses.
+
 A store that stops unmounts its segment: the blocks placed in it leave the
 pool (``segment_gb=0``: a node that lends nothing, whose blocks all live
 in the other nodes' segments). Capacity is Mooncake's: the master evicts
@@ -55,7 +68,8 @@ raises out of ``put``/``get``. Mooncake's own log lines (glog, on stderr)
 are kept to errors unless ``MC_LOG_LEVEL`` is set (its failed RPCs while
 a master is down are among them).
 
-``stats()``: hits, misses and bytes of this node's reads and writes;
+``stats()``: hits, misses and bytes of this node's reads and writes
+(the attribute ``pinned``: blocks this node soft-pinned);
 ``num_blocks``/``num_bytes`` stay 0, the pool's contents being the
 master's to count (its metrics port).
 
@@ -74,13 +88,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 
-from kvferry.kvstore.block_value import encode_value, parse_value
-from kvferry.kvstore.crypto import TierCrypto, tenant_tag
+from kvferry.kvstore.block_value import encode_value_into, parse_value, value_nbytes
+from kvferry.kvstore.cluster_buffers import BufferPool
+from kvferry.kvstore.crypto import SEAL_OVERHEAD, TierCrypto, tenant_tag
 from kvferry.kvstore.tenant_lru import pool_of
 from kvferry.kvstore.tier import BlockOwner, ColdTier, TenantTierStats, TierStats
 
@@ -100,6 +116,12 @@ _INSTALL_HINT = "pip install 'kvferry[cluster]' (the mooncake-transfer-engine-no
 _LIBS_HINT = "apt-get install libibverbs1 librdmacm1"
 
 _MARKER = b"\x01"
+# batch_get_into's per-key codes besides a length: the value is absent, or
+# larger than the slot given.
+_NOT_FOUND = -704
+_TOO_SMALL = -600
+# Any call's code when its RPC to the master failed (the master is gone).
+_RPC_FAIL = -900
 _PUBLIC_PART = "pub"
 _MARKER_PART = "k"
 
@@ -265,7 +287,10 @@ class MooncakeTier(ColdTier):
         self._probing = False
         self.down = True  # until the first setup succeeds
         self.outages = 0
+        self.pinned = 0  # blocks soft-pinned by retain()
         self._store: Any = None
+        self._buffers: BufferPool  # set with _store: its registered transfer buffers
+        self._value_nbytes = 0  # the largest value seen (read slots are sized to it)
         self._closed = threading.Event()
         self._put_config = self._module.ReplicateConfig()
         self._put_config.replica_num = 1
@@ -308,6 +333,7 @@ class MooncakeTier(ColdTier):
                 name = store.get_hostname()
                 with self._lock:
                     if not self._closed.is_set():
+                        self._buffers = BufferPool(store)
                         self._store, store = store, None
                         self.down = False
                 if store is None:
@@ -348,10 +374,12 @@ class MooncakeTier(ColdTier):
         log.info("cluster KV tier: the Mooncake master %s is back", self.address.master)
         return store
 
-    def _master_lost(self, store: Any, what: str) -> bool:
+    def _master_lost(self, store: Any, what: str, rpc_failed: bool = False) -> bool:
         """After a failed call: is the master gone (then the tier goes down:
-        one warning per outage), or was it this call alone (a full pool)?"""
-        if _answers(store, f"{self.ns}/probe"):
+        one warning per outage), or was it this call alone (a full pool)?
+        ``rpc_failed``: the call said its RPC failed, no need to ask (asking
+        a dead master takes seconds while the client retries)."""
+        if not rpc_failed and _answers(store, f"{self.ns}/probe"):
             return False
         with self._lock:
             if not self.down:
@@ -377,34 +405,95 @@ class MooncakeTier(ColdTier):
     # ---- writes ---------------------------------------------------------
 
     def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
-        data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
-        pool = pool_of(owner)
+        return self.put_many([(key, data, owner)])[0]
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview, BlockOwner]]) -> list[bool]:
+        """Write blocks (the store's write-through hands them over in
+        batches); True for each one the pool holds on return. Each block
+        crosses the network once: one lookup of every value and marker
+        first (another node, or this one before, may have written it), then
+        what is missing in one ``batch_put_from`` per buffer of values, each
+        encoded and sealed in place. A block whose marker is gone (evicted)
+        gets its marker back."""
+        if not items:
+            return []
         store = self._client()
         if store is None:
-            self._refuse(pool)
-            return False
-        names = [self.object_key(key, owner), self._marker_key(key)]
+            for _, _, owner in items:
+                self._refuse(pool_of(owner))
+            return [False] * len(items)
+        datas = [memoryview(data).cast("B") for _, data, _ in items]  # lengths in bytes, whatever the format
+        names = [self.object_key(key, owner) for key, _, owner in items]
+        markers = [self._marker_key(key) for key, _, _ in items]
+        ok = [False] * len(items)
+        wrote = [False] * len(items)
+        present: list[int] = []
         try:
-            # Each block crosses the network once: another node (or this
-            # one, before) may have written it already. A block whose marker
-            # is gone (evicted) is written again, value and marker in one
-            # upsert.
-            if store.batch_is_exist(names) == [1, 1]:
-                return True
-            rc = store.upsert_batch(names, [self._encode(key, data, owner), _MARKER], self._put_config)
+            present = store.batch_is_exist(names + markers)
+            if len(present) != 2 * len(items) or any(p < 0 for p in present):
+                raise _CallFailed(f"batch_is_exist returned {min(present, default=-1)}", _RPC_FAIL in present)
+            todo = []
+            for i in range(len(items)):
+                if present[i] == 1 and present[len(items) + i] == 1:
+                    ok[i] = True  # already in the pool: nothing crosses the network
+                else:
+                    todo.append(i)
+            if todo:
+                self._put_missing(store, items, datas, names, markers, present, todo, wrote)
+        except _CallFailed as exc:
+            self._master_lost(store, f"put failed: {exc}", exc.rpc_failed)
         except Exception as exc:
-            rc = -1
             log.warning("cluster KV tier: put raised %r", exc)
-        if rc != 0:
-            self._master_lost(store, f"put returned {rc}")
-            self._refuse(pool)
-            return False
+            self._master_lost(store, f"put failed: {exc}")
         with self._lock:
-            self._stats.bytes_written += len(data)
-        return True
+            # The values put (a block whose marker alone was missing sent one byte).
+            self._stats.bytes_written += sum(len(d) for i, d in enumerate(datas) if wrote[i] and present[i] != 1)
+        for i in range(len(items)):
+            if not (ok[i] or wrote[i]):
+                self._refuse(pool_of(items[i][2]))
+        return [a or b for a, b in zip(ok, wrote)]
 
-    def _encode(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
-        return encode_value(self.crypto, key, data, owner)
+    def _put_missing(self, store: Any, items: Sequence[tuple[bytes, bytes | memoryview, BlockOwner]],
+                     datas: list[memoryview], names: list[str], markers: list[str], present: list[int],
+                     todo: list[int], wrote: list[bool]) -> None:
+        """Put the values and markers of ``todo`` the lookup did not find;
+        ``wrote[i]`` for each block the pool took whole."""
+        n = len(items)
+        value_sizes = [value_nbytes(self.crypto, len(datas[i]), items[i][2]) for i in todo]
+        self._learn_size(max(value_sizes))
+        calls = refused_calls = 0
+        rpc_failed = False
+        with self._buffers.write_lock:
+            buf = self._buffers.writer(max(value_sizes))
+            for at in range(0, len(todo), buf.slots):
+                chunk = todo[at:at + buf.slots]
+                keys, ptrs, lens, whose = [], [], [], []
+                for slot, i in enumerate(chunk):
+                    if present[i] != 1:
+                        key, _, owner = items[i]
+                        lens.append(encode_value_into(self.crypto, key, datas[i], owner, buf.slot(slot)))
+                        keys.append(names[i])
+                        ptrs.append(buf.slot_ptr(slot))
+                        whose.append(i)
+                    if present[n + i] != 1:
+                        keys.append(markers[i])
+                        ptrs.append(buf.marker_ptr)
+                        lens.append(len(_MARKER))
+                        whose.append(i)
+                rcs = store.batch_put_from(keys, ptrs, lens, self._put_config)
+                refused = {i for i, rc in zip(whose, rcs) if rc != 0} | set(whose[len(rcs):])
+                rpc_failed = rpc_failed or _RPC_FAIL in rcs
+                calls += 1
+                refused_calls += len(refused) == len(chunk)
+                for i in chunk:
+                    wrote[i] = i not in refused
+        if refused_calls and refused_calls == calls:
+            self._master_lost(store, "put refused", rpc_failed)
+
+    def _learn_size(self, value_nbytes: int) -> None:
+        """The largest value seen: the read buffers' slot size."""
+        if value_nbytes > self._value_nbytes:
+            self._value_nbytes = value_nbytes
 
     def _refuse(self, pool: str) -> None:
         with self._lock:
@@ -423,30 +512,75 @@ class MooncakeTier(ColdTier):
         return self.get_many([key], owner)[0]
 
     def get_many(self, keys: list[bytes], owner: BlockOwner) -> list[bytes | None]:
+        return self._get(keys, owner, None)  # type: ignore[return-value]
+
+    def get_into(self, keys: list[bytes], owner: BlockOwner, outs: list[memoryview]) -> list[bool]:
+        """The store's loads: each block checked and opened (decrypted)
+        straight from its transfer slot into its DRAM slot."""
+        return [r is not None for r in self._get(keys, owner, [out.cast("B") for out in outs])]
+
+    def _get(self, keys: list[bytes], owner: BlockOwner,
+             outs: list[memoryview] | None) -> list[bytes | memoryview | None]:
         start = time.perf_counter()
-        values: list[bytes] = []
+        results: list[bytes | memoryview | None] = [None] * len(keys)
         store = self._client() if keys else None
         if store is not None:
-            names = [self.object_key(k, owner) for k in keys]
             try:
-                # A lookup first: get answers an absent block and a master
-                # that is gone alike (empty bytes), and only what the pool
-                # holds is then fetched.
-                present = store.batch_is_exist(names)
-                if any(p < 0 for p in present):
-                    raise OSError(f"batch_is_exist returned {min(present)}")
-                wanted = [n for n, p in zip(names, present) if p == 1]
-                got = dict(zip(wanted, store.get_batch(wanted))) if wanted else {}
-                values = [got.get(n, b"") for n in names]
+                self._read(store, keys, owner, outs, results)
             except Exception as exc:
-                values = []
+                results = [None] * len(keys)
                 self._master_lost(store, f"get failed: {exc}")
-        results = [self._decode(k, v, owner) if v else None for k, v in zip(keys, values)]
-        results += [None] * (len(keys) - len(results))
         self._count_reads(results, pool_of(owner), time.perf_counter() - start)
         return results
 
-    def _decode(self, key: bytes, value: bytes, owner: BlockOwner) -> bytes | None:
+    def _read(self, store: Any, keys: list[bytes], owner: BlockOwner, outs: list[memoryview] | None,
+              results: list[bytes | memoryview | None]) -> None:
+        """Fetch, check and open ``keys`` into ``results`` (into ``outs``
+        when given). No lookup first: ``batch_get_into`` tells an absent
+        value (a cheap miss) from a failed call per key. Each value lands in
+        a slot of a registered buffer and is checked and opened there;
+        values larger than the slots (or every buffer busy) go through the
+        client's ``get_batch``."""
+        names = [self.object_key(k, owner) for k in keys]
+        buf = self._buffers.take_reader(self._value_nbytes) if self._value_nbytes else None
+        rest = list(range(len(keys)))
+        failed = rpc_failed = False
+        if buf is not None:
+            rest = []
+            try:
+                for at in range(0, len(keys), buf.slots):
+                    chunk = range(at, min(at + buf.slots, len(keys)))
+                    rcs = store.batch_get_into([names[i] for i in chunk], [buf.slot_ptr(j) for j in range(len(chunk))],
+                                               [buf.slot_nbytes] * len(chunk))
+                    for j, (i, rc) in enumerate(zip(chunk, rcs)):
+                        if rc > 0:
+                            results[i] = self._decode(keys[i], buf.slot(j)[:rc], owner, outs and outs[i])
+                        elif rc == _TOO_SMALL:
+                            rest.append(i)
+                        elif rc != _NOT_FOUND:
+                            failed = True
+                            rpc_failed = rpc_failed or rc == _RPC_FAIL
+            finally:
+                self._buffers.give_back(buf)
+        if rest:
+            # The client's own copy: for a first read (the value size not
+            # known yet) or a value larger than the slots.
+            values = store.get_batch([names[i] for i in rest])
+            for i, value in zip(rest, values):
+                if value:
+                    self._learn_size(len(value))
+                    results[i] = self._decode(keys[i], value, owner, outs and outs[i])
+            # get_batch answers an absent value and a master that is gone
+            # alike (empty bytes): a full miss asks the master.
+            failed = failed or (len(rest) == len(keys) and not any(values))
+        if failed:
+            self._master_lost(store, "get failed", rpc_failed)
+
+    def _decode(self, key: bytes, value: bytes | memoryview, owner: BlockOwner,
+                out: memoryview | None = None) -> bytes | memoryview | None:
+        """The block's bytes: a copy (``value`` may be a transfer slot), or
+        ``out`` written whole (a block of another length is a miss); None
+        for a miss."""
         parsed = parse_value(key, value)
         if parsed is None:
             return self._quarantine(key, owner)
@@ -458,10 +592,21 @@ class MooncakeTier(ColdTier):
                 self._stats.auth_failures += 1
             return None
         if owner.public or not parsed.sealed:
-            return bytes(payload)
+            if out is None:
+                return bytes(payload)
+            if len(payload) != len(out):
+                return None
+            out[:] = payload
+            return out
         if self.crypto is None:
             return None  # sealed by a node with a secret this one lacks
-        plain = self.crypto.open(key, owner.tenant, payload)
+        if out is not None and len(payload) - SEAL_OVERHEAD != len(out):
+            return None
+        plain: bytes | memoryview | None
+        if out is None:
+            plain = self.crypto.open(key, owner.tenant, payload)
+        else:
+            plain = out if self.crypto.open_into(key, owner.tenant, payload, out) else None
         if plain is None:
             # Checksum intact but the tag fails under the owner's own key:
             # forged, or moved here from another block key.
@@ -482,7 +627,7 @@ class MooncakeTier(ColdTier):
                 pass
         return None
 
-    def _count_reads(self, results: list[bytes | None], pool: str, elapsed: float) -> None:
+    def _count_reads(self, results: list[bytes | memoryview | None], pool: str, elapsed: float) -> None:
         hits = sum(r is not None for r in results)
         with self._lock:
             self._stats.bytes_read += sum(len(r) for r in results if r is not None)
@@ -493,6 +638,56 @@ class MooncakeTier(ColdTier):
             stats.misses += len(results) - hits
             if hits:
                 self._stats.load_seconds += elapsed
+
+    # ---- soft pin ---------------------------------------------------------
+
+    def retain(self, keys: list[bytes], owner: BlockOwner, seconds: float) -> int:
+        """Soft-pin ``owner``'s blocks ``keys`` (and their markers) for
+        ``seconds``: a paused conversation's (``kv_retention_s``). The master
+        evicts soft-pinned objects only after every unpinned one, until the
+        pin's TTL runs out (capped by its ``--max_kv_soft_pin_ttl``, one day
+        by default). A pin is set by writing the object with it, so each
+        block the pool holds is read back and upserted in place (within the
+        pool: the node's DRAM is not asked). Returns how many were pinned;
+        blocks the pool does not hold are skipped. ``seconds`` <= 0 does
+        nothing: pins lapse by their TTL."""
+        if seconds <= 0 or not keys:
+            return 0
+        store = self._client()
+        if store is None:
+            return 0
+        names = [self.object_key(k, owner) for k in keys]
+        config = self._module.ReplicateConfig()
+        config.replica_num = 1
+        config.soft_pin_action = self._module.SoftPinAction.ENABLE
+        config.soft_pin_ttl_ms = max(1, int(seconds * 1000))
+        pinned = 0
+        try:
+            with self._buffers.write_lock:
+                if not self._value_nbytes:  # nothing put or got yet: learn the size from one value
+                    first = store.get_batch(names[:1])
+                    self._learn_size(len(first[0]) if first and first[0] else 0)
+                if not self._value_nbytes:
+                    return 0
+                buf = self._buffers.writer(self._value_nbytes)
+                for at in range(0, len(keys), buf.slots):
+                    chunk = range(at, min(at + buf.slots, len(keys)))
+                    rcs = store.batch_get_into([names[i] for i in chunk], [buf.slot_ptr(j) for j in range(len(chunk))],
+                                               [buf.slot_nbytes] * len(chunk))
+                    found = [(i, j, rc) for j, (i, rc) in enumerate(zip(chunk, rcs)) if rc > 0]
+                    if not found:
+                        continue
+                    up = store.batch_upsert_from(
+                        [names[i] for i, _, _ in found] + [self._marker_key(keys[i]) for i, _, _ in found],
+                        [buf.slot_ptr(j) for _, j, _ in found] + [buf.marker_ptr] * len(found),
+                        [rc for _, _, rc in found] + [len(_MARKER)] * len(found), config)
+                    pinned += sum(1 for rc in up[:len(found)] if rc == 0)
+        except Exception as exc:
+            log.warning("cluster KV tier: soft pin raised %r", exc)
+            self._master_lost(store, f"soft pin failed: {exc}")
+        with self._lock:
+            self.pinned += pinned
+        return pinned
 
     # ---- the rest of the interface ----------------------------------------
 
@@ -505,7 +700,7 @@ class MooncakeTier(ColdTier):
         except Exception:
             found = -1
         if found < 0:
-            self._master_lost(store, f"is_exist returned {found}")
+            self._master_lost(store, f"is_exist returned {found}", found == _RPC_FAIL)
         return found == 1
 
     def delete(self, key: bytes) -> None:
@@ -561,9 +756,16 @@ class MooncakeTier(ColdTier):
         if not self.address.reachable():
             log.warning("cluster KV tier: the Mooncake master %s is unreachable; leaving without unmounting",
                         self.address.master)
-            _ABANDONED.append(store)  # never destroyed: its destructor would retry too
+            _ABANDONED.append((store, self._buffers))  # never destroyed: its destructor would retry too
             return
+        self._buffers.close()  # unregistered before the client goes
         _close_quietly(store)
+
+
+class _CallFailed(OSError):
+    def __init__(self, what: str, rpc_failed: bool) -> None:
+        super().__init__(what)
+        self.rpc_failed = rpc_failed
 
 
 # Clients left open by close() with their master gone.

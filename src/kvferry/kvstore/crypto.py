@@ -119,6 +119,30 @@ class TierCrypto:
         nonce = os.urandom(NONCE_BYTES)
         return nonce, self._cipher(tenant).encrypt(nonce, plaintext, associated_data(key, tenant))
 
+    def seal_into(self, key: bytes, tenant: str, plaintext: bytes | memoryview, out: memoryview) -> int:
+        """``seal`` written into ``out`` (nonce, ciphertext, tag: at least
+        ``len(plaintext) + SEAL_OVERHEAD`` bytes); returns the bytes written.
+        No allocation: fresh buffers of a block's size, not AES-GCM itself,
+        are most of ``seal``'s cost."""
+        nonce = os.urandom(NONCE_BYTES)
+        out[:NONCE_BYTES] = nonce
+        end = NONCE_BYTES + len(plaintext) + TAG_BYTES
+        self._cipher(tenant).encrypt_into(nonce, plaintext, associated_data(key, tenant), out[NONCE_BYTES:end])
+        return end
+
+    def open_into(self, key: bytes, tenant: str, sealed: bytes | memoryview, out: memoryview) -> bool:
+        """``open`` written into ``out`` (exactly the plaintext's length);
+        False when authentication fails (``out`` then holds no block)."""
+        if len(sealed) < SEAL_OVERHEAD or len(sealed) - SEAL_OVERHEAD != memoryview(out).nbytes:
+            return False
+        view = memoryview(sealed)
+        try:
+            self._cipher(tenant).decrypt_into(view[:NONCE_BYTES], view[NONCE_BYTES:],
+                                              associated_data(key, tenant), out)
+        except InvalidTag:
+            return False
+        return True
+
     def open(self, key: bytes, tenant: str, sealed: bytes | memoryview) -> bytes | None:
         """The plaintext, or None when authentication fails (another
         tenant's key, another block key, any flipped bit)."""

@@ -264,6 +264,7 @@ class KVStoreService:
             case p.Retain(keys=keys, owner=owner, seconds=seconds):
                 if not seconds >= 0:
                     raise ValueError(f"seconds: must be >= 0, got {seconds}")
+                self.cold.retain(keys, owner, seconds)  # the pool's soft pin, on its writer thread
                 return p.Count(n=self.index.retain(keys, owner, now + seconds, now))
             case p.DropTenant(tenant=tenant):
                 return p.Count(n=self._drop_tenant(tenant))

@@ -83,6 +83,28 @@ class ColdTier(ABC):
         """Batch read; tiers override it to overlap I/O."""
         return [self.get(key, owner) for key in keys]
 
+    def get_into(self, keys: list[bytes], owner: BlockOwner, outs: list[memoryview]) -> list[bool]:
+        """Batch read into place: each block found, of exactly its ``outs``
+        view's length (a DRAM slot), is written there; True for those. A
+        False one's view may hold anything. Tiers override it to skip the
+        intermediate copy."""
+        oks = []
+        for data, out in zip(self.get_many(keys, owner), outs):
+            ok = data is not None and memoryview(data).nbytes == out.nbytes
+            if ok:
+                out.cast("B")[:] = memoryview(data).cast("B")
+            oks.append(ok)
+        return oks
+
+    def put_many(self, items: list[tuple[bytes, bytes | memoryview, BlockOwner]]) -> list[bool]:
+        """Batch write (``put`` per item); tiers override it to batch I/O."""
+        return [self.put(key, data, owner) for key, data, owner in items]
+
+    def retain(self, keys: list[bytes], owner: BlockOwner, seconds: float) -> int:
+        """Keep ``owner``'s blocks ``keys`` for ``seconds`` where the tier can
+        (a paused conversation's); returns how many. Most tiers cannot: 0."""
+        return 0
+
     @abstractmethod
     def contains(self, key: bytes) -> bool: ...
 
