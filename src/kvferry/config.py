@@ -175,7 +175,7 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-_KV_TRANSPORTS = ("shm", "tcp", "mooncake")
+_KV_TRANSPORTS = ("shm", "tcp")
 _KV_FAILURE = ("recompute", "fail")
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*", "")
 
@@ -198,9 +198,7 @@ class KVTransferConfig:
     # "": the core takes no part in disaggregation.
     kv_transfer_address: str = ""
     # How this core sends KV: "shm" writes straight into a decode core's
-    # pool on the same host (falling back to tcp when it cannot attach it);
-    # "mooncake": Mooncake's Transfer Engine writes it (both cores need it,
-    # with one metadata server).
+    # pool on the same host (falling back to tcp when it cannot attach it).
     kv_transport: str = "shm"
     # A decode core whose KV does not arrive intact: recompute the prompt
     # itself, or finish the request with an error.
@@ -214,10 +212,6 @@ class KVTransferConfig:
     # address is refused, so a transfer port is never opened to every
     # network by accident (its peers must still present the token).
     kv_transfer_bind_any: bool = False
-    # kv_transport "mooncake": the metadata server its engines meet at
-    # (http://HOST:PORT/metadata, e.g. mooncake_master's
-    # --enable_http_metadata_server).
-    kv_transfer_metadata: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_transfer_address, str) or (
@@ -236,13 +230,6 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_bind_any must be a bool, got {self.kv_transfer_bind_any!r}")
         if self.kv_transport not in _KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {', '.join(_KV_TRANSPORTS)}; got {self.kv_transport!r}")
-        if not isinstance(self.kv_transfer_metadata, str) or (
-                self.kv_transfer_metadata and not self.kv_transfer_metadata.startswith(("http://", "https://"))):
-            raise ValueError(f"kv_transfer_metadata (--kv-transfer-metadata) must be an http:// URL of a Mooncake "
-                             f"metadata server, got {self.kv_transfer_metadata!r}")
-        if self.kv_transport == "mooncake" and self.kv_transfer_address and not self.kv_transfer_metadata:
-            raise ValueError("kv_transport mooncake needs kv_transfer_metadata (--kv-transfer-metadata "
-                             "http://HOST:PORT/metadata: the metadata server both cores' engines register with)")
         if self.kv_transfer_failure not in _KV_FAILURE:
             raise ValueError(f"kv_transfer_failure must be one of {', '.join(_KV_FAILURE)}; "
                              f"got {self.kv_transfer_failure!r}")
@@ -390,12 +377,7 @@ class EngineArgs:
         "interface (a wildcard host needs --kv-transfer-bind-any; peers must hold the cluster secret: "
         "--cache-secret-file) (default: off)"))
     kv_transport: str = field(default="shm", metadata=_opt(
-        "how KV is sent to a decode core: shm (same host, into its pool), tcp, or mooncake (Mooncake's Transfer "
-        "Engine writes its pool over its TCP transport; needs --kv-transfer-metadata, on both cores; "
-        "a trusted network only)", choices=_KV_TRANSPORTS))
-    kv_transfer_metadata: str = field(default="", metadata=_opt(
-        "--kv-transport mooncake: the metadata server of the cores' transfer engines, http://HOST:PORT/metadata "
-        "(mooncake_master --enable_http_metadata_server=true serves one)"))
+        "how KV is sent to a decode core: shm (same host, into its pool) or tcp", choices=_KV_TRANSPORTS))
     kv_transfer_failure: str = field(default="recompute", metadata=_opt(
         "a decode core whose KV transfer fails: recompute the prompt, or fail the request",
         choices=_KV_FAILURE))
@@ -431,8 +413,7 @@ class EngineArgs:
                                   kv_disk_gb=self.kv_disk_gb, kv_remote=self.kv_remote, kv_cluster=self.kv_cluster,
                                   max_load_tokens=self.max_load_tokens),
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
-                                         self.kv_transfer_timeout_s, self.kv_transfer_bind_any,
-                                         self.kv_transfer_metadata),
+                                         self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
         )
 

@@ -85,10 +85,6 @@ class KVDestination(msgspec.Struct, kw_only=True):
     # The decode core's KV pool as a named shared-memory segment ("": not in
     # shared memory, so only the socket transport reaches it).
     shm_name: str = ""
-    # What a one-sided transport needs to write the decode core's pool
-    # (--kv-transport mooncake: its engine's name, the pool's address and
-    # strides), opaque to everyone else; b"": none.
-    transport_desc: bytes = b""
     # Blocks to fill, in order: the request's blocks from
     # num_cached_tokens // block_size to the end of its prompt.
     block_ids: list[int]

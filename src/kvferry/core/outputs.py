@@ -124,9 +124,6 @@ class StreamOrder:
     last: bool
     lease_s: float
     deadline: float
-    # KVDestination.transport_desc (b"": the decode core registered no pool
-    # for a one-sided transport).
-    transport_desc: bytes = b""
 
 
 @dataclass(slots=True)

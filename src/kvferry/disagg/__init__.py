@@ -5,8 +5,6 @@ core D (the router pairs them; see ``kvferry.messages`` for the flow). Here:
 
 * ``transport.py``: how P's KV reaches D's block pool (shared memory written
   in place, or TCP), behind one interface, and D's receiving end;
-* ``mooncake_transport.py``: the optional third link, Mooncake's Transfer
-  Engine writing D's pool (``--kv-transport mooncake``);
 * ``agent.py``: the per-core transfer agent the runner drives each step: a
   per-step ``StepTransfer`` that the model calls as each layer finishes,
   a sender thread, and the completion / lease / checksum rules.

@@ -22,8 +22,8 @@ Done follows every write.
 
 Leases: a prefill core reports ``finished_sending`` (its blocks are freed)
 on the decode core's acknowledgement, or ``lease_s`` after it first sent,
-whichever comes first; it never writes into a decode core's pool in place
-(shared memory, Mooncake) past that core's deadline. An aborted prefill sends a Done with an error so
+whichever comes first; it never writes into a decode core's shared memory
+past that core's deadline. An aborted prefill sends a Done with an error so
 the decode core gives up at once rather than at its deadline.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from kvferry.config import KVTransferConfig, kv_transfer_host
+from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import KVOrders, StreamOrder
 from kvferry.disagg.transport import (
     KVReceiver, KVTransport, Received, SharedKVPool, ShmTransport, TcpTransport, hidden_state_checksum,
@@ -54,7 +54,7 @@ class _Stream:
     request_id: str
     link: KVTransport
     lease_end: float  # local clock: free the blocks by then, acked or not
-    write_deadline: float  # the decode core's deadline on our clock, for a link writing its pool in place
+    shm_deadline: float  # the decode core's deadline (same host: same clock)
     done_sent: bool = False
     error: str = ""
 
@@ -112,13 +112,6 @@ class KVTransferAgent:
                                    speculative=speculative, bind_any=config.kv_transfer_bind_any)
         self.address = self.receiver.address
         self.shm_name = pool.name if pool is not None else ""
-        # --kv-transport mooncake: this core's Transfer Engine, its pool
-        # registered (a decode core's writable target, a prefill core's
-        # source); transport_desc tells prefill cores where it lies.
-        self.mooncake = None
-        self.transport_desc = b""
-        if config.kv_transport == "mooncake":
-            self._open_mooncake()
         self._ctx = zmq.Context.instance()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -138,20 +131,6 @@ class KVTransferAgent:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
         self._thread.start()
-
-    def _open_mooncake(self) -> None:
-        if self.kv_cache.device.type != "cpu":
-            logger.warning("kv_transport mooncake: this build registers CPU pools only; sending over tcp")
-            return
-        from kvferry.disagg.mooncake_transport import MooncakeEngine  # only when chosen: an optional package
-
-        try:
-            self.mooncake = MooncakeEngine(kv_transfer_host(self.address), self.config.kv_transfer_metadata,
-                                           self.kv_cache)
-        except Exception:
-            self.receiver.close()  # its thread and socket: the core does not start
-            raise
-        self.transport_desc = self.mooncake.descriptor
 
     # -- step thread --------------------------------------------------------------
     def expect(self, orders: KVOrders) -> None:
@@ -201,8 +180,6 @@ class KVTransferAgent:
         if self._thread.is_alive():
             logger.warning("KV sender thread did not stop within 2 s")
         self.receiver.close()
-        if self.mooncake is not None:
-            self.mooncake.close()  # before the pool's memory goes: no write may land after
         if self.pool is not None:
             self.pool.close()
 
@@ -232,25 +209,17 @@ class KVTransferAgent:
     def _stream(self, order: StreamOrder) -> _Stream:
         stream = self._streams.get(order.transfer_id)
         if stream is None:
-            link = self._link(order)
             stream = self._streams[order.transfer_id] = _Stream(
-                order.request_id, link, time.monotonic() + order.lease_s, link.write_deadline(order.deadline))
+                order.request_id, self._link(order), time.monotonic() + order.lease_s,
+                order.deadline if order.shm_name and self.config.kv_transport == "shm" else float("inf"))
         return stream
 
     def _link(self, order: StreamOrder) -> KVTransport:
         use_shm = self.config.kv_transport == "shm" and bool(order.shm_name) and self.kv_cache.device.type == "cpu"
-        use_mooncake = self.mooncake is not None and bool(order.transport_desc)
-        key = (order.address, order.shm_name if use_shm else "mooncake" if use_mooncake else "")
+        key = (order.address, order.shm_name if use_shm else "")
         link = self._links.get(key)
         if link is None:
-            if use_mooncake:
-                from kvferry.disagg.mooncake_transport import MooncakeTransport
-
-                try:
-                    link = MooncakeTransport(self._ctx, order.address, self.mooncake, order.transport_desc)
-                except ValueError as exc:
-                    logger.warning("cannot write %s's pool with mooncake (%s): sending over tcp", order.address, exc)
-            elif use_shm:
+            if use_shm:
                 try:
                     block_shape = (self.kv_cache.shape[0], 2, *self.kv_cache.shape[3:])
                     pool = SharedKVPool.attach(order.shm_name, block_shape, self.kv_cache.dtype)
@@ -265,7 +234,7 @@ class KVTransferAgent:
         stream = self._stream(order)
         if stream.error or stream.done_sent:
             return
-        if time.monotonic() >= stream.write_deadline:
+        if time.monotonic() >= stream.shm_deadline:
             self._fail(order, "lease over")
             return
         num_target = self.kv_cache.shape[0]

@@ -20,14 +20,6 @@ Transports (``KVTransport``, the sending half):
   channel. One host only.
 * ``TcpTransport``: each layer's bytes follow its ``KVLayerChunk`` as a
   second frame; the decode core's receiver thread copies them into its pool.
-* ``MooncakeTransport`` (``mooncake_transport.py``, imported only for
-  ``--kv-transport mooncake``): Mooncake's Transfer Engine writes each
-  layer's blocks into the decode core's pool, whose engine name, address
-  and strides came once in ``KVDestination.transport_desc``; the chunk
-  header follows once the writes landed, and ``send_done`` waits for every
-  write first. The receiver, the checksum and the lease rules are the
-  ones above: D verifies its own pool, whatever wrote it. NIXL would fit
-  the same seam.
 
 Every message on a control channel starts with a token frame
 (``peer_auth.token(KV_TRANSFER)``, from the secret both cores inherit from
@@ -48,9 +40,22 @@ refused unless ``--kv-transfer-bind-any`` (``bind_address``). Over shared
 memory the KV crosses no socket; the pool's segment is created 0600, so
 only its user maps it. The TCP frames are not encrypted: across an
 untrusted network, run the link inside one (a VPN, an IPsec or WireGuard
-tunnel), since a sniffer of the link reads the KV and the token. With
-``--kv-transport mooncake`` the Transfer Engine's own listener takes no
-token at all: a trusted network only (see ``mooncake_transport.py``).
+tunnel), since a sniffer of the link reads the KV and the token.
+
+Seam for NIXL or Mooncake's Transfer Engine: a third ``KVTransport`` whose
+constructor registers both pools with the engine (NIXL ``register_memory``
+/ Mooncake ``register_memory`` of the pool tensor, with D's descriptors
+exchanged once, e.g. in ``KVDestination`` as an opaque blob beside
+``shm_name``), whose ``write_layer`` posts one RDMA write per block
+(``src block b -> dst block dst_block_ids[i]``, addresses computed from the
+layout above) without waiting, and whose ``send_done`` first waits for the
+writes' completion notifications, then sends ``KVTransferDone`` on the
+control channel. The receiver, the checksum and the lease rules stay as they
+are: D verifies its own pool, whatever wrote it. Such a transport on
+Mooncake's Transfer Engine over its TCP transport was built and measured
+(commit 5899e5a, BENCHMARKS.md): no faster than ``TcpTransport`` on one
+host, since the pool's layer-major blocks make one small write per block
+per layer (6 KiB, 30-50 us each); its case is RDMA.
 """
 from __future__ import annotations
 
@@ -276,13 +281,6 @@ class KVTransport(ABC):
     def send_done(self, done: KVTransferDone) -> None:
         self.send_message(done)
 
-    def write_deadline(self, deadline: float) -> float:
-        """The decode core's ``deadline`` (its clock) on this core's
-        ``time.monotonic()``, for a link that writes into its pool in place
-        (no layer is written past it); inf for a link whose late chunks the
-        decode core drops unread."""
-        return float("inf")
-
     def poll_acks(self) -> list[KVTransferAck]:
         acks = []
         while self.sock.poll(0):
@@ -311,9 +309,6 @@ class ShmTransport(KVTransport):
     def __init__(self, ctx: zmq.Context, address: str, pool: SharedKVPool, token: bytes | None = None) -> None:
         super().__init__(ctx, address, token)
         self.pool = pool
-
-    def write_deadline(self, deadline: float) -> float:
-        return deadline  # one host: one monotonic clock
 
     def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
                     dst_block_ids: list[int], num_final_blocks: int) -> None:

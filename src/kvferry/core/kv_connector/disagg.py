@@ -36,8 +36,6 @@ class KVTransferSettings:
     shm_name: str  # the KV pool's shared-memory segment ("": none)
     timeout_s: float  # the lease of each transfer
     recompute_on_failure: bool  # else finish the request with an error
-    # Where a one-sided transport writes this core's pool (opaque; b"": none).
-    transport_desc: bytes = b""
 
 
 def kv_role(request: Request) -> str:
@@ -70,8 +68,7 @@ class PDTransferScheduler(KVConnectorScheduler):
         transfer_id = f"{rid}@{uuid.uuid4().hex[:12]}"
         orders.receive.append(ReceiveOrder(rid, transfer_id, block_ids, deadline))
         return KVDestination(transfer_id=transfer_id, address=settings.address, shm_name=settings.shm_name,
-                             transport_desc=settings.transport_desc, block_ids=block_ids,
-                             num_cached_tokens=request.num_computed_tokens, block_size=bs,
+                             block_ids=block_ids, num_cached_tokens=request.num_computed_tokens, block_size=bs,
                              lease_s=settings.timeout_s, deadline=deadline)
 
     def load_finished(self, request: Request, num_tokens: int, result: RunnerOutput,
@@ -135,7 +132,6 @@ class PDTransferScheduler(KVConnectorScheduler):
             all_dst_block_ids=list(dest.block_ids),
             num_final_blocks=hi - lo if end >= request.num_prompt_tokens else end // bs - lo,
             last=end >= request.num_prompt_tokens, lease_s=dest.lease_s, deadline=dest.deadline,
-            transport_desc=dest.transport_desc,
         ))
 
     def apply_completions(self, result: RunnerOutput) -> None:

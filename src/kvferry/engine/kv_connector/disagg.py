@@ -35,7 +35,7 @@ class PDTransferWorker(KVConnectorWorker):
         """What the scheduler half announces to prefill cores."""
         c = self.config
         return KVTransferSettings(self.agent.address, self.agent.shm_name, c.kv_transfer_timeout_s,
-                                  c.kv_transfer_failure == "recompute", self.agent.transport_desc)
+                                  c.kv_transfer_failure == "recompute")
 
     def run_orders(self, orders: KVOrders) -> None:
         self.agent.expect(orders)
