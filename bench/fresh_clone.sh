@@ -32,6 +32,11 @@ grep -E '==> |kvferry serve: ready' "$LOG" | cut -c1-140
 echo "first answer at: $(echo "$T_ANSWER - $T_CLONE" | bc) s after the clone"
 echo "fresh clone to first answer: $(echo "$T_ANSWER - $T0" | bc) s"
 cat "$WORK/answer.json"; echo
-pkill -TERM -f "kvferry serve --host 127.0.0.1 --port $PORT" || true
+# The server retitles itself ("kvferry: api-server"): found as make's
+# descendant, not by its command line. SIGTERM is its clean stop.
+descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
+for pid in $(descendants $MAKE_PID); do
+  case "$(ps -o args= -p "$pid" 2>/dev/null)" in "kvferry: api-server"*) kill -TERM "$pid" ;; esac
+done
 wait $MAKE_PID 2>/dev/null || true
 echo "work folder: $WORK (remove it when done)"

@@ -280,9 +280,12 @@ class KVTierConfig:
         if self.kv_remote and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
         if self.kv_cluster:
-            from kvferry.kvstore.cluster import PoolAddress  # only with a cluster pool: it imports the crypto
+            # Only with a cluster pool: it imports the crypto.
+            from kvferry.kvstore.cluster import PoolAddress, check_auto, is_auto
 
-            PoolAddress.parse(self.kv_cluster)
+            # auto: kvferry serve --ray starts a master and puts its URL here
+            # before any store starts (a store given "auto" refuses it).
+            check_auto(self.kv_cluster) if is_auto(self.kv_cluster) else PoolAddress.parse(self.kv_cluster)
             if not self.kv_store and not self.kv_dram_gb:
                 self.kv_dram_gb = DEFAULT_CLUSTER_DRAM_GB  # the pool lies below a node store's DRAM
 
@@ -365,7 +368,8 @@ class EngineArgs:
     kv_remote: str = field(default="", metadata=_opt("redis:// URL of the store's remote tier"))
     kv_cluster: str = field(default="", metadata=_opt(
         "cluster KV pool shared by every node's store, mooncake://MASTER_HOST:PORT?metadata=URL (Mooncake "
-        f"Store); starts the node store it needs (--kv-dram-gb, default {DEFAULT_CLUSTER_DRAM_GB} GiB with it)"))
+        f"Store), or auto with --ray (the server starts a mooncake_master on the Ray head node); starts the node "
+        f"store it needs (--kv-dram-gb, default {DEFAULT_CLUSTER_DRAM_GB} GiB with it)"))
     max_load_tokens: int = field(default=0, metadata=_opt(
         "most tokens one request may load from the KV store (0: no cap)"))
     speculative: str | dict | None = field(default=None, metadata=_opt(

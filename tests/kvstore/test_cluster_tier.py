@@ -156,6 +156,34 @@ def test_bad_urls_name_the_field():
     assert KVTierConfig(kv_cluster="mooncake://h:1").kv_dram_gb > 0
 
 
+def test_auto_is_checked_and_refused_outside_serve_ray(tmp_path):
+    """``--kv-cluster auto``: its options are checked where it is given, and
+    anything that would connect to it (a store, a server without --ray)
+    refuses it with the reason; only kvferry serve --ray resolves it
+    (tests/fleet/test_cluster_master.py)."""
+    import subprocess
+    import sys
+
+    from kvferry.config import EngineArgs, KVTierConfig
+    from kvferry.kvstore.cluster import auto_url
+    from kvferry.kvstore.launch import start_store
+
+    assert KVTierConfig(kv_cluster="auto").kv_dram_gb > 0
+    assert EngineArgs(kv_cluster="auto?segment_gb=0.5&buffer_mb=32").kv_cluster.startswith("auto")
+    for value, named in (("auto?segment_gb=-1", "segment_gb must be >= 0"), ("auto?colour=red", "unknown option"),
+                         ("auto?metadata=http://h:1/metadata", "drop the metadata option")):
+        with pytest.raises(ValueError, match=f"kv_cluster: .*{named}"):
+            KVTierConfig(kv_cluster=value)
+    assert (auto_url("auto?segment_gb=0.5", "10.0.0.7", 5001, 5002)
+            == "mooncake://10.0.0.7:5001?metadata=http://10.0.0.7:5002/metadata&segment_gb=0.5")
+    with pytest.raises(ValueError, match="kv_cluster: 'auto' .*needs kvferry serve --ray"):
+        start_store(KVTierConfig(kv_dram_gb=0.01, kv_cluster="auto"))
+    proc = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", "--kv-cluster", "auto"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "needs kvferry serve --ray" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("broken, named", [("libs", r"libibverbs\.so\.1 not found \(apt-get install"),
                                            ("package", r"mooncake package is not installed: pip install")])
 def test_a_store_without_mooncake_names_what_is_missing(tmp_path, monkeypatch, secret_file, broken, named):

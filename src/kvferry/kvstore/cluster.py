@@ -150,6 +150,9 @@ class PoolAddress:
 
     @classmethod
     def parse(cls, url: str) -> PoolAddress:
+        if is_auto(url):
+            raise ValueError(f"kv_cluster: {url!r} (a mooncake_master started by the server on the Ray head node) "
+                             f"needs kvferry serve --ray; elsewhere give {SCHEME}MASTER_HOST:PORT?metadata=URL")
         if not isinstance(url, str) or not url.startswith(SCHEME):
             raise ValueError(f"kv_cluster: must be {SCHEME}MASTER_HOST:PORT?metadata=URL, got {url!r}")
         parts = urlsplit(url)
@@ -218,6 +221,46 @@ class PoolAddress:
                 return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+# -- --kv-cluster auto: a master the server starts (fleet/cluster_master.py) ----------------------
+AUTO = "auto"
+
+
+def is_auto(value: object) -> bool:
+    """``auto`` or ``auto?OPTIONS``: kvferry serve --ray starts the master."""
+    return isinstance(value, str) and (value == AUTO or value.startswith(AUTO + "?"))
+
+
+def check_auto(value: str) -> None:
+    """Validate the options of ``auto?OPTIONS`` (those of a mooncake:// URL
+    but ``metadata``, which the server's own master sets). Raises ValueError."""
+    query = value[len(AUTO) + 1:] if value.startswith(AUTO + "?") else ""
+    if "metadata" in parse_qs(query, keep_blank_values=True):
+        raise ValueError(f"kv_cluster: {value!r}: the master the server starts serves the metadata itself; "
+                         f"drop the metadata option")
+    PoolAddress.parse(auto_url(value, "127.0.0.1", 1, 2))
+
+
+def auto_url(value: str, host: str, rpc_port: int, metadata_port: int) -> str:
+    """The mooncake:// URL of a master the server started at ``host``, with
+    the options ``value`` (``auto?OPTIONS``) gives."""
+    bracketed = f"[{host}]" if ":" in host else host
+    url = f"{SCHEME}{bracketed}:{rpc_port}?metadata=http://{bracketed}:{metadata_port}/metadata"
+    options = value[len(AUTO) + 1:] if value.startswith(AUTO + "?") else ""
+    return f"{url}&{options}" if options else url
+
+
+def master_binary() -> str:
+    """The ``mooncake_master`` executable of the installed mooncake package,
+    or a ValueError naming what is missing."""
+    load_store_module()
+    import mooncake
+
+    binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    if not os.access(binary, os.X_OK):
+        raise ValueError(f"kv_cluster: no executable mooncake_master in {os.path.dirname(binary)} ({_INSTALL_HINT})")
+    return binary
 
 
 def _host_port(netloc: str, default_port: int) -> tuple[str, int]:

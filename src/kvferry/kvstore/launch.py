@@ -50,8 +50,9 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     from kvferry.kvstore.service import ipc_address
 
     if tiers.kv_cluster:
-        from kvferry.kvstore.cluster import check_available
+        from kvferry.kvstore.cluster import PoolAddress, check_available
 
+        PoolAddress.parse(tiers.kv_cluster)  # "auto" is kvferry serve --ray's alone: refused here, by name
         check_available()  # a ValueError naming the missing package or library, here rather than in the child
     peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
     address = tiers.kv_store or ipc_address()

@@ -89,6 +89,10 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         )
         router = router_config_from(args)
         placement = placement_from_args(args)
+        if placement is None and engine_args.kv_cluster:
+            from kvferry.kvstore.cluster import PoolAddress
+
+            PoolAddress.parse(engine_args.kv_cluster)  # "auto" needs --ray: a ValueError saying so
         slo_s = {name: ms / 1000.0 for name, ms in (("ttft", router.slo.ttft_slo_ms), ("tpot", router.slo.tpot_slo_ms))
                  if ms is not None}
         autoscaler = autoscaler_from_args(args, router.mode, slo_s, engine_args)
@@ -109,10 +113,13 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # no import runs beside uvicorn's own and the start-up heap frozen
     # below holds its objects.
     grammar_import = import_backend_in_background()
-    ray_cores = node_stores = None
+    ray_cores = node_stores = cluster_master = None
     try:
         try:
             ray_cores = connect_ray(placement, router.engine_restarts)
+            cluster_master = start_cluster_master(placement, engine_args, router.engine_restarts, args.log_level)
+            if cluster_master is not None:
+                engine_args = dataclasses.replace(engine_args, kv_cluster=cluster_master.url)
             node_stores = start_node_stores(placement, args, engine_args, router.engine_restarts, given_secret_file)
             client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
                                               ready_timeout_s=args.engine_start_timeout, log_level=args.log_level,
@@ -131,6 +138,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     finally:
         if node_stores is not None:
             node_stores.close()  # after the cores (their clients), before the driver leaves the cluster
+        if cluster_master is not None:
+            cluster_master.close()  # after the node stores (the pool's clients)
         if ray_cores is not None:
             ray_cores.close()
         if store is not None:
@@ -146,6 +155,22 @@ def connect_ray(placement: RayPlacement | None, max_restarts: int):
     from kvferry.fleet.ray_cores import RayCores
 
     return RayCores.connect(placement, max_restarts)
+
+
+def start_cluster_master(placement: RayPlacement | None, engine_args: EngineArgs, max_restarts: int,
+                         log_level: str):
+    """``--ray`` with ``--kv-cluster auto``: the cluster KV pool's
+    mooncake_master, started on the Ray head node (kvferry.fleet.cluster_master);
+    the node stores get its URL. None when not asked for."""
+    if placement is None or not engine_args.kv_cluster:
+        return None
+    from kvferry.kvstore.cluster import is_auto
+
+    if not is_auto(engine_args.kv_cluster):
+        return None
+    from kvferry.fleet.cluster_master import ClusterMaster
+
+    return ClusterMaster.start(engine_args.kv_cluster, max_restarts, log_level)
 
 
 def start_node_stores(placement: RayPlacement | None, args: argparse.Namespace, engine_args: EngineArgs,
@@ -173,6 +198,8 @@ def keep_tier_secret(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     store (keys at rest) both read it."""
     if getattr(args, "cache_secret_file", None) is not None or not engine_args.kv_dram_gb or engine_args.kv_store:
         return
+    if engine_args.kv_cluster.startswith("auto") and not engine_args.kv_disk and not engine_args.kv_remote:
+        return  # --kv-cluster auto: a pool that lives with this server, nothing of it survives a restart
     from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
 
     path = tier_secret_path(engine_args.kv_disk, engine_args.kv_remote or engine_args.kv_cluster)
