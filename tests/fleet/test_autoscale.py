@@ -22,10 +22,16 @@ import pytest
 
 from kvferry.fleet.autoscale import (Autoscaler, Decision, ScaleBounds, WorkloadWindow, add_autoscale_args,
                                      autoscaler_from_args, parse_counts, window_from_args)
-from tests.plan.helpers import write_profile
+from tests.plan.helpers import profile_with_quality, write_profile
 
 SLO = {"ttft": 0.3, "tpot": 0.03}
-POOR_PROFILE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "cost" / "profile-1-thread.json"
+
+
+@pytest.fixture(scope="module")
+def poor_profile(tmp_path_factory) -> str:
+    """A profile whose decode fit is poor (as one measured on a busy machine)."""
+    return str(profile_with_quality(tmp_path_factory.mktemp("autoscale-poor") / "poor.json", prefill_r2=0.99,
+                                    prefill_rms=0.02, decode_r2=0.55, decode_rms=0.2))
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +285,7 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_flags_build_the_autoscaler_and_bad_values_name_the_flag(profile, tmp_path, caplog):
+def test_flags_build_the_autoscaler_and_bad_values_name_the_flag(profile, poor_profile, tmp_path, caplog):
     assert autoscaler_from_args(parse(), "colocated", SLO) is None
     a = autoscaler_from_args(parse("--autoscale", profile, "--autoscale-slo", "ttft:500", "--autoscale-min",
                                    "prefill=1,decode=2", "--autoscale-max-cores", "6",
@@ -292,7 +298,7 @@ def test_flags_build_the_autoscaler_and_bad_values_name_the_flag(profile, tmp_pa
     missing = str(tmp_path / "missing.json")
     cases = [
         (("--autoscale", missing), "colocated", SLO, "--autoscale: cannot read"),
-        (("--autoscale", str(POOR_PROFILE)), "colocated", SLO, "--autoscale-allow-poor-fit"),
+        (("--autoscale", poor_profile), "colocated", SLO, "--autoscale-allow-poor-fit"),
         (("--autoscale", profile), "colocated", {}, "--autoscale-slo"),
         (("--autoscale", profile, "--autoscale-slo", "ttft:0"), "colocated", None, "--autoscale-slo"),
         (("--autoscale", profile, "--autoscale-min", "prefill=1,decode=1"), "colocated", SLO, "--autoscale-min"),
@@ -317,7 +323,7 @@ def test_flags_build_the_autoscaler_and_bad_values_name_the_flag(profile, tmp_pa
         autoscaler_from_args(parse("--autoscale", str(not_a_profile)), "colocated", SLO)
     # the poor profile, allowed: the same warning kvferry plan prints, logged
     caplog.set_level(logging.WARNING, logger="kvferry.fleet.autoscale")
-    allowed = autoscaler_from_args(parse("--autoscale", str(POOR_PROFILE), "--autoscale-allow-poor-fit"),
+    allowed = autoscaler_from_args(parse("--autoscale", poor_profile, "--autoscale-allow-poor-fit"),
                                    "colocated", SLO)
     assert allowed is not None
     assert any("decode fit is poor" in r.message and "using it anyway" in r.message for r in caplog.records)

@@ -93,12 +93,24 @@ def server(cluster, tiny, tmp_path_factory):
 # A driver of its own (this test process stays free of Ray): every node
 # store of the cluster, as its actor reports it.
 _STORES_SCRIPT = """
-import json, sys, ray
+import json, sys, time, ray
+from ray.exceptions import ActorUnavailableError
 ray.init(address=sys.argv[1], logging_level="ERROR")
+
+def info_of(actor):
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return ray.get(actor.info.remote(), timeout=120)
+        except ActorUnavailableError:  # restarting right now (a test killed it): ask again
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
 out = {}
 for entry in ray.util.list_named_actors(all_namespaces=True):
     if entry["name"].startswith("kvferry-kvstore-"):
-        info = ray.get(ray.get_actor(entry["name"], namespace=entry["namespace"]).info.remote(), timeout=120)
+        info = info_of(ray.get_actor(entry["name"], namespace=entry["namespace"]))
         out[info.node_id] = dict(name=entry["name"], address=info.address, pid=info.pid,
                                  actor_pid=info.actor_pid, actor_id=info.actor_id)
 print(json.dumps(out))

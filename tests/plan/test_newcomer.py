@@ -16,23 +16,13 @@ import pytest
 
 from kvferry.bench.profile import DECODE_TERMS, PREFILL_TERMS, fit, fit_quality, poor_fits
 from kvferry.bench.profile_served import Progress
-from tests.plan.helpers import write_profile
+from tests.plan.helpers import profile_with_quality, write_profile
 
 
 def kvferry(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # the tests' own kvferry, from any cwd
     return subprocess.run([sys.executable, "-m", "kvferry.cli", *args], capture_output=True, text=True,
                           timeout=120, env=env, cwd=cwd)
-
-
-def profile_with_quality(path: Path, prefill_r2: float, prefill_rms: float, decode_r2: float = 0.99,
-                         decode_rms: float = 0.02) -> Path:
-    write_profile(path, (0.002, 1e-5, 0, 0), (0.001, 1e-5, 0))
-    data = json.loads(path.read_text())
-    data["prefill"]["fit"].update(r2=prefill_r2, rms_rel_error=prefill_rms)
-    data["decode"]["fit"].update(r2=decode_r2, rms_rel_error=decode_rms)
-    path.write_text(json.dumps(data))
-    return path
 
 
 SIM = ["--workload", "random", "--num-requests", "8", "--rate", "4", "--input-len", "32", "--output-len", "4"]
