@@ -25,6 +25,7 @@ compare the ratios, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -62,10 +63,15 @@ def start_master(workdir: Path) -> tuple[subprocess.Popen, str]:
     import mooncake
 
     rpc, http, metrics = free_port(), free_port(), free_port()
+    # The package's metadata server, on loopback (the master's built-in one
+    # listens on every interface); it ends with this process.
+    metadata = subprocess.Popen(
+        [sys.executable, "-c", "from mooncake.http_metadata_server import main; main()", "--host", "127.0.0.1",
+         "--port", str(http), "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    atexit.register(metadata.kill)
     proc = subprocess.Popen(
         [str(Path(mooncake.__file__).parent / "mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-         "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-         f"--http_metadata_server_port={http}", f"--metrics_port={metrics}", "--enable_metric_reporting=false"],
+         "--metrics_host=127.0.0.1", f"--metrics_port={metrics}", "--enable_metric_reporting=false"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -1,11 +1,14 @@
 """A real ``mooncake_master`` (from the mooncake pip package) on 127.0.0.1
-for the tests: free ports, its built-in HTTP metadata server, no HA;
-killed (SIGKILL) and restarted on the same ports at will."""
+for the tests, with Mooncake's HTTP metadata server beside it (the
+package's own ``mooncake.http_metadata_server``: the master's built-in one
+listens on every interface whatever its host flag says): free ports, no
+HA; both killed (SIGKILL) and restarted on the same ports at will."""
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,21 +44,26 @@ class MooncakeMaster:
                     f"&segment_gb={segment_gb}&buffer_mb={buffer_mb}")
         self.extra_args = list(extra_args or [])  # more mooncake_master flags
         self.proc: subprocess.Popen | None = None
+        self.metadata_proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         log = open(self.workdir / "mooncake_master.log", "ab")
+        self.metadata_proc = subprocess.Popen(
+            [sys.executable, "-c", "from mooncake.http_metadata_server import main; main()", "--host", "127.0.0.1",
+             "--port", str(self.http_port), "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)
         self.proc = subprocess.Popen(
             [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
+             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
              "--enable_metric_reporting=false", "--client_ttl=3", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
         log.close()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode} "
-                                   f"(log: {self.workdir / 'mooncake_master.log'})")
+            for name, proc in (("mooncake_master", self.proc), ("the metadata server", self.metadata_proc)):
+                if proc.poll() is not None:
+                    code = proc.returncode
+                    self.kill()
+                    raise RuntimeError(f"{name} exited with {code} (log: {self.workdir / 'mooncake_master.log'})")
             if all(_listening(port) for port in (self.rpc_port, self.http_port)):
                 return
             time.sleep(0.05)
@@ -63,10 +71,12 @@ class MooncakeMaster:
         raise RuntimeError("mooncake_master did not start")
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # SIGKILL: the master vanishes mid-run
-            self.proc.wait(timeout=10)
-        self.proc = None
+        """SIGKILL: the master and its metadata server vanish mid-run."""
+        for proc in (self.proc, self.metadata_proc):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.proc = self.metadata_proc = None
 
 
 def _listening(port: int) -> bool:
