@@ -44,7 +44,7 @@ from tiers_resume import close, engine, random_prompt  # noqa: E402
 from kvferry import SamplingParams  # noqa: E402
 from kvferry.config import KVTierConfig  # noqa: E402
 from kvferry.kvstore.client import KVStoreClient  # noqa: E402
-from kvferry.kvstore.cluster import MooncakeTier, load_store_module  # noqa: E402
+from kvferry.kvstore.cluster import MooncakeTier, master_binary, metadata_server_argv  # noqa: E402
 from kvferry.kvstore.crypto import TierCrypto  # noqa: E402
 from kvferry.kvstore.launch import start_store  # noqa: E402
 from kvferry.kvstore.tier import BlockOwner  # noqa: E402
@@ -59,18 +59,14 @@ def free_port() -> int:
 
 
 def start_master(workdir: Path) -> tuple[subprocess.Popen, str]:
-    load_store_module()
-    import mooncake
-
     rpc, http, metrics = free_port(), free_port(), free_port()
     # The package's metadata server, on loopback (the master's built-in one
     # listens on every interface); it ends with this process.
-    metadata = subprocess.Popen(
-        [sys.executable, "-c", "from mooncake.http_metadata_server import main; main()", "--host", "127.0.0.1",
-         "--port", str(http), "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metadata = subprocess.Popen(metadata_server_argv("127.0.0.1", http), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
     atexit.register(metadata.kill)
     proc = subprocess.Popen(
-        [str(Path(mooncake.__file__).parent / "mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+        [master_binary(), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
          "--metrics_host=127.0.0.1", f"--metrics_port={metrics}", "--enable_metric_reporting=false"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
     deadline = time.monotonic() + 20

@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import time
-from pathlib import Path
 
 import pytest
 

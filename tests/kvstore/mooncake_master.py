@@ -5,32 +5,25 @@ listens on every interface whatever its host flag says): free ports, no
 HA; both killed (SIGKILL) and restarted on the same ports at will."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvferry.kvstore.cluster import metadata_server_argv
 from tests.kvstore.redis_server import free_port
 
 
 def mooncake_binary() -> str:
     """The master binary, or a skip naming what is missing."""
-    from kvferry.kvstore.cluster import load_store_module
+    from kvferry.kvstore.cluster import master_binary
 
     try:
-        load_store_module()
+        return master_binary()
     except ValueError as exc:
         pytest.skip(str(exc))
-    import mooncake
-
-    binary = Path(mooncake.__file__).parent / "mooncake_master"
-    if not os.access(binary, os.X_OK):
-        pytest.skip(f"no executable mooncake_master in {binary.parent}")
-    return str(binary)
 
 
 class MooncakeMaster:
@@ -48,9 +41,8 @@ class MooncakeMaster:
 
     def start(self) -> None:
         log = open(self.workdir / "mooncake_master.log", "ab")
-        self.metadata_proc = subprocess.Popen(
-            [sys.executable, "-c", "from mooncake.http_metadata_server import main; main()", "--host", "127.0.0.1",
-             "--port", str(self.http_port), "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)
+        self.metadata_proc = subprocess.Popen(metadata_server_argv("127.0.0.1", self.http_port), stdout=log,
+                                              stderr=subprocess.STDOUT)
         self.proc = subprocess.Popen(
             [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
              "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",

@@ -36,13 +36,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvferry.fleet.core_actor import node_address
@@ -63,7 +62,7 @@ def master_name(job_id: str) -> str:
 @dataclass(frozen=True, slots=True)
 class MasterPorts:
     rpc: int
-    metadata: int  # the built-in HTTP metadata server
+    metadata: int  # the HTTP metadata server
     metrics: int  # its metrics/admin HTTP server (off the default port, which a second server would share)
 
 
@@ -126,14 +125,12 @@ class MooncakeMasterActor:
     def __init__(self, host: str, ports: MasterPorts, log_level: str = "info") -> None:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s [mooncake-master] %(name)s: %(message)s")
-        from kvferry.kvstore.cluster import master_binary
+        from kvferry.kvstore.cluster import master_binary, metadata_server_argv
 
         bare = host.strip("[]")
         self._host, self._ports, self._stopping = host, ports, False
-        self.metadata = subprocess.Popen(
-            [sys.executable, "-c", "from mooncake.http_metadata_server import main; main()",
-             "--host", bare, "--port", str(ports.metadata), "--log-level", "WARNING"],
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.metadata = subprocess.Popen(metadata_server_argv(host, ports.metadata), stdin=subprocess.DEVNULL,
+                                         preexec_fn=_die_with_parent)
         self.process = subprocess.Popen(
             [master_binary(), f"--rpc_address={bare}", f"--rpc_port={ports.rpc}",
              f"--metrics_host={bare}", f"--metrics_port={ports.metrics}", "--enable_metric_reporting=false"],
@@ -210,15 +207,18 @@ class ClusterMaster:
         head = head_node_id()
         host = node_address(head)
         pinned = NodeAffinitySchedulingStrategy(head, soft=False)
-        ports = MasterPorts(*ray.get(ray.remote(_free_ports).options(num_cpus=0, scheduling_strategy=pinned)
-                                     .remote(host, 3), timeout=START_TIMEOUT_S))
-        actor = ray.remote(MooncakeMasterActor).options(
-            name=master_name(ray.get_runtime_context().get_job_id()), namespace=NAMESPACE, num_cpus=0,
-            max_concurrency=2, max_restarts=max_restarts, scheduling_strategy=pinned).remote(host, ports, log_level)
+        actor = None
         try:
+            ports = MasterPorts(*ray.get(ray.remote(_free_ports).options(num_cpus=0, scheduling_strategy=pinned)
+                                         .remote(host, 3), timeout=START_TIMEOUT_S))
+            actor = ray.remote(MooncakeMasterActor).options(
+                name=master_name(ray.get_runtime_context().get_job_id()), namespace=NAMESPACE, num_cpus=0,
+                max_concurrency=2, max_restarts=max_restarts,
+                scheduling_strategy=pinned).remote(host, ports, log_level)
             pid = ray.get(actor.info.remote(), timeout=START_TIMEOUT_S + 30).pid
-        except (GetTimeoutError, RayActorError) as exc:
-            _kill(actor)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            if actor is not None:
+                _kill(actor)
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
             raise ValueError(f"kv_cluster: auto: the mooncake_master on the Ray head node did not start: "
                                f"{reason}") from None

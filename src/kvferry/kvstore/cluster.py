@@ -232,11 +232,15 @@ def is_auto(value: object) -> bool:
     return isinstance(value, str) and (value == AUTO or value.startswith(AUTO + "?"))
 
 
+def _auto_options(value: str) -> str:
+    """The query of ``auto?OPTIONS`` ("" for ``auto``)."""
+    return value[len(AUTO) + 1:] if value.startswith(AUTO + "?") else ""
+
+
 def check_auto(value: str) -> None:
     """Validate the options of ``auto?OPTIONS`` (those of a mooncake:// URL
     but ``metadata``, which the server's own master sets). Raises ValueError."""
-    query = value[len(AUTO) + 1:] if value.startswith(AUTO + "?") else ""
-    if "metadata" in parse_qs(query, keep_blank_values=True):
+    if "metadata" in parse_qs(_auto_options(value), keep_blank_values=True):
         raise ValueError(f"kv_cluster: {value!r}: the master the server starts serves the metadata itself; "
                          f"drop the metadata option")
     PoolAddress.parse(auto_url(value, "127.0.0.1", 1, 2))
@@ -247,7 +251,7 @@ def auto_url(value: str, host: str, rpc_port: int, metadata_port: int) -> str:
     the options ``value`` (``auto?OPTIONS``) gives."""
     bracketed = f"[{host}]" if ":" in host else host
     url = f"{SCHEME}{bracketed}:{rpc_port}?metadata=http://{bracketed}:{metadata_port}/metadata"
-    options = value[len(AUTO) + 1:] if value.startswith(AUTO + "?") else ""
+    options = _auto_options(value)
     return f"{url}&{options}" if options else url
 
 
@@ -261,6 +265,15 @@ def master_binary() -> str:
     if not os.access(binary, os.X_OK):
         raise ValueError(f"kv_cluster: no executable mooncake_master in {os.path.dirname(binary)} ({_INSTALL_HINT})")
     return binary
+
+
+def metadata_server_argv(host: str, port: int) -> list[str]:
+    """The command of Mooncake's HTTP metadata server (the package's
+    ``mooncake.http_metadata_server``) listening on ``host:port`` only: the
+    master's built-in one listens on every interface whatever its
+    ``--http_metadata_server_host`` says."""
+    return [sys.executable, "-c", "from mooncake.http_metadata_server import main; main()",
+            "--host", host.strip("[]"), "--port", str(port), "--log-level", "WARNING"]
 
 
 def _host_port(netloc: str, default_port: int) -> tuple[str, int]:
