@@ -71,3 +71,20 @@ def test_auto_dtype_ignores_saved_dtype_on_cpu(tmp_path, monkeypatch, caplog):
     assert resolve_dtype("auto", config, "cpu") == torch.float32
     assert resolve_dtype("bfloat16", config, "cpu") == torch.bfloat16
     assert resolve_dtype("auto", config, "cuda") == torch.bfloat16
+
+
+def test_amx_flags_kept_only_where_the_kernel_grants_tiles():
+    """In a fresh process (no permission asked yet): AMX counts only where
+    the CPU lists it and the kernel grants the tile state."""
+    import subprocess
+    import sys
+
+    code = ("from kvferry.model.cpu_features import amx_permitted, cpu_features;"
+            "print(int(amx_permitted()), int('amx_bf16' in cpu_features().flags))")
+    permitted, kept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                     check=True).stdout.split()
+    with open("/proc/cpuinfo") as f:
+        listed = " amx_tile" in f.read()
+    if not listed:
+        assert kept == "0"
+    assert kept == ("1" if listed and permitted == "1" else "0")

@@ -13,9 +13,16 @@ Sources: ``/proc/cpuinfo`` flags (Linux x86 and Arm) and torch's own dispatch
 level (``torch.backends.cpu.get_cpu_capability()``: "AVX512", "AVX2", ...).
 ``KVFERRY_CPU_BF16=0|1`` overrides the bf16 verdict (for tests and for
 comparing both dtypes on one machine).
+
+A listed flag is not always a usable one: Linux hands out AMX's tile state
+only to a process that asks for it (``arch_prctl(ARCH_REQ_XCOMP_PERM)``),
+and a kernel or sandbox may refuse. Where it does, the ``amx_*`` flags are
+dropped here, so every choice below (bf16 verdict, small-GEMM kernel,
+benchmark records) sees the CPU as it really runs: AVX-512 without AMX.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import platform
 from dataclasses import dataclass
@@ -24,6 +31,13 @@ from pathlib import Path
 import torch
 
 from kvferry import envs
+
+# Linux x86-64: the arch_prctl syscall and its extended-state permission calls.
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_PERM = 0x1022
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+_AMX_FLAGS = frozenset(("amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "amx_complex"))
 
 # Flags that mean bf16 dot products run in hardware.
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -70,12 +84,31 @@ def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
     return flags, model
 
 
+def amx_permitted() -> bool:
+    """Whether this process may use AMX tiles: asks the kernel for the tile
+    data permission (what oneDNN also does before its first AMX kernel) and
+    reads it back. False off x86-64 Linux and wherever the kernel refuses."""
+    if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+        granted = ctypes.c_uint64(0)
+        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(granted)) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return bool(granted.value >> _XFEATURE_XTILEDATA & 1)
+
+
 @functools.cache
 def cpu_features() -> CpuFeatures:
     try:
         flags, model = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:  # not Linux: no flags, so no bf16 and a machine-name fingerprint
         flags, model = frozenset(), ""
+    if flags & _AMX_FLAGS and not amx_permitted():
+        flags -= _AMX_FLAGS  # listed but refused: the CPU runs as AVX-512 here
     return CpuFeatures(flags=flags, torch_capability=torch.backends.cpu.get_cpu_capability(), model_name=model)
 
 
