@@ -13,13 +13,39 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvferry import peer_auth
 
 if TYPE_CHECKING:
     from kvferry.config import KVTierConfig
+
+
+def ipc_address() -> str:
+    """A fresh socket path named after this process (the store's parent),
+    after removing those of parents that are gone: a store killed with
+    SIGKILL never removes its own (its parent's death ends a live one)."""
+    _remove_dead_sockets(Path(tempfile.gettempdir()))
+    return f"ipc://{tempfile.gettempdir()}/{_SOCKET_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+
+
+_SOCKET_PREFIX = "kvferry-kvstore-"
+
+
+def _remove_dead_sockets(directory: Path) -> None:
+    from kvferry.shm_segments import pid_alive
+
+    for path in directory.glob(f"{_SOCKET_PREFIX}*-*.sock"):
+        try:
+            pid = int(path.name[len(_SOCKET_PREFIX):].split("-")[0])
+            if not pid_alive(pid) and path.is_socket() and path.lstat().st_uid == os.getuid():
+                path.unlink()
+        except (ValueError, OSError):
+            continue
 
 
 def store_argv(tiers: KVTierConfig, address: str, *, block_nbytes: int | None = None,
@@ -47,7 +73,6 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     address. Stop it with ``process.terminate()`` (SIGTERM: a clean
     shutdown) and ``wait()``."""
     from kvferry.kvstore.client import KVStoreClient
-    from kvferry.kvstore.service import ipc_address
 
     if tiers.kv_cluster:
         from kvferry.kvstore.cluster import PoolAddress, check_available
@@ -56,7 +81,7 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
         check_available()  # a ValueError naming the missing package or library, here rather than in the child
     peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
     address = tiers.kv_store or ipc_address()
-    argv = [sys.executable, "-m", "kvferry.kvstore.service",
+    argv = [sys.executable, "-m", "kvferry.kvstore.process",
             *store_argv(tiers, address, block_nbytes=block_nbytes, api_keys=api_keys,
                         cache_secret_file=cache_secret_file),
             "--parent-pid", str(os.getpid())]
