@@ -4,6 +4,15 @@ kvferry.kvstore.process``, what ``launch.start_store`` runs): its flags, the
 watchdog. The service itself (requests, the arena, the tiers' policy) is in
 ``service.py``.
 
+Signals: SIGTERM stops the store cleanly (pending write-backs and the
+cluster pool's writes are flushed; the socket file and the arena are
+removed). A store with ``--parent-pid`` (started by a server, an engine or
+a node actor, which stops it with SIGTERM) ignores SIGINT, as the engine
+cores do: Ctrl-C reaches the whole process group, and the parent decides
+when its store stops (a supervising server would otherwise see it die and
+start it again during its own shutdown). Without a parent SIGINT stops it
+as SIGTERM does.
+
 No torch is imported here: the process starts fast.
 """
 from __future__ import annotations
@@ -148,10 +157,14 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvferry kvstore``: serve until SIGTERM / SIGINT (or the parent is gone)."""
+    """``kvferry kvstore``: serve until SIGTERM, SIGINT without a parent,
+    or the parent is gone."""
     import setproctitle
 
     setproctitle.setproctitle("kvferry: kvstore")
+    if args.parent_pid is not None:
+        # Ctrl-C reaches the whole process group; the parent decides when we stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [kvstore] %(name)s: %(message)s")
     try:
         if envs.socket_secret() is None and args.cache_secret_file is None:
@@ -164,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"kvferry kvstore: {exc}", file=sys.stderr)
         return 2
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM,) if args.parent_pid is not None else (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, f: service.request_stop())
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid, service)

@@ -37,7 +37,8 @@ first client that says Hello with one: the arena is created then, and a
 client with another block size is refused.
 
 The process around the service (flags, signals, the parent watchdog) is
-``process.py``; ``launch.py`` starts one as a child process.
+``process.py``; ``launch.py`` starts one as a child process, and
+``supervisor.py`` keeps a server's store running.
 
 No torch is imported here: the process starts fast.
 """
