@@ -12,7 +12,8 @@ signals, real shared memory and the real ``openai`` client:
   ``degraded`` (200: the server still serves, from the device pool), and
   its tier counters are gone from ``/metrics``;
 * a clean SIGTERM, or SIGINT, leaves no arena and no socket behind, even
-  after the store was killed.
+  after the store was killed; a store whose server is SIGKILLed exits and
+  removes its own.
 
 The store is found as the existing tier tests find it: the server's child
 titled "kvferry: kvstore".
@@ -231,3 +232,18 @@ def test_sigint_after_a_store_death_leaves_no_arena_or_socket(tmp_path):
         code = srv.stop(signal.SIGINT)
     assert code == 0, srv.log()[-5000:]
     assert _leftovers(srv.proc.pid, stores) == []
+
+
+def test_a_killed_servers_store_exits_and_removes_its_files(tmp_path):
+    srv = start_server(tmp_path / "server.log", ["--kv-dram-gb", "0.05"])
+    try:
+        stores = _stores(srv.proc.pid)
+        assert len(stores) == 1 and _arenas_of(stores[0])
+    finally:
+        code = srv.stop(signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    # Orphaned, it sees its parent gone and stops cleanly (init reaps it,
+    # or leaves it a zombie where the container's init does not reap).
+    _wait_for("the orphaned store to exit", lambda: _state(stores[0]) in (None, "Z"), timeout_s=30)
+    # The engine core exits too; whatever either left is this server's.
+    _wait_for("no files left", lambda: _leftovers(srv.proc.pid, stores) == [], timeout_s=10)
