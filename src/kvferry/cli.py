@@ -87,7 +87,7 @@ def build_parser() -> Parser:
     core.set_defaults(func=cmd_engine_core, subparser=core)
 
     add_serve_parser(sub)
-    from kvferry.kvstore.service import add_kvstore_args, run as run_kvstore  # light: no torch in the store
+    from kvferry.kvstore.process import add_kvstore_args, run as run_kvstore  # light: no torch in the store
     kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
     add_kvstore_args(kvstore)
     kvstore.set_defaults(func=run_kvstore)

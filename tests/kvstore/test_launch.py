@@ -6,7 +6,7 @@ import argparse
 
 from kvferry.config import EngineArgs, KVTierConfig
 from kvferry.kvstore.launch import store_argv
-from kvferry.kvstore.service import add_kvstore_args
+from kvferry.kvstore.process import add_kvstore_args
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

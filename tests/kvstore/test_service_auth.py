@@ -18,7 +18,7 @@ from kvferry import peer_auth
 from kvferry.config import KVTierConfig
 from kvferry.kvstore import protocol as p
 from kvferry.kvstore.launch import start_store
-from kvferry.kvstore.service import ipc_address
+from kvferry.kvstore.launch import ipc_address
 from kvferry.kvstore.tier import BlockOwner
 
 from tests.kvstore.redis_server import free_port

@@ -142,7 +142,7 @@ def test_stored_responses_belong_to_their_tenant(tenant_server):
 
 
 def test_key_file_carries_the_kv_store_tier_quotas(tmp_path):
-    from kvferry.kvstore.service import tenant_quotas_gb
+    from kvferry.kvstore.process import tenant_quotas_gb
     from kvferry.serve.tenants import ApiKeys
 
     path = tmp_path / "keys.json"

@@ -5,21 +5,64 @@ every place that starts one (``kvferry serve``, an offline engine, tests,
 benchmarks): the store's flags are the engine's ``--kv-*`` flags, so the
 two cannot drift apart.
 
+Leftovers: a store removes its socket file and arena when it stops, and
+exits (cleanly) when its parent is gone. One killed outright (SIGKILL, OOM)
+cannot: its arena ``/dev/shm/kvferry-kvstore-<store pid>-*`` and its
+socket ``$TMPDIR/kvferry-kvstore-<parent pid>-*.sock`` stay. Each start
+removes those of dead pids first (``remove_stale_store_files``), and a
+supervising server removes its own dead store's at once
+(``supervisor.py``).
+
 No torch is imported here (nor by the store): a server starts it before
 its engine cores.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvferry import peer_auth
+from kvferry.kvstore.arena import SHM_DIR
+from kvferry.shm_segments import unlink_dead_segments, unlink_dead_sockets
 
 if TYPE_CHECKING:
     from kvferry.config import KVTierConfig
+
+logger = logging.getLogger(__name__)
+
+# The arena's name (arena.py) and the socket's: PREFIX<pid>-<random>.
+ARENA_PREFIX = SOCKET_PREFIX = "kvferry-kvstore-"
+
+
+def ipc_address() -> str:
+    """A fresh socket path named after this process (the store's parent),
+    after removing those of parents that are gone."""
+    unlink_dead_sockets(Path(tempfile.gettempdir()), SOCKET_PREFIX)
+    return f"ipc://{tempfile.gettempdir()}/{SOCKET_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+
+
+def remove_stale_store_files(shm_dir: Path = SHM_DIR, socket_dir: Path | None = None) -> list[str]:
+    """Unlink the arenas and socket files of stores whose owner pid is dead
+    (see the module's docstring); the names removed."""
+    removed = unlink_dead_segments(shm_dir, ARENA_PREFIX)
+    removed += unlink_dead_sockets(socket_dir or Path(tempfile.gettempdir()), SOCKET_PREFIX)
+    if removed:
+        logger.info("removed %d KV store file(s) left by dead processes: %s", len(removed), removed)
+    return removed
+
+
+def socket_path(address: str) -> Path | None:
+    """The file of an ipc:// address (None: tcp://, or an abstract socket)."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return None
+    return Path(address[len("ipc://"):])
 
 
 def store_argv(tiers: KVTierConfig, address: str, *, block_nbytes: int | None = None,
@@ -45,9 +88,9 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     ``tiers.kv_store`` when that is set (a store restarted at a known
     address), else at a fresh ipc:// socket. Returns the process and its
     address. Stop it with ``process.terminate()`` (SIGTERM: a clean
-    shutdown) and ``wait()``."""
+    shutdown) and ``wait()``; ``supervisor.StoreSupervisor`` also restarts
+    one that dies."""
     from kvferry.kvstore.client import KVStoreClient
-    from kvferry.kvstore.service import ipc_address
 
     if tiers.kv_cluster:
         from kvferry.kvstore.cluster import PoolAddress, check_available
@@ -55,8 +98,9 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
         PoolAddress.parse(tiers.kv_cluster)  # "auto" is kvferry serve --ray's alone: refused here, by name
         check_available()  # a ValueError naming the missing package or library, here rather than in the child
     peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
+    remove_stale_store_files()
     address = tiers.kv_store or ipc_address()
-    argv = [sys.executable, "-m", "kvferry.kvstore.service",
+    argv = [sys.executable, "-m", "kvferry.kvstore.process",
             *store_argv(tiers, address, block_nbytes=block_nbytes, api_keys=api_keys,
                         cache_secret_file=cache_secret_file),
             "--parent-pid", str(os.getpid())]

@@ -93,7 +93,13 @@ class ServerMetrics:
         self.generation_tokens = counter("kvferry:generation_tokens", "Generated tokens.")
         self._success = Counter("kvferry:request_success", "Finished sequences, by finish reason.",
                                 ["model_name", "finished_reason"] + labels[1:], registry=r)
-        self.registry.register(_EngineStatsCollector(model_name, stats, tenant_labels, owner_label))
+        # The server's node KV store's state ("ok", "restarting", "down"; None:
+        # no store of its own). Its tier counters are left out while it is
+        # not ok: the cores' last report is a dead store's.
+        self.kv_store_health: Callable[[], str] | None = None
+        self.registry.register(_EngineStatsCollector(
+            model_name, stats, tenant_labels, owner_label,
+            store_up=lambda: self.kv_store_health is None or self.kv_store_health() == "ok"))
         # Plain totals over every label, for the periodic stats line (serve/stats_logger.py).
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -169,9 +175,11 @@ class _EngineStatsCollector(Collector):
     """Gauges and cumulative counters straight from the engine's stats."""
 
     def __init__(self, model_name: str, stats: Callable[[], SchedulerStats],
-                 tenant_labels: TenantLabels | None, owner_label: Callable[[str], str]) -> None:
+                 tenant_labels: TenantLabels | None, owner_label: Callable[[str], str],
+                 store_up: Callable[[], bool] = lambda: True) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.store_up = store_up
         self.tenant_labels = tenant_labels
         self.owner_label = owner_label
 
@@ -214,7 +222,7 @@ class _EngineStatsCollector(Collector):
         yield counter("kvferry:engine_step_seconds",
                       "Seconds those steps took on the cores' own clocks (busy time, no HTTP or IPC).",
                       s.step_seconds)
-        yield from _kv_tier_metrics(s, label)
+        yield from _kv_tier_metrics(s, label, self.store_up())
         yield from _spec_decode_metrics(s, label)
 
     def _per_tenant_cache_metrics(self, s: SchedulerStats) -> Iterator[Metric]:
@@ -257,15 +265,16 @@ _TIER_COUNTERS = (
 )
 
 
-def _kv_tier_metrics(s: SchedulerStats, label: list[str]) -> Iterator[Metric]:
+def _kv_tier_metrics(s: SchedulerStats, label: list[str], store_up: bool = True) -> Iterator[Metric]:
+    tiers = s.kv_tiers if store_up else {}  # no series while the store is down (a new one counts from 0)
     for name, key, doc in _TIER_COUNTERS:
         c = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
-        for tier, values in s.kv_tiers.items():
+        for tier, values in tiers.items():
             c.add_metric(label + [tier], values.get(key, 0))
         yield c
     blocks = GaugeMetricFamily("kvferry:kv_tier_blocks", "Blocks held by a KV store tier.",
                                labels=["model_name", "tier"])
-    for tier, values in s.kv_tiers.items():
+    for tier, values in tiers.items():
         blocks.add_metric(label + [tier], values.get("num_blocks", 0))
     yield blocks
     # The engine's side: what lookups past the device pool found, and what it moved.

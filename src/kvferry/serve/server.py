@@ -20,6 +20,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import prometheus_client
 import uvicorn
@@ -39,6 +40,10 @@ from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.stats_logger import StatsLogger
 from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level
 from kvferry.structured.spec import import_backend_in_background
+
+if TYPE_CHECKING:
+    from kvferry.kvstore.supervisor import StoreSupervisor
+    from kvferry.router.config import RouterConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 READY_PREFIX = "kvferry serve: ready on "
@@ -104,7 +109,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         return 2
     try:
         # With --ray the cores' nodes get a store each instead (start_node_stores).
-        store, engine_args = start_kv_store(args, engine_args) if placement is None else (None, engine_args)
+        store, engine_args = start_kv_store(args, engine_args, router) if placement is None else (None, engine_args)
     except (ValueError, RuntimeError) as exc:
         listen.close()
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
@@ -132,7 +137,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         if autoscaler is not None:
             client.autoscaler = AutoscaleService(autoscaler, window_from_args(args), client)
         try:
-            return _serve(args, config, client, listen)
+            return _serve(args, config, client, listen, store)
         finally:
             client.kill_processes()  # start-up failed inside uvicorn (after a clean stop: no-op)
     finally:
@@ -143,8 +148,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         if ray_cores is not None:
             ray_cores.close()
         if store is not None:
-            store.terminate()
-            store.wait(timeout=10)
+            store.stop()  # after the cores; removes its socket and arena whatever became of it
 
 
 def connect_ray(placement: RayPlacement | None, max_restarts: int):
@@ -211,20 +215,22 @@ def keep_tier_secret(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     args.cache_secret_file = str(path)
 
 
-def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs):
+def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs, router: RouterConfig):
     """``--kv-dram-gb`` without ``--kv-store``: start the node's KV store
-    ("kvferry: kvstore", with the disk and remote tiers asked for) and hand
-    its address to the engine core. Returns the store process (None when
-    there is none to start) and the engine args to launch with."""
+    ("kvferry: kvstore", with the disk and remote tiers asked for), restarted
+    when it dies within the cores' restart budget, and hand its address to
+    the engine core. Returns its ``StoreSupervisor`` (None when there is
+    none to start) and the engine args to launch with."""
     if not engine_args.kv_dram_gb or engine_args.kv_store:
         return None, engine_args
-    from kvferry.kvstore.launch import start_store
+    from kvferry.kvstore.supervisor import StoreSupervisor
 
-    process, address = start_store(
-        engine_args.create_engine_config().kv_tiers, api_keys=getattr(args, "api_keys", None),
+    store = StoreSupervisor(
+        engine_args.create_engine_config().kv_tiers, max_restarts=router.engine_restarts,
+        window_s=router.engine_restart_window_s, api_keys=getattr(args, "api_keys", None),
         cache_secret_file=getattr(args, "cache_secret_file", None))
-    logger.info("KV store started at %s (%.2f GiB DRAM)", address, engine_args.kv_dram_gb)
-    return process, dataclasses.replace(engine_args, kv_store=address)
+    logger.info("KV store started at %s (%.2f GiB DRAM)", store.address, engine_args.kv_dram_gb)
+    return store, dataclasses.replace(engine_args, kv_store=store.address)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -245,8 +251,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineClient, listen: socket.socket) -> int:
+def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineClient, listen: socket.socket,
+           store: StoreSupervisor | None = None) -> int:
     app = build_app(client, config)
+    if store is not None:  # /health and /metrics say how the node's KV store is
+        app.state.kv_store = store
+        app.state.metrics.kv_store_health = lambda: store.health
     uv_config = uvicorn.Config(
         app, log_level=uvicorn_log_level(args), lifespan="on",
         access_log=not args.disable_uvicorn_access_log,

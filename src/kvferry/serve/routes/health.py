@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvferry.cli_parser import package_version
+from kvferry.kvstore.supervisor import with_store_health
 from kvferry.serve.auth import metrics_access
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.errors import error_response
@@ -22,6 +23,8 @@ def health_routes(client: AsyncEngineClient, metrics: ServerMetrics, keys: ApiKe
                   metrics_public: bool) -> list[Route]:
     async def health(request: Request) -> Response:
         state = client.health()
+        if (store := getattr(request.app.state, "kv_store", None)) is not None:  # the node KV store this server runs
+            state = with_store_health(state, store.health)
         if state["status"] in ("ok", "degraded"):  # "degraded": some core is down, every role still has one
             return JSONResponse(state)
         code = "engine_restarting" if state["status"] == "restarting" else "engine_unavailable"
