@@ -264,6 +264,9 @@ class KVTierConfig:
     # Most tokens one request may load from the store (0: no cap), so that
     # one long conversation cannot monopolize the store's I/O.
     max_load_tokens: int = 0
+    # Run kv_remote / kv_cluster without the cluster secret (unkeyed
+    # checksums, private blocks unsealed; shared_tier.py): refused otherwise.
+    insecure_shared_tier: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_dram_gb", "kv_disk_gb"):
@@ -274,14 +277,16 @@ class KVTierConfig:
             raise ValueError(f"max_load_tokens must be an integer >= 0, got {self.max_load_tokens!r}")
         if self.kv_disk and not self.kv_disk_gb:
             raise ValueError("kv_disk_gb must be > 0 when kv_disk is set")
+        if not isinstance(self.insecure_shared_tier, bool):
+            raise ValueError(f"insecure_shared_tier must be a bool, got {self.insecure_shared_tier!r}")
         for name in ("kv_store", "kv_disk", "kv_remote", "kv_cluster"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.kv_remote and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
         if self.kv_cluster:
-            # Only with a cluster pool: it imports the crypto.
-            from kvferry.kvstore.cluster import PoolAddress, check_auto, is_auto
+            # The address module alone (standard library): not the tier.
+            from kvferry.kvstore.pool_address import PoolAddress, check_auto, is_auto
 
             # auto: kvferry serve --ray starts a master and puts its URL here
             # before any store starts (a store given "auto" refuses it).
@@ -372,6 +377,10 @@ class EngineArgs:
         f"store it needs (--kv-dram-gb, default {DEFAULT_CLUSTER_DRAM_GB} GiB with it)"))
     max_load_tokens: int = field(default=0, metadata=_opt(
         "most tokens one request may load from the KV store (0: no cap)"))
+    insecure_shared_tier: bool = field(default=False, metadata=_opt(
+        "run --kv-remote / --kv-cluster without authenticating what they hold (no cluster secret: unkeyed "
+        "checksums, private blocks unsealed); whoever reaches the server can then read and forge every tenant's KV. "
+        "Off: every value is authenticated under the cache secret"))
     speculative: str | dict | None = field(default=None, metadata=_opt(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
@@ -415,7 +424,8 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative),
             kv_tiers=KVTierConfig(kv_store=self.kv_store, kv_dram_gb=self.kv_dram_gb, kv_disk=self.kv_disk,
                                   kv_disk_gb=self.kv_disk_gb, kv_remote=self.kv_remote, kv_cluster=self.kv_cluster,
-                                  max_load_tokens=self.max_load_tokens),
+                                  max_load_tokens=self.max_load_tokens,
+                                  insecure_shared_tier=self.insecure_shared_tier),
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
                                          self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.kvstore.cluster import metadata_server_argv
+from kvferry.kvstore.mooncake_lib import metadata_server_argv
 from tests.kvstore.redis_server import free_port
 
 
 def mooncake_binary() -> str:
     """The master binary, or a skip naming what is missing."""
-    from kvferry.kvstore.cluster import master_binary
+    from kvferry.kvstore.mooncake_lib import master_binary
 
     try:
         return master_binary()

@@ -37,7 +37,7 @@ def raw_client(server: RedisServer) -> redis.Redis:
 
 @pytest.mark.parametrize("sealed", [False, True])
 def test_round_trip_is_bit_exact(server, sealed):
-    tier = RedisTier(server.url, crypto=TierCrypto(SECRET) if sealed else None)
+    tier = RedisTier(server.url, crypto=TierCrypto(SECRET) if sealed else None, insecure=not sealed)
     for i, n in enumerate([1, 4096, 70_000]):
         assert tier.put(key(i), block(i, n), ACME)
     assert tier.put(key(9), memoryview(block(9)), PUBLIC)
@@ -94,7 +94,7 @@ def test_another_tenants_private_block_fails_authentication(server):
 
 
 def test_a_corrupted_value_is_a_miss_and_deleted(server):
-    tier = RedisTier(server.url)
+    tier = RedisTier(server.url, crypto=TierCrypto(SECRET))
     tier.put(key(1), block(1), ACME)
     client = raw_client(server)
     value = bytearray(client.get(b"kvferry:kv:" + key(1)))
@@ -107,8 +107,8 @@ def test_a_corrupted_value_is_a_miss_and_deleted(server):
 
 
 def test_quotas_evict_the_tenants_own_blocks(server):
-    size = len(RedisTier(server.url)._encode(key(0), block(0), ACME))
-    tier = RedisTier(server.url, quotas=TierQuotas({"acme": 2 * size, "zero": 0}, public_bytes=0))
+    size = len(RedisTier(server.url, crypto=TierCrypto(SECRET))._encode(key(0), block(0), ACME))
+    tier = RedisTier(server.url, crypto=TierCrypto(SECRET), quotas=TierQuotas({"acme": 2 * size, "zero": 0}, public_bytes=0))
     tier.put(key(0), block(0), BETA)
     for i in range(1, 4):
         assert tier.put(key(i), block(i), ACME)
@@ -122,7 +122,7 @@ def test_quotas_evict_the_tenants_own_blocks(server):
 
 
 def test_drop_tenant_reaches_blocks_other_nodes_wrote(server):
-    node_a, node_b = RedisTier(server.url), RedisTier(server.url)
+    node_a, node_b = RedisTier(server.url, crypto=TierCrypto(SECRET)), RedisTier(server.url, crypto=TierCrypto(SECRET))
     node_a.put(key(1), block(1), ACME)
     node_b.put(key(2), block(2), ACME)
     node_b.put(key(3), block(3), BETA)
@@ -162,7 +162,7 @@ def test_redis_killed_mid_run_means_misses_one_warning_then_back(server, caplog)
 
 def test_a_server_that_is_never_there(caplog):
     from tests.kvstore.redis_server import free_port
-    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2, retry_initial_s=0.1)
+    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", crypto=TierCrypto(SECRET), timeout_s=0.2, retry_initial_s=0.1)
     caplog.set_level(logging.WARNING, logger="kvferry.kvstore.remote")
     assert not tier.put(key(1), block(1), ACME)
     assert tier.get(key(1), ACME) is None
@@ -185,7 +185,7 @@ def test_a_typed_buffer_is_stored_as_its_bytes(server):
 
 
 def test_ttl_expires_blocks(server):
-    tier = RedisTier(server.url, ttl_s=0.2)
+    tier = RedisTier(server.url, crypto=TierCrypto(SECRET), ttl_s=0.2)
     tier.put(key(1), block(1), ACME)
     assert tier.get(key(1), ACME) == block(1)
     time.sleep(0.4)

@@ -125,7 +125,7 @@ class MooncakeMasterActor:
     def __init__(self, host: str, ports: MasterPorts, log_level: str = "info") -> None:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s [mooncake-master] %(name)s: %(message)s")
-        from kvferry.kvstore.cluster import master_binary, metadata_server_argv
+        from kvferry.kvstore.mooncake_lib import master_binary, metadata_server_argv
 
         bare = host.strip("[]")
         self._host, self._ports, self._stopping = host, ports, False
@@ -201,7 +201,8 @@ class ClusterMaster:
         """Start the master on the head node for ``value`` (``auto`` or
         ``auto?OPTIONS``: the options of the URL the stores get). Raises
         ValueError naming what is missing or why it did not start."""
-        from kvferry.kvstore.cluster import auto_url, master_binary
+        from kvferry.kvstore.mooncake_lib import master_binary
+        from kvferry.kvstore.pool_address import auto_url
 
         master_binary()  # a ValueError naming what is missing, before any actor
         head = head_node_id()

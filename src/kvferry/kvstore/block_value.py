@@ -1,14 +1,29 @@
-"""How a KV block is stored in a shared cold tier (Redis, the Mooncake
-pool): one self-checking value, so that every rule of ``tier.py`` holds the
+"""How a KV block is stored in a shared tier (Redis, the Mooncake pool):
+one self-authenticating value, so that every rule of ``tier.py`` holds the
 same way wherever the bytes live::
 
-    header (magic, version, flags, tenant tag length) | tenant tag | checksum | payload
+    header (magic, version, flags, tenant tag length) | tenant tag | tag | payload
 
-The checksum (xxh3-128 over the block key, header, tag and payload) catches
-a torn or foreign value; a private block's payload is sealed with its
-tenant's AES-GCM key (``crypto.py``) and its tenant is stored as a tag, never
-by name. Version 2: a tenant tag where version 1 held the name (a version-1
-value fails ``parse_value`` and is deleted by the tier that reads it).
+Anyone who reaches the server can write a value, so a node with the cluster
+secret (``crypto``) accepts only values that a holder of the secret wrote
+for this block key (flag ``keyed``):
+
+* a private block's payload is sealed with its tenant's AES-GCM key
+  (``crypto.py``: the GCM tag binds the payload to the block key and the
+  tenant); ``tag`` is a MAC of the block key, header and tenant tag;
+* a public block's ``tag`` is a MAC of the block key, header, tenant tag
+  and payload.
+
+The MAC is keyed BLAKE2b-128 (``TierCrypto.mac``). Either way one pass over
+the payload: a sealed payload is covered by its GCM tag, not hashed again.
+A private block that is not sealed, a value without the ``keyed`` flag or
+of another version is refused.
+
+Without a secret (``--insecure-shared-tier``) ``tag`` is an unkeyed xxh3-128
+checksum of the same four parts and private blocks rest unsealed: it
+catches torn values, not forged ones, and such a node refuses keyed values
+(it cannot check them). Version 3: the ``keyed`` flag and the MAC; a value
+of version 2 (an unkeyed checksum) fails ``parse_value``.
 """
 from __future__ import annotations
 
@@ -17,20 +32,23 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvferry.kvstore.crypto import SEAL_OVERHEAD, TENANT_TAG_BYTES, TierCrypto, tenant_tag
+from kvferry.kvstore.crypto import MAC_BYTES, SEAL_OVERHEAD, TENANT_TAG_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tier import BlockOwner
 
 _MAGIC = b"KVFR"
-_VERSION = 2
+_VERSION = 3
 _HEADER = struct.Struct("<4sBBH")
-_CHECKSUM_BYTES = 16
+_KEY_LEN = struct.Struct("<H")
+_TAG_BYTES = MAC_BYTES  # xxh3-128 is as long
 _FLAG_PUBLIC = 1
 _FLAG_SEALED = 2
+_FLAG_KEYED = 4
 
 
 @dataclass(slots=True)
 class BlockValue:
-    """A value whose checksum holds; the views point into the value read."""
+    """A value that authenticated (or checksummed, without a secret); the
+    views point into the value read."""
 
     public: bool
     sealed: bool
@@ -38,19 +56,23 @@ class BlockValue:
     payload: memoryview  # the block's bytes, sealed when ``sealed``
 
 
-def encode_value(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
+def _header(crypto: TierCrypto | None, owner: BlockOwner, tenant_len: int) -> tuple[bytes, bool]:
     sealed = crypto is not None and not owner.public
-    payload = b"".join(crypto.seal(key, owner.tenant, data)) if sealed else data
+    flags = (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0) | (_FLAG_KEYED if crypto else 0)
+    return _HEADER.pack(_MAGIC, _VERSION, flags, tenant_len), sealed
+
+
+def encode_value(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
     tenant = b"" if owner.public else tenant_tag(crypto, owner.tenant)
-    header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
-                          len(tenant))
-    return b"".join((header, tenant, _checksum(key, header, tenant, payload), payload))
+    header, sealed = _header(crypto, owner, len(tenant))
+    payload = b"".join(crypto.seal(key, owner.tenant, data)) if sealed else data
+    return b"".join((header, tenant, _tag(crypto, sealed, key, header, tenant, payload), payload))
 
 
 def value_nbytes(crypto: TierCrypto | None, data_nbytes: int, owner: BlockOwner) -> int:
     """The length of ``encode_value``'s result for a block of ``data_nbytes``."""
     sealed = crypto is not None and not owner.public
-    return (_HEADER.size + (0 if owner.public else TENANT_TAG_BYTES) + _CHECKSUM_BYTES + data_nbytes
+    return (_HEADER.size + (0 if owner.public else TENANT_TAG_BYTES) + _TAG_BYTES + data_nbytes
             + (SEAL_OVERHEAD if sealed else 0))
 
 
@@ -58,12 +80,10 @@ def encode_value_into(crypto: TierCrypto | None, key: bytes, data: bytes | memor
                       out: memoryview) -> int:
     """``encode_value`` written into ``out`` (at least ``value_nbytes``
     bytes: a transfer buffer); returns the bytes written. The payload is
-    sealed or copied straight into place, and the checksum taken there."""
-    sealed = crypto is not None and not owner.public
+    sealed or copied straight into place, and the tag taken there."""
     tenant = b"" if owner.public else tenant_tag(crypto, owner.tenant)
-    header = _HEADER.pack(_MAGIC, _VERSION, (_FLAG_PUBLIC if owner.public else 0) | (_FLAG_SEALED if sealed else 0),
-                          len(tenant))
-    payload_at = _HEADER.size + len(tenant) + _CHECKSUM_BYTES
+    header, sealed = _header(crypto, owner, len(tenant))
+    payload_at = _HEADER.size + len(tenant) + _TAG_BYTES
     if sealed:
         end = payload_at + crypto.seal_into(key, owner.tenant, data, out[payload_at:])
     else:
@@ -71,27 +91,39 @@ def encode_value_into(crypto: TierCrypto | None, key: bytes, data: bytes | memor
         out[payload_at:end] = memoryview(data).cast("B")
     out[:_HEADER.size] = header
     out[_HEADER.size:_HEADER.size + len(tenant)] = tenant
-    out[_HEADER.size + len(tenant):payload_at] = _checksum(key, header, tenant, out[payload_at:end])
+    out[_HEADER.size + len(tenant):payload_at] = _tag(crypto, sealed, key, header, tenant, out[payload_at:end])
     return end
 
 
-def parse_value(key: bytes, value: bytes) -> BlockValue | None:
-    """The value's parts, or None when it is torn, foreign or of another version."""
+def parse_value(crypto: TierCrypto | None, key: bytes, value: bytes | memoryview) -> BlockValue | None:
+    """The value's parts, or None when it is torn, forged, unauthenticated
+    where a secret is held, or of another version. A sealed payload is
+    opened (and so authenticated) by the caller."""
     view = memoryview(value)
     body = _HEADER.size
     if len(view) < body:
         return None
     magic, version, flags, tenant_len = _HEADER.unpack_from(view)
-    payload_at = body + tenant_len + _CHECKSUM_BYTES
+    payload_at = body + tenant_len + _TAG_BYTES
     if magic != _MAGIC or version != _VERSION or len(view) < payload_at:
         return None
-    tenant, payload = view[body:body + tenant_len], view[payload_at:]
-    if _checksum(key, view[:body], tenant, payload) != view[body + tenant_len:payload_at]:
+    public, sealed, keyed = bool(flags & _FLAG_PUBLIC), bool(flags & _FLAG_SEALED), bool(flags & _FLAG_KEYED)
+    # A secret's holder writes every value keyed, and every private one
+    # sealed (public ones never); a node without one writes neither.
+    if keyed != (crypto is not None) or sealed != (keyed and not public):
         return None
-    return BlockValue(bool(flags & _FLAG_PUBLIC), bool(flags & _FLAG_SEALED), tenant, payload)
+    tenant, payload = view[body:body + tenant_len], view[payload_at:]
+    if _tag(crypto, sealed, key, view[:body], tenant, payload) != view[body + tenant_len:payload_at]:
+        return None
+    return BlockValue(public, sealed, tenant, payload)
 
 
-def _checksum(key: bytes, header, tenant, payload) -> bytes:
+def _tag(crypto: TierCrypto | None, sealed: bool, key: bytes, header, tenant, payload) -> bytes:
+    if crypto is not None:
+        # The key length first: (key, header) cannot be split another way.
+        key_len = _KEY_LEN.pack(len(key))
+        return crypto.mac(key_len, key, header, tenant) if sealed else crypto.mac(key_len, key, header, tenant,
+                                                                                   payload)
     h = xxhash.xxh3_128()
     for part in (key, header, tenant, payload):
         h.update(part)

@@ -17,23 +17,47 @@ node for private blocks.
 
 Objects (string keys, ``ns`` the URL's namespace, default ``kvferry``)::
 
-    {ns}/{owner}/{block hash hex}   the value, remote.py's format: header,
-                                    tenant tag, xxh3-128 checksum, payload;
-                                    a private payload is sealed with the
+    {ns}/{name(owner, block hash)}  the value, block_value.py's format:
+                                    header, tenant tag, MAC, payload; a
+                                    private payload is sealed with the
                                     tenant's AES-GCM key (crypto.py)
-    {ns}/k/{block hash hex}         a one-byte marker: some owner's block
+    {ns}/{name("k", block hash)}    a one-byte marker: some owner's block
                                     with this hash is in the pool
 
-``owner`` is ``pub`` for a public block, else the hex of the tenant's tag
-(``crypto.tenant_tag``: no tenant name is ever stored). A reader fetches
-the object under its own owner part, so another tenant's private block is
-never even transferred; the checksum and the AES-GCM tag are checked all
-the same. ``contains`` (asked without an owner) reads the marker.
-``drop_tenant`` removes ``{ns}/{tag}/*`` on the master by pattern, whichever
-node wrote them. Markers may outlive their block (a purge, an eviction):
-such a block is found by ``contains``, comes back a miss from ``get`` (the
-load is short, the engine recomputes) and is written again, marker and
-all, by the next write-through.
+``name`` is ``TierCrypto.object_name``, a keyed hash under the cluster
+secret; ``owner`` is ``pub`` for a public block, else the tenant's tag
+(``crypto.tenant_tag``: no tenant name is ever stored). Whoever lists the
+pool (the master's HTTP ``/get_all_keys`` needs no credentials) sees
+unrelated names: neither the tenants, nor how many there are, nor which
+blocks (or which value and marker) belong together. A reader fetches the
+object under its own owner's name, so another tenant's private block is
+never even transferred, and serves it only by ``shared_tier.py``'s rules
+(authenticated under the secret, bound to its key and owner); anything
+else is removed, counted and logged. ``contains`` (asked without an owner)
+reads the marker.
+
+``drop_tenant`` removes the tenant's blocks this node wrote since it
+started, by name (the node keeps that index: one entry per private block
+it wrote); a purge reaches every node store, so each removes its own. A
+block written by a store that has stopped since stays until the master
+evicts it. Markers may outlive their block (a purge, an eviction): such a
+block is found by ``contains``, comes back a miss from ``get`` (the load
+is short, the engine recomputes) and is written again, marker and all, by
+the next write-through.
+
+Without a secret (``insecure``, ``--insecure-shared-tier``) names are
+readable, ``{ns}/{pub or tenant tag hex}/{block hash hex}`` and
+``{ns}/k/{block hash hex}``, values carry an unkeyed checksum, and
+``drop_tenant`` removes ``{ns}/{tag}/*`` by pattern.
+
+**The data plane.** Mooncake moves values between the clients' registered
+buffers over its own TCP (or RDMA) transport, with no authentication:
+whoever reaches a node's transfer port can read and write its segment. The
+client advertises this node's pool address only (``host``, default the
+address it reaches the master from: loopback for a master on this
+machine), and its listening ports are tied to that address's interface
+(``mooncake_lib.confine_listeners``). Keep the pool on a private network;
+whatever a stranger writes there fails authentication when read.
 
 **Batches.** The store's pool writer hands blocks over in batches
 (``put_many``): one ``batch_is_exist`` of their values and markers, then
@@ -56,7 +80,7 @@ an evicted block is a plain miss here, and a put the pool cannot place is
 a refused write.
 
 **Faults.** A master that stops answering (a call failing with an RPC
-error) disables the tier: one warning per outage, every call a miss or a
+error) disables the tier (``shared_tier.OutageBreaker``): one warning per outage, every call a miss or a
 refused write without touching the network, and a key lookup after a
 backoff that doubles up to ``retry_max_s``. The client library reconnects
 by itself (and mounts this node's segment again on a restarted master);
@@ -81,39 +105,24 @@ names what is missing.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
-
-from kvferry.kvstore.block_value import encode_value_into, parse_value, value_nbytes
+from kvferry.kvstore.block_value import encode_value_into, value_nbytes
 from kvferry.kvstore.cluster_buffers import BufferPool
-from kvferry.kvstore.crypto import SEAL_OVERHEAD, TierCrypto, tenant_tag
+from kvferry.kvstore.crypto import TierCrypto, tenant_tag
+from kvferry.kvstore.mooncake_lib import advertise_only, confine_listeners, listening_sockets, load_store_module
+# Re-exported: the server and the launcher import these from here.
+from kvferry.kvstore.mooncake_lib import check_available, master_binary, metadata_server_argv  # noqa: F401
+from kvferry.kvstore.pool_address import PoolAddress, auto_url, is_auto  # noqa: F401
+from kvferry.kvstore.shared_tier import OutageBreaker, SharedTier, require_secret
 from kvferry.kvstore.tenant_lru import pool_of
-from kvferry.kvstore.tier import BlockOwner, ColdTier, TenantTierStats, TierStats
+from kvferry.kvstore.tier import BlockOwner, TenantTierStats, TierStats
 
 log = logging.getLogger(__name__)
-
-SCHEME = "mooncake://"
-MIB = 2**20
-GIB = 2**30
-# What this node lends the pool, and the client's transfer buffer (every
-# block a put or a batched get moves passes through it).
-DEFAULT_SEGMENT_GB = 1.0
-DEFAULT_BUFFER_MB = 256
-# The port the master's built-in HTTP metadata server listens on by default
-# (mooncake_master --enable_http_metadata_server=true).
-DEFAULT_METADATA_PORT = 8080
-_INSTALL_HINT = "pip install 'kvferry[cluster]' (the mooncake-transfer-engine-non-cuda package)"
-_LIBS_HINT = "apt-get install libibverbs1 librdmacm1"
 
 _MARKER = b"\x01"
 # batch_get_into's per-key codes besides a length: the value is absent, or
@@ -124,226 +133,37 @@ _TOO_SMALL = -600
 _RPC_FAIL = -900
 _PUBLIC_PART = "pub"
 _MARKER_PART = "k"
-
-
-# -- the --kv-cluster URL ---------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class PoolAddress:
-    """A parsed ``mooncake://MASTER_HOST:PORT?metadata=URL[&...]``.
-
-    Query options: ``metadata`` (the metadata server; default the master's
-    built-in one, ``http://MASTER_HOST:8080/metadata``), ``protocol``
-    (``tcp`` or ``rdma``), ``device`` (RDMA devices), ``host`` (this node's
-    address as the other nodes reach it; default the address this node
-    reaches the master from), ``segment_gb``, ``buffer_mb``, ``namespace``
-    (the key prefix; stores that should share blocks use the same one)."""
-
-    url: str
-    master: str
-    metadata: str
-    protocol: str = "tcp"
-    device: str = ""
-    host: str = ""
-    segment_bytes: int = int(DEFAULT_SEGMENT_GB * GIB)
-    buffer_bytes: int = DEFAULT_BUFFER_MB * MIB
-    namespace: str = "kvferry"
-
-    @classmethod
-    def parse(cls, url: str) -> PoolAddress:
-        if is_auto(url):
-            raise ValueError(f"kv_cluster: {url!r} (a mooncake_master started by the server on the Ray head node) "
-                             f"needs kvferry serve --ray; elsewhere give {SCHEME}MASTER_HOST:PORT?metadata=URL")
-        if not isinstance(url, str) or not url.startswith(SCHEME):
-            raise ValueError(f"kv_cluster: must be {SCHEME}MASTER_HOST:PORT?metadata=URL, got {url!r}")
-        parts = urlsplit(url)
-        try:
-            host, port = parts.hostname, parts.port
-        except ValueError as exc:  # a port that is not a number
-            raise ValueError(f"kv_cluster: {exc} in {url!r}") from None
-        if not host or port is None or parts.path not in ("", "/"):
-            raise ValueError(f"kv_cluster: must be {SCHEME}MASTER_HOST:PORT?metadata=URL, got {url!r}")
-        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-        unknown = set(query) - {"metadata", "protocol", "device", "host", "segment_gb", "buffer_mb", "namespace"}
-        if unknown:
-            raise ValueError(f"kv_cluster: unknown option(s) {', '.join(sorted(unknown))} in {url!r}")
-        master = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        metadata = query.get("metadata") or f"http://{master.rsplit(':', 1)[0]}:{DEFAULT_METADATA_PORT}/metadata"
-        if not metadata.startswith(("http://", "https://", "etcd://", "redis://")) and metadata != "P2PHANDSHAKE":
-            raise ValueError(f"kv_cluster: metadata must be an http://, etcd:// or redis:// URL, got {metadata!r}")
-        protocol = query.get("protocol", "tcp")
-        if protocol not in ("tcp", "rdma"):
-            raise ValueError(f"kv_cluster: protocol must be tcp or rdma, got {protocol!r}")
-        namespace = query.get("namespace", "kvferry")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
-            raise ValueError(f"kv_cluster: namespace must be letters, digits, '_', '.', '-', got {namespace!r}")
-
-        def size(name: str, default: float, unit: int, zero_ok: bool = False) -> int:
-            raw = query.get(name)
-            try:
-                value = default if raw is None else float(raw)
-            except ValueError:
-                raise ValueError(f"kv_cluster: {name} must be a number, got {raw!r}") from None
-            if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
-                raise ValueError(f"kv_cluster: {name} must be {'>= 0' if zero_ok else '> 0'}, got {raw!r}")
-            return int(value * unit)
-
-        # segment_gb=0: a node that lends the pool nothing (its blocks live
-        # in the other nodes' segments, and outlive its store).
-        return cls(url=url, master=master, metadata=metadata, protocol=protocol, device=query.get("device", ""),
-                   host=query.get("host", ""), segment_bytes=size("segment_gb", DEFAULT_SEGMENT_GB, GIB, zero_ok=True),
-                   buffer_bytes=size("buffer_mb", DEFAULT_BUFFER_MB, MIB), namespace=namespace)
-
-    def reachable(self, timeout_s: float = 1.0) -> bool:
-        """Whether the master's port (and an http:// metadata server's)
-        accept a TCP connection."""
-        endpoints = [_host_port(self.master, 0)]
-        if self.metadata.startswith(("http://", "https://")):
-            endpoints.append(_host_port(urlsplit(self.metadata).netloc,
-                                        443 if self.metadata.startswith("https://") else 80))
-        for host, port in endpoints:
-            try:
-                socket.create_connection((host, port), timeout=timeout_s).close()
-            except (OSError, ValueError):
-                return False
-        return True
-
-    def local_host(self) -> str:
-        """This node's address for the pool: ``host`` if given, else the
-        local address of the route to the master (loopback for a master on
-        this machine)."""
-        if self.host:
-            return self.host
-        master_host = self.master.rsplit(":", 1)[0].strip("[]")
-        family = socket.AF_INET6 if ":" in master_host else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((master_host, 9))  # UDP: no packet is sent
-                return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-# -- --kv-cluster auto: a master the server starts (fleet/cluster_master.py) ----------------------
-AUTO = "auto"
-
-
-def is_auto(value: object) -> bool:
-    """``auto`` or ``auto?OPTIONS``: kvferry serve --ray starts the master."""
-    return isinstance(value, str) and (value == AUTO or value.startswith(AUTO + "?"))
-
-
-def _auto_options(value: str) -> str:
-    """The query of ``auto?OPTIONS`` ("" for ``auto``)."""
-    return value[len(AUTO) + 1:] if value.startswith(AUTO + "?") else ""
-
-
-def check_auto(value: str) -> None:
-    """Validate the options of ``auto?OPTIONS`` (those of a mooncake:// URL
-    but ``metadata``, which the server's own master sets). Raises ValueError."""
-    if "metadata" in parse_qs(_auto_options(value), keep_blank_values=True):
-        raise ValueError(f"kv_cluster: {value!r}: the master the server starts serves the metadata itself; "
-                         f"drop the metadata option")
-    PoolAddress.parse(auto_url(value, "127.0.0.1", 1, 2))
-
-
-def auto_url(value: str, host: str, rpc_port: int, metadata_port: int) -> str:
-    """The mooncake:// URL of a master the server started at ``host``, with
-    the options ``value`` (``auto?OPTIONS``) gives."""
-    bracketed = f"[{host}]" if ":" in host else host
-    url = f"{SCHEME}{bracketed}:{rpc_port}?metadata=http://{bracketed}:{metadata_port}/metadata"
-    options = _auto_options(value)
-    return f"{url}&{options}" if options else url
-
-
-def master_binary() -> str:
-    """The ``mooncake_master`` executable of the installed mooncake package,
-    or a ValueError naming what is missing."""
-    load_store_module()
-    import mooncake
-
-    binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    if not os.access(binary, os.X_OK):
-        raise ValueError(f"kv_cluster: no executable mooncake_master in {os.path.dirname(binary)} ({_INSTALL_HINT})")
-    return binary
-
-
-def metadata_server_argv(host: str, port: int) -> list[str]:
-    """The command of Mooncake's HTTP metadata server (the package's
-    ``mooncake.http_metadata_server``) listening on ``host:port`` only: the
-    master's built-in one listens on every interface whatever its
-    ``--http_metadata_server_host`` says."""
-    return [sys.executable, "-c", "from mooncake.http_metadata_server import main; main()",
-            "--host", host.strip("[]"), "--port", str(port), "--log-level", "WARNING"]
-
-
-def _host_port(netloc: str, default_port: int) -> tuple[str, int]:
-    parts = urlsplit("//" + netloc)
-    return parts.hostname or "", parts.port or default_port
-
-
-# -- availability of the client library ------------------------------------------------------
-def load_store_module() -> Any:
-    """``mooncake.store``, or a ValueError naming what is missing: the
-    package, or the shared libraries its extension needs."""
-    # Its client logs a dozen INFO lines per start and a warning per
-    # lookup of an absent segment; errors only, unless the operator says.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    try:
-        import mooncake.store as store
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] == "mooncake":
-            raise ValueError(f"kv_cluster: the mooncake package is not installed: {_INSTALL_HINT}") from None
-        raise ValueError(f"kv_cluster: mooncake.store cannot load: {exc}") from None
-    except ImportError as exc:  # the extension module's own libraries
-        missing = re.findall(r"([\w.+-]+\.so[\w.]*): cannot open shared object file", str(exc))
-        if missing:
-            raise ValueError(f"kv_cluster: mooncake.store cannot load: {', '.join(missing)} not found "
-                             f"({_LIBS_HINT})") from None
-        raise ValueError(f"kv_cluster: mooncake.store cannot load: {exc}") from None
-    return store
-
-
-def check_available(timeout_s: float = 60.0) -> None:
-    """Raise a ValueError naming what is missing for ``--kv-cluster``
-    (called before a store with a cluster tier is started). It tries the
-    import in a child process, so that the caller (a server's front end)
-    never loads Mooncake's libraries itself."""
-    code = ("import sys\nfrom kvferry.kvstore.cluster import load_store_module\n"
-            "try:\n    load_store_module()\nexcept ValueError as exc:\n    sys.exit(str(exc))\n")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ValueError(f"kv_cluster: cannot check the mooncake package: {exc}") from None
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        reason = lines[-1] if lines else f"the check exited with code {proc.returncode}"
-        raise ValueError(reason if reason.startswith("kv_cluster:") else f"kv_cluster: {reason}")
+# Names removed per remove_by_regex call (a purge by this node's index).
+_REMOVE_CHUNK = 512
 
 
 # -- the tier ---------------------------------------------------------------------------------
-class MooncakeTier(ColdTier):
+class MooncakeTier(SharedTier):
     name = "cluster"
+    _log = log
 
     def __init__(self, address: str | PoolAddress, *, crypto: TierCrypto | None = None,
-                 retry_initial_s: float = 1.0, retry_max_s: float = 30.0, connect_wait_s: float = 5.0) -> None:
-        if retry_initial_s <= 0 or retry_max_s < retry_initial_s:
-            raise ValueError("retry_initial_s, retry_max_s: must be > 0 and max >= initial")
+                 retry_initial_s: float = 1.0, retry_max_s: float = 30.0, connect_wait_s: float = 5.0,
+                 insecure: bool = False) -> None:
         self.address = address if isinstance(address, PoolAddress) else PoolAddress.parse(address)
+        require_secret("kv_cluster", crypto, insecure, log)
+        # Down until the first setup succeeds.
+        self._breaker = OutageBreaker(f"cluster KV tier: the Mooncake master {self.address.master}", retry_initial_s,
+                                      retry_max_s, down=True, logger=log, gone="unreachable")
         self._module = load_store_module()
         self.crypto = crypto
         self.ns = self.address.namespace
         self._host = self.address.local_host()
-        self._lock = threading.Lock()  # stats, availability, the client handle
+        self._lock = threading.Lock()  # stats, the index, the client handle
         self._stats = TierStats()
         self._per_pool: dict[str, TenantTierStats] = {}
+        # With a secret, object names are opaque (``object_key``): the blocks
+        # this node wrote per tenant, so that ``drop_tenant`` can name them.
+        self._written: dict[str, set[bytes]] = {}
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
-        self._backoff_s = retry_initial_s
-        self._down_until = float("inf")  # time.monotonic() before which calls skip the network
-        self._probing = False
-        self.down = True  # until the first setup succeeds
-        self.outages = 0
         self.pinned = 0  # blocks soft-pinned by retain()
+        self.exposed: list[tuple[str, int]] = []  # listening sockets left open to every interface (none, we hope)
         self._store: Any = None
         self._buffers: BufferPool  # set with _store: its registered transfer buffers
         self._value_nbytes = 0  # the largest value seen (read slots are sized to it)
@@ -379,6 +199,11 @@ class MooncakeTier(ColdTier):
                 backoff = min(2 * backoff, self._retry_max_s)
                 continue
             store = self._module.MooncakeDistributedStore()
+            # Mooncake's data plane has no authentication: advertise this
+            # node's pool address only, and tie the ports the client opens
+            # to its interface (mooncake_lib.confine_listeners).
+            advertise_only(self._host)
+            before = set(listening_sockets())
             rc = store.setup({
                 "local_hostname": self._host, "metadata_server": self.address.metadata,
                 "global_segment_size": self.address.segment_bytes, "local_buffer_size": self.address.buffer_bytes,
@@ -386,12 +211,16 @@ class MooncakeTier(ColdTier):
                 "master_server_addr": self.address.master,
             })
             if rc == 0:
+                self.exposed = confine_listeners(self._host, before)
+                if self.exposed:
+                    log.error("cluster KV tier: Mooncake's transfer ports %s listen on every interface (no interface "
+                              "holds %s); keep this node on a private network", self.exposed, self._host)
                 name = store.get_hostname()
                 with self._lock:
                     if not self._closed.is_set():
                         self._buffers = BufferPool(store)
                         self._store, store = store, None
-                        self.down = False
+                        self._breaker.up()
                 if store is None:
                     log.info("cluster KV tier: connected to the Mooncake master %s as %s", self.address.master, name)
                     self._first_try.set()
@@ -407,28 +236,16 @@ class MooncakeTier(ColdTier):
         (a key lookup: the client library reconnects by itself) and the
         tier comes back if it answers."""
         with self._lock:
-            if self._closed.is_set():
-                return None
-            if not self.down:
-                return self._store
-            store = self._store
-            if store is None or self._probing or time.monotonic() < self._down_until:
-                return None
-            self._probing = True
-        try:
-            answered = _answers(store, f"{self.ns}/probe")
-        finally:
-            with self._lock:
-                self._probing = False
-        with self._lock:
-            if not answered:
-                self._backoff_s = min(2 * self._backoff_s, self._retry_max_s)
-                self._down_until = time.monotonic() + self._backoff_s
-                return None
-            self.down = False
-            self._backoff_s = self._retry_initial_s
-        log.info("cluster KV tier: the Mooncake master %s is back", self.address.master)
-        return store
+            store = None if self._closed.is_set() else self._store
+        if store is None or not self._breaker.may_call():
+            return None
+        if not self.down:
+            return store
+        if _answers(store, f"{self.ns}/probe"):
+            self._breaker.succeed()
+            return store
+        self._breaker.fail("no answer")
+        return None
 
     def _master_lost(self, store: Any, what: str, rpc_failed: bool = False) -> bool:
         """After a failed call: is the master gone (then the tier goes down:
@@ -437,25 +254,27 @@ class MooncakeTier(ColdTier):
         a dead master takes seconds while the client retries)."""
         if not rpc_failed and _answers(store, f"{self.ns}/probe"):
             return False
-        with self._lock:
-            if not self.down:
-                self.down = True
-                self.outages += 1
-                log.warning("cluster KV tier: the Mooncake master %s is unreachable (%s); every block a miss "
-                            "until it answers, retrying with backoff", self.address.master, what)
-            self._down_until = time.monotonic() + self._backoff_s
+        self._breaker.fail(what)
         return True
 
     # ---- keys -----------------------------------------------------------
 
-    def _owner_part(self, owner: BlockOwner) -> str:
-        return _PUBLIC_PART if owner.public else tenant_tag(self.crypto, owner.tenant).hex()
+    def _owner_part(self, owner: BlockOwner) -> bytes:
+        return _PUBLIC_PART.encode() if owner.public else tenant_tag(self.crypto, owner.tenant)
 
     def object_key(self, key: bytes, owner: BlockOwner) -> str:
-        """The pool key of ``owner``'s block ``key`` (tests read it raw)."""
-        return f"{self.ns}/{self._owner_part(owner)}/{key.hex()}"
+        """The pool key of ``owner``'s block ``key`` (tests read it raw):
+        opaque with a secret (``TierCrypto.object_name``), so that a
+        listing of the pool tells neither tenants nor which blocks belong
+        together; readable without one (``--insecure-shared-tier``)."""
+        if self.crypto is not None:
+            return f"{self.ns}/{self.crypto.object_name(self._owner_part(owner), key)}"
+        part = _PUBLIC_PART if owner.public else tenant_tag(None, owner.tenant).hex()
+        return f"{self.ns}/{part}/{key.hex()}"
 
     def _marker_key(self, key: bytes) -> str:
+        if self.crypto is not None:
+            return f"{self.ns}/{self.crypto.object_name(_MARKER_PART.encode(), key)}"
         return f"{self.ns}/{_MARKER_PART}/{key.hex()}"
 
     # ---- writes ---------------------------------------------------------
@@ -504,6 +323,10 @@ class MooncakeTier(ColdTier):
         with self._lock:
             # The values put (a block whose marker alone was missing sent one byte).
             self._stats.bytes_written += sum(len(d) for i, d in enumerate(datas) if wrote[i] and present[i] != 1)
+            if self.crypto is not None:
+                for i, (key, _, owner) in enumerate(items):
+                    if (ok[i] or wrote[i]) and not owner.public:
+                        self._written.setdefault(owner.tenant, set()).add(key)
         for i in range(len(items)):
             if not (ok[i] or wrote[i]):
                 self._refuse(pool_of(items[i][2]))
@@ -586,7 +409,7 @@ class MooncakeTier(ColdTier):
             except Exception as exc:
                 results = [None] * len(keys)
                 self._master_lost(store, f"get failed: {exc}")
-        self._count_reads(results, pool_of(owner), time.perf_counter() - start)
+        self._count_reads(keys, results, pool_of(owner), time.perf_counter() - start)
         return results
 
     def _read(self, store: Any, keys: list[bytes], owner: BlockOwner, outs: list[memoryview] | None,
@@ -632,68 +455,13 @@ class MooncakeTier(ColdTier):
         if failed:
             self._master_lost(store, "get failed", rpc_failed)
 
-    def _decode(self, key: bytes, value: bytes | memoryview, owner: BlockOwner,
-                out: memoryview | None = None) -> bytes | memoryview | None:
-        """The block's bytes: a copy (``value`` may be a transfer slot), or
-        ``out`` written whole (a block of another length is a miss); None
-        for a miss."""
-        parsed = parse_value(key, value)
-        if parsed is None:
-            return self._quarantine(key, owner)
-        tenant, payload = parsed.tenant, parsed.payload
-        if parsed.public != owner.public or (
-                not owner.public and bytes(tenant) != tenant_tag(self.crypto, owner.tenant)):
-            # Under this owner's key but labelled another's: never served.
-            with self._lock:
-                self._stats.auth_failures += 1
-            return None
-        if owner.public or not parsed.sealed:
-            if out is None:
-                return bytes(payload)
-            if len(payload) != len(out):
-                return None
-            out[:] = payload
-            return out
-        if self.crypto is None:
-            return None  # sealed by a node with a secret this one lacks
-        if out is not None and len(payload) - SEAL_OVERHEAD != len(out):
-            return None
-        plain: bytes | memoryview | None
-        if out is None:
-            plain = self.crypto.open(key, owner.tenant, payload)
-        else:
-            plain = out if self.crypto.open_into(key, owner.tenant, payload, out) else None
-        if plain is None:
-            # Checksum intact but the tag fails under the owner's own key:
-            # forged, or moved here from another block key.
-            with self._lock:
-                self._stats.auth_failures += 1
-            self._quarantine(key, owner)
-        return plain
-
-    def _quarantine(self, key: bytes, owner: BlockOwner) -> None:  # returns the miss it is
-        with self._lock:
-            self._stats.quarantined += 1
-        log.warning("cluster KV tier: block %s failed its checksum; removed", key.hex()[:16])
+    def _remove_object(self, key: bytes, owner: BlockOwner) -> None:
         store = self._client()
         if store is not None:
             try:
                 store.remove(self.object_key(key, owner), True)
             except Exception:
                 pass
-        return None
-
-    def _count_reads(self, results: list[bytes | memoryview | None], pool: str, elapsed: float) -> None:
-        hits = sum(r is not None for r in results)
-        with self._lock:
-            self._stats.bytes_read += sum(len(r) for r in results if r is not None)
-            self._stats.hits += hits
-            self._stats.misses += len(results) - hits
-            stats = self._pool_stats(pool)
-            stats.hits += hits
-            stats.misses += len(results) - hits
-            if hits:
-                self._stats.load_seconds += elapsed
 
     # ---- soft pin ---------------------------------------------------------
 
@@ -760,15 +528,38 @@ class MooncakeTier(ColdTier):
         return found == 1
 
     def delete(self, key: bytes) -> None:
-        """Every owner's object of ``key`` and its marker (one pattern)."""
-        self._remove_matching(rf"^{re.escape(self.ns)}/[0-9a-z]+/{key.hex()}$")
+        """The public object of ``key``, this node's private ones and the
+        marker (every owner's object, one pattern, without a secret)."""
+        if self.crypto is None:
+            self._remove_matching(rf"^{re.escape(self.ns)}/[0-9a-z]+/{key.hex()}$")
+            return
+        with self._lock:
+            tenants = [tenant for tenant, keys in self._written.items() if key in keys]
+            for tenant in tenants:
+                self._written[tenant].discard(key)
+        owners = [BlockOwner(public=True)] + [BlockOwner(tenant) for tenant in tenants]
+        self._remove_names([self.object_key(key, owner) for owner in owners] + [self._marker_key(key)])
 
     def drop_tenant(self, tenant: str) -> int:
-        """Every private block of ``tenant`` in the pool, whichever node
-        wrote it; 0 while the master is down."""
+        """Every private block of ``tenant`` that this node wrote since it
+        started (every node store gets the purge: each removes its own);
+        without a secret, whichever node wrote them (by the tag in their
+        names). 0 while the master is down."""
         with self._lock:
             self._per_pool.pop(tenant, None)
-        return self._remove_matching(rf"^{re.escape(self.ns)}/{tenant_tag(self.crypto, tenant).hex()}/.*$")
+            keys = self._written.pop(tenant, set())
+        if self.crypto is None:
+            return self._remove_matching(rf"^{re.escape(self.ns)}/{tenant_tag(None, tenant).hex()}/.*$")
+        owner = BlockOwner(tenant)
+        return self._remove_names([self.object_key(key, owner) for key in keys])
+
+    def _remove_names(self, names: list[str]) -> int:
+        """Remove the objects ``names`` (opaque: hex), a regex of alternatives per chunk."""
+        removed = 0
+        for at in range(0, len(names), _REMOVE_CHUNK):
+            chunk = names[at:at + _REMOVE_CHUNK]
+            removed += self._remove_matching("^(" + "|".join(re.escape(name) for name in chunk) + ")$")
+        return removed
 
     def _remove_matching(self, pattern: str) -> int:
         store = self._client()

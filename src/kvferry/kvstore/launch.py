@@ -76,6 +76,8 @@ def store_argv(tiers: KVTierConfig, address: str, *, block_nbytes: int | None = 
                         ("--api-keys", api_keys), ("--cache-secret-file", cache_secret_file)):
         if value is not None:
             argv += [flag, str(value)]
+    if tiers.insecure_shared_tier:
+        argv.append("--insecure-shared-tier")
     return argv
 
 

@@ -58,6 +58,9 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-min-hits", type=int, default=0,
                         help="loads a block must serve before it is written to the cluster pool (0: at its commit)")
     parser.add_argument("--cache-secret-file", default=None, help="server secret: per-tenant keys at rest")
+    parser.add_argument("--insecure-shared-tier", action="store_true",
+                        help="run --kv-remote / --kv-cluster without the cluster secret (unkeyed checksums, private "
+                             "blocks unsealed: whoever reaches the server can read and forge every tenant's KV)")
     parser.add_argument("--api-keys", default=None,
                         help="the server's key file: per-tenant quotas from quota.dram_gb / quota.disk_gb")
     parser.add_argument("--default-dram-gb", type=float, default=None,
@@ -148,11 +151,13 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     if args.kv_cluster:
         from kvferry.kvstore.cluster import MooncakeTier
 
-        tiers.append(MooncakeTier(args.kv_cluster, crypto=crypto))
+        tiers.append(MooncakeTier(args.kv_cluster, crypto=None if args.insecure_shared_tier else crypto,
+                                  insecure=args.insecure_shared_tier))
     if args.kv_remote:
         from kvferry.kvstore.remote import RedisTier
 
-        tiers.append(RedisTier(args.kv_remote, crypto=crypto))
+        tiers.append(RedisTier(args.kv_remote, crypto=None if args.insecure_shared_tier else crypto,
+                               insecure=args.insecure_shared_tier))
     return tiers
 
 

@@ -4,21 +4,20 @@ at it (``--kv-remote redis://host:port/db``).
 Values::
 
     key   = prefix || block key                     (binary-safe)
-    value = header | tenant tag | checksum | payload
-    header (8 bytes): magic "KVFR", version u8 (2), flags u8 (public, sealed),
-                      tenant_len u16
-    checksum = xxh3-128 over the block key, header, tenant tag and payload
+    value = block_value.py's: header | tenant tag | MAC | payload
     tenant tag = ``crypto.tenant_tag`` of a private block's tenant (24
                  bytes; empty for a public block): no tenant name is ever
                  stored in Redis, in a key or in a value
 
-Private blocks are sealed with the tenant's key (``kvferry.kvstore.crypto``)
-before they leave the process; public blocks travel and rest in the clear.
-A value that fails its checksum is deleted (quarantined, counted) and is a
-miss; another tenant's private block is a miss counted in
-``auth_failures``. ``prefix || "tenant:" || hex(tenant tag)`` is a set of
-that tenant's keys, so that ``drop_tenant`` reaches blocks other nodes
-wrote (nodes with the same secret agree on the tag).
+Every value is authenticated under the cluster secret (private blocks
+sealed with the tenant's key, ``kvferry.kvstore.crypto``; public ones with
+a MAC), and read by ``shared_tier.py``'s rules: a value that fails is
+deleted (quarantined, counted, logged) and is a miss; another tenant's
+private block is a miss counted in ``auth_failures``. Without a secret the
+tier is refused unless ``insecure`` (``--insecure-shared-tier``).
+``prefix || "tenant:" || hex(tenant tag)`` is a set of that tenant's keys,
+so that ``drop_tenant`` reaches blocks other nodes wrote (nodes with the
+same secret agree on the tag).
 
 Capacity and quotas are this node's view: what it wrote, in LRU order of
 its own reads (``tenant_lru``); over them it deletes its own least recently
@@ -26,18 +25,19 @@ used blocks. The server's ``maxmemory`` policy bounds the shared whole; a
 block it evicted is a plain miss here.
 
 **Faults.** Any Redis error (refused connection, timeout, a server gone
-mid-call) disables the tier: one warning per outage, every call a miss or
-a refused write without touching the network, and a retry after a backoff
-that doubles up to ``retry_max_s``. The first call that succeeds logs (at
-INFO) that the tier is back. Nothing raises out of ``put``/``get``.
+mid-call) disables the tier (``shared_tier.OutageBreaker``): one warning
+per outage, every call a miss or a refused write without touching the
+network, and a retry after a backoff that doubles up to ``retry_max_s``.
+The first call that succeeds logs (at INFO) that the tier is back. Nothing
+raises out of ``put``/``get``.
 
 **Other remote stores** (Mooncake Store, Valkey, S3) plug in at the same
 seam: a ``ColdTier`` subclass (``kvferry.kvstore.tier``) with ``put``,
 ``get``/``get_many``, ``contains``, ``delete``, ``drop_tenant`` and
 ``stats``. Valkey speaks this protocol unchanged (a ``redis://`` URL to
 it); Mooncake Store and S3 need only the five calls mapped to their
-clients, keeping this module's value format (checksum, sealing) so that
-every rule in ``tier.py`` holds the same way.
+clients, keeping ``block_value.py``'s format and ``shared_tier.py``'s rules so
+that every rule in ``tier.py`` holds the same way.
 """
 from __future__ import annotations
 
@@ -50,26 +50,30 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvferry.kvstore.block_value import encode_value, parse_value
+from kvferry.kvstore.block_value import encode_value
 from kvferry.kvstore.crypto import TierCrypto, tenant_tag
+from kvferry.kvstore.shared_tier import OutageBreaker, SharedTier, require_secret
 from kvferry.kvstore.tenant_lru import TenantLRU, TierQuotas, pool_of
-from kvferry.kvstore.tier import BlockOwner, ColdTier, TierStats
+from kvferry.kvstore.tier import BlockOwner, TenantTierStats, TierStats
 
 log = logging.getLogger(__name__)
 
 
-class RedisTier(ColdTier):
+class RedisTier(SharedTier):
     name = "remote"
+    _log = log
 
     def __init__(self, url: str, *, crypto: TierCrypto | None = None, quotas: TierQuotas | None = None,
                  capacity_bytes: int | None = None, ttl_s: float | None = None, prefix: bytes = b"kvferry:kv:",
-                 timeout_s: float = 1.0, retry_initial_s: float = 1.0, retry_max_s: float = 60.0) -> None:
+                 timeout_s: float = 1.0, retry_initial_s: float = 1.0, retry_max_s: float = 60.0,
+                 insecure: bool = False) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url: must be redis://, rediss:// or unix://, got {url!r}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError("ttl_s: must be > 0 or None")
         if timeout_s <= 0 or retry_initial_s <= 0 or retry_max_s < retry_initial_s:
             raise ValueError("timeout_s, retry_initial_s, retry_max_s: must be > 0 and max >= initial")
+        require_secret(f"kv_remote {url}", crypto, insecure, log)
         self.url = url
         self.crypto = crypto
         self.prefix = prefix
@@ -81,42 +85,14 @@ class RedisTier(ColdTier):
         self._lock = threading.Lock()
         self._lru = TenantLRU(sys.maxsize if capacity_bytes is None else capacity_bytes, quotas)
         self._stats = TierStats()
-        self._retry_initial_s = retry_initial_s
-        self._retry_max_s = retry_max_s
-        self._backoff_s = retry_initial_s
-        self._down_until = 0.0  # time.monotonic() before which calls skip the network
-        self.down = False
-        self.outages = 0
-
-    # ---- availability -------------------------------------------------
-
-    def _available(self) -> bool:
-        return not self.down or time.monotonic() >= self._down_until
-
-    def _failed(self, exc: Exception) -> None:
-        with self._lock:
-            if not self.down:
-                self.down = True
-                self.outages += 1
-                log.warning("remote KV tier %s is down (%s); disabled, retrying with backoff", self.url, exc)
-            else:
-                self._backoff_s = min(2 * self._backoff_s, self._retry_max_s)
-            self._down_until = time.monotonic() + self._backoff_s
-
-    def _succeeded(self) -> None:
-        if self.down:
-            with self._lock:
-                if self.down:
-                    self.down = False
-                    self._backoff_s = self._retry_initial_s
-                    log.info("remote KV tier %s is back", self.url)
+        self._breaker = OutageBreaker(f"remote KV tier {url}", retry_initial_s, retry_max_s, logger=log)
 
     # ---- writes -------------------------------------------------------
 
     def put(self, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bool:
         data = memoryview(data).cast("B")  # lengths in bytes, whatever the format
         pool = pool_of(owner)
-        if not self._available():  # down: no sealing, no network
+        if not self._breaker.may_call():  # down: no sealing, no network
             with self._lock:
                 self._refuse(pool)
             return False
@@ -137,12 +113,12 @@ class RedisTier(ColdTier):
                     pipe.sadd(self._tenant_set(owner.tenant), key)
             pipe.execute()
         except redis.RedisError as exc:
-            self._failed(exc)
+            self._breaker.fail(exc)
             if fits:
                 with self._lock:
                     self._refuse(pool)
             return False
-        self._succeeded()
+        self._breaker.succeed()
         if fits:
             with self._lock:
                 self._lru.add(key, pool, len(value))
@@ -167,89 +143,57 @@ class RedisTier(ColdTier):
     def get_many(self, keys: list[bytes], owner: BlockOwner) -> list[bytes | None]:
         start = time.perf_counter()
         values: list[bytes | None] = [None] * len(keys)
-        if keys and self._available():
+        if keys and self._breaker.may_call():
             try:
                 values = self._redis.mget([self.prefix + k for k in keys])
             except redis.RedisError as exc:
-                self._failed(exc)
+                self._breaker.fail(exc)
             else:
-                self._succeeded()
+                self._breaker.succeed()
         results = [None if v is None else self._decode(k, v, owner) for k, v in zip(keys, values)]
         self._count_reads(keys, results, pool_of(owner), time.perf_counter() - start)
         return results
 
-    def _decode(self, key: bytes, value: bytes, owner: BlockOwner) -> bytes | None:
-        parsed = parse_value(key, value)
-        if parsed is None:
-            return self._quarantine(key)
-        tenant, payload = parsed.tenant, parsed.payload
-        if parsed.public:
-            return bytes(payload)
-        if owner.public or bytes(tenant) != tenant_tag(self.crypto, owner.tenant):
-            with self._lock:
-                self._stats.auth_failures += 1
-            return None
-        if not parsed.sealed:
-            return bytes(payload)
-        if self.crypto is None:
-            return None  # sealed by a node with a secret this one lacks
-        plain = self.crypto.open(key, owner.tenant, payload)
-        if plain is None:
-            # Checksum intact but the tag fails under the owner's own key:
-            # forged or moved to this key, never served.
-            with self._lock:
-                self._stats.auth_failures += 1
-            self._quarantine(key)
-        return plain
+    # shared_tier.SharedTier's hooks
+    def _pool_stats(self, pool: str) -> TenantTierStats:
+        return self._lru.stats_of(pool)
 
-    def _quarantine(self, key: bytes) -> None:  # returns the miss it is
-        with self._lock:
-            self._stats.quarantined += 1
-            self._lru.remove(key)
-        log.warning("remote KV tier: block %s failed its checksum; deleted", key.hex()[:16])
+    def _remove_object(self, key: bytes, owner: BlockOwner) -> None:
         try:
             self._redis.delete(self.prefix + key)
         except redis.RedisError as exc:
-            self._failed(exc)
-        return None
+            self._breaker.fail(exc)
 
-    def _count_reads(self, keys: list[bytes], results: list[bytes | None], pool: str, elapsed: float) -> None:
-        hits = sum(r is not None for r in results)
-        with self._lock:
-            for key, data in zip(keys, results):
-                if data is None:
-                    self._lru.remove(key)  # gone from the server (evicted, expired, restarted)
-                else:
-                    self._lru.touch(key)
-                    self._stats.bytes_read += len(data)
-            self._stats.hits += hits
-            self._stats.misses += len(keys) - hits
-            self._lru.stats_of(pool).hits += hits
-            self._lru.stats_of(pool).misses += len(keys) - hits
-            if hits:
-                self._stats.load_seconds += elapsed
+    def _forget(self, key: bytes) -> None:
+        self._lru.remove(key)
+
+    def _note_read(self, key: bytes, found: bool) -> None:
+        if found:
+            self._lru.touch(key)
+        else:
+            self._lru.remove(key)  # gone from the server (evicted, expired, restarted)
 
     # ---- the rest of the interface ------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        if not self._available():
+        if not self._breaker.may_call():
             return False
         try:
             found = bool(self._redis.exists(self.prefix + key))
         except redis.RedisError as exc:
-            self._failed(exc)
+            self._breaker.fail(exc)
             return False
-        self._succeeded()
+        self._breaker.succeed()
         return found
 
     def delete(self, key: bytes) -> None:
         with self._lock:
             self._lru.remove(key)
-        if self._available():
+        if self._breaker.may_call():
             try:
                 self._redis.delete(self.prefix + key)
             except redis.RedisError as exc:
-                self._failed(exc)
+                self._breaker.fail(exc)
 
     def drop_tenant(self, tenant: str) -> int:
         """Every private block of ``tenant`` on the server, whichever node
@@ -257,16 +201,16 @@ class RedisTier(ColdTier):
         with self._lock:
             for key in self._lru.pool_keys(tenant):
                 self._lru.remove(key)
-        if not self._available():
+        if not self._breaker.may_call():
             return 0
         try:
             members = list(self._redis.smembers(self._tenant_set(tenant)))
             removed = self._redis.delete(*(self.prefix + k for k in members)) if members else 0
             self._redis.delete(self._tenant_set(tenant))
         except redis.RedisError as exc:
-            self._failed(exc)
+            self._breaker.fail(exc)
             return 0
-        self._succeeded()
+        self._breaker.succeed()
         return removed
 
     def stats(self) -> TierStats:
