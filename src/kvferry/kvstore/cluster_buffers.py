@@ -3,11 +3,11 @@ with the Mooncake client, cut into equal slots of one value each.
 
 Mooncake's ``batch_put_from``/``batch_get_into`` move values straight
 between registered memory and the pool's segments. The tier encodes a
-block (header, checksum, payload sealed in place) into a slot and puts it
+block (header, MAC, payload sealed in place) into a slot and puts it
 from there, and reads values into slots to check and open them there: no
 value passes through the client's own buffer, and no fresh buffer of a
 block's size is made per value (page faults of new memory, not AES-GCM or
-the checksum, were most of the cost of one block per call).
+the MAC, were most of the cost of one block per call).
 
 Slots are sized from the largest value seen (a node's blocks share one
 size); a value that does not fit makes the next buffer bigger.

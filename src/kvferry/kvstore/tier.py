@@ -52,7 +52,8 @@ class TierStats:
     # from the index and never served.
     quarantined: int = 0
     # Reads refused because the block is another tenant's private block, or
-    # its AES-GCM tag failed under the reader's key: misses, never data.
+    # it failed authentication (its AES-GCM tag under the reader's key; in a
+    # shared tier, its MAC under the cluster secret): misses, never data.
     auth_failures: int = 0
     # Writes not taken: over quota, disk full, tier down.
     refused_writes: int = 0
