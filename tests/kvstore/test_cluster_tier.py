@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvferry.kvstore.crypto import TENANT_TAG_BYTES, TierCrypto, tenant_tag
+from kvferry.kvstore.crypto import MAC_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tier import BlockOwner
 from tests.kvstore.conftest import SECRET, block, key
 from tests.kvstore.mooncake_master import MooncakeMaster, mooncake_binary
@@ -83,7 +83,7 @@ def test_round_trip_across_nodes_sealed_and_per_tenant(nodes):
 def test_another_tenants_key_cannot_open_a_private_block(nodes):
     a, b = nodes
     assert a.put(key(10), block(10), ACME)
-    sealed = a._store.get(a.object_key(key(10), ACME))[8 + TENANT_TAG_BYTES + 16:]
+    sealed = a._store.get(a.object_key(key(10), ACME))[8 + MAC_BYTES + 16:]
     before = b.stats()
     # Relabelled as beta's and put under beta's key: beta's AES key fails.
     assert a._store.upsert(b.object_key(key(10), BETA), forge(key(10), "beta", sealed)) == 0
@@ -138,7 +138,7 @@ def test_get_into_opens_each_block_in_place(nodes):
     assert b.get_into([key(40)], ACME, [memoryview(bytearray(5999))]) == [False]
     assert b.get_into([key(41)], PUBLIC, [memoryview(bytearray(6001))]) == [False]
     # A forgery (relabelled, put under beta's key) fails its tag in place too.
-    sealed = a._store.get(a.object_key(key(40), ACME))[8 + TENANT_TAG_BYTES + 16:]
+    sealed = a._store.get(a.object_key(key(40), ACME))[8 + MAC_BYTES + 16:]
     assert a._store.upsert(b.object_key(key(40), BETA), forge(key(40), "beta", sealed)) == 0
     failures = b.stats().auth_failures
     assert b.get_into([key(40)], BETA, slots[:1]) == [False] and b.stats().auth_failures == failures + 1

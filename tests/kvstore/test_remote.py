@@ -9,7 +9,7 @@ import time
 import pytest
 import xxhash
 
-from kvferry.kvstore.crypto import TENANT_TAG_BYTES, TierCrypto, tenant_tag
+from kvferry.kvstore.crypto import MAC_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tenant_lru import PUBLIC_POOL, TierQuotas
 from kvferry.kvstore.tier import BlockOwner
 from tests.kvstore.conftest import SECRET, block, key
@@ -79,7 +79,7 @@ def test_another_tenants_private_block_fails_authentication(server):
     assert other.get(key(1), BETA) is None
     assert other.stats().auth_failures == 1 and other.stats().quarantined == 0  # kept for acme
     client = raw_client(server)
-    sealed = client.get(b"kvferry:kv:" + key(1))[8 + TENANT_TAG_BYTES + 16:]
+    sealed = client.get(b"kvferry:kv:" + key(1))[8 + MAC_BYTES + 16:]
     # Relabelled to beta: beta's key cannot open it.
     client.set(b"kvferry:kv:" + key(1), forge(key(1), "beta", sealed))
     assert other.get(key(1), BETA) is None

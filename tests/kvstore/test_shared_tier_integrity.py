@@ -201,6 +201,12 @@ def test_pool_listing_names_no_tenant_and_no_grouping(master, pool):
         assert tenant_tag(TierCrypto(SECRET), owner.tenant).hex() not in listing
     for i in range(300, 400):
         assert key(i).hex() not in listing
+    # Nor do the values read back: no tenant tag, and one tenant's labels all differ.
+    values = [a._store.get(n) for n in names]
+    tags = [tenant_tag(TierCrypto(SECRET), owner.tenant) for owner in tenants]
+    assert not any(tag in value for tag in tags for value in values)
+    labels = [v[8:8 + v[6]] for v in values if len(v) > 8 and v[6]]
+    assert len(labels) >= 9 and len(set(labels)) == len(labels)
     # Still every owner's own: a purge on the node that wrote them removes them.
     assert a.drop_tenant("tenant-0") == 3 and a.get(key(300), tenants[0]) is None
     assert a.get(key(310), tenants[1]) == block(0)

@@ -2,7 +2,7 @@
 one self-authenticating value, so that every rule of ``tier.py`` holds the
 same way wherever the bytes live::
 
-    header (magic, version, flags, tenant tag length) | tenant tag | tag | payload
+    header (magic, version, flags, label length) | label | tag | payload
 
 Anyone who reaches the server can write a value, so a node with the cluster
 secret (``crypto``) accepts only values that a holder of the secret wrote
@@ -14,13 +14,18 @@ for this block key (flag ``keyed``):
 * a public block's ``tag`` is a MAC of the block key, header, tenant tag
   and payload.
 
-The MAC is keyed BLAKE2b-128 (``TierCrypto.mac``). Either way one pass over
+``label`` names the owner: empty for a public block; for a private one a
+MAC of the tenant's tag and the block key, which the tenant's readers
+recompute but which differs per block, so that a stranger reading values
+learns neither whose they are nor which belong together. The MAC is keyed
+BLAKE2b-128 (``TierCrypto.mac``). Either way one pass over
 the payload: a sealed payload is covered by its GCM tag, not hashed again.
 A private block that is not sealed, a value without the ``keyed`` flag or
 of another version is refused.
 
-Without a secret (``--insecure-shared-tier``) ``tag`` is an unkeyed xxh3-128
-checksum of the same four parts and private blocks rest unsealed: it
+Without a secret (``--insecure-shared-tier``) ``label`` is the tenant's
+(unkeyed) tag, ``tag`` an unkeyed xxh3-128 checksum of the same four parts
+and private blocks rest unsealed: it
 catches torn values, not forged ones, and such a node refuses keyed values
 (it cannot check them). Version 3: the ``keyed`` flag and the MAC; a value
 of version 2 (an unkeyed checksum) fails ``parse_value``.
@@ -43,6 +48,7 @@ _TAG_BYTES = MAC_BYTES  # xxh3-128 is as long
 _FLAG_PUBLIC = 1
 _FLAG_SEALED = 2
 _FLAG_KEYED = 4
+_LABEL_DOMAIN = b"kvferry owner label v1\0"
 
 
 @dataclass(slots=True)
@@ -52,8 +58,18 @@ class BlockValue:
 
     public: bool
     sealed: bool
-    tenant: memoryview  # the tenant tag ("" for a public block)
+    label: memoryview  # ``owner_label`` ("" for a public block)
     payload: memoryview  # the block's bytes, sealed when ``sealed``
+
+
+def owner_label(crypto: TierCrypto | None, key: bytes, owner: BlockOwner) -> bytes:
+    """What a value of ``owner``'s block ``key`` carries to name its owner
+    (module docstring)."""
+    if owner.public:
+        return b""
+    if crypto is None:
+        return tenant_tag(None, owner.tenant)
+    return crypto.mac(_LABEL_DOMAIN, crypto.tenant_tag(owner.tenant), key)  # the tag's length is fixed
 
 
 def _header(crypto: TierCrypto | None, owner: BlockOwner, tenant_len: int) -> tuple[bytes, bool]:
@@ -63,7 +79,7 @@ def _header(crypto: TierCrypto | None, owner: BlockOwner, tenant_len: int) -> tu
 
 
 def encode_value(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
-    tenant = b"" if owner.public else tenant_tag(crypto, owner.tenant)
+    tenant = owner_label(crypto, key, owner)
     header, sealed = _header(crypto, owner, len(tenant))
     payload = b"".join(crypto.seal(key, owner.tenant, data)) if sealed else data
     return b"".join((header, tenant, _tag(crypto, sealed, key, header, tenant, payload), payload))
@@ -72,7 +88,8 @@ def encode_value(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview
 def value_nbytes(crypto: TierCrypto | None, data_nbytes: int, owner: BlockOwner) -> int:
     """The length of ``encode_value``'s result for a block of ``data_nbytes``."""
     sealed = crypto is not None and not owner.public
-    return (_HEADER.size + (0 if owner.public else TENANT_TAG_BYTES) + _TAG_BYTES + data_nbytes
+    label_nbytes = 0 if owner.public else MAC_BYTES if crypto is not None else TENANT_TAG_BYTES
+    return (_HEADER.size + label_nbytes + _TAG_BYTES + data_nbytes
             + (SEAL_OVERHEAD if sealed else 0))
 
 
@@ -81,7 +98,7 @@ def encode_value_into(crypto: TierCrypto | None, key: bytes, data: bytes | memor
     """``encode_value`` written into ``out`` (at least ``value_nbytes``
     bytes: a transfer buffer); returns the bytes written. The payload is
     sealed or copied straight into place, and the tag taken there."""
-    tenant = b"" if owner.public else tenant_tag(crypto, owner.tenant)
+    tenant = owner_label(crypto, key, owner)
     header, sealed = _header(crypto, owner, len(tenant))
     payload_at = _HEADER.size + len(tenant) + _TAG_BYTES
     if sealed:

@@ -9,8 +9,7 @@ secret (``crypto``) serves a value only when (``block_value.py``)
 * it authenticates under the secret, bound to its block key (a private
   block sealed with AES-GCM, a public one with a MAC), and
 * its label admits the reader: a public block is every tenant's, a
-  private one only its tenant's (the reader's tenant tag, for a private
-  read).
+  private one only its tenant's (``block_value.owner_label``).
 
 A value that fails the first rule is quarantined: deleted from the server,
 counted (``quarantined`` and ``auth_failures``) and logged (at most one
@@ -36,8 +35,8 @@ import threading
 import time
 from abc import abstractmethod
 
-from kvferry.kvstore.block_value import parse_value
-from kvferry.kvstore.crypto import SEAL_OVERHEAD, TierCrypto, tenant_tag
+from kvferry.kvstore.block_value import owner_label, parse_value
+from kvferry.kvstore.crypto import SEAL_OVERHEAD, TierCrypto
 from kvferry.kvstore.tier import BlockOwner, ColdTier, TenantTierStats, TierStats
 
 log = logging.getLogger(__name__)
@@ -176,7 +175,7 @@ class SharedTier(ColdTier):
         if parsed is None:
             return self._quarantine(key, owner, "failed authentication")
         # A public block is every tenant's; a private one only its tenant's.
-        if not parsed.public and (owner.public or bytes(parsed.tenant) != tenant_tag(self.crypto, owner.tenant)):
+        if not parsed.public and (owner.public or parsed.label != owner_label(self.crypto, key, owner)):
             with self._lock:
                 self._stats.auth_failures += 1  # another owner's: never served
             return None
