@@ -22,10 +22,10 @@ recompute). A restarted master starts empty: the blocks the nodes lent the
 old one are written through again as they are computed.
 
 The pool lives with the server: its blocks outlive no restart of it, so
-no secret file needs to be kept for them. Private blocks are shared
-between nodes only when every node's store seals them with one secret
-(``--cache-secret-file``, the same file on every node); public prefixes are
-shared in any case.
+no secret file needs to be kept for them. Blocks are shared between
+nodes only when every node's store holds one secret
+(``--cache-secret-file``, the same file on every node): every value in the
+pool is authenticated under it (kvstore/shared_tier.py).
 
 Imports ray: only ``kvferry serve --ray`` imports this module.
 """
