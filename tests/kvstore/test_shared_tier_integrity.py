@@ -240,3 +240,15 @@ def test_pool_transfer_ports_listen_only_on_the_pool_interface(master, pool, sto
     listeners = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
     assert f"pid={proc.pid}," in listeners  # the store's Mooncake client listens (tied to lo)
     assert _wildcard_listeners(proc.pid) == []
+
+
+def test_pool_delete_finds_opaque_names_through_the_index(pool):
+    """``delete`` (a purge that raced a write) has no owner: the node's
+    index names its private objects, the public one and the marker are
+    computed."""
+    a, b = pool
+    assert a.put(key(400), block(1), ACME) and a.put(key(401), block(2), PUBLIC)
+    a.delete(key(400))
+    a.delete(key(401))
+    assert b.get(key(400), ACME) is None and b.get(key(401), PUBLIC) is None
+    assert not b.contains(key(400)) and not b.contains(key(401))

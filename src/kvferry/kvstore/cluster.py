@@ -38,8 +38,9 @@ reads the marker.
 
 ``drop_tenant`` removes the tenant's blocks this node wrote since it
 started, by name (the node keeps that index: one entry per private block
-it wrote); a purge reaches every node store, so each removes its own. A
-block written by a store that has stopped since stays until the master
+it wrote, the last ``MAX_INDEXED_BLOCKS``); a purge reaches every node
+store, so each removes its own. A block written by a store that has
+stopped since (or indexed too long ago) stays, sealed, until the master
 evicts it. Markers may outlive their block (a purge, an eviction): such a
 block is found by ``contains``, comes back a miss from ``get`` (the load
 is short, the engine recomputes) and is written again, marker and all, by
@@ -108,6 +109,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,6 +137,8 @@ _PUBLIC_PART = "pub"
 _MARKER_PART = "k"
 # Names removed per remove_by_regex call (a purge by this node's index).
 _REMOVE_CHUNK = 512
+# Private blocks a node indexes for purges (about 150 bytes each).
+MAX_INDEXED_BLOCKS = 1 << 20
 
 
 # -- the tier ---------------------------------------------------------------------------------
@@ -157,9 +161,11 @@ class MooncakeTier(SharedTier):
         self._lock = threading.Lock()  # stats, the index, the client handle
         self._stats = TierStats()
         self._per_pool: dict[str, TenantTierStats] = {}
-        # With a secret, object names are opaque (``object_key``): the blocks
-        # this node wrote per tenant, so that ``drop_tenant`` can name them.
-        self._written: dict[str, set[bytes]] = {}
+        # With a secret, object names are opaque (``object_key``): the names
+        # of the private blocks this node wrote -> their tenant, so that
+        # ``drop_tenant`` can name them; oldest first, at most
+        # ``MAX_INDEXED_BLOCKS`` (older ones the pool has most likely evicted).
+        self._written: OrderedDict[str, str] = OrderedDict()
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
         self.pinned = 0  # blocks soft-pinned by retain()
@@ -324,9 +330,12 @@ class MooncakeTier(SharedTier):
             # The values put (a block whose marker alone was missing sent one byte).
             self._stats.bytes_written += sum(len(d) for i, d in enumerate(datas) if wrote[i] and present[i] != 1)
             if self.crypto is not None:
-                for i, (key, _, owner) in enumerate(items):
+                for i, (_, _, owner) in enumerate(items):
                     if (ok[i] or wrote[i]) and not owner.public:
-                        self._written.setdefault(owner.tenant, set()).add(key)
+                        self._written[names[i]] = owner.tenant
+                        self._written.move_to_end(names[i])
+                while len(self._written) > MAX_INDEXED_BLOCKS:
+                    self._written.popitem(last=False)
         for i in range(len(items)):
             if not (ok[i] or wrote[i]):
                 self._refuse(pool_of(items[i][2]))
@@ -534,11 +543,14 @@ class MooncakeTier(SharedTier):
             self._remove_matching(rf"^{re.escape(self.ns)}/[0-9a-z]+/{key.hex()}$")
             return
         with self._lock:
-            tenants = [tenant for tenant, keys in self._written.items() if key in keys]
-            for tenant in tenants:
-                self._written[tenant].discard(key)
-        owners = [BlockOwner(public=True)] + [BlockOwner(tenant) for tenant in tenants]
-        self._remove_names([self.object_key(key, owner) for owner in owners] + [self._marker_key(key)])
+            tenants = set(self._written.values())  # rare (a purge raced a write): a scan will do
+        names = [self.object_key(key, BlockOwner(public=True)), self._marker_key(key)]
+        private = [self.object_key(key, BlockOwner(tenant)) for tenant in tenants]
+        with self._lock:
+            for name in private:
+                if self._written.pop(name, None) is not None:
+                    names.append(name)
+        self._remove_names(names)
 
     def drop_tenant(self, tenant: str) -> int:
         """Every private block of ``tenant`` that this node wrote since it
@@ -547,11 +559,12 @@ class MooncakeTier(SharedTier):
         names). 0 while the master is down."""
         with self._lock:
             self._per_pool.pop(tenant, None)
-            keys = self._written.pop(tenant, set())
+            names = [name for name, whose in self._written.items() if whose == tenant]
+            for name in names:
+                del self._written[name]
         if self.crypto is None:
             return self._remove_matching(rf"^{re.escape(self.ns)}/{tenant_tag(None, tenant).hex()}/.*$")
-        owner = BlockOwner(tenant)
-        return self._remove_names([self.object_key(key, owner) for key in keys])
+        return self._remove_names(names)
 
     def _remove_names(self, names: list[str]) -> int:
         """Remove the objects ``names`` (opaque: hex), a regex of alternatives per chunk."""
