@@ -73,7 +73,7 @@ class RedisTier(SharedTier):
             raise ValueError("ttl_s: must be > 0 or None")
         if timeout_s <= 0 or retry_initial_s <= 0 or retry_max_s < retry_initial_s:
             raise ValueError("timeout_s, retry_initial_s, retry_max_s: must be > 0 and max >= initial")
-        require_secret(f"kv_remote {url}", crypto, insecure, log)
+        require_secret("kv_remote", crypto, insecure, log)  # not the URL: it may hold a password
         self.url = url
         self.crypto = crypto
         self.prefix = prefix
