@@ -44,7 +44,8 @@ from tiers_resume import close, engine, random_prompt  # noqa: E402
 from kvferry import SamplingParams  # noqa: E402
 from kvferry.config import KVTierConfig  # noqa: E402
 from kvferry.kvstore.client import KVStoreClient  # noqa: E402
-from kvferry.kvstore.cluster import MooncakeTier, master_binary, metadata_server_argv  # noqa: E402
+from kvferry.kvstore.cluster import MooncakeTier  # noqa: E402
+from kvferry.kvstore.mooncake_lib import master_binary, metadata_server_argv  # noqa: E402
 from kvferry.kvstore.crypto import TierCrypto  # noqa: E402
 from kvferry.kvstore.launch import start_store  # noqa: E402
 from kvferry.kvstore.tier import BlockOwner  # noqa: E402

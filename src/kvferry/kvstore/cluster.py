@@ -117,7 +117,8 @@ from kvferry.kvstore.block_value import encode_value_into, value_nbytes
 from kvferry.kvstore.cluster_buffers import BufferPool
 from kvferry.kvstore.crypto import TierCrypto, tenant_tag
 from kvferry.kvstore.mooncake_lib import advertise_only, confine_listeners, listening_sockets, load_store_module
-# Re-exported: the server and the launcher import these from here.
+# Re-exported for code that imported them from here before they moved
+# (other packages import pool_address and mooncake_lib).
 from kvferry.kvstore.mooncake_lib import check_available, master_binary, metadata_server_argv  # noqa: F401
 from kvferry.kvstore.pool_address import PoolAddress, auto_url, is_auto  # noqa: F401
 from kvferry.kvstore.shared_tier import OutageBreaker, SharedTier, require_secret

@@ -95,7 +95,8 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     from kvferry.kvstore.client import KVStoreClient
 
     if tiers.kv_cluster:
-        from kvferry.kvstore.cluster import PoolAddress, check_available
+        from kvferry.kvstore.mooncake_lib import check_available
+        from kvferry.kvstore.pool_address import PoolAddress
 
         PoolAddress.parse(tiers.kv_cluster)  # "auto" is kvferry serve --ray's alone: refused here, by name
         check_available()  # a ValueError naming the missing package or library, here rather than in the child

@@ -95,7 +95,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         router = router_config_from(args)
         placement = placement_from_args(args)
         if placement is None and engine_args.kv_cluster:
-            from kvferry.kvstore.cluster import PoolAddress
+            from kvferry.kvstore.pool_address import PoolAddress
 
             PoolAddress.parse(engine_args.kv_cluster)  # "auto" needs --ray: a ValueError saying so
         slo_s = {name: ms / 1000.0 for name, ms in (("ttft", router.slo.ttft_slo_ms), ("tpot", router.slo.tpot_slo_ms))
@@ -168,7 +168,7 @@ def start_cluster_master(placement: RayPlacement | None, engine_args: EngineArgs
     the node stores get its URL. None when not asked for."""
     if placement is None or not engine_args.kv_cluster:
         return None
-    from kvferry.kvstore.cluster import is_auto
+    from kvferry.kvstore.pool_address import is_auto
 
     if not is_auto(engine_args.kv_cluster):
         return None
