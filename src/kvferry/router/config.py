@@ -28,10 +28,16 @@ class RouterConfig:
     # CPUs of each started core, by index ("0", "2-3"); one entry applies to all.
     engine_cpus: list[str] = field(default_factory=list)
     slo: SloConfig = field(default_factory=SloConfig)
-    # Every joined core is asked for a hello this often; one silent for
-    # health_timeout_s counts as dead (a started core: when its process exits).
+    # Every core is asked for a hello this often; a joined one silent for
+    # health_timeout_s counts as dead (a started core: when its process
+    # exits, or once it misses engine_heartbeat_timeout_s).
     health_check_interval_s: float = 1.0
     health_timeout_s: float = 30.0
+    # A started core must answer a hello (or send anything) within this
+    # long, or it counts as hung: reported, killed and restarted. 0: a
+    # started core is judged only by its process's exit. Generous, because
+    # the answer needs the core's GIL for a moment (router/membership.py).
+    engine_heartbeat_timeout_s: float = 10.0
     # Weight of prefill tokens against active KV tokens in the prefill cost.
     overlap_weight: float = 1.0
     # A started core that dies is started again, with exponential backoff,
@@ -66,6 +72,9 @@ class RouterConfig:
             parse_cpus(cpus)
         if not self.health_check_interval_s > 0 or not self.health_timeout_s > self.health_check_interval_s:
             raise ValueError("health_timeout_s must exceed health_check_interval_s, and both be > 0")
+        if self.engine_heartbeat_timeout_s != 0 and not self.engine_heartbeat_timeout_s > self.health_check_interval_s:
+            raise ValueError(f"engine_heartbeat_timeout_s must exceed health_check_interval_s "
+                             f"({self.health_check_interval_s:g}), or be 0 (off), got {self.engine_heartbeat_timeout_s}")
         if not self.overlap_weight > 0:
             raise ValueError(f"overlap_weight must be > 0, got {self.overlap_weight}")
         if self.engine_restarts < 0:

@@ -5,14 +5,17 @@ fleet's death: routing, the restart supervisor and /health all read it, so
 they agree on who is up. It also holds the rules a core must pass to be a
 member (same model, same block keys) and how a joining core is named.
 
-``HealthMonitor`` watches the joined cores, which this server cannot watch
-through a process sentinel: each is asked for a hello every interval, and one
-silent past the timeout is reported dead.
+``HealthMonitor`` asks every core for a hello each interval: a joined core
+(which this server cannot watch through a process sentinel) silent past the
+timeout is reported dead, and a started core silent past its heartbeat
+deadline (alive but hung) is reported and killed, for the supervisor to
+start again.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,6 +27,8 @@ from kvferry.router.config import check_role
 from kvferry.router.errors import EngineDeadError, EngineRestartingError
 from kvferry.router.prefix_index import PrefixIndex
 from kvferry.router.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 class Membership:
@@ -194,27 +199,54 @@ def check_compatible(first: EngineCoreReady, other: EngineCoreReady, address: st
 
 
 class HealthMonitor:
-    """Asks every live joined worker for a hello each interval; one that
-    stays silent past the timeout (unreachable, or its host is gone) is
-    reported to ``on_silent``. A core this server started is watched by its
-    process sentinel instead: a long step may hold its GIL (a C++ kernel)
-    for seconds, which must not read as death."""
+    """Asks every live worker for a hello each interval and reports one that
+    stays silent past its deadline to ``on_silent``. A hello is answered by
+    the core's input thread, not its step loop, and any output counts as an
+    answer too.
+
+    - A joined core (not ours to kill) is dead after ``timeout_s`` of
+      silence: unreachable, or its host is gone.
+    - A core this server started is also watched by its process sentinel,
+      which only tells of an exit. A core that is alive but answers nothing
+      (stopped with SIGSTOP, a deadlock, a host swapping itself to death)
+      misses its heartbeat deadline, ``heartbeat_timeout_s`` (0: not timed):
+      it is reported, then killed (SIGKILL; a Ray actor: killed for Ray to
+      start again), so that the restart supervisor starts a fresh one. The
+      deadline is generous because the answer needs the core's GIL for a
+      moment: a kernel that holds the GIL (a C++ op that does not release
+      it) delays it by that kernel's length, and a loaded host delays every
+      thread of the core.
+
+    A round that runs late (this event loop was itself blocked) judges no
+    one: the answers that came meanwhile are still unread on the sockets,
+    and a stalled router must not read as a fleet of hung cores."""
 
     def __init__(self, members: Membership, interval_s: float, timeout_s: float,
-                 on_silent: Callable[[Worker, str], None]) -> None:
+                 on_silent: Callable[[Worker, str], None], heartbeat_timeout_s: float = 0.0) -> None:
         self.members = members
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_silent = on_silent
+        self._last_round: float | None = None
 
     def check(self, now: float) -> None:
-        """One round: report the silent, greet the rest."""
+        """One round: report (and kill) the silent, greet the rest."""
+        late = self._last_round is not None and now - self._last_round > max(2 * self.interval_s, 1.0)
+        self._last_round = now
         for worker in list(self.members.workers.values()):
-            if not worker.alive or worker.process is not None:
+            if not worker.alive:
                 continue
-            if now - worker.last_heard > self.timeout_s:
+            silent_s = now - worker.last_heard
+            if not late and worker.process is None and silent_s > self.timeout_s:
                 self.on_silent(worker, f"worker {worker.name} ({worker.address}) did not answer for "
-                                       f"{now - worker.last_heard:.0f} s")
+                                       f"{silent_s:.0f} s")
+                continue
+            if not late and worker.process is not None and 0 < self.heartbeat_timeout_s < silent_s:
+                self.on_silent(worker, f"engine core {worker.name} (pid {worker.ready.pid}) missed its heartbeat: "
+                                       f"no answer for {silent_s:.0f} s (--engine-heartbeat-timeout "
+                                       f"{self.heartbeat_timeout_s:g}); killed, to be restarted")
+                kill_hung(worker)
                 continue
             with contextlib.suppress(zmq.ZMQError):
                 worker.connection.send(EngineCoreHello())
@@ -223,3 +255,21 @@ class HealthMonitor:
         while True:
             await asyncio.sleep(self.interval_s)
             self.check(time.monotonic())
+
+
+def kill_hung(worker: Worker) -> None:
+    """Kill a started core that is alive but hung: SIGKILL (a stopped or
+    deadlocked process ignores SIGTERM), or for a Ray actor's incarnation
+    ``ray.kill`` with restarts allowed, so that Ray starts the next one for
+    the supervisor to re-join."""
+    process = worker.process.process if worker.process is not None else None
+    if process is None:
+        return
+    try:
+        restart = getattr(process, "restart", None)  # kvferry.fleet.ray_cores.ActorProcess
+        if restart is not None:
+            restart()
+        elif process.is_alive():
+            process.kill()
+    except (OSError, ValueError) as exc:  # gone already, or its handle closed
+        logger.warning("could not kill engine core %s: %s", worker.name, exc)

@@ -104,9 +104,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tpot-slo-ms", type=float, default=None,
                        help="refuse (429, Retry-After) a request whose predicted time per output token exceeds this")
     group.add_argument("--health-check-interval", type=float, default=1.0,
-                       help="seconds between hellos to each joined core")
+                       help="seconds between hellos to each core")
     group.add_argument("--health-timeout", type=float, default=30.0,
-                       help="a joined core silent this long counts as dead (started cores: when their process exits)")
+                       help="a joined core silent this long counts as dead (started cores: when their process exits, "
+                            "or see --engine-heartbeat-timeout)")
+    group.add_argument("--engine-heartbeat-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="a started core that answers no hello for this long counts as hung: /health reports it, "
+                            "its requests end with an error, and it is killed and restarted (0: off)")
     group.add_argument("--engine-restarts", type=int, default=3, metavar="N",
                        help="a started core that dies is restarted (backoff 0.5 s doubling to 30 s), at most N times "
                             "within --engine-restart-window; one more death exits the server with code 3")
@@ -138,6 +142,7 @@ def router_config_from(args: argparse.Namespace):
         num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
         engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
         health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
         engine_restarts=args.engine_restarts, engine_restart_window_s=args.engine_restart_window,
         engine_restart_wait_s=args.engine_restart_wait,
     )

@@ -114,7 +114,8 @@ class AsyncEngineClient:
         self.routing = Router(self.members, self.router, self.index)
         self.admission = Admission(self.router.slo)
         self.health_monitor = HealthMonitor(self.members, self.router.health_check_interval_s,
-                                            self.router.health_timeout_s, self._worker_died)
+                                            self.router.health_timeout_s, self._worker_died,
+                                            self.router.engine_heartbeat_timeout_s)
         # Restarts only once ``launch`` gives it its options: a client built
         # around cores it did not start leaves a dead core dead.
         self.supervisor = RestartSupervisor(self.router, self.members, stop_reading=self.listener.stop,
