@@ -101,10 +101,11 @@ def test_health_one_worker_ok_several_degraded():
     a = make_worker("engine-0")
     members = members_of("colocated", a)
     assert members.health(serving=True) == {"status": "ok"}
-    b = make_worker("engine-1", alive=False, restarting=True)
+    b = make_worker("engine-1", alive=False, restarting=True, dead_reason="engine core engine-1 missed its heartbeat")
     members.add(b)
     assert members.health(serving=True) == {"status": "degraded", "workers": {"engine-0": True, "engine-1": False},
-                                            "restarting": ["engine-1"]}
+                                            "restarting": ["engine-1"],
+                                            "errors": {"engine-1": "engine core engine-1 missed its heartbeat"}}
 
 
 def test_health_of_a_role_without_a_live_core():

@@ -140,7 +140,8 @@ class Membership:
         return worker
 
     def health(self, serving: bool) -> dict:
-        """{"status": "ok" | "degraded", "workers": {name: alive}} (one
+        """{"status": "ok" | "degraded", "workers": {name: alive}, and the
+        names of those restarting and why each dead one is down} (one
         worker: {"status": "ok"}, as before there was a router) while every
         role has a live core; else {"status": "restarting" | "unavailable",
         "reason": ...}: a role with no live core cannot serve any request
@@ -164,6 +165,8 @@ class Membership:
         health: dict = {"status": "ok" if all(alive.values()) else "degraded", "workers": alive}
         if restarting := [w.name for w in self.workers.values() if w.restarting]:
             health["restarting"] = restarting
+        if errors := {w.name: w.dead_reason for w in self.workers.values() if not w.alive and w.dead_reason}:
+            health["errors"] = errors  # why each is down (a crash, a missed heartbeat)
         return health
 
     def describe(self, index: PrefixIndex) -> list[dict]:
