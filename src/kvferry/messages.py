@@ -12,6 +12,7 @@ the core owns token ids, scheduling and the forward pass::
     EngineCoreShutdown ------------------------>  abort everything, exit
     EngineCorePurgeTenant --------------------->  drop a tenant's unused cached blocks
     EngineCoreHello    ------------------------>  answer EngineCoreReady again (join, health check)
+    EngineCoreFirstToken ---------------------->  the router's word on a disagg request's first token
                        <------------------------  EngineCoreReady (once, after loading)
                        <------------------------  EngineCoreOutputs (one per step)
 
@@ -46,10 +47,16 @@ with ``--kv-transfer-failure fail``, finishes the request with
 finish_reason "error"; tokens never come from partially received KV. Either
 way D first sends an output with ``kv_transfer_error`` set. When P's
 KVTransferDone arrived (only its KV was bad), D keeps P's first token and
-its outputs still start at the second; after a timeout D samples the first
-token itself, and a router that already streamed P's drops it (the same
-token: same KV, same seed). A router that retries the prefill on another
-core passes the same KVDestination while its lease runs.
+its outputs still start at the second. Without it (D's lease ended, or P
+gave up) P may still have reported its first token to the router, which
+may have streamed it: D cannot know, so it samples nothing and says so
+(``kv_first_token_wanted``), and the router, which alone knows, answers
+with an ``EngineCoreFirstToken``: P's token, which D appends and continues
+after, or none, and then D samples the first token itself and the router
+drops P's should it still come. So D never emits a token P already sent,
+nor continues from a first token the client did not get. A router that
+retries the prefill on another core passes the same KVDestination while
+its lease runs.
 
 A core output carries only what a step added (``new_token_ids``, zero or
 more: speculative decoding accepts several per step), never a whole history.
@@ -68,8 +75,8 @@ from kvferry.sampling import SamplingParams
 
 __all__ = [
     "KVDestination", "KVTransferAck", "KVTransferDone", "KVLayerChunk", "KVTransferParams", "KVWire",
-    "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreReady",
-    "EngineCoreHello", "EngineCorePurgeTenant", "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats",
+    "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreFirstToken", "EngineCoreOutput", "EngineCoreOutputs",
+    "EngineCoreReady", "EngineCoreHello", "EngineCorePurgeTenant", "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats",
     "decode", "encode",
 ]
 
@@ -154,6 +161,17 @@ class EngineCoreHello(msgspec.Struct, kw_only=True, tag=True):
     at once, even during a long step."""
 
 
+class EngineCoreFirstToken(msgspec.Struct, kw_only=True, tag=True):
+    """The router's word to a decode core that asked for it
+    (``kv_first_token_wanted``): ``token_ids`` is the prefill core's first
+    token, already streamed to the client (the core appends it and samples
+    from the second on), or empty when none was: the core samples the first
+    token itself."""
+
+    request_id: str
+    token_ids: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
     """What one step did for one request."""
 
@@ -183,10 +201,10 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     # Why a disaggregated request ended in "error", or what a decode core
     # did instead of using a failed transfer (e.g. "recomputed: checksum").
     kv_transfer_error: str | None = None
-    # With kv_transfer_error, recomputing: this core samples the first token
-    # itself (the prefill core's never reached it). A router that streamed
-    # the prefill core's first token drops this one (the same under greedy).
-    kv_first_token_resampled: bool = False
+    # With kv_transfer_error, recomputing: the prefill core's first token
+    # never reached this core, which samples nothing until the router's
+    # EngineCoreFirstToken says what the client got.
+    kv_first_token_wanted: bool = False
 
     @property
     def finished(self) -> bool:
@@ -304,7 +322,8 @@ class KVTransferAck(msgspec.Struct, kw_only=True, tag=True):
 KVWire = Union[KVLayerChunk, KVTransferDone, KVTransferAck]
 
 # One message type per direction.
-CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown, EngineCorePurgeTenant, EngineCoreHello]
+CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown, EngineCorePurgeTenant, EngineCoreHello,
+                  EngineCoreFirstToken]
 CoreOutput = Union[EngineCoreReady, EngineCoreOutputs]
 
 

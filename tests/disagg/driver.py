@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvferry.config import EngineArgs
+from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.engine.core import EngineCore
 from kvferry.messages import EngineCoreOutput, EngineCoreRequest, KVDestination, KVTransferParams
 from kvferry.sampling import SamplingParams
@@ -57,12 +58,22 @@ def prefill_side(prefill: EngineCore, rid: str, prompt: list[int], params: Sampl
 
 
 def finish_decode(decode: EngineCore, rid: str, result: Result, timeout_s: float = 30.0) -> Result:
-    for o in step_until(decode, lambda seen: any(o.finished and o.request_id == rid for o in seen), timeout_s):
-        if o.request_id == rid:
+    """Step ``decode`` until ``rid`` finishes; ``result.tokens`` holds what
+    was streamed so far (the prefill core's first token, if it came). A
+    decode core that asks for the word on its first token gets it as the
+    router gives it: that token, or none."""
+    deadline = time.monotonic() + timeout_s
+    while result.finish_reason is None:
+        assert time.monotonic() < deadline, "the core never got there"
+        for o in decode.step().outputs:
+            if o.request_id != rid:
+                continue
             result.tokens += o.new_token_ids
             result.finish_reason = o.finish_reason or result.finish_reason
             if o.kv_transfer_error:
                 result.transfer_errors.append(o.kv_transfer_error)
+            if o.kv_first_token_wanted:
+                first_token_word(decode.scheduler.connector, rid, result.tokens[:1])
     return result
 
 

@@ -1,7 +1,8 @@
 """Two real engine-core processes ("kvferry: prefill-0", "kvferry: decode-0")
 over their real sockets: the disaggregated flow gives the colocated tokens;
 a prefill core killed with SIGKILL while it streams leaves the decode core
-to recompute after its lease, with its pool back to idle."""
+to recompute after its lease (once the router's word says no first token
+was streamed), with its pool back to idle."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,9 @@ import pytest
 from kvferry import LLM, SamplingParams
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import CoreConnection, CoreProcess
-from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreShutdown, KVTransferParams, decode
+from kvferry.messages import (
+    CoreOutput, EngineCoreFirstToken, EngineCoreOutputs, EngineCoreReady, EngineCoreShutdown, KVTransferParams, decode,
+)
 from tests.disagg.driver import request
 from tests.disagg.test_disagg_engine import prompt_of
 from tests.tiny_models import make_tiny_checkpoint
@@ -99,9 +102,12 @@ def test_disagg_across_processes_then_prefill_killed(pair, checkpoint):
     # Its first steps have run (each step reports stats): ~90 more to go.
     prefill.outputs(lambda s: prefill.last_stats is not None and prefill.last_stats.num_running == 1)
     os.kill(prefill.process.pid, signal.SIGKILL)
-    outs = decode_core.outputs(lambda s: any(o.finished for o in s), timeout_s=60)
-    errors = [o.kv_transfer_error for o in outs if o.kv_transfer_error]
-    assert errors and "timeout" in errors[0]
+    outs = decode_core.outputs(lambda s: any(o.kv_transfer_error for o in s), timeout_s=60)
+    [report] = [o for o in outs if o.kv_transfer_error]
+    assert "timeout" in report.kv_transfer_error and report.kv_first_token_wanted
+    # The router's word: no first token of P's was streamed (P died first).
+    decode_core.conn.send(EngineCoreFirstToken(request_id="b", token_ids=[]))
+    outs += decode_core.outputs(lambda s: any(o.finished for o in s), timeout_s=60)
     tokens = [t for o in outs for t in o.new_token_ids]  # recomputed here, the first token included
     assert tokens == list(reference.generate([long_prompt], GREEDY)[0].outputs[0].token_ids)
     assert outs[-1].finish_reason == "length"

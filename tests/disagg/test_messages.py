@@ -1,12 +1,13 @@
 """The disaggregation messages survive the one serializer: a request's
-transfer part, a decode core's destination, and the transfer wire."""
+transfer part, a decode core's destination, the router's word on a first
+token, and the transfer wire."""
 from __future__ import annotations
 
 import pytest
 
 from kvferry.messages import (
-    CoreInput, CoreOutput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVDestination, KVLayerChunk,
-    KVTransferAck, KVTransferDone, KVTransferParams, KVWire, decode, encode,
+    CoreInput, CoreOutput, EngineCoreFirstToken, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVDestination,
+    KVLayerChunk, KVTransferAck, KVTransferDone, KVTransferParams, KVWire, decode, encode,
 )
 from kvferry.sampling import SamplingParams
 
@@ -21,12 +22,20 @@ def test_request_with_transfer_round_trips():
         assert decode(encode(req), CoreInput) == req
 
 
+def test_first_token_word_round_trips():
+    for tokens in ([42], []):
+        word = EngineCoreFirstToken(request_id="r1", token_ids=tokens)
+        assert decode(encode(word), CoreInput) == word
+
+
 def test_output_with_destination_round_trips():
     out = EngineCoreOutputs(outputs=[
         EngineCoreOutput(request_id="r1", new_token_ids=[], kv_destination=DEST, num_cached_tokens=32),
         EngineCoreOutput(request_id="r2", new_token_ids=[], finish_reason="error",
                          kv_transfer_error="KV transfer failed: checksum mismatch in layer 0"),
         EngineCoreOutput(request_id="r3", new_token_ids=[42], finish_reason="prefilled"),
+        EngineCoreOutput(request_id="r4", new_token_ids=[], kv_transfer_error="KV transfer failed (timeout)",
+                         kv_first_token_wanted=True),
     ])
     assert decode(encode(out), CoreOutput) == out
 

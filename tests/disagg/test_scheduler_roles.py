@@ -8,6 +8,7 @@ from kvferry.config import SchedulerConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.outputs import RunnerOutput
 from kvferry.core.kv_connector import KVTransferSettings, PDTransferScheduler
+from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.core.scheduler import Scheduler
 from kvferry.messages import KVDestination, KVTransferParams
 from kvferry.request import Request, RequestStatus
@@ -64,14 +65,55 @@ def test_decode_role_failure_recomputes_or_errors():
         assert "checksum mismatch" in o.kv_transfer_error
         if recompute:
             assert not o.finished
-            # No first token of the prefill core's came with it: this core samples its own, and says so.
-            assert o.kv_first_token_resampled
+            # No first token of the prefill core's came with it: this core
+            # samples nothing until the router's word on it, and says so.
+            assert o.kv_first_token_wanted
+            for _ in range(3):
+                assert s.schedule().num_scheduled_tokens == {}
+            assert s.requests["d"].status == RequestStatus.WAITING_FOR_KV and s.kv.block_ids("d") == blocks
+            first_token_word(s.connector, "d", [])  # none was streamed: sample it here
             out = s.schedule()  # the whole prompt, into the same blocks
             assert out.num_scheduled_tokens == {"d": 40} and s.kv.block_ids("d") == blocks
         else:
             assert o.finish_reason == "error"
             assert s.kv.pool.num_used_blocks == 0
         s.kv.check_integrity()
+
+
+def test_a_decode_request_resumes_after_the_first_token_the_router_streamed():
+    s = make()
+    s.add_request(req("d", 40, KVTransferParams(role="decode")))
+    s.update_from_output(s.schedule(), RunnerOutput())
+    (o,) = s.update_from_output(s.schedule(), RunnerOutput(failed_loading={"d": "timeout"}))
+    assert o.kv_first_token_wanted and o.new_token_ids == []
+    first_token_word(s.connector, "d", [9])  # the prefill core's, which the client got
+    first_token_word(s.connector, "d", [8])  # a second word is ignored
+    out = s.schedule()
+    # The prompt and that token are computed again: the step samples the second token.
+    (new,) = out.new_requests
+    assert out.num_scheduled_tokens == {"d": 41} and new.output_token_ids == [9]
+    (o,) = s.update_from_output(out, RunnerOutput(sampled_token_ids={"d": [10]}))
+    assert o.new_token_ids == [10]
+    # An abort while it waits frees its blocks; a late word is ignored.
+    s.add_request(req("e", 40, KVTransferParams(role="decode"), start=200))
+    s.update_from_output(s.schedule(), RunnerOutput())
+    s.update_from_output(s.schedule(), RunnerOutput(failed_loading={"e": "timeout"}))
+    s.finish_requests(["e", "d"], RequestStatus.FINISHED_ABORTED)
+    first_token_word(s.connector, "e", [9])
+    assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished()
+    s.kv.check_integrity()
+
+
+def test_a_decode_request_with_no_word_within_a_lease_ends():
+    s = make()
+    s.connector.word_timeout_s = 0.0
+    s.connector.settings.timeout_s = 0.0
+    s.add_request(req("d", 40, KVTransferParams(role="decode")))
+    s.update_from_output(s.schedule(), RunnerOutput())
+    s.update_from_output(s.schedule(), RunnerOutput(failed_loading={"d": "timeout"}))
+    s.schedule()  # the router is gone: it must not sample a first token, so it ends
+    assert "d" not in s.requests and s.kv.pool.num_used_blocks == 0
+    s.kv.check_integrity()
 
 
 def test_prefill_role_streams_only_blocks_the_decode_core_lacks():

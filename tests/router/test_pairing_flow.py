@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 
-from kvferry.messages import EngineCoreAbort, EngineCoreOutput, EngineCoreRequest, KVDestination
+from kvferry.messages import EngineCoreAbort, EngineCoreFirstToken, EngineCoreOutput, EngineCoreRequest, KVDestination
 from kvferry.router.config import RouterConfig
 from kvferry.router.errors import EngineDeadError, KVTransferFailedError
 from kvferry.router.membership import Membership
@@ -49,6 +49,11 @@ def prefill_requests(worker) -> list[EngineCoreRequest]:
 
 def aborts(worker) -> list[list[str]]:
     return [m.request_ids for m in worker.connection.sent if isinstance(m, EngineCoreAbort)]
+
+
+def words(worker) -> list[tuple[str, list[int]]]:
+    """The router's words on first tokens sent to ``worker``."""
+    return [(m.request_id, m.token_ids) for m in worker.connection.sent if isinstance(m, EngineCoreFirstToken)]
 
 
 def test_decode_first_then_prefill_where_decode_says():
@@ -122,35 +127,60 @@ def test_a_failed_transfer_fails_or_recomputes_as_decode_says():
     assert child == "r0" and isinstance(error, KVTransferFailedError) and str(error) == "checksum"
     assert aborts(cores.p0) == [["r0"]]
 
+    # D's lease ended before any token of P's came here: the router says so
+    # (an empty word), D samples the first token itself, P's late one is dropped.
     cores = Cores()
     cores.start()
-    assert cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputed: timeout")]) == []
-    # D samples the first token itself; P's late one is dropped.
+    assert cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: timeout",
+                                                kv_first_token_wanted=True)]) == []
+    assert words(cores.d) == [("r0", [])] and aborts(cores.p0) == [["r0"]]
     assert cores.pairing.outputs(cores.d, [out(tokens=[9])])[0].new_token_ids == [9]
     assert cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled")]) == []
     assert cores.failed == []
 
 
-def test_after_the_first_token_streamed_a_decode_core_that_samples_its_own_has_it_dropped():
+def test_a_decode_core_whose_lease_ended_after_the_first_token_streamed_continues_from_it():
     # P reported its first token (streamed), but D's lease ended before P's
-    # Done reached it: D recomputes and samples the first token itself (the
-    # same under greedy). The client sees it once.
+    # Done reached it: D samples nothing until the router's word, which is
+    # P's token. The client sees it once, and D continues from it.
     cores = Cores()
     cores.start()
     [first] = cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled")])
     assert first.new_token_ids == [5]
     assert cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: timeout",
-                                                kv_first_token_resampled=True)]) == []
-    assert cores.pairing.outputs(cores.d, [out(tokens=[5])]) == []  # D's duplicate of the first
+                                                kv_first_token_wanted=True)]) == []
+    assert words(cores.d) == [("r0", [5])]
     assert cores.pairing.outputs(cores.d, [out(tokens=[7, 8])])[0].new_token_ids == [7, 8]
+    assert cores.failed == []
 
-    # D kept P's token (its Done came; only the KV was bad): D goes on from the second.
+    # P's first token ended the stream already: D is told to stop, not to go on.
     cores = Cores()
     cores.start()
-    cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled")])
+    [first] = cores.pairing.outputs(cores.p0, [out(tokens=[READY.eos_token_ids[0]], finish="prefilled")])
+    assert first.finish_reason == "stop"
+    cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: timeout", kv_first_token_wanted=True)])
+    assert words(cores.d) == [] and aborts(cores.d) == [["r0"]]
+
+
+def test_a_decode_core_that_kept_the_first_token_waits_for_the_prefill_cores_report_of_it():
+    # P's Done reached D (only the KV was bad): D kept P's token and goes on
+    # from the second, even when its report overtakes P's.
+    cores = Cores()
+    cores.start()
     assert cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: checksum")]) == []
-    assert cores.pairing.outputs(cores.d, [out(tokens=[6])])[0].new_token_ids == [6]
-    assert cores.failed == []
+    assert cores.pairing.outputs(cores.d, [out(tokens=[6])]) == []  # held: P's token comes first
+    released = cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled")])
+    assert [o.new_token_ids for o in released] == [[5], [6]]
+    assert words(cores.d) == [] and aborts(cores.p0) == [] and cores.failed == []
+
+    # P dies before its report: another core's first token could differ from D's.
+    cores = Cores()
+    cores.start()
+    cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: checksum")])
+    cores.p0.alive = False
+    error = EngineDeadError("p0 exited")
+    cores.pairing.prefill_lost(cores.p0, error)
+    assert cores.failed == [("r0", error)] and prefill_requests(cores.p1) == []
 
 
 def test_drop_aborts_the_prefill_and_stale_cores_are_ignored():

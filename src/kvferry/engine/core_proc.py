@@ -38,13 +38,14 @@ import zmq
 
 from kvferry import envs
 from kvferry.config import EngineConfig
+from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.engine.core import EngineCore
 from kvferry.engine.core_client import CoreAddresses, parse_cpus
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.messages import (
-    CoreInput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCorePurgeTenant,
-    EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
+    CoreInput, EngineCoreAbort, EngineCoreFirstToken, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs,
+    EngineCorePurgeTenant, EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,9 @@ class EngineCoreProc:
     def _apply(self, message: CoreInput) -> None:
         if isinstance(message, EngineCoreAbort):
             self.core.abort_requests(message.request_ids)
+            return
+        if isinstance(message, EngineCoreFirstToken):  # a disagg decode request's parked first token
+            first_token_word(self.core.scheduler.connector, message.request_id, message.token_ids)
             return
         if isinstance(message, EngineCorePurgeTenant):
             purged = {message.purge_id: self.core.purge_tenant(message.tenant)}

@@ -11,12 +11,17 @@ moves the prefill to another core when P dies or refuses it.
 
 The client sees one stream: P's first token (made an ordinary token), then
 D's. D's outputs that overtake P's first token are held until it arrives.
-If D recomputes the prompt itself (a failed transfer) before P's token came
-(P stuck: a timeout), D samples the first token and P's is dropped. If P's
-token came already, D either kept it too (P's Done reached D: only the KV
-was bad) and continues from the second, or says it samples the first token
-itself (``kv_first_token_resampled``: its lease ended before P's Done came),
-and that first token of D's is dropped.
+
+When the transfer fails, D recomputes the prompt itself. If P's Done
+reached D (only the KV was bad), D kept P's first token and continues from
+the second: P reports that token too, and it is awaited as usual. If not
+(D's lease ended, or P gave up), D samples nothing and asks
+(``kv_first_token_wanted``), because P may have reported its token after
+D's lease ended; this router alone knows whether it streamed one, and
+answers (``EngineCoreFirstToken``) with P's token, which D continues
+after, or with none: D samples the first token itself, and P's, should it
+still come, is dropped. So the client never gets two first tokens, nor a
+continuation of a first token it did not get.
 """
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ from dataclasses import dataclass, field
 import zmq
 from msgspec.structs import replace as _replace
 
-from kvferry.messages import EngineCoreAbort, EngineCoreOutput, EngineCoreRequest, KVDestination, KVTransferParams
+from kvferry.messages import (
+    EngineCoreAbort, EngineCoreFirstToken, EngineCoreOutput, EngineCoreRequest, KVDestination, KVTransferParams,
+)
 from kvferry.router.errors import EngineDeadError, KVTransferFailedError
 from kvferry.router.routing import Router
 from kvferry.router.worker import Worker
@@ -47,9 +54,9 @@ class PairedSequence:
     decode: Worker  # decoding it
     prefill: Worker | None = None  # prefilling it now
     dest: KVDestination | None = None
-    first_token_seen: bool = False  # streamed to the client
-    recomputing: bool = False  # D computes the prompt (and first token) itself
-    drop_first: bool = False  # P's first token was streamed and D samples its own: drop D's
+    first_token: list[int] | None = None  # P's, once streamed to the client
+    recomputing: bool = False  # D computes the prompt (and first token) itself: P's is dropped
+    decode_has_first: bool = False  # D kept P's first token from its Done (the KV failed): P's report is awaited
     held: list[EngineCoreOutput] = field(default_factory=list)
     attempts: int = 0
 
@@ -109,11 +116,13 @@ class Pairing:
         retry = [(child, seq) for child, seq in self._seqs.items() if seq.prefill is worker]
         for child, seq in retry:
             seq.prefill = None
-            if any(o.finished for o in seq.held):
-                # D finished from this core's KV, but its first token died with it.
+            if any(o.finished for o in seq.held) or (seq.decode_has_first and seq.first_token is None):
+                # D finished from this core's KV, or continues from this
+                # core's first token (its Done came), but that token died
+                # with the core: another core's could differ.
                 self._seqs.pop(child, None)
                 self.fail(child, error)
-            elif not seq.first_token_seen and not seq.recomputing:
+            elif seq.first_token is None and not seq.recomputing:
                 self._retry_prefill(seq, child, str(error))
 
     def outputs(self, worker: Worker, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
@@ -122,6 +131,10 @@ class Pairing:
         for out in outputs:
             seq = self._seqs.get(out.request_id)
             if seq is None:
+                if out.kv_first_token_wanted:
+                    # The stream ended already (P's first token ended it, or
+                    # the client left): nothing for D to continue.
+                    _send(worker, EngineCoreAbort(request_ids=[out.request_id]))
                 result.append(out)
             elif worker is seq.decode:
                 result.extend(self._from_decode(seq, out))
@@ -138,27 +151,24 @@ class Pairing:
             out = _replace(out, kv_destination=None)
         if out.kv_transfer_error:
             logger.warning("request %s: %s", child, out.kv_transfer_error)
-            self._release_prefill(seq, child, abort=True)
             if out.finished:  # --kv-transfer-failure fail
+                self._release_prefill(seq, child, abort=True)
                 self._seqs.pop(child, None)
                 self.fail(child, KVTransferFailedError(out.kv_transfer_error))
                 return []
-            # D kept P's first token if P's Done reached it (only the KV was
-            # bad: D's outputs start at the second). After a timeout D samples
-            # the first token itself, and says so. No token of P's here yet:
-            # P is stuck (it reports the token as it sends Done), so D's own
-            # first token is streamed and P's dropped. P's token here already
-            # while D's lease ended before its Done came (a race under load):
-            # D's first token is the duplicate, and is dropped.
-            if not seq.first_token_seen:
-                seq.recomputing = True  # D's own first token comes next; P's is dropped
-            elif out.kv_first_token_resampled:
-                seq.drop_first = True  # P's is streamed already: D's own first comes next, and goes
-        if seq.drop_first and out.new_token_ids:
-            seq.drop_first = False
-            out = _replace(out, new_token_ids=out.new_token_ids[1:],
-                           new_logprobs=out.new_logprobs[1:] if out.new_logprobs else out.new_logprobs)
-        waiting_first = not seq.first_token_seen and not seq.recomputing
+            if out.kv_first_token_wanted:
+                # D's lease ended without P's Done; P's token may have come
+                # here all the same. D waits for this word before sampling.
+                self._release_prefill(seq, child, abort=True)
+                if seq.first_token is None:
+                    seq.recomputing = True  # D's own first token comes next; P's is dropped
+                _send(seq.decode, EngineCoreFirstToken(request_id=child, token_ids=seq.first_token or []))
+            else:
+                # D kept P's first token (P's Done came, only the KV was bad):
+                # its outputs start at the second, and P's report of the
+                # first, sent with that Done, is awaited from P as usual.
+                seq.decode_has_first = True
+        waiting_first = seq.first_token is None and not seq.recomputing
         if waiting_first and (out.new_token_ids or out.finish_reason in ("stop", "length")):
             # Overtook the prefill core's first token (which D already has:
             # it may even have ended the sequence): after it, in order.
@@ -182,9 +192,9 @@ class Pairing:
                 self._retry_prefill(seq, child, f"the prefill core ended it ({out.finish_reason})")
             return []
         self._release_prefill(seq, child, abort=False)
-        if seq.recomputing or seq.first_token_seen:
+        if seq.recomputing or seq.first_token is not None:
             return []
-        seq.first_token_seen = True
+        seq.first_token = list(out.new_token_ids)
         finish = (first_token_finish(seq.request, out.new_token_ids[0], self.max_model_len)
                   if out.new_token_ids else None)
         first = _replace(out, finish_reason=finish[0] if finish else None, stop_reason=finish[1] if finish else None)
@@ -224,5 +234,9 @@ class Pairing:
             return
         worker.queued_prefill.pop(child, None)
         if abort and worker.alive:
-            with contextlib.suppress(zmq.ZMQError):
-                worker.connection.send(EngineCoreAbort(request_ids=[child]))
+            _send(worker, EngineCoreAbort(request_ids=[child]))
+
+
+def _send(worker: Worker, message: EngineCoreAbort | EngineCoreFirstToken) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        worker.connection.send(message)

@@ -14,9 +14,17 @@ partly written now is sent again, whole, by a later step::
 
     P blocks: | P's hit | computed before | this step |
     D blocks: | D's hit |<-- sent earlier -->|<- now ->|
+
+A decode request whose transfer failed without the prefill core's first
+token (its lease ended, or the prefill core gave up) waits for the router's
+word on that token before it samples anything (``first_token_word``): the
+prefill core may have reported it, and the router streamed it, after this
+core's lease ended. Only the router knows; a first token sampled here could
+differ from the one the client got (sampling, or a bf16 near-tie).
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,6 +33,8 @@ from kvferry.core.kv_connector.base import ExternalTokens, KVConnectorScheduler
 from kvferry.core.outputs import KVOrders, ReceiveOrder, RunnerOutput, StreamOrder
 from kvferry.messages import EngineCoreOutput, KVDestination, KVTransferParams
 from kvferry.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -45,10 +55,19 @@ def kv_role(request: Request) -> str:
 
 
 class PDTransferScheduler(KVConnectorScheduler):
+    # How long a request waits for the router's word on its first token
+    # (at least): past it the router is gone. The router answers as soon as
+    # it reads the request's report, so only a dead or wedged router is this
+    # late; the bound keeps such a request from holding its blocks forever.
+    word_timeout_s = 60.0
+
     def __init__(self, settings: KVTransferSettings) -> None:
         self.settings = settings
         # Per prefill-role request: the first of its blocks not yet sent whole.
         self._streams: dict[str, int] = {}
+        # Decode-role requests waiting for the router's word on their first
+        # token, and until when (then the router is gone: they end).
+        self._awaiting_word: dict[str, tuple[Request, float]] = {}
 
     # -- decode role ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalTokens:
@@ -94,25 +113,57 @@ class PDTransferScheduler(KVConnectorScheduler):
         ``kv_received``: the prefill core's first token when its Done
         arrived (only the KV failed): it was computed from intact KV and
         reported already, so it is appended and the recompute samples the
-        second token. Without it (a timeout) the recompute samples the first
-        token here; a router that streamed one from the prefill core drops
-        this core's first (the same token: same KV, same seed)."""
+        second token. Without it the request stays parked (skipped by the
+        queue, its blocks kept) until ``first_token_word``: the prefill core
+        may have reported its token to the router after this core's lease
+        ended."""
         request.kv_transfer = None
         control = self.control
         if self.settings.recompute_on_failure:
-            request.status = RequestStatus.WAITING
             first = result.kv_received.get(request.request_id, [])
-            stop = control.append_tokens(request, first)
-            if stop is not None:
-                control.finish(request, stop)
+            if first:
+                request.status = RequestStatus.WAITING
+                stop = control.append_tokens(request, first)
+                if stop is not None:
+                    control.finish(request, stop)
+            else:
+                # Still WAITING_FOR_KV: the queue skips it until the word comes.
+                wait_s = max(self.word_timeout_s, self.settings.timeout_s)
+                self._awaiting_word[request.request_id] = (request, time.monotonic() + wait_s)
             output = control.core_output(request, [])
             output.kv_transfer_error = f"KV transfer failed ({reason}); recomputing the prompt"
-            output.kv_first_token_resampled = not first
+            output.kv_first_token_wanted = not first
         else:
             control.finish(request, RequestStatus.FINISHED_ERROR)
             output = control.core_output(request, [])
             output.kv_transfer_error = f"KV transfer failed: {reason}"
         outputs.append(output)
+
+    def first_token_word(self, request_id: str, token_ids: list[int]) -> None:
+        """The router's word on a parked request's first token: the prefill
+        core's, which the client got (appended: the recompute samples the
+        second), or none (the recompute samples the first). Unknown or
+        finished ids are ignored (an abort overtook the word)."""
+        request, _ = self._awaiting_word.pop(request_id, (None, 0.0))
+        if request is None:
+            return
+        request.status = RequestStatus.WAITING
+        stop = self.control.append_tokens(request, token_ids)
+        if stop is not None:
+            # The router ends such a stream at the prefill core's token and
+            # sends no word for it; this only keeps the request from running on.
+            self.control.finish(request, stop)
+
+    def start_step(self, orders: KVOrders) -> None:
+        now = time.monotonic()
+        for rid, (request, deadline) in list(self._awaiting_word.items()):
+            if now > deadline:
+                # No router answered in time: it is gone (its streams
+                # with it). Sampling a first token now could still duplicate
+                # the prefill core's, so the request ends instead.
+                logger.warning("request %s: no word on its first token from the router in time; ending it", rid)
+                del self._awaiting_word[rid]
+                self.control.finish(request, RequestStatus.FINISHED_ERROR)
 
     # -- prefill role --------------------------------------------------------------
     def on_scheduled(self, request: Request, num_new_tokens: int, orders: KVOrders) -> None:
@@ -140,4 +191,13 @@ class PDTransferScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request) -> bool:
         """A prefill's blocks stay until its stream is acknowledged (or its lease ends)."""
+        self._awaiting_word.pop(request.request_id, None)
         return request.request_id in self._streams
+
+
+def first_token_word(connector: KVConnectorScheduler, request_id: str, token_ids: list[int]) -> None:
+    """Hand the router's word (``EngineCoreFirstToken``) to the core's
+    prefill/decode connector, alone or within a multi-connector."""
+    for part in getattr(connector, "connectors", (connector,)):
+        if isinstance(part, PDTransferScheduler):
+            part.first_token_word(request_id, token_ids)
