@@ -25,7 +25,9 @@ LEASE_S = 3
 def failing(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("disagg-fail") / "server.log",
                        ["--mode", "disagg", "--prefill", "1", "--decode", "1",
-                        "--kv-transfer-failure", "fail", "--kv-transfer-timeout-s", str(LEASE_S)])
+                        "--kv-transfer-failure", "fail", "--kv-transfer-timeout-s", str(LEASE_S),
+                        # Frozen prefill cores stand for stuck transfers here, not hangs.
+                        "--engine-heartbeat-timeout", "120"])
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"

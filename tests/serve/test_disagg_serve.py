@@ -25,7 +25,10 @@ def disagg(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("disagg") / "server.log",
                        ["--mode", "disagg", "--prefill", "2", "--decode", "1",
                         # Short leases, so that a frozen prefill core is given up on fast.
-                        "--kv-transfer-timeout-s", str(LEASE_S)])
+                        "--kv-transfer-timeout-s", str(LEASE_S),
+                        # The tests freeze prefill cores on purpose (stuck transfers), longer than a
+                        # loaded machine keeps within the default heartbeat deadline: not hangs.
+                        "--engine-heartbeat-timeout", "120"])
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"
