@@ -407,7 +407,7 @@ class AsyncEngineClient:
             self.index.apply(worker.name, message.kv_events)
         if message.num_scheduled_tokens:
             worker.step_model.observe(message.num_scheduled_tokens, message.step_duration_s)
-        if self.pairing:
+        if self.router.mode == "disagg":  # even with no sequence paired: a decode core may ask about an ended one
             message = _replace(message, outputs=self.pairing.outputs(worker, message.outputs))
         for out in message.outputs:
             if out.new_token_ids or out.finished:
