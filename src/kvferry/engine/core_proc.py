@@ -113,9 +113,12 @@ class EngineCoreProc:
                 logger.exception("dropped an undecodable input message (%d bytes)", len(data))
                 continue
             if isinstance(message, EngineCoreHello):
-                # Answered here, not by the step loop: a health check must
-                # not wait for a long prefill step. Before loading ends,
-                # run() sends the ready message anyway.
+                # Answered here, not by the step loop: this is the router's
+                # heartbeat (router/membership.py), and a core that misses
+                # its deadline is killed as hung, so it must not wait for a
+                # long prefill step; it needs the GIL only for a moment (the
+                # step's kernels release it). Before loading ends, run()
+                # sends the ready message anyway.
                 if self._ready is not None:
                     self.outputs.put(self._ready)
                 continue
