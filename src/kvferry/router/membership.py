@@ -248,7 +248,7 @@ class HealthMonitor:
             if not late and worker.process is not None and 0 < self.heartbeat_timeout_s < silent_s:
                 self.on_silent(worker, f"engine core {worker.name} (pid {worker.ready.pid}) missed its heartbeat: "
                                        f"no answer for {silent_s:.0f} s (--engine-heartbeat-timeout "
-                                       f"{self.heartbeat_timeout_s:g}); killed, to be restarted")
+                                       f"{self.heartbeat_timeout_s:g}); killed as hung")
                 kill_hung(worker)
                 continue
             with contextlib.suppress(zmq.ZMQError):
