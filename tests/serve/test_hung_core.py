@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -54,6 +55,16 @@ def _state(pid: int) -> str | None:
         return None
 
 
+def _ends_with(client: openai.OpenAI, prompt: str) -> tuple[str, float]:
+    """The error a request ends with, and when (it must not succeed)."""
+    start = time.monotonic()
+    try:
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
+    except openai.APIError as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("a request on the stopped core succeeded")
+
+
 def test_a_long_healthy_step_does_not_miss_the_heartbeat(server):
     before = _worker(server)
     with _client(server) as c:
@@ -80,7 +91,11 @@ def test_a_stopped_core_is_reported_ended_killed_and_restarted(server):
         pid = old["pid"]
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
+        pool = ThreadPoolExecutor(1)
         try:
+            # A request that arrives before the hang is noticed goes to the
+            # stopped core: it ends with the error too, it does not wait on.
+            late = pool.submit(_ends_with, c, "The capital of France is")
             # /health stops saying ok, and names the core and why.
             while (health := httpx.get(f"{server.base_url}/health", timeout=10)).status_code == 200:
                 assert time.monotonic() - stopped_at < HEARTBEAT_S + MARGIN_S, health.text
@@ -95,6 +110,8 @@ def test_a_stopped_core_is_reported_ended_killed_and_restarted(server):
                 for _ in chunks:
                     pass
             assert time.monotonic() - stopped_at < HEARTBEAT_S + 2 * MARGIN_S
+            error, elapsed = late.result(timeout=HEARTBEAT_S + 2 * MARGIN_S)
+            assert "missed its heartbeat" in error and elapsed < HEARTBEAT_S + 2 * MARGIN_S, (error, elapsed)
             # The stopped process was killed (SIGKILL reaches a stopped process).
             deadline = time.monotonic() + 30
             while _state(pid) not in (None, "Z"):
@@ -107,6 +124,7 @@ def test_a_stopped_core_is_reported_ended_killed_and_restarted(server):
         finally:
             if _state(pid) == "T":
                 os.kill(pid, signal.SIGCONT)
+            pool.shutdown()
     new = _worker(server)
     assert new["alive"] and new["pid"] != pid and new["num_restarts"] == 1, new
     assert httpx.get(f"{server.base_url}/health", timeout=10).json() == {"status": "ok"}
