@@ -76,8 +76,8 @@ from kvferry.sampling import SamplingParams
 __all__ = [
     "KVDestination", "KVTransferAck", "KVTransferDone", "KVLayerChunk", "KVTransferParams", "KVWire",
     "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreFirstToken", "EngineCoreOutput", "EngineCoreOutputs",
-    "EngineCoreReady", "EngineCoreHello", "EngineCorePurgeTenant", "EngineCoreRequest", "EngineCoreShutdown", "SchedulerStats",
-    "decode", "encode",
+    "EngineCoreReady", "EngineCoreHello", "EngineCorePurgeTenant", "EngineCoreRequest", "EngineCoreShutdown",
+    "SchedulerStats", "decode", "encode",
 ]
 
 

@@ -72,9 +72,10 @@ class RouterConfig:
             parse_cpus(cpus)
         if not self.health_check_interval_s > 0 or not self.health_timeout_s > self.health_check_interval_s:
             raise ValueError("health_timeout_s must exceed health_check_interval_s, and both be > 0")
-        if self.engine_heartbeat_timeout_s != 0 and not self.engine_heartbeat_timeout_s > self.health_check_interval_s:
+        heartbeat = self.engine_heartbeat_timeout_s
+        if heartbeat != 0 and not heartbeat > self.health_check_interval_s:
             raise ValueError(f"engine_heartbeat_timeout_s must exceed health_check_interval_s "
-                             f"({self.health_check_interval_s:g}), or be 0 (off), got {self.engine_heartbeat_timeout_s}")
+                             f"({self.health_check_interval_s:g}), or be 0 (off), got {heartbeat}")
         if not self.overlap_weight > 0:
             raise ValueError(f"overlap_weight must be > 0, got {self.overlap_weight}")
         if self.engine_restarts < 0:
