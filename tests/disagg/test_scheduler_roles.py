@@ -10,7 +10,7 @@ from kvferry.core.outputs import RunnerOutput
 from kvferry.core.kv_connector import KVTransferSettings, PDTransferScheduler
 from kvferry.core.scheduler import Scheduler
 from kvferry.messages import KVDestination, KVTransferParams
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
 
 BS = 16

@@ -38,9 +38,9 @@ from kvferry.core.kv_connector import KVConnectorScheduler, ExternalTokens, NO_E
 from kvferry.core.kv_manager import KVCacheManager, PrefixHit
 from kvferry.core.load_ahead import LoadAhead
 from kvferry.core.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 from kvferry.messages import EngineCoreOutput
-from kvferry.request import FINISH_REASON, Request, RequestStatus
+from kvferry.core.request import FINISH_REASON, Request, RequestStatus
 
 
 class DraftProposer(Protocol):

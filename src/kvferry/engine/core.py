@@ -25,7 +25,7 @@ from kvferry.model.fused_ops import fused_ops_available
 from kvferry.model.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.model.paged_kernel import get_paged_decode_kernel
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
 from kvferry.spec.head import EagleHead, resolve_head_path
 
