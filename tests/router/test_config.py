@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry.types.stats import SchedulerStats
-from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.router.config import RouterConfig, split_worker
 from kvferry.router.stats import merge_stats
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from kvferry.bench.step_cost import (DECODE_TERMS, FIT_RMS_WARN, HUBER_K, MIXED_TERMS, PREFILL_TERMS,  # noqa: F401
                                      _nonnegative_lstsq, fit, fit_mixed, fit_quality, poor_fits, predict,
                                      warn_quality)
+from kvferry.sampling import SamplingParams
 
 @dataclass(slots=True)
 class ProfileGrid:
@@ -62,8 +63,6 @@ def _run_to_end(engine) -> list:
 
 
 def measure_prefill(engine, prompts: _Prompts, new: int, cached: int, repeats: int) -> dict:
-    from kvferry.sampling import SamplingParams
-
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     times, hits = [], []
     for i in range(repeats):
@@ -81,8 +80,6 @@ def measure_prefill(engine, prompts: _Prompts, new: int, cached: int, repeats: i
 
 
 def measure_decode(engine, prompts: _Prompts, batch: int, context: int, steps: int) -> dict:
-    from kvferry.sampling import SamplingParams
-
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     ids = [f"decode-{batch}-{context}-{i}" for i in range(batch)]
     for rid in ids:

@@ -16,7 +16,11 @@ A step runs prefill chunks and decodes together (chunked prefill)::
 """
 from __future__ import annotations
 
+import statistics
 import sys
+from itertools import combinations
+
+import numpy as np
 
 PREFILL_TERMS = ("1", "new", "new*cached", "new^2")
 DECODE_TERMS = ("1", "batch", "batch*context")
@@ -57,8 +61,6 @@ def fit(points: list[dict], terms: tuple[str, ...], relative: bool = True) -> di
     own), each point's prediction, relative residual and final weight
     (``weights`` < 1: a point the fit discounted), and ``rms_rel_error`` /
     ``max_rel_error`` over the points (see ``fit_quality``)."""
-    import numpy as np
-
     x = np.array([_term_values(p, terms) for p in points], dtype=float)  # [num_points, num_terms]
     y = np.array([p["time_s"] for p in points], dtype=float)             # [num_points]
     if relative:
@@ -129,8 +131,6 @@ def fit_quality(result: dict) -> dict:
     thresholds above (``poor_fits`` among them); ``ok`` is True when none
     does. R^2 alone warns of nothing: a decode fit's is low whenever batch
     size barely matters."""
-    import statistics
-
     quality: dict = {"warnings": []}
     warn = quality["warnings"].append
     for kind in ("prefill", "decode"):
@@ -211,9 +211,6 @@ def _nonnegative_lstsq(x, y):
     intercept, which predicts nonsense off the grid. Exact for the few terms
     fitted here: the best of the unconstrained fits over every subset of
     terms whose coefficients all come out >= 0 (the others held at 0)."""
-    from itertools import combinations
-
-    import numpy as np
 
     n = x.shape[1]
     best, best_sse = np.zeros(n), float((y ** 2).sum())

@@ -39,7 +39,7 @@ import zmq
 from kvferry import envs
 from kvferry.config import EngineConfig
 from kvferry.engine.core import EngineCore
-from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.messages import (

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.router.admission import SloConfig
 
 # What a worker does: "engine" runs both phases (colocated, chunked

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvferry.autoscale.flags import add_autoscale_args  # light: the planner is policy.py's
 from kvferry.config import EngineArgs
 
 from kvferry.serve.api_flags import add_api_args
@@ -58,8 +59,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_api_args(parser)
     add_router_args(parser)
     add_ray_args(parser)
-    from kvferry.fleet.autoscale import add_autoscale_args  # light: the planner loads when it runs
-
     add_autoscale_args(parser)
     add_vllm_args(parser)
     parser.set_defaults(func=_run, subparser=parser, before_engine_args=_merge_model_args)

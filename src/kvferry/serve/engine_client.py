@@ -123,7 +123,7 @@ class AsyncEngineClient:
         # Each pool grown or shrunk while requests run (POST /v1/admin/scale, --autoscale).
         self.scaler = PoolScaler(self.router.mode, self.members, self.supervisor, adopt=self._adopt_new,
                                  leave=self.leave_worker, cpus_of=self.router.cpus_of_role)
-        # The --autoscale loop (kvferry.fleet.autoscale), when the server runs one: shown by GET /v1/admin/scale.
+        # The --autoscale loop (kvferry.autoscale), when the server runs one: shown by GET /v1/admin/scale.
         self.autoscaler = None
         # Called once, on the event loop, when a core dies past the restart budget.
         self.on_fatal: Callable[[str], None] | None = None

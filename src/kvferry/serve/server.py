@@ -27,7 +27,8 @@ import uvicorn
 from kvferry import peer_auth
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
-from kvferry.fleet.autoscale import autoscaler_from_args, window_from_args
+from kvferry.autoscale.policy import autoscaler_from_args
+from kvferry.autoscale.window import window_from_args
 from kvferry.fleet.placement import RayPlacement, placement_from_args
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.serve.access_log import quiet_probes

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kvferry.engine.input_batch import InputBatch
+from kvferry.model.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
 from kvferry.model.llama import LlamaModel
 from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.spec.head import EagleHead
-from kvferry.spec.train_cli import CORPORA
+from kvferry.train.cli import CORPORA
 
 PROMPT_CHARS = 400  # prompts are cut here: the answers are what the head learns
 HELD_OUT_CHATS = 256  # chitchat conversations never trained on (the benchmark's)
