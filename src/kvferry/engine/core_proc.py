@@ -34,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import setproctitle
+import torch
 import zmq
 
 from kvferry import envs
@@ -259,16 +261,12 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, name: str = 
     """Load the model, report ready, serve until shutdown. Exits non-zero on
     failure. With ``parent_pid`` set, also exits once that process is gone.
     ``cpus`` ("0", "2-3", "0,2"): the CPUs this process may run on."""
-    import setproctitle
-
     setproctitle.setproctitle(f"kvferry: {name}")
     if cpus:
         allowed = parse_cpus(cpus)
         os.sched_setaffinity(0, allowed)
         # OpenMP sized its team when torch was imported (every CPU): more
         # threads than allowed CPUs would spin against each other.
-        import torch
-
         torch.set_num_threads(len(allowed))
     # Ctrl-C reaches the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
