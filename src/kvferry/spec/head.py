@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -75,8 +76,6 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "EagleHead":
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         try:
