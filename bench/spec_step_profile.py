@@ -89,7 +89,7 @@ def forward_costs(llm, prompt: list[int], max_tokens: int, reps: int) -> dict[in
 
     from kvferry import SamplingParams
     from kvferry.core.outputs import NewRequestData
-    from kvferry.engine.input_batch import flatten
+    from kvferry.model.input_batch import flatten
 
     runner = llm.engine.core.runner
     # A throwaway row over the first blocks of the pool: the timing only

@@ -97,7 +97,7 @@ def build_parser() -> Parser:
     add_bench_parsers(sub)
     from kvferry.plan.cli import add_plan_parsers  # simulate, plan; light: the simulator loads when it runs
     add_plan_parsers(sub)
-    from kvferry.spec.train_cli import add_train_parser  # train-draft; light: torch loads when it runs
+    from kvferry.train.cli import add_train_parser  # train-draft; light: torch loads when it runs
     add_train_parser(sub)
     return parser
 

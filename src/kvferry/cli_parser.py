@@ -13,9 +13,13 @@ command gets the same behaviour. No heavy imports: every command loads this.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import sys
+from importlib import metadata
 from typing import NoReturn
+
+import kvferry
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -49,8 +53,6 @@ def _shows_default(action: argparse.Action) -> bool:
 
 
 def _copy_with_help(action: argparse.Action, help_text: str) -> argparse.Action:
-    import copy
-
     clone = copy.copy(action)
     clone.help = help_text
     return clone
@@ -164,11 +166,7 @@ def nearest_flag_error(parser: Parser, unknown: list[str]) -> NoReturn:
 def package_version() -> str:
     """The installed distribution's version; the source's when run from a
     checkout that is not installed."""
-    from importlib import metadata
-
     try:
         return metadata.version("kvferry")
     except metadata.PackageNotFoundError:
-        import kvferry
-
         return kvferry.__version__

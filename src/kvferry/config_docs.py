@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvferry import cli
 from kvferry.config import EngineArgs
+from kvferry.envs import VARIABLES
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 REGENERATE = "python -m kvferry.config_docs"
@@ -69,8 +71,6 @@ def _default(value: Any) -> str:
 def kvferry_parser() -> argparse.ArgumentParser:
     """The parser ``kvferry`` builds (``kvferry.cli.build_parser``, what
     ``kvferry.cli.main`` parses with): the same subcommands and flags as ``--help``."""
-    from kvferry import cli
-
     return cli.build_parser()
 
 
@@ -220,8 +220,6 @@ def _commands_section() -> list[str]:
 
 
 def _env_section() -> list[str]:
-    from kvferry.envs import VARIABLES
-
     lines = [
         "## Environment variables",
         "",

@@ -67,11 +67,11 @@ import msgspec
 
 from typing import Union
 
-from kvferry.core.hashing import CacheScope
-from kvferry.core.kv_events import KVEvent
-from kvferry.core.outputs import TokenLogprobs
-from kvferry.core.stats import SchedulerStats
 from kvferry.sampling import SamplingParams
+from kvferry.types.cache_scope import CacheScope
+from kvferry.types.kv_events import KVEvent
+from kvferry.types.logprobs import TokenLogprobs
+from kvferry.types.stats import SchedulerStats
 
 __all__ = [
     "KVDestination", "KVTransferAck", "KVTransferDone", "KVLayerChunk", "KVTransferParams", "KVWire",

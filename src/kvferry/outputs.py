@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.core.outputs import TokenLogprobs
+from kvferry.types.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -4,13 +4,13 @@ preemption (recompute and swap), draft rollback, pinning, delayed free,
 KV loaded from elsewhere, and the stored/removed events."""
 from kvferry.config import SchedulerConfig
 from kvferry.core.hashing import ExtraKeys, ROOT_PARENT, hash_block
-from kvferry.core.kv_events import BlockRemoved, BlockStored
+from kvferry.types.kv_events import BlockRemoved, BlockStored
 from kvferry.core.kv_connector import HostSwapScheduler, TierKVScheduler
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.outputs import CachedRequestData, RunnerOutput, SwapOrder, TransferOrder
 from kvferry.core.scheduler import Scheduler
 from kvferry.core.swap_space import HostSwapSpace
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
 from tests.core.sim import simulate_step
 

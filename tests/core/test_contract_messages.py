@@ -3,7 +3,7 @@
 events, can sit in different processes."""
 import msgspec
 
-from kvferry.core.kv_events import BlockRemoved, BlockStored, KVEvent
+from kvferry.types.kv_events import BlockRemoved, BlockStored, KVEvent
 from kvferry.core.outputs import (
     CachedRequestData,
     KVOrders,

@@ -4,7 +4,7 @@ from kvferry.config import SchedulerConfig
 from kvferry.core.kv_manager import KVCacheManager
 from tests.core.sim import simulate_step
 from kvferry.core.scheduler import Scheduler
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
 
 

@@ -14,7 +14,7 @@ def heavy_modules_after(statements: str) -> list[str]:
 def test_core_never_imports_torch():
     assert "torch" not in heavy_modules_after(
         "import kvferry.core.scheduler, kvferry.core.kv_manager, kvferry.core.block_pool, kvferry.core.hashing, "
-        "kvferry.core.outputs, kvferry.request, kvferry.sampling, kvferry.config")
+        "kvferry.core.outputs, kvferry.core.request, kvferry.sampling, kvferry.config")
 
 
 def test_front_end_imports_no_torch_to_start_its_core():

@@ -11,7 +11,7 @@ from kvferry.core.kv_connector import KVTransferSettings, PDTransferScheduler
 from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.core.scheduler import Scheduler
 from kvferry.messages import KVDestination, KVTransferParams
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
 
 BS = 16

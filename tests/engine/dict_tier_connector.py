@@ -14,7 +14,7 @@ import torch
 from kvferry.core.kv_connector import KVConnectorScheduler, TierKVScheduler
 from kvferry.core.outputs import KVOrders
 from kvferry.engine.kv_connector import KVCompletions, KVConnector, KVConnectorWorker, SchedulerContext, WorkerContext
-from kvferry.request import Request
+from kvferry.core.request import Request
 
 # block hash -> [num_layers, 2, block_size, num_kv_heads, head_dim] on the host
 BLOCKS: dict[bytes, torch.Tensor] = {}

@@ -3,7 +3,7 @@ their state, and columns grow on demand."""
 import numpy as np
 
 from kvferry.core.outputs import NewRequestData
-from kvferry.engine.input_batch import InputBatch
+from kvferry.model.input_batch import InputBatch
 from kvferry.model.sampler import row_knobs
 from kvferry.sampling import SamplingParams
 

@@ -101,7 +101,7 @@ def test_transfer_swap_and_store_compose_in_one_decode_core(checkpoint):
 
 def decode_block_hashes(core, prompt: list[int]) -> list[bytes]:
     """The prompt's full-block hashes as the core's KV manager keys them."""
-    from kvferry.request import Request
+    from kvferry.core.request import Request
     probe = Request("probe", list(prompt), GREEDY)
     core.scheduler.kv.find_prefix_hit(probe)  # fills probe.block_hashes
     return list(probe.block_hashes)

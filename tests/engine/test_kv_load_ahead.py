@@ -12,7 +12,7 @@ from kvferry import SamplingParams
 from kvferry.config import KVTierConfig
 from kvferry.engine.engine import LLMEngine
 from kvferry.kvstore.launch import start_store
-from kvferry.request import RequestStatus
+from kvferry.core.request import RequestStatus
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
 

@@ -13,6 +13,7 @@ import pytest
 
 from kvferry import LLM, SamplingParams
 from kvferry.config import KVTierConfig
+from kvferry.engine.kv_connector import NodeStoreWorker
 from kvferry.kvstore.client import KVStoreClient
 from kvferry.kvstore.launch import start_store
 from kvferry.kvstore.protocol import LoadResult
@@ -295,10 +296,40 @@ def test_tier_flags_parse_and_bad_values_name_the_flag():
 def test_offline_engine_starts_a_store_of_its_own(case):
     path, hf, prompts, expected = case
     llm = LLM(model=path, dtype="float32", block_size=BLOCK, num_kv_blocks=64, kv_dram_gb=0.02)
-    store = llm.engine.core.store_process
+    # The node store connector owns the store it started (the core knows no store).
+    store = llm.engine.core.runner.connector.find(NodeStoreWorker).node_store.process
     assert store is not None and store.poll() is None
     result = llm.generate([prompts[2]], GREEDY)[0]
     assert_greedy_match(hf, prompts[2], result.token_ids, expected[2])
     assert llm.engine.stats().kv_saved_blocks == (len(prompts[2]) + MAX_NEW - 1) // BLOCK
     llm.engine.core.close()
     assert store.poll() is not None  # stopped with the engine
+
+
+def test_the_core_reaches_its_store_only_through_the_connector_hooks(case, store):
+    # EngineCore knows no store: the tiers' counters come from the
+    # connector's report_stats, and a tenant purge reaches every tier
+    # through its purge_tenant (the node store connector's index client).
+    from kvferry.config import EngineArgs
+    from kvferry.engine.core import EngineCore
+    from kvferry.messages import EngineCoreRequest
+    from kvferry.types.cache_scope import CacheScope
+
+    path, _, prompts, _ = case
+    _, address = store
+    core = EngineCore(EngineArgs(model=path, dtype="float32", block_size=BLOCK, num_kv_blocks=64,
+                                 kv_store=address).create_engine_config())
+    try:
+        scope = CacheScope(namespace="t-acme", tenant="acme")
+        core.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=prompts[0], sampling_params=GREEDY,
+                                           eos_token_ids=[2], arrival_time=time.monotonic(), cache_scope=scope))
+        written = (len(prompts[0]) + MAX_NEW - 1) // BLOCK
+        wait_for(lambda: (core.step(), not core.has_unfinished_requests())[1], "the request to finish")
+        wait_for(lambda: (core.step(), store_stats(address).used_slots == written)[1], "the write-down")
+        wait_for(lambda: core.stats().kv_tiers.get("dram", {}).get("num_blocks") == written, "the tier stats")
+        assert core.stats().kv_store_id == address and not core.store_stats_changed()
+        dropped = core.purge_tenant("acme")
+        assert dropped >= written  # the device pool's cached blocks, and the store's
+        assert store_stats(address).used_slots == 0
+    finally:
+        core.close()

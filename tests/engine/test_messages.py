@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from kvferry.core.hashing import CacheScope
-from kvferry.core.kv_events import BlockRemoved, BlockStored
+from kvferry.types.kv_events import BlockRemoved, BlockStored
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.messages import (
     CoreInput, CoreOutput, EngineCoreAbort, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,

@@ -1,4 +1,4 @@
-"""The autoscaling policy (``kvferry.fleet.autoscale``) with a real profile
+"""The autoscaling policy (``kvferry.autoscale``) with a real profile
 file and the planner's own evaluation: the measured window, scaling up at
 once, down only after K intervals and the cool-down, bounds, idle windows,
 decisions as JSON, the loop with an apply function that works and one that
@@ -19,8 +19,9 @@ import time
 
 import pytest
 
-from kvferry.fleet.autoscale import (Autoscaler, Decision, ScaleBounds, WorkloadWindow, add_autoscale_args,
-                                     autoscaler_from_args, parse_counts, window_from_args)
+from kvferry.autoscale.flags import add_autoscale_args, parse_counts
+from kvferry.autoscale.policy import Autoscaler, Decision, ScaleBounds, autoscaler_from_args
+from kvferry.autoscale.window import WorkloadWindow, window_from_args
 from tests.plan.helpers import profile_with_quality, write_profile
 
 SLO = {"ttft": 0.3, "tpot": 0.03}
@@ -235,7 +236,7 @@ def _loaded_window() -> WorkloadWindow:
 
 
 def test_run_applies_each_decision_logs_it_and_survives_failures(profile, caplog):
-    caplog.set_level(logging.INFO, logger="kvferry.fleet.autoscale")
+    caplog.set_level(logging.INFO, logger="kvferry.autoscale.policy")
 
     async def scenario(apply_raises: bool, current_fails_once: bool) -> tuple[list, Autoscaler]:
         a = scaler(profile, interval_s=0.02)
@@ -321,7 +322,7 @@ def test_flags_build_the_autoscaler_and_bad_values_name_the_flag(profile, poor_p
     with pytest.raises(ValueError, match="--autoscale: .* is not a kvferry profile JSON"):
         autoscaler_from_args(parse("--autoscale", str(not_a_profile)), "colocated", SLO)
     # the poor profile, allowed: the same warning kvferry plan prints, logged
-    caplog.set_level(logging.WARNING, logger="kvferry.fleet.autoscale")
+    caplog.set_level(logging.WARNING, logger="kvferry.autoscale.policy")
     allowed = autoscaler_from_args(parse("--autoscale", poor_profile, "--autoscale-allow-poor-fit"),
                                    "colocated", SLO)
     assert allowed is not None

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
-from kvferry.core.kv_events import BlockRemoved, BlockStored
+from kvferry.types.kv_events import BlockRemoved, BlockStored
 from kvferry.router.policy import Candidate, choose_decode, choose_prefill, prefill_cost, uncached_tokens
 from kvferry.router.prefix_index import PrefixIndex
 

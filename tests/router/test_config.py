@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.core.stats import SchedulerStats
-from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.types.stats import SchedulerStats
+from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.router.config import RouterConfig, split_worker
 from kvferry.router.stats import merge_stats
 

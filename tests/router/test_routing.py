@@ -8,7 +8,7 @@ import pytest
 from msgspec.structs import replace
 
 from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
-from kvferry.core.kv_events import BlockStored
+from kvferry.types.kv_events import BlockStored
 from kvferry.router.admission import SloConfig
 from kvferry.router.config import RouterConfig
 from kvferry.router.errors import EngineDeadError, EngineRestartingError

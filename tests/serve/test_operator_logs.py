@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 from kvferry.serve.stats_logger import StatsSample, stats_line
 from tests.serve.server_process import MODEL_NAME, SERVE_ARGS, ServerProcess, start_server
 

@@ -5,7 +5,7 @@ import random
 
 import numpy as np
 
-from kvferry.request import Request
+from kvferry.core.request import Request
 from kvferry.sampling import SamplingParams
 from kvferry.spec.ngram import NgramProposer, propose_ngram
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvferry.cli import main
-from kvferry.spec.train_head import HELD_OUT_CHATS, corpus_prompts, held_out_chats
+from kvferry.train.draft_head import HELD_OUT_CHATS, corpus_prompts, held_out_chats
 from tests.tiny_models import make_tiny_checkpoint
 
 

@@ -9,7 +9,7 @@ from kvferry.core.fairness import TenantFairness
 from kvferry.core.hashing import CacheScope
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler
-from kvferry.request import Request
+from kvferry.core.request import Request
 from kvferry.sampling import SamplingParams
 from tests.core.sim import simulate_step
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvferry.core.hashing import CacheScope
 from kvferry.core.kv_manager import OWNER_STAT_FIELDS, KVCacheManager
-from kvferry.request import Request
+from kvferry.core.request import Request
 from kvferry.sampling import SamplingParams
 from tests.tenants.test_scoped_hashing import run_prefill
 

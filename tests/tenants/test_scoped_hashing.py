@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvferry.core.hashing import ROOT_PARENT, CacheScope, ChainKeys, ExtraKeys, chain_root, extend_block_hashes
-from kvferry.core.kv_events import BlockStored
+from kvferry.types.kv_events import BlockStored
 from kvferry.core.kv_manager import KVCacheManager
-from kvferry.request import Request
+from kvferry.core.request import Request
 from kvferry.sampling import SamplingParams
 from kvferry.serve.public_prefixes import PublicPrefixes, TokenTrie
 from kvferry.serve.tenants import CacheNamespaces

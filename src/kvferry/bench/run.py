@@ -9,9 +9,12 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvferry.bench import workloads as w
+from kvferry.bench.corpus import CHARS_PER_TOKEN, load_documents, long_doc_workload
 from kvferry.bench.metrics import summarize, summarize_by_tenant
 from kvferry.bench.prom import scrape, server_delta
 from kvferry.bench.runner import RunConfig, run_load
+from kvferry.bench.trace import count_clipped, load_trace, trace_workload
 from kvferry.bench.workloads import BenchError, LengthDist, Session
 
 
@@ -19,8 +22,6 @@ def make_workload(args: argparse.Namespace, context_len: int | None = None) -> t
     """The session stream for ``args.workload`` and its natural length (a
     trace's number of entries; None for endless generators). ``context_len``:
     the served context, to which a trace's prompts are clipped."""
-    from kvferry.bench import workloads as w
-
     out_len = LengthDist.parse(args.output_len, "--output-len")
     if args.workload == "random":
         return w.random_workload(LengthDist.parse(args.input_len, "--input-len"), out_len, args.seed), None
@@ -34,13 +35,9 @@ def make_workload(args: argparse.Namespace, context_len: int | None = None) -> t
         return w.multi_tenant_workload(keys, args.flood_factor, args.public_prefix_len, args.private_prefix_len,
                                        args.question_len, out_len, args.seed), None
     if args.workload == "long-doc":
-        from kvferry.bench.corpus import CHARS_PER_TOKEN, load_documents, long_doc_workload
-
         docs = load_documents(args.corpus, args.num_docs, args.doc_len * CHARS_PER_TOKEN, args.seed)
         return long_doc_workload(docs, args.doc_len, args.questions_per_doc, out_len.sample, args.seed), None
     if args.workload == "trace":
-        from kvferry.bench.trace import load_trace, trace_workload
-
         entries = load_trace(args.trace)
         return trace_workload(entries, args.trace_block_size, args.time_scale, args.max_input_len,
                               args.max_output_len, context_len), len(entries)
@@ -61,8 +58,6 @@ def clipped_trace_requests(args: argparse.Namespace, context_len: int | None) ->
     prompts clipped, to --max-input-len or to the served context."""
     if args.workload != "trace":
         return 0
-    from kvferry.bench.trace import count_clipped, load_trace
-
     entries = load_trace(args.trace)[:args.num_requests]
     return count_clipped(entries, args.max_input_len, args.max_output_len, context_len)
 

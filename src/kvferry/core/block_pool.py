@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.core.hashing import BlockHash
-from kvferry.core.kv_events import BlockRemoved, BlockStored, KVEvent
+from kvferry.types.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True, eq=False)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvferry.request import Request
+from kvferry.core.request import Request
 
 
 class TenantFairness:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from kvferry.core.block_pool import BlockPool, KVBlock
 from kvferry.core.hashing import CacheScope, ChainKeys, extend_block_hashes
-from kvferry.core.kv_events import KVEvent
-from kvferry.request import Request
+from kvferry.types.kv_events import KVEvent
+from kvferry.core.request import Request
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvferry.core.kv_connector import ExternalTokens, kv_role
 from kvferry.core.outputs import SchedulerOutput
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvferry.core.scheduler import Scheduler

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.sampling import SamplingParams
+# A wire type (it rides in EngineCoreOutput too); re-exported for the runner and sampler.
+from kvferry.types.logprobs import TokenLogprobs  # noqa: F401
 
 
 @dataclass(slots=True)
@@ -168,17 +170,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of one generated token: the sampled one and the top-n."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1-based rank of the sampled token in the distribution
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass(slots=True)

@@ -30,35 +30,18 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvferry.config import SchedulerConfig
+# Re-exported: the speculation interfaces the scheduler drives.
+from kvferry.core.drafting import DraftBudget, DraftProposer  # noqa: F401
 from kvferry.core.fairness import TenantFairness
 from kvferry.core.kv_connector import KVConnectorScheduler, ExternalTokens, NO_EXTERNAL_TOKENS, kv_role
 from kvferry.core.kv_manager import KVCacheManager, PrefixHit
 from kvferry.core.load_ahead import LoadAhead
 from kvferry.core.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 from kvferry.messages import EngineCoreOutput
-from kvferry.request import FINISH_REASON, Request, RequestStatus
-
-
-class DraftProposer(Protocol):
-    """Proposes draft tokens for a running request (n-gram, draft model,
-    heads). The scheduler verifies at most ``num_speculative_tokens`` of them."""
-
-    def propose(self, request: Request) -> list[int]: ...
-
-
-class DraftBudget(Protocol):
-    """Decides each request's k per step and learns from verification
-    (``kvferry.spec.AdaptiveSpecController``)."""
-
-    def num_drafts(self, request_id: str, num_running: int) -> int: ...
-
-    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
-
-    def forget(self, request_id: str) -> None: ...
+from kvferry.core.request import FINISH_REASON, Request, RequestStatus
 
 
 class AdmitOutcome(enum.Enum):

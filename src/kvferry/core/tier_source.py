@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvferry.kvstore.tier import BlockOwner
-from kvferry.request import Request
+from kvferry.core.request import Request
 
 
 class KVStoreIndex(Protocol):

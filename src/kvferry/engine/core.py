@@ -16,7 +16,7 @@ import torch
 from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler, SchedulerStats
-from kvferry.engine.kv_connector import NodeStoreWorker, PDTransferWorker, SchedulerContext, for_engine, tier_stats
+from kvferry.engine.kv_connector import SchedulerContext, for_engine
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model import layer_op, small_gemm
@@ -25,7 +25,7 @@ from kvferry.model.fused_ops import fused_ops_available
 from kvferry.model.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
 from kvferry.model.loader import LoadedModel, load_model
 from kvferry.model.paged_kernel import get_paged_decode_kernel
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
 from kvferry.spec.head import EagleHead, resolve_head_path
 
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # (a connector that signals its completions wakes it sooner).
 _IO_WAIT_S = 0.0005
 _IO_WAIT_SIGNALLED_S = 0.002
+# The order kinds of a prefill/decode transfer: a core takes a disaggregated
+# request only if its connector executes them.
+_TRANSFER_KINDS = frozenset({"receive", "stream"})
 
 
 class EngineCore:
@@ -52,15 +55,12 @@ class EngineCore:
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=dtype_name(self.kv_cache_dtype))
-        self.store_process = None
-        self.kv_store_io = None
-        self._reported_store_stats = None
-        self.kv_store = self._connect_kv_store()
         draft = self._load_draft()
         self.speculative = speculation_signature(config.speculative, draft.fingerprint if draft else "")
         # The KV connector: its worker half is made by the runner over the
-        # pool, its scheduler half below.
-        connector = for_engine(config, self.kv_store, self.kv_store_io)
+        # pool, its scheduler half below. Whatever it links to (the node's
+        # KV store, a peer) is its own: the core only calls its hooks.
+        connector = for_engine(config, kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype))
         self.runner = ModelRunner(self.loaded, config, self.num_kv_blocks, self.max_model_len,
                                   kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
                                   head=self._load_head(), speculative=self.speculative)
@@ -85,29 +85,6 @@ class EngineCore:
                         tokens, time.perf_counter() - start)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.num_kv_blocks, self.block_size, self.max_model_len)
-
-    def _connect_kv_store(self):
-        """A client of the node's KV store when one is configured (None:
-        device-only caching). A store that is down at start is no error: the
-        client reconnects, and until then every lookup misses."""
-        tiers = self.config.kv_tiers
-        if not tiers.enabled:
-            return None
-        if not self.config.cache.enable_prefix_caching:
-            raise ValueError("kv_store needs enable_prefix_caching (blocks are found by their prefix hashes)")
-        from kvferry.kvstore.client import KVStoreClient
-        from kvferry.kvstore.launch import start_store
-
-        block_nbytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
-        address = tiers.kv_store
-        if not address:  # offline: a store of this process's own (it exits with it)
-            self.store_process, address = start_store(tiers, block_nbytes=block_nbytes)
-        # Loads and saves run on the runner's I/O thread with a client of
-        # their own; that thread also notices a store going away and coming
-        # back, and the scheduler's lookups (on the step's path) only go out
-        # while it sees the store up.
-        self.kv_store_io = KVStoreClient(address, block_nbytes=block_nbytes)
-        return KVStoreClient(address, block_nbytes=block_nbytes)
 
     def _load_draft(self) -> LoadedModel | None:
         spec = self.config.speculative
@@ -182,7 +159,8 @@ class EngineCore:
         params = req.kv_transfer
         if params is None:
             return None
-        if self._find_worker(PDTransferWorker) is None:
+        connector = self.runner.connector
+        if connector is None or not _TRANSFER_KINDS <= connector.order_kinds:
             raise ValueError("kv_transfer: this core has no KV transfer socket (--kv-transfer-address)")
         if params.role == "decode":
             return params
@@ -208,10 +186,11 @@ class EngineCore:
     def purge_tenant(self, tenant: str) -> int:
         """Drop the tenant's unused cached blocks from the device pool now
         (blocks running requests hold stay), and its private blocks from
-        every tier of the node's KV store. Returns how many were dropped."""
+        every tier of the node's KV store (the connector's). Returns how many
+        were dropped."""
         dropped = self.scheduler.kv.purge(tenant)
-        if self.kv_store is not None:
-            dropped += self.kv_store.drop_tenant(tenant)
+        if self.runner.connector is not None:
+            dropped += self.runner.connector.purge_tenant(tenant)
         return dropped
 
     def has_unfinished_requests(self) -> bool:
@@ -259,37 +238,22 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
         stats.num_steps, stats.step_seconds = self._num_steps, self._step_seconds
-        store = self._find_worker(NodeStoreWorker)
-        store_stats = store.store_stats if store is not None else None
-        self._reported_store_stats = store_stats
-        if store_stats is not None:
-            stats.kv_tiers, stats.kv_tier_tenants = tier_stats(store_stats)
-            stats.kv_store_id = str(getattr(store.store, "address", ""))
+        if self.runner.connector is not None:
+            self.runner.connector.report_stats(stats)  # the node store's tiers
         return stats
 
     def store_stats_changed(self) -> bool:
-        """Whether the KV store's counters were refreshed since the last
-        ``stats()`` (the store keeps counting while this core idles)."""
-        store = self._find_worker(NodeStoreWorker)
-        return store is not None and store.store_stats is not self._reported_store_stats
-
-    def _find_worker(self, kind):  # noqa: ANN001, ANN202 - a KVConnectorWorker subclass
-        """The part of the runner's KV connector of type ``kind``, or None."""
-        connector = self.runner.connector
-        return connector.find(kind) if connector is not None else None
+        """Whether the KV connector's counters (the node store's) were
+        refreshed since the last ``stats()`` (the store keeps counting while
+        this core idles)."""
+        return self.runner.connector is not None and self.runner.connector.stats_changed()
 
     def close(self) -> None:
-        """Release what outlives the process otherwise: the transfer agent's
-        shared-memory pool, the KV store I/O (and the store this core
-        started, if any)."""
+        """Release what outlives the process otherwise: the KV connector's
+        (the transfer agent's shared-memory pool, the KV store's clients and
+        the store this core started, if any)."""
         if self.runner.connector is not None:
             self.runner.connector.close()
-        for client in (self.kv_store, self.kv_store_io):
-            if client is not None:
-                client.close()
-        if self.store_process is not None:
-            self.store_process.terminate()
-            self.store_process.wait(timeout=10)
 
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()

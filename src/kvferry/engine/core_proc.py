@@ -34,13 +34,15 @@ import threading
 import time
 from collections.abc import Callable
 
+import setproctitle
+import torch
 import zmq
 
 from kvferry import envs
 from kvferry.config import EngineConfig
 from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.engine.core import EngineCore
-from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.messages import (
@@ -266,16 +268,12 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, name: str = 
     """Load the model, report ready, serve until shutdown. Exits non-zero on
     failure. With ``parent_pid`` set, also exits once that process is gone.
     ``cpus`` ("0", "2-3", "0,2"): the CPUs this process may run on."""
-    import setproctitle
-
     setproctitle.setproctitle(f"kvferry: {name}")
     if cpus:
         allowed = parse_cpus(cpus)
         os.sched_setaffinity(0, allowed)
         # OpenMP sized its team when torch was imported (every CPU): more
         # threads than allowed CPUs would spin against each other.
-        import torch
-
         torch.set_num_threads(len(allowed))
     # Ctrl-C reaches the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

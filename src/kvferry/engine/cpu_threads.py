@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from kvferry import envs
+from kvferry.engine.core_addresses import parse_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,6 @@ def default_cpus(num_threads: int | None = None) -> tuple[list[int], bool]:
     the core that is free, and every parallel region waits for its slowest
     thread (measured: a pinned run got 0.35-0.42 CPU-s per second where the
     unpinned one next to it got 0.75-1.07)."""
-    from kvferry.engine.core_client import parse_cpus
-
     value = envs.cpu_bind()
     if value and value[0].isdigit() and value not in ("0", "1"):
         return sorted(parse_cpus(value)), True

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from kvferry.engine.input_batch import FlatStep
+from kvferry.model.input_batch import FlatStep
 from kvferry.model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvferry.core.outputs import TokenLogprobs
+from kvferry.types.logprobs import TokenLogprobs
 from kvferry.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from kvferry.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvferry.outputs import CompletionOutput, RequestMetrics, RequestOutput

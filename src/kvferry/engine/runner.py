@@ -30,7 +30,7 @@ from kvferry.core.outputs import CachedRequestData, NewRequestData, RunnerOutput
 from kvferry.disagg.transport import Received
 from kvferry.engine.cuda_graphs import DecodeGraphs
 from kvferry.engine.host_memory import tune_malloc
-from kvferry.engine.input_batch import FlatStep, InputBatch, flatten, to_device
+from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
 from kvferry.model.attention import AttentionMetadata

@@ -31,6 +31,7 @@ Imports ray: only ``kvferry serve --ray`` imports this module.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -104,8 +105,6 @@ def _die_with_parent() -> None:
     holding the ports its next incarnation binds. The children are started
     from the actor's creation task, on its main thread, which lives as long
     as the process."""
-    import ctypes
-
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 

@@ -55,6 +55,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvferry import envs, peer_auth
 from kvferry.config import KVTierConfig
+from kvferry.kvstore.launch import start_store
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +146,6 @@ class NodeStoreActor:
         os.environ.update(spec.env)  # first: the child inherits the socket secret
         logging.basicConfig(level=spec.log_level.upper(),
                             format="%(asctime)s %(levelname)s [node-kvstore] %(name)s: %(message)s")
-        from kvferry.kvstore.launch import start_store
-
         context = ray.get_runtime_context()
         node_id = context.get_node_id()
         remove_stale_sockets(Path(tempfile.gettempdir()))

@@ -40,7 +40,7 @@ import torch
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.model.fused_ops import argmax_rows
 from kvferry.sampling import SamplingParams
-from kvferry.spec.rejection import rejection_sample
+from kvferry.model.rejection import rejection_sample
 from kvferry.structured.bitmask import apply_token_bitmask
 
 

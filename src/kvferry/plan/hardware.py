@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from kvferry.plan.latency import PlanError, StepCostModel
+from kvferry.plan.latency import PlanError, StepCostModel, check_profile_fits
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -64,8 +64,6 @@ def parse_hardware_spec(text: str) -> tuple[str, str, float]:
 
 def load_hardware(specs: list[str], allow_poor_fit: bool) -> list[Hardware]:
     """Each ``--hardware`` spec with its profile read and checked."""
-    from kvferry.plan.latency import check_profile_fits
-
     out: list[Hardware] = []
     for spec in specs:
         name, path, price = parse_hardware_spec(spec)

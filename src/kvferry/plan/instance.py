@@ -24,7 +24,7 @@ from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.core.scheduler import Scheduler
 from kvferry.plan.latency import StepCostModel
 from kvferry.plan.workload import SimRequest
-from kvferry.request import Request
+from kvferry.core.request import Request
 from kvferry.sampling import SamplingParams
 
 SAMPLED_TOKEN = 0

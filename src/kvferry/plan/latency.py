@@ -11,16 +11,20 @@ earlier chunks). The two intercepts are fixed per-step costs (launch,
 sampling); a mixed step pays the larger one only, since it is one forward pass,
 plus what a served profile measured a mixed step to cost beyond that sum (the
 front end's work for the decoding streams competing with a longer step).
+The terms, the fit and this formula live in ``bench/step_cost.py``; here
+the fitted coefficients meet the measured noise and host sharing.
 """
 from __future__ import annotations
 
 import bisect
 import json
 import random
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvferry.bench.profile import DECODE_TERMS, MIXED_TERMS, PREFILL_TERMS
+from kvferry.bench.step_cost import (DECODE_TERMS, MIXED_TERMS, PREFILL_TERMS, poor_fits, prefill_chunk_seconds,
+                                     step_seconds)
 from kvferry.plan.host import HostSharing
 
 
@@ -163,23 +167,12 @@ class StepCostModel:
 
     def prefill_chunk(self, new: int, cached: int) -> float:
         """Variable cost of one prefill chunk (no intercept)."""
-        _, b, c, d = self.prefill
-        return max(b * new + c * new * cached + d * new * new, 0.0)
+        return prefill_chunk_seconds(self.prefill, new, cached)
 
     def step(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int) -> float:
         """One step: prefill ``chunks`` of (new, cached) tokens plus ``decode_batch``
-        decodes whose contexts sum to ``decode_context``."""
-        t = 0.0
-        base = 0.0
-        if chunks:
-            base = self.prefill[0]
-            t += sum(self.prefill_chunk(n, c) for n, c in chunks)
-        if decode_batch:
-            base = max(base, self.decode[0])
-            t += self.decode[1] * decode_batch + self.decode[2] * decode_context
-        if chunks and decode_batch:
-            t += self.mixed[0] + self.mixed[1] * decode_batch + self.mixed[2] * sum(n for n, _ in chunks)
-        return max(base + t, 1e-9)
+        decodes whose contexts sum to ``decode_context`` (the formula: ``bench/step_cost.py``)."""
+        return step_seconds(self.prefill, self.decode, self.mixed, chunks, decode_batch, decode_context)
 
     def noisy_step(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int,
                    rng: random.Random | None) -> float:
@@ -202,10 +195,6 @@ def check_profile_fits(path: str, allow_poor_fit: bool, command: str) -> None:
     """Refuse a profile whose step-time fits are poor (``poor_fits``: a busy
     machine's scatter, so every prediction made from it is off), unless
     ``allow_poor_fit``: then say so on stderr and go on."""
-    import sys
-
-    from kvferry.bench.profile import poor_fits
-
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:

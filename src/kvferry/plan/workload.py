@@ -18,6 +18,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvferry.bench import workloads as w
 from kvferry.bench.arrivals import intervals
 from kvferry.bench.workloads import BenchError, LengthDist, Session
 
@@ -100,8 +101,6 @@ def session_requests(sessions: Iterator[Session], num_requests: int, rate: float
 
 
 def make_bench_sessions(name: str, args) -> Iterator[Session]:
-    from kvferry.bench import workloads as w
-
     out_len = LengthDist.parse(args.output_len, "--output-len")
     if name == "random":
         return w.random_workload(LengthDist.parse(args.input_len, "--input-len"), out_len, args.seed)

@@ -1,9 +1,10 @@
 """RouterConfig: how many engine cores, where, and the SLOs they serve."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
-from kvferry.engine.core_client import CoreAddresses, parse_cpus
+from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.router.admission import SloConfig
 
 # What a worker does: "engine" runs both phases (colocated, chunked
@@ -122,3 +123,16 @@ def check_role(role: str, mode: str) -> None:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if (role == "engine") != (mode == "colocated"):
         raise ValueError(f"role {role!r} does not fit mode {mode!r} (colocated: engine; disagg: prefill, decode)")
+
+
+def router_config_from(args: argparse.Namespace) -> RouterConfig:
+    """RouterConfig from the flags; raises ValueError naming the field."""
+    return RouterConfig(
+        mode=args.mode, data_parallel_size=args.data_parallel_size, worker_addresses=list(args.worker),
+        num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+        engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
+        health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        engine_restarts=args.engine_restarts, engine_restart_window_s=args.engine_restart_window,
+        engine_restart_wait_s=args.engine_restart_wait,
+    )

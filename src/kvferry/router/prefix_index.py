@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvferry.core.hashing import BlockHash
-from kvferry.core.kv_events import BlockRemoved, BlockStored, KVEvent
+from kvferry.types.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 class PrefixIndex:

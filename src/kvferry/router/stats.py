@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 
 
 def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:

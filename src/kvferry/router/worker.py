@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 from kvferry.engine.core_client import CoreConnection, CoreProcess
 from kvferry.messages import EngineCoreReady
 from kvferry.router.admission import StepTimeModel

@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.auth import AuthMiddleware
-from kvferry.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.errors import EXCEPTION_HANDLERS
 from kvferry.serve.http_limits import RequestLimitsMiddleware

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from kvferry.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from kvferry.fleet.autoscale import Autoscaler, WorkloadWindow
+    from kvferry.autoscale.policy import Autoscaler
+    from kvferry.autoscale.window import WorkloadWindow
     from kvferry.serve.engine_client import AsyncEngineClient
     from kvferry.serve.request_stream import RequestStream
 

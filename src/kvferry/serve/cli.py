@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvferry.autoscale.flags import add_autoscale_args  # light: the planner is policy.py's
 from kvferry.config import EngineArgs
 
 from kvferry.serve.api_flags import add_api_args
+from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.serve.vllm_flags import add_vllm_args
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
 
 
 def _port(text: str) -> int:
@@ -58,8 +59,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_api_args(parser)
     add_router_args(parser)
     add_ray_args(parser)
-    from kvferry.fleet.autoscale import add_autoscale_args  # light: the planner loads when it runs
-
     add_autoscale_args(parser)
     add_vllm_args(parser)
     parser.set_defaults(func=_run, subparser=parser, before_engine_args=_merge_model_args)
@@ -130,22 +129,6 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--ray-{role}-resources", default='{"CPU": 1}', metavar="JSON",
                            help=f'Ray resources of each {role} core\'s actor ({what}), e.g. \'{{"GPU": 1}}\' or a '
                                 f'custom node resource \'{{"{role[0]}node": 1}}\'')
-
-
-def router_config_from(args: argparse.Namespace):
-    """RouterConfig from the flags; raises ValueError naming the field."""
-    from kvferry.router.admission import SloConfig
-    from kvferry.router.config import RouterConfig
-
-    return RouterConfig(
-        mode=args.mode, data_parallel_size=args.data_parallel_size, worker_addresses=list(args.worker),
-        num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
-        engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
-        health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
-        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
-        engine_restarts=args.engine_restarts, engine_restart_window_s=args.engine_restart_window,
-        engine_restart_wait_s=args.engine_restart_wait,
-    )
 
 
 def _starts_local_cores(args: argparse.Namespace) -> bool:

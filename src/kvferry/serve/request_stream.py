@@ -121,7 +121,7 @@ class RequestStream:
             return
         self.closed = True
         if not self.engine_finished:
-            self.client._abort_stream(self)
+            self.client.abort_stream(self)
 
     # -- called by the client on the event loop ----------------------------
     def observe(self, out: RequestOutput, now: float, observer: RequestObserver) -> None:
@@ -141,6 +141,18 @@ class RequestStream:
             observer.on_sequence_finished(self, out, now)
             if self.engine_finished:
                 observer.on_request_finished(self, out, now)
+
+    def push(self, output: RequestOutput) -> None:
+        """One more output for the reader."""
+        self._push(output)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """No more outputs: the reader stops after those queued, or, with
+        ``error``, raises it there (the request is then closed: a later
+        ``close()`` aborts nothing)."""
+        if error is not None:
+            self.closed = True
+        self._push(_END if error is None else error)
 
     def _push(self, item: Any) -> None:
         self._items.append(item)

@@ -28,14 +28,15 @@ import uvicorn
 from kvferry import peer_auth
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
-from kvferry.fleet.autoscale import autoscaler_from_args, window_from_args
+from kvferry.autoscale.policy import autoscaler_from_args
+from kvferry.autoscale.window import window_from_args
 from kvferry.fleet.placement import RayPlacement, placement_from_args
 from kvferry.gc_heap import freeze_startup_heap
+from kvferry.router.config import router_config_from
 from kvferry.serve.access_log import quiet_probes
 from kvferry.serve.api_flags import ApiOptions, uvicorn_options
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.autoscaling import AutoscaleService
-from kvferry.serve.cli import router_config_from
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.stats_logger import StatsLogger
 from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level

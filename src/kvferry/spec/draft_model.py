@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvferry.engine.input_batch import InputBatch, flatten
+from kvferry.model.input_batch import InputBatch, flatten
 from kvferry.model.fused_ops import argmax_rows
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel

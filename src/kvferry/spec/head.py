@@ -37,10 +37,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kvferry.engine.input_batch import InputBatch
+from kvferry.model.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
 from kvferry.model.llama import LlamaModel
 from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal
@@ -75,8 +76,6 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "EagleHead":
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvferry.request import Request
+from kvferry.core.request import Request
 
 
 class NgramProposer:

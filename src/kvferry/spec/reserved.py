@@ -9,7 +9,7 @@ tokens come back, so the scheduler never needs the real ids.
 """
 from __future__ import annotations
 
-from kvferry.request import Request
+from kvferry.core.request import Request
 
 PLACEHOLDER_ID = 0  # a valid id, so nothing that reads a placeholder by mistake indexes out of range
 

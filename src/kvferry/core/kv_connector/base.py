@@ -32,9 +32,9 @@ from kvferry.core.outputs import KVOrders, RunnerOutput
 
 if TYPE_CHECKING:
     from kvferry.core.kv_manager import KVCacheManager
-    from kvferry.core.stats import SchedulerStats
+    from kvferry.types.stats import SchedulerStats
     from kvferry.messages import EngineCoreOutput, KVDestination
-    from kvferry.request import Request, RequestStatus
+    from kvferry.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

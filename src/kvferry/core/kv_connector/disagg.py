@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from kvferry.core.kv_connector.base import ExternalTokens, KVConnectorScheduler
 from kvferry.core.outputs import KVOrders, ReceiveOrder, RunnerOutput, StreamOrder
 from kvferry.messages import EngineCoreOutput, KVDestination, KVTransferParams
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from kvferry.core.kv_connector.base import NO_EXTERNAL_TOKENS, ExternalTokens, KVConnectorScheduler, SchedulerControl
 from kvferry.core.outputs import KVOrders, RunnerOutput
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 from kvferry.messages import EngineCoreOutput, KVDestination
-from kvferry.request import Request
+from kvferry.core.request import Request
 
 
 class MultiKVConnectorScheduler(KVConnectorScheduler):

@@ -18,10 +18,10 @@ from typing import Protocol
 
 from kvferry.core.kv_connector.base import ExternalTokens, KVConnectorScheduler
 from kvferry.core.outputs import KVOrders, RunnerOutput, TransferOrder
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 from kvferry.core.tier_source import StoreKVSource
 from kvferry.messages import EngineCoreOutput, KVDestination
-from kvferry.request import Request, RequestStatus
+from kvferry.core.request import Request, RequestStatus
 
 
 class ExternalKVSource(Protocol):

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from kvferry.core.kv_connector.base import ExternalTokens, KVConnectorScheduler
 from kvferry.core.outputs import KVOrders, SwapOrder
-from kvferry.core.stats import SchedulerStats
+from kvferry.types.stats import SchedulerStats
 from kvferry.core.swap_space import HostSwapSpace
 from kvferry.messages import KVDestination
-from kvferry.request import Request
+from kvferry.core.request import Request
 
 
 @dataclass(slots=True)

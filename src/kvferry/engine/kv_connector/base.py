@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvferry.core.outputs import KVOrders
+    from kvferry.types.stats import SchedulerStats
 
 ORDER_KINDS = ("swap_out", "swap_in", "load", "save", "receive", "stream")
 
@@ -111,6 +112,20 @@ class KVConnectorWorker(ABC):
         """Block an idle step until some I/O completes (at most
         ``timeout_s``); False when this worker has no way to signal it."""
         return False
+
+    def report_stats(self, stats: SchedulerStats) -> None:
+        """Add this connector's counters to the core's ``stats`` (the node
+        store: its tiers'). Called on the step's thread; must not block."""
+
+    def stats_changed(self) -> bool:
+        """Whether counters ``report_stats`` adds changed since it last ran
+        (the core then reports stats while idle)."""
+        return False
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Drop what this connector keeps of ``tenant`` outside the device
+        pool (the node store: its private blocks in every tier); how many."""
+        return 0
 
     def close(self) -> None:
         """Stop threads and release what outlives the process otherwise."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -33,7 +32,7 @@ from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.disagg import PDTransferWorker
 from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
-from kvferry.engine.kv_connector.store import NodeStoreWorker
+from kvferry.engine.kv_connector.store import NodeStore, NodeStoreWorker
 from kvferry.engine.kv_connector.swap import HostSwapWorker
 
 
@@ -81,17 +80,19 @@ class HostSwapConnector(KVConnector):
 
 
 class NodeStoreConnector(KVConnector):
-    """Over two clients of the node's store: ``index`` for the scheduler's
-    lookups and retentions, ``io`` for the worker's loads and saves (each on
-    its own thread)."""
+    """The node's KV store, self-contained: it connects (offline: starts a
+    store of its own, ``NodeStore.connect``) and owns both clients, ``index``
+    for the scheduler's lookups and retentions, ``io`` for the worker's
+    loads and saves (each on its own thread); the worker half closes them."""
 
-    def __init__(self, config: EngineConfig, index: Any, io: Any) -> None:
+    def __init__(self, config: EngineConfig, block_nbytes: int) -> None:
         super().__init__(config)
-        self.index, self.io = index, io
+        self.store = NodeStore.connect(config, block_nbytes)
+        self.index, self.io = self.store.index, self.store.io
         self.worker: NodeStoreWorker | None = None
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
-        self.worker = NodeStoreWorker(ctx.kv_cache, self.io)
+        self.worker = NodeStoreWorker(ctx.kv_cache, self.io, node_store=self.store)
         return self.worker
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
@@ -153,15 +154,16 @@ def load_connector(spec: str) -> type[KVConnector]:
     return cls
 
 
-def for_engine(config: EngineConfig, store_index: Any = None, store_io: Any = None) -> KVConnector | None:
-    """The connector a configuration asks for (None: the device pool alone)."""
+def for_engine(config: EngineConfig, block_nbytes: int = 0) -> KVConnector | None:
+    """The connector a configuration asks for (None: the device pool alone).
+    ``block_nbytes``: one device block's bytes (the node store's slot size)."""
     connectors: list[KVConnector] = []
     if config.kv_transfer.kv_transfer_address:
         connectors.append(PDTransferConnector(config))  # first: it moves the pool into shared memory
     if config.cache.num_swap_blocks:
         connectors.append(HostSwapConnector(config))
-    if store_io is not None:
-        connectors.append(NodeStoreConnector(config, store_index, store_io))
+    if config.kv_tiers.enabled:
+        connectors.append(NodeStoreConnector(config, block_nbytes))
     if config.kv_connector:
         connectors.append(load_connector(config.kv_connector)(config))
     if len(connectors) > 1:

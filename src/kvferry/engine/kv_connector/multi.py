@@ -7,6 +7,7 @@ from typing import Any
 
 from kvferry.core.outputs import KVOrders
 from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker, _W
+from kvferry.types.stats import SchedulerStats
 
 
 class MultiKVConnectorWorker(KVConnectorWorker):
@@ -39,6 +40,16 @@ class MultiKVConnectorWorker(KVConnectorWorker):
 
     def wait_for_io(self, timeout_s: float) -> bool:
         return any(worker.wait_for_io(timeout_s) for worker in self.workers)
+
+    def report_stats(self, stats: SchedulerStats) -> None:
+        for worker in self.workers:
+            worker.report_stats(stats)
+
+    def stats_changed(self) -> bool:
+        return any(worker.stats_changed() for worker in self.workers)
+
+    def purge_tenant(self, tenant: str) -> int:
+        return sum(worker.purge_tenant(tenant) for worker in self.workers)
 
     def close(self) -> None:
         for worker in self.workers:

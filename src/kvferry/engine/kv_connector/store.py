@@ -20,23 +20,36 @@ Arena slot layout = one device block, ``[num_layers, 2, block_size,
 num_kv_heads, head_dim]`` flattened to bytes; the pool holds blocks on dim 2
 (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``), hence
 the permutes below.
+
+The connector owns its link to the store (``NodeStore``: the two clients,
+and offline a store process of its own), so the engine core knows nothing
+of the store: it asks the connector for stats and purges through the
+hooks every connector has (``KVConnectorWorker.report_stats``,
+``purge_tenant``).
 """
 from __future__ import annotations
 
 import logging
 import queue
+import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
+from kvferry.config import EngineConfig
 from kvferry.core.outputs import KVOrders, TransferOrder
 from kvferry.core.tier_source import block_owners
 from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker
+from kvferry.kvstore.client import KVStoreClient
+from kvferry.kvstore.launch import start_store
 from kvferry.model.kv_cache_dtype import index_copy_into
+from kvferry.types.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +57,90 @@ logger = logging.getLogger(__name__)
 _POLL_INTERVAL_S = 0.0005
 # How often the thread refreshes the store's own counters (for /metrics).
 _STATS_INTERVAL_S = 1.0
+
+
+class LoadDone(Protocol):
+    """A finished load as the store reports it: the arena slots filled, in
+    key order (fewer than asked: the rest is missing or corrupt)."""
+
+    ticket: int
+    slots: Sequence[int]
+
+
+class StoreIO(Protocol):
+    """What the worker half asks of the node's store: the calls of
+    ``kvstore.client.KVStoreClient`` that its I/O thread makes. Every call
+    may fail or answer empty while the store is away; the worker treats
+    that as a miss, never as an error of the request."""
+
+    @property
+    def connected(self) -> bool:
+        """Whether the store answers (reconnecting if need be)."""
+
+    def arena(self) -> np.ndarray:
+        """The store's shared-memory slots, uint8 ``[num_slots, block_nbytes]``."""
+
+    def begin_load(self, keys: list[bytes], owners: list[Any]) -> int:
+        """Start bringing ``keys`` into pinned arena slots: a ticket."""
+
+    def poll_loads(self) -> Sequence[LoadDone]:
+        """Loads finished since the last poll, each once."""
+
+    def release(self, ticket: int) -> None:
+        """Unpin a finished load's slots."""
+
+    def reserve(self, keys: list[bytes], owners: list[Any]) -> list[int | None]:
+        """A slot to write for each key (None: held already, or refused)."""
+
+    def commit(self, keys: list[bytes], slots: list[int]) -> None:
+        """Publish written slots under their keys."""
+
+    def abandon(self, slots: list[int]) -> None:
+        """Give back reserved slots that were not written."""
+
+    def stats(self) -> Any:
+        """The store's own counters (``kvstore.protocol.StoreStats``)."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class NodeStore:
+    """This core's link to the node's KV store: ``index``, the scheduler
+    half's client (lookups, retentions, purges, on the step's thread), and
+    ``io``, the worker half's (loads and saves, on its I/O thread); with
+    ``process``, a store of this core's own (offline), stopped with it."""
+
+    address: str
+    index: KVStoreClient
+    io: StoreIO
+    process: subprocess.Popen | None = None
+
+    @classmethod
+    def connect(cls, config: EngineConfig, block_nbytes: int) -> NodeStore:
+        """Clients of the node's KV store (its address from the config, or a
+        store started here). A store that is down at start is no error: the
+        clients reconnect, and until then every lookup misses."""
+        tiers = config.kv_tiers
+        if not config.cache.enable_prefix_caching:
+            raise ValueError("kv_store needs enable_prefix_caching (blocks are found by their prefix hashes)")
+        process = None
+        address = tiers.kv_store
+        if not address:  # offline: a store of this process's own (it exits with it)
+            process, address = start_store(tiers, block_nbytes=block_nbytes)
+        # Loads and saves run on the runner's I/O thread with a client of
+        # their own; that thread also notices a store going away and coming
+        # back, and the scheduler's lookups (on the step's path) only go out
+        # while it sees the store up.
+        io = KVStoreClient(address, block_nbytes=block_nbytes)
+        return cls(address, KVStoreClient(address, block_nbytes=block_nbytes), io, process)
+
+    def close(self) -> None:
+        for client in (self.index, self.io):
+            client.close()
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
 
 
 @dataclass(slots=True)
@@ -78,10 +175,14 @@ class NodeStoreWorker(KVConnectorWorker):
 
     order_kinds = frozenset({"load", "save"})
 
-    def __init__(self, kv_cache: torch.Tensor, store: Any, load_timeout_s: float = 10.0) -> None:
+    def __init__(self, kv_cache: torch.Tensor, store: StoreIO, load_timeout_s: float = 10.0,
+                 node_store: NodeStore | None = None) -> None:
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.store = store
+        # The link this worker's connector made (closed with the worker;
+        # its index client purges tenants). None: a store the caller owns.
+        self.node_store = node_store
         self.load_timeout_s = load_timeout_s
         self.stats = StoreIOStats()
         self._block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
@@ -94,6 +195,7 @@ class NodeStoreWorker(KVConnectorWorker):
         # The store's StoreStats as last fetched (None before the first),
         # so that reading metrics never waits on the store.
         self.store_stats: Any = None
+        self._reported_store_stats: Any = None  # what report_stats last put in the core's stats
         self._stats_due = 0.0
         # Whether the store answered this thread's last health check (read
         # by the scheduler to skip lookups while the store is away).
@@ -129,9 +231,27 @@ class NodeStoreWorker(KVConnectorWorker):
             self._completed.clear()
         return True
 
+    def report_stats(self, stats: SchedulerStats) -> None:
+        store_stats = self.store_stats
+        self._reported_store_stats = store_stats
+        if store_stats is not None:
+            stats.kv_tiers, stats.kv_tier_tenants = tier_stats(store_stats)
+            stats.kv_store_id = str(getattr(self.store, "address", ""))
+
+    def stats_changed(self) -> bool:
+        """The store's counters were refreshed since the last report (the
+        store keeps counting while this core idles)."""
+        return self.store_stats is not self._reported_store_stats
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Drop the tenant's private blocks from every tier of the store."""
+        return self.node_store.index.drop_tenant(tenant) if self.node_store is not None else 0
+
     def close(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=5.0)
+        if self.node_store is not None:
+            self.node_store.close()
 
     # -- the I/O thread -------------------------------------------------------
     def _run(self) -> None:
@@ -285,7 +405,6 @@ class NodeStoreWorker(KVConnectorWorker):
     def _slot(self, arena: torch.Tensor, slot: int) -> torch.Tensor:
         """Slot bytes as one block: [L, 2, bs, H, D]."""
         return arena[slot].view(self.kv_cache.dtype).view(self._block_shape)
-
 
 
 _TIER_FIELDS = ("hits", "misses", "bytes_read", "bytes_written", "quarantined", "refused_writes", "num_blocks",

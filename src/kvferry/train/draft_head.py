@@ -34,10 +34,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from kvferry.bench.corpus import load_documents
+from kvferry.bench.workloads import BenchError
+from kvferry.engine.llm import LLM
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import allocate_kv_cache
+from kvferry.sampling import SamplingParams
 from kvferry.spec.head import EagleHead
-from kvferry.spec.train_cli import CORPORA
+from kvferry.train.cli import CORPORA
 
 PROMPT_CHARS = 400  # prompts are cut here: the answers are what the head learns
 HELD_OUT_CHATS = 256  # chitchat conversations never trained on (the benchmark's)
@@ -68,9 +72,6 @@ def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
         convs = [conv for i, conv in enumerate(_chitchat_conversations()) if i >= HELD_OUT_CHATS]
         rng.shuffle(convs)
         return _chat_prompts(convs[:num], rng)
-    from kvferry.bench.corpus import load_documents
-    from kvferry.bench.workloads import BenchError
-
     source = {"bible": "bible-kjv", "pydoc": "python3.11-doc"}.get(corpus)
     if source is None:
         raise ValueError(f"--corpus must be one of {', '.join(CORPORA)}; got {corpus!r}")
@@ -141,8 +142,6 @@ def held_out_acceptance(target: str | None, head: str | Path, num_prompts: int =
     held-out chitchat conversations with k drafts every step (no adaptive
     k, no cost model: those only decide *whether* to draft, and would hide
     the acceptance), ending at EOS as real replies do."""
-    from kvferry import LLM, SamplingParams
-
     prompts = held_out_chats(num_prompts)
     spec = {"method": "head", "model": str(head), "num_speculative_tokens": k, "adaptive": False,
             "cost_aware": False, "batch_token_threshold": 10**6}
@@ -154,8 +153,6 @@ def held_out_acceptance(target: str | None, head: str | Path, num_prompts: int =
 
 def self_distill(llm, prompts: list[list[dict]], max_tokens: int) -> list[tuple[list[int], int]]:  # noqa: ANN001
     """(prompt + the target's greedy answer, prompt length) per prompt."""
-    from kvferry import SamplingParams
-
     outs = llm.chat(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return [(o.prompt_token_ids + list(o.outputs[0].token_ids), len(o.prompt_token_ids)) for o in outs]
 
@@ -229,8 +226,6 @@ def head_loss(head: EagleHead, model, feats: Features, t: torch.Tensor) -> torch
 
 
 def train(cfg: TrainConfig) -> dict:
-    from kvferry import LLM
-
     torch.manual_seed(cfg.seed)
     started = time.monotonic()
     llm = LLM(model=cfg.target, max_num_seqs=32, kv_cache_memory_gb=0.5)

@@ -43,6 +43,6 @@ def _non_negative(text: str) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from kvferry.spec.train_head import run_from_args
+    from kvferry.train.draft_head import run_from_args
 
     return run_from_args(args)

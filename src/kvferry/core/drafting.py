@@ -1,0 +1,28 @@
+"""What the scheduler asks of speculative decoding: a proposer of draft
+tokens and a budget that sets each request's k. Implemented in ``spec/``
+(n-gram, reserved slots for the runner's drafters, the adaptive
+controller); typed here so the scheduler stays free of ``spec/``. No torch.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvferry.core.request import Request
+
+
+class DraftProposer(Protocol):
+    """Proposes draft tokens for a running request (n-gram, draft model,
+    heads). The scheduler verifies at most ``num_speculative_tokens`` of them."""
+
+    def propose(self, request: Request) -> list[int]: ...
+
+
+class DraftBudget(Protocol):
+    """Decides each request's k per step and learns from verification
+    (``kvferry.spec.AdaptiveSpecController``)."""
+
+    def num_drafts(self, request_id: str, num_running: int) -> int: ...
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
