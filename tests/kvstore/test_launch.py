@@ -42,3 +42,32 @@ def test_the_store_flags_are_the_serve_flags_and_the_old_spellings_still_parse()
     old = parse(["--address", "ipc:///x", "--dram-gb", "1", "--disk", "/d", "--disk-gb", "2",
                  "--remote", "redis://h/0"])
     assert (old.kv_dram_gb, old.kv_disk, old.kv_disk_gb, old.kv_remote) == (1.0, "/d", 2.0, "redis://h/0")
+
+
+def test_a_piped_secret_needs_its_parents_socket_secret_and_no_file(tmp_path):
+    """``--cache-secret-fd`` (how a server hands its node stores its
+    secret) refuses what would leave the store's tokens or secret unclear."""
+    import os
+    import subprocess
+    import sys
+
+    from kvferry import envs
+
+    def run(extra: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        read_end, write_end = os.pipe()
+        os.write(write_end, b"0123456789abcdef0123456789abcdef\n")
+        os.close(write_end)
+        try:
+            return subprocess.run([sys.executable, "-m", "kvferry.kvstore.process", "--address",
+                                   f"ipc://{tmp_path}/s.sock", "--kv-dram-gb", "0.01", "--cache-secret-fd",
+                                   str(read_end), *extra], pass_fds=(read_end,), env=env, capture_output=True,
+                                  text=True, timeout=60)
+        finally:
+            os.close(read_end)
+
+    bare = {k: v for k, v in os.environ.items() if k != envs.SOCKET_SECRET}
+    proc = run([], bare)
+    assert proc.returncode == 2 and "cache_secret_fd" in proc.stderr and envs.SOCKET_SECRET in proc.stderr
+    (tmp_path / "secret").write_bytes(b"0123456789abcdef0123456789abcdef")
+    proc = run(["--cache-secret-file", str(tmp_path / "secret")], dict(bare, **{envs.SOCKET_SECRET: "ab" * 32}))
+    assert proc.returncode == 2 and "give one or neither" in proc.stderr

@@ -56,8 +56,8 @@ def test_private_blocks_are_sealed_in_redis_and_public_ones_are_not(server):
     tier.put(key(1), block(1), ACME)
     tier.put(key(2), block(2), PUBLIC)
     client = raw_client(server)
-    assert block(1)[:256] not in client.get(b"kvferry:kv:" + key(1))
-    assert block(2)[:256] in client.get(b"kvferry:kv:" + key(2))
+    assert block(1)[:256] not in client.get(tier.redis_key(key(1)))
+    assert block(2)[:256] in client.get(tier.redis_key(key(2)))
 
 
 def forge(key_: bytes, tenant: str, sealed_payload: bytes) -> bytes:
@@ -79,31 +79,32 @@ def test_another_tenants_private_block_fails_authentication(server):
     assert other.get(key(1), BETA) is None
     assert other.stats().auth_failures == 1 and other.stats().quarantined == 0  # kept for acme
     client = raw_client(server)
-    sealed = client.get(b"kvferry:kv:" + key(1))[8 + MAC_BYTES + 16:]
+    value = client.get(tier.redis_key(key(1)))
+    purge_tag, sealed = value[:MAC_BYTES], value[MAC_BYTES + 8 + MAC_BYTES + 16:]
     # Relabelled to beta: beta's key cannot open it.
-    client.set(b"kvferry:kv:" + key(1), forge(key(1), "beta", sealed))
+    client.set(tier.redis_key(key(1)), purge_tag + forge(key(1), "beta", sealed))
     assert other.get(key(1), BETA) is None
     # Moved to another block key under acme: the associated data differs.
-    client.set(b"kvferry:kv:" + key(2), forge(key(2), "acme", sealed))
+    client.set(tier.redis_key(key(2)), purge_tag + forge(key(2), "acme", sealed))
     assert tier.get(key(2), ACME) is None
     assert other.stats().auth_failures == 2 and tier.stats().auth_failures == 1
     # Both forgeries are deleted from the server.
     assert other.stats().quarantined == 1 and tier.stats().quarantined == 1
-    assert client.exists(b"kvferry:kv:" + key(1)) == 0
-    assert client.exists(b"kvferry:kv:" + key(2)) == 0
+    assert client.exists(tier.redis_key(key(1))) == 0
+    assert client.exists(tier.redis_key(key(2))) == 0
 
 
 def test_a_corrupted_value_is_a_miss_and_deleted(server):
     tier = RedisTier(server.url, crypto=TierCrypto(SECRET))
     tier.put(key(1), block(1), ACME)
     client = raw_client(server)
-    value = bytearray(client.get(b"kvferry:kv:" + key(1)))
+    value = bytearray(client.get(tier.redis_key(key(1))))
     value[500] ^= 1
-    client.set(b"kvferry:kv:" + key(1), bytes(value))
-    client.set(b"kvferry:kv:" + key(2), b"junk")
+    client.set(tier.redis_key(key(1)), bytes(value))
+    client.set(tier.redis_key(key(2)), b"junk")
     assert tier.get_many([key(1), key(2)], ACME) == [None, None]
     assert tier.stats().quarantined == 2
-    assert client.exists(b"kvferry:kv:" + key(1)) == 0
+    assert client.exists(tier.redis_key(key(1))) == 0
 
 
 def test_quotas_evict_the_tenants_own_blocks(server):

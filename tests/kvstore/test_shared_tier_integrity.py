@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 import xxhash
 
-from kvferry.kvstore.crypto import TierCrypto, tenant_tag
+from kvferry.kvstore.crypto import MAC_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tier import BlockOwner
 from tests.kvstore.conftest import SECRET, block, key
 from tests.kvstore.mooncake_master import MooncakeMaster, mooncake_binary
@@ -67,10 +67,13 @@ def test_redis_forged_blocks_are_misses_counted_logged_and_deleted(redis_server,
     reader = RedisTier(redis_server.url, crypto=TierCrypto(SECRET))  # another node, same secret
     k = key(100 + owner.public)
     assert writer.put(k, block(1), owner) and reader.get(k, owner) == block(1)
-    # The stranger lists the keys, finds the block and rewrites it.
+    # The stranger lists the keys and rewrites the block's value (its
+    # name is opaque: the test knows which one it is), keeping its purge tag.
     stranger = redis.Redis.from_url(redis_server.url)
-    name = next(n for n in stranger.keys(b"kvferry:kv:*") if n.endswith(k))
-    stranger.set(name, forge(k, stranger.get(name)))
+    name = writer.redis_key(k)
+    assert name in stranger.keys(b"kvferry:kv:*")
+    value = stranger.get(name)
+    stranger.set(name, value[:MAC_BYTES] + forge(k, value[MAC_BYTES:]))
     caplog.set_level(logging.WARNING, logger="kvferry.kvstore.remote")
     before = reader.stats()
     assert reader.get(k, owner) is None
@@ -84,11 +87,83 @@ def test_redis_refuses_a_value_from_a_node_without_the_secret(redis_server):
     insecure = RedisTier(redis_server.url, insecure=True)
     secure = RedisTier(redis_server.url, crypto=TierCrypto(SECRET))
     assert insecure.put(key(110), block(2), PUBLIC) and insecure.get(key(110), PUBLIC) == block(2)
+    # The two name their keys apart (opaque names under the secret): neither finds the other's.
+    assert secure.get(key(110), PUBLIC) is None
+    # Copied under the secret's name (a stranger can list it), it is refused.
+    stranger = redis.Redis.from_url(redis_server.url)
+    unkeyed = stranger.get(insecure.redis_key(key(110)))
+    assert secure.put(key(110), block(2), PUBLIC)
+    value = stranger.get(secure.redis_key(key(110)))
+    stranger.set(secure.redis_key(key(110)), value[:MAC_BYTES] + unkeyed)
     before = secure.stats()
     assert secure.get(key(110), PUBLIC) is None
     assert secure.stats().quarantined == before.quarantined + 1
     # And the other way round: a node without the secret cannot check a keyed value.
-    assert secure.put(key(111), block(3), PUBLIC) and insecure.get(key(111), PUBLIC) is None
+    assert secure.put(key(111), block(3), PUBLIC)
+    stranger.set(insecure.redis_key(key(111)), stranger.get(secure.redis_key(key(111)))[MAC_BYTES:])
+    assert insecure.get(key(111), PUBLIC) is None
+
+
+def test_redis_listing_names_no_tenant_no_block_and_no_grouping(redis_server):
+    """Issue 45: listing Redis showed each tenant's stable tag, its block
+    count and which blocks belong together (a set per tenant). Now every
+    key is an opaque name, nothing groups a tenant's blocks, and a purge
+    still reaches the blocks other nodes wrote."""
+    prefix = b"kvferry:listing:"
+    node_a, node_b = (RedisTier(redis_server.url, crypto=TierCrypto(SECRET), prefix=prefix) for _ in range(2))
+    tenants = [BlockOwner(f"tenant-{i}") for i in range(3)]
+    written = {}
+    for i, owner in enumerate(tenants):
+        for j in range(4):
+            k = key(400 + 10 * i + j)
+            assert (node_a if j % 2 else node_b).put(k, block(j), owner)  # each tenant's on both nodes
+            written[k] = owner
+    for j in range(2):
+        assert node_a.put(key(490 + j), block(j), BlockOwner("tenant-0", public=True))
+    stranger = redis.Redis.from_url(redis_server.url)
+    names = sorted(stranger.scan_iter(match=prefix + b"*"))
+    assert sorted(stranger.keys(prefix + b"*")) == names
+    assert len(names) == 14  # one key per block: no index, no tenant set
+    crypto = TierCrypto(SECRET)
+    tags = [tenant_tag(crypto, owner.tenant) for owner in tenants]
+    block_keys = list(written) + [key(490), key(491)]
+    for name in names:  # an opaque name each: no tenant tag, no block hash
+        assert re.fullmatch(rb"[0-9a-f]{32}", name[len(prefix):]), name
+        assert stranger.type(name) == b"string"
+        for secret_part in tags + block_keys:
+            assert secret_part.hex().encode() not in name and secret_part not in name
+    # Nor do the values: no tag, no block key, and their per-value MACs
+    # (the purge tag before the value, the label in it) all differ.
+    values = [stranger.get(name) for name in names]
+    for value in values:
+        for secret_part in tags + block_keys:
+            assert secret_part not in value and secret_part.hex().encode() not in value
+    purge_tags = [v[:MAC_BYTES] for v in values]
+    labels = [v[MAC_BYTES + 8:MAC_BYTES + 8 + v[MAC_BYTES + 6]] for v in values if v[MAC_BYTES + 6]]
+    assert len(set(purge_tags)) == 14 and len(labels) == 12 and len(set(labels)) == 12
+    # A restarted node (it wrote nothing since) purges tenant-0: the blocks
+    # both nodes wrote go, the other tenants' and the public ones stay.
+    restarted = RedisTier(redis_server.url, crypto=TierCrypto(SECRET), prefix=prefix)
+    assert restarted.drop_tenant("tenant-0") == 4
+    assert node_a.get_many([key(400 + j) for j in range(4)], tenants[0]) == [None] * 4
+    assert node_b.get_many([key(410 + j) for j in range(4)], tenants[1]) == [block(j) for j in range(4)]
+    assert node_b.get(key(490), BlockOwner("tenant-2", public=True)) == block(0)
+    assert len(stranger.keys(prefix + b"*")) == 10
+
+
+def test_redis_a_rewritten_purge_tag_is_quarantined(redis_server):
+    """A value whose purge tag is not its owner's would escape the
+    owner's purge: it is never served, and is deleted."""
+    prefix = b"kvferry:purgetag:"
+    writer = RedisTier(redis_server.url, crypto=TierCrypto(SECRET), prefix=prefix)
+    reader = RedisTier(redis_server.url, crypto=TierCrypto(SECRET), prefix=prefix)
+    assert writer.put(key(500), block(1), ACME) and writer.put(key(501), block(2), ACME)
+    stranger = redis.Redis.from_url(redis_server.url)
+    first, second = (stranger.get(writer.redis_key(k)) for k in (key(500), key(501)))
+    stranger.set(writer.redis_key(key(500)), second[:MAC_BYTES] + first[MAC_BYTES:])  # another block's tag
+    assert reader.get(key(500), ACME) is None and reader.stats().quarantined == 1
+    assert stranger.exists(writer.redis_key(key(500))) == 0
+    assert reader.get(key(501), ACME) == block(2)
 
 
 def test_shared_tiers_without_a_secret_are_refused_at_start(redis_server, caplog):

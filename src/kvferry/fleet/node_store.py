@@ -1,7 +1,7 @@
 """One node KV store per Ray node that hosts an engine core (``kvferry serve
 --ray ADDRESS --kv-dram-gb N``, with the other ``--kv-*`` tier flags).
 
-    serve driver:  stores = NodeStores.start(tiers, api_keys=..., cache_secret_file=..., env=..., max_restarts=3)
+    serve driver:  stores = NodeStores.start(NodeStoreSpec(tiers, api_keys, cache_secret, env, max_restarts))
     core actor:    config.kv_tiers.kv_store = node_store_address(node_id)   # in CoreActor.__init__
     serve driver:  stores.close()                                          # at shutdown, before ray.shutdown()
 
@@ -17,10 +17,13 @@ Three kinds of actor, all in the server's Ray namespace ("kvferry"):
   id>``, pinned to its node (NodeAffinitySchedulingStrategy, soft=False),
   created with ``get_if_exists``. It starts the store as ``kvferry serve``
   starts one (``kvstore.launch.start_store``: a child process titled
-  "kvferry: kvstore", with the server's tier flags, key file and cache
-  secret file, and its socket secret in the environment so that the
-  cores' tokens are the store's), listening on an ipc:// socket: only
-  the cores of its node use it.
+  "kvferry: kvstore", with the server's tier flags and key file, its one
+  cache secret through a pipe (``start_node_store``) so that every node's
+  store seals, names and authenticates under the same secret and the
+  nodes share the pool's (and Redis') blocks, public and private, and its
+  socket secret in the environment so that the cores' tokens are the
+  store's), listening on an ipc:// socket: only the cores of its node use
+  it.
 * The cores (``core_actor.CoreActor``), which ask ``NodeStores`` for their
   node's store address before they build their engine.
 
@@ -46,7 +49,7 @@ import socket
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -82,14 +85,18 @@ def store_name(job_id: str, node_id: str) -> str:
 @dataclass(frozen=True, slots=True)
 class NodeStoreSpec:
     """How every node's store is started: what ``kvferry serve`` gives the
-    store it starts without --ray. The key file and the cache secret file
-    are paths: on a cluster of several hosts each node must have them at the
-    same path (as it has the model)."""
+    store it starts without --ray. The key file is a path: on a cluster of
+    several hosts each node must have it at the same path (as it has the
+    model). The cache secret travels as the socket secret does, in the
+    actors' creation arguments (whoever reaches Ray's control plane can run
+    code on every node anyway): the server's (``secret_file.server_cache_secret``),
+    the same for every node."""
 
     tiers: KVTierConfig  # the --kv-* flags (kv_store empty: each node's store sets its own)
     api_keys: str | None
-    cache_secret_file: str | None
-    env: dict[str, str]  # the server's KVFERRY_* settings and socket secret (the cores get the same)
+    cache_secret: bytes | None = field(repr=False)  # never in a log line or an error's repr
+    # The server's KVFERRY_* settings and socket secret (the cores get the same).
+    env: dict[str, str] = field(repr=False)
     max_restarts: int  # of each store's actor
     log_level: str = "info"
 
@@ -138,6 +145,19 @@ def remove_stale_sockets(directory: Path) -> None:
             continue
 
 
+def start_node_store(spec: NodeStoreSpec, address: str) -> subprocess.Popen:
+    """The node's store process, as ``spec`` says, listening at ``address``
+    and answering; raises (ValueError, RuntimeError) when it cannot start.
+    The caller has put ``spec.env`` in its environment (the store inherits
+    the socket secret); the cache secret goes through a pipe."""
+    from kvferry.kvstore.launch import start_store
+
+    tiers = dataclasses.replace(spec.tiers, kv_store=address)
+    process, _ = start_store(tiers, api_keys=spec.api_keys, cache_secret=spec.cache_secret,
+                             extra_args=["--log-level", spec.log_level.lower()])
+    return process
+
+
 class NodeStoreActor:
     """The node's store: a ``kvferry: kvstore`` child process of this actor's
     process. Threaded (``stop`` runs while the watcher waits)."""
@@ -149,11 +169,10 @@ class NodeStoreActor:
         context = ray.get_runtime_context()
         node_id = context.get_node_id()
         remove_stale_sockets(Path(tempfile.gettempdir()))
-        tiers = dataclasses.replace(spec.tiers, kv_store=store_address(context.get_job_id(), node_id))
+        address = store_address(context.get_job_id(), node_id)
         self._stopping = False
         # Raises (the actor fails to start, the core that asked says why) when the store cannot start.
-        self.process, address = start_store(tiers, api_keys=spec.api_keys, cache_secret_file=spec.cache_secret_file,
-                                            extra_args=["--log-level", spec.log_level.lower()])
+        self.process = start_node_store(spec, address)
         self._info = NodeStoreInfo(address, self.process.pid, os.getpid(), node_id, context.get_actor_id())
         logger.info("KV store of node %s at %s (pid %d)", node_id, address, self.process.pid)
         threading.Thread(target=self._watch, name="kvstore-watch", daemon=True).start()

@@ -78,11 +78,17 @@ def _header(crypto: TierCrypto | None, owner: BlockOwner, tenant_len: int) -> tu
     return _HEADER.pack(_MAGIC, _VERSION, flags, tenant_len), sealed
 
 
-def encode_value(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview, owner: BlockOwner) -> bytes:
+def encode_value(crypto: TierCrypto | None, key: bytes, data: bytes | memoryview, owner: BlockOwner,
+                 head: bytes = b"") -> bytes:
+    """The value, after ``head`` (what a tier keeps before it: Redis' purge
+    tag) in the same buffer: a block is copied once."""
     tenant = owner_label(crypto, key, owner)
     header, sealed = _header(crypto, owner, len(tenant))
-    payload = b"".join(crypto.seal(key, owner.tenant, data)) if sealed else data
-    return b"".join((header, tenant, _tag(crypto, sealed, key, header, tenant, payload), payload))
+    if sealed:
+        nonce, sealed_payload = crypto.seal(key, owner.tenant, data)
+        tag = _tag(crypto, sealed, key, header, tenant, None)
+        return b"".join((head, header, tenant, tag, nonce, sealed_payload))
+    return b"".join((head, header, tenant, _tag(crypto, sealed, key, header, tenant, data), data))
 
 
 def value_nbytes(crypto: TierCrypto | None, data_nbytes: int, owner: BlockOwner) -> int:
@@ -133,6 +139,11 @@ def parse_value(crypto: TierCrypto | None, key: bytes, value: bytes | memoryview
     if _tag(crypto, sealed, key, view[:body], tenant, payload) != view[body + tenant_len:payload_at]:
         return None
     return BlockValue(public, sealed, tenant, payload)
+
+
+def is_public(value: bytes | memoryview) -> bool:
+    """Whether a value ``parse_value`` accepted is a public block's."""
+    return bool(memoryview(value)[5] & _FLAG_PUBLIC)  # the header's flags byte
 
 
 def _tag(crypto: TierCrypto | None, sealed: bool, key: bytes, header, tenant, payload) -> bytes:

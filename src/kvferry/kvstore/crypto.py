@@ -28,7 +28,8 @@ without the secret. The secret id tells a block sealed under another
 secret (unreadable now) from another tenant's.
 
 The shared tiers (Redis, the cluster pool) authenticate every value, and
-the pool names its objects opaquely (``block_value.py``, ``cluster.py``)::
+name their objects opaquely (``block_value.py``, ``cluster.py``,
+``remote.py``: Redis' owner part is empty, one key per block)::
 
     MAC key     = HMAC-SHA256(server secret, "kvferry tier mac v1")
     MAC         = keyed BLAKE2b-128(MAC key, parts...)

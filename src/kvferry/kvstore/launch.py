@@ -13,6 +13,15 @@ removes those of dead pids first (``remove_stale_store_files``), and a
 supervising server removes its own dead store's at once
 (``supervisor.py``).
 
+The cache secret: a path (``cache_secret_file``: the operator's file, or
+the one kept beside a persistent tier on this host), or the secret itself
+(``cache_secret``: what a server hands each of its node stores, on this
+host or another, so that all of them seal, name and authenticate under
+one secret). The latter reaches the store through a pipe whose read end
+it inherits (``--cache-secret-fd``): never in argv (``ps`` shows argv to
+every user), nor in a file left behind, nor in the environment that the
+store's own children would inherit.
+
 No torch is imported here (nor by the store): a server starts it before
 its engine cores.
 """
@@ -66,14 +75,16 @@ def socket_path(address: str) -> Path | None:
 
 
 def store_argv(tiers: KVTierConfig, address: str, *, block_nbytes: int | None = None,
-               api_keys: str | None = None, cache_secret_file: str | None = None) -> list[str]:
+               api_keys: str | None = None, cache_secret_file: str | None = None,
+               cache_secret_fd: int | None = None) -> list[str]:
     """The ``kvferry kvstore`` flags serving ``tiers`` at ``address``
     (empty tier fields: no such tier)."""
     argv = ["--address", address, "--kv-dram-gb", str(tiers.kv_dram_gb)]
     for flag, value in (("--kv-disk", tiers.kv_disk or None), ("--kv-disk-gb", tiers.kv_disk_gb or None),
                         ("--kv-remote", tiers.kv_remote or None), ("--kv-cluster", tiers.kv_cluster or None),
                         ("--block-nbytes", block_nbytes),
-                        ("--api-keys", api_keys), ("--cache-secret-file", cache_secret_file)):
+                        ("--api-keys", api_keys), ("--cache-secret-file", cache_secret_file),
+                        ("--cache-secret-fd", cache_secret_fd)):
         if value is not None:
             argv += [flag, str(value)]
     if tiers.insecure_shared_tier:
@@ -82,8 +93,8 @@ def store_argv(tiers: KVTierConfig, address: str, *, block_nbytes: int | None = 
 
 
 def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_keys: str | None = None,
-                cache_secret_file: str | None = None, extra_args: list[str] | None = None,
-                timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+                cache_secret_file: str | None = None, cache_secret: bytes | None = None,
+                extra_args: list[str] | None = None, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
     """Start a store with ``tiers``' DRAM, disk, cluster and remote tiers for this
     process (which it outlives by at most a fraction of a second: it exits
     when its parent is gone) and wait until it answers. It listens at
@@ -91,8 +102,12 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     address), else at a fresh ipc:// socket. Returns the process and its
     address. Stop it with ``process.terminate()`` (SIGTERM: a clean
     shutdown) and ``wait()``; ``supervisor.StoreSupervisor`` also restarts
-    one that dies."""
+    one that dies. ``cache_secret`` (bytes) is handed over by pipe (module
+    docstring); give it or ``cache_secret_file``, not both."""
     from kvferry.kvstore.client import KVStoreClient
+
+    if cache_secret is not None and cache_secret_file is not None:
+        raise ValueError("cache_secret, cache_secret_file: give one or neither")
 
     if tiers.kv_cluster:
         from kvferry.kvstore.mooncake_lib import check_available
@@ -103,11 +118,16 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
     remove_stale_store_files()
     address = tiers.kv_store or ipc_address()
+    secret_fd = _secret_pipe(cache_secret) if cache_secret is not None else None
     argv = [sys.executable, "-m", "kvferry.kvstore.process",
             *store_argv(tiers, address, block_nbytes=block_nbytes, api_keys=api_keys,
-                        cache_secret_file=cache_secret_file),
+                        cache_secret_file=cache_secret_file, cache_secret_fd=secret_fd),
             "--parent-pid", str(os.getpid())]
-    process = subprocess.Popen(argv + list(extra_args or []))
+    try:
+        process = subprocess.Popen(argv + list(extra_args or []), pass_fds=() if secret_fd is None else (secret_fd,))
+    finally:
+        if secret_fd is not None:
+            os.close(secret_fd)  # the child holds its own copy; its read ends at the closed write end
     deadline = time.monotonic() + timeout_s
     probe = KVStoreClient(address, timeout_s=0.5)
     try:
@@ -122,3 +142,20 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     finally:
         probe.close()
     return process, address
+
+
+def _secret_pipe(secret: bytes) -> int:
+    """The read end of a pipe holding ``secret`` (its write end closed):
+    the store reads it to its end at start. A cache secret (tens of bytes)
+    fits in the pipe's buffer, so the write never blocks."""
+    if not isinstance(secret, bytes) or len(secret) < 16 or len(secret) > 4096:
+        raise ValueError("cache_secret: must be bytes, 16 to 4096 of them")
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, secret + b"\n")
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    return read_end

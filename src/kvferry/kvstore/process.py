@@ -58,6 +58,10 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-min-hits", type=int, default=0,
                         help="loads a block must serve before it is written to the cluster pool (0: at its commit)")
     parser.add_argument("--cache-secret-file", default=None, help="server secret: per-tenant keys at rest")
+    parser.add_argument("--cache-secret-fd", type=int, default=None,
+                        help="read the server secret from this inherited file descriptor (a pipe its parent wrote "
+                             "and closed: how a server hands every node store its one secret, never in argv); "
+                             "the parent hands its socket secret in the environment too")
     parser.add_argument("--insecure-shared-tier", action="store_true",
                         help="run --kv-remote / --kv-cluster without the cluster secret (unkeyed checksums, private "
                              "blocks unsealed: whoever reaches the server can read and forge every tenant's KV)")
@@ -118,9 +122,10 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     """The tiers below DRAM the flags ask for, in load order: disk, cluster,
     remote.
     Private blocks are sealed under per-tenant keys derived from the cache
-    secret; without ``--cache-secret-file`` the one kept beside the tiers
-    (``secret_file.py``, generated at the first start), so that a restarted
-    store can still open what it wrote."""
+    secret: the one its server handed it (``--cache-secret-fd``: every node
+    store of a server shares one), else ``--cache-secret-file``, else the
+    one kept beside the tiers (``secret_file.py``, generated at the first
+    start), so that a restarted store can still open what it wrote."""
     if (args.kv_disk is None) != (args.kv_disk_gb is None):
         raise ValueError("kv_disk / kv_disk_gb: give both or neither")
     if not (args.kv_disk or args.kv_remote or args.kv_cluster):
@@ -128,17 +133,25 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     from kvferry.kvstore.crypto import TierCrypto
     from kvferry.kvstore.tenant_lru import TierQuotas
 
-    secret_file = args.cache_secret_file
-    if secret_file is None:
-        from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
+    secret: bytes | None = getattr(args, "cache_secret", None)  # from --cache-secret-fd (run)
+    if secret is not None:
+        crypto = TierCrypto(secret)
+    else:
+        secret_file = args.cache_secret_file
+        if secret_file is None:
+            from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
 
-        secret_file, created = ensure_secret_file(tier_secret_path(args.kv_disk, args.kv_remote or args.kv_cluster))
-        logger.warning("no --cache-secret-file: %s the cache secret in %s, so the tiers survive a restart",
-                       "generated" if created else "using", secret_file)
-        if args.kv_cluster:
-            logger.warning("no --cache-secret-file: this node shares no private blocks with the cluster pool's "
-                           "other nodes (give every node's store and server the same secret file)")
-    crypto = TierCrypto.from_file(secret_file)
+            secret_file, created = ensure_secret_file(tier_secret_path(args.kv_disk, args.kv_remote or args.kv_cluster))
+            logger.warning("no --cache-secret-file: %s the cache secret in %s, so the tiers survive a restart",
+                           "generated" if created else "using", secret_file)
+            if (args.kv_cluster or args.kv_remote) and not args.insecure_shared_tier:
+                # Every value in a shared tier is authenticated under the
+                # secret (and pool names derive from it): under another
+                # secret, a value is a forgery, public prefixes included.
+                logger.warning("no --cache-secret-file: this store shares no blocks at all (public or private) "
+                               "through the cluster pool or Redis with stores of another secret (give every "
+                               "node's store and server the same secret file)")
+        crypto = TierCrypto.from_file(secret_file)
     tiers: list[ColdTier] = []
     if args.kv_disk:
         from kvferry.kvstore.disk import DiskTier
@@ -172,7 +185,17 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [kvstore] %(name)s: %(message)s")
     try:
-        if envs.socket_secret() is None and args.cache_secret_file is None:
+        if args.cache_secret_fd is not None:
+            if args.cache_secret_file is not None:
+                raise ValueError("cache_secret_file, cache_secret_fd: give one or neither")
+            if envs.socket_secret() is None:
+                # The socket secret derives from a cache secret *file*: a
+                # parent that pipes the secret hands its socket secret too.
+                raise ValueError(f"cache_secret_fd: needs the parent's socket secret in {envs.SOCKET_SECRET}")
+            from kvferry.kvstore.secret_file import read_secret_fd
+
+            args.cache_secret = read_secret_fd(args.cache_secret_fd)
+        elif envs.socket_secret() is None and args.cache_secret_file is None:
             logger.warning("no --cache-secret-file: only engines started by this process could present this "
                            "store's token; give the store and its servers the same --cache-secret-file")
         # The secret the engines' tokens derive from: inherited from the

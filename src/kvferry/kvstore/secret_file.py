@@ -15,6 +15,12 @@ The file is 64 hex characters and a newline, mode 0600, written to a
 temporary file first and linked into place (a start that races another
 keeps whichever secret landed first, never a half-written one). No heavy
 imports: the server's front end calls this before anything loads.
+
+A server hands its one cache secret to every node store it starts
+(``server_cache_secret``), through a pipe (``launch.start_store``,
+``--cache-secret-fd``), never in argv: stores on other nodes could not
+read the server's file, and a secret per store would share nothing
+between them.
 """
 from __future__ import annotations
 
@@ -49,6 +55,43 @@ def tier_secret_path(disk: str | None, remote: str | None) -> Path | None:
         digest = hashlib.sha256(remote.encode()).hexdigest()[:16]
         return cache_dir() / f"{SECRET_FILE_NAME}-{digest}"
     return None
+
+
+def read_secret(path: str | os.PathLike) -> bytes:
+    """The secret a cache secret file holds (its bytes, stripped, as
+    ``TierCrypto.from_file`` reads them). Raises ValueError naming the file."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cache secret file {path}: {exc.strerror or exc}") from None
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"cache secret file {path}: holds {len(secret)} bytes, needs at least {_MIN_SECRET_BYTES}")
+    return secret
+
+
+def server_cache_secret(path: str | os.PathLike | None) -> bytes:
+    """The one cache secret a server hands to each node store it starts:
+    the file's (given, or kept beside a persistent tier), else a fresh one
+    for this server's lifetime (what a generated file would hold)."""
+    return read_secret(path) if path is not None else secrets.token_hex(32).encode()
+
+
+def read_secret_fd(fd: int) -> bytes:
+    """The secret a parent wrote into the pipe ``fd`` (then closed): read to
+    its end and closed. Raises ValueError naming the flag."""
+    chunks = []
+    try:
+        with os.fdopen(fd, "rb") as pipe:
+            while chunk := pipe.read(4096):
+                chunks.append(chunk)
+                if sum(map(len, chunks)) > 4096:
+                    raise ValueError("cache_secret_fd: more than 4096 bytes: not a cache secret")
+    except OSError as exc:
+        raise ValueError(f"cache_secret_fd: cannot read fd {fd}: {exc.strerror or exc}") from None
+    secret = b"".join(chunks).strip()
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"cache_secret_fd: holds {len(secret)} bytes, needs at least {_MIN_SECRET_BYTES}")
+    return secret
 
 
 def ensure_secret_file(path: str | os.PathLike) -> tuple[Path, bool]:

@@ -80,8 +80,6 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # No *_created series: vLLM-style dashboards do not use them.
     prometheus_client.disable_created_metrics()
     try:
-        # The node stores' on a Ray cluster (a secret generated below stays on this node).
-        given_secret_file = getattr(args, "cache_secret_file", None)
         keep_tier_secret(args, engine_args)
         # Before any store or core starts (they inherit it): the secret their
         # socket tokens derive from, the cache secret's when one is given, so
@@ -126,7 +124,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             cluster_master = start_cluster_master(placement, engine_args, router.engine_restarts, args.log_level)
             if cluster_master is not None:
                 engine_args = dataclasses.replace(engine_args, kv_cluster=cluster_master.url)
-            node_stores = start_node_stores(placement, args, engine_args, router.engine_restarts, given_secret_file)
+            node_stores = start_node_stores(placement, args, engine_args, router.engine_restarts)
             client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
                                               ready_timeout_s=args.engine_start_timeout, log_level=args.log_level,
                                               router=router, ray=ray_cores)
@@ -179,18 +177,22 @@ def start_cluster_master(placement: RayPlacement | None, engine_args: EngineArgs
 
 
 def start_node_stores(placement: RayPlacement | None, args: argparse.Namespace, engine_args: EngineArgs,
-                      max_restarts: int, cache_secret_file: str | None):
+                      max_restarts: int):
     """``--ray`` with ``--kv-dram-gb`` (or ``--kv-cluster``) and no
     ``--kv-store``: the server's registry of node KV stores, from which each
     core gets its node's store, started on first use with the server's tier
-    flags, key file and cache secret file (kvferry.fleet.node_store). None
-    when there is none to start."""
+    flags, key file and one cache secret for all of them (its file's, given
+    or kept beside a persistent tier, else a fresh one: a secret per node
+    would share nothing through the pool or Redis) (kvferry.fleet.node_store).
+    None when there is none to start."""
     if placement is None or not engine_args.kv_dram_gb or engine_args.kv_store:
         return None
     from kvferry.fleet.node_store import NodeStores, NodeStoreSpec, server_env
+    from kvferry.kvstore.secret_file import server_cache_secret
 
     spec = NodeStoreSpec(engine_args.create_engine_config().kv_tiers, getattr(args, "api_keys", None),
-                         cache_secret_file, server_env(), max_restarts, args.log_level)
+                         server_cache_secret(getattr(args, "cache_secret_file", None)), server_env(), max_restarts,
+                         args.log_level)
     return NodeStores.start(spec)
 
 
