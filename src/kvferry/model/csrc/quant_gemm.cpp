@@ -1,0 +1,397 @@
+// GGUF block-quantized matmul, y[M, N] = x[M, K] @ W^T, W kept in its GGUF blocks.
+//
+// gemm(x, w, type, n) -> y
+//   x: [M, K] float32 (rows quantized here, once per row and call)
+//   w: [N, bytes_per_row] uint8, the rows' GGUF blocks back to back
+//   type: the ggml type id (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 Q2_K=10 Q3_K=11
+//         Q4_K=12 Q5_K=13 Q6_K=14); y: [M, N] float32
+// dequant(w, type, K) -> [rows, K] float32 (the prefill tiles; scalar loops)
+// path() -> "avx512vnni" | "avxvnni" | "avx2" | "none" (gemm throws on "none")
+//
+// Every type's block is decoded by one function into 32-value groups of
+// UNSIGNED integers in a ymm register (nibbles, 5/6-bit values, or |q| for
+// Q8_0) plus integer per-16 scales and "min" terms; the same decoders feed
+// the dot product (in registers) and dequant (stored, for prefill tiles).
+// The activations are int8 (Q8_0-style per 32 values for the 32-blocks,
+// Q8_K-style per 256 with per-16 sums for the K-quants), so each group is
+// one u8 x s8 dot: vpdpbusd (AVX512-VNNI on 256-bit lanes, or AVX-VNNI), or
+// vpmaddubsw + vpmaddwd on AVX2. Offsets (Q4_0's -8, Q6_K's -32, mins) never
+// touch the vectors: they are applied once per block from the activations'
+// block sums, which quantize_rows precomputes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVQ_SIMD 1
+#endif
+
+namespace {
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef KVQ_SIMD
+  return _cvtsh_ss(h);
+#else
+  const uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  float f = e == 0 ? std::ldexp(float(m), -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(float(m | 0x400), int(e) - 25);
+  return s ? -f : f;
+#endif
+}
+
+struct TypeInfo { int block, bytes; };
+inline TypeInfo info(int64_t t) {
+  switch (t) {
+    case 2: return {32, 18}; case 3: return {32, 20}; case 6: return {32, 22}; case 7: return {32, 24};
+    case 8: return {32, 34}; case 10: return {256, 84}; case 11: return {256, 110}; case 12: return {256, 144};
+    case 13: return {256, 176}; case 14: return {256, 210};
+  }
+  TORCH_CHECK(false, "quant_gemm: unsupported ggml type ", t);
+}
+
+// Q4_K / Q5_K: 8 six-bit (scale, min) pairs packed in 12 bytes (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& d, int& m) {
+  if (j < 4) { d = q[j] & 63; m = q[j + 4] & 63; }
+  else { d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+// Q3_K: 16 six-bit scales in 12 bytes, biased by 32 (ggml's dequantize_row_q3_K).
+inline void scales_q3k(const uint8_t* s, int8_t out[16]) {
+  uint32_t aux[4];
+  std::memcpy(aux, s, 12);
+  const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+  aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+  aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+  aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+  std::memcpy(out, aux, 16);
+  for (int i = 0; i < 16; ++i) out[i] = int8_t(out[i] - 32);
+}
+
+// A K-quant superblock's coefficients: value i = d * sc[i/16] * q_i - dm * mn[i/16].
+struct KHead { float d, dm; int sc[16], mn[16]; };
+
+inline void khead(int64_t t, const uint8_t* b, KHead& h) {
+  switch (t) {
+    case 10:  // Q2_K: scales[16] qs[64] d dmin
+      h.d = h2f(b + 80); h.dm = h2f(b + 82);
+      for (int i = 0; i < 16; ++i) { h.sc[i] = b[i] & 0xF; h.mn[i] = b[i] >> 4; }
+      break;
+    case 11: {  // Q3_K: hmask[32] qs[64] scales[12] d; q - 4 in -4..3
+      int8_t s[16];
+      scales_q3k(b + 96, s);
+      h.d = h.dm = h2f(b + 108);
+      for (int i = 0; i < 16; ++i) { h.sc[i] = s[i]; h.mn[i] = 4 * s[i]; }
+      break;
+    }
+    case 12: case 13:  // Q4_K / Q5_K: d dmin scales[12] (qh[32]) qs[128]
+      h.d = h2f(b); h.dm = h2f(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int d, m;
+        scale_min_k4(j, b + 4, d, m);
+        h.sc[2 * j] = h.sc[2 * j + 1] = d; h.mn[2 * j] = h.mn[2 * j + 1] = m;
+      }
+      break;
+    case 14:  // Q6_K: ql[128] qh[64] scales[16] (int8) d; q - 32
+      h.d = h.dm = h2f(b + 208);
+      for (int i = 0; i < 16; ++i) { h.sc[i] = int8_t(b[192 + i]); h.mn[i] = 32 * h.sc[i]; }
+      break;
+  }
+}
+
+// Group g (32 values) of a K-quant superblock as unsigned integers, scalar (dequant).
+inline void kgroup_scalar(int64_t t, const uint8_t* b, int g, uint8_t q[32]) {
+  const int n = g / 4, j = g % 4;
+  for (int l = 0; l < 32; ++l) {
+    switch (t) {
+      case 10: q[l] = (b[16 + 32 * n + l] >> (2 * j)) & 3; break;
+      case 11: q[l] = ((b[32 + 32 * n + l] >> (2 * j)) & 3) | (((b[l] >> g) & 1) << 2); break;
+      case 12: q[l] = (b[16 + 32 * (g / 2) + l] >> (4 * (g & 1))) & 0xF; break;
+      case 13: q[l] = ((b[48 + 32 * (g / 2) + l] >> (4 * (g & 1))) & 0xF) | (((b[16 + l] >> g) & 1) << 4); break;
+      case 14: q[l] = ((b[64 * n + 32 * (j & 1) + l] >> (4 * (j >> 1))) & 0xF) | (((b[128 + 32 * n + l] >> (2 * j)) & 3) << 4); break;
+    }
+  }
+}
+
+// A 32-block's values: value i = d * q_i + off (Q8_0: q signed, off = 0).
+inline void block32_scalar(int64_t t, const uint8_t* b, float& d, float& off, int q[32]) {
+  d = h2f(b);
+  if (t == 8) { off = 0; for (int l = 0; l < 32; ++l) q[l] = int8_t(b[2 + l]); return; }
+  const uint8_t* qs = b + (t == 2 ? 2 : t == 3 ? 4 : t == 6 ? 6 : 8);
+  uint32_t qh = 0;
+  if (t == 6 || t == 7) std::memcpy(&qh, b + (t == 6 ? 2 : 4), 4);
+  for (int l = 0; l < 16; ++l) {
+    q[l] = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+    q[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+  }
+  off = t == 2 ? -8 * d : t == 6 ? -16 * d : h2f(b + 2);
+}
+
+at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
+  const TypeInfo ti = info(t);
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "dequant: w must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(K % ti.block == 0 && w.size(1) == K / ti.block * ti.bytes, "dequant: K does not match the row bytes");
+  const int64_t N = w.size(0), nb = K / ti.block;
+  at::Tensor y = at::empty({N, K}, at::kFloat);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* b = W + r * w.size(1) + i * ti.bytes;
+        float* o = Y + r * K + i * ti.block;
+        if (ti.block == 32) {
+          float d, off; int q[32];
+          block32_scalar(t, b, d, off, q);
+          for (int l = 0; l < 32; ++l) o[l] = d * q[l] + off;
+        } else {
+          KHead h; uint8_t q[32];
+          khead(t, b, h);
+          for (int g = 0; g < 8; ++g) {
+            kgroup_scalar(t, b, g, q);
+            for (int l = 0; l < 32; ++l) o[32 * g + l] = h.d * h.sc[2 * g + l / 16] * q[l] - h.dm * h.mn[2 * g + l / 16];
+          }
+        }
+      }
+  });
+  return y;
+}
+
+#ifdef KVQ_SIMD
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVQ_PATH "avx512vnni"
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define KVQ_PATH "avxvnni"
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define KVQ_PATH "avx2"
+// u <= 63 (or |q8| <= 128) times |s| <= 127, pairs summed: within int16, so maddubs never saturates.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (llama.cpp's bytes_from_bits_32).
+inline __m256i bits_to_bytes(uint32_t x) {
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int(x)), shuf);
+  v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+
+inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+// Group g of a K-quant superblock as unsigned bytes in a register.
+template <int T>
+inline __m256i kgroup(const uint8_t* b, int g) {
+  const int n = g / 4, j = g % 4;
+  const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0F);
+  auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto shr = [](__m256i v, int s) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(s)); };
+  if constexpr (T == 10) return _mm256_and_si256(shr(ld(b + 16 + 32 * n), 2 * j), m2);
+  if constexpr (T == 11) {
+    const __m256i lo = _mm256_and_si256(shr(ld(b + 32 + 32 * n), 2 * j), m2);
+    const __m256i hi = _mm256_and_si256(shr(ld(b), g), _mm256_set1_epi8(1));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 2));
+  }
+  if constexpr (T == 12) return _mm256_and_si256(shr(ld(b + 16 + 32 * (g / 2)), 4 * (g & 1)), m4);
+  if constexpr (T == 13) {
+    const __m256i lo = _mm256_and_si256(shr(ld(b + 48 + 32 * (g / 2)), 4 * (g & 1)), m4);
+    const __m256i hi = _mm256_and_si256(shr(ld(b + 16), g), _mm256_set1_epi8(1));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+  if constexpr (T == 14) {
+    const __m256i lo = _mm256_and_si256(shr(ld(b + 64 * n + 32 * (j & 1)), 4 * (j >> 1)), m4);
+    const __m256i hi = _mm256_and_si256(shr(ld(b + 128 + 32 * n), 2 * j), m2);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+  return _mm256_setzero_si256();
+}
+
+// A 32-block: unsigned values (Q8_0: |q|, with the signs moved onto x's bytes by the caller).
+template <int T>
+inline __m256i block32(const uint8_t* b) {
+  if constexpr (T == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  const uint8_t* qs = b + (T == 2 ? 2 : T == 3 ? 4 : T == 6 ? 6 : 8);
+  __m256i q = nibbles16(qs);
+  if constexpr (T == 6 || T == 7) {
+    uint32_t qh;
+    std::memcpy(&qh, b + (T == 6 ? 2 : 4), 4);
+    q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+  }
+  return q;
+}
+
+// The activations of M rows: per block of B values, int8 values, the scale,
+// and block sums (32-blocks: scale * sum, as float; K: int sums per 16).
+struct Acts {
+  int64_t B, nb;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> bsum;  // [M * nb * 16] for B = 256
+};
+
+Acts quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
+  Acts a{B, K / B, std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)), std::vector<float>(M * (K / B)), {}};
+  if (B == 256) a.bsum.resize(M * a.nb * 16);
+  at::parallel_for(0, M * a.nb, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xs = x + i * B;
+      float amax = 0;
+      for (int l = 0; l < B; ++l) amax = std::fmax(amax, std::fabs(xs[l]));
+      const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+      int8_t* q = a.q.data() + i * B;
+      int sum = 0;
+      for (int l = 0; l < B; ++l) { q[l] = int8_t(std::nearbyint(xs[l] * id)); sum += q[l]; }
+      a.d[i] = d; a.s[i] = d * float(sum);
+      if (B == 256)
+        for (int k = 0; k < 16; ++k) {
+          int s16 = 0;
+          for (int l = 0; l < 16; ++l) s16 += q[16 * k + l];
+          a.bsum[i * 16 + k] = s16;
+        }
+    }
+  });
+  return a;
+}
+
+constexpr int MR = 4;  // rows of x per pass over a weight row (its blocks stay in L1 between passes)
+
+template <int T, int R>
+void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, int64_t ldy) {
+  __m256 acc[R];
+  float off[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); off[r] = 0; }
+  for (int64_t i = 0; i < a.nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    const float d = h2f(b);
+    __m256i q = block32<T>(b);
+    const float o = T == 2 ? -8 * d : T == 6 ? -16 * d : (T == 3 || T == 7) ? h2f(b + 2) : 0.f;
+    const __m256i sgn = q;
+    if constexpr (T == 8) q = _mm256_sign_epi8(q, q);
+    for (int r = 0; r < R; ++r) {
+      const int64_t ai = (m0 + r) * a.nb + i;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + ai * 32));
+      if constexpr (T == 8) x = _mm256_sign_epi8(x, sgn);
+      const __m256i p = dot_u8s8(_mm256_setzero_si256(), q, x);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d[ai]), acc[r]);
+      if constexpr (T != 8) off[r] += o * a.s[ai];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + off[r];
+}
+
+template <int T, int R>
+void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, int64_t ldy) {
+  __m256 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0; }
+  KHead h;
+  for (int64_t i = 0; i < a.nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    khead(T, b, h);
+    __m256i iacc[R];
+    for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i q = kgroup<T>(b, g);
+      // Lanes 0-3 hold values 0-15 of the group (sub-block 2g), lanes 4-7 values 16-31.
+      const __m256i sc = _mm256_set_m128i(_mm_set1_epi32(h.sc[2 * g + 1]), _mm_set1_epi32(h.sc[2 * g]));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.q.data() + ((m0 + r) * a.nb + i) * 256 + 32 * g;
+        const __m256i p = dot_u8s8(_mm256_setzero_si256(), q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(p, sc));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t ai = (m0 + r) * a.nb + i;
+      const int32_t* bs = a.bsum.data() + ai * 16;
+      int mn = 0;
+      for (int k = 0; k < 16; ++k) mn += h.mn[k] * bs[k];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(h.d * a.d[ai]), acc[r]);
+      mins[r] += h.dm * a.d[ai] * float(mn);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) - mins[r];
+}
+
+template <int T>
+void gemm_type(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t N, float* Y) {
+  constexpr bool K = T >= 10;
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = W + n * bytes;
+      int64_t m = 0;
+      for (; m + MR <= M; m += MR) {
+        if constexpr (K) rowsK<T, MR>(w, a, m, info(T).bytes, Y + m * N + n, N);
+        else rows32<T, MR>(w, a, m, info(T).bytes, Y + m * N + n, N);
+      }
+      for (; m < M; ++m) {
+        if constexpr (K) rowsK<T, 1>(w, a, m, info(T).bytes, Y + m * N + n, N);
+        else rows32<T, 1>(w, a, m, info(T).bytes, Y + m * N + n, N);
+      }
+    }
+  });
+}
+#else
+#define KVQ_PATH "none"
+#endif
+
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t n) {
+  const TypeInfo ti = info(t);
+  TORCH_CHECK(x_in.dim() == 2, "quant_gemm: x must be [M, K]");
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
+              "quant_gemm: w must be contiguous uint8 [n, bytes]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % ti.block == 0 && w.size(1) == K / ti.block * ti.bytes, "quant_gemm: K does not match the row bytes");
+  at::Tensor y = at::empty({M, n}, at::kFloat);
+#ifdef KVQ_SIMD
+  if (M == 0 || n == 0) return y;
+  const Acts a = quantize_rows(x.data_ptr<float>(), M, K, ti.block);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* Y = y.data_ptr<float>();
+  switch (t) {
+    case 2: gemm_type<2>(W, w.size(1), a, M, n, Y); break;
+    case 3: gemm_type<3>(W, w.size(1), a, M, n, Y); break;
+    case 6: gemm_type<6>(W, w.size(1), a, M, n, Y); break;
+    case 7: gemm_type<7>(W, w.size(1), a, M, n, Y); break;
+    case 8: gemm_type<8>(W, w.size(1), a, M, n, Y); break;
+    case 10: gemm_type<10>(W, w.size(1), a, M, n, Y); break;
+    case 11: gemm_type<11>(W, w.size(1), a, M, n, Y); break;
+    case 12: gemm_type<12>(W, w.size(1), a, M, n, Y); break;
+    case 13: gemm_type<13>(W, w.size(1), a, M, n, Y); break;
+    case 14: gemm_type<14>(W, w.size(1), a, M, n, Y); break;
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "quant_gemm: built without AVX2");
+#endif
+}
+
+std::string path() { return KVQ_PATH; }
+
+}  // namespace
+
+TORCH_LIBRARY(kvferry_quant, m) {
+  m.def("gemm(Tensor x, Tensor w, int type, int n) -> Tensor", &gemm);
+  m.def("dequant(Tensor w, int type, int K) -> Tensor", &dequant);
+  m.def("path() -> str", &path);
+}
