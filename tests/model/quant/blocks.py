@@ -39,5 +39,6 @@ def quantized_x(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     max|x|/127, round half to even) and each element's step d / 2."""
     xb = x.reshape(x.shape[0], -1, block)
     d = xb.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.round(xb / torch.where(d > 0, d, 1)).clamp(-127, 127)
+    # x times 1/d as the kernel computes it (not x / d: bf16 inputs often land on .5 exactly)
+    q = torch.round(xb * torch.where(d > 0, 1 / d, 0)).clamp(-127, 127)
     return (q * d).reshape(x.shape), (d / 2).expand_as(xb).reshape(x.shape)

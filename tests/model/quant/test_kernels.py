@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvferry.model import quant
+from kvferry.model.quant import kernels
 from tests.model.quant.blocks import quantized_x, weight
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
@@ -42,6 +43,7 @@ def test_dequantize_is_ggufs(typed):
     w, ref = typed
     assert torch.equal(quant.dequantize_rows(w), ref)
     assert torch.equal(quant.dequantize_rows(w, 5, 9), ref[5:9])
+    assert torch.equal(quant.dequantize_rows(w, dtype=torch.bfloat16), ref.bfloat16())
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 32, 200])
@@ -51,9 +53,10 @@ def test_gemv(typed, m):
     check(quant.gemv(x, w), x, w, ref)
 
 
-def test_prefill_and_linear(typed):
+def test_prefill_and_linear(typed, monkeypatch):
     w, ref = typed
     x = torch.randn(200, K)
+    monkeypatch.setattr(kernels, "PREFILL_TILE_BYTES", 16 * K * 4)  # tiles of 16 rows: 4 and a tail of 3
     y = quant.prefill(x, w, torch.float32)
     torch.testing.assert_close(y, x @ ref.T, rtol=1e-4, atol=1e-4)
     # bf16 tiles: x and W each rounded to 8 bits of mantissa

@@ -57,12 +57,6 @@ inline TypeInfo info(int64_t t) {
   TORCH_CHECK(false, "quant_gemm: unsupported ggml type ", t);
 }
 
-// Q4_K / Q5_K: 8 six-bit (scale, min) pairs packed in 12 bytes (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* q, int& d, int& m) {
-  if (j < 4) { d = q[j] & 63; m = q[j + 4] & 63; }
-  else { d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
-}
-
 // Q3_K: 16 six-bit scales in 12 bytes, biased by 32 (ggml's dequantize_row_q3_K).
 inline void scales_q3k(const uint8_t* s, int8_t out[16]) {
   uint32_t aux[4];
@@ -77,32 +71,40 @@ inline void scales_q3k(const uint8_t* s, int8_t out[16]) {
 }
 
 // A K-quant superblock's coefficients: value i = d * sc[i/16] * q_i - dm * mn[i/16].
-struct KHead { float d, dm; int sc[16], mn[16]; };
+struct KHead { float d, dm; int16_t sc[16], mn[16]; };
 
 inline void khead(int64_t t, const uint8_t* b, KHead& h) {
   switch (t) {
     case 10:  // Q2_K: scales[16] qs[64] d dmin
       h.d = h2f(b + 80); h.dm = h2f(b + 82);
-      for (int i = 0; i < 16; ++i) { h.sc[i] = b[i] & 0xF; h.mn[i] = b[i] >> 4; }
+      for (int i = 0; i < 16; ++i) { h.sc[i] = int16_t(b[i] & 0xF); h.mn[i] = int16_t(b[i] >> 4); }
       break;
     case 11: {  // Q3_K: hmask[32] qs[64] scales[12] d; q - 4 in -4..3
       int8_t s[16];
       scales_q3k(b + 96, s);
       h.d = h.dm = h2f(b + 108);
-      for (int i = 0; i < 16; ++i) { h.sc[i] = s[i]; h.mn[i] = 4 * s[i]; }
+      for (int i = 0; i < 16; ++i) { h.sc[i] = s[i]; h.mn[i] = int16_t(4 * s[i]); }
       break;
     }
     case 12: case 13:  // Q4_K / Q5_K: d dmin scales[12] (qh[32]) qs[128]
+    {
+      // The 12 bytes to 8 scales then 8 mins, four at a time (llama.cpp's kmask shuffle).
+      uint32_t u[4];
+      std::memcpy(u, b + 4, 12);
+      const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+      u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+      const uint32_t aux = u[1] & k1;
+      u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+      u[2] = aux;
+      u[0] &= k1;
+      const uint8_t* v = reinterpret_cast<const uint8_t*>(u);
       h.d = h2f(b); h.dm = h2f(b + 2);
-      for (int j = 0; j < 8; ++j) {
-        int d, m;
-        scale_min_k4(j, b + 4, d, m);
-        h.sc[2 * j] = h.sc[2 * j + 1] = d; h.mn[2 * j] = h.mn[2 * j + 1] = m;
-      }
+      for (int j = 0; j < 8; ++j) { h.sc[2 * j] = h.sc[2 * j + 1] = v[j]; h.mn[2 * j] = h.mn[2 * j + 1] = v[8 + j]; }
       break;
+    }
     case 14:  // Q6_K: ql[128] qh[64] scales[16] (int8) d; q - 32
       h.d = h.dm = h2f(b + 208);
-      for (int i = 0; i < 16; ++i) { h.sc[i] = int8_t(b[192 + i]); h.mn[i] = 32 * h.sc[i]; }
+      for (int i = 0; i < 16; ++i) { h.sc[i] = int8_t(b[192 + i]); h.mn[i] = int16_t(32 * h.sc[i]); }
       break;
   }
 }
@@ -135,18 +137,12 @@ inline void block32_scalar(int64_t t, const uint8_t* b, float& d, float& off, in
   off = t == 2 ? -8 * d : t == 6 ? -16 * d : h2f(b + 2);
 }
 
-at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
+[[maybe_unused]] void dequant_scalar(const uint8_t* W, int64_t t, int64_t row_bytes, int64_t r0, int64_t r1, float* Y, int64_t K) {
   const TypeInfo ti = info(t);
-  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "dequant: w must be contiguous uint8 [N, bytes]");
-  TORCH_CHECK(K % ti.block == 0 && w.size(1) == K / ti.block * ti.bytes, "dequant: K does not match the row bytes");
-  const int64_t N = w.size(0), nb = K / ti.block;
-  at::Tensor y = at::empty({N, K}, at::kFloat);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
+  const int64_t nb = K / ti.block;
+  for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* b = W + r * w.size(1) + i * ti.bytes;
+        const uint8_t* b = W + r * row_bytes + i * ti.bytes;
         float* o = Y + r * K + i * ti.block;
         if (ti.block == 32) {
           float d, off; int q[32];
@@ -161,8 +157,6 @@ at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
           }
         }
       }
-  });
-  return y;
 }
 
 #ifdef KVQ_SIMD
@@ -240,13 +234,60 @@ inline __m256i block32(const uint8_t* b) {
   return q;
 }
 
+// 32 unsigned (or, for Q8_0, signed) bytes to floats: a0 * q + b0 for
+// values 0-15, a1 * q + b1 for 16-31.
+// 8 floats to o (float32) or to bf16, round to nearest even (finite values).
+inline void put8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+inline void put8(at::BFloat16* o, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  const __m256i h = _mm256_srli_epi32(r, 16);  // 8 x 16 bits in the low halves
+  const __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), p);
+}
+
+// 32 unsigned (or, for Q8_0, signed) bytes to floats: a0 * q + b0 for
+// values 0-15, a1 * q + b1 for 16-31.
+template <bool Signed, typename O>
+inline void store32(O* o, __m256i q, __m256 a0, __m256 b0, __m256 a1, __m256 b1) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  auto cv = [](__m128i v) { return _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v)); };
+  put8(o, _mm256_fmadd_ps(a0, cv(lo), b0));
+  put8(o + 8, _mm256_fmadd_ps(a0, cv(_mm_srli_si128(lo, 8)), b0));
+  put8(o + 16, _mm256_fmadd_ps(a1, cv(hi), b1));
+  put8(o + 24, _mm256_fmadd_ps(a1, cv(_mm_srli_si128(hi, 8)), b1));
+}
+
+template <int T, typename O>
+void dequant_simd(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1, O* Y, int64_t K) {
+  const int64_t nb = K / info(T).block;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = W + r * row_bytes + i * info(T).bytes;
+      if constexpr (T < 10) {
+        O* o = Y + r * K + i * 32;
+        const __m256 d = _mm256_set1_ps(h2f(b));
+        const __m256 off = _mm256_set1_ps(T == 2 ? -8 * h2f(b) : T == 6 ? -16 * h2f(b) : T == 8 ? 0.f : h2f(b + 2));
+        store32<T == 8>(o, block32<T>(b), d, off, d, off);
+      } else {
+        O* o = Y + r * K + i * 256;
+        KHead h;
+        khead(T, b, h);
+        for (int g = 0; g < 8; ++g)
+          store32<false>(o + 32 * g, kgroup<T>(b, g), _mm256_set1_ps(h.d * h.sc[2 * g]), _mm256_set1_ps(-h.dm * h.mn[2 * g]),
+                         _mm256_set1_ps(h.d * h.sc[2 * g + 1]), _mm256_set1_ps(-h.dm * h.mn[2 * g + 1]));
+      }
+    }
+}
+
 // The activations of M rows: per block of B values, int8 values, the scale,
 // and block sums (32-blocks: scale * sum, as float; K: int sums per 16).
 struct Acts {
   int64_t B, nb;
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> bsum;  // [M * nb * 16] for B = 256
+  std::vector<int16_t> bsum;  // [M * nb * 16] for B = 256 (|sum| <= 16 * 127)
 };
 
 Acts quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
@@ -266,14 +307,23 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
         for (int k = 0; k < 16; ++k) {
           int s16 = 0;
           for (int l = 0; l < 16; ++l) s16 += q[16 * k + l];
-          a.bsum[i * 16 + k] = s16;
+          a.bsum[i * 16 + k] = int16_t(s16);
         }
     }
   });
   return a;
 }
 
-constexpr int MR = 4;  // rows of x per pass over a weight row (its blocks stay in L1 between passes)
+// Rows of x per pass over a weight row (its blocks stay in L1 between passes):
+// each row keeps two accumulators, so 8 fit AVX-512's 32 registers, 4 AVX2's 16.
+#ifdef __AVX512F__
+#define MR_MAX 8
+#else
+#define MR_MAX 4
+#endif
+constexpr int MR = MR_MAX;
+// The row loops unrolled whole, so each row's accumulators live in registers.
+#define KVQ_UNROLL _Pragma("GCC unroll 8")
 
 template <int T, int R>
 void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, int64_t ldy) {
@@ -287,7 +337,7 @@ void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y
     const float o = T == 2 ? -8 * d : T == 6 ? -16 * d : (T == 3 || T == 7) ? h2f(b + 2) : 0.f;
     const __m256i sgn = q;
     if constexpr (T == 8) q = _mm256_sign_epi8(q, q);
-    for (int r = 0; r < R; ++r) {
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * a.nb + i;
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + ai * 32));
       if constexpr (T == 8) x = _mm256_sign_epi8(x, sgn);
@@ -301,58 +351,108 @@ void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y
 
 template <int T, int R>
 void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, int64_t ldy) {
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0; }
+  __m256 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
   KHead h;
   for (int64_t i = 0; i < a.nb; ++i) {
     const uint8_t* b = w + i * bytes;
     khead(T, b, h);
     __m256i iacc[R];
-    for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
-    for (int g = 0; g < 8; ++g) {
+    KVQ_UNROLL for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
+    KVQ_UNROLL for (int g = 0; g < 8; ++g) {
       const __m256i q = kgroup<T>(b, g);
-      // Lanes 0-3 hold values 0-15 of the group (sub-block 2g), lanes 4-7 values 16-31.
-      const __m256i sc = _mm256_set_m128i(_mm_set1_epi32(h.sc[2 * g + 1]), _mm_set1_epi32(h.sc[2 * g]));
-      for (int r = 0; r < R; ++r) {
+      // vpmaddubsw's 16-bit lanes 0-7 hold values 0-15 of the group (sub-block
+      // 2g), lanes 8-15 values 16-31; vpmaddwd then applies the sub-block scales
+      // (as llama.cpp's K-quant dots: |pair| <= 2 * 63 * 127 fits in 16 bits).
+      const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(h.sc[2 * g + 1]), _mm_set1_epi16(h.sc[2 * g]));
+      KVQ_UNROLL for (int r = 0; r < R; ++r) {
         const int8_t* xq = a.q.data() + ((m0 + r) * a.nb + i) * 256 + 32 * g;
-        const __m256i p = dot_u8s8(_mm256_setzero_si256(), q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
-        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(p, sc));
+        const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(p, sc));
       }
     }
-    for (int r = 0; r < R; ++r) {
+    const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * a.nb + i;
-      const int32_t* bs = a.bsum.data() + ai * 16;
-      int mn = 0;
-      for (int k = 0; k < 16; ++k) mn += h.mn[k] * bs[k];
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum.data() + ai * 16));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(h.d * a.d[ai]), acc[r]);
-      mins[r] += h.dm * a.d[ai] * float(mn);
+      macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(h.dm * a.d[ai]), macc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) - mins[r];
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(_mm256_sub_ps(acc[r], macc[r]));
+}
+
+template <int T, int R>
+inline void rows(const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+  if constexpr (T >= 10) rowsK<T, R>(w, a, m0, info(T).bytes, y, ldy);
+  else rows32<T, R>(w, a, m0, info(T).bytes, y, ldy);
+}
+
+// A tile of r < MR rows (the tail of M) in one pass, not r passes.
+template <int T>
+void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+  switch (r) {
+    case 1: return rows<T, 1>(w, a, m0, y, ldy);
+    case 2: return rows<T, 2>(w, a, m0, y, ldy);
+    case 3: return rows<T, 3>(w, a, m0, y, ldy);
+#if MR_MAX > 4
+    case 4: return rows<T, 4>(w, a, m0, y, ldy);
+    case 5: return rows<T, 5>(w, a, m0, y, ldy);
+    case 6: return rows<T, 6>(w, a, m0, y, ldy);
+    case 7: return rows<T, 7>(w, a, m0, y, ldy);
+#endif
+  }
 }
 
 template <int T>
 void gemm_type(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t N, float* Y) {
-  constexpr bool K = T >= 10;
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = W + n * bytes;
       int64_t m = 0;
-      for (; m + MR <= M; m += MR) {
-        if constexpr (K) rowsK<T, MR>(w, a, m, info(T).bytes, Y + m * N + n, N);
-        else rows32<T, MR>(w, a, m, info(T).bytes, Y + m * N + n, N);
-      }
-      for (; m < M; ++m) {
-        if constexpr (K) rowsK<T, 1>(w, a, m, info(T).bytes, Y + m * N + n, N);
-        else rows32<T, 1>(w, a, m, info(T).bytes, Y + m * N + n, N);
-      }
+      for (; m + MR <= M; m += MR) rows<T, MR>(w, a, m, Y + m * N + n, N);
+      if (m < M) tail<T>(int(M - m), w, a, m, Y + m * N + n, N);
     }
   });
 }
 #else
 #define KVQ_PATH "none"
 #endif
+
+#define KVQ_TYPES(X) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14)
+
+at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K);
+
+// Writes rows of w, dequantized, into out [rows, K] float32 or bf16 (contiguous):
+// prefill reuses one tile buffer, so no float copy of the weight is allocated.
+void dequant_into(const at::Tensor& w, int64_t t, const at::Tensor& out) {
+  const TypeInfo ti = info(t);
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "dequant: w must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == w.size(0), "dequant: out must be contiguous [N, K]");
+  const int64_t K = out.size(1), rb = w.size(1);
+  TORCH_CHECK(K % ti.block == 0 && rb == K / ti.block * ti.bytes, "dequant: K does not match the row bytes");
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || out.scalar_type() == at::kFloat, "dequant: out must be float32 or bf16");
+#ifdef KVQ_SIMD
+  at::parallel_for(0, w.size(0), 8, [&](int64_t r0, int64_t r1) {
+    switch (t) {
+#define KVQ_DQ(T) case T: return bf16 ? dequant_simd<T>(W, rb, r0, r1, out.data_ptr<at::BFloat16>(), K) \
+                                       : dequant_simd<T>(W, rb, r0, r1, out.data_ptr<float>(), K);
+      KVQ_TYPES(KVQ_DQ)
+    }
+  });
+#else
+  if (bf16) { out.copy_(dequant(w, t, K)); return; }
+  at::parallel_for(0, w.size(0), 8, [&](int64_t r0, int64_t r1) { dequant_scalar(W, t, rb, r0, r1, out.data_ptr<float>(), K); });
+#endif
+}
+
+at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
+  at::Tensor y = at::empty({w.size(0), K}, at::kFloat);
+  dequant_into(w, t, y);
+  return y;
+}
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t n) {
   const TypeInfo ti = info(t);
@@ -369,16 +469,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t 
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
   switch (t) {
-    case 2: gemm_type<2>(W, w.size(1), a, M, n, Y); break;
-    case 3: gemm_type<3>(W, w.size(1), a, M, n, Y); break;
-    case 6: gemm_type<6>(W, w.size(1), a, M, n, Y); break;
-    case 7: gemm_type<7>(W, w.size(1), a, M, n, Y); break;
-    case 8: gemm_type<8>(W, w.size(1), a, M, n, Y); break;
-    case 10: gemm_type<10>(W, w.size(1), a, M, n, Y); break;
-    case 11: gemm_type<11>(W, w.size(1), a, M, n, Y); break;
-    case 12: gemm_type<12>(W, w.size(1), a, M, n, Y); break;
-    case 13: gemm_type<13>(W, w.size(1), a, M, n, Y); break;
-    case 14: gemm_type<14>(W, w.size(1), a, M, n, Y); break;
+#define KVQ_GEMM(T) case T: gemm_type<T>(W, w.size(1), a, M, n, Y); break;
+    KVQ_TYPES(KVQ_GEMM)
   }
   return y;
 #else
@@ -393,5 +485,6 @@ std::string path() { return KVQ_PATH; }
 TORCH_LIBRARY(kvferry_quant, m) {
   m.def("gemm(Tensor x, Tensor w, int type, int n) -> Tensor", &gemm);
   m.def("dequant(Tensor w, int type, int K) -> Tensor", &dequant);
+  m.def("dequant_into(Tensor w, int type, Tensor(a!) out) -> ()", &dequant_into);
   m.def("path() -> str", &path);
 }

@@ -17,12 +17,19 @@ from kvferry.model.quant.formats import QuantizedWeight
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "quant_gemm.cpp"
 _library = paged_kernel.LazyLibrary(lambda: _load())
-# Rows of the weight dequantized at once for a prefill-sized batch: 128 rows of
-# K = 8192 are 2 MiB in bf16, L2-sized, and only one tile exists at a time.
-PREFILL_TILE_ROWS = 128
-# From this many rows of x a dequantized tile and oneDNN (AMX where present)
-# beat the integer dot products, which re-decode each block per 4 rows.
-PREFILL_MIN_ROWS = 48
+# The dequantized tile of a prefill-sized batch: 4 MiB of bf16 (1024 rows of
+# K = 2048), one at a time. Smaller tiles pay oneDNN's fixed cost per call
+# (~50 us, as much as a 128-row tile's multiply at 32 rows).
+PREFILL_TILE_BYTES = 4 << 20
+# From this many rows of x, a dequantized bf16 tile and oneDNN (AMX where
+# present) beat the integer dot products, whose cost grows with every row
+# while the tiles' is mostly the dequantization, paid once. Measured on a
+# Xeon with AMX, one thread, CPU time, 8192 x 2048 weights (ms):
+#   rows        1     4     8     16    32
+#   Q4_K dots  1.0   2.1   3.4   6.6   15.2    tiles 11.6 .. 12.6
+#   Q8_0 dots  1.2   2.6   5.5   10.5  21.2    tiles  7.5 ..  8.8
+# The K-quants' dots share one decoded superblock and its scales among 8 rows.
+PREFILL_MIN_ROWS = {32: 12, 256: 28}  # by the format's block size
 
 
 def _cflags() -> list[str]:
@@ -58,10 +65,11 @@ def _check_x(x: torch.Tensor, weight: QuantizedWeight) -> None:
 
 def dequantize_rows(weight: QuantizedWeight, start: int = 0, stop: int | None = None,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows start..stop of the weight as floats [rows, in_features]."""
+    """Rows start..stop of the weight as floats [rows, in_features] (float32 or bf16)."""
     data = weight.data[start:stop]
-    w = _ops().dequant(data, weight.fmt.ggml_type, weight.in_features)
-    return w if dtype == torch.float32 else w.to(dtype)
+    out = torch.empty(data.shape[0], weight.in_features, dtype=dtype)
+    _ops().dequant_into(data, weight.fmt.ggml_type, out)
+    return out
 
 
 def gemv(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -72,18 +80,22 @@ def gemv(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 def prefill(x: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x @ W^T [M, N] float32 through oneDNN, one dequantized tile of rows at a time."""
+    """x @ W^T [M, N] float32 through oneDNN, dequantizing one tile of weight rows
+    at a time into one reused buffer (``dtype``: bf16, or float32 for checks)."""
     _check_x(x, weight)
-    xd = x.to(dtype)
+    ops, xd = _ops(), x.to(dtype)
+    rows = max(16, PREFILL_TILE_BYTES // (weight.in_features * dtype.itemsize))
+    tile = torch.empty(min(rows, weight.out_features), weight.in_features, dtype=dtype)
     y = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    for start in range(0, weight.out_features, PREFILL_TILE_ROWS):
-        stop = min(start + PREFILL_TILE_ROWS, weight.out_features)
-        torch.matmul(xd, dequantize_rows(weight, start, stop, dtype).t(), out=y[:, start:stop]) \
-            if dtype == torch.float32 else y[:, start:stop].copy_(xd @ dequantize_rows(weight, start, stop, dtype).t())
+    for start in range(0, weight.out_features, rows):
+        stop = min(start + rows, weight.out_features)
+        w = tile[:stop - start]
+        ops.dequant_into(weight.data[start:stop], weight.fmt.ggml_type, w)
+        y[:, start:stop] = xd @ w.t()
     return y
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ W^T in ``out_dtype`` (default x's), by the path that fits M."""
-    y = gemv(x, weight) if x.shape[0] < PREFILL_MIN_ROWS else prefill(x, weight)
+    y = gemv(x, weight) if x.shape[0] < PREFILL_MIN_ROWS[weight.fmt.block] else prefill(x, weight)
     return y.to(out_dtype or x.dtype)
