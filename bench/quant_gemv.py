@@ -54,8 +54,11 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--cold-mib", type=int, default=640, help="bytes the copies of each weight span")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--prefill-from", type=int, default=16, help="also time the prefill path from this M")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not quant.available():
         sys.exit("the C++ quantized matmul is unavailable here")
     copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
