@@ -5,11 +5,12 @@ up-projection) in GGUF blocks, timed cold: the run cycles through enough
 copies of it (views of one buffer) that together outgrow the L3 cache, as a
 decode step's weights do. Reported per type and M:
 
-* ``quant``: kvferry.model.quant.gemv (int8 activations, integer dots);
+* ``quant``: kvferry.model.quant.gemv (int8 activations, integer dots), wall
+  time and CPU time per call;
 * ``floor``: the weight's bytes / memory bandwidth. Bandwidth is
   bench/decode_roofline.py's: the best large-tensor copy, read + write bytes
   counted, and a read-only reduction for comparison;
-* ``prefill path``: kvferry.model.quant.prefill (dequantized bf16 tiles, oneDNN);
+* ``bf16 tiles`` (from ``--prefill-from`` rows): kvferry.model.quant.prefill (dequantized bf16 tiles, oneDNN);
 * ``bf16``: torch.matmul of the dequantized weight in bf16 (oneDNN, AMX where
   present): what expanding the file at load costs per call, also cold.
 
@@ -33,17 +34,20 @@ from kvferry.model import quant  # noqa: E402
 from tests.model.quant.blocks import random_blocks  # noqa: E402
 
 
-def best_pass(fn, items, repeats: int) -> float:
-    """Seconds per call: the best of ``repeats`` passes calling fn on every item."""
+def best_pass(fn, items, repeats: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per call: the best of ``repeats`` passes calling fn
+    on every item. CPU time (all threads) is what a loaded machine cannot
+    inflate: divided by the thread count it is about the wall time unloaded."""
     for item in items[:2]:
         fn(item)  # warm the code and the thread pool
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for item in items:
             fn(item)
         best = min(best, (time.perf_counter() - t0) / len(items))
-    return best
+        best_cpu = min(best_cpu, (time.process_time() - c0) / len(items))
+    return best, best_cpu
 
 
 def main() -> None:
@@ -79,12 +83,15 @@ def main() -> None:
               f"({one.numel() / read_bw * 1e3:.3f} ms at the read bandwidth)")
         for m in args.m:
             x = torch.randn(m, args.k)
-            t_q = best_pass(lambda w: quant.gemv(x, w), weights, args.repeats)
+            t_q, c_q = best_pass(lambda w: quant.gemv(x, w), weights, args.repeats)
             xb = x.bfloat16()
-            t_b = best_pass(lambda w: torch.matmul(xb, w.t()), dense_copies, args.repeats)
-            t_p = best_pass(lambda w: quant.prefill(x, w), weights[:8], 2) if m >= args.prefill_from else float("nan")
-            print(f"  M={m:3d}: quant {t_q * 1e3:7.3f} ms = {t_q / floor:4.2f}x floor | bf16 {t_b * 1e3:7.3f} ms "
-                  f"| quant {t_b / t_q:4.2f}x faster | prefill path (bf16 tiles) {t_p * 1e3:7.3f} ms")
+            t_b, c_b = best_pass(lambda w: torch.matmul(xb, w.t()), dense_copies, args.repeats)
+            line = (f"  M={m:3d}: quant {t_q * 1e3:7.3f} ms = {t_q / floor:5.2f}x floor | bf16 {t_b * 1e3:7.3f} ms "
+                    f"| quant {t_b / t_q:4.2f}x faster | CPU ms/call quant {c_q * 1e3:6.2f} bf16 {c_b * 1e3:6.2f}")
+            if m >= args.prefill_from:
+                t_p, c_p = best_pass(lambda w: quant.prefill(x, w), weights[:8], 2)
+                line += f" | bf16 tiles {t_p * 1e3:6.2f} ms (CPU {c_p * 1e3:6.2f})"
+            print(line)
         del blob, weights, dense_copies
 
 

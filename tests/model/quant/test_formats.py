@@ -37,3 +37,11 @@ def test_x_of_the_wrong_width_names_the_tensor():
     for call in (quant.gemv, quant.prefill, quant.linear):
         with pytest.raises(ValueError, match=r"blk.0.ffn_up.weight.*\[M, 32\]"):
             call(torch.zeros(2, 64), w)
+
+
+def test_a_disabled_kernel_says_so(monkeypatch):
+    monkeypatch.setenv("KVFERRY_DISABLE_CPP_KERNELS", "1")
+    w = QuantizedWeight.from_blocks("w", "Q8_0", torch.zeros(3, 34, dtype=torch.uint8), (3, 32))
+    assert not quant.available() and quant.kernel_path() is None
+    with pytest.raises(RuntimeError, match="quantized matmul is unavailable"):
+        quant.gemv(torch.zeros(1, 32), w)
