@@ -162,9 +162,11 @@ inline void block32_scalar(int64_t t, const uint8_t* b, float& d, float& off, in
 #ifdef KVQ_SIMD
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVQ_PATH "avx512vnni"
+#define KVQ_VNNI 1
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
 #define KVQ_PATH "avxvnni"
+#define KVQ_VNNI 1
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 #define KVQ_PATH "avx2"
@@ -349,16 +351,25 @@ void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y
     const uint8_t* b = w + i * bytes;
     const float d = h2f(b);
     __m256i q = block32<T>(b);
-    const float o = T == 2 ? -8 * d : T == 6 ? -16 * d : (T == 3 || T == 7) ? h2f(b + 2) : 0.f;
+#ifdef KVQ_VNNI
+    // vpdpbusd sums u8 x s8 into 32 bits with no saturation: Q8_0's q + 128
+    // is unsigned, and its -128 * sum(x) joins the block offsets below.
+    constexpr bool kSignTrick = false;
+    if constexpr (T == 8) q = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));
+#else
+    // vpmaddubsw would saturate (q + 128) * x pairs: |q| x sign(x, q) instead.
+    constexpr bool kSignTrick = T == 8;
+#endif
+    const float o = T == 2 ? -8 * d : T == 6 ? -16 * d : (T == 3 || T == 7) ? h2f(b + 2) : -128 * d;
     const __m256i sgn = q;
-    if constexpr (T == 8) q = _mm256_sign_epi8(q, q);
+    if constexpr (kSignTrick) q = _mm256_sign_epi8(q, q);
     KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * a.nb + i;
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + ai * 32));
-      if constexpr (T == 8) x = _mm256_sign_epi8(x, sgn);
+      if constexpr (kSignTrick) x = _mm256_sign_epi8(x, sgn);
       const __m256i p = dot_u8s8(_mm256_setzero_si256(), q, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d[ai]), acc[r]);
-      if constexpr (T != 8) off[r] += o * a.s[ai];
+      if constexpr (!kSignTrick) off[r] += o * a.s[ai];
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + off[r];

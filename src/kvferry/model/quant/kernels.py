@@ -28,12 +28,12 @@ PREFILL_TILE_BYTES = 4 << 20
 # From this many rows of x, a dequantized bf16 tile and oneDNN (AMX where
 # present) beat the integer dot products, whose cost grows with every row
 # while the tiles' is mostly the dequantization, paid once. Measured on a
-# Xeon with AMX, one thread, CPU time, 8192 x 2048 weights (ms):
+# Xeon with AMX (avx512vnni build), one thread, CPU time, 8192 x 2048 weights (ms):
 #   rows        1     4     8     16    32
-#   Q4_K dots  1.0   2.1   3.4   6.6   15.2    tiles 11.6 .. 12.6
-#   Q8_0 dots  1.2   2.6   5.5   10.5  21.2    tiles  7.5 ..  8.8
+#   Q4_K dots  1.0   1.8   3.4   6.7   15.1    tiles 7.8 .. 9.0
+#   Q8_0 dots  1.1   2.7   4.9   9.2   18.3    tiles 7.3 .. 8.0
 # The K-quants' dots share one decoded superblock and its scales among 8 rows.
-PREFILL_MIN_ROWS = {32: 12, 256: 28}  # by the format's block size
+PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
 
 
 def _cflags() -> list[str]:
