@@ -99,7 +99,14 @@ inline void khead(int64_t t, const uint8_t* b, KHead& h) {
       u[0] &= k1;
       const uint8_t* v = reinterpret_cast<const uint8_t*>(u);
       h.d = h2f(b); h.dm = h2f(b + 2);
+#ifdef KVQ_SIMD
+      // Each byte twice (one per 16-value half of its 32-value sub-block), widened to 16 bits.
+      const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)));
+#else
       for (int j = 0; j < 8; ++j) { h.sc[2 * j] = h.sc[2 * j + 1] = v[j]; h.mn[2 * j] = h.mn[2 * j + 1] = v[8 + j]; }
+#endif
       break;
     }
     case 14:  // Q6_K: ql[128] qh[64] scales[16] (int8) d; q - 32

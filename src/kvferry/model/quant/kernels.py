@@ -30,10 +30,10 @@ PREFILL_TILE_BYTES = 4 << 20
 # while the tiles' is mostly the dequantization, paid once. Measured on a
 # Xeon with AMX (avx512vnni build), one thread, CPU time, 8192 x 2048 weights (ms):
 #   rows        1     4     8     16    32
-#   Q4_K dots  1.0   1.8   3.4   6.7   15.1    tiles 7.8 .. 9.0
+#   Q4_K dots  1.1   2.0   3.4   6.7   13.9    tiles 6.3 .. 7.5
 #   Q8_0 dots  1.1   2.7   4.9   9.2   18.3    tiles 7.3 .. 8.0
 # The K-quants' dots share one decoded superblock and its scales among 8 rows.
-PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
+PREFILL_MIN_ROWS = {32: 12, 256: 16}  # by the format's block size
 
 
 def _cflags() -> list[str]:
