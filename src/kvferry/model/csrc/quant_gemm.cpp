@@ -5,7 +5,8 @@
 //   w: [N, bytes_per_row] uint8, the rows' GGUF blocks back to back
 //   type: the ggml type id (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 Q2_K=10 Q3_K=11
 //         Q4_K=12 Q5_K=13 Q6_K=14); y: [M, N] float32
-// dequant(w, type, K) -> [rows, K] float32 (the prefill tiles; scalar loops)
+// dequant_into(w, type, out): w's rows as floats into out [rows, K] float32 or
+//   bf16 (the prefill tiles, into one reused buffer); dequant(w, type, K) -> float32
 // path() -> "avx512vnni" | "avxvnni" | "avx2" | "none" (gemm throws on "none")
 //
 // Every type's block is decoded by one function into 32-value groups of

@@ -18,9 +18,10 @@ O(M*N*K) multiplies that then run on 8-bit integers at four times the
 float lanes; its error is that of 8-bit rounding of x per block (below
 0.4% of the block's largest value per element), well under the weights' own.
 
-Prefill (``prefill``): tiles of ``PREFILL_TILE_ROWS`` weight rows are
-dequantized to bf16 and multiplied by oneDNN (AMX where present); one tile
-exists at a time. ``linear`` picks the path by M.
+Prefill (``prefill``): tiles of weight rows (``PREFILL_TILE_BYTES`` of bf16)
+are dequantized into one buffer per thread, kept between calls, and
+multiplied by oneDNN (AMX where present): no float copy of the weight
+persists. ``linear`` picks the path by M (``PREFILL_MIN_ROWS``, measured).
 """
 from kvferry.model.quant.formats import FORMATS, BlockFormat, QuantizedWeight, block_format
 from kvferry.model.quant.kernels import available, dequantize_rows, gemv, kernel_path, linear, prefill
