@@ -108,5 +108,7 @@ def _tile_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ W^T in ``out_dtype`` (default x's), by the path that fits M."""
-    y = gemv(x, weight) if x.shape[0] < PREFILL_MIN_ROWS[weight.fmt.block] else prefill(x, weight)
+    # Without AVX2 the library has only its scalar dequantizer: every M takes the tiles.
+    small = x.shape[0] < PREFILL_MIN_ROWS[weight.fmt.block] and kernel_path() != "none"
+    y = gemv(x, weight) if small else prefill(x, weight)
     return y.to(out_dtype or x.dtype)
