@@ -1,0 +1,112 @@
+"""The quantized matmul against gguf's float dequantization, for every block type.
+
+Two checks per case:
+
+* exact kernel: against (x rounded to 8 bits per block as the kernel does)
+  @ W_ref^T, to float32 summation error (rel. 1e-4 of the row's scale);
+* the bound the 8-bit activations allow: against the float x @ W_ref^T,
+  |y - y_ref| <= sum_k |W[n, k]| * d_k / 2, where d_k / 2 is the largest
+  rounding error of x's element k (its block's max|x| / 254). That is the
+  worst case of rounding x; the weights' own error is not in it, since the
+  reference is the dequantized weight itself.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry.model import quant
+from kvferry.model.quant import kernels
+from tests.model.quant.blocks import quantized_x, weight
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
+
+TYPES = list(quant.FORMATS)
+K, N = 512, 67  # two K-superblocks, sixteen 32-blocks; odd N
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, ref: torch.Tensor, exact: bool = True) -> None:
+    xq, half_step = quantized_x(x, w.fmt.block)
+    scale = (x.abs() @ ref.abs().T).amax(dim=1, keepdim=True)  # a row's largest |terms| sum
+    if exact:
+        assert ((y - xq @ ref.T).abs() <= 1e-4 * scale).all(), (y - xq @ ref.T).abs().max()
+    bound = half_step @ ref.abs().T + 1e-4 * scale
+    assert ((y - x @ ref.T).abs() <= bound).all(), ((y - x @ ref.T).abs() / bound).max()
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def typed(request):
+    return weight(request.param, N, K)
+
+
+def test_dequantize_is_ggufs(typed):
+    w, ref = typed
+    assert torch.equal(quant.dequantize_rows(w), ref)
+    assert torch.equal(quant.dequantize_rows(w, 5, 9), ref[5:9])
+    assert torch.equal(quant.dequantize_rows(w, dtype=torch.bfloat16), ref.bfloat16())
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 200])
+def test_gemv(typed, m):
+    w, ref = typed
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    check(quant.gemv(x, w), x, w, ref)
+
+
+def test_prefill_and_linear(typed, monkeypatch):
+    w, ref = typed
+    x = torch.randn(200, K)
+    monkeypatch.setattr(kernels, "PREFILL_TILE_BYTES", 16 * K * 4)  # tiles of 16 rows: 4 and a tail of 3
+    y = quant.prefill(x, w, torch.float32)
+    torch.testing.assert_close(y, x @ ref.T, rtol=1e-4, atol=1e-4)
+    # bf16 tiles: x and W each rounded to 8 bits of mantissa
+    torch.testing.assert_close(quant.prefill(x, w), x.bfloat16().float() @ ref.bfloat16().float().T,
+                               rtol=2e-2, atol=2e-2 * (x.abs() @ ref.abs().T).max().item() / 64)
+    assert quant.linear(x[:5], w).dtype == torch.float32
+    assert quant.linear(x[:5].bfloat16(), w).dtype == torch.bfloat16
+    check(quant.linear(x[:5], w), x[:5], w, ref)
+
+
+def test_bf16_x_and_path():
+    w, ref = weight("Q4_K", N, K)
+    x = torch.randn(3, K).bfloat16()
+    check(quant.gemv(x, w), x.float(), w, ref)
+    assert quant.kernel_path() in ("avx512vnni", "avxvnni", "avx2")
+
+
+def test_zero_rows_and_zero_x():
+    w, _ = weight("Q8_0", N, K)
+    assert quant.gemv(torch.zeros(0, K), w).shape == (0, N)
+    assert torch.equal(quant.gemv(torch.zeros(2, K), w), torch.zeros(2, N))
+
+
+_AVX2_PROBE = """
+import torch
+from kvferry.model import quant
+from tests.model.quant.test_kernels import check, TYPES, K, N
+from tests.model.quant.blocks import weight
+if not quant.available():
+    print("no build"); raise SystemExit
+assert quant.kernel_path() == "avx2", quant.kernel_path()
+for name in TYPES:
+    w, ref = weight(name, N, K)
+    assert torch.equal(quant.dequantize_rows(w), ref), name
+    for m in (1, 3, 16, 32, 200):
+        x = torch.randn(m, K)
+        check(quant.gemv(x, w), x, w, ref)
+print("avx2 quant ok")
+"""
+
+
+def test_the_avx2_build_is_right_too():
+    """The vpmaddubsw path an AVX2-only CPU runs (KVFERRY_KERNEL_ISA=avx2 builds it here)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVFERRY_KERNEL_ISA": "avx2", "KVFERRY_DISABLE_CPP_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", _AVX2_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if "no build" in done.stdout:
+        pytest.skip("the AVX2 build did not build here")
+    assert "avx2 quant ok" in done.stdout
