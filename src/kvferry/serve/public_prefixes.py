@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.core.hashing import CacheScope
+from kvferry.model.tokenizer import PromptTooLong
 from kvferry.serve.tenants import CacheNamespaces, Caller
 
 MAX_PUBLIC_PREFIXES = 4096
@@ -233,15 +234,21 @@ class CachePolicy:
 
 # ---- items: text or chat messages -> token ids ------------------------------
 
-def render_prefix(item: Any, tokenizer: Any, chat_template: str | None = None, where: str = "prefix") -> list[int]:
+def render_prefix(item: Any, tokenizer: Any, chat_template: str | None = None, where: str = "prefix",
+                  max_chars: int | None = None) -> list[int]:
     """Token ids of one item, exactly as the completions / chat endpoints
-    would tokenize the start of a prompt. ValueError names the field."""
+    would tokenize the start of a prompt. ValueError names the field (text
+    past ``max_chars`` cannot fit the context: refused before encoding)."""
     checked = check_item(item, where)
-    if isinstance(checked, str):
-        return tokenizer.encode(checked)
-    # As the chat endpoint encodes messages: special-token text typed in
-    # their content stays plain text (the server's default).
-    return tokenizer.encode_chat(checked, add_generation_prompt=False, chat_template=chat_template)
+    try:
+        if isinstance(checked, str):
+            return tokenizer.encode(checked, max_chars=max_chars)
+        # As the chat endpoint encodes messages: special-token text typed in
+        # their content stays plain text (the server's default).
+        return tokenizer.encode_chat(checked, add_generation_prompt=False, chat_template=chat_template,
+                                     max_chars=max_chars)
+    except PromptTooLong as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def check_item(item: Any, where: str = "prefix") -> str | list[dict[str, str]]:
@@ -283,13 +290,15 @@ class PublicPrefixRegistry:
     """Public prefixes of one server: rendered with its tokenizer and chat
     template, matched by its cache policy."""
 
-    def __init__(self, prefixes: PublicPrefixes, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(self, prefixes: PublicPrefixes, tokenizer: Any, chat_template: str | None = None,
+                 max_chars: int | None = None) -> None:
         self.prefixes = prefixes
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.max_chars = max_chars  # longer text cannot fit the context (Tokenizer.max_prompt_chars)
 
     def render(self, item: Any, where: str = "prefix") -> list[int]:
-        return render_prefix(item, self.tokenizer, self.chat_template, where)
+        return render_prefix(item, self.tokenizer, self.chat_template, where, self.max_chars)
 
     def register(self, item: Any, where: str = "prefix", owner: str = "") -> Registered:
         return self.prefixes.register(self.render(item, where), owner)
