@@ -15,6 +15,7 @@ KEYS = {
     "sk-beta-1": {"tenant": "beta", "quota": {"device_blocks": 100}},
     "sk-root": {"tenant": "ops", "admin": True},
     "sk-tiny-1": {"tenant": "tiny", "quota": {"device_blocks": 2}},
+    "sk-delta-1": {"tenant": "delta", "publish": True},  # a second publisher
 }
 # Ends in a newline so the next word starts a new token (byte-level BPE
 # never merges across it).

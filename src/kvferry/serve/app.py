@@ -118,7 +118,8 @@ def _public_prefixes(client: AsyncEngineClient, api: ApiOptions) -> PublicPrefix
         max_total_tokens=ready.num_kv_blocks * ready.block_size // 4,
         max_prefixes_per_tenant=api.max_public_prefixes_per_tenant,
         max_tokens_per_tenant=api.max_public_prefix_tokens_per_tenant)
-    public = PublicPrefixRegistry(PublicPrefixes(ready.block_size, limits=limits), client.tokenizer, api.chat_template)
+    public = PublicPrefixRegistry(PublicPrefixes(ready.block_size, limits=limits), client.tokenizer, api.chat_template,
+                                  client.tokenizer.max_prompt_chars(client.max_model_len))
     if api.public_prefixes_file:
         public.load_file(api.public_prefixes_file)
     return public

@@ -47,7 +47,8 @@ async def render_prompt(ctx: ServingContext, messages: list[ChatMessage], plan: 
     uses_tools = plan.active or any(m.tool_calls or m.role == "tool" for m in messages)
     template = template_for(ctx.client.tokenizer.chat_template, ctx.api.chat_template, uses_tools)
     return await tokenize(chat_prompt_ids, messages, ctx.client.tokenizer, plan, template,
-                          add_generation_prompt, param, ctx.api.allow_special_tokens_in_content)
+                          add_generation_prompt, param, ctx.api.allow_special_tokens_in_content,
+                          ctx.client.max_model_len, ctx.max_prompt_chars())
 
 
 def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:

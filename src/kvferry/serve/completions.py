@@ -12,6 +12,12 @@ is how lm-eval's loglikelihood requests read a continuation's logprob
 only with echo: the engine computes the prompt and samples nothing.
 Streamed, a choice's first chunk carries its prompt (and the prompt's
 logprobs) before what it generated, as vLLM streams it.
+
+``prompt_logprobs`` (vLLM's extension, 0 to 20): each choice carries
+``prompt_logprobs``, one entry per prompt token (the first null), each the
+prompt token's and the top-n tokens' ``{logprob, rank, decoded_token}`` by
+token id. The engine computes them as it does echo's (the same numbers);
+as in vLLM they are not streamed.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from kvferry.outputs import RequestOutput
 from kvferry.sampling import SamplingParams
 from kvferry.serve.choice_streams import ChoiceStreams
 from kvferry.serve.errors import APIError, bad_request
-from kvferry.serve.logprobs import TokenStrings, completion_logprobs
+from kvferry.serve.logprobs import TokenStrings, completion_logprobs, prompt_logprobs
 from kvferry.serve.params import (
     CompletionPrompt, completion_prompts, raise_for_model, resolve_max_tokens, sampling_params,
 )
@@ -42,6 +48,7 @@ from kvferry.serve.tenants import Caller
 
 # OpenAI's default length for completions.
 DEFAULT_MAX_TOKENS = 16
+MAX_PROMPT_LOGPROBS = 20  # as logprobs (SamplingParams' bound)
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, caller: Caller, arrival: float,
@@ -49,11 +56,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, caller:
     """``caller``: who sent it (its cache scope); ``arrival``: time.monotonic()
     when the HTTP request arrived (for TTFT)."""
     model = raise_for_model(req.model, ctx.served_model_names)
-    prompts = await tokenize(completion_prompts, req, ctx.client.tokenizer, ctx.client.ready.vocab_size)
+    _check_prompt_logprobs(req)
+    prompts = await tokenize(completion_prompts, req, ctx.client.tokenizer, ctx.client.ready.vocab_size,
+                             ctx.client.max_model_len, ctx.max_prompt_chars())
     prompt_only = req.echo and req.max_tokens == 0  # echo the prompt, generate nothing (as vLLM)
     if req.echo and (prompt_only or req.logprobs is not None) and ctx.client.router.mode == "disagg":
         # The prefill core computes the prompt; its prompt results do not travel with the KV.
         raise bad_request("echo with logprobs or max_tokens=0 is not supported with disaggregated prefill", "echo")
+    if req.prompt_logprobs is not None and ctx.client.router.mode == "disagg":
+        raise bad_request("prompt_logprobs is not supported with disaggregated prefill", "prompt_logprobs")
     params = _prompt_params(ctx, req, prompts, prompt_only)
     ids = RequestIds.make("cmpl", client_request_id)
     echo_texts = await tokenize(_echo_texts, prompts, ctx.client.tokenizer) if req.echo else None
@@ -86,9 +97,30 @@ def _prompt_params(ctx: ServingContext, req: CompletionRequest, prompts: list[Co
                for k, prompt in enumerate(prompts)]
     # Built (and its output constraint compiled) once; copies differ in max_tokens.
     params = sampling_params(req, lengths[0], req.logprobs)
-    if req.echo:
-        params = replace(params, prompt_only=prompt_only, prompt_logprobs=req.logprobs)
+    # One computation serves echo's logprobs and prompt_logprobs: the larger
+    # top-n, each answer cut to its own.
+    wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
+    if req.echo or wanted:
+        params = replace(params, prompt_only=prompt_only, prompt_logprobs=max(wanted) if wanted else None)
     return [params if m == params.max_tokens else replace(params, max_tokens=m) for m in lengths]
+
+
+def _check_prompt_logprobs(req: CompletionRequest) -> None:
+    """vLLM's bounds: a count of top tokens (here at most 20, as logprobs),
+    and not with stream."""
+    n = req.prompt_logprobs
+    if n is None:
+        return
+    if not 0 <= n <= MAX_PROMPT_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {n}", "prompt_logprobs")
+    if req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+
+
+def _with_top(entries: list[TokenLogprobs | None], n: int) -> list[TokenLogprobs | None]:
+    """Entries cut to the top ``n`` (the engine computed the larger of two counts)."""
+    return [e if e is None or len(e.top_token_ids) <= n else
+            replace(e, top_token_ids=e.top_token_ids[:n], top_logprobs=e.top_logprobs[:n]) for e in entries]
 
 
 def _echo_texts(prompts: list[CompletionPrompt], tokenizer: Any) -> list[str]:
@@ -105,15 +137,20 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, mode
     for out in finals:
         seq = out.outputs[0]
         prompt = prompts[seq.index // req.n]
-        text, logprobs = seq.text, None
+        text, logprobs, prompt_entries = seq.text, None, None
         if echo_texts is not None:
             text = echo_texts[seq.index // req.n] + seq.text
             if req.logprobs is not None:
-                logprobs = _echo_logprobs(prompt.ids, out.prompt_logprobs, seq.logprobs or [], ctx.token_strings)
+                entries = None if out.prompt_logprobs is None else _with_top(out.prompt_logprobs, req.logprobs)
+                logprobs = _echo_logprobs(prompt.ids, entries, seq.logprobs or [], ctx.token_strings)
         elif req.logprobs is not None:
             logprobs = completion_logprobs(seq.logprobs or [], ctx.token_strings, 0)
+        if req.prompt_logprobs is not None:
+            prompt_entries = prompt_logprobs(_checked_prompt_logprobs(prompt.ids, out.prompt_logprobs),
+                                             req.prompt_logprobs, ctx.token_strings)
         choices.append(CompletionChoice(index=seq.index, text=text, logprobs=logprobs,
-                                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                        prompt_logprobs=prompt_entries))
     return CompletionResponse(
         id=request_id, created=now_s(), model=model, choices=choices,
         usage=_usage(prompts, req.n, finals),
@@ -130,16 +167,23 @@ def _usage(prompts: list[CompletionPrompt], n: int, finals: list[RequestOutput])
     return usage(sum(len(p.ids) for p in prompts), sum(len(out.outputs[0].token_ids) for out in finals), sum(cached))
 
 
-def _echo_logprobs(prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None] | None,
-                   generated: list[TokenLogprobs], strings: TokenStrings) -> CompletionLogprobs:
-    """The prompt's tokens then the generated ones, as one logprobs object:
-    the first prompt token's logprob and top_logprobs are null (nothing
-    precedes it), as in vLLM and OpenAI."""
+def _checked_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None] | None,
+                             ) -> list[TokenLogprobs | None]:
+    """The engine's prompt logprobs, one per prompt token (the first None)."""
     entries = prompt_logprobs[1:] if prompt_logprobs is not None else []
     if len(entries) != len(prompt_ids) - 1 or any(e is None for e in entries):
         # The engine reports them with the step that ends the prompt; a
         # request that ended before that (an error) has none.
         raise APIError(500, "the prompt's logprobs are missing: the request ended before its prompt was computed")
+    return [None, *entries]
+
+
+def _echo_logprobs(prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None] | None,
+                   generated: list[TokenLogprobs], strings: TokenStrings) -> CompletionLogprobs:
+    """The prompt's tokens then the generated ones, as one logprobs object:
+    the first prompt token's logprob and top_logprobs are null (nothing
+    precedes it), as in vLLM and OpenAI."""
+    entries = _checked_prompt_logprobs(prompt_ids, prompt_logprobs)[1:]
     first = prompt_ids[0]
     out = completion_logprobs(entries, strings, len(strings(first)))
     out.tokens.insert(0, strings(first))

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from starlette.responses import Response
 
+from kvferry.model.tokenizer import PromptTooLong
 from kvferry.sampling import SamplingParams
 from kvferry.serve.errors import APIError, bad_request
-from kvferry.serve.params import raise_for_model
+from kvferry.serve.params import raise_for_model, too_long
 from kvferry.serve.protocol import (
     MAX_EMBEDDING_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage,
 )
@@ -36,7 +37,8 @@ async def create_embeddings(ctx: ServingContext, req: EmbeddingRequest, caller: 
         raise bad_request("embeddings are not supported with disaggregated prefill", "model")
     if req.dimensions is not None:
         raise bad_request("dimensions is not supported (the model's hidden size is returned)", "dimensions")
-    inputs = await tokenize(embedding_inputs, req.input, ctx.client.tokenizer)
+    inputs = await tokenize(embedding_inputs, req.input, ctx.client.tokenizer, ctx.client.max_model_len,
+                            ctx.max_prompt_chars())
     params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
     base_id = f"embd-{uuid.uuid4().hex}"
     streams: list[RequestStream] = []
@@ -66,9 +68,11 @@ async def create_embeddings(ctx: ServingContext, req: EmbeddingRequest, caller: 
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def embedding_inputs(value: str | list[Any], tokenizer: Any) -> list[list[int]]:
+def embedding_inputs(value: str | list[Any], tokenizer: Any, max_model_len: int | None = None,
+                     max_chars: int | None = None) -> list[list[int]]:
     """The request's inputs as token ids, one list per vector (400 naming
-    ``input`` on an empty input or too many of them)."""
+    ``input`` on an empty input or too many of them, or a text too long to
+    fit the context: ``max_chars``, refused before encoding)."""
     if isinstance(value, str):
         items: list[Any] = [value]
     elif value and all(isinstance(t, int) for t in value):
@@ -81,7 +85,10 @@ def embedding_inputs(value: str | list[Any], tokenizer: Any) -> list[list[int]]:
         raise bad_request(f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} per request", "input")
     out = []
     for i, item in enumerate(items):
-        ids = tokenizer.encode(item) if isinstance(item, str) else list(item)
+        try:
+            ids = tokenizer.encode(item, max_chars=max_chars) if isinstance(item, str) else list(item)
+        except PromptTooLong as exc:
+            raise too_long(exc, f"input[{i}]" if len(items) > 1 else "input", "input", max_model_len or 0) from None
         if not ids:
             raise bad_request(f"input[{i}] must not be empty", "input")
         out.append(ids)

@@ -14,6 +14,11 @@ that gap:
 - ``RequestLimitsMiddleware``: an ASGI middleware that rejects too many
   headers (431) and ends a body not fully received in time (408, and the
   connection closes: its remaining bytes are unknown).
+
+The same protocol closes a connection whose request body is still arriving
+(a 413 answered before the body was read) with a lingering close
+(``lingering_close.py``), so that a client that sends its whole body before
+reading gets the answer rather than a connection reset.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvferry.serve.errors import APIError, error_response
+from kvferry.serve.lingering_close import LingeringTransport
 
 _REQUEST_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                         b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
@@ -45,18 +51,27 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
         _partial_head = False  # bytes of a request head arrived since the timer was armed
 
         def data_received(self, data: bytes) -> None:
+            if isinstance(self.transport, LingeringTransport) and self.transport.lingering:
+                self.transport.discard(data)  # the rest of a refused body: never parsed
+                return
             if self._header_timer is None and self.conn.their_state is h11.IDLE:
                 self._arm_header_timer()  # the first bytes of the next request on a kept-alive connection
             self._partial_head = True
             super().data_received(data)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(LingeringTransport(transport, self._body_unfinished, self.loop))
             self._arm_header_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
+            if isinstance(self.transport, LingeringTransport) and self.transport.lingering:
+                self.transport.close()  # the lingering timer goes with it
             super().connection_lost(exc)
+
+        def _body_unfinished(self) -> bool:
+            """The client is still sending a request body (closing now would reset it)."""
+            return self.conn.their_state is h11.SEND_BODY
 
         def on_response_complete(self) -> None:
             # Idle until the next request: uvicorn's keep-alive timer closes

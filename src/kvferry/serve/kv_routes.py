@@ -7,6 +7,11 @@ the service that prefills a declaration.
     GET    /v1/kv/stats                  the caller's prefix-cache counters (an admin's: every tenant's)
     DELETE /v1/kv/tenants/{tenant}       an admin: drop the tenant's unused cached blocks
 
+Each publisher's declarations are its own: two publishers of the same text
+hold two declarations (two ids, each ``"new"`` on its first declaration),
+so an answer never tells whether someone else declared a prefix; the
+matching trie holds the tokens while any declaration does.
+
 Declaring a prefix prefills it at once, in the publisher's name: the
 declaration's own request is the only one that ever writes public blocks
 (``CacheScope.writes_public``), and the core holds them pinned while they
@@ -152,7 +157,9 @@ def public_prefix_routes(service: PublicPrefixService, max_body_bytes: int) -> l
             raise bad_request(str(exc), "prefix") from None
         except EngineDeadError as exc:
             raise APIError(503, f"the prefix could not be prefilled: {exc}", code="engine_unavailable") from None
-        return JSONResponse(registration_body(registered, len(service.prefixes), prefilled))
+        # Only the caller's own count: the server's total would tell a
+        # publisher how many prefixes the others declare.
+        return JSONResponse(registration_body(registered, len(service.prefixes.of(tenant.name)), prefilled))
 
     async def list_prefixes(request: Request) -> Response:
         tenant = current_tenant.get()

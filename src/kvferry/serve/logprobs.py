@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from kvferry.core.outputs import TokenLogprobs
-from kvferry.serve.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kvferry.serve.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 # JSON has no -inf; vLLM clamps to the same value.
 _MIN_LOGPROB = -9999.0
@@ -80,4 +80,23 @@ def completion_logprobs(entries: list[TokenLogprobs], strings: TokenStrings, tex
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(token)
+    return out
+
+
+def prompt_logprobs(entries: list[TokenLogprobs | None], num_top: int,
+                    strings: TokenStrings) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` of one prompt: per token, None for the
+    first, else the prompt token's entry and the top ``num_top`` (the engine
+    may have computed more, for echo's logprobs), keyed by token id."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        # The prompt token first, then the top-n (as vLLM lists them).
+        ranked = {str(e.token_id): PromptLogprob(logprob=_clamp(e.logprob), rank=e.rank,
+                                                 decoded_token=strings(e.token_id))}
+        for rank, (tid, lp) in enumerate(zip(e.top_token_ids[:num_top], e.top_logprobs[:num_top]), 1):
+            ranked.setdefault(str(tid), PromptLogprob(logprob=_clamp(lp), rank=rank, decoded_token=strings(tid)))
+        out.append(ranked)
     return out

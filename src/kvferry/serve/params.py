@@ -12,6 +12,7 @@ from typing import Any
 
 import jinja2
 
+from kvferry.model.tokenizer import PromptTooLong
 from kvferry.sampling import SamplingParams, StructuredOutputsParams
 from kvferry.serve.errors import APIError, bad_request
 from kvferry.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -41,11 +42,22 @@ class CompletionPrompt:
     text: str | None = None
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[CompletionPrompt]:
+def too_long(exc: PromptTooLong, where: str, param: str, max_model_len: int) -> APIError:
+    """The 400 of a text refused before encoding (Tokenizer.max_prompt_chars)."""
+    return bad_request(
+        f"{where}: This model's maximum context length is {max_model_len} tokens, which hold at most "
+        f"{exc.max_chars} characters of text for this tokenizer. However, your {where} has {exc.num_chars} "
+        "characters. Please shorten it.", param)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int, max_model_len: int | None = None,
+                       max_chars: int | None = None) -> list[CompletionPrompt]:
     """The prompts of a completions request, as OpenAI and vLLM read
     ``prompt``: a string, a list of strings, token ids (one prompt), or a
     list of token-id lists. Every one is checked here (400 naming
-    ``prompt``), so that a bad one fails the request before any runs."""
+    ``prompt``), so that a bad one fails the request before any runs.
+    ``max_chars``: a string prompt longer than this cannot fit the context
+    (``max_model_len``) and is refused before encoding."""
     prompt = req.prompt
     items: list[str | list[int]]
     if isinstance(prompt, str):
@@ -65,7 +77,10 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) 
         if not item:
             raise bad_request(f"{where} must not be empty", "prompt")
         if isinstance(item, str):
-            out.append(CompletionPrompt(tokenizer.encode(item), item))
+            try:
+                out.append(CompletionPrompt(tokenizer.encode(item, max_chars=max_chars), item))
+            except PromptTooLong as exc:
+                raise too_long(exc, where, "prompt", max_model_len or 0) from None
             continue
         bad = next((t for t in item if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -76,18 +91,23 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, plan: ToolPlan, template: str | None,
                     add_generation_prompt: bool = True, param: str = "messages",
-                    special_tokens_in_content: bool = False) -> list[int]:
+                    special_tokens_in_content: bool = False, max_model_len: int | None = None,
+                    max_chars: int | None = None) -> list[int]:
     """Render the chat template (with the request's tools) and encode it. The
     template already writes BOS / role tokens, so no special tokens are added
     again; special-token text inside the messages and tools stays plain text
     (a user cannot open a system turn by typing one) unless the server runs
-    with --allow-special-tokens-in-content."""
+    with --allow-special-tokens-in-content. A rendered conversation longer
+    than ``max_chars`` cannot fit the context and is refused before encoding."""
     if not messages:
         raise bad_request(f"{param} must not be empty", param)
     dicts = plan.template_messages(message_dicts(messages))
     try:
         return tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=plan.tools or None,
-                                     chat_template=template, special_tokens_in_content=special_tokens_in_content)
+                                     chat_template=template, special_tokens_in_content=special_tokens_in_content,
+                                     max_chars=max_chars)
+    except PromptTooLong as exc:
+        raise too_long(exc, param, param, max_model_len or 0) from None
     except jinja2.TemplateError as exc:
         raise bad_request(f"chat template error: {exc}", param) from exc
     except (ValueError, TypeError) as exc:  # no chat template; a template tripping over odd input

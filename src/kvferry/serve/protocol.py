@@ -107,6 +107,9 @@ class CompletionRequest(SamplingFields):
     # default (--max-tokens-default) apply first.
     max_tokens: int | None = None
     logprobs: int | None = None
+    # vLLM's extension: the prompt tokens' logprobs (and the top-n at each),
+    # per choice; checked in serve/completions.py (a 400 naming it).
+    prompt_logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -201,12 +204,24 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """One token's entry in vLLM's ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extension: the stop string / token
+    # vLLM extension, with the request's prompt_logprobs: one entry per prompt
+    # token, the first null (nothing precedes it), each other one the prompt
+    # token's and the top-n tokens' {logprob, rank, decoded_token} by token id.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Response):

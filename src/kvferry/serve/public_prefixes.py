@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.core.hashing import CacheScope
+from kvferry.model.tokenizer import PromptTooLong
 from kvferry.serve.tenants import CacheNamespaces, Caller
 
 MAX_PUBLIC_PREFIXES = 4096
@@ -44,7 +45,7 @@ MAX_PUBLIC_PREFIXES = 4096
 class Registered:
     num_tokens: int
     num_blocks: int  # whole blocks inside the prefix: the part that is shared
-    new: bool  # False: the same prefix was registered before
+    new: bool  # False: this owner declared the same prefix before (no one else's declaration shows)
     id: str = ""  # the declaration's id (DELETE /v1/kv/public_prefixes/{id})
 
 
@@ -83,9 +84,12 @@ class PrefixLimitError(ValueError):
     """A declaration past one of the PrefixLimits (a 400 naming ``prefix``)."""
 
 
-def declaration_id(token_ids: list[int] | tuple[int, ...]) -> str:
-    digest = hashlib.sha256(b"kvferry-public-prefix" + json.dumps(list(token_ids)).encode()).hexdigest()
-    return f"pp-{digest[:24]}"
+def declaration_id(token_ids: list[int] | tuple[int, ...], owner: str = "") -> str:
+    """One owner's declaration of one prefix. The owner is part of the id,
+    so two publishers of the same text hold two declarations with two ids:
+    neither the id nor ``new`` says whether another publisher declared it."""
+    payload = json.dumps([owner, list(token_ids)]).encode()
+    return f"pp-{hashlib.sha256(b'kvferry-public-prefix' + payload).hexdigest()[:24]}"
 
 
 class _Node:
@@ -93,24 +97,27 @@ class _Node:
 
     def __init__(self) -> None:
         self.children: dict[int, _Node] = {}
-        self.terminal = False
+        self.terminal = 0  # how many declarations end here
 
 
 class TokenTrie:
     """Token-id sequences; ``longest_prefix_of(ids)`` is the length of the
-    longest stored sequence that ``ids`` begins with (0 if none)."""
+    longest stored sequence that ``ids`` begins with (0 if none). A sequence
+    inserted n times stays until removed n times (several publishers may
+    declare the same prefix)."""
 
     def __init__(self) -> None:
         self._root = _Node()
         self.size = 0
 
     def insert(self, token_ids: list[int]) -> bool:
+        """True when the sequence was not stored before."""
         node = self._root
         for t in token_ids:
             node = node.children.setdefault(t, _Node())
-        if node.terminal:
+        node.terminal += 1
+        if node.terminal > 1:
             return False
-        node.terminal = True
         self.size += 1
         return True
 
@@ -124,7 +131,9 @@ class TokenTrie:
             path.append(node)
         if not path[-1].terminal:
             return False
-        path[-1].terminal = False
+        path[-1].terminal -= 1
+        if path[-1].terminal:
+            return True  # another declaration still holds it
         self.size -= 1
         for parent, t in zip(reversed(path[:-1]), reversed(list(token_ids))):
             child = parent.children[t]
@@ -154,14 +163,19 @@ class PublicPrefixes:
         self.declarations: dict[str, Declaration] = {}  # by id, in declaration order
 
     def __len__(self) -> int:
-        return self._trie.size
+        """The number of declarations (every owner's)."""
+        return len(self.declarations)
 
     def register(self, token_ids: list[int], owner: str = "") -> Registered:
         """Declare a prefix in ``owner``'s name (PrefixLimitError past a limit).
-        The same tokens declared again are the same declaration."""
+        The same tokens declared again by the same owner are the same
+        declaration. Each owner's declarations are its own record: whether
+        another owner declared the same tokens changes neither the answer
+        nor the limits (each declaration counts in full), so a publisher
+        learns nothing about the others' declarations."""
         if not token_ids:
             raise ValueError("prefix: renders to no tokens")
-        pid = declaration_id(token_ids)
+        pid = declaration_id(token_ids, owner)
         if pid in self.declarations:
             return Registered(len(token_ids), len(token_ids) // self.block_size, False, pid)
         self._check_limits(len(token_ids), owner)
@@ -220,15 +234,21 @@ class CachePolicy:
 
 # ---- items: text or chat messages -> token ids ------------------------------
 
-def render_prefix(item: Any, tokenizer: Any, chat_template: str | None = None, where: str = "prefix") -> list[int]:
+def render_prefix(item: Any, tokenizer: Any, chat_template: str | None = None, where: str = "prefix",
+                  max_chars: int | None = None) -> list[int]:
     """Token ids of one item, exactly as the completions / chat endpoints
-    would tokenize the start of a prompt. ValueError names the field."""
+    would tokenize the start of a prompt. ValueError names the field (text
+    past ``max_chars`` cannot fit the context: refused before encoding)."""
     checked = check_item(item, where)
-    if isinstance(checked, str):
-        return tokenizer.encode(checked)
-    # As the chat endpoint encodes messages: special-token text typed in
-    # their content stays plain text (the server's default).
-    return tokenizer.encode_chat(checked, add_generation_prompt=False, chat_template=chat_template)
+    try:
+        if isinstance(checked, str):
+            return tokenizer.encode(checked, max_chars=max_chars)
+        # As the chat endpoint encodes messages: special-token text typed in
+        # their content stays plain text (the server's default).
+        return tokenizer.encode_chat(checked, add_generation_prompt=False, chat_template=chat_template,
+                                     max_chars=max_chars)
+    except PromptTooLong as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def check_item(item: Any, where: str = "prefix") -> str | list[dict[str, str]]:
@@ -270,13 +290,15 @@ class PublicPrefixRegistry:
     """Public prefixes of one server: rendered with its tokenizer and chat
     template, matched by its cache policy."""
 
-    def __init__(self, prefixes: PublicPrefixes, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(self, prefixes: PublicPrefixes, tokenizer: Any, chat_template: str | None = None,
+                 max_chars: int | None = None) -> None:
         self.prefixes = prefixes
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.max_chars = max_chars  # longer text cannot fit the context (Tokenizer.max_prompt_chars)
 
     def render(self, item: Any, where: str = "prefix") -> list[int]:
-        return render_prefix(item, self.tokenizer, self.chat_template, where)
+        return render_prefix(item, self.tokenizer, self.chat_template, where, self.max_chars)
 
     def register(self, item: Any, where: str = "prefix", owner: str = "") -> Registered:
         return self.prefixes.register(self.render(item, where), owner)
@@ -286,6 +308,8 @@ class PublicPrefixRegistry:
 
 
 def registration_body(registered: Registered, total: int, prefilled: bool = False) -> dict[str, Any]:
+    """``total``: the caller's own declarations (never the server's, which
+    would count the other publishers')."""
     return {"object": "kv.public_prefix", "id": registered.id, "num_tokens": registered.num_tokens,
             "num_blocks": registered.num_blocks, "new": registered.new, "prefilled": prefilled,
             "num_public_prefixes": total}

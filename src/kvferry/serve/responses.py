@@ -10,8 +10,12 @@ previous one's and its prefix KV blocks are reused (``cached_tokens``).
 ``text.format`` constrains the output as chat's ``response_format`` does
 (params.structured_outputs compiles it, with the same schema checks).
 
-Stored responses live in a bounded in-memory store with expiry, each
-readable only by the tenant that stored it.
+Stored responses live in a bounded in-memory store with expiry, keyed by
+(tenant, id): one tenant can never read, continue, replace or delete
+another's. Response ids are the server's own (``resp_<random hex>``, as
+vLLM's): a client's X-Request-Id stays the request's trace id (echoed, and
+in the engine's request id) and never names a stored response, so no
+client can pick an id that lands on another's entry.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from kvferry.serve.protocol import (
     ResponseObject, ResponsesNamedToolChoice, ResponsesRequest, ResponseUsage, ToolCall, now_s,
 )
 from kvferry.serve.serving import (
-    Delta, EventStreamResponse, RequestIds, ServingContext, collect, start_request, stream_events,
+    Delta, EventStreamResponse, ServingContext, collect, start_request, stream_events,
 )
 from kvferry.serve.tenants import Caller
 from kvferry.serve.tools import ParsedOutput, ParsedToolCall, ToolPlan, plan_tools
@@ -46,22 +50,24 @@ class StoredResponse:
     response: ResponseObject
     conversation: list[ChatMessage]  # input and output of every turn so far, without instructions
     expires_at: float
-    owner: str  # the tenant that stored it: no other tenant can read, continue or delete it
+    owner: str  # the tenant that stored it: no other tenant can read, continue, replace or delete it
 
 
 class ResponseStore:
-    """Bounded LRU of stored responses with a time to live. Event-loop only."""
+    """Bounded LRU of stored responses with a time to live, keyed by
+    (owner, response id). Event-loop only."""
 
     def __init__(self, max_size: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_size = max_size
         self.ttl_s = ttl_s
         self.clock = clock
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
 
     def put(self, response: ResponseObject, conversation: list[ChatMessage], owner: str) -> None:
         self._expire()
-        self._entries[response.id] = StoredResponse(response, conversation, self.clock() + self.ttl_s, owner)
-        self._entries.move_to_end(response.id)
+        key = (owner, response.id)
+        self._entries[key] = StoredResponse(response, conversation, self.clock() + self.ttl_s, owner)
+        self._entries.move_to_end(key)
         while len(self._entries) > self.max_size:
             self._entries.popitem(last=False)  # the least recently used goes first
 
@@ -69,25 +75,24 @@ class ResponseStore:
         """The entry if ``owner`` stored it; another tenant's id reads as
         absent, so ids reveal nothing across tenants."""
         self._expire()
-        entry = self._entries.get(response_id)
-        if entry is None or entry.owner != owner:
+        key = (owner, response_id)
+        entry = self._entries.get(key)
+        if entry is None:
             return None
-        self._entries.move_to_end(response_id)
+        self._entries.move_to_end(key)
         return entry
 
     def delete(self, response_id: str, owner: str) -> bool:
-        if self.get(response_id, owner) is None:
-            return False
-        del self._entries[response_id]
-        return True
+        self._expire()
+        return self._entries.pop((owner, response_id), None) is not None
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _expire(self) -> None:
         now = self.clock()
-        for rid in [rid for rid, e in self._entries.items() if e.expires_at <= now]:
-            del self._entries[rid]
+        for key in [key for key, e in self._entries.items() if e.expires_at <= now]:
+            del self._entries[key]
 
 
 # ---- POST /v1/responses ---------------------------------------------------------
@@ -110,9 +115,10 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
     max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt_ids), ctx.client.max_model_len, "input",
                                     ctx.max_tokens(), "max_output_tokens")
     params = sampling_params(req, max_tokens, None, plan)
-    ids = RequestIds.make("resp", client_request_id, sep="_")  # OpenAI's id style: resp_..., msg_...
-    builder = _Builder(req, ids.public, model, len(prompt_ids), plan)
-    handle = await start_request(ctx, ids.engine, prompt_ids, params, arrival, caller)
+    response_id = new_response_id()
+    builder = _Builder(req, response_id, model, len(prompt_ids), plan)
+    handle = await start_request(ctx, _engine_request_id(response_id, client_request_id), prompt_ids, params,
+                                 arrival, caller)
 
     def keep(response: ResponseObject, parsed: ParsedOutput) -> None:
         if req.store:
@@ -127,6 +133,21 @@ async def create_response(store: ResponseStore, ctx: ServingContext, req: Respon
     response = builder.response(parsed, seq.finish_reason, len(seq.token_ids), finals[0].num_cached_tokens)
     keep(response, parsed)
     return _json(response)
+
+
+def new_response_id() -> str:
+    """The server's id of a response (OpenAI's style, as vLLM makes it):
+    random, so no client can choose it."""
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def _engine_request_id(response_id: str, client_request_id: str | None) -> str:
+    """The engine's (and the logs') id of the request: the client's
+    X-Request-Id, where it sent one, stays findable in it, as on the other
+    endpoints; the response id keeps it unique."""
+    if client_request_id is None:
+        return response_id
+    return f"{response_id}-{client_request_id}"
 
 
 def _check_text_format(req: ResponsesRequest) -> None:

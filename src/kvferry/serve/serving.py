@@ -52,6 +52,11 @@ class ServingContext:
         (16 for completions), which --max-tokens-default replaces."""
         return MaxTokens(self.api.max_tokens_default or default, self.api.max_tokens_limit)
 
+    def max_prompt_chars(self) -> int | None:
+        """Longer text cannot fit the context: it is refused without being
+        encoded (None: the tokenizer gives no honest bound)."""
+        return self.client.tokenizer.max_prompt_chars(self.client.max_model_len)
+
     def cache_scope(self, caller: Caller, prompt_ids: list[int]) -> CacheScope:
         """The one scope of a caller's request; it reaches the core unchanged."""
         if self.cache_policy is None:
@@ -125,7 +130,10 @@ def _is_union_tag(part: object) -> bool:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    # The rest of the body is not read: the connection closes after the
+    # answer, lingering to drain what the client still sends (http_limits).
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                    close_connection=True)
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -329,6 +337,7 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
     )
 
 
-async def tokenize(fn: Callable[..., list[int]], *args: Any) -> list[int]:
-    """Chat templates and long prompts off the event loop."""
+async def tokenize(fn: Callable[..., Any], *args: Any) -> Any:
+    """Chat templates and long prompts off the event loop (the tokenizer
+    releases the GIL while it encodes, model/tokenizer.py)."""
     return await asyncio.to_thread(fn, *args)

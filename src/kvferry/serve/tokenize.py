@@ -6,7 +6,8 @@ from starlette.responses import Response
 
 from kvferry.serve.chat import render_prompt
 from kvferry.serve.errors import bad_request
-from kvferry.serve.params import raise_for_model
+from kvferry.model.tokenizer import PromptTooLong
+from kvferry.serve.params import raise_for_model, too_long
 from kvferry.serve.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvferry.serve.serving import ServingContext, tokenize
 from kvferry.serve.tools import plan_tools
@@ -20,7 +21,10 @@ async def tokenize_endpoint(ctx: ServingContext, req: TokenizeRequest) -> Respon
         ids = await render_prompt(ctx, req.messages, plan, req.add_generation_prompt)
     else:
         assert req.prompt is not None
-        ids = await tokenize(tokenizer.encode, req.prompt, req.add_special_tokens)
+        try:
+            ids = await tokenize(tokenizer.encode, req.prompt, req.add_special_tokens, ctx.max_prompt_chars())
+        except PromptTooLong as exc:
+            raise too_long(exc, "prompt", "prompt", ctx.client.max_model_len) from None
     body = TokenizeResponse(count=len(ids), max_model_len=ctx.client.max_model_len, tokens=ids)
     return Response(body.model_dump_json(), media_type="application/json")
 

@@ -19,6 +19,7 @@ import torch
 import xgrammar as xgr
 
 from kvferry.structured.bitmask import bitmask_width
+from kvferry.structured.errors import library_reason
 from kvferry.structured.spec import GrammarSpec
 
 _COMPILE_CACHE_SIZE = 256
@@ -65,7 +66,7 @@ class GrammarCompiler:
             alternatives = " | ".join(_ebnf_literal(c) for c in spec.choices())
             return self._compiler.compile_grammar(f"root ::= {alternatives}")
         except (RuntimeError, ValueError, xgr.InvalidJSONError) as exc:
-            raise ValueError(f"{spec.kind}: cannot compile: {exc}") from None
+            raise ValueError(f"{spec.kind}: cannot compile: {library_reason(exc)}") from None
 
 
 def _mask_of(ids: list[int], vocab_size: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvferry.structured.errors import library_reason
+
 if TYPE_CHECKING:
     from kvferry.sampling import StructuredOutputsParams
 
@@ -135,7 +137,5 @@ def check_compiles(spec: GrammarSpec, field: str) -> None:
         elif spec.kind == "grammar":
             xgr.Grammar.from_ebnf(spec.source)
     except RuntimeError as exc:
-        # xgrammar's messages start with a C++ source location: keep the reason.
-        reason = str(exc).strip().split("\n")[0]
-        reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
-        raise ValueError(f"{field} cannot be compiled: {reason}") from None
+        # xgrammar's messages start with a timestamp and a C++ source location: keep the reason.
+        raise ValueError(f"{field} cannot be compiled: {library_reason(exc)}") from None

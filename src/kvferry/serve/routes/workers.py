@@ -19,6 +19,7 @@ from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.errors import APIError, bad_request
 from kvferry.serve.serving import read_body
 from kvferry.serve.tenants import ApiKeys, current_tenant
+from kvferry.serve.worker_address import WorkerUnreachable, check_worker_address, probe_worker
 
 
 class _WorkerBody(BaseModel):
@@ -60,10 +61,14 @@ def worker_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_byte
         item = _worker_body(await read_body(request, max_body_bytes))
         address, role = item.address, item.role
         try:
+            # At once, not after the join's handshake timeout: a malformed
+            # address or a path that is no socket is a 400, and a peer that
+            # is not there or does not speak ZeroMQ a 502 within seconds.
+            await probe_worker(check_worker_address(address))
             worker = await client.join_worker(address, role)
         except ValueError as exc:
             raise bad_request(str(exc), "role" if str(exc).startswith("role") else "address") from None
-        except EngineCoreStartError as exc:
+        except (EngineCoreStartError, WorkerUnreachable) as exc:
             raise APIError(502, f"could not join the worker at {address!r}: {exc}", "address",
                            code="worker_unreachable") from None
         return JSONResponse(worker.describe(client.index.num_blocks(worker.name)))

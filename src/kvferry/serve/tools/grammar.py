@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvferry.structured.errors import library_reason
+
 # The key that holds the arguments, and the text around one call, per parser.
 _FORMATS: dict[str, tuple[str, str, str]] = {
     "hermes": ("arguments", "<tool_call>\n", "\n</tool_call>"),
@@ -39,7 +41,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], parser_name: str) -> str:
     try:
         parts = [xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)]
     except RuntimeError as exc:
-        raise ValueError(f"tools: a function's parameters cannot be compiled: {str(exc).strip()}") from None
+        # Without xgrammar's timestamp and build paths: the reason only.
+        raise ValueError(f"tools: a function's parameters cannot be compiled: {library_reason(exc)}") from None
     if before:
         parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(before)}"))
     if after:
