@@ -143,7 +143,7 @@ def peak_matmul_flops(model: LlamaModel, rows: int = 2048, repeats: int = 7) -> 
     mlp = model.layers[0].mlp
     # Shapes from the config: once packed, the plain weight may be released.
     n, k = 2 * model.config.intermediate_size, model.config.hidden_size
-    w, packed = mlp.gate_up_weight, mlp.gate_up_packed
+    w, packed = mlp.gate_up_proj.weight, mlp.gate_up_proj.packed
     x = torch.randn(rows, k, dtype=model.dtype)
     linear(x, w, None, packed)
     best = float("inf")

@@ -81,15 +81,15 @@ def test_model_packs_on_first_forward_and_after_reload(tmp_path, monkeypatch):
     model = loaded.model
     assert not model.weights_packed
     attn = model.layers[0].self_attn
-    shapes = (attn.qkv_weight.shape, attn.o_weight.shape)
+    shapes = (attn.qkv_proj.weight.shape, attn.o_proj.weight.shape)
     seq = list(range(3, 15))
     got = PagedHarness(model).step({0: seq}, {0: len(seq)})[0]
     assert model.weights_packed
-    assert attn.qkv_packed is not None and model.layers[0].mlp.down_packed is not None
-    assert model.lm_head_packed is not None
+    assert attn.qkv_proj.packed is not None and model.layers[0].mlp.down_proj.packed is not None
+    assert model.logits_proj.packed is not None
     # Each packed weight is in memory once: its plain parameter is released.
-    assert attn.qkv_weight.numel() == 0 and attn.o_weight.numel() == 0
-    assert model.layers[0].mlp.gate_up_weight.numel() == 0
+    assert attn.qkv_proj.weight.numel() == 0 and attn.o_proj.weight.numel() == 0
+    assert model.layers[0].mlp.gate_up_proj.weight.numel() == 0
     assert model.embed_tokens.numel() > 0  # the embedding table is read by every step
     with torch.no_grad():
         want = load_hf_model(path)(torch.tensor([seq])).logits[0]
@@ -98,7 +98,7 @@ def test_model_packs_on_first_forward_and_after_reload(tmp_path, monkeypatch):
     from kvferry.model.loader import iter_safetensors
     model.load_weights((n, t * 2 if n.endswith("o_proj.weight") else t) for n, t in iter_safetensors(path))
     assert not model.weights_packed
-    assert (attn.qkv_weight.shape, attn.o_weight.shape) == shapes  # storage again, with the new weights
+    assert (attn.qkv_proj.weight.shape, attn.o_proj.weight.shape) == shapes  # storage again, with the new weights
     changed = PagedHarness(model).step({0: seq}, {0: len(seq)})[0]
     assert model.weights_packed
     assert not torch.allclose(changed, got)
@@ -114,7 +114,7 @@ def test_disabled_packing_gives_same_outputs(tmp_path, monkeypatch):
         monkeypatch.setenv("KVFERRY_DISABLE_ONEDNN_PACKING", disabled)
         model = load_model(str(path), dtype="float32").model
         outs.append(PagedHarness(model).step({0: seq}, {0: len(seq)})[0])
-        assert (model.lm_head_packed is None) == (disabled == "1")
+        assert (model.logits_proj.packed is None) == (disabled == "1")
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
 
 

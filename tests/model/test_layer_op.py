@@ -61,9 +61,9 @@ def test_layer_op_equals_python_layer(tmp_path, monkeypatch, arch, dtype, matmul
     model = load_model(str(path), dtype=dtype).model
     fast, fast_cache, fast_ops = _run(model, monkeypatch, "0")
     attn = model.layers[0].self_attn
-    if matmuls == "onednn" and attn.o_packed is None:
+    if matmuls == "onednn" and attn.o_proj.packed is None:
         pytest.skip(f"oneDNN does not pack {dtype} weights on this CPU")
-    kinds = {"small" if p.small is not None else "onednn" for p in (attn.qkv_packed, attn.o_packed)}
+    kinds = {"small" if p.small is not None else "onednn" for p in (attn.qkv_proj.packed, attn.o_proj.packed)}
     assert kinds == ({"onednn"} if matmuls == "onednn" else {"small", "onednn"} if arch == "qwen2" else {"small"})
     slow, slow_cache, slow_ops = _run(model, monkeypatch, "1")
     assert OP in fast_ops and OP not in slow_ops
@@ -146,7 +146,7 @@ from tests.model.paged_harness import PagedHarness
 model = load_model({str(path)!r}, dtype="float32").model
 with profile() as prof:
     PagedHarness(model).step({{0: list(range(3, 20))}}, {{0: 17}})
-assert model.layers[0].mlp.down_packed.small is None
+assert model.layers[0].mlp.down_proj.packed.small is None
 from kvferry.model import small_gemm
 assert small_gemm._library._available is None  # its library never loaded
 print("{OP}" in {{e.key for e in prof.key_averages()}})

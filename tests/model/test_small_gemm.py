@@ -129,7 +129,7 @@ def test_bf16_model_with_small_gemm_matches_hf(tmp_path):
     seq = list(range(3, 20))
     harness = PagedHarness(model)
     got = harness.step({0: seq, 1: seq[:7]}, {0: len(seq), 1: 7})
-    assert model.layers[0].mlp.gate_up_packed.small is not None
+    assert model.layers[0].mlp.gate_up_proj.packed.small is not None
     hf = load_hf_model(path).to(torch.bfloat16)
     with torch.no_grad():
         want = hf(torch.tensor([seq])).logits[0].float()

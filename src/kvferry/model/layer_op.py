@@ -12,7 +12,9 @@ It applies to a step where every op of every layer is a C++ kernel
 (``model_layer_args`` for the model, ``step_applies`` for the step):
 
 - each layer's four matmuls have a packed weight, small_gemm's or oneDNN's
-  (AMX machines, Qwen2's biased qkv), run as linear.py runs them (Qwen3's
+  (AMX machines, Qwen2's biased qkv), run as linear.py runs them: their
+  methods' ``matmul_args`` (model/layers/; a method the op does not know,
+  a quantized one, returns None and the Python layer runs) (Qwen3's
   per-head q/k norms run as torch's ops, as in the Python layer);
 - the fused ops are available, and the paged attention kernel serves every
   sequence of the step (no chunk left to the torch path) with the KV cache
@@ -32,7 +34,7 @@ import torch
 
 from kvferry import envs
 from kvferry.model import fused_ops, paged_kernel
-from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET, PackedWeight
+from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET
 from kvferry.model.kv_cache_dtype import is_fp8
 
 if TYPE_CHECKING:
@@ -64,13 +66,13 @@ def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
     out = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        packed = (attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed)
-        if any(p is None for p in packed) or (attn.q_norm is not None and attn.q_norm.eps != attn.k_norm.eps):
+        matmuls = [lin.matmul_args() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(m is None for m in matmuls) or (attn.q_norm is not None and attn.q_norm.eps != attn.k_norm.eps):
             return None
-        qkv, o, gate_up, down = (_matmul(p) for p in packed)
+        qkv, o, gate_up, down = matmuls
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
         post = layer.post_attention_layernorm
-        out.append((*qkv, attn.qkv_bias, *o, post.weight, post.eps, *gate_up, *down, nxt.weight, nxt.eps,
+        out.append((*qkv, attn.qkv_proj.bias, *o, post.weight, post.eps, *gate_up, *down, nxt.weight, nxt.eps,
                     attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS, ROW_BUCKET, *_head_norms(attn)))
     return out
 
@@ -80,13 +82,6 @@ def _head_norms(attn: Attention) -> tuple[torch.Tensor | None, torch.Tensor | No
     if attn.q_norm is None:
         return None, None, 0.0
     return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
-
-
-def _matmul(p: PackedWeight) -> tuple[torch.Tensor, int, int]:
-    """(packed copy, output width, kind) of one matmul."""
-    if p.small is not None:
-        return p.small, p.out_features, 1
-    return p.onednn, p.out_features, 2
 
 
 def step_applies(meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype, num_tokens: int) -> bool:

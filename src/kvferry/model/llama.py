@@ -11,6 +11,11 @@ small matmuls cost more than one larger one. Weights arrive through
 ``load_weights`` with HF names; on CPU the first forward then packs every
 matmul weight once (small_gemm's layout or oneDNN's, see linear.py) and
 releases the plain parameter, so each weight is in memory once.
+
+Every matmul is a ``layers.Linear`` whose method (``layers/``) owns its
+weights' format: the model builds the layers from a ``LinearConfig`` and
+never branches on format. ``--deterministic`` is ``BatchInvariantConfig``
+plus the attention kernel's batch-invariant mode (``set_linear_config``).
 """
 from __future__ import annotations
 
@@ -23,9 +28,9 @@ from torch import nn
 
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.config import ModelConfig, RopeScaling
-from kvferry.model import layer_op
+from kvferry.model import layer_op, paged_kernel
 from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
-from kvferry.model.linear import PackedWeight, linear, pack_weight, release_plain, restore_plain
+from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -105,25 +110,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 linear_config: LinearConfig, prefix: str) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.scale = c.head_dim**-0.5
         # rows: [q (H*D) | k (KVH*D) | v (KVH*D)]
-        self.qkv_weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, dtype=dtype, device=device)
-        self.qkv_bias = _param(c.q_size + 2 * c.kv_size, dtype=dtype, device=device) if c.attention_bias else None
-        self.o_weight = _param(c.hidden_size, c.q_size, dtype=dtype, device=device)
+        self.qkv_proj = _linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.attention_bias, dtype, device,
+                                linear_config, f"{prefix}.qkv_proj")
+        self.o_proj = _linear(c.q_size, c.hidden_size, False, dtype, device, linear_config, f"{prefix}.o_proj")
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
-        self.qkv_packed: PackedWeight | None = None  # packed copy (pack_weights); None = F.linear
-        self.o_packed: PackedWeight | None = None
-
-    def pack_weights(self) -> list[tuple[nn.Parameter, PackedWeight | None]]:
-        self.qkv_packed = pack_weight(self.qkv_weight, self.qkv_bias)
-        self.o_packed = pack_weight(self.o_weight)
-        return [(self.qkv_weight, self.qkv_packed), (self.o_weight, self.o_packed)]
 
     def forward(
         self,
@@ -134,7 +133,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [T, (H + 2 KVH) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k heads side by side: one RoPE pass over [T, H + KVH, D]
@@ -146,35 +145,32 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, kv_cache_layer, meta, self.scale)  # [T, H, D]
-        return linear(o.reshape(n, self.q_size), self.o_weight, None, self.o_packed)
+        return self.o_proj(o.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 linear_config: LinearConfig, prefix: str) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = inter = config.intermediate_size
         # rows: [gate (I) | up (I)]
-        self.gate_up_weight = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device)
-        self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
-        self.gate_up_packed: PackedWeight | None = None
-        self.down_packed: PackedWeight | None = None
-
-    def pack_weights(self) -> list[tuple[nn.Parameter, PackedWeight | None]]:
-        self.gate_up_packed, self.down_packed = pack_weight(self.gate_up_weight), pack_weight(self.down_weight)
-        return [(self.gate_up_weight, self.gate_up_packed), (self.down_weight, self.down_packed)]
+        self.gate_up_proj = _linear(config.hidden_size, 2 * inter, False, dtype, device, linear_config,
+                                    f"{prefix}.gate_up_proj")
+        self.down_proj = _linear(inter, config.hidden_size, False, dtype, device, linear_config, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)  # [T, 2 * inter]
-        return linear(silu_and_mul(gate_up), self.down_weight, None, self.down_packed)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 linear_config: LinearConfig, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, dtype, device)
+        self.self_attn = Attention(config, dtype, device, linear_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = MLP(config, dtype, device, linear_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -200,13 +196,16 @@ class LlamaModel(nn.Module):
     """Causal LM for every supported architecture (see ModelConfig)."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        linear_config: LinearConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.linear_config = linear_config = linear_config or UnquantizedConfig()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, linear_config, f"model.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(config, device)
         # Tied models share the embedding matrix (same Parameter, loaded once).
@@ -215,29 +214,50 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
-        self.lm_head_packed: PackedWeight | None = None
+        # The logits' matmul over the lm_head's plain matrix, which it keeps:
+        # tied, it is the embedding table, and the speculative heads
+        # (spec/head.py) and their training (spec/train_head.py) read it.
+        self.logits_proj = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device,
+                                  method=linear_config.get_linear_method("lm_head"), prefix="lm_head",
+                                  keep_plain=True, weight=self.lm_head)
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
-        # Parameters whose plain storage pack_weights released, with their shapes.
-        self._released: list[tuple[nn.Parameter, torch.Size]] = []
         # Each layer's arguments for the one-call C++ layer (layer_op.py), or
         # None where some layer does not fit it; set by pack_weights.
         self._layer_args: list[layer_op.LayerArgs] | None = None
 
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
     def pack_weights(self) -> None:
-        """Pack every matmul weight once (a no-op off CPU) and release the
-        plain parameter of each packed one: the packed copy serves every row
-        count, so the weights are in memory once. Runs on the first forward
-        after loading. The lm_head keeps its plain matrix: tied, it is the
-        embedding table, and the speculative heads (spec/head.py) and their
-        training (spec/train_head.py) read it."""
-        packed: list[tuple[nn.Parameter, PackedWeight | None]] = []
-        for layer in self.layers:
-            packed += layer.self_attn.pack_weights()
-            packed += layer.mlp.pack_weights()
-        self.lm_head_packed = pack_weight(self.lm_head)
-        self._released += [(param, release_plain(param)) for param, p in packed if p is not None]
+        """Each matmul's method prepares its loaded weights once (the plain
+        methods: pack them, a no-op off CPU, and release the plain parameter
+        of each packed one, so the weights are in memory once). Runs on the
+        first forward after loading."""
+        for lin in self.linears():
+            lin.process_weights_after_loading()
         self._layer_args = layer_op.model_layer_args(self)
         self.weights_packed = True
+
+    def set_linear_config(self, linear_config: LinearConfig) -> None:
+        """Serve with another config's methods over the same loaded weights
+        (``BatchInvariantConfig`` for --deterministic); the weights are
+        prepared again on the next forward."""
+        if self.weights_packed:
+            self._unpack()
+        self.linear_config = linear_config
+        for lin in self.linears():
+            lin.set_method(linear_config.get_linear_method(lin.prefix))
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.linear_config.batch_invariant()
+
+    def _unpack(self) -> None:
+        """Give every released weight its storage back (contents undefined)."""
+        self.weights_packed = False  # packed copies of old weights must not survive
+        self._layer_args = None  # nor the layer op's references to them
+        for lin in self.linears():
+            lin.restore_weights_for_loading()
 
     @torch.no_grad()
     def forward(
@@ -255,6 +275,25 @@ class LlamaModel(nn.Module):
         if not self.weights_packed:
             self.pack_weights()
         meta.prepare()
+        if self.linear_config.batch_invariant():
+            return self._forward_batch_invariant(input_ids, positions, kv_cache, meta)
+        return self._forward(input_ids, positions, kv_cache, meta)
+
+    def _forward_batch_invariant(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                                 meta: AttentionMetadata) -> torch.Tensor:
+        """The step with the attention kernel in its batch-invariant mode
+        (per thread, for this call only); every sequence must be the kernel's."""
+        if not meta.triton and (meta.kernel is None or not all(p.use_kernel for p in meta.prefills)):
+            raise RuntimeError("--deterministic needs the C++ paged attention kernel for every sequence "
+                               "(it is disabled, or a chunk is longer than it takes)")
+        paged_kernel.set_batch_invariant(True)
+        try:
+            return self._forward(input_ids, positions, kv_cache, meta)
+        finally:
+            paged_kernel.set_batch_invariant(False)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos, sin = self.rotary(positions, self.dtype)
         layers = self.layers
@@ -282,15 +321,11 @@ class LlamaModel(nn.Module):
         """hidden: [N, hidden_size] -> logits [N, vocab_size] float32."""
         if not self.weights_packed:
             self.pack_weights()
-        return linear(hidden, self.lm_head, None, self.lm_head_packed).float()
+        return self.logits_proj(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raise ValueError on unknown or missing names."""
-        self.weights_packed = False  # packed copies of old weights must not survive
-        self._layer_args = None  # nor the layer op's references to them
-        for param, shape in self._released:  # storage for the new plain weights
-            restore_plain(param, shape)
-        self._released.clear()
+        self._unpack()  # storage for the new plain weights
         loaded: set[str] = set()
         for name, tensor in weights:
             target = self._target(name)
@@ -333,14 +368,14 @@ class LlamaModel(nn.Module):
         table: dict[str, tuple[torch.Tensor | None, slice | None]] = {
             "input_layernorm.weight": (layer.input_layernorm.weight, None),
             "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
-            "self_attn.o_proj.weight": (attn.o_weight, None),
-            "mlp.gate_proj.weight": (mlp.gate_up_weight, slice(0, inter)),
-            "mlp.up_proj.weight": (mlp.gate_up_weight, slice(inter, 2 * inter)),
-            "mlp.down_proj.weight": (mlp.down_weight, None),
+            "self_attn.o_proj.weight": (attn.o_proj.weight, None),
+            "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, slice(0, inter)),
+            "mlp.up_proj.weight": (mlp.gate_up_proj.weight, slice(inter, 2 * inter)),
+            "mlp.down_proj.weight": (mlp.down_proj.weight, None),
         }
         for proj, rows in qkv_rows.items():
-            table[f"self_attn.{proj}.weight"] = (attn.qkv_weight, rows)
-            table[f"self_attn.{proj}.bias"] = (attn.qkv_bias, rows)
+            table[f"self_attn.{proj}.weight"] = (attn.qkv_proj.weight, rows)
+            table[f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, rows)
         if attn.q_norm is not None:
             table["self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
             table["self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
@@ -367,6 +402,12 @@ class LlamaModel(nn.Module):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         with torch.no_grad():
             dst.copy_(tensor)
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str,
+            linear_config: LinearConfig, prefix: str) -> Linear:
+    return Linear(in_features, out_features, bias=bias, dtype=dtype, device=device,
+                  method=linear_config.get_linear_method(prefix), prefix=prefix)
 
 
 def allocate_kv_cache(

@@ -91,6 +91,14 @@ def _cflags() -> list[str]:
     return _BASE_CFLAGS + (_ISA_CFLAGS["native"] if isa_is_native(isa) else _ISA_CFLAGS[isa])
 
 
+def set_batch_invariant(on: bool) -> None:
+    """Switch the calling thread's kernel calls into (or out of) batch-invariant
+    mode (csrc/paged_decode.cpp's ``set_batch_invariant``; --deterministic).
+    A no-op where the kernel is not loaded: the model then refuses the mode."""
+    if get_paged_decode_kernel() is not None:
+        torch.ops.kvferry.set_batch_invariant(on)
+
+
 def kernel_path(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> str | None:
     """The dot-product path the loaded kernel takes for these inputs, or None without a kernel."""
     if get_paged_decode_kernel() is None:

@@ -52,9 +52,14 @@ def cpu_fits(dtype: torch.dtype) -> bool:
     return False
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] -> the kernel's packed copy (any N, K), or None where the kernel does not apply."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not available(weight.dtype):
+def pack(weight: torch.Tensor, fastest_only: bool = True) -> torch.Tensor | None:
+    """weight [N, K] -> the kernel's packed copy (any N, K), or None where the kernel does not apply.
+
+    ``fastest_only=False``: wherever the kernel builds, even where oneDNN is
+    faster (AMX): its rows' results do not depend on the row count
+    (layers/unquantized.py's batch-invariant method)."""
+    usable = available(weight.dtype) if fastest_only else builds(weight.dtype)
+    if weight.device.type != "cpu" or weight.dim() != 2 or not usable:
         return None
     w = weight.detach().contiguous()
     if weight.dtype == torch.bfloat16:
@@ -67,6 +72,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if packed.dtype == torch.bfloat16:
         return torch.ops.kvferry_gemm.linear(x, packed, n)
     return torch.ops.kvferry_gemm.linear_f32(x, packed, n)
+
+
+def cpu_supports(dtype: torch.dtype) -> bool:
+    """Whether this build's kernel for ``dtype`` runs on this CPU at all."""
+    if not paged_kernel.isa_is_native(paged_kernel.kernel_isa()):
+        return False
+    flags = cpu_features().flags
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" in flags
+    return cpu_fits(dtype)
+
+
+def builds(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """True once the library is loaded on a CPU that runs ``dtype``'s kernel."""
+    if small_gemm_disabled() or not cpu_supports(dtype):
+        return False
+    return _library.available()
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:

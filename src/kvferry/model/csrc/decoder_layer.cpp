@@ -97,15 +97,16 @@ const Ops& ops() {
 }
 
 // One matmul as linear.py's linear(x, weight, bias, packed) runs it: kind 1
-// is small_gemm's copy (never with a bias), kind 2 oneDNN's.
+// is small_gemm's copy (a bias, only under --deterministic's method, added
+// after the product as linear.py adds it), kind 2 oneDNN's.
 struct Matmul {
   bool bf16;
   int64_t exact_rows, row_bucket;
   Tensor operator()(const Tensor& x, const Tensor& w, int64_t n, int64_t kind,
                     const std::optional<Tensor>& bias = std::nullopt) const {
     if (kind == 1) {
-      TORCH_CHECK(!bias.has_value(), "decoder_layer: small_gemm's copy has no bias");
-      return small_gemm_op(bf16).call(x, w, n);
+      Tensor y = small_gemm_op(bf16).call(x, w, n);
+      return bias.has_value() ? y.add_(*bias) : y;
     }
     TORCH_CHECK(kind == 2, "decoder_layer: matmul kind must be 1 (small_gemm) or 2 (oneDNN)");
     const int64_t rows = x.size(0);

@@ -2920,18 +2920,33 @@ SplitWork split_contexts(const std::vector<Seq>& seqs, int64_t qblock, int64_t b
   return out;
 }
 
+// Batch-invariant mode (--deterministic), set per calling thread by
+// set_batch_invariant around a model's step: every item is one query token
+// of one KV head (qblock 1: M = G query vectors, so every item takes the
+// same path whatever the step holds), no context parts and no all-heads
+// items. A query token's output is then the same computation, tile by tile
+// from position 0 to its own, whether it is a decode, one of a prompt
+// chunk's tokens (after any cached prefix or chunk boundary), or one of a
+// batch of any size. Costs the reuse of K/V rows across a query block's
+// tokens.
+thread_local bool t_batch_invariant = false;
+
+void set_batch_invariant(bool on) { t_batch_invariant = on; }
+
 template <typename scalar_t, typename qscalar_t, Path kPath>
 void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& all_seqs) {
   const int64_t kvh = op.kv_heads;
+  const bool invariant = t_batch_invariant;
   std::vector<Item> items;
   int64_t long_blocks = 0;
   for (const Seq& seq : all_seqs) long_blocks += (std::max<int64_t>(seq.q_len, 1) + kLongQueryBlock - 1) / kLongQueryBlock;
-  const int64_t qblock =
-      long_blocks * kvh >= kMinItemsPerThread * at::get_num_threads() ? kLongQueryBlock : kQueryBlock;
+  const int64_t qblock = invariant ? 1
+      : long_blocks * kvh >= kMinItemsPerThread * at::get_num_threads() ? kLongQueryBlock : kQueryBlock;
   // KVFERRY_ATTN_SPLIT_CONTEXT=0: no context parts (tests and comparisons).
   const char* split_env = std::getenv("KVFERRY_ATTN_SPLIT_CONTEXT");
   const SplitWork split = split_contexts(
-      all_seqs, qblock, op.block_size, op.num_heads * op.part_stride(), !(split_env && split_env[0] == '0'),
+      all_seqs, qblock, op.block_size, op.num_heads * op.part_stride(),
+      !invariant && !(split_env && split_env[0] == '0'),
       [&](int64_t j0, int64_t j1) { return op.all_heads_item(j0, j1) ? int64_t{1} : kvh; });
   const std::vector<Seq>& seqs = split.work;
   auto each_block = [&](auto fn) {
@@ -2943,7 +2958,7 @@ void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& a
   each_block([&](int64_t, int64_t j0, int64_t j1) { all_heads_blocks += op.all_heads_item(j0, j1); });
   // KVFERRY_ATTN_ALL_HEADS_ITEMS=0: per-head items only (tests and comparisons).
   const char* env = all_heads_blocks ? std::getenv("KVFERRY_ATTN_ALL_HEADS_ITEMS") : nullptr;
-  const bool all_heads = all_heads_blocks >= kMinAllHeadsItemsPerThread * at::get_num_threads() &&
+  const bool all_heads = !invariant && all_heads_blocks >= kMinAllHeadsItemsPerThread * at::get_num_threads() &&
                          !(env && env[0] == '0');
   const char* staged_env = std::getenv("KVFERRY_ATTN_STAGED_AVX2");
   op.staged_avx2_enabled = !(staged_env && staged_env[0] == '0');
@@ -3113,4 +3128,5 @@ TORCH_LIBRARY(kvferry, m) {
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
   m.def("paged_attention_path(ScalarType q_dtype, ScalarType cache_dtype, int head_dim) -> str",
         TORCH_FN(kernel_path));
+  m.def("set_batch_invariant(bool on) -> ()", TORCH_FN(set_batch_invariant));
 }
