@@ -1,0 +1,11 @@
+"""Process groups and collectives for tensor, pipeline and expert
+parallelism on one host (DESIGN.md: with -tp/-pp/EP one core is N rank
+processes). No model code lives here.
+
+    group.py     ProcessGroup: rank, world size, all_reduce / all_gather / all_to_all / broadcast / barrier
+    launch.py    launch(): start N rank processes, join them, and end the group whole if one fails
+"""
+from kvferry.parallel.group import CollectiveError, GroupAddress, ProcessGroup
+from kvferry.parallel.launch import RankFailed, launch
+
+__all__ = ["CollectiveError", "GroupAddress", "ProcessGroup", "RankFailed", "launch"]

@@ -1,0 +1,48 @@
+"""Rank functions for the tests (module level, so that spawned processes can import them)."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from kvferry.parallel import ProcessGroup
+
+
+def collectives(group: ProcessGroup) -> dict:
+    r, n = group.rank, group.world_size
+    summed = group.all_reduce(torch.tensor([float(r + 1), 10.0 * (r + 1)]))
+    biggest = group.all_reduce(torch.tensor([float(r)]), op="max")
+    gathered = group.all_gather(torch.full((2, 3), float(r)))
+    # Row block j goes to rank j: rank r receives [r from rank 0, r from rank 1, ...] * 100 + sender
+    sent = torch.tensor([[100.0 * j + r] for j in range(n)])
+    exchanged = group.all_to_all(sent)
+    root = group.broadcast(torch.tensor([42.0 if r == 0 else -1.0]))
+    group.barrier()
+    return {"rank": r, "world": n, "pid": os.getpid(), "sum": summed.tolist(), "max": biggest.tolist(),
+            "gathered": gathered.tolist(), "all_to_all": exchanged.tolist(), "broadcast": root.tolist()}
+
+
+def one_dies(group: ProcessGroup) -> str:
+    group.barrier()  # the group formed
+    if group.rank == 1:
+        os._exit(3)  # as a crash: no goodbye to the peers
+    group.all_reduce(torch.ones(4))
+    return "unreachable"
+
+
+def one_raises(group: ProcessGroup) -> None:
+    if group.rank == 1:
+        raise ValueError("rank 1's bad input")
+    group.all_reduce(torch.ones(4))  # blocks until the launcher ends this rank
+
+
+def member_process(rank: int, world: int, host: str, port: int, action: str) -> None:
+    """A plain process joining a group built by the test itself."""
+    from kvferry.parallel import GroupAddress
+    group = ProcessGroup(rank, world, GroupAddress(host, port), timeout_s=30)
+    group.barrier()
+    if action == "die":
+        os._exit(3)
+    if action == "hang":
+        time.sleep(120)  # alive, sockets open, never joins the next collective

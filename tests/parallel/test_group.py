@@ -1,0 +1,90 @@
+"""Process groups with real rank processes on loopback: collectives' results,
+and a group whose member dies or hangs fails clearly instead of hanging."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, launch
+from tests.parallel import ranks
+
+
+def test_collectives_across_two_processes():
+    out = launch(ranks.collectives, 2, timeout_s=60, deadline_s=120)
+    assert [o["rank"] for o in out] == [0, 1] and out[0]["pid"] != out[1]["pid"]
+    for o in out:
+        assert o["world"] == 2
+        assert o["sum"] == [3.0, 30.0]  # (1 + 2), (10 + 20)
+        assert o["max"] == [1.0]
+        assert o["gathered"] == [[0.0] * 3] * 2 + [[1.0] * 3] * 2  # rank order along dim 0
+        assert o["broadcast"] == [42.0]
+    # Rank r receives block r of every sender, in sender order: 100 * r + sender.
+    assert out[0]["all_to_all"] == [[0.0], [1.0]]
+    assert out[1]["all_to_all"] == [[100.0], [101.0]]
+
+
+def test_a_rank_that_dies_fails_the_launch_quickly():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        launch(ranks.one_dies, 2, timeout_s=60, deadline_s=120)
+    # Rank 1 died first; rank 0 saw its peer's sockets close (not the 60 s timeout).
+    assert e.value.rank in (0, 1) and "rank" in str(e.value)
+    assert time.monotonic() - t0 < 55
+
+
+def test_a_rank_that_raises_ends_the_group():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1's bad input") as e:
+        launch(ranks.one_raises, 2, timeout_s=60, deadline_s=120)
+    assert e.value.rank == 1
+    assert time.monotonic() - t0 < 55  # rank 0, blocked in all_reduce, was stopped
+
+
+@pytest.fixture
+def member():
+    """Rank 1 in a child process; rank 0 is the test's own process."""
+    procs = []
+
+    def start(action: str) -> tuple[ProcessGroup, mp.Process]:
+        address = GroupAddress.free_loopback()
+        p = mp.get_context("spawn").Process(target=ranks.member_process,
+                                            args=(1, 2, address.host, address.port, action), daemon=True)
+        p.start()
+        procs.append(p)
+        return ProcessGroup(0, 2, address, timeout_s=5), p
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.join()
+
+
+def test_collective_with_a_dead_member_raises(member):
+    group, proc = member("die")
+    group.barrier()
+    proc.join(60)
+    assert proc.exitcode == 3
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match="rank 0 of 2: all_reduce failed"):
+        group.all_reduce(torch.ones(8))
+    assert time.monotonic() - t0 < 30
+
+
+def test_collective_with_a_hung_member_times_out(member):
+    group, proc = member("hang")
+    group.barrier()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match="5s"):
+        group.all_gather(torch.ones(8))
+    assert 4 <= time.monotonic() - t0 < 60  # the group's 5 s timeout, not forever
+    assert proc.is_alive()
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="rank"):
+        ProcessGroup(2, 2, GroupAddress.free_loopback())
+    with pytest.raises(ValueError, match="world_size"):
+        launch(ranks.collectives, 0)
