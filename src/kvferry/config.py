@@ -82,8 +82,15 @@ class ModelLoadConfig:
     attention_backend: str = "auto"  # auto | torch | triton (model/attention.py)
     enforce_eager: bool = False  # CUDA: no decode graphs
     warm_up: bool = True  # one full-size dummy step before the core reports ready
+    # Batch-invariant kernels: greedy output independent of batch, chunking,
+    # prefix hits and P/D (model/layers/unquantized.py, csrc/paged_decode.cpp)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be a boolean, got {self.deterministic!r}")
+        if self.deterministic and self.device != "cpu":
+            raise ValueError(f"deterministic runs on the CPU kernels only, got device {self.device!r}")
         if not isinstance(self.warm_up, bool):
             raise ValueError(f"warm_up must be a boolean, got {self.warm_up!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -343,6 +350,9 @@ class EngineArgs:
     warm_up: bool = field(default=True, metadata=_opt(
         "run one full-size dummy prefill step and a decode step before reporting ready, so that the first "
         "requests do not pay for the first forward pass's one-time costs"))
+    deterministic: bool = field(default=False, metadata=_opt(
+        "batch-invariant kernels (CPU): greedy output does not depend on the batch, chunking, prefix-cache "
+        "hits or P/D (as SGLang's --enable-deterministic-inference); slower, see docs/serving.md"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))
@@ -416,7 +426,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed, self.attention_backend,
-                                  self.enforce_eager, self.warm_up),
+                                  self.enforce_eager, self.warm_up, self.deterministic),
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb,
                               self.enable_prefix_caching, self.num_swap_blocks, self.kv_cache_dtype),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,

@@ -35,6 +35,8 @@ from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerCo
 from kvferry.engine.prompt_work import PromptStep, PromptWork
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
+from kvferry.model.attention import kernel_max_chunk_tokens
+from kvferry.model.layers import BatchInvariantConfig
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, position_generator, token_counts
@@ -113,6 +115,11 @@ class ModelRunner:
         m = config.model
         self.loaded = loaded
         self.model = loaded.model
+        if m.deterministic:  # batch-invariant matmuls and attention (model/layers/unquantized.py)
+            if config.scheduler.max_num_batched_tokens > kernel_max_chunk_tokens():
+                raise ValueError(f"deterministic needs max_num_batched_tokens <= {kernel_max_chunk_tokens()} "
+                                 "(longer chunks leave the batch-invariant attention kernel)")
+            self.model.set_linear_config(BatchInvariantConfig())
         self.device = next(loaded.model.parameters()).device
         if self.device.type == "cpu":
             tune_malloc()  # steps' temporaries from the heap, not fresh pages (host_memory.py)
