@@ -11,8 +11,9 @@ from kvferry.model.loader import load_model
 from tests.model.paged_harness import PagedHarness
 from tests.tiny_models import make_tiny_checkpoint
 
-needs_bf16_kernel = pytest.mark.skipif(not small_gemm.cpu_supports(torch.bfloat16) or not small_gemm.builds(),
-                                       reason="needs AVX512-BF16 and the small_gemm build")
+needs_bf16_kernel = pytest.mark.skipif(not small_gemm.cpu_supports(torch.bfloat16) or not small_gemm.builds()
+                                       or not torch.backends.mkldnn.is_available(),
+                                       reason="needs AVX512-BF16, the small_gemm build and oneDNN")
 
 
 @needs_bf16_kernel
@@ -25,7 +26,8 @@ def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(bias):
     if bias:
         lin.bias.data.normal_(0, 0.5)
     lin.process_weights_after_loading()
-    assert lin.matmul_args() is not None and lin.matmul_args().kind == 1  # small_gemm's, even on AMX
+    # small_gemm's where it is the faster kernel, oneDNN's in fixed blocks on AMX
+    assert lin.matmul_args() is not None and lin.matmul_args().kind == (1 if small_gemm.available() else 3)
     x = torch.randn(300, k, dtype=torch.bfloat16)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
     for rows in (2, 3, 17, 64, 65, 128, 300):
@@ -63,3 +65,22 @@ def test_batch_invariant_is_off_by_default(tmp_path):
     assert not model.batch_invariant
     model.set_linear_config(BatchInvariantConfig())
     assert model.batch_invariant
+
+
+@needs_bf16_kernel
+def test_cpp_layer_gives_the_python_layers_bits(tmp_path, monkeypatch):
+    """The one-call C++ layer runs the batch-invariant matmuls as the Python layer does (qwen2: with a bias)."""
+    if not layer_op.available():
+        pytest.skip("the layer op is not available")
+    path = make_tiny_checkpoint(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=512)
+    model = load_model(str(path), dtype="bfloat16").model
+    model.set_linear_config(BatchInvariantConfig())
+    seq = [(i * 37) % 300 + 3 for i in range(150)]
+    got = []
+    for disabled in ("0", "1"):
+        monkeypatch.setenv("KVFERRY_DISABLE_LAYER_OP", disabled)
+        h = PagedHarness(model, num_blocks=64, block_size=16, seed=1)
+        got.append(torch.cat([h.step({0: seq}, {0: 100})[0], h.step({0: seq}, {0: 50})[0]]))
+    assert model._layer_args is not None
+    assert torch.equal(got[0], got[1])

@@ -49,7 +49,8 @@ _library = paged_kernel.LazyLibrary(lambda: _load())
 # post_norm_w, post_eps, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n,
 # down_kind, next_norm_w, next_eps, heads, kv_heads, scale, exact_rows,
 # row_bucket, q_norm_w, k_norm_w, qk_eps (None, None, 0.0 without Qwen3's
-# per-head norms). A kind is 1 for small_gemm's packed copy, 2 for oneDNN's.
+# per-head norms). A kind is 1 for small_gemm's packed copy, 2 for oneDNN's,
+# 3 for oneDNN's in fixed blocks of row_bucket rows (--deterministic).
 LayerArgs = tuple
 
 

@@ -122,6 +122,27 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
+def linear_fixed_blocks(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] -> [T, out] through oneDNN's copy in blocks of exactly
+    ``ROW_BUCKET`` rows (the last one padded with zeros): every row then goes
+    through the one primitive of that shape, whose K reduction does not
+    depend on the other rows or on the row's place in the block (measured:
+    bf16 with AMX, 1 or 2 threads), while oneDNN picks another blocking
+    for each row count. --deterministic's matmul where oneDNN is the
+    faster kernel (layers/unquantized.py); csrc/decoder_layer.cpp's kind 3.
+    16 rows, one AMX tile's: a decode's padding then costs little (a 1-row
+    bf16 matmul of 2048 x 8192 took as long as the plain one, 64-row blocks
+    1.5x), while prefill chunks keep most of AMX's rate."""
+    rows, k = x.shape
+    out = x.new_empty((rows, packed.out_features))
+    for s in range(0, rows, ROW_BUCKET):
+        m = min(ROW_BUCKET, rows - s)
+        block = x.new_zeros((ROW_BUCKET, k))
+        block[:m] = x[s:s + m]
+        out[s:s + m] = torch.ops.mkldnn._linear_pointwise(block, packed.onednn, bias, "none", [], "")[:m]
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out]; ``packed`` is ``pack_weight(weight, bias)`` or

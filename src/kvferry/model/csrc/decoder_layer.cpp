@@ -98,7 +98,9 @@ const Ops& ops() {
 
 // One matmul as linear.py's linear(x, weight, bias, packed) runs it: kind 1
 // is small_gemm's copy (a bias, only under --deterministic's method, added
-// after the product as linear.py adds it), kind 2 oneDNN's.
+// after the product as linear.py adds it), kind 2 oneDNN's, kind 3 oneDNN's
+// in blocks of exactly row_bucket rows, the last padded with zeros (linear.py's
+// linear_fixed_blocks: --deterministic's matmul on AMX CPUs).
 struct Matmul {
   bool bf16;
   int64_t exact_rows, row_bucket;
@@ -108,7 +110,18 @@ struct Matmul {
       Tensor y = small_gemm_op(bf16).call(x, w, n);
       return bias.has_value() ? y.add_(*bias) : y;
     }
-    TORCH_CHECK(kind == 2, "decoder_layer: matmul kind must be 1 (small_gemm) or 2 (oneDNN)");
+    if (kind == 3) {
+      const int64_t rows = x.size(0);
+      Tensor out = at::empty({rows, n}, x.options());
+      for (int64_t s = 0; s < rows; s += row_bucket) {
+        const int64_t m = std::min(row_bucket, rows - s);
+        Tensor block = at::zeros({row_bucket, x.size(1)}, x.options());
+        block.narrow(0, 0, m).copy_(x.narrow(0, s, m));
+        out.narrow(0, s, m).copy_(onednn_linear(block, w, bias).narrow(0, 0, m));
+      }
+      return out;
+    }
+    TORCH_CHECK(kind == 2, "decoder_layer: matmul kind must be 1 (small_gemm), 2 or 3 (oneDNN)");
     const int64_t rows = x.size(0);
     const int64_t padded = rows <= exact_rows ? rows : (rows + row_bucket - 1) / row_bucket * row_bucket;
     if (padded == rows) return onednn_linear(x.contiguous(), w, bias);

@@ -6,12 +6,19 @@ once into small_gemm's or oneDNN's layout and its plain storage released
 (linear.py says which copy and why). ``BatchInvariantLinearMethod`` is
 ``--deterministic``'s: every row's result must not depend on how many other
 rows share the call. oneDNN's bf16 kernels choose their blocking (and with
-it the order of the K reduction) by the row count, so it multiplies with
-small_gemm's kernel, whose every row sums over all of K in one fixed order
-whatever M is (csrc/small_gemm.cpp: one register accumulator per row and
-column, k pairs in order), even on AMX CPUs where oneDNN is the faster one.
-Where that kernel does not build, rows are multiplied one at a time: the
-same one-row call each time, hence the same reduction.
+it the order of the K reduction) by the row count, so:
+
+- where small_gemm's kernel is the faster one (AVX512-BF16 without AMX,
+  float32), it multiplies: each row sums over all of K in one fixed order
+  whatever M is (csrc/small_gemm.cpp: one register accumulator per row and
+  column, k pairs in order);
+- elsewhere (AMX) oneDNN multiplies in blocks of exactly ``ROW_BUCKET``
+  (16) rows (``linear_fixed_blocks``): one primitive shape, so one
+  reduction order for every row. It keeps most of AMX's prefill speed
+  (small_gemm's kernel took ~4x oneDNN's time on 512 rows there) and the
+  padded rows cost a decode little;
+- with neither, small_gemm's kernel if it builds at all, else rows one at a
+  time: the same one-row call each time, hence the same reduction.
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ from torch import nn
 
 from kvferry.model import small_gemm
 from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase, MatmulArgs
-from kvferry.model.linear import PackedWeight, linear, pack_weight, release_plain, restore_plain
+from kvferry.model import linear as plain
+from kvferry.model.linear import PackedWeight, linear, linear_fixed_blocks, pack_weight, release_plain, restore_plain
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -66,17 +74,31 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
     """Plain weights, each row's result independent of the batch (see the module docstring)."""
 
     def _pack(self, layer: Linear) -> PackedWeight | None:
-        small = small_gemm.pack(layer.weight, fastest_only=False)
-        return None if small is None else PackedWeight(None, small, layer.out_features)
+        w, n = layer.weight, layer.out_features
+        small = small_gemm.pack(w)  # where it is the faster kernel
+        if small is None:
+            onednn = plain._pack_onednn(w)
+            if onednn is not None:
+                return PackedWeight(onednn, None, n)
+            small = small_gemm.pack(w, fastest_only=False)
+        return None if small is None else PackedWeight(None, small, n)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         p: PackedWeight | None = layer.packed
+        if p is not None and p.onednn is not None:
+            return linear_fixed_blocks(x, p, layer.bias)
         if p is not None:  # linear() adds a bias after small_gemm's product, per element
             return linear(x, layer.weight, layer.bias, p)
         # No kernel: one row per call, so every row takes the same one-row GEMM.
         if x.shape[0] <= 1:
             return F.linear(x, layer.weight, layer.bias)
         return torch.cat([F.linear(row, layer.weight, layer.bias) for row in x.split(1)])
+
+    def matmul_args(self, layer: Linear) -> MatmulArgs | None:
+        p: PackedWeight | None = layer.packed
+        if p is not None and p.onednn is not None:
+            return MatmulArgs(p.onednn, p.out_features, 3)  # oneDNN in fixed blocks
+        return super().matmul_args(layer)
 
 
 class UnquantizedConfig(LinearConfig):
