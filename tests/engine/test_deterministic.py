@@ -85,3 +85,29 @@ def test_flag_reaches_the_model_and_is_validated(case):
         LLM(model=case[0], dtype="bfloat16", deterministic="yes")
     with pytest.raises(ValueError, match="deterministic"):
         LLM(model=case[0], device="cuda", deterministic=True)
+
+
+def test_disaggregated_same_bits_first_time_and_on_a_prefix_hit(case, runs):
+    """P/D (issue 45: the second ask, a prefix hit on the prefill core, gave
+    other greedy text): the prefill core's first token and the decode core's
+    tokens, with their logprobs, are the prompt's colocated bits, both times."""
+    from tests.disagg.driver import decode_side, drain, make_core, prefill_side, step_until
+
+    path, prompt, _, _ = case
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=5, ignore_eos=True)
+    kw = dict(dtype="bfloat16", deterministic=True, num_kv_blocks=128, kv_transport="tcp")
+    prefill, decode = make_core(path, max_num_batched_tokens=40, **kw), make_core(path, **kw)
+    try:
+        for rid in ("first", "again"):
+            first = prefill_side(prefill, rid, prompt, params, decode_side(decode, rid, prompt, params))
+            outs = [first] + step_until(decode, lambda seen: any(o.finished and o.request_id == rid for o in seen))
+            mine = [o for o in outs if o.request_id == rid]
+            assert not any(o.kv_transfer_error for o in mine)
+            tokens = [t for o in mine for t in o.new_token_ids]
+            logprobs = [list(lp.top_logprobs) for o in mine for lp in (o.new_logprobs or [])]
+            assert (tokens, logprobs) == runs["alone"], rid
+        drain(prefill)
+        drain(decode)
+    finally:
+        prefill.close()
+        decode.close()
