@@ -9,12 +9,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from kvferry import LLM, SamplingParams
 from kvferry.model import small_gemm
 from tests.tiny_models import make_tiny_checkpoint
-
-import torch
 
 MAX_NEW = 16
 CACHED = 160  # a block-aligned prefix (block_size 16)
