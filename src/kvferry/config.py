@@ -306,6 +306,11 @@ class KVTierConfig:
         return bool(self.kv_store or self.kv_dram_gb)
 
 
+# The longest chunk the C++ attention kernel takes (model.attention.kernel_max_chunk_tokens;
+# this module stays torch-free): --deterministic's bound on a step's tokens.
+DETERMINISTIC_MAX_BATCHED_TOKENS = 8192
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelLoadConfig
@@ -319,6 +324,10 @@ class EngineConfig:
     kv_connector: str = ""
 
     def __post_init__(self) -> None:
+        if self.model.deterministic and self.scheduler.max_num_batched_tokens > DETERMINISTIC_MAX_BATCHED_TOKENS:
+            raise ValueError(f"deterministic needs max_num_batched_tokens <= {DETERMINISTIC_MAX_BATCHED_TOKENS} "
+                             f"(longer chunks leave the batch-invariant attention kernel), got "
+                             f"{self.scheduler.max_num_batched_tokens}")
         if self.kv_connector and (not isinstance(self.kv_connector, str) or self.kv_connector.count(":") != 1
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")

@@ -110,3 +110,12 @@ def test_disaggregated_same_bits_first_time_and_on_a_prefix_hit(case, runs):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_step_budget_bound_matches_the_kernel(case):
+    from kvferry.config import DETERMINISTIC_MAX_BATCHED_TOKENS
+    from kvferry.model.attention import kernel_max_chunk_tokens
+
+    assert DETERMINISTIC_MAX_BATCHED_TOKENS == kernel_max_chunk_tokens()
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(model=case[0], dtype="bfloat16", deterministic=True, max_num_batched_tokens=9000)
