@@ -19,7 +19,8 @@ from kvferry.config import EngineArgs
 
 from kvferry.serve.api_flags import add_api_args
 from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
-from kvferry.serve.vllm_flags import add_vllm_args
+from kvferry.model.resolve import resolve_model  # light: paths and names, no torch
+from kvferry.serve.vllm_flags import add_vllm_args, apply_vllm_args
 
 
 
@@ -79,7 +80,6 @@ def check_model(model: str | None) -> None:
     machine; before any process starts, so a typo fails at once."""
     if model is None:
         return  # the embedded default
-    from kvferry.model.resolve import resolve_model
 
     resolve_model(model)
 
@@ -138,8 +138,6 @@ def _starts_local_cores(args: argparse.Namespace) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvferry.serve.vllm_flags import apply_vllm_args
-
     try:
         if _starts_local_cores(args):  # joined cores (--worker) load the model on their own machines
             check_model(args.model)
@@ -147,6 +145,6 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
-    from kvferry.serve.server import run_server
+    from kvferry.serve.server import run_server  # lazy: uvicorn, fastapi and the front end, ~0.5 s
 
     return run_server(args, engine_args)
