@@ -112,9 +112,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                             "its requests end with an error, and it is killed and restarted (0: off)")
     group.add_argument("--engine-restarts", type=int, default=3, metavar="N",
                        help="a started core that dies is restarted (backoff 0.5 s doubling to 30 s), at most N times "
-                            "within --engine-restart-window; one more death exits the server with code 3")
+                            "within --engine-restart-window; one more death exits the server with code 3. The node "
+                            "KV store this server starts (--kv-dram-gb) gets the same budget, counted apart: one "
+                            "more death leaves it down and the server serves on without the KV tiers")
     group.add_argument("--engine-restart-window", type=float, default=600.0, metavar="SECONDS",
-                       help="the window --engine-restarts counts in")
+                       help="the window --engine-restarts counts in (the cores' restarts, and the node KV store's "
+                            "apart)")
     group.add_argument("--engine-restart-wait", type=float, default=60.0, metavar="SECONDS",
                        help="a request that arrives while every core of its role restarts waits this long for one, "
                             "then gets 503 engine_restarting (0: at once)")
