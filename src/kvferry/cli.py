@@ -24,9 +24,9 @@ import argparse
 import dataclasses
 import sys
 
-from kvferry import peer_auth
 # Each command's parser module is light: its heavy modules (torch, httpx,
 # uvicorn, the simulator) load when the command runs.
+from kvferry import peer_auth
 from kvferry.bench.cli import add_bench_parsers  # bench, profile
 from kvferry.cli_parser import Parser, nearest_flag_error, package_version
 from kvferry.config import EngineArgs
