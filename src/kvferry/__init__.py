@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
+    # Lazy (PEP 562): `import kvferry` (the CLI, the front end) must not load
+    # torch; the engine loads when LLM or LLMEngine is first named.
     if name == "LLM":
         from kvferry.engine.llm import LLM
 

@@ -24,8 +24,17 @@ import argparse
 import dataclasses
 import sys
 
+# Each command's parser module is light: its heavy modules (torch, httpx,
+# uvicorn, the simulator) load when the command runs.
+from kvferry import peer_auth
+from kvferry.bench.cli import add_bench_parsers  # bench, profile
 from kvferry.cli_parser import Parser, nearest_flag_error, package_version
 from kvferry.config import EngineArgs
+from kvferry.fleet.scale_cli import add_scale_parser
+from kvferry.kvstore.process import add_kvstore_args, run as run_kvstore
+from kvferry.plan.cli import add_plan_parsers  # simulate, plan
+from kvferry.serve.cli import add_serve_parser
+from kvferry.train.cli import add_train_parser  # train-draft
 
 # What `kvferry demo` passes to LLM(...): the model and how it runs, not the
 # serving-only options (KV store, disaggregation, connectors).
@@ -43,6 +52,7 @@ def engine_args_from(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    # Lazy: torch and the model (~1.5 s) load only when demo runs.
     from kvferry import LLM, SamplingParams
 
     llm = LLM(**dataclasses.asdict(args.engine_args))
@@ -54,7 +64,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_engine_core(args: argparse.Namespace) -> int:
-    from kvferry import peer_auth
+    # Lazy: torch and the model (~1.5 s) load only when an engine core runs.
     from kvferry.engine.core_proc import run_from_args
 
     try:
@@ -79,7 +89,6 @@ def build_parser() -> Parser:
     demo.add_argument("prompt", nargs="*", metavar="PROMPT",
                       help="questions to answer (default: two examples)")
     demo.set_defaults(func=cmd_demo, subparser=demo)
-    from kvferry.serve.cli import add_serve_parser  # light: heavy imports happen when serve runs
 
     core = sub.add_parser("engine-core", help="an engine core alone, reached by socket address")
     EngineArgs.add_cli_args(core)
@@ -87,17 +96,12 @@ def build_parser() -> Parser:
     core.set_defaults(func=cmd_engine_core, subparser=core)
 
     add_serve_parser(sub)
-    from kvferry.kvstore.process import add_kvstore_args, run as run_kvstore  # light: no torch in the store
     kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
     add_kvstore_args(kvstore)
     kvstore.set_defaults(func=run_kvstore)
-    from kvferry.fleet.scale_cli import add_scale_parser  # light: an HTTP call to a running server
     add_scale_parser(sub)
-    from kvferry.bench.cli import add_bench_parsers  # bench, profile; light: tools load when they run
     add_bench_parsers(sub)
-    from kvferry.plan.cli import add_plan_parsers  # simulate, plan; light: the simulator loads when it runs
     add_plan_parsers(sub)
-    from kvferry.train.cli import add_train_parser  # train-draft; light: torch loads when it runs
     add_train_parser(sub)
     return parser
 

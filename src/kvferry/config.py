@@ -13,6 +13,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+# The address module alone (standard library), not the tier: the config
+# checks a --kv-cluster URL without loading the pool.
+from kvferry.kvstore.pool_address import PoolAddress, check_auto, is_auto
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --kv-cache-dtype (kvferry.model.kv_cache_dtype): "auto" is the model's dtype.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -292,9 +296,6 @@ class KVTierConfig:
         if self.kv_remote and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
         if self.kv_cluster:
-            # The address module alone (standard library): not the tier.
-            from kvferry.kvstore.pool_address import PoolAddress, check_auto, is_auto
-
             # auto: kvferry serve --ray starts a master and puts its URL here
             # before any store starts (a store given "auto" refuses it).
             check_auto(self.kv_cluster) if is_auto(self.kv_cluster) else PoolAddress.parse(self.kv_cluster)

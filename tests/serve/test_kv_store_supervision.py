@@ -10,7 +10,8 @@ signals, real shared memory and the real ``openai`` client:
   and ``/metrics`` stop showing the dead store's counters;
 * past its restart budget the store is ``down``: ``/health`` says
   ``degraded`` (200: the server still serves, from the device pool), and
-  its tier counters are gone from ``/metrics``;
+  its tier counters are gone from ``/metrics`` and its per-tenant counts
+  from ``/v1/kv/stats``;
 * a clean SIGTERM, or SIGINT, leaves no arena and no socket behind, even
   after the store was killed; a store whose server is SIGKILLed exits and
   removes its own.
@@ -86,6 +87,13 @@ def _zombies(server_pid: int) -> list[str]:
 def _health(srv: ServerProcess) -> tuple[int, dict]:
     r = httpx.get(f"{srv.base_url}/health", timeout=10)
     return r.status_code, r.json()
+
+
+def _tenant_tiers(srv: ServerProcess) -> dict[str, dict]:
+    """/v1/kv/stats' per-tenant ``kv_tiers`` (tenant -> tier -> counts), tenants that have any."""
+    r = httpx.get(f"{srv.base_url}/v1/kv/stats", timeout=10)
+    assert r.status_code == 200, r.text
+    return {name: entry["kv_tiers"] for name, entry in r.json()["tenants"].items() if entry.get("kv_tiers")}
 
 
 def _assert_health(srv: ServerProcess, code: int, status: str, kv_store: str) -> None:
@@ -203,14 +211,22 @@ def test_past_its_restart_budget_the_store_is_down_and_the_server_serves_on(serv
         dead = _kill_store(srv)
         srv.store_pids += _wait_for("a new store", lambda: [p for p in _stores(srv.proc.pid) if p != dead], srv=srv)
         _wait_for("the store ok", lambda: _health(srv)[1].get("kv_store") == "ok", srv=srv)
+    # The last store's per-tenant counts, as /v1/kv/stats shows them while it lives.
+    expected = _complete(client, "3 " + PROMPT).choices[0].text
+    _complete(client, "4 " + FLUSH, max_tokens=1)
+    assert _complete(client, "3 " + PROMPT).choices[0].text == expected
+    _wait_for("/v1/kv/stats to show the store's per-tenant hits",
+              lambda: any(t.get("dram", {}).get("hits") for t in _tenant_tiers(srv).values()), srv=srv)
     dead = _kill_store(srv)
     _wait_for("/health to report the store down", lambda: _health(srv)[1].get("kv_store") == "down", srv=srv)
     _assert_health(srv, 200, "degraded", "down")
     time.sleep(1.0)  # no restart comes
     assert _stores(srv.proc.pid) == [] and not _zombies(srv.proc.pid)
     assert not _arenas_of(dead)
-    # No tier series of a store that is gone.
+    # No tier series of a store that is gone, in /metrics nor in /v1/kv/stats
+    # (the cores' last report still holds the dead store's counts).
     assert not [key for key in srv.metrics() if key[0].startswith("kvferry:kv_tier_")]
+    assert _tenant_tiers(srv) == {}
     # Serving goes on, from the device pool alone.
     assert _complete(client, "2 " + PROMPT).choices[0].finish_reason == "length"
 

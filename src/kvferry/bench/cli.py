@@ -6,7 +6,8 @@
     kvferry profile [--model PATH] [--new-tokens ...] [--batch-sizes ...] [--output profile.json]
 
 Imported by the top-level CLI for every subcommand, so heavy modules
-(httpx, numpy, matplotlib, rich) are imported only when bench runs.
+(torch, httpx, matplotlib, rich) are imported only when bench runs; the
+light ones (workloads, metrics, plots' entry points) at the top.
 """
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from kvferry.bench.compare import compare_table
+from kvferry.bench.metrics import RequestRecord, add_cost, parse_slo
+from kvferry.bench.plots import plot_latency_cdfs, plot_sweep
+from kvferry.bench.profile import ProfileGrid, plot_profile, run_profile
+from kvferry.bench.workloads import BenchError
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "trace", "multi-tenant")
 
@@ -75,8 +82,6 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 
 def _int_list(text: str, flag: str, minimum: int) -> list[int]:
-    from kvferry.bench.workloads import BenchError
-
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -87,8 +92,6 @@ def _int_list(text: str, flag: str, minimum: int) -> list[int]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from kvferry.bench.workloads import BenchError
-
     try:
         return _run_profile(args)
     except BenchError as e:
@@ -97,9 +100,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from kvferry.bench.profile import ProfileGrid
-    from kvferry.bench.workloads import BenchError
-
     grid = ProfileGrid(
         new_tokens=_int_list(args.new_tokens, "--new-tokens", 1),
         cached_tokens=_int_list(args.cached_tokens, "--cached-tokens", 0),
@@ -118,9 +118,10 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise BenchError(f"--threads must be >= 1, got {args.threads}")
     if args.url:
         return _run_served_profile(args, grid)
+    # Lazy: torch and the engine load only when an in-process profile runs,
+    # not for every kvferry command (~1.5 s).
     import torch
 
-    from kvferry.bench.profile import run_profile
     from kvferry.engine.engine import LLMEngine
 
     if args.threads:
@@ -157,8 +158,6 @@ def _show_point(kind: str, p: dict) -> None:
 
 
 def _save_profile(args: argparse.Namespace, data: dict, title: str) -> None:
-    from kvferry.bench.profile import plot_profile
-
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
@@ -173,6 +172,7 @@ def _save_profile(args: argparse.Namespace, data: dict, title: str) -> None:
 
 
 def _run_served_profile(args: argparse.Namespace, grid) -> int:
+    # Lazy: httpx and rich (~100 ms) load only when a served profile runs.
     from kvferry.bench.profile_served import run_served_profile
     from kvferry.bench.run import resolve_target
 
@@ -276,12 +276,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvferry.bench.workloads import BenchError
-
     try:
         if args.bench_command == "compare":
-            from kvferry.bench.compare import compare_table
-
             print(compare_table(args.a, args.b))
             return 0
         return _run_bench(args)
@@ -294,8 +290,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
-    from kvferry.bench.workloads import BenchError
-
     for name in names:
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
@@ -303,8 +297,6 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from kvferry.bench.workloads import BenchError
-
     if not args.url:
         raise BenchError("--url is required (e.g. --url http://127.0.0.1:8000)")
     if not args.url.startswith(("http://", "https://")):
@@ -325,8 +317,6 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _sweep_rates(text: str) -> list[float]:
-    from kvferry.bench.workloads import BenchError
-
     try:
         rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
@@ -337,9 +327,8 @@ def _sweep_rates(text: str) -> list[float]:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from kvferry.bench.metrics import parse_slo
+    # Lazy: httpx and rich (~100 ms) load only when bench runs.
     from kvferry.bench.run import clipped_trace_requests, make_workload, resolve_served, run_once
-    from kvferry.bench.workloads import BenchError
 
     _validate(args)
     try:
@@ -358,8 +347,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     for rate in rates:
         results.append(run_once(args, target.base_url, target.model, rate, slo, target.max_model_len))
         if args.price_per_hour is not None:
-            from kvferry.bench.metrics import add_cost
-
             add_cost(results[-1]["summary"], args.price_per_hour)
         _print_summary(results[-1])
     _write_outputs(args, results)
@@ -406,8 +393,6 @@ def _print_summary(result: dict) -> None:
 def _write_outputs(args: argparse.Namespace, results: list[dict]) -> None:
     if not args.output:
         return
-    from kvferry.bench.workloads import BenchError
-
     path = Path(args.output)
     data = results[0] if len(results) == 1 else {"sweep": results}
     try:
@@ -417,9 +402,6 @@ def _write_outputs(args: argparse.Namespace, results: list[dict]) -> None:
         raise BenchError(f"--output: cannot write {path}: {e.strerror}") from None
     written = [path]
     if not args.no_plots:
-        from kvferry.bench.plots import plot_latency_cdfs, plot_sweep
-        from kvferry.bench.metrics import RequestRecord
-
         stem = path.with_suffix("")
         last = results[-1]
         records = [RequestRecord.from_json(r) for r in last["records"]]

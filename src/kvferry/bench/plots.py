@@ -3,9 +3,13 @@ dashed) and, for a sweep, goodput and latency against the offered rate.
 matplotlib is imported here only (Agg backend: no display needed)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
+import numpy as np
+
 from kvferry.bench.metrics import RequestRecord
+
 
 _PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))
 
@@ -14,8 +18,6 @@ def readable_title(text: str, width: int = 70) -> str:
     """A figure title that fits: absolute paths shortened to their last
     part (a model cache path is most of a long title), then wrapped into
     lines of ``width`` characters instead of running off the figure."""
-    import textwrap
-
     words = [w.rstrip("/").rsplit("/", 1)[-1] if w.startswith("/") and len(w) > 24 else w for w in text.split(" ")]
     return "\n".join(textwrap.wrap(" ".join(words), width)) or text
 
@@ -39,8 +41,6 @@ def _values_ms(records: list[RequestRecord], metric: str) -> list[float]:
 
 def plot_latency_cdfs(records: list[RequestRecord], summary: dict, title: str, path: Path) -> Path:
     """A 2x2 grid of CDFs with p50/p90/p99 marked and the SLO as a dashed line."""
-    import numpy as np
-
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     slo = summary.get("slo_ms") or {}

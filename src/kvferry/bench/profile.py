@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from kvferry.bench.step_cost import (DECODE_TERMS, FIT_RMS_WARN, HUBER_K, MIXED_TERMS, PREFILL_TERMS,  # noqa: F401
                                      _nonnegative_lstsq, fit, fit_mixed, fit_quality, poor_fits, predict,
                                      warn_quality)
+from kvferry.bench.plots import readable_title
 from kvferry.sampling import SamplingParams
+
 
 @dataclass(slots=True)
 class ProfileGrid:
@@ -146,7 +148,6 @@ def plot_profile(result: dict, title: str, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
         ax.set_ylim(bottom=0)
-    from kvferry.bench.plots import readable_title
 
     fig.suptitle(f"{readable_title(title, 100)}\ndots: measured; lines: fitted", fontsize=12)
     fig.tight_layout()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 # engine_steps / engine_step_seconds: kvferry's busy time per core clock
 # (the simulator validation calibrates machine speed from it)
@@ -34,8 +35,6 @@ def scrape(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -
 def parse_counters(text: str) -> ServerCounters | None:
     """The COUNTERS in a /metrics body (summed over labels); None when it
     holds none of them or is not Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError:

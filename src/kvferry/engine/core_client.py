@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import setproctitle
 import zmq
 
 from kvferry import peer_auth
@@ -86,10 +87,8 @@ def _core_process_main(name: str, **kwargs) -> None:
     imported it only to name the target would pay that import before the
     child could start its own. ``ps`` names the process by its role from
     the start, not only once torch is in."""
-    import setproctitle
-
     setproctitle.setproctitle(f"kvferry: {name}")
-    from kvferry.engine.core_proc import run_engine_core
+    from kvferry.engine.core_proc import run_engine_core  # lazy: the spawn target's torch, see above
 
     run_engine_core(name=name, **kwargs)
 

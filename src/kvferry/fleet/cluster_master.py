@@ -47,6 +47,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvferry.fleet.core_actor import node_address
 from kvferry.fleet.node_store import NAMESPACE
+from kvferry.kvstore.mooncake_lib import master_binary, metadata_server_argv
+from kvferry.kvstore.pool_address import auto_url
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,6 @@ class MooncakeMasterActor:
     def __init__(self, host: str, ports: MasterPorts, log_level: str = "info") -> None:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s [mooncake-master] %(name)s: %(message)s")
-        from kvferry.kvstore.mooncake_lib import master_binary, metadata_server_argv
 
         bare = host.strip("[]")
         self._host, self._ports, self._stopping = host, ports, False
@@ -200,9 +201,6 @@ class ClusterMaster:
         """Start the master on the head node for ``value`` (``auto`` or
         ``auto?OPTIONS``: the options of the URL the stores get). Raises
         ValueError naming what is missing or why it did not start."""
-        from kvferry.kvstore.mooncake_lib import master_binary
-        from kvferry.kvstore.pool_address import auto_url
-
         master_binary()  # a ValueError naming what is missing, before any actor
         head = head_node_id()
         host = node_address(head)

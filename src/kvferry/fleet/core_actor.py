@@ -28,6 +28,11 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+import setproctitle
+
+from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
+from kvferry.gc_heap import freeze_startup_heap
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,14 +55,13 @@ class CoreActor:
         # First: the socket secret and KVFERRY_* settings of the server, which
         # a core it spawned itself would inherit (its KV transfer tokens).
         os.environ.update(env)
-        import ray
+        import ray  # optional dependency: this module is imported without it
 
         self.title = f"kvferry: {name}"
         _set_title(self.title)
         logging.basicConfig(level=log_level.upper(),
                             format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
-        from kvferry.engine.core_client import CoreAddresses
-        from kvferry.engine.core_proc import EngineCoreProc
+        from kvferry.engine.core_proc import EngineCoreProc  # lazy: torch, in the actor's process only
 
         node_id = ray.get_runtime_context().get_node_id()
         host = node_address(node_id)
@@ -67,7 +71,7 @@ class CoreActor:
         if config.kv_tiers.enabled and not config.kv_tiers.kv_store:
             # --kv-dram-gb: the store of this node, shared with its other
             # cores (node_store.py); a restarted core finds the same one.
-            from kvferry.fleet.node_store import node_store_address
+            from kvferry.fleet.node_store import node_store_address  # optional: imports ray
 
             try:
                 config.kv_tiers.kv_store = node_store_address(node_id)
@@ -101,9 +105,9 @@ class CoreActor:
     def _run(self, config, store_error: Exception | None) -> None:
         """Build the core and run its step loop on this one thread (as
         core_proc._run_off_main_thread does, for the same OpenMP reason)."""
+        # Lazy: torch, in the actor's process only.
         from kvferry.engine.core import EngineCore
         from kvferry.engine.cpu_threads import bind_step_thread
-        from kvferry.gc_heap import freeze_startup_heap
 
         try:
             bind_step_thread()
@@ -130,10 +134,10 @@ def _set_title(title: str) -> None:
     setproctitle: Ray titles its workers with it, and the setproctitle
     package beside it in one process does not change what ``ps`` shows."""
     try:
-        from ray._raylet import setproctitle
+        from ray._raylet import setproctitle as set_title  # optional dependency: ray
     except ImportError:  # a Ray without it: the package, as the local cores use
-        from setproctitle import setproctitle
-    setproctitle(title)
+        set_title = setproctitle.setproctitle
+    set_title(title)
 
 
 def node_address(node_id: str) -> str:
@@ -158,9 +162,7 @@ def on_node(transfer_address: str, host: str) -> str:
 
 def _bind_cpus(cpus: str) -> None:
     """--prefill-cpus and the like, on the node the actor landed on."""
-    import torch
-
-    from kvferry.engine.core_client import parse_cpus
+    import torch  # lazy: in the actor's process only
 
     allowed = parse_cpus(cpus)
     os.sched_setaffinity(0, allowed)

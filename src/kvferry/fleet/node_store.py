@@ -150,8 +150,6 @@ def start_node_store(spec: NodeStoreSpec, address: str) -> subprocess.Popen:
     and answering; raises (ValueError, RuntimeError) when it cannot start.
     The caller has put ``spec.env`` in its environment (the store inherits
     the socket secret); the cache secret goes through a pipe."""
-    from kvferry.kvstore.launch import start_store
-
     tiers = dataclasses.replace(spec.tiers, kv_store=address)
     process, _ = start_store(tiers, api_keys=spec.api_keys, cache_secret=spec.cache_secret,
                              extra_args=["--log-level", spec.log_level.lower()])

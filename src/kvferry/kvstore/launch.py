@@ -39,6 +39,9 @@ from typing import TYPE_CHECKING
 
 from kvferry import peer_auth
 from kvferry.kvstore.arena import SHM_DIR
+from kvferry.kvstore.client import KVStoreClient
+from kvferry.kvstore.mooncake_lib import check_available
+from kvferry.kvstore.pool_address import PoolAddress
 from kvferry.shm_segments import unlink_dead_segments, unlink_dead_sockets
 
 if TYPE_CHECKING:
@@ -104,15 +107,10 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     shutdown) and ``wait()``; ``supervisor.StoreSupervisor`` also restarts
     one that dies. ``cache_secret`` (bytes) is handed over by pipe (module
     docstring); give it or ``cache_secret_file``, not both."""
-    from kvferry.kvstore.client import KVStoreClient
-
     if cache_secret is not None and cache_secret_file is not None:
         raise ValueError("cache_secret, cache_secret_file: give one or neither")
 
     if tiers.kv_cluster:
-        from kvferry.kvstore.mooncake_lib import check_available
-        from kvferry.kvstore.pool_address import PoolAddress
-
         PoolAddress.parse(tiers.kv_cluster)  # "auto" is kvferry serve --ray's alone: refused here, by name
         check_available()  # a ValueError naming the missing package or library, here rather than in the child
     peer_auth.socket_secret()  # in the environment before the store starts: it inherits it

@@ -27,10 +27,13 @@ import threading
 import time
 from pathlib import Path
 
+import setproctitle
 import zmq
 
 from kvferry import envs, peer_auth
+from kvferry.kvstore.secret_file import ensure_secret_file, read_secret_fd, tier_secret_path
 from kvferry.kvstore.service import GIB, KVStoreService, StoreConfig
+from kvferry.kvstore.tenant_lru import TierQuotas
 from kvferry.kvstore.tier import ColdTier
 
 logger = logging.getLogger(__name__)
@@ -130,8 +133,9 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
         raise ValueError("kv_disk / kv_disk_gb: give both or neither")
     if not (args.kv_disk or args.kv_remote or args.kv_cluster):
         return []
+    # Lazy: the CLI imports this module for every command; cryptography,
+    # xxhash and the tiers (~35 ms) load only when a store has cold tiers.
     from kvferry.kvstore.crypto import TierCrypto
-    from kvferry.kvstore.tenant_lru import TierQuotas
 
     secret: bytes | None = getattr(args, "cache_secret", None)  # from --cache-secret-fd (run)
     if secret is not None:
@@ -139,8 +143,6 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
     else:
         secret_file = args.cache_secret_file
         if secret_file is None:
-            from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
-
             secret_file, created = ensure_secret_file(tier_secret_path(args.kv_disk, args.kv_remote or args.kv_cluster))
             logger.warning("no --cache-secret-file: %s the cache secret in %s, so the tiers survive a restart",
                            "generated" if created else "using", secret_file)
@@ -154,7 +156,7 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
         crypto = TierCrypto.from_file(secret_file)
     tiers: list[ColdTier] = []
     if args.kv_disk:
-        from kvferry.kvstore.disk import DiskTier
+        from kvferry.kvstore.disk import DiskTier  # lazy: see TierCrypto's
 
         if args.kv_disk_gb <= 0:
             raise ValueError(f"kv_disk_gb: must be > 0, got {args.kv_disk_gb}")
@@ -162,12 +164,12 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
                                     public_gb=args.public_disk_gb)
         tiers.append(DiskTier(args.kv_disk, int(args.kv_disk_gb * GIB), crypto=crypto, quotas=quotas))
     if args.kv_cluster:
-        from kvferry.kvstore.cluster import MooncakeTier
+        from kvferry.kvstore.cluster import MooncakeTier  # lazy: see TierCrypto's
 
         tiers.append(MooncakeTier(args.kv_cluster, crypto=None if args.insecure_shared_tier else crypto,
                                   insecure=args.insecure_shared_tier))
     if args.kv_remote:
-        from kvferry.kvstore.remote import RedisTier
+        from kvferry.kvstore.remote import RedisTier  # optional dependency: redis (and lazy, as above)
 
         tiers.append(RedisTier(args.kv_remote, crypto=None if args.insecure_shared_tier else crypto,
                                insecure=args.insecure_shared_tier))
@@ -177,8 +179,6 @@ def cold_tiers_from_args(args: argparse.Namespace) -> list[ColdTier]:
 def run(args: argparse.Namespace) -> int:
     """``kvferry kvstore``: serve until SIGTERM, SIGINT without a parent,
     or the parent is gone."""
-    import setproctitle
-
     setproctitle.setproctitle("kvferry: kvstore")
     if args.parent_pid is not None:
         # Ctrl-C reaches the whole process group; the parent decides when we stop.
@@ -192,7 +192,6 @@ def run(args: argparse.Namespace) -> int:
                 # The socket secret derives from a cache secret *file*: a
                 # parent that pipes the secret hands its socket secret too.
                 raise ValueError(f"cache_secret_fd: needs the parent's socket secret in {envs.SOCKET_SECRET}")
-            from kvferry.kvstore.secret_file import read_secret_fd
 
             args.cache_secret = read_secret_fd(args.cache_secret_fd)
         elif envs.socket_secret() is None and args.cache_secret_file is None:

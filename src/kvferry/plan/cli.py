@@ -11,7 +11,9 @@
 A profile whose fits are poor (``kvferry.bench.profile.poor_fits``) is refused
 unless --allow-poor-fit.
 
-Bad arguments print one line and exit 2. Heavy modules load when a command runs.
+Bad arguments print one line and exit 2. Imported by the top-level CLI for
+every command: the simulator and the real scheduler (~100 ms) load only
+when simulate or plan runs.
 """
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvferry.bench.cli import _one_line_error
+from kvferry.bench.metrics import parse_slo
+from kvferry.bench.trace import load_trace
+from kvferry.bench.workloads import BenchError
+from kvferry.plan.hardware import Hardware, load_hardware, pick
+from kvferry.plan.latency import KVTransferModel, PlanError, StepCostModel, check_profile_fits, profile_handover_s
+from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
 
 SIM_WORKLOADS = ("random", "shared-prefix")
 DEFAULT_PLAN_DIR = "kvferry-plan"  # plan's output folder when --output is not given
@@ -137,9 +145,6 @@ def _fail(command: str, message: str) -> int:
 
 
 def _user_errors():
-    from kvferry.bench.workloads import BenchError
-    from kvferry.plan.latency import PlanError
-
     return (BenchError, PlanError, ValueError)
 
 
@@ -158,8 +163,6 @@ def parse_config(text: str) -> dict[str, int]:
 
 
 def load_requests(args: argparse.Namespace):
-    from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
-
     if (args.workload is None) == (args.trace is None):
         raise ValueError("give one of --workload or --trace")
     for name in ("num_requests", "max_input_len", "max_output_len"):
@@ -169,8 +172,6 @@ def load_requests(args: argparse.Namespace):
     if args.rate is not None and not args.rate > 0:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
     if args.trace is not None:
-        from kvferry.bench.trace import load_trace
-
         entries = load_trace(None if args.trace == "default" else args.trace)[: args.num_requests]
         reqs = trace_requests(entries, 1.0, args.trace_block_size, args.max_input_len, args.max_output_len)
         span = reqs[-1].arrival_s
@@ -184,7 +185,7 @@ def load_requests(args: argparse.Namespace):
 
 
 def instance_config(args: argparse.Namespace):
-    from kvferry.plan.instance import InstanceConfig
+    from kvferry.plan.instance import InstanceConfig  # lazy: the real scheduler, ~100 ms
 
     for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
@@ -194,8 +195,6 @@ def instance_config(args: argparse.Namespace):
 
 
 def transfer_model(args: argparse.Namespace):
-    from kvferry.plan.latency import KVTransferModel, profile_handover_s
-
     latency_ms = args.kv_latency_ms
     if latency_ms is None:  # a served profile measured the hand-over (transfer + the decode core's first step)
         latency_ms = 1000.0 * profile_handover_s(args.profile) if args.profile else 0.0
@@ -227,8 +226,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> dict:
-    from kvferry.bench.metrics import parse_slo
-
     slo = parse_slo(args.slo)
     counts = parse_config(args.config)
     cache_only = args.cache_blocks is not None and (args.profile is None or _cache_blocks(args.cache_blocks) is None)
@@ -239,7 +236,7 @@ def run_simulate(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     if cache_only:
         return _run_cache_only(args, counts, requests, capacity, start)
-    from kvferry.plan.latency import StepCostModel, check_profile_fits
+    # Lazy: the simulator and the real scheduler (~100 ms) load only when a command runs.
     from kvferry.plan.report import instance_stats, mean_summary, summarize
     from kvferry.plan.simulator import ClusterConfig, Simulation
 
@@ -294,7 +291,7 @@ def per_request(runs: list[list]) -> list[dict]:
 
 
 def _run_cache_only(args, counts, requests, capacity, start) -> dict:
-    from kvferry.plan.simulator import simulate_cache_only
+    from kvferry.plan.simulator import simulate_cache_only  # lazy: the simulator, ~100 ms
 
     if counts.get("num_prefill"):
         counts = {"num_colocated": counts["num_prefill"]}  # the prefill pool is where prompts hit
@@ -347,7 +344,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = run_plan(args)
     except _user_errors() as e:
         return _fail("plan", str(e))
-    from kvferry.plan.search import format_plan, plot_plan
+    from kvferry.plan.search import format_plan, plot_plan  # lazy: the simulator, ~100 ms
 
     png, js = plan_output_paths(args.output)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -376,8 +373,7 @@ def plan_output_paths(output: str | None) -> tuple[Path, Path]:
 
 
 def run_plan(args: argparse.Namespace) -> dict:
-    from kvferry.bench.metrics import parse_slo
-    from kvferry.plan.search import search_placement
+    from kvferry.plan.search import search_placement  # lazy: the simulator, ~100 ms
 
     slo = parse_slo(args.slo)
     if not slo:
@@ -403,9 +399,7 @@ def run_plan(args: argparse.Namespace) -> dict:
 def plan_pools(args: argparse.Namespace):
     """The hardware each pool may use: the --hardware list (priced), or
     --profile alone as one unpriced hardware (the goodput-per-GPU search)."""
-    from kvferry.plan.hardware import Hardware, load_hardware, pick
-    from kvferry.plan.latency import StepCostModel, check_profile_fits
-    from kvferry.plan.search import Pools
+    from kvferry.plan.search import Pools  # lazy: the simulator, ~100 ms
 
     if args.hardware and args.profile is not None:
         raise ValueError("--profile: give either --profile or --hardware NAME=PROFILE.json:PRICE, not both")
@@ -430,8 +424,6 @@ def pair_transfer(args: argparse.Namespace):
     and bandwidth, and a fixed latency of --kv-latency-ms or else the larger
     of the two profiles' measured hand-overs (each includes its decode
     core's first step; which pool's dominates a mixed pair is not measured)."""
-    from kvferry.plan.latency import KVTransferModel, profile_handover_s
-
     if args.kv_bytes_per_token < 0 or not args.kv_bandwidth_gbps > 0 or (args.kv_latency_ms or 0) < 0:
         raise ValueError("--kv-bytes-per-token, --kv-latency-ms must be >= 0 and --kv-bandwidth-gbps > 0")
 

@@ -12,6 +12,8 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.serve.tenants import CacheNamespaces, parse_key_file
+
 TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json")
 EMBEDDING_POOLINGS = ("last", "mean")  # as kvferry.sampling.POOLINGS
 
@@ -111,8 +113,7 @@ class ApiOptions:
 def _check_tenancy_files(args: argparse.Namespace) -> None:
     """Fail before the model loads: a bad key, secret or prefix file is a
     start-up error naming the field, not a crash after minutes of loading."""
-    from kvferry.serve.public_prefixes import load_prefix_file
-    from kvferry.serve.tenants import CacheNamespaces, parse_key_file
+    from kvferry.serve.public_prefixes import load_prefix_file  # lazy: jinja2 and tokenizers, ~45 ms
 
     if args.api_keys is not None:
         parse_key_file(Path(args.api_keys))
@@ -189,7 +190,7 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
 
 
 def uvicorn_options(api: ApiOptions) -> dict:
-    from kvferry.serve.http_limits import header_timeout_protocol
+    from kvferry.serve.http_limits import header_timeout_protocol  # lazy: uvicorn and starlette, ~45 ms
 
     return {"http": header_timeout_protocol(api.header_read_timeout_s),
             "timeout_keep_alive": api.keep_alive_timeout_s,

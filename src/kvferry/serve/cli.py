@@ -19,7 +19,8 @@ from kvferry.config import EngineArgs
 
 from kvferry.serve.api_flags import add_api_args
 from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
-from kvferry.serve.vllm_flags import add_vllm_args
+from kvferry.model.resolve import resolve_model  # light: paths and names, no torch
+from kvferry.serve.vllm_flags import add_vllm_args, apply_vllm_args
 
 
 
@@ -79,7 +80,6 @@ def check_model(model: str | None) -> None:
     machine; before any process starts, so a typo fails at once."""
     if model is None:
         return  # the embedded default
-    from kvferry.model.resolve import resolve_model
 
     resolve_model(model)
 
@@ -112,9 +112,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                             "its requests end with an error, and it is killed and restarted (0: off)")
     group.add_argument("--engine-restarts", type=int, default=3, metavar="N",
                        help="a started core that dies is restarted (backoff 0.5 s doubling to 30 s), at most N times "
-                            "within --engine-restart-window; one more death exits the server with code 3")
+                            "within --engine-restart-window; one more death exits the server with code 3. The node "
+                            "KV store this server starts (--kv-dram-gb) gets the same budget, counted apart: one "
+                            "more death leaves it down and the server serves on without the KV tiers")
     group.add_argument("--engine-restart-window", type=float, default=600.0, metavar="SECONDS",
-                       help="the window --engine-restarts counts in")
+                       help="the window --engine-restarts counts in (the cores' restarts, and the node KV store's "
+                            "apart)")
     group.add_argument("--engine-restart-wait", type=float, default=60.0, metavar="SECONDS",
                        help="a request that arrives while every core of its role restarts waits this long for one, "
                             "then gets 503 engine_restarting (0: at once)")
@@ -138,8 +141,6 @@ def _starts_local_cores(args: argparse.Namespace) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvferry.serve.vllm_flags import apply_vllm_args
-
     try:
         if _starts_local_cores(args):  # joined cores (--worker) load the model on their own machines
             check_model(args.model)
@@ -147,6 +148,6 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
-    from kvferry.serve.server import run_server
+    from kvferry.serve.server import run_server  # lazy: uvicorn, fastapi and the front end, ~0.5 s
 
     return run_server(args, engine_args)

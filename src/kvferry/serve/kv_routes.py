@@ -196,7 +196,8 @@ def kv_tenant_routes(client: AsyncEngineClient, namespaces: CacheNamespaces, key
         tenant = current_tenant.get()
         stats = client.stats
         by_tenant, public = namespaces.split_stats(stats.prefix_by_owner)
-        add_tier_hit_rates(by_tenant, stats.kv_tier_tenants)
+        store = getattr(request.app.state, "kv_store", None)  # the server's own node store (server.py), if any
+        add_tier_hit_rates(by_tenant, stats.kv_tier_tenants, store_up=store is None or store.health == "ok")
         if not tenant.admin:
             return JSONResponse({"object": "kv.stats",
                                  "tenants": {tenant.name: by_tenant.get(tenant.name, empty_tenant_stats())}})

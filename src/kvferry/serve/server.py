@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import prometheus_client
+import setproctitle
 import uvicorn
 
 from kvferry import peer_auth
@@ -32,6 +33,9 @@ from kvferry.autoscale.policy import autoscaler_from_args
 from kvferry.autoscale.window import window_from_args
 from kvferry.fleet.placement import RayPlacement, placement_from_args
 from kvferry.gc_heap import freeze_startup_heap
+from kvferry.kvstore.pool_address import PoolAddress, is_auto
+from kvferry.kvstore.secret_file import ensure_secret_file, server_cache_secret, tier_secret_path
+from kvferry.kvstore.supervisor import StoreSupervisor
 from kvferry.router.config import router_config_from
 from kvferry.serve.access_log import quiet_probes
 from kvferry.serve.api_flags import ApiOptions, uvicorn_options
@@ -43,7 +47,6 @@ from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level
 from kvferry.structured.spec import import_backend_in_background
 
 if TYPE_CHECKING:
-    from kvferry.kvstore.supervisor import StoreSupervisor
     from kvferry.router.config import RouterConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
@@ -73,8 +76,6 @@ def _is_hub_id(model: str) -> bool:
 
 
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
-    import setproctitle
-
     setproctitle.setproctitle("kvferry: api-server")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # No *_created series: vLLM-style dashboards do not use them.
@@ -94,8 +95,6 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         router = router_config_from(args)
         placement = placement_from_args(args)
         if placement is None and engine_args.kv_cluster:
-            from kvferry.kvstore.pool_address import PoolAddress
-
             PoolAddress.parse(engine_args.kv_cluster)  # "auto" needs --ray: a ValueError saying so
         slo_s = {name: ms / 1000.0 for name, ms in (("ttft", router.slo.ttft_slo_ms), ("tpot", router.slo.tpot_slo_ms))
                  if ms is not None}
@@ -155,7 +154,7 @@ def connect_ray(placement: RayPlacement | None, max_restarts: int):
     (None without it: ray is never imported). Raises ConnectionError."""
     if placement is None:
         return None
-    from kvferry.fleet.ray_cores import RayCores
+    from kvferry.fleet.ray_cores import RayCores  # optional dependency: imports ray
 
     return RayCores.connect(placement, max_restarts)
 
@@ -167,11 +166,10 @@ def start_cluster_master(placement: RayPlacement | None, engine_args: EngineArgs
     the node stores get its URL. None when not asked for."""
     if placement is None or not engine_args.kv_cluster:
         return None
-    from kvferry.kvstore.pool_address import is_auto
 
     if not is_auto(engine_args.kv_cluster):
         return None
-    from kvferry.fleet.cluster_master import ClusterMaster
+    from kvferry.fleet.cluster_master import ClusterMaster  # optional dependency: imports ray
 
     return ClusterMaster.start(engine_args.kv_cluster, max_restarts, log_level)
 
@@ -187,8 +185,7 @@ def start_node_stores(placement: RayPlacement | None, args: argparse.Namespace, 
     None when there is none to start."""
     if placement is None or not engine_args.kv_dram_gb or engine_args.kv_store:
         return None
-    from kvferry.fleet.node_store import NodeStores, NodeStoreSpec, server_env
-    from kvferry.kvstore.secret_file import server_cache_secret
+    from kvferry.fleet.node_store import NodeStores, NodeStoreSpec, server_env  # optional: imports ray
 
     spec = NodeStoreSpec(engine_args.create_engine_config().kv_tiers, getattr(args, "api_keys", None),
                          server_cache_secret(getattr(args, "cache_secret_file", None)), server_env(), max_restarts,
@@ -207,7 +204,6 @@ def keep_tier_secret(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         return
     if engine_args.kv_cluster.startswith("auto") and not engine_args.kv_disk and not engine_args.kv_remote:
         return  # --kv-cluster auto: a pool that lives with this server, nothing of it survives a restart
-    from kvferry.kvstore.secret_file import ensure_secret_file, tier_secret_path
 
     path = tier_secret_path(engine_args.kv_disk, engine_args.kv_remote or engine_args.kv_cluster)
     if path is None:
@@ -226,7 +222,6 @@ def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs, router: Ro
     none to start) and the engine args to launch with."""
     if not engine_args.kv_dram_gb or engine_args.kv_store:
         return None, engine_args
-    from kvferry.kvstore.supervisor import StoreSupervisor
 
     store = StoreSupervisor(
         engine_args.create_engine_config().kv_tiers, max_restarts=router.engine_restarts,

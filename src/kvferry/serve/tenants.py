@@ -213,9 +213,15 @@ def empty_tenant_stats() -> dict[str, int]:
     return dict.fromkeys(TENANT_STAT_FIELDS, 0)
 
 
-def add_tier_hit_rates(by_tenant: dict[str, dict], tier_tenants: dict[str, dict[str, list[int]]]) -> None:
+def add_tier_hit_rates(by_tenant: dict[str, dict], tier_tenants: dict[str, dict[str, list[int]]],
+                       store_up: bool = True) -> None:
     """Put each tenant's per-tier [hits, misses] of the KV store into its
-    /v1/kv/stats entry as ``kv_tiers: {tier: {hits, misses, hit_rate}}``."""
+    /v1/kv/stats entry as ``kv_tiers: {tier: {hits, misses, hit_rate}}``.
+    None while the server's node store is not ok (restarting or down), as
+    /metrics does: the cores' last report is then a dead store's counts,
+    and a new store counts from 0."""
+    if not store_up:
+        return
     for tier, tenants in tier_tenants.items():
         for tenant, (hits, misses) in tenants.items():
             entry = by_tenant.setdefault(tenant, empty_tenant_stats())

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from kvferry.config import EngineArgs
+from kvferry.model.resolve import resolve_model
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # --gpu-memory-utilization: what the KV cache leaves to activations, the
@@ -95,7 +96,7 @@ def set_uvicorn_log_level(args: argparse.Namespace) -> None:
     does. Call it after building uvicorn.Config, whose logging set-up resets
     them (it sets the same level on uvicorn.error, .access and .asgi given
     the level; the parent ``uvicorn`` logger is set here too)."""
-    from uvicorn.config import LOG_LEVELS
+    from uvicorn.config import LOG_LEVELS  # lazy: the CLI imports this module for every command
 
     level = LOG_LEVELS[uvicorn_log_level(args)]
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
@@ -118,6 +119,7 @@ def kv_block_bytes(engine_args: EngineArgs) -> int:
     """Bytes of one KV block of this model over every layer, K and V: what
     the engine core computes once the model is loaded
     (``engine.runner.kv_block_bytes``), here from config.json alone."""
+    # Lazy: torch (~1.5 s) loads only for --swap-space's arithmetic.
     import torch
 
     from kvferry.model.kv_cache_dtype import resolve_kv_cache_dtype
@@ -183,8 +185,6 @@ def _device_memory_gb(device: str) -> tuple[float, float]:
 def _weights_gb(model: str | None) -> float:
     """The weights' size as stored (safetensors or GGUF): the device holds
     about as much once loaded in the checkpoint's dtype."""
-    from kvferry.model.resolve import resolve_model
-
     path = resolve_model(model).path
     files = [path] if path.is_file() else list(Path(path).glob("*.safetensors"))
     return sum(f.stat().st_size for f in files) / 2**30

@@ -1,4 +1,4 @@
-"""What a request constrains its output to, checked at the edge (no heavy imports).
+"""What a request constrains its output to, checked at the edge (no torch, no xgrammar).
 
 Kinds follow vLLM's guided-decoding options and OpenAI's ``response_format``:
 ``json_object`` (any JSON object), ``json_schema``, ``regex``, ``choice``
@@ -11,7 +11,10 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import jsonschema
+
 from kvferry.structured.errors import library_reason
+from kvferry.structured.schema_guard import UnsafeSchemaError, check_schema
 
 if TYPE_CHECKING:
     from kvferry.sampling import StructuredOutputsParams
@@ -115,10 +118,6 @@ def check_compiles(spec: GrammarSpec, field: str) -> None:
 
     try:
         if spec.kind == "json_schema":
-            import jsonschema
-
-            from kvferry.structured.schema_guard import UnsafeSchemaError, check_schema
-
             schema = json.loads(spec.source)
             try:
                 # xgrammar treats a reference outside the schema as "any

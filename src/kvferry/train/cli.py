@@ -43,6 +43,6 @@ def _non_negative(text: str) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from kvferry.train.draft_head import run_from_args
+    from kvferry.train.draft_head import run_from_args  # lazy: torch (~1.5 s) loads only when training runs
 
     return run_from_args(args)
