@@ -68,7 +68,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     namespaces = CacheNamespaces.from_file(api.cache_secret_file)
     tenant_labels = TenantLabels(api.metrics_max_tenants) if api.metrics_tenant_labels else None
     metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats, tenant_labels,
-                            owner_label=lambda owner: PUBLIC_POOL_LABEL if owner == namespaces.public else owner)
+                            owner_label=lambda owner: PUBLIC_POOL_LABEL if owner == namespaces.public else owner,
+                            prefix=api.metrics_prefix, max_model_len=client.max_model_len)
     # The autoscaler's window (--autoscale) hears every request too.
     client.observer = metrics if client.autoscaler is None else ObserverGroup(metrics, client.autoscaler)
     store = ResponseStore(api.responses_store_size, api.responses_store_ttl_s)
