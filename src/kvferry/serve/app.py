@@ -37,6 +37,7 @@ from kvferry.serve.responses import ResponseStore
 from kvferry.serve.routes.embeddings import embedding_routes
 from kvferry.serve.routes.health import health_routes
 from kvferry.serve.routes.models import model_routes, tokenize_routes
+from kvferry.serve.routes.ollama import ollama_routes
 from kvferry.serve.routes.openai import generation_routes
 from kvferry.serve.request_stream import ObserverGroup
 from kvferry.serve.routes.scale import scale_routes
@@ -93,6 +94,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         *scale_routes(client, keys, max_body),
         *tokenize_routes(ctx, max_body),
         *embedding_routes(ctx, max_body),
+        *ollama_routes(ctx, config.model_path, max_body),
     ]
     middleware = [Middleware(RequestLimitsMiddleware, max_header_count=api.max_header_count,
                              max_header_bytes=api.max_header_bytes, body_read_timeout_s=api.body_read_timeout_s)]
