@@ -95,3 +95,46 @@ def test_unknown_model_is_an_ollama_error(oc, server):
     assert info.value.status_code == 404
     r = httpx.post(f"{server.base_url}/api/chat", content=b"{not json", timeout=10)
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "messages[0].images"),
+    ({"messages": [{"role": "user", "content": "hi"}], "format": "yaml"}, "format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "options": {"temperature": "hot"}}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "options": "fast"}, "options"),
+])
+def test_bad_bodies_are_400_and_the_server_keeps_serving(server, oc, body, field):
+    r = httpx.post(f"{server.base_url}/api/chat", json={"model": MODEL_NAME, **body}, timeout=30)
+    assert r.status_code == 400 and field in r.json()["error"], r.text
+    assert oc.chat(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], options=GREEDY).done
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _few_shot() -> list[dict]:
+    """Three earlier turns that called get_weather (Ollama's message shape):
+    greedy decoding then writes a fourth call itself (as tests/serve/test_tools.py)."""
+    messages = []
+    for city, temp in [("Paris", "18C"), ("Berlin", "12C"), ("Madrid", "25C")]:
+        messages += [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": city}}}]},
+            {"role": "tool", "content": temp},
+            {"role": "assistant", "content": f"It is {temp} in {city}."},
+        ]
+    return messages + [{"role": "user", "content": "What is the weather in Rome?"}]
+
+
+def test_tool_calls_plain_and_streamed(oc):
+    options = {"temperature": 0, "num_predict": 40}
+    plain = oc.chat(model=MODEL_NAME, messages=_few_shot(), tools=[WEATHER], options=options)
+    calls = plain.message.tool_calls
+    assert calls and calls[0].function.name == "get_weather" and calls[0].function.arguments == {"city": "Rome"}
+    parts = list(oc.chat(model=MODEL_NAME, messages=_few_shot(), tools=[WEATHER], options=options, stream=True))
+    streamed = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", {"city": "Rome"})]
+    assert parts[-1].done

@@ -54,6 +54,7 @@ class OllamaGenerateRequest(_Body):
     system: str | None = None
     template: str | None = None
     raw: bool = False
+    images: list[str] | None = None  # refused: text models only
     format: str | dict | None = None
     options: dict[str, Any] | None = None
     stream: bool = True
@@ -90,7 +91,10 @@ def served_name(model: str, served: list[str]) -> str:
 
 
 def sampling_fields(options: dict[str, Any] | None, format: str | dict | None) -> dict[str, Any]:
-    """The OpenAI/vLLM request fields for Ollama's ``options`` and ``format``."""
+    """The OpenAI/vLLM request fields for Ollama's ``options`` and ``format``.
+    Raises ValueError for a ``format`` that is neither "json" nor a schema."""
+    if isinstance(format, str) and format not in ("", "json"):
+        raise ValueError(f'format must be "json" or a JSON schema object, got {format!r}')
     out: dict[str, Any] = {}
     for key, value in (options or {}).items():
         if key in _OPTION_FIELDS and value is not None:
@@ -106,8 +110,11 @@ def sampling_fields(options: dict[str, Any] | None, format: str | dict | None) -
 
 
 def openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    """Raises ValueError for images: the served models read text only."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if m.images:
+            raise ValueError(f"messages[{i}].images: images are not supported (the served model reads text only)")
         msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.tool_calls:  # Ollama's arguments are an object, OpenAI's a JSON string
             msg["tool_calls"] = [{"id": f"call_{i}", "type": "function",

@@ -14,9 +14,10 @@ Ollama's shape, ``{"error": "..."}`` with the same status as /v1's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from starlette.requests import Request
@@ -27,7 +28,7 @@ from kvferry.cli_parser import package_version
 from kvferry.serve.chat import create_chat_completion
 from kvferry.serve.completions import create_completion
 from kvferry.serve.embeddings import create_embeddings
-from kvferry.serve.errors import APIError
+from kvferry.serve.errors import APIError, bad_request
 from kvferry.serve.ollama_protocol import (
     NDJSON, OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaGenerateRequest, OllamaShowRequest,
     done_fields, model_details, now_iso, openai_messages, sampling_fields, served_name,
@@ -45,6 +46,15 @@ def _ollama_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callab
         except APIError as exc:
             return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
     return wrapped
+
+
+@contextlib.contextmanager
+def _bad_input() -> Iterator[None]:
+    """A body the translation refuses (ValueError) is a 400."""
+    try:
+        yield
+    except ValueError as exc:
+        raise bad_request(str(exc), str(exc).partition(":")[0].split(" ")[0] or None) from None
 
 
 def _text(choice: dict) -> str:
@@ -79,11 +89,17 @@ async def _ndjson(events: AsyncIterator[str], model: str, chat: bool, started_ns
     """/v1's SSE events as Ollama's NDJSON lines: one per delta, then the
     closing one with the counts (from the usage event)."""
     reason, usage, first_ns = None, None, None
+    calls: dict[int, dict[str, str]] = {}  # streamed tool calls by index: name, arguments so far
     async for event in events:
         if not event.startswith("data: "):
             continue
         data = event[len("data: "):].strip()
         if data == "[DONE]":
+            if calls:  # Ollama sends the calls whole, in a line of their own
+                line = _piece(model, chat, "")
+                line["message"]["tool_calls"] = _tool_calls({"tool_calls": [
+                    {"function": call} for _, call in sorted(calls.items())]})
+                yield json.dumps(line) + "\n"
             line = _piece(model, chat, "") | done_fields(reason, usage, started_ns, first_ns, time.monotonic_ns())
             yield json.dumps(line) + "\n"
             continue
@@ -94,6 +110,11 @@ async def _ndjson(events: AsyncIterator[str], model: str, chat: bool, started_ns
         usage = obj.get("usage") or usage
         for choice in obj.get("choices") or []:
             reason = choice.get("finish_reason") or reason
+            for call in (choice.get("delta") or {}).get("tool_calls") or []:
+                acc = calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
+                fn = call.get("function") or {}
+                acc["name"] += fn.get("name") or ""
+                acc["arguments"] += fn.get("arguments") or ""
             text = _text(choice)
             if text:
                 first_ns = first_ns or time.monotonic_ns()
@@ -141,7 +162,8 @@ def ollama_routes(ctx: ServingContext, model_path: str | None, max_body_bytes: i
     @_ollama_errors
     async def chat(request: Request) -> Response:
         req = parse_body(await read_body(request, max_body_bytes), OllamaChatRequest)
-        fields = {"messages": openai_messages(req.messages), **sampling_fields(req.options, req.format)}
+        with _bad_input():
+            fields = {"messages": openai_messages(req.messages), **sampling_fields(req.options, req.format)}
         if req.tools:
             fields["tools"] = req.tools
         return await generation(request, req.model, True, req.stream, fields)
@@ -149,7 +171,10 @@ def ollama_routes(ctx: ServingContext, model_path: str | None, max_body_bytes: i
     @_ollama_errors
     async def generate(request: Request) -> Response:
         req = parse_body(await read_body(request, max_body_bytes), OllamaGenerateRequest)
-        sampling = sampling_fields(req.options, req.format)
+        with _bad_input():
+            if req.images:
+                raise ValueError("images: images are not supported (the served model reads text only)")
+            sampling = sampling_fields(req.options, req.format)
         if req.raw:  # the prompt as given, no template
             return await generation(request, req.model, False, req.stream, {"prompt": req.prompt, **sampling})
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
