@@ -57,3 +57,9 @@ def test_unknown_fields_listed_and_logged_once(server, client):
     log = server.log()
     assert log.count("unknown body field 'best_of_kvferry_test'") == 1
     assert log.count("unknown body field 'frobnicate'") == 1
+
+
+def test_unknown_fields_on_embeddings(server):
+    r = httpx.post(f"{server.base_url}/v1/embeddings", timeout=60,
+                   json={"model": MODEL_NAME, "input": "hi", "encoding_format": "float", "truncate_prompt_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-unknown-fields"] == "truncate_prompt_tokens"

@@ -14,8 +14,14 @@ from __future__ import annotations
 import logging
 import re
 
+from typing import TypeVar
+
 import pydantic_core
 from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvferry.serve.serving import parse_body, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +30,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _MAX_LISTED = 32
 _MAX_LOGGED = 1024
 _logged: set[str] = set()
+M = TypeVar("M", bound=BaseModel)
 
 
 def _known(model: type[BaseModel]) -> set[str]:
@@ -68,3 +75,20 @@ def log_unknown(route: str, fields: list[str]) -> None:
         _logged.add(name)
         logger.warning("%s: ignored the unknown body field %r (logged once per field name; "
                        "each response lists its own in the %s header)", route, name, UNKNOWN_FIELDS_HEADER)
+
+
+async def read_request_noting_unknown(request: Request, model: type[M], limit: int) -> tuple[M, list[str]]:
+    """serving.read_request, plus the body's unknown fields (logged once per name)."""
+    body = await read_body(request, limit)
+    req = parse_body(body, model)
+    unknown = unknown_fields(body, model)
+    log_unknown(request.url.path, unknown)
+    return req, unknown
+
+
+def with_unknown_header(response: Response, unknown: list[str]) -> Response:
+    """``response`` with the X-Unknown-Fields header when there are any
+    (before it is sent: a streamed response's headers too)."""
+    if unknown:
+        response.headers[UNKNOWN_FIELDS_HEADER] = ", ".join(unknown)
+    return response
