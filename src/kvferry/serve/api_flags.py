@@ -56,6 +56,8 @@ class ApiOptions:
     # With API keys /metrics is an admin key's; this opens it (series with a
     # tenant label still go to admin keys only).
     metrics_public: bool = False
+    # /metrics names: "kvferry:", vLLM's "vllm:" (its dashboards), or both.
+    metrics_prefix: str = "both"
     # /v1/embeddings: the final hidden states pooled by "last" token or "mean".
     embedding_pooling: str = "last"
 
@@ -107,6 +109,7 @@ class ApiOptions:
             # vLLM's --api-key leaves /metrics open; with such keys alone no key is an admin's.
             metrics_public=args.metrics_public or (bool(args.api_key) and args.api_keys is None),
             embedding_pooling=args.embedding_pooling,
+            metrics_prefix=getattr(args, "metrics_prefix", "both"),
         )
 
 

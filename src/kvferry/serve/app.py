@@ -37,6 +37,7 @@ from kvferry.serve.responses import ResponseStore
 from kvferry.serve.routes.embeddings import embedding_routes
 from kvferry.serve.routes.health import health_routes
 from kvferry.serve.routes.models import model_routes, tokenize_routes
+from kvferry.serve.routes.ollama import ollama_routes
 from kvferry.serve.routes.openai import generation_routes
 from kvferry.serve.request_stream import ObserverGroup
 from kvferry.serve.routes.scale import scale_routes
@@ -68,7 +69,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     namespaces = CacheNamespaces.from_file(api.cache_secret_file)
     tenant_labels = TenantLabels(api.metrics_max_tenants) if api.metrics_tenant_labels else None
     metrics = ServerMetrics(config.served_model_names[0], lambda: client.stats, tenant_labels,
-                            owner_label=lambda owner: PUBLIC_POOL_LABEL if owner == namespaces.public else owner)
+                            owner_label=lambda owner: PUBLIC_POOL_LABEL if owner == namespaces.public else owner,
+                            prefix=api.metrics_prefix, max_model_len=client.max_model_len)
     # The autoscaler's window (--autoscale) hears every request too.
     client.observer = metrics if client.autoscaler is None else ObserverGroup(metrics, client.autoscaler)
     store = ResponseStore(api.responses_store_size, api.responses_store_ttl_s)
@@ -92,6 +94,7 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         *scale_routes(client, keys, max_body),
         *tokenize_routes(ctx, max_body),
         *embedding_routes(ctx, max_body),
+        *ollama_routes(ctx, config.model_path, max_body),
     ]
     middleware = [Middleware(RequestLimitsMiddleware, max_header_count=api.max_header_count,
                              max_header_bytes=api.max_header_bytes, body_read_timeout_s=api.body_read_timeout_s)]

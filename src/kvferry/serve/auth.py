@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvferry.serve.errors import APIError, error_response
 from kvferry.serve.tenants import ApiKeys, current_tenant
 
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
 class AuthMiddleware:

@@ -57,6 +57,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="seconds the engine core gets to load the model and report ready")
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
+    parser.add_argument("--metrics-prefix", default="both", choices=["vllm", "kvferry", "both"],
+                        help="/metrics names: vLLM's (vllm:..., its labels and buckets, for its dashboards), "
+                             "kvferry's own (kvferry:...), or both (default)")
     add_api_args(parser)
     add_router_args(parser)
     add_ray_args(parser)

@@ -106,6 +106,7 @@ class AsyncEngineClient(RouterClient):
         worker = self.routing.choose_decode() if disagg else prefill
         self.output_processor.add_request(request_id, text, requests)
         stream = RequestStream(self, request_id, params.n, arrival, requests[0].cache_scope.tenant)
+        stream.max_tokens = params.max_tokens  # for vLLM's request_params_max_tokens histogram
         self._streams[request_id] = stream
         self.observer.on_arrival(stream)
         self._request_worker[request_id] = worker

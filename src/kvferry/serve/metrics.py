@@ -1,4 +1,6 @@
-"""Prometheus metrics, named after vLLM's (``kvferry:`` in place of ``vllm:``).
+"""Prometheus metrics, named after vLLM's (``kvferry:`` in place of ``vllm:``);
+with ``--metrics-prefix vllm|both`` also under vLLM's own names, labels and
+buckets (serve/vllm_metrics.py).
 
 Each app gets its own CollectorRegistry, so tests can build several apps in
 one process. Two kinds of source:
@@ -24,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from kvferry.core.scheduler import SchedulerStats
 from kvferry.outputs import RequestOutput
+from kvferry.serve.vllm_metrics import METRICS_PREFIXES, VllmMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -69,8 +72,12 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, stats: Callable[[], SchedulerStats],
                  tenant_labels: TenantLabels | None = None,
-                 owner_label: Callable[[str], str] = lambda owner: owner) -> None:
+                 owner_label: Callable[[str], str] = lambda owner: owner,
+                 prefix: str = "both", max_model_len: int = 2048) -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry()
+        self.prefix = prefix
         self.model_name = model_name
         self.tenant_labels = tenant_labels
         labels = ["model_name"] + (["tenant"] if tenant_labels else [])
@@ -103,6 +110,8 @@ class ServerMetrics:
         # Plain totals over every label, for the periodic stats line (serve/stats_logger.py).
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # vLLM's names (serve/vllm_metrics.py), fed by the same hooks.
+        self.vllm = VllmMetrics(r, model_name, stats, max_model_len) if prefix != "kvferry" else None
         if tenant_labels is None:  # expose every series from the start, at 0
             for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
                 family.labels(model_name)
@@ -120,6 +129,8 @@ class ServerMetrics:
         self.ttft.labels(*labels).observe(now - stream.arrival_time)
         self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
         self.prompt_tokens_total += len(output.prompt_token_ids)
+        if self.vllm is not None:
+            self.vllm.first_token(now - stream.arrival_time, len(output.prompt_token_ids))
 
     def on_tokens(self, stream, num_tokens: int, gap_s: float | None) -> None:
         labels = [self.model_name, *self._of(stream)]
@@ -129,10 +140,14 @@ class ServerMetrics:
             itl = self.itl.labels(*labels)
             for _ in range(num_tokens):
                 itl.observe(gap_s)
+        if self.vllm is not None:
+            self.vllm.tokens(num_tokens, gap_s)
 
     def on_sequence_finished(self, stream, output: RequestOutput, now: float) -> None:
         reason = output.outputs[0].finish_reason or "unknown"
         self._success.labels(self.model_name, reason, *self._of(stream)).inc()
+        if self.vllm is not None:
+            self.vllm.finished(reason)
 
     def on_request_finished(self, stream, output: RequestOutput, now: float) -> None:
         labels = [self.model_name, *self._of(stream)]
@@ -140,9 +155,13 @@ class ServerMetrics:
         m = output.metrics
         if m is not None and m.first_scheduled_time is not None:
             self.queue_time.labels(*labels).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if self.vllm is not None:
+            self.vllm.request_finished(stream, output, now - stream.arrival_time)
 
     def on_abort(self, stream) -> None:
         self._success.labels(self.model_name, "abort", *self._of(stream)).inc(stream.n - stream.num_finished)
+        if self.vllm is not None:
+            self.vllm.finished("abort", stream.n - stream.num_finished)
 
     def token_totals(self) -> tuple[int, int]:
         """(prompt, generation) tokens seen since start, every tenant together."""
@@ -152,18 +171,31 @@ class ServerMetrics:
         """The exposition text; without ``include_tenants``, every sample
         with a ``tenant`` label is left out (for a caller who is not an admin:
         one tenant must not read another's traffic or cache behaviour)."""
-        return generate_latest(self.registry if include_tenants else _WithoutTenants(self.registry))
+        if include_tenants and self.prefix == "both":
+            return generate_latest(self.registry)
+        return generate_latest(_WithoutTenants(self.registry, include_tenants,
+                                               "vllm:" if self.prefix == "kvferry" else
+                                               "kvferry:" if self.prefix == "vllm" else None))
 
 
 class _WithoutTenants:
     """A registry's families, minus their samples labelled by tenant (a
-    family left with none is dropped whole)."""
+    family left with none is dropped whole), and minus the families named
+    with ``drop_prefix`` (--metrics-prefix)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, include_tenants: bool = False,
+                 drop_prefix: str | None = None) -> None:
         self.registry = registry
+        self.include_tenants = include_tenants
+        self.drop_prefix = drop_prefix
 
     def collect(self) -> Iterator[Metric]:
         for family in self.registry.collect():
+            if self.drop_prefix is not None and family.name.startswith(self.drop_prefix):
+                continue
+            if self.include_tenants:
+                yield family
+                continue
             samples = [s for s in family.samples if "tenant" not in s.labels]
             if samples:
                 kept = Metric(family.name, family.documentation, family.type, family.unit)

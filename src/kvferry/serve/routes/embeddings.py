@@ -9,16 +9,17 @@ from starlette.routing import Route
 
 from kvferry.serve.embeddings import create_embeddings
 from kvferry.serve.protocol import EmbeddingRequest
-from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
+from kvferry.serve.serving import ServingContext, run_until_disconnected
 from kvferry.serve.tenants import Caller, current_tenant
+from kvferry.serve.unknown_fields import read_request_noting_unknown, with_unknown_header
 
 
 def embedding_routes(ctx: ServingContext, max_body_bytes: int) -> list[Route]:
     async def embeddings(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await read_request(request, EmbeddingRequest, max_body_bytes)
+        req, unknown = await read_request_noting_unknown(request, EmbeddingRequest, max_body_bytes)
         caller = Caller(current_tenant.get())
-        return await run_until_disconnected(
-            request, create_embeddings(ctx, req, caller, arrival, ctx.api.embedding_pooling))
+        return with_unknown_header(await run_until_disconnected(
+            request, create_embeddings(ctx, req, caller, arrival, ctx.api.embedding_pooling)), unknown)
 
     return [Route("/v1/embeddings", embeddings, methods=["POST"])]

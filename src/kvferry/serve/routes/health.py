@@ -1,4 +1,4 @@
-"""GET /health, GET /version and GET /metrics.
+"""GET /health (and /ping, as vLLM's), GET /version and GET /metrics.
 
 /health and /version are open (probes and deploy checks carry no key). /metrics checks keys itself rather
 than through the auth middleware: it is open without keys (and with
@@ -40,6 +40,7 @@ def health_routes(client: AsyncEngineClient, metrics: ServerMetrics, keys: ApiKe
 
     return [
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) liveness probe: /health's answer
         Route("/version", version, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]

@@ -21,8 +21,9 @@ from kvferry.serve.completions import create_completion
 from kvferry.serve.http_limits import client_request_id
 from kvferry.serve.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest, SamplingFields
 from kvferry.serve.responses import ResponseStore, create_response, delete_response, get_response
-from kvferry.serve.serving import ServingContext, read_request, run_until_disconnected
+from kvferry.serve.serving import ServingContext, run_until_disconnected
 from kvferry.serve.tenants import Caller, current_tenant
+from kvferry.serve.unknown_fields import read_request_noting_unknown, with_unknown_header
 
 # handler(ctx, request body, caller, arrival time, the client's X-Request-Id)
 Handler = Callable[[ServingContext, BaseModel, Caller, float, str | None], Awaitable[Response]]
@@ -34,10 +35,11 @@ def generation_routes(ctx: ServingContext, store: ResponseStore, max_body_bytes:
             arrival = time.monotonic()
             # The body is read before the disconnect watcher starts: both
             # read from receive(), and the watcher must not eat body chunks.
-            req = await read_request(request, model, max_body_bytes)
+            req, unknown = await read_request_noting_unknown(request, model, max_body_bytes)
             request_id = client_request_id(request.headers)
             caller = Caller(current_tenant.get(), req.cache_salt)  # the salt narrows the tenant's namespace
-            return await run_until_disconnected(request, handler(ctx, req, caller, arrival, request_id))
+            response = await run_until_disconnected(request, handler(ctx, req, caller, arrival, request_id))
+            return with_unknown_header(response, unknown)
         return endpoint
 
     async def respond_with(ctx: ServingContext, req: ResponsesRequest, caller: Caller, arrival: float,
