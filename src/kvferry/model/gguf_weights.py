@@ -54,13 +54,14 @@ def open_gguf(path: Path) -> Any:  # gguf.GGUFReader
                 _, name, _, dims, raw_type, offset = field.parts
                 tname = bytes(name).decode("utf-8", "replace")
                 try:
-                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+                    kind = gguf.GGMLQuantizationType(int(raw_type[0]))
+                    block, type_size = gguf.GGML_QUANT_SIZES[kind]
                 except (ValueError, KeyError):
                     raise ValueError(f"GGUF {path.name}: tensor {tname!r} has unknown type {int(raw_type[0])}") from None
                 n = int(np.prod(dims))
-                if n % block:
-                    raise ValueError(f"GGUF {path.name}: tensor {tname!r} has {n} values, not a multiple of its "
-                                     f"type's block size {block}")
+                if len(dims) and int(dims[0]) % block:  # blocks never cross a row
+                    raise ValueError(f"GGUF {path.name}: tensor {tname!r} has rows of {int(dims[0])} values, not a "
+                                     f"multiple of {kind.name}'s block size {block}")
                 end = int(start_offs + offset[0]) + n * type_size // block
                 if end > size:
                     raise ValueError(f"GGUF {path.name}: tensor {tname!r} ends at byte {end} but the file has "
