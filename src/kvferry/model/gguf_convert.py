@@ -13,8 +13,10 @@ installed ``gguf`` package dequantizes (``supported_tensor_types()``; with
 gguf 0.19: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, the IQ*
 types, TQ1_0, TQ2_0, MXFP4, NVFP4). Quantized tensors are dequantized once,
 at conversion, to float32 (one log line per file names the types); the
-loader then casts to the serving dtype, so a Q4_K file is served with the
-memory and speed of its float model, only its weights' values quantized.
+loader then casts to the serving dtype. This is ``--quantization none``;
+by default a GGUF's linear weights are served in their blocks
+(gguf_weights.py) and only config and tokenizer are written here
+(``weights=False``).
 A file holding any other type (Q8_1, Q8_K, I8..I64, F64) is refused before
 conversion, by type name.
 """
