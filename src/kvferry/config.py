@@ -75,6 +75,8 @@ class SchedulerConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# --quantization (vLLM's flag): a .gguf's blocks served as they are, or expanded to float.
+QUANTIZATIONS = ("gguf", "none")
 
 
 @dataclass(slots=True)
@@ -89,8 +91,13 @@ class ModelLoadConfig:
     # Batch-invariant kernels: greedy output independent of batch, chunking,
     # prefix hits and P/D (model/layers/unquantized.py, csrc/paged_decode.cpp)
     deterministic: bool = False
+    # None: the file's own (a .gguf's blocks stay quantized); "none": expand (model/loader.py)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATIONS)}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be a boolean, got {self.deterministic!r}")
         if self.deterministic and self.device != "cpu":
@@ -363,6 +370,9 @@ class EngineArgs:
     deterministic: bool = field(default=False, metadata=_opt(
         "batch-invariant kernels (CPU): greedy output does not depend on the batch, chunking, prefix-cache "
         "hits or P/D (as SGLang's --enable-deterministic-inference); slower, see docs/serving.md"))
+    quantization: str | None = field(default=None, metadata=_opt(
+        "weight format: gguf (a .gguf file's linear weights stay in their quantized blocks, multiplied by "
+        "integer kernels; the default for a .gguf) or none (expand a .gguf to float, as before)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))
@@ -436,7 +446,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed, self.attention_backend,
-                                  self.enforce_eager, self.warm_up, self.deterministic),
+                                  self.enforce_eager, self.warm_up, self.deterministic, self.quantization),
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb,
                               self.enable_prefix_caching, self.num_swap_blocks, self.kv_cache_dtype),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 0,

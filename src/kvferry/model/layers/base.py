@@ -45,6 +45,19 @@ class LinearMethodBase(ABC):
                        dtype: torch.dtype, device: torch.device | str) -> None:
         """Register the layer's parameters (no random init: contents undefined until loaded)."""
 
+    def load_weight(self, layer: Linear, rows: slice | None, tensor: torch.Tensor, name: str) -> None:
+        """Copy the checkpoint's tensor ``name`` into the layer (``rows`` of a
+        fused layer, or all of it); ValueError naming it when it does not fit.
+        The plain methods copy into ``layer.weight``; a quantized method takes
+        its own holders (vLLM's ``weight_loader``)."""
+        dst = layer.weight.data if rows is None else layer.weight.data[rows]
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weight {name!r}: {layer.prefix} keeps plain weights, got {type(tensor).__name__}")
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Prepare the loaded weights for ``apply`` (runs once before the first call)."""
 

@@ -1,0 +1,141 @@
+"""Serve a GGUF file's weights as they are: each linear weight of a type
+with a native kernel (quant/formats.py: Q4_0..Q8_0, Q2_K..Q6_K) stays in
+its blocks (``QuantizedWeight``), multiplied by layers/gguf.py's method.
+Everything else (the token embedding, norms, biases, and weights of types
+without a kernel such as the IQ* types) is dequantized at load: the
+embedding is looked up by row, so it is kept in the model's float dtype.
+
+Tensor bytes are read from the file once (``np.fromfile`` at the tensor's
+offset) into the process's own memory, not through a mapping of the file:
+RSS then counts each weight once, at the file's size, and the page cache
+holds what the kernel chooses. No expanded copy is written: the model
+cache holds only config.json and the tokenizer (gguf_convert.py,
+``weights=False``).
+
+``--quantization none`` serves the old way (gguf_convert.py: expanded to
+float once, into the cache).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvferry.model import gguf_convert
+from kvferry.model.quant import FORMATS, QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensors that are a linear layer's weight, and the fused layer holding them.
+_LINEAR = {"attn_q": "self_attn.qkv_proj", "attn_k": "self_attn.qkv_proj", "attn_v": "self_attn.qkv_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_up_proj", "ffn_up": "mlp.gate_up_proj",
+           "ffn_down": "mlp.down_proj"}
+_BLK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def open_gguf(path: Path) -> Any:  # gguf.GGUFReader
+    """A reader over ``path`` that checks every tensor's data lies inside the
+    file: ValueError naming the tensor (a truncated file), not numpy's
+    reshape error."""
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            size = len(self.data)
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                tname = bytes(name).decode("utf-8", "replace")
+                try:
+                    kind = gguf.GGMLQuantizationType(int(raw_type[0]))
+                    block, type_size = gguf.GGML_QUANT_SIZES[kind]
+                except (ValueError, KeyError):
+                    raise ValueError(f"GGUF {path.name}: tensor {tname!r} has unknown type {int(raw_type[0])}") from None
+                n = int(np.prod(dims))
+                if len(dims) and int(dims[0]) % block:  # blocks never cross a row
+                    raise ValueError(f"GGUF {path.name}: tensor {tname!r} has rows of {int(dims[0])} values, not a "
+                                     f"multiple of {kind.name}'s block size {block}")
+                end = int(start_offs + offset[0]) + n * type_size // block
+                if end > size:
+                    raise ValueError(f"GGUF {path.name}: tensor {tname!r} ends at byte {end} but the file has "
+                                     f"{size} bytes (truncated)")
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return CheckedReader(str(path))
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf raises many kinds on a damaged header
+        raise ValueError(f"GGUF {path.name}: unreadable ({type(e).__name__}: {e})") from e
+
+
+def linear_prefix(gguf_name: str) -> str | None:
+    """The HF prefix of the linear layer a GGUF tensor is (part of), or None."""
+    m = _BLK.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LINEAR:
+        return None
+    return f"model.layers.{m.group(1)}.{_LINEAR[m.group(2)]}"
+
+
+def quantized_layers(reader: Any, file_name: str) -> set[str]:
+    """Prefixes of the layers kept in blocks: every tensor of the layer in a
+    type with a native kernel. Logs the types dequantized instead."""
+    by_layer: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        prefix = linear_prefix(t.name)
+        if prefix is not None:
+            by_layer.setdefault(prefix, []).append(t.tensor_type.name)
+    kept = {p for p, types in by_layer.items() if all(ty in FORMATS for ty in types)}
+    slow = Counter(ty for p, types in by_layer.items() if p not in kept for ty in types
+                   if ty not in FORMATS and ty not in ("F32", "F16", "BF16"))
+    if slow:
+        logger.info("GGUF %s: %d linear tensors of types %s have no native kernel: dequantized at load",
+                    file_name, sum(slow.values()), ", ".join(sorted(slow)))
+    return kept
+
+
+def _read(path: Path, t: Any) -> np.ndarray:
+    """The tensor's data as the reader lays it out, read from the file (no mapping kept)."""
+    arr = np.fromfile(path, dtype=t.data.dtype, count=t.data.size, offset=int(t.data_offset))
+    if arr.size != t.data.size:
+        raise ValueError(f"GGUF {path.name}: tensor {t.name!r} is truncated")
+    return arr.reshape(t.data.shape)
+
+
+def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any],
+                      quantized: set[str]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, QuantizedWeight or float32 tensor) for every tensor of the file."""
+    arch = config["model_type"]  # the GGUF architecture's name (gguf_convert._ARCH)
+    for t in reader.tensors:
+        name = gguf_convert.hf_name(t.name)
+        if linear_prefix(t.name) in quantized:
+            out_f, in_f = (int(d) for d in reversed(t.shape))
+            data = torch.from_numpy(_read(path, t)).reshape(out_f, -1)
+            heads = gguf_convert.qk_heads(name, config, arch)
+            if heads is not None:  # rows are whole blocks: llama.cpp's Q/K row order undone on bytes
+                data = gguf_convert.unpermute_qk(data, heads).contiguous()
+            yield name, QuantizedWeight.from_blocks(t.name, t.tensor_type.name, data, (out_f, in_f))
+        else:
+            yield name, gguf_convert.float_tensor(t.name, _read(path, t), t.tensor_type, t.shape, config, arch)
+
+
+def gguf_fingerprint(path: Path, config: dict[str, Any]) -> str:
+    """As loader.model_fingerprint, over the GGUF file itself, and marked as
+    served in blocks: its logits differ from the expanded model's, so their
+    KV must never match."""
+    h = hashlib.sha256(b"gguf-blocks:")
+    h.update(json.dumps(config, sort_keys=True).encode())
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()

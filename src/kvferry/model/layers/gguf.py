@@ -1,0 +1,87 @@
+"""The GGUF linear method: a layer's weight stays in the file's quantized
+blocks (``quant.QuantizedWeight``, the file's bytes, no float copy) and is
+multiplied by ``quant.linear``: integer dot products over 8-bit quantized
+activations for decode-sized batches, dequantized bf16 tiles through oneDNN
+for prefill-sized ones (quant/kernels.py).
+
+A fused layer (qkv_proj, gate_up_proj) is loaded from several GGUF tensors
+(q, k, v; gate, up). GGUF blocks never cross a row, so shards of one type
+are stacked row-wise into one weight after loading; shards of different
+types (a Q4_K_M file keeps v in Q6_K) stay apart and their outputs are
+concatenated.
+
+``matmul_args`` is None: the one-call C++ decoder layer multiplies packed
+float copies only, so the model runs its Python layers over these.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvferry.model import quant
+from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase
+from kvferry.model.layers.unquantized import UnquantizedLinearMethod
+from kvferry.model.quant import QuantizedWeight
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """Weights in GGUF blocks, multiplied by the C++ quantized kernels."""
+
+    def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool,
+                       dtype: torch.dtype, device: torch.device | str) -> None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"{layer.prefix}: GGUF blocks are served on the CPU only (--quantization none "
+                             "expands them to float)")
+        layer.weight = None  # no float matrix: the blocks are the weight
+        layer.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                      if bias else None)
+        layer.shards = {}  # first row -> QuantizedWeight, until processed
+        layer.qweights = []  # what apply multiplies, in row order
+
+    def load_weight(self, layer: Linear, rows: slice | None, tensor: torch.Tensor | QuantizedWeight,
+                    name: str) -> None:
+        if not isinstance(tensor, QuantizedWeight):
+            raise ValueError(f"weight {name!r}: {layer.prefix} keeps GGUF blocks, got a float tensor")
+        start, stop = (0, layer.out_features) if rows is None else (rows.start, rows.stop)
+        if tensor.shape != (stop - start, layer.in_features):
+            raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected {(stop - start, layer.in_features)}")
+        layer.shards[start] = tensor
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if not layer.shards:
+            return  # already processed (a reload refills shards)
+        shards = [layer.shards[k] for k in sorted(layer.shards)]
+        if sum(s.out_features for s in shards) != layer.out_features:
+            raise ValueError(f"{layer.prefix}: GGUF shards cover {sum(s.out_features for s in shards)} of "
+                             f"{layer.out_features} output rows")
+        if len(shards) > 1 and len({s.fmt for s in shards}) == 1:
+            # One weight, one kernel call: rows are whole blocks, so stacking is exact.
+            data = torch.cat([s.data for s in shards])
+            shards = [QuantizedWeight.from_blocks(layer.prefix, shards[0].fmt.name, data, (data.shape[0],
+                                                                                             layer.in_features))]
+        layer.qweights = shards
+        layer.shards = {}
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        ws = layer.qweights
+        y = quant.linear(x, ws[0]) if len(ws) == 1 else torch.cat([quant.linear(x, w) for w in ws], dim=1)
+        return y if layer.bias is None else y + layer.bias
+
+    def nbytes(self, layer: Linear) -> int:
+        return sum(w.nbytes for w in layer.qweights) + sum(w.nbytes for w in layer.shards.values())
+
+
+class GGUFConfig(LinearConfig):
+    """A GGUF file's layers: those whose tensors are in a type with a native
+    kernel (``quantized``, HF-style layer prefixes) keep their blocks; the
+    rest (float tensors, IQ types, dequantized at load) are plain."""
+
+    name = "gguf"
+
+    def __init__(self, quantized: set[str] | frozenset[str]) -> None:
+        self.quantized = frozenset(quantized)
+        self._gguf = GGUFLinearMethod()
+        self._plain = UnquantizedLinearMethod()
+
+    def get_linear_method(self, prefix: str) -> LinearMethodBase:
+        return self._gguf if prefix in self.quantized else self._plain
