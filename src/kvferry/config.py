@@ -372,7 +372,7 @@ class EngineArgs:
         "hits or P/D (as SGLang's --enable-deterministic-inference); slower, see docs/serving.md"))
     quantization: str | None = field(default=None, metadata=_opt(
         "weight format: gguf (a .gguf file's linear weights stay in their quantized blocks, multiplied by "
-        "integer kernels; the default for a .gguf) or none (expand a .gguf to float, as before)"))
+        "integer kernels; opt-in for now) or none (expand a .gguf to float: the default)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))

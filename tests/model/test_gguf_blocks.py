@@ -1,5 +1,4 @@
-"""GGUF files served in their blocks (--quantization gguf, the default for a
-.gguf) against the same file expanded to float (--quantization none).
+"""GGUF files served in their blocks (--quantization gguf) against the same file expanded to float (--quantization none).
 
 The linear weights are the same numbers both ways (the expanded path
 dequantizes exactly the blocks the kernels read); what differs is the
@@ -121,6 +120,6 @@ def test_quantization_flag_values(tiny):
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model(str(hf), quantization="gguf")
     # --deterministic's batch-invariant methods need plain weights.
-    m = load_model(str(write_tiny_gguf(hf, tmp / "det.gguf", qtype="Q8_0")), dtype="float32")
+    m = load_model(str(write_tiny_gguf(hf, tmp / "det.gguf", qtype="Q8_0")), dtype="float32", quantization="gguf")
     with pytest.raises(ValueError, match="--quantization none"):
         m.model.set_linear_config(BatchInvariantConfig())

@@ -1,5 +1,5 @@
 """``kvferry serve`` over the embedded Q4_1 GGUF with its weights kept in
-their blocks (the default) against ``--quantization none`` (expanded to
+their blocks (`--quantization gguf`) against ``--quantization none`` (expanded to
 float): both answer through the openai client, and the quantized server's
 processes hold far less memory. An unsupported ``--quantization`` value
 stops the server before it starts, in one line naming the supported ones."""

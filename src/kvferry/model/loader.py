@@ -57,7 +57,7 @@ class LoadedModel:
 def check_quantization(quantization: str | None) -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; supported: "
-                         f"{', '.join(QUANTIZATIONS)} (gguf: a .gguf file's blocks served as they are, its default; "
+                         f"{', '.join(QUANTIZATIONS)} (gguf: a .gguf file's blocks served as they are; "
                          "none: expanded to float)")
 
 
@@ -65,14 +65,15 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
                quantization: str | None = None) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ValueError naming what is missing.
 
-    ``quantization``: None (the file's own: "gguf" for a .gguf, else none),
+    ``quantization``: None (for now the same as "none": blocks are opt-in
+    until they measure at least as fast as the expanded model on every path),
     "gguf" (a .gguf's linear weights stay in their blocks; CPU only) or
     "none" (a .gguf is expanded to float)."""
     check_quantization(quantization)
     resolved = resolve_model(model)
     if quantization == "gguf" and not resolved.is_gguf:
         raise ValueError(f"quantization 'gguf' needs a .gguf model, got {resolved.path}")
-    blocks = resolved.is_gguf and quantization != "none"
+    blocks = resolved.is_gguf and quantization == "gguf"
     if blocks and device != "cpu":
         logger.info("GGUF %s: the quantized kernels run on the CPU; on %s its weights are expanded to float",
                     resolved.path.name, device)
