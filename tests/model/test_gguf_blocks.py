@@ -52,7 +52,7 @@ def _logits(path: Path, quantization: str, rows: int = 10) -> torch.Tensor:
 def test_tiny_gguf_blocks_match_expanded(tiny, qtype):
     tmp, hf = tiny
     f = write_tiny_gguf(hf, tmp / f"tiny-{qtype}.gguf", qtype=qtype)
-    loaded = load_model(str(f), dtype="float32")  # blocks: the default for a .gguf
+    loaded = load_model(str(f), dtype="float32", quantization="gguf")
     assert all(isinstance(lin.method, GGUFLinearMethod) for lin in loaded.model.linears() if lin.prefix != "lm_head")
     assert not list(Path(loaded.model_path).glob("*.safetensors")), "no expanded copy in the cache"
     # 10 rows: the integer dot products (8-bit x). Measured max |d logprob|: Q8_0 0.064, Q4_0 0.049.
@@ -99,7 +99,7 @@ def test_bad_files_name_the_tensor(tiny):
     shutil.copy(good, truncated)
     os.truncate(truncated, good.stat().st_size - 100)
     with pytest.raises(ValueError, match=f"tensor '{last}'.*truncated"):
-        load_model(str(truncated), dtype="float32")
+        load_model(str(truncated), dtype="float32", quantization="gguf")
     # Rows of 16 values in a type whose blocks hold 32: the same byte count, a wrong shape.
     wrong = tmp / "wrong-block.gguf"
     shutil.copy(good, wrong)
@@ -109,7 +109,7 @@ def test_bad_files_name_the_tensor(tiny):
     r.data.flush()
     del r, t
     with pytest.raises(ValueError, match="blk.0.attn_output.weight.*block size 32"):
-        load_model(str(wrong), dtype="float32")
+        load_model(str(wrong), dtype="float32", quantization="gguf")
 
 
 def test_quantization_flag_values(tiny):
