@@ -169,6 +169,11 @@ def test_corrupted_transfer_is_detected(cores, colocated, policy):
         first = prefill_side(prefill, "c", prompt, GREEDY, _via(dest, proxy.address))
         result.tokens = list(first.new_token_ids)
         finish_decode(decode, "c", result)
+        # The decode core's refusal reaches P back through the proxy: it
+        # stays open until P has heard it (closed first, P could only wait
+        # out its 30 s lease).
+        drain(prefill)  # the decode core refused the transfer: P's blocks go on that
+        drain(decode)
     finally:
         proxy.close()
     assert proxy.corrupted == 1
@@ -179,8 +184,6 @@ def test_corrupted_transfer_is_detected(cores, colocated, policy):
     else:
         assert result.finish_reason == "error"
         assert result.tokens == first.new_token_ids  # nothing decoded from the bad KV
-    drain(prefill)  # the decode core refused the transfer: P's blocks go on that
-    drain(decode)
     assert_idle(prefill)
     assert_idle(decode)
 
