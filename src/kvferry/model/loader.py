@@ -30,8 +30,10 @@ import torch
 from safetensors import safe_open
 
 from kvferry.config import QUANTIZATIONS
+from kvferry.model import gguf_convert, gguf_weights
 from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
+from kvferry.model.layers.gguf import GGUFConfig
 from kvferry.model.llama import LlamaModel
 from kvferry.model.resolve import resolve_model
 from kvferry.model.tokenizer import Tokenizer
@@ -79,8 +81,6 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
                     resolved.path.name, device)
         blocks = False
     if blocks:
-        from kvferry.model import gguf_convert
-
         folder = gguf_convert.convert_gguf(resolved.path, weights=False)
     else:
         folder = resolve_model_folder(model)
@@ -112,9 +112,6 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
 def _load_gguf_blocks(path: Path, folder: Path, config: ModelConfig,
                       dtype: torch.dtype) -> tuple[LlamaModel, str]:
     """The model over a GGUF file's own blocks (gguf_weights.py) and its fingerprint."""
-    from kvferry.model import gguf_weights
-    from kvferry.model.layers.gguf import GGUFConfig
-
     with open(folder / "config.json", encoding="utf-8") as f:
         hf = json.load(f)
     reader = gguf_weights.open_gguf(path)
@@ -131,8 +128,6 @@ def _load_gguf_blocks(path: Path, folder: Path, config: ModelConfig,
 def resolve_model_folder(model: str | None) -> Path:
     """The HF folder to read: ``model``'s folder (a path or a cached
     Hugging Face id, see resolve.py), or a GGUF's converted folder."""
-    from kvferry.model import gguf_convert
-
     resolved = resolve_model(model)
     if resolved.is_gguf:
         return gguf_convert.convert_gguf(resolved.path)

@@ -44,7 +44,7 @@ def _kernels(interpret: bool) -> ModuleType:
     (``TRITON_INTERPRET=1``), so a CPU caller needs that set beforehand."""
     if not triton_available():
         raise RuntimeError("the triton attention backend needs the triton package")
-    from kvferry.model import triton_kernels
+    import kvferry.model.triton_kernels as triton_kernels
 
     if interpret and not _interpreted(triton_kernels):
         raise RuntimeError("the triton attention backend runs CPU tensors only in Triton's interpreter: "
