@@ -5,6 +5,7 @@ import uuid
 import pytest
 
 from kvferry.kvstore.crypto import TierCrypto
+from tests.kvstore.mooncake_master import MooncakeMaster, mooncake_binary
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -73,3 +74,14 @@ def clients():
     yield make
     for client in made:
         client.close()
+
+
+# -- the Mooncake pool ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    """A mooncake_master on loopback, one per test module that asks for it."""
+    mooncake_binary()  # skips, naming what is missing, without the package or its libraries
+    srv = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
+    srv.start()
+    yield srv
+    srv.kill()

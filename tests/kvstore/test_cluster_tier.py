@@ -14,22 +14,13 @@ import xxhash
 from kvferry.kvstore.crypto import MAC_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tier import BlockOwner
 from tests.kvstore.conftest import SECRET, block, key
-from tests.kvstore.mooncake_master import MooncakeMaster, mooncake_binary
+from tests.kvstore.mooncake_master import MooncakeMaster
 from tests.kvstore.store_helpers import block_bytes, wait_loads
 from tests.kvstore.store_helpers import key as store_key
 
 ACME = BlockOwner("acme")
 BETA = BlockOwner("beta")
 PUBLIC = BlockOwner("acme", public=True)
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    mooncake_binary()  # skips, naming what is missing, without the package or its libraries
-    srv = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
-    srv.start()
-    yield srv
-    srv.kill()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from kvferry.kvstore.tier import BlockOwner
-from tests.kvstore.mooncake_master import MooncakeMaster, mooncake_binary
 from tests.kvstore.store_helpers import BLOCK_NBYTES, block_bytes, gb, key, wait_loads
 
 pytest.importorskip("ray", reason="node stores are a Ray server's (pip install kvferry[ray])")
@@ -21,15 +20,6 @@ ACME = BlockOwner("acme")
 BETA = BlockOwner("beta")
 PUBLIC_ACME = BlockOwner("acme", public=True)
 PUBLIC_BETA = BlockOwner("beta", public=True)
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    mooncake_binary()  # skips, naming what is missing, without the package or its libraries
-    srv = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
-    srv.start()
-    yield srv
-    srv.kill()
 
 
 def save(client, keys, owner, seeds):

@@ -26,7 +26,7 @@ import xxhash
 from kvferry.kvstore.crypto import MAC_BYTES, TierCrypto, tenant_tag
 from kvferry.kvstore.tier import BlockOwner
 from tests.kvstore.conftest import SECRET, block, key
-from tests.kvstore.mooncake_master import MooncakeMaster, mooncake_binary
+from tests.kvstore.mooncake_master import MooncakeMaster
 from tests.kvstore.redis_server import RedisServer
 
 redis = pytest.importorskip("redis", reason="the redis package (pip install kvferry[remote])")
@@ -194,15 +194,6 @@ def test_the_store_takes_insecure_shared_tier_from_its_config(redis_server, capf
 
 
 # -- the Mooncake pool ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    mooncake_binary()  # skips, naming what is missing, without the package or its libraries
-    srv = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
-    srv.start()
-    yield srv
-    srv.kill()
-
-
 @pytest.fixture(scope="module")
 def pool(master):
     """Two nodes with the secret and one without, on one namespace."""
