@@ -152,7 +152,7 @@ def _established_to(port: int) -> bool:
 
 
 def test_ctrl_c_stops_the_answer_and_the_server_aborts_it(server, chats):
-    chat = chats("--url", server.base_url, "--temperature", "0", "--verbose")
+    chat = chats("--url", server.base_url, "--temperature", "0", "--max-tokens", "16", "--verbose")
     chat.expect(">>> ")
     aborted_before = _aborted(server)
     pid = _worker_pid(server)

@@ -107,10 +107,15 @@ def _connect(args: argparse.Namespace, api_key: str | None,
         client = ChatClient(DEFAULT_URL, api_key)
         try:
             served = client.models()
-        except ChatError:
+        except ChatError as exc:
+            if exc.status in (401, 403):  # a server is there and wants a key: not a reason for a second one
+                raise
             served = []  # nothing (or nothing OpenAI-like) at the default URL: start one
         if served and (args.model is None or _match(args.model, served)):
             return client, _pick_model(args.model, served, client.base_url), None
+        if served:
+            print(f"kvferry chat: the server at {DEFAULT_URL} serves {', '.join(served)}, not {args.model}",
+                  file=sys.stderr)
     # Status lines go to stderr: a piped chat's stdout holds the answer only.
     print(f"kvferry chat: starting a server for {args.model or 'the embedded model'} on a free local port "
           "(it stops when the chat ends; loading can take a minute) ...", file=sys.stderr, flush=True)

@@ -24,7 +24,12 @@ READ_TIMEOUT_S = 600.0
 
 
 class ChatError(Exception):
-    """One line for the user: the server refused, or could not be reached."""
+    """One line for the user: the server refused (``status``: its HTTP
+    status), or could not be reached (``status`` None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(slots=True)
@@ -77,7 +82,9 @@ class ChatClient:
         finally:
             conn.close()
         if resp.status != 200:
-            raise ChatError(f"{self.base_url} answered GET /v1/models with {resp.status}: {_error_text(body)}")
+            hint = " (--api-key KEY, or $KVFERRY_API_KEY)" if resp.status in (401, 403) else ""
+            raise ChatError(f"{self.base_url} answered GET /v1/models with {resp.status}: {_error_text(body)}{hint}",
+                            resp.status)
         try:
             return [m["id"] for m in json.loads(body)["data"]]
         except (ValueError, KeyError, TypeError):
@@ -99,7 +106,7 @@ class ChatClient:
             except (OSError, http.client.HTTPException) as exc:
                 raise ChatError(f"cannot reach {self.base_url} ({exc})") from None
             if resp.status != 200:
-                raise ChatError(f"the server refused ({resp.status}): {_error_text(resp.read())}")
+                raise ChatError(f"the server refused ({resp.status}): {_error_text(resp.read())}", resp.status)
             yield from _events(resp, answer)
         finally:
             conn.close()
