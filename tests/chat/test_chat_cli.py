@@ -217,3 +217,20 @@ def test_without_a_server_it_starts_one_and_stops_it(tiny, chats):
     assert chat.wait(90) == 0
     with pytest.raises(httpx.ConnectError):  # the server went with the chat
         httpx.get(f"{url}/health", timeout=5)
+
+
+def test_a_missing_model_or_a_server_that_cannot_start_is_reported_not_hung(tmp_path):
+    run = [sys.executable, "-m", "kvferry.cli", "chat"]
+    missing = subprocess.run([*run, str(tmp_path / "no-model"), "--serve-args", " ".join(SERVER_FLAGS)],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("kvferry chat: error: model path does not exist: ")
+    assert len(missing.stderr.strip().splitlines()) == 1 and "starting" not in missing.stderr
+    bad = subprocess.run([*run, "--serve-args", "--no-such-flag 1"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TMPDIR=str(tmp_path)))  # the failed server's log, kept
+    assert bad.returncode == 1
+    assert "the server exited with 2 before it was ready" in bad.stderr
+    assert "unrecognized argument: --no-such-flag" in bad.stderr  # the server's own line, from its log
+    [log] = tmp_path.glob("kvferry-chat-serve-*.log")
+    assert f"its log: {log}" in bad.stderr

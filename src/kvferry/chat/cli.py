@@ -25,6 +25,7 @@ from pathlib import Path
 from kvferry.chat.client import ChatClient, ChatError
 from kvferry.chat.launcher import LocalServer, StartError, start_server
 from kvferry.chat.session import ChatSession
+from kvferry.serve.cli import check_model  # light, and loaded already: the top-level CLI registers serve
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -116,6 +117,10 @@ def _connect(args: argparse.Namespace, api_key: str | None,
         if served:
             print(f"kvferry chat: the server at {DEFAULT_URL} serves {', '.join(served)}, not {args.model}",
                   file=sys.stderr)
+    try:
+        check_model(args.model)  # a typo fails in one line, before a server is started for it
+    except ValueError as exc:
+        raise ChatError(str(exc)) from None
     # Status lines go to stderr: a piped chat's stdout holds the answer only.
     print(f"kvferry chat: starting a server for {args.model or 'the embedded model'} on a free local port "
           "(it stops when the chat ends; loading can take a minute) ...", file=sys.stderr, flush=True)
