@@ -1,6 +1,7 @@
-"""kvferry command line, ten commands:
+"""kvferry command line, eleven commands:
 
     kvferry serve [MODEL]      OpenAI-compatible HTTP server (vllm serve's flags work too)
+    kvferry chat [MODEL]       chat in the terminal with a running server, or one started for it
     kvferry engine-core        an engine core alone, joined by a server's --worker
     kvferry kvstore            the node's KV store service (DRAM arena, cold tiers)
     kvferry scale              grow or shrink a running server's pools of engine cores
@@ -28,6 +29,7 @@ import sys
 # uvicorn, the simulator) load when the command runs.
 from kvferry import peer_auth
 from kvferry.bench.cli import add_bench_parsers  # bench, profile
+from kvferry.chat.cli import add_chat_parser
 from kvferry.cli_parser import Parser, nearest_flag_error, package_version
 from kvferry.config import EngineArgs
 from kvferry.fleet.scale_cli import add_scale_parser
@@ -96,6 +98,7 @@ def build_parser() -> Parser:
     core.set_defaults(func=cmd_engine_core, subparser=core)
 
     add_serve_parser(sub)
+    add_chat_parser(sub)
     kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
     add_kvstore_args(kvstore)
     kvstore.set_defaults(func=run_kvstore)
