@@ -301,6 +301,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         if self._stats_task is not None:
             self._stats_task.cancel()
+        # A scale in flight (waiting for room on a Ray cluster, say) ends now: its POST must not hold the drain.
+        self.client.scaler.stop("the server is shutting down")
         deadline = asyncio.ensure_future(self._abort_after_deadline())
         try:
             await super().shutdown(sockets)
