@@ -21,6 +21,7 @@ from kvferry.serve.api_flags import add_api_args
 from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.model.resolve import resolve_model  # light: paths and names, no torch
 from kvferry.serve.vllm_flags import add_vllm_args, apply_vllm_args
+from kvferry.serve.vllm_serve_flags import REFUSED
 
 
 
@@ -65,6 +66,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_ray_args(parser)
     add_autoscale_args(parser)
     add_vllm_args(parser)
+    parser.refused = REFUSED  # vLLM's flags kvferry does not take: the error says why
     parser.set_defaults(func=_run, subparser=parser, before_engine_args=_merge_model_args)
     return parser
 

@@ -15,6 +15,11 @@ kvferry's own option, with one line on stderr saying which.
     --disable-log-stats            --log-stats-interval-s 0 (no periodic stats line)
     --gpu-memory-utilization F     CUDA: --kv-cache-memory-gb = F x total memory, less what is in use,
                                    the weights and a reserve; CPU: no-op
+    --dtype half | float           kvferry's float16 | float32
+
+The rest of vLLM's common flags (--trust-remote-code, --generation-config,
+--load-format, --tokenizer ...) and the reasons for those refused are
+vllm_serve_flags.py's.
 
 No heavy imports at module level: the CLI imports this for every command.
 """
@@ -30,6 +35,7 @@ from pathlib import Path
 
 from kvferry.config import EngineArgs
 from kvferry.model.resolve import resolve_model
+from kvferry.serve.vllm_serve_flags import add_serve_compat_args, alias_dtype_choices, apply_serve_compat_args
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # --gpu-memory-utilization: what the KV cache leaves to activations, the
@@ -55,6 +61,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="CUDA: sets --kv-cache-memory-gb to FRACTION of the device's memory, less what is in "
                         f"use, the weights and a {ACTIVATION_RESERVE_GB:g} GiB reserve; CPU: no-op")
+    add_serve_compat_args(g)
+    alias_dtype_choices(parser)
 
 
 def note(message: str) -> None:
@@ -83,7 +91,7 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
         engine_args = _map_swap_space(args.swap_space, engine_args)
     if args.gpu_memory_utilization is not None:
         engine_args = _map_gpu_memory_utilization(args.gpu_memory_utilization, engine_args)
-    return engine_args
+    return apply_serve_compat_args(args, engine_args, note)
 
 
 def uvicorn_log_level(args: argparse.Namespace) -> str:
