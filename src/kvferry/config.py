@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +46,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if not _is_int(self.num_swap_blocks) or self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
-        if not isinstance(self.kv_cache_memory_gb, (int, float)) or not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if not isinstance(self.kv_cache_memory_gb, (int, float)) or not 0 < self.kv_cache_memory_gb < math.inf:
+            raise ValueError(f"kv_cache_memory_gb must be a finite number > 0, got {self.kv_cache_memory_gb!r}")
 
 
 @dataclass(slots=True)
@@ -289,8 +290,8 @@ class KVTierConfig:
     def __post_init__(self) -> None:
         for name in ("kv_dram_gb", "kv_disk_gb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not _is_int(self.max_load_tokens) or self.max_load_tokens < 0:
             raise ValueError(f"max_load_tokens must be an integer >= 0, got {self.max_load_tokens!r}")
         if self.kv_disk and not self.kv_disk_gb:
@@ -300,6 +301,8 @@ class KVTierConfig:
         for name in ("kv_store", "kv_disk", "kv_remote", "kv_cluster"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.kv_store and not self.kv_store.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"kv_store must be a store's address, ipc://PATH or tcp://HOST:PORT, got {self.kv_store!r}")
         if self.kv_remote and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
         if self.kv_cluster:

@@ -312,7 +312,10 @@ def _run_off_main_thread(proc: EngineCoreProc, build_core: Callable[[], EngineCo
             try:
                 proc.core = build_core()
             except Exception as exc:
-                logger.exception("engine core failed to start")
+                if isinstance(exc, ValueError):  # a configuration mistake: one line says it (no traceback)
+                    logger.error("engine core failed to start: %s", exc)
+                else:
+                    logger.exception("engine core failed to start")
                 proc.send_error(f"the engine core failed to start: {exc}")
                 proc.close()
                 failed.append(exc)

@@ -20,6 +20,7 @@ from kvferry.config import EngineArgs
 from kvferry.serve.api_flags import add_api_args
 from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.model.resolve import resolve_model  # light: paths and names, no torch
+from kvferry.serve.preflight import check_serve_args
 from kvferry.serve.vllm_flags import add_vllm_args, apply_vllm_args
 from kvferry.serve.vllm_serve_flags import REFUSED
 
@@ -151,9 +152,12 @@ def _starts_local_cores(args: argparse.Namespace) -> bool:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        if _starts_local_cores(args):  # joined cores (--worker) load the model on their own machines
+        local_cores = _starts_local_cores(args)
+        if local_cores:  # joined cores (--worker) load the model on their own machines
             check_model(args.model)
         engine_args = apply_vllm_args(args, args.engine_args)
+        # What would otherwise fail only in a started process, after the model loads.
+        check_serve_args(args, engine_args, local_cores)
     except ValueError as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
