@@ -27,7 +27,7 @@ import sys
 
 # Each command's parser module is light: its heavy modules (torch, httpx,
 # uvicorn, the simulator) load when the command runs.
-from kvferry import peer_auth
+from kvferry import envs, peer_auth
 from kvferry.bench.cli import add_bench_parsers  # bench, profile
 from kvferry.chat.cli import add_chat_parser
 from kvferry.cli_parser import Parser, nearest_flag_error, package_version
@@ -70,9 +70,12 @@ def cmd_engine_core(args: argparse.Namespace) -> int:
     from kvferry.engine.core_proc import run_from_args
 
     try:
-        # The KV store's and the KV transfer peers' tokens derive from it: a
-        # core started apart (another node) agrees with its peers through
-        # the same --cache-secret-file.
+        # Its front end's, KV store's and KV transfer peers' tokens derive
+        # from it: a core started apart (another node) agrees with them
+        # through the same --cache-secret-file, and refuses a server without it.
+        if args.cache_secret_file is None and envs.socket_secret() is None:
+            print("kvferry engine-core: no --cache-secret-file: no server can join this core (a join is refused "
+                  "unless the server and the core are given the same --cache-secret-file)", file=sys.stderr)
         peer_auth.socket_secret(args.cache_secret_file)
     except ValueError as exc:
         args.subparser.error(str(exc))
@@ -141,8 +144,10 @@ def _add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", default=None, help='CPUs this core may run on, e.g. "0", "2-3" (sched_setaffinity)')
     parser.add_argument("--name", default="engine-0", help="process title suffix: kvferry: NAME")
     parser.add_argument("--cache-secret-file", default=None,
-                        help="the servers' cache secret: this core's KV store and KV transfer tokens derive from it "
-                             "(give a store and the cores started apart from it the same file)")
+                        help="the servers' cache secret: the token a server must present to join this core, and "
+                             "this core's KV store and KV transfer tokens, derive from it (give the server that "
+                             "joins it, its store and its transfer peers the same file; without it no server can "
+                             "join)")
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
     parser.add_argument("--log-level", default="info", help="the core's logging level")

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvferry import peer_auth
 from tests.serve.server_process import start_server
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -249,6 +250,7 @@ def test_engine_core_alone_over_tcp(tiny):
     from kvferry.sampling import SamplingParams
 
     addresses = CoreAddresses(f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}")
+    peer_auth.socket_secret()  # inherited by the core: its inputs must carry this tree's token
     proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--model", tiny, "--dtype",
                              "float32", "--num-kv-blocks", "64", "--name", "engine-7", "--log-level", "warning",
                              "--input-address", addresses.input, "--output-address", addresses.output])

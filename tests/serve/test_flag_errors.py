@@ -223,7 +223,7 @@ def test_mistakes_found_after_the_model_loaded_are_one_line(tmp_path):
     and a head file only the core can reject, once it loaded the model."""
     not_a_head = tmp_path / "not-a-head.safetensors"
     save_file({"w": np.zeros(2, dtype=np.float32)}, str(not_a_head))
-    tiny = _tiny_llama(tmp_path / "tiny")
+    tiny = tiny_llama(tmp_path / "tiny")
     argvs = {
         "max-model-len": ["--max-model-len", "100000"],
         "eagle3": ["--speculative-config", '{"method": "eagle3", "model": "some-org/some-eagle3-head"}'],
@@ -244,7 +244,7 @@ def test_mistakes_found_after_the_model_loaded_are_one_line(tmp_path):
     assert len(core_lines) == 2, out["not-a-head"][1]
 
 
-def _tiny_llama(folder: Path) -> Path:
+def tiny_llama(folder: Path) -> Path:
     """A loadable two-layer Llama of random weights (numpy: no transformers)."""
     folder.mkdir()
     vocab = write_tokenizer(folder)

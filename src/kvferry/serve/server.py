@@ -129,7 +129,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                                               router=router, ray=ray_cores)
         except (ValueError, OSError, EngineCoreStartError) as exc:
             listen.close()
-            print(f"kvferry serve: error: {exc}", file=sys.stderr)
+            print(f"kvferry serve: error: {exc}", file=sys.stderr, flush=True)
+            grammar_import.join()  # cut off mid-import by the exit, the daemon thread would print a traceback
             return 2
         grammar_import.join()
         if autoscaler is not None:
