@@ -192,10 +192,11 @@ def _load_format(value: str | None, engine_args: EngineArgs, note: Note) -> None
     if value not in LOAD_FORMATS_OK:
         raise ValueError(f"--load-format {value}: not supported (kvferry loads a folder of safetensors or a .gguf "
                          f"file); accepted: {', '.join(LOAD_FORMATS_OK)}")
-    if value != "auto" and engine_args.model is not None:
-        is_gguf = resolve_model(engine_args.model).is_gguf
+    if value != "auto":
+        # The embedded default is a .gguf (resolving it would import torch).
+        is_gguf = engine_args.model is None or resolve_model(engine_args.model).is_gguf
         if is_gguf != (value == "gguf"):
-            raise ValueError(f"--load-format {value}: the model {engine_args.model} is "
+            raise ValueError(f"--load-format {value}: the model {engine_args.model or '(the embedded default)'} is "
                              f"{'a .gguf file' if is_gguf else 'a safetensors folder'}")
     note(f"--load-format {value}: no-op (the format follows the model path)")
 
