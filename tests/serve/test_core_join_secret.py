@@ -8,6 +8,7 @@ without), and four ``kvferry serve --worker`` front ends.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,12 +17,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
+from safetensors.numpy import save_file
 
 from kvferry import envs
 from tests.serve.server_process import start_server
-from tests.serve.test_flag_errors import assert_one_line_error, tiny_llama
+from tests.serve.test_flag_errors import assert_one_line_error
+from tests.tiny_models import write_tokenizer
 
 
 
@@ -117,3 +121,29 @@ def test_a_core_refuses_servers_without_its_cache_secret(model, tmp_path, monkey
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A loadable two-layer Llama of random weights (numpy: no transformers)."""
+    folder.mkdir()
+    vocab = write_tokenizer(folder)
+    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
+    kv = kv_heads * hidden // heads
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "vocab_size": vocab, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "float32"}))
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+    save_file({name: (rng.standard_normal(shape) * 0.1).astype(np.float32) for name, shape in shapes.items()},
+              str(folder / "model.safetensors"))
+    return folder
