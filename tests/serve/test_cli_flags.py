@@ -154,7 +154,7 @@ def test_cli_docstring_lists_every_command():
     import kvferry.cli
 
     commands = build_parser()._subparsers._group_actions[0].choices
-    assert len(commands) == 10
+    assert len(commands) == 11
     assert all(f"kvferry {name}" in kvferry.cli.__doc__ for name in commands)
 
 

@@ -108,6 +108,7 @@ BAD: dict[str, list[list[str]]] = {
     "--engine-restart-window": [["0"]],
     "--engine-restart-wait": [["-1"]],
     "--ray": [["not an address"]],
+    "--scale-timeout-s": [["0"], ["-5"]],
     "--ray-engine-resources": [["notjson"], ['{"CPU": -1}']],
     "--ray-prefill-resources": [["[1]"]],
     "--ray-decode-resources": [['{"GPU": "one"}']],
