@@ -139,6 +139,8 @@ BAD: dict[str, list[list[str]]] = {
     "--num-gpu-blocks-override": [["1"]],
     "--root-path": [["api"]],
     "--guided-decoding-backend": [["outlines"]],
+    "--allowed-methods": [["GET"]],
+    "--allowed-headers": [["X-Custom"]],
 }
 # Flags whose every value is valid.
 ANY_VALUE = {"--code-revision": "a no-op whatever the revision (kvferry runs no code from a model repository)"}

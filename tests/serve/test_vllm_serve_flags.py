@@ -69,6 +69,8 @@ NO_OPS = [
     (["--root-path", "/llm"], "--root-path /llm: no-op"),
     (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar: no-op"),
     (["--guided-decoding-backend", "auto"], "--guided-decoding-backend auto: no-op"),
+    (["--allowed-methods", "*"], "--allowed-methods *: no-op"),
+    (["--allowed-headers", "*"], "--allowed-headers *: no-op"),
 ]
 
 
@@ -126,6 +128,8 @@ REFUSED_VALUES = [
     (["--max-logprobs", "5"], "kvferry's bound is fixed at 20"),
     (["--root-path", "llm"], "--root-path must start with '/'"),
     (["--guided-decoding-backend", "outlines"], "only xgrammar is built in"),
+    (["--allowed-methods", "GET", "POST"], "--allowed-methods GET POST: not supported"),
+    (["--allowed-headers", "Authorization"], "--allowed-headers Authorization: not supported"),
 ]
 
 

@@ -55,6 +55,8 @@ REFUSED: dict[str, str] = {
     "--middleware": "custom ASGI middleware is not supported",
     "--lora-modules-path": _LORA,
     "--reasoning-parser": "reasoning parsers are not supported yet: the reasoning text stays in the content",
+    "--allow-credentials": ("credentialed CORS requests are not allowed (a browser sends the API key in the "
+                            "Authorization header, which needs none)"),
 }
 
 LOAD_FORMATS_OK = ("auto", "safetensors", "gguf")
@@ -111,6 +113,9 @@ def add_serve_compat_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--root-path", default=None, metavar="PATH",
                    help="no-op: the routes stay at / (a proxy that serves them under PATH strips it, as vLLM's flag "
                         "expects)")
+    for what in ("methods", "headers"):
+        g.add_argument(f"--allowed-{what}", nargs="+", default=None, metavar=what.upper()[:-1],
+                       help=f"CORS: only '*' (no-op): an origin of --allowed-origins may send every {what[:-1]}")
     g.add_argument("--guided-decoding-backend", default=None, metavar="BACKEND",
                    help="auto or xgrammar: no-op (structured output always runs on xgrammar); others are refused")
 
@@ -163,6 +168,13 @@ def apply_serve_compat_args(args: argparse.Namespace, engine_args: EngineArgs, n
         note(f"--root-path {args.root_path}: no-op (the routes stay at /; the proxy strips {args.root_path})")
     _one_of("--guided-decoding-backend", args.guided_decoding_backend, ("auto", "xgrammar"),
             "structured output runs on xgrammar", "only xgrammar is built in", note)
+    for what in ("methods", "headers"):
+        values = getattr(args, f"allowed_{what}")
+        if values is not None:
+            if values != ["*"]:
+                raise ValueError(f"--allowed-{what} {' '.join(values)}: not supported (an origin of --allowed-origins "
+                                 f"may send every {what[:-1]}); give '*' or leave it out")
+            note(f"--allowed-{what} *: no-op (every {what[:-1]} is allowed)")
     if args.num_gpu_blocks_override is not None:
         engine_args = _num_blocks_override(args.num_gpu_blocks_override, engine_args, note)
     return engine_args
