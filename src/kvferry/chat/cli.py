@@ -22,6 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
+from kvferry import envs
 from kvferry.chat.client import ChatClient, ChatError
 from kvferry.chat.launcher import LocalServer, StartError, start_server
 from kvferry.chat.session import ChatSession
@@ -63,7 +64,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run(args: argparse.Namespace) -> int:
-    api_key = args.api_key or os.environ.get("KVFERRY_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    api_key = args.api_key or envs.api_key() or os.environ.get("OPENAI_API_KEY")
     try:
         serve_args = shlex.split(args.serve_args) if args.serve_args is not None else None
     except ValueError as exc:
