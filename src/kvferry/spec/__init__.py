@@ -10,14 +10,16 @@ from kvferry.config import SpeculativeConfig
 from kvferry.spec.adaptive import AdaptiveSpecController
 from kvferry.spec.ngram import NgramProposer
 from kvferry.spec.reserved import ReservedDraftSlots
+from kvferry.spec.suffix import SuffixProposer
 
-__all__ = ["AdaptiveSpecController", "NgramProposer", "ReservedDraftSlots", "speculation", "speculation_signature"]
+__all__ = ["AdaptiveSpecController", "NgramProposer", "ReservedDraftSlots", "SuffixProposer", "speculation",
+           "speculation_signature"]
 
 
 def speculation_signature(config: SpeculativeConfig | None, draft_fingerprint: str = "") -> str:
     """What a prefill core ships besides the target's KV, as a string both
-    cores of a disaggregated pair compare: "" (off), "ngram" (nothing: the
-    decode core has the whole context), "head" (the hidden state), or
+    cores of a disaggregated pair compare: "" (off), "ngram" or "suffix"
+    (nothing: the decode core has the whole context), "head" (the hidden state), or
     "draft:<fingerprint>" (the draft model's KV, so its layers' shapes)."""
     if config is None:
         return ""
@@ -33,6 +35,10 @@ def speculation(config: SpeculativeConfig | None) -> dict:
     k = config.num_speculative_tokens
     if config.method == "ngram":
         proposer = NgramProposer(k, config.prompt_lookup_max, config.prompt_lookup_min)
+    elif config.method == "suffix":
+        proposer = SuffixProposer(k, config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor,
+                                  config.suffix_decoding_min_token_prob, config.suffix_decoding_max_cached_tokens,
+                                  config.suffix_decoding_max_cached_requests)
     else:  # the runner drafts (kvferry.spec.draft_model); the scheduler reserves slots
         proposer = ReservedDraftSlots(k)
     return {
