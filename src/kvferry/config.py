@@ -117,7 +117,7 @@ class ModelLoadConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-_SPEC_METHODS = ("ngram", "suffix", "draft", "head")
+_SPEC_METHODS = ("ngram", "suffix", "auto", "draft", "head")
 _SPEC_METHOD_ALIASES = {"eagle": "head", "eagle3": "head"}  # vLLM's names
 
 
@@ -183,9 +183,9 @@ class SpeculativeConfig:
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
             raise ValueError(f"speculative.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
         depth = self.suffix_decoding_max_tree_depth
-        if self.method == "suffix" and self.num_speculative_tokens >= depth:
+        if self.method in ("suffix", "auto") and self.num_speculative_tokens >= depth:
             raise ValueError(f"speculative.num_speculative_tokens ({self.num_speculative_tokens}) must be below "
-                             f"suffix_decoding_max_tree_depth ({depth}) with method \"suffix\"")
+                             f"suffix_decoding_max_tree_depth ({depth}) with method {self.method!r}")
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":

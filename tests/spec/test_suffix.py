@@ -10,7 +10,7 @@ import pytest
 from kvferry.config import EngineArgs, SpeculativeConfig
 from kvferry.core.request import Request, RequestStatus
 from kvferry.sampling import SamplingParams
-from kvferry.spec import SuffixProposer, speculation
+from kvferry.spec import AutoProposer, NgramProposer, SuffixProposer, speculation
 from kvferry.types.cache_scope import CacheScope
 
 rng = random.Random(5)
@@ -177,3 +177,24 @@ def test_config_builds_the_proposer_and_checks_its_keys():
 def test_bad_suffix_config_is_a_value_error_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         EngineArgs(speculative=bad).create_engine_config()
+
+
+def test_auto_follows_the_proposer_whose_drafts_held():
+    """A file edited over turns: the old version occurs more often (suffix
+    decoding's most frequent continuation), the new one last (prompt
+    lookup's latest). Re-emitting the new version, auto moves to n-gram."""
+    old = list(range(100, 140))
+    new = old[:20] + [7, 7, 7] + old[23:]  # an edit in the middle
+    proposer = AutoProposer(SuffixProposer(4), NgramProposer(4, 4, 2))
+    req = request("r", old + [1] + old + [2] + new + [3])
+    decode_through(proposer, req, new[:30])
+    assert proposer.num_chosen["ngram"] > 0
+    # After the edit point the new version's tokens are drafted.
+    assert proposer.propose(req) == new[30:34]
+    proposer.finished(req)
+    assert proposer._states == {}
+
+
+def test_auto_config_builds_both():
+    proposer = speculation(SpeculativeConfig(method="auto"))["proposer"]
+    assert isinstance(proposer, AutoProposer)

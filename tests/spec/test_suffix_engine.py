@@ -70,6 +70,13 @@ def test_greedy_batch_is_plain_decoding_and_drafts_are_accepted(case):
     llm.engine.core.scheduler.proposer.check_integrity()
 
 
+def test_auto_greedy_batch_is_plain_decoding(case):
+    path, prompts, expected = case
+    llm = LLM(model=path, dtype="float32", speculative={**SUFFIX, "method": "auto"})
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.stats().num_accepted_tokens > 0
+
+
 def test_a_repeated_request_drafts_from_the_finished_one(case):
     """The second time a prompt comes, its tenant's trie holds the first
     answer: nearly every output token is a verified draft."""
