@@ -89,6 +89,12 @@ def test_a_repeated_request_drafts_from_the_finished_one(case):
     assert llm.generate([prompt], GREEDY)[0].token_ids == expected[1]
     again = llm.engine.stats().num_accepted_tokens - first
     assert again >= MAX_NEW // 2 and again > first, (first, again)
+    # Purging the tenant (DELETE /v1/kv/tenants/...) forgets its text too.
+    proposer = llm.engine.core.scheduler.proposer
+    proposer.work(None)
+    assert proposer.cached_tokens("") > 0
+    llm.engine.core.purge_tenant("")
+    assert proposer.cached_tokens("") == 0
 
 
 def test_a_namespace_never_drafts_another_namespaces_text(case):

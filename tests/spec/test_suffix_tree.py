@@ -27,7 +27,7 @@ def paths(tree: SuffixTree) -> dict[tuple[int, ...], int]:
     stack = [(tree.root, ())]
     while stack:
         node, prefix = stack.pop()
-        for token, child in node.children.items():
+        for token, child in node.items():
             path = prefix + (token,)
             if type(child) is _Node:
                 out[path] = child.count
@@ -68,7 +68,7 @@ def test_counts_match_brute_force_through_growth_and_removal(seed):
         for sid in list(seqs):
             tree.close(sid)
             tree.remove(sid)
-        assert tree.root.children == {} and tree.num_nodes == 0 and tree.num_tokens == 0
+        assert not tree.root and tree.num_nodes == 0 and tree.num_tokens == 0
 
 
 def test_a_growing_sequence_cannot_be_removed_nor_a_closed_one_grown():

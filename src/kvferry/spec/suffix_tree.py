@@ -32,12 +32,52 @@ from dataclasses import dataclass, field
 
 
 class _Node:
-    __slots__ = ("count", "children", "best")
+    """A node with ``count`` suffixes through it. Most nodes have one child
+    (a path two suffixes share): that child sits in ``one`` under token
+    ``best``, with no dict, which would cost ~3x the node itself; a node
+    with several keeps them in ``children`` and ``best`` names one of the
+    highest count (the child a draft follows)."""
+
+    __slots__ = ("count", "children", "best", "one")
 
     def __init__(self, count: int) -> None:
         self.count = count
-        self.children: dict[int, _Node | _Leaf] = {}
-        self.best: int | None = None  # the token of a child with the highest count (for drafting)
+        self.children: dict[int, _Node | _Leaf] | None = None  # two children or more
+        self.best: int | None = None
+        self.one: _Node | _Leaf | None = None  # the only child, under ``best``
+
+    def child(self, token: int) -> "_Node | _Leaf | None":
+        if self.children is not None:
+            return self.children.get(token)
+        return self.one if self.best == token else None
+
+    def put(self, token: int, child: "_Node | _Leaf") -> None:
+        """Add or replace the child under ``token`` (``best`` is the caller's)."""
+        if self.children is not None:
+            self.children[token] = child
+        elif self.best is None or self.best == token:
+            self.best, self.one = token, child
+        else:
+            self.children, self.one = {self.best: self.one, token: child}, None
+
+    def drop(self, token: int) -> None:
+        children = self.children
+        if children is None:
+            self.best = self.one = None
+            return
+        del children[token]
+        if len(children) == 1:
+            (self.best, self.one), self.children = next(iter(children.items())), None
+        elif self.best == token:
+            self.best = max(children.items(), key=lambda item: item[1].count)[0]
+
+    def items(self) -> "list[tuple[int, _Node | _Leaf]]":
+        if self.children is not None:
+            return list(self.children.items())
+        return [] if self.best is None else [(self.best, self.one)]
+
+    def __bool__(self) -> bool:  # has a child
+        return self.best is not None
 
 
 class _Leaf:
@@ -74,7 +114,7 @@ class Match:
 
     def has_continuation(self) -> bool:
         if self.node is not None:
-            return bool(self.node.children)
+            return bool(self.node)
         leaf = self.leaf
         return self.pos < min(leaf.end, len(leaf.seq.tokens))
 
@@ -111,18 +151,20 @@ class SuffixTree:
         kept = []
         for cursor in seq.cursors:
             node, start = cursor
-            child = node.children.get(token)
+            children = node.children
+            if children is None:
+                child = node.one if node.best == token else None
+            else:
+                child = children.get(token)
             depth = i - start + 1  # the depth the suffix reaches with this token
             if child is None:
-                node.children[token] = _Leaf(seq, i, start + depth_cap)
-                if node.best is None:
-                    node.best = token
+                node.put(token, _Leaf(seq, i, start + depth_cap))
                 continue  # the suffix grows inside its own leaf from now on
             if type(child) is _Leaf:
                 child = self._split(node, token, child)
             child.count += 1
             best = node.best
-            if best != token and (best is None or child.count > node.children[best].count):
+            if best != token and child.count > node.children[best].count:  # only a dict node has another best
                 node.best = token
             if depth < depth_cap:
                 cursor[0] = child
@@ -134,14 +176,12 @@ class SuffixTree:
         the rest of it a leaf below; the caller counts the newcomer."""
         node = _Node(1)
         self.num_nodes += 1
-        parent.children[token] = node
+        parent.put(token, node)
         rest = leaf.start + 1
         if rest >= leaf.end:
             return node  # the owner's suffix reached max_depth here
         if rest < len(leaf.seq.tokens):
-            nxt = leaf.seq.tokens[rest]
-            node.children[nxt] = _Leaf(leaf.seq, rest, leaf.end)
-            node.best = nxt
+            node.put(leaf.seq.tokens[rest], _Leaf(leaf.seq, rest, leaf.end))
         elif leaf.seq.live:
             # The owner is a sequence still growing, at its last token: its
             # suffix walks on from this node when its next token comes. (Not
@@ -186,17 +226,15 @@ class SuffixTree:
         node = self.root
         for i in range(start, stop):
             token = toks[i]
-            child = node.children[token]
+            child = node.child(token)
             if type(child) is _Leaf or child.count == 1:
                 # Only this suffix goes on from here: drop the whole branch.
-                del node.children[token]
+                node.drop(token)
                 if type(child) is _Node:
                     self.num_nodes -= _count_nodes(child)
-                if node.best == token:
-                    node.best = _best_child(node)
                 return
             child.count -= 1
-            if node.best == token:
+            if node.children is not None and node.best == token:
                 node.best = _best_child(node)
             node = child
 
@@ -207,7 +245,7 @@ class SuffixTree:
         n = len(pattern)
         i = 0
         while i < n:
-            child = node.children.get(pattern[i])
+            child = node.child(pattern[i])
             if child is None:
                 return None
             if type(child) is _Node:
@@ -255,7 +293,7 @@ class SuffixTree:
                 token = node.best
                 if token is None:
                     break
-                child = node.children[token]
+                child = node.child(token)
                 p = prob * child.count / node.count
                 if p < min_prob:
                     break
@@ -286,11 +324,13 @@ class SuffixTree:
         stack = [self.root]
         while stack:
             node = stack.pop()
-            counts = {t: c.count for t, c in node.children.items()}
+            items = node.items()
+            counts = {t: c.count for t, c in items}
             assert sum(counts.values()) <= node.count, (node.count, counts)
+            assert (node.children is None) == (len(items) < 2) and (node.one is None) == (len(items) != 1)
             if counts:
                 assert counts[node.best] == max(counts.values())
-            for child in node.children.values():
+            for _, child in items:
                 if type(child) is _Node:
                     nodes += 1
                     stack.append(child)
@@ -299,9 +339,8 @@ class SuffixTree:
 
 
 def _best_child(node: _Node) -> int | None:
-    if not node.children:
-        return None
-    return max(node.children.items(), key=lambda item: item[1].count)[0]
+    items = node.items()
+    return max(items, key=lambda item: item[1].count)[0] if items else None
 
 
 def _count_nodes(node: _Node) -> int:
@@ -309,5 +348,5 @@ def _count_nodes(node: _Node) -> int:
     while stack:
         cur = stack.pop()
         n += 1
-        stack.extend(c for c in cur.children.values() if type(c) is _Node)
+        stack.extend(c for _, c in cur.items() if type(c) is _Node)
     return n
