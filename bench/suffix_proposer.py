@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> None:
         file = edit(file, rng, vocab)
         req = Request(f"r{turn}", prompt, SamplingParams(max_tokens=len(file)))
         t0 = time.process_time()
-        proposer.propose(req)  # the catch-up on the prompt (plus the queued work's slice)
+        while proposer._local.get(req.request_id) is None or proposer._local[req.request_id].seen < len(prompt):
+            proposer.propose(req)  # the catch-up on the prompt, in slices (plus the queued work's)
         build = time.process_time() - t0
         calls, seconds, drafted, accepted = 0, 0.0, 0, 0
         i = 0
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> None:
 
 def memory(args: argparse.Namespace, conversation: list[int]) -> None:
     tracemalloc.start()
-    proposer = SuffixProposer(args.k, max_depth=args.depth, max_cached_tokens=1 << 24)
+    proposer = SuffixProposer(args.k, max_depth=args.depth, max_cached_tokens=1 << 24, work_per_call=1 << 24)
     req = Request("m", conversation, SamplingParams())
     before = tracemalloc.get_traced_memory()[0]
     proposer.propose(req)
@@ -101,7 +102,7 @@ def memory(args: argparse.Namespace, conversation: list[int]) -> None:
     rng = random.Random(1)
     fresh = [rng.randrange(49152) for _ in range(n)]
     tracemalloc.start()
-    proposer = SuffixProposer(args.k, max_depth=args.depth, max_cached_tokens=1 << 24)
+    proposer = SuffixProposer(args.k, max_depth=args.depth, max_cached_tokens=1 << 24, work_per_call=1 << 24)
     req = Request("f", fresh, SamplingParams())
     before = tracemalloc.get_traced_memory()[0]
     proposer.propose(req)

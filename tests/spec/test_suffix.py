@@ -61,6 +61,19 @@ def test_own_text_drafts_a_repeated_passage():
     assert proposer.propose(request("fresh", list(range(300, 340)))) == []
 
 
+def test_a_long_prompt_enters_its_own_trie_in_slices():
+    passage = list(range(100, 400))
+    proposer = SuffixProposer(4, work_per_call=64)  # 256 tokens a proposal
+    req = request("r", passage * 3 + passage[:5])
+    # Only the first 256 tokens are in, but they hold the first copy: its continuation.
+    assert proposer.propose(req) == passage[5:9]
+    assert proposer._local["r"].tree.num_tokens == 256
+    for _ in range(3):
+        proposer.propose(req)
+    assert proposer._local["r"].tree.num_tokens == len(req.all_token_ids)
+    proposer.check_integrity()
+
+
 def test_draft_length_follows_the_match_length():
     """max_spec = factor x match length: a 2-token match drafts 2 at factor 1."""
     proposer = SuffixProposer(8, max_spec_factor=1.0)

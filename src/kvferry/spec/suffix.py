@@ -27,6 +27,8 @@ Adding a finished request and removing an evicted one cost
 O(length x depth); both run in slices of ``work_per_call`` tokens at the
 start of each proposal, so that a long request finishing never stalls a
 step (a request becomes draftable from a few steps after it finished).
+A request's own trie takes its prompt in slices of 4 x ``work_per_call``
+tokens a proposal, for the same reason.
 """
 from __future__ import annotations
 
@@ -97,8 +99,12 @@ class SuffixProposer:
         if local is None:
             local = self._local[request.request_id] = _Local(SuffixTree(self.max_depth))
         if len(context) > local.seen:
-            local.tree.extend(0, context[local.seen :])
-            local.seen = len(context)
+            # A long prompt goes in over several proposals: until it is all
+            # in, drafts come from its earlier part, which is still the
+            # request's own text (a match needs only an earlier occurrence).
+            stop = min(len(context), local.seen + 4 * self.work_per_call)
+            local.tree.extend(0, context[local.seen : stop])
+            local.seen = stop
         best, best_score, _ = self._draft(local.tree, context)
         cache = self._tenants.get(request.tenant)
         shared = cache.trees.get(request.cache_namespace) if cache is not None else None
