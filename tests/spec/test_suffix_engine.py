@@ -116,3 +116,16 @@ def test_a_namespace_never_drafts_another_namespaces_text(case):
     a_drafts = [(ctx, d) for rid, ns, ctx, d in recorder.drafts if rid == "a2"]
     assert any(set(d) - set(ctx) for ctx, d in a_drafts)  # drafted from a1's answer
     assert sum(len(d) for _, d in a_drafts) > sum(len(d) for _, d in b_drafts)
+
+
+def test_seeded_sampling_with_suffix_drafts_equals_plain_seeded_sampling(case):
+    """Suffix drafts are deterministic guesses (q one-hot), verified by the
+    race plain sampling runs: a seeded request's tokens are plain decoding's."""
+    path, prompts, _ = case
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.7, top_k=40, top_p=0.95, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]
+    llm = LLM(model=path, dtype="float32", speculative=dict(SUFFIX))
+    speculative = llm.generate(prompts, params)
+    plain = LLM(model=path, dtype="float32").generate(prompts, params)
+    assert llm.engine.stats().num_draft_tokens > 0
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
