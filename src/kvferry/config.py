@@ -118,7 +118,7 @@ class ModelLoadConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-_SPEC_METHODS = ("ngram", "draft", "head")
+_SPEC_METHODS = ("ngram", "suffix", "auto", "draft", "head")
 _SPEC_METHOD_ALIASES = {"eagle": "head", "eagle3": "head"}  # vLLM's names
 
 
@@ -147,12 +147,21 @@ class SpeculativeConfig:
     # Drafting stops at batch sizes where measured step times say it cannot
     # pay (kvferry.spec.adaptive).
     cost_aware: bool = True
+    # method "suffix" (vLLM's names; kvferry.spec.suffix): the tries' depth,
+    # drafts per matched token, the least probability a drafted path keeps,
+    # and what each tenant's trie keeps of its finished requests.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_tokens: int = 1 << 17
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
             raise ValueError(f"speculative.method must be one of {', '.join(_SPEC_METHODS)}; got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "batch_token_threshold", "probe_interval"):
+                     "batch_token_threshold", "probe_interval", "suffix_decoding_max_tree_depth",
+                     "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"speculative.{name} must be an integer >= 1, got {value!r}")
@@ -164,8 +173,20 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative.{name} must be true or false, got {getattr(self, name)!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative.model must be a path, got {self.model!r}")
+        self._check_suffix()
         if self.method == "draft" and not self.model:
             raise ValueError('speculative.model is required with method "draft" (the draft model\'s path)')
+
+    def _check_suffix(self) -> None:
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1e6:
+            raise ValueError(f"speculative.suffix_decoding_max_spec_factor must be a number in (0, 1e6], got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        depth = self.suffix_decoding_max_tree_depth
+        if self.method in ("suffix", "auto") and self.num_speculative_tokens >= depth:
+            raise ValueError(f"speculative.num_speculative_tokens ({self.num_speculative_tokens}) must be below "
+                             f"suffix_decoding_max_tree_depth ({depth}) with method {self.method!r}")
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -186,11 +186,15 @@ class EngineCore:
     def purge_tenant(self, tenant: str) -> int:
         """Drop the tenant's unused cached blocks from the device pool now
         (blocks running requests hold stay), and its private blocks from
-        every tier of the node's KV store (the connector's). Returns how many
+        every tier of the node's KV store (the connector's), and what suffix
+        decoding learned from its finished requests. Returns how many blocks
         were dropped."""
         dropped = self.scheduler.kv.purge(tenant)
         if self.runner.connector is not None:
             dropped += self.runner.connector.purge_tenant(tenant)
+        forget = getattr(self.scheduler.proposer, "purge_tenant", None)
+        if forget is not None:
+            forget(tenant)  # what suffix decoding learned from the tenant's finished requests
         return dropped
 
     def has_unfinished_requests(self) -> bool:
