@@ -385,7 +385,7 @@ class EngineArgs:
         "KV blocks in the pool (default: sized from --kv-cache-memory-gb)"))
     kv_cache_memory_gb: float | None = field(default=None, metadata=_opt(
         "memory for the KV pool, GiB (default: half the memory available once the weights are loaded, shared "
-        "by the engine cores on the host, at most 2 x max_num_seqs x max_model_len tokens; logged at start)"))
+        "by the engine cores on the host, at most max_num_seqs x max_model_len tokens; logged at start)"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
         "KV cache storage: auto (the model's dtype; outputs exact to HF), fp8_e4m3 (alias fp8) or fp8_e5m2 "
         "(one byte per element, no scale: twice the blocks and half the K/V a decode step reads; lossy, e4m3 "

@@ -25,11 +25,11 @@ def size(**kw):
 
 
 def test_small_model_big_machine_is_capped_by_the_sequences():
-    # 64 GiB free: half would be 32 GiB, but 2 x 4 seqs x 1024 tokens x 45 KiB is 0.35 GiB.
-    s = size(available_bytes=64 * GIB, max_num_seqs=4, max_model_len=1024)
-    assert s.num_blocks == 2 * 4 * 1024 // 16
+    # 64 GiB free: half would be 32 GiB, but 8 seqs x 1024 tokens x 45 KiB is 0.35 GiB.
+    s = size(available_bytes=64 * GIB, max_num_seqs=8, max_model_len=1024)
+    assert s.num_blocks == 8 * 1024 // 16
     assert s.max_model_len == 1024
-    assert s.line == ("KV cache: 0.35 GiB = min(0.5 x 64.00 GiB available, 2 x 4 seqs x 1024 tokens x 45 KiB/token)"
+    assert s.line == ("KV cache: 0.35 GiB = min(0.5 x 64.00 GiB available, 8 seqs x 1024 tokens x 45 KiB/token)"
                       " -> 512 blocks of 16 = 8,192 tokens")
 
 
@@ -37,7 +37,7 @@ def test_big_model_takes_half_the_available_memory():
     s = size(available_bytes=16 * GIB, block_bytes=LLAMA8B_BF16)
     assert s.num_blocks == 8 * GIB // LLAMA8B_BF16  # 8 GiB / 2 MiB per block = 4096 blocks
     assert s.num_blocks * LLAMA8B_BF16 <= 0.5 * 16 * GIB
-    assert "= min(0.5 x 16.00 GiB available, 2 x 64 seqs x 8192 tokens x 128 KiB/token) -> 4,096 blocks" in s.line
+    assert "= min(0.5 x 16.00 GiB available, 64 seqs x 8192 tokens x 128 KiB/token) -> 4,096 blocks" in s.line
 
 
 def test_cores_on_one_host_share_the_memory():

@@ -7,17 +7,17 @@ import re
 
 import pytest
 
-from kvferry.engine.kv_memory import CAP_SEQS_FACTOR, FRACTION, GIB
+from kvferry.engine.kv_memory import FRACTION, GIB
 from tests.serve.server_process import start_server
 
-# Two sequences of 1024 tokens: the cap (2 x 2 x 1024 tokens, ~0.2 GiB in
+# Four sequences of 1024 tokens: the cap (4 x 1024 tokens, 0.18 GiB in
 # float32) is below half of any machine's free memory, so the test takes
 # little memory on a shared box while the line still shows both arms.
-MAX_NUM_SEQS, MAX_MODEL_LEN = 2, 1024
+MAX_NUM_SEQS, MAX_MODEL_LEN = 4, 1024
 ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", "float32",
         "--no-warm-up", "--disable-uvicorn-access-log", "--log-level", "info"]
 LINE = re.compile(r"KV cache: (?P<gib>[\d.]+) GiB = min\((?P<fraction>[\d.]+) x (?P<available>[\d.]+) GiB available"
-                  r"(?: / (?P<cores>\d+) cores)?, (?P<factor>\d+) x (?P<seqs>\d+) seqs x (?P<len>\d+) tokens x "
+                  r"(?: / (?P<cores>\d+) cores)?, (?P<seqs>\d+) seqs x (?P<len>\d+) tokens x "
                   r"(?P<kib>[\d.]+) KiB/token\) -> (?P<blocks>[\d,]+) blocks of (?P<bs>\d+) = (?P<tokens>[\d,]+) tokens")
 
 
@@ -40,14 +40,14 @@ def test_the_default_pool_is_logged_with_its_arithmetic_and_reported_by_metrics(
     assert len(found) == 1, server.log()
     m = found[0]
     assert float(m["fraction"]) == FRACTION
-    assert (int(m["factor"]), int(m["seqs"]), int(m["len"])) == (CAP_SEQS_FACTOR, MAX_NUM_SEQS, MAX_MODEL_LEN)
+    assert (int(m["seqs"]), int(m["len"])) == (MAX_NUM_SEQS, MAX_MODEL_LEN)
     # SmolLM2-135M in float32: 30 layers x K, V x 3 KV heads x 64 x 4 bytes = 45 KiB per token.
     assert float(m["kib"]) == 45
     blocks, block_size = int(m["blocks"].replace(",", "")), int(m["bs"])
     token_bytes = 45 * 1024
     cores = int(m["cores"] or 1)
     share_blocks = int(FRACTION * float(m["available"]) * GIB / cores) // (token_bytes * block_size)
-    cap_blocks = CAP_SEQS_FACTOR * MAX_NUM_SEQS * MAX_MODEL_LEN // block_size
+    cap_blocks = MAX_NUM_SEQS * MAX_MODEL_LEN // block_size
     # "available" is printed to 0.01 GiB: the share's blocks are known to within that.
     slack = int(FRACTION * 0.01 * GIB / cores) // (token_bytes * block_size) + 1
     assert abs(blocks - min(share_blocks, cap_blocks)) <= slack

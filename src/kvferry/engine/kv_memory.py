@@ -5,7 +5,7 @@ sizes its own pool at start, after its weights are loaded (vLLM's logic: a
 share of what is free, as ``--gpu-memory-utilization`` on CUDA)::
 
     pool = min(FRACTION x available / cores on this host,
-               2 x max_num_seqs x max_model_len tokens x bytes per token)
+               max_num_seqs x max_model_len tokens x bytes per token)
 
 - ``available``: ``MemAvailable`` of ``/proc/meminfo`` (what the kernel can
   hand out without swapping, page cache included), capped by the cgroup's
@@ -24,8 +24,11 @@ share of what is free, as ``--gpu-memory-utilization`` on CUDA)::
   part of the share instead of all of it. A core started later sees the
   earlier ones' pools already gone from ``available``: it then takes less
   than its part, never more.
-- The cap: no point holding more than every running sequence at full length
-  plus as much again for the prefix cache (the cap kvferry had before).
+- The cap: no point holding more than every running sequence at full
+  length. The prefix cache lives in what running sequences leave free (they
+  seldom all reach max_model_len); a machine with memory to spare keeps it
+  for the rest. An explicit --kv-cache-memory-gb keeps the cap it had
+  before, twice that (as much again for the prefix cache).
 - At least one ``max_model_len`` sequence must fit. When it does not, an
   asked ``--max-model-len`` is an error naming the flags to change; the
   model's own context length (nothing asked) is served shorter, as the pool
@@ -47,8 +50,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 FRACTION = 0.5
-# Sequences at full length the cap allows: every running one, and as much again for the prefix cache.
-CAP_SEQS_FACTOR = 2
+# Sequences at full length an explicit --kv-cache-memory-gb may hold: every
+# running one, and as much again for the prefix cache (the default holds one each).
+EXPLICIT_CAP_FACTOR = 2
 GIB = 1 << 30
 # A core's process title: "kvferry: engine-0", "kvferry: prefill-1", "kvferry: decode-0 rank 1".
 # setproctitle pads /proc/PID/cmdline with NULs.
@@ -73,11 +77,11 @@ def size_kv_pool(*, available_bytes: int, num_local_cores: int, max_num_seqs: in
     cores = max(1, num_local_cores)
     share = int(fraction * max(0, available_bytes) / cores)
     per_seq_blocks = -(-max_model_len // block_size)
-    cap_blocks = CAP_SEQS_FACTOR * max_num_seqs * per_seq_blocks
+    cap_blocks = max_num_seqs * per_seq_blocks
     num_blocks = min(share // block_bytes, cap_blocks)
     token_bytes = block_bytes / block_size
     share_text = f"{fraction:g} x {_gib(available_bytes)} available" + (f" / {cores} cores" if cores > 1 else "")
-    cap_text = f"{CAP_SEQS_FACTOR} x {max_num_seqs} seqs x {max_model_len} tokens x {_kib(token_bytes)}/token"
+    cap_text = f"{max_num_seqs} seqs x {max_model_len} tokens x {_kib(token_bytes)}/token"
     served_len = max_model_len
     if num_blocks < per_seq_blocks:
         if max_model_len_asked or num_blocks < 2:
@@ -98,10 +102,10 @@ def size_explicit(memory_gb: float, *, max_num_seqs: int, max_model_len: int, bl
     """--kv-cache-memory-gb: that much, still capped at what the sequences
     can use; the pool caps max_model_len as before (the engine does)."""
     per_seq_blocks = -(-max_model_len // block_size)
-    cap_blocks = CAP_SEQS_FACTOR * max_num_seqs * per_seq_blocks
+    cap_blocks = EXPLICIT_CAP_FACTOR * max_num_seqs * per_seq_blocks
     num_blocks = max(2, min(int(memory_gb * GIB) // block_bytes, cap_blocks))
     line = (f"KV cache: {_gib(num_blocks * block_bytes)} = min(--kv-cache-memory-gb {memory_gb:g}, "
-            f"{CAP_SEQS_FACTOR} x {max_num_seqs} seqs x {max_model_len} tokens x "
+            f"{EXPLICIT_CAP_FACTOR} x {max_num_seqs} seqs x {max_model_len} tokens x "
             f"{_kib(block_bytes / block_size)}/token) -> {num_blocks:,} blocks of {block_size} = "
             f"{num_blocks * block_size:,} tokens")
     return KVPoolSize(num_blocks, min(max_model_len, num_blocks * block_size), line)
