@@ -128,8 +128,14 @@ def _status(child: _Child, timed_out: bool, timeout_s: float) -> str:
 
 def _still_running(open_children: list[_Child]) -> str:
     now = time.monotonic()
-    parts = [f"{c.label} {now - (c.build_started or c.started):.0f} s" +
-             ("" if c.build_started is not None else " (starting or loading)") for c in open_children]
+    parts = []
+    for c in open_children:
+        if c.build_started is not None:
+            parts.append(f"{c.label} {now - c.build_started:.0f} s")
+        elif c.waited_for:  # the layer, while the fused ops it calls build
+            parts.append(f"{c.label} {now - c.started:.0f} s (waiting for the {c.waited_for} build)")
+        else:
+            parts.append(f"{c.label} {now - c.started:.0f} s (starting or loading)")
     return "building kernels... " + ", ".join(parts)
 
 
