@@ -36,7 +36,7 @@ BEAT := bash -c 'label=$$1; shift; echo "$$*"; start=$$SECONDS; (while sleep 10;
 # CPU, a fresh machine); pip shows its own progress.
 $(SERVE_STAMP): pyproject.toml Makefile
 	@echo "==> [1/5] creating $(VENV) (seconds)"
-	$(PYTHON) -m venv $(VENV)
+	@$(BEAT) "creating the venv" $(PYTHON) -m venv $(VENV)
 	@echo "==> [2/5] installing torch 2.13.0, CPU build (about 20 s)"
 	# The CPU wheel of torch is on local disk; an unpinned torch pulls a CUDA build.
 	@$(BEAT) "installing torch" $(PIP) install --progress-bar on torch==2.13.0
