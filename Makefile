@@ -1,5 +1,5 @@
 # Everything a fresh machine needs. `make serve` installs what serving needs
-# (about 1.3 GB); `make test` that and every extra (dev, bench, ray, cluster).
+# (1.3 GiB); `make test` that and every extra (dev, bench, ray, cluster).
 # Each does its set-up from nothing; later runs reuse .venv.
 PYTHON ?= python3
 # make serve PORT=8080 MODEL=/path/to/model ARGS="--max-model-len 4096"
@@ -21,7 +21,7 @@ STAMP := $(VENV)/.installed
 # release pinned: a later one may import triton at the top; the step checks.
 XGRAMMAR := xgrammar==0.2.9
 # make serve STRUCTURED=no: without structured outputs (xgrammar, and the
-# transformers it imports: 0.18 GB less); such requests then get a 400
+# transformers it imports: 175 MiB less); such requests then get a 400
 # naming the extra. Decided when .venv is made (make clean to change it).
 STRUCTURED ?= yes
 
