@@ -28,7 +28,8 @@ class CacheConfig:
     block_size: int = 16
     # Number of KV blocks in the device pool. None: size it from kv_cache_memory_gb.
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    # GiB for the pool. None: a share of the memory free at start (engine/kv_memory.py).
+    kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
     # Host-DRAM blocks for swapping out preempted requests (0: always recompute).
     num_swap_blocks: int = 0
@@ -46,7 +47,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if not _is_int(self.num_swap_blocks) or self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
-        if not isinstance(self.kv_cache_memory_gb, (int, float)) or not 0 < self.kv_cache_memory_gb < math.inf:
+        if self.kv_cache_memory_gb is not None and (
+                not isinstance(self.kv_cache_memory_gb, (int, float)) or not 0 < self.kv_cache_memory_gb < math.inf):
             raise ValueError(f"kv_cache_memory_gb must be a finite number > 0, got {self.kv_cache_memory_gb!r}")
 
 
@@ -405,7 +407,9 @@ class EngineArgs:
         "context length served (default: the model's, capped by the KV pool)"))
     num_kv_blocks: int | None = field(default=None, metadata=_opt(
         "KV blocks in the pool (default: sized from --kv-cache-memory-gb)"))
-    kv_cache_memory_gb: float = field(default=2.0, metadata=_opt("memory for the KV pool, GiB"))
+    kv_cache_memory_gb: float | None = field(default=None, metadata=_opt(
+        "memory for the KV pool, GiB (default: half the memory available once the weights are loaded, shared "
+        "by the engine cores on the host, at most max_num_seqs x max_model_len tokens; logged at start)"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
         "KV cache storage: auto (the model's dtype; outputs exact to HF), fp8_e4m3 (alias fp8) or fp8_e5m2 "
         "(one byte per element, no scale: twice the blocks and half the K/V a decode step reads; lossy, e4m3 "

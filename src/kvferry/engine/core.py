@@ -16,6 +16,7 @@ import torch
 from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler, SchedulerStats
+from kvferry.engine import kv_memory
 from kvferry.engine.kv_connector import SchedulerContext, for_engine
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
@@ -111,15 +112,24 @@ class EngineCore:
         return asked or limit
 
     def _resolve_num_blocks(self) -> int:
+        """--num-kv-blocks, else --kv-cache-memory-gb, else a share of the
+        memory free now that the weights are in (engine/kv_memory.py)."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
+            logger.info("KV cache: --num-kv-blocks %d of %d tokens", cache.num_kv_blocks, self.block_size)
             return cache.num_kv_blocks
-        block_bytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
-        by_memory = int(cache.kv_cache_memory_gb * 2**30) // block_bytes
-        # No point holding more than every running sequence at full length
-        # (plus as much again for the prefix cache).
-        per_seq = -(-self.max_model_len // self.block_size)
-        return max(2, min(by_memory, 2 * per_seq * self.config.scheduler.max_num_seqs))
+        shape = dict(max_num_seqs=self.config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                     block_size=self.block_size,
+                     block_bytes=kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype))
+        if cache.kv_cache_memory_gb is not None:
+            size = kv_memory.size_explicit(cache.kv_cache_memory_gb, **shape)
+        else:
+            size = kv_memory.size_kv_pool(
+                available_bytes=kv_memory.available_bytes(self.config.model.device),
+                num_local_cores=kv_memory.local_engine_cores(),
+                max_model_len_asked=bool(self.config.scheduler.max_model_len), **shape)
+        logger.info("%s", size.line)
+        return size.num_blocks
 
     def ready_message(self) -> EngineCoreReady:
         sched = self.config.scheduler

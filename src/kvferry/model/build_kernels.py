@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvferry import envs
+from kvferry.model.build_progress import HEARTBEAT_S
 
 # What loads each kernel, building it first where needed; prints True when it is usable.
 _LOADERS = {
@@ -125,6 +126,19 @@ def _status(child: _Child, timed_out: bool, timeout_s: float) -> str:
     return f"unavailable: {why[-1]}" if why else "unavailable"
 
 
+def _still_running(open_children: list[_Child]) -> str:
+    now = time.monotonic()
+    parts = []
+    for c in open_children:
+        if c.build_started is not None:
+            parts.append(f"{c.label} {now - c.build_started:.0f} s")
+        elif c.waited_for:  # the layer, while the fused ops it calls build
+            parts.append(f"{c.label} {now - c.started:.0f} s (waiting for the {c.waited_for} build)")
+        else:
+            parts.append(f"{c.label} {now - c.started:.0f} s (starting or loading)")
+    return "building kernels... " + ", ".join(parts)
+
+
 def _end_line(child: _Child, status: str) -> str:
     now = time.monotonic()
     if status != "ok":
@@ -163,11 +177,16 @@ def build(isas: list[str], kernels: list[str], timeout_s: float) -> list[tuple[s
     deadline = time.monotonic() + timeout_s
     open_children = set(range(len(children)))
     statuses: dict[int, str] = {}
+    next_beat = time.monotonic() + HEARTBEAT_S
     while open_children and time.monotonic() < deadline:
+        if time.monotonic() >= next_beat:
+            # The compiler says nothing until it ends: a line now and then, so that the set-up does not look hung.
+            next_beat = time.monotonic() + HEARTBEAT_S
+            _say(_still_running([children[i] for i in sorted(open_children)]))
         try:
-            index, line = events.get(timeout=max(deadline - time.monotonic(), 0.01))
+            index, line = events.get(timeout=max(min(deadline, next_beat) - time.monotonic(), 0.01))
         except queue.Empty:
-            break  # past the deadline: what is still open has timed out
+            continue  # a heartbeat is due, or the deadline has passed (the loop's test)
         if line is not None:
             _on_line(children[index], line)
             continue

@@ -44,6 +44,7 @@ from kvferry.serve.autoscaling import AutoscaleService
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.stats_logger import StatsLogger
 from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level
+from kvferry.extras import require
 from kvferry.structured.spec import import_backend_in_background
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ def connect_ray(placement: RayPlacement | None, max_restarts: int):
     (None without it: ray is never imported). Raises ConnectionError."""
     if placement is None:
         return None
+    require("ray", "ray", "--ray")
     from kvferry.fleet.ray_cores import RayCores  # optional dependency: imports ray
 
     return RayCores.connect(placement, max_restarts)

@@ -149,7 +149,7 @@ def _map_gpu_memory_utilization(fraction: float, engine_args: EngineArgs) -> Eng
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
     if not engine_args.device.startswith("cuda"):
         note(f"--gpu-memory-utilization {fraction:g}: no-op on {engine_args.device} "
-             f"(the KV cache takes --kv-cache-memory-gb, {engine_args.kv_cache_memory_gb:g} GiB)")
+             f"(the KV cache takes --kv-cache-memory-gb, {_kv_gb_text(engine_args.kv_cache_memory_gb)})")
         return engine_args
     if engine_args.num_kv_blocks is not None:
         raise ValueError("--gpu-memory-utilization and --num-kv-blocks: give one")
@@ -167,6 +167,10 @@ def _map_gpu_memory_utilization(fraction: float, engine_args: EngineArgs) -> Eng
     note(f"--gpu-memory-utilization {fraction:g}: --kv-cache-memory-gb {kv_gb:g} ({fraction:g} x {total_gb:.1f} "
          f"GiB, less {used_gb:.1f} GiB in use, {weights_gb:.1f} GiB of weights, {ACTIVATION_RESERVE_GB:g} GiB reserve)")
     return dataclasses.replace(engine_args, kv_cache_memory_gb=kv_gb)
+
+
+def _kv_gb_text(kv_gb: float | None) -> str:
+    return f"{kv_gb:g} GiB" if kv_gb is not None else "by default a share of the free memory, logged at start"
 
 
 def _device_memory_gb(device: str) -> tuple[float, float]:
