@@ -20,6 +20,7 @@ plus the attention kernel's batch-invariant mode (``set_linear_config``).
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Iterable
 
 import torch
@@ -423,6 +424,15 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim], zero-filled."""
+    """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim], zero-filled.
+
+    On the CPU the pool is an anonymous mapping: its pages read as zeros and
+    take memory only once written, so a pool sized to a share of the host's
+    memory (engine/kv_memory.py) costs what the cached tokens fill, not its
+    size at start (``torch.zeros`` would touch every page)."""
     shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=dtype, count=math.prod(shape)).view(shape)
