@@ -314,6 +314,9 @@ class KVTierConfig:
         return bool(self.kv_store or self.kv_dram_gb)
 
 
+TP_ALL_REDUCES = ("shm", "gloo")
+
+
 @dataclass(slots=True)
 class ParallelConfig:
     """Tensor parallelism: one engine core as ``tensor_parallel_size`` rank
@@ -322,6 +325,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # torch threads of each rank (None: this host's CPUs / tensor_parallel_size).
     cpu_threads_per_rank: int | None = None
+    # How the ranks sum their partial products: "shm" (shared memory, one
+    # host; parallel/shm_all_reduce.py) or "gloo" (torch's, over loopback TCP).
+    tp_all_reduce: str = "shm"
 
     def __post_init__(self) -> None:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
@@ -329,6 +335,8 @@ class ParallelConfig:
         if self.cpu_threads_per_rank is not None and (not _is_int(self.cpu_threads_per_rank)
                                                       or self.cpu_threads_per_rank < 1):
             raise ValueError(f"cpu_threads_per_rank must be an integer >= 1, got {self.cpu_threads_per_rank!r}")
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}, got {self.tp_all_reduce!r}")
 
 
 # The longest chunk the C++ attention kernel takes (model.attention.kernel_max_chunk_tokens;
@@ -479,6 +487,9 @@ class EngineArgs:
         flag="--tensor-parallel-size", cli=False))
     cpu_threads_per_rank: int | None = field(default=None, metadata=_opt(
         "with --tensor-parallel-size N: torch threads of each rank (default: this host's CPUs / N)"))
+    tp_all_reduce: str = field(default="shm", metadata=_opt(
+        "with --tensor-parallel-size N: how the ranks sum their partial products: shm (shared memory, the "
+        "same sum on every rank) or gloo (torch's, over loopback TCP)", choices=TP_ALL_REDUCES))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -505,7 +516,7 @@ class EngineArgs:
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
                                          self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
-            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce),
         )
 
     # -- command line -----------------------------------------------------------

@@ -25,7 +25,7 @@ from kvferry.model.attention import attention_backend
 from kvferry.model.fused_ops import fused_ops_available
 from kvferry.model.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
 from kvferry.model.layers.parallel import TPShard
-from kvferry.model.loader import LoadedModel, load_model
+from kvferry.model.loader import LoadedModel, load_model, read_config, resolve_model_folder
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.core.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
@@ -49,6 +49,8 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size
         if tp > 1 and loaded is not None:
             raise ValueError("tensor_parallel_size > 1: the engine core loads each rank's shard itself")
+        if tp > 1:  # a model that does not split fails here, before any rank starts
+            TPShard(0, tp).check(read_config(resolve_model_folder(config.model.model)))
         self.tp = TPLeader(config) if tp > 1 else None
         try:
             self._init(config, loaded, TPShard(0, tp) if tp > 1 else None)

@@ -47,7 +47,7 @@ from kvferry.config import EngineConfig, ParallelConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
 from kvferry.model.layers.parallel import TPShard
-from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed
+from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,12 @@ class RunnerShape:
     kv_cache_dtype: torch.dtype
 
 
+def join_group(rank: int, address: GroupAddress, parallel: ParallelConfig) -> ProcessGroup | ShmAllReduce:
+    """This rank's membership, its sums through shared memory unless gloo is asked for."""
+    group = ProcessGroup(rank, parallel.tensor_parallel_size, address, COLLECTIVE_TIMEOUT_S)
+    return ShmAllReduce(group) if parallel.tp_all_reduce == "shm" else group
+
+
 def threads_per_rank(parallel: ParallelConfig) -> int:
     if parallel.cpu_threads_per_rank is not None:
         return parallel.cpu_threads_per_rank
@@ -95,7 +101,7 @@ class TPLeader:
     """Spawns and drives the worker ranks of one tensor-parallel core."""
 
     def __init__(self, config: EngineConfig, name: str = "engine-0") -> None:
-        par = config.parallel
+        self._parallel = par = config.parallel
         self.world_size = n = par.tensor_parallel_size
         self.threads = threads_per_rank(par)
         # This rank's team: the calling thread is the one that steps.
@@ -123,8 +129,8 @@ class TPLeader:
             sock.connect(spec.steps)  # queues until the worker binds
             self._steps.append(sock)
         # Workers never outlive this object (an offline LLM dropped without close()).
-        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir)
-        self._closed = False
+        self._stopping = threading.Event()  # ours: a worker's exit from now on is no failure
+        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir, self._stopping)
         self._watcher: threading.Thread | None = None
 
     def _rank_cpus(self, n: int) -> list[list[int]] | None:
@@ -154,7 +160,7 @@ class TPLeader:
             if kind != "loaded":
                 raise RankFailed(rank, f"failed to start: {detail}")
             pending.discard(rank)
-        shard.group = ProcessGroup(0, self.world_size, self._address, COLLECTIVE_TIMEOUT_S)
+        shard.group = join_group(0, self._address, self._parallel)
         self._watcher = threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True)
         self._watcher.start()
         logger.info("tensor parallelism: %d ranks of %d threads each (workers: pids %s)", self.world_size,
@@ -203,11 +209,11 @@ class TPLeader:
                 raise _exited(rank, proc.pid, code)
 
     def _watch(self) -> None:
-        while not self._closed:
+        while not self._stopping.is_set():
             try:
                 self._raise_if_dead()
             except RankFailed as failure:
-                if not self._closed:
+                if not self._stopping.is_set():
                     logger.error("%s", failure)
                     self.failure = failure
                     _kill_all(self._procs, None)
@@ -216,9 +222,9 @@ class TPLeader:
 
     def close(self) -> None:
         """Stop the workers (a shutdown message, then SIGTERM, then SIGKILL)."""
-        if self._closed:
+        if self._stopping.is_set():
             return
-        self._closed = True
+        self._stopping.set()
         try:
             self._send(None)
         except zmq.ZMQError:
@@ -242,7 +248,9 @@ def _exited(rank: int, pid: int, code: int) -> RankFailed:
                             "the engine core's rank group ends whole")
 
 
-def _kill_all(procs: list[subprocess.Popen], folder: str | None) -> None:
+def _kill_all(procs: list[subprocess.Popen], folder: str | None, stopping: threading.Event | None = None) -> None:
+    if stopping is not None:
+        stopping.set()
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()

@@ -25,10 +25,9 @@ import zmq
 
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.engine.runner import ModelRunner
-from kvferry.engine.tp_ranks import COLLECTIVE_TIMEOUT_S, RunnerShape, WorkerSpec
+from kvferry.engine.tp_ranks import RunnerShape, WorkerSpec, join_group
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
-from kvferry.parallel import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
     shard = TPShard(spec.rank, spec.world_size)
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
     reports.send(pickle.dumps(("loaded", spec.rank, None)))
-    shard.group = ProcessGroup(spec.rank, spec.world_size, spec.group, COLLECTIVE_TIMEOUT_S)
+    shard.group = join_group(spec.rank, spec.group, spec.config.parallel)
     shape = _receive(steps)
     if not isinstance(shape, RunnerShape):
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
