@@ -542,7 +542,9 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+        # A field whose flag another module defines is that module's to map (cli=False).
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name) and f.metadata.get("cli", True)})
 
 
 def _cli_type(annotation: Any) -> type:

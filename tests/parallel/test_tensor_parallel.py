@@ -89,7 +89,8 @@ def test_ngram_speculation_over_two_ranks_keeps_greedy_output(llama):
     finally:
         close(plain)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
-    llm = LLM(model=llama, tensor_parallel_size=2, speculative=spec, **ENGINE)
+    # Over gloo's all-reduce (the default, shm, runs in every other test).
+    llm = LLM(model=llama, tensor_parallel_size=2, speculative=spec, tp_all_reduce="gloo", **ENGINE)
     try:
         assert greedy(llm, prompts, 24) == expected
         assert llm.engine.stats().num_draft_tokens > 0

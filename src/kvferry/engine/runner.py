@@ -96,7 +96,8 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtyp
     """Bytes of one block over every layer, K and V, in ``cache_dtype`` (default: the model's)."""
     cfg = loaded.config
     elem = torch.empty((), dtype=cache_dtype or loaded.dtype).element_size()
-    kv_heads = getattr(loaded.model, "num_kv_heads", cfg.num_key_value_heads)  # a tensor-parallel rank's own
+    # A tensor-parallel rank's own KV heads (a plain geometry has no model: all of them).
+    kv_heads = getattr(getattr(loaded, "model", None), "num_kv_heads", cfg.num_key_value_heads)
     return cfg.num_hidden_layers * 2 * block_size * kv_heads * cfg.head_dim * elem
 
 

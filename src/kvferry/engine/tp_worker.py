@@ -51,7 +51,8 @@ def main() -> int:
     steps.bind(spec.steps)
     try:
         runner = _start(spec, reports, steps)
-        _serve(runner, steps)
+        if runner is not None:  # None: rank 0 stopped before its pool was built
+            _serve(runner, steps)
     except Exception:  # noqa: BLE001 - reported, then the whole group ends
         logger.exception("tensor-parallel worker failed")
         reports.send(pickle.dumps(("error", spec.rank, traceback.format_exc(limit=4))))
@@ -63,13 +64,15 @@ def main() -> int:
     return 0
 
 
-def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRunner:
+def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRunner | None:
     m = spec.config.model
     shard = TPShard(spec.rank, spec.world_size)
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
     reports.send(pickle.dumps(("loaded", spec.rank, None)))
     shard.group = join_group(spec.rank, spec.group, spec.config.parallel)
     shape = _receive(steps)
+    if shape is None:
+        return None
     if not isinstance(shape, RunnerShape):
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
     runner = ModelRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,

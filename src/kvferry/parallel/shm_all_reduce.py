@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
@@ -148,7 +148,6 @@ def _alive(pid: int) -> bool:
 def _untrack(shm: shared_memory.SharedMemory) -> None:
     """Keep multiprocessing's resource tracker from unlinking a segment this process only attached."""
     try:
-        from multiprocessing import resource_tracker
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the tracker's own key
     except Exception:  # noqa: BLE001 - only a warning at exit is at stake
         pass

@@ -68,6 +68,7 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
     one line. Raises ValueError (one line, naming the flag) for what
     kvferry cannot do."""
     if args.tensor_parallel_size is not None:  # the engine's own option (no flag of its own there)
+        note(f"--tensor-parallel-size {args.tensor_parallel_size}: rank processes per engine core")
         engine_args = dataclasses.replace(engine_args, tensor_parallel_size=args.tensor_parallel_size)
     if args.enable_auto_tool_choice:
         note("--enable-auto-tool-choice: no-op (tool calls are always parsed when a request sends tools)")
