@@ -40,6 +40,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import setproctitle
 import torch
 import zmq
 
@@ -100,7 +101,9 @@ def threads_per_rank(parallel: ParallelConfig) -> int:
 class TPLeader:
     """Spawns and drives the worker ranks of one tensor-parallel core."""
 
-    def __init__(self, config: EngineConfig, name: str = "engine-0") -> None:
+    def __init__(self, config: EngineConfig, name: str | None = None) -> None:
+        """``name``: the core's (default: from this process's title, "kvferry: engine-1" -> "engine-1")."""
+        name = name or _core_name()
         self._parallel = par = config.parallel
         self.world_size = n = par.tensor_parallel_size
         self.threads = threads_per_rank(par)
@@ -240,6 +243,11 @@ class TPLeader:
         self._reports.close(linger=0)
         self._ctx.term()
         self._finalizer()
+
+
+def _core_name() -> str:
+    title = setproctitle.getproctitle()
+    return title.removeprefix("kvferry: ") if title.startswith("kvferry: ") else "engine"
 
 
 def _exited(rank: int, pid: int, code: int) -> RankFailed:
