@@ -67,8 +67,9 @@ def shm_sums(group: ProcessGroup) -> dict:
     half = torch.full((4, 8), float(r))
     shm.all_reduce(half[:, :4].contiguous())  # a copy: the sum lands in it, not in half
     gathered = shm.all_gather(torch.tensor([[float(r)]]), dim=1)
+    bf16 = shm.all_reduce(torch.full((5,), 0.1 * (r + 1), dtype=torch.bfloat16))  # summed in float32
     shm.barrier()
     return {"small": small.tolist(), "close": bool(torch.allclose(got, expected, atol=1e-5)),
             "bits": got.numpy().tobytes(), "ints": ints.tolist(), "gathered": gathered.tolist(),
-            "half": half.tolist()}
+            "half": half.tolist(), "bf16": bf16.float().tolist()}
 

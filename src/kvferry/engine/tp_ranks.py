@@ -107,7 +107,9 @@ class TPLeader:
         self._parallel = par = config.parallel
         self.world_size = n = par.tensor_parallel_size
         self.threads = threads_per_rank(par)
-        # This rank's team: the calling thread is the one that steps.
+        # This rank's team: the calling thread is the one that steps (an
+        # offline LLM's caller gets its own count back at close).
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         self.failure: RankFailed | None = None
         self._last_sampled: dict[str, list[int]] = {}
@@ -135,6 +137,7 @@ class TPLeader:
         self._stopping = threading.Event()  # ours: a worker's exit from now on is no failure
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir, self._stopping)
         self._watcher: threading.Thread | None = None
+        self._group: ProcessGroup | ShmAllReduce | None = None
 
     def _rank_cpus(self, n: int) -> list[list[int]] | None:
         """Each rank's own CPUs when pinning is asked for (KVFERRY_CPU_BIND), so ranks never share one."""
@@ -163,7 +166,7 @@ class TPLeader:
             if kind != "loaded":
                 raise RankFailed(rank, f"failed to start: {detail}")
             pending.discard(rank)
-        shard.group = join_group(0, self._address, self._parallel)
+        shard.group = self._group = join_group(0, self._address, self._parallel)
         self._watcher = threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True)
         self._watcher.start()
         logger.info("tensor parallelism: %d ranks of %d threads each (workers: pids %s)", self.world_size,
@@ -238,11 +241,14 @@ class TPLeader:
                 proc.wait(max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        if isinstance(self._group, ShmAllReduce):
+            self._group.close()
         for sock in self._steps:
             sock.close(linger=0)
         self._reports.close(linger=0)
         self._ctx.term()
         self._finalizer()
+        torch.set_num_threads(self._threads_before)
 
 
 def _core_name() -> str:

@@ -64,6 +64,7 @@ class ShmAllReduce:
         self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8, offset=self._data_offset,
                                        count=2 * n * slot_bytes)
         self._seq = 0
+        self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         group.barrier()  # every rank attached (rank 0 may unlink the name from now on)
         self._pids = [int(group.store_get(f"pid{r}")) for r in range(n)]
         if self.rank == 0:
@@ -92,15 +93,29 @@ class ShmAllReduce:
         slots[self.rank].copy_(x)
         self._flags[self.rank] = seq  # after the data (stores stay in order on x86)
         self._wait(seq)
-        x.copy_(slots[0])
-        for r in range(1, n):  # rank order: the same sum on every rank
-            x.add_(slots[r])
+        if x.dtype == torch.float32:
+            x.copy_(slots[0])
+            for r in range(1, n):  # rank order: the same sum on every rank
+                x.add_(slots[r])
+            return
+        total = slots[0].float()  # half types: summed in float32, rounded once
+        for r in range(1, n):
+            total.add_(slots[r])
+        x.copy_(total)
 
     def _slots(self, buffer: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each rank's slot of ``buffer`` as a 1-D tensor like ``x`` (kept: a decode
+        step asks for the same few shapes, 2 x layers + 1 times)."""
         nbytes = x.numel() * x.element_size()
-        first = buffer * self.world_size * self._slot
-        return [self._bytes[first + r * self._slot: first + r * self._slot + nbytes].view(x.dtype)
-                for r in range(self.world_size)]
+        key = (buffer, nbytes, x.dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            first = buffer * self.world_size * self._slot
+            views = self._views[key] = [self._bytes[first + r * self._slot: first + r * self._slot + nbytes]
+                                        .view(x.dtype) for r in range(self.world_size)]
+        return views
 
     def _wait(self, seq: int) -> None:
         flags = self._flags
@@ -125,9 +140,12 @@ class ShmAllReduce:
                                   f"not answer within {self.timeout_s:g}s")
 
     def close(self) -> None:
-        self._flags = None
-        self._bytes = None
-        self._shm.close()
+        self._flags = self._bytes = None
+        self._views.clear()
+        try:
+            self._shm.close()
+        except BufferError:  # a view still held somewhere: the mapping goes with the process
+            pass
 
 
 def _alive(pid: int) -> bool:
