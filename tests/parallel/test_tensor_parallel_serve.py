@@ -65,9 +65,10 @@ def server(checkpoint, tmp_path_factory):
     srv.stop()
 
 
-def complete(srv, checkpoint: str) -> str:
+def complete(srv) -> str:
     with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=120) as client:
-        r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+        model = client.models.list().data[0].id
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == MAX_NEW
     return r.choices[0].text
@@ -78,11 +79,11 @@ def test_served_greedy_output_equals_hf(server, checkpoint):
     offline = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02)
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0]
     assert ref.outputs[0].token_ids == expected
-    assert complete(server, checkpoint) == ref.outputs[0].text
+    assert complete(server) == ref.outputs[0].text
 
 
 def test_a_killed_worker_rank_ends_its_core_and_the_server_restarts_it(server, checkpoint):
-    complete(server, checkpoint)
+    complete(server)
     cores = [p for p in _children(server.proc.pid) if "kvferry: engine-0" in _title(p)]
     assert len(cores) == 1, [(p, _title(p)) for p in _children(server.proc.pid)]
     core = cores[0]
@@ -98,7 +99,7 @@ def test_a_killed_worker_rank_ends_its_core_and_the_server_restarts_it(server, c
     deadline = time.monotonic() + 300
     while True:
         try:
-            complete(server, checkpoint)
+            complete(server)
             break
         except openai.APIError:
             if time.monotonic() > deadline:

@@ -75,6 +75,7 @@ class WorkerSpec:
     threads: int
     cpus: list[int] | None  # pinned to these (KVFERRY_CPU_BIND), else None
     parent_pid: int
+    log_level: int  # rank 0's
 
 
 @dataclass(slots=True)
@@ -124,7 +125,7 @@ class TPLeader:
         for rank in range(1, n):
             spec = WorkerSpec(config, rank, n, self._address, f"ipc://{self._dir}/steps-{rank}",
                               f"ipc://{self._dir}/reports", name, self.threads,
-                              cpus[rank] if cpus else None, os.getpid())
+                              cpus[rank] if cpus else None, os.getpid(), logging.getLogger().getEffectiveLevel())
             proc = subprocess.Popen([sys.executable, "-m", "kvferry.engine.tp_worker"], stdin=subprocess.PIPE)
             proc.stdin.write(pickle.dumps(spec))
             proc.stdin.close()

@@ -38,7 +38,7 @@ def main() -> int:
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)
     name = f"{spec.name} rank {spec.rank}"
     setproctitle.setproctitle(f"kvferry: {name}")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
     _watch_parent(spec.parent_pid)
     if spec.cpus:
         bind_step_thread(spec.cpus)  # this thread runs every torch op of the process

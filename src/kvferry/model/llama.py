@@ -116,7 +116,8 @@ class Attention(nn.Module):
         super().__init__()
         c, tp = config, shard.size
         # This rank's heads (all of them without tensor parallelism).
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim
+        self.num_heads, self.num_kv_heads = c.num_attention_heads // tp, c.num_key_value_heads // tp
+        self.head_dim = c.head_dim
         self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
         # rows: [q (H*D) | k (KVH*D) | v (KVH*D)], this rank's heads of each

@@ -21,8 +21,8 @@ Two buffers suffice: a rank writes buffer ``seq % 2`` again at ``seq + 2``
 only after every flag reached ``seq + 1``, i.e. after every rank finished
 reading call ``seq``.
 
-The wait spins, yielding the CPU between looks (ranks may share cores), and
-is bounded: a peer whose process is gone (pids are in the group's store)
+The wait spins for 100 us, yielding between looks, then naps 50 us at a
+time (ranks may share cores), and is bounded: a peer whose process is gone (pids are in the group's store)
 fails it at once, a hung one after ``timeout_s``, with ``CollectiveError``.
 Anything other than a float sum, and ``all_gather``, goes to the wrapped
 gloo group.
@@ -41,6 +41,11 @@ from kvferry.parallel.group import CollectiveError, ProcessGroup
 SLOT_BYTES = 4 << 20  # per rank and buffer: one decode step's [batch, hidden] many times over
 _ALIGN = 64
 _LIVENESS_EVERY_S = 0.05
+# A wait first spins (a peer on its own core arrives within microseconds),
+# then naps, so that a peer sharing this CPU gets it (a loaded host, more
+# ranks than cores): spinning there took the CPU the peer needed.
+_SPIN_S = 100e-6
+_NAP_S = 50e-6
 
 
 class ShmAllReduce:
@@ -123,8 +128,11 @@ class ShmAllReduce:
             return
         start = last_check = time.monotonic()
         while flags.min() < seq:
-            os.sched_yield()
             now = time.monotonic()
+            if now - start < _SPIN_S:
+                os.sched_yield()
+            else:  # the peer is late (it shares our CPU, or is busy): let it run
+                time.sleep(_NAP_S)
             if now - last_check >= _LIVENESS_EVERY_S:
                 last_check = now
                 self._check_peers(seq, now - start)
