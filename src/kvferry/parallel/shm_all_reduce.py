@@ -21,8 +21,8 @@ Two buffers suffice: a rank writes buffer ``seq % 2`` again at ``seq + 2``
 only after every flag reached ``seq + 1``, i.e. after every rank finished
 reading call ``seq``.
 
-The wait spins for 100 us, yielding between looks, then naps 50 us at a
-time (ranks may share cores), and is bounded: a peer whose process is gone (pids are in the group's store)
+The wait spins for 100 us, yielding between looks, then naps from 50 us
+doubling up to 1 ms (ranks may share cores), and is bounded: a peer whose process is gone (pids are in the group's store)
 fails it at once, a hung one after ``timeout_s``, with ``CollectiveError``.
 Anything other than a float sum, and ``all_gather``, goes to the wrapped
 gloo group.
@@ -45,7 +45,8 @@ _LIVENESS_EVERY_S = 0.05
 # then naps, so that a peer sharing this CPU gets it (a loaded host, more
 # ranks than cores): spinning there took the CPU the peer needed.
 _SPIN_S = 100e-6
-_NAP_S = 50e-6
+_NAP_S = 50e-6  # doubling up to _MAX_NAP_S: a waiter that wakes often competes with the peer it waits for
+_MAX_NAP_S = 1e-3
 
 
 class ShmAllReduce:
@@ -127,12 +128,14 @@ class ShmAllReduce:
         if flags.min() >= seq:
             return
         start = last_check = time.monotonic()
+        nap = _NAP_S
         while flags.min() < seq:
             now = time.monotonic()
             if now - start < _SPIN_S:
                 os.sched_yield()
             else:  # the peer is late (it shares our CPU, or is busy): let it run
-                time.sleep(_NAP_S)
+                time.sleep(nap)
+                nap = min(2 * nap, _MAX_NAP_S)
             if now - last_check >= _LIVENESS_EVERY_S:
                 last_check = now
                 self._check_peers(seq, now - start)
