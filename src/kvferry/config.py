@@ -340,6 +340,31 @@ class KVTierConfig:
         return bool(self.kv_store or self.kv_dram_gb)
 
 
+TP_ALL_REDUCES = ("shm", "gloo")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Tensor parallelism: one engine core as ``tensor_parallel_size`` rank
+    processes on this host (kvferry.engine.tp_ranks, docs/parallelism.md)."""
+
+    tensor_parallel_size: int = 1
+    # torch threads of each rank (None: this host's CPUs / tensor_parallel_size).
+    cpu_threads_per_rank: int | None = None
+    # How the ranks sum their partial products: "shm" (shared memory, one
+    # host; parallel/shm_all_reduce.py) or "gloo" (torch's, over loopback TCP).
+    tp_all_reduce: str = "shm"
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.cpu_threads_per_rank is not None and (not _is_int(self.cpu_threads_per_rank)
+                                                      or self.cpu_threads_per_rank < 1):
+            raise ValueError(f"cpu_threads_per_rank must be an integer >= 1, got {self.cpu_threads_per_rank!r}")
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}, got {self.tp_all_reduce!r}")
+
+
 # The longest chunk the C++ attention kernel takes (model.attention.kernel_max_chunk_tokens;
 # this module stays torch-free): --deterministic's bound on a step's tokens.
 DETERMINISTIC_MAX_BATCHED_TOKENS = 8192
@@ -356,8 +381,11 @@ class EngineConfig:
     # A KV connector from outside the package, "module:Class" ("": none;
     # kvferry.engine.kv_connector.connectors.load_connector).
     kv_connector: str = ""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.model.deterministic and self.scheduler.max_num_batched_tokens > DETERMINISTIC_MAX_BATCHED_TOKENS:
             raise ValueError(f"deterministic needs max_num_batched_tokens <= {DETERMINISTIC_MAX_BATCHED_TOKENS} "
                              f"(longer chunks leave the batch-invariant attention kernel), got "
@@ -365,6 +393,26 @@ class EngineConfig:
         if self.kv_connector and (not isinstance(self.kv_connector, str) or self.kv_connector.count(":") != 1
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
+
+
+    def _check_tensor_parallel(self) -> None:
+        """What does not run over tensor-parallel ranks yet: a one-line ValueError."""
+        tp = self.parallel.tensor_parallel_size
+        spec = self.speculative
+        refused = [
+            (self.model.device != "cpu", f"device {self.model.device!r} (the ranks' collectives run on the CPU)"),
+            (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
+            (self.model.deterministic, "deterministic"),
+            (spec is not None and spec.method != "ngram", "speculative method "
+             f"{spec.method if spec is not None else ''!r} (ngram works)"),
+            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
+            (bool(self.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
+            (bool(self.kv_connector), "--kv-connector"),
+            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"tensor_parallel_size {tp} does not work with {what} yet")
 
 
 def _is_int(value: object) -> bool:
@@ -461,6 +509,15 @@ class EngineArgs:
     kv_connector: str = field(default="", metadata=_opt(
         "a KV connector from outside the package, module:Class (a KVConnector with a scheduler half and a "
         "worker half), composed after the built-in ones (default: none)"))
+    # kvferry serve's --tensor-parallel-size / -tp (serve/vllm_flags.py) maps onto it: no flag of its own.
+    tensor_parallel_size: int = field(default=1, metadata=_opt(
+        "rank processes per engine core (tensor parallelism, docs/parallelism.md; also -tp)",
+        flag="--tensor-parallel-size", cli=False))
+    cpu_threads_per_rank: int | None = field(default=None, metadata=_opt(
+        "with --tensor-parallel-size N: torch threads of each rank (default: this host's CPUs / N)"))
+    tp_all_reduce: str = field(default="shm", metadata=_opt(
+        "with --tensor-parallel-size N: how the ranks sum their partial products: shm (shared memory, the "
+        "same sum on every rank) or gloo (torch's, over loopback TCP)", choices=TP_ALL_REDUCES))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -487,6 +544,7 @@ class EngineArgs:
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
                                          self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce),
         )
 
     # -- command line -----------------------------------------------------------
@@ -501,6 +559,8 @@ class EngineArgs:
                 continue
             meta = dict(f.metadata)
             flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+            if not meta.pop("cli", True):
+                continue  # another module defines the flag (see the field)
             meta["dest"] = f.name
             if f.type in ("bool", bool):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **meta)
@@ -510,7 +570,9 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+        # A field whose flag another module defines is that module's to map (cli=False).
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name) and f.metadata.get("cli", True)})
 
 
 def _cli_type(annotation: Any) -> type:

@@ -19,12 +19,14 @@ from kvferry.core.scheduler import Scheduler, SchedulerStats
 from kvferry.engine import kv_memory
 from kvferry.engine.kv_connector import SchedulerContext, for_engine
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
+from kvferry.engine.tp_ranks import RunnerShape, TPLeader
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model import layer_op, small_gemm
 from kvferry.model.attention import attention_backend
 from kvferry.model.fused_ops import fused_ops_available
 from kvferry.model.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
-from kvferry.model.loader import LoadedModel, load_model
+from kvferry.model.layers.parallel import TPShard
+from kvferry.model.loader import LoadedModel, load_model, read_config, resolve_model_folder
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.core.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
@@ -43,9 +45,28 @@ _TRANSFER_KINDS = frozenset({"receive", "stream"})
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        # --tensor-parallel-size N: this process is rank 0; the workers start
+        # first so that they load their shards while this rank loads its own.
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1 and loaded is not None:
+            raise ValueError("tensor_parallel_size > 1: the engine core loads each rank's shard itself")
+        if tp > 1:  # a model that does not split fails here, before any rank starts
+            TPShard(0, tp).check(read_config(resolve_model_folder(config.model.model)))
+        self.tp = TPLeader(config) if tp > 1 else None
+        try:
+            self._init(config, loaded, TPShard(0, tp) if tp > 1 else None)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None, shard: TPShard | None) -> None:
         self.config = config
         m = config.model
-        self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization)
+        self.runner = None
+        self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization,
+                                           shard=shard)
+        if self.tp is not None:
+            self.tp.connect(self.loaded.model.shard)
         self.block_size = config.cache.block_size
         device = torch.device(m.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype, device,
@@ -65,6 +86,9 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded, config, self.num_kv_blocks, self.max_model_len,
                                   kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
                                   head=self._load_head(), speculative=self.speculative)
+        if self.tp is not None:  # every rank's pool: the same blocks, its own KV heads
+            self.tp.start_runners(RunnerShape(self.num_kv_blocks, self.max_model_len, self.kv_cache_dtype))
+            self.runner.tp_leader = self.tp
         if m.device == "cpu":
             # Build (or load) the C++ attention kernel now, before the ready
             # message: otherwise the first requests' TTFT pays for it (a
@@ -215,7 +239,7 @@ class EngineCore:
         """Run one batch; return only what it added to each request."""
         start = time.monotonic()
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched) if self.tp is None else self.tp.run(self.runner.execute, sched)
         outputs = self.scheduler.update_from_output(sched, result)
         seconds = time.monotonic() - start
         self._observe_step_cost(sched, seconds)
@@ -265,9 +289,16 @@ class EngineCore:
     def close(self) -> None:
         """Release what outlives the process otherwise: the KV connector's
         (the transfer agent's shared-memory pool, the KV store's clients and
-        the store this core started, if any)."""
-        if self.runner.connector is not None:
+        the store this core started, if any), and the worker ranks."""
+        if self.runner is not None and self.runner.connector is not None:
             self.runner.connector.close()
+        if self.tp is not None:
+            self.tp.close()
+
+    def check_ranks(self) -> None:
+        """RankFailed once a tensor-parallel worker rank is gone (the core ends whole)."""
+        if self.tp is not None:
+            self.tp.check()
 
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()

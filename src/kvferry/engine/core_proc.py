@@ -215,6 +215,7 @@ class EngineCoreProc:
         """Apply every pending input, then one step if there is work.
         Returns False on shutdown."""
         core = self.core
+        core.check_ranks()  # a dead tensor-parallel rank ends the core, idle or not
         busy = core.has_unfinished_requests()
         inputs = self._drain(block=not busy)
         for message in inputs:

@@ -34,6 +34,7 @@ from kvferry.model import gguf_convert, gguf_weights
 from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.layers.gguf import GGUFConfig
+from kvferry.model.layers.parallel import TPShard
 from kvferry.model.llama import LlamaModel
 from kvferry.model.resolve import resolve_model
 from kvferry.model.tokenizer import Tokenizer
@@ -64,13 +65,14 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, shard: TPShard | None = None) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ValueError naming what is missing.
 
     ``quantization``: None (for now the same as "none": blocks are opt-in
     until they measure at least as fast as the expanded model on every path),
     "gguf" (a .gguf's linear weights stay in their blocks; CPU only) or
-    "none" (a .gguf is expanded to float)."""
+    "none" (a .gguf is expanded to float). ``shard``: a tensor-parallel
+    rank, which reads only its slice of each tensor (layers/parallel.py)."""
     check_quantization(quantization)
     resolved = resolve_model(model)
     if quantization == "gguf" and not resolved.is_gguf:
@@ -86,11 +88,14 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
         folder = resolve_model_folder(model)
     config = read_config(folder)
     torch_dtype = resolve_dtype(dtype, config, device)
+    sharded = shard is not None and shard.enabled
+    if blocks and sharded:
+        raise ValueError("tensor_parallel_size > 1 needs float weights: serve a .gguf with --quantization none")
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
     else:
-        lm = LlamaModel(config, dtype=torch_dtype, device=device)
-        lm.load_weights(iter_safetensors(folder))
+        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard)
+        lm.load_weights(iter_safetensors(folder, lazy=sharded))
         fingerprint = model_fingerprint(folder)
     lm.eval()
     tokenizer = Tokenizer(folder)
@@ -174,12 +179,14 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every shard, one at a time."""
+def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every shard, one at a time.
+    ``lazy``: a safetensors slice in place of each tensor, for a
+    tensor-parallel rank that reads only its part (``LlamaModel.load_weights``)."""
     for file in weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def model_fingerprint(folder: Path) -> str:

@@ -8,7 +8,7 @@ kvferry's own option, with one line on stderr saying which.
 
     --api-key KEY                  (api_flags.py) a plain key of the one default tenant
     --enable-auto-tool-choice      no-op: tool calls are always parsed when a request sends tools
-    --tensor-parallel-size 1       no-op; > 1 is refused (one device per engine core)
+    --tensor-parallel-size N       EngineArgs.tensor_parallel_size: N rank processes per engine core
     --swap-space GiB               --num-swap-blocks = GiB / the bytes of one KV block of this model
     --uvicorn-log-level LEVEL      the level of uvicorn's loggers (its access log among them); the
                                    rest logs at --log-level
@@ -49,7 +49,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="no-op: tool calls are always parsed when a request sends tools")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="only 1 (one device per engine core; --data-parallel-size starts more cores)")
+                   help="rank processes per engine core (tensor parallelism, docs/parallelism.md; "
+                        "--data-parallel-size starts more cores)")
     g.add_argument("--swap-space", type=float, default=None, metavar="GiB",
                    help="host memory for preempted requests' KV: sets --num-swap-blocks from the model's "
                         "KV block size")
@@ -74,11 +75,9 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
     """The engine args with vLLM's flags mapped in; each flag given prints
     one line. Raises ValueError (one line, naming the flag) for what
     kvferry cannot do."""
-    if args.tensor_parallel_size not in (None, 1):
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-                         "supported (one device per engine core); --data-parallel-size N starts N cores")
-    if args.tensor_parallel_size == 1:
-        note("--tensor-parallel-size 1: no-op (one device per engine core)")
+    if args.tensor_parallel_size is not None:  # the engine's own option (no flag of its own there)
+        note(f"--tensor-parallel-size {args.tensor_parallel_size}: rank processes per engine core")
+        engine_args = dataclasses.replace(engine_args, tensor_parallel_size=args.tensor_parallel_size)
     if args.enable_auto_tool_choice:
         note("--enable-auto-tool-choice: no-op (tool calls are always parsed when a request sends tools)")
     if args.uvicorn_log_level is not None:
