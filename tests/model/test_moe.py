@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvferry.engine.llm import LLM
+from kvferry.model import small_gemm
 from kvferry.model.loader import load_model
 from kvferry.model.moe import ExpertLinear, SparseMoeBlock, fused_experts, route
 from kvferry.sampling import SamplingParams
@@ -169,3 +170,30 @@ def test_moe_config_errors_name_the_field():
     assert [c.is_moe_layer(i) for i in range(2)] == [False, True]
     mixtral = ModelConfig.from_hf_dict({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8})
     assert mixtral.num_experts == 8 and mixtral.moe_intermediate_size == 128 and mixtral.norm_topk_prob
+
+
+@pytest.mark.skipif(not small_gemm.cpu_supports(torch.bfloat16),
+                    reason="needs AVX512-BF16 for the batch-invariant bf16 matmul")
+def test_deterministic_moe_same_bits_alone_and_in_a_batch(tmp_path):
+    """--deterministic in bf16: a prompt's greedy tokens and logprobs are the
+    same bits alone, in a batch (its tokens then share experts' matmuls with
+    other requests' tokens) and chunked."""
+    path = str(make_tiny_moe_checkpoint(tmp_path, "qwen2_moe_top2", hidden_size=256, moe_intermediate_size=512,
+                                        shared_expert_intermediate_size=512, max_position_embeddings=1024))
+    rng = random.Random(48)
+    prompt, *others = ([rng.randrange(3, 384) for _ in range(n)] for n in (300, 37, 211, 5))
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=5, ignore_eos=True)
+    short = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)
+
+    def result(out):
+        return list(out.outputs[0].token_ids), [list(lp.top_logprobs) for lp in out.outputs[0].logprobs]
+
+    llm = LLM(path, dtype="bfloat16", deterministic=True, num_kv_blocks=256, block_size=16,
+              enable_prefix_caching=False, warm_up=False)
+    alone = result(llm.generate([prompt], params)[0])
+    batched = result(llm.generate([others[0], prompt, *others[1:]], [short, params, short, short])[1])
+    chunked = LLM(path, dtype="bfloat16", deterministic=True, num_kv_blocks=256, block_size=16,
+                  enable_prefix_caching=False, max_num_batched_tokens=32, warm_up=False)
+    in_chunks = result(chunked.generate([others[1], prompt], [short, params])[1])
+    assert batched == alone
+    assert in_chunks == alone
