@@ -16,8 +16,8 @@ tokens: the (token, expert) pairs are sorted by expert (``argsort`` and
 ``bincount``), the tokens gathered in that order, and each expert's rows
 go through one gate_up matmul, SiLU-and-mul and one down matmul; the
 outputs are weighted and scattered back with one ``index_add_``. Python
-loops over the active experts only (at most ``num_experts`` iterations),
-never over tokens. The weighted sum is accumulated in float32 and rounded
+loops over the experts (``num_experts`` iterations, calling the active
+ones), never over tokens. The weighted sum is accumulated in float32 and rounded
 to the model's dtype once (HF adds each expert's term in the model's
 dtype: the same in float32, fewer roundings in bf16).
 
