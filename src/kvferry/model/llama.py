@@ -1,4 +1,6 @@
-"""Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one parametrized module.
+"""Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one parametrized module; their
+mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE) swap the dense
+MLP of a layer with experts for moe.py's block.
 
 The batch is flattened: ``input_ids`` / ``positions`` are ``[num_tokens]``
 (many requests concatenated, see ``attention.AttentionMetadata``), and the
@@ -33,6 +35,7 @@ from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_
 from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
 from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, take_slice,
                                              vocab_parallel_embedding)
+from kvferry.model.moe import SparseMoeBlock
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -176,7 +179,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(config, dtype, device, linear_config, f"{prefix}.self_attn", shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, linear_config, f"{prefix}.mlp", shard)
+        if config.is_moe_layer(int(prefix.rpartition(".")[2])):
+            self.mlp = SparseMoeBlock(config, dtype, device, linear_config, f"{prefix}.mlp")  # TP refuses MoE
+        else:
+            self.mlp = MLP(config, dtype, device, linear_config, f"{prefix}.mlp", shard)
 
     def forward(
         self,
@@ -400,10 +406,14 @@ class LlamaModel(nn.Module):
             "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
             # A matmul's weight goes to its layer, whose method takes it in its format.
             "self_attn.o_proj.weight": (attn.o_proj, None),
-            "mlp.gate_proj.weight": (mlp.gate_up_proj, slice(0, inter)),
-            "mlp.up_proj.weight": (mlp.gate_up_proj, slice(inter, 2 * inter)),
-            "mlp.down_proj.weight": (mlp.down_proj, None),
         }
+        if isinstance(mlp, SparseMoeBlock):  # experts: the block maps its own names
+            if (target := mlp.weight_target(rest)) is not None:
+                return target
+        else:
+            table["mlp.gate_proj.weight"] = (mlp.gate_up_proj, slice(0, inter))
+            table["mlp.up_proj.weight"] = (mlp.gate_up_proj, slice(inter, 2 * inter))
+            table["mlp.down_proj.weight"] = (mlp.down_proj, None)
         for proj, rows in qkv_rows.items():
             table[f"self_attn.{proj}.weight"] = (attn.qkv_proj, rows)
             table[f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, rows)
@@ -417,14 +427,17 @@ class LlamaModel(nn.Module):
         keys = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings:
             keys.append("lm_head.weight")
-        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
         per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
         if self.config.attention_bias:
             per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         if self.config.qk_norm:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        return keys + [f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in per_layer]
+        dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        moe_block = "block_sparse_moe" if self.config.architecture == "MixtralForCausalLM" else "mlp"
+        return keys + [f"model.layers.{i}.{p}" for i, layer in enumerate(self.layers)
+                       for p in per_layer + (layer.mlp.expected_keys(moe_block)
+                                             if isinstance(layer.mlp, SparseMoeBlock) else dense)]
 
     @staticmethod
     def _copy(param: torch.Tensor | Linear, rows: slice | None, tensor: torch.Tensor, name: str) -> None:

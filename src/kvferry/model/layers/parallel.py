@@ -81,6 +81,10 @@ class TPShard:
         """ValueError naming the first field that does not split over ``size`` ranks."""
         if self.size == 1:
             return
+        if config.num_experts:
+            # Expert tensors end in the dense MLP's names: weight_slice would cut them as one.
+            raise ValueError(f"tensor_parallel_size {self.size}: mixture-of-experts models run at "
+                             f"tensor_parallel_size 1 for now")
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             value = getattr(config, name)
             if value % self.size:
