@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from kvferry.config import EngineArgs
 from kvferry.model import int8_gemm
+from kvferry.model.layers import BatchInvariantConfig
 from kvferry.model.layers.int8 import Int8Config, Int8LinearMethod
 from kvferry.model.loader import load_model
 from tests.model.paged_harness import PagedHarness
@@ -157,6 +158,8 @@ def test_tiny_llama_int8_against_float(tiny):
         if isinstance(lin.method, Int8LinearMethod):
             assert lin.weight is None and lin.qweight.dtype == torch.int8
     assert loaded.fingerprint != load_model(str(tiny), dtype="float32").fingerprint
+    with pytest.raises(ValueError, match="keeps int8 weights"):  # --deterministic's plain methods
+        lm.set_linear_config(BatchInvariantConfig())
     a, b = _logits(tiny, "int8"), _logits(tiny, None)
     da = (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs()
     # Teacher-forced over 24 positions of a random-weight model, whose near-flat logits make
