@@ -154,9 +154,14 @@ def test_tiny_llama_int8_against_float(tiny):
     assert all(isinstance(lin.method, Int8LinearMethod) for lin in lins if lin.prefix != "lm_head")
     assert not isinstance(lm.logits_proj.method, Int8LinearMethod)  # the lm_head stays float
     # int8 weights only: no float matrix on any int8 layer
+    int8_bytes = float_params = 0
     for lin in lins:
         if isinstance(lin.method, Int8LinearMethod):
             assert lin.weight is None and lin.qweight.dtype == torch.int8
+            int8_bytes += lin.method.nbytes(lin)
+            float_params += lin.in_features * lin.out_features
+    # one byte a weight, plus 8 per output row (scale and row sum)
+    assert int8_bytes == float_params + 8 * sum(lin.out_features for lin in lins if lin.weight is None)
     assert loaded.fingerprint != load_model(str(tiny), dtype="float32").fingerprint
     with pytest.raises(ValueError, match="keeps int8 weights"):  # --deterministic's plain methods
         lm.set_linear_config(BatchInvariantConfig())
