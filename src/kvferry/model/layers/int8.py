@@ -81,7 +81,8 @@ _SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 
 class Int8Config(LinearConfig):
     """Every linear layer int8 except the lm_head (kept in the model's dtype,
-    as vLLM's W8A8 schemes do: its error would reach every logit) and the
+    as vLLM's W8A8 schemes do: its error would reach every logit), a mixture
+    of experts' expert stacks (attention, router and shared expert are int8) and the
     layers ``ignore`` names (a compressed-tensors checkpoint's ``ignore``
     list: HF module names, or ``re:`` patterns)."""
 
@@ -104,4 +105,7 @@ class Int8Config(LinearConfig):
         return False
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
-        return self._plain if prefix == "lm_head" or self._ignored(prefix) else self._int8
+        # A mixture of experts' stacked expert weights (moe.py) stay float for now: the
+        # stack is one plain parameter that its experts' layers view.
+        plain = prefix == "lm_head" or ".experts." in prefix or self._ignored(prefix)
+        return self._plain if plain else self._int8
