@@ -78,8 +78,9 @@ class SchedulerConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# --quantization (vLLM's flag): a .gguf's blocks served as they are, or expanded to float.
-QUANTIZATIONS = ("gguf", "none")
+# --quantization (vLLM's flag): a .gguf's blocks served as they are, or expanded to float;
+# int8 (W8A8) quantized at load, or a compressed-tensors int8 checkpoint as it is.
+QUANTIZATIONS = ("gguf", "int8", "compressed-tensors", "none")
 
 
 @dataclass(slots=True)
@@ -446,7 +447,9 @@ class EngineArgs:
         "hits or P/D (as SGLang's --enable-deterministic-inference); slower, see docs/serving.md"))
     quantization: str | None = field(default=None, metadata=_opt(
         "weight format: gguf (a .gguf file's linear weights stay in their quantized blocks, multiplied by "
-        "integer kernels; opt-in for now) or none (expand a .gguf to float: the default)"))
+        "integer kernels; opt-in for now), int8 (W8A8: linear weights quantized to int8 per output channel "
+        "at load, activations per token; CPU), compressed-tensors (a W8A8 int8 checkpoint as it is; found "
+        "from its config.json without the flag too) or none (expand a .gguf to float: the default)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))

@@ -263,10 +263,10 @@ class LlamaModel(nn.Module):
         """Serve with another config's methods over the same loaded weights
         (``BatchInvariantConfig`` for --deterministic); the weights are
         prepared again on the next forward."""
-        if self.linear_config.name == "gguf" and linear_config.name != "gguf":
+        if self.linear_config.name in ("gguf", "int8") and linear_config.name != self.linear_config.name:
             # The blocks are the only copy of the weights: no plain method can take them over.
-            raise ValueError(f"{linear_config.name} needs plain weights; this model keeps GGUF blocks "
-                             "(serve it with --quantization none to expand them)")
+            raise ValueError(f"{linear_config.name} needs plain weights; this model keeps {self.linear_config.name} "
+                             "weights (serve it with --quantization none for float ones)")
         if self.weights_packed:
             self._unpack()
         self.linear_config = linear_config

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from kvferry.config import QUANTIZATIONS
-from kvferry.model import gguf_convert, gguf_weights
+from kvferry.model import gguf_convert, gguf_weights, int8_checkpoint
 from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.layers.gguf import GGUFConfig
@@ -61,7 +61,7 @@ def check_quantization(quantization: str | None) -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; supported: "
                          f"{', '.join(QUANTIZATIONS)} (gguf: a .gguf file's blocks served as they are; "
-                         "none: expanded to float)")
+                         "int8: W8A8, quantized at load; none: expanded to float)")
 
 
 def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
@@ -94,12 +94,17 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     sharded = shard is not None and shard.enabled
     if blocks and sharded:
         raise ValueError("tensor_parallel_size > 1 needs float weights: serve a .gguf with --quantization none")
+    int8 = None if blocks else int8_checkpoint.int8_config(folder, quantization)  # --quantization int8 or W8A8
+    if int8 is not None and sharded:
+        raise ValueError("tensor_parallel_size > 1 needs float weights: int8 weights are not sharded yet")
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
     else:
-        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard)
-        lm.load_weights(iter_safetensors(folder, lazy=sharded))
+        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8)
+        weights = iter_safetensors(folder, lazy=sharded)
+        lm.load_weights(int8_checkpoint.pair_scales(weights) if int8 else weights)
         fingerprint = model_fingerprint(folder)
+        fingerprint = fingerprint if int8 is None else int8_checkpoint.mark_fingerprint(fingerprint)
     lm.eval()
     tokenizer = Tokenizer(folder)
     if tokenizer.vocab_size > config.vocab_size:
