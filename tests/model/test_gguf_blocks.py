@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvferry import LLM, SamplingParams
+from kvferry import LLM, SamplingParams, envs
 from kvferry.config import EngineArgs
 from kvferry.model.layers import BatchInvariantConfig
 from kvferry.model.layers.gguf import GGUFLinearMethod
@@ -34,8 +34,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random llama checkpoint, its own model cache."""
+    """A tiny random llama checkpoint, its own model cache (built C++ kernels
+    still from the shared cache: rebuilding them cold takes minutes)."""
     tmp = tmp_path_factory.mktemp("gguf-blocks")
+    kernels = envs.cache_dir() / "torch_ext"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp / "cache").mkdir()
+    (tmp / "cache" / "torch_ext").symlink_to(kernels, target_is_directory=True)
     mp = pytest.MonkeyPatch()
     mp.setenv("KVFERRY_CACHE_DIR", str(tmp / "cache"))
     yield tmp, make_tiny_checkpoint(tmp, "llama")
