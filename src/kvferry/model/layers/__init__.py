@@ -6,6 +6,8 @@ prepares and applies its weights, and the model never branches on format.
                      LinearConfig (hands each layer its method), Linear (the layer)
     unquantized.py   the plain methods: oneDNN / small_gemm packed copies (the default) and the
                      batch-invariant one of --deterministic
+    vocab.py         VocabEmbedding (the token embedding) and its methods' interface; the plain table
+    gguf.py          GGUF blocks: the linear method, the embedding method, GGUFConfig
 
 A quantized format (GGUF blocks, int8), LoRA or a tensor-parallel shard adds
 a method and a config beside these.
