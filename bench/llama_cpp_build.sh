@@ -7,7 +7,8 @@
 #   bench/llama_cpp_build.sh [PREFIX]        # default PREFIX: /work/llama.cpp
 #   export KVFERRY_LLAMA_CPP_BIN=PREFIX/bin  # where the tests and benches look
 #
-# Environment: LCP_VERSION (a llama-cpp-python version, default: the newest),
+# Environment: PYTHON (one with pip, for the download; default python3),
+# LCP_VERSION (a llama-cpp-python version, default: the newest),
 # JOBS (default 2), LCP_AMX=ON to build llama.cpp's AMX path (off by default:
 # it traps on some VMs that report AMX), WORK (the download and build folder).
 # The build runs under `nice -n 19`: it takes long on a small shared machine.
