@@ -9,8 +9,10 @@
 #
 # Environment: PYTHON (one with pip, for the download; default python3),
 # LCP_VERSION (a llama-cpp-python version, default: the newest),
-# JOBS (default 2), LCP_AMX=ON to build llama.cpp's AMX path (off by default:
-# it traps on some VMs that report AMX), WORK (the download and build folder).
+# JOBS (default 2), LCP_AMX=OFF to build without llama.cpp's AMX path (its
+# tile code traps on some VMs that report AMX): then the ISA is listed from
+# /proc/cpuinfo instead of -march=native, which would enable AMX whatever the
+# GGML_AMX_* options say; WORK (the download and build folder).
 # The build runs under `nice -n 19`: it takes long on a small shared machine.
 set -euo pipefail
 
@@ -18,7 +20,7 @@ PREFIX=${1:-/work/llama.cpp}
 JOBS=${JOBS:-2}
 WORK=${WORK:-/tmp/lcp}
 PY=${PYTHON:-python3}
-AMX=${LCP_AMX:-OFF}
+AMX=${LCP_AMX:-native}
 
 mkdir -p "$WORK"
 spec="llama-cpp-python${LCP_VERSION:+==$LCP_VERSION}"
@@ -31,12 +33,21 @@ src="$WORK/$(basename "$sdist" .tar.gz)"
 llama="$src/vendor/llama.cpp"
 [ -f "$llama/CMakeLists.txt" ] || { echo "no vendored llama.cpp in $sdist" >&2; exit 1; }
 
-# GGML_NATIVE: the build machine's ISA (AVX-512, VNNI), as kvferry's kernels
-# are built. AMX off unless asked: its tile setup traps on VMs that hide it.
-amx_flags=(-DGGML_AMX_TILE=$AMX -DGGML_AMX_INT8=$AMX -DGGML_AMX_BF16=$AMX)
+# GGML_NATIVE: the build machine's ISA (AVX-512, VNNI, AMX where present), as
+# kvferry's kernels are built. LCP_AMX=OFF: the same ISA but AMX, named flag by flag.
+if [ "$AMX" = OFF ]; then
+  flags=$(grep -m1 '^flags' /proc/cpuinfo)
+  isa=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+              avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    if grep -qw "${pair%%:*}" <<<"$flags"; then isa+=("-DGGML_${pair##*:}=ON"); else isa+=("-DGGML_${pair##*:}=OFF"); fi
+  done
+else
+  isa=(-DGGML_NATIVE=ON)
+fi
 nice -n 19 cmake -S "$llama" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON "${amx_flags[@]}" \
+  "${isa[@]}" -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
   -DCMAKE_INSTALL_PREFIX="$PREFIX"
 nice -n 19 cmake --build "$WORK/build" -j "$JOBS" --target llama-server llama-bench llama-quantize
 mkdir -p "$PREFIX/bin"
