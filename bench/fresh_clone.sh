@@ -4,6 +4,7 @@
 # Prints each step of make serve's own announcements with its seconds.
 #
 # Usage: bench/fresh_clone.sh [REPO] [PORT]     (default: this checkout, 8765)
+#        MAKE_ARGS="STRUCTURED=no" bench/fresh_clone.sh ...   (more make variables)
 set -euo pipefail
 REPO=${1:-$(cd "$(dirname "$0")/.." && pwd)}
 PORT=${2:-8765}
@@ -17,7 +18,7 @@ git clone -q "$REPO" "$WORK/kvferry"
 T_CLONE=$(now)
 cd "$WORK/kvferry"
 # Each output line stamped with the seconds since the clone ended.
-( make serve PORT="$PORT" 2>&1 | while IFS= read -r line; do
+( make serve PORT="$PORT" ${MAKE_ARGS:-} 2>&1 | while IFS= read -r line; do
     printf '%8.1f %s\n' "$(echo "$(now) - $T_CLONE" | bc)" "$line"; done ) > "$LOG" &
 MAKE_PID=$!
 until curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
@@ -32,6 +33,7 @@ grep -E '==> |kvferry serve: ready' "$LOG" | cut -c1-140
 echo "first answer at: $(echo "$T_ANSWER - $T_CLONE" | bc) s after the clone"
 echo "fresh clone to first answer: $(echo "$T_ANSWER - $T0" | bc) s"
 cat "$WORK/answer.json"; echo
+echo "venv: $(du -sh .venv | cut -f1) ($(du -s --block-size=1M .venv | cut -f1) MiB)"
 # The server retitles itself ("kvferry: api-server"): found as make's
 # descendant, not by its command line. SIGTERM is its clean stop.
 descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }

@@ -185,6 +185,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "bench/runner.py": {"rich": OPTIONAL},
     "bench/workloads.py": {"chitchat_dataset": OPTIONAL},
     "cli.py": {"kvferry": CLI, "kvferry.engine.core_proc": CLI},                  # demo's LLM, engine-core: torch
+    "chat/cli.py": {"readline": "a terminal's line editing: importing it changes how input() treats one"},
     "engine/core_client.py": {"kvferry.engine.core_proc": NO_TORCH},              # the child imports torch
     "fleet/core_actor.py": {"ray": OPTIONAL, "kvferry.fleet.node_store": OPTIONAL,  # node_store imports ray
                             "torch": NO_TORCH, "kvferry.engine.core_proc": NO_TORCH,  # the front end names the

@@ -1,6 +1,7 @@
-"""kvferry command line, ten commands:
+"""kvferry command line, eleven commands:
 
     kvferry serve [MODEL]      OpenAI-compatible HTTP server (vllm serve's flags work too)
+    kvferry chat [MODEL]       chat in the terminal with a running server, or one started for it
     kvferry engine-core        an engine core alone, joined by a server's --worker
     kvferry kvstore            the node's KV store service (DRAM arena, cold tiers)
     kvferry scale              grow or shrink a running server's pools of engine cores
@@ -26,8 +27,9 @@ import sys
 
 # Each command's parser module is light: its heavy modules (torch, httpx,
 # uvicorn, the simulator) load when the command runs.
-from kvferry import peer_auth
+from kvferry import envs, peer_auth
 from kvferry.bench.cli import add_bench_parsers  # bench, profile
+from kvferry.chat.cli import add_chat_parser
 from kvferry.cli_parser import Parser, nearest_flag_error, package_version
 from kvferry.config import EngineArgs
 from kvferry.fleet.scale_cli import add_scale_parser
@@ -68,9 +70,12 @@ def cmd_engine_core(args: argparse.Namespace) -> int:
     from kvferry.engine.core_proc import run_from_args
 
     try:
-        # The KV store's and the KV transfer peers' tokens derive from it: a
-        # core started apart (another node) agrees with its peers through
-        # the same --cache-secret-file.
+        # Its front end's, KV store's and KV transfer peers' tokens derive
+        # from it: a core started apart (another node) agrees with them
+        # through the same --cache-secret-file, and refuses a server without it.
+        if args.cache_secret_file is None and envs.socket_secret() is None:
+            print("kvferry engine-core: no --cache-secret-file: no server can join this core (a join is refused "
+                  "unless the server and the core are given the same --cache-secret-file)", file=sys.stderr)
         peer_auth.socket_secret(args.cache_secret_file)
     except ValueError as exc:
         args.subparser.error(str(exc))
@@ -96,6 +101,7 @@ def build_parser() -> Parser:
     core.set_defaults(func=cmd_engine_core, subparser=core)
 
     add_serve_parser(sub)
+    add_chat_parser(sub)
     kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
     add_kvstore_args(kvstore)
     kvstore.set_defaults(func=run_kvstore)
@@ -138,8 +144,10 @@ def _add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", default=None, help='CPUs this core may run on, e.g. "0", "2-3" (sched_setaffinity)')
     parser.add_argument("--name", default="engine-0", help="process title suffix: kvferry: NAME")
     parser.add_argument("--cache-secret-file", default=None,
-                        help="the servers' cache secret: this core's KV store and KV transfer tokens derive from it "
-                             "(give a store and the cores started apart from it the same file)")
+                        help="the servers' cache secret: the token a server must present to join this core, and "
+                             "this core's KV store and KV transfer tokens, derive from it (give the server that "
+                             "joins it, its store and its transfer peers the same file; without it no server can "
+                             "join)")
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
     parser.add_argument("--log-level", default="info", help="the core's logging level")

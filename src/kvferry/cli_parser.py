@@ -1,7 +1,8 @@
 """The argparse parser every ``kvferry`` command uses.
 
     Parser                 no abbreviations, short errors, help with defaults
-    nearest_flag_error()   "unrecognized argument --x (did you mean --y?)"
+    nearest_flag_error()   "unrecognized argument: --x (--x is not supported; the nearest supported flag is --y)"
+    edit_distance()        what "nearest" means: at most MAX_EDITS typos away, else no guess
     package_version()      for ``kvferry --version``
 
 Why a subclass: argparse's own prefix matching took ``--api-key sk-123`` for
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import difflib
 import sys
 from importlib import metadata
 from typing import NoReturn
@@ -67,6 +67,9 @@ class Parser(argparse.ArgumentParser):
     flag: argparse may otherwise blame the value after it."""
 
     usage_on_error = True
+    # Flags this command knowingly does not take, and why (a vLLM flag kvferry
+    # has no counterpart for): the error gives the reason, not a guess.
+    refused: dict[str, str] = {}
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
@@ -145,16 +148,49 @@ def _is_number(token: str) -> bool:
     return True
 
 
+# A guess further than this from the flag typed misleads more than it helps
+# (difflib's ratio matched --enable-lora with --disable-log-stats).
+MAX_EDITS = 2
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance with adjacent transpositions (optimal string
+    alignment): --prot is one edit from --port."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def nearest_flag(name: str, flags: list[str]) -> str | None:
+    """The supported flag within MAX_EDITS edits of ``name`` (one edit for
+    names of four letters or fewer), the closest; None when none is."""
+    limit = 1 if len(name.lstrip("-")) <= 4 else MAX_EDITS
+    scored = sorted((edit_distance(name, flag), flag) for flag in flags)
+    return scored[0][1] if scored and scored[0][0] <= limit else None
+
+
 def nearest_flag_message(parser: Parser, unknown: list[str]) -> str:
-    """``unrecognized argument: --prot (did you mean --port?)``: the
-    supported flag nearest to the first unknown flag."""
+    """``unrecognized argument: --prot (--prot is not supported; the nearest
+    supported flag is --port)``: the first unknown flag's reason when the
+    command refuses it knowingly, else the supported flag a typo away, if
+    any."""
     flags = [u for u in unknown if u.startswith("-")]
     message = f"unrecognized argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}"
     if not flags:
         return message
     name = flags[0].split("=", 1)[0]
-    match = difflib.get_close_matches(name, parser.option_strings(), n=1, cutoff=0.6)
-    return message + (f" ({name} is not supported; the nearest supported flag is {match[0]})" if match
+    reason = getattr(parser, "refused", {}).get(name)
+    if reason is not None:
+        return f"{message} ({name}: {reason})"
+    match = nearest_flag(name, parser.option_strings())
+    return message + (f" ({name} is not supported; the nearest supported flag is {match})" if match
                       else f" ({name} is not supported)")
 
 

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,8 @@ class CacheConfig:
     block_size: int = 16
     # Number of KV blocks in the device pool. None: size it from kv_cache_memory_gb.
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    # GiB for the pool. None: a share of the memory free at start (engine/kv_memory.py).
+    kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
     # Host-DRAM blocks for swapping out preempted requests (0: always recompute).
     num_swap_blocks: int = 0
@@ -45,8 +47,9 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if not _is_int(self.num_swap_blocks) or self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
-        if not isinstance(self.kv_cache_memory_gb, (int, float)) or not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if self.kv_cache_memory_gb is not None and (
+                not isinstance(self.kv_cache_memory_gb, (int, float)) or not 0 < self.kv_cache_memory_gb < math.inf):
+            raise ValueError(f"kv_cache_memory_gb must be a finite number > 0, got {self.kv_cache_memory_gb!r}")
 
 
 @dataclass(slots=True)
@@ -75,8 +78,9 @@ class SchedulerConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# --quantization (vLLM's flag): a .gguf's blocks served as they are, or expanded to float.
-QUANTIZATIONS = ("gguf", "none")
+# --quantization (vLLM's flag): a .gguf's blocks served as they are, or expanded to float;
+# int8 (W8A8) quantized at load, or a compressed-tensors int8 checkpoint as it is.
+QUANTIZATIONS = ("gguf", "int8", "compressed-tensors", "none")
 
 
 @dataclass(slots=True)
@@ -117,7 +121,7 @@ class ModelLoadConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-_SPEC_METHODS = ("ngram", "draft", "head")
+_SPEC_METHODS = ("ngram", "suffix", "auto", "draft", "head")
 _SPEC_METHOD_ALIASES = {"eagle": "head", "eagle3": "head"}  # vLLM's names
 
 
@@ -146,12 +150,21 @@ class SpeculativeConfig:
     # Drafting stops at batch sizes where measured step times say it cannot
     # pay (kvferry.spec.adaptive).
     cost_aware: bool = True
+    # method "suffix" (vLLM's names; kvferry.spec.suffix): the tries' depth,
+    # drafts per matched token, the least probability a drafted path keeps,
+    # and what each tenant's trie keeps of its finished requests.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_tokens: int = 1 << 17
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
             raise ValueError(f"speculative.method must be one of {', '.join(_SPEC_METHODS)}; got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "batch_token_threshold", "probe_interval"):
+                     "batch_token_threshold", "probe_interval", "suffix_decoding_max_tree_depth",
+                     "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"speculative.{name} must be an integer >= 1, got {value!r}")
@@ -163,8 +176,20 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative.{name} must be true or false, got {getattr(self, name)!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative.model must be a path, got {self.model!r}")
+        self._check_suffix()
         if self.method == "draft" and not self.model:
             raise ValueError('speculative.model is required with method "draft" (the draft model\'s path)')
+
+    def _check_suffix(self) -> None:
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1e6:
+            raise ValueError(f"speculative.suffix_decoding_max_spec_factor must be a number in (0, 1e6], got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        depth = self.suffix_decoding_max_tree_depth
+        if self.method in ("suffix", "auto") and self.num_speculative_tokens >= depth:
+            raise ValueError(f"speculative.num_speculative_tokens ({self.num_speculative_tokens}) must be below "
+                             f"suffix_decoding_max_tree_depth ({depth}) with method {self.method!r}")
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -289,8 +314,8 @@ class KVTierConfig:
     def __post_init__(self) -> None:
         for name in ("kv_dram_gb", "kv_disk_gb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not _is_int(self.max_load_tokens) or self.max_load_tokens < 0:
             raise ValueError(f"max_load_tokens must be an integer >= 0, got {self.max_load_tokens!r}")
         if self.kv_disk and not self.kv_disk_gb:
@@ -300,6 +325,8 @@ class KVTierConfig:
         for name in ("kv_store", "kv_disk", "kv_remote", "kv_cluster"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.kv_store and not self.kv_store.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"kv_store must be a store's address, ipc://PATH or tcp://HOST:PORT, got {self.kv_store!r}")
         if self.kv_remote and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
         if self.kv_cluster:
@@ -312,6 +339,31 @@ class KVTierConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.kv_store or self.kv_dram_gb)
+
+
+TP_ALL_REDUCES = ("shm", "gloo")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Tensor parallelism: one engine core as ``tensor_parallel_size`` rank
+    processes on this host (kvferry.engine.tp_ranks, docs/parallelism.md)."""
+
+    tensor_parallel_size: int = 1
+    # torch threads of each rank (None: this host's CPUs / tensor_parallel_size).
+    cpu_threads_per_rank: int | None = None
+    # How the ranks sum their partial products: "shm" (shared memory, one
+    # host; parallel/shm_all_reduce.py) or "gloo" (torch's, over loopback TCP).
+    tp_all_reduce: str = "shm"
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.cpu_threads_per_rank is not None and (not _is_int(self.cpu_threads_per_rank)
+                                                      or self.cpu_threads_per_rank < 1):
+            raise ValueError(f"cpu_threads_per_rank must be an integer >= 1, got {self.cpu_threads_per_rank!r}")
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}, got {self.tp_all_reduce!r}")
 
 
 # The longest chunk the C++ attention kernel takes (model.attention.kernel_max_chunk_tokens;
@@ -330,8 +382,11 @@ class EngineConfig:
     # A KV connector from outside the package, "module:Class" ("": none;
     # kvferry.engine.kv_connector.connectors.load_connector).
     kv_connector: str = ""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.model.deterministic and self.scheduler.max_num_batched_tokens > DETERMINISTIC_MAX_BATCHED_TOKENS:
             raise ValueError(f"deterministic needs max_num_batched_tokens <= {DETERMINISTIC_MAX_BATCHED_TOKENS} "
                              f"(longer chunks leave the batch-invariant attention kernel), got "
@@ -339,6 +394,26 @@ class EngineConfig:
         if self.kv_connector and (not isinstance(self.kv_connector, str) or self.kv_connector.count(":") != 1
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
+
+
+    def _check_tensor_parallel(self) -> None:
+        """What does not run over tensor-parallel ranks yet: a one-line ValueError."""
+        tp = self.parallel.tensor_parallel_size
+        spec = self.speculative
+        refused = [
+            (self.model.device != "cpu", f"device {self.model.device!r} (the ranks' collectives run on the CPU)"),
+            (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
+            (self.model.deterministic, "deterministic"),
+            (spec is not None and spec.method != "ngram", "speculative method "
+             f"{spec.method if spec is not None else ''!r} (ngram works)"),
+            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
+            (bool(self.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
+            (bool(self.kv_connector), "--kv-connector"),
+            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"tensor_parallel_size {tp} does not work with {what} yet")
 
 
 def _is_int(value: object) -> bool:
@@ -372,7 +447,9 @@ class EngineArgs:
         "hits or P/D (as SGLang's --enable-deterministic-inference); slower, see docs/serving.md"))
     quantization: str | None = field(default=None, metadata=_opt(
         "weight format: gguf (a .gguf file's linear weights stay in their quantized blocks, multiplied by "
-        "integer kernels; opt-in for now) or none (expand a .gguf to float: the default)"))
+        "integer kernels; opt-in for now), int8 (W8A8: linear weights quantized to int8 per output channel "
+        "at load, activations per token; CPU), compressed-tensors (a W8A8 int8 checkpoint as it is; found "
+        "from its config.json without the flag too) or none (expand a .gguf to float: the default)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))
@@ -381,7 +458,9 @@ class EngineArgs:
         "context length served (default: the model's, capped by the KV pool)"))
     num_kv_blocks: int | None = field(default=None, metadata=_opt(
         "KV blocks in the pool (default: sized from --kv-cache-memory-gb)"))
-    kv_cache_memory_gb: float = field(default=2.0, metadata=_opt("memory for the KV pool, GiB"))
+    kv_cache_memory_gb: float | None = field(default=None, metadata=_opt(
+        "memory for the KV pool, GiB (default: half the memory available once the weights are loaded, shared "
+        "by the engine cores on the host, at most max_num_seqs x max_model_len tokens; logged at start)"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
         "KV cache storage: auto (the model's dtype; outputs exact to HF), fp8_e4m3 (alias fp8) or fp8_e5m2 "
         "(one byte per element, no scale: twice the blocks and half the K/V a decode step reads; lossy, e4m3 "
@@ -433,6 +512,15 @@ class EngineArgs:
     kv_connector: str = field(default="", metadata=_opt(
         "a KV connector from outside the package, module:Class (a KVConnector with a scheduler half and a "
         "worker half), composed after the built-in ones (default: none)"))
+    # kvferry serve's --tensor-parallel-size / -tp (serve/vllm_flags.py) maps onto it: no flag of its own.
+    tensor_parallel_size: int = field(default=1, metadata=_opt(
+        "rank processes per engine core (tensor parallelism, docs/parallelism.md; also -tp)",
+        flag="--tensor-parallel-size", cli=False))
+    cpu_threads_per_rank: int | None = field(default=None, metadata=_opt(
+        "with --tensor-parallel-size N: torch threads of each rank (default: this host's CPUs / N)"))
+    tp_all_reduce: str = field(default="shm", metadata=_opt(
+        "with --tensor-parallel-size N: how the ranks sum their partial products: shm (shared memory, the "
+        "same sum on every rank) or gloo (torch's, over loopback TCP)", choices=TP_ALL_REDUCES))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -459,6 +547,7 @@ class EngineArgs:
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
                                          self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce),
         )
 
     # -- command line -----------------------------------------------------------
@@ -473,6 +562,8 @@ class EngineArgs:
                 continue
             meta = dict(f.metadata)
             flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+            if not meta.pop("cli", True):
+                continue  # another module defines the flag (see the field)
             meta["dest"] = f.name
             if f.type in ("bool", bool):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **meta)
@@ -482,7 +573,9 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+        # A field whose flag another module defines is that module's to map (cli=False).
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name) and f.metadata.get("cli", True)})
 
 
 def _cli_type(annotation: Any) -> type:

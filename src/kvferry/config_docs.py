@@ -149,7 +149,8 @@ _DEFAULT_GROUPS = ("options", "optional arguments", "positional arguments")
 
 
 def _engine_dests() -> set[str]:
-    return {f.name for f in dataclasses.fields(EngineArgs)}
+    # A field whose flag another module defines (cli=False) is listed with that module's flags too.
+    return {f.name for f in dataclasses.fields(EngineArgs) if f.metadata.get("cli", True)}
 
 
 # -- sections ------------------------------------------------------------------

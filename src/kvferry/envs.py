@@ -35,6 +35,7 @@ class EnvVar:
 # -- names -----------------------------------------------------------------------------
 CACHE_DIR = "KVFERRY_CACHE_DIR"
 SOCKET_SECRET = "KVFERRY_SOCKET_SECRET"
+API_KEY = "KVFERRY_API_KEY"
 CPU_BIND = "KVFERRY_CPU_BIND"
 MALLOC_TUNING = "KVFERRY_MALLOC_TUNING"
 KERNEL_ISA = "KVFERRY_KERNEL_ISA"
@@ -58,6 +59,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(SOCKET_SECRET, "str", "",
            "hex secret that the sockets' tokens (KV store, KV transfer) derive from; set by a process for "
            "those it starts (unset: derived from --cache-secret-file, else drawn at random)"),
+    EnvVar(API_KEY, "str", "",
+           "the key `kvferry chat` sends to a server started with --api-keys (unset: $OPENAI_API_KEY, "
+           "else none); --api-key wins"),
     EnvVar(CPU_BIND, "str", "",
            "pinning of an engine's stepping thread and its OpenMP team, one thread per CPU: 1 to the first "
            "CPUs the process may run on, a CPU list (e.g. 2-3) to those, 0 to none, not even an engine core's "
@@ -98,6 +102,11 @@ def cache_dir() -> Path:
 def socket_secret() -> str | None:
     """``KVFERRY_SOCKET_SECRET`` as set (hex, unchecked), None when unset."""
     return os.environ.get(SOCKET_SECRET)
+
+
+def api_key() -> str | None:
+    """``KVFERRY_API_KEY`` as set, None when unset or empty."""
+    return os.environ.get(API_KEY) or None
 
 
 def cpu_bind() -> str:

@@ -41,6 +41,7 @@ TOKEN_BYTES = 32
 # (e.g. sniffed from a tcp:// transfer link) opens no other.
 KVSTORE = "kvstore"
 KV_TRANSFER = "kv-transfer"
+ENGINE_CORE = "engine-core"  # a front end's inputs to an engine core (engine/core_auth.py)
 
 _SECRET_LABEL = b"kvferry socket secret v1"
 _TOKEN_LABEL = b"kvferry socket token v1\0"

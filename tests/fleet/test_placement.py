@@ -59,3 +59,16 @@ def test_the_server_does_not_import_ray_without_the_flag():
             "print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), True])
+def test_a_bad_scale_timeout_is_refused(seconds):
+    with pytest.raises(ValueError, match="--scale-timeout-s: must be a number of seconds > 0"):
+        RayPlacement("auto", scale_timeout_s=seconds)
+    assert RayPlacement("auto").scale_timeout_s == 60.0
+
+
+def test_serve_refuses_a_bad_scale_timeout_in_one_line():
+    out = _serve("--scale-timeout-s", "0")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "kvferry serve: error: --scale-timeout-s: must be a number of seconds > 0, got 0.0"], out.stderr

@@ -52,3 +52,25 @@ def test_a_secret_holder_refuses_unkeyed_foreign_and_moved_values(owner):
 def test_private_labels_differ_per_block_and_per_tenant():
     labels = {owner_label(CRYPTO, key(i), BlockOwner(t)) for i in range(4) for t in ("acme", "beta")}
     assert len(labels) == 8 and owner_label(CRYPTO, key(1), PUBLIC) == b""
+
+
+def test_a_public_blocks_gmac_nonce_is_fresh_per_value_and_authenticated():
+    # GMAC's key is one per secret: a nonce repeated under it would leak the
+    # authentication key, so every value draws its own, and the nonce itself
+    # is covered (a value with another nonce fails).
+    values = [encode_value(CRYPTO, key(1), block(1), PUBLIC) for _ in range(8)]
+    nonce_at = 8 + 16  # header, empty label, tag
+    assert len({v[nonce_at:nonce_at + 12] for v in values}) == 8
+    flipped = bytearray(values[0])
+    flipped[nonce_at] ^= 1
+    assert parse_value(CRYPTO, key(1), bytes(flipped)) is None
+    out = memoryview(bytearray(len(values[0])))
+    encode_value_into(CRYPTO, key(1), block(1), PUBLIC, out)
+    assert bytes(out[nonce_at:nonce_at + 12]) not in {v[nonce_at:nonce_at + 12] for v in values}
+
+
+@pytest.mark.parametrize("owner", [ACME, PUBLIC], ids=["private", "public"])
+def test_a_value_of_the_previous_version_is_refused(owner):
+    old = bytearray(encode_value(CRYPTO, key(1), block(1), owner))
+    old[4] = 3  # version 3: a keyed BLAKE2b over a public payload
+    assert parse_value(CRYPTO, key(1), bytes(old)) is None

@@ -126,7 +126,7 @@ def test_bad_files_name_the_tensor(tiny):
 def test_quantization_flag_values(tiny):
     tmp, hf = tiny
     for value in ("awq", "gptq", "fp8", "bitsandbytes"):
-        with pytest.raises(ValueError, match=f"quantization '{value}' is not supported; supported: gguf, none"):
+        with pytest.raises(ValueError, match=f"quantization '{value}' is not supported; supported: gguf, int8, compressed-tensors, none"):
             EngineArgs(quantization=value)
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model(str(hf), quantization="gguf")

@@ -82,7 +82,7 @@ def test_not_cached_names_where_it_looked(tmp_path, monkeypatch):
     assert "\n" not in message
     assert str(tmp_path / "hub-cache" / "models--some-org--not-downloaded") in message
     assert str(tmp_path / "hf" / "hub" / "models--some-org--not-downloaded") in message
-    assert "huggingface-cli download some-org/not-downloaded" in message
+    assert "hf download some-org/not-downloaded" in message
 
 
 def test_folder_without_tokenizer_names_the_files(tmp_path, checkpoint):

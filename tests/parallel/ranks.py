@@ -41,8 +41,35 @@ def member_process(rank: int, world: int, host: str, port: int, action: str) -> 
     """A plain process joining a group built by the test itself."""
     from kvferry.parallel import GroupAddress
     group = ProcessGroup(rank, world, GroupAddress(host, port), timeout_s=30)
+    if action == "shm_die":
+        from kvferry.parallel import ShmAllReduce
+        ShmAllReduce(group).all_reduce(torch.ones(4))
+        os._exit(3)
     group.barrier()
     if action == "die":
         os._exit(3)
     if action == "hang":
         time.sleep(120)  # alive, sockets open, never joins the next collective
+
+
+def shm_sums(group: ProcessGroup) -> dict:
+    """Float sums through shared memory: small, across several slot-sized
+    chunks, in place on a view, and the same bits on every rank."""
+    from kvferry.parallel import ShmAllReduce
+    shm = ShmAllReduce(group, slot_bytes=256)  # 64 float32s a call: the big tensor takes many
+    r = group.rank
+    small = shm.all_reduce(torch.tensor([1.0 + r, 10.0 * r]))
+    gen = torch.Generator().manual_seed(r)
+    big = torch.randn(37, 11, generator=gen)  # 407 elements: 7 calls, the last partial
+    expected = sum(torch.randn(37, 11, generator=torch.Generator().manual_seed(j)) for j in range(group.world_size))
+    got = shm.all_reduce(big.clone())
+    ints = shm.all_reduce(torch.tensor([r + 1]))  # not a float: gloo's
+    half = torch.full((4, 8), float(r))
+    shm.all_reduce(half[:, :4].contiguous())  # a copy: the sum lands in it, not in half
+    gathered = shm.all_gather(torch.tensor([[float(r)]]), dim=1)
+    bf16 = shm.all_reduce(torch.full((5,), 0.1 * (r + 1), dtype=torch.bfloat16))  # summed in float32
+    shm.barrier()
+    return {"small": small.tolist(), "close": bool(torch.allclose(got, expected, atol=1e-5)),
+            "bits": got.numpy().tobytes(), "ints": ints.tolist(), "gathered": gathered.tolist(),
+            "half": half.tolist(), "bf16": bf16.float().tolist()}
+

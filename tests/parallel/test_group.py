@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, launch
+from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, ShmAllReduce, launch
 from tests.parallel import ranks
 
 
@@ -88,3 +88,37 @@ def test_bad_arguments_are_value_errors():
         ProcessGroup(2, 2, GroupAddress.free_loopback())
     with pytest.raises(ValueError, match="world_size"):
         launch(ranks.collectives, 0)
+
+
+def test_shm_all_reduce_sums_like_gloo_and_gives_every_rank_the_same_bits():
+    out = launch(ranks.shm_sums, 3, timeout_s=60, deadline_s=180)
+    for o in out:
+        assert o["small"] == [6.0, 30.0]  # (1 + 2 + 3), (0 + 10 + 20)
+        assert o["close"]
+        assert o["ints"] == [6]
+        assert o["gathered"] == [[0.0, 1.0, 2.0]]
+        assert o["bf16"] == pytest.approx([0.6] * 5, abs=0.01)
+    for r, o in enumerate(out):
+        assert o["half"] == [[float(r)] * 8] * 4  # only the contiguous copy was summed
+    assert out[0]["bits"] == out[1]["bits"] == out[2]["bits"]  # rank order on every rank
+
+
+
+def test_shm_all_reduce_with_a_dead_peer_fails_at_once():
+    address = GroupAddress.free_loopback()
+    proc = mp.get_context("spawn").Process(target=ranks.member_process,
+                                           args=(1, 2, address.host, address.port, "shm_die"), daemon=True)
+    proc.start()
+    try:
+        group = ProcessGroup(0, 2, address, timeout_s=60)
+        shm = ShmAllReduce(group)
+        assert shm.all_reduce(torch.ones(4)).tolist() == [2.0] * 4
+        proc.join(60)
+        assert proc.exitcode == 3
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveError, match=r"rank 0 of 2: all_reduce failed: rank 1 \(pid \d+\) is gone"):
+            shm.all_reduce(torch.ones(4))
+        assert time.monotonic() - t0 < 30  # its pid was checked: not the group's 60 s timeout
+    finally:
+        proc.kill()
+        proc.join()

@@ -76,9 +76,11 @@ def test_no_op_flags_print_one_line_each(capsys):
         assert any(flag in line for line in lines), (flag, lines)
 
 
-def test_tensor_parallel_above_one_is_refused_in_one_line(capsys):
-    code, _, err = run_main(capsys, "serve", "-tp", "2")
-    assert code == 2 and err.count("\n") == 1 and "--tensor-parallel-size 2" in err and "Traceback" not in err
+def test_tensor_parallel_maps_onto_the_engine_and_refuses_what_it_cannot_do_in_one_line(capsys):
+    engine_args, notes = mapped(capsys, "-tp", "2")
+    assert engine_args.tensor_parallel_size == 2 and "--tensor-parallel-size 2" in notes
+    code, _, err = run_main(capsys, "serve", "-tp", "2", "--kv-dram-gb", "1")
+    assert code == 2 and "tensor_parallel_size 2 does not work with a KV store" in err and "Traceback" not in err
 
 
 def test_swap_space_maps_onto_swap_blocks_by_the_engines_block_size(capsys):
@@ -154,7 +156,7 @@ def test_cli_docstring_lists_every_command():
     import kvferry.cli
 
     commands = build_parser()._subparsers._group_actions[0].choices
-    assert len(commands) == 10
+    assert len(commands) == 11
     assert all(f"kvferry {name}" in kvferry.cli.__doc__ for name in commands)
 
 

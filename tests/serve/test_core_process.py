@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
+from kvferry import peer_auth
 from tests.serve.server_process import start_server
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -221,11 +223,18 @@ def test_bad_port_fails_before_the_model_loads():
     assert "engine core" not in out and "Traceback" not in out, out
 
 
-def test_core_start_failure_is_a_clear_error(tiny):
-    code, out, _ = _serve(["--port", "0", "--model", tiny, "--max-model-len", "999999"])
+def test_core_start_failure_is_a_clear_error(tiny, tmp_path):
+    # A mistake only the loaded core finds (the front end checks the rest
+    # before it starts one, tests/serve/test_flag_errors.py): a file that
+    # is no draft head.
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(tmp_path / "head.safetensors"))
+    code, out, _ = _serve(["--port", "0", "--model", tiny, "--speculative-config",
+                           json.dumps({"method": "head", "model": str(tmp_path / "head.safetensors")})])
     assert code == 2, out
     assert "kvferry serve: error: the engine core failed to start" in out, out
-    assert "exceeds the model's context length 4096" in out, out
+    assert "is not a draft head file" in out and "Traceback" not in out, out
 
 
 def test_bad_engine_flag_is_a_usage_error():
@@ -249,6 +258,7 @@ def test_engine_core_alone_over_tcp(tiny):
     from kvferry.sampling import SamplingParams
 
     addresses = CoreAddresses(f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}")
+    peer_auth.socket_secret()  # inherited by the core: its inputs must carry this tree's token
     proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--model", tiny, "--dtype",
                              "float32", "--num-kv-blocks", "64", "--name", "engine-7", "--log-level", "warning",
                              "--input-address", addresses.input, "--output-address", addresses.output])

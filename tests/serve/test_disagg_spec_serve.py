@@ -8,6 +8,7 @@ core's draft counters equal colocated speculation's.)"""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -39,7 +40,16 @@ def tiny_prompt() -> list[int]:
 
 def serve_disagg(tmp_path, spec: dict, model: list[str]) -> ServerProcess:
     return start_server(tmp_path / "server.log", [*model, "--mode", "disagg", "--prefill", "1", "--decode", "1",
-                                                  "--speculative-config", json.dumps(spec)])
+                                                  "--speculative-config", json.dumps(spec),
+                                                  "--cache-secret-file", cache_secret(tmp_path)])
+
+
+def cache_secret(tmp_path) -> str:
+    """The file the server and a core joining it apart share (else the join is refused)."""
+    path = tmp_path / "cache-secret"
+    if not path.exists():
+        path.write_text(os.urandom(32).hex())
+    return str(path)
 
 
 def complete(srv: ServerProcess, model: str, prompt: list[int], max_tokens: int) -> str:
@@ -107,6 +117,7 @@ def _join_is_refused_for_other_speculation(srv: ServerProcess, tiny: str, tmp_pa
     log = open(tmp_path / "core.log", "w")
     core = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", address,
                              "--name", "decode-plain", "--model", tiny, *_core_args(),
+                             "--cache-secret-file", cache_secret(tmp_path),
                              "--kv-transfer-address", "tcp://127.0.0.1:0"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -60,5 +60,5 @@ def test_unsupported_quantization_is_one_line(value):
     r = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *SERVE_ARGS,
                         "--quantization", value], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert f"quantization '{value}' is not supported; supported: gguf, none" in r.stderr
+    assert f"quantization '{value}' is not supported; supported: gguf, int8, compressed-tensors, none" in r.stderr
     assert "Traceback" not in r.stderr

@@ -35,8 +35,17 @@ PINNED = ["--engine-cpus", "0", "--engine-cpus", "1"] if {0, 1} <= os.sched_geta
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("dp2") / "server.log", ["--data-parallel-size", "2", *PINNED])
+def cache_secret(tmp_path_factory) -> str:
+    """The file the server and the cores that join it apart share (else a join is refused)."""
+    path = tmp_path_factory.mktemp("secret") / "cache-secret"
+    path.write_text(os.urandom(32).hex())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, cache_secret):
+    srv = start_server(tmp_path_factory.mktemp("dp2") / "server.log",
+                       ["--data-parallel-size", "2", *PINNED, "--cache-secret-file", cache_secret])
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"
@@ -132,11 +141,12 @@ def _core_args() -> list[str]:
     return args
 
 
-def test_a_core_joins_while_requests_run_then_leaves(dp2, client, tmp_path):
+def test_a_core_joins_while_requests_run_then_leaves(dp2, client, tmp_path, cache_secret):
     address = f"tcp://127.0.0.1:{_free_port_pair()}"
     log = open(tmp_path / "core.log", "w")
     core = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", address,
-                             "--name", "engine-joined", *_core_args()], stdout=log, stderr=subprocess.STDOUT)
+                             "--name", "engine-joined", "--cache-secret-file", cache_secret, *_core_args()],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         with _client(dp2) as c:
             expected = _all_greedy(client, PROMPTS)

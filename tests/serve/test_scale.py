@@ -156,6 +156,7 @@ def test_kvferry_scale_command(disagg, reference):
 
 @pytest.mark.parametrize("body, param", [
     ({"engines": 2}, "engines"),  # a disagg server has no engine pool
+    ({"engine": 2}, "engine"),  # ... by either spelling (GET's counts say "engine")
     ({"decode": 0}, "decode"),
     ({"decode": 65}, "decode"),
     ({"decode": "2"}, "decode"),  # strict: a count is a JSON integer

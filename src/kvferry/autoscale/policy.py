@@ -425,7 +425,11 @@ class Autoscaler:
             try:
                 await apply_fn(dict(decision.to_counts))
             except Exception as exc:
-                logger.exception("autoscale: applying %s failed", _text(decision.to_counts))
+                # One line: a full cluster fails every interval, and its
+                # error already says what is missing (the trace at debug).
+                logger.error("autoscale: applying %s failed: %s: %s", _text(decision.to_counts),
+                             type(exc).__name__, exc)
+                logger.debug("autoscale: the failed apply", exc_info=True)
                 self._mark(decision, False, f"{type(exc).__name__}: {exc}")
             else:
                 self._mark(decision, True, None)

@@ -11,8 +11,11 @@ from kvferry.core.request import Request
 
 
 class DraftProposer(Protocol):
-    """Proposes draft tokens for a running request (n-gram, draft model,
-    heads). The scheduler verifies at most ``num_speculative_tokens`` of them."""
+    """Proposes draft tokens for a running request (n-gram, suffix, draft
+    model, heads). The scheduler verifies at most ``num_speculative_tokens``
+    of them. A proposer that learns across requests (suffix decoding) also
+    has ``finished(request)``, which the scheduler calls as each request
+    finishes, its status set and its tokens final."""
 
     def propose(self, request: Request) -> list[int]: ...
 

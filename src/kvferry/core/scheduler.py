@@ -513,6 +513,9 @@ class Scheduler:
         self.fairness.on_departure(request)
         if self.draft_budget is not None:
             self.draft_budget.forget(rid)
+        learns = getattr(self.proposer, "finished", None)  # optional: see DraftProposer
+        if learns is not None:
+            learns(request)
         self._runner_tokens.pop(rid, None)
         self._runner_blocks.pop(rid, None)
         if rid in self._runner_states:

@@ -16,14 +16,17 @@ import torch
 from kvferry.config import EngineConfig
 from kvferry.core.kv_manager import KVCacheManager
 from kvferry.core.scheduler import Scheduler, SchedulerStats
+from kvferry.engine import kv_memory
 from kvferry.engine.kv_connector import SchedulerContext, for_engine
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
+from kvferry.engine.tp_ranks import RunnerShape, TPLeader
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
 from kvferry.model import layer_op, small_gemm
 from kvferry.model.attention import attention_backend
 from kvferry.model.fused_ops import fused_ops_available
 from kvferry.model.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
-from kvferry.model.loader import LoadedModel, load_model
+from kvferry.model.layers.parallel import TPShard
+from kvferry.model.loader import LoadedModel, load_model, read_config, resolve_model_folder
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.core.request import Request, RequestStatus
 from kvferry.spec import speculation, speculation_signature
@@ -42,9 +45,28 @@ _TRANSFER_KINDS = frozenset({"receive", "stream"})
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        # --tensor-parallel-size N: this process is rank 0; the workers start
+        # first so that they load their shards while this rank loads its own.
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1 and loaded is not None:
+            raise ValueError("tensor_parallel_size > 1: the engine core loads each rank's shard itself")
+        if tp > 1:  # a model that does not split fails here, before any rank starts
+            TPShard(0, tp).check(read_config(resolve_model_folder(config.model.model)))
+        self.tp = TPLeader(config) if tp > 1 else None
+        try:
+            self._init(config, loaded, TPShard(0, tp) if tp > 1 else None)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None, shard: TPShard | None) -> None:
         self.config = config
         m = config.model
-        self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization)
+        self.runner = None
+        self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization,
+                                           shard=shard)
+        if self.tp is not None:
+            self.tp.connect(self.loaded.model.shard)
         self.block_size = config.cache.block_size
         device = torch.device(m.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype, device,
@@ -64,6 +86,9 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded, config, self.num_kv_blocks, self.max_model_len,
                                   kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
                                   head=self._load_head(), speculative=self.speculative)
+        if self.tp is not None:  # every rank's pool: the same blocks, its own KV heads
+            self.tp.start_runners(RunnerShape(self.num_kv_blocks, self.max_model_len, self.kv_cache_dtype))
+            self.runner.tp_leader = self.tp
         if m.device == "cpu":
             # Build (or load) the C++ attention kernel now, before the ready
             # message: otherwise the first requests' TTFT pays for it (a
@@ -111,15 +136,24 @@ class EngineCore:
         return asked or limit
 
     def _resolve_num_blocks(self) -> int:
+        """--num-kv-blocks, else --kv-cache-memory-gb, else a share of the
+        memory free now that the weights are in (engine/kv_memory.py)."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
+            logger.info("KV cache: --num-kv-blocks %d of %d tokens", cache.num_kv_blocks, self.block_size)
             return cache.num_kv_blocks
-        block_bytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
-        by_memory = int(cache.kv_cache_memory_gb * 2**30) // block_bytes
-        # No point holding more than every running sequence at full length
-        # (plus as much again for the prefix cache).
-        per_seq = -(-self.max_model_len // self.block_size)
-        return max(2, min(by_memory, 2 * per_seq * self.config.scheduler.max_num_seqs))
+        shape = dict(max_num_seqs=self.config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                     block_size=self.block_size,
+                     block_bytes=kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype))
+        if cache.kv_cache_memory_gb is not None:
+            size = kv_memory.size_explicit(cache.kv_cache_memory_gb, **shape)
+        else:
+            size = kv_memory.size_kv_pool(
+                available_bytes=kv_memory.available_bytes(self.config.model.device),
+                num_local_cores=kv_memory.local_engine_cores(),
+                max_model_len_asked=bool(self.config.scheduler.max_model_len), **shape)
+        logger.info("%s", size.line)
+        return size.num_blocks
 
     def ready_message(self) -> EngineCoreReady:
         sched = self.config.scheduler
@@ -186,11 +220,15 @@ class EngineCore:
     def purge_tenant(self, tenant: str) -> int:
         """Drop the tenant's unused cached blocks from the device pool now
         (blocks running requests hold stay), and its private blocks from
-        every tier of the node's KV store (the connector's). Returns how many
+        every tier of the node's KV store (the connector's), and what suffix
+        decoding learned from its finished requests. Returns how many blocks
         were dropped."""
         dropped = self.scheduler.kv.purge(tenant)
         if self.runner.connector is not None:
             dropped += self.runner.connector.purge_tenant(tenant)
+        forget = getattr(self.scheduler.proposer, "purge_tenant", None)
+        if forget is not None:
+            forget(tenant)  # what suffix decoding learned from the tenant's finished requests
         return dropped
 
     def has_unfinished_requests(self) -> bool:
@@ -201,7 +239,7 @@ class EngineCore:
         """Run one batch; return only what it added to each request."""
         start = time.monotonic()
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched) if self.tp is None else self.tp.run(self.runner.execute, sched)
         outputs = self.scheduler.update_from_output(sched, result)
         seconds = time.monotonic() - start
         self._observe_step_cost(sched, seconds)
@@ -251,9 +289,16 @@ class EngineCore:
     def close(self) -> None:
         """Release what outlives the process otherwise: the KV connector's
         (the transfer agent's shared-memory pool, the KV store's clients and
-        the store this core started, if any)."""
-        if self.runner.connector is not None:
+        the store this core started, if any), and the worker ranks."""
+        if self.runner is not None and self.runner.connector is not None:
             self.runner.connector.close()
+        if self.tp is not None:
+            self.tp.close()
+
+    def check_ranks(self) -> None:
+        """RankFailed once a tensor-parallel worker rank is gone (the core ends whole)."""
+        if self.tp is not None:
+            self.tp.check()
 
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()

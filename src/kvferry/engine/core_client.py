@@ -28,6 +28,7 @@ from kvferry import peer_auth
 from kvferry.config import EngineConfig
 # Re-exported: the front end names cores by these.
 from kvferry.engine.core_addresses import CoreAddresses, parse_cpus  # noqa: F401
+from kvferry.engine.core_auth import core_token
 from kvferry.messages import CoreInput, CoreOutput, EngineCoreHello, EngineCoreOutputs, EngineCoreReady, decode, encode
 from kvferry.shm_segments import pid_alive
 
@@ -167,9 +168,10 @@ class CoreConnection:
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.connect(addresses.output)
+        self._token = core_token()  # the core acts only on messages that carry it (core_auth.py)
 
     def send(self, message: CoreInput) -> None:
-        self.input.send(encode(message), copy=False)
+        self.input.send_multipart([self._token, encode(message)], copy=False)
 
     def wait_ready(self, timeout_s: float, process: CoreProcess | None = None) -> EngineCoreReady:
         """The core's handshake. Raises EngineCoreStartError with the core's

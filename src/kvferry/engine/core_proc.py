@@ -10,9 +10,12 @@ The core binds both sockets (ipc:// or tcp://), so the same process can
 later serve a front end or router on another node. The step loop only
 schedules and computes; socket I/O and msgspec work happen on the two
 threads, which release the GIL while they wait. The first message out is
-EngineCoreReady (or, if loading failed, EngineCoreOutputs with
-``engine_error``); a failing loop also sends ``engine_error`` before it
-exits, so the front end can tell its clients why.
+EngineCoreReady, once loaded and greeted by a front end holding this
+process tree's token (core_auth.py: every input carries it; a hello
+without it is answered with the reason, other messages are dropped), or,
+if loading failed, EngineCoreOutputs with ``engine_error``; a failing loop
+also sends ``engine_error`` before it exits, so the front end can tell its
+clients why.
 
 Each socket has one owner thread, which alone calls it, closes it included:
 a ZeroMQ socket closed while another thread is inside a call on it aborts
@@ -43,6 +46,7 @@ from kvferry.config import EngineConfig
 from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.engine.core import EngineCore
 from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
+from kvferry.engine.core_auth import REFUSED, InputGate
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.messages import (
@@ -73,6 +77,13 @@ class EngineCoreProc:
         self._stop = threading.Event()
         # Set once the model is loaded; the input thread answers hellos with it.
         self._ready: EngineCoreReady | None = None
+        # Inputs count only with this process tree's token (core_auth.py); the
+        # ready message goes out only once a front end holding it said hello,
+        # so that one without it never takes the handshake for a join.
+        self._gate = InputGate()
+        self._greeted = False
+        self._ready_lock = threading.Lock()
+        self._refusals = 0
         self._flush_deadline = float("inf")  # set by close(): when the output thread stops waiting
         self._ctx = zmq.Context()
         # Created and bound here (a bad address fails the constructor); from
@@ -108,7 +119,11 @@ class EngineCoreProc:
         while not self._stop.is_set():
             if not poller.poll(_POLL_MS):
                 continue
-            data = self._in_sock.recv()
+            frames = self._in_sock.recv_multipart()
+            data = self._gate.open(frames)
+            if data is None:
+                self._refuse(frames[-1])
+                continue
             try:
                 message = decode(data, CoreInput)
             except Exception:  # a malformed message must not kill the core
@@ -120,11 +135,31 @@ class EngineCoreProc:
                 # its deadline is killed as hung, so it must not wait for a
                 # long prefill step; it needs the GIL only for a moment (the
                 # step's kernels release it). Before loading ends, run()
-                # sends the ready message anyway.
-                if self._ready is not None:
-                    self.outputs.put(self._ready)
+                # sends the ready message once loaded.
+                with self._ready_lock:
+                    self._greeted = True
+                    ready = self._ready
+                if ready is not None:
+                    self.outputs.put(ready)
                 continue
             self.inputs.put(message)
+
+    def _refuse(self, data: bytes) -> None:
+        """A message without this core's token: a join (hello) gets the
+        reason as an engine error, in one line on both sides; anything else
+        is dropped (logged for the first and every 1000th)."""
+        try:
+            hello = isinstance(decode(data, CoreInput), EngineCoreHello)
+        except Exception:
+            hello = False
+        if hello:
+            logger.warning("refused a join: %s", REFUSED.removeprefix("the engine core refused the join: "))
+            self.outputs.put(EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), engine_error=REFUSED))
+        else:
+            self._refusals += 1
+            if self._refusals % 1000 == 1:
+                logger.warning("dropped %d input message(s) without this core's token so far (a front end "
+                               "without its cache secret)", self._refusals)
 
     def _output_thread(self) -> None:
         dropped = 0
@@ -157,8 +192,12 @@ class EngineCoreProc:
     # -- the step loop ------------------------------------------------------------------
     def run(self) -> None:
         assert self.core is not None
-        self._ready = self.core.ready_message()
-        self.outputs.put(self._ready)
+        ready = self.core.ready_message()
+        with self._ready_lock:
+            self._ready = ready
+            greeted = self._greeted
+        if greeted:  # else the first authenticated hello sends it
+            self.outputs.put(ready)
         try:
             while self._turn():
                 pass
@@ -176,6 +215,7 @@ class EngineCoreProc:
         """Apply every pending input, then one step if there is work.
         Returns False on shutdown."""
         core = self.core
+        core.check_ranks()  # a dead tensor-parallel rank ends the core, idle or not
         busy = core.has_unfinished_requests()
         inputs = self._drain(block=not busy)
         for message in inputs:
@@ -312,7 +352,10 @@ def _run_off_main_thread(proc: EngineCoreProc, build_core: Callable[[], EngineCo
             try:
                 proc.core = build_core()
             except Exception as exc:
-                logger.exception("engine core failed to start")
+                if isinstance(exc, ValueError):  # a configuration mistake: one line says it (no traceback)
+                    logger.error("engine core failed to start: %s", exc)
+                else:
+                    logger.exception("engine core failed to start")
                 proc.send_error(f"the engine core failed to start: {exc}")
                 proc.close()
                 failed.append(exc)

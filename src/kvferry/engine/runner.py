@@ -96,7 +96,9 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtyp
     """Bytes of one block over every layer, K and V, in ``cache_dtype`` (default: the model's)."""
     cfg = loaded.config
     elem = torch.empty((), dtype=cache_dtype or loaded.dtype).element_size()
-    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    # A tensor-parallel rank's own KV heads (a plain geometry has no model: all of them).
+    kv_heads = getattr(getattr(loaded, "model", None), "num_kv_heads", cfg.num_key_value_heads)
+    return cfg.num_hidden_layers * 2 * block_size * kv_heads * cfg.head_dim * elem
 
 
 class ModelRunner:
@@ -127,7 +129,11 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, kv_cache_dtype or loaded.dtype,
-                                          self.device)
+                                          self.device, getattr(self.model, "num_kv_heads", None))
+        # Tensor parallelism (engine/tp_ranks.py): rank 0 sends each step to
+        # the workers first; a worker runs the same steps and does not sample.
+        self.tp_leader = None
+        self.samples = True
         self.triton = attention_backend_for(m.attention_backend, self.device) == "triton"
         self.drafter: DraftModelProposer | HeadProposer | None = None
         if draft is not None:
@@ -194,7 +200,7 @@ class ModelRunner:
         state = self.states.get(data.request_id)
         if state is None:
             state = RequestState(data.sampling_params, data.prompt_token_ids, data.eos_token_ids,
-                                 matcher=self._matcher(data))
+                                 matcher=self._matcher(data) if self.samples else None)
             self.states[data.request_id] = state
             self.prompt_work.add(data.request_id, data.sampling_params, data.prompt_token_ids)
         state.output_token_ids = list(data.output_token_ids)
@@ -274,6 +280,8 @@ class ModelRunner:
     # -- step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if self.tp_leader is not None:
+            self.tp_leader.publish(sched)
         self._update_states(sched)
         step_transfer = None  # the connector's layer hooks for this step
         if sched.kv_orders:
@@ -297,14 +305,15 @@ class ModelRunner:
             if inputs.meta is not None:
                 inputs.meta.kv_transfer = step_transfer
             # Started before the forward pass so the two overlap; joined before sampling.
-            pending_bitmask = self._start_bitmask(inputs.sampling)
+            pending_bitmask = self._start_bitmask(inputs.sampling) if self.samples else None
             hidden = self._forward(inputs)
             if inputs.prompt is not None:
                 self.prompt_work.run(self.model, hidden, inputs.prompt, out)
             if inputs.sampling:
                 sampled_hidden = hidden[inputs.logits_indices]  # [num_logits, hidden]
                 logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32
-                self._sample(logits, inputs.sampling, out, pending_bitmask, proposals)
+                if self.samples:  # rank 0 alone (its tokens reach the workers with the next step)
+                    self._sample(logits, inputs.sampling, out, pending_bitmask, proposals)
                 if isinstance(self.drafter, HeadProposer):
                     self._record_hidden(inputs.sampling, sampled_hidden, out)
             for request in drafted:
@@ -319,7 +328,15 @@ class ModelRunner:
                 step_transfer.finish(out.sampled_token_ids, {}, hidden)
         if self.connector is not None:
             self._take_completions(out, idle=sched.is_empty)
+        if self.tp_leader is not None:
+            self.tp_leader.record(out)
         return out
+
+    def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """A worker rank: rank 0's tokens of the step before, as if sampled here."""
+        for rid, tokens in sampled.items():
+            if tokens and rid in self.states and rid in self.batch.index:
+                self._record(rid, tokens)
 
     # -- warm-up --------------------------------------------------------------
     @torch.inference_mode()

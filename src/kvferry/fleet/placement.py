@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_RESOURCES = {"CPU": 1.0}
+# How long a scale waits for the cluster to place the cores it adds (--scale-timeout-s).
+DEFAULT_SCALE_TIMEOUT_S = 60.0
 # host:port, [v6]:port, or "auto" (the cluster this node belongs to).
 _ADDRESS = re.compile(r"^(auto|[A-Za-z0-9_.-]+:\d{1,5}|\[[0-9A-Fa-f:.]+\]:\d{1,5})$")
 
@@ -39,6 +41,13 @@ def check_address(address: str) -> str:
     return address
 
 
+def check_scale_timeout(seconds: float) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds <= 0:
+        raise ValueError(f"--scale-timeout-s: must be a number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
 @dataclass(frozen=True, slots=True)
 class RayPlacement:
     address: str  # "auto" or the head's HOST:PORT
@@ -46,9 +55,12 @@ class RayPlacement:
     engine_resources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_RESOURCES))
     prefill_resources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_RESOURCES))
     decode_resources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_RESOURCES))
+    # A scale whose new cores are not all placed within this fails, naming what is missing.
+    scale_timeout_s: float = DEFAULT_SCALE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_address(self.address)
+        check_scale_timeout(self.scale_timeout_s)
 
     def resources_of(self, role: str) -> dict[str, float]:
         return {"engine": self.engine_resources, "prefill": self.prefill_resources,
@@ -70,6 +82,7 @@ def actor_resources(resources: dict[str, float]) -> dict:
 
 def placement_from_args(args) -> RayPlacement | None:
     """RayPlacement from the serve flags; None without --ray. Raises ValueError naming the flag."""
+    scale_timeout_s = check_scale_timeout(getattr(args, "scale_timeout_s", DEFAULT_SCALE_TIMEOUT_S))
     if not getattr(args, "ray", None):
         return None
     return RayPlacement(
@@ -77,4 +90,5 @@ def placement_from_args(args) -> RayPlacement | None:
         parse_resources(args.ray_engine_resources, "--ray-engine-resources"),
         parse_resources(args.ray_prefill_resources, "--ray-prefill-resources"),
         parse_resources(args.ray_decode_resources, "--ray-decode-resources"),
+        scale_timeout_s,
     )

@@ -3,7 +3,8 @@
     cores = RayCores.connect(placement, max_restarts=3)    # ray.init(address=...)
     processes = cores.start(specs, ready_timeout_s)         # one actor per core, placed by resources
     process = await cores.rejoin(name, dead, timeout_s)     # after a death: the actor's next incarnation
-    process = await cores.add(name, role, config, ...)      # a pool scaled up: one more actor
+    await cores.reserve([(name, role), ...])                # a pool scaled up: room for the new cores, all or none
+    process = await cores.add(name, role, config, ...)      # ... then one more actor in its reserved room
     cores.forget(name)                                      # a pool scaled down: its actor ends for good
 
 Each core is a CoreActor (core_actor.py) whose process runs the core; the
@@ -33,12 +34,15 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvferry import envs, peer_auth
 from kvferry.config import EngineConfig
 from kvferry.engine.core_client import CoreAddresses, CoreProcess, EngineCoreStartError
 from kvferry.fleet.core_actor import CoreActor, CoreActorInfo
 from kvferry.fleet.placement import RayPlacement, actor_resources
+from kvferry.fleet.reservations import release, reserve
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +179,9 @@ class RayCores:
         self._actor_class = ray.remote(CoreActor)
         self._actors: dict[str, "ray.actor.ActorHandle"] = {}  # by core name: the current actor
         self._specs: dict[str, _ActorSpec] = {}
+        # The room reserved for each core a scale added (reservations.py): its
+        # actor, and any actor made afresh for it, is created there.
+        self._groups: dict[str, PlacementGroup] = {}
 
     @classmethod
     def connect(cls, placement: RayPlacement, max_restarts: int) -> "RayCores":
@@ -222,6 +229,8 @@ class RayCores:
     def _create(self, name: str) -> "ray.actor.ActorHandle":
         spec = self._specs[name]
         options = actor_resources(self.placement.resources_of(spec.role))
+        if name in self._groups:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._groups[name], 0)
         # What a core spawned here would inherit: the KVFERRY_* settings, and
         # the socket secret every core of this server shares (KV transfer tokens).
         env = {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_")}
@@ -243,16 +252,26 @@ class RayCores:
             raise EngineCoreStartError(f"the Ray actor of {name} failed to start: {exc}") from None
 
     # -- scaling (event loop) ----------------------------------------------------------
+    async def reserve(self, cores: list[tuple[str, str]]) -> None:
+        """Room for each new (name, role), all or none, within the
+        placement's ``scale_timeout_s``. Raises CorePlacementError naming
+        what is missing (nothing is left reserved then)."""
+        groups = await reserve([(name, role, self.placement.resources_of(role)) for name, role in cores],
+                               self.placement.scale_timeout_s)
+        self._groups.update(groups)
+
     async def add(self, name: str, role: str, config: EngineConfig, cpus: str | None,
                   check_integrity_when_idle: bool, log_level: str, ready_timeout_s: float) -> CoreProcess:
         """One more core's actor (a pool scaled up), placed by its role's
-        resources; returns once it is placed and has bound its sockets (its
-        handshake is the caller's). Raises EngineCoreStartError, after
-        ending the actor, when it is not up within ``ready_timeout_s``."""
+        resources (in the room ``reserve`` made for it); returns once it is
+        placed and has bound its sockets (its handshake is the caller's).
+        Raises EngineCoreStartError, after ending the actor, when it is not
+        up within ``ready_timeout_s``; a cancel ends it too."""
         self._specs[name] = _ActorSpec(config, role, check_integrity_when_idle, log_level, cpus)
-        await asyncio.to_thread(warn_if_no_node_fits, name, self.placement.resources_of(role))
-        actor = self._actors[name] = self._create(name)
         try:
+            if name not in self._groups:
+                await asyncio.to_thread(warn_if_no_node_fits, name, self.placement.resources_of(role))
+            actor = self._actors[name] = self._create(name)
             info = await asyncio.wait_for(asyncio.wrap_future(actor.info.remote().future()), ready_timeout_s)
         except TimeoutError:
             self._end(name)
@@ -263,11 +282,15 @@ class RayCores:
         except RayActorError as exc:
             self._end(name)
             raise EngineCoreStartError(f"the Ray actor of {name} failed to start: {exc}") from None
+        except BaseException:
+            self._end(name)  # cancelled (the server stops): no actor or room left behind
+            raise
         return core_process(name, actor, info)
 
     def forget(self, name: str) -> None:
-        """A core removed from its pool: end its actor for good (a no-op
-        when it already ended) and forget how it was made."""
+        """A core removed from its pool (or whose start failed): end its
+        actor for good (a no-op when it already ended), release the room
+        reserved for it, and forget how it was made."""
         self._end(name)
 
     def _end(self, name: str) -> None:
@@ -278,6 +301,9 @@ class RayCores:
                 ray.kill(actor, no_restart=True)
             except (RayActorError, ValueError):
                 pass
+        group = self._groups.pop(name, None)
+        if group is not None:
+            release([group])
 
     # -- restart (event loop) ----------------------------------------------------------
     async def rejoin(self, name: str, dead: CoreProcess, timeout_s: float) -> CoreProcess:

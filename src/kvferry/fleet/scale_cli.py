@@ -7,9 +7,12 @@
 
 It calls ``POST /v1/admin/scale`` (an admin key, when the server has keys)
 and waits until the new cores serve and the removed ones have drained; it
-prints one line per core added or removed, with the seconds it took.
-Exit code 0 when every step succeeded, 1 when one failed, 2 on a usage
-error or a refusal (4xx).
+prints one line per core added or removed, with the seconds it took. When
+the cluster cannot place the new cores (``kvferry serve --ray`` with
+``--scale-timeout-s``), it prints why, naming the resources missing.
+Exit code 0 when every step succeeded, 1 when one failed or there was no
+room (the pools are unchanged then), 2 on a usage error or a refusal (4xx,
+or the server shutting down).
 
 Standard library only: the command runs wherever the server's package is
 installed, without the test or bench extras.
@@ -44,6 +47,7 @@ def add_scale_parser(sub) -> None:
 
 
 def run_scale(args: argparse.Namespace) -> int:
+    # "engines" as the flag (the server takes it for "engine"): an error names the flag given.
     counts = {"engines": args.engines, "prefill": args.prefill, "decode": args.decode}
     counts = {k: v for k, v in counts.items() if v is not None}
     if counts and args.engines is not None and (args.prefill is not None or args.decode is not None):
@@ -63,8 +67,10 @@ def run_scale(args: argparse.Namespace) -> int:
             answer = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         answer = _error_body(exc)
-        if exc.code == 502 and "steps" in answer:  # the scale ran; a core failed to start
+        if exc.code in (502, 503) and "steps" in answer:  # the scale ran; a core failed to start, or had no room
             _print_event(answer)
+            if answer.get("error"):
+                print(f"kvferry scale: error: {answer['error'].get('message')}", file=sys.stderr)
             return 1
         message = answer.get("error", {}).get("message") or f"HTTP {exc.code}"
         print(f"kvferry scale: error: {message}", file=sys.stderr)
@@ -90,7 +96,9 @@ def _error_body(exc: urllib.error.HTTPError) -> dict:
 
 def _print_event(event: dict) -> None:
     for step in event.get("steps", []):
-        why = f": {step['error']}" if step.get("error") else ""
+        # A placement failure's one reason is printed once, after the steps.
+        shown = step.get("error") and step["error"] != (event.get("error") or {}).get("message")
+        why = f": {step['error']}" if shown else ""
         print(f"{step['action']:>8} {step['name']} ({step['role']}) after {step['seconds']:.1f} s{why}")
     print(f"pools: {_counts(event.get('before', {}))} -> {_counts(event.get('after', {}))} "
           f"in {event.get('seconds', 0.0):.1f} s")

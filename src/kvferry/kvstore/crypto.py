@@ -32,7 +32,12 @@ name their objects opaquely (``block_value.py``, ``cluster.py``,
 ``remote.py``: Redis' owner part is empty, one key per block)::
 
     MAC key     = HMAC-SHA256(server secret, "kvferry tier mac v1")
-    MAC         = keyed BLAKE2b-128(MAC key, parts...)
+    MAC         = keyed BLAKE2b-128(MAC key, parts...)       (small parts)
+    GMAC key    = HMAC-SHA256(server secret, "kvferry tier gmac v1")
+    GMAC        = AES-256-GCM tag over parts... as associated data, with a
+                  random 96-bit nonce stored beside it (a public block's
+                  payload: 20-40x keyed BLAKE2b's speed, with AES-NI and
+                  carry-less multiply)
     object name = HMAC-SHA256(server secret, "kvferry object name v1" 0x00
                               len(owner) owner block key)[:16], in hex
 """
@@ -47,6 +52,7 @@ from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -60,6 +66,7 @@ _AD_PREFIX = b"kvferry-kv"
 _SECRET_ID_LABEL = b"kvferry secret id v1"
 _TENANT_ID_LABEL = b"kvferry tenant id v1\0"
 _MAC_KEY_LABEL = b"kvferry tier mac v1"
+_GMAC_KEY_LABEL = b"kvferry tier gmac v1"
 _NAME_LABEL = b"kvferry object name v1\0"
 MAC_BYTES = 16
 SECRET_ID_BYTES = 8
@@ -94,11 +101,12 @@ class TierCrypto:
         self._tags: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self.secret_id = hmac.new(self._secret, _SECRET_ID_LABEL, hashlib.sha256).digest()[:SECRET_ID_BYTES]
-        # Keyed BLAKE2b, not HMAC-SHA256: one pass over a block at several
-        # GB/s (its key is part of the hash, no inner and outer hashes), and
-        # in the standard library. Copied per value: the key's setup is done once.
+        # Keyed BLAKE2b for small parts (labels, names' tags): one pass, no
+        # nonce to store, in the standard library; copied per value, so the
+        # key's setup is done once. Bulk bytes go through ``gmac`` instead.
         self._mac = hashlib.blake2b(key=hmac.new(self._secret, _MAC_KEY_LABEL, hashlib.sha256).digest(),
                                     digest_size=MAC_BYTES)
+        self._gmac_key = algorithms.AES(hmac.new(self._secret, _GMAC_KEY_LABEL, hashlib.sha256).digest())
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> TierCrypto:
@@ -127,6 +135,25 @@ class TierCrypto:
         for part in parts:
             h.update(part)
         return h.digest()
+
+    def gmac(self, nonce: bytes | memoryview, *parts: bytes | memoryview) -> bytes:
+        """``TAG_BYTES`` authenticating ``parts`` under the secret: GCM's tag
+        with ``parts`` as associated data and nothing encrypted. For bulk
+        bytes (a public block's payload), where keyed BLAKE2b runs at well
+        under a GB/s. ``nonce`` (``NONCE_BYTES``, from ``new_nonce``) must
+        never repeat under one secret, so it is random per value and stored
+        with the tag; the caller length-prefixes what could be split two ways."""
+        tagger = Cipher(self._gmac_key, modes.GCM(bytes(nonce))).encryptor()
+        for part in parts:
+            tagger.authenticate_additional_data(part)
+        tagger.finalize()
+        return tagger.tag
+
+    @staticmethod
+    def new_nonce() -> bytes:
+        """A fresh random nonce for ``gmac`` (96 bits: 2**32 values per
+        secret keep the chance of a repeat negligible, as for ``seal``)."""
+        return os.urandom(NONCE_BYTES)
 
     def object_name(self, owner: bytes, key: bytes) -> str:
         """An opaque name for ``owner``'s object ``key`` in a shared store:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvferry import peer_auth
+from kvferry.extras import require
 from kvferry.kvstore.arena import SHM_DIR
 from kvferry.kvstore.client import KVStoreClient
 from kvferry.kvstore.mooncake_lib import check_available
@@ -113,6 +114,8 @@ def start_store(tiers: KVTierConfig, *, block_nbytes: int | None = None, api_key
     if tiers.kv_cluster:
         PoolAddress.parse(tiers.kv_cluster)  # "auto" is kvferry serve --ray's alone: refused here, by name
         check_available()  # a ValueError naming the missing package or library, here rather than in the child
+    if tiers.kv_remote:
+        require("redis", "remote", "--kv-remote")  # here rather than as the child's traceback
     peer_auth.socket_secret()  # in the environment before the store starts: it inherits it
     remove_stale_store_files()
     address = tiers.kv_store or ipc_address()

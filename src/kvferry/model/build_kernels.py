@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvferry import envs
+from kvferry.model.build_progress import HEARTBEAT_S
 
 # What loads each kernel, building it first where needed; prints True when it is usable.
 _LOADERS = {
@@ -34,16 +35,18 @@ _LOADERS = {
             "print(k.available(torch.float32) or k.available(torch.bfloat16))",
     "layer": "from kvferry.model import layer_op as k; print(k.available())",
     "quant": "from kvferry.model import quant as k; print(k.available())",
+    "int8": "from kvferry.model import int8_gemm as k; print(k.available())",
 }
 # The cache name prefix of each kernel's own library (the layer's child also
 # builds or loads the fused ops it needs: those events are the fused child's).
 _PREFIXES = {"paged": "kvferry_paged", "fused": "kvferry_fused", "gemm": "kvferry_gemm", "layer": "kvferry_layer",
-            "quant": "kvferry_quant"}
+            "quant": "kvferry_quant", "int8": "kvferry_int8"}
 # Seconds from a kernel's "building" line to its "built" line, measured cold
 # on a slow, busy 2-core AVX-512 CPU: the low end built alone, the high end
 # with all four compiling at once (what this module does). The layer starts
 # once the fused ops it calls are built. Only the progress message uses them.
-TYPICAL_BUILD_S = {"paged": (100, 300), "fused": (30, 120), "gemm": (30, 100), "layer": (25, 60), "quant": (15, 60)}
+TYPICAL_BUILD_S = {"paged": (100, 300), "fused": (30, 120), "gemm": (30, 100), "layer": (25, 60), "quant": (15, 60),
+                   "int8": (10, 60)}
 ISAS = ("native", "avx2")
 
 # Run in each child before its loader: says on stdout, as each library the
@@ -125,6 +128,19 @@ def _status(child: _Child, timed_out: bool, timeout_s: float) -> str:
     return f"unavailable: {why[-1]}" if why else "unavailable"
 
 
+def _still_running(open_children: list[_Child]) -> str:
+    now = time.monotonic()
+    parts = []
+    for c in open_children:
+        if c.build_started is not None:
+            parts.append(f"{c.label} {now - c.build_started:.0f} s")
+        elif c.waited_for:  # the layer, while the fused ops it calls build
+            parts.append(f"{c.label} {now - c.started:.0f} s (waiting for the {c.waited_for} build)")
+        else:
+            parts.append(f"{c.label} {now - c.started:.0f} s (starting or loading)")
+    return "building kernels... " + ", ".join(parts)
+
+
 def _end_line(child: _Child, status: str) -> str:
     now = time.monotonic()
     if status != "ok":
@@ -163,11 +179,16 @@ def build(isas: list[str], kernels: list[str], timeout_s: float) -> list[tuple[s
     deadline = time.monotonic() + timeout_s
     open_children = set(range(len(children)))
     statuses: dict[int, str] = {}
+    next_beat = time.monotonic() + HEARTBEAT_S
     while open_children and time.monotonic() < deadline:
+        if time.monotonic() >= next_beat:
+            # The compiler says nothing until it ends: a line now and then, so that the set-up does not look hung.
+            next_beat = time.monotonic() + HEARTBEAT_S
+            _say(_still_running([children[i] for i in sorted(open_children)]))
         try:
-            index, line = events.get(timeout=max(deadline - time.monotonic(), 0.01))
+            index, line = events.get(timeout=max(min(deadline, next_beat) - time.monotonic(), 0.01))
         except queue.Empty:
-            break  # past the deadline: what is still open has timed out
+            continue  # a heartbeat is due, or the deadline has passed (the loop's test)
         if line is not None:
             _on_line(children[index], line)
             continue

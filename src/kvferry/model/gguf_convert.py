@@ -7,7 +7,10 @@ generation_config.json) is then loaded like any HF checkpoint. It lives in
 the GGUF's name, size and mtime, and is written into a temporary folder and
 renamed into place, so concurrent starts never see a half-written folder.
 
-Supported: ``general.architecture`` llama (also Mistral), qwen2, qwen3;
+Supported: ``general.architecture`` llama (also Mistral, and Mixtral: llama
+with ``expert_count``), qwen2, qwen3, qwen2moe, qwen3moe (expert tensors
+``ffn_{gate,up,down}_exps`` [E, ...] are split into HF's per-expert names;
+moe_convert.py);
 ``tokenizer.ggml.model`` "gpt2" (byte-level BPE); every tensor type the
 installed ``gguf`` package dequantizes (``supported_tensor_types()``; with
 gguf 0.19: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, the IQ*
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from kvferry import envs
+from kvferry.model import moe_convert
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,8 @@ _ARCH = {  # general.architecture -> (HF architecture, model_type)
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 # GGUF per-layer tensor name -> HF name within model.layers.N
@@ -238,12 +244,13 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     heads = int(meta[p + "attention.head_count"])
     hidden = int(meta[p + "embedding_length"])
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    return {
+    return moe_convert.with_moe_fields(meta, tensor_names, {
         "architectures": [_ARCH[arch][0]],
         "model_type": _ARCH[arch][1],
         "vocab_size": int(meta.get(p + "vocab_size") or len(tokens)),
         "hidden_size": hidden,
-        "intermediate_size": int(meta[p + "feed_forward_length"]),
+        # A MoE file may state only its experts' width.
+        "intermediate_size": int(meta.get(p + "feed_forward_length") or meta[p + "expert_feed_forward_length"]),
         "num_hidden_layers": int(meta[p + "block_count"]),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(p + "attention.head_count_kv", heads)),
@@ -257,7 +264,7 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
-    }
+    })
 
 
 def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +282,10 @@ def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
 def hf_tensors(reader: Any, config: dict[str, Any], arch: str):  # noqa: ANN201 - iterator of (name, tensor)
     """(HF name, float32 tensor) for every GGUF tensor, with Q/K unpermuted."""
     for t in reader.tensors:
+        if moe_convert.is_moe_tensor(t.name):  # experts stacked in one tensor, the router, the shared expert
+            yield from moe_convert.hf_tensors(t.name, float_tensor(t.name, t.data, t.tensor_type, t.shape, config,
+                                                                   arch), config)
+            continue
         yield hf_name(t.name), float_tensor(t.name, t.data, t.tensor_type, t.shape, config, arch)
 
 
@@ -284,7 +295,7 @@ def float_tensor(gguf_name: str, data: np.ndarray, tensor_type: Any, gguf_shape:
     float32 in HF layout, Q/K unpermuted."""
     import gguf
 
-    name = hf_name(gguf_name)
+    name = gguf_name if moe_convert.is_moe_tensor(gguf_name) else hf_name(gguf_name)
     # GGUF shapes list the fastest axis first; numpy wants it last.
     shape = [int(d) for d in reversed(gguf_shape)]
     array = gguf.quants.dequantize(data, tensor_type).reshape(shape)

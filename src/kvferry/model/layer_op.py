@@ -67,6 +67,8 @@ def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
     out = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):  # experts (moe.py): the op has only the dense MLP
+            return None
         matmuls = [lin.matmul_args() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(m is None for m in matmuls) or (attn.q_norm is not None and attn.q_norm.eps != attn.k_norm.eps):
             return None

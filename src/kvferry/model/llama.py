@@ -1,4 +1,6 @@
-"""Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one parametrized module.
+"""Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one parametrized module; their
+mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE) swap the dense
+MLP of a layer with experts for moe.py's block.
 
 The batch is flattened: ``input_ids`` / ``positions`` are ``[num_tokens]``
 (many requests concatenated, see ``attention.AttentionMetadata``), and the
@@ -20,6 +22,7 @@ plus the attention kernel's batch-invariant mode (``set_linear_config``).
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Iterable
 
 import torch
@@ -30,7 +33,10 @@ from kvferry.model.config import ModelConfig, RopeScaling
 from kvferry.model import layer_op, paged_kernel
 from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
+from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, take_slice,
+                                             vocab_parallel_embedding)
 from kvferry.model.layers.vocab import VocabEmbedding
+from kvferry.model.moe import SparseMoeBlock
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -111,16 +117,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 linear_config: LinearConfig, prefix: str) -> None:
+                 linear_config: LinearConfig, prefix: str, shard: TPShard) -> None:
         super().__init__()
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_size, self.kv_size = c.q_size, c.kv_size
+        c, tp = config, shard.size
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = c.num_attention_heads // tp, c.num_key_value_heads // tp
+        self.head_dim = c.head_dim
+        self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
-        # rows: [q (H*D) | k (KVH*D) | v (KVH*D)]
-        self.qkv_proj = _linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.attention_bias, dtype, device,
+        # rows: [q (H*D) | k (KVH*D) | v (KVH*D)], this rank's heads of each
+        self.qkv_proj = _linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.attention_bias, dtype, device,
                                 linear_config, f"{prefix}.qkv_proj")
-        self.o_proj = _linear(c.q_size, c.hidden_size, False, dtype, device, linear_config, f"{prefix}.o_proj")
+        self.o_proj = _linear(self.q_size, c.hidden_size, False, dtype, device, linear_config, f"{prefix}.o_proj",
+                              shard)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
 
@@ -150,13 +159,14 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 linear_config: LinearConfig, prefix: str) -> None:
+                 linear_config: LinearConfig, prefix: str, shard: TPShard) -> None:
         super().__init__()
-        self.intermediate_size = inter = config.intermediate_size
+        self.intermediate_size = inter = config.intermediate_size // shard.size  # this rank's rows
         # rows: [gate (I) | up (I)]
         self.gate_up_proj = _linear(config.hidden_size, 2 * inter, False, dtype, device, linear_config,
                                     f"{prefix}.gate_up_proj")
-        self.down_proj = _linear(inter, config.hidden_size, False, dtype, device, linear_config, f"{prefix}.down_proj")
+        self.down_proj = _linear(inter, config.hidden_size, False, dtype, device, linear_config, f"{prefix}.down_proj",
+                                 shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
@@ -165,12 +175,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 linear_config: LinearConfig, prefix: str) -> None:
+                 linear_config: LinearConfig, prefix: str, shard: TPShard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, dtype, device, linear_config, f"{prefix}.self_attn")
+        self.self_attn = Attention(config, dtype, device, linear_config, f"{prefix}.self_attn", shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, linear_config, f"{prefix}.mlp")
+        if config.is_moe_layer(int(prefix.rpartition(".")[2])):
+            self.mlp = SparseMoeBlock(config, dtype, device, linear_config, f"{prefix}.mlp")  # TP refuses MoE
+        else:
+            self.mlp = MLP(config, dtype, device, linear_config, f"{prefix}.mlp", shard)
 
     def forward(
         self,
@@ -193,22 +206,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Causal LM for every supported architecture (see ModelConfig)."""
+    """Causal LM for every supported architecture (see ModelConfig).
+
+    ``shard``: this process's rank of a tensor-parallel group (layers/parallel.py);
+    the model then holds that rank's heads, MLP rows and vocabulary slice."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-        linear_config: LinearConfig | None = None,
+        linear_config: LinearConfig | None = None, shard: TPShard | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.shard = shard = shard or TPShard()
+        shard.check(config)
+        self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
+        vocab = shard.vocab_per_rank(config.vocab_size)  # rows of embed_tokens and lm_head here
         self.linear_config = linear_config = linear_config or UnquantizedConfig()
-        # The token embedding in its method's format (a GGUF file's blocks, or the plain table).
-        self.embed = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device,
+        # The token embedding (this rank's rows) in its method's format: a GGUF file's blocks, or the plain table.
+        self.embed = VocabEmbedding(vocab, config.hidden_size, dtype=dtype, device=device,
                                     method=linear_config.get_embedding_method("model.embed_tokens"))
         # The plain table that spec/head.py and train/ read; None where the format keeps its own.
         self.embed_tokens = self.embed.weight
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, linear_config, f"model.layers.{i}")
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, linear_config, f"model.layers.{i}", shard)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(config, device)
@@ -216,7 +236,7 @@ class LlamaModel(nn.Module):
         # embedding table (same Parameter, loaded once), and the speculative
         # heads (spec/head.py) and their training (train/) read it. A tied
         # quantized table is handed to the lm_head's method after loading.
-        self.logits_proj = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device,
+        self.logits_proj = Linear(config.hidden_size, vocab, bias=False, dtype=dtype, device=device,
                                   method=linear_config.get_linear_method("lm_head"), prefix="lm_head",
                                   keep_plain=True, weight=self.embed_tokens if config.tie_word_embeddings else None)
         self.lm_head = self.logits_proj.weight  # the plain [V, H] matrix, or None (quantized)
@@ -235,17 +255,19 @@ class LlamaModel(nn.Module):
         first forward after loading."""
         for lin in self.linears():
             lin.process_weights_after_loading()
-        self._layer_args = layer_op.model_layer_args(self)
+        # The one-call C++ layer has no all-reduce between its matmuls: the
+        # Python layers run a tensor-parallel shard.
+        self._layer_args = None if self.shard.enabled else layer_op.model_layer_args(self)
         self.weights_packed = True
 
     def set_linear_config(self, linear_config: LinearConfig) -> None:
         """Serve with another config's methods over the same loaded weights
         (``BatchInvariantConfig`` for --deterministic); the weights are
         prepared again on the next forward."""
-        if self.linear_config.name == "gguf" and linear_config.name != "gguf":
+        if self.linear_config.name in ("gguf", "int8") and linear_config.name != self.linear_config.name:
             # The blocks are the only copy of the weights: no plain method can take them over.
-            raise ValueError(f"{linear_config.name} needs plain weights; this model keeps GGUF blocks "
-                             "(serve it with --quantization none to expand them)")
+            raise ValueError(f"{linear_config.name} needs plain weights; this model keeps {self.linear_config.name} "
+                             "weights (serve it with --quantization none for float ones)")
         if self.weights_packed:
             self._unpack()
         self.linear_config = linear_config
@@ -298,7 +320,9 @@ class LlamaModel(nn.Module):
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed(input_ids)  # [T, hidden]
+        # [T, hidden]; a tensor-parallel shard holds a plain slice of the table (GGUF blocks are never sharded)
+        h = (vocab_parallel_embedding(input_ids, self.embed_tokens, self.shard, self.config.vocab_size)
+             if self.shard.enabled else self.embed(input_ids))
         cos, sin = self.rotary(positions, self.dtype)
         layers = self.layers
         x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
@@ -325,10 +349,13 @@ class LlamaModel(nn.Module):
         """hidden: [N, hidden_size] -> logits [N, vocab_size] float32."""
         if not self.weights_packed:
             self.pack_weights()
-        return self.logits_proj(hidden).float()
+        return gather_logits(self.logits_proj(hidden).float(), self.shard, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; raise ValueError on unknown or missing names."""
+        """Copy HF-named tensors in; raise ValueError on unknown or missing names.
+
+        A tensor-parallel shard takes its slice of each (``TPShard.weight_slice``):
+        of a whole tensor, or of a safetensors slice, which reads only it."""
         self._unpack()  # storage for the new plain weights
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -336,6 +363,14 @@ class LlamaModel(nn.Module):
             if target is None:
                 continue
             param, rows, key = target
+            part = self.shard.weight_slice(name, self.config)
+            if part is not None:
+                tensor = take_slice(tensor, *part)
+                if part[0] == 0 and name in _VOCAB_WEIGHTS:  # the last slice may be short: zero padding after it
+                    param.data[part[2] - part[1]:].zero_()
+                    rows = slice(0, part[2] - part[1])
+            elif not isinstance(tensor, torch.Tensor) and hasattr(tensor, "get_shape"):
+                tensor = tensor[:]  # a replicated tensor, read whole
             self._copy(param, rows, tensor, name)
             loaded.add(key)
         missing = sorted(set(self._expected_keys()) - loaded)
@@ -355,9 +390,10 @@ class LlamaModel(nn.Module):
         if name == "lm_head.weight":
             if self.config.tie_word_embeddings:
                 return None  # some tied checkpoints still store a copy
-            return self.logits_proj, None, name
+            # The plain matrix, or the layer whose method keeps another format.
+            return (self.logits_proj if self.lm_head is None else self.lm_head), None, name
         if name == "model.embed_tokens.weight":
-            return self.embed, None, name
+            return (self.embed if self.embed_tokens is None else self.embed_tokens), None, name
         if name == "model.norm.weight":
             return self.norm.weight, None, name
         if name.startswith("model.layers."):
@@ -377,10 +413,14 @@ class LlamaModel(nn.Module):
             "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
             # A matmul's weight goes to its layer, whose method takes it in its format.
             "self_attn.o_proj.weight": (attn.o_proj, None),
-            "mlp.gate_proj.weight": (mlp.gate_up_proj, slice(0, inter)),
-            "mlp.up_proj.weight": (mlp.gate_up_proj, slice(inter, 2 * inter)),
-            "mlp.down_proj.weight": (mlp.down_proj, None),
         }
+        if isinstance(mlp, SparseMoeBlock):  # experts: the block maps its own names
+            if (target := mlp.weight_target(rest)) is not None:
+                return target
+        else:
+            table["mlp.gate_proj.weight"] = (mlp.gate_up_proj, slice(0, inter))
+            table["mlp.up_proj.weight"] = (mlp.gate_up_proj, slice(inter, 2 * inter))
+            table["mlp.down_proj.weight"] = (mlp.down_proj, None)
         for proj, rows in qkv_rows.items():
             table[f"self_attn.{proj}.weight"] = (attn.qkv_proj, rows)
             table[f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, rows)
@@ -394,14 +434,17 @@ class LlamaModel(nn.Module):
         keys = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings:
             keys.append("lm_head.weight")
-        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
         per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
         if self.config.attention_bias:
             per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         if self.config.qk_norm:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        return keys + [f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in per_layer]
+        dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        moe_block = "block_sparse_moe" if self.config.architecture == "MixtralForCausalLM" else "mlp"
+        return keys + [f"model.layers.{i}.{p}" for i, layer in enumerate(self.layers)
+                       for p in per_layer + (layer.mlp.expected_keys(moe_block)
+                                             if isinstance(layer.mlp, SparseMoeBlock) else dense)]
 
     @staticmethod
     def _copy(param: torch.Tensor | Linear | VocabEmbedding, rows: slice | None, tensor: torch.Tensor,
@@ -421,15 +464,34 @@ class LlamaModel(nn.Module):
             dst.copy_(tensor)
 
 
+_VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str,
-            linear_config: LinearConfig, prefix: str) -> Linear:
-    return Linear(in_features, out_features, bias=bias, dtype=dtype, device=device,
-                  method=linear_config.get_linear_method(prefix), prefix=prefix)
+            linear_config: LinearConfig, prefix: str, row_parallel: TPShard | None = None) -> Linear:
+    """A layer; ``row_parallel``: a shard whose partial products are all-reduced."""
+    method = linear_config.get_linear_method(prefix)
+    if row_parallel is not None and row_parallel.enabled:
+        return RowParallelLinear(in_features, out_features, shard=row_parallel, dtype=dtype, device=device,
+                                 method=method, prefix=prefix)
+    return Linear(in_features, out_features, bias=bias, dtype=dtype, device=device, method=method, prefix=prefix)
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
-    """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim], zero-filled."""
-    shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim], zero-filled; ``num_kv_heads``: this
+    rank's (default: the model's).
+
+    On the CPU the pool is an anonymous mapping: its pages read as zeros and
+    take memory only once written, so a pool sized to a share of the host's
+    memory (engine/kv_memory.py) costs what the cached tokens fill, not its
+    size at start (``torch.zeros`` would touch every page)."""
+    kv_heads = num_kv_heads or config.num_key_value_heads
+    shape = (config.num_hidden_layers, 2, num_blocks, block_size, kv_heads, config.head_dim)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=dtype, count=math.prod(shape)).view(shape)

@@ -30,10 +30,11 @@ import torch
 from safetensors import safe_open
 
 from kvferry.config import QUANTIZATIONS
-from kvferry.model import gguf_convert, gguf_weights
+from kvferry.model import gguf_convert, gguf_weights, int8_checkpoint
 from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.layers.gguf import GGUFConfig
+from kvferry.model.layers.parallel import TPShard
 from kvferry.model.llama import LlamaModel
 from kvferry.model.resolve import resolve_model
 from kvferry.model.tokenizer import Tokenizer
@@ -60,17 +61,18 @@ def check_quantization(quantization: str | None) -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; supported: "
                          f"{', '.join(QUANTIZATIONS)} (gguf: a .gguf file's blocks served as they are; "
-                         "none: expanded to float)")
+                         "int8: W8A8, quantized at load; none: expanded to float)")
 
 
 def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, shard: TPShard | None = None) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ValueError naming what is missing.
 
     ``quantization``: None (for now the same as "none": blocks are opt-in
     until they measure at least as fast as the expanded model on every path),
     "gguf" (a .gguf's linear weights stay in their blocks; CPU only) or
-    "none" (a .gguf is expanded to float)."""
+    "none" (a .gguf is expanded to float). ``shard``: a tensor-parallel
+    rank, which reads only its slice of each tensor (layers/parallel.py)."""
     check_quantization(quantization)
     resolved = resolve_model(model)
     if quantization == "gguf" and not resolved.is_gguf:
@@ -85,13 +87,24 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     else:
         folder = resolve_model_folder(model)
     config = read_config(folder)
+    if blocks and config.num_experts:
+        raise ValueError(f"{resolved.path.name}: --quantization gguf does not keep expert weights in their blocks "
+                         "yet; serve this mixture of experts with --quantization none (expanded to float)")
     torch_dtype = resolve_dtype(dtype, config, device)
+    sharded = shard is not None and shard.enabled
+    if blocks and sharded:
+        raise ValueError("tensor_parallel_size > 1 needs float weights: serve a .gguf with --quantization none")
+    int8 = None if blocks else int8_checkpoint.int8_config(folder, quantization)  # --quantization int8 or W8A8
+    if int8 is not None and sharded:
+        raise ValueError("tensor_parallel_size > 1 needs float weights: int8 weights are not sharded yet")
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
     else:
-        lm = LlamaModel(config, dtype=torch_dtype, device=device)
-        lm.load_weights(iter_safetensors(folder))
+        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8)
+        weights = iter_safetensors(folder, lazy=sharded)
+        lm.load_weights(int8_checkpoint.pair_scales(weights) if int8 else weights)
         fingerprint = model_fingerprint(folder)
+        fingerprint = fingerprint if int8 is None else int8_checkpoint.mark_fingerprint(fingerprint)
     lm.eval()
     tokenizer = Tokenizer(folder)
     if tokenizer.vocab_size > config.vocab_size:
@@ -176,12 +189,14 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every shard, one at a time."""
+def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every shard, one at a time.
+    ``lazy``: a safetensors slice in place of each tensor, for a
+    tensor-parallel rank that reads only its part (``LlamaModel.load_weights``)."""
     for file in weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def model_fingerprint(folder: Path) -> str:

@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 
 from kvferry import envs
+from kvferry.model.build_progress import heartbeat
 from kvferry.model.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,9 @@ def load_extension(name: str, build_dir: Path, source: Path, cflags: list[str], 
     # _LDFLAGS is part of every later build's cache name in this process (a
     # cold process then named, built and cached each kernel after its first
     # under another name than a warm one looks for).
-    load(name=name, sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=list(_LDFLAGS),
-         build_directory=str(build_dir), is_python_module=False, verbose=False)
+    with heartbeat(lambda s: logger.info("building %s ... %.0f s", what, s)):
+        load(name=name, sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=list(_LDFLAGS),
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
     return "built"
 
 

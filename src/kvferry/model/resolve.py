@@ -120,7 +120,7 @@ def _from_hf_cache(repo_id: str) -> ResolvedModel:
     where = ", ".join(str(d / entry) for d in searched)
     raise ValueError(
         f"model {repo_id} is neither a local path nor in the Hugging Face cache (looked in {where}); "
-        f"models are not downloaded at start-up: run `huggingface-cli download {repo_id}` on a machine with "
+        f"models are not downloaded at start-up: run `hf download {repo_id}` on a machine with "
         f"network access (set HF_HOME to share its cache), or copy the model folder here and pass its path")
 
 

@@ -4,8 +4,10 @@ processes). No model code lives here.
 
     group.py     ProcessGroup: rank, world size, all_reduce / all_gather / all_to_all / broadcast / barrier
     launch.py    launch(): start N rank processes, join them, and end the group whole if one fails
+    shm_all_reduce.py  ShmAllReduce: a group's float sums through shared memory (ranks on one host)
 """
 from kvferry.parallel.group import CollectiveError, GroupAddress, ProcessGroup
 from kvferry.parallel.launch import RankFailed, launch
+from kvferry.parallel.shm_all_reduce import ShmAllReduce
 
-__all__ = ["CollectiveError", "GroupAddress", "ProcessGroup", "RankFailed", "launch"]
+__all__ = ["CollectiveError", "GroupAddress", "ProcessGroup", "RankFailed", "ShmAllReduce", "launch"]

@@ -106,6 +106,18 @@ class ProcessGroup:
         """Returns once every rank has called it."""
         self.all_reduce(torch.zeros(1))
 
+    def store_set(self, key: str, value: str) -> None:
+        """A value every rank can read from the group's rendezvous store."""
+        self._store.set(key, value)
+
+    def store_get(self, key: str) -> str:
+        """``key``'s value, waiting (up to the timeout) until some rank set it."""
+        try:
+            return self._store.get(key).decode()
+        except Exception as e:
+            raise CollectiveError(f"rank {self.rank} of {self.world_size}: no {key!r} in the group's store "
+                                  f"within {self.timeout_s:g}s: {e}") from e
+
     def _wait(self, name: str, work: dist.Work) -> None:
         try:
             work.wait()

@@ -30,7 +30,7 @@ from kvferry.bench.cli import _one_line_error
 from kvferry.bench.metrics import parse_slo
 from kvferry.bench.trace import load_trace
 from kvferry.bench.workloads import BenchError
-from kvferry.plan.hardware import Hardware, load_hardware, pick
+from kvferry.plan.hardware import Hardware, load_hardware, pick, profile_device
 from kvferry.plan.latency import KVTransferModel, PlanError, StepCostModel, check_profile_fits, profile_handover_s
 from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
 
@@ -73,7 +73,8 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
                                              "--hardware pools the lowest cost per million useful tokens.")
     plan.error = _one_line_error("kvferry plan")
     _add_common(plan)
-    plan.add_argument("--gpus", type=int, required=True, help="most instances (one GPU each)")
+    plan.add_argument("--gpus", type=int, required=True, help="most instances: one GPU each, or with a CPU profile one engine core on "
+                                                     "the threads it was profiled with")
     plan.add_argument("--router", default="least-loaded", choices=("round-robin", "least-loaded", "prefix-aware"))
     plan.add_argument("--min-attainment", type=float, default=90.0,
                       help="percent of requests within the SLOs a placement must keep to qualify")
@@ -410,7 +411,8 @@ def plan_pools(args: argparse.Namespace):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --hardware NAME=PROFILE.json:PRICE")
         check_profile_fits(args.profile, args.allow_poor_fit, "plan")
-        only = Hardware("profile", args.profile, None, StepCostModel.from_profile(args.profile))
+        only = Hardware("profile", args.profile, None, StepCostModel.from_profile(args.profile),
+                        profile_device(args.profile))
         return Pools([only], [only], [only])
     hardware = load_hardware(args.hardware, args.allow_poor_fit)
     colocated = ([] if (args.colocated_hardware or "").strip().lower() == "none"

@@ -21,9 +21,12 @@ that misses the SLO pays for tokens nobody can use (the formula is
 """
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvferry.plan.latency import PlanError, StepCostModel, check_profile_fits
 
@@ -36,9 +39,44 @@ class Hardware:
     profile: str  # path of its kvferry profile JSON
     price_per_hour: float | None  # per instance; None: not priced (plain --profile)
     cost: StepCostModel
+    device: str = ""  # what the profile was measured on ("cpu", "cuda"); "": it does not say
 
     def to_json(self) -> dict:
-        return {"name": self.name, "profile": self.profile, "price_per_hour": self.price_per_hour}
+        return {"name": self.name, "profile": self.profile, "price_per_hour": self.price_per_hour,
+                "device": self.device}
+
+
+def profile_device(path: str) -> str:
+    """The ``device`` a ``kvferry profile`` JSON names ("cpu", "cuda", ...);
+    "" when it names none (a served profile: the client cannot see it)."""
+    try:
+        device = json.loads(Path(path).read_text()).get("device")
+    except (OSError, ValueError, AttributeError):
+        return ""  # StepCostModel.from_profile reports an unreadable profile
+    return device if isinstance(device, str) else ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceUnit:
+    """What one instance of a placement is, in the plan's words: a CPU
+    profile's instance is an engine core on the threads it was profiled
+    with, not a GPU."""
+
+    singular: str
+    plural: str
+    column: str  # the table's heading over the instance count
+
+    @classmethod
+    def of(cls, devices: Iterable[str]) -> DeviceUnit:
+        kinds = {"gpu" if d.startswith("cuda") else d for d in devices}
+        if kinds == {"gpu"}:
+            return cls("GPU", "GPUs", "GPUs")
+        if kinds == {"cpu"}:
+            return cls("CPU instance", "CPU instances", "CPU inst")
+        return cls("device", "devices", "devices")  # unnamed, or several kinds
+
+    def to_json(self) -> dict:
+        return {"singular": self.singular, "plural": self.plural, "column": self.column}
 
 
 def parse_hardware_spec(text: str) -> tuple[str, str, float]:
@@ -70,7 +108,7 @@ def load_hardware(specs: list[str], allow_poor_fit: bool) -> list[Hardware]:
         if any(h.name == name for h in out):
             raise PlanError(f"--hardware: {name!r} is given twice")
         check_profile_fits(path, allow_poor_fit, "plan")
-        out.append(Hardware(name, path, price, StepCostModel.from_profile(path)))
+        out.append(Hardware(name, path, price, StepCostModel.from_profile(path), profile_device(path)))
     return out
 
 

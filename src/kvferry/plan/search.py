@@ -1,7 +1,8 @@
 """DistServe-style placement search.
 
 For a workload at a given rate and SLOs, simulate every split of at most
-``gpus`` instances (one GPU each) into ``P`` prefill + ``D`` decode
+``gpus`` instances (one GPU each; with a CPU profile, one engine core on
+the threads it was profiled with: ``DeviceUnit`` names it) into ``P`` prefill + ``D`` decode
 instances, and every colocated count ``C``; score each by goodput per GPU:
 
     goodput = offered rate * SLO attainment,   score = goodput / (P + D)
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvferry.bench.metrics import cost_per_million_useful_tokens
-from kvferry.plan.hardware import Hardware, fleet_price_per_hour
+from kvferry.plan.hardware import DeviceUnit, Hardware, fleet_price_per_hour
 from kvferry.plan.instance import InstanceConfig
 from kvferry.plan.latency import KVTransferModel
 from kvferry.plan.report import at_percentile_ms, meets
@@ -167,6 +168,8 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
            "num_requests": len(requests), "slo_ms": {k: v * 1000 for k, v in slo.items()}, "gpus": gpus,
            "min_attainment_pct": min_attainment_pct, "instances_per_host": instances_per_host,
            "hardware": [h.to_json() for h in hardware],
+           # "gpus" and "goodput_per_gpu" keep their names; the text and plot say what an instance is
+           "device_unit": DeviceUnit.of(h.device for h in hardware).to_json(),
            "ranked_by": "cost_per_million_useful_tokens" if pools.priced else "goodput_per_gpu",
            "candidates": sorted(candidates, key=rank), "best_colocated": best["colocated"],
            "best_disaggregated": best["disaggregated"], "best": overall,
@@ -230,36 +233,52 @@ def no_placement_text(result: dict) -> str:
     pct = result["min_attainment_pct"]
     hw = _with_hardware(result)
     head = (f"no placement meets the SLO at {result['rate']:g} req/s ({pct:g}% of requests within "
-            f"{slo_text(result['slo_ms'])}) with up to {result['gpus']} GPUs; nearest:")
+            f"{slo_text(result['slo_ms'])}) with up to {result['gpus']} {_unit(result)['plural']}; nearest:")
     rows = [f"  {label(c, hw)}, {c['slo_attainment_pct']:.1f}% within SLO: {misses(c, result['slo_ms'], pct)}"
             for c in result["nearest"]]
     return "\n".join([head, *rows, "  (try a lower --rate, more --gpus or a looser --slo)"])
 
 
+TABLE_ROWS = 15  # placements the table shows; the JSON holds every one
+
+
+def _unit(result: dict) -> dict:
+    """What one instance is (DeviceUnit's JSON); a result saved before the
+    plan named it counted GPUs."""
+    return result.get("device_unit") or DeviceUnit.of(["cuda"]).to_json()
+
+
 def format_plan(result: dict) -> str:
     hw = _with_hardware(result)
     priced = result.get("ranked_by") == "cost_per_million_useful_tokens"
-    width = max([10] + [len(label(c, hw)) for c in result["candidates"][:15]])
+    unit = _unit(result)
+    shown = result["candidates"][:TABLE_ROWS]
+    width = max([10] + [len(label(c, hw)) for c in shown])
+    count_w, per = max(5, len(unit["column"])), f"per {unit['singular']}"
+    per_w = max(9, len(per))
     lines = [f"===== kvferry plan ({result['mode']}): {result['num_requests']} requests at "
-             f"{result['rate']:g} req/s, SLO {slo_text(result['slo_ms'])}, up to {result['gpus']} GPUs"
+             f"{result['rate']:g} req/s, SLO {slo_text(result['slo_ms'])}, up to {result['gpus']} {unit['plural']}"
              + (f" ({result['instances_per_host']} per host)" if result.get("instances_per_host", 1) > 1 else "")
              + f", attainment >= {result['min_attainment_pct']:g}% =====",
-             f"{'placement':>{width}} {'GPUs':>5} {'attain%':>8} {'goodput':>9} {'per GPU':>9}"
+             f"{'placement':>{width}} {unit['column']:>{count_w}} {'attain%':>8} {'goodput':>9} {per:>{per_w}}"
              + (f" {'price/h':>8} {'cost/M useful tok':>17}" if priced else "")]
     if priced:
         lines.insert(1, "hardware: " + ", ".join(f"{h['name']} ({h['price_per_hour']:g}/h, {h['profile']})"
                                                  for h in result["hardware"])
                      + "; ranked by cost per million useful tokens")
-    for c in result["candidates"][:15]:
-        lines.append(f"{label(c, hw):>{width}} {c['gpus']:>5} {c['slo_attainment_pct']:>8.1f} {c['goodput']:>9.3f} "
-                     f"{c['goodput_per_gpu']:>9.3f}"
+    for c in shown:
+        lines.append(f"{label(c, hw):>{width}} {c['gpus']:>{count_w}} {c['slo_attainment_pct']:>8.1f} "
+                     f"{c['goodput']:>9.3f} {c['goodput_per_gpu']:>{per_w}.3f}"
                      + (f" {c['price_per_hour']:>8.4g} {_cost_text(c):>17}" if priced else "")
                      + ("" if c["qualifies"] else "  (below target)"))
+    if (left := len(result["candidates"]) - len(shown)) > 0:
+        lines.append(f"({left} of {len(result['candidates'])} placements not shown: they rank below these; "
+                     "the JSON lists every one)")
     for name in ("best_colocated", "best_disaggregated", "best_mixed", "best"):
         c = result.get(name)
         if c is None or (name == "best" and not c["qualifies"]):
             continue
-        lines.append(f"{name:>19}: {label(c, hw)} ({c['goodput_per_gpu']:.3f} req/s per GPU, "
+        lines.append(f"{name:>19}: {label(c, hw)} ({c['goodput_per_gpu']:.3f} req/s {per}, "
                      + (f"{_cost_text(c)} per million useful tokens, " if priced else "")
                      + f"{c['slo_attainment_pct']:.1f}% within SLO)" + ("" if c["qualifies"] else "  (below target)"))
     if not result["best"]["qualifies"]:
@@ -268,15 +287,32 @@ def format_plan(result: dict) -> str:
 
 
 def plot_plan(result: dict, path) -> None:
-    """Goodput per GPU of every candidate, or, when ranked by cost, each
-    one's cost per million useful tokens (none drawn where nothing was useful)."""
+    """Write ``plan_figure(result)`` to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = plan_figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plan_figure(result: dict):  # -> matplotlib.figure.Figure (matplotlib is optional)
+    """Goodput per instance of every candidate, or, when ranked by cost,
+    each one's cost per million useful tokens. When no placement meets the
+    SLO there is nothing to rank: the figure says so, with the nearest
+    placements and what they miss, in place of bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not result["best"]["qualifies"]:
+        text = no_placement_text(result).replace("; nearest:", ";\nnearest:")
+        fig = plt.figure(figsize=(10, 0.3 + 0.2 * (text.count("\n") + 1)))
+        fig.text(0.01, 0.5, text, va="center", family="monospace", fontsize=8)
+        return fig
     hw = _with_hardware(result)
     priced = result.get("ranked_by") == "cost_per_million_useful_tokens"
+    unit = _unit(result)
 
     def value(c: dict) -> float:
         if not priced:
@@ -294,17 +330,15 @@ def plot_plan(result: dict, path) -> None:
             bar.set(hatch="//", alpha=0.4)
     best = result["best"]
     for i, c in enumerate(cands):
-        if best["qualifies"] and (c is best or c == best):
+        if c is best or c == best:
             ax.annotate("best", (i, value(c)), ha="center", va="bottom", fontsize=9)
     ax.set_xticks(range(len(cands)), [label(c, hw) for c in cands], rotation=60, fontsize=8)
-    ax.set(ylabel="cost per million useful tokens" if priced else "goodput per GPU (req/s)",
+    ax.set(ylabel="cost per million useful tokens" if priced else f"goodput per {unit['singular']} (req/s)",
            xlabel="placement (C: colocated, P/D: prefill/decode)\nhatched: below the attainment target"
            + ("; green: mixed hardware" if hw else ""))
     # Two short lines: one long line overran a narrow figure (few candidates).
-    verdict = "" if best["qualifies"] else ": none meets it"
-    ax.set_title(f"kvferry plan: {result['rate']:g} req/s, up to {result['gpus']} GPUs\n"
-                 f"SLO {slo_text(result['slo_ms'])} for {result['min_attainment_pct']:g}%{verdict}", fontsize=10)
+    ax.set_title(f"kvferry plan: {result['rate']:g} req/s, up to {result['gpus']} {unit['plural']}\n"
+                 f"SLO {slo_text(result['slo_ms'])} for {result['min_attainment_pct']:g}%", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

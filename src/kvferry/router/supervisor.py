@@ -275,6 +275,13 @@ class RestartSupervisor:
                                         opts.log_level, cpus=opts.cpus.get(old.name))
         return await self._handshake(old.name, old.role, process, num_restarts=old.num_restarts + 1)
 
+    async def reserve(self, cores: list[tuple[str, str]]) -> None:
+        """Room for each new core (name, role) of a scale, all or none: with
+        --ray a placement group each, within --scale-timeout-s (a local
+        process needs none). Raises CorePlacementError naming what is missing."""
+        if cores and self.launch is not None and self.launch.ray is not None:
+            await self.launch.ray.reserve(cores)
+
     async def start_new_core(self, name: str, role: str, cpus: str | None) -> Worker:
         """A core this server did not run before (a pool scaled up): a new
         local process, or a new Ray actor placed by its role's resources;

@@ -19,6 +19,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from kvferry.outputs import RequestOutput
+from kvferry.router.scaling import ScaleStoppedError
 
 if TYPE_CHECKING:
     from kvferry.autoscale.policy import Autoscaler
@@ -48,7 +49,11 @@ class AutoscaleService:
                 await self._task
 
     async def _apply(self, target: dict[str, int]) -> None:
-        event = await self.client.scaler.scale(target, source="autoscale", wait=True)
+        try:
+            event = await self.client.scaler.scale(target, source="autoscale", wait=True)
+        except ScaleStoppedError:
+            # The server is shutting down: the loop ends, as stop() would end it (no traceback in the log).
+            raise asyncio.CancelledError from None
         if not event.ok:
             raise RuntimeError("; ".join(s.error or "" for s in event.steps if s.error))
 

@@ -11,18 +11,14 @@ them.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from dataclasses import replace
-from typing import Any
 
 from kvferry.core.outputs import TokenLogprobs
 from kvferry.outputs import RequestOutput
-from kvferry.serve.request_stream import RequestStream
-
-_END = object()  # queued once every request has ended
+from kvferry.serve.request_stream import END, OutputQueue, RequestStream
 
 
-class ChoiceStreams:
+class ChoiceStreams(OutputQueue):
     """The outputs of ``streams`` (one per prompt, in prompt order), in the
     order they arrive. An engine error on any of them ends the whole stream
     with that error (the others are aborted by ``close()``). Create it on
@@ -35,32 +31,10 @@ class ChoiceStreams:
         # Each choice's prompt logprobs, once its prompt is computed: the
         # streamed echo needs them, and the merged deltas do not carry them.
         self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
-        self._items: deque[Any] = deque()
-        self._ready = asyncio.Event()
+        OutputQueue.__init__(self)
         self._num_open = len(streams)
         self._closed = False
         self._tasks = [asyncio.ensure_future(self._pump(k, s)) for k, s in enumerate(streams)]
-
-    def __aiter__(self) -> "ChoiceStreams":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        head = self._items[0]
-        if head is _END:
-            raise StopAsyncIteration
-        if isinstance(head, BaseException):
-            raise head  # stays at the head: every later read reports the same end
-        return self._items.popleft()
-
-    def pending(self) -> list[RequestOutput]:
-        """Outputs already here, without waiting (to coalesce chunks)."""
-        items = []
-        while self._items and self._items[0] is not _END and not isinstance(self._items[0], BaseException):
-            items.append(self._items.popleft())
-        return items
 
     def close(self) -> None:
         if self._closed:
@@ -82,7 +56,7 @@ class ChoiceStreams:
             return
         self._num_open -= 1
         if self._num_open == 0:
-            self._push(_END)
+            self._push(END)
 
     def _renumber(self, prompt_index: int, out: RequestOutput) -> RequestOutput:
         seq = out.outputs[0]
@@ -92,7 +66,3 @@ class ChoiceStreams:
         if choice == seq.index:
             return out
         return replace(out, outputs=[replace(seq, index=choice)])
-
-    def _push(self, item: Any) -> None:
-        self._items.append(item)
-        self._ready.set()

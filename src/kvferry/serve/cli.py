@@ -20,7 +20,9 @@ from kvferry.config import EngineArgs
 from kvferry.serve.api_flags import add_api_args
 from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.model.resolve import resolve_model  # light: paths and names, no torch
+from kvferry.serve.preflight import check_serve_args
 from kvferry.serve.vllm_flags import add_vllm_args, apply_vllm_args
+from kvferry.serve.vllm_serve_flags import REFUSED
 
 
 
@@ -65,6 +67,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_ray_args(parser)
     add_autoscale_args(parser)
     add_vllm_args(parser)
+    parser.refused = REFUSED  # vLLM's flags kvferry does not take: the error says why
     parser.set_defaults(func=_run, subparser=parser, before_engine_args=_merge_model_args)
     return parser
 
@@ -135,6 +138,10 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--ray-{role}-resources", default='{"CPU": 1}', metavar="JSON",
                            help=f'Ray resources of each {role} core\'s actor ({what}), e.g. \'{{"GPU": 1}}\' or a '
                                 f'custom node resource \'{{"{role[0]}node": 1}}\'')
+    group.add_argument("--scale-timeout-s", type=float, default=60.0, metavar="SECONDS",
+                       help="a scale (kvferry scale, POST /v1/admin/scale, --autoscale) whose new cores the Ray "
+                            "cluster cannot all place within this fails, naming the resources missing; the pools "
+                            "stay as they were")
 
 
 def _starts_local_cores(args: argparse.Namespace) -> bool:
@@ -145,9 +152,12 @@ def _starts_local_cores(args: argparse.Namespace) -> bool:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        if _starts_local_cores(args):  # joined cores (--worker) load the model on their own machines
+        local_cores = _starts_local_cores(args)
+        if local_cores:  # joined cores (--worker) load the model on their own machines
             check_model(args.model)
         engine_args = apply_vllm_args(args, args.engine_args)
+        # What would otherwise fail only in a started process, after the model loads.
+        check_serve_args(args, engine_args, local_cores)
     except ValueError as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2

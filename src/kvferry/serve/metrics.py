@@ -26,18 +26,13 @@ from prometheus_client.registry import Collector
 
 from kvferry.core.scheduler import SchedulerStats
 from kvferry.outputs import RequestOutput
-from kvferry.serve.vllm_metrics import METRICS_PREFIXES, VllmMetrics
+from kvferry.serve.vllm_metrics import (METRICS_PREFIXES, REQUEST_LATENCY_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
+                                         VllmMetrics)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Buckets as vLLM's, with a few finer ones at the low end for queue time.
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-_QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1] + _REQUEST_BUCKETS
+_QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1] + REQUEST_LATENCY_BUCKETS
 
 
 OTHER_TENANTS = "other"
@@ -89,11 +84,11 @@ class ServerMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r)
 
-        self.ttft = hist("kvferry:time_to_first_token_seconds", "Time to first token, from HTTP arrival.", _TTFT_BUCKETS)
+        self.ttft = hist("kvferry:time_to_first_token_seconds", "Time to first token, from HTTP arrival.", TTFT_BUCKETS)
         self.itl = hist("kvferry:inter_token_latency_seconds", "Time between successive output tokens of a sequence.",
-                        _ITL_BUCKETS)
+                        TPOT_BUCKETS)
         self.e2e = hist("kvferry:e2e_request_latency_seconds", "End-to-end latency of finished requests.",
-                        _REQUEST_BUCKETS)
+                        REQUEST_LATENCY_BUCKETS)
         self.queue_time = hist("kvferry:request_queue_time_seconds", "Time from engine arrival to first scheduling.",
                                _QUEUE_BUCKETS)
         self.prompt_tokens = counter("kvferry:prompt_tokens", "Prefilled prompt tokens (once per request).")

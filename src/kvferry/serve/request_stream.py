@@ -64,10 +64,46 @@ class ObserverGroup:
             o.on_abort(stream)
 
 
-_END = object()  # queued after a request's last sequence finishes
+END = object()  # queued after the last output: the reader stops there
 
 
-class RequestStream:
+class OutputQueue:
+    """Outputs queued by the engine's side and read by one async reader;
+    ``END`` or an exception ends the queue, and stays at its head once
+    reached so that every later read reports the same end."""
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._ready = asyncio.Event()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        head = self._items[0]
+        if head is END:
+            raise StopAsyncIteration
+        if isinstance(head, BaseException):
+            raise head
+        return self._items.popleft()
+
+    def pending(self) -> list[RequestOutput]:
+        """Outputs already here (without waiting), for coalescing chunks when
+        the client reads slower than the engine steps."""
+        items = []
+        while self._items and self._items[0] is not END and not isinstance(self._items[0], BaseException):
+            items.append(self._items.popleft())
+        return items
+
+    def _push(self, item: Any) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+
+class RequestStream(OutputQueue):
     """One request's outputs, in engine order: an async iterator of
     RequestOutput (one per sequence per step), ending after all n sequences
     finish. ``close()`` aborts the request if the engine has not finished it;
@@ -84,36 +120,11 @@ class RequestStream:
         self.last_token_time: dict[int, float] = {}  # per sequence index
         self.num_finished = 0
         self.closed = False
-        # Outputs, then _END or an exception, which stay at the head once
-        # reached so that every later read reports the same end.
-        self._items: deque[Any] = deque()
-        self._ready = asyncio.Event()
+        OutputQueue.__init__(self)
 
     @property
     def engine_finished(self) -> bool:
         return self.num_finished >= self.n
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        head = self._items[0]
-        if head is _END:
-            raise StopAsyncIteration
-        if isinstance(head, BaseException):
-            raise head
-        return self._items.popleft()
-
-    def pending(self) -> list[RequestOutput]:
-        """Outputs already here (without waiting), for coalescing chunks when
-        the client reads slower than the engine steps."""
-        items = []
-        while self._items and self._items[0] is not _END and not isinstance(self._items[0], BaseException):
-            items.append(self._items.popleft())
-        return items
 
     def close(self) -> None:
         """Idempotent. Aborts the request in the engine unless it finished."""
@@ -152,8 +163,4 @@ class RequestStream:
         ``close()`` aborts nothing)."""
         if error is not None:
             self.closed = True
-        self._push(_END if error is None else error)
-
-    def _push(self, item: Any) -> None:
-        self._items.append(item)
-        self._ready.set()
+        self._push(END if error is None else error)

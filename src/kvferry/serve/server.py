@@ -44,6 +44,7 @@ from kvferry.serve.autoscaling import AutoscaleService
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.stats_logger import StatsLogger
 from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level
+from kvferry.extras import require
 from kvferry.structured.spec import import_backend_in_background
 
 if TYPE_CHECKING:
@@ -129,7 +130,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                                               router=router, ray=ray_cores)
         except (ValueError, OSError, EngineCoreStartError) as exc:
             listen.close()
-            print(f"kvferry serve: error: {exc}", file=sys.stderr)
+            print(f"kvferry serve: error: {exc}", file=sys.stderr, flush=True)
+            grammar_import.join()  # cut off mid-import by the exit, the daemon thread would print a traceback
             return 2
         grammar_import.join()
         if autoscaler is not None:
@@ -154,6 +156,7 @@ def connect_ray(placement: RayPlacement | None, max_restarts: int):
     (None without it: ray is never imported). Raises ConnectionError."""
     if placement is None:
         return None
+    require("ray", "ray", "--ray")
     from kvferry.fleet.ray_cores import RayCores  # optional dependency: imports ray
 
     return RayCores.connect(placement, max_restarts)
@@ -301,6 +304,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         if self._stats_task is not None:
             self._stats_task.cancel()
+        # A scale in flight (waiting for room on a Ray cluster, say) ends now: its POST must not hold the drain.
+        self.client.scaler.stop("the server is shutting down")
         deadline = asyncio.ensure_future(self._abort_after_deadline())
         try:
             await super().shutdown(sockets)

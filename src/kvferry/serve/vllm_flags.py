@@ -8,13 +8,18 @@ kvferry's own option, with one line on stderr saying which.
 
     --api-key KEY                  (api_flags.py) a plain key of the one default tenant
     --enable-auto-tool-choice      no-op: tool calls are always parsed when a request sends tools
-    --tensor-parallel-size 1       no-op; > 1 is refused (one device per engine core)
+    --tensor-parallel-size N       EngineArgs.tensor_parallel_size: N rank processes per engine core
     --swap-space GiB               --num-swap-blocks = GiB / the bytes of one KV block of this model
     --uvicorn-log-level LEVEL      the level of uvicorn's loggers (its access log among them); the
                                    rest logs at --log-level
     --disable-log-stats            --log-stats-interval-s 0 (no periodic stats line)
     --gpu-memory-utilization F     CUDA: --kv-cache-memory-gb = F x total memory, less what is in use,
                                    the weights and a reserve; CPU: no-op
+    --dtype half | float           kvferry's float16 | float32
+
+The rest of vLLM's common flags (--trust-remote-code, --generation-config,
+--load-format, --tokenizer ...) and the reasons for those refused are
+vllm_serve_flags.py's.
 
 No heavy imports at module level: the CLI imports this for every command.
 """
@@ -30,6 +35,7 @@ from pathlib import Path
 
 from kvferry.config import EngineArgs
 from kvferry.model.resolve import resolve_model
+from kvferry.serve.vllm_serve_flags import add_serve_compat_args, alias_dtype_choices, apply_serve_compat_args
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # --gpu-memory-utilization: what the KV cache leaves to activations, the
@@ -43,7 +49,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="no-op: tool calls are always parsed when a request sends tools")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="only 1 (one device per engine core; --data-parallel-size starts more cores)")
+                   help="rank processes per engine core (tensor parallelism, docs/parallelism.md; "
+                        "--data-parallel-size starts more cores)")
     g.add_argument("--swap-space", type=float, default=None, metavar="GiB",
                    help="host memory for preempted requests' KV: sets --num-swap-blocks from the model's "
                         "KV block size")
@@ -55,6 +62,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="CUDA: sets --kv-cache-memory-gb to FRACTION of the device's memory, less what is in "
                         f"use, the weights and a {ACTIVATION_RESERVE_GB:g} GiB reserve; CPU: no-op")
+    add_serve_compat_args(g)
+    alias_dtype_choices(parser)
 
 
 def note(message: str) -> None:
@@ -66,11 +75,9 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
     """The engine args with vLLM's flags mapped in; each flag given prints
     one line. Raises ValueError (one line, naming the flag) for what
     kvferry cannot do."""
-    if args.tensor_parallel_size not in (None, 1):
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-                         "supported (one device per engine core); --data-parallel-size N starts N cores")
-    if args.tensor_parallel_size == 1:
-        note("--tensor-parallel-size 1: no-op (one device per engine core)")
+    if args.tensor_parallel_size is not None:  # the engine's own option (no flag of its own there)
+        note(f"--tensor-parallel-size {args.tensor_parallel_size}: rank processes per engine core")
+        engine_args = dataclasses.replace(engine_args, tensor_parallel_size=args.tensor_parallel_size)
     if args.enable_auto_tool_choice:
         note("--enable-auto-tool-choice: no-op (tool calls are always parsed when a request sends tools)")
     if args.uvicorn_log_level is not None:
@@ -83,7 +90,7 @@ def apply_vllm_args(args: argparse.Namespace, engine_args: EngineArgs) -> Engine
         engine_args = _map_swap_space(args.swap_space, engine_args)
     if args.gpu_memory_utilization is not None:
         engine_args = _map_gpu_memory_utilization(args.gpu_memory_utilization, engine_args)
-    return engine_args
+    return apply_serve_compat_args(args, engine_args, note)
 
 
 def uvicorn_log_level(args: argparse.Namespace) -> str:
@@ -141,7 +148,7 @@ def _map_gpu_memory_utilization(fraction: float, engine_args: EngineArgs) -> Eng
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
     if not engine_args.device.startswith("cuda"):
         note(f"--gpu-memory-utilization {fraction:g}: no-op on {engine_args.device} "
-             f"(the KV cache takes --kv-cache-memory-gb, {engine_args.kv_cache_memory_gb:g} GiB)")
+             f"(the KV cache takes --kv-cache-memory-gb, {_kv_gb_text(engine_args.kv_cache_memory_gb)})")
         return engine_args
     if engine_args.num_kv_blocks is not None:
         raise ValueError("--gpu-memory-utilization and --num-kv-blocks: give one")
@@ -159,6 +166,10 @@ def _map_gpu_memory_utilization(fraction: float, engine_args: EngineArgs) -> Eng
     note(f"--gpu-memory-utilization {fraction:g}: --kv-cache-memory-gb {kv_gb:g} ({fraction:g} x {total_gb:.1f} "
          f"GiB, less {used_gb:.1f} GiB in use, {weights_gb:.1f} GiB of weights, {ACTIVATION_RESERVE_GB:g} GiB reserve)")
     return dataclasses.replace(engine_args, kv_cache_memory_gb=kv_gb)
+
+
+def _kv_gb_text(kv_gb: float | None) -> str:
+    return f"{kv_gb:g} GiB" if kv_gb is not None else "by default a share of the free memory, logged at start"
 
 
 def _device_memory_gb(device: str) -> tuple[float, float]:

@@ -8,16 +8,19 @@ never output.
 """
 from kvferry.config import SpeculativeConfig
 from kvferry.spec.adaptive import AdaptiveSpecController
+from kvferry.spec.auto import AutoProposer
 from kvferry.spec.ngram import NgramProposer
 from kvferry.spec.reserved import ReservedDraftSlots
+from kvferry.spec.suffix import SuffixProposer
 
-__all__ = ["AdaptiveSpecController", "NgramProposer", "ReservedDraftSlots", "speculation", "speculation_signature"]
+__all__ = ["AdaptiveSpecController", "AutoProposer", "NgramProposer", "ReservedDraftSlots", "SuffixProposer", "speculation",
+           "speculation_signature"]
 
 
 def speculation_signature(config: SpeculativeConfig | None, draft_fingerprint: str = "") -> str:
     """What a prefill core ships besides the target's KV, as a string both
-    cores of a disaggregated pair compare: "" (off), "ngram" (nothing: the
-    decode core has the whole context), "head" (the hidden state), or
+    cores of a disaggregated pair compare: "" (off), "ngram", "suffix" or "auto"
+    (nothing: the decode core has the whole context), "head" (the hidden state), or
     "draft:<fingerprint>" (the draft model's KV, so its layers' shapes)."""
     if config is None:
         return ""
@@ -33,6 +36,10 @@ def speculation(config: SpeculativeConfig | None) -> dict:
     k = config.num_speculative_tokens
     if config.method == "ngram":
         proposer = NgramProposer(k, config.prompt_lookup_max, config.prompt_lookup_min)
+    elif config.method == "suffix":
+        proposer = _suffix(config)
+    elif config.method == "auto":
+        proposer = AutoProposer(_suffix(config), NgramProposer(k, config.prompt_lookup_max, config.prompt_lookup_min))
     else:  # the runner drafts (kvferry.spec.draft_model); the scheduler reserves slots
         proposer = ReservedDraftSlots(k)
     return {
@@ -42,3 +49,9 @@ def speculation(config: SpeculativeConfig | None) -> dict:
                                                probe_interval=config.probe_interval, adaptive=config.adaptive,
                                                cost_aware=config.cost_aware),
     }
+
+
+def _suffix(config: SpeculativeConfig) -> SuffixProposer:
+    return SuffixProposer(config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
+                          config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob,
+                          config.suffix_decoding_max_cached_tokens, config.suffix_decoding_max_cached_requests)

@@ -6,6 +6,7 @@ Kinds follow vLLM's guided-decoding options and OpenAI's ``response_format``:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -13,11 +14,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import jsonschema
 
+from kvferry.extras import missing, require
 from kvferry.structured.errors import library_reason
 from kvferry.structured.schema_guard import UnsafeSchemaError, check_schema
 
 if TYPE_CHECKING:
     from kvferry.sampling import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+_NO_XGRAMMAR = "the xgrammar package is not installed: pip install 'kvferry[structured]'"
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 _KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
@@ -99,6 +104,10 @@ def import_backend_in_background() -> threading.Thread:
     request."""
 
     def load() -> None:
+        if missing("xgrammar"):  # a request that needs it gets a 400 naming the extra (check_compiles)
+            logger.warning("structured outputs (response_format, structured_outputs, an enforced tool_choice) "
+                           "are off: %s", _NO_XGRAMMAR)
+            return
         import xgrammar  # noqa: F401
 
     thread = threading.Thread(target=load, name="kvferry-import-xgrammar", daemon=True)
@@ -114,6 +123,7 @@ def check_compiles(spec: GrammarSpec, field: str) -> None:
     grammar form, which is where every syntax error surfaces; a JSON schema
     is also checked against its metaschema (xgrammar skips keywords it does
     not know)."""
+    require("xgrammar", "structured", field)
     import xgrammar as xgr  # heavy; only the serving edge and the core load it
 
     try:

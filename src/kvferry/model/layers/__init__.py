@@ -7,10 +7,14 @@ prepares and applies its weights, and the model never branches on format.
     unquantized.py   the plain methods: oneDNN / small_gemm packed copies (the default) and the
                      batch-invariant one of --deterministic
     vocab.py         VocabEmbedding (the token embedding) and its methods' interface; the plain table
-    gguf.py          GGUF blocks: the linear method, the embedding method, GGUFConfig
+    gguf.py, int8.py the quantized ones: GGUF blocks (linear and embedding methods, GGUFConfig); int8 rows
+                     with per-channel scales (W8A8)
 
-A quantized format (GGUF blocks, int8), LoRA or a tensor-parallel shard adds
-a method and a config beside these.
+    parallel.py      tensor-parallel shards: RowParallelLinear (all-reduces its method's product),
+                     the vocabulary-parallel embedding and logits, TPShard (which slice a rank holds)
+
+A quantized format (GGUF blocks, int8) or LoRA adds a method and a config
+beside these; a tensor-parallel shard changes the layers' shapes, not their methods.
 """
 from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase, MatmulArgs
 from kvferry.model.layers.unquantized import (BatchInvariantConfig, BatchInvariantLinearMethod, UnquantizedConfig,

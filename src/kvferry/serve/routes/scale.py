@@ -1,11 +1,16 @@
 """The admin's scaling routes (with API keys, an admin key's only)::
 
     GET  /v1/admin/scale     each pool's count, the scale in progress, the last scales, the autoscaler's decisions
-    POST /v1/admin/scale     {"engines": N} or {"prefill": N, "decode": M} (and "drain_timeout_s"): add or drain cores
+    POST /v1/admin/scale     {"engine": N} or {"prefill": N, "decode": M} (and "drain_timeout_s"): add or drain cores
 
+The POST's counts have the keys of the GET's ``counts`` ("engines" is
+accepted for "engine" too: the CLI's flag, and what the POST took first).
 A POST returns when every new core serves and every removed one has
-drained and stopped (``kvferry scale`` waits for it); 409 while another
-scale runs.
+drained and stopped (``kvferry scale`` waits for it): 200, or 502 when a
+core failed to start. 503 ``insufficient_resources`` when the cluster could
+not place the new cores within --scale-timeout-s (nothing changed; the
+message names what is missing), 503 ``server_shutting_down`` when the
+server began to stop, 409 while another scale runs.
 """
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvferry.router.scaling import DEFAULT_DRAIN_TIMEOUT_S, ScaleInProgressError
+from kvferry.router.scaling import DEFAULT_DRAIN_TIMEOUT_S, ScaleInProgressError, ScaleStoppedError
 from kvferry.serve.engine_client import AsyncEngineClient
-from kvferry.serve.errors import APIError, bad_request
+from kvferry.serve.errors import APIError, ErrorJSONResponse, bad_request
 from kvferry.serve.routes.workers import admin_check
 from kvferry.serve.serving import read_body
 from kvferry.serve.tenants import ApiKeys
@@ -26,7 +31,8 @@ from kvferry.serve.tenants import ApiKeys
 
 class _ScaleBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    engines: int | None = None
+    engine: int | None = None
+    engines: int | None = None  # the same count, as the CLI's --engines spells it
     prefill: int | None = None
     decode: int | None = None
     drain_timeout_s: Annotated[float, Field(ge=0, le=86400)] = DEFAULT_DRAIN_TIMEOUT_S
@@ -66,16 +72,28 @@ def scale_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_bytes
     async def scale(request: Request) -> Response:
         require_admin()
         body = _scale_body(await read_body(request, max_body_bytes))
-        target = {role: count for role, count in (("engine", body.engines), ("prefill", body.prefill),
+        if body.engine is not None and body.engines is not None:
+            raise bad_request("give engine or engines (the same count), not both", "engines")
+        engine, spelled = (body.engines, "engines") if body.engines is not None else (body.engine, "engine")
+        target = {role: count for role, count in (("engine", engine), ("prefill", body.prefill),
                                                   ("decode", body.decode)) if count is not None}
         try:
-            event = await client.scaler.scale(target, drain_timeout_s=body.drain_timeout_s)
+            event = await client.scaler.scale(target, drain_timeout_s=body.drain_timeout_s,
+                                              fields={"engine": spelled})
         except ValueError as exc:
             head = str(exc).partition(":")[0]
-            raise bad_request(str(exc), head if head in ("engines", "prefill", "decode") else None) from None
+            raise bad_request(str(exc), head if head in ("engine", "engines", "prefill", "decode") else None) from None
         except ScaleInProgressError as exc:
             raise APIError(409, str(exc), code="scale_in_progress") from None
-        return JSONResponse(event.to_json() | {"state": scale_state(client)}, status_code=200 if event.ok else 502)
+        except ScaleStoppedError as exc:
+            raise APIError(503, str(exc), code="server_shutting_down") from None
+        answer = event.to_json() | {"state": scale_state(client)}
+        if event.error is not None:
+            # The OpenAI-style error (for any client), with the event beside it.
+            error = {"message": event.error, "type": "service_unavailable_error", "param": None,
+                     "code": "insufficient_resources"}
+            return ErrorJSONResponse(answer | {"error": error}, status_code=503)
+        return JSONResponse(answer, status_code=200 if event.ok else 502)
 
     return [
         Route("/v1/admin/scale", show, methods=["GET"]),

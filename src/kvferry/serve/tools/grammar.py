@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvferry.extras import require
 from kvferry.structured.errors import library_reason
 
 # The key that holds the arguments, and the text around one call, per parser.
@@ -31,6 +32,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], parser_name: str) -> str:
 
     Raises ValueError for a parser without a known format or a schema
     xgrammar cannot compile."""
+    require("xgrammar", "structured", "tool_choice")
     import xgrammar as xgr  # heavy; loaded on the first enforced tool call
 
     if parser_name not in _FORMATS:

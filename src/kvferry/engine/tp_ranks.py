@@ -1,0 +1,280 @@
+"""Rank 0's side of a tensor-parallel engine core: its worker ranks.
+
+    EngineCore (rank 0)                          worker rank r (tp_worker.py), "kvferry: engine-0 rank r"
+    -------------------                          ---------------------------------------------------------
+    TPLeader(config)  spawns ranks 1..N-1  ───▶  loads its shard of the weights
+    load_model(shard 0)                    ◀───  "loaded" (reports socket)
+    connect(): ProcessGroup(0, N)          ◀──▶  ProcessGroup(r, N)   (gloo over loopback)
+    start_runners(blocks, max_len, dtype)  ───▶  ModelRunner over its KV heads, same block count
+    runner.execute(sched)                  ───▶  (sched, rank 0's sampled tokens of the step before)
+       schedule, forward, all-reduce,      ◀──▶  the same forward, its collectives in the same order;
+       all-gather logits, sample                 no sampling: it appends rank 0's tokens next step
+
+The scheduler stays single: rank 0 schedules and samples, and each step's
+``SchedulerOutput`` (the runner's whole input, plain data) goes to every
+worker, pickled, over one ZeroMQ PUSH socket per worker (ipc://). A worker
+waiting for a step waits on its socket, so an idle core has no collective
+in flight and no timeout to meet.
+
+A group lives and dies whole: a watcher thread polls the workers; once one
+exits, the rest are killed, and rank 0's next step (or the one in flight,
+whose collective fails when the peer's sockets close) raises ``RankFailed``
+naming it. Workers exit when rank 0's process is gone. Workers are started
+with ``subprocess`` (``python -m kvferry.engine.tp_worker``), not
+multiprocessing: the served engine core is itself a daemonic process, which
+multiprocessing forbids to have children; a fresh interpreter is what the
+spawn method gives anyway.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import setproctitle
+import torch
+import zmq
+
+from kvferry.config import EngineConfig, ParallelConfig
+from kvferry.core.outputs import RunnerOutput, SchedulerOutput
+from kvferry.engine.cpu_threads import default_cpus, pinning_requested
+from kvferry.model.layers.parallel import TPShard
+from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
+
+logger = logging.getLogger(__name__)
+
+# Bounds every collective of a step; a dead peer fails it at once (its
+# sockets close), this only catches a hung one.
+COLLECTIVE_TIMEOUT_S = 120.0
+# How long rank 0 waits for the workers to load their shards.
+LOAD_TIMEOUT_S = 600.0
+_POLL_S = 0.2
+_STOP_GRACE_S = 5.0
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """Everything a worker rank needs, pickled to its stdin."""
+
+    config: EngineConfig
+    rank: int
+    world_size: int
+    group: GroupAddress
+    steps: str  # the address the worker binds for its step messages
+    reports: str  # rank 0's address for "loaded" / errors
+    name: str  # the core's name: the process is "kvferry: {name} rank {rank}"
+    threads: int
+    cpus: list[int] | None  # pinned to these (KVFERRY_CPU_BIND), else None
+    parent_pid: int
+    log_level: int  # rank 0's
+
+
+@dataclass(slots=True)
+class RunnerShape:
+    """Rank 0's resolved pool, so that every rank's block ids mean the same blocks."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    kv_cache_dtype: torch.dtype
+
+
+def join_group(rank: int, address: GroupAddress, parallel: ParallelConfig) -> ProcessGroup | ShmAllReduce:
+    """This rank's membership, its sums through shared memory unless gloo is asked for."""
+    group = ProcessGroup(rank, parallel.tensor_parallel_size, address, COLLECTIVE_TIMEOUT_S)
+    return ShmAllReduce(group) if parallel.tp_all_reduce == "shm" else group
+
+
+def threads_per_rank(parallel: ParallelConfig) -> int:
+    if parallel.cpu_threads_per_rank is not None:
+        return parallel.cpu_threads_per_rank
+    return max(1, len(os.sched_getaffinity(0)) // parallel.tensor_parallel_size)
+
+
+class TPLeader:
+    """Spawns and drives the worker ranks of one tensor-parallel core."""
+
+    def __init__(self, config: EngineConfig, name: str | None = None) -> None:
+        """``name``: the core's (default: from this process's title, "kvferry: engine-1" -> "engine-1")."""
+        name = name or _core_name()
+        self._parallel = par = config.parallel
+        self.world_size = n = par.tensor_parallel_size
+        self.threads = threads_per_rank(par)
+        # This rank's team: the calling thread is the one that steps (an
+        # offline LLM's caller gets its own count back at close).
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        self.failure: RankFailed | None = None
+        self._last_sampled: dict[str, list[int]] = {}
+        self._dir = tempfile.mkdtemp(prefix="kvferry-tp-")
+        self._ctx = zmq.Context()
+        self._reports = self._ctx.socket(zmq.PULL)
+        self._reports.bind(f"ipc://{self._dir}/reports")
+        self._address = GroupAddress.free_loopback()
+        cpus = self._rank_cpus(n)
+        self._procs: list[subprocess.Popen] = []
+        self._steps: list[zmq.Socket] = []
+        for rank in range(1, n):
+            spec = WorkerSpec(config, rank, n, self._address, f"ipc://{self._dir}/steps-{rank}",
+                              f"ipc://{self._dir}/reports", name, self.threads,
+                              cpus[rank] if cpus else None, os.getpid(), logging.getLogger().getEffectiveLevel())
+            proc = subprocess.Popen([sys.executable, "-m", "kvferry.engine.tp_worker"], stdin=subprocess.PIPE)
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
+            self._procs.append(proc)
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(spec.steps)  # queues until the worker binds
+            self._steps.append(sock)
+        # Workers never outlive this object (an offline LLM dropped without close()).
+        self._stopping = threading.Event()  # ours: a worker's exit from now on is no failure
+        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir, self._stopping)
+        self._watcher: threading.Thread | None = None
+        self._group: ProcessGroup | ShmAllReduce | None = None
+
+    def _rank_cpus(self, n: int) -> list[list[int]] | None:
+        """Each rank's own CPUs when pinning is asked for (KVFERRY_CPU_BIND), so ranks never share one."""
+        if not pinning_requested():
+            return None
+        allowed, _ = default_cpus(len(os.sched_getaffinity(0)))
+        k = self.threads
+        if len(allowed) < n * k:
+            logger.info("CPU binding: %d CPUs for %d ranks of %d threads; ranks left unpinned", len(allowed), n, k)
+            return None
+        return [allowed[r * k:(r + 1) * k] for r in range(n)]
+
+    # -- start-up --------------------------------------------------------------------
+    def connect(self, shard: TPShard) -> None:
+        """Wait for every worker's shard, then form the group (rank 0's
+        shard talks through it from now on)."""
+        pending = set(range(1, self.world_size))
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while pending:
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise RankFailed(min(pending), f"did not load its shard within {LOAD_TIMEOUT_S:g}s")
+            if not self._reports.poll(int(_POLL_S * 1000)):
+                continue
+            kind, rank, detail = pickle.loads(self._reports.recv())
+            if kind != "loaded":
+                raise RankFailed(rank, f"failed to start: {detail}")
+            pending.discard(rank)
+        shard.group = self._group = join_group(0, self._address, self._parallel)
+        self._watcher = threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True)
+        self._watcher.start()
+        logger.info("tensor parallelism: %d ranks of %d threads each (workers: pids %s)", self.world_size,
+                    self.threads, ", ".join(str(p.pid) for p in self._procs))
+
+    def start_runners(self, shape: RunnerShape) -> None:
+        self._send(shape)
+
+    # -- steps -----------------------------------------------------------------------
+    def publish(self, sched: SchedulerOutput) -> None:
+        """The step to every worker, with rank 0's samples of the step before."""
+        self.check()
+        self._send((sched, self._last_sampled))
+        self._last_sampled = {}
+
+    def record(self, out: RunnerOutput) -> None:
+        self._last_sampled = out.sampled_token_ids
+
+    def run(self, execute, sched: SchedulerOutput) -> RunnerOutput:  # noqa: ANN001 - ModelRunner.execute
+        """``execute(sched)``; a collective that failed because a rank died raises RankFailed naming it."""
+        try:
+            return execute(sched)
+        except CollectiveError as exc:
+            deadline = time.monotonic() + 2.0  # let the watcher see which rank is gone
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.failure is not None:
+                raise self.failure from exc
+            raise
+
+    def check(self) -> None:
+        """RankFailed once a worker is gone: the group ends whole."""
+        if self.failure is not None:
+            raise self.failure
+
+    def _send(self, message: object) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for sock in self._steps:
+            sock.send(data, copy=False)
+
+    # -- failure -----------------------------------------------------------------------
+    def _raise_if_dead(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise _exited(rank, proc.pid, code)
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._raise_if_dead()
+            except RankFailed as failure:
+                if not self._stopping.is_set():
+                    logger.error("%s", failure)
+                    self.failure = failure
+                    _kill_all(self._procs, None)
+                return
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        """Stop the workers (a shutdown message, then SIGTERM, then SIGKILL)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        try:
+            self._send(None)
+        except zmq.ZMQError:
+            pass
+        end = time.monotonic() + _STOP_GRACE_S
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if isinstance(self._group, ShmAllReduce):
+            self._group.close()
+        for sock in self._steps:
+            sock.close(linger=0)
+        self._reports.close(linger=0)
+        self._ctx.term()
+        self._finalizer()
+        torch.set_num_threads(self._threads_before)
+
+
+def _core_name() -> str:
+    title = setproctitle.getproctitle()
+    return title.removeprefix("kvferry: ") if title.startswith("kvferry: ") else "engine"
+
+
+def _exited(rank: int, pid: int, code: int) -> RankFailed:
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+    return RankFailed(rank, f"tensor-parallel rank {rank} (pid {pid}) exited with {how}; "
+                            "the engine core's rank group ends whole")
+
+
+def _kill_all(procs: list[subprocess.Popen], folder: str | None, stopping: threading.Event | None = None) -> None:
+    if stopping is not None:
+        stopping.set()
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    end = time.monotonic() + _STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""A worker rank of a tensor-parallel engine core (tp_ranks.py has the picture).
+
+    python -m kvferry.engine.tp_worker      (a pickled WorkerSpec on stdin)
+
+It loads its shard, reports, joins the group, builds its runner over rank
+0's pool shape, then executes each step rank 0 sends: the same forward pass
+with its collectives in the same order, no sampling (rank 0's samples come
+with the next step). It exits on rank 0's shutdown message, on any error
+(rank 0 sees its collective fail, or its watcher sees the exit), and as
+soon as rank 0's process is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+
+import setproctitle
+import torch
+import zmq
+
+from kvferry.engine.cpu_threads import bind_step_thread
+from kvferry.engine.runner import ModelRunner
+from kvferry.engine.tp_ranks import RunnerShape, WorkerSpec, join_group
+from kvferry.model.layers.parallel import TPShard
+from kvferry.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 200
+
+
+def main() -> int:
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    name = f"{spec.name} rank {spec.rank}"
+    setproctitle.setproctitle(f"kvferry: {name}")
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+    _watch_parent(spec.parent_pid)
+    if spec.cpus:
+        bind_step_thread(spec.cpus)  # this thread runs every torch op of the process
+    else:
+        torch.set_num_threads(spec.threads)
+    ctx = zmq.Context()
+    reports, steps = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    reports.setsockopt(zmq.LINGER, 2000)
+    reports.connect(spec.reports)
+    steps.bind(spec.steps)
+    try:
+        runner = _start(spec, reports, steps)
+        if runner is not None:  # None: rank 0 stopped before its pool was built
+            _serve(runner, steps)
+    except Exception:  # noqa: BLE001 - reported, then the whole group ends
+        logger.exception("tensor-parallel worker failed")
+        reports.send(pickle.dumps(("error", spec.rank, traceback.format_exc(limit=4))))
+        return 1
+    finally:
+        steps.close(linger=0)
+        reports.close()
+        ctx.term()
+    return 0
+
+
+def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRunner | None:
+    m = spec.config.model
+    shard = TPShard(spec.rank, spec.world_size)
+    loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
+    reports.send(pickle.dumps(("loaded", spec.rank, None)))
+    shard.group = join_group(spec.rank, spec.group, spec.config.parallel)
+    shape = _receive(steps)
+    if shape is None:
+        return None
+    if not isinstance(shape, RunnerShape):
+        raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
+    runner = ModelRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
+                         kv_cache_dtype=shape.kv_cache_dtype)
+    runner.samples = False
+    return runner
+
+
+def _serve(runner: ModelRunner, steps: zmq.Socket) -> None:
+    while (message := _receive(steps)) is not None:
+        sched, sampled = message
+        runner.apply_sampled(sampled)
+        runner.execute(sched)
+
+
+def _receive(steps: zmq.Socket) -> object:
+    while not steps.poll(_POLL_MS):
+        pass
+    return pickle.loads(steps.recv())
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit once rank 0's process is gone (its group cannot go on)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_POLL_MS / 1000)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE) on CPU.
+
+A layer with experts (``ModelConfig.is_moe_layer``) runs ``SparseMoeBlock``
+in place of the dense MLP. Routing is HF's (transformers' modeling files):
+
+- router logits ``x . gate^T`` in the model's dtype, softmax over all
+  experts in float32, the top ``k``;
+- Qwen: renormalized to sum 1 when ``norm_topk_prob``, then rounded to the
+  model's dtype; Mixtral: always renormalized (softmax over the top-k
+  logits), kept in float32;
+- Qwen2-MoE adds a shared dense expert every token takes, scaled by
+  ``sigmoid(x . shared_expert_gate^T)``.
+
+``fused_experts`` then runs every active expert once over all of its
+tokens: the (token, expert) pairs are sorted by expert (``argsort`` and
+``bincount``), the tokens gathered in that order, and each expert's rows
+go through one gate_up matmul, SiLU-and-mul and one down matmul; the
+outputs are weighted and scattered back with one ``index_add_``. Python
+loops over the experts (``num_experts`` iterations, calling the active
+ones), never over tokens. The weighted sum is accumulated in float32 and rounded
+to the model's dtype once (HF adds each expert's term in the model's
+dtype: the same in float32, fewer roundings in bf16).
+
+Expert weights are stored stacked, ``[E, 2I, H]`` (gate rows, then up
+rows, HF's fused layout) and ``[E, H, I]``, loaded from HF's per-expert
+tensors (``mlp.experts.N.{gate,up,down}_proj``; Mixtral's
+``block_sparse_moe.experts.N.{w1,w3,w2}``; transformers 5 saves these
+too, though it holds them stacked in memory). Each stack is an
+``ExpertLinear``: a ``Linear`` whose method (``layers/``: small_gemm's or
+oneDNN's packed copy by CPU, or --deterministic's batch-invariant one) is
+applied per expert, so an expert's matmul is the dense MLP's choice for
+its row count. The model packs, releases and restores them with its other
+linears (they are ``Linear`` modules), so once packed the experts'
+weights are in memory once, as the packed copies.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvferry.model.config import ModelConfig
+from kvferry.model.fused_ops import silu_and_mul
+from kvferry.model.layers import Linear, LinearConfig, LinearMethodBase
+from kvferry.model.linear import release_plain, restore_plain
+
+# A checkpoint's per-expert projection names -> (stack, rows): "gate" and "up"
+# fill the halves of gate_up, "down" the whole of down.
+_QWEN_PROJ = {"gate_proj": ("gate", "w13"), "up_proj": ("up", "w13"), "down_proj": ("down", "w2")}
+_MIXTRAL_PROJ = {"w1": ("gate", "w13"), "w3": ("up", "w13"), "w2": ("down", "w2")}
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64), as HF routes:
+    softmax over all experts in float32, the top k, renormalized to sum 1 if asked."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                  expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert(ids[t, j], x[t]) for every token t, in x's dtype.
+
+    x [T, H]; weights [T, k] (any float dtype: each product is taken in
+    float32 from it); ids [T, k]; ``expert(e, rows)`` maps ``[n, H]`` rows
+    to ``[n, H]``. Each active expert is called once, over all its rows.
+    """
+    num_tokens, k = ids.shape
+    hidden = x.shape[1]
+    if num_tokens == 0:
+        return x.new_zeros((0, hidden))
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within each
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // k  # the token of each sorted pair
+    xs = x.index_select(0, token_of)
+    ys = torch.empty((flat.shape[0], hidden), dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start:start + n] = expert(e, xs[start:start + n])
+            start += n
+    w = weights.reshape(-1).index_select(0, order).float()
+    out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, ys.float().mul_(w[:, None]))
+    return out.to(x.dtype)
+
+
+class ExpertLinear(Linear):
+    """``num_experts`` matmuls of one shape, plain weights stacked ``[E, out, in]``.
+
+    A ``Linear`` so that the model's packing (``LlamaModel.pack_weights``),
+    reloading and method switches (``set_linear_config``) reach it as they
+    reach every other matmul. Its method is applied per expert through a
+    ``Linear`` over each expert's slice; once every expert has a packed
+    copy, the stacked plain weight is released (each copy is the only one).
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device | str, method: LinearMethodBase, prefix: str) -> None:
+        stacked = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype, device=device),
+                               requires_grad=False)
+        super().__init__(in_features, out_features, bias=False, dtype=dtype, device=device, method=method,
+                         prefix=prefix, weight=stacked)
+        self.num_experts = num_experts
+        self.experts: list[Linear] | None = None  # per-expert layers over the stack, once processed
+
+    def process_weights_after_loading(self) -> None:
+        if self.experts is None:
+            stack = self.weight.data
+            # keep_plain: the expert's view must not be released alone (the stack is, below).
+            self.experts = [Linear(self.in_features, self.out_features, bias=False, dtype=stack.dtype,
+                                   device=stack.device, method=self.method, prefix=f"{self.prefix}.{e}",
+                                   keep_plain=True, weight=nn.Parameter(stack[e], requires_grad=False))
+                            for e in range(self.num_experts)]
+            for lin in self.experts:
+                lin.process_weights_after_loading()
+            if all(getattr(lin, "packed", None) is not None for lin in self.experts):
+                for lin in self.experts:  # the packed copies serve every call: drop the views
+                    lin.weight.data = lin.weight.data.new_empty(0)
+                self.plain_shape = release_plain(self.weight)
+        self.processed = True
+
+    def restore_weights_for_loading(self) -> None:
+        if self.plain_shape is not None:
+            restore_plain(self.weight, self.plain_shape)
+        self.experts, self.plain_shape = None, None
+        self.processed = False
+
+    def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s matmul: x [n, in] -> [n, out]."""
+        if self.experts is None:  # unprocessed (never on a served step: the model packs first)
+            return F.linear(x, self.weight[e])
+        return self.experts[e](x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError(f"{self.prefix}: an expert stack is applied per expert (forward_expert)")
+
+    __call__ = forward
+
+    def matmul_args(self) -> None:
+        return None  # the one-call C++ layer has no experts
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts and (Qwen2-MoE) the gated shared expert of one layer."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 linear_config: LinearConfig, prefix: str) -> None:
+        super().__init__()
+        c = config
+        hidden, inter = c.hidden_size, c.moe_intermediate_size
+        self.num_experts, self.top_k, self.renormalize = c.num_experts, c.num_experts_per_tok, c.norm_topk_prob
+        self.weights_float32 = c.router_weights_float32
+        self.intermediate_size = inter
+        self.gate = _linear(hidden, c.num_experts, dtype, device, linear_config, f"{prefix}.gate")
+        self.w13 = ExpertLinear(c.num_experts, hidden, 2 * inter, dtype, device,
+                                linear_config.get_linear_method(f"{prefix}.experts.gate_up_proj"),
+                                f"{prefix}.experts.gate_up_proj")
+        self.w2 = ExpertLinear(c.num_experts, inter, hidden, dtype, device,
+                               linear_config.get_linear_method(f"{prefix}.experts.down_proj"),
+                               f"{prefix}.experts.down_proj")
+        shared = c.shared_expert_intermediate_size
+        self.shared_intermediate_size = shared
+        if shared:
+            self.shared_gate_up = _linear(hidden, 2 * shared, dtype, device, linear_config,
+                                          f"{prefix}.shared_expert.gate_up_proj")
+            self.shared_down = _linear(shared, hidden, dtype, device, linear_config,
+                                       f"{prefix}.shared_expert.down_proj")
+            self.shared_expert_gate = _linear(hidden, 1, dtype, device, linear_config, f"{prefix}.shared_expert_gate")
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.w2.forward_expert(e, silu_and_mul(self.w13.forward_expert(e, x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (post-attention-normed) -> [T, hidden]."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if not self.weights_float32:
+            weights = weights.to(x.dtype)  # Qwen rounds them to the model's dtype (HF)
+        out = fused_experts(x, weights, ids, self.num_experts, self.expert)
+        if self.shared_intermediate_size:
+            shared = self.shared_down(silu_and_mul(self.shared_gate_up(x)))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    # ---- weight names ----
+
+    def weight_target(self, rest: str) -> tuple[Linear, object] | None:
+        """The destination of a checkpoint tensor named ``rest`` within its
+        decoder layer: (layer, rows) as ``LlamaModel._layer_target`` returns
+        them, or None. An ``ExpertLinear``'s rows are ``(expert, row slice)``:
+        the plain methods' ``load_weight`` indexes the stack with them."""
+        inter, shared = self.intermediate_size, self.shared_intermediate_size
+        halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "down": slice(None)}
+        block, _, name = rest.partition(".")
+        if block not in ("mlp", "block_sparse_moe"):
+            return None
+        table: dict[str, tuple[Linear, object]] = {"gate.weight": (self.gate, None)}
+        if shared:
+            table.update({
+                "shared_expert.gate_proj.weight": (self.shared_gate_up, slice(0, shared)),
+                "shared_expert.up_proj.weight": (self.shared_gate_up, slice(shared, 2 * shared)),
+                "shared_expert.down_proj.weight": (self.shared_down, None),
+                "shared_expert_gate.weight": (self.shared_expert_gate, None),
+            })
+        if name in table:
+            return table[name]
+        parts = name.split(".")  # experts.N.<proj>.weight
+        if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[3] == "weight":
+            e = int(parts[1])
+            proj = (_MIXTRAL_PROJ if block == "block_sparse_moe" else _QWEN_PROJ).get(parts[2])
+            if proj is not None and e < self.num_experts:
+                half, stack = proj
+                return getattr(self, stack), (e, halves[half])
+        return None
+
+    def expected_keys(self, block: str) -> list[str]:
+        """The checkpoint names this block needs, per-expert layout (within its decoder layer)."""
+        names = _MIXTRAL_PROJ if block == "block_sparse_moe" else _QWEN_PROJ
+        keys = [f"{block}.gate.weight"]
+        keys += [f"{block}.experts.{e}.{n}.weight" for e in range(self.num_experts) for n in names]
+        if self.shared_intermediate_size:
+            keys += [f"{block}.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            keys.append(f"{block}.shared_expert_gate.weight")
+        return keys
+
+
+def _linear(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str,
+            linear_config: LinearConfig, prefix: str) -> Linear:
+    return Linear(in_features, out_features, bias=False, dtype=dtype, device=device,
+                  method=linear_config.get_linear_method(prefix), prefix=prefix)

@@ -1,0 +1,182 @@
+"""An all-reduce over shared memory for the ranks of one host (as vLLM's CPU
+SHM communicator): no sockets, no kernel on the data path.
+
+One segment holds, for each of two buffers, one slot per rank, and one
+sequence flag per rank:
+
+    [flags: int64 x world_size][buffer 0: slot 0 | slot 1 | ...][buffer 1: slot 0 | slot 1 | ...]
+
+Call number ``seq`` (every rank counts its calls; chunks of a large tensor
+are calls of their own) uses buffer ``seq % 2``:
+
+1. rank r copies its tensor into its slot, then stores ``seq`` into its flag
+   (x86 keeps stores in order: a peer that sees the flag sees the data);
+2. it waits until every flag is >= ``seq``;
+3. it sums the slots in rank order: every rank adds the same numbers in the
+   same order, so all ranks get the same bits, whatever the tensor's shape
+   (gloo's ring all-reduce sums each chunk in an order that depends on the
+   size).
+
+Two buffers suffice: a rank writes buffer ``seq % 2`` again at ``seq + 2``
+only after every flag reached ``seq + 1``, i.e. after every rank finished
+reading call ``seq``.
+
+The wait spins for 100 us, yielding between looks, then naps from 50 us
+doubling up to 1 ms (ranks may share cores), and is bounded: a peer whose process is gone (pids are in the group's store)
+fails it at once, a hung one after ``timeout_s``, with ``CollectiveError``.
+Anything other than a float sum, and ``all_gather``, goes to the wrapped
+gloo group.
+"""
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+from kvferry.parallel.group import CollectiveError, ProcessGroup
+
+SLOT_BYTES = 4 << 20  # per rank and buffer: one decode step's [batch, hidden] many times over
+_ALIGN = 64
+_LIVENESS_EVERY_S = 0.05
+# A wait first spins (a peer on its own core arrives within microseconds),
+# then naps, so that a peer sharing this CPU gets it (a loaded host, more
+# ranks than cores): spinning there took the CPU the peer needed.
+_SPIN_S = 100e-6
+_NAP_S = 50e-6  # doubling up to _MAX_NAP_S: a waiter that wakes often competes with the peer it waits for
+_MAX_NAP_S = 1e-3
+
+
+class ShmAllReduce:
+    """``group``'s collectives, its float sums through shared memory."""
+
+    def __init__(self, group: ProcessGroup, slot_bytes: int = SLOT_BYTES) -> None:
+        self.group, self.rank, self.world_size = group, group.rank, group.world_size
+        self.timeout_s = group.timeout_s
+        n = self.world_size
+        self._slot = slot_bytes
+        self._data_offset = -(-8 * n // _ALIGN) * _ALIGN
+        size = self._data_offset + 2 * n * slot_bytes
+        if self.rank == 0:
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            group.store_set("shm_all_reduce", self._shm.name)
+        else:
+            self._shm = shared_memory.SharedMemory(name=group.store_get("shm_all_reduce"))
+            _untrack(self._shm)  # rank 0 owns it: a worker's exit must not unlink it
+        group.store_set(f"pid{self.rank}", str(os.getpid()))
+        self._flags = np.ndarray((n,), dtype=np.int64, buffer=self._shm.buf)
+        self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8, offset=self._data_offset,
+                                       count=2 * n * slot_bytes)
+        self._seq = 0
+        self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+        group.barrier()  # every rank attached (rank 0 may unlink the name from now on)
+        self._pids = [int(group.store_get(f"pid{r}")) for r in range(n)]
+        if self.rank == 0:
+            self._shm.unlink()  # gone from /dev/shm once every rank has closed it, however they end
+
+    # -- collectives -------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op != "sum" or not tensor.is_floating_point() or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return self.group.all_reduce(tensor, op)
+        flat = tensor.view(-1)
+        per_call = self._slot // tensor.element_size()
+        for start in range(0, flat.numel(), per_call):
+            self._reduce_chunk(flat[start:start + per_call])
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return self.group.all_gather(tensor, dim)
+
+    def barrier(self) -> None:
+        self.group.barrier()
+
+    def _reduce_chunk(self, x: torch.Tensor) -> None:
+        self._seq += 1
+        seq, n = self._seq, self.world_size
+        slots = self._slots(seq % 2, x)
+        slots[self.rank].copy_(x)
+        self._flags[self.rank] = seq  # after the data (stores stay in order on x86)
+        self._wait(seq)
+        if x.dtype == torch.float32:
+            x.copy_(slots[0])
+            for r in range(1, n):  # rank order: the same sum on every rank
+                x.add_(slots[r])
+            return
+        total = slots[0].float()  # half types: summed in float32, rounded once
+        for r in range(1, n):
+            total.add_(slots[r])
+        x.copy_(total)
+
+    def _slots(self, buffer: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each rank's slot of ``buffer`` as a 1-D tensor like ``x`` (kept: a decode
+        step asks for the same few shapes, 2 x layers + 1 times)."""
+        nbytes = x.numel() * x.element_size()
+        key = (buffer, nbytes, x.dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            first = buffer * self.world_size * self._slot
+            views = self._views[key] = [self._bytes[first + r * self._slot: first + r * self._slot + nbytes]
+                                        .view(x.dtype) for r in range(self.world_size)]
+        return views
+
+    def _wait(self, seq: int) -> None:
+        flags = self._flags
+        if flags.min() >= seq:
+            return
+        start = last_check = time.monotonic()
+        nap = _NAP_S
+        while flags.min() < seq:
+            now = time.monotonic()
+            if now - start < _SPIN_S:
+                os.sched_yield()
+            else:  # the peer is late (it shares our CPU, or is busy): let it run
+                time.sleep(nap)
+                nap = min(2 * nap, _MAX_NAP_S)
+            if now - last_check >= _LIVENESS_EVERY_S:
+                last_check = now
+                self._check_peers(seq, now - start)
+
+    def _check_peers(self, seq: int, waited: float) -> None:
+        for r, pid in enumerate(self._pids):
+            if self._flags[r] < seq and not _alive(pid):
+                raise CollectiveError(f"rank {self.rank} of {self.world_size}: all_reduce failed: rank {r} "
+                                      f"(pid {pid}) is gone")
+        if waited > self.timeout_s:
+            late = [r for r in range(self.world_size) if self._flags[r] < seq]
+            raise CollectiveError(f"rank {self.rank} of {self.world_size}: all_reduce failed: rank(s) {late} did "
+                                  f"not answer within {self.timeout_s:g}s")
+
+    def close(self) -> None:
+        self._flags = self._bytes = None
+        self._views.clear()
+        try:
+            self._shm.close()
+        except BufferError:  # a view still held somewhere: the mapping goes with the process
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A killed child that its parent has not reaped yet is a zombie: gone too.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Keep multiprocessing's resource tracker from unlinking a segment this process only attached."""
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the tracker's own key
+    except Exception:  # noqa: BLE001 - only a warning at exit is at stake
+        pass

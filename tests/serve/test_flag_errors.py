@@ -1,0 +1,238 @@
+"""Every ``kvferry serve`` flag that takes a value, given a bad one (wrong
+type, out of range, a path that does not exist): the process exits with
+code 2 within seconds, before it starts an engine core, and stderr holds
+one error line and no traceback.
+
+The command lines run as real processes, forked from one Python that
+imported the CLI once (tests/serve/cli_runner.py), so a hundred of them
+cost seconds. Two more start ``python -m kvferry.cli serve`` as a user
+does, with the mistakes the issue found after a model load and a
+traceback: a ``--max-model-len`` past the model's context and an
+``eagle3`` draft named by a Hugging Face id.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from kvferry.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+MISSING = "/nonexistent/kvferry-test/x"
+# --autoscale's tuning flags are checked with --autoscale given (without it
+# they are refused for that alone: test_autoscale_tuning_needs_autoscale).
+AUTOSCALE = ["--autoscale", MISSING, "--ttft-slo-ms", "500"]
+
+# flag -> bad command-line fragments (each gets its own process). "{bad_json}"
+# is a file of invalid JSON.
+BAD: dict[str, list[list[str]]] = {
+    "--model": [[MISSING], ["some-org/not-in-the-cache"]],
+    "--dtype": [["int4"]],
+    "--device": [["tpu"]],
+    "--attention-backend": [["flash"]],
+    "--quantization": [["awq"]],
+    "--seed": [["abc"]],
+    "--block-size": [["24"], ["0"]],
+    "--max-num-seqs": [["0"], ["x"]],
+    "--max-num-batched-tokens": [["0"]],
+    "--max-model-len": [["-1"], ["100000"]],
+    "--num-kv-blocks": [["1"]],
+    "--kv-cache-memory-gb": [["0"], ["inf"], ["nan"]],
+    "--kv-cache-dtype": [["int8"]],
+    "--num-swap-blocks": [["-1"]],
+    "--preemption-mode": [["never"]],
+    "--kv-store": [[MISSING]],
+    "--kv-dram-gb": [["-1"], ["inf"]],
+    "--kv-disk": [[MISSING]],
+    "--kv-disk-gb": [["-1"]],
+    "--kv-remote": [["http://x"]],
+    "--kv-cluster": [["bogus"]],
+    "--max-load-tokens": [["-1"]],
+    "--speculative-config": [["{bad"], ['{"method": "nope"}'], ['{"method": "eagle3", "model": "some/hf-id"}'],
+                             ['{"method": "draft", "model": "' + MISSING + '"}'], ['{"method": "head"}']],
+    "--kv-transfer-address": [["foo"]],
+    "--kv-transport": [["rdma"]],
+    "--kv-transfer-failure": [["retry"]],
+    "--kv-transfer-timeout-s": [["0"]],
+    "--kv-connector": [["nocolon"], ["no_such_module_xyz:Connector"]],
+    "--host": [["no.such.host.invalid"]],
+    "--port": [["abc"], ["70000"]],
+    "--served-model-name": [[""]],
+    "--max-request-body-bytes": [["0"]],
+    "--log-level": [["loud"]],
+    "--log-stats-interval-s": [["-1"]],
+    "--shutdown-timeout": [["-1"]],
+    "--engine-start-timeout": [["0"]],
+    "--metrics-prefix": [["prom"]],
+    "--max-tokens-default": [["0"]],
+    "--max-tokens-limit": [["0"]],
+    "--allowed-origins": [[""]],
+    "--header-read-timeout": [["0"]],
+    "--body-read-timeout": [["0"]],
+    "--timeout-keep-alive": [["-1"]],
+    "--max-header-count": [["0"]],
+    "--max-header-bytes": [["0"]],
+    "--tool-call-parser": [["mistral"]],
+    "--chat-template": [[MISSING]],
+    "--responses-store-size": [["-1"]],
+    "--responses-store-ttl": [["0"]],
+    "--embedding-pooling": [["cls"]],
+    "--api-keys": [[MISSING], ["{bad_json}"]],
+    "--api-key": [[""]],
+    "--cache-secret-file": [[MISSING]],
+    "--public-prefixes": [[MISSING], ["{bad_json}"]],
+    "--max-public-prefixes-per-tenant": [["-1"]],
+    "--max-public-prefix-tokens-per-tenant": [["-1"]],
+    "--metrics-max-tenants": [["0"]],
+    "--mode": [["pipeline"]],
+    "--data-parallel-size": [["-1"]],
+    "--prefill": [["-1", "--mode", "disagg"]],
+    "--decode": [["-1", "--mode", "disagg"]],
+    "--prefill-cpus": [["abc", "--mode", "disagg"]],
+    "--decode-cpus": [["9999", "--mode", "disagg"]],
+    "--worker": [["garbage"]],
+    "--engine-cpus": [["abc"], ["9999"]],
+    "--ttft-slo-ms": [["-5"]],
+    "--tpot-slo-ms": [["0"]],
+    "--health-check-interval": [["0"]],
+    "--health-timeout": [["0"]],
+    "--engine-heartbeat-timeout": [["-1"]],
+    "--engine-restarts": [["-1"]],
+    "--engine-restart-window": [["0"]],
+    "--engine-restart-wait": [["-1"]],
+    "--ray": [["not an address"]],
+    "--scale-timeout-s": [["0"], ["-5"]],
+    "--ray-engine-resources": [["notjson"], ['{"CPU": -1}']],
+    "--ray-prefill-resources": [["[1]"]],
+    "--ray-decode-resources": [['{"GPU": "one"}']],
+    "--autoscale": [[MISSING, "--ttft-slo-ms", "500"]],
+    "--autoscale-slo": [["bogus", *AUTOSCALE]],
+    "--autoscale-min": [["x=1", *AUTOSCALE]],
+    "--autoscale-max": [["engine=abc", *AUTOSCALE]],
+    "--autoscale-max-cores": [["0", *AUTOSCALE]],
+    "--autoscale-interval-s": [["0", *AUTOSCALE]],
+    "--autoscale-window-s": [["0", *AUTOSCALE]],
+    "--autoscale-down-after": [["0", *AUTOSCALE]],
+    "--autoscale-cooldown-s": [["-1", *AUTOSCALE]],
+    "--autoscale-min-requests": [["-1", *AUTOSCALE]],
+    "--autoscale-min-attainment": [["150", *AUTOSCALE]],
+    "--tensor-parallel-size": [["2"], ["two"]],
+    "--swap-space": [["-1"]],
+    "--uvicorn-log-level": [["loud"]],
+    "--gpu-memory-utilization": [["1.5"], ["0"]],
+    "--generation-config": [[MISSING]],
+    "--load-format": [["pt"], ["gguf"]],
+    "--tokenizer": [[MISSING]],
+    "--tokenizer-mode": [["mistral"]],
+    "--revision": [["v2.0"]],
+    "--tokenizer-revision": [["v2.0"]],
+    "--distributed-executor-backend": [["ray"], ["external_launcher"]],
+    "--pipeline-parallel-size": [["2"]],
+    "--max-logprobs": [["5"], ["many"]],
+    "--num-gpu-blocks-override": [["1"]],
+    "--root-path": [["api"]],
+    "--guided-decoding-backend": [["outlines"]],
+    "--allowed-methods": [["GET"]],
+    "--allowed-headers": [["X-Custom"]],
+}
+# Flags whose every value is valid.
+ANY_VALUE = {"--code-revision": "a no-op whatever the revision (kvferry runs no code from a model repository)"}
+
+CASES = [(flag, fragment) for flag, fragments in BAD.items() for fragment in fragments]
+
+
+def _case_id(case: tuple[str, list[str]]) -> str:
+    return f"{case[0]}={case[1][0][:30]}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    """Every case's outcome, from one runner process."""
+    root = tmp_path_factory.mktemp("flag-errors")
+    model = _placeholder_model(root / "model")
+    bad_json = root / "bad.json"
+    bad_json.write_text("{not json")
+    cases = []
+    for flag, fragment in CASES:
+        values = [v.replace("{bad_json}", str(bad_json)) for v in fragment]
+        cases.append({"argv": ["serve", "--model", str(model), "--port", "0", flag, *values], "timeout_s": 60})
+    p = subprocess.run([sys.executable, "-m", "tests.serve.cli_runner"], input=json.dumps(cases), cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return {_case_id(case): result for case, result in zip(CASES, json.loads(p.stdout))}
+
+
+def _placeholder_model(folder: Path) -> Path:
+    """A folder that resolves as a model (config.json, tokenizer.json,
+    safetensors) with a context of 256; none of these cases may load it."""
+    folder.mkdir(parents=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, "vocab_size": 384}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text("{}")
+    save_file({"placeholder": np.zeros(1, dtype=np.float32)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def assert_one_line_error(code: int, stderr: str, context: str = "") -> str:
+    """Exit code 2, one ``error:`` line, no traceback; returns that line."""
+    assert "Traceback" not in stderr, f"{context}\n{stderr}"
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1, f"{context}: exit {code}\n{stderr}"
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_bad_value_is_one_line_before_anything_starts(case, results):
+    flag, fragment = case
+    r = results[_case_id(case)]
+    assert not r["timed_out"], f"{flag} {fragment}: still running after 60 s\n{r['stderr'][-2000:]}"
+    line = assert_one_line_error(r["code"], r["stderr"], f"{flag} {fragment}")
+    # Refused by the front end: no engine core was started (it logs as [engine-0]).
+    assert "the engine core failed" not in line and "[engine-" not in r["stderr"], r["stderr"]
+    assert r["stdout"] == ""
+
+
+def test_every_flag_with_a_value_has_a_bad_value_case():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {a.option_strings[0] for a in serve._actions if a.option_strings and a.nargs != 0
+             and not isinstance(a, (argparse._HelpAction, argparse._StoreTrueAction, argparse.BooleanOptionalAction))}
+    missing = sorted(flags - set(BAD) - set(ANY_VALUE))
+    assert not missing, f"give these flags a bad value in BAD (or a reason in ANY_VALUE): {missing}"
+
+
+def test_autoscale_tuning_needs_autoscale():
+    p = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--autoscale-interval-s", "10"],
+                       capture_output=True, text=True, timeout=120)
+    line = assert_one_line_error(p.returncode, p.stderr)
+    assert "--autoscale-interval-s tunes the autoscaler: give --autoscale PROFILE too" in line
+
+
+# -- the issue's cases, as a user runs them ---------------------------------------------------
+
+def test_the_issues_mistakes_are_one_line_before_the_model_loads():
+    """As a user runs them, with the default model (the embedded GGUF,
+    context length 8192): --max-model-len past it, and an eagle3 draft
+    named by a Hub id. A mistake only the loaded core can find is
+    tests/serve/test_core_process.py's test_core_start_failure_is_a_clear_error."""
+    argvs = {
+        "max-model-len": ["--max-model-len", "100000"],
+        "eagle3": ["--speculative-config", '{"method": "eagle3", "model": "some-org/some-eagle3-head"}'],
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *argv],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, argv in argvs.items()}
+    out = {name: p.communicate(timeout=300) for name, p in procs.items()}
+    lines = {name: assert_one_line_error(procs[name].returncode, out[name][1], name) for name in argvs}
+    assert lines["max-model-len"] == ("kvferry serve: error: --max-model-len 100000 exceeds the model's context "
+                                      "length 8192")
+    assert "some-org/some-eagle3-head" in lines["eagle3"] and "kvferry train-draft" in lines["eagle3"]
+    assert all("[engine-" not in err for _, err in out.values())  # no core was started
