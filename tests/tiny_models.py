@@ -167,9 +167,11 @@ def load_hf_model(path: str | Path):  # noqa: ANN201 - a transformers model
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def write_tiny_gguf(hf_folder: str | Path, out_file: str | Path, pre: str = "default", qtype: str | None = None) -> Path:
+def write_tiny_gguf(hf_folder: str | Path, out_file: str | Path, pre: str = "default", qtype: str | None = None,
+                    quantize_vocab: bool = False) -> Path:
     """Write ``hf_folder`` (a tiny checkpoint) as a llama.cpp-style GGUF:
-    F32 tensors (``qtype``, e.g. "Q8_0": the linear weights in that type),
+    F32 tensors (``qtype``, e.g. "Q8_0": the linear weights in that type, and
+    with ``quantize_vocab`` the token embedding and lm_head too),
     GGUF names, Q/K rows permuted for the llama architecture as
     convert_hf_to_gguf.py does, and byte-level BPE tokenizer metadata."""
     import gguf
@@ -193,7 +195,8 @@ def write_tiny_gguf(hf_folder: str | Path, out_file: str | Path, pre: str = "def
             t = permute_qk(t, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             t = permute_qk(t, cfg["num_key_value_heads"])
-        if qtype is not None and name.endswith("_proj.weight"):
+        vocab = quantize_vocab and name in ("model.embed_tokens.weight", "lm_head.weight")
+        if qtype is not None and (name.endswith("_proj.weight") or vocab):
             kind = gguf.GGMLQuantizationType[qtype]
             blocks = gguf.quants.quantize(t.float().numpy(), kind)
             w.add_tensor(_gguf_name(name), blocks, raw_shape=blocks.shape, raw_dtype=kind)

@@ -48,8 +48,10 @@ def test_served_quantized_answers_and_holds_less_memory(tmp_path):
     # Greedy: the first words agree (8-bit activations may flip a late near-tie).
     assert text_q.split()[:1] == text_f.split()[:1] and text_q.strip()
     # float32 expands the 30 layers' linear weights (106M parameters) to ~425 MB; their blocks are
-    # ~68 MB. The token embedding (and the tied lm_head's packed copy) stay float either way, and the
-    # KV pool, torch and the server are the same: measured 1486 MB against 1781 MB on a 2-core Xeon.
+    # ~68 MB; the token embedding, which is the tied lm_head, 30 MB of Q8_0 blocks against a float
+    # table and its packed copy (2 x 113 MB). The KV pool, torch and the server are the same: measured
+    # 1486 MB against 1781 MB on a 2-core Xeon with a float embedding; tests/model/test_gguf_memory.py
+    # bounds the blocks' server by the file's size.
     assert rss_q < rss_f - 200
 
 

@@ -1,16 +1,22 @@
-"""Serve a GGUF file's weights as they are: each linear weight of a type
-with a native kernel (quant/formats.py: Q4_0..Q8_0, Q2_K..Q6_K) stays in
-its blocks (``QuantizedWeight``), multiplied by layers/gguf.py's method.
-Everything else (the token embedding, norms, biases, and weights of types
-without a kernel such as the IQ* types) is dequantized at load: the
-embedding is looked up by row, so it is kept in the model's float dtype.
+"""Serve a GGUF file's weights as they are: each linear weight, the token
+embedding and the lm_head, in a type with a native kernel (quant/formats.py:
+Q4_0..Q8_0, Q2_K..Q6_K), stays in its blocks (``QuantizedWeight``), used by
+layers/gguf.py's methods; a tied lm_head is the embedding's blocks. The rest
+(norms, biases, float tensors, and types without a kernel such as the IQ*
+types) is dequantized at load.
 
-Tensor bytes are read from the file once (``np.fromfile`` at the tensor's
-offset) into the process's own memory, not through a mapping of the file:
-RSS then counts each weight once, at the file's size, and the page cache
-holds what the kernel chooses. No expanded copy is written: the model
-cache holds only config.json and the tokenizer (gguf_convert.py,
-``weights=False``).
+The blocks are the file's own pages: the file is mapped once (private,
+copy-on-write, so nothing can write it) and each tensor that can be used
+as it lies is a view of the mapping, with no copy (``torch.frombuffer``).
+That holds for every tensor but two kinds: llama's Q and K, whose rows
+llama.cpp permuted (undone on the block bytes, into a copy), and the shards
+of a fused layer that do not lie back to back in row order (gate then up,
+q then k then v), which are stacked into one copy. Those are read with
+``np.fromfile`` (pread, no page of the mapping touched), so no weight is
+resident twice. An engine then holds about the file's bytes for weights,
+and engines serving one file share its pages through the page cache. No
+expanded copy is written: the model cache holds only config.json and the
+tokenizer (gguf_convert.py, ``weights=False``).
 
 ``--quantization none`` serves the old way (gguf_convert.py: expanded to
 float once, into the cache).
@@ -20,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -39,6 +46,10 @@ _LINEAR = {"attn_q": "self_attn.qkv_proj", "attn_k": "self_attn.qkv_proj", "attn
            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_up_proj", "ffn_up": "mlp.gate_up_proj",
            "ffn_down": "mlp.down_proj"}
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# The vocabulary's tensors kept in blocks, by the prefix GGUFConfig knows them as.
+_VOCAB = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head"}
+# A fused layer's shards in its row order (llama.py's qkv_proj and gate_up_proj rows).
+_ROW_ORDER = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "ffn_gate": 0, "ffn_up": 1}
 
 
 def open_gguf(path: Path) -> Any:  # gguf.GGUFReader
@@ -84,15 +95,24 @@ def linear_prefix(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LINEAR[m.group(2)]}"
 
 
+def block_prefix(gguf_name: str) -> str | None:
+    """The prefix of the layer a GGUF tensor may be kept in blocks for (a
+    linear layer, "model.embed_tokens", "lm_head"), or None."""
+    return linear_prefix(gguf_name) or _VOCAB.get(gguf_name)
+
+
 def quantized_layers(reader: Any, file_name: str) -> set[str]:
     """Prefixes of the layers kept in blocks: every tensor of the layer in a
-    type with a native kernel. Logs the types dequantized instead."""
+    type with a native kernel. A tied lm_head (no output.weight) follows the
+    embedding. Logs the types dequantized instead."""
     by_layer: dict[str, list[str]] = {}
     for t in reader.tensors:
-        prefix = linear_prefix(t.name)
+        prefix = block_prefix(t.name)
         if prefix is not None:
             by_layer.setdefault(prefix, []).append(t.tensor_type.name)
     kept = {p for p, types in by_layer.items() if all(ty in FORMATS for ty in types)}
+    if "model.embed_tokens" in kept and "lm_head" not in by_layer:
+        kept.add("lm_head")  # tied: the embedding's blocks are the lm_head's weight
     slow = Counter(ty for p, types in by_layer.items() if p not in kept for ty in types
                    if ty not in FORMATS and ty not in ("F32", "F16", "BF16"))
     if slow:
@@ -102,25 +122,68 @@ def quantized_layers(reader: Any, file_name: str) -> set[str]:
 
 
 def _read(path: Path, t: Any) -> np.ndarray:
-    """The tensor's data as the reader lays it out, read from the file (no mapping kept)."""
+    """The tensor's data as the reader lays it out, read from the file (a copy, no page of a mapping touched)."""
     arr = np.fromfile(path, dtype=t.data.dtype, count=t.data.size, offset=int(t.data_offset))
     if arr.size != t.data.size:
         raise ValueError(f"GGUF {path.name}: tensor {t.name!r} is truncated")
     return arr.reshape(t.data.shape)
 
 
+def map_file(path: Path) -> torch.Tensor:
+    """The whole file as a uint8 tensor over a private mapping of it
+    (copy-on-write: a stray write can never reach the file). The tensor
+    keeps the mapping alive; only the pages read become resident."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def mapped_tensors(reader: Any, config: dict[str, Any], quantized: set[str]) -> set[str]:
+    """Names of the kept tensors used as they lie in the file (views of the
+    mapping): all but llama's permuted Q/K and the shards of a fused layer
+    that are not back to back in row order with one type."""
+    arch = config["model_type"]
+    fused: dict[str, list[Any]] = {}
+    views = set()
+    for t in reader.tensors:
+        prefix = block_prefix(t.name)
+        if prefix not in quantized:
+            continue
+        m = _BLK.fullmatch(t.name)
+        if m is not None and m.group(2) in _ROW_ORDER:
+            fused.setdefault(prefix, []).append(t)
+        else:
+            views.add(t.name)
+    for shards in fused.values():
+        shards.sort(key=lambda t: _ROW_ORDER[_BLK.fullmatch(t.name).group(2)])
+        permuted = any(gguf_convert.qk_heads(gguf_convert.hf_name(t.name), config, arch) for t in shards)
+        in_order = all(int(a.data_offset) + int(a.n_bytes) == int(b.data_offset) and a.tensor_type == b.tensor_type
+                       for a, b in zip(shards, shards[1:]))
+        if in_order and not permuted:
+            views.update(t.name for t in shards)
+    return views
+
+
 def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any],
                       quantized: set[str]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(HF name, QuantizedWeight or float32 tensor) for every tensor of the file."""
+    """(HF name, QuantizedWeight or float32 tensor) for every tensor of the
+    file: blocks of the ``quantized`` layers (views of the mapped file where
+    ``mapped_tensors`` allows), floats for the rest."""
     arch = config["model_type"]  # the GGUF architecture's name (gguf_convert._ARCH)
+    views = mapped_tensors(reader, config, quantized)
+    file = map_file(path) if views else None
     for t in reader.tensors:
         name = gguf_convert.hf_name(t.name)
-        if linear_prefix(t.name) in quantized:
+        if block_prefix(t.name) in quantized:
             out_f, in_f = (int(d) for d in reversed(t.shape))
-            data = torch.from_numpy(_read(path, t)).reshape(out_f, -1)
-            heads = gguf_convert.qk_heads(name, config, arch)
-            if heads is not None:  # rows are whole blocks: llama.cpp's Q/K row order undone on bytes
-                data = gguf_convert.unpermute_qk(data, heads).contiguous()
+            if t.name in views:
+                start = int(t.data_offset)
+                data = file[start:start + int(t.n_bytes)]
+            else:
+                data = torch.from_numpy(_read(path, t)).reshape(out_f, -1)
+                heads = gguf_convert.qk_heads(name, config, arch)
+                if heads is not None:  # rows are whole blocks: llama.cpp's Q/K row order undone on bytes
+                    data = gguf_convert.unpermute_qk(data, heads).contiguous()
             yield name, QuantizedWeight.from_blocks(t.name, t.tensor_type.name, data, (out_f, in_f))
         else:
             yield name, gguf_convert.float_tensor(t.name, _read(path, t), t.tensor_type, t.shape, config, arch)

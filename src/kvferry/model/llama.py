@@ -35,6 +35,7 @@ from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_
 from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
 from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, take_slice,
                                              vocab_parallel_embedding)
+from kvferry.model.layers.vocab import VocabEmbedding
 from kvferry.model.moe import SparseMoeBlock
 
 
@@ -222,23 +223,23 @@ class LlamaModel(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
         vocab = shard.vocab_per_rank(config.vocab_size)  # rows of embed_tokens and lm_head here
         self.linear_config = linear_config = linear_config or UnquantizedConfig()
-        self.embed_tokens = _param(vocab, config.hidden_size, dtype=dtype, device=device)
+        # The token embedding (this rank's rows) in its method's format: a GGUF file's blocks, or the plain table.
+        self.embed = VocabEmbedding(vocab, config.hidden_size, dtype=dtype, device=device,
+                                    method=linear_config.get_embedding_method("model.embed_tokens"))
+        # The plain table that spec/head.py and train/ read; None where the format keeps its own.
+        self.embed_tokens = self.embed.weight
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, linear_config, f"model.layers.{i}", shard)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(config, device)
-        # Tied models share the embedding matrix (same Parameter, loaded once).
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else _param(vocab, config.hidden_size, dtype=dtype, device=device)
-        )
-        # The logits' matmul over the lm_head's plain matrix, which it keeps:
-        # tied, it is the embedding table, and the speculative heads
-        # (spec/head.py) and their training (spec/train_head.py) read it.
+        # The logits' matmul. A plain lm_head keeps its matrix: tied, it is the
+        # embedding table (same Parameter, loaded once), and the speculative
+        # heads (spec/head.py) and their training (train/) read it. A tied
+        # quantized table is handed to the lm_head's method after loading.
         self.logits_proj = Linear(config.hidden_size, vocab, bias=False, dtype=dtype, device=device,
                                   method=linear_config.get_linear_method("lm_head"), prefix="lm_head",
-                                  keep_plain=True, weight=self.lm_head)
+                                  keep_plain=True, weight=self.embed_tokens if config.tie_word_embeddings else None)
+        self.lm_head = self.logits_proj.weight  # the plain [V, H] matrix, or None (quantized)
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
         # Each layer's arguments for the one-call C++ layer (layer_op.py), or
         # None where some layer does not fit it; set by pack_weights.
@@ -319,7 +320,9 @@ class LlamaModel(nn.Module):
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        h = vocab_parallel_embedding(input_ids, self.embed_tokens, self.shard, self.config.vocab_size)  # [T, hidden]
+        # [T, hidden]; a tensor-parallel shard holds a plain slice of the table (GGUF blocks are never sharded)
+        h = (vocab_parallel_embedding(input_ids, self.embed_tokens, self.shard, self.config.vocab_size)
+             if self.shard.enabled else self.embed(input_ids))
         cos, sin = self.rotary(positions, self.dtype)
         layers = self.layers
         x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
@@ -374,19 +377,23 @@ class LlamaModel(nn.Module):
         if missing:
             more = " ..." if len(missing) > 8 else ""
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{more}")
+        tied = self.embed.tied_weight() if self.config.tie_word_embeddings else None
+        if tied is not None:  # a quantized table: the lm_head multiplies by the same blocks
+            self._copy(self.logits_proj, None, tied, "model.embed_tokens.weight")
 
     # ---- weight-name mapping ----
 
-    def _target(self, name: str) -> tuple[torch.Tensor | Linear, slice | None, str] | None:
+    def _target(self, name: str) -> tuple[torch.Tensor | Linear | VocabEmbedding, slice | None, str] | None:
         """(destination parameter or layer, row slice within it or None, bookkeeping key)."""
         if name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed, never loaded
         if name == "lm_head.weight":
             if self.config.tie_word_embeddings:
                 return None  # some tied checkpoints still store a copy
-            return self.lm_head, None, name
+            # The plain matrix, or the layer whose method keeps another format.
+            return (self.logits_proj if self.lm_head is None else self.lm_head), None, name
         if name == "model.embed_tokens.weight":
-            return self.embed_tokens, None, name
+            return (self.embed if self.embed_tokens is None else self.embed_tokens), None, name
         if name == "model.norm.weight":
             return self.norm.weight, None, name
         if name.startswith("model.layers."):
@@ -440,9 +447,13 @@ class LlamaModel(nn.Module):
                                              if isinstance(layer.mlp, SparseMoeBlock) else dense)]
 
     @staticmethod
-    def _copy(param: torch.Tensor | Linear, rows: slice | None, tensor: torch.Tensor, name: str) -> None:
+    def _copy(param: torch.Tensor | Linear | VocabEmbedding, rows: slice | None, tensor: torch.Tensor,
+              name: str) -> None:
         if isinstance(param, Linear):
             param.method.load_weight(param, rows, tensor, name)
+            return
+        if isinstance(param, VocabEmbedding):
+            param.load_weight(tensor, name)
             return
         if not isinstance(tensor, torch.Tensor):  # e.g. GGUF blocks for a norm: the loader dequantizes those
             raise ValueError(f"weight {name!r} must be a float tensor, got {type(tensor).__name__}")

@@ -132,9 +132,11 @@ def _load_gguf_blocks(path: Path, folder: Path, config: ModelConfig,
     lm = LlamaModel(config, dtype=dtype, device="cpu", linear_config=GGUFConfig(quantized))
     lm.load_weights(gguf_weights.iter_gguf_weights(path, reader, hf, quantized))
     lm.pack_weights()  # stack fused shards now: load-time peaks, not the first step's
-    logger.info("GGUF %s: %d of %d linear layers kept in their blocks (%.0f MB)", path.name, len(quantized),
-                len(lm.linears()), sum(lin.method.nbytes(lin) for lin in lm.linears()
-                                      if lin.prefix in quantized) / 1e6)
+    kept = [lin for lin in lm.linears() if lin.prefix in quantized]
+    logger.info("GGUF %s: %d of %d linear layers%s kept in their blocks (%.0f MB, %s the lm_head's)", path.name,
+                len(kept), len(lm.linears()), ", the token embedding" if lm.embed_tokens is None else "",
+                sum(lin.method.nbytes(lin) for lin in kept) / 1e6, "tied: the embedding's blocks are"
+                if lm.config.tie_word_embeddings and lm.lm_head is None else "with")
     return lm, gguf_weights.gguf_fingerprint(path, hf)
 
 

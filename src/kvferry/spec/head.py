@@ -146,6 +146,9 @@ class HeadProposer:
         if head.hidden_size != target.config.hidden_size:
             raise ValueError(f"speculative.model: the head reads hidden states of size {head.hidden_size}; "
                              f"the target's are {target.config.hidden_size}")
+        if target.lm_head is None or target.embed_tokens is None:  # --quantization gguf keeps them in blocks
+            raise ValueError('speculative method "head" reads the target\'s float embedding and lm_head; this model '
+                             "keeps them in GGUF blocks (serve it with --quantization none)")
         self.head = head
         self.target = target
         self.dtype = draft_dtype(target)

@@ -6,7 +6,9 @@ prepares and applies its weights, and the model never branches on format.
                      LinearConfig (hands each layer its method), Linear (the layer)
     unquantized.py   the plain methods: oneDNN / small_gemm packed copies (the default) and the
                      batch-invariant one of --deterministic
-    gguf.py, int8.py the quantized ones: GGUF blocks; int8 rows with per-channel scales (W8A8)
+    vocab.py         VocabEmbedding (the token embedding) and its methods' interface; the plain table
+    gguf.py, int8.py the quantized ones: GGUF blocks (linear and embedding methods, GGUFConfig); int8 rows
+                     with per-channel scales (W8A8)
 
     parallel.py      tensor-parallel shards: RowParallelLinear (all-reduces its method's product),
                      the vocabulary-parallel embedding and logits, TPShard (which slice a rank holds)

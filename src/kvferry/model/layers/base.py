@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from kvferry.model.layers.vocab import EmbeddingMethodBase, UnquantizedEmbeddingMethod
+
 
 class MatmulArgs(NamedTuple):
     """A matmul as the C++ decoder layer takes it (csrc/decoder_layer.cpp)."""
@@ -82,6 +84,10 @@ class LinearConfig(ABC):
     @abstractmethod
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         """The method of the layer named ``prefix`` (HF-style, e.g. ``model.layers.0.self_attn.qkv_proj``)."""
+
+    def get_embedding_method(self, prefix: str) -> EmbeddingMethodBase:
+        """The token embedding's method (layers/vocab.py): the plain table unless the format keeps it."""
+        return UnquantizedEmbeddingMethod()
 
     def batch_invariant(self) -> bool:
         """Whether every method's results for a row are independent of the

@@ -10,6 +10,11 @@ are stacked row-wise into one weight after loading; shards of different
 types (a Q4_K_M file keeps v in Q6_K) stay apart and their outputs are
 concatenated.
 
+The token embedding (``GGUFEmbeddingMethod``) keeps its blocks too and
+dequantizes only the rows a step looks up; a tied lm_head is a
+``GGUFLinearMethod`` layer over the very same blocks (one quantized table
+for both, where the float model held the table and a packed copy of it).
+
 ``matmul_args`` is None: the one-call C++ decoder layer multiplies packed
 float copies only, so the model runs its Python layers over these.
 """
@@ -21,6 +26,7 @@ from torch import nn
 from kvferry.model import quant
 from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase
 from kvferry.model.layers.unquantized import UnquantizedLinearMethod
+from kvferry.model.layers.vocab import EmbeddingMethodBase, UnquantizedEmbeddingMethod, VocabEmbedding
 from kvferry.model.quant import QuantizedWeight
 
 
@@ -55,10 +61,8 @@ class GGUFLinearMethod(LinearMethodBase):
             raise ValueError(f"{layer.prefix}: GGUF shards cover {sum(s.out_features for s in shards)} of "
                              f"{layer.out_features} output rows")
         if len(shards) > 1 and len({s.fmt for s in shards}) == 1:
-            # One weight, one kernel call: rows are whole blocks, so stacking is exact.
-            data = torch.cat([s.data for s in shards])
-            shards = [QuantizedWeight.from_blocks(layer.prefix, shards[0].fmt.name, data, (data.shape[0],
-                                                                                             layer.in_features))]
+            # One weight, one kernel call (a view where the shards lie back to back in the file).
+            shards = [quant.stack_rows(layer.prefix, shards)]
         layer.qweights = shards
         layer.shards = {}
 
@@ -71,10 +75,37 @@ class GGUFLinearMethod(LinearMethodBase):
         return sum(w.nbytes for w in layer.qweights) + sum(w.nbytes for w in layer.shards.values())
 
 
+class GGUFEmbeddingMethod(EmbeddingMethodBase):
+    """The token embedding in GGUF blocks: the looked-up rows are gathered
+    and dequantized (``quant.embedding``); the table is the tied lm_head's weight."""
+
+    def create_weights(self, layer: VocabEmbedding, dtype: torch.dtype, device: torch.device | str) -> None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"{layer.prefix}: GGUF blocks are served on the CPU only (--quantization none "
+                             "expands them to float)")
+        layer.weight = None  # no float table
+        layer.qweight = None
+
+    def load_weight(self, layer: VocabEmbedding, tensor: object, name: str) -> None:
+        if not isinstance(tensor, QuantizedWeight):
+            raise ValueError(f"weight {name!r}: {layer.prefix} keeps GGUF blocks, got {type(tensor).__name__}")
+        if tensor.shape != (layer.num_embeddings, layer.embedding_dim):
+            raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected "
+                             f"{(layer.num_embeddings, layer.embedding_dim)}")
+        layer.qweight = tensor
+
+    def embedding(self, layer: VocabEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        return quant.embedding(ids, layer.qweight, layer.dtype)
+
+    def tied_weight(self, layer: VocabEmbedding) -> QuantizedWeight | None:
+        return layer.qweight
+
+
 class GGUFConfig(LinearConfig):
     """A GGUF file's layers: those whose tensors are in a type with a native
-    kernel (``quantized``, HF-style layer prefixes) keep their blocks; the
-    rest (float tensors, IQ types, dequantized at load) are plain."""
+    kernel (``quantized``, HF-style prefixes, "model.embed_tokens" and
+    "lm_head" included) keep their blocks; the rest (float tensors, IQ
+    types, dequantized at load) are plain."""
 
     name = "gguf"
 
@@ -85,3 +116,6 @@ class GGUFConfig(LinearConfig):
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         return self._gguf if prefix in self.quantized else self._plain
+
+    def get_embedding_method(self, prefix: str) -> EmbeddingMethodBase:
+        return GGUFEmbeddingMethod() if prefix in self.quantized else UnquantizedEmbeddingMethod()

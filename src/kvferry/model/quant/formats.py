@@ -3,8 +3,9 @@
 Each row of a weight [out_features, in_features] is its GGUF blocks back to
 back, exactly as in the file: ``in_features / block`` blocks of ``bytes``
 bytes each. ``QuantizedWeight`` holds them as one uint8 tensor
-[out_features, bytes_per_row] (a view of an mmapped file works), never a float
-copy, and checks the sizes once so the kernels can trust them.
+[out_features, bytes_per_row] (a view of the mapped file where it can be:
+gguf_weights.py), never a float copy, and checks the sizes once so the
+kernels can trust them.
 """
 from __future__ import annotations
 
@@ -94,3 +95,22 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def stack_rows(name: str, weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one format and width stacked row-wise (a fused layer's
+    shards; rows are whole blocks, so stacking is exact). Shards that already
+    lie back to back in one buffer (views of a mapped file whose tensors are
+    adjacent, as llama.cpp writes ffn_gate and ffn_up) become one view of it,
+    with no copy; others are concatenated."""
+    first = weights[0]
+    if any(w.fmt != first.fmt or w.in_features != first.in_features for w in weights):
+        raise ValueError(f"tensor {name!r}: shards of different formats or widths cannot be stacked")
+    rows = sum(w.out_features for w in weights)
+    row_bytes = first.data.shape[1]
+    adjacent = all(
+        b.data.untyped_storage().data_ptr() == first.data.untyped_storage().data_ptr()
+        and b.data.data_ptr() == a.data.data_ptr() + a.nbytes for a, b in zip(weights, weights[1:]))
+    data = (first.data.as_strided((rows, row_bytes), (row_bytes, 1)) if adjacent
+            else torch.cat([w.data for w in weights]))
+    return QuantizedWeight(name, first.fmt, data, first.in_features)

@@ -76,6 +76,16 @@ def dequantize_rows(weight: QuantizedWeight, start: int = 0, stop: int | None = 
     return out
 
 
+def embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T] of a quantized table, dequantized: [T, in_features] in
+    ``dtype`` (float32 or bf16). Only the looked-up rows' blocks are read
+    (gathered, T x bytes_per_row, then decoded), never the whole table."""
+    rows = weight.data.index_select(0, ids.reshape(-1))  # [T, bytes_per_row] uint8
+    out = torch.empty(rows.shape[0], weight.in_features, dtype=dtype)
+    _ops().dequant_into(rows, weight.fmt.ggml_type, out)
+    return out
+
+
 def gemv(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x [M, K] float32/bf16 -> x @ W^T [M, N] float32 with integer dot products
     (x quantized to 8 bits per block, once per row)."""

@@ -1,0 +1,139 @@
+"""The token embedding and lm_head of a GGUF served in its blocks
+(--quantization gguf): kept quantized (one table for both when tied),
+looked up by dequantizing only the rows asked for, and holding no float
+copy of anything but the norms.
+
+Against the same file expanded to float (--quantization none): the
+embedding's rows are the same numbers bit for bit (both dequantize the same
+blocks in float32), and the logits differ only by the 8-bit rounding of the
+activations in the integer dot products (tests/model/test_gguf_blocks.py
+says how much)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry import envs
+from kvferry.model.gguf_convert import embedded_gguf_path
+from kvferry.model.layers.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
+from kvferry.model.loader import load_model
+from kvferry.model.quant import QuantizedWeight
+from kvferry.spec.head import EagleHead, HeadProposer
+from tests.model.paged_harness import PagedHarness
+from tests.tiny_models import make_tiny_checkpoint, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    """Its own model cache; built C++ kernels still from the shared one."""
+    tmp = tmp_path_factory.mktemp("gguf-vocab")
+    kernels = envs.cache_dir() / "torch_ext"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp / "cache").mkdir()
+    (tmp / "cache" / "torch_ext").symlink_to(kernels, target_is_directory=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVFERRY_CACHE_DIR", str(tmp / "cache"))
+    yield tmp
+    mp.undo()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_vocab_stays_in_blocks_and_matches_expanded(tmp, tied, qtype):
+    hf = make_tiny_checkpoint(tmp, "llama", name=f"tiny-{tied}", tie_word_embeddings=tied)
+    f = write_tiny_gguf(hf, tmp / f"tiny-{tied}-{qtype}.gguf", qtype=qtype, quantize_vocab=True)
+    q = load_model(str(f), dtype="float32", quantization="gguf").model
+    e = load_model(str(f), dtype="float32", quantization="none").model
+    assert isinstance(q.embed.method, GGUFEmbeddingMethod) and isinstance(q.logits_proj.method, GGUFLinearMethod)
+    assert q.embed_tokens is None and q.lm_head is None  # no float table anywhere
+    assert isinstance(q.embed.qweight, QuantizedWeight)
+    if tied:  # one quantized table serves both
+        assert q.logits_proj.qweights[0] is q.embed.qweight
+    else:
+        assert q.logits_proj.qweights[0].data.data_ptr() != q.embed.qweight.data.data_ptr()
+    ids = torch.tensor([5, 0, 17, 5, q.config.vocab_size - 1])
+    assert torch.equal(q.embed(ids), e.embed_tokens[ids]), "dequantized rows equal the expanded table's"
+    # The lm_head alone: the integer dot products (8-bit x) against the float matmul
+    # (random x on a random model has near ties: the bound, not the argmax).
+    h = torch.randn(3, q.config.hidden_size)
+    lq, le = q.compute_logits(h), e.compute_logits(h)
+    assert ((lq - le).abs().max() / le.abs().max()) < 0.03
+    # The whole model, 10 rows (decode-sized: the integer path everywhere).
+    seq = list(range(3, 13))
+    a = PagedHarness(q).step({0: seq}, {0: len(seq)})[0]
+    b = PagedHarness(e).step({0: seq}, {0: len(seq)})[0]
+    d = (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs().max()
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+    print(f"\n{qtype} tied={tied}: max |d logprob| {d:.3f}, argmax agreement {agree:.2f}")
+    # A random model's near ties may flip a row (measured: Q8_0 and Q4_1 tied 10/10, Q4_1 untied
+    # 9/10; max |d logprob| 0.04-0.07).
+    assert agree >= 0.8
+    assert d < 0.2
+
+
+def test_float_vocab_stays_plain(tmp):
+    """A file whose token embedding is float (F32 here): the plain table,
+    tied to a plain lm_head as before, while the linear layers keep blocks."""
+    hf = make_tiny_checkpoint(tmp, "llama", name="tiny-float-vocab", tie_word_embeddings=True)
+    m = load_model(str(write_tiny_gguf(hf, tmp / "float-vocab.gguf", qtype="Q8_0")), dtype="float32",
+                   quantization="gguf").model
+    assert m.embed_tokens is not None and m.lm_head is m.embed_tokens
+    assert not isinstance(m.logits_proj.method, GGUFLinearMethod)
+    assert isinstance(m.layers[0].mlp.down_proj.method, GGUFLinearMethod)
+
+
+def _held_storages(model: torch.nn.Module) -> dict[int, int]:
+    """Every storage the model's modules hold (parameters, buffers, blocks,
+    packed copies): its address -> bytes, each storage once."""
+    found: dict[int, int] = {}
+
+    def add(v: object) -> None:
+        if isinstance(v, QuantizedWeight):
+            v = v.data
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_mkldnn:
+            s = v.untyped_storage()
+            found[s.data_ptr()] = s.nbytes()
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                add(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                add(x)
+
+    for mod in model.modules():
+        for v in [*mod._parameters.values(), *mod._buffers.values(), *vars(mod).values()]:
+            add(v)
+    return found
+
+
+def test_embedded_model_holds_the_file_not_a_copy():
+    """The embedded Q4_1 file (its embedding Q8_0, tied): every block the
+    model holds is a view of the one mapped file but llama's permuted Q/K
+    stacked with V (copied: ~10 MB); no float table, no expanded weight."""
+    path = embedded_gguf_path()
+    loaded = load_model(None, dtype="bfloat16", quantization="gguf")
+    m = loaded.model
+    m.pack_weights()
+    assert m.embed_tokens is None and m.lm_head is None
+    assert not list(Path(loaded.model_path).glob("*.safetensors")), "no expanded copy in the model cache"
+    held = _held_storages(m)
+    file_bytes = path.stat().st_size
+    mapped = [n for n in held.values() if n == file_bytes]
+    assert len(mapped) == 1, "the blocks are views of one mapping of the file"
+    own = sum(n for n in held.values() if n != file_bytes)
+    qkv = sum(w.nbytes for layer in m.layers for w in layer.self_attn.qkv_proj.qweights)
+    # Measured: qkv 10.4 MB; norms, rotary tables and the rest 2.2 MB.
+    print(f"\nmapped {file_bytes / 1e6:.1f} MB; own {own / 1e6:.1f} MB (qkv {qkv / 1e6:.1f} MB)")
+    assert own < 0.15 * file_bytes
+    assert own - qkv < 4e6
+
+
+def test_head_proposer_refuses_a_quantized_vocab(tmp):
+    hf = make_tiny_checkpoint(tmp, "llama", name="tiny-head", tie_word_embeddings=True)
+    m = load_model(str(write_tiny_gguf(hf, tmp / "head.gguf", qtype="Q8_0", quantize_vocab=True)),
+                   dtype="float32", quantization="gguf").model
+    head = EagleHead(m.config.hidden_size, 64)
+    with pytest.raises(ValueError, match="--quantization none"):
+        HeadProposer(head, m)
