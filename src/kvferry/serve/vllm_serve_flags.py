@@ -47,7 +47,7 @@ REFUSED: dict[str, str] = {
     "--speculative-model": "give the draft as --speculative-config '{\"method\": \"draft\", \"model\": PATH}'",
     "--num-speculative-tokens": "give it in --speculative-config '{\"num_speculative_tokens\": K, ...}'",
     "--kv-transfer-config": "kvferry's own P/D transfer takes --kv-transfer-address (docs/disaggregation.md)",
-    "--enable-expert-parallel": "expert parallelism across devices is not supported (one device per engine core)",
+    "--enable-expert-parallel": "expert parallelism is not supported yet (MoE models run whole in each engine core)",
     "--uds": "listening on a unix socket is not supported: give --host and --port",
     "--hf-overrides": "config.json is read as it is: edit a copy of the model folder instead",
     "--rope-scaling": "config.json's rope_scaling is used as it is: edit a copy of the model folder instead",
@@ -79,7 +79,7 @@ def add_serve_compat_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no-op: kvferry serves no OpenAPI docs pages")
     g.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="no-op: no all-reduce across devices (one device per engine core)")
+                   help="no-op: tensor-parallel ranks all-reduce over shared memory or gloo (--tp-all-reduce)")
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="no-op: the front end is one process; the engine cores are processes of their own")
     g.add_argument("--generation-config", default=None, metavar="auto|vllm",
@@ -105,7 +105,7 @@ def add_serve_compat_args(g: argparse._ArgumentGroup) -> None:
                    help="mp or uni: no-op (engine cores are processes); ray is refused: kvferry serve --ray ADDRESS "
                         "places the engine cores on a Ray cluster")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N",
-                   help="only 1 (one device per engine core)")
+                   help="only 1 (pipeline parallelism is not built yet; -tp splits a core over ranks)")
     g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                    help=f"only {MAX_LOGPROBS}: requests may ask for top_logprobs up to {MAX_LOGPROBS}")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
@@ -154,9 +154,9 @@ def apply_serve_compat_args(args: argparse.Namespace, engine_args: EngineArgs, n
     _executor_backend(args.distributed_executor_backend, note)
     if args.pipeline_parallel_size not in (None, 1):
         raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is not "
-                         "supported (one device per engine core); --data-parallel-size N starts N cores")
+                         "supported yet; --tensor-parallel-size N splits a core over N ranks, --data-parallel-size N starts N cores")
     if args.pipeline_parallel_size == 1:
-        note("--pipeline-parallel-size 1: no-op (one device per engine core)")
+        note("--pipeline-parallel-size 1: no-op (one pipeline stage)")
     if args.max_logprobs is not None:
         if args.max_logprobs != MAX_LOGPROBS:
             raise ValueError(f"--max-logprobs {args.max_logprobs}: kvferry's bound is fixed at {MAX_LOGPROBS} "
