@@ -123,7 +123,9 @@ BAD: dict[str, list[list[str]]] = {
     "--autoscale-cooldown-s": [["-1", *AUTOSCALE]],
     "--autoscale-min-requests": [["-1", *AUTOSCALE]],
     "--autoscale-min-attainment": [["150", *AUTOSCALE]],
-    "--tensor-parallel-size": [["2"], ["two"]],
+    "--tensor-parallel-size": [["0"], ["two"], ["3"]],  # 3: the model's heads do not split over 3 ranks
+    "--cpu-threads-per-rank": [["0"], ["x"]],
+    "--tp-all-reduce": [["nccl"]],
     "--swap-space": [["-1"]],
     "--uvicorn-log-level": [["loud"]],
     "--gpu-memory-utilization": [["1.5"], ["0"]],

@@ -93,7 +93,7 @@ def _wait_dead(pid: int, timeout_s: float = 10.0) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split(")")[-1].split()[0] == "Z":
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped between the open and the read
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} outlived SIGKILL")

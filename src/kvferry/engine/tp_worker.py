@@ -53,6 +53,10 @@ def main() -> int:
         runner = _start(spec, reports, steps)
         if runner is not None:  # None: rank 0 stopped before its pool was built
             _serve(runner, steps)
+    except ValueError as exc:  # a configuration or model-file mistake: one line, as rank 0 says it
+        logger.error("tensor-parallel worker failed: %s", exc)
+        reports.send(pickle.dumps(("error", spec.rank, str(exc))))
+        return 1
     except Exception:  # noqa: BLE001 - reported, then the whole group ends
         logger.exception("tensor-parallel worker failed")
         reports.send(pickle.dumps(("error", spec.rank, traceback.format_exc(limit=4))))

@@ -49,6 +49,7 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     if getattr(args, "ray", None) is None:  # Ray places cores on other nodes, with their own CPUs
         _cpus(args)
     _max_model_len(engine_args)
+    _tensor_parallel(engine_args)
     _speculative(engine_args)
 
 
@@ -135,13 +136,42 @@ def model_context_length(model: str | None) -> int | None:
     resolved = resolve_model(model)
     if resolved.is_gguf:
         return gguf_context_length(resolved.path)
+    config = _hf_config(model)
+    if not config:
+        return None
+    # The loader's default when config.json has none (model/config.py).
+    value = config.get("max_position_embeddings", 2048)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _hf_config(model: str | None) -> dict:
+    """config.json of an HF model folder ({} for a GGUF file or none)."""
+    resolved = resolve_model(model)
+    if resolved.is_gguf:
+        return {}
     try:
         config = json.loads((resolved.path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    # The loader's default when config.json has none (model/config.py).
-    value = config.get("max_position_embeddings", 2048) if isinstance(config, dict) else None
-    return value if isinstance(value, int) and value > 0 else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _tensor_parallel(engine_args: EngineArgs) -> None:
+    """The split the ranks would refuse after loading (model/layers/parallel.py's
+    TPShard.check), from config.json alone."""
+    size = engine_args.tensor_parallel_size
+    if not isinstance(size, int) or size <= 1:
+        return
+    config = _hf_config(engine_args.model)
+    if config.get("num_experts") or config.get("num_local_experts"):
+        raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models run at tensor_parallel_size 1 "
+                         "for now")
+    heads = config.get("num_attention_heads")
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": config.get("num_key_value_heads", heads),
+             "intermediate_size": config.get("intermediate_size")}
+    for name, value in sizes.items():
+        if isinstance(value, int) and value % size:
+            raise ValueError(f"tensor_parallel_size {size}: the model's {name} ({value}) is not divisible by it")
 
 
 def _max_model_len(engine_args: EngineArgs) -> None:
