@@ -60,8 +60,7 @@ def test_vocab_stays_in_blocks_and_matches_expanded(tmp, tied, qtype):
     h = torch.randn(3, q.config.hidden_size)
     lq, le = q.compute_logits(h), e.compute_logits(h)
     assert ((lq - le).abs().max() / le.abs().max()) < 0.03
-    # The whole model, 10 rows (the integer path below quant.kernels.PREFILL_MIN_ROWS, 8 rows
-    # for these 32-value blocks; the bf16 tiles from there: test_lm_head_at_every_batch_size).
+    # The whole model, 10 rows (decode-sized: the integer path everywhere).
     seq = list(range(3, 13))
     a = PagedHarness(q).step({0: seq}, {0: len(seq)})[0]
     b = PagedHarness(e).step({0: seq}, {0: len(seq)})[0]
@@ -80,16 +79,16 @@ def test_lm_head_at_every_batch_size(tmp, qtype):
     sequences), in bf16 as served: within the same bound of the expanded
     table's logits on both paths (integer dots below PREFILL_MIN_ROWS, bf16
     tiles from it, taken as w @ x^T up to TRANSPOSED_MAX_ROWS and as x @ w^T
-    beyond), and from 8 rows the tiles: at the vocabulary's shape they beat
+    beyond), and from 12 rows the tiles: at the vocabulary's shape they beat
     the dots (BENCHMARKS.md, quantized weights)."""
     hf = make_tiny_checkpoint(tmp, "llama", name="tiny-rows", tie_word_embeddings=True)
     f = write_tiny_gguf(hf, tmp / f"tiny-rows-{qtype}.gguf", qtype=qtype, quantize_vocab=True)
     q = load_model(str(f), dtype="bfloat16", quantization="gguf").model
     e = load_model(str(f), dtype="float32", quantization="none").model
     head = q.logits_proj.qweights[0]
-    assert [kernels.path_for(m, head) for m in (1, 4, 7, 8, 16, 32, 64)] == ["dots"] * 3 + ["tiles"] * 4
+    assert [kernels.path_for(m, head) for m in (1, 4, 11, 12, 16, 32, 64)] == ["dots"] * 3 + ["tiles"] * 4
     torch.manual_seed(0)
-    for m in (1, 4, 8, 16, 32, 64, kernels.TRANSPOSED_MAX_ROWS + 3):
+    for m in (1, 4, 8, 12, 16, 32, 64, kernels.TRANSPOSED_MAX_ROWS + 3):
         h = torch.randn(m, q.config.hidden_size)
         lq, le = q.compute_logits(h.bfloat16()), e.compute_logits(h)
         assert lq.shape == (m, q.config.vocab_size) and lq.is_contiguous()
