@@ -58,7 +58,8 @@ def main() -> None:
             x = torch.randn(m, args.k).bfloat16()
             t_q, c_q = best_pass(lambda w: quant.linear(x, w), weights, args.repeats)
             t_b, c_b = best_pass(lambda w: torch.matmul(x, w.t()), dense_copies, args.repeats)
-            print(f"  M={m:3d} [{kernels.path_for(m, weights[0]):6s}]: quant {t_q * 1e3:7.2f} ms "
+            path = kernels.path_for(m, weights[0]) if hasattr(kernels, "path_for") else "?"  # older trees
+            print(f"  M={m:3d} [{path:6s}]: quant {t_q * 1e3:7.2f} ms "
                   f"(CPU {c_q * 1e3:7.2f}) | bf16 {t_b * 1e3:7.2f} ms (CPU {c_b * 1e3:7.2f}) "
                   f"| quant/bf16 {t_q / t_b:4.2f}x (CPU {c_q / c_b:4.2f}x)")
         del blob, weights, dense_copies
