@@ -19,7 +19,7 @@ from kvferry import envs
 from kvferry.model.gguf_convert import embedded_gguf_path
 from kvferry.model.layers.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
 from kvferry.model.loader import load_model
-from kvferry.model.quant import QuantizedWeight
+from kvferry.model.quant import QuantizedWeight, kernels
 from kvferry.spec.head import EagleHead, HeadProposer
 from tests.model.paged_harness import PagedHarness
 from tests.tiny_models import make_tiny_checkpoint, write_tiny_gguf
@@ -71,6 +71,29 @@ def test_vocab_stays_in_blocks_and_matches_expanded(tmp, tied, qtype):
     # 9/10; max |d logprob| 0.04-0.07).
     assert agree >= 0.8
     assert d < 0.2
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_lm_head_at_every_batch_size(tmp, qtype):
+    """The quantized lm_head at the row counts a decode step samples (1-64
+    sequences), in bf16 as served: within the same bound of the expanded
+    table's logits on both paths (integer dots below PREFILL_MIN_ROWS, bf16
+    tiles from it, taken as w @ x^T up to TRANSPOSED_MAX_ROWS and as x @ w^T
+    beyond), and from 12 rows the tiles: at the vocabulary's shape they beat
+    the dots (BENCHMARKS.md, quantized weights)."""
+    hf = make_tiny_checkpoint(tmp, "llama", name="tiny-rows", tie_word_embeddings=True)
+    f = write_tiny_gguf(hf, tmp / f"tiny-rows-{qtype}.gguf", qtype=qtype, quantize_vocab=True)
+    q = load_model(str(f), dtype="bfloat16", quantization="gguf").model
+    e = load_model(str(f), dtype="float32", quantization="none").model
+    head = q.logits_proj.qweights[0]
+    assert [kernels.path_for(m, head) for m in (1, 4, 11, 12, 16, 32, 64)] == ["dots"] * 3 + ["tiles"] * 4
+    torch.manual_seed(0)
+    for m in (1, 4, 8, 12, 16, 32, 64, kernels.TRANSPOSED_MAX_ROWS + 3):
+        h = torch.randn(m, q.config.hidden_size)
+        lq, le = q.compute_logits(h.bfloat16()), e.compute_logits(h)
+        assert lq.shape == (m, q.config.vocab_size) and lq.is_contiguous()
+        err = ((lq - le).abs().max() / le.abs().max()).item()  # measured 0.003-0.006
+        assert err < 0.03, f"{m} rows: relative error {err:.4f}"
 
 
 def test_float_vocab_stays_plain(tmp):

@@ -21,13 +21,15 @@ float lanes; its error is that of 8-bit rounding of x per block (below
 The token embedding (``embedding``) gathers the looked-up rows' blocks and
 dequantizes only those; a tied lm_head multiplies by the same blocks.
 
-Prefill (``prefill``): tiles of weight rows (``PREFILL_TILE_BYTES`` of bf16)
-are dequantized into one buffer per thread, kept between calls, and
-multiplied by oneDNN (AMX where present): no float copy of the weight
-persists. ``linear`` picks the path by M (``PREFILL_MIN_ROWS``, measured).
+Prefill (``prefill``): tiles of weight rows (``PREFILL_TILE_BYTES`` of bf16,
+``SMALL_TILE_BYTES`` for a few rows) are dequantized into one buffer per
+thread, kept between calls, and multiplied by oneDNN (AMX where present): no
+float copy of the weight persists. ``linear`` picks the path by M
+(``PREFILL_MIN_ROWS``, measured; ``path_for`` says which).
 """
 from kvferry.model.quant.formats import FORMATS, BlockFormat, QuantizedWeight, block_format, stack_rows
-from kvferry.model.quant.kernels import available, dequantize_rows, embedding, gemv, kernel_path, linear, prefill
+from kvferry.model.quant.kernels import (available, dequantize_rows, embedding, gemv, kernel_path, linear, path_for,
+                                         prefill)
 
 __all__ = ["FORMATS", "BlockFormat", "QuantizedWeight", "block_format", "available", "dequantize_rows", "embedding",
-           "gemv", "kernel_path", "linear", "prefill", "stack_rows"]
+           "gemv", "kernel_path", "linear", "path_for", "prefill", "stack_rows"]

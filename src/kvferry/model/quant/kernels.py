@@ -25,15 +25,31 @@ _tiles = threading.local()
 # K = 2048), one at a time. Smaller tiles pay oneDNN's fixed cost per call
 # (~50 us, as much as a 128-row tile's multiply at 32 rows).
 PREFILL_TILE_BYTES = 4 << 20
+# Up to SMALL_TILE_MAX_ROWS rows of x the multiply is short and the tile's round trip
+# through memory is not: a 1 MiB tile stays in a core's L2 between its dequantization
+# and its multiply (measured, one thread, 49152 x 576 Q8_0 at 4-16 rows: 6.2-7.2 ms
+# against 7.5-7.9 with 4 MiB tiles; at 64 rows 4 MiB is the faster).
+SMALL_TILE_BYTES = 1 << 20
+SMALL_TILE_MAX_ROWS = 16
 # From this many rows of x, a dequantized bf16 tile and oneDNN (AMX where
 # present) beat the integer dot products, whose cost grows with every row
 # while the tiles' is mostly the dequantization, paid once. Measured on a
-# Xeon with AMX (avx512vnni build), one thread, CPU time, 8192 x 2048 weights (ms):
-#   rows        1     4     8     16    32
-#   Q4_K dots  1.1   2.0   3.4   6.7   13.9    tiles 6.3 .. 7.5
-#   Q8_0 dots  1.1   2.7   4.9   9.2   18.3    tiles 7.3 .. 8.0
+# Xeon with AMX (avx512vnni build), one thread, cold copies, ms:
+#   rows                          6     8     12    16
+#   Q8_0 8192 x 2048   dots      3.5   4.3   9.2
+#                      tiles     4.0   4.4   4.1
+#   Q8_0 49152 x 576   dots            7.5         14.0   (the lm_head)
+#                      tiles           6.2          7.2
+#   Q4_1 49152 x 576   dots            7.1         13.2
+#                      tiles           6.5          6.6
+#   Q4_K 8192 x 2048   dots            2.8          5.4
+#                      tiles           3.4          3.7
 # The K-quants' dots share one decoded superblock and its scales among 8 rows.
+# At 8 rows the two paths are within the noise for 32-blocks; the threshold
+# stays at 12, where tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
 PREFILL_MIN_ROWS = {32: 12, 256: 16}  # by the format's block size
+# Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
+TRANSPOSED_MAX_ROWS = 64
 
 
 def _cflags() -> list[str]:
@@ -93,19 +109,27 @@ def gemv(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return _ops().gemm(x, weight.data, weight.fmt.ggml_type, weight.out_features)
 
 
-def prefill(x: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x @ W^T [M, N] float32 through oneDNN, dequantizing one tile of weight rows
-    at a time into one reused buffer (``dtype``: bf16, or float32 for checks)."""
+def prefill(x: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16,
+            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x @ W^T [M, N] in ``out_dtype`` through oneDNN, dequantizing one tile of weight
+    rows at a time into one reused buffer (``dtype``: bf16, or float32 for checks)."""
     _check_x(x, weight)
     ops, xd = _ops(), x.to(dtype)
-    rows = max(16, PREFILL_TILE_BYTES // (weight.in_features * dtype.itemsize))
+    tile_bytes = PREFILL_TILE_BYTES if x.shape[0] > SMALL_TILE_MAX_ROWS else min(PREFILL_TILE_BYTES,
+                                                                                 SMALL_TILE_BYTES)
+    rows = max(16, tile_bytes // (weight.in_features * dtype.itemsize))
     tile = _tile_buffer(min(rows, weight.out_features) * weight.in_features, dtype)
-    y = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    y = torch.empty(x.shape[0], weight.out_features, dtype=out_dtype)
+    # Up to TRANSPOSED_MAX_ROWS rows of x, each tile's product is taken as w @ x^T
+    # (the tile as oneDNN's A operand, read as it lies) and copied back transposed;
+    # x @ w^T makes oneDNN reorder the whole tile as its B operand on every call
+    # (measured on the 49152 x 576 lm_head, one thread, 16-32 rows: 2-3 ms of 10-13).
+    transposed = x.shape[0] <= TRANSPOSED_MAX_ROWS
     for start in range(0, weight.out_features, rows):
         stop = min(start + rows, weight.out_features)
         w = tile[:(stop - start) * weight.in_features].view(stop - start, weight.in_features)
         ops.dequant_into(weight.data[start:stop], weight.fmt.ggml_type, w)
-        y[:, start:stop] = xd @ w.t()
+        y[:, start:stop] = (w @ xd.t()).t() if transposed else xd @ w.t()
     return y
 
 
@@ -116,9 +140,16 @@ def _tile_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
+def path_for(rows: int, weight: QuantizedWeight) -> str:
+    """The path ``linear`` takes for ``rows`` rows of x: "dots" (``gemv``) or "tiles" (``prefill``)."""
+    # Without AVX2 the library has only its scalar dequantizer: every M takes the tiles.
+    small = rows < PREFILL_MIN_ROWS[weight.fmt.block] and kernel_path() != "none"
+    return "dots" if small else "tiles"
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ W^T in ``out_dtype`` (default x's), by the path that fits M."""
-    # Without AVX2 the library has only its scalar dequantizer: every M takes the tiles.
-    small = x.shape[0] < PREFILL_MIN_ROWS[weight.fmt.block] and kernel_path() != "none"
-    y = gemv(x, weight) if small else prefill(x, weight)
-    return y.to(out_dtype or x.dtype)
+    out_dtype = out_dtype or x.dtype
+    if path_for(x.shape[0], weight) == "dots":
+        return gemv(x, weight).to(out_dtype)
+    return prefill(x, weight, out_dtype=out_dtype)  # no float32 copy of a bf16 result
