@@ -162,7 +162,8 @@ def test_a_standalone_tp_core_joined_by_a_server(checkpoint, server, tmp_path, m
     log = tmp_path / "core.log"
     core = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", address,
                              "--name", "engine-tp", "--model", checkpoint, "--dtype", "float32",
-                             "--num-kv-blocks", "64", "-tp", "2", "--cpu-threads-per-rank", "1",
+                             "--num-kv-blocks", "64", "--max-model-len", "1024", "--no-warm-up",
+                             "--check-kv-integrity", "-tp", "2", "--cpu-threads-per-rank", "1",
                              "--tp-all-reduce", "gloo", "--cache-secret-file", secret],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
@@ -182,6 +183,9 @@ def test_a_standalone_tp_core_joined_by_a_server(checkpoint, server, tmp_path, m
         except subprocess.TimeoutExpired:
             core.kill()
             core.wait()
+    deadline = time.monotonic() + 30  # a worker exits at its core's word, or once it sees the core gone
+    while any(_alive(p) for p in pids[1:]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not any(_alive(p) for p in pids[1:]), "a rank outlived its core"
     assert "Traceback" not in log.read_text(errors="replace")
 
