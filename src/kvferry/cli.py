@@ -77,9 +77,13 @@ def cmd_engine_core(args: argparse.Namespace) -> int:
             print("kvferry engine-core: no --cache-secret-file: no server can join this core (a join is refused "
                   "unless the server and the core are given the same --cache-secret-file)", file=sys.stderr)
         peer_auth.socket_secret(args.cache_secret_file)
+        # -tp is serve's flag too (there vLLM's, serve/vllm_flags.py): the
+        # engine field has no flag of its own, so each command maps it.
+        engine_args = dataclasses.replace(args.engine_args, tensor_parallel_size=args.tensor_parallel_size)
+        config = engine_args.create_engine_config()
     except ValueError as exc:
         args.subparser.error(str(exc))
-    return run_from_args(args, args.engine_args.create_engine_config())
+    return run_from_args(args, config)
 
 
 def build_parser() -> Parser:
@@ -151,6 +155,9 @@ def _add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-kv-integrity", action="store_true",
                         help="check the KV bookkeeping whenever the engine goes idle (debugging, tests)")
     parser.add_argument("--log-level", default="info", help="the core's logging level")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                        help="rank processes of this core (tensor parallelism, docs/parallelism.md): rank 0 "
+                             "schedules and answers the server, ranks 1..N-1 run beside it on this host")
 
 
 if __name__ == "__main__":

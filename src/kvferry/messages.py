@@ -237,6 +237,17 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, tag=True):
     step_duration_s: float = 0.0
 
 
+class TPRank(msgspec.Struct, kw_only=True, array_like=True):
+    """One tensor-parallel rank of a core, as its rank 0 sees it (the
+    admin's view, GET /v1/admin/workers): four numbers, so a heartbeat's
+    answer stays small."""
+
+    rank: int
+    pid: int
+    cpu_threads: int
+    alive: bool
+
+
 class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     """The core's handshake, sent once the model is loaded: the facts the
     front end needs to validate requests before they cross the socket."""
@@ -260,6 +271,9 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     # Its speculation (``kvferry.spec.speculation_signature``; "": none).
     # Prefill and decode cores of one server must agree.
     speculative: str = ""
+    # Its tensor-parallel ranks, rank 0 first ([]: one process). Sent again
+    # with every heartbeat's answer, so ``alive`` is as fresh as the beat.
+    ranks: list[TPRank] = []
 
 
 # -- prefill core -> decode core (its transfer socket) -----------------------------

@@ -20,7 +20,7 @@ from kvferry.engine import kv_memory
 from kvferry.engine.kv_connector import SchedulerContext, for_engine
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.tp_ranks import RunnerShape, TPLeader
-from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams
+from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams, TPRank
 from kvferry.model import layer_op, small_gemm
 from kvferry.model.attention import attention_backend
 from kvferry.model.fused_ops import fused_ops_available
@@ -170,7 +170,12 @@ class EngineCore:
             eos_token_ids=list(self.loaded.tokenizer.eos_token_ids),
             kv_dtype=self.scheduler.kv.kv_dtype,
             speculative=self.speculative,
+            ranks=self.ranks(),
         )
+
+    def ranks(self) -> list[TPRank]:
+        """Its tensor-parallel ranks, rank 0 first ([] without tensor parallelism)."""
+        return self.tp.ranks() if self.tp is not None else []
 
     # -- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import setproctitle
 import torch
 import zmq
@@ -140,6 +141,8 @@ class EngineCoreProc:
                     self._greeted = True
                     ready = self._ready
                 if ready is not None:
+                    if ready.ranks:  # each rank's liveness as of this beat
+                        ready = msgspec.structs.replace(ready, ranks=self.core.ranks())
                     self.outputs.put(ready)
                 continue
             self.inputs.put(message)

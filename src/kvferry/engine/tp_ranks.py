@@ -47,6 +47,7 @@ import zmq
 from kvferry.config import EngineConfig, ParallelConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
+from kvferry.messages import TPRank
 from kvferry.model.layers.parallel import TPShard
 from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
 
@@ -172,6 +173,15 @@ class TPLeader:
         self._watcher.start()
         logger.info("tensor parallelism: %d ranks of %d threads each (workers: pids %s)", self.world_size,
                     self.threads, ", ".join(str(p.pid) for p in self._procs))
+
+    def ranks(self) -> list[TPRank]:
+        """Every rank, this one first: what GET /v1/admin/workers shows.
+        Read by the core's input thread at each heartbeat (``poll`` only
+        reads the exit status the watcher may have reaped already)."""
+        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=self.threads, alive=True)]
+        for rank, proc in enumerate(self._procs, start=1):
+            ranks.append(TPRank(rank=rank, pid=proc.pid, cpu_threads=self.threads, alive=proc.poll() is None))
+        return ranks
 
     def start_runners(self, shape: RunnerShape) -> None:
         self._send(shape)

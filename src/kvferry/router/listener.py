@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq.asyncio
 
 from kvferry.messages import CoreOutput, EngineCoreOutputs, EngineCoreReady, decode
@@ -81,8 +82,10 @@ class WorkerListener:
             while True:
                 message = decode(await output.recv(), CoreOutput)
                 worker.last_heard = time.monotonic()
-                if isinstance(message, EngineCoreReady):
-                    continue  # a hello's answer
+                if isinstance(message, EngineCoreReady):  # a hello's answer
+                    if message.ranks:  # its tensor-parallel ranks' liveness, as of this beat
+                        worker.ready = msgspec.structs.replace(worker.ready, ranks=message.ranks)
+                    continue
                 self.on_message(worker, message)
                 if message.engine_error:
                     self.on_death(worker, message.engine_error)

@@ -69,4 +69,13 @@ class Worker:
             "prompt_tokens_computed": s.num_prompt_tokens_computed,
             "draft_prompt_tokens_computed": s.num_draft_prompt_tokens_computed,
             "step_model": self.step_model.fit(),
+            "tensor_parallel_size": max(1, len(self.ready.ranks)),
+            "ranks": self.describe_ranks(),
         }
+
+    def describe_ranks(self) -> list[dict]:
+        """Its tensor-parallel ranks as of the last heartbeat, rank 0 first
+        ([]: one process). A dead core's ranks are dead with it (its group
+        ends whole), whatever its last beat said."""
+        return [{"rank": r.rank, "pid": r.pid, "cpu_threads": r.cpu_threads, "alive": r.alive and self.alive}
+                for r in self.ready.ranks]
