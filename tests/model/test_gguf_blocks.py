@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvferry import LLM, SamplingParams, envs
+from kvferry import LLM, SamplingParams
 from kvferry.config import EngineArgs
 from kvferry.model.layers import BatchInvariantConfig
 from kvferry.model.layers.gguf import GGUFLinearMethod
 from kvferry.model.loader import load_model
 from tests.model.paged_harness import PagedHarness
+from tests.model.own_cache import own_model_cache
 from tests.tiny_models import make_tiny_checkpoint, write_tiny_gguf
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the capital "
@@ -36,15 +37,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def tiny(tmp_path_factory):
     """A tiny random llama checkpoint, its own model cache (built C++ kernels
     still from the shared cache: rebuilding them cold takes minutes)."""
-    tmp = tmp_path_factory.mktemp("gguf-blocks")
-    kernels = envs.cache_dir() / "torch_ext"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp / "cache").mkdir()
-    (tmp / "cache" / "torch_ext").symlink_to(kernels, target_is_directory=True)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVFERRY_CACHE_DIR", str(tmp / "cache"))
-    yield tmp, make_tiny_checkpoint(tmp, "llama")
-    mp.undo()
+    with own_model_cache(tmp_path_factory.mktemp("gguf-blocks")) as tmp:
+        yield tmp, make_tiny_checkpoint(tmp, "llama")
 
 
 def _logits(path: Path, quantization: str, rows: int = 10) -> torch.Tensor:

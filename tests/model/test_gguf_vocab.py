@@ -15,28 +15,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry import envs
 from kvferry.model.gguf_convert import embedded_gguf_path
 from kvferry.model.layers.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
 from kvferry.model.loader import load_model
 from kvferry.model.quant import QuantizedWeight, kernels
 from kvferry.spec.head import EagleHead, HeadProposer
 from tests.model.paged_harness import PagedHarness
+from tests.model.own_cache import own_model_cache
 from tests.tiny_models import make_tiny_checkpoint, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
     """Its own model cache; built C++ kernels still from the shared one."""
-    tmp = tmp_path_factory.mktemp("gguf-vocab")
-    kernels = envs.cache_dir() / "torch_ext"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp / "cache").mkdir()
-    (tmp / "cache" / "torch_ext").symlink_to(kernels, target_is_directory=True)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVFERRY_CACHE_DIR", str(tmp / "cache"))
-    yield tmp
-    mp.undo()
+    with own_model_cache(tmp_path_factory.mktemp("gguf-vocab")) as tmp:
+        yield tmp
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

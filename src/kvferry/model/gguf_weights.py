@@ -195,10 +195,17 @@ def gguf_fingerprint(path: Path, config: dict[str, Any]) -> str:
     KV must never match."""
     h = hashlib.sha256(b"gguf-blocks:")
     h.update(json.dumps(config, sort_keys=True).encode())
+    hash_file_ends(h, path)
+    return h.hexdigest()
+
+
+def hash_file_ends(h: Any, path: Path) -> None:
+    """Feed ``h`` a weight file's name, size and first and last MiB: what
+    tells two files apart without reading gigabytes at start-up (the
+    fingerprints here and in loader.py)."""
     size = path.stat().st_size
     h.update(f"{path.name}:{size}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
         f.seek(max(size - (1 << 20), 0))
         h.update(f.read(1 << 20))
-    return h.hexdigest()

@@ -208,10 +208,5 @@ def model_fingerprint(folder: Path) -> str:
     with open(folder / "config.json", "rb") as f:
         h.update(json.dumps(json.load(f), sort_keys=True).encode())
     for file in weight_files(folder):
-        size = file.stat().st_size
-        h.update(f"{file.name}:{size}".encode())
-        with open(file, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(size - (1 << 20), 0))
-            h.update(f.read(1 << 20))
+        gguf_weights.hash_file_ends(h, file)
     return h.hexdigest()
