@@ -407,7 +407,6 @@ class EngineConfig:
             (spec is not None and spec.method != "ngram", "speculative method "
              f"{spec.method if spec is not None else ''!r} (ngram works)"),
             (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
-            (bool(self.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
             (bool(self.kv_connector), "--kv-connector"),
             (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]

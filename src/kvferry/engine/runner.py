@@ -146,7 +146,8 @@ class ModelRunner:
         self.connector: KVConnectorWorker | None = None
         if connector is not None:
             draft_kv = self.drafter.kv_cache if isinstance(self.drafter, DraftModelProposer) else None
-            self.connector = connector.worker_half(WorkerContext(self.kv_cache, block_size, draft_kv, speculative))
+            self.connector = connector.worker_half(WorkerContext(self.kv_cache, block_size, draft_kv, speculative,
+                                                                 shard=getattr(self.model, "shard", None)))
             self.kv_cache = self.connector.kv_cache  # moved into shared memory for a prefill core, maybe
         self.states: dict[str, RequestState] = {}
         self.batch = InputBatch(self.vocab_size)

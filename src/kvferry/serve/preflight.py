@@ -13,6 +13,7 @@ sizes) stays the core's to report, in one line too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -25,6 +26,7 @@ from kvferry.engine.core_addresses import parse_cpus
 from kvferry.fleet.placement import parse_resources
 from kvferry.model.gguf_header import gguf_context_length
 from kvferry.model.resolve import resolve_model
+from kvferry.router.config import check_pool_tp
 
 _HEAD_METHODS = ("head", "eagle", "eagle3")  # eagle, eagle3: vLLM's names for it (config.py)
 # Flags that tune the autoscaler: given without --autoscale they would do
@@ -44,12 +46,15 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
         parse_resources(getattr(args, flag), "--" + flag.replace("_", "-"))
     _autoscale(args)
     _kv_connector(engine_args.kv_connector)
+    check_pool_tp(getattr(args, "mode", "colocated"), getattr(args, "prefill_tp", None),
+                  getattr(args, "decode_tp", None))
     if not local_cores:
         return
     if getattr(args, "ray", None) is None:  # Ray places cores on other nodes, with their own CPUs
         _cpus(args)
     _max_model_len(engine_args)
     _tensor_parallel(engine_args)
+    _pool_tensor_parallel(args, engine_args)
     _speculative(engine_args)
 
 
@@ -172,6 +177,20 @@ def _tensor_parallel(engine_args: EngineArgs) -> None:
     for name, value in sizes.items():
         if isinstance(value, int) and value % size:
             raise ValueError(f"tensor_parallel_size {size}: the model's {name} ({value}) is not divisible by it")
+
+
+def _pool_tensor_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """--prefill-tp / --decode-tp: the model splits over that many ranks, and
+    the pool's configuration runs over them (the engine's one-line refusals)."""
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_tp", None)
+        if size is None:
+            continue
+        try:
+            pool_args = dataclasses.replace(engine_args, tensor_parallel_size=size)  # validates the engine config
+            _tensor_parallel(pool_args)
+        except ValueError as exc:
+            raise ValueError(f"--{role}-tp {size}: {exc}") from None
 
 
 def _max_model_len(engine_args: EngineArgs) -> None:
