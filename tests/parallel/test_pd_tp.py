@@ -10,13 +10,18 @@ request (HTTP 503) instead of being recomputed on the decode core, so equal
 output here means the resharded KV itself was right."""
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
 
-from kvferry import LLM, SamplingParams
+from kvferry import LLM, SamplingParams, envs
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.serve.server_process import start_server
+from tests.serve.test_core_join_secret import _free_port_pair, _secret
 from tests.tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 8
@@ -28,8 +33,10 @@ PROMPTS = [
     [(i * 37 + 11) % 380 + 3 for i in range(150)],
     [(i * 53 + 5) % 380 + 3 for i in range(64)],
 ]
-# (arch, prefill ranks, decode ranks)
-LAYOUTS = [("llama", 2, 1), ("llama", 1, 2), ("qwen2", 2, 1), ("qwen2", 1, 2), ("llama", 2, 2)]
+# (arch, prefill ranks, decode ranks, transport): over tcp the decode core's
+# rank 0 copies each piece into the rank that holds its heads.
+LAYOUTS = [("llama", 2, 1, "shm"), ("llama", 1, 2, "shm"), ("qwen2", 2, 1, "shm"), ("qwen2", 1, 2, "shm"),
+           ("llama", 2, 2, "shm"), ("qwen2", 2, 1, "tcp"), ("llama", 1, 2, "tcp")]
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +61,13 @@ def expected(checkpoints) -> dict[str, list[str]]:
     return out
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda x: f"{x[0]}-p{x[1]}-d{x[2]}")
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda x: f"{x[0]}-p{x[1]}-d{x[2]}-{x[3]}")
 def pd_server(request, checkpoints, tmp_path_factory):
-    arch, prefill_tp, decode_tp = request.param
+    arch, prefill_tp, decode_tp, transport = request.param
     log = tmp_path_factory.mktemp(f"pd-tp-{arch}-{prefill_tp}-{decode_tp}") / "server.log"
     srv = start_server(log, ["--model", checkpoints[arch], "--mode", "disagg", "--prefill", "1", "--decode", "1",
                              "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+                             "--kv-transport", transport,
                              "--cpu-threads-per-rank", "1", "--max-num-batched-tokens", "48",
                              "--kv-transfer-failure", "fail", "--engine-heartbeat-timeout", "120"])
     yield arch, prefill_tp, decode_tp, srv
@@ -94,3 +102,37 @@ def test_each_pool_runs_its_own_ranks(pd_server):
     assert r.status_code == 200, r.text
     sizes = {w["name"]: (w["tensor_parallel_size"], len(w["ranks"]) or 1) for w in r.json()["data"]}
     assert sizes == {"prefill-0": (prefill_tp, prefill_tp), "decode-0": (decode_tp, decode_tp)}, sizes
+
+
+def test_pools_started_apart_each_with_its_own_tp(checkpoints, expected, tmp_path, monkeypatch):
+    """A prefill core started on its own with ``kvferry engine-core -tp 2
+    --kv-transfer-address``, joined by a server whose one decode core runs
+    ``--decode-tp 1``: the same text."""
+    monkeypatch.delenv(envs.SOCKET_SECRET, raising=False)  # the core and the server agree through the file
+    secret = _secret(tmp_path / "secret")
+    address = f"tcp://127.0.0.1:{_free_port_pair()}"
+    log = tmp_path / "prefill.log"
+    core = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", address,
+                             "--name", "prefill-apart", "--model", checkpoints["llama"], "--dtype", "float32",
+                             "--num-kv-blocks", "64", "--max-model-len", "1024", "--no-warm-up",
+                             "--max-num-batched-tokens", "48", "-tp", "2", "--cpu-threads-per-rank", "1",
+                             "--kv-transfer-address", "tcp://127.0.0.1:0", "--cache-secret-file", secret],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        srv = start_server(tmp_path / "server.log", [
+            "--model", checkpoints["llama"], "--mode", "disagg", "--prefill", "0", "--decode", "1",
+            "--decode-tp", "1", "--worker", f"prefill={address}", "--cache-secret-file", secret,
+            "--kv-transfer-failure", "fail", "--engine-start-timeout", "300"])
+        try:
+            for prompt, want in zip(PROMPTS, expected["llama"]):
+                assert _greedy(srv, prompt) == want
+        finally:
+            assert srv.stop() == 0, srv.log()[-3000:]
+    finally:
+        core.send_signal(signal.SIGTERM)
+        try:
+            core.wait(60)
+        except subprocess.TimeoutExpired:
+            core.kill()
+            core.wait()
+    assert "Traceback" not in log.read_text(errors="replace")
