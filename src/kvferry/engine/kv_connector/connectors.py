@@ -50,7 +50,8 @@ class WorkerContext:
     # This core's speculation signature (``kvferry.spec.speculation_signature``).
     speculative: str = ""
     # The runner's rank of a tensor-parallel core (each rank's runner makes
-    # its own worker half over its own KV heads; its group formed), or None.
+    # its own worker half over its own KV heads; its group formed; rank 0 of
+    # 1 without tensor parallelism), or None (a model without one).
     shard: TPShard | None = None
 
 
