@@ -10,9 +10,11 @@ request (HTTP 503) instead of being recomputed on the decode core, so equal
 output here means the resharded KV itself was right."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import openai

@@ -60,9 +60,9 @@ class LaunchOptions:
     ready_timeout_s: float
     log_level: str
     cpus: dict[str, str | None] = field(default_factory=dict)  # by core name
-    tp: dict[str, int | None] = field(default_factory=dict)  # by role: --prefill-tp / --decode-tp
     # The cores are Ray actors (--ray): a dead one is restarted by Ray and re-joined.
     ray: RayCores | None = None
+    tp: dict[str, int | None] = field(default_factory=dict)  # by role: --prefill-tp / --decode-tp
 
 
 def core_config(args: EngineArgs, role: str, tp: int | None = None):
@@ -110,8 +110,8 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
         _stop(connections, processes)
         raise
     options = LaunchOptions(args, check_integrity_when_idle, ready_timeout_s, log_level,
-                            {name: cpus for name, _, cpus in specs}, ray,
-                            {role: router.tp_of_role(role) for role in ("prefill", "decode")})
+                            {name: cpus for name, _, cpus in specs}, ray=ray,
+                            tp={role: router.tp_of_role(role) for role in ("prefill", "decode")})
     return workers, options
 
 
