@@ -138,3 +138,38 @@ def test_pools_started_apart_each_with_its_own_tp(checkpoints, expected, tmp_pat
             core.kill()
             core.wait()
     assert "Traceback" not in log.read_text(errors="replace")
+
+
+def test_a_killed_decode_rank_restarts_its_pool_core_at_its_size(pd_server, expected):
+    """A decode worker rank SIGKILLed ends its core whole; the server starts
+    it again with --decode-tp's ranks (not -tp's), and P/D serves the same
+    text through the new ranks' pools."""
+    arch, prefill_tp, decode_tp, srv = pd_server
+    if (arch, prefill_tp, decode_tp) != ("llama", 1, 2):
+        pytest.skip("one layout is enough")
+    old = _workers(srv)["decode-0"]
+    os.kill(old["ranks"][1]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while True:
+        workers = _workers(srv)
+        new = workers["decode-0"]
+        if new["pid"] != old["pid"] and new["alive"] and new["ranks"] and all(r["alive"] for r in new["ranks"]):
+            break
+        assert time.monotonic() < deadline, srv.log()[-3000:]
+        time.sleep(0.5)
+    assert new["tensor_parallel_size"] == 2 and len(new["ranks"]) == 2
+    assert workers["prefill-0"]["tensor_parallel_size"] == 1
+    deadline = time.monotonic() + 120
+    while True:  # the router takes the new core once its handshake is done
+        try:
+            assert _greedy(srv, PROMPTS[1]) == expected[arch][1]
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, srv.log()[-3000:]
+            time.sleep(1)
+
+
+def _workers(srv) -> dict[str, dict]:
+    r = httpx.get(f"{srv.base_url}/v1/admin/workers", timeout=30)
+    assert r.status_code == 200, r.text
+    return {w["name"]: w for w in r.json()["data"]}
