@@ -158,7 +158,11 @@ class EngineCorePurgeTenant(msgspec.Struct, kw_only=True, tag=True):
 class EngineCoreHello(msgspec.Struct, kw_only=True, tag=True):
     """Send EngineCoreReady again. A router that joins a running core (or
     checks that it is alive) asks with this; the core's input thread answers
-    at once, even during a long step."""
+    at once, even during a long step. ``reply_to`` is the routing id of the
+    sender's output socket: once the hello carries the core's token, the
+    core sends its outputs there, and to no other peer of that socket."""
+
+    reply_to: bytes = b""
 
 
 class EngineCoreFirstToken(msgspec.Struct, kw_only=True, tag=True):
