@@ -72,12 +72,14 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype, device,
                                                      attention_backend(m.attention_backend, device) == "triton")
         self.max_model_len = self._resolve_max_model_len()
-        self.num_kv_blocks = self._resolve_num_blocks()
+        # Before the pool is sized: the draft's weights take memory too, and
+        # its KV (as many blocks, its own layers and heads) shares the pool's budget.
+        draft = self._load_draft()
+        self.num_kv_blocks = self._resolve_num_blocks(draft)
         # A sequence can never outgrow the pool.
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=dtype_name(self.kv_cache_dtype))
-        draft = self._load_draft()
         self.speculative = speculation_signature(config.speculative, draft.fingerprint if draft else "")
         # The KV connector: its worker half is made by the runner over the
         # pool, its scheduler half below. Whatever it links to (the node's
@@ -135,16 +137,20 @@ class EngineCore:
             raise ValueError(f"max_model_len {asked} exceeds the model's context length {limit}")
         return asked or limit
 
-    def _resolve_num_blocks(self) -> int:
+    def _resolve_num_blocks(self, draft: LoadedModel | None) -> int:
         """--num-kv-blocks, else --kv-cache-memory-gb, else a share of the
-        memory free now that the weights are in (engine/kv_memory.py)."""
+        memory free now that the weights are in (engine/kv_memory.py). A
+        block's bytes are the target's KV plus, with a draft model, the
+        draft's (it keeps as many blocks, in its own dtype)."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             logger.info("KV cache: --num-kv-blocks %d of %d tokens", cache.num_kv_blocks, self.block_size)
             return cache.num_kv_blocks
+        block_bytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
+        if draft is not None:
+            block_bytes += kv_block_bytes(draft, self.block_size)
         shape = dict(max_num_seqs=self.config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                     block_size=self.block_size,
-                     block_bytes=kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype))
+                     block_size=self.block_size, block_bytes=block_bytes)
         if cache.kv_cache_memory_gb is not None:
             size = kv_memory.size_explicit(cache.kv_cache_memory_gb, **shape)
         else:
