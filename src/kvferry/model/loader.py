@@ -35,6 +35,7 @@ from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.layers.gguf import GGUFConfig
 from kvferry.model.layers.parallel import TPShard
+from kvferry.parallel.pipeline import PPStage
 from kvferry.model.llama import LlamaModel
 from kvferry.model.resolve import resolve_model
 from kvferry.model.tokenizer import Tokenizer
@@ -65,14 +66,16 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
-               quantization: str | None = None, shard: TPShard | None = None) -> LoadedModel:
+               quantization: str | None = None, shard: TPShard | None = None,
+               stage: PPStage | None = None) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ValueError naming what is missing.
 
     ``quantization``: None (for now the same as "none": blocks are opt-in
     until they measure at least as fast as the expanded model on every path),
     "gguf" (a .gguf's linear weights stay in their blocks; CPU only) or
     "none" (a .gguf is expanded to float). ``shard``: a tensor-parallel
-    rank, which reads only its slice of each tensor (layers/parallel.py)."""
+    rank, which reads only its slice of each tensor (layers/parallel.py);
+    ``stage``: a pipeline stage, which reads only its layers' tensors."""
     check_quantization(quantization)
     resolved = resolve_model(model)
     if quantization == "gguf" and not resolved.is_gguf:
@@ -100,8 +103,8 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
     else:
-        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8)
-        weights = iter_safetensors(folder, lazy=sharded)
+        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8, stage=stage)
+        weights = iter_safetensors(folder, lazy=sharded or stage is not None)
         lm.load_weights(int8_checkpoint.pair_scales(weights) if int8 else weights)
         fingerprint = model_fingerprint(folder)
         fingerprint = fingerprint if int8 is None else int8_checkpoint.mark_fingerprint(fingerprint)
