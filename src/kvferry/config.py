@@ -436,7 +436,8 @@ class EngineConfig:
             (self.model.device != "cpu", f"device {self.model.device!r} (the stages run on the CPU)"),
             (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
             (self.model.deterministic, "deterministic"),
-            (spec is not None, f"speculative method {spec.method if spec is not None else ''!r}"),
+            (spec is not None and spec.method != "ngram", "speculative method "
+             f"{spec.method if spec is not None else ''!r} (ngram works)"),
             (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
             (bool(self.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
             (bool(self.kv_connector), "--kv-connector"),

@@ -182,6 +182,7 @@ class EngineCore:
             kv_dtype=self.scheduler.kv.kv_dtype,
             speculative=self.speculative,
             ranks=self.ranks(),
+            pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
         )
 
     def ranks(self) -> list[TPRank]:

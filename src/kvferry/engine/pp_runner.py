@@ -23,6 +23,7 @@ next step.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,6 +95,9 @@ class StageRunner(ModelRunner):
         self.micro_batches = max(1, config.parallel.pp_micro_batches or self.stage.size)
         self.link: StageLink | None = None
         self.steps_run = 0
+        # This step's micro-batches on this stage: (k, start, end), monotonic
+        # seconds (one clock for every process of the host): the overlap, seen.
+        self.timeline: list[tuple[int, float, float]] = []
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -108,7 +112,7 @@ class StageRunner(ModelRunner):
         if not sched.is_empty:
             self._forward(self._prepare(sched, sched.spec_token_ids, graph_ok=False))
             if leader is not None:
-                out = leader.receive_output(self.steps_run)
+                out = leader.receive_output(self.steps_run, self.timeline)
                 self.apply_sampled(out.sampled_token_ids)  # the next step embeds them
         return out
 
@@ -120,17 +124,20 @@ class StageRunner(ModelRunner):
         returns the final norm's [num_tokens, hidden], the others send."""
         flat, link, outs = inputs.flat, self.link, []
         ranges = micro_batches(flat.query_start_loc, self.micro_batches)
+        self.timeline = []
         for k, (r0, r1) in enumerate(ranges):
             part = slice_flat(flat, r0, r1)
             meta = part.metadata(self.block_size, self.device, self.kv_cache.dtype, self.triton)
             tag = (self.steps_run, k)
             residual = None if link.prev is None else recv_tensor(link.prev, tag, _POLL_MS, link.alive)
+            start = time.monotonic()
             h = self.model(self._to_device(part.input_ids), self._to_device(part.positions), self.kv_cache, meta,
                            residual=residual)
             if link.next is not None:
                 send_tensor(link.next, tag, h)
             else:
                 outs.append(h)
+            self.timeline.append((k, start, time.monotonic()))
         if not outs:
             return None
         return outs[0] if len(outs) == 1 else torch.cat(outs)

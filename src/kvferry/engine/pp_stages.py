@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 import setproctitle
@@ -92,6 +93,10 @@ class PPLeader:
         torch.set_num_threads(self.threads)
         self.failure: RankFailed | None = None
         self._last_sampled: dict[str, list[int]] = {}
+        # Recent steps' micro-batch times on the first and the last stage:
+        # (step, [(k, start, end)] of stage 0, the same of the last stage);
+        # tests and bench/pp_decode.py see the overlap in them.
+        self.timelines: deque[tuple[int, list, list]] = deque(maxlen=64)
         self._dir = tempfile.mkdtemp(prefix="kvferry-pp-")
         self._ctx = zmq.Context()
         self._reports = self._ctx.socket(zmq.PULL)
@@ -167,8 +172,8 @@ class PPLeader:
         self._send((sched, self._last_sampled))
         self._last_sampled = {}
 
-    def receive_output(self, step: int) -> RunnerOutput:
-        """The last stage's result of step ``step``."""
+    def receive_output(self, step: int, timeline: list[tuple[int, float, float]]) -> RunnerOutput:
+        """The last stage's result of step ``step`` (``timeline``: stage 0's micro-batches of it)."""
         while True:
             self.check()
             if not self._reports.poll(int(_POLL_S * 1000)):
@@ -179,6 +184,7 @@ class PPLeader:
             if kind != "output" or detail[0] != step:
                 raise RuntimeError(f"pipeline stages out of step: rank 0 waits for step {step}, got {kind}")
             out: RunnerOutput = detail[1]
+            self.timelines.append((step, timeline, detail[2]))
             self._last_sampled = out.sampled_token_ids
             return out
 

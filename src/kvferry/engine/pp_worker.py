@@ -100,7 +100,7 @@ def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
             runner.apply_sampled(sampled)
         out = runner.execute(sched)
         if last and not sched.is_empty:
-            reports.send(pickle.dumps(("output", runner.stage.rank, (runner.steps_run, out)),
+            reports.send(pickle.dumps(("output", runner.stage.rank, (runner.steps_run, out, runner.timeline)),
                                       protocol=pickle.HIGHEST_PROTOCOL))
 
 
