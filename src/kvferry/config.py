@@ -347,7 +347,9 @@ TP_ALL_REDUCES = ("shm", "gloo")
 @dataclass(slots=True)
 class ParallelConfig:
     """Tensor parallelism: one engine core as ``tensor_parallel_size`` rank
-    processes on this host (kvferry.engine.tp_ranks, docs/parallelism.md)."""
+    processes on this host (kvferry.engine.tp_ranks, docs/parallelism.md);
+    pipeline parallelism: as ``pipeline_parallel_size`` stage processes
+    (kvferry.engine.pp_stages)."""
 
     tensor_parallel_size: int = 1
     # torch threads of each rank (None: this host's CPUs / tensor_parallel_size).
@@ -549,7 +551,8 @@ class EngineArgs:
         "rank processes per engine core (tensor parallelism, docs/parallelism.md; also -tp)",
         flag="--tensor-parallel-size", cli=False))
     cpu_threads_per_rank: int | None = field(default=None, metadata=_opt(
-        "with --tensor-parallel-size N: torch threads of each rank (default: this host's CPUs / N)"))
+        "with --tensor-parallel-size N or --pipeline-parallel-size N: torch threads of each rank or stage "
+        "(default: this host's CPUs / N)"))
     tp_all_reduce: str = field(default="shm", metadata=_opt(
         "with --tensor-parallel-size N: how the ranks sum their partial products: shm (shared memory, the "
         "same sum on every rank) or gloo (torch's, over loopback TCP)", choices=TP_ALL_REDUCES))

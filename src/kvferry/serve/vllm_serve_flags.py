@@ -156,8 +156,8 @@ def apply_serve_compat_args(args: argparse.Namespace, engine_args: EngineArgs, n
     if args.pipeline_parallel_size == 1:
         note("--pipeline-parallel-size 1: no-op (one pipeline stage)")
     elif args.pipeline_parallel_size is not None:  # the engine's own option (no flag of its own there)
-        note(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline stage processes per engine core")
         engine_args = dataclasses.replace(engine_args, pipeline_parallel_size=args.pipeline_parallel_size)
+        note(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline stage processes per engine core")
     if args.max_logprobs is not None:
         if args.max_logprobs != MAX_LOGPROBS:
             raise ValueError(f"--max-logprobs {args.max_logprobs}: kvferry's bound is fixed at {MAX_LOGPROBS} "
