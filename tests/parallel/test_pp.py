@@ -80,6 +80,24 @@ def test_micro_batches_split_by_tokens(lens, count, expected):
     assert got[0][0] == 0 and got[-1][1] == len(lens) and all(a < b for a, b in got)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's embedding is tied: the last stage's lm_head
+def test_each_stage_loads_only_its_layers(arch, tmp_path):
+    from kvferry.model.loader import load_model
+    from kvferry.parallel.pipeline import PPStage
+
+    path = str(make_tiny_checkpoint(tmp_path, arch=arch, **LAYERS))
+    first, last = (load_model(path, dtype="float32", stage=PPStage.of(3, r, 2)).model for r in range(2))
+    tied = arch == "qwen2"
+    assert (len(first.layers), len(last.layers)) == (2, 1)
+    assert first.layers[0].self_attn.qkv_proj.prefix == "model.layers.0.self_attn.qkv_proj"
+    assert last.layers[0].self_attn.qkv_proj.prefix == "model.layers.2.self_attn.qkv_proj"
+    assert (first.embed.weight.shape[0], last.embed.weight.shape[0]) == (387, 387 if tied else 0)
+    assert (first.logits_proj.out_features, last.logits_proj.out_features) == (0, 387)
+    whole = sum(p.numel() for p in load_model(path, dtype="float32").model.parameters())
+    split = [sum(p.numel() for p in m.parameters()) for m in (first, last)]
+    assert max(split) < whole and sum(split) >= whole
+
+
 # -- ground truth ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
