@@ -25,6 +25,7 @@ from kvferry.parallel import RankFailed
 from kvferry.parallel.pipeline import pp_layer_range
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_moe_models import make_tiny_moe_checkpoint
 
 MAX_NEW = 6
 LAYERS = dict(num_hidden_layers=3, vocab_size=387)
@@ -186,6 +187,23 @@ def test_ngram_speculation_over_two_stages_keeps_greedy_output(llama):
     try:
         assert greedy(llm, prompts, 24) == expected
         assert llm.engine.stats().num_draft_tokens > 0
+    finally:
+        close(llm)
+
+
+@pytest.mark.parametrize("moe", ["mixtral_top2", "qwen2_moe_top2"])  # block_sparse_moe names; a shared expert
+def test_a_mixture_of_experts_over_two_stages_keeps_greedy_output(moe, tmp_path):
+    """Each stage holds its layers' experts (tests/model: PP 1 equals HF on these)."""
+    path = str(make_tiny_moe_checkpoint(tmp_path, moe))
+    prompts = [[5, 6, 7, 8], list(range(9, 40))]
+    plain = LLM(model=path, **ENGINE)
+    try:
+        expected = greedy(plain, prompts)
+    finally:
+        close(plain)
+    llm = LLM(model=path, pipeline_parallel_size=2, **ENGINE)
+    try:
+        assert greedy(llm, prompts) == expected
     finally:
         close(llm)
 
