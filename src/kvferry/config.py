@@ -437,6 +437,7 @@ class EngineConfig:
              "(one of the two per core for now)"),
             (self.model.device != "cpu", f"device {self.model.device!r} (the stages run on the CPU)"),
             (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
+            (self.model.quantization == "int8", "quantization 'int8'"),
             (self.model.deterministic, "deterministic"),
             (spec is not None and spec.method != "ngram", "speculative method "
              f"{spec.method if spec is not None else ''!r} (ngram works)"),

@@ -35,10 +35,10 @@ from kvferry.model.config import ModelConfig
 from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.layers.gguf import GGUFConfig
 from kvferry.model.layers.parallel import TPShard
-from kvferry.parallel.pipeline import PPStage
 from kvferry.model.llama import LlamaModel
 from kvferry.model.resolve import resolve_model
 from kvferry.model.tokenizer import Tokenizer
+from kvferry.parallel.pipeline import PPStage
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     int8 = None if blocks else int8_checkpoint.int8_config(folder, quantization)  # --quantization int8 or W8A8
     if int8 is not None and sharded:
         raise ValueError("tensor_parallel_size > 1 needs float weights: int8 weights are not sharded yet")
+    if int8 is not None and stage is not None:
+        raise ValueError("pipeline_parallel_size > 1 needs float weights: int8 weights are not split over stages yet")
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
     else:
