@@ -10,15 +10,16 @@ prefilled in one untimed step). Each mode runs in its own process; the
 modes alternate over ``--runs``.
 
     pp1        one process, 2 threads
-    pp2        2 stages of 1 thread, the step in 2 micro-batches (the default)
-    pp2-mb1    2 stages of 1 thread, no micro-batches: the stages take turns
+    pp2        2 stages of 1 thread, the default micro-batches: a decode step of
+               fewer than 128 tokens is one (the stages take turns)
+    pp2-mb2    2 stages of 1 thread, every step in 2 micro-batches (--pp-micro-batches 2)
     pp2-mb4    2 stages of 1 thread, 4 micro-batches (at c16: 4 requests each)
 
 For the PP modes, "overlap" is the share of the decode time in which both
 stages ran a micro-batch (from rank 0's record of both stages' micro-batch
 times, engine/pp_stages.py ``PPLeader.timelines``).
 
-    python bench/pp_decode.py [--runs 1] [--layers 4] [--tokens 32] [--modes pp1,pp2,pp2-mb1,pp2-mb4]
+    python bench/pp_decode.py [--runs 1] [--layers 4] [--tokens 32] [--modes pp1,pp2,pp2-mb2,pp2-mb4]
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODES = {  # name -> (pipeline_parallel_size, threads per stage, micro-batches)
     "pp1": (1, 2, None),
     "pp2": (2, 1, None),
-    "pp2-mb1": (2, 1, 1),
+    "pp2-mb2": (2, 1, 2),
     "pp2-mb4": (2, 1, 4),
 }
 

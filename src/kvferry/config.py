@@ -359,7 +359,7 @@ class ParallelConfig:
     tp_all_reduce: str = "shm"
     # Pipeline parallelism: the layers over this many stage processes
     # (kvferry.engine.pp_stages), and the micro-batches a step is cut into
-    # so that the stages overlap (None: one per stage).
+    # so that the stages overlap (None: up to one per stage, by the step's size).
     pipeline_parallel_size: int = 1
     pp_micro_batches: int | None = None
 
@@ -563,7 +563,7 @@ class EngineArgs:
         "also -pp)", flag="--pipeline-parallel-size", cli=False))
     pp_micro_batches: int | None = field(default=None, metadata=_opt(
         "with --pipeline-parallel-size N: micro-batches a step is cut into, so that the stages overlap "
-        "(default: N)"))
+        "(default: up to N, at least 64 tokens each: a small decode step stays whole)"))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):

@@ -125,8 +125,10 @@ def test_greedy_equals_hf_at_pp_2(case):
         assert core.runner.model.embed_tokens.shape[0] == 387
         assert core.runner.model.logits_proj.out_features == 0
         assert [r.rank for r in core.ranks()] == [0, 1]
-        # Steps of several requests went through as micro-batches.
+        # Steps of several requests went through as micro-batches (the prompts' steps: a
+        # decode step of 4 tokens is one, since each micro-batch reads the weights again).
         assert any(len(first) == 2 for _, first, _ in core.tp.timelines)
+        assert [core.runner.micro_batch_count(n) for n in (4, 127, 128, 2048)] == [1, 1, 2, 2]
         llm.engine.check_integrity()
     finally:
         close(llm)

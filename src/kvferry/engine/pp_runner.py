@@ -40,6 +40,13 @@ from kvferry.parallel.pipeline import recv_tensor, send_tensor
 # How long a stage waits for the stage before in one look; between looks it
 # checks that its group is whole (``StageLink.alive`` raises otherwise).
 _POLL_MS = 200
+# Without --pp-micro-batches a step is cut into up to one micro-batch a stage,
+# each of at least this many tokens. Every micro-batch reads the stage's
+# weights again: a decode step of a few rows is bound by that read, so two
+# half-batches cost about two whole ones and the overlap does not pay it back
+# (bench/pp_decode.py at c16: 0.71x one micro-batch's tok/s, 4 micro-batches
+# 0.29x); a prompt chunk is bound by its arithmetic, which halves with its rows.
+MIN_MICRO_BATCH_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -81,7 +88,8 @@ def slice_flat(flat: FlatStep, r0: int, r1: int) -> FlatStep:
 class StageRunner(ModelRunner):
     """ModelRunner over this stage's layers and their KV cache; the stage comes
     with the model (``loaded.model.stage``). ``link`` (set before the first
-    step): its sockets; ``micro_batches``: how many a step is cut into."""
+    step): its sockets; ``micro_batches``: how many a step is cut into (None:
+    by its size, ``micro_batch_count``)."""
 
     def __init__(self, loaded, config, num_blocks: int, max_model_len: int, **kwargs) -> None:  # noqa: ANN001
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
@@ -92,7 +100,7 @@ class StageRunner(ModelRunner):
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
                                           self.device, model.num_kv_heads, num_layers=len(model.layers))
         self.samples = self.stage.last
-        self.micro_batches = max(1, config.parallel.pp_micro_batches or self.stage.size)
+        self.micro_batches = config.parallel.pp_micro_batches
         self.link: StageLink | None = None
         self.steps_run = 0
         # This step's micro-batches on this stage: (k, start, end), monotonic
@@ -116,6 +124,12 @@ class StageRunner(ModelRunner):
                 self.apply_sampled(out.sampled_token_ids)  # the next step embeds them
         return out
 
+    def micro_batch_count(self, num_tokens: int) -> int:
+        """How many micro-batches a step of ``num_tokens`` goes in (the same on every stage)."""
+        if self.micro_batches is not None:
+            return self.micro_batches
+        return max(1, min(self.stage.size, num_tokens // MIN_MICRO_BATCH_TOKENS))
+
     def _eager_inputs(self, inputs: StepInputs) -> None:
         """Each micro-batch builds its own metadata (``_forward``)."""
 
@@ -123,7 +137,7 @@ class StageRunner(ModelRunner):
         """Every micro-batch through this stage's layers; the last stage
         returns the final norm's [num_tokens, hidden], the others send."""
         flat, link, outs = inputs.flat, self.link, []
-        ranges = micro_batches(flat.query_start_loc, self.micro_batches)
+        ranges = micro_batches(flat.query_start_loc, self.micro_batch_count(len(flat.input_ids)))
         self.timeline = []
         for k, (r0, r1) in enumerate(ranges):
             part = slice_flat(flat, r0, r1)
