@@ -5,13 +5,14 @@ PP 2 at 1 thread per stage against PP 1 at 2 threads, at concurrency 1 and
 A Llama-3.2-1B-shaped model (hidden 2048, MLP 8192, 32 heads, 8 KV heads,
 vocabulary 32000) with random weights and ``--layers`` decoder layers (16
 is the whole 1B). Each sequence has a 32-token prompt and decodes
-``--tokens`` more; only the decode steps are timed (the prompts are
-prefilled in one untimed step). Each mode runs in its own process; the
+``--tokens`` more; the decode steps are timed apart from the prompts'
+step (at c16 one 512-token prefill step, reported as prefill tok/s). Each mode runs in its own process; the
 modes alternate over ``--runs``.
 
     pp1        one process, 2 threads
     pp2        2 stages of 1 thread, the default micro-batches: a decode step of
                fewer than 128 tokens is one (the stages take turns)
+    pp2-mb1    2 stages of 1 thread, never micro-batches (--pp-micro-batches 1)
     pp2-mb2    2 stages of 1 thread, every step in 2 micro-batches (--pp-micro-batches 2)
     pp2-mb4    2 stages of 1 thread, 4 micro-batches (at c16: 4 requests each)
 
@@ -19,7 +20,7 @@ For the PP modes, "overlap" is the share of the decode time in which both
 stages ran a micro-batch (from rank 0's record of both stages' micro-batch
 times, engine/pp_stages.py ``PPLeader.timelines``).
 
-    python bench/pp_decode.py [--runs 1] [--layers 4] [--tokens 32] [--modes pp1,pp2,pp2-mb2,pp2-mb4]
+    python bench/pp_decode.py [--runs 1] [--layers 4] [--tokens 32] [--modes pp1,pp2,pp2-mb1,pp2-mb2,pp2-mb4]
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODES = {  # name -> (pipeline_parallel_size, threads per stage, micro-batches)
     "pp1": (1, 2, None),
     "pp2": (2, 1, None),
+    "pp2-mb1": (2, 1, 1),
     "pp2-mb2": (2, 1, 2),
     "pp2-mb4": (2, 1, 4),
 }
@@ -70,7 +72,9 @@ def child(mode: str, checkpoint: str, tokens: int) -> None:
         params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
         for i, prompt in enumerate(prompts(conc)):
             engine.add_request(f"c{conc}-{i}", prompt, params)
-        engine.step()  # every prompt in one prefill step: not timed
+        t0 = time.perf_counter()
+        engine.step()  # every prompt in one prefill step
+        out[f"c{conc}_prefill_tok_s"] = conc * 32 / (time.perf_counter() - t0)
         if leader is not None:
             leader.timelines.clear()
         decode_s, steps = 0.0, 0
@@ -135,6 +139,9 @@ def main() -> None:
             shares = [r[f"{c}_overlap"] for r in results[mode] if f"{c}_overlap" in r]
             if shares:
                 row.append(f"{c} overlap {100 * statistics.median(shares):.0f}%")
+        prefill = statistics.median(r["c16_prefill_tok_s"] for r in results[mode])
+        base_prefill = statistics.median(r["c16_prefill_tok_s"] for r in results[modes[0]])
+        row.append(f"c16 prefill {prefill:.0f} tok/s ({prefill / base_prefill:.2f}x)")
         print(" | ".join(row))
 
 
