@@ -44,8 +44,9 @@ _POLL_MS = 200
 # each of at least this many tokens. Every micro-batch reads the stage's
 # weights again: a decode step of a few rows is bound by that read, so two
 # half-batches cost about two whole ones and the overlap does not pay it back
-# (bench/pp_decode.py at c16: 0.71x one micro-batch's tok/s, 4 micro-batches
-# 0.29x); a prompt chunk is bound by its arithmetic, which halves with its rows.
+# (bench/pp_decode.py at c16: 2 micro-batches 0.54-0.59x one's tok/s, 4 about
+# 0.4x); a prompt chunk is bound by its arithmetic, which halves with its rows
+# (the 512-token prompts' step: 2 micro-batches 1.65x one).
 MIN_MICRO_BATCH_TOKENS = 64
 
 
