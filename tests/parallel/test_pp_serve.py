@@ -4,7 +4,8 @@ by the module's tests): greedy output equals HF transformers (float32),
 alone and with concurrent requests cut into micro-batches;
 ``/v1/admin/workers`` lists the core's two stages with the pids of its real
 processes; a stage killed with SIGKILL ends its core whole, after which
-the server restarts it and serves again."""
+the server restarts it and serves again. A standalone ``kvferry
+engine-core -pp 2`` joined by a server serves the same text."""
 from __future__ import annotations
 
 import os
@@ -18,10 +19,11 @@ import httpx
 import openai
 import pytest
 
-from kvferry import LLM, SamplingParams
+from kvferry import LLM, SamplingParams, envs
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.parallel.test_tensor_parallel_serve import _alive, _children, _title
 from tests.serve.server_process import start_server
+from tests.serve.test_core_join_secret import _free_port_pair, _secret
 from tests.serve.test_flag_errors import assert_one_line_error
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -95,6 +97,44 @@ def test_admin_workers_lists_the_stages(served):
     assert core in _children(srv.proc.pid)
     time.sleep(3)  # a heartbeat later: still there, still alive
     assert assert_live_stages(srv) == [core, worker]
+
+
+@pytest.mark.parametrize("served", ["llama"], indirect=True)
+def test_a_standalone_pp_core_joined_by_a_server(served, tmp_path, monkeypatch):
+    """``kvferry engine-core -pp 2`` on its own; a server joins it by address,
+    lists its two stages and gets HF's text."""
+    _, path, _, expected = served
+    monkeypatch.delenv(envs.SOCKET_SECRET, raising=False)  # the core and the server agree through the file
+    secret = _secret(tmp_path / "secret")
+    address = f"tcp://127.0.0.1:{_free_port_pair()}"
+    log = tmp_path / "core.log"
+    core = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", address,
+                             "--name", "engine-pp", "--model", path, "--dtype", "float32", "--num-kv-blocks", "64",
+                             "--max-model-len", "1024", "--no-warm-up", "--check-kv-integrity", "-pp", "2",
+                             "--cpu-threads-per-rank", "1", "--cache-secret-file", secret],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        srv = start_server(tmp_path / "server.log", ["--data-parallel-size", "0", "--worker", address,
+                                                     "--model", path, "--cache-secret-file", secret,
+                                                     "--engine-start-timeout", "300"], serve_args=[])
+        try:
+            pids = assert_live_stages(srv, "engine-pp")
+            assert pids[0] == core.pid
+            assert complete(srv, PROMPTS[0]) == expected[0]
+        finally:
+            assert srv.stop() == 0, srv.log()[-3000:]
+    finally:
+        core.send_signal(signal.SIGTERM)
+        try:
+            core.wait(60)
+        except subprocess.TimeoutExpired:
+            core.kill()
+            core.wait()
+    deadline = time.monotonic() + 30  # a stage exits at its core's word, or once it sees the core gone
+    while _alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pids[1]), "a stage outlived its core"
+    assert "Traceback" not in log.read_text(errors="replace")
 
 
 @pytest.mark.parametrize("served", ["llama"], indirect=True)
