@@ -278,6 +278,8 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     # Its tensor-parallel ranks, rank 0 first ([]: one process). Sent again
     # with every heartbeat's answer, so ``alive`` is as fresh as the beat.
     ranks: list[TPRank] = []
+    # With pipeline parallelism ``ranks`` are its stages, rank 0 the first.
+    pipeline_parallel_size: int = 1
 
 
 # -- prefill core -> decode core (its transfer socket) -----------------------------

@@ -50,6 +50,7 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
         _cpus(args)
     _max_model_len(engine_args)
     _tensor_parallel(engine_args)
+    _pipeline_parallel(engine_args)
     _speculative(engine_args)
 
 
@@ -172,6 +173,17 @@ def _tensor_parallel(engine_args: EngineArgs) -> None:
     for name, value in sizes.items():
         if isinstance(value, int) and value % size:
             raise ValueError(f"tensor_parallel_size {size}: the model's {name} ({value}) is not divisible by it")
+
+
+def _pipeline_parallel(engine_args: EngineArgs) -> None:
+    """Each stage needs a layer (parallel/pipeline.py's pp_layer_range), from config.json alone."""
+    size = engine_args.pipeline_parallel_size
+    if not isinstance(size, int) or size <= 1:
+        return
+    layers = _hf_config(engine_args.model).get("num_hidden_layers")
+    if isinstance(layers, int) and layers < size:
+        raise ValueError(f"pipeline_parallel_size {size}: the model has only {layers} layers "
+                         "(each stage needs at least one)")
 
 
 def _max_model_len(engine_args: EngineArgs) -> None:
