@@ -163,7 +163,11 @@ class EngineCorePurgeTenant(msgspec.Struct, kw_only=True, tag=True):
 class EngineCoreHello(msgspec.Struct, kw_only=True, tag=True):
     """Send EngineCoreReady again. A router that joins a running core (or
     checks that it is alive) asks with this; the core's input thread answers
-    at once, even during a long step."""
+    at once, even during a long step. ``reply_to`` is the routing id of the
+    sender's output socket: once the hello carries the core's token, the
+    core sends its outputs there, and to no other peer of that socket."""
+
+    reply_to: bytes = b""
 
 
 class EngineCoreFirstToken(msgspec.Struct, kw_only=True, tag=True):
@@ -279,6 +283,8 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     # Its tensor-parallel ranks, rank 0 first ([]: one process). Sent again
     # with every heartbeat's answer, so ``alive`` is as fresh as the beat.
     ranks: list[TPRank] = []
+    # With pipeline parallelism ``ranks`` are its stages, rank 0 the first.
+    pipeline_parallel_size: int = 1
 
 
 # -- prefill core -> decode core (its transfer socket) -----------------------------

@@ -140,7 +140,8 @@ BAD: dict[str, list[list[str]]] = {
     "--revision": [["v2.0"]],
     "--tokenizer-revision": [["v2.0"]],
     "--distributed-executor-backend": [["ray"], ["external_launcher"]],
-    "--pipeline-parallel-size": [["2"]],
+    "--pipeline-parallel-size": [["0"], ["3"]],  # 3: the model has 2 layers, one a stage at least
+    "--pp-micro-batches": [["0"]],
     "--max-logprobs": [["5"], ["many"]],
     "--num-gpu-blocks-override": [["1"]],
     "--root-path": [["api"]],

@@ -55,6 +55,7 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     _max_model_len(engine_args)
     _tensor_parallel(engine_args)
     _pool_tensor_parallel(args, engine_args)
+    _pipeline_parallel(engine_args)
     _speculative(engine_args)
 
 
@@ -191,6 +192,17 @@ def _pool_tensor_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> 
             _tensor_parallel(pool_args)
         except ValueError as exc:
             raise ValueError(f"--{role}-tp {size}: {exc}") from None
+
+
+def _pipeline_parallel(engine_args: EngineArgs) -> None:
+    """Each stage needs a layer (parallel/pipeline.py's pp_layer_range), from config.json alone."""
+    size = engine_args.pipeline_parallel_size
+    if not isinstance(size, int) or size <= 1:
+        return
+    layers = _hf_config(engine_args.model).get("num_hidden_layers")
+    if isinstance(layers, int) and layers < size:
+        raise ValueError(f"pipeline_parallel_size {size}: the model has only {layers} layers "
+                         "(each stage needs at least one)")
 
 
 def _max_model_len(engine_args: EngineArgs) -> None:
