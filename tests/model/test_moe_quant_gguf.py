@@ -118,3 +118,13 @@ def test_greedy_matches_expanded(tmp, case_id):
                                                                                            max_tokens=6))]
         del llm
     assert outs["gguf"] == outs["none"]
+
+
+def test_truncated_expert_tensor_is_refused_naming_it(tmp):
+    f = _gguf_file(tmp, "qwen3_moe-Q8_0")
+    reader = gguf.GGUFReader(str(f))
+    last = max(reader.tensors, key=lambda t: int(t.data_offset))
+    cut = tmp / "truncated.gguf"
+    cut.write_bytes(f.read_bytes()[:int(last.data_offset) + int(last.n_bytes) // 2])
+    with pytest.raises(ValueError, match=f"tensor '{last.name}' ends at byte .* \\(truncated\\)"):
+        load_model(str(cut), dtype="float32", quantization="gguf")
