@@ -22,7 +22,7 @@ the disk. The run checks ``MemAvailable`` first (``--min-available-gb``)
 and reports how much of the file stayed resident. The file is deleted at
 the end (``--keep`` keeps it).
 
-    python bench/moe_quant.py [--dir /work/bench-cache] [--qtype Q4_0] [--threads 2] [--iters 8]
+    python bench/moe_quant.py [--dir /work/bench-cache] [--qtype Q4_0] [--threads 1] [--iters 8]
     python bench/moe_quant.py --layers 2 --experts 16   # a quick smoke run of the same code
 """
 from __future__ import annotations
@@ -92,6 +92,46 @@ class ActiveExperts:
             h.remove()
 
 
+class MoeTime:
+    """Wall and CPU seconds spent inside the MoE blocks (forward hooks), summed."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        self.wall = self.cpu = 0.0
+        self.handles = []
+        self._t = (0.0, 0.0)
+
+    def __enter__(self) -> "MoeTime":
+        for b in self.blocks:
+            self.handles.append(b.register_forward_pre_hook(self._start))
+            self.handles.append(b.register_forward_hook(self._stop))
+        return self
+
+    def _start(self, *_: object) -> None:
+        self._t = (time.perf_counter(), time.process_time())
+
+    def _stop(self, *_: object) -> None:
+        self.wall += time.perf_counter() - self._t[0]
+        self.cpu += time.process_time() - self._t[1]
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def read_bandwidth_cpu(num_bytes: int = 1 << 29, repeats: int = 7) -> float:
+    """Bytes per CPU-second of a large reduction (read only), best of ``repeats``:
+    the floor's bandwidth by the same clock as the steps' CPU time."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.process_time()
+        src.sum()
+        best = min(best, time.process_time() - c0)
+    return num_bytes / best
+
+
 def other_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every weight a decode step reads besides the experts: the
     quantized layers' blocks, the float layers' parameters (routers, norms);
@@ -108,14 +148,18 @@ def other_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def time_steps(steps: Steps, iters: int) -> tuple[float, float]:
+def time_steps(steps: Steps, iters: int) -> tuple[float, float, float]:
+    """(wall median, wall min, CPU-time median) seconds of a decode step. On a
+    machine other jobs share, the wall clock counts them too; with one
+    thread this process's CPU time is the step's own."""
     steps.decode(0)  # warm: primitives built, pages read
-    times = []
+    wall, cpu = [], []
     for i in range(iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         steps.decode(i + 1)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), min(wall), statistics.median(cpu)
 
 
 def main() -> None:
@@ -124,7 +168,8 @@ def main() -> None:
     ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q4_K", "Q8_0"])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: CPU time is the step's own on a shared machine)")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=64, help="tokens of context per request")
@@ -159,8 +204,8 @@ def main() -> None:
         results["load_s"] = round(time.perf_counter() - t0, 1)
         results["rss_loaded"] = rss()
         print(f"loaded in {results['load_s']} s, rss {results['rss_loaded']}")
-        bw = read_bandwidth()
-        results["read_bw_gbs"] = round(bw / 1e9, 2)
+        bw, bw_cpu = read_bandwidth(), read_bandwidth_cpu()
+        results["read_bw_gbs"], results["read_bw_cpu_gbs"] = round(bw / 1e9, 2), round(bw_cpu / 1e9, 2)
         expert_bytes = shape.expert_bytes(args.qtype) / (args.layers * args.experts)  # one expert, one layer
         other = other_weight_bytes(model)
         for batch in args.batches:
@@ -168,9 +213,16 @@ def main() -> None:
             with ActiveExperts(model) as active:
                 steps.decode(0)
             experts_read = sum(active.counts) * expert_bytes
-            med, best = time_steps(steps, args.iters)
+            with MoeTime(model) as moe:
+                med, best, cpu = time_steps(steps, args.iters)
             floor = (experts_read + other) / bw
-            row = {"median_ms": round(med * 1e3, 1), "min_ms": round(best * 1e3, 1),
+            floor_cpu, experts_floor_cpu = (experts_read + other) / bw_cpu, experts_read / bw_cpu
+            moe_wall, moe_cpu = moe.wall / (args.iters + 1), moe.cpu / (args.iters + 1)  # the warm step too
+            row = {"median_ms": round(med * 1e3, 1), "min_ms": round(best * 1e3, 1), "cpu_ms": round(cpu * 1e3, 1),
+                   "cpu_over_cpu_floor": round(cpu / floor_cpu, 2),
+                   "moe_wall_ms": round(moe_wall * 1e3, 1), "moe_cpu_ms": round(moe_cpu * 1e3, 1),
+                   "experts_floor_cpu_ms": round(experts_floor_cpu * 1e3, 1),
+                   "moe_cpu_over_experts_floor": round(moe_cpu / experts_floor_cpu, 2),
                    "active_experts_per_layer": round(sum(active.counts) / len(active.counts), 1),
                    "experts_read_gb": round(experts_read / 1e9, 3), "other_read_gb": round(other / 1e9, 3),
                    "floor_ms": round(floor * 1e3, 1), "experts_floor_ms": round(experts_read / bw * 1e3, 1),
@@ -180,6 +232,7 @@ def main() -> None:
             del steps
         results["rss_after"] = rss()
         results["meminfo_after"] = meminfo()
+        results["load_average"] = os.getloadavg()
     finally:
         if not args.keep and path.exists():
             path.unlink()
