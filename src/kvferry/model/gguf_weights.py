@@ -2,9 +2,9 @@
 embedding and the lm_head, in a type with a native kernel (quant/formats.py:
 Q4_0..Q8_0, Q2_K..Q6_K), stays in its blocks (``QuantizedWeight``), used by
 layers/gguf.py's methods (a mixture of experts' stacked experts: one view
-per expert, moe_convert.expert_blocks, used by moe_quant.py); a tied lm_head is the embedding's blocks. The rest
-(norms, biases, float tensors, and types without a kernel such as the IQ*
-types) is dequantized at load.
+per expert, moe_convert.expert_blocks, used by moe_quant.py); a tied
+lm_head is the embedding's blocks. The rest (norms, biases, float tensors,
+and types without a kernel such as the IQ* types) is dequantized at load.
 
 The blocks are the file's own pages: the file is mapped once (private,
 copy-on-write, so nothing can write it) and each tensor that can be used
