@@ -90,9 +90,6 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     else:
         folder = resolve_model_folder(model)
     config = read_config(folder)
-    if blocks and config.num_experts:
-        raise ValueError(f"{resolved.path.name}: --quantization gguf does not keep expert weights in their blocks "
-                         "yet; serve this mixture of experts with --quantization none (expanded to float)")
     torch_dtype = resolve_dtype(dtype, config, device)
     sharded = shard is not None and shard.enabled
     if blocks and sharded:
