@@ -32,6 +32,7 @@ from kvferry.bench.trace import load_trace
 from kvferry.bench.workloads import BenchError
 from kvferry.plan.hardware import Hardware, load_hardware, pick, profile_device
 from kvferry.plan.latency import KVTransferModel, PlanError, StepCostModel, check_profile_fits, profile_handover_s
+from kvferry.plan.layouts import layout_hardware
 from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
 
 SIM_WORKLOADS = ("random", "shared-prefix")
@@ -388,7 +389,7 @@ def run_plan(args: argparse.Namespace) -> dict:
     if args.instances_per_host < 1:
         raise ValueError(f"--instances-per-host must be >= 1, got {args.instances_per_host}")
     pools = plan_pools(args)
-    if args.instances_per_host > 1 and len(pools.all) > 1:
+    if args.instances_per_host > 1 and len({h.base_name for h in pools.all}) > 1:
         raise ValueError("--instances-per-host: pools of different hardware do not share hosts; give one "
                          "--hardware (or --profile) to pack instances onto hosts")
     requests = load_requests(args)
@@ -413,8 +414,10 @@ def plan_pools(args: argparse.Namespace):
         check_profile_fits(args.profile, args.allow_poor_fit, "plan")
         only = Hardware("profile", args.profile, None, StepCostModel.from_profile(args.profile),
                         profile_device(args.profile))
-        return Pools([only], [only], [only])
-    hardware = load_hardware(args.hardware, args.allow_poor_fit)
+        layouts = layout_hardware(only, args.allow_poor_fit)  # one per (TP, PP) the profile measured
+        return Pools(list(layouts), list(layouts), list(layouts))
+    hardware = [lay for hw in load_hardware(args.hardware, args.allow_poor_fit)
+                for lay in layout_hardware(hw, args.allow_poor_fit)]
     colocated = ([] if (args.colocated_hardware or "").strip().lower() == "none"
                  else pick(hardware, args.colocated_hardware, "--colocated-hardware"))
     return Pools(colocated, pick(hardware, args.prefill_hardware, "--prefill-hardware"),
