@@ -14,36 +14,43 @@ DECODE_TERMS = ["1", "batch", "batch*context"]
 
 
 def test_profile_fits_each_layout_and_skips_what_cannot_run_in_one_line(tmp_path):
-    # 4 query heads, 2 KV heads: TP 2 splits, TP 3 does not; TP 4 needs 4 CPUs of a budget of 3.
+    # 4 query heads, 2 KV heads, 2 layers: TP 2 and PP 2 split, TP 3 does not (the engine refuses it);
+    # TP 2 x PP 2 and TP 3 x PP 2 need more CPUs than the budget of 3.
     model = make_tiny_checkpoint(tmp_path / "m", arch="llama")
     out_json = tmp_path / "profile.json"
-    out = kvferry("profile", "--model", str(model), "--tensor-parallel-sizes", "1,2,3,4", "--threads", "3",
+    out = kvferry("profile", "--model", str(model), "--tensor-parallel-sizes", "1,2,3",
+                  "--pipeline-parallel-sizes", "1,2", "--threads", "3",
                   "--new-tokens", "16,32", "--cached-tokens", "0,16", "--batch-sizes", "1,2,4",
                   "--context-lens", "16", "--decode-steps", "2", "--repeats", "1", "--kv-cache-memory-gb", "0.02",
                   "--output", str(out_json), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out_json.read_text())
     layouts = {lay["name"]: lay for lay in data["layouts"]}
-    assert list(layouts) == ["tp1pp1", "tp2pp1"]
+    assert list(layouts) == ["tp1pp1", "tp1pp2", "tp2pp1"]
     assert (layouts["tp1pp1"]["ranks"], layouts["tp1pp1"]["threads_per_rank"]) == (1, 3)
     assert (layouts["tp2pp1"]["ranks"], layouts["tp2pp1"]["threads_per_rank"]) == (2, 1)
+    assert (layouts["tp1pp2"]["ranks"], layouts["tp1pp2"]["threads_per_rank"]) == (2, 1)
     for lay in layouts.values():
         assert lay["prefill"]["fit"]["terms"] == PREFILL_TERMS and len(lay["prefill"]["points"]) == 4
         assert lay["decode"]["fit"]["terms"] == DECODE_TERMS and len(lay["decode"]["points"]) == 3
+        assert (tmp_path / f"profile.{lay['name']}.png").exists()
     # the top level keeps the first layout's fits (what older readers read)
     assert data["prefill"]["fit"] == layouts["tp1pp1"]["prefill"]["fit"]
     skipped = {s["name"]: s["reason"] for s in data["skipped_layouts"]}
-    assert set(skipped) == {"tp3pp1", "tp4pp1"}
+    assert set(skipped) == {"tp3pp1", "tp2pp2", "tp3pp2"}
     assert "num_attention_heads" in skipped["tp3pp1"] or "divisible" in skipped["tp3pp1"], skipped
-    assert "4 ranks need at least 4 CPUs" in skipped["tp4pp1"]
+    assert "4 ranks need at least 4 CPUs" in skipped["tp2pp2"]
+    assert "6 ranks need at least 6 CPUs" in skipped["tp3pp2"]
     said = [line for line in out.stdout.splitlines() if line.startswith("kvferry profile: skipping")]
-    assert len(said) == 2 and all("\n" not in s for s in skipped.values())
+    assert len(said) == 3 and all("\n" not in s for s in skipped.values())
+    assert sum(line.startswith(("tp1pp1 (", "tp1pp2 (", "tp2pp1 (")) for line in out.stdout.splitlines()) == 6
 
 
 def test_a_served_profile_refuses_layouts_in_one_line():
     out = kvferry("profile", "--url", "http://127.0.0.1:9", "--tensor-parallel-sizes", "1,2")
     assert out.returncode == 2
-    assert "--tensor-parallel-sizes" in out.stderr and out.stderr.count("\n") == 1
+    assert "--tensor-parallel-sizes" in out.stderr and "served profile" in out.stderr
+    assert out.stderr.count("\n") == 1
 
 
 def _fits(prefill: tuple, decode: tuple) -> dict:

@@ -21,7 +21,7 @@ from kvferry.bench.compare import compare_table
 from kvferry.bench.metrics import RequestRecord, add_cost, parse_slo
 from kvferry.bench.plots import plot_latency_cdfs, plot_sweep
 from kvferry.bench.profile import ProfileGrid, plot_profile
-from kvferry.bench.profile_layouts import parse_layouts, run_layout_profiles
+from kvferry.bench.profile_layouts import layout_summary, parse_layouts, plot_layouts, run_layout_profiles
 from kvferry.bench.workloads import BenchError
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "trace", "multi-tenant")
@@ -179,7 +179,12 @@ def _run_profile(args: argparse.Namespace) -> int:
     data = {"model": model_name, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
             "threads": cpus, "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result,
             "layouts": measured, "skipped_layouts": skipped}
-    _save_profile(args, data, f"kvferry profile: {model_name} ({args.device}, {args.dtype})")
+    title = f"kvferry profile: {model_name} ({args.device}, {args.dtype})"
+    _save_profile(args, data, title)
+    for line in layout_summary(measured, skipped) if len(layouts) > 1 else ():
+        print(line)
+    if plots := plot_layouts(measured, title, Path(args.output).with_suffix(".png")):
+        print(f"wrote each layout's plot: {', '.join(str(p) for p in plots)}")
     return 0
 
 

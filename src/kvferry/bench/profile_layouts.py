@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvferry.bench.profile import ProfileGrid, run_profile
+from kvferry.bench.profile import ProfileGrid, plot_profile, run_profile
 # layouts_of lives with the step model, which the planner reads without the engine
 from kvferry.bench.step_cost import layouts_of  # noqa: F401
 from kvferry.bench.workloads import BenchError
@@ -96,3 +96,33 @@ def run_layout_profiles(make_engine: Callable[[Layout, int], object], grid: Prof
                          "pipeline_parallel_size": layout.pipeline_parallel_size, "ranks": layout.ranks,
                          "threads_per_rank": threads, "cpus": threads * layout.ranks, **result})
     return measured, skipped
+
+
+def _fit_text(f: dict) -> str:
+    terms = " + ".join(f"{c * 1e6:.3g} us*{t}" if t != "1" else f"{c * 1e6:.3g} us"
+                       for t, c in zip(f["terms"], f["coef"]))
+    return f"t = {terms} (R^2 {f['r2']:.3f})"
+
+
+def layout_summary(measured: list[dict], skipped: list[dict]) -> list[str]:
+    """One line per fit of each measured layout, one per skipped layout (the
+    profile's closing lines, so that the layouts are seen side by side)."""
+    lines = []
+    for lay in measured:
+        head = f"{lay['name']} ({lay['ranks']} rank(s) x {lay['threads_per_rank']} thread(s))"
+        lines += [f"{head} {kind} fit: {_fit_text(lay[kind]['fit'])}" for kind in ("prefill", "decode")]
+    lines += [f"{s['name']} skipped: {s['reason']}" for s in skipped]
+    return lines
+
+
+def plot_layouts(measured: list[dict], title: str, png) -> list:
+    """Each layout's fits as ``PROFILE.NAME.png`` beside the profile's plot
+    (which shows the first layout); none for a profile of one layout."""
+    if len(measured) < 2:
+        return []
+    paths = []
+    for lay in measured:
+        path = png.with_name(f"{png.stem}.{lay['name']}.png")
+        plot_profile(lay, f"{title} {lay['name']}", path)
+        paths.append(path)
+    return paths
