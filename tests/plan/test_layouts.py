@@ -122,3 +122,21 @@ def test_a_profile_without_layouts_loads_as_tp1_pp1(tmp_path):
     assert [(h["name"], h["layout"], h["share"]) for h in result["hardware"]] == [("profile", "tp1pp1", 1.0)]
     assert all(set(c["layout"].values()) == {"tp1pp1"} for c in result["candidates"])
     assert "layout_choice" not in result and "layout:" not in out.stdout
+
+
+def test_simulate_steps_each_pool_by_the_layout_it_is_given(tmp_path):
+    profile = two_layout_profile(tmp_path / "p.json")
+    sim = ["simulate", "--profile", str(profile), "--workload", "random", "--input-len", "256", "--output-len", "8",
+           "--num-requests", "10", "--rate", "1", "--config", "prefill:1,decode:1", "--json"]
+
+    def ttft_p50(*extra: str) -> float:
+        out = kvferry(*sim, *extra)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["summary"]["ttft_ms"]["p50"]
+
+    first, tp2 = ttft_p50(), ttft_p50("--layout", "tp2pp1", "--decode-layout", "tp1pp1")
+    assert first == ttft_p50("--layout", "tp1pp1")  # the default is the profile's first layout
+    assert tp2 < first / 2  # TP 2 prefills 4x as fast (each step also pays a 2 ms intercept)
+    out = kvferry(*sim, "--decode-layout", "tp8pp1")
+    assert out.returncode == 2
+    assert "--decode-layout" in out.stderr and "tp1pp1, tp2pp1" in out.stderr

@@ -24,6 +24,7 @@ stays one hardware under its own name, as before.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,9 +53,12 @@ def layout_hardware(hw: Hardware, allow_poor_fit: bool = False) -> list[Hardware
         out = []
         for layout in layouts:
             name = str(layout["name"])
-            if (problems := poor_fits(layout)) and not allow_poor_fit:
-                raise PlanError(f"--profile: {hw.profile}: layout {name}: {'; '.join(problems)} "
-                                "(or pass --allow-poor-fit to use it anyway)")
+            if problems := poor_fits(layout):
+                if not allow_poor_fit:
+                    raise PlanError(f"--profile: {hw.profile}: layout {name}: {'; '.join(problems)} "
+                                    "(or pass --allow-poor-fit to use it anyway)")
+                print(f"kvferry: WARNING: --profile {hw.profile}: layout {name}: {'; '.join(problems)}; "
+                      "--allow-poor-fit: using it anyway", file=sys.stderr, flush=True)
             share = _share(layout, layouts[0], hw.device)
             out.append(replace(hw, name=name if hw.price_per_hour is None and hw.name == "profile"
                                else f"{hw.name}:{name}",
