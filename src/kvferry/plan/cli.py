@@ -2,11 +2,15 @@
 
     kvferry simulate --profile P (--workload W | --trace T) [--config colocated:N | prefill:P,decode:D]
                      [--router R] [--slo ttft:MS,tpot:MS] [--fast] [--json]
+                     [--layout tp2pp1] [--decode-layout tp1pp1]   (a profile of several parallel layouts)
     kvferry simulate --trace T --cache-blocks inf          (cache-only: the trace's reuse ceiling)
     kvferry plan --profile P --workload W --slo ttft:MS,tpot:MS --gpus N [--rate R] [--instances-per-host K]
                  [--output DIR | PREFIX]
     kvferry plan --hardware fast=F.json:4 --hardware cheap=C.json:1 [--prefill-hardware fast]
                  [--decode-hardware cheap] ...   (priced pools: ranked by cost per million useful tokens)
+
+A profile of several (TP, PP) layouts is searched per pool, one hardware
+per layout (``layouts.py``).
 
 A profile whose fits are poor (``kvferry.bench.profile.poor_fits``) is refused
 unless --allow-poor-fit.

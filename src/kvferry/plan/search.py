@@ -25,6 +25,12 @@ requests that met the SLO), qualifying placements first, then goodput per
 GPU; ``best_mixed`` is the best layout whose prefill and decode pools run
 on different hardware.
 
+Parallel layouts (``layouts.py``): a profile measured at several (TP, PP)
+layouts is one hardware per layout, so every pool is searched on each; an
+instance counts its layout's ``share`` against ``gpus`` and in the price.
+``layout_choice`` names each pool's chosen layout and each layout's best
+placement beside it (the reason).
+
 The rate is the user's (``--rate``) wherever it is printed and in goodput;
 the sampled arrivals' own mean rate (a Poisson sample of 200 requests at
 8 req/s may come out at 7.7) is kept as ``offered_rate``.
