@@ -355,6 +355,9 @@ class ParallelConfig:
     # How the ranks sum their partial products: "shm" (shared memory, one
     # host; parallel/shm_all_reduce.py) or "gloo" (torch's, over loopback TCP).
     tp_all_reduce: str = "shm"
+    # A mixture of experts' experts whole per rank (vLLM's --enable-expert-parallel),
+    # else each expert sliced over the ranks (model/layers/parallel.py).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
@@ -521,6 +524,10 @@ class EngineArgs:
     tp_all_reduce: str = field(default="shm", metadata=_opt(
         "with --tensor-parallel-size N: how the ranks sum their partial products: shm (shared memory, the "
         "same sum on every rank) or gloo (torch's, over loopback TCP)", choices=TP_ALL_REDUCES))
+    enable_expert_parallel: bool = field(default=False, metadata=_opt(
+        "with --tensor-parallel-size N on a mixture-of-experts model: each rank holds E/N whole experts and "
+        "runs only the tokens routed to them (vLLM's expert parallelism); off: every expert is sliced over the "
+        "N ranks. Attention stays split by heads; a dense model is unchanged"))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -547,7 +554,8 @@ class EngineArgs:
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
                                          self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
-            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce,
+                                    self.enable_expert_parallel),
         )
 
     # -- command line -----------------------------------------------------------
