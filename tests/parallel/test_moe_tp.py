@@ -76,6 +76,19 @@ def test_greedy_equals_hf(checkpoints, case, mode):
         llm.engine.core.close()
 
 
+def test_expert_parallel_over_gloo_sums(checkpoints):
+    """--tp-all-reduce gloo: every rank still routes alike (gloo's sum is
+    the same on every rank too), so the output is still HF's."""
+    path, hf, prompts, expected = checkpoints["qwen3_moe_top2"]
+    llm = LLM(model=path, **MODES["ep2"], tp_all_reduce="gloo", **ENGINE)
+    try:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        for prompt, r, want in zip(prompts, llm.generate(prompts, params), expected):
+            assert_greedy_match(hf, prompt, r.outputs[0].token_ids, want)
+    finally:
+        llm.engine.core.close()
+
+
 class _Counting:
     """A real rank group's collectives, with rank 0's all-reduces counted."""
 
