@@ -3,7 +3,9 @@ experts per rank, 1 thread per rank) against EP 1 (one process, 2
 threads), with TP 2 (every expert sliced, 1 thread per rank) beside them,
 at concurrency 1 and 16; and the all-reduce's share of a decode step
 (rank 0's time inside it: the copy, the sum and the wait for the slower
-rank, which for EP is where an unbalanced routing shows).
+rank, which for EP is where an unbalanced routing shows); and the CPU
+time per decoded token summed over the core's processes, which a host
+that other work shares disturbs less than the wall clock.
 
 An OLMoE-1B-7B-shaped model as Qwen3-MoE (hidden 2048, 16 heads of 128,
 64 experts of width 1024, top-8, vocabulary 50304) with random bf16
@@ -67,6 +69,7 @@ def child(mode: str, checkpoint: str, tokens: int) -> None:
     out: dict = {"mode": mode}
     llm.generate(prompts(2), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm
     engine = llm.engine
+    workers = [proc.pid for proc in engine.core.tp._procs] if engine.core.tp is not None else []
     for conc in CONCURRENCY:
         params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
         for i, prompt in enumerate(prompts(conc)):
@@ -75,17 +78,31 @@ def child(mode: str, checkpoint: str, tokens: int) -> None:
         if timed is not None:
             timed.seconds = 0.0
         decode_s, steps = 0.0, 0
+        cpu0 = _cpu_seconds(workers)
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
             engine.step()
             decode_s += time.perf_counter() - t0
             steps += 1
+        out[f"c{conc}_cpu_ms_per_tok"] = 1000 * (_cpu_seconds(workers) - cpu0) / (conc * tokens)
         out[f"c{conc}_tok_s"] = conc * tokens / decode_s
         out[f"c{conc}_step_ms"] = 1000 * decode_s / steps
         if timed is not None:
             out[f"c{conc}_all_reduce_share"] = timed.seconds / decode_s
     llm.engine.core.close()
     print(json.dumps(out), flush=True)
+
+
+def _cpu_seconds(workers: list[int]) -> float:
+    """CPU time of this process (every thread) and of the worker ranks: on a
+    shared host the wall clock measures the other tenants too, this does not
+    (though a rank spinning in a wait counts)."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in workers:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def make_checkpoint(root: Path, layers: int, experts: int) -> str:
@@ -163,12 +180,15 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, {args.layers} layers of {args.experts} experts, "
           f"load average (1 min) {min(loads):.1f}-{max(loads):.1f} over the run")
     base = {c: statistics.median(r[f"c{c}_tok_s"] for r in results[modes[0]]) for c in CONCURRENCY}
+    base_cpu = {c: statistics.median(r[f"c{c}_cpu_ms_per_tok"] for r in results[modes[0]]) for c in CONCURRENCY}
     for mode in modes:
         row = [mode]
         for c in CONCURRENCY:
             v = statistics.median(r[f"c{c}_tok_s"] for r in results[mode])
             step = statistics.median(r[f"c{c}_step_ms"] for r in results[mode])
-            row.append(f"c{c} {v:.1f} tok/s ({v / base[c]:.2f}x), step {step:.1f} ms")
+            cpu = statistics.median(r[f"c{c}_cpu_ms_per_tok"] for r in results[mode])
+            row.append(f"c{c} {v:.1f} tok/s ({v / base[c]:.2f}x), step {step:.1f} ms, "
+                       f"CPU {cpu:.1f} ms/token ({cpu / base_cpu[c]:.2f}x)")
             shares = [r[f"c{c}_all_reduce_share"] for r in results[mode] if f"c{c}_all_reduce_share" in r]
             if shares:
                 row.append(f"c{c} all-reduce {100 * statistics.median(shares):.0f}%")
