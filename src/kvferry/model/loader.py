@@ -38,6 +38,7 @@ from kvferry.model.layers.parallel import TPShard
 from kvferry.model.llama import LlamaModel
 from kvferry.model.resolve import resolve_model
 from kvferry.model.tokenizer import Tokenizer
+from kvferry.parallel.pipeline import PPStage
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +66,16 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
-               quantization: str | None = None, shard: TPShard | None = None) -> LoadedModel:
+               quantization: str | None = None, shard: TPShard | None = None,
+               stage: PPStage | None = None) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ValueError naming what is missing.
 
     ``quantization``: None (for now the same as "none": blocks are opt-in
     until they measure at least as fast as the expanded model on every path),
     "gguf" (a .gguf's linear weights stay in their blocks; CPU only) or
     "none" (a .gguf is expanded to float). ``shard``: a tensor-parallel
-    rank, which reads only its slice of each tensor (layers/parallel.py)."""
+    rank, which reads only its slice of each tensor (layers/parallel.py);
+    ``stage``: a pipeline stage, which reads only its layers' tensors."""
     check_quantization(quantization)
     resolved = resolve_model(model)
     if quantization == "gguf" and not resolved.is_gguf:
@@ -87,9 +90,6 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     else:
         folder = resolve_model_folder(model)
     config = read_config(folder)
-    if blocks and config.num_experts:
-        raise ValueError(f"{resolved.path.name}: --quantization gguf does not keep expert weights in their blocks "
-                         "yet; serve this mixture of experts with --quantization none (expanded to float)")
     torch_dtype = resolve_dtype(dtype, config, device)
     sharded = shard is not None and shard.enabled
     if blocks and sharded:
@@ -97,11 +97,13 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     int8 = None if blocks else int8_checkpoint.int8_config(folder, quantization)  # --quantization int8 or W8A8
     if int8 is not None and sharded:
         raise ValueError("tensor_parallel_size > 1 needs float weights: int8 weights are not sharded yet")
+    if int8 is not None and stage is not None:
+        raise ValueError("pipeline_parallel_size > 1 needs float weights: int8 weights are not split over stages yet")
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
     else:
-        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8)
-        weights = iter_safetensors(folder, lazy=sharded)
+        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8, stage=stage)
+        weights = iter_safetensors(folder, lazy=sharded or stage is not None)
         lm.load_weights(int8_checkpoint.pair_scales(weights) if int8 else weights)
         fingerprint = model_fingerprint(folder)
         fingerprint = fingerprint if int8 is None else int8_checkpoint.mark_fingerprint(fingerprint)

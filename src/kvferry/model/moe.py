@@ -29,7 +29,8 @@ too, though it holds them stacked in memory). Each stack is an
 ``ExpertLinear``: a ``Linear`` whose method (``layers/``: small_gemm's or
 oneDNN's packed copy by CPU, or --deterministic's batch-invariant one) is
 applied per expert, so an expert's matmul is the dense MLP's choice for
-its row count. The model packs, releases and restores them with its other
+its row count (a quantized format's stack is moe_quant.py's instead:
+GGUF blocks or int8, per expert). The model packs, releases and restores them with its other
 linears (they are ``Linear`` modules), so once packed the experts'
 weights are in memory once, as the packed copies.
 
@@ -43,8 +44,9 @@ ranks the same bits), so no token is sent anywhere: ``fused_experts`` runs
 this rank's experts over the tokens routed to them, and the one all-reduce
 of the block sums the ranks' partial outputs, routed and shared together.
 
-Where a format of its own runs the experts (quantized stacks), it replaces
-``ExpertLinear`` (built by ``_expert_stack``) and keeps ``forward_expert``.
+``_experts`` builds this rank's ``num_experts`` at this rank's width in
+either format; the loader refuses quantized weights over ranks for now
+(GGUF blocks and int8 are not sharded), so moe_quant.py's stacks run whole.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.model import moe_quant
 from kvferry.model.config import ModelConfig
 from kvferry.model.fused_ops import silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, LinearMethodBase
@@ -192,10 +195,10 @@ class SparseMoeBlock(nn.Module):
         self.weights_float32 = c.router_weights_float32
         self.intermediate_size = inter
         self.gate = _linear(hidden, c.num_experts, dtype, device, linear_config, f"{prefix}.gate")  # replicated
-        self.w13 = _expert_stack(self.num_experts, hidden, 2 * inter, dtype, device, linear_config,
-                                 f"{prefix}.experts.gate_up_proj")
-        self.w2 = _expert_stack(self.num_experts, inter, hidden, dtype, device, linear_config,
-                                f"{prefix}.experts.down_proj")
+        self.w13 = _experts(self.num_experts, hidden, 2 * inter, dtype, device, linear_config,
+                            f"{prefix}.experts.gate_up_proj")
+        self.w2 = _experts(self.num_experts, inter, hidden, dtype, device, linear_config,
+                           f"{prefix}.experts.down_proj")
         shared = c.shared_expert_intermediate_size // shard.size  # sliced like a dense MLP's rows
         self.shared_intermediate_size = shared
         if shared:
@@ -269,11 +272,12 @@ class SparseMoeBlock(nn.Module):
         return keys
 
 
-def _expert_stack(num_experts: int, in_features: int, out_features: int, dtype: torch.dtype,
-                  device: torch.device | str, linear_config: LinearConfig, prefix: str) -> ExpertLinear:
-    """One projection of this rank's experts, stacked."""
-    return ExpertLinear(num_experts, in_features, out_features, dtype, device,
-                        linear_config.get_linear_method(prefix), prefix)
+def _experts(num_experts: int, in_features: int, out_features: int, dtype: torch.dtype,
+             device: torch.device | str, linear_config: LinearConfig, prefix: str) -> Linear:
+    """An expert stack in its method's format: quantized (moe_quant.py) or plain."""
+    method = linear_config.get_linear_method(prefix)
+    return (moe_quant.expert_stack(num_experts, in_features, out_features, dtype, device, method, prefix)
+            or ExpertLinear(num_experts, in_features, out_features, dtype, device, method, prefix))
 
 
 def _linear(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str,

@@ -13,6 +13,7 @@ sizes) stays the core's to report, in one line too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -27,6 +28,7 @@ from kvferry.model.config import ModelConfig
 from kvferry.model.gguf_header import gguf_context_length
 from kvferry.model.resolve import resolve_model
 from kvferry.model.tp_split import check_split
+from kvferry.router.config import check_pool_tp
 
 _HEAD_METHODS = ("head", "eagle", "eagle3")  # eagle, eagle3: vLLM's names for it (config.py)
 # Flags that tune the autoscaler: given without --autoscale they would do
@@ -47,12 +49,16 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     _autoscale(args)
     _expert_parallel(args, engine_args)
     _kv_connector(engine_args.kv_connector)
+    check_pool_tp(getattr(args, "mode", "colocated"), getattr(args, "prefill_tp", None),
+                  getattr(args, "decode_tp", None))
     if not local_cores:
         return
     if getattr(args, "ray", None) is None:  # Ray places cores on other nodes, with their own CPUs
         _cpus(args)
     _max_model_len(engine_args)
     _tensor_parallel(engine_args)
+    _pool_tensor_parallel(args, engine_args)
+    _pipeline_parallel(engine_args)
     _speculative(engine_args)
 
 
@@ -180,6 +186,31 @@ def _expert_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     if engine_args.enable_expert_parallel and isinstance(cores, int) and cores > 1:
         raise ValueError(f"--enable-expert-parallel with --data-parallel-size {cores}: experts are sharded over "
                          "one engine core's -tp ranks only for now: give --data-parallel-size 1")
+
+
+def _pool_tensor_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """--prefill-tp / --decode-tp: the model splits over that many ranks, and
+    the pool's configuration runs over them (the engine's one-line refusals)."""
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_tp", None)
+        if size is None:
+            continue
+        try:
+            pool_args = dataclasses.replace(engine_args, tensor_parallel_size=size)  # validates the engine config
+            _tensor_parallel(pool_args)
+        except ValueError as exc:
+            raise ValueError(f"--{role}-tp {size}: {exc}") from None
+
+
+def _pipeline_parallel(engine_args: EngineArgs) -> None:
+    """Each stage needs a layer (parallel/pipeline.py's pp_layer_range), from config.json alone."""
+    size = engine_args.pipeline_parallel_size
+    if not isinstance(size, int) or size <= 1:
+        return
+    layers = _hf_config(engine_args.model).get("num_hidden_layers")
+    if isinstance(layers, int) and layers < size:
+        raise ValueError(f"pipeline_parallel_size {size}: the model has only {layers} layers "
+                         "(each stage needs at least one)")
 
 
 def _max_model_len(engine_args: EngineArgs) -> None:
