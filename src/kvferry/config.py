@@ -362,6 +362,9 @@ class ParallelConfig:
     # so that the stages overlap (None: up to one per stage, by the step's size).
     pipeline_parallel_size: int = 1
     pp_micro_batches: int | None = None
+    # A mixture of experts' experts whole per rank (vLLM's --enable-expert-parallel),
+    # else each expert sliced over the ranks (model/layers/parallel.py).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
@@ -563,6 +566,10 @@ class EngineArgs:
     pp_micro_batches: int | None = field(default=None, metadata=_opt(
         "with --pipeline-parallel-size N: micro-batches a step is cut into, so that the stages overlap "
         "(default: up to N, at least 64 tokens each: a small decode step stays whole)"))
+    enable_expert_parallel: bool = field(default=False, metadata=_opt(
+        "with --tensor-parallel-size N on a mixture-of-experts model: each rank holds E/N whole experts and "
+        "runs only the tokens routed to them (vLLM's expert parallelism); off: every expert is sliced over the "
+        "N ranks. Attention stays split by heads; a dense model is unchanged"))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -590,7 +597,8 @@ class EngineArgs:
                                          self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce,
-                                    self.pipeline_parallel_size, self.pp_micro_batches),
+                                    self.pipeline_parallel_size, self.pp_micro_batches,
+                                    enable_expert_parallel=self.enable_expert_parallel),
         )
 
     # -- command line -----------------------------------------------------------

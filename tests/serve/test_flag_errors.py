@@ -130,6 +130,8 @@ BAD: dict[str, list[list[str]]] = {
     "--tensor-parallel-size": [["0"], ["two"], ["3"]],  # 3: the model's heads do not split over 3 ranks
     "--cpu-threads-per-rank": [["0"], ["x"]],
     "--tp-all-reduce": [["nccl"]],
+    # Experts are sharded over one core's ranks: more cores are refused (a bool flag: the rest is the mistake).
+    "--enable-expert-parallel": [["--data-parallel-size", "2", "-tp", "2"]],
     "--swap-space": [["-1"]],
     "--uvicorn-log-level": [["loud"]],
     "--gpu-memory-utilization": [["1.5"], ["0"]],

@@ -52,8 +52,9 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size
         if tp > 1 and loaded is not None:
             raise ValueError("tensor_parallel_size > 1: the engine core loads each rank's shard itself")
-        if tp > 1:  # a model that does not split fails here, before any rank starts
-            TPShard(0, tp).check(read_config(resolve_model_folder(config.model.model)))
+        shard = TPShard(0, tp, config.parallel.enable_expert_parallel) if tp > 1 else None
+        if shard is not None:  # a model that does not split fails here, before any rank starts
+            shard.check(read_config(resolve_model_folder(config.model.model)))
         self.tp = TPLeader(config) if tp > 1 else None
         pp, self.stage = config.parallel.pipeline_parallel_size, None
         if pp > 1:  # -pp N: this process is stage 0, the leader of stages 1..N-1 (pp_stages.py)
@@ -62,7 +63,7 @@ class EngineCore:
             self.tp = PPLeader(config, read_config(resolve_model_folder(config.model.model)).num_hidden_layers)
             self.stage = self.tp.stage
         try:
-            self._init(config, loaded, TPShard(0, tp) if tp > 1 else None)
+            self._init(config, loaded, shard)
         except BaseException:
             self.close()
             raise

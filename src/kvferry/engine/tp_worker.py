@@ -71,7 +71,7 @@ def main() -> int:
 
 def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRunner | None:
     m = spec.config.model
-    shard = TPShard(spec.rank, spec.world_size)
+    shard = TPShard(spec.rank, spec.world_size, spec.config.parallel.enable_expert_parallel)
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
     reports.send(pickle.dumps(("loaded", spec.rank, None)))
     shard.group = join_group(spec.rank, spec.group, spec.config.parallel)

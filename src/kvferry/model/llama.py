@@ -36,7 +36,7 @@ from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
 from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, take_slice,
                                              vocab_parallel_embedding)
 from kvferry.model.layers.vocab import VocabEmbedding
-from kvferry.model.moe import SparseMoeBlock
+from kvferry.model.moe import NOT_HELD, SparseMoeBlock
 from kvferry.parallel.pipeline import PPStage
 
 
@@ -182,7 +182,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, dtype, device, linear_config, f"{prefix}.self_attn", shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         if config.is_moe_layer(int(prefix.rpartition(".")[2])):
-            self.mlp = SparseMoeBlock(config, dtype, device, linear_config, f"{prefix}.mlp")  # TP refuses MoE
+            self.mlp = SparseMoeBlock(config, dtype, device, linear_config, f"{prefix}.mlp", shard)
         else:
             self.mlp = MLP(config, dtype, device, linear_config, f"{prefix}.mlp", shard)
 
@@ -419,6 +419,8 @@ class LlamaModel(nn.Module):
             idx, _, rest = name[len("model.layers."):].partition(".")
             if idx.isdigit() and int(idx) < self.stage.end:
                 target = self._layer_target(self.layers[int(idx) - self.stage.start], rest)
+                if target is NOT_HELD:
+                    return None  # another rank's expert (expert parallelism): not read
                 if target is not None:
                     return target[0], target[1], name
         raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")

@@ -24,8 +24,10 @@ from kvferry.autoscale import flags as autoscale_flags
 from kvferry.config import EngineArgs
 from kvferry.engine.core_addresses import parse_cpus
 from kvferry.fleet.placement import parse_resources
+from kvferry.model.config import ModelConfig
 from kvferry.model.gguf_header import gguf_context_length
 from kvferry.model.resolve import resolve_model
+from kvferry.model.tp_split import check_split
 from kvferry.router.config import check_pool_tp
 
 _HEAD_METHODS = ("head", "eagle", "eagle3")  # eagle, eagle3: vLLM's names for it (config.py)
@@ -45,6 +47,7 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     for flag in ("ray_engine_resources", "ray_prefill_resources", "ray_decode_resources"):
         parse_resources(getattr(args, flag), "--" + flag.replace("_", "-"))
     _autoscale(args)
+    _expert_parallel(args, engine_args)
     _kv_connector(engine_args.kv_connector)
     check_pool_tp(getattr(args, "mode", "colocated"), getattr(args, "prefill_tp", None),
                   getattr(args, "decode_tp", None))
@@ -163,21 +166,26 @@ def _hf_config(model: str | None) -> dict:
 
 
 def _tensor_parallel(engine_args: EngineArgs) -> None:
-    """The split the ranks would refuse after loading (model/layers/parallel.py's
-    TPShard.check), from config.json alone."""
+    """The split the ranks would refuse after loading (model/tp_split.py,
+    as TPShard.check), from config.json alone."""
     size = engine_args.tensor_parallel_size
     if not isinstance(size, int) or size <= 1:
         return
-    config = _hf_config(engine_args.model)
-    if config.get("num_experts") or config.get("num_local_experts"):
-        raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models run at tensor_parallel_size 1 "
-                         "for now")
-    heads = config.get("num_attention_heads")
-    sizes = {"num_attention_heads": heads, "num_key_value_heads": config.get("num_key_value_heads", heads),
-             "intermediate_size": config.get("intermediate_size")}
-    for name, value in sizes.items():
-        if isinstance(value, int) and value % size:
-            raise ValueError(f"tensor_parallel_size {size}: the model's {name} ({value}) is not divisible by it")
+    try:
+        config = ModelConfig.from_hf_dict(_hf_config(engine_args.model))
+    except (KeyError, TypeError, ValueError):
+        return  # no config.json (a .gguf) or one the core will refuse in its own words
+    check_split(config, size, engine_args.enable_expert_parallel)
+
+
+def _expert_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """vLLM shards experts over data-parallel x tensor-parallel ranks; here
+    they are sharded over one core's -tp ranks, so each core must be the
+    only one (more cores would each hold every expert)."""
+    cores = getattr(args, "data_parallel_size", 1)
+    if engine_args.enable_expert_parallel and isinstance(cores, int) and cores > 1:
+        raise ValueError(f"--enable-expert-parallel with --data-parallel-size {cores}: experts are sharded over "
+                         "one engine core's -tp ranks only for now: give --data-parallel-size 1")
 
 
 def _pool_tensor_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:

@@ -47,7 +47,6 @@ REFUSED: dict[str, str] = {
     "--speculative-model": "give the draft as --speculative-config '{\"method\": \"draft\", \"model\": PATH}'",
     "--num-speculative-tokens": "give it in --speculative-config '{\"num_speculative_tokens\": K, ...}'",
     "--kv-transfer-config": "kvferry's own P/D transfer takes --kv-transfer-address (docs/disaggregation.md)",
-    "--enable-expert-parallel": "expert parallelism is not supported yet (MoE models run whole in each engine core)",
     "--uds": "listening on a unix socket is not supported: give --host and --port",
     "--hf-overrides": "config.json is read as it is: edit a copy of the model folder instead",
     "--rope-scaling": "config.json's rope_scaling is used as it is: edit a copy of the model folder instead",
