@@ -77,15 +77,35 @@ struct KHead { float d, dm; int16_t sc[16], mn[16]; };
 
 inline void khead(int64_t t, const uint8_t* b, KHead& h) {
   switch (t) {
+    // The SIMD builds write sc and mn with one 256-bit store each: the dots
+    // read them back 128 bits at a time, which a store that small values were
+    // written by one at a time cannot forward (a stall per superblock, measured
+    // 1.6x on Q6_K).
     case 10:  // Q2_K: scales[16] qs[64] d dmin
       h.d = h2f(b + 80); h.dm = h2f(b + 82);
+#ifdef KVQ_SIMD
+    {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), m4 = _mm_set1_epi8(0x0F);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), _mm256_cvtepu8_epi16(_mm_and_si128(v, m4)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+    }
+#else
       for (int i = 0; i < 16; ++i) { h.sc[i] = int16_t(b[i] & 0xF); h.mn[i] = int16_t(b[i] >> 4); }
+#endif
       break;
     case 11: {  // Q3_K: hmask[32] qs[64] scales[12] d; q - 4 in -4..3
       int8_t s[16];
       scales_q3k(b + 96, s);
       h.d = h.dm = h2f(b + 108);
+#ifdef KVQ_SIMD
+      int32_t u[4];
+      std::memcpy(u, s, 16);
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_setr_epi32(u[0], u[1], u[2], u[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_slli_epi16(v, 2));
+#else
       for (int i = 0; i < 16; ++i) { h.sc[i] = s[i]; h.mn[i] = int16_t(4 * s[i]); }
+#endif
       break;
     }
     case 12: case 13:  // Q4_K / Q5_K: d dmin scales[12] (qh[32]) qs[128]
@@ -113,7 +133,15 @@ inline void khead(int64_t t, const uint8_t* b, KHead& h) {
     }
     case 14:  // Q6_K: ql[128] qh[64] scales[16] (int8) d; q - 32
       h.d = h.dm = h2f(b + 208);
+#ifdef KVQ_SIMD
+    {
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_slli_epi16(v, 5));
+    }
+#else
       for (int i = 0; i < 16; ++i) { h.sc[i] = int8_t(b[192 + i]); h.mn[i] = int16_t(32 * h.sc[i]); }
+#endif
       break;
   }
 }
@@ -432,12 +460,21 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
     khead(T, b, h);
     __m256i iacc[R];
     KVQ_UNROLL for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
+    // The 16 sub-block scales, 8 per register and in both halves of it: group
+    // g's pair is one in-lane shuffle away (one instruction, where two
+    // broadcasts and an insert per group were a third of a superblock's time).
+    const __m256i s_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h.sc)));
+    const __m256i s_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h.sc + 8)));
     KVQ_UNROLL for (int g = 0; g < 8; ++g) {
       const __m256i q = kgroup<T>(b, g);
       // vpmaddubsw's 16-bit lanes 0-7 hold values 0-15 of the group (sub-block
       // 2g), lanes 8-15 values 16-31; vpmaddwd then applies the sub-block scales
       // (as llama.cpp's K-quant dots: |pair| <= 2 * 63 * 127 fits in 16 bits).
-      const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(h.sc[2 * g + 1]), _mm_set1_epi16(h.sc[2 * g]));
+      const char k = char(4 * (g & 3));  // bytes of sc[2g] (low half) and sc[2g + 1] (high half) in their register
+      const __m256i pick = _mm256_setr_epi8(k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k,
+                                            k + 1, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3,
+                                            k + 2, k + 3, k + 2, k + 3, k + 2, k + 3);
+      const __m256i sc = _mm256_shuffle_epi8(g < 4 ? s_lo : s_hi, pick);
       KVQ_UNROLL for (int r = 0; r < R; ++r) {
         const int8_t* xq = a.q + ((m0 + r) * a.nb + i) * 256 + 32 * g;
         const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
