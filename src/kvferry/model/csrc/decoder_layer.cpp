@@ -17,7 +17,8 @@
 //
 // where gemm is linear.py's: small_gemm's kernel for its packed copy, else
 // oneDNN's _linear_pointwise on its blocked copy, with the rows above
-// exact_rows padded to a multiple of row_bucket as linear.py pads them. So
+// exact_rows padded to a multiple of row_bucket as linear.py pads them, or
+// for a GGUF weight kept in its blocks quant_gemm.cpp's layer_linear. So
 // its results are the Python path's to the bit. What it saves is the
 // Python between those ops: about 90 us a layer (module calls, wrappers
 // with their per-call checks, views and slices, and the interpreter's

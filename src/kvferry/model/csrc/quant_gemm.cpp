@@ -87,7 +87,8 @@ inline void khead(int64_t t, const uint8_t* b, KHead& h) {
     {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), m4 = _mm_set1_epi8(0x0F);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), _mm256_cvtepu8_epi16(_mm_and_si128(v, m4)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_cvtepu8_epi16(hi));
     }
 #else
       for (int i = 0; i < 16; ++i) { h.sc[i] = int16_t(b[i] & 0xF); h.mn[i] = int16_t(b[i] >> 4); }
@@ -597,8 +598,13 @@ template <int T, typename O>
 void gemm_type(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t N, O* Y) {
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     float y[MR > 4 ? MR : 4];
+    // The rows stream in cold from memory, back to back: ask for the bytes
+    // kPrefetch ahead of each row as it starts (prefetch never faults).
+    constexpr int64_t kPrefetch = 8192;
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = W + n * bytes;
+      for (int64_t l = 0; l < bytes * (T < 10 && M == 1 && n + 4 <= n1 ? 4 : 1); l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + l, _MM_HINT_T0);
       if constexpr (T < 10) {
         if (M == 1) {  // decode at batch 1: four weight rows at a time
           if (n + 4 <= n1) {
