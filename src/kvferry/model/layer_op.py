@@ -13,8 +13,9 @@ It applies to a step where every op of every layer is a C++ kernel
 
 - each layer's four matmuls have a packed weight, small_gemm's or oneDNN's
   (AMX machines, Qwen2's biased qkv), run as linear.py runs them: their
-  methods' ``matmul_args`` (model/layers/; a method the op does not know,
-  a quantized one, returns None and the Python layer runs) (Qwen3's
+  methods' ``matmul_args`` (model/layers/; GGUF blocks are kind 100 + their
+  ggml type; a method the op does not know, int8's, returns None and the
+  Python layer runs) (Qwen3's
   per-head q/k norms run as torch's ops, as in the Python layer);
 - the fused ops are available, and the paged attention kernel serves every
   sequence of the step (no chunk left to the torch path) with the KV cache

@@ -53,6 +53,21 @@ def test_gemv(typed, m):
     check(quant.gemv(x, w), x, w, ref)
 
 
+BLOCK32 = [n for n in TYPES if quant.block_format(n).block == 32]
+
+
+@pytest.mark.parametrize("name", BLOCK32)
+def test_decode_row_with_a_tail_of_blocks(name):
+    """Batch 1 over 32-blocks takes eight blocks and four weight rows at a time:
+    K = 576 is two groups of 8 blocks and a tail of 2; 37 rows, passes of 4
+    and a tail. linear writes x's dtype directly: the float32 result rounded once."""
+    w, ref = weight(name, 37, 576)
+    for x in (torch.randn(1, 576), torch.randn(1, 576).bfloat16()):
+        y = quant.gemv(x, w)
+        check(y, x.float(), w, ref)
+        assert torch.equal(quant.linear(x, w), y.to(x.dtype))
+
+
 def test_prefill_and_linear(typed, monkeypatch):
     w, ref = typed
     x = torch.randn(200, K)
@@ -93,6 +108,10 @@ for name in TYPES:
     assert torch.equal(quant.dequantize_rows(w), ref), name
     for m in (1, 3, 16, 32, 200):
         x = torch.randn(m, K)
+        check(quant.gemv(x, w), x, w, ref)
+    if w.fmt.block == 32:  # batch 1's eight-block groups with a tail of blocks and of rows
+        w, ref = weight(name, 37, 576)
+        x = torch.randn(1, 576)
         check(quant.gemv(x, w), x, w, ref)
 print("avx2 quant ok")
 """

@@ -17,7 +17,8 @@
 //
 // where gemm is linear.py's: small_gemm's kernel for its packed copy, else
 // oneDNN's _linear_pointwise on its blocked copy, with the rows above
-// exact_rows padded to a multiple of row_bucket as linear.py pads them. So
+// exact_rows padded to a multiple of row_bucket as linear.py pads them, or
+// for a GGUF weight kept in its blocks quant_gemm.cpp's layer_linear. So
 // its results are the Python path's to the bit. What it saves is the
 // Python between those ops: about 90 us a layer (module calls, wrappers
 // with their per-call checks, views and slices, and the interpreter's
@@ -100,12 +101,22 @@ const Ops& ops() {
 // is small_gemm's copy (a bias, only under --deterministic's method, added
 // after the product as linear.py adds it), kind 2 oneDNN's, kind 3 oneDNN's
 // in blocks of exactly row_bucket rows, the last padded with zeros (linear.py's
-// linear_fixed_blocks: --deterministic's matmul on AMX CPUs).
+// linear_fixed_blocks: --deterministic's matmul on AMX CPUs). kQuantKind + t:
+// a GGUF weight of ggml type t, its uint8 blocks [n, bytes_per_row].
+constexpr int64_t kQuantKind = 100;
 struct Matmul {
   bool bf16;
   int64_t exact_rows, row_bucket;
   Tensor operator()(const Tensor& x, const Tensor& w, int64_t n, int64_t kind,
                     const std::optional<Tensor>& bias = std::nullopt) const {
+    if (kind >= kQuantKind) {
+      // A GGUF weight's blocks (layers/gguf.py): quant_gemm.cpp's layer_linear,
+      // the path quant.linear takes, in x's dtype; the bias after, as GGUFLinearMethod adds it.
+      static const auto op = find_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>(
+          "kvferry_quant::layer_linear");
+      Tensor y = op.call(x, w, kind - kQuantKind, n);
+      return bias.has_value() ? at::add(y, *bias) : y;
+    }
     if (kind == 1) {
       Tensor y = small_gemm_op(bf16).call(x, w, n);
       return bias.has_value() ? y.add_(*bias) : y;
@@ -121,7 +132,7 @@ struct Matmul {
       }
       return out;
     }
-    TORCH_CHECK(kind == 2, "decoder_layer: matmul kind must be 1 (small_gemm), 2 or 3 (oneDNN)");
+    TORCH_CHECK(kind == 2, "decoder_layer: matmul kind must be 1 (small_gemm), 2 or 3 (oneDNN), or 100 + a ggml type");
     const int64_t rows = x.size(0);
     const int64_t padded = rows <= exact_rows ? rows : (rows + row_bucket - 1) / row_bucket * row_bucket;
     if (padded == rows) return onednn_linear(x.contiguous(), w, bias);

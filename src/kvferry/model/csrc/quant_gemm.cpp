@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -76,15 +77,36 @@ struct KHead { float d, dm; int16_t sc[16], mn[16]; };
 
 inline void khead(int64_t t, const uint8_t* b, KHead& h) {
   switch (t) {
+    // The SIMD builds write sc and mn with one 256-bit store each: the dots
+    // read them back 128 bits at a time, which a store that small values were
+    // written by one at a time cannot forward (a stall per superblock, measured
+    // 1.6x on Q6_K).
     case 10:  // Q2_K: scales[16] qs[64] d dmin
       h.d = h2f(b + 80); h.dm = h2f(b + 82);
+#ifdef KVQ_SIMD
+    {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), m4 = _mm_set1_epi8(0x0F);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), _mm256_cvtepu8_epi16(_mm_and_si128(v, m4)));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_cvtepu8_epi16(hi));
+    }
+#else
       for (int i = 0; i < 16; ++i) { h.sc[i] = int16_t(b[i] & 0xF); h.mn[i] = int16_t(b[i] >> 4); }
+#endif
       break;
     case 11: {  // Q3_K: hmask[32] qs[64] scales[12] d; q - 4 in -4..3
       int8_t s[16];
       scales_q3k(b + 96, s);
       h.d = h.dm = h2f(b + 108);
+#ifdef KVQ_SIMD
+      int32_t u[4];
+      std::memcpy(u, s, 16);
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_setr_epi32(u[0], u[1], u[2], u[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_slli_epi16(v, 2));
+#else
       for (int i = 0; i < 16; ++i) { h.sc[i] = s[i]; h.mn[i] = int16_t(4 * s[i]); }
+#endif
       break;
     }
     case 12: case 13:  // Q4_K / Q5_K: d dmin scales[12] (qh[32]) qs[128]
@@ -112,7 +134,15 @@ inline void khead(int64_t t, const uint8_t* b, KHead& h) {
     }
     case 14:  // Q6_K: ql[128] qh[64] scales[16] (int8) d; q - 32
       h.d = h.dm = h2f(b + 208);
+#ifdef KVQ_SIMD
+    {
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.sc), v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.mn), _mm256_slli_epi16(v, 5));
+    }
+#else
       for (int i = 0; i < 16; ++i) { h.sc[i] = int8_t(b[192 + i]); h.mn[i] = int16_t(32 * h.sc[i]); }
+#endif
       break;
   }
 }
@@ -202,9 +232,12 @@ inline __m256i bits_to_bytes(uint32_t x) {
   return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
 }
 
-inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+// 16 bytes -> 32 values: low nibbles, then high. The bytes are broadcast to
+// both halves by the load itself and shifted by 0 and 4 per half: no shuffle
+// (port 5 is the one the dots' other shuffles and broadcasts compete for).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // Group g of a K-quant superblock as unsigned bytes in a register.
@@ -326,35 +359,54 @@ void dequant_simd(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1, O
 
 // The activations of M rows: per block of B values, int8 values, the scale,
 // and block sums (32-blocks: scale * sum, as float; K: int sums per 16).
+// The arrays live in the calling thread's scratch (kept between calls: a
+// decode step makes ~120 of these calls, each a few microseconds of work).
 struct Acts {
   int64_t B, nb;
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int16_t> bsum;  // [M * nb * 16] for B = 256 (|sum| <= 16 * 127)
+  const int8_t* q;
+  const float *d, *s;
+  const int16_t* bsum;  // [M * nb * 16] for B = 256 (|sum| <= 16 * 127)
 };
 
-Acts quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
-  Acts a{B, K / B, std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)), std::vector<float>(M * (K / B)), {}};
-  if (B == 256) a.bsum.resize(M * a.nb * 16);
-  at::parallel_for(0, M * a.nb, 8, [&](int64_t i0, int64_t i1) {
+struct ActsScratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int16_t> bsum;
+};
+
+inline float to_f(float v) { return v; }
+inline float to_f(at::BFloat16 v) { return float(v); }
+
+template <typename X>
+Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
+  thread_local ActsScratch sc;
+  const int64_t nb = K / B;
+  if (int64_t(sc.q.size()) < M * K) sc.q.resize(M * K);
+  if (int64_t(sc.d.size()) < M * nb) { sc.d.resize(M * nb); sc.s.resize(M * nb); }
+  if (B == 256 && int64_t(sc.bsum.size()) < M * nb * 16) sc.bsum.resize(M * nb * 16);
+  int8_t* Q = sc.q.data();
+  float *D = sc.d.data(), *S = sc.s.data();
+  int16_t* BS = sc.bsum.data();
+  // A decode row's few blocks quantize faster inline than a parallel region starts.
+  at::parallel_for(0, M * nb, 256 * 32 / B, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* xs = x + i * B;
+      const X* xs = x + i * B;
       float amax = 0;
-      for (int l = 0; l < B; ++l) amax = std::fmax(amax, std::fabs(xs[l]));
+      for (int l = 0; l < B; ++l) amax = std::fmax(amax, std::fabs(to_f(xs[l])));
       const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
-      int8_t* q = a.q.data() + i * B;
+      int8_t* q = Q + i * B;
       int sum = 0;
-      for (int l = 0; l < B; ++l) { q[l] = int8_t(std::nearbyint(xs[l] * id)); sum += q[l]; }
-      a.d[i] = d; a.s[i] = d * float(sum);
+      for (int l = 0; l < B; ++l) { q[l] = int8_t(std::nearbyint(to_f(xs[l]) * id)); sum += q[l]; }
+      D[i] = d; S[i] = d * float(sum);
       if (B == 256)
         for (int k = 0; k < 16; ++k) {
           int s16 = 0;
           for (int l = 0; l < 16; ++l) s16 += q[16 * k + l];
-          a.bsum[i * 16 + k] = int16_t(s16);
+          BS[i * 16 + k] = int16_t(s16);
         }
     }
   });
-  return a;
+  return Acts{B, nb, Q, D, S, BS};
 }
 
 // Rows of x per pass over a weight row (its blocks stay in L1 between passes):
@@ -389,7 +441,7 @@ void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y
     if constexpr (kSignTrick) q = _mm256_sign_epi8(q, q);
     KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * a.nb + i;
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + ai * 32));
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + ai * 32));
       if constexpr (kSignTrick) x = _mm256_sign_epi8(x, sgn);
       const __m256i p = dot_u8s8(_mm256_setzero_si256(), q, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d[ai]), acc[r]);
@@ -409,14 +461,23 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
     khead(T, b, h);
     __m256i iacc[R];
     KVQ_UNROLL for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
+    // The 16 sub-block scales, 8 per register and in both halves of it: group
+    // g's pair is one in-lane shuffle away (one instruction, where two
+    // broadcasts and an insert per group were a third of a superblock's time).
+    const __m256i s_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h.sc)));
+    const __m256i s_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h.sc + 8)));
     KVQ_UNROLL for (int g = 0; g < 8; ++g) {
       const __m256i q = kgroup<T>(b, g);
       // vpmaddubsw's 16-bit lanes 0-7 hold values 0-15 of the group (sub-block
       // 2g), lanes 8-15 values 16-31; vpmaddwd then applies the sub-block scales
       // (as llama.cpp's K-quant dots: |pair| <= 2 * 63 * 127 fits in 16 bits).
-      const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(h.sc[2 * g + 1]), _mm_set1_epi16(h.sc[2 * g]));
+      const char k = char(4 * (g & 3));  // bytes of sc[2g] (low half) and sc[2g + 1] (high half) in their register
+      const __m256i pick = _mm256_setr_epi8(k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k,
+                                            k + 1, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3,
+                                            k + 2, k + 3, k + 2, k + 3, k + 2, k + 3);
+      const __m256i sc = _mm256_shuffle_epi8(g < 4 ? s_lo : s_hi, pick);
       KVQ_UNROLL for (int r = 0; r < R; ++r) {
-        const int8_t* xq = a.q.data() + ((m0 + r) * a.nb + i) * 256 + 32 * g;
+        const int8_t* xq = a.q + ((m0 + r) * a.nb + i) * 256 + 32 * g;
         const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
         iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(p, sc));
       }
@@ -424,12 +485,91 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
     const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
     KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * a.nb + i;
-      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum.data() + ai * 16));
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(h.d * a.d[ai]), acc[r]);
       macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(h.dm * a.d[ai]), macc[r]);
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(_mm256_sub_ps(acc[r], macc[r]));
+}
+
+// The low (Hi = false) or high 16 bits of each 32-bit lane, packed into 8 x 16 bits.
+template <bool Hi>
+inline __m128i half16(__m256i v) {
+  if constexpr (Hi) v = _mm256_srli_epi32(v, 16);
+#if defined(__AVX512VL__)
+  return _mm256_cvtepi32_epi16(v);
+#else
+  const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08));
+#endif
+}
+
+// One row of x against NR weight rows of 32-blocks (decode at batch 1).
+// Eight blocks at a time: their fp16 scales are copied to the stack and
+// converted in one instruction, multiplied by x's block scales as a vector,
+// and broadcast from memory (a load, not a shuffle); the offsets (m, or
+// -8 d) times x's block sums are one multiply-add per eight blocks. NR rows
+// at once (4): one row's chain of multiply-adds waits 4 cycles a block, and
+// its final reduction waits on all of it (measured, one row at a time: 5-6
+// cycles a block, 11 GB/s from L2); NR rows interleave NR chains and reduce
+// together.
+template <int T, int NR>
+void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y) {
+  const int64_t bytes = info(T).bytes;
+#ifdef KVQ_VNNI
+  constexpr bool kSignTrick = false;
+#else
+  constexpr bool kSignTrick = T == 8;
+#endif
+  constexpr bool kMin = T == 3 || T == 7;
+  const int8_t* xq = a.q + m * a.nb * 32;
+  const float *xd = a.d + m * a.nb, *xs = a.s + m * a.nb;
+  auto dot = [&](const uint8_t* b, __m256i x) {
+    __m256i q = block32<T>(b);
+    if constexpr (kSignTrick) {
+      x = _mm256_sign_epi8(x, q);
+      q = _mm256_sign_epi8(q, q);
+    } else if constexpr (T == 8) {
+      q = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // q + 128, unsigned: see rows32
+    }
+    return _mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), q, x));
+  };
+  __m256 acc[NR], macc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  alignas(32) float sc[NR][8];
+  // Each block's first 4 bytes (d, and Q4_1 / Q5_1's m) for 8 blocks: one gather.
+  const __m256i heads = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(bytes)));
+  int64_t i = 0;
+  for (; i + 8 <= a.nb; i += 8) {
+    KVQ_UNROLL for (int r = 0; r < NR; ++r) {
+      const __m256i h = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + r * ldw + i * bytes), heads, 1);
+      const __m256 d = _mm256_cvtph_ps(half16<false>(h));
+      _mm256_store_ps(sc[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + i)));
+      if constexpr (!kSignTrick) {
+        const __m256 o = kMin ? _mm256_cvtph_ps(half16<true>(h))
+                              : _mm256_mul_ps(d, _mm256_set1_ps(T == 2 ? -8.f : T == 6 ? -16.f : -128.f));
+        macc[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs + i), macc[r]);
+      }
+    }
+    KVQ_UNROLL for (int j = 0; j < 8; ++j) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i + j) * 32));
+      KVQ_UNROLL for (int r = 0; r < NR; ++r)
+        acc[r] = _mm256_fmadd_ps(dot(w + r * ldw + (i + j) * bytes, x), _mm256_broadcast_ss(sc[r] + j), acc[r]);
+    }
+  }
+  float off[NR] = {};
+  for (; i < a.nb; ++i) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
+    KVQ_UNROLL for (int r = 0; r < NR; ++r) {
+      const uint8_t* b = w + r * ldw + i * bytes;
+      const float d = h2f(b);
+      acc[r] = _mm256_fmadd_ps(dot(b, x), _mm256_set1_ps(d * xd[i]), acc[r]);
+      if constexpr (!kSignTrick) off[r] += (T == 2 ? -8 * d : T == 6 ? -16 * d : kMin ? h2f(b + 2) : -128 * d) * xs[i];
+    }
+  }
+  for (int r = 0; r < NR; ++r) y[r] = hsum(_mm256_add_ps(acc[r], macc[r])) + off[r];
 }
 
 template <int T, int R>
@@ -454,14 +594,37 @@ void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
   }
 }
 
-template <int T>
-void gemm_type(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t N, float* Y) {
+template <int T, typename O>
+void gemm_type(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t N, O* Y) {
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    float y[MR > 4 ? MR : 4];
+    // The rows stream in cold from memory, back to back: ask for the bytes
+    // kPrefetch ahead of each row as it starts (prefetch never faults).
+    constexpr int64_t kPrefetch = 8192;
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = W + n * bytes;
+      for (int64_t l = 0; l < bytes * (T < 10 && M == 1 && n + 4 <= n1 ? 4 : 1); l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + l, _MM_HINT_T0);
+      if constexpr (T < 10) {
+        if (M == 1) {  // decode at batch 1: four weight rows at a time
+          if (n + 4 <= n1) {
+            row32xn<T, 4>(w, bytes, a, 0, y);
+            for (int k = 0; k < 4; ++k) Y[n + k] = O(y[k]);
+            n += 3;
+          } else {
+            row32xn<T, 1>(w, bytes, a, 0, y);
+            Y[n] = O(y[0]);
+          }
+          continue;
+        }
+      }
       int64_t m = 0;
-      for (; m + MR <= M; m += MR) rows<T, MR>(w, a, m, Y + m * N + n, N);
-      if (m < M) tail<T>(int(M - m), w, a, m, Y + m * N + n, N);
+      for (; m < M; m += MR) {
+        const int r = int(std::min<int64_t>(MR, M - m));
+        if (r == MR) rows<T, MR>(w, a, m, y, 1);
+        else tail<T>(r, w, a, m, y, 1);
+        for (int k = 0; k < r; ++k) Y[(m + k) * N + n] = O(y[k]);
+      }
     }
   });
 }
@@ -504,22 +667,30 @@ at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
   return y;
 }
 
-at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t n) {
+// y [M, n] = x @ W^T by the integer dot products, in out_dtype (float32, or
+// x's bf16: each value rounded once, as float32's .to(bf16) rounds it).
+at::Tensor gemm_dots(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t n, at::ScalarType out_dtype) {
   const TypeInfo ti = info(t);
   TORCH_CHECK(x_in.dim() == 2, "quant_gemm: x must be [M, K]");
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
               "quant_gemm: w must be contiguous uint8 [n, bytes]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
+  const at::Tensor x = bf16_in ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % ti.block == 0 && w.size(1) == K / ti.block * ti.bytes, "quant_gemm: K does not match the row bytes");
-  at::Tensor y = at::empty({M, n}, at::kFloat);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: out must be float32 or bf16");
+  at::Tensor y = at::empty({M, n}, out_dtype);
 #ifdef KVQ_SIMD
   if (M == 0 || n == 0) return y;
-  const Acts a = quantize_rows(x.data_ptr<float>(), M, K, ti.block);
+  const Acts a = bf16_in ? quantize_rows(x.data_ptr<at::BFloat16>(), M, K, ti.block)
+                         : quantize_rows(x.data_ptr<float>(), M, K, ti.block);
   const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
+  const bool bf16_out = out_dtype == at::kBFloat16;
   switch (t) {
-#define KVQ_GEMM(T) case T: gemm_type<T>(W, w.size(1), a, M, n, Y); break;
+#define KVQ_GEMM(T) case T: \
+    if (bf16_out) gemm_type<T>(W, w.size(1), a, M, n, y.data_ptr<at::BFloat16>()); \
+    else gemm_type<T>(W, w.size(1), a, M, n, y.data_ptr<float>()); \
+    break;
     KVQ_TYPES(KVQ_GEMM)
   }
   return y;
@@ -528,12 +699,79 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t 
 #endif
 }
 
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n) {
+  return gemm_dots(x, w, t, n, at::kFloat);
+}
+
+// The tile path's buffer, one per calling thread, kept between calls (a fresh
+// 4 MiB buffer costs ~1000 page faults, as long as dequantizing a tile).
+at::Tensor tile_buffer(int64_t numel) {
+  thread_local at::Tensor buf;
+  if (!buf.defined() || buf.numel() < numel) buf = at::empty({numel}, at::kBFloat16);
+  return buf;
+}
+
+// quant/kernels.py's linear(x, w) (its constants are the arguments): y = x @ W^T
+// in x's dtype; M below dots_max_rows by the integer dots, else through bf16
+// tiles of weight rows (tile_bytes, small_tile_bytes up to small_max_rows rows
+// of x) multiplied by oneDNN, as w @ x^T up to transposed_max_rows rows. The
+// one-call decoder layer calls this for a GGUF weight; the Python layer calls
+// the same.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, int64_t dots_max_rows,
+                  int64_t tile_bytes, int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
+  const at::ScalarType dtype = x.scalar_type();
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M < dots_max_rows && std::string(KVQ_PATH) != "none")
+    return dtype == at::kFloat || dtype == at::kBFloat16 ? gemm_dots(x, w, t, n, dtype)
+                                                         : gemm_dots(x, w, t, n, at::kFloat).to(dtype);
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.size(0) == n, "quant_gemm: w must be uint8 [n, bytes]");
+  const at::Tensor xd = x.to(at::kBFloat16);
+  const int64_t bytes = M > small_max_rows ? tile_bytes : std::min(tile_bytes, small_tile_bytes);
+  const int64_t rows = std::max<int64_t>(16, bytes / (K * 2));
+  const at::Tensor tile = tile_buffer(std::min(rows, n) * K);
+  at::Tensor y = at::empty({M, n}, dtype);
+  const bool transposed = M <= transposed_max_rows;
+  for (int64_t start = 0; start < n; start += rows) {
+    const int64_t stop = std::min(start + rows, n);
+    const at::Tensor wt = tile.narrow(0, 0, (stop - start) * K).view({stop - start, K});
+    dequant_into(w.narrow(0, start, stop - start), t, wt);
+    y.narrow(1, start, stop - start).copy_(transposed ? at::matmul(wt, xd.t()).t() : at::matmul(xd, wt.t()));
+  }
+  return y;
+}
+
+// linear's path constants as kernels.py last set them (configure, at load),
+// for layer_linear: the one-call decoder layer's matmul of a GGUF weight.
+struct LinearConfig { int64_t dots_max_32 = 12, dots_max_256 = 16, tile_bytes = 4 << 20, small_tile_bytes = 1 << 20,
+                      small_max_rows = 16, transposed_max_rows = 64; };
+LinearConfig& linear_config() {
+  static LinearConfig c;
+  return c;
+}
+
+void configure(int64_t dots_max_32, int64_t dots_max_256, int64_t tile_bytes, int64_t small_tile_bytes,
+               int64_t small_max_rows, int64_t transposed_max_rows) {
+  linear_config() = {dots_max_32, dots_max_256, tile_bytes, small_tile_bytes, small_max_rows, transposed_max_rows};
+}
+
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n) {
+  const LinearConfig& c = linear_config();
+  return linear(x, w, t, n, info(t).block == 32 ? c.dots_max_32 : c.dots_max_256, c.tile_bytes, c.small_tile_bytes,
+                c.small_max_rows, c.transposed_max_rows);
+}
+
 std::string path() { return KVQ_PATH; }
 
 }  // namespace
 
 TORCH_LIBRARY(kvferry_quant, m) {
   m.def("gemm(Tensor x, Tensor w, int type, int n) -> Tensor", &gemm);
+  m.def("linear(Tensor x, Tensor w, int type, int n, int dots_max_rows, int tile_bytes, int small_tile_bytes, "
+        "int small_max_rows, int transposed_max_rows) -> Tensor", &linear);
+  m.def("configure(int dots_max_32, int dots_max_256, int tile_bytes, int small_tile_bytes, int small_max_rows, "
+        "int transposed_max_rows) -> ()", &configure);
+  m.def("layer_linear(Tensor x, Tensor w, int type, int n) -> Tensor", &layer_linear);
   m.def("dequant(Tensor w, int type, int K) -> Tensor", &dequant);
   m.def("dequant_into(Tensor w, int type, Tensor(a!) out) -> ()", &dequant_into);
   m.def("path() -> str", &path);

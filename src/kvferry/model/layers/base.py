@@ -35,7 +35,7 @@ class MatmulArgs(NamedTuple):
     """A matmul as the C++ decoder layer takes it (csrc/decoder_layer.cpp)."""
     weight: torch.Tensor  # the packed copy
     out_features: int
-    kind: int  # 1: small_gemm's copy, 2: oneDNN's, 3: oneDNN's in fixed row blocks (linear_fixed_blocks)
+    kind: int  # 1: small_gemm's copy, 2: oneDNN's, 3: oneDNN's in fixed row blocks; 100 + t: GGUF blocks of type t
 
 
 class LinearMethodBase(ABC):

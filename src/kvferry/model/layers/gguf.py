@@ -15,8 +15,12 @@ dequantizes only the rows a step looks up; a tied lm_head is a
 ``GGUFLinearMethod`` layer over the very same blocks (one quantized table
 for both, where the float model held the table and a packed copy of it).
 
-``matmul_args`` is None: the one-call C++ decoder layer multiplies packed
-float copies only, so the model runs its Python layers over these.
+``matmul_args`` hands the one-call C++ decoder layer (layer_op.py) a layer
+whose shards are one weight: its blocks and ``QUANT_KIND`` + the ggml type;
+the op multiplies it with the library's ``layer_linear``, the path
+``quant.linear`` takes (so a decode step is one C++ call a layer, not a
+dozen Python calls). A layer of mixed types (Q4_K_M's q/k and v) has none,
+and the model runs its Python layers.
 """
 from __future__ import annotations
 
@@ -24,10 +28,14 @@ import torch
 from torch import nn
 
 from kvferry.model import quant
-from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase
+from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase, MatmulArgs
 from kvferry.model.layers.unquantized import UnquantizedLinearMethod
 from kvferry.model.layers.vocab import EmbeddingMethodBase, UnquantizedEmbeddingMethod, VocabEmbedding
 from kvferry.model.quant import QuantizedWeight
+
+
+# csrc/decoder_layer.cpp's kQuantKind: a matmul kind of QUANT_KIND + t is a GGUF weight of ggml type t.
+QUANT_KIND = 100
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -70,6 +78,12 @@ class GGUFLinearMethod(LinearMethodBase):
         ws = layer.qweights
         y = quant.linear(x, ws[0]) if len(ws) == 1 else torch.cat([quant.linear(x, w) for w in ws], dim=1)
         return y if layer.bias is None else y + layer.bias
+
+    def matmul_args(self, layer: Linear) -> MatmulArgs | None:
+        ws = layer.qweights
+        if len(ws) != 1 or not quant.available():
+            return None
+        return MatmulArgs(ws[0].data, ws[0].out_features, QUANT_KIND + ws[0].fmt.ggml_type)
 
     def nbytes(self, layer: Linear) -> int:
         return sum(w.nbytes for w in layer.qweights) + sum(w.nbytes for w in layer.shards.values())

@@ -58,8 +58,20 @@ def _cflags() -> list[str]:
 
 
 def _load() -> bool:
-    return paged_kernel.try_load_library("kvferry_quant", _SOURCE, _cflags(),
-                                         "the C++ quantized matmul", "dequantized float weights")
+    loaded = paged_kernel.try_load_library("kvferry_quant", _SOURCE, _cflags(),
+                                           "the C++ quantized matmul", "dequantized float weights")
+    if loaded:
+        configure()
+    return loaded
+
+
+def configure() -> None:
+    """Hand this module's path constants to the library's ``layer_linear``
+    (the one-call decoder layer's matmul of a GGUF weight), so both layers
+    take the same path at the same row count. Called at load; again by
+    anything that changes the constants."""
+    torch.ops.kvferry_quant.configure(PREFILL_MIN_ROWS[32], PREFILL_MIN_ROWS[256], PREFILL_TILE_BYTES,
+                                      SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
 
 
 def available() -> bool:
@@ -147,9 +159,18 @@ def path_for(rows: int, weight: QuantizedWeight) -> str:
     return "dots" if small else "tiles"
 
 
-def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = x @ W^T in ``out_dtype`` (default x's), by the path that fits M."""
-    out_dtype = out_dtype or x.dtype
-    if path_for(x.shape[0], weight) == "dots":
-        return gemv(x, weight).to(out_dtype)
-    return prefill(x, weight, out_dtype=out_dtype)  # no float32 copy of a bf16 result
+def linear_args(weight: QuantizedWeight) -> tuple:
+    """The arguments after (x, w) of the C++ ``linear`` (``csrc/quant_gemm.cpp``),
+    which runs ``linear``'s paths with this module's constants: the type, the
+    rows, then the path and tile sizes. The one-call decoder layer passes the
+    same (layers/gguf.py's ``matmul_args``)."""
+    return (weight.fmt.ggml_type, weight.out_features, PREFILL_MIN_ROWS[weight.fmt.block], PREFILL_TILE_BYTES,
+            SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """y = x @ W^T in x's dtype, by the path that fits M
+    (``path_for``), in one C++ call: the dots write x's dtype directly; the
+    tiles are ``prefill``'s, in C++."""
+    _check_x(x, weight)
+    return _ops().linear(x, weight.data, *linear_args(weight))

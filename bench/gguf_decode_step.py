@@ -1,0 +1,127 @@
+"""Where a batch-1 decode step of a GGUF file's blocks (``--quantization gguf``)
+spends its time, against the weight-read floor of its quantized bytes.
+
+One request (a short prompt, ``--output-len`` greedy tokens, ignore_eos)
+through the offline engine; per decode step: the runner, the model's
+forward (the decoder layers), the logits (lm_head) and the rest of the
+runner (inputs, sampling), the median over the steps. With ``--threads 1``
+these are the stepping thread's CPU time (``time.thread_time``), which other
+processes on a shared machine inflate least; with more, wall time. The
+floor is the bytes of the weights a step reads (every linear layer's blocks,
+the lm_head's and one embedding row) over the machine's read bandwidth,
+measured here by summing a cold buffer larger than the caches with the same
+thread count (``--bandwidth-gbs`` to give it instead).
+
+    python bench/gguf_decode_step.py [--model FILE.gguf] [--threads 2] [--output-len 64] [--profile]
+
+``--profile`` adds torch.profiler's table of one step's ops (self CPU time).
+On a shared machine report the load average printed with the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth of ``threads`` threads over a buffer far larger than the
+    caches (the best of ``repeats`` passes): a sum of int64, so each byte is
+    read once and the compute is trivial."""
+    import torch
+
+    torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter  # as the step's figures
+    buf = torch.ones(mib << 17, dtype=torch.int64)  # mib MiB
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        buf.sum()
+        best = min(best, clock() - t0)
+    return buf.numel() * 8 / best / 1e9
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes a decode step reads from the linear layers' and lm_head's weights, of which the lm_head)."""
+    lm = model.logits_proj.method.nbytes(model.logits_proj)
+    total = sum(lin.method.nbytes(lin) for lin in model.linears())
+    return total, lm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded Q4_1 file)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from kvferry import LLM, SamplingParams
+    from kvferry.engine import runner
+    from kvferry.model import llama
+    from kvferry.model.gguf_convert import embedded_gguf_path
+
+    torch.set_num_threads(args.threads)
+    bw = args.bandwidth_gbs or read_bandwidth_gbs(args.threads)
+    model_path = args.model or str(embedded_gguf_path())
+    llm = LLM(model=model_path, quantization=args.quantization, dtype=args.dtype, max_num_seqs=4,
+              kv_cache_memory_gb=0.25)
+
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    times: dict[str, list[float]] = {"execute": [], "forward": [], "logits": []}
+    execute, forward, logits = runner.ModelRunner.execute, llama.LlamaModel.forward, llama.LlamaModel.compute_logits
+    holder = {}
+
+    def timed(name, fn):
+        def wrapper(self, *a, **k):
+            holder["model"] = self if name != "execute" else holder.get("model")
+            t0 = clock()
+            out = fn(self, *a, **k)
+            times[name].append(clock() - t0)
+            return out
+        return wrapper
+
+    runner.ModelRunner.execute = timed("execute", execute)
+    llama.LlamaModel.forward = timed("forward", forward)
+    llama.LlamaModel.compute_logits = timed("logits", logits)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompt = "The river carried old stories past the mill while the town slept"
+    llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    for v in times.values():
+        v.clear()
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params)[0]
+    wall = time.perf_counter() - t0
+    steps = len(out.token_ids)
+    # The first step is the prefill: drop it from the decode figures.
+    dec = {k: v[1:] for k, v in times.items()}
+    med = {k: 1e3 * statistics.median(v) for k, v in dec.items()}
+    total, lm = weight_bytes(holder["model"])
+    floor_ms = total / (bw * 1e9) * 1e3
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    layer_op = holder["model"]._layer_args is not None
+    print(f"model {model_path}, {args.quantization}, {args.dtype}, {args.threads} threads, load {load}, "
+          f"one-call layer {'on' if layer_op else 'off'}, {'CPU' if args.threads == 1 else 'wall'} time")
+    print(f"weights read per step {total / 2**20:.1f} MiB (lm_head {lm / 2**20:.1f}), read bandwidth {bw:.1f} GB/s, "
+          f"floor {floor_ms:.2f} ms")
+    print(f"{steps} tokens in {wall * 1e3:.0f} ms: {wall / steps * 1e3:.2f} ms per token (engine, all in)")
+    print(f"per decode step, median ms: runner {med['execute']:.2f}  forward {med['forward']:.2f}  "
+          f"logits {med['logits']:.2f}  runner rest {med['execute'] - med['forward'] - med['logits']:.2f}")
+    print(f"step (runner) / floor {med['execute'] / floor_ms:.2f}x, forward + logits / floor "
+          f"{(med['forward'] + med['logits']) / floor_ms:.2f}x")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+if __name__ == "__main__":
+    main()
