@@ -37,6 +37,9 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
                    help="eagle3: stop the optimizer after this many seconds (0: run every epoch)")
     p.add_argument("--pack-tokens", type=_positive, default=1024,
                    help="eagle3: positions per optimizer step (whole conversations packed together)")
+    p.add_argument("--hard-label-weight", type=float, default=0.0,
+                   help="eagle3: weight of a cross-entropy on the target's argmax, added to the one on its "
+                        "distribution (what greedy verification keeps; helps where the target's distribution is flat)")
     p.set_defaults(func=_cmd_train)
 
 

@@ -47,6 +47,7 @@ class Eagle3TrainConfig:
     temperature: float = 0.0  # of the target's replies (0: greedy)
     max_train_seconds: float = 0.0  # 0: no limit; else training stops there (the epoch schedule is cut)
     pack_tokens: int = 1024  # positions per optimizer step (whole sequences, packed)
+    hard_label_weight: float = 0.0  # of the cross-entropy on the target's argmax (ttt_loss)
 
 
 @dataclass(slots=True)
@@ -100,9 +101,11 @@ def pack(seqs: list[Sequence]) -> Packed:
 
 
 def ttt_loss(head: Eagle3Head, embed: torch.Tensor, teacher_head: torch.Tensor, b: Packed,
-             steps: int) -> tuple[torch.Tensor, list[float]]:
+             steps: int, hard_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
     """The unrolled loss over a packed batch, and each step's greedy match
-    rate. Every position gives step 0's keys; only the reply's anchors
+    rate. ``hard_weight``: of a cross-entropy on the target's argmax too
+    (what greedy verification keeps; it matters where the target's
+    distribution is flat). Every position gives step 0's keys; only the reply's anchors
     (a chain that drafts the target's own text) run the layer's queries,
     MLP and LM head, and unroll."""
     n = len(b.tokens)
@@ -133,8 +136,11 @@ def ttt_loss(head: Eagle3Head, embed: torch.Tensor, teacher_head: torch.Tensor, 
         logits = head.logits(hidden[valid])  # [V', D]
         with torch.no_grad():
             teacher = (b.final[teach_at[valid]] @ teacher_head.T).softmax(-1)  # [V', D]
-        ce = -(teacher * logits.log_softmax(-1)).sum(-1)
-        loss = loss + (0.8**j) * ce.mean()
+        logp = logits.log_softmax(-1)
+        ce = -(teacher * logp).sum(-1).mean()
+        if hard_weight:
+            ce = ce + hard_weight * F.nll_loss(logp, teacher.argmax(-1))
+        loss = loss + (0.8**j) * ce
         matches.append((logits.argmax(-1) == teacher.argmax(-1)).float().mean().item())
     return loss, matches
 
@@ -238,7 +244,8 @@ def train(cfg: Eagle3TrainConfig) -> dict:
         for group in batches(seqs, cfg.pack_tokens, rng):
             for g in opt.param_groups:
                 g["lr"] = base.lr * _schedule(done / total, time.monotonic() - train_started, cfg.max_train_seconds)
-            loss, matches = ttt_loss(head, embed, teacher_head, pack(group), cfg.ttt_steps)
+            loss, matches = ttt_loss(head, embed, teacher_head, pack(group), cfg.ttt_steps,
+                                     cfg.hard_label_weight)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -257,6 +264,7 @@ def train(cfg: Eagle3TrainConfig) -> dict:
               "corpus": base.corpus, "num_prompts": len(prompts), "temperature": cfg.temperature,
               "train_positions": int(sum(len(s.tokens) - s.prompt_len for s in seqs)), "epochs": base.epochs,
               "optimizer_steps": done, "stopped_at_time_limit": stopped, "ttt_steps": cfg.ttt_steps,
+              "hard_label_weight": cfg.hard_label_weight, "lr": base.lr,
               "aux_layers": list(aux_layers), "intermediate_size": base.intermediate_size,
               "draft_vocab_size": len(draft_ids), "draft_vocab_answer_coverage": round(coverage, 4),
               "seconds": round(time.monotonic() - started, 1)}
@@ -281,7 +289,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     base = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
                        args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
                        args.eval_prompts)
-    cfg = Eagle3TrainConfig(base, args.ttt_steps, args.temperature, args.max_train_seconds, args.pack_tokens)
+    cfg = Eagle3TrainConfig(base, args.ttt_steps, args.temperature, args.max_train_seconds, args.pack_tokens,
+                             args.hard_label_weight)
     report = train(cfg)
     print(json.dumps(report, indent=2))
     if "held_out_chat_acceptance" in report:
