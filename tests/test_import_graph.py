@@ -216,7 +216,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "structured/__init__.py": {"kvferry.structured": NO_TORCH},                   # the bitmask helpers
     "structured/spec.py": {"xgrammar": OPTIONAL},
     "structured/step.py": {"kvferry.structured.backend": OPTIONAL},               # xgrammar
-    "train/cli.py": {"kvferry.train.draft_head": CLI},
+    "train/cli.py": {"kvferry.train.draft_head": CLI, "kvferry.train.eagle3": CLI},
     "train/draft_head.py": {"chitchat_dataset": OPTIONAL},
 }
 # Every module is checked.

@@ -42,6 +42,8 @@ from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, position_generator, token_counts
 from kvferry.sampling import SamplingParams
 from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
+from kvferry.spec.eagle3 import Eagle3Head
+from kvferry.spec.eagle3_proposer import Eagle3Proposer
 from kvferry.spec.head import EagleHead, HeadProposer
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.spec.reserved import PLACEHOLDER_ID
@@ -90,6 +92,7 @@ class StepInputs:
     sampling: list[tuple[str, list[int]]]
     # Prompt logprobs / pooling rows of the step (None: no request asks).
     prompt: PromptStep | None = None
+    order: list[str] = field(default_factory=list)  # request ids, in the flattened batch's order
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
@@ -139,6 +142,8 @@ class ModelRunner:
         self.drafter: DraftModelProposer | HeadProposer | None = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
+        elif isinstance(head, Eagle3Head):  # an EAGLE-3 head: the target copies its aux layers' rows
+            self.drafter = Eagle3Proposer(head, self.model)
         elif head is not None:
             self.drafter = HeadProposer(head, self.model)
         # Decode side: requests whose draft KV came with their prompt's, until
@@ -254,8 +259,9 @@ class ModelRunner:
             flat=flat, input_ids=None, positions=None, meta=None,
             logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
             sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
-            prompt=prompt,
+            prompt=prompt, order=order,
         )
+        graph_ok = graph_ok and not isinstance(self.drafter, Eagle3Proposer)  # a replay fills no aux rows
         if not (graph_ok and self.graphs is not None and self.graphs.can_run(flat)):
             self._eager_inputs(inputs)
         return inputs
@@ -318,6 +324,9 @@ class ModelRunner:
                     self._sample(logits, inputs.sampling, out, pending_bitmask, proposals)
                 if isinstance(self.drafter, HeadProposer):
                     self._record_hidden(inputs.sampling, sampled_hidden, out)
+            if isinstance(self.drafter, Eagle3Proposer):
+                self.drafter.record_aux(self.model.aux_hidden, inputs.flat, inputs.order, spec_token_ids,
+                                        out.sampled_token_ids)
             for request in drafted:
                 self.drafter.advance(request, max(len(out.sampled_token_ids.get(request.request_id, [])) - 1, 0))
             if step_transfer is not None:

@@ -252,6 +252,11 @@ class LlamaModel(nn.Module):
         # Each layer's arguments for the one-call C++ layer (layer_op.py), or
         # None where some layer does not fit it; set by pack_weights.
         self._layer_args: list[layer_op.LayerArgs] | None = None
+        # EAGLE-3 heads (spec/eagle3.py) read the residual stream entering
+        # these layers (a low, a middle and a top one): each forward then
+        # copies those rows side by side into ``aux_hidden`` [T, len * H].
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -343,6 +348,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(positions, self.dtype)
         layers = self.layers
         x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
+        aux = self._aux_buffer(h) if self.aux_layers else None
         if (self._layer_args is not None and layer_op.step_applies(meta, kv_cache, self.dtype, h.shape[0])
                 and layer_op.available()):
             # Every layer one C++ call: the same ops as below, without the
@@ -350,16 +356,31 @@ class LlamaModel(nn.Module):
             n = h.shape[0]
             cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
             for i, args in enumerate(self._layer_args):
+                if aux is not None:
+                    self._copy_aux(aux, i, h)
                 h, x = layer_op.run_layer(args, h, x, cos, sin, kv_cache[i], meta)
                 if meta.kv_transfer is not None:
                     meta.kv_transfer.layer_done(i)
             return h if ends_stream else x
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            if aux is not None:
+                self._copy_aux(aux, i, h)
             h, x = layer(h, x, cos, sin, kv_cache[i], meta, next_norm)
             if meta.kv_transfer is not None:
                 meta.kv_transfer.layer_done(i)  # layer i's KV is written: it may leave now
         return h if ends_stream else x  # self.norm(h)
+
+    def _aux_buffer(self, h: torch.Tensor) -> torch.Tensor:
+        self.aux_hidden = h.new_empty(h.shape[0], len(self.aux_layers) * h.shape[1])
+        return self.aux_hidden
+
+    def _copy_aux(self, aux: torch.Tensor, layer: int, h: torch.Tensor) -> None:
+        """The stream entering ``layer`` into its columns of ``aux`` (a copy:
+        the next layers update ``h`` in place)."""
+        for j, wanted in enumerate(self.aux_layers):
+            if wanted == layer:
+                aux[:, j * h.shape[1] : (j + 1) * h.shape[1]].copy_(h)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

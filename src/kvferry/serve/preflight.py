@@ -239,15 +239,15 @@ def _speculative(engine_args: EngineArgs) -> None:
 
 
 def _draft_head(method: str, path: str | None, target: str | None) -> None:
-    what = (f'method "{method}" runs a kvferry draft head, a file that `kvferry train-draft` writes'
-            + ("" if method == "head" else " (EAGLE checkpoints are not loaded)"))
+    what = (f'method "{method}" runs a kvferry draft head, a file that `kvferry train-draft` writes, or an '
+            "EAGLE-3 checkpoint folder (config.json + safetensors, as vLLM loads it)")
     if path is None:
         if target is not None:
             raise ValueError(f"--speculative-config: {what}; without \"model\" it is the embedded default model's "
                              "head, which does not fit this target: train one and give its path as \"model\"")
         return
     p = Path(path).expanduser()
-    if (p / "head.safetensors").is_file() or p.is_file():
-        return
+    if (p / "head.safetensors").is_file() or p.is_file() or (p / "config.json").is_file():
+        return  # (an EAGLE-3 folder's config and shapes are checked as the core loads it: spec/eagle3.py)
     hint = " (a Hugging Face id is not looked up: give a local head file)" if "/" in path and not p.exists() else ""
     raise ValueError(f"--speculative-config: no draft head file at {path}{hint}; {what}")

@@ -45,6 +45,7 @@ from kvferry.model.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
 from kvferry.model.llama import LlamaModel
 from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal
+from kvferry.spec.eagle3 import Eagle3Head, is_eagle3_checkpoint
 
 EMBEDDED_HEAD = Path(__file__).parent / "data" / "smollm2-135m-instruct-head.safetensors"
 
@@ -75,7 +76,12 @@ class EagleHead(nn.Module):
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "EagleHead":
+    def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "EagleHead | Eagle3Head":
+        """The head file at ``path``; an EAGLE-3 checkpoint folder loads as
+        an ``Eagle3Head`` (spec/eagle3.py), which the runner serves with
+        ``Eagle3Proposer`` under the same method name."""
+        if is_eagle3_checkpoint(Path(path)):
+            return Eagle3Head.load(path, device)
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         try:
@@ -95,6 +101,8 @@ def resolve_head_path(path: str | None) -> Path:
     if path is None:
         return EMBEDDED_HEAD
     p = Path(path)
+    if is_eagle3_checkpoint(p):  # an EAGLE-3 folder (config.json + weights), as vLLM loads it
+        return p
     if p.is_dir():
         p = p / "head.safetensors"
     if not p.is_file():

@@ -25,6 +25,21 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
     p.add_argument("--eval-prompts", type=_non_negative, default=64,
                    help="held-out chat conversations (never trained on) the finished head drafts for; its "
                         "acceptance is printed last and saved in head.json (0: skip)")
+    p.add_argument("--arch", choices=("head", "eagle3"), default="head",
+                   help="head: the feature-regression head over the top hidden state; eagle3: an EAGLE-3 head "
+                        "(low, middle and top layers fused, one attention layer, training-time test on the "
+                        "target's own replies), saved as a folder in the format vLLM loads")
+    p.add_argument("--ttt-steps", type=_positive, default=4,
+                   help="eagle3: draft steps unrolled in training, each reading the head's own previous output")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="eagle3: temperature of the target's replies it learns from (0: greedy)")
+    p.add_argument("--max-train-seconds", type=float, default=0.0,
+                   help="eagle3: stop the optimizer after this many seconds (0: run every epoch)")
+    p.add_argument("--pack-tokens", type=_positive, default=1024,
+                   help="eagle3: positions per optimizer step (whole conversations packed together)")
+    p.add_argument("--hard-label-weight", type=float, default=0.0,
+                   help="eagle3: weight of a cross-entropy on the target's argmax, added to the one on its "
+                        "distribution (what greedy verification keeps; helps where the target's distribution is flat)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -43,6 +58,10 @@ def _non_negative(text: str) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.arch == "eagle3":
+        from kvferry.train.eagle3 import run_from_args as run_eagle3  # lazy, as below
+
+        return run_eagle3(args)
     from kvferry.train.draft_head import run_from_args  # lazy: torch (~1.5 s) loads only when training runs
 
     return run_from_args(args)
