@@ -30,7 +30,8 @@ def test_permute_roundtrip():
 def test_gguf_matches_hf(tmp_path, arch):
     hf_path = make_tiny_checkpoint(tmp_path, arch)
     gguf_file = write_tiny_gguf(hf_path, tmp_path / f"tiny-{arch}.gguf")
-    loaded = load_model(str(gguf_file), dtype="float32")
+    # Expanded (--quantization none): HF's float model, exactly; the blocks path has tests/model/test_gguf_blocks.py.
+    loaded = load_model(str(gguf_file), dtype="float32", quantization="none")
     assert loaded.model_path.startswith(str(tmp_path / "cache"))
     seq = list(range(3, 3 + 19))
     got = PagedHarness(loaded.model).step({0: seq}, {0: len(seq)})[0]
