@@ -9,6 +9,7 @@ import torch
 from kvferry.model import gguf_convert
 from kvferry.model.loader import load_model
 from kvferry.model.tokenizer import Tokenizer
+from tests.model.own_cache import own_model_cache
 from tests.model.paged_harness import PagedHarness
 from tests.tiny_models import load_hf_model, make_tiny_checkpoint, write_tiny_gguf
 
@@ -16,8 +17,10 @@ TEXTS = ["Hello world! Paris is the capital of France.", "日本語 😀 12345 c
 
 
 @pytest.fixture(autouse=True)
-def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path / "cache"))
+def _cache_dir(tmp_path):
+    """Conversions into tmp; built C++ kernels from the shared cache (a cold build takes minutes)."""
+    with own_model_cache(tmp_path):
+        yield
 
 
 def test_permute_roundtrip():
