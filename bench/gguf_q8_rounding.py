@@ -44,7 +44,8 @@ class Reference:
         meta = {k: f.parts[f.data[0]][0] for k, f in r.fields.items() if k.startswith("llama.") and f.data}
         self.layers, self.heads = int(meta["llama.block_count"]), int(meta["llama.attention.head_count"])
         self.kv_heads = int(meta["llama.attention.head_count_kv"])
-        self.eps, self.theta = float(meta["llama.attention.layer_norm_rms_epsilon"]), float(meta["llama.rope.freq_base"])
+        self.eps = float(meta["llama.attention.layer_norm_rms_epsilon"])
+        self.theta = float(meta["llama.rope.freq_base"])
         self.mode: bool | None = None  # None: float; True/False: Q8_0 with ties to even / away
 
     def lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
