@@ -79,7 +79,8 @@ def cmd_engine_core(args: argparse.Namespace) -> int:
         peer_auth.socket_secret(args.cache_secret_file)
         # -tp is serve's flag too (there vLLM's, serve/vllm_flags.py): the
         # engine field has no flag of its own, so each command maps it.
-        engine_args = dataclasses.replace(args.engine_args, tensor_parallel_size=args.tensor_parallel_size)
+        engine_args = dataclasses.replace(args.engine_args, tensor_parallel_size=args.tensor_parallel_size,
+                                          pipeline_parallel_size=args.pipeline_parallel_size)
         config = engine_args.create_engine_config()
     except ValueError as exc:
         args.subparser.error(str(exc))
@@ -158,6 +159,9 @@ def _add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                         help="rank processes of this core (tensor parallelism, docs/parallelism.md): rank 0 "
                              "schedules and answers the server, ranks 1..N-1 run beside it on this host")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                        help="stage processes of this core, each with its share of the layers (pipeline "
+                             "parallelism, docs/parallelism.md): stage 0 schedules and answers the server")
 
 
 if __name__ == "__main__":

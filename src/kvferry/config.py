@@ -347,7 +347,9 @@ TP_ALL_REDUCES = ("shm", "gloo")
 @dataclass(slots=True)
 class ParallelConfig:
     """Tensor parallelism: one engine core as ``tensor_parallel_size`` rank
-    processes on this host (kvferry.engine.tp_ranks, docs/parallelism.md)."""
+    processes on this host (kvferry.engine.tp_ranks, docs/parallelism.md);
+    pipeline parallelism: as ``pipeline_parallel_size`` stage processes
+    (kvferry.engine.pp_stages)."""
 
     tensor_parallel_size: int = 1
     # torch threads of each rank (None: this host's CPUs / tensor_parallel_size).
@@ -355,6 +357,14 @@ class ParallelConfig:
     # How the ranks sum their partial products: "shm" (shared memory, one
     # host; parallel/shm_all_reduce.py) or "gloo" (torch's, over loopback TCP).
     tp_all_reduce: str = "shm"
+    # Pipeline parallelism: the layers over this many stage processes
+    # (kvferry.engine.pp_stages), and the micro-batches a step is cut into
+    # so that the stages overlap (None: up to one per stage, by the step's size).
+    pipeline_parallel_size: int = 1
+    pp_micro_batches: int | None = None
+    # A mixture of experts' experts whole per rank (vLLM's --enable-expert-parallel),
+    # else each expert sliced over the ranks (model/layers/parallel.py).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
@@ -364,6 +374,10 @@ class ParallelConfig:
             raise ValueError(f"cpu_threads_per_rank must be an integer >= 1, got {self.cpu_threads_per_rank!r}")
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}, got {self.tp_all_reduce!r}")
+        if not _is_int(self.pipeline_parallel_size) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.pp_micro_batches is not None and (not _is_int(self.pp_micro_batches) or self.pp_micro_batches < 1):
+            raise ValueError(f"pp_micro_batches must be an integer >= 1, got {self.pp_micro_batches!r}")
 
 
 # The longest chunk the C++ attention kernel takes (model.attention.kernel_max_chunk_tokens;
@@ -387,6 +401,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.parallel.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.parallel.pipeline_parallel_size > 1:
+            self._check_pipeline_parallel()
         if self.model.deterministic and self.scheduler.max_num_batched_tokens > DETERMINISTIC_MAX_BATCHED_TOKENS:
             raise ValueError(f"deterministic needs max_num_batched_tokens <= {DETERMINISTIC_MAX_BATCHED_TOKENS} "
                              f"(longer chunks leave the batch-invariant attention kernel), got "
@@ -407,13 +423,34 @@ class EngineConfig:
             (spec is not None and spec.method != "ngram", "speculative method "
              f"{spec.method if spec is not None else ''!r} (ngram works)"),
             (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
-            (bool(self.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
             (bool(self.kv_connector), "--kv-connector"),
             (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"tensor_parallel_size {tp} does not work with {what} yet")
+
+
+    def _check_pipeline_parallel(self) -> None:
+        """What does not run over pipeline stages yet: a one-line ValueError."""
+        pp, spec = self.parallel.pipeline_parallel_size, self.speculative
+        refused = [
+            (self.parallel.tensor_parallel_size > 1, f"tensor_parallel_size {self.parallel.tensor_parallel_size} "
+             "(one of the two per core for now)"),
+            (self.model.device != "cpu", f"device {self.model.device!r} (the stages run on the CPU)"),
+            (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
+            (self.model.quantization == "int8", "quantization 'int8'"),
+            (self.model.deterministic, "deterministic"),
+            (spec is not None and spec.method != "ngram", "speculative method "
+             f"{spec.method if spec is not None else ''!r} (ngram works)"),
+            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
+            (bool(self.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
+            (bool(self.kv_connector), "--kv-connector"),
+            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"pipeline_parallel_size {pp} does not work with {what} yet")
 
 
 def _is_int(value: object) -> bool:
@@ -448,9 +485,10 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=_opt(
         "weight format. Left out: the model's own; a .gguf file's linear weights stay in their quantized "
         "blocks, multiplied by integer kernels (types without a kernel, such as IQ*, dequantized at load), "
-        "and are expanded to float where the blocks do not run (CUDA, tensor-parallel ranks, --deterministic) "
-        "and for the embedded default model. gguf (the blocks, or an error where they cannot run), int8 "
-        "(W8A8: linear weights quantized to int8 per output channel at load, activations per token; CPU), "
+        "and are expanded to float where the blocks do not run (CUDA, tensor-parallel ranks, pipeline "
+        "stages, --deterministic) and for the embedded default model. gguf (the blocks, or an error where "
+        "they cannot run), int8 (W8A8: linear weights quantized to int8 per output channel at load, "
+        "activations per token; CPU), "
         "compressed-tensors (a W8A8 int8 checkpoint as it is; found from its config.json without the flag "
         "too) or none (expand a .gguf to float)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
@@ -520,10 +558,22 @@ class EngineArgs:
         "rank processes per engine core (tensor parallelism, docs/parallelism.md; also -tp)",
         flag="--tensor-parallel-size", cli=False))
     cpu_threads_per_rank: int | None = field(default=None, metadata=_opt(
-        "with --tensor-parallel-size N: torch threads of each rank (default: this host's CPUs / N)"))
+        "with --tensor-parallel-size N or --pipeline-parallel-size N: torch threads of each rank or stage "
+        "(default: this host's CPUs / N)"))
     tp_all_reduce: str = field(default="shm", metadata=_opt(
         "with --tensor-parallel-size N: how the ranks sum their partial products: shm (shared memory, the "
         "same sum on every rank) or gloo (torch's, over loopback TCP)", choices=TP_ALL_REDUCES))
+    # kvferry serve's --pipeline-parallel-size / -pp (serve/vllm_serve_flags.py) maps onto it.
+    pipeline_parallel_size: int = field(default=1, metadata=_opt(
+        "pipeline stage processes per engine core, each with its share of the layers (docs/parallelism.md; "
+        "also -pp)", flag="--pipeline-parallel-size", cli=False))
+    pp_micro_batches: int | None = field(default=None, metadata=_opt(
+        "with --pipeline-parallel-size N: micro-batches a step is cut into, so that the stages overlap "
+        "(default: up to N, at least 64 tokens each: a small decode step stays whole)"))
+    enable_expert_parallel: bool = field(default=False, metadata=_opt(
+        "with --tensor-parallel-size N on a mixture-of-experts model: each rank holds E/N whole experts and "
+        "runs only the tokens routed to them (vLLM's expert parallelism); off: every expert is sliced over the "
+        "N ranks. Attention stays split by heads; a dense model is unchanged"))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -550,7 +600,9 @@ class EngineArgs:
             kv_transfer=KVTransferConfig(self.kv_transfer_address, self.kv_transport, self.kv_transfer_failure,
                                          self.kv_transfer_timeout_s, self.kv_transfer_bind_any),
             kv_connector=self.kv_connector,
-            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce,
+                                    self.pipeline_parallel_size, self.pp_micro_batches,
+                                    enable_expert_parallel=self.enable_expert_parallel),
         )
 
     # -- command line -----------------------------------------------------------

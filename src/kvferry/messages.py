@@ -104,6 +104,11 @@ class KVDestination(msgspec.Struct, kw_only=True):
     # of the decode core, so shared memory (one host) can compare it).
     lease_s: float
     deadline: float
+    # The decode core's tensor-parallel ranks: rank d's pool holds KV heads
+    # [d * K / tp_size, (d + 1) * K / tp_size) and, in shared memory, is
+    # segment ``shm_name`` (rank 0) or ``f"{shm_name}-rank{d}"``
+    # (kvferry.disagg.heads). Every rank's chunk reports go to ``address``.
+    tp_size: int = 1
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True):
@@ -158,7 +163,11 @@ class EngineCorePurgeTenant(msgspec.Struct, kw_only=True, tag=True):
 class EngineCoreHello(msgspec.Struct, kw_only=True, tag=True):
     """Send EngineCoreReady again. A router that joins a running core (or
     checks that it is alive) asks with this; the core's input thread answers
-    at once, even during a long step."""
+    at once, even during a long step. ``reply_to`` is the routing id of the
+    sender's output socket: once the hello carries the core's token, the
+    core sends its outputs there, and to no other peer of that socket."""
+
+    reply_to: bytes = b""
 
 
 class EngineCoreFirstToken(msgspec.Struct, kw_only=True, tag=True):
@@ -274,6 +283,8 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     # Its tensor-parallel ranks, rank 0 first ([]: one process). Sent again
     # with every heartbeat's answer, so ``alive`` is as fresh as the beat.
     ranks: list[TPRank] = []
+    # With pipeline parallelism ``ranks`` are its stages, rank 0 the first.
+    pipeline_parallel_size: int = 1
 
 
 # -- prefill core -> decode core (its transfer socket) -----------------------------
@@ -296,6 +307,11 @@ class KVLayerChunk(msgspec.Struct, kw_only=True, tag=True):
     # each chunk as it lands, so nothing is left to hash after the last one.
     num_final_blocks: int = 0
     checksum: int = 0
+    # Global KV heads [head_start, head_stop) of the layer (the payload's
+    # heads; over shared memory those written into the decode rank that holds
+    # them, kvferry.disagg.heads). 0, 0: every head of a one-rank pool.
+    head_start: int = 0
+    head_stop: int = 0
 
 
 class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
@@ -322,6 +338,11 @@ class KVTransferDone(msgspec.Struct, kw_only=True, tag=True):
     hidden_state: bytes = b""
     hidden_state_dtype: str = ""
     hidden_state_checksum: int = 0
+    # The prefill core's tensor-parallel ranks, each of which sends its own
+    # heads' chunks on its own link: with more than one, chunks may still
+    # arrive after this message (the decode core completes, and acknowledges,
+    # once every head of every block landed, or fails at the deadline).
+    num_ranks: int = 1
 
 
 class KVTransferAck(msgspec.Struct, kw_only=True, tag=True):

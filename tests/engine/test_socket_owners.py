@@ -5,7 +5,7 @@ libzmq: the usual outcome is ``Assertion failed: pfd.revents & POLLIN
 (src/signaler.cpp:238)`` and SIGABRT (the socket's mailbox fd is closed
 under the blocked thread's poll). It once killed a decode core at shutdown:
 a router refused it at join and disconnected, an output sent afterwards
-blocked the core's PUSH (no reader), and ``close`` closed that socket under
+blocked the core's output socket (no reader), and ``close`` closed that socket under
 the blocked send after its join timed out.
 
 Each case runs in a child process, since the failure aborts the process.
@@ -38,12 +38,13 @@ def test_core_closes_promptly_when_its_front_end_left():
         addresses, _ = ipc_addresses()
         proc = EngineCoreProc(None, addresses)
         conn = CoreConnection(addresses)   # a router joins ...
+        conn.hello()                       # (outputs go to the greeted front end only)
         proc.send_error("first")
         assert conn.output.poll(10_000)
         conn.output.recv()
         conn.close()                       # ... refuses this core and leaves
         time.sleep(0.3)
-        proc.send_error("nobody reads this")  # the PUSH has no reader: send blocks
+        proc.send_error("nobody reads this")  # the front end is gone: the send waits
         time.sleep(0.5)
         start = time.monotonic()
         proc.close()

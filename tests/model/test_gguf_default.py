@@ -40,7 +40,7 @@ def test_where_the_blocks_do_not_run(q8, caplog):
         assert not _keeps_blocks(named, None, "cuda", False, False)
         assert not _keeps_blocks(named, None, "cpu", True, False)  # tensor-parallel ranks
         assert not _keeps_blocks(named, "none", "cpu", False, False)
-    assert "tensor-parallel ranks shard float weights: expanded to float" in caplog.text
+    assert "tensor-parallel ranks and pipeline stages split float weights: expanded to float" in caplog.text
     # Asked for explicitly, the ranks refuse it as config.py's check says (serve it with none).
     with pytest.raises(ValueError, match="serve a .gguf with --quantization none"):
         _keeps_blocks(named, "gguf", "cpu", True, False)

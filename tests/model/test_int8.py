@@ -246,12 +246,4 @@ def test_unsupported_quantization_names_the_supported(value):
         EngineArgs(quantization=value)
 
 
-def test_mixture_of_experts_keeps_its_experts_float(tmp_path):
-    from tests.tiny_moe_models import MOE_CASES, make_tiny_moe_checkpoint
-
-    path = make_tiny_moe_checkpoint(tmp_path, next(iter(MOE_CASES)))
-    lm = load_model(str(path), dtype="float32", quantization="int8").model
-    int8 = {lin.prefix for lin in lm.linears() if isinstance(lin.method, Int8LinearMethod)}
-    assert int8 and not any(".experts." in p for p in int8)
-    a, b = _logits(path, "int8"), _logits(path, None)
-    assert (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs().mean() < 0.06
+# Mixtures of experts (experts int8 too): tests/model/test_moe_quant_int8.py

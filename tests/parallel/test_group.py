@@ -122,3 +122,20 @@ def test_shm_all_reduce_with_a_dead_peer_fails_at_once():
     finally:
         proc.kill()
         proc.join()
+
+
+def test_a_group_on_one_host_meets_in_a_private_store_file(tmp_path):
+    """The rendezvous store tells ranks where their peers' gloo listens: one
+    that others could write (a TCPStore on loopback) lets any local process
+    put itself between the ranks. Launched groups meet in a 0700 folder's
+    file, and a folder open to others is refused."""
+    open_folder = tmp_path / "open"
+    open_folder.mkdir(mode=0o755)
+    open_folder.chmod(0o755)
+    with pytest.raises(ValueError, match="open to other users"):
+        GroupAddress.in_folder(open_folder)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert GroupAddress.in_folder(private).store_file == str(private / "group-store")
+    out = launch(ranks.collectives, 2, timeout_s=60, deadline_s=120)
+    assert len(out) == 2

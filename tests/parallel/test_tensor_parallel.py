@@ -22,7 +22,6 @@ from kvferry import LLM, SamplingParams
 from kvferry.parallel import RankFailed
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
-from tests.tiny_moe_models import MOE_CASES, make_tiny_moe_checkpoint
 
 MAX_NEW = 6
 SPLITTABLE = dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=387)
@@ -127,7 +126,7 @@ def test_heads_that_do_not_split_are_refused_before_any_rank_starts(llama):
 @pytest.mark.parametrize("extra, what", [
     ({"kv_dram_gb": 0.1}, "a KV store"),
     ({"speculative": {"method": "draft", "model": "/nonexistent"}}, "speculative method 'draft'"),
-    ({"kv_transfer_address": "tcp://127.0.0.1:0"}, "prefill/decode disaggregation"),
+    ({"kv_connector": "my_tier:MyTier"}, "--kv-connector"),  # P/D runs over ranks: tests/parallel/test_pd_tp.py
     ({"num_swap_blocks": 4}, "num_swap_blocks"),
     ({"deterministic": True}, "deterministic"),
 ])
@@ -142,10 +141,3 @@ def test_bad_sizes_name_the_field():
         LLM(model=None, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="cpu_threads_per_rank must be an integer >= 1"):
         LLM(model=None, tensor_parallel_size=2, cpu_threads_per_rank=0)
-
-
-def test_a_mixture_of_experts_model_is_refused_before_any_rank_starts(tmp_path):
-    # Expert tensors end in the dense MLP's names: sliced as one, they would load wrong.
-    moe = make_tiny_moe_checkpoint(tmp_path, next(iter(MOE_CASES)))
-    with pytest.raises(ValueError, match="mixture-of-experts models run at tensor_parallel_size 1"):
-        LLM(model=str(moe), tensor_parallel_size=2, **ENGINE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from msgspec.structs import replace
 
-from kvferry.messages import EngineCoreReady, EngineCoreRequest
+from kvferry.messages import EngineCoreHello, EngineCoreReady, EngineCoreRequest
 from kvferry.router.worker import Worker
 from kvferry.sampling import SamplingParams
 
@@ -25,6 +25,9 @@ class RecordingConnection:
 
     def send(self, message) -> None:
         self.sent.append(message)
+
+    def hello(self) -> None:
+        self.send(EngineCoreHello(reply_to=b"recorder"))
 
     def close(self) -> None:
         self.closed = True

@@ -1,7 +1,8 @@
 """A ``kvferry engine-core`` started apart serves only a server that holds
 its cache secret: the same ``--cache-secret-file``. Without one on either
 side, or with another, the join is refused, in one line on both sides,
-and the core keeps waiting for the right server, which then serves.
+and the core keeps waiting for the right server, which then serves. A stranger
+on the core's output port then receives nothing but its own refusal.
 
 Real processes throughout: two cores (one with a secret file, one
 without), and four ``kvferry serve --worker`` front ends.
@@ -22,7 +23,11 @@ import openai
 import pytest
 from safetensors.numpy import save_file
 
+import zmq
+
 from kvferry import envs
+from kvferry.engine.core_addresses import CoreAddresses
+from kvferry.messages import CoreOutput, EngineCoreHello, EngineCoreOutputs, decode, encode
 from tests.serve.server_process import start_server
 from tests.serve.test_flag_errors import assert_one_line_error
 from tests.tiny_models import write_tokenizer
@@ -111,7 +116,8 @@ def test_a_core_refuses_servers_without_its_cache_secret(model, tmp_path, monkey
             with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=120) as client:
                 r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0,
                                               extra_body={"ignore_eos": True})
-            assert r.usage.completion_tokens == 3
+                assert r.usage.completion_tokens == 3
+                _strangers_get_nothing(keyed_address, client, expected=r.choices[0].text)
         finally:
             assert srv.stop() == 0, srv.log()[-3000:]
     finally:
@@ -121,6 +127,38 @@ def test_a_core_refuses_servers_without_its_cache_secret(model, tmp_path, monkey
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _strangers_get_nothing(address: str, client: openai.OpenAI, expected: str) -> None:
+    """A local process without the secret connects to the serving core's
+    output port and says hello without the token: it receives its refusal
+    and nothing else, and the joined server keeps every token of every
+    answer (the output socket once handed each connected reader its turn,
+    and the refusal to whichever reader came next)."""
+    addresses = CoreAddresses.from_address(address)
+    ctx = zmq.Context()
+    reader, asker, hello = ctx.socket(zmq.PULL), ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+    stranger_id = os.urandom(16)
+    asker.setsockopt(zmq.ROUTING_ID, stranger_id)
+    for sock, where in ((reader, addresses.output), (asker, addresses.output), (hello, addresses.input)):
+        sock.connect(where)
+    try:
+        refusal = None
+        deadline = time.monotonic() + 30
+        while refusal is None and time.monotonic() < deadline:
+            hello.send_multipart([os.urandom(32), encode(EngineCoreHello(reply_to=stranger_id))])
+            if asker.poll(500):
+                refusal = decode(asker.recv(), CoreOutput)
+        assert isinstance(refusal, EngineCoreOutputs) and "refused the join" in (refusal.engine_error or "")
+        for _ in range(4):
+            r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 3 and r.choices[0].text == expected
+        assert not reader.poll(500) and not asker.poll(0)
+    finally:
+        for sock in (reader, asker, hello):
+            sock.close(linger=0)
+        ctx.term()
 
 
 def tiny_llama(folder: Path) -> Path:

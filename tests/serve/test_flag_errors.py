@@ -97,6 +97,10 @@ BAD: dict[str, list[list[str]]] = {
     "--decode": [["-1", "--mode", "disagg"]],
     "--prefill-cpus": [["abc", "--mode", "disagg"]],
     "--decode-cpus": [["9999", "--mode", "disagg"]],
+    # 0 ranks; 3: the model's heads do not split over 3 ranks; 2 without --mode disagg
+    "--prefill-tp": [["0", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"]],
+    "--decode-tp": [["-1", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"],
+                    ["4", "--mode", "disagg", "--kv-dram-gb", "1"]],  # KV tiers with TP: refused yet
     "--worker": [["garbage"]],
     "--engine-cpus": [["abc"], ["9999"]],
     "--ttft-slo-ms": [["-5"]],
@@ -126,6 +130,8 @@ BAD: dict[str, list[list[str]]] = {
     "--tensor-parallel-size": [["0"], ["two"], ["3"]],  # 3: the model's heads do not split over 3 ranks
     "--cpu-threads-per-rank": [["0"], ["x"]],
     "--tp-all-reduce": [["nccl"]],
+    # Experts are sharded over one core's ranks: more cores are refused (a bool flag: the rest is the mistake).
+    "--enable-expert-parallel": [["--data-parallel-size", "2", "-tp", "2"]],
     "--swap-space": [["-1"]],
     "--uvicorn-log-level": [["loud"]],
     "--gpu-memory-utilization": [["1.5"], ["0"]],
@@ -136,7 +142,8 @@ BAD: dict[str, list[list[str]]] = {
     "--revision": [["v2.0"]],
     "--tokenizer-revision": [["v2.0"]],
     "--distributed-executor-backend": [["ray"], ["external_launcher"]],
-    "--pipeline-parallel-size": [["2"]],
+    "--pipeline-parallel-size": [["0"], ["3"]],  # 3: the model has 2 layers, one a stage at least
+    "--pp-micro-batches": [["0"]],
     "--max-logprobs": [["5"], ["many"]],
     "--num-gpu-blocks-override": [["1"]],
     "--root-path": [["api"]],

@@ -124,7 +124,7 @@ REFUSED_VALUES = [
     (["--revision", "v1.0"], "--revision v1.0: not supported"),
     (["--tokenizer-revision", "dev"], "--tokenizer-revision dev: not supported"),
     (["--distributed-executor-backend", "ray"], "kvferry serve --ray ADDRESS"),
-    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported"),
+    (["--pipeline-parallel-size", "0"], "pipeline_parallel_size must be an integer >= 1"),
     (["--max-logprobs", "5"], "kvferry's bound is fixed at 20"),
     (["--root-path", "llm"], "--root-path must start with '/'"),
     (["--guided-decoding-backend", "outlines"], "only xgrammar is built in"),

@@ -16,6 +16,8 @@ import torch
 
 from kvferry import LLM, SamplingParams
 from kvferry.config import EngineArgs
+from kvferry.engine.kv_memory import GIB
+from kvferry.engine.runner import kv_block_bytes
 from kvferry.spec.rejection import NO_DRAFT
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.spec.test_engine import repetitive_prompts
@@ -193,3 +195,19 @@ def test_second_token_matches_the_target_within_the_tv_bound(small_vocab, verifi
     bound = 0.5 * float(np.sqrt(marginal * (1 - marginal) / NUM_SAMPLES).sum()) + SLACK
     print(f"{verifier} verifier: TV {tv:.3f}, bound {bound:.3f}")
     assert (tv < bound) == (verifier == "exact")
+
+
+def test_the_kv_pool_counts_the_drafts_kv(case):
+    """The draft keeps as many KV blocks as the target, so a pool sized in
+    bytes holds fewer blocks with a draft: the target's KV and the draft's
+    together fit the size asked (before, the draft's came on top)."""
+    target, draft, *_ = case
+    llm_plain = LLM(model=target, dtype="float32", kv_cache_memory_gb=0.002, warm_up=False)
+    llm_draft = LLM(model=target, dtype="float32", kv_cache_memory_gb=0.002, warm_up=False,
+                    speculative=spec(draft))
+    plain, drafted = llm_plain.engine.core, llm_draft.engine.core
+    target_block = kv_block_bytes(plain.loaded, plain.block_size, plain.kv_cache_dtype)
+    draft_kv = drafted.runner.drafter.kv_cache  # [layers, 2, blocks, block_size, heads, head_dim]
+    draft_block = draft_kv[:, :, 0].numel() * draft_kv.element_size()
+    assert plain.num_kv_blocks == int(0.002 * GIB) // target_block
+    assert drafted.num_kv_blocks == int(0.002 * GIB) // (target_block + draft_block)

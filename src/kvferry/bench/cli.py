@@ -20,7 +20,8 @@ from pathlib import Path
 from kvferry.bench.compare import compare_table
 from kvferry.bench.metrics import RequestRecord, add_cost, parse_slo
 from kvferry.bench.plots import plot_latency_cdfs, plot_sweep
-from kvferry.bench.profile import ProfileGrid, plot_profile, run_profile
+from kvferry.bench.profile import ProfileGrid, plot_profile
+from kvferry.bench.profile_layouts import layout_summary, parse_layouts, plot_layouts, run_layout_profiles
 from kvferry.bench.workloads import BenchError
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "trace", "multi-tenant")
@@ -74,7 +75,15 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--idle-gap", type=float, default=0.5,
                    help="with --url: seconds the server idles before each first-token-delay request, as between "
                         "requests at a moderate rate (the delay measured ~0.4 ms back to back, ~5 ms after 0.6 s)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); with "
+                   "several ranks, the budget the ranks split evenly")
+    p.add_argument("--tensor-parallel-sizes", default="1", metavar="N[,N]",
+                   help="fit the step at each of these tensor-parallel sizes (-tp), one fit per layout in the "
+                        "JSON's 'layouts'; each layout runs on the same --threads budget split over its ranks. "
+                        "A layout the model or host cannot run is skipped with one line saying why")
+    p.add_argument("--pipeline-parallel-sizes", default="1", metavar="N[,N]",
+                   help="fit the step at each of these pipeline-parallel sizes (-pp), crossed with "
+                        "--tensor-parallel-sizes (in-process profile only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="profile.json", help="results JSON; the PNG goes next to it")
     p.set_defaults(func=cmd_profile)
@@ -116,7 +125,11 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise BenchError("need at least 4 prefill points and 3 decode points to fit")
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}")
+    layouts = parse_layouts(args.tensor_parallel_sizes, args.pipeline_parallel_sizes)
     if args.url:
+        if [lay.name for lay in layouts] != ["tp1pp1"]:
+            raise BenchError("--tensor-parallel-sizes/--pipeline-parallel-sizes: a served profile measures the "
+                             "server as it runs; profile each layout in-process, or each server with its own --url")
         return _run_served_profile(args, grid)
     # Lazy: torch and the engine load only when an in-process profile runs,
     # not for every kvferry command (~1.5 s).
@@ -126,28 +139,52 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    cpus = torch.get_num_threads()  # the budget every layout splits over its ranks
 
     longest = max(max(grid.new_tokens) + max(grid.cached_tokens), max(grid.context_lens) + args.decode_steps + 2)
-    try:
-        engine = LLMEngine.from_args(
-            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(grid.batch_sizes),
-            max_num_batched_tokens=max(2048, longest), enable_prefix_caching=True)
-    except (ValueError, OSError) as e:
-        raise BenchError(f"--model: {e}") from None
-    if longest >= engine.max_model_len:
-        raise BenchError(f"the grid needs {longest + 1} tokens of context; the model has {engine.max_model_len}")
 
-    result = run_profile(engine, grid, _show_point)
-    misses = [p for p in result["prefill"]["points"] if p["num_cached_tokens"] != p["cached"]]
-    if misses:
-        raise BenchError(f"prefix cache missed: {misses[0]['num_cached_tokens']} of {misses[0]['cached']} "
-                         "cached tokens found (is the KV cache big enough?)")
+    def make_engine(layout, threads: int):
+        if layout.ranks == 1:
+            torch.set_num_threads(threads)
+        try:
+            engine = LLMEngine.from_args(
+                model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(grid.batch_sizes),
+                max_num_batched_tokens=max(2048, longest), enable_prefix_caching=True,
+                tensor_parallel_size=layout.tensor_parallel_size,
+                pipeline_parallel_size=layout.pipeline_parallel_size,
+                cpu_threads_per_rank=threads if layout.ranks > 1 else None)
+        except OSError as e:
+            raise BenchError(f"--model: {e}") from None
+        except ValueError as e:
+            if layout.ranks == 1:  # the model itself: no layout to skip to
+                raise BenchError(f"--model: {e}") from None
+            raise
+        if longest >= engine.max_model_len:
+            engine.core.close()
+            raise BenchError(f"the grid needs {longest + 1} tokens of context; the model has "
+                             f"{engine.max_model_len}")
+        return engine
+
+    measured, skipped = run_layout_profiles(make_engine, grid, layouts, cpus, _show_point)
+    if not measured:
+        raise BenchError("no layout could run: " + "; ".join(f"{s['name']}: {s['reason']}" for s in skipped))
+    for layout in measured:
+        misses = [p for p in layout["prefill"]["points"] if p["num_cached_tokens"] != p["cached"]]
+        if misses:
+            raise BenchError(f"prefix cache missed: {misses[0]['num_cached_tokens']} of {misses[0]['cached']} "
+                             "cached tokens found (is the KV cache big enough?)")
+    result = {k: measured[0][k] for k in ("prefill", "decode", "quality")}
     model_name = Path(args.model).name if args.model else "embedded default model"
     data = {"model": model_name, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
-            "threads": torch.get_num_threads(),
-            "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
-    _save_profile(args, data, f"kvferry profile: {model_name} ({args.device}, {args.dtype})")
+            "threads": cpus, "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result,
+            "layouts": measured, "skipped_layouts": skipped}
+    title = f"kvferry profile: {model_name} ({args.device}, {args.dtype})"
+    _save_profile(args, data, title)
+    for line in layout_summary(measured, skipped) if len(layouts) > 1 else ():
+        print(line)
+    if plots := plot_layouts(measured, title, Path(args.output).with_suffix(".png")):
+        print(f"wrote each layout's plot: {', '.join(str(p) for p in plots)}")
     return 0
 
 

@@ -267,3 +267,16 @@ def step_seconds(prefill: tuple[float, ...], decode: tuple[float, ...], mixed: t
     if chunks and decode_batch:
         t += mixed[0] + mixed[1] * decode_batch + mixed[2] * sum(n for n, _ in chunks)
     return max(base + t, 1e-9)
+
+
+def layouts_of(data: dict) -> list[dict]:
+    """A profile's parallel layouts (``bench/profile_layouts.py``): its
+    ``layouts`` list, or (a profile written before layouts, or a served one)
+    its top-level fits as TP 1 PP 1."""
+    layouts = data.get("layouts")
+    if layouts:
+        return list(layouts)
+    threads = data.get("threads")
+    return [{"name": "tp1pp1", "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "ranks": 1,
+             "threads_per_rank": threads, "cpus": threads, **{k: data[k] for k in ("prefill", "decode")},
+             **({"quality": data["quality"]} if "quality" in data else {})}]

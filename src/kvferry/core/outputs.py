@@ -126,6 +126,9 @@ class StreamOrder:
     last: bool
     lease_s: float
     deadline: float
+    # The decode core's tensor-parallel ranks (KVDestination.tp_size): each
+    # rank here sends each of them the heads both hold (kvferry.disagg.heads).
+    dst_tp_size: int = 1
 
 
 @dataclass(slots=True)

@@ -20,6 +20,16 @@ its own checksum, taken as the layer is sent and verified by the decode
 core as it lands, so Done adds no hashing at the end. Jobs run in order, so
 Done follows every write.
 
+Tensor parallelism (``tp_size`` ranks, each an agent over its own pool of
+K / tp_size KV heads): every rank sends its own heads, on its own links,
+to each decode rank that holds some of them (``heads.head_slices``; rank to
+rank when both pools have the same size), straight into that rank's pool in
+shared memory, or as framed bytes to the decode core's one socket (rank 0's
+receiver, which copies each piece into its rank's pool). Only rank 0
+samples, so only rank 0 sends the Done (with the rank count); the other
+ranks' part of a transfer ends with their last layer. Only rank 0 has a
+receiver: it verifies every rank's pieces and reports what arrived.
+
 Leases: a prefill core reports ``finished_sending`` (its blocks are freed)
 on the decode core's acknowledgement, or ``lease_s`` after it first sent,
 whichever comes first; it never writes into a decode core's shared memory
@@ -39,8 +49,10 @@ import zmq
 
 from kvferry.config import KVTransferConfig
 from kvferry.core.outputs import KVOrders, StreamOrder
+from kvferry.disagg.heads import HeadSlice, head_slices
 from kvferry.disagg.transport import (
     KVReceiver, KVTransport, Received, SharedKVPool, ShmTransport, TcpTransport, hidden_state_checksum,
+    rank_pool_name,
 )
 from kvferry.messages import KVTransferDone
 
@@ -95,11 +107,16 @@ class StepTransfer:
 
 class KVTransferAgent:
     def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, pool: SharedKVPool | None,
-                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "") -> None:
+                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "", tp_rank: int = 0,
+                 tp_size: int = 1, rank_pools: list[SharedKVPool] | None = None) -> None:
         """``draft_kv_cache``: method "draft", the draft model's pool (same
         block ids, its own shapes), sent and received as layers L.. after
         the target's L; ``speculative``: this core's speculation signature,
-        sent with each Done and required of each received one."""
+        sent with each Done and required of each received one. ``tp_rank``
+        of ``tp_size``: this rank of a tensor-parallel core (rank 0 receives
+        for every rank: ``rank_pools`` holds ranks 1..N-1's pools)."""
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.rank_pools = list(rank_pools or [])
         # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         # [draft_layers, 2, num_blocks, block_size, draft_kv_heads, draft_head_dim] or None
@@ -108,9 +125,15 @@ class KVTransferAgent:
         self.speculative = speculative
         self.config = config
         self.pool = pool
-        self.receiver = KVReceiver(kv_cache, config.kv_transfer_address, draft_kv_cache=draft_kv_cache,
-                                   speculative=speculative, bind_any=config.kv_transfer_bind_any)
-        self.address = self.receiver.address
+        # Global KV heads: this rank holds [tp_rank * H, (tp_rank + 1) * H) of them.
+        self.num_kv_heads = kv_cache.shape[4] * tp_size
+        self.receiver: KVReceiver | None = None
+        self.address = ""
+        if tp_rank == 0:
+            self.receiver = KVReceiver(kv_cache, config.kv_transfer_address, draft_kv_cache=draft_kv_cache,
+                                       speculative=speculative, bind_any=config.kv_transfer_bind_any,
+                                       rank_pools=[p.tensor for p in self.rank_pools])
+            self.address = self.receiver.address
         self.shm_name = pool.name if pool is not None else ""
         self._ctx = zmq.Context.instance()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,7 +157,10 @@ class KVTransferAgent:
 
     # -- step thread --------------------------------------------------------------
     def expect(self, orders: KVOrders) -> None:
-        """Decode side: register the step's receives with the receiver."""
+        """Decode side: register the step's receives with the receiver
+        (rank 0's, which receives for every rank)."""
+        if self.receiver is None:
+            return
         for r in orders.receive:
             self.receiver.expect(r.request_id, r.transfer_id, r.block_ids, r.deadline)
 
@@ -155,7 +181,7 @@ class KVTransferAgent:
     def take(self) -> tuple[dict[str, Received], dict[str, str], dict[str, Received], list[str]]:
         """(verified receives, failed receives, the tokens that came with
         failed ones, finished sends), each once."""
-        done, failed, failed_received = self.receiver.take()
+        done, failed, failed_received = self.receiver.take() if self.receiver is not None else ({}, {}, {})
         for rid, received in [*done.items(), *failed_received.items()]:
             if received.generator_state:
                 self.generator_states[rid] = received.generator_state
@@ -167,7 +193,7 @@ class KVTransferAgent:
     def wait(self, timeout_s: float) -> None:
         """Idle step: sleep until a send completes or a receive may have
         (no spinning while only transfers are outstanding)."""
-        if self.receiver.num_pending:
+        if self.receiver is not None and self.receiver.num_pending:
             self.receiver.wait(timeout_s)
         else:
             self._event.wait(timeout_s)
@@ -179,9 +205,11 @@ class KVTransferAgent:
         self._thread.join(2)
         if self._thread.is_alive():
             logger.warning("KV sender thread did not stop within 2 s")
-        self.receiver.close()
-        if self.pool is not None:
-            self.pool.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        for pool in [self.pool, *self.rank_pools]:
+            if pool is not None:
+                pool.close()
 
     # -- sender thread ------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -216,19 +244,40 @@ class KVTransferAgent:
 
     def _link(self, order: StreamOrder) -> KVTransport:
         use_shm = self.config.kv_transport == "shm" and bool(order.shm_name) and self.kv_cache.device.type == "cpu"
-        key = (order.address, order.shm_name if use_shm else "")
+        key = (order.address, order.shm_name if use_shm else "", order.dst_tp_size)
         link = self._links.get(key)
         if link is None:
             if use_shm:
-                try:
-                    block_shape = (self.kv_cache.shape[0], 2, *self.kv_cache.shape[3:])
-                    pool = SharedKVPool.attach(order.shm_name, block_shape, self.kv_cache.dtype)
-                    link = ShmTransport(self._ctx, order.address, pool)
-                except (FileNotFoundError, OSError, ValueError):
-                    logger.warning("cannot map %s (another host?): sending over tcp", order.shm_name)
+                link = self._shm_link(order)
             link = link or TcpTransport(self._ctx, order.address)
             self._links[key] = link
         return link
+
+    def _shm_link(self, order: StreamOrder) -> ShmTransport | None:
+        """A link into the decode core's pools (one per rank), or None when
+        one cannot be mapped (another host)."""
+        n = order.dst_tp_size
+        # (layers, 2, block_size, the decode rank's KV heads, head_dim)
+        block_shape = (self.kv_cache.shape[0], 2, self.kv_cache.shape[3], self.num_kv_heads // n,
+                       self.kv_cache.shape[5])
+        pools: list[SharedKVPool] = []
+        try:
+            for rank in range(n):
+                pools.append(SharedKVPool.attach(rank_pool_name(order.shm_name, rank), block_shape,
+                                                 self.kv_cache.dtype))
+            return ShmTransport(self._ctx, order.address, pools)
+        except (FileNotFoundError, OSError, ValueError):
+            logger.warning("cannot map %s (another host?): sending over tcp", order.shm_name)
+            for pool in pools:
+                pool.close()
+            return None
+
+    def _pieces(self, order: StreamOrder) -> list[HeadSlice | None]:
+        """What this rank sends of each layer: the whole layer between two
+        one-rank pools, else its heads per decode rank that holds them."""
+        if self.tp_size == 1 and order.dst_tp_size == 1:
+            return [None]
+        return list(head_slices(self.num_kv_heads, self.tp_rank, self.tp_size, order.dst_tp_size))
 
     def _job_layer(self, order: StreamOrder, layer: int) -> None:
         stream = self._stream(order)
@@ -239,8 +288,9 @@ class KVTransferAgent:
             return
         num_target = self.kv_cache.shape[0]
         if layer < num_target:
-            stream.link.write_layer(order.transfer_id, layer, self.kv_cache[layer], order.src_block_ids,
-                                    order.dst_block_ids, order.num_final_blocks)
+            for piece in self._pieces(order):
+                stream.link.write_layer(order.transfer_id, layer, self.kv_cache[layer], order.src_block_ids,
+                                        order.dst_block_ids, order.num_final_blocks, piece)
         else:  # a draft layer: its pool is not in shared memory, so framed bytes on any link
             stream.link.write_framed(order.transfer_id, layer, self.draft_kv_cache[layer - num_target],
                                      order.src_block_ids, order.dst_block_ids, order.num_final_blocks)
@@ -250,6 +300,10 @@ class KVTransferAgent:
         stream = self._stream(order)
         if stream.error or stream.done_sent:
             return
+        if self.tp_rank > 0:  # rank 0 samples and sends the Done; this rank's part ended with its last layer
+            stream.done_sent = True
+            self._streams.pop(order.transfer_id, None)
+            return
         hidden_bytes, hidden_dtype = b"", ""
         if hidden is not None:
             h = hidden.detach().contiguous().cpu()  # [H], the model's dtype
@@ -258,7 +312,8 @@ class KVTransferAgent:
             transfer_id=order.transfer_id, num_layers=self.kv_cache.shape[0] + self.num_draft_layers,
             block_ids=order.all_dst_block_ids, output_token_ids=tokens, generator_state=generator_state,
             speculative=self.speculative, hidden_state=hidden_bytes, hidden_state_dtype=hidden_dtype,
-            hidden_state_checksum=hidden_state_checksum(hidden_bytes) if hidden_bytes else 0))
+            hidden_state_checksum=hidden_state_checksum(hidden_bytes) if hidden_bytes else 0,
+            num_ranks=self.tp_size))
         stream.done_sent = True
 
     def _job_close(self, request_id: str) -> None:

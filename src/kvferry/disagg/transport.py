@@ -60,26 +60,23 @@ per layer (6 KiB, 30-50 us each); its case is RDMA.
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import socket
 import threading
 import time
-import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
-from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 import zmq
 
 from kvferry import peer_auth
+from kvferry.disagg.blocks import (  # noqa: F401 - the pool's helpers, importable from here as before
+    _MAX_RUN_COPIES, SharedKVPool, _as_bytes, block_runs, chunk_checksum, gather_blocks, gather_heads, paired_runs,
+    pool_checksum, rank_pool_name, remove_stale_pools, write_blocks,
+)
+from kvferry.disagg.heads import HeadSlice, covers, dst_rank_of
 from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire, decode, encode
-from kvferry.model.kv_cache_dtype import index_copy_into
-from kvferry.shm_segments import unlink_dead_segments
 
 logger = logging.getLogger(__name__)
 
@@ -91,142 +88,6 @@ _HEADER_BYTES_PER_BLOCK = 9
 _HEADER_SLACK_BYTES = 4 << 20
 # What a prefill core accepts back: acknowledgements, a few hundred bytes.
 _MAX_ACK_BYTES = 1 << 20
-_SHM_DIR = Path("/dev/shm")
-_POOL_PREFIX = "kvferry-kvpool-"
-
-
-def chunk_checksum(data: torch.Tensor, num_blocks: int) -> int:
-    """xxh3-64 of the first ``num_blocks`` blocks of a gathered layer
-    ``data: [2, n, block_size, H, D]`` (contiguous): K of each block, then V
-    of each. Two hash calls over contiguous memory, on the sender while the
-    gathered bytes are still in cache."""
-    h = xxhash.xxh3_64()
-    for kv in data[:, :num_blocks]:  # [num_blocks, bs, H, D], contiguous
-        h.update(_as_bytes(kv))
-    return h.intdigest()
-
-
-def pool_checksum(pool_layer: torch.Tensor, block_ids: list[int]) -> int:
-    """``chunk_checksum`` of blocks ``block_ids`` read in place from a pool
-    layer ``[2, num_blocks, bs, H, D]``: one hash update per contiguous run
-    of blocks, with no gather copy."""
-    if pool_layer.device.type != "cpu":
-        index = torch.tensor(block_ids, dtype=torch.int64, device=pool_layer.device)
-        return chunk_checksum(pool_layer.index_select(1, index).cpu(), len(block_ids))
-    runs = block_runs(block_ids)
-    h = xxhash.xxh3_64()
-    for kv in pool_layer.view(torch.uint8).numpy():  # [num_blocks, bs, H, D * elem], bytes
-        for _, first, count in runs:
-            h.update(kv[first : first + count])
-    return h.intdigest()
-
-
-def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive ids: ``(position in block_ids, first id,
-    count)``; a run of blocks is one contiguous range of a pool layer."""
-    return [(pos, block_ids[pos], count) for pos, count in _run_bounds(np.asarray(block_ids, dtype=np.int64))]
-
-
-def paired_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs where both ``src_ids`` and ``dst_ids`` are consecutive:
-    ``(first src id, first dst id, count)``, each one contiguous copy."""
-    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
-    return [(src_ids[pos], dst_ids[pos], count) for pos, count in _run_bounds(src, dst)]
-
-
-def _run_bounds(*ids: np.ndarray) -> list[tuple[int, int]]:
-    """(start, length) of the maximal stretches where every array steps by
-    one (vectorized: called per layer, so a Python loop over blocks would
-    cost a third of a shared-memory transfer)."""
-    n = len(ids[0])
-    if n == 0:
-        return []
-    step = np.ones(n - 1, dtype=bool)
-    for a in ids:
-        step &= np.diff(a) == 1
-    starts = [0, *(np.flatnonzero(~step) + 1).tolist()]
-    return [(start, end - start) for start, end in zip(starts, [*starts[1:], n])]
-
-
-def gather_blocks(pool_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """[2, n, bs, H, D], contiguous, from a pool layer [2, num_blocks, bs, H, D]."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=pool_layer.device)
-    return pool_layer.index_select(1, index)
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-# Per-run copies (and per-run hash updates) beat a gather-scatter kernel
-# while the blocks form a few contiguous ranges, the usual case in a pool
-# that is not fragmented; past this many runs, gather once.
-_MAX_RUN_COPIES = 8
-
-
-# -- the decode core's pool in shared memory -------------------------------------------
-class SharedKVPool:
-    """A KV pool tensor over a named shared-memory segment.
-
-    The decode core creates it (and unlinks it on ``close``); a prefill core
-    on the same host attaches by name and writes into it. A pool made with
-    ``create`` is zero-filled (fresh shared memory is)."""
-
-    def __init__(self, tensor: torch.Tensor, name: str, shm: shared_memory.SharedMemory | None = None,
-                 mapping: mmap.mmap | None = None) -> None:
-        self.tensor = tensor  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.name = name
-        self._shm = shm  # set on the creating side, which unlinks it
-        self._mapping = mapping  # set on an attaching side
-
-    @classmethod
-    def create(cls, shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKVPool":
-        """A new segment named after this process (``kvferry-kvpool-<pid>-<random>``),
-        after unlinking the segments of pools whose creator is gone."""
-        remove_stale_pools()
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        name = f"{_POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        return cls(torch.frombuffer(shm.buf, dtype=dtype).view(shape), shm.name, shm=shm)
-
-    @classmethod
-    def attach(cls, name: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKVPool":
-        """Map another core's pool; ``block_shape`` is
-        ``(num_layers, 2, block_size, kv_heads, head_dim)`` (both cores serve
-        one model, so only the block count differs). Mapped from /dev/shm
-        directly: ``SharedMemory(name)`` would also register the segment with
-        Python's resource tracker (< 3.13), which unlinks it when this
-        process exits, though it is the decode core's."""
-        with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
-            mapping = mmap.mmap(f.fileno(), 0)
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_block = int(np.prod(block_shape)) * elem
-        num_blocks = len(mapping) // per_block
-        layers, two, *rest = block_shape
-        flat = torch.frombuffer(mapping, dtype=dtype, count=num_blocks * per_block // elem)
-        return cls(flat.view(layers, two, num_blocks, *rest), name, mapping=mapping)
-
-    def close(self) -> None:
-        self.tensor = None  # drop the view before the buffer goes
-        try:
-            if self._shm is not None:
-                self._shm.unlink()  # first: close() refuses while a view is alive
-                self._shm.close()
-            elif self._mapping is not None:
-                self._mapping.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the OS unmaps at exit
-        except FileNotFoundError:
-            pass
-
-
-def remove_stale_pools(directory: Path = _SHM_DIR) -> list[str]:
-    """Unlink the pool segments of decode cores that are gone without
-    cleaning up (SIGKILL, OOM: a ``close`` that never ran)."""
-    removed = unlink_dead_segments(directory, _POOL_PREFIX)
-    if removed:
-        logger.warning("removed %d KV pool segment(s) left by dead processes: %s", len(removed), removed)
-    return removed
 
 
 # -- sending half ------------------------------------------------------------------------
@@ -255,21 +116,28 @@ class KVTransport(ABC):
 
     @abstractmethod
     def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
-                    dst_block_ids: list[int], num_final_blocks: int) -> None:
+                    dst_block_ids: list[int], num_final_blocks: int, piece: HeadSlice | None = None) -> None:
         """Send blocks ``src_block_ids`` of ``src_layer: [2, num_blocks,
         block_size, kv_heads, head_dim]`` (this core's pool) into the decode
         core's ``dst_block_ids`` of layer ``layer``. The first
         ``num_final_blocks`` are final: checksummed here (while the bytes are
-        in cache) and verified by the decode core as they land."""
+        in cache) and verified by the decode core as they land. ``piece``:
+        only those KV heads, into the decode rank that holds them (pools of
+        different tensor-parallel sizes, kvferry.disagg.heads); None: the
+        whole layer into a one-rank pool."""
 
     def write_framed(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
-                     dst_block_ids: list[int], num_final_blocks: int) -> None:
+                     dst_block_ids: list[int], num_final_blocks: int, piece: HeadSlice | None = None) -> None:
         """``write_layer`` with the bytes as a second frame after the chunk
         header (zero-copy), whatever the link: the TCP transport, and a
         draft model's layers, whose pool is not in shared memory."""
-        payload = gather_blocks(src_layer, src_block_ids).cpu()  # [2, n, bs, H, D]
+        if piece is None:
+            payload = gather_blocks(src_layer, src_block_ids).cpu()  # [2, n, bs, H, D]
+        else:
+            payload = gather_heads(src_layer, src_block_ids, piece.src_lo, piece.src_hi).cpu()  # [2, n, bs, h, D]
         header = KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids, has_payload=True,
-                              num_final_blocks=num_final_blocks, checksum=chunk_checksum(payload, num_final_blocks))
+                              num_final_blocks=num_final_blocks, checksum=chunk_checksum(payload, num_final_blocks),
+                              **_heads(piece))
         # Zero-copy: the frame keeps ``payload`` alive until ZeroMQ sent it
         # (the numpy view holds the tensor).
         self.sock.send_multipart([self.token, encode(header), _as_bytes(payload)], copy=False)
@@ -293,54 +161,57 @@ class KVTransport(ABC):
         self.sock.close(linger=0)
 
 
+def _heads(piece: HeadSlice | None) -> dict[str, int]:
+    """A chunk header's head range: the piece's global heads, or 0, 0 (all)."""
+    return {} if piece is None else {"head_start": piece.start, "head_stop": piece.stop}
+
+
 class TcpTransport(KVTransport):
     """Layer bytes as a second frame after the chunk header (zero-copy)."""
 
     def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
-                    dst_block_ids: list[int], num_final_blocks: int) -> None:
-        self.write_framed(transfer_id, layer, src_layer, src_block_ids, dst_block_ids, num_final_blocks)
+                    dst_block_ids: list[int], num_final_blocks: int, piece: HeadSlice | None = None) -> None:
+        self.write_framed(transfer_id, layer, src_layer, src_block_ids, dst_block_ids, num_final_blocks, piece)
 
 
 class ShmTransport(KVTransport):
     """Copies each layer straight into the decode core's pool (same host):
     one ``copy_`` per run of blocks consecutive on both sides, or, for a
-    fragmented request, one gather here and one scatter there."""
+    fragmented request, one gather here and one scatter there. A decode
+    core of N tensor-parallel ranks has N pools (``pools[d]``: rank d's); a
+    piece of heads is gathered here and scattered into its rank's pool."""
 
-    def __init__(self, ctx: zmq.Context, address: str, pool: SharedKVPool, token: bytes | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, pool: SharedKVPool | list[SharedKVPool],
+                 token: bytes | None = None) -> None:
         super().__init__(ctx, address, token)
-        self.pool = pool
+        self.pools = pool if isinstance(pool, list) else [pool]
+        self.pool = self.pools[0]
 
     def write_layer(self, transfer_id: str, layer: int, src_layer: torch.Tensor, src_block_ids: list[int],
-                    dst_block_ids: list[int], num_final_blocks: int) -> None:
-        dst_layer = self.pool.tensor[layer]  # [2, num_blocks, bs, H, D], the decode core's
+                    dst_block_ids: list[int], num_final_blocks: int, piece: HeadSlice | None = None) -> None:
+        pool = self.pools[piece.dst_rank if piece is not None else 0]
+        dst_layer = pool.tensor[layer]  # [2, num_blocks, bs, H_d, D], the decode rank's
         runs = paired_runs(src_block_ids, dst_block_ids)
-        if len(runs) <= _MAX_RUN_COPIES:
+        whole = piece is None or (piece.num_heads == src_layer.shape[3] == dst_layer.shape[3])
+        if whole and len(runs) <= _MAX_RUN_COPIES:  # rank to rank: every head on both sides
             checksum = pool_checksum(src_layer, src_block_ids[:num_final_blocks])
             for s, d, n in runs:
                 dst_layer[:, d : d + n].copy_(src_layer[:, s : s + n])
-        else:
+        elif whole:
             data = gather_blocks(src_layer, src_block_ids)  # [2, n, bs, H, D]
             checksum = chunk_checksum(data, num_final_blocks)  # before the scatter: the bytes are hot
             write_blocks(dst_layer, dst_block_ids, data)
+        else:  # a range of heads: contiguous on neither side
+            data = gather_heads(src_layer, src_block_ids, piece.src_lo, piece.src_hi)  # [2, n, bs, h, D]
+            checksum = chunk_checksum(data, num_final_blocks)
+            write_blocks(dst_layer[:, :, :, piece.dst_lo : piece.dst_hi], dst_block_ids, data)
         self.send_message(KVLayerChunk(transfer_id=transfer_id, layer=layer, block_ids=dst_block_ids,
-                                       num_final_blocks=num_final_blocks, checksum=checksum))
+                                       num_final_blocks=num_final_blocks, checksum=checksum, **_heads(piece)))
 
     def close(self) -> None:
         super().close()
-        self.pool.close()
-
-
-def write_blocks(pool_layer: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
-    """pool_layer: [2, num_blocks, bs, H, D]; data: [2, n, bs, H, D] into
-    blocks ``block_ids``: one copy per contiguous run of destination blocks
-    while there are few runs, else one scatter."""
-    runs = block_runs(block_ids)
-    if len(runs) <= _MAX_RUN_COPIES:
-        for pos, first, count in runs:
-            pool_layer[:, first : first + count].copy_(data[:, pos : pos + count])
-        return
-    index = torch.tensor(block_ids, dtype=torch.int64, device=pool_layer.device)
-    index_copy_into(pool_layer, 1, index, data.to(pool_layer.device))
+        for pool in self.pools:
+            pool.close()
 
 
 # -- receiving half ----------------------------------------------------------------------
@@ -359,9 +230,14 @@ class _Expected:
     request_id: str
     block_ids: list[int]
     deadline: float
-    # layer -> decode-core block ids whose final bytes landed and checked out
-    verified: dict[int, set[int]] = field(default_factory=dict)
+    # (layer, first head, end head) -> decode-core block ids whose final
+    # bytes of those global KV heads landed and checked out
+    verified: dict[tuple[int, int, int], set[int]] = field(default_factory=dict)
     error: str = ""  # the first chunk that failed its checksum
+    # A Done that came before some ranks' chunks (a prefill core of several
+    # ranks): kept, with its sender's identity, until the last chunk lands.
+    done: KVTransferDone | None = None
+    identity: bytes = b""
 
 
 @dataclass(slots=True)
@@ -402,6 +278,15 @@ def bind_address(address: str, bind_any: bool) -> tuple[str, str]:
     return f"tcp://*:{port}", f"tcp://{socket.gethostname() if wildcard else host}:{port}"
 
 
+_INCOMPLETE = "incomplete: a layer is missing blocks"
+
+
+def _gather_view(heads: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """[2, n, bs, h, D], contiguous: blocks ``block_ids`` of a head range of a pool layer."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=heads.device)
+    return heads.index_select(1, index).contiguous()
+
+
 def _is_ipv6(address: str) -> bool:
     """tcp://[v6 address]:port or tcp://:::port: the socket needs ZMQ_IPV6."""
     return address.startswith(("tcp://[", "tcp://::"))
@@ -416,8 +301,15 @@ class KVReceiver:
     (its final blocks' xxh3-64 equals the sender's: over the frame's bytes
     before they are copied in, for TCP; read back from the pool, for shared
     memory), on this thread while the sender writes the next layer, so a
-    ``KVTransferDone`` only checks that every layer verified every block.
-    ``take`` hands out verified and failed
+    ``KVTransferDone`` only checks that every layer verified every block
+    (every head of it). A decode core of N tensor-parallel ranks has N pools
+    (``rank_pools``: ranks 1..N-1, in shared memory); each chunk names its
+    global KV heads and lands in the rank that holds them. Over shared memory
+    the prefill ranks wrote each rank's pool directly; over TCP this thread
+    copies the payload into it (one socket per core: the ranks' control path
+    is rank 0's). A prefill core of several ranks sends from each rank, so
+    its Done may overtake another rank's chunks: the transfer then completes
+    (and is acknowledged) with the last chunk. ``take`` hands out verified and failed
     transfers once each; a transfer past its deadline (plus ``grace_s``, for
     a shared-memory write that began just before it) fails as "timeout".
 
@@ -427,8 +319,10 @@ class KVReceiver:
 
     def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5,
                  draft_kv_cache: torch.Tensor | None = None, speculative: str = "",
-                 token: bytes | None = None, bind_any: bool = False) -> None:
-        """``address``: tcp://HOST:PORT (port 0 or *: a free one) or
+                 token: bytes | None = None, bind_any: bool = False,
+                 rank_pools: list[torch.Tensor] | None = None) -> None:
+        """``rank_pools``: the pools of this core's tensor-parallel ranks
+        1..N-1 (``kv_cache`` is rank 0's), each as ``kv_cache``. ``address``: tcp://HOST:PORT (port 0 or *: a free one) or
         ipc://PATH. The socket binds to HOST's interface only; a wildcard
         HOST (0.0.0.0, ::, *) is refused unless ``bind_any``, which binds
         every interface and advertises HOST (this host's name for a
@@ -438,6 +332,13 @@ class KVReceiver:
         # target's, then the draft model's (its own head count and size,
         # indexed by the same block ids).
         self.layers: list[torch.Tensor] = [*kv_cache, *(draft_kv_cache if draft_kv_cache is not None else [])]
+        # Per tensor-parallel rank, its target layers (rank 0's first).
+        self.rank_layers: list[list[torch.Tensor]] = [list(kv_cache), *(list(p) for p in rank_pools or [])]
+        self.tp_size = len(self.rank_layers)
+        self.num_target_layers = kv_cache.shape[0]
+        # Heads a layer holds over every rank (a draft layer: its own pool's).
+        self.layer_heads = [t.shape[3] * (self.tp_size if i < self.num_target_layers else 1)
+                            for i, t in enumerate(self.layers)]
         self.speculative = speculative  # this core's speculation signature
         self.grace_s = grace_s
         # What every sender must present (None: this process tree's).
@@ -520,8 +421,9 @@ class KVReceiver:
                 if isinstance(message, KVLayerChunk):
                     self._on_chunk(message, frames[3].buffer if message.has_payload else None)
                 elif isinstance(message, KVTransferDone):
-                    ack = self._on_done(message)
-                    self._sock.send_multipart([identity, encode(ack)])
+                    ack = self._on_done(message, identity)
+                    if ack is not None:  # None: it completes with a later chunk
+                        self._sock.send_multipart([identity, encode(ack)])
             except Exception:  # a bad peer must not take the decode core down
                 logger.exception("dropped a malformed KV transfer message")
 
@@ -532,38 +434,77 @@ class KVReceiver:
         logger.log(level, "dropped a KV transfer message without a valid token (peer %s; %d so far)",
                    identity.hex(), self.num_refused)
 
+    def _target(self, chunk: KVLayerChunk) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]] | None:
+        """(the rank's pool layer, the chunk's heads of it, the verified key)
+        of a chunk, or None when its layer or heads are not this pool's."""
+        layer, start, stop = chunk.layer, chunk.head_start, chunk.head_stop
+        if not 0 <= layer < len(self.layers):
+            return None
+        if (start, stop) == (0, 0):  # every head: a one-rank pool (or a draft layer)
+            if self.tp_size > 1 and layer < self.num_target_layers:
+                return None
+            pool_layer = self.layers[layer]
+            return pool_layer, pool_layer, (layer, 0, self.layer_heads[layer])
+        if layer >= self.num_target_layers:
+            return None
+        rank = dst_rank_of(self.layer_heads[layer], self.tp_size, start, stop)
+        if rank is None:
+            return None
+        pool_layer = self.rank_layers[rank][layer]  # [2, num_blocks, bs, H / N, D]
+        lo = start - rank * pool_layer.shape[3]
+        return pool_layer, pool_layer[:, :, :, lo : lo + stop - start], (layer, start, stop)
+
     def _on_chunk(self, chunk: KVLayerChunk, payload: memoryview | None) -> None:
+        target = self._target(chunk)
         with self._lock:
             exp = self._expected.get(chunk.transfer_id)
-            if (exp is None or exp.error or not 0 <= chunk.layer < len(self.layers)
-                    or not set(chunk.block_ids) <= set(exp.block_ids)):
-                return  # unknown, expired, failed, or not this transfer's layers and blocks
+            if exp is None or exp.error or target is None or not set(chunk.block_ids) <= set(exp.block_ids):
+                return  # unknown, expired, failed, or not this transfer's layers, heads and blocks
         # Outside the lock: the copy and the hash must not stall ``take``.
-        pool_layer = self.layers[chunk.layer]  # [2, num_blocks, bs, H, D]
+        pool_layer, heads, key = target  # heads: [2, num_blocks, bs, h, D], a view of the rank's layer
         final = chunk.block_ids[:chunk.num_final_blocks]
         if payload is not None:
-            shape = (2, len(chunk.block_ids), *pool_layer.shape[2:])
-            data = torch.frombuffer(payload, dtype=pool_layer.dtype).view(shape)  # [2, n, bs, H, D]
+            shape = (2, len(chunk.block_ids), *heads.shape[2:])
+            data = torch.frombuffer(payload, dtype=pool_layer.dtype).view(shape)  # [2, n, bs, h, D]
             # The bytes as they came off the wire, hashed contiguously before
             # the copy into the pool reads them (still in cache).
             ok = chunk_checksum(data, len(final)) == chunk.checksum
             if ok:
-                write_blocks(pool_layer, chunk.block_ids, data)
-        else:  # written in place by the sender: read back what landed
+                write_blocks(heads, chunk.block_ids, data)
+        elif heads.shape[3] == pool_layer.shape[3]:  # written in place, every head: read back what landed
             ok = not final or pool_checksum(pool_layer, final) == chunk.checksum
+        else:  # a range of heads written in place: gathered to hash as the sender did
+            ok = not final or chunk_checksum(_gather_view(heads, final), len(final)) == chunk.checksum
         with self._lock:
             if not ok:
                 exp.error = exp.error or f"checksum mismatch in layer {chunk.layer}"
-            exp.verified.setdefault(chunk.layer, set()).update(final)
+            exp.verified.setdefault(key, set()).update(final)
             self.num_blocks_written += len(chunk.block_ids)
+            pending = exp.done
+        if pending is not None:  # the Done came first: this chunk may complete the transfer
+            reason = self._verify(exp, pending)
+            if reason != _INCOMPLETE:
+                ack = self._complete(exp, pending, reason)
+                self._sock.send_multipart([exp.identity, encode(ack)])
 
-    def _on_done(self, done: KVTransferDone) -> KVTransferAck:
+    def _on_done(self, done: KVTransferDone, identity: bytes = b"") -> KVTransferAck | None:
         with self._lock:
-            exp = self._expected.pop(done.transfer_id, None)
+            exp = self._expected.get(done.transfer_id)
         if exp is None:
             return KVTransferAck(transfer_id=done.transfer_id, ok=False, reason="unknown or expired transfer")
         reason = self._verify(exp, done)
+        if reason == _INCOMPLETE and done.num_ranks > 1 and not done.error:
+            with self._lock:  # other ranks' chunks are still on their way: the last one completes it
+                exp.done, exp.identity = done, identity
+            return None
+        return self._complete(exp, done, reason)
+
+    def _complete(self, exp: _Expected, done: KVTransferDone, reason: str) -> KVTransferAck:
+        """Hand the transfer to ``take`` (verified, or failed with ``reason``)."""
         with self._lock:
+            if self._expected.get(done.transfer_id) is not exp:  # expired meanwhile (``take``)
+                return KVTransferAck(transfer_id=done.transfer_id, ok=False, reason="unknown or expired transfer")
+            del self._expected[done.transfer_id]
             if reason:
                 self._failed[exp.request_id] = reason
                 if not done.error and done.output_token_ids:
@@ -577,7 +518,8 @@ class KVReceiver:
 
     def _verify(self, exp: _Expected, done: KVTransferDone) -> str:
         """'' when the pool holds exactly what the sender computed (each
-        chunk was checked as it landed)."""
+        chunk was checked as it landed); ``_INCOMPLETE`` while a head of a
+        block of a layer has not landed."""
         if done.error:
             return f"the prefill core gave up: {done.error}"
         if done.speculative != self.speculative:
@@ -591,8 +533,13 @@ class KVReceiver:
         if done.num_layers != num_layers or done.block_ids != exp.block_ids:
             return "the transfer does not match its destination"
         want = set(exp.block_ids)
-        if any(exp.verified.get(layer) != want for layer in range(num_layers)):
-            return "incomplete: a layer is missing blocks"
+        whole: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+        with self._lock:
+            for (layer, start, stop), blocks in exp.verified.items():
+                if blocks == want:
+                    whole[layer].append((start, stop))
+        if not all(covers(whole[layer], self.layer_heads[layer]) for layer in range(num_layers)):
+            return _INCOMPLETE
         if not done.output_token_ids:
             return "incomplete: no first token"
         return ""

@@ -19,6 +19,8 @@ from kvferry.core.scheduler import Scheduler, SchedulerStats
 from kvferry.engine import kv_memory
 from kvferry.engine.kv_connector import SchedulerContext, for_engine
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
+from kvferry.engine.pp_runner import StageRunner
+from kvferry.engine.pp_stages import PPLeader
 from kvferry.engine.tp_ranks import RunnerShape, TPLeader
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams, TPRank
 from kvferry.model import layer_op, small_gemm
@@ -50,11 +52,18 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size
         if tp > 1 and loaded is not None:
             raise ValueError("tensor_parallel_size > 1: the engine core loads each rank's shard itself")
-        if tp > 1:  # a model that does not split fails here, before any rank starts
-            TPShard(0, tp).check(read_config(resolve_model_folder(config.model.model)))
+        shard = TPShard(0, tp, config.parallel.enable_expert_parallel) if tp > 1 else None
+        if shard is not None:  # a model that does not split fails here, before any rank starts
+            shard.check(read_config(resolve_model_folder(config.model.model)))
         self.tp = TPLeader(config) if tp > 1 else None
+        pp, self.stage = config.parallel.pipeline_parallel_size, None
+        if pp > 1:  # -pp N: this process is stage 0, the leader of stages 1..N-1 (pp_stages.py)
+            if loaded is not None:
+                raise ValueError("pipeline_parallel_size > 1: the engine core loads each stage's layers itself")
+            self.tp = PPLeader(config, read_config(resolve_model_folder(config.model.model)).num_hidden_layers)
+            self.stage = self.tp.stage
         try:
-            self._init(config, loaded, TPShard(0, tp) if tp > 1 else None)
+            self._init(config, loaded, shard)
         except BaseException:
             self.close()
             raise
@@ -64,7 +73,7 @@ class EngineCore:
         m = config.model
         self.runner = None
         self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization,
-                                           shard=shard, deterministic=m.deterministic)
+                                           shard=shard, stage=self.stage, deterministic=m.deterministic)
         if self.tp is not None:
             self.tp.connect(self.loaded.model.shard)
         self.block_size = config.cache.block_size
@@ -72,23 +81,28 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.dtype, device,
                                                      attention_backend(m.attention_backend, device) == "triton")
         self.max_model_len = self._resolve_max_model_len()
-        self.num_kv_blocks = self._resolve_num_blocks()
+        # Before the pool is sized: the draft's weights take memory too, and
+        # its KV (as many blocks, its own layers and heads) shares the pool's budget.
+        draft = self._load_draft()
+        self.num_kv_blocks = self._resolve_num_blocks(draft)
         # A sequence can never outgrow the pool.
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                             self.loaded.fingerprint, kv_dtype=dtype_name(self.kv_cache_dtype))
-        draft = self._load_draft()
         self.speculative = speculation_signature(config.speculative, draft.fingerprint if draft else "")
         # The KV connector: its worker half is made by the runner over the
         # pool, its scheduler half below. Whatever it links to (the node's
         # KV store, a peer) is its own: the core only calls its hooks.
         connector = for_engine(config, kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype))
-        self.runner = ModelRunner(self.loaded, config, self.num_kv_blocks, self.max_model_len,
-                                  kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
-                                  head=self._load_head(), speculative=self.speculative)
+        runner = ModelRunner if self.stage is None else StageRunner  # a pipeline stage: its layers' part
+        self.runner = runner(self.loaded, config, self.num_kv_blocks, self.max_model_len,
+                             kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
+                             head=self._load_head(), speculative=self.speculative)
         if self.tp is not None:  # every rank's pool: the same blocks, its own KV heads
             self.tp.start_runners(RunnerShape(self.num_kv_blocks, self.max_model_len, self.kv_cache_dtype))
             self.runner.tp_leader = self.tp
+            if self.stage is not None:
+                self.runner.link = self.tp.link
         if m.device == "cpu":
             # Build (or load) the C++ attention kernel now, before the ready
             # message: otherwise the first requests' TTFT pays for it (a
@@ -135,16 +149,20 @@ class EngineCore:
             raise ValueError(f"max_model_len {asked} exceeds the model's context length {limit}")
         return asked or limit
 
-    def _resolve_num_blocks(self) -> int:
+    def _resolve_num_blocks(self, draft: LoadedModel | None) -> int:
         """--num-kv-blocks, else --kv-cache-memory-gb, else a share of the
-        memory free now that the weights are in (engine/kv_memory.py)."""
+        memory free now that the weights are in (engine/kv_memory.py). A
+        block's bytes are the target's KV plus, with a draft model, the
+        draft's (it keeps as many blocks, in its own dtype)."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             logger.info("KV cache: --num-kv-blocks %d of %d tokens", cache.num_kv_blocks, self.block_size)
             return cache.num_kv_blocks
+        block_bytes = kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype)
+        if draft is not None:
+            block_bytes += kv_block_bytes(draft, self.block_size)
         shape = dict(max_num_seqs=self.config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                     block_size=self.block_size,
-                     block_bytes=kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype))
+                     block_size=self.block_size, block_bytes=block_bytes)
         if cache.kv_cache_memory_gb is not None:
             size = kv_memory.size_explicit(cache.kv_cache_memory_gb, **shape)
         else:
@@ -171,6 +189,7 @@ class EngineCore:
             kv_dtype=self.scheduler.kv.kv_dtype,
             speculative=self.speculative,
             ranks=self.ranks(),
+            pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
         )
 
     def ranks(self) -> list[TPRank]:

@@ -1,7 +1,7 @@
 """The front end's side of an engine core: start it, connect, handshake.
 
     proc = CoreProcess.start(config)                  # spawn "kvferry: engine-0"
-    conn = CoreConnection(proc.addresses)             # PUSH inputs, PULL outputs
+    conn = CoreConnection(proc.addresses)             # PUSH inputs, DEALER outputs
     ready = conn.wait_ready(timeout_s=600, process=proc)
 
 ``CoreConnection`` works the same for a core this process did not start
@@ -157,7 +157,10 @@ class CoreProcess:
 
 class CoreConnection:
     """Two sockets to one core. Sends happen on one thread (the caller's);
-    ``output`` may be shadowed by an asyncio socket for receiving."""
+    ``output`` may be shadowed by an asyncio socket for receiving. The
+    output socket only receives: the core routes its outputs to it by its
+    routing id, which only an authenticated hello tells the core (a process
+    that merely connects to the core's output port receives nothing)."""
 
     def __init__(self, addresses: CoreAddresses) -> None:
         self.addresses = addresses
@@ -165,7 +168,10 @@ class CoreConnection:
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)  # an add or abort is never dropped, sending never blocks
         self.input.connect(addresses.input)
-        self.output = self.ctx.socket(zmq.PULL)
+        # Random, so that nobody can claim it: the core sends to this id only.
+        self.routing_id = os.urandom(16)
+        self.output = self.ctx.socket(zmq.DEALER)
+        self.output.setsockopt(zmq.ROUTING_ID, self.routing_id)
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.connect(addresses.output)
         self._token = core_token()  # the core acts only on messages that carry it (core_auth.py)
@@ -173,14 +179,23 @@ class CoreConnection:
     def send(self, message: CoreInput) -> None:
         self.input.send_multipart([self._token, encode(message)], copy=False)
 
+    def hello(self) -> None:
+        """Ask for EngineCoreReady, and tell the core where outputs go."""
+        self.send(EngineCoreHello(reply_to=self.routing_id))
+
     def wait_ready(self, timeout_s: float, process: CoreProcess | None = None) -> EngineCoreReady:
         """The core's handshake. Raises EngineCoreStartError with the core's
         own reason when it reported one, else its exit code or the timeout."""
         deadline = time.monotonic() + timeout_s
-        # A core that is up already sent its first ready message to whoever
-        # connected first; ask again (a loading core answers when loaded).
-        self.send(EngineCoreHello())
+        # Asked again every second: the core answers a refused hello only if
+        # this output socket is connected by then (it never waits on a
+        # stranger), and the first hello may arrive first. A loading core
+        # answers once loaded.
+        next_hello = 0.0
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_hello:
+                self.hello()
+                next_hello = time.monotonic() + 1.0
             if self.output.poll(100):
                 message = decode(self.output.recv(), CoreOutput)
                 if isinstance(message, EngineCoreReady):

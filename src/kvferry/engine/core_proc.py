@@ -2,9 +2,9 @@
 
     front end                     core process
     ---------                     ------------
-    PUSH --CoreInput-->  PULL  input thread: recv + decode -> inputs queue
-                                 step loop:   drain inputs, apply, step    (no I/O, no serialization)
-    PULL <-CoreOutput--  PUSH  output thread: outputs queue -> encode + send
+    PUSH   --CoreInput-->  PULL    input thread: recv + decode -> inputs queue
+                                     step loop:   drain inputs, apply, step    (no I/O, no serialization)
+    DEALER <-CoreOutput--  ROUTER  output thread: outputs queue -> encode + send to the greeted peer
 
 The core binds both sockets (ipc:// or tcp://), so the same process can
 later serve a front end or router on another node. The step loop only
@@ -17,14 +17,20 @@ if loading failed, EngineCoreOutputs with ``engine_error``; a failing loop
 also sends ``engine_error`` before it exits, so the front end can tell its
 clients why.
 
+Outputs go to one peer only: the output socket whose routing id the last
+authenticated hello named (``EngineCoreHello.reply_to``). A process that
+connects to the output port without the token receives nothing, and a
+refusal goes only to the stranger that asked, so it cannot end the
+serving front end's session either.
+
 Each socket has one owner thread, which alone calls it, closes it included:
 a ZeroMQ socket closed while another thread is inside a call on it aborts
 the process (libzmq: ``Assertion failed: pfd.revents & POLLIN
 (signaler.cpp)``, the mailbox fd closed under that thread's poll). So no
-thread waits inside a socket call without looking up: a PUSH with no front
-end connected (it left, or a router refused this core at join) blocks every
-send, so the output thread sends with a timeout and, once ``close`` began,
-gives up at a flush deadline.
+thread waits inside a socket call without looking up: with no front end
+connected (it left, or a router refused this core at join) an output waits,
+so the output thread retries every few milliseconds and, once ``close``
+began, gives up at a flush deadline.
 """
 from __future__ import annotations
 
@@ -63,6 +69,15 @@ _IDLE_WAIT_S = 1.0
 _POLL_MS = 200
 # How long ``close`` lets queued outputs (a final error) wait for a front end.
 _FLUSH_S = 1.0
+# How often an output with no connected front end is tried again.
+_RETRY_S = 0.005
+
+
+class _Addressed(msgspec.Struct):
+    """An output for one peer that is not the greeted front end (a refusal)."""
+
+    routing_id: bytes
+    message: EngineCoreOutputs
 
 
 class EngineCoreProc:
@@ -74,7 +89,7 @@ class EngineCoreProc:
         self.core = core
         self.check_integrity_when_idle = check_integrity_when_idle
         self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
-        self.outputs: queue.SimpleQueue[EngineCoreReady | EngineCoreOutputs | None] = queue.SimpleQueue()
+        self.outputs: queue.SimpleQueue[EngineCoreReady | EngineCoreOutputs | _Addressed | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         # Set once the model is loaded; the input thread answers hellos with it.
         self._ready: EngineCoreReady | None = None
@@ -83,6 +98,7 @@ class EngineCoreProc:
         # so that one without it never takes the handshake for a join.
         self._gate = InputGate()
         self._greeted = False
+        self._peer: bytes | None = None  # the greeted front end's output routing id (under _ready_lock)
         self._ready_lock = threading.Lock()
         self._refusals = 0
         self._flush_deadline = float("inf")  # set by close(): when the output thread stops waiting
@@ -91,9 +107,10 @@ class EngineCoreProc:
         # then on each is used, and closed, by its one I/O thread only.
         self._in_sock = self._ctx.socket(zmq.PULL)
         self._in_sock.bind(addresses.input)
-        self._out_sock = self._ctx.socket(zmq.PUSH)
+        self._out_sock = self._ctx.socket(zmq.ROUTER)
         self._out_sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow reader
-        # ...but a PUSH with no reader at all blocks: look up every _POLL_MS.
+        # An unroutable id raises (EHOSTUNREACH) rather than dropping silently.
+        self._out_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._out_sock.setsockopt(zmq.SNDTIMEO, _POLL_MS)
         self._out_sock.bind(addresses.output)
         # The addresses really bound (a tcp:// port "*" resolved): what a
@@ -139,6 +156,8 @@ class EngineCoreProc:
                 # sends the ready message once loaded.
                 with self._ready_lock:
                     self._greeted = True
+                    if message.reply_to:
+                        self._peer = message.reply_to
                     ready = self._ready
                 if ready is not None:
                     if ready.ranks:  # each rank's liveness as of this beat
@@ -152,12 +171,14 @@ class EngineCoreProc:
         reason as an engine error, in one line on both sides; anything else
         is dropped (logged for the first and every 1000th)."""
         try:
-            hello = isinstance(decode(data, CoreInput), EngineCoreHello)
+            message = decode(data, CoreInput)
         except Exception:
-            hello = False
-        if hello:
+            message = None
+        if isinstance(message, EngineCoreHello):
             logger.warning("refused a join: %s", REFUSED.removeprefix("the engine core refused the join: "))
-            self.outputs.put(EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), engine_error=REFUSED))
+            if message.reply_to:  # to the asker only: never to the greeted front end
+                refusal = EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), engine_error=REFUSED)
+                self.outputs.put(_Addressed(message.reply_to, refusal))
         else:
             self._refusals += 1
             if self._refusals % 1000 == 1:
@@ -168,10 +189,12 @@ class EngineCoreProc:
         dropped = 0
         try:
             while True:
-                message = self.outputs.get()
-                if message is None:
+                item = self.outputs.get()
+                if item is None:
                     break
-                if dropped or not self._send(encode(message)):
+                if isinstance(item, _Addressed):
+                    self._send_to_stranger(item.routing_id, encode(item.message))
+                elif dropped or not self._send(encode(item)):
                     dropped += 1  # past the flush deadline with no front end: drop the rest
         finally:
             if dropped:
@@ -181,16 +204,33 @@ class EngineCoreProc:
             self._out_sock.close(linger=int(_FLUSH_S * 1000))
 
     def _send(self, data: bytes) -> bool:
-        """Send one message; False if no front end took it by the flush
-        deadline. While the core runs, waits for a front end to connect
-        (a standalone core's ready message waits for its router)."""
+        """Send one message to the greeted front end; False if none took it
+        by the flush deadline. While the core runs, waits for a front end to
+        greet and connect (a standalone core's ready message waits for its
+        router); a later authenticated hello with another id takes over."""
         while True:
-            try:
-                self._out_sock.send(data, copy=False)  # raises Again after SNDTIMEO without a reader
-                return True
-            except zmq.Again:
-                if self._stop.is_set() and time.monotonic() >= self._flush_deadline:
-                    return False
+            with self._ready_lock:
+                peer = self._peer
+            if peer is not None:
+                try:
+                    self._out_sock.send_multipart([peer, data], copy=False)
+                    return True
+                except zmq.ZMQError as exc:  # not connected (yet, or any more)
+                    if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                        raise
+            if self._stop.is_set() and time.monotonic() >= self._flush_deadline:
+                return False
+            time.sleep(_RETRY_S)
+
+    def _send_to_stranger(self, routing_id: bytes, data: bytes) -> None:
+        """A refusal: once, and only if the asker's output socket is
+        connected now. Waiting on a stranger would hold up the front end's
+        outputs; a real joiner asks again (CoreConnection.wait_ready)."""
+        try:
+            self._out_sock.send_multipart([routing_id, data], copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
 
     # -- the step loop ------------------------------------------------------------------
     def run(self) -> None:

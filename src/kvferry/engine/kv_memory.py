@@ -11,6 +11,8 @@ share of what is free, as ``--gpu-memory-utilization`` on CUDA)::
   hand out without swapping, page cache included), capped by the cgroup's
   memory limit where one is set (a container sees the host's meminfo); on
   CUDA, the device's free memory.
+- ``bytes per token``: the target's KV and, with a draft model (which keeps
+  as many blocks as the target), the draft's.
 - ``FRACTION`` = 0.5: the other half is for what is not allocated yet when
   the core sizes its pool (activations and the warm-up's temporaries, the
   front end, tokenizers, a node store's DRAM arena, whose shared pages are

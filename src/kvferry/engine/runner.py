@@ -98,7 +98,8 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtyp
     elem = torch.empty((), dtype=cache_dtype or loaded.dtype).element_size()
     # A tensor-parallel rank's own KV heads (a plain geometry has no model: all of them).
     kv_heads = getattr(getattr(loaded, "model", None), "num_kv_heads", cfg.num_key_value_heads)
-    return cfg.num_hidden_layers * 2 * block_size * kv_heads * cfg.head_dim * elem
+    layers = getattr(getattr(loaded, "model", None), "layers", None)  # a pipeline stage's own
+    return (cfg.num_hidden_layers if layers is None else len(layers)) * 2 * block_size * kv_heads * cfg.head_dim * elem
 
 
 class ModelRunner:
@@ -146,7 +147,8 @@ class ModelRunner:
         self.connector: KVConnectorWorker | None = None
         if connector is not None:
             draft_kv = self.drafter.kv_cache if isinstance(self.drafter, DraftModelProposer) else None
-            self.connector = connector.worker_half(WorkerContext(self.kv_cache, block_size, draft_kv, speculative))
+            self.connector = connector.worker_half(WorkerContext(self.kv_cache, block_size, draft_kv, speculative,
+                                                                 shard=getattr(self.model, "shard", None)))
             self.kv_cache = self.connector.kv_cache  # moved into shared memory for a prefill core, maybe
         self.states: dict[str, RequestState] = {}
         self.batch = InputBatch(self.vocab_size)

@@ -119,7 +119,7 @@ class TPLeader:
         self._ctx = zmq.Context()
         self._reports = self._ctx.socket(zmq.PULL)
         self._reports.bind(f"ipc://{self._dir}/reports")
-        self._address = GroupAddress.free_loopback()
+        self._address = GroupAddress.in_folder(self._dir)  # private: only our ranks find each other
         cpus = self._rank_cpus(n)
         self._procs: list[subprocess.Popen] = []
         self._steps: list[zmq.Socket] = []

@@ -24,6 +24,7 @@ import torch
 import zmq
 
 from kvferry.engine.cpu_threads import bind_step_thread
+from kvferry.engine.kv_connector import for_engine
 from kvferry.engine.runner import ModelRunner
 from kvferry.engine.tp_ranks import RunnerShape, WorkerSpec, join_group
 from kvferry.model.layers.parallel import TPShard
@@ -70,7 +71,7 @@ def main() -> int:
 
 def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRunner | None:
     m = spec.config.model
-    shard = TPShard(spec.rank, spec.world_size)
+    shard = TPShard(spec.rank, spec.world_size, spec.config.parallel.enable_expert_parallel)
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
     reports.send(pickle.dumps(("loaded", spec.rank, None)))
     shard.group = join_group(spec.rank, spec.group, spec.config.parallel)
@@ -79,8 +80,9 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
         return None
     if not isinstance(shape, RunnerShape):
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
+    # Its own worker half of the core's connector (P/D: this rank sends its KV heads itself).
     runner = ModelRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
-                         kv_cache_dtype=shape.kv_cache_dtype)
+                         kv_cache_dtype=shape.kv_cache_dtype, connector=for_engine(spec.config))
     runner.samples = False
     return runner
 

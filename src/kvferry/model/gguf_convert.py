@@ -307,10 +307,12 @@ def float_tensor(gguf_name: str, data: np.ndarray, tensor_type: Any, gguf_shape:
 
 def qk_heads(hf_tensor_name: str, config: dict[str, Any], arch: str) -> int | None:
     """The head count to unpermute a llama Q or K tensor's rows by (llama.cpp
-    interleaves them), None for every other tensor."""
-    if arch == "llama" and hf_tensor_name.endswith(("q_proj.weight", "q_proj.bias")):
+    interleaves them), None for every other tensor. ``arch``: the GGUF's, or the
+    model_type (Mixtral's file is a llama's)."""
+    llama = arch in ("llama", "mixtral")
+    if llama and hf_tensor_name.endswith(("q_proj.weight", "q_proj.bias")):
         return config["num_attention_heads"]
-    if arch == "llama" and hf_tensor_name.endswith(("k_proj.weight", "k_proj.bias")):
+    if llama and hf_tensor_name.endswith(("k_proj.weight", "k_proj.bias")):
         return config["num_key_value_heads"]
     return None
 

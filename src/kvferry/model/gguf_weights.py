@@ -1,9 +1,10 @@
 """Serve a GGUF file's weights as they are: each linear weight, the token
 embedding and the lm_head, in a type with a native kernel (quant/formats.py:
 Q4_0..Q8_0, Q2_K..Q6_K), stays in its blocks (``QuantizedWeight``), used by
-layers/gguf.py's methods; a tied lm_head is the embedding's blocks. The rest
-(norms, biases, float tensors, and types without a kernel such as the IQ*
-types) is dequantized at load.
+layers/gguf.py's methods (a mixture of experts' stacked experts: one view
+per expert, moe_convert.expert_blocks, used by moe_quant.py); a tied
+lm_head is the embedding's blocks. The rest (norms, biases, float tensors,
+and types without a kernel such as the IQ* types) is dequantized at load.
 
 The blocks are the file's own pages: the file is mapped once (private,
 copy-on-write, so nothing can write it) and each tensor that can be used
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvferry.model import gguf_convert
+from kvferry.model import gguf_convert, moe_convert
 from kvferry.model.quant import FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def linear_prefix(gguf_name: str) -> str | None:
 def block_prefix(gguf_name: str) -> str | None:
     """The prefix of the layer a GGUF tensor may be kept in blocks for (a
     linear layer, "model.embed_tokens", "lm_head"), or None."""
-    return linear_prefix(gguf_name) or _VOCAB.get(gguf_name)
+    return linear_prefix(gguf_name) or _VOCAB.get(gguf_name) or moe_convert.block_prefix(gguf_name)
 
 
 def quantized_layers(reader: Any, file_name: str) -> set[str]:
@@ -173,12 +174,18 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any],
     views = mapped_tensors(reader, config, quantized)
     file = map_file(path) if views else None
     for t in reader.tensors:
+        if moe_convert.is_moe_tensor(t.name):  # experts (one weight per expert), router, shared expert
+            if t.name in views:
+                yield from moe_convert.expert_blocks(t.name, t.tensor_type.name, _view(file, t), t.shape, config)
+            else:
+                yield from moe_convert.hf_tensors(t.name, gguf_convert.float_tensor(
+                    t.name, _read(path, t), t.tensor_type, t.shape, config, arch), config)
+            continue
         name = gguf_convert.hf_name(t.name)
         if block_prefix(t.name) in quantized:
             out_f, in_f = (int(d) for d in reversed(t.shape))
             if t.name in views:
-                start = int(t.data_offset)
-                data = file[start:start + int(t.n_bytes)]
+                data = _view(file, t)
             else:
                 data = torch.from_numpy(_read(path, t)).reshape(out_f, -1)
                 heads = gguf_convert.qk_heads(name, config, arch)
@@ -187,6 +194,11 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any],
             yield name, QuantizedWeight.from_blocks(t.name, t.tensor_type.name, data, (out_f, in_f))
         else:
             yield name, gguf_convert.float_tensor(t.name, _read(path, t), t.tensor_type, t.shape, config, arch)
+
+
+def _view(file: torch.Tensor, t: Any) -> torch.Tensor:
+    """Tensor ``t``'s bytes as a view of the mapped file."""
+    return file[int(t.data_offset):int(t.data_offset) + int(t.n_bytes)]
 
 
 def gguf_fingerprint(path: Path, config: dict[str, Any]) -> str:

@@ -36,7 +36,8 @@ from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
 from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, take_slice,
                                              vocab_parallel_embedding)
 from kvferry.model.layers.vocab import VocabEmbedding
-from kvferry.model.moe import SparseMoeBlock
+from kvferry.model.moe import NOT_HELD, SparseMoeBlock
+from kvferry.parallel.pipeline import PPStage
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -181,7 +182,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, dtype, device, linear_config, f"{prefix}.self_attn", shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         if config.is_moe_layer(int(prefix.rpartition(".")[2])):
-            self.mlp = SparseMoeBlock(config, dtype, device, linear_config, f"{prefix}.mlp")  # TP refuses MoE
+            self.mlp = SparseMoeBlock(config, dtype, device, linear_config, f"{prefix}.mlp", shard)
         else:
             self.mlp = MLP(config, dtype, device, linear_config, f"{prefix}.mlp", shard)
 
@@ -209,11 +210,14 @@ class LlamaModel(nn.Module):
     """Causal LM for every supported architecture (see ModelConfig).
 
     ``shard``: this process's rank of a tensor-parallel group (layers/parallel.py);
-    the model then holds that rank's heads, MLP rows and vocabulary slice."""
+    the model then holds that rank's heads, MLP rows and vocabulary slice.
+    ``stage``: this process's pipeline stage (parallel/pipeline.py): ``layers``
+    holds its layers alone (``layers[i]`` is the model's ``stage.start + i``),
+    the embedding only on the first stage, the lm_head only on the last."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-        linear_config: LinearConfig | None = None, shard: TPShard | None = None,
+        linear_config: LinearConfig | None = None, shard: TPShard | None = None, stage: PPStage | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -222,23 +226,27 @@ class LlamaModel(nn.Module):
         shard.check(config)
         self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
         vocab = shard.vocab_per_rank(config.vocab_size)  # rows of embed_tokens and lm_head here
+        self.stage = stage = stage or PPStage(0, 1, 0, config.num_hidden_layers)
+        # A stage without the embedding (or lm_head) keeps an empty table: no memory, the same code.
+        embed_rows = vocab if stage.first or (stage.last and config.tie_word_embeddings) else 0
         self.linear_config = linear_config = linear_config or UnquantizedConfig()
         # The token embedding (this rank's rows) in its method's format: a GGUF file's blocks, or the plain table.
-        self.embed = VocabEmbedding(vocab, config.hidden_size, dtype=dtype, device=device,
+        self.embed = VocabEmbedding(embed_rows, config.hidden_size, dtype=dtype, device=device,
                                     method=linear_config.get_embedding_method("model.embed_tokens"))
         # The plain table that spec/head.py and train/ read; None where the format keeps its own.
         self.embed_tokens = self.embed.weight
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, linear_config, f"model.layers.{i}", shard)
-                                    for i in range(config.num_hidden_layers))
+                                    for i in range(stage.start, stage.end))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(config, device)
         # The logits' matmul. A plain lm_head keeps its matrix: tied, it is the
         # embedding table (same Parameter, loaded once), and the speculative
         # heads (spec/head.py) and their training (train/) read it. A tied
         # quantized table is handed to the lm_head's method after loading.
-        self.logits_proj = Linear(config.hidden_size, vocab, bias=False, dtype=dtype, device=device,
-                                  method=linear_config.get_linear_method("lm_head"), prefix="lm_head",
-                                  keep_plain=True, weight=self.embed_tokens if config.tie_word_embeddings else None)
+        self.logits_proj = Linear(config.hidden_size, vocab if stage.last else 0, bias=False, dtype=dtype,
+                                  device=device, method=linear_config.get_linear_method("lm_head"), prefix="lm_head",
+                                  keep_plain=True,
+                                  weight=self.embed_tokens if config.tie_word_embeddings and stage.last else None)
         self.lm_head = self.logits_proj.weight  # the plain [V, H] matrix, or None (quantized)
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
         # Each layer's arguments for the one-call C++ layer (layer_op.py), or
@@ -292,18 +300,22 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden [T, hidden_size] (final norm applied).
 
         kv_cache: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim];
-        the new tokens' K/V are written into it.
+        the new tokens' K/V are written into it. A pipeline stage: a later
+        stage takes the stage before's ``residual`` [T, hidden] (input_ids
+        unused), and a stage before the last returns its residual stream, not
+        the final norm.
         """
         if not self.weights_packed:
             self.pack_weights()
         meta.prepare()
         if self.linear_config.batch_invariant():
             return self._forward_batch_invariant(input_ids, positions, kv_cache, meta)
-        return self._forward(input_ids, positions, kv_cache, meta)
+        return self._forward(input_ids, positions, kv_cache, meta, residual)
 
     def _forward_batch_invariant(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                                  meta: AttentionMetadata) -> torch.Tensor:
@@ -319,10 +331,15 @@ class LlamaModel(nn.Module):
             paged_kernel.set_batch_invariant(False)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
         # [T, hidden]; a tensor-parallel shard holds a plain slice of the table (GGUF blocks are never sharded)
-        h = (vocab_parallel_embedding(input_ids, self.embed_tokens, self.shard, self.config.vocab_size)
-             if self.shard.enabled else self.embed(input_ids))
+        if residual is not None:  # a later pipeline stage: the stream where the stage before left it
+            h = residual
+        else:
+            h = (vocab_parallel_embedding(input_ids, self.embed_tokens, self.shard, self.config.vocab_size)
+                 if self.shard.enabled else self.embed(input_ids))
+        # x = input_layernorm(h) here is the same bits as the fused add_rms_norm the stage before skipped.
+        ends_stream = not self.stage.last  # the next stage wants h, not the final norm (computed, unused)
         cos, sin = self.rotary(positions, self.dtype)
         layers = self.layers
         x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
@@ -336,13 +353,13 @@ class LlamaModel(nn.Module):
                 h, x = layer_op.run_layer(args, h, x, cos, sin, kv_cache[i], meta)
                 if meta.kv_transfer is not None:
                     meta.kv_transfer.layer_done(i)
-            return x
+            return h if ends_stream else x
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             h, x = layer(h, x, cos, sin, kv_cache[i], meta, next_norm)
             if meta.kv_transfer is not None:
                 meta.kv_transfer.layer_done(i)  # layer i's KV is written: it may leave now
-        return x  # self.norm(h)
+        return h if ends_stream else x  # self.norm(h)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -387,6 +404,8 @@ class LlamaModel(nn.Module):
         """(destination parameter or layer, row slice within it or None, bookkeeping key)."""
         if name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed, never loaded
+        if not self._stage_holds(name):
+            return None  # another pipeline stage's (a lazy tensor is never read)
         if name == "lm_head.weight":
             if self.config.tie_word_embeddings:
                 return None  # some tied checkpoints still store a copy
@@ -398,11 +417,24 @@ class LlamaModel(nn.Module):
             return self.norm.weight, None, name
         if name.startswith("model.layers."):
             idx, _, rest = name[len("model.layers."):].partition(".")
-            if idx.isdigit() and int(idx) < len(self.layers):
-                target = self._layer_target(self.layers[int(idx)], rest)
+            if idx.isdigit() and int(idx) < self.stage.end:
+                target = self._layer_target(self.layers[int(idx) - self.stage.start], rest)
+                if target is NOT_HELD:
+                    return None  # another rank's expert (expert parallelism): not read
                 if target is not None:
                     return target[0], target[1], name
         raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+
+    def _stage_holds(self, name: str) -> bool:
+        """Whether this pipeline stage loads ``name`` (every name without pipeline parallelism)."""
+        stage = self.stage
+        if name == "model.embed_tokens.weight":
+            return stage.first or (stage.last and self.config.tie_word_embeddings)
+        if name == "lm_head.weight":
+            return stage.last
+        idx = name[len("model.layers."):].partition(".")[0] if name.startswith("model.layers.") else ""
+        # a layer past the model's is no stage's: _target calls it unexpected
+        return not idx.isdigit() or int(idx) >= self.config.num_hidden_layers or stage.owns(int(idx))
 
     def _layer_target(self, layer: DecoderLayer, rest: str) -> tuple[torch.Tensor | Linear, slice | None] | None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -434,6 +466,7 @@ class LlamaModel(nn.Module):
         keys = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings:
             keys.append("lm_head.weight")
+        keys = [k for k in keys if self._stage_holds(k)]
         per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
         per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
         if self.config.attention_bias:
@@ -442,7 +475,7 @@ class LlamaModel(nn.Module):
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
         moe_block = "block_sparse_moe" if self.config.architecture == "MixtralForCausalLM" else "mlp"
-        return keys + [f"model.layers.{i}.{p}" for i, layer in enumerate(self.layers)
+        return keys + [f"model.layers.{i}.{p}" for i, layer in enumerate(self.layers, start=self.stage.start)
                        for p in per_layer + (layer.mlp.expected_keys(moe_block)
                                              if isinstance(layer.mlp, SparseMoeBlock) else dense)]
 
@@ -479,17 +512,17 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
 
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-    num_kv_heads: int | None = None,
+    num_kv_heads: int | None = None, num_layers: int | None = None,
 ) -> torch.Tensor:
     """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim], zero-filled; ``num_kv_heads``: this
-    rank's (default: the model's).
+    rank's (default: the model's); ``num_layers``: a pipeline stage's (default: the model's).
 
     On the CPU the pool is an anonymous mapping: its pages read as zeros and
     take memory only once written, so a pool sized to a share of the host's
     memory (engine/kv_memory.py) costs what the cached tokens fill, not its
     size at start (``torch.zeros`` would touch every page)."""
     kv_heads = num_kv_heads or config.num_key_value_heads
-    shape = (config.num_hidden_layers, 2, num_blocks, block_size, kv_heads, config.head_dim)
+    shape = (num_layers or config.num_hidden_layers, 2, num_blocks, block_size, kv_heads, config.head_dim)
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

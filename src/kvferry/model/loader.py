@@ -39,6 +39,7 @@ from kvferry.model.layers.parallel import TPShard
 from kvferry.model.llama import LlamaModel
 from kvferry.model.resolve import ResolvedModel, resolve_model
 from kvferry.model.tokenizer import Tokenizer
+from kvferry.parallel.pipeline import PPStage
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def check_quantization(quantization: str | None) -> None:
 
 def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
                quantization: str | None = None, shard: TPShard | None = None,
-               deterministic: bool = False) -> LoadedModel:
+               stage: PPStage | None = None, deterministic: bool = False) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ValueError naming what is missing.
 
     ``quantization``: None (the file's own format: a .gguf's linear weights
@@ -75,36 +76,31 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     blocks path runs: see ``_keeps_blocks``), "gguf" (the blocks, or a
     one-line error where they cannot run), "none" (a .gguf is expanded to
     float) or "int8". ``shard``: a tensor-parallel rank, which reads only its
-    slice of each tensor (layers/parallel.py). ``deterministic``: the
+    slice of each tensor (layers/parallel.py); ``stage``: a pipeline stage,
+    which reads only its layers' tensors. ``deterministic``: the
     batch-invariant methods follow (they need float weights)."""
     check_quantization(quantization)
     resolved = resolve_model(model)
     if quantization == "gguf" and not resolved.is_gguf:
         raise ValueError(f"quantization 'gguf' needs a .gguf model, got {resolved.path}")
     sharded = shard is not None and shard.enabled
-    blocks = _keeps_blocks(resolved, quantization, device, sharded, deterministic)
+    blocks = _keeps_blocks(resolved, quantization, device, sharded or stage is not None, deterministic)
     if blocks:
         folder = gguf_convert.convert_gguf(resolved.path, weights=False)
-        config = read_config(folder)
-        if config.num_experts:
-            if quantization == "gguf":
-                raise ValueError(f"{resolved.path.name}: --quantization gguf does not keep expert weights in their "
-                                 "blocks yet; serve this mixture of experts with --quantization none (expanded to "
-                                 "float)")
-            logger.info("GGUF %s: expert weights have no blocks path yet: expanded to float", resolved.path.name)
-            blocks = False
-    if not blocks:
+    else:
         folder = resolve_model_folder(model)
-        config = read_config(folder)
+    config = read_config(folder)
     torch_dtype = resolve_dtype(dtype, config, device)
     int8 = None if blocks else int8_checkpoint.int8_config(folder, quantization)  # --quantization int8 or W8A8
     if int8 is not None and sharded:
         raise ValueError("tensor_parallel_size > 1 needs float weights: int8 weights are not sharded yet")
+    if int8 is not None and stage is not None:
+        raise ValueError("pipeline_parallel_size > 1 needs float weights: int8 weights are not split over stages yet")
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype)
     else:
-        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8)
-        weights = iter_safetensors(folder, lazy=sharded)
+        lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8, stage=stage)
+        weights = iter_safetensors(folder, lazy=sharded or stage is not None)
         lm.load_weights(int8_checkpoint.pair_scales(weights) if int8 else weights)
         fingerprint = model_fingerprint(folder)
         fingerprint = fingerprint if int8 is None else int8_checkpoint.mark_fingerprint(fingerprint)
@@ -125,16 +121,16 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     )
 
 
-def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str, sharded: bool,
+def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str, split: bool,
                   deterministic: bool) -> bool:
     """Whether a model's linear weights are served in their GGUF blocks.
 
-    Explicit ``gguf``: yes, or a one-line error (tensor-parallel ranks; the
-    mixture-of-experts check is the caller's). Left out (None): a .gguf file
-    stays quantized, as a llama.cpp or Ollama user expects, except where the
-    blocks path does not run, which expands it to float with a log line: on
-    CUDA, over tensor-parallel ranks and with --deterministic (their
-    methods need float weights). The embedded default model stays expanded:
+    Explicit ``gguf``: yes, or a one-line error (``split``: tensor-parallel
+    ranks or pipeline stages, which config.py refuses first). Left out
+    (None): a .gguf file stays quantized, as a llama.cpp or Ollama user
+    expects, except where the blocks path does not run, which expands it to
+    float with a log line: on CUDA, over tensor-parallel ranks or pipeline
+    stages and with --deterministic (their methods need float weights). The embedded default model stays expanded:
     kvferry's own tests and examples read its float numerics (greedy output
     independent of the batch mix, which the blocks' row-count-dependent
     kernels do not keep); ``--quantization gguf`` serves it in its blocks."""
@@ -147,10 +143,12 @@ def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str
         logger.info("GGUF %s: the quantized kernels run on the CPU; on %s its weights are expanded to float",
                     name, device)
         return False
-    if sharded:
+    if split:
         if quantization == "gguf":
-            raise ValueError("tensor_parallel_size > 1 needs float weights: serve a .gguf with --quantization none")
-        logger.info("GGUF %s: tensor-parallel ranks shard float weights: expanded to float", name)
+            raise ValueError("tensor-parallel ranks and pipeline stages need float weights: serve a .gguf with "
+                             "--quantization none")
+        logger.info("GGUF %s: tensor-parallel ranks and pipeline stages split float weights: expanded to float",
+                    name)
         return False
     if deterministic and quantization is None:
         logger.info("GGUF %s: --deterministic's batch-invariant kernels take float weights: expanded to float", name)

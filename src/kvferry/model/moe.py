@@ -29,9 +29,24 @@ too, though it holds them stacked in memory). Each stack is an
 ``ExpertLinear``: a ``Linear`` whose method (``layers/``: small_gemm's or
 oneDNN's packed copy by CPU, or --deterministic's batch-invariant one) is
 applied per expert, so an expert's matmul is the dense MLP's choice for
-its row count. The model packs, releases and restores them with its other
+its row count (a quantized format's stack is moe_quant.py's instead:
+GGUF blocks or int8, per expert). The model packs, releases and restores them with its other
 linears (they are ``Linear`` modules), so once packed the experts'
 weights are in memory once, as the packed copies.
+
+Over the ranks of a tensor-parallel group (``TPShard``, layers/parallel.py)
+a block holds either a slice of every expert (the default: each expert's
+``moe_intermediate_size / tp`` rows) or, with expert parallelism, rank r's
+whole experts ``[r * E / tp, (r + 1) * E / tp)``. Every rank has every
+token (attention's all-reduce gave it the whole hidden state) and routes it
+alike (the router is replicated and the shared-memory all-reduce gives all
+ranks the same bits), so no token is sent anywhere: ``fused_experts`` runs
+this rank's experts over the tokens routed to them, and the one all-reduce
+of the block sums the ranks' partial outputs, routed and shared together.
+
+``_experts`` builds this rank's ``num_experts`` at this rank's width in
+either format; the loader refuses quantized weights over ranks for now
+(GGUF blocks and int8 are not sharded), so moe_quant.py's stacks run whole.
 """
 from __future__ import annotations
 
@@ -41,15 +56,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.model import moe_quant
 from kvferry.model.config import ModelConfig
 from kvferry.model.fused_ops import silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, LinearMethodBase
+from kvferry.model.layers.parallel import TPShard
 from kvferry.model.linear import release_plain, restore_plain
 
 # A checkpoint's per-expert projection names -> (stack, rows): "gate" and "up"
 # fill the halves of gate_up, "down" the whole of down.
 _QWEN_PROJ = {"gate_proj": ("gate", "w13"), "up_proj": ("up", "w13"), "down_proj": ("down", "w2")}
 _MIXTRAL_PROJ = {"w1": ("gate", "w13"), "w3": ("up", "w13"), "w2": ("down", "w2")}
+# weight_target's answer for an expert another rank holds (expert parallelism): skip it.
+NOT_HELD: tuple[None, None] = (None, None)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,29 +82,40 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
-                  expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  expert: Callable[[int, torch.Tensor], torch.Tensor],
+                  first_expert: int | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert(ids[t, j], x[t]) for every token t, in x's dtype.
 
     x [T, H]; weights [T, k] (any float dtype: each product is taken in
     float32 from it); ids [T, k]; ``expert(e, rows)`` maps ``[n, H]`` rows
     to ``[n, H]``. Each active expert is called once, over all its rows.
+    ``first_expert``: this rank holds experts ``[first_expert, first_expert
+    + num_experts)`` only (expert parallelism): pairs routed elsewhere are
+    left out (their rank adds them) and ``expert`` gets the local index
+    ``e - first_expert``; None: ``ids`` index every expert here.
     """
     num_tokens, k = ids.shape
     hidden = x.shape[1]
     if num_tokens == 0:
         return x.new_zeros((0, hidden))
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1)  # [T * k]: pair p is token p // k's j-th choice
+    mine: torch.Tensor | None = None
+    if first_expert is not None:
+        local = flat - first_expert
+        mine = ((local >= 0) & (local < num_experts)).nonzero().squeeze(1)  # this rank's pairs
+        flat = local.index_select(0, mine)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within each
     counts = torch.bincount(flat, minlength=num_experts).tolist()
-    token_of = order // k  # the token of each sorted pair
+    pair = order if mine is None else mine.index_select(0, order)  # sorted -> index into [T * k]
+    token_of = pair // k  # the token of each sorted pair
     xs = x.index_select(0, token_of)
-    ys = torch.empty((flat.shape[0], hidden), dtype=x.dtype, device=x.device)
+    ys = torch.empty((pair.shape[0], hidden), dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n:
             ys[start:start + n] = expert(e, xs[start:start + n])
             start += n
-    w = weights.reshape(-1).index_select(0, order).float()
+    w = weights.reshape(-1).index_select(0, pair).float()
     out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, ys.float().mul_(w[:, None]))
     return out.to(x.dtype)
@@ -148,24 +178,28 @@ class ExpertLinear(Linear):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, experts and (Qwen2-MoE) the gated shared expert of one layer."""
+    """Router, experts and (Qwen2-MoE) the gated shared expert of one layer;
+    ``shard``: this rank's part of them (module docstring), all without one."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 linear_config: LinearConfig, prefix: str) -> None:
+                 linear_config: LinearConfig, prefix: str, shard: TPShard | None = None) -> None:
         super().__init__()
         c = config
-        hidden, inter = c.hidden_size, c.moe_intermediate_size
-        self.num_experts, self.top_k, self.renormalize = c.num_experts, c.num_experts_per_tok, c.norm_topk_prob
+        self.shard = shard = shard or TPShard()
+        hidden = c.hidden_size
+        # This rank's experts, and the rows of each it holds.
+        self.first_expert, stop = shard.expert_range(c.num_experts)
+        self.num_experts, self.total_experts = stop - self.first_expert, c.num_experts
+        inter = c.moe_intermediate_size // (1 if shard.expert_parallel else shard.size)
+        self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
         self.weights_float32 = c.router_weights_float32
         self.intermediate_size = inter
-        self.gate = _linear(hidden, c.num_experts, dtype, device, linear_config, f"{prefix}.gate")
-        self.w13 = ExpertLinear(c.num_experts, hidden, 2 * inter, dtype, device,
-                                linear_config.get_linear_method(f"{prefix}.experts.gate_up_proj"),
-                                f"{prefix}.experts.gate_up_proj")
-        self.w2 = ExpertLinear(c.num_experts, inter, hidden, dtype, device,
-                               linear_config.get_linear_method(f"{prefix}.experts.down_proj"),
-                               f"{prefix}.experts.down_proj")
-        shared = c.shared_expert_intermediate_size
+        self.gate = _linear(hidden, c.num_experts, dtype, device, linear_config, f"{prefix}.gate")  # replicated
+        self.w13 = _experts(self.num_experts, hidden, 2 * inter, dtype, device, linear_config,
+                            f"{prefix}.experts.gate_up_proj")
+        self.w2 = _experts(self.num_experts, inter, hidden, dtype, device, linear_config,
+                           f"{prefix}.experts.down_proj")
+        shared = c.shared_expert_intermediate_size // shard.size  # sliced like a dense MLP's rows
         self.shared_intermediate_size = shared
         if shared:
             self.shared_gate_up = _linear(hidden, 2 * shared, dtype, device, linear_config,
@@ -182,19 +216,23 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if not self.weights_float32:
             weights = weights.to(x.dtype)  # Qwen rounds them to the model's dtype (HF)
-        out = fused_experts(x, weights, ids, self.num_experts, self.expert)
+        first = self.first_expert if self.shard.expert_parallel else None
+        out = fused_experts(x, weights, ids, self.num_experts, self.expert, first)
         if self.shared_intermediate_size:
             shared = self.shared_down(silu_and_mul(self.shared_gate_up(x)))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out
+        # Over ranks each term is partial (a slice of every expert's rows, or
+        # this rank's experts): one all-reduce for the block, as the dense MLP's.
+        return self.shard.all_reduce(out)
 
     # ---- weight names ----
 
     def weight_target(self, rest: str) -> tuple[Linear, object] | None:
         """The destination of a checkpoint tensor named ``rest`` within its
         decoder layer: (layer, rows) as ``LlamaModel._layer_target`` returns
-        them, or None. An ``ExpertLinear``'s rows are ``(expert, row slice)``:
-        the plain methods' ``load_weight`` indexes the stack with them."""
+        them, or None; ``NOT_HELD`` for another rank's expert (not read).
+        An ``ExpertLinear``'s rows are ``(local expert, row slice)``: the
+        plain methods' ``load_weight`` indexes the stack with them."""
         inter, shared = self.intermediate_size, self.shared_intermediate_size
         halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "down": slice(None)}
         block, _, name = rest.partition(".")
@@ -214,20 +252,32 @@ class SparseMoeBlock(nn.Module):
         if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[3] == "weight":
             e = int(parts[1])
             proj = (_MIXTRAL_PROJ if block == "block_sparse_moe" else _QWEN_PROJ).get(parts[2])
-            if proj is not None and e < self.num_experts:
+            local = e - self.first_expert
+            if proj is not None and 0 <= local < self.num_experts:
                 half, stack = proj
-                return getattr(self, stack), (e, halves[half])
+                return getattr(self, stack), (local, halves[half])
+            if proj is not None and e < self.total_experts:
+                return NOT_HELD
         return None
 
     def expected_keys(self, block: str) -> list[str]:
         """The checkpoint names this block needs, per-expert layout (within its decoder layer)."""
         names = _MIXTRAL_PROJ if block == "block_sparse_moe" else _QWEN_PROJ
         keys = [f"{block}.gate.weight"]
-        keys += [f"{block}.experts.{e}.{n}.weight" for e in range(self.num_experts) for n in names]
+        mine = range(self.first_expert, self.first_expert + self.num_experts)
+        keys += [f"{block}.experts.{e}.{n}.weight" for e in mine for n in names]
         if self.shared_intermediate_size:
             keys += [f"{block}.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
             keys.append(f"{block}.shared_expert_gate.weight")
         return keys
+
+
+def _experts(num_experts: int, in_features: int, out_features: int, dtype: torch.dtype,
+             device: torch.device | str, linear_config: LinearConfig, prefix: str) -> Linear:
+    """An expert stack in its method's format: quantized (moe_quant.py) or plain."""
+    method = linear_config.get_linear_method(prefix)
+    return (moe_quant.expert_stack(num_experts, in_features, out_features, dtype, device, method, prefix)
+            or ExpertLinear(num_experts, in_features, out_features, dtype, device, method, prefix))
 
 
 def _linear(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str,

@@ -12,6 +12,16 @@ the shared expert ``ffn_{gate,up,down}_shexp`` with its gate
 top-k weights, Qwen2-MoE does not, unless the file states
 ``expert_weights_norm``. A layer without a router is dense
 (``mlp_only_layers``).
+
+Served in blocks (``--quantization gguf``, gguf_weights.py), the experts
+and the shared expert in a type with a native kernel stay in the file's
+blocks: ``block_prefix`` names the layer each tensor belongs to (the expert
+stacks ``mlp.experts.{gate_up,down}_proj`` whatever the architecture's
+block name: moe.py's prefixes), and ``expert_blocks`` cuts a stacked
+tensor's bytes into one ``QuantizedWeight`` per expert, each a view of the
+mapped file (an expert's rows are contiguous: blocks never cross a row, and
+the expert axis is the slowest). The router and the shared expert's gate
+stay float (routing decides which experts run at all).
 """
 from __future__ import annotations
 
@@ -21,6 +31,8 @@ from typing import Any
 
 import torch
 
+from kvferry.model.quant import QuantizedWeight
+
 _MOE_TENSOR = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps|ffn_gate_inp|ffn_(?:gate|up|down)_shexp|"
                          r"ffn_gate_inp_shexp)\.weight")
 _EXPERT_PROJ = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
@@ -29,6 +41,10 @@ _SHARED = {"ffn_gate_shexp": "shared_expert.gate_proj", "ffn_up_shexp": "shared_
            "ffn_down_shexp": "shared_expert.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate"}
 # llama.cpp's routing per architecture: renormalize the top-k weights?
 _NORM_DEFAULT = {"qwen3moe": True, "qwen2moe": False, "llama": True}
+# The layer (moe.py's prefix within model.layers.N.mlp) a tensor kept in blocks belongs to.
+_BLOCK_LAYER = {"ffn_gate_exps": "experts.gate_up_proj", "ffn_up_exps": "experts.gate_up_proj",
+                "ffn_down_exps": "experts.down_proj", "ffn_gate_shexp": "shared_expert.gate_up_proj",
+                "ffn_up_shexp": "shared_expert.gate_up_proj", "ffn_down_shexp": "shared_expert.down_proj"}
 
 
 def is_moe_tensor(gguf_name: str) -> bool:
@@ -68,21 +84,67 @@ def with_moe_fields(meta: dict[str, Any], tensor_names: set[str], config: dict[s
 def hf_tensors(gguf_name: str, tensor: torch.Tensor, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for one of llama.cpp's MoE tensors (float, HF layout as
     gguf_convert.float_tensor returns it): one per expert for a stacked one."""
+    stacked = _EXPERT_PROJ.get(_kind(gguf_name)) is not None
+    if stacked and tensor.dim() != 3:
+        raise ValueError(f"GGUF tensor {gguf_name!r} should be 3-D [experts, rows, cols], "
+                         f"got shape {tuple(tensor.shape)}")
+    names = hf_names(gguf_name, config, tensor.shape[0] if stacked else 0)
+    if not stacked:
+        # the shared expert's gate is one row: [H] or [1, H] in a file
+        yield names[0], tensor.reshape(1, -1) if _kind(gguf_name) == "ffn_gate_inp_shexp" else tensor
+        return
+    for e, name in enumerate(names):
+        yield name, tensor[e].clone()
+
+
+def _kind(gguf_name: str) -> str:
     m = _MOE_TENSOR.fullmatch(gguf_name)
     if m is None:
         raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
-    layer, kind = m.group(1), m.group(2)
+    return m.group(2)
+
+
+def hf_names(gguf_name: str, config: dict[str, Any], num_experts: int) -> list[str]:
+    """The HF names of one of llama.cpp's MoE tensors: one per expert (of
+    ``num_experts``) for a stacked one, else one."""
+    kind, layer = _kind(gguf_name), gguf_name.split(".")[1]
     mixtral = config.get("model_type") == "mixtral"
     block = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
     if kind == "ffn_gate_inp":
-        yield f"{block}.gate.weight", tensor
-    elif kind in _SHARED:
-        # the shared expert's gate is one row: [H] or [1, H] in a file
-        yield f"{block}.{_SHARED[kind]}.weight", tensor.reshape(1, -1) if kind == "ffn_gate_inp_shexp" else tensor
-    else:
-        name = _EXPERT_PROJ[kind][1 if mixtral else 0]
-        if tensor.dim() != 3:
-            raise ValueError(f"GGUF tensor {gguf_name!r} should be 3-D [experts, rows, cols], "
-                             f"got shape {tuple(tensor.shape)}")
-        for e in range(tensor.shape[0]):
-            yield f"{block}.experts.{e}.{name}.weight", tensor[e].clone()
+        return [f"{block}.gate.weight"]
+    if kind in _SHARED:
+        return [f"{block}.{_SHARED[kind]}.weight"]
+    name = _EXPERT_PROJ[kind][1 if mixtral else 0]
+    return [f"{block}.experts.{e}.{name}.weight" for e in range(num_experts)]
+
+
+def block_prefix(gguf_name: str) -> str | None:
+    """The layer an expert or shared-expert tensor may be kept in blocks
+    for (``model.layers.N.mlp.experts.gate_up_proj`` ...), or None (the
+    router, the shared expert's gate, and every non-MoE tensor)."""
+    m = _MOE_TENSOR.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_LAYER:
+        return None
+    return f"model.layers.{m.group(1)}.mlp.{_BLOCK_LAYER[m.group(2)]}"
+
+
+def expert_blocks(gguf_name: str, kind: str, data: torch.Tensor, gguf_shape: Any,
+                  config: dict[str, Any]) -> Iterator[tuple[str, QuantizedWeight]]:
+    """(HF name, QuantizedWeight) for an expert or shared-expert tensor kept
+    in blocks: ``data`` is its raw bytes (uint8, a view of the mapped file);
+    a stacked [E, rows, cols] tensor gives one weight per expert, each a
+    view of its own bytes (no copy, no page read)."""
+    shape = [int(d) for d in reversed(gguf_shape)]  # GGUF lists the fastest axis first
+    flat = data.reshape(-1)
+    if len(shape) == 2:  # the shared expert's projection
+        yield hf_names(gguf_name, config, 0)[0], QuantizedWeight.from_blocks(gguf_name, kind, flat, tuple(shape))
+        return
+    if len(shape) != 3:
+        raise ValueError(f"GGUF tensor {gguf_name!r} should be 3-D [experts, rows, cols], got shape {shape}")
+    experts, rows, cols = shape
+    if flat.numel() % experts:
+        raise ValueError(f"GGUF tensor {gguf_name!r}: {flat.numel()} bytes do not split into {experts} experts")
+    per = flat.numel() // experts
+    for e, name in enumerate(hf_names(gguf_name, config, experts)):
+        yield name, QuantizedWeight.from_blocks(f"{gguf_name}[{e}]", kind, flat[e * per:(e + 1) * per],
+                                                (rows, cols))

@@ -1,12 +1,17 @@
 """A group of rank processes on one host and its collectives.
 
 It wraps torch.distributed's gloo process group, built as an object
-(``ProcessGroupGloo(store, rank, size, timeout)``) over a ``TCPStore`` on
-the loopback interface, not as torch's process-wide default group: an
-engine core can then hold a TP group and an EP group side by side, and
-tests can build groups in any process. Gloo moves CPU tensors over TCP
-between the ranks (loopback here); a CUDA build would put NCCL behind the
-same methods.
+(``ProcessGroupGloo(store, rank, size, timeout)``), not as torch's
+process-wide default group: an engine core can then hold a TP group and an
+EP group side by side, and tests can build groups in any process. Gloo
+moves CPU tensors over TCP between the ranks (loopback here); a CUDA build
+would put NCCL behind the same methods.
+
+The rendezvous store is where the ranks learn each other's gloo addresses,
+so whoever can write it can put itself between them. Ranks on one host
+therefore meet in a ``FileStore`` in their launcher's private folder (0700:
+no other user reaches it); a ``TCPStore``, which any local process can
+connect to, is only for ranks that do not share a folder.
 
 Every collective is bounded by the group's ``timeout_s``: a rank that died
 closes its sockets and its peers fail at once ("connection closed by
@@ -18,6 +23,7 @@ collective and the rank, never a hang: a group lives and dies whole
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 
@@ -35,16 +41,31 @@ class CollectiveError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class GroupAddress:
-    """Where the group's rendezvous store listens (rank 0 hosts it)."""
-    host: str
-    port: int
+    """Where the group's rendezvous store is: a file (``store_file``, ranks
+    on one host) or a TCP listener that rank 0 hosts (``host``, ``port``)."""
+    host: str = ""
+    port: int = 0
+    store_file: str = ""
+
+    @staticmethod
+    def in_folder(folder: str | os.PathLike) -> GroupAddress:
+        """A store file in ``folder``, which must be private to this user
+        (a launcher's ``mkdtemp``) and empty of a previous group's store."""
+        mode = os.stat(folder).st_mode
+        if mode & 0o077:
+            raise ValueError(f"group store folder {folder} is open to other users (mode {mode & 0o777:o})")
+        return GroupAddress(store_file=os.path.join(folder, "group-store"))
 
     @staticmethod
     def free_loopback() -> GroupAddress:
-        """An address on 127.0.0.1 whose port was free a moment ago."""
+        """An address on 127.0.0.1 whose port was free a moment ago (any
+        local process can reach it: prefer ``in_folder`` on one host)."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             return GroupAddress("127.0.0.1", s.getsockname()[1])
+
+    def describe(self) -> str:
+        return self.store_file or f"{self.host}:{self.port}"
 
 
 class ProcessGroup:
@@ -63,11 +84,14 @@ class ProcessGroup:
         self.rank, self.world_size, self.address, self.timeout_s = rank, world_size, address, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            # Rank 0 listens; the others connect, each waiting up to the timeout.
-            self._store = dist.TCPStore(address.host, address.port, world_size, rank == 0, timeout=timeout)
+            if address.store_file:
+                self._store = dist.FileStore(address.store_file, world_size)
+                self._store.set_timeout(timeout)
+            else:  # rank 0 listens; the others connect, each waiting up to the timeout
+                self._store = dist.TCPStore(address.host, address.port, world_size, rank == 0, timeout=timeout)
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
         except Exception as e:  # a rank that never came, a port already taken
-            raise CollectiveError(f"rank {rank}: the group of {world_size} at {address.host}:{address.port} "
+            raise CollectiveError(f"rank {rank}: the group of {world_size} at {address.describe()} "
                                   f"did not form within {timeout_s:g}s: {e}") from e
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -12,6 +12,8 @@ acknowledgement.
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,7 +45,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
-    address = GroupAddress.free_loopback()
+    folder = tempfile.mkdtemp(prefix="kvferry-group-")  # 0700: the rendezvous is ours alone
+    address = GroupAddress.in_folder(folder)
     procs, conns = [], []
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
@@ -59,6 +62,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
         _stop(procs)
         for c in conns:
             c.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, address: GroupAddress, timeout_s: float,

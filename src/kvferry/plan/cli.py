@@ -2,11 +2,15 @@
 
     kvferry simulate --profile P (--workload W | --trace T) [--config colocated:N | prefill:P,decode:D]
                      [--router R] [--slo ttft:MS,tpot:MS] [--fast] [--json]
+                     [--layout tp2pp1] [--decode-layout tp1pp1]   (a profile of several parallel layouts)
     kvferry simulate --trace T --cache-blocks inf          (cache-only: the trace's reuse ceiling)
     kvferry plan --profile P --workload W --slo ttft:MS,tpot:MS --gpus N [--rate R] [--instances-per-host K]
                  [--output DIR | PREFIX]
     kvferry plan --hardware fast=F.json:4 --hardware cheap=C.json:1 [--prefill-hardware fast]
                  [--decode-hardware cheap] ...   (priced pools: ranked by cost per million useful tokens)
+
+A profile of several (TP, PP) layouts is searched per pool, one hardware
+per layout (``layouts.py``).
 
 A profile whose fits are poor (``kvferry.bench.profile.poor_fits``) is refused
 unless --allow-poor-fit.
@@ -32,6 +36,7 @@ from kvferry.bench.trace import load_trace
 from kvferry.bench.workloads import BenchError
 from kvferry.plan.hardware import Hardware, load_hardware, pick, profile_device
 from kvferry.plan.latency import KVTransferModel, PlanError, StepCostModel, check_profile_fits, profile_handover_s
+from kvferry.plan.layouts import layout_hardware
 from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
 
 SIM_WORKLOADS = ("random", "shared-prefix")
@@ -62,6 +67,12 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
                           "down); the JSON's busy_s is the simulated busy time to compare")
     sim.add_argument("--per-request", action="store_true",
                      help="add each request's arrival, TTFT and TPOT (mean over the noise seeds) to the JSON")
+    sim.add_argument("--layout", default=None, metavar="NAME",
+                     help="with a profile of several parallel layouts (kvferry profile --tensor-parallel-sizes): "
+                          "the layout whose fits the colocated or prefill instances step by, e.g. tp2pp1 "
+                          "(default: the profile's first layout)")
+    sim.add_argument("--decode-layout", default=None, metavar="NAME",
+                     help="the layout the decode instances step by (default: --layout)")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--output", default=None, help="also write the JSON result here")
     sim.set_defaults(func=cmd_simulate)
@@ -73,8 +84,11 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
                                              "--hardware pools the lowest cost per million useful tokens.")
     plan.error = _one_line_error("kvferry plan")
     _add_common(plan)
-    plan.add_argument("--gpus", type=int, required=True, help="most instances: one GPU each, or with a CPU profile one engine core on "
-                                                     "the threads it was profiled with")
+    plan.add_argument("--gpus", type=int, required=True,
+                      help="most instances: one GPU each, or with a CPU profile one engine core on the threads it "
+                           "was profiled with. With a profile of several parallel layouts every pool is searched "
+                           "on each, and an instance counts its layout's share (a TP 2 instance of a GPU profile: "
+                           "2 GPUs and twice the price; a CPU profile's layouts share one host's CPUs: 1)")
     plan.add_argument("--router", default="least-loaded", choices=("round-robin", "least-loaded", "prefix-aware"))
     plan.add_argument("--min-attainment", type=float, default=90.0,
                       help="percent of requests within the SLOs a placement must keep to qualify")
@@ -204,6 +218,20 @@ def transfer_model(args: argparse.Namespace):
     return KVTransferModel(args.kv_bytes_per_token, args.kv_bandwidth_gbps, latency_ms / 1000.0)
 
 
+def layout_cost(profile: str, name: str | None, flag: str, allow_poor_fit: bool) -> StepCostModel:
+    """The step model of one parallel layout of ``profile`` (None: its first
+    layout, the profile's top-level fits)."""
+    hardware = Hardware("profile", profile, None, StepCostModel.from_profile(profile), profile_device(profile))
+    if name is None:
+        return hardware.cost
+    layouts = layout_hardware(hardware, allow_poor_fit)
+    for hw in layouts:
+        if (hw.layout or "tp1pp1") == name:
+            return hw.cost
+    known = ", ".join(hw.layout or "tp1pp1" for hw in layouts)
+    raise ValueError(f"{flag}: {profile} has no layout {name!r} (it has: {known})")
+
+
 def _cache_blocks(text: str | None) -> int | None:
     """None: unbounded."""
     if text is None or text.lower() in ("inf", "infinite", "none"):
@@ -242,9 +270,12 @@ def run_simulate(args: argparse.Namespace) -> dict:
     from kvferry.plan.simulator import ClusterConfig, Simulation
 
     check_profile_fits(args.profile, args.allow_poor_fit, "simulate")
-    cost = StepCostModel.from_profile(args.profile)
+    cost = layout_cost(args.profile, args.layout, "--layout", args.allow_poor_fit)
+    decode_cost = (None if args.decode_layout in (None, args.layout)
+                   else layout_cost(args.profile, args.decode_layout, "--decode-layout", args.allow_poor_fit))
     if args.step_time_scale != 1.0:
         cost = cost.scaled(args.step_time_scale)
+        decode_cost = decode_cost.scaled(args.step_time_scale) if decode_cost is not None else None
     instance, transfer = instance_config(args), transfer_model(args)
     try:
         cluster = ClusterConfig(**counts, instance=instance, router=args.router, transfer=transfer, fast=args.fast,
@@ -258,7 +289,7 @@ def run_simulate(args: argparse.Namespace) -> dict:
     seeds = range(args.noise_seeds if cost.noise is not None and not args.fast else 1)
     summaries, runs, sim, busy = [], [], None, []
     for seed in seeds:
-        sim = Simulation(cluster, cost, capacity, seed=seed)
+        sim = Simulation(cluster, cost, capacity, seed=seed, decode_cost=decode_cost)
         runs.append(list(sim.run([replace(r) for r in requests]).values()))
         summaries.append(summarize(runs[-1], slo))
         busy.append(sum(inst.busy_time for inst in sim.instances()))
@@ -312,7 +343,8 @@ def _config_json(args, counts) -> dict:
             "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "prefix_caching": not args.no_prefix_caching,
-            "instances_per_host": getattr(args, "instances_per_host", 1)}
+            "instances_per_host": getattr(args, "instances_per_host", 1),
+            "layout": getattr(args, "layout", None), "decode_layout": getattr(args, "decode_layout", None)}
 
 
 def format_simulate(result: dict) -> str:
@@ -388,7 +420,7 @@ def run_plan(args: argparse.Namespace) -> dict:
     if args.instances_per_host < 1:
         raise ValueError(f"--instances-per-host must be >= 1, got {args.instances_per_host}")
     pools = plan_pools(args)
-    if args.instances_per_host > 1 and len(pools.all) > 1:
+    if args.instances_per_host > 1 and len({h.base_name for h in pools.all}) > 1:
         raise ValueError("--instances-per-host: pools of different hardware do not share hosts; give one "
                          "--hardware (or --profile) to pack instances onto hosts")
     requests = load_requests(args)
@@ -413,8 +445,10 @@ def plan_pools(args: argparse.Namespace):
         check_profile_fits(args.profile, args.allow_poor_fit, "plan")
         only = Hardware("profile", args.profile, None, StepCostModel.from_profile(args.profile),
                         profile_device(args.profile))
-        return Pools([only], [only], [only])
-    hardware = load_hardware(args.hardware, args.allow_poor_fit)
+        layouts = layout_hardware(only, args.allow_poor_fit)  # one per (TP, PP) the profile measured
+        return Pools(list(layouts), list(layouts), list(layouts))
+    hardware = [lay for hw in load_hardware(args.hardware, args.allow_poor_fit)
+                for lay in layout_hardware(hw, args.allow_poor_fit)]
     colocated = ([] if (args.colocated_hardware or "").strip().lower() == "none"
                  else pick(hardware, args.colocated_hardware, "--colocated-hardware"))
     return Pools(colocated, pick(hardware, args.prefill_hardware, "--prefill-hardware"),

@@ -40,10 +40,22 @@ class Hardware:
     price_per_hour: float | None  # per instance; None: not priced (plain --profile)
     cost: StepCostModel
     device: str = ""  # what the profile was measured on ("cpu", "cuda"); "": it does not say
+    # The parallel layout of its instances (plan/layouts.py): "tp2pp1"; "" for a profile of one layout.
+    layout: str = ""
+    # What one instance of this layout uses, in instances of the profile's first layout (its ranks'
+    # CPUs or GPUs over the first's): what --gpus counts and the price scales by.
+    share: float = 1.0
+
+    @property
+    def base_name(self) -> str:
+        """The hardware's name without its layout ("fast" of "fast:tp2pp1")."""
+        if not self.layout:
+            return self.name
+        return "profile" if self.name == self.layout else self.name.removesuffix(":" + self.layout)
 
     def to_json(self) -> dict:
         return {"name": self.name, "profile": self.profile, "price_per_hour": self.price_per_hour,
-                "device": self.device}
+                "device": self.device, "layout": self.layout or "tp1pp1", "share": self.share}
 
 
 def profile_device(path: str) -> str:
@@ -116,14 +128,14 @@ def pick(hardware: list[Hardware], names: str | None, flag: str) -> list[Hardwar
     """The hardware a pool may use: all, or the comma list ``names``."""
     if names is None:
         return hardware
-    by_name = {h.name: h for h in hardware}
-    chosen = []
+    chosen: list[Hardware] = []
     for name in (n.strip() for n in names.split(",")):
-        if name not in by_name:
-            known = ", ".join(by_name) or "none: give --hardware NAME=PROFILE.json:PRICE"
+        # NAME picks each of its layouts (NAME:tp2pp1, plan/layouts.py); NAME:tp2pp1 picks one
+        matched = [h for h in hardware if h.name == name or h.name.startswith(name + ":")]
+        if not matched:
+            known = ", ".join(h.name for h in hardware) or "none: give --hardware NAME=PROFILE.json:PRICE"
             raise PlanError(f"{flag}: no hardware named {name!r} (known: {known})")
-        if by_name[name] not in chosen:
-            chosen.append(by_name[name])
+        chosen += [h for h in matched if h not in chosen]
     return chosen
 
 

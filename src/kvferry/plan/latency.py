@@ -139,22 +139,29 @@ class StepCostModel:
     @classmethod
     def from_profile(cls, path: str) -> StepCostModel:
         try:
-            data = json.loads(Path(path).read_text())
-            pre, dec = data["prefill"]["fit"], data["decode"]["fit"]
-            if tuple(pre["terms"]) != PREFILL_TERMS or tuple(dec["terms"]) != DECODE_TERMS:
-                raise ValueError(f"fit terms {pre['terms']} / {dec['terms']} are not "
-                                 f"{list(PREFILL_TERMS)} / {list(DECODE_TERMS)}")
-            mixed = (data.get("mixed") or {}).get("fit") or {"terms": MIXED_TERMS, "coef": (0.0, 0.0, 0.0)}
-            if tuple(mixed["terms"]) != MIXED_TERMS:
-                raise ValueError(f"mixed fit terms {mixed['terms']} are not {list(MIXED_TERMS)}")
-            return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
-                       float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")),
-                       tuple(float(c) for c in mixed["coef"]), float(data.get("first_token_delay_s") or 0.0),
-                       HostSharing.from_json(data.get("host_sharing")))
+            return cls.from_json(json.loads(Path(path).read_text()))
         except OSError as e:
             raise PlanError(f"--profile: cannot read {path}: {e.strerror}") from None
         except (ValueError, KeyError, TypeError) as e:
             raise PlanError(f"--profile: {path} is not a kvferry profile JSON: {e}") from None
+
+    @classmethod
+    def from_json(cls, data: dict, layout: dict | None = None) -> StepCostModel:
+        """A profile's model; ``layout``: one entry of its ``layouts`` (that
+        layout's fits, the profile's measured overheads). Raises ValueError,
+        KeyError or TypeError on a malformed profile."""
+        fits = layout if layout is not None else data
+        pre, dec = fits["prefill"]["fit"], fits["decode"]["fit"]
+        if tuple(pre["terms"]) != PREFILL_TERMS or tuple(dec["terms"]) != DECODE_TERMS:
+            raise ValueError(f"fit terms {pre['terms']} / {dec['terms']} are not "
+                             f"{list(PREFILL_TERMS)} / {list(DECODE_TERMS)}")
+        mixed = (data.get("mixed") or {}).get("fit") or {"terms": MIXED_TERMS, "coef": (0.0, 0.0, 0.0)}
+        if tuple(mixed["terms"]) != MIXED_TERMS:
+            raise ValueError(f"mixed fit terms {mixed['terms']} are not {list(MIXED_TERMS)}")
+        return cls(tuple(float(c) for c in pre["coef"]), tuple(float(c) for c in dec["coef"]),
+                   float(data.get("request_overhead_s") or 0.0), StepNoise.from_json(data.get("step_noise")),
+                   tuple(float(c) for c in mixed["coef"]), float(data.get("first_token_delay_s") or 0.0),
+                   HostSharing.from_json(data.get("host_sharing")))
 
     def scaled(self, factor: float) -> StepCostModel:
         """Every step ``factor`` times as long (the fits' coefficients scaled;

@@ -25,6 +25,12 @@ requests that met the SLO), qualifying placements first, then goodput per
 GPU; ``best_mixed`` is the best layout whose prefill and decode pools run
 on different hardware.
 
+Parallel layouts (``layouts.py``): a profile measured at several (TP, PP)
+layouts is one hardware per layout, so every pool is searched on each; an
+instance counts its layout's ``share`` against ``gpus`` and in the price.
+``layout_choice`` names each pool's chosen layout and each layout's best
+placement beside it (the reason).
+
 The rate is the user's (``--rate``) wherever it is printed and in goodput;
 the sampled arrivals' own mean rate (a Poisson sample of 200 requests at
 8 req/s may come out at 7.7) is kept as ``offered_rate``.
@@ -39,6 +45,7 @@ from kvferry.bench.metrics import cost_per_million_useful_tokens
 from kvferry.plan.hardware import DeviceUnit, Hardware, fleet_price_per_hour
 from kvferry.plan.instance import InstanceConfig
 from kvferry.plan.latency import KVTransferModel
+from kvferry.plan.layouts import units
 from kvferry.plan.report import at_percentile_ms, meets
 from kvferry.plan.simulator import ClusterConfig, RequestResult, Simulation
 from kvferry.plan.workload import SimRequest
@@ -95,18 +102,22 @@ def evaluate(requests: list[SimRequest], slo: dict[str, float], cluster: Cluster
     attainment = len(good) / len(results)
     goodput = (rate or offered_rate(requests)) * attainment
     if cluster.disaggregated:
-        hardware = {"prefill": front.name, "decode": (back or front).name}
-        price = fleet_price_per_hour([(cluster.num_prefill, front), (cluster.num_decode, back or front)])
+        pools = {"prefill": (cluster.num_prefill, front), "decode": (cluster.num_decode, back or front)}
     else:
-        hardware = {"colocated": front.name}
-        price = fleet_price_per_hour([(cluster.num_colocated, front)])
+        pools = {"colocated": (cluster.num_colocated, front)}
+    hardware = {pool: hw.name for pool, (_, hw) in pools.items()}
+    price = fleet_price_per_hour(list(pools.values()))
+    # what the placement uses, in the units --gpus counts: a layout's instance is its share (plan/layouts.py)
+    used = sum(units(n, hw) for n, hw in pools.values())
+    used = int(used) if float(used).is_integer() else used
     span, useful = run_span_s(results), sum(r.num_output_tokens for r in good)
     return {"kind": "disaggregated" if cluster.disaggregated else "colocated",
             "num_prefill": cluster.num_prefill, "num_decode": cluster.num_decode,
-            "num_colocated": cluster.num_colocated, "gpus": cluster.num_gpus,
-            "hardware": hardware, "mixed_hardware": len(set(hardware.values())) > 1,
+            "num_colocated": cluster.num_colocated, "gpus": used,
+            "hardware": hardware, "mixed_hardware": len({hw.base_name for _, hw in pools.values()}) > 1,
+            "layout": {pool: hw.layout or "tp1pp1" for pool, (_, hw) in pools.items()},
             "slo_attainment_pct": 100.0 * attainment, "goodput": goodput,
-            "goodput_per_gpu": goodput / cluster.num_gpus,
+            "goodput_per_gpu": goodput / used,
             "at_target_ms": at_percentile_ms(results, slo, target_pct),
             "price_per_hour": price, "run_s": span, "useful_output_tokens": useful,
             "cost_per_million_useful_tokens": cost_per_million_useful_tokens(price, span, useful)}
@@ -143,12 +154,18 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
     ``host_sharing`` while both step; 1 (the default): each its own host.
     ``rate``: the rate the user asked for (None: the arrivals' own)."""
     base = dict(instance=instance, router=router, fast=fast, instances_per_host=instances_per_host)
+    fits = 1e-9  # float shares (CPU layouts) must not lose a placement to rounding
+
+    def counts(hw: Hardware, budget: float) -> range:
+        """1.. the most instances of ``hw`` within ``budget`` units."""
+        return range(1, int(budget / hw.share + fits) + 1)
+
     layouts = [(ClusterConfig(num_colocated=c, **base), hw, None)
-               for hw in pools.colocated for c in range(1, gpus + 1)]
+               for hw in pools.colocated for c in counts(hw, gpus)]
     layouts += [(ClusterConfig(num_colocated=0, num_prefill=p, num_decode=d, transfer=transfer(ph, dh), **base),
                  ph, dh)
                 for ph in pools.prefill for dh in pools.decode
-                for p in range(1, gpus) for d in range(1, gpus - p + 1)]
+                for p in counts(ph, gpus - dh.share) for d in counts(dh, gpus - units(p, ph))]
     if not layouts:
         raise ValueError(f"--gpus {gpus} with no colocated hardware leaves no placement (a disaggregated one "
                          "needs 2 instances)")
@@ -176,9 +193,53 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
            # False: no placement keeps min_attainment_pct within the SLO ("best" is then only the
            # least bad by the ranking; "nearest" are the closest by attainment)
            "meets_slo": overall["qualifies"], "nearest": [] if overall["qualifies"] else nearest}
-    if len(hardware) > 1:  # the best disaggregated layout with its pools on different hardware
+    if len({h.base_name for h in hardware}) > 1:  # the best disaggregated layout, pools on different hardware
         out["best_mixed"] = min((c for c in candidates if c["mixed_hardware"]), key=rank, default=None)
+    if any(h.layout for h in hardware):
+        out["layout_choice"] = layout_choice(candidates, rank)
     return out
+
+
+def layout_choice(candidates: list[dict], rank) -> dict:
+    """Per pool (colocated, prefill, decode): the best placement on each of
+    its hardware/layouts, and the layout chosen (the best of those: the one
+    the pool's best placement runs). Why: each alternative's best placement,
+    its cost per million useful tokens and goodput per unit, side by side."""
+    out: dict = {}
+    for pool in ("colocated", "prefill", "decode"):
+        best: dict[str, dict] = {}
+        for c in candidates:
+            if (name := c["hardware"].get(pool)) is not None and (name not in best or rank(c) < rank(best[name])):
+                best[name] = c
+        if not best:
+            continue
+        chosen = min(best, key=lambda name: rank(best[name]))
+        out[pool] = {"chosen": chosen, "layout": best[chosen]["layout"][pool],
+                     "by_hardware": {name: {"layout": c["layout"][pool], "placement": label(c, True),
+                                            "cost_per_million_useful_tokens": c["cost_per_million_useful_tokens"],
+                                            "goodput_per_gpu": c["goodput_per_gpu"],
+                                            "slo_attainment_pct": c["slo_attainment_pct"],
+                                            "qualifies": c["qualifies"]}
+                                     for name, c in sorted(best.items(), key=lambda kv: rank(kv[1]))}}
+    return out
+
+
+def layout_choice_text(result: dict, per: str) -> list[str]:
+    """One line per pool: the chosen layout and why (each layout's best placement)."""
+    lines = []
+    priced = result.get("ranked_by") == "cost_per_million_useful_tokens"
+    for pool, choice in (result.get("layout_choice") or {}).items():
+        alternatives = []
+        for name, c in choice["by_hardware"].items():
+            if priced and c["cost_per_million_useful_tokens"] is None:
+                score = "no useful token"
+            else:
+                score = (f"{_cost_text(c)} per million useful tokens" if priced
+                         else f"{c['goodput_per_gpu']:.3f} req/s {per}")
+            alternatives.append(f"{name} {score} at its best ({c['placement']}"
+                                + ("" if c["qualifies"] else ", below target") + ")")
+        lines.append(f"{pool + ' layout':>19}: {choice['chosen']}, of " + "; ".join(alternatives))
+    return lines
 
 
 NEAREST = 3  # placements listed when none meets the SLO
@@ -267,7 +328,7 @@ def format_plan(result: dict) -> str:
                                                  for h in result["hardware"])
                      + "; ranked by cost per million useful tokens")
     for c in shown:
-        lines.append(f"{label(c, hw):>{width}} {c['gpus']:>{count_w}} {c['slo_attainment_pct']:>8.1f} "
+        lines.append(f"{label(c, hw):>{width}} {c['gpus']:>{count_w}g} {c['slo_attainment_pct']:>8.1f} "
                      f"{c['goodput']:>9.3f} {c['goodput_per_gpu']:>{per_w}.3f}"
                      + (f" {c['price_per_hour']:>8.4g} {_cost_text(c):>17}" if priced else "")
                      + ("" if c["qualifies"] else "  (below target)"))
@@ -281,6 +342,7 @@ def format_plan(result: dict) -> str:
         lines.append(f"{name:>19}: {label(c, hw)} ({c['goodput_per_gpu']:.3f} req/s {per}, "
                      + (f"{_cost_text(c)} per million useful tokens, " if priced else "")
                      + f"{c['slo_attainment_pct']:.1f}% within SLO)" + ("" if c["qualifies"] else "  (below target)"))
+    lines += layout_choice_text(result, per)
     if not result["best"]["qualifies"]:
         lines.append(no_placement_text(result))
     return "\n".join(lines)

@@ -24,6 +24,10 @@ class RouterConfig:
     # CPUs of every prefill / decode core ("0", "2-3"); None: any.
     prefill_cpus: str | None = None
     decode_cpus: str | None = None
+    # Tensor-parallel ranks of each prefill / decode core this server
+    # starts (disagg mode); None: the engine's tensor_parallel_size.
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
     # Cores started elsewhere (``kvferry engine-core --address A``) to join at start.
     worker_addresses: list[str] = field(default_factory=list)
     # CPUs of each started core, by index ("0", "2-3"); one entry applies to all.
@@ -61,6 +65,7 @@ class RouterConfig:
         for cpus in (self.prefill_cpus, self.decode_cpus):
             if cpus:
                 parse_cpus(cpus)
+        check_pool_tp(self.mode, self.prefill_tp, self.decode_tp)
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.worker_addresses):
             raise ValueError(f"data_parallel_size must be >= 1 (or 0 with --worker), got {self.data_parallel_size}")
         for entry in self.worker_addresses:
@@ -93,6 +98,11 @@ class RouterConfig:
         return ([(f"prefill-{i}", "prefill", self.prefill_cpus) for i in range(self.num_prefill)]
                 + [(f"decode-{i}", "decode", self.decode_cpus) for i in range(self.num_decode)])
 
+    def tp_of_role(self, role: str) -> int | None:
+        """A ``role`` core's tensor-parallel ranks (--prefill-tp / --decode-tp),
+        or None for the engine's own."""
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+
     def cpus_of_role(self, role: str) -> str | None:
         """The CPUs a core of ``role`` added later is bound to (its role's
         --*-cpus; one engine core list shared by all, or none)."""
@@ -106,6 +116,18 @@ class RouterConfig:
         if not self.engine_cpus:
             return None
         return self.engine_cpus[0] if len(self.engine_cpus) == 1 else self.engine_cpus[index]
+
+
+def check_pool_tp(mode: str, prefill_tp: object, decode_tp: object) -> None:
+    """--prefill-tp / --decode-tp: integers >= 1, in disagg mode only
+    (ValueError naming the flag)."""
+    for flag, value in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+        if mode != "disagg":
+            raise ValueError(f"{flag} {value}: only with --mode disagg (a colocated core takes -tp)")
 
 
 def split_worker(entry: str, mode: str) -> tuple[str, str]:
@@ -130,6 +152,7 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         mode=args.mode, data_parallel_size=args.data_parallel_size, worker_addresses=list(args.worker),
         num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+        prefill_tp=getattr(args, "prefill_tp", None), decode_tp=getattr(args, "decode_tp", None),
         engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
         health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import zmq
 
 from kvferry.engine.core_client import CoreAddresses, CoreConnection
-from kvferry.messages import EngineCoreHello, EngineCoreReady
+from kvferry.messages import EngineCoreReady
 from kvferry.router.config import check_role
 from kvferry.router.errors import EngineDeadError, EngineRestartingError
 from kvferry.router.prefix_index import PrefixIndex
@@ -252,7 +252,7 @@ class HealthMonitor:
                 kill_hung(worker)
                 continue
             with contextlib.suppress(zmq.ZMQError):
-                worker.connection.send(EngineCoreHello())
+                worker.connection.hello()
 
     async def run(self) -> None:
         while True:

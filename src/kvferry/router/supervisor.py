@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -61,11 +62,15 @@ class LaunchOptions:
     cpus: dict[str, str | None] = field(default_factory=dict)  # by core name
     # The cores are Ray actors (--ray): a dead one is restarted by Ray and re-joined.
     ray: RayCores | None = None
+    tp: dict[str, int | None] = field(default_factory=dict)  # by role: --prefill-tp / --decode-tp
 
 
-def core_config(args: EngineArgs, role: str):
+def core_config(args: EngineArgs, role: str, tp: int | None = None):
     """The engine config of a core with this role: prefill and decode cores
-    get a KV transfer socket (a free loopback port unless one was given)."""
+    get a KV transfer socket (a free loopback port unless one was given);
+    ``tp``: its pool's tensor-parallel ranks (None: the engine's)."""
+    if tp is not None:
+        args = dataclasses.replace(args, tensor_parallel_size=tp)
     config = args.create_engine_config()
     if role != "engine" and not config.kv_transfer.kv_transfer_address:
         config.kv_transfer.kv_transfer_address = "tcp://127.0.0.1:0"
@@ -81,10 +86,12 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
     specs = router.core_specs()
     # Started together, so that N cores load their models in parallel.
     if ray is not None:
-        processes = ray.start([(name, role, core_config(args, role), cpus) for name, role, cpus in specs],
+        processes = ray.start([(name, role, core_config(args, role, router.tp_of_role(role)), cpus)
+                               for name, role, cpus in specs],
                               check_integrity_when_idle, log_level, ready_timeout_s)
     else:
-        processes = [CoreProcess.start(core_config(args, role), name, check_integrity_when_idle, log_level,
+        processes = [CoreProcess.start(core_config(args, role, router.tp_of_role(role)), name,
+                                       check_integrity_when_idle, log_level,
                                        cpus=cpus) for name, role, cpus in specs]
     connections: list[CoreConnection] = []
     try:
@@ -103,7 +110,8 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
         _stop(connections, processes)
         raise
     options = LaunchOptions(args, check_integrity_when_idle, ready_timeout_s, log_level,
-                            {name: cpus for name, _, cpus in specs}, ray)
+                            {name: cpus for name, _, cpus in specs}, ray=ray,
+                            tp={role: router.tp_of_role(role) for role in ("prefill", "decode")})
     return workers, options
 
 
@@ -271,7 +279,8 @@ class RestartSupervisor:
         if opts.ray is not None:
             process = await opts.ray.rejoin(old.name, old.process, opts.ready_timeout_s)
         else:
-            process = CoreProcess.start(core_config(opts.args, old.role), old.name, opts.check_integrity_when_idle,
+            process = CoreProcess.start(core_config(opts.args, old.role, opts.tp.get(old.role)), old.name,
+                                        opts.check_integrity_when_idle,
                                         opts.log_level, cpus=opts.cpus.get(old.name))
         return await self._handshake(old.name, old.role, process, num_restarts=old.num_restarts + 1)
 
@@ -293,7 +302,7 @@ class RestartSupervisor:
             raise RuntimeError("this server did not start its engine cores, so it cannot start more: "
                                "join running cores with POST /v1/admin/workers")
         opts.cpus[name] = cpus
-        config = core_config(opts.args, role)
+        config = core_config(opts.args, role, opts.tp.get(role))
         if opts.ray is not None:
             process = await opts.ray.add(name, role, config, cpus, opts.check_integrity_when_idle, opts.log_level,
                                          opts.ready_timeout_s)

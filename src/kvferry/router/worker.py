@@ -69,7 +69,8 @@ class Worker:
             "prompt_tokens_computed": s.num_prompt_tokens_computed,
             "draft_prompt_tokens_computed": s.num_draft_prompt_tokens_computed,
             "step_model": self.step_model.fit(),
-            "tensor_parallel_size": max(1, len(self.ready.ranks)),
+            "tensor_parallel_size": max(1, len(self.ready.ranks) // self.ready.pipeline_parallel_size),
+            "pipeline_parallel_size": self.ready.pipeline_parallel_size,
             "ranks": self.describe_ranks(),
         }
 

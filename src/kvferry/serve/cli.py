@@ -100,6 +100,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode", type=int, default=1, help="decode cores to start in disagg mode")
     group.add_argument("--prefill-cpus", default=None, help='CPUs of the prefill cores in disagg mode, e.g. "0"')
     group.add_argument("--decode-cpus", default=None, help='CPUs of the decode cores in disagg mode, e.g. "1"')
+    group.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                       help="disagg mode: tensor-parallel ranks of each prefill core (default: --tensor-parallel-size); "
+                            "the KV transfer reshards heads to the decode cores' ranks (docs/parallelism.md)")
+    group.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                       help="disagg mode: tensor-parallel ranks of each decode core (default: --tensor-parallel-size)")
     group.add_argument("--worker", action="append", default=[], metavar="ADDRESS",
                        help="join a running `kvferry engine-core --address ADDRESS` (repeatable; disagg: prefill=ADDRESS or decode=ADDRESS)")
     group.add_argument("--engine-cpus", action="append", default=[], metavar="CPUS",

@@ -13,6 +13,7 @@ sizes) stays the core's to report, in one line too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -23,8 +24,11 @@ from kvferry.autoscale import flags as autoscale_flags
 from kvferry.config import EngineArgs
 from kvferry.engine.core_addresses import parse_cpus
 from kvferry.fleet.placement import parse_resources
+from kvferry.model.config import ModelConfig
 from kvferry.model.gguf_header import gguf_context_length
 from kvferry.model.resolve import resolve_model
+from kvferry.model.tp_split import check_split
+from kvferry.router.config import check_pool_tp
 
 _HEAD_METHODS = ("head", "eagle", "eagle3")  # eagle, eagle3: vLLM's names for it (config.py)
 # Flags that tune the autoscaler: given without --autoscale they would do
@@ -43,13 +47,18 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     for flag in ("ray_engine_resources", "ray_prefill_resources", "ray_decode_resources"):
         parse_resources(getattr(args, flag), "--" + flag.replace("_", "-"))
     _autoscale(args)
+    _expert_parallel(args, engine_args)
     _kv_connector(engine_args.kv_connector)
+    check_pool_tp(getattr(args, "mode", "colocated"), getattr(args, "prefill_tp", None),
+                  getattr(args, "decode_tp", None))
     if not local_cores:
         return
     if getattr(args, "ray", None) is None:  # Ray places cores on other nodes, with their own CPUs
         _cpus(args)
     _max_model_len(engine_args)
     _tensor_parallel(engine_args)
+    _pool_tensor_parallel(args, engine_args)
+    _pipeline_parallel(engine_args)
     _speculative(engine_args)
 
 
@@ -157,21 +166,51 @@ def _hf_config(model: str | None) -> dict:
 
 
 def _tensor_parallel(engine_args: EngineArgs) -> None:
-    """The split the ranks would refuse after loading (model/layers/parallel.py's
-    TPShard.check), from config.json alone."""
+    """The split the ranks would refuse after loading (model/tp_split.py,
+    as TPShard.check), from config.json alone."""
     size = engine_args.tensor_parallel_size
     if not isinstance(size, int) or size <= 1:
         return
-    config = _hf_config(engine_args.model)
-    if config.get("num_experts") or config.get("num_local_experts"):
-        raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models run at tensor_parallel_size 1 "
-                         "for now")
-    heads = config.get("num_attention_heads")
-    sizes = {"num_attention_heads": heads, "num_key_value_heads": config.get("num_key_value_heads", heads),
-             "intermediate_size": config.get("intermediate_size")}
-    for name, value in sizes.items():
-        if isinstance(value, int) and value % size:
-            raise ValueError(f"tensor_parallel_size {size}: the model's {name} ({value}) is not divisible by it")
+    try:
+        config = ModelConfig.from_hf_dict(_hf_config(engine_args.model))
+    except (KeyError, TypeError, ValueError):
+        return  # no config.json (a .gguf) or one the core will refuse in its own words
+    check_split(config, size, engine_args.enable_expert_parallel)
+
+
+def _expert_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """vLLM shards experts over data-parallel x tensor-parallel ranks; here
+    they are sharded over one core's -tp ranks, so each core must be the
+    only one (more cores would each hold every expert)."""
+    cores = getattr(args, "data_parallel_size", 1)
+    if engine_args.enable_expert_parallel and isinstance(cores, int) and cores > 1:
+        raise ValueError(f"--enable-expert-parallel with --data-parallel-size {cores}: experts are sharded over "
+                         "one engine core's -tp ranks only for now: give --data-parallel-size 1")
+
+
+def _pool_tensor_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """--prefill-tp / --decode-tp: the model splits over that many ranks, and
+    the pool's configuration runs over them (the engine's one-line refusals)."""
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_tp", None)
+        if size is None:
+            continue
+        try:
+            pool_args = dataclasses.replace(engine_args, tensor_parallel_size=size)  # validates the engine config
+            _tensor_parallel(pool_args)
+        except ValueError as exc:
+            raise ValueError(f"--{role}-tp {size}: {exc}") from None
+
+
+def _pipeline_parallel(engine_args: EngineArgs) -> None:
+    """Each stage needs a layer (parallel/pipeline.py's pp_layer_range), from config.json alone."""
+    size = engine_args.pipeline_parallel_size
+    if not isinstance(size, int) or size <= 1:
+        return
+    layers = _hf_config(engine_args.model).get("num_hidden_layers")
+    if isinstance(layers, int) and layers < size:
+        raise ValueError(f"pipeline_parallel_size {size}: the model has only {layers} layers "
+                         "(each stage needs at least one)")
 
 
 def _max_model_len(engine_args: EngineArgs) -> None:

@@ -47,7 +47,6 @@ REFUSED: dict[str, str] = {
     "--speculative-model": "give the draft as --speculative-config '{\"method\": \"draft\", \"model\": PATH}'",
     "--num-speculative-tokens": "give it in --speculative-config '{\"num_speculative_tokens\": K, ...}'",
     "--kv-transfer-config": "kvferry's own P/D transfer takes --kv-transfer-address (docs/disaggregation.md)",
-    "--enable-expert-parallel": "expert parallelism is not supported yet (MoE models run whole in each engine core)",
     "--uds": "listening on a unix socket is not supported: give --host and --port",
     "--hf-overrides": "config.json is read as it is: edit a copy of the model folder instead",
     "--rope-scaling": "config.json's rope_scaling is used as it is: edit a copy of the model folder instead",
@@ -105,7 +104,8 @@ def add_serve_compat_args(g: argparse._ArgumentGroup) -> None:
                    help="mp or uni: no-op (engine cores are processes); ray is refused: kvferry serve --ray ADDRESS "
                         "places the engine cores on a Ray cluster")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N",
-                   help="only 1 (pipeline parallelism is not built yet; -tp splits a core over ranks)")
+                   help="pipeline stage processes per engine core on this host, each with its share of the layers "
+                        "(docs/parallelism.md)")
     g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                    help=f"only {MAX_LOGPROBS}: requests may ask for top_logprobs up to {MAX_LOGPROBS}")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
@@ -152,11 +152,11 @@ def apply_serve_compat_args(args: argparse.Namespace, engine_args: EngineArgs, n
     if args.code_revision is not None:
         note(f"--code-revision {args.code_revision}: no-op (kvferry runs no code from a model repository)")
     _executor_backend(args.distributed_executor_backend, note)
-    if args.pipeline_parallel_size not in (None, 1):
-        raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is not "
-                         "supported yet; --tensor-parallel-size N splits a core over N ranks, --data-parallel-size N starts N cores")
     if args.pipeline_parallel_size == 1:
         note("--pipeline-parallel-size 1: no-op (one pipeline stage)")
+    elif args.pipeline_parallel_size is not None:  # the engine's own option (no flag of its own there)
+        engine_args = dataclasses.replace(engine_args, pipeline_parallel_size=args.pipeline_parallel_size)
+        note(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline stage processes per engine core")
     if args.max_logprobs is not None:
         if args.max_logprobs != MAX_LOGPROBS:
             raise ValueError(f"--max-logprobs {args.max_logprobs}: kvferry's bound is fixed at {MAX_LOGPROBS} "

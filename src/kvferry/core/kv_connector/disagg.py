@@ -46,6 +46,9 @@ class KVTransferSettings:
     shm_name: str  # the KV pool's shared-memory segment ("": none)
     timeout_s: float  # the lease of each transfer
     recompute_on_failure: bool  # else finish the request with an error
+    # This core's tensor-parallel ranks, each with a pool of its own heads
+    # (KVDestination.tp_size).
+    tp_size: int = 1
 
 
 def kv_role(request: Request) -> str:
@@ -88,7 +91,7 @@ class PDTransferScheduler(KVConnectorScheduler):
         orders.receive.append(ReceiveOrder(rid, transfer_id, block_ids, deadline))
         return KVDestination(transfer_id=transfer_id, address=settings.address, shm_name=settings.shm_name,
                              block_ids=block_ids, num_cached_tokens=request.num_computed_tokens, block_size=bs,
-                             lease_s=settings.timeout_s, deadline=deadline)
+                             lease_s=settings.timeout_s, deadline=deadline, tp_size=settings.tp_size)
 
     def load_finished(self, request: Request, num_tokens: int, result: RunnerOutput,
                       outputs: list[EngineCoreOutput]) -> None:
@@ -183,6 +186,7 @@ class PDTransferScheduler(KVConnectorScheduler):
             all_dst_block_ids=list(dest.block_ids),
             num_final_blocks=hi - lo if end >= request.num_prompt_tokens else end // bs - lo,
             last=end >= request.num_prompt_tokens, lease_s=dest.lease_s, deadline=dest.deadline,
+            dst_tp_size=dest.tp_size,
         ))
 
     def apply_completions(self, result: RunnerOutput) -> None:

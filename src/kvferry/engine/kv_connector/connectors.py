@@ -34,6 +34,7 @@ from kvferry.engine.kv_connector.disagg import PDTransferWorker
 from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
 from kvferry.engine.kv_connector.store import NodeStore, NodeStoreWorker
 from kvferry.engine.kv_connector.swap import HostSwapWorker
+from kvferry.model.layers.parallel import TPShard
 
 
 @dataclass(slots=True)
@@ -48,6 +49,10 @@ class WorkerContext:
     draft_kv_cache: torch.Tensor | None = None
     # This core's speculation signature (``kvferry.spec.speculation_signature``).
     speculative: str = ""
+    # The runner's rank of a tensor-parallel core (each rank's runner makes
+    # its own worker half over its own KV heads; its group formed; rank 0 of
+    # 1 without tensor parallelism), or None (a model without one).
+    shard: TPShard | None = None
 
 
 @dataclass(slots=True)
@@ -111,7 +116,8 @@ class PDTransferConnector(KVConnector):
         self.worker: PDTransferWorker | None = None
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
-        self.worker = PDTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.draft_kv_cache, ctx.speculative)
+        self.worker = PDTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.draft_kv_cache, ctx.speculative,
+                                       ctx.shard)
         return self.worker
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:

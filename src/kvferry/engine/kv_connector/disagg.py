@@ -5,6 +5,14 @@ On CPU the KV pool moves into shared memory first, so that a prefill core
 on this host writes a decode core's blocks in place; on a GPU it stays
 where it is. A draft model's pool (speculative method "draft") travels with
 the target's, as layers after them.
+
+Tensor parallelism: each rank's runner makes its own worker half over its
+own pool (its KV heads). Rank 0 creates every rank's pool in shared memory
+(``rank_pool_name``: rank r's name is rank 0's with ``-rank{r}``, so a peer
+needs one name and the rank count, and the segments go with rank 0) and
+publishes the name through the group's store; rank r maps its own. Rank 0
+holds the transfer socket and receives for every rank; every rank sends
+its own heads (kvferry.disagg.agent).
 """
 from __future__ import annotations
 
@@ -14,28 +22,38 @@ from kvferry.config import KVTransferConfig
 from kvferry.core.kv_connector import KVTransferSettings
 from kvferry.core.outputs import KVOrders
 from kvferry.disagg.agent import KVTransferAgent, StepTransfer
-from kvferry.disagg.transport import SharedKVPool
+from kvferry.disagg.transport import SharedKVPool, rank_pool_name
 from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker
+from kvferry.model.layers.parallel import TPShard
+
+# The group store's key for rank 0's pool name (one core per group).
+_POOL_KEY = "kv_transfer_pool"
 
 
 class PDTransferWorker(KVConnectorWorker):
     order_kinds = frozenset({"receive", "stream"})
 
     def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig,
-                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "") -> None:
-        pool = None
+                 draft_kv_cache: torch.Tensor | None = None, speculative: str = "",
+                 shard: TPShard | None = None) -> None:
+        """``shard``: this rank of a tensor-parallel core (None: one rank)."""
+        rank, size = (shard.rank, shard.size) if shard is not None else (0, 1)
+        pool, rank_pools = None, []
         if kv_cache.device.type == "cpu":
-            pool = SharedKVPool.create(tuple(kv_cache.shape), kv_cache.dtype)
+            pool, rank_pools = _shared_pools(kv_cache, shard) if size > 1 else (
+                SharedKVPool.create(tuple(kv_cache.shape), kv_cache.dtype), [])
             kv_cache = pool.tensor
         self.config = config
-        self.agent = KVTransferAgent(kv_cache, config, pool, draft_kv_cache, speculative)
+        self.tp_size = size
+        self.agent = KVTransferAgent(kv_cache, config, pool, draft_kv_cache, speculative, tp_rank=rank,
+                                     tp_size=size, rank_pools=rank_pools)
         self.kv_cache = self.agent.kv_cache
 
     def settings(self) -> KVTransferSettings:
         """What the scheduler half announces to prefill cores."""
         c = self.config
         return KVTransferSettings(self.agent.address, self.agent.shm_name, c.kv_transfer_timeout_s,
-                                  c.kv_transfer_failure == "recompute")
+                                  c.kv_transfer_failure == "recompute", tp_size=self.tp_size)
 
     def run_orders(self, orders: KVOrders) -> None:
         self.agent.expect(orders)
@@ -61,3 +79,20 @@ class PDTransferWorker(KVConnectorWorker):
 
     def close(self) -> None:
         self.agent.close()
+
+
+def _shared_pools(kv_cache: torch.Tensor, shard: TPShard) -> tuple[SharedKVPool, list[SharedKVPool]]:
+    """(this rank's pool in shared memory, and on rank 0 ranks 1..N-1's,
+    which it creates): every rank's pool has rank 0's shape (the same
+    blocks, K / N heads each). A worker rank is built after rank 0's runner
+    (tp_ranks.RunnerShape), so the name is in the store when it looks."""
+    shape, dtype = tuple(kv_cache.shape), kv_cache.dtype
+    group = getattr(shard.group, "group", shard.group)  # ShmAllReduce wraps the ProcessGroup
+    if shard.rank == 0:
+        pool = SharedKVPool.create(shape, dtype)
+        others = [SharedKVPool.create(shape, dtype, name=rank_pool_name(pool.name, r)) for r in range(1, shard.size)]
+        group.store_set(_POOL_KEY, pool.name)
+        return pool, others
+    name = rank_pool_name(group.store_get(_POOL_KEY), shard.rank)
+    block_shape = (shape[0], shape[1], *shape[3:])  # (layers, 2, block_size, kv_heads, head_dim)
+    return SharedKVPool.attach(name, block_shape, dtype), []

@@ -81,10 +81,10 @@ _SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 
 class Int8Config(LinearConfig):
     """Every linear layer int8 except the lm_head (kept in the model's dtype,
-    as vLLM's W8A8 schemes do: its error would reach every logit), a mixture
-    of experts' expert stacks (attention, router and shared expert are int8) and the
+    as vLLM's W8A8 schemes do: its error would reach every logit) and the
     layers ``ignore`` names (a compressed-tensors checkpoint's ``ignore``
-    list: HF module names, or ``re:`` patterns)."""
+    list: HF module names, or ``re:`` patterns). A mixture of experts' expert
+    stacks take this method too, and moe_quant.py keeps them int8 per expert."""
 
     name = "int8"
 
@@ -105,7 +105,5 @@ class Int8Config(LinearConfig):
         return False
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
-        # A mixture of experts' stacked expert weights (moe.py) stay float for now: the
-        # stack is one plain parameter that its experts' layers view.
-        plain = prefix == "lm_head" or ".experts." in prefix or self._ignored(prefix)
+        plain = prefix == "lm_head" or self._ignored(prefix)
         return self._plain if plain else self._int8

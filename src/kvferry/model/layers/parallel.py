@@ -14,7 +14,18 @@ A rank of a tensor-parallel group of ``size`` holds:
     lm_head                  column-parallel over the same vocabulary slice; the logits are
                              all-gathered and the padding cut off (gather_logits)
 
-Everything else (norms, RoPE tables) is replicated. The KV cache of a rank
+A mixture-of-experts layer (model/moe.py) splits one of two ways:
+
+    experts (default)        every expert sliced as the dense MLP is: its gate/up rows and
+                             down columns of moe_intermediate_size / tp (vLLM's default)
+    experts (expert_parallel) whole experts: rank r holds [r * E / tp, (r + 1) * E / tp) and
+                             runs only the tokens routed to them (--enable-expert-parallel)
+    shared expert, its gate  the shared expert sliced as a dense MLP; its sigmoid gate ([1, H])
+                             and the router replicated
+    either way the routed and shared partial outputs are summed locally and
+    all-reduced once, as the dense down_proj's are (SparseMoeBlock.forward).
+
+Everything else (norms, RoPE tables, routers) is replicated. The KV cache of a rank
 holds its KV heads only, so each rank's pool has the same blocks and the
 scheduler's one block table serves every rank.
 
@@ -34,6 +45,7 @@ import torch.nn.functional as F
 
 from kvferry.model.config import ModelConfig
 from kvferry.model.layers.base import Linear
+from kvferry.model.tp_split import check_split
 
 
 class Collectives(Protocol):
@@ -51,6 +63,8 @@ class TPShard:
 
     rank: int = 0
     size: int = 1
+    # Experts whole per rank (--enable-expert-parallel), else every expert sliced.
+    expert_parallel: bool = False
     group: Collectives | None = None
 
     def __post_init__(self) -> None:
@@ -79,17 +93,7 @@ class TPShard:
     # -- the split ---------------------------------------------------------------
     def check(self, config: ModelConfig) -> None:
         """ValueError naming the first field that does not split over ``size`` ranks."""
-        if self.size == 1:
-            return
-        if config.num_experts:
-            # Expert tensors end in the dense MLP's names: weight_slice would cut them as one.
-            raise ValueError(f"tensor_parallel_size {self.size}: mixture-of-experts models run at "
-                             f"tensor_parallel_size 1 for now")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            value = getattr(config, name)
-            if value % self.size:
-                raise ValueError(f"tensor_parallel_size {self.size}: the model's {name} ({value}) is not "
-                                 f"divisible by it")
+        check_split(config, self.size, self.expert_parallel)
 
     def part(self, total: int) -> tuple[int, int]:
         """[start, stop) of this rank's even share of ``total``."""
@@ -119,10 +123,33 @@ class TPShard:
                 "mlp.gate_proj": c.intermediate_size, "mlp.up_proj": c.intermediate_size}
         cols = {"self_attn.o_proj": c.q_size, "mlp.down_proj": c.intermediate_size}
         module, _, kind = proj.rpartition(".")
+        if ".experts." in module or ".shared_expert." in module:
+            return self._expert_slice(module, kind, config)
         if module in rows:  # weight [out, in] or bias [out]: whole heads / intermediate rows
             return (0, *self.part(rows[module]))
         if module in cols and kind == "weight":
             return (1, *self.part(cols[module]))
+        return None
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """[start, stop) of the experts this rank holds: whole ones with
+        expert parallelism, else all of them (each sliced)."""
+        return self.part(num_experts) if self.expert_parallel else (0, num_experts)
+
+    def _expert_slice(self, module: str, kind: str, c: ModelConfig) -> tuple[int, int, int] | None:
+        """An expert's (``mlp.experts.N.gate_proj``, Mixtral's
+        ``block_sparse_moe.experts.N.w1``) or the shared expert's projection:
+        gate/up rows and down columns of this rank's intermediate slice;
+        whole with expert parallelism (the shared expert is sliced either way)."""
+        shared = ".shared_expert." in module
+        if kind != "weight" or (self.expert_parallel and not shared):
+            return None
+        inter = c.shared_expert_intermediate_size if shared else c.moe_intermediate_size
+        leaf = module.rpartition(".")[2]
+        if leaf in ("gate_proj", "up_proj", "w1", "w3"):
+            return (0, *self.part(inter))
+        if leaf in ("down_proj", "w2"):
+            return (1, *self.part(inter))
         return None
 
 

@@ -1,0 +1,158 @@
+"""A pipeline stage's runner: the step's batch as micro-batches through this
+stage's layers (pp_stages.py has the processes; docs/architecture.md the picture).
+
+Every stage keeps the same persistent batch (the scheduler's deltas reach all
+of them), so each builds the same flattened step and cuts it into the same
+micro-batches: contiguous runs of requests, balanced by tokens. A micro-batch
+is a step of its own for attention (its requests' block tables, slots and
+lengths), so the stages need nothing but the residual stream between them:
+
+    stage 0:   embed + layers of mb 0 ─▶ send │ mb 1 ─▶ send │ ...            │ wait for the output
+    stage 1:            recv mb 0, layers ─▶ send │ recv mb 1 ... ─▶ send     │
+    last:                        recv mb 0, layers │ ... mb M-1 │ norm, lm_head, sample ─▶ rank 0
+
+While stage s runs micro-batch k + 1, stage s + 1 runs k. Only the residual
+``h`` travels: the next stage's first ``input_layernorm(h)`` gives the same
+bits as the fused add-and-norm the stage before would have made.
+
+The last stage samples (it holds the lm_head, and with it the sampler's
+state: penalties, grammars, seeded positions), as ModelRunner does; its
+``RunnerOutput`` goes back to rank 0, which appends the tokens to its batch
+(its next step embeds them) and forwards them to the middle stages with the
+next step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import zmq
+
+from kvferry.core.outputs import RunnerOutput, SchedulerOutput
+from kvferry.engine.runner import ModelRunner, StepInputs
+from kvferry.model.input_batch import FlatStep
+from kvferry.model.llama import allocate_kv_cache
+from kvferry.parallel.pipeline import recv_tensor, send_tensor
+
+# How long a stage waits for the stage before in one look; between looks it
+# checks that its group is whole (``StageLink.alive`` raises otherwise).
+_POLL_MS = 200
+# Without --pp-micro-batches a step is cut into up to one micro-batch a stage,
+# each of at least this many tokens. Every micro-batch reads the stage's
+# weights again: a decode step of a few rows is bound by that read, so two
+# half-batches cost about two whole ones and the overlap does not pay it back
+# (bench/pp_decode.py at c16: 2 micro-batches 0.54-0.59x one's tok/s, 4 about
+# 0.4x); a prompt chunk is bound by its arithmetic, which halves with its rows
+# (the 512-token prompts' step: 2 micro-batches 1.65x one).
+MIN_MICRO_BATCH_TOKENS = 64
+
+
+@dataclass(slots=True)
+class StageLink:
+    """A stage's sockets: activations from the stage before (None on the
+    first) and to the stage after (None on the last)."""
+
+    prev: zmq.Socket | None
+    next: zmq.Socket | None
+    alive: Callable[[], None]  # raises once the stage group has failed
+
+
+def micro_batches(query_start_loc: np.ndarray, count: int) -> list[tuple[int, int]]:
+    """Request ranges [r0, r1) of up to ``count`` micro-batches, in order: the
+    k-th ends at the first request whose end reaches k equal shares of the
+    tokens (a long prompt chunk is one request and stays whole), and each
+    keeps at least one request."""
+    num_reqs = len(query_start_loc) - 1
+    count = max(1, min(count, num_reqs))
+    total = int(query_start_loc[-1])
+    bounds, start = [], 0
+    for k in range(1, count):
+        end = int(np.searchsorted(query_start_loc, total * k / count, side="left"))
+        end = min(max(end, start + 1), num_reqs - (count - k))  # room for the micro-batches after it
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, num_reqs))
+    return bounds
+
+
+def slice_flat(flat: FlatStep, r0: int, r1: int) -> FlatStep:
+    """Requests [r0, r1) of a flattened step as a step of their own."""
+    qsl = flat.query_start_loc
+    t0, t1 = int(qsl[r0]), int(qsl[r1])
+    return FlatStep(flat.input_ids[t0:t1], flat.positions[t0:t1], flat.slots[t0:t1], qsl[r0:r1 + 1] - t0,
+                    flat.seq_lens[r0:r1], flat.block_tables[r0:r1], max(0, min(flat.num_prefills, r1) - r0))
+
+
+class StageRunner(ModelRunner):
+    """ModelRunner over this stage's layers and their KV cache; the stage comes
+    with the model (``loaded.model.stage``). ``link`` (set before the first
+    step): its sockets; ``micro_batches``: how many a step is cut into (None:
+    by its size, ``micro_batch_count``)."""
+
+    def __init__(self, loaded, config, num_blocks: int, max_model_len: int, **kwargs) -> None:  # noqa: ANN001
+        super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
+        model = self.model
+        self.stage = model.stage
+        # Its own layers' KV alone (the pool is an anonymous mapping: the whole
+        # model's that the base class mapped was never touched, so cost nothing).
+        self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
+                                          self.device, model.num_kv_heads, num_layers=len(model.layers))
+        self.samples = self.stage.last
+        self.micro_batches = config.parallel.pp_micro_batches
+        self.link: StageLink | None = None
+        self.steps_run = 0
+        # This step's micro-batches on this stage: (k, start, end), monotonic
+        # seconds (one clock for every process of the host): the overlap, seen.
+        self.timeline: list[tuple[int, float, float]] = []
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        leader = self.tp_leader  # rank 0's PPLeader (None on the other stages)
+        if leader is not None:
+            leader.publish(sched)
+        self.steps_run += 1
+        if self.stage.last:  # the whole step: this stage's forward (below), then logits and sampling
+            return super().execute(sched)
+        self._update_states(sched)
+        out = RunnerOutput()
+        if not sched.is_empty:
+            self._forward(self._prepare(sched, sched.spec_token_ids, graph_ok=False))
+            if leader is not None:
+                out = leader.receive_output(self.steps_run, self.timeline)
+                self.apply_sampled(out.sampled_token_ids)  # the next step embeds them
+        return out
+
+    def micro_batch_count(self, num_tokens: int) -> int:
+        """How many micro-batches a step of ``num_tokens`` goes in (the same on every stage)."""
+        if self.micro_batches is not None:
+            return self.micro_batches
+        return max(1, min(self.stage.size, num_tokens // MIN_MICRO_BATCH_TOKENS))
+
+    def _eager_inputs(self, inputs: StepInputs) -> None:
+        """Each micro-batch builds its own metadata (``_forward``)."""
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Every micro-batch through this stage's layers; the last stage
+        returns the final norm's [num_tokens, hidden], the others send."""
+        flat, link, outs = inputs.flat, self.link, []
+        ranges = micro_batches(flat.query_start_loc, self.micro_batch_count(len(flat.input_ids)))
+        self.timeline = []
+        for k, (r0, r1) in enumerate(ranges):
+            part = slice_flat(flat, r0, r1)
+            meta = part.metadata(self.block_size, self.device, self.kv_cache.dtype, self.triton)
+            tag = (self.steps_run, k)
+            residual = None if link.prev is None else recv_tensor(link.prev, tag, _POLL_MS, link.alive)
+            start = time.monotonic()
+            h = self.model(self._to_device(part.input_ids), self._to_device(part.positions), self.kv_cache, meta,
+                           residual=residual)
+            if link.next is not None:
+                send_tensor(link.next, tag, h)
+            else:
+                outs.append(h)
+            self.timeline.append((k, start, time.monotonic()))
+        if not outs:
+            return None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
