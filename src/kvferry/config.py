@@ -95,7 +95,7 @@ class ModelLoadConfig:
     # Batch-invariant kernels: greedy output independent of batch, chunking,
     # prefix hits and P/D (model/layers/unquantized.py, csrc/paged_decode.cpp)
     deterministic: bool = False
-    # None: the file's own (a .gguf's blocks stay quantized); "none": expand (model/loader.py)
+    # None: the file's own (a .gguf's blocks stay quantized where they run); "none": expand (model/loader.py)
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -483,10 +483,14 @@ class EngineArgs:
         "batch-invariant kernels (CPU): greedy output does not depend on the batch, chunking, prefix-cache "
         "hits or P/D (as SGLang's --enable-deterministic-inference); slower, see docs/serving.md"))
     quantization: str | None = field(default=None, metadata=_opt(
-        "weight format: gguf (a .gguf file's linear weights stay in their quantized blocks, multiplied by "
-        "integer kernels; opt-in for now), int8 (W8A8: linear weights quantized to int8 per output channel "
-        "at load, activations per token; CPU), compressed-tensors (a W8A8 int8 checkpoint as it is; found "
-        "from its config.json without the flag too) or none (expand a .gguf to float: the default)"))
+        "weight format. Left out: the model's own; a .gguf file's linear weights stay in their quantized "
+        "blocks, multiplied by integer kernels (types without a kernel, such as IQ*, dequantized at load), "
+        "and are expanded to float where the blocks do not run (CUDA, tensor-parallel ranks, pipeline "
+        "stages, --deterministic) and for the embedded default model. gguf (the blocks, or an error where "
+        "they cannot run), int8 (W8A8: linear weights quantized to int8 per output channel at load, "
+        "activations per token; CPU), "
+        "compressed-tensors (a W8A8 int8 checkpoint as it is; found from its config.json without the flag "
+        "too) or none (expand a .gguf to float)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))

