@@ -36,6 +36,7 @@ Three rules, all cheap and deterministic:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -127,8 +128,12 @@ class AdaptiveSpecController:
     def __init__(self, k_max: int, batch_token_threshold: int, ewma_alpha: float = 0.5,
                  probe_interval: int = 8, adaptive: bool = True, cost_aware: bool = True,
                  cost_probe_steps: int = 32, cost_alpha: float = 0.2, cost_warmup_steps: int = 1,
-                 cost_min_samples: int = 8) -> None:
+                 cost_min_samples: int = 8,
+                 on_verified: "Callable[[str, int, int], None] | None" = None) -> None:
+        """``on_verified(request_id, num_drafts, num_accepted)``: told of each
+        verified proposal too (method auto scores the head by it)."""
         self.k_max = k_max
+        self.on_verified = on_verified
         self.batch_token_threshold = batch_token_threshold
         self.ewma_alpha = ewma_alpha
         self.probe_interval = probe_interval
@@ -209,6 +214,8 @@ class AdaptiveSpecController:
         """Record a verified proposal (only steps that proposed: no match
         found is not a rejection)."""
         self._step_accepted += max(num_accepted, 0)
+        if self.on_verified is not None:
+            self.on_verified(request_id, num_drafts, num_accepted)
         if num_drafts <= 0 or not self.adaptive:
             return
         state = self._states.setdefault(request_id, _RequestSpecState())
