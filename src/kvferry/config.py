@@ -12,6 +12,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # The address module alone (standard library), not the tier: the config
@@ -128,6 +129,8 @@ _SPEC_METHOD_ALIASES = {"eagle": "head", "eagle3": "head"}  # vLLM's names
 # ``kvferry serve`` runs with no flag: ``default_speculation``).
 SPECULATIVE_OFF = ("off", "none", "null")
 SPECULATIVE_DEFAULT = "default"
+# The draft head committed for the embedded default model (kvferry.spec.head).
+EMBEDDED_DRAFT_HEAD = Path(__file__).parent / "spec" / "data" / "smollm2-135m-instruct-head.safetensors"
 
 
 @dataclass(slots=True)
@@ -141,6 +144,7 @@ class SpeculativeConfig:
     # method "draft": the draft model (HF folder or .gguf) sharing the
     # target's tokenizer and vocabulary. Method "head": the draft head file
     # (``kvferry train-draft``); None: the embedded default model's head.
+    # Method "auto": a draft head among its choices (None: suffix and n-gram only).
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -448,8 +452,12 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
         if bad:
             return None, (f"speculative decoding: off by default with {what}; give --speculative-config to "
                           "choose a method")
-    spec = SpeculativeConfig(method="auto")
-    return spec, (f"speculative decoding: auto (suffix or n-gram, k <= {spec.num_speculative_tokens}) where the "
+    # The embedded default model's committed draft head joins auto's choices
+    # (chat, where suffix and n-gram rarely match); another target has none.
+    head = EMBEDDED_DRAFT_HEAD if config.model.model is None and EMBEDDED_DRAFT_HEAD.is_file() else None
+    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head))
+    choices = "suffix, n-gram or the draft head" if head is not None else "suffix or n-gram"
+    return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the "
                   "cost-aware controller measures a gain, plain decoding elsewhere (the default; "
                   "--speculative-config off turns it off)")
 

@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from kvferry.config import EngineArgs, SpeculativeConfig, default_speculation
+from kvferry.config import EMBEDDED_DRAFT_HEAD, EngineArgs, SpeculativeConfig, default_speculation
 from kvferry.spec import AutoProposer, NgramProposer, ReservedDraftSlots, SuffixProposer, speculation, speculation_signature
 from kvferry.spec.reserved import PLACEHOLDER_ID
 from tests.spec.test_suffix import request
@@ -20,7 +20,11 @@ from tests.spec.test_suffix import request
 def test_default_is_auto_under_the_cost_aware_controller():
     spec = EngineArgs(speculative="default").create_engine_config().speculative
     assert spec is not None and spec.method == "auto" and spec.cost_aware and spec.adaptive
-    assert spec.model is None  # no head unless one is configured
+    # The embedded model's committed head is among auto's choices; another target has none.
+    assert spec.model == str(EMBEDDED_DRAFT_HEAD) and EMBEDDED_DRAFT_HEAD.is_file()
+    other = EngineArgs(model="/some/model", speculative="default").create_engine_config().speculative
+    assert other.method == "auto" and other.model is None
+    assert "draft head" in EngineArgs(speculative="default").default_speculation_line()
     assert "auto" in EngineArgs(speculative="default").default_speculation_line()
     assert EngineArgs(speculative='{"method": "auto"}').default_speculation_line() is None  # given: no line
 
