@@ -119,3 +119,21 @@ def test_auto_follows_the_heads_verified_acceptance():
         if "r" in proposer.head_requests:
             proposer.observe("r", 4, 0)
     assert "r" not in proposer.head_requests
+
+
+def test_the_off_switch_at_a_large_batch_offers_no_drafts_and_measures_nothing():
+    """From 13 running requests (24 // 13 - 1 = 0) the default's controller
+    offers no request a draft, not even a probe, and keeps no figures: the
+    scheduler then asks no proposer, reserves no slot, and hands the runner
+    the plain step."""
+    budget = speculation(EngineArgs(speculative="default").create_engine_config().speculative)["draft_budget"]
+    for step in range(100):
+        assert all(budget.num_drafts(f"r{i}", 13 + step % 52) == 0 for i in range(13))
+    assert budget._costs == {} and budget._states == {}
+    assert budget.num_drafts("r0", 1) > 0  # alone, a request drafts (the first level measured is the cap)
+
+
+def test_max_drafts_is_the_batch_cap_without_side_effects():
+    budget = speculation(SpeculativeConfig(method="auto"))["draft_budget"]
+    assert [budget.max_drafts(n) for n in (1, 4, 8, 12, 13, 64)] == [4, 4, 2, 1, 0, 0]
+    assert budget._costs == {}

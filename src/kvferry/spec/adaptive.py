@@ -155,12 +155,16 @@ class AdaptiveSpecController:
         step's level (the same for every call until ``observe_step``)."""
         if num_running < 1:
             return self.k_max
-        cap = max(0, min(self.k_max, self.batch_token_threshold // num_running - 1))
+        cap = self.max_drafts(num_running)
         if cap == 0 or not self.cost_aware:
             return cap
         cost = self._costs.setdefault(num_running.bit_length(), self._new_bucket())
         cost.in_flight = cost.choose(cap, self.cost_probe_steps)
         return cost.in_flight
+
+    def max_drafts(self, num_running: int) -> int:
+        """The batch-size cap alone (no level chosen, nothing measured)."""
+        return max(0, min(self.k_max, self.batch_token_threshold // max(num_running, 1) - 1))
 
     def observe_step(self, num_decodes: int, num_draft_tokens: int, seconds: float) -> None:
         """One decode-only step's wall time (the engine calls this after
