@@ -73,7 +73,11 @@ def code_prompts(tokenizer, num: int) -> list[str]:  # noqa: ANN001
 
 
 def write_dataset(path: Path, prompts: list[str]) -> None:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    """ShareGPT's layout, which ``vllm bench serve`` reads with json alone
+    (its "custom" jsonl needs pandas): the first turn is the prompt as sent,
+    chat template applied; the reply is unused (``--sharegpt-output-len``)."""
+    rows = [{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "-"}]} for p in prompts]
+    path.write_text(json.dumps(rows))
 
 
 def num_prompts(task: str, concurrency: int, args: argparse.Namespace) -> int:
@@ -93,8 +97,8 @@ def bench(args: argparse.Namespace, url: str, model_dir: str, datasets: dict[str
     if task == "random":
         cmd += ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", str(args.output_len)]
     else:
-        cmd += ["--dataset-name", "custom", "--dataset-path", str(datasets[task]), "--skip-chat-template",
-                "--custom-output-len", str(args.output_len), "--disable-shuffle"]
+        cmd += ["--dataset-name", "sharegpt", "--dataset-path", str(datasets[task]),
+                "--sharegpt-output-len", str(args.output_len), "--disable-shuffle"]
     with open(result.with_suffix(".txt"), "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
 
@@ -139,7 +143,7 @@ def main() -> int:
     loaded = load_model(None)
     model_dir, tokenizer = loaded.model_path, loaded.tokenizer
     most = max((num_prompts(t, c, args) for t, c in cases), default=8)
-    datasets = {"chat": out / "chat.jsonl", "code": out / "code.jsonl"}
+    datasets = {"chat": out / "chat.json", "code": out / "code.json"}
     write_dataset(datasets["chat"], chat_prompts(tokenizer, most))
     write_dataset(datasets["code"], code_prompts(tokenizer, most))
     del loaded
