@@ -83,7 +83,7 @@ def write_dataset(path: Path, prompts: list[str]) -> None:
 def num_prompts(task: str, concurrency: int, args: argparse.Namespace) -> int:
     if args.num_prompts:
         return args.num_prompts
-    return 8 if concurrency == 1 else 4 * concurrency
+    return args.c1_prompts if concurrency == 1 else args.prompts_per_slot * concurrency
 
 
 def bench(args: argparse.Namespace, url: str, model_dir: str, datasets: dict[str, Path], task: str, c: int,
@@ -126,7 +126,10 @@ def main() -> int:
     p.add_argument("--cases", nargs="+", default=["chat:1", "code:1", "chat:16", "chat:64", "random:16", "random:64"])
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=0, help="per case (0: 8 at c1, else 4 x concurrency)")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="per case (0: --c1-prompts at c1, else --prompts-per-slot x concurrency)")
+    p.add_argument("--c1-prompts", type=int, default=8)
+    p.add_argument("--prompts-per-slot", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the server (0: leave it)")
