@@ -45,8 +45,8 @@ from _servers import served  # noqa: E402
 
 CONFIGS = {"default": [], "off": ["--speculative-config", "off"]}
 CODE_FUNCTIONS = ["textwrap.dedent", "textwrap.indent", "shlex.quote", "shlex.join", "fnmatch.translate",
-                  "posixpath.normpath", "posixpath.relpath", "base64.b64encode", "calendar.isleap", "calendar.leapdays",
-                  "colorsys.rgb_to_hsv", "colorsys.hsv_to_rgb", "heapq.nsmallest", "bisect.insort_left",
+                  "shutil.copyfileobj", "textwrap.shorten", "base64.b64encode", "calendar.isleap", "calendar.leapdays",
+                  "colorsys.rgb_to_hsv", "colorsys.hsv_to_rgb", "heapq.nsmallest", "shutil.which",
                   "statistics.median", "statistics.mode", "json.dumps", "glob.escape", "string.capwords",
                   "difflib.get_close_matches"]
 METRICS = [("output_throughput", "output tok/s", "higher"), ("p50_tpot_ms", "TPOT p50 ms", "lower"),
