@@ -34,6 +34,7 @@ import argparse
 import inspect
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -135,6 +136,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the server (0: leave it)")
     p.add_argument("--out", default="bench/results/spec_default")
     args = p.parse_args()
+    # SIGTERM unwinds (the servers' ``with`` blocks stop them) rather than orphaning them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cases = [(t, int(c)) for t, c in (case.split(":") for case in args.cases)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
