@@ -153,8 +153,9 @@ def main() -> int:
     write_dataset(datasets["chat"], chat_prompts(tokenizer, most))
     write_dataset(datasets["code"], code_prompts(tokenizer, most))
     del loaded
-    flags = ["--model", model_dir, "--dtype", args.dtype, "--served-model-name", "smollm2",
-             "--disable-uvicorn-access-log"]
+    # No --model: the embedded default model (the same folder), as a bare
+    # `kvferry serve` runs it, so the default has its committed head too.
+    flags = ["--dtype", args.dtype, "--served-model-name", "smollm2", "--disable-uvicorn-access-log"]
     load = {"start": os.getloadavg()}
     print(f"load average at start: {load['start']}", flush=True)
     for run in range(1, args.runs + 1):
