@@ -12,6 +12,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # The address module alone (standard library), not the tier: the config
@@ -123,6 +124,13 @@ class ModelLoadConfig:
 
 _SPEC_METHODS = ("ngram", "suffix", "auto", "draft", "head")
 _SPEC_METHOD_ALIASES = {"eagle": "head", "eagle3": "head"}  # vLLM's names
+# --speculative-config's words besides a JSON object: no speculation (vLLM's
+# JSON ``null``, and ``{"method": "off"}``), or the default (what
+# ``kvferry serve`` runs with no flag: ``default_speculation``).
+SPECULATIVE_OFF = ("off", "none", "null")
+SPECULATIVE_DEFAULT = "default"
+# The draft head committed for the embedded default model (kvferry.spec.head).
+EMBEDDED_DRAFT_HEAD = Path(__file__).parent / "spec" / "data" / "smollm2-135m-instruct-head.safetensors"
 
 
 @dataclass(slots=True)
@@ -136,6 +144,7 @@ class SpeculativeConfig:
     # method "draft": the draft model (HF folder or .gguf) sharing the
     # target's tokenizer and vocabulary. Method "head": the draft head file
     # (``kvferry train-draft``); None: the embedded default model's head.
+    # Method "auto": a draft head among its choices (None: suffix and n-gram only).
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -161,7 +170,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
-            raise ValueError(f"speculative.method must be one of {', '.join(_SPEC_METHODS)}; got {self.method!r}")
+            raise ValueError(f"speculative.method must be one of {', '.join(_SPEC_METHODS)} (or off); got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                      "batch_token_threshold", "probe_interval", "suffix_decoding_max_tree_depth",
                      "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens"):
@@ -194,16 +203,29 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
         """From a JSON string (the CLI), a dict (``LLM(speculative=...)``) or
-        None (off). Unknown keys are a ValueError naming them."""
+        None (off); "off" (or JSON null, or ``{"method": "off"}``) is off.
+        Unknown keys are a ValueError naming them. "default" is resolved
+        against the rest of the engine's config (``default_speculation``)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
+        if isinstance(value, str) and value.strip().lower() in SPECULATIVE_OFF:
+            return None
+        if isinstance(value, str) and value.strip().lower() == SPECULATIVE_DEFAULT:
+            raise ValueError('speculative "default" depends on the engine\'s other options: '
+                             "EngineArgs resolves it (kvferry.config.default_speculation)")
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative must be a JSON object: {exc}") from None
+                raise ValueError(f"speculative must be a JSON object, off or default: {exc}") from None
+        if value is None:  # JSON null: vLLM's spelling of no speculation
+            return None
         if not isinstance(value, dict):
             raise ValueError(f"speculative must be a JSON object or dict, got {type(value).__name__}")
+        if value.get("method") == "off":
+            if len(value) > 1:
+                raise ValueError(f'speculative: method "off" takes no other keys, got {", ".join(sorted(set(value) - {"method"}))}')
+            return None
         if value.get("method") in _SPEC_METHOD_ALIASES:
             # vLLM's EAGLE names: kvferry's own draft head does that job, from a
             # head file of `kvferry train-draft` (not an EAGLE checkpoint).
@@ -453,6 +475,31 @@ class EngineConfig:
                 raise ValueError(f"pipeline_parallel_size {pp} does not work with {what} yet")
 
 
+def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None, str]:
+    """What ``--speculative-config default`` (the commands' default) runs
+    with the rest of ``config``, and one line saying so (logged once at
+    start): method auto under the cost-aware controller, or off where
+    speculation cannot run. An explicit config keeps its errors instead."""
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    refused = [
+        (tp > 1, f"tensor_parallel_size {tp} (only ngram runs over ranks)"),
+        (pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
+        (config.model.deterministic, "--deterministic (its batch-invariant steps are measured without drafts)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            return None, (f"speculative decoding: off by default with {what}; give --speculative-config to "
+                          "choose a method")
+    # The embedded default model's committed draft head joins auto's choices
+    # (chat, where suffix and n-gram rarely match); another target has none.
+    head = EMBEDDED_DRAFT_HEAD if config.model.model is None and EMBEDDED_DRAFT_HEAD.is_file() else None
+    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head))
+    choices = "suffix, n-gram or the draft head" if head is not None else "suffix or n-gram"
+    return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the "
+                  "cost-aware controller measures a gain, plain decoding elsewhere (the default; "
+                  "--speculative-config off turns it off)")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -531,10 +578,16 @@ class EngineArgs:
         "run --kv-remote / --kv-cluster without authenticating what they hold (no cluster secret: unkeyed "
         "checksums, private blocks unsealed); whoever reaches the server can then read and forge every tenant's KV. "
         "Off: every value is authenticated under the cache secret"))
+    # None (LLM(...) without it, as vLLM's): off. The commands' flag defaults
+    # to "default" (cli_default): serving speculates wherever it pays.
     speculative: str | dict | None = field(default=None, metadata=_opt(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
-        flag="--speculative-config"))
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; off (or null) for none; default: method auto '
+        "(suffix decoding or n-gram lookup per request, whichever held more lately) under the cost-aware "
+        "controller, which drafts only at the batch sizes and acceptance where it measured a gain and "
+        "otherwise runs the plain step; by itself off where speculation cannot run (tensor parallelism, "
+        "--deterministic), one log line says so (docs/speculative.md)",
+        flag="--speculative-config", cli_default=SPECULATIVE_DEFAULT))
     kv_transfer_address: str = field(default="", metadata=_opt(
         "prefill/decode disaggregation: this core's KV transfer socket, tcp://host:port, bound to that host's "
         "interface (a wildcard host needs --kv-transfer-bind-any; peers must hold the cluster secret: "
@@ -585,6 +638,11 @@ class EngineArgs:
         self.create_engine_config()  # validates every component's fields
 
     def create_engine_config(self) -> EngineConfig:
+        if self._speculative_default():
+            # The rest validated without speculation, then the default's for it.
+            config = dataclasses.replace(self, speculative=None).create_engine_config()
+            config.speculative = default_speculation(config)[0]
+            return config
         return EngineConfig(
             model=ModelLoadConfig(self.model, self.dtype, self.device, self.seed, self.attention_backend,
                                   self.enforce_eager, self.warm_up, self.deterministic, self.quantization),
@@ -605,6 +663,15 @@ class EngineArgs:
                                     enable_expert_parallel=self.enable_expert_parallel),
         )
 
+    def _speculative_default(self) -> bool:
+        return isinstance(self.speculative, str) and self.speculative.strip().lower() == SPECULATIVE_DEFAULT
+
+    def default_speculation_line(self) -> str | None:
+        """What the default speculation does here, for the start's log (None: a config was given)."""
+        if not self._speculative_default():
+            return None
+        return default_speculation(dataclasses.replace(self, speculative=None).create_engine_config())[1]
+
     # -- command line -----------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, only: "tuple[str, ...] | None" = None) -> argparse.ArgumentParser:
@@ -620,10 +687,11 @@ class EngineArgs:
             if not meta.pop("cli", True):
                 continue  # another module defines the flag (see the field)
             meta["dest"] = f.name
+            default = meta.pop("cli_default", f.default)
             if f.type in ("bool", bool):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **meta)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **meta)
             else:
-                group.add_argument(flag, type=_cli_type(f.type), default=f.default, **meta)
+                group.add_argument(flag, type=_cli_type(f.type), default=default, **meta)
         return parser
 
     @classmethod

@@ -56,7 +56,10 @@ BAD: dict[str, list[list[str]]] = {
     "--kv-cluster": [["bogus"]],
     "--max-load-tokens": [["-1"]],
     "--speculative-config": [["{bad"], ['{"method": "nope"}'], ['{"method": "eagle3", "model": "some/hf-id"}'],
-                             ['{"method": "draft", "model": "' + MISSING + '"}'], ['{"method": "head"}']],
+                             ['{"method": "draft", "model": "' + MISSING + '"}'], ['{"method": "head"}'],
+                             # the words besides JSON (off, default), and auto's head (its "model")
+                             ["of"], ['{"method": "off", "num_speculative_tokens": 3}'],
+                             ['{"method": "auto", "model": "' + MISSING + '"}']],
     "--kv-transfer-address": [["foo"]],
     "--kv-transport": [["rdma"]],
     "--kv-transfer-failure": [["retry"]],

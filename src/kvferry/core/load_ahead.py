@@ -82,9 +82,11 @@ class LoadAhead:
         prompts and take their next token (and its drafts)."""
         s = self.scheduler
         bs, reserved = s.kv.block_size, 0
+        # Drafts' slots only at batch sizes where drafts may run (none at a large batch).
+        k = s.draft_budget.max_drafts(len(s.running)) if s.draft_budget is not None else s.num_speculative_tokens
         for request in s.running:
             held = len(s.kv.req_blocks.get(request.request_id, ()))
-            reserved += max(0, -(-(request.num_tokens + 1 + s.num_speculative_tokens) // bs) - held)
+            reserved += max(0, -(-(request.num_tokens + 1 + k) // bs) - held)
         return s.kv.pool.num_free_blocks - reserved
 
     def forget(self, request_id: str) -> None:

@@ -31,7 +31,7 @@ from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import LoadedModel, load_model, read_config, resolve_model_folder
 from kvferry.model.paged_kernel import get_paged_decode_kernel
 from kvferry.core.request import Request, RequestStatus
-from kvferry.spec import speculation, speculation_signature
+from kvferry.spec import AutoProposer, runs_head, speculation, speculation_signature
 from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,9 @@ class EngineCore:
         scheduler_half = (connector.scheduler_half(SchedulerContext(self.block_size, self.num_kv_blocks))
                           if connector is not None else None)
         self.scheduler = Scheduler(config.scheduler, kv, connector=scheduler_half, **speculation(config.speculative))
+        if isinstance(self.scheduler.proposer, AutoProposer) and self.scheduler.proposer.has_head:
+            # Method auto with a head: the head fills only the slots auto reserved for it.
+            self.runner.head_requests = self.scheduler.proposer.head_requests
         self._num_steps, self._step_seconds = 0, 0.0  # steps that ran a batch (stats)
         if m.warm_up:
             start = time.perf_counter()
@@ -135,7 +138,7 @@ class EngineCore:
 
     def _load_head(self) -> "EagleHead | None":
         spec = self.config.speculative
-        if spec is None or spec.method != "head":
+        if not runs_head(spec):
             return None
         if spec.model is None and self.config.model.model is not None:
             raise ValueError('speculative.model: method "head" without a path uses the head of the embedded '

@@ -140,6 +140,9 @@ class ModelRunner:
         self.samples = True
         self.triton = attention_backend_for(m.attention_backend, self.device) == "triton"
         self.drafter: DraftModelProposer | HeadProposer | None = None
+        # Method auto with a head: the requests whose reserved slots the head
+        # fills this step (the scheduler's AutoProposer keeps it); None: all.
+        self.head_requests: set[str] | None = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
         elif isinstance(head, Eagle3Head):  # an EAGLE-3 head: the target copies its aux layers' rows
@@ -303,8 +306,12 @@ class ModelRunner:
             if self.drafter is not None and (sched.spec_token_ids or self.drafter.every_step):
                 # The scheduler reserved the drafts' slots; the draft model fills them.
                 drafted = self._draft_requests(sched)
-                proposals = self.drafter.propose(self.batch, drafted)
-                spec_token_ids = {rid: p.token_ids for rid, p in proposals.items()}
+                if self.head_requests is not None:  # method auto: its other drafts are the scheduler's
+                    drafted = [r for r in drafted if r.request_id in self.head_requests]
+                proposals = self.drafter.propose(self.batch, drafted) if drafted else {}
+                spec_token_ids = ({**sched.spec_token_ids, **{rid: p.token_ids for rid, p in proposals.items()}}
+                                  if self.head_requests is not None else
+                                  {rid: p.token_ids for rid, p in proposals.items()})
                 if isinstance(self.drafter, DraftModelProposer):
                     out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
                     if step_transfer is not None:

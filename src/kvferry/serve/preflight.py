@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from kvferry.autoscale import flags as autoscale_flags
-from kvferry.config import EngineArgs
+from kvferry.config import SPECULATIVE_DEFAULT, SPECULATIVE_OFF, EngineArgs
 from kvferry.engine.core_addresses import parse_cpus
 from kvferry.fleet.placement import parse_resources
 from kvferry.model.config import ModelConfig
@@ -225,11 +225,13 @@ def _max_model_len(engine_args: EngineArgs) -> None:
 def _speculative(engine_args: EngineArgs) -> None:
     spec = engine_args.speculative
     if isinstance(spec, str):
+        if spec.strip().lower() in (*SPECULATIVE_OFF, SPECULATIVE_DEFAULT):
+            return  # the default checks nothing a start could fail on
         spec = json.loads(spec)  # valid JSON: EngineArgs checked it
     if not isinstance(spec, dict):
         return
     method, model = spec.get("method", "ngram"), spec.get("model")
-    if method in _HEAD_METHODS:
+    if method in _HEAD_METHODS or (method == "auto" and model is not None):  # auto's "model": a head
         _draft_head(method, model, engine_args.model)
     elif method == "draft":
         try:

@@ -79,6 +79,8 @@ def _is_hub_id(model: str) -> bool:
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     setproctitle.setproctitle("kvferry: api-server")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (line := engine_args.default_speculation_line()) is not None:
+        logger.info("%s", line)  # once here, not once per core
     # No *_created series: vLLM-style dashboards do not use them.
     prometheus_client.disable_created_metrics()
     try:

@@ -13,20 +13,33 @@ from kvferry.spec.ngram import NgramProposer
 from kvferry.spec.reserved import ReservedDraftSlots
 from kvferry.spec.suffix import SuffixProposer
 
-__all__ = ["AdaptiveSpecController", "AutoProposer", "NgramProposer", "ReservedDraftSlots", "SuffixProposer", "speculation",
-           "speculation_signature"]
+__all__ = ["AdaptiveSpecController", "AutoProposer", "NgramProposer", "ReservedDraftSlots", "SuffixProposer",
+           "auto_with_head", "runs_head", "speculation", "speculation_signature"]
 
 
 def speculation_signature(config: SpeculativeConfig | None, draft_fingerprint: str = "") -> str:
     """What a prefill core ships besides the target's KV, as a string both
     cores of a disaggregated pair compare: "" (off), "ngram", "suffix" or "auto"
-    (nothing: the decode core has the whole context), "head" (the hidden state), or
+    (nothing: the decode core has the whole context), "head" or "auto+head"
+    (the hidden state), or
     "draft:<fingerprint>" (the draft model's KV, so its layers' shapes)."""
     if config is None:
         return ""
     if config.method == "draft":
         return f"draft:{draft_fingerprint}"
+    if auto_with_head(config):
+        return "auto+head"  # the hidden state travels, as for "head"
     return config.method
+
+
+def auto_with_head(config: SpeculativeConfig | None) -> bool:
+    """Method auto with a draft head among its choices (``model``: the head file)."""
+    return config is not None and config.method == "auto" and config.model is not None
+
+
+def runs_head(config: SpeculativeConfig | None) -> bool:
+    """The runner keeps a draft head: method head, or auto with one."""
+    return config is not None and (config.method == "head" or auto_with_head(config))
 
 
 def speculation(config: SpeculativeConfig | None) -> dict:
@@ -39,15 +52,17 @@ def speculation(config: SpeculativeConfig | None) -> dict:
     elif config.method == "suffix":
         proposer = _suffix(config)
     elif config.method == "auto":
-        proposer = AutoProposer(_suffix(config), NgramProposer(k, config.prompt_lookup_max, config.prompt_lookup_min))
+        proposer = AutoProposer(_suffix(config), NgramProposer(k, config.prompt_lookup_max, config.prompt_lookup_min),
+                                head=ReservedDraftSlots(k) if auto_with_head(config) else None)
     else:  # the runner drafts (kvferry.spec.draft_model); the scheduler reserves slots
         proposer = ReservedDraftSlots(k)
+    on_verified = proposer.observe if isinstance(proposer, AutoProposer) and proposer.has_head else None
     return {
         "proposer": proposer,
         "num_speculative_tokens": k,
         "draft_budget": AdaptiveSpecController(k, config.batch_token_threshold,
                                                probe_interval=config.probe_interval, adaptive=config.adaptive,
-                                               cost_aware=config.cost_aware),
+                                               cost_aware=config.cost_aware, on_verified=on_verified),
     }
 
 

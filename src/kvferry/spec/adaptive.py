@@ -36,6 +36,7 @@ Three rules, all cheap and deterministic:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -127,8 +128,12 @@ class AdaptiveSpecController:
     def __init__(self, k_max: int, batch_token_threshold: int, ewma_alpha: float = 0.5,
                  probe_interval: int = 8, adaptive: bool = True, cost_aware: bool = True,
                  cost_probe_steps: int = 32, cost_alpha: float = 0.2, cost_warmup_steps: int = 1,
-                 cost_min_samples: int = 8) -> None:
+                 cost_min_samples: int = 8,
+                 on_verified: "Callable[[str, int, int], None] | None" = None) -> None:
+        """``on_verified(request_id, num_drafts, num_accepted)``: told of each
+        verified proposal too (method auto scores the head by it)."""
         self.k_max = k_max
+        self.on_verified = on_verified
         self.batch_token_threshold = batch_token_threshold
         self.ewma_alpha = ewma_alpha
         self.probe_interval = probe_interval
@@ -150,12 +155,16 @@ class AdaptiveSpecController:
         step's level (the same for every call until ``observe_step``)."""
         if num_running < 1:
             return self.k_max
-        cap = max(0, min(self.k_max, self.batch_token_threshold // num_running - 1))
+        cap = self.max_drafts(num_running)
         if cap == 0 or not self.cost_aware:
             return cap
         cost = self._costs.setdefault(num_running.bit_length(), self._new_bucket())
         cost.in_flight = cost.choose(cap, self.cost_probe_steps)
         return cost.in_flight
+
+    def max_drafts(self, num_running: int) -> int:
+        """The batch-size cap alone (no level chosen, nothing measured)."""
+        return max(0, min(self.k_max, self.batch_token_threshold // max(num_running, 1) - 1))
 
     def observe_step(self, num_decodes: int, num_draft_tokens: int, seconds: float) -> None:
         """One decode-only step's wall time (the engine calls this after
@@ -209,6 +218,8 @@ class AdaptiveSpecController:
         """Record a verified proposal (only steps that proposed: no match
         found is not a rejection)."""
         self._step_accepted += max(num_accepted, 0)
+        if self.on_verified is not None:
+            self.on_verified(request_id, num_drafts, num_accepted)
         if num_drafts <= 0 or not self.adaptive:
             return
         state = self._states.setdefault(request_id, _RequestSpecState())

@@ -1,18 +1,26 @@
 """Method "auto": per request, the drafts of whichever proposer has been
-right more often lately, suffix decoding or n-gram prompt lookup.
+right more often lately: suffix decoding, n-gram prompt lookup and, where
+one is configured (``{"method": "auto", "model": HEAD}``), the draft head.
 
-Both propose at every step; each remembers its draft. At the request's next
-proposal the tokens appended since then are known (the accepted drafts and
-the target's token), so each proposer's draft is scored by how many of its
-leading tokens match them: an EWMA per proposer and request of tokens it
-would have had accepted. The request gets the draft of the proposer with
-the higher EWMA (suffix on ties, and the other where the chosen one has
-none). The two disagree usefully: suffix decoding follows the most
-frequent continuation (a tenant's habits), prompt lookup the latest one
-(the newest version of a file edited over several turns).
+Suffix decoding and prompt lookup propose at every step; each remembers its
+draft. At the request's next proposal the tokens appended since then are
+known (the accepted drafts and the target's token), so each one's draft is
+scored by how many of its leading tokens match them: an EWMA per proposer
+and request of tokens it would have had accepted. The request gets the
+draft of the proposer with the higher EWMA (suffix, then n-gram, then the
+head on ties: the cheaper first), and the next where the chosen one has
+none. The two disagree usefully: suffix decoding follows the most frequent
+continuation (a tenant's habits), prompt lookup the latest one (the newest
+version of a file edited over several turns).
 
-Drafts of the runner's drafters (the head, a draft model) are not among
-the choices: they are made after the scheduler's plan, per batch.
+The head drafts in the runner, after the scheduler's plan, so its drafts
+are not known here: choosing it reserves k slots (placeholders, as
+``ReservedDraftSlots``) and names the request in ``head_requests``, which
+the runner reads to fill those slots, and only those. Its score is its
+verified acceptance (``observe``, from the controller), counted only when
+it drafted; it always has a draft, so it drafts where text gives the other
+two no match (chat), and it wins a request back whenever their scores
+fall below its own.
 """
 from __future__ import annotations
 
@@ -20,7 +28,10 @@ from dataclasses import dataclass, field
 
 from kvferry.core.request import Request
 from kvferry.spec.ngram import NgramProposer
+from kvferry.spec.reserved import ReservedDraftSlots
 from kvferry.spec.suffix import SuffixProposer
+
+HEAD = "head"
 
 
 @dataclass(slots=True)
@@ -28,20 +39,33 @@ class _AutoState:
     base: int = 0  # len(all_token_ids) when the drafts below were made
     drafts: dict[str, list[int]] = field(default_factory=dict)
     score: dict[str, float] = field(default_factory=dict)  # EWMA of leading draft tokens that held
+    chosen: str = ""  # whose draft the request got last
 
 
 class AutoProposer:
-    def __init__(self, suffix: SuffixProposer, ngram: NgramProposer, ewma_alpha: float = 0.3) -> None:
-        self.proposers = {"suffix": suffix, "ngram": ngram}  # in order of preference on ties
+    def __init__(self, suffix: SuffixProposer, ngram: NgramProposer, ewma_alpha: float = 0.3,
+                 head: ReservedDraftSlots | None = None) -> None:
+        # In order of preference on ties.
+        self.proposers: dict[str, SuffixProposer | NgramProposer | ReservedDraftSlots] = {"suffix": suffix,
+                                                                                           "ngram": ngram}
+        if head is not None:
+            self.proposers[HEAD] = head
         self.suffix = suffix
         self.alpha = ewma_alpha
         self._states: dict[str, _AutoState] = {}
         self.num_chosen = {name: 0 for name in self.proposers}  # proposals each one won (stats, tests)
+        # Requests whose slots of this step are the head's to fill (the runner reads it).
+        self.head_requests: set[str] = set()
+
+    @property
+    def has_head(self) -> bool:
+        return HEAD in self.proposers
 
     def propose(self, request: Request) -> list[int]:
-        state = self._states.get(request.request_id)
+        rid = request.request_id
+        state = self._states.get(rid)
         if state is None:
-            state = self._states[request.request_id] = _AutoState(score={name: 1.0 for name in self.proposers})
+            state = self._states[rid] = _AutoState(score={name: 1.0 for name in self.proposers})
         tokens = request.all_token_ids
         if state.drafts and len(tokens) > state.base:
             new = tokens[state.base : state.base + max(len(d) for d in state.drafts.values())]
@@ -50,15 +74,29 @@ class AutoProposer:
                 while held < len(draft) and held < len(new) and draft[held] == new[held]:
                     held += 1
                 state.score[name] = (1 - self.alpha) * state.score[name] + self.alpha * held
-        state.drafts = {name: proposer.propose(request) for name, proposer in self.proposers.items()}
+        # The head's draft is made later, in the runner: not scored above.
+        state.drafts = {name: proposer.propose(request) for name, proposer in self.proposers.items() if name != HEAD}
         state.base = len(tokens)
         ranked = sorted(self.proposers, key=lambda name: -state.score[name])  # stable: ties keep the order
-        chosen = next((name for name in ranked if state.drafts[name]), ranked[0])
+        chosen = next((name for name in ranked if name == HEAD or state.drafts[name]), ranked[0])
         self.num_chosen[chosen] += 1
+        state.chosen = chosen
+        if chosen == HEAD:
+            self.head_requests.add(rid)
+            return self.proposers[HEAD].propose(request)
+        self.head_requests.discard(rid)
         return state.drafts[chosen]
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verified proposal's outcome: the head's score, when it drafted."""
+        state = self._states.get(request_id)
+        if state is None or state.chosen != HEAD or num_drafts <= 0:
+            return
+        state.score[HEAD] = (1 - self.alpha) * state.score[HEAD] + self.alpha * num_accepted
 
     def finished(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
+        self.head_requests.discard(request.request_id)
         self.suffix.finished(request)
 
     def purge_tenant(self, tenant: str) -> int:

@@ -41,13 +41,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kvferry.config import EMBEDDED_DRAFT_HEAD
 from kvferry.model.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
 from kvferry.model.llama import LlamaModel
 from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal
 from kvferry.spec.eagle3 import Eagle3Head, is_eagle3_checkpoint
 
-EMBEDDED_HEAD = Path(__file__).parent / "data" / "smollm2-135m-instruct-head.safetensors"
+EMBEDDED_HEAD = EMBEDDED_DRAFT_HEAD  # the speculation default's too (config.py names it: no torch there)
 
 
 class EagleHead(nn.Module):

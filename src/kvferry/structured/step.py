@@ -84,6 +84,11 @@ def fill_bitmask(rows: list[GrammarRow], vocab_size: int) -> StepBitmask:
             if k == len(r.drafts) or not r.matcher.accept_token(r.drafts[k]):
                 break
             advanced += 1
+            # A draft that ends the grammar (its stop token) ends the request
+            # if kept: the rows after it are never used, and a terminated
+            # matcher has no mask to give (xgrammar raises).
+            if r.matcher.is_terminated:
+                break
         if advanced:
             r.matcher.rollback(advanced)
     return StepBitmask(torch.tensor(logit_rows, dtype=torch.int64), bitmask)

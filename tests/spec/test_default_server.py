@@ -1,0 +1,93 @@
+"""Speculation by default on a real server (``kvferry serve`` with no
+``--speculative-config``, the real openai client, the spec-decode counters
+of /metrics): a batch-1 repetitive request drafts, and its greedy text is
+that of ``--speculative-config off``; a large batch drafts nothing (the
+controller's off switch: the plain step); ``off`` drafts nothing at all.
+The start's log says what the default does."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.serve.server_process import MODEL_NAME, start_server
+from tests.spec.test_server_metrics import PASSAGE
+
+DRAFTS = "kvferry:spec_decode_num_draft_tokens_total"
+RUNNING = "kvferry:num_requests_running"
+PROMPT = f"{PASSAGE}\n\nRepeat the text above.\n\n{PASSAGE[:60]}"
+# A batch at which the default drafts nothing: num_running * 2 > batch_token_threshold (24).
+LARGE_BATCH = 16
+NO_DRAFTS_FROM = 13
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("spec-default") / "server.log", ["--log-level", "info"])
+    yield srv
+    assert srv.stop() == 0, srv.log()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def off_server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("spec-off") / "server.log", ["--speculative-config", "off"])
+    yield srv
+    assert srv.stop() == 0, srv.log()[-5000:]
+
+
+def complete(srv, prompt: str = PROMPT, max_tokens: int = 40) -> str:
+    with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=600) as client:
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == max_tokens
+    return r.choices[0].text
+
+
+def finished(srv) -> float:
+    return srv.metric("kvferry:e2e_request_latency_seconds_count")
+
+
+def test_the_default_drafts_a_batch_1_repetitive_request_with_off_s_greedy_text(default_server, off_server):
+    assert "speculative decoding: auto" in default_server.log()
+    before, done = default_server.metric(DRAFTS), finished(default_server)
+    text = complete(default_server)
+    default_server.wait_for_metric("kvferry:e2e_request_latency_seconds_count", lambda v: v >= done + 1)
+    assert default_server.metric(DRAFTS) > before
+    assert default_server.metric("kvferry:spec_decode_num_accepted_tokens_total") > 0
+    assert complete(off_server) == text
+
+
+def test_off_drafts_nothing(off_server):
+    done = finished(off_server)
+    complete(off_server)
+    off_server.wait_for_metric("kvferry:e2e_request_latency_seconds_count", lambda v: v >= done + 1)
+    assert off_server.metric(DRAFTS) == 0 and off_server.metric("kvferry:spec_decode_num_drafts_total") == 0
+
+
+def test_a_large_batch_drafts_nothing(default_server):
+    """While 16 requests decode together (no arrivals after them, so the
+    batch only shrinks), the draft counter stands still: each step is the
+    plain step. Counters and the running gauge come from one stats snapshot."""
+    srv = default_server
+    prompts = [f"{PASSAGE}\n\nRepeat the text above, version {i}.\n\n{PASSAGE[:40]}" for i in range(LARGE_BATCH)]
+    with ThreadPoolExecutor(LARGE_BATCH) as pool:
+        futures = [pool.submit(complete, srv, p, 48) for p in prompts]
+        deadline = time.monotonic() + 300
+        while srv.metric(RUNNING) < LARGE_BATCH:
+            assert time.monotonic() < deadline, "the batch never formed"
+            assert not any(f.done() for f in futures), "a request finished before the batch formed"
+            time.sleep(0.05)
+        first = srv.metrics()
+        tokens = first[("kvferry:generation_tokens_total", ())]
+        while True:  # some decode steps of the whole batch
+            now = srv.metrics()
+            if now[("kvferry:generation_tokens_total", ())] >= tokens + 4 * LARGE_BATCH:
+                break
+            assert time.monotonic() < deadline, "the batch made no progress"
+            time.sleep(0.1)
+        for f in futures:
+            f.result()
+    assert now[(RUNNING, ())] >= NO_DRAFTS_FROM, "the batch shrank below the off switch: nothing measured"
+    assert now[(DRAFTS, ())] == first[(DRAFTS, ())]
