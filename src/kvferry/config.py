@@ -227,12 +227,13 @@ class SpeculativeConfig:
                 raise ValueError(f'speculative: method "off" takes no other keys, got {", ".join(sorted(set(value) - {"method"}))}')
             return None
         if value.get("method") in _SPEC_METHOD_ALIASES:
-            # vLLM's EAGLE names: kvferry's own draft head does that job, from a
-            # head file of `kvferry train-draft` (not an EAGLE checkpoint).
+            # vLLM's EAGLE names: the "head" method loads an EAGLE-3 checkpoint
+            # folder (vLLM's format, spec/eagle3.py) or a kvferry train-draft head file.
             alias = value["method"]
             value = {**value, "method": _SPEC_METHOD_ALIASES[alias]}
             logging.getLogger(__name__).warning(
-                'speculative method "%s" is served as "head" (a kvferry draft head: kvferry train-draft)', alias)
+                'speculative method "%s" is served as "head" (an EAGLE-3 checkpoint folder in vLLM\'s format, '
+                'or a kvferry train-draft head file)', alias)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
