@@ -434,46 +434,38 @@ class EngineConfig:
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
 
+    def _refused_over_ranks(self, where: str) -> list[tuple[bool, str]]:
+        """What runs on neither tensor-parallel ranks nor pipeline stages yet."""
+        spec = self.speculative
+        return [
+            (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
+            (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
+            (self.model.deterministic, "deterministic"),
+            (spec is not None and spec.method != "ngram", "speculative method "
+             f"{spec.method if spec is not None else ''!r} (ngram works)"),
+            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
+            (bool(self.kv_connector), "--kv-connector"),
+            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
+        ]
 
     def _check_tensor_parallel(self) -> None:
         """What does not run over tensor-parallel ranks yet: a one-line ValueError."""
         tp = self.parallel.tensor_parallel_size
-        spec = self.speculative
-        refused = [
-            (self.model.device != "cpu", f"device {self.model.device!r} (the ranks' collectives run on the CPU)"),
-            (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
-            (self.model.deterministic, "deterministic"),
-            (spec is not None and spec.method != "ngram", "speculative method "
-             f"{spec.method if spec is not None else ''!r} (ngram works)"),
-            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
-            (bool(self.kv_connector), "--kv-connector"),
-            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
-        ]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"tensor_parallel_size {tp} does not work with {what} yet")
-
+        for what in (what for bad, what in self._refused_over_ranks("ranks' collectives") if bad):
+            raise ValueError(f"tensor_parallel_size {tp} does not work with {what} yet")
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
-        pp, spec = self.parallel.pipeline_parallel_size, self.speculative
-        refused = [
-            (self.parallel.tensor_parallel_size > 1, f"tensor_parallel_size {self.parallel.tensor_parallel_size} "
-             "(one of the two per core for now)"),
-            (self.model.device != "cpu", f"device {self.model.device!r} (the stages run on the CPU)"),
-            (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
-            (self.model.quantization == "int8", "quantization 'int8'"),
-            (self.model.deterministic, "deterministic"),
-            (spec is not None and spec.method != "ngram", "speculative method "
-             f"{spec.method if spec is not None else ''!r} (ngram works)"),
-            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
-            (bool(self.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
-            (bool(self.kv_connector), "--kv-connector"),
-            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
-        ]
+        tp = self.parallel.tensor_parallel_size
+        refused = [(tp > 1, f"tensor_parallel_size {tp} (one of the two per core for now)"),
+                   *self._refused_over_ranks("stages"),
+                   (self.model.quantization == "int8", "quantization 'int8'"),
+                   (bool(self.kv_transfer.kv_transfer_address),
+                    "prefill/decode disaggregation (--kv-transfer-address)")]
         for bad, what in refused:
             if bad:
-                raise ValueError(f"pipeline_parallel_size {pp} does not work with {what} yet")
+                raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "
+                                 f"with {what} yet")
 
 
 def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None, str]:
@@ -482,15 +474,12 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     start): method auto under the cost-aware controller, or off where
     speculation cannot run. An explicit config keeps its errors instead."""
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    refused = [
-        (tp > 1, f"tensor_parallel_size {tp} (only ngram runs over ranks)"),
-        (pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
-        (config.model.deterministic, "--deterministic (its batch-invariant steps are measured without drafts)"),
-    ]
-    for bad, what in refused:
+    for bad, what in [(tp > 1, f"tensor_parallel_size {tp} (only ngram runs over ranks)"),
+                      (pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
+                      (config.model.deterministic, "--deterministic (its batch-invariant steps are measured "
+                                                   "without drafts)")]:
         if bad:
-            return None, (f"speculative decoding: off by default with {what}; give --speculative-config to "
-                          "choose a method")
+            return None, f"speculative decoding: off by default with {what}; give --speculative-config to choose one"
     # The embedded default model's committed draft head joins auto's choices
     # (chat, where suffix and n-gram rarely match); another target has none.
     head = EMBEDDED_DRAFT_HEAD if config.model.model is None and EMBEDDED_DRAFT_HEAD.is_file() else None

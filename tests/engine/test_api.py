@@ -151,13 +151,14 @@ def test_engine_args_generate_the_cli_flags():
     from kvferry.config import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+    # The commands speculate by default; EngineArgs() (an offline LLM) does not, as in vLLM.
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs(speculative="default")
     args = EngineArgs.from_cli_args(parser.parse_args([
         "--model", "/m", "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.5", "--no-enable-prefix-caching",
         "--max-model-len", "512", "--dtype", "float32",
     ]))
     assert args == EngineArgs(model="/m", max_num_seqs=8, kv_cache_memory_gb=0.5, enable_prefix_caching=False,
-                              max_model_len=512, dtype="float32")
+                              max_model_len=512, dtype="float32", speculative="default")
     flags = {a.dest for a in parser._actions}
     # A field marked cli=False takes its flag from another module (vllm_flags: -tp).
     assert {f.name for f in dataclasses.fields(EngineArgs) if f.metadata.get("cli", True)} <= flags

@@ -76,6 +76,7 @@ from kvferry.disagg.blocks import (  # noqa: F401 - the pool's helpers, importab
     pool_checksum, rank_pool_name, remove_stale_pools, write_blocks,
 )
 from kvferry.disagg.heads import HeadSlice, covers, dst_rank_of
+from kvferry.spec import shipped
 from kvferry.messages import KVLayerChunk, KVTransferAck, KVTransferDone, KVWire, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -522,7 +523,7 @@ class KVReceiver:
         block of a layer has not landed."""
         if done.error:
             return f"the prefill core gave up: {done.error}"
-        if done.speculative != self.speculative:
+        if shipped(done.speculative) != shipped(self.speculative):
             return (f"speculative configurations differ: the prefill core runs {done.speculative or 'none'!r}, "
                     f"this core {self.speculative or 'none'!r} (start both with the same --speculative-config)")
         if exp.error:

@@ -27,6 +27,7 @@ from kvferry.router.config import check_role
 from kvferry.router.errors import EngineDeadError, EngineRestartingError
 from kvferry.router.prefix_index import PrefixIndex
 from kvferry.router.worker import Worker
+from kvferry.spec import shipped
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,10 @@ def check_compatible(first: EngineCoreReady, other: EngineCoreReady, address: st
     ships what the decode core's drafter needs (kvferry.spec.speculation_signature)."""
     names = ("model_fingerprint", "block_size", "kv_dtype", "vocab_size", "eos_token_ids")
     for name in names + (("speculative",) if disagg else ()):
-        if getattr(first, name) != getattr(other, name):
+        mine, theirs = getattr(first, name), getattr(other, name)
+        if name == "speculative":  # only what travels between the pair must agree
+            mine, theirs = shipped(mine), shipped(theirs)
+        if mine != theirs:
             raise ValueError(f"the core at {address!r} differs in {name}: {getattr(other, name)!r} "
                              f"(the server's: {getattr(first, name)!r})")
 

@@ -79,8 +79,6 @@ def _is_hub_id(model: str) -> bool:
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     setproctitle.setproctitle("kvferry: api-server")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if (line := engine_args.default_speculation_line()) is not None:
-        logger.info("%s", line)  # once here, not once per core
     # No *_created series: vLLM-style dashboards do not use them.
     prometheus_client.disable_created_metrics()
     try:
@@ -108,6 +106,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
+    if (line := engine_args.default_speculation_line()) is not None:
+        logger.info("%s", line)  # once here, not once per core; after the flags' checks (one-line errors)
     try:
         # With --ray the cores' nodes get a store each instead (start_node_stores).
         store, engine_args = start_kv_store(args, engine_args, router) if placement is None else (None, engine_args)

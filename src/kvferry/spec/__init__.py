@@ -14,7 +14,7 @@ from kvferry.spec.reserved import ReservedDraftSlots
 from kvferry.spec.suffix import SuffixProposer
 
 __all__ = ["AdaptiveSpecController", "AutoProposer", "NgramProposer", "ReservedDraftSlots", "SuffixProposer",
-           "auto_with_head", "runs_head", "speculation", "speculation_signature"]
+           "auto_with_head", "runs_head", "shipped", "speculation", "speculation_signature"]
 
 
 def speculation_signature(config: SpeculativeConfig | None, draft_fingerprint: str = "") -> str:
@@ -30,6 +30,15 @@ def speculation_signature(config: SpeculativeConfig | None, draft_fingerprint: s
     if auto_with_head(config):
         return "auto+head"  # the hidden state travels, as for "head"
     return config.method
+
+
+def shipped(signature: str) -> str:
+    """What a core with this signature needs from its pair's other side: ""
+    for off and the token-only methods (whose drafts come from the context
+    the decode core already has), else the signature itself. Two cores of
+    a pair agree when this does: a prefill pool whose default speculation
+    is off (tensor-parallel ranks) serves a decode pool running auto."""
+    return "" if signature in ("", "ngram", "suffix", "auto") else signature
 
 
 def auto_with_head(config: SpeculativeConfig | None) -> bool:
