@@ -480,14 +480,14 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
                                                    "without drafts)")]:
         if bad:
             return None, f"speculative decoding: off by default with {what}; give --speculative-config to choose one"
-    # The embedded default model's committed draft head joins auto's choices
-    # (chat, where suffix and n-gram rarely match); another target has none.
-    head = EMBEDDED_DRAFT_HEAD if config.model.model is None and EMBEDDED_DRAFT_HEAD.is_file() else None
+    # The embedded model's committed draft head joins auto's choices (chat, where suffix and n-gram
+    # rarely match); not over GGUF blocks (it reads the float embedding and lm_head).
+    head = (EMBEDDED_DRAFT_HEAD if config.model.model is None and config.model.quantization != "gguf"
+            and EMBEDDED_DRAFT_HEAD.is_file() else None)
     spec = SpeculativeConfig(method="auto", model=None if head is None else str(head))
     choices = "suffix, n-gram or the draft head" if head is not None else "suffix or n-gram"
-    return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the "
-                  "cost-aware controller measures a gain, plain decoding elsewhere (the default; "
-                  "--speculative-config off turns it off)")
+    return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the cost-aware "
+                  "controller measures a gain, plain decoding elsewhere (the default; --speculative-config off turns it off)")
 
 
 def _is_int(value: object) -> bool:
