@@ -58,8 +58,9 @@ def test_random_workload_agrees_with_server_metrics(server, tmp_path):
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == s["total_prompt_tokens"]
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == s["total_output_tokens"] == 16
     assert r["server"]["prefix_cache_hits_delta"] == s["total_cached_tokens"]
-    # the engine's busy time: at least one step per output token, within the run's span
-    assert r["server"]["engine_steps_delta"] >= 16 / 4
+    # the engine's busy time: a prompt step and at least one decode step (speculation, on by
+    # default, may add several tokens a step), within the run's span
+    assert r["server"]["engine_steps_delta"] >= 2
     assert 0 < r["server"]["engine_step_seconds_delta"] < s["duration_s"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         st = s[key]
