@@ -104,27 +104,29 @@ def test_tiny_model_greedy_equals_plain_and_decode_recomputes_nothing(tiny, head
         assert signature == method if method != "draft" else signature.startswith("draft:")
         if method == "draft":
             assert workers["prefill-0"]["draft_prompt_tokens_computed"] == len(prompt)
-        if method == "ngram":
+        if method == "head":
             _join_is_refused_for_other_speculation(srv, tiny, tmp_path)
     finally:
         assert srv.stop() == 0, srv.log()[-5000:]
 
 
 def _join_is_refused_for_other_speculation(srv: ServerProcess, tiny: str, tmp_path) -> None:
-    """A decode core started without --speculative-config cannot join an
-    ngram pair: the 400 names the field and both values."""
+    """A decode core started with speculation off cannot join a head pair
+    (the head's hidden state travels with the KV): the 400 names the field
+    and both values. Token-only methods ship nothing, so their pairs agree
+    with any of them (spec.shipped)."""
     address = f"tcp://127.0.0.1:{_free_port_pair()}"
     log = open(tmp_path / "core.log", "w")
     core = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", address,
                              "--name", "decode-plain", "--model", tiny, *_core_args(),
-                             "--cache-secret-file", cache_secret(tmp_path),
+                             "--cache-secret-file", cache_secret(tmp_path), "--speculative-config", "off",
                              "--kv-transfer-address", "tcp://127.0.0.1:0"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         r = httpx.post(f"{srv.base_url}/v1/admin/workers", json={"address": address, "role": "decode"}, timeout=240)
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
-        assert "speculative" in message and "'ngram'" in message and "''" in message, message
+        assert "speculative" in message and "'head'" in message and "''" in message, message
         assert "decode-plain" not in _workers(srv)
     finally:
         core.send_signal(signal.SIGTERM)
