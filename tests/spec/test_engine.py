@@ -138,4 +138,7 @@ def test_cli_flag_parses_json():
     args = EngineArgs.from_cli_args(parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 3}']))
     spec = args.create_engine_config().speculative
     assert spec == SpeculativeConfig(num_speculative_tokens=3)
-    assert EngineArgs.from_cli_args(parser.parse_args([])).create_engine_config().speculative is None
+    # No flag: the commands' default, auto under the controller; "off" turns it off.
+    assert EngineArgs.from_cli_args(parser.parse_args([])).create_engine_config().speculative.method == "auto"
+    off = parser.parse_args(["--speculative-config", "off"])
+    assert EngineArgs.from_cli_args(off).create_engine_config().speculative is None
