@@ -82,10 +82,14 @@ def test_a_core_must_match_the_first_one():
         colocated.check_compatible(other_ready(block_size=8), "tcp://x:1")
     with pytest.raises(ValueError, match="differs in model_fingerprint"):
         disagg.check_compatible(other_ready(model_fingerprint="other"), "tcp://x:1")
-    # Speculation matters only where a prefill core feeds a decode core's drafter.
-    colocated.check_compatible(other_ready(speculative="ngram"), "tcp://x:1")
-    with pytest.raises(ValueError, match="differs in speculative"):
-        disagg.check_compatible(other_ready(speculative="ngram"), "tcp://x:1")
+    # Speculation matters only where a prefill core feeds a decode core's drafter:
+    # a head's hidden state or a draft model's KV; token-only methods ship nothing.
+    colocated.check_compatible(other_ready(speculative="head"), "tcp://x:1")
+    disagg.check_compatible(other_ready(speculative="ngram"), "tcp://x:1")
+    disagg.check_compatible(other_ready(speculative="auto"), "tcp://x:1")
+    for shipped in ("head", "auto+head", "draft:fp"):
+        with pytest.raises(ValueError, match="differs in speculative"):
+            disagg.check_compatible(other_ready(speculative=shipped), "tcp://x:1")
 
 
 def test_join_refuses_a_wrong_role_or_a_known_address_before_connecting():
