@@ -25,8 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,13 +34,13 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 
-import setproctitle
 import torch
 import zmq
 
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
+from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
 from kvferry.engine.pp_runner import StageLink
 from kvferry.engine.tp_ranks import RunnerShape
 from kvferry.messages import TPRank
@@ -52,8 +50,6 @@ from kvferry.parallel.pipeline import PPStage
 logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 600.0  # how long rank 0 waits for the stages to load their layers
-_POLL_S = 0.2
-_STOP_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -81,13 +77,15 @@ def stage_of(config: EngineConfig, num_layers: int, rank: int) -> PPStage:
     return PPStage.of(num_layers, rank, config.parallel.pipeline_parallel_size)
 
 
-class PPLeader:
+class PPLeader(RankProcesses):
     """Spawns and drives the stages 1..N-1 of one pipeline-parallel core (this process is stage 0)."""
+
+    MEMBER, GROUP = "pipeline stage", "stage group"
 
     def __init__(self, config: EngineConfig, num_layers: int, name: str | None = None) -> None:
         self.world_size = n = config.parallel.pipeline_parallel_size
         self.stage = stage_of(config, num_layers, 0)  # a model too shallow fails here, before any stage starts
-        self.name = name or _core_name()
+        self.name = name or core_name()
         self.threads = stage_threads(config)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
@@ -115,7 +113,7 @@ class PPLeader:
         # Stage 0's activations go to stage 1 (queued until it binds).
         self.link = StageLink(prev=None, next=self._push(f"ipc://{self._dir}/acts-1"), alive=self.check)
         self._stopping = threading.Event()  # ours: a stage's exit from now on is no failure
-        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir, self._stopping)
+        self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir, self._stopping)
         self._watcher: threading.Thread | None = None
 
     def _push(self, address: str) -> zmq.Socket:
@@ -144,7 +142,7 @@ class PPLeader:
             self._raise_if_dead()
             if time.monotonic() > deadline:
                 raise RankFailed(min(pending), f"did not load its layers within {LOAD_TIMEOUT_S:g}s")
-            if not self._reports.poll(int(_POLL_S * 1000)):
+            if not self._reports.poll(int(POLL_S * 1000)):
                 continue
             kind, rank, detail = pickle.loads(self._reports.recv())
             if kind != "loaded":
@@ -176,7 +174,7 @@ class PPLeader:
         """The last stage's result of step ``step`` (``timeline``: stage 0's micro-batches of it)."""
         while True:
             self.check()
-            if not self._reports.poll(int(_POLL_S * 1000)):
+            if not self._reports.poll(int(POLL_S * 1000)):
                 continue
             kind, rank, detail = pickle.loads(self._reports.recv())
             if kind == "error":
@@ -194,52 +192,10 @@ class PPLeader:
     def run(self, execute, sched: SchedulerOutput) -> RunnerOutput:  # noqa: ANN001 - StageRunner.execute
         return execute(sched)
 
-    def check(self) -> None:
-        """RankFailed once a stage is gone: the group ends whole."""
-        if self.failure is not None:
-            raise self.failure
-
-    def _send(self, message: object) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for sock in self._steps:
-            sock.send(data, copy=False)
-
-    # -- failure -------------------------------------------------------------------
-    def _raise_if_dead(self) -> None:
-        for rank, proc in enumerate(self._procs, start=1):
-            code = proc.poll()
-            if code is not None:
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-                raise RankFailed(rank, f"pipeline stage {rank} (pid {proc.pid}) exited with {how}; "
-                                       "the engine core's stage group ends whole")
-
-    def _watch(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self._raise_if_dead()
-            except RankFailed as failure:
-                if not self._stopping.is_set():
-                    logger.error("%s", failure)
-                    self.failure = failure
-                    _kill_all(self._procs, None)
-                return
-            time.sleep(_POLL_S)
-
     def close(self) -> None:
         """Stop the stages (a shutdown message, then SIGTERM, then SIGKILL)."""
-        if self._stopping.is_set():
+        if not self._stop_processes():
             return
-        self._stopping.set()
-        try:
-            self._send(None)
-        except zmq.ZMQError:
-            pass
-        end = time.monotonic() + _STOP_GRACE_S
-        for proc in self._procs:
-            try:
-                proc.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         for sock in [*self._steps, self.link.next]:
             sock.close(linger=0)
         self._reports.close(linger=0)
@@ -247,24 +203,3 @@ class PPLeader:
         self._finalizer()
         torch.set_num_threads(self._threads_before)
 
-
-def _core_name() -> str:
-    title = setproctitle.getproctitle()
-    return title.removeprefix("kvferry: ") if title.startswith("kvferry: ") else "engine"
-
-
-def _kill_all(procs: list[subprocess.Popen], folder: str | None, stopping: threading.Event | None = None) -> None:
-    if stopping is not None:
-        stopping.set()
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    end = time.monotonic() + _STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)

@@ -30,8 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,13 +38,13 @@ import time
 import weakref
 from dataclasses import dataclass
 
-import setproctitle
 import torch
 import zmq
 
 from kvferry.config import EngineConfig, ParallelConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
+from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
 from kvferry.messages import TPRank
 from kvferry.model.layers.parallel import TPShard
 from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
@@ -58,8 +56,6 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 120.0
 # How long rank 0 waits for the workers to load their shards.
 LOAD_TIMEOUT_S = 600.0
-_POLL_S = 0.2
-_STOP_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -100,12 +96,14 @@ def threads_per_rank(parallel: ParallelConfig) -> int:
     return max(1, len(os.sched_getaffinity(0)) // parallel.tensor_parallel_size)
 
 
-class TPLeader:
+class TPLeader(RankProcesses):
     """Spawns and drives the worker ranks of one tensor-parallel core."""
+
+    MEMBER, GROUP = "tensor-parallel rank", "rank group"
 
     def __init__(self, config: EngineConfig, name: str | None = None) -> None:
         """``name``: the core's (default: from this process's title, "kvferry: engine-1" -> "engine-1")."""
-        name = name or _core_name()
+        name = name or core_name()
         self._parallel = par = config.parallel
         self.world_size = n = par.tensor_parallel_size
         self.threads = threads_per_rank(par)
@@ -137,7 +135,7 @@ class TPLeader:
             self._steps.append(sock)
         # Workers never outlive this object (an offline LLM dropped without close()).
         self._stopping = threading.Event()  # ours: a worker's exit from now on is no failure
-        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir, self._stopping)
+        self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir, self._stopping)
         self._watcher: threading.Thread | None = None
         self._group: ProcessGroup | ShmAllReduce | None = None
 
@@ -162,7 +160,7 @@ class TPLeader:
             self._raise_if_dead()
             if time.monotonic() > deadline:
                 raise RankFailed(min(pending), f"did not load its shard within {LOAD_TIMEOUT_S:g}s")
-            if not self._reports.poll(int(_POLL_S * 1000)):
+            if not self._reports.poll(int(POLL_S * 1000)):
                 continue
             kind, rank, detail = pickle.loads(self._reports.recv())
             if kind != "loaded":
@@ -208,50 +206,10 @@ class TPLeader:
                 raise self.failure from exc
             raise
 
-    def check(self) -> None:
-        """RankFailed once a worker is gone: the group ends whole."""
-        if self.failure is not None:
-            raise self.failure
-
-    def _send(self, message: object) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for sock in self._steps:
-            sock.send(data, copy=False)
-
-    # -- failure -----------------------------------------------------------------------
-    def _raise_if_dead(self) -> None:
-        for rank, proc in enumerate(self._procs, start=1):
-            code = proc.poll()
-            if code is not None:
-                raise _exited(rank, proc.pid, code)
-
-    def _watch(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self._raise_if_dead()
-            except RankFailed as failure:
-                if not self._stopping.is_set():
-                    logger.error("%s", failure)
-                    self.failure = failure
-                    _kill_all(self._procs, None)
-                return
-            time.sleep(_POLL_S)
-
     def close(self) -> None:
         """Stop the workers (a shutdown message, then SIGTERM, then SIGKILL)."""
-        if self._stopping.is_set():
+        if not self._stop_processes():
             return
-        self._stopping.set()
-        try:
-            self._send(None)
-        except zmq.ZMQError:
-            pass
-        end = time.monotonic() + _STOP_GRACE_S
-        for proc in self._procs:
-            try:
-                proc.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         if isinstance(self._group, ShmAllReduce):
             self._group.close()
         for sock in self._steps:
@@ -261,30 +219,3 @@ class TPLeader:
         self._finalizer()
         torch.set_num_threads(self._threads_before)
 
-
-def _core_name() -> str:
-    title = setproctitle.getproctitle()
-    return title.removeprefix("kvferry: ") if title.startswith("kvferry: ") else "engine"
-
-
-def _exited(rank: int, pid: int, code: int) -> RankFailed:
-    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-    return RankFailed(rank, f"tensor-parallel rank {rank} (pid {pid}) exited with {how}; "
-                            "the engine core's rank group ends whole")
-
-
-def _kill_all(procs: list[subprocess.Popen], folder: str | None, stopping: threading.Event | None = None) -> None:
-    if stopping is not None:
-        stopping.set()
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    end = time.monotonic() + _STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""What a leader of rank processes does the same for every kind of group:
+the tensor-parallel ranks (tp_ranks.py) and the pipeline stages
+(pp_stages.py). Rank 0 (the engine core) starts ranks 1..N-1 as child
+processes and sends each step to them; a group lives and dies whole.
+
+    RankProcesses   mixin: send a step to every rank, watch them, stop them
+    kill_all        SIGTERM, then SIGKILL after a grace (also the finalizer)
+    core_name       the core's name from this process's title
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import setproctitle
+import zmq
+
+from kvferry.parallel import RankFailed
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.2
+STOP_GRACE_S = 5.0
+
+
+class RankProcesses:
+    """The leader's side of ranks 1..N-1. The class using it sets
+    ``_procs`` (the children, rank 1 first), ``_steps`` (a PUSH socket to
+    each), ``_stopping`` (set once the group is being stopped: an exit from
+    then on is no failure) and ``failure``; ``MEMBER`` and ``GROUP`` name
+    them in the one-line failure ("pipeline stage 1 ... the engine core's
+    stage group ends whole")."""
+
+    MEMBER = "rank"
+    GROUP = "rank group"
+    _procs: list[subprocess.Popen]
+    _steps: list[zmq.Socket]
+    _stopping: threading.Event
+    failure: RankFailed | None
+
+    def check(self) -> None:
+        """RankFailed once a rank is gone: the group ends whole."""
+        if self.failure is not None:
+            raise self.failure
+
+    def _send(self, message: object) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for sock in self._steps:
+            sock.send(data, copy=False)
+
+    def _raise_if_dead(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+                raise RankFailed(rank, f"{self.MEMBER} {rank} (pid {proc.pid}) exited with {how}; "
+                                       f"the engine core's {self.GROUP} ends whole")
+
+    def _watch(self) -> None:
+        """The watcher thread: the first rank to exit ends the others."""
+        while not self._stopping.is_set():
+            try:
+                self._raise_if_dead()
+            except RankFailed as failure:
+                if not self._stopping.is_set():
+                    logger.error("%s", failure)
+                    self.failure = failure
+                    kill_all(self._procs, None)
+                return
+            time.sleep(POLL_S)
+
+    def _stop_processes(self) -> bool:
+        """Ask every rank to stop (a shutdown message) and wait up to the
+        grace; False if the group was already stopping (close runs once)."""
+        if self._stopping.is_set():
+            return False
+        self._stopping.set()
+        try:
+            self._send(None)
+        except zmq.ZMQError:
+            pass
+        end = time.monotonic() + STOP_GRACE_S
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return True
+
+
+def core_name() -> str:
+    title = setproctitle.getproctitle()
+    return title.removeprefix("kvferry: ") if title.startswith("kvferry: ") else "engine"
+
+
+def kill_all(procs: list[subprocess.Popen], folder: str | None, stopping: threading.Event | None = None) -> None:
+    """End every process still running (SIGTERM, SIGKILL after the grace)
+    and remove the group's folder."""
+    if stopping is not None:
+        stopping.set()
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    end = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
