@@ -56,6 +56,12 @@ def compressed_tensors_ignore(hf: dict) -> list[str] | None:
     return list(qc.get("ignore") or [])
 
 
+def is_compressed_tensors(folder: Path) -> bool:
+    """Whether ``folder``'s config.json names a compressed-tensors W8A8 int8 checkpoint."""
+    with open(folder / "config.json", encoding="utf-8") as f:
+        return compressed_tensors_ignore(json.load(f)) is not None
+
+
 def int8_config(folder: Path, quantization: str | None) -> Int8Config | None:
     """The int8 config to load ``folder`` with, or None (another format)."""
     with open(folder / "config.json", encoding="utf-8") as f:

@@ -92,8 +92,12 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     config = read_config(folder)
     torch_dtype = resolve_dtype(dtype, config, device)
     int8 = None if blocks else int8_checkpoint.int8_config(folder, quantization)  # --quantization int8 or W8A8
-    if int8 is not None and sharded:
-        raise ValueError("tensor_parallel_size > 1 needs float weights: int8 weights are not sharded yet")
+    packed_int8 = int8 is not None and int8_checkpoint.is_compressed_tensors(folder)  # int8 tensors + scales
+    if packed_int8 and sharded:
+        # --quantization int8 quantizes each rank's slice as it is read; a checkpoint's
+        # int8 tensors and their scales would have to be sliced in pairs.
+        raise ValueError("tensor_parallel_size > 1: a compressed-tensors int8 checkpoint is not sharded yet "
+                         "(--quantization int8 over its float model is)")
     if int8 is not None and stage is not None:
         raise ValueError("pipeline_parallel_size > 1 needs float weights: int8 weights are not split over stages yet")
     if blocks:
@@ -101,7 +105,7 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     else:
         lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8, stage=stage)
         weights = iter_safetensors(folder, lazy=sharded or stage is not None)
-        lm.load_weights(int8_checkpoint.pair_scales(weights) if int8 else weights)
+        lm.load_weights(int8_checkpoint.pair_scales(weights) if packed_int8 else weights)
         fingerprint = model_fingerprint(folder)
         fingerprint = fingerprint if int8 is None else int8_checkpoint.mark_fingerprint(fingerprint)
     lm.eval()
