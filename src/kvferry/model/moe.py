@@ -45,8 +45,9 @@ this rank's experts over the tokens routed to them, and the one all-reduce
 of the block sums the ranks' partial outputs, routed and shared together.
 
 ``_experts`` builds this rank's ``num_experts`` at this rank's width in
-either format; the loader refuses quantized weights over ranks for now
-(GGUF blocks and int8 are not sharded), so moe_quant.py's stacks run whole.
+either format: int8 (``--quantization int8``) quantizes each rank's slice
+or whole experts as they are read; GGUF blocks are not sharded (the loader
+expands a .gguf to float over ranks).
 """
 from __future__ import annotations
 
