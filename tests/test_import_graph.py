@@ -178,7 +178,7 @@ GGUF = "start-up: the GGUF reader and tokenizer builder, only when a .gguf is re
 
 LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "__init__.py": {"kvferry.engine.llm": NO_TORCH, "kvferry.engine.engine": NO_TORCH},  # PEP 562 re-exports
-    "bench/cli.py": {"torch": CLI, "kvferry.engine.engine": CLI,                  # in-process profile only
+    "bench/cli.py": {"torch": CLI, "kvferry.engine.engine": CLI, "kvferry.model.weight_format": CLI,  # in-process
                      "kvferry.bench.run": CLI, "kvferry.bench.profile_served": CLI},  # httpx, rich
     "bench/plots.py": {"matplotlib": OPTIONAL},
     "bench/profile.py": {"matplotlib": OPTIONAL},

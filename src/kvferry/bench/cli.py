@@ -23,6 +23,7 @@ from kvferry.bench.plots import plot_latency_cdfs, plot_sweep
 from kvferry.bench.profile import ProfileGrid, plot_profile
 from kvferry.bench.profile_layouts import layout_summary, parse_layouts, plot_layouts, run_layout_profiles
 from kvferry.bench.workloads import BenchError
+from kvferry.config import QUANTIZATIONS
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "trace", "multi-tenant")
 
@@ -60,6 +61,14 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                                                "in-process engine (HTTP, IPC, detokenization and CPU sharing "
                                                "included; disagg: the prefill -> decode hand-over too)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="the weight format, as kvferry serve's flag (a .gguf: its blocks by default; int8: "
+                        "W8A8). The profile records the format the model ran in (weight_format: bf16, "
+                        "float32, int8, the file's type such as Q4_K_M): kvferry plan never pairs pools "
+                        "of different formats, and sets their costs side by side")
+    p.add_argument("--weight-format", default=None, metavar="NAME",
+                   help="with --url: the served model's weight format to record (bf16, int8, Q4_K_M, ...; "
+                        "a client cannot see it). An in-process profile reads it from the loaded model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
@@ -130,12 +139,19 @@ def _run_profile(args: argparse.Namespace) -> int:
         if [lay.name for lay in layouts] != ["tp1pp1"]:
             raise BenchError("--tensor-parallel-sizes/--pipeline-parallel-sizes: a served profile measures the "
                              "server as it runs; profile each layout in-process, or each server with its own --url")
+        if args.quantization is not None:
+            raise BenchError("--quantization: a served profile measures the server as it runs (its own "
+                             "--quantization); name its format with --weight-format")
         return _run_served_profile(args, grid)
+    if args.weight_format is not None:
+        raise BenchError("--weight-format names a served model's format (with --url); an in-process profile "
+                         "reads it from the loaded model")
     # Lazy: torch and the engine load only when an in-process profile runs,
     # not for every kvferry command (~1.5 s).
     import torch
 
     from kvferry.engine.engine import LLMEngine
+    from kvferry.model.weight_format import loaded_weight_format
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,12 +159,15 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     longest = max(max(grid.new_tokens) + max(grid.cached_tokens), max(grid.context_lens) + args.decode_steps + 2)
 
+    formats: list[str] = []  # each engine's weight format (every layout loads the same one)
+
     def make_engine(layout, threads: int):
         if layout.ranks == 1:
             torch.set_num_threads(threads)
         try:
             engine = LLMEngine.from_args(
-                model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                block_size=args.block_size,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(grid.batch_sizes),
                 max_num_batched_tokens=max(2048, longest), enable_prefix_caching=True,
                 tensor_parallel_size=layout.tensor_parallel_size,
@@ -164,6 +183,7 @@ def _run_profile(args: argparse.Namespace) -> int:
             engine.core.close()
             raise BenchError(f"the grid needs {longest + 1} tokens of context; the model has "
                              f"{engine.max_model_len}")
+        formats.append(loaded_weight_format(engine.core.loaded, args.model))
         return engine
 
     measured, skipped = run_layout_profiles(make_engine, grid, layouts, cpus, _show_point)
@@ -176,10 +196,13 @@ def _run_profile(args: argparse.Namespace) -> int:
                              "cached tokens found (is the KV cache big enough?)")
     result = {k: measured[0][k] for k in ("prefill", "decode", "quality")}
     model_name = Path(args.model).name if args.model else "embedded default model"
-    data = {"model": model_name, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
-            "threads": cpus, "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result,
+    # The first layout's (a .gguf expanded over ranks is another format: each layout's is in its record).
+    for layout, fmt in zip(measured, formats):
+        layout["weight_format"] = fmt
+    data = {"model": model_name, "dtype": args.dtype, "weight_format": measured[0]["weight_format"],
+            "device": args.device, "block_size": args.block_size, "threads": cpus, "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result,
             "layouts": measured, "skipped_layouts": skipped}
-    title = f"kvferry profile: {model_name} ({args.device}, {args.dtype})"
+    title = f"kvferry profile: {model_name} ({args.device}, {data['weight_format']})"
     _save_profile(args, data, title)
     for line in layout_summary(measured, skipped) if len(layouts) > 1 else ():
         print(line)
@@ -216,6 +239,7 @@ def _run_served_profile(args: argparse.Namespace, grid) -> int:
     base, model = resolve_target(argparse.Namespace(url=args.url, api_key=None, model=args.model))
     result = run_served_profile(base, model, grid, _show_point)
     data = {"model": model, "served": base, "block_size": args.block_size,
+            **({"weight_format": args.weight_format} if args.weight_format else {}),
             "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result}
     _save_profile(args, data, f"kvferry profile: {model} served at {base}")
     print(f"first-token delay when the engine steps on: {1000 * result['first_token_delay_s']:.1f} ms; "

@@ -34,7 +34,7 @@ from kvferry.bench.cli import _one_line_error
 from kvferry.bench.metrics import parse_slo
 from kvferry.bench.trace import load_trace
 from kvferry.bench.workloads import BenchError
-from kvferry.plan.hardware import Hardware, load_hardware, pick, profile_device
+from kvferry.plan.hardware import Hardware, load_hardware, pick, profile_device, profile_weight_format
 from kvferry.plan.latency import KVTransferModel, PlanError, StepCostModel, check_profile_fits, profile_handover_s
 from kvferry.plan.layouts import layout_hardware
 from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
@@ -444,7 +444,7 @@ def plan_pools(args: argparse.Namespace):
                 raise ValueError(f"--{flag.replace('_', '-')} needs --hardware NAME=PROFILE.json:PRICE")
         check_profile_fits(args.profile, args.allow_poor_fit, "plan")
         only = Hardware("profile", args.profile, None, StepCostModel.from_profile(args.profile),
-                        profile_device(args.profile))
+                        profile_device(args.profile), weight_format=profile_weight_format(args.profile))
         layouts = layout_hardware(only, args.allow_poor_fit)  # one per (TP, PP) the profile measured
         return Pools(list(layouts), list(layouts), list(layouts))
     hardware = [lay for hw in load_hardware(args.hardware, args.allow_poor_fit)

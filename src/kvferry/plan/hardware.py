@@ -45,6 +45,9 @@ class Hardware:
     # What one instance of this layout uses, in instances of the profile's first layout (its ranks'
     # CPUs or GPUs over the first's): what --gpus counts and the price scales by.
     share: float = 1.0
+    # The weight format its profile ran ("bf16", "int8", "Q4_K_M"; plan/formats.py): a prefill pool and a
+    # decode pool pair only within one format. "": the profile does not say.
+    weight_format: str = ""
 
     @property
     def base_name(self) -> str:
@@ -55,17 +58,28 @@ class Hardware:
 
     def to_json(self) -> dict:
         return {"name": self.name, "profile": self.profile, "price_per_hour": self.price_per_hour,
-                "device": self.device, "layout": self.layout or "tp1pp1", "share": self.share}
+                "device": self.device, "layout": self.layout or "tp1pp1", "share": self.share,
+                "weight_format": self.weight_format}
 
 
 def profile_device(path: str) -> str:
     """The ``device`` a ``kvferry profile`` JSON names ("cpu", "cuda", ...);
     "" when it names none (a served profile: the client cannot see it)."""
+    return _profile_text(path, "device")
+
+
+def profile_weight_format(path: str) -> str:
+    """The ``weight_format`` a ``kvferry profile`` JSON names ("bf16",
+    "Q4_K_M", ...); "" when it names none (written before profiles did)."""
+    return _profile_text(path, "weight_format")
+
+
+def _profile_text(path: str, key: str) -> str:
     try:
-        device = json.loads(Path(path).read_text()).get("device")
+        value = json.loads(Path(path).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return ""  # StepCostModel.from_profile reports an unreadable profile
-    return device if isinstance(device, str) else ""
+    return value if isinstance(value, str) else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +134,8 @@ def load_hardware(specs: list[str], allow_poor_fit: bool) -> list[Hardware]:
         if any(h.name == name for h in out):
             raise PlanError(f"--hardware: {name!r} is given twice")
         check_profile_fits(path, allow_poor_fit, "plan")
-        out.append(Hardware(name, path, price, StepCostModel.from_profile(path), profile_device(path)))
+        out.append(Hardware(name, path, price, StepCostModel.from_profile(path), profile_device(path),
+                            weight_format=profile_weight_format(path)))
     return out
 
 

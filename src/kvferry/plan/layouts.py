@@ -63,6 +63,8 @@ def layout_hardware(hw: Hardware, allow_poor_fit: bool = False) -> list[Hardware
             out.append(replace(hw, name=name if hw.price_per_hour is None and hw.name == "profile"
                                else f"{hw.name}:{name}",
                                cost=StepCostModel.from_json(data, layout), layout=name, share=share,
+                               # a .gguf expanded over ranks ran another format than its TP 1 layout
+                               weight_format=str(layout.get("weight_format") or hw.weight_format),
                                price_per_hour=None if hw.price_per_hour is None else hw.price_per_hour * share))
         return out
     except OSError as e:

@@ -31,6 +31,10 @@ instance counts its layout's ``share`` against ``gpus`` and in the price.
 ``layout_choice`` names each pool's chosen layout and each layout's best
 placement beside it (the reason).
 
+Weight formats (``formats.py``): a prefill pool pairs with a decode pool of
+the same format only, and with several formats ``format_choice`` sets each
+format's best placement and cost per million useful tokens side by side.
+
 The rate is the user's (``--rate``) wherever it is printed and in goodput;
 the sampled arrivals' own mean rate (a Poisson sample of 200 requests at
 8 req/s may come out at 7.7) is kept as ``offered_rate``.
@@ -42,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvferry.bench.metrics import cost_per_million_useful_tokens
+from kvferry.plan.formats import format_choice, format_choice_text, formats_of, same_format
 from kvferry.plan.hardware import DeviceUnit, Hardware, fleet_price_per_hour
 from kvferry.plan.instance import InstanceConfig
 from kvferry.plan.latency import KVTransferModel
@@ -116,6 +121,7 @@ def evaluate(requests: list[SimRequest], slo: dict[str, float], cluster: Cluster
             "num_colocated": cluster.num_colocated, "gpus": used,
             "hardware": hardware, "mixed_hardware": len({hw.base_name for _, hw in pools.values()}) > 1,
             "layout": {pool: hw.layout or "tp1pp1" for pool, (_, hw) in pools.items()},
+            "weight_format": front.weight_format,  # the pools' one format (formats.same_format)
             "slo_attainment_pct": 100.0 * attainment, "goodput": goodput,
             "goodput_per_gpu": goodput / used,
             "at_target_ms": at_percentile_ms(results, slo, target_pct),
@@ -164,9 +170,13 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
                for hw in pools.colocated for c in counts(hw, gpus)]
     layouts += [(ClusterConfig(num_colocated=0, num_prefill=p, num_decode=d, transfer=transfer(ph, dh), **base),
                  ph, dh)
-                for ph in pools.prefill for dh in pools.decode
+                for ph in pools.prefill for dh in pools.decode if same_format(ph, dh)
                 for p in counts(ph, gpus - dh.share) for d in counts(dh, gpus - units(p, ph))]
     if not layouts:
+        if not any(same_format(ph, dh) for ph in pools.prefill for dh in pools.decode):
+            raise ValueError("no prefill hardware has a decode hardware of its weight format (prefill: "
+                             f"{_formats_text(pools.prefill)}; decode: {_formats_text(pools.decode)}): a "
+                             "decode pool takes its prefill pool's KV, so both run one format")
         raise ValueError(f"--gpus {gpus} with no colocated hardware leaves no placement (a disaggregated one "
                          "needs 2 instances)")
     candidates = [evaluate(requests, slo, cluster, front, back, rate, min_attainment_pct)
@@ -197,7 +207,18 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
         out["best_mixed"] = min((c for c in candidates if c["mixed_hardware"]), key=rank, default=None)
     if any(h.layout for h in hardware):
         out["layout_choice"] = layout_choice(candidates, rank)
+    if len(formats_of(hardware)) > 1:  # the same model in several formats: each one's best, side by side
+        out["format_choice"] = format_choice(candidates, rank, label)
     return out
+
+
+def _format_prefix(h: dict) -> str:
+    """"Q4_K_M, " for a hardware whose profile names its weight format."""
+    return f"{h['weight_format']}, " if h.get("weight_format") else ""
+
+
+def _formats_text(hardware: list[Hardware]) -> str:
+    return ", ".join(f"{h.name} {h.weight_format or 'unnamed'}" for h in hardware)
 
 
 def layout_choice(candidates: list[dict], rank) -> dict:
@@ -324,8 +345,8 @@ def format_plan(result: dict) -> str:
              f"{'placement':>{width}} {unit['column']:>{count_w}} {'attain%':>8} {'goodput':>9} {per:>{per_w}}"
              + (f" {'price/h':>8} {'cost/M useful tok':>17}" if priced else "")]
     if priced:
-        lines.insert(1, "hardware: " + ", ".join(f"{h['name']} ({h['price_per_hour']:g}/h, {h['profile']})"
-                                                 for h in result["hardware"])
+        lines.insert(1, "hardware: " + ", ".join(f"{h['name']} ({_format_prefix(h)}{h['price_per_hour']:g}/h, "
+                                                 f"{h['profile']})" for h in result["hardware"])
                      + "; ranked by cost per million useful tokens")
     for c in shown:
         lines.append(f"{label(c, hw):>{width}} {c['gpus']:>{count_w}g} {c['slo_attainment_pct']:>8.1f} "
@@ -343,6 +364,7 @@ def format_plan(result: dict) -> str:
                      + (f"{_cost_text(c)} per million useful tokens, " if priced else "")
                      + f"{c['slo_attainment_pct']:.1f}% within SLO)" + ("" if c["qualifies"] else "  (below target)"))
     lines += layout_choice_text(result, per)
+    lines += format_choice_text(result, per)
     if not result["best"]["qualifies"]:
         lines.append(no_placement_text(result))
     return "\n".join(lines)
