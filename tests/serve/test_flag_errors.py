@@ -30,6 +30,12 @@ MISSING = "/nonexistent/kvferry-test/x"
 # they are refused for that alone: test_autoscale_tuning_needs_autoscale).
 AUTOSCALE = ["--autoscale", MISSING, "--ttft-slo-ms", "500"]
 
+# --quantization values vLLM takes and kvferry does not (vLLM's QuantizationMethods, the common ones).
+VLLM_QUANTIZATIONS = ["awq", "awq_marlin", "gptq", "gptq_marlin", "gptq_marlin_24", "marlin", "fp8", "fbgemm_fp8",
+                      "ptpc_fp8", "modelopt", "modelopt_fp4", "bitsandbytes", "experts_int8", "tpu_int8",
+                      "deepspeedfp", "aqlm", "hqq", "torchao", "quark", "moe_wna16", "mxfp4", "auto-round", "inc",
+                      "bitblas", "gptq_bitblas", "ipex", "rtn", "GGUF", "INT8"]
+SUPPORTED_QUANTIZATIONS = "supported: gguf, int8, compressed-tensors, none"
 # flag -> bad command-line fragments (each gets its own process). "{bad_json}"
 # is a file of invalid JSON.
 BAD: dict[str, list[list[str]]] = {
@@ -37,7 +43,8 @@ BAD: dict[str, list[list[str]]] = {
     "--dtype": [["int4"]],
     "--device": [["tpu"]],
     "--attention-backend": [["flash"]],
-    "--quantization": [["awq"]],
+    "--quantization": [[q] for q in VLLM_QUANTIZATIONS],
+    "-q": [["awq"], ["gptq"]],  # vLLM's short form of --quantization
     "--seed": [["abc"]],
     "--block-size": [["24"], ["0"]],
     "--max-num-seqs": [["0"], ["x"]],
@@ -213,6 +220,15 @@ def test_bad_value_is_one_line_before_anything_starts(case, results):
     assert r["stdout"] == ""
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("--quantization", "-q")], ids=_case_id)
+def test_an_unsupported_quantization_names_the_supported_ones(case, results):
+    """What a vLLM user types (``-q awq``, ``--quantization fp8``): one
+    line naming the value and kvferry's formats, not a guess at a flag."""
+    r = results[_case_id(case)]
+    line = assert_one_line_error(r["code"], r["stderr"], str(case))
+    assert f"quantization {case[1][0]!r} is not supported; {SUPPORTED_QUANTIZATIONS}" in line, line
+
+
 def test_every_flag_with_a_value_has_a_bad_value_case():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {a.option_strings[0] for a in serve._actions if a.option_strings and a.nargs != 0
@@ -248,3 +264,35 @@ def test_the_issues_mistakes_are_one_line_before_the_model_loads():
                                       "length 8192")
     assert "some-org/some-eagle3-head" in lines["eagle3"] and "kvferry train-draft" in lines["eagle3"]
     assert all("[engine-" not in err for _, err in out.values())  # no core was started
+
+
+# -- a checkpoint quantized in a format kvferry does not load ----------------------------------
+
+def _awq_folder(root: Path) -> Path:
+    """The placeholder model, its config.json saying AWQ (as vLLM finds one without a flag)."""
+    folder = _placeholder_model(root / "awq")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_an_awq_checkpoint_is_one_line_before_anything_starts(tmp_path):
+    folder = _awq_folder(tmp_path)
+    cases = [{"argv": ["serve", "--model", str(folder), "--port", "0", *extra], "timeout_s": 60}
+             for extra in ([], ["--quantization", "int8"])]
+    p = subprocess.run([sys.executable, "-m", "tests.serve.cli_runner"], input=json.dumps(cases), cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in json.loads(p.stdout):
+        line = assert_one_line_error(r["code"], r["stderr"])
+        assert "quant_method 'awq'" in line and SUPPORTED_QUANTIZATIONS in line, line
+        assert "[engine-" not in r["stderr"]  # refused by the front end: no core started
+
+
+def test_the_loader_refuses_an_awq_checkpoint_before_reading_a_tensor(tmp_path):
+    from kvferry.model.loader import load_model
+
+    folder = _awq_folder(tmp_path)
+    with pytest.raises(ValueError, match=r"quant_method 'awq', a format kvferry does not load; supported: gguf"):
+        load_model(str(folder))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvferry.model.checkpoint_quant import check_checkpoint_quantization
 from kvferry.model.int8_gemm import Int8Weight
 from kvferry.model.layers.int8 import Int8Config
 
@@ -65,7 +66,9 @@ def is_compressed_tensors(folder: Path) -> bool:
 def int8_config(folder: Path, quantization: str | None) -> Int8Config | None:
     """The int8 config to load ``folder`` with, or None (another format)."""
     with open(folder / "config.json", encoding="utf-8") as f:
-        ignore = compressed_tensors_ignore(json.load(f))
+        hf = json.load(f)
+    check_checkpoint_quantization(hf, folder.name)  # AWQ, GPTQ, FP8 ...: one line, before any tensor
+    ignore = compressed_tensors_ignore(hf)
     if ignore is not None:
         if quantization not in (None, *INT8_NAMES):
             raise ValueError(f"{folder.name} is a compressed-tensors int8 checkpoint: serve it with "

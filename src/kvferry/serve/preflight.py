@@ -24,6 +24,7 @@ from kvferry.autoscale import flags as autoscale_flags
 from kvferry.config import SPECULATIVE_DEFAULT, SPECULATIVE_OFF, EngineArgs
 from kvferry.engine.core_addresses import parse_cpus
 from kvferry.fleet.placement import parse_resources
+from kvferry.model.checkpoint_quant import check_checkpoint_quantization
 from kvferry.model.config import ModelConfig
 from kvferry.model.gguf_header import gguf_context_length
 from kvferry.model.resolve import resolve_model
@@ -56,6 +57,7 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     if getattr(args, "ray", None) is None:  # Ray places cores on other nodes, with their own CPUs
         _cpus(args)
     _max_model_len(engine_args)
+    check_checkpoint_quantization(_hf_config(engine_args.model), engine_args.model or "the model")
     _tensor_parallel(engine_args)
     _pool_tensor_parallel(args, engine_args)
     _pipeline_parallel(engine_args)

@@ -64,6 +64,16 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                         f"use, the weights and a {ACTIVATION_RESERVE_GB:g} GiB reserve; CPU: no-op")
     add_serve_compat_args(g)
     alias_dtype_choices(parser)
+    _alias_option(parser, "quantization", "-q")  # vLLM's short form: `vllm serve ... -q awq`
+
+
+def _alias_option(parser: argparse.ArgumentParser, dest: str, alias: str) -> None:
+    """``alias`` as a second spelling of the option that sets ``dest`` (its
+    help shows both; argparse registers an option string just so)."""
+    for action in parser._actions:
+        if action.dest == dest and action.option_strings and alias not in action.option_strings:
+            action.option_strings.append(alias)
+            parser._option_string_actions[alias] = action
 
 
 def note(message: str) -> None:
