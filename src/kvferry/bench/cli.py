@@ -159,7 +159,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     longest = max(max(grid.new_tokens) + max(grid.cached_tokens), max(grid.context_lens) + args.decode_steps + 2)
 
-    formats: list[str] = []  # each engine's weight format (every layout loads the same one)
+    formats: list[str] = []  # each measured layout's weight format (model/weight_format.py)
 
     def make_engine(layout, threads: int):
         if layout.ranks == 1:
@@ -167,9 +167,9 @@ def _run_profile(args: argparse.Namespace) -> int:
         try:
             engine = LLMEngine.from_args(
                 model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-                block_size=args.block_size,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(grid.batch_sizes),
-                max_num_batched_tokens=max(2048, longest), enable_prefix_caching=True,
+                block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                max_num_seqs=max(grid.batch_sizes), max_num_batched_tokens=max(2048, longest),
+                enable_prefix_caching=True,
                 tensor_parallel_size=layout.tensor_parallel_size,
                 pipeline_parallel_size=layout.pipeline_parallel_size,
                 cpu_threads_per_rank=threads if layout.ranks > 1 else None)
@@ -196,11 +196,12 @@ def _run_profile(args: argparse.Namespace) -> int:
                              "cached tokens found (is the KV cache big enough?)")
     result = {k: measured[0][k] for k in ("prefill", "decode", "quality")}
     model_name = Path(args.model).name if args.model else "embedded default model"
-    # The first layout's (a .gguf expanded over ranks is another format: each layout's is in its record).
+    # Each layout's own (a .gguf the loader expands over ranks runs float there); the top level is the first's.
     for layout, fmt in zip(measured, formats):
         layout["weight_format"] = fmt
     data = {"model": model_name, "dtype": args.dtype, "weight_format": measured[0]["weight_format"],
-            "device": args.device, "block_size": args.block_size, "threads": cpus, "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result,
+            "device": args.device, "block_size": args.block_size, "threads": cpus,
+            "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result,
             "layouts": measured, "skipped_layouts": skipped}
     title = f"kvferry profile: {model_name} ({args.device}, {data['weight_format']})"
     _save_profile(args, data, title)
