@@ -121,3 +121,23 @@ def test_weight_format_flags_are_refused_where_they_cannot_apply(tmp_path):
     assert local.returncode == 2 and "reads it from the loaded model" in local.stderr
     bad = kvferry("profile", "--quantization", "awq")
     assert bad.returncode == 2 and "gguf" in bad.stderr and "int8" in bad.stderr
+
+
+def test_a_layout_of_another_format_is_another_format(tmp_path):
+    """A .gguf profiled at TP 1 and TP 2: its blocks at TP 1, expanded to
+    float over the ranks. The two layouts never share a prefill/decode pair."""
+    from tests.plan.test_layouts import PLAN, two_layout_profile
+
+    path = two_layout_profile(tmp_path / "p.json")
+    data = json.loads(path.read_text())
+    data["weight_format"] = "Q4_K_M"
+    data["layouts"][0]["weight_format"], data["layouts"][1]["weight_format"] = "Q4_K_M", "bf16"
+    path.write_text(json.dumps(data))
+    out = kvferry("plan", "--hardware", f"gpu={path}:1", *PLAN, "--output", str(tmp_path / "plan"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert {h["name"]: h["weight_format"] for h in result["hardware"]} == {"gpu:tp1pp1": "Q4_K_M",
+                                                                          "gpu:tp2pp1": "bf16"}
+    assert {tuple(c["layout"].values()) for c in result["candidates"] if c["kind"] == "disaggregated"} == {
+        ("tp1pp1", "tp1pp1"), ("tp2pp1", "tp2pp1")}
+    assert set(result["format_choice"]) == {"Q4_K_M", "bf16"}
