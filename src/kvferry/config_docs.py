@@ -154,7 +154,15 @@ def _engine_dests() -> set[str]:
 
 
 # -- sections ------------------------------------------------------------------
+def _serve_aliases() -> dict[str, list[str]]:
+    """A field's other spellings on ``kvferry serve`` (vLLM's short forms, such as ``-q``)."""
+    serve = dict((name, sub) for name, sub, _ in _subcommands(kvferry_parser()))["serve"]
+    return {a.dest: [s for s in a.option_strings[1:] if not s.startswith("--no-")]
+            for a in serve._actions if len(a.option_strings) > 1}
+
+
 def _engine_section() -> list[str]:
+    aliases = _serve_aliases()
     lines = [
         "## Engine options",
         "",
@@ -173,6 +181,8 @@ def _engine_section() -> list[str]:
             flag_text = f"`{flag}` / `--no-{flag[2:]}`"
         else:
             flag_text = _code(flag)
+        if aliases.get(f.name):
+            flag_text += " (also " + ", ".join(_code(a) for a in aliases[f.name]) + ")"
         choices = meta.get("choices")
         kind = " \\| ".join(_code(c) for c in choices) if choices else _field_kind(str(f.type))
         lines.append(f"| {_code(f.name)} | {flag_text} | {kind} | {_default(f.default)} | {_cell(meta.get('help', ''))} |")
