@@ -49,9 +49,8 @@ def test_micro_batches_ping_pong_the_slower_side_and_reread_the_experts():
     # one micro-batch: 8 sequences; attention = the node's 8-sequence step less its experts
     active = 128 * (1 - (1 - 8 / 128) ** 8)
     assert p["ffn"] == pytest.approx(1e-4 * active)
-    assert p["attention"] == pytest.approx(max(0.0006 * 8 - 1e-4 * active, 0.0))
-    assert p["step"] == pytest.approx(0.001 + 2 * max(p["attention"], p["ffn"]) + p["hop"]
-                                      + min(p["attention"], p["ffn"]))
+    assert p["attention"] == pytest.approx(max(0.001 + 0.0006 * 8 - 1e-4 * active, 0.0))
+    assert p["step"] == pytest.approx(2 * max(p["attention"], p["ffn"]) + p["hop"] + min(p["attention"], p["ffn"]))
     # weight-bound experts: two micro-batches read them twice, one reads them once
     assert afd.parts(16, 0)["step"] > unit(AFDShape(1, 1), 1).parts(16, 0)["step"]
 

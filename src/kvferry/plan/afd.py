@@ -9,17 +9,19 @@ share of the sequences and their KV). Its decode step, for a batch of
     b   = B / (a * m)                                sequences of one attention worker's micro-batch
     att = max(dense(b, S / (a * m)) - L_moe * moe(b, 1), 0) / L
                                                      one layer's attention side: the node's measured
-                                                     decode step at b, less its expert blocks
+                                                     decode step at b (its intercept too: the
+                                                     attention weights are read once a micro-batch),
+                                                     less its expert blocks
     ffn = moe(B / m, f)                              one layer's experts for a micro-batch of every
                                                      attention worker, on one of f FFN workers
     hop = h0 + h1 * b * bytes_per_token              one layer's round trip attention -> FFN -> attention
     per MoE layer = m * max(att, ffn) + hop          m >= 2: the micro-batches ping-pong, so the faster
                                                      side hides under the slower (MegaScale-Infer, Step-3)
                   = att + ffn + hop                  m = 1: no overlap
-    step = a_dec + L_moe * per MoE layer + (L - L_moe) * m * att + [m >= 2] * min(att, ffn)
+    step = L_moe * per MoE layer + (L - L_moe) * m * att + [m >= 2] * min(att, ffn)
                                                      (the last: the pipeline's fill, once a step)
 
-with ``dense`` the profile's decode fit less its intercept and
+with ``dense`` the profile's decode fit and
 ``moe(T, w)`` one layer's expert block on one of ``w`` FFN workers (the
 profile's ``moe`` fit, ``bench/profile_moe.py``): it holds ``E / w``
 experts, of which ``(E / w) * (1 - (1 - k / E)^T)`` are active for ``T``
@@ -165,14 +167,16 @@ class AFDStepCost(StepCostModel):
         ``hop`` for one micro-batch, and the ``step`` they add up to."""
         f, m = self.fits, self.micro_batches
         b, s = batch / (self.attention * m), context / (self.attention * m)
-        dense = self.decode[1] * b + self.decode[2] * s  # one node's decode step at b, less its intercept
+        # One node's decode step at b, its intercept included: the attention side reads its weights once
+        # a micro-batch (and the intercept held the experts' reads of a small batch: taken out below).
+        dense = self.decode[0] + self.decode[1] * b + self.decode[2] * s
         att = max(dense - f.num_moe_layers * f.layer_s(b, 1), 0.0) / f.num_layers
         ffn = f.layer_s(batch / m, self.ffn)
         hop = f.hop_s(b)
         per_moe_layer = att + ffn + hop if m == 1 else m * max(att, ffn) + hop
         fill = min(att, ffn) if m > 1 else 0.0
         step = f.num_moe_layers * per_moe_layer + (f.num_layers - f.num_moe_layers) * m * att + fill
-        return {"attention": att, "ffn": ffn, "hop": hop, "step": self.decode[0] + step}
+        return {"attention": att, "ffn": ffn, "hop": hop, "step": step}
 
     def step(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int) -> float:
         if not decode_batch:
