@@ -116,9 +116,14 @@ def test_plan_searches_afd_units_beside_colocated_and_pd_at_equal_cost(tmp_path)
     assert not any("prefill" in c["afd"] for c in result["candidates"])  # the decode pool is the one that splits
     assert result["best_colocated"]["afd"] == {} and result["best_disaggregated"]["afd"] == {}
     assert result["best_afd"]["afd"]
-    assert "best_afd:" in text and "AFD afd" in text and "AFD tok/s/node" in text
-    rows = result["afd_breakdown"]["rows"]
-    assert rows and all(r["afd_step_ms"] > 0 and r["colocated_step_ms"] > 0 for r in rows)
+    assert "best_afd:" in text and "AFD units (2 micro-batches" in text and "AFD tok/s/node" in text
+    breakdown = result["afd_breakdown"]
+    assert breakdown["best"] == result["best_afd"]["hardware"][next(iter(result["best_afd"]["afd"]))]
+    rows = breakdown["rows"]
+    assert rows[0]["unit"] == breakdown["best"] and {r["unit"] for r in rows} == {"node:afd1+1", "node:afd2+1"}
+    # each unit's batches up to its attention workers' sequences (16 each)
+    assert max(r["batch"] for r in rows if r["unit"] == "node:afd2+1") == 32
+    assert all(r["afd_step_ms"] > 0 and r["colocated_step_ms"] > 0 for r in rows)
 
 
 def test_a_slow_hop_keeps_afd_from_winning(tmp_path):

@@ -222,19 +222,25 @@ def _units_of(cluster: ClusterConfig, front: Hardware, back: Hardware | None) ->
     return units(cluster.num_colocated, front)
 
 
-def _afd_breakdown(c: dict, hardware: list[Hardware], requests: list[SimRequest], instance: InstanceConfig) -> dict:
-    """The best AFD placement's unit, step by step (``afd.afd_breakdown``)
-    at a few batch sizes and the workload's mean decode context: where its
-    step stands against the same sequences on colocated nodes."""
-    pool = "decode" if "decode" in c["afd"] else "colocated"
-    unit = next(h for h in hardware if h.name == c["hardware"][pool])
-    node = next((h for h in hardware if h.profile == unit.profile and not isinstance(h.cost, AFDStepCost)
-                 and h.layout in ("", "tp1pp1")), None)
+def _afd_breakdown(best_afd: dict, hardware: list[Hardware], requests: list[SimRequest],
+                   instance: InstanceConfig) -> dict:
+    """Each AFD unit, step by step (``afd.afd_breakdown``), best_afd's
+    first, at a few batch sizes and the workload's mean decode context:
+    where its step stands against the same sequences on colocated nodes."""
+    pool = "decode" if "decode" in best_afd["afd"] else "colocated"
+    first = best_afd["hardware"][pool]
+    units = sorted((h for h in hardware if isinstance(h.cost, AFDStepCost)), key=lambda h: h.name != first)
     context = int(sum(r.input_len + r.output_len / 2 for r in requests) / len(requests))
-    most = instance.max_num_seqs * unit.cost.attention
-    batches = sorted({b for b in (1, 8, 32, most // 4, most) if 1 <= b <= most})
-    rows = afd_breakdown(unit.cost, (node or unit).cost, batches, context) if node is not None else []
-    return {"pool": pool, "shape": unit.layout, "micro_batches": unit.cost.micro_batches,
+    rows = []
+    for unit in units:
+        node = next((h for h in hardware if h.profile == unit.profile and not isinstance(h.cost, AFDStepCost)
+                     and h.layout in ("", "tp1pp1")), None)
+        if node is None:
+            continue
+        most = instance.max_num_seqs * unit.cost.attention
+        batches = sorted({b for b in (1, 8, 32, most // 4, most) if 1 <= b <= most})
+        rows += [{"unit": unit.name, **r} for r in afd_breakdown(unit.cost, node.cost, batches, context)]
+    return {"best": first, "micro_batches": units[0].cost.micro_batches if units else None,
             "mean_context": context, "rows": rows}
 
 
@@ -388,18 +394,20 @@ def format_plan(result: dict) -> str:
 
 
 def afd_text(result: dict) -> list[str]:
-    """The best AFD unit's step against colocated nodes (``_afd_breakdown``)."""
+    """Each AFD unit's step against colocated nodes (``_afd_breakdown``)."""
     b = result.get("afd_breakdown")
     if not b or not b["rows"]:
         return []
-    lines = [f"AFD {b['shape']} ({b['pool']} pool, {b['micro_batches']} micro-batches, context {b['mean_context']}):"
-             f" per layer attention / FFN / hop, the unit's step, and tokens/s per node against colocated nodes",
-             f"{'batch':>7} {'attn ms':>8} {'ffn ms':>8} {'hop ms':>8} {'step ms':>8} {'colo ms':>8} "
-             f"{'AFD tok/s/node':>15} {'colo tok/s/node':>16}"]
+    width = max(len(r["unit"]) for r in b["rows"])
+    lines = [f"AFD units ({b['micro_batches']} micro-batches, context {b['mean_context']}; best: {b['best']}): "
+             "per layer attention / FFN / hop, the unit's step, and tokens/s per node against the same sequences "
+             "on colocated nodes",
+             f"{'unit':>{width}} {'batch':>6} {'attn ms':>8} {'ffn ms':>8} {'hop ms':>7} {'step ms':>8} "
+             f"{'colo ms':>8} {'AFD tok/s/node':>15} {'colo tok/s/node':>16}"]
     for r in b["rows"]:
-        lines.append(f"{r['batch']:>7} {r['attention_ms']:>8.3f} {r['ffn_ms']:>8.3f} {r['hop_ms']:>8.3f} "
-                     f"{r['afd_step_ms']:>8.2f} {r['colocated_step_ms']:>8.2f} {r['afd_tok_s_per_node']:>15.1f} "
-                     f"{r['colocated_tok_s_per_node']:>16.1f}")
+        lines.append(f"{r['unit']:>{width}} {r['batch']:>6} {r['attention_ms']:>8.3f} {r['ffn_ms']:>8.3f} "
+                     f"{r['hop_ms']:>7.3f} {r['afd_step_ms']:>8.2f} {r['colocated_step_ms']:>8.2f} "
+                     f"{r['afd_tok_s_per_node']:>15.1f} {r['colocated_tok_s_per_node']:>16.1f}")
     return lines
 
 
