@@ -151,7 +151,8 @@ def test_plan_refuses_bad_afd_flags_in_one_line(tmp_path):
     for flag, value in (("--afd-shapes", "2x1"), ("--afd-micro-batches", "0")):
         out = kvferry("plan", "--profile", str(profile), *PLAN, "--gpus", "2", flag, value)
         assert out.returncode == 2 and flag in out.stderr and out.stderr.count("\n") == 1, out.stderr
-    out = kvferry("plan", "--profile", str(profile), *PLAN, "--gpus", "3", "--equal-cost", "--afd-shapes", "3+1")
+    out = kvferry("plan", "--profile", str(profile), *PLAN, "--gpus", "3", "--equal-cost", "--afd-shapes", "3+1",
+                  "--output", str(tmp_path / "plan"))
     assert out.returncode == 0, out.stderr  # 3C, P/D splits of 3: some placement uses exactly 3
 
 
