@@ -179,7 +179,8 @@ GGUF = "start-up: the GGUF reader and tokenizer builder, only when a .gguf is re
 LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "__init__.py": {"kvferry.engine.llm": NO_TORCH, "kvferry.engine.engine": NO_TORCH},  # PEP 562 re-exports
     "bench/cli.py": {"torch": CLI, "kvferry.engine.engine": CLI, "kvferry.model.weight_format": CLI,  # in-process
-                     "kvferry.bench.run": CLI, "kvferry.bench.profile_served": CLI},  # httpx, rich
+                     "kvferry.bench.run": CLI, "kvferry.bench.profile_served": CLI,  # httpx, rich
+                     "kvferry.bench.profile_moe": CLI},                            # torch, the MoE model
     "bench/plots.py": {"matplotlib": OPTIONAL},
     "bench/profile.py": {"matplotlib": OPTIONAL},
     "bench/runner.py": {"rich": OPTIONAL},

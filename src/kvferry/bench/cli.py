@@ -93,6 +93,14 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--pipeline-parallel-sizes", default="1", metavar="N[,N]",
                    help="fit the step at each of these pipeline-parallel sizes (-pp), crossed with "
                         "--tensor-parallel-sizes (in-process profile only)")
+    moe = p.add_argument_group("mixture-of-experts models (in-process profile; the fits plan's AFD layouts use)")
+    moe.add_argument("--moe-active-experts", default=None, metavar="N[,N]",
+                     help="MoE step fit: active experts per point (default: 1, 4, 16, ... and every expert)")
+    moe.add_argument("--moe-tokens-per-expert", default="1,4,16", metavar="N[,N]",
+                     help="MoE step fit: tokens routed to each active expert per point")
+    moe.add_argument("--afd-hop-tokens", default="1,16,64,256", metavar="N[,N]",
+                     help="AFD hop fit: tokens of hidden state sent attention -> FFN -> attention between two "
+                          "local processes per point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="profile.json", help="results JSON; the PNG goes next to it")
     p.set_defaults(func=cmd_profile)
@@ -160,8 +168,20 @@ def _run_profile(args: argparse.Namespace) -> int:
     longest = max(max(grid.new_tokens) + max(grid.cached_tokens), max(grid.context_lens) + args.decode_steps + 2)
 
     formats: list[str] = []  # each measured layout's weight format (model/weight_format.py)
+    moe_grid = _moe_grid(args)
+    moe: dict = {}  # the MoE and hop fits, taken once on the first one-rank engine of an MoE model
 
     def make_engine(layout, threads: int):
+        engine = _make_engine(layout, threads)
+        if layout.ranks == 1 and not moe and engine.core.loaded.config.num_experts:
+            from kvferry.bench.profile_moe import run_hop_profile, run_moe_profile  # lazy: torch
+
+            loaded = engine.core.loaded
+            moe["moe"] = run_moe_profile(loaded, moe_grid, _show_point)
+            moe["afd_hop"] = run_hop_profile(loaded.config.hidden_size, loaded.dtype, moe_grid, _show_point)
+        return engine
+
+    def _make_engine(layout, threads: int):
         if layout.ranks == 1:
             torch.set_num_threads(threads)
         try:
@@ -202,9 +222,14 @@ def _run_profile(args: argparse.Namespace) -> int:
     data = {"model": model_name, "dtype": args.dtype, "weight_format": measured[0]["weight_format"],
             "device": args.device, "block_size": args.block_size, "threads": cpus,
             "grid": {k: getattr(grid, k) for k in grid.__slots__}, **result,
-            "layouts": measured, "skipped_layouts": skipped}
+            "layouts": measured, "skipped_layouts": skipped, **moe}
     title = f"kvferry profile: {model_name} ({args.device}, {data['weight_format']})"
     _save_profile(args, data, title)
+    for kind, label in (("moe", "MoE step (per layer)"), ("afd_hop", "AFD hop (round trip)")):
+        if kind in data:
+            f = data[kind]["fit"]
+            print(f"{label} fit: " + " + ".join(f"{c * 1e6:.3g} us*{t}" for t, c in zip(f["terms"], f["coef"]))
+                  + f"   (R^2 {f['r2']:.3f})")
     for line in layout_summary(measured, skipped) if len(layouts) > 1 else ():
         print(line)
     if plots := plot_layouts(measured, title, Path(args.output).with_suffix(".png")):
@@ -212,7 +237,21 @@ def _run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _moe_grid(args: argparse.Namespace):
+    from kvferry.bench.profile_moe import MoEGrid  # lazy: torch
+
+    return MoEGrid(None if args.moe_active_experts is None
+                   else _int_list(args.moe_active_experts, "--moe-active-experts", 1),
+                   _int_list(args.moe_tokens_per_expert, "--moe-tokens-per-expert", 1),
+                   _int_list(args.afd_hop_tokens, "--afd-hop-tokens", 1), args.repeats)
+
+
 def _show_point(kind: str, p: dict) -> None:
+    if kind in ("moe", "hop"):
+        where = (f"experts {p['experts']:>4} tokens/expert {p['tokens_per_expert']:>6.1f}" if kind == "moe"
+                 else f"tokens {p['tokens']:>5} ({p['bytes']} bytes each way)")
+        print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.3f} ms", flush=True)
+        return
     where = f"new {p['new']:>5} cached {p['cached']:>5}" if kind == "prefill" else \
         f"batch {p['batch']:>4} context {p['context']:>5}" + (f" + new {p['new']:>5}" if kind == "mixed" else "")
     print(f"{kind:>7}: {where}: {1000 * p['time_s']:8.2f} ms", flush=True)

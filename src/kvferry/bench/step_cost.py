@@ -231,6 +231,10 @@ def _term_values(p: dict, terms) -> list[float]:
     new, cached, batch, context = (float(p.get(k, 0)) for k in ("new", "cached", "batch", "context"))
     values = {"1": 1.0, "new": new, "new*cached": new * cached, "new^2": new * new,
               "batch": batch, "batch*context": batch * context}
+    # the MoE step's and the AFD hop's fits (bench/profile_moe.py)
+    experts, per_expert = float(p.get("experts", 0)), float(p.get("tokens_per_expert", 0))
+    values.update({"experts": experts, "experts*tokens_per_expert": experts * per_expert,
+                   "bytes": float(p.get("bytes", 0))})
     return [values[t] for t in terms]
 
 

@@ -8,6 +8,8 @@
                  [--output DIR | PREFIX]
     kvferry plan --hardware fast=F.json:4 --hardware cheap=C.json:1 [--prefill-hardware fast]
                  [--decode-hardware cheap] ...   (priced pools: ranked by cost per million useful tokens)
+    kvferry plan --hardware node=MOE.json:1 --gpus 64 --equal-cost --fast [--afd-shapes 2+1,3+1]
+                 (an MoE profile: AFD units beside colocated and P/D, every candidate 64 nodes)
 
 A profile of several (TP, PP) layouts is searched per pool, one hardware
 per layout (``layouts.py``).
@@ -34,6 +36,7 @@ from kvferry.bench.cli import _one_line_error
 from kvferry.bench.metrics import parse_slo
 from kvferry.bench.trace import load_trace
 from kvferry.bench.workloads import BenchError
+from kvferry.plan.afd import DEFAULT_SHAPES, AFDStepCost, afd_hardware, parse_afd_shapes, profile_moe_fits
 from kvferry.plan.hardware import Hardware, load_hardware, pick, profile_device, profile_weight_format
 from kvferry.plan.latency import KVTransferModel, PlanError, StepCostModel, check_profile_fits, profile_handover_s
 from kvferry.plan.layouts import layout_hardware
@@ -73,6 +76,11 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
                           "(default: the profile's first layout)")
     sim.add_argument("--decode-layout", default=None, metavar="NAME",
                      help="the layout the decode instances step by (default: --layout)")
+    sim.add_argument("--afd", default=None, metavar="A+F",
+                     help="the colocated (or, with --config prefill:P,decode:D, the decode) instances are AFD "
+                          "units of A attention + F FFN workers (a profile with MoE fits)")
+    sim.add_argument("--afd-micro-batches", type=int, default=2,
+                     help="with --afd: micro-batches ping-ponged between attention and FFN workers")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--output", default=None, help="also write the JSON result here")
     sim.set_defaults(func=cmd_simulate)
@@ -105,6 +113,18 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     hw.add_argument("--colocated-hardware", default=None, metavar="NAME[,NAME]",
                     help="the hardware colocated pools may use (default: every --hardware; none: no "
                          "colocated candidates)")
+    afd = plan.add_argument_group("attention/FFN disaggregation (a profile with MoE fits: kvferry profile on an "
+                                  "MoE model)")
+    afd.add_argument("--afd-shapes", default=DEFAULT_SHAPES, metavar="A+F[,A+F]",
+                     help="AFD units searched as colocated and decode instances: A attention workers + F FFN "
+                          "workers each, counting A+F nodes against --gpus and in the price; 'none': no AFD. "
+                          "Only a profile with MoE fits has AFD candidates")
+    afd.add_argument("--afd-micro-batches", type=int, default=2,
+                     help="micro-batches an AFD unit ping-pongs between its attention and FFN workers "
+                          "(1: no overlap, attention + FFN + hop per layer)")
+    plan.add_argument("--equal-cost", action="store_true",
+                      help="only placements using exactly --gpus units (the same fleet, so the same price): "
+                           "compare colocated, P/D and AFD at equal cost, e.g. --gpus 64 --fast")
     plan.add_argument("--output", default=None,
                       help=f"where the plot and the JSON go: a folder (DIR/plan.png, DIR/plan.json) or a file "
                            f"prefix (PREFIX.png, PREFIX.json; a .png or .json ending is dropped). Default: "
@@ -273,6 +293,8 @@ def run_simulate(args: argparse.Namespace) -> dict:
     cost = layout_cost(args.profile, args.layout, "--layout", args.allow_poor_fit)
     decode_cost = (None if args.decode_layout in (None, args.layout)
                    else layout_cost(args.profile, args.decode_layout, "--decode-layout", args.allow_poor_fit))
+    if args.afd is not None:  # the decode pool (colocated: every instance) is AFD units
+        cost, decode_cost = _afd_costs(args, cost, decode_cost, counts)
     if args.step_time_scale != 1.0:
         cost = cost.scaled(args.step_time_scale)
         decode_cost = decode_cost.scaled(args.step_time_scale) if decode_cost is not None else None
@@ -304,6 +326,20 @@ def run_simulate(args: argparse.Namespace) -> dict:
     if args.per_request:
         result["requests"] = per_request(runs)
     return {**result, "wall_s": time.perf_counter() - start}
+
+
+def _afd_costs(args: argparse.Namespace, cost: StepCostModel, decode_cost: StepCostModel | None,
+               counts: dict[str, int]) -> tuple[StepCostModel, StepCostModel | None]:
+    """simulate --afd: (front, decode) step models with the AFD pool's units."""
+    shapes = parse_afd_shapes(args.afd, "--afd")
+    if len(shapes) != 1:
+        raise ValueError(f"--afd: expected one ATTENTION+FFN shape (e.g. 2+1), got {args.afd!r}")
+    fits = profile_moe_fits(args.profile)
+    if fits is None:
+        raise ValueError(f"--afd: {args.profile} has no MoE fits (kvferry profile on an MoE model writes them)")
+    if counts.get("num_prefill"):
+        return cost, AFDStepCost.of(decode_cost or cost, fits, shapes[0], args.afd_micro_batches)
+    return AFDStepCost.of(cost, fits, shapes[0], args.afd_micro_batches), decode_cost
 
 
 def per_request(runs: list[list]) -> list[dict]:
@@ -344,7 +380,8 @@ def _config_json(args, counts) -> dict:
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "prefix_caching": not args.no_prefix_caching,
             "instances_per_host": getattr(args, "instances_per_host", 1),
-            "layout": getattr(args, "layout", None), "decode_layout": getattr(args, "decode_layout", None)}
+            "layout": getattr(args, "layout", None), "decode_layout": getattr(args, "decode_layout", None),
+            "afd": getattr(args, "afd", None)}
 
 
 def format_simulate(result: dict) -> str:
@@ -426,7 +463,7 @@ def run_plan(args: argparse.Namespace) -> dict:
     requests = load_requests(args)
     return search_placement(requests, pools, slo, args.gpus, instance_config(args), pair_transfer(args),
                             args.router, args.fast, args.min_attainment, args.instances_per_host,
-                            rate=args.rate)
+                            rate=args.rate, equal_cost=args.equal_cost)
 
 
 def plan_pools(args: argparse.Namespace):
@@ -446,13 +483,28 @@ def plan_pools(args: argparse.Namespace):
         only = Hardware("profile", args.profile, None, StepCostModel.from_profile(args.profile),
                         profile_device(args.profile), weight_format=profile_weight_format(args.profile))
         layouts = layout_hardware(only, args.allow_poor_fit)  # one per (TP, PP) the profile measured
-        return Pools(list(layouts), list(layouts), list(layouts))
+        units = _afd_units(args, layouts)
+        return Pools(list(layouts) + units, list(layouts), list(layouts) + units)
     hardware = [lay for hw in load_hardware(args.hardware, args.allow_poor_fit)
                 for lay in layout_hardware(hw, args.allow_poor_fit)]
     colocated = ([] if (args.colocated_hardware or "").strip().lower() == "none"
                  else pick(hardware, args.colocated_hardware, "--colocated-hardware"))
-    return Pools(colocated, pick(hardware, args.prefill_hardware, "--prefill-hardware"),
-                 pick(hardware, args.decode_hardware, "--decode-hardware"))
+    decode = pick(hardware, args.decode_hardware, "--decode-hardware")
+    return Pools(colocated + _afd_units(args, colocated), pick(hardware, args.prefill_hardware, "--prefill-hardware"),
+                 decode + _afd_units(args, decode))
+
+
+def _afd_units(args: argparse.Namespace, hardware: list[Hardware]) -> list[Hardware]:
+    """Each MoE-profiled hardware of a pool (its first layout) as an AFD
+    unit of each --afd-shapes shape; none without MoE fits, or when hosts
+    are shared (--instances-per-host: a unit's workers are nodes of their own)."""
+    shapes = parse_afd_shapes(args.afd_shapes)
+    if args.afd_micro_batches < 1:
+        raise ValueError(f"--afd-micro-batches must be >= 1, got {args.afd_micro_batches}")
+    if not shapes or args.instances_per_host > 1:
+        return []
+    first = [h for h in hardware if h.layout in ("", "tp1pp1")]
+    return [unit for h in first for unit in afd_hardware(h, shapes, args.afd_micro_batches)]
 
 
 def pair_transfer(args: argparse.Namespace):

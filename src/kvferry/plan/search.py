@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 
 from kvferry.bench.metrics import cost_per_million_useful_tokens
 from kvferry.plan.formats import format_choice, format_choice_text, formats_of, same_format
+from kvferry.plan.afd import AFDStepCost, afd_breakdown
 from kvferry.plan.hardware import DeviceUnit, Hardware, fleet_price_per_hour
 from kvferry.plan.instance import InstanceConfig
 from kvferry.plan.latency import KVTransferModel
@@ -111,6 +112,8 @@ def evaluate(requests: list[SimRequest], slo: dict[str, float], cluster: Cluster
     else:
         pools = {"colocated": (cluster.num_colocated, front)}
     hardware = {pool: hw.name for pool, (_, hw) in pools.items()}
+    # the pools that are AFD units (plan/afd.py): their shape, "afd2+1"
+    afd = {pool: hw.layout for pool, (_, hw) in pools.items() if isinstance(hw.cost, AFDStepCost)}
     price = fleet_price_per_hour(list(pools.values()))
     # what the placement uses, in the units --gpus counts: a layout's instance is its share (plan/layouts.py)
     used = sum(units(n, hw) for n, hw in pools.values())
@@ -119,7 +122,7 @@ def evaluate(requests: list[SimRequest], slo: dict[str, float], cluster: Cluster
     return {"kind": "disaggregated" if cluster.disaggregated else "colocated",
             "num_prefill": cluster.num_prefill, "num_decode": cluster.num_decode,
             "num_colocated": cluster.num_colocated, "gpus": used,
-            "hardware": hardware, "mixed_hardware": len({hw.base_name for _, hw in pools.values()}) > 1,
+            "hardware": hardware, "afd": afd, "mixed_hardware": len({hw.base_name for _, hw in pools.values()}) > 1,
             "layout": {pool: hw.layout or "tp1pp1" for pool, (_, hw) in pools.items()},
             "weight_format": front.weight_format,  # the pools' one format (formats.same_format)
             "slo_attainment_pct": 100.0 * attainment, "goodput": goodput,
@@ -147,7 +150,7 @@ def _rank_by_cost(c: dict) -> tuple:
 def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, float], gpus: int,
                      instance: InstanceConfig, transfer: Callable[[Hardware, Hardware], KVTransferModel],
                      router: str, fast: bool, min_attainment_pct: float = 90.0, instances_per_host: int = 1,
-                     rate: float | None = None) -> dict:
+                     rate: float | None = None, equal_cost: bool = False) -> dict:
     """Every colocated count on each of ``pools.colocated`` and every
     prefill/decode split on each (prefill, decode) hardware pair, at most
     ``gpus`` instances in all. Ranked by cost per million useful tokens
@@ -158,7 +161,13 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
     hosts of that many (``host.place``: prefill-0, decode-0, prefill-1, ...;
     colocated engine-0, engine-1, ...), slowing each other by the profile's
     ``host_sharing`` while both step; 1 (the default): each its own host.
-    ``rate``: the rate the user asked for (None: the arrivals' own)."""
+    ``rate``: the rate the user asked for (None: the arrivals' own).
+    ``equal_cost``: only placements that use exactly ``gpus`` units (every
+    candidate the same fleet size, so the same price per hour with one
+    priced hardware): layouts compared at equal cost.
+    AFD units (``plan/afd.py``) are hardware of the colocated and decode
+    pools like any other; ``best_colocated`` and ``best_disaggregated`` are
+    the best without them, ``best_afd`` the best with one."""
     base = dict(instance=instance, router=router, fast=fast, instances_per_host=instances_per_host)
     fits = 1e-9  # float shares (CPU layouts) must not lose a placement to rounding
 
@@ -172,20 +181,24 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
                  ph, dh)
                 for ph in pools.prefill for dh in pools.decode if same_format(ph, dh)
                 for p in counts(ph, gpus - dh.share) for d in counts(dh, gpus - units(p, ph))]
+    if equal_cost:
+        layouts = [lay for lay in layouts if abs(_units_of(*lay) - gpus) < 1e-6]
     if not layouts:
         if not any(same_format(ph, dh) for ph in pools.prefill for dh in pools.decode):
             raise ValueError("no prefill hardware has a decode hardware of its weight format (prefill: "
                              f"{_formats_text(pools.prefill)}; decode: {_formats_text(pools.decode)}): a "
                              "decode pool takes its prefill pool's KV, so both run one format")
         raise ValueError(f"--gpus {gpus} with no colocated hardware leaves no placement (a disaggregated one "
-                         "needs 2 instances)")
+                         "needs 2 instances)" + (", or none uses exactly --gpus units (--equal-cost)"
+                                                 if equal_cost else ""))
     candidates = [evaluate(requests, slo, cluster, front, back, rate, min_attainment_pct)
                   for cluster, front, back in layouts]
     for c in candidates:
         c["qualifies"] = c["slo_attainment_pct"] >= min_attainment_pct
     rank = _rank_by_cost if pools.priced else _rank
-    best = {kind: min((c for c in candidates if c["kind"] == kind), key=rank, default=None)
+    best = {kind: min((c for c in candidates if c["kind"] == kind and not c["afd"]), key=rank, default=None)
             for kind in ("colocated", "disaggregated")}
+    best["afd"] = min((c for c in candidates if c["afd"]), key=rank, default=None)
     overall = min((b for b in best.values() if b is not None), key=rank)
     # nearest: highest attainment first, then fewer GPUs
     nearest = sorted(candidates, key=lambda c: (-c["slo_attainment_pct"], c["gpus"]))[:NEAREST]
@@ -199,7 +212,7 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
            "device_unit": DeviceUnit.of(h.device for h in hardware).to_json(),
            "ranked_by": "cost_per_million_useful_tokens" if pools.priced else "goodput_per_gpu",
            "candidates": sorted(candidates, key=rank), "best_colocated": best["colocated"],
-           "best_disaggregated": best["disaggregated"], "best": overall,
+           "best_disaggregated": best["disaggregated"], "best": overall, "equal_cost": equal_cost,
            # False: no placement keeps min_attainment_pct within the SLO ("best" is then only the
            # least bad by the ranking; "nearest" are the closest by attainment)
            "meets_slo": overall["qualifies"], "nearest": [] if overall["qualifies"] else nearest}
@@ -209,6 +222,9 @@ def search_placement(requests: list[SimRequest], pools: Pools, slo: dict[str, fl
         out["layout_choice"] = layout_choice(candidates, rank)
     if len(formats_of(hardware)) > 1:  # the same model in several formats: each one's best, side by side
         out["format_choice"] = format_choice(candidates, rank, label)
+    if best["afd"] is not None:
+        out["best_afd"] = best["afd"]
+        out["afd_breakdown"] = _afd_breakdown(best["afd"], hardware, requests, instance)
     return out
 
 
@@ -219,6 +235,34 @@ def _format_prefix(h: dict) -> str:
 
 def _formats_text(hardware: list[Hardware]) -> str:
     return ", ".join(f"{h.name} {h.weight_format or 'unnamed'}" for h in hardware)
+
+
+def _units_of(cluster: ClusterConfig, front: Hardware, back: Hardware | None) -> float:
+    if cluster.disaggregated:
+        return units(cluster.num_prefill, front) + units(cluster.num_decode, back)
+    return units(cluster.num_colocated, front)
+
+
+def _afd_breakdown(best_afd: dict, hardware: list[Hardware], requests: list[SimRequest],
+                   instance: InstanceConfig) -> dict:
+    """Each AFD unit, step by step (``afd.afd_breakdown``), best_afd's
+    first, at a few batch sizes and the workload's mean decode context:
+    where its step stands against the same sequences on colocated nodes."""
+    pool = "decode" if "decode" in best_afd["afd"] else "colocated"
+    first = best_afd["hardware"][pool]
+    units = sorted((h for h in hardware if isinstance(h.cost, AFDStepCost)), key=lambda h: h.name != first)
+    context = int(sum(r.input_len + r.output_len / 2 for r in requests) / len(requests))
+    rows = []
+    for unit in units:
+        node = next((h for h in hardware if h.profile == unit.profile and not isinstance(h.cost, AFDStepCost)
+                     and h.layout in ("", "tp1pp1")), None)
+        if node is None:
+            continue
+        most = instance.max_num_seqs * unit.cost.attention
+        batches = sorted({b for b in (1, 8, 32, most // 4, most) if 1 <= b <= most})
+        rows += [{"unit": unit.name, **r} for r in afd_breakdown(unit.cost, node.cost, batches, context)]
+    return {"best": first, "micro_batches": units[0].cost.micro_batches if units else None,
+            "mean_context": context, "rows": rows}
 
 
 def layout_choice(candidates: list[dict], rank) -> dict:
@@ -356,7 +400,7 @@ def format_plan(result: dict) -> str:
     if (left := len(result["candidates"]) - len(shown)) > 0:
         lines.append(f"({left} of {len(result['candidates'])} placements not shown: they rank below these; "
                      "the JSON lists every one)")
-    for name in ("best_colocated", "best_disaggregated", "best_mixed", "best"):
+    for name in ("best_colocated", "best_disaggregated", "best_afd", "best_mixed", "best"):
         c = result.get(name)
         if c is None or (name == "best" and not c["qualifies"]):
             continue
@@ -365,9 +409,28 @@ def format_plan(result: dict) -> str:
                      + f"{c['slo_attainment_pct']:.1f}% within SLO)" + ("" if c["qualifies"] else "  (below target)"))
     lines += layout_choice_text(result, per)
     lines += format_choice_text(result, per)
+    lines += afd_text(result)
     if not result["best"]["qualifies"]:
         lines.append(no_placement_text(result))
     return "\n".join(lines)
+
+
+def afd_text(result: dict) -> list[str]:
+    """Each AFD unit's step against colocated nodes (``_afd_breakdown``)."""
+    b = result.get("afd_breakdown")
+    if not b or not b["rows"]:
+        return []
+    width = max(len(r["unit"]) for r in b["rows"])
+    lines = [f"AFD units ({b['micro_batches']} micro-batches, context {b['mean_context']}; best: {b['best']}): "
+             "per layer attention / FFN / hop, the unit's step, and tokens/s per node against the same sequences "
+             "on colocated nodes",
+             f"{'unit':>{width}} {'batch':>6} {'attn ms':>8} {'ffn ms':>8} {'hop ms':>7} {'step ms':>8} "
+             f"{'colo ms':>8} {'AFD tok/s/node':>15} {'colo tok/s/node':>16}"]
+    for r in b["rows"]:
+        lines.append(f"{r['unit']:>{width}} {r['batch']:>6} {r['attention_ms']:>8.3f} {r['ffn_ms']:>8.3f} "
+                     f"{r['hop_ms']:>7.3f} {r['afd_step_ms']:>8.2f} {r['colocated_step_ms']:>8.2f} "
+                     f"{r['afd_tok_s_per_node']:>15.1f} {r['colocated_tok_s_per_node']:>16.1f}")
+    return lines
 
 
 def plot_plan(result: dict, path) -> None:
@@ -406,8 +469,8 @@ def plan_figure(result: dict):  # -> matplotlib.figure.Figure (matplotlib is opt
 
     cands = sorted(result["candidates"], key=lambda c: (c["kind"], c["gpus"], c["num_prefill"], label(c, hw)))
     fig, ax = plt.subplots(figsize=(max(6, (0.65 if hw else 0.45) * len(cands)), 4.5))
-    colors = ["tab:blue" if c["kind"] == "colocated" else "tab:green" if c.get("mixed_hardware") else "tab:orange"
-              for c in cands]
+    colors = ["tab:purple" if c.get("afd") else "tab:blue" if c["kind"] == "colocated"
+              else "tab:green" if c.get("mixed_hardware") else "tab:orange" for c in cands]
     bars = ax.bar(range(len(cands)), [value(c) for c in cands], color=colors)
     for bar, c in zip(bars, cands):  # below the attainment target: hatched, pale
         if not c["qualifies"]:
@@ -419,7 +482,7 @@ def plan_figure(result: dict):  # -> matplotlib.figure.Figure (matplotlib is opt
     ax.set_xticks(range(len(cands)), [label(c, hw) for c in cands], rotation=60, fontsize=8)
     ax.set(ylabel="cost per million useful tokens" if priced else f"goodput per {unit['singular']} (req/s)",
            xlabel="placement (C: colocated, P/D: prefill/decode)\nhatched: below the attainment target"
-           + ("; green: mixed hardware" if hw else ""))
+           + ("; green: mixed hardware" if hw else "") + ("; purple: AFD units" if result.get("best_afd") else ""))
     # Two short lines: one long line overran a narrow figure (few candidates).
     ax.set_title(f"kvferry plan: {result['rate']:g} req/s, up to {result['gpus']} {unit['plural']}\n"
                  f"SLO {slo_text(result['slo_ms'])} for {result['min_attainment_pct']:g}%", fontsize=10)

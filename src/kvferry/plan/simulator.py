@@ -3,6 +3,11 @@
     arrival ──router──▶ colocated instance ──────────────────────────────▶ done
             ──router──▶ prefill instance ──KV (bytes / bandwidth)──▶ decode instance ──▶ done
 
+A colocated or decode instance may be an AFD unit (``plan/afd.py``):
+attention x FFN workers under one scheduler, whose step model prices the
+micro-batch ping-pong and whose KV pool and sequences are its attention
+workers' together.
+
 Events are kept in one heap ordered by time: request arrivals, step ends of
 scheduler-driven instances, and KV hand-overs to decode instances. A
 scheduler-driven instance (``SchedulerInstance``) steps while it has work;
@@ -16,6 +21,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
+from kvferry.plan.afd import AFDStepCost
 from kvferry.plan.cache_model import PrefixCache
 from kvferry.plan.fast import AnalyticInstance
 from kvferry.plan.host import HostClock, place
@@ -97,10 +103,12 @@ class Simulation:
 
         def make(name: str, role: str):
             own = decode_cost if role == "decode" and decode_cost is not None else cost
+            # an AFD unit (plan/afd.py) holds its attention workers' KV pools and sequences
+            own_cfg = own.unit_config(cfg) if isinstance(own, AFDStepCost) else cfg
             if cluster.fast:
-                return AnalyticInstance(name, role, own, cfg, cache_blocks)  # capacity set in run()
+                return AnalyticInstance(name, role, own, own_cfg, cache_blocks)  # capacity set in run()
             # one noise stream per instance, fixed by (seed, name): a run replays exactly
-            return SchedulerInstance(name, role, own, cfg, random.Random(f"{seed}:{name}"))
+            return SchedulerInstance(name, role, own, own_cfg, random.Random(f"{seed}:{name}"))
 
         if cluster.disaggregated:
             self.front = [make(f"prefill-{i}", "prefill") for i in range(cluster.num_prefill)]
