@@ -197,6 +197,8 @@ inline void block32_scalar(int64_t t, const uint8_t* b, float& d, float& off, in
       }
 }
 
+#define KVQ_TYPES(X) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14)
+
 #ifdef KVQ_SIMD
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVQ_PATH "avx512vnni"
@@ -377,9 +379,13 @@ struct ActsScratch {
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return float(v); }
 
+// One scratch per block size: a call over weights of both sizes (a Q4_K_M
+// layer's Q8_0 and K-quant parts never mix, but a fused layer of Q5_0 and Q4_K
+// could) keeps both quantizations of x alive at once.
 template <typename X>
 Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
-  thread_local ActsScratch sc;
+  thread_local ActsScratch scratch[2];
+  ActsScratch& sc = scratch[B == 256];
   const int64_t nb = K / B;
   if (int64_t(sc.q.size()) < M * K) sc.q.resize(M * K);
   if (int64_t(sc.d.size()) < M * nb) { sc.d.resize(M * nb); sc.s.resize(M * nb); }
@@ -594,45 +600,53 @@ void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
   }
 }
 
+// Weight rows n0..n1 of one weight (bytes per row) against the M rows of a:
+// y[m * ldy + n] for each. Row n's value depends on nothing but row n and a,
+// so any split of the rows among threads gives the same bits.
 template <int T, typename O>
-void gemm_type(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t N, O* Y) {
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    float y[MR > 4 ? MR : 4];
-    // The rows stream in cold from memory, back to back: ask for the bytes
-    // kPrefetch ahead of each row as it starts (prefetch never faults).
-    constexpr int64_t kPrefetch = 8192;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* w = W + n * bytes;
-      for (int64_t l = 0; l < bytes * (T < 10 && M == 1 && n + 4 <= n1 ? 4 : 1); l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + l, _MM_HINT_T0);
-      if constexpr (T < 10) {
-        if (M == 1) {  // decode at batch 1: four weight rows at a time
-          if (n + 4 <= n1) {
-            row32xn<T, 4>(w, bytes, a, 0, y);
-            for (int k = 0; k < 4; ++k) Y[n + k] = O(y[k]);
-            n += 3;
-          } else {
-            row32xn<T, 1>(w, bytes, a, 0, y);
-            Y[n] = O(y[0]);
-          }
-          continue;
+void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy) {
+  float y[MR > 4 ? MR : 4];
+  // The rows stream in cold from memory, back to back: ask for the bytes
+  // kPrefetch ahead of each row as it starts (prefetch never faults).
+  constexpr int64_t kPrefetch = 8192;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = W + n * bytes;
+    for (int64_t l = 0; l < bytes * (T < 10 && M == 1 && n + 4 <= n1 ? 4 : 1); l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + l, _MM_HINT_T0);
+    if constexpr (T < 10) {
+      if (M == 1) {  // decode at batch 1: four weight rows at a time
+        if (n + 4 <= n1) {
+          row32xn<T, 4>(w, bytes, a, 0, y);
+          for (int k = 0; k < 4; ++k) Y[n + k] = O(y[k]);
+          n += 3;
+        } else {
+          row32xn<T, 1>(w, bytes, a, 0, y);
+          Y[n] = O(y[0]);
         }
-      }
-      int64_t m = 0;
-      for (; m < M; m += MR) {
-        const int r = int(std::min<int64_t>(MR, M - m));
-        if (r == MR) rows<T, MR>(w, a, m, y, 1);
-        else tail<T>(r, w, a, m, y, 1);
-        for (int k = 0; k < r; ++k) Y[(m + k) * N + n] = O(y[k]);
+        continue;
       }
     }
-  });
+    int64_t m = 0;
+    for (; m < M; m += MR) {
+      const int r = int(std::min<int64_t>(MR, M - m));
+      if (r == MR) rows<T, MR>(w, a, m, y, 1);
+      else tail<T>(r, w, a, m, y, 1);
+      for (int k = 0; k < r; ++k) Y[(m + k) * ldy + n] = O(y[k]);
+    }
+  }
+}
+
+template <typename O>
+void gemm_rows_of(int64_t t, const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                  int64_t ldy) {
+  switch (t) {
+#define KVQ_ROWS(T) case T: return gemm_rows<T>(W, bytes, a, M, n0, n1, Y, ldy);
+    KVQ_TYPES(KVQ_ROWS)
+  }
 }
 #else
 #define KVQ_PATH "none"
 #endif
-
-#define KVQ_TYPES(X) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14)
 
 at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K);
 
@@ -667,36 +681,80 @@ at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
   return y;
 }
 
-// y [M, n] = x @ W^T by the integer dot products, in out_dtype (float32, or
-// x's bf16: each value rounded once, as float32's .to(bf16) rounds it).
-at::Tensor gemm_dots(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t n, at::ScalarType out_dtype) {
-  const TypeInfo ti = info(t);
+// One weight of a dots call: its blocks [n, bytes] and ggml type.
+struct Part { const uint8_t* w; int64_t t, n, bytes; };
+
+// y [M, sum n] = x @ [W_0; W_1; ...]^T by the integer dot products, in
+// out_dtype (float32, or x's bf16: each value rounded once, as float32's
+// .to(bf16) rounds it). The parts are the shards of a fused layer (q, k, v;
+// gate, up), of one type or several (Q4_K_M's q/k in Q4_K, v in Q6_K): x is
+// quantized once per block size, and all parts' rows are one parallel region,
+// each thread an equal share of the weight bytes (the work at decode sizes),
+// not of the rows, so a Q6_K part's heavier rows do not leave a thread idle.
+at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::ScalarType out_dtype) {
   TORCH_CHECK(x_in.dim() == 2, "quant_gemm: x must be [M, K]");
-  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
-              "quant_gemm: w must be contiguous uint8 [n, bytes]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: out must be float32 or bf16");
   const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
   const at::Tensor x = bf16_in ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % ti.block == 0 && w.size(1) == K / ti.block * ti.bytes, "quant_gemm: K does not match the row bytes");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: out must be float32 or bf16");
-  at::Tensor y = at::empty({M, n}, out_dtype);
-#ifdef KVQ_SIMD
-  if (M == 0 || n == 0) return y;
-  const Acts a = bf16_in ? quantize_rows(x.data_ptr<at::BFloat16>(), M, K, ti.block)
-                         : quantize_rows(x.data_ptr<float>(), M, K, ti.block);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const bool bf16_out = out_dtype == at::kBFloat16;
-  switch (t) {
-#define KVQ_GEMM(T) case T: \
-    if (bf16_out) gemm_type<T>(W, w.size(1), a, M, n, y.data_ptr<at::BFloat16>()); \
-    else gemm_type<T>(W, w.size(1), a, M, n, y.data_ptr<float>()); \
-    break;
-    KVQ_TYPES(KVQ_GEMM)
+  int64_t N = 0, total = 0;
+  bool has32 = false, has256 = false;
+  for (const Part& p : parts) {
+    const TypeInfo ti = info(p.t);
+    TORCH_CHECK(K % ti.block == 0 && p.bytes == K / ti.block * ti.bytes, "quant_gemm: K does not match the row bytes");
+    (ti.block == 32 ? has32 : has256) = true;
+    N += p.n;
+    total += p.n * p.bytes;
   }
+  at::Tensor y = at::empty({M, N}, out_dtype);
+#ifdef KVQ_SIMD
+  if (M == 0 || N == 0) return y;
+  auto quantize = [&](int64_t B) {
+    return bf16_in ? quantize_rows(x.data_ptr<at::BFloat16>(), M, K, B) : quantize_rows(x.data_ptr<float>(), M, K, B);
+  };
+  const Acts a32 = has32 ? quantize(32) : Acts{}, a256 = has256 ? quantize(256) : Acts{};
+  const bool bf16_out = out_dtype == at::kBFloat16;
+  // Thread j takes the rows whose bytes start in [j * total / tasks, (j + 1) * total / tasks),
+  // boundaries rounded to 8 rows (the one-row dot's groups of four stay whole).
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + 7) / 8));
+  auto run = [&](int64_t j0, int64_t j1) {
+    const int64_t b0 = total * j0 / tasks, b1 = total * j1 / tasks;
+    int64_t col = 0, at_byte = 0;
+    for (const Part& p : parts) {
+      const int64_t size = p.n * p.bytes;
+      auto row_at = [&](int64_t b) {  // the first row of p whose bytes start at or after byte b, to 8 rows
+        if (b <= at_byte) return int64_t(0);
+        if (b >= at_byte + size) return p.n;
+        return std::min(p.n, ((b - at_byte + p.bytes - 1) / p.bytes + 7) / 8 * 8);
+      };
+      const int64_t n0 = row_at(b0), n1 = j1 == tasks ? p.n : row_at(b1);
+      if (n0 < n1) {
+        const Acts& a = info(p.t).block == 32 ? a32 : a256;
+        if (bf16_out) gemm_rows_of(p.t, p.w, p.bytes, a, M, n0, n1, y.data_ptr<at::BFloat16>() + col, N);
+        else gemm_rows_of(p.t, p.w, p.bytes, a, M, n0, n1, y.data_ptr<float>() + col, N);
+      }
+      col += p.n;
+      at_byte += size;
+    }
+  };
+  // One thread's share runs inline: no parallel region to start or to wait on.
+  if (tasks == 1) run(0, 1);
+  else at::parallel_for(0, tasks, 1, run);
   return y;
 #else
   TORCH_CHECK(false, "quant_gemm: built without AVX2");
 #endif
+}
+
+Part part_of(const at::Tensor& w, int64_t t, int64_t n) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
+              "quant_gemm: w must be contiguous uint8 [n, bytes]");
+  return Part{w.data_ptr<uint8_t>(), t, n, w.size(1)};
+}
+
+at::Tensor gemm_dots(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, at::ScalarType out_dtype) {
+  info(t);  // an unknown type is refused before anything else
+  return dots(x, {part_of(w, t, n)}, out_dtype);
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n) {
@@ -717,20 +775,15 @@ at::Tensor tile_buffer(int64_t numel) {
 // of x) multiplied by oneDNN, as w @ x^T up to transposed_max_rows rows. The
 // one-call decoder layer calls this for a GGUF weight; the Python layer calls
 // the same.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, int64_t dots_max_rows,
-                  int64_t tile_bytes, int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
-  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
-  const at::ScalarType dtype = x.scalar_type();
-  const int64_t M = x.size(0), K = x.size(1);
-  if (M < dots_max_rows && std::string(KVQ_PATH) != "none")
-    return dtype == at::kFloat || dtype == at::kBFloat16 ? gemm_dots(x, w, t, n, dtype)
-                                                         : gemm_dots(x, w, t, n, at::kFloat).to(dtype);
+at::Tensor tiles(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, int64_t tile_bytes,
+                 int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.size(0) == n, "quant_gemm: w must be uint8 [n, bytes]");
+  const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xd = x.to(at::kBFloat16);
   const int64_t bytes = M > small_max_rows ? tile_bytes : std::min(tile_bytes, small_tile_bytes);
   const int64_t rows = std::max<int64_t>(16, bytes / (K * 2));
   const at::Tensor tile = tile_buffer(std::min(rows, n) * K);
-  at::Tensor y = at::empty({M, n}, dtype);
+  at::Tensor y = at::empty({M, n}, x.scalar_type());
   const bool transposed = M <= transposed_max_rows;
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t stop = std::min(start + rows, n);
@@ -739,6 +792,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n
     y.narrow(1, start, stop - start).copy_(transposed ? at::matmul(wt, xd.t()).t() : at::matmul(xd, wt.t()));
   }
   return y;
+}
+
+bool simd() { return std::string(KVQ_PATH) != "none"; }
+
+at::Tensor dots_in(const at::Tensor& x, const std::vector<Part>& parts) {
+  const at::ScalarType dtype = x.scalar_type();
+  return dtype == at::kFloat || dtype == at::kBFloat16 ? dots(x, parts, dtype) : dots(x, parts, at::kFloat).to(dtype);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, int64_t dots_max_rows,
+                  int64_t tile_bytes, int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
+  info(t);
+  if (x.size(0) < dots_max_rows && simd()) return dots_in(x, {part_of(w, t, n)});
+  return tiles(x, w, t, n, tile_bytes, small_tile_bytes, small_max_rows, transposed_max_rows);
 }
 
 // linear's path constants as kernels.py last set them (configure, at load),
@@ -761,6 +829,28 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int
                 c.small_max_rows, c.transposed_max_rows);
 }
 
+// A fused layer kept as several weights (its shards, of one type or mixed:
+// layers/gguf.py), x @ [W_0; W_1; ...]^T in x's dtype with the configured
+// paths: where every part takes the dots at x's rows, one dots call (x
+// quantized once per block size, one parallel region); else each part by
+// layer_linear, concatenated. Each output column is the value layer_linear
+// gives for its part alone, to the bit.
+at::Tensor layer_linear_parts(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_gemm: one type per part");
+  const LinearConfig& c = linear_config();
+  bool all_dots = simd();
+  std::vector<Part> parts;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    all_dots = all_dots && x.size(0) < (info(types[i]).block == 32 ? c.dots_max_32 : c.dots_max_256);
+    parts.push_back(part_of(ws[i], types[i], ws[i].size(0)));
+  }
+  if (all_dots) return dots_in(x, parts);
+  std::vector<at::Tensor> ys;
+  for (size_t i = 0; i < ws.size(); ++i) ys.push_back(layer_linear(x, ws[i], types[i], ws[i].size(0)));
+  return ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+}
+
 std::string path() { return KVQ_PATH; }
 
 }  // namespace
@@ -772,6 +862,7 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("configure(int dots_max_32, int dots_max_256, int tile_bytes, int small_tile_bytes, int small_max_rows, "
         "int transposed_max_rows) -> ()", &configure);
   m.def("layer_linear(Tensor x, Tensor w, int type, int n) -> Tensor", &layer_linear);
+  m.def("layer_linear_parts(Tensor x, Tensor[] ws, int[] types) -> Tensor", &layer_linear_parts);
   m.def("dequant(Tensor w, int type, int K) -> Tensor", &dequant);
   m.def("dequant_into(Tensor w, int type, Tensor(a!) out) -> ()", &dequant_into);
   m.def("path() -> str", &path);
