@@ -59,11 +59,13 @@ def test_one_part_is_linear_and_bad_x_is_refused():
 
 _AVX2_PROBE = """
 from kvferry.model import quant
-from tests.model.quant.test_parts import check_parts
+from tests.model.quant.test_parts import K_QUANTS, check_parts, test_batch_1_is_the_many_row_kernel_to_the_bit
 if not quant.available():
     print("no build"); raise SystemExit
 assert quant.kernel_path() == "avx2", quant.kernel_path()
 check_parts((1, 2))
+for name in K_QUANTS:
+    test_batch_1_is_the_many_row_kernel_to_the_bit(name)
 print("avx2 parts ok")
 """
 
@@ -76,3 +78,18 @@ def test_the_avx2_build_is_right_too():
     if "no build" in done.stdout:
         pytest.skip("the AVX2 build did not build here")
     assert "avx2 parts ok" in done.stdout
+
+
+K_QUANTS = [n for n in quant.FORMATS if quant.block_format(n).block == 256]
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_batch_1_is_the_many_row_kernel_to_the_bit(name):
+    """Batch 1 over K-quants has its own kernel in the AVX-512 build (two
+    groups per register for Q4_K and Q6_K): a row's value is the many-row
+    kernel's to the bit (x's rows are quantized independently)."""
+    w, _ = weight(name, 45, 2048, seed=7)
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(5))
+    many = quant.gemv(x, w)
+    for r in range(3):
+        assert torch.equal(quant.gemv(x[r:r + 1], w), many[r:r + 1]), r

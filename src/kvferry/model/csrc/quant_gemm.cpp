@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -75,7 +76,9 @@ inline void scales_q3k(const uint8_t* s, int8_t out[16]) {
 // A K-quant superblock's coefficients: value i = d * sc[i/16] * q_i - dm * mn[i/16].
 struct KHead { float d, dm; int16_t sc[16], mn[16]; };
 
-inline void khead(int64_t t, const uint8_t* b, KHead& h) {
+// Inlined always: the dots call it per superblock with t a constant, so its switch folds away
+// (as a call it was a quarter of a Q4_K row's time at batch 1).
+__attribute__((always_inline)) inline void khead(int64_t t, const uint8_t* b, KHead& h) {
   switch (t) {
     // The SIMD builds write sc and mn with one 256-bit store each: the dots
     // read them back 128 bits at a time, which a store that small values were
@@ -397,6 +400,48 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
   at::parallel_for(0, M * nb, 256 * 32 / B, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const X* xs = x + i * B;
+#ifdef KVQ_SIMD
+      // The scalar loop below, eight values at a time (it was a tenth of a
+      // batch-1 Q4_K call): max|x| is exact in any order, x * id rounds once
+      // either way and round-to-nearest-even is nearbyint's, so the bytes,
+      // sums and scales are the scalar loop's.
+      {
+        auto ld8 = [&](int l) {
+          if constexpr (std::is_same_v<X, float>) return _mm256_loadu_ps(xs + l);
+          else return _mm256_castsi256_ps(_mm256_slli_epi32(
+              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + l))), 16));
+        };
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vmax = _mm256_setzero_ps();
+        for (int l = 0; l < B; l += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(ld8(l), abs_mask));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        int8_t* q = Q + i * B;
+        __m256i vsum = _mm256_setzero_si256();
+        for (int l = 0; l < B; l += 16) {
+          const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(ld8(l), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(ld8(l + 8), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          // 16 int32 in -127..127 -> 16 int8 in order (packs work per 128-bit lane: fix the order after).
+          const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
+          const __m128i b8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l), b8);
+          const __m256i s16 = _mm256_cvtepi8_epi16(b8);
+          if (B == 256) {  // the per-16 sum
+            __m128i t = _mm_add_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+            t = _mm_hadd_epi16(t, t); t = _mm_hadd_epi16(t, t); t = _mm_hadd_epi16(t, t);
+            BS[i * 16 + l / 16] = int16_t(_mm_extract_epi16(t, 0));
+          }
+          vsum = _mm256_add_epi32(vsum, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+        }
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+        t = _mm_hadd_epi32(t, t); t = _mm_hadd_epi32(t, t);
+        D[i] = d; S[i] = d * float(_mm_cvtsi128_si32(t));
+        continue;
+      }
+#endif
       float amax = 0;
       for (int l = 0; l < B; ++l) amax = std::fmax(amax, std::fabs(to_f(xs[l])));
       const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
@@ -499,6 +544,67 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(_mm256_sub_ps(acc[r], macc[r]));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVQ_K512 1
+// rowsK for one row of x (decode at batch 1) on Q4_K / Q6_K, two groups per
+// 512-bit register: half the instructions a superblock (one core's dots had
+// been the bound at batch 1, not its reads: 1.3-1.4x the read time). Q4_K's
+// groups 2p and 2p + 1 are the low and high nibbles of the same 32 bytes;
+// Q6_K's 4n + j and 4n + j + 1 (j = 0, 2) lie in 64 bytes of ql with their
+// high bits in one 32 bytes of qh. x's two groups are 64 bytes side by side.
+// The 32-bit sums are rowsK's: lane l of group 2p's half plus lane l of group
+// 2p + 1's, added as integers, so the result is rowsK<T, 1>'s to the bit.
+template <int T>
+void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y) {
+  static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
+  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  KHead h;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+  // 128-bit lane j of a pair's scales is the pair's j-th scale (of 4, from one 64-bit broadcast), 8 times.
+  const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
+                                        0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
+                                        0x0100010001000100, 0x0100010001000100);
+  for (int64_t i = 0; i < a.nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    khead(T, b, h);
+    const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
+    __m512i zacc = _mm512_setzero_si512();
+    auto pair = [&](int p, __m512i q) {  // groups 2p, 2p + 1
+      const __m512i x = _mm512_loadu_si512(xq + 64 * p);
+      int64_t s4;
+      std::memcpy(&s4, h.sc + 4 * p, 8);
+      const __m512i sc = _mm512_shuffle_epi8(_mm512_set1_epi64(s4), pick);
+      zacc = _mm512_add_epi32(zacc, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), sc));
+    };
+    if constexpr (T == 12) {
+      const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+      KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
+        pair(p, _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4));
+      }
+    } else {
+      KVQ_UNROLL for (int n = 0; n < 2; ++n) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
+        KVQ_UNROLL for (int half = 0; half < 2; ++half) {  // j = 2 half, 2 half + 1
+          const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
+          const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+          const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), m2);
+          pair(2 * n + half, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+        }
+      }
+    }
+    const __m256i iacc = _mm256_add_epi32(_mm512_castsi512_si256(zacc), _mm512_extracti64x4_epi64(zacc, 1));
+    const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+    const int64_t ai = m0 * a.nb + i;
+    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(h.d * a.d[ai]), acc);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(h.dm * a.d[ai]), macc);
+  }
+  y[0] = hsum(_mm256_sub_ps(acc, macc));
+}
+#endif
+
 // The low (Hi = false) or high 16 bits of each 32-bit lane, packed into 8 x 16 bits.
 template <bool Hi>
 inline __m128i half16(__m256i v) {
@@ -580,6 +686,9 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y) 
 
 template <int T, int R>
 inline void rows(const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+#ifdef KVQ_K512
+  if constexpr (R == 1 && (T == 12 || T == 14)) return rowsK1_512<T>(w, a, m0, info(T).bytes, y);
+#endif
   if constexpr (T >= 10) rowsK<T, R>(w, a, m0, info(T).bytes, y, ldy);
   else rows32<T, R>(w, a, m0, info(T).bytes, y, ldy);
 }
