@@ -5,7 +5,6 @@ layers of mixed types (q/k Q4_K, v Q6_K) included."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bench._llama_cpp import missing_reason, quantize
 from kvferry.model import layer_op, quant
