@@ -1,14 +1,14 @@
 """The one-call C++ decoder layer over GGUF blocks (--quantization gguf):
 taken, and the Python layer's results to the bit, on decode rows (the
-integer dots) and prefill rows (the bf16 tiles) alike; not taken where a
-layer's shards are of mixed types."""
+integer dots) and prefill rows (the bf16 tiles) alike, a Q4_K_M file's
+layers of mixed types (q/k Q4_K, v Q6_K) included."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from bench._llama_cpp import missing_reason, quantize
 from kvferry.model import layer_op, quant
-from kvferry.model.layers.gguf import QUANT_KIND, GGUFLinearMethod
+from kvferry.model.layers.gguf import QUANT_KIND, QUANT_PARTS, GGUFLinearMethod
 from kvferry.model.loader import load_model
 from tests.model.own_cache import own_model_cache
 from tests.model.test_layer_op import OP, PLANS, _run, _same
@@ -46,21 +46,40 @@ def test_layer_op_over_blocks_equals_python_layer(tiny, monkeypatch, qtype, dtyp
     assert _same(fast_cache, slow_cache)
 
 
-def test_mixed_types_run_the_python_layer(tiny):
-    """A fused layer whose shards differ in type (Q4_K_M's q/k and v) has no
-    single weight for the op: the model runs its Python layers."""
-    tmp, hf = tiny
-    model = load_model(str(write_tiny_gguf(hf, tmp / "mixed.gguf", qtype="Q8_0")), dtype="float32",
-                       quantization="gguf").model
-    model.pack_weights()
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    """A tiny llama (hidden 256: K-quant rows) as llama-quantize's Q4_K_M of
+    its F32 GGUF: q/k Q4_K, v (and ffn_down) Q6_K on the layers given more
+    bits (of 4 layers, 2 and 3), all Q4_K on the others."""
+    reason = missing_reason("llama-quantize")
+    if reason is not None:
+        pytest.skip(reason)
+    with own_model_cache(tmp_path_factory.mktemp("gguf-layer-op-kq")) as tmp:
+        hf = make_tiny_checkpoint(tmp, "llama", num_hidden_layers=4, hidden_size=256, intermediate_size=512,
+                                  num_attention_heads=4, num_key_value_heads=2)
+        f32 = write_tiny_gguf(hf, tmp / "tiny-f32.gguf")
+        yield quantize(f32, tmp / "tiny-q4_k_m.gguf", "Q4_K_M")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mixed_types_run_the_op_and_equal_the_python_layer(q4_k_m, monkeypatch, dtype):
+    """A fused layer whose shards differ in type (Q4_K_M's q/k in Q4_K, v in
+    Q6_K) is the op's kind QUANT_PARTS: every layer of the file takes the
+    one-call layer, and its results are the Python layer's to the bit."""
+    if not layer_op.available():
+        pytest.skip("the layer op is not available")
+    model = load_model(str(q4_k_m), dtype=dtype, quantization="gguf").model
+    kinds = [layer.self_attn.qkv_proj.matmul_args().kind for layer in model.layers]
+    q4k, q6k = (quant.block_format(t).ggml_type for t in ("Q4_K", "Q6_K"))
+    assert QUANT_PARTS in kinds and QUANT_KIND + q4k in kinds, kinds  # mixed layers and uniform ones
+    mixed = model.layers[kinds.index(QUANT_PARTS)].self_attn.qkv_proj.matmul_args()
+    assert q6k in mixed.part_types and q4k in mixed.part_types
+    fast, fast_cache, fast_ops = _run(model, monkeypatch, "0")
     assert model._layer_args is not None
-    qkv = model.layers[1].self_attn.qkv_proj
-    (w,) = qkv.qweights
-    q8, q4 = quant.block_format("Q8_0"), quant.block_format("Q4_0")
-    # The same rows as two shards of different types (values do not matter here).
-    rows = w.out_features // 2
-    half = quant.QuantizedWeight.from_blocks("x", "Q4_0", torch.zeros(rows, w.in_features // 32 * q4.bytes,
-                                                                       dtype=torch.uint8), (rows, w.in_features))
-    qkv.qweights = [quant.QuantizedWeight(w.name, q8, w.data[:rows], w.in_features), half]
-    assert qkv.matmul_args() is None
-    assert layer_op.model_layer_args(model) is None
+    slow, slow_cache, slow_ops = _run(model, monkeypatch, "1")
+    assert OP in fast_ops and OP not in slow_ops
+    for got, want in zip(fast, slow, strict=True):
+        assert got.keys() == want.keys()
+        for rid in got:
+            assert _same(got[rid], want[rid]), f"request {rid}: logits differ"
+    assert _same(fast_cache, slow_cache)

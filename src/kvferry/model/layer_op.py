@@ -14,8 +14,9 @@ It applies to a step where every op of every layer is a C++ kernel
 - each layer's four matmuls have a packed weight, small_gemm's or oneDNN's
   (AMX machines, Qwen2's biased qkv), run as linear.py runs them: their
   methods' ``matmul_args`` (model/layers/; GGUF blocks are kind 100 + their
-  ggml type; a method the op does not know, int8's, returns None and the
-  Python layer runs) (Qwen3's
+  ggml type, a fused layer of mixed GGUF types kind 99 with its parts; a
+  method the op does not know, int8's, returns None and the Python layer
+  runs) (Qwen3's
   per-head q/k norms run as torch's ops, as in the Python layer);
 - the fused ops are available, and the paged attention kernel serves every
   sequence of the step (no chunk left to the torch path) with the KV cache
@@ -50,8 +51,10 @@ _library = paged_kernel.LazyLibrary(lambda: _load())
 # post_norm_w, post_eps, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n,
 # down_kind, next_norm_w, next_eps, heads, kv_heads, scale, exact_rows,
 # row_bucket, q_norm_w, k_norm_w, qk_eps (None, None, 0.0 without Qwen3's
-# per-head norms). A kind is 1 for small_gemm's packed copy, 2 for oneDNN's,
-# 3 for oneDNN's in fixed blocks of row_bucket rows (--deterministic).
+# per-head norms), qkv_parts, qkv_part_types, gate_up_parts, gate_up_part_types
+# (a fused GGUF layer of mixed types, kind 99; empty lists otherwise). A kind is
+# 1 for small_gemm's packed copy, 2 for oneDNN's, 3 for oneDNN's in fixed blocks
+# of row_bucket rows (--deterministic), 100 + t for GGUF blocks of type t.
 LayerArgs = tuple
 
 
@@ -76,8 +79,12 @@ def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
         qkv, o, gate_up, down = matmuls
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
         post = layer.post_attention_layernorm
-        out.append((*qkv, attn.qkv_proj.bias, *o, post.weight, post.eps, *gate_up, *down, nxt.weight, nxt.eps,
-                    attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS, ROW_BUCKET, *_head_norms(attn)))
+        if o.parts or down.parts:  # the op takes parts for the fused layers only (one GGUF tensor each here)
+            return None
+        out.append((*qkv[:3], attn.qkv_proj.bias, *o[:3], post.weight, post.eps, *gate_up[:3], *down[:3],
+                    nxt.weight, nxt.eps, attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS, ROW_BUCKET,
+                    *_head_norms(attn), list(qkv.parts), list(qkv.part_types), list(gate_up.parts),
+                    list(gate_up.part_types)))
     return out
 
 

@@ -104,11 +104,24 @@ const Ops& ops() {
 // linear_fixed_blocks: --deterministic's matmul on AMX CPUs). kQuantKind + t:
 // a GGUF weight of ggml type t, its uint8 blocks [n, bytes_per_row].
 constexpr int64_t kQuantKind = 100;
+// kQuantParts: a fused GGUF layer kept as several weights (shards of different
+// types: a Q4_K_M file's q/k in Q4_K and v in Q6_K), the parts and their types
+// in the op's *_parts / *_part_types lists: quant_gemm.cpp's layer_linear_parts,
+// the path GGUFLinearMethod takes for them.
+constexpr int64_t kQuantParts = 99;
 struct Matmul {
   bool bf16;
   int64_t exact_rows, row_bucket;
   Tensor operator()(const Tensor& x, const Tensor& w, int64_t n, int64_t kind,
-                    const std::optional<Tensor>& bias = std::nullopt) const {
+                    const std::optional<Tensor>& bias = std::nullopt, at::TensorList parts = {},
+                    at::IntArrayRef part_types = {}) const {
+    if (kind == kQuantParts) {
+      static const auto op = find_op<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)>(
+          "kvferry_quant::layer_linear_parts");
+      Tensor y = op.call(x, parts, part_types);
+      TORCH_CHECK(y.size(1) == n, "decoder_layer: the parts' rows are not the layer's output width");
+      return bias.has_value() ? at::add(y, *bias) : y;
+    }
     if (kind >= kQuantKind) {
       // A GGUF weight's blocks (layers/gguf.py): quant_gemm.cpp's layer_linear,
       // the path quant.linear takes, in x's dtype; the bias after, as GGUFLinearMethod adds it.
@@ -132,7 +145,8 @@ struct Matmul {
       }
       return out;
     }
-    TORCH_CHECK(kind == 2, "decoder_layer: matmul kind must be 1 (small_gemm), 2 or 3 (oneDNN), or 100 + a ggml type");
+    TORCH_CHECK(kind == 2,
+                "decoder_layer: matmul kind must be 1 (small_gemm), 2 or 3 (oneDNN), 99 (GGUF parts) or 100 + a ggml type");
     const int64_t rows = x.size(0);
     const int64_t padded = rows <= exact_rows ? rows : (rows + row_bucket - 1) / row_bucket * row_bucket;
     if (padded == rows) return onednn_linear(x.contiguous(), w, bias);
@@ -148,7 +162,8 @@ struct Matmul {
 // slot_mapping [T]; block_tables .. query_lens: the paged kernel's sequences
 // (every sequence of the step); *_w: the packed weights, *_n their output
 // widths, *_kind whose copy (see Matmul); q_norm_w, k_norm_w: Qwen3's
-// per-head norms, or none.
+// per-head norms, or none; qkv_parts .. gate_up_part_types: the GGUF parts
+// of a fused layer of kind kQuantParts (empty otherwise).
 std::tuple<Tensor, Tensor> decoder_layer(
     const Tensor& h, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
@@ -157,7 +172,9 @@ std::tuple<Tensor, Tensor> decoder_layer(
     double post_eps, const Tensor& gate_up_w, int64_t gate_up_n, int64_t gate_up_kind, const Tensor& down_w,
     int64_t down_n, int64_t down_kind, const Tensor& next_norm_w, double next_eps, int64_t num_heads,
     int64_t num_kv_heads, double scale, int64_t exact_rows, int64_t row_bucket,
-    const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w, double qk_eps) {
+    const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w, double qk_eps,
+    at::TensorList qkv_parts, at::IntArrayRef qkv_part_types, at::TensorList gate_up_parts,
+    at::IntArrayRef gate_up_part_types) {
   TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes(), "decoder_layer: h and x must be [tokens, hidden]");
   TORCH_CHECK(kv_cache_layer.dim() == 5 && kv_cache_layer.size(0) == 2 && kv_cache_layer.size(3) == num_kv_heads,
               "decoder_layer: kv_cache_layer must be [2, num_blocks, block_size, KVH, D]");
@@ -169,7 +186,7 @@ std::tuple<Tensor, Tensor> decoder_layer(
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   TORCH_CHECK(qkv_n == q_size + 2 * kv_size, "decoder_layer: qkv_n is not (H + 2 KVH) * D");
 
-  const Tensor qkv = gemm(x, qkv_w, qkv_n, qkv_kind, qkv_bias);
+  const Tensor qkv = gemm(x, qkv_w, qkv_n, qkv_kind, qkv_bias, qkv_parts, qkv_part_types);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   Tensor q, k;
   TORCH_CHECK(q_norm_w.has_value() == k_norm_w.has_value(), "decoder_layer: q and k norms go together");
@@ -191,7 +208,8 @@ std::tuple<Tensor, Tensor> decoder_layer(
   Tensor out = at::empty(q.sizes(), q.options());
   op.attention.call(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out);
   auto [h1, x1] = op.add_rms_norm.call(gemm(out.view({T, q_size}), o_w, o_n, o_kind), h, post_norm_w, post_eps);
-  const Tensor up = op.silu_and_mul.call(gemm(x1, gate_up_w, gate_up_n, gate_up_kind));
+  const Tensor up =
+      op.silu_and_mul.call(gemm(x1, gate_up_w, gate_up_n, gate_up_kind, std::nullopt, gate_up_parts, gate_up_part_types));
   return op.add_rms_norm.call(gemm(up, down_w, down_n, down_kind), h1, next_norm_w, next_eps);
 }
 
@@ -204,7 +222,8 @@ TORCH_LIBRARY(kvferry_layer, m) {
       "int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, Tensor post_norm_w, float post_eps, "
       "Tensor gate_up_w, int gate_up_n, int gate_up_kind, Tensor down_w, int down_n, int down_kind, "
       "Tensor next_norm_w, float next_eps, int num_heads, int num_kv_heads, float scale, int exact_rows, "
-      "int row_bucket, Tensor? q_norm_w, Tensor? k_norm_w, float qk_eps) -> (Tensor, Tensor)");
+      "int row_bucket, Tensor? q_norm_w, Tensor? k_norm_w, float qk_eps, Tensor[] qkv_parts, "
+      "int[] qkv_part_types, Tensor[] gate_up_parts, int[] gate_up_part_types) -> (Tensor, Tensor)");
   m.impl("decoder_layer", c10::DispatchKey::CPU, TORCH_FN(decoder_layer));
   // oneDNN's packed weights are MkldnnCPU tensors: a call with one dispatches there.
   m.impl("decoder_layer", c10::DispatchKey::MkldnnCPU, TORCH_FN(decoder_layer));

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -75,7 +76,9 @@ inline void scales_q3k(const uint8_t* s, int8_t out[16]) {
 // A K-quant superblock's coefficients: value i = d * sc[i/16] * q_i - dm * mn[i/16].
 struct KHead { float d, dm; int16_t sc[16], mn[16]; };
 
-inline void khead(int64_t t, const uint8_t* b, KHead& h) {
+// Inlined always: the dots call it per superblock with t a constant, so its switch folds away
+// (as a call it was a quarter of a Q4_K row's time at batch 1).
+__attribute__((always_inline)) inline void khead(int64_t t, const uint8_t* b, KHead& h) {
   switch (t) {
     // The SIMD builds write sc and mn with one 256-bit store each: the dots
     // read them back 128 bits at a time, which a store that small values were
@@ -196,6 +199,8 @@ inline void block32_scalar(int64_t t, const uint8_t* b, float& d, float& off, in
         }
       }
 }
+
+#define KVQ_TYPES(X) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14)
 
 #ifdef KVQ_SIMD
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -377,9 +382,13 @@ struct ActsScratch {
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return float(v); }
 
+// One scratch per block size: a call over weights of both sizes (a Q4_K_M
+// layer's Q8_0 and K-quant parts never mix, but a fused layer of Q5_0 and Q4_K
+// could) keeps both quantizations of x alive at once.
 template <typename X>
 Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
-  thread_local ActsScratch sc;
+  thread_local ActsScratch scratch[2];
+  ActsScratch& sc = scratch[B == 256];
   const int64_t nb = K / B;
   if (int64_t(sc.q.size()) < M * K) sc.q.resize(M * K);
   if (int64_t(sc.d.size()) < M * nb) { sc.d.resize(M * nb); sc.s.resize(M * nb); }
@@ -391,6 +400,48 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
   at::parallel_for(0, M * nb, 256 * 32 / B, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const X* xs = x + i * B;
+#ifdef KVQ_SIMD
+      // The scalar loop below, eight values at a time (it was a tenth of a
+      // batch-1 Q4_K call): max|x| is exact in any order, x * id rounds once
+      // either way and round-to-nearest-even is nearbyint's, so the bytes,
+      // sums and scales are the scalar loop's.
+      {
+        auto ld8 = [&](int l) {
+          if constexpr (std::is_same_v<X, float>) return _mm256_loadu_ps(xs + l);
+          else return _mm256_castsi256_ps(_mm256_slli_epi32(
+              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + l))), 16));
+        };
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vmax = _mm256_setzero_ps();
+        for (int l = 0; l < B; l += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(ld8(l), abs_mask));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        int8_t* q = Q + i * B;
+        __m256i vsum = _mm256_setzero_si256();
+        for (int l = 0; l < B; l += 16) {
+          const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(ld8(l), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(ld8(l + 8), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          // 16 int32 in -127..127 -> 16 int8 in order (packs work per 128-bit lane: fix the order after).
+          const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
+          const __m128i b8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l), b8);
+          const __m256i s16 = _mm256_cvtepi8_epi16(b8);
+          if (B == 256) {  // the per-16 sum
+            __m128i t = _mm_add_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+            t = _mm_hadd_epi16(t, t); t = _mm_hadd_epi16(t, t); t = _mm_hadd_epi16(t, t);
+            BS[i * 16 + l / 16] = int16_t(_mm_extract_epi16(t, 0));
+          }
+          vsum = _mm256_add_epi32(vsum, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+        }
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+        t = _mm_hadd_epi32(t, t); t = _mm_hadd_epi32(t, t);
+        D[i] = d; S[i] = d * float(_mm_cvtsi128_si32(t));
+        continue;
+      }
+#endif
       float amax = 0;
       for (int l = 0; l < B; ++l) amax = std::fmax(amax, std::fabs(to_f(xs[l])));
       const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
@@ -493,6 +544,67 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(_mm256_sub_ps(acc[r], macc[r]));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVQ_K512 1
+// rowsK for one row of x (decode at batch 1) on Q4_K / Q6_K, two groups per
+// 512-bit register: half the instructions a superblock (one core's dots had
+// been the bound at batch 1, not its reads: 1.3-1.4x the read time). Q4_K's
+// groups 2p and 2p + 1 are the low and high nibbles of the same 32 bytes;
+// Q6_K's 4n + j and 4n + j + 1 (j = 0, 2) lie in 64 bytes of ql with their
+// high bits in one 32 bytes of qh. x's two groups are 64 bytes side by side.
+// The 32-bit sums are rowsK's: lane l of group 2p's half plus lane l of group
+// 2p + 1's, added as integers, so the result is rowsK<T, 1>'s to the bit.
+template <int T>
+void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y) {
+  static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
+  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  KHead h;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+  // 128-bit lane j of a pair's scales is the pair's j-th scale (of 4, from one 64-bit broadcast), 8 times.
+  const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
+                                        0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
+                                        0x0100010001000100, 0x0100010001000100);
+  for (int64_t i = 0; i < a.nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    khead(T, b, h);
+    const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
+    __m512i zacc = _mm512_setzero_si512();
+    auto pair = [&](int p, __m512i q) {  // groups 2p, 2p + 1
+      const __m512i x = _mm512_loadu_si512(xq + 64 * p);
+      int64_t s4;
+      std::memcpy(&s4, h.sc + 4 * p, 8);
+      const __m512i sc = _mm512_shuffle_epi8(_mm512_set1_epi64(s4), pick);
+      zacc = _mm512_add_epi32(zacc, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), sc));
+    };
+    if constexpr (T == 12) {
+      const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+      KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
+        pair(p, _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4));
+      }
+    } else {
+      KVQ_UNROLL for (int n = 0; n < 2; ++n) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
+        KVQ_UNROLL for (int half = 0; half < 2; ++half) {  // j = 2 half, 2 half + 1
+          const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
+          const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+          const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), m2);
+          pair(2 * n + half, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+        }
+      }
+    }
+    const __m256i iacc = _mm256_add_epi32(_mm512_castsi512_si256(zacc), _mm512_extracti64x4_epi64(zacc, 1));
+    const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+    const int64_t ai = m0 * a.nb + i;
+    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(h.d * a.d[ai]), acc);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(h.dm * a.d[ai]), macc);
+  }
+  y[0] = hsum(_mm256_sub_ps(acc, macc));
+}
+#endif
+
 // The low (Hi = false) or high 16 bits of each 32-bit lane, packed into 8 x 16 bits.
 template <bool Hi>
 inline __m128i half16(__m256i v) {
@@ -539,12 +651,14 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y) 
   __m256 acc[NR], macc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
   alignas(32) float sc[NR][8];
-  // Each block's first 4 bytes (d, and Q4_1 / Q5_1's m) for 8 blocks: one gather.
-  const __m256i heads = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(bytes)));
+  // Each block's first 4 bytes (d, and Q4_1 / Q5_1's m) for 8 blocks: eight
+  // loads and inserts (a vpgatherdd was a third of the batch-1 Q4_1 dot's time).
   int64_t i = 0;
   for (; i + 8 <= a.nb; i += 8) {
     KVQ_UNROLL for (int r = 0; r < NR; ++r) {
-      const __m256i h = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + r * ldw + i * bytes), heads, 1);
+      const uint8_t* hb = w + r * ldw + i * bytes;
+      auto head = [&](int j) { int32_t v; std::memcpy(&v, hb + j * bytes, 4); return v; };
+      const __m256i h = _mm256_setr_epi32(head(0), head(1), head(2), head(3), head(4), head(5), head(6), head(7));
       const __m256 d = _mm256_cvtph_ps(half16<false>(h));
       _mm256_store_ps(sc[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + i)));
       if constexpr (!kSignTrick) {
@@ -574,6 +688,9 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y) 
 
 template <int T, int R>
 inline void rows(const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+#ifdef KVQ_K512
+  if constexpr (R == 1 && (T == 12 || T == 14)) return rowsK1_512<T>(w, a, m0, info(T).bytes, y);
+#endif
   if constexpr (T >= 10) rowsK<T, R>(w, a, m0, info(T).bytes, y, ldy);
   else rows32<T, R>(w, a, m0, info(T).bytes, y, ldy);
 }
@@ -594,45 +711,53 @@ void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
   }
 }
 
+// Weight rows n0..n1 of one weight (bytes per row) against the M rows of a:
+// y[m * ldy + n] for each. Row n's value depends on nothing but row n and a,
+// so any split of the rows among threads gives the same bits.
 template <int T, typename O>
-void gemm_type(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t N, O* Y) {
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    float y[MR > 4 ? MR : 4];
-    // The rows stream in cold from memory, back to back: ask for the bytes
-    // kPrefetch ahead of each row as it starts (prefetch never faults).
-    constexpr int64_t kPrefetch = 8192;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* w = W + n * bytes;
-      for (int64_t l = 0; l < bytes * (T < 10 && M == 1 && n + 4 <= n1 ? 4 : 1); l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + l, _MM_HINT_T0);
-      if constexpr (T < 10) {
-        if (M == 1) {  // decode at batch 1: four weight rows at a time
-          if (n + 4 <= n1) {
-            row32xn<T, 4>(w, bytes, a, 0, y);
-            for (int k = 0; k < 4; ++k) Y[n + k] = O(y[k]);
-            n += 3;
-          } else {
-            row32xn<T, 1>(w, bytes, a, 0, y);
-            Y[n] = O(y[0]);
-          }
-          continue;
+void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy) {
+  float y[MR > 4 ? MR : 4];
+  // The rows stream in cold from memory, back to back: ask for the bytes
+  // kPrefetch ahead of each row as it starts (prefetch never faults).
+  constexpr int64_t kPrefetch = 8192;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = W + n * bytes;
+    for (int64_t l = 0; l < bytes * (T < 10 && M == 1 && n + 4 <= n1 ? 4 : 1); l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + l, _MM_HINT_T0);
+    if constexpr (T < 10) {
+      if (M == 1) {  // decode at batch 1: four weight rows at a time
+        if (n + 4 <= n1) {
+          row32xn<T, 4>(w, bytes, a, 0, y);
+          for (int k = 0; k < 4; ++k) Y[n + k] = O(y[k]);
+          n += 3;
+        } else {
+          row32xn<T, 1>(w, bytes, a, 0, y);
+          Y[n] = O(y[0]);
         }
-      }
-      int64_t m = 0;
-      for (; m < M; m += MR) {
-        const int r = int(std::min<int64_t>(MR, M - m));
-        if (r == MR) rows<T, MR>(w, a, m, y, 1);
-        else tail<T>(r, w, a, m, y, 1);
-        for (int k = 0; k < r; ++k) Y[(m + k) * N + n] = O(y[k]);
+        continue;
       }
     }
-  });
+    int64_t m = 0;
+    for (; m < M; m += MR) {
+      const int r = int(std::min<int64_t>(MR, M - m));
+      if (r == MR) rows<T, MR>(w, a, m, y, 1);
+      else tail<T>(r, w, a, m, y, 1);
+      for (int k = 0; k < r; ++k) Y[(m + k) * ldy + n] = O(y[k]);
+    }
+  }
+}
+
+template <typename O>
+void gemm_rows_of(int64_t t, const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                  int64_t ldy) {
+  switch (t) {
+#define KVQ_ROWS(T) case T: return gemm_rows<T>(W, bytes, a, M, n0, n1, Y, ldy);
+    KVQ_TYPES(KVQ_ROWS)
+  }
 }
 #else
 #define KVQ_PATH "none"
 #endif
-
-#define KVQ_TYPES(X) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14)
 
 at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K);
 
@@ -667,36 +792,80 @@ at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
   return y;
 }
 
-// y [M, n] = x @ W^T by the integer dot products, in out_dtype (float32, or
-// x's bf16: each value rounded once, as float32's .to(bf16) rounds it).
-at::Tensor gemm_dots(const at::Tensor& x_in, const at::Tensor& w, int64_t t, int64_t n, at::ScalarType out_dtype) {
-  const TypeInfo ti = info(t);
+// One weight of a dots call: its blocks [n, bytes] and ggml type.
+struct Part { const uint8_t* w; int64_t t, n, bytes; };
+
+// y [M, sum n] = x @ [W_0; W_1; ...]^T by the integer dot products, in
+// out_dtype (float32, or x's bf16: each value rounded once, as float32's
+// .to(bf16) rounds it). The parts are the shards of a fused layer (q, k, v;
+// gate, up), of one type or several (Q4_K_M's q/k in Q4_K, v in Q6_K): x is
+// quantized once per block size, and all parts' rows are one parallel region,
+// each thread an equal share of the weight bytes (the work at decode sizes),
+// not of the rows, so a Q6_K part's heavier rows do not leave a thread idle.
+at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::ScalarType out_dtype) {
   TORCH_CHECK(x_in.dim() == 2, "quant_gemm: x must be [M, K]");
-  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
-              "quant_gemm: w must be contiguous uint8 [n, bytes]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: out must be float32 or bf16");
   const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
   const at::Tensor x = bf16_in ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % ti.block == 0 && w.size(1) == K / ti.block * ti.bytes, "quant_gemm: K does not match the row bytes");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: out must be float32 or bf16");
-  at::Tensor y = at::empty({M, n}, out_dtype);
-#ifdef KVQ_SIMD
-  if (M == 0 || n == 0) return y;
-  const Acts a = bf16_in ? quantize_rows(x.data_ptr<at::BFloat16>(), M, K, ti.block)
-                         : quantize_rows(x.data_ptr<float>(), M, K, ti.block);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const bool bf16_out = out_dtype == at::kBFloat16;
-  switch (t) {
-#define KVQ_GEMM(T) case T: \
-    if (bf16_out) gemm_type<T>(W, w.size(1), a, M, n, y.data_ptr<at::BFloat16>()); \
-    else gemm_type<T>(W, w.size(1), a, M, n, y.data_ptr<float>()); \
-    break;
-    KVQ_TYPES(KVQ_GEMM)
+  int64_t N = 0, total = 0;
+  bool has32 = false, has256 = false;
+  for (const Part& p : parts) {
+    const TypeInfo ti = info(p.t);
+    TORCH_CHECK(K % ti.block == 0 && p.bytes == K / ti.block * ti.bytes, "quant_gemm: K does not match the row bytes");
+    (ti.block == 32 ? has32 : has256) = true;
+    N += p.n;
+    total += p.n * p.bytes;
   }
+  at::Tensor y = at::empty({M, N}, out_dtype);
+#ifdef KVQ_SIMD
+  if (M == 0 || N == 0) return y;
+  auto quantize = [&](int64_t B) {
+    return bf16_in ? quantize_rows(x.data_ptr<at::BFloat16>(), M, K, B) : quantize_rows(x.data_ptr<float>(), M, K, B);
+  };
+  const Acts a32 = has32 ? quantize(32) : Acts{}, a256 = has256 ? quantize(256) : Acts{};
+  const bool bf16_out = out_dtype == at::kBFloat16;
+  // Thread j takes the rows whose bytes start in [j * total / tasks, (j + 1) * total / tasks),
+  // boundaries rounded to 8 rows (the one-row dot's groups of four stay whole).
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + 7) / 8));
+  auto run = [&](int64_t j0, int64_t j1) {
+    const int64_t b0 = total * j0 / tasks, b1 = total * j1 / tasks;
+    int64_t col = 0, at_byte = 0;
+    for (const Part& p : parts) {
+      const int64_t size = p.n * p.bytes;
+      auto row_at = [&](int64_t b) {  // the first row of p whose bytes start at or after byte b, to 8 rows
+        if (b <= at_byte) return int64_t(0);
+        if (b >= at_byte + size) return p.n;
+        return std::min(p.n, ((b - at_byte + p.bytes - 1) / p.bytes + 7) / 8 * 8);
+      };
+      const int64_t n0 = row_at(b0), n1 = j1 == tasks ? p.n : row_at(b1);
+      if (n0 < n1) {
+        const Acts& a = info(p.t).block == 32 ? a32 : a256;
+        if (bf16_out) gemm_rows_of(p.t, p.w, p.bytes, a, M, n0, n1, y.data_ptr<at::BFloat16>() + col, N);
+        else gemm_rows_of(p.t, p.w, p.bytes, a, M, n0, n1, y.data_ptr<float>() + col, N);
+      }
+      col += p.n;
+      at_byte += size;
+    }
+  };
+  // One thread's share runs inline: no parallel region to start or to wait on.
+  if (tasks == 1) run(0, 1);
+  else at::parallel_for(0, tasks, 1, run);
   return y;
 #else
   TORCH_CHECK(false, "quant_gemm: built without AVX2");
 #endif
+}
+
+Part part_of(const at::Tensor& w, int64_t t, int64_t n) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
+              "quant_gemm: w must be contiguous uint8 [n, bytes]");
+  return Part{w.data_ptr<uint8_t>(), t, n, w.size(1)};
+}
+
+at::Tensor gemm_dots(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, at::ScalarType out_dtype) {
+  info(t);  // an unknown type is refused before anything else
+  return dots(x, {part_of(w, t, n)}, out_dtype);
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n) {
@@ -717,20 +886,15 @@ at::Tensor tile_buffer(int64_t numel) {
 // of x) multiplied by oneDNN, as w @ x^T up to transposed_max_rows rows. The
 // one-call decoder layer calls this for a GGUF weight; the Python layer calls
 // the same.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, int64_t dots_max_rows,
-                  int64_t tile_bytes, int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
-  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
-  const at::ScalarType dtype = x.scalar_type();
-  const int64_t M = x.size(0), K = x.size(1);
-  if (M < dots_max_rows && std::string(KVQ_PATH) != "none")
-    return dtype == at::kFloat || dtype == at::kBFloat16 ? gemm_dots(x, w, t, n, dtype)
-                                                         : gemm_dots(x, w, t, n, at::kFloat).to(dtype);
+at::Tensor tiles(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, int64_t tile_bytes,
+                 int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.size(0) == n, "quant_gemm: w must be uint8 [n, bytes]");
+  const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xd = x.to(at::kBFloat16);
   const int64_t bytes = M > small_max_rows ? tile_bytes : std::min(tile_bytes, small_tile_bytes);
   const int64_t rows = std::max<int64_t>(16, bytes / (K * 2));
   const at::Tensor tile = tile_buffer(std::min(rows, n) * K);
-  at::Tensor y = at::empty({M, n}, dtype);
+  at::Tensor y = at::empty({M, n}, x.scalar_type());
   const bool transposed = M <= transposed_max_rows;
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t stop = std::min(start + rows, n);
@@ -739,6 +903,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n
     y.narrow(1, start, stop - start).copy_(transposed ? at::matmul(wt, xd.t()).t() : at::matmul(xd, wt.t()));
   }
   return y;
+}
+
+bool simd() { return std::string(KVQ_PATH) != "none"; }
+
+at::Tensor dots_in(const at::Tensor& x, const std::vector<Part>& parts) {
+  const at::ScalarType dtype = x.scalar_type();
+  return dtype == at::kFloat || dtype == at::kBFloat16 ? dots(x, parts, dtype) : dots(x, parts, at::kFloat).to(dtype);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, int64_t dots_max_rows,
+                  int64_t tile_bytes, int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
+  info(t);
+  if (x.size(0) < dots_max_rows && simd()) return dots_in(x, {part_of(w, t, n)});
+  return tiles(x, w, t, n, tile_bytes, small_tile_bytes, small_max_rows, transposed_max_rows);
 }
 
 // linear's path constants as kernels.py last set them (configure, at load),
@@ -761,6 +940,28 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int
                 c.small_max_rows, c.transposed_max_rows);
 }
 
+// A fused layer kept as several weights (its shards, of one type or mixed:
+// layers/gguf.py), x @ [W_0; W_1; ...]^T in x's dtype with the configured
+// paths: where every part takes the dots at x's rows, one dots call (x
+// quantized once per block size, one parallel region); else each part by
+// layer_linear, concatenated. Each output column is the value layer_linear
+// gives for its part alone, to the bit.
+at::Tensor layer_linear_parts(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_gemm: one type per part");
+  const LinearConfig& c = linear_config();
+  bool all_dots = simd();
+  std::vector<Part> parts;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    all_dots = all_dots && x.size(0) < (info(types[i]).block == 32 ? c.dots_max_32 : c.dots_max_256);
+    parts.push_back(part_of(ws[i], types[i], ws[i].size(0)));
+  }
+  if (all_dots) return dots_in(x, parts);
+  std::vector<at::Tensor> ys;
+  for (size_t i = 0; i < ws.size(); ++i) ys.push_back(layer_linear(x, ws[i], types[i], ws[i].size(0)));
+  return ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+}
+
 std::string path() { return KVQ_PATH; }
 
 }  // namespace
@@ -772,6 +973,7 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("configure(int dots_max_32, int dots_max_256, int tile_bytes, int small_tile_bytes, int small_max_rows, "
         "int transposed_max_rows) -> ()", &configure);
   m.def("layer_linear(Tensor x, Tensor w, int type, int n) -> Tensor", &layer_linear);
+  m.def("layer_linear_parts(Tensor x, Tensor[] ws, int[] types) -> Tensor", &layer_linear_parts);
   m.def("dequant(Tensor w, int type, int K) -> Tensor", &dequant);
   m.def("dequant_into(Tensor w, int type, Tensor(a!) out) -> ()", &dequant_into);
   m.def("path() -> str", &path);

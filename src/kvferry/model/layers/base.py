@@ -35,7 +35,10 @@ class MatmulArgs(NamedTuple):
     """A matmul as the C++ decoder layer takes it (csrc/decoder_layer.cpp)."""
     weight: torch.Tensor  # the packed copy
     out_features: int
-    kind: int  # 1: small_gemm's copy, 2: oneDNN's, 3: oneDNN's in fixed row blocks; 100 + t: GGUF blocks of type t
+    kind: int  # 1: small_gemm's copy, 2: oneDNN's, 3: oneDNN's in fixed row blocks; 100 + t: GGUF blocks of type t;
+    # 99: a fused layer's GGUF weights of mixed types, in parts (weight is the first)
+    parts: tuple[torch.Tensor, ...] = ()  # kind 99: each part's blocks, in row order
+    part_types: tuple[int, ...] = ()  # kind 99: each part's ggml type
 
 
 class LinearMethodBase(ABC):

@@ -7,8 +7,10 @@ for prefill-sized ones (quant/kernels.py).
 A fused layer (qkv_proj, gate_up_proj) is loaded from several GGUF tensors
 (q, k, v; gate, up). GGUF blocks never cross a row, so shards of one type
 are stacked row-wise into one weight after loading; shards of different
-types (a Q4_K_M file keeps v in Q6_K) stay apart and their outputs are
-concatenated.
+types (a Q4_K_M file keeps v in Q6_K) stay apart and are multiplied by
+``quant.linear_parts``: one kernel call over all parts (x quantized once,
+one parallel region), each part's columns the values ``quant.linear`` gives
+for it alone.
 
 The token embedding (``GGUFEmbeddingMethod``) keeps its blocks too and
 dequantizes only the rows a step looks up; a tied lm_head is a
@@ -16,11 +18,12 @@ dequantizes only the rows a step looks up; a tied lm_head is a
 for both, where the float model held the table and a packed copy of it).
 
 ``matmul_args`` hands the one-call C++ decoder layer (layer_op.py) a layer
-whose shards are one weight: its blocks and ``QUANT_KIND`` + the ggml type;
-the op multiplies it with the library's ``layer_linear``, the path
+whose shards are one weight as its blocks and ``QUANT_KIND`` + the ggml
+type; the op multiplies it with the library's ``layer_linear``, the path
 ``quant.linear`` takes (so a decode step is one C++ call a layer, not a
-dozen Python calls). A layer of mixed types (Q4_K_M's q/k and v) has none,
-and the model runs its Python layers.
+dozen Python calls). A layer of mixed types (Q4_K_M's q/k and v) is
+``QUANT_PARTS`` with its parts and their types, multiplied by
+``layer_linear_parts``, the kernel ``quant.linear_parts`` calls.
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ from kvferry.model.layers.vocab import EmbeddingMethodBase, UnquantizedEmbedding
 from kvferry.model.quant import QuantizedWeight
 
 
-# csrc/decoder_layer.cpp's kQuantKind: a matmul kind of QUANT_KIND + t is a GGUF weight of ggml type t.
+# csrc/decoder_layer.cpp's kQuantKind: a matmul kind of QUANT_KIND + t is a GGUF weight of ggml type t;
+# kQuantParts: a fused layer's GGUF weights of mixed types, MatmulArgs.parts.
 QUANT_KIND = 100
+QUANT_PARTS = 99
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -76,13 +81,16 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         ws = layer.qweights
-        y = quant.linear(x, ws[0]) if len(ws) == 1 else torch.cat([quant.linear(x, w) for w in ws], dim=1)
+        y = quant.linear(x, ws[0]) if len(ws) == 1 else quant.linear_parts(x, ws)
         return y if layer.bias is None else y + layer.bias
 
     def matmul_args(self, layer: Linear) -> MatmulArgs | None:
         ws = layer.qweights
-        if len(ws) != 1 or not quant.available():
+        if not ws or not quant.available():
             return None
+        if len(ws) > 1:  # the op calls linear_parts' kernel on the parts, as apply does
+            return MatmulArgs(ws[0].data, layer.out_features, QUANT_PARTS, tuple(w.data for w in ws),
+                              tuple(w.fmt.ggml_type for w in ws))
         return MatmulArgs(ws[0].data, ws[0].out_features, QUANT_KIND + ws[0].fmt.ggml_type)
 
     def nbytes(self, layer: Linear) -> int:

@@ -28,8 +28,8 @@ float copy of the weight persists. ``linear`` picks the path by M
 (``PREFILL_MIN_ROWS``, measured; ``path_for`` says which).
 """
 from kvferry.model.quant.formats import FORMATS, BlockFormat, QuantizedWeight, block_format, stack_rows
-from kvferry.model.quant.kernels import (available, dequantize_rows, embedding, gemv, kernel_path, linear, path_for,
-                                         prefill)
+from kvferry.model.quant.kernels import (available, dequantize_rows, embedding, gemv, kernel_path, linear,
+                                         linear_parts, path_for, prefill)
 
 __all__ = ["FORMATS", "BlockFormat", "QuantizedWeight", "block_format", "available", "dequantize_rows", "embedding",
-           "gemv", "kernel_path", "linear", "path_for", "prefill", "stack_rows"]
+           "gemv", "kernel_path", "linear", "linear_parts", "path_for", "prefill", "stack_rows"]

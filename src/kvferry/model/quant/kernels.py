@@ -174,3 +174,16 @@ def linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     tiles are ``prefill``'s, in C++."""
     _check_x(x, weight)
     return _ops().linear(x, weight.data, *linear_args(weight))
+
+
+def linear_parts(x: torch.Tensor, weights: list[QuantizedWeight]) -> torch.Tensor:
+    """y = x @ [W_0; W_1; ...]^T in x's dtype: a fused layer's shards kept
+    apart (types that differ), in one C++ call. Where every part takes the
+    dots at M rows, x is quantized once per block size and all parts' rows
+    share one parallel region; else each part takes ``linear``'s path and the
+    results are concatenated. Each part's columns are ``linear(x, W_i)``'s to
+    the bit. The paths' constants are the ones ``configure`` last handed the
+    library (this module's, at load)."""
+    for w in weights:
+        _check_x(x, w)
+    return _ops().layer_linear_parts(x, [w.data for w in weights], [w.fmt.ggml_type for w in weights])

@@ -1,0 +1,95 @@
+"""``quant.linear_parts``: a fused layer's shards of mixed types (Q4_K_M's
+q/k in Q4_K and v in Q6_K) in one call, each part's columns ``quant.linear``'s
+for that part alone to the bit, at decode rows (one dots call: x quantized
+once per block size, the parts' rows split among threads by bytes) and
+prefill rows (each part's tiles), at any thread count; and the same in the
+AVX2 build (vpmaddubsw)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvferry.model import quant
+from tests.model.quant.blocks import weight
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
+
+K = 512
+# Q4_K_M's q, k, v; a 32-block pair; both block sizes in one call (x quantized twice).
+MIXES = [(("Q4_K", 96), ("Q4_K", 40), ("Q6_K", 40)), (("Q8_0", 37), ("Q4_1", 64)), (("Q5_0", 9), ("Q4_K", 70))]
+ROWS = [1, 3, 13, 20]  # dots for all; 32-blocks' tiles from 12 rows, the K-quants' from 16
+
+
+def parts_of(mix: tuple[tuple[str, int], ...]) -> list[quant.QuantizedWeight]:
+    return [weight(name, n, K, seed=i)[0] for i, (name, n) in enumerate(mix)]
+
+
+def check_parts(threads: tuple[int, ...]) -> None:
+    before = torch.get_num_threads()
+    try:
+        for mix in MIXES:
+            ws = parts_of(mix)
+            for m in ROWS:
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
+                    want = torch.cat([quant.linear(x, w) for w in ws], dim=1)
+                    for t in threads:
+                        torch.set_num_threads(t)
+                        got = quant.linear_parts(x, ws)
+                        assert got.dtype == dtype and torch.equal(got, want), (mix, m, dtype, t)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_parts_are_each_parts_linear():
+    check_parts((1, 2, 3))
+
+
+def test_one_part_is_linear_and_bad_x_is_refused():
+    (w,) = parts_of((("Q4_K", 33),))
+    x = torch.randn(2, K)
+    assert torch.equal(quant.linear_parts(x, [w]), quant.linear(x, w))
+    with pytest.raises(ValueError, match="x must be"):
+        quant.linear_parts(torch.randn(2, K + 32), [w])
+
+
+_AVX2_PROBE = """
+from kvferry.model import quant
+from tests.model.quant.test_parts import K_QUANTS, check_parts, test_batch_1_is_the_many_row_kernel_to_the_bit
+if not quant.available():
+    print("no build"); raise SystemExit
+assert quant.kernel_path() == "avx2", quant.kernel_path()
+check_parts((1, 2))
+for name in K_QUANTS:
+    test_batch_1_is_the_many_row_kernel_to_the_bit(name)
+print("avx2 parts ok")
+"""
+
+
+def test_the_avx2_build_is_right_too():
+    """The vpmaddubsw path an AVX2-only CPU runs (KVFERRY_KERNEL_ISA=avx2 builds it here)."""
+    env = {**os.environ, "KVFERRY_KERNEL_ISA": "avx2", "KVFERRY_DISABLE_CPP_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", _AVX2_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if "no build" in done.stdout:
+        pytest.skip("the AVX2 build did not build here")
+    assert "avx2 parts ok" in done.stdout
+
+
+K_QUANTS = [n for n in quant.FORMATS if quant.block_format(n).block == 256]
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_batch_1_is_the_many_row_kernel_to_the_bit(name):
+    """Batch 1 over K-quants has its own kernel in the AVX-512 build (two
+    groups per register for Q4_K and Q6_K): a row's value is the many-row
+    kernel's to the bit (x's rows are quantized independently)."""
+    w, _ = weight(name, 45, 2048, seed=7)
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(5))
+    many = quant.gemv(x, w)
+    for r in range(3):
+        assert torch.equal(quant.gemv(x[r:r + 1], w), many[r:r + 1]), r
