@@ -28,6 +28,9 @@ from tests.tiny_models import make_tiny_checkpoint
 MAX_NEW = 24
 FIXED = {"adaptive": False, "cost_aware": False, "batch_token_threshold": 10**6}
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+# Penalties count a node's ancestors as output; logprobs are the accepted rows'.
+PENALIZED = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.4, logprobs=2)
 
 
 class Recording:
@@ -87,12 +90,13 @@ def case(tmp_path_factory):
     expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
     seeded = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=s, ignore_eos=True) for s in range(3)]
     expected_seeded = [r.token_ids for r in plain.generate(prompts, seeded)]
-    return path, prompts, expected, seeded, expected_seeded
+    penalized = plain.generate(prompts, PENALIZED)
+    return path, prompts, expected, seeded, expected_seeded, penalized
 
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])
 def test_suffix_trees_greedy_is_plain_decoding(case, method):
-    path, prompts, expected, _, _ = case
+    path, prompts, expected, _, _, _ = case
     spec = {"method": method, "num_speculative_tokens": 6, "draft_tree": True,
             "suffix_decoding_max_spec_factor": 2.0, **FIXED}
     llm = LLM(model=path, dtype="float32", speculative=spec)
@@ -119,7 +123,7 @@ def _oracle_llm(path: str, prompts, outputs, depth: int = 3) -> tuple[LLM, Oracl
 
 
 def test_the_right_branch_second_greedy_and_seeded(case):
-    path, prompts, expected, seeded, expected_seeded = case
+    path, prompts, expected, seeded, expected_seeded, _ = case
     llm, oracle = _oracle_llm(path, prompts, expected)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.stats()
@@ -131,6 +135,19 @@ def test_the_right_branch_second_greedy_and_seeded(case):
     llm, oracle = _oracle_llm(path, prompts, expected_seeded)
     assert [r.token_ids for r in llm.generate(prompts, seeded)] == expected_seeded
     assert llm.engine.stats().num_accepted_tokens >= 2 * llm.engine.stats().num_drafts
+
+
+def test_the_right_branch_second_with_penalties_and_logprobs(case):
+    path, prompts, _, _, _, penalized = case
+    llm, oracle = _oracle_llm(path, prompts, [r.token_ids for r in penalized])
+    outs = llm.generate(prompts, PENALIZED)
+    assert [r.token_ids for r in outs] == [r.token_ids for r in penalized]
+    assert llm.engine.stats().num_accepted_tokens >= 2 * llm.engine.stats().num_drafts
+    for got, want in zip(outs, penalized):
+        got, want = got.outputs[0].logprobs, want.outputs[0].logprobs
+        assert [lp.token_id for lp in got] == [lp.token_id for lp in want] and len(got) == MAX_NEW
+        assert [lp.top_token_ids for lp in got] == [lp.top_token_ids for lp in want]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
 
 
 class LikelyTree:
