@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvferry.core.request import Request
 from kvferry.model import triton_attention
 from kvferry.model.attention import AttentionMetadata, paged_attention
+from kvferry.sampling import SamplingParams
 from kvferry.spec.suffix import SuffixProposer
 from kvferry.spec.suffix_tree import SuffixTree
 from kvferry.spec.tree import DraftTree, ancestor_mask, depths, first_branch, held, paths_to, walk
@@ -153,9 +155,6 @@ def test_suffix_trie_drafts_the_most_likely_continuations_best_first():
 
 
 def test_suffix_proposer_tree_option():
-    from kvferry.core.request import Request
-    from kvferry.sampling import SamplingParams
-
     context = [7, 8, 9, 9, 9, 1] * 3 + [7, 8, 5, 1] * 2 + [3, 7, 8]  # "3 7 8" is new: "7 8" matches
     request = Request("r", list(context), SamplingParams(max_tokens=8))
     tree = SuffixProposer(6, max_depth=16, max_spec_factor=2.0, tree=True).propose(request)

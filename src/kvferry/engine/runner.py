@@ -33,6 +33,7 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
+from kvferry.engine.tree_verify import compact, prepare_trees, row_prefixes
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.attention import kernel_max_chunk_tokens
@@ -48,7 +49,6 @@ from kvferry.spec.head import EagleHead, HeadProposer
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.spec.reserved import PLACEHOLDER_ID
 from kvferry.spec.tree import walk
-from kvferry.engine.tree_verify import compact, prepare_trees, row_prefixes
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
 
 if TYPE_CHECKING:
