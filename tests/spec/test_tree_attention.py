@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvferry.config import EngineArgs, SpeculativeConfig, default_speculation
 from kvferry.core.request import Request
 from kvferry.model import triton_attention
 from kvferry.model.attention import AttentionMetadata, paged_attention
@@ -161,3 +162,14 @@ def test_suffix_proposer_tree_option():
     assert isinstance(tree, DraftTree) and not tree.is_chain() and len(tree) <= 6
     chain = SuffixProposer(6, max_depth=16, max_spec_factor=2.0).propose(request)
     assert chain == tree.first_branch()[: len(chain)] and not isinstance(chain, DraftTree)
+
+
+def test_the_serving_default_drafts_trees_and_explicit_configs_paths():
+    spec, _ = default_speculation(EngineArgs().create_engine_config())
+    assert spec.method == "auto" and spec.draft_tree
+    assert not SpeculativeConfig.parse('{"method": "suffix"}').draft_tree
+    assert SpeculativeConfig.parse('{"method": "auto", "draft_tree": true}').draft_tree
+    with pytest.raises(ValueError, match="draft_tree"):
+        SpeculativeConfig.parse('{"method": "head", "draft_tree": true}')
+    with pytest.raises(ValueError, match="draft_tree"):
+        SpeculativeConfig.parse('{"method": "suffix", "draft_tree": 1}')
