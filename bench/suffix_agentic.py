@@ -17,6 +17,9 @@ CPU seconds instead of wall seconds (the engine still steers k by wall
 time).
 
     python bench/suffix_agentic.py [--methods suffix ngram auto] [--turns 6] [--k 8] [--max-tokens 320]
+
+``suffix+tree`` and ``auto+tree`` are those methods with ``draft_tree``
+(k tokens over all of a tree's branches, kvferry.spec.tree).
 """
 from __future__ import annotations
 
@@ -64,8 +67,12 @@ EDITS = [
 ]
 
 
+METHODS = ["suffix", "ngram", "auto", "suffix+tree", "auto+tree"]
+
+
 def method_config(method: str, k: int) -> dict:
-    spec = {"method": method, "num_speculative_tokens": k}
+    method, tree = method.removesuffix("+tree"), method.endswith("+tree")
+    spec = {"method": method, "num_speculative_tokens": k, **({"draft_tree": True} if tree else {})}
     if method in ("ngram", "auto"):
         spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
     return spec
@@ -73,7 +80,7 @@ def method_config(method: str, k: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", nargs="+", default=["suffix", "ngram", "auto"], choices=["suffix", "ngram", "auto"])
+    ap.add_argument("--methods", nargs="+", default=["suffix", "ngram", "auto"], choices=METHODS)
     ap.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--turns", type=int, default=6, help=f"edits in the conversation (at most {len(EDITS)})")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every method")

@@ -141,32 +141,30 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    # method "draft": the draft model (HF folder or .gguf) sharing the
-    # target's tokenizer and vocabulary. Method "head": the draft head file
-    # (``kvferry train-draft``); None: the embedded default model's head.
-    # Method "auto": a draft head among its choices (None: suffix and n-gram only).
+    # method "draft": the draft model (HF folder or .gguf) sharing the target's tokenizer and
+    # vocabulary. Method "head": the draft head file (``kvferry train-draft``); None: the embedded
+    # default model's head. Method "auto": a draft head among its choices (None: suffix and n-gram only).
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Per-request k follows its measured acceptance (False: always k).
     adaptive: bool = True
-    # Drafts only while num_running * (k + 1) stays within this. On CPU a
-    # verify window already costs ~1.7x a 1-token decode (GEMM, not GEMV),
-    # so by batch 16 drafts stop (24 // 16 - 1 = 0).
+    # Drafts only while num_running * (k + 1) stays within this. On CPU a verify window already
+    # costs ~1.7x a 1-token decode (GEMM, not GEMV), so by batch 16 drafts stop (24 // 16 - 1 = 0).
     batch_token_threshold: int = 24
     # A request at k = 0 retries one draft every this many decode steps.
     probe_interval: int = 8
     # Drafting stops at batch sizes where measured step times say it cannot
     # pay (kvferry.spec.adaptive).
     cost_aware: bool = True
-    # method "suffix" (vLLM's names; kvferry.spec.suffix): the tries' depth,
-    # drafts per matched token, the least probability a drafted path keeps,
-    # and what each tenant's trie keeps of its finished requests.
+    # method "suffix" (vLLM's names; kvferry.spec.suffix): the tries' depth, drafts per matched token,
+    # the least probability a drafted path keeps, and what each tenant's trie keeps of its finished requests.
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_cached_tokens: int = 1 << 17
+    draft_tree: bool = False  # suffix decoding drafts a tree of k tokens, verified in one pass (spec/tree.py)
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -180,7 +178,7 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        for name in ("adaptive", "cost_aware"):
+        for name in ("adaptive", "cost_aware", "draft_tree"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"speculative.{name} must be true or false, got {getattr(self, name)!r}")
         if self.model is not None and not isinstance(self.model, str):
@@ -196,6 +194,8 @@ class SpeculativeConfig:
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
             raise ValueError(f"speculative.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
         depth = self.suffix_decoding_max_tree_depth
+        if self.draft_tree and self.method not in ("suffix", "auto"):
+            raise ValueError(f"speculative.draft_tree needs method suffix or auto, got {self.method!r}")
         if self.method in ("suffix", "auto") and self.num_speculative_tokens >= depth:
             raise ValueError(f"speculative.num_speculative_tokens ({self.num_speculative_tokens}) must be below "
                              f"suffix_decoding_max_tree_depth ({depth}) with method {self.method!r}")
@@ -484,7 +484,7 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     # rarely match); not over GGUF blocks (it reads the float embedding and lm_head).
     head = (EMBEDDED_DRAFT_HEAD if config.model.model is None and config.model.quantization != "gguf"
             and EMBEDDED_DRAFT_HEAD.is_file() else None)
-    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head))
+    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head), draft_tree=True)
     choices = "suffix, n-gram or the draft head" if head is not None else "suffix or n-gram"
     return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the cost-aware "
                   "controller measures a gain, plain decoding elsewhere (the default; --speculative-config off turns it off)")

@@ -24,6 +24,7 @@ def test_scheduler_output_round_trip():
         cached_requests=[CachedRequestData("b", [3], 4, [9])],
         num_scheduled_tokens={"a": 2, "b": 3},
         spec_token_ids={"b": [1, 2]},
+        spec_tree_parents={"b": [-1, -1]},
         kv_orders=KVOrders(
             swap_out=[SwapOrder("c", [1], [0])],
             swap_in=[SwapOrder("e", [4], [1])],

@@ -155,6 +155,9 @@ class SchedulerOutput:
     # request_id -> draft tokens appended after the request's known tokens;
     # the last len(drafts) of its scheduled tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> the parent of each draft (-1: the request's newest token)
+    # where its drafts are a tree (kvferry.spec.tree); absent: a chain.
+    spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)
     kv_orders: KVOrders = field(default_factory=KVOrders)
     # Finished since the last step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)

@@ -346,6 +346,8 @@ class Scheduler:
         self.fairness.charge(request, num_new + len(drafts))
         if drafts:
             out.spec_token_ids[rid] = list(drafts)
+            if getattr(drafts, "parents", None) is not None:  # a draft tree (kvferry.spec.tree)
+                out.spec_tree_parents[rid] = list(drafts.parents)
         # Advance now, as if the step already ran; update_from_output rolls
         # back rejected drafts and appends the sampled tokens.
         request.num_computed_tokens += num_new + len(drafts)

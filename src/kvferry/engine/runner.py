@@ -33,6 +33,7 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
+from kvferry.engine.tree_verify import compact, prepare_trees, row_prefixes
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.attention import kernel_max_chunk_tokens
@@ -47,6 +48,7 @@ from kvferry.spec.eagle3_proposer import Eagle3Proposer
 from kvferry.spec.head import EagleHead, HeadProposer
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
 from kvferry.spec.reserved import PLACEHOLDER_ID
+from kvferry.spec.tree import walk
 from kvferry.structured.step import GrammarRow, StepBitmask, StepGrammars
 
 if TYPE_CHECKING:
@@ -93,6 +95,11 @@ class StepInputs:
     # Prompt logprobs / pooling rows of the step (None: no request asks).
     prompt: PromptStep | None = None
     order: list[str] = field(default_factory=list)  # request ids, in the flattened batch's order
+    # Draft trees (engine/tree_verify.py): request id -> its drafts' parents, and its first token's offset.
+    trees: dict[str, list[int]] = field(default_factory=dict)
+    tree_starts: dict[str, int] = field(default_factory=dict)
+    # Tree requests' accepted nodes, filled by sampling.
+    tree_accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
@@ -235,9 +242,11 @@ class ModelRunner:
         return matcher
 
     # -- inputs ---------------------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput, spec_token_ids: dict[str, list[int]], graph_ok: bool) -> StepInputs:
+    def _prepare(self, sched: SchedulerOutput, spec_token_ids: dict[str, list[int]], graph_ok: bool,
+                 trees: dict[str, list[int]] | None = None) -> StepInputs:
         """``spec_token_ids``: each request's drafts (the scheduler's, or the
-        draft model's where the scheduler only reserved their slots)."""
+        draft model's where the scheduler only reserved their slots);
+        ``trees``: the parents of those that are draft trees."""
         # Multi-token chunks first, then single-token ones (AttentionMetadata).
         order = sorted(sched.num_scheduled_tokens, key=lambda rid: sched.num_scheduled_tokens[rid] == 1)
         batch = self.batch
@@ -245,6 +254,7 @@ class ModelRunner:
         lens = np.fromiter((sched.num_scheduled_tokens[rid] for rid in order), dtype=np.int64, count=len(order))
         starts = batch.num_computed_tokens[rows]
         flat = flatten(batch, rows, starts, lens, self.block_size)
+        tree_starts = prepare_trees(flat, order, trees) if trees else {}
         # A request samples when its tokens reach the end of the known ones
         # (a non-final prefill chunk does not); with k drafts it samples at
         # its last 1 + k positions.
@@ -262,9 +272,10 @@ class ModelRunner:
             flat=flat, input_ids=None, positions=None, meta=None,
             logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
             sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
-            prompt=prompt, order=order,
+            prompt=prompt, order=order, trees=trees or {}, tree_starts=tree_starts,
         )
-        graph_ok = graph_ok and not isinstance(self.drafter, Eagle3Proposer)  # a replay fills no aux rows
+        # A replay fills no aux rows, and takes no tree mask.
+        graph_ok = graph_ok and not isinstance(self.drafter, Eagle3Proposer) and not tree_starts
         if not (graph_ok and self.graphs is not None and self.graphs.can_run(flat)):
             self._eager_inputs(inputs)
         return inputs
@@ -316,7 +327,9 @@ class ModelRunner:
                     out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
                     if step_transfer is not None:
                         step_transfer.draft_done()
-            inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None)
+            # Draft trees: the scheduler's (the head's and the draft model's drafts are chains).
+            trees = {rid: p for rid, p in sched.spec_tree_parents.items() if rid not in proposals}
+            inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None, trees=trees)
             if inputs.meta is not None:
                 inputs.meta.kv_transfer = step_transfer
             # Started before the forward pass so the two overlap; joined before sampling.
@@ -328,9 +341,9 @@ class ModelRunner:
                 sampled_hidden = hidden[inputs.logits_indices]  # [num_logits, hidden]
                 logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32
                 if self.samples:  # rank 0 alone (its tokens reach the workers with the next step)
-                    self._sample(logits, inputs.sampling, out, pending_bitmask, proposals)
+                    self._sample(logits, inputs, out, pending_bitmask, proposals)
                 if isinstance(self.drafter, HeadProposer):
-                    self._record_hidden(inputs.sampling, sampled_hidden, out)
+                    self._record_hidden(inputs, sampled_hidden, out)
             if isinstance(self.drafter, Eagle3Proposer):
                 self.drafter.record_aux(self.model.aux_hidden, inputs.flat, inputs.order, spec_token_ids,
                                         out.sampled_token_ids)
@@ -435,16 +448,18 @@ class ModelRunner:
             else:
                 self.drafter.record(rid, hidden)
 
-    def _record_hidden(self, sampling: list[tuple[str, list[int]]], sampled_hidden: torch.Tensor,
-                       out: RunnerOutput) -> None:
+    def _record_hidden(self, inputs: StepInputs, sampled_hidden: torch.Tensor, out: RunnerOutput) -> None:
         """The draft head's input: each request's row of ``sampled_hidden``
         [num_logits, H] that sampled its newest token (its last accepted
         row). Only indices here; the head gathers the rows it drafts from."""
         assert isinstance(self.drafter, HeadProposer)
         rows, first = {}, 0
-        for rid, drafts in sampling:
+        for rid, drafts in inputs.sampling:
             emitted = len(out.sampled_token_ids.get(rid, ()))
-            if emitted:
+            accepted = inputs.tree_accepted.get(rid)
+            if accepted is not None:  # a tree: the row of its last accepted node
+                rows[rid] = first + (1 + accepted[-1] if accepted else 0)
+            elif emitted:
                 rows[rid] = first + emitted - 1
             first += len(drafts) + 1
         self.drafter.record_step(sampled_hidden, rows)
@@ -470,31 +485,38 @@ class ModelRunner:
             first_logit += len(drafts) + 1
         return self.grammars.start_fill(rows) if rows else None
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[str, list[int]]], out: RunnerOutput,
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs, out: RunnerOutput,
                 pending_bitmask: "Future[StepBitmask] | None" = None,
                 proposals: "dict[str, Proposal] | None" = None) -> None:
         """Sample the target at every position, verifying drafts by exact
         rejection sampling (``kvferry.spec.rejection``): each request keeps
-        its drafts up to the first rejected one, then one sampled token."""
+        its drafts up to the first rejected one, then one sampled token. A
+        draft tree is walked instead (``kvferry.spec.tree``): each row is
+        sampled as the output position of its depth, and the accepted
+        branch's KV is moved to where a chain's would be."""
+        sampling = inputs.sampling
         rows: list[SamplingRow] = []
         draft_ids: list[int] = []
+        prefixes = {rid: row_prefixes(drafts, inputs.trees.get(rid)) for rid, drafts in sampling}
         for rid, drafts in sampling:
             state = self.states[rid]
-            draft_ids.extend(drafts)
+            # A tree's nodes are deterministic guesses: each row samples p (the
+            # one-hot case of rejection sampling), and the walk picks the branch.
+            draft_ids.extend([NO_DRAFT] * len(drafts) if rid in inputs.trees else drafts)
             draft_ids.append(NO_DRAFT)
-            for k in range(len(drafts) + 1):
+            for prefix in prefixes[rid]:
                 rows.append(
                     SamplingRow(
                         params=state.params,
                         prompt_token_ids=state.prompt_token_ids,
                         output_token_ids=state.output_token_ids,
-                        generator=position_generator(state.params.seed, len(state.output_token_ids) + k,
+                        generator=position_generator(state.params.seed, len(state.output_token_ids) + len(prefix),
                                                      self.device),
                         eos_token_ids=state.eos_token_ids,
-                        num_output_tokens=len(state.output_token_ids) + k,
+                        num_output_tokens=len(state.output_token_ids) + len(prefix),
                     )
                 )
-        counts, prompt_mask = self._penalty_state(sampling)
+        counts, prompt_mask = self._penalty_state(sampling, prefixes)
         # [num_logits, 8]: each request's persistent knob row, once per position
         knob_rows = np.fromiter((self.batch.index[rid] for rid, _ in sampling), dtype=np.int64, count=len(sampling))
         reps = np.fromiter((len(d) + 1 for _, d in sampling), dtype=np.int64, count=len(sampling))
@@ -510,8 +532,16 @@ class ModelRunner:
             result = self.sampler.verify(logits, batch, draft_ids, draft_probs, has_draft_probs)
         i = 0
         for rid, drafts in sampling:
-            accepted = accepted_prefix(drafts, result.token_ids[i : i + len(drafts) + 1])
-            lps = result.logprobs[i : i + len(accepted)]
+            parents = inputs.trees.get(rid)
+            if parents is None:
+                accepted = accepted_prefix(drafts, result.token_ids[i : i + len(drafts) + 1])
+                lps = result.logprobs[i : i + len(accepted)]
+            else:
+                accepted, nodes = walk(drafts, parents, result.token_ids[i : i + len(drafts) + 1])
+                lps = [result.logprobs[i + r] for r in [0, *(1 + n for n in nodes)]]
+                inputs.tree_accepted[rid] = nodes
+                compact(self.kv_cache, getattr(self.model, "aux_hidden", None), inputs.flat.slots,
+                        inputs.tree_starts[rid], nodes)
             i += len(drafts) + 1
             self._record(rid, accepted)
             out.sampled_token_ids[rid] = accepted
@@ -535,10 +565,11 @@ class ModelRunner:
             flags.extend([probs is not None] * len(drafts) + [False])
         return torch.cat(parts), flags
 
-    def _penalty_state(self, sampling: list[tuple[str, list[int]]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _penalty_state(self, sampling: list[tuple[str, list[int]]],
+                       prefixes: dict[str, list[list[int]]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """[num_logits, V] output counts and prompt masks from each request's
         running state; a draft position k also counts the k drafts before it
-        (they are the output there if accepted)."""
+        (they are the output there if accepted; in a tree, its ancestors)."""
         states = [self.states[rid] for rid, _ in sampling]
         if not any(s.penalizes for s in states):
             return None, None
@@ -546,12 +577,12 @@ class ModelRunner:
         zeros_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
         counts, masks, draft_rows, draft_ids = [], [], [], []
         for (rid, drafts), state in zip(sampling, states):
-            for k in range(len(drafts) + 1):
+            for prefix in prefixes[rid]:
                 row = len(counts)
                 counts.append(state.output_counts if state.penalizes else zeros_counts)
                 masks.append(state.prompt_mask if state.penalizes else zeros_mask)
-                draft_rows.extend([row] * k)
-                draft_ids.extend(drafts[:k])
+                draft_rows.extend([row] * len(prefix))
+                draft_ids.extend(prefix)
         output_counts = torch.stack(counts)  # [num_logits, V]
         if draft_rows:
             index = (torch.tensor(draft_rows, device=self.device), torch.tensor(draft_ids, device=self.device))

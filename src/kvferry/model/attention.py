@@ -154,6 +154,12 @@ class AttentionMetadata:
     triton_seq_lens: torch.Tensor | None = None
     triton_query_start_loc: torch.Tensor | None = None
     max_prefill_query_len: int = 0
+    # Draft trees (kvferry.spec.tree): request index -> [q_len, q_len] bool
+    # on the batch's device, which of the request's new tokens each of them
+    # may attend to (its ancestors and itself); it sees all of its cached
+    # context. Such a request takes the torch path (gather + masked SDPA) on
+    # every backend: neither kernel takes a mask.
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     # ---- derived by prepare(); callers leave these alone ----
     prefills: list[PrefillSlice] = field(default_factory=list)
@@ -187,6 +193,9 @@ class AttentionMetadata:
             )
         if self.triton:
             self._prepare_triton(num_reqs)
+            # Tree requests: the Triton launch computes them causally, then
+            # the torch path overwrites their rows with the tree mask's.
+            self.prefills = [self._tree_slice(i) for i in sorted(self.tree_masks or ())]
             self.prepared = True
             return
         self.prefills = [self._prefill_slice(i) for i in range(self.num_prefills)]
@@ -225,6 +234,8 @@ class AttentionMetadata:
         context_len = seq_len - q_len
         if q_len < 1 or context_len < 0:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
+        if self.tree_masks and i in self.tree_masks:
+            return self._tree_slice(i)
         if q_len <= kernel_max_chunk_tokens() and self._use_kernel():
             return PrefillSlice(start, end, context_len, use_kernel=True)
         if context_len == 0:
@@ -252,6 +263,19 @@ class AttentionMetadata:
         q_pos = torch.arange(context_len, seq_len, device=device)
         mask = positions[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         return slots, mask
+
+    def _tree_slice(self, i: int) -> PrefillSlice:
+        """Request i's draft tree: all of its cached context, then its tree mask."""
+        start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
+        seq_len = self.seq_lens[i]
+        context_len = seq_len - (end - start)
+        tree = self.tree_masks[i]
+        if tree.shape != (end - start, end - start):
+            raise ValueError(f"request {i}: a tree mask of shape {tuple(tree.shape)} for {end - start} new tokens")
+        device = self.block_tables.device
+        slots = self._slots(torch.tensor([i], device=device), torch.arange(seq_len, device=device))[0]
+        context = torch.ones(end - start, context_len, dtype=torch.bool, device=device)
+        return PrefillSlice(start, end, context_len, slots, torch.cat([context, tree.to(torch.bool)], dim=1))
 
     def _prepare_decodes(self, num_reqs: int) -> None:
         self.num_decodes = num_reqs - self.num_prefills
@@ -361,6 +385,10 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     if num_seqs > p:
         triton_attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables, seq_lens, qsl, 1, scale,
                                          first_seq=p, num_seqs=num_seqs - p)
+    if meta.prefills:  # draft trees: their rows again, with their masks
+        flat = kv_cache_layer.view(2, -1, kv_cache_layer.shape[3], kv_cache_layer.shape[4])
+        for tree in meta.prefills:
+            out[tree.start:tree.end] = _prefill_attention(q, k, v, flat, tree, scale, meta)
     return out
 
 

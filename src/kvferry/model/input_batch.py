@@ -141,6 +141,9 @@ class FlatStep:
     seq_lens: np.ndarray  # [num_reqs] int64
     block_tables: np.ndarray  # [num_reqs, max_blocks] int64
     num_prefills: int
+    # Draft trees (kvferry.spec.tree): request index -> [q_len, q_len] bool,
+    # which of its new tokens each may attend to (None: all causal).
+    tree_masks: dict[int, np.ndarray] | None = None
 
     def metadata(self, block_size: int, device: torch.device, kv_dtype: torch.dtype | None = None,
                  triton: bool = False) -> AttentionMetadata:
@@ -153,6 +156,8 @@ class FlatStep:
             num_prefills=self.num_prefills,
             kv_dtype=kv_dtype,
             triton=triton,
+            tree_masks=None if not self.tree_masks else
+            {i: to_device(m, device) for i, m in self.tree_masks.items()},
         )
         meta.prepare()
         return meta

@@ -78,4 +78,5 @@ def speculation(config: SpeculativeConfig | None) -> dict:
 def _suffix(config: SpeculativeConfig) -> SuffixProposer:
     return SuffixProposer(config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
                           config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob,
-                          config.suffix_decoding_max_cached_tokens, config.suffix_decoding_max_cached_requests)
+                          config.suffix_decoding_max_cached_tokens, config.suffix_decoding_max_cached_requests,
+                          tree=config.draft_tree)

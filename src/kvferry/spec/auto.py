@@ -30,6 +30,7 @@ from kvferry.core.request import Request
 from kvferry.spec.ngram import NgramProposer
 from kvferry.spec.reserved import ReservedDraftSlots
 from kvferry.spec.suffix import SuffixProposer
+from kvferry.spec.tree import held
 
 HEAD = "head"
 
@@ -70,10 +71,8 @@ class AutoProposer:
         if state.drafts and len(tokens) > state.base:
             new = tokens[state.base : state.base + max(len(d) for d in state.drafts.values())]
             for name, draft in state.drafts.items():
-                held = 0
-                while held < len(draft) and held < len(new) and draft[held] == new[held]:
-                    held += 1
-                state.score[name] = (1 - self.alpha) * state.score[name] + self.alpha * held
+                kept = held(draft, getattr(draft, "parents", None), new)  # a tree: its branch that held
+                state.score[name] = (1 - self.alpha) * state.score[name] + self.alpha * kept
         # The head's draft is made later, in the runner: not scored above.
         state.drafts = {name: proposer.propose(request) for name, proposer in self.proposers.items() if name != HEAD}
         state.base = len(tokens)

@@ -20,6 +20,12 @@ length`` tokens (short matches are weak evidence) and ``k``. The trie whose
 draft has more expected accepted tokens (the sum of its path
 probabilities) wins.
 
+With ``tree`` (``{"method": "suffix", "draft_tree": true}``) the draft is a
+tree of at most k tokens (``spec.tree.DraftTree``): the continuations with
+the highest path probabilities, best first, each branch as deep as a path
+would be, as SuffixDecoding's speculation trees; the runner verifies all
+branches in one pass.
+
 Memory: a tenant's tries hold at most ``max_cached_tokens`` tokens and
 ``max_cached_requests`` requests over all its namespaces; past either,
 its least recently used requests go (used: added, or read by a draft).
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field
 
 from kvferry.core.request import Request, RequestStatus
 from kvferry.spec.suffix_tree import SuffixTree
+from kvferry.spec.tree import DraftTree
 
 # Requests whose text is not worth keeping: a prefill core's (it never
 # decodes: its tries would never be read) and a failed one's.
@@ -74,7 +81,7 @@ class _Job:
 class SuffixProposer:
     def __init__(self, num_speculative_tokens: int, max_depth: int = 24, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, max_cached_tokens: int = 1 << 17,
-                 max_cached_requests: int = 10000, work_per_call: int = 256) -> None:
+                 max_cached_requests: int = 10000, work_per_call: int = 256, tree: bool = False) -> None:
         if num_speculative_tokens >= max_depth:
             raise ValueError(f"num_speculative_tokens ({num_speculative_tokens}) must be below the tree "
                              f"depth ({max_depth})")
@@ -86,6 +93,8 @@ class SuffixProposer:
         self.max_cached_tokens = max_cached_tokens
         self.max_cached_requests = max_cached_requests
         self.work_per_call = work_per_call
+        # Draft a tree of k tokens (several continuations, ``spec.tree``) rather than one path of k.
+        self.tree = tree
         self._local: dict[str, _Local] = {}
         self._tenants: dict[str, _TenantCache] = {}
         self._jobs: deque[_Job] = deque()
@@ -115,6 +124,9 @@ class SuffixProposer:
                 for seq_id in used:  # read by a draft: recently used
                     if seq_id in cache.lru:
                         cache.lru.move_to_end(seq_id)
+        if isinstance(best, DraftTree) and (best.is_chain() or request.sampling_params.structured_outputs is not None):
+            # A grammar's bitmask follows one path of drafts: the tree's first branch.
+            return best.first_branch()
         return best
 
     def finished(self, request: Request) -> None:
@@ -193,6 +205,10 @@ class SuffixProposer:
         if match is None:
             return [], 0.0, []
         max_tokens = min(self.k, max(1, int(self.max_spec_factor * match.length)))
+        if self.tree:
+            # k tokens over all branches; each branch as deep as a path could be.
+            tokens, parents, score, used = tree.draft_tree(match, self.k, max_tokens, self.min_token_prob)
+            return DraftTree(tokens, parents), score, used
         return tree.draft(match, max_tokens, self.min_token_prob)
 
     # -- introspection (tests, benchmarks) ---------------------------------------

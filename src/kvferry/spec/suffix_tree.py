@@ -28,6 +28,8 @@ depth), and leaves the trie exactly as if it had never been added.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -315,6 +317,52 @@ class SuffixTree:
             score += prob * len(run)
             break
         return tokens, score, used
+
+    def draft_tree(self, match: Match, max_tokens: int, max_depth: int,
+                   min_prob: float) -> tuple[list[int], list[int], float, list[object]]:
+        """SuffixDecoding's tree: the ``max_tokens`` continuations of ``match``
+        with the highest path probabilities (best first, so that parents
+        come before children and each prefix is the best tree of its size),
+        each at most ``max_depth`` deep and at least ``min_prob`` likely.
+        Returns the tokens, their parents (-1: after the match), the
+        expected number accepted (the sum of the nodes' probabilities) and
+        the ids of the sequences whose leaves it read."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        score = 0.0
+        used: list[object] = []
+        # (-probability, tie-break, parent index, depth, token, where it leads)
+        heap: list[tuple] = []
+        order = itertools.count()
+
+        def push(state: tuple, parent: int, depth: int, prob: float) -> None:
+            if depth >= max_depth:
+                return
+            node, leaf, pos = state
+            if leaf is not None:
+                if pos < min(leaf.end, len(leaf.seq.tokens)):  # one suffix goes on: probability 1
+                    heapq.heappush(heap, (-prob, next(order), parent, depth, leaf.seq.tokens[pos],
+                                          (None, leaf, pos + 1)))
+                return
+            for token, child in node.items():
+                p = prob * child.count / node.count
+                if p >= min_prob:
+                    nxt = (child, None, 0) if type(child) is _Node else (None, child, child.start + 1)
+                    heapq.heappush(heap, (-p, next(order), parent, depth, token, nxt))
+
+        if match.leaf is not None:
+            used.append(match.leaf.seq.seq_id)
+        push((match.node, match.leaf, match.pos), -1, 0, 1.0)
+        while heap and len(tokens) < max_tokens:
+            neg, _, parent, depth, token, state = heapq.heappop(heap)
+            index = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            score -= neg
+            if state[1] is not None and state[1].seq.seq_id not in used:
+                used.append(state[1].seq.seq_id)
+            push(state, index, depth + 1, -neg)
+        return tokens, parents, score, used
 
     def check_integrity(self) -> None:
         """Counts add up: a node's count is at least its children's sum (the
