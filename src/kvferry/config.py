@@ -443,7 +443,6 @@ class EngineConfig:
             (self.model.deterministic, "deterministic"),
             (spec is not None and spec.method != "ngram", "speculative method "
              f"{spec.method if spec is not None else ''!r} (ngram works)"),
-            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
             (bool(self.kv_connector), "--kv-connector"),
             (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]
@@ -460,6 +459,7 @@ class EngineConfig:
         refused = [(tp > 1, f"tensor_parallel_size {tp} (one of the two per core for now)"),
                    *self._refused_over_ranks("stages"),
                    (self.model.quantization == "int8", "quantization 'int8'"),
+                   (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
                    (bool(self.kv_transfer.kv_transfer_address),
                     "prefill/decode disaggregation (--kv-transfer-address)")]
         for bad, what in refused:

@@ -82,7 +82,7 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
     # Its own worker half of the core's connector (P/D: this rank sends its KV heads itself).
     runner = ModelRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
-                         kv_cache_dtype=shape.kv_cache_dtype, connector=for_engine(spec.config))
+                         kv_cache_dtype=shape.kv_cache_dtype, connector=for_engine(spec.config, rank=spec.rank))
     runner.samples = False
     return runner
 
