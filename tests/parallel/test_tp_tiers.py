@@ -74,3 +74,24 @@ def test_blocks_written_at_one_layout_load_at_another(case, store):
 def test_swap_space_is_still_refused_over_ranks(case):
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not work with num_swap_blocks"):
         LLM(model=case[0], tensor_parallel_size=2, num_swap_blocks=4, num_kv_blocks=64)
+
+
+def test_swap_preemption_through_the_store_over_ranks(case, store):
+    # 32 blocks of 8 admit the four prompts (31 blocks) but not their 12
+    # tokens of decode each: requests are preempted, their blocks swapped
+    # out to the store (every rank's heads) and loaded back when they resume.
+    path, hf, _, _ = case
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 387) for _ in range(n)] for n in (61, 64, 45, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=path, dtype="float32", block_size=BLOCK, num_kv_blocks=32, kv_store=store,
+              tensor_parallel_size=2, cpu_threads_per_rank=1, preemption_mode="swap")
+    try:
+        results = llm.generate(prompts, params)
+        for p, r in zip(prompts, results):
+            assert_greedy_match(hf, p, r.outputs[0].token_ids, hf_greedy(hf, p, 12))
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and stats.kv_loaded_tokens > 0
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.core.close()
