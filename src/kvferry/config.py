@@ -434,15 +434,15 @@ class EngineConfig:
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
 
-    def _refused_over_ranks(self, where: str) -> list[tuple[bool, str]]:
-        """What runs on neither tensor-parallel ranks nor pipeline stages yet."""
+    def _refused_over_ranks(self, where: str, methods: tuple[str, ...] = ("ngram",)) -> list[tuple[bool, str]]:
+        """What runs on neither tensor-parallel ranks nor pipeline stages yet (speculation: ``methods`` run)."""
         spec = self.speculative
         return [
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
             (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
             (self.model.deterministic, "deterministic"),
-            (spec is not None and spec.method != "ngram", "speculative method "
-             f"{spec.method if spec is not None else ''!r} (ngram works)"),
+            (spec is not None and spec.method not in methods, "speculative method "
+             f"{spec.method if spec is not None else ''!r} ({' and '.join(methods)} work)"),
             (bool(self.kv_connector), "--kv-connector"),
             (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]
@@ -450,7 +450,7 @@ class EngineConfig:
     def _check_tensor_parallel(self) -> None:
         """What does not run over tensor-parallel ranks yet: a one-line ValueError."""
         tp = self.parallel.tensor_parallel_size
-        for what in (what for bad, what in self._refused_over_ranks("ranks' collectives") if bad):
+        for what in (what for bad, what in self._refused_over_ranks("ranks' collectives", ("ngram", "draft")) if bad):
             raise ValueError(f"tensor_parallel_size {tp} does not work with {what} yet")
 
     def _check_pipeline_parallel(self) -> None:

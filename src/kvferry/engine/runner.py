@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -291,7 +291,10 @@ class ModelRunner:
     # -- step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        if self.tp_leader is not None:
+        # A draft model runs on rank 0 alone (whole, outside the ranks'
+        # collectives): the workers get the step once its drafts are known.
+        publish_late = self.tp_leader is not None and isinstance(self.drafter, DraftModelProposer)
+        if self.tp_leader is not None and (not publish_late or sched.is_empty):
             self.tp_leader.publish(sched)
         self._update_states(sched)
         step_transfer = None  # the connector's layer hooks for this step
@@ -316,6 +319,8 @@ class ModelRunner:
                     out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
                     if step_transfer is not None:
                         step_transfer.draft_done()
+            if publish_late:
+                self.tp_leader.publish(replace(sched, spec_token_ids=spec_token_ids))
             inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None)
             if inputs.meta is not None:
                 inputs.meta.kv_transfer = step_transfer
