@@ -434,7 +434,7 @@ class EngineConfig:
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
 
-    def _refused_over_ranks(self, where: str, methods: tuple[str, ...] = ("ngram",)) -> list[tuple[bool, str]]:
+    def _refused_over_ranks(self, where: str, methods: tuple = ("ngram", "draft", "head")) -> list[tuple[bool, str]]:
         """What runs on neither tensor-parallel ranks nor pipeline stages yet (speculation: ``methods`` run)."""
         spec = self.speculative
         return [
@@ -450,14 +450,14 @@ class EngineConfig:
     def _check_tensor_parallel(self) -> None:
         """What does not run over tensor-parallel ranks yet: a one-line ValueError."""
         tp = self.parallel.tensor_parallel_size
-        for what in (what for bad, what in self._refused_over_ranks("ranks' collectives", ("ngram", "draft")) if bad):
+        for what in (what for bad, what in self._refused_over_ranks("ranks' collectives") if bad):
             raise ValueError(f"tensor_parallel_size {tp} does not work with {what} yet")
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
         tp = self.parallel.tensor_parallel_size
         refused = [(tp > 1, f"tensor_parallel_size {tp} (one of the two per core for now)"),
-                   *self._refused_over_ranks("stages"),
+                   *self._refused_over_ranks("stages", ("ngram",)),
                    (self.model.quantization == "int8", "quantization 'int8'"),
                    (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
                    (bool(self.kv_transfer.kv_transfer_address),
