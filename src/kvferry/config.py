@@ -434,16 +434,15 @@ class EngineConfig:
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
 
-    def _refused_over_ranks(self, where: str) -> list[tuple[bool, str]]:
-        """What runs on neither tensor-parallel ranks nor pipeline stages yet."""
+    def _refused_over_ranks(self, where: str, methods: tuple = ("ngram", "draft", "head")) -> list[tuple[bool, str]]:
+        """What runs on neither tensor-parallel ranks nor pipeline stages yet (speculation: ``methods`` run)."""
         spec = self.speculative
         return [
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
             (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
             (self.model.deterministic, "deterministic"),
-            (spec is not None and spec.method != "ngram", "speculative method "
-             f"{spec.method if spec is not None else ''!r} (ngram works)"),
-            (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
+            (spec is not None and spec.method not in methods, "speculative method "
+             f"{spec.method if spec is not None else ''!r} ({' and '.join(methods)} work)"),
             (bool(self.kv_connector), "--kv-connector"),
             (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]
@@ -458,8 +457,9 @@ class EngineConfig:
         """What does not run over pipeline stages yet: a one-line ValueError."""
         tp = self.parallel.tensor_parallel_size
         refused = [(tp > 1, f"tensor_parallel_size {tp} (one of the two per core for now)"),
-                   *self._refused_over_ranks("stages"),
+                   *self._refused_over_ranks("stages", ("ngram",)),
                    (self.model.quantization == "int8", "quantization 'int8'"),
+                   (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
                    (bool(self.kv_transfer.kv_transfer_address),
                     "prefill/decode disaggregation (--kv-transfer-address)")]
         for bad, what in refused:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -150,8 +150,12 @@ class ModelRunner:
         # Method auto with a head: the requests whose reserved slots the head
         # fills this step (the scheduler's AutoProposer keeps it); None: all.
         self.head_requests: set[str] | None = None
+        # A worker rank with a draft head: its last sampling step's rows, until rank 0's tokens arrive.
+        self._pending_hidden: tuple[list[tuple[str, list[int]]], torch.Tensor] | None = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
+        elif isinstance(head, Eagle3Head) and getattr(getattr(self.model, "shard", None), "size", 1) > 1:
+            raise ValueError("speculative.model: an EAGLE-3 head does not run over tensor-parallel ranks yet")
         elif isinstance(head, Eagle3Head):  # an EAGLE-3 head: the target copies its aux layers' rows
             self.drafter = Eagle3Proposer(head, self.model)
         elif head is not None:
@@ -302,7 +306,10 @@ class ModelRunner:
     # -- step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        if self.tp_leader is not None:
+        # A draft model runs on rank 0 alone (whole, outside the ranks'
+        # collectives): the workers get the step once its drafts are known.
+        publish_late = self.tp_leader is not None and isinstance(self.drafter, DraftModelProposer)
+        if self.tp_leader is not None and (not publish_late or sched.is_empty):
             self.tp_leader.publish(sched)
         self._update_states(sched)
         step_transfer = None  # the connector's layer hooks for this step
@@ -327,6 +334,8 @@ class ModelRunner:
                     out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
                     if step_transfer is not None:
                         step_transfer.draft_done()
+            if publish_late:
+                self.tp_leader.publish(replace(sched, spec_token_ids=spec_token_ids))
             # Draft trees: the scheduler's (the head's and the draft model's drafts are chains).
             trees = {rid: p for rid, p in sched.spec_tree_parents.items() if rid not in proposals}
             inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None, trees=trees)
@@ -363,8 +372,17 @@ class ModelRunner:
             self.tp_leader.record(out)
         return out
 
-    def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
-        """A worker rank: rank 0's tokens of the step before, as if sampled here."""
+    def apply_sampled(self, sampled: dict[str, list[int]],
+                      received_hidden: dict[str, torch.Tensor] | None = None) -> None:
+        """A worker rank: rank 0's tokens of the step before, as if sampled
+        here, and the hidden states rank 0's connector received for the draft
+        head (P/D decode side)."""
+        for rid, hidden in (received_hidden or {}).items():
+            if isinstance(self.drafter, HeadProposer):
+                self.drafter.record(rid, hidden.to(self.device))
+        if self._pending_hidden is not None:  # the draft head's rows of that step, now that they are known
+            (sampling, hidden), self._pending_hidden = self._pending_hidden, None
+            self._record_rows(sampling, hidden, sampled)
         for rid, tokens in sampled.items():
             if tokens and rid in self.states and rid in self.batch.index:
                 self._record(rid, tokens)
@@ -447,16 +465,27 @@ class ModelRunner:
                                "from its second step", rid, len(received.hidden_state), received.hidden_state_dtype)
             else:
                 self.drafter.record(rid, hidden)
+                if self.tp_leader is not None:  # the workers' heads draft in step with this one
+                    self.tp_leader.share_hidden(rid, hidden)
 
     def _record_hidden(self, inputs: StepInputs, sampled_hidden: torch.Tensor, out: RunnerOutput) -> None:
         """The draft head's input: each request's row of ``sampled_hidden``
         [num_logits, H] that sampled its newest token (its last accepted
-        row). Only indices here; the head gathers the rows it drafts from."""
+        row). Only indices here; the head gathers the rows it drafts from.
+        A worker rank learns which rows from rank 0's tokens, with the next
+        step (``apply_sampled``)."""
         assert isinstance(self.drafter, HeadProposer)
+        if not self.samples:  # no trees over ranks (config.py): a worker's rows are a chain's
+            self._pending_hidden = (inputs.sampling, sampled_hidden)
+            return
+        self._record_rows(inputs.sampling, sampled_hidden, out.sampled_token_ids, inputs.tree_accepted)
+
+    def _record_rows(self, sampling: list[tuple[str, list[int]]], sampled_hidden: torch.Tensor,
+                     sampled: dict[str, list[int]], tree_accepted: dict[str, list[int]] | None = None) -> None:
         rows, first = {}, 0
-        for rid, drafts in inputs.sampling:
-            emitted = len(out.sampled_token_ids.get(rid, ()))
-            accepted = inputs.tree_accepted.get(rid)
+        for rid, drafts in sampling:
+            emitted = len(sampled.get(rid, ()))
+            accepted = (tree_accepted or {}).get(rid)
             if accepted is not None:  # a tree: the row of its last accepted node
                 rows[rid] = first + (1 + accepted[-1] if accepted else 0)
             elif emitted:

@@ -113,6 +113,9 @@ class TPLeader(RankProcesses):
         torch.set_num_threads(self.threads)
         self.failure: RankFailed | None = None
         self._last_sampled: dict[str, list[int]] = {}
+        # Hidden states a P/D decode core received for its draft head, for the
+        # workers' heads (they draft in step with rank 0's), sent with the next step.
+        self._received_hidden: dict[str, torch.Tensor] = {}
         self._dir = tempfile.mkdtemp(prefix="kvferry-tp-")
         self._ctx = zmq.Context()
         self._reports = self._ctx.socket(zmq.PULL)
@@ -186,10 +189,14 @@ class TPLeader(RankProcesses):
 
     # -- steps -----------------------------------------------------------------------
     def publish(self, sched: SchedulerOutput) -> None:
-        """The step to every worker, with rank 0's samples of the step before."""
+        """The step to every worker, with rank 0's samples of the step before
+        (and the draft head's received hidden states)."""
         self.check()
-        self._send((sched, self._last_sampled))
-        self._last_sampled = {}
+        self._send((sched, self._last_sampled, self._received_hidden))
+        self._last_sampled, self._received_hidden = {}, {}
+
+    def share_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+        self._received_hidden[request_id] = hidden.cpu()
 
     def record(self, out: RunnerOutput) -> None:
         self._last_sampled = out.sampled_token_ids

@@ -29,6 +29,8 @@ from kvferry.engine.runner import ModelRunner
 from kvferry.engine.tp_ranks import RunnerShape, WorkerSpec, join_group
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
+from kvferry.spec import runs_head
+from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +83,21 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
     if not isinstance(shape, RunnerShape):
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
     # Its own worker half of the core's connector (P/D: this rank sends its KV heads itself).
+    # A draft head drafts on every rank in step (its lookups and logits are
+    # the ranks' collectives); a draft model runs on rank 0 alone.
+    s = spec.config.speculative
+    head = EagleHead.load(resolve_head_path(s.model), device=m.device) if runs_head(s) else None
     runner = ModelRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
-                         kv_cache_dtype=shape.kv_cache_dtype, connector=for_engine(spec.config))
+                         kv_cache_dtype=shape.kv_cache_dtype, connector=for_engine(spec.config, rank=spec.rank),
+                         head=head)
     runner.samples = False
     return runner
 
 
 def _serve(runner: ModelRunner, steps: zmq.Socket) -> None:
     while (message := _receive(steps)) is not None:
-        sched, sampled = message
-        runner.apply_sampled(sampled)
+        sched, sampled, received_hidden = message
+        runner.apply_sampled(sampled, received_hidden)
         runner.execute(sched)
 
 

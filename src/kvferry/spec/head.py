@@ -44,6 +44,7 @@ from torch import nn
 from kvferry.config import EMBEDDED_DRAFT_HEAD
 from kvferry.model.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
+from kvferry.model.layers.parallel import vocab_parallel_embedding
 from kvferry.model.llama import LlamaModel
 from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal
 from kvferry.spec.eagle3 import Eagle3Head, is_eagle3_checkpoint
@@ -160,7 +161,15 @@ class HeadProposer:
                              "keeps them in GGUF blocks (serve it with --quantization none)")
         self.head = head
         self.target = target
-        self.dtype = draft_dtype(target)
+        # Over tensor-parallel ranks every rank drafts in step: the token's
+        # embedding and the logits go through the target's vocab-parallel
+        # lookup and gather (collectives, the same bits on every rank).
+        self.shard = shard = getattr(target, "shard", None)
+        parallel = shard is not None and shard.size > 1
+        if parallel and head.draft_vocab is not None:
+            raise ValueError("speculative.model: a head with a draft vocabulary does not run over tensor-parallel "
+                             "ranks yet (the target's lm_head is split by vocabulary)")
+        self.dtype = target.dtype if parallel else draft_dtype(target)
         self.vocab: DraftVocab | None = None
         lm_head = target.lm_head.detach()  # [V, H]
         if head.draft_vocab is not None:
@@ -245,7 +254,8 @@ class HeadProposer:
     def _step(self, newest: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """EagleHead.forward with the packed weights: newest [A] ids,
         hidden [A, H] -> the predicted next hidden state [A, H]."""
-        embeds = F.embedding(newest, self.target.embed_tokens).to(self.dtype)  # [A, H]
+        embeds = (vocab_parallel_embedding(newest, self.target.embed_tokens, self.shard, self.target.config.vocab_size)
+                  if self.shard is not None else F.embedding(newest, self.target.embed_tokens)).to(self.dtype)  # [A, H]
         x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [A, H]
         normed = F.rms_norm(x, (x.shape[-1],), self.norm_weight, self.norm_eps)
         gate, up = self.up(normed).chunk(2, dim=-1)  # [A, I] each

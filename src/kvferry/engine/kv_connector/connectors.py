@@ -32,6 +32,7 @@ from kvferry.core.tier_source import StoreKVSource
 from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.disagg import PDTransferWorker
 from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
+from kvferry.engine.kv_connector.rank_pools import RankPools, RankPoolWorker
 from kvferry.engine.kv_connector.store import NodeStore, NodeStoreWorker
 from kvferry.engine.kv_connector.swap import HostSwapWorker
 from kvferry.model.layers.parallel import TPShard
@@ -53,6 +54,10 @@ class WorkerContext:
     # its own worker half over its own KV heads; its group formed; rank 0 of
     # 1 without tensor parallelism), or None (a model without one).
     shard: TPShard | None = None
+    # The pool is in shared memory over tensor-parallel ranks (a connector
+    # before moved it, rank_pools.py): on rank 0 the other ranks' pools in
+    # rank order, on a worker rank []; None: not moved.
+    rank_caches: list[torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -97,7 +102,15 @@ class NodeStoreConnector(KVConnector):
         self.worker: NodeStoreWorker | None = None
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
-        self.worker = NodeStoreWorker(ctx.kv_cache, self.io, node_store=self.store)
+        """Over a tensor-parallel core, rank 0's half moves whole blocks:
+        every rank's heads, read from and written to their pools in shared
+        memory (so a block is stored whole, or not at all)."""
+        pools, kv_cache, rank_caches = None, ctx.kv_cache, ctx.rank_caches
+        if rank_caches is None and ctx.shard is not None and ctx.shard.size > 1:
+            pools = RankPools(kv_cache, ctx.shard)
+            kv_cache, rank_caches = pools.kv_cache, pools.rank_caches
+        self.worker = NodeStoreWorker(kv_cache, self.io, node_store=self.store, rank_caches=rank_caches,
+                                      rank_pools=pools)
         return self.worker
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
@@ -108,6 +121,18 @@ class NodeStoreConnector(KVConnector):
         source = StoreKVSource(self.index, ctx.block_size, self.config.kv_tiers.max_load_tokens,
                                is_up=lambda: worker.store_up)
         return TierKVScheduler(source, write_down=True)
+
+
+class RankPoolConnector(KVConnector):
+    """A worker rank's part of a connector that runs on rank 0 alone (the
+    node KV store): its pool in shared memory, where rank 0 reaches it."""
+
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        moved = ctx.rank_caches is not None or ctx.shard is None or ctx.shard.size == 1
+        return RankPoolWorker(ctx.kv_cache, None if moved else RankPools(ctx.kv_cache, ctx.shard))
+
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        raise RuntimeError("a worker rank has no scheduler")
 
 
 class PDTransferConnector(KVConnector):
@@ -139,7 +164,7 @@ class MultiKVConnector(KVConnector):
         workers = []
         for connector in self.connectors:
             worker = connector.worker_half(ctx)
-            ctx = replace(ctx, kv_cache=worker.kv_cache)
+            ctx = replace(ctx, kv_cache=worker.kv_cache, rank_caches=getattr(worker, "rank_caches", ctx.rank_caches))
             workers.append(worker)
         return MultiKVConnectorWorker(workers)
 
@@ -160,16 +185,19 @@ def load_connector(spec: str) -> type[KVConnector]:
     return cls
 
 
-def for_engine(config: EngineConfig, block_nbytes: int = 0) -> KVConnector | None:
+def for_engine(config: EngineConfig, block_nbytes: int = 0, rank: int = 0) -> KVConnector | None:
     """The connector a configuration asks for (None: the device pool alone).
-    ``block_nbytes``: one device block's bytes (the node store's slot size)."""
+    ``block_nbytes``: one device block's bytes (the node store's slot size:
+    times the tensor-parallel ranks, as the store holds whole blocks);
+    ``rank``: a tensor-parallel worker rank's (> 0: no store of its own)."""
     connectors: list[KVConnector] = []
     if config.kv_transfer.kv_transfer_address:
         connectors.append(PDTransferConnector(config))  # first: it moves the pool into shared memory
     if config.cache.num_swap_blocks:
         connectors.append(HostSwapConnector(config))
     if config.kv_tiers.enabled:
-        connectors.append(NodeStoreConnector(config, block_nbytes))
+        connectors.append(NodeStoreConnector(config, block_nbytes * config.parallel.tensor_parallel_size)
+                          if rank == 0 else RankPoolConnector(config))
     if config.kv_connector:
         connectors.append(load_connector(config.kv_connector)(config))
     if len(connectors) > 1:

@@ -8,9 +8,8 @@ the target's, as layers after them.
 
 Tensor parallelism: each rank's runner makes its own worker half over its
 own pool (its KV heads). Rank 0 creates every rank's pool in shared memory
-(``rank_pool_name``: rank r's name is rank 0's with ``-rank{r}``, so a peer
-needs one name and the rank count, and the segments go with rank 0) and
-publishes the name through the group's store; rank r maps its own. Rank 0
+(``rank_pools.py``: rank r's name is rank 0's with ``-rank{r}``, so a peer
+needs one name and the rank count) and rank r maps its own. Rank 0
 holds the transfer socket and receives for every rank; every rank sends
 its own heads (kvferry.disagg.agent).
 """
@@ -22,12 +21,10 @@ from kvferry.config import KVTransferConfig
 from kvferry.core.kv_connector import KVTransferSettings
 from kvferry.core.outputs import KVOrders
 from kvferry.disagg.agent import KVTransferAgent, StepTransfer
-from kvferry.disagg.transport import SharedKVPool, rank_pool_name
+from kvferry.disagg.transport import SharedKVPool
 from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker
+from kvferry.engine.kv_connector.rank_pools import shared_rank_pools
 from kvferry.model.layers.parallel import TPShard
-
-# The group store's key for rank 0's pool name (one core per group).
-_POOL_KEY = "kv_transfer_pool"
 
 
 class PDTransferWorker(KVConnectorWorker):
@@ -40,7 +37,7 @@ class PDTransferWorker(KVConnectorWorker):
         rank, size = (shard.rank, shard.size) if shard is not None else (0, 1)
         pool, rank_pools = None, []
         if kv_cache.device.type == "cpu":
-            pool, rank_pools = _shared_pools(kv_cache, shard) if size > 1 else (
+            pool, rank_pools = shared_rank_pools(kv_cache, shard) if size > 1 else (
                 SharedKVPool.create(tuple(kv_cache.shape), kv_cache.dtype), [])
             kv_cache = pool.tensor
         self.config = config
@@ -48,6 +45,9 @@ class PDTransferWorker(KVConnectorWorker):
         self.agent = KVTransferAgent(kv_cache, config, pool, draft_kv_cache, speculative, tp_rank=rank,
                                      tp_size=size, rank_pools=rank_pools)
         self.kv_cache = self.agent.kv_cache
+        # Moved into shared memory over ranks: rank 0's views of the other
+        # ranks' pools (a worker rank's: none), for the connectors after this one.
+        self.rank_caches = [p.tensor for p in rank_pools] if pool is not None and size > 1 else None
 
     def settings(self) -> KVTransferSettings:
         """What the scheduler half announces to prefill cores."""
@@ -79,20 +79,3 @@ class PDTransferWorker(KVConnectorWorker):
 
     def close(self) -> None:
         self.agent.close()
-
-
-def _shared_pools(kv_cache: torch.Tensor, shard: TPShard) -> tuple[SharedKVPool, list[SharedKVPool]]:
-    """(this rank's pool in shared memory, and on rank 0 ranks 1..N-1's,
-    which it creates): every rank's pool has rank 0's shape (the same
-    blocks, K / N heads each). A worker rank is built after rank 0's runner
-    (tp_ranks.RunnerShape), so the name is in the store when it looks."""
-    shape, dtype = tuple(kv_cache.shape), kv_cache.dtype
-    group = getattr(shard.group, "group", shard.group)  # ShmAllReduce wraps the ProcessGroup
-    if shard.rank == 0:
-        pool = SharedKVPool.create(shape, dtype)
-        others = [SharedKVPool.create(shape, dtype, name=rank_pool_name(pool.name, r)) for r in range(1, shard.size)]
-        group.store_set(_POOL_KEY, pool.name)
-        return pool, others
-    name = rank_pool_name(group.store_get(_POOL_KEY), shard.rank)
-    block_shape = (shape[0], shape[1], *shape[3:])  # (layers, 2, block_size, kv_heads, head_dim)
-    return SharedKVPool.attach(name, block_shape, dtype), []

@@ -176,16 +176,25 @@ class NodeStoreWorker(KVConnectorWorker):
     order_kinds = frozenset({"load", "save"})
 
     def __init__(self, kv_cache: torch.Tensor, store: StoreIO, load_timeout_s: float = 10.0,
-                 node_store: NodeStore | None = None) -> None:
+                 node_store: NodeStore | None = None, rank_caches: list[torch.Tensor] | None = None,
+                 rank_pools: Any = None) -> None:
+        """``rank_caches``: on rank 0 of a tensor-parallel core, ranks
+        1..N-1's pools (shared memory, the same block ids, their heads): a
+        slot holds a whole block, every rank's heads in rank order, as one
+        rank's pool would, so cores of any TP size share the store's
+        blocks. ``rank_pools``: what owns those segments (closed with this)."""
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
+        self._pools = [kv_cache, *(rank_caches or [])]
+        self._rank_pools = rank_pools
         self.store = store
         # The link this worker's connector made (closed with the worker;
         # its index client purges tenants). None: a store the caller owns.
         self.node_store = node_store
         self.load_timeout_s = load_timeout_s
         self.stats = StoreIOStats()
-        self._block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
+        heads = sum(pool.shape[4] for pool in self._pools)
+        self._block_shape = (kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], heads, kv_cache.shape[5])
         self._inbox: queue.Queue[tuple[str, TransferOrder, Any] | None] = queue.Queue()
         self._outbox = _Outbox()
         # Set when a completion lands in the outbox: an idle step waits on it
@@ -252,6 +261,9 @@ class NodeStoreWorker(KVConnectorWorker):
         self._thread.join(timeout=5.0)
         if self.node_store is not None:
             self.node_store.close()
+        if self._rank_pools is not None:
+            self._pools = []
+            self._rank_pools.close()
 
     # -- the I/O thread -------------------------------------------------------
     def _run(self) -> None:
@@ -378,7 +390,8 @@ class NodeStoreWorker(KVConnectorWorker):
         if not self._cuda:
             # One pass per block, straight into its slot (no staging copy).
             for block_id, slot in zip(block_ids, slots):
-                self._slot(arena, slot).copy_(self.kv_cache[:, :, block_id])
+                for heads, pool in self._rank_heads(self._slot(arena, slot)):
+                    heads.copy_(pool[:, :, block_id])
             return
         blocks = torch.tensor(block_ids, device=self.kv_cache.device)
         # [L, 2, n, bs, H, D] -> [n, L, 2, bs, H, D] -> bytes [n, block_nbytes] on the host (one transfer)
@@ -393,7 +406,8 @@ class NodeStoreWorker(KVConnectorWorker):
             # staging tensor and a scatter out of it cost twice the memory
             # traffic, and the load is on the resumed request's TTFT.
             for block_id, slot in zip(block_ids, slots):
-                self.kv_cache[:, :, block_id].copy_(self._slot(arena, slot))
+                for heads, pool in self._rank_heads(self._slot(arena, slot)):
+                    pool[:, :, block_id].copy_(heads)
             return
         n = len(slots)
         # bytes [n, block_nbytes] -> [n, L, 2, bs, H, D] -> [L, 2, n, bs, H, D] (one transfer)
@@ -401,6 +415,17 @@ class NodeStoreWorker(KVConnectorWorker):
         data = data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device, non_blocking=True)
         index_copy_into(self.kv_cache, 2, torch.tensor(block_ids, device=self.kv_cache.device), data)
         self._stream.synchronize()  # in the device blocks before the completion is reported
+
+    def _rank_heads(self, block: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(the block's heads rank r holds, rank r's pool) for each rank
+        (one rank: the whole block and the pool)."""
+        if len(self._pools) == 1:
+            return [(block, self.kv_cache)]
+        out, lo = [], 0
+        for pool in self._pools:
+            out.append((block[:, :, :, lo:lo + pool.shape[4]], pool))
+            lo += pool.shape[4]
+        return out
 
     def _slot(self, arena: torch.Tensor, slot: int) -> torch.Tensor:
         """Slot bytes as one block: [L, 2, bs, H, D]."""

@@ -1,0 +1,135 @@
+"""Draft-model speculation over tensor-parallel ranks: the draft runs whole
+on rank 0 (outside the ranks' collectives) and the workers get each step
+with its drafts; greedy output equals plain TP 1 decoding, offline at TP 2,
+and served through P/D pairs of different layouts (prefill TP 2 / decode
+TP 1 and TP 1 / TP 2), where the draft's KV travels from prefill rank 0 to
+decode rank 0 whole (the draft is not sharded) with the target's heads
+resharded as usual."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvferry import LLM, SamplingParams
+from tests.disagg.test_disagg_spec import repetitive_prompt
+from tests.serve.server_process import start_server
+from tests.serve.test_disagg_spec_serve import check_decode_core, complete
+from tests.tiny_models import make_tiny_checkpoint
+
+MAX_NEW = 24
+# k fixed: on a loaded 2-core box the cost-aware controller may stop drafting.
+SPEC = {"method": "draft", "num_speculative_tokens": 3, "adaptive": False, "cost_aware": False}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("tp-draft")
+    target = str(make_tiny_checkpoint(root, arch="llama", num_attention_heads=8, num_key_value_heads=4,
+                                      num_hidden_layers=2, max_position_embeddings=1024))
+    # A draft of its own shape (3 KV heads: it need not split over the ranks).
+    draft = str(make_tiny_checkpoint(root, arch="llama", name="draft", seed=3, num_attention_heads=3,
+                                     num_key_value_heads=3, hidden_size=48, num_hidden_layers=1,
+                                     max_position_embeddings=1024))
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def plain(models) -> str:
+    llm = LLM(model=models[0], dtype="float32", kv_cache_memory_gb=0.02)
+    try:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        return llm.generate([repetitive_prompt()], params)[0].outputs[0].text
+    finally:
+        llm.engine.core.close()
+
+
+def test_draft_model_over_two_ranks_keeps_greedy_output(models, plain):
+    target, draft = models
+    for spec_model in (target,):  # the target as its own draft: every greedy draft holds
+        llm = LLM(model=target, dtype="float32", kv_cache_memory_gb=0.02, tensor_parallel_size=2,
+                  cpu_threads_per_rank=1, speculative={**SPEC, "model": spec_model})
+        try:
+            params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+            assert llm.generate([repetitive_prompt()], params)[0].outputs[0].text == plain
+            stats = llm.engine.stats()
+            assert stats.num_draft_tokens > 0
+            assert stats.num_accepted_tokens > 0
+            llm.engine.check_integrity()
+        finally:
+            llm.engine.core.close()
+
+
+# Draft KV from prefill rank 0 (the draft is whole there) to decode rank 0;
+# the head's hidden state from prefill rank 0 (it samples) to decode rank 0,
+# which hands it to its workers' heads with the next step.
+@pytest.mark.parametrize("method, prefill_tp, decode_tp", [("draft", 2, 1), ("head", 1, 2)])
+def test_draft_state_travels_across_layouts(models, echo_head, tmp_path, method, prefill_tp, decode_tp):
+    target, _ = models
+    spec = {**SPEC, "method": method, "model": target if method == "draft" else echo_head}
+    prompt = [7] * 20 if method == "head" else repetitive_prompt()
+    plain = LLM(model=target, dtype="float32", kv_cache_memory_gb=0.02)
+    try:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        expected = plain.generate([prompt], params)[0].outputs[0].text
+    finally:
+        plain.engine.core.close()
+    srv = start_server(tmp_path / "server.log", [
+        "--model", target, "--dtype", "float32", "--served-model-name", "tiny", "--mode", "disagg",
+        "--prefill", "1", "--decode", "1", "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+        "--cpu-threads-per-rank", "1", "--speculative-config", json.dumps(spec),
+        "--kv-transfer-failure", "fail", "--engine-heartbeat-timeout", "120"])
+    try:
+        assert complete(srv, "tiny", prompt, MAX_NEW) == expected
+        # The decode core drafted (and its drafts held) from what it received:
+        # no prompt position recomputed.
+        workers = check_decode_core(srv, len(prompt))
+        if method == "draft":
+            assert workers["prefill-0"]["draft_prompt_tokens_computed"] == len(prompt)
+        assert "Traceback" not in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def echo_head(models, tmp_path_factory) -> str:
+    """A head that passes the target's hidden state through (fc = [0 | I],
+    no MLP): its draft is the token the target's own lm_head gives that
+    state, the newest token again, so it is accepted wherever the target
+    repeats a token, and a worker whose draft differed from rank 0's would
+    verify other tokens than rank 0 samples from."""
+    import torch
+
+    from kvferry.spec.head import EagleHead
+
+    hidden = json.loads((Path(models[0]) / "config.json").read_text())["hidden_size"]
+    head = EagleHead(hidden, 64)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        head.down.weight.zero_()
+    path = tmp_path_factory.mktemp("tp-head") / "echo.safetensors"
+    head.save(path, target="echo")
+    return str(path)
+
+
+def test_draft_head_over_two_ranks_keeps_greedy_output(models, echo_head):
+    """Every rank drafts with the head in step (its token lookups and logits
+    are the ranks' collectives), so the verified drafts are the same on all."""
+    prompts = [[5, 5, 5, 5], [7] * 20, repetitive_prompt()]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=models[0], dtype="float32", kv_cache_memory_gb=0.02)
+    try:
+        expected = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
+    finally:
+        plain.engine.core.close()
+    llm = LLM(model=models[0], dtype="float32", kv_cache_memory_gb=0.02, tensor_parallel_size=2,
+              cpu_threads_per_rank=1, speculative={**SPEC, "method": "head", "model": echo_head})
+    try:
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == expected
+        stats = llm.engine.stats()
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.core.close()
