@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvferry.afd_config import AFDConfig, afd_refusals
 # The address module alone (standard library), not the tier: the config
 # checks a --kv-cluster URL without loading the pool.
 from kvferry.kvstore.pool_address import PoolAddress, check_auto, is_auto
@@ -388,6 +389,7 @@ class ParallelConfig:
     # A mixture of experts' experts whole per rank (vLLM's --enable-expert-parallel),
     # else each expert sliced over the ranks (model/layers/parallel.py).
     enable_expert_parallel: bool = False
+    afd: AFDConfig = field(default_factory=AFDConfig)  # --ffn M: the MLPs in FFN worker processes
 
     def __post_init__(self) -> None:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
@@ -426,6 +428,8 @@ class EngineConfig:
             self._check_tensor_parallel()
         if self.parallel.pipeline_parallel_size > 1:
             self._check_pipeline_parallel()
+        for refusal in afd_refusals(self)[:1]:
+            raise ValueError(refusal)
         if self.model.deterministic and self.scheduler.max_num_batched_tokens > DETERMINISTIC_MAX_BATCHED_TOKENS:
             raise ValueError(f"deterministic needs max_num_batched_tokens <= {DETERMINISTIC_MAX_BATCHED_TOKENS} "
                              f"(longer chunks leave the batch-invariant attention kernel), got "
@@ -476,6 +480,7 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     for bad, what in [(tp > 1, f"tensor_parallel_size {tp} (only ngram runs over ranks)"),
                       (pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
+                      (config.parallel.afd.enabled, "attention/FFN disaggregation (--ffn)"),
                       (config.model.deterministic, "--deterministic (its batch-invariant steps are measured "
                                                    "without drafts)")]:
         if bad:
@@ -617,6 +622,11 @@ class EngineArgs:
         "with --tensor-parallel-size N on a mixture-of-experts model: each rank holds E/N whole experts and "
         "runs only the tokens routed to them (vLLM's expert parallelism); off: every expert is sliced over the "
         "N ranks. Attention stays split by heads; a dense model is unchanged"))
+    ffn: int = field(default=0, metadata=_opt(
+        "attention/FFN disaggregation (--mode afd, docs/parallelism.md): FFN worker processes that hold every "
+        "layer's MLP or experts (split over them) while this core runs attention over its KV cache; 0: off"))
+    # --mode afd: the shared folder of the FFN workers' sockets (serve/afd.py makes it; None: the core's own).
+    afd_folder: str | None = field(default=None, metadata=_opt("FFN workers' socket folder", cli=False))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -650,7 +660,8 @@ class EngineArgs:
             kv_connector=self.kv_connector,
             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce,
                                     self.pipeline_parallel_size, self.pp_micro_batches,
-                                    enable_expert_parallel=self.enable_expert_parallel),
+                                    enable_expert_parallel=self.enable_expert_parallel,
+                                    afd=AFDConfig(self.ffn, self.afd_folder)),
         )
 
     def _speculative_default(self) -> bool:
