@@ -2,7 +2,7 @@
 imports it, and ``kvferry serve``'s preflight reads it before anything starts).
 
     AFDConfig(ffn_workers, folder)   0 FFN workers: off (the core runs its own MLPs)
-    afd_refusals(config)             what does not run with it yet, one line each
+    check_afd(config)                ValueError (one line) for the first thing it does not run with yet
 
 The engine side is kvferry.engine.afd_leader (the FFN processes and their
 sockets) and afd_runner (the attention core's step); docs/parallelism.md
@@ -55,3 +55,9 @@ def afd_refusals(config: Any) -> list[str]:
     ]
     return [f"attention/FFN disaggregation (ffn {par.afd.ffn_workers}) does not work with {what} yet"
             for bad, what in refused if bad]
+
+
+def check_afd(config: Any) -> None:
+    """EngineConfig's check: the first of ``afd_refusals`` as a ValueError."""
+    for refusal in afd_refusals(config)[:1]:
+        raise ValueError(refusal)
