@@ -3,14 +3,18 @@
 the module's tests), through the openai client: greedy output equals HF
 transformers (float32), alone and concurrent (the step's two micro-batches
 ping-pong with the FFN worker); ``/v1/admin/workers`` lists the FFN worker
-with its real pid, and at 2+1 both attention cores list the same one
-(they share it); 64 concurrent streams end with none failed; an FFN worker
-killed under load ends the streams in flight, and the server restarts the
-group and serves the same text again."""
+with its real pid, the server's child, and at 2+1 both attention cores
+list the same one (they share it); ``kvferry scale --attention`` adds a
+core that finds the same worker and drains it again; 64 concurrent
+streams end with none failed; an FFN worker killed under load ends the
+streams in flight, and the server restarts the workers and the cores and
+serves the same text again."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +53,8 @@ def test_greedy_output_equals_hf(served):
 def test_concurrent_requests_equal_hf(served):
     _, srv, expected = served
     assert complete_all(srv, PROMPTS) == expected
-    assert complete_all(srv, PROMPTS[::-1]) == expected[::-1]
+    # Four times over: at 2+1 the FFN worker batches both cores' rows, and answers in its batches' order.
+    assert complete_all(srv, PROMPTS[::-1] * 4) == expected[::-1] * 4
 
 
 def test_admin_lists_the_ffn_worker(served):
@@ -58,8 +63,27 @@ def test_admin_lists_the_ffn_worker(served):
     assert sorted(w["name"] for w in listed) == [f"engine-{i}" for i in range(LAYOUTS[layout][0])]
     shared = [ffn_pids(srv, w["name"]) for w in listed]
     assert all(p == shared[0] for p in shared), shared  # one FFN worker serves every attention core
-    owners = [w["pid"] for w in listed if shared[0][0] in _children(w["pid"])]
-    assert len(owners) == 1  # started by one core (the lock's holder)
+    assert shared[0][0] in _children(srv.proc.pid)  # the server's, not one core's
+
+
+@pytest.mark.parametrize("served", ["1+1"], indirect=True)
+def test_kvferry_scale_adds_and_drains_attention_cores_on_the_same_ffn_worker(served):
+    _, srv, expected = served
+    [ffn] = ffn_pids(srv)
+    up = scale(srv, "--attention", "2")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert sorted(w["name"] for w in workers(srv)) == ["engine-0", "engine-1"]
+    assert ffn_pids(srv, "engine-1") == [ffn]  # the new core found the server's FFN worker
+    assert complete_all(srv, PROMPTS) == expected
+    down = scale(srv, "--attention", "1")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert len(workers(srv)) == 1 and ffn_pids(srv, workers(srv)[0]["name"]) == [ffn]
+    assert complete_all(srv, PROMPTS) == expected
+
+
+def scale(srv, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvferry.cli", "scale", "--url", srv.base_url, *argv],
+                          capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("served", ["1+1"], indirect=True)
@@ -113,7 +137,7 @@ def test_a_killed_ffn_worker_ends_the_streams_in_flight_and_the_server_serves_ag
     while _alive(core) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(core), "the attention core outlived its FFN worker"
-    assert "FFN worker 1" in srv.log() and "SIGKILL" in srv.log()
+    assert "FFN worker 1" in srv.log() and "SIGKILL" in srv.log()  # the core's line, the server's pool's
     deadline = time.monotonic() + 300
     while True:  # restarted whole (a new FFN worker), it serves the same text again
         try:

@@ -1,47 +1,42 @@
 """An attention core's side of attention/FFN disaggregation: its FFN workers.
 
-    attention core i ("kvferry: engine-i")          FFN worker j (afd_worker.py), "kvferry: engine-i ffn j"
-    ---------------------------------------          -------------------------------------------------------
-    AFDLeader(config): the owner (the first core     loads every layer's MLP (its split of them), binds
-      to lock FOLDER/owner.lock) spawns M workers    ipc://FOLDER/ffn-j, then writes FOLDER/ffn-j.pid
+    attention core i ("kvferry: engine-i")          FFN worker j (afd_worker.py)
+    ---------------------------------------          ----------------------------
+    AFDLeader(config)                                loads every layer's MLP (its split of them), binds
+                                                     ipc://FOLDER/ffn-j, then writes FOLDER/ffn-j.pid
     connect(): waits for the M pid files         ◀── (its readiness)
     runner step: per layer and micro-batch
       send_rows(ffn-j, (step, layer, mb), x)     ──▶ takes every waiting request of every core,
       recv_rows(...) from each j, summed         ◀── one MLP call per layer over all of their rows
 
-One server's N attention cores share one FOLDER and so the same M workers:
-each FFN call batches the rows of every core that has a request waiting,
-which is what the split is for (attention's cost grows with each core's
-KV, the FFN's weights are read once for all of them). A core started
-alone (no folder) makes a private one and owns its workers.
+Whose workers they are:
 
-Faults: the owner watches its workers as a TP leader watches its ranks
-(rank_group.RankProcesses): one exiting ends the rest and the owner's
-step raises ``RankFailed``; the other cores watch the workers' pids and
-raise the same. Every core then ends whole, its requests fail, and the
-router restarts it; the first core back takes the lock and starts new
-workers, the others wait for them. The workers exit once their owner's
-process is gone.
+- ``kvferry serve --mode afd``: the server's (afd_pool.FFNPool), in the
+  0700 FOLDER its N attention cores share, so that each FFN call batches
+  the rows of every core with a request waiting (attention's cost grows
+  with each core's KV; the FFN's weights are read once for all of them).
+  A core watches the workers' pids; once one is gone the core ends whole
+  (``RankFailed``: its requests fail), the router restarts it, and it waits
+  for the pool's new workers.
+- A core started alone (``kvferry engine-core --ffn M``, ``LLM(ffn=M)``):
+  its own, in a private folder, watched as a TP leader watches its ranks
+  (rank_group.RankProcesses); they exit once the core's process is gone.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import pickle
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-
 import zmq
 
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
+from kvferry.engine.afd_pool import ffn_threads, pid_file, spawn_ffn_workers
 from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
 from kvferry.engine.tp_ranks import RunnerShape
 from kvferry.messages import TPRank
@@ -52,31 +47,6 @@ logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 600.0  # how long a core waits for the FFN workers to load their weights
 _POLL_MS = 200
-
-
-@dataclass(slots=True)
-class FFNSpec:
-    """Everything an FFN worker process needs, pickled to its stdin."""
-
-    config: EngineConfig
-    index: int  # j of ``size``: its split of every MLP
-    size: int
-    folder: str
-    name: str  # the process is "kvferry: {name} ffn {index}"
-    threads: int
-    parent_pid: int
-    log_level: int
-
-
-def ffn_threads(config: EngineConfig) -> int:
-    par = config.parallel
-    if par.cpu_threads_per_rank is not None:
-        return par.cpu_threads_per_rank
-    return max(1, len(os.sched_getaffinity(0)) // (par.afd.ffn_workers + 1))
-
-
-def pid_file(folder: str, index: int) -> str:
-    return os.path.join(folder, f"ffn-{index}.pid")
 
 
 def check_folder(folder: str) -> None:
@@ -99,11 +69,9 @@ class AFDLeader(RankProcesses):
         self.name = name or core_name()
         self.threads = ffn_threads(config)
         self.failure: RankFailed | None = None
-        self._private = afd.folder is None
-        self._dir = tempfile.mkdtemp(prefix="kvferry-afd-") if self._private else afd.folder
+        self.owner = afd.folder is None  # a core alone starts its own workers
+        self._dir = tempfile.mkdtemp(prefix="kvferry-afd-") if self.owner else afd.folder
         check_folder(self._dir)
-        self._lock = open(os.path.join(self._dir, "owner.lock"), "a+")  # noqa: SIM115 - held for life
-        self.owner = _try_lock(self._lock)
         self._procs: list[subprocess.Popen] = []
         self._steps: list[zmq.Socket] = []  # the owner's control sockets (shutdown)
         self._pids: list[int] = []
@@ -112,24 +80,14 @@ class AFDLeader(RankProcesses):
             self._spawn(config)
         self.socks: list[zmq.Socket] = []
         self._stopping = threading.Event()
-        self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir if self._private else None,
+        self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir if self.owner else None,
                                            self._stopping)
         self._watcher: threading.Thread | None = None
         self.steps_run = 0
 
     def _spawn(self, config: EngineConfig) -> None:
+        self._procs = spawn_ffn_workers(config, self._dir, self.name)
         for j in range(self.size):
-            try:
-                os.unlink(pid_file(self._dir, j))  # a former owner's worker: not ready
-            except FileNotFoundError:
-                pass
-        for j in range(self.size):
-            spec = FFNSpec(config, j, self.size, self._dir, self.name, self.threads, os.getpid(),
-                           logging.getLogger().getEffectiveLevel())
-            proc = subprocess.Popen([sys.executable, "-m", "kvferry.engine.afd_worker"], stdin=subprocess.PIPE)
-            proc.stdin.write(pickle.dumps(spec))
-            proc.stdin.close()
-            self._procs.append(proc)
             ctl = self._ctx.socket(zmq.PUSH)
             ctl.setsockopt(zmq.LINGER, 0)
             ctl.connect(f"ipc://{self._dir}/ctl-{j}")
@@ -156,6 +114,7 @@ class AFDLeader(RankProcesses):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(ffn_address(self._dir, j))
             self.socks.append(sock)
+        self._stash: list[dict[tuple, object]] = [{} for _ in self.socks]
         self._watcher = threading.Thread(target=self._watch, name="afd-ffn-watch", daemon=True)
         self._watcher.start()
         logger.info("attention/FFN disaggregation: %d FFN workers (pids %s)%s", self.size,
@@ -187,10 +146,21 @@ class AFDLeader(RankProcesses):
     def receive(self, tag: tuple[int, int, int]):  # noqa: ANN201 - torch.Tensor [T, hidden]
         """The layer's MLP output for ``tag``: the workers' partial sums added."""
         out = None
-        for sock in self.socks:
-            part = recv_rows(sock, tag, _POLL_MS, self.alive)
+        for j in range(len(self.socks)):
+            part = self._answer(j, tag)
             out = part if out is None else out.add_(part)
         return out
+
+    def _answer(self, j: int, tag: tuple[int, int, int]):  # noqa: ANN202 - torch.Tensor
+        """Worker j's answer to ``tag``; those that come first wait in its stash
+        (the worker answers in its batches' order, recv_rows)."""
+        stash = self._stash[j]
+        while tag not in stash:
+            got, rows = recv_rows(self.socks[j], _POLL_MS, self.alive)
+            if len(stash) > 64:  # at most the step's micro-batches are in flight
+                raise RuntimeError(f"attention and FFN out of step: waiting for {tag}, got {got}")
+            stash[got] = rows
+        return stash.pop(tag)
 
     def publish(self, sched: SchedulerOutput) -> None:
         """ModelRunner's hook before a step: the group must be whole."""
@@ -217,17 +187,6 @@ class AFDLeader(RankProcesses):
             sock.close(linger=0)
         self._ctx.term()
         self._finalizer()
-        self._lock.close()
-
-
-def _try_lock(lock) -> bool:  # noqa: ANN001 - an open file
-    """Whether this process now owns the FFN workers (the lock is the
-    kernel's: it is free again the moment its holder's process is gone)."""
-    try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def _read_pid(path: str) -> int | None:

@@ -12,8 +12,9 @@ partial sums (no all-reduce here: the attention core adds the M answers).
 It then answers requests: every request waiting from every attention core
 is taken at once, and the rows of one layer go through its block in one
 call (the batch the split exists for), each answer back to its sender.
-It exits on its owner's shutdown message, on any error (the owner's
-watcher ends the group), and as soon as the owner's process is gone.
+It exits on its core's shutdown message, on any error (whoever started
+it, a core or the server's pool, sees it exit), and as soon as that
+process is gone.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 import zmq
 from torch import nn
 
-from kvferry.engine.afd_leader import FFNSpec, pid_file
+from kvferry.engine.afd_pool import FFNSpec, pid_file
 from kvferry.model.layers import Linear
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
@@ -115,7 +116,7 @@ def main() -> int:
     except ValueError as exc:  # a configuration or model-file mistake: one line
         logger.error("FFN worker failed: %s", exc)
         return 1
-    except Exception:  # noqa: BLE001 - the owner's watcher ends the group
+    except Exception:  # noqa: BLE001 - its exit is seen by whoever started it
         logger.exception("FFN worker failed")
         return 1
     finally:
@@ -133,7 +134,7 @@ def _write_pid(path: str) -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit once the owner's process is gone (its group cannot go on)."""
+    """Exit once the process that started it is gone."""
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(_POLL_MS / 1000)

@@ -4,14 +4,15 @@ attention core to an FFN worker and back (no model code).
     attention core (DEALER, one per FFN worker)        FFN worker j (ROUTER at ipc://FOLDER/ffn-j)
     send_rows(sock, (step, layer, mb), x)  ─────────▶  take_requests(sock): every request waiting,
                                                        from every attention core, in arrival order
-    recv_rows(sock, tag, ...)              ◀─────────  reply(sock, request, y)
+    recv_rows(sock, ...) -> (tag, y)       ◀─────────  reply(sock, request, y)
 
 A message is a small pickled header (tag, shape, dtype) and the rows' raw
 bytes, sent without a copy, as the pipeline stages' (parallel/pipeline.py).
 The sockets live in one 0700 folder, so only this user's processes reach
 them (as every other local socket of the project). ROUTER/DEALER keep each
-attention core's requests in order, and the FFN worker answers each on the
-connection it came in on, so a reply carries its request's tag back.
+attention core's requests apart, and the FFN worker answers each on the
+connection it came in on; a reply carries its request's tag back, by
+which the core matches it (the answers' order is the worker's batching's).
 """
 from __future__ import annotations
 
@@ -45,17 +46,17 @@ def send_rows(sock: zmq.Socket, tag: tuple[int, int, int], rows: torch.Tensor) -
     sock.send_multipart(_frames(tag, rows), copy=False)
 
 
-def recv_rows(sock: zmq.Socket, tag: tuple[int, int, int], timeout_ms: int,
-              alive: Callable[[], None]) -> torch.Tensor:
-    """The FFN worker's answer to the request ``tag``. Waits in slices of
-    ``timeout_ms``, calling ``alive()`` between them (it raises once an FFN
-    worker is gone), so a dead worker never leaves the core hanging."""
+def recv_rows(sock: zmq.Socket, timeout_ms: int, alive: Callable[[], None]) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The FFN worker's next answer: (its request's tag, rows). Waits in
+    slices of ``timeout_ms``, calling ``alive()`` between them (it raises
+    once an FFN worker is gone), so a dead worker never leaves the core
+    hanging. Answers may come out of the order asked: the worker batches
+    each layer's requests of every core (``take_requests``), so a core's
+    request of layer i + 1 may be answered with another core's of that
+    layer before its own of layer i."""
     while not sock.poll(timeout_ms):
         alive()
-    got, rows = _tensor(*sock.recv_multipart(copy=False))
-    if got != tag:
-        raise RuntimeError(f"attention and FFN out of step: expected {tag}, received {got}")
-    return rows
+    return _tensor(*sock.recv_multipart(copy=False))
 
 
 @dataclass(slots=True)

@@ -3,12 +3,16 @@ disaggregation, mapped onto what the server already runs (no torch here).
 
 N attention cores are N engine cores behind the router, as data-parallel
 replicas (each its own scheduler and KV cache, requests placed by the
-router's KV-aware policy); all N share the M FFN workers through one 0700
-socket folder this server makes, so each FFN call batches the rows of
-every core (engine/afd_leader.py). The router sees N colocated cores.
+router's KV-aware policy); all N share the M FFN workers this server
+starts, through one 0700 socket folder, so each FFN call batches the rows
+of every core (engine/afd_leader.py). The router sees N colocated cores,
+so ``kvferry scale --engines N`` (alias ``--attention N``) adds or drains
+attention cores, which find the same workers.
 
     apply_afd_args(args, engine_args)   the flags' checks (one-line ValueError) and the mapping
     afd_folder(engine_args)             the shared folder, made just before the cores start
+    start_ffn_pool(args, engine_args)   the M FFN workers (engine/afd_pool.py), restarted whole when one
+                                        dies, within the cores' restart budget
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import shutil
 import tempfile
 
 from kvferry.config import EngineArgs
+from kvferry.engine.afd_pool import FFNPool
 from kvferry.model.config import ModelConfig
 from kvferry.model.tp_split import check_split
 from kvferry.serve.preflight import _hf_config as hf_config  # config.json, or {} (a .gguf)
@@ -83,3 +88,11 @@ def afd_folder(engine_args: EngineArgs) -> EngineArgs:
     folder = tempfile.mkdtemp(prefix="kvferry-afd-")  # mode 0700
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return dataclasses.replace(engine_args, afd_folder=folder)
+
+
+def start_ffn_pool(args: argparse.Namespace, engine_args: EngineArgs) -> FFNPool | None:
+    """The server's FFN workers (None without --mode afd); they load while the cores do."""
+    if not engine_args.ffn or engine_args.afd_folder is None:
+        return None
+    return FFNPool(engine_args.create_engine_config(), max_restarts=args.engine_restarts,
+                   window_s=args.engine_restart_window)

@@ -17,7 +17,7 @@ import sys
 from kvferry.autoscale.flags import add_autoscale_args  # light: the planner is policy.py's
 from kvferry.config import EngineArgs
 
-from kvferry.serve.afd import add_afd_args, afd_folder, apply_afd_args
+from kvferry.serve.afd import add_afd_args, afd_folder, apply_afd_args, start_ffn_pool
 from kvferry.serve.api_flags import add_api_args
 from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.model.resolve import resolve_model  # light: paths and names, no torch
@@ -171,4 +171,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from kvferry.serve.server import run_server  # lazy: uvicorn, fastapi and the front end, ~0.5 s
 
-    return run_server(args, afd_folder(engine_args))
+    engine_args = afd_folder(engine_args)
+    pool = start_ffn_pool(args, engine_args)  # --mode afd: the FFN workers, shared by the cores
+    try:
+        return run_server(args, engine_args)
+    finally:
+        if pool is not None:
+            pool.stop()
