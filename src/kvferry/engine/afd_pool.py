@@ -65,11 +65,7 @@ def pid_file(folder: str, index: int) -> str:
 def spawn_ffn_workers(config: EngineConfig, folder: str, name: str) -> list[subprocess.Popen]:
     """Start the M workers (the stale pid files of any before them removed first)."""
     size = config.parallel.afd.ffn_workers
-    for j in range(size):
-        try:
-            os.unlink(pid_file(folder, j))  # a former worker's: not ready
-        except FileNotFoundError:
-            pass
+    unready(folder, size)
     procs = []
     for j in range(size):
         spec = FFNSpec(config, j, size, folder, name, ffn_threads(config), os.getpid(),
@@ -79,6 +75,15 @@ def spawn_ffn_workers(config: EngineConfig, folder: str, name: str) -> list[subp
         proc.stdin.close()
         procs.append(proc)
     return procs
+
+
+def unready(folder: str, size: int) -> None:
+    """Remove the workers' pid files: no core may connect to them from now on."""
+    for j in range(size):
+        try:
+            os.unlink(pid_file(folder, j))
+        except FileNotFoundError:
+            pass
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
@@ -140,6 +145,7 @@ class FFNPool:
                 return False
             logger.error("FFN worker %d (pid %d) exited with %s; the FFN workers restart whole", index, proc.pid,
                          exit_text(proc.returncode))
+            unready(self.folder, len(self.procs))  # a core restarting now waits for the new ones
             stop_all(self.procs)
             now = time.monotonic()
             while self._restarts and now - self._restarts[0] > self.window_s:
