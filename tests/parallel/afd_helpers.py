@@ -60,6 +60,7 @@ def ffn_pids(srv, name: str = "engine-0", count: int = 1) -> list[int]:  # noqa:
     """The FFN workers' pids as the core ``name`` lists them (ranks 1..M),
     each alive, titled "kvferry: ... ffn j"; the owner's children."""
     [worker] = [w for w in workers(srv) if w["name"] == name]
+    assert worker["ffn_workers"] == count and worker["tensor_parallel_size"] == 1, worker
     ranks = worker["ranks"]
     assert [r["rank"] for r in ranks] == list(range(count + 1)) and all(r["alive"] for r in ranks), worker
     assert ranks[0]["pid"] == worker["pid"]

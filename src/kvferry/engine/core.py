@@ -198,6 +198,7 @@ class EngineCore:
             speculative=self.speculative,
             ranks=self.ranks(),
             pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
+            ffn_workers=self.config.parallel.afd.ffn_workers,
         )
 
     def ranks(self) -> list[TPRank]:
