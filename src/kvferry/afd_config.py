@@ -48,7 +48,6 @@ def afd_refusals(config: Any) -> list[str]:
         (spec is not None, "speculative decoding (--speculative-config off)"),
         (par.tensor_parallel_size > 1, f"tensor_parallel_size {par.tensor_parallel_size}"),
         (par.pipeline_parallel_size > 1, f"pipeline_parallel_size {par.pipeline_parallel_size}"),
-        (bool(config.kv_transfer.kv_transfer_address), "prefill/decode disaggregation (--kv-transfer-address)"),
         (config.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
         (bool(config.kv_connector), "--kv-connector"),
         (config.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),

@@ -40,6 +40,14 @@ class RemoteFFN(nn.Module):
 
 
 @dataclass(slots=True)
+class _StepHooks:
+    """Where ModelRunner.execute leaves the step's KV transfer hooks
+    (``inputs.meta.kv_transfer``): each micro-batch has metadata of its own."""
+
+    kv_transfer: object = None  # layer_done(i), or None
+
+
+@dataclass(slots=True)
 class _MicroBatch:
     h: torch.Tensor  # the residual stream [T, hidden]
     x: torch.Tensor  # the next layer's normed input [T, hidden]
@@ -60,6 +68,7 @@ class AFDRunner(ModelRunner):
 
     def _eager_inputs(self, inputs: StepInputs) -> None:
         """Each micro-batch builds its own metadata (``_forward``)."""
+        inputs.meta = _StepHooks()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         model, link = self.model, self.tp_leader
@@ -69,6 +78,7 @@ class AFDRunner(ModelRunner):
         step, flat, layers = self.steps_run, inputs.flat, model.layers
         mbs = [self._start(slice_flat(flat, r0, r1))
                for r0, r1 in micro_batches(flat.query_start_loc, PING_PONG)]
+        transfer = inputs.meta.kv_transfer  # a prefill core's P/D hooks: each layer's KV leaves once written
         for i, layer in enumerate(layers):
             for k, mb in enumerate(mbs):
                 if i > 0:  # layer i - 1's MLP output, then this layer's input norm
@@ -78,6 +88,8 @@ class AFDRunner(ModelRunner):
                 attn = layer.self_attn(mb.x, mb.cos, mb.sin, self.kv_cache[i], mb.meta)
                 mb.h, x = add_rms_norm(attn, mb.h, post.weight, post.eps)
                 link.send((step, i, k), x)  # the FFN works on it while the next micro-batch attends
+            if transfer is not None:
+                transfer.layer_done(i)  # every micro-batch's KV of layer i is written
         norm, last = model.norm, len(layers) - 1
         outs = [add_rms_norm(link.receive((step, last, k)), mb.h, norm.weight, norm.eps)[1]
                 for k, mb in enumerate(mbs)]

@@ -9,6 +9,11 @@ of every core (engine/afd_leader.py). The router sees N colocated cores,
 so ``kvferry scale --engines N`` (alias ``--attention N``) adds or drains
 attention cores, which find the same workers.
 
+``--mode disagg --prefill P --decode D --ffn M`` composes the two: the
+decode pool splits (its D cores are attention cores sharing the M FFN
+workers), the prefill pool stays colocated (router/supervisor.py's
+core_config gives its cores no FFN workers).
+
     apply_afd_args(args, engine_args)   the flags' checks (one-line ValueError) and the mapping
     afd_folder(engine_args)             the shared folder, made just before the cores start
     start_ffn_pool(args, engine_args)   the M FFN workers (engine/afd_pool.py), restarted whole when one
@@ -37,33 +42,48 @@ def add_afd_args(group: argparse._ArgumentGroup) -> None:
 
 def apply_afd_args(args: argparse.Namespace, engine_args: EngineArgs) -> EngineArgs:
     """The engine args of this server's cores; ``--mode afd`` becomes N
-    colocated cores with ``ffn`` workers each (the folder comes later).
-    ValueError (one line) for a combination that does not run."""
-    attention, ffn = getattr(args, "attention", None), engine_args.ffn
-    if getattr(args, "mode", "colocated") != "afd":
-        if attention is not None:
-            raise ValueError(f"--attention {attention}: only with --mode afd (a colocated server takes "
-                             "--data-parallel-size)")
-        if ffn:
-            raise ValueError(f"--ffn {ffn}: only with --mode afd (kvferry engine-core takes it alone)")
+    colocated cores with ``ffn`` workers each, ``--mode disagg --ffn M``
+    splits the decode pool alone (the folder comes later). ValueError (one
+    line) for a combination that does not run."""
+    attention, ffn, mode = getattr(args, "attention", None), engine_args.ffn, getattr(args, "mode", "colocated")
+    if attention is not None and mode != "afd":
+        raise ValueError(f"--attention {attention}: only with --mode afd (a colocated server takes "
+                         "--data-parallel-size)")
+    if mode == "colocated" and ffn:
+        raise ValueError(f"--ffn {ffn}: only with --mode afd, or --mode disagg (its decode pool splits)")
+    if mode == "disagg" and ffn:
+        _refuse(args, "--mode disagg --ffn", [(getattr(args, "decode_tp", None) not in (None, 1),
+                                               f"--decode-tp {getattr(args, 'decode_tp', None)}: the decode "
+                                               "pool's cores run attention in one process each with --ffn")])
+        return _checked(engine_args)
+    if mode != "afd":
         return engine_args
     attention = 1 if attention is None else attention
     if isinstance(attention, bool) or not isinstance(attention, int) or attention < 1:
         raise ValueError(f"--attention must be an integer >= 1 (attention cores of --mode afd), got {attention!r}")
-    if not isinstance(ffn, int) or ffn < 0:
-        raise ValueError(f"--ffn must be an integer >= 1 (FFN workers of --mode afd), got {ffn!r}")
-    refused = ((args.data_parallel_size != 1, f"--data-parallel-size {args.data_parallel_size}: --mode afd counts "
-                                              "its attention cores with --attention N"),
-               (bool(args.worker), "--worker: --mode afd does not join cores started apart yet"),
-               (args.ray is not None, "--ray: --mode afd runs its FFN workers as local processes for now"),
-               (bool(getattr(args, "autoscale", None)), "--autoscale: --mode afd does not scale yet"))
+    _refuse(args, "--mode afd", [(args.data_parallel_size != 1, f"--data-parallel-size {args.data_parallel_size}: "
+                                                                "--mode afd counts its attention cores with "
+                                                                "--attention N")])
+    engine_args = _checked(dataclasses.replace(engine_args, ffn=ffn or 1))
+    args.mode, args.data_parallel_size = "colocated", attention
+    return engine_args
+
+
+def _refuse(args: argparse.Namespace, what: str, more: list[tuple[bool, str]]) -> None:
+    refused = [*more,
+               (bool(args.worker), f"--worker: {what} does not join cores started apart yet"),
+               (args.ray is not None, f"--ray: {what} runs its FFN workers as local processes for now"),
+               (bool(getattr(args, "autoscale", None)), f"--autoscale: {what} does not scale yet")]
     for bad, line in refused:
         if bad:
             raise ValueError(line)
-    engine_args = dataclasses.replace(engine_args, ffn=ffn or 1)
+
+
+def _checked(engine_args: EngineArgs) -> EngineArgs:
+    if not isinstance(engine_args.ffn, int) or engine_args.ffn < 0:
+        raise ValueError(f"--ffn must be an integer >= 1 (FFN workers of --mode afd), got {engine_args.ffn!r}")
     engine_args.create_engine_config()  # the engine's one-line refusals (afd_config.afd_refusals)
     _check_split(engine_args)
-    args.mode, args.data_parallel_size = "colocated", attention
     return engine_args
 
 
