@@ -32,6 +32,8 @@ import tempfile
 import threading
 import time
 import weakref
+
+import torch
 import zmq
 
 from kvferry.config import EngineConfig
@@ -68,6 +70,9 @@ class AFDLeader(RankProcesses):
         self.size = afd.ffn_workers
         self.name = name or core_name()
         self.threads = ffn_threads(config)
+        self._threads_before = torch.get_num_threads()
+        if config.parallel.cpu_threads_per_rank is not None:  # the attention core's too
+            torch.set_num_threads(config.parallel.cpu_threads_per_rank)
         self.failure: RankFailed | None = None
         self.owner = afd.folder is None  # a core alone starts its own workers
         self._dir = tempfile.mkdtemp(prefix="kvferry-afd-") if self.owner else afd.folder
@@ -83,7 +88,6 @@ class AFDLeader(RankProcesses):
         self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir if self.owner else None,
                                            self._stopping)
         self._watcher: threading.Thread | None = None
-        self.steps_run = 0
 
     def _spawn(self, config: EngineConfig) -> None:
         self._procs = spawn_ffn_workers(config, self._dir, self.name)
@@ -174,7 +178,7 @@ class AFDLeader(RankProcesses):
 
     def ranks(self) -> list[TPRank]:
         """This core (rank 0) and the FFN workers (ranks 1..M): GET /v1/admin/workers."""
-        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=0, alive=True)]
+        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=torch.get_num_threads(), alive=True)]
         for j, pid in enumerate(self._pids, start=1):
             ranks.append(TPRank(rank=j, pid=pid, cpu_threads=self.threads, alive=_alive(pid)))
         return ranks
@@ -187,6 +191,7 @@ class AFDLeader(RankProcesses):
             sock.close(linger=0)
         self._ctx.term()
         self._finalizer()
+        torch.set_num_threads(self._threads_before)
 
 
 def _read_pid(path: str) -> int | None:
