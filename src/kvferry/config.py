@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvferry.afd_config import AFDConfig, check_afd
 # The address module alone (standard library), not the tier: the config
 # checks a --kv-cluster URL without loading the pool.
 from kvferry.kvstore.pool_address import PoolAddress, check_auto, is_auto
@@ -40,8 +41,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
@@ -101,19 +101,15 @@ class ModelLoadConfig:
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
-                             f"{', '.join(QUANTIZATIONS)}")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be a boolean, got {self.deterministic!r}")
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+        for name in ("deterministic", "warm_up", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.deterministic and self.device != "cpu":
             raise ValueError(f"deterministic runs on the CPU kernels only, got device {self.device!r}")
-        if not isinstance(self.warm_up, bool):
-            raise ValueError(f"warm_up must be a boolean, got {self.warm_up!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a boolean, got {self.enforce_eager!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -388,12 +384,12 @@ class ParallelConfig:
     # A mixture of experts' experts whole per rank (vLLM's --enable-expert-parallel),
     # else each expert sliced over the ranks (model/layers/parallel.py).
     enable_expert_parallel: bool = False
+    afd: AFDConfig = field(default_factory=AFDConfig)  # --ffn M: the MLPs in FFN worker processes
 
     def __post_init__(self) -> None:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.cpu_threads_per_rank is not None and (not _is_int(self.cpu_threads_per_rank)
-                                                      or self.cpu_threads_per_rank < 1):
+        if self.cpu_threads_per_rank is not None and (not _is_int(self.cpu_threads_per_rank) or self.cpu_threads_per_rank < 1):
             raise ValueError(f"cpu_threads_per_rank must be an integer >= 1, got {self.cpu_threads_per_rank!r}")
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise ValueError(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}, got {self.tp_all_reduce!r}")
@@ -426,6 +422,7 @@ class EngineConfig:
             self._check_tensor_parallel()
         if self.parallel.pipeline_parallel_size > 1:
             self._check_pipeline_parallel()
+        check_afd(self)  # --ffn: what attention/FFN disaggregation does not run with yet
         if self.model.deterministic and self.scheduler.max_num_batched_tokens > DETERMINISTIC_MAX_BATCHED_TOKENS:
             raise ValueError(f"deterministic needs max_num_batched_tokens <= {DETERMINISTIC_MAX_BATCHED_TOKENS} "
                              f"(longer chunks leave the batch-invariant attention kernel), got "
@@ -476,6 +473,7 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     for bad, what in [(tp > 1, f"tensor_parallel_size {tp} (only ngram runs over ranks)"),
                       (pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
+                      (config.parallel.afd.enabled, "attention/FFN disaggregation (--ffn)"),
                       (config.model.deterministic, "--deterministic (its batch-invariant steps are measured "
                                                    "without drafts)")]:
         if bad:
@@ -520,14 +518,12 @@ class EngineArgs:
         "batch-invariant kernels (CPU): greedy output does not depend on the batch, chunking, prefix-cache "
         "hits or P/D (as SGLang's --enable-deterministic-inference); slower, see docs/serving.md"))
     quantization: str | None = field(default=None, metadata=_opt(
-        "weight format. Left out: the model's own; a .gguf file's linear weights stay in their quantized "
-        "blocks, multiplied by integer kernels (types without a kernel, such as IQ*, dequantized at load), "
-        "and are expanded to float where the blocks do not run (CUDA, tensor-parallel ranks, pipeline "
-        "stages, --deterministic) and for the embedded default model. gguf (the blocks, or an error where "
-        "they cannot run), int8 (W8A8: linear weights quantized to int8 per output channel at load, "
-        "activations per token; CPU), "
-        "compressed-tensors (a W8A8 int8 checkpoint as it is; found from its config.json without the flag "
-        "too) or none (expand a .gguf to float)"))
+        "weight format. Left out: the model's own; a .gguf file's linear weights stay in their quantized blocks, "
+        "multiplied by integer kernels (types without a kernel, such as IQ*, dequantized at load), and are expanded "
+        "to float where the blocks do not run (CUDA, tensor-parallel ranks, pipeline stages, --deterministic) and for "
+        "the embedded default model. gguf (the blocks, or an error where they cannot run), int8 (W8A8: linear weights "
+        "quantized to int8 per output channel at load, activations per token; CPU), compressed-tensors (a W8A8 int8 "
+        "checkpoint as it is; found from its config.json without the flag too) or none (expand a .gguf to float)"))
     seed: int = field(default=0, metadata=_opt("seed of the engine's default random state"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV block (a power of two)"))
     max_num_seqs: int = field(default=64, metadata=_opt("most sequences in one step"))
@@ -617,6 +613,9 @@ class EngineArgs:
         "with --tensor-parallel-size N on a mixture-of-experts model: each rank holds E/N whole experts and "
         "runs only the tokens routed to them (vLLM's expert parallelism); off: every expert is sliced over the "
         "N ranks. Attention stays split by heads; a dense model is unchanged"))
+    ffn: int = field(default=0, metadata=_opt(
+        "FFN worker processes holding every layer's MLP or experts, split over them (--mode afd); 0: off"))
+    afd_folder: str | None = field(default=None, metadata=_opt("--mode afd's FFN sockets (serve/afd.py)", cli=False))
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -650,7 +649,8 @@ class EngineArgs:
             kv_connector=self.kv_connector,
             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank, self.tp_all_reduce,
                                     self.pipeline_parallel_size, self.pp_micro_batches,
-                                    enable_expert_parallel=self.enable_expert_parallel),
+                                    enable_expert_parallel=self.enable_expert_parallel,
+                                    afd=AFDConfig(self.ffn, self.afd_folder)),
         )
 
     def _speculative_default(self) -> bool:

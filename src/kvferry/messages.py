@@ -285,6 +285,8 @@ class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):
     ranks: list[TPRank] = []
     # With pipeline parallelism ``ranks`` are its stages, rank 0 the first.
     pipeline_parallel_size: int = 1
+    # With --ffn M (attention/FFN disaggregation) ``ranks`` 1..M are its FFN workers.
+    ffn_workers: int = 0
 
 
 # -- prefill core -> decode core (its transfer socket) -----------------------------

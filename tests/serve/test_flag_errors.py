@@ -101,7 +101,14 @@ BAD: dict[str, list[list[str]]] = {
     "--max-public-prefixes-per-tenant": [["-1"]],
     "--max-public-prefix-tokens-per-tenant": [["-1"]],
     "--metrics-max-tenants": [["0"]],
-    "--mode": [["pipeline"]],
+    "--mode": [["pipeline"], ["afd", "--data-parallel-size", "2"], ["afd", "--ray", "auto"]],
+    # --mode afd: 0 attention cores; 2 without --mode afd
+    "--attention": [["0", "--mode", "afd"], ["2"]],
+    # -1 workers; 3: the model's heads do not split over 3; 2 without --mode afd or disagg; speculation over
+    # AFD: refused yet; a split decode pool's cores are one process each
+    "--ffn": [["-1", "--mode", "afd"], ["3", "--mode", "afd"], ["2"],
+              ["1", "--mode", "afd", "--speculative-config", '{"method": "ngram"}'],
+              ["1", "--mode", "disagg", "--decode-tp", "2"]],
     "--data-parallel-size": [["-1"]],
     "--prefill": [["-1", "--mode", "disagg"]],
     "--decode": [["-1", "--mode", "disagg"]],

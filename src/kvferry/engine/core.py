@@ -20,6 +20,8 @@ from kvferry.engine import kv_memory
 from kvferry.engine.kv_connector import SchedulerContext, for_engine
 from kvferry.engine.runner import ModelRunner, kv_block_bytes
 from kvferry.engine.pp_runner import StageRunner
+from kvferry.engine.afd_leader import AFDLeader
+from kvferry.engine.afd_runner import AFDRunner
 from kvferry.engine.pp_stages import PPLeader
 from kvferry.engine.tp_ranks import RunnerShape, TPLeader
 from kvferry.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, KVTransferParams, TPRank
@@ -62,6 +64,8 @@ class EngineCore:
                 raise ValueError("pipeline_parallel_size > 1: the engine core loads each stage's layers itself")
             self.tp = PPLeader(config, read_config(resolve_model_folder(config.model.model)).num_hidden_layers)
             self.stage = self.tp.stage
+        if config.parallel.afd.enabled:  # --ffn M: the MLPs run on FFN workers (afd_leader.py)
+            self.tp = AFDLeader(config)
         try:
             self._init(config, loaded, shard)
         except BaseException:
@@ -95,6 +99,7 @@ class EngineCore:
         # KV store, a peer) is its own: the core only calls its hooks.
         connector = for_engine(config, kv_block_bytes(self.loaded, self.block_size, self.kv_cache_dtype))
         runner = ModelRunner if self.stage is None else StageRunner  # a pipeline stage: its layers' part
+        runner = AFDRunner if config.parallel.afd.enabled else runner  # attention here, MLPs on FFN workers
         self.runner = runner(self.loaded, config, self.num_kv_blocks, self.max_model_len,
                              kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
                              head=self._load_head(), speculative=self.speculative)
@@ -193,6 +198,7 @@ class EngineCore:
             speculative=self.speculative,
             ranks=self.ranks(),
             pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
+            ffn_workers=self.config.parallel.afd.ffn_workers,
         )
 
     def ranks(self) -> list[TPRank]:

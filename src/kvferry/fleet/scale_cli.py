@@ -3,6 +3,7 @@
     kvferry scale --url http://127.0.0.1:8000 --decode 3          # disagg: one pool on its own
     kvferry scale --url http://127.0.0.1:8000 --prefill 1 --decode 2
     kvferry scale --url http://127.0.0.1:8000 --engines 2         # colocated
+    kvferry scale --url http://127.0.0.1:8000 --attention 2       # --mode afd: its attention cores
     kvferry scale --url http://127.0.0.1:8000                     # show the pools, the last scales, the autoscaler
 
 It calls ``POST /v1/admin/scale`` (an admin key, when the server has keys)
@@ -35,6 +36,8 @@ def add_scale_parser(sub) -> None:
                                        "(POST /v1/admin/scale). Without counts: show the pools.")
     scale.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
     scale.add_argument("--engines", type=int, default=None, help="colocated mode: engine cores to run")
+    scale.add_argument("--attention", type=int, default=None,
+                       help="afd mode: attention cores to run (they share the server's FFN workers; as --engines)")
     scale.add_argument("--prefill", type=int, default=None, help="disagg mode: prefill cores to run")
     scale.add_argument("--decode", type=int, default=None, help="disagg mode: decode cores to run")
     scale.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -47,6 +50,11 @@ def add_scale_parser(sub) -> None:
 
 
 def run_scale(args: argparse.Namespace) -> int:
+    if args.attention is not None:  # an AFD server's attention cores are its colocated engine cores
+        if args.engines is not None:
+            print("kvferry scale: error: give --attention or --engines (the same cores), not both", file=sys.stderr)
+            return 2
+        args.engines = args.attention
     # "engines" as the flag (the server takes it for "engine"): an error names the flag given.
     counts = {"engines": args.engines, "prefill": args.prefill, "decode": args.decode}
     counts = {k: v for k, v in counts.items() if v is not None}

@@ -71,6 +71,8 @@ def core_config(args: EngineArgs, role: str, tp: int | None = None):
     ``tp``: its pool's tensor-parallel ranks (None: the engine's)."""
     if tp is not None:
         args = dataclasses.replace(args, tensor_parallel_size=tp)
+    if role == "prefill" and args.ffn:  # --mode disagg --ffn M: the decode pool alone splits (serve/afd.py)
+        args = dataclasses.replace(args, ffn=0, afd_folder=None)
     config = args.create_engine_config()
     if role != "engine" and not config.kv_transfer.kv_transfer_address:
         config.kv_transfer.kv_transfer_address = "tcp://127.0.0.1:0"

@@ -69,8 +69,10 @@ class Worker:
             "prompt_tokens_computed": s.num_prompt_tokens_computed,
             "draft_prompt_tokens_computed": s.num_draft_prompt_tokens_computed,
             "step_model": self.step_model.fit(),
-            "tensor_parallel_size": max(1, len(self.ready.ranks) // self.ready.pipeline_parallel_size),
+            "tensor_parallel_size": max(1, (len(self.ready.ranks) - self.ready.ffn_workers)
+                                        // self.ready.pipeline_parallel_size),
             "pipeline_parallel_size": self.ready.pipeline_parallel_size,
+            "ffn_workers": self.ready.ffn_workers,
             "ranks": self.describe_ranks(),
         }
 

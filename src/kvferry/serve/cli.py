@@ -17,6 +17,7 @@ import sys
 from kvferry.autoscale.flags import add_autoscale_args  # light: the planner is policy.py's
 from kvferry.config import EngineArgs
 
+from kvferry.serve.afd import add_afd_args, afd_folder, apply_afd_args, start_ffn_pool
 from kvferry.serve.api_flags import add_api_args
 from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.model.resolve import resolve_model  # light: paths and names, no torch
@@ -92,8 +93,10 @@ def check_model(model: str | None) -> None:
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("router (several engine cores behind one front end)")
-    group.add_argument("--mode", default="colocated", choices=["colocated", "disagg"],
-                       help="colocated: every core runs both phases (chunked prefill); disagg: prefill and decode pools")
+    group.add_argument("--mode", default="colocated", choices=["colocated", "disagg", "afd"],
+                       help="colocated: every core runs both phases (chunked prefill); disagg: prefill and decode "
+                            "pools; afd: attention cores and FFN workers apart (--attention N --ffn M)")
+    add_afd_args(group)
     group.add_argument("--data-parallel-size", type=int, default=1,
                        help="engine cores to start in colocated mode (0 with --worker: joined cores only)")
     group.add_argument("--prefill", type=int, default=1, help="prefill cores to start in disagg mode")
@@ -160,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         local_cores = _starts_local_cores(args)
         if local_cores:  # joined cores (--worker) load the model on their own machines
             check_model(args.model)
-        engine_args = apply_vllm_args(args, args.engine_args)
+        engine_args = apply_afd_args(args, apply_vllm_args(args, args.engine_args))  # --mode afd: N cores
         # What would otherwise fail only in a started process, after the model loads.
         check_serve_args(args, engine_args, local_cores)
     except ValueError as exc:
@@ -168,4 +171,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from kvferry.serve.server import run_server  # lazy: uvicorn, fastapi and the front end, ~0.5 s
 
-    return run_server(args, engine_args)
+    engine_args = afd_folder(engine_args)
+    pool = start_ffn_pool(args, engine_args)  # --mode afd: the FFN workers, shared by the cores
+    try:
+        return run_server(args, engine_args)
+    finally:
+        if pool is not None:
+            pool.stop()

@@ -1,0 +1,62 @@
+"""Attention/FFN disaggregation's settings (``--mode afd``; no torch: config.py
+imports it, and ``kvferry serve``'s preflight reads it before anything starts).
+
+    AFDConfig(ffn_workers, folder)   0 FFN workers: off (the core runs its own MLPs)
+    check_afd(config)                ValueError (one line) for the first thing it does not run with yet
+
+The engine side is kvferry.engine.afd_leader (the FFN processes and their
+sockets) and afd_runner (the attention core's step); docs/parallelism.md
+has the picture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class AFDConfig:
+    """``ffn_workers``: processes that hold the feed-forward half of every
+    layer (a dense MLP's intermediate columns, or whole experts, split over
+    them); 0: off. ``folder``: the 0700 folder of their ipc sockets, shared
+    by every attention core of one server (they batch all of them); None:
+    the core makes a private one and its FFN workers serve it alone."""
+
+    ffn_workers: int = 0
+    folder: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ffn_workers, bool) or not isinstance(self.ffn_workers, int) or self.ffn_workers < 0:
+            raise ValueError(f"ffn must be an integer >= 0 (FFN workers of --mode afd), got {self.ffn_workers!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.ffn_workers > 0
+
+
+def afd_refusals(config: Any) -> list[str]:
+    """What an EngineConfig asks that attention/FFN disaggregation does not
+    run with yet (an empty list: it runs)."""
+    if not config.parallel.afd.enabled:
+        return []
+    spec, par = config.speculative, config.parallel
+    refused = [
+        (config.model.device != "cpu", f"device {config.model.device!r} (FFN workers run on the CPU)"),
+        (config.model.quantization in ("gguf", "int8"),
+         f"quantization {config.model.quantization!r} (FFN workers split float weights)"),
+        (config.model.deterministic, "deterministic"),
+        (spec is not None, "speculative decoding (--speculative-config off)"),
+        (par.tensor_parallel_size > 1, f"tensor_parallel_size {par.tensor_parallel_size}"),
+        (par.pipeline_parallel_size > 1, f"pipeline_parallel_size {par.pipeline_parallel_size}"),
+        (config.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
+        (bool(config.kv_connector), "--kv-connector"),
+        (config.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
+    ]
+    return [f"attention/FFN disaggregation (ffn {par.afd.ffn_workers}) does not work with {what} yet"
+            for bad, what in refused if bad]
+
+
+def check_afd(config: Any) -> None:
+    """EngineConfig's check: the first of ``afd_refusals`` as a ValueError."""
+    for refusal in afd_refusals(config)[:1]:
+        raise ValueError(refusal)

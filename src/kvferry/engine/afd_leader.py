@@ -1,0 +1,212 @@
+"""An attention core's side of attention/FFN disaggregation: its FFN workers.
+
+    attention core i ("kvferry: engine-i")          FFN worker j (afd_worker.py)
+    ---------------------------------------          ----------------------------
+    AFDLeader(config)                                loads every layer's MLP (its split of them), binds
+                                                     ipc://FOLDER/ffn-j, then writes FOLDER/ffn-j.pid
+    connect(): waits for the M pid files         ◀── (its readiness)
+    runner step: per layer and micro-batch
+      send_rows(ffn-j, (step, layer, mb), x)     ──▶ takes every waiting request of every core,
+      recv_rows(...) from each j, summed         ◀── one MLP call per layer over all of their rows
+
+Whose workers they are:
+
+- ``kvferry serve --mode afd``: the server's (afd_pool.FFNPool), in the
+  0700 FOLDER its N attention cores share, so that each FFN call batches
+  the rows of every core with a request waiting (attention's cost grows
+  with each core's KV; the FFN's weights are read once for all of them).
+  A core watches the workers' pids; once one is gone the core ends whole
+  (``RankFailed``: its requests fail), the router restarts it, and it waits
+  for the pool's new workers.
+- A core started alone (``kvferry engine-core --ffn M``, ``LLM(ffn=M)``):
+  its own, in a private folder, watched as a TP leader watches its ranks
+  (rank_group.RankProcesses); they exit once the core's process is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+
+import torch
+import zmq
+
+from kvferry.config import EngineConfig
+from kvferry.core.outputs import RunnerOutput, SchedulerOutput
+from kvferry.engine.afd_pool import ffn_threads, pid_file, spawn_ffn_workers
+from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
+from kvferry.engine.tp_ranks import RunnerShape
+from kvferry.messages import TPRank
+from kvferry.parallel import RankFailed
+from kvferry.parallel.afd import ffn_address, recv_rows, send_rows
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 600.0  # how long a core waits for the FFN workers to load their weights
+_POLL_MS = 200
+
+
+def check_folder(folder: str) -> None:
+    """The shared folder must be this user's and closed to everyone else
+    (its sockets take unauthenticated requests)."""
+    info = os.stat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ValueError(f"the FFN workers' folder {folder} must be a directory of this user with mode 0700")
+
+
+class AFDLeader(RankProcesses):
+    """This attention core's link to the M FFN workers (module docstring);
+    the engine core holds it where a TP or PP core holds its leader."""
+
+    MEMBER, GROUP = "FFN worker", "attention/FFN group"
+
+    def __init__(self, config: EngineConfig, name: str | None = None) -> None:
+        afd = config.parallel.afd
+        self.size = afd.ffn_workers
+        self.name = name or core_name()
+        self.threads = ffn_threads(config)
+        self._threads_before = torch.get_num_threads()
+        if config.parallel.cpu_threads_per_rank is not None:  # the attention core's too
+            torch.set_num_threads(config.parallel.cpu_threads_per_rank)
+        self.failure: RankFailed | None = None
+        self.owner = afd.folder is None  # a core alone starts its own workers
+        self._dir = tempfile.mkdtemp(prefix="kvferry-afd-") if self.owner else afd.folder
+        check_folder(self._dir)
+        self._procs: list[subprocess.Popen] = []
+        self._steps: list[zmq.Socket] = []  # the owner's control sockets (shutdown)
+        self._pids: list[int] = []
+        self._ctx = zmq.Context()
+        if self.owner:
+            self._spawn(config)
+        self.socks: list[zmq.Socket] = []
+        self._stopping = threading.Event()
+        self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir if self.owner else None,
+                                           self._stopping)
+        self._watcher: threading.Thread | None = None
+
+    def _spawn(self, config: EngineConfig) -> None:
+        self._procs = spawn_ffn_workers(config, self._dir, self.name)
+        for j in range(self.size):
+            ctl = self._ctx.socket(zmq.PUSH)
+            ctl.setsockopt(zmq.LINGER, 0)
+            ctl.connect(f"ipc://{self._dir}/ctl-{j}")
+            self._steps.append(ctl)
+
+    # -- start-up ------------------------------------------------------------------
+    def connect(self, shard: object = None) -> None:
+        """Wait until every FFN worker has loaded its weights (its pid file)."""
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        pids: list[int | None] = [None] * self.size
+        while None in pids:
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise RankFailed(pids.index(None) + 1, f"did not load its weights within {LOAD_TIMEOUT_S:g}s")
+            for j in range(self.size):
+                pid = _read_pid(pid_file(self._dir, j))
+                mine = not self.owner or pid == self._procs[j].pid  # the owner: its own workers only
+                if pids[j] is None and pid is not None and mine and _alive(pid):
+                    pids[j] = pid
+            time.sleep(POLL_S / 4)
+        self._pids = [p for p in pids if p is not None]
+        for j in range(self.size):
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ffn_address(self._dir, j))
+            self.socks.append(sock)
+        self._stash: list[dict[tuple, object]] = [{} for _ in self.socks]
+        self._watcher = threading.Thread(target=self._watch, name="afd-ffn-watch", daemon=True)
+        self._watcher.start()
+        logger.info("attention/FFN disaggregation: %d FFN workers (pids %s)%s", self.size,
+                    ", ".join(map(str, self._pids)), ", started by this core" if self.owner else "")
+
+    def start_runners(self, shape: RunnerShape) -> None:
+        """The FFN workers hold no KV: nothing to size."""
+
+    def _raise_if_dead(self) -> None:
+        if self.owner:
+            super()._raise_if_dead()
+            return
+        for j, pid in enumerate(self._pids, start=1):
+            if not _alive(pid):
+                raise RankFailed(j, f"{self.MEMBER} {j} (pid {pid}) is gone; the engine core's {self.GROUP} "
+                                    "ends whole")
+
+    # -- steps -----------------------------------------------------------------------
+    def alive(self) -> None:
+        """RankFailed once an FFN worker is gone (polled while a reply is awaited)."""
+        self.check()
+        self._raise_if_dead()
+
+    def send(self, tag: tuple[int, int, int], rows) -> None:  # noqa: ANN001 - torch.Tensor [T, hidden]
+        """A micro-batch's normed rows of one layer to every FFN worker."""
+        for sock in self.socks:
+            send_rows(sock, tag, rows)
+
+    def receive(self, tag: tuple[int, int, int]):  # noqa: ANN201 - torch.Tensor [T, hidden]
+        """The layer's MLP output for ``tag``: the workers' partial sums added."""
+        out = None
+        for j in range(len(self.socks)):
+            part = self._answer(j, tag)
+            out = part if out is None else out.add_(part)
+        return out
+
+    def _answer(self, j: int, tag: tuple[int, int, int]):  # noqa: ANN202 - torch.Tensor
+        """Worker j's answer to ``tag``; those that come first wait in its stash
+        (the worker answers in its batches' order, recv_rows)."""
+        stash = self._stash[j]
+        while tag not in stash:
+            got, rows = recv_rows(self.socks[j], _POLL_MS, self.alive)
+            if len(stash) > 64:  # at most the step's micro-batches are in flight
+                raise RuntimeError(f"attention and FFN out of step: waiting for {tag}, got {got}")
+            stash[got] = rows
+        return stash.pop(tag)
+
+    def publish(self, sched: SchedulerOutput) -> None:
+        """ModelRunner's hook before a step: the group must be whole."""
+        self.check()
+
+    def record(self, out: RunnerOutput) -> None:
+        """ModelRunner's hook after a step (nothing to forward: the FFN samples nothing)."""
+
+    def run(self, execute, sched: SchedulerOutput) -> RunnerOutput:  # noqa: ANN001 - ModelRunner.execute
+        return execute(sched)
+
+    def ranks(self) -> list[TPRank]:
+        """This core (rank 0) and the FFN workers (ranks 1..M): GET /v1/admin/workers."""
+        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=torch.get_num_threads(), alive=True)]
+        for j, pid in enumerate(self._pids, start=1):
+            ranks.append(TPRank(rank=j, pid=pid, cpu_threads=self.threads, alive=_alive(pid)))
+        return ranks
+
+    def close(self) -> None:
+        """Stop the owner's workers (a shutdown message, then SIGTERM, then SIGKILL)."""
+        if not self._stop_processes():
+            return
+        for sock in [*self._steps, *self.socks]:
+            sock.close(linger=0)
+        self._ctx.term()
+        self._finalizer()
+        torch.set_num_threads(self._threads_before)
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip() or 0) or None
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

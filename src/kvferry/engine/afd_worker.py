@@ -1,0 +1,147 @@
+"""An FFN worker of attention/FFN disaggregation (afd_leader.py has the picture).
+
+    python -m kvferry.engine.afd_worker      (a pickled FFNSpec on stdin)
+
+It loads every layer's feed-forward block, worker j of M holding its split
+as a tensor-parallel rank would (parallel/layers: a dense MLP's
+intermediate columns j of M; a mixture of experts' whole experts
+[j * E / M, (j + 1) * E / M), the shared expert's columns j of M), and
+drops the rest of the model. Its blocks' down projections then give
+partial sums (no all-reduce here: the attention core adds the M answers).
+
+It then answers requests: every request waiting from every attention core
+is taken at once, and the rows of one layer go through its block in one
+call (the batch the split exists for), each answer back to its sender.
+It exits on its core's shutdown message, on any error (whoever started
+it, a core or the server's pool, sees it exit), and as soon as that
+process is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+
+import setproctitle
+import torch
+import zmq
+from torch import nn
+
+from kvferry.engine.afd_pool import FFNSpec, pid_file
+from kvferry.model.layers import Linear
+from kvferry.model.layers.parallel import TPShard
+from kvferry.model.loader import load_model
+from kvferry.parallel.afd import FFNRequest, ffn_address, reply, take_requests
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 200
+
+
+class PartialSums:
+    """The collective an FFN worker's split blocks see: their partial sums
+    stay partial (the attention core adds the workers' answers)."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        raise RuntimeError("an FFN worker gathers nothing")
+
+
+def load_blocks(spec: FFNSpec) -> list[nn.Module]:
+    """Every layer's feed-forward block (this worker's split), packed; the
+    rest of the model is dropped."""
+    m = spec.config.model
+    shard = None
+    if spec.size > 1:
+        shard = TPShard(spec.index, spec.size, expert_parallel=True)
+        shard.group = PartialSums()
+    loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
+    blocks = [layer.mlp for layer in loaded.model.layers]
+    for block in blocks:
+        for lin in block.modules():
+            if isinstance(lin, Linear):
+                lin.process_weights_after_loading()
+    return blocks
+
+
+def serve(blocks: list[nn.Module], sock: zmq.Socket, ctl: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(ctl, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll(_POLL_MS))
+        if ctl in ready and pickle.loads(ctl.recv()) is None:
+            return
+        if sock in ready:
+            answer(blocks, sock, take_requests(sock))
+
+
+@torch.inference_mode()
+def answer(blocks: list[nn.Module], sock: zmq.Socket, requests: list[FFNRequest]) -> None:
+    """Each layer's requests in one call of its block, layers in the order
+    their first request came (each core's requests stay in its order)."""
+    by_layer: dict[int, list[FFNRequest]] = {}
+    for req in requests:
+        by_layer.setdefault(req.layer, []).append(req)
+    for layer, reqs in by_layer.items():
+        rows = reqs[0].rows if len(reqs) == 1 else torch.cat([r.rows for r in reqs])
+        out = blocks[layer](rows)  # [sum T, hidden]
+        start = 0
+        for req in reqs:
+            n = req.rows.shape[0]
+            reply(sock, req, out[start:start + n])
+            start += n
+
+
+def main() -> int:
+    spec: FFNSpec = pickle.load(sys.stdin.buffer)
+    name = f"{spec.name} ffn {spec.index}"
+    setproctitle.setproctitle(f"kvferry: {name}")
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+    _watch_parent(spec.parent_pid)
+    torch.set_num_threads(spec.threads)
+    ctx = zmq.Context()
+    sock, ctl = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    try:
+        blocks = load_blocks(spec)
+        sock.bind(ffn_address(spec.folder, spec.index))
+        ctl.bind(f"ipc://{spec.folder}/ctl-{spec.index}")
+        _write_pid(pid_file(spec.folder, spec.index))  # ready: the cores connect now
+        serve(blocks, sock, ctl)
+    except ValueError as exc:  # a configuration or model-file mistake: one line
+        logger.error("FFN worker failed: %s", exc)
+        return 1
+    except Exception:  # noqa: BLE001 - its exit is seen by whoever started it
+        logger.exception("FFN worker failed")
+        return 1
+    finally:
+        sock.close(linger=0)
+        ctl.close(linger=0)
+        ctx.term()
+    return 0
+
+
+def _write_pid(path: str) -> None:
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, path)  # whole or absent: a core never reads half a pid
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit once the process that started it is gone."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_POLL_MS / 1000)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
