@@ -6,10 +6,12 @@ processes and sends each step to them; a group lives and dies whole.
     RankProcesses   mixin: send a step to every rank, watch them, stop them
     kill_all        SIGTERM, then SIGKILL after a grace (also the finalizer)
     core_name       the core's name from this process's title
+    ranks_of        every rank as GET /v1/admin/workers shows it (with its Ray node, if placed by Ray)
 """
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import shutil
 import signal
@@ -20,7 +22,10 @@ import time
 import setproctitle
 import zmq
 
+from kvferry.engine import rank_launcher
+from kvferry.messages import TPRank
 from kvferry.parallel import RankFailed
+from kvferry.parallel.rank_sockets import RankKeys
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +96,29 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 pass
         return True
+
+
+def ranks_of(procs: list, threads: int) -> list[TPRank]:
+    """Every rank, this one (rank 0) first; ``node``: its Ray node id under
+    --ray (a local child is on rank 0's), else "" (rank_launcher.py)."""
+    ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=threads, alive=True, node=rank_launcher.this_node())]
+    for rank, proc in enumerate(procs, start=1):
+        ranks.append(TPRank(rank=rank, pid=proc.pid, cpu_threads=threads, alive=proc.poll() is None,
+                            node=getattr(proc, "node", None) or ranks[0].node))
+    return ranks
+
+
+def connect_to_leader(ctx: zmq.Context, reports: str, steps: str, remote: bool) -> tuple[zmq.Socket, zmq.Socket]:
+    """A rank's two sockets to rank 0, which bound both: its reports (PUSH)
+    and its steps (PULL); CURVE clients when ``remote`` (tcp://, rank_sockets.py)."""
+    keys = RankKeys.of_tree() if remote else None
+    out, into = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for sock, address in ((out, reports), (into, steps)):
+        if keys is not None:
+            keys.client(sock)
+        sock.connect(address)
+    out.setsockopt(zmq.LINGER, 2000)
+    return out, into
 
 
 def core_name() -> str:
