@@ -30,6 +30,7 @@ from kvferry.parallel.rank_sockets import RankKeys
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
+_SEND_WAIT_S = 0.005  # between tries of a step's send to a rank not connected yet
 STOP_GRACE_S = 5.0
 
 
@@ -54,9 +55,22 @@ class RankProcesses:
             raise self.failure
 
     def _send(self, message: object) -> None:
+        """``message`` to every rank. Rank 0 binds the step sockets, and a
+        bound PUSH socket with no peer blocks a send: a rank that has not
+        connected yet is waited for, one that is gone fails the group
+        (RankFailed), and while the group stops a gone rank is skipped."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._steps:
-            sock.send(data, copy=False)
+            while True:
+                try:
+                    sock.send(data, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if self._stopping.is_set():
+                        break
+                    self.check()
+                    self._raise_if_dead()
+                    time.sleep(_SEND_WAIT_S)
 
     def _raise_if_dead(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
