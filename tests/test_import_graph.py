@@ -189,6 +189,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "chat/cli.py": {"readline": "a terminal's line editing: importing it changes how input() treats one"},
     "engine/core_client.py": {"kvferry.engine.core_proc": NO_TORCH},              # the child imports torch
     "fleet/core_actor.py": {"ray": OPTIONAL, "kvferry.fleet.node_store": OPTIONAL,  # node_store imports ray
+                            "kvferry.fleet.rank_actors": OPTIONAL,  # imports ray: spread TP/PP ranks only
                             "torch": NO_TORCH, "kvferry.engine.core_proc": NO_TORCH,  # the front end names the
                             "kvferry.engine.core": NO_TORCH, "kvferry.engine.cpu_threads": NO_TORCH},  # actor class
     "kvstore/mooncake_lib.py": {"mooncake": OPTIONAL},

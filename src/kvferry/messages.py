@@ -248,13 +248,14 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, tag=True):
 
 class TPRank(msgspec.Struct, kw_only=True, array_like=True):
     """One tensor-parallel rank of a core, as its rank 0 sees it (the
-    admin's view, GET /v1/admin/workers): four numbers, so a heartbeat's
+    admin's view, GET /v1/admin/workers): a few fields, so a heartbeat's
     answer stays small."""
 
     rank: int
     pid: int
     cpu_threads: int
     alive: bool
+    node: str = ""  # its Ray node id under --ray ("": the core's host)
 
 
 class EngineCoreReady(msgspec.Struct, kw_only=True, tag=True):

@@ -9,9 +9,10 @@
        micro-batches: layers ─▶ h ──────────────▶ stage 1: h ─▶ layers ─▶ h ─▶ ... last: layers, sample
        receive_output()                     ◀───  the last stage's RunnerOutput
 
-Sockets are ZeroMQ over ipc:// in one private folder: rank 0 PUSHes each
-step to every stage; stage s binds "acts-s" for the residual stream from
-s - 1; the last stage PUSHes its output to rank 0's "reports" (which also
+Sockets are ZeroMQ over ipc:// in one private folder (tcp:// with CURVE
+when a launcher placed the stages on other nodes: rank_launcher.py): rank 0
+binds a PUSH socket per stage for its steps; stage s binds "acts-s" for the
+residual stream from s - 1 (on its node, at a port its launcher found free); the last stage PUSHes its output to rank 0's "reports" (which also
 takes "loaded" and errors). No collective: a stage waits on its socket
 alone, in slices, checking between them that the group is whole.
 
@@ -25,8 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,12 +39,14 @@ import zmq
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
-from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
+from kvferry.engine import rank_launcher
+from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of
 from kvferry.engine.pp_runner import StageLink
 from kvferry.engine.tp_ranks import RunnerShape
 from kvferry.messages import TPRank
 from kvferry.parallel import RankFailed
 from kvferry.parallel.pipeline import PPStage
+from kvferry.parallel.rank_sockets import RankKeys
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,16 @@ class StageSpec:
 
     config: EngineConfig
     stage: PPStage
-    folder: str  # the group's ipc folder: steps-s, acts-s, reports
+    reports: str  # rank 0's address for "loaded", errors, the last stage's outputs (it binds it)
+    steps: str  # ... and for this stage's steps (rank 0 binds it)
+    acts_in: str  # where this stage binds for the residual stream from the stage before
+    acts_out: str | None  # the next stage's acts_in (None: the last stage)
     name: str  # the core's: the process is "kvferry: {name} rank {s}"
     threads: int
     cpus: list[int] | None  # pinned to these (KVFERRY_CPU_BIND), else None
     parent_pid: int
     log_level: int
+    remote: bool = False  # tcp:// sockets with CURVE (rank_sockets.py): stages on other nodes
 
 
 def stage_threads(config: EngineConfig) -> int:
@@ -97,21 +102,33 @@ class PPLeader(RankProcesses):
         self.timelines: deque[tuple[int, list, list]] = deque(maxlen=64)
         self._dir = tempfile.mkdtemp(prefix="kvferry-pp-")
         self._ctx = zmq.Context()
-        self._reports = self._ctx.socket(zmq.PULL)
-        self._reports.bind(f"ipc://{self._dir}/reports")
-        cpus = self._stage_cpus(n)
-        self._procs: list[subprocess.Popen] = []
+        # Stages placed elsewhere (--ray-rank-placement spread) may be on other
+        # nodes: tcp:// with CURVE (rank_launcher.py, parallel/rank_sockets.py).
+        self._launcher = launcher = rank_launcher.current()
+        self._keys = RankKeys.of_tree() if launcher is not None else None
+        self._guard = self._keys.guard(self._ctx) if self._keys is not None else None
+        self._reports = self._bind(zmq.PULL, "reports")
+        if launcher is not None:
+            sites = launcher.place(n - 1)
+            acts = [f"tcp://{site.host}:{site.port}" for site in sites]  # stage s binds acts[s - 1]
+            cpus = None
+        else:
+            sites = [None] * (n - 1)
+            acts = [f"ipc://{self._dir}/acts-{rank}" for rank in range(1, n)]
+            cpus = self._stage_cpus(n)
+        self._procs: list = []
         self._steps: list[zmq.Socket] = []
-        for rank in range(1, n):
-            spec = StageSpec(config, stage_of(config, num_layers, rank), self._dir, self.name, self.threads,
-                             cpus[rank] if cpus else None, os.getpid(), logging.getLogger().getEffectiveLevel())
-            proc = subprocess.Popen([sys.executable, "-m", "kvferry.engine.pp_worker"], stdin=subprocess.PIPE)
-            proc.stdin.write(pickle.dumps(spec))
-            proc.stdin.close()
-            self._procs.append(proc)
-            self._steps.append(self._push(f"ipc://{self._dir}/steps-{rank}"))
+        for rank, site in zip(range(1, n), sites):
+            sock = self._bind(zmq.PUSH, f"steps-{rank}")
+            self._steps.append(sock)
+            spec = StageSpec(config, stage_of(config, num_layers, rank), _endpoint(self._reports), _endpoint(sock),
+                             acts[rank - 1], acts[rank] if rank < n - 1 else None, self.name, self.threads,
+                             cpus[rank] if cpus else None, site.parent_pid if site else os.getpid(),
+                             logging.getLogger().getEffectiveLevel(), remote=launcher is not None)
+            self._procs.append(launcher.spawn(rank, "kvferry.engine.pp_worker", spec) if launcher is not None
+                               else rank_launcher.local("kvferry.engine.pp_worker", spec))
         # Stage 0's activations go to stage 1 (queued until it binds).
-        self.link = StageLink(prev=None, next=self._push(f"ipc://{self._dir}/acts-1"), alive=self.check)
+        self.link = StageLink(prev=None, next=self._push(acts[0]), alive=self.check)
         self._stopping = threading.Event()  # ours: a stage's exit from now on is no failure
         self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir, self._stopping)
         self._watcher: threading.Thread | None = None
@@ -119,7 +136,20 @@ class PPLeader(RankProcesses):
     def _push(self, address: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is not None:
+            self._keys.client(sock)
         sock.connect(address)
+        return sock
+
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        """A socket rank 0 binds: ipc:// in the private folder, or tcp:// on
+        this node with CURVE when the stages may be elsewhere."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is None:
+            sock.bind(f"ipc://{self._dir}/{name}")
+        else:
+            self._keys.server(sock).bind(f"tcp://{self._launcher.host}:*")
         return sock
 
     def _stage_cpus(self, n: int) -> list[list[int]] | None:
@@ -158,10 +188,7 @@ class PPLeader(RankProcesses):
 
     def ranks(self) -> list[TPRank]:
         """Every stage, this one first: what GET /v1/admin/workers shows."""
-        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=self.threads, alive=True)]
-        for rank, proc in enumerate(self._procs, start=1):
-            ranks.append(TPRank(rank=rank, pid=proc.pid, cpu_threads=self.threads, alive=proc.poll() is None))
-        return ranks
+        return ranks_of(self._procs, self.threads)
 
     # -- steps ---------------------------------------------------------------------
     def publish(self, sched: SchedulerOutput) -> None:
@@ -199,7 +226,15 @@ class PPLeader(RankProcesses):
         for sock in [*self._steps, self.link.next]:
             sock.close(linger=0)
         self._reports.close(linger=0)
+        if self._guard is not None:
+            self._guard.stop()
         self._ctx.term()
+        if self._launcher is not None:
+            self._launcher.close()  # the ranks' places (Ray actors): the group's bundles are free again
         self._finalizer()
         torch.set_num_threads(self._threads_before)
 
+
+
+def _endpoint(sock: zmq.Socket) -> str:
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)

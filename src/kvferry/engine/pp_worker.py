@@ -27,7 +27,9 @@ import zmq
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.engine.pp_runner import StageLink, StageRunner
 from kvferry.engine.pp_stages import StageSpec
+from kvferry.engine.rank_group import connect_to_leader
 from kvferry.engine.tp_ranks import RunnerShape
+from kvferry.parallel.rank_sockets import RankKeys
 from kvferry.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -47,16 +49,21 @@ def main() -> int:
     else:
         torch.set_num_threads(spec.threads)
     ctx = zmq.Context()
-    reports, steps, prev = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
-    reports.setsockopt(zmq.LINGER, 2000)
-    reports.connect(f"ipc://{spec.folder}/reports")
-    steps.bind(f"ipc://{spec.folder}/steps-{rank}")
-    prev.bind(f"ipc://{spec.folder}/acts-{rank}")
+    # Stages on other nodes: CURVE on every tcp:// socket (parallel/rank_sockets.py).
+    keys = RankKeys.of_tree() if spec.remote else None
+    guard = keys.guard(ctx) if keys is not None else None
+    reports, steps = connect_to_leader(ctx, spec.reports, spec.steps, spec.remote)
+    prev = ctx.socket(zmq.PULL)
+    if keys is not None:
+        keys.server(prev)
+    prev.bind(spec.acts_in)
     nxt = None
-    if not spec.stage.last:
+    if spec.acts_out is not None:
         nxt = ctx.socket(zmq.PUSH)
         nxt.setsockopt(zmq.LINGER, 0)
-        nxt.connect(f"ipc://{spec.folder}/acts-{rank + 1}")
+        if keys is not None:
+            keys.client(nxt)
+        nxt.connect(spec.acts_out)
     try:
         runner = _start(spec, reports, steps)
         if runner is not None:  # None: rank 0 stopped before its pool was built
@@ -75,6 +82,8 @@ def main() -> int:
             if sock is not None:
                 sock.close(linger=0)
         reports.close()
+        if guard is not None:
+            guard.stop()
         ctx.term()
     return 0
 

@@ -6,10 +6,12 @@ processes and sends each step to them; a group lives and dies whole.
     RankProcesses   mixin: send a step to every rank, watch them, stop them
     kill_all        SIGTERM, then SIGKILL after a grace (also the finalizer)
     core_name       the core's name from this process's title
+    ranks_of        every rank as GET /v1/admin/workers shows it (with its Ray node, if placed by Ray)
 """
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import shutil
 import signal
@@ -20,11 +22,15 @@ import time
 import setproctitle
 import zmq
 
+from kvferry.engine import rank_launcher
+from kvferry.messages import TPRank
 from kvferry.parallel import RankFailed
+from kvferry.parallel.rank_sockets import RankKeys
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
+_SEND_WAIT_S = 0.005  # between tries of a step's send to a rank not connected yet
 STOP_GRACE_S = 5.0
 
 
@@ -49,9 +55,22 @@ class RankProcesses:
             raise self.failure
 
     def _send(self, message: object) -> None:
+        """``message`` to every rank. Rank 0 binds the step sockets, and a
+        bound PUSH socket with no peer blocks a send: a rank that has not
+        connected yet is waited for, one that is gone fails the group
+        (RankFailed), and while the group stops a gone rank is skipped."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._steps:
-            sock.send(data, copy=False)
+            while True:
+                try:
+                    sock.send(data, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if self._stopping.is_set():
+                        break
+                    self.check()
+                    self._raise_if_dead()
+                    time.sleep(_SEND_WAIT_S)
 
     def _raise_if_dead(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
@@ -91,6 +110,29 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 pass
         return True
+
+
+def ranks_of(procs: list, threads: int) -> list[TPRank]:
+    """Every rank, this one (rank 0) first; ``node``: its Ray node id under
+    --ray (a local child is on rank 0's), else "" (rank_launcher.py)."""
+    ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=threads, alive=True, node=rank_launcher.this_node())]
+    for rank, proc in enumerate(procs, start=1):
+        ranks.append(TPRank(rank=rank, pid=proc.pid, cpu_threads=threads, alive=proc.poll() is None,
+                            node=getattr(proc, "node", None) or ranks[0].node))
+    return ranks
+
+
+def connect_to_leader(ctx: zmq.Context, reports: str, steps: str, remote: bool) -> tuple[zmq.Socket, zmq.Socket]:
+    """A rank's two sockets to rank 0, which bound both: its reports (PUSH)
+    and its steps (PULL); CURVE clients when ``remote`` (tcp://, rank_sockets.py)."""
+    keys = RankKeys.of_tree() if remote else None
+    out, into = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for sock, address in ((out, reports), (into, steps)):
+        if keys is not None:
+            keys.client(sock)
+        sock.connect(address)
+    out.setsockopt(zmq.LINGER, 2000)
+    return out, into
 
 
 def core_name() -> str:

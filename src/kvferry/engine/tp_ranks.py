@@ -12,7 +12,10 @@
 
 The scheduler stays single: rank 0 schedules and samples, and each step's
 ``SchedulerOutput`` (the runner's whole input, plain data) goes to every
-worker, pickled, over one ZeroMQ PUSH socket per worker (ipc://). A worker
+worker, pickled, over one ZeroMQ PUSH socket per worker that rank 0 binds
+(ipc:// in its private folder; tcp:// with CURVE, and the sums over
+parallel/tcp_group.py, when a launcher placed the ranks on other nodes:
+rank_launcher.py). A worker
 waiting for a step waits on its socket, so an idle core has no collective
 in flight and no timeout to meet.
 
@@ -30,8 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,10 +45,13 @@ import zmq
 from kvferry.config import EngineConfig, ParallelConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
-from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
+from kvferry.engine import rank_launcher
+from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of
 from kvferry.messages import TPRank
 from kvferry.model.layers.parallel import TPShard
 from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
+from kvferry.parallel.rank_sockets import RankKeys
+from kvferry.parallel.tcp_group import TcpGroup
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class WorkerSpec:
     cpus: list[int] | None  # pinned to these (KVFERRY_CPU_BIND), else None
     parent_pid: int
     log_level: int  # rank 0's
+    remote: bool = False  # tcp:// sockets with CURVE (rank_sockets.py), the sums over TcpGroup
 
 
 @dataclass(slots=True)
@@ -84,8 +89,12 @@ class RunnerShape:
     kv_cache_dtype: torch.dtype
 
 
-def join_group(rank: int, address: GroupAddress, parallel: ParallelConfig) -> ProcessGroup | ShmAllReduce:
-    """This rank's membership, its sums through shared memory unless gloo is asked for."""
+def join_group(rank: int, address: GroupAddress | str, parallel: ParallelConfig) -> ProcessGroup | ShmAllReduce | TcpGroup:
+    """This rank's membership, its sums through shared memory unless gloo is
+    asked for; over TcpGroup when the ranks may be on other nodes (``address``
+    is then rank 0's tcp:// hub)."""
+    if isinstance(address, str):
+        return TcpGroup.member(rank, parallel.tensor_parallel_size, address, COLLECTIVE_TIMEOUT_S)
     group = ProcessGroup(rank, parallel.tensor_parallel_size, address, COLLECTIVE_TIMEOUT_S)
     return ShmAllReduce(group) if parallel.tp_all_reduce == "shm" else group
 
@@ -118,29 +127,50 @@ class TPLeader(RankProcesses):
         self._received_hidden: dict[str, torch.Tensor] = {}
         self._dir = tempfile.mkdtemp(prefix="kvferry-tp-")
         self._ctx = zmq.Context()
-        self._reports = self._ctx.socket(zmq.PULL)
-        self._reports.bind(f"ipc://{self._dir}/reports")
-        self._address = GroupAddress.in_folder(self._dir)  # private: only our ranks find each other
-        cpus = self._rank_cpus(n)
-        self._procs: list[subprocess.Popen] = []
+        # Ranks placed elsewhere (--ray-rank-placement spread) may be on other
+        # nodes: tcp:// with CURVE, and the sums over TcpGroup (rank_launcher.py).
+        self._launcher = launcher = rank_launcher.current()
+        self._keys = RankKeys.of_tree() if launcher is not None else None
+        self._guard = self._keys.guard(self._ctx) if self._keys is not None else None
+        self._reports = self._bind(zmq.PULL, "reports")
+        reports = self._reports.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._hub: TcpGroup | None = None
+        if launcher is not None:
+            sites = launcher.place(n - 1)
+            self._hub = TcpGroup.hub(n, launcher.host, COLLECTIVE_TIMEOUT_S, self.check)
+            self._address: GroupAddress | str = self._hub.address
+            cpus = None  # the ranks' CPUs are their nodes': nothing to split here
+        else:
+            sites = [None] * (n - 1)
+            self._address = GroupAddress.in_folder(self._dir)  # private: only our ranks find each other
+            cpus = self._rank_cpus(n)
+        self._procs: list = []
         self._steps: list[zmq.Socket] = []
-        for rank in range(1, n):
-            spec = WorkerSpec(config, rank, n, self._address, f"ipc://{self._dir}/steps-{rank}",
-                              f"ipc://{self._dir}/reports", name, self.threads,
-                              cpus[rank] if cpus else None, os.getpid(), logging.getLogger().getEffectiveLevel())
-            proc = subprocess.Popen([sys.executable, "-m", "kvferry.engine.tp_worker"], stdin=subprocess.PIPE)
-            proc.stdin.write(pickle.dumps(spec))
-            proc.stdin.close()
-            self._procs.append(proc)
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(spec.steps)  # queues until the worker binds
+        for rank, site in zip(range(1, n), sites):
+            sock = self._bind(zmq.PUSH, f"steps-{rank}")  # queues until the worker connects
             self._steps.append(sock)
+            spec = WorkerSpec(config, rank, n, self._address, sock.getsockopt_string(zmq.LAST_ENDPOINT), reports,
+                              name, self.threads, cpus[rank] if cpus else None,
+                              site.parent_pid if site else os.getpid(), logging.getLogger().getEffectiveLevel(),
+                              remote=launcher is not None)
+            self._procs.append(launcher.spawn(rank, "kvferry.engine.tp_worker", spec) if launcher is not None
+                               else rank_launcher.local("kvferry.engine.tp_worker", spec))
         # Workers never outlive this object (an offline LLM dropped without close()).
         self._stopping = threading.Event()  # ours: a worker's exit from now on is no failure
         self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir, self._stopping)
         self._watcher: threading.Thread | None = None
         self._group: ProcessGroup | ShmAllReduce | None = None
+
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        """A socket rank 0 binds: ipc:// in the private folder, or tcp:// on
+        this node with CURVE when the ranks may be elsewhere."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is None:
+            sock.bind(f"ipc://{self._dir}/{name}")
+        else:
+            self._keys.server(sock).bind(f"tcp://{self._launcher.host}:*")
+        return sock
 
     def _rank_cpus(self, n: int) -> list[list[int]] | None:
         """Each rank's own CPUs when pinning is asked for (KVFERRY_CPU_BIND), so ranks never share one."""
@@ -169,7 +199,7 @@ class TPLeader(RankProcesses):
             if kind != "loaded":
                 raise RankFailed(rank, f"failed to start: {detail}")
             pending.discard(rank)
-        shard.group = self._group = join_group(0, self._address, self._parallel)
+        shard.group = self._group = self._hub or join_group(0, self._address, self._parallel)
         self._watcher = threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True)
         self._watcher.start()
         logger.info("tensor parallelism: %d ranks of %d threads each (workers: pids %s)", self.world_size,
@@ -179,10 +209,7 @@ class TPLeader(RankProcesses):
         """Every rank, this one first: what GET /v1/admin/workers shows.
         Read by the core's input thread at each heartbeat (``poll`` only
         reads the exit status the watcher may have reaped already)."""
-        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=self.threads, alive=True)]
-        for rank, proc in enumerate(self._procs, start=1):
-            ranks.append(TPRank(rank=rank, pid=proc.pid, cpu_threads=self.threads, alive=proc.poll() is None))
-        return ranks
+        return ranks_of(self._procs, self.threads)
 
     def start_runners(self, shape: RunnerShape) -> None:
         self._send(shape)
@@ -217,12 +244,18 @@ class TPLeader(RankProcesses):
         """Stop the workers (a shutdown message, then SIGTERM, then SIGKILL)."""
         if not self._stop_processes():
             return
-        if isinstance(self._group, ShmAllReduce):
+        if isinstance(self._group, (ShmAllReduce, TcpGroup)):
             self._group.close()
+        elif self._hub is not None:
+            self._hub.close()
         for sock in self._steps:
             sock.close(linger=0)
         self._reports.close(linger=0)
+        if self._guard is not None:
+            self._guard.stop()
         self._ctx.term()
+        if self._launcher is not None:
+            self._launcher.close()  # the ranks' places (Ray actors): the group's bundles are free again
         self._finalizer()
         torch.set_num_threads(self._threads_before)
 

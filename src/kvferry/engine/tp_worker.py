@@ -25,6 +25,7 @@ import zmq
 
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.engine.kv_connector import for_engine
+from kvferry.engine.rank_group import connect_to_leader
 from kvferry.engine.runner import ModelRunner
 from kvferry.engine.tp_ranks import RunnerShape, WorkerSpec, join_group
 from kvferry.model.layers.parallel import TPShard
@@ -48,10 +49,7 @@ def main() -> int:
     else:
         torch.set_num_threads(spec.threads)
     ctx = zmq.Context()
-    reports, steps = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    reports.setsockopt(zmq.LINGER, 2000)
-    reports.connect(spec.reports)
-    steps.bind(spec.steps)
+    reports, steps = connect_to_leader(ctx, spec.reports, spec.steps, spec.remote)
     try:
         runner = _start(spec, reports, steps)
         if runner is not None:  # None: rank 0 stopped before its pool was built

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import setproctitle
 
+from kvferry.engine import rank_launcher
 from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.gc_heap import freeze_startup_heap
 
@@ -51,7 +52,8 @@ class CoreActor:
     life while ``info`` answers on another)."""
 
     def __init__(self, config, name: str, role: str, env: dict[str, str], check_integrity_when_idle: bool = False,
-                 log_level: str = "INFO", cpus: str | None = None) -> None:
+                 log_level: str = "INFO", cpus: str | None = None, ranks=None) -> None:
+        """``ranks``: placement.RankRoom of a TP/PP core (its placement group), else None."""
         # First: the socket secret and KVFERRY_* settings of the server, which
         # a core it spawned itself would inherit (its KV transfer tokens).
         os.environ.update(env)
@@ -67,6 +69,7 @@ class CoreActor:
         host = node_address(node_id)
         if role != "engine":
             config.kv_transfer.kv_transfer_address = on_node(config.kv_transfer.kv_transfer_address, host)
+        _place_ranks(ranks, node_id, host)
         store_error = None
         if config.kv_tiers.enabled and not config.kv_tiers.kv_store:
             # --kv-dram-gb: the store of this node, shared with its other
@@ -127,6 +130,19 @@ class CoreActor:
             os._exit(1)  # a dead core's process ends: Ray starts the actor again
         self._clean = True
         self._ended.set()
+
+
+def _place_ranks(ranks, node_id: str, host: str) -> None:
+    """Where this core's ranks 1..N-1 run (engine/rank_launcher.py): packed,
+    they are its children on this node, which its placement group reserved
+    for all of them; spread, each is a Ray actor in its own bundle of the
+    group (fleet/rank_actors.py), maybe on another node."""
+    launcher = None
+    if ranks is not None and ranks.placement == "spread":
+        from kvferry.fleet.rank_actors import RayRankLauncher  # optional: imports ray
+
+        launcher = RayRankLauncher(ranks.group, ranks.resources, node_id, host)
+    rank_launcher.install(launcher, node_id)
 
 
 def _set_title(title: str) -> None:

@@ -12,6 +12,12 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_RESOURCES = {"CPU": 1.0}
+# Where a TP/PP core's ranks go (--ray-rank-placement): all on one node
+# (shared memory, ipc) or over the nodes (tcp with CURVE, docs/parallelism.md).
+RANK_PLACEMENTS = ("pack", "spread")
+# Ray's placement group strategy for each: a packed group must be on one
+# node (its ranks share memory), a spread one goes as wide as Ray can.
+RANK_STRATEGIES = {"pack": "STRICT_PACK", "spread": "SPREAD"}
 # How long a scale waits for the cluster to place the cores it adds (--scale-timeout-s).
 DEFAULT_SCALE_TIMEOUT_S = 60.0
 # host:port, [v6]:port, or "auto" (the cluster this node belongs to).
@@ -57,10 +63,14 @@ class RayPlacement:
     decode_resources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_RESOURCES))
     # A scale whose new cores are not all placed within this fails, naming what is missing.
     scale_timeout_s: float = DEFAULT_SCALE_TIMEOUT_S
+    rank_placement: str = "pack"
 
     def __post_init__(self) -> None:
         check_address(self.address)
         check_scale_timeout(self.scale_timeout_s)
+        if self.rank_placement not in RANK_PLACEMENTS:
+            raise ValueError(f"--ray-rank-placement: must be one of {', '.join(RANK_PLACEMENTS)}, "
+                             f"got {self.rank_placement!r}")
 
     def resources_of(self, role: str) -> dict[str, float]:
         return {"engine": self.engine_resources, "prefill": self.prefill_resources,
@@ -91,4 +101,16 @@ def placement_from_args(args) -> RayPlacement | None:
         parse_resources(args.ray_prefill_resources, "--ray-prefill-resources"),
         parse_resources(args.ray_decode_resources, "--ray-decode-resources"),
         scale_timeout_s,
+        getattr(args, "ray_rank_placement", "pack"),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RankRoom:
+    """A TP/PP core's placement group, as its actor gets it: bundle 0 holds
+    the core (rank 0), bundles 1..N-1 its other ranks, each with the role's
+    ``resources``; ``placement`` is "pack" or "spread"."""
+
+    group: object  # ray.util.placement_group.PlacementGroup (ray is not imported here)
+    placement: str
+    resources: dict[str, float]

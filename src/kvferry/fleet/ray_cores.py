@@ -41,8 +41,9 @@ from kvferry import envs, peer_auth
 from kvferry.config import EngineConfig
 from kvferry.engine.core_client import CoreAddresses, CoreProcess, EngineCoreStartError
 from kvferry.fleet.core_actor import CoreActor, CoreActorInfo
-from kvferry.fleet.placement import RayPlacement, actor_resources
-from kvferry.fleet.reservations import release, reserve
+from kvferry.fleet.placement import RANK_STRATEGIES, RankRoom, RayPlacement, actor_resources
+from kvferry.fleet.reservations import release, reserve, reserve_now
+from kvferry.router.scaling import CorePlacementError
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,11 @@ class ActorProcess:
                 pass
 
 
+def rank_count(config: EngineConfig) -> int:
+    """The processes of one core: its TP ranks times its PP stages."""
+    return config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+
+
 def core_process(name: str, actor: "ray.actor.ActorHandle", info: CoreActorInfo) -> CoreProcess:
     return CoreProcess(ActorProcess(name, actor, info), CoreAddresses(info.input, info.output))  # type: ignore[arg-type]
 
@@ -182,6 +188,8 @@ class RayCores:
         # The room reserved for each core a scale added (reservations.py): its
         # actor, and any actor made afresh for it, is created there.
         self._groups: dict[str, PlacementGroup] = {}
+        # A TP/PP role's group shape (ranks, Ray strategy): a scale reserves the same.
+        self._shapes: dict[str, tuple[int, str]] = {}
 
     @classmethod
     def connect(cls, placement: RayPlacement, max_restarts: int) -> "RayCores":
@@ -210,27 +218,52 @@ class RayCores:
         load their models in parallel); returns once each is placed and has
         bound its sockets (its handshake is the caller's). On any failure
         every actor created is ended before EngineCoreStartError propagates."""
-        for name, role, config, cpus in cores:
-            self._specs[name] = _ActorSpec(config, role, check_integrity_when_idle, log_level, cpus)
-            warn_if_no_node_fits(name, self.placement.resources_of(role))
-            self._actors[name] = self._create(name)
-        deadline = time.monotonic() + ready_timeout_s
         processes = []
         try:
+            for name, role, config, cpus in cores:
+                self._specs[name] = _ActorSpec(config, role, check_integrity_when_idle, log_level, cpus)
+                self._reserve_ranks(name, role, config)
+                if name not in self._groups:
+                    warn_if_no_node_fits(name, self.placement.resources_of(role))
+                self._actors[name] = self._create(name)
+            deadline = time.monotonic() + ready_timeout_s
             for name, *_ in cores:
                 info = self._get_info(name, deadline - time.monotonic())
                 processes.append(core_process(name, self._actors[name], info))
         except BaseException:
             for actor in self._actors.values():
                 ray.kill(actor, no_restart=True)
+            release(self._groups.values())
             raise
         return processes
+
+    def _reserve_ranks(self, name: str, role: str, config: EngineConfig) -> None:
+        """A TP/PP core's placement group: a bundle per rank (0: the core's
+        actor), packed or spread (--ray-rank-placement), placed before its
+        actor starts so that a group the cluster cannot place fails within
+        --scale-timeout-s, naming the resources (reservations.py)."""
+        ranks = rank_count(config)
+        if ranks == 1:
+            return
+        strategy = RANK_STRATEGIES[self.placement.rank_placement]
+        self._shapes[role] = (ranks, strategy)
+        try:
+            group = reserve_now(name, role, self.placement.resources_of(role), ranks, strategy,
+                                self.placement.scale_timeout_s)
+        except CorePlacementError as exc:
+            raise EngineCoreStartError(str(exc)) from None
+        if group is not None:
+            self._groups[name] = group
 
     def _create(self, name: str) -> "ray.actor.ActorHandle":
         spec = self._specs[name]
         options = actor_resources(self.placement.resources_of(spec.role))
+        ranks = None
         if name in self._groups:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._groups[name], 0)
+            if rank_count(spec.config) > 1:  # its other ranks go in bundles 1..N-1 (core_actor.py)
+                ranks = RankRoom(self._groups[name], self.placement.rank_placement,
+                                 self.placement.resources_of(spec.role))
         # What a core spawned here would inherit: the KVFERRY_* settings, and
         # the socket secret every core of this server shares (KV transfer tokens).
         env = {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_")}
@@ -238,7 +271,7 @@ class RayCores:
         return self._actor_class.options(max_restarts=self.max_restarts, max_concurrency=_ACTOR_CONCURRENCY,
                                          **options).remote(spec.config, name, spec.role, env,
                                                            spec.check_integrity_when_idle, spec.log_level,
-                                                           spec.cpus)
+                                                           spec.cpus, ranks)
 
     def _get_info(self, name: str, timeout_s: float) -> CoreActorInfo:
         try:
@@ -257,7 +290,7 @@ class RayCores:
         placement's ``scale_timeout_s``. Raises CorePlacementError naming
         what is missing (nothing is left reserved then)."""
         groups = await reserve([(name, role, self.placement.resources_of(role)) for name, role in cores],
-                               self.placement.scale_timeout_s)
+                               self.placement.scale_timeout_s, self._shapes)
         self._groups.update(groups)
 
     async def add(self, name: str, role: str, config: EngineConfig, cpus: str | None,

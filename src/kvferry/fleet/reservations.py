@@ -16,6 +16,12 @@ CorePlacementError names the core, what it needs and what the cluster has
 free, so the pools stay as they were. A cancel (the server stopping) removes
 them too.
 
+A tensor- or pipeline-parallel core's room is one group of a bundle per
+rank (bundle 0: the core's own actor), packed on one node (STRICT_PACK) or
+spread (SPREAD) by --ray-rank-placement; its start reserves it too
+(``reserve_now``), bounded by --scale-timeout-s, so that a group the
+cluster cannot place fails in time, naming what it needs.
+
 Imports ray: only ``kvferry serve --ray`` imports this module.
 """
 from __future__ import annotations
@@ -54,7 +60,7 @@ def _resources(values: dict[str, float]) -> str:
 
 
 def why_unplaced(name: str, role: str, bundle: dict[str, float], free: dict[str, float],
-                 total: dict[str, float]) -> str:
+                 total: dict[str, float], ranks: int = 1, strategy: str = "STRICT_PACK") -> str:
     """One line: which core, what it needs, what the cluster has free of
     what it has, e.g. "cannot place engine core engine-2: needs {CPU: 1},
     cluster has {CPU: 0} free of 2". Memory amounts are bytes, as Ray's."""
@@ -62,6 +68,11 @@ def why_unplaced(name: str, role: str, bundle: dict[str, float], free: dict[str,
     of = _resources({k: total.get(k, 0.0) for k in bundle})
     if len(bundle) == 1:
         of = _amount(total.get(next(iter(bundle)), 0.0))
+    if ranks > 1:
+        on = "all on one node" if strategy == "STRICT_PACK" else "over the nodes"
+        group = f"its {ranks} ranks need {_resources(bundle)} each, {on} ({strategy}; --ray-rank-placement)"
+        return (f"cannot place {role} core {name}: {group}, cluster has {has} free of {of}"
+                f" (ray status lists each node's resources)")
     line = f"cannot place {role} core {name}: needs {_resources(bundle)}, cluster has {has} free of {of}"
     missing = [k for k in bundle if total.get(k, 0.0) < bundle[k]]
     if missing:
@@ -71,9 +82,11 @@ def why_unplaced(name: str, role: str, bundle: dict[str, float], free: dict[str,
     return line
 
 
-async def reserve(cores: list[tuple[str, str, dict[str, float]]], timeout_s: float) -> dict[str, PlacementGroup]:
+async def reserve(cores: list[tuple[str, str, dict[str, float]]], timeout_s: float,
+                  shapes: dict[str, tuple[int, str]] | None = None) -> dict[str, PlacementGroup]:
     """A placement group for each (name, role, resources) with resources to
-    reserve, all created together; returns once every one is placed. Raises
+    reserve, all created together; returns once every one is placed.
+    ``shapes``: a role's (ranks, strategy) when its cores are TP/PP groups. Raises
     CorePlacementError (after removing every group made here) when one is
     not placed within ``timeout_s``; a cancel removes them all as well."""
     groups: dict[str, PlacementGroup] = {}
@@ -84,7 +97,8 @@ async def reserve(cores: list[tuple[str, str, dict[str, float]]], timeout_s: flo
             if bundle is not None:
                 # STRICT_PACK: the one bundle on one node, as the actor needs it.
                 # Unnamed: two servers on one cluster both have an "engine-1".
-                groups[name] = placement_group([bundle], strategy="STRICT_PACK")
+                ranks, strategy = (shapes or {}).get(role, (1, "STRICT_PACK"))
+                groups[name] = placement_group([bundle] * ranks, strategy=strategy)
                 wanted[name] = (role, bundle)
         deadline = time.monotonic() + timeout_s
         pending = dict(groups)
@@ -99,7 +113,7 @@ async def reserve(cores: list[tuple[str, str, dict[str, float]]], timeout_s: flo
                 # what was free to the core that could not be placed.
                 free, total = await asyncio.to_thread(lambda: (ray.available_resources(), ray.cluster_resources()))
                 placed = len(groups) - len(pending)
-                line = why_unplaced(name, role, bundle, free, total)
+                line = why_unplaced(name, role, bundle, free, total, *(shapes or {}).get(role, (1, "STRICT_PACK")))
                 if len(groups) > 1:
                     line += f"; {placed} of this scale's {len(groups)} new cores could be placed"
                 raise CorePlacementError(f"{line}; no core was added (waited {timeout_s:g} s, --scale-timeout-s)")
@@ -109,6 +123,27 @@ async def reserve(cores: list[tuple[str, str, dict[str, float]]], timeout_s: flo
         release(groups.values())
         raise
     return groups
+
+
+def reserve_now(name: str, role: str, resources: dict[str, float], ranks: int, strategy: str,
+                timeout_s: float) -> PlacementGroup | None:
+    """A TP/PP core's group at the server's start (no event loop runs yet):
+    ``ranks`` bundles of ``resources``, placed by ``strategy``; None when
+    there is nothing to reserve. Raises CorePlacementError (the group
+    removed) when it is not placed within ``timeout_s``."""
+    bundle = bundle_of(resources)
+    if bundle is None:
+        return None
+    group = placement_group([bundle] * ranks, strategy=strategy)
+    deadline = time.monotonic() + timeout_s
+    while placement_group_table(group)["state"] != "CREATED":
+        if time.monotonic() >= deadline:
+            release([group])
+            line = why_unplaced(name, role, bundle, ray.available_resources(), ray.cluster_resources(), ranks,
+                                strategy)
+            raise CorePlacementError(f"{line} (waited {timeout_s:g} s, --scale-timeout-s)")
+        time.sleep(_POLL_S)
+    return group
 
 
 def release(groups: Iterable[PlacementGroup]) -> None:

@@ -80,5 +80,5 @@ class Worker:
         """Its tensor-parallel ranks as of the last heartbeat, rank 0 first
         ([]: one process). A dead core's ranks are dead with it (its group
         ends whole), whatever its last beat said."""
-        return [{"rank": r.rank, "pid": r.pid, "cpu_threads": r.cpu_threads, "alive": r.alive and self.alive}
-                for r in self.ready.ranks]
+        return [{"rank": r.rank, "pid": r.pid, "cpu_threads": r.cpu_threads, "alive": r.alive and self.alive,
+                 "node": r.node or None} for r in self.ready.ranks]

@@ -146,6 +146,10 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--ray-{role}-resources", default='{"CPU": 1}', metavar="JSON",
                            help=f'Ray resources of each {role} core\'s actor ({what}), e.g. \'{{"GPU": 1}}\' or a '
                                 f'custom node resource \'{{"{role[0]}node": 1}}\'')
+    group.add_argument("--ray-rank-placement", choices=("pack", "spread"), default="pack",
+                       help="where a -tp/-pp core's ranks go: one Ray placement group per core, packed on one node "
+                            "(shared memory between its ranks) or spread over the nodes (tcp with CURVE between "
+                            "them); each rank asks for its role's --ray-*-resources")
     group.add_argument("--scale-timeout-s", type=float, default=60.0, metavar="SECONDS",
                        help="a scale (kvferry scale, POST /v1/admin/scale, --autoscale) whose new cores the Ray "
                             "cluster cannot all place within this fails, naming the resources missing; the pools "

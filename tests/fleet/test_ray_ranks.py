@@ -1,0 +1,159 @@
+"""TP and PP cores under ``kvferry serve --ray``: each core's ranks are one
+Ray placement group, packed on one node (default) or spread over the
+nodes (``--ray-rank-placement spread``), on a real two-node Ray cluster
+(two ``ray start`` nodes on this host, each offering 4 of resource "rank"),
+through real HTTP and the openai client.
+
+- TP 2 packed and spread, and PP 2 spread, give HF float32's greedy text;
+  ``/v1/admin/workers`` names each rank's Ray node (one node packed, both
+  spread), and spread ranks talk over tcp with CURVE (no ipc, no shm);
+- a spread rank killed with SIGKILL restarts its whole group under Ray, and
+  the server serves the same text again;
+- a group the cluster cannot place (pack needs 2 x 3 "rank" on one node)
+  fails within --scale-timeout-s, naming the resources.
+
+One cluster for the module (Ray is heavy on a 2-core host); each server
+runs only while its tests do."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray", reason="ray is not installed (pip install 'kvferry[ray]')")
+
+import openai  # noqa: E402
+
+from kvferry import LLM, SamplingParams  # noqa: E402
+from tests.engine.hf_reference import hf_greedy, load_hf  # noqa: E402
+from tests.serve.server_process import start_server  # noqa: E402
+from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
+
+PROMPT = [5, 17, 33, 100, 200, 7, 7, 9]
+MAX_NEW = 8
+RANK = json.dumps({"rank": 1})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from tests.fleet.ray_cluster import RayCluster
+
+    with RayCluster(tmp_path_factory.mktemp("ray-ranks"), {"n0": 1, "rank": 4}, {"n1": 1, "rank": 4}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("ray-ranks-model"), arch="llama", num_attention_heads=8,
+                                    num_key_value_heads=4, vocab_size=387, num_hidden_layers=2,
+                                    max_position_embeddings=1024))
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint) -> str:
+    """HF float32's greedy continuation, as the text the server returns."""
+    ids = hf_greedy(load_hf(checkpoint), PROMPT, MAX_NEW)
+    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ids
+    return out.text
+
+
+def _serve(cluster, checkpoint, log, *args: str):
+    try:
+        return start_server(log, ["--model", checkpoint, "--ray", cluster.address, "--ray-engine-resources", RANK,
+                                  "--cpu-threads-per-rank", "1", *args])
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}\n--- Ray cluster:\n{cluster.logs()}") from None
+
+
+@pytest.fixture(scope="module")
+def spread_tp(cluster, checkpoint, tmp_path_factory):
+    srv = _serve(cluster, checkpoint, tmp_path_factory.mktemp("ray-tp-spread") / "server.log",
+                 "-tp", "2", "--ray-rank-placement", "spread")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-5000:]
+
+
+def _worker(srv) -> dict:
+    r = httpx.get(f"{srv.base_url}/v1/admin/workers", timeout=30)
+    assert r.status_code == 200, r.text
+    [worker] = r.json()["data"]
+    return worker
+
+
+def _complete(srv) -> str:
+    with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=120) as client:
+        r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=MAX_NEW,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == MAX_NEW
+    return r.choices[0].text
+
+
+def _nodes(worker: dict) -> list[str]:
+    ranks = worker["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(len(ranks))) and all(r["alive"] for r in ranks), ranks
+    return [r["node"] for r in ranks]
+
+
+def test_tp2_packed_on_one_node_equals_hf(cluster, checkpoint, expected, tmp_path):
+    srv = _serve(cluster, checkpoint, tmp_path / "server.log", "-tp", "2")
+    try:
+        assert _complete(srv) == expected
+        nodes = _nodes(_worker(srv))
+        assert len(nodes) == 2 and nodes[0] == nodes[1] and nodes[0] in cluster.node_ids.values(), nodes
+    finally:
+        assert srv.stop() == 0, srv.log()[-5000:]
+
+
+def test_tp2_spread_over_two_nodes_equals_hf(spread_tp, cluster, expected):
+    assert _complete(spread_tp) == expected
+    nodes = _nodes(_worker(spread_tp))
+    assert sorted(nodes) == sorted([cluster.node_ids["n0"], cluster.node_ids["n1"]]), nodes
+
+
+def test_pp2_stages_on_two_nodes_equal_hf(cluster, checkpoint, expected, tmp_path):
+    srv = _serve(cluster, checkpoint, tmp_path / "server.log", "-pp", "2", "--ray-rank-placement", "spread")
+    try:
+        assert _complete(srv) == expected
+        worker = _worker(srv)
+        assert worker["pipeline_parallel_size"] == 2
+        nodes = _nodes(worker)
+        assert len(set(nodes)) == 2, nodes
+    finally:
+        assert srv.stop() == 0, srv.log()[-5000:]
+
+
+def test_a_killed_spread_rank_restarts_its_group(spread_tp, cluster, expected):
+    before = _worker(spread_tp)
+    victim = before["ranks"][1]["pid"]
+    os.kill(victim, signal.SIGKILL)  # the rank's process (two Ray nodes, one host)
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            worker = _worker(spread_tp)
+            if worker["alive"] and worker["num_restarts"] > before["num_restarts"] and len(worker["ranks"]) == 2 \
+                    and victim not in [r["pid"] for r in worker["ranks"]]:
+                break
+        except (httpx.HTTPError, AssertionError):
+            pass
+        assert time.monotonic() < deadline, f"the group did not come back:\n{spread_tp.log()[-4000:]}"
+        time.sleep(0.5)
+    assert "tensor-parallel rank 1" in spread_tp.log()
+    assert sorted(_nodes(worker)) == sorted([cluster.node_ids["n0"], cluster.node_ids["n1"]])
+    assert _complete(spread_tp) == expected
+
+
+def test_an_unplaceable_group_fails_in_time_naming_the_resources(cluster, checkpoint, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        start_server(tmp_path / "server.log", ["--model", checkpoint, "--ray", cluster.address, "-tp", "2",
+                                               "--ray-engine-resources", json.dumps({"rank": 3}),
+                                               "--scale-timeout-s", "3"])
+    assert time.monotonic() - start < 120
+    text = str(info.value)
+    assert "cannot place engine core engine-0: its 2 ranks need {rank: 3} each, all on one node" in text, text
