@@ -109,6 +109,7 @@ BAD: dict[str, list[list[str]]] = {
     "--ffn": [["-1", "--mode", "afd"], ["3", "--mode", "afd"], ["2"],
               ["1", "--mode", "afd", "--speculative-config", '{"method": "ngram"}'],
               ["1", "--mode", "disagg", "--decode-tp", "2"]],
+    "--ray-rank-placement": [["scatter"]],
     "--data-parallel-size": [["-1"]],
     "--prefill": [["-1", "--mode", "disagg"]],
     "--decode": [["-1", "--mode", "disagg"]],
