@@ -44,7 +44,7 @@ import torch
 from kvferry import envs
 from kvferry.model import moe_convert
 # Re-exported: the embedded model is found in resolve, which the front end imports without torch.
-from kvferry.model.resolve import EMBEDDED_FILE, EMBEDDED_PACKAGE, embedded_gguf_path  # noqa: F401
+from kvferry.model.resolve import EMBEDDED_FILE, embedded_gguf_path  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
