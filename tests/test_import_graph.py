@@ -201,7 +201,6 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "model/gguf_weights.py": {"gguf": GGUF},
     "model/paged_kernel.py": {"torch.utils.cpp_extension": "start-up: setuptools and the compiler's wrapper, "
                                                            "only when a kernel is built or loaded"},
-    "model/resolve.py": {"kvferry.model.gguf_convert": NO_TORCH},              # the front end resolves names
     "model/triton_attention.py": {"kvferry.model.triton_kernels": OPTIONAL},   # triton
     "plan/cli.py": {"kvferry.plan.instance": CLI, "kvferry.plan.report": CLI,     # the simulator and the real
                     "kvferry.plan.simulator": CLI, "kvferry.plan.search": CLI},   # scheduler, ~100 ms

