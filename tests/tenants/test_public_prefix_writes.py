@@ -15,7 +15,6 @@ import time
 import uuid
 
 import httpx
-from scipy.stats import mannwhitneyu
 
 from tests.tenants.conftest import BLOCK_SIZE, make_client
 
@@ -23,10 +22,12 @@ MODEL = "SmolLM2-135M-Instruct"
 CANDIDATES = 10
 # Each round checks every candidate's hits (deterministic: one round finds
 # the leak) and alternates which prompt the attacker times first. The
-# timing check's Mann-Whitney U test on ROUNDS samples a side cannot reach
-# p <= 0.001 below 7 samples a side (6 gave 0.0022 at best), so more rounds
-# buy no power there, only 23 requests each (~8 s on a loaded 2-core host).
+# timing check compares medians: a leak makes the right candidate a cache
+# hit (~5 of ~125 prompt tokens computed), several times faster than the
+# wrong one; a Mann-Whitney test would need 7+ rounds of 23 requests each
+# to be able to fail at p <= 0.001.
 ROUNDS = 3
+LEAK_RATIO = 0.6  # right's median below this share of wrong's: the hit shows in the timing
 
 
 def secret_text(tag: str, pin: int) -> str:
@@ -80,8 +81,7 @@ def test_a_publisher_cannot_tell_which_candidate_another_tenant_sent(tenant_serv
             for prefix_id in ids:
                 assert delete(tenant_server, "sk-acme-1", prefix_id).status_code == 200
     print(f"medians: right {statistics.median(right_s):.4f} wrong {statistics.median(wrong_s):.4f} s")
-    _, p = mannwhitneyu(right_s, wrong_s, alternative="two-sided")
-    assert p > 0.001, (p, right_s, wrong_s)
+    assert statistics.median(right_s) > LEAK_RATIO * statistics.median(wrong_s), (right_s, wrong_s)
 
 
 def test_a_tenant_keeps_its_private_hits_after_a_declaration(tenant_server):
