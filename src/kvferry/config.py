@@ -456,9 +456,7 @@ class EngineConfig:
         refused = [(tp > 1, f"tensor_parallel_size {tp} (one of the two per core for now)"),
                    *self._refused_over_ranks("stages", ("ngram",)),
                    (self.model.quantization == "int8", "quantization 'int8'"),
-                   (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
-                   (bool(self.kv_transfer.kv_transfer_address),
-                    "prefill/decode disaggregation (--kv-transfer-address)")]
+                   (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "

@@ -239,7 +239,6 @@ def test_a_model_shallower_than_the_stages_is_refused_before_any_stage_starts(ll
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
     ({"kv_dram_gb": 0.1}, "a KV store"),
     ({"speculative": {"method": "draft", "model": "/nonexistent"}}, "speculative method 'draft'"),
-    ({"kv_transfer_address": "tcp://127.0.0.1:0"}, "prefill/decode disaggregation"),
     ({"num_swap_blocks": 4}, "num_swap_blocks"),
     ({"deterministic": True}, "deterministic"),
     ({"quantization": "int8"}, "quantization 'int8'"),

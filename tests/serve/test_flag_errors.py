@@ -119,6 +119,12 @@ BAD: dict[str, list[list[str]]] = {
     "--prefill-tp": [["0", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"]],
     "--decode-tp": [["-1", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"],
                     ["4", "--mode", "disagg", "--kv-dram-gb", "1"]],  # KV tiers with TP: refused yet
+    # 0 stages; 3: the model has only 2 layers; 2 without --mode disagg; TP and PP in one pool: refused yet;
+    # KV tiers over stages: refused yet
+    "--prefill-pp": [["0", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"],
+                     ["2", "--mode", "disagg", "--prefill-tp", "2"]],
+    "--decode-pp": [["-1", "--mode", "disagg"], ["2"], ["2", "--mode", "disagg", "--kv-dram-gb", "1"],
+                    ["2", "--mode", "disagg", "-tp", "2"]],
     "--worker": [["garbage"]],
     "--engine-cpus": [["abc"], ["9999"]],
     "--ttft-slo-ms": [["-5"]],

@@ -30,6 +30,12 @@ samples, so only rank 0 sends the Done (with the rank count); the other
 ranks' part of a transfer ends with their last layer. Only rank 0 has a
 receiver: it verifies every rank's pieces and reports what arrived.
 
+Pipeline parallelism (``stage``: this stage's layers of the model's): every
+stage runs its own agent over its layers and sends them under the model's
+layer numbers; stage 0 sends the Done (``num_ranks``: every sender) and
+alone receives, into every stage's pool (``StageLayers.receive_layers``;
+kvferry.engine.kv_connector.stage_transfer).
+
 Leases: a prefill core reports ``finished_sending`` (its blocks are freed)
 on the decode core's acknowledgement, or ``lease_s`` after it first sent,
 whichever comes first; it never writes into a decode core's shared memory
@@ -57,6 +63,24 @@ from kvferry.disagg.transport import (
 from kvferry.messages import KVTransferDone
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StageLayers:
+    """A pipeline stage's place in the transfer: stage ``rank`` of ``size``
+    holds layers ``[start, end)`` of the model's ``num_layers``; on stage 0,
+    ``receive_layers``: every stage's pool layers in order (in shared memory),
+    which its receiver fills."""
+
+    rank: int
+    size: int
+    start: int
+    end: int
+    num_layers: int = 0  # the model's (0: end)
+    receive_layers: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.num_layers = self.num_layers or self.end
 
 
 @dataclass(slots=True)
@@ -108,14 +132,20 @@ class StepTransfer:
 class KVTransferAgent:
     def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, pool: SharedKVPool | None,
                  draft_kv_cache: torch.Tensor | None = None, speculative: str = "", tp_rank: int = 0,
-                 tp_size: int = 1, rank_pools: list[SharedKVPool] | None = None) -> None:
+                 tp_size: int = 1, rank_pools: list[SharedKVPool] | None = None,
+                 stage: StageLayers | None = None) -> None:
         """``draft_kv_cache``: method "draft", the draft model's pool (same
         block ids, its own shapes), sent and received as layers L.. after
         the target's L; ``speculative``: this core's speculation signature,
         sent with each Done and required of each received one. ``tp_rank``
         of ``tp_size``: this rank of a tensor-parallel core (rank 0 receives
-        for every rank: ``rank_pools`` holds ranks 1..N-1's pools)."""
+        for every rank: ``rank_pools`` holds ranks 1..N-1's pools). ``stage``:
+        this pipeline stage's place (``kv_cache`` holds its layers alone;
+        stage 0 receives into every stage's and sends the Done)."""
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.stage = stage or StageLayers(0, 1, 0, kv_cache.shape[0])
+        # The leader (rank 0 of stage 0) receives, samples' Done and acks are its.
+        self.leads = tp_rank == 0 and self.stage.rank == 0
         self.rank_pools = list(rank_pools or [])
         # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
@@ -129,8 +159,9 @@ class KVTransferAgent:
         self.num_kv_heads = kv_cache.shape[4] * tp_size
         self.receiver: KVReceiver | None = None
         self.address = ""
-        if tp_rank == 0:
-            self.receiver = KVReceiver(kv_cache, config.kv_transfer_address, draft_kv_cache=draft_kv_cache,
+        if self.leads:
+            layers = self.stage.receive_layers if self.stage.receive_layers is not None else kv_cache
+            self.receiver = KVReceiver(layers, config.kv_transfer_address, draft_kv_cache=draft_kv_cache,
                                        speculative=speculative, bind_any=config.kv_transfer_bind_any,
                                        rank_pools=[p.tensor for p in self.rank_pools])
             self.address = self.receiver.address
@@ -257,8 +288,8 @@ class KVTransferAgent:
         """A link into the decode core's pools (one per rank), or None when
         one cannot be mapped (another host)."""
         n = order.dst_tp_size
-        # (layers, 2, block_size, the decode rank's KV heads, head_dim)
-        block_shape = (self.kv_cache.shape[0], 2, self.kv_cache.shape[3], self.num_kv_heads // n,
+        # (layers, 2, block_size, the decode rank's KV heads, head_dim): every layer of the model
+        block_shape = (self.stage.num_layers, 2, self.kv_cache.shape[3], self.num_kv_heads // n,
                        self.kv_cache.shape[5])
         pools: list[SharedKVPool] = []
         try:
@@ -288,8 +319,8 @@ class KVTransferAgent:
             return
         num_target = self.kv_cache.shape[0]
         if layer < num_target:
-            for piece in self._pieces(order):
-                stream.link.write_layer(order.transfer_id, layer, self.kv_cache[layer], order.src_block_ids,
+            for piece in self._pieces(order):  # the model's layer number: this stage's first is stage.start
+                stream.link.write_layer(order.transfer_id, self.stage.start + layer, self.kv_cache[layer], order.src_block_ids,
                                         order.dst_block_ids, order.num_final_blocks, piece)
         else:  # a draft layer: its pool is not in shared memory, so framed bytes on any link
             stream.link.write_framed(order.transfer_id, layer, self.draft_kv_cache[layer - num_target],
@@ -300,7 +331,7 @@ class KVTransferAgent:
         stream = self._stream(order)
         if stream.error or stream.done_sent:
             return
-        if self.tp_rank > 0:  # rank 0 samples and sends the Done; this rank's part ended with its last layer
+        if not self.leads:  # rank 0 (of stage 0) sends the Done; this rank's part ended with its last layer
             stream.done_sent = True
             self._streams.pop(order.transfer_id, None)
             return
@@ -309,11 +340,11 @@ class KVTransferAgent:
             h = hidden.detach().contiguous().cpu()  # [H], the model's dtype
             hidden_bytes, hidden_dtype = h.view(torch.uint8).numpy().tobytes(), str(h.dtype).removeprefix("torch.")
         stream.link.send_done(KVTransferDone(
-            transfer_id=order.transfer_id, num_layers=self.kv_cache.shape[0] + self.num_draft_layers,
+            transfer_id=order.transfer_id, num_layers=self.stage.num_layers + self.num_draft_layers,
             block_ids=order.all_dst_block_ids, output_token_ids=tokens, generator_state=generator_state,
             speculative=self.speculative, hidden_state=hidden_bytes, hidden_state_dtype=hidden_dtype,
             hidden_state_checksum=hidden_state_checksum(hidden_bytes) if hidden_bytes else 0,
-            num_ranks=self.tp_size))
+            num_ranks=self.tp_size * self.stage.size))
         stream.done_sent = True
 
     def _job_close(self, request_id: str) -> None:
@@ -358,6 +389,8 @@ class KVTransferAgent:
                 self._finish_send(stream.request_id)
 
     def _finish_send(self, request_id: str) -> None:
+        if not self.leads:
+            return  # the leader's scheduler frees the blocks (on its Done's acknowledgement)
         with self._lock:
             self._finished_sending.append(request_id)
         self._event.set()

@@ -318,7 +318,7 @@ class KVReceiver:
     closed by the thread only: a socket closed while the thread is inside
     ``poll`` aborts the process in libzmq (``pfd.revents & POLLIN``)."""
 
-    def __init__(self, kv_cache: torch.Tensor, address: str, grace_s: float = 0.5,
+    def __init__(self, kv_cache: torch.Tensor | list[torch.Tensor], address: str, grace_s: float = 0.5,
                  draft_kv_cache: torch.Tensor | None = None, speculative: str = "",
                  token: bytes | None = None, bind_any: bool = False,
                  rank_pools: list[torch.Tensor] | None = None) -> None:
@@ -336,7 +336,7 @@ class KVReceiver:
         # Per tensor-parallel rank, its target layers (rank 0's first).
         self.rank_layers: list[list[torch.Tensor]] = [list(kv_cache), *(list(p) for p in rank_pools or [])]
         self.tp_size = len(self.rank_layers)
-        self.num_target_layers = kv_cache.shape[0]
+        self.num_target_layers = len(kv_cache)  # a tensor, or the layers of a core's pipeline stages in order
         # Heads a layer holds over every rank (a draft layer: its own pool's).
         self.layer_heads = [t.shape[3] * (self.tp_size if i < self.num_target_layers else 1)
                             for i, t in enumerate(self.layers)]

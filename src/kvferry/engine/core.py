@@ -104,7 +104,8 @@ class EngineCore:
                              kv_cache_dtype=self.kv_cache_dtype, connector=connector, draft=draft,
                              head=self._load_head(), speculative=self.speculative)
         if self.tp is not None:  # every rank's pool: the same blocks, its own KV heads
-            self.tp.start_runners(RunnerShape(self.num_kv_blocks, self.max_model_len, self.kv_cache_dtype))
+            pool = getattr(self.runner.connector, "pool_name", "")  # pipeline stages: where each maps its pool
+            self.tp.start_runners(RunnerShape(self.num_kv_blocks, self.max_model_len, self.kv_cache_dtype, pool))
             self.runner.tp_leader = self.tp
             if self.stage is not None:
                 self.runner.link = self.tp.link

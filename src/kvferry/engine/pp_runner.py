@@ -32,6 +32,8 @@ import torch
 import zmq
 
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
+from kvferry.engine.kv_connector.connectors import PDTransferConnector
+from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
 from kvferry.engine.runner import ModelRunner, StepInputs
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
@@ -92,7 +94,11 @@ class StageRunner(ModelRunner):
     step): its sockets; ``micro_batches``: how many a step is cut into (None:
     by its size, ``micro_batch_count``)."""
 
-    def __init__(self, loaded, config, num_blocks: int, max_model_len: int, **kwargs) -> None:  # noqa: ANN001
+    def __init__(self, loaded, config, num_blocks: int, max_model_len: int, connector=None,  # noqa: ANN001
+                 kv_pool: str = "", **kwargs) -> None:  # noqa: ANN003
+        """``connector``: stage 0's (the P/D transfer's, or None); a later
+        stage of a core with a KV transfer builds its own half over the
+        segment rank 0 named, ``kv_pool`` (stage_transfer.py)."""
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
         model = self.model
         self.stage = model.stage
@@ -100,6 +106,15 @@ class StageRunner(ModelRunner):
         # model's that the base class mapped was never touched, so cost nothing).
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
                                           self.device, model.num_kv_heads, num_layers=len(model.layers))
+        self.connector: StageTransferWorker | None = None
+        if config.kv_transfer.kv_transfer_address:
+            if connector is not None and not isinstance(connector, PDTransferConnector):
+                raise ValueError("pipeline_parallel_size > 1 runs only the prefill/decode transfer's KV connector")
+            self.connector = StageTransferWorker(self.kv_cache, config.kv_transfer, self.stage,
+                                                 loaded.config.num_hidden_layers, kv_pool)
+            self.kv_cache = self.connector.kv_cache  # in shared memory: stage 0's receiver fills every stage's
+            if connector is not None:
+                connector.worker = self.connector  # its scheduler half announces this worker's settings
         self.samples = self.stage.last
         self.micro_batches = config.parallel.pp_micro_batches
         self.link: StageLink | None = None
@@ -114,15 +129,25 @@ class StageRunner(ModelRunner):
         if leader is not None:
             leader.publish(sched)
         self.steps_run += 1
+        if self.connector is not None:
+            self.connector.step = None  # begin_step's, if this step streams KV
         if self.stage.last:  # the whole step: this stage's forward (below), then logits and sampling
             return super().execute(sched)
         self._update_states(sched)
+        if sched.kv_orders and self.connector is not None:
+            self.connector.execute(sched.kv_orders)
+            self.connector.begin_step(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
             self._forward(self._prepare(sched, sched.spec_token_ids, graph_ok=False))
             if leader is not None:
                 out = leader.receive_output(self.steps_run, self.timeline)
                 self.apply_sampled(out.sampled_token_ids)  # the next step embeds them
+            if self.connector is not None and self.connector.step is not None:
+                # Stage 0: the Done with the last stage's tokens; a later stage: its part ends
+                self.connector.step.finish(out.sampled_token_ids, {})
+        if self.connector is not None and leader is not None:
+            self._take_completions(out, idle=sched.is_empty)
         return out
 
     def micro_batch_count(self, num_tokens: int) -> int:
@@ -143,6 +168,9 @@ class StageRunner(ModelRunner):
         for k, (r0, r1) in enumerate(ranges):
             part = slice_flat(flat, r0, r1)
             meta = part.metadata(self.block_size, self.device, self.kv_cache.dtype, self.triton)
+            if k == len(ranges) - 1 and self.connector is not None:
+                # The last micro-batch: once it wrote layer i, every request's KV of it is there
+                meta.kv_transfer = self.connector.step
             tag = (self.steps_run, k)
             residual = None if link.prev is None else recv_tensor(link.prev, tag, _POLL_MS, link.alive)
             start = time.monotonic()

@@ -64,6 +64,7 @@ def main() -> int:
         if keys is not None:
             keys.client(nxt)
         nxt.connect(spec.acts_out)
+    runner = None
     try:
         runner = _start(spec, reports, steps)
         if runner is not None:  # None: rank 0 stopped before its pool was built
@@ -78,6 +79,8 @@ def main() -> int:
         reports.send(pickle.dumps(("error", rank, traceback.format_exc(limit=4))))
         return 1
     finally:
+        if runner is not None and runner.connector is not None:
+            runner.connector.close()  # its KV sender thread and its pool's mapping
         for sock in (steps, prev, nxt):
             if sock is not None:
                 sock.close(linger=0)
@@ -98,7 +101,7 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
     if not isinstance(shape, RunnerShape):
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
     return StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
-                       kv_cache_dtype=shape.kv_cache_dtype)
+                       kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool)
 
 
 def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:

@@ -87,6 +87,7 @@ class RunnerShape:
     num_kv_blocks: int
     max_model_len: int
     kv_cache_dtype: torch.dtype
+    kv_pool: str = ""  # pipeline stages with a KV transfer: stage 0's pool segment (stage_transfer.py)
 
 
 def join_group(rank: int, address: GroupAddress | str, parallel: ParallelConfig) -> ProcessGroup | ShmAllReduce | TcpGroup:

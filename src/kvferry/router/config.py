@@ -28,6 +28,9 @@ class RouterConfig:
     # starts (disagg mode); None: the engine's tensor_parallel_size.
     prefill_tp: int | None = None
     decode_tp: int | None = None
+    # ... and pipeline stages (--prefill-pp / --decode-pp; None: the engine's pipeline_parallel_size).
+    prefill_pp: int | None = None
+    decode_pp: int | None = None
     # Cores started elsewhere (``kvferry engine-core --address A``) to join at start.
     worker_addresses: list[str] = field(default_factory=list)
     # CPUs of each started core, by index ("0", "2-3"); one entry applies to all.
@@ -65,7 +68,7 @@ class RouterConfig:
         for cpus in (self.prefill_cpus, self.decode_cpus):
             if cpus:
                 parse_cpus(cpus)
-        check_pool_tp(self.mode, self.prefill_tp, self.decode_tp)
+        check_pool_tp(self.mode, self.prefill_tp, self.decode_tp, self.prefill_pp, self.decode_pp)
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.worker_addresses):
             raise ValueError(f"data_parallel_size must be >= 1 (or 0 with --worker), got {self.data_parallel_size}")
         for entry in self.worker_addresses:
@@ -103,6 +106,10 @@ class RouterConfig:
         or None for the engine's own."""
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
 
+    def layout_of_role(self, role: str) -> tuple[int | None, int | None]:
+        """A ``role`` core's (tensor-parallel ranks, pipeline stages), None where the engine's own."""
+        return self.tp_of_role(role), {"prefill": self.prefill_pp, "decode": self.decode_pp}.get(role)
+
     def cpus_of_role(self, role: str) -> str | None:
         """The CPUs a core of ``role`` added later is bound to (its role's
         --*-cpus; one engine core list shared by all, or none)."""
@@ -118,16 +125,22 @@ class RouterConfig:
         return self.engine_cpus[0] if len(self.engine_cpus) == 1 else self.engine_cpus[index]
 
 
-def check_pool_tp(mode: str, prefill_tp: object, decode_tp: object) -> None:
-    """--prefill-tp / --decode-tp: integers >= 1, in disagg mode only
-    (ValueError naming the flag)."""
-    for flag, value in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+def check_pool_tp(mode: str, prefill_tp: object, decode_tp: object, prefill_pp: object = None,
+                  decode_pp: object = None) -> None:
+    """--prefill-tp / --decode-tp / --prefill-pp / --decode-pp: integers >= 1,
+    in disagg mode only, and one of TP and PP above 1 per pool (ValueError naming the flag)."""
+    for role, tp, pp in (("prefill", prefill_tp, prefill_pp), ("decode", decode_tp, decode_pp)):
+        if isinstance(tp, int) and isinstance(pp, int) and tp > 1 and pp > 1:
+            raise ValueError(f"--{role}-tp {tp} with --{role}-pp {pp}: a pool runs tensor or pipeline "
+                             "parallelism, not both, for now")
+    for flag, value in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp), ("--prefill-pp", prefill_pp),
+                        ("--decode-pp", decode_pp)):
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
         if mode != "disagg":
-            raise ValueError(f"{flag} {value}: only with --mode disagg (a colocated core takes -tp)")
+            raise ValueError(f"{flag} {value}: only with --mode disagg (a colocated core takes -tp / -pp)")
 
 
 def split_worker(entry: str, mode: str) -> tuple[str, str]:
@@ -153,6 +166,7 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         mode=args.mode, data_parallel_size=args.data_parallel_size, worker_addresses=list(args.worker),
         num_prefill=args.prefill, num_decode=args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
         prefill_tp=getattr(args, "prefill_tp", None), decode_tp=getattr(args, "decode_tp", None),
+        prefill_pp=getattr(args, "prefill_pp", None), decode_pp=getattr(args, "decode_pp", None),
         engine_cpus=list(args.engine_cpus), slo=SloConfig(args.ttft_slo_ms, args.tpot_slo_ms),
         health_check_interval_s=args.health_check_interval, health_timeout_s=args.health_timeout,
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,

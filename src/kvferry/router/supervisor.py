@@ -62,15 +62,18 @@ class LaunchOptions:
     cpus: dict[str, str | None] = field(default_factory=dict)  # by core name
     # The cores are Ray actors (--ray): a dead one is restarted by Ray and re-joined.
     ray: RayCores | None = None
-    tp: dict[str, int | None] = field(default_factory=dict)  # by role: --prefill-tp / --decode-tp
+    # by role: (--prefill-tp, --prefill-pp) / (--decode-tp, --decode-pp)
+    tp: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
 
 
-def core_config(args: EngineArgs, role: str, tp: int | None = None):
+def core_config(args: EngineArgs, role: str, tp: int | None = None, pp: int | None = None):
     """The engine config of a core with this role: prefill and decode cores
     get a KV transfer socket (a free loopback port unless one was given);
-    ``tp``: its pool's tensor-parallel ranks (None: the engine's)."""
+    ``tp`` / ``pp``: its pool's tensor-parallel ranks and pipeline stages (None: the engine's)."""
     if tp is not None:
         args = dataclasses.replace(args, tensor_parallel_size=tp)
+    if pp is not None:
+        args = dataclasses.replace(args, pipeline_parallel_size=pp)
     if role == "prefill" and args.ffn:  # --mode disagg --ffn M: the decode pool alone splits (serve/afd.py)
         args = dataclasses.replace(args, ffn=0, afd_folder=None)
     config = args.create_engine_config()
@@ -88,11 +91,11 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
     specs = router.core_specs()
     # Started together, so that N cores load their models in parallel.
     if ray is not None:
-        processes = ray.start([(name, role, core_config(args, role, router.tp_of_role(role)), cpus)
+        processes = ray.start([(name, role, core_config(args, role, *router.layout_of_role(role)), cpus)
                                for name, role, cpus in specs],
                               check_integrity_when_idle, log_level, ready_timeout_s)
     else:
-        processes = [CoreProcess.start(core_config(args, role, router.tp_of_role(role)), name,
+        processes = [CoreProcess.start(core_config(args, role, *router.layout_of_role(role)), name,
                                        check_integrity_when_idle, log_level,
                                        cpus=cpus) for name, role, cpus in specs]
     connections: list[CoreConnection] = []
@@ -113,7 +116,7 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
         raise
     options = LaunchOptions(args, check_integrity_when_idle, ready_timeout_s, log_level,
                             {name: cpus for name, _, cpus in specs}, ray=ray,
-                            tp={role: router.tp_of_role(role) for role in ("prefill", "decode")})
+                            tp={role: router.layout_of_role(role) for role in ("prefill", "decode")})
     return workers, options
 
 
@@ -281,7 +284,7 @@ class RestartSupervisor:
         if opts.ray is not None:
             process = await opts.ray.rejoin(old.name, old.process, opts.ready_timeout_s)
         else:
-            process = CoreProcess.start(core_config(opts.args, old.role, opts.tp.get(old.role)), old.name,
+            process = CoreProcess.start(core_config(opts.args, old.role, *opts.tp.get(old.role, (None, None))), old.name,
                                         opts.check_integrity_when_idle,
                                         opts.log_level, cpus=opts.cpus.get(old.name))
         return await self._handshake(old.name, old.role, process, num_restarts=old.num_restarts + 1)
@@ -304,7 +307,7 @@ class RestartSupervisor:
             raise RuntimeError("this server did not start its engine cores, so it cannot start more: "
                                "join running cores with POST /v1/admin/workers")
         opts.cpus[name] = cpus
-        config = core_config(opts.args, role, opts.tp.get(role))
+        config = core_config(opts.args, role, *opts.tp.get(role, (None, None)))
         if opts.ray is not None:
             process = await opts.ray.add(name, role, config, cpus, opts.check_integrity_when_idle, opts.log_level,
                                          opts.ready_timeout_s)

@@ -108,6 +108,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                             "the KV transfer reshards heads to the decode cores' ranks (docs/parallelism.md)")
     group.add_argument("--decode-tp", type=int, default=None, metavar="N",
                        help="disagg mode: tensor-parallel ranks of each decode core (default: --tensor-parallel-size)")
+    group.add_argument("--prefill-pp", type=int, default=None, metavar="N",
+                       help="disagg mode: pipeline stages of each prefill core (default: --pipeline-parallel-size); "
+                            "each stage sends the layers it holds to the decode stage that holds them")
+    group.add_argument("--decode-pp", type=int, default=None, metavar="N",
+                       help="disagg mode: pipeline stages of each decode core (default: --pipeline-parallel-size)")
     group.add_argument("--worker", action="append", default=[], metavar="ADDRESS",
                        help="join a running `kvferry engine-core --address ADDRESS` (repeatable; disagg: prefill=ADDRESS or decode=ADDRESS)")
     group.add_argument("--engine-cpus", action="append", default=[], metavar="CPUS",

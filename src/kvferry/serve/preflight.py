@@ -51,7 +51,7 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     _expert_parallel(args, engine_args)
     _kv_connector(engine_args.kv_connector)
     check_pool_tp(getattr(args, "mode", "colocated"), getattr(args, "prefill_tp", None),
-                  getattr(args, "decode_tp", None))
+                  getattr(args, "decode_tp", None), getattr(args, "prefill_pp", None), getattr(args, "decode_pp", None))
     if not local_cores:
         return
     if getattr(args, "ray", None) is None:  # Ray places cores on other nodes, with their own CPUs
@@ -202,6 +202,17 @@ def _pool_tensor_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> 
             _tensor_parallel(pool_args)
         except ValueError as exc:
             raise ValueError(f"--{role}-tp {size}: {exc}") from None
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_pp", None)
+        if size is None:
+            continue
+        tp = getattr(args, f"{role}_tp", None)
+        try:  # the pool's engine config over stages (its one-line refusals), and a layer for each stage
+            pool_args = dataclasses.replace(engine_args, pipeline_parallel_size=size,
+                                            tensor_parallel_size=tp or engine_args.tensor_parallel_size)
+            _pipeline_parallel(pool_args)
+        except ValueError as exc:
+            raise ValueError(f"--{role}-pp {size}: {exc}") from None
 
 
 def _pipeline_parallel(engine_args: EngineArgs) -> None:
