@@ -6,8 +6,10 @@ It loads every layer's feed-forward block, worker j of M holding its split
 as a tensor-parallel rank would (parallel/layers: a dense MLP's
 intermediate columns j of M; a mixture of experts' whole experts
 [j * E / M, (j + 1) * E / M), the shared expert's columns j of M), and
-drops the rest of the model. Its blocks' down projections then give
-partial sums (no all-reduce here: the attention core adds the M answers).
+drops the rest of the model. Weights come as the core's do
+(``--quantization int8``: each worker quantizes its own slice, per output
+channel; a .gguf at ``--ffn 1``: its blocks, the experts' included, kept).
+Its blocks' down projections then give partial sums (no all-reduce here: the attention core adds the M answers).
 
 It then answers requests: every request waiting from every attention core
 is taken at once, and the rows of one layer go through its block in one
@@ -69,6 +71,8 @@ def load_blocks(spec: FFNSpec) -> list[nn.Module]:
         shard.group = PartialSums()
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
     blocks = [layer.mlp for layer in loaded.model.layers]
+    if loaded.model.weights_packed:  # a .gguf's blocks: the loader prepared them (a second time breaks them)
+        return blocks
     for block in blocks:
         for lin in block.modules():
             if isinstance(lin, Linear):

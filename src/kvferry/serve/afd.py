@@ -28,6 +28,7 @@ import dataclasses
 import shutil
 import tempfile
 
+from kvferry.afd_config import keeps_gguf_blocks
 from kvferry.config import EngineArgs
 from kvferry.engine.afd_pool import MAX_FFN_WORKERS, FFNPool
 from kvferry.model.config import ModelConfig
@@ -89,13 +90,17 @@ def _checked(engine_args: EngineArgs) -> EngineArgs:
 
 
 def _check_split(engine_args: EngineArgs) -> None:
-    check_ffn_split(engine_args.model, engine_args.ffn)
+    check_ffn_split(engine_args.model, engine_args.ffn, engine_args.quantization)
 
 
-def check_ffn_split(model: str, ffn: int) -> None:
-    """M > 1 FFN workers split each MLP (or the experts) as -tp M ranks would."""
+def check_ffn_split(model: str, ffn: int, quantization: str | None = None) -> None:
+    """M > 1 FFN workers split each MLP (or the experts) as -tp M ranks
+    would; a .gguf's blocks stay whole on one."""
     if ffn <= 1:
         return
+    if keeps_gguf_blocks(model, quantization):
+        raise ValueError(f"--ffn {ffn}: a .gguf's blocks are not split over FFN workers yet (--ffn 1 keeps "
+                         "them whole; --quantization none splits float weights)")
     try:
         config = ModelConfig.from_hf_dict(hf_config(model))
     except (KeyError, TypeError, ValueError):
@@ -115,7 +120,7 @@ def resize_ffn(pool: FFNPool | None, ffn: object) -> dict:
         raise ValueError("ffn: only a server started with --mode afd (or --mode disagg --ffn) has FFN workers")
     if isinstance(ffn, bool) or not isinstance(ffn, int) or not 1 <= ffn <= MAX_FFN_WORKERS:
         raise ValueError(f"ffn: must be an integer from 1 to {MAX_FFN_WORKERS} (FFN workers), got {ffn!r}")
-    check_ffn_split(pool.config.model.model, ffn)
+    check_ffn_split(pool.config.model.model, ffn, pool.config.model.quantization)
     before = pool.size
     seconds = pool.resize(ffn)
     return {"before": before, "after": pool.size, "seconds": round(seconds, 3)}
