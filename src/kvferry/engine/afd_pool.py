@@ -215,6 +215,7 @@ class FFNPool:
                 stop_all(new)
                 raise
             old, self.procs = self.procs, new
+            unready(self.folder, len(old), self.generation)  # its pid files: no core connects to it any more
             self.generation, self.size = self.generation + 1, size
             self._publish()
             self._retire(old)
@@ -267,6 +268,7 @@ class FFNPool:
             logger.error("FFN worker %d (pid %d) exited with %s; the FFN workers restart whole", index, proc.pid,
                          exit_text(proc.returncode))
             self._publish("restarting")  # a core's next step waits for the next generation
+            unready(self.folder, len(self.procs), self.generation)
             stop_all(self.procs)
             now = time.monotonic()
             while self._restarts and now - self._restarts[0] > self.window_s:
