@@ -184,8 +184,20 @@ class AFDLeader(RankProcesses):
         """The FFN workers hold no KV: nothing to size."""
 
     def _watch(self) -> None:
-        if self.owner:  # the pool's workers: followed by generation instead (_follow)
+        """The owner's: its workers' exits. The pool's workers are followed
+        by generation instead (``_follow``); this thread only ends an idle
+        core at once when the pool is down (no restart left), so that the
+        router and /health see it without a request failing first."""
+        if self.owner:
             super()._watch()
+            return
+        while not self._stopping.wait(POLL_S):
+            gen = read_generation(self._dir)
+            if gen is not None and gen.health == "down":
+                self.failure = RankFailed(1, "the FFN workers are down (no restart left); the engine core's "
+                                             f"{self.GROUP} ends whole")
+                logger.error("%s", self.failure)
+                return
 
     def _raise_if_dead(self) -> None:
         if self.owner:
