@@ -136,6 +136,8 @@ def test_a_count_that_does_not_split_is_refused_and_the_server_keeps_serving(ser
     assert r.status_code == 400 and r.json()["error"]["param"] == "ffn", r.text
     r = httpx.post(f"{srv.base_url}/v1/admin/scale", json={"ffn": "2"}, timeout=30)
     assert r.status_code == 400, r.text
+    r = httpx.post(f"{srv.base_url}/v1/admin/scale", json={}, timeout=30)  # no count at all
+    assert r.status_code == 400, r.text
     assert complete_all(srv, PROMPTS) == expected
     assert httpx.get(f"{srv.base_url}/v1/admin/scale", timeout=30).json()["ffn_workers"] == 1
 

@@ -92,7 +92,7 @@ def scale_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_bytes
             return ErrorJSONResponse({"ok": False, "ffn": ffn, "error": {
                 "message": ffn["error"], "type": "service_unavailable_error", "param": "ffn",
                 "code": "ffn_workers_failed"}}, status_code=502)
-        if not target:  # the FFN workers alone
+        if ffn is not None and not target:  # the FFN workers alone
             return JSONResponse({"ok": True, "ffn": ffn, "steps": [], "before": client.scaler.counts(),
                                  "after": client.scaler.counts(), "seconds": ffn["seconds"],
                                  "state": scale_state(client)})
