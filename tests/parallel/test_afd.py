@@ -15,7 +15,7 @@ import pytest
 from kvferry import LLM, SamplingParams
 from kvferry.config import EngineArgs
 from kvferry.engine.afd_leader import AFDLeader
-from kvferry.engine.afd_pool import FFNPool, pid_file
+from kvferry.engine.afd_pool import FFNPool, read_generation
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.parallel.afd_helpers import PROMPTS, _alive, _title
 from tests.tiny_models import make_tiny_checkpoint
@@ -54,12 +54,9 @@ def test_a_shared_folder_others_can_reach_is_refused(tmp_path):
 def _ready_pids(folder: str, count: int, timeout_s: float = 300) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            pids = [int(open(pid_file(folder, j)).read()) for j in range(count)]
-            if all(_alive(p) for p in pids):
-                return pids
-        except (FileNotFoundError, ValueError):
-            pass
+        gen = read_generation(folder)  # the pool's published workers
+        if gen is not None and gen.health == "ok" and gen.size == count and all(map(_alive, gen.pids)):
+            return list(gen.pids)
         time.sleep(0.2)
     raise AssertionError("the FFN workers did not come up")
 

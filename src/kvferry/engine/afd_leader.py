@@ -15,9 +15,13 @@ Whose workers they are:
   0700 FOLDER its N attention cores share, so that each FFN call batches
   the rows of every core with a request waiting (attention's cost grows
   with each core's KV; the FFN's weights are read once for all of them).
-  A core watches the workers' pids; once one is gone the core ends whole
-  (``RankFailed``: its requests fail), the router restarts it, and it waits
-  for the pool's new workers.
+  The core follows the pool's generations (afd_pool.py): before each step
+  it reads the one published, and moves to a newer one (a resize, or the
+  workers restarted) between steps, so a step never spans two. A worker
+  gone while the core has requests in flight ends the core whole
+  (``RankFailed``: they fail; the router restarts it); an idle core
+  instead waits at its next step for the next generation, so no request
+  that came after the death fails.
 - A core started alone (``kvferry engine-core --ffn M``, ``LLM(ffn=M)``):
   its own, in a private folder, watched as a TP leader watches its ranks
   (rank_group.RankProcesses); they exit once the core's process is gone.
@@ -38,7 +42,7 @@ import zmq
 
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
-from kvferry.engine.afd_pool import ffn_threads, pid_file, spawn_ffn_workers
+from kvferry.engine.afd_pool import Generation, ffn_threads, pid_file, read_generation, read_pid, spawn_ffn_workers
 from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
 from kvferry.engine.tp_ranks import RunnerShape
 from kvferry.messages import TPRank
@@ -70,6 +74,7 @@ class AFDLeader(RankProcesses):
         self.size = afd.ffn_workers
         self.name = name or core_name()
         self.threads = ffn_threads(config)
+        self._config = config
         self._threads_before = torch.get_num_threads()
         if config.parallel.cpu_threads_per_rank is not None:  # the attention core's too
             torch.set_num_threads(config.parallel.cpu_threads_per_rank)
@@ -80,6 +85,7 @@ class AFDLeader(RankProcesses):
         self._procs: list[subprocess.Popen] = []
         self._steps: list[zmq.Socket] = []  # the owner's control sockets (shutdown)
         self._pids: list[int] = []
+        self.generation = 0
         self._ctx = zmq.Context()
         if self.owner:
             self._spawn(config)
@@ -94,12 +100,23 @@ class AFDLeader(RankProcesses):
         for j in range(self.size):
             ctl = self._ctx.socket(zmq.PUSH)
             ctl.setsockopt(zmq.LINGER, 0)
-            ctl.connect(f"ipc://{self._dir}/ctl-{j}")
+            ctl.connect(f"ipc://{self._dir}/ctl-0-{j}")
             self._steps.append(ctl)
 
     # -- start-up ------------------------------------------------------------------
     def connect(self, shard: object = None) -> None:
-        """Wait until every FFN worker has loaded its weights (its pid file)."""
+        """Wait until every FFN worker has loaded its weights: the owner's
+        pid files, or the pool's published generation."""
+        if self.owner:
+            self._use(Generation(0, self.size, tuple(self._wait_owned())))
+        else:
+            self._use(self._wait_generation(-1))
+        self._watcher = threading.Thread(target=self._watch, name="afd-ffn-watch", daemon=True)
+        self._watcher.start()
+        logger.info("attention/FFN disaggregation: %d FFN workers (pids %s)%s", self.size,
+                    ", ".join(map(str, self._pids)), ", started by this core" if self.owner else "")
+
+    def _wait_owned(self) -> list[int]:
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         pids: list[int | None] = [None] * self.size
         while None in pids:
@@ -107,25 +124,80 @@ class AFDLeader(RankProcesses):
             if time.monotonic() > deadline:
                 raise RankFailed(pids.index(None) + 1, f"did not load its weights within {LOAD_TIMEOUT_S:g}s")
             for j in range(self.size):
-                pid = _read_pid(pid_file(self._dir, j))
-                mine = not self.owner or pid == self._procs[j].pid  # the owner: its own workers only
-                if pids[j] is None and pid is not None and mine and _alive(pid):
+                pid = read_pid(pid_file(self._dir, j))
+                if pids[j] is None and pid is not None and pid == self._procs[j].pid and _alive(pid):
                     pids[j] = pid
             time.sleep(POLL_S / 4)
-        self._pids = [p for p in pids if p is not None]
+        return [p for p in pids if p is not None]
+
+    def _wait_generation(self, stale: int) -> Generation:
+        """The pool's published generation, once it is not ``stale`` and
+        its workers are alive (RankFailed once the pool is down, or after
+        LOAD_TIMEOUT_S)."""
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while True:
+            gen = read_generation(self._dir)
+            if gen is not None and gen.health == "down":
+                raise RankFailed(1, "the FFN workers are down (no restart left); the engine core's "
+                                    f"{self.GROUP} ends whole")
+            if gen is not None and gen.health == "ok" and gen.generation != stale and all(map(_alive, gen.pids)):
+                return gen
+            if time.monotonic() > deadline:
+                raise RankFailed(1, f"no FFN workers served within {LOAD_TIMEOUT_S:g}s")
+            time.sleep(POLL_S / 4)
+
+    def _use(self, gen: Generation) -> None:
+        """Talk to ``gen``'s workers from the next step on (none is in flight)."""
+        for sock in self.socks:
+            sock.close(linger=0)
+        self.generation, self.size, self._pids = gen.generation, gen.size, list(gen.pids)
+        self.threads = ffn_threads(self._config, gen.size)
+        self.socks = []
         for j in range(self.size):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ffn_address(self._dir, j))
+            sock.connect(ffn_address(self._dir, j, gen.generation))
             self.socks.append(sock)
         self._stash: list[dict[tuple, object]] = [{} for _ in self.socks]
-        self._watcher = threading.Thread(target=self._watch, name="afd-ffn-watch", daemon=True)
-        self._watcher.start()
-        logger.info("attention/FFN disaggregation: %d FFN workers (pids %s)%s", self.size,
-                    ", ".join(map(str, self._pids)), ", started by this core" if self.owner else "")
+
+    def _follow(self, continuing: bool) -> None:
+        """Before a step: move to the pool's newer generation (a resize), or,
+        while this one's workers are gone or being replaced, wait for the
+        next one. ``continuing``: the step carries requests that ran before;
+        a core with requests in flight when its workers died ends whole, as
+        a step cut by the death does (the rule does not hang on whether the
+        death fell inside a step or between two); an idle one waits."""
+        gen = read_generation(self._dir)
+        if gen is not None and gen.generation == self.generation and gen.health == "ok" \
+                and all(map(_alive, self._pids)):
+            return
+        if continuing and not all(map(_alive, self._pids)):
+            self._raise_if_dead()
+        if gen is None or gen.health != "ok" or gen.generation == self.generation:
+            logger.warning("FFN workers of generation %d are gone; waiting for the next", self.generation)
+            gen = self._wait_generation(self.generation)
+        self._use(gen)
+        logger.info("FFN workers: generation %d, %d workers (pids %s)", gen.generation, gen.size,
+                    ", ".join(map(str, gen.pids)))
 
     def start_runners(self, shape: RunnerShape) -> None:
         """The FFN workers hold no KV: nothing to size."""
+
+    def _watch(self) -> None:
+        """The owner's: its workers' exits. The pool's workers are followed
+        by generation instead (``_follow``); this thread only ends an idle
+        core at once when the pool is down (no restart left), so that the
+        router and /health see it without a request failing first."""
+        if self.owner:
+            super()._watch()
+            return
+        while not self._stopping.wait(POLL_S):
+            gen = read_generation(self._dir)
+            if gen is not None and gen.health == "down":
+                self.failure = RankFailed(1, "the FFN workers are down (no restart left); the engine core's "
+                                             f"{self.GROUP} ends whole")
+                logger.error("%s", self.failure)
+                return
 
     def _raise_if_dead(self) -> None:
         if self.owner:
@@ -167,8 +239,11 @@ class AFDLeader(RankProcesses):
         return stash.pop(tag)
 
     def publish(self, sched: SchedulerOutput) -> None:
-        """ModelRunner's hook before a step: the group must be whole."""
+        """ModelRunner's hook before a step: the group must be whole (the
+        pool's: its generation now)."""
         self.check()
+        if not self.owner:
+            self._follow(bool(sched.cached_requests))
 
     def record(self, out: RunnerOutput) -> None:
         """ModelRunner's hook after a step (nothing to forward: the FFN samples nothing)."""
@@ -194,19 +269,19 @@ class AFDLeader(RankProcesses):
         torch.set_num_threads(self._threads_before)
 
 
-def _read_pid(path: str) -> int | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return int(f.read().strip() or 0) or None
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie (a killed worker its parent has
+    not reaped yet is dead for the cores already)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True

@@ -6,21 +6,26 @@ It loads every layer's feed-forward block, worker j of M holding its split
 as a tensor-parallel rank would (parallel/layers: a dense MLP's
 intermediate columns j of M; a mixture of experts' whole experts
 [j * E / M, (j + 1) * E / M), the shared expert's columns j of M), and
-drops the rest of the model. Its blocks' down projections then give
-partial sums (no all-reduce here: the attention core adds the M answers).
+drops the rest of the model. Weights come as the core's do
+(``--quantization int8``: each worker quantizes its own slice, per output
+channel; a .gguf at ``--ffn 1``: its blocks, the experts' included, kept).
+Its blocks' down projections then give partial sums (no all-reduce here: the attention core adds the M answers).
 
 It then answers requests: every request waiting from every attention core
 is taken at once, and the rows of one layer go through its block in one
 call (the batch the split exists for), each answer back to its sender.
 It exits on its core's shutdown message, on any error (whoever started
-it, a core or the server's pool, sees it exit), and as soon as that
-process is gone.
+it, a core or the server's pool, sees it exit), as soon as that process
+is gone, and, retired by the pool's SIGUSR1 (a newer generation serves:
+afd_pool.py), once no request came for RETIRE_IDLE_S, so that a core's
+step that began on it still finishes here.
 """
 from __future__ import annotations
 
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -39,6 +44,10 @@ from kvferry.parallel.afd import FFNRequest, ffn_address, reply, take_requests
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 200
+# A retired worker's quiet time before it exits: a core moves to the next
+# generation between steps, and inside a step its requests come one layer
+# apart, far closer than this.
+RETIRE_IDLE_S = 5.0
 
 
 class PartialSums:
@@ -62,6 +71,8 @@ def load_blocks(spec: FFNSpec) -> list[nn.Module]:
         shard.group = PartialSums()
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
     blocks = [layer.mlp for layer in loaded.model.layers]
+    if loaded.model.weights_packed:  # a .gguf's blocks: the loader prepared them (a second time breaks them)
+        return blocks
     for block in blocks:
         for lin in block.modules():
             if isinstance(lin, Linear):
@@ -69,16 +80,21 @@ def load_blocks(spec: FFNSpec) -> list[nn.Module]:
     return blocks
 
 
-def serve(blocks: list[nn.Module], sock: zmq.Socket, ctl: zmq.Socket) -> None:
+def serve(blocks: list[nn.Module], sock: zmq.Socket, ctl: zmq.Socket, retired: threading.Event) -> None:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(ctl, zmq.POLLIN)
+    last = time.monotonic()
     while True:
         ready = dict(poller.poll(_POLL_MS))
         if ctl in ready and pickle.loads(ctl.recv()) is None:
             return
         if sock in ready:
             answer(blocks, sock, take_requests(sock))
+            last = time.monotonic()
+        elif retired.is_set() and time.monotonic() - last > RETIRE_IDLE_S:
+            logger.info("retired: a newer generation of FFN workers serves")
+            return
 
 
 @torch.inference_mode()
@@ -104,15 +120,17 @@ def main() -> int:
     setproctitle.setproctitle(f"kvferry: {name}")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
     _watch_parent(spec.parent_pid)
+    retired = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: retired.set())
     torch.set_num_threads(spec.threads)
     ctx = zmq.Context()
     sock, ctl = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
     try:
         blocks = load_blocks(spec)
-        sock.bind(ffn_address(spec.folder, spec.index))
-        ctl.bind(f"ipc://{spec.folder}/ctl-{spec.index}")
-        _write_pid(pid_file(spec.folder, spec.index))  # ready: the cores connect now
-        serve(blocks, sock, ctl)
+        sock.bind(ffn_address(spec.folder, spec.index, spec.generation))
+        ctl.bind(f"ipc://{spec.folder}/ctl-{spec.generation}-{spec.index}")
+        _write_pid(pid_file(spec.folder, spec.index, spec.generation))  # ready: the cores connect now
+        serve(blocks, sock, ctl, retired)
     except ValueError as exc:  # a configuration or model-file mistake: one line
         logger.error("FFN worker failed: %s", exc)
         return 1

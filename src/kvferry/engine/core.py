@@ -199,8 +199,12 @@ class EngineCore:
             speculative=self.speculative,
             ranks=self.ranks(),
             pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
-            ffn_workers=self.config.parallel.afd.ffn_workers,
+            ffn_workers=self.ffn_workers(),
         )
+
+    def ffn_workers(self) -> int:
+        """Its FFN workers now (a resize changes them: afd_pool.py); 0 without."""
+        return self.tp.size if isinstance(self.tp, AFDLeader) else 0
 
     def ranks(self) -> list[TPRank]:
         """Its tensor-parallel ranks, rank 0 first ([] without tensor parallelism)."""

@@ -161,7 +161,8 @@ class EngineCoreProc:
                     ready = self._ready
                 if ready is not None:
                     if ready.ranks:  # each rank's liveness as of this beat
-                        ready = msgspec.structs.replace(ready, ranks=self.core.ranks())
+                        ready = msgspec.structs.replace(ready, ranks=self.core.ranks(),
+                                                        ffn_workers=self.core.ffn_workers())
                     self.outputs.put(ready)
                 continue
             self.inputs.put(message)

@@ -4,6 +4,7 @@
     kvferry scale --url http://127.0.0.1:8000 --prefill 1 --decode 2
     kvferry scale --url http://127.0.0.1:8000 --engines 2         # colocated
     kvferry scale --url http://127.0.0.1:8000 --attention 2       # --mode afd: its attention cores
+    kvferry scale --url http://127.0.0.1:8000 --ffn 2             # --mode afd: its FFN workers (first, with both)
     kvferry scale --url http://127.0.0.1:8000                     # show the pools, the last scales, the autoscaler
 
 It calls ``POST /v1/admin/scale`` (an admin key, when the server has keys)
@@ -38,6 +39,9 @@ def add_scale_parser(sub) -> None:
     scale.add_argument("--engines", type=int, default=None, help="colocated mode: engine cores to run")
     scale.add_argument("--attention", type=int, default=None,
                        help="afd mode: attention cores to run (they share the server's FFN workers; as --engines)")
+    scale.add_argument("--ffn", type=int, default=None,
+                       help="afd mode (or disagg with FFN workers): FFN workers to run; the experts or MLP columns "
+                            "are split over the new count, requests keep streaming (resized before --attention)")
     scale.add_argument("--prefill", type=int, default=None, help="disagg mode: prefill cores to run")
     scale.add_argument("--decode", type=int, default=None, help="disagg mode: decode cores to run")
     scale.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -56,7 +60,7 @@ def run_scale(args: argparse.Namespace) -> int:
             return 2
         args.engines = args.attention
     # "engines" as the flag (the server takes it for "engine"): an error names the flag given.
-    counts = {"engines": args.engines, "prefill": args.prefill, "decode": args.decode}
+    counts = {"engines": args.engines, "prefill": args.prefill, "decode": args.decode, "ffn": args.ffn}
     counts = {k: v for k, v in counts.items() if v is not None}
     if counts and args.engines is not None and (args.prefill is not None or args.decode is not None):
         print("kvferry scale: error: give --engines (colocated) or --prefill/--decode (disagg), not both",
@@ -75,7 +79,7 @@ def run_scale(args: argparse.Namespace) -> int:
             answer = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         answer = _error_body(exc)
-        if exc.code in (502, 503) and "steps" in answer:  # the scale ran; a core failed to start, or had no room
+        if exc.code in (502, 503) and ("steps" in answer or "ffn" in answer):  # it ran; a core (or FFN worker) failed
             _print_event(answer)
             if answer.get("error"):
                 print(f"kvferry scale: error: {answer['error'].get('message')}", file=sys.stderr)
@@ -103,6 +107,9 @@ def _error_body(exc: urllib.error.HTTPError) -> dict:
 
 
 def _print_event(event: dict) -> None:
+    ffn = event.get("ffn")
+    if ffn and "before" in ffn:
+        print(f"ffn workers: {ffn['before']} -> {ffn['after']} in {ffn['seconds']:.1f} s")
     for step in event.get("steps", []):
         # A placement failure's one reason is printed once, after the steps.
         shown = step.get("error") and step["error"] != (event.get("error") or {}).get("message")
@@ -113,7 +120,8 @@ def _print_event(event: dict) -> None:
 
 
 def _print_state(state: dict) -> None:
-    print(f"mode {state.get('mode')}, pools: {_counts(state.get('counts', {}))}"
+    ffn = f", ffn workers {state['ffn_workers']}" if state.get("ffn_workers") else ""
+    print(f"mode {state.get('mode')}, pools: {_counts(state.get('counts', {}))}{ffn}"
           + (f" (scaling to {_counts(state['target'])})" if state.get("target") else ""))
     for event in state.get("history", [])[-5:]:
         print(f"  {event['source']}: {_counts(event['before'])} -> {_counts(event['after'])} "

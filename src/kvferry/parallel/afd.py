@@ -1,7 +1,7 @@
 """The wire of attention/FFN disaggregation: one layer's hidden rows from an
 attention core to an FFN worker and back (no model code).
 
-    attention core (DEALER, one per FFN worker)        FFN worker j (ROUTER at ipc://FOLDER/ffn-j)
+    attention core (DEALER, one per FFN worker)        FFN worker j (ROUTER at ipc://FOLDER/ffn-G-j)
     send_rows(sock, (step, layer, mb), x)  ─────────▶  take_requests(sock): every request waiting,
                                                        from every attention core, in arrival order
     recv_rows(sock, ...) -> (tag, y)       ◀─────────  reply(sock, request, y)
@@ -24,9 +24,10 @@ import torch
 import zmq
 
 
-def ffn_address(folder: str, index: int) -> str:
-    """FFN worker ``index``'s socket."""
-    return f"ipc://{folder}/ffn-{index}"
+def ffn_address(folder: str, index: int, generation: int = 0) -> str:
+    """FFN worker ``index``'s socket, of the pool's ``generation`` (a resize
+    or a restart starts the next one beside the last: engine/afd_pool.py)."""
+    return f"ipc://{folder}/ffn-{generation}-{index}"
 
 
 def _frames(tag: tuple[int, ...], tensor: torch.Tensor) -> list:

@@ -84,7 +84,8 @@ class WorkerListener:
                 worker.last_heard = time.monotonic()
                 if isinstance(message, EngineCoreReady):  # a hello's answer
                     if message.ranks:  # its tensor-parallel ranks' liveness, as of this beat
-                        worker.ready = msgspec.structs.replace(worker.ready, ranks=message.ranks)
+                        worker.ready = msgspec.structs.replace(worker.ready, ranks=message.ranks,
+                                                               ffn_workers=message.ffn_workers)  # a resize
                     continue
                 self.on_message(worker, message)
                 if message.engine_error:

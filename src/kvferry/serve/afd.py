@@ -18,6 +18,7 @@ core_config gives its cores no FFN workers).
     afd_folder(engine_args)             the shared folder, made just before the cores start
     start_ffn_pool(args, engine_args)   the M FFN workers (engine/afd_pool.py), restarted whole when one
                                         dies, within the cores' restart budget
+    resize_ffn(pool, M)                 kvferry scale --ffn M (POST /v1/admin/scale {"ffn": M}) on a live server
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ import dataclasses
 import shutil
 import tempfile
 
+from kvferry.afd_config import keeps_gguf_blocks
 from kvferry.config import EngineArgs
-from kvferry.engine.afd_pool import FFNPool
+from kvferry.engine.afd_pool import MAX_FFN_WORKERS, FFNPool
 from kvferry.model.config import ModelConfig
 from kvferry.model.tp_split import check_split
 from kvferry.serve.preflight import _hf_config as hf_config  # config.json, or {} (a .gguf)
@@ -88,17 +90,40 @@ def _checked(engine_args: EngineArgs) -> EngineArgs:
 
 
 def _check_split(engine_args: EngineArgs) -> None:
-    """M > 1 FFN workers split each MLP (or the experts) as -tp M ranks would."""
-    if engine_args.ffn <= 1:
+    check_ffn_split(engine_args.model, engine_args.ffn, engine_args.quantization)
+
+
+def check_ffn_split(model: str, ffn: int, quantization: str | None = None) -> None:
+    """M > 1 FFN workers split each MLP (or the experts) as -tp M ranks
+    would; a .gguf's blocks stay whole on one."""
+    if ffn <= 1:
         return
+    if keeps_gguf_blocks(model, quantization):
+        raise ValueError(f"--ffn {ffn}: a .gguf's blocks are not split over FFN workers yet (--ffn 1 keeps "
+                         "them whole; --quantization none splits float weights)")
     try:
-        config = ModelConfig.from_hf_dict(hf_config(engine_args.model))
+        config = ModelConfig.from_hf_dict(hf_config(model))
     except (KeyError, TypeError, ValueError):
         return  # a .gguf (refused by the engine) or a config the core refuses in its own words
     try:
-        check_split(config, engine_args.ffn, expert_parallel=True)
+        check_split(config, ffn, expert_parallel=True)
     except ValueError as exc:
-        raise ValueError(f"--ffn {engine_args.ffn}: {str(exc).partition(': ')[2]}") from None
+        raise ValueError(f"--ffn {ffn}: {str(exc).partition(': ')[2]}") from None
+
+
+def resize_ffn(pool: FFNPool | None, ffn: object) -> dict:
+    """``kvferry scale --ffn M``: the pool serves with M workers once this
+    returns (each attention core moves to them between two steps; a step
+    under way finishes on the old ones). ValueError (one line, the
+    request's fault), RuntimeError (the pool could not: nothing changed)."""
+    if pool is None:
+        raise ValueError("ffn: only a server started with --mode afd (or --mode disagg --ffn) has FFN workers")
+    if isinstance(ffn, bool) or not isinstance(ffn, int) or not 1 <= ffn <= MAX_FFN_WORKERS:
+        raise ValueError(f"ffn: must be an integer from 1 to {MAX_FFN_WORKERS} (FFN workers), got {ffn!r}")
+    check_ffn_split(pool.config.model.model, ffn, pool.config.model.quantization)
+    before = pool.size
+    seconds = pool.resize(ffn)
+    return {"before": before, "after": pool.size, "seconds": round(seconds, 3)}
 
 
 def afd_folder(engine_args: EngineArgs) -> EngineArgs:

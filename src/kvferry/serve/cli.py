@@ -182,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
 
     engine_args = afd_folder(engine_args)
     pool = start_ffn_pool(args, engine_args)  # --mode afd: the FFN workers, shared by the cores
+    args.ffn_pool = pool  # kvferry scale --ffn resizes it (routes/scale.py)
     try:
         return run_server(args, engine_args)
     finally:

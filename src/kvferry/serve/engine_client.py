@@ -63,6 +63,7 @@ class AsyncEngineClient(RouterClient):
         self._request_worker: dict[str, Worker] = {}  # parent request id -> its worker
         # The --autoscale loop (kvferry.autoscale), when the server runs one: shown by GET /v1/admin/scale.
         self.autoscaler = None
+        self.ffn_pool = None  # --mode afd: the server's FFN workers (engine/afd_pool.py), resized by a scale
 
     @classmethod
     def around(cls, first: Worker, router: RouterConfig) -> AsyncEngineClient:

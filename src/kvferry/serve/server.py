@@ -136,6 +136,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             grammar_import.join()  # cut off mid-import by the exit, the daemon thread would print a traceback
             return 2
         grammar_import.join()
+        client.ffn_pool = getattr(args, "ffn_pool", None)  # --mode afd: kvferry scale --ffn (routes/scale.py)
         if autoscaler is not None:
             client.autoscaler = AutoscaleService(autoscaler, window_from_args(args), client)
         try:

@@ -1,7 +1,8 @@
 """The admin's scaling routes (with API keys, an admin key's only)::
 
     GET  /v1/admin/scale     each pool's count, the scale in progress, the last scales, the autoscaler's decisions
-    POST /v1/admin/scale     {"engine": N} or {"prefill": N, "decode": M} (and "drain_timeout_s"): add or drain cores
+    POST /v1/admin/scale     {"engine": N} or {"prefill": N, "decode": M} (and "drain_timeout_s"): add or drain cores;
+                             {"ffn": M} (with or without the others): --mode afd's FFN workers, resized first
 
 The POST's counts have the keys of the GET's ``counts`` ("engines" is
 accepted for "engine" too: the CLI's flag, and what the POST took first).
@@ -10,11 +11,17 @@ drained and stopped (``kvferry scale`` waits for it): 200, or 502 when a
 core failed to start. 503 ``insufficient_resources`` when the cluster could
 not place the new cores within --scale-timeout-s (nothing changed; the
 message names what is missing), 503 ``server_shutting_down`` when the
-server began to stop, 409 while another scale runs.
+server began to stop, 409 while another scale runs. An ``ffn`` count
+resizes the server's FFN workers (serve/afd.py's resize_ffn) before any
+core is added or drained, so that new cores start on the new workers; the
+answer has ``"ffn": {"before", "after", "seconds"}``; 502 when the new
+workers did not come up (the old ones still serve).
 """
 from __future__ import annotations
 
 from typing import Annotated
+
+import anyio
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -22,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvferry.router.scaling import DEFAULT_DRAIN_TIMEOUT_S, ScaleInProgressError, ScaleStoppedError
+from kvferry.serve.afd import resize_ffn
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.errors import APIError, ErrorJSONResponse, bad_request
 from kvferry.serve.routes.workers import admin_check
@@ -35,6 +43,7 @@ class _ScaleBody(BaseModel):
     engines: int | None = None  # the same count, as the CLI's --engines spells it
     prefill: int | None = None
     decode: int | None = None
+    ffn: int | None = None  # --mode afd: FFN workers
     drain_timeout_s: Annotated[float, Field(ge=0, le=86400)] = DEFAULT_DRAIN_TIMEOUT_S
 
 
@@ -59,6 +68,7 @@ def scale_state(client: AsyncEngineClient) -> dict:
         "target": scaler.target,
         "history": [event.to_json() for event in scaler.history],
         "autoscale": autoscaler.describe() if autoscaler is not None else None,
+        "ffn_workers": client.ffn_pool.size if client.ffn_pool is not None else None,
     }
 
 
@@ -77,6 +87,15 @@ def scale_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_bytes
         engine, spelled = (body.engines, "engines") if body.engines is not None else (body.engine, "engine")
         target = {role: count for role, count in (("engine", engine), ("prefill", body.prefill),
                                                   ("decode", body.decode)) if count is not None}
+        ffn = await _resize_ffn(client, body.ffn) if body.ffn is not None else None
+        if ffn is not None and "error" in ffn:
+            return ErrorJSONResponse({"ok": False, "ffn": ffn, "error": {
+                "message": ffn["error"], "type": "service_unavailable_error", "param": "ffn",
+                "code": "ffn_workers_failed"}}, status_code=502)
+        if ffn is not None and not target:  # the FFN workers alone
+            return JSONResponse({"ok": True, "ffn": ffn, "steps": [], "before": client.scaler.counts(),
+                                 "after": client.scaler.counts(), "seconds": ffn["seconds"],
+                                 "state": scale_state(client)})
         try:
             event = await client.scaler.scale(target, drain_timeout_s=body.drain_timeout_s,
                                               fields={"engine": spelled})
@@ -87,13 +106,23 @@ def scale_routes(client: AsyncEngineClient, keys: ApiKeys | None, max_body_bytes
             raise APIError(409, str(exc), code="scale_in_progress") from None
         except ScaleStoppedError as exc:
             raise APIError(503, str(exc), code="server_shutting_down") from None
-        answer = event.to_json() | {"state": scale_state(client)}
+        answer = event.to_json() | {"state": scale_state(client)} | ({"ffn": ffn} if ffn is not None else {})
         if event.error is not None:
             # The OpenAI-style error (for any client), with the event beside it.
             error = {"message": event.error, "type": "service_unavailable_error", "param": None,
                      "code": "insufficient_resources"}
             return ErrorJSONResponse(answer | {"error": error}, status_code=503)
         return JSONResponse(answer, status_code=200 if event.ok else 502)
+
+    async def _resize_ffn(client: AsyncEngineClient, count: int) -> dict:
+        """The FFN workers resized (a worker thread: they load their weights
+        first); a bad count is a 400, a failed start an answer with "error"."""
+        try:
+            return await anyio.to_thread.run_sync(resize_ffn, client.ffn_pool, count)
+        except ValueError as exc:
+            raise bad_request(str(exc), "ffn") from None
+        except RuntimeError as exc:
+            return {"error": f"ffn: {exc}"}
 
     return [
         Route("/v1/admin/scale", show, methods=["GET"]),
