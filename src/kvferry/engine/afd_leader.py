@@ -3,8 +3,9 @@
     attention core i ("kvferry: engine-i")          FFN worker j (afd_worker.py)
     ---------------------------------------          ----------------------------
     AFDLeader(config)                                loads every layer's MLP (its split of them), binds
-                                                     ipc://FOLDER/ffn-j, then writes FOLDER/ffn-j.pid
-    connect(): waits for the M pid files         ◀── (its readiness)
+                                                     ipc://FOLDER/ffn-G-j, then writes FOLDER/ffn-G-j.pid
+    connect(): waits for the M pid files         ◀── (its readiness; G: the pool's generation,
+               of the generation the pool serves      FOLDER/ffn-generation.json, afd_pool.py)
     runner step: per layer and micro-batch
       send_rows(ffn-j, (step, layer, mb), x)     ──▶ takes every waiting request of every core,
       recv_rows(...) from each j, summed         ◀── one MLP call per layer over all of their rows
