@@ -431,7 +431,7 @@ class EngineConfig:
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
 
-    def _refused_over_ranks(self, where: str, methods: tuple = ("ngram", "draft", "head")) -> list[tuple[bool, str]]:
+    def _refused_over_ranks(self, where: str, methods: tuple = _SPEC_METHODS) -> list[tuple[bool, str]]:
         """What runs on neither tensor-parallel ranks nor pipeline stages yet (speculation: ``methods`` run)."""
         spec = self.speculative
         return [
@@ -468,9 +468,8 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     with the rest of ``config``, and one line saying so (logged once at
     start): method auto under the cost-aware controller, or off where
     speculation cannot run. An explicit config keeps its errors instead."""
-    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    for bad, what in [(tp > 1, f"tensor_parallel_size {tp} (only ngram runs over ranks)"),
-                      (pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
+    pp = config.parallel.pipeline_parallel_size
+    for bad, what in [(pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
                       (config.parallel.afd.enabled, "attention/FFN disaggregation (--ffn)"),
                       (config.model.deterministic, "--deterministic (its batch-invariant steps are measured "
                                                    "without drafts)")]:

@@ -14,11 +14,13 @@ so no source is overwritten before it is read.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from kvferry.model.input_batch import FlatStep
-from kvferry.spec.tree import ancestor_mask, depths, paths_to
+from kvferry.spec.tree import accepted_nodes, ancestor_mask, depths, paths_to
 
 
 def prepare_trees(flat: FlatStep, order: list[str], trees: dict[str, list[int]]) -> dict[str, int]:
@@ -72,3 +74,24 @@ def compact(kv_cache: torch.Tensor, aux: torch.Tensor | None, slots: np.ndarray,
     if aux is not None:
         rows = torch.as_tensor(src, device=aux.device)
         aux.index_copy_(0, torch.as_tensor(dst, device=aux.device), aux.index_select(0, rows))
+
+
+@dataclass(slots=True)
+class UnsampledTrees:
+    """A rank that verifies draft trees but does not sample (a tensor-parallel
+    worker, a pipeline stage before the last): its step's trees, kept until
+    the sampling rank's tokens arrive, which say the branch that held. Its KV
+    is then compacted as the sampling rank's was, before the next step reads it."""
+
+    trees: dict[str, tuple[list[int], list[int], int]]  # request -> (drafts, parents, first token offset)
+    slots: np.ndarray  # the step's slot of each batch token
+
+    def settle(self, kv_cache: torch.Tensor, aux: torch.Tensor | None,
+               sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Compact each tree's accepted branch; returns its accepted nodes per request."""
+        accepted = {}
+        for rid, (drafts, parents, start) in self.trees.items():
+            if sampled.get(rid):
+                accepted[rid] = nodes = accepted_nodes(drafts, parents, sampled[rid])
+                compact(kv_cache, aux, self.slots, start, nodes)
+        return accepted
