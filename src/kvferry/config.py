@@ -566,7 +566,7 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; off (or null) for none; default: method auto '
         "(suffix decoding or n-gram lookup per request, whichever held more lately) under the cost-aware "
         "controller, which drafts only at the batch sizes and acceptance where it measured a gain and "
-        "otherwise runs the plain step; by itself off where speculation cannot run (tensor parallelism, "
+        "otherwise runs the plain step; by itself off where speculation cannot run (--ffn, "
         "--deterministic), one log line says so (docs/speculative.md)",
         flag="--speculative-config", cli_default=SPECULATIVE_DEFAULT))
     kv_transfer_address: str = field(default="", metadata=_opt(
