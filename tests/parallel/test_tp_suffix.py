@@ -8,9 +8,12 @@ in the step message, so every rank verifies the same tokens.
   (each rank drafts with the head for the requests rank 0 chose).
 - A tree whose right branch is never the first one (tests/spec/
   test_tree_engine.py's oracle): a worker rank, and a pipeline stage before
-  the last, learn the accepted branch from rank 0's tokens and move its KV
-  where a chain's would be before the next step reads it; without that the
-  output drifts.
+  the last, learn the accepted branch and move its KV where a chain's would
+  be; without that the output drifts. A worker does it within the step (rank
+  0 shares the accepted nodes in one small sum), since rank 0's KV store
+  connector saves every rank's heads of a block from the next step on: a
+  reader of the store then gets plain decoding's logprobs (a worker that
+  compacted later, on rank 0's next step, raced that save).
 - Tenant scoping over ranks, read from the drafts as rank 0's scheduler
   takes them: tenant b's drafts hold nothing its own text lacked, while a
   second request of tenant a drafts a's first answer. And one real
@@ -30,6 +33,8 @@ import openai
 import pytest
 
 from kvferry import LLM, SamplingParams
+from kvferry.config import KVTierConfig
+from kvferry.kvstore.launch import start_store
 from kvferry.spec.tree import DraftTree
 from tests.parallel.test_tp_draft import echo_head  # noqa: F401 (a fixture)
 from tests.serve.server_process import start_server
@@ -127,6 +132,46 @@ def test_a_wrong_first_branch_is_compacted_on_every_rank(models, case, layout):
     assert oracle.num_trees > 0
     # Most steps accept the whole right branch (the second): 3 tokens.
     assert stats().num_accepted_tokens >= 2 * stats().num_drafts, (stats().num_accepted_tokens, stats().num_drafts)
+
+
+def test_tree_blocks_saved_to_a_kv_store_over_ranks_are_whole(models, case):
+    """TP 2 writes the blocks (every rank's heads) of trees whose right
+    branch is second; a TP 1 core reading them from the store continues the
+    text with plain decoding's tokens and logprobs."""
+    prompts, engine = case[0][1:4], dict(dtype="float32", block_size=8, num_kv_blocks=128)
+    written = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # many blocks: many saves
+    probe = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm = LLM(model=models[0], **engine)
+    try:
+        expected = [r.token_ids for r in llm.generate(prompts, written)]
+        longer = [p + e for p, e in zip(prompts, expected)]
+        want = llm.generate(longer, probe)
+    finally:
+        llm.engine.core.close()
+    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
+    try:
+        llm = LLM(model=models[0], tensor_parallel_size=2, cpu_threads_per_rank=1, kv_store=address,
+                  speculative={"method": "suffix", **TREE}, **engine)
+        llm.engine.core.scheduler.proposer = Oracle({tuple(p): p + o for p, o in zip(prompts, expected)}, 3, VOCAB)
+        stats = llm.engine.stats
+        try:
+            assert [r.token_ids for r in llm.generate(prompts, written)] == expected
+            assert stats().num_accepted_tokens >= 2 * stats().num_drafts and stats().kv_saved_blocks > 0
+        finally:
+            llm.engine.core.close()
+        llm = LLM(model=models[0], kv_store=address, **engine)
+        try:
+            got = llm.generate(longer, probe)
+        finally:
+            llm.engine.core.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    for g, w, p in zip(got, want, longer):
+        assert g.num_cached_tokens >= (len(p) - 1) // 8 * 8 - 8  # the blocks came from the store
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [lp.logprob for lp in g.outputs[0].logprobs] == pytest.approx([lp.logprob for lp in w.outputs[0].logprobs],
+                                                                              abs=1e-4)
 
 
 def _request(llm: LLM, rid: str, prompt: list[int], namespace: str) -> list[int]:

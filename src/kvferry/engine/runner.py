@@ -33,7 +33,7 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
-from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes
+from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes, share_branches
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.attention import kernel_max_chunk_tokens
@@ -151,8 +151,8 @@ class ModelRunner:
         # fills this step (the scheduler's AutoProposer keeps it); None: all.
         self.head_requests: set[str] | None = None
         # A worker rank with a draft head: its last sampling step's rows, until rank 0's tokens arrive.
-        self._pending_hidden: tuple[list[tuple[str, list[int]]], torch.Tensor] | None = None
-        # A rank that does not sample: its last step's draft trees, until rank 0's tokens say which branch held.
+        self._pending_hidden: tuple[list[tuple[str, list[int]]], torch.Tensor, dict[str, list[int]]] | None = None
+        # A pipeline stage before the last: its step's draft trees, until the last stage's tokens say which held.
         self._unsampled: UnsampledTrees | None = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
@@ -355,8 +355,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32
                 if self.samples:  # rank 0 alone (its tokens reach the workers with the next step)
                     self._sample(logits, inputs, out, pending_bitmask, proposals)
-                else:
-                    self._keep_trees(inputs)
+                if inputs.trees and getattr(getattr(self.model, "shard", None), "size", 1) > 1:
+                    self._settle_trees_over_ranks(inputs)
                 if isinstance(self.drafter, HeadProposer):
                     self._record_hidden(inputs, sampled_hidden, out)
             if isinstance(self.drafter, Eagle3Proposer):
@@ -387,19 +387,31 @@ class ModelRunner:
         for rid, hidden in (received_hidden or {}).items():
             if isinstance(self.drafter, HeadProposer):
                 self.drafter.record(rid, hidden.to(self.device))
-        tree_accepted = {}
-        if self._unsampled is not None:
+        if self._unsampled is not None:  # a pipeline stage: the last stage's tokens name each tree's branch
             (trees, self._unsampled) = self._unsampled, None
-            tree_accepted = trees.settle(self.kv_cache, getattr(self.model, "aux_hidden", None), sampled)
+            trees.settle(self.kv_cache, getattr(self.model, "aux_hidden", None), trees.branches(sampled))
         if self._pending_hidden is not None:  # the draft head's rows of that step, now that they are known
-            (sampling, hidden), self._pending_hidden = self._pending_hidden, None
+            (sampling, hidden, tree_accepted), self._pending_hidden = self._pending_hidden, None
             self._record_rows(sampling, hidden, sampled, tree_accepted)
         for rid, tokens in sampled.items():
             if tokens and rid in self.states and rid in self.batch.index:
                 self._record(rid, tokens)
 
+    def _settle_trees_over_ranks(self, inputs: StepInputs) -> None:
+        """Tensor parallelism: rank 0's accepted nodes of each tree to every
+        rank (one small sum, rank 0's fills), and each worker compacts its
+        own KV heads now, within the step: rank 0's connector may read any
+        rank's pool from the next step on (a KV store's save of the block)."""
+        trees = [(rid, len(drafts)) for rid, drafts in inputs.sampling if rid in inputs.trees]
+        accepted = share_branches(self.model.shard.group, trees, inputs.tree_accepted if self.samples else None)
+        if not self.samples:
+            for rid, nodes in accepted.items():
+                compact(self.kv_cache, getattr(self.model, "aux_hidden", None), inputs.flat.slots,
+                        inputs.tree_starts[rid], nodes)
+            inputs.tree_accepted = accepted  # the draft head's rows (_record_hidden)
+
     def _keep_trees(self, inputs: StepInputs) -> None:
-        """A rank that does not sample: the step's trees, for ``apply_sampled`` to compact."""
+        """A pipeline stage before the last: the step's trees, for ``apply_sampled`` to compact."""
         if inputs.trees:
             self._unsampled = UnsampledTrees({rid: (drafts, inputs.trees[rid], inputs.tree_starts[rid])
                                               for rid, drafts in inputs.sampling if rid in inputs.trees},
@@ -493,8 +505,8 @@ class ModelRunner:
         A worker rank learns which rows from rank 0's tokens, with the next
         step (``apply_sampled``)."""
         assert isinstance(self.drafter, HeadProposer)
-        if not self.samples:  # a tree's row is known once its branch is (apply_sampled)
-            self._pending_hidden = (inputs.sampling, sampled_hidden)
+        if not self.samples:  # a chain's row is known with rank 0's tokens (apply_sampled)
+            self._pending_hidden = (inputs.sampling, sampled_hidden, inputs.tree_accepted)
             return
         self._record_rows(inputs.sampling, sampled_hidden, out.sampled_token_ids, inputs.tree_accepted)
 
