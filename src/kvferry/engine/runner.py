@@ -400,15 +400,18 @@ class ModelRunner:
     def _settle_trees_over_ranks(self, inputs: StepInputs) -> None:
         """Tensor parallelism: rank 0's accepted nodes of each tree to every
         rank (one small sum, rank 0's fills), and each worker compacts its
-        own KV heads now, within the step: rank 0's connector may read any
-        rank's pool from the next step on (a KV store's save of the block)."""
+        own KV heads now, within the step, before a second sum lets rank 0
+        go on: rank 0's connector may read any rank's pool from the next
+        step on (a KV store's save of the block)."""
         trees = [(rid, len(drafts)) for rid, drafts in inputs.sampling if rid in inputs.trees]
-        accepted = share_branches(self.model.shard.group, trees, inputs.tree_accepted if self.samples else None)
+        group = self.model.shard.group
+        accepted = share_branches(group, trees, inputs.tree_accepted if self.samples else None)
         if not self.samples:
             for rid, nodes in accepted.items():
                 compact(self.kv_cache, getattr(self.model, "aux_hidden", None), inputs.flat.slots,
                         inputs.tree_starts[rid], nodes)
             inputs.tree_accepted = accepted  # the draft head's rows (_record_hidden)
+        group.all_reduce(torch.zeros(1))  # rank 0 goes on only once every worker has compacted
 
     def _keep_trees(self, inputs: StepInputs) -> None:
         """A pipeline stage before the last: the step's trees, for ``apply_sampled`` to compact."""
