@@ -431,15 +431,15 @@ class EngineConfig:
                                   or not all(self.kv_connector.split(":"))):
             raise ValueError(f"kv_connector must be 'module:Class', got {self.kv_connector!r}")
 
-    def _refused_over_ranks(self, where: str, methods: tuple = ("ngram", "draft", "head")) -> list[tuple[bool, str]]:
+    def _refused_over_ranks(self, where: str, methods: tuple = (*_SPEC_METHODS, "auto+head")) -> list[tuple[bool, str]]:
         """What runs on neither tensor-parallel ranks nor pipeline stages yet (speculation: ``methods`` run)."""
-        spec = self.speculative
+        spec = self.speculative  # "auto+head": auto with a draft head among its choices
+        method = spec and spec.method + ("+head" if spec.method == "auto" and spec.model is not None else "")
         return [
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
             (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
             (self.model.deterministic, "deterministic"),
-            (spec is not None and spec.method not in methods, "speculative method "
-             f"{spec.method if spec is not None else ''!r} ({' and '.join(methods)} work)"),
+            (spec is not None and method not in methods, f"speculative method {method!r} ({', '.join(methods)} work)"),
             (bool(self.kv_connector), "--kv-connector"),
             (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]
@@ -454,7 +454,7 @@ class EngineConfig:
         """What does not run over pipeline stages yet: a one-line ValueError."""
         tp = self.parallel.tensor_parallel_size
         refused = [(tp > 1, f"tensor_parallel_size {tp} (one of the two per core for now)"),
-                   *self._refused_over_ranks("stages", ("ngram",)),
+                   *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
                    (self.model.quantization == "int8", "quantization 'int8'"),
                    (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:
@@ -468,18 +468,15 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     with the rest of ``config``, and one line saying so (logged once at
     start): method auto under the cost-aware controller, or off where
     speculation cannot run. An explicit config keeps its errors instead."""
-    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    for bad, what in [(tp > 1, f"tensor_parallel_size {tp} (only ngram runs over ranks)"),
-                      (pp > 1, f"pipeline_parallel_size {pp} (only ngram runs over stages)"),
-                      (config.parallel.afd.enabled, "attention/FFN disaggregation (--ffn)"),
+    for bad, what in [(config.parallel.afd.enabled, "attention/FFN disaggregation (--ffn)"),
                       (config.model.deterministic, "--deterministic (its batch-invariant steps are measured "
                                                    "without drafts)")]:
         if bad:
             return None, f"speculative decoding: off by default with {what}; give --speculative-config to choose one"
     # The embedded model's committed draft head joins auto's choices (chat, where suffix and n-gram
-    # rarely match); not over GGUF blocks (it reads the float embedding and lm_head).
+    # rarely match); not over GGUF blocks (it reads the float embedding and lm_head) nor pipeline stages.
     head = (EMBEDDED_DRAFT_HEAD if config.model.model is None and config.model.quantization != "gguf"
-            and EMBEDDED_DRAFT_HEAD.is_file() else None)
+            and config.parallel.pipeline_parallel_size == 1 and EMBEDDED_DRAFT_HEAD.is_file() else None)
     spec = SpeculativeConfig(method="auto", model=None if head is None else str(head), draft_tree=True)
     choices = "suffix, n-gram or the draft head" if head is not None else "suffix or n-gram"
     return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the cost-aware "
@@ -569,7 +566,7 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; off (or null) for none; default: method auto '
         "(suffix decoding or n-gram lookup per request, whichever held more lately) under the cost-aware "
         "controller, which drafts only at the batch sizes and acceptance where it measured a gain and "
-        "otherwise runs the plain step; by itself off where speculation cannot run (tensor parallelism, "
+        "otherwise runs the plain step; by itself off where speculation cannot run (--ffn, "
         "--deterministic), one log line says so (docs/speculative.md)",
         flag="--speculative-config", cli_default=SPECULATIVE_DEFAULT))
     kv_transfer_address: str = field(default="", metadata=_opt(

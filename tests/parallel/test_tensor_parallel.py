@@ -124,7 +124,6 @@ def test_heads_that_do_not_split_are_refused_before_any_rank_starts(llama):
 
 
 @pytest.mark.parametrize("extra, what", [
-    ({"speculative": {"method": "suffix"}}, "speculative method 'suffix'"),
     ({"kv_connector": "my_tier:MyTier"}, "--kv-connector"),  # P/D runs over ranks: tests/parallel/test_pd_tp.py
     ({"num_swap_blocks": 4}, "num_swap_blocks"),
     ({"deterministic": True}, "deterministic"),

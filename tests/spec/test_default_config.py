@@ -8,6 +8,7 @@ scored by its verified acceptance."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_bad_values_name_what_is_wrong(bad, field):
     assert field in str(err.value)
 
 
-@pytest.mark.parametrize("kwargs, why", [({"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
+@pytest.mark.parametrize("kwargs, why", [({"ffn": 1}, "attention/FFN disaggregation"),
                                          ({"deterministic": True}, "--deterministic")])
 def test_default_is_quietly_off_where_speculation_cannot_run(kwargs, why):
     args = EngineArgs(speculative="default", **kwargs)
@@ -53,9 +54,19 @@ def test_default_is_quietly_off_where_speculation_cannot_run(kwargs, why):
     assert "off by default" in line and why in line
 
 
+def test_the_default_stays_on_over_ranks_and_stages():
+    """Suffix, auto and draft trees run over tensor-parallel ranks and
+    pipeline stages (tests/parallel/test_tp_suffix.py); the head, not over stages."""
+    tp = EngineArgs(speculative="default", tensor_parallel_size=2).create_engine_config().speculative
+    assert tp.method == "auto" and tp.draft_tree and tp.model == str(EMBEDDED_DRAFT_HEAD)
+    pp = EngineArgs(speculative="default", pipeline_parallel_size=2).create_engine_config().speculative
+    assert pp.method == "auto" and pp.draft_tree and pp.model is None
+
+
 def test_an_explicit_config_keeps_its_error():
-    with pytest.raises(ValueError, match="speculative method 'auto'"):
-        EngineArgs(speculative='{"method": "auto"}', tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"speculative method 'auto\+head' \(ngram, suffix, auto work\)"):
+        EngineArgs(speculative=json.dumps({"method": "auto", "model": str(EMBEDDED_DRAFT_HEAD)}),
+                   pipeline_parallel_size=2).create_engine_config()
 
 
 def test_the_commands_flag_defaults_to_default_and_llm_to_off():

@@ -81,11 +81,13 @@ def micro_batches(query_start_loc: np.ndarray, count: int) -> list[tuple[int, in
 
 
 def slice_flat(flat: FlatStep, r0: int, r1: int) -> FlatStep:
-    """Requests [r0, r1) of a flattened step as a step of their own."""
+    """Requests [r0, r1) of a flattened step as a step of their own (draft trees' masks with them)."""
     qsl = flat.query_start_loc
     t0, t1 = int(qsl[r0]), int(qsl[r1])
+    trees = {i - r0: mask for i, mask in (flat.tree_masks or {}).items() if r0 <= i < r1}
     return FlatStep(flat.input_ids[t0:t1], flat.positions[t0:t1], flat.slots[t0:t1], qsl[r0:r1 + 1] - t0,
-                    flat.seq_lens[r0:r1], flat.block_tables[r0:r1], max(0, min(flat.num_prefills, r1) - r0))
+                    flat.seq_lens[r0:r1], flat.block_tables[r0:r1], max(0, min(flat.num_prefills, r1) - r0),
+                    trees or None)
 
 
 class StageRunner(ModelRunner):
@@ -139,7 +141,9 @@ class StageRunner(ModelRunner):
             self.connector.begin_step(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
-            self._forward(self._prepare(sched, sched.spec_token_ids, graph_ok=False))
+            inputs = self._prepare(sched, sched.spec_token_ids, graph_ok=False, trees=sched.spec_tree_parents)
+            self._forward(inputs)
+            self._keep_trees(inputs)  # compacted once the last stage's tokens say which branch held
             if leader is not None:
                 out = leader.receive_output(self.steps_run, self.timeline)
                 self.apply_sampled(out.sampled_token_ids)  # the next step embeds them

@@ -33,7 +33,7 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
-from kvferry.engine.tree_verify import compact, prepare_trees, row_prefixes
+from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes, share_branches
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.attention import kernel_max_chunk_tokens
@@ -151,7 +151,9 @@ class ModelRunner:
         # fills this step (the scheduler's AutoProposer keeps it); None: all.
         self.head_requests: set[str] | None = None
         # A worker rank with a draft head: its last sampling step's rows, until rank 0's tokens arrive.
-        self._pending_hidden: tuple[list[tuple[str, list[int]]], torch.Tensor] | None = None
+        self._pending_hidden: tuple[list[tuple[str, list[int]]], torch.Tensor, dict[str, list[int]]] | None = None
+        # A pipeline stage before the last: its step's draft trees, until the last stage's tokens say which held.
+        self._unsampled: UnsampledTrees | None = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
         elif isinstance(head, Eagle3Head) and getattr(getattr(self.model, "shard", None), "size", 1) > 1:
@@ -309,6 +311,8 @@ class ModelRunner:
         # A draft model runs on rank 0 alone (whole, outside the ranks'
         # collectives): the workers get the step once its drafts are known.
         publish_late = self.tp_leader is not None and isinstance(self.drafter, DraftModelProposer)
+        if self.tp_leader is not None and self.head_requests is not None:  # auto's choice, made here alone
+            self.tp_leader.share_head_requests(self.head_requests)
         if self.tp_leader is not None and (not publish_late or sched.is_empty):
             self.tp_leader.publish(sched)
         self._update_states(sched)
@@ -351,6 +355,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32
                 if self.samples:  # rank 0 alone (its tokens reach the workers with the next step)
                     self._sample(logits, inputs, out, pending_bitmask, proposals)
+                if inputs.trees and getattr(getattr(self.model, "shard", None), "size", 1) > 1:
+                    self._settle_trees_over_ranks(inputs)
                 if isinstance(self.drafter, HeadProposer):
                     self._record_hidden(inputs, sampled_hidden, out)
             if isinstance(self.drafter, Eagle3Proposer):
@@ -375,17 +381,44 @@ class ModelRunner:
     def apply_sampled(self, sampled: dict[str, list[int]],
                       received_hidden: dict[str, torch.Tensor] | None = None) -> None:
         """A worker rank: rank 0's tokens of the step before, as if sampled
-        here, and the hidden states rank 0's connector received for the draft
-        head (P/D decode side)."""
+        here (a draft tree's accepted branch compacted as rank 0's was), and
+        the hidden states rank 0's connector received for the draft head (P/D
+        decode side)."""
         for rid, hidden in (received_hidden or {}).items():
             if isinstance(self.drafter, HeadProposer):
                 self.drafter.record(rid, hidden.to(self.device))
+        if self._unsampled is not None:  # a pipeline stage: the last stage's tokens name each tree's branch
+            (trees, self._unsampled) = self._unsampled, None
+            trees.settle(self.kv_cache, getattr(self.model, "aux_hidden", None), trees.branches(sampled))
         if self._pending_hidden is not None:  # the draft head's rows of that step, now that they are known
-            (sampling, hidden), self._pending_hidden = self._pending_hidden, None
-            self._record_rows(sampling, hidden, sampled)
+            (sampling, hidden, tree_accepted), self._pending_hidden = self._pending_hidden, None
+            self._record_rows(sampling, hidden, sampled, tree_accepted)
         for rid, tokens in sampled.items():
             if tokens and rid in self.states and rid in self.batch.index:
                 self._record(rid, tokens)
+
+    def _settle_trees_over_ranks(self, inputs: StepInputs) -> None:
+        """Tensor parallelism: rank 0's accepted nodes of each tree to every
+        rank (one small sum, rank 0's fills), and each worker compacts its
+        own KV heads now, within the step, before a second sum lets rank 0
+        go on: rank 0's connector may read any rank's pool from the next
+        step on (a KV store's save of the block)."""
+        trees = [(rid, len(drafts)) for rid, drafts in inputs.sampling if rid in inputs.trees]
+        group = self.model.shard.group
+        accepted = share_branches(group, trees, inputs.tree_accepted if self.samples else None)
+        if not self.samples:
+            for rid, nodes in accepted.items():
+                compact(self.kv_cache, getattr(self.model, "aux_hidden", None), inputs.flat.slots,
+                        inputs.tree_starts[rid], nodes)
+            inputs.tree_accepted = accepted  # the draft head's rows (_record_hidden)
+        group.all_reduce(torch.zeros(1))  # rank 0 goes on only once every worker has compacted
+
+    def _keep_trees(self, inputs: StepInputs) -> None:
+        """A pipeline stage before the last: the step's trees, for ``apply_sampled`` to compact."""
+        if inputs.trees:
+            self._unsampled = UnsampledTrees({rid: (drafts, inputs.trees[rid], inputs.tree_starts[rid])
+                                              for rid, drafts in inputs.sampling if rid in inputs.trees},
+                                             inputs.flat.slots)
 
     # -- warm-up --------------------------------------------------------------
     @torch.inference_mode()
@@ -475,8 +508,8 @@ class ModelRunner:
         A worker rank learns which rows from rank 0's tokens, with the next
         step (``apply_sampled``)."""
         assert isinstance(self.drafter, HeadProposer)
-        if not self.samples:  # no trees over ranks (config.py): a worker's rows are a chain's
-            self._pending_hidden = (inputs.sampling, sampled_hidden)
+        if not self.samples:  # a chain's row is known with rank 0's tokens (apply_sampled)
+            self._pending_hidden = (inputs.sampling, sampled_hidden, inputs.tree_accepted)
             return
         self._record_rows(inputs.sampling, sampled_hidden, out.sampled_token_ids, inputs.tree_accepted)
 

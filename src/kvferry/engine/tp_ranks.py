@@ -126,6 +126,9 @@ class TPLeader(RankProcesses):
         # Hidden states a P/D decode core received for its draft head, for the
         # workers' heads (they draft in step with rank 0's), sent with the next step.
         self._received_hidden: dict[str, torch.Tensor] = {}
+        # Method auto with a head: the requests whose slots the head fills this
+        # step (rank 0's scheduler chose them; None: every reserved slot is the head's).
+        self._head_requests: set[str] | None = None
         self._dir = tempfile.mkdtemp(prefix="kvferry-tp-")
         self._ctx = zmq.Context()
         # Ranks placed elsewhere (--ray-rank-placement spread) may be on other
@@ -218,10 +221,13 @@ class TPLeader(RankProcesses):
     # -- steps -----------------------------------------------------------------------
     def publish(self, sched: SchedulerOutput) -> None:
         """The step to every worker, with rank 0's samples of the step before
-        (and the draft head's received hidden states)."""
+        (and the draft head's received hidden states, and auto's head requests)."""
         self.check()
-        self._send((sched, self._last_sampled, self._received_hidden))
+        self._send((sched, self._last_sampled, self._received_hidden, self._head_requests))
         self._last_sampled, self._received_hidden = {}, {}
+
+    def share_head_requests(self, request_ids: set[str]) -> None:
+        self._head_requests = set(request_ids)
 
     def share_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         self._received_hidden[request_id] = hidden.cpu()

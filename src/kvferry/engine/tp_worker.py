@@ -94,7 +94,7 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
 
 def _serve(runner: ModelRunner, steps: zmq.Socket) -> None:
     while (message := _receive(steps)) is not None:
-        sched, sampled, received_hidden = message
+        sched, sampled, received_hidden, runner.head_requests = message
         runner.apply_sampled(sampled, received_hidden)
         runner.execute(sched)
 

@@ -14,11 +14,13 @@ so no source is overwritten before it is read.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from kvferry.model.input_batch import FlatStep
-from kvferry.spec.tree import ancestor_mask, depths, paths_to
+from kvferry.spec.tree import accepted_nodes, ancestor_mask, depths, paths_to
 
 
 def prepare_trees(flat: FlatStep, order: list[str], trees: dict[str, list[int]]) -> dict[str, int]:
@@ -72,3 +74,47 @@ def compact(kv_cache: torch.Tensor, aux: torch.Tensor | None, slots: np.ndarray,
     if aux is not None:
         rows = torch.as_tensor(src, device=aux.device)
         aux.index_copy_(0, torch.as_tensor(dst, device=aux.device), aux.index_select(0, rows))
+
+
+@dataclass(slots=True)
+class UnsampledTrees:
+    """A pipeline stage before the last verifies draft trees but does not
+    sample: its step's trees, kept until the last stage's tokens arrive
+    (with rank 0's next step, or at once on rank 0), which name the branch
+    that held. Its KV is then compacted as the last stage's was, before the
+    next step reads it. (Tensor-parallel ranks settle within the step:
+    ``share_branches``.)"""
+
+    trees: dict[str, tuple[list[int], list[int], int]]  # request -> (drafts, parents, first token offset)
+    slots: np.ndarray  # the step's slot of each batch token
+
+    def branches(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Each tree's accepted nodes, from the tokens its walk emitted."""
+        return {rid: accepted_nodes(drafts, parents, sampled[rid])
+                for rid, (drafts, parents, _) in self.trees.items() if sampled.get(rid)}
+
+    def settle(self, kv_cache: torch.Tensor, aux: torch.Tensor | None, accepted: dict[str, list[int]]) -> None:
+        for rid, nodes in accepted.items():
+            compact(kv_cache, aux, self.slots, self.trees[rid][2], nodes)
+
+
+def share_branches(group, trees: list[tuple[str, int]],  # noqa: ANN001 - a rank group (parallel/)
+                   accepted: dict[str, list[int]] | None) -> dict[str, list[int]]:
+    """The sampling rank's accepted nodes of each tree (``trees``: request,
+    tree size; in the same order on every rank) on every rank of a
+    tensor-parallel group: one float32 sum, where the rank that sampled
+    fills [count, nodes..] per tree and the others (``accepted`` None) add zeros."""
+    sizes = [n + 1 for _, n in trees]
+    values = [0.0] * sum(sizes)
+    if accepted is not None:
+        start = 0
+        for (rid, _), size in zip(trees, sizes):
+            nodes = accepted.get(rid, [])
+            values[start : start + 1 + len(nodes)] = [float(len(nodes)), *map(float, nodes)]
+            start += size
+    summed = group.all_reduce(torch.tensor(values, dtype=torch.float32)).tolist()
+    out, start = {}, 0
+    for (rid, _), size in zip(trees, sizes):
+        out[rid] = [int(v) for v in summed[start + 1 : start + 1 + int(summed[start])]]
+        start += size
+    return out

@@ -36,8 +36,8 @@ def shipped(signature: str) -> str:
     """What a core with this signature needs from its pair's other side: ""
     for off and the token-only methods (whose drafts come from the context
     the decode core already has), else the signature itself. Two cores of
-    a pair agree when this does: a prefill pool whose default speculation
-    is off (tensor-parallel ranks) serves a decode pool running auto."""
+    a pair agree when this does: a prefill pool that does not speculate
+    serves a decode pool running auto."""
     return "" if signature in ("", "ngram", "suffix", "auto") else signature
 
 

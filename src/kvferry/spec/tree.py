@@ -134,6 +134,20 @@ def walk(drafts: Sequence[int], parents: Sequence[int], row_tokens: Sequence[int
         node = child
 
 
+def accepted_nodes(drafts: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> list[int]:
+    """The nodes ``walk`` accepted, from the tokens it emitted: a rank that
+    verified the tree but did not sample learns its branch so (each emitted
+    token but the last is the child the walk went into)."""
+    children = _children(drafts, parents)
+    nodes, node = [], -1
+    for token in emitted[:-1]:
+        node = children.get((node, token), -2)
+        if node == -2:  # not a walk of this tree: nothing accepted past here
+            break
+        nodes.append(node)
+    return nodes
+
+
 def held(drafts: Sequence[int], parents: Sequence[int] | None, new: Sequence[int]) -> int:
     """How many tokens of a draft (a chain, or a tree with ``parents``) the
     tokens that came after it (``new``, in order) would have accepted."""
