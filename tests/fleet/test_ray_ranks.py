@@ -12,14 +12,15 @@ through real HTTP and the openai client.
 - a group the cluster cannot place (pack needs 2 x 3 "rank" on one node)
   fails within --scale-timeout-s, naming the resources.
 
-One cluster for the module (Ray is heavy on a 2-core host); each server
-runs only while its tests do."""
+One cluster for the module (Ray is heavy on a 2-core host), and the three
+layouts' servers started at once on it."""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import time
+from functools import partial
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ import openai  # noqa: E402
 
 from kvferry import LLM, SamplingParams  # noqa: E402
 from tests.engine.hf_reference import hf_greedy, load_hf  # noqa: E402
+from tests.parallel.afd_helpers import servers_at_once  # noqa: E402
 from tests.serve.server_process import start_server  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -53,11 +55,10 @@ def checkpoint(tmp_path_factory):
                                     max_position_embeddings=1024))
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint) -> str:
+def _expected(checkpoint: str) -> str:
     """HF float32's greedy continuation, as the text the server returns."""
     ids = hf_greedy(load_hf(checkpoint), PROMPT, MAX_NEW)
-    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02)
+    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02, warm_up=False)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ids
     return out.text
@@ -71,12 +72,29 @@ def _serve(cluster, checkpoint, log, *args: str):
         raise RuntimeError(f"{exc}\n--- Ray cluster:\n{cluster.logs()}") from None
 
 
+# Every layout's server at once on the one cluster: 4 "rank" a node hold
+# them all (at most the packed 2 and one of each spread group on one node).
+LAYOUTS = {"packed-tp2": ("-tp", "2"), "spread-tp2": ("-tp", "2", "--ray-rank-placement", "spread"),
+           "spread-pp2": ("-pp", "2", "--ray-rank-placement", "spread")}
+
+
 @pytest.fixture(scope="module")
-def spread_tp(cluster, checkpoint, tmp_path_factory):
-    srv = _serve(cluster, checkpoint, tmp_path_factory.mktemp("ray-tp-spread") / "server.log",
-                 "-tp", "2", "--ray-rank-placement", "spread")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-5000:]
+def servers(cluster, checkpoint, tmp_path_factory):
+    """The layouts' servers, started at once while HF and the offline LLM compute the expected text."""
+    logs = {name: tmp_path_factory.mktemp(f"ray-{name}") / "server.log" for name in LAYOUTS}
+    with servers_at_once({name: partial(_serve, cluster, checkpoint, logs[name], *args)
+                          for name, args in LAYOUTS.items()}, meanwhile=partial(_expected, checkpoint)) as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def expected(servers) -> str:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def spread_tp(servers):
+    return servers[0]["spread-tp2"]
 
 
 def _worker(srv) -> dict:
@@ -100,14 +118,11 @@ def _nodes(worker: dict) -> list[str]:
     return [r["node"] for r in ranks]
 
 
-def test_tp2_packed_on_one_node_equals_hf(cluster, checkpoint, expected, tmp_path):
-    srv = _serve(cluster, checkpoint, tmp_path / "server.log", "-tp", "2")
-    try:
-        assert _complete(srv) == expected
-        nodes = _nodes(_worker(srv))
-        assert len(nodes) == 2 and nodes[0] == nodes[1] and nodes[0] in cluster.node_ids.values(), nodes
-    finally:
-        assert srv.stop() == 0, srv.log()[-5000:]
+def test_tp2_packed_on_one_node_equals_hf(servers, cluster, expected):
+    srv = servers[0]["packed-tp2"]
+    assert _complete(srv) == expected
+    nodes = _nodes(_worker(srv))
+    assert len(nodes) == 2 and nodes[0] == nodes[1] and nodes[0] in cluster.node_ids.values(), nodes
 
 
 def test_tp2_spread_over_two_nodes_equals_hf(spread_tp, cluster, expected):
@@ -116,16 +131,13 @@ def test_tp2_spread_over_two_nodes_equals_hf(spread_tp, cluster, expected):
     assert sorted(nodes) == sorted([cluster.node_ids["n0"], cluster.node_ids["n1"]]), nodes
 
 
-def test_pp2_stages_on_two_nodes_equal_hf(cluster, checkpoint, expected, tmp_path):
-    srv = _serve(cluster, checkpoint, tmp_path / "server.log", "-pp", "2", "--ray-rank-placement", "spread")
-    try:
-        assert _complete(srv) == expected
-        worker = _worker(srv)
-        assert worker["pipeline_parallel_size"] == 2
-        nodes = _nodes(worker)
-        assert len(set(nodes)) == 2, nodes
-    finally:
-        assert srv.stop() == 0, srv.log()[-5000:]
+def test_pp2_stages_on_two_nodes_equal_hf(servers, expected):
+    srv = servers[0]["spread-pp2"]
+    assert _complete(srv) == expected
+    worker = _worker(srv)
+    assert worker["pipeline_parallel_size"] == 2
+    nodes = _nodes(worker)
+    assert len(set(nodes)) == 2, nodes
 
 
 def test_a_killed_spread_rank_restarts_its_group(spread_tp, cluster, expected):
@@ -142,7 +154,7 @@ def test_a_killed_spread_rank_restarts_its_group(spread_tp, cluster, expected):
         except (httpx.HTTPError, AssertionError):
             pass
         assert time.monotonic() < deadline, f"the group did not come back:\n{spread_tp.log()[-4000:]}"
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert "tensor-parallel rank 1" in spread_tp.log()
     assert sorted(_nodes(worker)) == sorted([cluster.node_ids["n0"], cluster.node_ids["n1"]])
     assert _complete(spread_tp) == expected

@@ -4,7 +4,12 @@ afd`` server on a tiny checkpoint next to its offline greedy reference
 openai client, and the admin's view of the FFN workers."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import openai
@@ -21,7 +26,7 @@ MAX_NEW = 8
 def reference(path: str) -> list[str]:
     """Each prompt's greedy text offline (colocated), whose token ids are HF's."""
     hf = load_hf(path)
-    offline = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.02)
+    offline = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.02, warm_up=False)
     try:
         ref = offline.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
     finally:
@@ -70,5 +75,39 @@ def ffn_pids(srv, name: str = "engine-0", count: int = 1) -> list[int]:  # noqa:
     return pids
 
 
+@contextmanager
+def servers_at_once(starts: dict, meanwhile: Callable[[], Any] = lambda: None) -> Iterator[tuple[dict, Any]]:
+    """Every ``starts`` value (a callable that starts a server) at once,
+    under its key, while this thread runs ``meanwhile`` (an offline
+    reference): a start is mostly one process's imports at a time, so they
+    overlap on two cores. Yields (the servers, what ``meanwhile`` returned).
+    At the end every server stops, and each must exit 0; if a start or
+    ``meanwhile`` fails, the servers that started stop and its error is raised."""
+    error: BaseException | None = None
+    value = None
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = {key: pool.submit(start) for key, start in starts.items()}
+        try:
+            value = meanwhile()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every start is done
+            error = exc
+    started = {key: f.result() for key, f in futures.items() if f.exception() is None}
+    failed = [f.exception() for f in futures.values() if f.exception() is not None]
+    try:
+        if error is not None or failed:
+            raise error or failed[0]
+        yield started, value
+    finally:
+        codes = {key: srv.stop() for key, srv in started.items()}
+    bad = {key: code for key, code in codes.items() if code != 0}
+    assert not bad, "\n".join(f"{key}: exit {code}\n{started[key].log()[-5000:]}" for key, code in bad.items())
+
+
+def scale(srv, *argv: str) -> subprocess.CompletedProcess:  # noqa: ANN001
+    """``kvferry scale --url`` the server (e.g. ``--attention N``)."""
+    return subprocess.run([sys.executable, "-m", "kvferry.cli", "scale", "--url", srv.base_url, *argv],
+                          capture_output=True, text=True, timeout=600)
+
+
 __all__ = ["MAX_NEW", "PROMPTS", "_alive", "_children", "complete", "complete_all", "ffn_pids", "reference",
-           "start_afd", "workers"]
+           "scale", "servers_at_once", "start_afd", "workers"]

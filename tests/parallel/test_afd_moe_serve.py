@@ -2,36 +2,53 @@
 one dense layer among the sparse ones) at 1+1, 2+1 and 1+2 attention cores
 + FFN workers (1+2: each FFN worker holds 4 whole experts and half of the
 dense layer's columns; the core adds their partial sums): greedy output
-equals HF transformers (float32), alone and concurrent."""
+equals HF transformers (float32), alone and concurrent.
+
+Two servers: 2+1 and 1+2. 1+1 is the 2+1 server with one attention core
+drained by ``kvferry scale --attention 1`` (attention cores are
+data-parallel replicas on the server's FFN workers, started or scaled
+alike)."""
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 
-from tests.parallel.afd_helpers import PROMPTS, complete, complete_all, ffn_pids, reference, start_afd, workers
+from tests.parallel.afd_helpers import (PROMPTS, complete, complete_all, ffn_pids, reference, scale,
+                                        servers_at_once, start_afd, workers)
 from tests.tiny_moe_models import make_tiny_moe_checkpoint
 
-LAYOUTS = {"1+1": (1, 1), "2+1": (2, 1), "1+2": (1, 2)}
+LAYOUTS = {"2+1": (2, 1), "1+2": (1, 2)}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def servers(tmp_path_factory):
+    """Both layouts' servers, started at once while the offline reference runs."""
     path = str(make_tiny_moe_checkpoint(tmp_path_factory.mktemp("afd-moe"), "qwen3_moe_top2",
                                         max_position_embeddings=1024))
-    return path, reference(path)
+    dirs = {layout: tmp_path_factory.mktemp(f"afd-moe-{layout}") for layout in LAYOUTS}
+    with servers_at_once({layout: partial(start_afd, dirs[layout], path, *LAYOUTS[layout]) for layout in LAYOUTS},
+                         meanwhile=partial(reference, path)) as both:
+        yield both
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def served(request, checkpoint, tmp_path_factory):
-    path, expected = checkpoint
-    attention, ffn = LAYOUTS[request.param]
-    srv = start_afd(tmp_path_factory.mktemp(f"afd-moe-{request.param}"), path, attention, ffn)
-    yield request.param, srv, expected
-    assert srv.stop() == 0, srv.log()[-5000:]
+def served(request, servers):
+    started, expected = servers
+    return request.param, started[request.param], expected
+
+
+def check_moe(srv, expected, attention: int, ffn: int) -> None:  # noqa: ANN001
+    assert complete(srv, PROMPTS[2]) == expected[2]
+    assert complete_all(srv, PROMPTS) == expected
+    listed = workers(srv)
+    assert len(listed) == attention and len(ffn_pids(srv, listed[0]["name"], count=ffn)) == ffn
 
 
 def test_moe_greedy_output_equals_hf(served):
     layout, srv, expected = served
-    assert complete(srv, PROMPTS[2]) == expected[2]
-    assert complete_all(srv, PROMPTS) == expected
-    attention, ffn = LAYOUTS[layout]
-    assert len(workers(srv)) == attention and len(ffn_pids(srv, count=ffn)) == ffn
+    check_moe(srv, expected, *LAYOUTS[layout])
+    if layout == "2+1":  # and 1+1: one attention core drained
+        down = scale(srv, "--attention", "1")
+        assert down.returncode == 0, down.stdout + down.stderr
+        check_moe(srv, expected, 1, 1)

@@ -6,9 +6,11 @@ equals HF transformers (float32), alone and concurrent, and the admin
 lists the FFN worker under the decode core only."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
-from tests.parallel.afd_helpers import PROMPTS, complete, complete_all, ffn_pids, reference, workers
+from tests.parallel.afd_helpers import PROMPTS, complete, complete_all, ffn_pids, reference, servers_at_once, workers
 from tests.serve.server_process import start_server
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -17,12 +19,11 @@ from tests.tiny_models import make_tiny_checkpoint
 def served(tmp_path_factory):
     path = str(make_tiny_checkpoint(tmp_path_factory.mktemp("afd-pd"), arch="llama", num_hidden_layers=3,
                                     vocab_size=387, max_position_embeddings=1024))
-    expected = reference(path)
-    srv = start_server(tmp_path_factory.mktemp("afd-pd-log") / "server.log",
-                       ["--model", path, "--mode", "disagg", "--prefill", "1", "--decode", "1", "--ffn", "1",
-                        "--cpu-threads-per-rank", "1"])
-    yield srv, expected
-    assert srv.stop() == 0, srv.log()[-5000:]
+    start = partial(start_server, tmp_path_factory.mktemp("afd-pd-log") / "server.log",
+                    ["--model", path, "--mode", "disagg", "--prefill", "1", "--decode", "1", "--ffn", "1",
+                     "--cpu-threads-per-rank", "1"])
+    with servers_at_once({"pd": start}, meanwhile=partial(reference, path)) as (started, expected):
+        yield started["pd"], expected
 
 
 def test_the_decode_pool_splits_and_the_output_equals_hf(served):

@@ -1,94 +1,94 @@
 """A real ``kvferry serve --mode afd`` on a tiny random Llama (3 layers), at
-1+1 and 2+1 attention cores + FFN workers (one server a layout, shared by
-the module's tests), through the openai client: greedy output equals HF
-transformers (float32), alone and concurrent (the step's two micro-batches
-ping-pong with the FFN worker); ``/v1/admin/workers`` lists the FFN worker
-with its real pid, the server's child, and at 2+1 both attention cores
-list the same one (they share it); ``kvferry scale --attention`` adds a
-core that finds the same worker and drains it again; 64 concurrent
-streams end with none failed; an FFN worker killed under load ends the
-streams in flight, and the server restarts the workers and the cores and
-serves the same text again."""
+1+1 and 2+1 attention cores + FFN workers, through the openai client: greedy
+output equals HF transformers (float32), alone and concurrent (the step's
+two micro-batches ping-pong with the FFN worker); ``/v1/admin/workers``
+lists the FFN worker with its real pid, the server's child, and at 2+1 both
+attention cores list the same one (they share it); ``kvferry scale
+--attention`` adds a core that finds the same worker and drains it again;
+64 concurrent streams end with none failed; an FFN worker killed under load
+ends the streams in flight, and the server restarts the workers and the
+cores and serves the same text again.
+
+One server for the module (started at 1+1): its 2+1 is the core ``kvferry
+scale --attention 2`` adds, which is what a server started at 2+1 runs too
+(N attention cores are N data-parallel replicas behind the router, all on
+the server's FFN workers), so every 2+1 check runs while it is scaled up."""
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import openai
 import pytest
 
 from tests.parallel.afd_helpers import (MAX_NEW, PROMPTS, _alive, _children, complete, complete_all, ffn_pids,
-                                        reference, start_afd, workers)
+                                        reference, scale, servers_at_once, start_afd, workers)
 from tests.tiny_models import make_tiny_checkpoint
-
-LAYOUTS = {"1+1": (1, 1), "2+1": (2, 1)}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def served(tmp_path_factory):
     path = str(make_tiny_checkpoint(tmp_path_factory.mktemp("afd-llama"), arch="llama", num_hidden_layers=3,
                                     vocab_size=387, max_position_embeddings=1024))
-    return path, reference(path)
+    # SIGTERM at the end drains: the owner core stops its FFN worker.
+    with servers_at_once({"1+1": partial(start_afd, tmp_path_factory.mktemp("afd-1+1"), path, 1, 1)},
+                         meanwhile=partial(reference, path)) as (started, expected):
+        yield started["1+1"], expected
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def served(request, checkpoint, tmp_path_factory):
-    path, expected = checkpoint
-    attention, ffn = LAYOUTS[request.param]
-    srv = start_afd(tmp_path_factory.mktemp(f"afd-{request.param}"), path, attention, ffn)
-    yield request.param, srv, expected
-    assert srv.stop() == 0, srv.log()[-5000:]  # SIGTERM drains: the owner core stops its FFN worker
-
-
-def test_greedy_output_equals_hf(served):
-    _, srv, expected = served
+def check_greedy(srv, expected) -> None:  # noqa: ANN001
     assert complete(srv, PROMPTS[0]) == expected[0]
 
 
-def test_concurrent_requests_equal_hf(served):
-    _, srv, expected = served
+def check_concurrent(srv, expected) -> None:  # noqa: ANN001
     assert complete_all(srv, PROMPTS) == expected
     # Four times over: at 2+1 the FFN worker batches both cores' rows, and answers in its batches' order.
     assert complete_all(srv, PROMPTS[::-1] * 4) == expected[::-1] * 4
 
 
-def test_admin_lists_the_ffn_worker(served):
-    layout, srv, _ = served
+def check_admin(srv, cores: int) -> None:  # noqa: ANN001
     listed = workers(srv)
-    assert sorted(w["name"] for w in listed) == [f"engine-{i}" for i in range(LAYOUTS[layout][0])]
+    assert sorted(w["name"] for w in listed) == [f"engine-{i}" for i in range(cores)]
     shared = [ffn_pids(srv, w["name"]) for w in listed]
     assert all(p == shared[0] for p in shared), shared  # one FFN worker serves every attention core
     assert shared[0][0] in _children(srv.proc.pid)  # the server's, not one core's
 
 
-@pytest.mark.parametrize("served", ["1+1"], indirect=True)
+def test_greedy_output_equals_hf(served):
+    check_greedy(*served)
+
+
+def test_concurrent_requests_equal_hf(served):
+    check_concurrent(*served)
+
+
+def test_admin_lists_the_ffn_worker(served):
+    check_admin(served[0], 1)
+
+
 def test_kvferry_scale_adds_and_drains_attention_cores_on_the_same_ffn_worker(served):
-    _, srv, expected = served
+    """Scaled up, the server is at 2+1: the 2+1 checks run there."""
+    srv, expected = served
     [ffn] = ffn_pids(srv)
     up = scale(srv, "--attention", "2")
     assert up.returncode == 0, up.stdout + up.stderr
     assert sorted(w["name"] for w in workers(srv)) == ["engine-0", "engine-1"]
     assert ffn_pids(srv, "engine-1") == [ffn]  # the new core found the server's FFN worker
-    assert complete_all(srv, PROMPTS) == expected
+    check_admin(srv, 2)
+    check_greedy(srv, expected)
+    check_concurrent(srv, expected)
     down = scale(srv, "--attention", "1")
     assert down.returncode == 0, down.stdout + down.stderr
     assert len(workers(srv)) == 1 and ffn_pids(srv, workers(srv)[0]["name"]) == [ffn]
     assert complete_all(srv, PROMPTS) == expected
 
 
-def scale(srv, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvferry.cli", "scale", "--url", srv.base_url, *argv],
-                          capture_output=True, text=True, timeout=600)
-
-
-@pytest.mark.parametrize("served", ["1+1"], indirect=True)
 def test_64_concurrent_streams_none_failed(served):
-    _, srv, _ = served
+    srv, _ = served
 
     def stream(i: int) -> int:
         with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=300) as client:
@@ -102,9 +102,8 @@ def test_64_concurrent_streams_none_failed(served):
     assert len(counts) == 64 and all(n >= 1 for n in counts), counts
 
 
-@pytest.mark.parametrize("served", ["1+1"], indirect=True)
 def test_a_killed_ffn_worker_ends_the_streams_in_flight_and_the_server_serves_again(served):
-    _, srv, expected = served
+    srv, expected = served
     [core] = [w["pid"] for w in workers(srv)]
     [ffn] = ffn_pids(srv)
     started, outcomes = threading.Barrier(5), []

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from functools import partial
 
 import openai
 import pytest
 
 from kvferry import LLM, SamplingParams
+from tests.parallel.afd_helpers import servers_at_once
 from tests.serve.server_process import start_server
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -44,21 +46,17 @@ def checkpoint(tmp_path_factory) -> str:
                                     num_key_value_heads=4, max_position_embeddings=1024))
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint) -> dict[str, str]:
+def _expected(checkpoint: str) -> dict[str, str]:
     """Colocated TP 1's greedy text of each prompt (no store, no tenants)."""
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02)
+    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02, warm_up=False)
     try:
         return {p: r.outputs[0].text for p, r in zip(PROMPTS, llm.generate(PROMPTS, params))}
     finally:
         llm.engine.core.close()
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda x: f"p{x[0]}-d{x[1]}")
-def pd(request, checkpoint, tmp_path_factory):
-    prefill_tp, decode_tp = request.param
-    d = tmp_path_factory.mktemp(f"pd-levers-{prefill_tp}-{decode_tp}")
+def _start(checkpoint: str, d, prefill_tp: int, decode_tp: int):  # noqa: ANN001, ANN202 - a ServerProcess
     (d / "keys.json").write_text(json.dumps(KEYS))
     (d / "secret").write_bytes(b"0123456789abcdef0123456789abcdef")
     (d / "public.json").write_text(json.dumps([PUBLIC]))
@@ -72,8 +70,26 @@ def pd(request, checkpoint, tmp_path_factory):
         "--public-prefixes", str(d / "public.json"),
         "--kv-transfer-failure", "fail", "--engine-heartbeat-timeout", "120"])
     srv.metrics_key = "sk-root"  # /metrics is an admin key's
-    yield request.param, srv
-    assert srv.stop() == 0, srv.log()[-5000:]
+    return srv
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint, tmp_path_factory):
+    """Both layouts' servers, started at once while the colocated reference runs."""
+    dirs = {layout: tmp_path_factory.mktemp(f"pd-levers-{layout[0]}-{layout[1]}") for layout in LAYOUTS}
+    starts = {layout: partial(_start, checkpoint, dirs[layout], *layout) for layout in LAYOUTS}
+    with servers_at_once(starts, meanwhile=partial(_expected, checkpoint)) as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def expected(servers) -> dict[str, str]:
+    return servers[1]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda x: f"p{x[0]}-d{x[1]}")
+def pd(request, servers):
+    return request.param, servers[0][request.param]
 
 
 def _complete(srv, key: str, prompt: str) -> tuple[str, int, int]:

@@ -8,12 +8,14 @@ resharded as usual."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from kvferry import LLM, SamplingParams
 from tests.disagg.test_disagg_spec import repetitive_prompt
+from tests.parallel.afd_helpers import servers_at_once
 from tests.serve.server_process import start_server
 from tests.serve.test_disagg_spec_serve import check_decode_core, complete
 from tests.tiny_models import make_tiny_checkpoint
@@ -35,24 +37,39 @@ def models(tmp_path_factory) -> tuple[str, str]:
     return target, draft
 
 
-@pytest.fixture(scope="module")
-def plain(models) -> str:
-    llm = LLM(model=models[0], dtype="float32", kv_cache_memory_gb=0.02)
+# Every prompt the tests decode: the head's (a token repeated, which its
+# echo drafts hold on) and the draft model's.
+HEAD_PROMPTS = [[5, 5, 5, 5], [7] * 20]
+PARAMS = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+# No warm-up: these tests time nothing, and each engine start would pay a full-size prefill.
+ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, warm_up=False)
+
+
+def _plain(target: str) -> dict[tuple[int, ...], tuple[list[int], str]]:
+    """Plain TP 1 decoding of every prompt (one engine for the module):
+    prompt -> (token ids, text)."""
+    prompts = [*HEAD_PROMPTS, repetitive_prompt()]
+    llm = LLM(model=target, **ENGINE)
     try:
-        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-        return llm.generate([repetitive_prompt()], params)[0].outputs[0].text
+        return {tuple(p): (r.outputs[0].token_ids, r.outputs[0].text)
+                for p, r in zip(prompts, llm.generate(prompts, PARAMS))}
     finally:
         llm.engine.core.close()
+
+
+@pytest.fixture(scope="module")
+def plain(crossings) -> dict[tuple[int, ...], tuple[list[int], str]]:
+    return crossings[1]
 
 
 def test_draft_model_over_two_ranks_keeps_greedy_output(models, plain):
     target, draft = models
     for spec_model in (target,):  # the target as its own draft: every greedy draft holds
-        llm = LLM(model=target, dtype="float32", kv_cache_memory_gb=0.02, tensor_parallel_size=2,
-                  cpu_threads_per_rank=1, speculative={**SPEC, "model": spec_model})
+        llm = LLM(model=target, **ENGINE, tensor_parallel_size=2, cpu_threads_per_rank=1,
+                  speculative={**SPEC, "model": spec_model})
         try:
-            params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-            assert llm.generate([repetitive_prompt()], params)[0].outputs[0].text == plain
+            prompt = repetitive_prompt()
+            assert llm.generate([prompt], PARAMS)[0].outputs[0].text == plain[tuple(prompt)][1]
             stats = llm.engine.stats()
             assert stats.num_draft_tokens > 0
             assert stats.num_accepted_tokens > 0
@@ -64,32 +81,42 @@ def test_draft_model_over_two_ranks_keeps_greedy_output(models, plain):
 # Draft KV from prefill rank 0 (the draft is whole there) to decode rank 0;
 # the head's hidden state from prefill rank 0 (it samples) to decode rank 0,
 # which hands it to its workers' heads with the next step.
-@pytest.mark.parametrize("method, prefill_tp, decode_tp", [("draft", 2, 1), ("head", 1, 2)])
-def test_draft_state_travels_across_layouts(models, echo_head, tmp_path, method, prefill_tp, decode_tp):
-    target, _ = models
+CROSSINGS = [("draft", 2, 1), ("head", 1, 2)]
+
+
+def _prompt(method: str) -> list[int]:
+    return [7] * 20 if method == "head" else repetitive_prompt()
+
+
+def _start(target: str, echo_head: str, log_dir: Path, method: str, prefill_tp: int, decode_tp: int):  # noqa: ANN202
     spec = {**SPEC, "method": method, "model": target if method == "draft" else echo_head}
-    prompt = [7] * 20 if method == "head" else repetitive_prompt()
-    plain = LLM(model=target, dtype="float32", kv_cache_memory_gb=0.02)
-    try:
-        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-        expected = plain.generate([prompt], params)[0].outputs[0].text
-    finally:
-        plain.engine.core.close()
-    srv = start_server(tmp_path / "server.log", [
+    return start_server(log_dir / "server.log", [
         "--model", target, "--dtype", "float32", "--served-model-name", "tiny", "--mode", "disagg",
         "--prefill", "1", "--decode", "1", "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
         "--cpu-threads-per-rank", "1", "--speculative-config", json.dumps(spec),
         "--kv-transfer-failure", "fail", "--engine-heartbeat-timeout", "120"])
-    try:
-        assert complete(srv, "tiny", prompt, MAX_NEW) == expected
-        # The decode core drafted (and its drafts held) from what it received:
-        # no prompt position recomputed.
-        workers = check_decode_core(srv, len(prompt))
-        if method == "draft":
-            assert workers["prefill-0"]["draft_prompt_tokens_computed"] == len(prompt)
-        assert "Traceback" not in srv.log()
-    finally:
-        assert srv.stop() == 0, srv.log()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def crossings(models, echo_head, tmp_path_factory):
+    """Both P/D servers, started at once while plain TP 1 decodes every prompt."""
+    dirs = {c: tmp_path_factory.mktemp(f"tp-draft-{c[0]}") for c in CROSSINGS}
+    with servers_at_once({c: partial(_start, models[0], echo_head, dirs[c], *c) for c in CROSSINGS},
+                         meanwhile=partial(_plain, models[0])) as both:
+        yield both
+
+
+@pytest.mark.parametrize("method, prefill_tp, decode_tp", CROSSINGS)
+def test_draft_state_travels_across_layouts(crossings, plain, method, prefill_tp, decode_tp):
+    srv = crossings[0][method, prefill_tp, decode_tp]
+    prompt = _prompt(method)
+    assert complete(srv, "tiny", prompt, MAX_NEW) == plain[tuple(prompt)][1]
+    # The decode core drafted (and its drafts held) from what it received:
+    # no prompt position recomputed.
+    workers = check_decode_core(srv, len(prompt))
+    if method == "draft":
+        assert workers["prefill-0"]["draft_prompt_tokens_computed"] == len(prompt)
+    assert "Traceback" not in srv.log()
 
 
 @pytest.fixture(scope="module")
@@ -114,20 +141,15 @@ def echo_head(models, tmp_path_factory) -> str:
     return str(path)
 
 
-def test_draft_head_over_two_ranks_keeps_greedy_output(models, echo_head):
+def test_draft_head_over_two_ranks_keeps_greedy_output(models, plain, echo_head):
     """Every rank drafts with the head in step (its token lookups and logits
     are the ranks' collectives), so the verified drafts are the same on all."""
-    prompts = [[5, 5, 5, 5], [7] * 20, repetitive_prompt()]
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    plain = LLM(model=models[0], dtype="float32", kv_cache_memory_gb=0.02)
+    prompts = [*HEAD_PROMPTS, repetitive_prompt()]
+    expected = [plain[tuple(p)][0] for p in prompts]
+    llm = LLM(model=models[0], **ENGINE, tensor_parallel_size=2, cpu_threads_per_rank=1,
+              speculative={**SPEC, "method": "head", "model": echo_head})
     try:
-        expected = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
-    finally:
-        plain.engine.core.close()
-    llm = LLM(model=models[0], dtype="float32", kv_cache_memory_gb=0.02, tensor_parallel_size=2,
-              cpu_threads_per_rank=1, speculative={**SPEC, "method": "head", "model": echo_head})
-    try:
-        assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == expected
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, PARAMS)] == expected
         stats = llm.engine.stats()
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
         llm.engine.check_integrity()

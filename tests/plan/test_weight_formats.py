@@ -9,6 +9,7 @@ of int8 weights."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,15 +44,18 @@ def _plan(tmp_path, hardware: list[str], *extra: str) -> tuple[dict, str]:
     return json.loads((tmp_path / "plan.json").read_text()), out.stdout
 
 
-@pytest.fixture
-def two_formats(tmp_path) -> list[str]:
+@pytest.fixture(scope="module")
+def two_formats(tmp_path_factory) -> tuple[list[str], dict, str]:
+    """The two formats' --hardware flags, and the plan of the two (one run for the module's tests)."""
+    tmp_path = tmp_path_factory.mktemp("two-formats")
     bf16 = _profile(tmp_path / "bf16.json", BF16, "bf16")
     q4 = _profile(tmp_path / "q4.json", Q4, "Q4_K_M")
-    return ["--hardware", f"cpu-bf16={bf16}:1.0", "--hardware", f"cpu-q4={q4}:1.0"]
+    hardware = ["--hardware", f"cpu-bf16={bf16}:1.0", "--hardware", f"cpu-q4={q4}:1.0"]
+    return hardware, *_plan(tmp_path, hardware)
 
 
-def test_plan_sets_each_formats_cost_side_by_side(tmp_path, two_formats):
-    result, text = _plan(tmp_path, two_formats)
+def test_plan_sets_each_formats_cost_side_by_side(two_formats):
+    _, result, text = two_formats
     assert [(h["name"], h["weight_format"]) for h in result["hardware"]] == [("cpu-bf16", "bf16"),
                                                                             ("cpu-q4", "Q4_K_M")]
     choice = result["format_choice"]
@@ -72,13 +76,13 @@ def test_plan_sets_each_formats_cost_side_by_side(tmp_path, two_formats):
 
 
 def test_a_prefill_pool_never_pairs_with_a_decode_pool_of_another_format(tmp_path, two_formats):
-    result, _ = _plan(tmp_path, two_formats)
+    hardware, result, _ = two_formats
     pairs = {(c["hardware"]["prefill"], c["hardware"]["decode"]) for c in result["candidates"]
              if c["kind"] == "disaggregated"}
     assert pairs == {("cpu-bf16", "cpu-bf16"), ("cpu-q4", "cpu-q4")}
     assert all(not c["mixed_hardware"] for c in result["candidates"])
     # Only across formats: one's prefill, the other's decode is no placement at all.
-    out = kvferry("plan", *two_formats, "--prefill-hardware", "cpu-bf16", "--decode-hardware", "cpu-q4",
+    out = kvferry("plan", *hardware, "--prefill-hardware", "cpu-bf16", "--decode-hardware", "cpu-q4",
                   "--colocated-hardware", "none", "--workload", "random", "--slo", SLO, "--gpus", "2",
                   "--output", str(tmp_path / "none"))
     assert out.returncode == 2
@@ -102,9 +106,14 @@ def test_a_live_profile_records_the_weight_format(tmp_path):
     gguf = write_tiny_gguf(folder, tmp_path / "tiny-q8.gguf", qtype="Q8_0")
     grid = ["--new-tokens", "16,32", "--cached-tokens", "0,16", "--batch-sizes", "1,2,4", "--context-lens", "16",
             "--decode-steps", "2", "--repeats", "1", "--kv-cache-memory-gb", "0.02", "--threads", "1"]
+    models = {"q8": ["--model", str(gguf)], "int8": ["--model", str(folder), "--quantization", "int8"]}
+    # Both at once (one thread each): two processes, one core each.
+    with ThreadPoolExecutor(2) as pool:
+        outs = dict(zip(models, pool.map(
+            lambda name: kvferry("profile", *models[name], *grid, "--output", str(tmp_path / f"{name}.json"),
+                                 timeout=300), models)))
     formats = {}
-    for name, model in (("q8", ["--model", str(gguf)]), ("int8", ["--model", str(folder), "--quantization", "int8"])):
-        out = kvferry("profile", *model, *grid, "--output", str(tmp_path / f"{name}.json"), timeout=300)
+    for name, out in outs.items():
         assert out.returncode == 0, out.stderr[-3000:]
         data = json.loads((tmp_path / f"{name}.json").read_text())
         formats[name] = (data["weight_format"], data["layouts"][0]["weight_format"])
@@ -115,11 +124,12 @@ def test_a_live_profile_records_the_weight_format(tmp_path):
 
 
 def test_weight_format_flags_are_refused_where_they_cannot_apply(tmp_path):
-    served = kvferry("profile", "--url", "http://127.0.0.1:9", "--quantization", "int8")
+    argvs = [("--url", "http://127.0.0.1:9", "--quantization", "int8"),
+             ("--weight-format", "bf16", "--output", str(tmp_path / "p.json")), ("--quantization", "awq")]
+    with ThreadPoolExecutor(len(argvs)) as pool:  # three refusals at once: each is mostly its imports
+        served, local, bad = pool.map(lambda argv: kvferry("profile", *argv), argvs)
     assert served.returncode == 2 and "--weight-format" in served.stderr
-    local = kvferry("profile", "--weight-format", "bf16", "--output", str(tmp_path / "p.json"))
     assert local.returncode == 2 and "reads it from the loaded model" in local.stderr
-    bad = kvferry("profile", "--quantization", "awq")
     assert bad.returncode == 2 and "gguf" in bad.stderr and "int8" in bad.stderr
 
 

@@ -26,6 +26,8 @@ from tests.spec.test_distribution import NUM_SAMPLES, target, tv, tv_bound  # no
 from tests.tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 24
+# No warm-up: these engines time nothing, and each start would pay a full-size prefill.
+ENGINE = {"dtype": "float32", "warm_up": False}
 FIXED = {"adaptive": False, "cost_aware": False, "batch_token_threshold": 10**6}
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 # Penalties count a node's ancestors as output; logprobs are the accepted rows'.
@@ -86,7 +88,7 @@ def case(tmp_path_factory):
         a = [rng.randrange(3, 256) for _ in range(n)]
         b = [[rng.randrange(3, 256) for _ in range(4)] for _ in range(3)]
         prompts.append(a + b[0] + a + b[1] + a + b[0] + a + b[2] + a)
-    plain = LLM(model=path, dtype="float32")
+    plain = LLM(model=path, **ENGINE)
     expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
     seeded = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=s, ignore_eos=True) for s in range(3)]
     expected_seeded = [r.token_ids for r in plain.generate(prompts, seeded)]
@@ -99,7 +101,7 @@ def test_suffix_trees_greedy_is_plain_decoding(case, method):
     path, prompts, expected, _, _, _ = case
     spec = {"method": method, "num_speculative_tokens": 6, "draft_tree": True,
             "suffix_decoding_max_spec_factor": 2.0, **FIXED}
-    llm = LLM(model=path, dtype="float32", speculative=spec)
+    llm = LLM(model=path, **ENGINE, speculative=spec)
     scheduler = llm.engine.core.scheduler
     recording = Recording(scheduler.proposer.suffix if method == "auto" else scheduler.proposer)
     if method == "auto":
@@ -115,7 +117,7 @@ def test_suffix_trees_greedy_is_plain_decoding(case, method):
 
 
 def _oracle_llm(path: str, prompts, outputs, depth: int = 3) -> tuple[LLM, Oracle]:
-    llm = LLM(model=path, dtype="float32",
+    llm = LLM(model=path, **ENGINE,
               speculative={"method": "suffix", "num_speculative_tokens": 2 * depth, "draft_tree": True, **FIXED})
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, outputs)}, depth, 384)
     llm.engine.core.scheduler.proposer = oracle
@@ -200,7 +202,7 @@ def test_tree_sampling_matches_the_target_within_the_tv_bound(target):  # noqa: 
     marginal = p0 @ p1  # [V]
     bound = tv_bound(marginal, NUM_SAMPLES)
     spec = {"method": "suffix", "num_speculative_tokens": 6, "draft_tree": True, **FIXED}
-    llm = LLM(model=path, dtype="float32", speculative=spec, max_num_seqs=256, num_kv_blocks=1024)
+    llm = LLM(model=path, **ENGINE, speculative=spec, max_num_seqs=256, num_kv_blocks=1024)
     proposer = llm.engine.core.scheduler.proposer = LikelyTree(len(prompt), p1)
     # Unseeded: every row's noise is fresh (a seeded row's is its position's).
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
