@@ -42,10 +42,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvferry.config import EngineConfig
+from kvferry.engine.rank_launcher import stop_all
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = 5.0
 _POLL_S = 0.2
 _BACKOFF_S, _BACKOFF_MAX_S = 0.5, 30.0
 LOAD_TIMEOUT_S = 600.0  # how long a generation may take to load its weights
@@ -141,20 +141,6 @@ def unready(folder: str, size: int, generation: int = 0) -> None:
             os.unlink(pid_file(folder, j, generation))
         except FileNotFoundError:
             pass
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every process still running, SIGKILL after the grace."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    end = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def exit_text(code: int) -> str:

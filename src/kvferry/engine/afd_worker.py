@@ -36,6 +36,7 @@ import zmq
 from torch import nn
 
 from kvferry.engine.afd_pool import FFNSpec, pid_file
+from kvferry.engine.rank_group import watch_parent
 from kvferry.model.layers import Linear
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
@@ -119,7 +120,7 @@ def main() -> int:
     name = f"{spec.name} ffn {spec.index}"
     setproctitle.setproctitle(f"kvferry: {name}")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
-    _watch_parent(spec.parent_pid)
+    watch_parent(spec.parent_pid, _POLL_MS)
     retired = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: retired.set())
     torch.set_num_threads(spec.threads)
@@ -150,15 +151,6 @@ def _write_pid(path: str) -> None:
         f.write(str(os.getpid()))
     os.replace(tmp, path)  # whole or absent: a core never reads half a pid
 
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit once the process that started it is gone."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_POLL_MS / 1000)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -141,17 +141,6 @@ class PPLeader(RankProcesses):
         sock.connect(address)
         return sock
 
-    def _bind(self, kind: int, name: str) -> zmq.Socket:
-        """A socket rank 0 binds: ipc:// in the private folder, or tcp:// on
-        this node with CURVE when the stages may be elsewhere."""
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self._keys is None:
-            sock.bind(f"ipc://{self._dir}/{name}")
-        else:
-            self._keys.server(sock).bind(f"tcp://{self._launcher.host}:*")
-        return sock
-
     def _stage_cpus(self, n: int) -> list[list[int]] | None:
         """Each stage's own CPUs when pinning is asked for (KVFERRY_CPU_BIND)."""
         if not pinning_requested():

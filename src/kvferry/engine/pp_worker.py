@@ -13,11 +13,8 @@ process is gone.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import sys
-import threading
-import time
 import traceback
 
 import setproctitle
@@ -27,7 +24,7 @@ import zmq
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.engine.pp_runner import StageLink, StageRunner
 from kvferry.engine.pp_stages import StageSpec
-from kvferry.engine.rank_group import connect_to_leader
+from kvferry.engine.rank_group import connect_to_leader, receive_pickled, watch_parent
 from kvferry.engine.tp_ranks import RunnerShape
 from kvferry.parallel.rank_sockets import RankKeys
 from kvferry.model.loader import load_model
@@ -43,7 +40,7 @@ def main() -> int:
     name = f"{spec.name} rank {rank}"
     setproctitle.setproctitle(f"kvferry: {name}")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
-    _watch_parent(spec.parent_pid)
+    watch_parent(spec.parent_pid, _POLL_MS)
     if spec.cpus:
         bind_step_thread(spec.cpus)  # this thread runs every torch op of the process
     else:
@@ -95,7 +92,7 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
     m = spec.config.model
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, stage=spec.stage)
     reports.send(pickle.dumps(("loaded", spec.stage.rank, None)))
-    shape = _receive(steps)
+    shape = receive_pickled(steps, _POLL_MS)
     if shape is None:
         return None
     if not isinstance(shape, RunnerShape):
@@ -106,7 +103,7 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
 
 def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
     last = runner.stage.last
-    while (message := _receive(steps)) is not None:
+    while (message := receive_pickled(steps, _POLL_MS)) is not None:
         sched, sampled = message
         if not last:  # the last stage sampled them itself
             runner.apply_sampled(sampled)
@@ -116,20 +113,6 @@ def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
                                       protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _receive(steps: zmq.Socket) -> object:
-    while not steps.poll(_POLL_MS):
-        pass
-    return pickle.loads(steps.recv())
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit once rank 0's process is gone (its group cannot go on)."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_POLL_MS / 1000)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 if __name__ == "__main__":

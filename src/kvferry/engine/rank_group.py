@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
 _SEND_WAIT_S = 0.005  # between tries of a step's send to a rank not connected yet
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = rank_launcher.STOP_GRACE_S
 
 
 class RankProcesses:
@@ -48,6 +48,18 @@ class RankProcesses:
     _steps: list[zmq.Socket]
     _stopping: threading.Event
     failure: RankFailed | None
+
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        """A socket rank 0 binds (``_ctx``, ``_keys``, ``_dir``,
+        ``_launcher`` are the user's): ipc:// in the private folder, or
+        tcp:// on this node with CURVE when the ranks may be elsewhere."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is None:
+            sock.bind(f"ipc://{self._dir}/{name}")
+        else:
+            self._keys.server(sock).bind(f"tcp://{self._launcher.host}:*")
+        return sock
 
     def check(self) -> None:
         """RankFailed once a rank is gone: the group ends whole."""
@@ -145,15 +157,25 @@ def kill_all(procs: list[subprocess.Popen], folder: str | None, stopping: thread
     and remove the group's folder."""
     if stopping is not None:
         stopping.set()
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    end = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    rank_launcher.stop_all(procs)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+
+# -- a worker's side (tp_worker, pp_worker, afd_worker) ------------------------
+def receive_pickled(sock: zmq.Socket, poll_ms: int) -> object:
+    """The next message on ``sock``, unpickled (polled, so signals get in)."""
+    while not sock.poll(poll_ms):
+        pass
+    return pickle.loads(sock.recv())
+
+
+def watch_parent(parent_pid: int, poll_ms: int) -> None:
+    """Exit once the process that started this one is gone (its group cannot go on)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_ms / 1000)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

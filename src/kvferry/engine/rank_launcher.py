@@ -20,6 +20,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,3 +87,20 @@ def local(module: str, spec: object) -> LocalRank:
     proc.stdin.write(pickle.dumps(spec))
     proc.stdin.close()
     return proc
+
+
+STOP_GRACE_S = 5.0  # a rank or worker process's time to exit on SIGTERM
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process still running, SIGKILL after the grace."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    end = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

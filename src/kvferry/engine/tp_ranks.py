@@ -165,17 +165,6 @@ class TPLeader(RankProcesses):
         self._watcher: threading.Thread | None = None
         self._group: ProcessGroup | ShmAllReduce | None = None
 
-    def _bind(self, kind: int, name: str) -> zmq.Socket:
-        """A socket rank 0 binds: ipc:// in the private folder, or tcp:// on
-        this node with CURVE when the ranks may be elsewhere."""
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self._keys is None:
-            sock.bind(f"ipc://{self._dir}/{name}")
-        else:
-            self._keys.server(sock).bind(f"tcp://{self._launcher.host}:*")
-        return sock
-
     def _rank_cpus(self, n: int) -> list[list[int]] | None:
         """Each rank's own CPUs when pinning is asked for (KVFERRY_CPU_BIND), so ranks never share one."""
         if not pinning_requested():

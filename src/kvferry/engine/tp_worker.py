@@ -12,11 +12,8 @@ soon as rank 0's process is gone.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import sys
-import threading
-import time
 import traceback
 
 import setproctitle
@@ -25,7 +22,7 @@ import zmq
 
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.engine.kv_connector import for_engine
-from kvferry.engine.rank_group import connect_to_leader
+from kvferry.engine.rank_group import connect_to_leader, receive_pickled, watch_parent
 from kvferry.engine.runner import ModelRunner
 from kvferry.engine.tp_ranks import RunnerShape, WorkerSpec, join_group
 from kvferry.model.layers.parallel import TPShard
@@ -43,7 +40,7 @@ def main() -> int:
     name = f"{spec.name} rank {spec.rank}"
     setproctitle.setproctitle(f"kvferry: {name}")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
-    _watch_parent(spec.parent_pid)
+    watch_parent(spec.parent_pid, _POLL_MS)
     if spec.cpus:
         bind_step_thread(spec.cpus)  # this thread runs every torch op of the process
     else:
@@ -75,7 +72,7 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
     loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard)
     reports.send(pickle.dumps(("loaded", spec.rank, None)))
     shard.group = join_group(spec.rank, spec.group, spec.config.parallel)
-    shape = _receive(steps)
+    shape = receive_pickled(steps, _POLL_MS)
     if shape is None:
         return None
     if not isinstance(shape, RunnerShape):
@@ -93,26 +90,12 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
 
 
 def _serve(runner: ModelRunner, steps: zmq.Socket) -> None:
-    while (message := _receive(steps)) is not None:
+    while (message := receive_pickled(steps, _POLL_MS)) is not None:
         sched, sampled, received_hidden, runner.head_requests = message
         runner.apply_sampled(sampled, received_hidden)
         runner.execute(sched)
 
 
-def _receive(steps: zmq.Socket) -> object:
-    while not steps.poll(_POLL_MS):
-        pass
-    return pickle.loads(steps.recv())
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit once rank 0's process is gone (its group cannot go on)."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_POLL_MS / 1000)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 if __name__ == "__main__":
