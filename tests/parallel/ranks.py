@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 
 import torch
@@ -73,3 +75,13 @@ def shm_sums(group: ProcessGroup) -> dict:
             "bits": got.numpy().tobytes(), "ints": ints.tolist(), "gathered": gathered.tolist(),
             "half": half.tolist(), "bf16": bf16.float().tolist()}
 
+
+
+def stop_core(core: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM a core started apart (kvferry engine-core), SIGKILL past the timeout."""
+    core.send_signal(signal.SIGTERM)
+    try:
+        core.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        core.kill()
+        core.wait()

@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from kvferry import LLM, SamplingParams, envs
+from tests.parallel.ranks import stop_core
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.serve.server_process import start_server
 from tests.serve.test_core_join_secret import _free_port_pair, _secret
@@ -146,11 +147,6 @@ def test_prefill_pp2_started_apart_decode_pp1(checkpoint, expected, tmp_path, mo
         finally:
             assert srv.stop() == 0, srv.log()[-3000:]
     finally:
-        core.send_signal(signal.SIGTERM)
-        try:
-            core.wait(60)
-        except subprocess.TimeoutExpired:
-            core.kill()
-            core.wait()
+        stop_core(core)
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from kvferry import LLM, SamplingParams, envs
+from tests.parallel.ranks import stop_core
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.serve.server_process import start_server
 from tests.serve.test_core_join_secret import _free_port_pair, _secret
@@ -131,12 +132,7 @@ def test_pools_started_apart_each_with_its_own_tp(checkpoints, expected, tmp_pat
         finally:
             assert srv.stop() == 0, srv.log()[-3000:]
     finally:
-        core.send_signal(signal.SIGTERM)
-        try:
-            core.wait(60)
-        except subprocess.TimeoutExpired:
-            core.kill()
-            core.wait()
+        stop_core(core)
     assert "Traceback" not in log.read_text(errors="replace")
 
 

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from kvferry import LLM, SamplingParams, envs
+from tests.parallel.ranks import stop_core
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.parallel.test_tensor_parallel_serve import _alive, _children, _title
 from tests.serve.server_process import start_server
@@ -124,12 +125,7 @@ def test_a_standalone_pp_core_joined_by_a_server(served, tmp_path, monkeypatch):
         finally:
             assert srv.stop() == 0, srv.log()[-3000:]
     finally:
-        core.send_signal(signal.SIGTERM)
-        try:
-            core.wait(60)
-        except subprocess.TimeoutExpired:
-            core.kill()
-            core.wait()
+        stop_core(core)
     deadline = time.monotonic() + 30  # a stage exits at its core's word, or once it sees the core gone
     while _alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.2)

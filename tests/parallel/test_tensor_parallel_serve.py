@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from kvferry import LLM, SamplingParams, envs
+from tests.parallel.ranks import stop_core
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.serve.server_process import start_server
 from tests.serve.test_core_join_secret import _free_port_pair, _secret
@@ -177,12 +178,7 @@ def test_a_standalone_tp_core_joined_by_a_server(checkpoint, server, tmp_path, m
         finally:
             assert srv.stop() == 0, srv.log()[-3000:]
     finally:
-        core.send_signal(signal.SIGTERM)
-        try:
-            core.wait(60)
-        except subprocess.TimeoutExpired:
-            core.kill()
-            core.wait()
+        stop_core(core)
     deadline = time.monotonic() + 30  # a worker exits at its core's word, or once it sees the core gone
     while any(_alive(p) for p in pids[1:]) and time.monotonic() < deadline:
         time.sleep(0.2)

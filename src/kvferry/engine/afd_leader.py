@@ -49,6 +49,7 @@ from kvferry.engine.tp_ranks import RunnerShape
 from kvferry.messages import TPRank
 from kvferry.parallel import RankFailed
 from kvferry.parallel.afd import ffn_address, recv_rows, send_rows
+from kvferry.shm_segments import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class AFDLeader(RankProcesses):
                 raise RankFailed(pids.index(None) + 1, f"did not load its weights within {LOAD_TIMEOUT_S:g}s")
             for j in range(self.size):
                 pid = read_pid(pid_file(self._dir, j))
-                if pids[j] is None and pid is not None and pid == self._procs[j].pid and _alive(pid):
+                if pids[j] is None and pid is not None and pid == self._procs[j].pid and pid_alive(pid):
                     pids[j] = pid
             time.sleep(POLL_S / 4)
         return [p for p in pids if p is not None]
@@ -141,7 +142,7 @@ class AFDLeader(RankProcesses):
             if gen is not None and gen.health == "down":
                 raise RankFailed(1, "the FFN workers are down (no restart left); the engine core's "
                                     f"{self.GROUP} ends whole")
-            if gen is not None and gen.health == "ok" and gen.generation != stale and all(map(_alive, gen.pids)):
+            if gen is not None and gen.health == "ok" and gen.generation != stale and all(map(pid_alive, gen.pids)):
                 return gen
             if time.monotonic() > deadline:
                 raise RankFailed(1, f"no FFN workers served within {LOAD_TIMEOUT_S:g}s")
@@ -170,9 +171,9 @@ class AFDLeader(RankProcesses):
         death fell inside a step or between two); an idle one waits."""
         gen = read_generation(self._dir)
         if gen is not None and gen.generation == self.generation and gen.health == "ok" \
-                and all(map(_alive, self._pids)):
+                and all(map(pid_alive, self._pids)):
             return
-        if continuing and not all(map(_alive, self._pids)):
+        if continuing and not all(map(pid_alive, self._pids)):
             self._raise_if_dead()
         if gen is None or gen.health != "ok" or gen.generation == self.generation:
             logger.warning("FFN workers of generation %d are gone; waiting for the next", self.generation)
@@ -205,7 +206,7 @@ class AFDLeader(RankProcesses):
             super()._raise_if_dead()
             return
         for j, pid in enumerate(self._pids, start=1):
-            if not _alive(pid):
+            if not pid_alive(pid):
                 raise RankFailed(j, f"{self.MEMBER} {j} (pid {pid}) is gone; the engine core's {self.GROUP} "
                                     "ends whole")
 
@@ -256,7 +257,7 @@ class AFDLeader(RankProcesses):
         """This core (rank 0) and the FFN workers (ranks 1..M): GET /v1/admin/workers."""
         ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=torch.get_num_threads(), alive=True)]
         for j, pid in enumerate(self._pids, start=1):
-            ranks.append(TPRank(rank=j, pid=pid, cpu_threads=self.threads, alive=_alive(pid)))
+            ranks.append(TPRank(rank=j, pid=pid, cpu_threads=self.threads, alive=pid_alive(pid)))
         return ranks
 
     def close(self) -> None:
@@ -268,21 +269,3 @@ class AFDLeader(RankProcesses):
         self._ctx.term()
         self._finalizer()
         torch.set_num_threads(self._threads_before)
-
-
-def _alive(pid: int) -> bool:
-    """Running: not gone, and not a zombie (a killed worker its parent has
-    not reaped yet is dead for the cores already)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
