@@ -89,6 +89,10 @@ test: $(STAMP)
 	# are what some kernel tests compare this CPU's build against (on a CPU
 	# without AVX-512, the native build itself: nothing more to compile).
 	$(PY) -m kvferry.model.build_kernels --isa native avx2
+	# The project's own modules compiled once: the suite starts hundreds of
+	# server, core and rank processes, and where PYTHONDONTWRITEBYTECODE is
+	# set each one would compile every kvferry module it imports again.
+	$(PY) -m compileall -q -j 0 src > /dev/null
 	$(PY) -m pytest -q -ra --durations=15
 
 serve: $(SERVE_STAMP)

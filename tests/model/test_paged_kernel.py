@@ -523,13 +523,15 @@ def _bf16_case(group, head_dim, block_size, q_lens, seq_lens, seed, q_scale=1.0)
     k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
     v_cache = k_cache.clone()
     used = 0
-    for r, (b, s) in enumerate(zip(blocks, seq_lens)):
+    for r, b in enumerate(blocks):
         tables[r, :b] = ids[used:used + b]
         used += b
-        for p in range(s):
-            blk, off = tables[r, p // block_size], p % block_size
-            k_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-            v_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    # Every written slot at once (a Python loop per token was most of these tests' time).
+    pos = torch.cat([torch.arange(s) for s in seq_lens])
+    rows = torch.cat([torch.full((s,), r) for r, s in enumerate(seq_lens)])
+    blk, off = tables[rows, pos // block_size], pos % block_size
+    k_cache[blk, off] = torch.randn(len(pos), kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache[blk, off] = torch.randn(len(pos), kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     starts = [sum(q_lens[:r]) for r in range(len(q_lens))]
     q = (torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen) * q_scale).to(torch.bfloat16)
     return q, k_cache, v_cache, tables, starts
