@@ -13,8 +13,10 @@ server's process imports it before any core starts).
 
 Generations. Every set of workers the pool starts is a generation G (its
 sockets and pid files are named by G). Once all of its workers serve, the
-pool publishes G in FOLDER/ffn-generation.json (written whole, by rename);
-an attention core reads that file before each step and moves to a newer
+pool publishes G in FOLDER/ffn-generation.json (written whole, by rename;
+under --ray on the server's board actor instead, with each worker's node
+and addresses, as cores on other nodes share no folder: afd_sites.py);
+an attention core reads it before each step and moves to a newer
 generation between two steps, never inside one (afd_leader.py). So:
 
 - a resize starts M' workers beside the M serving, publishes them, then
