@@ -96,9 +96,12 @@ class FFNActor:
         return FFNSite(self.node_id, ffn_address(self.folder, index, generation), tcp, self.proc.pid)
 
     def wait(self) -> int:
-        """The worker's exit code, once it exited."""
+        """The worker's exit code, once it exited (its folder is removed then:
+        the pool ends this actor without a ``stop``)."""
         self._started.wait()
-        return self.proc.wait()
+        code = self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return code
 
     def retire(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
