@@ -34,7 +34,7 @@ import zmq
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'kvferry[ray]')")
 
-from tests.parallel.afd_helpers import (MAX_NEW, PROMPTS, complete, complete_all, reference, scale,  # noqa: E402
+from tests.parallel.afd_helpers import (PROMPTS, complete, complete_all, reference, scale,  # noqa: E402
                                         servers_at_once, workers)
 from tests.serve.server_process import start_server  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
@@ -81,6 +81,7 @@ def test_ffn_worker_on_the_other_node_equals_hf(served, cluster):
     assert complete_all(srv, PROMPTS) == expected
     core, ffn = _ranks(srv)
     assert core["node"] == cluster.node_ids["core"] and ffn["node"] == cluster.node_ids["ffn"], (core, ffn)
+    assert ffn["cpu_threads"] == 1, ffn  # --cpu-threads-per-rank, as the worker's actor says
 
 
 def _tcp(pid: int, state: str) -> list[tuple[int, int]]:
@@ -129,7 +130,7 @@ def test_the_ffn_worker_takes_only_curve_peers_with_the_servers_key(served, clus
                 sock.curve_serverkey = zmq.curve_keypair()[0]
             sock.connect(f"tcp://{cluster.node_hosts['ffn']}:{port}")
             sock.send_multipart(frames)
-            assert not sock.poll(3000), "the FFN worker answered a peer without the server's key"
+            assert not sock.poll(1500), "the FFN worker answered a peer without the server's key"
             sock.close()
     finally:
         ctx.term()
@@ -191,4 +192,3 @@ def test_a_killed_ffn_worker_is_replaced_and_the_server_serves_again(served, clu
             time.sleep(0.5)
     assert all(r["node"] == cluster.node_ids["ffn"] for r in ranks[1:]), ranks
     assert "FFN workers restart whole" in srv.log()
-    assert MAX_NEW == 8

@@ -280,7 +280,8 @@ class AFDLeader(RankProcesses):
         ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=torch.get_num_threads(), alive=True, node=here)]
         gen, gone = self._gen, set(self._view.dead(self._gen))
         for j, pid in enumerate(self._pids):
-            ranks.append(TPRank(rank=j + 1, pid=pid, cpu_threads=self.threads, alive=j not in gone,
+            threads = gen.sites[j].threads if gen.sites else self.threads
+            ranks.append(TPRank(rank=j + 1, pid=pid, cpu_threads=threads, alive=j not in gone,
                                 node=self._view.node(gen, j) or here))
         return ranks
 

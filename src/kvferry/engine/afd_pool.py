@@ -68,6 +68,7 @@ class FFNSite:
     ipc: str
     tcp: str
     pid: int
+    threads: int  # its torch threads (the admin's view)
 
 
 @dataclass(slots=True, frozen=True)

@@ -77,10 +77,12 @@ class FFNActor:
         self.host = node_address(self.node_id)
         self.folder = tempfile.mkdtemp(prefix="kvferry-ffn-")  # 0700: its ipc sockets
         self.proc: subprocess.Popen | None = None
+        self.threads = 0
         self._started = threading.Event()
 
     def start(self, spec: FFNSpec) -> int:
         spec = dataclasses.replace(spec, folder=self.folder, host=self.host, parent_pid=os.getpid())
+        self.threads = spec.threads
         self.proc = subprocess.Popen([sys.executable, "-m", "kvferry.engine.afd_worker"], stdin=subprocess.PIPE)
         self.proc.stdin.write(pickle.dumps(spec))
         self.proc.stdin.close()
@@ -93,7 +95,7 @@ class FFNActor:
             return None
         with open(tcp_file(self.folder, index, generation), encoding="ascii") as f:
             tcp = f.read().strip()
-        return FFNSite(self.node_id, ffn_address(self.folder, index, generation), tcp, self.proc.pid)
+        return FFNSite(self.node_id, ffn_address(self.folder, index, generation), tcp, self.proc.pid, self.threads)
 
     def wait(self) -> int:
         """The worker's exit code, once it exited (its folder is removed then:
