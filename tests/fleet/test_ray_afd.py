@@ -1,7 +1,9 @@
 """Attention/FFN disaggregation under ``kvferry serve --ray``: the attention
-core and the FFN worker are Ray actors placed by resources, on a real
-two-node Ray cluster (two ``ray start`` nodes on this host: the head offers
-"core", the other node "ffn"), through real HTTP and the openai client.
+core and the FFN worker are Ray actors placed by resources, on the fleet
+tests' real two-node Ray cluster (conftest.py: two ``ray start`` nodes on
+this host; the core asks for the head's "pnode", each FFN worker for half a
+"dnode", which only the other node offers), through real HTTP and the
+openai client.
 
 - AFD 1+1 with the FFN worker on the other node (``--ray-ffn-resources``)
   gives HF float32's greedy text, alone and concurrent; ``/v1/admin/workers``
@@ -9,13 +11,14 @@ two-node Ray cluster (two ``ray start`` nodes on this host: the head offers
 - the core reaches that worker over tcp, whose port takes only CURVE peers
   holding the server's key: a plain peer's and a stranger key's pickled
   frames are never read (the pickle that would write a file writes none);
-- ``kvferry scale --ffn 2`` starts two workers on the "ffn" node beside the
+- ``kvferry scale --ffn 2`` starts two workers on the "dnode" node beside the
   one serving, and the text stays HF's;
 - an FFN worker killed with SIGKILL while streams run ends those streams
   (none hangs), the pool places a new generation, and the server serves the
   same text again.
 
-One cluster and one server for the module (Ray is heavy on a 2-core host)."""
+The fleet tests' one cluster, and one server for the module (Ray is heavy
+on a 2-core host)."""
 from __future__ import annotations
 
 import json
@@ -40,19 +43,20 @@ from tests.serve.server_process import start_server  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from tests.fleet.ray_cluster import RayCluster
+CORE = json.dumps({"pnode": 1})
+FFN = json.dumps({"dnode": 0.5})  # a resize holds the old worker's half and the new two's beside it
 
-    with RayCluster(tmp_path_factory.mktemp("ray-afd"), {"core": 2}, {"ffn": 3}) as c:
-        yield c
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster):
+    return ray_cluster  # the fleet tests' one cluster (conftest.py)
 
 
 def _serve(cluster, path: str, log):  # noqa: ANN001, ANN202 - a ServerProcess
     try:
         return start_server(log, ["--model", path, "--mode", "afd", "--attention", "1", "--ffn", "1",
-                                  "--ray", cluster.address, "--ray-engine-resources", json.dumps({"core": 1}),
-                                  "--ray-ffn-resources", json.dumps({"ffn": 1}), "--cpu-threads-per-rank", "1"])
+                                  "--ray", cluster.address, "--ray-engine-resources", CORE,
+                                  "--ray-ffn-resources", FFN, "--cpu-threads-per-rank", "1"])
     except RuntimeError as exc:
         raise RuntimeError(f"{exc}\n--- Ray cluster:\n{cluster.logs()}") from None
 
@@ -80,7 +84,7 @@ def test_ffn_worker_on_the_other_node_equals_hf(served, cluster):
     assert complete(srv, PROMPTS[0]) == expected[0]
     assert complete_all(srv, PROMPTS) == expected
     core, ffn = _ranks(srv)
-    assert core["node"] == cluster.node_ids["core"] and ffn["node"] == cluster.node_ids["ffn"], (core, ffn)
+    assert core["node"] == cluster.node_ids["pnode"] and ffn["node"] == cluster.node_ids["dnode"], (core, ffn)
     assert ffn["cpu_threads"] == 1, ffn  # --cpu-threads-per-rank, as the worker's actor says
 
 
@@ -128,7 +132,7 @@ def test_the_ffn_worker_takes_only_curve_peers_with_the_servers_key(served, clus
             if curve is not None:  # a key pair of its own, and a guess at the server's
                 sock.curve_publickey, sock.curve_secretkey = curve
                 sock.curve_serverkey = zmq.curve_keypair()[0]
-            sock.connect(f"tcp://{cluster.node_hosts['ffn']}:{port}")
+            sock.connect(f"tcp://{cluster.node_hosts['dnode']}:{port}")
             sock.send_multipart(frames)
             assert not sock.poll(1500), "the FFN worker answered a peer without the server's key"
             sock.close()
@@ -146,7 +150,7 @@ def test_kvferry_scale_ffn_under_ray(served, cluster):
     while len(_ranks(srv)) != 3:  # a core moves to the new generation at its next step
         complete(srv, PROMPTS[1])
         assert time.monotonic() < deadline, workers(srv)
-    assert [r["node"] for r in _ranks(srv)[1:]] == [cluster.node_ids["ffn"]] * 2
+    assert [r["node"] for r in _ranks(srv)[1:]] == [cluster.node_ids["dnode"]] * 2
     assert complete_all(srv, PROMPTS) == expected
 
 
@@ -180,7 +184,7 @@ def test_a_killed_ffn_worker_is_replaced_and_the_server_serves_again(served, clu
     assert not any(t.is_alive() for t in threads), "a stream hung after its FFN worker died"
     assert len(outcomes) == 2, outcomes
     deadline = time.monotonic() + 240
-    while True:  # a new generation on the "ffn" node; the core restarted by Ray
+    while True:  # a new generation on the "dnode" node; the core restarted by Ray
         try:
             assert complete_all(srv, PROMPTS) == expected
             ranks = _ranks(srv)
@@ -190,5 +194,5 @@ def test_a_killed_ffn_worker_is_replaced_and_the_server_serves_again(served, clu
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-    assert all(r["node"] == cluster.node_ids["ffn"] for r in ranks[1:]), ranks
+    assert all(r["node"] == cluster.node_ids["dnode"] for r in ranks[1:]), ranks
     assert "FFN workers restart whole" in srv.log()
