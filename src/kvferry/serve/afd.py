@@ -163,7 +163,7 @@ def start_ray_ffn(args: argparse.Namespace, engine_args: EngineArgs) -> EngineAr
     board = f"kvferry-ffn-{uuid.uuid4().hex[:12]}"  # two servers on one cluster: two boards
     engine_args = dataclasses.replace(engine_args, afd_folder=RAY_BOARD + board)
     config = engine_args.create_engine_config()
-    resources = parse_resources(args.ray_ffn_resources, "--ray-ffn-resources")
+    resources = parse_resources(getattr(args, "ray_ffn_resources", '{"CPU": 1}'), "--ray-ffn-resources")
     try:
         launcher = RayFFN(config, "afd", resources, board, args.scale_timeout_s)
         args.ffn_pool = FFNPool(config, max_restarts=args.engine_restarts, window_s=args.engine_restart_window,
