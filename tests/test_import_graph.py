@@ -190,6 +190,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "engine/core_client.py": {"kvferry.engine.core_proc": NO_TORCH},              # the child imports torch
     "fleet/core_actor.py": {"ray": OPTIONAL, "kvferry.fleet.node_store": OPTIONAL,  # node_store imports ray
                             "kvferry.fleet.rank_actors": OPTIONAL,  # imports ray: spread TP/PP ranks only
+                            "kvferry.fleet.ffn_actors": OPTIONAL,  # imports ray: --mode afd's FFN workers
                             "torch": NO_TORCH, "kvferry.engine.core_proc": NO_TORCH,  # the front end names the
                             "kvferry.engine.core": NO_TORCH, "kvferry.engine.cpu_threads": NO_TORCH},  # actor class
     "kvstore/mooncake_lib.py": {"mooncake": OPTIONAL},
@@ -209,6 +210,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "serve/api_flags.py": {"kvferry.serve.public_prefixes": CLI,                  # jinja2, tokenizers
                            "kvferry.serve.http_limits": CLI},                     # uvicorn, starlette
     "serve/cli.py": {"kvferry.serve.server": CLI},
+    "serve/afd.py": {"kvferry.fleet.ffn_actors": OPTIONAL},                       # ray: --mode afd --ray
     "serve/server.py": {"kvferry.fleet.ray_cores": OPTIONAL, "kvferry.fleet.cluster_master": OPTIONAL,  # ray
                         "kvferry.fleet.node_store": OPTIONAL},
     "serve/tools/grammar.py": {"xgrammar": OPTIONAL},

@@ -1,7 +1,9 @@
 """Attention/FFN disaggregation's settings (``--mode afd``; no torch: config.py
 imports it, and ``kvferry serve``'s preflight reads it before anything starts).
 
-    AFDConfig(ffn_workers, folder)   0 FFN workers: off (the core runs its own MLPs)
+    AFDConfig(ffn_workers, folder)   0 FFN workers: off (the core runs its own MLPs); folder
+                                     "ray:NAME": the workers are Ray actors (kvferry serve --ray)
+    add_ray_ffn_args(group)          --ray-ffn-resources
     check_afd(config)                ValueError (one line) for the first thing it does not run with yet
 
 The engine side is kvferry.engine.afd_leader (the FFN processes and their
@@ -20,7 +22,10 @@ class AFDConfig:
     layer (a dense MLP's intermediate columns, or whole experts, split over
     them); 0: off. ``folder``: the 0700 folder of their ipc sockets, shared
     by every attention core of one server (they batch all of them); None:
-    the core makes a private one and its FFN workers serve it alone."""
+    the core makes a private one and its FFN workers serve it alone;
+    ``ray:NAME`` under ``kvferry serve --ray``: the workers are Ray actors,
+    published by the server's board actor NAME (fleet/ffn_actors.py), as
+    the cores of other nodes cannot share a folder."""
 
     ffn_workers: int = 0
     folder: str | None = None
@@ -32,6 +37,22 @@ class AFDConfig:
     @property
     def enabled(self) -> bool:
         return self.ffn_workers > 0
+
+    @property
+    def board(self) -> str | None:
+        """The Ray actor that publishes the workers (``folder`` "ray:NAME"), or None: a folder."""
+        return self.folder[len(RAY_BOARD):] if self.folder and self.folder.startswith(RAY_BOARD) else None
+
+
+RAY_BOARD = "ray:"  # AFDConfig.folder's prefix for workers placed by Ray
+
+
+def add_ray_ffn_args(group: Any) -> None:
+    """``--ray-ffn-resources``: where the FFN workers of ``--mode afd --ray`` go, as the cores' flags say theirs."""
+    group.add_argument("--ray-ffn-resources", default='{"CPU": 1}', metavar="JSON",
+                       help='--mode afd under --ray: Ray resources of each FFN worker\'s actor, e.g. a custom node '
+                            'resource \'{"fnode": 1}\' to put them on the nodes that offer it; a worker on an '
+                            'attention core\'s node talks to it over ipc, one on another node over tcp with CURVE')
 
 
 def afd_refusals(config: Any) -> list[str]:

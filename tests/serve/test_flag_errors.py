@@ -101,7 +101,7 @@ BAD: dict[str, list[list[str]]] = {
     "--max-public-prefixes-per-tenant": [["-1"]],
     "--max-public-prefix-tokens-per-tenant": [["-1"]],
     "--metrics-max-tenants": [["0"]],
-    "--mode": [["pipeline"], ["afd", "--data-parallel-size", "2"], ["afd", "--ray", "auto"]],
+    "--mode": [["pipeline"], ["afd", "--data-parallel-size", "2"]],
     # --mode afd: 0 attention cores; 2 without --mode afd
     "--attention": [["0", "--mode", "afd"], ["2"]],
     # -1 workers; 3: the model's heads do not split over 3; 2 without --mode afd or disagg; speculation over
@@ -140,6 +140,7 @@ BAD: dict[str, list[list[str]]] = {
     "--ray-engine-resources": [["notjson"], ['{"CPU": -1}']],
     "--ray-prefill-resources": [["[1]"]],
     "--ray-decode-resources": [['{"GPU": "one"}']],
+    "--ray-ffn-resources": [["notjson", "--mode", "afd", "--ray", "auto"]],
     "--autoscale": [[MISSING, "--ttft-slo-ms", "500"]],
     "--autoscale-slo": [["bogus", *AUTOSCALE]],
     "--autoscale-min": [["x=1", *AUTOSCALE]],

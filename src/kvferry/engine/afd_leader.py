@@ -23,6 +23,11 @@ Whose workers they are:
   (``RankFailed``: they fail; the router restarts it); an idle core
   instead waits at its next step for the next generation, so no request
   that came after the death fails.
+- ``kvferry serve --ray --mode afd``: the server's too, as Ray actors
+  placed by ``--ray-ffn-resources`` (fleet/ffn_actors.py); the generation
+  comes from the server's board actor instead of a folder (the core's actor
+  installs its view, afd_sites.py), and a worker on another node is reached
+  over tcp:// with CURVE (parallel/rank_sockets.py), one on this node over ipc.
 - A core started alone (``kvferry engine-core --ffn M``, ``LLM(ffn=M)``):
   its own, in a private folder, watched as a TP leader watches its ranks
   (rank_group.RankProcesses); they exit once the core's process is gone.
@@ -43,12 +48,14 @@ import zmq
 
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
-from kvferry.engine.afd_pool import Generation, ffn_threads, pid_file, read_generation, read_pid, spawn_ffn_workers
+from kvferry.engine import afd_sites, rank_launcher
+from kvferry.engine.afd_pool import Generation, ffn_threads, pid_file, read_pid, spawn_ffn_workers
 from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all
 from kvferry.engine.tp_ranks import RunnerShape
 from kvferry.messages import TPRank
 from kvferry.parallel import RankFailed
-from kvferry.parallel.afd import ffn_address, recv_rows, send_rows
+from kvferry.parallel.afd import recv_rows, send_rows
+from kvferry.parallel.rank_sockets import RankKeys
 from kvferry.shm_segments import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -83,11 +90,11 @@ class AFDLeader(RankProcesses):
         self.failure: RankFailed | None = None
         self.owner = afd.folder is None  # a core alone starts its own workers
         self._dir = tempfile.mkdtemp(prefix="kvferry-afd-") if self.owner else afd.folder
-        check_folder(self._dir)
+        self._view = self._view_of(afd.board)
         self._procs: list[subprocess.Popen] = []
         self._steps: list[zmq.Socket] = []  # the owner's control sockets (shutdown)
         self._pids: list[int] = []
-        self.generation = 0
+        self.generation, self._gen = 0, Generation(0, 0, ())
         self._ctx = zmq.Context()
         if self.owner:
             self._spawn(config)
@@ -96,6 +103,18 @@ class AFDLeader(RankProcesses):
         self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir if self.owner else None,
                                            self._stopping)
         self._watcher: threading.Thread | None = None
+
+    def _view_of(self, board: str | None) -> afd_sites.GenerationView:
+        """Where this core learns of its workers: the folder, or the Ray board's view."""
+        if board is None:
+            check_folder(self._dir)
+            return afd_sites.FolderView(self._dir)
+        view = afd_sites.installed()
+        if view is None:
+            raise ValueError(f"the FFN workers of {board} are Ray actors: only a core that kvferry serve --ray "
+                             "placed finds them")
+        self._dir = None
+        return view
 
     def _spawn(self, config: EngineConfig) -> None:
         self._procs = spawn_ffn_workers(config, self._dir, self.name)
@@ -138,11 +157,11 @@ class AFDLeader(RankProcesses):
         LOAD_TIMEOUT_S)."""
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while True:
-            gen = read_generation(self._dir)
+            gen = self._view.read()
             if gen is not None and gen.health == "down":
                 raise RankFailed(1, "the FFN workers are down (no restart left); the engine core's "
                                     f"{self.GROUP} ends whole")
-            if gen is not None and gen.health == "ok" and gen.generation != stale and all(map(pid_alive, gen.pids)):
+            if gen is not None and gen.health == "ok" and gen.generation != stale and not self._view.dead(gen):
                 return gen
             if time.monotonic() > deadline:
                 raise RankFailed(1, f"no FFN workers served within {LOAD_TIMEOUT_S:g}s")
@@ -152,13 +171,16 @@ class AFDLeader(RankProcesses):
         """Talk to ``gen``'s workers from the next step on (none is in flight)."""
         for sock in self.socks:
             sock.close(linger=0)
-        self.generation, self.size, self._pids = gen.generation, gen.size, list(gen.pids)
+        self.generation, self.size, self._pids, self._gen = gen.generation, gen.size, list(gen.pids), gen
         self.threads = ffn_threads(self._config, gen.size)
         self.socks = []
         for j in range(self.size):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ffn_address(self._dir, j, gen.generation))
+            address, curve = self._view.address(gen, j)
+            if curve:  # a worker on another Ray node: tcp://, only with the server's key (rank_sockets.py)
+                RankKeys.of_tree().client(sock)
+            sock.connect(address)
             self.socks.append(sock)
         self._stash: list[dict[tuple, object]] = [{} for _ in self.socks]
 
@@ -169,11 +191,11 @@ class AFDLeader(RankProcesses):
         a core with requests in flight when its workers died ends whole, as
         a step cut by the death does (the rule does not hang on whether the
         death fell inside a step or between two); an idle one waits."""
-        gen = read_generation(self._dir)
-        if gen is not None and gen.generation == self.generation and gen.health == "ok" \
-                and all(map(pid_alive, self._pids)):
+        gen = self._view.read()
+        gone = self._view.dead(self._gen)
+        if gen is not None and gen.generation == self.generation and gen.health == "ok" and not gone:
             return
-        if continuing and not all(map(pid_alive, self._pids)):
+        if continuing and gone:
             self._raise_if_dead()
         if gen is None or gen.health != "ok" or gen.generation == self.generation:
             logger.warning("FFN workers of generation %d are gone; waiting for the next", self.generation)
@@ -194,7 +216,7 @@ class AFDLeader(RankProcesses):
             super()._watch()
             return
         while not self._stopping.wait(POLL_S):
-            gen = read_generation(self._dir)
+            gen = self._view.read()
             if gen is not None and gen.health == "down":
                 self.failure = RankFailed(1, "the FFN workers are down (no restart left); the engine core's "
                                              f"{self.GROUP} ends whole")
@@ -205,10 +227,9 @@ class AFDLeader(RankProcesses):
         if self.owner:
             super()._raise_if_dead()
             return
-        for j, pid in enumerate(self._pids, start=1):
-            if not pid_alive(pid):
-                raise RankFailed(j, f"{self.MEMBER} {j} (pid {pid}) is gone; the engine core's {self.GROUP} "
-                                    "ends whole")
+        for j in self._view.dead(self._gen)[:1]:
+            raise RankFailed(j + 1, f"{self.MEMBER} {j + 1} (pid {self._pids[j]}) is gone; the engine core's "
+                                    f"{self.GROUP} ends whole")
 
     # -- steps -----------------------------------------------------------------------
     def alive(self) -> None:
@@ -255,9 +276,13 @@ class AFDLeader(RankProcesses):
 
     def ranks(self) -> list[TPRank]:
         """This core (rank 0) and the FFN workers (ranks 1..M): GET /v1/admin/workers."""
-        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=torch.get_num_threads(), alive=True)]
-        for j, pid in enumerate(self._pids, start=1):
-            ranks.append(TPRank(rank=j, pid=pid, cpu_threads=self.threads, alive=pid_alive(pid)))
+        here = rank_launcher.this_node()  # its Ray node under --ray, else ""
+        ranks = [TPRank(rank=0, pid=os.getpid(), cpu_threads=torch.get_num_threads(), alive=True, node=here)]
+        gen, gone = self._gen, set(self._view.dead(self._gen))
+        for j, pid in enumerate(self._pids):
+            threads = gen.sites[j].threads if gen.sites else self.threads
+            ranks.append(TPRank(rank=j + 1, pid=pid, cpu_threads=threads, alive=j not in gone,
+                                node=self._view.node(gen, j) or here))
         return ranks
 
     def close(self) -> None:

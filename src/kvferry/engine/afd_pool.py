@@ -6,13 +6,17 @@ server's process imports it before any core starts).
                                    M processes "kvferry: NAME ffn j" (afd_worker.py), each writing
                                    FOLDER/ffn-G-j.pid once it serves (G: the pool's generation)
     FFNPool(config, ...)           the server's M workers, shared by its N attention cores
+                                   (launcher: LocalFFN, children of the server; under --ray,
+                                   fleet/ffn_actors.py's RayFFN, Ray actors placed by --ray-ffn-resources)
     pool.resize(M')                kvferry scale --ffn M': the next generation, M' workers, beside the last
     read_generation(folder)        what the pool serves now (FOLDER/ffn-generation.json): a core's view
 
 Generations. Every set of workers the pool starts is a generation G (its
 sockets and pid files are named by G). Once all of its workers serve, the
-pool publishes G in FOLDER/ffn-generation.json (written whole, by rename);
-an attention core reads that file before each step and moves to a newer
+pool publishes G in FOLDER/ffn-generation.json (written whole, by rename;
+under --ray on the server's board actor instead, with each worker's node
+and addresses, as cores on other nodes share no folder: afd_sites.py);
+an attention core reads it before each step and moves to a newer
 generation between two steps, never inside one (afd_leader.py). So:
 
 - a resize starts M' workers beside the M serving, publishes them, then
@@ -40,6 +44,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvferry.config import EngineConfig
 from kvferry.engine.rank_launcher import stop_all
@@ -54,15 +59,31 @@ GENERATION_FILE = "ffn-generation.json"
 
 
 @dataclass(slots=True, frozen=True)
+class FFNSite:
+    """Where worker j of a generation placed by Ray listens: its Ray node,
+    its ipc:// socket (for a core on that node: the folder is the node's),
+    and its tcp:// one with CURVE (for a core on any other node)."""
+
+    node: str
+    ipc: str
+    tcp: str
+    pid: int
+    threads: int  # its torch threads (the admin's view)
+
+
+@dataclass(slots=True, frozen=True)
 class Generation:
     """What the pool serves now: its generation, the worker count, their
     pids (worker j's is ``pids[j]``) and the pool's health ("ok", or
-    "restarting" / "down", with no workers to use)."""
+    "restarting" / "down", with no workers to use). ``sites``: worker j's
+    addresses under --ray (``sites[j]``); empty for workers of one host,
+    found in the shared folder by their generation and index."""
 
     generation: int
     size: int
     pids: tuple[int, ...]
     health: str = "ok"
+    sites: tuple[FFNSite, ...] = ()
 
 
 @dataclass(slots=True)
@@ -78,6 +99,7 @@ class FFNSpec:
     parent_pid: int  # it exits once this process is gone
     log_level: int
     generation: int = 0
+    host: str | None = None  # under --ray: also bind tcp://HOST:* with CURVE (cores on other nodes)
 
 
 def ffn_threads(config: EngineConfig, size: int | None = None) -> int:
@@ -89,6 +111,11 @@ def ffn_threads(config: EngineConfig, size: int | None = None) -> int:
 
 def pid_file(folder: str, index: int, generation: int = 0) -> str:
     return os.path.join(folder, f"ffn-{generation}-{index}.pid")
+
+
+def tcp_file(folder: str, index: int, generation: int = 0) -> str:
+    """Where a worker placed by Ray writes its tcp:// address (before its pid file)."""
+    return os.path.join(folder, f"ffn-{generation}-{index}.tcp")
 
 
 def read_pid(path: str) -> int | None:
@@ -152,16 +179,59 @@ class FFNLoadError(RuntimeError):
     """A generation's workers did not all come up (one exited, or the load timed out)."""
 
 
+class FFNLauncher(Protocol):
+    """Where a pool's workers run and how the cores learn of them. A worker
+    handle has Popen's ``pid``, ``poll``, ``wait``, ``terminate``, ``kill``
+    and ``send_signal`` (SIGUSR1: retire)."""
+
+    def spawn(self, generation: int, size: int) -> list: ...
+
+    def ready(self, procs: list, generation: int) -> bool:
+        """Every worker of ``generation`` serves (the cores may connect)."""
+
+    def publish(self, gen: Generation) -> None: ...
+
+    def unready(self, generation: int, size: int) -> None:
+        """No core may connect to ``generation``'s workers from now on."""
+
+    def close(self) -> None: ...
+
+
+class LocalFFN:
+    """The server's workers as its children, found through the cores' shared
+    0700 folder: their pid files (ready), the generation file (published)."""
+
+    def __init__(self, config: EngineConfig, folder: str, name: str) -> None:
+        self.config, self.folder, self.name = config, folder, name
+
+    def spawn(self, generation: int, size: int) -> list[subprocess.Popen]:
+        return spawn_ffn_workers(self.config, self.folder, self.name, generation, size)
+
+    def ready(self, procs: list[subprocess.Popen], generation: int) -> bool:
+        return all(read_pid(pid_file(self.folder, j, generation)) == p.pid for j, p in enumerate(procs))
+
+    def publish(self, gen: Generation) -> None:
+        write_generation(self.folder, gen)
+
+    def unready(self, generation: int, size: int) -> None:
+        unready(self.folder, size, generation)
+
+    def close(self) -> None:
+        """The folder is the server's (removed when it exits)."""
+
+
 class FFNPool:
     """The server's FFN workers (module docstring). Thread-safe: ``stop``
     and ``resize`` may come from any thread, while a restart is under way
     too (one generation starts at a time)."""
 
-    def __init__(self, config: EngineConfig, *, max_restarts: int, window_s: float, name: str = "afd") -> None:
+    def __init__(self, config: EngineConfig, *, max_restarts: int, window_s: float, name: str = "afd",
+                 launcher: FFNLauncher | None = None) -> None:
         folder = config.parallel.afd.folder
-        if folder is None:
+        if launcher is None and (folder is None or config.parallel.afd.board):
             raise ValueError("an FFN pool needs the cores' shared folder (AFDConfig.folder)")
         self.config, self.folder, self.name = config, folder, name
+        self.launcher = launcher or LocalFFN(config, folder, name)  # type: ignore[arg-type]
         self.max_restarts, self.window_s = max_restarts, window_s
         self.health = "ok"
         self.generation, self.size = 0, config.parallel.afd.ffn_workers
@@ -169,7 +239,7 @@ class FFNPool:
         self._lock = threading.Lock()  # held while a generation starts: one at a time
         self._stopping = threading.Event()
         self._retired: list[subprocess.Popen] = []  # earlier generations', exiting once idle
-        self.procs = spawn_ffn_workers(config, folder, name, self.generation, self.size)
+        self.procs = self.launcher.spawn(self.generation, self.size)
         self._thread = threading.Thread(target=self._watch, name="afd-ffn-pool", daemon=True)
         self._thread.start()
 
@@ -181,6 +251,7 @@ class FFNPool:
         self._stopping.set()
         with self._lock:
             stop_all([*self.procs, *self._retired])
+            self.launcher.close()
 
     def resize(self, size: int) -> float:
         """Serve with ``size`` workers from now on (kvferry scale --ffn):
@@ -194,14 +265,14 @@ class FFNPool:
                 raise RuntimeError(f"the FFN workers are {'stopping' if self._stopping.is_set() else 'down'}")
             if size == self.size:
                 return 0.0
-            new = spawn_ffn_workers(self.config, self.folder, self.name, self.generation + 1, size)
+            new = self.launcher.spawn(self.generation + 1, size)
             try:
                 self._wait_ready(new, self.generation + 1)
             except FFNLoadError:
                 stop_all(new)
                 raise
             old, self.procs = self.procs, new
-            unready(self.folder, len(old), self.generation)  # its pid files: no core connects to it any more
+            self.launcher.unready(self.generation, len(old))  # no core connects to it any more
             self.generation, self.size = self.generation + 1, size
             self._publish()
             self._retire(old)
@@ -218,11 +289,11 @@ class FFNPool:
 
     def _publish(self, health: str = "ok") -> None:
         pids = tuple(self.pids) if health == "ok" else ()
-        write_generation(self.folder, Generation(self.generation, self.size, pids, health))
+        self.launcher.publish(Generation(self.generation, self.size, pids, health))
 
     def _wait_ready(self, procs: list[subprocess.Popen], generation: int) -> None:
         deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while not all(read_pid(pid_file(self.folder, j, generation)) == p.pid for j, p in enumerate(procs)):
+        while not self.launcher.ready(procs, generation):
             dead = [(j, p) for j, p in enumerate(procs) if p.poll() is not None]
             if dead:
                 j, p = dead[0]
@@ -254,7 +325,7 @@ class FFNPool:
             logger.error("FFN worker %d (pid %d) exited with %s; the FFN workers restart whole", index, proc.pid,
                          exit_text(proc.returncode))
             self._publish("restarting")  # a core's next step waits for the next generation
-            unready(self.folder, len(self.procs), self.generation)
+            self.launcher.unready(self.generation, len(self.procs))
             stop_all(self.procs)
             now = time.monotonic()
             while self._restarts and now - self._restarts[0] > self.window_s:
@@ -273,8 +344,9 @@ class FFNPool:
             if self._stopping.is_set():
                 return False
             self.generation += 1
-            self.procs = spawn_ffn_workers(self.config, self.folder, self.name, self.generation, self.size)
             try:
+                # Ray's may fail to place them: the stopped ones stay, seen dead again (within the budget).
+                self.procs = self.launcher.spawn(self.generation, self.size)
                 self._wait_ready(self.procs, self.generation)
             except FFNLoadError as exc:
                 logger.error("%s", exc)

@@ -11,6 +11,12 @@ drops the rest of the model. Weights come as the core's do
 channel; a .gguf at ``--ffn 1``: its blocks, the experts' included, kept).
 Its blocks' down projections then give partial sums (no all-reduce here: the attention core adds the M answers).
 
+It binds ipc://FOLDER/ffn-G-j and, placed by Ray (``spec.host``), also
+tcp://HOST:* with CURVE (parallel/rank_sockets.py: only a process holding
+the server's socket secret completes a handshake), whose address it writes
+to FOLDER/ffn-G-j.tcp before its pid file: attention cores on its node
+connect over ipc, the others over tcp.
+
 It then answers requests: every request waiting from every attention core
 is taken at once, and the rows of one layer go through its block in one
 call (the batch the split exists for), each answer back to its sender.
@@ -35,12 +41,13 @@ import torch
 import zmq
 from torch import nn
 
-from kvferry.engine.afd_pool import FFNSpec, pid_file
+from kvferry.engine.afd_pool import FFNSpec, pid_file, tcp_file
 from kvferry.engine.rank_group import watch_parent
 from kvferry.model.layers import Linear
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
 from kvferry.parallel.afd import FFNRequest, ffn_address, reply, take_requests
+from kvferry.parallel.rank_sockets import RankKeys
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +88,20 @@ def load_blocks(spec: FFNSpec) -> list[nn.Module]:
     return blocks
 
 
-def serve(blocks: list[nn.Module], sock: zmq.Socket, ctl: zmq.Socket, retired: threading.Event) -> None:
+def serve(blocks: list[nn.Module], socks: list[zmq.Socket], ctl: zmq.Socket, retired: threading.Event) -> None:
+    """``socks``: the ipc ROUTER, and the tcp one under Ray; one batch takes
+    the requests waiting on both."""
     poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
     poller.register(ctl, zmq.POLLIN)
     last = time.monotonic()
     while True:
         ready = dict(poller.poll(_POLL_MS))
         if ctl in ready and pickle.loads(ctl.recv()) is None:
             return
-        if sock in ready:
-            answer(blocks, sock, take_requests(sock))
+        if any(sock in ready for sock in socks):
+            answer(blocks, [req for sock in socks if sock in ready for req in take_requests(sock)])
             last = time.monotonic()
         elif retired.is_set() and time.monotonic() - last > RETIRE_IDLE_S:
             logger.info("retired: a newer generation of FFN workers serves")
@@ -99,9 +109,10 @@ def serve(blocks: list[nn.Module], sock: zmq.Socket, ctl: zmq.Socket, retired: t
 
 
 @torch.inference_mode()
-def answer(blocks: list[nn.Module], sock: zmq.Socket, requests: list[FFNRequest]) -> None:
+def answer(blocks: list[nn.Module], requests: list[FFNRequest]) -> None:
     """Each layer's requests in one call of its block, layers in the order
-    their first request came (each core's requests stay in its order)."""
+    their first request came (each core's requests stay in its order); each
+    answer goes back on the socket its request came in on."""
     by_layer: dict[int, list[FFNRequest]] = {}
     for req in requests:
         by_layer.setdefault(req.layer, []).append(req)
@@ -111,7 +122,7 @@ def answer(blocks: list[nn.Module], sock: zmq.Socket, requests: list[FFNRequest]
         start = 0
         for req in reqs:
             n = req.rows.shape[0]
-            reply(sock, req, out[start:start + n])
+            reply(req.sock, req, out[start:start + n])
             start += n
 
 
@@ -126,12 +137,20 @@ def main() -> int:
     torch.set_num_threads(spec.threads)
     ctx = zmq.Context()
     sock, ctl = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    socks, guard = [sock], None
     try:
         blocks = load_blocks(spec)
         sock.bind(ffn_address(spec.folder, spec.index, spec.generation))
         ctl.bind(f"ipc://{spec.folder}/ctl-{spec.generation}-{spec.index}")
-        _write_pid(pid_file(spec.folder, spec.index, spec.generation))  # ready: the cores connect now
-        serve(blocks, sock, ctl, retired)
+        if spec.host is not None:  # placed by Ray: cores on other nodes come over tcp, with CURVE
+            keys = RankKeys.of_tree()
+            guard = keys.guard(ctx)
+            socks.append(keys.server(ctx.socket(zmq.ROUTER)))
+            socks[1].setsockopt(zmq.LINGER, 0)
+            port = socks[1].bind_to_random_port(f"tcp://{spec.host}")
+            _write(tcp_file(spec.folder, spec.index, spec.generation), f"tcp://{spec.host}:{port}")
+        _write(pid_file(spec.folder, spec.index, spec.generation), str(os.getpid()))  # ready: the cores connect now
+        serve(blocks, socks, ctl, retired)
     except ValueError as exc:  # a configuration or model-file mistake: one line
         logger.error("FFN worker failed: %s", exc)
         return 1
@@ -139,16 +158,18 @@ def main() -> int:
         logger.exception("FFN worker failed")
         return 1
     finally:
-        sock.close(linger=0)
-        ctl.close(linger=0)
+        for open_sock in [*socks, ctl]:
+            open_sock.close(linger=0)
+        if guard is not None:
+            guard.stop()
         ctx.term()
     return 0
 
 
-def _write_pid(path: str) -> None:
+def _write(path: str, text: str) -> None:
     tmp = f"{path}.{os.getpid()}"
     with open(tmp, "w", encoding="ascii") as f:
-        f.write(str(os.getpid()))
+        f.write(text)
     os.replace(tmp, path)  # whole or absent: a core never reads half a pid
 
 

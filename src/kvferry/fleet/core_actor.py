@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import setproctitle
 
-from kvferry.engine import rank_launcher
+from kvferry.engine import afd_sites, rank_launcher
 from kvferry.engine.core_addresses import CoreAddresses, parse_cpus
 from kvferry.gc_heap import freeze_startup_heap
 
@@ -70,6 +70,7 @@ class CoreActor:
         if role != "engine":
             config.kv_transfer.kv_transfer_address = on_node(config.kv_transfer.kv_transfer_address, host)
         _place_ranks(ranks, node_id, host)
+        _find_ffn_workers(config, node_id)
         store_error = None
         if config.kv_tiers.enabled and not config.kv_tiers.kv_store:
             # --kv-dram-gb: the store of this node, shared with its other
@@ -143,6 +144,16 @@ def _place_ranks(ranks, node_id: str, host: str) -> None:
 
         launcher = RayRankLauncher(ranks.group, ranks.resources, node_id, host)
     rank_launcher.install(launcher, node_id)
+
+
+def _find_ffn_workers(config, node_id: str) -> None:
+    """--mode afd under --ray: the server's FFN workers are Ray actors that
+    its board names (fleet/ffn_actors.py); the core's AFDLeader reads it."""
+    board = config.parallel.afd.board
+    if board is not None:
+        from kvferry.fleet.ffn_actors import BoardView  # optional: imports ray
+
+        afd_sites.install(BoardView(board, node_id))
 
 
 def _set_title(title: str) -> None:

@@ -9,7 +9,9 @@ attention core to an FFN worker and back (no model code).
 A message is a small pickled header (tag, shape, dtype) and the rows' raw
 bytes, sent without a copy, as the pipeline stages' (parallel/pipeline.py).
 The sockets live in one 0700 folder, so only this user's processes reach
-them (as every other local socket of the project). ROUTER/DEALER keep each
+them (as every other local socket of the project); a worker that Ray
+placed also takes cores of other nodes on tcp:// with CURVE
+(rank_sockets.py), the same frames. ROUTER/DEALER keep each
 attention core's requests apart, and the FFN worker answers each on the
 connection it came in on; a reply carries its request's tag back, by
 which the core matches it (the answers' order is the worker's batching's).
@@ -63,11 +65,13 @@ def recv_rows(sock: zmq.Socket, timeout_ms: int, alive: Callable[[], None]) -> t
 @dataclass(slots=True)
 class FFNRequest:
     """One request an FFN worker took: who sent it, its tag (step, layer,
-    micro-batch) and its rows [T, hidden]."""
+    micro-batch), its rows [T, hidden], and the socket it came in on (a
+    worker placed by Ray has two: ipc, and tcp with CURVE)."""
 
     peer: bytes
     tag: tuple[int, int, int]
     rows: torch.Tensor
+    sock: zmq.Socket | None = None
 
     @property
     def layer(self) -> int:
@@ -83,7 +87,7 @@ def take_requests(sock: zmq.Socket, limit: int = 256) -> list[FFNRequest]:
         except zmq.Again:
             break
         tag, rows = _tensor(header, data)
-        out.append(FFNRequest(peer.bytes, tag, rows))
+        out.append(FFNRequest(peer.bytes, tag, rows, sock))
     return out
 
 

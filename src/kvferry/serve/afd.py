@@ -18,6 +18,9 @@ core_config gives its cores no FFN workers).
     afd_folder(engine_args)             the shared folder, made just before the cores start
     start_ffn_pool(args, engine_args)   the M FFN workers (engine/afd_pool.py), restarted whole when one
                                         dies, within the cores' restart budget
+    start_ray_ffn(args, engine_args)    under --ray (once the server joined the cluster): the same pool, its
+                                        workers Ray actors placed by --ray-ffn-resources (fleet/ffn_actors.py)
+    stop_ray_ffn(args)                  ... stopped before the server leaves the cluster
     resize_ffn(pool, M)                 kvferry scale --ffn M (POST /v1/admin/scale {"ffn": M}) on a live server
 """
 from __future__ import annotations
@@ -27,10 +30,12 @@ import atexit
 import dataclasses
 import shutil
 import tempfile
+import uuid
 
-from kvferry.afd_config import keeps_gguf_blocks
+from kvferry.afd_config import RAY_BOARD, add_ray_ffn_args, keeps_gguf_blocks
 from kvferry.config import EngineArgs
-from kvferry.engine.afd_pool import MAX_FFN_WORKERS, FFNPool
+from kvferry.engine.afd_pool import MAX_FFN_WORKERS, FFNLoadError, FFNPool
+from kvferry.fleet.placement import parse_resources
 from kvferry.model.config import ModelConfig
 from kvferry.model.tp_split import check_split
 from kvferry.serve.preflight import _hf_config as hf_config  # config.json, or {} (a .gguf)
@@ -40,6 +45,7 @@ def add_afd_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--attention", type=int, default=None, metavar="N",
                        help="--mode afd: attention engine cores (data-parallel replicas, each with its scheduler "
                             "and KV cache) that share the --ffn FFN workers (docs/parallelism.md; default 1)")
+    add_ray_ffn_args(group)
 
 
 def apply_afd_args(args: argparse.Namespace, engine_args: EngineArgs) -> EngineArgs:
@@ -53,6 +59,8 @@ def apply_afd_args(args: argparse.Namespace, engine_args: EngineArgs) -> EngineA
                          "--data-parallel-size)")
     if mode == "colocated" and ffn:
         raise ValueError(f"--ffn {ffn}: only with --mode afd, or --mode disagg (its decode pool splits)")
+    if (ffn or mode == "afd") and getattr(args, "ray", None) is not None:  # before Ray is joined
+        parse_resources(getattr(args, "ray_ffn_resources", '{"CPU": 1}'), "--ray-ffn-resources")
     if mode == "disagg" and ffn:
         _refuse(args, "--mode disagg --ffn", [(getattr(args, "decode_tp", None) not in (None, 1),
                                                f"--decode-tp {getattr(args, 'decode_tp', None)}: the decode "
@@ -74,7 +82,6 @@ def apply_afd_args(args: argparse.Namespace, engine_args: EngineArgs) -> EngineA
 def _refuse(args: argparse.Namespace, what: str, more: list[tuple[bool, str]]) -> None:
     refused = [*more,
                (bool(args.worker), f"--worker: {what} does not join cores started apart yet"),
-               (args.ray is not None, f"--ray: {what} runs its FFN workers as local processes for now"),
                (bool(getattr(args, "autoscale", None)), f"--autoscale: {what} does not scale yet")]
     for bad, line in refused:
         if bad:
@@ -136,8 +143,38 @@ def afd_folder(engine_args: EngineArgs) -> EngineArgs:
 
 
 def start_ffn_pool(args: argparse.Namespace, engine_args: EngineArgs) -> FFNPool | None:
-    """The server's FFN workers (None without --mode afd); they load while the cores do."""
-    if not engine_args.ffn or engine_args.afd_folder is None:
+    """The server's FFN workers (None without --mode afd, or under --ray:
+    start_ray_ffn's); they load while the cores do."""
+    if not engine_args.ffn or engine_args.afd_folder is None or getattr(args, "ray", None) is not None:
         return None
     return FFNPool(engine_args.create_engine_config(), max_restarts=args.engine_restarts,
                    window_s=args.engine_restart_window)
+
+
+def start_ray_ffn(args: argparse.Namespace, engine_args: EngineArgs) -> EngineArgs:
+    """``--mode afd --ray``: the FFN workers as Ray actors (the server has
+    joined the cluster), their generations on a board actor the cores
+    read; returns the engine args that name it (AFDConfig.folder
+    "ray:NAME"). ValueError (one line) when Ray cannot place them."""
+    if not engine_args.ffn or getattr(args, "ray", None) is None:
+        return engine_args
+    from kvferry.fleet.ffn_actors import RayFFN  # optional dependency: imports ray
+
+    board = f"kvferry-ffn-{uuid.uuid4().hex[:12]}"  # two servers on one cluster: two boards
+    engine_args = dataclasses.replace(engine_args, afd_folder=RAY_BOARD + board)
+    config = engine_args.create_engine_config()
+    resources = parse_resources(getattr(args, "ray_ffn_resources", '{"CPU": 1}'), "--ray-ffn-resources")
+    try:
+        launcher = RayFFN(config, "afd", resources, board, args.scale_timeout_s)
+        args.ffn_pool = FFNPool(config, max_restarts=args.engine_restarts, window_s=args.engine_restart_window,
+                                launcher=launcher)
+    except FFNLoadError as exc:
+        raise ValueError(str(exc)) from None
+    return engine_args
+
+
+def stop_ray_ffn(args: argparse.Namespace) -> None:
+    """The Ray FFN workers' end (their actors and the board), before the server leaves the cluster."""
+    pool = getattr(args, "ffn_pool", None)
+    if pool is not None and getattr(args, "ray", None) is not None:
+        pool.stop()

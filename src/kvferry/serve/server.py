@@ -39,6 +39,7 @@ from kvferry.kvstore.supervisor import StoreSupervisor
 from kvferry.router.config import router_config_from
 from kvferry.serve.access_log import quiet_probes
 from kvferry.serve.api_flags import ApiOptions, uvicorn_options
+from kvferry.serve.afd import start_ray_ffn, stop_ray_ffn
 from kvferry.serve.app import ServerConfig, build_app
 from kvferry.serve.autoscaling import AutoscaleService
 from kvferry.serve.engine_client import AsyncEngineClient
@@ -123,6 +124,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     try:
         try:
             ray_cores = connect_ray(placement, router.engine_restarts)
+            engine_args = start_ray_ffn(args, engine_args)  # --mode afd: FFN workers as Ray actors (serve/afd.py)
             cluster_master = start_cluster_master(placement, engine_args, router.engine_restarts, args.log_level)
             if cluster_master is not None:
                 engine_args = dataclasses.replace(engine_args, kv_cluster=cluster_master.url)
@@ -149,6 +151,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         if cluster_master is not None:
             cluster_master.close()  # after the node stores (the pool's clients)
         if ray_cores is not None:
+            stop_ray_ffn(args)
             ray_cores.close()
         if store is not None:
             store.stop()  # after the cores; removes its socket and arena whatever became of it
