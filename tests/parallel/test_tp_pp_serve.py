@@ -6,7 +6,7 @@ with concurrent requests cut into micro-batches; ``/v1/admin/workers``
 lists the core's four ranks (stage r // 2, TP rank r % 2) with the pids of
 its real processes; a rank of the second stage killed with SIGKILL ends the
 whole group, after which the server restarts it and serves again. A Qwen3
-config runs the same layout offline (``LLM``) against HF."""
+config runs the same layout offline (``LLM``, with n-gram drafts) against HF."""
 from __future__ import annotations
 
 import os
@@ -89,17 +89,22 @@ def test_served_greedy_output_equals_hf_alone_and_concurrent(served):
         assert list(pool.map(lambda p: complete(srv, p), PROMPTS)) == expected
 
 
-def test_qwen3_offline_equals_hf(tmp_path_factory):
+def test_qwen3_offline_with_ngram_drafts_equals_hf(tmp_path_factory):
+    """Offline, on a Qwen3 config (per-head q/k norms), with n-gram drafts
+    verified on the last stage (a repeating prompt makes them)."""
     path = tiny(tmp_path_factory, "qwen3")
+    prompts = [*PROMPTS, [5, 6, 7, 8, 9, 10] * 6]
     llm = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.02, warm_up=False, tensor_parallel_size=2,
-              pipeline_parallel_size=2, cpu_threads_per_rank=1, pp_micro_batches=2)
+              pipeline_parallel_size=2, cpu_threads_per_rank=1, pp_micro_batches=2,
+              speculative={"method": "ngram", "num_speculative_tokens": 3})
     try:
         assert [r.rank for r in llm.engine.core.ranks()] == [0, 1, 2, 3]
-        out = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+        out = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+        assert llm.engine.core.scheduler.stats().num_draft_tokens > 0
     finally:
         llm.engine.core.close()
     hf = load_hf(path)
-    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
 
 
 def test_a_killed_rank_restarts_the_whole_group(served):

@@ -112,6 +112,12 @@ class PPLeader(RankProcesses):
         self.world_size = world = n * tp  # rank r: stage r // tp, TP rank r % tp
         if tp > 1:  # a failure names the core's rank, which is no stage number
             self.MEMBER, self.GROUP = "rank (stage x tensor-parallel)", "rank group"
+        # Stages placed elsewhere (--ray-rank-placement spread) may be on other
+        # nodes: tcp:// with CURVE (rank_launcher.py, parallel/rank_sockets.py).
+        self._launcher = launcher = rank_launcher.current()
+        if launcher is not None and tp > 1:  # each stage's sums would need a tcp hub of its own
+            raise ValueError(f"tensor_parallel_size {tp} with pipeline_parallel_size {n} does not work with "
+                             "--ray-rank-placement spread yet (pack places the core's ranks on one node)")
         self.stage = stage_of(config, num_layers, 0)  # a model too shallow fails here, before any stage starts
         self.name = name or core_name()
         self.threads = stage_threads(config)
@@ -126,12 +132,6 @@ class PPLeader(RankProcesses):
         self.timelines: deque[tuple[int, list, list]] = deque(maxlen=64)
         self._dir = tempfile.mkdtemp(prefix="kvferry-pp-")
         self._ctx = zmq.Context()
-        # Stages placed elsewhere (--ray-rank-placement spread) may be on other
-        # nodes: tcp:// with CURVE (rank_launcher.py, parallel/rank_sockets.py).
-        self._launcher = launcher = rank_launcher.current()
-        if launcher is not None and tp > 1:  # each stage's sums would need a tcp hub of its own
-            raise ValueError(f"tensor_parallel_size {tp} with pipeline_parallel_size {n} does not work with "
-                             "--ray-rank-placement spread yet (pack places the core's ranks on one node)")
         self._keys = RankKeys.of_tree() if launcher is not None else None
         self._guard = self._keys.guard(self._ctx) if self._keys is not None else None
         self._reports = self._bind(zmq.PULL, "reports")
