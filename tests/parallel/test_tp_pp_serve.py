@@ -115,7 +115,7 @@ def test_a_killed_rank_restarts_the_whole_group(served):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids if _alive(p)], "a rank outlived its group"
-    assert "rank (stage x tensor-parallel) 3" in srv.log() and "SIGKILL" in srv.log()
+    assert "TP x PP rank 3" in srv.log() and "SIGKILL" in srv.log()
     deadline = time.monotonic() + 300
     while True:  # restarted whole (four new ranks), it serves the same text again
         try:

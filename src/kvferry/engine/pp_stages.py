@@ -111,7 +111,7 @@ class PPLeader(RankProcesses):
         self.tp_size = tp
         self.world_size = world = n * tp  # rank r: stage r // tp, TP rank r % tp
         if tp > 1:  # a failure names the core's rank, which is no stage number
-            self.MEMBER, self.GROUP = "rank (stage x tensor-parallel)", "rank group"
+            self.MEMBER, self.GROUP = "TP x PP rank", "rank group"
         # Stages placed elsewhere (--ray-rank-placement spread) may be on other
         # nodes: tcp:// with CURVE (rank_launcher.py, parallel/rank_sockets.py).
         self._launcher = launcher = rank_launcher.current()
