@@ -453,7 +453,8 @@ class EngineConfig:
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
         tp = self.parallel.tensor_parallel_size
-        refused = [(tp > 1, f"tensor_parallel_size {tp} (one of the two per core for now)"),
+        refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
+                    f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
                    (self.model.quantization == "int8", "quantization 'int8'"),
                    (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]

@@ -11,8 +11,8 @@ the stage hops): the planner uses each fit as that layout's step time.
 
 A layout that cannot run is skipped with one line saying why: more ranks
 than CPUs, or the engine refusing it (heads or layers that do not split,
-TP and PP together, a device the ranks cannot use): the engine's own
-one-line ``ValueError``.
+a device the ranks cannot use): the engine's own one-line ``ValueError``.
+TP x PP layouts run as one core of both (docs/parallelism.md).
 
 The profile JSON keeps the first measured layout's fits at its top level
 (what older readers and the plot read) and every layout under ``layouts``;
@@ -84,7 +84,7 @@ def run_layout_profiles(make_engine: Callable[[Layout, int], object], grid: Prof
             continue
         try:
             engine = make_engine(layout, threads)
-        except ValueError as e:  # the engine's one-line refusal: heads/layers that do not split, TP with PP
+        except ValueError as e:  # the engine's one-line refusal: heads/layers that do not split
             skip(layout, str(e).splitlines()[0] if str(e) else type(e).__name__)
             continue
         say(f"kvferry profile: {layout.name}: {layout.ranks} rank(s) of {threads} thread(s)")

@@ -57,9 +57,9 @@ class EngineCore:
         shard = TPShard(0, tp, config.parallel.enable_expert_parallel) if tp > 1 else None
         if shard is not None:  # a model that does not split fails here, before any rank starts
             shard.check(read_config(resolve_model_folder(config.model.model)))
-        self.tp = TPLeader(config) if tp > 1 else None
         pp, self.stage = config.parallel.pipeline_parallel_size, None
-        if pp > 1:  # -pp N: this process is stage 0, the leader of stages 1..N-1 (pp_stages.py)
+        self.tp = TPLeader(config) if tp > 1 and pp == 1 else None
+        if pp > 1:  # -pp N: this process is stage 0, the leader of stages 1..N-1 (and with -tp, of their ranks)
             if loaded is not None:
                 raise ValueError("pipeline_parallel_size > 1: the engine core loads each stage's layers itself")
             self.tp = PPLeader(config, read_config(resolve_model_folder(config.model.model)).num_hidden_layers)

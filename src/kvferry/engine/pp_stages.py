@@ -20,6 +20,16 @@ A group lives and dies whole, as with tensor parallelism: a watcher thread
 polls the stages; once one exits the rest are killed and rank 0's step in
 flight (or its next, or ``check`` when idle) raises ``RankFailed`` naming
 it. Stages exit when rank 0's process is gone.
+
+With ``-tp T`` as well, each stage is T processes, a tensor-parallel group
+of its own (its sums over shared memory, in a store folder of the stage's):
+rank r of the core is stage r // T, TP rank r % T. Every process gets every
+step from rank 0 and runs the stage's micro-batches in the same order, so
+the stage's collectives match; TP rank t sends its residual stream (the
+same on every rank of a stage, after the all-reduce) to TP rank t of the
+next stage, so no stage gathers or scatters. TP rank 0 of the last stage
+samples and sends the output to rank 0; its peers take the tokens with the
+next step, as TP workers do.
 """
 from __future__ import annotations
 
@@ -42,9 +52,9 @@ from kvferry.engine.cpu_threads import default_cpus, pinning_requested
 from kvferry.engine import rank_launcher
 from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of
 from kvferry.engine.pp_runner import StageLink
-from kvferry.engine.tp_ranks import RunnerShape
+from kvferry.engine.tp_ranks import RunnerShape, join_group
 from kvferry.messages import TPRank
-from kvferry.parallel import RankFailed
+from kvferry.parallel import CollectiveError, GroupAddress, RankFailed, ShmAllReduce
 from kvferry.parallel.pipeline import PPStage
 from kvferry.parallel.rank_sockets import RankKeys
 
@@ -61,7 +71,7 @@ class StageSpec:
     stage: PPStage
     reports: str  # rank 0's address for "loaded", errors, the last stage's outputs (it binds it)
     steps: str  # ... and for this stage's steps (rank 0 binds it)
-    acts_in: str  # where this stage binds for the residual stream from the stage before
+    acts_in: str | None  # where this stage binds for the residual stream from the stage before (None: stage 0)
     acts_out: str | None  # the next stage's acts_in (None: the last stage)
     name: str  # the core's: the process is "kvferry: {name} rank {s}"
     threads: int
@@ -69,13 +79,20 @@ class StageSpec:
     parent_pid: int
     log_level: int
     remote: bool = False  # tcp:// sockets with CURVE (rank_sockets.py): stages on other nodes
+    tp_rank: int = 0  # with -tp T: this process's rank in its stage's tensor-parallel group
+    group: GroupAddress | None = None  # ... and that group's store (None: -tp 1)
+
+    @property
+    def rank(self) -> int:
+        """The core's rank of this process: stage x T + TP rank (its title's, its reports')."""
+        return self.stage.rank * self.config.parallel.tensor_parallel_size + self.tp_rank
 
 
 def stage_threads(config: EngineConfig) -> int:
     par = config.parallel
     if par.cpu_threads_per_rank is not None:
         return par.cpu_threads_per_rank
-    return max(1, len(os.sched_getaffinity(0)) // par.pipeline_parallel_size)
+    return max(1, len(os.sched_getaffinity(0)) // (par.pipeline_parallel_size * par.tensor_parallel_size))
 
 
 def stage_of(config: EngineConfig, num_layers: int, rank: int) -> PPStage:
@@ -83,15 +100,28 @@ def stage_of(config: EngineConfig, num_layers: int, rank: int) -> PPStage:
 
 
 class PPLeader(RankProcesses):
-    """Spawns and drives the stages 1..N-1 of one pipeline-parallel core (this process is stage 0)."""
+    """Spawns and drives ranks 1.. of one pipeline-parallel core (this process
+    is stage 0, TP rank 0): stages 1..N-1, or with -tp T every stage's T ranks."""
 
     MEMBER, GROUP = "pipeline stage", "stage group"
 
     def __init__(self, config: EngineConfig, num_layers: int, name: str | None = None) -> None:
-        self.world_size = n = config.parallel.pipeline_parallel_size
+        par = config.parallel
+        n, tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        self.tp_size = tp
+        self.world_size = world = n * tp  # rank r: stage r // tp, TP rank r % tp
+        if tp > 1:  # a failure names the core's rank, which is no stage number
+            self.MEMBER, self.GROUP = "TP x PP rank", "rank group"
+        # Stages placed elsewhere (--ray-rank-placement spread) may be on other
+        # nodes: tcp:// with CURVE (rank_launcher.py, parallel/rank_sockets.py).
+        self._launcher = launcher = rank_launcher.current()
+        if launcher is not None and tp > 1:  # each stage's sums would need a tcp hub of its own
+            raise ValueError(f"tensor_parallel_size {tp} with pipeline_parallel_size {n} does not work with "
+                             "--ray-rank-placement spread yet (pack places the core's ranks on one node)")
         self.stage = stage_of(config, num_layers, 0)  # a model too shallow fails here, before any stage starts
         self.name = name or core_name()
         self.threads = stage_threads(config)
+        self._parallel = par
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         self.failure: RankFailed | None = None
@@ -102,36 +132,43 @@ class PPLeader(RankProcesses):
         self.timelines: deque[tuple[int, list, list]] = deque(maxlen=64)
         self._dir = tempfile.mkdtemp(prefix="kvferry-pp-")
         self._ctx = zmq.Context()
-        # Stages placed elsewhere (--ray-rank-placement spread) may be on other
-        # nodes: tcp:// with CURVE (rank_launcher.py, parallel/rank_sockets.py).
-        self._launcher = launcher = rank_launcher.current()
         self._keys = RankKeys.of_tree() if launcher is not None else None
         self._guard = self._keys.guard(self._ctx) if self._keys is not None else None
         self._reports = self._bind(zmq.PULL, "reports")
         if launcher is not None:
-            sites = launcher.place(n - 1)
-            acts = [f"tcp://{site.host}:{site.port}" for site in sites]  # stage s binds acts[s - 1]
+            sites = launcher.place(world - 1)
+            acts = {r: f"tcp://{site.host}:{site.port}" for r, site in enumerate(sites, start=1)}
             cpus = None
         else:
-            sites = [None] * (n - 1)
-            acts = [f"ipc://{self._dir}/acts-{rank}" for rank in range(1, n)]
-            cpus = self._stage_cpus(n)
+            sites = [None] * (world - 1)
+            acts = {r: f"ipc://{self._dir}/acts-{r}" for r in range(tp, world)}  # rank r binds acts[r]
+            cpus = self._stage_cpus(world)
+        # Each stage's TP group meets in a store folder of its own (private, as the core's).
+        self._groups = [self._group_address(s) for s in range(n)] if tp > 1 else [None] * n
         self._procs: list = []
         self._steps: list[zmq.Socket] = []
-        for rank, site in zip(range(1, n), sites):
+        for rank, site in zip(range(1, world), sites):
+            s, t = divmod(rank, tp)
             sock = self._bind(zmq.PUSH, f"steps-{rank}")
             self._steps.append(sock)
-            spec = StageSpec(config, stage_of(config, num_layers, rank), _endpoint(self._reports), _endpoint(sock),
-                             acts[rank - 1], acts[rank] if rank < n - 1 else None, self.name, self.threads,
+            spec = StageSpec(config, stage_of(config, num_layers, s), _endpoint(self._reports), _endpoint(sock),
+                             acts.get(rank), acts[rank + tp] if s < n - 1 else None, self.name, self.threads,
                              cpus[rank] if cpus else None, site.parent_pid if site else os.getpid(),
-                             logging.getLogger().getEffectiveLevel(), remote=launcher is not None)
+                             logging.getLogger().getEffectiveLevel(), remote=launcher is not None,
+                             tp_rank=t, group=self._groups[s])
             self._procs.append(launcher.spawn(rank, "kvferry.engine.pp_worker", spec) if launcher is not None
                                else rank_launcher.local("kvferry.engine.pp_worker", spec))
         # Stage 0's activations go to stage 1 (queued until it binds).
-        self.link = StageLink(prev=None, next=self._push(acts[0]), alive=self.check)
+        self.link = StageLink(prev=None, next=self._push(acts[tp]), alive=self.check)
         self._stopping = threading.Event()  # ours: a stage's exit from now on is no failure
         self._finalizer = weakref.finalize(self, kill_all, list(self._procs), self._dir, self._stopping)
         self._watcher: threading.Thread | None = None
+        self._group = None  # stage 0's TP group (connect)
+
+    def _group_address(self, stage: int) -> GroupAddress:
+        folder = os.path.join(self._dir, f"stage-{stage}")
+        os.mkdir(folder, 0o700)
+        return GroupAddress.in_folder(folder)
 
     def _push(self, address: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PUSH)
@@ -154,7 +191,8 @@ class PPLeader(RankProcesses):
 
     # -- start-up ------------------------------------------------------------------
     def connect(self, shard: object = None) -> None:
-        """Wait until every stage has loaded its layers (``shard``: unused, TPLeader's signature)."""
+        """Wait until every stage has loaded its layers, then (-tp T) join
+        stage 0's TP group: ``shard``, this rank's, sums through it."""
         pending = set(range(1, self.world_size))
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while pending:
@@ -167,10 +205,13 @@ class PPLeader(RankProcesses):
             if kind != "loaded":
                 raise RankFailed(rank, f"failed to start: {detail}")
             pending.discard(rank)
+        if self.tp_size > 1:
+            shard.group = self._group = join_group(0, self._groups[0], self._parallel)
         self._watcher = threading.Thread(target=self._watch, name="pp-stages-watch", daemon=True)
         self._watcher.start()
-        logger.info("pipeline parallelism: %d stages of %d threads each (stages 1..: pids %s)", self.world_size,
-                    self.threads, ", ".join(str(p.pid) for p in self._procs))
+        logger.info("pipeline parallelism: %d stages of %d rank(s) of %d threads each (ranks 1..: pids %s)",
+                    self.world_size // self.tp_size, self.tp_size, self.threads,
+                    ", ".join(str(p.pid) for p in self._procs))
 
     def start_runners(self, shape: RunnerShape) -> None:
         self._send(shape)
@@ -206,12 +247,23 @@ class PPLeader(RankProcesses):
         """ModelRunner's hook (unused: StageRunner records on receipt)."""
 
     def run(self, execute, sched: SchedulerOutput) -> RunnerOutput:  # noqa: ANN001 - StageRunner.execute
-        return execute(sched)
+        """``execute(sched)``; a TP sum that failed because a rank died raises RankFailed naming it."""
+        try:
+            return execute(sched)
+        except CollectiveError as exc:
+            deadline = time.monotonic() + 2.0  # let the watcher see which rank is gone
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.failure is not None:
+                raise self.failure from exc
+            raise
 
     def close(self) -> None:
         """Stop the stages (a shutdown message, then SIGTERM, then SIGKILL)."""
         if not self._stop_processes():
             return
+        if isinstance(self._group, ShmAllReduce):
+            self._group.close()
         for sock in [*self._steps, self.link.next]:
             sock.close(linger=0)
         self._reports.close(linger=0)

@@ -9,6 +9,11 @@ before, through its layers, out to the next; the last stage samples and
 sends its output to rank 0. It exits on rank 0's shutdown message, on any
 error (reported; rank 0's watcher ends the group), and as soon as rank 0's
 process is gone.
+
+With -tp T it is TP rank t of its stage: it loads its shard of the stage's
+layers, joins the stage's TP group, takes the stream from TP rank t of the
+stage before and sends it to TP rank t of the next; on the last stage only
+TP rank 0 samples.
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.engine.pp_runner import StageLink, StageRunner
 from kvferry.engine.pp_stages import StageSpec
 from kvferry.engine.rank_group import connect_to_leader, receive_pickled, watch_parent
-from kvferry.engine.tp_ranks import RunnerShape
+from kvferry.engine.tp_ranks import RunnerShape, join_group
 from kvferry.parallel.rank_sockets import RankKeys
+from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -36,7 +42,7 @@ _POLL_MS = 200
 
 def main() -> int:
     spec: StageSpec = pickle.load(sys.stdin.buffer)
-    rank = spec.stage.rank
+    rank = spec.rank
     name = f"{spec.name} rank {rank}"
     setproctitle.setproctitle(f"kvferry: {name}")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
@@ -50,10 +56,12 @@ def main() -> int:
     keys = RankKeys.of_tree() if spec.remote else None
     guard = keys.guard(ctx) if keys is not None else None
     reports, steps = connect_to_leader(ctx, spec.reports, spec.steps, spec.remote)
-    prev = ctx.socket(zmq.PULL)
-    if keys is not None:
-        keys.server(prev)
-    prev.bind(spec.acts_in)
+    prev = None
+    if spec.acts_in is not None:  # None: a TP rank of stage 0, which embeds the tokens itself
+        prev = ctx.socket(zmq.PULL)
+        if keys is not None:
+            keys.server(prev)
+        prev.bind(spec.acts_in)
     nxt = None
     if spec.acts_out is not None:
         nxt = ctx.socket(zmq.PUSH)
@@ -89,26 +97,33 @@ def main() -> int:
 
 
 def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunner | None:
-    m = spec.config.model
-    loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, stage=spec.stage)
-    reports.send(pickle.dumps(("loaded", spec.stage.rank, None)))
+    m, par = spec.config.model, spec.config.parallel
+    shard = (TPShard(spec.tp_rank, par.tensor_parallel_size, par.enable_expert_parallel)
+             if spec.group is not None else None)
+    loaded = load_model(m.model, dtype=m.dtype, device=m.device, quantization=m.quantization, shard=shard,
+                        stage=spec.stage)
+    reports.send(pickle.dumps(("loaded", spec.rank, None)))
+    if shard is not None:  # the stage's TP group: its sums from now on
+        shard.group = join_group(spec.tp_rank, spec.group, par)
     shape = receive_pickled(steps, _POLL_MS)
     if shape is None:
         return None
     if not isinstance(shape, RunnerShape):
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
-    return StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
-                       kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool)
+    runner = StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
+                         kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool)
+    if spec.tp_rank:  # the last stage's TP rank 0 samples; its peers take its tokens with the next step
+        runner.samples = False
+    return runner
 
 
 def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
-    last = runner.stage.last
     while (message := receive_pickled(steps, _POLL_MS)) is not None:
         sched, sampled = message
-        if not last:  # the last stage sampled them itself
+        if not runner.samples:  # the sampling rank (the last stage's TP rank 0) sampled them itself
             runner.apply_sampled(sampled)
         out = runner.execute(sched)
-        if last and not sched.is_empty:
+        if runner.samples and not sched.is_empty:
             reports.send(pickle.dumps(("output", runner.stage.rank, (runner.steps_run, out, runner.timeline)),
                                       protocol=pickle.HIGHEST_PROTOCOL))
 
