@@ -437,7 +437,6 @@ class EngineConfig:
         method = spec and spec.method + ("+head" if spec.method == "auto" and spec.model is not None else "")
         return [
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
-            (self.model.quantization == "gguf", "quantization 'gguf' (serve the .gguf with --quantization none)"),
             (self.model.deterministic, "deterministic"),
             (spec is not None and method not in methods, f"speculative method {method!r} ({', '.join(methods)} work)"),
             (bool(self.kv_connector), "--kv-connector"),
@@ -456,7 +455,7 @@ class EngineConfig:
         refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
                     f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
-                   (self.model.quantization == "int8", "quantization 'int8'"),
+                   (self.model.quantization in ("int8", "gguf"), f"quantization {self.model.quantization!r}"),
                    (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:
             if bad:

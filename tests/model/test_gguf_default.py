@@ -38,10 +38,10 @@ def test_where_the_blocks_do_not_run(q8, caplog):
     with caplog.at_level(logging.INFO, logger="kvferry.model.loader"):
         assert _keeps_blocks(named, None, "cpu", False, False)
         assert not _keeps_blocks(named, None, "cuda", False, False)
-        assert not _keeps_blocks(named, None, "cpu", True, False)  # tensor-parallel ranks
+        assert not _keeps_blocks(named, None, "cpu", True, False)  # pipeline stages (TP ranks keep their slices)
         assert not _keeps_blocks(named, "none", "cpu", False, False)
-    assert "tensor-parallel ranks and pipeline stages split float weights: expanded to float" in caplog.text
-    # Asked for explicitly, the ranks refuse it as config.py's check says (serve it with none).
+    assert "pipeline stages split float weights: expanded to float" in caplog.text
+    # Asked for explicitly, the stages refuse it as config.py's check says (serve it with none).
     with pytest.raises(ValueError, match="serve a .gguf with --quantization none"):
         _keeps_blocks(named, "gguf", "cpu", True, False)
     assert not _keeps_blocks(embedded, None, "cpu", False, False)

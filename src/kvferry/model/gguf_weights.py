@@ -19,6 +19,13 @@ and engines serving one file share its pages through the page cache. No
 expanded copy is written: the model cache holds only config.json and the
 tokenizer (gguf_convert.py, ``weights=False``).
 
+Over tensor-parallel ranks (``lazy``) each block tensor is a
+``gguf_shard.BlockTensor``: the rank reads only its slice of it
+(gguf_shard.py). ``split_layers`` says which layers keep their blocks
+there: a row-parallel layer whose rank's input columns are not whole
+blocks (a K-quant's 256 values over a small width) is served in float,
+with one log line, or refused under ``--quantization gguf``.
+
 ``--quantization none`` serves the old way (gguf_convert.py: expanded to
 float once, into the cache).
 """
@@ -32,13 +39,17 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kvferry.model import gguf_convert, moe_convert
+from kvferry.model import gguf_convert, gguf_shard, moe_convert
+from kvferry.model.config import ModelConfig
 from kvferry.model.quant import FORMATS, QuantizedWeight
+
+if TYPE_CHECKING:
+    from kvferry.model.layers.parallel import TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -165,15 +176,20 @@ def mapped_tensors(reader: Any, config: dict[str, Any], quantized: set[str]) -> 
     return views
 
 
-def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any],
-                      quantized: set[str]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any], quantized: set[str],
+                      lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight | gguf_shard.BlockTensor]]:
     """(HF name, QuantizedWeight or float32 tensor) for every tensor of the
     file: blocks of the ``quantized`` layers (views of the mapped file where
-    ``mapped_tensors`` allows), floats for the rest."""
+    ``mapped_tensors`` allows), floats for the rest. ``lazy`` (a
+    tensor-parallel rank): a ``BlockTensor`` for each block tensor, which
+    reads only the slice the rank takes of it."""
     arch = config["model_type"]  # the GGUF architecture's name (gguf_convert._ARCH)
-    views = mapped_tensors(reader, config, quantized)
+    views = set() if lazy else mapped_tensors(reader, config, quantized)
     file = map_file(path) if views else None
     for t in reader.tensors:
+        if lazy and block_prefix(t.name) in quantized:
+            yield from _block_tensors(path, t, config)
+            continue
         if moe_convert.is_moe_tensor(t.name):  # experts (one weight per expert), router, shared expert
             if t.name in views:
                 yield from moe_convert.expert_blocks(t.name, t.tensor_type.name, _view(file, t), t.shape, config)
@@ -194,6 +210,56 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any],
             yield name, QuantizedWeight.from_blocks(t.name, t.tensor_type.name, data, (out_f, in_f))
         else:
             yield name, gguf_convert.float_tensor(t.name, _read(path, t), t.tensor_type, t.shape, config, arch)
+
+
+def _block_tensors(path: Path, t: Any, config: dict[str, Any]) -> Iterator[tuple[str, gguf_shard.BlockTensor]]:
+    """(HF name, BlockTensor) for a block tensor: one per expert of a stacked [E, rows, cols] one."""
+    shape = [int(d) for d in reversed(t.shape)]  # GGUF lists the fastest axis first
+    kind, offset = t.tensor_type.name, int(t.data_offset)
+    if len(shape) == 3:
+        experts, rows, cols = shape
+        per = int(t.n_bytes) // experts
+        for e, name in enumerate(moe_convert.hf_names(t.name, config, experts)):
+            yield name, gguf_shard.BlockTensor(path, f"{t.name}[{e}]", kind, offset + e * per, rows, cols)
+        return
+    name = _hf_name(t.name, config)
+    heads = gguf_convert.qk_heads(name, config, config["model_type"])
+    yield name, gguf_shard.BlockTensor(path, t.name, kind, offset, shape[0], shape[1], heads)
+
+
+def _hf_name(gguf_name: str, config: dict[str, Any], experts: int = 1) -> str:
+    """The HF name of a GGUF tensor (an expert stack's first expert's)."""
+    if moe_convert.is_moe_tensor(gguf_name):
+        return moe_convert.hf_names(gguf_name, config, experts)[0]
+    return gguf_convert.hf_name(gguf_name)
+
+
+def split_layers(reader: Any, hf: dict[str, Any], config: ModelConfig, shard: TPShard, quantized: set[str],
+                 strict: bool, file_name: str) -> set[str]:
+    """The ``quantized`` layers that keep their blocks over ``shard``'s ranks:
+    all but a row-parallel one whose rank's input columns are not whole
+    blocks, which is served in float (one log line for all of them); with
+    ``strict`` (``--quantization gguf``) a one-line ValueError instead."""
+    dropped: dict[str, str] = {}
+    for t in reader.tensors:
+        prefix = block_prefix(t.name)
+        if prefix not in quantized:
+            continue
+        shape = [int(d) for d in reversed(t.shape)]
+        part = shard.weight_slice(_hf_name(t.name, hf, shape[0]), config)
+        if part is None or part[0] != 1:
+            continue  # replicated or whole rows: always whole blocks
+        problem = gguf_shard.split_problem(t.name, t.tensor_type.name, shape[-1], part[1], part[2])
+        if problem is not None:
+            if strict:
+                raise ValueError(f"tensor_parallel_size {shard.size}: {problem} (leave --quantization out to "
+                                 "serve such tensors in float, or use --quantization none)")
+            dropped.setdefault(prefix, problem)
+    if dropped:
+        logger.info("GGUF %s over %d ranks: %d layers' input columns do not split into whole blocks, served in "
+                    "float: %s", file_name, shard.size, len(dropped), next(iter(dropped.values())) +
+                    (f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""))
+    return quantized - set(dropped)
 
 
 def _view(file: torch.Tensor, t: Any) -> torch.Tensor:

@@ -33,7 +33,7 @@ from kvferry.model.config import ModelConfig, RopeScaling
 from kvferry.model import layer_op, paged_kernel
 from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
-from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, take_slice,
+from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, pad_vocab_rows, take_slice,
                                              vocab_parallel_embedding)
 from kvferry.model.layers.vocab import VocabEmbedding
 from kvferry.model.moe import NOT_HELD, SparseMoeBlock
@@ -337,11 +337,11 @@ class LlamaModel(nn.Module):
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # [T, hidden]; a tensor-parallel shard holds a plain slice of the table (GGUF blocks are never sharded)
+        # [T, hidden]; a tensor-parallel shard holds a slice of the table, in its method's format
         if residual is not None:  # a later pipeline stage: the stream where the stage before left it
             h = residual
         else:
-            h = (vocab_parallel_embedding(input_ids, self.embed_tokens, self.shard, self.config.vocab_size)
+            h = (vocab_parallel_embedding(input_ids, self.embed, self.shard, self.config.vocab_size)
                  if self.shard.enabled else self.embed(input_ids))
         # x = input_layernorm(h) here is the same bits as the fused add_rms_norm the stage before skipped.
         ends_stream = not self.stage.last  # the next stage wants h, not the final norm (computed, unused)
@@ -405,8 +405,11 @@ class LlamaModel(nn.Module):
             if part is not None:
                 tensor = take_slice(tensor, *part)
                 if part[0] == 0 and name in _VOCAB_WEIGHTS:  # the last slice may be short: zero padding after it
-                    param.data[part[2] - part[1]:].zero_()
-                    rows = slice(0, part[2] - part[1])
+                    if isinstance(param, torch.Tensor):
+                        param.data[part[2] - part[1]:].zero_()
+                        rows = slice(0, part[2] - part[1])
+                    else:  # a layer keeping another format (GGUF blocks): its padded table whole
+                        tensor = pad_vocab_rows(tensor, self.shard.vocab_per_rank(self.config.vocab_size))
             elif not isinstance(tensor, torch.Tensor) and hasattr(tensor, "get_shape"):
                 tensor = tensor[:]  # a replicated tensor, read whole
             self._copy(param, rows, tensor, name)

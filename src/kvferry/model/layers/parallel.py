@@ -37,6 +37,7 @@ method's product, so a shard of any format's layer is that format's method.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 
 from kvferry.model.config import ModelConfig
 from kvferry.model.layers.base import Linear
+from kvferry.model.quant import QuantizedWeight
 from kvferry.model.tp_split import check_split
 
 
@@ -153,6 +155,15 @@ class TPShard:
         return None
 
 
+def pad_vocab_rows(tensor: object, rows: int) -> QuantizedWeight:
+    """A vocabulary slice in a layer's own format (GGUF blocks), zero rows
+    after it up to ``rows``: the last rank's short slice (a plain table is
+    zero-filled in place instead)."""
+    if not isinstance(tensor, QuantizedWeight):
+        raise ValueError(f"a vocabulary slice of {type(tensor).__name__} cannot be padded")
+    return tensor.pad_rows(rows)
+
+
 def take_slice(tensor, dim: int, start: int, stop: int) -> torch.Tensor:  # noqa: ANN001
     """``tensor``'s [start, stop) along ``dim`` (0 or 1): a torch tensor, or a
     safetensors slice, which then reads only those bytes from the file."""
@@ -174,17 +185,19 @@ class RowParallelLinear(Linear):
     __call__ = forward
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, shard: TPShard,
-                             vocab_size: int) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+                             shard: TPShard, vocab_size: int) -> torch.Tensor:
     """ids [T] -> [T, hidden]: each rank looks up the ids of its vocabulary
-    slice (``table`` holds its rows) and zeros for the rest; the sum over
-    ranks is the full lookup (each id lies in exactly one slice)."""
+    slice (``table`` holds its rows: the plain table, or the embedding layer
+    whose method keeps it in another format, GGUF blocks) and zeros for the
+    rest; the sum over ranks is the full lookup (each id lies in exactly one slice)."""
+    lookup = (lambda i: F.embedding(i, table)) if isinstance(table, torch.Tensor) else table
     if shard.size == 1:
-        return F.embedding(ids, table)
+        return lookup(ids)
     start, stop = shard.vocab_rows(vocab_size)
     local = ids - start
     outside = (local < 0) | (local >= stop - start)
-    h = F.embedding(local.masked_fill(outside, 0), table)  # [T, hidden]
+    h = lookup(local.masked_fill(outside, 0))  # [T, hidden]
     h.masked_fill_(outside[:, None], 0.0)
     return shard.all_reduce(h)
 

@@ -96,6 +96,16 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def pad_rows(self, rows: int) -> "QuantizedWeight":
+        """This weight with zero rows after it, up to ``rows`` (a tensor-parallel
+        rank's short vocabulary slice). Zero bytes are zero values in every
+        block type: every scale and min is zero."""
+        if rows == self.out_features:
+            return self
+        data = torch.zeros((rows, self.data.shape[1]), dtype=torch.uint8)
+        data[:self.out_features] = self.data
+        return QuantizedWeight(self.name, self.fmt, data, self.in_features)
+
 
 def stack_rows(name: str, weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one format and width stacked row-wise (a fused layer's
