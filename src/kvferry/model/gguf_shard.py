@@ -3,10 +3,15 @@ holds them (``--tensor-parallel-size``, ``--enable-expert-parallel``).
 
 At TP 1 the blocks are views of the mapped file (gguf_weights.py). Over
 ranks each rank holds a slice, so the loader hands ``LlamaModel.load_weights``
-a ``BlockTensor``: a lazy tensor that, like a safetensors slice, reads only
-what ``TPShard.weight_slice`` asks of it, into the rank's own memory
-(``np.fromfile``: pread, no page of a mapping touched, so a rank's RSS is
-its share of the file, not the pages it once looked at):
+a ``BlockTensor``: a lazy tensor that, like a safetensors slice, takes only
+what ``TPShard.weight_slice`` asks of it. An expert's rows (whole experts
+under expert parallelism) are used as they lie: views of the mapped file,
+as at TP 1, paged in when an expert is first routed to and shared with
+every engine serving the file. The rest is read into the rank's own memory
+(``np.fromfile``: pread, no page of the mapping touched, so none is
+resident twice): a fused layer's rows (stacked into one copy), llama's
+permuted Q/K, a row-parallel layer's columns, the vocabulary's rows (the
+last rank's padded). Either way a rank holds its share of the file:
 
     tensor[start:stop]      rows: a column-parallel layer (q/k/v, gate/up:
                             heads / intermediate rows), the vocabulary's rows
@@ -29,6 +34,7 @@ heads, and the permutation never crosses a head.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +44,8 @@ import torch
 from kvferry.model import gguf_convert
 from kvferry.model.quant import QuantizedWeight, block_format
 
-# Rows read at a time for a column slice: the whole tensor is never in memory at once.
-_CHUNK_BYTES = 16 << 20
+# Rows of a column slice per scatter read: three buffers a row, within the kernel's IOV_MAX (1024).
+_ROWS_PER_READ = 1024 // 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,9 @@ class BlockTensor:
     out_features: int
     in_features: int
     heads: int | None = None  # llama's Q/K: the head count its rows were permuted by
+    # The mapped file (gguf_weights.map_file) where a row slice is used as it lies (not
+    # stacked with another tensor's rows, not unpermuted): then a view, as at TP 1.
+    mapped: torch.Tensor | None = None
 
     def get_shape(self) -> list[int]:  # what LlamaModel.load_weights asks of a lazy tensor
         return [self.out_features, self.in_features]
@@ -82,6 +91,11 @@ class BlockTensor:
         return arr.reshape(rows, rb)
 
     def _rows(self, start: int, stop: int) -> QuantizedWeight:
+        shape = (stop - start, self.in_features)
+        if self.mapped is not None and self.heads is None:
+            rb = self.row_bytes
+            view = self.mapped[self.offset + start * rb:self.offset + stop * rb]
+            return QuantizedWeight.from_blocks(self.name, self.kind, view, shape)
         data = torch.from_numpy(self._read(start, stop - start))
         if self.heads is not None:
             # Whole heads (the split is by heads), each unpermuted within itself.
@@ -90,19 +104,29 @@ class BlockTensor:
                 raise ValueError(f"GGUF tensor {self.name!r}: rows [{start}, {stop}) are not whole heads of "
                                  f"{per_head} rows")
             data = gguf_convert.unpermute_qk(data, (stop - start) // per_head).contiguous()
-        return QuantizedWeight.from_blocks(self.name, self.kind, data, (stop - start, self.in_features))
+        return QuantizedWeight.from_blocks(self.name, self.kind, data, shape)
 
     def _columns(self, start: int, stop: int) -> QuantizedWeight:
         problem = split_problem(self.name, self.kind, self.in_features, start, stop)
         if problem is not None:
             raise ValueError(problem)
         fmt = block_format(self.kind)
-        b0, b1 = start // fmt.block * fmt.bytes, stop // fmt.block * fmt.bytes
+        b0, b1, rb = start // fmt.block * fmt.bytes, stop // fmt.block * fmt.bytes, self.row_bytes
         out = np.empty((self.out_features, b1 - b0), dtype=np.uint8)
-        step = max(1, _CHUNK_BYTES // self.row_bytes)
-        for r in range(0, self.out_features, step):
-            n = min(step, self.out_features - r)
-            out[r:r + n] = self._read(r, n)[:, b0:b1]
+        # Each row's slice is read straight into ``out`` by one scatter read per many rows, the
+        # other columns into one small scratch row: no temporary of the tensor's size, which
+        # the allocator would keep as resident free memory after loading.
+        skip = np.empty(max(b0, rb - b1, 1), dtype=np.uint8)
+        before, after = memoryview(skip)[:b0], memoryview(skip)[:rb - b1]
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for r in range(0, self.out_features, _ROWS_PER_READ):
+                n = min(_ROWS_PER_READ, self.out_features - r)
+                bufs = [b for i in range(r, r + n) for b in (before, memoryview(out[i]), after) if len(b)]
+                if os.preadv(fd, bufs, self.offset + r * rb) != n * rb:
+                    raise ValueError(f"GGUF {self.path.name}: tensor {self.name!r} is truncated")
+        finally:
+            os.close(fd)
         return QuantizedWeight.from_blocks(self.name, self.kind, torch.from_numpy(out),
                                            (self.out_features, stop - start))
 

@@ -185,10 +185,12 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any], quantized
     reads only the slice the rank takes of it."""
     arch = config["model_type"]  # the GGUF architecture's name (gguf_convert._ARCH)
     views = set() if lazy else mapped_tensors(reader, config, quantized)
-    file = map_file(path) if views else None
+    file = map_file(path) if views or (lazy and any(len(t.shape) == 3 for t in reader.tensors)) else None
     for t in reader.tensors:
         if lazy and block_prefix(t.name) in quantized:
-            yield from _block_tensors(path, t, config)
+            # Experts' rows are used as they lie (moe_quant.py): views. The other tensors' slices
+            # are stacked or padded into copies: read, so no page is resident twice.
+            yield from _block_tensors(path, t, config, file if len(t.shape) == 3 else None)
             continue
         if moe_convert.is_moe_tensor(t.name):  # experts (one weight per expert), router, shared expert
             if t.name in views:
@@ -212,19 +214,22 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any], quantized
             yield name, gguf_convert.float_tensor(t.name, _read(path, t), t.tensor_type, t.shape, config, arch)
 
 
-def _block_tensors(path: Path, t: Any, config: dict[str, Any]) -> Iterator[tuple[str, gguf_shard.BlockTensor]]:
-    """(HF name, BlockTensor) for a block tensor: one per expert of a stacked [E, rows, cols] one."""
+def _block_tensors(path: Path, t: Any, config: dict[str, Any],
+                   file: torch.Tensor | None) -> Iterator[tuple[str, gguf_shard.BlockTensor]]:
+    """(HF name, BlockTensor) for a block tensor: one per expert of a stacked
+    [E, rows, cols] one; ``file``: the mapping its row slices may be views of."""
     shape = [int(d) for d in reversed(t.shape)]  # GGUF lists the fastest axis first
     kind, offset = t.tensor_type.name, int(t.data_offset)
     if len(shape) == 3:
         experts, rows, cols = shape
         per = int(t.n_bytes) // experts
         for e, name in enumerate(moe_convert.hf_names(t.name, config, experts)):
-            yield name, gguf_shard.BlockTensor(path, f"{t.name}[{e}]", kind, offset + e * per, rows, cols)
+            yield name, gguf_shard.BlockTensor(path, f"{t.name}[{e}]", kind, offset + e * per, rows, cols,
+                                               mapped=file)
         return
     name = _hf_name(t.name, config)
     heads = gguf_convert.qk_heads(name, config, config["model_type"])
-    yield name, gguf_shard.BlockTensor(path, t.name, kind, offset, shape[0], shape[1], heads)
+    yield name, gguf_shard.BlockTensor(path, t.name, kind, offset, shape[0], shape[1], heads, file)
 
 
 def _hf_name(gguf_name: str, config: dict[str, Any], experts: int = 1) -> str:
