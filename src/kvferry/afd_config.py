@@ -63,9 +63,6 @@ def afd_refusals(config: Any) -> list[str]:
     spec, par = config.speculative, config.parallel
     refused = [
         (config.model.device != "cpu", f"device {config.model.device!r} (FFN workers run on the CPU)"),
-        (par.afd.ffn_workers > 1 and keeps_gguf_blocks(config.model.model, config.model.quantization),
-         "a .gguf's blocks over more than one FFN worker (--ffn 1 keeps them; --quantization none splits "
-         "float weights)"),
         (config.model.deterministic, "deterministic"),
         (spec is not None, "speculative decoding (--speculative-config off)"),
         (par.tensor_parallel_size > 1, f"tensor_parallel_size {par.tensor_parallel_size}"),
@@ -76,12 +73,6 @@ def afd_refusals(config: Any) -> list[str]:
     ]
     return [f"attention/FFN disaggregation (ffn {par.afd.ffn_workers}) does not work with {what} yet"
             for bad, what in refused if bad]
-
-
-def keeps_gguf_blocks(model: str | None, quantization: str | None) -> bool:
-    """A .gguf served in its blocks (the loader's default for one): an FFN
-    worker holds them whole (blocks are not split over workers yet)."""
-    return quantization == "gguf" or (str(model or "").endswith(".gguf") and quantization != "none")
 
 
 def check_afd(config: Any) -> None:

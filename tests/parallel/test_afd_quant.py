@@ -6,16 +6,13 @@ greedy output equals the same quantization colocated:
   ones), and at 2 on an all-sparse config (each worker quantizes its four
   whole experts, so every weight's per-channel scale is the colocated one);
 - a Q8_0 ``.gguf`` at 1 FFN worker, its blocks (the experts' included)
-  kept on the worker as the colocated core keeps them;
-- a ``.gguf`` over 2 FFN workers is refused by ``kvferry serve`` in one
-  line (blocks are not split over workers yet).
+  kept on the worker as the colocated core keeps them, and at 2 on the
+  all-sparse config: each worker reads only its four whole experts' blocks
+  (model/gguf_shard.py), the colocated bytes.
 
 ``LLM(ffn=M)`` runs one core with its own M workers: the same worker
 processes and loading as ``kvferry serve --mode afd``."""
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
@@ -33,7 +30,8 @@ def models(tmp_path_factory):
     sparse = make_tiny_moe_checkpoint(root / "sparse", "qwen3_moe_top2", max_position_embeddings=1024,
                                       mlp_only_layers=[])
     return {"mixed": str(mixed), "sparse": str(sparse),
-            "gguf": str(write_tiny_moe_gguf(mixed, root / "tiny-moe-q8.gguf", "Q8_0"))}
+            "gguf": str(write_tiny_moe_gguf(mixed, root / "tiny-moe-q8.gguf", "Q8_0")),
+            "gguf_sparse": str(write_tiny_moe_gguf(sparse, root / "tiny-sparse-moe-q8.gguf", "Q8_0"))}
 
 
 def greedy(model: str, ffn: int, **kwargs) -> list[list[int]]:
@@ -51,11 +49,6 @@ def test_int8_ffn_workers_equal_int8_colocated(models, case, ffn):
     assert greedy(models[case], ffn, quantization="int8") == greedy(models[case], 0, quantization="int8")
 
 
-def test_gguf_blocks_on_the_ffn_worker_equal_the_gguf_colocated(models):
-    assert greedy(models["gguf"], 1) == greedy(models["gguf"], 0)
-
-
-def test_a_gguf_over_two_ffn_workers_is_refused_in_one_line(models):
-    r = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--model", models["gguf"], "--mode", "afd",
-                        "--ffn", "2", "--port", "0"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "a .gguf's blocks over more than one FFN worker" in r.stderr, r.stderr
+@pytest.mark.parametrize(("case", "ffn"), [("gguf", 1), ("gguf_sparse", 2)])
+def test_gguf_blocks_on_the_ffn_workers_equal_the_gguf_colocated(models, case, ffn):
+    assert greedy(models[case], ffn) == greedy(models[case], 0)

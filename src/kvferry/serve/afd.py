@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import uuid
 
-from kvferry.afd_config import RAY_BOARD, add_ray_ffn_args, keeps_gguf_blocks
+from kvferry.afd_config import RAY_BOARD, add_ray_ffn_args
 from kvferry.config import EngineArgs
 from kvferry.engine.afd_pool import MAX_FFN_WORKERS, FFNLoadError, FFNPool
 from kvferry.fleet.placement import parse_resources
@@ -97,21 +97,18 @@ def _checked(engine_args: EngineArgs) -> EngineArgs:
 
 
 def _check_split(engine_args: EngineArgs) -> None:
-    check_ffn_split(engine_args.model, engine_args.ffn, engine_args.quantization)
+    check_ffn_split(engine_args.model, engine_args.ffn)
 
 
-def check_ffn_split(model: str, ffn: int, quantization: str | None = None) -> None:
+def check_ffn_split(model: str, ffn: int) -> None:
     """M > 1 FFN workers split each MLP (or the experts) as -tp M ranks
-    would; a .gguf's blocks stay whole on one."""
+    would (a .gguf's blocks too: each worker reads its own slice of them)."""
     if ffn <= 1:
         return
-    if keeps_gguf_blocks(model, quantization):
-        raise ValueError(f"--ffn {ffn}: a .gguf's blocks are not split over FFN workers yet (--ffn 1 keeps "
-                         "them whole; --quantization none splits float weights)")
     try:
         config = ModelConfig.from_hf_dict(hf_config(model))
     except (KeyError, TypeError, ValueError):
-        return  # a .gguf (refused by the engine) or a config the core refuses in its own words
+        return  # a .gguf (each worker checks the split as it loads) or a config the core refuses in its own words
     try:
         check_split(config, ffn, expert_parallel=True)
     except ValueError as exc:
@@ -127,7 +124,7 @@ def resize_ffn(pool: FFNPool | None, ffn: object) -> dict:
         raise ValueError("ffn: only a server started with --mode afd (or --mode disagg --ffn) has FFN workers")
     if isinstance(ffn, bool) or not isinstance(ffn, int) or not 1 <= ffn <= MAX_FFN_WORKERS:
         raise ValueError(f"ffn: must be an integer from 1 to {MAX_FFN_WORKERS} (FFN workers), got {ffn!r}")
-    check_ffn_split(pool.config.model.model, ffn, pool.config.model.quantization)
+    check_ffn_split(pool.config.model.model, ffn)
     before = pool.size
     seconds = pool.resize(ffn)
     return {"before": before, "after": pool.size, "seconds": round(seconds, 3)}
