@@ -20,7 +20,7 @@ where TP 1's top two were closer than that (the tiny random models'
 distributions are flat: some are).
 
 Memory: a rank holds its share of the file. ``test_a_rank_holds_its_share_of_the_file``
-measures rank 1's RSS over a 220 MB random MoE file, TP 2 and EP 2.
+measures rank 1's memory over a 109 MB random MoE file, TP 2 and EP 2.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, kv_cac
               cpu_threads_per_rank=1, warm_up=False)
 MODES = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
          "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
-LOGPROB_ATOL = 0.1  # bf16 rounding of each rank's partial sums on prefill rows: 0.021 measured
+LOGPROB_ATOL = 0.1  # bf16 rounding of each rank's partial sums on prefill rows: 0.021 measured (0.032 in bf16)
 PARAMS = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
@@ -93,8 +93,8 @@ def _held_mb(pid: int, file: Path) -> float:
     return held
 
 
-def _run(path: Path, mode: str) -> dict:
-    llm = LLM(model=str(path), **MODES[mode], **ENGINE)
+def _run(path: Path, mode: str, dtype: str = "float32") -> dict:
+    llm = LLM(model=str(path), **MODES[mode], **{**ENGINE, "dtype": dtype})
     try:
         model = llm.engine.core.runner.model
         prompts = _prompts(model.config.vocab_size)
@@ -129,7 +129,11 @@ def runs(files):
     """model -> mode -> what _run returns, every engine started once."""
     _, paths = files
     modes = {"llama": ("tp1", "tp2"), "qwen2_moe": ("tp1", "tp2", "ep2"), "q4_k_m": ("tp1", "tp2")}
-    return {name: {mode: _run(path, mode) for mode in modes[name]} for name, path in paths.items()}
+    # The MoE in bf16 (the default dtype where the CPU has AMX): at TP 2 its experts' down is in
+    # float (not whole blocks per rank) after gate_up's blocks, whose products are float32.
+    dtype = {"qwen2_moe": "bfloat16"}
+    return {name: {mode: _run(path, mode, dtype.get(name, "float32")) for mode in modes[name]}
+            for name, path in paths.items()}
 
 
 def _model_runs(runs: dict, model: str) -> dict:
@@ -249,23 +253,24 @@ def _rank_children() -> list[str]:
 
 def test_a_rank_holds_its_share_of_the_file(files, runs):
     """Rank 1's memory (``_held_mb``) over a 110 MB random Qwen3-MoE file in
-    Q8_0, after a request that routes to every expert, less the same rank's
-    over the tiny MoE file: about half the file, TP 2 (the experts' down
-    split in whole blocks: 1024 -> 512 columns) and EP 2 alike. Expanded to
-    float, as before, each rank held 2x the file; a rank that read the
-    whole file would hold 1x."""
+    Q8_0, after a request, less the same rank's over the tiny MoE file: at
+    most about half the file, TP 2 (the experts' down split in whole
+    blocks: 1024 -> 512 columns) and EP 2 alike (measured 0.39 and 0.31 of
+    it, bf16: experts that no token was routed to are not resident).
+    Expanded to float, as before, each rank held 2x the file; a rank that
+    read the whole file would hold 1x."""
     tmp, _ = files
     shape = MoeShape(layers=2, experts=16, top_k=2, hidden=1024, moe_inter=1024)
     path = write_random_moe_gguf(tmp / "big-moe-q8.gguf", shape, "Q8_0")
     file_mb = path.stat().st_size / 2**20
     base = runs["qwen2_moe"]["tp2"]["rank1_mb"]
     for mode in ("tp2", "ep2"):
-        llm = LLM(model=str(path), **MODES[mode], **ENGINE)
+        llm = LLM(model=str(path), **MODES[mode], **{**ENGINE, "dtype": "bfloat16"})  # as the baseline's
         try:
             llm.generate([list(range(3, 40)), [5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             held = _held_mb(llm.engine.core.tp._procs[0].pid, path)
         finally:
             llm.engine.core.close()
         print(f"\n{mode}: file {file_mb:.0f} MB, rank 1 holds {held:.0f} MB, over the tiny file {base:.0f} MB")
-        # Half the file, and the float router, norms and one layer's read buffers: 0.53 measured.
-        assert held - base < 0.62 * file_mb, (mode, held, base, file_mb)
+        # Half the file at most, and the float routers and norms.
+        assert held - base < 0.6 * file_mb, (mode, held, base, file_mb)

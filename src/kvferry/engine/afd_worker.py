@@ -8,7 +8,8 @@ intermediate columns j of M; a mixture of experts' whole experts
 [j * E / M, (j + 1) * E / M), the shared expert's columns j of M), and
 drops the rest of the model. Weights come as the core's do
 (``--quantization int8``: each worker quantizes its own slice, per output
-channel; a .gguf at ``--ffn 1``: its blocks, the experts' included, kept).
+channel; a .gguf: its blocks, the experts' included, kept, each worker's
+slice of them at ``--ffn`` M > 1, as a TP rank's: model/gguf_shard.py).
 Its blocks' down projections then give partial sums (no all-reduce here: the attention core adds the M answers).
 
 It binds ipc://FOLDER/ffn-G-j and, placed by Ray (``spec.host``), also

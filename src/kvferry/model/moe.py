@@ -45,9 +45,9 @@ this rank's experts over the tokens routed to them, and the one all-reduce
 of the block sums the ranks' partial outputs, routed and shared together.
 
 ``_experts`` builds this rank's ``num_experts`` at this rank's width in
-either format: int8 (``--quantization int8``) quantizes each rank's slice
-or whole experts as they are read; GGUF blocks are not sharded (the loader
-expands a .gguf to float over ranks).
+any format: int8 (``--quantization int8``) quantizes each rank's slice
+or whole experts as they are read; a .gguf's blocks are each rank's slice
+or whole experts of the file (model/gguf_shard.py).
 """
 from __future__ import annotations
 
@@ -165,6 +165,8 @@ class ExpertLinear(Linear):
 
     def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s matmul: x [n, in] -> [n, out]."""
+        if x.dtype != self.weight.dtype:  # a GGUF gate_up stack's float32 (its down in float over ranks)
+            x = x.to(self.weight.dtype)
         if self.experts is None:  # unprocessed (never on a served step: the model packs first)
             return F.linear(x, self.weight[e])
         return self.experts[e](x)
