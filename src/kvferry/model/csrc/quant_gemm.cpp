@@ -29,6 +29,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -851,6 +852,53 @@ at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
 // One weight of a dots call: its blocks [n, bytes] and ggml type.
 struct Part { const uint8_t* w; int64_t t, n, bytes; };
 
+#ifdef KVQ_SIMD
+// A decode step multiplies its weights in the same order every step (a
+// layer's qkv, o, gate_up and down, then the next layer's). Each calling
+// thread remembers which call followed which (keyed by the first part's
+// blocks), and each share of a call streams on into its share of the next
+// call's weights: the next call's first rows arrive prefetched, not at the
+// latency of their first reads (Stream stops kAhead past the share's reads).
+// A wrong guess (the first step, a weight freed) costs a few prefetches.
+struct Successor {
+  const uint8_t* w[Stream::kMaxRanges];
+  int64_t bytes[Stream::kMaxRanges];
+  int n = 0;
+  int64_t total = 0;
+  // Adds share [j0, j1) of `tasks` of these bytes to pf.
+  void add_share(Stream& pf, int64_t j0, int64_t j1, int64_t tasks) const {
+    const int64_t b0 = total * j0 / tasks, b1 = total * j1 / tasks;
+    int64_t at = 0;
+    for (int k = 0; k < n; at += bytes[k++]) {
+      const int64_t lo = std::max(b0, at), hi = std::min(b1, at + bytes[k]);
+      if (lo < hi) pf.add(w[k] + (lo - at), hi - lo);
+    }
+  }
+};
+
+// The successor learned for this call (n == 0: none yet), after recording this call as the previous one's.
+Successor learn_successor(const std::vector<Part>& parts) {
+  thread_local std::unordered_map<const uint8_t*, Successor> next;
+  thread_local const uint8_t* previous = nullptr;
+  const uint8_t* key = parts[0].w;
+  if (previous != nullptr && previous != key) {
+    if (next.size() > 4096) next.clear();  // weights come and go (models loaded and freed): stay small
+    Successor& s = next[previous];
+    s.n = 0;
+    s.total = 0;
+    for (const Part& p : parts) {
+      if (s.n == Stream::kMaxRanges) break;
+      s.w[s.n] = p.w;
+      s.bytes[s.n++] = p.n * p.bytes;
+      s.total += p.n * p.bytes;
+    }
+  }
+  previous = key;
+  const auto it = next.find(key);
+  return it == next.end() ? Successor{} : it->second;
+}
+#endif
+
 // y [M, sum n] = x @ [W_0; W_1; ...]^T by the integer dot products, in
 // out_dtype (float32, or x's bf16: each value rounded once, as float32's
 // .to(bf16) rounds it). The parts are the shards of a fused layer (q, k, v;
@@ -897,13 +945,15 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
     };
     return Share{row_at(b0), last ? p.n : row_at(b1), col};
   };
+  const Successor successor = learn_successor(parts);
   auto run = [&](int64_t j0, int64_t j1) {
     const int64_t b0 = total * j0 / tasks, b1 = total * j1 / tasks;
-    Stream pf;  // this share's bytes, all parts, in the order it reads them
+    Stream pf;  // this share's bytes, all parts, in the order it reads them, then its share of the next call's
     for (size_t k = 0; k < parts.size(); ++k) {
       const Share sh = share_of(k, b0, b1, j1 == tasks);
       pf.add(parts[k].w + sh.n0 * parts[k].bytes, (sh.n1 - sh.n0) * parts[k].bytes);
     }
+    successor.add_share(pf, j0, j1, tasks);
     for (size_t k = 0; k < parts.size(); ++k) {
       const Part& p = parts[k];
       const Share sh = share_of(k, b0, b1, j1 == tasks);
