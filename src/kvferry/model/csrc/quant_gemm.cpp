@@ -269,10 +269,22 @@ struct Stream {
   }
 };
 
-// Prefetches span's lines from *at up to the fraction num / den of it.
-inline void prefetch_to(const Span& s, const char*& at, int64_t num, int64_t den) {
-  for (const char* until = s.p + s.bytes * num / den; at < until; at += 64) _mm_prefetch(at, _MM_HINT_T0);
-}
+// A kernel's loop spreads a span's lines over its steps: `steps` equal
+// shares, one per next() (the share's size computed once per span, not
+// divided per step), the rest by rest().
+struct Spread {
+  const char *at, *until, *end;
+  int64_t step;
+  Spread(const Span& s, int64_t steps)
+      : at(s.p), until(s.p), end(s.p + s.bytes), step(steps > 0 ? (s.bytes + steps - 1) / steps : s.bytes) {}
+  inline void next(int64_t k = 1) {
+    until = std::min(end, until + k * step);
+    for (; at < until; at += 64) _mm_prefetch(at, _MM_HINT_T0);
+  }
+  inline void rest() {
+    for (; at < end; at += 64) _mm_prefetch(at, _MM_HINT_T0);
+  }
+};
 
 // 32 bits -> 32 bytes, 0xFF where the bit is set (llama.cpp's bytes_from_bits_32).
 inline __m256i bits_to_bytes(uint32_t x) {
@@ -609,10 +621,10 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
   const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
                                         0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
                                         0x0100010001000100, 0x0100010001000100);
-  const char* pf_at = pf.p;
+  Spread spread(pf, a.nb);
   for (int64_t i = 0; i < a.nb; ++i) {
     const uint8_t* b = w + i * bytes;
-    prefetch_to(pf, pf_at, i + 1, a.nb);
+    spread.next();
     khead(T, b, h);
     const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
     __m512i zacc = _mm512_setzero_si512();
@@ -700,10 +712,10 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, 
   alignas(32) float sc[NR][8];
   // Each block's first 4 bytes (d, and Q4_1 / Q5_1's m) for 8 blocks: eight
   // loads and inserts (a vpgatherdd was a third of the batch-1 Q4_1 dot's time).
-  const char* pf_at = pf.p;
+  Spread spread(pf, a.nb);
   int64_t i = 0;
   for (; i + 8 <= a.nb; i += 8) {
-    prefetch_to(pf, pf_at, i + 8, a.nb);
+    spread.next(8);
     KVQ_UNROLL for (int r = 0; r < NR; ++r) {
       const uint8_t* hb = w + r * ldw + i * bytes;
       auto head = [&](int j) { int32_t v; std::memcpy(&v, hb + j * bytes, 4); return v; };
@@ -723,7 +735,7 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, 
     }
   }
   float off[NR] = {};
-  prefetch_to(pf, pf_at, 1, 1);
+  spread.rest();
   for (; i < a.nb; ++i) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
     KVQ_UNROLL for (int r = 0; r < NR; ++r) {
