@@ -19,8 +19,10 @@ from tests.model.quant.blocks import weight
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
 
 K = 512
-# Q4_K_M's q, k, v; a 32-block pair; both block sizes in one call (x quantized twice).
-MIXES = [(("Q4_K", 96), ("Q4_K", 40), ("Q6_K", 40)), (("Q8_0", 37), ("Q4_1", 64)), (("Q5_0", 9), ("Q4_K", 70))]
+# Q4_K_M's q, k, v; a 32-block pair; both block sizes in one call (x quantized twice);
+# more parts than a thread's prefetch stream keeps (8: the rest stream unprefetched).
+MIXES = [(("Q4_K", 96), ("Q4_K", 40), ("Q6_K", 40)), (("Q8_0", 37), ("Q4_1", 64)), (("Q5_0", 9), ("Q4_K", 70)),
+         tuple((("Q4_K", "Q4_1", "Q8_0")[i % 3], 8 + 3 * i) for i in range(10))]
 ROWS = [1, 3, 13, 20]  # dots for all; 32-blocks' tiles from 12 rows, the K-quants' from 16
 
 

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -228,6 +229,62 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// The weight bytes one thread's share of a dots call reads, in the order it
+// reads them (its rows of each part in turn), prefetched kAhead bytes ahead of
+// the reads. Before each row (or group of rows) gemm_rows takes the span of
+// lines to prefetch while that row is read, and the kernel spreads them among
+// its dots: prefetches issued as one burst per row filled the core's line fill
+// buffers, the burst's last prefetch then held up retirement, and the core sat
+// idle once the fills drained. At a stream's start, where nothing was
+// prefetched, the spans run at twice the reads' pace until they are kAhead
+// ahead; past the share's last byte nothing is prefetched (a span ends at its
+// range's end; the next span starts the next range). Prefetches only: the
+// results are the same bits with or without them.
+struct Span { const char* p; int64_t bytes; };
+
+struct Stream {
+  static constexpr int kMaxRanges = 8;
+  static constexpr int64_t kAhead = 8192;
+  const char* begin[kMaxRanges];
+  const char* end[kMaxRanges];
+  int n = 0, cur = 0;
+  const char* p = nullptr;  // the next line to prefetch; null: none left
+  int64_t ahead = 0;        // bytes prefetched beyond the reads
+  void add(const uint8_t* from, int64_t bytes) {
+    if (n == kMaxRanges || bytes <= 0) return;  // more parts than ranges: the rest stream unprefetched
+    begin[n] = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t(63));
+    end[n] = reinterpret_cast<const char*>(from) + bytes;
+    if (n++ == 0) p = begin[0];
+  }
+  // The lines to prefetch while the next `bytes` are read.
+  Span take(int64_t bytes) {
+    ahead -= bytes;
+    const int64_t want = std::min(kAhead - ahead, 2 * bytes);
+    if (want <= 0 || !p) return {nullptr, 0};
+    const Span s{p, std::min<int64_t>((want + 63) & ~int64_t(63), end[cur] - p)};
+    ahead += s.bytes;
+    if ((p += s.bytes) >= end[cur]) p = ++cur < n ? begin[cur] : nullptr;
+    return s;
+  }
+};
+
+// A kernel's loop spreads a span's lines over its steps: `steps` equal
+// shares, one per next() (the share's size computed once per span, not
+// divided per step), the rest by rest().
+struct Spread {
+  const char *at, *until, *end;
+  int64_t step;
+  Spread(const Span& s, int64_t steps)
+      : at(s.p), until(s.p), end(s.p + s.bytes), step(steps > 0 ? (s.bytes + steps - 1) / steps : s.bytes) {}
+  inline void next(int64_t k = 1) {
+    until = std::min(end, until + k * step);
+    for (; at < until; at += 64) _mm_prefetch(at, _MM_HINT_T0);
+  }
+  inline void rest() {
+    for (; at < end; at += 64) _mm_prefetch(at, _MM_HINT_T0);
+  }
+};
 
 // 32 bits -> 32 bytes, 0xFF where the bit is set (llama.cpp's bytes_from_bits_32).
 inline __m256i bits_to_bytes(uint32_t x) {
@@ -555,7 +612,7 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
 // The 32-bit sums are rowsK's: lane l of group 2p's half plus lane l of group
 // 2p + 1's, added as integers, so the result is rowsK<T, 1>'s to the bit.
 template <int T>
-void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y) {
+void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, Span pf = {}) {
   static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
   __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
   KHead h;
@@ -564,8 +621,10 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
   const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
                                         0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
                                         0x0100010001000100, 0x0100010001000100);
+  Spread spread(pf, a.nb);
   for (int64_t i = 0; i < a.nb; ++i) {
     const uint8_t* b = w + i * bytes;
+    spread.next();
     khead(T, b, h);
     const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
     __m512i zacc = _mm512_setzero_si512();
@@ -628,7 +687,7 @@ inline __m128i half16(__m256i v) {
 // cycles a block, 11 GB/s from L2); NR rows interleave NR chains and reduce
 // together.
 template <int T, int NR>
-void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y) {
+void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, Span pf) {
   const int64_t bytes = info(T).bytes;
 #ifdef KVQ_VNNI
   constexpr bool kSignTrick = false;
@@ -653,8 +712,10 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y) 
   alignas(32) float sc[NR][8];
   // Each block's first 4 bytes (d, and Q4_1 / Q5_1's m) for 8 blocks: eight
   // loads and inserts (a vpgatherdd was a third of the batch-1 Q4_1 dot's time).
+  Spread spread(pf, a.nb);
   int64_t i = 0;
   for (; i + 8 <= a.nb; i += 8) {
+    spread.next(8);
     KVQ_UNROLL for (int r = 0; r < NR; ++r) {
       const uint8_t* hb = w + r * ldw + i * bytes;
       auto head = [&](int j) { int32_t v; std::memcpy(&v, hb + j * bytes, 4); return v; };
@@ -674,6 +735,7 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y) 
     }
   }
   float off[NR] = {};
+  spread.rest();
   for (; i < a.nb; ++i) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
     KVQ_UNROLL for (int r = 0; r < NR; ++r) {
@@ -715,28 +777,35 @@ void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
 // y[m * ldy + n] for each. Row n's value depends on nothing but row n and a,
 // so any split of the rows among threads gives the same bits.
 template <int T, typename O>
-void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy) {
+void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy,
+               Stream& pf) {
   float y[MR > 4 ? MR : 4];
-  // The rows stream in cold from memory, back to back: ask for the bytes
-  // kPrefetch ahead of each row as it starts (prefetch never faults).
-  constexpr int64_t kPrefetch = 8192;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = W + n * bytes;
-    for (int64_t l = 0; l < bytes * (T < 10 && M == 1 && n + 4 <= n1 ? 4 : 1); l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetch + l, _MM_HINT_T0);
     if constexpr (T < 10) {
       if (M == 1) {  // decode at batch 1: four weight rows at a time
         if (n + 4 <= n1) {
-          row32xn<T, 4>(w, bytes, a, 0, y);
+          row32xn<T, 4>(w, bytes, a, 0, y, pf.take(4 * bytes));
           for (int k = 0; k < 4; ++k) Y[n + k] = O(y[k]);
           n += 3;
         } else {
-          row32xn<T, 1>(w, bytes, a, 0, y);
+          row32xn<T, 1>(w, bytes, a, 0, y, pf.take(bytes));
           Y[n] = O(y[0]);
         }
         continue;
       }
     }
+#ifdef KVQ_K512
+    if constexpr (T == 12 || T == 14) {
+      if (M == 1) {
+        rowsK1_512<T>(w, a, 0, info(T).bytes, y, pf.take(bytes));
+        Y[n] = O(y[0]);
+        continue;
+      }
+    }
+#endif
+    const Span span = pf.take(bytes);
+    for (const char* at = span.p; at < span.p + span.bytes; at += 64) _mm_prefetch(at, _MM_HINT_T0);
     int64_t m = 0;
     for (; m < M; m += MR) {
       const int r = int(std::min<int64_t>(MR, M - m));
@@ -749,9 +818,9 @@ void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_
 
 template <typename O>
 void gemm_rows_of(int64_t t, const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
-                  int64_t ldy) {
+                  int64_t ldy, Stream& pf) {
   switch (t) {
-#define KVQ_ROWS(T) case T: return gemm_rows<T>(W, bytes, a, M, n0, n1, Y, ldy);
+#define KVQ_ROWS(T) case T: return gemm_rows<T>(W, bytes, a, M, n0, n1, Y, ldy, pf);
     KVQ_TYPES(KVQ_ROWS)
   }
 }
@@ -795,6 +864,53 @@ at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
 // One weight of a dots call: its blocks [n, bytes] and ggml type.
 struct Part { const uint8_t* w; int64_t t, n, bytes; };
 
+#ifdef KVQ_SIMD
+// A decode step multiplies its weights in the same order every step (a
+// layer's qkv, o, gate_up and down, then the next layer's). Each calling
+// thread remembers which call followed which (keyed by the first part's
+// blocks), and each share of a call streams on into its share of the next
+// call's weights: the next call's first rows arrive prefetched, not at the
+// latency of their first reads (Stream stops kAhead past the share's reads).
+// A wrong guess (the first step, a weight freed) costs a few prefetches.
+struct Successor {
+  const uint8_t* w[Stream::kMaxRanges];
+  int64_t bytes[Stream::kMaxRanges];
+  int n = 0;
+  int64_t total = 0;
+  // Adds share [j0, j1) of `tasks` of these bytes to pf.
+  void add_share(Stream& pf, int64_t j0, int64_t j1, int64_t tasks) const {
+    const int64_t b0 = total * j0 / tasks, b1 = total * j1 / tasks;
+    int64_t at = 0;
+    for (int k = 0; k < n; at += bytes[k++]) {
+      const int64_t lo = std::max(b0, at), hi = std::min(b1, at + bytes[k]);
+      if (lo < hi) pf.add(w[k] + (lo - at), hi - lo);
+    }
+  }
+};
+
+// The successor learned for this call (n == 0: none yet), after recording this call as the previous one's.
+Successor learn_successor(const std::vector<Part>& parts) {
+  thread_local std::unordered_map<const uint8_t*, Successor> next;
+  thread_local const uint8_t* previous = nullptr;
+  const uint8_t* key = parts[0].w;
+  if (previous != nullptr && previous != key) {
+    if (next.size() > 4096) next.clear();  // weights come and go (models loaded and freed): stay small
+    Successor& s = next[previous];
+    s.n = 0;
+    s.total = 0;
+    for (const Part& p : parts) {
+      if (s.n == Stream::kMaxRanges) break;
+      s.w[s.n] = p.w;
+      s.bytes[s.n++] = p.n * p.bytes;
+      s.total += p.n * p.bytes;
+    }
+  }
+  previous = key;
+  const auto it = next.find(key);
+  return it == next.end() ? Successor{} : it->second;
+}
+#endif
+
 // y [M, sum n] = x @ [W_0; W_1; ...]^T by the integer dot products, in
 // out_dtype (float32, or x's bf16: each value rounded once, as float32's
 // .to(bf16) rounds it). The parts are the shards of a fused layer (q, k, v;
@@ -828,24 +944,36 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
   // Thread j takes the rows whose bytes start in [j * total / tasks, (j + 1) * total / tasks),
   // boundaries rounded to 8 rows (the one-row dot's groups of four stay whole).
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + 7) / 8));
+  struct Share { int64_t n0, n1, col; };
+  // Part k's rows in the share of bytes [b0, b1) (last: the last share) and its first output column.
+  auto share_of = [&](size_t k, int64_t b0, int64_t b1, bool last) {
+    int64_t col = 0, at_byte = 0;
+    for (size_t i = 0; i < k; ++i) col += parts[i].n, at_byte += parts[i].n * parts[i].bytes;
+    const Part& p = parts[k];
+    auto row_at = [&](int64_t b) {  // the first row of p whose bytes start at or after byte b, to 8 rows
+      if (b <= at_byte) return int64_t(0);
+      if (b >= at_byte + p.n * p.bytes) return p.n;
+      return std::min(p.n, ((b - at_byte + p.bytes - 1) / p.bytes + 7) / 8 * 8);
+    };
+    return Share{row_at(b0), last ? p.n : row_at(b1), col};
+  };
+  const Successor successor = learn_successor(parts);
   auto run = [&](int64_t j0, int64_t j1) {
     const int64_t b0 = total * j0 / tasks, b1 = total * j1 / tasks;
-    int64_t col = 0, at_byte = 0;
-    for (const Part& p : parts) {
-      const int64_t size = p.n * p.bytes;
-      auto row_at = [&](int64_t b) {  // the first row of p whose bytes start at or after byte b, to 8 rows
-        if (b <= at_byte) return int64_t(0);
-        if (b >= at_byte + size) return p.n;
-        return std::min(p.n, ((b - at_byte + p.bytes - 1) / p.bytes + 7) / 8 * 8);
-      };
-      const int64_t n0 = row_at(b0), n1 = j1 == tasks ? p.n : row_at(b1);
-      if (n0 < n1) {
+    Stream pf;  // this share's bytes, all parts, in the order it reads them, then its share of the next call's
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const Share sh = share_of(k, b0, b1, j1 == tasks);
+      pf.add(parts[k].w + sh.n0 * parts[k].bytes, (sh.n1 - sh.n0) * parts[k].bytes);
+    }
+    successor.add_share(pf, j0, j1, tasks);
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const Part& p = parts[k];
+      const Share sh = share_of(k, b0, b1, j1 == tasks);
+      if (sh.n0 < sh.n1) {
         const Acts& a = info(p.t).block == 32 ? a32 : a256;
-        if (bf16_out) gemm_rows_of(p.t, p.w, p.bytes, a, M, n0, n1, y.data_ptr<at::BFloat16>() + col, N);
-        else gemm_rows_of(p.t, p.w, p.bytes, a, M, n0, n1, y.data_ptr<float>() + col, N);
+        if (bf16_out) gemm_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N, pf);
+        else gemm_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N, pf);
       }
-      col += p.n;
-      at_byte += size;
     }
   };
   // One thread's share runs inline: no parallel region to start or to wait on.

@@ -1,0 +1,109 @@
+"""A batch-1 decode step's GGUF matmuls alone, in the step's order, against
+the weight-read floor of their bytes.
+
+Random blocks (tests/model/quant/blocks.py) in the shapes and types of a
+model's linear layers, each weight its own memory, called as the one-call
+decoder layer calls them (``kvferry_quant::layer_linear_parts``: q/k/v and
+gate/up as parts of one call), layer after layer, then the lm_head; one row
+of bf16 x. What ``bench/gguf_decode_step.py`` times around them (attention,
+norms, the runner's Python) is left out, so this isolates the kernels' cold
+streaming. Also one layer's calls repeated (``hot``: in the caches).
+
+* ``q41``: the embedded SmolLM2-135M Q4_1 file (30 layers, hidden 576, its
+  lm_head Q8_0);
+* ``1b``: ``bench/make_random_gguf.py``'s 1B-shaped Q4_K_M mix (16 layers,
+  hidden 2048, ffn 8192, v and down in Q6_K on llama.cpp's layers, lm_head Q6_K).
+
+``--threads 1`` (the default) reports the calling thread's CPU time, which
+other processes on a shared machine inflate least; the floor's bandwidth is
+gguf_decode_step.py's (a cold 512 MiB sum, same thread count). Not a test.
+
+    PYTHONPATH=src python bench/gguf_matmul_sequence.py [q41|1b] [--repeats 9] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.model.quant.blocks, bench
+from bench.gguf_decode_step import read_bandwidth_gbs  # noqa: E402
+from bench.make_random_gguf import more_bits  # noqa: E402
+from kvferry.model import quant  # noqa: E402
+from tests.model.quant.blocks import random_blocks  # noqa: E402
+
+TYPES = {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+def model_calls(which: str) -> list[list[tuple[str, int, int]]]:
+    """Each call's parts (type, rows, K), in the step's order."""
+    if which == "q41":
+        layer = [[("Q4_1", 576, 576), ("Q4_1", 192, 576), ("Q4_1", 192, 576)], [("Q4_1", 576, 576)],
+                 [("Q4_1", 1536, 576), ("Q4_1", 1536, 576)], [("Q4_1", 576, 1536)]]
+        return layer * 30 + [[("Q8_0", 49152, 576)]]
+    calls = []
+    for i in range(16):
+        hi = "Q6_K" if more_bits(i, 16) else "Q4_K"
+        calls += [[("Q4_K", 2048, 2048), ("Q4_K", 512, 2048), (hi, 512, 2048)], [("Q4_K", 2048, 2048)],
+                  [("Q4_K", 8192, 2048), ("Q4_K", 8192, 2048)], [(hi, 2048, 8192)]]
+    return calls + [[("Q6_K", 49152, 2048)]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="q41", choices=["q41", "1b"])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not quant.available():
+        sys.exit("the C++ quantized matmul is unavailable here")
+    bw = read_bandwidth_gbs(args.threads)
+    rng = np.random.default_rng(0)
+    made: dict[tuple, torch.Tensor] = {}
+
+    def blocks(t: str, n: int, k: int) -> torch.Tensor:
+        if (t, n, k) not in made:
+            made[(t, n, k)] = torch.from_numpy(random_blocks(t, n, k, rng))
+        return made[(t, n, k)].clone()  # every use its own memory, as a model's weights
+
+    calls = [([blocks(*p) for p in parts], [TYPES[p[0]] for p in parts], parts[0][2]) for parts in
+             model_calls(args.model)]
+    xs = {k: torch.randn(1, k).bfloat16() for k in {c[2] for c in calls}}
+    op = torch.ops.kvferry_quant.layer_linear_parts
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+
+    def timed(sel, repeats: int) -> list[float]:
+        out = []
+        for _ in range(repeats):
+            t0 = clock()
+            for ws, ts, k in sel:
+                op(xs[k], ws, ts)
+            out.append(clock() - t0)
+        return out
+
+    timed(calls, 1)  # warm: the code, and each thread's order of the calls
+    nbytes = sum(w.numel() for ws, _, _ in calls for w in ws)
+    floor_ms = nbytes / (bw * 1e9) * 1e3
+    step = timed(calls, args.repeats)
+    layers = timed(calls[:-1], args.repeats)
+    head = timed(calls[-1:], args.repeats)
+    hot = timed(calls[:4], 200)
+    hot_bytes = sum(w.numel() for ws, _, _ in calls[:4] for w in ws)
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    med = {k: statistics.median(v) * 1e3 for k, v in (("step", step), ("layers", layers), ("head", head))}
+    print(f"{args.model}: {nbytes / 2**20:.1f} MiB, read bandwidth {bw:.1f} GB/s, floor {floor_ms:.2f} ms, "
+          f"{args.threads} thread(s), {'CPU' if args.threads == 1 else 'wall'} time, load {load}")
+    print(f"median ms: all matmuls {med['step']:.2f} (min {min(step) * 1e3:.2f}) = {med['step'] / floor_ms:.2f}x "
+          f"the floor | layers {med['layers']:.2f} | lm_head {med['head']:.2f} | one layer hot "
+          f"{statistics.median(hot) * 1e3:.3f} ms ({hot_bytes / statistics.median(hot) / 1e9:.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
