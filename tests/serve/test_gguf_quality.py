@@ -16,6 +16,7 @@ llama.cpp is a dev tool, never a dependency: these tests skip where
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -61,7 +62,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 def _serve_text(path: Path, log: Path, *extra: str) -> tuple[float, str, str]:
     """(mean log-probability per token of TEXT, a greedy answer, the server's log)."""
-    srv = start_server(log, ["--model", str(path), "--served-model-name", "m", "--log-level", "info", *extra])
+    # A generous heartbeat: two servers share the cores, and a loaded machine must not make one look hung.
+    srv = start_server(log, ["--model", str(path), "--served-model-name", "m", "--log-level", "info",
+                             "--engine-heartbeat-timeout", "120", *extra])
     try:
         with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=600) as c:
             r = c.completions.create(model="m", prompt=TEXT, max_tokens=0, echo=True, logprobs=1)
@@ -74,9 +77,25 @@ def _serve_text(path: Path, log: Path, *extra: str) -> tuple[float, str, str]:
     return sum(lps) / len(lps), answer, log.read_text(errors="replace")
 
 
+# Each case: (file, extra serve flags). Two servers start at a time: on two
+# cores their start-ups (imports, loading: one core each) overlap, where one
+# after another they were most of this module's time.
+CASES = {"F32": ("F32", ()), "Q8_0": ("Q8_0", ()), "Q4_K_M": ("Q4_K_M", ()),
+         "none": ("Q8_0", ("--quantization", "none")), "IQ4_NL": ("IQ4_NL", ())}
+
+
 @pytest.fixture(scope="module")
-def float_mean(files, tmp_path_factory) -> float:
-    mean, answer, log = _serve_text(files["F32"], tmp_path_factory.mktemp("f32") / "f32.log")
+def served(files, tmp_path_factory) -> dict[str, tuple[float, str, str]]:
+    logs = tmp_path_factory.mktemp("logs")
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(_serve_text, files[f], logs / f"{name}.log", *extra)
+                   for name, (f, extra) in CASES.items()}
+        return {name: fut.result() for name, fut in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def float_mean(files, served) -> float:
+    mean, answer, log = served["F32"]
     assert "Paris" in answer
     assert _kept(log, files["F32"])[::2] == (0, False)  # F32 tensors are plain floats
     print(f"float model: {mean:.4f} nats per token")
@@ -84,8 +103,8 @@ def float_mean(files, tmp_path_factory) -> float:
 
 
 @pytest.mark.parametrize("qtype", list(BOUNDS))
-def test_quantized_file_keeps_the_float_models_quality(files, float_mean, tmp_path, qtype):
-    mean, answer, log = _serve_text(files[qtype], tmp_path / f"{qtype}.log")
+def test_quantized_file_keeps_the_float_models_quality(files, served, float_mean, qtype):
+    mean, answer, log = served[qtype]
     print(f"{qtype}: {mean:.4f} nats per token, float {float_mean:.4f}: {mean - float_mean:+.4f}")
     # No --quantization: the file's blocks are served (every linear layer and the tied vocabulary).
     kept, total, vocab = _kept(log, files[qtype])
@@ -94,15 +113,15 @@ def test_quantized_file_keeps_the_float_models_quality(files, float_mean, tmp_pa
     assert answer.strip()
 
 
-def test_expanded_on_request(files, float_mean, tmp_path):
+def test_expanded_on_request(served, float_mean):
     """``--quantization none`` expands the same Q8_0 file to float: no blocks, the same text's quality."""
-    mean, _, log = _serve_text(files["Q8_0"], tmp_path / "none.log", "--quantization", "none")
+    mean, _, log = served["none"]
     assert KEPT not in log
     assert abs(mean - float_mean) <= BOUNDS["Q8_0"]
 
 
-def test_iq_types_are_dequantized_at_load_in_one_line(files, tmp_path):
-    _, answer, log = _serve_text(files["IQ4_NL"], tmp_path / "iq4_nl.log")
+def test_iq_types_are_dequantized_at_load_in_one_line(served):
+    _, answer, log = served["IQ4_NL"]
     lines = [line for line in log.splitlines() if "have no native kernel: dequantized at load" in line]
     assert len(lines) == 1 and "IQ4_NL" in lines[0], log[-3000:]
     assert answer.strip()
