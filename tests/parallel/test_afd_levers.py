@@ -13,6 +13,8 @@ declared public prefix, through the openai client.
 - A tenant's private prefix serves no other tenant, from neither the
   device pool nor the tier; the public prefix serves every tenant.
 - Structured outputs and logprobs are the colocated core's.
+- An EAGLE-3 head reads the streams entering its aux layers, which the
+  attention core gathers micro-batch by micro-batch: HF's hidden states.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from functools import partial
 
 import openai
 import pytest
+import torch
 
 from kvferry import LLM, SamplingParams
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.parallel.afd_helpers import servers_at_once
 from tests.serve.server_process import start_server
+from tests.spec.test_eagle3 import write_eagle3_checkpoint
 from tests.spec.test_engine import repetitive_prompts
 from tests.tiny_models import make_tiny_checkpoint
 from tests.tiny_moe_models import make_tiny_moe_checkpoint
@@ -85,11 +89,15 @@ def _start(path: str, d):  # noqa: ANN001, ANN202 - a ServerProcess
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = str(make_tiny_checkpoint(tmp_path_factory.mktemp("afd-levers"), arch="llama", num_hidden_layers=3,
+def checkpoint(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("afd-levers"), arch="llama", num_hidden_layers=3,
                                     max_position_embeddings=1024))
-    with servers_at_once({"afd": partial(_start, path, tmp_path_factory.mktemp("afd-levers-srv"))},
-                         meanwhile=partial(_reference, path)) as (started, expected):
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, tmp_path_factory):
+    with servers_at_once({"afd": partial(_start, checkpoint, tmp_path_factory.mktemp("afd-levers-srv"))},
+                         meanwhile=partial(_reference, checkpoint)) as (started, expected):
         yield started["afd"], expected
 
 
@@ -180,3 +188,21 @@ def test_structured_outputs_and_logprobs(served):
         assert chosen == pytest.approx(max(top.values()), abs=1e-5) and token in top
     log = srv.log()
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_an_eagle3_head_reads_the_aux_rows_of_every_micro_batch(checkpoint, tmp_path):
+    hf = load_hf(checkpoint)
+    head = write_eagle3_checkpoint(tmp_path / "eagle3", hf.config.hidden_size, hf.config.vocab_size)
+    prompts = [list(range(5, 40)), [300, 2, 301, 3, 302, 4, 7]]  # one prefill step of two micro-batches
+    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02, ffn=1,
+              speculative={"method": "eagle3", "model": str(head)})
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
+        model = llm.engine.core.runner.model
+        aux, layers = model.aux_hidden, model.aux_layers
+    finally:
+        llm.engine.core.close()
+    with torch.no_grad():  # hidden_states[i]: the stream entering layer i
+        states = [hf(torch.tensor([p]), output_hidden_states=True).hidden_states for p in prompts]
+    want = torch.cat([torch.cat([s[i][0] for i in layers], dim=1) for s in states])
+    torch.testing.assert_close(aux, want, atol=1e-4, rtol=1e-4)
