@@ -12,6 +12,8 @@ declared public prefix, through the openai client.
   ``kv_tier_hits`` counter moves) with the same text.
 - A tenant's private prefix serves no other tenant, from neither the
   device pool nor the tier; the public prefix serves every tenant.
+- Swap space on an attention core: a request swapped out and back keeps
+  HF's greedy output (with the default speculation, on the Qwen3-MoE).
 - Structured outputs and logprobs are the colocated core's.
 - An EAGLE-3 head reads the streams entering its aux layers, which the
   attention core gathers micro-batch by micro-batch: HF's hidden states.
@@ -124,16 +126,20 @@ def test_the_default_speculation_drafts_and_keeps_hf_greedy(served):
     assert srv.metric(DRAFTS) > before[0] and srv.metric(ACCEPTED) > before[1]
 
 
-def test_the_default_speculation_on_a_mixture_of_experts(tmp_path):
+def test_the_default_speculation_and_swap_space_on_a_mixture_of_experts(tmp_path):
     path = str(make_tiny_moe_checkpoint(tmp_path, "qwen3_moe_top2", max_position_embeddings=1024))
     hf = load_hf(path)
     prompts = _spec_prompts(hf.config.vocab_size)
-    llm = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.02, ffn=1, speculative="default")
+    # Swap space too: 24 blocks of 8 hold both prompts (22) but not with their new tokens (27), so one
+    # swaps out and back.
+    llm = LLM(model=path, dtype="float32", block_size=8, num_kv_blocks=24, num_swap_blocks=64,
+              enable_prefix_caching=False, preemption_mode="swap", ffn=1, speculative="default")
     try:
         out = llm.generate(prompts, SamplingParams(max_tokens=SPEC_NEW, temperature=0.0, ignore_eos=True))
         assert [r.outputs[0].token_ids for r in out] == [hf_greedy(hf, p, SPEC_NEW) for p in prompts]
         stats = llm.engine.stats()
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        assert stats.num_swapped_out > 0
     finally:
         llm.engine.core.close()
 
@@ -206,3 +212,4 @@ def test_an_eagle3_head_reads_the_aux_rows_of_every_micro_batch(checkpoint, tmp_
         states = [hf(torch.tensor([p]), output_hidden_states=True).hidden_states for p in prompts]
     want = torch.cat([torch.cat([s[i][0] for i in layers], dim=1) for s in states])
     torch.testing.assert_close(aux, want, atol=1e-4, rtol=1e-4)
+
