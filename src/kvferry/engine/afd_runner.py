@@ -14,6 +14,11 @@ Each hop carries ``post_attention_layernorm(h)`` [T, hidden] out and the
 MLP's output back; the residual stream ``h`` never leaves the core. The
 adds and norms are the colocated model's (``fused_ops.add_rms_norm``), in
 the same order, so a token's numbers are the same as without the split.
+
+Everything else is ModelRunner's: a verify step's k + 1 rows a request
+travel as any rows, and an EAGLE-3 head's aux rows (the stream entering
+its layers) are copied per micro-batch into ``model.aux_hidden``, as the
+colocated forward fills it.
 """
 from __future__ import annotations
 
