@@ -60,16 +60,13 @@ def afd_refusals(config: Any) -> list[str]:
     run with yet (an empty list: it runs)."""
     if not config.parallel.afd.enabled:
         return []
-    spec, par = config.speculative, config.parallel
+    par = config.parallel
     refused = [
         (config.model.device != "cpu", f"device {config.model.device!r} (FFN workers run on the CPU)"),
+        # an FFN worker batches every core's rows, through matmuls that are not the batch-invariant ones
         (config.model.deterministic, "deterministic"),
-        (spec is not None, "speculative decoding (--speculative-config off)"),
         (par.tensor_parallel_size > 1, f"tensor_parallel_size {par.tensor_parallel_size}"),
         (par.pipeline_parallel_size > 1, f"pipeline_parallel_size {par.pipeline_parallel_size}"),
-        (config.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)"),
-        (bool(config.kv_connector), "--kv-connector"),
-        (config.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
     ]
     return [f"attention/FFN disaggregation (ffn {par.afd.ffn_workers}) does not work with {what} yet"
             for bad, what in refused if bad]

@@ -468,8 +468,7 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     with the rest of ``config``, and one line saying so (logged once at
     start): method auto under the cost-aware controller, or off where
     speculation cannot run. An explicit config keeps its errors instead."""
-    for bad, what in [(config.parallel.afd.enabled, "attention/FFN disaggregation (--ffn)"),
-                      (config.model.deterministic, "--deterministic (its batch-invariant steps are measured "
+    for bad, what in [(config.model.deterministic, "--deterministic (its batch-invariant steps are measured "
                                                    "without drafts)")]:
         if bad:
             return None, f"speculative decoding: off by default with {what}; give --speculative-config to choose one"
@@ -566,8 +565,8 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; off (or null) for none; default: method auto '
         "(suffix decoding or n-gram lookup per request, whichever held more lately) under the cost-aware "
         "controller, which drafts only at the batch sizes and acceptance where it measured a gain and "
-        "otherwise runs the plain step; by itself off where speculation cannot run (--ffn, "
-        "--deterministic), one log line says so (docs/speculative.md)",
+        "otherwise runs the plain step; by itself off with --deterministic (its steps are measured without "
+        "drafts), one log line says so (docs/speculative.md)",
         flag="--speculative-config", cli_default=SPECULATIVE_DEFAULT))
     kv_transfer_address: str = field(default="", metadata=_opt(
         "prefill/decode disaggregation: this core's KV transfer socket, tcp://host:port, bound to that host's "

@@ -45,8 +45,7 @@ def test_bad_values_name_what_is_wrong(bad, field):
     assert field in str(err.value)
 
 
-@pytest.mark.parametrize("kwargs, why", [({"ffn": 1}, "attention/FFN disaggregation"),
-                                         ({"deterministic": True}, "--deterministic")])
+@pytest.mark.parametrize("kwargs, why", [({"deterministic": True}, "--deterministic")])
 def test_default_is_quietly_off_where_speculation_cannot_run(kwargs, why):
     args = EngineArgs(speculative="default", **kwargs)
     assert args.create_engine_config().speculative is None
@@ -61,6 +60,10 @@ def test_the_default_stays_on_over_ranks_and_stages():
     assert tp.method == "auto" and not tp.draft_tree and tp.model == str(EMBEDDED_DRAFT_HEAD)
     pp = EngineArgs(speculative="default", pipeline_parallel_size=2).create_engine_config().speculative
     assert pp.method == "auto" and not pp.draft_tree and pp.model is None
+    # Attention/FFN disaggregation: the verify step's k + 1 rows a request go to the FFN workers as any rows.
+    afd = EngineArgs(speculative="default", ffn=1).create_engine_config().speculative
+    assert afd.method == "auto" and afd.model == str(EMBEDDED_DRAFT_HEAD)
+    assert "auto" in EngineArgs(speculative="default", ffn=1).default_speculation_line()
 
 
 def test_an_explicit_config_keeps_its_error():

@@ -14,6 +14,11 @@ Each hop carries ``post_attention_layernorm(h)`` [T, hidden] out and the
 MLP's output back; the residual stream ``h`` never leaves the core. The
 adds and norms are the colocated model's (``fused_ops.add_rms_norm``), in
 the same order, so a token's numbers are the same as without the split.
+
+Everything else is ModelRunner's: a verify step's k + 1 rows a request
+travel as any rows, and an EAGLE-3 head's aux rows (the stream entering
+its layers) are copied per micro-batch into ``model.aux_hidden``, as the
+colocated forward fills it.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class _MicroBatch:
     cos: torch.Tensor
     sin: torch.Tensor
     meta: AttentionMetadata
+    t0: int  # its first row in the step
 
 
 class AFDRunner(ModelRunner):
@@ -76,14 +82,17 @@ class AFDRunner(ModelRunner):
             model.pack_weights()
         self.steps_run += 1
         step, flat, layers = self.steps_run, inputs.flat, model.layers
-        mbs = [self._start(slice_flat(flat, r0, r1))
+        mbs = [self._start(slice_flat(flat, r0, r1), int(flat.query_start_loc[r0]))
                for r0, r1 in micro_batches(flat.query_start_loc, PING_PONG)]
         transfer = inputs.meta.kv_transfer  # a prefill core's P/D hooks: each layer's KV leaves once written
+        aux = self._aux_rows(len(flat.input_ids), mbs[0].h) if getattr(model, "aux_layers", ()) else None
         for i, layer in enumerate(layers):
             for k, mb in enumerate(mbs):
                 if i > 0:  # layer i - 1's MLP output, then this layer's input norm
                     norm = layer.input_layernorm
                     mb.h, mb.x = add_rms_norm(link.receive((step, i - 1, k)), mb.h, norm.weight, norm.eps)
+                if aux is not None:  # an EAGLE-3 head reads the stream entering its aux layers
+                    model._copy_aux(aux[mb.t0:mb.t0 + mb.h.shape[0]], i, mb.h)
                 post = layer.post_attention_layernorm
                 attn = layer.self_attn(mb.x, mb.cos, mb.sin, self.kv_cache[i], mb.meta)
                 mb.h, x = add_rms_norm(attn, mb.h, post.weight, post.eps)
@@ -95,10 +104,17 @@ class AFDRunner(ModelRunner):
                 for k, mb in enumerate(mbs)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _start(self, part) -> _MicroBatch:  # noqa: ANN001 - a FlatStep
+    def _aux_rows(self, tokens: int, h: torch.Tensor) -> torch.Tensor:
+        """The step's ``model.aux_hidden`` [T, aux layers * hidden], which the
+        micro-batches fill row range by row range (the colocated forward's)."""
+        model = self.model
+        model.aux_hidden = h.new_empty(tokens, len(model.aux_layers) * h.shape[1])
+        return model.aux_hidden
+
+    def _start(self, part, t0: int) -> _MicroBatch:  # noqa: ANN001 - a FlatStep
         model = self.model
         meta = part.metadata(self.block_size, self.device, self.kv_cache.dtype, self.triton)
         meta.prepare()
         h = model.embed(self._to_device(part.input_ids))  # [T, hidden]
         cos, sin = model.rotary(self._to_device(part.positions), model.dtype)
-        return _MicroBatch(h, model.layers[0].input_layernorm(h), cos, sin, meta)
+        return _MicroBatch(h, model.layers[0].input_layernorm(h), cos, sin, meta, t0)
