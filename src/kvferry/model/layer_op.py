@@ -24,6 +24,10 @@ It applies to a step where every op of every layer is a C++ kernel
 - the op's library builds. ``KVFERRY_DISABLE_LAYER_OP=1`` (or
   ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns it off.
 
+A tensor-parallel shard runs it too, each layer as two calls split where the
+Python layer all-reduces (``run_tp_layer``: after o_proj and after
+down_proj), the sums between them over the shard's group.
+
 Elsewhere (other devices, the Triton path, unpacked weights) the Python
 layer runs, as before.
 """

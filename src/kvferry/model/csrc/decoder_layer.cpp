@@ -26,6 +26,9 @@
 // against a few us here. The ops are called through the dispatcher, by
 // name: their libraries (kvferry_gemm, kvferry_fused, kvferry) are loaded by
 // the time layer_op.py lets a step take this path (oneDNN's op is torch's).
+//
+// tp_attention and tp_mlp are the same layer in two calls for a
+// tensor-parallel rank, split where its two all-reduces go (see there).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
