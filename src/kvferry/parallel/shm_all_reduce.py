@@ -108,7 +108,7 @@ class ShmAllReduce:
         for start in range(0, outer, per_call):
             part = src[start:start + per_call]
             rows = part.shape[0]
-            slots = self._exchange(part.reshape(-1))
+            slots = self._exchange(part.reshape(-1), "all_gather")
             for r in range(n):
                 out[start:start + rows, r * inner:(r + 1) * inner].copy_(slots[r].view(rows, inner))
         shape = list(t.shape)
@@ -118,7 +118,7 @@ class ShmAllReduce:
     def barrier(self) -> None:
         self.group.barrier()
 
-    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
         """One call: ``x`` (1-D) into this rank's slot, and every rank's slot
         once all have written theirs."""
         self._seq += 1
@@ -126,11 +126,11 @@ class ShmAllReduce:
         slots = self._slots(seq % 2, x)
         slots[self.rank].copy_(x)
         self._flags[self.rank] = seq  # after the data (stores stay in order on x86)
-        self._wait(seq)
+        self._wait(seq, name)
         return slots
 
     def _reduce_chunk(self, x: torch.Tensor) -> None:
-        slots, n = self._exchange(x), self.world_size
+        slots, n = self._exchange(x, "all_reduce"), self.world_size
         if x.dtype == torch.float32:
             x.copy_(slots[0])
             for r in range(1, n):  # rank order: the same sum on every rank
@@ -155,7 +155,7 @@ class ShmAllReduce:
                                         .view(x.dtype) for r in range(self.world_size)]
         return views
 
-    def _wait(self, seq: int) -> None:
+    def _wait(self, seq: int, name: str) -> None:
         flags = self._flags
         if flags.min() >= seq:
             return
@@ -170,16 +170,16 @@ class ShmAllReduce:
                 nap = min(2 * nap, _MAX_NAP_S)
             if now - last_check >= _LIVENESS_EVERY_S:
                 last_check = now
-                self._check_peers(seq, now - start)
+                self._check_peers(seq, now - start, name)
 
-    def _check_peers(self, seq: int, waited: float) -> None:
+    def _check_peers(self, seq: int, waited: float, name: str) -> None:
         for r, pid in enumerate(self._pids):
             if self._flags[r] < seq and not _alive(pid):
-                raise CollectiveError(f"rank {self.rank} of {self.world_size}: all_reduce failed: rank {r} "
+                raise CollectiveError(f"rank {self.rank} of {self.world_size}: {name} failed: rank {r} "
                                       f"(pid {pid}) is gone")
         if waited > self.timeout_s:
             late = [r for r in range(self.world_size) if self._flags[r] < seq]
-            raise CollectiveError(f"rank {self.rank} of {self.world_size}: all_reduce failed: rank(s) {late} did "
+            raise CollectiveError(f"rank {self.rank} of {self.world_size}: {name} failed: rank(s) {late} did "
                                   f"not answer within {self.timeout_s:g}s")
 
     def close(self) -> None:
