@@ -97,6 +97,8 @@ class ShmAllReduce:
         t = tensor.contiguous()
         if t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0:
             return self.group.all_gather(tensor, dim)
+        if not -t.dim() <= dim < t.dim():
+            raise ValueError(f"all_gather: dim {dim} is out of range for a {t.dim()}-d tensor")
         d = dim % t.dim()
         outer = math.prod(t.shape[:d])
         inner = t.numel() // outer
