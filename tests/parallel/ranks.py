@@ -69,11 +69,15 @@ def shm_sums(group: ProcessGroup) -> dict:
     half = torch.full((4, 8), float(r))
     shm.all_reduce(half[:, :4].contiguous())  # a copy: the sum lands in it, not in half
     gathered = shm.all_gather(torch.tensor([[float(r)]]), dim=1)
+    # Logits-like: 37 rows of 11 (44 bytes): 5 rows a call over the 256-byte slots, the last call short.
+    wide = [torch.randn(37, 11, generator=torch.Generator().manual_seed(j)) for j in range(group.world_size)]
+    by_cols = torch.equal(shm.all_gather(wide[r], dim=1), torch.cat(wide, dim=1))
+    by_rows = torch.equal(shm.all_gather(wide[r][:3], dim=-2), torch.cat([w[:3] for w in wide]))
     bf16 = shm.all_reduce(torch.full((5,), 0.1 * (r + 1), dtype=torch.bfloat16))  # summed in float32
     shm.barrier()
     return {"small": small.tolist(), "close": bool(torch.allclose(got, expected, atol=1e-5)),
             "bits": got.numpy().tobytes(), "ints": ints.tolist(), "gathered": gathered.tolist(),
-            "half": half.tolist(), "bf16": bf16.float().tolist()}
+            "half": half.tolist(), "bf16": bf16.float().tolist(), "by_cols": by_cols, "by_rows": by_rows}
 
 
 

@@ -97,6 +97,7 @@ def test_shm_all_reduce_sums_like_gloo_and_gives_every_rank_the_same_bits():
         assert o["close"]
         assert o["ints"] == [6]
         assert o["gathered"] == [[0.0, 1.0, 2.0]]
+        assert o["by_cols"] and o["by_rows"]  # gathers through the slots, in several calls
         assert o["bf16"] == pytest.approx([0.6] * 5, abs=0.01)
     for r, o in enumerate(out):
         assert o["half"] == [[float(r)] * 8] * 4  # only the contiguous copy was summed

@@ -24,6 +24,10 @@ It applies to a step where every op of every layer is a C++ kernel
 - the op's library builds. ``KVFERRY_DISABLE_LAYER_OP=1`` (or
   ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns it off.
 
+A tensor-parallel shard runs it too, each layer as two calls split where the
+Python layer all-reduces (``run_tp_layer``: after o_proj and after
+down_proj), the sums between them over the shard's group.
+
 Elsewhere (other devices, the Triton path, unpacked weights) the Python
 layer runs, as before.
 """
@@ -37,10 +41,12 @@ import torch
 from kvferry import envs
 from kvferry.model import fused_ops, paged_kernel
 from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET
+from kvferry.model.fused_ops import add_rms_norm
 from kvferry.model.kv_cache_dtype import is_fp8
 
 if TYPE_CHECKING:
     from kvferry.model.attention import AttentionMetadata
+    from kvferry.model.layers.parallel import TPShard
     from kvferry.model.llama import Attention, LlamaModel
 
 _SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.cpp"
@@ -88,6 +94,30 @@ def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
     return out
 
 
+# A tensor-parallel rank's layer (run_tp_layer): tp_attention's weight
+# arguments (after its nine step tensors), tp_mlp's (after o and h), and the
+# next norm's weight and eps.
+TPLayerArgs = tuple
+
+
+def model_tp_layer_args(model: LlamaModel) -> list[TPLayerArgs] | None:
+    """model_layer_args for a tensor-parallel shard: each layer's arguments
+    split where the Python layer all-reduces (after o_proj and down_proj)."""
+    whole = model_layer_args(model)
+    if whole is None:
+        return None
+    out = []
+    for (qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, post_w, post_eps, gu_w, gu_n, gu_kind, down_w, down_n,
+         down_kind, next_w, next_eps, heads, kv_heads, scale, exact_rows, row_bucket, q_norm_w, k_norm_w, qk_eps,
+         qkv_parts, qkv_part_types, gu_parts, gu_part_types) in whole:
+        attn = (qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, heads, kv_heads, scale, exact_rows, row_bucket,
+                q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types)
+        mlp = (post_w, post_eps, gu_w, gu_n, gu_kind, down_w, down_n, down_kind, exact_rows, row_bucket, gu_parts,
+               gu_part_types)
+        out.append((attn, mlp, next_w, next_eps))
+    return out
+
+
 def _head_norms(attn: Attention) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
     """(q_norm_w, k_norm_w, eps) of Qwen3's per-head norms, or (None, None, 0.0)."""
     if attn.q_norm is None:
@@ -120,6 +150,20 @@ def run_layer(args: LayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tens
     return torch.ops.kvferry_layer.decoder_layer(
         h, x, cos, sin, kv_cache_layer, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
         meta.kernel_query_starts, meta.kernel_query_lens, *args)
+
+
+def run_tp_layer(args: TPLayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache_layer: torch.Tensor, meta: AttentionMetadata,
+                 shard: TPShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_layer on a tensor-parallel rank: two C++ calls, each partial
+    product all-reduced over ``shard``'s group between them, as the Python
+    layer's row-parallel matmuls do (the same bits: decoder_layer.cpp)."""
+    attn, mlp, next_w, next_eps = args
+    o = torch.ops.kvferry_layer.tp_attention(
+        x, cos, sin, kv_cache_layer, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
+        meta.kernel_query_starts, meta.kernel_query_lens, *attn)
+    h, d = torch.ops.kvferry_layer.tp_mlp(shard.all_reduce(o), h, *mlp)
+    return add_rms_norm(shard.all_reduce(d), h, next_w, next_eps)
 
 
 def _load() -> bool:

@@ -251,7 +251,7 @@ class LlamaModel(nn.Module):
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
         # Each layer's arguments for the one-call C++ layer (layer_op.py), or
         # None where some layer does not fit it; set by pack_weights.
-        self._layer_args: list[layer_op.LayerArgs] | None = None
+        self._layer_args: list[layer_op.LayerArgs] | list[layer_op.TPLayerArgs] | None = None
         # EAGLE-3 heads (spec/eagle3.py) read the residual stream entering
         # these layers (a low, a middle and a top one): each forward then
         # copies those rows side by side into ``aux_hidden`` [T, len * H].
@@ -268,9 +268,10 @@ class LlamaModel(nn.Module):
         first forward after loading."""
         for lin in self.linears():
             lin.process_weights_after_loading()
-        # The one-call C++ layer has no all-reduce between its matmuls: the
-        # Python layers run a tensor-parallel shard.
-        self._layer_args = None if self.shard.enabled else layer_op.model_layer_args(self)
+        # A tensor-parallel shard's layer runs as two C++ calls, all-reduced
+        # after each (where its row-parallel matmuls all-reduce).
+        self._layer_args = (layer_op.model_tp_layer_args(self) if self.shard.enabled
+                            else layer_op.model_layer_args(self))
         self.weights_packed = True
 
     def set_linear_config(self, linear_config: LinearConfig) -> None:
@@ -358,7 +359,10 @@ class LlamaModel(nn.Module):
             for i, args in enumerate(self._layer_args):
                 if aux is not None:
                     self._copy_aux(aux, i, h)
-                h, x = layer_op.run_layer(args, h, x, cos, sin, kv_cache[i], meta)
+                if self.shard.enabled:
+                    h, x = layer_op.run_tp_layer(args, h, x, cos, sin, kv_cache[i], meta, self.shard)
+                else:
+                    h, x = layer_op.run_layer(args, h, x, cos, sin, kv_cache[i], meta)
                 if meta.kv_transfer is not None:
                     meta.kv_transfer.layer_done(i)
             return h if ends_stream else x

@@ -26,6 +26,9 @@
 // against a few us here. The ops are called through the dispatcher, by
 // name: their libraries (kvferry_gemm, kvferry_fused, kvferry) are loaded by
 // the time layer_op.py lets a step take this path (oneDNN's op is torch's).
+//
+// tp_attention and tp_mlp are the same layer in two calls for a
+// tensor-parallel rank, split where its two all-reduces go (see there).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -157,31 +160,18 @@ struct Matmul {
   }
 };
 
-// h, x [T, hidden] (x = the layer's input norm of h); cos, sin [T, D / 2] in
-// the model's dtype; kv_cache_layer [2, num_blocks, block_size, KVH, D];
-// slot_mapping [T]; block_tables .. query_lens: the paged kernel's sequences
-// (every sequence of the step); *_w: the packed weights, *_n their output
-// widths, *_kind whose copy (see Matmul); q_norm_w, k_norm_w: Qwen3's
-// per-head norms, or none; qkv_parts .. gate_up_part_types: the GGUF parts
-// of a fused layer of kind kQuantParts (empty otherwise).
-std::tuple<Tensor, Tensor> decoder_layer(
-    const Tensor& h, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
-    const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
-    const Tensor& query_lens, const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind,
-    const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n, int64_t o_kind, const Tensor& post_norm_w,
-    double post_eps, const Tensor& gate_up_w, int64_t gate_up_n, int64_t gate_up_kind, const Tensor& down_w,
-    int64_t down_n, int64_t down_kind, const Tensor& next_norm_w, double next_eps, int64_t num_heads,
-    int64_t num_kv_heads, double scale, int64_t exact_rows, int64_t row_bucket,
-    const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w, double qk_eps,
-    at::TensorList qkv_parts, at::IntArrayRef qkv_part_types, at::TensorList gate_up_parts,
-    at::IntArrayRef gate_up_part_types) {
-  TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes(), "decoder_layer: h and x must be [tokens, hidden]");
+// The attention half of a layer on x [T, hidden] (the layer's input norm):
+// qkv, RoPE (Qwen3: the per-head norms first), the KV write, paged attention,
+// and o_proj's product [T, o_n], before the residual add.
+Tensor attention_product(const Ops& op, const Matmul& gemm, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                         const Tensor& kv_cache_layer, const Tensor& slot_mapping, const Tensor& block_tables,
+                         const Tensor& seq_lens, const Tensor& query_starts, const Tensor& query_lens,
+                         const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind, const std::optional<Tensor>& qkv_bias,
+                         const Tensor& o_w, int64_t o_n, int64_t o_kind, int64_t num_heads, int64_t num_kv_heads,
+                         double scale, const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w,
+                         double qk_eps, at::TensorList qkv_parts, at::IntArrayRef qkv_part_types) {
   TORCH_CHECK(kv_cache_layer.dim() == 5 && kv_cache_layer.size(0) == 2 && kv_cache_layer.size(3) == num_kv_heads,
               "decoder_layer: kv_cache_layer must be [2, num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "decoder_layer: bfloat16 or float32 only");
-  const Ops& op = ops();
-  const Matmul gemm{x.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
   const int64_t T = x.size(0), D = kv_cache_layer.size(4);
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   TORCH_CHECK(qkv_n == q_size + 2 * kv_size, "decoder_layer: qkv_n is not (H + 2 KVH) * D");
@@ -207,10 +197,93 @@ std::tuple<Tensor, Tensor> decoder_layer(
   op.write_kv.call(k, v, k_cache.view({-1, num_kv_heads, D}), v_cache.view({-1, num_kv_heads, D}), slot_mapping);
   Tensor out = at::empty(q.sizes(), q.options());
   op.attention.call(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out);
-  auto [h1, x1] = op.add_rms_norm.call(gemm(out.view({T, q_size}), o_w, o_n, o_kind), h, post_norm_w, post_eps);
+  return gemm(out.view({T, q_size}), o_w, o_n, o_kind);
+}
+
+// The MLP on x1 [T, hidden] (the post-attention norm): down_proj's product
+// of silu_and_mul(gate_up), before the residual add.
+Tensor mlp_product(const Ops& op, const Matmul& gemm, const Tensor& x1, const Tensor& gate_up_w, int64_t gate_up_n,
+                   int64_t gate_up_kind, const Tensor& down_w, int64_t down_n, int64_t down_kind,
+                   at::TensorList gate_up_parts, at::IntArrayRef gate_up_part_types) {
   const Tensor up =
       op.silu_and_mul.call(gemm(x1, gate_up_w, gate_up_n, gate_up_kind, std::nullopt, gate_up_parts, gate_up_part_types));
-  return op.add_rms_norm.call(gemm(up, down_w, down_n, down_kind), h1, next_norm_w, next_eps);
+  return gemm(up, down_w, down_n, down_kind);
+}
+
+void check_input(const Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [tokens, hidden]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "decoder_layer: bfloat16 or float32 only");
+}
+
+// h, x [T, hidden] (x = the layer's input norm of h); cos, sin [T, D / 2] in
+// the model's dtype; kv_cache_layer [2, num_blocks, block_size, KVH, D];
+// slot_mapping [T]; block_tables .. query_lens: the paged kernel's sequences
+// (every sequence of the step); *_w: the packed weights, *_n their output
+// widths, *_kind whose copy (see Matmul); q_norm_w, k_norm_w: Qwen3's
+// per-head norms, or none; qkv_parts .. gate_up_part_types: the GGUF parts
+// of a fused layer of kind kQuantParts (empty otherwise).
+std::tuple<Tensor, Tensor> decoder_layer(
+    const Tensor& h, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
+    const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
+    const Tensor& query_lens, const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind,
+    const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n, int64_t o_kind, const Tensor& post_norm_w,
+    double post_eps, const Tensor& gate_up_w, int64_t gate_up_n, int64_t gate_up_kind, const Tensor& down_w,
+    int64_t down_n, int64_t down_kind, const Tensor& next_norm_w, double next_eps, int64_t num_heads,
+    int64_t num_kv_heads, double scale, int64_t exact_rows, int64_t row_bucket,
+    const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w, double qk_eps,
+    at::TensorList qkv_parts, at::IntArrayRef qkv_part_types, at::TensorList gate_up_parts,
+    at::IntArrayRef gate_up_part_types) {
+  check_input(x);
+  TORCH_CHECK(h.sizes() == x.sizes(), "decoder_layer: h and x must be [tokens, hidden]");
+  const Ops& op = ops();
+  const Matmul gemm{x.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
+  const Tensor o = attention_product(op, gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
+                                     query_starts, query_lens, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
+                                     num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts,
+                                     qkv_part_types);
+  auto [h1, x1] = op.add_rms_norm.call(o, h, post_norm_w, post_eps);
+  return op.add_rms_norm.call(mlp_product(op, gemm, x1, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n, down_kind,
+                                          gate_up_parts, gate_up_part_types),
+                              h1, next_norm_w, next_eps);
+}
+
+// A tensor-parallel rank's layer is the same ops in two calls, each ending
+// where the Python layer's row-parallel matmul all-reduces (layers/parallel.py):
+//
+//   o = tp_attention(x, ...)                      o_proj's partial product (this rank's heads)
+//   all_reduce(o)                                 in Python, over the rank's group
+//   h1, d = tp_mlp(o, h, ...)                     h1, x1 = add_rms_norm(o, h); d = down_proj's partial product
+//   all_reduce(d); h', x' = add_rms_norm(d, h1, next_norm)
+//
+// so its results are the Python TP layer's to the bit, as decoder_layer's are
+// the Python layer's.
+Tensor tp_attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
+                    const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
+                    const Tensor& query_starts, const Tensor& query_lens, const Tensor& qkv_w, int64_t qkv_n,
+                    int64_t qkv_kind, const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n,
+                    int64_t o_kind, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t exact_rows,
+                    int64_t row_bucket, const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w,
+                    double qk_eps, at::TensorList qkv_parts, at::IntArrayRef qkv_part_types) {
+  check_input(x);
+  const Matmul gemm{x.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
+  return attention_product(ops(), gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
+                           query_starts, query_lens, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, num_heads,
+                           num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types);
+}
+
+std::tuple<Tensor, Tensor> tp_mlp(const Tensor& o, const Tensor& h, const Tensor& post_norm_w, double post_eps,
+                                  const Tensor& gate_up_w, int64_t gate_up_n, int64_t gate_up_kind,
+                                  const Tensor& down_w, int64_t down_n, int64_t down_kind, int64_t exact_rows,
+                                  int64_t row_bucket, at::TensorList gate_up_parts,
+                                  at::IntArrayRef gate_up_part_types) {
+  check_input(o);
+  TORCH_CHECK(h.sizes() == o.sizes(), "tp_mlp: o and h must be [tokens, hidden]");
+  const Ops& op = ops();
+  const Matmul gemm{o.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
+  auto [h1, x1] = op.add_rms_norm.call(o, h, post_norm_w, post_eps);
+  return {h1, mlp_product(op, gemm, x1, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n, down_kind, gate_up_parts,
+                          gate_up_part_types)};
 }
 
 }  // namespace
@@ -227,4 +300,18 @@ TORCH_LIBRARY(kvferry_layer, m) {
   m.impl("decoder_layer", c10::DispatchKey::CPU, TORCH_FN(decoder_layer));
   // oneDNN's packed weights are MkldnnCPU tensors: a call with one dispatches there.
   m.impl("decoder_layer", c10::DispatchKey::MkldnnCPU, TORCH_FN(decoder_layer));
+  m.def(
+      "tp_attention(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv_cache_layer, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, Tensor qkv_w, int qkv_n, "
+      "int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, int num_heads, int num_kv_heads, "
+      "float scale, int exact_rows, int row_bucket, Tensor? q_norm_w, Tensor? k_norm_w, float qk_eps, "
+      "Tensor[] qkv_parts, int[] qkv_part_types) -> Tensor");
+  m.impl("tp_attention", c10::DispatchKey::CPU, TORCH_FN(tp_attention));
+  m.impl("tp_attention", c10::DispatchKey::MkldnnCPU, TORCH_FN(tp_attention));
+  m.def(
+      "tp_mlp(Tensor o, Tensor h, Tensor post_norm_w, float post_eps, Tensor gate_up_w, int gate_up_n, "
+      "int gate_up_kind, Tensor down_w, int down_n, int down_kind, int exact_rows, int row_bucket, "
+      "Tensor[] gate_up_parts, int[] gate_up_part_types) -> (Tensor, Tensor)");
+  m.impl("tp_mlp", c10::DispatchKey::CPU, TORCH_FN(tp_mlp));
+  m.impl("tp_mlp", c10::DispatchKey::MkldnnCPU, TORCH_FN(tp_mlp));
 }
