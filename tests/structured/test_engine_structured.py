@@ -138,3 +138,19 @@ def test_structured_outputs_cross_the_process_boundary():
     assert back.sampling_params.structured_outputs == params.structured_outputs
     # Canonical JSON: equal schemas are equal cache keys whatever their key order.
     assert params.structured_outputs.json == StructuredOutputsParams(json={"a": {"type": "object"}, "b": 1}).json
+
+
+def test_ignore_eos_past_the_grammars_end_keeps_the_engine_serving(llm):
+    """With ``ignore_eos`` a request goes on after its grammar accepted the
+    stop token: a terminated matcher has no mask to give (xgrammar raised,
+    and the engine core died). As vLLM does, what follows the complete
+    structured text is unconstrained, up to max_tokens."""
+    pattern = r"\d{3}-\d{4}"
+    params = structured(regex=pattern, max_tokens=12)
+    params.ignore_eos = True
+    out = llm.generate([prompt(7)], params)[0]
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 12
+    assert re.match(pattern, out.text), out.text
+    after = llm.generate([prompt(9)], structured(regex=pattern))[0]
+    assert after.finish_reason == "stop" and re.fullmatch(pattern, after.text)

@@ -245,6 +245,8 @@ class ModelRunner:
             return None
         for token in data.output_token_ids:  # outputs made before it came here
             matcher.accept_token(token)
+            if matcher.is_terminated:  # ignore_eos went past the grammar's end: nothing left to constrain
+                return None
         return matcher
 
     # -- inputs ---------------------------------------------------------------
@@ -663,6 +665,13 @@ class ModelRunner:
                     # Only when something overrode the mask (min_tokens banning
                     # the grammar's only way out): the grammar cannot follow.
                     logger.warning("request %s: token %d breaks its grammar", rid, token)
+                    state.matcher = None
+                    break
+                if state.matcher.is_terminated:
+                    # The grammar accepted its stop token. A request goes on
+                    # only under ignore_eos; a terminated matcher has no mask
+                    # to give (xgrammar raises), so, as in vLLM, the rest of
+                    # its tokens are unconstrained.
                     state.matcher = None
                     break
         if state.output_counts is not None:
