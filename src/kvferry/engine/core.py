@@ -281,9 +281,9 @@ class EngineCore:
         result = self.runner.execute(sched) if self.tp is None else self.tp.run(self.runner.execute, sched)
         outputs = self.scheduler.update_from_output(sched, result)
         seconds = time.monotonic() - start
-        # On a CPU speculation is steered by this process's CPU seconds: wall
-        # time would carry other processes' load into the choice (spec/adaptive.py).
-        self._observe_step_cost(sched, time.process_time() - cpu_start if self._cpu else seconds)
+        # On a CPU speculation is steered by the lesser of wall and CPU seconds:
+        # each only grows with other processes' load (spec/adaptive.py).
+        self._observe_step_cost(sched, min(seconds, time.process_time() - cpu_start) if self._cpu else seconds)
         if sched.total_num_scheduled_tokens:
             self._num_steps += 1
             self._step_seconds += seconds

@@ -41,10 +41,14 @@ Three rules, all cheap and deterministic:
   mean acceptance (then 0, with probes, as above). A probe of the level
   (``cost_probe_steps``) gives every request the level, so that its
   figures, and its requests' acceptance, stay current.
-- **Which clock.** The engine reports CPU seconds on a CPU device (the
-  engine process's, its compute threads included): on a machine other
-  processes load, wall time would price whichever level ran during a
-  burst of their work, and the choice would follow the noise.
+- **Which clock.** On a CPU device the engine reports the lesser of a
+  step's wall seconds and its process's CPU seconds: both only grow with
+  other processes' load (wall time by preemption, CPU time by compute
+  threads spinning at barriers), and with one thread CPU time is the step's
+  own work. Wall time alone priced whichever level ran during a burst of
+  other work, and the choice followed the noise. Every draft is taken to
+  cost at least ``MIN_DRAFT_COST`` of a plain step, so that noise cannot
+  make drafting look free to a request whose drafts fail.
 """
 from __future__ import annotations
 
@@ -114,24 +118,27 @@ class _BucketCost:
 
     def break_even(self, level: int) -> float | None:
         """Tokens per step a request must gain at ``level`` for its drafts to
-        pay: the level's step seconds over plain decoding's."""
-        plain, spec = self.seconds[0], self.seconds[level]
-        if plain is None or spec is None or not (self.measured(0) and self.measured(level)):
+        pay: the level's step seconds over plain decoding's (measured, or
+        estimated: ``estimated_seconds``), at least ``MIN_DRAFT_COST`` a draft."""
+        plain, spec = self.seconds[0], self.estimated_seconds(level)
+        if plain is None or spec is None or plain <= 0 or not self.measured(0):
             return None
-        return spec / plain
+        return max(spec / plain, 1.0 + MIN_DRAFT_COST * level)
 
     def estimated_seconds(self, level: int) -> float | None:
-        """A level's step seconds: measured, or (not yet) extrapolated in a
-        line from plain decoding through the deepest measured level below
-        it (on a CPU a step's cost grows less than linearly in its drafts,
-        so the line is on the dear side)."""
+        """A level's step seconds: measured or, for the level just above the
+        deepest measured one (so that a request climbs one level at a time,
+        each run measuring it), that level's seconds plus its cost per draft
+        over plain decoding's, at least 5% of a plain step (noise can price
+        a level at or below plain: an extrapolation must not call deeper
+        levels free)."""
         if self.measured(level):
             return self.seconds[level]
-        plain = self.seconds[0] if self.measured(0) else None
-        below = next((m for m in range(level - 1, 0, -1) if self.measured(m)), None)
-        if plain is None or below is None:
+        if not self.measured(0) or not self.measured(level - 1) or level < 2:
             return None
-        return plain + (self.seconds[below] - plain) * level / below
+        plain, below = self.seconds[0], self.seconds[level - 1]
+        per_draft = max((below - plain) / (level - 1), MIN_DRAFT_COST * plain)
+        return max(below, plain) + per_draft
 
     def speedup_known(self) -> bool:
         """Plain decoding and at least one level measured."""
@@ -152,6 +159,11 @@ class _BucketCost:
             self.gain[level] = gain if old is None else (1 - alpha) * old + alpha * gain
 
 
+# The least a draft is taken to cost, as a share of a plain step: verifying
+# is never free (on a CPU a draft costs 5-40% of a step), and measured step
+# times are noisy where other processes load the machine; with this floor a
+# request whose drafts almost never hold stops drafting whatever the noise.
+MIN_DRAFT_COST = 0.05
 # A failed probe doubles the wait before the next, up to this many times.
 _MAX_PROBE_BACKOFF = 3
 
@@ -276,15 +288,14 @@ class AdaptiveSpecController:
     def _best_alone(self, state: _RequestSpecState, cost: _BucketCost) -> int:
         """At batch 1 the step is the request's own: the level with the most
         tokens per second by its acceptance and the bucket's step costs
-        (measured, or extrapolated for a level not yet run: running it
-        measures it). Plain decoding wins ties."""
-        plain = cost.seconds[0]
+        (``break_even``; a level not yet run is priced from the one below
+        it, and running it measures it). Plain decoding wins ties."""
         best, best_rate = 0, 1.0
         for level in range(1, self.max_drafts(1) + 1):
-            seconds = cost.estimated_seconds(level)
-            if seconds is None or plain is None or seconds <= 0:
+            even = cost.break_even(level)
+            if even is None:
                 continue
-            rate = (1.0 + state.acceptance * level) * plain / seconds
+            rate = (1.0 + state.acceptance * level) / even
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = level, rate
         return best
