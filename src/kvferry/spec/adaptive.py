@@ -1,6 +1,6 @@
 """How many drafts each request gets this step.
 
-Three rules, all cheap and deterministic:
+Four rules, all cheap and deterministic:
 
 - **Acceptance.** Each request keeps an EWMA of accepted / proposed drafts,
   each proposal weighed by its number of drafts (``ewma_alpha`` for k_max).
@@ -21,7 +21,7 @@ Three rules, all cheap and deterministic:
   ``batch_token_threshold``: at large batches decode is already
   compute-efficient, and drafts would only slow every request down.
 - **Measured cost per level** (``cost_aware``). The engine reports each
-  decode-only step's wall time (``observe_step``). Per batch-size bucket
+  decode-only step's seconds (``observe_step``; which clock: below). Per batch-size bucket
   (powers of two) the controller picks a *level* L in [0, cap], the most
   drafts any request gets, and keeps per level EWMAs of the step's seconds
   and of the tokens a request gains per step (1 + accepted). A step's cost
@@ -38,9 +38,12 @@ Three rules, all cheap and deterministic:
   current and a level that starts paying (a repetitive passage) is found.
   Within the level, a request gets L drafts where they pay it (above)
   and, in a batch, unless its acceptance EWMA is under half the level's
-  mean acceptance (then 0, with probes, as above). A probe of the level
-  (``cost_probe_steps``) gives every request the level, so that its
-  figures, and its requests' acceptance, stay current.
+  mean acceptance (then 0, with probes, as above). At batch 1 the step is
+  the request's own, so the level is too: the one with the most tokens per
+  second by its acceptance and the bucket's step costs, a level not yet
+  measured priced from the one below it (so a request climbs one level at
+  a time, and running a level measures it). A step whose only drafts were
+  probes counts as level 1; alone, a request's drafts are the step's level.
 - **Which clock.** On a CPU device the engine reports the lesser of a
   step's wall seconds and its process's CPU seconds: both only grow with
   other processes' load (wall time by preemption, CPU time by compute
