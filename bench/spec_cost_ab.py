@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 ap = argparse.ArgumentParser()
-ap.add_argument("workload"); ap.add_argument("--n", type=int, default=6); ap.add_argument("--tokens", type=int, default=64)
+ap.add_argument("workload", choices=["cycle", "chat", "code", "agentic"]); ap.add_argument("--n", type=int, default=6); ap.add_argument("--tokens", type=int, default=64)
 ap.add_argument("--temp", type=float, default=0.0); ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--specs", nargs="+", default=["off", "default"]); ap.add_argument("--gguf", action="store_true")
 ap.add_argument("--batch", type=int, default=1); ap.add_argument("--dump", action="store_true")
