@@ -144,6 +144,10 @@ def main() -> None:
     ap.add_argument("--head", default=None)
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--spec-json", default=None, help="extra speculative config keys (JSON)")
+    ap.add_argument("--model", default=None, help="target (default: the embedded model; a .gguf file too)")
+    ap.add_argument("--quantization", default=None, help="e.g. gguf: run a .gguf file's blocks")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="let the controller choose k (default: k drafts every step, the verify window's cost)")
     args = ap.parse_args()
 
     import torch
@@ -152,8 +156,10 @@ def main() -> None:
     from spec_decode import method_config, prompts_for
 
     torch.set_num_threads(args.threads)
-    common = dict(dtype=args.dtype, max_num_seqs=1, kv_cache_memory_gb=0.25)
-    spec_args = argparse.Namespace(k=args.k, draft_model=args.draft_model, head=args.head)
+    common = dict(model=args.model, dtype=args.dtype, max_num_seqs=1, kv_cache_memory_gb=0.25)
+    if args.quantization:
+        common["quantization"] = args.quantization
+    spec_args = argparse.Namespace(k=args.k, draft_model=args.draft_model, head=args.head, fixed_k=not args.adaptive)
     spec = method_config(args.method, spec_args)
     if args.spec_json:
         spec.update(json.loads(args.spec_json))

@@ -21,19 +21,24 @@ def test_full_acceptance_keeps_k_max():
     assert run(AdaptiveSpecController(4, 64), [1.0] * 5) == [4, 4, 4, 4, 4]
 
 
-def test_failing_drafts_shrink_k_to_zero_then_probe():
+def test_failing_drafts_shrink_k_to_zero_then_probe_ever_more_rarely():
     c = AdaptiveSpecController(4, 64, ewma_alpha=0.5, probe_interval=3)
-    # EWMA 1 -> .5 -> .25 -> .125 (k = floor(ewma * 5): 4, 2, 1, 0)
-    ks = run(c, [0.0] * 9)
-    assert ks == [4, 2, 1, 0, 0, 1, 0, 0, 1]
-    assert c.acceptance("r") == 1 / 32  # two rejected probes halved it twice more
+    # k = floor(ewma * 5); the EWMA weighs each proposal by its drafts (alpha
+    # 0.5 for 4, 0.16 for 1): 1 -> .5 -> .35 -> .30 -> .25 -> .21 -> .18 (k 0).
+    # Then a probe after 3 steps, and each failed probe doubles the wait: 6, 12, 24, 24.
+    ks = run(c, [0.0] * 80)
+    probes = [i for i, k in enumerate(ks) if k]
+    assert ks[:9] == [4, 2, 1, 1, 1, 1, 0, 0, 1]
+    assert probes == [0, 1, 2, 3, 4, 5, 8, 14, 26, 50, 74]
+    assert c.acceptance("r") < 0.08
 
 
 def test_a_successful_probe_wins_drafts_back():
     c = AdaptiveSpecController(4, 64, ewma_alpha=0.5, probe_interval=2)
-    ks = run(c, [0.0] * 6 + [1.0] * 4)
-    # ewma .5 .25 .125 | k=0 | probe rejected: .0625 | k=0 | probe accepted: .53, .77, .88
-    assert ks == [4, 2, 1, 0, 1, 0, 1, 2, 3, 4]
+    ks = run(c, [0.0] * 10 + [1.0] * 6)
+    # Probes at 7 (rejected: the wait doubles to 4) and 11 (accepted): the
+    # acceptance climbs with each held draft, and k with it.
+    assert ks == [4, 2, 1, 1, 1, 1, 0, 1, 0, 0, 0, 1, 1, 1, 2, 3]
 
 
 def test_batch_budget_caps_k():
@@ -49,11 +54,22 @@ def test_not_adaptive_always_gives_the_batch_cap():
     assert run(c, [0.0] * 4) == [3, 3, 3, 3]
 
 
-def test_forget_resets_a_request():
+def test_a_new_request_starts_from_its_predecessors_acceptance():
+    """Forgotten, a request's state is gone; the next request starts from
+    the acceptance the finished ones ended with, not from full acceptance:
+    where drafts keep failing, each new request does not pay to learn it."""
     c = AdaptiveSpecController(4, 64)
-    run(c, [0.0] * 3)
-    c.forget("r")
-    assert c.num_drafts("r", 1) == 4
+    assert c.num_drafts("first", 1) == 4  # nothing known yet: optimistic
+    c.observe("first", 4, 4)
+    c.forget("first")
+    assert c.num_drafts("second", 1) == 4
+    for _ in range(3):
+        c.observe("second", 4, 0)
+    c.forget("second")
+    assert "second" not in c._states
+    assert c.num_drafts("third", 1) == 2  # half of .125 and 1: floor(.5625 * 5)
+    c.forget("idle")  # a request that never drafted teaches nothing
+    assert c.num_drafts("fourth", 1) == 2
 
 
 def steps(c: AdaptiveSpecController, num_running: int, n: int, plain_s: float, spec_s: float,
@@ -127,7 +143,7 @@ def test_cheap_verification_keeps_drafting_at_modest_acceptance():
     """Once a bucket's costs are measured, a verify window that costs about a
     plain step keeps k high for a request whose drafts are half accepted;
     an expensive one turns that request's drafts off."""
-    for spec_s, expected_k in ((1.04, 4), (3.0, 0)):
+    for spec_s, expected_k in ((1.04, 4), (3.5, 0)):  # 3 tokens a step: 3x is the break-even
         c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=10**6)
         ks = []
         for step in range(12):
@@ -142,9 +158,11 @@ def test_cheap_verification_keeps_drafting_at_modest_acceptance():
 
 
 def test_within_a_measured_level_only_a_request_far_below_its_peers_stops():
-    """At batch 1 the level's figures are the request's own: a run of
-    rejected drafts does not cut it below the level. In a batch, a request
-    whose drafts fail far more often than the batch's does get k = 0."""
+    """At batch 1 the request's own acceptance against the level's measured
+    cost decides: where verification costs little (1.2x here), three rejected
+    proposals (acceptance .125) still leave 1.5 tokens a step at level 4. In
+    a batch, a request whose drafts fail far more often than the batch's
+    does get k = 0."""
     c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=10**6)
     for num_running in (1, 4):  # measure every level of both buckets: level 4 pays
         for _ in range(5):
@@ -178,3 +196,34 @@ def test_a_levels_first_step_is_warm_up_and_it_is_measured_over_several():
     assert caps[:20] == [4] * 4 + [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     assert c.speedup(1) is not None and c.speedup(1) > 2.5
     assert caps[20:] == [4] * 10  # the best level: 3 tokens a step for 1.12x the cost
+
+
+def test_alone_a_request_whose_drafts_always_fail_stops_drafting_within_a_few_steps():
+    """Batch 1, costs measured on a request whose drafts held (level 4 pays
+    well: 1.5x the cost for up to 5 tokens). The next request's drafts all
+    fail: it starts from its predecessor's acceptance, stops after a few
+    steps, then probes with one draft ever more rarely (one step in 64 at
+    most after a while), while the bucket's figures still say level 4 pays."""
+    c = AdaptiveSpecController(4, 24, **ONE_SAMPLE, cost_probe_steps=32)
+    seconds = {0: 1.0, 1: 1.2, 2: 1.3, 3: 1.4, 4: 1.5}
+
+    def step(rid: str, accept: bool) -> int:
+        k = c.num_drafts(rid, 1)
+        if k:
+            c.observe(rid, k, k if accept else 0)
+        c.observe_step(1, k, seconds[k])
+        return k
+
+    good = [step("good", True) for _ in range(30)]
+    assert good[-10:] == [4] * 10 and c.speedup(1) > 2
+    c.forget("good")
+    ks = [step("bad", False) for _ in range(300)]
+    drafting = [i for i, k in enumerate(ks) if k]
+    first = ks.index(0)
+    assert 1 <= first <= 4 and ks[:first] == [4] * first  # a few steps, then off
+    probes = drafting[first:]
+    assert all(ks[i] == 1 for i in probes)  # one draft each
+    assert len(probes) <= 6 and all(b - a >= 64 for a, b in zip(probes[-3:], probes[-2:]))
+    # The next request starts between the two predecessors' acceptance: off no later.
+    c.forget("bad")
+    assert [step("next", False) for _ in range(7)].index(0) <= first

@@ -21,6 +21,8 @@ PROMPT = f"{PASSAGE}\n\nRepeat the text above.\n\n{PASSAGE[:60]}"
 # A batch at which the default drafts nothing: num_running * 2 > batch_token_threshold (24).
 LARGE_BATCH = 16
 NO_DRAFTS_FROM = 13
+FAILING_TOKENS = 120
+FAILING_DRAFTS_BOUND = 60
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,30 @@ def test_the_default_drafts_a_batch_1_repetitive_request_with_off_s_greedy_text(
     assert default_server.metric(DRAFTS) > before
     assert default_server.metric("kvferry:spec_decode_num_accepted_tokens_total") > 0
     assert complete(off_server) == text
+
+
+def test_a_batch_1_request_whose_drafts_fail_stops_drafting(default_server):
+    """After a repetitive request (batch 1's costs measured, drafts paying),
+    one whose repetition penalty keeps the target from every token already
+    seen: the drafts of suffix decoding and prompt lookup (copies of earlier
+    text) cannot hold, nor most of the head's (which knows of no penalty). It
+    drafts only in its first steps and then in rare one-draft probes: the
+    draft counter, read from /metrics, grows by far less than k per step."""
+    srv = default_server
+    done = finished(srv)
+    complete(srv)
+    srv.wait_for_metric("kvferry:e2e_request_latency_seconds_count", lambda v: v >= done + 1)
+    before = srv.metric(DRAFTS)
+    with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=600) as client:
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=FAILING_TOKENS, temperature=0.0,
+                                      presence_penalty=2.0,
+                                      extra_body={"ignore_eos": True, "repetition_penalty": 10.0})
+    assert r.usage.completion_tokens == FAILING_TOKENS
+    srv.wait_for_metric("kvferry:e2e_request_latency_seconds_count", lambda v: v >= done + 2)
+    drafted = srv.metric(DRAFTS) - before
+    # Drafting at every step would be over FAILING_TOKENS; off after a few
+    # steps, with probes whose wait doubles from 8 steps, stays far below.
+    assert drafted <= FAILING_DRAFTS_BOUND, drafted
 
 
 def test_off_drafts_nothing(off_server):

@@ -109,6 +109,7 @@ class EngineCore:
             self.runner.tp_leader = self.tp
             if self.stage is not None:
                 self.runner.link = self.tp.link
+        self._cpu = m.device == "cpu"
         if m.device == "cpu":
             # Build (or load) the C++ attention kernel now, before the ready
             # message: otherwise the first requests' TTFT pays for it (a
@@ -275,12 +276,14 @@ class EngineCore:
     # -- stepping ----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """Run one batch; return only what it added to each request."""
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), time.process_time()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched) if self.tp is None else self.tp.run(self.runner.execute, sched)
         outputs = self.scheduler.update_from_output(sched, result)
         seconds = time.monotonic() - start
-        self._observe_step_cost(sched, seconds)
+        # On a CPU speculation is steered by the lesser of wall and CPU seconds:
+        # each only grows with other processes' load (spec/adaptive.py).
+        self._observe_step_cost(sched, min(seconds, time.process_time() - cpu_start) if self._cpu else seconds)
         if sched.total_num_scheduled_tokens:
             self._num_steps += 1
             self._step_seconds += seconds

@@ -1,20 +1,27 @@
 """How many drafts each request gets this step.
 
-Three rules, all cheap and deterministic:
+Four rules, all cheap and deterministic:
 
-- **Acceptance.** Each request keeps an EWMA of accepted / proposed drafts
-  (starting optimistic, at 1). Until its batch size's costs are measured
-  (below) its k is ``floor(ewma * (k_max + 1))``, capped at k_max. A
-  request whose drafts keep failing drops to k = 0 and stops paying for
-  verification; at k = 0 it probes with one draft every
-  ``probe_interval`` decode steps, so a text that turns repetitive later
-  (a quoted passage, code) wins its drafts back.
+- **Acceptance.** Each request keeps an EWMA of accepted / proposed drafts,
+  each proposal weighed by its number of drafts (``ewma_alpha`` for k_max).
+  A new request starts from the acceptance its predecessors finished with
+  (at first optimistic, 1), so that on a workload whose drafts fail every
+  request does not pay again to find out. Until its batch size's costs are
+  measured (below) its k is ``floor(ewma * (k_max + 1))``, capped at k_max;
+  once they are, it gets the level's drafts only where its own expected
+  tokens per step, ``1 + ewma * L``, pay the level's measured cost (the
+  step's seconds over plain decoding's). A request that stops drafting
+  probes with one draft after ``probe_interval`` decode steps; each probe
+  that fails doubles the wait (up to 8x), one that holds resets it, so
+  that a text that never matches costs a probe in 64 steps, and a text
+  that turns repetitive later (a quoted passage, code) wins its drafts
+  back.
 - **Batch size.** Verification costs ``k + 1`` token slots per request.
   Drafts are cut so that ``num_running * (k + 1)`` stays within
   ``batch_token_threshold``: at large batches decode is already
   compute-efficient, and drafts would only slow every request down.
 - **Measured cost per level** (``cost_aware``). The engine reports each
-  decode-only step's wall time (``observe_step``). Per batch-size bucket
+  decode-only step's seconds (``observe_step``; which clock: below). Per batch-size bucket
   (powers of two) the controller picks a *level* L in [0, cap], the most
   drafts any request gets, and keeps per level EWMAs of the step's seconds
   and of the tokens a request gains per step (1 + accepted). A step's cost
@@ -29,9 +36,22 @@ Three rules, all cheap and deterministic:
   every ``cost_probe_steps`` steps one other level runs (the best's
   neighbours and plain decoding, in turn), so that the figures stay
   current and a level that starts paying (a repetitive passage) is found.
-  Within the level, a request gets L drafts (at batch 1, always: the
-  level's figures are its own), unless its acceptance EWMA is under half
-  the level's mean acceptance (then 0, with probes, as above).
+  Within the level, a request gets L drafts where they pay it (above)
+  and, in a batch, unless its acceptance EWMA is under half the level's
+  mean acceptance (then 0, with probes, as above). At batch 1 the step is
+  the request's own, so the level is too: the one with the most tokens per
+  second by its acceptance and the bucket's step costs, a level not yet
+  measured priced from the one below it (so a request climbs one level at
+  a time, and running a level measures it). A step whose only drafts were
+  probes counts as level 1; alone, a request's drafts are the step's level.
+- **Which clock.** On a CPU device the engine reports the lesser of a
+  step's wall seconds and its process's CPU seconds: both only grow with
+  other processes' load (wall time by preemption, CPU time by compute
+  threads spinning at barriers), and with one thread CPU time is the step's
+  own work. Wall time alone priced whichever level ran during a burst of
+  other work, and the choice followed the noise. Every draft is taken to
+  cost at least ``MIN_DRAFT_COST`` of a plain step, so that noise cannot
+  make drafting look free to a request whose drafts fail.
 """
 from __future__ import annotations
 
@@ -99,6 +119,30 @@ class _BucketCost:
         gain = self.gain[level] if level else None
         return None if gain is None else (gain - 1.0) / level
 
+    def break_even(self, level: int) -> float | None:
+        """Tokens per step a request must gain at ``level`` for its drafts to
+        pay: the level's step seconds over plain decoding's (measured, or
+        estimated: ``estimated_seconds``), at least ``MIN_DRAFT_COST`` a draft."""
+        plain, spec = self.seconds[0], self.estimated_seconds(level)
+        if plain is None or spec is None or plain <= 0 or not self.measured(0):
+            return None
+        return max(spec / plain, 1.0 + MIN_DRAFT_COST * level)
+
+    def estimated_seconds(self, level: int) -> float | None:
+        """A level's step seconds: measured or, for the level just above the
+        deepest measured one (so that a request climbs one level at a time,
+        each run measuring it), that level's seconds plus its cost per draft
+        over plain decoding's, at least 5% of a plain step (noise can price
+        a level at or below plain: an extrapolation must not call deeper
+        levels free)."""
+        if self.measured(level):
+            return self.seconds[level]
+        if not self.measured(0) or not self.measured(level - 1) or level < 2:
+            return None
+        plain, below = self.seconds[0], self.seconds[level - 1]
+        per_draft = max((below - plain) / (level - 1), MIN_DRAFT_COST * plain)
+        return max(below, plain) + per_draft
+
     def speedup_known(self) -> bool:
         """Plain decoding and at least one level measured."""
         return self.rate(0) is not None and any(self.rate(level) is not None for level in range(1, len(self.gain)))
@@ -118,10 +162,25 @@ class _BucketCost:
             self.gain[level] = gain if old is None else (1 - alpha) * old + alpha * gain
 
 
+# The least a draft is taken to cost, as a share of a plain step: verifying
+# is never free (on a CPU a draft costs 5-40% of a step), and measured step
+# times are noisy where other processes load the machine; with this floor a
+# request whose drafts almost never hold stops drafting whatever the noise.
+MIN_DRAFT_COST = 0.05
+# A failed probe doubles the wait before the next, up to this many times.
+_MAX_PROBE_BACKOFF = 3
+
+
 @dataclass(slots=True)
 class _RequestSpecState:
     acceptance: float = 1.0  # EWMA of accepted / proposed
     steps_without_drafts: int = 0  # decode steps at k = 0 since the last probe
+    failed_probes: int = 0  # probes in a row whose draft failed (each doubles the wait)
+    probed: bool = False  # the drafts now being verified are a probe
+    verified: int = 0  # proposals verified (0: nothing learned to pass on)
+
+    def probe_wait(self, interval: int) -> int:
+        return interval << min(self.failed_probes, _MAX_PROBE_BACKOFF)
 
 
 class AdaptiveSpecController:
@@ -146,6 +205,9 @@ class AdaptiveSpecController:
         self._states: dict[str, _RequestSpecState] = {}
         self._costs: dict[int, _BucketCost] = {}
         self._step_accepted = 0  # accepted drafts reported since the last observe_step
+        # Where a new request starts: its finished predecessors' acceptance (EWMA).
+        self._prior = 1.0
+        self._step_probes = 0  # one-draft probes given for the step now running
 
     def _new_bucket(self) -> _BucketCost:
         return _BucketCost.new(self.k_max, self.cost_warmup_steps, self.cost_min_samples)
@@ -175,8 +237,17 @@ class AdaptiveSpecController:
             return
         cost = self._costs.setdefault(num_decodes.bit_length(), self._new_bucket())
         cost.steps += 1
-        # A step whose requests all declined their drafts ran plain.
-        level = cost.in_flight if num_draft_tokens else 0
+        # A step whose requests all declined their drafts ran plain; one
+        # whose only drafts were one-draft probes ran level 1; alone, a
+        # request's drafts are the step's level (it picks its own, below).
+        if not num_draft_tokens:
+            level = 0
+        elif num_decodes == 1:
+            level = min(num_draft_tokens, self.k_max)
+        else:
+            # (no more drafts than probes: the step ran one draft a request at most)
+            level = 1 if num_draft_tokens <= self._step_probes else cost.in_flight
+        self._step_probes = 0
         cost.observe(level, seconds, 1.0 + accepted / num_decodes, self.cost_alpha)
 
     def speedup(self, num_running: int) -> float | None:
@@ -191,28 +262,62 @@ class AdaptiveSpecController:
     def num_drafts(self, request_id: str, num_running: int) -> int:
         """k for this request's next decode step (call once per step)."""
         cap = self.batch_cap(num_running)
-        if cap == 0:
-            return 0
         if not self.adaptive:
             return cap
-        state = self._states.setdefault(request_id, _RequestSpecState())
+        if self.max_drafts(num_running) == 0:
+            return 0  # no probe counting while the batch forbids drafts
+        state = self._state(request_id)
+        state.probed = False
         cost = self._costs.get(num_running.bit_length()) if self.cost_aware else None
-        if cost is not None and cost.speedup_known():
-            # The measured level already weighs the bucket's acceptance
-            # against its cost: at batch 1 that is this request's own, so it
-            # gets the level; in a batch, a request whose drafts fail far
-            # more often than its peers' stops drafting.
-            mean = cost.mean_acceptance(cap)
-            k = cap if num_running == 1 or mean is None or state.acceptance >= 0.5 * mean else 0
+        if cost is not None and num_running == 1 and cost.speedup_known():
+            k = self._best_alone(state, cost)
+        elif cap == 0:
+            k = 0  # the bucket's measured level is plain decoding: probes only
+        elif cost is not None and cost.speedup_known():
+            k = cap if self._pays(state, cost, cap) else 0
         else:
             k = min(math.floor(state.acceptance * (self.k_max + 1)), cap)
         if k > 0:
+            state.steps_without_drafts = 0
             return k
         state.steps_without_drafts += 1
-        if state.steps_without_drafts >= self.probe_interval:
+        if state.steps_without_drafts >= state.probe_wait(self.probe_interval):
             state.steps_without_drafts = 0
+            state.probed = True
+            self._step_probes += 1
             return 1
         return 0
+
+    def _best_alone(self, state: _RequestSpecState, cost: _BucketCost) -> int:
+        """At batch 1 the step is the request's own: the level with the most
+        tokens per second by its acceptance and the bucket's step costs
+        (``break_even``; a level not yet run is priced from the one below
+        it, and running it measures it). Plain decoding wins ties."""
+        best, best_rate = 0, 1.0
+        for level in range(1, self.max_drafts(1) + 1):
+            even = cost.break_even(level)
+            if even is None:
+                continue
+            rate = (1.0 + state.acceptance * level) / even
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = level, rate
+        return best
+
+    def _pays(self, state: _RequestSpecState, cost: _BucketCost, level: int) -> bool:
+        """In a batch: whether ``level`` drafts pay this request, by its
+        expected tokens per step against the level's measured cost, and its
+        acceptance against its peers' (the level's figures are theirs too)."""
+        even = cost.break_even(level)
+        if even is not None and 1.0 + state.acceptance * level < even:
+            return False
+        mean = cost.mean_acceptance(level)
+        return mean is None or state.acceptance >= 0.5 * mean
+
+    def _state(self, request_id: str) -> _RequestSpecState:
+        state = self._states.get(request_id)
+        if state is None:
+            state = self._states[request_id] = _RequestSpecState(acceptance=self._prior)
+        return state
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Record a verified proposal (only steps that proposed: no match
@@ -222,13 +327,23 @@ class AdaptiveSpecController:
             self.on_verified(request_id, num_drafts, num_accepted)
         if num_drafts <= 0 or not self.adaptive:
             return
-        state = self._states.setdefault(request_id, _RequestSpecState())
-        a = self.ewma_alpha
+        state = self._state(request_id)
+        # Weighed by the drafts verified: a one-draft probe that held is
+        # weak evidence, and must not undo a run of rejected full drafts.
+        a = 1.0 - (1.0 - self.ewma_alpha) ** (min(num_drafts, self.k_max) / self.k_max)
         state.acceptance = (1 - a) * state.acceptance + a * num_accepted / num_drafts
+        state.verified += 1
+        if state.probed:
+            state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
+            state.probed = False
 
     def acceptance(self, request_id: str) -> float:
         state = self._states.get(request_id)
         return state.acceptance if state is not None else 1.0
 
     def forget(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        """A finished request: its acceptance becomes the next ones' start."""
+        state = self._states.pop(request_id, None)
+        if state is not None and state.verified:
+            a = self.ewma_alpha
+            self._prior = (1 - a) * self._prior + a * state.acceptance
