@@ -173,6 +173,7 @@ def main() -> None:
                 c.completions.create(model="m", prompt=prompt(0, args.input_words), max_tokens=8, temperature=0.0)
         else:
             speeds["kvferry"] = measure(f"{url}/v1", args)
+            print(json.dumps({"kvferry": speeds["kvferry"]}), flush=True)
         peak = sampler.stop()
     finally:
         stop_server(proc)
@@ -188,6 +189,7 @@ def main() -> None:
             with llama_server(model, args.out / "llama_server.log", threads=args.threads, ctx=SLOTS * SLOT_CTX,
                               slots=SLOTS, timeout_s=1800) as lurl:
                 speeds["llama.cpp"] = measure(f"{lurl}/v1", args)
+                print(json.dumps({"llama.cpp": speeds["llama.cpp"]}), flush=True)
                 pid = pid_on_port(lurl)
                 speeds["llama.cpp"]["rss_mib"] = {"VmRSS": status_mb(pid)["VmRSS"] if pid else float("nan")}
         else:
