@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from kvferry import LLM, SamplingParams, envs
+from tests.parallel.prefetch import ServerPipeline
 from tests.parallel.ranks import stop_core
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.serve.server_process import start_server
@@ -51,9 +52,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoints) -> dict[str, list[str]]:
+def expected(checkpoints, pd_pipeline) -> dict[str, list[str]]:
     """Per arch: colocated TP 1's greedy text of each prompt, whose tokens
-    are HF float32's."""
+    are HF float32's. (After pd_pipeline: the first server starts meanwhile.)"""
     out = {}
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     for arch, path in checkpoints.items():
@@ -64,15 +65,29 @@ def expected(checkpoints) -> dict[str, list[str]]:
     return out
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda x: f"{x[0]}-p{x[1]}-d{x[2]}-{x[3]}")
-def pd_server(request, checkpoints, tmp_path_factory):
-    arch, prefill_tp, decode_tp, transport = request.param
+def _start(checkpoints, tmp_path_factory, layout):
+    arch, prefill_tp, decode_tp, transport = layout
     log = tmp_path_factory.mktemp(f"pd-tp-{arch}-{prefill_tp}-{decode_tp}") / "server.log"
-    srv = start_server(log, ["--model", checkpoints[arch], "--mode", "disagg", "--prefill", "1", "--decode", "1",
-                             "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
-                             "--kv-transport", transport,
-                             "--cpu-threads-per-rank", "1", "--max-num-batched-tokens", "48",
-                             "--kv-transfer-failure", "fail", "--engine-heartbeat-timeout", "120"])
+    return start_server(log, ["--model", checkpoints[arch], "--mode", "disagg", "--prefill", "1", "--decode", "1",
+                              "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+                              "--kv-transport", transport,
+                              "--cpu-threads-per-rank", "1", "--max-num-batched-tokens", "48",
+                              "--kv-transfer-failure", "fail", "--engine-heartbeat-timeout", "120"])
+
+
+@pytest.fixture(scope="module")
+def pd_pipeline(request, checkpoints, tmp_path_factory):
+    """The next layout's server starts while this layout's tests run."""
+    pipe = ServerPipeline(request.session, "pd_server", lambda layout: _start(checkpoints, tmp_path_factory, layout),
+                          lambda srv: srv.stop())
+    yield pipe
+    pipe.close()
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda x: f"{x[0]}-p{x[1]}-d{x[2]}-{x[3]}")
+def pd_server(request, pd_pipeline):
+    arch, prefill_tp, decode_tp, _ = request.param
+    srv = pd_pipeline.take(request.param)
     yield arch, prefill_tp, decode_tp, srv
     assert srv.stop() == 0, srv.log()[-5000:]
 
@@ -88,7 +103,7 @@ def _greedy(srv, prompt: list[int], stream: bool = False) -> str:
     return r.choices[0].text
 
 
-def test_greedy_output_equals_colocated_tp1_and_hf(pd_server, expected):
+def test_greedy_output_equals_colocated_tp1_and_hf(expected, pd_server):  # expected first: see its fixture
     arch, prefill_tp, decode_tp, srv = pd_server
     for prompt, want in zip(PROMPTS, expected[arch]):
         assert _greedy(srv, prompt) == want, (arch, prefill_tp, decode_tp, len(prompt))
