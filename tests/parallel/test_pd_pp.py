@@ -51,8 +51,7 @@ def checkpoint(tmp_path_factory) -> str:
                                     max_position_embeddings=1024))
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint) -> list[str]:
+def _expected(checkpoint: str) -> list[str]:
     """Colocated PP 1's greedy text of each prompt, whose tokens are HF float32's."""
     hf = load_hf(checkpoint)
     offline = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02)
@@ -65,11 +64,32 @@ def expected(checkpoint) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def decode_pp2(checkpoint, tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("pd-pp-d2") / "server.log",
-                       ["--model", checkpoint, *SERVE, "--prefill", "1", "--prefill-pp", "1", "--decode-pp", "2"])
-    yield srv
+def started(checkpoint, tmp_path_factory):
+    """(server --decode-pp 2, expected texts): the server starts while HF and
+    the offline engine compute the expected text (they overlap on two cores)."""
+    log = tmp_path_factory.mktemp("pd-pp-d2") / "server.log"
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start_server, log, ["--model", checkpoint, *SERVE, "--prefill", "1",
+                                                   "--prefill-pp", "1", "--decode-pp", "2"])
+        try:
+            texts = _expected(checkpoint)
+        except BaseException:
+            if starting.exception() is None:
+                starting.result().stop()
+            raise
+    srv = starting.result()
+    yield srv, texts
     assert srv.stop() == 0, srv.log()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def expected(started) -> list[str]:
+    return started[1]
+
+
+@pytest.fixture(scope="module")
+def decode_pp2(started):
+    return started[0]
 
 
 def _greedy(srv, prompt: list[int]) -> str:

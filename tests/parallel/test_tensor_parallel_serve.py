@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -66,12 +67,38 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
+def _reference(checkpoint: str) -> str:
+    """The offline engine's greedy text, whose tokens are HF float32's."""
+    expected = hf_greedy(load_hf(checkpoint), PROMPT, MAX_NEW)
+    offline = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02)
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0]
+    assert ref.outputs[0].token_ids == expected
+    return ref.outputs[0].text
+
+
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("tp-serve-log") / "server.log",
-                       ["--model", checkpoint, "--tensor-parallel-size", "2", "--cpu-threads-per-rank", "1"])
-    yield srv
+def started(checkpoint, tmp_path_factory):
+    """(server -tp 2, reference text): the server starts while HF and the
+    offline engine compute the reference (a start is mostly one process's
+    imports: the two overlap on two cores)."""
+    log = tmp_path_factory.mktemp("tp-serve-log") / "server.log"
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start_server, log, ["--model", checkpoint, "--tensor-parallel-size", "2",
+                                                   "--cpu-threads-per-rank", "1"])
+        try:
+            text = _reference(checkpoint)
+        except BaseException:
+            if starting.exception() is None:
+                starting.result().stop()
+            raise
+    srv = starting.result()
+    yield srv, text
     assert srv.stop() == 0, srv.log()[-5000:]  # SIGTERM drains: rank 0 stops its workers
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    return started[0]
 
 
 def ranks(srv) -> tuple[int, list[dict]]:
@@ -105,12 +132,8 @@ def complete(srv) -> str:
     return r.choices[0].text
 
 
-def test_served_greedy_output_equals_hf(server, checkpoint):
-    expected = hf_greedy(load_hf(checkpoint), PROMPT, MAX_NEW)
-    offline = LLM(model=checkpoint, dtype="float32", kv_cache_memory_gb=0.02)
-    ref = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0]
-    assert ref.outputs[0].token_ids == expected
-    assert complete(server) == ref.outputs[0].text
+def test_served_greedy_output_equals_hf(server, started):
+    assert complete(server) == started[1]
 
 
 def test_admin_workers_lists_the_ranks(server):
