@@ -102,16 +102,21 @@ def run_concurrent(base_url: str, prompts: list[str], output_len: int, concurren
     ttft, tpot, tokens = [], [], []
 
     def one(client: openai.OpenAI, p: str) -> None:
-        start, stamps = time.perf_counter(), []
+        start, stamps, generated = time.perf_counter(), [], None
+        # Tokens from the usage record: with speculation a chunk carries every token a step accepted.
         stream = client.completions.create(model="m", prompt=p, max_tokens=output_len, temperature=0.0,
-                                           stream=True, extra_body={"ignore_eos": True})
+                                           stream=True, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True})
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 stamps.append(time.perf_counter())
-        tokens.append(len(stamps))
+            if chunk.usage is not None:
+                generated = chunk.usage.completion_tokens
+        generated = generated or len(stamps)
+        tokens.append(generated)
         ttft.append(stamps[0] - start)
-        if len(stamps) > 1:
-            tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        if generated > 1:  # the first chunk is the prefill's one token
+            tpot.append((stamps[-1] - stamps[0]) / (generated - 1))
 
     with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600) as c:
         start = time.perf_counter()

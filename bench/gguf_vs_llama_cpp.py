@@ -59,17 +59,24 @@ def run_batch1(base_url: str, model: str, prompts: list[str], output_len: int) -
         c.completions.create(model=model, prompt="warm up", max_tokens=4, temperature=0.0)
         for p in prompts:
             start = time.perf_counter()
-            stamps = []
+            stamps, generated = [], None
+            # Tokens are counted from the usage record, not the chunks: with
+            # speculation one chunk carries every token a step accepted, so a
+            # time per chunk is not a time per token.
             stream = c.completions.create(model=model, prompt=p, max_tokens=output_len, temperature=0.0,
-                                          stream=True, extra_body={"ignore_eos": True})
+                                          stream=True, extra_body={"ignore_eos": True},
+                                          stream_options={"include_usage": True})
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].text:
                     stamps.append(time.perf_counter())
+                if chunk.usage is not None:
+                    generated = chunk.usage.completion_tokens
             wall += time.perf_counter() - start
-            tokens += len(stamps)
+            generated = generated or len(stamps)
+            tokens += generated
             ttft.append(stamps[0] - start)
-            if len(stamps) > 1:
-                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+            if generated > 1:  # the first chunk is the prefill's one token
+                tpot.append((stamps[-1] - stamps[0]) / (generated - 1))
     return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "tpot_p50_ms": 1e3 * statistics.median(tpot),
             "output_tok_s": tokens / wall, "requests": len(prompts)}
 
