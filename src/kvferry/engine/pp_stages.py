@@ -50,11 +50,11 @@ from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
 from kvferry.engine import rank_launcher
-from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of
+from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of, run_naming_failed_rank
 from kvferry.engine.pp_runner import StageLink
 from kvferry.engine.tp_ranks import RunnerShape, join_group
 from kvferry.messages import TPRank
-from kvferry.parallel import CollectiveError, GroupAddress, RankFailed, ShmAllReduce
+from kvferry.parallel import GroupAddress, RankFailed, ShmAllReduce
 from kvferry.parallel.pipeline import PPStage
 from kvferry.parallel.rank_sockets import RankKeys
 
@@ -248,15 +248,7 @@ class PPLeader(RankProcesses):
 
     def run(self, execute, sched: SchedulerOutput) -> RunnerOutput:  # noqa: ANN001 - StageRunner.execute
         """``execute(sched)``; a TP sum that failed because a rank died raises RankFailed naming it."""
-        try:
-            return execute(sched)
-        except CollectiveError as exc:
-            deadline = time.monotonic() + 2.0  # let the watcher see which rank is gone
-            while self.failure is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self.failure is not None:
-                raise self.failure from exc
-            raise
+        return run_naming_failed_rank(self, execute, sched)
 
     def close(self) -> None:
         """Stop the stages (a shutdown message, then SIGTERM, then SIGKILL)."""

@@ -24,7 +24,7 @@ import zmq
 
 from kvferry.engine import rank_launcher
 from kvferry.messages import TPRank
-from kvferry.parallel import RankFailed
+from kvferry.parallel import CollectiveError, RankFailed
 from kvferry.parallel.rank_sockets import RankKeys
 
 logger = logging.getLogger(__name__)
@@ -179,3 +179,18 @@ def watch_parent(parent_pid: int, poll_ms: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def run_naming_failed_rank(leader, execute, sched):  # noqa: ANN001, ANN201 - a leader with .failure; the runner's step
+    """``execute(sched)`` for a leader of rank processes (TP ranks, pipeline
+    stages): a collective that failed because a rank died raises the
+    leader's RankFailed naming that rank, once its watcher has seen it."""
+    try:
+        return execute(sched)
+    except CollectiveError as exc:
+        deadline = time.monotonic() + 2.0  # let the watcher see which rank is gone
+        while leader.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if leader.failure is not None:
+            raise leader.failure from exc
+        raise

@@ -46,10 +46,10 @@ from kvferry.config import EngineConfig, ParallelConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
 from kvferry.engine import rank_launcher
-from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of
+from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of, run_naming_failed_rank
 from kvferry.messages import TPRank
 from kvferry.model.layers.parallel import TPShard
-from kvferry.parallel import CollectiveError, GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
+from kvferry.parallel import GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
 from kvferry.parallel.rank_sockets import RankKeys
 from kvferry.parallel.tcp_group import TcpGroup
 
@@ -226,15 +226,7 @@ class TPLeader(RankProcesses):
 
     def run(self, execute, sched: SchedulerOutput) -> RunnerOutput:  # noqa: ANN001 - ModelRunner.execute
         """``execute(sched)``; a collective that failed because a rank died raises RankFailed naming it."""
-        try:
-            return execute(sched)
-        except CollectiveError as exc:
-            deadline = time.monotonic() + 2.0  # let the watcher see which rank is gone
-            while self.failure is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self.failure is not None:
-                raise self.failure from exc
-            raise
+        return run_naming_failed_rank(self, execute, sched)
 
     def close(self) -> None:
         """Stop the workers (a shutdown message, then SIGTERM, then SIGKILL)."""
