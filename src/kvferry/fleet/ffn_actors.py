@@ -41,7 +41,7 @@ from kvferry.config import EngineConfig
 from kvferry.engine.afd_pool import FFNLoadError, FFNSite, FFNSpec, Generation, pid_file, read_pid, tcp_file
 from kvferry.fleet.core_actor import node_address
 from kvferry.fleet.placement import actor_resources
-from kvferry.fleet.rank_actors import RayRank
+from kvferry.fleet.rank_actors import RayRank, stop_child
 from kvferry.fleet.ray_cores import warn_if_no_node_fits
 from kvferry.parallel.afd import ffn_address
 
@@ -51,7 +51,6 @@ NAMESPACE = "kvferry"  # the server's (ray_cores.RayCores.connect)
 BOARD_POLL_S = 0.1  # how often a core reads the board: a restart or a resize is seen this late at most
 # An FFN actor's threads: the pool's and every attention core's ``wait`` hold one each for its life.
 _ACTOR_CONCURRENCY = 64
-_STOP_GRACE_S = 5.0
 _READY_TIMEOUT_S = 30.0
 
 
@@ -110,12 +109,7 @@ class FFNActor:
             self.proc.send_signal(signal.SIGUSR1)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_child(self.proc)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

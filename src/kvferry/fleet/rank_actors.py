@@ -73,12 +73,17 @@ class RankActor:
         return self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_child(self.proc)
+
+
+def stop_child(proc: subprocess.Popen | None) -> None:
+    """An actor's child process ended: SIGTERM, then SIGKILL past a grace."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class RayRank:
