@@ -20,12 +20,11 @@ import pytest
 
 from kvferry import LLM, SamplingParams
 from tests.engine.hf_reference import hf_greedy, load_hf
+from tests.parallel.afd_helpers import MAX_NEW, PROMPTS, reference
 from tests.parallel.test_tensor_parallel_serve import _alive, _children, _title
 from tests.serve.server_process import start_server
 from tests.tiny_models import make_tiny_checkpoint
 
-PROMPTS = [[5, 17, 33, 100, 200, 7, 7, 9], [11, 12], list(range(40, 100)), [300, 2, 301, 3, 302, 4]]
-MAX_NEW = 8
 LAYOUT = ["-tp", "2", "-pp", "2", "--cpu-threads-per-rank", "1", "--pp-micro-batches", "2"]
 
 
@@ -41,18 +40,11 @@ def served(tmp_path_factory):
     path = tiny(tmp_path_factory, "llama")
     srv = start_server(tmp_path_factory.mktemp("tp-pp-log") / "server.log", ["--model", path, *LAYOUT])
     try:  # while the server's ranks load
-        hf = load_hf(path)
-        offline = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.02, warm_up=False)
-        try:
-            ref = offline.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
-        finally:
-            offline.engine.core.close()
-        for prompt, r in zip(PROMPTS, ref):
-            assert r.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_NEW)
+        texts = reference(path)
     except BaseException:
         srv.stop()
         raise
-    yield srv, [r.outputs[0].text for r in ref]
+    yield srv, texts
     assert srv.stop() == 0, srv.log()[-5000:]  # SIGTERM drains: rank 0 stops the other three
 
 
