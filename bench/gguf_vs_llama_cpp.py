@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
     ap.add_argument("--skip-none", action="store_true", help="do not measure --quantization none")
+    ap.add_argument("--speculative-config", default=None,
+                    help="passed to kvferry as is ('off' compares plain decoding; default: kvferry's default)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gguf_vs_llama_cpp"))
     args = ap.parse_args()
     model = (args.model or embedded_gguf_path()).resolve()
@@ -123,6 +125,8 @@ def main() -> None:
         flags = ["--model", str(model), "--quantization", quantization, "--served-model-name", "m",
                  "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-num-seqs", "16",
                  "--disable-uvicorn-access-log", "--log-level", "warning"]
+        if args.speculative_config is not None:
+            flags += ["--speculative-config", args.speculative_config]
         with served(flags, args.out / f"kvferry_{quantization}.log") as url:
             r = run_batch1(f"{url}/v1", "m", prompts, args.output_len)
             pid = pid_on_port(url)
