@@ -439,8 +439,6 @@ class EngineConfig:
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
             (self.model.deterministic, "deterministic"),
             (spec is not None and method not in methods, f"speculative method {method!r} ({', '.join(methods)} work)"),
-            (bool(self.kv_connector), "--kv-connector"),
-            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]
 
     def _check_tensor_parallel(self) -> None:
@@ -455,6 +453,8 @@ class EngineConfig:
         refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
                     f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
+                   (bool(self.kv_connector), "--kv-connector"),
+                   (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
                    (self.model.quantization in ("int8", "gguf"), f"quantization {self.model.quantization!r}"),
                    (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:
