@@ -455,7 +455,6 @@ class EngineConfig:
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
                    (bool(self.kv_connector), "--kv-connector"),
                    (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
-                   (self.model.quantization in ("int8", "gguf"), f"quantization {self.model.quantization!r}"),
                    (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:
             if bad:
@@ -514,7 +513,7 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=_opt(
         "weight format. Left out: the model's own; a .gguf file's linear weights stay in their quantized blocks, "
         "multiplied by integer kernels (types without a kernel, such as IQ*, dequantized at load), and are expanded "
-        "to float where the blocks do not run (CUDA, tensor-parallel ranks, pipeline stages, --deterministic) and for "
+        "to float where the blocks do not run (CUDA, --deterministic) and for "
         "the embedded default model. gguf (the blocks, or an error where they cannot run), int8 (W8A8: linear weights "
         "quantized to int8 per output channel at load, activations per token; CPU), compressed-tensors (a W8A8 int8 "
         "checkpoint as it is; found from its config.json without the flag too) or none (expand a .gguf to float)"))
