@@ -455,7 +455,8 @@ class EngineConfig:
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
                    (bool(self.kv_connector), "--kv-connector"),
                    (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
-                   (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]
+                   (self.kv_tiers.enabled and (tp > 1 or bool(self.kv_transfer.kv_transfer_address)),
+                    "a KV store (--kv-store, --kv-dram-gb, --kv-cluster) and tensor_parallel_size > 1 or a KV transfer")]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "

@@ -238,7 +238,7 @@ def test_a_model_shallower_than_the_stages_is_refused_before_any_stage_starts(ll
 @pytest.mark.parametrize("extra, what", [
     ({"tensor_parallel_size": 2, "kv_transfer_address": "tcp://127.0.0.1:9"},
      "tensor_parallel_size 2 and a KV transfer"),
-    ({"kv_dram_gb": 0.1}, "a KV store"),
+    ({"kv_dram_gb": 0.1, "tensor_parallel_size": 2}, "a KV store"),  # alone it runs: test_pp_tiers.py
     ({"speculative": {"method": "draft", "model": "/nonexistent"}}, "speculative method 'draft'"),
     ({"num_swap_blocks": 4}, "num_swap_blocks"),
     ({"deterministic": True}, "deterministic"),

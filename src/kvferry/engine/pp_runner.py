@@ -32,7 +32,9 @@ import torch
 import zmq
 
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
-from kvferry.engine.kv_connector.connectors import PDTransferConnector
+from kvferry.engine.kv_connector.base import KVConnectorWorker
+from kvferry.engine.kv_connector.connectors import NodeStoreConnector, PDTransferConnector, WorkerContext
+from kvferry.engine.kv_connector.stage_pools import StagePools, StagePoolWorker
 from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
 from kvferry.engine.runner import ModelRunner, StepInputs
 from kvferry.model.input_batch import FlatStep
@@ -108,8 +110,10 @@ class StageRunner(ModelRunner):
         # model's that the base class mapped was never touched, so cost nothing).
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
                                           self.device, model.num_kv_heads, num_layers=len(model.layers))
-        self.connector: StageTransferWorker | None = None
-        if config.kv_transfer.kv_transfer_address:
+        self.connector: StageTransferWorker | KVConnectorWorker | None = None
+        if config.kv_tiers.enabled:  # the node KV store: stage 0 moves every stage's layers (stage_pools.py)
+            self._store_connector(connector, loaded.config.num_hidden_layers, kv_pool)
+        elif config.kv_transfer.kv_transfer_address:
             if connector is not None and not isinstance(connector, PDTransferConnector):
                 raise ValueError("pipeline_parallel_size > 1 runs only the prefill/decode transfer's KV connector")
             self.connector = StageTransferWorker(self.kv_cache, config.kv_transfer, self.stage,
@@ -124,6 +128,18 @@ class StageRunner(ModelRunner):
         # This step's micro-batches on this stage: (k, start, end), monotonic
         # seconds (one clock for every process of the host): the overlap, seen.
         self.timeline: list[tuple[int, float, float]] = []
+
+    def _store_connector(self, connector, num_layers: int, kv_pool: str) -> None:  # noqa: ANN001
+        """Every stage's pool into shared memory; stage 0's connector half
+        over all of them, a later stage's stand-in over its own."""
+        if not isinstance(connector, NodeStoreConnector if self.stage.rank == 0 else type(None)):
+            raise ValueError("pipeline_parallel_size > 1 runs the node KV store's connector alone")
+        pools = StagePools(self.kv_cache, self.stage, num_layers, kv_pool)
+        if self.stage.rank:
+            self.connector = StagePoolWorker(pools)
+        else:
+            self.connector = connector.worker_half(WorkerContext(pools.kv_cache, self.block_size, stage_pools=pools))
+        self.kv_cache = self.connector.kv_cache
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

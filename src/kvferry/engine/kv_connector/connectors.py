@@ -33,6 +33,7 @@ from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.disagg import PDTransferWorker
 from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
 from kvferry.engine.kv_connector.rank_pools import RankPools, RankPoolWorker
+from kvferry.engine.kv_connector.stage_pools import StagePools
 from kvferry.engine.kv_connector.store import NodeStore, NodeStoreWorker
 from kvferry.engine.kv_connector.swap import HostSwapWorker
 from kvferry.model.layers.parallel import TPShard
@@ -58,6 +59,9 @@ class WorkerContext:
     # before moved it, rank_pools.py): on rank 0 the other ranks' pools in
     # rank order, on a worker rank []; None: not moved.
     rank_caches: list[torch.Tensor] | None = None
+    # Stage 0 of a pipeline-parallel core with a KV store: every stage's pool
+    # in shared memory (stage_pools.StagePools), else None.
+    stage_pools: StagePools | None = None
 
 
 @dataclass(slots=True)
@@ -95,21 +99,30 @@ class NodeStoreConnector(KVConnector):
     for the scheduler's lookups and retentions, ``io`` for the worker's
     loads and saves (each on its own thread); the worker half closes them."""
 
-    def __init__(self, config: EngineConfig, block_nbytes: int) -> None:
+    def __init__(self, config: EngineConfig, block_nbytes: int | None) -> None:
+        """``block_nbytes`` None: a whole block's bytes are known once the
+        worker half has the pools (pipeline stages: every stage's layers)."""
         super().__init__(config)
-        self.store = NodeStore.connect(config, block_nbytes)
-        self.index, self.io = self.store.index, self.store.io
+        self.store = None if block_nbytes is None else NodeStore.connect(config, block_nbytes)
         self.worker: NodeStoreWorker | None = None
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
         """Over a tensor-parallel core, rank 0's half moves whole blocks:
         every rank's heads, read from and written to their pools in shared
-        memory (so a block is stored whole, or not at all)."""
+        memory (so a block is stored whole, or not at all); over pipeline
+        stages, stage 0's moves every stage's layers the same way."""
+        if ctx.stage_pools is not None:
+            pools = ctx.stage_pools
+            caches = [pools.kv_cache, *pools.stage_caches]
+            self.store = NodeStore.connect(self.config, sum(c[:, :, 0].nbytes for c in caches))
+            self.worker = NodeStoreWorker(pools.kv_cache, self.store.io, node_store=self.store,
+                                          stage_caches=pools.stage_caches, rank_pools=pools)
+            return self.worker
         pools, kv_cache, rank_caches = None, ctx.kv_cache, ctx.rank_caches
         if rank_caches is None and ctx.shard is not None and ctx.shard.size > 1:
             pools = RankPools(kv_cache, ctx.shard)
             kv_cache, rank_caches = pools.kv_cache, pools.rank_caches
-        self.worker = NodeStoreWorker(kv_cache, self.io, node_store=self.store, rank_caches=rank_caches,
+        self.worker = NodeStoreWorker(kv_cache, self.store.io, node_store=self.store, rank_caches=rank_caches,
                                       rank_pools=pools)
         return self.worker
 
@@ -118,7 +131,7 @@ class NodeStoreConnector(KVConnector):
         assert worker is not None, "the worker half is made first"
         # Lookups run on the step's path: they only go out while the
         # worker's I/O thread (which owns reconnecting) sees the store up.
-        source = StoreKVSource(self.index, ctx.block_size, self.config.kv_tiers.max_load_tokens,
+        source = StoreKVSource(self.store.index, ctx.block_size, self.config.kv_tiers.max_load_tokens,
                                is_up=lambda: worker.store_up)
         return TierKVScheduler(source, write_down=True)
 
@@ -196,8 +209,10 @@ def for_engine(config: EngineConfig, block_nbytes: int = 0, rank: int = 0) -> KV
     if config.cache.num_swap_blocks:
         connectors.append(HostSwapConnector(config))
     if config.kv_tiers.enabled:
-        connectors.append(NodeStoreConnector(config, block_nbytes * config.parallel.tensor_parallel_size)
-                          if rank == 0 else RankPoolConnector(config))
+        # Pipeline stages: the slot's size comes with stage 0's pools of every stage (worker_half).
+        par = config.parallel
+        whole = None if par.pipeline_parallel_size > 1 else block_nbytes * par.tensor_parallel_size
+        connectors.append(NodeStoreConnector(config, whole) if rank == 0 else RankPoolConnector(config))
     if config.kv_connector:
         connectors.append(load_connector(config.kv_connector)(config))
     if len(connectors) > 1:
