@@ -449,14 +449,14 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
-        tp = self.parallel.tensor_parallel_size
-        refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
-                    f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
+        tp, transfer = self.parallel.tensor_parallel_size, bool(self.kv_transfer.kv_transfer_address)
+        others = [what for bad, what in ((self.kv_tiers.enabled, "a KV store"), (self.cache.num_swap_blocks > 0,
+                  "num_swap_blocks"), (bool(self.kv_connector), "--kv-connector")) if bad]  # with P/D: its own
+        refused = [(tp > 1 and transfer, f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
-                   (bool(self.kv_connector), "--kv-connector"),
-                   (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
-                   (self.kv_tiers.enabled and (tp > 1 or bool(self.kv_transfer.kv_transfer_address)),
-                    "a KV store (--kv-store, --kv-dram-gb, --kv-cluster) and tensor_parallel_size > 1 or a KV transfer")]
+                   (transfer and bool(others), f"a KV transfer and {', '.join(others)}"),
+                   (self.kv_tiers.enabled and tp > 1, f"tensor_parallel_size {tp} and a KV store (--kv-store, "
+                                                      "--kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "

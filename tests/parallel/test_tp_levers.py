@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
+from kvferry.config import KVTierConfig
+from kvferry.kvstore.launch import start_store
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel import file_tier_connector as file_tier
 from tests.tiny_models import make_tiny_checkpoint
@@ -37,19 +39,30 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, 387) for _ in range(n)] for n in lengths]
 
 
-def test_host_swap_over_two_ranks_keeps_greedy_output(case):
+@pytest.fixture(scope="module")
+def store():
+    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
+    yield address
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def test_host_swap_over_two_ranks_keeps_greedy_output(case, store):
     # 32 blocks of 8 admit the four prompts (31 blocks) but not their 12
     # tokens of decode each: requests are preempted and swapped out, every
-    # rank its own heads, their blocks reused by the others meanwhile.
+    # rank its own heads, their blocks reused by the others meanwhile. With
+    # a KV store beside it, which moves the ranks' pools into shared memory
+    # (swap must copy the pool the steps compute in) and takes every block.
     path, hf = case
     prompts = _prompts(7, (61, 64, 45, 70))
-    llm = LLM(model=path, num_kv_blocks=32, num_swap_blocks=64, **ENGINE)
+    llm = LLM(model=path, num_kv_blocks=32, num_swap_blocks=64, kv_store=store, **ENGINE)
     try:
         results = llm.generate(prompts, _greedy(12))
         for p, r in zip(prompts, results):
             assert_greedy_match(hf, p, r.outputs[0].token_ids, hf_greedy(hf, p, 12))
         stats = llm.engine.stats()
-        assert stats.num_preemptions > 0 and stats.num_swapped_out > 0
+        assert stats.num_preemptions > 0 and stats.num_swapped_out > 0  # to host swap, its first choice
+        assert stats.kv_saved_blocks > 0
         llm.engine.check_integrity()
     finally:
         llm.engine.core.close()
@@ -69,10 +82,10 @@ def test_a_connector_from_outside_runs_on_every_rank(case, tmp_path, monkeypatch
         writer.engine.core.close()
     # Each rank saved its own heads of each full block: 2 of the 4 KV heads.
     files_b = set(tmp_path.glob("*.pt")) - files_a
-    assert sorted(f.name.rsplit(".", 2)[1] for f in files_a) == ["rank0"] * 5 + ["rank1"] * 5  # 41 + 6 tokens: 5 blocks
+    assert sorted(f.name.rsplit(".", 2)[1] for f in files_a) == ["s0r0"] * 5 + ["s0r1"] * 5  # 41 + 6 tokens: 5 blocks
     assert torch.load(min(files_a)).shape == (2, 2, BLOCK, 2, 8)  # [layers, K/V, block, heads 2 of 4, head_dim]
     for f in files_b:  # b's blocks lose rank 1's heads: none is whole now
-        if f.name.endswith(".rank1.pt"):
+        if f.name.endswith(".s0r1.pt"):
             f.unlink()
     reader = LLM(model=path, num_kv_blocks=64, kv_connector=FILE_TIER, **ENGINE)
     try:

@@ -33,8 +33,7 @@ import zmq
 
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.kv_connector.base import KVConnectorWorker
-from kvferry.engine.kv_connector.connectors import NodeStoreConnector, PDTransferConnector, WorkerContext
-from kvferry.engine.kv_connector.stage_pools import StagePools, StagePoolWorker
+from kvferry.engine.kv_connector.connectors import PDTransferConnector, WorkerContext
 from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
 from kvferry.engine.runner import ModelRunner, StepInputs
 from kvferry.model.input_batch import FlatStep
@@ -100,9 +99,11 @@ class StageRunner(ModelRunner):
 
     def __init__(self, loaded, config, num_blocks: int, max_model_len: int, connector=None,  # noqa: ANN001
                  kv_pool: str = "", **kwargs) -> None:  # noqa: ANN003
-        """``connector``: stage 0's (the P/D transfer's, or None); a later
-        stage of a core with a KV transfer builds its own half over the
-        segment rank 0 named, ``kv_pool`` (stage_transfer.py)."""
+        """``connector``: this stage's (``for_engine``; stage 0's is the
+        core's), or None. With a KV transfer each stage builds its own
+        ``StageTransferWorker``; other connectors make a worker half per
+        stage, over its own layers' pool; a later stage maps its pool in the
+        segment stage 0 named, ``kv_pool`` (stage_transfer.py, stage_pools.py)."""
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
         model = self.model
         self.stage = model.stage
@@ -111,9 +112,7 @@ class StageRunner(ModelRunner):
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
                                           self.device, model.num_kv_heads, num_layers=len(model.layers))
         self.connector: StageTransferWorker | KVConnectorWorker | None = None
-        if config.kv_tiers.enabled:  # the node KV store: stage 0 moves every stage's layers (stage_pools.py)
-            self._store_connector(connector, loaded.config.num_hidden_layers, kv_pool)
-        elif config.kv_transfer.kv_transfer_address:
+        if config.kv_transfer.kv_transfer_address:
             if connector is not None and not isinstance(connector, PDTransferConnector):
                 raise ValueError("pipeline_parallel_size > 1 runs only the prefill/decode transfer's KV connector")
             self.connector = StageTransferWorker(self.kv_cache, config.kv_transfer, self.stage,
@@ -121,6 +120,11 @@ class StageRunner(ModelRunner):
             self.kv_cache = self.connector.kv_cache  # in shared memory: stage 0's receiver fills every stage's
             if connector is not None:
                 connector.worker = self.connector  # its scheduler half announces this worker's settings
+        elif connector is not None:  # host swap, the node store, one of one's own: a worker half per stage
+            self.connector = connector.worker_half(WorkerContext(
+                self.kv_cache, self.block_size, shard=getattr(model, "shard", None), stage=self.stage,
+                num_layers=loaded.config.num_hidden_layers, stage_pool=kv_pool))
+            self.kv_cache = self.connector.kv_cache  # the node store's: in shared memory (stage_pools.py)
         self.samples = self.stage.last
         self.micro_batches = config.parallel.pp_micro_batches
         self.link: StageLink | None = None
@@ -128,18 +132,6 @@ class StageRunner(ModelRunner):
         # This step's micro-batches on this stage: (k, start, end), monotonic
         # seconds (one clock for every process of the host): the overlap, seen.
         self.timeline: list[tuple[int, float, float]] = []
-
-    def _store_connector(self, connector, num_layers: int, kv_pool: str) -> None:  # noqa: ANN001
-        """Every stage's pool into shared memory; stage 0's connector half
-        over all of them, a later stage's stand-in over its own."""
-        if not isinstance(connector, NodeStoreConnector if self.stage.rank == 0 else type(None)):
-            raise ValueError("pipeline_parallel_size > 1 runs the node KV store's connector alone")
-        pools = StagePools(self.kv_cache, self.stage, num_layers, kv_pool)
-        if self.stage.rank:
-            self.connector = StagePoolWorker(pools)
-        else:
-            self.connector = connector.worker_half(WorkerContext(pools.kv_cache, self.block_size, stage_pools=pools))
-        self.kv_cache = self.connector.kv_cache
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -33,10 +33,11 @@ from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.disagg import PDTransferWorker
 from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
 from kvferry.engine.kv_connector.rank_pools import RankPools, RankPoolWorker
-from kvferry.engine.kv_connector.stage_pools import StagePools
+from kvferry.engine.kv_connector.stage_pools import StagePools, StagePoolWorker
 from kvferry.engine.kv_connector.store import NodeStore, NodeStoreWorker
 from kvferry.engine.kv_connector.swap import HostSwapWorker
 from kvferry.model.layers.parallel import TPShard
+from kvferry.parallel.pipeline import PPStage
 
 
 @dataclass(slots=True)
@@ -59,9 +60,13 @@ class WorkerContext:
     # before moved it, rank_pools.py): on rank 0 the other ranks' pools in
     # rank order, on a worker rank []; None: not moved.
     rank_caches: list[torch.Tensor] | None = None
-    # Stage 0 of a pipeline-parallel core with a KV store: every stage's pool
-    # in shared memory (stage_pools.StagePools), else None.
-    stage_pools: StagePools | None = None
+    # The runner's pipeline stage (each stage's runner makes its own worker
+    # half over its own layers' pool, ``[stage layers, 2, ...]``), or None
+    # (one stage); ``num_layers``: the model's; ``stage_pool``: stage 0's
+    # pool segment, which a later stage maps its own after (stage_pools.py).
+    stage: PPStage | None = None
+    num_layers: int = 0
+    stage_pool: str = ""
 
 
 @dataclass(slots=True)
@@ -72,6 +77,10 @@ class SchedulerContext:
 
 class KVConnector(ABC):
     """A KV connector's two halves."""
+
+    # Whether its worker half may move the pool (into shared memory, where
+    # other processes reach it): such halves are made first (MultiKVConnector).
+    moves_pool = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -99,6 +108,8 @@ class NodeStoreConnector(KVConnector):
     for the scheduler's lookups and retentions, ``io`` for the worker's
     loads and saves (each on its own thread); the worker half closes them."""
 
+    moves_pool = True
+
     def __init__(self, config: EngineConfig, block_nbytes: int | None) -> None:
         """``block_nbytes`` None: a whole block's bytes are known once the
         worker half has the pools (pipeline stages: every stage's layers)."""
@@ -111,8 +122,8 @@ class NodeStoreConnector(KVConnector):
         every rank's heads, read from and written to their pools in shared
         memory (so a block is stored whole, or not at all); over pipeline
         stages, stage 0's moves every stage's layers the same way."""
-        if ctx.stage_pools is not None:
-            pools = ctx.stage_pools
+        if ctx.stage is not None and ctx.stage.size > 1:
+            pools = StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers)
             caches = [pools.kv_cache, *pools.stage_caches]
             self.store = NodeStore.connect(self.config, sum(c[:, :, 0].nbytes for c in caches))
             self.worker = NodeStoreWorker(pools.kv_cache, self.store.io, node_store=self.store,
@@ -140,6 +151,8 @@ class RankPoolConnector(KVConnector):
     """A worker rank's part of a connector that runs on rank 0 alone (the
     node KV store): its pool in shared memory, where rank 0 reaches it."""
 
+    moves_pool = True
+
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
         moved = ctx.rank_caches is not None or ctx.shard is None or ctx.shard.size == 1
         return RankPoolWorker(ctx.kv_cache, None if moved else RankPools(ctx.kv_cache, ctx.shard))
@@ -148,7 +161,23 @@ class RankPoolConnector(KVConnector):
         raise RuntimeError("a worker rank has no scheduler")
 
 
+class StagePoolConnector(KVConnector):
+    """A later pipeline stage's part of the node store's connector, which
+    runs on stage 0: its pool in shared memory, where stage 0 reaches it."""
+
+    moves_pool = True
+
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        assert ctx.stage is not None, "a pipeline stage's runner"
+        return StagePoolWorker(StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers, ctx.stage_pool))
+
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        raise RuntimeError("a later pipeline stage has no scheduler")
+
+
 class PDTransferConnector(KVConnector):
+    moves_pool = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.worker: PDTransferWorker | None = None
@@ -166,20 +195,24 @@ class PDTransferConnector(KVConnector):
 class MultiKVConnector(KVConnector):
     """Several connectors as one (see the two ``multi.py`` halves for the
     rules). Each worker half is built over the pool the one before left,
-    so a connector that moves the pool (the prefill/decode transfer's
-    shared memory) comes first."""
+    those that move the pool (the prefill/decode transfer's shared memory,
+    the node store's over ranks or stages) first."""
 
     def __init__(self, config: EngineConfig, connectors: list[KVConnector]) -> None:
         super().__init__(config)
         self.connectors = list(connectors)
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
-        workers = []
-        for connector in self.connectors:
-            worker = connector.worker_half(ctx)
+        """The halves that move the pool are made first (in order), the rest
+        over the pool they left, the one the runner computes in: host swap
+        made before the node store moved a tensor-parallel core's pool would
+        copy a pool no step writes. The workers keep the connectors' order."""
+        order = sorted(range(len(self.connectors)), key=lambda i: not self.connectors[i].moves_pool)
+        workers: dict[int, KVConnectorWorker] = {}
+        for i in order:
+            worker = workers[i] = self.connectors[i].worker_half(ctx)
             ctx = replace(ctx, kv_cache=worker.kv_cache, rank_caches=getattr(worker, "rank_caches", ctx.rank_caches))
-            workers.append(worker)
-        return MultiKVConnectorWorker(workers)
+        return MultiKVConnectorWorker([workers[i] for i in range(len(self.connectors))], ctx.kv_cache)
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
         return MultiKVConnectorScheduler([c.scheduler_half(ctx) for c in self.connectors])
@@ -198,21 +231,24 @@ def load_connector(spec: str) -> type[KVConnector]:
     return cls
 
 
-def for_engine(config: EngineConfig, block_nbytes: int = 0, rank: int = 0) -> KVConnector | None:
+def for_engine(config: EngineConfig, block_nbytes: int = 0, rank: int = 0, stage: int = 0) -> KVConnector | None:
     """The connector a configuration asks for (None: the device pool alone).
     ``block_nbytes``: one device block's bytes (the node store's slot size:
     times the tensor-parallel ranks, as the store holds whole blocks);
-    ``rank``: a tensor-parallel worker rank's (> 0: no store of its own)."""
+    ``rank``, ``stage``: a tensor-parallel worker rank's, a later pipeline
+    stage's (> 0: no store of its own, its pool where rank 0 reaches it)."""
     connectors: list[KVConnector] = []
+    par = config.parallel
     if config.kv_transfer.kv_transfer_address:
         connectors.append(PDTransferConnector(config))  # first: it moves the pool into shared memory
-    if config.cache.num_swap_blocks:
-        connectors.append(HostSwapConnector(config))
+    swap = [HostSwapConnector(config)] if config.cache.num_swap_blocks else []
+    store: list[KVConnector] = []
     if config.kv_tiers.enabled:
         # Pipeline stages: the slot's size comes with stage 0's pools of every stage (worker_half).
-        par = config.parallel
         whole = None if par.pipeline_parallel_size > 1 else block_nbytes * par.tensor_parallel_size
-        connectors.append(NodeStoreConnector(config, whole) if rank == 0 else RankPoolConnector(config))
+        store = [NodeStoreConnector(config, whole) if rank == 0 and stage == 0
+                 else StagePoolConnector(config) if stage else RankPoolConnector(config)]
+    connectors += swap + store  # host swap first: preemption's first choice (MultiKVConnectorScheduler)
     if config.kv_connector:
         connectors.append(load_connector(config.kv_connector)(config))
     if len(connectors) > 1:
