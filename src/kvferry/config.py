@@ -449,12 +449,10 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
-        tp, transfer = self.parallel.tensor_parallel_size, bool(self.kv_transfer.kv_transfer_address)
-        others = [what for bad, what in ((self.kv_tiers.enabled, "a KV store"), (self.cache.num_swap_blocks > 0,
-                  "num_swap_blocks"), (bool(self.kv_connector), "--kv-connector")) if bad]  # with P/D: its own
-        refused = [(tp > 1 and transfer, f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
+        tp = self.parallel.tensor_parallel_size
+        refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
+                    f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
-                   (transfer and bool(others), f"a KV transfer and {', '.join(others)}"),
                    (self.kv_tiers.enabled and tp > 1, f"tensor_parallel_size {tp} and a KV store (--kv-store, "
                                                       "--kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:

@@ -238,10 +238,9 @@ def test_a_model_shallower_than_the_stages_is_refused_before_any_stage_starts(ll
 @pytest.mark.parametrize("extra, what", [
     ({"tensor_parallel_size": 2, "kv_transfer_address": "tcp://127.0.0.1:9"},
      "tensor_parallel_size 2 and a KV transfer"),
-    # Alone, a KV store, swap space and --kv-connector run: test_pp_tiers.py, test_pp_levers.py
+    # A KV store, swap space and --kv-connector run: test_pp_tiers.py, test_pp_levers.py
     ({"kv_dram_gb": 0.1, "tensor_parallel_size": 2}, "tensor_parallel_size 2 and a KV store"),
     ({"speculative": {"method": "draft", "model": "/nonexistent"}}, "speculative method 'draft'"),
-    ({"num_swap_blocks": 4, "kv_transfer_address": "tcp://127.0.0.1:9"}, "a KV transfer and num_swap_blocks"),
     ({"deterministic": True}, "deterministic"),
 ])
 def test_features_that_do_not_run_over_stages_are_refused_in_one_line(llama, extra, what):

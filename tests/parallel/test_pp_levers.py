@@ -1,9 +1,10 @@
 """Levers over pipeline stages: host swap space, where each stage swaps its
 own layers' KV of a preempted request's blocks in the steps the one
-scheduler orders, and a connector from outside the package
+scheduler orders, a connector from outside the package
 (``--kv-connector``), whose worker half runs on every stage over that
-stage's layers and whose scheduler half runs once, on stage 0. Greedy
-output equals HF transformers in float32 either way."""
+stage's layers and whose scheduler half runs once, on stage 0, and both
+beside a P/D transfer and the node KV store in one decode core. Greedy
+output equals HF transformers in float32 every way."""
 from __future__ import annotations
 
 import random
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
+from kvferry.engine.kv_connector import HostSwapWorker, NodeStoreWorker
+from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
+from tests.disagg.driver import assert_idle, drain, make_core, request, run_disagg, step_until
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel import file_tier_connector as file_tier
 from tests.tiny_models import make_tiny_checkpoint
@@ -86,3 +90,37 @@ def test_a_connector_from_outside_runs_on_every_stage(case, tmp_path, monkeypatc
         reader.engine.check_integrity()
     finally:
         reader.engine.core.close()
+
+
+def test_transfer_swap_and_store_compose_in_a_decode_core_of_two_stages(case):
+    # A P/D decode core of 2 stages with host swap and a KV store beside the
+    # transfer: the transfer moves every stage's pool into shared memory, the
+    # store saves whole blocks from them, swap copies the pools the steps use.
+    path, hf = case
+    prompt = _prompts(13, (90,))[0]
+    expected = hf_greedy(hf, prompt, 8)
+    prefill = make_core(path, block_size=BLOCK)
+    decode = make_core(path, block_size=BLOCK, pipeline_parallel_size=2, cpu_threads_per_rank=1,
+                       num_swap_blocks=16, kv_dram_gb=0.05)
+    try:
+        connector = decode.runner.connector
+        assert [type(w) for w in connector.workers] == [StageTransferWorker, HostSwapWorker, NodeStoreWorker]
+        result = run_disagg(prefill, decode, "pd", prompt, _greedy(8))
+        assert_greedy_match(hf, prompt, result.tokens, expected)
+        assert not result.transfer_errors
+        drain(decode)
+        drain(prefill)
+        # The block the decode filled (tokens 88..95) went down whole: every stage's layers.
+        assert decode.stats().kv_saved_blocks == 1
+        # A colocated request on the same core loads nothing yet, then its blocks go down too.
+        other = _prompts(14, (40,))[0]
+        decode.add_request(request("co", other, _greedy(6)))
+        outs = step_until(decode, lambda seen: any(o.finished for o in seen), timeout_s=120)
+        tokens = [t for o in outs if o.request_id == "co" for t in o.new_token_ids]
+        assert_greedy_match(hf, other, tokens, hf_greedy(hf, other, 6))
+        drain(decode, timeout_s=60)
+        assert_idle(prefill)
+        assert_idle(decode)
+    finally:
+        prefill.close()
+        decode.close()

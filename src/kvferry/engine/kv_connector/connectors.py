@@ -34,6 +34,7 @@ from kvferry.engine.kv_connector.disagg import PDTransferWorker
 from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
 from kvferry.engine.kv_connector.rank_pools import RankPools, RankPoolWorker
 from kvferry.engine.kv_connector.stage_pools import StagePools, StagePoolWorker
+from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
 from kvferry.engine.kv_connector.store import NodeStore, NodeStoreWorker
 from kvferry.engine.kv_connector.swap import HostSwapWorker
 from kvferry.model.layers.parallel import TPShard
@@ -67,6 +68,10 @@ class WorkerContext:
     stage: PPStage | None = None
     num_layers: int = 0
     stage_pool: str = ""
+    # The pools are in shared memory over pipeline stages (the P/D transfer
+    # moved them, stage_transfer.py): on stage 0 the other stages' pools in
+    # stage order, on a later stage []; None: not moved.
+    stage_caches: list[torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -123,11 +128,13 @@ class NodeStoreConnector(KVConnector):
         memory (so a block is stored whole, or not at all); over pipeline
         stages, stage 0's moves every stage's layers the same way."""
         if ctx.stage is not None and ctx.stage.size > 1:
-            pools = StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers)
-            caches = [pools.kv_cache, *pools.stage_caches]
-            self.store = NodeStore.connect(self.config, sum(c[:, :, 0].nbytes for c in caches))
-            self.worker = NodeStoreWorker(pools.kv_cache, self.store.io, node_store=self.store,
-                                          stage_caches=pools.stage_caches, rank_pools=pools)
+            pools = None if ctx.stage_caches is not None else StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers)
+            kv_cache, stage_caches = (ctx.kv_cache, ctx.stage_caches) if pools is None else (pools.kv_cache,
+                                                                                          pools.stage_caches)
+            nbytes = sum(c[:, :, 0].nbytes for c in (kv_cache, *stage_caches))  # a slot: every stage's layers
+            self.store = NodeStore.connect(self.config, nbytes)
+            self.worker = NodeStoreWorker(kv_cache, self.store.io, node_store=self.store, stage_caches=stage_caches,
+                                          rank_pools=pools)
             return self.worker
         pools, kv_cache, rank_caches = None, ctx.kv_cache, ctx.rank_caches
         if rank_caches is None and ctx.shard is not None and ctx.shard.size > 1:
@@ -169,6 +176,8 @@ class StagePoolConnector(KVConnector):
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
         assert ctx.stage is not None, "a pipeline stage's runner"
+        if ctx.stage_caches is not None:  # mapped already (the P/D transfer's)
+            return StagePoolWorker(None, ctx.kv_cache)
         return StagePoolWorker(StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers, ctx.stage_pool))
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
@@ -183,6 +192,10 @@ class PDTransferConnector(KVConnector):
         self.worker: PDTransferWorker | None = None
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        if ctx.stage is not None and ctx.stage.size > 1:  # every stage sends its own layers (stage_transfer.py)
+            self.worker = StageTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.stage, ctx.num_layers,
+                                              ctx.stage_pool)
+            return self.worker
         self.worker = PDTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.draft_kv_cache, ctx.speculative,
                                        ctx.shard)
         return self.worker
@@ -211,7 +224,8 @@ class MultiKVConnector(KVConnector):
         workers: dict[int, KVConnectorWorker] = {}
         for i in order:
             worker = workers[i] = self.connectors[i].worker_half(ctx)
-            ctx = replace(ctx, kv_cache=worker.kv_cache, rank_caches=getattr(worker, "rank_caches", ctx.rank_caches))
+            ctx = replace(ctx, kv_cache=worker.kv_cache, rank_caches=getattr(worker, "rank_caches", ctx.rank_caches),
+                          stage_caches=getattr(worker, "stage_caches", ctx.stage_caches))
         return MultiKVConnectorWorker([workers[i] for i in range(len(self.connectors))], ctx.kv_cache)
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:

@@ -34,6 +34,7 @@ class MultiKVConnectorWorker(KVConnectorWorker):
         hooks = None
         for worker in self.workers:
             hooks = worker.begin_step(orders) or hooks
+        self.step = hooks  # where a pipeline stage's runner reads them (as StageTransferWorker.step)
         return hooks
 
     def finished_requests(self, request_ids: list[str]) -> None:

@@ -65,9 +65,11 @@ class StagePoolWorker(KVConnectorWorker):
     # Stage 0's orders reach every stage with the step; they are stage 0's to run.
     order_kinds = frozenset({"load", "save"})
 
-    def __init__(self, pools: StagePools) -> None:
+    def __init__(self, pools: StagePools | None, kv_cache: torch.Tensor | None = None) -> None:
+        """``pools`` None: the pool is in shared memory already (the P/D
+        transfer's), ``kv_cache``."""
         self.pools = pools
-        self.kv_cache = pools.kv_cache
+        self.kv_cache = kv_cache if pools is None else pools.kv_cache
         self.step = None  # StageRunner's hook slot (no stream over this connector)
 
     def run_orders(self, orders: KVOrders) -> None:
@@ -77,4 +79,5 @@ class StagePoolWorker(KVConnectorWorker):
         return KVCompletions()
 
     def close(self) -> None:
-        self.pools.close()
+        if self.pools is not None:
+            self.pools.close()
