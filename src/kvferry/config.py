@@ -439,8 +439,6 @@ class EngineConfig:
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
             (self.model.deterministic, "deterministic"),
             (spec is not None and method not in methods, f"speculative method {method!r} ({', '.join(methods)} work)"),
-            (bool(self.kv_connector), "--kv-connector"),
-            (self.cache.num_swap_blocks > 0, "num_swap_blocks (host swap space)"),
         ]
 
     def _check_tensor_parallel(self) -> None:
@@ -455,8 +453,8 @@ class EngineConfig:
         refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
                     f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
-                   (self.model.quantization in ("int8", "gguf"), f"quantization {self.model.quantization!r}"),
-                   (self.kv_tiers.enabled, "a KV store (--kv-store, --kv-dram-gb, --kv-cluster)")]
+                   (self.kv_tiers.enabled and tp > 1, f"tensor_parallel_size {tp} and a KV store (--kv-store, "
+                                                      "--kv-dram-gb, --kv-cluster)")]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "
@@ -514,7 +512,7 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=_opt(
         "weight format. Left out: the model's own; a .gguf file's linear weights stay in their quantized blocks, "
         "multiplied by integer kernels (types without a kernel, such as IQ*, dequantized at load), and are expanded "
-        "to float where the blocks do not run (CUDA, tensor-parallel ranks, pipeline stages, --deterministic) and for "
+        "to float where the blocks do not run (CUDA, --deterministic) and for "
         "the embedded default model. gguf (the blocks, or an error where they cannot run), int8 (W8A8: linear weights "
         "quantized to int8 per output channel at load, activations per token; CPU), compressed-tensors (a W8A8 int8 "
         "checkpoint as it is; found from its config.json without the flag too) or none (expand a .gguf to float)"))

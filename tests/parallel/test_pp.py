@@ -238,12 +238,10 @@ def test_a_model_shallower_than_the_stages_is_refused_before_any_stage_starts(ll
 @pytest.mark.parametrize("extra, what", [
     ({"tensor_parallel_size": 2, "kv_transfer_address": "tcp://127.0.0.1:9"},
      "tensor_parallel_size 2 and a KV transfer"),
-    ({"kv_dram_gb": 0.1}, "a KV store"),
+    # A KV store, swap space and --kv-connector run: test_pp_tiers.py, test_pp_levers.py
+    ({"kv_dram_gb": 0.1, "tensor_parallel_size": 2}, "tensor_parallel_size 2 and a KV store"),
     ({"speculative": {"method": "draft", "model": "/nonexistent"}}, "speculative method 'draft'"),
-    ({"num_swap_blocks": 4}, "num_swap_blocks"),
     ({"deterministic": True}, "deterministic"),
-    ({"quantization": "int8"}, "quantization 'int8'"),
-    ({"quantization": "gguf"}, "quantization 'gguf'"),
 ])
 def test_features_that_do_not_run_over_stages_are_refused_in_one_line(llama, extra, what):
     with pytest.raises(ValueError, match=f"pipeline_parallel_size 2 does not work with {what}") as e:

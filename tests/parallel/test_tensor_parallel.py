@@ -132,8 +132,7 @@ def test_heads_that_do_not_split_are_refused_before_any_rank_starts(llama):
 
 
 @pytest.mark.parametrize("extra, what", [
-    ({"kv_connector": "my_tier:MyTier"}, "--kv-connector"),  # P/D runs over ranks: tests/parallel/test_pd_tp.py
-    ({"num_swap_blocks": 4}, "num_swap_blocks"),
+    # P/D, host swap and --kv-connector run over ranks: test_pd_tp.py, test_tp_levers.py
     ({"deterministic": True}, "deterministic"),
 ])
 def test_features_that_do_not_run_over_ranks_are_refused_in_one_line(llama, extra, what):

@@ -71,11 +71,6 @@ def test_blocks_written_at_one_layout_load_at_another(case, store):
             assert client.stats().used_slots == written
 
 
-def test_swap_space_is_still_refused_over_ranks(case):
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not work with num_swap_blocks"):
-        LLM(model=case[0], tensor_parallel_size=2, num_swap_blocks=4, num_kv_blocks=64)
-
-
 def test_swap_preemption_through_the_store_over_ranks(case, store):
     # 32 blocks of 8 admit the four prompts (31 blocks) but not their 12
     # tokens of decode each: requests are preempted, their blocks swapped

@@ -79,8 +79,8 @@ def test_no_op_flags_print_one_line_each(capsys):
 def test_tensor_parallel_maps_onto_the_engine_and_refuses_what_it_cannot_do_in_one_line(capsys):
     engine_args, notes = mapped(capsys, "-tp", "2")
     assert engine_args.tensor_parallel_size == 2 and "--tensor-parallel-size 2" in notes
-    code, _, err = run_main(capsys, "serve", "-tp", "2", "--num-swap-blocks", "4")
-    assert code == 2 and "tensor_parallel_size 2 does not work with num_swap_blocks" in err and "Traceback" not in err
+    code, _, err = run_main(capsys, "serve", "-tp", "2", "--deterministic")
+    assert code == 2 and "tensor_parallel_size 2 does not work with deterministic" in err and "Traceback" not in err
 
 
 def test_swap_space_maps_onto_swap_blocks_by_the_engines_block_size(capsys):

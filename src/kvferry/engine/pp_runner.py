@@ -32,8 +32,8 @@ import torch
 import zmq
 
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
-from kvferry.engine.kv_connector.connectors import PDTransferConnector
-from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
+from kvferry.engine.kv_connector.base import KVConnectorWorker
+from kvferry.engine.kv_connector.connectors import WorkerContext
 from kvferry.engine.runner import ModelRunner, StepInputs
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
@@ -98,9 +98,11 @@ class StageRunner(ModelRunner):
 
     def __init__(self, loaded, config, num_blocks: int, max_model_len: int, connector=None,  # noqa: ANN001
                  kv_pool: str = "", **kwargs) -> None:  # noqa: ANN003
-        """``connector``: stage 0's (the P/D transfer's, or None); a later
-        stage of a core with a KV transfer builds its own half over the
-        segment rank 0 named, ``kv_pool`` (stage_transfer.py)."""
+        """``connector``: this stage's (``for_engine``; stage 0's is the
+        core's), or None: it makes a worker half per stage over its own
+        layers' pool (a KV transfer's is a ``StageTransferWorker``); a later
+        stage maps its pool in the segment stage 0 named, ``kv_pool``
+        (stage_transfer.py, stage_pools.py)."""
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
         model = self.model
         self.stage = model.stage
@@ -108,15 +110,14 @@ class StageRunner(ModelRunner):
         # model's that the base class mapped was never touched, so cost nothing).
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
                                           self.device, model.num_kv_heads, num_layers=len(model.layers))
-        self.connector: StageTransferWorker | None = None
-        if config.kv_transfer.kv_transfer_address:
-            if connector is not None and not isinstance(connector, PDTransferConnector):
-                raise ValueError("pipeline_parallel_size > 1 runs only the prefill/decode transfer's KV connector")
-            self.connector = StageTransferWorker(self.kv_cache, config.kv_transfer, self.stage,
-                                                 loaded.config.num_hidden_layers, kv_pool)
-            self.kv_cache = self.connector.kv_cache  # in shared memory: stage 0's receiver fills every stage's
-            if connector is not None:
-                connector.worker = self.connector  # its scheduler half announces this worker's settings
+        self.connector: KVConnectorWorker | None = None
+        if connector is not None:  # a worker half per stage, over its own layers' pool
+            self.connector = connector.worker_half(WorkerContext(
+                self.kv_cache, self.block_size, shard=getattr(model, "shard", None), stage=self.stage,
+                num_layers=loaded.config.num_hidden_layers, stage_pool=kv_pool))
+            # In shared memory with a KV transfer (stage 0's receiver fills every stage's) or the
+            # node store (stage 0 saves and loads every stage's layers): stage_transfer.py, stage_pools.py.
+            self.kv_cache = self.connector.kv_cache
         self.samples = self.stage.last
         self.micro_batches = config.parallel.pp_micro_batches
         self.link: StageLink | None = None
@@ -138,7 +139,7 @@ class StageRunner(ModelRunner):
         self._update_states(sched)
         if sched.kv_orders and self.connector is not None:
             self.connector.execute(sched.kv_orders)
-            self.connector.begin_step(sched.kv_orders)
+            self.connector.step = self.connector.begin_step(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
             inputs = self._prepare(sched, sched.spec_token_ids, graph_ok=False, trees=sched.spec_tree_parents)

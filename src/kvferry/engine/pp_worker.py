@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from kvferry.engine.cpu_threads import bind_step_thread
+from kvferry.engine.kv_connector import for_engine
 from kvferry.engine.pp_runner import StageLink, StageRunner
 from kvferry.engine.pp_stages import StageSpec
 from kvferry.engine.rank_group import connect_to_leader, receive_pickled, watch_parent
@@ -110,7 +111,10 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
         return None
     if not isinstance(shape, RunnerShape):
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
-    runner = StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
+    # Its own worker half of the core's connector (host swap, a connector of one's own: over its
+    # layers; the node store: its pool in shared memory, where stage 0 saves and loads it).
+    connector = for_engine(spec.config, rank=spec.tp_rank, stage=spec.stage.rank)
+    runner = StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len, connector=connector,
                          kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool)
     if spec.tp_rank:  # the last stage's TP rank 0 samples; its peers take its tokens with the next step
         runner.samples = False

@@ -84,7 +84,7 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     if quantization == "gguf" and not resolved.is_gguf:
         raise ValueError(f"quantization 'gguf' needs a .gguf model, got {resolved.path}")
     sharded = shard is not None and shard.enabled
-    blocks = _keeps_blocks(resolved, quantization, device, stage is not None, deterministic)
+    blocks = _keeps_blocks(resolved, quantization, device, deterministic)
     if blocks:
         folder = gguf_convert.convert_gguf(resolved.path, weights=False)
     else:
@@ -98,14 +98,14 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
         # int8 tensors and their scales would have to be sliced in pairs.
         raise ValueError("tensor_parallel_size > 1: a compressed-tensors int8 checkpoint is not sharded yet "
                          "(--quantization int8 over its float model is)")
-    if int8 is not None and stage is not None:
-        raise ValueError("pipeline_parallel_size > 1 needs float weights: int8 weights are not split over stages yet")
     if blocks:
         lm, fingerprint = _load_gguf_blocks(resolved.path, folder, config, torch_dtype, shard or TPShard(),
-                                            strict=quantization == "gguf")
+                                            strict=quantization == "gguf", stage=stage)
     else:
         lm = LlamaModel(config, dtype=torch_dtype, device=device, shard=shard, linear_config=int8, stage=stage)
-        weights = iter_safetensors(folder, lazy=sharded or stage is not None)
+        # A stage reads only its layers' tensors (lazy), but a W8A8 checkpoint's int8
+        # tensors are paired with their scales by dtype as they pass: read whole.
+        weights = iter_safetensors(folder, lazy=sharded or (stage is not None and not packed_int8))
         lm.load_weights(int8_checkpoint.pair_scales(weights) if packed_int8 else weights)
         fingerprint = model_fingerprint(folder)
         fingerprint = fingerprint if int8 is None else int8_checkpoint.mark_fingerprint(fingerprint)
@@ -126,17 +126,15 @@ def load_model(model: str | None, dtype: str = "auto", device: str = "cpu",
     )
 
 
-def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str, staged: bool,
-                  deterministic: bool) -> bool:
+def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str, deterministic: bool) -> bool:
     """Whether a model's linear weights are served in their GGUF blocks.
 
-    Explicit ``gguf``: yes, or a one-line error (``staged``: pipeline
-    stages, which config.py refuses first). Left out (None): a .gguf file
+    Explicit ``gguf``: yes, or a one-line error. Left out (None): a .gguf file
     stays quantized, as a llama.cpp or Ollama user expects, except where
     the blocks path does not run, which expands it to float with a log line:
-    on CUDA, over pipeline stages and with --deterministic (their methods
-    need float weights). Tensor-parallel ranks keep their slices of the
-    blocks (``_load_gguf_blocks``). The embedded default model stays expanded:
+    on CUDA and with --deterministic (their methods need float weights).
+    Tensor-parallel ranks keep their slices of the blocks, pipeline stages
+    their layers' (``_load_gguf_blocks``). The embedded default model stays expanded:
     kvferry's own tests and examples read its float numerics (greedy output
     independent of the batch mix, which the blocks' row-count-dependent
     kernels do not keep); ``--quantization gguf`` serves it in its blocks."""
@@ -149,11 +147,6 @@ def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str
         logger.info("GGUF %s: the quantized kernels run on the CPU; on %s its weights are expanded to float",
                     name, device)
         return False
-    if staged:
-        if quantization == "gguf":
-            raise ValueError("pipeline stages need float weights: serve a .gguf with --quantization none")
-        logger.info("GGUF %s: pipeline stages split float weights: expanded to float", name)
-        return False
     if deterministic and quantization is None:
         logger.info("GGUF %s: --deterministic's batch-invariant kernels take float weights: expanded to float", name)
         return False
@@ -161,11 +154,12 @@ def _keeps_blocks(resolved: ResolvedModel, quantization: str | None, device: str
 
 
 def _load_gguf_blocks(path: Path, folder: Path, config: ModelConfig, dtype: torch.dtype, shard: TPShard,
-                      strict: bool) -> tuple[LlamaModel, str]:
+                      strict: bool, stage: PPStage | None = None) -> tuple[LlamaModel, str]:
     """The model over a GGUF file's own blocks (gguf_weights.py) and its
     fingerprint. A tensor-parallel rank reads only its slice of each block
-    tensor (gguf_shard.py); ``strict`` (``--quantization gguf``): a slice
-    that is not whole blocks is an error, not a float layer."""
+    tensor (gguf_shard.py), a pipeline stage only its layers' tensors (lazy:
+    another stage's are never read); ``strict`` (``--quantization gguf``): a
+    slice that is not whole blocks is an error, not a float layer."""
     with open(folder / "config.json", encoding="utf-8") as f:
         hf = json.load(f)
     reader = gguf_weights.open_gguf(path)
@@ -173,8 +167,9 @@ def _load_gguf_blocks(path: Path, folder: Path, config: ModelConfig, dtype: torc
     if shard.enabled:
         shard.check(config)  # the heads' error first, before any block's
         quantized = gguf_weights.split_layers(reader, hf, config, shard, quantized, strict, path.name)
-    lm = LlamaModel(config, dtype=dtype, device="cpu", linear_config=GGUFConfig(quantized), shard=shard)
-    lm.load_weights(gguf_weights.iter_gguf_weights(path, reader, hf, quantized, lazy=shard.enabled))
+    lm = LlamaModel(config, dtype=dtype, device="cpu", linear_config=GGUFConfig(quantized), shard=shard, stage=stage)
+    lazy = shard.enabled or stage is not None
+    lm.load_weights(gguf_weights.iter_gguf_weights(path, reader, hf, quantized, lazy=lazy))
     lm.pack_weights()  # stack fused shards now: load-time peaks, not the first step's
     kept = [lin for lin in lm.linears() if lin.prefix in quantized]
     logger.info("GGUF %s: %d of %d linear layers%s kept in their blocks (%.0f MB, %s the lm_head's)", path.name,

@@ -33,9 +33,12 @@ from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.disagg import PDTransferWorker
 from kvferry.engine.kv_connector.multi import MultiKVConnectorWorker
 from kvferry.engine.kv_connector.rank_pools import RankPools, RankPoolWorker
+from kvferry.engine.kv_connector.stage_pools import StagePools, StagePoolWorker
+from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
 from kvferry.engine.kv_connector.store import NodeStore, NodeStoreWorker
 from kvferry.engine.kv_connector.swap import HostSwapWorker
 from kvferry.model.layers.parallel import TPShard
+from kvferry.parallel.pipeline import PPStage
 
 
 @dataclass(slots=True)
@@ -58,6 +61,17 @@ class WorkerContext:
     # before moved it, rank_pools.py): on rank 0 the other ranks' pools in
     # rank order, on a worker rank []; None: not moved.
     rank_caches: list[torch.Tensor] | None = None
+    # The runner's pipeline stage (each stage's runner makes its own worker
+    # half over its own layers' pool, ``[stage layers, 2, ...]``), or None
+    # (one stage); ``num_layers``: the model's; ``stage_pool``: stage 0's
+    # pool segment, which a later stage maps its own after (stage_pools.py).
+    stage: PPStage | None = None
+    num_layers: int = 0
+    stage_pool: str = ""
+    # The pools are in shared memory over pipeline stages (the P/D transfer
+    # moved them, stage_transfer.py): on stage 0 the other stages' pools in
+    # stage order, on a later stage []; None: not moved.
+    stage_caches: list[torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +82,10 @@ class SchedulerContext:
 
 class KVConnector(ABC):
     """A KV connector's two halves."""
+
+    # Whether its worker half may move the pool (into shared memory, where
+    # other processes reach it): such halves are made first (MultiKVConnector).
+    moves_pool = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -95,21 +113,34 @@ class NodeStoreConnector(KVConnector):
     for the scheduler's lookups and retentions, ``io`` for the worker's
     loads and saves (each on its own thread); the worker half closes them."""
 
-    def __init__(self, config: EngineConfig, block_nbytes: int) -> None:
+    moves_pool = True
+
+    def __init__(self, config: EngineConfig, block_nbytes: int | None) -> None:
+        """``block_nbytes`` None: a whole block's bytes are known once the
+        worker half has the pools (pipeline stages: every stage's layers)."""
         super().__init__(config)
-        self.store = NodeStore.connect(config, block_nbytes)
-        self.index, self.io = self.store.index, self.store.io
+        self.store = None if block_nbytes is None else NodeStore.connect(config, block_nbytes)
         self.worker: NodeStoreWorker | None = None
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
         """Over a tensor-parallel core, rank 0's half moves whole blocks:
         every rank's heads, read from and written to their pools in shared
-        memory (so a block is stored whole, or not at all)."""
+        memory (so a block is stored whole, or not at all); over pipeline
+        stages, stage 0's moves every stage's layers the same way."""
+        if ctx.stage is not None and ctx.stage.size > 1:
+            pools = None if ctx.stage_caches is not None else StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers)
+            kv_cache, stage_caches = (ctx.kv_cache, ctx.stage_caches) if pools is None else (pools.kv_cache,
+                                                                                          pools.stage_caches)
+            nbytes = sum(c[:, :, 0].nbytes for c in (kv_cache, *stage_caches))  # a slot: every stage's layers
+            self.store = NodeStore.connect(self.config, nbytes)
+            self.worker = NodeStoreWorker(kv_cache, self.store.io, node_store=self.store, stage_caches=stage_caches,
+                                          rank_pools=pools)
+            return self.worker
         pools, kv_cache, rank_caches = None, ctx.kv_cache, ctx.rank_caches
         if rank_caches is None and ctx.shard is not None and ctx.shard.size > 1:
             pools = RankPools(kv_cache, ctx.shard)
             kv_cache, rank_caches = pools.kv_cache, pools.rank_caches
-        self.worker = NodeStoreWorker(kv_cache, self.io, node_store=self.store, rank_caches=rank_caches,
+        self.worker = NodeStoreWorker(kv_cache, self.store.io, node_store=self.store, rank_caches=rank_caches,
                                       rank_pools=pools)
         return self.worker
 
@@ -118,7 +149,7 @@ class NodeStoreConnector(KVConnector):
         assert worker is not None, "the worker half is made first"
         # Lookups run on the step's path: they only go out while the
         # worker's I/O thread (which owns reconnecting) sees the store up.
-        source = StoreKVSource(self.index, ctx.block_size, self.config.kv_tiers.max_load_tokens,
+        source = StoreKVSource(self.store.index, ctx.block_size, self.config.kv_tiers.max_load_tokens,
                                is_up=lambda: worker.store_up)
         return TierKVScheduler(source, write_down=True)
 
@@ -126,6 +157,8 @@ class NodeStoreConnector(KVConnector):
 class RankPoolConnector(KVConnector):
     """A worker rank's part of a connector that runs on rank 0 alone (the
     node KV store): its pool in shared memory, where rank 0 reaches it."""
+
+    moves_pool = True
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
         moved = ctx.rank_caches is not None or ctx.shard is None or ctx.shard.size == 1
@@ -135,12 +168,34 @@ class RankPoolConnector(KVConnector):
         raise RuntimeError("a worker rank has no scheduler")
 
 
+class StagePoolConnector(KVConnector):
+    """A later pipeline stage's part of the node store's connector, which
+    runs on stage 0: its pool in shared memory, where stage 0 reaches it."""
+
+    moves_pool = True
+
+    def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        assert ctx.stage is not None, "a pipeline stage's runner"
+        if ctx.stage_caches is not None:  # mapped already (the P/D transfer's)
+            return StagePoolWorker(None, ctx.kv_cache)
+        return StagePoolWorker(StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers, ctx.stage_pool))
+
+    def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
+        raise RuntimeError("a later pipeline stage has no scheduler")
+
+
 class PDTransferConnector(KVConnector):
+    moves_pool = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.worker: PDTransferWorker | None = None
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
+        if ctx.stage is not None and ctx.stage.size > 1:  # every stage sends its own layers (stage_transfer.py)
+            self.worker = StageTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.stage, ctx.num_layers,
+                                              ctx.stage_pool)
+            return self.worker
         self.worker = PDTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.draft_kv_cache, ctx.speculative,
                                        ctx.shard)
         return self.worker
@@ -153,20 +208,25 @@ class PDTransferConnector(KVConnector):
 class MultiKVConnector(KVConnector):
     """Several connectors as one (see the two ``multi.py`` halves for the
     rules). Each worker half is built over the pool the one before left,
-    so a connector that moves the pool (the prefill/decode transfer's
-    shared memory) comes first."""
+    those that move the pool (the prefill/decode transfer's shared memory,
+    the node store's over ranks or stages) first."""
 
     def __init__(self, config: EngineConfig, connectors: list[KVConnector]) -> None:
         super().__init__(config)
         self.connectors = list(connectors)
 
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
-        workers = []
-        for connector in self.connectors:
-            worker = connector.worker_half(ctx)
-            ctx = replace(ctx, kv_cache=worker.kv_cache, rank_caches=getattr(worker, "rank_caches", ctx.rank_caches))
-            workers.append(worker)
-        return MultiKVConnectorWorker(workers)
+        """The halves that move the pool are made first (in order), the rest
+        over the pool they left, the one the runner computes in: host swap
+        made before the node store moved a tensor-parallel core's pool would
+        copy a pool no step writes. The workers keep the connectors' order."""
+        order = sorted(range(len(self.connectors)), key=lambda i: not self.connectors[i].moves_pool)
+        workers: dict[int, KVConnectorWorker] = {}
+        for i in order:
+            worker = workers[i] = self.connectors[i].worker_half(ctx)
+            ctx = replace(ctx, kv_cache=worker.kv_cache, rank_caches=getattr(worker, "rank_caches", ctx.rank_caches),
+                          stage_caches=getattr(worker, "stage_caches", ctx.stage_caches))
+        return MultiKVConnectorWorker([workers[i] for i in range(len(self.connectors))], ctx.kv_cache)
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
         return MultiKVConnectorScheduler([c.scheduler_half(ctx) for c in self.connectors])
@@ -185,19 +245,24 @@ def load_connector(spec: str) -> type[KVConnector]:
     return cls
 
 
-def for_engine(config: EngineConfig, block_nbytes: int = 0, rank: int = 0) -> KVConnector | None:
+def for_engine(config: EngineConfig, block_nbytes: int = 0, rank: int = 0, stage: int = 0) -> KVConnector | None:
     """The connector a configuration asks for (None: the device pool alone).
     ``block_nbytes``: one device block's bytes (the node store's slot size:
     times the tensor-parallel ranks, as the store holds whole blocks);
-    ``rank``: a tensor-parallel worker rank's (> 0: no store of its own)."""
+    ``rank``, ``stage``: a tensor-parallel worker rank's, a later pipeline
+    stage's (> 0: no store of its own, its pool where rank 0 reaches it)."""
     connectors: list[KVConnector] = []
+    par = config.parallel
     if config.kv_transfer.kv_transfer_address:
         connectors.append(PDTransferConnector(config))  # first: it moves the pool into shared memory
-    if config.cache.num_swap_blocks:
-        connectors.append(HostSwapConnector(config))
+    swap = [HostSwapConnector(config)] if config.cache.num_swap_blocks else []
+    store: list[KVConnector] = []
     if config.kv_tiers.enabled:
-        connectors.append(NodeStoreConnector(config, block_nbytes * config.parallel.tensor_parallel_size)
-                          if rank == 0 else RankPoolConnector(config))
+        # Pipeline stages: the slot's size comes with stage 0's pools of every stage (worker_half).
+        whole = None if par.pipeline_parallel_size > 1 else block_nbytes * par.tensor_parallel_size
+        store = [NodeStoreConnector(config, whole) if rank == 0 and stage == 0
+                 else StagePoolConnector(config) if stage else RankPoolConnector(config)]
+    connectors += swap + store  # host swap first: preemption's first choice (MultiKVConnectorScheduler)
     if config.kv_connector:
         connectors.append(load_connector(config.kv_connector)(config))
     if len(connectors) > 1:

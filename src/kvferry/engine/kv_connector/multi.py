@@ -3,20 +3,28 @@ that executes its kind, completions are gathered in the workers' order,
 and the layer hooks of the (one) worker that streams are the step's."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvferry.core.outputs import KVOrders
 from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker, _W
 from kvferry.types.stats import SchedulerStats
 
+if TYPE_CHECKING:
+    import torch
+
 
 class MultiKVConnectorWorker(KVConnectorWorker):
-    def __init__(self, workers: list[KVConnectorWorker]) -> None:
+    def __init__(self, workers: list[KVConnectorWorker], kv_cache: torch.Tensor | None = None) -> None:
+        """``kv_cache``: the pool the runner computes in, where the workers
+        that move it left it (default: the last worker's; each was built
+        over the pool the one before left)."""
         if not workers:
             raise ValueError("a multi-connector needs at least one connector")
         self.workers = list(workers)
         self.order_kinds = frozenset().union(*(w.order_kinds for w in self.workers))
-        self.kv_cache = self.workers[-1].kv_cache  # each was built over the pool the one before left
+        self.kv_cache = self.workers[-1].kv_cache if kv_cache is None else kv_cache
+        # Where a later pipeline stage maps its pool (the part that moved it there, if any).
+        self.pool_name = next((name for w in self.workers if (name := getattr(w, "pool_name", ""))), "")
 
     def run_orders(self, orders: KVOrders) -> None:
         for worker in self.workers:
@@ -26,6 +34,7 @@ class MultiKVConnectorWorker(KVConnectorWorker):
         hooks = None
         for worker in self.workers:
             hooks = worker.begin_step(orders) or hooks
+        self.step = hooks  # where a pipeline stage's runner reads them (as StageTransferWorker.step)
         return hooks
 
     def finished_requests(self, request_ids: list[str]) -> None:

@@ -67,6 +67,8 @@ class StageTransferWorker(PDTransferWorker):
             stage.rank, stage.size, stage.start, stage.end, num_layers, receive_layers))
         self.kv_cache = self.agent.kv_cache
         self.rank_caches = None
+        # For a node store beside it (stage_pools.py): the other stages' pools on stage 0.
+        self.stage_caches = [p.tensor for p in self.others]
         self.step: StepTransfer | None = None
 
     def settings(self) -> KVTransferSettings:

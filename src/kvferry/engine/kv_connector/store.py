@@ -177,24 +177,32 @@ class NodeStoreWorker(KVConnectorWorker):
 
     def __init__(self, kv_cache: torch.Tensor, store: StoreIO, load_timeout_s: float = 10.0,
                  node_store: NodeStore | None = None, rank_caches: list[torch.Tensor] | None = None,
-                 rank_pools: Any = None) -> None:
+                 rank_pools: Any = None, stage_caches: list[torch.Tensor] | None = None) -> None:
         """``rank_caches``: on rank 0 of a tensor-parallel core, ranks
         1..N-1's pools (shared memory, the same block ids, their heads): a
         slot holds a whole block, every rank's heads in rank order, as one
         rank's pool would, so cores of any TP size share the store's
-        blocks. ``rank_pools``: what owns those segments (closed with this)."""
+        blocks. ``stage_caches``: the same on stage 0 of a pipeline-parallel
+        core, stages 1..P-1's pools (their layers; stage_pools.py): a slot
+        holds every stage's layers in order. ``rank_pools``: what owns those
+        segments (closed with this)."""
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
-        self._pools = [kv_cache, *(rank_caches or [])]
+        self._pools = [kv_cache, *(rank_caches or stage_caches or [])]
+        # Where each pool's part of a block lies: its layers (pool dim 0, block dim 0) over
+        # stages, its heads (pool dim 4, block dim 3) over ranks.
+        self._pool_dim, self._block_dim = (0, 0) if stage_caches else (4, 3)
         self._rank_pools = rank_pools
+        self.pool_name = getattr(rank_pools, "pool_name", "")  # stage 0's segment: where each stage maps its own
         self.store = store
         # The link this worker's connector made (closed with the worker;
         # its index client purges tenants). None: a store the caller owns.
         self.node_store = node_store
         self.load_timeout_s = load_timeout_s
         self.stats = StoreIOStats()
-        heads = sum(pool.shape[4] for pool in self._pools)
-        self._block_shape = (kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], heads, kv_cache.shape[5])
+        block_shape = [kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[5]]
+        block_shape[self._block_dim] = sum(pool.shape[self._pool_dim] for pool in self._pools)
+        self._block_shape = tuple(block_shape)
         self._inbox: queue.Queue[tuple[str, TransferOrder, Any] | None] = queue.Queue()
         self._outbox = _Outbox()
         # Set when a completion lands in the outbox: an idle step waits on it
@@ -417,14 +425,15 @@ class NodeStoreWorker(KVConnectorWorker):
         self._stream.synchronize()  # in the device blocks before the completion is reported
 
     def _rank_heads(self, block: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(the block's heads rank r holds, rank r's pool) for each rank
-        (one rank: the whole block and the pool)."""
+        """(the block's part rank or stage r holds: its heads or its layers,
+        and r's pool) for each (one pool: the whole block and the pool)."""
         if len(self._pools) == 1:
             return [(block, self.kv_cache)]
         out, lo = [], 0
         for pool in self._pools:
-            out.append((block[:, :, :, lo:lo + pool.shape[4]], pool))
-            lo += pool.shape[4]
+            n = pool.shape[self._pool_dim]
+            out.append((block.narrow(self._block_dim, lo, n), pool))
+            lo += n
         return out
 
     def _slot(self, arena: torch.Tensor, slot: int) -> torch.Tensor:
