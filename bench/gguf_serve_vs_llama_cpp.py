@@ -29,6 +29,13 @@ the table shows medians over ``--runs``.
         [--model FILE.gguf] [--concurrency 16 64] [--num-prompts 64] [--input-len 256] [--output-len 64] \\
         [--prefill-len 512] [--runs 2] [--skip-none]
 
+Time on a quiet 2-core machine, per run (estimated from issue 46's rates:
+llama.cpp is prefill-bound, ~110 prompt tok/s on the embedded file): the
+embedded Q4_1 file ~9 min (llama.cpp ~6, each kvferry ~1.5, server starts
+included); the 1B-shaped Q4_K_M file ~35 min (llama.cpp ~20). The first
+``--quantization none`` start on a file converts it to float once (~2 min
+and ~5 GB under ~/.cache/kvferry for the 1B file).
+
 Records the CPU (model, family, flags that matter), threads, date, versions
 and the load average before and after each phase; prints a markdown table
 with ratios and writes ``summary.json`` under ``--out`` (default
@@ -301,25 +308,32 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def table(args: argparse.Namespace, results: dict, systems: list[str], bench_pp: list[dict]) -> str:
     """Markdown: per phase and system the medians over runs; the ratios kvferry gguf / llama.cpp (and / none)."""
-    lines = [f"| phase | server | {' | '.join(label for _, label in METRICS)} | prefill tok/s | failed |",
-             "|---|---|" + "---|" * (len(METRICS) + 2)]
+    lines = [f"| phase | server | {' | '.join(label for _, label in METRICS)} | prefill tok/s | failed | "
+             "each run (output or prefill tok/s) |", "|---|---|" + "---|" * (len(METRICS) + 3)]
     for phase, _ in phases(args):
         for system in systems:
-            vals = [fmt(median_of(results, system, phase, key)) for key, _ in METRICS]
+            # One token per prefill request: only its TTFT (and the prefill rate) mean anything.
+            vals = [fmt(median_of(results, system, phase, key)) if "ttft" in key or not phase.startswith("prefill")
+                    else "-" for key, _ in METRICS]
             failed = sum((r[system][phase].get("failed") or 0) + ("error" in r[system][phase])
                          + (r[system][phase].get("empty_outputs") or 0) + (r[system][phase].get("short_outputs") or 0)
                          for r in results.values() if phase in r.get(system, {}))
+            key = "prefill_tok_s" if phase.startswith("prefill") else "output_throughput"
+            each = [fmt(r[system][phase].get(key)) for r in results.values() if phase in r.get(system, {})]
             lines.append(f"| {phase} | {system} | {' | '.join(vals)} | "
-                         f"{fmt(median_of(results, system, phase, 'prefill_tok_s'))} | {failed} |")
+                         f"{fmt(median_of(results, system, phase, 'prefill_tok_s'))} | {failed} | {', '.join(each)} |")
     lines += ["", "| phase | ratio | output tok/s | TTFT p99 | TPOT p99 | prefill tok/s |", "|---|---|---|---|---|---|"]
     pairs = [("kvferry-gguf", "llama.cpp"), ("kvferry-gguf", "kvferry-none"), ("kvferry-none", "llama.cpp")]
     for phase, _ in phases(args):
         for a, b in pairs:
             if a not in systems or b not in systems:
                 continue
-            cells = [ratio(median_of(results, a, phase, k), median_of(results, b, phase, k))
-                     for k in ("output_throughput", "p99_ttft_ms", "p99_tpot_ms", "prefill_tok_s")]
+            keys = (("-", "p99_ttft_ms", "-", "prefill_tok_s") if phase.startswith("prefill")
+                    else ("output_throughput", "p99_ttft_ms", "p99_tpot_ms", "-"))
+            cells = [ratio(median_of(results, a, phase, k), median_of(results, b, phase, k)) for k in keys]
             lines.append(f"| {phase} | {a} / {b} | {' | '.join(cells)} |")
+    if lines[-1].startswith("|---"):
+        lines = lines[:-3]  # one system: no ratios
     if bench_pp:
         pp = [b["avg_ts"] for b in bench_pp if b.get("avg_ts")]
         gguf = median_of(results, "kvferry-gguf", f"prefill{args.prefill_len}", "prefill_tok_s")
