@@ -248,6 +248,10 @@ def run_system(args: argparse.Namespace, system: str, run: int, tokenizer: Path)
             rec = out[phase]
             rec["server_token_counts"] = counts = llama_server_counts(log)
             expected = 1 if phase.startswith("prefill") else args.output_len
+            if phase.startswith("prefill"):
+                # llama-server's own view of the same prefills (no HTTP, no sampling).
+                rates = llama_server_prompt_rates(log, args.prefill_len)
+                rec["server_prompt_tok_s"] = statistics.median(rates) if rates else None
             if rec.get("completed") and counts.get(expected, 0) < rec["completed"]:
                 rec["short_outputs"] = rec["completed"] - counts.get(expected, 0)
                 print(f"  WARNING: llama-server generated {counts}, not {expected} tokens for each request", flush=True)
@@ -268,6 +272,12 @@ def llama_server_counts(log: Path) -> dict[int, int]:
     for m in re.finditer(r"\|\s+eval time =\s+[\d.]+ ms /\s+(\d+) tokens", log.read_text(errors="replace")):
         counts[int(m[1])] = counts.get(int(m[1]), 0) + 1
     return counts
+
+
+def llama_server_prompt_rates(log: Path, tokens: int) -> list[float]:
+    """Prompt tok/s of llama-server's requests of exactly ``tokens`` prompt tokens, from its timing lines."""
+    found = re.finditer(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", log.read_text(errors="replace"))
+    return [tokens / float(m[1]) * 1e3 for m in found if int(m[2]) == tokens and float(m[1]) > 0]
 
 
 def llama_bench(args: argparse.Namespace) -> dict[str, object]:
@@ -334,6 +344,9 @@ def table(args: argparse.Namespace, results: dict, systems: list[str], bench_pp:
             lines.append(f"| {phase} | {a} / {b} | {' | '.join(cells)} |")
     if lines[-1].startswith("|---"):
         lines = lines[:-3]  # one system: no ratios
+    server_pp = median_of(results, "llama.cpp", f"prefill{args.prefill_len}", "server_prompt_tok_s")
+    if server_pp:
+        lines += ["", f"llama-server's own prompt tok/s on those prefills (its log): {fmt(server_pp)}"]
     if bench_pp:
         pp = [b["avg_ts"] for b in bench_pp if b.get("avg_ts")]
         gguf = median_of(results, "kvferry-gguf", f"prefill{args.prefill_len}", "prefill_tok_s")
