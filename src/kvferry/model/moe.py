@@ -17,7 +17,9 @@ tokens: the (token, expert) pairs are sorted by expert (``argsort`` and
 go through one gate_up matmul, SiLU-and-mul and one down matmul; the
 outputs are weighted and scattered back with one ``index_add_``. Python
 loops over the experts (``num_experts`` iterations, calling the active
-ones), never over tokens. The weighted sum is accumulated in float32 and rounded
+ones), never over tokens; where both stacks are plain packed experts the
+loop is one C++ call instead (moe_op.py: the same matmuls, one parallel
+region for the layer). The weighted sum is accumulated in float32 and rounded
 to the model's dtype once (HF adds each expert's term in the model's
 dtype: the same in float32, fewer roundings in bf16).
 
