@@ -106,7 +106,7 @@ def main() -> None:
             active = int(torch.unique(ids).numel())
             weights = active * per_expert + block.gate.out_features * config.hidden_size * w13.element_size()
             fused_wall, fused_cpu = time_it(lambda: block(x), args.iters)
-            block._loop = lambda: None  # moe.py's Python loop, the same packed experts
+            block._loop = lambda *_: None  # moe.py's Python loop, the same packed experts
             py_wall, py_cpu = time_it(lambda: block(x), args.iters)
             del block._loop
             plain_wall, plain_cpu = time_it(lambda: fused_experts(x, *_routed(block, x, config, dtype),

@@ -38,7 +38,7 @@ def _both(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     assert block._loop() is not None, "the block should take the C++ loop"
     with torch.inference_mode():  # its output is an inference tensor, written by the worker threads
         fast = block(x)
-        block._loop = lambda: None
+        block._loop = lambda *_: None
         try:
             slow = block(x)
         finally:

@@ -169,6 +169,11 @@ class ExpertLinear(Linear):
                 self.plain_shape = release_plain(self.weight)
             args = [lin.matmul_args() for lin in self.experts]
             self.expert_args = None if any(a is None for a in args) else args
+            if self.expert_args is not None:
+                # Build (or load) the C++ expert loop now, at load time (the
+                # loader packs before the core or rank says ready), not on a
+                # request's first step.
+                moe_op.available()
         self.processed = True
 
     def restore_weights_for_loading(self) -> None:
@@ -228,9 +233,12 @@ class SparseMoeBlock(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.w2.forward_expert(e, silu_and_mul(self.w13.forward_expert(e, x)))
 
-    def _loop(self) -> Callable[[torch.Tensor, list[int]], torch.Tensor] | None:
-        """The C++ expert loop over this block's packed experts (moe_op.py),
-        or None (the Python loop)."""
+    def _loop(self, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor, list[int]], torch.Tensor] | None:
+        """The C++ expert loop over this block's packed experts (moe_op.py)
+        for rows of ``dtype``, or None (the Python loop, which converts rows
+        of another dtype to the stack's, as ``forward_expert`` does)."""
+        if dtype is not None and (dtype != self.w13.weight.dtype or dtype != self.w2.weight.dtype):
+            return None
         args = moe_op.loop_args(self.w13, self.w2)
         return None if args is None else (lambda xs, counts: moe_op.expert_loop(args, xs, counts))
 
@@ -240,7 +248,7 @@ class SparseMoeBlock(nn.Module):
         if not self.weights_float32:
             weights = weights.to(x.dtype)  # Qwen rounds them to the model's dtype (HF)
         first = self.first_expert if self.shard.expert_parallel else None
-        out = fused_experts(x, weights, ids, self.num_experts, self.expert, first, self._loop())
+        out = fused_experts(x, weights, ids, self.num_experts, self.expert, first, self._loop(x.dtype))
         if self.shared_intermediate_size:
             shared = self.shared_down(silu_and_mul(self.shared_gate_up(x)))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
