@@ -237,10 +237,10 @@ class SparseMoeBlock(nn.Module):
         """The C++ expert loop over this block's packed experts (moe_op.py)
         for rows of ``dtype``, or None (the Python loop, which converts rows
         of another dtype to the stack's, as ``forward_expert`` does)."""
-        if dtype is not None and (dtype != self.w13.weight.dtype or dtype != self.w2.weight.dtype):
+        args = moe_op.loop_args(self.w13, self.w2)  # None for a quantized stack (no plain weight)
+        if args is None or (dtype is not None and (dtype != self.w13.weight.dtype or dtype != self.w2.weight.dtype)):
             return None
-        args = moe_op.loop_args(self.w13, self.w2)
-        return None if args is None else (lambda xs, counts: moe_op.expert_loop(args, xs, counts))
+        return lambda xs, counts: moe_op.expert_loop(args, xs, counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed) -> [T, hidden]."""
