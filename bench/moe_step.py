@@ -7,8 +7,11 @@ step is timed at batch 1 and 32 (random tokens: about 8 and all 64 experts
 active). The floor is the active experts' weights read once at the memcpy
 bandwidth measured in the same run (bytes copied / s, read + write
 counted, the best of several); a second column divides by the read-only
-rate of a large reduction. The same block with ``F.linear`` over each
-expert's plain slice of the stack (no packed copies) is timed beside it.
+rate of a large reduction. The block runs as served: its expert loop one
+C++ call (moe_op.py) where that builds. Beside it: the same block with
+moe.py's Python loop over the same packed experts (``python_loop``), and
+with ``F.linear`` over each expert's plain slice of the stack (no packed
+copies).
 
 Each figure is given twice: by the wall clock (median) and by this
 process's CPU time (median, ``time.process_time``), the copy's bandwidth
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from kvferry.model.config import ModelConfig  # noqa: E402
 from kvferry.model.fused_ops import silu_and_mul  # noqa: E402
 from kvferry.model.layers import UnquantizedConfig  # noqa: E402
+from kvferry.model import moe_op  # noqa: E402
 from kvferry.model.moe import SparseMoeBlock, fused_experts, route  # noqa: E402
 
 OLMOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=50304, hidden_size=2048, intermediate_size=1024,
@@ -102,16 +106,21 @@ def main() -> None:
             active = int(torch.unique(ids).numel())
             weights = active * per_expert + block.gate.out_features * config.hidden_size * w13.element_size()
             fused_wall, fused_cpu = time_it(lambda: block(x), args.iters)
+            block._loop = lambda *_: None  # moe.py's Python loop, the same packed experts
+            py_wall, py_cpu = time_it(lambda: block(x), args.iters)
+            del block._loop
             plain_wall, plain_cpu = time_it(lambda: fused_experts(x, *_routed(block, x, config, dtype),
                                                                   config.num_experts, plain_expert), args.iters)
             floor_wall, floor_cpu = weights / bw["copy_wall"], weights / bw["copy_cpu"]
             rows.append(dict(batch=batch, active_experts=active, weight_mb=round(weights / 1e6, 1),
-                             wall_ms=dict(fused=_ms(fused_wall), plain_f_linear=_ms(plain_wall),
+                             wall_ms=dict(fused=_ms(fused_wall), python_loop=_ms(py_wall),
+                                          plain_f_linear=_ms(plain_wall),
                                           floor_memcpy=_ms(floor_wall), x_floor=round(fused_wall / floor_wall, 2)),
-                             cpu_ms=dict(fused=_ms(fused_cpu), plain_f_linear=_ms(plain_cpu),
+                             cpu_ms=dict(fused=_ms(fused_cpu), python_loop=_ms(py_cpu), plain_f_linear=_ms(plain_cpu),
                                          floor_memcpy=_ms(floor_cpu), x_floor=round(fused_cpu / floor_cpu, 2),
                                          x_floor_read=round(fused_cpu * bw["read_cpu"] / weights, 2))))
     print(json.dumps(dict(dtype=args.dtype, threads=args.threads, loadavg_1m=os.getloadavg()[0],
+                          cpp_loop=moe_op.loop_args(block.w13, block.w2) is not None,
                           gbps={k: round(v / 1e9, 1) for k, v in bw.items()}, rows=rows), indent=1))
 
 

@@ -7,18 +7,24 @@ through real HTTP and the openai client.
 - TP 2 packed and spread, and PP 2 spread, give HF float32's greedy text;
   ``/v1/admin/workers`` names each rank's Ray node (one node packed, both
   spread), and spread ranks talk over tcp with CURVE (no ipc, no shm);
-- a spread rank killed with SIGKILL restarts its whole group under Ray, and
-  the server serves the same text again;
+- expert parallelism spread (``-tp 2 --enable-expert-parallel``, a tiny
+  Qwen2-MoE): each node's rank holds half the experts, their partial
+  outputs meet over tcp, and the text is EP 1's (one rank) and HF's;
+- a spread rank killed with SIGKILL (an expert-parallel one: the same
+  group restart as any TP group's) ends the stream in flight with an error
+  (none hangs), restarts its whole group under Ray, and the server serves
+  the same text again;
 - a group the cluster cannot place (pack needs 2 x 3 "rank" on one node)
   fails within --scale-timeout-s, naming the resources.
 
-One cluster for the module (Ray is heavy on a 2-core host), and the three
+One cluster for the module (Ray is heavy on a 2-core host), and the four
 layouts' servers started at once on it."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
 import time
 from functools import partial
 
@@ -34,6 +40,7 @@ from tests.engine.hf_reference import hf_greedy, load_hf  # noqa: E402
 from tests.parallel.afd_helpers import servers_at_once  # noqa: E402
 from tests.serve.server_process import start_server  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
+from tests.tiny_moe_models import make_tiny_moe_checkpoint  # noqa: E402
 
 PROMPT = [5, 17, 33, 100, 200, 7, 7, 9]
 MAX_NEW = 8
@@ -44,7 +51,7 @@ RANK = json.dumps({"rank": 1})
 def cluster(tmp_path_factory):
     from tests.fleet.ray_cluster import RayCluster
 
-    with RayCluster(tmp_path_factory.mktemp("ray-ranks"), {"n0": 1, "rank": 4}, {"n1": 1, "rank": 4}) as c:
+    with RayCluster(tmp_path_factory.mktemp("ray-ranks"), {"n0": 1, "rank": 5}, {"n1": 1, "rank": 5}) as c:
         yield c
 
 
@@ -53,6 +60,13 @@ def checkpoint(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("ray-ranks-model"), arch="llama", num_attention_heads=8,
                                     num_key_value_heads=4, vocab_size=387, num_hidden_layers=2,
                                     max_position_embeddings=1024))
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """8 experts, top-2, the gated shared expert: 4 whole experts a rank under EP 2."""
+    return str(make_tiny_moe_checkpoint(tmp_path_factory.mktemp("ray-ranks-moe"), "qwen2_moe_top2",
+                                        max_position_embeddings=1024))
 
 
 def _expected(checkpoint: str) -> str:
@@ -65,6 +79,8 @@ def _expected(checkpoint: str) -> str:
 
 
 def _serve(cluster, checkpoint, log, *args: str):
+    if args and args[0] == "--model":  # a layout with a model of its own
+        checkpoint, args = args[1], args[2:]
     try:
         return start_server(log, ["--model", checkpoint, "--ray", cluster.address, "--ray-engine-resources", RANK,
                                   "--cpu-threads-per-rank", "1", *args])
@@ -72,24 +88,38 @@ def _serve(cluster, checkpoint, log, *args: str):
         raise RuntimeError(f"{exc}\n--- Ray cluster:\n{cluster.logs()}") from None
 
 
-# Every layout's server at once on the one cluster: 4 "rank" a node hold
+# Every layout's server at once on the one cluster: 5 "rank" a node hold
 # them all (at most the packed 2 and one of each spread group on one node).
 LAYOUTS = {"packed-tp2": ("-tp", "2"), "spread-tp2": ("-tp", "2", "--ray-rank-placement", "spread"),
-           "spread-pp2": ("-pp", "2", "--ray-rank-placement", "spread")}
+           "spread-pp2": ("-pp", "2", "--ray-rank-placement", "spread"),
+           "spread-ep2": ("-tp", "2", "--enable-expert-parallel", "--ray-rank-placement", "spread")}
 
 
 @pytest.fixture(scope="module")
-def servers(cluster, checkpoint, tmp_path_factory):
-    """The layouts' servers, started at once while HF and the offline LLM compute the expected text."""
+def servers(cluster, checkpoint, moe_checkpoint, tmp_path_factory):
+    """The layouts' servers, started at once while HF and the offline LLM
+    (one rank: EP 1 for the MoE) compute each model's expected text."""
     logs = {name: tmp_path_factory.mktemp(f"ray-{name}") / "server.log" for name in LAYOUTS}
-    with servers_at_once({name: partial(_serve, cluster, checkpoint, logs[name], *args)
-                          for name, args in LAYOUTS.items()}, meanwhile=partial(_expected, checkpoint)) as both:
+    models = {name: ("--model", moe_checkpoint) if "ep" in name else () for name in LAYOUTS}
+    with servers_at_once({name: partial(_serve, cluster, checkpoint, logs[name], *models[name], *args)
+                          for name, args in LAYOUTS.items()},
+                         meanwhile=lambda: (_expected(checkpoint), _expected(moe_checkpoint))) as both:
         yield both
 
 
 @pytest.fixture(scope="module")
 def expected(servers) -> str:
-    return servers[1]
+    return servers[1][0]
+
+
+@pytest.fixture(scope="module")
+def moe_expected(servers) -> str:
+    return servers[1][1]
+
+
+@pytest.fixture(scope="module")
+def spread_ep(servers):
+    return servers[0]["spread-ep2"]
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +170,50 @@ def test_pp2_stages_on_two_nodes_equal_hf(servers, expected):
     assert len(set(nodes)) == 2, nodes
 
 
-def test_a_killed_spread_rank_restarts_its_group(spread_tp, cluster, expected):
+def test_ep2_spread_over_two_nodes_equals_one_rank(spread_ep, cluster, moe_expected):
+    assert _complete(spread_ep) == moe_expected
+    worker = _worker(spread_ep)
+    assert worker["tensor_parallel_size"] == 2
+    nodes = _nodes(worker)
+    # Two Ray nodes share no memory: the experts' all-reduce went over tcp (CURVE).
+    assert sorted(nodes) == sorted([cluster.node_ids["n0"], cluster.node_ids["n1"]]), nodes
+
+
+def test_a_killed_spread_rank_restarts_its_group(spread_ep, cluster, moe_expected):
+    """An expert-parallel rank's death with a stream in flight: the stream
+    ends with an error (one core: nowhere to migrate), none hangs; the group
+    (the core and both ranks) restarts in its bundles, and the same text
+    comes back."""
+    spread_tp, expected = spread_ep, moe_expected
     before = _worker(spread_tp)
     victim = before["ranks"][1]["pid"]
+    outcome: list[str] = []
+    decoding = threading.Event()
+
+    def stream() -> None:
+        with openai.OpenAI(base_url=spread_tp.api_url, api_key="unused", max_retries=0, timeout=120) as client:
+            try:
+                events = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
+                                                   max_tokens=400, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True})
+                for event in events:
+                    decoding.set()
+                    if event.choices and event.choices[0].finish_reason == "length":
+                        outcome.append("finished")
+                        return
+                outcome.append("ended without a finish")
+            except openai.APIError as exc:
+                outcome.append(f"error: {type(exc).__name__}")
+            finally:
+                decoding.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert decoding.wait(120), "the stream never started"
     os.kill(victim, signal.SIGKILL)  # the rank's process (two Ray nodes, one host)
+    reader.join(120)
+    assert not reader.is_alive(), "the stream hung after its rank died"
+    assert outcome and outcome[0].startswith("error"), outcome
     deadline = time.monotonic() + 240
     while True:
         try:

@@ -36,17 +36,18 @@ _LOADERS = {
     "layer": "from kvferry.model import layer_op as k; print(k.available())",
     "quant": "from kvferry.model import quant as k; print(k.available())",
     "int8": "from kvferry.model import int8_gemm as k; print(k.available())",
+    "moe": "from kvferry.model import moe_op as k; print(k.available())",
 }
 # The cache name prefix of each kernel's own library (the layer's child also
 # builds or loads the fused ops it needs: those events are the fused child's).
 _PREFIXES = {"paged": "kvferry_paged", "fused": "kvferry_fused", "gemm": "kvferry_gemm", "layer": "kvferry_layer",
-            "quant": "kvferry_quant", "int8": "kvferry_int8"}
+            "quant": "kvferry_quant", "int8": "kvferry_int8", "moe": "kvferry_moe"}
 # Seconds from a kernel's "building" line to its "built" line, measured cold
 # on a slow, busy 2-core AVX-512 CPU: the low end built alone, the high end
 # with all four compiling at once (what this module does). The layer starts
 # once the fused ops it calls are built. Only the progress message uses them.
 TYPICAL_BUILD_S = {"paged": (100, 300), "fused": (30, 120), "gemm": (30, 100), "layer": (25, 60), "quant": (15, 60),
-                   "int8": (10, 60)}
+                   "int8": (10, 60), "moe": (15, 60)}
 ISAS = ("native", "avx2")
 
 # Run in each child before its loader: says on stdout, as each library the

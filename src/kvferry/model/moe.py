@@ -17,7 +17,9 @@ tokens: the (token, expert) pairs are sorted by expert (``argsort`` and
 go through one gate_up matmul, SiLU-and-mul and one down matmul; the
 outputs are weighted and scattered back with one ``index_add_``. Python
 loops over the experts (``num_experts`` iterations, calling the active
-ones), never over tokens. The weighted sum is accumulated in float32 and rounded
+ones), never over tokens; where both stacks are plain packed experts the
+loop is one C++ call instead (moe_op.py: the same matmuls, one parallel
+region for the layer). The weighted sum is accumulated in float32 and rounded
 to the model's dtype once (HF adds each expert's term in the model's
 dtype: the same in float32, fewer roundings in bf16).
 
@@ -57,10 +59,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvferry.model import moe_quant
+from kvferry.model import moe_op, moe_quant
 from kvferry.model.config import ModelConfig
 from kvferry.model.fused_ops import silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, LinearMethodBase
+from kvferry.model.layers.base import MatmulArgs
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.linear import release_plain, restore_plain
 
@@ -84,7 +87,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
                   expert: Callable[[int, torch.Tensor], torch.Tensor],
-                  first_expert: int | None = None) -> torch.Tensor:
+                  first_expert: int | None = None,
+                  loop: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert(ids[t, j], x[t]) for every token t, in x's dtype.
 
     x [T, H]; weights [T, k] (any float dtype: each product is taken in
@@ -94,6 +98,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num
     + num_experts)`` only (expert parallelism): pairs routed elsewhere are
     left out (their rank adds them) and ``expert`` gets the local index
     ``e - first_expert``; None: ``ids`` index every expert here.
+    ``loop(xs, counts)``: every expert's rows at once (moe_op.py's C++
+    loop, the same matmuls as ``expert``), in place of calling ``expert``.
     """
     num_tokens, k = ids.shape
     hidden = x.shape[1]
@@ -110,12 +116,15 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num
     pair = order if mine is None else mine.index_select(0, order)  # sorted -> index into [T * k]
     token_of = pair // k  # the token of each sorted pair
     xs = x.index_select(0, token_of)
-    ys = torch.empty((pair.shape[0], hidden), dtype=x.dtype, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            ys[start:start + n] = expert(e, xs[start:start + n])
-            start += n
+    if loop is not None:
+        ys = loop(xs, counts)
+    else:
+        ys = torch.empty((pair.shape[0], hidden), dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = expert(e, xs[start:start + n])
+                start += n
     w = weights.reshape(-1).index_select(0, pair).float()
     out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, ys.float().mul_(w[:, None]))
@@ -140,6 +149,9 @@ class ExpertLinear(Linear):
                          prefix=prefix, weight=stacked)
         self.num_experts = num_experts
         self.experts: list[Linear] | None = None  # per-expert layers over the stack, once processed
+        # Each expert's matmul_args once processed (moe_op.py's C++ loop takes
+        # them every step), None where some expert has none.
+        self.expert_args: list[MatmulArgs] | None = None
 
     def process_weights_after_loading(self) -> None:
         if self.experts is None:
@@ -155,12 +167,19 @@ class ExpertLinear(Linear):
                 for lin in self.experts:  # the packed copies serve every call: drop the views
                     lin.weight.data = lin.weight.data.new_empty(0)
                 self.plain_shape = release_plain(self.weight)
+            args = [lin.matmul_args() for lin in self.experts]
+            self.expert_args = None if any(a is None for a in args) else args
+            if self.expert_args is not None:
+                # Build (or load) the C++ expert loop now, at load time (the
+                # loader packs before the core or rank says ready), not on a
+                # request's first step.
+                moe_op.available()
         self.processed = True
 
     def restore_weights_for_loading(self) -> None:
         if self.plain_shape is not None:
             restore_plain(self.weight, self.plain_shape)
-        self.experts, self.plain_shape = None, None
+        self.experts, self.plain_shape, self.expert_args = None, None, None
         self.processed = False
 
     def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -214,13 +233,22 @@ class SparseMoeBlock(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.w2.forward_expert(e, silu_and_mul(self.w13.forward_expert(e, x)))
 
+    def _loop(self, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor, list[int]], torch.Tensor] | None:
+        """The C++ expert loop over this block's packed experts (moe_op.py)
+        for rows of ``dtype``, or None (the Python loop, which converts rows
+        of another dtype to the stack's, as ``forward_expert`` does)."""
+        args = moe_op.loop_args(self.w13, self.w2)  # None for a quantized stack (no plain weight)
+        if args is None or (dtype is not None and (dtype != self.w13.weight.dtype or dtype != self.w2.weight.dtype)):
+            return None
+        return lambda xs, counts: moe_op.expert_loop(args, xs, counts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed) -> [T, hidden]."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if not self.weights_float32:
             weights = weights.to(x.dtype)  # Qwen rounds them to the model's dtype (HF)
         first = self.first_expert if self.shard.expert_parallel else None
-        out = fused_experts(x, weights, ids, self.num_experts, self.expert, first)
+        out = fused_experts(x, weights, ids, self.num_experts, self.expert, first, self._loop(x.dtype))
         if self.shared_intermediate_size:
             shared = self.shared_down(silu_and_mul(self.shared_gate_up(x)))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
