@@ -12,9 +12,14 @@ the lm_head's and one embedding row) over the machine's read bandwidth,
 measured here by summing a cold buffer larger than the caches with the same
 thread count (``--bandwidth-gbs`` to give it instead).
 
-    python bench/gguf_decode_step.py [--model FILE.gguf] [--threads 2] [--output-len 64] [--profile]
+    python bench/gguf_decode_step.py [--model FILE.gguf] [--threads 2] [--output-len 64] [--profile] [--ab-runs N]
 
 ``--profile`` adds torch.profiler's table of one step's ops (self CPU time).
+``--ab-runs N`` then alternates, in this one process, N runs of the step as
+it is (every layer in one C++ call, the greedy shortcut) with N runs of the
+step as it was before them (a Python call per layer, the general sampler),
+and checks that both give the same tokens: on a loaded machine the two
+halves of each pair see about the same load, which separate processes do not.
 On a shared machine report the load average printed with the figures.
 """
 from __future__ import annotations
@@ -57,6 +62,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="gguf")
     ap.add_argument("--bandwidth-gbs", type=float, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ab-runs", type=int, default=0)
     args = ap.parse_args()
 
     import torch
@@ -115,12 +121,48 @@ def main() -> None:
           f"logits {med['logits']:.2f}  runner rest {med['execute'] - med['forward'] - med['logits']:.2f}")
     print(f"step (runner) / floor {med['execute'] / floor_ms:.2f}x, forward + logits / floor "
           f"{(med['forward'] + med['logits']) / floor_ms:.2f}x")
+    if args.ab_runs:
+        ab_per_layer(llm, prompt, params, times, holder["model"], args.ab_runs, floor_ms)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def ab_per_layer(llm, prompt, params, times, model, runs: int, floor_ms: float) -> None:
+    """--ab-runs: the step now ("stack") against a Python call per layer and the general sampler ("per-layer")."""
+    from kvferry.engine import runner
+    from kvferry.model import layer_op
+
+    stack_layers, greedy = layer_op.run_layers, runner.plain_greedy_tokens
+
+    def per_layer(stack, h, x, cos, sin, kv_cache, meta):
+        for i, args in enumerate(model._layer_args):
+            h, x = layer_op.run_layer(args, h, x, cos, sin, kv_cache[i], meta)
+        return h, x
+
+    res = {m: {k: [] for k in times} for m in ("per-layer", "stack")}
+    tokens = {}
+    for r in range(2 * runs):
+        mode = ("per-layer", "stack")[(r + r // 2) % 2]  # pl, st, st, pl, pl, st, ...
+        layer_op.run_layers = stack_layers if mode == "stack" else per_layer
+        runner.plain_greedy_tokens = greedy if mode == "stack" else (lambda *a: None)
+        for v in times.values():
+            v.clear()
+        ids = llm.generate([prompt], params)[0].token_ids
+        if tokens.setdefault(mode, ids) != ids or tokens.get("per-layer", ids) != ids:
+            raise SystemExit(f"{mode}: different tokens")
+        for k, v in times.items():
+            res[mode][k].append(1e3 * statistics.median(v[1:]))
+    layer_op.run_layers, runner.plain_greedy_tokens = stack_layers, greedy
+    print(f"alternating in one process, {runs} runs each, the same tokens; ms per decode step (median of a run's steps):")
+    for mode, r in res.items():
+        rest = [e - f - lg for e, f, lg in zip(r["execute"], r["forward"], r["logits"])]
+        print(f"  {mode:9s} runner {statistics.median(r['execute']):.2f} ({' '.join(f'{x:.2f}' for x in r['execute'])}; "
+              f"/ floor {statistics.median(r['execute']) / floor_ms:.2f}x)  forward {statistics.median(r['forward']):.2f}  "
+              f"logits {statistics.median(r['logits']):.2f}  rest {statistics.median(rest):.2f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from tests.model.own_cache import own_model_cache
 from tests.model.test_layer_op import OP, PLANS, _run, _same
 from tests.tiny_models import make_tiny_checkpoint, write_tiny_gguf
 
+STACK_OP = "kvferry_layer::decoder_layers"
+
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
 
 
@@ -37,6 +39,7 @@ def test_layer_op_over_blocks_equals_python_layer(tiny, monkeypatch, qtype, dtyp
     assert qkv.matmul_args().kind == QUANT_KIND + quant.block_format(qtype).ggml_type
     slow, slow_cache, slow_ops = _run(model, monkeypatch, "1")
     assert OP in fast_ops and OP not in slow_ops
+    assert STACK_OP in fast_ops  # every layer in one call (no hook between layers here)
     # PLANS has decode steps (1-3 rows: the dots) and a 14-row step (the tiles).
     assert max(sum(p.values()) for p in PLANS) >= quant.kernels.PREFILL_MIN_ROWS[32]
     for got, want in zip(fast, slow, strict=True):

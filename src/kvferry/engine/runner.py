@@ -29,6 +29,7 @@ from kvferry.config import EngineConfig
 from kvferry.core.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from kvferry.disagg.transport import Received
 from kvferry.engine.cuda_graphs import DecodeGraphs
+from kvferry.engine.greedy_step import plain_greedy_tokens
 from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
@@ -559,6 +560,12 @@ class ModelRunner:
         sampled as the output position of its depth, and the accepted
         branch's KV is moved to where a chain's would be."""
         sampling = inputs.sampling
+        if pending_bitmask is None and not inputs.trees and (
+                tokens := plain_greedy_tokens(logits, sampling, self.states, self.vocab_size)) is not None:
+            for (rid, _), token in zip(sampling, tokens):  # as below, for rows of no drafts and no logprobs
+                self._record(rid, [token])
+                out.sampled_token_ids[rid] = [token]
+            return
         rows: list[SamplingRow] = []
         draft_ids: list[int] = []
         prefixes = {rid: row_prefixes(drafts, inputs.trees.get(rid)) for rid, drafts in sampling}

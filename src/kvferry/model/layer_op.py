@@ -152,6 +152,24 @@ def run_layer(args: LayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tens
         meta.kernel_query_starts, meta.kernel_query_lens, *args)
 
 
+def layer_stack(args: list[LayerArgs]) -> torch.ScriptObject:
+    """``args`` (model_layer_args') held by the C++ op's LayerStack, for run_layers."""
+    stack = torch.classes.kvferry_layer.LayerStack()
+    for layer in args:
+        stack.add(*layer)
+    return stack
+
+
+def run_layers(stack: torch.ScriptObject, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_layer for every layer of ``stack`` in turn (layer i on
+    ``kv_cache[i]``), in one C++ call: the same bits, without a Python call
+    and its arguments' conversion per layer."""
+    return torch.ops.kvferry_layer.decoder_layers(
+        stack, h, x, cos, sin, kv_cache, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
+        meta.kernel_query_starts, meta.kernel_query_lens)
+
+
 def run_tp_layer(args: TPLayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache_layer: torch.Tensor, meta: AttentionMetadata,
                  shard: TPShard) -> tuple[torch.Tensor, torch.Tensor]:

@@ -252,6 +252,7 @@ class LlamaModel(nn.Module):
         # Each layer's arguments for the one-call C++ layer (layer_op.py), or
         # None where some layer does not fit it; set by pack_weights.
         self._layer_args: list[layer_op.LayerArgs] | list[layer_op.TPLayerArgs] | None = None
+        self._layer_stack: torch.ScriptObject | None = None  # the same held in C++ (layer_op.layer_stack), at first use
         # EAGLE-3 heads (spec/eagle3.py) read the residual stream entering
         # these layers (a low, a middle and a top one): each forward then
         # copies those rows side by side into ``aux_hidden`` [T, len * H].
@@ -272,6 +273,7 @@ class LlamaModel(nn.Module):
         # after each (where its row-parallel matmuls all-reduce).
         self._layer_args = (layer_op.model_tp_layer_args(self) if self.shard.enabled
                             else layer_op.model_layer_args(self))
+        self._layer_stack = None
         self.weights_packed = True
 
     def set_linear_config(self, linear_config: LinearConfig) -> None:
@@ -295,7 +297,7 @@ class LlamaModel(nn.Module):
     def _unpack(self) -> None:
         """Give every released weight its storage back (contents undefined)."""
         self.weights_packed = False  # packed copies of old weights must not survive
-        self._layer_args = None  # nor the layer op's references to them
+        self._layer_args = self._layer_stack = None  # nor the layer op's references to them
         for lin in self.linears():
             lin.restore_weights_for_loading()
 
@@ -356,6 +358,11 @@ class LlamaModel(nn.Module):
             # Python between them (layer_op.py).
             n = h.shape[0]
             cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+            if aux is None and meta.kv_transfer is None and not self.shard.enabled:  # no hook between layers
+                if self._layer_stack is None:
+                    self._layer_stack = layer_op.layer_stack(self._layer_args)
+                h, x = layer_op.run_layers(self._layer_stack, h, x, cos, sin, kv_cache, meta)
+                return h if ends_stream else x
             for i, args in enumerate(self._layer_args):
                 if aux is not None:
                     self._copy_aux(aux, i, h)
