@@ -38,7 +38,6 @@ import logging
 import os
 import stat
 import subprocess
-import tempfile
 import threading
 import time
 import weakref
@@ -46,6 +45,7 @@ import weakref
 import torch
 import zmq
 
+from kvferry import private_dirs
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine import afd_sites, rank_launcher
@@ -89,7 +89,7 @@ class AFDLeader(RankProcesses):
             torch.set_num_threads(config.parallel.cpu_threads_per_rank)
         self.failure: RankFailed | None = None
         self.owner = afd.folder is None  # a core alone starts its own workers
-        self._dir = tempfile.mkdtemp(prefix="kvferry-afd-") if self.owner else afd.folder
+        self._dir = private_dirs.make("kvferry-afd-") if self.owner else afd.folder
         self._view = self._view_of(afd.board)
         self._procs: list[subprocess.Popen] = []
         self._steps: list[zmq.Socket] = []  # the owner's control sockets (shutdown)

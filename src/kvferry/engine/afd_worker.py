@@ -42,6 +42,7 @@ import torch
 import zmq
 from torch import nn
 
+from kvferry import private_dirs
 from kvferry.engine.afd_pool import FFNSpec, pid_file, tcp_file
 from kvferry.engine.rank_group import watch_parent
 from kvferry.model.layers import Linear
@@ -132,7 +133,7 @@ def main() -> int:
     name = f"{spec.name} ffn {spec.index}"
     setproctitle.setproctitle(f"kvferry: {name}")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
-    watch_parent(spec.parent_pid, _POLL_MS)
+    watch_parent(spec.parent_pid, _POLL_MS, private_dirs.ours(spec.folder))
     retired = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: retired.set())
     torch.set_num_threads(spec.threads)

@@ -15,7 +15,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -24,13 +23,12 @@ from pathlib import Path
 import setproctitle
 import zmq
 
-from kvferry import peer_auth
+from kvferry import peer_auth, private_dirs
 from kvferry.config import EngineConfig
 # Re-exported: the front end names cores by these.
 from kvferry.engine.core_addresses import CoreAddresses, parse_cpus  # noqa: F401
 from kvferry.engine.core_auth import core_token
 from kvferry.messages import CoreInput, CoreOutput, EngineCoreHello, EngineCoreOutputs, EngineCoreReady, decode, encode
-from kvferry.shm_segments import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -45,27 +43,17 @@ _FOLDER_PREFIX = "kvferry-core-"
 def ipc_addresses() -> tuple[CoreAddresses, str]:
     """Fresh ipc:// socket paths in a private (0700) temporary folder named
     after this process (returned too, for removal), after removing the
-    folders of processes that are gone: a front end killed with SIGKILL
-    never removes its cores' folders itself."""
-    remove_dead_folders(Path(tempfile.gettempdir()))
-    folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
+    folders of processes that are gone (private_dirs.py): a front end
+    killed with SIGKILL never removes its cores' folders itself (its cores
+    do, as they exit)."""
+    folder = private_dirs.make(_FOLDER_PREFIX)
     return CoreAddresses(input=f"ipc://{folder}/input", output=f"ipc://{folder}/output"), folder
 
 
 def remove_dead_folders(directory: Path) -> list[str]:
     """Remove ``kvferry-core-<pid>-*`` folders of this user whose ``pid``
     no longer runs; the names removed."""
-    removed = []
-    for path in directory.glob(f"{_FOLDER_PREFIX}*-*"):
-        try:
-            pid = int(path.name[len(_FOLDER_PREFIX):].split("-")[0])
-            if pid_alive(pid) or not path.is_dir() or path.lstat().st_uid != os.getuid():
-                continue
-        except (ValueError, OSError):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path.name)
-    return removed
+    return private_dirs.remove_dead(_FOLDER_PREFIX, directory)
 
 
 def _remove_when_gone(process: multiprocessing.process.BaseProcess, folder: str) -> None:

@@ -48,7 +48,7 @@ import setproctitle
 import torch
 import zmq
 
-from kvferry import envs
+from kvferry import envs, private_dirs
 from kvferry.config import EngineConfig
 from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.engine.core import EngineCore
@@ -363,7 +363,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, name: str = 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
     if parent_pid is not None:
-        _watch_parent(parent_pid)
+        _watch_parent(parent_pid, private_dirs.folder_of(addresses.input))
     proc = EngineCoreProc(None, addresses, check_integrity_when_idle)
     sys.exit(0 if _run_off_main_thread(proc, lambda: EngineCore(config)) else 1)
 
@@ -441,13 +441,15 @@ def run_from_args(args, config: EngineConfig) -> int:  # args: the parsed ``kvfe
 
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, folder: str | None) -> None:
     """Exit as soon as the process that started us is gone: an engine core
-    nobody can reach must not hold memory (or a GPU) forever."""
+    nobody can reach must not hold memory (or a GPU) forever. ``folder``:
+    our sockets' private folder, which a parent killed outright left."""
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(_POLL_MS / 1000)
         logger.warning("parent process %d is gone; engine core exiting", parent_pid)
+        private_dirs.remove(folder)
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

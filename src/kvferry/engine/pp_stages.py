@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import tempfile
 import threading
 import time
 import weakref
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from kvferry import private_dirs
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
@@ -130,7 +130,7 @@ class PPLeader(RankProcesses):
         # (step, [(k, start, end)] of stage 0, the same of the last stage);
         # tests and bench/pp_decode.py see the overlap in them.
         self.timelines: deque[tuple[int, list, list]] = deque(maxlen=64)
-        self._dir = tempfile.mkdtemp(prefix="kvferry-pp-")
+        self._dir = private_dirs.make("kvferry-pp-")  # 0700; our stages remove it if we are killed
         self._ctx = zmq.Context()
         self._keys = RankKeys.of_tree() if launcher is not None else None
         self._guard = self._keys.guard(self._ctx) if self._keys is not None else None

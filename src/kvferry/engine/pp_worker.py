@@ -26,6 +26,7 @@ import setproctitle
 import torch
 import zmq
 
+from kvferry import private_dirs
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.engine.kv_connector import for_engine
 from kvferry.engine.pp_runner import StageLink, StageRunner
@@ -47,7 +48,7 @@ def main() -> int:
     name = f"{spec.name} rank {rank}"
     setproctitle.setproctitle(f"kvferry: {name}")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
-    watch_parent(spec.parent_pid, _POLL_MS)
+    watch_parent(spec.parent_pid, _POLL_MS, private_dirs.folder_of(spec.steps))
     if spec.cpus:
         bind_step_thread(spec.cpus)  # this thread runs every torch op of the process
     else:

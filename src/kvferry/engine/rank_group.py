@@ -22,6 +22,7 @@ import time
 import setproctitle
 import zmq
 
+from kvferry import private_dirs
 from kvferry.engine import rank_launcher
 from kvferry.messages import TPRank
 from kvferry.parallel import CollectiveError, RankFailed
@@ -171,11 +172,15 @@ def receive_pickled(sock: zmq.Socket, poll_ms: int) -> object:
     return pickle.loads(sock.recv())
 
 
-def watch_parent(parent_pid: int, poll_ms: int) -> None:
-    """Exit once the process that started this one is gone (its group cannot go on)."""
+def watch_parent(parent_pid: int, poll_ms: int, folder: str | None = None) -> None:
+    """Exit once the process that started this one is gone (its group cannot
+    go on). ``folder``: the group's private folder (private_dirs.py), which
+    a parent killed outright left: removed first (by every member: the
+    first one wins)."""
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(poll_ms / 1000)
+        private_dirs.remove(folder)
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

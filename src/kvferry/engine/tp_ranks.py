@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import tempfile
 import threading
 import time
 import weakref
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from kvferry import private_dirs
 from kvferry.config import EngineConfig, ParallelConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.cpu_threads import default_cpus, pinning_requested
@@ -129,7 +129,7 @@ class TPLeader(RankProcesses):
         # Method auto with a head: the requests whose slots the head fills this
         # step (rank 0's scheduler chose them; None: every reserved slot is the head's).
         self._head_requests: set[str] | None = None
-        self._dir = tempfile.mkdtemp(prefix="kvferry-tp-")
+        self._dir = private_dirs.make("kvferry-tp-")  # 0700; our ranks remove it if we are killed
         self._ctx = zmq.Context()
         # Ranks placed elsewhere (--ray-rank-placement spread) may be on other
         # nodes: tcp:// with CURVE, and the sums over TcpGroup (rank_launcher.py).

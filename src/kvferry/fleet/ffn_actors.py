@@ -29,14 +29,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from kvferry import envs, peer_auth
+from kvferry import envs, peer_auth, private_dirs
 from kvferry.config import EngineConfig
 from kvferry.engine.afd_pool import FFNLoadError, FFNSite, FFNSpec, Generation, pid_file, read_pid, tcp_file
 from kvferry.fleet.core_actor import node_address
@@ -74,7 +73,7 @@ class FFNActor:
         os.environ.update(env)  # the socket secret: the worker's CURVE keys are derived from it
         self.node_id = ray.get_runtime_context().get_node_id()
         self.host = node_address(self.node_id)
-        self.folder = tempfile.mkdtemp(prefix="kvferry-ffn-")  # 0700: its ipc sockets
+        self.folder = private_dirs.make("kvferry-ffn-")  # 0700: its ipc sockets; the worker removes it if we die
         self.proc: subprocess.Popen | None = None
         self.threads = 0
         self._started = threading.Event()

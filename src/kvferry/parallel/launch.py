@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from kvferry import private_dirs
 from kvferry.parallel.group import GroupAddress, ProcessGroup
 
 _STOP_GRACE_S = 5.0  # how long a stopped rank gets to exit after SIGTERM before SIGKILL
@@ -45,7 +45,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
-    folder = tempfile.mkdtemp(prefix="kvferry-group-")  # 0700: the rendezvous is ours alone
+    folder = private_dirs.make("kvferry-group-")  # 0700: the rendezvous is ours alone
     address = GroupAddress.in_folder(folder)
     procs, conns = [], []
     for rank in range(world_size):

@@ -29,9 +29,9 @@ import argparse
 import atexit
 import dataclasses
 import shutil
-import tempfile
 import uuid
 
+from kvferry import private_dirs
 from kvferry.afd_config import RAY_BOARD, add_ray_ffn_args
 from kvferry.config import EngineArgs
 from kvferry.engine.afd_pool import MAX_FFN_WORKERS, FFNLoadError, FFNPool
@@ -134,7 +134,7 @@ def afd_folder(engine_args: EngineArgs) -> EngineArgs:
     """A 0700 folder for the FFN workers' sockets, removed when the server exits."""
     if not engine_args.ffn or engine_args.afd_folder is not None:
         return engine_args
-    folder = tempfile.mkdtemp(prefix="kvferry-afd-")  # mode 0700
+    folder = private_dirs.make("kvferry-afd-")  # 0700; the FFN workers remove it if we are killed
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return dataclasses.replace(engine_args, afd_folder=folder)
 
