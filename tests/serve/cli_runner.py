@@ -49,7 +49,11 @@ def _child(argv: list[str], out_path: str, err_path: str) -> None:
 
 
 def run_cases(cases: list[dict]) -> list[dict]:
-    tmp = tempfile.mkdtemp(prefix="kvferry-cli-runner-")
+    with tempfile.TemporaryDirectory(prefix="kvferry-cli-runner-") as tmp:  # the children's stdout/stderr files
+        return _run_cases(cases, tmp)
+
+
+def _run_cases(cases: list[dict], tmp: str) -> list[dict]:
     results: list[dict | None] = [None] * len(cases)
     running: dict[int, tuple[int, float, float]] = {}  # pid -> (index, start, deadline)
     pending = list(range(len(cases)))
