@@ -5,12 +5,13 @@ bench/tp_vs_vllm.py and bench/moe_vs_vllm.py share (imported as
 
 Every configuration gets the same model folder, dtype, CPUs (the first
 ``--threads`` this process may run on, split evenly over the ranks), KV
-space per rank, max model length and batch size, and the client the same
-prompts: at concurrency C the seed is ``--seed x 1000 + C`` in every run
-and for every configuration. Each configuration runs in a server of its
-own, started afresh each run (a warm-up of C requests first, not counted);
-the order of the configurations reverses from run to run, so that a
-machine's drift spreads over all of them.
+space per rank, max model length, batch size and tokens a step, and the
+client the same prompts: at concurrency C the seed is ``--seed x 1000 + C``
+in every run and for every configuration (greedy, ``--ignore-eos``). Each
+configuration runs in a server of its own, started afresh each run (a
+warm-up of C requests first, not counted); the order of the configurations
+reverses from run to run, so that a machine's drift spreads over all of
+them.
 
 Threads: kvferry runs ``OMP_NUM_THREADS`` threads at TP 1 and
 ``--cpu-threads-per-rank`` per rank at TP N; vLLM-CPU runs one OpenMP
@@ -76,8 +77,13 @@ def add_common_args(p: argparse.ArgumentParser, *, concurrency: list[int], promp
     p.add_argument("--threads", type=int, default=2, help="CPUs in total for each server, split over its ranks")
     p.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
                    help="pin each rank's threads to its CPUs (both systems)")
+    p.add_argument("--vllm-preload", action=argparse.BooleanOptionalAction, default=True,
+                   help="LD_PRELOAD for vLLM as its CPU install guide sets it: its venv's libiomp5 and "
+                        "tcmalloc, those of them that exist")
     p.add_argument("--kv-cache-gb", type=int, default=kv_gb, help="KV space per rank, GiB (both systems)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens a step, both systems (vLLM-CPU's own default grows with TP: 2048 x TP)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--client-timeout", type=int, default=3600, help="seconds one `vllm bench serve` may take")
     p.add_argument("--out", default=out)
@@ -107,7 +113,8 @@ def _versions(vllm: str) -> dict:
 
     vllm_py = str(Path(vllm).with_name("python"))
     return {"kvferry_commit": run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]),
-            "vllm": run([vllm_py, "-c", "import importlib.metadata as m; print(m.version('vllm'), m.version('torch'))"])}
+            "vllm": run([vllm_py, "-c",
+                         "import importlib.metadata as m; print(m.version('vllm'), m.version('torch'))"])}
 
 
 def _cpu_lists(args: argparse.Namespace, tp: int) -> list[list[int]]:
@@ -123,7 +130,8 @@ def kvferry_server(cfg: Config, model: str, args: argparse.Namespace) -> tuple[l
     per = args.threads // cfg.tp
     flags = ["--model", model, "--dtype", args.dtype, "--served-model-name", SERVED_NAME,
              "--disable-uvicorn-access-log", "--max-model-len", str(args.max_model_len),
-             "--max-num-seqs", str(max(args.concurrency)), "--kv-cache-memory-gb", str(args.kv_cache_gb)]
+             "--max-num-seqs", str(max(args.concurrency)), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--kv-cache-memory-gb", str(args.kv_cache_gb)]
     if cfg.tp > 1:
         flags += ["--tensor-parallel-size", str(cfg.tp), "--cpu-threads-per-rank", str(per)]
     if cfg.expert_parallel:
@@ -135,13 +143,22 @@ def kvferry_server(cfg: Config, model: str, args: argparse.Namespace) -> tuple[l
 def vllm_server(cfg: Config, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     flags = ["--dtype", args.dtype, "--served-model-name", SERVED_NAME, "--disable-uvicorn-access-log",
              "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(max(args.concurrency)),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--tensor-parallel-size", str(cfg.tp), "--seed", str(args.seed)]
     if cfg.expert_parallel:
         flags.append("--enable-expert-parallel")
     lists = _cpu_lists(args, cfg.tp)
     bind = "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in lists) if args.bind else "nobind"
     env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb), "OMP_NUM_THREADS": str(args.threads // cfg.tp)}
+           "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)}
+    if not args.bind:  # with a binding vLLM sets each rank's OMP_NUM_THREADS itself
+        env["OMP_NUM_THREADS"] = str(args.threads // cfg.tp)
+    if args.vllm_preload:
+        libs = [Path(args.vllm).resolve().parents[1] / "lib" / "libiomp5.so",
+                *(Path("/usr/lib/x86_64-linux-gnu") / n for n in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"))]
+        found = [str(lib) for lib in libs if lib.exists()]
+        if found:
+            env["LD_PRELOAD"] = ":".join(found)
     return flags, env
 
 
@@ -265,6 +282,7 @@ def headline(runs, configs: list[Config], targets: list[Target], concurrency: li
             sign = ">=" if higher[(row["first"], row["second"], row["metric"])] else "<="
             goal = f"{sign} {row['goal']}: {'met' if row['met'] else 'missed'}"
         value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        lines.append(f"| {row['first']} / {row['second']} | {row['metric']} | {row['concurrency']} | {value} | {goal} |")
+        lines.append(f"| {row['first']} / {row['second']} | {row['metric']} | {row['concurrency']} | {value} "
+                     f"| {goal} |")
     return lines
 
