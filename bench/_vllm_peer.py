@@ -9,9 +9,9 @@ space per rank, max model length, batch size and tokens a step, and the
 client the same prompts: at concurrency C the seed is ``--seed x 1000 + C``
 in every run and for every configuration (greedy, ``--ignore-eos``). Each
 configuration runs in a server of its own, started afresh each run (a
-warm-up of C requests first, not counted); the order of the configurations
-reverses from run to run, so that a machine's drift spreads over all of
-them.
+warm-up of up to 4 requests first, not counted); the order of the
+configurations reverses from run to run, so that a machine's drift spreads
+over all of them.
 
 Threads: kvferry runs ``OMP_NUM_THREADS`` threads at TP 1 and
 ``--cpu-threads-per-rank`` per rank at TP N; vLLM-CPU runs one OpenMP
@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -85,6 +86,9 @@ def add_common_args(p: argparse.ArgumentParser, *, concurrency: list[int], promp
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens a step, both systems (vLLM-CPU's own default grows with TP: 2048 x TP)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kvferry-args", default="", help="more kvferry serve flags, one string "
+                   "(e.g. \"--speculative-config off\"; the default: kvferry's defaults, as a user gets them)")
+    p.add_argument("--vllm-args", default="", help="more vllm serve flags, one string")
     p.add_argument("--client-timeout", type=int, default=3600, help="seconds one `vllm bench serve` may take")
     p.add_argument("--out", default=out)
 
@@ -137,7 +141,7 @@ def kvferry_server(cfg: Config, model: str, args: argparse.Namespace) -> tuple[l
     if cfg.expert_parallel:
         flags.append("--enable-expert-parallel")
     env = {"OMP_NUM_THREADS": str(per), "KVFERRY_CPU_BIND": "1" if args.bind else "0"}
-    return flags, env
+    return flags + shlex.split(args.kvferry_args), env
 
 
 def vllm_server(cfg: Config, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -151,6 +155,7 @@ def vllm_server(cfg: Config, args: argparse.Namespace) -> tuple[list[str], dict[
     bind = "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in lists) if args.bind else "nobind"
     env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)}
+    flags += shlex.split(args.vllm_args)
     if not args.bind:  # with a binding vLLM sets each rank's OMP_NUM_THREADS itself
         env["OMP_NUM_THREADS"] = str(args.threads // cfg.tp)
     if args.vllm_preload:
@@ -181,8 +186,8 @@ def client(args: argparse.Namespace, url: str, model: str, c: int, result: Path,
 
 def _vllm_log_notes(log: Path) -> list[str]:
     """What vLLM says about its all-reduce and thread binding (whether its SHM communicator is on)."""
-    keep = re.compile(r"SHM communicator|shm_manager|local_rank=\d+, core ids|Reducing Torch threads|"
-                      r"MoE|Experts|KV cache size", re.IGNORECASE)
+    keep = re.compile(r"SHM communicator|shm_manager|local_rank=\d+, core ids|LD_PRELOAD|"
+                      r"MoE backend|Experts MoE|KV cache size")
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
              if keep.search(ln) and "shm_broadcast" not in ln and "with config:" not in ln]
     return [ln[:300] for ln in lines][:12]
@@ -220,7 +225,8 @@ def run(args: argparse.Namespace, model: str, configs: list[Config], targets: li
                 ready_s = time.monotonic() - t0
                 for i, c in enumerate(args.concurrency):
                     t1, load0 = time.monotonic(), os.getloadavg()[0]
-                    client(args, url, model, c, out / f"{cfg.name}_c{c}_run{r}.json", warmups=c if i == 0 else 0)
+                    warmups = min(c, 4) if i == 0 else 0  # the server's first requests: not counted
+                    client(args, url, model, c, out / f"{cfg.name}_c{c}_run{r}.json", warmups)
                     step = {"run": r, "config": cfg.name, "concurrency": c, "server_start_s": round(ready_s, 1),
                             "client_s": round(time.monotonic() - t1, 1), "load_before": load0,
                             "load_after": os.getloadavg()[0], "server_flags": flags, "server_env": env}
