@@ -21,8 +21,19 @@ worse (ratio <= 1).
     python bench/moe_vs_vllm.py [--runs 2] [--layers 16] [--concurrency 16 64]
         [--input-len 256 --output-len 128] [--configs kvferry vllm]
 
-Smoke run: --layers 2 --experts 8 --runs 1 --concurrency 2 4
---prompts-per-slot 1 --min-prompts 2 --output-len 8 --input-len 64.
+Duration on a quiet 2-core host, estimated: making the 16-layer checkpoint
+the first time 3-5 min (10 min on a loaded host); per server 1-2 min to
+load (kvferry) or 3-5 min (vLLM: load, repack the experts for AMX,
+compile); c16 (32 requests of 256 + 128 tokens) 3-5 min and c64 (128
+requests) 6-10 min where a step reads nearly every expert (~13 GiB):
+about 25-40 min a run of the two servers, 50-80 min at --runs 2. Memory:
+13 GiB of weights + --kv-cache-gb 4 per server (c64 x 384 tokens needs
+3 GiB at 128 KiB a token): one server at a time fits a 23 GiB host with
+little else running. ``--layers 8`` halves weights and time.
+
+Smoke run (~15 min on a loaded host): --layers 2 --experts 8 --runs 1
+--concurrency 2 4 --prompts-per-slot 1 --min-prompts 2 --output-len 8
+--input-len 64.
 Results: bench/results/moe_vs_vllm/ (summary.md, summary.json, each run's
 ``vllm bench serve`` JSON and the server logs).
 """

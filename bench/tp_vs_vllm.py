@@ -18,8 +18,15 @@ kvferry-tp1 >= 0.9x, at c1 and c16.
     python bench/tp_vs_vllm.py [--runs 2] [--layers 16] [--concurrency 1 16]
         [--input-len 256 --output-len 128] [--configs kvferry-tp1 kvferry-tp2 vllm-tp1 vllm-tp2]
 
-Smoke run (a few minutes): --layers 2 --runs 1 --concurrency 1 4
---prompts-per-slot 1 --min-prompts 2 --output-len 8 --input-len 64.
+Duration on a quiet 2-core host, estimated from the smoke runs and the
+quiet bench/tp_decode.py figures: per server about 0.5 min to start
+(kvferry) or 2-3 min (vLLM compiles its graph), 2 min at c1 (8 requests
+of 128 tokens at ~10 tok/s), 1.5 min at c16 (64 requests): about 20-25 min
+a run of the four, 40-50 min at --runs 2. The checkpoint takes ~1 min to
+make the first time (2 GiB).
+
+Smoke run (~15 min on a loaded host): --layers 2 --runs 1 --concurrency
+1 4 --prompts-per-slot 1 --min-prompts 2 --output-len 8 --input-len 64.
 Results: bench/results/tp_vs_vllm/ (summary.md, summary.json, each run's
 ``vllm bench serve`` JSON and the server logs). Compare ratios only from a
 quiet machine: the load average is printed before and after each step.
