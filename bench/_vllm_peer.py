@@ -34,7 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _servers import served, vllm_served
+from _servers import served
+from _vllm_server import vllm_served
 from summarize_vllm_bench import load, median, table
 
 REPO = Path(__file__).resolve().parents[1]
