@@ -26,7 +26,9 @@ the first time 3-5 min (10 min on a loaded host); per server 1-2 min to
 load (kvferry) or 3-5 min (vLLM: load, repack the experts for AMX,
 compile); c16 (32 requests of 256 + 128 tokens) 3-5 min and c64 (128
 requests) 6-10 min where a step reads nearly every expert (~13 GiB):
-about 25-40 min a run of the two servers, 50-80 min at --runs 2. Memory:
+about 25-50 min a run of the two servers (the top of that if kvferry's MoE
+step is as far behind vLLM's as in the loaded smoke runs), 50-100 min at
+--runs 2; ``--configs`` with all four: twice that. Memory:
 13 GiB of weights + --kv-cache-gb 4 per server (c64 x 384 tokens needs
 3 GiB at 128 KiB a token): one server at a time fits a 23 GiB host with
 little else running. ``--layers 8`` halves weights and time.
