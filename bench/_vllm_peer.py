@@ -243,6 +243,9 @@ def run(args: argparse.Namespace, model: str, configs: list[Config], targets: li
     for t in targets:
         if t.goal is not None and t.metric == "output_throughput":
             lines += ["", f"### {t.first} against {t.second}", *table(runs, t.first, t.second)]
+    failed = {f"{name} c{c}": sum(r.get("failed", 0) for r in rs) for (c, name), rs in runs.items()}
+    if any(failed.values()):  # a failed request is missing from tok/s: the ratios would flatter its server
+        lines.insert(0, "**failed requests:** " + ", ".join(f"{k}: {v}" for k, v in failed.items() if v) + "\n")
     meta["ratios"] = ratios(runs, targets, args.concurrency)
     meta["medians"] = {cfg.name: {c: {k: median(runs, c, cfg.name, k) for k in
                                       ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms",
