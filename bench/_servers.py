@@ -18,12 +18,15 @@ from pathlib import Path
 READY_PREFIX = "kvferry serve: ready on "
 
 
-def start_server(flags: list[str], log: Path, timeout_s: float = 600) -> tuple[subprocess.Popen, str]:
-    """``kvferry serve --port 0 FLAGS`` with its output in ``log``; the
-    process and its base URL once it is ready (killed if it never is)."""
+def start_server(flags: list[str], log: Path, timeout_s: float = 600,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """``kvferry serve --port 0 FLAGS`` with its output in ``log`` and ``env``
+    added to this environment; the process and its base URL once it is
+    ready (killed if it never is)."""
     cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--port", "0", *flags]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in log.read_text(errors="replace").splitlines():
@@ -48,9 +51,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def served(flags: list[str], log: Path, timeout_s: float = 600) -> Iterator[str]:
+def served(flags: list[str], log: Path, timeout_s: float = 600, env: dict[str, str] | None = None) -> Iterator[str]:
     """A ready server's base URL for the ``with`` block; stopped after."""
-    proc, url = start_server(flags, log, timeout_s)
+    proc, url = start_server(flags, log, timeout_s, env)
     try:
         yield url
     finally:

@@ -71,6 +71,14 @@ def pinning_requested() -> bool:
     return value in ("1", "on", "true", "yes") or (bool(value) and value[0].isdigit() and value != "0")
 
 
+def process_cpus() -> list[int]:
+    """The CPUs this process may run on: its main thread's set (the pid is
+    the main thread's id). Not ``sched_getaffinity(0)``: on a pinned
+    stepping thread that is the thread's own one or two CPUs, and the rank
+    processes it spawns would split (and inherit) only those."""
+    return sorted(os.sched_getaffinity(os.getpid()))
+
+
 def default_cpus(num_threads: int | None = None) -> tuple[list[int], bool]:
     """(the CPUs of the team, whether to pin to them).
 
@@ -84,7 +92,7 @@ def default_cpus(num_threads: int | None = None) -> tuple[list[int], bool]:
     value = envs.cpu_bind()
     if value and value[0].isdigit() and value not in ("0", "1"):
         return sorted(parse_cpus(value)), True
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = process_cpus()
     cpus = allowed[: max(1, min(num_threads or torch.get_num_threads(), len(allowed)))]
     return cpus, value in ("1", "on", "true", "yes")
 

@@ -48,7 +48,7 @@ import zmq
 from kvferry import private_dirs
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
-from kvferry.engine.cpu_threads import default_cpus, pinning_requested
+from kvferry.engine.cpu_threads import default_cpus, pinning_requested, process_cpus
 from kvferry.engine import rank_launcher
 from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of, run_naming_failed_rank
 from kvferry.engine.pp_runner import StageLink
@@ -182,7 +182,7 @@ class PPLeader(RankProcesses):
         """Each stage's own CPUs when pinning is asked for (KVFERRY_CPU_BIND)."""
         if not pinning_requested():
             return None
-        allowed, _ = default_cpus(len(os.sched_getaffinity(0)))
+        allowed, _ = default_cpus(len(process_cpus()))
         k = self.threads
         if len(allowed) < n * k:
             logger.info("CPU binding: %d CPUs for %d stages of %d threads; stages left unpinned", len(allowed), n, k)

@@ -44,7 +44,7 @@ import zmq
 from kvferry import private_dirs
 from kvferry.config import EngineConfig, ParallelConfig
 from kvferry.core.outputs import RunnerOutput, SchedulerOutput
-from kvferry.engine.cpu_threads import default_cpus, pinning_requested
+from kvferry.engine.cpu_threads import default_cpus, pinning_requested, process_cpus
 from kvferry.engine import rank_launcher
 from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of, run_naming_failed_rank
 from kvferry.messages import TPRank
@@ -103,7 +103,7 @@ def join_group(rank: int, address: GroupAddress | str, parallel: ParallelConfig)
 def threads_per_rank(parallel: ParallelConfig) -> int:
     if parallel.cpu_threads_per_rank is not None:
         return parallel.cpu_threads_per_rank
-    return max(1, len(os.sched_getaffinity(0)) // parallel.tensor_parallel_size)
+    return max(1, len(process_cpus()) // parallel.tensor_parallel_size)
 
 
 class TPLeader(RankProcesses):
@@ -169,7 +169,7 @@ class TPLeader(RankProcesses):
         """Each rank's own CPUs when pinning is asked for (KVFERRY_CPU_BIND), so ranks never share one."""
         if not pinning_requested():
             return None
-        allowed, _ = default_cpus(len(os.sched_getaffinity(0)))
+        allowed, _ = default_cpus(len(process_cpus()))
         k = self.threads
         if len(allowed) < n * k:
             logger.info("CPU binding: %d CPUs for %d ranks of %d threads; ranks left unpinned", len(allowed), n, k)
