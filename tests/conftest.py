@@ -36,3 +36,14 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """One real ``kvferry serve`` with the test defaults (SERVE_ARGS) for the
+    whole session: the server tests, the bench tests and the docs' examples
+    all ran the same configuration, each starting its own. Its users measure
+    by before/after deltas of its counters; stopped (exit code 0 checked)
+    at the end of the session."""
+    from tests.serve.server_process import serve_for_tests
+
+    yield from serve_for_tests(tmp_path_factory.mktemp("server"))
