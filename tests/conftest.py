@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from kvferry import envs
+
 
 def _has_cuda() -> bool:
     try:
@@ -19,6 +21,12 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The servers the tests start import xgrammar (and torch and transformers
+# under it: ~1.5 CPU-s each) at their first structured request, not at
+# start-up: most serve none. Inherited by every process a test starts.
+os.environ.setdefault(envs.GRAMMAR_IMPORT, "first-use")
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where CUDA exists; no test may need a GPU."""
     if _has_cuda():
@@ -27,3 +35,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """One real ``kvferry serve`` with the test defaults (SERVE_ARGS) for the
+    whole session: the server tests, the bench tests and the docs' examples
+    all ran the same configuration, each starting its own. Its users measure
+    by before/after deltas of its counters; stopped (exit code 0 checked)
+    at the end of the session."""
+    from tests.serve.server_process import serve_for_tests
+
+    yield from serve_for_tests(tmp_path_factory.mktemp("server"))

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.docs_blocks import REPO, Block, DirectiveError, doc_pages, parse_page, split_serve
-from tests.serve.server_process import READY_PREFIX, SERVE_ARGS, START_TIMEOUT_S, ServerProcess, serve_for_tests
+from tests.serve.server_process import READY_PREFIX, SERVE_ARGS, START_TIMEOUT_S, ServerProcess
 
 # An offline LLM(...) example builds an engine with its defaults (a warm-up
 # prefill included): 10-30 s on a loaded 2-core CPU.
@@ -171,16 +171,14 @@ def _wait_ready(proc: subprocess.Popen, log_path: Path, block: Block) -> str:
 
 
 @pytest.fixture(scope="module")
-def docs(tmp_path_factory):
-    shared = serve_for_tests(tmp_path_factory.mktemp("docs-server"))
-    session = DocSession(next(shared), tmp_path_factory.mktemp("docs"))
+def docs(tmp_path_factory, default_server):
+    # The session's default server (tests/conftest.py) serves the blocks
+    # that start none; it is stopped, and its exit code checked, at the end.
+    session = DocSession(default_server, tmp_path_factory.mktemp("docs"))
     try:
         yield session
     finally:
-        try:
-            session.close()
-        finally:
-            next(shared, None)  # stops the shared server and checks its exit code
+        session.close()
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])

@@ -38,6 +38,7 @@ SOCKET_SECRET = "KVFERRY_SOCKET_SECRET"
 API_KEY = "KVFERRY_API_KEY"
 CPU_BIND = "KVFERRY_CPU_BIND"
 MALLOC_TUNING = "KVFERRY_MALLOC_TUNING"
+GRAMMAR_IMPORT = "KVFERRY_GRAMMAR_IMPORT"
 KERNEL_ISA = "KVFERRY_KERNEL_ISA"
 CPU_BF16 = "KVFERRY_CPU_BF16"
 DISABLE_CPP_KERNELS = "KVFERRY_DISABLE_CPP_KERNELS"
@@ -69,6 +70,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(MALLOC_TUNING, "bool", "1",
            "0 keeps glibc's malloc thresholds (by default raised so that a step's temporaries reuse memory "
            "the process holds; also kept when MALLOC_* or GLIBC_TUNABLES is set)"),
+    EnvVar(GRAMMAR_IMPORT, "str", "start",
+           "when a server's front end imports xgrammar (with torch and transformers: ~1.5 CPU-s, ~300 MB): "
+           "start, beside its engine cores' start-up; first-use, at the first structured request, which "
+           "waits for it (the test suite's servers, most of which serve none)"),
     EnvVar(KERNEL_ISA, "str", "native",
            "instruction set the C++ kernels are built for: native, or avx2 (without AVX-512)"),
     EnvVar(CPU_BF16, "bool", "",
@@ -117,6 +122,11 @@ def cpu_bind() -> str:
 def malloc_tuning() -> bool:
     """False only for ``KVFERRY_MALLOC_TUNING=0``."""
     return os.environ.get(MALLOC_TUNING, "1").strip() != "0"
+
+
+def grammar_import_at_start() -> bool:
+    """False only for ``KVFERRY_GRAMMAR_IMPORT=first-use``."""
+    return os.environ.get(GRAMMAR_IMPORT, "start").strip().lower() != "first-use"
 
 
 def kernel_isa() -> str:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve.server_process import ServerProcess, serve_for_tests
+from tests.serve.server_process import ServerProcess
 
 
-# One for the package: its two modules' tests measure by before/after
-# deltas of the server's counters, so a shared server serves both.
+# The session's default server (tests/conftest.py): its two modules' tests
+# measure by before/after deltas of the server's counters, so a shared
+# server serves them, as it serves the server tests.
 @pytest.fixture(scope="package")
-def server(tmp_path_factory) -> ServerProcess:
-    yield from serve_for_tests(tmp_path_factory.mktemp("bench-server"))
+def server(default_server) -> ServerProcess:
+    return default_server

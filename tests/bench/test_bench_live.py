@@ -232,13 +232,14 @@ def test_duration_and_max_time_bound_the_run(server, tmp_path):
 def test_served_profile_fits_and_measures_the_overheads(server, tmp_path, capsys):
     """``kvferry profile --url``: the client-side grid (prefix hits are the
     server's own), fits, the per-request overhead taken out of the prefill
-    points, and the hand-over; the simulator reads them back."""
+    points, and the hand-over; the simulator reads them back. A short idle
+    gap: the first-token delay's 12 pairs each wait it out twice."""
     from kvferry.plan.latency import StepCostModel
 
     out = tmp_path / "served.json"
     code = main(["profile", "--url", server.base_url, "--new-tokens", "4,12", "--cached-tokens", "0,32",
                  "--batch-sizes", "1,2", "--context-lens", "8,24", "--decode-steps", "2", "--repeats", "2",
-                 "--idle-gap", "0.1", "--output", str(out)])
+                 "--idle-gap", "0.02", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     assert data["served"] == server.base_url

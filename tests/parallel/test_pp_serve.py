@@ -151,7 +151,7 @@ def test_a_killed_stage_ends_its_core_and_the_server_restarts_it(served):
         except openai.APIError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(1)
+            time.sleep(0.2)
     pids = assert_live_stages(srv)
     assert not {core, stage} & set(pids)
 

@@ -1,15 +1,15 @@
-"""Fixtures for the server tests: one real server for the session."""
+"""Fixtures for the server tests: one real server for the session (``default_server``)."""
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.serve.server_process import ServerProcess, serve_for_tests
+from tests.serve.server_process import ServerProcess
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory) -> ServerProcess:
-    yield from serve_for_tests(tmp_path_factory.mktemp("server"))
+def server(default_server) -> ServerProcess:
+    return default_server  # tests/conftest.py: shared with the bench tests and the docs' examples
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def start_server(log_path: Path, extra_args: list[str] | None = None, *, serve_a
                 return ServerProcess(proc, base_url, log_path)
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.2)
+        time.sleep(0.05)  # the log is a few lines until ready: a cheap read
     proc.kill()
     raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{log_path.read_text()}")
 

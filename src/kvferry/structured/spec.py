@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import jsonschema
 
+from kvferry import envs
 from kvferry.extras import missing, require
 from kvferry.structured.errors import library_reason
 from kvferry.structured.schema_guard import UnsafeSchemaError, check_schema
@@ -101,14 +102,17 @@ def import_backend_in_background() -> threading.Thread:
     CPU) on a daemon thread. A server's front end starts it next to its
     engine core's start-up and joins it before it serves, so that the import
     overlaps the core's loading instead of delaying the first structured
-    request."""
+    request. ``KVFERRY_GRAMMAR_IMPORT=first-use`` leaves it to that request
+    (the thread only checks that xgrammar is installed): the test suite
+    starts hundreds of servers, most of which serve no structured request."""
 
     def load() -> None:
         if missing("xgrammar"):  # a request that needs it gets a 400 naming the extra (check_compiles)
             logger.warning("structured outputs (response_format, structured_outputs, an enforced tool_choice) "
                            "are off: %s", _NO_XGRAMMAR)
             return
-        import xgrammar  # noqa: F401
+        if envs.grammar_import_at_start():  # else check_compiles imports it on first use
+            import xgrammar  # noqa: F401
 
     thread = threading.Thread(target=load, name="kvferry-import-xgrammar", daemon=True)
     thread.start()
