@@ -71,7 +71,7 @@ def test_a_new_request_starts_from_its_predecessors_acceptance():
         c.observe("second", 4, 0)
     c.forget("second")
     assert "second" not in c._states
-    assert c.num_drafts("third", 1) == 2  # half of .125 and 1: floor(.5625 * 5)
+    assert c.num_drafts("third", 1) == 2  # half of 0 (none of its 12 drafts held) and 1: floor(.5 * 5)
     c.forget("idle")  # a request that never drafted teaches nothing
     assert c.num_drafts("fourth", 1) == 2
 

@@ -188,6 +188,11 @@ PRIOR_ACCEPTANCE = 0.5
 # break-even, drafts gain nothing on average and only add noise (a step
 # that verifies costs more than one that does not).
 PAY_MARGIN = 0.05
+# The margin for a request with no verified drafts of its own yet, which
+# drafts on its predecessors' record alone: a clear gain, so that after
+# requests whose drafts failed (their acceptance just under break-even) a
+# new one of that kind starts without drafting.
+NEW_REQUEST_MARGIN = 0.15
 # A failed probe doubles the wait before the next, up to this many times.
 _MAX_PROBE_BACKOFF = 3
 
@@ -199,6 +204,8 @@ class _RequestSpecState:
     failed_probes: int = 0  # probes in a row whose draft failed (each doubles the wait)
     probed: bool = False  # the drafts now being verified are a probe
     verified: int = 0  # proposals verified (0: nothing learned to pass on)
+    drafted: int = 0  # draft tokens verified over the request's life
+    accepted: int = 0  # of which accepted
 
     def probe_wait(self, interval: int) -> int:
         return interval << min(self.failed_probes, _MAX_PROBE_BACKOFF)
@@ -316,7 +323,7 @@ class AdaptiveSpecController:
         (``break_even``; a level not yet run is estimated, and running it
         measures it). Plain decoding wins unless a level beats it by
         ``PAY_MARGIN``."""
-        best, best_rate = 0, 1.0 + PAY_MARGIN
+        best, best_rate = 0, 1.0 + (PAY_MARGIN if state.verified else NEW_REQUEST_MARGIN)
         for level in range(1, self.max_drafts(1) + 1):
             even = cost.break_even(level)
             if even is None:
@@ -331,7 +338,8 @@ class AdaptiveSpecController:
         expected tokens per step against the level's measured cost, and its
         acceptance against its peers' (the level's figures are theirs too)."""
         even = cost.break_even(level)
-        if even is None or 1.0 + state.acceptance * level < even * (1 + PAY_MARGIN):
+        margin = PAY_MARGIN if state.verified else NEW_REQUEST_MARGIN
+        if even is None or 1.0 + state.acceptance * level < even * (1 + margin):
             return False
         mean = cost.mean_acceptance(level)
         return mean is None or state.acceptance >= 0.5 * mean
@@ -356,6 +364,8 @@ class AdaptiveSpecController:
         a = 1.0 - (1.0 - self.ewma_alpha) ** (min(num_drafts, self.k_max) / self.k_max)
         state.acceptance = (1 - a) * state.acceptance + a * num_accepted / num_drafts
         state.verified += 1
+        state.drafted += num_drafts
+        state.accepted += max(num_accepted, 0)
         if state.probed:
             state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
             state.probed = False
@@ -365,8 +375,10 @@ class AdaptiveSpecController:
         return state.acceptance if state is not None else self._prior
 
     def forget(self, request_id: str) -> None:
-        """A finished request: its acceptance becomes the next ones' start."""
+        """A finished request: the share of its drafts that held (over its
+        whole life, not its EWMA's last value, which stops near break-even
+        where drafting stops) becomes part of the next ones' start."""
         state = self._states.pop(request_id, None)
-        if state is not None and state.verified:
+        if state is not None and state.drafted:
             a = self.ewma_alpha
-            self._prior = (1 - a) * self._prior + a * state.acceptance
+            self._prior = (1 - a) * self._prior + a * state.accepted / state.drafted
