@@ -102,12 +102,14 @@ class _BucketCost:
                 best, best_rate = level, rate
         return best
 
-    def choose(self, cap: int, probe_steps: int) -> int:
+    def choose(self, cap: int, probe_steps: int, plain_first: bool = True) -> int:
         """This step's level: an unmeasured one first (plain decoding, which
-        costs no request anything to measure, then the cap, then upward),
-        else the best, but for one probe of another level every
-        ``probe_steps`` steps."""
-        for level in (0, cap, *range(1, cap)):
+        costs no request anything to measure, then the cap, then upward;
+        without ``plain_first`` the cap before plain decoding: a
+        non-adaptive controller gives every request the level, with no
+        per-request pricing to wait for plain decoding's figure), else the
+        best, but for one probe of another level every ``probe_steps`` steps."""
+        for level in ((0, cap) if plain_first else (cap, 0)) + tuple(range(1, cap)):
             if not self.measured(level):
                 return level
         best = self.best(cap)
@@ -250,7 +252,7 @@ class AdaptiveSpecController:
         if cap == 0 or not self.cost_aware:
             return cap
         cost = self._costs.setdefault(num_running.bit_length(), self._new_bucket())
-        cost.in_flight = cost.choose(cap, self.cost_probe_steps)
+        cost.in_flight = cost.choose(cap, self.cost_probe_steps, plain_first=self.adaptive)
         return cost.in_flight
 
     def max_drafts(self, num_running: int) -> int:
