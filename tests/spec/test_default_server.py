@@ -148,8 +148,8 @@ def test_a_new_request_starts_from_what_recent_requests_measured(default_server)
     repetitive request drafts from its first steps."""
     srv = default_server
     for seed in range(FAILING_REQUESTS):
-        drafted_by(srv, lambda: failing(srv, 24, seed))
+        drafted_by(srv, lambda: failing(srv, 16, seed))
     assert drafted_by(srv, lambda: failing(srv, SHORT_TOKENS, 99)) == 0
     for _ in range(3):
-        drafted_by(srv, lambda: complete(srv, max_tokens=24))
+        drafted_by(srv, lambda: complete(srv, max_tokens=16))
     assert drafted_by(srv, lambda: complete(srv, max_tokens=SHORT_TOKENS)) > 0
