@@ -60,7 +60,7 @@ def record(trace: Path) -> None:
         requests[request_id] = dict(request=request_id, arrival=stream.arrival_time, sent=time.monotonic())
         return stream
 
-    observe = AsyncEngineClient._observe
+    observe = getattr(AsyncEngineClient, "_observe", None)  # per-request rows only where the hook exists
 
     def observe_traced(self, stream, out, now):  # noqa: ANN001
         row = requests.get(stream.request_id)
@@ -73,8 +73,9 @@ def record(trace: Path) -> None:
         observe(self, stream, out, now)
 
     requests: dict[str, dict] = {}
-    AsyncEngineClient.add_request = add_request_traced
-    AsyncEngineClient._observe = observe_traced
+    if observe is not None:
+        AsyncEngineClient.add_request = add_request_traced
+        AsyncEngineClient._observe = observe_traced
     atexit.register(lambda: (trace.write_text("\n".join(json.dumps(r) for r in rows)), summarize(trace)))
 
 

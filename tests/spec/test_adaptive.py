@@ -5,6 +5,10 @@ from kvferry.spec.adaptive import AdaptiveSpecController
 
 # The hand-worked step sequences below measure each level in one step.
 ONE_SAMPLE = {"cost_warmup_steps": 0, "cost_min_samples": 1}
+# The acceptance rules alone (no step costs: k = floor(ewma * (k_max + 1))),
+# from full acceptance, as their hand-worked sequences start. With costs, a
+# bucket measures plain decoding before any request drafts (tests below).
+ACCEPTANCE_ONLY = {"cost_aware": False, "prior_acceptance": 1.0}
 
 
 def run(controller: AdaptiveSpecController, accepted_fraction: list[float], num_running: int = 1) -> list[int]:
@@ -18,11 +22,11 @@ def run(controller: AdaptiveSpecController, accepted_fraction: list[float], num_
 
 
 def test_full_acceptance_keeps_k_max():
-    assert run(AdaptiveSpecController(4, 64), [1.0] * 5) == [4, 4, 4, 4, 4]
+    assert run(AdaptiveSpecController(4, 64, **ACCEPTANCE_ONLY), [1.0] * 5) == [4, 4, 4, 4, 4]
 
 
 def test_failing_drafts_shrink_k_to_zero_then_probe_ever_more_rarely():
-    c = AdaptiveSpecController(4, 64, ewma_alpha=0.5, probe_interval=3)
+    c = AdaptiveSpecController(4, 64, ewma_alpha=0.5, probe_interval=3, **ACCEPTANCE_ONLY)
     # k = floor(ewma * 5); the EWMA weighs each proposal by its drafts (alpha
     # 0.5 for 4, 0.16 for 1): 1 -> .5 -> .35 -> .30 -> .25 -> .21 -> .18 (k 0).
     # Then a probe after 3 steps, and each failed probe doubles the wait: 6, 12, 24, 24.
@@ -34,7 +38,7 @@ def test_failing_drafts_shrink_k_to_zero_then_probe_ever_more_rarely():
 
 
 def test_a_successful_probe_wins_drafts_back():
-    c = AdaptiveSpecController(4, 64, ewma_alpha=0.5, probe_interval=2)
+    c = AdaptiveSpecController(4, 64, ewma_alpha=0.5, probe_interval=2, **ACCEPTANCE_ONLY)
     ks = run(c, [0.0] * 10 + [1.0] * 6)
     # Probes at 7 (rejected: the wait doubles to 4) and 11 (accepted): the
     # acceptance climbs with each held draft, and k with it.
@@ -42,7 +46,7 @@ def test_a_successful_probe_wins_drafts_back():
 
 
 def test_batch_budget_caps_k():
-    c = AdaptiveSpecController(4, batch_token_threshold=32)
+    c = AdaptiveSpecController(4, batch_token_threshold=32, **ACCEPTANCE_ONLY)
     assert [c.batch_cap(n) for n in (1, 4, 6, 8, 15, 16, 17, 32)] == [4, 4, 4, 3, 1, 1, 0, 0]
     assert [c.num_drafts("r", n) for n in (1, 8, 16, 17)] == [4, 3, 1, 0]
     # No probe counting while the batch forbids drafts.
@@ -50,7 +54,7 @@ def test_batch_budget_caps_k():
 
 
 def test_not_adaptive_always_gives_the_batch_cap():
-    c = AdaptiveSpecController(3, 64, adaptive=False)
+    c = AdaptiveSpecController(3, 64, adaptive=False, cost_aware=False)
     assert run(c, [0.0] * 4) == [3, 3, 3, 3]
 
 
@@ -58,8 +62,8 @@ def test_a_new_request_starts_from_its_predecessors_acceptance():
     """Forgotten, a request's state is gone; the next request starts from
     the acceptance the finished ones ended with, not from full acceptance:
     where drafts keep failing, each new request does not pay to learn it."""
-    c = AdaptiveSpecController(4, 64)
-    assert c.num_drafts("first", 1) == 4  # nothing known yet: optimistic
+    c = AdaptiveSpecController(4, 64, **ACCEPTANCE_ONLY)
+    assert c.num_drafts("first", 1) == 4  # nothing known yet: the prior given (1 here)
     c.observe("first", 4, 4)
     c.forget("first")
     assert c.num_drafts("second", 1) == 4
@@ -67,7 +71,7 @@ def test_a_new_request_starts_from_its_predecessors_acceptance():
         c.observe("second", 4, 0)
     c.forget("second")
     assert "second" not in c._states
-    assert c.num_drafts("third", 1) == 2  # half of .125 and 1: floor(.5625 * 5)
+    assert c.num_drafts("third", 1) == 2  # half of 0 (none of its 12 drafts held) and 1: floor(.5 * 5)
     c.forget("idle")  # a request that never drafted teaches nothing
     assert c.num_drafts("fourth", 1) == 2
 
@@ -92,8 +96,9 @@ def test_measured_cost_turns_drafting_off_where_it_cannot_pay():
     # Batch 16: a verify step costs 1.8x and gains 1.3 tokens per request.
     caps = steps(c, 16, 24, plain_s=1.0, spec_s=1.8, accepted_per_request=0.3)
     assert c.speedup(16) < 1
-    # One step each way to measure, then off but for one probe in 8.
-    assert caps[:2] == [4, 0] and caps.count(4) <= 1 + 24 // 8
+    # One step each way to measure (plain decoding first: it costs nobody
+    # anything), then off but for one probe in 8.
+    assert caps[:2] == [0, 4] and caps.count(4) <= 1 + 24 // 8
     assert caps[-8:].count(0) >= 7
     # Batch 1 is its own bucket: 1.3x cost for 2.5 tokens a step pays.
     caps = steps(c, 1, 24, plain_s=1.0, spec_s=1.3, accepted_per_request=1.5)
@@ -132,7 +137,7 @@ def test_each_level_is_measured_and_the_best_one_runs():
         caps.append(cap)
         c.observe("r", cap * 4, round((gain[cap] - 1) * 4))
         c.observe_step(4, cap * 4, seconds[cap])
-    assert caps[:5] == [4, 0, 1, 2, 3]  # the cap, plain, then each level up
+    assert caps[:5] == [0, 4, 1, 2, 3]  # plain, the cap, then each level up
     assert abs(c.speedup(4) - gain[2] / seconds[2]) < 1e-9
     settled = caps[5:]
     probes = [k for k in settled if k != 2]
@@ -163,7 +168,8 @@ def test_within_a_measured_level_only_a_request_far_below_its_peers_stops():
     proposals (acceptance .125) still leave 1.5 tokens a step at level 4. In
     a batch, a request whose drafts fail far more often than the batch's
     does get k = 0."""
-    c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=10**6)
+    c = AdaptiveSpecController(4, batch_token_threshold=10**6, **ONE_SAMPLE, cost_probe_steps=10**6,
+                               prior_acceptance=1.0)
     for num_running in (1, 4):  # measure every level of both buckets: level 4 pays
         for _ in range(5):
             cap = c.batch_cap(num_running)
@@ -192,8 +198,8 @@ def test_a_levels_first_step_is_warm_up_and_it_is_measured_over_several():
         c.observe("r", cap, cap // 2)
         first = caps.count(cap) == 1
         c.observe_step(1, cap, 20.0 if first else seconds[cap])  # each level's first step: 20x
-    # 4 steps per level (1 warm-up + 3), the cap first, then plain, then upward.
-    assert caps[:20] == [4] * 4 + [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    # 4 steps per level (1 warm-up + 3), plain first, then the cap, then upward.
+    assert caps[:20] == [0] * 4 + [4] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     assert c.speedup(1) is not None and c.speedup(1) > 2.5
     assert caps[20:] == [4] * 10  # the best level: 3 tokens a step for 1.12x the cost
 
@@ -227,3 +233,51 @@ def test_alone_a_request_whose_drafts_always_fail_stops_drafting_within_a_few_st
     # The next request starts between the two predecessors' acceptance: off no later.
     c.forget("bad")
     assert [step("next", False) for _ in range(7)].index(0) <= first
+
+
+def test_a_fresh_controller_measures_plain_decoding_first_and_learns_across_requests():
+    """Batch 1 on a fresh controller: plain decoding is measured first (no
+    request drafts until it is: its steps cost nobody anything); then a
+    request drafts where its acceptance pays the conservative price of a
+    level not yet measured (PRIOR_DRAFT_COST a draft). Requests whose drafts
+    all fail teach the next ones: a new request of that kind starts without
+    drafting (from its first step). Repetitive requests teach the opposite:
+    the next one drafts k_max from its first step."""
+    c = AdaptiveSpecController(4, 24, cost_warmup_steps=1, cost_min_samples=2, probe_interval=8)
+    seconds = {0: 1.0, 1: 1.2, 2: 1.35, 3: 1.5, 4: 1.6}
+
+    def request(rid: str, accept: bool, n: int) -> list[int]:
+        ks = []
+        for _ in range(n):
+            k = c.num_drafts(rid, 1)
+            ks.append(k)
+            if k:
+                c.observe(rid, k, k if accept else 0)
+            c.observe_step(1, k, seconds[k])
+        c.forget(rid)
+        return ks
+
+    first = request("first", False, 12)
+    assert first[:3] == [0, 0, 0]  # plain decoding measured: 1 warm-up step + 2
+    assert first[3] == 4  # the neutral prior (.5) pays level 4's estimate (2x a plain step): 3 tokens for 2
+    # One proposal at level 4 fails (acceptance .25: 2 tokens for 2x), off; a one-draft probe 8 steps on.
+    assert first == [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 1], first
+    for i in range(3):
+        request(f"failing-{i}", False, 12)
+    assert request("next-failing", False, 7) == [0] * 7  # no probe before 8 steps
+    for i in range(4):
+        request(f"repetitive-{i}", True, 40)
+    assert request("next-repetitive", True, 3) == [4, 4, 4]
+
+
+def test_before_costs_are_known_a_modest_acceptance_does_not_draft():
+    """Where only plain decoding is measured, level L is priced at 1 + L/4
+    plain steps: a prior of .2 expects 1 + .2L tokens, which pays no level,
+    so nothing drafts (but for the spaced one-draft probes)."""
+    c = AdaptiveSpecController(4, 24, cost_warmup_steps=0, cost_min_samples=1, prior_acceptance=0.2)
+    ks = []
+    for _ in range(7):
+        k = c.num_drafts("r", 1)
+        ks.append(k)
+        c.observe_step(1, k, 1.0)
+    assert ks == [0] * 7

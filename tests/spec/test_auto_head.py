@@ -41,7 +41,7 @@ def case(tmp_path_factory):
 @pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 16}], ids=["batch", "chunked"])
 def test_greedy_is_hf_exact_and_the_head_fills_only_its_slots(case, kwargs):
     target, head, hf, prompts, expected = case
-    spec = {"method": "auto", "model": head, "num_speculative_tokens": 3, "adaptive": False,
+    spec = {"method": "auto", "model": head, "num_speculative_tokens": 3, "adaptive": False, "cost_aware": False,
             "batch_token_threshold": 10**6}
     llm = LLM(model=target, dtype="float32", speculative=spec, **kwargs)
     auto = llm.engine.core.scheduler.proposer

@@ -23,6 +23,8 @@ LARGE_BATCH = 16
 NO_DRAFTS_FROM = 13
 FAILING_TOKENS = 120
 FAILING_DRAFTS_BOUND = 60
+FAILING_REQUESTS = 5  # each one's final acceptance halves the old requests' weight in a new one's start
+SHORT_TOKENS = 5  # decode steps before a request that does not draft would probe: 8
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +119,37 @@ def test_a_large_batch_drafts_nothing(default_server):
             f.result()
     assert now[(RUNNING, ())] >= NO_DRAFTS_FROM, "the batch shrank below the off switch: nothing measured"
     assert now[(DRAFTS, ())] == first[(DRAFTS, ())]
+
+
+def failing(srv, max_tokens: int, seed: int) -> None:
+    """A request whose drafts fail: sampled at temperature 4, where the
+    target's next token is close to a draw from its whole vocabulary, so
+    drafts copied from earlier text (or the head's guesses) rarely hold.
+    (Greedy text under a repetition penalty is no such request here: the
+    tenant's suffix tree learns it from the earlier ones, and it holds.)"""
+    with openai.OpenAI(base_url=srv.api_url, api_key="unused", max_retries=0, timeout=600) as client:
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=4.0,
+                                      seed=seed, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == max_tokens
+
+
+def drafted_by(srv, send) -> float:  # noqa: ANN001
+    """Draft tokens the request ``send()`` makes, once it is counted finished."""
+    done, before = finished(srv), srv.metric(DRAFTS)
+    send()
+    srv.wait_for_metric("kvferry:e2e_request_latency_seconds_count", lambda v: v >= done + 1)
+    return srv.metric(DRAFTS) - before
+
+
+def test_a_new_request_starts_from_what_recent_requests_measured(default_server):
+    """Cross-request learning: after requests whose drafts failed, a new one
+    of that kind starts without drafting (a short one drafts nothing: its
+    first probe would come 8 steps in); after repetitive requests, a new
+    repetitive request drafts from its first steps."""
+    srv = default_server
+    for seed in range(FAILING_REQUESTS):
+        drafted_by(srv, lambda: failing(srv, 16, seed))
+    assert drafted_by(srv, lambda: failing(srv, SHORT_TOKENS, 99)) == 0
+    for _ in range(3):
+        drafted_by(srv, lambda: complete(srv, max_tokens=16))
+    assert drafted_by(srv, lambda: complete(srv, max_tokens=SHORT_TOKENS)) > 0

@@ -4,13 +4,13 @@ Four rules, all cheap and deterministic:
 
 - **Acceptance.** Each request keeps an EWMA of accepted / proposed drafts,
   each proposal weighed by its number of drafts (``ewma_alpha`` for k_max).
-  A new request starts from the acceptance its predecessors finished with
-  (at first optimistic, 1), so that on a workload whose drafts fail every
-  request does not pay again to find out. Until its batch size's costs are
-  measured (below) its k is ``floor(ewma * (k_max + 1))``, capped at k_max;
-  once they are, it gets the level's drafts only where its own expected
-  tokens per step, ``1 + ewma * L``, pay the level's measured cost (the
-  step's seconds over plain decoding's). A request that stops drafting
+  A new request starts from the acceptance its finished predecessors ended
+  with (an EWMA over requests; ``PRIOR_ACCEPTANCE``, neutral, on a fresh
+  controller), so that where drafts fail a new request starts without
+  drafting, and where they hold it drafts from its first step. It gets a
+  level's drafts only where its expected tokens per step, ``1 + ewma * L``,
+  pay the level's cost (the step's seconds over plain decoding's, measured
+  or estimated: below) by ``PAY_MARGIN``. A request that stops drafting
   probes with one draft after ``probe_interval`` decode steps; each probe
   that fails doubles the wait (up to 8x), one that holds resets it, so
   that a text that never matches costs a probe in 64 steps, and a text
@@ -32,17 +32,20 @@ Four rules, all cheap and deterministic:
   ``cost_min_samples`` steps, its first ``cost_warmup_steps`` not counted
   (new matmul shapes pay their set-up on first use). The bucket runs the level with the best
   ``gain[L] * seconds[0] / seconds[L]`` (level 0, plain decoding, scores
-  1; ties go to the lower level). Every level is measured once first; then
-  every ``cost_probe_steps`` steps one other level runs (the best's
+  1; ties go to the lower level). Every level is measured once first,
+  plain decoding before any (its steps cost no request anything: until
+  then nobody drafts); then every ``cost_probe_steps`` steps one other level runs (the best's
   neighbours and plain decoding, in turn), so that the figures stay
   current and a level that starts paying (a repetitive passage) is found.
   Within the level, a request gets L drafts where they pay it (above)
   and, in a batch, unless its acceptance EWMA is under half the level's
   mean acceptance (then 0, with probes, as above). At batch 1 the step is
   the request's own, so the level is too: the one with the most tokens per
-  second by its acceptance and the bucket's step costs, a level not yet
-  measured priced from the one below it (so a request climbs one level at
-  a time, and running a level measures it). A step whose only drafts were
+  second by its acceptance and the bucket's step costs. A level not yet
+  measured is priced from the deepest measured one below it, or at
+  ``PRIOR_DRAFT_COST`` of a plain step a draft where none is: a fresh
+  server's first request drafts only where its acceptance pays that
+  conservative price, and running a level measures it. A step whose only drafts were
   probes counts as level 1; alone, a request's drafts are the step's level.
 - **Which clock.** On a CPU device the engine reports the lesser of a
   step's wall seconds and its process's CPU seconds: both only grow with
@@ -99,11 +102,14 @@ class _BucketCost:
                 best, best_rate = level, rate
         return best
 
-    def choose(self, cap: int, probe_steps: int) -> int:
-        """This step's level: an unmeasured one first (the cap, then plain,
-        then upward), else the best, but for one probe of another level
-        every ``probe_steps`` steps."""
-        for level in (cap, 0, *range(1, cap)):
+    def choose(self, cap: int, probe_steps: int, plain_first: bool = True) -> int:
+        """This step's level: an unmeasured one first (plain decoding, which
+        costs no request anything to measure, then the cap, then upward;
+        without ``plain_first`` the cap before plain decoding: a
+        non-adaptive controller gives every request the level, with no
+        per-request pricing to wait for plain decoding's figure), else the
+        best, but for one probe of another level every ``probe_steps`` steps."""
+        for level in ((0, cap) if plain_first else (cap, 0)) + tuple(range(1, cap)):
             if not self.measured(level):
                 return level
         best = self.best(cap)
@@ -129,23 +135,26 @@ class _BucketCost:
         return max(spec / plain, 1.0 + MIN_DRAFT_COST * level)
 
     def estimated_seconds(self, level: int) -> float | None:
-        """A level's step seconds: measured or, for the level just above the
-        deepest measured one (so that a request climbs one level at a time,
-        each run measuring it), that level's seconds plus its cost per draft
-        over plain decoding's, at least 5% of a plain step (noise can price
-        a level at or below plain: an extrapolation must not call deeper
-        levels free)."""
+        """A level's step seconds: measured or, once plain decoding is,
+        estimated from the deepest measured level below it, each draft more
+        costing that level's cost per draft over plain decoding's (at least
+        ``MIN_DRAFT_COST`` of a plain step: noise can price a level at or
+        below plain, and an extrapolation must not call deeper levels
+        free), or ``PRIOR_DRAFT_COST`` where no level is measured yet. The
+        first draft of a verify window costs most (a matrix-vector product
+        turns into a matrix multiply), so extrapolating from a shallower
+        level overprices deeper ones: a request climbs only where its
+        acceptance pays the estimate, and running a level measures it."""
         if self.measured(level):
             return self.seconds[level]
-        if not self.measured(0) or not self.measured(level - 1) or level < 2:
+        if not self.measured(0):
             return None
-        plain, below = self.seconds[0], self.seconds[level - 1]
-        per_draft = max((below - plain) / (level - 1), MIN_DRAFT_COST * plain)
-        return max(below, plain) + per_draft
-
-    def speedup_known(self) -> bool:
-        """Plain decoding and at least one level measured."""
-        return self.rate(0) is not None and any(self.rate(level) is not None for level in range(1, len(self.gain)))
+        plain = self.seconds[0]
+        below = max(m for m in range(level) if self.measured(m))
+        if below == 0:
+            return plain * (1.0 + PRIOR_DRAFT_COST * level)
+        per_draft = max((self.seconds[below] - plain) / below, MIN_DRAFT_COST * plain)
+        return max(self.seconds[below], plain) + per_draft * (level - below)
 
     def observe(self, level: int, seconds: float, gain: float, alpha: float) -> None:
         # A level's first steps run new matmul shapes (k + 1 rows per
@@ -167,6 +176,25 @@ class _BucketCost:
 # times are noisy where other processes load the machine; with this floor a
 # request whose drafts almost never hold stops drafting whatever the noise.
 MIN_DRAFT_COST = 0.05
+# What a draft is taken to cost, as a share of a plain step, at a level
+# not yet measured (and with no measured level below it): conservative (a
+# bf16 verify window on a CPU costs 5-40% a draft, a GGUF one up to 60%),
+# so that only a request whose acceptance is well above a quarter drafts
+# before the costs are known.
+PRIOR_DRAFT_COST = 0.25
+# A fresh controller's acceptance for a new request (before any request
+# finished): neutral. Afterwards a new request starts from what finished
+# requests measured (``_prior``).
+PRIOR_ACCEPTANCE = 0.5
+# Drafting must beat plain decoding by this share on the estimates: near
+# break-even, drafts gain nothing on average and only add noise (a step
+# that verifies costs more than one that does not).
+PAY_MARGIN = 0.05
+# The margin for a request with no verified drafts of its own yet, which
+# drafts on its predecessors' record alone: a clear gain, so that after
+# requests whose drafts failed (their acceptance just under break-even) a
+# new one of that kind starts without drafting.
+NEW_REQUEST_MARGIN = 0.15
 # A failed probe doubles the wait before the next, up to this many times.
 _MAX_PROBE_BACKOFF = 3
 
@@ -178,6 +206,8 @@ class _RequestSpecState:
     failed_probes: int = 0  # probes in a row whose draft failed (each doubles the wait)
     probed: bool = False  # the drafts now being verified are a probe
     verified: int = 0  # proposals verified (0: nothing learned to pass on)
+    drafted: int = 0  # draft tokens verified over the request's life
+    accepted: int = 0  # of which accepted
 
     def probe_wait(self, interval: int) -> int:
         return interval << min(self.failed_probes, _MAX_PROBE_BACKOFF)
@@ -187,10 +217,11 @@ class AdaptiveSpecController:
     def __init__(self, k_max: int, batch_token_threshold: int, ewma_alpha: float = 0.5,
                  probe_interval: int = 8, adaptive: bool = True, cost_aware: bool = True,
                  cost_probe_steps: int = 32, cost_alpha: float = 0.2, cost_warmup_steps: int = 1,
-                 cost_min_samples: int = 8,
+                 cost_min_samples: int = 8, prior_acceptance: float = PRIOR_ACCEPTANCE,
                  on_verified: "Callable[[str, int, int], None] | None" = None) -> None:
         """``on_verified(request_id, num_drafts, num_accepted)``: told of each
-        verified proposal too (method auto scores the head by it)."""
+        verified proposal too (method auto scores the head by it);
+        ``prior_acceptance``: a new request's acceptance until a request finished."""
         self.k_max = k_max
         self.on_verified = on_verified
         self.batch_token_threshold = batch_token_threshold
@@ -206,7 +237,7 @@ class AdaptiveSpecController:
         self._costs: dict[int, _BucketCost] = {}
         self._step_accepted = 0  # accepted drafts reported since the last observe_step
         # Where a new request starts: its finished predecessors' acceptance (EWMA).
-        self._prior = 1.0
+        self._prior = prior_acceptance
         self._step_probes = 0  # one-draft probes given for the step now running
 
     def _new_bucket(self) -> _BucketCost:
@@ -221,7 +252,7 @@ class AdaptiveSpecController:
         if cap == 0 or not self.cost_aware:
             return cap
         cost = self._costs.setdefault(num_running.bit_length(), self._new_bucket())
-        cost.in_flight = cost.choose(cap, self.cost_probe_steps)
+        cost.in_flight = cost.choose(cap, self.cost_probe_steps, plain_first=self.adaptive)
         return cost.in_flight
 
     def max_drafts(self, num_running: int) -> int:
@@ -269,11 +300,11 @@ class AdaptiveSpecController:
         state = self._state(request_id)
         state.probed = False
         cost = self._costs.get(num_running.bit_length()) if self.cost_aware else None
-        if cost is not None and num_running == 1 and cost.speedup_known():
+        if cost is not None and num_running == 1 and cost.measured(0):
             k = self._best_alone(state, cost)
         elif cap == 0:
-            k = 0  # the bucket's measured level is plain decoding: probes only
-        elif cost is not None and cost.speedup_known():
+            k = 0  # plain decoding: being measured, or the bucket's best level (probes only)
+        elif cost is not None:
             k = cap if self._pays(state, cost, cap) else 0
         else:
             k = min(math.floor(state.acceptance * (self.k_max + 1)), cap)
@@ -291,9 +322,10 @@ class AdaptiveSpecController:
     def _best_alone(self, state: _RequestSpecState, cost: _BucketCost) -> int:
         """At batch 1 the step is the request's own: the level with the most
         tokens per second by its acceptance and the bucket's step costs
-        (``break_even``; a level not yet run is priced from the one below
-        it, and running it measures it). Plain decoding wins ties."""
-        best, best_rate = 0, 1.0
+        (``break_even``; a level not yet run is estimated, and running it
+        measures it). Plain decoding wins unless a level beats it by
+        ``PAY_MARGIN``."""
+        best, best_rate = 0, 1.0 + (PAY_MARGIN if state.verified else NEW_REQUEST_MARGIN)
         for level in range(1, self.max_drafts(1) + 1):
             even = cost.break_even(level)
             if even is None:
@@ -308,7 +340,8 @@ class AdaptiveSpecController:
         expected tokens per step against the level's measured cost, and its
         acceptance against its peers' (the level's figures are theirs too)."""
         even = cost.break_even(level)
-        if even is not None and 1.0 + state.acceptance * level < even:
+        margin = PAY_MARGIN if state.verified else NEW_REQUEST_MARGIN
+        if even is None or 1.0 + state.acceptance * level < even * (1 + margin):
             return False
         mean = cost.mean_acceptance(level)
         return mean is None or state.acceptance >= 0.5 * mean
@@ -333,17 +366,21 @@ class AdaptiveSpecController:
         a = 1.0 - (1.0 - self.ewma_alpha) ** (min(num_drafts, self.k_max) / self.k_max)
         state.acceptance = (1 - a) * state.acceptance + a * num_accepted / num_drafts
         state.verified += 1
+        state.drafted += num_drafts
+        state.accepted += max(num_accepted, 0)
         if state.probed:
             state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
             state.probed = False
 
     def acceptance(self, request_id: str) -> float:
         state = self._states.get(request_id)
-        return state.acceptance if state is not None else 1.0
+        return state.acceptance if state is not None else self._prior
 
     def forget(self, request_id: str) -> None:
-        """A finished request: its acceptance becomes the next ones' start."""
+        """A finished request: the share of its drafts that held (over its
+        whole life, not its EWMA's last value, which stops near break-even
+        where drafting stops) becomes part of the next ones' start."""
         state = self._states.pop(request_id, None)
-        if state is not None and state.verified:
+        if state is not None and state.drafted:
             a = self.ewma_alpha
-            self._prior = (1 - a) * self._prior + a * state.acceptance
+            self._prior = (1 - a) * self._prior + a * state.accepted / state.drafted

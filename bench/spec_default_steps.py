@@ -1,0 +1,151 @@
+"""Where the default speculation's time goes, per decode step, at batch 1.
+
+Two engines in one process (``off`` and the serving default, ``auto`` under
+the cost-aware controller), one compute thread, requests interleaved (the
+order alternating), each step timed in wall and CPU seconds (with one
+thread the process's CPU time is the step's own work, which other
+processes' load changes little). Steps are classed:
+
+- ``plain``: the off engine's decode steps;
+- ``spec k=0``: the default's decode steps that verified no drafts (the
+  cost of having speculation configured while not drafting);
+- ``spec k=N``: its steps that verified N drafts (and of those, the
+  scheduler's share: proposers and the controller; the runner's drafting
+  share: the head's forward);
+
+and per class the median wall and CPU ms, with the drafts' acceptance and
+the proposer auto chose. Each request's sequence of k (``--ks``) shows the
+controller's learning phase and its probes.
+
+    python bench/spec_default_steps.py chat [--n 6] [--tokens 64] [--specs off default]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def instrument(llm, records: list[dict]) -> None:  # noqa: ANN001
+    core = llm.engine.core
+    sched = core.scheduler
+    parts: dict[str, float] = defaultdict(float)
+
+    def wrap(obj, attr: str, name: str) -> None:  # noqa: ANN001
+        inner = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                parts[name] += time.process_time() - t0
+
+        setattr(obj, attr, timed)
+
+    if sched.proposer is not None:
+        wrap(sched, "propose", "propose")
+    if core.runner.drafter is not None:
+        wrap(core.runner.drafter, "propose", "head")
+    wrap(core.runner, "_sample", "sample")
+    step = core.step
+
+    def timed_step():
+        w0, c0 = time.perf_counter(), time.process_time()
+        sched_out = None
+        inner_schedule = sched.schedule
+
+        def grab():
+            nonlocal sched_out
+            sched_out = inner_schedule()
+            return sched_out
+
+        sched.schedule = grab
+        try:
+            out = step()
+        finally:
+            sched.schedule = inner_schedule
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        rec = {"wall": wall, "cpu": cpu, **parts}
+        parts.clear()
+        if sched_out is not None and sched_out.num_scheduled_tokens:
+            drafts = {rid: len(d) for rid, d in sched_out.spec_token_ids.items()}
+            decode = all(n == 1 + drafts.get(rid, 0) for rid, n in sched_out.num_scheduled_tokens.items())
+            rec.update(decode=decode, k=sum(drafts.values()), n=len(sched_out.num_scheduled_tokens))
+            records.append(rec)
+        return out
+
+    core.step = timed_step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("workload", choices=["chat", "code"])
+    ap.add_argument("--n", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--specs", nargs="+", default=["off", "default"])
+    ap.add_argument("--ks", action="store_true", help="print each request's k per step")
+    ap.add_argument("--skip", type=int, default=0, help="requests run before timing (a warm controller)")
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    from kvferry import LLM, SamplingParams
+    from spec_default import chat_prompts, code_prompts
+
+    engines = {s: LLM(speculative=None if s == "off" else s if s == "default" else json.loads(s),
+                      kv_cache_memory_gb=0.5, max_num_seqs=64) for s in a.specs}
+    tok = engines[a.specs[0]].tokenizer
+    prompts = (chat_prompts if a.workload == "chat" else code_prompts)(tok, a.n + a.skip)
+    sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+    for e in engines.values():
+        e.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
+        e.generate(prompts[: a.skip], sp) if a.skip else None
+    records = {s: [] for s in engines}
+    for s, e in engines.items():
+        instrument(e, records[s])
+    before = {s: e.engine.core.stats() for s, e in engines.items()}
+    cpu = defaultdict(float)
+    toks = defaultdict(int)
+    for i, p in enumerate(prompts[a.skip:]):
+        for s in (a.specs if i % 2 == 0 else list(reversed(a.specs))):
+            start = len(records[s])
+            c0 = time.process_time()
+            out = engines[s].generate([p], sp)[0]
+            cpu[s] += time.process_time() - c0
+            toks[s] += len(out.outputs[0].token_ids)
+            if a.ks and s != "off":
+                print(f"  req {i} {s} k:", "".join(str(r["k"]) for r in records[s][start:] if r["decode"]))
+    for s, recs in records.items():
+        st, b = engines[s].engine.core.stats(), before[s]
+        classes: dict[str, list[dict]] = defaultdict(list)
+        for r in recs:
+            if r["decode"]:
+                classes["plain" if s == "off" else f"k={r['k']}"].append(r)
+        summary = {}
+        for name, rows in sorted(classes.items()):
+            keys = sorted({k for r in rows for k in r if k not in ("decode", "k", "n")})
+            summary[name] = {"steps": len(rows), **{f"{k}_ms": round(statistics.median(r.get(k, 0.0) for r in rows) * 1e3, 2)
+                                                    for k in keys}}
+        proposer = engines[s].engine.core.scheduler.proposer
+        chosen = getattr(proposer, "num_chosen", None)
+        print(s, json.dumps({"cpu_ms_per_token": round(cpu[s] * 1e3 / toks[s], 2),
+                             "drafted": st.num_draft_tokens - b.num_draft_tokens,
+                             "accepted": st.num_accepted_tokens - b.num_accepted_tokens,
+                             "chosen": chosen, "steps": summary}))
+    if len(a.specs) > 1:
+        base = cpu[a.specs[0]] / toks[a.specs[0]]
+        print("rate vs", a.specs[0], {s: round(base / (cpu[s] / toks[s]), 3) for s in a.specs[1:]})
+    print("load average", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
