@@ -33,16 +33,11 @@ def test_deterministic_expands_in_one_log_line(q8, caplog):
                for r in caplog.records) == 1
 
 
-def test_where_the_blocks_do_not_run(q8, caplog):
+def test_where_the_blocks_do_not_run(q8):
     named, embedded = resolve_model(str(q8)), resolve_model(None)
-    with caplog.at_level(logging.INFO, logger="kvferry.model.loader"):
-        assert _keeps_blocks(named, None, "cpu", False, False)
-        assert not _keeps_blocks(named, None, "cuda", False, False)
-        assert not _keeps_blocks(named, None, "cpu", True, False)  # pipeline stages (TP ranks keep their slices)
-        assert not _keeps_blocks(named, "none", "cpu", False, False)
-    assert "pipeline stages split float weights: expanded to float" in caplog.text
-    # Asked for explicitly, the stages refuse it as config.py's check says (serve it with none).
-    with pytest.raises(ValueError, match="serve a .gguf with --quantization none"):
-        _keeps_blocks(named, "gguf", "cpu", True, False)
-    assert not _keeps_blocks(embedded, None, "cpu", False, False)
-    assert _keeps_blocks(embedded, "gguf", "cpu", False, False)
+    assert _keeps_blocks(named, None, "cpu", False)  # TP ranks and pipeline stages keep their parts of the blocks
+    assert not _keeps_blocks(named, None, "cuda", False)
+    assert not _keeps_blocks(named, None, "cpu", True)  # --deterministic
+    assert not _keeps_blocks(named, "none", "cpu", False)
+    assert not _keeps_blocks(embedded, None, "cpu", False)
+    assert _keeps_blocks(embedded, "gguf", "cpu", False)
