@@ -215,21 +215,36 @@ def test_a_store_killed_mid_load_fails_the_load_at_once_and_the_request_recomput
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_swap_preemption_through_the_store_keeps_greedy_output(case, store, mode):
+def test_swap_preemption_through_the_store_keeps_greedy_output(case, mode):
     # 32 blocks of 8 admit the four prompts (31 blocks) but not their
     # decodes: preemption must happen. Swap without a host swap space goes
     # through the store: the resumed request loads its blocks back.
+    # A victim's blocks stay pinned on the device until their save is done,
+    # and a resume that comes first hits them there instead of loading: on
+    # a loaded machine (slow saves) a whole run can resume from the device.
+    # Both paths are right; the store's is asserted over up to three runs,
+    # each on a fresh engine and an empty store (so every load is a
+    # resume's), every one of them checked against HF.
     path, hf, prompts, expected = case
-    _, address = store
-    llm = tiered_llm(path, address, num_kv_blocks=32, preemption_mode=mode)
-    results = llm.generate(prompts, GREEDY)
-    for p, e, r in zip(prompts, expected, results):
-        assert_greedy_match(hf, p, r.token_ids, e)
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
-    assert stats.kv_loaded_tokens > 0
-    llm.engine.check_integrity()
-    llm.engine.core.close()
+    loaded = 0
+    for _attempt in range(3):
+        process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
+        try:
+            llm = tiered_llm(path, address, num_kv_blocks=32, preemption_mode=mode)
+            results = llm.generate(prompts, GREEDY)
+            for p, e, r in zip(prompts, expected, results):
+                assert_greedy_match(hf, p, r.token_ids, e)
+            stats = llm.engine.stats()
+            assert stats.num_preemptions > 0
+            llm.engine.check_integrity()
+            llm.engine.core.close()
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
+        loaded = stats.kv_loaded_tokens
+        if loaded > 0:
+            break
+    assert loaded > 0
 
 
 def test_resume_from_the_ssd_tier_after_dram_was_flushed(case, tmp_path):
