@@ -12,7 +12,7 @@ the lm_head's and one embedding row) over the machine's read bandwidth,
 measured here by summing a cold buffer larger than the caches with the same
 thread count (``--bandwidth-gbs`` to give it instead).
 
-    python bench/gguf_decode_step.py [--model FILE.gguf] [--threads 2] [--output-len 64] [--profile] [--ab-runs N]
+    python bench/gguf_decode_step.py [--model FILE.gguf] [--threads 2] [--output-len 64] [--profile] [--ab-runs N] [--ab-workspace N]
 
 ``--profile`` adds torch.profiler's table of one step's ops (self CPU time).
 ``--ab-runs N`` then alternates, in this one process, N runs of the step as
@@ -20,6 +20,8 @@ it is (every layer in one C++ call, the greedy shortcut) with N runs of the
 step as it was before them (a Python call per layer, the general sampler),
 and checks that both give the same tokens: on a loaded machine the two
 halves of each pair see about the same load, which separate processes do not.
+``--ab-workspace N`` alternates the same way the layer stack's step in its
+reused buffers with each layer allocating its outputs and views (as before).
 On a shared machine report the load average printed with the figures.
 """
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbs", type=float, default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ab-runs", type=int, default=0)
+    ap.add_argument("--ab-workspace", type=int, default=0)
     args = ap.parse_args()
 
     import torch
@@ -123,6 +126,8 @@ def main() -> None:
           f"{(med['forward'] + med['logits']) / floor_ms:.2f}x")
     if args.ab_runs:
         ab_per_layer(llm, prompt, params, times, holder["model"], args.ab_runs, floor_ms)
+    if args.ab_workspace:
+        ab_workspace(llm, prompt, params, times, holder["model"], args.ab_workspace, floor_ms)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -143,24 +148,45 @@ def ab_per_layer(llm, prompt, params, times, model, runs: int, floor_ms: float) 
             h, x = layer_op.run_layer(args, h, x, cos, sin, kv_cache[i], meta)
         return h, x
 
-    res = {m: {k: [] for k in times} for m in ("per-layer", "stack")}
-    tokens = {}
-    for r in range(2 * runs):
-        mode = ("per-layer", "stack")[(r + r // 2) % 2]  # pl, st, st, pl, pl, st, ...
+    def use(mode):
         layer_op.run_layers = stack_layers if mode == "stack" else per_layer
         runner.plain_greedy_tokens = greedy if mode == "stack" else (lambda *a: None)
+
+    alternate(llm, prompt, params, times, runs, floor_ms, ("per-layer", "stack"), use)
+    use("stack")
+
+
+def ab_workspace(llm, prompt, params, times, model, runs: int, floor_ms: float) -> None:
+    """--ab-workspace: the layer stack's steps in its reused buffers ("workspace") against
+    each layer allocating its outputs and views ("allocating", as before them)."""
+    stack = model._layer_stack
+    if stack is None or not hasattr(stack, "set_workspace_rows"):
+        raise SystemExit("--ab-workspace: the step does not run the layer stack, or its build has no workspace")
+    alternate(llm, prompt, params, times, runs, floor_ms, ("allocating", "workspace"),
+              lambda mode: stack.set_workspace_rows(32 if mode == "workspace" else 0))
+    if stack.workspace_rows() < 1:
+        raise SystemExit("--ab-workspace: the workspace never ran (the layers are not all GGUF dots)")
+
+
+def alternate(llm, prompt, params, times, runs: int, floor_ms: float, modes: tuple[str, str], use) -> None:
+    """``runs`` generations in each of two ``modes`` (``use(mode)`` switches), in the order
+    a b b a a b ..., checking that both give the same tokens; prints each mode's figures."""
+    res = {m: {k: [] for k in times} for m in modes}
+    tokens = {}
+    for r in range(2 * runs):
+        mode = modes[(r + r // 2) % 2]  # a, b, b, a, a, b, ...
+        use(mode)
         for v in times.values():
             v.clear()
         ids = llm.generate([prompt], params)[0].token_ids
-        if tokens.setdefault(mode, ids) != ids or tokens.get("per-layer", ids) != ids:
+        if tokens.setdefault(mode, ids) != ids or tokens.get(modes[0], ids) != ids:
             raise SystemExit(f"{mode}: different tokens")
         for k, v in times.items():
             res[mode][k].append(1e3 * statistics.median(v[1:]))
-    layer_op.run_layers, runner.plain_greedy_tokens = stack_layers, greedy
     print(f"alternating in one process, {runs} runs each, the same tokens; ms per decode step (median of a run's steps):")
     for mode, r in res.items():
         rest = [e - f - lg for e, f, lg in zip(r["execute"], r["forward"], r["logits"])]
-        print(f"  {mode:9s} runner {statistics.median(r['execute']):.2f} ({' '.join(f'{x:.2f}' for x in r['execute'])}; "
+        print(f"  {mode:10s} runner {statistics.median(r['execute']):.2f} ({' '.join(f'{x:.2f}' for x in r['execute'])}; "
               f"/ floor {statistics.median(r['execute']) / floor_ms:.2f}x)  forward {statistics.median(r['forward']):.2f}  "
               f"logits {statistics.median(r['logits']):.2f}  rest {statistics.median(rest):.2f}")
 

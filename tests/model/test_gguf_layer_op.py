@@ -5,6 +5,7 @@ layers of mixed types (q/k Q4_K, v Q6_K) included."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench._llama_cpp import missing_reason, quantize
 from kvferry.model import layer_op, quant
@@ -40,12 +41,35 @@ def test_layer_op_over_blocks_equals_python_layer(tiny, monkeypatch, qtype, dtyp
     slow, slow_cache, slow_ops = _run(model, monkeypatch, "1")
     assert OP in fast_ops and OP not in slow_ops
     assert STACK_OP in fast_ops  # every layer in one call (no hook between layers here)
+    assert model._layer_stack.workspace_rows() > 0  # in the stack's reused buffers
     # PLANS has decode steps (1-3 rows: the dots) and a 14-row step (the tiles).
     assert max(sum(p.values()) for p in PLANS) >= quant.kernels.PREFILL_MIN_ROWS[32]
     for got, want in zip(fast, slow, strict=True):
         assert got.keys() == want.keys()
         for rid in got:
             assert _same(got[rid], want[rid]), f"request {rid}: logits differ"
+    assert _same(fast_cache, slow_cache)
+
+
+def test_workspace_follows_a_new_kv_pool_and_fp8(tiny, monkeypatch):
+    """The layer stack's workspace keeps views of the KV pool it was given:
+    a step over another pool (a fresh harness), and one in fp8, are still
+    the Python layer's to the bit."""
+    if not layer_op.available():
+        pytest.skip("the layer op is not available")
+    tmp, hf = tiny
+    model = load_model(str(write_tiny_gguf(hf, tmp / "tiny-ws.gguf", qtype="Q8_0")), dtype="bfloat16",
+                       quantization="gguf").model
+    slow, slow_cache, _ = _run(model, monkeypatch, "1")
+    for _ in range(2):  # the second harness's pool is another tensor
+        fast, fast_cache, _ = _run(model, monkeypatch, "0")
+        assert model._layer_stack.workspace_rows() > 0
+        assert all(_same(g[r], w[r]) for g, w in zip(fast, slow, strict=True) for r in w)
+        assert _same(fast_cache, slow_cache)
+    fp8 = torch.float8_e5m2
+    fast, fast_cache, _ = _run(model, monkeypatch, "0", cache_dtype=fp8)
+    slow, slow_cache, _ = _run(model, monkeypatch, "1", cache_dtype=fp8)
+    assert all(_same(g[r], w[r]) for g, w in zip(fast, slow, strict=True) for r in w)
     assert _same(fast_cache, slow_cache)
 
 

@@ -32,10 +32,12 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <torch/custom_class.h>
 
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -80,6 +82,27 @@ struct Ops {
       attention = find_op<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                const Tensor&, const Tensor&, double, Tensor)>("kvferry::paged_attention");
 };
+
+// The same ops writing into given buffers (decoder_layers' workspace), looked
+// up on the workspace's first use: their libraries are loaded by then.
+struct OutOps {
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, Tensor)> rope =
+      find_op<void(const Tensor&, const Tensor&, const Tensor&, Tensor)>("kvferry_fused::rope_neox_out");
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, double, Tensor, Tensor)> add_rms_norm =
+      find_op<void(const Tensor&, const Tensor&, const Tensor&, double, Tensor, Tensor)>(
+          "kvferry_fused::add_rms_norm_out");
+  c10::TypedOperatorHandle<void(const Tensor&, Tensor)> silu_and_mul =
+      find_op<void(const Tensor&, Tensor)>("kvferry_fused::silu_and_mul_out");
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, int64_t, int64_t, Tensor)> linear =
+      find_op<void(const Tensor&, const Tensor&, int64_t, int64_t, Tensor)>("kvferry_quant::layer_linear_out");
+  c10::TypedOperatorHandle<void(const Tensor&, at::TensorList, at::IntArrayRef, Tensor)> linear_parts =
+      find_op<void(const Tensor&, at::TensorList, at::IntArrayRef, Tensor)>("kvferry_quant::layer_linear_parts_out");
+};
+
+const OutOps& out_ops() {
+  static const OutOps handles;
+  return handles;
+}
 
 // Tensor? and str? arguments make oneDNN's op awkward to call typed; one
 // boxed call costs about a microsecond more.
@@ -281,8 +304,44 @@ struct LayerSpec {
   std::vector<int64_t> gate_up_part_types;
 };
 
+// A GGUF matmul (kind 99 or 100 + a ggml type) without a bias: one the
+// workspace's layer writes into its buffer (quant_gemm.cpp's *_out ops).
+bool quant_matmul(int64_t kind) { return kind == kQuantParts || kind >= kQuantKind; }
+
+// Steps of up to this many rows (decode sizes) run in LayerStack's workspace.
+constexpr int64_t kWorkspaceRows = 32;
+
+// decoder_layers' buffers for a step of T rows, reused by every layer: each
+// layer had allocated ~10 outputs and made ~12 views (the KV cache's per
+// layer among them) through the allocator and the dispatcher, ~25 us of a
+// ~300 us layer at batch 1. The intermediates of a layer are dead once it
+// ends, so one set serves them all; the stream between layers alternates
+// between two pairs (a layer reads one and writes the other), and the last
+// layer writes a fresh pair, the tensors the caller keeps.
+struct Workspace {
+  int64_t rows = -1;
+  at::ScalarType dtype = at::kFloat;
+  Tensor qkv, qk_in, v, qk, q, k, attn, attn2d, o, h1, x1, gate_up, up, down, h[2], x[2];
+  // Each layer's K and V caches ([num_blocks, block_size, KVH, D], the
+  // attention's) and their [slots, KVH, D] views (write_kv's), over the
+  // pool's memory without owning it: they are rebuilt whenever the pool
+  // passed in is not the one they were made from (its address, shape,
+  // strides and dtype), so a pool freed in between is never read through
+  // them, nor kept alive by them.
+  const void* kv_data = nullptr;
+  std::vector<int64_t> kv_sizes, kv_strides;
+  at::ScalarType kv_dtype = at::kFloat;
+  std::vector<Tensor> k_cache, v_cache, k_slots, v_slots;
+};
+
 struct LayerStack : torch::CustomClassHolder {
   std::vector<LayerSpec> layers;
+  // Whether every layer's matmuls are GGUF dots without a bias, of layer 0's
+  // shapes, without Qwen3's head norms: the layers the workspace runs.
+  bool uniform_quant = true;
+  Workspace ws;
+  std::mutex ws_mutex;  // one step at a time in the workspace (another runs as before)
+  int64_t max_workspace_rows = kWorkspaceRows;  // 0: every step as before (benches compare the two)
 
   // decoder_layer's arguments from qkv_w on, in its order.
   void add(Tensor qkv_w, int64_t qkv_n, int64_t qkv_kind, std::optional<Tensor> qkv_bias, Tensor o_w, int64_t o_n,
@@ -298,9 +357,103 @@ struct LayerStack : torch::CustomClassHolder {
                                num_kv_heads, scale, exact_rows, row_bucket, std::move(q_norm_w), std::move(k_norm_w),
                                qk_eps, std::move(qkv_parts), std::move(qkv_part_types), std::move(gate_up_parts),
                                std::move(gate_up_part_types)});
+    const LayerSpec& l = layers.back();
+    const LayerSpec& first = layers.front();
+    uniform_quant = uniform_quant && quant_matmul(l.qkv_kind) && quant_matmul(l.o_kind) &&
+                    quant_matmul(l.gate_up_kind) && quant_matmul(l.down_kind) && !l.qkv_bias.has_value() &&
+                    !l.q_norm_w.has_value() && l.qkv_n == first.qkv_n && l.o_n == first.o_n &&
+                    l.gate_up_n == first.gate_up_n && l.down_n == first.down_n && l.num_heads == first.num_heads &&
+                    l.num_kv_heads == first.num_kv_heads && l.gate_up_n % 2 == 0;
   }
 
   int64_t size() const { return int64_t(layers.size()); }
+  void set_workspace_rows(int64_t rows) { max_workspace_rows = rows; }
+  // The rows of the last step the workspace ran (-1: none yet), for tests.
+  int64_t workspace_rows() const { return ws.rows; }
+
+  // The buffers for T rows of x's dtype (kept while steps keep that size) and
+  // the caches' views of kv_cache [L, 2, num_blocks, block_size, KVH, D].
+  void prepare(int64_t T, const Tensor& x, const Tensor& kv_cache) {
+    const LayerSpec& l = layers.front();
+    const int64_t D = kv_cache.size(5), H = l.num_heads, KVH = l.num_kv_heads;
+    const int64_t hidden = x.size(1);
+    TORCH_CHECK(l.qkv_n == (H + 2 * KVH) * D, "decoder_layer: qkv_n is not (H + 2 KVH) * D");
+    if (ws.rows != T || ws.dtype != x.scalar_type()) {
+      const auto opts = x.options();
+      ws.rows = T;
+      ws.dtype = x.scalar_type();
+      ws.qkv = at::empty({T, l.qkv_n}, opts);
+      ws.qk_in = ws.qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D});
+      ws.v = ws.qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+      ws.qk = at::empty({T, H + KVH, D}, opts);
+      ws.q = ws.qk.narrow(1, 0, H);
+      ws.k = ws.qk.narrow(1, H, KVH);
+      ws.attn = at::empty({T, H, D}, opts);
+      ws.attn2d = ws.attn.view({T, H * D});
+      ws.o = at::empty({T, l.o_n}, opts);
+      ws.h1 = at::empty({T, hidden}, opts);
+      ws.x1 = at::empty({T, hidden}, opts);
+      ws.gate_up = at::empty({T, l.gate_up_n}, opts);
+      ws.up = at::empty({T, l.gate_up_n / 2}, opts);
+      ws.down = at::empty({T, l.down_n}, opts);
+      for (int j = 0; j < 2; ++j) {
+        ws.h[j] = at::empty({T, hidden}, opts);
+        ws.x[j] = at::empty({T, hidden}, opts);
+      }
+    }
+    if (ws.kv_data != kv_cache.data_ptr() || ws.kv_sizes != kv_cache.sizes().vec() ||
+        ws.kv_strides != kv_cache.strides().vec() || ws.kv_dtype != kv_cache.scalar_type() ||
+        int64_t(ws.k_cache.size()) != size()) {
+      ws.k_cache.clear(), ws.v_cache.clear(), ws.k_slots.clear(), ws.v_slots.clear();
+      const auto opts = kv_cache.options();
+      const at::IntArrayRef st = kv_cache.strides();
+      const std::vector<int64_t> cache_sizes(kv_cache.sizes().begin() + 2, kv_cache.sizes().end());
+      const std::vector<int64_t> cache_strides(st.begin() + 2, st.end());
+      auto* base = static_cast<char*>(kv_cache.data_ptr());
+      for (int64_t i = 0; i < size(); ++i) {
+        for (int64_t kv = 0; kv < 2; ++kv) {
+          void* at_ = base + (i * st[0] + kv * st[1]) * int64_t(kv_cache.element_size());
+          Tensor cache = at::from_blob(at_, cache_sizes, cache_strides, opts);
+          Tensor slots = at::from_blob(at_, {cache_sizes[0] * cache_sizes[1], KVH, D}, opts);
+          (kv == 0 ? ws.k_cache : ws.v_cache).push_back(cache);
+          (kv == 0 ? ws.k_slots : ws.v_slots).push_back(slots);
+        }
+      }
+      ws.kv_data = kv_cache.data_ptr();
+      ws.kv_sizes = kv_cache.sizes().vec();
+      ws.kv_strides = kv_cache.strides().vec();
+      ws.kv_dtype = kv_cache.scalar_type();
+    }
+  }
+
+  // Layer i in the workspace: decoder_layer's ops in its order, on the same
+  // values (so the same bits), each writing into its buffer.
+  void layer_in_workspace(int64_t i, const Tensor& h, const Tensor& x, Tensor& h_out, Tensor& x_out,
+                          const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
+                          const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
+                          const Tensor& query_lens) {
+    const LayerSpec& l = layers[size_t(i)];
+    const Ops& op = ops();
+    const OutOps& out = out_ops();
+    auto linear = [&](const Tensor& in, const Tensor& w, int64_t kind, at::TensorList parts, at::IntArrayRef types,
+                      const Tensor& y) {
+      if (kind == kQuantParts) out.linear_parts.call(in, parts, types, y);
+      else out.linear.call(in, w, kind - kQuantKind, y.size(1), y);
+    };
+    // Profiles see each layer as before (the per-layer op is not dispatched here).
+    RECORD_FUNCTION("kvferry_layer::decoder_layer", std::vector<c10::IValue>());
+    linear(x, l.qkv_w, l.qkv_kind, l.qkv_parts, l.qkv_part_types, ws.qkv);
+    out.rope.call(ws.qk_in, cos, sin, ws.qk);
+    op.write_kv.call(ws.k, ws.v, ws.k_slots[size_t(i)], ws.v_slots[size_t(i)], slot_mapping);
+    op.attention.call(ws.q, ws.k_cache[size_t(i)], ws.v_cache[size_t(i)], block_tables, seq_lens, query_starts,
+                      query_lens, l.scale, ws.attn);
+    linear(ws.attn2d, l.o_w, l.o_kind, {}, {}, ws.o);
+    out.add_rms_norm.call(ws.o, h, l.post_norm_w, l.post_eps, ws.h1, ws.x1);
+    linear(ws.x1, l.gate_up_w, l.gate_up_kind, l.gate_up_parts, l.gate_up_part_types, ws.gate_up);
+    out.silu_and_mul.call(ws.gate_up, ws.up);
+    linear(ws.up, l.down_w, l.down_kind, {}, {}, ws.down);
+    out.add_rms_norm.call(ws.down, ws.h1, l.next_norm_w, l.next_eps, h_out, x_out);
+  }
 };
 
 // Every layer of `stack` in turn, as the Python loop over decoder_layer runs
@@ -313,6 +466,28 @@ std::tuple<Tensor, Tensor> decoder_layers(const c10::intrusive_ptr<LayerStack>& 
                                           const Tensor& query_starts, const Tensor& query_lens) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) >= stack->size(),
               "decoder_layers: kv_cache must be [num_layers, 2, num_blocks, block_size, KVH, D]");
+  const int64_t T = x_in.dim() == 2 ? x_in.size(0) : 0;
+  if (stack->uniform_quant && stack->size() > 0 && T > 0 && T <= stack->max_workspace_rows && x_in.is_contiguous() &&
+      h_in.sizes() == x_in.sizes() && h_in.stride(1) == 1 &&
+      (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat) &&
+      kv_cache.size(4) == stack->layers.front().num_kv_heads && kv_cache.is_contiguous()) {
+    std::unique_lock<std::mutex> lock(stack->ws_mutex, std::try_to_lock);
+    if (lock.owns_lock()) {
+      stack->prepare(T, x_in, kv_cache);
+      Workspace& ws = stack->ws;
+      const int64_t L = stack->size();
+      Tensor h_last = at::empty(x_in.sizes(), x_in.options()), x_last = at::empty(x_in.sizes(), x_in.options());
+      for (int64_t i = 0; i < L; ++i) {
+        const Tensor& h = i == 0 ? h_in : ws.h[(i - 1) % 2];
+        const Tensor& x = i == 0 ? x_in : ws.x[(i - 1) % 2];
+        Tensor& h_out = i == L - 1 ? h_last : ws.h[i % 2];
+        Tensor& x_out = i == L - 1 ? x_last : ws.x[i % 2];
+        stack->layer_in_workspace(i, h, x, h_out, x_out, cos, sin, slot_mapping, block_tables, seq_lens,
+                                  query_starts, query_lens);
+      }
+      return {h_last, x_last};
+    }
+  }
   // Each layer through the dispatcher, unboxed (a fraction of a microsecond):
   // profiles and tests still see every layer's decoder_layer.
   static const auto layer = find_op<decltype(decoder_layer)>("kvferry_layer::decoder_layer");
@@ -398,7 +573,9 @@ TORCH_LIBRARY(kvferry_layer, m) {
   m.class_<LayerStack>("LayerStack")
       .def(torch::init<>())
       .def("add", &LayerStack::add)
-      .def("size", &LayerStack::size);
+      .def("size", &LayerStack::size)
+      .def("set_workspace_rows", &LayerStack::set_workspace_rows)
+      .def("workspace_rows", &LayerStack::workspace_rows);
   m.def(
       "decoder_layers(__torch__.torch.classes.kvferry_layer.LayerStack stack, Tensor h, Tensor x, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "

@@ -370,7 +370,9 @@ void rope_rows(const at::Tensor& x, const T* cos, const T* sin, T* out) {
   });
 }
 
-at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// Into out (contiguous, x's sizes and dtype): the one-call decoder layer's
+// workspace, reused by every layer of a step (no allocation per op).
+void rope_neox_out(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor out) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0 && x.stride(2) == 1,
               "rope_neox: x must be [tokens, heads, head_dim] with contiguous rows, got ", x.sizes());
   const int64_t half = x.size(2) / 2;
@@ -379,8 +381,9 @@ at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
                     t->scalar_type() == x.scalar_type(),
                 "rope_neox: cos and sin must be contiguous [tokens, head_dim / 2] of x's dtype, got ", t->sizes());
   }
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  if (x.numel() == 0) return out;
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              "rope_neox: out must be contiguous, of x's sizes and dtype");
+  if (x.numel() == 0) return;
   switch (x.scalar_type()) {
     case at::kFloat:
       rope_rows<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>());
@@ -395,15 +398,23 @@ at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
     default:
       TORCH_CHECK(false, "rope_neox: unsupported dtype ", x.scalar_type());
   }
+}
+
+at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rope_neox_out(x, cos, sin, out);
   return out;
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// Into out (contiguous [tokens, inter] of x's dtype), as rope_neox_out.
+void silu_and_mul_out(const at::Tensor& x, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [tokens, 2 * inter], got ", x.sizes());
   TORCH_CHECK(x.stride(1) == 1, "silu_and_mul: x's rows must be contiguous");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, inter}, x.options());
-  if (rows == 0) return out;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == inter && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: out must be contiguous [tokens, inter] of x's dtype");
+  if (rows == 0) return;
   switch (x.scalar_type()) {
     case at::kFloat:
       silu_and_mul_float(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter, x.stride(0));
@@ -417,6 +428,12 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     default:
       TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
   }
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [tokens, 2 * inter], got ", x.sizes());
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  silu_and_mul_out(x, out);
   return out;
 }
 
@@ -574,19 +591,16 @@ void norm_rows(const T* src, int64_t src_stride, const T* w, float eps, T* out, 
 }
 
 template <typename T>
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_typed(const at::Tensor& x, const at::Tensor& residual,
-                                                      const at::Tensor& weight, double eps) {
+void add_rms_norm_typed(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                        const at::Tensor& h, const at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1);
-  at::Tensor h = at::empty({rows, dim}, x.options());
-  at::Tensor out = at::empty({rows, dim}, x.options());
-  if (rows == 0) return {h, out};
+  if (rows == 0) return;
   const T* xp = x.data_ptr<T>();
   const T* rp = residual.data_ptr<T>();
   T* hp = h.data_ptr<T>();
   const int64_t xs = x.stride(0), rs = residual.stride(0);
   norm_rows<T>(hp, dim, weight.data_ptr<T>(), static_cast<float>(eps), out.data_ptr<T>(), rows, dim, x.options(),
                [&](int64_t r, float* sq) { add_square_row<T>(xp + r * xs, rp + r * rs, hp + r * dim, sq, dim); });
-  return {h, out};
 }
 
 template <typename T>
@@ -619,8 +633,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
+// Into h_out and out (contiguous [tokens, dim] of x's dtype, neither an input),
+// as rope_neox_out.
+void add_rms_norm_out(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                      at::Tensor h_out, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.dim() == 2 && residual.stride(1) == 1 &&
                   residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: x and residual must be [tokens, dim] of one dtype with contiguous rows, got ", x.sizes(),
@@ -628,16 +644,28 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
               "add_rms_norm: weight must be contiguous [dim] of x's dtype");
+  for (const at::Tensor* t : {&h_out, &out}) {
+    TORCH_CHECK(t->sizes() == x.sizes() && t->is_contiguous() && t->scalar_type() == x.scalar_type(),
+                "add_rms_norm: the outputs must be contiguous [tokens, dim] of x's dtype");
+  }
   switch (x.scalar_type()) {
     case at::kFloat:
-      return add_rms_norm_typed<float>(x, residual, weight, eps);
+      return add_rms_norm_typed<float>(x, residual, weight, eps, h_out, out);
     case at::kBFloat16:
-      return add_rms_norm_typed<at::BFloat16>(x, residual, weight, eps);
+      return add_rms_norm_typed<at::BFloat16>(x, residual, weight, eps, h_out, out);
     case at::kHalf:
-      return add_rms_norm_typed<at::Half>(x, residual, weight, eps);
+      return add_rms_norm_typed<at::Half>(x, residual, weight, eps, h_out, out);
     default:
       TORCH_CHECK(false, "add_rms_norm: unsupported dtype ", x.scalar_type());
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  at::Tensor h = at::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  add_rms_norm_out(x, residual, weight, eps, h, out);
+  return {h, out};
 }
 
 // float -> float8_e5m2 bits, bit for bit c10::Float8_e5m2(float) (what
@@ -937,6 +965,12 @@ TORCH_LIBRARY(kvferry_fused, m) {
   m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.def("rope_neox_out(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
+  m.impl("rope_neox_out", c10::DispatchKey::CPU, TORCH_FN(rope_neox_out));
+  m.def("silu_and_mul_out(Tensor x, Tensor(a!) out) -> ()");
+  m.impl("silu_and_mul_out", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul_out));
+  m.def("add_rms_norm_out(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) h_out, Tensor(b!) out) -> ()");
+  m.impl("add_rms_norm_out", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_out));
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
 }

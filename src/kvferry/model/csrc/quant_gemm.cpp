@@ -918,7 +918,10 @@ Successor learn_successor(const std::vector<Part>& parts) {
 // quantized once per block size, and all parts' rows are one parallel region,
 // each thread an equal share of the weight bytes (the work at decode sizes),
 // not of the rows, so a Q6_K part's heavier rows do not leave a thread idle.
-at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::ScalarType out_dtype) {
+// into: y's buffer (contiguous [M, sum n] of out_dtype; the one-call decoder
+// layer's workspace), or undefined to allocate it.
+at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::ScalarType out_dtype,
+                const at::Tensor& into = {}) {
   TORCH_CHECK(x_in.dim() == 2, "quant_gemm: x must be [M, K]");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: out must be float32 or bf16");
   const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
@@ -933,7 +936,10 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
     N += p.n;
     total += p.n * p.bytes;
   }
-  at::Tensor y = at::empty({M, N}, out_dtype);
+  TORCH_CHECK(!into.defined() || (into.dim() == 2 && into.size(0) == M && into.size(1) == N && into.is_contiguous() &&
+                                  into.scalar_type() == out_dtype),
+              "quant_gemm: out must be contiguous [M, N] of the output dtype");
+  at::Tensor y = into.defined() ? into : at::empty({M, N}, out_dtype);
 #ifdef KVQ_SIMD
   if (M == 0 || N == 0) return y;
   auto quantize = [&](int64_t B) {
@@ -1090,6 +1096,29 @@ at::Tensor layer_linear_parts(const at::Tensor& x, at::TensorList ws, at::IntArr
   return ys.size() == 1 ? ys[0] : at::cat(ys, 1);
 }
 
+// layer_linear and layer_linear_parts into out [M, sum n] of x's dtype (the
+// one-call decoder layer's workspace): the dots write there directly; the
+// other paths' result is copied in (the same bits either way).
+void layer_linear_parts_out(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [M, K]");
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_gemm: one type per part");
+  const LinearConfig& c = linear_config();
+  const at::ScalarType dtype = x.scalar_type();
+  bool all_dots = simd() && (dtype == at::kFloat || dtype == at::kBFloat16);
+  std::vector<Part> parts;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    all_dots = all_dots && x.size(0) < (info(types[i]).block == 32 ? c.dots_max_32 : c.dots_max_256);
+    parts.push_back(part_of(ws[i], types[i], ws[i].size(0)));
+  }
+  if (all_dots) dots(x, parts, dtype, out);
+  else out.copy_(layer_linear_parts(x, ws, types));
+}
+
+void layer_linear_out(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, at::Tensor out) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == n, "quant_gemm: w must be uint8 [n, bytes]");
+  layer_linear_parts_out(x, {w}, {t}, out);
+}
+
 std::string path() { return KVQ_PATH; }
 
 }  // namespace
@@ -1102,6 +1131,8 @@ TORCH_LIBRARY(kvferry_quant, m) {
         "int transposed_max_rows) -> ()", &configure);
   m.def("layer_linear(Tensor x, Tensor w, int type, int n) -> Tensor", &layer_linear);
   m.def("layer_linear_parts(Tensor x, Tensor[] ws, int[] types) -> Tensor", &layer_linear_parts);
+  m.def("layer_linear_out(Tensor x, Tensor w, int type, int n, Tensor(a!) out) -> ()", &layer_linear_out);
+  m.def("layer_linear_parts_out(Tensor x, Tensor[] ws, int[] types, Tensor(a!) out) -> ()", &layer_linear_parts_out);
   m.def("dequant(Tensor w, int type, int K) -> Tensor", &dequant);
   m.def("dequant_into(Tensor w, int type, Tensor(a!) out) -> ()", &dequant_into);
   m.def("path() -> str", &path);
