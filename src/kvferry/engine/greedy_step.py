@@ -35,4 +35,5 @@ def plain_greedy_tokens(logits: torch.Tensor, sampling: list[tuple[str, list[int
             return None
     if logits.shape != (len(sampling), vocab_size):
         return None  # the sampler raises on it
-    return argmax_rows(logits.float()).clamp(0, vocab_size - 1).tolist()
+    # The sampler's clamp into the vocabulary is the identity here: the logits are vocab_size wide.
+    return argmax_rows(logits.float()).tolist()

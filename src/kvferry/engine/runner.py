@@ -88,9 +88,9 @@ class StepInputs:
     input_ids: torch.Tensor | None  # [num_tokens] int64
     positions: torch.Tensor | None  # [num_tokens] int64
     meta: AttentionMetadata | None
-    # [num_logits] indices into the flattened batch: for each sampling
-    # request, its last 1 + k tokens (k drafts)
-    logits_indices: torch.Tensor
+    # [num_logits] indices into the flattened batch: for each sampling request, its last 1 + k
+    # tokens (k drafts); None where that is every row in order on CPU (a decode step: no copy)
+    logits_indices: torch.Tensor | None
     # (request id, its drafts) for each sampling request, in logits order
     sampling: list[tuple[str, list[int]]]
     # Prompt logprobs / pooling rows of the step (None: no request asks).
@@ -277,9 +277,11 @@ class ModelRunner:
             for end, k, s in zip(flat.query_start_loc[1:], num_drafts, samples)
             if s
         ]
+        indices = np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)
         inputs = StepInputs(
             flat=flat, input_ids=None, positions=None, meta=None,
-            logits_indices=self._to_device(np.concatenate(logits_indices) if logits_indices else np.zeros(0, np.int64)),
+            logits_indices=None if len(indices) == len(flat.input_ids) and self.device.type == "cpu" else
+            self._to_device(indices),
             sampling=[(rid, spec_token_ids.get(rid, [])) for rid, s in zip(order, samples) if s],
             prompt=prompt, order=order, trees=trees or {}, tree_starts=tree_starts,
         )
@@ -354,7 +356,7 @@ class ModelRunner:
             if inputs.prompt is not None:
                 self.prompt_work.run(self.model, hidden, inputs.prompt, out)
             if inputs.sampling:
-                sampled_hidden = hidden[inputs.logits_indices]  # [num_logits, hidden]
+                sampled_hidden = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
                 logits = self.model.compute_logits(sampled_hidden)  # [num_logits, vocab] fp32
                 if self.samples:  # rank 0 alone (its tokens reach the workers with the next step)
                     self._sample(logits, inputs, out, pending_bitmask, proposals)

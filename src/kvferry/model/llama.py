@@ -104,7 +104,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [num_tokens, 1, head_dim // 2], broadcast over heads; cast like HF
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        cos, sin = self.rows(positions, dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, head_dim // 2] each, contiguous: the C++ layer's form (two ops a table)."""
+        return self.cos.index_select(0, positions).to(dtype), self.sin.index_select(0, positions).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -348,7 +353,6 @@ class LlamaModel(nn.Module):
                  if self.shard.enabled else self.embed(input_ids))
         # x = input_layernorm(h) here is the same bits as the fused add_rms_norm the stage before skipped.
         ends_stream = not self.stage.last  # the next stage wants h, not the final norm (computed, unused)
-        cos, sin = self.rotary(positions, self.dtype)
         layers = self.layers
         x = layers[0].input_layernorm(h) if len(layers) else self.norm(h)
         aux = self._aux_buffer(h) if self.aux_layers else None
@@ -356,8 +360,7 @@ class LlamaModel(nn.Module):
                 and layer_op.available()):
             # Every layer one C++ call: the same ops as below, without the
             # Python between them (layer_op.py).
-            n = h.shape[0]
-            cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+            cos, sin = self.rotary.rows(positions, self.dtype)
             if aux is None and meta.kv_transfer is None and not self.shard.enabled:  # no hook between layers
                 if self._layer_stack is None:
                     self._layer_stack = layer_op.layer_stack(self._layer_args)
@@ -373,6 +376,7 @@ class LlamaModel(nn.Module):
                 if meta.kv_transfer is not None:
                     meta.kv_transfer.layer_done(i)
             return h if ends_stream else x
+        cos, sin = self.rotary(positions, self.dtype)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             if aux is not None:
