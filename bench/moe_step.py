@@ -152,7 +152,7 @@ def main() -> None:
                                          x_floor_read=round(first_cpu * bw["read_cpu"] / weights, 2))))
     print(json.dumps(dict(dtype=args.dtype, threads=args.threads, loadavg_1m=os.getloadavg()[0],
                           cpp_loop=moe_op.loop_args(block.w13, block.w2) is not None,
-                          cpp_layer=block._layer(dtype) is not None,
+                          cpp_layer=getattr(block, "_layer", lambda _: None)(dtype) is not None,
                           gbps={k: round(v / 1e9, 1) for k, v in bw.items()}, rows=rows), indent=1))
 
 

@@ -180,3 +180,4 @@ def test_a_reload_drops_the_packed_copies():
     for lin in (block.w13, block.w2):
         lin.restore_weights_for_loading()
     assert block.w13.expert_args is None and moe_op.loop_args(block.w13, block.w2) is None
+    assert block.w13.loop_args_cache is None  # nor does the cached argument list hold them

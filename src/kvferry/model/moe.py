@@ -154,6 +154,7 @@ class ExpertLinear(Linear):
         # Each expert's matmul_args once processed (moe_op.py's C++ loop takes
         # them every step), None where some expert has none.
         self.expert_args: list[MatmulArgs] | None = None
+        self.loop_args_cache: tuple | None = None  # moe_op.loop_args' answer for these expert_args
 
     def process_weights_after_loading(self) -> None:
         if self.experts is None:
@@ -181,7 +182,7 @@ class ExpertLinear(Linear):
     def restore_weights_for_loading(self) -> None:
         if self.plain_shape is not None:
             restore_plain(self.weight, self.plain_shape)
-        self.experts, self.plain_shape, self.expert_args = None, None, None
+        self.experts, self.plain_shape, self.expert_args, self.loop_args_cache = None, None, None, None
         self.processed = False
 
     def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -51,11 +51,20 @@ def loop_args(w13: object, w2: object) -> LoopArgs | None:
     args13, args2 = getattr(w13, "expert_args", None), getattr(w2, "expert_args", None)
     if not args13 or not args2 or not available():
         return None
+    # Kept on w13 (ExpertLinear.loop_args_cache, dropped by a reload) for the
+    # lists it was made from: every step asks, and rebuilding 64 experts'
+    # lists took about as long as the rest of the call's Python.
+    cached = w13.loop_args_cache
+    if cached is not None and cached[0] is args13 and cached[1] is args2:
+        return cached[2]
     kind = args13[0].kind
     if kind not in (1, 2, 3) or any(a.kind != kind for a in args13) or any(a.kind != kind for a in args2):
-        return None
-    return LoopArgs([a.weight for a in args13], [a.weight for a in args2], args13[0].out_features,
-                    args2[0].out_features, kind)
+        loop = None
+    else:
+        loop = LoopArgs([a.weight for a in args13], [a.weight for a in args2], args13[0].out_features,
+                        args2[0].out_features, kind)
+    w13.loop_args_cache = (args13, args2, loop)
+    return loop
 
 
 def expert_loop(args: LoopArgs, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
