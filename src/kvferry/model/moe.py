@@ -21,8 +21,8 @@ ones), never over tokens; where both stacks are plain packed experts the
 loop is one C++ call instead (moe_op.py: the same matmuls, one parallel
 region), and where the router and shared expert are plain packed matmuls
 too, the whole block is (routing, sort, experts, scatter, shared expert:
-the same ops, one parallel region for the layer). The weighted sum is accumulated in float32 and rounded
-to the model's dtype once (HF adds each expert's term in the model's
+the same ops, one parallel region for the layer). The weighted sum is
+accumulated in float32 and rounded to the model's dtype once (HF adds each expert's term in the model's
 dtype: the same in float32, fewer roundings in bf16).
 
 Expert weights are stored stacked, ``[E, 2I, H]`` (gate rows, then up
@@ -246,10 +246,10 @@ class SparseMoeBlock(nn.Module):
         return lambda xs, counts: moe_op.expert_loop(args, xs, counts)
 
     def _layer(self, dtype: torch.dtype) -> moe_op.LayerArgs | None:
-        """The whole block as one C++ call (moe_op.py: routing, experts,
-        scatter and shared expert), or None: where the experts take the C++
-        loop (``_loop``) and the router and shared expert are plain packed
-        matmuls too."""
+        """The whole block's arguments for one C++ call (moe_op.py: routing,
+        experts, scatter and shared expert); None unless the experts take
+        the C++ loop (``_loop``) and the router and shared expert are plain
+        packed matmuls too."""
         loop = self._loop(dtype)
         if loop is None:
             return None
