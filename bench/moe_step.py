@@ -7,11 +7,16 @@ step is timed at batch 1 and 32 (random tokens: about 8 and all 64 experts
 active). The floor is the active experts' weights read once at the memcpy
 bandwidth measured in the same run (bytes copied / s, read + write
 counted, the best of several); a second column divides by the read-only
-rate of a large reduction. The block runs as served: its expert loop one
-C++ call (moe_op.py) where that builds. Beside it: the same block with
-moe.py's Python loop over the same packed experts (``python_loop``), and
-with ``F.linear`` over each expert's plain slice of the stack (no packed
-copies).
+rate of a large reduction. The paths, timed in turn (one call of each a
+round, so that a shared machine's load falls on all alike):
+
+- ``layer``: as served, the whole block one C++ call (moe_op.moe_layer:
+  routing, sort, gather, experts, scatter, shared expert; one parallel region);
+- ``expert_loop``: the routing, sort, gather and scatter as torch ops, the
+  experts one C++ call (moe_op.expert_loop; the served path before the layer op);
+- ``python_loop``: moe.py's Python loop over the same packed experts;
+- ``plain_f_linear``: ``F.linear`` over each expert's plain slice of the
+  stack (no packed copies).
 
 Each figure is given twice: by the wall clock (median) and by this
 process's CPU time (median, ``time.process_time``), the copy's bandwidth
@@ -19,7 +24,7 @@ likewise. On a machine other processes share, the wall clock measures
 them as well; the CPU-time ratio is then the layer's own (with one thread:
 with more, OpenMP's spinning workers count too).
 
-    python bench/moe_step.py [--threads 1] [--batches 1 32] [--iters 20]
+    python bench/moe_step.py [--threads 1] [--batches 1 32] [--iters 20] [--paths layer expert_loop]
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from kvferry.model.layers import UnquantizedConfig  # noqa: E402
 from kvferry.model import moe_op  # noqa: E402
 from kvferry.model.moe import SparseMoeBlock, fused_experts, route  # noqa: E402
 
+PATHS = ("layer", "expert_loop", "python_loop", "plain_f_linear")
 OLMOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=50304, hidden_size=2048, intermediate_size=1024,
              num_hidden_layers=1, num_attention_heads=16, num_experts=64, num_experts_per_tok=8,
              moe_intermediate_size=1024, norm_topk_prob=False)
@@ -58,15 +64,24 @@ def build(config: ModelConfig, dtype: torch.dtype) -> tuple[SparseMoeBlock, torc
 
 def time_it(fn, iters: int, pick=statistics.median) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one call: ``pick`` of ``iters`` calls each."""
-    fn()
-    fn()  # primitives built, pages faulted
-    wall, cpu = [], []
-    for _ in range(iters):
-        t0, c0 = time.perf_counter(), time.process_time()
+    return time_interleaved({"fn": fn}, iters, pick)["fn"]
+
+
+def time_interleaved(fns: dict, iters: int, pick=statistics.median) -> dict[str, tuple[float, float]]:
+    """``time_it`` for several functions, their calls taken in turn (one of
+    each, ``iters`` rounds), so that a shared machine's load moves all alike."""
+    for fn in fns.values():
         fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return pick(wall), pick(cpu)
+        fn()  # primitives built, pages faulted
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {k: (pick(wall[k]), pick(cpu[k])) for k in fns}
 
 
 def bandwidths(num_bytes: int = 1 << 29) -> dict[str, float]:
@@ -86,6 +101,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
+                    help="the ways to run the block, timed in turn; x_floor is the first one's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -96,6 +113,25 @@ def main() -> None:
     def plain_expert(e: int, x: torch.Tensor) -> torch.Tensor:
         return F.linear(silu_and_mul(F.linear(x, w13[e])), w2[e])
 
+    def only(loop: bool, layer: bool):
+        """The block's forward with its one-call layer and/or its C++ expert loop switched off."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if not layer:
+                block._layer = lambda *_: None
+            if not loop:
+                block._loop = lambda *_: None
+            try:
+                return block(x)
+            finally:
+                block.__dict__.pop("_layer", None)
+                block.__dict__.pop("_loop", None)
+        return run
+
+    paths = {"layer": lambda x: block(x),  # as served: the whole block one C++ call (moe_op.moe_layer)
+             "expert_loop": only(True, False),  # routing, sort, gather, scatter in torch; experts one C++ call
+             "python_loop": only(False, False),  # moe.py's Python loop over the same packed experts
+             "plain_f_linear": lambda x: fused_experts(x, *_routed(block, x, config, dtype), config.num_experts,
+                                                       plain_expert)}
     bw = bandwidths()
     rows = []
     gen = torch.Generator().manual_seed(1)
@@ -105,22 +141,18 @@ def main() -> None:
             _, ids = route(block.gate(x), config.num_experts_per_tok, False)
             active = int(torch.unique(ids).numel())
             weights = active * per_expert + block.gate.out_features * config.hidden_size * w13.element_size()
-            fused_wall, fused_cpu = time_it(lambda: block(x), args.iters)
-            block._loop = lambda *_: None  # moe.py's Python loop, the same packed experts
-            py_wall, py_cpu = time_it(lambda: block(x), args.iters)
-            del block._loop
-            plain_wall, plain_cpu = time_it(lambda: fused_experts(x, *_routed(block, x, config, dtype),
-                                                                  config.num_experts, plain_expert), args.iters)
+            times = time_interleaved({k: (lambda f=paths[k]: f(x)) for k in args.paths}, args.iters)
             floor_wall, floor_cpu = weights / bw["copy_wall"], weights / bw["copy_cpu"]
+            first_wall, first_cpu = times[args.paths[0]]
             rows.append(dict(batch=batch, active_experts=active, weight_mb=round(weights / 1e6, 1),
-                             wall_ms=dict(fused=_ms(fused_wall), python_loop=_ms(py_wall),
-                                          plain_f_linear=_ms(plain_wall),
-                                          floor_memcpy=_ms(floor_wall), x_floor=round(fused_wall / floor_wall, 2)),
-                             cpu_ms=dict(fused=_ms(fused_cpu), python_loop=_ms(py_cpu), plain_f_linear=_ms(plain_cpu),
-                                         floor_memcpy=_ms(floor_cpu), x_floor=round(fused_cpu / floor_cpu, 2),
-                                         x_floor_read=round(fused_cpu * bw["read_cpu"] / weights, 2))))
+                             wall_ms=dict({k: _ms(w) for k, (w, _) in times.items()}, floor_memcpy=_ms(floor_wall),
+                                          x_floor=round(first_wall / floor_wall, 2)),
+                             cpu_ms=dict({k: _ms(c) for k, (_, c) in times.items()}, floor_memcpy=_ms(floor_cpu),
+                                         x_floor=round(first_cpu / floor_cpu, 2),
+                                         x_floor_read=round(first_cpu * bw["read_cpu"] / weights, 2))))
     print(json.dumps(dict(dtype=args.dtype, threads=args.threads, loadavg_1m=os.getloadavg()[0],
                           cpp_loop=moe_op.loop_args(block.w13, block.w2) is not None,
+                          cpp_layer=getattr(block, "_layer", lambda _: None)(dtype) is not None,
                           gbps={k: round(v / 1e9, 1) for k, v in bw.items()}, rows=rows), indent=1))
 
 

@@ -12,8 +12,10 @@ makes it smaller (each layer is 0.8 GiB of experts).
 
 Servers, each on the same 2 CPUs: ``kvferry`` (one process, 2 threads) and
 ``vllm`` (``VLLM_CPU_OMP_THREADS_BIND=0-1``); ``--configs`` adds
-``kvferry-ep2`` (``-tp 2 --enable-expert-parallel``, 1 thread per rank)
-and ``vllm-tp2`` (``--tensor-parallel-size 2``).
+``kvferry-ep2`` (``-tp 2 --enable-expert-parallel``, 1 thread per rank),
+``kvferry-afd`` (``--mode afd --attention 1 --ffn 1``: the attention core
+and the FFN worker 1 thread each, on the same 2 CPUs) and ``vllm-tp2``
+(``--tensor-parallel-size 2``).
 
 Target: kvferry / vllm >= 1.3x output tok/s, p99 TTFT, TPOT and ITL no
 worse (ratio <= 1).
@@ -33,6 +35,22 @@ step is as far behind vLLM's as in the loaded smoke runs), 50-100 min at
 3 GiB at 128 KiB a token): one server at a time fits a 23 GiB host with
 little else running. ``--layers 8`` halves weights and time.
 
+kvferry against itself, without vLLM's servers (vLLM's client still
+measures): EP 2 (1 thread per rank) against EP 1 (2 threads), and AFD 1+1
+against colocated, each at c16 and c64. Small (2 layers of the OLMoE
+shape, all 64 experts: 1.6 GiB of experts; a few minutes on a quiet
+2-core host, the checkpoint made once)::
+
+    python bench/moe_vs_vllm.py --configs kvferry kvferry-ep2 --layers 2 --runs 1 \
+        --prompts-per-slot 1 --min-prompts 16 --input-len 64 --output-len 32 --kv-cache-gb 1 \
+        --out bench/results/moe_ep2
+    python bench/moe_vs_vllm.py --configs kvferry kvferry-afd --layers 2 --runs 1 \
+        --prompts-per-slot 1 --min-prompts 16 --input-len 64 --output-len 32 --kv-cache-gb 1 \
+        --out bench/results/moe_afd
+
+(``--layers 16 --runs 2`` with the default lengths: the full model.
+bench/moe_ep.py times EP 2 against EP 1 offline, decode steps only.)
+
 Smoke run (~15 min on a loaded host): --layers 2 --experts 8 --runs 1
 --concurrency 2 4 --prompts-per-slot 1 --min-prompts 2 --output-len 8
 --input-len 64.
@@ -51,10 +69,12 @@ from _vllm_peer import Config, Target, add_common_args, run  # noqa: E402
 
 CONFIGS = {c.name: c for c in (Config("kvferry", "kvferry"), Config("vllm", "vllm"),
                                Config("kvferry-ep2", "kvferry", 2, expert_parallel=True),
-                               Config("vllm-tp2", "vllm", 2))}
+                               Config("kvferry-afd", "kvferry", afd="1+1"), Config("vllm-tp2", "vllm", 2))}
 TARGETS = [Target("kvferry", "vllm", goal=1.3)] + [
     Target("kvferry", "vllm", metric=m, goal=1.0, higher=False) for m in ("p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms")
-] + [Target("kvferry-ep2", "kvferry"), Target("kvferry-ep2", "vllm-tp2")]
+] + [Target("kvferry-ep2", "kvferry"), Target("kvferry-ep2", "vllm-tp2"), Target("kvferry-afd", "kvferry")] + [
+    Target(first, "kvferry", metric=m, higher=False) for first in ("kvferry-ep2", "kvferry-afd")
+    for m in ("p99_tpot_ms", "p99_ttft_ms")]
 
 
 def main() -> int:

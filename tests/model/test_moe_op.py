@@ -1,9 +1,12 @@
-"""moe_op.py's C++ expert loop (csrc/moe_experts.cpp) against moe.py's
-Python loop over the same packed experts: the same bits, in bf16 and
-float32, with one and two threads (one parallel region, the threads
-splitting the experts), at row counts that take oneDNN's exact and padded
-shapes, over an expert-parallel rank's experts, and with --deterministic's
-fixed-block matmuls; a reload drops the packed copies it took."""
+"""moe_op.py's C++ MoE layer and expert loop (csrc/moe_experts.cpp) against
+moe.py's Python path over the same packed experts: the same bits, in bf16
+and float32, with one and two threads (one parallel region, the threads
+claiming the experts), at row counts that take oneDNN's exact and padded
+shapes, with each model's routing rules (softmax then top-k, renormalized
+or not, weights rounded or float32, the gated shared expert), over an
+expert-parallel rank's experts (some chosen, none chosen), and with
+--deterministic's fixed-block matmuls; a routing error is raised, not hung
+on; a reload drops the packed copies it took."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 
 from kvferry.model import moe_op
 from kvferry.model.config import ModelConfig
+from kvferry.model.fused_ops import silu_and_mul
 from kvferry.model.layers import BatchInvariantConfig, UnquantizedConfig
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.moe import SparseMoeBlock, fused_experts, route
@@ -22,8 +26,8 @@ CONFIG = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=100, hidden_size
               moe_intermediate_size=48, shared_expert_intermediate_size=32, norm_topk_prob=False)
 
 
-def _block(dtype, linear_config=None, shard=None) -> SparseMoeBlock:
-    config = ModelConfig.from_hf_dict(CONFIG)
+def _block(dtype, linear_config=None, shard=None, **overrides) -> SparseMoeBlock:
+    config = ModelConfig.from_hf_dict({**CONFIG, **overrides})
     block = SparseMoeBlock(config, dtype, "cpu", linear_config or UnquantizedConfig(), "model.layers.0.mlp", shard)
     gen = torch.Generator().manual_seed(7)
     for lin in block.modules():
@@ -34,8 +38,8 @@ def _block(dtype, linear_config=None, shard=None) -> SparseMoeBlock:
 
 
 def _both(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the C++ loop's output, the Python loop's) for x."""
-    assert block._loop() is not None, "the block should take the C++ loop"
+    """(the C++ layer's output, the Python loop's) for x."""
+    assert block._layer(x.dtype) is not None, "the block should take the C++ layer"
     with torch.inference_mode():  # its output is an inference tensor, written by the worker threads
         fast = block(x)
         block._loop = lambda *_: None
@@ -78,9 +82,102 @@ def test_expert_parallel_rank_and_deterministic_blocks():
     assert torch.equal(fast, slow)
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+# Each model's routing: Mixtral (renormalized, float32 weights), Qwen3-MoE
+# (renormalized, rounded), every expert taken (top-8 of 8), 16 experts top-4
+# without a shared expert.
+ROUTINGS = {
+    "mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=8, shared_expert_intermediate_size=0,
+                    intermediate_size=48),
+    "qwen3_norm": dict(architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=True, shared_expert_intermediate_size=0),
+    "qwen2_top8_norm": dict(num_experts_per_tok=8, norm_topk_prob=True),
+    "qwen3_16x4": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=16, num_experts_per_tok=4,
+                       shared_expert_intermediate_size=0),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTINGS))
+def test_each_models_routing_in_the_layer(case, two_threads):
+    block = _block(torch.bfloat16, **ROUTINGS[case])
+    if case == "mixtral":
+        assert block.weights_float32 and block.renormalize and not block.shared_intermediate_size
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (1, 7, 70):
+        x = torch.randn(tokens, CONFIG["hidden_size"], generator=gen).to(torch.bfloat16)
+        fast, slow = _both(block, x)
+        assert torch.equal(fast, slow), (case, tokens)
+        # and the experts alone in C++, the routing in Python (a router the layer does not take)
+        block._layer = lambda *_: None
+        try:
+            with torch.inference_mode():
+                assert torch.equal(block(x), slow)
+        finally:
+            del block._layer
+
+
+def test_tied_router_scores_pick_the_same_experts(two_threads):
+    # A zero router: every expert scores alike, so top-k breaks ties (torch's order, in both paths).
+    block = _block(torch.bfloat16)
+    block.gate.restore_weights_for_loading()
+    block.gate.weight.data.zero_()
+    block.gate.process_weights_after_loading()
+    x = torch.randn(9, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    fast, slow = _both(block, x)
+    assert torch.equal(fast, slow)
+
+
+def test_expert_parallel_ranks_in_the_layer(two_threads):
+    # Rank 1 of 2 holds experts 4..7. Its output before the all-reduce: the
+    # C++ layer's against fused_experts' plus the shared expert, as forward adds it.
+    rank1 = _block(torch.bfloat16, shard=TPShard(1, 2, expert_parallel=True))
+    args = rank1._layer(torch.bfloat16)
+    assert args is not None and args.first_expert == 4
+
+    def python(x):
+        weights, ids = route(rank1.gate(x), 2, False)
+        out = fused_experts(x, weights.to(x.dtype), ids, 4, rank1.expert, 4)
+        shared = rank1.shared_down(silu_and_mul(rank1.shared_gate_up(x)))
+        return out + torch.sigmoid(rank1.shared_expert_gate(x)) * shared
+
+    gen = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        for tokens in (1, 40):
+            x = torch.randn(tokens, CONFIG["hidden_size"], generator=gen).to(torch.bfloat16)
+            assert torch.equal(moe_op.moe_layer(args, x), python(x))
+        # No token routed to this rank's experts: the shared expert alone (and without one, zeros).
+        gate = rank1.gate
+        gate.restore_weights_for_loading()
+        gate.weight.data[:4], gate.weight.data[4:] = 1.0, -1.0
+        gate.process_weights_after_loading()
+        x = torch.randn(6, CONFIG["hidden_size"], generator=gen).abs().to(torch.bfloat16)
+        assert (route(gate(x), 2, False)[1] < 4).all()
+        args = rank1._layer(torch.bfloat16)
+        assert torch.equal(moe_op.moe_layer(args, x), python(x))
+        bare = moe_op.moe_layer(args._replace(shared=[], shared_n_kind=[]), x)
+        assert torch.equal(bare, torch.zeros_like(bare))
+
+
+def test_a_routing_error_is_raised_not_hung_on(two_threads):
+    block = _block(torch.bfloat16)
+    args = block._layer(torch.bfloat16)
+    x = torch.randn(3, CONFIG["hidden_size"]).to(torch.bfloat16)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="selected index k out of range|k .* out of range|topk"):
+            moe_op.moe_layer(args._replace(top_k=CONFIG["num_experts"] + 1), x)
+        assert torch.equal(moe_op.moe_layer(args, x), block(x))  # and it still serves
+
+
 def test_a_reload_drops_the_packed_copies():
     block = _block(torch.bfloat16)
     assert moe_op.loop_args(block.w13, block.w2) is not None
     for lin in (block.w13, block.w2):
         lin.restore_weights_for_loading()
     assert block.w13.expert_args is None and moe_op.loop_args(block.w13, block.w2) is None
+    assert block.w13.loop_args_cache is None  # nor does the cached argument list hold them

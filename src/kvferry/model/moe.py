@@ -19,8 +19,10 @@ outputs are weighted and scattered back with one ``index_add_``. Python
 loops over the experts (``num_experts`` iterations, calling the active
 ones), never over tokens; where both stacks are plain packed experts the
 loop is one C++ call instead (moe_op.py: the same matmuls, one parallel
-region for the layer). The weighted sum is accumulated in float32 and rounded
-to the model's dtype once (HF adds each expert's term in the model's
+region), and where the router and shared expert are plain packed matmuls
+too, the whole block is (routing, sort, experts, scatter, shared expert:
+the same ops, one parallel region for the layer). The weighted sum is
+accumulated in float32 and rounded to the model's dtype once (HF adds each expert's term in the model's
 dtype: the same in float32, fewer roundings in bf16).
 
 Expert weights are stored stacked, ``[E, 2I, H]`` (gate rows, then up
@@ -152,6 +154,7 @@ class ExpertLinear(Linear):
         # Each expert's matmul_args once processed (moe_op.py's C++ loop takes
         # them every step), None where some expert has none.
         self.expert_args: list[MatmulArgs] | None = None
+        self.loop_args_cache: tuple | None = None  # moe_op.loop_args' answer for these expert_args
 
     def process_weights_after_loading(self) -> None:
         if self.experts is None:
@@ -179,7 +182,7 @@ class ExpertLinear(Linear):
     def restore_weights_for_loading(self) -> None:
         if self.plain_shape is not None:
             restore_plain(self.weight, self.plain_shape)
-        self.experts, self.plain_shape, self.expert_args = None, None, None
+        self.experts, self.plain_shape, self.expert_args, self.loop_args_cache = None, None, None, None
         self.processed = False
 
     def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -242,8 +245,26 @@ class SparseMoeBlock(nn.Module):
             return None
         return lambda xs, counts: moe_op.expert_loop(args, xs, counts)
 
+    def _layer(self, dtype: torch.dtype) -> moe_op.LayerArgs | None:
+        """The whole block's arguments for one C++ call (moe_op.py: routing,
+        experts, scatter and shared expert); None unless the experts take
+        the C++ loop (``_loop``) and the router and shared expert are plain
+        packed matmuls too."""
+        loop = self._loop(dtype)
+        if loop is None:
+            return None
+        shared = (self.shared_gate_up, self.shared_down, self.shared_expert_gate) \
+            if self.shared_intermediate_size else None
+        experts = moe_op.loop_args(self.w13, self.w2)
+        return None if experts is None else moe_op.layer_args(
+            self.gate, experts, shared, self.top_k, self.renormalize, self.weights_float32,
+            self.first_expert if self.shard.expert_parallel else None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed) -> [T, hidden]."""
+        layer = self._layer(x.dtype) if x.shape[0] else None
+        if layer is not None:  # the same ops in one C++ call
+            return self.shard.all_reduce(moe_op.moe_layer(layer, x))
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if not self.weights_float32:
             weights = weights.to(x.dtype)  # Qwen rounds them to the model's dtype (HF)

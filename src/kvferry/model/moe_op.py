@@ -1,17 +1,23 @@
-"""A mixture-of-experts layer's expert loop as one C++ call (``csrc/moe_experts.cpp``), built at first use.
+"""A mixture-of-experts layer as one C++ call (``csrc/moe_experts.cpp``), built at first use.
 
-``fused_experts`` (moe.py) runs each active expert's gate_up matmul,
-SiLU-and-mul and down matmul over its sorted rows. From Python that is a
-few module calls and slices an expert (~20 us: 64 experts a layer at batch
-32), and with several threads each matmul is its own OpenMP region: two
-barriers an expert, each a wait for a descheduled thread on a shared
-machine. ``expert_loop`` runs the same matmuls (linear.py's ops, the same
-row padding, so the same bits) for every active expert in one call and one
-parallel region, the threads splitting the experts.
+``SparseMoeBlock.forward`` (moe.py) routes (the router's matmul, softmax,
+top-k, renormalization), sorts the (token, expert) pairs by expert,
+gathers, runs each active expert's gate_up matmul, SiLU-and-mul and down
+matmul over its rows, weights and scatters back, and adds Qwen2-MoE's gated
+shared expert. From Python that is a dozen ops plus a few module calls an
+expert (~20 us each: 64 experts a layer at batch 32), and with several
+threads every one of those ops is its own OpenMP region, each ending in a
+wait for a thread another process may have descheduled. ``moe_layer`` runs
+the same ops (linear.py's matmuls with the same row padding, the same ATen
+ops on the same tensors, so the same bits) in one call and one parallel
+region: one thread routes, then the threads claim the experts one at a
+time, and the last one done scatters.
 
-It applies where both of a block's stacks are plain packed experts
-(``ExpertLinear`` with small_gemm's or oneDNN's copies, one kind for all);
-a quantized stack (moe_quant.py) keeps the Python loop.
+It applies where the router, both expert stacks and the shared expert's
+three matmuls are plain packed copies (small_gemm's or oneDNN's; the
+experts one kind for all). Where only the experts are (``loop_args``),
+``expert_loop`` runs the experts alone, the routing in Python; a quantized
+stack (moe_quant.py) keeps the Python loop.
 ``KVFERRY_DISABLE_CPP_KERNELS=1`` turns it off with the other kernels.
 """
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from kvferry.model import fused_ops, paged_kernel
+from kvferry.model.layers.base import MatmulArgs
 from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET
 
 _SOURCE = Path(__file__).parent / "csrc" / "moe_experts.cpp"
@@ -44,17 +51,62 @@ def loop_args(w13: object, w2: object) -> LoopArgs | None:
     args13, args2 = getattr(w13, "expert_args", None), getattr(w2, "expert_args", None)
     if not args13 or not args2 or not available():
         return None
+    # Kept on w13 (ExpertLinear.loop_args_cache, dropped by a reload) for the
+    # lists it was made from: every step asks, and rebuilding 64 experts'
+    # lists took about as long as the rest of the call's Python.
+    cached = w13.loop_args_cache
+    if cached is not None and cached[0] is args13 and cached[1] is args2:
+        return cached[2]
     kind = args13[0].kind
     if kind not in (1, 2, 3) or any(a.kind != kind for a in args13) or any(a.kind != kind for a in args2):
-        return None
-    return LoopArgs([a.weight for a in args13], [a.weight for a in args2], args13[0].out_features,
-                    args2[0].out_features, kind)
+        loop = None
+    else:
+        loop = LoopArgs([a.weight for a in args13], [a.weight for a in args2], args13[0].out_features,
+                        args2[0].out_features, kind)
+    w13.loop_args_cache = (args13, args2, loop)
+    return loop
 
 
 def expert_loop(args: LoopArgs, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """xs [P, hidden] sorted by expert, ``counts[e]`` rows of expert e -> [P, hidden]."""
     return torch.ops.kvferry_moe.expert_loop(xs.contiguous(), counts, args.gate_up, args.down, args.gate_up_n,
                                              args.down_n, args.kind, EXACT_ROWS, ROW_BUCKET)
+
+
+class LayerArgs(NamedTuple):
+    """A whole block as moe_layer takes it (its arguments after x)."""
+    gate: MatmulArgs  # the router
+    top_k: int
+    renormalize: bool
+    weights_float32: bool
+    first_expert: int  # an expert-parallel rank's first expert; -1: every expert is here
+    experts: LoopArgs
+    shared: list[torch.Tensor]  # Qwen2-MoE: [gate_up, down, gate] packed copies; else []
+    shared_n_kind: list[int]  # each shared weight's [out_features, kind]
+
+
+_PLAIN_KINDS = (1, 2, 3)  # small_gemm's, oneDNN's, oneDNN's in fixed blocks (layers/base.py MatmulArgs)
+
+
+def layer_args(gate: object, experts: LoopArgs, shared: tuple[object, object, object] | None, top_k: int,
+               renormalize: bool, weights_float32: bool, first_expert: int | None) -> LayerArgs | None:
+    """The block's linears as moe_layer takes them, or None where one of the
+    router's or the shared expert's is not a plain packed copy (unprocessed,
+    quantized): the block then routes in Python and calls ``expert_loop``."""
+    args = [lin.matmul_args() for lin in (gate, *(shared or ()))]
+    if any(a is None or a.kind not in _PLAIN_KINDS for a in args):
+        return None
+    return LayerArgs(args[0], top_k, renormalize, weights_float32, -1 if first_expert is None else first_expert,
+                     experts, [a.weight for a in args[1:]], [v for a in args[1:] for v in (a.out_features, a.kind)])
+
+
+def moe_layer(args: LayerArgs, x: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] (T > 0) -> the block's output before its all-reduce, in x's dtype."""
+    g, e = args.gate, args.experts
+    return torch.ops.kvferry_moe.moe_layer(x.contiguous(), g.weight, g.out_features, g.kind, args.top_k,
+                                           args.renormalize, args.weights_float32, args.first_expert, e.gate_up,
+                                           e.down, e.gate_up_n, e.down_n, e.kind, args.shared, args.shared_n_kind,
+                                           EXACT_ROWS, ROW_BUCKET)
 
 
 def available() -> bool:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -126,14 +127,33 @@ def get_paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
 
 
 def extension_name(prefix: str, source: Path, cflags: list[str]) -> str:
-    """A build's cache name: it hashes the source, the flags, torch's version
-    and the CPU's features, so that no build is loaded where it does not fit."""
+    """A build's cache name: it hashes the source (and the headers of its
+    folder it includes), the flags, torch's version and the CPU's features,
+    so that no build is loaded where it does not fit or is out of date."""
     h = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(cflags + _LDFLAGS).encode(),
+    headers = [p.read_bytes() for p in local_headers(source)]  # none: the name a source alone always had
+    for part in (source.read_bytes(), *headers, " ".join(cflags + _LDFLAGS).encode(),
                  torch.__version__.encode(), cpu_features().fingerprint.encode()):
         h.update(part)
         h.update(b"\0")
     return f"{prefix}_{h.hexdigest()[:16]}"
+
+
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The files ``source`` includes as ``#include "name"`` from its own
+    folder (csrc/op_calls.h), and the ones they include, in order."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        for name in _LOCAL_INCLUDE.findall(todo.pop(0).read_bytes()):
+            header = source.parent / name.decode()
+            if header.is_file() and header not in found:
+                found.append(header)
+                todo.append(header)
+    return found
 
 
 def _ext_name() -> str:
@@ -212,8 +232,10 @@ def load_extension(name: str, build_dir: Path, source: Path, cflags: list[str], 
     # cold process then named, built and cached each kernel after its first
     # under another name than a warm one looks for).
     with heartbeat(lambda s: logger.info("building %s ... %.0f s", what, s)):
+        # The source's folder: its shared headers (csrc/op_calls.h), wherever the build runs.
         load(name=name, sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=list(_LDFLAGS),
-             build_directory=str(build_dir), is_python_module=False, verbose=False)
+             extra_include_paths=[str(source.parent)], build_directory=str(build_dir), is_python_module=False,
+             verbose=False)
     return "built"
 
 

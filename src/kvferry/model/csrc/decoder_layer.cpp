@@ -29,9 +29,8 @@
 //
 // tp_attention and tp_mlp are the same layer in two calls for a
 // tensor-parallel rank, split where its two all-reduces go (see there).
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
+#include "op_calls.h"  // find_op, small_gemm_op, onednn_linear
+
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -46,24 +45,6 @@
 namespace {
 
 using at::Tensor;
-
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
-
-using GemmFn = Tensor(const Tensor&, const Tensor&, int64_t);
-
-// small_gemm's op for x's dtype, looked up when a layer first has its packed
-// copy (its library is not loaded where small_gemm does not apply).
-const c10::TypedOperatorHandle<GemmFn>& small_gemm_op(bool bf16) {
-  if (bf16) {
-    static const auto handle = find_op<GemmFn>("kvferry_gemm::linear");
-    return handle;
-  }
-  static const auto handle = find_op<GemmFn>("kvferry_gemm::linear_f32");
-  return handle;
-}
 
 // Each other op's handle, looked up on first use. The signatures are the
 // kernels' own C++ signatures (the dispatcher checks them).
@@ -102,23 +83,6 @@ struct OutOps {
 const OutOps& out_ops() {
   static const OutOps handles;
   return handles;
-}
-
-// Tensor? and str? arguments make oneDNN's op awkward to call typed; one
-// boxed call costs about a microsecond more.
-Tensor onednn_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(w);
-  stack.emplace_back(bias);
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return stack.back().toTensor();
 }
 
 const Ops& ops() {

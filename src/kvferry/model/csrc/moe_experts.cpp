@@ -1,97 +1,110 @@
-// A mixture-of-experts layer's expert loop as one op (model/moe_op.py).
+// A mixture-of-experts layer as one op (model/moe_op.py).
 //
+// moe_layer(x, gate_w, gate_n, gate_kind, top_k, renormalize, weights_float32, first_expert,
+//           gate_up, down, gate_up_n, down_n, kind, shared, shared_n_kind, exact_rows, row_bucket) -> out
+//   moe.py's SparseMoeBlock.forward before its all-reduce, op for op:
+//   logits  = gemm(x, gate_w)                       [T, E] (the router)
+//   w, ids  = topk(softmax(logits, float32), top_k)  w / w.sum(-1) if renormalize;
+//             rounded to x's dtype unless weights_float32
+//   pairs   = (token, choice) with a local expert (first_expert < 0: every one;
+//             else ids in [first_expert, first_expert + E): an expert-parallel rank's),
+//             sorted by expert, in pair order within each (torch.argsort(stable=True))
+//   ys      = rows e's = down_e(silu_and_mul(gate_up_e(x rows of e)))
+//   out     = zeros(float32).index_add_(0, token, float(ys) * w).to(x's dtype)
+//   shared  (qwen2_moe: shared = [gate_up_w, down_w, gate_w], shared_n_kind = each one's
+//             [n, kind]): out + sigmoid(gemm(x, gate_w)) * down(silu_and_mul(gate_up(x)))
 // expert_loop(xs, counts, gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket) -> ys
-//   xs:      [P, H] the (token, expert) pairs' rows, sorted by expert (moe.py's fused_experts)
-//   counts:  [E] rows per local expert, summing to P
-//   gate_up: E packed copies of each expert's [2I, H] stack slice; down: E of [H, I]
-//   kind:    whose copy (linear.py / decoder_layer.cpp): 1 small_gemm's, 2 oneDNN's,
-//            3 oneDNN's in blocks of exactly row_bucket rows
-//   ys:      [P, H], rows e's = down_e(silu_and_mul(gate_up_e(xs rows of e)))
+//   the experts alone over rows already sorted (counts[e] rows of expert e): the
+//   block's op where its router or shared expert is not a plain packed matmul.
 //
-// Each expert's two matmuls are the ones linear.py's linear() makes for the
-// same rows (the same op, the same padding above exact_rows), so its rows
-// are the Python loop's. What this saves:
-// - the Python between them, ~20 us an expert (the module calls, slices,
-//   the result's copy into ys);
-// - with several threads, a parallel region per matmul. Here the active
-//   experts are split among the threads in one region (at::parallel_for, by
-//   weight bytes: every expert's are the same, so by count); inside it
-//   oneDNN's and small_gemm's own parallel loops run on the calling thread
-//   (OpenMP does not nest), so each thread streams its experts' weights
-//   alone and the threads meet once per layer, not twice per expert. On a
-//   machine where other processes hold cores, a region per matmul waited
-//   for a descheduled thread every time (22-37x the floor at 2 threads).
-// Fewer active experts than threads (batch 1: 8 experts) still splits by
-// expert: each expert's weights are read by one core, which is what a
-// thread's bandwidth allows anyway.
-#include <ATen/ATen.h>
+// gemm is op_calls.h's plain_linear (kind 1 small_gemm's copy, 2 oneDNN's, 3
+// oneDNN's in fixed row blocks), the softmax, top-k, sums, the weighting and
+// the scatter are the ATen ops moe.py calls, on the same whole tensors, so
+// the output is the Python path's to the bit.
+//
+// What it saves: with several threads each of those ops was its own OpenMP
+// region, and each region waited for every thread at its end. On a machine
+// where other processes hold cores that is a wait for a descheduled thread,
+// a dozen times a layer (the router's matmul, softmax, top-k, sort, gather,
+// scatter ...): batch 1 ran at 7-8x its floor at 2 threads. Here the layer is
+// one region (at::parallel_for over the threads; the ATen, oneDNN and
+// small_gemm calls inside it run on the calling thread, as OpenMP does not
+// nest):
+//   - the first thread in routes, sorts and gathers (microseconds; the
+//     others spin, then yield, until it is done);
+//   - then every thread claims work items, the shared expert first, then the
+//     active experts one at a time (a counter, not a fixed split: a thread
+//     the OS parks for a while just takes fewer of them);
+//   - the thread that finishes the last item weights, scatters and adds the
+//     shared expert; the others leave, and the region's end is the one wait.
+// Fewer active experts than threads still splits by expert: each expert's
+// weights are read by one core, which is what a thread's bandwidth allows.
+#include "op_calls.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <torch/library.h>
 
-#include <string>
+#include <atomic>
+#include <thread>
 #include <vector>
 
 namespace {
 
-using at::Tensor;
+// Every expert's two matmuls (each one's packed copy, one kind for all).
+struct Experts {
+  at::TensorList gate_up, down;
+  int64_t gate_up_n, down_n, kind, exact_rows, row_bucket;
 
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
-
-using GemmFn = Tensor(const Tensor&, const Tensor&, int64_t);
-
-Tensor onednn_linear(const c10::OperatorHandle& op, const Tensor& x, const Tensor& w) {
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(w);
-  stack.emplace_back(std::optional<Tensor>());
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return stack.back().toTensor();
-}
-
-struct Gemm {
-  int64_t kind, exact_rows, row_bucket;
-  const c10::OperatorHandle* onednn;
-  const c10::TypedOperatorHandle<GemmFn>* small;
-
-  Tensor operator()(const Tensor& x, const Tensor& w, int64_t n) const {
-    if (kind == 1) return small->call(x, w, n);
-    const int64_t rows = x.size(0);
-    if (kind == 3) {  // linear_fixed_blocks
-      Tensor out = at::empty({rows, n}, x.options());
-      for (int64_t s = 0; s < rows; s += row_bucket) {
-        const int64_t m = std::min(row_bucket, rows - s);
-        Tensor block = at::zeros({row_bucket, x.size(1)}, x.options());
-        block.narrow(0, 0, m).copy_(x.narrow(0, s, m));
-        out.narrow(0, s, m).copy_(onednn_linear(*onednn, block, w).narrow(0, 0, m));
-      }
-      return out;
-    }
-    const int64_t padded = rows <= exact_rows ? rows : (rows + row_bucket - 1) / row_bucket * row_bucket;
-    if (padded == rows) return onednn_linear(*onednn, x.contiguous(), w);
-    Tensor xp = at::empty({padded, x.size(1)}, x.options());
-    xp.narrow(0, 0, rows).copy_(x);
-    xp.narrow(0, rows, padded - rows).zero_();
-    return onednn_linear(*onednn, xp, w).narrow(0, 0, rows);
+  Tensor operator()(int64_t e, const Tensor& rows) const {
+    static const auto silu_and_mul = find_op<Tensor(const Tensor&)>("kvferry_fused::silu_and_mul");
+    const Tensor h = silu_and_mul.call(plain_linear(rows, gate_up[e], gate_up_n, kind, exact_rows, row_bucket));
+    return plain_linear(h, down[e], down_n, kind, exact_rows, row_bucket);
   }
 };
+
+Experts check_experts(at::TensorList gate_up, at::TensorList down, int64_t gate_up_n, int64_t down_n, int64_t kind,
+                      int64_t exact_rows, int64_t row_bucket) {
+  TORCH_CHECK(gate_up.size() == down.size(), "moe: one gate_up and one down weight per expert");
+  TORCH_CHECK(kind >= 1 && kind <= 3, "moe: kind must be 1 (small_gemm), 2 or 3 (oneDNN)");
+  return Experts{gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket};
+}
+
+// Spin briefly, then give the core away: on a shared machine the thread
+// this one waits for may be the one the OS parked.
+template <typename Ready>
+void wait_until(const Ready& ready) {
+  for (int spins = 0; !ready(); ++spins) {
+    if (spins < 200) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+// Work items over `items`, claimed one at a time by whichever thread is free,
+// inside one parallel region; `last()` runs on the thread that completes the
+// last item. An item that throws ends its thread's part (the region rethrows),
+// and `last` then never runs.
+template <typename Item, typename Last>
+void claim_items(std::atomic<int64_t>& next, std::atomic<int64_t>& done, int64_t items, const Item& item,
+                 const Last& last) {
+  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+    item(i);
+    // acq_rel: the last thread sees every other item's writes.
+    if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == items) last();
+  }
+}
 
 Tensor expert_loop(const Tensor& xs, at::IntArrayRef counts, at::TensorList gate_up, at::TensorList down,
                    int64_t gate_up_n, int64_t down_n, int64_t kind, int64_t exact_rows, int64_t row_bucket) {
   TORCH_CHECK(xs.dim() == 2 && xs.is_contiguous(), "expert_loop: xs must be a contiguous [pairs, hidden]");
+  const Experts experts = check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket);
   const int64_t E = static_cast<int64_t>(counts.size());
-  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
-              "expert_loop: one gate_up and one down weight per count");
-  TORCH_CHECK(kind >= 1 && kind <= 3, "expert_loop: kind must be 1 (small_gemm), 2 or 3 (oneDNN)");
+  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == E, "expert_loop: one gate_up and one down weight per count");
   std::vector<int64_t> active, start;  // the experts with rows, and each one's first row
   int64_t total = 0;
   for (int64_t e = 0; e < E; ++e) {
@@ -104,28 +117,149 @@ Tensor expert_loop(const Tensor& xs, at::IntArrayRef counts, at::TensorList gate
   }
   TORCH_CHECK(total == xs.size(0), "expert_loop: counts sum to ", total, ", xs has ", xs.size(0), " rows");
   Tensor ys = at::empty({total, down_n}, xs.options());
-  if (active.empty()) return ys;
-  static const c10::OperatorHandle onednn =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  static const auto silu_and_mul = find_op<Tensor(const Tensor&)>("kvferry_fused::silu_and_mul");
-  const bool bf16 = xs.scalar_type() == at::kBFloat16;
-  std::optional<c10::TypedOperatorHandle<GemmFn>> small;
-  if (kind == 1) small = find_op<GemmFn>(bf16 ? "kvferry_gemm::linear" : "kvferry_gemm::linear_f32");
-  const Gemm gemm{kind, exact_rows, row_bucket, &onednn, small ? &*small : nullptr};
   const int64_t A = static_cast<int64_t>(active.size());
+  if (A == 0) return ys;
   // The caller's thread-local state (inference mode, dispatch keys) for the
   // workers' calls: ys is an inference tensor under torch.inference_mode.
   const at::ThreadLocalState caller;
-  // One region for the layer; grain 1: each thread a contiguous run of experts.
-  at::parallel_for(0, A, 1, [&](int64_t a0, int64_t a1) {
+  std::atomic<int64_t> next{0}, done{0};
+  at::parallel_for(0, std::min<int64_t>(A, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     at::ThreadLocalStateGuard guard(caller);
-    for (int64_t a = a0; a < a1; ++a) {
+    claim_items(next, done, A, [&](int64_t a) {
       const int64_t e = active[a], s = start[a], n = counts[e];
-      const Tensor h = silu_and_mul.call(gemm(xs.narrow(0, s, n), gate_up[e], gate_up_n));
-      ys.narrow(0, s, n).copy_(gemm(h, down[e], down_n));
-    }
+      ys.narrow(0, s, n).copy_(experts(e, xs.narrow(0, s, n)));
+    }, [] {});
   });
   return ys;
+}
+
+// The (token, choice) pairs with a local expert, sorted by expert.
+struct Routed {
+  std::vector<int64_t> counts, active, start;  // rows per local expert; those with rows, each one's first row
+  Tensor token;   // [P] int64: each sorted pair's token
+  Tensor weight;  // [P] float32: its routing weight
+  Tensor xs;      // [P, H]: x's rows in that order
+};
+
+// moe.py's fused_experts before its loop: a counting sort by local expert,
+// pairs in their order within each (what argsort(stable=True) gives).
+Routed sort_pairs(const Tensor& x, const Tensor& ids, const Tensor& weights, int64_t E, int64_t first_expert) {
+  const bool everyone = first_expert < 0;  // no expert parallelism: every id is local
+  const int64_t first = everyone ? 0 : first_expert, k = ids.size(1), P = ids.numel();
+  const Tensor idc = ids.contiguous();
+  const Tensor wf = weights.to(at::kFloat).contiguous();  // exact: the Python path's .float()
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const float* wp = wf.data_ptr<float>();
+  Routed r;
+  r.counts.assign(E, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t e = id[p] - first;
+    if (e >= 0 && e < E) {
+      ++r.counts[e];
+    } else {
+      TORCH_CHECK(!everyone, "moe_layer: the router chose expert ", id[p], " of ", E);
+    }
+  }
+  std::vector<int64_t> slot(E);
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    slot[e] = total;
+    if (r.counts[e]) {
+      r.active.push_back(e);
+      r.start.push_back(total);
+    }
+    total += r.counts[e];
+  }
+  r.token = at::empty({total}, idc.options());
+  r.weight = at::empty({total}, wf.options());
+  int64_t* tok = r.token.data_ptr<int64_t>();
+  float* w = r.weight.data_ptr<float>();
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t e = id[p] - first;
+    if (e >= 0 && e < E) {
+      const int64_t i = slot[e]++;
+      tok[i] = p / k;
+      w[i] = wp[p];
+    }
+  }
+  r.xs = x.index_select(0, r.token);
+  return r;
+}
+
+// A dense matmul's packed copy and its width and kind (the shared expert's three).
+struct Mat {
+  const Tensor& w;
+  int64_t n, kind;
+};
+
+enum Stage : int { kUnclaimed, kRouting, kRouted, kFailed };
+
+Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t gate_kind, int64_t top_k,
+                 bool renormalize, bool weights_float32, int64_t first_expert, at::TensorList gate_up,
+                 at::TensorList down, int64_t gate_up_n, int64_t down_n, int64_t kind, at::TensorList shared,
+                 at::IntArrayRef shared_n_kind, int64_t exact_rows, int64_t row_bucket) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_layer: x must be a contiguous [tokens, hidden]");
+  const Experts experts = check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket);
+  TORCH_CHECK(shared.empty() || (shared.size() == 3 && shared_n_kind.size() == 6),
+              "moe_layer: shared is [] or [gate_up, down, gate] with shared_n_kind their [n, kind] each");
+  const int64_t E = static_cast<int64_t>(gate_up.size()), T = x.size(0);
+  const bool has_shared = !shared.empty();
+  auto gemm = [&](const Tensor& rows, const Mat& m) {
+    return plain_linear(rows, m.w, m.n, m.kind, exact_rows, row_bucket);
+  };
+  static const auto silu_and_mul = find_op<Tensor(const Tensor&)>("kvferry_fused::silu_and_mul");
+
+  Routed r;
+  Tensor ys, shared_out, shared_logit, out;
+  int64_t items = 0;  // the shared expert (first, where there is one), then the active experts
+  auto route = [&] {
+    Tensor w, ids;
+    std::tie(w, ids) = at::topk(at::softmax(gemm(x, Mat{gate_w, gate_n, gate_kind}), -1, at::kFloat), top_k, -1);
+    if (renormalize) w = w / w.sum(-1, true);
+    if (!weights_float32) w = w.to(x.scalar_type());  // Qwen rounds them to the model's dtype (HF)
+    r = sort_pairs(x, ids, w, E, first_expert);
+    ys = at::empty({r.xs.size(0), down_n}, x.options());
+    items = static_cast<int64_t>(r.active.size()) + (has_shared ? 1 : 0);
+  };
+  auto item = [&](int64_t i) {
+    if (has_shared && i == 0) {
+      const Tensor h = silu_and_mul.call(gemm(x, Mat{shared[0], shared_n_kind[0], shared_n_kind[1]}));
+      shared_out = gemm(h, Mat{shared[1], shared_n_kind[2], shared_n_kind[3]});
+      shared_logit = gemm(x, Mat{shared[2], shared_n_kind[4], shared_n_kind[5]});
+      return;
+    }
+    const int64_t a = i - (has_shared ? 1 : 0), e = r.active[a], s = r.start[a], n = r.counts[e];
+    ys.narrow(0, s, n).copy_(experts(e, r.xs.narrow(0, s, n)));
+  };
+  auto combine = [&] {
+    Tensor sum = at::zeros({T, down_n}, x.options().dtype(at::kFloat));
+    sum.index_add_(0, r.token, ys.to(at::kFloat).mul_(r.weight.unsqueeze(1)));
+    out = sum.to(x.scalar_type());
+    if (has_shared) out = out + at::sigmoid(shared_logit) * shared_out;
+  };
+
+  const at::ThreadLocalState caller;  // inference mode, dispatch keys: the workers' calls run under the caller's
+  std::atomic<int> stage{kUnclaimed};
+  std::atomic<int64_t> next{0}, done{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    at::ThreadLocalStateGuard guard(caller);
+    int expected = kUnclaimed;
+    if (stage.compare_exchange_strong(expected, kRouting, std::memory_order_acq_rel)) {
+      try {
+        route();
+        if (items == 0) combine();  // an expert-parallel rank none of whose experts was chosen
+      } catch (...) {
+        stage.store(kFailed, std::memory_order_release);  // the others stop waiting; the region rethrows
+        throw;
+      }
+      stage.store(kRouted, std::memory_order_release);
+    } else {
+      wait_until([&] { return stage.load(std::memory_order_acquire) != kRouting; });
+      if (stage.load(std::memory_order_acquire) == kFailed) return;
+    }
+    claim_items(next, done, items, item, combine);
+  });
+  return out;
 }
 
 }  // namespace
@@ -133,7 +267,12 @@ Tensor expert_loop(const Tensor& xs, at::IntArrayRef counts, at::TensorList gate
 TORCH_LIBRARY(kvferry_moe, m) {
   m.def("expert_loop(Tensor xs, int[] counts, Tensor[] gate_up, Tensor[] down, int gate_up_n, int down_n, "
         "int kind, int exact_rows, int row_bucket) -> Tensor");
-  m.impl("expert_loop", c10::DispatchKey::CPU, TORCH_FN(expert_loop));
+  m.def("moe_layer(Tensor x, Tensor gate_w, int gate_n, int gate_kind, int top_k, bool renormalize, "
+        "bool weights_float32, int first_expert, Tensor[] gate_up, Tensor[] down, int gate_up_n, int down_n, "
+        "int kind, Tensor[] shared, int[] shared_n_kind, int exact_rows, int row_bucket) -> Tensor");
   // oneDNN's packed weights are MkldnnCPU tensors: a call with them dispatches there.
-  m.impl("expert_loop", c10::DispatchKey::MkldnnCPU, TORCH_FN(expert_loop));
+  for (auto key : {c10::DispatchKey::CPU, c10::DispatchKey::MkldnnCPU}) {
+    m.impl("expert_loop", key, TORCH_FN(expert_loop));
+    m.impl("moe_layer", key, TORCH_FN(moe_layer));
+  }
 }
