@@ -17,7 +17,7 @@ import torch
 
 from kvferry.model import quant
 from kvferry.model.quant import kernels
-from tests.model.quant.blocks import quantized_x, weight
+from tests.model.quant.blocks import ggml_q8_0, quantized_x, weight
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
 
@@ -89,6 +89,24 @@ def test_bf16_x_and_path():
     assert quant.kernel_path() in ("avx512vnni", "avxvnni", "avx2")
 
 
+def massive_x(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows with a few massive activations (10^3x the rest), as SmolLM2's ffn_down
+    inputs carry, where any other rounding than llama.cpp's moves greedy answers."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g) * torch.where(torch.rand(m, k, generator=g) < 0.01, 1000.0, 1.0)
+
+
+def test_q8_0_is_llama_cpps_arithmetic_to_the_bit():
+    """Q8_0 is ggml's CPU arithmetic to the bit (blocks.ggml_q8_0), at batch 1
+    (eight-block groups with a tail of blocks and of rows) and many rows: what
+    greedy agreement with llama.cpp on a Q8_0 file needs (tests/model/test_gguf_llama_cpp.py)."""
+    for n, k in ((37, 576), (N, K)):
+        w, _ = weight("Q8_0", n, k)
+        for m in (1, 3, 9):
+            x = massive_x(m, k, seed=m)
+            assert torch.equal(quant.gemv(x, w), ggml_q8_0(x, w)), (n, k, m)
+
+
 def test_zero_rows_and_zero_x():
     w, _ = weight("Q8_0", N, K)
     assert quant.gemv(torch.zeros(0, K), w).shape == (0, N)
@@ -98,8 +116,8 @@ def test_zero_rows_and_zero_x():
 _AVX2_PROBE = """
 import torch
 from kvferry.model import quant
-from tests.model.quant.test_kernels import check, TYPES, K, N
-from tests.model.quant.blocks import weight
+from tests.model.quant.test_kernels import check, massive_x, TYPES, K, N
+from tests.model.quant.blocks import ggml_q8_0, weight
 if not quant.available():
     print("no build"); raise SystemExit
 assert quant.kernel_path() == "avx2", quant.kernel_path()
@@ -113,6 +131,10 @@ for name in TYPES:
         w, ref = weight(name, 37, 576)
         x = torch.randn(1, 576)
         check(quant.gemv(x, w), x, w, ref)
+w, _ = weight("Q8_0", 37, 576)
+for m in (1, 3, 9):
+    x = massive_x(m, 576, seed=m)
+    assert torch.equal(quant.gemv(x, w), ggml_q8_0(x, w)), m
 print("avx2 quant ok")
 """
 
