@@ -576,6 +576,7 @@ void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y
   __m256 acc[R];
   float off[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); off[r] = 0; }
+  const intptr_t x4_at = reinterpret_cast<intptr_t>(a.x4) - reinterpret_cast<intptr_t>(a.q);
   for (int64_t i = 0; i < a.nb; ++i) {
     const uint8_t* b = w + i * bytes;
     const float d = h2f(b);
@@ -599,9 +600,14 @@ void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y
     if constexpr (kSignTrick) q = _mm256_sign_epi8(q, q);
     KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * a.nb + i;
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + ai * 32));
+      const int8_t* xp = a.q + ai * 32;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
       if constexpr (kSignTrick) x = _mm256_sign_epi8(x, sgn);
-      const __m256i p = dot_u8s8(T == 8 && !kSignTrick ? lanes_start(a, ai) : _mm256_setzero_si256(), q, x);
+      // The lanes' start lies x4_at bytes from x's block (8 int32 per 32 int8):
+      // one pointer a row, not two (eight rows' two would spill registers).
+      const __m256i p = dot_u8s8(T == 8 && !kSignTrick
+                                     ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + x4_at))
+                                     : _mm256_setzero_si256(), q, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d[ai]), acc[r]);
       if constexpr (T != 8) off[r] += o * a.s[ai];
     }
