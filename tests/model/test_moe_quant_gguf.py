@@ -109,15 +109,26 @@ def test_experts_stay_in_blocks_and_match_expanded(tmp, case_id):
 
 @pytest.mark.parametrize("case_id", ["qwen3_moe-Q8_0", "mixtral-Q4_0", "qwen3_moe_top8-Q4_K"])
 def test_greedy_matches_expanded(tmp, case_id):
+    """Greedy continuations agree for as long as the expanded model's choice
+    is clear: the tiny random models' near-flat logits put near-ties (top-2
+    within 0.2 nats) everywhere, where any rounding of x may pick the other
+    token (as the int8 test, tests/model/test_moe_quant_int8.py)."""
     f = _gguf_file(tmp, case_id)
     outs = {}
     for q in ("gguf", "none"):
         llm = LLM(str(f), quantization=q, dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=4,
                   warm_up=False, max_model_len=128)
-        outs[q] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0,
-                                                                                           max_tokens=6))]
+        outs[q] = [o.outputs[0] for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                              logprobs=2))]
         del llm
-    assert outs["gguf"] == outs["none"]
+    compared = 0
+    for blocks, expanded in zip(outs["gguf"], outs["none"]):
+        for step, lp in enumerate(expanded.logprobs):
+            if lp.top_logprobs[0] - lp.top_logprobs[1] < 0.2:
+                break  # a near-tie: the paths may part here
+            assert blocks.token_ids[step] == expanded.token_ids[step], (expanded.token_ids, blocks.token_ids)
+            compared += 1
+    assert compared >= len(PROMPTS), compared  # clear choices were compared
 
 
 def test_truncated_expert_tensor_is_refused_naming_it(tmp):
