@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvferry import envs
 from kvferry.model import quant
 from kvferry.model.quant import kernels
 from tests.model.quant.blocks import ggml_q8_0, quantized_x, weight
@@ -105,6 +106,25 @@ def test_q8_0_is_llama_cpps_arithmetic_to_the_bit():
         for m in (1, 3, 9):
             x = massive_x(m, k, seed=m)
             assert torch.equal(quant.gemv(x, w), ggml_q8_0(x, w)), (n, k, m)
+
+
+def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
+    """KVFERRY_QUANT_DOTS_ALWAYS=1: a prefill-sized batch takes the dots too
+    (llama.cpp's Q8_0 arithmetic to the bit), in linear and in the library's
+    configured path (the one-call layer's); unset, the tiles again."""
+    w, _ = weight("Q8_0", 37, 576)
+    x = massive_x(40, 576)
+    try:
+        monkeypatch.setenv(envs.QUANT_DOTS_ALWAYS, "1")
+        kernels.configure()
+        assert kernels.path_for(x.shape[0], w) == "dots"
+        assert torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
+        assert torch.equal(quant.linear_parts(x, [w, w]), torch.cat([ggml_q8_0(x, w)] * 2, dim=1))
+    finally:
+        monkeypatch.delenv(envs.QUANT_DOTS_ALWAYS)
+        kernels.configure()
+    assert kernels.path_for(x.shape[0], w) == "tiles"
+    assert not torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
 
 
 def test_zero_rows_and_zero_x():
