@@ -109,10 +109,12 @@ def test_experts_stay_in_blocks_and_match_expanded(tmp, case_id):
 
 @pytest.mark.parametrize("case_id", ["qwen3_moe-Q8_0", "mixtral-Q4_0", "qwen3_moe_top8-Q4_K"])
 def test_greedy_matches_expanded(tmp, case_id):
-    """Greedy continuations agree for as long as the expanded model's choice
-    is clear: the tiny random models' near-flat logits put near-ties (top-2
-    within 0.2 nats) everywhere, where any rounding of x may pick the other
-    token (as the int8 test, tests/model/test_moe_quant_int8.py)."""
+    """Greedy continuations agree, and where they part it is at a near tie of
+    the expanded model: the tiny random models' near-flat logits put top-2
+    margins of 0.01-0.1 nats in most continuations, where any rounding of x may
+    pick the other token. Until they part, each token's logprob is the
+    expanded one's within 0.05 (measured: at most 0.016; the parting near tie's
+    margin 0.0099, qwen3_moe-Q8_0's "a b c d" at its second token)."""
     f = _gguf_file(tmp, case_id)
     outs = {}
     for q in ("gguf", "none"):
@@ -121,14 +123,12 @@ def test_greedy_matches_expanded(tmp, case_id):
         outs[q] = [o.outputs[0] for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6,
                                                                               logprobs=2))]
         del llm
-    compared = 0
     for blocks, expanded in zip(outs["gguf"], outs["none"]):
         for step, lp in enumerate(expanded.logprobs):
-            if lp.top_logprobs[0] - lp.top_logprobs[1] < 0.2:
-                break  # a near-tie: the paths may part here
-            assert blocks.token_ids[step] == expanded.token_ids[step], (expanded.token_ids, blocks.token_ids)
-            compared += 1
-    assert compared >= len(PROMPTS), compared  # clear choices were compared
+            assert abs(blocks.logprobs[step].top_logprobs[0] - lp.top_logprobs[0]) < 0.05, (step, blocks, expanded)
+            if blocks.token_ids[step] != expanded.token_ids[step]:
+                assert lp.top_logprobs[0] - lp.top_logprobs[1] < 0.05, (step, blocks, expanded)  # a near tie
+                break  # the two continue from different tokens
 
 
 def test_truncated_expert_tensor_is_refused_naming_it(tmp):

@@ -56,19 +56,17 @@ def test_int8_ffn_workers_equal_int8_colocated(models, case, ffn):
 
 @pytest.mark.parametrize(("case", "ffn"), [("gguf", 1), ("gguf_sparse", 2)])
 def test_gguf_blocks_on_the_ffn_workers_equal_the_gguf_colocated(models, case, ffn):
-    """Greedy agrees with colocated for as long as colocated's choice is
-    clear. The workers' logprobs are not the colocated bits (measured: 0.001-0.02
-    nats apart on prompts long enough for prefill tiles; the 2-token prompt's are
-    equal), and this random model's near-flat logits put near ties (top-2 within
-    0.0001-0.05 nats) in most continuations, where either may pick the other token."""
+    """Greedy agrees with colocated, and where they part it is at a near tie
+    of colocated's. The workers' logprobs are not the colocated bits (measured:
+    up to 0.02 nats apart, 0.06 a few tokens on, on prompts long enough for the
+    prefill tiles; the 2-token prompt's are equal), and this random model's
+    near-flat logits put near ties (top-2 within 0.0001-0.05 nats) in most
+    continuations, where either may pick the other token."""
     workers = greedy(models[case], ffn, logprobs=True)
     colocated = greedy(models[case], 0, logprobs=True)
-    compared = 0
     for w, c in zip(workers, colocated):
         for step, lp in enumerate(c.logprobs):
-            if lp.top_logprobs[0] - lp.top_logprobs[1] < 0.1:
-                break  # a near tie: the two may part here
-            assert w.token_ids[step] == c.token_ids[step], (c.token_ids, w.token_ids)
-            assert abs(w.logprobs[step].top_logprobs[0] - lp.top_logprobs[0]) < 0.1, (step, w.logprobs[step], lp)
-            compared += 1
-    assert compared >= len(PROMPTS), compared  # clear choices were compared
+            assert abs(w.logprobs[step].top_logprobs[0] - lp.top_logprobs[0]) < 0.1, (step, w, c)
+            if w.token_ids[step] != c.token_ids[step]:
+                assert lp.top_logprobs[0] - lp.top_logprobs[1] < 0.1, (step, w, c)  # a near tie
+                break  # the two continue from different tokens
