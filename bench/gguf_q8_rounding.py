@@ -31,7 +31,8 @@ from tests.model.test_gguf_llama_cpp import PROMPTS, TOKENS
 def _q8(x: torch.Tensor, ties_even: bool) -> torch.Tensor:
     b = x.reshape(-1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    v = b * torch.where(amax == 0, torch.zeros_like(amax), 127 / amax)
+    # ggml's multiplier 127 / amax, a true division (torch's 127 / t is 127 * (1 / t))
+    v = b * torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, 127) / amax)
     q = torch.round(v) if ties_even else torch.sign(v) * torch.floor(v.abs() + 0.5)
     return (q * (amax / 127).to(torch.float16).float()).reshape(x.shape)
 

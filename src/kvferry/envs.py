@@ -49,6 +49,7 @@ DISABLE_ONEDNN_PACKING = "KVFERRY_DISABLE_ONEDNN_PACKING"
 ATTN_SPLIT_CONTEXT = "KVFERRY_ATTN_SPLIT_CONTEXT"
 ATTN_ALL_HEADS_ITEMS = "KVFERRY_ATTN_ALL_HEADS_ITEMS"
 ATTN_STAGED_AVX2 = "KVFERRY_ATTN_STAGED_AVX2"
+QUANT_DOTS_ALWAYS = "KVFERRY_QUANT_DOTS_ALWAYS"
 
 # Files and processes first, then the CPU kernels' switches, the one for
 # all kernels before those of single kernels. Variables that only the test
@@ -92,6 +93,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(ATTN_STAGED_AVX2, "bool", "1",
            "0: the C++ attention kernel's AVX2 path runs its per-query loop, not staged tiles (tests and "
            "comparisons)"),
+    EnvVar(QUANT_DOTS_ALWAYS, "bool", "0",
+           "1: GGUF weights multiply 8-bit activations by integer dot products at every batch size, prefill "
+           "included, as llama.cpp's CPU backend does (comparisons with llama.cpp; prefill is slower than "
+           "the default bf16 tiles)"),
 )
 
 _DISABLE = frozenset({DISABLE_CPP_KERNELS, DISABLE_FUSED_OPS, DISABLE_LAYER_OP, DISABLE_SMALL_GEMM,
@@ -127,6 +132,11 @@ def malloc_tuning() -> bool:
 def grammar_import_at_start() -> bool:
     """False only for ``KVFERRY_GRAMMAR_IMPORT=first-use``."""
     return os.environ.get(GRAMMAR_IMPORT, "start").strip().lower() != "first-use"
+
+
+def quant_dots_always() -> bool:
+    """True only for ``KVFERRY_QUANT_DOTS_ALWAYS=1``."""
+    return os.environ.get(QUANT_DOTS_ALWAYS, "0").strip() == "1"
 
 
 def kernel_isa() -> str:

@@ -2,9 +2,9 @@
 embedded model's weights (llama-quantize from the embedded Q4_1 file), served
 in its blocks by ``kvferry serve --quantization gguf`` and by llama.cpp's
 ``llama-server``, answers 10 chat prompts greedily with the same first 16
-tokens on at least 8 of them (the issue's check). Measured: 5 of 10 (6 with
-llama.cpp's default flash attention), so the check is an expected failure;
-the comment above the test has why.
+tokens on at least 8 of them (the issue's check), with kvferry's matmuls in
+llama.cpp's arithmetic at every batch size (KVFERRY_QUANT_DOTS_ALWAYS=1).
+Measured: 8 of 10; the comment above the test has what differs in the two.
 
 llama.cpp is a dev tool, never a dependency: bench/llama_cpp_build.sh builds
 it, and this test skips where ``llama-server`` or ``llama-quantize`` is not
@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from bench._llama_cpp import llama_server, missing_reason, quantize
+from kvferry import envs
 from kvferry.model.gguf_convert import embedded_gguf_path
 from tests.serve.server_process import start_server
 
@@ -52,37 +53,32 @@ def _answers(base_url: str) -> list[str]:
                 for p in PROMPTS]
 
 
-# Why 5 of 10 and not 8 (measured 2026-12-06, llama.cpp from llama-cpp-python 0.3.36, no AMX): on
-# an F32 file the two agree to 3 decimals (first prompt's first token: "The" -1.847, "L" -1.984 in
-# both), so the model, template, rope and attention are the same. On the Q8_0 file each adds its own
-# activation rounding, and this model turns any rounding into a coin toss at its near ties:
-#   * llama.cpp quantizes every matmul's activations to Q8_0 (32 values, one fp16 scale), prefill
-#     included; kvferry does so for decode-sized batches only and multiplies prefill in bf16 tiles.
-#   * The inputs of ffn_down carry massive activations (|x| up to ~3000 in this prompt, 20,000x
-#     the median of their 32-value block), so a Q8_0 block holding one keeps little else, and which of
-#     its small values round up or down decides the outcome: in a float reference with every
-#     activation Q8_0-quantized, rounding ties to even (as ggml's AVX2 path) against away from zero
-#     (as its scalar path) moves the first token's "The" from -2.032 to -2.254 nats ("L" then
-#     leads: -1.975; the float model's "The" is -1.847), and the two roundings' greedy answers
-#     agree on the first 16 tokens of 4 of these 10 prompts (with the float model's: 5 and 3;
-#     the reference's float answers are kvferry's float model's, all 10).
-#   * First prompt, first token: float "The" -1.847 / "L" -1.984; kvferry's blocks -1.911 / -2.027;
-#     llama.cpp -2.069 / -1.992 (-2.227 / -1.994 with its default flash attention), hence
-#     "L'Etoile, ..." against "The capital of France is Paris.".
-# kvferry forced onto the 8-bit path for prefill too (llama.cpp's arithmetic, another rounding)
-# agrees on 6 of 10, and the blocks agree with the float model on 6 of 10 fresh: 8 of 10
-# needs bit-equal activation rounding, not a closer model. Not strict: it passes where they agree.
-# The float reference with its two roundings is bench/gguf_q8_rounding.py.
-# Only the agreement count is expected to fail (raises=AssertionError): a crash or a timeout is a failure.
-@pytest.mark.xfail(strict=False, raises=AssertionError, reason="8-bit activation rounding at this model's near "
-                   "ties: 5 of 10 agree, as between any two roundings (the comment above the test)")
+# What it takes (measured 2026-12-07, llama.cpp from llama-cpp-python 0.3.36, no AMX, Xeon
+# AVX-512 VNNI). On an F32 file the two agree to 3 decimals. On the Q8_0 file llama.cpp quantizes
+# every matmul's activations to Q8_0 (ggml's quantize_row_q8_0: 127/amax, an fp16 block scale,
+# rounding to nearest even) and multiplies them by exact integer dot products, prefill included
+# (tinyBLAS for 2+ rows, ggml_vec_dot_q8_0_q8_0 for one). kvferry's dots are that arithmetic to
+# the bit (tests/model/quant/test_kernels.py), and KVFERRY_QUANT_DOTS_ALWAYS=1 takes them at every
+# batch size; by default prefill multiplies bf16 tiles (faster), which agree on only 4 of 10.
+# The matmuls then match bit for bit (layer 0's q/k/v, o, gate/up and down outputs, dumped from
+# llama.cpp's eval callback for the first prompt), but the other ops do not: RMSNorm (ggml sums
+# the squares in double), SiLU and softmax (ggml's own expf), the attention's sums (padded to 256
+# positions, in tinyBLAS's order) each differ in the last bits, and this model's massive ffn_down
+# activations (one value ~10^4x the rest of its 32-block) make any last-bit difference a chaos:
+# one Q8_0 rounding flips in one row at layer 1, and by layer 2 the rows differ by 2e-3 (relative),
+# by the last layer by a few hundredths of a nat. 8 of 10 agree, the two others part at a near tie
+# after the same first tokens: "Write a haiku" at token 2 (llama.cpp " sea" -2.703 / " ocean"
+# -2.729; kvferry " waves" -2.594 / " ocean" -2.677) and "Give me a tip" at token 14 (" that"
+# -1.002 / " coined" -1.133; kvferry " coined" -0.990 / " that" -1.101). Agreement past 8 needs
+# ggml's arithmetic for every op, not only the matmuls.
 @pytest.mark.timeout(1800)  # two servers and 20 requests: past 600 s on a loaded 2-core machine
 def test_greedy_agrees_with_llama_cpp(tmp_path):
     q8 = quantize(embedded_gguf_path(), tmp_path / "smollm2-q8_0.gguf", "Q8_0")
     with llama_server(q8, tmp_path / "llama-server.log", extra=LLAMA_ARGS) as url:
         theirs = _answers(f"{url}/v1")
+    # llama.cpp's arithmetic for every matmul: 8-bit activations at every batch size, prefill included.
     srv = start_server(tmp_path / "kvferry.log", ["--model", str(q8), "--quantization", "gguf",
-                                                   "--served-model-name", "m"])
+                                                   "--served-model-name", "m"], env={envs.QUANT_DOTS_ALWAYS: "1"})
     try:
         ours = _answers(srv.api_url)
     finally:

@@ -109,15 +109,26 @@ def test_experts_stay_in_blocks_and_match_expanded(tmp, case_id):
 
 @pytest.mark.parametrize("case_id", ["qwen3_moe-Q8_0", "mixtral-Q4_0", "qwen3_moe_top8-Q4_K"])
 def test_greedy_matches_expanded(tmp, case_id):
+    """Greedy continuations agree, and where they part it is at a near tie of
+    the expanded model: the tiny random models' near-flat logits put top-2
+    margins of 0.01-0.1 nats in most continuations, where any rounding of x may
+    pick the other token. Until they part, each token's logprob is the
+    expanded one's within 0.05 (measured: at most 0.016; the parting near tie's
+    margin 0.0099, qwen3_moe-Q8_0's "a b c d" at its second token)."""
     f = _gguf_file(tmp, case_id)
     outs = {}
     for q in ("gguf", "none"):
         llm = LLM(str(f), quantization=q, dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=4,
                   warm_up=False, max_model_len=128)
-        outs[q] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0,
-                                                                                           max_tokens=6))]
+        outs[q] = [o.outputs[0] for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                              logprobs=2))]
         del llm
-    assert outs["gguf"] == outs["none"]
+    for blocks, expanded in zip(outs["gguf"], outs["none"]):
+        for step, lp in enumerate(expanded.logprobs):
+            assert abs(blocks.logprobs[step].top_logprobs[0] - lp.top_logprobs[0]) < 0.05, (step, blocks, expanded)
+            if blocks.token_ids[step] != expanded.token_ids[step]:
+                assert lp.top_logprobs[0] - lp.top_logprobs[1] < 0.05, (step, blocks, expanded)  # a near tie
+                break  # the two continue from different tokens
 
 
 def test_truncated_expert_tensor_is_refused_naming_it(tmp):

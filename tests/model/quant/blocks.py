@@ -34,11 +34,46 @@ def weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, t
     return QuantizedWeight.from_blocks(f"blk.0.{name.lower()}.weight", name, torch.from_numpy(q), (n, k)), ref
 
 
+def q8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's 8-bit blocks as the kernel makes them, llama.cpp's quantization to
+    the bit (ggml-cpu's quantize_row_q8_0 / quantize_row_q8_K_ref): (q [M, nb,
+    block] integers, the scale d [M, nb, 1], max|x| [M, nb, 1]). Multiplier
+    127/max|x|, round half to even; the 32-block scale max|x|/127 rounded to
+    fp16, the 256-block one 1/multiplier."""
+    xb = x.float().reshape(x.shape[0], -1, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    # a true division (torch's 127 / t is 127 * (1 / t), a last bit apart)
+    idm = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
+    # x times the multiplier as the kernel computes it (not x / d: bf16 inputs often land on .5 exactly)
+    q = torch.round(xb * idm).clamp(-127, 127)
+    d = (amax / 127).half().float() if block == 32 else torch.where(idm > 0, 1 / idm, 0)
+    return q, d, amax
+
+
 def quantized_x(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the kernel sees it (8-bit per block of ``block`` values, scale
-    max|x|/127, round half to even) and each element's step d / 2."""
-    xb = x.reshape(x.shape[0], -1, block)
-    d = xb.abs().amax(dim=-1, keepdim=True) / 127
-    # x times 1/d as the kernel computes it (not x / d: bf16 inputs often land on .5 exactly)
-    q = torch.round(xb * torch.where(d > 0, 1 / d, 0)).clamp(-127, 127)
-    return (q * d).reshape(x.shape), (d / 2).expand_as(xb).reshape(x.shape)
+    """x as the kernel sees it (``q8_blocks``' q times d) and each element's
+    largest rounding error: d / 2, plus 127 times the scale's own fp16 rounding."""
+    q, d, amax = q8_blocks(x, block)
+    err = amax / 254 + 127 * (d - amax / 127).abs()
+    return (q * d).reshape(x.shape), err.expand_as(q).reshape(x.shape)
+
+
+def ggml_q8_0(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x @ W^T for a Q8_0 weight in llama.cpp's CPU arithmetic (tinyBLAS_Q0_AVX,
+    ggml_vec_dot_q8_0_q8_0): per 32-block, 8 lanes of exact 4-product integer
+    sums, multiply-added (float32 fma) block after block by fp16 d_w x fp16 d_x,
+    the lanes reduced as hsum_float_8. The fma is a float64 multiply-add
+    rounded to float32 (exact but for double rounding, ~2^-29 a step)."""
+    n, nb = w.out_features, w.in_features // 32
+    raw = w.data.reshape(n, nb, 34)
+    dw = raw[..., :2].contiguous().view(torch.float16).float().reshape(n, nb)
+    qw = raw[..., 2:].contiguous().view(torch.int8).long().reshape(n, nb, 8, 4)
+    q, dx, _ = q8_blocks(x, 32)
+    qx = q.long().reshape(x.shape[0], nb, 8, 4)
+    lanes = torch.einsum("mblk,nblk->mnbl", qx, qw).double()  # exact
+    scale = (dx.reshape(-1, 1, nb) * dw.reshape(1, n, nb)).double()  # the float32 product
+    acc = torch.zeros(x.shape[0], n, 8, dtype=torch.float32)
+    for b in range(nb):
+        acc = (scale[:, :, b, None] * lanes[:, :, b] + acc.double()).float()
+    a = acc[..., :4] + acc[..., 4:]
+    return (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])

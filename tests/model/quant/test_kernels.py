@@ -15,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvferry import envs
 from kvferry.model import quant
 from kvferry.model.quant import kernels
-from tests.model.quant.blocks import quantized_x, weight
+from tests.model.quant.blocks import ggml_q8_0, quantized_x, weight
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
 
@@ -89,6 +90,43 @@ def test_bf16_x_and_path():
     assert quant.kernel_path() in ("avx512vnni", "avxvnni", "avx2")
 
 
+def massive_x(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows with a few massive activations (10^3x the rest), as SmolLM2's ffn_down
+    inputs carry, where any other rounding than llama.cpp's moves greedy answers."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g) * torch.where(torch.rand(m, k, generator=g) < 0.01, 1000.0, 1.0)
+
+
+def test_q8_0_is_llama_cpps_arithmetic_to_the_bit():
+    """Q8_0 is ggml's CPU arithmetic to the bit (blocks.ggml_q8_0), at batch 1
+    (eight-block groups with a tail of blocks and of rows) and many rows: what
+    greedy agreement with llama.cpp on a Q8_0 file needs (tests/model/test_gguf_llama_cpp.py)."""
+    for n, k in ((37, 576), (N, K)):
+        w, _ = weight("Q8_0", n, k)
+        for m in (1, 3, 9):
+            x = massive_x(m, k, seed=m)
+            assert torch.equal(quant.gemv(x, w), ggml_q8_0(x, w)), (n, k, m)
+
+
+def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
+    """KVFERRY_QUANT_DOTS_ALWAYS=1: a prefill-sized batch takes the dots too
+    (llama.cpp's Q8_0 arithmetic to the bit), in linear and in the library's
+    configured path (the one-call layer's); unset, the tiles again."""
+    w, _ = weight("Q8_0", 37, 576)
+    x = massive_x(40, 576)
+    try:
+        monkeypatch.setenv(envs.QUANT_DOTS_ALWAYS, "1")
+        kernels.configure()
+        assert kernels.path_for(x.shape[0], w) == "dots"
+        assert torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
+        assert torch.equal(quant.linear_parts(x, [w, w]), torch.cat([ggml_q8_0(x, w)] * 2, dim=1))
+    finally:
+        monkeypatch.delenv(envs.QUANT_DOTS_ALWAYS)
+        kernels.configure()
+    assert kernels.path_for(x.shape[0], w) == "tiles"
+    assert not torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
+
+
 def test_zero_rows_and_zero_x():
     w, _ = weight("Q8_0", N, K)
     assert quant.gemv(torch.zeros(0, K), w).shape == (0, N)
@@ -98,8 +136,8 @@ def test_zero_rows_and_zero_x():
 _AVX2_PROBE = """
 import torch
 from kvferry.model import quant
-from tests.model.quant.test_kernels import check, TYPES, K, N
-from tests.model.quant.blocks import weight
+from tests.model.quant.test_kernels import check, massive_x, TYPES, K, N
+from tests.model.quant.blocks import ggml_q8_0, weight
 if not quant.available():
     print("no build"); raise SystemExit
 assert quant.kernel_path() == "avx2", quant.kernel_path()
@@ -113,6 +151,10 @@ for name in TYPES:
         w, ref = weight(name, 37, 576)
         x = torch.randn(1, 576)
         check(quant.gemv(x, w), x, w, ref)
+w, _ = weight("Q8_0", 37, 576)
+for m in (1, 3, 9):
+    x = massive_x(m, 576, seed=m)
+    assert torch.equal(quant.gemv(x, w), ggml_q8_0(x, w)), m
 print("avx2 quant ok")
 """
 

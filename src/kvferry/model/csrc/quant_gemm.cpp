@@ -428,16 +428,46 @@ struct Acts {
   const int8_t* q;
   const float *d, *s;
   const int16_t* bsum;  // [M * nb * 16] for B = 256 (|sum| <= 16 * 127)
+  // [M * nb * 8] for B = 32 on VNNI: -128 times each 4 values' sum, the
+  // start of a Q8_0 dot's lanes (rows32).
+  const int32_t* x4 = nullptr;
 };
 
 struct ActsScratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int16_t> bsum;
+  std::vector<int32_t> x4;
 };
 
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return float(v); }
+
+// llama.cpp's activation quantization, to the bit (ggml-cpu's quantize_row_q8_0
+// and quantize_row_q8_K_ref), so that greedy answers match its CPU backend's on
+// the same file: a model with massive activations (SmolLM2's ffn_down inputs,
+// one value 10^4x its block's others) turns any other rounding of the small
+// values into a different answer at its near ties. The multiplier is 127 / amax
+// (not 1 / d: they differ in the last bit, and so do some roundings), and the
+// 32-block scale d is stored as fp16 (block_q8_0's ggml_fp16_t), so the dots
+// multiply by its fp16 value. Q8_K keeps a float d, ggml's 1 / iscale. The
+// rounding itself is to nearest even in both.
+inline float act_id(float amax) { return amax != 0.f ? 127.f / amax : 0.f; }
+
+inline float act_scale(float amax, float id, int64_t B) {
+  if (B == 256) return id != 0.f ? 1.f / id : 0.f;
+  const float d = amax / 127.f;
+  // Past fp16's range ggml's scale would be inf; kvferry keeps the float.
+  if (!(d < 65504.f)) return d;
+#ifdef KVQ_SIMD
+  return _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+#else
+  int e;
+  std::frexp(d, &e);  // d = m 2^e, 1/2 <= m < 1: fp16 keeps 11 bits, 2^-24 steps below 2^-14
+  const float step = std::ldexp(1.f, std::max(e, -13) - 11);
+  return std::nearbyint(d / step) * step;
+#endif
+}
 
 // One scratch per block size: a call over weights of both sizes (a Q4_K_M
 // layer's Q8_0 and K-quant parts never mix, but a fused layer of Q5_0 and Q4_K
@@ -450,6 +480,8 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
   if (int64_t(sc.q.size()) < M * K) sc.q.resize(M * K);
   if (int64_t(sc.d.size()) < M * nb) { sc.d.resize(M * nb); sc.s.resize(M * nb); }
   if (B == 256 && int64_t(sc.bsum.size()) < M * nb * 16) sc.bsum.resize(M * nb * 16);
+  if (B == 32 && int64_t(sc.x4.size()) < M * nb * 8) sc.x4.resize(M * nb * 8);
+  int32_t* X4 = sc.x4.data();
   int8_t* Q = sc.q.data();
   float *D = sc.d.data(), *S = sc.s.data();
   int16_t* BS = sc.bsum.data();
@@ -474,7 +506,7 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-        const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        const float id = act_id(amax), d = act_scale(amax, id, B);
         const __m256 vid = _mm256_set1_ps(id);
         int8_t* q = Q + i * B;
         __m256i vsum = _mm256_setzero_si256();
@@ -496,12 +528,20 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
         t = _mm_hadd_epi32(t, t); t = _mm_hadd_epi32(t, t);
         D[i] = d; S[i] = d * float(_mm_cvtsi128_si32(t));
+#ifdef KVQ_VNNI
+        if (B == 32) {
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+          const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), qv), _mm256_set1_epi16(1));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(X4 + i * 8),
+                              _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s4, 7)));
+        }
+#endif
         continue;
       }
 #endif
       float amax = 0;
       for (int l = 0; l < B; ++l) amax = std::fmax(amax, std::fabs(to_f(xs[l])));
-      const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+      const float id = act_id(amax), d = act_scale(amax, id, B);
       int8_t* q = Q + i * B;
       int sum = 0;
       for (int l = 0; l < B; ++l) { q[l] = int8_t(std::nearbyint(to_f(xs[l]) * id)); sum += q[l]; }
@@ -514,7 +554,7 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
         }
     }
   });
-  return Acts{B, nb, Q, D, S, BS};
+  return Acts{B, nb, Q, D, S, BS, B == 32 ? X4 : nullptr};
 }
 
 // Rows of x per pass over a weight row (its blocks stay in L1 between passes):
@@ -526,34 +566,50 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
 #endif
 constexpr int MR = MR_MAX;
 
+// Where a Q8_0 dot's lanes start: -128 times x's 4-value sums (VNNI), see rows32.
+inline __m256i lanes_start(const Acts& a, int64_t ai) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x4 + ai * 8));
+}
+
 template <int T, int R>
 void rows32(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, int64_t ldy) {
   __m256 acc[R];
   float off[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); off[r] = 0; }
+  const intptr_t x4_at = reinterpret_cast<intptr_t>(a.x4) - reinterpret_cast<intptr_t>(a.q);
   for (int64_t i = 0; i < a.nb; ++i) {
     const uint8_t* b = w + i * bytes;
     const float d = h2f(b);
     __m256i q = block32<T>(b);
+    // Q8_0: each lane's integer sum is sum(q x) exactly, as ggml's (which takes
+    // |q| x sign(x, q)), so the lanes, their multiply-adds by fp16 d_w x fp16
+    // d_x block after block and the final reduction are llama.cpp's
+    // (tinyBLAS_Q0_AVX, ggml_vec_dot_q8_0_q8_0) to the bit. vpdpbusd sums u8 x
+    // s8 with no saturation: q + 128 is unsigned, and the lanes start at -128
+    // times x's 4-value sums (quantize_rows), one load where the sign trick is
+    // one more vector op per row and block (measured: 15-20% of 8-11 rows).
+    // vpmaddubsw would saturate (q + 128) x pairs: |q| x sign(x, q) there.
 #ifdef KVQ_VNNI
-    // vpdpbusd sums u8 x s8 into 32 bits with no saturation: Q8_0's q + 128
-    // is unsigned, and its -128 * sum(x) joins the block offsets below.
     constexpr bool kSignTrick = false;
     if constexpr (T == 8) q = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));
 #else
-    // vpmaddubsw would saturate (q + 128) * x pairs: |q| x sign(x, q) instead.
     constexpr bool kSignTrick = T == 8;
 #endif
-    const float o = T == 2 ? -8 * d : T == 6 ? -16 * d : (T == 3 || T == 7) ? h2f(b + 2) : -128 * d;
+    const float o = T == 2 ? -8 * d : T == 6 ? -16 * d : h2f(b + 2);  // Q4_1 / Q5_1: m
     const __m256i sgn = q;
     if constexpr (kSignTrick) q = _mm256_sign_epi8(q, q);
     KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * a.nb + i;
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + ai * 32));
+      const int8_t* xp = a.q + ai * 32;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
       if constexpr (kSignTrick) x = _mm256_sign_epi8(x, sgn);
-      const __m256i p = dot_u8s8(_mm256_setzero_si256(), q, x);
+      // The lanes' start lies x4_at bytes from x's block (8 int32 per 32 int8):
+      // one pointer a row, not two (eight rows' two would spill registers).
+      const __m256i p = dot_u8s8(T == 8 && !kSignTrick
+                                     ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + x4_at))
+                                     : _mm256_setzero_si256(), q, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d[ai]), acc[r]);
-      if constexpr (!kSignTrick) off[r] += o * a.s[ai];
+      if constexpr (T != 8) off[r] += o * a.s[ai];
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + off[r];
@@ -690,14 +746,15 @@ template <int T, int NR>
 void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, Span pf) {
   const int64_t bytes = info(T).bytes;
 #ifdef KVQ_VNNI
-  constexpr bool kSignTrick = false;
+  constexpr bool kSignTrick = false;  // Q8_0: q + 128 from -128 sum(x) (see rows32)
 #else
   constexpr bool kSignTrick = T == 8;
 #endif
+  constexpr bool kOffset = T != 8;  // Q8_0's lanes are exact: no block offsets
   constexpr bool kMin = T == 3 || T == 7;
   const int8_t* xq = a.q + m * a.nb * 32;
   const float *xd = a.d + m * a.nb, *xs = a.s + m * a.nb;
-  auto dot = [&](const uint8_t* b, __m256i x) {
+  auto dot = [&](const uint8_t* b, __m256i x, __m256i start) {
     __m256i q = block32<T>(b);
     if constexpr (kSignTrick) {
       x = _mm256_sign_epi8(x, q);
@@ -705,7 +762,11 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, 
     } else if constexpr (T == 8) {
       q = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // q + 128, unsigned: see rows32
     }
-    return _mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), q, x));
+    return _mm256_cvtepi32_ps(dot_u8s8(start, q, x));
+  };
+  auto start_of = [&](int64_t i) {
+    if constexpr (T == 8 && !kSignTrick) return lanes_start(a, m * a.nb + i);
+    else return _mm256_setzero_si256();
   };
   __m256 acc[NR], macc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
@@ -722,27 +783,29 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, 
       const __m256i h = _mm256_setr_epi32(head(0), head(1), head(2), head(3), head(4), head(5), head(6), head(7));
       const __m256 d = _mm256_cvtph_ps(half16<false>(h));
       _mm256_store_ps(sc[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + i)));
-      if constexpr (!kSignTrick) {
+      if constexpr (kOffset) {
         const __m256 o = kMin ? _mm256_cvtph_ps(half16<true>(h))
-                              : _mm256_mul_ps(d, _mm256_set1_ps(T == 2 ? -8.f : T == 6 ? -16.f : -128.f));
+                              : _mm256_mul_ps(d, _mm256_set1_ps(T == 2 ? -8.f : -16.f));
         macc[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs + i), macc[r]);
       }
     }
     KVQ_UNROLL for (int j = 0; j < 8; ++j) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i + j) * 32));
+      const __m256i start = start_of(i + j);
       KVQ_UNROLL for (int r = 0; r < NR; ++r)
-        acc[r] = _mm256_fmadd_ps(dot(w + r * ldw + (i + j) * bytes, x), _mm256_broadcast_ss(sc[r] + j), acc[r]);
+        acc[r] = _mm256_fmadd_ps(dot(w + r * ldw + (i + j) * bytes, x, start), _mm256_broadcast_ss(sc[r] + j), acc[r]);
     }
   }
   float off[NR] = {};
   spread.rest();
   for (; i < a.nb; ++i) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
+    const __m256i start = start_of(i);
     KVQ_UNROLL for (int r = 0; r < NR; ++r) {
       const uint8_t* b = w + r * ldw + i * bytes;
       const float d = h2f(b);
-      acc[r] = _mm256_fmadd_ps(dot(b, x), _mm256_set1_ps(d * xd[i]), acc[r]);
-      if constexpr (!kSignTrick) off[r] += (T == 2 ? -8 * d : T == 6 ? -16 * d : kMin ? h2f(b + 2) : -128 * d) * xs[i];
+      acc[r] = _mm256_fmadd_ps(dot(b, x, start), _mm256_set1_ps(d * xd[i]), acc[r]);
+      if constexpr (kOffset) off[r] += (T == 2 ? -8 * d : T == 6 ? -16 * d : h2f(b + 2)) * xs[i];
     }
   }
   for (int r = 0; r < NR; ++r) y[r] = hsum(_mm256_add_ps(acc[r], macc[r])) + off[r];

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kvferry import envs
 from kvferry.model import paged_kernel
 from kvferry.model.quant.formats import QuantizedWeight
 
@@ -48,6 +49,13 @@ SMALL_TILE_MAX_ROWS = 16
 # At 8 rows the two paths are within the noise for 32-blocks; the threshold
 # stays at 12, where tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
 PREFILL_MIN_ROWS = {32: 12, 256: 16}  # by the format's block size
+# KVFERRY_QUANT_DOTS_ALWAYS=1: every batch size takes the dots, as llama.cpp's
+# CPU backend quantizes x to 8 bits for every matmul, prefill included. Its
+# greedy answers then agree with llama.cpp's on the same file as far as the
+# other ops' rounding allows (tests/model/test_gguf_llama_cpp.py); the tiles
+# round x to bf16 instead, a different model at this model's near ties.
+# Read when the library loads (configure), not per call.
+_dots_always = False
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
 
@@ -70,8 +78,16 @@ def configure() -> None:
     (the one-call decoder layer's matmul of a GGUF weight), so both layers
     take the same path at the same row count. Called at load; again by
     anything that changes the constants."""
-    torch.ops.kvferry_quant.configure(PREFILL_MIN_ROWS[32], PREFILL_MIN_ROWS[256], PREFILL_TILE_BYTES,
+    global _dots_always
+    _dots_always = envs.quant_dots_always()
+    torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
                                       SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
+
+
+def prefill_min_rows(block: int) -> int:
+    """From how many rows of x a weight of this block size takes the tiles
+    (``PREFILL_MIN_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1)."""
+    return 1 << 62 if _dots_always else PREFILL_MIN_ROWS[block]
 
 
 def available() -> bool:
@@ -155,7 +171,7 @@ def _tile_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
 def path_for(rows: int, weight: QuantizedWeight) -> str:
     """The path ``linear`` takes for ``rows`` rows of x: "dots" (``gemv``) or "tiles" (``prefill``)."""
     # Without AVX2 the library has only its scalar dequantizer: every M takes the tiles.
-    small = rows < PREFILL_MIN_ROWS[weight.fmt.block] and kernel_path() != "none"
+    small = rows < prefill_min_rows(weight.fmt.block) and kernel_path() != "none"
     return "dots" if small else "tiles"
 
 
@@ -164,7 +180,7 @@ def linear_args(weight: QuantizedWeight) -> tuple:
     which runs ``linear``'s paths with this module's constants: the type, the
     rows, then the path and tile sizes. The one-call decoder layer passes the
     same (layers/gguf.py's ``matmul_args``)."""
-    return (weight.fmt.ggml_type, weight.out_features, PREFILL_MIN_ROWS[weight.fmt.block], PREFILL_TILE_BYTES,
+    return (weight.fmt.ggml_type, weight.out_features, prefill_min_rows(weight.fmt.block), PREFILL_TILE_BYTES,
             SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
 
 
