@@ -107,6 +107,27 @@ def test_suffix_and_auto_over_two_ranks_keep_greedy_output(models, case, spec):
         assert any(isinstance(d, DraftTree) and not d.is_chain() for d in recording.drafts)
 
 
+def test_the_default_speculation_drafts_over_two_ranks_at_batch_one(models, case):
+    """The serving default (auto under the cost-aware controller, timings
+    and all) over two ranks: alone, requests whose text repeats draft and
+    drafts hold, the controller having measured plain decoding and a
+    drafted level on rank 0's clock, and the output is plain TP 1's. (On
+    these short outputs TP 1 drafts about as much: 26 drafts, 7 held, against
+    TP 2's 23 and 6 in one run.)"""
+    prompts, expected = case
+    llm = LLM(model=models[0], tensor_parallel_size=2, speculative="default", **ENGINE)
+    try:
+        got = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]  # one at a time: batch 1
+        stats = llm.engine.stats()
+        cost = llm.engine.core.scheduler.draft_budget._costs[1]
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.core.close()
+    assert got == expected
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    assert cost.measured(0) and any(cost.measured(level) for level in range(1, len(cost.seen))), cost
+
+
 def test_auto_with_a_head_over_two_ranks_keeps_greedy_output(models, case, echo_head):  # noqa: F811
     """Auto picks per request among suffix, n-gram and the head; only rank 0
     knows its pick, and the workers' heads must draft for those requests only."""
