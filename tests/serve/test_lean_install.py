@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.parallel.afd_helpers import servers_at_once
 from tests.serve.server_process import MODEL_NAME, start_server
 
 NOT_FOR_SERVING = ("ray", "redis", "mooncake", "pytest", "triton", "matplotlib", "scipy", "openai", "ollama",
@@ -45,22 +44,13 @@ def chat(base_url: str, **extra) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The lean server, and one that lacks only xgrammar, started at once (a
-    start is mostly one process's imports: two overlap on two cores). Each
-    must exit 0 at the end."""
+def lean_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lean")
-    with servers_at_once({
-        "lean": lambda: start_server(tmp / "serve.log", serve_args=ARGS, env=hiding(tmp, NOT_FOR_SERVING)),
-        "no-xgrammar": lambda: start_server(tmp / "serve-no-xgrammar.log", serve_args=ARGS,
-                                            env=hiding(tmp, ("xgrammar",))),
-    }) as (started, _):
-        yield started
-
-
-@pytest.fixture(scope="module")
-def lean_server(servers):
-    return servers["lean"]
+    server = start_server(tmp / "serve.log", serve_args=ARGS, env=hiding(tmp, NOT_FOR_SERVING))
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_a_server_without_the_extras_answers_a_chat_and_a_json_schema_request(lean_server):
@@ -73,14 +63,17 @@ def test_a_server_without_the_extras_answers_a_chat_and_a_json_schema_request(le
     assert "Traceback" not in lean_server.log()
 
 
-def test_without_xgrammar_a_structured_request_is_a_400_naming_the_extra(servers):
-    server = servers["no-xgrammar"]
-    r = chat(server.base_url, response_format={"type": "json_schema",
-                                               "json_schema": {"name": "a", "schema": SCHEMA}})
-    assert r.status_code == 400, r.text
-    assert "pip install 'kvferry[structured]'" in r.json()["error"]["message"]
-    assert chat(server.base_url).status_code == 200  # and it keeps serving
-    assert "structured outputs" in server.log() and "Traceback" not in server.log()
+def test_without_xgrammar_a_structured_request_is_a_400_naming_the_extra(tmp_path):
+    server = start_server(tmp_path / "serve.log", serve_args=ARGS, env=hiding(tmp_path, ("xgrammar",)))
+    try:
+        r = chat(server.base_url, response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "a", "schema": SCHEMA}})
+        assert r.status_code == 400, r.text
+        assert "pip install 'kvferry[structured]'" in r.json()["error"]["message"]
+        assert chat(server.base_url).status_code == 200  # and it keeps serving
+        assert "structured outputs" in server.log() and "Traceback" not in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 @pytest.mark.parametrize("flags, module, extra", [
