@@ -41,12 +41,13 @@ def missing_reason(*names: str) -> str | None:
             "bench/llama_cpp_build.sh)")
 
 
-def quantize(src: Path, dst: Path, qtype: str, threads: int = 2) -> Path:
-    """``llama-quantize`` ``src`` into ``dst`` as ``qtype`` (requantizing a quantized file is allowed)."""
+def quantize(src: Path, dst: Path, qtype: str, threads: int = 2, flags: tuple[str, ...] = ()) -> Path:
+    """``llama-quantize`` ``src`` into ``dst`` as ``qtype`` (requantizing a quantized file is allowed);
+    ``flags``: more of its options (``--tensor-type attn_k=q8_0``: a mixed file)."""
     tool = llama_cpp_bin("llama-quantize")
     if tool is None:
         raise RuntimeError(missing_reason("llama-quantize"))
-    r = subprocess.run([str(tool), "--allow-requantize", str(src), str(dst), qtype, str(threads)],
+    r = subprocess.run([str(tool), "--allow-requantize", *flags, str(src), str(dst), qtype, str(threads)],
                        capture_output=True, text=True, timeout=1200)
     if r.returncode != 0:
         raise RuntimeError(f"llama-quantize failed ({r.returncode}):\n{r.stderr[-3000:]}")

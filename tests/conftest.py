@@ -47,3 +47,20 @@ def default_server(tmp_path_factory):
     from tests.serve.server_process import serve_for_tests
 
     yield from serve_for_tests(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="session")
+def disagg_server(tmp_path_factory):
+    """One real disaggregated ``kvferry serve`` (1 prefill + 1 decode core,
+    the test defaults otherwise) for the session: ``kvferry profile``'s
+    host-sharing test and the scaling test each started the same one.
+    Each user takes it at 1 + 1 and leaves it so (test_scale.py scales
+    both pools, then back with ``kvferry scale``); stopped, exit code 0
+    checked, at the end of the session."""
+    from tests.serve.server_process import start_server
+
+    srv = start_server(tmp_path_factory.mktemp("disagg") / "server.log",
+                       ["--mode", "disagg", "--prefill", "1", "--decode", "1"])
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"

@@ -196,7 +196,6 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "kvstore/mooncake_lib.py": {"mooncake": OPTIONAL},
     "kvstore/process.py": {"kvferry.kvstore.crypto": CLI, "kvferry.kvstore.disk": CLI,  # cryptography, xxhash
                            "kvferry.kvstore.cluster": CLI, "kvferry.kvstore.remote": OPTIONAL},  # redis
-    "model/build_kernels.py": {"kvferry.model.paged_kernel": NO_TORCH},          # the parent only spawns builds
     "model/gguf_convert.py": {"gguf": GGUF, "tokenizers": GGUF, "safetensors.torch": GGUF,
                               "kvferry.model.gguf_weights": "a cycle: gguf_weights reads through this module"},
     "model/gguf_weights.py": {"gguf": GGUF},

@@ -10,20 +10,21 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from kvferry.bench.profile_served import noise_ratios
 from kvferry.cli import main
 from kvferry.plan.latency import StepCostModel
-from tests.serve.server_process import start_server
 
 
 @pytest.fixture(scope="module")
-def disagg(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("disagg") / "server.log",
-                       ["--mode", "disagg", "--prefill", "1", "--decode", "1"])
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def disagg(disagg_server):
+    """The session's disaggregated server (conftest.py), at 1 prefill + 1
+    decode core (a no-op scale, unless a test scaled it before this one)."""
+    r = httpx.post(f"{disagg_server.base_url}/v1/admin/scale", json={"prefill": 1, "decode": 1}, timeout=600)
+    assert r.status_code == 200 and r.json()["after"] == {"prefill": 1, "decode": 1}, r.text
+    return disagg_server
 
 
 def test_disagg_profile_measures_host_sharing_and_simulate_applies_it(disagg, tmp_path, capsys):

@@ -9,14 +9,16 @@ file is served by a real ``kvferry serve`` without ``--quantization`` (the
 fixed real text, through the openai client's completions with echo and
 logprobs, is within 0.03 nats per token of the float model's for Q8_0 and
 0.2 for Q4_K_M (the issue's bounds). An IQ4_NL file (no native kernel) is
-dequantized at load, in one log line, and still answers.
+dequantized at load, in one log line, and still answers: IQ4_NL in its
+attention queries, Q8_0 elsewhere (llama-quantize's IQ4_NL search takes
+many times Q8_0's time a weight; the queries are a tenth of a layer's).
 
 llama.cpp is a dev tool, never a dependency: these tests skip where
 ``llama-quantize`` is not found (bench/llama_cpp_build.sh builds it)."""
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -50,14 +52,29 @@ def _kept(log: str, path: Path) -> tuple[int, int, bool]:
     return int(m[1]), int(m[2]), bool(m[3])
 
 
+# More llama-quantize options a file is made with: every linear tensor of
+# the IQ4_NL file but the queries Q8_0 (its token embedding is Q8_0 in any
+# case: llama-quantize's Q6_K for it needs rows of a multiple of 256).
+FLAGS = {"IQ4_NL": tuple(arg for t in ("attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+                         for arg in ("--tensor-type", f"{t}=q8_0"))}
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
-    """F32 (the float model), Q8_0 and Q4_K_M from it, and IQ4_NL; the
-    module's own model cache (conversions land there, not in the user's)."""
-    with own_model_cache(tmp_path_factory.mktemp("gguf-quality")) as tmp:
-        f32 = quantize(embedded_gguf_path(), tmp / "smollm2-f32.gguf", "F32")
-        yield {"F32": f32, **{q: quantize(f32, tmp / f"smollm2-{q.lower()}.gguf", q)
+def made(tmp_path_factory) -> dict[str, Future]:
+    """F32 (the float model), Q8_0 and Q4_K_M from it, and IQ4_NL, each a
+    future: made one after another in a thread of their own, while the
+    servers of the files already made start (served). The module's own
+    model cache (conversions land there, not in the user's)."""
+    with own_model_cache(tmp_path_factory.mktemp("gguf-quality")) as tmp, ThreadPoolExecutor(1) as quantizer:
+        f32 = quantizer.submit(quantize, embedded_gguf_path(), tmp / "smollm2-f32.gguf", "F32")
+        yield {"F32": f32, **{q: quantizer.submit(lambda q=q: quantize(f32.result(), tmp / f"smollm2-{q.lower()}.gguf",
+                                                                       q, flags=FLAGS.get(q, ())))
                               for q in ("Q8_0", "Q4_K_M", "IQ4_NL")}}
+
+
+@pytest.fixture(scope="module")
+def files(made) -> dict[str, Path]:
+    return {q: future.result() for q, future in made.items()}
 
 
 def _serve_text(path: Path, log: Path, *extra: str) -> tuple[float, str, str]:
@@ -79,16 +96,18 @@ def _serve_text(path: Path, log: Path, *extra: str) -> tuple[float, str, str]:
 
 # Each case: (file, extra serve flags). Two servers start at a time: on two
 # cores their start-ups (imports, loading: one core each) overlap, where one
-# after another they were most of this module's time.
+# after another they were most of this module's time. In this order, each
+# as soon as its file is made.
 CASES = {"F32": ("F32", ()), "Q8_0": ("Q8_0", ()), "Q4_K_M": ("Q4_K_M", ()),
          "none": ("Q8_0", ("--quantization", "none")), "IQ4_NL": ("IQ4_NL", ())}
 
 
 @pytest.fixture(scope="module")
-def served(files, tmp_path_factory) -> dict[str, tuple[float, str, str]]:
+def served(made, tmp_path_factory) -> dict[str, tuple[float, str, str]]:
     logs = tmp_path_factory.mktemp("logs")
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(_serve_text, files[f], logs / f"{name}.log", *extra)
+        futures = {name: pool.submit(lambda f=f, name=name, extra=extra:
+                                     _serve_text(made[f].result(), logs / f"{name}.log", *extra))
                    for name, (f, extra) in CASES.items()}
         return {name: fut.result() for name, fut in futures.items()}
 

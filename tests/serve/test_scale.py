@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.server_process import MODEL_NAME, ServerProcess, start_server
+from tests.serve.server_process import MODEL_NAME, ServerProcess
 
 PROMPTS = [
     "The capital of France is",
@@ -28,12 +28,10 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def disagg(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("scale") / "server.log",
-                       ["--mode", "disagg", "--prefill", "1", "--decode", "1"])
-    yield srv
-    code = srv.stop()
-    assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"
+def disagg(disagg_server):
+    """The session's disaggregated server (conftest.py), at 1 prefill + 1
+    decode core; test_kvferry_scale_command leaves it so again."""
+    return disagg_server
 
 
 def _greedy(client: openai.OpenAI, prompt: str, stream: bool) -> str:
