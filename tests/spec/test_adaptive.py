@@ -7,6 +7,7 @@ from kvferry.config import SpeculativeConfig
 from kvferry.core.request import Request, RequestStatus
 from kvferry.spec import speculation
 from kvferry.spec.adaptive import AdaptiveSpecController
+from kvferry.spec.history import TenantRecord
 from tests.spec.test_suffix import request
 
 # The hand-worked step sequences below measure each level in one step.
@@ -322,8 +323,9 @@ def test_a_tenant_starts_from_its_own_record_never_another_tenants():
 
 def test_a_tenants_record_is_kept_per_method_and_auto_s_choice_is_priced_by_its_own():
     """A tenant whose head drafts failed and whose suffix drafts held: its
-    next request drafts (its best record, suffix); where auto then falls to
-    the head (no suffix match), the head's record decides: no drafts, and
+    next request drafts (by its tenant's record over all methods); where
+    auto then falls to the head (no suffix match), the head's record
+    decides: no drafts, and
     the steps after ask no proposer (k = 0 by the head's record, O(1)) until
     a probe. Another tenant's request prices the head at the prior."""
     c = AdaptiveSpecController(4, 64, cost_aware=False, ewma_alpha=1.0, probe_interval=3, prior_acceptance=1.0,
@@ -339,9 +341,10 @@ def test_a_tenants_record_is_kept_per_method_and_auto_s_choice_is_priced_by_its_
     assert c.num_drafts("r0", 1, "t") == 4  # by suffix's record (1 after its probe held)
     c.observe("r0", 4, 4)
     c.forget("r0")
-    assert c.history.get("t") == {"head": 0.0, "suffix": 1.0}
-    assert c.num_drafts("r1", 1, "t") == 4  # its tenant's best: suffix
-    assert c.record("r1") == {"suffix": 1.0, "head": 0.0}
+    # Per method, and over all (5 of 9 drafts held), which an untried method (n-gram) starts from.
+    assert c.history.get("t") == TenantRecord(5 / 9, {"head": 0.0, "suffix": 1.0})
+    assert c.num_drafts("r1", 1, "t") == 2  # its tenant's over all methods: floor(5 / 9 * 5)
+    assert c.record("r1") == {"suffix": 1.0, "ngram": 5 / 9, "head": 0.0}
     assert c.allowed("r1", "head", 4) == 0  # no match: the head, which fails for t
     # O(1) decisions (the declined step counted as the first without drafts), a probe 3 steps on.
     assert [c.num_drafts("r1", 1, "t") for _ in range(4)] == [0, 1, 0, 0]
@@ -372,7 +375,7 @@ def test_a_probe_is_not_paid_by_a_head_with_no_record():
     assert c.num_drafts("h", 1, "v") == 1 and c.allowed("h", "head", 4) == 1
     c.observe("h", 1, 0)
     c.forget("h")
-    assert c.history.get("v") == {"head": 0.05}
+    assert c.history.get("v") == TenantRecord(0.05, {"head": 0.05})
     assert [c.num_drafts("r", 1, "v") for _ in range(2)] == [0, 1] and c.allowed("r", "head", 4) == 1
 
 
@@ -382,15 +385,15 @@ def test_tenant_records_are_bounded_least_recently_used_first_out():
         request_by(c, f"{tenant}0", tenant, [0])
     assert c.num_drafts("a1", 1, "a") == 2  # read: a is now the most recently used
     request_by(c, "c0", "c", [0])  # a third tenant: b, least recently used, goes
-    assert len(c.history) == 2 and c.history.get("b") == {}
+    assert len(c.history) == 2 and c.history.get("b") is None
     assert c.num_drafts("b1", 1, "b") == 4 and c.num_drafts("a2", 1, "a") == 2
 
 
 def test_auto_drafts_by_the_head_only_where_its_tenant_s_record_pays():
     """Method auto with a head, under the controller, as the scheduler runs
     it (k first, the proposer asked only for k > 0): tenant t's head drafts
-    failed. A new request of t whose text matches nothing starts on its
-    tenant's best record; auto falls to the head, which is declined: no
+    failed. A new request of t whose text matches nothing starts from its
+    tenant's record over all methods; auto falls to the head, which is declined: no
     slots reserved, and the next steps ask auto nothing. Tenant u's request,
     with nothing on record, drafts by the head from its first step."""
     spec = speculation(SpeculativeConfig(method="auto", model="head.safetensors", cost_aware=False))
@@ -412,14 +415,18 @@ def test_auto_drafts_by_the_head_only_where_its_tenant_s_record_pays():
         req.status = RequestStatus.FINISHED_LENGTH
         auto.finished(req)
 
-    for i, ks in enumerate(([2, 1, 1], [1, 1, 0])):  # from the prior (.5), then t's record; by the head: it fails
-        failing = request(f"t{i}", list(range(100 * i, 100 * i + 20)), tenant="t")
-        assert [len(step(failing)) for _ in range(3)] == ks
-        finish(failing)
-    assert budget.history.get("t") == {"head": 0.125}  # floor(.125 * 5): no drafts
+    # Tenant t's record: its suffix drafts held, its head's failed (its requests as auto named the methods).
+    for i in range(2):
+        budget.num_drafts(f"t{i}", 1, "t")
+        budget.observe(f"t{i}", budget.allowed(f"t{i}", "suffix", 2), 2)
+        budget.num_drafts(f"t{i}", 1, "t")
+        budget.observe(f"t{i}", budget.allowed(f"t{i}", "head", 4), 0)
+        budget.forget(f"t{i}")
+    record = budget.history.get("t")  # over all: half of .5 (2 of 4 held) and of 2 / 3
+    assert record.methods == {"suffix": 0.875, "head": 0.125} and abs(record.overall - 7 / 12) < 1e-12
     chat = request("t2", list(range(300, 320)), tenant="t")
     chosen = sum(auto.num_chosen.values())
-    assert step(chat) == [] and "t2" not in auto.head_requests  # suffix's prior pays; the head's record not
+    assert step(chat) == [] and "t2" not in auto.head_requests  # t over all (.58) pays; the head (.125) not
     assert sum(auto.num_chosen.values()) == chosen + 1
     assert [step(chat) for _ in range(6)] == [[]] * 6
     assert sum(auto.num_chosen.values()) == chosen + 1  # k = 0 by the head's record: auto not asked

@@ -12,7 +12,7 @@ Four rules, all cheap and deterministic:
   request starts without drafting, and where they hold it drafts from its
   first step, whatever other tenants' drafts do. Its k follows the
   acceptance of the method it last drafted by (a new request: its
-  tenant's best), an O(1) decision, so that a step where nothing drafts
+  tenant's over all methods, the kind of its traffic), an O(1) decision, so that a step where nothing drafts
   asks no proposer anything; where auto then drafts by another method (a
   match found, or none), ``allowed`` decides again by that method's. It gets a
   level's drafts only where its expected tokens per step, ``1 + ewma * L``,
@@ -213,11 +213,12 @@ _MAX_PROBE_BACKOFF = 3
 @dataclass(slots=True)
 class _RequestSpecState:
     # Per draft method (one, "", but for method auto): EWMA of accepted /
-    # proposed, from the tenant's record of the method (``TenantHistory``).
+    # proposed, from the tenant's record (``TenantHistory``).
     acceptance: dict[str, float]
     known: set[str]  # methods with a record: the tenant's, or the request's own verified drafts
+    start: float  # before its first proposal: its tenant's acceptance over all methods
     tenant: str = ""  # whose record it starts from and adds to
-    method: str = ""  # whose draft its latest proposal was ("": none yet)
+    method: str | None = None  # whose draft its latest proposal was (None: none yet)
     steps_without_drafts: int = 0  # decode steps at k = 0 since the last probe
     failed_probes: int = 0  # probes in a row whose draft failed (each doubles the wait)
     probed: bool = False  # the drafts now being verified are a probe
@@ -232,13 +233,13 @@ class _RequestSpecState:
     def probe_wait(self, interval: int) -> int:
         return interval << min(self.failed_probes, _MAX_PROBE_BACKOFF)
 
-    def current(self) -> str:
-        """The method its next drafts are expected from: its latest
-        proposal's, else (a new request) the one with the best record (the
-        first on ties: the order of preference)."""
-        if self.method:
-            return self.method
-        return max(self.acceptance, key=self.acceptance.__getitem__)
+    def expected(self) -> tuple[float, int]:
+        """The acceptance its next drafts are expected at, and the proposals
+        verified behind it: its latest proposal's method's, else (a new
+        request) its tenant's over all methods, the kind of its traffic."""
+        if self.method is None:
+            return self.start, 0
+        return self.acceptance[self.method], self.verified.get(self.method, 0)
 
 
 class AdaptiveSpecController:
@@ -333,8 +334,9 @@ class AdaptiveSpecController:
         return max(rates) if rates else None
 
     def num_drafts(self, request_id: str, num_running: int, tenant: str = "") -> int:
-        """k for this request's next decode step (call once per step), by the
-        acceptance of the method its drafts are expected from (``current``):
+        """k for this request's next decode step (call once per step), at the
+        acceptance its drafts are expected at (``expected``: its latest
+        proposal's method's; a new request's, its tenant's over all methods):
         O(1), so that a step where nothing drafts costs the proposers
         nothing (the scheduler asks them only for k > 0). Where the proposer
         then drafts by another method, ``allowed`` decides again."""
@@ -346,7 +348,7 @@ class AdaptiveSpecController:
         state = self._state(request_id, tenant)
         state.probed = False
         state.num_running, state.cap = num_running, cap
-        k = self._decide(state, state.current())
+        k = self._decide(state, *state.expected())
         if k > 0:
             state.steps_without_drafts = 0
             return k
@@ -369,7 +371,7 @@ class AdaptiveSpecController:
         state = self._states.get(request_id)
         if state is None or not self.adaptive or num_drafts <= 0:
             return num_drafts
-        decided, state.method = state.current(), method
+        decided, state.method = state.method, method
         if state.probed:
             if method in self.blind_methods and method not in state.known:
                 state.probed = False
@@ -377,15 +379,14 @@ class AdaptiveSpecController:
             return min(num_drafts, 1)
         if method == decided:
             return num_drafts
-        k = min(num_drafts, self._decide(state, method))
+        k = min(num_drafts, self._decide(state, *state.expected()))
         if k == 0:
             state.steps_without_drafts += 1
         return k
 
-    def _decide(self, state: _RequestSpecState, method: str) -> int:
+    def _decide(self, state: _RequestSpecState, acceptance: float, verified: int) -> int:
         """Drafts for the request this step (``state.num_running``, ``state.cap``)
-        by ``method``'s acceptance, before probes."""
-        acceptance, verified = state.acceptance[method], state.verified.get(method, 0)
+        at ``acceptance`` (``verified``: proposals behind it), before probes."""
         cost = self._costs.get(state.num_running.bit_length()) if self.cost_aware else None
         if cost is not None and state.num_running == 1 and cost.measured(0):
             return self._best_alone(acceptance, verified, cost)
@@ -426,8 +427,15 @@ class AdaptiveSpecController:
         state = self._states.get(request_id)
         if state is None:
             record = self.history.get(tenant)
-            acceptance = {m: record.get(m, self.prior_acceptance) for m in self.methods}
-            state = self._states[request_id] = _RequestSpecState(acceptance, set(record) & set(self.methods), tenant)
+            if record is None:
+                acceptance, known = dict.fromkeys(self.methods, self.prior_acceptance), set()
+            else:
+                acceptance = {m: record.acceptance(m) for m in self.methods}
+                known = set(record.methods) & set(self.methods)
+            start = self.prior_acceptance if record is None else record.overall
+            # One method: every proposal is its (auto names each one's: ``allowed``).
+            method = self.methods[0] if len(self.methods) == 1 else None
+            state = self._states[request_id] = _RequestSpecState(acceptance, known, start, tenant, method)
         return state
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -439,7 +447,9 @@ class AdaptiveSpecController:
         if num_drafts <= 0 or not self.adaptive:
             return
         state = self._state(request_id)
-        method = state.current()
+        if state.method is None:  # verified with no method named (auto not wired to a controller)
+            state.method = self.methods[0]
+        method = state.method
         # Weighed by the drafts verified: a one-draft probe that held is
         # weak evidence, and must not undo a run of rejected full drafts.
         a = 1.0 - (1.0 - self.ewma_alpha) ** (min(num_drafts, self.k_max) / self.k_max)
@@ -453,18 +463,23 @@ class AdaptiveSpecController:
             state.probed = False
 
     def record(self, request_id: str) -> dict[str, float]:
-        """The request's acceptance per method with a record (its tenant's
-        finished requests', or its own verified drafts'); empty where none."""
+        """The request's acceptance per method where anything is on record
+        (its tenant's finished requests', or its own verified drafts'; a
+        method with none at the tenant's over all methods); empty where
+        nothing is."""
         state = self._states.get(request_id)
-        return {} if state is None else {m: state.acceptance[m] for m in self.methods if m in state.known}
+        if state is None or not (state.known or self.history.get(state.tenant)):
+            return {}
+        return dict(state.acceptance)
 
     def acceptance(self, request_id: str, tenant: str = "") -> float:
-        """The request's acceptance by its current method (a request not
-        seen yet: its tenant's best record, or the prior)."""
+        """The acceptance the request's next drafts are expected at (a
+        request not seen yet: its tenant's over all methods, or the prior)."""
         state = self._states.get(request_id)
         if state is not None:
-            return state.acceptance[state.current()]
-        return max(self.history.get(tenant).values(), default=self.prior_acceptance)
+            return state.expected()[0]
+        record = self.history.get(tenant)
+        return self.prior_acceptance if record is None else record.overall
 
     def forget(self, request_id: str) -> None:
         """A finished request: per method, the share of its drafts that held
@@ -473,5 +488,4 @@ class AdaptiveSpecController:
         where the tenant's next requests start."""
         state = self._states.pop(request_id, None)
         if state is not None:
-            for method, drafted in state.drafted.items():
-                self.history.add(state.tenant, method, drafted, state.accepted[method])
+            self.history.add(state.tenant, state.drafted, state.accepted)

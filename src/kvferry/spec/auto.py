@@ -48,15 +48,13 @@ HEAD = "head"
 class DraftSelection(Protocol):
     """The controller's side of auto's choice (``spec.adaptive``)."""
 
-    prior_acceptance: float  # a method's acceptance where nothing is on record
-
     def allowed(self, request_id: str, method: str, num_drafts: int) -> int:
         """How many of a draft by ``method`` the request verifies this step."""
         ...
 
     def record(self, request_id: str) -> dict[str, float]:
-        """The acceptance per method with a record (the request's tenant's
-        or its own); empty where none."""
+        """The acceptance per method where anything is on record (the
+        request's tenant's or its own); empty where nothing is."""
         ...
 
 
@@ -118,17 +116,14 @@ class AutoProposer:
         return draft
 
     def _start_scores(self, rid: str) -> dict[str, float]:
-        """A new request's scores: where the controller has a record of a
-        method for it (its tenant's), the tokens a proposal of k drafts held
-        at that acceptance, so that a tenant's request starts on what held for
-        the tenant; the others as if each held one token a proposal (the
-        order of preference breaks ties)."""
+        """A new request's scores: where the controller has a record for it
+        (its tenant's), the tokens a proposal of k drafts held at each
+        method's acceptance, so that a tenant's request starts on what held
+        for the tenant; else as if each held one token a proposal (the order
+        of preference breaks ties)."""
         record = self.selection.record(rid) if self.selection is not None else {}
-        if not record:
-            return {name: 1.0 for name in self.proposers}
         k = self.suffix.k
-        unknown = self.selection.prior_acceptance * k
-        return {name: record[name] * k if name in record else unknown for name in self.proposers}
+        return {name: record[name] * k if name in record else 1.0 for name in self.proposers}
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verified proposal's outcome: the head's score, when it drafted."""
