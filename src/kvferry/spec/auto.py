@@ -75,6 +75,7 @@ class AutoProposer:
         if head is not None:
             self.proposers[HEAD] = head
         self.suffix = suffix
+        self.k = suffix.k  # drafts a proposal makes at most (a tenant's record's scale: ``_start_scores``)
         self.alpha = ewma_alpha
         self._states: dict[str, _AutoState] = {}
         self.num_chosen = {name: 0 for name in self.proposers}  # proposals each one won (stats, tests)
@@ -122,8 +123,7 @@ class AutoProposer:
         for the tenant; else as if each held one token a proposal (the order
         of preference breaks ties)."""
         record = self.selection.record(rid) if self.selection is not None else {}
-        k = self.suffix.k
-        return {name: record[name] * k if name in record else 1.0 for name in self.proposers}
+        return {name: record[name] * self.k if name in record else 1.0 for name in self.proposers}
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verified proposal's outcome: the head's score, when it drafted."""
