@@ -17,7 +17,13 @@ and per class the median wall and CPU ms, with the drafts' acceptance and
 the proposer auto chose. Each request's sequence of k (``--ks``) shows the
 controller's learning phase and its probes.
 
-    python bench/spec_default_steps.py chat [--n 6] [--tokens 64] [--specs off default]
+With ``--batch B`` each round is one ``generate`` of B prompts (decode
+steps at batch B, all prompts finishing together): at a batch where the
+default drafts nothing (16 and up), its steps should cost what plain
+decoding's do, and its scheduler share (``propose_ms``: the controller's
+O(1) decision per request; no proposer is asked) should stay in the noise.
+
+    python bench/spec_default_steps.py chat [--n 6] [--tokens 64] [--specs off default] [--batch 1]
 """
 from __future__ import annotations
 
@@ -93,7 +99,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--specs", nargs="+", default=["off", "default"])
     ap.add_argument("--ks", action="store_true", help="print each request's k per step")
-    ap.add_argument("--skip", type=int, default=0, help="requests run before timing (a warm controller)")
+    ap.add_argument("--skip", type=int, default=0, help="rounds run before timing (a warm controller)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per round, decoded together")
+    ap.add_argument("--kv-gb", type=float, default=0.5, help="KV cache per engine (more for large batches)")
     a = ap.parse_args()
     import torch
 
@@ -102,26 +110,28 @@ def main() -> None:
     from spec_default import chat_prompts, code_prompts
 
     engines = {s: LLM(speculative=None if s == "off" else s if s == "default" else json.loads(s),
-                      kv_cache_memory_gb=0.5, max_num_seqs=64) for s in a.specs}
+                      kv_cache_memory_gb=a.kv_gb, max_num_seqs=max(64, a.batch)) for s in a.specs}
     tok = engines[a.specs[0]].tokenizer
-    prompts = (chat_prompts if a.workload == "chat" else code_prompts)(tok, a.n + a.skip)
+    prompts = (chat_prompts if a.workload == "chat" else code_prompts)(tok, (a.n + a.skip) * a.batch)
+    rounds = [prompts[i * a.batch : (i + 1) * a.batch] for i in range(len(prompts) // a.batch)]
     sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
     for e in engines.values():
         e.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
-        e.generate(prompts[: a.skip], sp) if a.skip else None
+        for group in rounds[: a.skip]:
+            e.generate(group, sp)
     records = {s: [] for s in engines}
     for s, e in engines.items():
         instrument(e, records[s])
     before = {s: e.engine.core.stats() for s, e in engines.items()}
     cpu = defaultdict(float)
     toks = defaultdict(int)
-    for i, p in enumerate(prompts[a.skip:]):
+    for i, group in enumerate(rounds[a.skip:]):
         for s in (a.specs if i % 2 == 0 else list(reversed(a.specs))):
             start = len(records[s])
             c0 = time.process_time()
-            out = engines[s].generate([p], sp)[0]
+            outs = engines[s].generate(group, sp)
             cpu[s] += time.process_time() - c0
-            toks[s] += len(out.outputs[0].token_ids)
+            toks[s] += sum(len(out.outputs[0].token_ids) for out in outs)
             if a.ks and s != "off":
                 print(f"  req {i} {s} k:", "".join(str(r["k"]) for r in records[s][start:] if r["decode"]))
     for s, recs in records.items():
@@ -133,7 +143,8 @@ def main() -> None:
         summary = {}
         for name, rows in sorted(classes.items()):
             keys = sorted({k for r in rows for k in r if k not in ("decode", "k", "n")})
-            summary[name] = {"steps": len(rows), **{f"{k}_ms": round(statistics.median(r.get(k, 0.0) for r in rows) * 1e3, 2)
+            summary[name] = {"steps": len(rows), "batch": statistics.median(r["n"] for r in rows),
+                             **{f"{k}_ms": round(statistics.median(r.get(k, 0.0) for r in rows) * 1e3, 2)
                                                     for k in keys}}
         proposer = engines[s].engine.core.scheduler.proposer
         chosen = getattr(proposer, "num_chosen", None)

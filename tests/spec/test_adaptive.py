@@ -1,7 +1,14 @@
 """The adaptive controller alone: deterministic inputs, exact k sequences."""
 from __future__ import annotations
 
+import itertools
+
+from kvferry.config import SpeculativeConfig
+from kvferry.core.request import Request, RequestStatus
+from kvferry.spec import speculation
 from kvferry.spec.adaptive import AdaptiveSpecController
+from kvferry.spec.history import TenantRecord
+from tests.spec.test_suffix import request
 
 # The hand-worked step sequences below measure each level in one step.
 ONE_SAMPLE = {"cost_warmup_steps": 0, "cost_min_samples": 1}
@@ -281,3 +288,147 @@ def test_before_costs_are_known_a_modest_acceptance_does_not_draft():
         ks.append(k)
         c.observe_step(1, k, 1.0)
     assert ks == [0] * 7
+
+
+# -- scoped records: per tenant, per method (auto's choices) --------------------------------------------------------
+AUTO_METHODS = {"methods": ("suffix", "ngram", "head"), "blind_methods": ("head",)}
+
+
+def request_by(c: AdaptiveSpecController, rid: str, tenant: str, accepted: list[int], method: str = "") -> list[int]:
+    """A request of ``tenant``: k each step (its drafts by ``method``, where
+    given: auto's choice), each accepting ``accepted[i]`` of them; then finished."""
+    ks = []
+    for n in accepted:
+        k = c.num_drafts(rid, 1, tenant)
+        if k and method:
+            k = min(k, c.allowed(rid, method, k))
+        ks.append(k)
+        if k:
+            c.observe(rid, k, min(n, k))
+    c.forget(rid)
+    return ks
+
+
+def test_a_tenant_starts_from_its_own_record_never_another_tenants():
+    """Tenant a's drafts fail; tenant b's first request still drafts k_max
+    from its first step (a fresh tenant starts from the prior), and b's
+    held drafts do not raise a's next start either."""
+    c = AdaptiveSpecController(4, 64, **ACCEPTANCE_ONLY)
+    assert request_by(c, "a0", "a", [0]) == [4]  # 1 -> record .5 (EWMA over requests of their share held: 0)
+    assert request_by(c, "a1", "a", [0]) == [2]  # starts at .5: floor(.5 * 5); record .25
+    assert request_by(c, "b0", "b", [4, 4]) == [4, 4]  # b: nothing on record, the prior (1 here)
+    assert request_by(c, "a2", "a", [1]) == [1]  # a: .25, whatever b did
+    assert c.acceptance("new", "b") == 1.0 and c.acceptance("new", "a") == 0.5 * 0.25 + 0.5 * 1.0
+
+
+def test_a_tenants_record_is_kept_per_method_and_auto_s_choice_is_priced_by_its_own():
+    """A tenant whose head drafts failed and whose suffix drafts held: its
+    next request drafts (by its tenant's record over all methods); where
+    auto then falls to the head (no suffix match), the head's record
+    decides: no drafts, and
+    the steps after ask no proposer (k = 0 by the head's record, O(1)) until
+    a probe. Another tenant's request prices the head at the prior."""
+    c = AdaptiveSpecController(4, 64, cost_aware=False, ewma_alpha=1.0, probe_interval=3, prior_acceptance=1.0,
+                               **AUTO_METHODS)
+    assert c.num_drafts("r0", 1, "t") == 4  # every method at the prior (1 here)
+    assert c.allowed("r0", "head", 4) == 4
+    c.observe("r0", 4, 0)
+    assert c.num_drafts("r0", 1, "t") == 0  # the head's record now: 0
+    assert c.num_drafts("r0", 1, "t") == 0
+    assert c.num_drafts("r0", 1, "t") == 1  # a probe: auto finds a suffix match
+    assert c.allowed("r0", "suffix", 4) == 1
+    c.observe("r0", 1, 1)
+    assert c.num_drafts("r0", 1, "t") == 4  # by suffix's record (1 after its probe held)
+    c.observe("r0", 4, 4)
+    c.forget("r0")
+    # Per method, and over all (5 of 9 drafts held), which an untried method (n-gram) starts from.
+    assert c.history.get("t") == TenantRecord(5 / 9, {"head": 0.0, "suffix": 1.0})
+    assert c.num_drafts("r1", 1, "t") == 2  # its tenant's over all methods: floor(5 / 9 * 5)
+    assert c.record("r1") == {"suffix": 1.0, "ngram": 5 / 9, "head": 0.0}
+    assert c.allowed("r1", "head", 4) == 0  # no match: the head, which fails for t
+    # O(1) decisions (the declined step counted as the first without drafts), a probe 3 steps on.
+    assert [c.num_drafts("r1", 1, "t") for _ in range(4)] == [0, 1, 0, 0]
+    assert c.num_drafts("u0", 1, "u") == 4 and c.allowed("u0", "head", 4) == 4  # u: the prior
+
+
+def test_a_probe_is_not_paid_by_a_head_with_no_record():
+    """A request at k = 0 probes every few steps; where auto's lookup finds
+    no match it would fall to the head, which drafts whatever the text: with
+    no record of the head (the request's or its tenant's) the probe is
+    declined (and the wait does not double: nothing failed); a suffix match
+    pays it; a head with a record pays it."""
+    c = AdaptiveSpecController(4, 64, cost_aware=False, probe_interval=2, prior_acceptance=0.1, **AUTO_METHODS)
+    ks = []
+    for method in ("head", "head", "suffix", "head", "head"):
+        while (k := c.num_drafts("r", 1, "t")) == 0:
+            ks.append(0)
+        ks.append(c.allowed("r", method, k))
+        if ks[-1]:
+            c.observe("r", ks[-1], 0)
+    # Declined, declined, a suffix probe (fails: the wait doubles to 4), declined, declined.
+    assert ks == [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    c.forget("r")
+    # Tenant v: a request whose one head probe was paid (and failed): the head is on v's record.
+    c = AdaptiveSpecController(4, 64, cost_aware=False, probe_interval=2, prior_acceptance=0.1, **AUTO_METHODS)
+    c.num_drafts("h", 1, "v")
+    c._states["h"].known.add("head")
+    assert c.num_drafts("h", 1, "v") == 1 and c.allowed("h", "head", 4) == 1
+    c.observe("h", 1, 0)
+    c.forget("h")
+    assert c.history.get("v") == TenantRecord(0.05, {"head": 0.05})
+    assert [c.num_drafts("r", 1, "v") for _ in range(2)] == [0, 1] and c.allowed("r", "head", 4) == 1
+
+
+def test_tenant_records_are_bounded_least_recently_used_first_out():
+    c = AdaptiveSpecController(4, 64, **ACCEPTANCE_ONLY, max_tenants=2)
+    for tenant in ("a", "b"):
+        request_by(c, f"{tenant}0", tenant, [0])
+    assert c.num_drafts("a1", 1, "a") == 2  # read: a is now the most recently used
+    request_by(c, "c0", "c", [0])  # a third tenant: b, least recently used, goes
+    assert len(c.history) == 2 and c.history.get("b") is None
+    assert c.num_drafts("b1", 1, "b") == 4 and c.num_drafts("a2", 1, "a") == 2
+
+
+def test_auto_drafts_by_the_head_only_where_its_tenant_s_record_pays():
+    """Method auto with a head, under the controller, as the scheduler runs
+    it (k first, the proposer asked only for k > 0): tenant t's head drafts
+    failed. A new request of t whose text matches nothing starts from its
+    tenant's record over all methods; auto falls to the head, which is declined: no
+    slots reserved, and the next steps ask auto nothing. Tenant u's request,
+    with nothing on record, drafts by the head from its first step."""
+    spec = speculation(SpeculativeConfig(method="auto", model="head.safetensors", cost_aware=False))
+    auto, budget = spec["proposer"], spec["draft_budget"]
+    assert auto.selection is budget and budget.methods == ("suffix", "ngram", "head")
+
+    fresh = itertools.count(1000)  # token ids no text has yet
+
+    def step(req: Request) -> list[int]:
+        k = budget.num_drafts(req.request_id, 1, req.tenant)
+        drafts = auto.propose(req)[:k] if k else []
+        req.append_output_token(next(fresh))  # new text: no draft holds, nothing repeats
+        if drafts:
+            budget.observe(req.request_id, len(drafts), 0)
+        return drafts
+
+    def finish(req: Request) -> None:
+        budget.forget(req.request_id)
+        req.status = RequestStatus.FINISHED_LENGTH
+        auto.finished(req)
+
+    # Tenant t's record: its suffix drafts held, its head's failed (its requests as auto named the methods).
+    for i in range(2):
+        budget.num_drafts(f"t{i}", 1, "t")
+        budget.observe(f"t{i}", budget.allowed(f"t{i}", "suffix", 2), 2)
+        budget.num_drafts(f"t{i}", 1, "t")
+        budget.observe(f"t{i}", budget.allowed(f"t{i}", "head", 4), 0)
+        budget.forget(f"t{i}")
+    record = budget.history.get("t")  # over all: half of .5 (2 of 4 held) and of 2 / 3
+    assert record.methods == {"suffix": 0.875, "head": 0.125} and abs(record.overall - 7 / 12) < 1e-12
+    chat = request("t2", list(range(300, 320)), tenant="t")
+    chosen = sum(auto.num_chosen.values())
+    assert step(chat) == [] and "t2" not in auto.head_requests  # t over all (.58) pays; the head (.125) not
+    assert sum(auto.num_chosen.values()) == chosen + 1
+    assert [step(chat) for _ in range(6)] == [[]] * 6
+    assert sum(auto.num_chosen.values()) == chosen + 1  # k = 0 by the head's record: auto not asked
+    other = request("u0", list(range(400, 420)), tenant="u")
+    assert len(step(other)) == 2 and "u0" in auto.head_requests

@@ -24,7 +24,9 @@ class DraftBudget(Protocol):
     """Decides each request's k per step and learns from verification
     (``kvferry.spec.AdaptiveSpecController``)."""
 
-    def num_drafts(self, request_id: str, num_running: int) -> int: ...
+    def num_drafts(self, request_id: str, num_running: int, tenant: str = "") -> int:
+        """k for the request's next step (``tenant``: whose record it starts from)."""
+        ...
 
     def max_drafts(self, num_running: int) -> int:
         """The most drafts any request may get at this batch size (no side

@@ -165,7 +165,7 @@ class Scheduler:
     def _proposal(self, request: Request, num_running: int) -> list[int]:
         k = self.num_speculative_tokens
         if self.draft_budget is not None:
-            k = min(k, self.draft_budget.num_drafts(request.request_id, num_running))
+            k = min(k, self.draft_budget.num_drafts(request.request_id, num_running, request.tenant))
         return self.proposer.propose(request)[:k] if k > 0 else []
 
     def _admission_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:

@@ -8,7 +8,7 @@ never output.
 """
 from kvferry.config import SpeculativeConfig
 from kvferry.spec.adaptive import AdaptiveSpecController
-from kvferry.spec.auto import AutoProposer
+from kvferry.spec.auto import HEAD, AutoProposer
 from kvferry.spec.ngram import NgramProposer
 from kvferry.spec.reserved import ReservedDraftSlots
 from kvferry.spec.suffix import SuffixProposer
@@ -65,14 +65,16 @@ def speculation(config: SpeculativeConfig | None) -> dict:
                                 head=ReservedDraftSlots(k) if auto_with_head(config) else None)
     else:  # the runner drafts (kvferry.spec.draft_model); the scheduler reserves slots
         proposer = ReservedDraftSlots(k)
-    on_verified = proposer.observe if isinstance(proposer, AutoProposer) and proposer.has_head else None
-    return {
-        "proposer": proposer,
-        "num_speculative_tokens": k,
-        "draft_budget": AdaptiveSpecController(k, config.batch_token_threshold,
-                                               probe_interval=config.probe_interval, adaptive=config.adaptive,
-                                               cost_aware=config.cost_aware, on_verified=on_verified),
-    }
+    auto = isinstance(proposer, AutoProposer)
+    on_verified = proposer.observe if auto and proposer.has_head else None
+    # Records per tenant and per method: auto's choices kept apart (it names each proposal's method).
+    methods = tuple(proposer.proposers) if auto else (config.method,)
+    budget = AdaptiveSpecController(k, config.batch_token_threshold, probe_interval=config.probe_interval,
+                                    adaptive=config.adaptive, cost_aware=config.cost_aware, on_verified=on_verified,
+                                    methods=methods, blind_methods=(HEAD,) if auto else ())
+    if auto:
+        proposer.selection = budget
+    return {"proposer": proposer, "num_speculative_tokens": k, "draft_budget": budget}
 
 
 def _suffix(config: SpeculativeConfig) -> SuffixProposer:

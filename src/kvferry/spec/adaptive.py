@@ -2,12 +2,19 @@
 
 Four rules, all cheap and deterministic:
 
-- **Acceptance.** Each request keeps an EWMA of accepted / proposed drafts,
-  each proposal weighed by its number of drafts (``ewma_alpha`` for k_max).
-  A new request starts from the acceptance its finished predecessors ended
-  with (an EWMA over requests; ``PRIOR_ACCEPTANCE``, neutral, on a fresh
-  controller), so that where drafts fail a new request starts without
-  drafting, and where they hold it drafts from its first step. It gets a
+- **Acceptance.** Each request keeps an EWMA of accepted / proposed drafts
+  per draft method (suffix, n-gram, head: method auto's choices; one for
+  any other method), each proposal weighed by its number of drafts
+  (``ewma_alpha`` for k_max). A new request starts from the acceptance its
+  tenant's finished requests ended with, per method (an EWMA over
+  requests, ``spec.history``; ``PRIOR_ACCEPTANCE``, neutral, where the
+  tenant has no record), so that where a tenant's drafts fail its new
+  request starts without drafting, and where they hold it drafts from its
+  first step, whatever other tenants' drafts do. Its k follows the
+  acceptance of the method it last drafted by (a new request: its
+  tenant's over all methods, the kind of its traffic), an O(1) decision, so that a step where nothing drafts
+  asks no proposer anything; where auto then drafts by another method (a
+  match found, or none), ``allowed`` decides again by that method's. It gets a
   level's drafts only where its expected tokens per step, ``1 + ewma * L``,
   pay the level's cost (the step's seconds over plain decoding's, measured
   or estimated: below) by ``PAY_MARGIN``. A request that stops drafting
@@ -15,7 +22,9 @@ Four rules, all cheap and deterministic:
   that fails doubles the wait (up to 8x), one that holds resets it, so
   that a text that never matches costs a probe in 64 steps, and a text
   that turns repetitive later (a quoted passage, code) wins its drafts
-  back.
+  back. A probe drafts only where a proposer found a match: one that would
+  fall to a head (``blind_methods``, which drafts whatever the text) whose
+  acceptance has no record, the request's or its tenant's, is declined.
 - **Batch size.** Verification costs ``k + 1`` token slots per request.
   Drafts are cut so that ``num_running * (k + 1)`` stays within
   ``batch_token_threshold``: at large batches decode is already
@@ -60,7 +69,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvferry.spec.history import MAX_TENANTS, TenantHistory
 
 
 @dataclass(slots=True)
@@ -182,9 +193,9 @@ MIN_DRAFT_COST = 0.05
 # so that only a request whose acceptance is well above a quarter drafts
 # before the costs are known.
 PRIOR_DRAFT_COST = 0.25
-# A fresh controller's acceptance for a new request (before any request
-# finished): neutral. Afterwards a new request starts from what finished
-# requests measured (``_prior``).
+# A fresh controller's acceptance for a new request (before any request of
+# its tenant finished): neutral. Afterwards a new request starts from what
+# its tenant's finished requests measured (``spec.history``).
 PRIOR_ACCEPTANCE = 0.5
 # Drafting must beat plain decoding by this share on the estimates: near
 # break-even, drafts gain nothing on average and only add noise (a step
@@ -201,16 +212,34 @@ _MAX_PROBE_BACKOFF = 3
 
 @dataclass(slots=True)
 class _RequestSpecState:
-    acceptance: float = 1.0  # EWMA of accepted / proposed
+    # Per draft method (one, "", but for method auto): EWMA of accepted /
+    # proposed, from the tenant's record (``TenantHistory``).
+    acceptance: dict[str, float]
+    known: set[str]  # methods with a record: the tenant's, or the request's own verified drafts
+    start: float  # before its first proposal: its tenant's acceptance over all methods
+    tenant: str = ""  # whose record it starts from and adds to
+    method: str | None = None  # whose draft its latest proposal was (None: none yet)
     steps_without_drafts: int = 0  # decode steps at k = 0 since the last probe
     failed_probes: int = 0  # probes in a row whose draft failed (each doubles the wait)
     probed: bool = False  # the drafts now being verified are a probe
-    verified: int = 0  # proposals verified (0: nothing learned to pass on)
-    drafted: int = 0  # draft tokens verified over the request's life
-    accepted: int = 0  # of which accepted
+    num_running: int = 0  # this step's batch and level (``allowed`` decides with them)
+    cap: int = 0
+    # Per method over the request's life: proposals verified (none: nothing
+    # learned to pass on), draft tokens verified, of which accepted.
+    verified: dict[str, int] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
 
     def probe_wait(self, interval: int) -> int:
         return interval << min(self.failed_probes, _MAX_PROBE_BACKOFF)
+
+    def expected(self) -> tuple[float, int]:
+        """The acceptance its next drafts are expected at, and the proposals
+        verified behind it: its latest proposal's method's, else (a new
+        request) its tenant's over all methods, the kind of its traffic."""
+        if self.method is None:
+            return self.start, 0
+        return self.acceptance[self.method], self.verified.get(self.method, 0)
 
 
 class AdaptiveSpecController:
@@ -218,11 +247,23 @@ class AdaptiveSpecController:
                  probe_interval: int = 8, adaptive: bool = True, cost_aware: bool = True,
                  cost_probe_steps: int = 32, cost_alpha: float = 0.2, cost_warmup_steps: int = 1,
                  cost_min_samples: int = 8, prior_acceptance: float = PRIOR_ACCEPTANCE,
-                 on_verified: "Callable[[str, int, int], None] | None" = None) -> None:
+                 on_verified: "Callable[[str, int, int], None] | None" = None,
+                 methods: tuple[str, ...] = ("",), blind_methods: tuple[str, ...] = (),
+                 max_tenants: int = MAX_TENANTS) -> None:
         """``on_verified(request_id, num_drafts, num_accepted)``: told of each
         verified proposal too (method auto scores the head by it);
-        ``prior_acceptance``: a new request's acceptance until a request finished."""
+        ``prior_acceptance``: a new request's acceptance where its tenant has
+        no record of the method; ``methods``: the draft methods whose records
+        are kept apart (auto's choices, in its order of preference; auto names
+        the one behind each proposal: ``allowed``); ``blind_methods``: those
+        that draft whatever the text (a head), which probe only where their
+        acceptance has a record; ``max_tenants``: tenants whose records are
+        kept (least recently used first out)."""
+        if not methods:
+            raise ValueError("methods must name at least one draft method")
         self.k_max = k_max
+        self.methods = methods
+        self.blind_methods = frozenset(blind_methods)
         self.on_verified = on_verified
         self.batch_token_threshold = batch_token_threshold
         self.ewma_alpha = ewma_alpha
@@ -236,8 +277,10 @@ class AdaptiveSpecController:
         self._states: dict[str, _RequestSpecState] = {}
         self._costs: dict[int, _BucketCost] = {}
         self._step_accepted = 0  # accepted drafts reported since the last observe_step
-        # Where a new request starts: its finished predecessors' acceptance (EWMA).
-        self._prior = prior_acceptance
+        # Where a new request starts: its tenant's finished requests' acceptance
+        # per method (EWMA), or the prior where the tenant has no record.
+        self.prior_acceptance = prior_acceptance
+        self.history = TenantHistory(prior_acceptance, ewma_alpha, max_tenants)
         self._step_probes = 0  # one-draft probes given for the step now running
 
     def _new_bucket(self) -> _BucketCost:
@@ -290,24 +333,22 @@ class AdaptiveSpecController:
         rates = [r for r in (cost.rate(level) for level in range(1, self.k_max + 1)) if r is not None]
         return max(rates) if rates else None
 
-    def num_drafts(self, request_id: str, num_running: int) -> int:
-        """k for this request's next decode step (call once per step)."""
+    def num_drafts(self, request_id: str, num_running: int, tenant: str = "") -> int:
+        """k for this request's next decode step (call once per step), at the
+        acceptance its drafts are expected at (``expected``: its latest
+        proposal's method's; a new request's, its tenant's over all methods):
+        O(1), so that a step where nothing drafts costs the proposers
+        nothing (the scheduler asks them only for k > 0). Where the proposer
+        then drafts by another method, ``allowed`` decides again."""
         cap = self.batch_cap(num_running)
         if not self.adaptive:
             return cap
         if self.max_drafts(num_running) == 0:
             return 0  # no probe counting while the batch forbids drafts
-        state = self._state(request_id)
+        state = self._state(request_id, tenant)
         state.probed = False
-        cost = self._costs.get(num_running.bit_length()) if self.cost_aware else None
-        if cost is not None and num_running == 1 and cost.measured(0):
-            k = self._best_alone(state, cost)
-        elif cap == 0:
-            k = 0  # plain decoding: being measured, or the bucket's best level (probes only)
-        elif cost is not None:
-            k = cap if self._pays(state, cost, cap) else 0
-        else:
-            k = min(math.floor(state.acceptance * (self.k_max + 1)), cap)
+        state.num_running, state.cap = num_running, cap
+        k = self._decide(state, *state.expected())
         if k > 0:
             state.steps_without_drafts = 0
             return k
@@ -319,37 +360,82 @@ class AdaptiveSpecController:
             return 1
         return 0
 
-    def _best_alone(self, state: _RequestSpecState, cost: _BucketCost) -> int:
+    def allowed(self, request_id: str, method: str, num_drafts: int) -> int:
+        """How many of a draft by ``method`` the request verifies this step
+        (the proposer chose the method after ``num_drafts``, from what
+        matched): all where ``num_drafts`` decided by this method's
+        acceptance, else as many as that acceptance pays. A probe by a
+        blind method (a head: it drafts whatever the text) whose acceptance
+        has no record, the tenant's or the request's, is declined: a probe
+        is for a proposer that found a match."""
+        state = self._states.get(request_id)
+        if state is None or not self.adaptive or num_drafts <= 0:
+            return num_drafts
+        decided, state.method = state.method, method
+        if state.probed:
+            if method in self.blind_methods and method not in state.known:
+                state.probed = False
+                return 0
+            return min(num_drafts, 1)
+        if method == decided:
+            return num_drafts
+        k = min(num_drafts, self._decide(state, *state.expected()))
+        if k == 0:
+            state.steps_without_drafts += 1
+        return k
+
+    def _decide(self, state: _RequestSpecState, acceptance: float, verified: int) -> int:
+        """Drafts for the request this step (``state.num_running``, ``state.cap``)
+        at ``acceptance`` (``verified``: proposals behind it), before probes."""
+        cost = self._costs.get(state.num_running.bit_length()) if self.cost_aware else None
+        if cost is not None and state.num_running == 1 and cost.measured(0):
+            return self._best_alone(acceptance, verified, cost)
+        if state.cap == 0:
+            return 0  # plain decoding: being measured, or the bucket's best level (probes only)
+        if cost is not None:
+            return state.cap if self._pays(acceptance, verified, cost, state.cap) else 0
+        return min(math.floor(acceptance * (self.k_max + 1)), state.cap)
+
+    def _best_alone(self, acceptance: float, verified: int, cost: _BucketCost) -> int:
         """At batch 1 the step is the request's own: the level with the most
         tokens per second by its acceptance and the bucket's step costs
         (``break_even``; a level not yet run is estimated, and running it
         measures it). Plain decoding wins unless a level beats it by
         ``PAY_MARGIN``."""
-        best, best_rate = 0, 1.0 + (PAY_MARGIN if state.verified else NEW_REQUEST_MARGIN)
+        best, best_rate = 0, 1.0 + (PAY_MARGIN if verified else NEW_REQUEST_MARGIN)
         for level in range(1, self.max_drafts(1) + 1):
             even = cost.break_even(level)
             if even is None:
                 continue
-            rate = (1.0 + state.acceptance * level) / even
+            rate = (1.0 + acceptance * level) / even
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = level, rate
         return best
 
-    def _pays(self, state: _RequestSpecState, cost: _BucketCost, level: int) -> bool:
+    def _pays(self, acceptance: float, verified: int, cost: _BucketCost, level: int) -> bool:
         """In a batch: whether ``level`` drafts pay this request, by its
         expected tokens per step against the level's measured cost, and its
         acceptance against its peers' (the level's figures are theirs too)."""
         even = cost.break_even(level)
-        margin = PAY_MARGIN if state.verified else NEW_REQUEST_MARGIN
-        if even is None or 1.0 + state.acceptance * level < even * (1 + margin):
+        margin = PAY_MARGIN if verified else NEW_REQUEST_MARGIN
+        if even is None or 1.0 + acceptance * level < even * (1 + margin):
             return False
         mean = cost.mean_acceptance(level)
-        return mean is None or state.acceptance >= 0.5 * mean
+        return mean is None or acceptance >= 0.5 * mean
 
-    def _state(self, request_id: str) -> _RequestSpecState:
+    def _state(self, request_id: str, tenant: str = "") -> _RequestSpecState:
         state = self._states.get(request_id)
         if state is None:
-            state = self._states[request_id] = _RequestSpecState(acceptance=self._prior)
+            record = self.history.get(tenant)
+            if record is None:
+                acceptance, known = dict.fromkeys(self.methods, self.prior_acceptance), set()
+            else:
+                acceptance = {m: record.acceptance(m) for m in self.methods}
+                known = set(record.methods) & set(self.methods)
+            start = self.prior_acceptance if record is None else record.overall
+            # One method: every proposal is its (auto names each one's: ``allowed``).
+            method = self.methods[0] if len(self.methods) == 1 else None
+            state = self._states[request_id] = _RequestSpecState(acceptance, known, start, tenant, method)
         return state
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -361,26 +447,45 @@ class AdaptiveSpecController:
         if num_drafts <= 0 or not self.adaptive:
             return
         state = self._state(request_id)
+        if state.method is None:  # verified with no method named (auto not wired to a controller)
+            state.method = self.methods[0]
+        method = state.method
         # Weighed by the drafts verified: a one-draft probe that held is
         # weak evidence, and must not undo a run of rejected full drafts.
         a = 1.0 - (1.0 - self.ewma_alpha) ** (min(num_drafts, self.k_max) / self.k_max)
-        state.acceptance = (1 - a) * state.acceptance + a * num_accepted / num_drafts
-        state.verified += 1
-        state.drafted += num_drafts
-        state.accepted += max(num_accepted, 0)
+        state.acceptance[method] = (1 - a) * state.acceptance[method] + a * num_accepted / num_drafts
+        state.known.add(method)
+        state.verified[method] = state.verified.get(method, 0) + 1
+        state.drafted[method] = state.drafted.get(method, 0) + num_drafts
+        state.accepted[method] = state.accepted.get(method, 0) + max(num_accepted, 0)
         if state.probed:
             state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
             state.probed = False
 
-    def acceptance(self, request_id: str) -> float:
+    def record(self, request_id: str) -> dict[str, float]:
+        """The request's acceptance per method where anything is on record
+        (its tenant's finished requests', or its own verified drafts'; a
+        method with none at the tenant's over all methods); empty where
+        nothing is."""
         state = self._states.get(request_id)
-        return state.acceptance if state is not None else self._prior
+        if state is None or not (state.known or self.history.get(state.tenant)):
+            return {}
+        return dict(state.acceptance)
+
+    def acceptance(self, request_id: str, tenant: str = "") -> float:
+        """The acceptance the request's next drafts are expected at (a
+        request not seen yet: its tenant's over all methods, or the prior)."""
+        state = self._states.get(request_id)
+        if state is not None:
+            return state.expected()[0]
+        record = self.history.get(tenant)
+        return self.prior_acceptance if record is None else record.overall
 
     def forget(self, request_id: str) -> None:
-        """A finished request: the share of its drafts that held (over its
-        whole life, not its EWMA's last value, which stops near break-even
-        where drafting stops) becomes part of the next ones' start."""
+        """A finished request: per method, the share of its drafts that held
+        (over its whole life, not its EWMA's last value, which stops near
+        break-even where drafting stops) becomes part of its tenant's record,
+        where the tenant's next requests start."""
         state = self._states.pop(request_id, None)
-        if state is not None and state.drafted:
-            a = self.ewma_alpha
-            self._prior = (1 - a) * self._prior + a * state.accepted / state.drafted
+        if state is not None:
+            self.history.add(state.tenant, state.drafted, state.accepted)

@@ -21,10 +21,20 @@ verified acceptance (``observe``, from the controller), counted only when
 it drafted; it always has a draft, so it drafts where text gives the other
 two no match (chat), and it wins a request back whenever their scores
 fall below its own.
+
+Under the adaptive controller (``selection``) the choice is priced: the
+request verifies as many of the chosen draft as that method's acceptance
+pays (``AdaptiveSpecController.allowed``: the request's own record of the
+method, else its tenant's), so that a chat request of a tenant whose
+suffix drafts hold, finding no match, does not draft by a head that fails
+for the tenant; and a probe is not paid by a head with no record at all.
+A new request's scores start from its tenant's record per method, so it
+starts on what held for the tenant.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvferry.core.request import Request
 from kvferry.spec.ngram import NgramProposer
@@ -33,6 +43,19 @@ from kvferry.spec.suffix import SuffixProposer
 from kvferry.spec.tree import held
 
 HEAD = "head"
+
+
+class DraftSelection(Protocol):
+    """The controller's side of auto's choice (``spec.adaptive``)."""
+
+    def allowed(self, request_id: str, method: str, num_drafts: int) -> int:
+        """How many of a draft by ``method`` the request verifies this step."""
+        ...
+
+    def record(self, request_id: str) -> dict[str, float]:
+        """The acceptance per method where anything is on record (the
+        request's tenant's or its own); empty where nothing is."""
+        ...
 
 
 @dataclass(slots=True)
@@ -52,11 +75,15 @@ class AutoProposer:
         if head is not None:
             self.proposers[HEAD] = head
         self.suffix = suffix
+        self.k = suffix.k  # drafts a proposal makes at most (a tenant's record's scale: ``_start_scores``)
         self.alpha = ewma_alpha
         self._states: dict[str, _AutoState] = {}
         self.num_chosen = {name: 0 for name in self.proposers}  # proposals each one won (stats, tests)
         # Requests whose slots of this step are the head's to fill (the runner reads it).
         self.head_requests: set[str] = set()
+        # The adaptive controller, where one runs (``spec.speculation`` sets it):
+        # it trims the chosen draft to what that method's acceptance pays.
+        self.selection: DraftSelection | None = None
 
     @property
     def has_head(self) -> bool:
@@ -66,7 +93,7 @@ class AutoProposer:
         rid = request.request_id
         state = self._states.get(rid)
         if state is None:
-            state = self._states[rid] = _AutoState(score={name: 1.0 for name in self.proposers})
+            state = self._states[rid] = _AutoState(score=self._start_scores(rid))
         tokens = request.all_token_ids
         if state.drafts and len(tokens) > state.base:
             new = tokens[state.base : state.base + max(len(d) for d in state.drafts.values())]
@@ -80,11 +107,23 @@ class AutoProposer:
         chosen = next((name for name in ranked if name == HEAD or state.drafts[name]), ranked[0])
         self.num_chosen[chosen] += 1
         state.chosen = chosen
-        if chosen == HEAD:
+        draft = self.proposers[HEAD].propose(request) if chosen == HEAD else state.drafts[chosen]
+        if self.selection is not None and draft:
+            draft = draft[: self.selection.allowed(rid, chosen, len(draft))]
+        if chosen == HEAD and draft:
             self.head_requests.add(rid)
-            return self.proposers[HEAD].propose(request)
-        self.head_requests.discard(rid)
-        return state.drafts[chosen]
+        else:
+            self.head_requests.discard(rid)
+        return draft
+
+    def _start_scores(self, rid: str) -> dict[str, float]:
+        """A new request's scores: where the controller has a record for it
+        (its tenant's), the tokens a proposal of k drafts held at each
+        method's acceptance, so that a tenant's request starts on what held
+        for the tenant; else as if each held one token a proposal (the order
+        of preference breaks ties)."""
+        record = self.selection.record(rid) if self.selection is not None else {}
+        return {name: record[name] * self.k if name in record else 1.0 for name in self.proposers}
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verified proposal's outcome: the head's score, when it drafted."""

@@ -33,6 +33,10 @@ Adding a finished request and removing an evicted one cost
 O(length x depth); both run in slices of ``work_per_call`` tokens at the
 start of each proposal, so that a long request finishing never stalls a
 step (a request becomes draftable from a few steps after it finished).
+Queued requests count against the budget too: where nothing proposes for
+a while (a large batch, where nothing drafts), one evicted before its
+addition began lets its tokens go at once, and the queue is compacted, so
+that memory stays within the budget however long no step drafts.
 A request's own trie takes its prompt in slices of 4 x ``work_per_call``
 tokens a proposal, for the same reason.
 """
@@ -76,6 +80,7 @@ class _Job:
     seq_id: int
     tokens: list[int] | None  # None: a removal
     done: int = 0
+    dropped: bool = False  # an addition whose request was evicted before it began (its tokens let go)
 
 
 class SuffixProposer:
@@ -98,6 +103,8 @@ class SuffixProposer:
         self._local: dict[str, _Local] = {}
         self._tenants: dict[str, _TenantCache] = {}
         self._jobs: deque[_Job] = deque()
+        self._pending: dict[int, _Job] = {}  # seq id -> its addition, queued or under way
+        self._dropped = 0  # dropped additions still in ``_jobs``
         self._ids = itertools.count()
 
     # -- the scheduler's hooks -----------------------------------------------
@@ -141,8 +148,12 @@ class SuffixProposer:
         seq_id = next(self._ids)
         cache.lru[seq_id] = (request.cache_namespace, len(tokens))
         cache.num_tokens += len(tokens)
-        self._jobs.append(_Job(request.tenant, request.cache_namespace, seq_id, tokens))
+        job = self._pending[seq_id] = _Job(request.tenant, request.cache_namespace, seq_id, tokens)
+        self._jobs.append(job)
         self._evict(request.tenant, cache)
+        if self._dropped > 64 and 2 * self._dropped > len(self._jobs):  # amortised O(1) a request
+            self._jobs = deque(job for job in self._jobs if not job.dropped)
+            self._dropped = 0
 
     def purge_tenant(self, tenant: str) -> int:
         """Forget everything the tenant's requests taught (its tries and
@@ -150,6 +161,8 @@ class SuffixProposer:
         their own tries."""
         cache = self._tenants.pop(tenant, None)
         self._jobs = deque(job for job in self._jobs if job.tenant != tenant)
+        self._pending = {seq_id: job for seq_id, job in self._pending.items() if job.tenant != tenant}
+        self._dropped = sum(job.dropped for job in self._jobs)
         return 0 if cache is None else sum(tree.num_tokens for tree in cache.trees.values())
 
     # -- background work -----------------------------------------------------
@@ -164,6 +177,10 @@ class SuffixProposer:
                 budget -= max(done, 1)
 
     def _run(self, job: _Job, budget: int | None) -> int:
+        if job.dropped:
+            self._jobs.popleft()
+            self._dropped -= 1
+            return 0
         cache = self._tenants.get(job.tenant)
         tree = cache.trees.get(job.namespace) if cache is not None else None
         if job.tokens is None:  # a removal
@@ -175,6 +192,7 @@ class SuffixProposer:
             return done
         if cache is None or job.seq_id not in cache.lru:  # evicted before it was added
             self._jobs.popleft()
+            self._pending.pop(job.seq_id, None)
             return 0
         if tree is None:
             tree = cache.trees[job.namespace] = SuffixTree(self.max_depth)
@@ -184,6 +202,7 @@ class SuffixProposer:
         if job.done == len(job.tokens):
             tree.close(job.seq_id)
             self._jobs.popleft()
+            self._pending.pop(job.seq_id, None)
         return done
 
     def _evict(self, tenant: str, cache: _TenantCache) -> None:
@@ -197,7 +216,11 @@ class SuffixProposer:
                 tree.close(seq_id)
                 # First in line, so that memory is returned before more is taken.
                 self._jobs.appendleft(_Job(tenant, namespace, seq_id, None))
-            # else still queued: its addition finds it gone from the LRU and stops
+            else:  # still queued: its tokens go now (nothing may propose for a long while)
+                job = self._pending.pop(seq_id, None)
+                if job is not None:
+                    job.tokens, job.dropped = [], True
+                    self._dropped += 1
 
     # -- drafting --------------------------------------------------------------
     def _draft(self, tree: SuffixTree, context: list[int]) -> tuple[list[int], float, list[object]]:
