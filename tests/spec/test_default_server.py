@@ -23,7 +23,7 @@ LARGE_BATCH = 16
 NO_DRAFTS_FROM = 13
 FAILING_TOKENS = 120
 FAILING_DRAFTS_BOUND = 60
-FAILING_REQUESTS = 5  # each one's final acceptance halves the old requests' weight in a new one's start
+FAILING_REQUESTS_MOST = 20
 SHORT_TOKENS = 5  # decode steps before a request that does not draft would probe: 8
 
 
@@ -145,11 +145,21 @@ def test_a_new_request_starts_from_what_recent_requests_measured(default_server)
     """Cross-request learning: after requests whose drafts failed, a new one
     of that kind starts without drafting (a short one drafts nothing: its
     first probe would come 8 steps in); after repetitive requests, a new
-    repetitive request drafts from its first steps."""
+    repetitive request drafts from its first steps. How many failed requests
+    that takes depends on their luck (at temperature 4 a few drafts still
+    hold) and on the step costs measured, so the test sends them one at a
+    time and checks a short one after each: without cross-request learning
+    every new request starts from the neutral prior, which drafts at once."""
     srv = default_server
-    for seed in range(FAILING_REQUESTS):
+    for seed in range(FAILING_REQUESTS_MOST):
         drafted_by(srv, lambda: failing(srv, 16, seed))
-    assert drafted_by(srv, lambda: failing(srv, SHORT_TOKENS, 99)) == 0
-    for _ in range(3):
+        if drafted_by(srv, lambda: failing(srv, SHORT_TOKENS, 1000 + seed)) == 0:
+            break
+    else:
+        pytest.fail(f"after {FAILING_REQUESTS_MOST} failed requests a short one still drafted at its start")
+    for _ in range(10):
         drafted_by(srv, lambda: complete(srv, max_tokens=16))
-    assert drafted_by(srv, lambda: complete(srv, max_tokens=SHORT_TOKENS)) > 0
+        if drafted_by(srv, lambda: complete(srv, max_tokens=SHORT_TOKENS)) > 0:
+            break
+    else:
+        pytest.fail("after 10 repetitive requests a short one still drafted nothing")

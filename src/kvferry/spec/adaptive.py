@@ -280,7 +280,7 @@ class AdaptiveSpecController:
         # Where a new request starts: its tenant's finished requests' acceptance
         # per method (EWMA), or the prior where the tenant has no record.
         self.prior_acceptance = prior_acceptance
-        self.history = TenantHistory(prior_acceptance, ewma_alpha, max_tenants)
+        self.history = TenantHistory(prior_acceptance, ewma_alpha, max_tenants, full_weight_drafts=k_max)
         self._step_probes = 0  # one-draft probes given for the step now running
 
     def _new_bucket(self) -> _BucketCost:

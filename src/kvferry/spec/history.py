@@ -12,6 +12,12 @@ kind: where every draft failed, an untried method is no better bet), and
 a tenant with no record at all from the neutral prior, whatever other
 tenants did.
 
+Weighed by evidence: a request's share moves the record by ``alpha`` only
+where it verified ``full_weight_drafts`` or more drafts of the method, less
+where fewer (as a request's own EWMA weighs a one-draft probe): a request
+that drafted twice and had one accepted says little, and must not undo a
+run of requests whose many drafts failed.
+
 Bounded: at most ``max_tenants`` tenants, least recently used first out (a
 record is a few floats; an evicted tenant only starts again from the prior).
 """
@@ -33,9 +39,13 @@ class TenantRecord:
 
 
 class TenantHistory:
-    def __init__(self, prior: float, alpha: float, max_tenants: int = MAX_TENANTS) -> None:
+    def __init__(self, prior: float, alpha: float, max_tenants: int = MAX_TENANTS,
+                 full_weight_drafts: int = 8) -> None:
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be >= 1, got {max_tenants!r}")
+        if full_weight_drafts < 1:
+            raise ValueError(f"full_weight_drafts must be >= 1, got {full_weight_drafts!r}")
+        self.full_weight_drafts = full_weight_drafts
         self.prior = prior  # where the tenant has no record
         self.alpha = alpha  # each finished request's weight
         self.max_tenants = max_tenants
@@ -59,11 +69,17 @@ class TenantHistory:
             record = self._records[tenant] = TenantRecord(self.prior)
             while len(self._records) > self.max_tenants:
                 self._records.popitem(last=False)
-        a = self.alpha
         for method, n in drafted.items():
             if n > 0:
+                a = self._weight(n)
                 record.methods[method] = (1 - a) * record.acceptance(method) + a * accepted.get(method, 0) / n
+        a = self._weight(total)
         record.overall = (1 - a) * record.overall + a * sum(accepted.values()) / total
+
+    def _weight(self, drafts: int) -> float:
+        """``alpha`` for a request with ``full_weight_drafts`` or more drafts;
+        for fewer, the weight that many one-draft updates would compound to."""
+        return 1.0 - (1.0 - self.alpha) ** (min(drafts, self.full_weight_drafts) / self.full_weight_drafts)
 
     def __len__(self) -> int:
         return len(self._records)
