@@ -452,9 +452,7 @@ class EngineConfig:
         tp = self.parallel.tensor_parallel_size
         refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
                     f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
-                   *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
-                   (self.kv_tiers.enabled and tp > 1, f"tensor_parallel_size {tp} and a KV store (--kv-store, "
-                                                      "--kv-dram-gb, --kv-cluster)")]
+                   *self._refused_over_ranks("stages", ("ngram", "suffix", "auto"))]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "
