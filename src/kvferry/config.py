@@ -438,7 +438,8 @@ class EngineConfig:
         return [
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
             (self.model.deterministic, "deterministic"),
-            (spec is not None and method not in methods, f"speculative method {method!r} ({', '.join(methods)} work)"),
+            (spec is not None and method not in methods,  # named as the flag that chose it
+             f"speculative method {method!r} ({', '.join(methods)} work) from --speculative-config"),
         ]
 
     def _check_tensor_parallel(self) -> None:

@@ -16,12 +16,16 @@ TP rank r % 2), through the offline LLM API on tiny models:
 """
 from __future__ import annotations
 
+import json
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import KVTierConfig
+from kvferry.config import EMBEDDED_DRAFT_HEAD, KVTierConfig
 from kvferry.kvstore.client import KVStoreClient
 from kvferry.kvstore.launch import start_store
 from kvferry.model.layers.gguf import GGUFLinearMethod
@@ -135,3 +139,15 @@ def test_gguf_blocks_over_tp_and_pp(gguf):
     one = _gguf_run(gguf, {})
     both = _gguf_run(gguf, TP_PP, check=_rank0_holds_its_slice_of_its_layers)
     _assert_agrees(one, both, "gguf tp2 pp2", LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("spec, what", [({"method": "head"}, "'head'"), ({"method": "auto"}, r"'auto\+head'")])
+def test_the_draft_head_over_stages_is_refused_at_start_naming_the_flag(spec, what):
+    # The head drafts from the last stage's hidden state with stage 0's embedding: not over stages yet.
+    spec = json.dumps({**spec, "model": str(EMBEDDED_DRAFT_HEAD)})
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "-pp", "2", "--port", "0",
+                           "--speculative-config", spec], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = [x for x in done.stderr.splitlines() if "does not work" in x]
+    assert re.search(f"pipeline_parallel_size 2 does not work with speculative method {what} "
+                     r"\(ngram, suffix, auto work\) from --speculative-config yet", line), line
