@@ -11,6 +11,10 @@ TP rank r % 2), through the offline LLM API on tiny models:
 - A ``.gguf``'s blocks: each rank holds its stage's layers, sliced as a
   ``-tp 2`` rank's; greedy output agrees with the one-process core's as
   ``test_gguf_tp.py`` asks of TP 2 (a flip only at a near tie).
+- A connector from outside the package (``--kv-connector``, a tier of
+  files): its worker half runs on all four ranks, each saving and loading
+  its heads of its stage's layers; a block with one rank's part missing is
+  not loaded.
 - Speculation the stages cannot run (the draft head) is refused at start in
   one line naming the flag.
 """
@@ -23,6 +27,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvferry import LLM, SamplingParams
 from kvferry.config import EMBEDDED_DRAFT_HEAD, KVTierConfig
@@ -32,12 +37,14 @@ from kvferry.model.layers.gguf import GGUFLinearMethod
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.model.own_cache import own_model_cache
 from tests.parallel.test_gguf_tp import ENGINE as GGUF_ENGINE
+from tests.parallel import file_tier_connector as file_tier
 from tests.parallel.test_gguf_tp import LOGPROB_ATOL, PARAMS, _assert_agrees, _prompts
 from tests.tiny_models import make_tiny_checkpoint, write_tiny_gguf
 
 MAX_NEW = 6
 BLOCK = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+FILE_TIER = "tests.parallel.file_tier_connector:FileTierConnector"
 TP_PP = dict(tensor_parallel_size=2, pipeline_parallel_size=2, pp_micro_batches=2)
 
 
@@ -151,3 +158,45 @@ def test_the_draft_head_over_stages_is_refused_at_start_naming_the_flag(spec, wh
     [line] = [x for x in done.stderr.splitlines() if "does not work" in x]
     assert re.search(f"pipeline_parallel_size 2 does not work with speculative method {what} "
                      r"\(ngram, suffix, auto work\) from --speculative-config yet", line), line
+
+
+
+def _parts(files: set) -> dict[str, list]:
+    parts: dict[str, list] = {}
+    for f in files:
+        parts.setdefault(f.name.rsplit(".", 2)[1], []).append(f)
+    return parts
+
+
+def test_a_connector_from_outside_runs_on_every_rank_of_every_stage(case, tmp_path, monkeypatch):
+    # Its worker half on each of the four ranks saves and loads that rank's heads of its stage's
+    # layers; its scheduler half (rank 0) counts a block as held only when all four parts are there.
+    path, hf, (a, b) = case[0], case[1], case[2][0]
+    monkeypatch.setenv(file_tier.ENV, str(tmp_path))  # the ranks inherit it
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in (a, b)]
+    engine = dict(dtype="float32", block_size=BLOCK, num_kv_blocks=64, kv_connector=FILE_TIER,
+                  cpu_threads_per_rank=1, warm_up=False, **TP_PP)
+    writer = LLM(model=path, **engine)
+    try:
+        assert_greedy_match(hf, a, writer.generate([a], GREEDY)[0].outputs[0].token_ids, expected[0])
+        files_a = set(tmp_path.glob("*.pt"))
+        assert_greedy_match(hf, b, writer.generate([b], GREEDY)[0].outputs[0].token_ids, expected[1])
+    finally:
+        writer.engine.core.close()
+    parts_a = _parts(files_a)
+    assert {k: len(v) for k, v in parts_a.items()} == {k: _written([a]) for k in ("s0r0", "s0r1", "s1r0", "s1r1")}
+    # [stage layers, 2, block_size, its KV heads, head_dim]: 2 + 1 layers, 1 of the 2 KV heads each.
+    assert {k: tuple(torch.load(v[0]).shape[::3]) for k, v in parts_a.items()} == {
+        "s0r0": (2, 1), "s0r1": (2, 1), "s1r0": (1, 1), "s1r1": (1, 1)}
+    for f in _parts(set(tmp_path.glob("*.pt")) - files_a)["s1r1"]:  # b's blocks lose one rank's shard
+        f.unlink()
+    reader = LLM(model=path, **engine)
+    try:
+        results = reader.generate([a, b], GREEDY)
+        assert results[0].num_cached_tokens == (len(a) - 1) // BLOCK * BLOCK  # every rank's part from its files
+        assert results[1].num_cached_tokens == 0  # no block of b is whole
+        for p, r, e in zip((a, b), results, expected):
+            assert_greedy_match(hf, p, r.outputs[0].token_ids, e)
+        reader.engine.check_integrity()
+    finally:
+        reader.engine.core.close()
