@@ -438,7 +438,8 @@ class EngineConfig:
         return [
             (self.model.device != "cpu", f"device {self.model.device!r} (the {where} run on the CPU)"),
             (self.model.deterministic, "deterministic"),
-            (spec is not None and method not in methods, f"speculative method {method!r} ({', '.join(methods)} work)"),
+            (spec is not None and method not in methods,  # named as the flag that chose it
+             f"speculative method {method!r} ({', '.join(methods)} work) from --speculative-config"),
         ]
 
     def _check_tensor_parallel(self) -> None:
@@ -452,9 +453,7 @@ class EngineConfig:
         tp = self.parallel.tensor_parallel_size
         refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
                     f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
-                   *self._refused_over_ranks("stages", ("ngram", "suffix", "auto")),
-                   (self.kv_tiers.enabled and tp > 1, f"tensor_parallel_size {tp} and a KV store (--kv-store, "
-                                                      "--kv-dram-gb, --kv-cluster)")]
+                   *self._refused_over_ranks("stages", ("ngram", "suffix", "auto"))]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "

@@ -128,13 +128,15 @@ class NodeStoreConnector(KVConnector):
         memory (so a block is stored whole, or not at all); over pipeline
         stages, stage 0's moves every stage's layers the same way."""
         if ctx.stage is not None and ctx.stage.size > 1:
-            pools = None if ctx.stage_caches is not None else StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers)
+            tp = ctx.shard.size if ctx.shard is not None else 1  # -tp T too: every stage's T ranks' heads
+            pools = (None if ctx.stage_caches is not None
+                     else StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers, tp_size=tp))
             kv_cache, stage_caches = (ctx.kv_cache, ctx.stage_caches) if pools is None else (pools.kv_cache,
                                                                                           pools.stage_caches)
-            nbytes = sum(c[:, :, 0].nbytes for c in (kv_cache, *stage_caches))  # a slot: every stage's layers
+            nbytes = sum(c[:, :, 0].nbytes for c in (kv_cache, *stage_caches))  # a slot: every rank's part
             self.store = NodeStore.connect(self.config, nbytes)
             self.worker = NodeStoreWorker(kv_cache, self.store.io, node_store=self.store, stage_caches=stage_caches,
-                                          rank_pools=pools)
+                                          rank_pools=pools, stage_tp=tp)
             return self.worker
         pools, kv_cache, rank_caches = None, ctx.kv_cache, ctx.rank_caches
         if rank_caches is None and ctx.shard is not None and ctx.shard.size > 1:
@@ -169,8 +171,9 @@ class RankPoolConnector(KVConnector):
 
 
 class StagePoolConnector(KVConnector):
-    """A later pipeline stage's part of the node store's connector, which
-    runs on stage 0: its pool in shared memory, where stage 0 reaches it."""
+    """A pipeline-parallel core's rank other than rank 0 (a later stage, or
+    with -tp a stage's TP rank): its part of the node store's connector,
+    which runs on rank 0: its pool in shared memory, where rank 0 reaches it."""
 
     moves_pool = True
 
@@ -178,7 +181,8 @@ class StagePoolConnector(KVConnector):
         assert ctx.stage is not None, "a pipeline stage's runner"
         if ctx.stage_caches is not None:  # mapped already (the P/D transfer's)
             return StagePoolWorker(None, ctx.kv_cache)
-        return StagePoolWorker(StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers, ctx.stage_pool))
+        tp_rank, tp = (ctx.shard.rank, ctx.shard.size) if ctx.shard is not None else (0, 1)
+        return StagePoolWorker(StagePools(ctx.kv_cache, ctx.stage, ctx.num_layers, ctx.stage_pool, tp_rank, tp))
 
     def scheduler_half(self, ctx: SchedulerContext) -> KVConnectorScheduler:
         raise RuntimeError("a later pipeline stage has no scheduler")
@@ -261,7 +265,7 @@ def for_engine(config: EngineConfig, block_nbytes: int = 0, rank: int = 0, stage
         # Pipeline stages: the slot's size comes with stage 0's pools of every stage (worker_half).
         whole = None if par.pipeline_parallel_size > 1 else block_nbytes * par.tensor_parallel_size
         store = [NodeStoreConnector(config, whole) if rank == 0 and stage == 0
-                 else StagePoolConnector(config) if stage else RankPoolConnector(config)]
+                 else StagePoolConnector(config) if par.pipeline_parallel_size > 1 else RankPoolConnector(config)]
     connectors += swap + store  # host swap first: preemption's first choice (MultiKVConnectorScheduler)
     if config.kv_connector:
         connectors.append(load_connector(config.kv_connector)(config))

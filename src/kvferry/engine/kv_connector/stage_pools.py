@@ -13,6 +13,13 @@ stage's layers in order, as a PP 1 core's pool would:
 
     slot:  [ layers of stage 0 | layers of stage 1 | ... ][2][block_size][kv_heads][head_dim]
 
+With ``-tp T`` too, each stage is T ranks, each holding its layers' KV
+heads ``[t K/T, (t+1) K/T)``: stage 0's TP rank 0 (the core) creates all
+``T x P`` segments (``tp_stage_pool_name``), and a slot holds stage s's
+layers with every TP rank's heads in rank order, the layout of one
+process's pool again, so a block is whole only when every rank's shard is
+in it.
+
 The stages after the first run no store orders (``StagePoolWorker``):
 stage 0's I/O thread reads and writes their layers. It reads a block's
 layers only after the step that wrote them (stage 0's step ends when the
@@ -24,31 +31,45 @@ from __future__ import annotations
 import torch
 
 from kvferry.core.outputs import KVOrders
-from kvferry.disagg.blocks import SharedKVPool
+from kvferry.disagg.blocks import SharedKVPool, rank_pool_name
 from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker
 from kvferry.engine.kv_connector.stage_transfer import stage_pool_name
 from kvferry.parallel.pipeline import PPStage, pp_layer_range
 
 
-class StagePools:
-    """This stage's pool moved into shared memory (and on stage 0 every
-    other stage's, which it creates), owned until ``close``. ``pool_name``:
-    stage 0's segment (a later stage passes it; stage 0 passes "")."""
+def tp_stage_pool_name(base: str, stage: int, tp_rank: int = 0) -> str:
+    """The segment of stage ``stage``'s TP rank ``tp_rank`` (stage 0's TP
+    rank 0 is ``base``; without TP, ``stage_pool_name``'s)."""
+    return rank_pool_name(stage_pool_name(base, stage), tp_rank)
 
-    def __init__(self, kv_cache: torch.Tensor, stage: PPStage, num_layers: int, pool_name: str = "") -> None:
-        shape, dtype = tuple(kv_cache.shape), kv_cache.dtype  # [stage layers, 2, blocks, bs, H, D]
+
+class StagePools:
+    """This rank's pool moved into shared memory (and on stage 0's TP rank 0
+    every other rank's, which it creates), owned until ``close``.
+    ``pool_name``: stage 0's segment (another rank passes it; stage 0's TP
+    rank 0 passes ""). ``tp_rank``, ``tp_size``: this rank's place in its
+    stage's tensor-parallel group (every stage has ``tp_size`` ranks)."""
+
+    def __init__(self, kv_cache: torch.Tensor, stage: PPStage, num_layers: int, pool_name: str = "",
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        shape, dtype = tuple(kv_cache.shape), kv_cache.dtype  # [stage layers, 2, blocks, bs, H/T, D]
         self.others: list[SharedKVPool] = []
-        if stage.rank == 0:
+        self.tp_size = tp_size
+        if stage.rank == 0 and tp_rank == 0:
             self.pool = SharedKVPool.create(shape, dtype)
-            for s in range(1, stage.size):
+            # Stage-major, TP rank minor: the order of the core's ranks (rank = stage x T + TP rank).
+            for s in range(stage.size):
                 start, end = pp_layer_range(num_layers, s, stage.size)
-                self.others.append(SharedKVPool.create((end - start, *shape[1:]), dtype,
-                                                       name=stage_pool_name(self.pool.name, s)))
+                for t in range(tp_size):
+                    if s or t:
+                        self.others.append(SharedKVPool.create((end - start, *shape[1:]), dtype,
+                                                               name=tp_stage_pool_name(self.pool.name, s, t)))
         else:
-            self.pool = SharedKVPool.attach(stage_pool_name(pool_name, stage.rank),
+            self.pool = SharedKVPool.attach(tp_stage_pool_name(pool_name, stage.rank, tp_rank),
                                             (shape[0], shape[1], *shape[3:]), dtype)
         self.pool_name = self.pool.name
         self.kv_cache = self.pool.tensor
+        # On the creator: every other rank's pool, in rank order (stage 0's TP ranks 1.., then stage 1's ...).
         self.stage_caches = [p.tensor for p in self.others]
 
     def close(self) -> None:

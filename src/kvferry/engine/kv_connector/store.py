@@ -177,21 +177,29 @@ class NodeStoreWorker(KVConnectorWorker):
 
     def __init__(self, kv_cache: torch.Tensor, store: StoreIO, load_timeout_s: float = 10.0,
                  node_store: NodeStore | None = None, rank_caches: list[torch.Tensor] | None = None,
-                 rank_pools: Any = None, stage_caches: list[torch.Tensor] | None = None) -> None:
+                 rank_pools: Any = None, stage_caches: list[torch.Tensor] | None = None, stage_tp: int = 1) -> None:
         """``rank_caches``: on rank 0 of a tensor-parallel core, ranks
         1..N-1's pools (shared memory, the same block ids, their heads): a
         slot holds a whole block, every rank's heads in rank order, as one
         rank's pool would, so cores of any TP size share the store's
         blocks. ``stage_caches``: the same on stage 0 of a pipeline-parallel
         core, stages 1..P-1's pools (their layers; stage_pools.py): a slot
-        holds every stage's layers in order. ``rank_pools``: what owns those
+        holds every stage's layers in order; with ``stage_tp`` T > 1
+        (``-tp T -pp P``) ``stage_caches`` are the core's ranks 1..T x P - 1
+        (stage-major), and a slot holds each stage's layers with its T
+        ranks' heads in rank order. ``rank_pools``: what owns those
         segments (closed with this)."""
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
         self._pools = [kv_cache, *(rank_caches or stage_caches or [])]
-        # Where each pool's part of a block lies: its layers (pool dim 0, block dim 0) over
-        # stages, its heads (pool dim 4, block dim 3) over ranks.
-        self._pool_dim, self._block_dim = (0, 0) if stage_caches else (4, 3)
+        # Each pool's part of a block: (its first layer, its first head). The pools are a grid of
+        # stages x TP ranks, rank r = stage r // T, TP rank r % T: layers (pool and block dim 0)
+        # over stages, heads (pool dim 4, block dim 3) over the TP ranks of a stage.
+        tp = len(self._pools) if rank_caches else stage_tp
+        layer_starts = [0]
+        for stage_pool in self._pools[::tp]:
+            layer_starts.append(layer_starts[-1] + stage_pool.shape[0])
+        self._parts = [(pool, layer_starts[r // tp], r % tp * pool.shape[4]) for r, pool in enumerate(self._pools)]
         self._rank_pools = rank_pools
         self.pool_name = getattr(rank_pools, "pool_name", "")  # stage 0's segment: where each stage maps its own
         self.store = store
@@ -200,9 +208,8 @@ class NodeStoreWorker(KVConnectorWorker):
         self.node_store = node_store
         self.load_timeout_s = load_timeout_s
         self.stats = StoreIOStats()
-        block_shape = [kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[5]]
-        block_shape[self._block_dim] = sum(pool.shape[self._pool_dim] for pool in self._pools)
-        self._block_shape = tuple(block_shape)
+        self._block_shape = (layer_starts[-1], kv_cache.shape[1], kv_cache.shape[3], tp * kv_cache.shape[4],
+                             kv_cache.shape[5])
         self._inbox: queue.Queue[tuple[str, TransferOrder, Any] | None] = queue.Queue()
         self._outbox = _Outbox()
         # Set when a completion lands in the outbox: an idle step waits on it
@@ -270,7 +277,7 @@ class NodeStoreWorker(KVConnectorWorker):
         if self.node_store is not None:
             self.node_store.close()
         if self._rank_pools is not None:
-            self._pools = []
+            self._pools, self._parts = [], []
             self._rank_pools.close()
 
     # -- the I/O thread -------------------------------------------------------
@@ -429,12 +436,8 @@ class NodeStoreWorker(KVConnectorWorker):
         and r's pool) for each (one pool: the whole block and the pool)."""
         if len(self._pools) == 1:
             return [(block, self.kv_cache)]
-        out, lo = [], 0
-        for pool in self._pools:
-            n = pool.shape[self._pool_dim]
-            out.append((block.narrow(self._block_dim, lo, n), pool))
-            lo += n
-        return out
+        return [(block.narrow(0, layer, pool.shape[0]).narrow(3, head, pool.shape[4]), pool)
+                for pool, layer, head in self._parts]
 
     def _slot(self, arena: torch.Tensor, slot: int) -> torch.Tensor:
         """Slot bytes as one block: [L, 2, bs, H, D]."""
