@@ -50,6 +50,8 @@ _LIVENESS_EVERY_S = 0.05
 _SPIN_S = 100e-6
 _NAP_S = 50e-6  # doubling up to _MAX_NAP_S: a waiter that wakes often competes with the peer it waits for
 _MAX_NAP_S = 1e-3
+# Dtypes torch adds in (at least) float32 and rounds once: two ranks' sum in one pass.
+_ONE_PASS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class ShmAllReduce:
@@ -134,7 +136,7 @@ class ShmAllReduce:
 
     def _reduce_chunk(self, x: torch.Tensor) -> None:
         slots, n = self._exchange(x, "all_reduce"), self.world_size
-        if n == 2:
+        if n == 2 and x.dtype in _ONE_PASS:
             # One pass: a + b and b + a are the same bits, and torch adds a
             # half type in float32 and rounds once (as the float32 sum below
             # does). The float32 round trip and the copy took 3-4x the time
