@@ -15,7 +15,8 @@ are calls of their own) uses buffer ``seq % 2``:
 3. it sums the slots in rank order: every rank adds the same numbers in the
    same order, so all ranks get the same bits, whatever the tensor's shape
    (gloo's ring all-reduce sums each chunk in an order that depends on the
-   size).
+   size). Two ranks each add the peer's slot to their own tensor, in one
+   pass: a + b and b + a are the same bits.
 
 Two buffers suffice: a rank writes buffer ``seq % 2`` again at ``seq + 2``
 only after every flag reached ``seq + 1``, i.e. after every rank finished
@@ -49,6 +50,8 @@ _LIVENESS_EVERY_S = 0.05
 _SPIN_S = 100e-6
 _NAP_S = 50e-6  # doubling up to _MAX_NAP_S: a waiter that wakes often competes with the peer it waits for
 _MAX_NAP_S = 1e-3
+# Dtypes torch adds in (at least) float32 and rounds once: two ranks' sum in one pass.
+_ONE_PASS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class ShmAllReduce:
@@ -133,9 +136,16 @@ class ShmAllReduce:
 
     def _reduce_chunk(self, x: torch.Tensor) -> None:
         slots, n = self._exchange(x, "all_reduce"), self.world_size
+        if n == 2 and x.dtype in _ONE_PASS:
+            # One pass: a + b and b + a are the same bits, and torch adds a
+            # half type in float32 and rounds once (as the float32 sum below
+            # does). The float32 round trip and the copy took 3-4x the time
+            # of a prefill step's [2048, hidden] bf16 sum (BENCHMARKS.md).
+            x.add_(slots[1 - self.rank])
+            return
         if x.dtype == torch.float32:
-            x.copy_(slots[0])
-            for r in range(1, n):  # rank order: the same sum on every rank
+            torch.add(slots[0], slots[1], out=x)
+            for r in range(2, n):  # rank order: the same sum on every rank
                 x.add_(slots[r])
             return
         total = slots[0].float()  # half types: summed in float32, rounded once
