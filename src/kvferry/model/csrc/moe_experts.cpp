@@ -1,10 +1,12 @@
 // A mixture-of-experts layer as one op (model/moe_op.py).
 //
 // moe_layer(x, gate_w, gate_n, gate_kind, top_k, renormalize, weights_float32, first_expert,
-//           gate_up, down, gate_up_n, down_n, kind, shared, shared_n_kind, exact_rows, row_bucket) -> out
+//           gate_up, down, gate_up_n, down_n, kind, shared, shared_n_kind, exact_rows, row_bucket,
+//           routed_weights=None, routed_ids=None) -> out
 //   moe.py's SparseMoeBlock.forward before its all-reduce, op for op:
 //   logits  = gemm(x, gate_w)                       [T, E] (the router)
 //   w, ids  = topk(softmax(logits, float32), top_k)  w / w.sum(-1) if renormalize;
+//             (routed_weights, routed_ids) in their place where given;
 //             rounded to x's dtype unless weights_float32
 //   pairs   = (token, choice) with a local expert (first_expert < 0: every one;
 //             else ids in [first_expert, first_expert + E): an expert-parallel rank's),
@@ -197,12 +199,25 @@ enum Stage : int { kUnclaimed, kRouting, kRouted, kFailed };
 Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t gate_kind, int64_t top_k,
                  bool renormalize, bool weights_float32, int64_t first_expert, at::TensorList gate_up,
                  at::TensorList down, int64_t gate_up_n, int64_t down_n, int64_t kind, at::TensorList shared,
-                 at::IntArrayRef shared_n_kind, int64_t exact_rows, int64_t row_bucket) {
+                 at::IntArrayRef shared_n_kind, int64_t exact_rows, int64_t row_bucket,
+                 const std::optional<Tensor>& routed_weights, const std::optional<Tensor>& routed_ids) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_layer: x must be a contiguous [tokens, hidden]");
   const Experts experts = check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket);
   TORCH_CHECK(shared.empty() || (shared.size() == 3 && shared_n_kind.size() == 6),
               "moe_layer: shared is [] or [gate_up, down, gate] with shared_n_kind their [n, kind] each");
   const int64_t E = static_cast<int64_t>(gate_up.size()), T = x.size(0);
+  // A chosen routing (bench/profile_moe.py times a given number of active
+  // experts through the served op): the router still runs, as its cost is
+  // the step's, and its choice is replaced. Checked here, not in the region.
+  TORCH_CHECK(routed_weights.has_value() == routed_ids.has_value(),
+              "moe_layer: routed_weights and routed_ids go together");
+  if (routed_ids) {
+    TORCH_CHECK(routed_ids->scalar_type() == at::kLong && routed_ids->sizes() == at::IntArrayRef({T, top_k}),
+                "moe_layer: routed_ids must be int64 [tokens, top_k]");
+    TORCH_CHECK(at::isFloatingType(routed_weights->scalar_type()) &&
+                    routed_weights->sizes() == at::IntArrayRef({T, top_k}),
+                "moe_layer: routed_weights must be floating [tokens, top_k]");
+  }
   const bool has_shared = !shared.empty();
   auto gemm = [&](const Tensor& rows, const Mat& m) {
     return plain_linear(rows, m.w, m.n, m.kind, exact_rows, row_bucket);
@@ -216,6 +231,10 @@ Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t 
     Tensor w, ids;
     std::tie(w, ids) = at::topk(at::softmax(gemm(x, Mat{gate_w, gate_n, gate_kind}), -1, at::kFloat), top_k, -1);
     if (renormalize) w = w / w.sum(-1, true);
+    if (routed_ids) {
+      w = *routed_weights;
+      ids = *routed_ids;
+    }
     if (!weights_float32) w = w.to(x.scalar_type());  // Qwen rounds them to the model's dtype (HF)
     r = sort_pairs(x, ids, w, E, first_expert);
     ys = at::empty({r.xs.size(0), down_n}, x.options());
@@ -269,7 +288,8 @@ TORCH_LIBRARY(kvferry_moe, m) {
         "int kind, int exact_rows, int row_bucket) -> Tensor");
   m.def("moe_layer(Tensor x, Tensor gate_w, int gate_n, int gate_kind, int top_k, bool renormalize, "
         "bool weights_float32, int first_expert, Tensor[] gate_up, Tensor[] down, int gate_up_n, int down_n, "
-        "int kind, Tensor[] shared, int[] shared_n_kind, int exact_rows, int row_bucket) -> Tensor");
+        "int kind, Tensor[] shared, int[] shared_n_kind, int exact_rows, int row_bucket, "
+        "Tensor? routed_weights=None, Tensor? routed_ids=None) -> Tensor");
   // oneDNN's packed weights are MkldnnCPU tensors: a call with them dispatches there.
   for (auto key : {c10::DispatchKey::CPU, c10::DispatchKey::MkldnnCPU}) {
     m.impl("expert_loop", key, TORCH_FN(expert_loop));
