@@ -10,8 +10,9 @@ threads every one of those ops is its own OpenMP region, each ending in a
 wait for a thread another process may have descheduled. ``moe_layer`` runs
 the same ops (linear.py's matmuls with the same row padding, the same ATen
 ops on the same tensors, so the same bits) in one call and one parallel
-region: one thread routes, then the threads claim the experts one at a
-time, and the last one done scatters.
+region: one thread routes (another takes the shared expert meanwhile, an
+idle one sleeps until the routing is done), then the threads claim the
+experts one at a time, and the last one done scatters.
 
 It applies where the router, both expert stacks and the shared expert's
 three matmuls are plain packed copies (small_gemm's or oneDNN's; the
