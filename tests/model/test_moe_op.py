@@ -174,6 +174,38 @@ def test_a_routing_error_is_raised_not_hung_on(two_threads):
         assert torch.equal(moe_op.moe_layer(args, x), block(x))  # and it still serves
 
 
+@pytest.mark.parametrize("case", ["qwen2", "mixtral"])
+def test_a_given_routing_replaces_the_routers_choice_in_both_paths(case, two_threads):
+    # bench/profile_moe.py times chosen active experts through forward(x, routing=...):
+    # the C++ layer and the Python path take the routing alike (rounded unless
+    # float32), including a token sent to one expert twice (fewer experts than top-k).
+    block = _block(torch.bfloat16, **({} if case == "qwen2" else ROUTINGS["mixtral"]))
+    gen = torch.Generator().manual_seed(8)
+    for tokens, experts in ((1, 1), (5, 3), (40, 8)):
+        x = torch.randn(tokens, CONFIG["hidden_size"], generator=gen).to(torch.bfloat16)
+        ids = (torch.arange(tokens * 2) % experts).view(tokens, 2)
+        weights = torch.rand(tokens, 2, generator=gen)
+        with torch.inference_mode():
+            fast = block(x, routing=(weights, ids))
+            block._layer = lambda *_: None  # Python routing, C++ expert loop
+            try:
+                slow = block(x, routing=(weights, ids))
+                block._loop = lambda *_: None  # and the Python loop
+                python = block(x, routing=(weights, ids))
+            finally:
+                del block._layer, block._loop
+            routed = block(x)
+        assert torch.equal(fast, slow) and torch.equal(fast, python), (case, tokens)
+        assert not torch.equal(fast, routed)  # the router's own choice was not used
+    args = block._layer(torch.bfloat16)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="routed_ids must be int64"):
+        moe_op.moe_layer(args, x, (weights, ids[:, :1]))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="the router chose expert 8 of 8"):
+        moe_op.moe_layer(args, x, (weights, ids + 8))
+    with torch.inference_mode():
+        assert torch.equal(moe_op.moe_layer(args, x), routed)  # and it still serves
+
+
 def test_a_reload_drops_the_packed_copies():
     block = _block(torch.bfloat16)
     assert moe_op.loop_args(block.w13, block.w2) is not None

@@ -22,7 +22,7 @@ def test_profile_of_an_moe_model_fits_the_moe_step_and_the_hop_and_plan_uses_the
     moe = data["moe"]
     assert moe["fit"]["terms"] == ["1", "experts", "experts*tokens_per_expert"]
     assert (moe["num_experts"], moe["top_k"], moe["num_layers"], moe["num_moe_layers"]) == (8, 2, 2, 2)
-    assert moe["shared_expert"] is True
+    assert moe["shared_expert"] is True and moe["threads"] == 1  # timed at the engine's --threads
     assert [(p["experts"], p["tokens_per_expert"]) for p in moe["points"]] == [(1, 2.0), (1, 8.0), (8, 1.0),
                                                                               (8, 8.0)]
     assert all(p["time_s"] > 0 for p in moe["points"]) and min(moe["fit"]["coef"]) >= 0

@@ -11,9 +11,13 @@ attention/FFN hop, the two fits the planner needs to price AFD layouts
   read once: the memory-bound part), ``m2`` each (token, expert) pair (the
   arithmetic). A point routes ``A * n`` (token, expert) pairs round-robin
   over ``A`` experts of one of the model's own MoE blocks, with its own
-  weights and linear methods, through the served path: the router's
-  matmul and softmax, ``moe.fused_experts`` and the shared expert where
-  the model has one. The batch size alone cannot say this: at batch 8 a
+  weights and linear methods, through the block's own forward, the one a
+  served step calls, at the thread count the engine steps with: where the
+  block is plain packed matmuls that is the whole layer as one C++ call
+  (``moe_op.moe_layer``: the router's matmul, softmax and top-k, whose
+  choice the point's routing then replaces, the sort, the experts, the
+  scatter and the shared expert), otherwise moe.py's Python routing around
+  the C++ or Python expert loop. The batch size alone cannot say this: at batch 8 a
   top-2 model over 64 experts reads 15 experts' weights, at batch 64 about
   55, and which of the two dominates is what decides how far an FFN
   worker's batch can grow before it stops being weight-bound.
@@ -38,8 +42,7 @@ import torch
 import zmq
 
 from kvferry.bench.step_cost import fit
-from kvferry.model.fused_ops import silu_and_mul
-from kvferry.model.moe import SparseMoeBlock, fused_experts, route
+from kvferry.model.moe import SparseMoeBlock
 from kvferry.parallel.launch import launch
 from kvferry.parallel.pipeline import recv_tensor, send_tensor
 
@@ -69,15 +72,10 @@ def moe_blocks(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
-def _block_once(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The block's forward with the routing replaced by ``ids``: the router
-    still runs (its cost is the worker's), its choice is not used."""
-    route(block.gate(x), block.top_k, block.renormalize)
-    out = fused_experts(x, weights, ids, block.num_experts, block.expert)
-    if block.shared_intermediate_size:
-        shared = block.shared_down(silu_and_mul(block.shared_gate_up(x)))
-        out = out + torch.sigmoid(block.shared_expert_gate(x)) * shared
-    return out
+def _block_once(block: SparseMoeBlock, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The block's served forward with the routing replaced by ``ids``: the
+    router still runs (its cost is the worker's), its choice is not used."""
+    return block(x, routing=(weights, ids))
 
 
 def measure_moe_point(block, experts: int, per_expert: int, repeats: int, hidden: int,
@@ -104,8 +102,10 @@ def measure_moe_point(block, experts: int, per_expert: int, repeats: int, hidden
 
 def run_moe_profile(loaded, grid: MoEGrid, on_point=lambda kind, p: None) -> dict:
     """The MoE fit of ``loaded`` (a ``LoadedModel`` of one rank): its first
-    MoE block measured over the grid, with the model's shape the planner
-    needs (layers, MoE layers, experts, top-k, hidden size)."""
+    MoE block measured over the grid at the caller's torch thread count
+    (the engine's: ``kvferry profile`` sets it before building the engine),
+    with the model's shape the planner needs (layers, MoE layers, experts,
+    top-k, hidden size)."""
     cfg = loaded.config
     blocks = moe_blocks(loaded.model)
     if not blocks:
@@ -124,7 +124,7 @@ def run_moe_profile(loaded, grid: MoEGrid, on_point=lambda kind, p: None) -> dic
     return {"points": points, "fit": fit(points, MOE_TERMS), "num_experts": block.num_experts,
             "top_k": block.top_k, "num_layers": cfg.num_hidden_layers, "num_moe_layers": len(blocks),
             "hidden_size": cfg.hidden_size, "dtype": str(loaded.dtype).removeprefix("torch."),
-            "shared_expert": bool(block.shared_intermediate_size)}
+            "shared_expert": bool(block.shared_intermediate_size), "threads": torch.get_num_threads()}
 
 
 # -- the hop --------------------------------------------------------------------------

@@ -260,12 +260,17 @@ class SparseMoeBlock(nn.Module):
             self.gate, experts, shared, self.top_k, self.renormalize, self.weights_float32,
             self.first_expert if self.shard.expert_parallel else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (post-attention-normed) -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, hidden] (post-attention-normed) -> [T, hidden]. ``routing``:
+        (weights [T, k] float32, ids [T, k]) in place of the router's choice,
+        the router still run (bench/profile_moe.py times a chosen number of
+        active experts through the served path); None on a served step."""
         layer = self._layer(x.dtype) if x.shape[0] else None
         if layer is not None:  # the same ops in one C++ call
-            return self.shard.all_reduce(moe_op.moe_layer(layer, x))
+            return self.shard.all_reduce(moe_op.moe_layer(layer, x, routing))
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if routing is not None:
+            weights, ids = routing
         if not self.weights_float32:
             weights = weights.to(x.dtype)  # Qwen rounds them to the model's dtype (HF)
         first = self.first_expert if self.shard.expert_parallel else None

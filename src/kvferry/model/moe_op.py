@@ -10,8 +10,9 @@ threads every one of those ops is its own OpenMP region, each ending in a
 wait for a thread another process may have descheduled. ``moe_layer`` runs
 the same ops (linear.py's matmuls with the same row padding, the same ATen
 ops on the same tensors, so the same bits) in one call and one parallel
-region: one thread routes, then the threads claim the experts one at a
-time, and the last one done scatters.
+region: one thread routes (another takes the shared expert meanwhile, an
+idle one sleeps until the routing is done), then the threads claim the
+experts one at a time, and the last one done scatters.
 
 It applies where the router, both expert stacks and the shared expert's
 three matmuls are plain packed copies (small_gemm's or oneDNN's; the
@@ -100,13 +101,17 @@ def layer_args(gate: object, experts: LoopArgs, shared: tuple[object, object, ob
                      experts, [a.weight for a in args[1:]], [v for a in args[1:] for v in (a.out_features, a.kind)])
 
 
-def moe_layer(args: LayerArgs, x: torch.Tensor) -> torch.Tensor:
-    """x [T, hidden] (T > 0) -> the block's output before its all-reduce, in x's dtype."""
+def moe_layer(args: LayerArgs, x: torch.Tensor,
+              routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, hidden] (T > 0) -> the block's output before its all-reduce, in x's dtype.
+    ``routing``: (weights [T, k] float, ids [T, k] int64) in place of the
+    router's choice (the router still runs); moe.py's ``SparseMoeBlock.forward``."""
     g, e = args.gate, args.experts
+    weights, ids = routing or (None, None)
     return torch.ops.kvferry_moe.moe_layer(x.contiguous(), g.weight, g.out_features, g.kind, args.top_k,
                                            args.renormalize, args.weights_float32, args.first_expert, e.gate_up,
                                            e.down, e.gate_up_n, e.down_n, e.kind, args.shared, args.shared_n_kind,
-                                           EXACT_ROWS, ROW_BUCKET)
+                                           EXACT_ROWS, ROW_BUCKET, weights, ids)
 
 
 def available() -> bool:

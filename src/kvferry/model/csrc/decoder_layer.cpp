@@ -29,7 +29,7 @@
 //
 // tp_attention and tp_mlp are the same layer in two calls for a
 // tensor-parallel rank, split where its two all-reduces go (see there).
-#include "op_calls.h"  // find_op, small_gemm_op, onednn_linear
+#include "op_calls.h"  // find_op, plain_linear
 
 #include <ATen/record_function.h>
 #include <torch/library.h>
@@ -103,7 +103,6 @@ constexpr int64_t kQuantKind = 100;
 // the path GGUFLinearMethod takes for them.
 constexpr int64_t kQuantParts = 99;
 struct Matmul {
-  bool bf16;
   int64_t exact_rows, row_bucket;
   Tensor operator()(const Tensor& x, const Tensor& w, int64_t n, int64_t kind,
                     const std::optional<Tensor>& bias = std::nullopt, at::TensorList parts = {},
@@ -123,30 +122,9 @@ struct Matmul {
       Tensor y = op.call(x, w, kind - kQuantKind, n);
       return bias.has_value() ? at::add(y, *bias) : y;
     }
-    if (kind == 1) {
-      Tensor y = small_gemm_op(bf16).call(x, w, n);
-      return bias.has_value() ? y.add_(*bias) : y;
-    }
-    if (kind == 3) {
-      const int64_t rows = x.size(0);
-      Tensor out = at::empty({rows, n}, x.options());
-      for (int64_t s = 0; s < rows; s += row_bucket) {
-        const int64_t m = std::min(row_bucket, rows - s);
-        Tensor block = at::zeros({row_bucket, x.size(1)}, x.options());
-        block.narrow(0, 0, m).copy_(x.narrow(0, s, m));
-        out.narrow(0, s, m).copy_(onednn_linear(block, w, bias).narrow(0, 0, m));
-      }
-      return out;
-    }
-    TORCH_CHECK(kind == 2,
+    TORCH_CHECK(kind >= 1 && kind <= 3,
                 "decoder_layer: matmul kind must be 1 (small_gemm), 2 or 3 (oneDNN), 99 (GGUF parts) or 100 + a ggml type");
-    const int64_t rows = x.size(0);
-    const int64_t padded = rows <= exact_rows ? rows : (rows + row_bucket - 1) / row_bucket * row_bucket;
-    if (padded == rows) return onednn_linear(x.contiguous(), w, bias);
-    Tensor xp = at::empty({padded, x.size(1)}, x.options());
-    xp.narrow(0, 0, rows).copy_(x);
-    xp.narrow(0, rows, padded - rows).zero_();
-    return onednn_linear(xp, w, bias).narrow(0, 0, rows);
+    return plain_linear(x, w, n, kind, exact_rows, row_bucket, bias);
   }
 };
 
@@ -227,7 +205,7 @@ std::tuple<Tensor, Tensor> decoder_layer(
   check_input(x);
   TORCH_CHECK(h.sizes() == x.sizes(), "decoder_layer: h and x must be [tokens, hidden]");
   const Ops& op = ops();
-  const Matmul gemm{x.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
+  const Matmul gemm{exact_rows, row_bucket};
   const Tensor o = attention_product(op, gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
                                      query_starts, query_lens, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
                                      num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts,
@@ -486,7 +464,7 @@ Tensor tp_attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const
                     int64_t row_bucket, const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w,
                     double qk_eps, at::TensorList qkv_parts, at::IntArrayRef qkv_part_types) {
   check_input(x);
-  const Matmul gemm{x.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
+  const Matmul gemm{exact_rows, row_bucket};
   return attention_product(ops(), gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
                            query_starts, query_lens, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, num_heads,
                            num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types);
@@ -500,7 +478,7 @@ std::tuple<Tensor, Tensor> tp_mlp(const Tensor& o, const Tensor& h, const Tensor
   check_input(o);
   TORCH_CHECK(h.sizes() == o.sizes(), "tp_mlp: o and h must be [tokens, hidden]");
   const Ops& op = ops();
-  const Matmul gemm{o.scalar_type() == at::kBFloat16, exact_rows, row_bucket};
+  const Matmul gemm{exact_rows, row_bucket};
   auto [h1, x1] = op.add_rms_norm.call(o, h, post_norm_w, post_eps);
   return {h1, mlp_product(op, gemm, x1, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n, down_kind, gate_up_parts,
                           gate_up_part_types)};

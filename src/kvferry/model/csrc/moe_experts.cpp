@@ -1,10 +1,12 @@
 // A mixture-of-experts layer as one op (model/moe_op.py).
 //
 // moe_layer(x, gate_w, gate_n, gate_kind, top_k, renormalize, weights_float32, first_expert,
-//           gate_up, down, gate_up_n, down_n, kind, shared, shared_n_kind, exact_rows, row_bucket) -> out
+//           gate_up, down, gate_up_n, down_n, kind, shared, shared_n_kind, exact_rows, row_bucket,
+//           routed_weights=None, routed_ids=None) -> out
 //   moe.py's SparseMoeBlock.forward before its all-reduce, op for op:
 //   logits  = gemm(x, gate_w)                       [T, E] (the router)
 //   w, ids  = topk(softmax(logits, float32), top_k)  w / w.sum(-1) if renormalize;
+//             (routed_weights, routed_ids) in their place where given;
 //             rounded to x's dtype unless weights_float32
 //   pairs   = (token, choice) with a local expert (first_expert < 0: every one;
 //             else ids in [first_expert, first_expert + E): an expert-parallel rank's),
@@ -30,13 +32,17 @@
 // one region (at::parallel_for over the threads; the ATen, oneDNN and
 // small_gemm calls inside it run on the calling thread, as OpenMP does not
 // nest):
-//   - the first thread in routes, sorts and gathers (microseconds; the
-//     others spin, then yield, until it is done);
-//   - then every thread claims work items, the shared expert first, then the
-//     active experts one at a time (a counter, not a fixed split: a thread
-//     the OS parks for a while just takes fewer of them);
-//   - the thread that finishes the last item weights, scatters and adds the
-//     shared expert; the others leave, and the region's end is the one wait.
+//   - the first thread in routes, sorts and gathers (microseconds); another
+//     takes the shared expert meanwhile (it needs x alone), and a thread with
+//     nothing to do waits for the routing asleep after a brief spin (Event:
+//     a spinning or yielding waiter burned a core for as long as the router
+//     took, the whole of it where the OS parked the router);
+//   - then every thread claims the active experts one at a time (a counter,
+//     not a fixed split: a thread the OS parks for a while just takes fewer
+//     of them);
+//   - the thread that finishes the last item (routing, shared expert and
+//     experts counted alike) weights, scatters and adds the shared expert;
+//     the others leave, and the region's end is the one wait.
 // Fewer active experts than threads still splits by expert: each expert's
 // weights are read by one core, which is what a thread's bandwidth allows.
 #include "op_calls.h"
@@ -46,7 +52,9 @@
 #include <torch/library.h>
 
 #include <atomic>
-#include <thread>
+#include <condition_variable>
+#include <limits>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -70,20 +78,39 @@ Experts check_experts(at::TensorList gate_up, at::TensorList down, int64_t gate_
   return Experts{gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket};
 }
 
-// Spin briefly, then give the core away: on a shared machine the thread
-// this one waits for may be the one the OS parked.
-template <typename Ready>
-void wait_until(const Ready& ready) {
-  for (int spins = 0; !ready(); ++spins) {
-    if (spins < 200) {
+// A one-shot event the threads of a region wait on: set once (to a non-zero
+// state) by one thread. A waiter spins briefly (routing at batch 1 takes
+// tens of microseconds), then sleeps on a condition variable: spinning or
+// yielding burns a core for as long as the setter takes, and on a shared
+// machine the setter may be the thread the OS parked.
+class Event {
+ public:
+  void set(int state) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      state_.store(state, std::memory_order_release);
+    }
+    ready_.notify_all();  // no system call where no thread sleeps
+  }
+
+  int wait() {
+    for (int spins = 0; spins < kSpins; ++spins) {
+      if (const int s = state_.load(std::memory_order_acquire)) return s;
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
 #endif
-    } else {
-      std::this_thread::yield();
     }
+    std::unique_lock<std::mutex> lock(mutex_);
+    ready_.wait(lock, [&] { return state_.load(std::memory_order_acquire) != 0; });
+    return state_.load(std::memory_order_acquire);
   }
-}
+
+ private:
+  static constexpr int kSpins = 256;  // a few microseconds of pause
+  std::atomic<int> state_{0};
+  std::mutex mutex_;
+  std::condition_variable ready_;
+};
 
 // Work items over `items`, claimed one at a time by whichever thread is free,
 // inside one parallel region; `last()` runs on the thread that completes the
@@ -192,43 +219,65 @@ struct Mat {
   int64_t n, kind;
 };
 
-enum Stage : int { kUnclaimed, kRouting, kRouted, kFailed };
+enum Routing : int { kRouted = 1, kFailed = 2 };  // the Event's states
 
 Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t gate_kind, int64_t top_k,
                  bool renormalize, bool weights_float32, int64_t first_expert, at::TensorList gate_up,
                  at::TensorList down, int64_t gate_up_n, int64_t down_n, int64_t kind, at::TensorList shared,
-                 at::IntArrayRef shared_n_kind, int64_t exact_rows, int64_t row_bucket) {
+                 at::IntArrayRef shared_n_kind, int64_t exact_rows, int64_t row_bucket,
+                 const std::optional<Tensor>& routed_weights, const std::optional<Tensor>& routed_ids) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_layer: x must be a contiguous [tokens, hidden]");
   const Experts experts = check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket);
   TORCH_CHECK(shared.empty() || (shared.size() == 3 && shared_n_kind.size() == 6),
               "moe_layer: shared is [] or [gate_up, down, gate] with shared_n_kind their [n, kind] each");
   const int64_t E = static_cast<int64_t>(gate_up.size()), T = x.size(0);
+  // A chosen routing (bench/profile_moe.py times a given number of active
+  // experts through the served op): the router still runs, as its cost is
+  // the step's, and its choice is replaced. Checked here, not in the region.
+  TORCH_CHECK(routed_weights.has_value() == routed_ids.has_value(),
+              "moe_layer: routed_weights and routed_ids go together");
+  if (routed_ids) {
+    TORCH_CHECK(routed_ids->scalar_type() == at::kLong && routed_ids->sizes() == at::IntArrayRef({T, top_k}),
+                "moe_layer: routed_ids must be int64 [tokens, top_k]");
+    TORCH_CHECK(at::isFloatingType(routed_weights->scalar_type()) &&
+                    routed_weights->sizes() == at::IntArrayRef({T, top_k}),
+                "moe_layer: routed_weights must be floating [tokens, top_k]");
+  }
   const bool has_shared = !shared.empty();
   auto gemm = [&](const Tensor& rows, const Mat& m) {
     return plain_linear(rows, m.w, m.n, m.kind, exact_rows, row_bucket);
   };
   static const auto silu_and_mul = find_op<Tensor(const Tensor&)>("kvferry_fused::silu_and_mul");
 
+  // Work: routing (the first thread in), the shared expert (any thread: it
+  // needs x alone, so a thread takes it while the first routes), then the
+  // active experts one at a time. Each counts in `done` when finished; the
+  // thread that finishes the last of the `total` scatters.
   Routed r;
   Tensor ys, shared_out, shared_logit, out;
-  int64_t items = 0;  // the shared expert (first, where there is one), then the active experts
+  // Set by the router before its own count; until then no count can be the
+  // last (the router's is missing), whatever a thread reads here.
+  std::atomic<int64_t> total{std::numeric_limits<int64_t>::max()};
   auto route = [&] {
     Tensor w, ids;
     std::tie(w, ids) = at::topk(at::softmax(gemm(x, Mat{gate_w, gate_n, gate_kind}), -1, at::kFloat), top_k, -1);
     if (renormalize) w = w / w.sum(-1, true);
+    if (routed_ids) {
+      w = *routed_weights;
+      ids = *routed_ids;
+    }
     if (!weights_float32) w = w.to(x.scalar_type());  // Qwen rounds them to the model's dtype (HF)
     r = sort_pairs(x, ids, w, E, first_expert);
     ys = at::empty({r.xs.size(0), down_n}, x.options());
-    items = static_cast<int64_t>(r.active.size()) + (has_shared ? 1 : 0);
+    total.store(1 + (has_shared ? 1 : 0) + static_cast<int64_t>(r.active.size()), std::memory_order_relaxed);
   };
-  auto item = [&](int64_t i) {
-    if (has_shared && i == 0) {
-      const Tensor h = silu_and_mul.call(gemm(x, Mat{shared[0], shared_n_kind[0], shared_n_kind[1]}));
-      shared_out = gemm(h, Mat{shared[1], shared_n_kind[2], shared_n_kind[3]});
-      shared_logit = gemm(x, Mat{shared[2], shared_n_kind[4], shared_n_kind[5]});
-      return;
-    }
-    const int64_t a = i - (has_shared ? 1 : 0), e = r.active[a], s = r.start[a], n = r.counts[e];
+  auto shared_expert = [&] {
+    const Tensor h = silu_and_mul.call(gemm(x, Mat{shared[0], shared_n_kind[0], shared_n_kind[1]}));
+    shared_out = gemm(h, Mat{shared[1], shared_n_kind[2], shared_n_kind[3]});
+    shared_logit = gemm(x, Mat{shared[2], shared_n_kind[4], shared_n_kind[5]});
+  };
+  auto expert = [&](int64_t a) {
+    const int64_t e = r.active[a], s = r.start[a], n = r.counts[e];
     ys.narrow(0, s, n).copy_(experts(e, r.xs.narrow(0, s, n)));
   };
   auto combine = [&] {
@@ -239,25 +288,40 @@ Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t 
   };
 
   const at::ThreadLocalState caller;  // inference mode, dispatch keys: the workers' calls run under the caller's
-  std::atomic<int> stage{kUnclaimed};
+  std::atomic<bool> routing_taken{false}, shared_taken{!has_shared};
   std::atomic<int64_t> next{0}, done{0};
+  Event routed;
+  // acq_rel: the last thread sees every other item's writes (ys, shared_out).
+  auto finished = [&] {
+    if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == total.load(std::memory_order_relaxed)) combine();
+  };
+  auto take_shared = [&] {
+    if (!shared_taken.exchange(true, std::memory_order_acq_rel)) {
+      shared_expert();
+      finished();
+    }
+  };
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     at::ThreadLocalStateGuard guard(caller);
-    int expected = kUnclaimed;
-    if (stage.compare_exchange_strong(expected, kRouting, std::memory_order_acq_rel)) {
+    if (!routing_taken.exchange(true, std::memory_order_acq_rel)) {
       try {
         route();
-        if (items == 0) combine();  // an expert-parallel rank none of whose experts was chosen
       } catch (...) {
-        stage.store(kFailed, std::memory_order_release);  // the others stop waiting; the region rethrows
+        routed.set(kFailed);  // the others stop waiting; the region rethrows
         throw;
       }
-      stage.store(kRouted, std::memory_order_release);
+      routed.set(kRouted);
+      finished();  // the last count where no expert here was chosen (expert parallelism) and no shared one waits
     } else {
-      wait_until([&] { return stage.load(std::memory_order_acquire) != kRouting; });
-      if (stage.load(std::memory_order_acquire) == kFailed) return;
+      take_shared();
+      if (routed.wait() == kFailed) return;
     }
-    claim_items(next, done, items, item, combine);
+    take_shared();
+    const int64_t A = static_cast<int64_t>(r.active.size());
+    for (int64_t a; (a = next.fetch_add(1, std::memory_order_relaxed)) < A;) {
+      expert(a);
+      finished();
+    }
   });
   return out;
 }
@@ -269,7 +333,8 @@ TORCH_LIBRARY(kvferry_moe, m) {
         "int kind, int exact_rows, int row_bucket) -> Tensor");
   m.def("moe_layer(Tensor x, Tensor gate_w, int gate_n, int gate_kind, int top_k, bool renormalize, "
         "bool weights_float32, int first_expert, Tensor[] gate_up, Tensor[] down, int gate_up_n, int down_n, "
-        "int kind, Tensor[] shared, int[] shared_n_kind, int exact_rows, int row_bucket) -> Tensor");
+        "int kind, Tensor[] shared, int[] shared_n_kind, int exact_rows, int row_bucket, "
+        "Tensor? routed_weights=None, Tensor? routed_ids=None) -> Tensor");
   // oneDNN's packed weights are MkldnnCPU tensors: a call with them dispatches there.
   for (auto key : {c10::DispatchKey::CPU, c10::DispatchKey::MkldnnCPU}) {
     m.impl("expert_loop", key, TORCH_FN(expert_loop));

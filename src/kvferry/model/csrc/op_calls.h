@@ -59,15 +59,20 @@ inline Tensor onednn_linear(const Tensor& x, const Tensor& w, const std::optiona
   return stack.back().toTensor();
 }
 
-// x [rows, in] times a packed plain weight, no bias -> [rows, n], as
-// linear.py runs it: kind 1 small_gemm's copy; 2 oneDNN's, the rows above
-// exact_rows padded with zeros to a multiple of row_bucket; 3 oneDNN's in
-// blocks of exactly row_bucket rows, the last padded (linear_fixed_blocks,
-// --deterministic's matmul on AMX CPUs).
+// x [rows, in] times a packed plain weight (+ bias) -> [rows, n], as
+// linear.py runs it: kind 1 small_gemm's copy (a bias, only under
+// --deterministic's method, added after the product as linear.py adds it);
+// 2 oneDNN's (the bias fused), the rows above exact_rows padded with zeros
+// to a multiple of row_bucket; 3 oneDNN's in blocks of exactly row_bucket
+// rows, the last padded (linear_fixed_blocks, --deterministic's matmul on
+// AMX CPUs).
 inline Tensor plain_linear(const Tensor& x, const Tensor& w, int64_t n, int64_t kind, int64_t exact_rows,
-                           int64_t row_bucket) {
+                           int64_t row_bucket, const std::optional<Tensor>& bias = std::nullopt) {
   TORCH_CHECK(kind >= 1 && kind <= 3, "plain_linear: kind must be 1 (small_gemm), 2 or 3 (oneDNN), got ", kind);
-  if (kind == 1) return small_gemm_op(w.scalar_type() == at::kBFloat16).call(x, w, n);  // small_gemm.linear's choice
+  if (kind == 1) {
+    Tensor y = small_gemm_op(w.scalar_type() == at::kBFloat16).call(x, w, n);  // small_gemm.linear's choice
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
   const int64_t rows = x.size(0);
   if (kind == 3) {
     Tensor out = at::empty({rows, n}, x.options());
@@ -75,16 +80,16 @@ inline Tensor plain_linear(const Tensor& x, const Tensor& w, int64_t n, int64_t 
       const int64_t m = std::min(row_bucket, rows - s);
       Tensor block = at::zeros({row_bucket, x.size(1)}, x.options());
       block.narrow(0, 0, m).copy_(x.narrow(0, s, m));
-      out.narrow(0, s, m).copy_(onednn_linear(block, w, std::nullopt).narrow(0, 0, m));
+      out.narrow(0, s, m).copy_(onednn_linear(block, w, bias).narrow(0, 0, m));
     }
     return out;
   }
   const int64_t padded = rows <= exact_rows ? rows : (rows + row_bucket - 1) / row_bucket * row_bucket;
-  if (padded == rows) return onednn_linear(x.contiguous(), w, std::nullopt);
+  if (padded == rows) return onednn_linear(x.contiguous(), w, bias);
   Tensor xp = at::empty({padded, x.size(1)}, x.options());
   xp.narrow(0, 0, rows).copy_(x);
   xp.narrow(0, rows, padded - rows).zero_();
-  return onednn_linear(xp, w, std::nullopt).narrow(0, 0, rows);
+  return onednn_linear(xp, w, bias).narrow(0, 0, rows);
 }
 
 }  // namespace
