@@ -129,9 +129,12 @@ def test_private_prefix_and_tiers_keep_colocated_output(pd, expected):
     for flood in FLOOD:
         _complete(srv, "sk-acme", flood)
     loaded = _loaded_tokens(srv)
-    assert _complete(srv, "sk-acme", prompt)[0] == expected[prompt]
+    text, cached, _ = _complete(srv, "sk-acme", prompt)
     # Every full block from a tier, whole: every rank's heads, gathered by
-    # the layout that wrote it and split by the one that loads it.
+    # the layout that wrote it and split by the one that loads it; and the
+    # client is told so, as a colocated core tells it (the prefill core's
+    # load, not the decode core's empty device hit).
+    assert (text, cached) == (expected[prompt], full)
     assert _loaded_tokens(srv) == loaded + full
     # Another tenant finds acme's blocks in neither a device pool nor a tier.
     text, cached, _ = _complete(srv, "sk-beta", prompt)

@@ -79,6 +79,27 @@ def test_decode_tokens_that_overtake_the_first_wait_for_it():
     assert len(cores.pairing) == 0
 
 
+def test_every_output_reports_the_prefill_cores_cached_tokens():
+    # P computed the prompt: what it did not compute (its device hit plus
+    # its tier loads, 48 here) is the stream's cached_tokens, held outputs
+    # of D's and later ones alike, not D's own device hit (0).
+    cores = Cores()
+    cores.start()
+    assert cores.pairing.outputs(cores.d, [out(tokens=[7])]) == []
+    released = cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled", num_cached_tokens=48)])
+    assert [o.num_cached_tokens for o in released] == [48, 48]
+    [last] = cores.pairing.outputs(cores.d, [out(tokens=[8], finish="length")])
+    assert last.num_cached_tokens == 48
+
+    # D recomputed the prompt (its transfer failed): its own count stands.
+    cores = Cores()
+    cores.start()
+    cores.pairing.outputs(cores.d, [out(kv_transfer_error="recomputing: timeout", kv_first_token_wanted=True)])
+    cores.pairing.outputs(cores.p0, [out(tokens=[5], finish="prefilled", num_cached_tokens=48)])
+    [last] = cores.pairing.outputs(cores.d, [out(tokens=[9], finish="length", num_cached_tokens=16)])
+    assert last.num_cached_tokens == 16
+
+
 def test_a_first_token_that_ends_the_sequence_ends_the_stream():
     cores = Cores()
     cores.start()

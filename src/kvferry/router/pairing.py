@@ -11,6 +11,11 @@ moves the prefill to another core when P dies or refuses it.
 
 The client sees one stream: P's first token (made an ordinary token), then
 D's. D's outputs that overtake P's first token are held until it arrives.
+Every output of the stream reports P's cached prompt tokens (its device
+prefix hit plus what it loaded from a KV store tier), as a colocated core
+reports its own: P computed the prompt, so what P did not compute is what
+the client's ``cached_tokens`` counts. D's own count (its device hit, which
+saves only transfer) stands only where D recomputed the prompt.
 
 When the transfer fails, D recomputes the prompt itself. If P's Done
 reached D (only the KV was bad), D kept P's first token and continues from
@@ -59,6 +64,15 @@ class PairedSequence:
     decode_has_first: bool = False  # D kept P's first token from its Done (the KV failed): P's report is awaited
     held: list[EngineCoreOutput] = field(default_factory=list)
     attempts: int = 0
+    prefill_cached: int | None = None  # P's cached prompt tokens, once its first token came
+    decode_recomputed: bool = False  # the transfer failed: D computed the prompt itself
+
+    def as_streamed(self, out: EngineCoreOutput) -> EngineCoreOutput:
+        """D's output with the cached prompt tokens of the core that
+        computed the prompt: P's, unless D recomputed it."""
+        if self.prefill_cached is None or self.decode_recomputed or out.num_cached_tokens == self.prefill_cached:
+            return out
+        return _replace(out, num_cached_tokens=self.prefill_cached)
 
 
 def first_token_finish(request: EngineCoreRequest, token: int, max_model_len: int) -> tuple[str, int | None] | None:
@@ -151,6 +165,7 @@ class Pairing:
             out = _replace(out, kv_destination=None)
         if out.kv_transfer_error:
             logger.warning("request %s: %s", child, out.kv_transfer_error)
+            seq.decode_recomputed = True
             if out.finished:  # --kv-transfer-failure fail
                 self._release_prefill(seq, child, abort=True)
                 self._seqs.pop(child, None)
@@ -181,8 +196,8 @@ class Pairing:
             return []
         if seq.held:
             held, seq.held = seq.held, []
-            return [*held, out]
-        return [out]
+            return [seq.as_streamed(o) for o in (*held, out)]
+        return [seq.as_streamed(out)]
 
     def _from_prefill(self, seq: PairedSequence, out: EngineCoreOutput) -> list[EngineCoreOutput]:
         child = out.request_id
@@ -195,6 +210,7 @@ class Pairing:
         if seq.recomputing or seq.first_token is not None:
             return []
         seq.first_token = list(out.new_token_ids)
+        seq.prefill_cached = out.num_cached_tokens
         finish = (first_token_finish(seq.request, out.new_token_ids[0], self.max_model_len)
                   if out.new_token_ids else None)
         first = _replace(out, finish_reason=finish[0] if finish else None, stop_reason=finish[1] if finish else None)
@@ -204,7 +220,7 @@ class Pairing:
         held, seq.held = seq.held, []
         if any(o.finished for o in held):
             self._seqs.pop(child, None)
-        return [first, *held]
+        return [first, *(seq.as_streamed(o) for o in held)]
 
     def _send_prefill(self, seq: PairedSequence, child: str) -> None:
         seq.attempts += 1
