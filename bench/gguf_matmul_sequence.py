@@ -124,14 +124,18 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
     from kvferry.model.quant import kernels
 
     op = torch.ops.kvferry_quant.layer_linear_parts
-    configured = (dict(kernels.PREFILL_MIN_ROWS), dict(kernels.PREFILL_MIN_ROWS_THREADED))
+    threaded = hasattr(kernels, "PREFILL_MIN_ROWS_THREADED")  # older trees: one threshold per block size
+    configured = (dict(kernels.PREFILL_MIN_ROWS), dict(getattr(kernels, "PREFILL_MIN_ROWS_THREADED",
+                                                               kernels.PREFILL_MIN_ROWS)))
     configs = {"configured": configured}
     if args.ab:
         m32, mk = (int(v) for v in args.ab.split(","))
         configs["ab"] = ({32: m32, 256: mk},) * 2
 
     def use(thresholds: tuple[dict, dict]) -> None:
-        kernels.PREFILL_MIN_ROWS, kernels.PREFILL_MIN_ROWS_THREADED = thresholds
+        kernels.PREFILL_MIN_ROWS = thresholds[0]
+        if threaded:
+            kernels.PREFILL_MIN_ROWS_THREADED = thresholds[1]
         kernels.configure()
 
     def one_step(xs: dict) -> tuple[float, float]:
