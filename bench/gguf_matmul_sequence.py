@@ -24,7 +24,7 @@ gguf_decode_step.py's (a cold 512 MiB sum, same thread count). Not a test.
 of that many rows) instead, and ``--ab 12,16`` alternates, in this one
 process, the step with the library's configured paths against the same step
 with the dots taking batches only below 12 rows of 32-blocks and 16 rows of
-K-quants (the dequantized bf16 tiles above): both halves of each pair see
+K-quants (the dequantized bf16 tiles above; ``--ab 33,33``: the dots up to 32 rows): both halves of each pair see
 about the same load, which separate processes do not. Medians of ``--repeats``
 pairs, the CPU time of all threads (``time.process_time``) and wall time.
 """
@@ -124,18 +124,14 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
     from kvferry.model.quant import kernels
 
     op = torch.ops.kvferry_quant.layer_linear_parts
-    threaded = hasattr(kernels, "PREFILL_MIN_ROWS_THREADED")  # older trees: one threshold per block size
-    configured = (dict(kernels.PREFILL_MIN_ROWS), dict(getattr(kernels, "PREFILL_MIN_ROWS_THREADED",
-                                                               kernels.PREFILL_MIN_ROWS)))
+    configured = dict(kernels.PREFILL_MIN_ROWS)
     configs = {"configured": configured}
     if args.ab:
         m32, mk = (int(v) for v in args.ab.split(","))
-        configs["ab"] = ({32: m32, 256: mk},) * 2
+        configs["ab"] = {32: m32, 256: mk}
 
-    def use(thresholds: tuple[dict, dict]) -> None:
-        kernels.PREFILL_MIN_ROWS = thresholds[0]
-        if threaded:
-            kernels.PREFILL_MIN_ROWS_THREADED = thresholds[1]
+    def use(thresholds: dict) -> None:
+        kernels.PREFILL_MIN_ROWS = thresholds
         kernels.configure()
 
     def one_step(xs: dict) -> tuple[float, float]:
@@ -147,8 +143,8 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     print(f"{args.model}: {args.threads} thread(s), all matmuls of a step, median ms of {args.repeats} "
-          f"(CPU of all threads / wall), load {load}; configured "
-          f"{configured[0 if args.threads == 1 else 1]}" + (f", ab {configs['ab'][0]}" if args.ab else ""))
+          f"(CPU of all threads / wall), load {load}; configured {configured}" +
+          (f", ab {configs['ab']}" if args.ab else ""))
     try:
         for m in args.rows:
             xs = {k: torch.randn(m, k).bfloat16() for k in {c[2] for c in calls}}

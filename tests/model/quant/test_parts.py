@@ -23,9 +23,7 @@ K = 512
 # more parts than a thread's prefetch stream keeps (8: the rest stream unprefetched).
 MIXES = [(("Q4_K", 96), ("Q4_K", 40), ("Q6_K", 40)), (("Q8_0", 37), ("Q4_1", 64)), (("Q5_0", 9), ("Q4_K", 70)),
          tuple((("Q4_K", "Q4_1", "Q8_0")[i % 3], 8 + 3 * i) for i in range(10))]
-# Dots for all; 32-blocks' tiles from 12 rows; the K-quants' from 16 with one
-# thread, from 33 with several (20: dots or tiles by the thread count).
-ROWS = [1, 3, 13, 20]
+ROWS = [1, 3, 13, 20]  # dots for all; 32-blocks' tiles from 12 rows, the K-quants' from 20
 
 
 def parts_of(mix: tuple[tuple[str, int], ...]) -> list[quant.QuantizedWeight]:
@@ -40,9 +38,9 @@ def check_parts(threads: tuple[int, ...]) -> None:
             for m in ROWS:
                 for dtype in (torch.float32, torch.bfloat16):
                     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
+                    want = torch.cat([quant.linear(x, w) for w in ws], dim=1)
                     for t in threads:
-                        torch.set_num_threads(t)  # the path may depend on it (kernels.PREFILL_MIN_ROWS_THREADED)
-                        want = torch.cat([quant.linear(x, w) for w in ws], dim=1)
+                        torch.set_num_threads(t)
                         got = quant.linear_parts(x, ws)
                         assert got.dtype == dtype and torch.equal(got, want), (mix, m, dtype, t)
     finally:

@@ -1255,28 +1255,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n
 
 // linear's path constants as kernels.py last set them (configure, at load),
 // for layer_linear: the one-call decoder layer's matmul of a GGUF weight.
-// The dots' row limits by block size, for one thread and for several (the
-// tiles' two parallel regions per tile cost more with more threads).
-struct LinearConfig { int64_t dots_max_32 = 12, dots_max_256 = 16, dots_max_32_mt = 12, dots_max_256_mt = 33,
-                      tile_bytes = 4 << 20, small_tile_bytes = 1 << 20, small_max_rows = 16,
-                      transposed_max_rows = 64; };
+struct LinearConfig { int64_t dots_max_32 = 12, dots_max_256 = 20, tile_bytes = 4 << 20, small_tile_bytes = 1 << 20,
+                      small_max_rows = 16, transposed_max_rows = 64; };
 LinearConfig& linear_config() {
   static LinearConfig c;
   return c;
 }
 
-void configure(int64_t dots_max_32, int64_t dots_max_256, int64_t dots_max_32_mt, int64_t dots_max_256_mt,
-               int64_t tile_bytes, int64_t small_tile_bytes, int64_t small_max_rows, int64_t transposed_max_rows) {
-  linear_config() = {dots_max_32, dots_max_256, dots_max_32_mt, dots_max_256_mt, tile_bytes, small_tile_bytes,
-                     small_max_rows, transposed_max_rows};
+void configure(int64_t dots_max_32, int64_t dots_max_256, int64_t tile_bytes, int64_t small_tile_bytes,
+               int64_t small_max_rows, int64_t transposed_max_rows) {
+  linear_config() = {dots_max_32, dots_max_256, tile_bytes, small_tile_bytes, small_max_rows, transposed_max_rows};
 }
 
-// From how many rows of x a weight of type t takes the tiles, at the call's thread count
-// (kernels.py's prefill_min_rows, which reads the same count).
-int64_t dots_max(const LinearConfig& c, int64_t t) {
-  const bool k = info(t).block == 256, mt = at::get_num_threads() > 1;
-  return mt ? (k ? c.dots_max_256_mt : c.dots_max_32_mt) : (k ? c.dots_max_256 : c.dots_max_32);
-}
+// From how many rows of x a weight of type t takes the tiles.
+int64_t dots_max(const LinearConfig& c, int64_t t) { return info(t).block == 32 ? c.dots_max_32 : c.dots_max_256; }
 
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n) {
   const LinearConfig& c = linear_config();
@@ -1337,8 +1329,8 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("gemm(Tensor x, Tensor w, int type, int n) -> Tensor", &gemm);
   m.def("linear(Tensor x, Tensor w, int type, int n, int dots_max_rows, int tile_bytes, int small_tile_bytes, "
         "int small_max_rows, int transposed_max_rows) -> Tensor", &linear);
-  m.def("configure(int dots_max_32, int dots_max_256, int dots_max_32_mt, int dots_max_256_mt, int tile_bytes, "
-        "int small_tile_bytes, int small_max_rows, int transposed_max_rows) -> ()", &configure);
+  m.def("configure(int dots_max_32, int dots_max_256, int tile_bytes, int small_tile_bytes, int small_max_rows, "
+        "int transposed_max_rows) -> ()", &configure);
   m.def("layer_linear(Tensor x, Tensor w, int type, int n) -> Tensor", &layer_linear);
   m.def("layer_linear_parts(Tensor x, Tensor[] ws, int[] types) -> Tensor", &layer_linear_parts);
   m.def("layer_linear_out(Tensor x, Tensor w, int type, int n, Tensor(a!) out) -> ()", &layer_linear_out);

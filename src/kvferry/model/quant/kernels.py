@@ -34,32 +34,30 @@ SMALL_TILE_BYTES = 1 << 20
 SMALL_TILE_MAX_ROWS = 16
 # From this many rows of x, a dequantized bf16 tile and oneDNN (AMX where
 # present) beat the integer dot products, whose cost grows with every row
-# while the tiles' is mostly the dequantization, paid once. By the format's
-# block size, for one thread (PREFILL_MIN_ROWS) and for several
-# (PREFILL_MIN_ROWS_THREADED): each tile is two parallel regions (its
-# dequantization, its oneDNN multiply), thousands per step on a large model
-# (8B at 16 rows: all 4.6 GiB of blocks), where a dots call is one, and on a
-# shared machine each region waits for its slowest thread. Measured on a Xeon
-# with AMX (avx512vnni build), a loaded machine, all matmuls of a 1B-shaped
-# Q4_K_M step (bench/gguf_matmul_sequence.py 1b --rows ... --ab 12,16), median
-# ms, CPU time of all threads:
-#   rows                       1     8     12    16    20    24    32
-#   1 thread   K-quant dots    49   109   194   237
-#              tiles                            229   247   246   250
-#   2 threads  K-quant dots   128   356   468   531   595   912   906
-#              tiles                           1404  1310  2800  1307
-# One call, one thread, cold copies, CPU ms (Q4_K 14336 x 4096, 8B's gate/up):
-# dots 9.5 / 11.3 / 15.9 at 12 / 16 / 24 rows, tiles 10.6 / 11.6 / 12.1; Q6_K
-# 4096 x 14336 (its down): dots 10.0 / 12.0 / 14.5 at 12 / 16 / 20, tiles
-# 18.3 / 19.7 / 15.3. So one thread keeps the tiles from 16 rows (a tie there);
-# several take the dots up to 32 rows. The K-quants' dots (rowsK_512 with
-# AVX-512) decode a superblock once for 8 rows and take three multiplies per
-# 64 values and row. The 32-blocks' (rows32) are not as lean (Q8_0 8192 x 2048,
-# one thread: dots 3.4 / 5.1 / 6.9 ms at 8 / 12 / 16 rows, tiles 2.9 / 2.9 /
-# 3.2) and keep the tiles from 12 rows; at 8 rows both are within the noise,
-# and tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
-PREFILL_MIN_ROWS = {32: 12, 256: 16}  # one thread, by the format's block size
-PREFILL_MIN_ROWS_THREADED = {32: 12, 256: 33}  # several threads: the K-quants' dots up to 32 rows
+# while the tiles' is mostly the dequantization, paid once (8B at 16 rows:
+# all 4.6 GiB of blocks a step). Measured on a Xeon with AMX (avx512vnni
+# build), a loaded machine, all matmuls of a 1B-shaped Q4_K_M step
+# (bench/gguf_matmul_sequence.py 1b --rows ... --ab), median ms, CPU time of
+# all threads:
+#   rows                        1     8     12    16    24    32
+#   1 thread   K-quant dots    47   108   191   234   354   462
+#              tiles                            229   248   257
+#   2 threads  K-quant dots   128   356   468   531   912   906
+#              tiles                           1404  2800  1307
+# With two threads each tile is two parallel regions (its dequantization, its
+# oneDNN multiply), where a dots call is one, and on a shared machine each
+# waits for its slowest thread. One call, one thread, cold copies, CPU ms: Q4_K
+# 14336 x 4096 (8B's gate/up) dots 9.5 / 11.3 / 15.9 at 12 / 16 / 24 rows,
+# tiles 10.6 / 11.6 / 12.1; Q6_K 4096 x 14336 (its down) dots 10.0 / 12.0 /
+# 14.5 at 12 / 16 / 20, tiles 18.3 / 19.7 / 15.3. The K-quants' dots (AVX-512:
+# rowsK_512) take batches below 20 rows: c16's decode steps, at a tie with the
+# tiles on one thread and well ahead on two. The threshold does not depend on
+# the thread count, so a TP rank (fewer threads) takes the path TP 1 takes.
+# The 32-blocks' dots (rows32) are not as lean (Q8_0 8192 x 2048, one thread:
+# 3.4 / 5.1 / 6.9 ms at 8 / 12 / 16 rows, tiles 2.9 / 2.9 / 3.2) and keep the
+# tiles from 12 rows; at 8 rows both are within the noise, and
+# tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
+PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
 # KVFERRY_QUANT_DOTS_ALWAYS=1: every batch size takes the dots, as llama.cpp's
 # CPU backend quantizes x to 8 bits for every matmul, prefill included. Its
 # greedy answers then agree with llama.cpp's on the same file as far as the
@@ -91,20 +89,14 @@ def configure() -> None:
     anything that changes the constants."""
     global _dots_always
     _dots_always = envs.quant_dots_always()
-    torch.ops.kvferry_quant.configure(prefill_min_rows(32, 1), prefill_min_rows(256, 1), prefill_min_rows(32, 2),
-                                      prefill_min_rows(256, 2), PREFILL_TILE_BYTES, SMALL_TILE_BYTES,
-                                      SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
+    torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
+                                      SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
 
 
-def prefill_min_rows(block: int, threads: int | None = None) -> int:
-    """From how many rows of x a weight of this block size takes the tiles at
-    ``threads`` threads (default: torch's count now, which the library reads
-    too): ``PREFILL_MIN_ROWS`` for one, ``PREFILL_MIN_ROWS_THREADED`` for
-    several; never with KVFERRY_QUANT_DOTS_ALWAYS=1."""
-    if _dots_always:
-        return 1 << 62
-    threads = torch.get_num_threads() if threads is None else threads
-    return (PREFILL_MIN_ROWS if threads <= 1 else PREFILL_MIN_ROWS_THREADED)[block]
+def prefill_min_rows(block: int) -> int:
+    """From how many rows of x a weight of this block size takes the tiles
+    (``PREFILL_MIN_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1)."""
+    return 1 << 62 if _dots_always else PREFILL_MIN_ROWS[block]
 
 
 def available() -> bool:
