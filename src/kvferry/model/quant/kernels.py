@@ -36,23 +36,25 @@ SMALL_TILE_MAX_ROWS = 16
 # present) beat the integer dot products, whose cost grows with every row
 # while the tiles' is mostly the dequantization, paid once (8B at 16 rows:
 # all 4.6 GiB of blocks a step). Measured on a Xeon with AMX (avx512vnni
-# build), a loaded machine, all matmuls of a 1B-shaped Q4_K_M step
-# (bench/gguf_matmul_sequence.py 1b --rows ... --ab), median ms, CPU time of
-# all threads:
-#   rows                        1     8     12    16    24    32
-#   1 thread   K-quant dots    47   108   191   234   354   462
-#              tiles                            229   248   257
-#   2 threads  K-quant dots   128   356   468   531   912   906
-#              tiles                           1404  2800  1307
-# With two threads each tile is two parallel regions (its dequantization, its
-# oneDNN multiply), where a dots call is one, and on a shared machine each
-# waits for its slowest thread. One call, one thread, cold copies, CPU ms: Q4_K
-# 14336 x 4096 (8B's gate/up) dots 9.5 / 11.3 / 15.9 at 12 / 16 / 24 rows,
-# tiles 10.6 / 11.6 / 12.1; Q6_K 4096 x 14336 (its down) dots 10.0 / 12.0 /
-# 14.5 at 12 / 16 / 20, tiles 18.3 / 19.7 / 15.3. The K-quants' dots (AVX-512:
-# rowsK_512) take batches below 20 rows: c16's decode steps, at a tie with the
-# tiles on one thread and well ahead on two. The threshold does not depend on
-# the thread count, so a TP rank (fewer threads) takes the path TP 1 takes.
+# build), all matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py
+# 1b --rows ... --ab), a quiet moment of a shared machine, median CPU ms of
+# all threads (rowsK: the K-quants' ymm dots before rowsK_512):
+#   rows                        1     8     12    16    20    24    32
+#   1 thread   dots             55   140   225   268   345   404   464
+#              dots (rowsK)          182   276   353         563   774
+#              tiles                            262   277   278   275
+#   2 threads  dots             56   137   215   233   327   373   474
+#              tiles                            271   287   296   306
+# Loaded (2 cores at load 7-9), two threads' tiles cost 4-9x their quiet
+# CPU time at 16-32 rows, the dots about 2x: each tile is two parallel
+# regions (its dequantization, its oneDNN multiply), a dots call one, and
+# each region waits for its slowest thread. One call, one thread, cold
+# copies, loaded, CPU ms: Q4_K 14336 x 4096 (8B's gate/up) dots 9.5 / 11.3 /
+# 15.9 at 12 / 16 / 24 rows, tiles 10.6 / 11.6 / 12.1; Q6_K 4096 x 14336 (its
+# down) dots 10.0 / 12.0 / 14.5 at 12 / 16 / 20, tiles 18.3 / 19.7 / 15.3. So
+# the K-quants take the dots below 20 rows (c16's decode steps: a tie with the
+# tiles on one thread, ahead on two), at any thread count, so that a TP rank
+# (fewer threads) takes the path TP 1 takes (tests/parallel/test_gguf_tp.py).
 # The 32-blocks' dots (rows32) are not as lean (Q8_0 8192 x 2048, one thread:
 # 3.4 / 5.1 / 6.9 ms at 8 / 12 / 16 rows, tiles 2.9 / 2.9 / 3.2) and keep the
 # tiles from 12 rows; at 8 rows both are within the noise, and
