@@ -19,6 +19,14 @@ other processes on a shared machine inflate least; the floor's bandwidth is
 gguf_decode_step.py's (a cold 512 MiB sum, same thread count). Not a test.
 
     PYTHONPATH=src python bench/gguf_matmul_sequence.py [q41|1b] [--repeats 9] [--threads 1]
+
+``--rows 1 8 12 16 24 32`` times the step's matmuls at each batch size (x
+of that many rows) instead, and ``--ab 12,16`` alternates, in this one
+process, the step with the library's configured paths against the same step
+with the dots taking batches only below 12 rows of 32-blocks and 16 rows of
+K-quants (the dequantized bf16 tiles above; ``--ab 33,33``: the dots up to 32 rows): both halves of each pair see
+about the same load, which separate processes do not. Medians of ``--repeats``
+pairs, the CPU time of all threads (``time.process_time``) and wall time.
 """
 from __future__ import annotations
 
@@ -59,6 +67,9 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="q41", choices=["q41", "1b"])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="batch sizes to time (default: 1, and the hot layer)")
+    ap.add_argument("--ab", default=None, metavar="M32,MK",
+                    help="alternate the configured paths with the dots below M32 rows (32-blocks) and MK (K-quants)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not quant.available():
@@ -74,6 +85,8 @@ def main() -> None:
 
     calls = [([blocks(*p) for p in parts], [TYPES[p[0]] for p in parts], parts[0][2]) for parts in
              model_calls(args.model)]
+    if args.rows:
+        return rows_ab(calls, args)
     xs = {k: torch.randn(1, k).bfloat16() for k in {c[2] for c in calls}}
     op = torch.ops.kvferry_quant.layer_linear_parts
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -103,6 +116,57 @@ def main() -> None:
     print(f"median ms: all matmuls {med['step']:.2f} (min {min(step) * 1e3:.2f}) = {med['step'] / floor_ms:.2f}x "
           f"the floor | layers {med['layers']:.2f} | lm_head {med['head']:.2f} | one layer hot "
           f"{statistics.median(hot) * 1e3:.3f} ms ({hot_bytes / statistics.median(hot) / 1e9:.1f} GB/s)")
+
+
+def rows_ab(calls: list, args: argparse.Namespace) -> None:
+    """The step's matmuls at each of ``args.rows`` batch sizes: CPU and wall ms,
+    and with ``--ab`` the same against the given thresholds, pair by pair."""
+    from kvferry.model.quant import kernels
+
+    op = torch.ops.kvferry_quant.layer_linear_parts
+    configured = dict(kernels.PREFILL_MIN_ROWS)
+    configs = {"configured": configured}
+    if args.ab:
+        m32, mk = (int(v) for v in args.ab.split(","))
+        configs["ab"] = {32: m32, 256: mk}
+
+    def use(thresholds: dict) -> None:
+        kernels.PREFILL_MIN_ROWS = thresholds
+        kernels.configure()
+
+    def one_step(xs: dict) -> tuple[float, float]:
+        c0, w0 = time.process_time(), time.perf_counter()
+        for ws, ts, k in calls:
+            op(xs[k], ws, ts)
+        return (time.process_time() - c0) * 1e3, (time.perf_counter() - w0) * 1e3
+
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    print(f"{args.model}: {args.threads} thread(s), all matmuls of a step, median ms of {args.repeats} "
+          f"(CPU of all threads / wall), load {load}; configured {configured}" +
+          (f", ab {configs['ab']}" if args.ab else ""))
+    try:
+        for m in args.rows:
+            xs = {k: torch.randn(m, k).bfloat16() for k in {c[2] for c in calls}}
+            got: dict[str, list] = {name: [] for name in configs}
+            for name, thresholds in configs.items():  # warm each path
+                use(thresholds)
+                one_step(xs)
+            for _ in range(args.repeats):
+                for name, thresholds in configs.items():
+                    use(thresholds)
+                    got[name].append(one_step(xs))
+            cells = []
+            for name, runs in got.items():
+                cpu, wall = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+                cells.append(f"{name} {cpu:7.1f} / {wall:7.1f}")
+            ratio = ""
+            if args.ab:
+                pairs = [b[0] / a[0] for a, b in zip(got["configured"], got["ab"])]
+                ratio = f" | ab / configured CPU {statistics.median(pairs):.2f}x"
+            print(f"rows {m:3d}: " + " | ".join(cells) + ratio, flush=True)
+    finally:
+        use(configured)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,30 @@ def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
     assert not torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
 
 
+def test_k_quants_take_the_dots_below_20_rows():
+    """K-quant batches below 20 rows (a c16 decode step's 16) take the integer
+    dots, at any thread count, in linear and in the library's configured path
+    (the one-call layer's): the dots' values, not the bf16 tiles'. From 20 rows
+    the tiles; the 32-blocks keep them from 12 rows."""
+    wk, _ = weight("Q4_K", N, K)
+    w32, _ = weight("Q8_0", N, K)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(19)).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert [kernels.path_for(m, wk) for m in (16, 19, 20)] == ["dots", "dots", "tiles"], threads
+            assert [kernels.path_for(m, w32) for m in (11, 12)] == ["dots", "tiles"], threads
+            for m in (16, 19):
+                dots = quant.gemv(x[:m], wk).bfloat16()
+                assert torch.equal(quant.linear(x[:m], wk), dots), (threads, m)
+                assert torch.equal(torch.ops.kvferry_quant.layer_linear(x[:m], wk.data, wk.fmt.ggml_type, N), dots)
+        tiles = quant.linear(torch.cat([x, x[:1]]), wk)[:19]  # 20 rows: x rounded to bf16, not to 8 bits
+        assert not torch.equal(tiles, quant.gemv(x, wk).bfloat16())
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_zero_rows_and_zero_x():
     w, _ = weight("Q8_0", N, K)
     assert quant.gemv(torch.zeros(0, K), w).shape == (0, N)

@@ -720,6 +720,130 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
 }
 #endif
 
+#ifdef KVQ_K512
+// A pair's vpmaddubsw sums times its sub-block scales, added to the pair's
+// lanes: one vpdpwssd with AVX512-VNNI, else vpmaddwd and an add. The same
+// integers either way (|pair sums x scales| fit in 32 bits, so neither wraps).
+inline __m512i scale_add(__m512i acc, __m512i p, __m512i sc) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, p, sc);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+#endif
+}
+
+// rowsK for R rows of x (decode batches of 2 to ~32 rows), every K-quant, two
+// groups per 512-bit register as rowsK1_512: the superblock's groups are
+// decoded and its scales shuffled once for all R rows, then each row costs
+// three multiplies per two pairs of groups with AVX512-VNNI (below), four
+// without, where rowsK's ymm form took six instructions per pair (the dots are
+// compute-bound from ~8 rows: measured 1.3-1.6x rowsK's speed at 8-32 rows, Q4_K
+// and Q6_K). Each row's 32-bit sums are rowsK's (group 2p's lane l plus group
+// 2p + 1's, added as integers) and its float steps are rowsK's, so a row's
+// value is rowsK<T, 1>'s (and rowsK1_512's) to the bit, at any R.
+template <int T, int R>
+void rowsK_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, int64_t ldy) {
+  // The float accumulators of rows 2j and 2j + 1 share a register (their low
+  // and high 8 lanes): the per-superblock steps (the halves' integer sum,
+  // conversions, scales, multiply-adds) are one 512-bit instruction for two
+  // rows, each lane's the same operation rowsK does on it (a ninth of the
+  // instructions; measured 10-15% at 8-16 rows). An odd R's last row is alone.
+  constexpr int P = (R + 1) / 2;
+  __m512 acc[P], macc[P];
+  for (int j = 0; j < P; ++j) acc[j] = macc[j] = _mm512_setzero_ps();
+  KHead h;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+  const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
+                                        0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
+                                        0x0100010001000100, 0x0100010001000100);
+  for (int64_t i = 0; i < a.nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    khead(T, b, h);
+    const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
+    const int64_t xstep = a.nb * 256;  // one row of x to the next
+    __m512i zacc[R];
+    KVQ_UNROLL for (int r = 0; r < R; ++r) zacc[r] = _mm512_setzero_si512();
+    __m512i qs[4];  // the superblock's pairs of groups (2p, 2p + 1), unsigned bytes
+    auto pair = [&](int p, __m512i q) { qs[p] = q; };
+    if constexpr (T == 12) {
+      const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+      KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
+        pair(p, _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4));
+      }
+    } else if constexpr (T == 14) {
+      KVQ_UNROLL for (int n = 0; n < 2; ++n) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
+        KVQ_UNROLL for (int half = 0; half < 2; ++half) {
+          const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
+          const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+          const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), m2);
+          pair(2 * n + half, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+        }
+      }
+    } else {  // Q2_K, Q3_K, Q5_K: rowsK's two groups side by side
+      KVQ_UNROLL for (int p = 0; p < 4; ++p)
+        pair(p, _mm512_inserti64x4(_mm512_castsi256_si512(kgroup<T>(b, 2 * p)), kgroup<T>(b, 2 * p + 1), 1));
+    }
+    // Pair p's scales: 128-bit lane k holds sub-block 4p + k's scale in every 16 bits.
+    __m512i sc[4];
+    KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+      int64_t s4;
+      std::memcpy(&s4, h.sc + 4 * p, 8);
+      sc[p] = _mm512_shuffle_epi8(_mm512_set1_epi64(s4), pick);
+    }
+#ifdef __AVX512VNNI__
+    // With VNNI, vpdpbusd sums each 4 values' products (lane l of a pair is
+    // rowsK's vpmaddwd lane l before its scale): |sum| <= 4 * 63 * 127 < 2^15,
+    // so pairs p and p + 1's sums fit one register as 16-bit halves (p + 1's
+    // moved up by one byte shuffle), and one vpdpwssd by [scale p | scale p + 1]
+    // adds both scaled sums to the lane: the integers rowsK adds to lane l,
+    // with three multiplies per two pairs where vpmaddubsw and vpdpwssd took four.
+    // Each dword's bytes 0, 1 into its bytes 2, 3 (vpshufb indexes within 128-bit lanes).
+    const __m512i up4 = _mm512_broadcast_i32x4(_mm_setr_epi32(0x01000000, 0x05040000, 0x09080000, 0x0D0C0000));
+    const __m512i sc01 = _mm512_mask_blend_epi16(0xAAAAAAAA, sc[0], sc[1]);
+    const __m512i sc23 = _mm512_mask_blend_epi16(0xAAAAAAAA, sc[2], sc[3]);
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xq + r * xstep;
+      auto dot4 = [&](int p) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), qs[p], _mm512_loadu_si512(xr + 64 * p)); };
+      const __m512i d01 = _mm512_mask_shuffle_epi8(dot4(0), 0xCCCCCCCCCCCCCCCCull, dot4(1), up4);
+      zacc[r] = _mm512_dpwssd_epi32(zacc[r], d01, sc01);
+      const __m512i d23 = _mm512_mask_shuffle_epi8(dot4(2), 0xCCCCCCCCCCCCCCCCull, dot4(3), up4);
+      zacc[r] = _mm512_dpwssd_epi32(zacc[r], d23, sc23);
+    }
+#else
+    KVQ_UNROLL for (int p = 0; p < 4; ++p)
+      KVQ_UNROLL for (int r = 0; r < R; ++r)
+        zacc[r] = scale_add(zacc[r], _mm512_maddubs_epi16(qs[p], _mm512_loadu_si512(xq + r * xstep + 64 * p)), sc[p]);
+#endif
+    const __m512i mn = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn)));
+    const __m512 vd = _mm512_set1_ps(h.d), vdm = _mm512_set1_ps(h.dm);
+    KVQ_UNROLL for (int j = 0; j < P; ++j) {
+      const int r = 2 * j;
+      const bool two = r + 1 < R;
+      const int64_t ai = (m0 + r) * a.nb + i, aj = two ? ai + a.nb : ai;  // a lone row pairs with itself
+      const __m512i z1 = two ? zacc[r + 1] : zacc[r];
+      // [row r's groups 2p | row r + 1's] in 256-bit halves: the two rows' 8 integer lanes, as rowsK's iacc.
+      const __m512i iacc = _mm512_add_epi32(_mm512_shuffle_i64x2(zacc[r], z1, 0x44), _mm512_shuffle_i64x2(zacc[r], z1, 0xEE));
+      // d * d_x as a vector multiply (rowsK's scalar product, the same rounding).
+      const __m512 xd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(
+          _mm256_broadcast_ss(a.d + ai))), _mm256_castps_pd(_mm256_broadcast_ss(a.d + aj)), 1));
+      const __m512i bs = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + aj * 16)), 1);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(vd, xd), acc[j]);
+      macc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mn, bs)), _mm512_mul_ps(vdm, xd), macc[j]);
+    }
+  }
+  for (int j = 0; j < P; ++j) {
+    const __m512 v = _mm512_sub_ps(acc[j], macc[j]);
+    y[2 * j * ldy] = hsum(_mm512_castps512_ps256(v));
+    if (2 * j + 1 < R) y[(2 * j + 1) * ldy] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+}
+#endif
+
 // The low (Hi = false) or high 16 bits of each 32-bit lane, packed into 8 x 16 bits.
 template <bool Hi>
 inline __m128i half16(__m256i v) {
@@ -816,6 +940,9 @@ inline void rows(const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
 #ifdef KVQ_K512
   if constexpr (R == 1 && (T == 12 || T == 14)) return rowsK1_512<T>(w, a, m0, info(T).bytes, y);
 #endif
+#ifdef KVQ_K512
+  if constexpr (T >= 10) return rowsK_512<T, R>(w, a, m0, info(T).bytes, y, ldy);
+#endif
   if constexpr (T >= 10) rowsK<T, R>(w, a, m0, info(T).bytes, y, ldy);
   else rows32<T, R>(w, a, m0, info(T).bytes, y, ldy);
 }
@@ -839,6 +966,8 @@ void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
 // Weight rows n0..n1 of one weight (bytes per row) against the M rows of a:
 // y[m * ldy + n] for each. Row n's value depends on nothing but row n and a,
 // so any split of the rows among threads gives the same bits.
+constexpr int64_t kTileRows = 4;
+
 template <int T, typename O>
 void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy,
                Stream& pf) {
@@ -867,15 +996,22 @@ void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_
       }
     }
 #endif
-    const Span span = pf.take(bytes);
+    // Past one pass of MR rows of x, kTileRows weight rows at a time: each
+    // pass's MR rows of quantized x are read from L1 by all of them, where a
+    // weight row's passes over all M rows had evicted them before their next
+    // use (K = 4096 at 16 rows: 64 KiB of x; measured 1.2x at 8B's shapes).
+    const int64_t nw = M > MR ? std::min<int64_t>(kTileRows, n1 - n) : 1;
+    const Span span = pf.take(nw * bytes);
     for (const char* at = span.p; at < span.p + span.bytes; at += 64) _mm_prefetch(at, _MM_HINT_T0);
-    int64_t m = 0;
-    for (; m < M; m += MR) {
+    for (int64_t m = 0; m < M; m += MR) {
       const int r = int(std::min<int64_t>(MR, M - m));
-      if (r == MR) rows<T, MR>(w, a, m, y, 1);
-      else tail<T>(r, w, a, m, y, 1);
-      for (int k = 0; k < r; ++k) Y[(m + k) * ldy + n] = O(y[k]);
+      for (int64_t j = 0; j < nw; ++j) {
+        if (r == MR) rows<T, MR>(w + j * bytes, a, m, y, 1);
+        else tail<T>(r, w + j * bytes, a, m, y, 1);
+        for (int k = 0; k < r; ++k) Y[(m + k) * ldy + n + j] = O(y[k]);
+      }
     }
+    n += nw - 1;
   }
 }
 
@@ -1119,7 +1255,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n
 
 // linear's path constants as kernels.py last set them (configure, at load),
 // for layer_linear: the one-call decoder layer's matmul of a GGUF weight.
-struct LinearConfig { int64_t dots_max_32 = 12, dots_max_256 = 16, tile_bytes = 4 << 20, small_tile_bytes = 1 << 20,
+struct LinearConfig { int64_t dots_max_32 = 12, dots_max_256 = 20, tile_bytes = 4 << 20, small_tile_bytes = 1 << 20,
                       small_max_rows = 16, transposed_max_rows = 64; };
 LinearConfig& linear_config() {
   static LinearConfig c;
@@ -1131,10 +1267,13 @@ void configure(int64_t dots_max_32, int64_t dots_max_256, int64_t tile_bytes, in
   linear_config() = {dots_max_32, dots_max_256, tile_bytes, small_tile_bytes, small_max_rows, transposed_max_rows};
 }
 
+// From how many rows of x a weight of type t takes the tiles.
+int64_t dots_max(const LinearConfig& c, int64_t t) { return info(t).block == 32 ? c.dots_max_32 : c.dots_max_256; }
+
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n) {
   const LinearConfig& c = linear_config();
-  return linear(x, w, t, n, info(t).block == 32 ? c.dots_max_32 : c.dots_max_256, c.tile_bytes, c.small_tile_bytes,
-                c.small_max_rows, c.transposed_max_rows);
+  return linear(x, w, t, n, dots_max(c, t), c.tile_bytes, c.small_tile_bytes, c.small_max_rows,
+                c.transposed_max_rows);
 }
 
 // A fused layer kept as several weights (its shards, of one type or mixed:
@@ -1150,7 +1289,7 @@ at::Tensor layer_linear_parts(const at::Tensor& x, at::TensorList ws, at::IntArr
   bool all_dots = simd();
   std::vector<Part> parts;
   for (size_t i = 0; i < ws.size(); ++i) {
-    all_dots = all_dots && x.size(0) < (info(types[i]).block == 32 ? c.dots_max_32 : c.dots_max_256);
+    all_dots = all_dots && x.size(0) < dots_max(c, types[i]);
     parts.push_back(part_of(ws[i], types[i], ws[i].size(0)));
   }
   if (all_dots) return dots_in(x, parts);
@@ -1170,7 +1309,7 @@ void layer_linear_parts_out(const at::Tensor& x, at::TensorList ws, at::IntArray
   bool all_dots = simd() && (dtype == at::kFloat || dtype == at::kBFloat16);
   std::vector<Part> parts;
   for (size_t i = 0; i < ws.size(); ++i) {
-    all_dots = all_dots && x.size(0) < (info(types[i]).block == 32 ? c.dots_max_32 : c.dots_max_256);
+    all_dots = all_dots && x.size(0) < dots_max(c, types[i]);
     parts.push_back(part_of(ws[i], types[i], ws[i].size(0)));
   }
   if (all_dots) dots(x, parts, dtype, out);

@@ -34,21 +34,32 @@ SMALL_TILE_BYTES = 1 << 20
 SMALL_TILE_MAX_ROWS = 16
 # From this many rows of x, a dequantized bf16 tile and oneDNN (AMX where
 # present) beat the integer dot products, whose cost grows with every row
-# while the tiles' is mostly the dequantization, paid once. Measured on a
-# Xeon with AMX (avx512vnni build), one thread, cold copies, ms:
-#   rows                          6     8     12    16
-#   Q8_0 8192 x 2048   dots      3.5   4.3   9.2
-#                      tiles     4.0   4.4   4.1
-#   Q8_0 49152 x 576   dots            7.5         14.0   (the lm_head)
-#                      tiles           6.2          7.2
-#   Q4_1 49152 x 576   dots            7.1         13.2
-#                      tiles           6.5          6.6
-#   Q4_K 8192 x 2048   dots            2.8          5.4
-#                      tiles           3.4          3.7
-# The K-quants' dots share one decoded superblock and its scales among 8 rows.
-# At 8 rows the two paths are within the noise for 32-blocks; the threshold
-# stays at 12, where tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
-PREFILL_MIN_ROWS = {32: 12, 256: 16}  # by the format's block size
+# while the tiles' is mostly the dequantization, paid once (8B at 16 rows:
+# all 4.6 GiB of blocks a step). Measured on a Xeon with AMX (avx512vnni
+# build), all matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py
+# 1b --rows ... --ab), a quiet moment of a shared machine, median CPU ms of
+# all threads (rowsK: the K-quants' ymm dots before rowsK_512):
+#   rows                        1     8     12    16    20    24    32
+#   1 thread   dots             55   140   225   268   345   404   464
+#              dots (rowsK)          182   276   353         563   774
+#              tiles                            262   277   278   275
+#   2 threads  dots             56   137   215   233   327   373   474
+#              tiles                            271   287   296   306
+# Loaded (2 cores at load 7-9), two threads' tiles cost 4-9x their quiet
+# CPU time at 16-32 rows, the dots about 2x: each tile is two parallel
+# regions (its dequantization, its oneDNN multiply), a dots call one, and
+# each region waits for its slowest thread. One call, one thread, cold
+# copies, loaded, CPU ms: Q4_K 14336 x 4096 (8B's gate/up) dots 9.5 / 11.3 /
+# 15.9 at 12 / 16 / 24 rows, tiles 10.6 / 11.6 / 12.1; Q6_K 4096 x 14336 (its
+# down) dots 10.0 / 12.0 / 14.5 at 12 / 16 / 20, tiles 18.3 / 19.7 / 15.3. So
+# the K-quants take the dots below 20 rows (c16's decode steps: a tie with the
+# tiles on one thread, ahead on two), at any thread count, so that a TP rank
+# (fewer threads) takes the path TP 1 takes (tests/parallel/test_gguf_tp.py).
+# The 32-blocks' dots (rows32) are not as lean (Q8_0 8192 x 2048, one thread:
+# 3.4 / 5.1 / 6.9 ms at 8 / 12 / 16 rows, tiles 2.9 / 2.9 / 3.2) and keep the
+# tiles from 12 rows; at 8 rows both are within the noise, and
+# tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
+PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
 # KVFERRY_QUANT_DOTS_ALWAYS=1: every batch size takes the dots, as llama.cpp's
 # CPU backend quantizes x to 8 bits for every matmul, prefill included. Its
 # greedy answers then agree with llama.cpp's on the same file as far as the
