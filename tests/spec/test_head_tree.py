@@ -26,12 +26,13 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
+from kvferry.engine import runner as runner_module
 from kvferry.model.input_batch import InputBatch
 from kvferry.sampling import StructuredOutputsParams
 from kvferry.spec.draft_model import DraftRequest
 from kvferry.spec.head import EagleHead
 from kvferry.spec.head_tree import draft_trees, wants_tree
-from kvferry.spec.tree import is_chain
+from kvferry.spec.tree import is_chain, walk
 from tests.spec.test_distribution import NUM_SAMPLES, target, tv, tv_bound  # noqa: F401 (a fixture)
 from tests.spec.test_eagle3 import write_eagle3_checkpoint
 from tests.spec.test_engine import repetitive_prompts
@@ -107,6 +108,20 @@ def case(tmp_path_factory):
     return target, heads, prompts, expected, seeded, expected_seeded
 
 
+@pytest.fixture
+def walks(monkeypatch):
+    """Every tree the runner verifies: (its drafts, parents, the nodes its walk accepted)."""
+    seen = []
+
+    def recording(drafts, parents, row_tokens):
+        emitted, nodes = walk(drafts, parents, row_tokens)
+        seen.append((list(drafts), list(parents), nodes))
+        return emitted, nodes
+
+    monkeypatch.setattr(runner_module, "walk", recording)
+    return seen
+
+
 def _tree_llm(case, method: str) -> tuple[LLM, list]:
     target, heads, *_ = case
     llm = LLM(model=target, **ENGINE, speculative={"method": method, "model": heads[method], **FIXED})
@@ -117,25 +132,32 @@ def _tree_llm(case, method: str) -> tuple[LLM, list]:
     return llm, proposed
 
 
+def _verified_as_trees(proposed: list, walks: list) -> None:
+    """The head's trees branch, and the runner verified them as trees (with their parents)."""
+    trees = [(p.token_ids, p.parents) for step in proposed for p in step.values() if p.parents is not None]
+    assert trees and all(not is_chain(parents) and len(parents) == len(tokens) for tokens, parents in trees)
+    verified = [(drafts, parents) for drafts, parents, _ in walks]
+    assert all(tree in verified for tree in trees)
+
+
 @pytest.mark.parametrize("method", ["head", "eagle3", "auto"])
-def test_head_trees_greedy_is_plain_decoding(case, method):
+def test_head_trees_greedy_is_plain_decoding(case, method, walks):
     _, _, prompts, expected, _, _ = case
     llm, proposed = _tree_llm(case, method)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
-    trees = [p for step in proposed for p in step.values() if p.parents is not None]
-    assert trees and all(not is_chain(p.parents) and len(p.parents) == len(p.token_ids) for p in trees)
+    _verified_as_trees(proposed, walks)
     assert llm.engine.stats().num_draft_tokens > 0
     llm.engine.check_integrity()
 
 
-def test_head_trees_seeded_sampling_is_plain_seeded_sampling(case):
+def test_head_trees_seeded_sampling_is_plain_seeded_sampling(case, walks):
     _, _, prompts, _, seeded, expected_seeded = case
     llm, proposed = _tree_llm(case, "head")
     assert [r.token_ids for r in llm.generate(prompts, seeded)] == expected_seeded
-    assert any(p.parents is not None for step in proposed for p in step.values())
+    _verified_as_trees(proposed, walks)
 
 
-def test_head_tree_sampling_matches_the_target_within_the_tv_bound(target, tmp_path):  # noqa: F811
+def test_head_tree_sampling_matches_the_target_within_the_tv_bound(target, tmp_path, walks):  # noqa: F811
     path, prompt, p0, p1 = target
     marginal = p0 @ p1  # [V]
     bound = tv_bound(marginal, NUM_SAMPLES)
@@ -146,15 +168,19 @@ def test_head_tree_sampling_matches_the_target_within_the_tv_bound(target, tmp_p
               speculative={"method": "head", "model": str(head), **FIXED, "num_speculative_tokens": 3})
     drafter = llm.engine.core.runner.drafter
     # The head's network stands aside: a row's "state" is its token, and its
-    # distribution the target's own p1 after that token, so that the trees'
-    # branches are the target's likely second tokens.
-    table = torch.log(torch.from_numpy(p1).float().clamp_min(1e-30))
+    # distribution the target's own p1 after that token, flattened so that
+    # the root's likely children outscore their own children: the trees
+    # branch at the root over the target's likely second tokens.
+    table = 0.3 * torch.log(torch.from_numpy(p1).float().clamp_min(1e-30))
     drafter._step = lambda tokens, hidden: tokens
     drafter._logits = lambda tokens: table[tokens]
-    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)  # unseeded: fresh noise on every row
+    # Unseeded: fresh noise on every row. The first decode step has room for two drafts (a tree).
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
     outs = llm.generate([prompt] * NUM_SAMPLES, params)
     stats = llm.engine.stats()
     assert stats.num_accepted_tokens > NUM_SAMPLES // 10
+    # The walk accepts on the root's later branches too (the tree's second or third child).
+    assert sum(nodes[:1] not in ([], [0]) for _, _, nodes in walks) > NUM_SAMPLES // 20
     second = [o.token_ids[1] for o in outs]
     # Outputs land on the later branches too (the walk favours none).
     later = sum(o.token_ids[1] in np.argsort(-p1[o.token_ids[0]])[1:3].tolist() for o in outs)
