@@ -91,8 +91,8 @@ def test_structured_output_requests_and_single_drafts_stay_chains():
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("head-tree")
-    target = str(make_tiny_checkpoint(root, arch="llama", max_position_embeddings=1024, num_hidden_layers=6))
-    plain = LLM(model=target, **ENGINE)
+    model = str(make_tiny_checkpoint(root, arch="llama", max_position_embeddings=1024, num_hidden_layers=6))
+    plain = LLM(model=model, **ENGINE)
     vocab = plain.engine.core.runner.vocab_size
     hidden = plain.engine.core.runner.loaded.config.hidden_size
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def case(tmp_path_factory):
     expected_seeded = [r.token_ids for r in plain.generate(prompts, seeded)]
     heads = {"head": str(root / "head.safetensors"), "eagle3": str(root / "eagle3"),
              "auto": str(root / "head.safetensors")}
-    return target, heads, prompts, expected, seeded, expected_seeded
+    return model, heads, prompts, expected, seeded, expected_seeded
 
 
 @pytest.fixture
@@ -123,8 +123,8 @@ def walks(monkeypatch):
 
 
 def _tree_llm(case, method: str) -> tuple[LLM, list]:
-    target, heads, *_ = case
-    llm = LLM(model=target, **ENGINE, speculative={"method": method, "model": heads[method], **FIXED})
+    model, heads, *_ = case
+    llm = LLM(model=model, **ENGINE, speculative={"method": method, "model": heads[method], **FIXED})
     drafter = llm.engine.core.runner.drafter
     assert drafter.tree
     proposed, propose = [], drafter.propose

@@ -29,7 +29,10 @@ batch 1 a few rows cost about what one does: the weights are read once).
 The nodes are deterministic guesses (a function of the context), so the
 verifier walks them with one-hot semantics (``spec.tree``): SpecInfer's
 multi-branch rejection sampling, exact for greedy, seeded and unseeded
-sampling alike. A request's distribution q is not used for verification.
+sampling alike. A request's distribution q is not used for verification
+(a path drafted for a sampling request is verified against q instead, which
+accepts more often where q resembles p). A tree that did not branch goes
+to the verifier as a path of deterministic drafts (the same verdicts).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import torch
 
 from kvferry.model.input_batch import InputBatch
 from kvferry.spec.draft_model import DraftRequest, DraftVocab, Proposal
+from kvferry.spec.tree import is_chain
 
 WIDTH = 4  # children tried per expanded node, and nodes expanded per depth (per request)
 
@@ -62,13 +66,14 @@ def wants_tree(request: DraftRequest) -> bool:
 
 def draft_trees(batch: InputBatch, requests: list[DraftRequest], newest: torch.Tensor,
                 step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                vocab: DraftVocab | None, width: int = WIDTH) -> dict[str, Proposal]:
+                vocab: DraftVocab | None, width: int | None = None) -> dict[str, Proposal]:
     """One tree of ``num_drafts`` nodes per request, written into each
     request's batch row (over the scheduler's placeholders) in the tree's
     order. ``newest`` [A]: each request's newest token; ``step(tokens [R],
     sources [R])`` runs the head over R rows, row r reading ``tokens[r]`` and
     the state of row ``sources[r]`` of the previous call (the first call:
     of the requests, in order), and returns their logits [R, V or D]."""
+    width = width or WIDTH
     trees = [_Tree(r) for r in requests]
     tokens, sources = newest, torch.arange(len(requests))
     owners = [(j, -1) for j in range(len(requests))]  # (tree, node expanded: -1 the root) per row
@@ -116,4 +121,6 @@ def _proposal(batch: InputBatch, tree: _Tree) -> Proposal:
     tokens = [tree.tokens[n] for n in order]
     parents = [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order]
     batch.token_ids[r.row, r.end : r.end + len(tokens)] = tokens
-    return Proposal(tokens, None, parents)
+    # A tree that did not branch is a path: verified as one, it keeps the
+    # attention kernel's speed (a tree takes the torch path, engine/tree_verify.py).
+    return Proposal(tokens, None, None if is_chain(parents) else parents)
