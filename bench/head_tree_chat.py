@@ -22,6 +22,9 @@ Reports per method: tokens per second of this process's CPU time
 wall time, the ratio to plain, the acceptance (accepted / drafted tokens)
 and the mean accepted length per verify step (bonus token included).
 
+``--width`` sets the trees' width (spec/head_tree.WIDTH: children per
+expanded node, nodes expanded per depth).
+
     python bench/head_tree_chat.py [--methods head head+tree] [--k 4 6] [--prompts 24] --threads 1 --cpu-time
 """
 from __future__ import annotations
