@@ -160,7 +160,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_cached_tokens: int = 1 << 17
-    draft_tree: bool = False  # suffix decoding drafts a tree of k tokens, verified in one pass (spec/tree.py)
+    draft_tree: bool = False  # suffix decoding (and a head) drafts a tree of k tokens, verified in one pass (spec/tree.py)
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -190,8 +190,8 @@ class SpeculativeConfig:
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
             raise ValueError(f"speculative.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
         depth = self.suffix_decoding_max_tree_depth
-        if self.draft_tree and self.method not in ("suffix", "auto"):
-            raise ValueError(f"speculative.draft_tree needs method suffix or auto, got {self.method!r}")
+        if self.draft_tree and self.method not in ("suffix", "auto", "head"):
+            raise ValueError(f"speculative.draft_tree needs method suffix, auto or head, got {self.method!r}")
         if self.method in ("suffix", "auto") and self.num_speculative_tokens >= depth:
             raise ValueError(f"speculative.num_speculative_tokens ({self.num_speculative_tokens}) must be below "
                              f"suffix_decoding_max_tree_depth ({depth}) with method {self.method!r}")

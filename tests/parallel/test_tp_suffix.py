@@ -5,7 +5,8 @@ in the step message, so every rank verifies the same tokens.
 
 - Greedy output equals plain TP 1 decoding at TP 2 for suffix (a path and a
   tree), auto with a tree, and auto with a draft head among its choices
-  (each rank drafts with the head for the requests rank 0 chose).
+  (each rank drafts with the head for the requests rank 0 chose, trees
+  included: the same tree on every rank).
 - A tree whose right branch is never the first one (tests/spec/
   test_tree_engine.py's oracle): a worker rank, and a pipeline stage before
   the last, learn the accepted branch and move its KV where a chain's would
@@ -136,8 +137,17 @@ def test_auto_with_a_head_over_two_ranks_keeps_greedy_output(models, case, echo_
               **ENGINE)
     chosen = llm.engine.core.scheduler.proposer.num_chosen
     stats = llm.engine.stats
+    drafter, head_trees = llm.engine.core.runner.drafter, []  # with draft_tree the head drafts trees too
+    propose = drafter.propose
+
+    def noting_trees(*args):
+        out = propose(*args)
+        head_trees.extend(p for p in out.values() if p.parents)
+        return out
+
+    drafter.propose = noting_trees
     assert _run(llm, prompts) == expected
-    assert chosen["head"] > 0 and chosen["suffix"] > 0, chosen
+    assert chosen["head"] > 0 and chosen["suffix"] > 0 and head_trees, (chosen, len(head_trees))
     assert stats().num_accepted_tokens > 0
 
 

@@ -169,7 +169,8 @@ def test_the_serving_default_drafts_paths_and_trees_only_when_asked():
     assert spec.method == "auto" and not spec.draft_tree
     assert not SpeculativeConfig.parse('{"method": "suffix"}').draft_tree
     assert SpeculativeConfig.parse('{"method": "auto", "draft_tree": true}').draft_tree
+    assert SpeculativeConfig.parse('{"method": "head", "draft_tree": true}').draft_tree  # the head's trees
     with pytest.raises(ValueError, match="draft_tree"):
-        SpeculativeConfig.parse('{"method": "head", "draft_tree": true}')
+        SpeculativeConfig.parse('{"method": "draft", "model": "m", "draft_tree": true}')
     with pytest.raises(ValueError, match="draft_tree"):
         SpeculativeConfig.parse('{"method": "suffix", "draft_tree": 1}')

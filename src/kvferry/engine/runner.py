@@ -34,7 +34,7 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
-from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes, share_branches
+from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes, share_branches, step_trees
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
 from kvferry.model.attention import kernel_max_chunk_tokens
@@ -160,9 +160,9 @@ class ModelRunner:
         elif isinstance(head, Eagle3Head) and getattr(getattr(self.model, "shard", None), "size", 1) > 1:
             raise ValueError("speculative.model: an EAGLE-3 head does not run over tensor-parallel ranks yet")
         elif isinstance(head, Eagle3Head):  # an EAGLE-3 head: the target copies its aux layers' rows
-            self.drafter = Eagle3Proposer(head, self.model)
+            self.drafter = Eagle3Proposer(head, self.model, tree=bool(getattr(config.speculative, "draft_tree", 0)))
         elif head is not None:
-            self.drafter = HeadProposer(head, self.model)
+            self.drafter = HeadProposer(head, self.model, tree=bool(getattr(config.speculative, "draft_tree", 0)))
         # Decode side: requests whose draft KV came with their prompt's, until
         # first scheduled here (the draft then starts past the prompt).
         self._draft_kv_received: set[str] = set()
@@ -345,8 +345,8 @@ class ModelRunner:
                         step_transfer.draft_done()
             if publish_late:
                 self.tp_leader.publish(replace(sched, spec_token_ids=spec_token_ids))
-            # Draft trees: the scheduler's (the head's and the draft model's drafts are chains).
-            trees = {rid: p for rid, p in sched.spec_tree_parents.items() if rid not in proposals}
+            # Draft trees: the scheduler's where nothing here drafted over them, and the head's (spec/head_tree.py).
+            trees = step_trees(sched.spec_tree_parents, proposals)
             inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None, trees=trees)
             if inputs.meta is not None:
                 inputs.meta.kv_transfer = step_transfer

@@ -46,6 +46,15 @@ def prepare_trees(flat: FlatStep, order: list[str], trees: dict[str, list[int]])
     return starts
 
 
+def step_trees(scheduled: dict[str, list[int]], proposals: dict) -> dict[str, list[int]]:
+    """The step's draft trees: the scheduler's (suffix decoding's), but where
+    the runner's drafter wrote over that request's slots, and the runner
+    drafter's own (a head's, ``Proposal.parents``)."""
+    trees = {rid: parents for rid, parents in scheduled.items() if rid not in proposals}
+    trees.update({rid: p.parents for rid, p in proposals.items() if p.parents is not None})
+    return trees
+
+
 def row_prefixes(drafts: list[int], parents: list[int] | None) -> list[list[int]]:
     """For each verified row (the root, then each draft): the drafts that
     come before it in the output if it is reached (a chain: drafts[:j])."""

@@ -78,6 +78,8 @@ class Proposal:
     # [k, V] float32 distributions the drafts were drawn from; None when the
     # drafts are deterministic (greedy requests: argmax of the draft).
     probs: torch.Tensor | None
+    # A draft tree's parents (``spec.tree``; a head's tree, spec/head_tree.py); None: a chain.
+    parents: list[int] | None = None
 
 
 class DraftModelProposer:

@@ -30,6 +30,7 @@ from kvferry.model.llama import LlamaModel
 from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal
 from kvferry.spec.eagle3 import Eagle3Head, attend
 from kvferry.spec.head import HeadProposer
+from kvferry.spec.head_tree import draft_trees, wants_tree
 
 CONTEXT = 2048  # positions of a request's own K/V the head attends to, at most
 
@@ -84,7 +85,9 @@ class Eagle3Proposer(HeadProposer):
 
     every_step = False
 
-    def __init__(self, head: Eagle3Head, target: LlamaModel) -> None:  # noqa: D107 - no super().__init__: other state
+    def __init__(self, head: Eagle3Head, target: LlamaModel,
+                 tree: bool = False) -> None:  # noqa: D107 - no super().__init__: other state
+        self.tree = tree  # draft a tree of k tokens (spec/head_tree.py) rather than one path of k
         c = target.config
         aux = head.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
         if head.embed_tokens is None and target.embed_tokens is None:
@@ -153,6 +156,11 @@ class Eagle3Proposer(HeadProposer):
         if not active:
             return proposals
         self._fill_context(batch, active)
+        if self.tree and any(wants_tree(r) for r in active):
+            proposals.update(self._trees(batch, [r for r in active if wants_tree(r)]))
+            active = [r for r in active if not wants_tree(r)]
+            if not active:
+                return proposals
         chain = DraftChain(batch, active)
         ctxs = [self._ctx[r.request_id] for r in active]
         anchors = torch.stack([c.pending[-1] for c in ctxs])  # [A, 3H]: a_{n-1}
@@ -181,6 +189,34 @@ class Eagle3Proposer(HeadProposer):
             newest = torch.tensor(drawn, dtype=torch.int64, device=newest.device)
         proposals.update(chain.proposals())
         return proposals
+
+    def _trees(self, batch: InputBatch, requests: list[DraftRequest]) -> dict[str, Proposal]:
+        """A draft tree per request (spec/head_tree.py). A row's state is the
+        layer's output, its position and the K/V of its own path (the row's
+        ancestors' rows and itself), which its children's rows attend to
+        after the request's context, as a chain's step attends to its own."""
+        ctxs = [self._ctx[r.request_id] for r in requests]
+        dev = self.embed.device
+        state = {"hidden": self.head.fc(torch.stack([c.pending[-1] for c in ctxs])),  # [A, H]: from a_{n-1}
+                 "positions": torch.tensor([r.end - 2 for r in requests], device=dev),  # the anchors'
+                 "own": [[] for _ in requests], "owner": list(range(len(requests)))}
+
+        def step(tokens: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+            src = sources.tolist()
+            positions = state["positions"][sources.to(dev)]
+            x, residual = self.head.layer_input(F.embedding(tokens, self.embed),
+                                                state["hidden"][sources.to(dev)])
+            q, k, v = self.head.qkv(x, positions)
+            owner = [state["owner"][s] for s in src]
+            own = [state["own"][s] + [(k[r : r + 1], v[r : r + 1])] for r, s in enumerate(src)]
+            outs = [attend(q[r : r + 1], torch.cat([ctxs[owner[r]].keys] + [kk for kk, _ in own[r]]),
+                           torch.cat([ctxs[owner[r]].values] + [vv for _, vv in own[r]])) for r in range(len(src))]
+            hidden = self.head.finish(torch.cat(outs), residual)  # [R, H]
+            state.update(hidden=hidden, positions=positions + 1, own=own, owner=owner)
+            return F.linear(self.head.norm(hidden), self.lm_head)
+
+        newest = torch.from_numpy(batch.token_ids[[r.row for r in requests], [r.end - 1 for r in requests]])
+        return draft_trees(batch, requests, newest.to(dev), step, self.vocab)
 
     # -- context ---------------------------------------------------------------
     def _ready(self, r: DraftRequest) -> bool:

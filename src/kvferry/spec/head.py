@@ -48,6 +48,7 @@ from kvferry.model.layers.parallel import vocab_parallel_embedding
 from kvferry.model.llama import LlamaModel
 from kvferry.spec.draft_model import DraftChain, DraftRequest, DraftVocab, Proposal
 from kvferry.spec.eagle3 import Eagle3Head, is_eagle3_checkpoint
+from kvferry.spec.head_tree import draft_trees, wants_tree
 
 EMBEDDED_HEAD = EMBEDDED_DRAFT_HEAD  # the speculation default's too (config.py names it: no torch there)
 
@@ -152,7 +153,9 @@ class HeadProposer:
     # (the head keeps no KV that would need catching up in between).
     every_step = False
 
-    def __init__(self, head: EagleHead, target: LlamaModel) -> None:
+    def __init__(self, head: EagleHead, target: LlamaModel, tree: bool = False) -> None:
+        # Draft a tree of k tokens (spec/head_tree.py) rather than one path of k.
+        self.tree = tree
         if head.hidden_size != target.config.hidden_size:
             raise ValueError(f"speculative.model: the head reads hidden states of size {head.hidden_size}; "
                              f"the target's are {target.config.hidden_size}")
@@ -224,14 +227,16 @@ class HeadProposer:
         # A decode always follows a sampling step, so its hidden state is
         # known; a request without one keeps the placeholders (verified, rejected).
         active = [r for r in drafting if r.request_id in self._hidden]
-        chain = DraftChain(batch, active)
         proposals = {r.request_id: Proposal([int(t) for t in batch.token_ids[r.row, r.end : r.end + r.num_drafts]],
                                             None) for r in drafting if r.request_id not in self._hidden}
+        if self.tree and any(wants_tree(r) for r in active):
+            proposals.update(self._trees(batch, [r for r in active if wants_tree(r)]))
+            active = [r for r in active if not wants_tree(r)]
         if not active:
             return proposals
+        chain = DraftChain(batch, active)
         hidden = self._gather([self._hidden[r.request_id] for r in active])  # [A, H]
-        newest = torch.from_numpy(batch.token_ids[[r.row for r in active], [r.end - 1 for r in active]])  # [A]
-        newest = newest.to(self.target.embed_tokens.device)
+        newest = self._newest(batch, active)  # [A]
         for i in range(chain.num_steps):
             hidden = self._step(newest, hidden)  # [A, H]
             drawn = chain.draw(self._logits(hidden), i, self.vocab)
@@ -241,6 +246,22 @@ class HeadProposer:
             newest = torch.tensor(drawn, dtype=torch.int64, device=newest.device)
         proposals.update(chain.proposals())
         return proposals
+
+    def _trees(self, batch: InputBatch, requests: list[DraftRequest]) -> dict[str, Proposal]:
+        """A draft tree per request (spec/head_tree.py): a row's state is the
+        head's predicted hidden state, which its children's rows read."""
+        state = [self._gather([self._hidden[r.request_id] for r in requests])]  # [A, H]
+
+        def step(tokens: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+            state[0] = self._step(tokens, state[0].index_select(0, sources.to(state[0].device)))  # [R, H]
+            return self._logits(state[0])
+
+        return draft_trees(batch, requests, self._newest(batch, requests), step, self.vocab)
+
+    def _newest(self, batch: InputBatch, requests: list[DraftRequest]) -> torch.Tensor:
+        """[A] each request's newest token (the one its drafts follow)."""
+        newest = torch.from_numpy(batch.token_ids[[r.row for r in requests], [r.end - 1 for r in requests]])
+        return newest.to(self.target.embed_tokens.device)
 
     def _gather(self, entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
         """[A, H] in the drafting dtype: one index_select when every row
