@@ -89,6 +89,32 @@ def kernel_max_chunk_tokens() -> int:
     return _KERNEL_MAX_PREFILL_TOKENS
 
 
+# The longest draft tree the C++ kernel takes: one uint64 of ancestor bits per token.
+KERNEL_MAX_TREE_TOKENS = 64
+
+
+def tree_bits(tree: torch.Tensor) -> torch.Tensor:
+    """[q, q] bool tree mask (q <= 64) -> [q] int64, bit b of row j set
+    where token j may attend to token b (the kernel's tree_masks rows)."""
+    q = tree.shape[0]
+    if q > KERNEL_MAX_TREE_TOKENS:
+        raise ValueError(f"a tree of {q} tokens: the kernel takes at most {KERNEL_MAX_TREE_TOKENS}")
+    # Distinct bits: their sum is their OR (bit 63 wraps to the sign bit, as intended).
+    weights = torch.ones(q, dtype=torch.int64, device=tree.device) << torch.arange(q, device=tree.device)
+    return (tree.to(torch.bool).to(torch.int64) * weights).sum(dim=1).cpu()
+
+
+def kernel_takes_tree(tree: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes this [q, q] tree mask: at most 64 tokens
+    (and no longer than its chunks), each seeing itself and only tokens
+    before it (ancestors first, as kvferry.spec.tree orders them)."""
+    q = tree.shape[0]
+    if q > min(KERNEL_MAX_TREE_TOKENS, kernel_max_chunk_tokens()):
+        return False
+    tree = tree.to(torch.bool)
+    return bool(tree.diagonal().all()) and not bool(tree.triu(1).any())
+
+
 @dataclass(slots=True)
 class PrefillSlice:
     """One request with more than one new token (a prompt chunk or a
@@ -157,8 +183,9 @@ class AttentionMetadata:
     # Draft trees (kvferry.spec.tree): request index -> [q_len, q_len] bool
     # on the batch's device, which of the request's new tokens each of them
     # may attend to (its ancestors and itself); it sees all of its cached
-    # context. Such a request takes the torch path (gather + masked SDPA) on
-    # every backend: neither kernel takes a mask.
+    # context. On the CPU the C++ kernel takes a tree of up to 64 tokens (as
+    # one uint64 of ancestor bits per token: kernel_tree_masks); longer
+    # trees, and the Triton path, take the torch path (gather + masked SDPA).
     tree_masks: dict[int, torch.Tensor] | None = None
 
     # ---- derived by prepare(); callers leave these alone ----
@@ -174,6 +201,9 @@ class AttentionMetadata:
     kernel_seq_lens: torch.Tensor | None = None  # [kernel_seqs] int64
     kernel_query_starts: torch.Tensor | None = None  # [kernel_seqs] int64, token offset in the batch
     kernel_query_lens: torch.Tensor | None = None  # [kernel_seqs] int64
+    # [kernel_seqs, 64] int64 ancestor bits of the kernel's tree sequences
+    # (rows of the others zero); None when none of them is a tree.
+    kernel_tree_masks: torch.Tensor | None = None
     # [num_decodes * max_decode_len] int64 slots, row-major over (request, position)
     decode_slots: torch.Tensor | None = None
     # [num_decodes, 1, 1, max_decode_len] bool, True = real context (not padding)
@@ -235,6 +265,8 @@ class AttentionMetadata:
         if q_len < 1 or context_len < 0:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
         if self.tree_masks and i in self.tree_masks:
+            if kernel_takes_tree(self.tree_masks[i]) and self._use_kernel():
+                return PrefillSlice(start, end, context_len, use_kernel=True)
             return self._tree_slice(i)
         if q_len <= kernel_max_chunk_tokens() and self._use_kernel():
             return PrefillSlice(start, end, context_len, use_kernel=True)
@@ -245,9 +277,12 @@ class AttentionMetadata:
     def context_slots_and_mask(self, p: PrefillSlice) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The torch path's slots and mask for a slice prepared for the kernel
         (None, None when it has no cached context)."""
+        i = self.query_start_loc.index(p.start)
+        if self.tree_masks and i in self.tree_masks:
+            tree = self._tree_slice(i)
+            return tree.slots, tree.mask
         if p.context_len == 0:
             return None, None
-        i = self.query_start_loc.index(p.start)
         return self._context_slots_and_mask(i, p.context_len, self.seq_lens[i])
 
     def _context_slots_and_mask(self, i: int, context_len: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,6 +338,11 @@ class AttentionMetadata:
         self.kernel_seq_lens = torch.tensor([self.seq_lens[i] for i in rows], dtype=torch.int64)
         self.kernel_query_starts = torch.tensor([qsl[i] for i in rows], dtype=torch.int64)
         self.kernel_query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in rows], dtype=torch.int64)
+        trees = [(r, self.tree_masks[i]) for r, i in enumerate(rows) if self.tree_masks and i in self.tree_masks]
+        if trees:
+            self.kernel_tree_masks = torch.zeros(len(rows), KERNEL_MAX_TREE_TOKENS, dtype=torch.int64)
+            for r, tree in trees:
+                self.kernel_tree_masks[r, :tree.shape[0]] = tree_bits(tree)
 
     def build_decode_slots(self) -> None:
         """The torch decode path's padded slots and mask (idempotent)."""
@@ -358,8 +398,13 @@ def paged_attention(
     kernel = meta.kernel if kv_cache_layer.dtype in _KERNEL_CACHE_DTYPES and q.dtype in _KERNEL_QUERY_DTYPES else None
     if kernel is not None and meta.kernel_seq_lens is not None:
         # Short chunks and decodes, in place into their rows of out.
-        kernel(q, kv_cache_layer[0], kv_cache_layer[1], meta.kernel_block_tables, meta.kernel_seq_lens,
-               meta.kernel_query_starts, meta.kernel_query_lens, scale, out)
+        if meta.kernel_tree_masks is None:
+            kernel(q, kv_cache_layer[0], kv_cache_layer[1], meta.kernel_block_tables, meta.kernel_seq_lens,
+                   meta.kernel_query_starts, meta.kernel_query_lens, scale, out)
+        else:  # draft trees among them: the op that takes their masks
+            torch.ops.kvferry.paged_attention_tree(
+                q, kv_cache_layer[0], kv_cache_layer[1], meta.kernel_block_tables, meta.kernel_seq_lens,
+                meta.kernel_query_starts, meta.kernel_query_lens, scale, out, meta.kernel_tree_masks)
     for p in meta.prefills:
         if not (p.use_kernel and kernel is not None):
             out[p.start:p.end] = _prefill_attention(q, k, v, flat, p, scale, meta)

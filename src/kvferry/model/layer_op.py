@@ -132,7 +132,8 @@ def step_applies(meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.d
             and not meta.triton
             and meta.kernel is not None and meta.kernel_seq_lens is not None
             and meta.kernel_seq_lens.shape[0] == len(meta.seq_lens)
-            and all(p.use_kernel for p in meta.prefills))
+            and all(p.use_kernel for p in meta.prefills)
+            and meta.kernel_tree_masks is None)  # draft trees: the layer op's attention call takes no masks
 
 
 def available() -> bool:

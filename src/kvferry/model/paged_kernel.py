@@ -14,6 +14,15 @@
     out:          [tokens, num_heads, head_dim], q's dtype, contiguous; only the
                   sequences' rows are written
 
+``torch.ops.kvferry.paged_attention_tree`` (loaded with it) takes one more
+argument after ``out``, for steps with draft trees among the sequences:
+
+    tree_masks:   [seqs, 64] int64: a row of zeros leaves sequence s causal;
+                  otherwise it is a draft tree of query_lens[s] <= 64 tokens
+                  and bit b of entry j says whether its token j sees the
+                  chunk's token b (bit j set, none above it: ancestors
+                  first); its cached context is always visible
+
 or None when the kernel is unavailable (``KVFERRY_DISABLE_CPP_KERNELS=1``, no
 compiler, a failed build); callers then use the torch path. The reason is
 logged once. ``kernel_path(q_dtype, cache_dtype, head_dim)`` names the dot

@@ -10,7 +10,10 @@
 // positions, so query token j (0-based) sits at position
 // seq_lens[s] - query_lens[s] + j and sees positions 0 .. that one (causal
 // inside the chunk). Nothing past seq_lens[s] is read, so unwritten
-// (possibly NaN) slots never reach the output.
+// (possibly NaN) slots never reach the output. paged_attention_tree takes
+// draft trees too: a tree's chunk (up to 64 tokens) sees its cached
+// context and, of its own tokens, those its row of ancestor bits names
+// (tree_masks; run_tree).
 //
 // Work item = (sequence, block of up to 32 query tokens, kv_head): its
 // M = tokens * G query vectors (G = H / KVH heads share the KV head) stream
@@ -1411,6 +1414,10 @@ struct Seq {
   const int64_t* table;  // its block table row
   int64_t cap = std::numeric_limits<int64_t>::max();
   float* part = nullptr;
+  // A draft tree's chunk (q_len <= 64): bit b of tree[j] says whether query
+  // token j sees the chunk's token b (its ancestors and itself); the cached
+  // context is always visible. nullptr: causal (run_tree).
+  const int64_t* tree = nullptr;
 
   // The positions query tokens [.., j1) read: [0, end(j1)).
   int64_t end(int64_t j1) const { return std::min(seq_len - q_len + j1, cap); }
@@ -2641,6 +2648,7 @@ struct Attend {
         }
       }
     }
+    if (seq.tree) return run_tree(seq, j0, j1, h, w);
 #ifdef KVFERRY_AVX512_BF16
     if constexpr (kPath == Path::kDpbf16) {
       w.lvec.assign(M, _mm512_setzero_ps());
@@ -2732,6 +2740,93 @@ struct Attend {
 #endif
       }
     }
+    finish(seq, j0, M, h, w);
+  }
+
+  // A draft tree's query tokens [j0, j1) against KV head h (seq.tree; w's
+  // m, l, acc and limit set up by run()). One loop for every build and
+  // dtype: a tile's rows as float (as_float, shared by the item's queries),
+  // then per query the scores, the online softmax and P @ V. Tiles of the
+  // cached context take softmax_update as run()'s loop does; a tile that
+  // reaches into the chunk weighs the tokens the query's bits leave out 0
+  // (skipped where it sees none of them: the running max stays finite).
+  // split_contexts cuts a tree's sequence at the block of its chunk, so
+  // this loop reads at most a block plus the chunk (<= 64 tokens); the
+  // context before it runs as a part of its own on the fast kernels, and
+  // combine_parts merges the two.
+  void run_tree(const Seq& seq, int64_t j0, int64_t j1, int64_t h, Scratch& w) const {
+    const int64_t M = (j1 - j0) * group, D = head_dim;
+    const int64_t row_stride = kv_heads * D;
+    const int64_t end = seq.end(j1);
+    const int64_t chunk = seq.seq_len - seq.q_len;  // the chunk's first position
+    w.qf.resize(M * D);
+    for (int64_t i = 0; i < M; ++i) {
+      const qscalar_t* qi = query(j0 + i / group, i % group, h, seq);
+      for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(qi[d]);
+    }
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      w.kbuf.resize(kTile * D);
+      w.vbuf.resize(kTile * D);
+    }
+    alignas(64) float s[kTile];
+    int64_t n = 0;
+    int64_t prefetched = 0;
+    for (int64_t start = 0; start < end; start += n) {
+      const int64_t in_block = start % block_size;
+      n = std::min({kTile, end - start, block_size - in_block});
+      prefetch_ahead(seq, h, start + n, end, prefetched);
+      const int64_t base = (seq.table[start / block_size] * block_size + in_block) * row_stride + h * D;
+      int64_t ks = 0, vs = 0;
+      const float* kf = as_float(k_ptr + base, row_stride, n, D, w.kbuf.data(), ks);
+      const float* vf = as_float(v_ptr + base, row_stride, n, D, w.vbuf.data(), vs);
+      for (int64_t i = M - 1; i >= 0; --i) {
+        const int64_t visible = std::min(n, w.limit[i] - start);
+        if (visible <= 0) break;  // queries below i see even less (limits grow with i)
+        float* acc = w.acc.data() + i * D;
+        block_scores(w.qf.data() + i * D, kf, ks, visible, D, scale, s);
+        float alpha = 1.f;
+        if (start + visible <= chunk) {
+          alpha = softmax_update(s, visible, w.m[i], w.l[i]);
+        } else {
+          const uint64_t bits = static_cast<uint64_t>(seq.tree[j0 + i / group]);
+          bool sees[kTile];
+          float tile_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < visible; ++t) {
+            const int64_t p = start + t;
+            sees[t] = p < chunk || ((bits >> (p - chunk)) & 1u);
+            if (sees[t]) tile_max = std::max(tile_max, s[t]);
+          }
+          if (!(tile_max > -std::numeric_limits<float>::infinity())) continue;  // none of this tile
+          if (tile_max > w.m[i]) {
+            alpha = std::exp(w.m[i] - tile_max);
+            w.l[i] *= alpha;
+            w.m[i] = tile_max;
+          }
+          float sum = 0.f;
+          for (int64_t t = 0; t < visible; ++t) {
+            s[t] = sees[t] ? std::exp(s[t] - w.m[i]) : 0.f;
+            sum += s[t];
+          }
+          w.l[i] += sum;
+        }
+        if (alpha != 1.f) for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+        block_accumulate(acc, s, vf, vs, visible, D);
+      }
+    }
+#ifdef KVFERRY_AVX512_BF16
+    if constexpr (kPath == Path::kDpbf16) {
+      // finish (and combine_parts) read the dpbf16 kernels' accumulators,
+      // in pair_dim order: position e of each 32 dims holds dim pair_dim(e).
+      float natural[32];
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t c = 0; c < D; c += 32) {
+          float* a = w.acc.data() + i * D + c;
+          std::copy(a, a + 32, natural);
+          for (int64_t e = 0; e < 32; ++e) a[e] = natural[pair_dim(e)];
+        }
+      }
+    }
+#endif
     finish(seq, j0, M, h, w);
   }
 
@@ -2886,12 +2981,17 @@ SplitWork split_contexts(const std::vector<Seq>& seqs, int64_t qblock, int64_t b
     const Seq& seq = seqs[s];
     const int64_t context = seq.seq_len - seq.q_len;
     const int64_t count = seq.q_len >= 1 && seq.q_len <= qblock ? std::min(wanted, context / kMinSplitTokens) : 1;
-    if (count < 2) continue;
+    // A draft tree's last part starts at the block of its chunk: only that
+    // part runs run_tree's loop, the context before it the fast kernels.
+    const int64_t tree_from = seq.tree ? context / block_size * block_size : 0;
+    if (count < 2 && tree_from == 0) continue;
     cuts[s].push_back(0);
+    const int64_t span = seq.tree ? tree_from : context;
     for (int64_t k = 1; k < count; ++k) {
-      const int64_t cut = k * context / count / block_size * block_size;
+      const int64_t cut = k * span / count / block_size * block_size;
       if (cut > cuts[s].back()) cuts[s].push_back(cut);
     }
+    if (tree_from > cuts[s].back()) cuts[s].push_back(tree_from);
     if (cuts[s].size() < 2) {  // blocks longer than the parts: no split
       cuts[s].clear();
       continue;
@@ -2913,6 +3013,8 @@ SplitWork split_contexts(const std::vector<Seq>& seqs, int64_t qblock, int64_t b
       Seq part{seq.q_start, seq.q_len, seq.seq_len - from, seq.table + from / block_size};
       if (k + 1 < count) part.cap = cuts[s][k + 1] - from;  // the last part runs to the query tokens
       part.part = out.parts.data() + offset;
+      // Only the last part reaches the chunk (positions shift by `from`, the chunk's start with them).
+      if (k + 1 == count) part.tree = seq.tree;
       offset += seq.q_len * part_floats_per_token;
       out.work.push_back(part);
     }
@@ -2942,7 +3044,8 @@ void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& a
   for (const Seq& seq : all_seqs) long_blocks += (std::max<int64_t>(seq.q_len, 1) + kLongQueryBlock - 1) / kLongQueryBlock;
   const int64_t qblock = invariant ? 1
       : long_blocks * kvh >= kMinItemsPerThread * at::get_num_threads() ? kLongQueryBlock : kQueryBlock;
-  // KVFERRY_ATTN_SPLIT_CONTEXT=0: no context parts (tests and comparisons).
+  // KVFERRY_ATTN_SPLIT_CONTEXT=0: no context parts (tests and comparisons;
+  // a draft tree's chunk still runs as a part of its own).
   const char* split_env = std::getenv("KVFERRY_ATTN_SPLIT_CONTEXT");
   const SplitWork split = split_contexts(
       all_seqs, qblock, op.block_size, op.num_heads * op.part_stride(),
@@ -2965,7 +3068,7 @@ void attend_all(Attend<scalar_t, qscalar_t, kPath> op, const std::vector<Seq>& a
   each_block([&](int64_t s, int64_t j0, int64_t j1) {
     // Cost ~ context it reads x (its query tokens + the K/V read itself).
     const int64_t cost = seqs[s].end(j1) * (j1 - j0 + 1);
-    if (all_heads && op.all_heads_item(j0, j1)) {
+    if (all_heads && op.all_heads_item(j0, j1) && !seqs[s].tree) {
       items.push_back(Item{s, j0, j1, cost * kvh, kAllHeads});
     } else {
       for (int64_t h = 0; h < kvh; ++h) items.push_back(Item{s, j0, j1, cost, h});
@@ -3056,9 +3159,11 @@ std::vector<int64_t> as_longs(const at::Tensor& t) {
 // [num_blocks, block_size, KVH, D] float32 / bfloat16 / float16 / float8_e5m2 / float8_e4m3fn;
 // block_tables [S, max_blocks] int64; seq_lens, query_starts, query_lens [S]
 // int32 or int64.
-void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
-                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens, const at::Tensor& query_starts,
-                     const at::Tensor& query_lens, double scale, at::Tensor out) {
+constexpr int64_t kMaxTreeTokens = 64;  // one uint64 of ancestor bits per query token
+
+void attend_paged(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+                  const at::Tensor& block_tables_in, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                  const at::Tensor& query_lens, double scale, at::Tensor out, const at::Tensor* tree_masks) {
   TORCH_CHECK(q_in.device().is_cpu() && k_cache_in.device().is_cpu() && v_cache_in.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q_in.dim() == 3, "q must be [tokens, H, D]");
   TORCH_CHECK(out.sizes() == q_in.sizes() && out.scalar_type() == q_in.scalar_type() && out.is_contiguous(),
@@ -3096,6 +3201,27 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const
     }
     seqs[r] = Seq{starts[r], qlens[r], lens[r], bt + r * max_blocks};
   }
+  // Draft trees: [S, 64] int64, row r all zeros for a causal sequence, else
+  // entry j the bits of the chunk tokens query token j sees (bit j set, none
+  // above it: a token's ancestors come before it, so limit() still bounds it).
+  at::Tensor trees;
+  if (tree_masks) {
+    trees = tree_masks->contiguous();
+    TORCH_CHECK(trees.scalar_type() == at::kLong && trees.dim() == 2 && trees.size(0) == num_seqs &&
+                trees.size(1) == kMaxTreeTokens, "tree_masks must be [seqs, 64] int64");
+    const int64_t* tm = trees.data_ptr<int64_t>();
+    for (int64_t r = 0; r < num_seqs; ++r) {
+      const int64_t* row = tm + r * kMaxTreeTokens;
+      if (std::all_of(row, row + kMaxTreeTokens, [](int64_t b) { return b == 0; })) continue;
+      TORCH_CHECK(qlens[r] <= kMaxTreeTokens, "a tree of ", qlens[r], " tokens in row ", r, " (at most 64)");
+      for (int64_t j = 0; j < qlens[r]; ++j) {
+        const uint64_t bits = static_cast<uint64_t>(row[j]);
+        TORCH_CHECK(((bits >> j) & 1u) && (j == 63 || (bits >> j >> 1) == 0), "tree mask row ", j,
+                    " of sequence ", r, " must set bit ", j, " and none above it");
+      }
+      seqs[r].tree = row;
+    }
+  }
   const int64_t head_dim = q.size(2);
   Path path = Path::kPortable;
   if (kHaveAvx512 && head_dim % 16 == 0) path = Path::kWiden;
@@ -3107,6 +3233,21 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const
     case at::kHalf: return dispatch_cache<at::Half>(path, q, k_cache, v_cache, block_tables, seqs, scale, out);
     default: TORCH_CHECK(false, "unsupported query dtype ", q.scalar_type());
   }
+}
+
+// paged_attention with draft trees among the sequences (tree_masks
+// [S, 64] int64, see there): its own op, so that paged_attention's schema
+// (and decoder_layer.cpp's call of it) stays as it was.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, double scale, at::Tensor out) {
+  attend_paged(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out, nullptr);
+}
+
+void paged_attention_tree(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                          const at::Tensor& query_lens, double scale, at::Tensor out, const at::Tensor& tree_masks) {
+  attend_paged(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out, &tree_masks);
 }
 
 // Which dot-product path a call with these dtypes and head_dim takes (for
@@ -3126,6 +3267,10 @@ TORCH_LIBRARY(kvferry, m) {
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_starts, Tensor query_lens, float scale, Tensor(a!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def(
+      "paged_attention_tree(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_starts, Tensor query_lens, float scale, Tensor(a!) out, Tensor tree_masks) -> ()");
+  m.impl("paged_attention_tree", c10::DispatchKey::CPU, TORCH_FN(paged_attention_tree));
   m.def("paged_attention_path(ScalarType q_dtype, ScalarType cache_dtype, int head_dim) -> str",
         TORCH_FN(kernel_path));
   m.def("set_batch_invariant(bool on) -> ()", TORCH_FN(set_batch_invariant));
