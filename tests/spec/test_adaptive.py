@@ -457,35 +457,3 @@ def test_a_request_with_few_drafts_moves_its_tenants_record_less():
     assert abs(history.get("t").methods["head"] - (0.5 * (0.5 / 8 + weight(2) * (0.5 - 0.5 / 8)) + 0.25)) < 1e-12
     with pytest.raises(ValueError, match="full_weight_drafts"):
         TenantHistory(prior=0.5, alpha=0.5, full_weight_drafts=0)
-
-
-# -- batch 1 on chat: a steady, modest acceptance keeps its drafts --------------------------------------------------
-def test_alone_a_steady_modest_acceptance_keeps_drafting_through_runs_of_rejections():
-    """A draft head on chat: its drafts hold at a steady ~20% (here 6 of 32),
-    half its proposals with nothing accepted, and level 4 costs 1.35x a
-    plain step (break-even: 11% with the margin). Fixed k = 4 gains ~1.4x
-    there; the fast EWMA alone fell below break-even after two rejected
-    proposals and left the request to spaced probes, a third of its steps
-    plain. Its steady acceptance (over some 6 of its proposals) keeps it
-    drafting, while a request whose drafts then fail for good stops."""
-    c = AdaptiveSpecController(4, 24, **ONE_SAMPLE, cost_probe_steps=10**6)
-    seconds = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.35}
-    for _ in range(5):  # the bucket's levels measured (plain, 4, 1, 2, 3)
-        k = c.batch_cap(1)
-        c.observe_step(1, k, seconds[k])
-    pattern = itertools.cycle([2, 0, 0, 1, 0, 1, 2, 0])  # accepted per proposal of 4: 6 / 32
-
-    def step(rid: str, accepted: int | None = None) -> int:
-        k = c.num_drafts(rid, 1)
-        if k:
-            c.observe(rid, k, min(k, next(pattern) if accepted is None else accepted))
-        c.observe_step(1, k, seconds[k])
-        return k
-
-    ks = [step("chat") for _ in range(64)]
-    assert ks == [4] * 64, ks
-    # Its drafts then fail for good: from a modest steady acceptance it stops
-    # within a few proposals, then probes with one draft.
-    ks = [step("chat", 0) for _ in range(40)]
-    first = ks.index(0)
-    assert first <= 8 and ks[:first] == [4] * first and set(ks[first:]) <= {0, 1}, ks

@@ -50,10 +50,7 @@ Four rules, all cheap and deterministic:
   and, in a batch, unless its acceptance EWMA is under half the level's
   mean acceptance (then 0, with probes, as above). At batch 1 the step is
   the request's own, so the level is too: the one with the most tokens per
-  second by its acceptance and the bucket's step costs, its acceptance
-  there the greater of its EWMA and a steadier one of its own verified
-  drafts (``STEADY_ALPHA``), so that a steady, modest acceptance (a head
-  on chat) is not stopped by a run of rejected proposals. A level not yet
+  second by its acceptance and the bucket's step costs. A level not yet
   measured is priced from the deepest measured one below it, or at
   ``PRIOR_DRAFT_COST`` of a plain step a draft where none is: a fresh
   server's first request drafts only where its acceptance pays that
@@ -211,13 +208,6 @@ PAY_MARGIN = 0.05
 NEW_REQUEST_MARGIN = 0.15
 # A failed probe doubles the wait before the next, up to this many times.
 _MAX_PROBE_BACKOFF = 3
-# Weight of a proposal of k_max drafts in a request's steady acceptance (a
-# slower EWMA of its own verified drafts, per method; see ``_decide``):
-# memory of some 6 proposals, so that a run of rejections at a steady 20-30%
-# (a head on chat: half its proposals have nothing accepted) does not stop
-# a request whose drafts pay over that run, while one whose drafts turn to
-# failing stops within some 14 proposals even after all of its held.
-STEADY_ALPHA = 0.15
 
 
 @dataclass(slots=True)
@@ -239,8 +229,6 @@ class _RequestSpecState:
     verified: dict[str, int] = field(default_factory=dict)
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
-    # Per method: the slower EWMA of its own verified drafts (STEADY_ALPHA), from its first one.
-    steady: dict[str, float] = field(default_factory=dict)
 
     def probe_wait(self, interval: int) -> int:
         return interval << min(self.failed_probes, _MAX_PROBE_BACKOFF)
@@ -401,16 +389,7 @@ class AdaptiveSpecController:
         at ``acceptance`` (``verified``: proposals behind it), before probes."""
         cost = self._costs.get(state.num_running.bit_length()) if self.cost_aware else None
         if cost is not None and state.num_running == 1 and cost.measured(0):
-            # Alone, the request stops only where both its recent acceptance
-            # and its steady one (over some 6 proposals of its own) say its
-            # drafts do not pay: a head's drafts on chat hold at a steady
-            # 20-30%, half their proposals with nothing accepted, and the
-            # fast EWMA alone fell below break-even after two such ones, left
-            # the request to spaced probes, and gave up a fixed k's gain.
-            # Its own drafts only: a request whose drafts all fail has a
-            # steady acceptance of 0 and stops as fast as before.
-            steady = state.steady.get(state.method, 0.0) if state.method is not None else 0.0
-            return self._best_alone(max(acceptance, steady), verified, cost)
+            return self._best_alone(acceptance, verified, cost)
         if state.cap == 0:
             return 0  # plain decoding: being measured, or the bucket's best level (probes only)
         if cost is not None:
@@ -475,9 +454,6 @@ class AdaptiveSpecController:
         # weak evidence, and must not undo a run of rejected full drafts.
         a = 1.0 - (1.0 - self.ewma_alpha) ** (min(num_drafts, self.k_max) / self.k_max)
         state.acceptance[method] = (1 - a) * state.acceptance[method] + a * num_accepted / num_drafts
-        share, old = num_accepted / num_drafts, state.steady.get(method)
-        b = 1.0 - (1.0 - STEADY_ALPHA) ** (min(num_drafts, self.k_max) / self.k_max)
-        state.steady[method] = share if old is None else (1 - b) * old + b * share
         state.known.add(method)
         state.verified[method] = state.verified.get(method, 0) + 1
         state.drafted[method] = state.drafted.get(method, 0) + num_drafts
