@@ -141,6 +141,8 @@ def main() -> int:
     cases = [(t, int(c)) for t, c in (case.split(":") for case in args.cases)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*_c*_run*.*"):  # an earlier invocation's runs would join this one's medians
+        old.unlink()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
