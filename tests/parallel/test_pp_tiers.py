@@ -11,9 +11,7 @@ import random
 import pytest
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import KVTierConfig
 from kvferry.kvstore.client import KVStoreClient
-from kvferry.kvstore.launch import start_store
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -30,14 +28,6 @@ def case(tmp_path_factory):
     rng = random.Random(48)
     prompts = [[rng.randrange(3, 387) for _ in range(n)] for n in (61, 40)]
     return path, hf, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-
-
-@pytest.fixture(scope="module")
-def store():
-    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
-    yield address
-    process.terminate()
-    process.wait(timeout=10)
 
 
 def _llm(path: str, address: str, pp: int, **extra) -> LLM:

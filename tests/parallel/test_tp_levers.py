@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import KVTierConfig
-from kvferry.kvstore.launch import start_store
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel import file_tier_connector as file_tier
 from tests.tiny_models import make_tiny_checkpoint
@@ -37,14 +35,6 @@ def _greedy(n: int) -> SamplingParams:
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 387) for _ in range(n)] for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def store():
-    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
-    yield address
-    process.terminate()
-    process.wait(timeout=10)
 
 
 def test_host_swap_over_two_ranks_keeps_greedy_output(case, store):

@@ -30,9 +30,8 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import EMBEDDED_DRAFT_HEAD, KVTierConfig
+from kvferry.config import EMBEDDED_DRAFT_HEAD
 from kvferry.kvstore.client import KVStoreClient
-from kvferry.kvstore.launch import start_store
 from kvferry.model.layers.gguf import GGUFLinearMethod
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.model.own_cache import own_model_cache
@@ -58,14 +57,6 @@ def case(tmp_path_factory):
     # Two sets of prompts: one written by a TP 1 core, one by the TP 2 x PP 2 core.
     sets = [[[rng.randrange(3, 387) for _ in range(n)] for n in lengths] for lengths in ((61, 40), (53, 27))]
     return path, hf, sets
-
-
-@pytest.fixture(scope="module")
-def store():
-    process, address = start_store(KVTierConfig(kv_dram_gb=0.02))
-    yield address
-    process.terminate()
-    process.wait(timeout=10)
 
 
 def _generate(path: str, hf, store: str, prompts: list[list[int]], cached: bool, **layout) -> LLM:  # noqa: ANN001
