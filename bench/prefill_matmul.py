@@ -2,8 +2,11 @@
 in one process: kvferry's own call (linear.py's ``linear`` on its packed
 copy), ``F.linear`` on the plain bf16 weight, and oneDNN with a prepacked
 weight (``mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what
-vLLM's CPU backend calls), plus a large square matmul through oneDNN as
-the machine's practical roofline.
+vLLM's CPU backend calls; packed without a batch size as linear.py packs,
+and packed for this M), plus a large square matmul through oneDNN as
+the machine's practical roofline and, where gcc builds it, one core's
+vdpbf16ps peak (bench/vdpbf16ps_peak.c: the instruction's throughput x
+clock, no memory traffic).
 
 Shapes: the 1B-shaped Llama's (hidden 2048, 32 heads / 8 KV heads of 64,
 MLP 8192) at M rows: qkv 2048 -> 3072, o 2048 -> 2048, gate_up 2048 ->
@@ -18,8 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +54,13 @@ def run(rows: list[int], threads: int, reps: int, square: int) -> dict:
         onednn = torch.ops.mkldnn._reorder_linear_weight(w)
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
+            onednn_m = torch.ops.mkldnn._reorder_linear_weight(w, m)  # packed for this batch size
             kernels = {
                 "kvferry": lambda: kv_linear.linear(x, w, None, packed),
                 "F.linear": lambda: F.linear(x, w),
                 "onednn_packed": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+                "onednn_packed_for_m": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn_m, None, "none", [],
+                                                                                  ""),
             }
             ref = F.linear(x.float(), w.float())
             errs = {kname: float((fn().float() - ref).abs().max()) for kname, fn in kernels.items()}
@@ -85,6 +95,23 @@ def run(rows: list[int], threads: int, reps: int, square: int) -> dict:
     return out
 
 
+def vdpbf16ps_peak() -> dict | None:
+    """One core's vdpbf16ps-only rate (bench/vdpbf16ps_peak.c), or None without gcc / AVX512-BF16."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        return None
+    src = Path(__file__).with_name("vdpbf16ps_peak.c")
+    with tempfile.TemporaryDirectory() as d:
+        exe = Path(d) / "peak"
+        built = subprocess.run([gcc, "-O3", "-funroll-loops", "-march=native", str(src), "-o", str(exe)],
+                               capture_output=True)
+        if built.returncode != 0:
+            return None
+        runs = [json.loads(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)
+                for _ in range(3)]
+    return max(runs, key=lambda r: r["gflops_per_cpu_s"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048])
@@ -93,7 +120,10 @@ def main() -> None:
     ap.add_argument("--square", type=int, default=4096)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    peak = vdpbf16ps_peak()
+    print("vdpbf16ps peak, one core:", json.dumps(peak), flush=True)
     results = [run(args.rows, t, args.reps, args.square) for t in args.threads]
+    results.append({"vdpbf16ps_peak_one_core": peak})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

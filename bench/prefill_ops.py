@@ -1,6 +1,7 @@
 """Where a dense bf16 prefill step's time goes, op by op, on the 1B-shaped
 Llama (bench/_peer_models.py's LLAMA_1B with the real 128256 vocabulary,
-random weights): one fresh prompt of ``--tokens`` tokens through the model
+random weights): ``--tokens`` new tokens (one fresh prompt, or ``--prompts``
+of equal length) through the model
 as the engine runs it (one C++ call for all layers where the layer op
 applies), then the lm_head on the sampled row and greedy sampling.
 
@@ -22,7 +23,7 @@ host's wall clock is noise):
 ``--profile`` also prints torch.profiler's op table of one step (its
 times are the calling thread's wall time).
 
-    python bench/prefill_ops.py [--tokens 2048 512] [--threads 1 2] [--layers 16] [--reps 3]
+    python bench/prefill_ops.py [--tokens 2048 512] [--prompts 1] [--threads 1 2] [--layers 16] [--reps 3]
 """
 from __future__ import annotations
 
@@ -45,45 +46,30 @@ from kvferry.model.llama import allocate_kv_cache  # noqa: E402
 from kvferry.model.loader import load_model  # noqa: E402
 
 class Prefill:
-    """One fresh prompt of ``tokens`` tokens as one chunk, over a paged cache."""
+    """``prompts`` fresh prompts of ``tokens // prompts`` tokens each, in one step, over a paged cache."""
 
-    def __init__(self, model, tokens: int, block_size: int = 16) -> None:  # noqa: ANN001
-        self.model, self.tokens, self.bs = model, tokens, block_size
-        blocks = -(-tokens // block_size)
-        self.kv = allocate_kv_cache(model.config, blocks + 4, block_size, model.dtype)
-        self.tables = torch.arange(blocks, dtype=torch.int64).view(1, blocks)
-        self.slots = torch.arange(tokens, dtype=torch.int64)
-        self.pos = torch.arange(tokens)
+    def __init__(self, model, tokens: int, prompts: int = 1, block_size: int = 16) -> None:  # noqa: ANN001
+        assert tokens % prompts == 0, "--tokens must be a multiple of --prompts"
+        self.model, self.tokens, self.prompts, self.bs = model, tokens, prompts, block_size
+        each = tokens // prompts
+        blocks = -(-each // block_size)
+        self.kv = allocate_kv_cache(model.config, prompts * blocks + 4, block_size, model.dtype)
+        self.tables = torch.arange(prompts * blocks, dtype=torch.int64).view(prompts, blocks)
+        self.slots = (self.tables[:, :, None] * block_size + torch.arange(block_size)).reshape(prompts, -1)[:, :each]
+        self.slots = self.slots.reshape(-1).contiguous()
+        self.pos = torch.arange(each).repeat(prompts)
+        self.starts = [i * each for i in range(prompts + 1)]
+        self.last = torch.tensor(self.starts[1:]) - 1  # the sampled rows
         self.ids = torch.randint(100, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
 
     def meta(self) -> AttentionMetadata:
-        return AttentionMetadata(query_start_loc=[0, self.tokens], seq_lens=[self.tokens], slot_mapping=self.slots,
-                                 block_tables=self.tables, block_size=self.bs, num_prefills=1,
-                                 kv_dtype=self.kv.dtype)
+        return AttentionMetadata(query_start_loc=self.starts, seq_lens=[self.tokens // self.prompts] * self.prompts,
+                                 slot_mapping=self.slots, block_tables=self.tables, block_size=self.bs,
+                                 num_prefills=self.prompts, kv_dtype=self.kv.dtype)
 
     def __call__(self) -> torch.Tensor:
         hidden = self.model(self.ids, self.pos, self.kv, self.meta())
-        return argmax_rows(self.model.compute_logits(hidden[-1:]))
-
-
-def op_group(name: str, shapes: list) -> str | None:  # noqa: ANN001
-    """The bench's group of a profiled op, or None for containers / others."""
-    if name in ("kvferry_gemm::linear", "mkldnn::_linear_pointwise"):
-        (m, k), w = shapes[0], shapes[1]
-        if m == 1:
-            return None  # the lm_head's, inside bench::lm_head
-        if k == 8192:
-            return "down"
-        # small_gemm's packed [NB, K2, 96] (blocks of 48 columns), or oneDNN's opaque copy
-        out = w[0] * 48 if name == "kvferry_gemm::linear" else None
-        return {3072: "qkv", 2064: "o", 16416: "gate_up"}.get(out, f"linear {name} {w}")
-    return {
-        "kvferry::paged_attention": "attention", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-        "kvferry_fused::rope_neox": "rope", "kvferry_fused::write_kv": "write_kv",
-        "kvferry_fused::add_rms_norm": "norms", "kvferry_fused::rms_norm": "norms", "aten::rms_norm": "norms",
-        "kvferry_fused::silu_and_mul": "silu_and_mul", "aten::embedding": "embedding",
-        "bench::lm_head": "lm_head", "bench::sample": "sampling",
-    }.get(name)
+        return argmax_rows(self.model.compute_logits(hidden[self.last]))
 
 
 def layer_ops(model, step: Prefill) -> dict:  # noqa: ANN001
@@ -117,9 +103,12 @@ def layer_ops(model, step: Prefill) -> dict:  # noqa: ANN001
     gate_up = gemm(x1, gu_w, gu_n, gu_kind)
     up = torch.ops.kvferry_fused.silu_and_mul(gate_up)
     down = gemm(up, down_w, down_n, down_kind)
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    each = T // step.prompts
+    # SDPA per prompt, as attention.py's torch path runs a fresh prompt (4-D inputs: the flash kernel)
+    heads = [(q[s:s + each].transpose(0, 1)[None], k[s:s + each].transpose(0, 1)[None],
+              v[s:s + each].transpose(0, 1)[None]) for s in step.starts[:-1]]
     hidden = torch.randn(T, model.config.hidden_size, generator=g).to(model.dtype)
-    logits = model.compute_logits(hidden[-1:])
+    logits = model.compute_logits(hidden[step.last])
     return {
         "qkv": lambda: gemm(x, qkv_w, qkv_n, qkv_kind),
         "rope": lambda: torch.ops.kvferry_fused.rope_neox(qk_in, cos, sin),
@@ -137,11 +126,11 @@ def layer_ops(model, step: Prefill) -> dict:  # noqa: ANN001
     }, {
         "embedding": lambda: model.embed(step.ids),
         "cos/sin rows": lambda: model.rotary.rows(step.pos, model.dtype),
-        "lm_head (1 row)": lambda: model.compute_logits(hidden[-1:]),
+        "lm_head (sampled rows)": lambda: model.compute_logits(hidden[step.last]),
         "sampling": lambda: argmax_rows(logits),
     }, {
-        "sdpa (flash)": lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                                               enable_gqa=True),
+        "sdpa (flash)": lambda: [F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                                enable_gqa=True) for qh, kh, vh in heads],
     }
 
 
@@ -177,6 +166,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 512])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=1, help="prompts the tokens are split into (8: 8 x 256 at 2048)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json")
@@ -185,10 +175,10 @@ def main() -> None:
     tune_malloc()
     folder = random_checkpoint("llama-1b", LLAMA_1B, vocab_size=128256, num_hidden_layers=args.layers)
     model = load_model(str(folder), dtype="bfloat16").model
-    results: dict = {"load_start": os.getloadavg(), "layers": args.layers}
+    results: dict = {"load_start": os.getloadavg(), "layers": args.layers, "prompts": args.prompts}
     with torch.inference_mode():
         for tokens in args.tokens:
-            step = Prefill(model, tokens)
+            step = Prefill(model, tokens, args.prompts)
             step()  # packs the weights
             per_layer, rest, compare = layer_ops(model, step)
             ops = {"step": step, **per_layer, **rest, **compare}
@@ -208,7 +198,7 @@ def main() -> None:
                 med["layers x layer ops + rest"] = args.layers * layer_sum + sum(med[n] for n in rest)
                 med["load"] = os.getloadavg()[0]
                 results[f"T={tokens} threads={t}"] = med
-                print(f"T={tokens} threads={t}", json.dumps({k: round(v, 2) for k, v in med.items()}), flush=True)
+                print(f"T={tokens} prompts={args.prompts} threads={t}", json.dumps({k: round(v, 2) for k, v in med.items()}), flush=True)
                 if args.profile:
                     torch.set_num_threads(t)
                     profiled(step)

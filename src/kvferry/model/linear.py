@@ -13,7 +13,12 @@ float32: AVX-512F or AVX2+FMA) and the weight has no bias, its packed copy is
 the weight's only one: it matches or beats oneDNN at every row count, from
 decode batches (1-64 rows: 0.4-0.9x oneDNN's time) to 2048-row prefill
 chunks (0.94-1.0x), measured on Zen5 with both AVX-512 and AVX2 builds
-(oneDNN capped by ``ONEDNN_MAX_CPU_ISA=AVX2``) against each.
+(oneDNN capped by ``ONEDNN_MAX_CPU_ISA=AVX2``) against each. On Zen4
+(AVX512-BF16 issued at half Zen5's rate) a 1B model's prefill matmuls at
+512-2048 rows run at 90-95% of one core's vdpbf16ps peak through this
+copy, as fast as oneDNN's prepacked copy (vLLM's CPU call) and 2-9% ahead
+of ``F.linear`` (BENCHMARKS.md, Prefill): a second, oneDNN copy for
+prefill would buy nothing there.
 
 Once a model has packed its weights, the plain parameter of every packed
 weight is released (``release_plain``): the packed copy is then the only
