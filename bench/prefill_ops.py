@@ -45,6 +45,7 @@ from kvferry.model.fused_ops import argmax_rows  # noqa: E402
 from kvferry.model.llama import allocate_kv_cache  # noqa: E402
 from kvferry.model.loader import load_model  # noqa: E402
 
+
 class Prefill:
     """``prompts`` fresh prompts of ``tokens // prompts`` tokens each, in one step, over a paged cache."""
 
@@ -72,8 +73,9 @@ class Prefill:
         return argmax_rows(self.model.compute_logits(hidden[self.last]))
 
 
-def layer_ops(model, step: Prefill) -> dict:  # noqa: ANN001
-    """Layer 0's ops on the step's tensors, each a closure, as decoder_layer.cpp runs them."""
+def layer_ops(model, step: Prefill) -> tuple[dict, dict, dict]:  # noqa: ANN001
+    """(layer 0's ops, the step's other ops, the comparisons): closures on the
+    step's tensors, each op as decoder_layer.cpp runs it."""
     import torch.nn.functional as F
 
     from kvferry.model import layer_op
