@@ -34,7 +34,7 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
-from kvferry.engine.speculation import draft_requests, hidden_from_bytes, hidden_rows, make_drafter
+from kvferry.engine.speculation import draft_requests, drafts_alone, hidden_from_bytes, hidden_rows, make_drafter
 from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes, share_branches, step_trees
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
@@ -155,7 +155,7 @@ class ModelRunner:
         self._pending_hidden: tuple[list[tuple[str, list[int]]], torch.Tensor, dict[str, list[int]]] | None = None
         # A pipeline stage before the last: its step's draft trees, until the last stage's tokens say which held.
         self._unsampled: UnsampledTrees | None = None
-        self.drafter = make_drafter(self.model, config, num_blocks, block_size, self.vocab_size, draft, head)
+        self.drafter = make_drafter(loaded, config, num_blocks, block_size, draft, head)
         # Decode side: requests whose draft KV came with their prompt's, until
         # first scheduled here (the draft then starts past the prompt).
         self._draft_kv_received: set[str] = set()
@@ -306,9 +306,9 @@ class ModelRunner:
     # -- step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # A draft model runs on rank 0 alone (whole, outside the ranks'
-        # collectives): the workers get the step once its drafts are known.
-        publish_late = self.tp_leader is not None and isinstance(self.drafter, DraftModelProposer)
+        # A draft model or an EAGLE-3 head drafts on rank 0 alone (outside the
+        # ranks' collectives): the workers get the step once its drafts are known.
+        publish_late = self.tp_leader is not None and drafts_alone(self.drafter)
         if self.tp_leader is not None and self.head_requests is not None:  # auto's choice, made here alone
             self.tp_leader.share_head_requests(self.head_requests)
         if self.tp_leader is not None and (not publish_late or sched.is_empty):
@@ -336,10 +336,10 @@ class ModelRunner:
                     out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
                     if step_transfer is not None:
                         step_transfer.draft_done()
-            if publish_late:
-                self.tp_leader.publish(replace(sched, spec_token_ids=spec_token_ids))
             # Draft trees: the scheduler's where nothing here drafted over them, and the head's (spec/head_tree.py).
             trees = step_trees(sched.spec_tree_parents, proposals)
+            if publish_late:
+                self.tp_leader.publish(replace(sched, spec_token_ids=spec_token_ids, spec_tree_parents=trees))
             inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None, trees=trees)
             if inputs.meta is not None:
                 inputs.meta.kv_transfer = step_transfer

@@ -9,14 +9,15 @@ target's sampling, drafts or not.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kvferry.config import EngineConfig
 from kvferry.core.outputs import SchedulerOutput
 from kvferry.disagg.transport import Received
 from kvferry.model.input_batch import InputBatch
-from kvferry.model.llama import LlamaModel
-from kvferry.model.loader import LoadedModel
+from kvferry.model.loader import LoadedModel, iter_safetensors
 from kvferry.sampling import SamplingParams
 from kvferry.spec.draft_model import DraftModelProposer, DraftRequest
 from kvferry.spec.eagle3 import Eagle3Head
@@ -24,22 +25,50 @@ from kvferry.spec.eagle3_proposer import Eagle3Proposer
 from kvferry.spec.head import EagleHead, HeadProposer
 
 
-def make_drafter(model: LlamaModel, config: EngineConfig, num_blocks: int, block_size: int, vocab_size: int,
+def make_drafter(loaded: LoadedModel, config: EngineConfig, num_blocks: int, block_size: int,
                  draft: LoadedModel | None = None,
                  head: EagleHead | Eagle3Head | None = None) -> DraftModelProposer | HeadProposer | None:
-    """The drafter of the runner over ``model``: the draft model's proposer
+    """The drafter of the runner over ``loaded``: the draft model's proposer
     (method "draft"), an EAGLE-3 head's or a draft head's (method "head"),
     or None (the scheduler's drafts, or none)."""
     tree = bool(getattr(config.speculative, "draft_tree", 0))
+    model = loaded.model
     if draft is not None:
-        return DraftModelProposer(draft, num_blocks, block_size, vocab_size)
-    if isinstance(head, Eagle3Head) and getattr(getattr(model, "shard", None), "size", 1) > 1:
-        raise ValueError("speculative.model: an EAGLE-3 head does not run over tensor-parallel ranks yet")
+        return DraftModelProposer(draft, num_blocks, block_size, loaded.config.vocab_size)
     if isinstance(head, Eagle3Head):  # an EAGLE-3 head: the target copies its aux layers' rows
+        shard = getattr(model, "shard", None)
+        if shard is not None and shard.size > 1:
+            # Over tensor-parallel ranks rank 0 drafts alone (drafts_alone) and
+            # the workers get its drafts with the step: a worker keeps no aux rows.
+            if shard.rank != 0:
+                return None
+            if head.embed_tokens is None:  # rank 0 holds a vocabulary slice; a draft may be any id
+                return Eagle3Proposer(head, model, tree=tree, embed=whole_embedding(loaded))
         return Eagle3Proposer(head, model, tree=tree)
     if head is not None:
         return HeadProposer(head, model, tree=tree)
     return None
+
+
+def drafts_alone(drafter: DraftModelProposer | HeadProposer | None) -> bool:
+    """Whether rank 0's drafter drafts by itself, outside the ranks'
+    collectives, so that the workers get the step once its drafts are known:
+    a draft model (whole on rank 0) and an EAGLE-3 head (its own weights,
+    the aux rows every rank holds after each layer's all-reduce). A draft
+    head drafts on every rank in step instead (its lookups and logits are
+    the vocabulary-parallel collectives)."""
+    return isinstance(drafter, (DraftModelProposer, Eagle3Proposer))
+
+
+def whole_embedding(loaded: LoadedModel) -> torch.Tensor:
+    """The target's whole token table [V, H] in its dtype, read from its
+    checkpoint (a tensor-parallel rank holds only its vocabulary slice)."""
+    for name, tensor in iter_safetensors(Path(loaded.model_path), lazy=True):
+        if name == "model.embed_tokens.weight":
+            return tensor[:].to(device=loaded.model.lm_head.device if loaded.model.lm_head is not None else "cpu",
+                                dtype=loaded.dtype)
+    raise ValueError(f"speculative.model: an EAGLE-3 head without its own embedding reads the target's, and "
+                     f"{loaded.model_path} has no model.embed_tokens.weight")
 
 
 def draft_requests(batch: InputBatch, sched: SchedulerOutput, states: dict) -> list[DraftRequest]:
