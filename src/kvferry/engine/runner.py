@@ -322,20 +322,7 @@ class ModelRunner:
             step_transfer = self.connector.begin_step(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
-            spec_token_ids, proposals, drafted = sched.spec_token_ids, {}, []
-            if self.drafter is not None and (sched.spec_token_ids or self.drafter.every_step):
-                # The scheduler reserved the drafts' slots; the draft model fills them.
-                drafted = draft_requests(self.batch, sched, self.states)
-                if self.head_requests is not None:  # method auto: its other drafts are the scheduler's
-                    drafted = [r for r in drafted if r.request_id in self.head_requests]
-                proposals = self.drafter.propose(self.batch, drafted) if drafted else {}
-                spec_token_ids = ({**sched.spec_token_ids, **{rid: p.token_ids for rid, p in proposals.items()}}
-                                  if self.head_requests is not None else
-                                  {rid: p.token_ids for rid, p in proposals.items()})
-                if isinstance(self.drafter, DraftModelProposer):
-                    out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
-                    if step_transfer is not None:
-                        step_transfer.draft_done()
+            spec_token_ids, proposals, drafted = self._draft(sched, out, step_transfer)
             # Draft trees: the scheduler's where nothing here drafted over them, and the head's (spec/head_tree.py).
             trees = step_trees(sched.spec_tree_parents, proposals)
             if publish_late:
@@ -375,6 +362,25 @@ class ModelRunner:
         if self.tp_leader is not None:
             self.tp_leader.record(out)
         return out
+
+    def _draft(self, sched: SchedulerOutput, out: RunnerOutput,
+               step_transfer: object) -> "tuple[dict[str, list[int]], dict[str, Proposal], list]":
+        """The step's drafts: (each request's drafts, the drafter's proposals,
+        the DraftRequests it drafted for). The scheduler reserved the drafts'
+        slots; the drafter fills them."""
+        if self.drafter is None or not (sched.spec_token_ids or self.drafter.every_step):
+            return sched.spec_token_ids, {}, []
+        drafted = draft_requests(self.batch, sched, self.states)
+        if self.head_requests is not None:  # method auto: its other drafts are the scheduler's
+            drafted = [r for r in drafted if r.request_id in self.head_requests]
+        proposals = self.drafter.propose(self.batch, drafted) if drafted else {}
+        spec_token_ids = ({**sched.spec_token_ids, **{rid: p.token_ids for rid, p in proposals.items()}}
+                          if self.head_requests is not None else {rid: p.token_ids for rid, p in proposals.items()})
+        if isinstance(self.drafter, DraftModelProposer):
+            out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
+            if step_transfer is not None:
+                step_transfer.draft_done()
+        return spec_token_ids, proposals, drafted
 
     def apply_sampled(self, sampled: dict[str, list[int]],
                       received_hidden: dict[str, torch.Tensor] | None = None) -> None:
