@@ -3,7 +3,7 @@ rows it fuses are whole on every rank after each layer's all-reduce, and the
 head's weights are its own), and the workers get its drafts, a tree's
 parents too, with the step. Greedy output at TP 2 equals TP 1's, plain
 decoding's and HF transformers'; seeded sampling equals plain seeded
-sampling. Heads: one in a published layout (random weights, a draft
+sampling, and unseeded sampling's logprobs are the target's. Heads: one in a published layout (random weights, a draft
 vocabulary of half the ids, no embedding of its own: rank 0 reads the
 target's whole table), and an "echo" head whose drafts hold wherever the
 target repeats a token (so verified drafts are accepted, their aux rows kept)."""
@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kvferry import LLM, SamplingParams
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
+from tests.parallel.test_tp_draft import max_logprob_gap
 from tests.spec.test_eagle3 import write_eagle3_checkpoint
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -129,6 +130,9 @@ def test_eagle3_head_over_two_ranks_keeps_greedy_output(case, one_rank, head, tr
             assert stats.num_accepted_tokens > 0
         if head == "echo":
             assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, SEEDED)] == plain_seeded
+            unseeded = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.7, ignore_eos=True,
+                                                            logprobs=0))
+            assert max_logprob_gap(target, PROMPTS, unseeded) < 1e-4  # every verified row the target's own
         llm.engine.check_integrity()
     finally:
         llm.engine.core.close()

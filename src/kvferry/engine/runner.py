@@ -34,7 +34,8 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
-from kvferry.engine.speculation import draft_requests, drafts_alone, hidden_from_bytes, hidden_rows, make_drafter
+from kvferry.engine.speculation import (draft_requests, drafts_alone, hidden_from_bytes, hidden_rows, make_drafter,
+                                       share_drafts)
 from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes, share_branches, step_trees
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
@@ -374,6 +375,8 @@ class ModelRunner:
         if self.head_requests is not None:  # method auto: its other drafts are the scheduler's
             drafted = [r for r in drafted if r.request_id in self.head_requests]
         proposals = self.drafter.propose(self.batch, drafted) if drafted else {}
+        if not drafts_alone(self.drafter):  # a draft head drafts on every rank: rank 0's sampled drafts hold
+            share_drafts(self.model, self.batch, drafted, proposals, self.samples)
         spec_token_ids = ({**sched.spec_token_ids, **{rid: p.token_ids for rid, p in proposals.items()}}
                           if self.head_requests is not None else {rid: p.token_ids for rid, p in proposals.items()})
         if isinstance(self.drafter, DraftModelProposer):

@@ -19,7 +19,7 @@ from kvferry.disagg.transport import Received
 from kvferry.model.input_batch import InputBatch
 from kvferry.model.loader import LoadedModel, iter_safetensors
 from kvferry.sampling import SamplingParams
-from kvferry.spec.draft_model import DraftModelProposer, DraftRequest
+from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
 from kvferry.spec.eagle3 import Eagle3Head
 from kvferry.spec.eagle3_proposer import Eagle3Proposer
 from kvferry.spec.head import EagleHead, HeadProposer
@@ -69,6 +69,33 @@ def whole_embedding(loaded: LoadedModel) -> torch.Tensor:
                                 dtype=loaded.dtype)
     raise ValueError(f"speculative.model: an EAGLE-3 head without its own embedding reads the target's, and "
                      f"{loaded.model_path} has no model.embed_tokens.weight")
+
+
+def share_drafts(model: object, batch: InputBatch, drafted: list[DraftRequest], proposals: dict[str, Proposal],
+                 samples: bool) -> None:
+    """A draft head over tensor-parallel ranks: the sampling rank's drafts of
+    each unseeded sampling request's path on every rank, in place of the
+    rank's own (one float32 sum: the sampling rank fills, the others add
+    zeros). Every rank drafts in step, but such a draft is drawn against the
+    rank's own fresh noise, so the ranks' drafts differ, and a forward pass
+    whose ranks embed different tokens at a position computes nothing
+    meaningful there. Greedy and seeded drafts (and a tree's nodes) are the
+    same bits on every rank already: nothing is sent for them."""
+    shard = getattr(model, "shard", None)
+    rows = [r for r in drafted if r.request_id in proposals and proposals[r.request_id].parents is None
+            and not r.params.greedy and r.params.seed is None]
+    if shard is None or shard.size == 1 or not rows:
+        return
+    sizes = [len(proposals[r.request_id].token_ids) for r in rows]
+    values = ([float(t) for r in rows for t in proposals[r.request_id].token_ids] if samples
+              else [0.0] * sum(sizes))
+    summed = [int(v) for v in shard.all_reduce(torch.tensor(values, dtype=torch.float32)).tolist()]
+    start = 0
+    for r, size in zip(rows, sizes):
+        ids = summed[start : start + size]
+        proposals[r.request_id].token_ids = ids
+        batch.token_ids[r.row, r.end : r.end + size] = ids
+        start += size
 
 
 def draft_requests(batch: InputBatch, sched: SchedulerOutput, states: dict) -> list[DraftRequest]:
