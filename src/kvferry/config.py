@@ -454,7 +454,6 @@ class EngineConfig:
         refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
                     f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
                    *self._refused_over_ranks("stages", ("ngram", "suffix", "auto", "head")),
-                   (head and tp > 1, f"tensor_parallel_size {tp} and speculative method 'head'"),
                    (head and bool(self.kv_transfer.kv_transfer_address),
                     "speculative method 'head' and a KV transfer (--kv-transfer-address)")]
         for bad, what in refused:

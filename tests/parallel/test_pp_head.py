@@ -7,7 +7,7 @@ plain decoding's and HF transformers', drafts accepted, with paths and
 trees, one micro-batch and two; seeded sampling equals plain seeded
 sampling, and unseeded sampling's logprobs are the target's (its drafts
 verified against the q they were drawn from, which never leaves the last
-stage)."""
+stage); the same at TP 2 x PP 2."""
 from __future__ import annotations
 
 import json
@@ -71,10 +71,14 @@ def _llm(target: str, head: str, **kwargs) -> LLM:  # noqa: ANN003
     return LLM(model=target, **ENGINE, speculative=spec, pipeline_parallel_size=2, cpu_threads_per_rank=1, **kwargs)
 
 
-@pytest.mark.parametrize("tree, micro_batches", [(False, 1), (True, 2)], ids=["path", "tree-2-micro-batches"])
-def test_draft_head_over_two_stages_keeps_plain_output(case, tree, micro_batches):
+@pytest.mark.parametrize("tree, micro_batches, tp", [(False, 1, 1), (True, 2, 1), (False, 1, 2)],
+                         ids=["path", "tree-2-micro-batches", "tp2-pp2"])
+def test_draft_head_over_two_stages_keeps_plain_output(case, tree, micro_batches, tp):
+    """At TP 2 x PP 2 the last stage's two ranks draft together (the head's
+    lookups and logits are their collectives), its TP rank 0's tokens and
+    sampled drafts shared within the step."""
     target, head, greedy, seeded = case
-    llm = _llm(target, head, spec={"draft_tree": tree}, pp_micro_batches=micro_batches)
+    llm = _llm(target, head, spec={"draft_tree": tree}, pp_micro_batches=micro_batches, tensor_parallel_size=tp)
     try:
         assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == greedy
         stats = llm.engine.stats()
@@ -90,7 +94,6 @@ def test_draft_head_over_two_stages_keeps_plain_output(case, tree, micro_batches
 
 
 @pytest.mark.parametrize("args, what", [
-    (["-pp", "2", "-tp", "2"], "tensor_parallel_size 2 and speculative method 'head'"),
     (["-pp", "2", "--kv-transfer-address", "tcp://127.0.0.1:0"],
      r"speculative method 'head' and a KV transfer \(--kv-transfer-address\)"),
 ])

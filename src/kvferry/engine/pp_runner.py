@@ -35,6 +35,7 @@ from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.connectors import WorkerContext
 from kvferry.engine.runner import ModelRunner, StepInputs
+from kvferry.engine.speculation import share_drafts
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.parallel.pipeline import recv_tensor, send_tensor
@@ -153,7 +154,7 @@ class StageRunner(ModelRunner):
         if self.stage.last:  # the whole step: this stage's forward (below), then logits and sampling
             out = super().execute(sched)
             if self.drafter is not None and not sched.is_empty:
-                self._draft_ahead(out)
+                self._draft_ahead(out, self._sampled_in_step(sched, out))
             return out
         self._update_states(sched)
         if sched.kv_orders and self.connector is not None:
@@ -184,10 +185,38 @@ class StageRunner(ModelRunner):
     # where it reserved fewer) and every stage gets them with the step, as
     # the scheduler's own drafts. Sampling's state stays on the last stage,
     # which verifies: a draft's distribution q never travels.
-    def _draft_ahead(self, out: RunnerOutput) -> None:
-        """The last stage: each request that sampled drafts its next step now."""
+    def _sampled_in_step(self, sched: SchedulerOutput, out: RunnerOutput) -> dict[str, list[int]]:
+        """This step's sampled tokens. With -tp the last stage's ranks draft
+        together (the head's lookups and logits are their collectives) before
+        its TP rank 0's tokens would reach the others with the next step, so
+        they come now, in one float32 sum (TP rank 0 fills [count, tokens..]
+        per scheduled request, the others add zeros), and the others take
+        them as they would then (``apply_sampled``; pp_worker skips it)."""
+        if getattr(getattr(self.model, "shard", None), "size", 1) == 1:
+            return out.sampled_token_ids
+        sizes = [len(sched.spec_token_ids.get(rid, ())) + 2 for rid in sched.num_scheduled_tokens]
+        values = [0.0] * sum(sizes)
+        start = 0
+        for rid, size in zip(sched.num_scheduled_tokens, sizes):
+            if self.samples:
+                tokens = out.sampled_token_ids.get(rid, [])
+                values[start : start + 1 + len(tokens)] = [float(len(tokens)), *map(float, tokens)]
+            start += size
+        summed = self.model.shard.all_reduce(torch.tensor(values, dtype=torch.float32)).tolist()
+        sampled, start = {}, 0
+        for rid, size in zip(sched.num_scheduled_tokens, sizes):
+            if int(summed[start]):
+                sampled[rid] = [int(v) for v in summed[start + 1 : start + 1 + int(summed[start])]]
+            start += size
+        if not self.samples:
+            self.apply_sampled(sampled)
+        return sampled
+
+    def _draft_ahead(self, out: RunnerOutput, sampled: dict[str, list[int]]) -> None:
+        """The last stage: each request that sampled drafts its next step now
+        (``out`` takes the drafts; ``sampled``: the step's tokens, on every TP rank)."""
         requests = []
-        for rid, tokens in out.sampled_token_ids.items():
+        for rid, tokens in sampled.items():
             state, row = self.states.get(rid), self.batch.index.get(rid)
             if not tokens or state is None or row is None:
                 continue
@@ -199,6 +228,7 @@ class StageRunner(ModelRunner):
             requests.append(DraftRequest(rid, row, int(self.batch.num_tokens[row]), k, state.params,
                                          len(state.output_token_ids), len(state.prompt_token_ids)))
         self._ahead = self.drafter.propose(self.batch, requests) if requests else {}
+        share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
         out.draft_token_ids = {rid: p.token_ids for rid, p in self._ahead.items()}
         out.draft_tree_parents = {rid: p.parents for rid, p in self._ahead.items() if p.parents is not None}
 

@@ -130,7 +130,9 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
 def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
     while (message := receive_pickled(steps, _POLL_MS)) is not None:
         sched, sampled = message
-        if not runner.samples:  # the sampling rank (the last stage's TP rank 0) sampled them itself
+        # The sampling rank (the last stage's TP rank 0) sampled them itself; with a draft head its
+        # TP peers took them within the step (StageRunner._sampled_in_step).
+        if not runner.samples and not (runner.stage.last and runner.drafter is not None):
             runner.apply_sampled(sampled)
         out = runner.execute(sched)
         if runner.samples and not sched.is_empty:
