@@ -155,3 +155,36 @@ def test_draft_head_over_two_ranks_keeps_greedy_output(models, plain, echo_head)
         llm.engine.check_integrity()
     finally:
         llm.engine.core.close()
+
+
+def max_logprob_gap(target: str, prompts: list[list[int]], results) -> float:  # noqa: ANN001 - RequestOutputs
+    """The largest gap between each sampled token's reported logprob and
+    plain decoding's at that position (the prompt and outputs before it
+    scored by one plain engine): ~1e-6 where every verified position was
+    computed right."""
+    plain = LLM(model=target, **ENGINE)
+    try:
+        gap = 0.0
+        for p, r in zip(prompts, results):
+            ids = r.outputs[0].token_ids
+            ref = plain.generate([p + ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+            gap = max(gap, *(abs(a.logprob - b.logprob) for a, b in zip(r.outputs[0].logprobs, ref[len(p):])))
+        return gap
+    finally:
+        plain.engine.core.close()
+
+
+def test_draft_head_over_two_ranks_samples_unseeded_from_the_targets_distribution(models, echo_head):
+    """An unseeded sampling request's drafts are drawn against fresh noise,
+    which differs from rank to rank: rank 0's drafts reach the workers
+    before the forward pass (one small sum), so every rank embeds the same
+    tokens and each sampled token's logprob is the target's own there."""
+    prompts = [*HEAD_PROMPTS, [9] * 12]
+    llm = LLM(model=models[0], **ENGINE, tensor_parallel_size=2, cpu_threads_per_rank=1,
+              speculative={**SPEC, "method": "head", "model": echo_head})
+    try:
+        results = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.7, ignore_eos=True, logprobs=0))
+        assert llm.engine.stats().num_accepted_tokens > 0
+    finally:
+        llm.engine.core.close()
+    assert max_logprob_gap(models[0], prompts, results) < 1e-4

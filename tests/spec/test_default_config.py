@@ -67,7 +67,7 @@ def test_the_default_stays_on_over_ranks_and_stages():
 
 
 def test_an_explicit_config_keeps_its_error():
-    with pytest.raises(ValueError, match=r"speculative method 'auto\+head' \(ngram, suffix, auto work\)"):
+    with pytest.raises(ValueError, match=r"speculative method 'auto\+head' \(ngram, suffix, auto, head work\)"):
         EngineArgs(speculative=json.dumps({"method": "auto", "model": str(EMBEDDED_DRAFT_HEAD)}),
                    pipeline_parallel_size=2).create_engine_config()
 

@@ -207,3 +207,8 @@ class RunnerOutput:
     # request_id -> the pooled, L2-normalized final hidden state (pooling).
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # A pipeline's last stage with a draft head: each request's drafts for
+    # its next step, made from this step's hidden states (and a draft tree's
+    # parents); rank 0 puts them in the slots its scheduler reserves then.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_tree_parents: dict[str, list[int]] = field(default_factory=dict)

@@ -24,7 +24,7 @@ next step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -35,9 +35,13 @@ from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.connectors import WorkerContext
 from kvferry.engine.runner import ModelRunner, StepInputs
+from kvferry.engine.speculation import share_drafts
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.parallel.pipeline import recv_tensor, send_tensor
+from kvferry.spec.draft_model import DraftRequest, Proposal
+from kvferry.spec.eagle3 import Eagle3Head
+from kvferry.spec.reserved import PLACEHOLDER_ID
 
 # How long a stage waits for the stage before in one look; between looks it
 # checks that its group is whole (``StageLink.alive`` raises otherwise).
@@ -103,6 +107,11 @@ class StageRunner(ModelRunner):
         layers' pool (a KV transfer's is a ``StageTransferWorker``); a later
         stage maps its pool in the segment stage 0 named, ``kv_pool``
         (stage_transfer.py, stage_pools.py)."""
+        if isinstance(kwargs.get("head"), Eagle3Head):
+            raise ValueError("speculative.model: an EAGLE-3 head does not run over pipeline stages yet (the rows "
+                             "it fuses are on several stages)")
+        if not loaded.model.stage.last:
+            kwargs["head"] = None  # a draft head drafts on the last stage (``_draft_ahead``)
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
         model = self.model
         self.stage = model.stage
@@ -125,17 +134,28 @@ class StageRunner(ModelRunner):
         # This step's micro-batches on this stage: (k, start, end), monotonic
         # seconds (one clock for every process of the host): the overlap, seen.
         self.timeline: list[tuple[int, float, float]] = []
+        # A draft head (the last stage): the drafts it made for each request's
+        # next step, kept for their distributions until that step verifies them.
+        self._ahead: dict[str, Proposal] = {}
+        # Rank 0: the last stage's drafts of the step before, for the slots its scheduler reserves.
+        self._drafts_in: tuple[dict[str, list[int]], dict[str, list[int]]] = ({}, {})
+        spec = config.speculative
+        self._num_drafts = spec.num_speculative_tokens if spec is not None else 0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         leader = self.tp_leader  # rank 0's PPLeader (None on the other stages)
         if leader is not None:
+            sched = self._with_drafts(sched)
             leader.publish(sched)
         self.steps_run += 1
         if self.connector is not None:
             self.connector.step = None  # begin_step's, if this step streams KV
         if self.stage.last:  # the whole step: this stage's forward (below), then logits and sampling
-            return super().execute(sched)
+            out = super().execute(sched)
+            if self.drafter is not None and not sched.is_empty:
+                self._draft_ahead(out, self._sampled_in_step(sched, out))
+            return out
         self._update_states(sched)
         if sched.kv_orders and self.connector is not None:
             self.connector.execute(sched.kv_orders)
@@ -147,6 +167,7 @@ class StageRunner(ModelRunner):
             self._keep_trees(inputs)  # compacted once the last stage's tokens say which branch held
             if leader is not None:
                 out = leader.receive_output(self.steps_run, self.timeline)
+                self._drafts_in = (out.draft_token_ids, out.draft_tree_parents)
                 self.apply_sampled(out.sampled_token_ids)  # the next step embeds them
             if self.connector is not None and self.connector.step is not None:
                 # Stage 0: the Done with the last stage's tokens; a later stage: its part ends
@@ -154,6 +175,94 @@ class StageRunner(ModelRunner):
         if self.connector is not None and leader is not None:
             self._take_completions(out, idle=sched.is_empty)
         return out
+
+    # -- a draft head over stages ------------------------------------------------
+    # The head reads the final hidden states, which only the last stage has,
+    # and stage 0 embeds the drafts: so the last stage drafts each request's
+    # next step right after sampling it (k drafts, before the scheduler has
+    # chosen that step's k), and the drafts ride to rank 0 with the tokens.
+    # Rank 0 writes them into the slots its scheduler reserved (a prefix
+    # where it reserved fewer) and every stage gets them with the step, as
+    # the scheduler's own drafts. Sampling's state stays on the last stage,
+    # which verifies: a draft's distribution q never travels.
+    def _sampled_in_step(self, sched: SchedulerOutput, out: RunnerOutput) -> dict[str, list[int]]:
+        """This step's sampled tokens. With -tp the last stage's ranks draft
+        together (the head's lookups and logits are their collectives) before
+        its TP rank 0's tokens would reach the others with the next step, so
+        they come now, in one float32 sum (TP rank 0 fills [count, tokens..]
+        per scheduled request, the others add zeros), and the others take
+        them as they would then (``apply_sampled``; pp_worker skips it)."""
+        if getattr(getattr(self.model, "shard", None), "size", 1) == 1:
+            return out.sampled_token_ids
+        sizes = [len(sched.spec_token_ids.get(rid, ())) + 2 for rid in sched.num_scheduled_tokens]
+        values = [0.0] * sum(sizes)
+        start = 0
+        for rid, size in zip(sched.num_scheduled_tokens, sizes):
+            if self.samples:
+                tokens = out.sampled_token_ids.get(rid, [])
+                values[start : start + 1 + len(tokens)] = [float(len(tokens)), *map(float, tokens)]
+            start += size
+        summed = self.model.shard.all_reduce(torch.tensor(values, dtype=torch.float32)).tolist()
+        sampled, start = {}, 0
+        for rid, size in zip(sched.num_scheduled_tokens, sizes):
+            if int(summed[start]):
+                sampled[rid] = [int(v) for v in summed[start + 1 : start + 1 + int(summed[start])]]
+            start += size
+        if not self.samples:
+            self.apply_sampled(sampled)
+        return sampled
+
+    def _draft_ahead(self, out: RunnerOutput, sampled: dict[str, list[int]]) -> None:
+        """The last stage: each request that sampled drafts its next step now
+        (``out`` takes the drafts; ``sampled``: the step's tokens, on every TP rank)."""
+        requests = []
+        for rid, tokens in sampled.items():
+            state, row = self.states.get(rid), self.batch.index.get(rid)
+            if not tokens or state is None or row is None:
+                continue
+            left = state.params.max_tokens
+            k = self._num_drafts if left is None else min(self._num_drafts, left - len(state.output_token_ids) - 1)
+            if k <= 0:
+                continue
+            self.batch.write_drafts(row, [PLACEHOLDER_ID] * k)  # room in its row, which the head writes over
+            requests.append(DraftRequest(rid, row, int(self.batch.num_tokens[row]), k, state.params,
+                                         len(state.output_token_ids), len(state.prompt_token_ids)))
+        self._ahead = self.drafter.propose(self.batch, requests) if requests else {}
+        share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
+        out.draft_token_ids = {rid: p.token_ids for rid, p in self._ahead.items()}
+        out.draft_tree_parents = {rid: p.parents for rid, p in self._ahead.items() if p.parents is not None}
+
+    def _with_drafts(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Rank 0: the last stage's drafts in the slots the scheduler reserved
+        (a tree's first nodes, each prefix a tree; one shorter than its slots
+        leaves the placeholders, which are verified and rejected)."""
+        (drafts, parents), self._drafts_in = self._drafts_in, ({}, {})
+        if not drafts or not sched.spec_token_ids:
+            return sched
+        spec, trees = dict(sched.spec_token_ids), dict(sched.spec_tree_parents)
+        for rid, reserved in sched.spec_token_ids.items():
+            made, k = drafts.get(rid), len(reserved)
+            if not made or (rid in parents and len(made) < k):
+                continue
+            spec[rid] = made[:k] + reserved[len(made):]
+            if rid in parents:
+                trees[rid] = parents[rid][:k]
+        return replace(sched, spec_token_ids=spec, spec_tree_parents=trees)
+
+    def _draft(self, sched: SchedulerOutput, out: RunnerOutput,
+               step_transfer: object) -> tuple[dict[str, list[int]], dict[str, Proposal], list]:
+        """The last stage: the step's drafts are its own of the step before,
+        come back through rank 0; their distributions (a path's q) where the
+        drafts are what it made (a prefix of them)."""
+        if self.drafter is None:
+            return super()._draft(sched, out, step_transfer)
+        ahead, self._ahead = self._ahead, {}
+        proposals = {}
+        for rid, drafts in sched.spec_token_ids.items():
+            made = ahead.get(rid)
+            if made is not None and made.parents is None and made.token_ids[:len(drafts)] == drafts:
+                proposals[rid] = Proposal(drafts, None if made.probs is None else made.probs[:len(drafts)])
+        return sched.spec_token_ids, proposals, []
 
     def micro_batch_count(self, num_tokens: int) -> int:
         """How many micro-batches a step of ``num_tokens`` goes in (the same on every stage)."""

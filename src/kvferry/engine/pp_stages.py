@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import zmq
@@ -57,6 +57,7 @@ from kvferry.messages import TPRank
 from kvferry.parallel import GroupAddress, RankFailed, ShmAllReduce
 from kvferry.parallel.pipeline import PPStage
 from kvferry.parallel.rank_sockets import RankKeys
+from kvferry.spec import runs_head
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,10 @@ def stage_threads(config: EngineConfig) -> int:
 
 
 def stage_of(config: EngineConfig, num_layers: int, rank: int) -> PPStage:
-    return PPStage.of(num_layers, rank, config.parallel.pipeline_parallel_size)
+    """Stage ``rank``'s layers; the last stage also holds the embedding where
+    a draft head drafts there (pp_runner.py: drafts ahead)."""
+    stage = PPStage.of(num_layers, rank, config.parallel.pipeline_parallel_size)
+    return replace(stage, head_embeds=stage.last and runs_head(config.speculative))
 
 
 class PPLeader(RankProcesses):

@@ -36,6 +36,8 @@ from kvferry.engine.tp_ranks import RunnerShape, join_group
 from kvferry.parallel.rank_sockets import RankKeys
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
+from kvferry.spec import runs_head
+from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +117,11 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
     # Its own worker half of the core's connector (host swap, a connector of one's own: over its
     # layers; the node store: its pool in shared memory, where stage 0 saves and loads it).
     connector = for_engine(spec.config, rank=spec.tp_rank, stage=spec.stage.rank)
+    # A draft head drafts on the last stage, which has the hidden states (pp_runner.py: drafts ahead).
+    s = spec.config.speculative
+    head = EagleHead.load(resolve_head_path(s.model), device=m.device) if runs_head(s) and spec.stage.last else None
     runner = StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len, connector=connector,
-                         kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool)
+                         kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool, head=head)
     if spec.tp_rank:  # the last stage's TP rank 0 samples; its peers take its tokens with the next step
         runner.samples = False
     return runner
@@ -125,7 +130,9 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
 def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
     while (message := receive_pickled(steps, _POLL_MS)) is not None:
         sched, sampled = message
-        if not runner.samples:  # the sampling rank (the last stage's TP rank 0) sampled them itself
+        # The sampling rank (the last stage's TP rank 0) sampled them itself; with a draft head its
+        # TP peers took them within the step (StageRunner._sampled_in_step).
+        if not runner.samples and not (runner.stage.last and runner.drafter is not None):
             runner.apply_sampled(sampled)
         out = runner.execute(sched)
         if runner.samples and not sched.is_empty:

@@ -34,6 +34,8 @@ from kvferry.engine.host_memory import tune_malloc
 from kvferry.model.input_batch import FlatStep, InputBatch, flatten, to_device
 from kvferry.engine.kv_connector import KVConnector, KVConnectorWorker, WorkerContext
 from kvferry.engine.prompt_work import PromptStep, PromptWork
+from kvferry.engine.speculation import (draft_requests, drafts_alone, hidden_from_bytes, hidden_rows, make_drafter,
+                                       share_drafts)
 from kvferry.engine.tree_verify import UnsampledTrees, compact, prepare_trees, row_prefixes, share_branches, step_trees
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.attention import attention_backend as attention_backend_for
@@ -43,8 +45,7 @@ from kvferry.model.llama import allocate_kv_cache
 from kvferry.model.loader import LoadedModel
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow, position_generator, token_counts
 from kvferry.sampling import SamplingParams
-from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
-from kvferry.spec.eagle3 import Eagle3Head
+from kvferry.spec.draft_model import DraftModelProposer, Proposal
 from kvferry.spec.eagle3_proposer import Eagle3Proposer
 from kvferry.spec.head import EagleHead, HeadProposer
 from kvferry.spec.rejection import NO_DRAFT, accepted_prefix
@@ -155,14 +156,7 @@ class ModelRunner:
         self._pending_hidden: tuple[list[tuple[str, list[int]]], torch.Tensor, dict[str, list[int]]] | None = None
         # A pipeline stage before the last: its step's draft trees, until the last stage's tokens say which held.
         self._unsampled: UnsampledTrees | None = None
-        if draft is not None:
-            self.drafter = DraftModelProposer(draft, num_blocks, block_size, self.vocab_size)
-        elif isinstance(head, Eagle3Head) and getattr(getattr(self.model, "shard", None), "size", 1) > 1:
-            raise ValueError("speculative.model: an EAGLE-3 head does not run over tensor-parallel ranks yet")
-        elif isinstance(head, Eagle3Head):  # an EAGLE-3 head: the target copies its aux layers' rows
-            self.drafter = Eagle3Proposer(head, self.model, tree=bool(getattr(config.speculative, "draft_tree", 0)))
-        elif head is not None:
-            self.drafter = HeadProposer(head, self.model, tree=bool(getattr(config.speculative, "draft_tree", 0)))
+        self.drafter = make_drafter(loaded, config, num_blocks, block_size, draft, head)
         # Decode side: requests whose draft KV came with their prompt's, until
         # first scheduled here (the draft then starts past the prompt).
         self._draft_kv_received: set[str] = set()
@@ -313,9 +307,9 @@ class ModelRunner:
     # -- step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # A draft model runs on rank 0 alone (whole, outside the ranks'
-        # collectives): the workers get the step once its drafts are known.
-        publish_late = self.tp_leader is not None and isinstance(self.drafter, DraftModelProposer)
+        # A draft model or an EAGLE-3 head drafts on rank 0 alone (outside the
+        # ranks' collectives): the workers get the step once its drafts are known.
+        publish_late = self.tp_leader is not None and drafts_alone(self.drafter)
         if self.tp_leader is not None and self.head_requests is not None:  # auto's choice, made here alone
             self.tp_leader.share_head_requests(self.head_requests)
         if self.tp_leader is not None and (not publish_late or sched.is_empty):
@@ -329,24 +323,11 @@ class ModelRunner:
             step_transfer = self.connector.begin_step(sched.kv_orders)
         out = RunnerOutput()
         if not sched.is_empty:
-            spec_token_ids, proposals, drafted = sched.spec_token_ids, {}, []
-            if self.drafter is not None and (sched.spec_token_ids or self.drafter.every_step):
-                # The scheduler reserved the drafts' slots; the draft model fills them.
-                drafted = self._draft_requests(sched)
-                if self.head_requests is not None:  # method auto: its other drafts are the scheduler's
-                    drafted = [r for r in drafted if r.request_id in self.head_requests]
-                proposals = self.drafter.propose(self.batch, drafted) if drafted else {}
-                spec_token_ids = ({**sched.spec_token_ids, **{rid: p.token_ids for rid, p in proposals.items()}}
-                                  if self.head_requests is not None else
-                                  {rid: p.token_ids for rid, p in proposals.items()})
-                if isinstance(self.drafter, DraftModelProposer):
-                    out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
-                    if step_transfer is not None:
-                        step_transfer.draft_done()
-            if publish_late:
-                self.tp_leader.publish(replace(sched, spec_token_ids=spec_token_ids))
+            spec_token_ids, proposals, drafted = self._draft(sched, out, step_transfer)
             # Draft trees: the scheduler's where nothing here drafted over them, and the head's (spec/head_tree.py).
             trees = step_trees(sched.spec_tree_parents, proposals)
+            if publish_late:
+                self.tp_leader.publish(replace(sched, spec_token_ids=spec_token_ids, spec_tree_parents=trees))
             inputs = self._prepare(sched, spec_token_ids, graph_ok=step_transfer is None, trees=trees)
             if inputs.meta is not None:
                 inputs.meta.kv_transfer = step_transfer
@@ -382,6 +363,27 @@ class ModelRunner:
         if self.tp_leader is not None:
             self.tp_leader.record(out)
         return out
+
+    def _draft(self, sched: SchedulerOutput, out: RunnerOutput,
+               step_transfer: object) -> "tuple[dict[str, list[int]], dict[str, Proposal], list]":
+        """The step's drafts: (each request's drafts, the drafter's proposals,
+        the DraftRequests it drafted for). The scheduler reserved the drafts'
+        slots; the drafter fills them."""
+        if self.drafter is None or not (sched.spec_token_ids or self.drafter.every_step):
+            return sched.spec_token_ids, {}, []
+        drafted = draft_requests(self.batch, sched, self.states)
+        if self.head_requests is not None:  # method auto: its other drafts are the scheduler's
+            drafted = [r for r in drafted if r.request_id in self.head_requests]
+        proposals = self.drafter.propose(self.batch, drafted) if drafted else {}
+        if not drafts_alone(self.drafter):  # a draft head drafts on every rank: rank 0's sampled drafts hold
+            share_drafts(self.model, self.batch, drafted, proposals, self.samples)
+        spec_token_ids = ({**sched.spec_token_ids, **{rid: p.token_ids for rid, p in proposals.items()}}
+                          if self.head_requests is not None else {rid: p.token_ids for rid, p in proposals.items()})
+        if isinstance(self.drafter, DraftModelProposer):
+            out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
+            if step_transfer is not None:
+                step_transfer.draft_done()
+        return spec_token_ids, proposals, drafted
 
     def apply_sampled(self, sampled: dict[str, list[int]],
                       received_hidden: dict[str, torch.Tensor] | None = None) -> None:
@@ -497,7 +499,7 @@ class ModelRunner:
         if isinstance(self.drafter, DraftModelProposer):
             self._draft_kv_received.add(rid)
         elif isinstance(self.drafter, HeadProposer) and received.hidden_state:
-            hidden = _hidden_from_bytes(received, self.loaded.config.hidden_size, self.device)
+            hidden = hidden_from_bytes(received, self.loaded.config.hidden_size, self.device)
             if hidden is None:
                 logger.warning("request %s: a hidden state of %d bytes (%s) does not fit this head; it drafts "
                                "from its second step", rid, len(received.hidden_state), received.hidden_state_dtype)
@@ -520,27 +522,7 @@ class ModelRunner:
 
     def _record_rows(self, sampling: list[tuple[str, list[int]]], sampled_hidden: torch.Tensor,
                      sampled: dict[str, list[int]], tree_accepted: dict[str, list[int]] | None = None) -> None:
-        rows, first = {}, 0
-        for rid, drafts in sampling:
-            emitted = len(sampled.get(rid, ()))
-            accepted = (tree_accepted or {}).get(rid)
-            if accepted is not None:  # a tree: the row of its last accepted node
-                rows[rid] = first + (1 + accepted[-1] if accepted else 0)
-            elif emitted:
-                rows[rid] = first + emitted - 1
-            first += len(drafts) + 1
-        self.drafter.record_step(sampled_hidden, rows)
-
-    def _draft_requests(self, sched: SchedulerOutput) -> list[DraftRequest]:
-        requests = []
-        for rid, num_scheduled in sched.num_scheduled_tokens.items():
-            row = self.batch.index[rid]
-            k = len(sched.spec_token_ids.get(rid, ()))
-            end = int(self.batch.num_computed_tokens[row]) + num_scheduled - k
-            state = self.states[rid]
-            requests.append(DraftRequest(rid, row, end, k, state.params, len(state.output_token_ids),
-                                         len(state.prompt_token_ids)))
-        return requests
+        self.drafter.record_step(sampled_hidden, hidden_rows(sampling, sampled, tree_accepted))
 
     # -- sampling and verification --------------------------------------------
     def _start_bitmask(self, sampling: list[tuple[str, list[int]]]) -> "Future[StepBitmask] | None":
@@ -688,13 +670,3 @@ class ModelRunner:
             state.output_counts.index_add_(0, ids, torch.ones(len(accepted), device=self.device))
 
 
-
-_HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _hidden_from_bytes(received: Received, hidden_size: int, device: torch.device) -> torch.Tensor | None:
-    """[hidden_size] from a Done's raw bytes, or None when they do not fit."""
-    dtype = _HIDDEN_DTYPES.get(received.hidden_state_dtype)
-    if dtype is None or len(received.hidden_state) != hidden_size * torch.empty((), dtype=dtype).element_size():
-        return None
-    return torch.frombuffer(bytearray(received.hidden_state), dtype=dtype).to(device)

@@ -29,6 +29,7 @@ from kvferry.engine.tp_ranks import RunnerShape, WorkerSpec, join_group
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
 from kvferry.spec import runs_head
+from kvferry.spec.eagle3 import is_eagle3_checkpoint
 from kvferry.spec.head import EagleHead, resolve_head_path
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,11 @@ def _start(spec: WorkerSpec, reports: zmq.Socket, steps: zmq.Socket) -> ModelRun
         raise RuntimeError(f"expected the pool's shape first, got {type(shape).__name__}")
     # Its own worker half of the core's connector (P/D: this rank sends its KV heads itself).
     # A draft head drafts on every rank in step (its lookups and logits are
-    # the ranks' collectives); a draft model runs on rank 0 alone.
+    # the ranks' collectives); a draft model and an EAGLE-3 head run on rank 0
+    # alone (engine/speculation.py: drafts_alone), whose drafts come with the step.
     s = spec.config.speculative
-    head = EagleHead.load(resolve_head_path(s.model), device=m.device) if runs_head(s) else None
+    head = (EagleHead.load(resolve_head_path(s.model), device=m.device)
+            if runs_head(s) and not is_eagle3_checkpoint(resolve_head_path(s.model)) else None)
     runner = ModelRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len,
                          kv_cache_dtype=shape.kv_cache_dtype, connector=for_engine(spec.config, rank=spec.rank),
                          head=head)

@@ -233,7 +233,7 @@ class LlamaModel(nn.Module):
         vocab = shard.vocab_per_rank(config.vocab_size)  # rows of embed_tokens and lm_head here
         self.stage = stage = stage or PPStage(0, 1, 0, config.num_hidden_layers)
         # A stage without the embedding (or lm_head) keeps an empty table: no memory, the same code.
-        embed_rows = vocab if stage.first or (stage.last and config.tie_word_embeddings) else 0
+        embed_rows = vocab if stage.embeds or (stage.last and config.tie_word_embeddings) else 0
         self.linear_config = linear_config = linear_config or UnquantizedConfig()
         # The token embedding (this rank's rows) in its method's format: a GGUF file's blocks, or the plain table.
         self.embed = VocabEmbedding(embed_rows, config.hidden_size, dtype=dtype, device=device,
@@ -468,7 +468,7 @@ class LlamaModel(nn.Module):
         """Whether this pipeline stage loads ``name`` (every name without pipeline parallelism)."""
         stage = self.stage
         if name == "model.embed_tokens.weight":
-            return stage.first or (stage.last and self.config.tie_word_embeddings)
+            return stage.embeds or (stage.last and self.config.tie_word_embeddings)
         if name == "lm_head.weight":
             return stage.last
         idx = name[len("model.layers."):].partition(".")[0] if name.startswith("model.layers.") else ""

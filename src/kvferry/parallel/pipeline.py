@@ -43,6 +43,9 @@ class PPStage:
     size: int = 1
     start: int = 0
     end: int = 0
+    # The last stage holds the token embedding too where a draft head drafts
+    # there (it looks up each draft it feeds back).
+    head_embeds: bool = False
 
     @staticmethod
     def of(num_layers: int, rank: int, size: int) -> PPStage:
@@ -52,6 +55,11 @@ class PPStage:
     def first(self) -> bool:
         """Holds the token embedding (and takes token ids)."""
         return self.rank == 0
+
+    @property
+    def embeds(self) -> bool:
+        """Holds the token embedding (the first stage; the last with a draft head)."""
+        return self.first or self.head_embeds
 
     @property
     def last(self) -> bool:

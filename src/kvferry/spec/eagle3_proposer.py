@@ -85,19 +85,23 @@ class Eagle3Proposer(HeadProposer):
 
     every_step = False
 
-    def __init__(self, head: Eagle3Head, target: LlamaModel,
-                 tree: bool = False) -> None:  # noqa: D107 - no super().__init__: other state
+    def __init__(self, head: Eagle3Head, target: LlamaModel, tree: bool = False,
+                 embed: torch.Tensor | None = None) -> None:  # noqa: D107 - no super().__init__: other state
+        """``embed``: the target's whole token table [V, H], where ``target``
+        holds only its vocabulary slice (tensor-parallel rank 0, which drafts
+        alone) and the head has no table of its own."""
         self.tree = tree  # draft a tree of k tokens (spec/head_tree.py) rather than one path of k
         c = target.config
         aux = head.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
-        if head.embed_tokens is None and target.embed_tokens is None:
+        if head.embed_tokens is None and embed is None and target.embed_tokens is None:
             raise ValueError('speculative method "eagle3" reads the target\'s float embedding; this model keeps it '
                              "in GGUF blocks (serve it with --quantization none)")
         self.target = target
         device = target.lm_head.device if target.lm_head is not None else torch.device("cpu")
         self.dtype = target.dtype
         self.head = head.to(device=device, dtype=self.dtype)
-        self.embed = (self.head.embed_tokens.weight if self.head.embed_tokens is not None else target.embed_tokens)
+        self.embed = (self.head.embed_tokens.weight if self.head.embed_tokens is not None else
+                      embed if embed is not None else target.embed_tokens)
         target.aux_layers = aux
         ids = self.head.draft_ids().to(torch.int64)
         order = torch.argsort(ids)
