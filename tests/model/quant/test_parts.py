@@ -83,18 +83,22 @@ def test_the_avx2_build_is_right_too():
 
 
 K_QUANTS = [n for n in quant.FORMATS if quant.block_format(n).block == 256]
+BLOCK32 = [n for n in quant.FORMATS if quant.block_format(n).block == 32]
 
 
-@pytest.mark.parametrize("name", K_QUANTS)
+@pytest.mark.parametrize("name", K_QUANTS + BLOCK32)
 def test_batch_1_is_the_many_row_kernel_to_the_bit(name):
-    """Batch 1 over K-quants has its own kernel in the AVX-512 build (two
-    groups per register for Q4_K and Q6_K), and so have 2-32 rows (passes of
-    8 rows, two rows' float sums per register, weight rows 4 at a time past
-    one pass): a row's value is the same at every batch size, to the bit
-    (x's rows are quantized independently). 45 weight rows: 11 tiles of 4 and
-    a tail; 3, 16, 27 and 32 rows: a tail pass, two whole passes, an odd tail."""
-    w, _ = weight(name, 45, 2048, seed=7)
-    x = torch.randn(32, 2048, generator=torch.Generator().manual_seed(5))
+    """Batch 1 has its own kernels (K-quants: two groups per register for Q4_K
+    and Q6_K in the AVX-512 build; 32-blocks: eight blocks and four weight rows
+    at a time), and so have 2-32 rows (passes of 8 rows, weight rows 4 at a
+    time past one pass): a row's value is the same at every batch size, to
+    the bit (x's rows are quantized independently). 45 weight rows: 11 tiles
+    of 4 and a tail; every row count 1-32: tail passes of each size, whole
+    passes, odd tails. The 32-blocks' K = 1120 is 35 blocks: four groups of
+    eight and a tail of three, where the one-row dot sums the offsets apart."""
+    k = 2048 if name in K_QUANTS else 1120
+    w, _ = weight(name, 45, k, seed=7)
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(32)])
-    for m in (3, 16, 27, 32):
+    for m in range(2, 33):
         assert torch.equal(quant.gemv(x[:m], w), alone[:m]), m
