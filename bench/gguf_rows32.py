@@ -40,7 +40,7 @@ from tests.model.quant.blocks import random_blocks  # noqa: E402
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
 # (N, K) of each model's matmuls: the embedded SmolLM2-135M (hidden 576, FFN
-# 1536; its lm_head, 49152 x 576, is Q8_0 in the file) and a 1B shape.
+# 1536), in its file's types (Q4_1, the lm_head Q8_0), and a 1B model's, in --types.
 SHAPES = {"q41": [(576, 576), (1536, 576), (576, 1536), (49152, 576)],
           "1b": [(2048, 2048), (8192, 2048), (2048, 8192)]}
 NEVER = 1 << 62
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cold-mib", type=int, default=96, help="bytes the copies of each weight span (past L3)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NxK", help="only these shapes, e.g. 49152x576")
     ap.add_argument("--baseline", default=None, metavar="REV", help="also time the dots of the library at REV")
     args = ap.parse_args()
     if not quant.available():
@@ -79,8 +80,10 @@ def main() -> None:
     print(f"kernel path {quant.kernel_path()}; CPU ms per call, medians of {args.repeats} interleaved passes")
     for shape_set in args.shapes:
         for n, k in SHAPES[shape_set]:
-            # The embedded model's lm_head is Q8_0 whatever its layers' type.
-            types = ["Q8_0"] if (n, k) == (49152, 576) else args.types
+            if args.only and f"{n}x{k}" not in args.only:
+                continue
+            # The embedded model's types as its file has them (Q4_1 layers, a Q8_0 lm_head).
+            types = args.types if shape_set == "1b" else ["Q8_0"] if n == 49152 else ["Q4_1"]
             for name in types:
                 t = TYPES[name]
                 one = torch.from_numpy(random_blocks(name, n, k, rng))
