@@ -23,7 +23,9 @@ K = 512
 # more parts than a thread's prefetch stream keeps (8: the rest stream unprefetched).
 MIXES = [(("Q4_K", 96), ("Q4_K", 40), ("Q6_K", 40)), (("Q8_0", 37), ("Q4_1", 64)), (("Q5_0", 9), ("Q4_K", 70)),
          tuple((("Q4_K", "Q4_1", "Q8_0")[i % 3], 8 + 3 * i) for i in range(10))]
-ROWS = [1, 3, 13, 20]  # dots for all; 32-blocks' tiles from 12 rows, the K-quants' from 20
+# Dots for all at 1 and 3; the 32-blocks' tiles from 12 rows with AMX, from 25
+# without (quant/kernels.py), the K-quants' from 20.
+ROWS = [1, 3, 13, 20, 25]
 
 
 def parts_of(mix: tuple[tuple[str, int], ...]) -> list[quant.QuantizedWeight]:
