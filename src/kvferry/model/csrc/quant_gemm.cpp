@@ -948,7 +948,7 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, 
 // multiply-add for the offsets. A row and block then costs the dot, its
 // conversion and one multiply-add, where rows32 also took a scalar product
 // and its broadcast, Q8_0 a load of x's sums and the others a scalar
-// multiply-add (measured on Zen 4, one thread, Q8_0 and Q4_1: 1.35-1.45x
+// multiply-add (measured on Zen 4, one thread, Q8_0 and Q4_1: 1.35-1.5x
 // rows32's speed at 8-32 rows in L2, 1.15-1.4x on cold 1B-sized weights).
 // AVX-512VL's 32 registers hold eight rows' two accumulators. Each row's
 // arithmetic is row32xn's, step for step (its integer lanes, multiply-adds
