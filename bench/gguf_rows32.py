@@ -18,7 +18,10 @@ call of all threads (``time.process_time``), which other processes on a
 shared machine inflate least. Not a test.
 
     PYTHONPATH=src python bench/gguf_rows32.py [--shapes q41 1b] [--types Q8_0 Q4_1]
-        [--rows 1 4 8 12 16 20 24 32] [--threads 1 2] [--baseline HEAD~1]
+        [--rows 1 4 8 12 16 20 24 32] [--threads 1 2] [--only 49152x576 8192x2048] [--baseline HEAD~1]
+
+``q41``: the embedded SmolLM2-135M's shapes in its file's types (Q4_1 layers,
+the Q8_0 lm_head); ``1b``: 1B shapes in each of ``--types``.
 """
 from __future__ import annotations
 
