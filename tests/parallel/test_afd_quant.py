@@ -92,8 +92,8 @@ def test_gguf_blocks_on_the_ffn_workers_equal_the_gguf_colocated(models, case, f
     """Greedy agrees with colocated, and where they part it is at a near tie
     of colocated's. The workers' logprobs are not the colocated bits, and
     cannot be: a GGUF matmul takes the 8-bit dots below
-    quant.kernels.PREFILL_MIN_ROWS rows of x (12 for 32-value blocks, 16 for
-    the K-quants) and a dequantized bf16 tile (x rounded to bf16) from there,
+    quant.kernels.PREFILL_MIN_ROWS rows of x (12 for 32-value blocks with
+    AMX, 25 without; 20 for the K-quants) and a dequantized bf16 tile (x rounded to bf16) from there,
     and an expert's rows are the tokens routed to it in the call. Colocated,
     the prefill step is one call of 76 rows; AFD cuts it into micro-batches
     of 70 rows (prompts 0-2) and 6 (prompt 3), and each FFN call gets one

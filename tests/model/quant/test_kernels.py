@@ -17,6 +17,7 @@ import torch
 
 from kvferry import envs
 from kvferry.model import quant
+from kvferry.model.cpu_features import cpu_features
 from kvferry.model.quant import kernels
 from tests.model.quant.blocks import ggml_q8_0, quantized_x, weight
 
@@ -131,7 +132,7 @@ def test_k_quants_take_the_dots_below_20_rows():
     """K-quant batches below 20 rows (a c16 decode step's 16) take the integer
     dots, at any thread count, in linear and in the library's configured path
     (the one-call layer's): the dots' values, not the bf16 tiles'. From 20 rows
-    the tiles; the 32-blocks keep them from 12 rows."""
+    the tiles; the 32-blocks from their own threshold (below)."""
     wk, _ = weight("Q4_K", N, K)
     w32, _ = weight("Q8_0", N, K)
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(19)).bfloat16()
@@ -140,7 +141,8 @@ def test_k_quants_take_the_dots_below_20_rows():
         for threads in (1, 2):
             torch.set_num_threads(threads)
             assert [kernels.path_for(m, wk) for m in (16, 19, 20)] == ["dots", "dots", "tiles"], threads
-            assert [kernels.path_for(m, w32) for m in (11, 12)] == ["dots", "tiles"], threads
+            m32 = kernels.PREFILL_MIN_ROWS[32]
+            assert [kernels.path_for(m, w32) for m in (m32 - 1, m32)] == ["dots", "tiles"], threads
             for m in (16, 19):
                 dots = quant.gemv(x[:m], wk).bfloat16()
                 assert torch.equal(quant.linear(x[:m], wk), dots), (threads, m)
@@ -149,6 +151,17 @@ def test_k_quants_take_the_dots_below_20_rows():
         assert not torch.equal(tiles, quant.gemv(x, wk).bfloat16())
     finally:
         torch.set_num_threads(before)
+
+
+def test_32_blocks_take_the_tiles_from_12_rows_with_amx_else_from_25():
+    """The 32-blocks' threshold follows the CPU, never the thread count (a TP
+    rank takes TP 1's path): with AMX (usable by this process) the bf16 tiles
+    from 12 rows; without, the integer dots up to 24 (measured on Zen 4,
+    where the tiles run on AVX512-BF16; kernels.py's comment)."""
+    assert kernels.block32_min_rows(frozenset({"avx512f", "avx512_vnni", "amx_tile", "amx_bf16"})) == 12
+    assert kernels.block32_min_rows(frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})) == 25
+    assert kernels.block32_min_rows(frozenset({"avx2"})) == 25
+    assert kernels.PREFILL_MIN_ROWS[32] == kernels.block32_min_rows(cpu_features().flags)
 
 
 def test_zero_rows_and_zero_x():

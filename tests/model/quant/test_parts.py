@@ -23,7 +23,9 @@ K = 512
 # more parts than a thread's prefetch stream keeps (8: the rest stream unprefetched).
 MIXES = [(("Q4_K", 96), ("Q4_K", 40), ("Q6_K", 40)), (("Q8_0", 37), ("Q4_1", 64)), (("Q5_0", 9), ("Q4_K", 70)),
          tuple((("Q4_K", "Q4_1", "Q8_0")[i % 3], 8 + 3 * i) for i in range(10))]
-ROWS = [1, 3, 13, 20]  # dots for all; 32-blocks' tiles from 12 rows, the K-quants' from 20
+# Dots for all at 1 and 3; the 32-blocks' tiles from 12 rows with AMX, from 25
+# without (quant/kernels.py), the K-quants' from 20.
+ROWS = [1, 3, 13, 20, 25]
 
 
 def parts_of(mix: tuple[tuple[str, int], ...]) -> list[quant.QuantizedWeight]:
@@ -83,18 +85,22 @@ def test_the_avx2_build_is_right_too():
 
 
 K_QUANTS = [n for n in quant.FORMATS if quant.block_format(n).block == 256]
+BLOCK32 = [n for n in quant.FORMATS if quant.block_format(n).block == 32]
 
 
-@pytest.mark.parametrize("name", K_QUANTS)
+@pytest.mark.parametrize("name", K_QUANTS + BLOCK32)
 def test_batch_1_is_the_many_row_kernel_to_the_bit(name):
-    """Batch 1 over K-quants has its own kernel in the AVX-512 build (two
-    groups per register for Q4_K and Q6_K), and so have 2-32 rows (passes of
-    8 rows, two rows' float sums per register, weight rows 4 at a time past
-    one pass): a row's value is the same at every batch size, to the bit
-    (x's rows are quantized independently). 45 weight rows: 11 tiles of 4 and
-    a tail; 3, 16, 27 and 32 rows: a tail pass, two whole passes, an odd tail."""
-    w, _ = weight(name, 45, 2048, seed=7)
-    x = torch.randn(32, 2048, generator=torch.Generator().manual_seed(5))
+    """Batch 1 has its own kernels (K-quants: two groups per register for Q4_K
+    and Q6_K in the AVX-512 build; 32-blocks: eight blocks and four weight rows
+    at a time), and so have 2-32 rows (passes of 8 rows, weight rows 4 at a
+    time past one pass): a row's value is the same at every batch size, to
+    the bit (x's rows are quantized independently). 45 weight rows: 11 tiles
+    of 4 and a tail; every row count 1-32: tail passes of each size, whole
+    passes, odd tails. The 32-blocks' K = 1120 is 35 blocks: four groups of
+    eight and a tail of three, where the one-row dot sums the offsets apart."""
+    k = 2048 if name in K_QUANTS else 1120
+    w, _ = weight(name, 45, k, seed=7)
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(32)])
-    for m in (3, 16, 27, 32):
+    for m in range(2, 33):
         assert torch.equal(quant.gemv(x[:m], w), alone[:m]), m

@@ -15,6 +15,7 @@ import torch
 
 from kvferry import envs
 from kvferry.model import paged_kernel
+from kvferry.model.cpu_features import cpu_features
 from kvferry.model.quant.formats import QuantizedWeight
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "quant_gemm.cpp"
@@ -55,11 +56,47 @@ SMALL_TILE_MAX_ROWS = 16
 # the K-quants take the dots below 20 rows (c16's decode steps: a tie with the
 # tiles on one thread, ahead on two), at any thread count, so that a TP rank
 # (fewer threads) takes the path TP 1 takes (tests/parallel/test_gguf_tp.py).
-# The 32-blocks' dots (rows32) are not as lean (Q8_0 8192 x 2048, one thread:
-# 3.4 / 5.1 / 6.9 ms at 8 / 12 / 16 rows, tiles 2.9 / 2.9 / 3.2) and keep the
-# tiles from 12 rows; at 8 rows both are within the noise, and
-# tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
-PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
+# The 32-blocks' many-row dots (rows32_512 in AVX-512 builds: each block
+# decoded once for all rows, the one-row dot's arithmetic to the bit) were
+# measured on AMD Zen 4 (AVX512-VNNI and AVX512-BF16, no AMX: the tiles run
+# oneDNN's AVX512-BF16 kernels; bench/gguf_rows32.py, cold weights, bf16 x,
+# 2 cores at load 12-16, medians of interleaved passes, CPU ms of one thread):
+#   rows                          8     12    16    20    24    32
+#   Q8_0 8192 x 2048   dots      3.80  5.63  6.76  8.35  9.24  11.7
+#                      tiles     9.00  9.10  9.16  15.0  15.0  8.41
+#   Q4_1 2048 x 8192   dots      3.84  5.02  6.57  8.00  9.53  12.5
+#                      tiles     8.94  8.95  9.23  14.7  14.8  8.39
+#   Q4_1 1536 x 576    dots      0.19  0.29  0.37  0.47  0.55  0.73
+#                      tiles     0.32  0.33  0.34  0.47  0.48  0.47
+#   Q8_0 49152 x 576   dots      6.10  10.8  13.1  16.3  18.4  24.0
+#   (lm_head)          tiles     9.38  9.77  10.2  14.0  14.7  14.9
+# (rows32, the kernel before, took 1.15-1.4x the dots' time at 4-32 rows on
+# the 1B shapes, 1.15-1.3x on the embedded model's layers, 1.05-1.15x on its
+# lm_head.) On one thread the 1B shapes
+# take the dots' side by 1.3-2x up to 24 rows; the embedded model's whole
+# step (30 Q4_1 layers and the Q8_0 lm_head) is dots / tiles 0.92, 1.11,
+# 1.02, 1.14 at 12, 16, 20, 24 rows; at 32 the tiles win everywhere. On two
+# threads (loaded) the tiles cost 5-20x the dots' CPU at 8-24 rows on the 1B
+# shapes and 2.6-11x on the lm_head (each tile is two parallel regions, each
+# waiting on its slowest thread; Q4_1 1536 x 576: 0.9x at 16, 1.2x at 24). So
+# without AMX the 32-blocks take the dots below 25 rows, at any thread count.
+# With AMX the tiles keep 12, as measured on a Xeon with rows32 (Q8_0 8192 x
+# 2048, one thread: 3.4 / 5.1 / 6.9 ms at 8 / 12 / 16 rows, tiles 2.9 / 2.9 /
+# 3.2): assumed, not measured (no AMX machine at hand), that rows32_512 gains
+# there what it gains on Zen 4 (about 1.3x: ~2.6 / 3.9 / 5.3 ms), still
+# behind AMX's tiles from 12 rows. tests/model/test_gguf_blocks.py's 8-row
+# chunks take the dots on both.
+BLOCK32_MIN_ROWS_AMX = 12
+BLOCK32_MIN_ROWS = 25
+
+
+def block32_min_rows(flags: frozenset[str]) -> int:
+    """From how many rows of x the 32-blocks take the tiles on a CPU with
+    these flags (cpu_features': AMX's only where the process may use it)."""
+    return BLOCK32_MIN_ROWS_AMX if "amx_bf16" in flags else BLOCK32_MIN_ROWS
+
+
+PREFILL_MIN_ROWS = {32: block32_min_rows(cpu_features().flags), 256: 20}  # by the format's block size
 # KVFERRY_QUANT_DOTS_ALWAYS=1: every batch size takes the dots, as llama.cpp's
 # CPU backend quantizes x to 8 bits for every matmul, prefill included. Its
 # greedy answers then agree with llama.cpp's on the same file as far as the
