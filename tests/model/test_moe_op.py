@@ -213,3 +213,48 @@ def test_a_reload_drops_the_packed_copies():
         lin.restore_weights_for_loading()
     assert block.w13.expert_args is None and moe_op.loop_args(block.w13, block.w2) is None
     assert block.w13.loop_args_cache is None  # nor does the cached argument list hold them
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _assert_one_huge_page_slab(stack) -> None:
+    args = stack.expert_args
+    if args[0].kind != 1:
+        pytest.skip("oneDNN's opaque copies on this CPU (small_gemm's are the ones moved)")
+    base = args[0].weight.data_ptr()
+    size = args[0].weight.numel() * args[0].weight.element_size()
+    assert base % (2 << 20) == 0
+    assert [a.weight.data_ptr() - base for a in args] == [e * size for e in range(len(args))]
+    assert "hg" in _vm_flags(base)  # advised MADV_HUGEPAGE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_copies_lie_in_one_huge_page_mapping(dtype):
+    # A decode step streams most experts' copies: in one mapping on 2 MiB
+    # pages (huge_pages.py), slot e expert e's, not 4 KiB pages apiece.
+    block = _block(dtype)
+    x = torch.randn(5, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(5)).to(dtype)
+    for stack in (block.w13, block.w2):
+        _assert_one_huge_page_slab(stack)
+    # a reload packs into a new slab, and the layer reads it
+    for stack in (block.w13, block.w2):
+        stack.restore_weights_for_loading()
+        stack.weight.data.zero_()
+        stack.process_weights_after_loading()
+        _assert_one_huge_page_slab(stack)
+    with torch.inference_mode():
+        assert not block.w13.forward_expert(3, x).any()  # the new (zero) weights, not the old slab's
+    fast, slow = _both(block, x)
+    assert torch.equal(fast, slow)
