@@ -5,12 +5,15 @@ hidden 2048, expert width 1024, random bf16 weights, packed as served) over
 a prefill chunk of T tokens (512: ~64 rows an expert; 2048: ~256). The
 floor is the same experts' matmuls run as dense ones: for every active
 expert, its gate_up, SiLU-and-mul and down over as many rows as the router
-gave it, each a separate call over the expert's packed copy with every
-thread on it (``ExpertLinear.forward_expert``: the dense MLP's kernel), so
-the ratio is what routing, sorting, gathering, scattering and splitting
-the threads by expert cost over the same arithmetic. A second floor is the
-arithmetic alone: the layer's flops at the kernel's rate on a warm 256-row
-expert matmul (GFLOP/s, same threads).
+gave it, each a separate call over the expert's packed copy on one thread
+(``ExpertLinear.forward_expert``: the dense MLP's kernel; one thread, so
+that no call waits at a barrier for a thread a loaded machine has
+descheduled), so the ratio is what routing, sorting, gathering,
+scattering and the layer's threads cost over the same arithmetic, in
+core-seconds (CPU time; the wall ratio scales the one thread's time down
+by the layer's threads). A second floor is the arithmetic alone: the
+layer's flops at the kernel's one-core rate on a warm 256-row expert
+matmul (GFLOP/s by CPU time).
 
 Timed in turn (one of each a round), wall clock and this process's CPU
 time, medians:
@@ -50,13 +53,17 @@ def main() -> None:
     flops_per_row = 2 * hidden * (2 * width) + 2 * width * hidden
 
     def dense(xs: list[torch.Tensor]) -> None:
-        for e, x in enumerate(xs):
-            if x.shape[0]:
-                block.w2.forward_expert(e, silu_and_mul(block.w13.forward_expert(e, x)))
+        torch.set_num_threads(1)  # one thread: no barrier for a loaded machine's descheduled thread
+        try:
+            for e, x in enumerate(xs):
+                if x.shape[0]:
+                    block.w2.forward_expert(e, silu_and_mul(block.w13.forward_expert(e, x)))
+        finally:
+            torch.set_num_threads(args.threads)
 
     warm = torch.randn(256, hidden).to(torch.bfloat16)
-    peak_wall, _ = time_interleaved({"warm": lambda: [dense([warm]) for _ in range(4)]}, 5)["warm"]
-    gflops = 4 * 256 * flops_per_row / peak_wall / 1e9
+    _, peak_cpu = time_interleaved({"warm": lambda: [dense([warm]) for _ in range(4)]}, 5)["warm"]
+    gflops = 4 * 256 * flops_per_row / peak_cpu / 1e9  # per core
     rows = []
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -70,11 +77,11 @@ def main() -> None:
             flops = sum(counts) * flops_per_row
             rows.append(dict(tokens=tokens, active_experts=sum(c > 0 for c in counts),
                              rows_per_expert=[min(counts), round(sum(counts) / len(counts), 1), max(counts)],
-                             wall_ms=dict(layer=round(lw * 1e3, 1), dense=round(dw * 1e3, 1),
-                                          x_dense=round(lw / dw, 2),
-                                          x_arithmetic=round(lw * gflops * 1e9 / flops, 2)),
-                             cpu_ms=dict(layer=round(lc * 1e3, 1), dense=round(dc * 1e3, 1),
-                                         x_dense=round(lc / dc, 2))))
+                             wall_ms=dict(layer=round(lw * 1e3, 1), dense_1_thread=round(dw * 1e3, 1),
+                                          x_dense=round(lw * args.threads / dw, 2)),
+                             cpu_ms=dict(layer=round(lc * 1e3, 1), dense_1_thread=round(dc * 1e3, 1),
+                                         x_dense=round(lc / dc, 2),
+                                         x_arithmetic=round(lc * gflops * 1e9 / flops, 2))))
     print(json.dumps(dict(cpu=cpu_features().describe(), threads=args.threads, loadavg_1m=os.getloadavg()[0],
                           warm_256_row_gflops=round(gflops, 1), rows=rows), indent=1))
 
