@@ -3,11 +3,13 @@
 An OLMoE-1B-7B-shaped layer by default (64 experts, top-8, hidden 2048,
 expert width 1024), random weights in bf16, packed as the served model packs
 them (small_gemm's or oneDNN's copy per expert, as the dense MLP's). The
-step is timed at batch 1 and 32 (random tokens: about 8 and all 64 experts
-active). The floor is the active experts' weights read once at the memcpy
-bandwidth measured in the same run (bytes copied / s, read + write
-counted, the best of several); a second column divides by the read-only
-rate of a large reduction. The paths, timed in turn (one call of each a
+step is timed at batch 1 and 32 by default (random tokens: about 8 and all
+64 experts active; batch 16: about 56). The floor is the active experts'
+weights read once at the memcpy bandwidth measured in the same run (bytes
+copied / s, read + write counted, the best of several); further columns
+divide by the read-only rate of a large reduction (``x_floor_read``) and of
+the same reduction over memory on 2 MiB pages (``x_floor_read_huge``: the
+experts' small_gemm copies lie on such pages), with the same threads. The paths, timed in turn (one call of each a
 round, so that a shared machine's load falls on all alike):
 
 - ``layer``: as served, the whole block one C++ call (moe_op.moe_layer:
@@ -24,7 +26,7 @@ likewise. On a machine other processes share, the wall clock measures
 them as well; the CPU-time ratio is then the layer's own (with one thread:
 with more, OpenMP's spinning workers count too).
 
-    python bench/moe_step.py [--threads 1] [--batches 1 32] [--iters 20] [--paths layer expert_loop]
+    python bench/moe_step.py [--threads 1] [--batches 1 16 64] [--iters 20] [--paths layer expert_loop]
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from kvferry.model.config import ModelConfig  # noqa: E402
 from kvferry.model.fused_ops import silu_and_mul  # noqa: E402
 from kvferry.model.layers import UnquantizedConfig  # noqa: E402
-from kvferry.model import moe_op  # noqa: E402
+from kvferry.model import huge_pages, moe_op  # noqa: E402
 from kvferry.model.moe import SparseMoeBlock, fused_experts, route  # noqa: E402
 
 PATHS = ("layer", "expert_loop", "python_loop", "plain_f_linear")
@@ -85,14 +87,19 @@ def time_interleaved(fns: dict, iters: int, pick=statistics.median) -> dict[str,
 
 
 def bandwidths(num_bytes: int = 1 << 29) -> dict[str, float]:
-    """Bytes/s of a large copy (read + write counted) and of a large
-    reduction (read only), by wall clock and by CPU time: the best of 7."""
+    """Bytes/s of a large copy (read + write counted), of a large reduction
+    (read only), and of the same reduction over memory on 2 MiB pages (as the
+    experts' copies are, where small_gemm's kernel takes them: huge_pages.py),
+    by wall clock and by CPU time: the best of 7, with the threads set."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
+    huge = huge_pages.empty((num_bytes // 4,), torch.float32).fill_(1.0)
     copy_wall, copy_cpu = time_it(lambda: dst.copy_(src), 7, min)
     read_wall, read_cpu = time_it(lambda: src.sum(), 7, min)
+    huge_wall, huge_cpu = time_it(lambda: huge.sum(), 7, min)
     return dict(copy_wall=2 * num_bytes / copy_wall, copy_cpu=2 * num_bytes / copy_cpu,
-                read_wall=num_bytes / read_wall, read_cpu=num_bytes / read_cpu)
+                read_wall=num_bytes / read_wall, read_cpu=num_bytes / read_cpu,
+                read_huge_wall=num_bytes / huge_wall, read_huge_cpu=num_bytes / huge_cpu)
 
 
 def main() -> None:
@@ -146,10 +153,12 @@ def main() -> None:
             first_wall, first_cpu = times[args.paths[0]]
             rows.append(dict(batch=batch, active_experts=active, weight_mb=round(weights / 1e6, 1),
                              wall_ms=dict({k: _ms(w) for k, (w, _) in times.items()}, floor_memcpy=_ms(floor_wall),
-                                          x_floor=round(first_wall / floor_wall, 2)),
+                                          x_floor=round(first_wall / floor_wall, 2),
+                                          x_floor_read_huge=round(first_wall * bw["read_huge_wall"] / weights, 2)),
                              cpu_ms=dict({k: _ms(c) for k, (_, c) in times.items()}, floor_memcpy=_ms(floor_cpu),
                                          x_floor=round(first_cpu / floor_cpu, 2),
-                                         x_floor_read=round(first_cpu * bw["read_cpu"] / weights, 2))))
+                                         x_floor_read=round(first_cpu * bw["read_cpu"] / weights, 2),
+                                         x_floor_read_huge=round(first_cpu * bw["read_huge_cpu"] / weights, 2))))
     print(json.dumps(dict(dtype=args.dtype, threads=args.threads, loadavg_1m=os.getloadavg()[0],
                           cpp_loop=moe_op.loop_args(block.w13, block.w2) is not None,
                           cpp_layer=getattr(block, "_layer", lambda _: None)(dtype) is not None,

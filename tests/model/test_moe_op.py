@@ -213,3 +213,82 @@ def test_a_reload_drops_the_packed_copies():
         lin.restore_weights_for_loading()
     assert block.w13.expert_args is None and moe_op.loop_args(block.w13, block.w2) is None
     assert block.w13.loop_args_cache is None  # nor does the cached argument list hold them
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _assert_one_huge_page_slab(stack) -> None:
+    args = stack.expert_args
+    if args[0].kind != 1:
+        pytest.skip("oneDNN's opaque copies on this CPU (small_gemm's are the ones moved)")
+    base = args[0].weight.data_ptr()
+    size = args[0].weight.numel() * args[0].weight.element_size()
+    assert base % (2 << 20) == 0
+    assert [a.weight.data_ptr() - base for a in args] == [e * size for e in range(len(args))]
+    assert "hg" in _vm_flags(base)  # advised MADV_HUGEPAGE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_copies_lie_in_one_huge_page_mapping(dtype):
+    # A decode step streams most experts' copies: in one mapping on 2 MiB
+    # pages (huge_pages.py), slot e expert e's, not 4 KiB pages apiece.
+    block = _block(dtype)
+    x = torch.randn(5, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(5)).to(dtype)
+    for stack in (block.w13, block.w2):
+        _assert_one_huge_page_slab(stack)
+    # a reload packs into a new slab, and the layer reads it
+    for stack in (block.w13, block.w2):
+        stack.restore_weights_for_loading()
+        stack.weight.data.zero_()
+        stack.process_weights_after_loading()
+        _assert_one_huge_page_slab(stack)
+    with torch.inference_mode():
+        assert not block.w13.forward_expert(3, x).any()  # the new (zero) weights, not the old slab's
+    fast, slow = _both(block, x)
+    assert torch.equal(fast, slow)
+
+
+def test_expert_prefetch_by_cpu_kind_and_dtype():
+    zen4 = frozenset({"sse4a", "avx512f", "avx512_bf16", "avx512_vnni"})
+    assert moe_op.expert_prefetch(1, torch.bfloat16, zen4) == 1
+    assert moe_op.expert_prefetch(1, torch.float32, zen4) == 0  # the float32 kernel keeps its own
+    assert moe_op.expert_prefetch(2, torch.bfloat16, zen4) == 0  # oneDNN's copies
+    assert moe_op.expert_prefetch(1, torch.bfloat16, zen4 | {"avx_vnni"}) == 0  # Zen 5: as tuned
+    assert moe_op.expert_prefetch(1, torch.bfloat16, frozenset({"avx512_bf16", "avx512f"})) == 0  # not AMD
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_expert_prefetch_changes_no_bits(threads):
+    # 1-48 tokens x top-2 over 8 experts: experts with 1 to ~15 rows, on both
+    # sides of the rows where the by-rows choice switches (none / prefetcht1).
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        block = _block(torch.bfloat16)
+        args = block._layer(torch.bfloat16)
+        if args.experts.kind != 1:
+            pytest.skip("oneDNN's copies on this CPU: the choice applies to small_gemm's")
+        by_rows, plain = (args._replace(experts=args.experts._replace(prefetch=p)) for p in (1, 0))
+        gen = torch.Generator().manual_seed(11)
+        for tokens in (1, 7, 30, 48):
+            x = torch.randn(tokens, CONFIG["hidden_size"], generator=gen).to(torch.bfloat16)
+            with torch.inference_mode():
+                assert torch.equal(moe_op.moe_layer(by_rows, x), moe_op.moe_layer(plain, x)), tokens
+        xs, counts = torch.randn(32, CONFIG["hidden_size"], generator=gen).to(torch.bfloat16), [8, 0, 1, 7, 6, 2, 0, 8]
+        with torch.inference_mode():
+            assert torch.equal(moe_op.expert_loop(by_rows.experts, xs, counts),
+                               moe_op.expert_loop(plain.experts, xs, counts))
+    finally:
+        torch.set_num_threads(before)

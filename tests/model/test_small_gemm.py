@@ -44,6 +44,22 @@ def test_matches_float32_reference(n, k, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, 7, 9, 300])
+def test_linear_prefetch_is_linear_to_the_bit(rows):
+    """linear_prefetch only changes which software prefetch runs (moe_experts.cpp
+    picks it by rows on Zen 4): every choice gives linear's bits; a bad one raises."""
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(200, 2 * 96 + 1, generator=gen) * 0.05).to(torch.bfloat16)  # 5 blocks, odd K
+    x = torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16)
+    packed = small_gemm.pack(w)
+    want = small_gemm.linear(x, packed, 200)
+    for prefetch in (0, 1, 2):
+        assert torch.equal(torch.ops.kvferry_gemm.linear_prefetch(x, packed, 200, prefetch), want), prefetch
+    with pytest.raises(RuntimeError, match="prefetch must be 0"):
+        torch.ops.kvferry_gemm.linear_prefetch(x, packed, 200, 3)
+
+
+@needs_kernel
 def test_exact_on_integers():
     """Small integers multiply and add exactly in float32: the result is exact,
     whatever the summation order, so a layout or tail bug cannot hide in tolerance."""

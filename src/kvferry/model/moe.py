@@ -55,19 +55,20 @@ or whole experts of the file (model/gguf_shard.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvferry.model import moe_op, moe_quant
+from kvferry.model import huge_pages, moe_op, moe_quant
 from kvferry.model.config import ModelConfig
 from kvferry.model.fused_ops import silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, LinearMethodBase
 from kvferry.model.layers.base import MatmulArgs
 from kvferry.model.layers.parallel import TPShard
-from kvferry.model.linear import release_plain, restore_plain
+from kvferry.model.linear import PackedWeight, release_plain, restore_plain
 
 # A checkpoint's per-expert projection names -> (stack, rows): "gate" and "up"
 # fill the halves of gate_up, "down" the whole of down.
@@ -164,8 +165,10 @@ class ExpertLinear(Linear):
                                    device=stack.device, method=self.method, prefix=f"{self.prefix}.{e}",
                                    keep_plain=True, weight=nn.Parameter(stack[e], requires_grad=False))
                             for e in range(self.num_experts)]
-            for lin in self.experts:
+            slab = None
+            for e, lin in enumerate(self.experts):
                 lin.process_weights_after_loading()
+                slab = _into_slab(lin, e, self.num_experts, slab)
             if all(getattr(lin, "packed", None) is not None for lin in self.experts):
                 for lin in self.experts:  # the packed copies serve every call: drop the views
                     lin.weight.data = lin.weight.data.new_empty(0)
@@ -200,6 +203,26 @@ class ExpertLinear(Linear):
 
     def matmul_args(self) -> None:
         return None  # the one-call C++ layer has no experts
+
+
+def _into_slab(lin: Linear, e: int, num_experts: int, slab: torch.Tensor | None) -> torch.Tensor | None:
+    """Expert ``e``'s small_gemm copy moved into ``slab``, one huge-page tensor
+    for the whole stack's copies (allocated at the first one, [E, *copy's
+    shape]); returns the slab. A decode step streams most experts' copies
+    front to back, and in 4 KiB pages every 64 lines of that is a TLB miss
+    (huge_pages.py). Moved one at a time, as each is packed, so the stack's
+    copies are never held twice. oneDNN's opaque copies and quantized
+    layers' own state stay where they are."""
+    p = lin.packed
+    if not isinstance(p, PackedWeight) or p.small is None:
+        return slab
+    if slab is None:
+        slab = huge_pages.empty((num_experts, *p.small.shape), p.small.dtype)
+    if slab.shape[1:] != p.small.shape or slab.dtype != p.small.dtype:  # never for one stack's shapes
+        return slab
+    slab[e].copy_(p.small)
+    lin.packed = dataclasses.replace(p, small=slab[e])
+    return slab
 
 
 class SparseMoeBlock(nn.Module):

@@ -11,6 +11,10 @@ prefetched while the current one is multiplied.
     pack(weight)          weight [N, K] bf16 / float32 -> the packed copy, or None where it does not apply
     linear(x, packed, n)  x [M, K] in the weight's dtype -> [M, n] (float32 sums; bf16 rounded once)
 
+(bf16 also has ``torch.ops.kvferry_gemm.linear_prefetch(x, packed, n,
+prefetch)``: linear's bits with another software prefetch, which the MoE
+layer picks by rows on Zen 4; csrc/small_gemm.cpp.)
+
 bf16 (vdpbf16ps) applies on a CPU with AVX512-BF16 but no AMX (oneDNN's AMX
 kernels are faster at every size); float32 (FMA) on any CPU with AVX-512F or
 AVX2+FMA. Both need the native build (with ``KVFERRY_KERNEL_ISA=avx2`` on an

@@ -2,7 +2,7 @@
 //
 // moe_layer(x, gate_w, gate_n, gate_kind, top_k, renormalize, weights_float32, first_expert,
 //           gate_up, down, gate_up_n, down_n, kind, shared, shared_n_kind, exact_rows, row_bucket,
-//           routed_weights=None, routed_ids=None) -> out
+//           routed_weights=None, routed_ids=None, expert_prefetch=0) -> out
 //   moe.py's SparseMoeBlock.forward before its all-reduce, op for op:
 //   logits  = gemm(x, gate_w)                       [T, E] (the router)
 //   w, ids  = topk(softmax(logits, float32), top_k)  w / w.sum(-1) if renormalize;
@@ -15,9 +15,13 @@
 //   out     = zeros(float32).index_add_(0, token, float(ys) * w).to(x's dtype)
 //   shared  (qwen2_moe: shared = [gate_up_w, down_w, gate_w], shared_n_kind = each one's
 //             [n, kind]): out + sigmoid(gemm(x, gate_w)) * down(silu_and_mul(gate_up(x)))
-// expert_loop(xs, counts, gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket) -> ys
+// expert_loop(xs, counts, gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket,
+//             expert_prefetch=0) -> ys
 //   the experts alone over rows already sorted (counts[e] rows of expert e): the
 //   block's op where its router or shared expert is not a plain packed matmul.
+// expert_prefetch (both ops): 0 the experts' matmuls as plain_linear runs them;
+//   1 bf16 small_gemm copies by linear_prefetch, its prefetch chosen by rows
+//   (ExpertPrefetch below). The router's and shared expert's stay plain_linear's.
 //
 // gemm is op_calls.h's plain_linear (kind 1 small_gemm's copy, 2 oneDNN's, 3
 // oneDNN's in fixed row blocks), the softmax, top-k, sums, the weighting and
@@ -59,23 +63,41 @@
 
 namespace {
 
+// How the experts' bf16 small_gemm matmuls prefetch (moe_op.py's
+// expert_prefetch): kLinear as small_gemm's linear (prefetcht0 of the next
+// column block); kByRows none up to kNoPrefetchRows rows, prefetcht1 above
+// (small_gemm.cpp's linear_prefetch: on Zen 4 each is the faster there, by
+// 10-35% on cold experts). Prefetching changes no bits.
+enum ExpertPrefetch : int64_t { kLinear = 0, kByRows = 1 };
+constexpr int64_t kNoPrefetchRows = 6;
+
 // Every expert's two matmuls (each one's packed copy, one kind for all).
 struct Experts {
   at::TensorList gate_up, down;
-  int64_t gate_up_n, down_n, kind, exact_rows, row_bucket;
+  int64_t gate_up_n, down_n, kind, exact_rows, row_bucket, prefetch;
+
+  Tensor matmul(const Tensor& rows, const Tensor& w, int64_t n) const {
+    if (prefetch == kByRows && kind == 1 && w.scalar_type() == at::kBFloat16) {
+      static const auto linear_prefetch =
+          find_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>("kvferry_gemm::linear_prefetch");
+      return linear_prefetch.call(rows, w, n, rows.size(0) <= kNoPrefetchRows ? 1 : 2);  // none; prefetcht1
+    }
+    return plain_linear(rows, w, n, kind, exact_rows, row_bucket);
+  }
 
   Tensor operator()(int64_t e, const Tensor& rows) const {
     static const auto silu_and_mul = find_op<Tensor(const Tensor&)>("kvferry_fused::silu_and_mul");
-    const Tensor h = silu_and_mul.call(plain_linear(rows, gate_up[e], gate_up_n, kind, exact_rows, row_bucket));
-    return plain_linear(h, down[e], down_n, kind, exact_rows, row_bucket);
+    const Tensor h = silu_and_mul.call(matmul(rows, gate_up[e], gate_up_n));
+    return matmul(h, down[e], down_n);
   }
 };
 
 Experts check_experts(at::TensorList gate_up, at::TensorList down, int64_t gate_up_n, int64_t down_n, int64_t kind,
-                      int64_t exact_rows, int64_t row_bucket) {
+                      int64_t exact_rows, int64_t row_bucket, int64_t prefetch) {
   TORCH_CHECK(gate_up.size() == down.size(), "moe: one gate_up and one down weight per expert");
   TORCH_CHECK(kind >= 1 && kind <= 3, "moe: kind must be 1 (small_gemm), 2 or 3 (oneDNN)");
-  return Experts{gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket};
+  TORCH_CHECK(prefetch == kLinear || prefetch == kByRows, "moe: expert_prefetch must be 0 or 1, got ", prefetch);
+  return Experts{gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket, prefetch};
 }
 
 // A one-shot event the threads of a region wait on: set once (to a non-zero
@@ -127,9 +149,11 @@ void claim_items(std::atomic<int64_t>& next, std::atomic<int64_t>& done, int64_t
 }
 
 Tensor expert_loop(const Tensor& xs, at::IntArrayRef counts, at::TensorList gate_up, at::TensorList down,
-                   int64_t gate_up_n, int64_t down_n, int64_t kind, int64_t exact_rows, int64_t row_bucket) {
+                   int64_t gate_up_n, int64_t down_n, int64_t kind, int64_t exact_rows, int64_t row_bucket,
+                   int64_t expert_prefetch) {
   TORCH_CHECK(xs.dim() == 2 && xs.is_contiguous(), "expert_loop: xs must be a contiguous [pairs, hidden]");
-  const Experts experts = check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket);
+  const Experts experts =
+      check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket, expert_prefetch);
   const int64_t E = static_cast<int64_t>(counts.size());
   TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == E, "expert_loop: one gate_up and one down weight per count");
   std::vector<int64_t> active, start;  // the experts with rows, and each one's first row
@@ -225,9 +249,11 @@ Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t 
                  bool renormalize, bool weights_float32, int64_t first_expert, at::TensorList gate_up,
                  at::TensorList down, int64_t gate_up_n, int64_t down_n, int64_t kind, at::TensorList shared,
                  at::IntArrayRef shared_n_kind, int64_t exact_rows, int64_t row_bucket,
-                 const std::optional<Tensor>& routed_weights, const std::optional<Tensor>& routed_ids) {
+                 const std::optional<Tensor>& routed_weights, const std::optional<Tensor>& routed_ids,
+                 int64_t expert_prefetch) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_layer: x must be a contiguous [tokens, hidden]");
-  const Experts experts = check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket);
+  const Experts experts =
+      check_experts(gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket, expert_prefetch);
   TORCH_CHECK(shared.empty() || (shared.size() == 3 && shared_n_kind.size() == 6),
               "moe_layer: shared is [] or [gate_up, down, gate] with shared_n_kind their [n, kind] each");
   const int64_t E = static_cast<int64_t>(gate_up.size()), T = x.size(0);
@@ -330,11 +356,11 @@ Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t 
 
 TORCH_LIBRARY(kvferry_moe, m) {
   m.def("expert_loop(Tensor xs, int[] counts, Tensor[] gate_up, Tensor[] down, int gate_up_n, int down_n, "
-        "int kind, int exact_rows, int row_bucket) -> Tensor");
+        "int kind, int exact_rows, int row_bucket, int expert_prefetch=0) -> Tensor");
   m.def("moe_layer(Tensor x, Tensor gate_w, int gate_n, int gate_kind, int top_k, bool renormalize, "
         "bool weights_float32, int first_expert, Tensor[] gate_up, Tensor[] down, int gate_up_n, int down_n, "
         "int kind, Tensor[] shared, int[] shared_n_kind, int exact_rows, int row_bucket, "
-        "Tensor? routed_weights=None, Tensor? routed_ids=None) -> Tensor");
+        "Tensor? routed_weights=None, Tensor? routed_ids=None, int expert_prefetch=0) -> Tensor");
   // oneDNN's packed weights are MkldnnCPU tensors: a call with them dispatches there.
   for (auto key : {c10::DispatchKey::CPU, c10::DispatchKey::MkldnnCPU}) {
     m.impl("expert_loop", key, TORCH_FN(expert_loop));
