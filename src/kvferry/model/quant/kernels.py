@@ -67,6 +67,10 @@ PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
 # round x to bf16 instead, a different model at this model's near ties.
 # Read when the library loads (configure), not per call.
 _dots_always = False
+# From this many rows of x the dots of a type with quant_prefill_dots.h's
+# kernel take it (each weight block decoded once per call), below it
+# rowsK_512's passes of 8 rows. The same bits either way.
+PREFILL_DOTS_FROM_ROWS = 33
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
 
@@ -92,7 +96,8 @@ def configure() -> None:
     global _dots_always
     _dots_always = envs.quant_dots_always()
     torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
-                                      SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
+                                      SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS,
+                                      PREFILL_DOTS_FROM_ROWS)
 
 
 def prefill_min_rows(block: int) -> int:
