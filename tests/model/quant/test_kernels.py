@@ -127,15 +127,18 @@ def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
     assert not torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
 
 
-def test_k_quants_take_the_dots_below_20_rows():
+def test_k_quants_take_the_dots_below_20_rows(monkeypatch):
     """K-quant batches below 20 rows (a c16 decode step's 16) take the integer
     dots, at any thread count, in linear and in the library's configured path
     (the one-call layer's): the dots' values, not the bf16 tiles'. From 20 rows
-    the tiles; the 32-blocks keep them from 12 rows."""
+    the tiles where the K-quants' prefill dots are off (an AMX CPU's routing;
+    test_prefill_dots.py has the other); the 32-blocks keep them from 12 rows."""
     wk, _ = weight("Q4_K", N, K)
     w32, _ = weight("Q8_0", N, K)
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(19)).bfloat16()
     before = torch.get_num_threads()
+    monkeypatch.setattr(kernels, "PREFILL_DOTS", False)
+    kernels.configure()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
@@ -149,6 +152,8 @@ def test_k_quants_take_the_dots_below_20_rows():
         assert not torch.equal(tiles, quant.gemv(x, wk).bfloat16())
     finally:
         torch.set_num_threads(before)
+        monkeypatch.undo()
+        kernels.configure()
 
 
 def test_zero_rows_and_zero_x():

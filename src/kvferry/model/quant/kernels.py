@@ -15,6 +15,7 @@ import torch
 
 from kvferry import envs
 from kvferry.model import paged_kernel
+from kvferry.model.cpu_features import cpu_features
 from kvferry.model.quant.formats import QuantizedWeight
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "quant_gemm.cpp"
@@ -60,6 +61,20 @@ SMALL_TILE_MAX_ROWS = 16
 # tiles from 12 rows; at 8 rows both are within the noise, and
 # tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
 PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
+# PREFILL_DOTS: whether the K-quants take the integer dots at EVERY batch size
+# (PREFILL_MIN_ROWS[256] then unused): from PREFILL_DOTS_FROM_ROWS rows their
+# prefill kernel (csrc/quant_prefill_dots.h: panels of 16 weight rows, one
+# output per 32-bit lane, blocks decoded once per call). None: decided from
+# the CPU at load (configure): where the build has that kernel (AVX512-VNNI)
+# and the CPU has no AMX. Without AMX, oneDNN's bf16 tiles run vdpbf16ps (32
+# multiply-adds an instruction) where vpdpbusd does 64: measured on Zen 4
+# (bench/quant_gemv.py --prefill, one thread, CPU time), the prefill dots take
+# 0.65-0.75x the tiles' time at 64-2048 rows (BENCHMARKS.md). With AMX the
+# tiles keep prefill (AMX-BF16 tiles are several times vdpbf16ps: not
+# measured against these dots, which have no AMX form). Never dependent on the
+# thread count: a TP rank takes the path TP 1 takes.
+PREFILL_DOTS: bool | None = None
+_prefill_dots = False
 # KVFERRY_QUANT_DOTS_ALWAYS=1: every batch size takes the dots, as llama.cpp's
 # CPU backend quantizes x to 8 bits for every matmul, prefill included. Its
 # greedy answers then agree with llama.cpp's on the same file as far as the
@@ -93,8 +108,9 @@ def configure() -> None:
     (the one-call decoder layer's matmul of a GGUF weight), so both layers
     take the same path at the same row count. Called at load; again by
     anything that changes the constants."""
-    global _dots_always
+    global _dots_always, _prefill_dots
     _dots_always = envs.quant_dots_always()
+    _prefill_dots = prefill_dots_fit() if PREFILL_DOTS is None else PREFILL_DOTS
     torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
                                       SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS,
                                       PREFILL_DOTS_FROM_ROWS)
@@ -102,8 +118,17 @@ def configure() -> None:
 
 def prefill_min_rows(block: int) -> int:
     """From how many rows of x a weight of this block size takes the tiles
-    (``PREFILL_MIN_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1)."""
-    return 1 << 62 if _dots_always else PREFILL_MIN_ROWS[block]
+    (``PREFILL_MIN_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1, nor for
+    the K-quants where their prefill dots fit the CPU: ``PREFILL_DOTS``)."""
+    never = _dots_always or (block == 256 and _prefill_dots)
+    return 1 << 62 if never else PREFILL_MIN_ROWS[block]
+
+
+def prefill_dots_fit() -> bool:
+    """Whether the K-quants' prefill dots beat the bf16 tiles here: the build
+    has them (AVX512-VNNI) and the CPU has no AMX (its tiles' bf16 is AMX's)."""
+    return bool(torch.ops.kvferry_quant.prefill_dots(12)) and not any(f.startswith("amx") for f in
+                                                                       cpu_features().flags)
 
 
 def available() -> bool:
