@@ -33,8 +33,9 @@ PREFILL_TILE_BYTES = 4 << 20
 # against 7.5-7.9 with 4 MiB tiles; at 64 rows 4 MiB is the faster).
 SMALL_TILE_BYTES = 1 << 20
 SMALL_TILE_MAX_ROWS = 16
-# From this many rows of x, a dequantized bf16 tile and oneDNN (AMX where
-# present) beat the integer dot products, whose cost grows with every row
+# From this many rows of x, on a CPU with AMX (or a build without the K-quants'
+# prefill dots: PREFILL_DOTS below), a dequantized bf16 tile and oneDNN beat
+# the integer dot products, whose cost grows with every row
 # while the tiles' is mostly the dequantization, paid once (8B at 16 rows:
 # all 4.6 GiB of blocks a step). Measured on a Xeon with AMX (avx512vnni
 # build), all matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py
@@ -62,16 +63,20 @@ SMALL_TILE_MAX_ROWS = 16
 # tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
 PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
 # PREFILL_DOTS: whether the K-quants take the integer dots at EVERY batch size
-# (PREFILL_MIN_ROWS[256] then unused): from PREFILL_DOTS_FROM_ROWS rows their
-# prefill kernel (csrc/quant_prefill_dots.h: panels of 16 weight rows, one
-# output per 32-bit lane, blocks decoded once per call). None: decided from
-# the CPU at load (configure): where the build has that kernel (AVX512-VNNI)
-# and the CPU has no AMX. Without AMX, oneDNN's bf16 tiles run vdpbf16ps (32
-# multiply-adds an instruction) where vpdpbusd does 64: measured on Zen 4
-# (bench/quant_gemv.py --prefill, one thread, CPU time), the prefill dots take
-# 0.65-0.75x the tiles' time at 64-2048 rows (BENCHMARKS.md). With AMX the
-# tiles keep prefill (AMX-BF16 tiles are several times vdpbf16ps: not
-# measured against these dots, which have no AMX form). Never dependent on the
+# (PREFILL_MIN_ROWS[256] then unused): below PREFILL_DOTS_FROM_ROWS rows
+# rowsK_512's passes, from there csrc/quant_prefill_dots.h (panels of 16
+# weight rows, one output per 32-bit lane, the blocks decoded once per call).
+# None: decided from the CPU at load (configure): True where the build has
+# that kernel (AVX512-VNNI) and the CPU lists no AMX flag. Without AMX,
+# oneDNN's bf16 tiles run vdpbf16ps (32 multiply-adds an instruction, after a
+# dequantization) where vpdpbusd does 64. Measured on AMD EPYC Zen 4 (2
+# cores, loaded, CPU time of one thread, in-process A/B): one call
+# (bench/quant_gemv.py --prefill 1b 8b), the tiles take 1.4-1.5x the prefill
+# dots' time at 64-2048 rows, Q4_K and Q6_K, at every 1B and 8B shape; all
+# matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py 1b
+# --rows ... --ab 12,20), tiles / dots: 2.3x at 20 rows, 2.1x at 24, 0.96x at
+# 32 (rowsK_512 there), 1.36x at 64, 1.49x at 512. With AMX the tiles keep
+# prefill (AMX-BF16; not measured against these dots). Never dependent on the
 # thread count: a TP rank takes the path TP 1 takes.
 PREFILL_DOTS: bool | None = None
 _prefill_dots = False
@@ -82,9 +87,11 @@ _prefill_dots = False
 # round x to bf16 instead, a different model at this model's near ties.
 # Read when the library loads (configure), not per call.
 _dots_always = False
-# From this many rows of x the dots of a type with quant_prefill_dots.h's
-# kernel take it (each weight block decoded once per call), below it
-# rowsK_512's passes of 8 rows. The same bits either way.
+# From this many rows of x the K-quants' dots take quant_prefill_dots.h's
+# kernel, below it rowsK_512's passes of 8 rows, which are batch 1's to the bit
+# (decode batches up to 32 rows). The prefill kernel keeps one float sum per
+# output where the one-row dots keep 8: its values differ from theirs in the
+# last bits, and are the same in every batch from this many rows.
 PREFILL_DOTS_FROM_ROWS = 33
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
