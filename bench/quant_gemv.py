@@ -19,8 +19,9 @@ Not a test. Numbers on a shared machine are indicative: best of
 them. Run: ``PYTHONPATH=src python bench/quant_gemv.py [--types Q4_K Q8_0] [--m 1 4 16]``.
 
 ``--prefill 1b 8b`` times prefill-sized batches instead (``--m 64 128 512
-2048``): for each type, model shape (1b: 2048x2048, 8192x2048, 2048x8192; 8b:
-4096x4096, 14336x4096, 4096x14336) and M, the integer dots
+2048``): for each type, model shape (smol: the embedded SmolLM2-135M's
+576x576, 1536x576, 576x1536 and its 49152x576 lm_head; 1b: 2048x2048,
+8192x2048, 2048x8192; 8b: 4096x4096, 14336x4096, 4096x14336) and M, the integer dots
 (``quant.gemv``: quant_prefill_dots.h's kernel from
 ``kernels.PREFILL_DOTS_FROM_ROWS`` rows) against the bf16 tiles
 (``quant.prefill``), alternated call by call in this process, one warm weight
@@ -61,7 +62,8 @@ def best_pass(fn, items, repeats: int) -> tuple[float, float]:
     return best, best_cpu
 
 
-PREFILL_SHAPES = {"1b": [(2048, 2048), (8192, 2048), (2048, 8192)],
+PREFILL_SHAPES = {"smol": [(576, 576), (1536, 576), (576, 1536), (49152, 576)],  # the embedded model, its lm_head
+                  "1b": [(2048, 2048), (8192, 2048), (2048, 8192)],
                   "8b": [(4096, 4096), (14336, 4096), (4096, 14336)]}
 
 

@@ -110,8 +110,10 @@ def test_q8_0_is_llama_cpps_arithmetic_to_the_bit():
 
 def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
     """KVFERRY_QUANT_DOTS_ALWAYS=1: a prefill-sized batch takes the dots too
-    (llama.cpp's Q8_0 arithmetic to the bit), in linear and in the library's
-    configured path (the one-call layer's); unset, the tiles again."""
+    (the decode kernels, llama.cpp's Q8_0 arithmetic to the bit, never the
+    prefill dots), in linear and in the library's configured path (the
+    one-call layer's); unset, the tiles again (the prefill dots on a CPU
+    where they fit: test_prefill_dots.py)."""
     w, _ = weight("Q8_0", 37, 576)
     x = massive_x(40, 576)
     try:
@@ -123,7 +125,7 @@ def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
     finally:
         monkeypatch.delenv(envs.QUANT_DOTS_ALWAYS)
         kernels.configure()
-    assert kernels.path_for(x.shape[0], w) == "tiles"
+    assert kernels.path_for(x.shape[0], w) == ("dots" if kernels.prefill_dots_fit() else "tiles")
     assert not torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
 
 

@@ -1,8 +1,8 @@
-"""The K-quants' integer dots at prefill sizes (csrc/quant_prefill_dots.h) and
-their routing: a row's value does not depend on the batch it is in nor on the
-thread count, it is the one-row dots' to float32 rounding (the same 8-bit x,
-the same integers per superblock), and on a CPU without AMX whose build has
-them (AVX512-VNNI) every K-quant batch takes the dots, never the bf16 tiles."""
+"""The integer dots at prefill sizes (csrc/quant_prefill_dots.h) and their
+routing: a row's value does not depend on the batch it is in nor on the
+thread count, it is the decode kernels' to float32 rounding (the same 8-bit
+x, the same integers per block), and on a CPU without AMX whose build has
+them (AVX512-VNNI) every batch takes the dots, never the bf16 tiles."""
 from __future__ import annotations
 
 import pytest
@@ -14,25 +14,25 @@ from tests.model.quant.blocks import weight
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
 
-K_QUANTS = [n for n in quant.FORMATS if quant.block_format(n).block == 256]
+TYPES = list(quant.FORMATS)
 
 
 def has_prefill_dots() -> bool:
     return bool(torch.ops.kvferry_quant.prefill_dots(12))
 
 
-@pytest.mark.parametrize("name", K_QUANTS)
+@pytest.mark.parametrize("name", TYPES)
 def test_a_rows_prefill_value_is_the_same_in_every_batch(name):
-    """45 weight rows: two panels of 16 and a tail of 13; 3 and 1 threads
+    """45 weight rows: two panels of 16 and a tail of 13; 2 and 1 threads
     split them differently. From PREFILL_DOTS_FROM_ROWS rows (passes of 6 rows
     and their tails) each row's value is the 300-row batch's to the bit, and
-    the one-row dots' to float32 rounding (one float sum per output there, 8
-    lanes summed at the end in the one-row dots)."""
+    the decode kernels' to float32 rounding (one float sum per output here, 8
+    lanes summed at the end there)."""
     if not has_prefill_dots():
         pytest.skip("this build has no prefill dots (AVX512-VNNI only)")
     w, _ = weight(name, 45, 2048, seed=7)
     x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(3))
-    first = kernels.PREFILL_DOTS_FROM_ROWS
+    first = kernels.PREFILL_DOTS_FROM_ROWS[w.fmt.block]
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -44,19 +44,20 @@ def test_a_rows_prefill_value_is_the_same_in_every_batch(name):
         assert torch.equal(quant.gemv(x, w), full)
     finally:
         torch.set_num_threads(before)
-    one_row = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(0, 300, 23)])
+    few = torch.cat([quant.gemv(x[r:r + 2], w)[:1] for r in range(0, 300, 23)])  # the decode kernels
     scale = (x[::23].abs() @ quant.dequantize_rows(w).abs().T).amax(dim=1, keepdim=True)
-    assert ((full[::23] - one_row).abs() <= 1e-5 * scale).all()
-    # Below PREFILL_DOTS_FROM_ROWS: the one-row dots' passes, to the bit.
-    assert torch.equal(quant.gemv(x[:first - 1], w), torch.cat([quant.gemv(x[r:r + 1], w) for r in range(first - 1)]))
+    assert ((full[::23] - few).abs() <= 1e-5 * scale).all()
+    if w.fmt.block == 256:  # below PREFILL_DOTS_FROM_ROWS: rowsK_512's passes, batch 1's to the bit
+        alone = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(first - 1)])
+        assert torch.equal(quant.gemv(x[:first - 1], w), alone)
 
 
 def test_k_quants_take_the_dots_at_every_batch_size_without_amx(monkeypatch):
     """Where the prefill dots fit (this build has them and the CPU no AMX),
-    K-quant batches of 20 to 2048 rows take the integer dots at any thread
-    count, in linear and in the one-call layer's configured path: the dots'
-    values. The 32-blocks keep the tiles from 12 rows. PREFILL_DOTS = False
-    (an AMX CPU's routing) gives the tiles from 20 rows again."""
+    batches of any size take the integer dots at any thread count, in linear
+    and in the one-call layer's configured path: the dots' values.
+    PREFILL_DOTS = False (an AMX CPU's routing) gives the tiles from 20 rows
+    of K-quants and 12 of 32-blocks again."""
     wk, _ = weight("Q4_K", 67, 512)
     w32, _ = weight("Q8_0", 67, 512)
     fits = kernels.prefill_dots_fit()
@@ -67,15 +68,17 @@ def test_k_quants_take_the_dots_at_every_batch_size_without_amx(monkeypatch):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             assert [kernels.path_for(m, wk) for m in (19, 20, 64, 512, 2048)] == ["dots"] + [expect] * 4, threads
-            assert [kernels.path_for(m, w32) for m in (11, 12, 512)] == ["dots", "tiles", "tiles"], threads
+            assert [kernels.path_for(m, w32) for m in (11, 12, 512)] == ["dots", expect, expect], threads
             if fits:
-                dots = quant.gemv(x, wk).bfloat16()
-                assert torch.equal(quant.linear(x, wk), dots)
-                assert torch.equal(torch.ops.kvferry_quant.layer_linear(x, wk.data, wk.fmt.ggml_type, 67), dots)
-                assert torch.equal(quant.linear_parts(x, [wk, wk]), torch.cat([dots, dots], dim=1))
+                for w in (wk, w32):
+                    dots = quant.gemv(x, w).bfloat16()
+                    assert torch.equal(quant.linear(x, w), dots)
+                    assert torch.equal(torch.ops.kvferry_quant.layer_linear(x, w.data, w.fmt.ggml_type, 67), dots)
+                    assert torch.equal(quant.linear_parts(x, [w, wk]), torch.cat([dots, quant.gemv(x, wk).bfloat16()], 1))
         monkeypatch.setattr(kernels, "PREFILL_DOTS", False)
         kernels.configure()
         assert [kernels.path_for(m, wk) for m in (19, 20, 512)] == ["dots", "tiles", "tiles"]
+        assert [kernels.path_for(m, w32) for m in (11, 12, 512)] == ["dots", "tiles", "tiles"]
         assert not torch.equal(quant.linear(x, wk), quant.gemv(x, wk).bfloat16())
     finally:
         torch.set_num_threads(before)

@@ -184,15 +184,121 @@ void prefill_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int
   }
 }
 
-// From how many rows of x dots() takes prefill_rows (configure sets it from
-// quant/kernels.py's PREFILL_DOTS_FROM_ROWS; below, rowsK_512's passes).
-inline int64_t& prefill_dots_min_rows() {
-  static int64_t rows = 1 << 30;
-  return rows;
+// The 32-value-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) the same way: a
+// block of a panel of 16 weight rows, decoded. Per row of x and block: 8
+// vpdpbusd into an integer sum per output (Q8_0's q + 128 from -128 times x's
+// block sum, so the sum is sum(q x) exactly, as rows32's lanes), then one
+// convert and multiply-add by d * d_x, and one multiply-add of the offset
+// (-8 d, -16 d, or Q4_1 / Q5_1's m) by x's d_x * sum(x), per 16 outputs.
+struct alignas(64) BPanel {
+  __m512i q[8];  // q[j]: values 4j..4j+3 of each row, unsigned bytes (Q8_0: q + 128)
+  __m512 vd, vo; // d and the offset per value
+};
+
+template <int T>
+void bdecode_panel(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, BPanel* out) {
+  const int64_t bytes = info(T).bytes;
+  alignas(64) uint8_t vals[kPanel][32];
+  alignas(64) float d[kPanel], o[kPanel];
+  const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(32));
+  for (int64_t i = 0; i < nb; ++i) {
+    for (int c = 0; c < kPanel; ++c) {
+      const uint8_t* b = w + std::min(c, rows - 1) * row_bytes + i * bytes;
+      __m256i q = block32<T>(b);
+      if constexpr (T == 8) q = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c]), q);
+      d[c] = h2f(b);
+      o[c] = T == 2 ? -8 * d[c] : T == 6 ? -16 * d[c] : T == 8 ? 0.f : h2f(b + 2);
+    }
+    BPanel& P = out[i];
+    KVQ_UNROLL for (int j = 0; j < 8; ++j) P.q[j] = _mm512_i32gather_epi32(rows_at, vals[0] + 4 * j, 1);
+    P.vd = _mm512_load_ps(d);
+    P.vo = _mm512_load_ps(o);
+  }
 }
 
-// Whether type t has the prefill kernel (every K-quant).
-inline bool has_prefill_rows(int64_t t) { return t >= 10 && t <= 14; }
+// R rows of x against one decoded panel of 32-blocks, the whole K: y[r * 16 + c].
+// start: per row and block, where a Q8_0 sum starts (-128 sum(x)); null for the others.
+template <int T, int R>
+inline void bpanel_rows(const BPanel* P, const Acts& a, const int32_t* start, int64_t m0, float* y) {
+  __m512 acc[R], oacc[R];
+  KVQ_UNROLL for (int r = 0; r < R; ++r) acc[r] = oacc[r] = _mm512_setzero_ps();
+  const int64_t nb = a.nb;
+  auto x4 = [](const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); };
+  for (int64_t i = 0; i < nb; ++i) {
+    const BPanel& p = P[i];
+    __m512i t[R];
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
+      const int64_t ai = (m0 + r) * nb + i;
+      t[r] = T == 8 ? _mm512_set1_epi32(start[ai]) : _mm512_setzero_si512();
+    }
+    KVQ_UNROLL for (int j = 0; j < 8; ++j) {
+      const __m512i w = p.q[j];
+      KVQ_UNROLL for (int r = 0; r < R; ++r) t[r] = _mm512_dpbusd_epi32(t[r], w, x4(a.q + ((m0 + r) * nb + i) * 32 + 4 * j));
+    }
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
+      const int64_t ai = (m0 + r) * nb + i;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(p.vd, _mm512_set1_ps(a.d[ai])), acc[r]);
+      if constexpr (T != 8) oacc[r] = _mm512_fmadd_ps(p.vo, _mm512_set1_ps(a.s[ai]), oacc[r]);
+    }
+  }
+  KVQ_UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * kPanel, _mm512_add_ps(acc[r], oacc[r]));
+}
+
+template <int T, typename O>
+void prefill_rows32(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                    int64_t ldy) {
+  thread_local std::vector<BPanel> decoded;
+  thread_local std::vector<int32_t> start;
+  const int64_t nb = a.nb;
+  if constexpr (T == 8) {  // -128 sum(x) per row and block, from quantize_rows' -128 x 4-value sums
+    if (int64_t(start.size()) < M * nb) start.resize(M * nb);
+    for (int64_t ai = 0; ai < M * nb; ++ai) {
+      int32_t v = 0;
+      for (int k = 0; k < 8; ++k) v += a.x4[ai * 8 + k];
+      start[ai] = v;
+    }
+  }
+  const int64_t block_panels = std::max<int64_t>(1, kDecodedBytes / (nb * int64_t(sizeof(BPanel))));
+  if (int64_t(decoded.size()) < block_panels * nb) decoded.resize(block_panels * nb);
+  alignas(64) float y[kPrefillRows * kPanel];
+  for (int64_t nblk = n0; nblk < n1; nblk += kPanel * block_panels) {
+    const int64_t panels = std::min<int64_t>(block_panels, (n1 - nblk + kPanel - 1) / kPanel);
+    for (int64_t j = 0; j < panels; ++j) {
+      const int64_t n = nblk + kPanel * j;
+      bdecode_panel<T>(W + n * bytes, bytes, int(std::min<int64_t>(kPanel, n1 - n)), nb, decoded.data() + j * nb);
+    }
+    for (int64_t m = 0; m < M; m += kPrefillRows) {
+      const int r = int(std::min<int64_t>(kPrefillRows, M - m));
+      for (int64_t j = 0; j < panels; ++j) {
+        const BPanel* P = decoded.data() + j * nb;
+        switch (r) {
+          case 6: bpanel_rows<T, 6>(P, a, start.data(), m, y); break;
+          case 5: bpanel_rows<T, 5>(P, a, start.data(), m, y); break;
+          case 4: bpanel_rows<T, 4>(P, a, start.data(), m, y); break;
+          case 3: bpanel_rows<T, 3>(P, a, start.data(), m, y); break;
+          case 2: bpanel_rows<T, 2>(P, a, start.data(), m, y); break;
+          default: bpanel_rows<T, 1>(P, a, start.data(), m, y); break;
+        }
+        const int64_t n = nblk + kPanel * j, cols = std::min<int64_t>(kPanel, n1 - n);
+        for (int k = 0; k < r; ++k)
+          for (int64_t c = 0; c < cols; ++c) Y[(m + k) * ldy + n + c] = O(y[k * kPanel + c]);
+      }
+    }
+  }
+}
+
+// From how many rows of x dots() takes the prefill kernels, by block size (32
+// or 256; configure sets them from quant/kernels.py's PREFILL_DOTS_FROM_ROWS;
+// below, the decode kernels: rows32, rowsK_512).
+inline int64_t& prefill_dots_min_rows(int64_t block) {
+  static int64_t rows[2] = {int64_t(1) << 62, int64_t(1) << 62};
+  return rows[block == 256];
+}
+
+// Whether type t has a prefill kernel (every type).
+inline bool has_prefill_rows(int64_t t) { return (t >= 10 && t <= 14) || t == 2 || t == 3 || t == 6 || t == 7 || t == 8; }
 
 template <typename O>
 void prefill_rows_of(int64_t t, const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1,
@@ -203,6 +309,11 @@ void prefill_rows_of(int64_t t, const uint8_t* W, int64_t bytes, const Acts& a, 
     case 12: return prefill_rows<12>(W, bytes, a, M, n0, n1, Y, ldy);
     case 13: return prefill_rows<13>(W, bytes, a, M, n0, n1, Y, ldy);
     case 14: return prefill_rows<14>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 2: return prefill_rows32<2>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 3: return prefill_rows32<3>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 6: return prefill_rows32<6>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 7: return prefill_rows32<7>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 8: return prefill_rows32<8>(W, bytes, a, M, n0, n1, Y, ldy);
   }
 }
 #endif

@@ -92,7 +92,7 @@ _dots_always = False
 # (decode batches up to 32 rows). The prefill kernel keeps one float sum per
 # output where the one-row dots keep 8: its values differ from theirs in the
 # last bits, and are the same in every batch from this many rows.
-PREFILL_DOTS_FROM_ROWS = 33
+PREFILL_DOTS_FROM_ROWS = {32: 12, 256: 33}  # by the format's block size
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
 
@@ -120,15 +120,21 @@ def configure() -> None:
     _prefill_dots = prefill_dots_fit() if PREFILL_DOTS is None else PREFILL_DOTS
     torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
                                       SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS,
-                                      PREFILL_DOTS_FROM_ROWS)
+                                      prefill_dots_from(32), prefill_dots_from(256))
 
 
 def prefill_min_rows(block: int) -> int:
     """From how many rows of x a weight of this block size takes the tiles
     (``PREFILL_MIN_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1, nor for
     the K-quants where their prefill dots fit the CPU: ``PREFILL_DOTS``)."""
-    never = _dots_always or (block == 256 and _prefill_dots)
-    return 1 << 62 if never else PREFILL_MIN_ROWS[block]
+    return 1 << 62 if _dots_always or _prefill_dots else PREFILL_MIN_ROWS[block]
+
+
+def prefill_dots_from(block: int) -> int:
+    """From how many rows of x the dots of this block size take the prefill
+    kernels (``PREFILL_DOTS_FROM_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1,
+    whose dots are the decode kernels at every size: llama.cpp's arithmetic)."""
+    return 1 << 62 if _dots_always else PREFILL_DOTS_FROM_ROWS[block]
 
 
 def prefill_dots_fit() -> bool:
