@@ -1,5 +1,6 @@
-// Prefill-sized integer dots for the K-quants (included by quant_gemm.cpp
-// inside its anonymous namespace, after rowsK_512; AVX512-VNNI builds only).
+// Prefill-sized integer dots for every GGUF block type (included by
+// quant_gemm.cpp inside its anonymous namespace, after rowsK_512;
+// AVX512-VNNI builds only). The K-quants first; the 32-value blocks below.
 //
 // The one-row dots (rowsK_512) keep 8 partial sums per output, one per 32-bit
 // lane: each superblock costs every output an 8-lane convert, multiply and

@@ -62,18 +62,19 @@ SMALL_TILE_MAX_ROWS = 16
 # tiles from 12 rows; at 8 rows both are within the noise, and
 # tests/model/test_gguf_blocks.py's 8-row chunks take the dots.
 PREFILL_MIN_ROWS = {32: 12, 256: 20}  # by the format's block size
-# PREFILL_DOTS: whether the K-quants take the integer dots at EVERY batch size
-# (PREFILL_MIN_ROWS[256] then unused): below PREFILL_DOTS_FROM_ROWS rows
-# rowsK_512's passes, from there csrc/quant_prefill_dots.h (panels of 16
-# weight rows, one output per 32-bit lane, the blocks decoded once per call).
-# None: decided from the CPU at load (configure): True where the build has
-# that kernel (AVX512-VNNI) and the CPU lists no AMX flag. Without AMX,
-# oneDNN's bf16 tiles run vdpbf16ps (32 multiply-adds an instruction, after a
-# dequantization) where vpdpbusd does 64. Measured on AMD EPYC Zen 4 (2
-# cores, loaded, CPU time of one thread, in-process A/B): one call
-# (bench/quant_gemv.py --prefill 1b 8b), the tiles take 1.4-1.5x the prefill
-# dots' time at 64-2048 rows, Q4_K and Q6_K, at every 1B and 8B shape; all
-# matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py 1b
+# PREFILL_DOTS: whether every type takes the integer dots at EVERY batch
+# size (PREFILL_MIN_ROWS then unused): from PREFILL_DOTS_FROM_ROWS rows the
+# prefill kernels of csrc/quant_prefill_dots.h (panels of 16 weight rows, one
+# output per 32-bit lane, the blocks decoded once per call), below them the
+# decode kernels (rows32, rowsK_512). None: decided from the CPU at load
+# (configure): True where the build has those kernels (AVX512-VNNI) and the
+# CPU lists no AMX flag. Without AMX, oneDNN's bf16 tiles run vdpbf16ps (32
+# multiply-adds an instruction, after a dequantization) where vpdpbusd does
+# 64. Measured on AMD EPYC Zen 4 (2 cores, loaded, CPU time of one thread,
+# in-process A/B): one call (bench/quant_gemv.py --prefill smol 1b 8b), the
+# tiles take 1.4-1.9x the prefill dots' time at 64-2048 rows, Q4_K and Q6_K
+# at every 1B and 8B shape, and 1.3-1.8x for Q8_0 and Q4_1 at 12-512 rows;
+# all matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py 1b
 # --rows ... --ab 12,20), tiles / dots: 2.3x at 20 rows, 2.1x at 24, 0.96x at
 # 32 (rowsK_512 there), 1.36x at 64, 1.49x at 512. With AMX the tiles keep
 # prefill (AMX-BF16; not measured against these dots). Never dependent on the
@@ -87,11 +88,12 @@ _prefill_dots = False
 # round x to bf16 instead, a different model at this model's near ties.
 # Read when the library loads (configure), not per call.
 _dots_always = False
-# From this many rows of x the K-quants' dots take quant_prefill_dots.h's
-# kernel, below it rowsK_512's passes of 8 rows, which are batch 1's to the bit
-# (decode batches up to 32 rows). The prefill kernel keeps one float sum per
-# output where the one-row dots keep 8: its values differ from theirs in the
-# last bits, and are the same in every batch from this many rows.
+# From this many rows of x the dots take quant_prefill_dots.h's kernels, below
+# them the decode kernels: for the K-quants rowsK_512's passes of 8 rows,
+# batch 1's to the bit (decode batches up to 32 rows); for the 32-blocks the
+# rows where the tiles would start (PREFILL_MIN_ROWS[32]). The prefill kernels
+# keep one float sum per output where the decode kernels keep 8: their values
+# differ in the last bits, and are the same in every batch from this many rows.
 PREFILL_DOTS_FROM_ROWS = {32: 12, 256: 33}  # by the format's block size
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
