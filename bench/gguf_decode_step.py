@@ -214,7 +214,7 @@ def ab_prefill(llm, times, runs: int, tokens: int) -> None:
         use("dots")
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    print(f"prefill of {tokens} tokens, {runs} runs each alternating, load {load}, K-quants' prefill dots "
+    print(f"prefill of {tokens} tokens, {runs} runs each alternating, load {load}, prefill dots "
           f"{kernels.prefill_dots_fit() if decided is None else decided} here:")
     for mode in modes:
         c, w = statistics.median(cpu[mode]), statistics.median(run_ms[mode])
