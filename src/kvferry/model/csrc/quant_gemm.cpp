@@ -935,7 +935,7 @@ void row32xn(const uint8_t* w, int64_t ldw, const Acts& a, int64_t m, float* y, 
   for (int r = 0; r < NR; ++r) y[r] = hsum(_mm256_add_ps(acc[r], macc[r])) + off[r];
 }
 
-#include "quant_prefill_dots.h"  // prefill_rows_of: the K-quants' dots at prefill sizes
+#include "quant_prefill_dots.h"  // prefill_rows_of: every type's dots at prefill sizes
 
 template <int T, int R>
 inline void rows(const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t ldy) {
