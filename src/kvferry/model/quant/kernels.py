@@ -94,6 +94,8 @@ _dots_always = False
 # rows where the tiles would start (PREFILL_MIN_ROWS[32]). The prefill kernels
 # keep one float sum per output where the decode kernels keep 8: their values
 # differ in the last bits, and are the same in every batch from this many rows.
+# (On Zen 4 the prefill kernel is 1.2-1.45x rowsK_512's speed at 20-32 rows,
+# BENCHMARKS.md; 33 keeps decode batches to 32 rows at batch 1's bits.)
 PREFILL_DOTS_FROM_ROWS = {32: 12, 256: 33}  # by the format's block size
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
