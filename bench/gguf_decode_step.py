@@ -22,6 +22,12 @@ and checks that both give the same tokens: on a loaded machine the two
 halves of each pair see about the same load, which separate processes do not.
 ``--ab-workspace N`` alternates the same way the layer stack's step in its
 reused buffers with each layer allocating its outputs and views (as before).
+``--ab-prefill N`` alternates the same way N prefills of a ``--prefill-tokens``
+(512) token prompt (random token ids, a fresh prompt each run: no prefix-cache
+hit) with the K-quants' prefill dots as the CPU decides
+(``quant.kernels.PREFILL_DOTS``: on a CPU without AMX, the integer dots) and
+off (the bf16 tiles): the process's CPU time (all threads) and the runner's
+time per prefill, and prompt tokens per second of each.
 On a shared machine report the load average printed with the figures.
 """
 from __future__ import annotations
@@ -66,6 +72,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ab-runs", type=int, default=0)
     ap.add_argument("--ab-workspace", type=int, default=0)
+    ap.add_argument("--ab-prefill", type=int, default=0)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
     args = ap.parse_args()
 
     import torch
@@ -128,6 +136,8 @@ def main() -> None:
         ab_per_layer(llm, prompt, params, times, holder["model"], args.ab_runs, floor_ms)
     if args.ab_workspace:
         ab_workspace(llm, prompt, params, times, holder["model"], args.ab_workspace, floor_ms)
+    if args.ab_prefill:
+        ab_prefill(llm, times, args.ab_prefill, args.prefill_tokens)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -166,6 +176,52 @@ def ab_workspace(llm, prompt, params, times, model, runs: int, floor_ms: float) 
               lambda mode: stack.set_workspace_rows(32 if mode == "workspace" else 0))
     if stack.workspace_rows() < 1:
         raise SystemExit("--ab-workspace: the workspace never ran (the layers are not all GGUF dots)")
+
+
+def ab_prefill(llm, times, runs: int, tokens: int) -> None:
+    """--ab-prefill: prefills of ``tokens`` random token ids with the K-quants'
+    prefill dots as this CPU's routing decides ("dots") and off ("tiles")."""
+    import random
+
+    from kvferry import SamplingParams
+    from kvferry.model.quant import kernels
+
+    decided = kernels.PREFILL_DOTS
+
+    def use(mode: str) -> None:
+        kernels.PREFILL_DOTS = decided if mode == "dots" else False
+        kernels.configure()
+
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    modes = ("tiles", "dots")
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    run_ms: dict[str, list[float]] = {m: [] for m in modes}
+    try:
+        for r in range(2 * runs + 2):
+            mode = modes[(r + r // 2) % 2]  # a, b, b, a, a, b, ...
+            use(mode)
+            for v in times.values():
+                v.clear()
+            prompt = [rng.randrange(1000, 20000) for _ in range(tokens)]
+            c0 = time.process_time()
+            out = llm.generate(prompt, params)[0]
+            if r >= 2:  # the first pair warms both paths
+                cpu[mode].append(time.process_time() - c0)
+                run_ms[mode].append(sum(times["execute"]))
+            assert len(out.prompt_token_ids) == tokens
+    finally:
+        use("dots")
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    print(f"prefill of {tokens} tokens, {runs} runs each alternating, load {load}, prefill dots "
+          f"{kernels.prefill_dots_fit() if decided is None else decided} here:")
+    for mode in modes:
+        c, w = statistics.median(cpu[mode]), statistics.median(run_ms[mode])
+        print(f"  {mode:6s} CPU {c * 1e3:8.0f} ms ({tokens / c:6.1f} tok/s of CPU)  runner {w * 1e3:8.0f} ms "
+              f"({' '.join(f'{x * 1e3:.0f}' for x in run_ms[mode])})")
+    pairs = [t / d for t, d in zip(cpu["tiles"], cpu["dots"])]
+    print(f"  tiles / dots CPU time, median of pairs: {statistics.median(pairs):.2f}x")
 
 
 def alternate(llm, prompt, params, times, runs: int, floor_ms: float, modes: tuple[str, str], use) -> None:

@@ -24,7 +24,8 @@ gguf_decode_step.py's (a cold 512 MiB sum, same thread count). Not a test.
 of that many rows) instead, and ``--ab 12,16`` alternates, in this one
 process, the step with the library's configured paths against the same step
 with the dots taking batches only below 12 rows of 32-blocks and 16 rows of
-K-quants (the dequantized bf16 tiles above; ``--ab 33,33``: the dots up to 32 rows): both halves of each pair see
+K-quants (the dequantized bf16 tiles above, ``kernels.PREFILL_DOTS`` off;
+``--ab 33,33``: the dots up to 32 rows): both halves of each pair see
 about the same load, which separate processes do not. Medians of ``--repeats``
 pairs, the CPU time of all threads (``time.process_time``) and wall time.
 """
@@ -124,14 +125,14 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
     from kvferry.model.quant import kernels
 
     op = torch.ops.kvferry_quant.layer_linear_parts
-    configured = dict(kernels.PREFILL_MIN_ROWS)
+    configured = (dict(kernels.PREFILL_MIN_ROWS), kernels.PREFILL_DOTS)
     configs = {"configured": configured}
     if args.ab:
         m32, mk = (int(v) for v in args.ab.split(","))
-        configs["ab"] = {32: m32, 256: mk}
+        configs["ab"] = ({32: m32, 256: mk}, False)  # the K-quants' prefill dots off: tiles from mk rows
 
-    def use(thresholds: dict) -> None:
-        kernels.PREFILL_MIN_ROWS = thresholds
+    def use(config: tuple) -> None:
+        kernels.PREFILL_MIN_ROWS, kernels.PREFILL_DOTS = config
         kernels.configure()
 
     def one_step(xs: dict) -> tuple[float, float]:
@@ -143,18 +144,19 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     print(f"{args.model}: {args.threads} thread(s), all matmuls of a step, median ms of {args.repeats} "
-          f"(CPU of all threads / wall), load {load}; configured {configured}" +
+          f"(CPU of all threads / wall), load {load}; configured {configured[0]}, K-quants' prefill dots "
+          f"{kernels.prefill_dots_fit() if configured[1] is None else configured[1]}" +
           (f", ab {configs['ab']}" if args.ab else ""))
     try:
         for m in args.rows:
             xs = {k: torch.randn(m, k).bfloat16() for k in {c[2] for c in calls}}
             got: dict[str, list] = {name: [] for name in configs}
-            for name, thresholds in configs.items():  # warm each path
-                use(thresholds)
+            for name, config in configs.items():  # warm each path
+                use(config)
                 one_step(xs)
             for _ in range(args.repeats):
-                for name, thresholds in configs.items():
-                    use(thresholds)
+                for name, config in configs.items():
+                    use(config)
                     got[name].append(one_step(xs))
             cells = []
             for name, runs in got.items():

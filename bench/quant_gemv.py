@@ -17,10 +17,22 @@ decode step's weights do. Reported per type and M:
 Not a test. Numbers on a shared machine are indicative: best of
 ``--repeats`` passes over the copies, so another process's burst does not set
 them. Run: ``PYTHONPATH=src python bench/quant_gemv.py [--types Q4_K Q8_0] [--m 1 4 16]``.
+
+``--prefill 1b 8b`` times prefill-sized batches instead (``--m 64 128 512
+2048``): for each type, model shape (smol: the embedded SmolLM2-135M's
+576x576, 1536x576, 576x1536 and its 49152x576 lm_head; 1b: 2048x2048,
+8192x2048, 2048x8192; 8b: 4096x4096, 14336x4096, 4096x14336) and M, the integer dots
+(``quant.gemv``: quant_prefill_dots.h's kernel from
+``kernels.PREFILL_DOTS_FROM_ROWS`` rows) against the bf16 tiles
+(``quant.prefill``), alternated call by call in this process, one warm weight
+(prefill is compute-bound), at each of ``--thread-counts``. Reported: median
+CPU ms per call (all threads, ``time.process_time``) and the median of the
+pairs' ratios tiles / dots (above 1: the dots are faster).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,6 +62,41 @@ def best_pass(fn, items, repeats: int) -> tuple[float, float]:
     return best, best_cpu
 
 
+PREFILL_SHAPES = {"smol": [(576, 576), (1536, 576), (576, 1536), (49152, 576)],  # the embedded model, its lm_head
+                  "1b": [(2048, 2048), (8192, 2048), (2048, 8192)],
+                  "8b": [(4096, 4096), (14336, 4096), (4096, 14336)]}
+
+
+def prefill_ab(args: argparse.Namespace) -> None:
+    """Dots against tiles at prefill sizes, interleaved (see the module's doc)."""
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    print(f"kernel {quant.kernel_path()}, prefill dots from {quant.kernels.PREFILL_DOTS_FROM_ROWS} rows, "
+          f"load {load}; median CPU ms per call (all threads) of {args.repeats} pairs")
+    rng = np.random.default_rng(0)
+    for name in args.types:
+        for model in args.prefill:
+            for n, k in PREFILL_SHAPES[model]:
+                w = quant.QuantizedWeight.from_blocks("w", name, torch.from_numpy(random_blocks(name, n, k, rng)), (n, k))
+                for m in args.m:
+                    x = torch.randn(m, k).bfloat16()
+                    for threads in args.thread_counts:
+                        torch.set_num_threads(threads)
+                        quant.gemv(x, w), quant.prefill(x, w)  # warm both
+                        dots, tiles = [], []
+                        for _ in range(args.repeats):
+                            for fn, out in ((quant.gemv, dots), (quant.prefill, tiles)):
+                                c0 = time.process_time()
+                                fn(x, w)
+                                out.append(time.process_time() - c0)
+                        ratio = statistics.median(t / d for d, t in zip(dots, tiles))
+                        print(f"{name} {model} {n:5d}x{k:5d} M={m:4d} threads {threads}: dots "
+                              f"{statistics.median(dots) * 1e3:8.1f} | tiles {statistics.median(tiles) * 1e3:8.1f} | "
+                              f"tiles / dots {ratio:4.2f}x", flush=True)
+    with open("/proc/loadavg") as f:
+        print(f"load at the end {' '.join(f.read().split()[:3])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", nargs="+", default=["Q4_K", "Q8_0"])
@@ -60,7 +107,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--prefill-from", type=int, default=16, help="also time the prefill path from this M")
+    parser.add_argument("--prefill", nargs="+", choices=sorted(PREFILL_SHAPES), default=[],
+                        help="dots against tiles at these models' shapes (prefill-sized --m)")
+    parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2], help="with --prefill")
     args = parser.parse_args()
+    if args.prefill:
+        if not quant.available():
+            sys.exit("the C++ quantized matmul is unavailable here")
+        return prefill_ab(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not quant.available():

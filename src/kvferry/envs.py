@@ -94,9 +94,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "0: the C++ attention kernel's AVX2 path runs its per-query loop, not staged tiles (tests and "
            "comparisons)"),
     EnvVar(QUANT_DOTS_ALWAYS, "bool", "0",
-           "1: GGUF weights multiply 8-bit activations by integer dot products at every batch size, prefill "
-           "included, as llama.cpp's CPU backend does (comparisons with llama.cpp; prefill is slower than "
-           "the default bf16 tiles)"),
+           "1: GGUF weights multiply 8-bit activations by the decode-sized integer dot products at every "
+           "batch size, prefill included, as llama.cpp's CPU backend does (comparisons with llama.cpp; "
+           "prefill is slower than the default bf16 tiles or prefill dots)"),
 )
 
 _DISABLE = frozenset({DISABLE_CPP_KERNELS, DISABLE_FUSED_OPS, DISABLE_LAYER_OP, DISABLE_SMALL_GEMM,

@@ -5,7 +5,8 @@ dequantizes exactly the blocks the kernels read); what differs is the
 activations: decode-sized batches (below quant.kernels.PREFILL_MIN_ROWS
 rows) quantize x to 8 bits per 32-value block before the integer dot
 products, a rounding error of at most 1/254 of each block's largest value
-per element. Larger batches dequantize tiles to bf16 for oneDNN. So the
+per element. Larger batches dequantize tiles to bf16 for oneDNN (on a CPU
+without AMX, the integer dots' prefill kernels instead). So the
 comparisons are of logprobs within a bound, and of greedy tokens, not bits;
 the bounds are about 2-3x what was measured (in the tests' comments)."""
 from __future__ import annotations

@@ -74,14 +74,16 @@ def test_lm_head_at_every_batch_size(tmp, qtype):
     tiles from it, taken as w @ x^T up to TRANSPOSED_MAX_ROWS and as x @ w^T
     beyond), and the tiles from the 32-blocks' threshold (12 rows with AMX,
     where they beat the dots at the vocabulary's shape; 25 without:
-    quant/kernels.py, BENCHMARKS.md's quantized weights)."""
+    quant/kernels.py, BENCHMARKS.md's quantized weights). On a CPU without
+    AMX whose build has the prefill dots, those from that threshold instead."""
     hf = make_tiny_checkpoint(tmp, "llama", name="tiny-rows", tie_word_embeddings=True)
     f = write_tiny_gguf(hf, tmp / f"tiny-rows-{qtype}.gguf", qtype=qtype, quantize_vocab=True)
     q = load_model(str(f), dtype="bfloat16", quantization="gguf").model
     e = load_model(str(f), dtype="float32", quantization="none").model
     head = q.logits_proj.qweights[0]
     m32 = kernels.PREFILL_MIN_ROWS[32]
-    assert [kernels.path_for(m, head) for m in (1, 4, m32 - 1, m32, 32, 64)] == ["dots"] * 3 + ["tiles"] * 3
+    many = "dots" if kernels.prefill_dots_fit() else "tiles"
+    assert [kernels.path_for(m, head) for m in (1, 4, m32 - 1, m32, 32, 64)] == ["dots"] * 3 + [many] * 3
     torch.manual_seed(0)
     for m in (1, 4, 8, 12, 16, 24, 32, 64, kernels.TRANSPOSED_MAX_ROWS + 3):
         h = torch.randn(m, q.config.hidden_size)

@@ -111,8 +111,10 @@ def test_q8_0_is_llama_cpps_arithmetic_to_the_bit():
 
 def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
     """KVFERRY_QUANT_DOTS_ALWAYS=1: a prefill-sized batch takes the dots too
-    (llama.cpp's Q8_0 arithmetic to the bit), in linear and in the library's
-    configured path (the one-call layer's); unset, the tiles again."""
+    (the decode kernels, llama.cpp's Q8_0 arithmetic to the bit, never the
+    prefill dots), in linear and in the library's configured path (the
+    one-call layer's); unset, the tiles again (the prefill dots on a CPU
+    where they fit: test_prefill_dots.py)."""
     w, _ = weight("Q8_0", 37, 576)
     x = massive_x(40, 576)
     try:
@@ -124,19 +126,23 @@ def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):
     finally:
         monkeypatch.delenv(envs.QUANT_DOTS_ALWAYS)
         kernels.configure()
-    assert kernels.path_for(x.shape[0], w) == "tiles"
+    assert kernels.path_for(x.shape[0], w) == ("dots" if kernels.prefill_dots_fit() else "tiles")
     assert not torch.equal(quant.linear(x, w), ggml_q8_0(x, w))
 
 
-def test_k_quants_take_the_dots_below_20_rows():
+def test_k_quants_take_the_dots_below_20_rows(monkeypatch):
     """K-quant batches below 20 rows (a c16 decode step's 16) take the integer
     dots, at any thread count, in linear and in the library's configured path
     (the one-call layer's): the dots' values, not the bf16 tiles'. From 20 rows
-    the tiles; the 32-blocks from their own threshold (below)."""
+    the tiles where the K-quants' prefill dots are off (an AMX CPU's routing;
+    test_prefill_dots.py has the other); the 32-blocks from their own
+    threshold (below)."""
     wk, _ = weight("Q4_K", N, K)
     w32, _ = weight("Q8_0", N, K)
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(19)).bfloat16()
     before = torch.get_num_threads()
+    monkeypatch.setattr(kernels, "PREFILL_DOTS", False)
+    kernels.configure()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
@@ -151,6 +157,8 @@ def test_k_quants_take_the_dots_below_20_rows():
         assert not torch.equal(tiles, quant.gemv(x, wk).bfloat16())
     finally:
         torch.set_num_threads(before)
+        monkeypatch.undo()
+        kernels.configure()
 
 
 def test_32_blocks_take_the_tiles_from_12_rows_with_amx_else_from_25():

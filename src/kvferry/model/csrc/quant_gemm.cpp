@@ -1029,6 +1029,7 @@ void rows32_512(const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t l
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(_mm256_add_ps(acc[r], macc[r])) + off[r];
 }
 #endif
+#include "quant_prefill_dots.h"  // prefill_rows_of: every type's dots at prefill sizes
 
 template <int T, int R>
 inline void rows(const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t ldy) {
@@ -1274,6 +1275,13 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
       const Share sh = share_of(k, b0, b1, j1 == tasks);
       if (sh.n0 < sh.n1) {
         const Acts& a = info(p.t).block == 32 ? a32 : a256;
+#ifdef KVQ_PREFILL_DOTS
+        if (M >= prefill_dots_min_rows(info(p.t).block) && has_prefill_rows(p.t)) {
+          if (bf16_out) prefill_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N);
+          else prefill_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N);
+          continue;
+        }
+#endif
         if (bf16_out) gemm_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N, pf);
         else gemm_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N, pf);
       }
@@ -1361,8 +1369,23 @@ LinearConfig& linear_config() {
 }
 
 void configure(int64_t dots_max_32, int64_t dots_max_256, int64_t tile_bytes, int64_t small_tile_bytes,
-               int64_t small_max_rows, int64_t transposed_max_rows) {
+               int64_t small_max_rows, int64_t transposed_max_rows, int64_t prefill_dots_from_32,
+               int64_t prefill_dots_from_256) {
   linear_config() = {dots_max_32, dots_max_256, tile_bytes, small_tile_bytes, small_max_rows, transposed_max_rows};
+#ifdef KVQ_PREFILL_DOTS
+  prefill_dots_min_rows(32) = prefill_dots_from_32;
+  prefill_dots_min_rows(256) = prefill_dots_from_256;
+#endif
+}
+
+// Whether this build has prefill-sized dots (quant_prefill_dots.h) for type t.
+bool prefill_dots(int64_t t) {
+  info(t);
+#ifdef KVQ_PREFILL_DOTS
+  return has_prefill_rows(t);
+#else
+  return false;
+#endif
 }
 
 // From how many rows of x a weight of type t takes the tiles.
@@ -1428,7 +1451,8 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("linear(Tensor x, Tensor w, int type, int n, int dots_max_rows, int tile_bytes, int small_tile_bytes, "
         "int small_max_rows, int transposed_max_rows) -> Tensor", &linear);
   m.def("configure(int dots_max_32, int dots_max_256, int tile_bytes, int small_tile_bytes, int small_max_rows, "
-        "int transposed_max_rows) -> ()", &configure);
+        "int transposed_max_rows, int prefill_dots_from_32, int prefill_dots_from_256) -> ()", &configure);
+  m.def("prefill_dots(int type) -> bool", &prefill_dots);
   m.def("layer_linear(Tensor x, Tensor w, int type, int n) -> Tensor", &layer_linear);
   m.def("layer_linear_parts(Tensor x, Tensor[] ws, int[] types) -> Tensor", &layer_linear_parts);
   m.def("layer_linear_out(Tensor x, Tensor w, int type, int n, Tensor(a!) out) -> ()", &layer_linear_out);

@@ -33,8 +33,9 @@ PREFILL_TILE_BYTES = 4 << 20
 # against 7.5-7.9 with 4 MiB tiles; at 64 rows 4 MiB is the faster).
 SMALL_TILE_BYTES = 1 << 20
 SMALL_TILE_MAX_ROWS = 16
-# From this many rows of x, a dequantized bf16 tile and oneDNN (AMX where
-# present) beat the integer dot products, whose cost grows with every row
+# From this many rows of x, on a CPU with AMX (or a build without the K-quants'
+# prefill dots: PREFILL_DOTS below), a dequantized bf16 tile and oneDNN beat
+# the integer dot products, whose cost grows with every row
 # while the tiles' is mostly the dequantization, paid once (8B at 16 rows:
 # all 4.6 GiB of blocks a step). Measured on a Xeon with AMX (avx512vnni
 # build), all matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py
@@ -97,6 +98,25 @@ def block32_min_rows(flags: frozenset[str]) -> int:
 
 
 PREFILL_MIN_ROWS = {32: block32_min_rows(cpu_features().flags), 256: 20}  # by the format's block size
+# PREFILL_DOTS: whether every type takes the integer dots at EVERY batch
+# size (PREFILL_MIN_ROWS then unused): from PREFILL_DOTS_FROM_ROWS rows the
+# prefill kernels of csrc/quant_prefill_dots.h (panels of 16 weight rows, one
+# output per 32-bit lane, the blocks decoded once per call), below them the
+# decode kernels (rows32_512, rowsK_512). None: decided from the CPU at load
+# (configure): True where the build has those kernels (AVX512-VNNI) and the
+# CPU lists no AMX flag. Without AMX, oneDNN's bf16 tiles run vdpbf16ps (32
+# multiply-adds an instruction, after a dequantization) where vpdpbusd does
+# 64. Measured on AMD EPYC Zen 4 (2 cores, loaded, CPU time of one thread,
+# in-process A/B): one call (bench/quant_gemv.py --prefill smol 1b 8b), the
+# tiles take 1.4-1.9x the prefill dots' time at 64-2048 rows, Q4_K and Q6_K
+# at every 1B and 8B shape, and 1.3-1.8x for Q8_0 and Q4_1 at 12-512 rows;
+# all matmuls of a 1B-shaped Q4_K_M step (bench/gguf_matmul_sequence.py 1b
+# --rows ... --ab 12,20), tiles / dots: 2.3x at 20 rows, 2.1x at 24, 0.96x at
+# 32 (rowsK_512 there), 1.36x at 64, 1.49x at 512. With AMX the tiles keep
+# prefill (AMX-BF16; not measured against these dots). Never dependent on the
+# thread count: a TP rank takes the path TP 1 takes.
+PREFILL_DOTS: bool | None = None
+_prefill_dots = False
 # KVFERRY_QUANT_DOTS_ALWAYS=1: every batch size takes the dots, as llama.cpp's
 # CPU backend quantizes x to 8 bits for every matmul, prefill included. Its
 # greedy answers then agree with llama.cpp's on the same file as far as the
@@ -104,6 +124,15 @@ PREFILL_MIN_ROWS = {32: block32_min_rows(cpu_features().flags), 256: 20}  # by t
 # round x to bf16 instead, a different model at this model's near ties.
 # Read when the library loads (configure), not per call.
 _dots_always = False
+# From this many rows of x the dots take quant_prefill_dots.h's kernels, below
+# them the decode kernels (rowsK_512, rows32_512: passes of 8 rows, batch 1's
+# to the bit), so that every decode batch up to 32 rows gives a row batch 1's
+# value, whatever the type. The prefill kernels keep one float sum per output
+# where the decode kernels keep 8: their values differ in the last bits, and
+# are the same in every batch from this many rows. (On Zen 4 the prefill
+# kernel is 1.2-1.45x rowsK_512's speed at 20-32 rows, BENCHMARKS.md: the
+# price of that invariant at c20-c32 decode steps.)
+PREFILL_DOTS_FROM_ROWS = {32: 33, 256: 33}  # by the format's block size
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
 
@@ -126,16 +155,33 @@ def configure() -> None:
     (the one-call decoder layer's matmul of a GGUF weight), so both layers
     take the same path at the same row count. Called at load; again by
     anything that changes the constants."""
-    global _dots_always
+    global _dots_always, _prefill_dots
     _dots_always = envs.quant_dots_always()
+    _prefill_dots = prefill_dots_fit() if PREFILL_DOTS is None else PREFILL_DOTS
     torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
-                                      SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS)
+                                      SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS,
+                                      prefill_dots_from(32), prefill_dots_from(256))
 
 
 def prefill_min_rows(block: int) -> int:
     """From how many rows of x a weight of this block size takes the tiles
-    (``PREFILL_MIN_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1)."""
-    return 1 << 62 if _dots_always else PREFILL_MIN_ROWS[block]
+    (``PREFILL_MIN_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1, nor for
+    the K-quants where their prefill dots fit the CPU: ``PREFILL_DOTS``)."""
+    return 1 << 62 if _dots_always or _prefill_dots else PREFILL_MIN_ROWS[block]
+
+
+def prefill_dots_from(block: int) -> int:
+    """From how many rows of x the dots of this block size take the prefill
+    kernels (``PREFILL_DOTS_FROM_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1,
+    whose dots are the decode kernels at every size: llama.cpp's arithmetic)."""
+    return 1 << 62 if _dots_always else PREFILL_DOTS_FROM_ROWS[block]
+
+
+def prefill_dots_fit() -> bool:
+    """Whether the K-quants' prefill dots beat the bf16 tiles here: the build
+    has them (AVX512-VNNI) and the CPU has no AMX (its tiles' bf16 is AMX's)."""
+    return bool(torch.ops.kvferry_quant.prefill_dots(12)) and not any(f.startswith("amx") for f in
+                                                                       cpu_features().flags)
 
 
 def available() -> bool:

@@ -1,0 +1,320 @@
+// Prefill-sized integer dots for every GGUF block type (included by
+// quant_gemm.cpp inside its anonymous namespace, after rowsK_512;
+// AVX512-VNNI builds only). The K-quants first; the 32-value blocks below.
+//
+// The one-row dots (rowsK_512) keep 8 partial sums per output, one per 32-bit
+// lane: each superblock costs every output an 8-lane convert, multiply and
+// multiply-add (twice: values and mins) plus packing and folding its group
+// sums, about as many instructions as its 256 multiply-adds (vpdpbusd does
+// 64). A form of them that keeps those 8 lanes (decoded weights in L2, four
+// rows of x per pass) measured 0.55x the bf16 tiles' speed on Zen 4 (1 thread,
+// 8192 x 2048 Q4_K at 512 rows): bf16 vdpbf16ps does half vpdpbusd's
+// multiplies per instruction but nothing else. So here, as llama.cpp's
+// repacked CPU kernels do, each 32-bit lane is one OUTPUT (one weight row of a
+// panel of 16), and all of a superblock's integer products of that output sum
+// into it:
+//   * a thread decodes a block of panels (about kDecodedBytes, in L2) once per
+//     call: per superblock, the 16 rows' values as unsigned bytes, 4 values of
+//     a row per lane (q[j]: values 4j..4j+3), their scales per U values as
+//     int32 lanes, their mins as int16 pairs, d and dmin as float lanes;
+//   * then R rows of x at a time meet every panel of the block: per unit of U
+//     values (one scale), U / 4 vpdpbusd per row (x's 4 bytes broadcast from
+//     L1) and one vpmulld by the scales; per superblock 8 vpdpwssd for the
+//     mins (x's per-16 sums, Q8_K's bsums), then one convert and multiply-add
+//     per 16 outputs each for values and mins.
+// x is quantized as for the one-row dots (quantize_rows), and each output's
+// superblock integers are theirs (the sum of their 8 lanes, exact); only the
+// float steps differ: one float accumulator per output, where they keep 8 and
+// add them at the end. So a row's value may differ from the one-row dots' in
+// its last bits, but not with the batch: each lane's operations are the same
+// whatever M, the panel or thread a weight row falls in (the K loop's order
+// is fixed), so from PREFILL_DOTS_FROM_ROWS rows a row's result is the same
+// in any batch and at any thread count.
+#pragma once
+
+#if defined(KVQ_K512) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define KVQ_PREFILL_DOTS 1
+
+constexpr int kPanel = 16;  // weight rows per panel: one per 32-bit lane
+
+// Values per scale: Q4_K and Q5_K have one scale per 32 values (khead's sc
+// repeats it), the others one per 16.
+template <int T>
+constexpr int scale_unit() { return T == 12 || T == 13 ? 32 : 16; }
+
+// One superblock of a panel of 16 weight rows, decoded (lane c: row c).
+template <int U>
+struct alignas(64) KPanel {
+  __m512i q[64];        // q[j]: values 4j..4j+3 of each row, unsigned bytes
+  __m512i sc[256 / U];  // the scale of values U s .. U s + U - 1, int32
+  __m512i mn[8];        // mins 2j and 2j + 1 (per 16 values), int16 pairs
+  __m512 vd, vdm;       // d and dmin
+};
+
+// Weight rows w[0..rows) (rows <= 16; lanes past them repeat the last row),
+// superblocks 0..nb, into out[0..nb).
+template <int T>
+void kdecode_panel(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, KPanel<scale_unit<T>()>* out) {
+  constexpr int U = scale_unit<T>();
+  const int64_t bytes = info(T).bytes;  // a superblock's
+  alignas(64) uint8_t vals[kPanel][256];
+  alignas(64) int32_t sc[256 / U][kPanel], mn[8][kPanel];
+  alignas(64) float d[kPanel], dm[kPanel];
+  // Row c's value bytes start at c * 256: a gather's indices.
+  const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(256));
+  for (int64_t i = 0; i < nb; ++i) {
+    for (int c = 0; c < kPanel; ++c) {
+      const uint8_t* b = w + std::min(c, rows - 1) * row_bytes + i * bytes;
+      KHead h;
+      khead(T, b, h);
+      // Values in order: group g as unsigned bytes (rowsK_512's decoders, two groups per register).
+      __m512i qs[4];
+      if constexpr (T == 12) {
+        const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), m4 = _mm512_set1_epi8(0x0F);
+        KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
+          qs[p] = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
+        }
+      } else if constexpr (T == 14) {
+        const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+        KVQ_UNROLL for (int n = 0; n < 2; ++n) {
+          const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
+          KVQ_UNROLL for (int half = 0; half < 2; ++half) {
+            const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
+            const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), m2);
+            qs[2 * n + half] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+          }
+        }
+      } else {
+        KVQ_UNROLL for (int p = 0; p < 4; ++p)
+          qs[p] = _mm512_inserti64x4(_mm512_castsi256_si512(kgroup<T>(b, 2 * p)), kgroup<T>(b, 2 * p + 1), 1);
+      }
+      KVQ_UNROLL for (int p = 0; p < 4; ++p) _mm512_store_si512(vals[c] + 64 * p, qs[p]);
+      for (int s = 0; s < 256 / U; ++s) sc[s][c] = h.sc[s * U / 16];
+      for (int j = 0; j < 8; ++j) mn[j][c] = int32_t(uint16_t(h.mn[2 * j]) | uint32_t(uint16_t(h.mn[2 * j + 1])) << 16);
+      d[c] = h.d;
+      dm[c] = h.dm;
+    }
+    KPanel<U>& P = out[i];
+    KVQ_UNROLL for (int j = 0; j < 64; ++j) P.q[j] = _mm512_i32gather_epi32(rows_at, vals[0] + 4 * j, 1);
+    for (int s = 0; s < 256 / U; ++s) P.sc[s] = _mm512_load_si512(sc[s]);
+    for (int j = 0; j < 8; ++j) P.mn[j] = _mm512_load_si512(mn[j]);
+    P.vd = _mm512_load_ps(d);
+    P.vdm = _mm512_load_ps(dm);
+  }
+}
+
+// R rows of x (m0..m0 + R) against one decoded panel, the whole K: y[r * 16 + c].
+template <int U, int R>
+inline void kpanel_rows(const KPanel<U>* P, const Acts& a, int64_t m0, float* y) {
+  __m512 acc[R], macc[R];
+  KVQ_UNROLL for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  const int64_t nb = a.nb;
+  auto x4 = [](const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); };
+  for (int64_t i = 0; i < nb; ++i) {
+    const KPanel<U>& p = P[i];
+    const int8_t* xq = a.q + (m0 * nb + i) * 256;
+    const int64_t xstep = nb * 256;  // one row of x to the next
+    __m512i iacc[R];
+    KVQ_UNROLL for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 256 / U; ++s) {
+      __m512i t[R];
+      KVQ_UNROLL for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_si512();
+      KVQ_UNROLL for (int j = 0; j < U / 4; ++j) {
+        const __m512i w = p.q[s * U / 4 + j];
+        KVQ_UNROLL for (int r = 0; r < R; ++r) t[r] = _mm512_dpbusd_epi32(t[r], w, x4(xq + r * xstep + s * U + 4 * j));
+      }
+      const __m512i sc = p.sc[s];
+      KVQ_UNROLL for (int r = 0; r < R; ++r) iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(t[r], sc));
+    }
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
+      const int64_t ai = (m0 + r) * nb + i;
+      __m512i im = _mm512_setzero_si512();
+      KVQ_UNROLL for (int j = 0; j < 8; ++j) im = _mm512_dpwssd_epi32(im, p.mn[j], x4(a.bsum + ai * 16 + 2 * j));
+      const __m512 xd = _mm512_set1_ps(a.d[ai]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(p.vd, xd), acc[r]);
+      macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(p.vdm, xd), macc[r]);
+    }
+  }
+  KVQ_UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * kPanel, _mm512_sub_ps(acc[r], macc[r]));
+}
+
+// Rows of x per kpanel_rows call: 6 rows' float (12 registers) and integer
+// (12) accumulators, a panel's weights and scales fit the 32 registers.
+constexpr int kPrefillRows = 6;
+// A thread's block of decoded panels: about this many bytes (L2 holds it
+// beside x's rows; Zen 4 has 1 MiB of L2 per core).
+constexpr int64_t kDecodedBytes = 512 << 10;
+
+// Weight rows n0..n1 (bytes each) against all M rows of a, into y[m * ldy + n] (O: float or bf16).
+template <int T, typename O>
+void prefill_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                  int64_t ldy) {
+  constexpr int U = scale_unit<T>();
+  thread_local std::vector<KPanel<U>> decoded;
+  const int64_t nb = a.nb;
+  const int64_t block_panels = std::max<int64_t>(1, kDecodedBytes / (nb * int64_t(sizeof(KPanel<U>))));
+  if (int64_t(decoded.size()) < block_panels * nb) decoded.resize(block_panels * nb);
+  alignas(64) float y[kPrefillRows * kPanel];
+  for (int64_t nblk = n0; nblk < n1; nblk += kPanel * block_panels) {
+    const int64_t panels = std::min<int64_t>(block_panels, (n1 - nblk + kPanel - 1) / kPanel);
+    for (int64_t j = 0; j < panels; ++j) {
+      const int64_t n = nblk + kPanel * j;
+      kdecode_panel<T>(W + n * bytes, bytes, int(std::min<int64_t>(kPanel, n1 - n)), nb, decoded.data() + j * nb);
+    }
+    for (int64_t m = 0; m < M; m += kPrefillRows) {
+      const int r = int(std::min<int64_t>(kPrefillRows, M - m));
+      for (int64_t j = 0; j < panels; ++j) {
+        const KPanel<U>* P = decoded.data() + j * nb;
+        switch (r) {
+          case 6: kpanel_rows<U, 6>(P, a, m, y); break;
+          case 5: kpanel_rows<U, 5>(P, a, m, y); break;
+          case 4: kpanel_rows<U, 4>(P, a, m, y); break;
+          case 3: kpanel_rows<U, 3>(P, a, m, y); break;
+          case 2: kpanel_rows<U, 2>(P, a, m, y); break;
+          default: kpanel_rows<U, 1>(P, a, m, y); break;
+        }
+        const int64_t n = nblk + kPanel * j, cols = std::min<int64_t>(kPanel, n1 - n);
+        for (int k = 0; k < r; ++k)
+          for (int64_t c = 0; c < cols; ++c) Y[(m + k) * ldy + n + c] = O(y[k * kPanel + c]);
+      }
+    }
+  }
+}
+
+// The 32-value-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) the same way: a
+// block of a panel of 16 weight rows, decoded. Per row of x and block: 8
+// vpdpbusd into an integer sum per output (Q8_0's q + 128 from -128 times x's
+// block sum, so the sum is sum(q x) exactly, as rows32's lanes), then one
+// convert and multiply-add by d * d_x, and one multiply-add of the offset
+// (-8 d, -16 d, or Q4_1 / Q5_1's m) by x's d_x * sum(x), per 16 outputs.
+struct alignas(64) BPanel {
+  __m512i q[8];  // q[j]: values 4j..4j+3 of each row, unsigned bytes (Q8_0: q + 128)
+  __m512 vd, vo; // d and the offset per value
+};
+
+template <int T>
+void bdecode_panel(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, BPanel* out) {
+  const int64_t bytes = info(T).bytes;
+  alignas(64) uint8_t vals[kPanel][32];
+  alignas(64) float d[kPanel], o[kPanel];
+  const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(32));
+  for (int64_t i = 0; i < nb; ++i) {
+    for (int c = 0; c < kPanel; ++c) {
+      const uint8_t* b = w + std::min(c, rows - 1) * row_bytes + i * bytes;
+      __m256i q = block32<T>(b);
+      if constexpr (T == 8) q = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c]), q);
+      d[c] = h2f(b);
+      o[c] = T == 2 ? -8 * d[c] : T == 6 ? -16 * d[c] : T == 8 ? 0.f : h2f(b + 2);
+    }
+    BPanel& P = out[i];
+    KVQ_UNROLL for (int j = 0; j < 8; ++j) P.q[j] = _mm512_i32gather_epi32(rows_at, vals[0] + 4 * j, 1);
+    P.vd = _mm512_load_ps(d);
+    P.vo = _mm512_load_ps(o);
+  }
+}
+
+// R rows of x against one decoded panel of 32-blocks, the whole K: y[r * 16 + c].
+// start: per row and block, where a Q8_0 sum starts (-128 sum(x)); null for the others.
+template <int T, int R>
+inline void bpanel_rows(const BPanel* P, const Acts& a, const int32_t* start, int64_t m0, float* y) {
+  __m512 acc[R], oacc[R];
+  KVQ_UNROLL for (int r = 0; r < R; ++r) acc[r] = oacc[r] = _mm512_setzero_ps();
+  const int64_t nb = a.nb;
+  auto x4 = [](const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); };
+  for (int64_t i = 0; i < nb; ++i) {
+    const BPanel& p = P[i];
+    __m512i t[R];
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
+      const int64_t ai = (m0 + r) * nb + i;
+      t[r] = T == 8 ? _mm512_set1_epi32(start[ai]) : _mm512_setzero_si512();
+    }
+    KVQ_UNROLL for (int j = 0; j < 8; ++j) {
+      const __m512i w = p.q[j];
+      KVQ_UNROLL for (int r = 0; r < R; ++r) t[r] = _mm512_dpbusd_epi32(t[r], w, x4(a.q + ((m0 + r) * nb + i) * 32 + 4 * j));
+    }
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
+      const int64_t ai = (m0 + r) * nb + i;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(p.vd, _mm512_set1_ps(a.d[ai])), acc[r]);
+      if constexpr (T != 8) oacc[r] = _mm512_fmadd_ps(p.vo, _mm512_set1_ps(a.s[ai]), oacc[r]);
+    }
+  }
+  KVQ_UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * kPanel, _mm512_add_ps(acc[r], oacc[r]));
+}
+
+template <int T, typename O>
+void prefill_rows32(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                    int64_t ldy) {
+  thread_local std::vector<BPanel> decoded;
+  thread_local std::vector<int32_t> start;
+  const int64_t nb = a.nb;
+  if constexpr (T == 8) {  // -128 sum(x) per row and block, from quantize_rows' -128 x 4-value sums
+    if (int64_t(start.size()) < M * nb) start.resize(M * nb);
+    for (int64_t ai = 0; ai < M * nb; ++ai) {
+      int32_t v = 0;
+      for (int k = 0; k < 8; ++k) v += a.x4[ai * 8 + k];
+      start[ai] = v;
+    }
+  }
+  const int64_t block_panels = std::max<int64_t>(1, kDecodedBytes / (nb * int64_t(sizeof(BPanel))));
+  if (int64_t(decoded.size()) < block_panels * nb) decoded.resize(block_panels * nb);
+  alignas(64) float y[kPrefillRows * kPanel];
+  for (int64_t nblk = n0; nblk < n1; nblk += kPanel * block_panels) {
+    const int64_t panels = std::min<int64_t>(block_panels, (n1 - nblk + kPanel - 1) / kPanel);
+    for (int64_t j = 0; j < panels; ++j) {
+      const int64_t n = nblk + kPanel * j;
+      bdecode_panel<T>(W + n * bytes, bytes, int(std::min<int64_t>(kPanel, n1 - n)), nb, decoded.data() + j * nb);
+    }
+    for (int64_t m = 0; m < M; m += kPrefillRows) {
+      const int r = int(std::min<int64_t>(kPrefillRows, M - m));
+      for (int64_t j = 0; j < panels; ++j) {
+        const BPanel* P = decoded.data() + j * nb;
+        switch (r) {
+          case 6: bpanel_rows<T, 6>(P, a, start.data(), m, y); break;
+          case 5: bpanel_rows<T, 5>(P, a, start.data(), m, y); break;
+          case 4: bpanel_rows<T, 4>(P, a, start.data(), m, y); break;
+          case 3: bpanel_rows<T, 3>(P, a, start.data(), m, y); break;
+          case 2: bpanel_rows<T, 2>(P, a, start.data(), m, y); break;
+          default: bpanel_rows<T, 1>(P, a, start.data(), m, y); break;
+        }
+        const int64_t n = nblk + kPanel * j, cols = std::min<int64_t>(kPanel, n1 - n);
+        for (int k = 0; k < r; ++k)
+          for (int64_t c = 0; c < cols; ++c) Y[(m + k) * ldy + n + c] = O(y[k * kPanel + c]);
+      }
+    }
+  }
+}
+
+// From how many rows of x dots() takes the prefill kernels, by block size (32
+// or 256; configure sets them from quant/kernels.py's PREFILL_DOTS_FROM_ROWS;
+// below, the decode kernels: rows32, rowsK_512).
+inline int64_t& prefill_dots_min_rows(int64_t block) {
+  static int64_t rows[2] = {int64_t(1) << 62, int64_t(1) << 62};
+  return rows[block == 256];
+}
+
+// Whether type t has a prefill kernel (every type).
+inline bool has_prefill_rows(int64_t t) { return (t >= 10 && t <= 14) || t == 2 || t == 3 || t == 6 || t == 7 || t == 8; }
+
+template <typename O>
+void prefill_rows_of(int64_t t, const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1,
+                     O* Y, int64_t ldy) {
+  switch (t) {
+    case 10: return prefill_rows<10>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 11: return prefill_rows<11>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 12: return prefill_rows<12>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 13: return prefill_rows<13>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 14: return prefill_rows<14>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 2: return prefill_rows32<2>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 3: return prefill_rows32<3>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 6: return prefill_rows32<6>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 7: return prefill_rows32<7>(W, bytes, a, M, n0, n1, Y, ldy);
+    case 8: return prefill_rows32<8>(W, bytes, a, M, n0, n1, Y, ldy);
+  }
+}
+#endif
