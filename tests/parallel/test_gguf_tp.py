@@ -15,9 +15,22 @@ dots quantize x per block), which moves it by up to ~2e-3 (measured).
 Prefill-sized batches multiply bf16 tiles whose products are rounded to
 bf16 (quant/kernels.py's ``prefill``), and each rank's partial sum is
 rounded apart (as a bf16 float model's over TP): measured up to 0.021 nats
-on these models. Both within LOGPROB_ATOL; a greedy token may differ only
+on these models (an Intel Xeon with AMX; without AMX every batch takes
+the integer dots). Both within LOGPROB_ATOL; a greedy token may differ only
 where TP 1's top two were closer than that (the tiny random models'
 distributions are flat: some are).
+
+The Q4_K_M llama differs more, and not by the order of a sum: its o_proj
+(256 input columns, one 256-value block per row) is split into half
+blocks at TP 2 and served in float there, exact in x, while TP 1's
+integer dots round o_proj's input to 8 bits per 256 values (Q8_K, as
+llama.cpp does): ~0.7% of o_proj's output (rms, random x), which this
+random model carries to 2% of the residual stream after layer 0 and 3%
+after layer 1, and to 0.112 nats on a prefill token, 0.084 on a decode one
+(measured on AMD Zen 4). With o_proj served in float at TP 1 too
+(measured by hand), TP 1 and TP 2 agree to 1.4e-6, but for 9e-3 on the
+chunked prompt's first token (a later 8-bit rounding tipped, as above).
+Hence Q4_K_M_LOGPROB_ATOL: TP 1's own activation rounding, ~2x its measure.
 
 Memory: a rank holds its share of the file. ``test_a_rank_holds_its_share_of_the_file``
 measures rank 1's memory over a 109 MB random MoE file, TP 2 and EP 2.
@@ -52,6 +65,8 @@ ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, kv_cac
 MODES = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
          "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
 LOGPROB_ATOL = 0.1  # bf16 rounding of each rank's partial sums on prefill rows: 0.021 measured (0.032 in bf16)
+# TP 1's Q8_K rounding of o_proj's input, a float o_proj at TP 2 (the module's docstring): 0.112 measured.
+Q4_K_M_LOGPROB_ATOL = 0.25
 PARAMS = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
@@ -163,8 +178,9 @@ def _assert_agrees(base: list, other: list, what: str, atol: float) -> None:
                                          ("q4_k_m", "tp2")])
 def test_greedy_equals_tp1(runs, model, mode):
     r = _model_runs(runs, model)
-    _assert_agrees(r["tp1"]["prefill"], r[mode]["prefill"], f"{model} {mode}", LOGPROB_ATOL)
-    _assert_agrees(r["tp1"]["decode"], r[mode]["decode"], f"{model} {mode} decode", LOGPROB_ATOL)
+    atol = Q4_K_M_LOGPROB_ATOL if model == "q4_k_m" else LOGPROB_ATOL
+    _assert_agrees(r["tp1"]["prefill"], r[mode]["prefill"], f"{model} {mode}", atol)
+    _assert_agrees(r["tp1"]["decode"], r[mode]["decode"], f"{model} {mode} decode", atol)
 
 
 def test_each_rank_holds_its_slice_of_the_blocks(runs):
