@@ -230,9 +230,9 @@ std::tuple<Tensor, Tensor> decoder_layer(
   const Ops& op = ops();
   const Matmul gemm{exact_rows, row_bucket};
   const Tensor o = attention_product(op, gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
-                                     query_starts, query_lens, tree_masks, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
-                                     num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts,
-                                     qkv_part_types);
+                                     query_starts, query_lens, tree_masks, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w,
+                                     o_n, o_kind, num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps,
+                                     qkv_parts, qkv_part_types);
   auto [h1, x1] = op.add_rms_norm.call(o, h, post_norm_w, post_eps);
   return op.add_rms_norm.call(mlp_product(op, gemm, x1, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n, down_kind,
                                           gate_up_parts, gate_up_part_types),
@@ -462,10 +462,10 @@ std::tuple<Tensor, Tensor> decoder_layers(const c10::intrusive_ptr<LayerStack>& 
     const LayerSpec& l = stack->layers[size_t(i)];
     std::tie(h, x) = layer.call(
         h, x, cos, sin, kv_cache.select(0, i), slot_mapping, block_tables, seq_lens, query_starts, query_lens,
-        tree_masks, l.qkv_w, l.qkv_n, l.qkv_kind, l.qkv_bias, l.o_w, l.o_n, l.o_kind, l.post_norm_w, l.post_eps, l.gate_up_w,
-        l.gate_up_n, l.gate_up_kind, l.down_w, l.down_n, l.down_kind, l.next_norm_w, l.next_eps, l.num_heads,
-        l.num_kv_heads, l.scale, l.exact_rows, l.row_bucket, l.q_norm_w, l.k_norm_w, l.qk_eps, l.qkv_parts,
-        l.qkv_part_types, l.gate_up_parts, l.gate_up_part_types);
+        tree_masks, l.qkv_w, l.qkv_n, l.qkv_kind, l.qkv_bias, l.o_w, l.o_n, l.o_kind, l.post_norm_w, l.post_eps,
+        l.gate_up_w, l.gate_up_n, l.gate_up_kind, l.down_w, l.down_n, l.down_kind, l.next_norm_w, l.next_eps,
+        l.num_heads, l.num_kv_heads, l.scale, l.exact_rows, l.row_bucket, l.q_norm_w, l.k_norm_w, l.qk_eps,
+        l.qkv_parts, l.qkv_part_types, l.gate_up_parts, l.gate_up_part_types);
   }
   return {h, x};
 }
@@ -483,16 +483,16 @@ std::tuple<Tensor, Tensor> decoder_layers(const c10::intrusive_ptr<LayerStack>& 
 Tensor tp_attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
                     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
                     const Tensor& query_starts, const Tensor& query_lens, const std::optional<Tensor>& tree_masks,
-                    const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind, const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n,
-                    int64_t o_kind, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t exact_rows,
-                    int64_t row_bucket, const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w,
-                    double qk_eps, at::TensorList qkv_parts, at::IntArrayRef qkv_part_types) {
+                    const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind, const std::optional<Tensor>& qkv_bias,
+                    const Tensor& o_w, int64_t o_n, int64_t o_kind, int64_t num_heads, int64_t num_kv_heads,
+                    double scale, int64_t exact_rows, int64_t row_bucket, const std::optional<Tensor>& q_norm_w,
+                    const std::optional<Tensor>& k_norm_w, double qk_eps, at::TensorList qkv_parts,
+                    at::IntArrayRef qkv_part_types) {
   check_input(x);
   const Matmul gemm{exact_rows, row_bucket};
   return attention_product(ops(), gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
                            query_starts, query_lens, tree_masks, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
-                           num_heads,
-                           num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types);
+                           num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types);
 }
 
 std::tuple<Tensor, Tensor> tp_mlp(const Tensor& o, const Tensor& h, const Tensor& post_norm_w, double post_eps,
