@@ -9,6 +9,7 @@ import torch
 
 from kvferry.model.attention import AttentionMetadata
 from kvferry.model.llama import LlamaModel
+from kvferry.spec.tree import ancestor_mask, depths
 
 
 def scattered_tables(seq_lens, block_size, spare, gen):
@@ -46,16 +47,26 @@ class PagedHarness:
             table.append(self.free.pop())
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def step(self, seqs: dict[int, list[int]], plan: dict[int, int]) -> dict[int, torch.Tensor]:
+    def step(self, seqs: dict[int, list[int]], plan: dict[int, int],
+             trees: dict[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
         """Run one step. plan: request id -> number of new tokens (its next chunk).
+        trees: request id -> the parents of its chunk's tokens after the first
+        (a draft tree, kvferry.spec.tree; plan = len(parents) + 1), verified as
+        the runner does (engine/tree_verify.py): chain slots, RoPE at root +
+        depth, the ancestor mask.
         Returns request id -> logits [n_new, vocab] (float32)."""
+        trees = trees or {}
         order = sorted(plan, key=lambda r: plan[r] == 1)  # prefills (>1 token) first
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
         for rid in order:
             start = self.computed.get(rid, 0)
             end = start + plan[rid]
             ids += seqs[rid][start:end]
-            pos += list(range(start, end))
+            if rid in trees:
+                assert len(trees[rid]) + 1 == plan[rid], f"request {rid}: the tree is not its chunk"
+                pos += [start] + [start + d for d in depths(trees[rid])]
+            else:
+                pos += list(range(start, end))
             slots += [self._slot(rid, p) for p in range(start, end)]
             qsl.append(qsl[-1] + plan[rid])
             seq_lens.append(end)
@@ -67,6 +78,8 @@ class PagedHarness:
         meta = AttentionMetadata(
             query_start_loc=qsl, seq_lens=seq_lens, slot_mapping=torch.tensor(slots),
             block_tables=bt, block_size=self.block_size, num_prefills=sum(plan[r] > 1 for r in order),
+            tree_masks={i: torch.from_numpy(ancestor_mask(trees[rid])) for i, rid in enumerate(order)
+                        if rid in trees} or None,
         )
         hidden = self.model.forward(torch.tensor(ids), torch.tensor(pos), self.kv_cache, meta)
         logits = self.model.compute_logits(hidden)

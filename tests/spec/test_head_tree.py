@@ -6,7 +6,8 @@ spec/head_tree.py) through the real engine (tiny checkpoints, offline LLM).
   brute force over every path says.
 - Greedy output is plain decoding's with the committed head's kind
   (``head``), an EAGLE-3 head, and ``auto`` with a head, each drafting trees
-  that really branch; seeded sampling is plain seeded sampling's.
+  that really branch, their steps through the one-call C++ decoder layer
+  (as a path's); seeded sampling is plain seeded sampling's.
 - The statistical losslessness test (tests/spec/test_distribution.py's
   target, helpers and bound) over head trees with unseeded sampling: the
   head's distribution here is the target's own next-token distribution, so
@@ -36,6 +37,7 @@ from kvferry.spec.tree import is_chain, walk
 from tests.spec.test_distribution import NUM_SAMPLES, target, tv, tv_bound  # noqa: F401 (a fixture)
 from tests.spec.test_eagle3 import write_eagle3_checkpoint
 from tests.spec.test_engine import repetitive_prompts
+from tests.spec.tree_steps import record_tree_steps
 from tests.tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 16
@@ -141,11 +143,13 @@ def _verified_as_trees(proposed: list, walks: list) -> None:
 
 
 @pytest.mark.parametrize("method", ["head", "eagle3", "auto"])
-def test_head_trees_greedy_is_plain_decoding(case, method, walks):
+def test_head_trees_greedy_is_plain_decoding(case, method, walks, monkeypatch):
     _, _, prompts, expected, _, _ = case
     llm, proposed = _tree_llm(case, method)
+    steps = record_tree_steps(monkeypatch)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
     _verified_as_trees(proposed, walks)
+    steps.check()  # the tree steps ran the one-call C++ layer (eagle3: layer by layer, its aux copies between)
     assert llm.engine.stats().num_draft_tokens > 0
     llm.engine.check_integrity()
 

@@ -1,7 +1,8 @@
 """Draft trees through the real engine (tiny model, offline LLM).
 
 - Suffix decoding with ``draft_tree``: greedy output is plain decoding's,
-  with trees that really branch.
+  with trees that really branch, their steps through the one-call C++
+  decoder layer (as a path's).
 - A tree whose right branch is never the first one (an oracle proposer that
   knows plain decoding's output puts a wrong branch first): the output is
   still plain decoding's, for greedy and for seeded sampling, and nearly
@@ -23,6 +24,7 @@ import pytest
 from kvferry import LLM, SamplingParams
 from kvferry.spec.tree import DraftTree
 from tests.spec.test_distribution import NUM_SAMPLES, target, tv, tv_bound  # noqa: F401 (a fixture)
+from tests.spec.tree_steps import record_tree_steps
 from tests.tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 24
@@ -97,7 +99,7 @@ def case(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])
-def test_suffix_trees_greedy_is_plain_decoding(case, method):
+def test_suffix_trees_greedy_is_plain_decoding(case, method, monkeypatch):
     path, prompts, expected, _, _, _ = case
     spec = {"method": method, "num_speculative_tokens": 6, "draft_tree": True,
             "suffix_decoding_max_spec_factor": 2.0, **FIXED}
@@ -108,9 +110,11 @@ def test_suffix_trees_greedy_is_plain_decoding(case, method):
         scheduler.proposer.suffix = scheduler.proposer.proposers["suffix"] = recording
     else:
         scheduler.proposer = recording
+    steps = record_tree_steps(monkeypatch)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
     trees = [d for d in recording.drafts if isinstance(d, DraftTree)]
     assert trees and all(not t.is_chain() for t in trees)
+    steps.check()  # the tree steps ran the one-call C++ layer
     stats = llm.engine.stats()
     assert stats.num_accepted_tokens > 0
     llm.engine.check_integrity()

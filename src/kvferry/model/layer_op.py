@@ -20,7 +20,9 @@ It applies to a step where every op of every layer is a C++ kernel
   per-head q/k norms run as torch's ops, as in the Python layer);
 - the fused ops are available, and the paged attention kernel serves every
   sequence of the step (no chunk left to the torch path) with the KV cache
-  in the model's dtype;
+  in the model's dtype (or fp8); draft trees among them included: the op
+  calls the kernel's tree variant with the step's ancestor bits
+  (``AttentionMetadata.kernel_tree_masks``), as the Python layer does;
 - the op's library builds. ``KVFERRY_DISABLE_LAYER_OP=1`` (or
   ``KVFERRY_DISABLE_CPP_KERNELS=1``) turns it off.
 
@@ -53,7 +55,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.cpp"
 _library = paged_kernel.LazyLibrary(lambda: _load())
 
 # A layer's arguments after (h, x, cos, sin, kv_cache_layer, <the step's five
-# sequence tensors>): qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
+# sequence tensors>, <its tree masks or None>): qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
 # post_norm_w, post_eps, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n,
 # down_kind, next_norm_w, next_eps, heads, kv_heads, scale, exact_rows,
 # row_bucket, q_norm_w, k_norm_w, qk_eps (None, None, 0.0 without Qwen3's
@@ -132,8 +134,7 @@ def step_applies(meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.d
             and not meta.triton
             and meta.kernel is not None and meta.kernel_seq_lens is not None
             and meta.kernel_seq_lens.shape[0] == len(meta.seq_lens)
-            and all(p.use_kernel for p in meta.prefills)
-            and meta.kernel_tree_masks is None)  # draft trees: the layer op's attention call takes no masks
+            and all(p.use_kernel for p in meta.prefills))
 
 
 def available() -> bool:
@@ -150,7 +151,7 @@ def run_layer(args: LayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tens
     [T, head_dim // 2] in the model's dtype."""
     return torch.ops.kvferry_layer.decoder_layer(
         h, x, cos, sin, kv_cache_layer, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
-        meta.kernel_query_starts, meta.kernel_query_lens, *args)
+        meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks, *args)
 
 
 def layer_stack(args: list[LayerArgs]) -> torch.ScriptObject:
@@ -168,7 +169,7 @@ def run_layers(stack: torch.ScriptObject, h: torch.Tensor, x: torch.Tensor, cos:
     and its arguments' conversion per layer."""
     return torch.ops.kvferry_layer.decoder_layers(
         stack, h, x, cos, sin, kv_cache, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
-        meta.kernel_query_starts, meta.kernel_query_lens)
+        meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks)
 
 
 def run_tp_layer(args: TPLayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -180,7 +181,7 @@ def run_tp_layer(args: TPLayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch
     attn, mlp, next_w, next_eps = args
     o = torch.ops.kvferry_layer.tp_attention(
         x, cos, sin, kv_cache_layer, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
-        meta.kernel_query_starts, meta.kernel_query_lens, *attn)
+        meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks, *attn)
     h, d = torch.ops.kvferry_layer.tp_mlp(shard.all_reduce(o), h, *mlp)
     return add_rms_norm(shard.all_reduce(d), h, next_w, next_eps)
 

@@ -121,7 +121,6 @@ def _proposal(batch: InputBatch, tree: _Tree) -> Proposal:
     tokens = [tree.tokens[n] for n in order]
     parents = [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order]
     batch.token_ids[r.row, r.end : r.end + len(tokens)] = tokens
-    # A tree that did not branch is a path: verified as one, its step keeps
-    # the one-call decoder layer (a step with a tree runs the layers one by
-    # one: layer_op.step_applies).
+    # A tree that did not branch is a path: verified as one, its step needs
+    # no ancestor mask and no KV compaction of the accepted branch.
     return Proposal(tokens, None, None if is_chain(parents) else parents)

@@ -12,6 +12,8 @@
 //   v    = qkv[:, (H + KVH) D:] as [T, KVH, D]
 //   write_kv(k, v, K cache, V cache, slot_mapping)
 //   o    = paged_attention(q, K cache, V cache, the kernel's sequences)
+//          (paged_attention_tree with the step's tree masks where draft
+//          trees are among them, as attention.py's paged_attention calls it)
 //   h1, x1 = add_rms_norm(gemm(o, o_w), h, post_norm_w)
 //   h', x' = add_rms_norm(gemm(silu_and_mul(gemm(x1, gate_up_w)), down_w), h1, next_norm_w)
 //
@@ -62,6 +64,24 @@ struct Ops {
                                 const Tensor&, const Tensor&, double, Tensor)>
       attention = find_op<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                const Tensor&, const Tensor&, double, Tensor)>("kvferry::paged_attention");
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const Tensor&, double, Tensor, const Tensor&)>
+      attention_tree = find_op<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                    const Tensor&, const Tensor&, double, Tensor, const Tensor&)>(
+          "kvferry::paged_attention_tree");
+
+  // The kernel's attention over the step's sequences into out: with draft
+  // trees among them (tree_masks [S, 64] int64 ancestor bits, attention.py's
+  // kernel_tree_masks) the op that takes their masks, else the causal one.
+  void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+              const Tensor& seq_lens, const Tensor& query_starts, const Tensor& query_lens, double scale,
+              const Tensor& out, const std::optional<Tensor>& tree_masks) const {
+    if (tree_masks.has_value())
+      attention_tree.call(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out,
+                          *tree_masks);
+    else
+      attention.call(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out);
+  }
 };
 
 // The same ops writing into given buffers (decoder_layers' workspace), looked
@@ -134,6 +154,7 @@ struct Matmul {
 Tensor attention_product(const Ops& op, const Matmul& gemm, const Tensor& x, const Tensor& cos, const Tensor& sin,
                          const Tensor& kv_cache_layer, const Tensor& slot_mapping, const Tensor& block_tables,
                          const Tensor& seq_lens, const Tensor& query_starts, const Tensor& query_lens,
+                         const std::optional<Tensor>& tree_masks,
                          const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind, const std::optional<Tensor>& qkv_bias,
                          const Tensor& o_w, int64_t o_n, int64_t o_kind, int64_t num_heads, int64_t num_kv_heads,
                          double scale, const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w,
@@ -164,7 +185,7 @@ Tensor attention_product(const Ops& op, const Matmul& gemm, const Tensor& x, con
   const Tensor k_cache = kv_cache_layer.select(0, 0), v_cache = kv_cache_layer.select(0, 1);
   op.write_kv.call(k, v, k_cache.view({-1, num_kv_heads, D}), v_cache.view({-1, num_kv_heads, D}), slot_mapping);
   Tensor out = at::empty(q.sizes(), q.options());
-  op.attention.call(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out);
+  op.attend(q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, scale, out, tree_masks);
   return gemm(out.view({T, q_size}), o_w, o_n, o_kind);
 }
 
@@ -187,15 +208,17 @@ void check_input(const Tensor& x) {
 // h, x [T, hidden] (x = the layer's input norm of h); cos, sin [T, D / 2] in
 // the model's dtype; kv_cache_layer [2, num_blocks, block_size, KVH, D];
 // slot_mapping [T]; block_tables .. query_lens: the paged kernel's sequences
-// (every sequence of the step); *_w: the packed weights, *_n their output
+// (every sequence of the step); tree_masks: their draft trees' ancestor bits
+// ([S, 64] int64, paged_attention_tree's), or none; *_w: the packed weights, *_n their output
 // widths, *_kind whose copy (see Matmul); q_norm_w, k_norm_w: Qwen3's
 // per-head norms, or none; qkv_parts .. gate_up_part_types: the GGUF parts
 // of a fused layer of kind kQuantParts (empty otherwise).
 std::tuple<Tensor, Tensor> decoder_layer(
     const Tensor& h, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
-    const Tensor& query_lens, const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind,
-    const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n, int64_t o_kind, const Tensor& post_norm_w,
+    const Tensor& query_lens, const std::optional<Tensor>& tree_masks, const Tensor& qkv_w, int64_t qkv_n,
+    int64_t qkv_kind, const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n, int64_t o_kind,
+    const Tensor& post_norm_w,
     double post_eps, const Tensor& gate_up_w, int64_t gate_up_n, int64_t gate_up_kind, const Tensor& down_w,
     int64_t down_n, int64_t down_kind, const Tensor& next_norm_w, double next_eps, int64_t num_heads,
     int64_t num_kv_heads, double scale, int64_t exact_rows, int64_t row_bucket,
@@ -207,9 +230,9 @@ std::tuple<Tensor, Tensor> decoder_layer(
   const Ops& op = ops();
   const Matmul gemm{exact_rows, row_bucket};
   const Tensor o = attention_product(op, gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
-                                     query_starts, query_lens, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
-                                     num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts,
-                                     qkv_part_types);
+                                     query_starts, query_lens, tree_masks, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w,
+                                     o_n, o_kind, num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps,
+                                     qkv_parts, qkv_part_types);
   auto [h1, x1] = op.add_rms_norm.call(o, h, post_norm_w, post_eps);
   return op.add_rms_norm.call(mlp_product(op, gemm, x1, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n, down_kind,
                                           gate_up_parts, gate_up_part_types),
@@ -373,7 +396,7 @@ struct LayerStack : torch::CustomClassHolder {
   void layer_in_workspace(int64_t i, const Tensor& h, const Tensor& x, Tensor& h_out, Tensor& x_out,
                           const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
                           const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_starts,
-                          const Tensor& query_lens) {
+                          const Tensor& query_lens, const std::optional<Tensor>& tree_masks) {
     const LayerSpec& l = layers[size_t(i)];
     const Ops& op = ops();
     const OutOps& out = out_ops();
@@ -387,8 +410,8 @@ struct LayerStack : torch::CustomClassHolder {
     linear(x, l.qkv_w, l.qkv_kind, l.qkv_parts, l.qkv_part_types, ws.qkv);
     out.rope.call(ws.qk_in, cos, sin, ws.qk);
     op.write_kv.call(ws.k, ws.v, ws.k_slots[size_t(i)], ws.v_slots[size_t(i)], slot_mapping);
-    op.attention.call(ws.q, ws.k_cache[size_t(i)], ws.v_cache[size_t(i)], block_tables, seq_lens, query_starts,
-                      query_lens, l.scale, ws.attn);
+    op.attend(ws.q, ws.k_cache[size_t(i)], ws.v_cache[size_t(i)], block_tables, seq_lens, query_starts, query_lens,
+              l.scale, ws.attn, tree_masks);
     linear(ws.attn2d, l.o_w, l.o_kind, {}, {}, ws.o);
     out.add_rms_norm.call(ws.o, h, l.post_norm_w, l.post_eps, ws.h1, ws.x1);
     linear(ws.x1, l.gate_up_w, l.gate_up_kind, l.gate_up_parts, l.gate_up_part_types, ws.gate_up);
@@ -405,7 +428,8 @@ std::tuple<Tensor, Tensor> decoder_layers(const c10::intrusive_ptr<LayerStack>& 
                                           const Tensor& x_in, const Tensor& cos, const Tensor& sin,
                                           const Tensor& kv_cache, const Tensor& slot_mapping,
                                           const Tensor& block_tables, const Tensor& seq_lens,
-                                          const Tensor& query_starts, const Tensor& query_lens) {
+                                          const Tensor& query_starts, const Tensor& query_lens,
+                                          const std::optional<Tensor>& tree_masks) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) >= stack->size(),
               "decoder_layers: kv_cache must be [num_layers, 2, num_blocks, block_size, KVH, D]");
   const int64_t T = x_in.dim() == 2 ? x_in.size(0) : 0;
@@ -425,7 +449,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const c10::intrusive_ptr<LayerStack>& 
         Tensor& h_out = i == L - 1 ? h_last : ws.h[i % 2];
         Tensor& x_out = i == L - 1 ? x_last : ws.x[i % 2];
         stack->layer_in_workspace(i, h, x, h_out, x_out, cos, sin, slot_mapping, block_tables, seq_lens,
-                                  query_starts, query_lens);
+                                  query_starts, query_lens, tree_masks);
       }
       return {h_last, x_last};
     }
@@ -438,10 +462,10 @@ std::tuple<Tensor, Tensor> decoder_layers(const c10::intrusive_ptr<LayerStack>& 
     const LayerSpec& l = stack->layers[size_t(i)];
     std::tie(h, x) = layer.call(
         h, x, cos, sin, kv_cache.select(0, i), slot_mapping, block_tables, seq_lens, query_starts, query_lens,
-        l.qkv_w, l.qkv_n, l.qkv_kind, l.qkv_bias, l.o_w, l.o_n, l.o_kind, l.post_norm_w, l.post_eps, l.gate_up_w,
-        l.gate_up_n, l.gate_up_kind, l.down_w, l.down_n, l.down_kind, l.next_norm_w, l.next_eps, l.num_heads,
-        l.num_kv_heads, l.scale, l.exact_rows, l.row_bucket, l.q_norm_w, l.k_norm_w, l.qk_eps, l.qkv_parts,
-        l.qkv_part_types, l.gate_up_parts, l.gate_up_part_types);
+        tree_masks, l.qkv_w, l.qkv_n, l.qkv_kind, l.qkv_bias, l.o_w, l.o_n, l.o_kind, l.post_norm_w, l.post_eps,
+        l.gate_up_w, l.gate_up_n, l.gate_up_kind, l.down_w, l.down_n, l.down_kind, l.next_norm_w, l.next_eps,
+        l.num_heads, l.num_kv_heads, l.scale, l.exact_rows, l.row_bucket, l.q_norm_w, l.k_norm_w, l.qk_eps,
+        l.qkv_parts, l.qkv_part_types, l.gate_up_parts, l.gate_up_part_types);
   }
   return {h, x};
 }
@@ -458,16 +482,17 @@ std::tuple<Tensor, Tensor> decoder_layers(const c10::intrusive_ptr<LayerStack>& 
 // the Python layer's.
 Tensor tp_attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kv_cache_layer,
                     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
-                    const Tensor& query_starts, const Tensor& query_lens, const Tensor& qkv_w, int64_t qkv_n,
-                    int64_t qkv_kind, const std::optional<Tensor>& qkv_bias, const Tensor& o_w, int64_t o_n,
-                    int64_t o_kind, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t exact_rows,
-                    int64_t row_bucket, const std::optional<Tensor>& q_norm_w, const std::optional<Tensor>& k_norm_w,
-                    double qk_eps, at::TensorList qkv_parts, at::IntArrayRef qkv_part_types) {
+                    const Tensor& query_starts, const Tensor& query_lens, const std::optional<Tensor>& tree_masks,
+                    const Tensor& qkv_w, int64_t qkv_n, int64_t qkv_kind, const std::optional<Tensor>& qkv_bias,
+                    const Tensor& o_w, int64_t o_n, int64_t o_kind, int64_t num_heads, int64_t num_kv_heads,
+                    double scale, int64_t exact_rows, int64_t row_bucket, const std::optional<Tensor>& q_norm_w,
+                    const std::optional<Tensor>& k_norm_w, double qk_eps, at::TensorList qkv_parts,
+                    at::IntArrayRef qkv_part_types) {
   check_input(x);
   const Matmul gemm{exact_rows, row_bucket};
   return attention_product(ops(), gemm, x, cos, sin, kv_cache_layer, slot_mapping, block_tables, seq_lens,
-                           query_starts, query_lens, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, num_heads,
-                           num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types);
+                           query_starts, query_lens, tree_masks, qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
+                           num_heads, num_kv_heads, scale, q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types);
 }
 
 std::tuple<Tensor, Tensor> tp_mlp(const Tensor& o, const Tensor& h, const Tensor& post_norm_w, double post_eps,
@@ -489,8 +514,9 @@ std::tuple<Tensor, Tensor> tp_mlp(const Tensor& o, const Tensor& h, const Tensor
 TORCH_LIBRARY(kvferry_layer, m) {
   m.def(
       "decoder_layer(Tensor h, Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv_cache_layer, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, Tensor qkv_w, int qkv_n, "
-      "int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, Tensor post_norm_w, float post_eps, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, Tensor? tree_masks, "
+      "Tensor qkv_w, int qkv_n, int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, "
+      "Tensor post_norm_w, float post_eps, "
       "Tensor gate_up_w, int gate_up_n, int gate_up_kind, Tensor down_w, int down_n, int down_kind, "
       "Tensor next_norm_w, float next_eps, int num_heads, int num_kv_heads, float scale, int exact_rows, "
       "int row_bucket, Tensor? q_norm_w, Tensor? k_norm_w, float qk_eps, Tensor[] qkv_parts, "
@@ -500,8 +526,9 @@ TORCH_LIBRARY(kvferry_layer, m) {
   m.impl("decoder_layer", c10::DispatchKey::MkldnnCPU, TORCH_FN(decoder_layer));
   m.def(
       "tp_attention(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv_cache_layer, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, Tensor qkv_w, int qkv_n, "
-      "int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, int num_heads, int num_kv_heads, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, Tensor? tree_masks, "
+      "Tensor qkv_w, int qkv_n, int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_n, int o_kind, "
+      "int num_heads, int num_kv_heads, "
       "float scale, int exact_rows, int row_bucket, Tensor? q_norm_w, Tensor? k_norm_w, float qk_eps, "
       "Tensor[] qkv_parts, int[] qkv_part_types) -> Tensor");
   m.impl("tp_attention", c10::DispatchKey::CPU, TORCH_FN(tp_attention));
@@ -521,6 +548,6 @@ TORCH_LIBRARY(kvferry_layer, m) {
   m.def(
       "decoder_layers(__torch__.torch.classes.kvferry_layer.LayerStack stack, Tensor h, Tensor x, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_starts, Tensor query_lens) -> (Tensor, Tensor)");
+      "Tensor query_starts, Tensor query_lens, Tensor? tree_masks=None) -> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, TORCH_FN(decoder_layers));
 }
