@@ -134,8 +134,13 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the server (0: leave it)")
+    p.add_argument("--default-config", default=None,
+                   help="run this --speculative-config JSON as the 'default' side (e.g. the default with "
+                        "draft trees: '{\"method\": \"auto\", \"draft_tree\": true}'); unset: no flag")
     p.add_argument("--out", default="bench/results/spec_default")
     args = p.parse_args()
+    if args.default_config:
+        CONFIGS["default"] = ["--speculative-config", args.default_config]
     # SIGTERM unwinds (the servers' ``with`` blocks stop them) rather than orphaning them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cases = [(t, int(c)) for t, c in (case.split(":") for case in args.cases)]
