@@ -149,33 +149,35 @@ constexpr int kPrefillRows = 6;
 // beside x's rows; Zen 4 has 1 MiB of L2 per core).
 constexpr int64_t kDecodedBytes = 512 << 10;
 
-// Weight rows n0..n1 (bytes each) against all M rows of a, into y[m * ldy + n] (O: float or bf16).
-template <int T, typename O>
-void prefill_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
-                  int64_t ldy) {
-  constexpr int U = scale_unit<T>();
-  thread_local std::vector<KPanel<U>> decoded;
-  const int64_t nb = a.nb;
-  const int64_t block_panels = std::max<int64_t>(1, kDecodedBytes / (nb * int64_t(sizeof(KPanel<U>))));
+// The prefill kernels' loop over a thread's weight rows n0..n1 against all M
+// rows of x, into Y[m * ldy + n] (O: float or bf16): panels of kPanel weight
+// rows decoded (decode(n, rows, out): the panel at weight row n, nb blocks),
+// as many as fit kDecodedBytes, then kPrefillRows rows of x at a time against
+// each (rows(R, P, m, y): R rows from row m into y[R][kPanel], R a
+// compile-time constant, 1..kPrefillRows).
+template <typename Panel, typename O, typename Decode, typename Rows>
+void panel_loop(std::vector<Panel>& decoded, int64_t nb, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy,
+                Decode decode, Rows rows) {
+  const int64_t block_panels = std::max<int64_t>(1, kDecodedBytes / (nb * int64_t(sizeof(Panel))));
   if (int64_t(decoded.size()) < block_panels * nb) decoded.resize(block_panels * nb);
   alignas(64) float y[kPrefillRows * kPanel];
   for (int64_t nblk = n0; nblk < n1; nblk += kPanel * block_panels) {
     const int64_t panels = std::min<int64_t>(block_panels, (n1 - nblk + kPanel - 1) / kPanel);
     for (int64_t j = 0; j < panels; ++j) {
       const int64_t n = nblk + kPanel * j;
-      kdecode_panel<T>(W + n * bytes, bytes, int(std::min<int64_t>(kPanel, n1 - n)), nb, decoded.data() + j * nb);
+      decode(n, int(std::min<int64_t>(kPanel, n1 - n)), decoded.data() + j * nb);
     }
     for (int64_t m = 0; m < M; m += kPrefillRows) {
       const int r = int(std::min<int64_t>(kPrefillRows, M - m));
       for (int64_t j = 0; j < panels; ++j) {
-        const KPanel<U>* P = decoded.data() + j * nb;
+        const Panel* P = decoded.data() + j * nb;
         switch (r) {
-          case 6: kpanel_rows<U, 6>(P, a, m, y); break;
-          case 5: kpanel_rows<U, 5>(P, a, m, y); break;
-          case 4: kpanel_rows<U, 4>(P, a, m, y); break;
-          case 3: kpanel_rows<U, 3>(P, a, m, y); break;
-          case 2: kpanel_rows<U, 2>(P, a, m, y); break;
-          default: kpanel_rows<U, 1>(P, a, m, y); break;
+          case 6: rows(std::integral_constant<int, 6>{}, P, m, y); break;
+          case 5: rows(std::integral_constant<int, 5>{}, P, m, y); break;
+          case 4: rows(std::integral_constant<int, 4>{}, P, m, y); break;
+          case 3: rows(std::integral_constant<int, 3>{}, P, m, y); break;
+          case 2: rows(std::integral_constant<int, 2>{}, P, m, y); break;
+          default: rows(std::integral_constant<int, 1>{}, P, m, y); break;
         }
         const int64_t n = nblk + kPanel * j, cols = std::min<int64_t>(kPanel, n1 - n);
         for (int k = 0; k < r; ++k)
@@ -183,6 +185,18 @@ void prefill_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int
       }
     }
   }
+}
+
+// Weight rows n0..n1 (bytes each) against all M rows of a, into y[m * ldy + n] (O: float or bf16).
+template <int T, typename O>
+void prefill_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                  int64_t ldy) {
+  constexpr int U = scale_unit<T>();
+  thread_local std::vector<KPanel<U>> decoded;
+  const int64_t nb = a.nb;
+  panel_loop(decoded, nb, M, n0, n1, Y, ldy,
+             [&](int64_t n, int rows, KPanel<U>* out) { kdecode_panel<T>(W + n * bytes, bytes, rows, nb, out); },
+             [&](auto R, const KPanel<U>* P, int64_t m, float* y) { kpanel_rows<U, decltype(R)::value>(P, a, m, y); });
 }
 
 // The 32-value-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) the same way: a
@@ -261,33 +275,9 @@ void prefill_rows32(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, i
       start[ai] = v;
     }
   }
-  const int64_t block_panels = std::max<int64_t>(1, kDecodedBytes / (nb * int64_t(sizeof(BPanel))));
-  if (int64_t(decoded.size()) < block_panels * nb) decoded.resize(block_panels * nb);
-  alignas(64) float y[kPrefillRows * kPanel];
-  for (int64_t nblk = n0; nblk < n1; nblk += kPanel * block_panels) {
-    const int64_t panels = std::min<int64_t>(block_panels, (n1 - nblk + kPanel - 1) / kPanel);
-    for (int64_t j = 0; j < panels; ++j) {
-      const int64_t n = nblk + kPanel * j;
-      bdecode_panel<T>(W + n * bytes, bytes, int(std::min<int64_t>(kPanel, n1 - n)), nb, decoded.data() + j * nb);
-    }
-    for (int64_t m = 0; m < M; m += kPrefillRows) {
-      const int r = int(std::min<int64_t>(kPrefillRows, M - m));
-      for (int64_t j = 0; j < panels; ++j) {
-        const BPanel* P = decoded.data() + j * nb;
-        switch (r) {
-          case 6: bpanel_rows<T, 6>(P, a, start.data(), m, y); break;
-          case 5: bpanel_rows<T, 5>(P, a, start.data(), m, y); break;
-          case 4: bpanel_rows<T, 4>(P, a, start.data(), m, y); break;
-          case 3: bpanel_rows<T, 3>(P, a, start.data(), m, y); break;
-          case 2: bpanel_rows<T, 2>(P, a, start.data(), m, y); break;
-          default: bpanel_rows<T, 1>(P, a, start.data(), m, y); break;
-        }
-        const int64_t n = nblk + kPanel * j, cols = std::min<int64_t>(kPanel, n1 - n);
-        for (int k = 0; k < r; ++k)
-          for (int64_t c = 0; c < cols; ++c) Y[(m + k) * ldy + n + c] = O(y[k * kPanel + c]);
-      }
-    }
-  }
+  panel_loop(decoded, nb, M, n0, n1, Y, ldy,
+             [&](int64_t n, int rows, BPanel* out) { bdecode_panel<T>(W + n * bytes, bytes, rows, nb, out); },
+             [&](auto R, const BPanel* P, int64_t m, float* y) { bpanel_rows<T, decltype(R)::value>(P, a, start.data(), m, y); });
 }
 
 // From how many rows of x dots() takes the prefill kernels, by block size (32
