@@ -450,10 +450,8 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
-        tp, head = self.parallel.tensor_parallel_size, self.speculative and self.speculative.method == "head"
-        refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
-                    f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
-                   *self._refused_over_ranks("stages", ("ngram", "suffix", "auto", "head")),
+        head = self.speculative and self.speculative.method == "head"
+        refused = [*self._refused_over_ranks("stages", ("ngram", "suffix", "auto", "head")),
                    (head and bool(self.kv_transfer.kv_transfer_address),
                     "speculative method 'head' and a KV transfer (--kv-transfer-address)")]
         for bad, what in refused:
