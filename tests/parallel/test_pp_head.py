@@ -96,11 +96,13 @@ def test_draft_head_over_two_stages_keeps_plain_output(case, tree, micro_batches
         llm.engine.core.close()
 
 
-def test_auto_with_a_head_over_two_stages_keeps_plain_output(case):
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2-pp2"])
+def test_auto_with_a_head_over_two_stages_keeps_plain_output(case, tp):
     """Method auto picks per request among suffix, n-gram and the head: the
     last stage drafts ahead for every request, but only the requests rank
     0's scheduler gave the head take its drafts (and are verified against
-    their q); the others verify the scheduler's own drafts."""
+    their q); the others verify the scheduler's own drafts. At TP 2 x PP 2
+    the last stage's two ranks take auto's choice with the step alike."""
     target, head, greedy, _ = case
     rng = random.Random(5)
     # The repeated prompts find suffix / n-gram drafts; text with no repeats leaves them none: the head's.
@@ -110,7 +112,7 @@ def test_auto_with_a_head_over_two_stages_keeps_plain_output(case):
         fresh_greedy = [r.outputs[0].token_ids for r in plain.generate(fresh, GREEDY)]
     finally:
         plain.engine.core.close()
-    llm = _llm(target, head, spec={"method": "auto"})
+    llm = _llm(target, head, spec={"method": "auto"}, tensor_parallel_size=tp)
     try:
         scheduler = llm.engine.core.scheduler
         auto = scheduler.proposer
