@@ -450,12 +450,12 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
-        tp, head = self.parallel.tensor_parallel_size, self.speculative and self.speculative.method == "head"
-        refused = [(tp > 1 and bool(self.kv_transfer.kv_transfer_address),
-                    f"tensor_parallel_size {tp} and a KV transfer (--kv-transfer-address)"),
-                   *self._refused_over_ranks("stages", ("ngram", "suffix", "auto", "head")),
-                   (head and bool(self.kv_transfer.kv_transfer_address),
-                    "speculative method 'head' and a KV transfer (--kv-transfer-address)")]
+        spec = self.speculative  # a head (alone or among auto's choices) ships its hidden state over P/D
+        head = "" if spec is None else {"head": "head", "auto": "" if spec.model is None else "auto+head"}.get(
+            spec.method, "")
+        refused = [*self._refused_over_ranks("stages", ("ngram", "suffix", "auto", "head", "auto+head")),
+                   (bool(head and self.kv_transfer.kv_transfer_address),
+                    f"speculative method {head!r} and a KV transfer (--kv-transfer-address)")]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "

@@ -236,10 +236,8 @@ def test_a_model_shallower_than_the_stages_is_refused_before_any_stage_starts(ll
 
 
 @pytest.mark.parametrize("extra, what", [
-    ({"tensor_parallel_size": 2, "kv_transfer_address": "tcp://127.0.0.1:9"},
-     "tensor_parallel_size 2 and a KV transfer"),
     # A KV store (with -tp too), swap space and --kv-connector run: test_pp_tiers.py, test_pp_levers.py,
-    # test_tp_pp_levers.py
+    # test_tp_pp_levers.py; a KV transfer with -tp too: test_pd_tp_pp.py
     ({"speculative": {"method": "draft", "model": "/nonexistent"}}, "speculative method 'draft'"),
     ({"deterministic": True}, "deterministic"),
 ])

@@ -7,10 +7,13 @@ plain decoding's and HF transformers', drafts accepted, with paths and
 trees, one micro-batch and two; seeded sampling equals plain seeded
 sampling, and unseeded sampling's logprobs are the target's (its drafts
 verified against the q they were drawn from, which never leaves the last
-stage); the same at TP 2 x PP 2."""
+stage); the same at TP 2 x PP 2. Method auto with the head among its
+choices keeps plain greedy output at PP 2, the head drafting for the
+requests auto gave it and suffix or n-gram for the others."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -93,12 +96,54 @@ def test_draft_head_over_two_stages_keeps_plain_output(case, tree, micro_batches
         llm.engine.core.close()
 
 
-@pytest.mark.parametrize("args, what", [
-    (["-pp", "2", "--kv-transfer-address", "tcp://127.0.0.1:0"],
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2-pp2"])
+def test_auto_with_a_head_over_two_stages_keeps_plain_output(case, tp):
+    """Method auto picks per request among suffix, n-gram and the head: the
+    last stage drafts ahead for every request, but only the requests rank
+    0's scheduler gave the head take its drafts (and are verified against
+    their q); the others verify the scheduler's own drafts. At TP 2 x PP 2
+    the last stage's two ranks take auto's choice with the step alike."""
+    target, head, greedy, _ = case
+    rng = random.Random(5)
+    # The repeated prompts find suffix / n-gram drafts; text with no repeats leaves them none: the head's.
+    fresh = [rng.sample(range(3, 380), 12) for _ in range(2)]
+    plain = LLM(model=target, **ENGINE)
+    try:
+        fresh_greedy = [r.outputs[0].token_ids for r in plain.generate(fresh, GREEDY)]
+    finally:
+        plain.engine.core.close()
+    llm = _llm(target, head, spec={"method": "auto"}, tensor_parallel_size=tp)
+    try:
+        scheduler = llm.engine.core.scheduler
+        auto = scheduler.proposer
+        assert auto.has_head and llm.engine.core.runner.head_requests is auto.head_requests
+        head_accepted, rollback = [], scheduler._rollback_drafts
+
+        def noting(request, drafts: list[int], sampled: list[int]) -> None:
+            if drafts and request.request_id in auto.head_requests:  # the step's choice, until the next proposal
+                head_accepted.append(len(sampled) - 1)
+            rollback(request, drafts, sampled)
+
+        scheduler._rollback_drafts = noting
+        assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS + fresh, GREEDY)] == greedy + fresh_greedy
+        assert auto.num_chosen["head"] > 0 and auto.num_chosen["suffix"] + auto.num_chosen["ngram"] > 0, \
+            auto.num_chosen
+        assert sum(head_accepted) > 0, head_accepted  # the head's own drafts held, not only the scheduler's
+        stats = llm.engine.stats()
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.core.close()
+
+
+@pytest.mark.parametrize("method, args, what", [
+    ("head", ["-pp", "2", "--kv-transfer-address", "tcp://127.0.0.1:0"],
      r"speculative method 'head' and a KV transfer \(--kv-transfer-address\)"),
+    ("auto", ["-pp", "2", "--kv-transfer-address", "tcp://127.0.0.1:0"],
+     r"speculative method 'auto\+head' and a KV transfer \(--kv-transfer-address\)"),
 ])
-def test_what_the_head_over_stages_does_not_run_with_is_refused_in_one_line(args, what):
-    spec = json.dumps({"method": "head", "model": str(EMBEDDED_DRAFT_HEAD)})
+def test_what_the_head_over_stages_does_not_run_with_is_refused_in_one_line(method, args, what):
+    spec = json.dumps({"method": method, "model": str(EMBEDDED_DRAFT_HEAD)})
     done = subprocess.run([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", "tcp://127.0.0.1:0",
                            *args, "--speculative-config", spec], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -15,22 +15,17 @@ TP rank r % 2), through the offline LLM API on tiny models:
   files): its worker half runs on all four ranks, each saving and loading
   its heads of its stage's layers; a block with one rank's part missing is
   not loaded.
-- Speculation the stages cannot run (the draft head) is refused at start in
-  one line naming the flag.
+
+Method auto with a draft head over stages: tests/parallel/test_pp_head.py.
 """
 from __future__ import annotations
 
-import json
 import random
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import EMBEDDED_DRAFT_HEAD
 from kvferry.kvstore.client import KVStoreClient
 from kvferry.model.layers.gguf import GGUFLinearMethod
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
@@ -137,19 +132,6 @@ def test_gguf_blocks_over_tp_and_pp(gguf):
     one = _gguf_run(gguf, {})
     both = _gguf_run(gguf, TP_PP, check=_rank0_holds_its_slice_of_its_layers)
     _assert_agrees(one, both, "gguf tp2 pp2", LOGPROB_ATOL)
-
-
-@pytest.mark.parametrize("spec, what", [({"method": "auto"}, r"'auto\+head'")])
-def test_auto_with_a_draft_head_over_stages_is_refused_at_start_naming_the_flag(spec, what):
-    # Method head runs over stages (tests/parallel/test_pp_head.py); auto's choice of it per request does not yet.
-    spec = json.dumps({**spec, "model": str(EMBEDDED_DRAFT_HEAD)})
-    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "-pp", "2", "--port", "0",
-                           "--speculative-config", spec], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    [line] = [x for x in done.stderr.splitlines() if "does not work" in x]
-    assert re.search(f"pipeline_parallel_size 2 does not work with speculative method {what} "
-                     r"\(ngram, suffix, auto, head work\) from --speculative-config yet", line), line
-
 
 
 def _parts(files: set) -> dict[str, list]:

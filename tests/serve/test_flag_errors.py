@@ -119,12 +119,12 @@ BAD: dict[str, list[list[str]]] = {
     "--prefill-tp": [["0", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"]],
     "--decode-tp": [["-1", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"],
                     ["4", "--mode", "disagg", "--kv-dram-gb", "1"]],  # KV tiers with TP: refused yet
-    # 0 stages; 3: the model has only 2 layers; 2 without --mode disagg; TP and PP in one pool: refused yet;
-    # KV tiers over stages: refused yet
+    # 0 stages; 3: the model has only 2 layers; 2 without --mode disagg; KV tiers over stages: refused yet;
+    # a pool of TP and PP: its TP must split the heads (3 does not), and under Ray its ranks are packed
     "--prefill-pp": [["0", "--mode", "disagg"], ["3", "--mode", "disagg"], ["2"],
-                     ["2", "--mode", "disagg", "--prefill-tp", "2"]],
+                     ["2", "--mode", "disagg", "--prefill-tp", "2", "--ray", "auto", "--ray-rank-placement", "spread"]],
     "--decode-pp": [["-1", "--mode", "disagg"], ["2"], ["2", "--mode", "disagg", "--kv-dram-gb", "1"],
-                    ["2", "--mode", "disagg", "-tp", "2"]],
+                    ["2", "--mode", "disagg", "--decode-tp", "3"]],
     "--worker": [["garbage"]],
     "--engine-cpus": [["abc"], ["9999"]],
     "--ttft-slo-ms": [["-5"]],

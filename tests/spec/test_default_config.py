@@ -67,9 +67,10 @@ def test_the_default_stays_on_over_ranks_and_stages():
 
 
 def test_an_explicit_config_keeps_its_error():
-    with pytest.raises(ValueError, match=r"speculative method 'auto\+head' \(ngram, suffix, auto, head work\)"):
+    # auto with a head runs over stages, but not beside a KV transfer yet: the default leaves the head out there.
+    with pytest.raises(ValueError, match=r"speculative method 'auto\+head' and a KV transfer"):
         EngineArgs(speculative=json.dumps({"method": "auto", "model": str(EMBEDDED_DRAFT_HEAD)}),
-                   pipeline_parallel_size=2).create_engine_config()
+                   pipeline_parallel_size=2, kv_transfer_address="tcp://127.0.0.1:0").create_engine_config()
 
 
 def test_the_commands_flag_defaults_to_default_and_llm_to_off():

@@ -34,7 +34,9 @@ Pipeline parallelism (``stage``: this stage's layers of the model's): every
 stage runs its own agent over its layers and sends them under the model's
 layer numbers; stage 0 sends the Done (``num_ranks``: every sender) and
 alone receives, into every stage's pool (``StageLayers.receive_layers``;
-kvferry.engine.kv_connector.stage_transfer).
+kvferry.engine.kv_connector.stage_transfer). With both, each of the
+``T x P`` ranks sends its heads of its stage's layers, and stage 0's TP
+rank 0 leads: it sends the Done and receives into every rank's pool.
 
 Leases: a prefill core reports ``finished_sending`` (its blocks are freed)
 on the decode core's acknowledgement, or ``lease_s`` after it first sent,
@@ -68,8 +70,9 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StageLayers:
     """A pipeline stage's place in the transfer: stage ``rank`` of ``size``
-    holds layers ``[start, end)`` of the model's ``num_layers``; on stage 0,
-    ``receive_layers``: every stage's pool layers in order (in shared memory),
+    holds layers ``[start, end)`` of the model's ``num_layers``; on stage 0
+    (its TP rank 0), ``receive_layers``: per TP rank of a stage, that rank's
+    pool layers of every stage in the model's order (in shared memory),
     which its receiver fills."""
 
     rank: int
@@ -77,7 +80,7 @@ class StageLayers:
     start: int
     end: int
     num_layers: int = 0  # the model's (0: end)
-    receive_layers: list[torch.Tensor] | None = None
+    receive_layers: list[list[torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         self.num_layers = self.num_layers or self.end
@@ -160,10 +163,12 @@ class KVTransferAgent:
         self.receiver: KVReceiver | None = None
         self.address = ""
         if self.leads:
-            layers = self.stage.receive_layers if self.stage.receive_layers is not None else kv_cache
+            layers, ranks = kv_cache, [p.tensor for p in self.rank_pools]
+            if self.stage.receive_layers is not None:  # every stage's layers, per TP rank
+                layers, *ranks = self.stage.receive_layers
             self.receiver = KVReceiver(layers, config.kv_transfer_address, draft_kv_cache=draft_kv_cache,
                                        speculative=speculative, bind_any=config.kv_transfer_bind_any,
-                                       rank_pools=[p.tensor for p in self.rank_pools])
+                                       rank_pools=ranks)
             self.address = self.receiver.address
         self.shm_name = pool.name if pool is not None else ""
         self._ctx = zmq.Context.instance()

@@ -321,9 +321,11 @@ class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor | list[torch.Tensor], address: str, grace_s: float = 0.5,
                  draft_kv_cache: torch.Tensor | None = None, speculative: str = "",
                  token: bytes | None = None, bind_any: bool = False,
-                 rank_pools: list[torch.Tensor] | None = None) -> None:
+                 rank_pools: list[torch.Tensor] | list[list[torch.Tensor]] | None = None) -> None:
         """``rank_pools``: the pools of this core's tensor-parallel ranks
-        1..N-1 (``kv_cache`` is rank 0's), each as ``kv_cache``. ``address``: tcp://HOST:PORT (port 0 or *: a free one) or
+        1..N-1 (``kv_cache`` is rank 0's), each as ``kv_cache`` (a core of
+        pipeline stages too: each rank's layers of every stage, in order).
+        ``address``: tcp://HOST:PORT (port 0 or *: a free one) or
         ipc://PATH. The socket binds to HOST's interface only; a wildcard
         HOST (0.0.0.0, ::, *) is refused unless ``bind_any``, which binds
         every interface and advertises HOST (this host's name for a

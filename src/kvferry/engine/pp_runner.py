@@ -147,7 +147,7 @@ class StageRunner(ModelRunner):
         leader = self.tp_leader  # rank 0's PPLeader (None on the other stages)
         if leader is not None:
             sched = self._with_drafts(sched)
-            leader.publish(sched)
+            leader.publish(sched, self.head_requests)
         self.steps_run += 1
         if self.connector is not None:
             self.connector.step = None  # begin_step's, if this step streams KV
@@ -184,7 +184,12 @@ class StageRunner(ModelRunner):
     # Rank 0 writes them into the slots its scheduler reserved (a prefix
     # where it reserved fewer) and every stage gets them with the step, as
     # the scheduler's own drafts. Sampling's state stays on the last stage,
-    # which verifies: a draft's distribution q never travels.
+    # which verifies: a draft's distribution q never travels. Under method
+    # auto (``head_requests``: rank 0's scheduler names the requests it gave
+    # the head this step, and every stage gets them with the step) only those
+    # requests' slots take the head's drafts; the others keep the scheduler's
+    # suffix or n-gram drafts, verified as such. The last stage still drafts
+    # ahead for every request: auto chooses the next step's method after it.
     def _sampled_in_step(self, sched: SchedulerOutput, out: RunnerOutput) -> dict[str, list[int]]:
         """This step's sampled tokens. With -tp the last stage's ranks draft
         together (the head's lookups and logits are their collectives) before
@@ -241,6 +246,8 @@ class StageRunner(ModelRunner):
             return sched
         spec, trees = dict(sched.spec_token_ids), dict(sched.spec_tree_parents)
         for rid, reserved in sched.spec_token_ids.items():
+            if self.head_requests is not None and rid not in self.head_requests:
+                continue  # method auto gave it suffix or n-gram drafts: the scheduler's, as they are
             made, k = drafts.get(rid), len(reserved)
             if not made or (rid in parents and len(made) < k):
                 continue
@@ -260,6 +267,8 @@ class StageRunner(ModelRunner):
         proposals = {}
         for rid, drafts in sched.spec_token_ids.items():
             made = ahead.get(rid)
+            if self.head_requests is not None and rid not in self.head_requests:
+                continue  # method auto's suffix or n-gram drafts: no distribution of the head's
             if made is not None and made.parents is None and made.token_ids[:len(drafts)] == drafts:
                 proposals[rid] = Proposal(drafts, None if made.probs is None else made.probs[:len(drafts)])
         return sched.spec_token_ids, proposals, []

@@ -225,10 +225,13 @@ class PPLeader(RankProcesses):
         return ranks_of(self._procs, self.threads)
 
     # -- steps ---------------------------------------------------------------------
-    def publish(self, sched: SchedulerOutput) -> None:
-        """The step to every stage, with the tokens sampled in the step before."""
+    def publish(self, sched: SchedulerOutput, head_requests: set[str] | None = None) -> None:
+        """The step to every stage, with the tokens sampled in the step before
+        and, under method auto with a draft head, the requests whose draft
+        slots are the head's this step (the last stage verifies those against
+        its drafts' distributions; the others are the scheduler's drafts)."""
         self.check()
-        self._send((sched, self._last_sampled))
+        self._send((sched, self._last_sampled, None if head_requests is None else set(head_requests)))
         self._last_sampled = {}
 
     def receive_output(self, step: int, timeline: list[tuple[int, float, float]]) -> RunnerOutput:

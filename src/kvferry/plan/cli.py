@@ -39,7 +39,7 @@ from kvferry.bench.workloads import BenchError
 from kvferry.plan.afd import DEFAULT_SHAPES, AFDStepCost, afd_hardware, parse_afd_shapes, profile_moe_fits
 from kvferry.plan.hardware import Hardware, load_hardware, pick, profile_device, profile_weight_format
 from kvferry.plan.latency import KVTransferModel, PlanError, StepCostModel, check_profile_fits, profile_handover_s
-from kvferry.plan.layouts import layout_hardware, serves_disaggregated
+from kvferry.plan.layouts import layout_hardware
 from kvferry.plan.workload import make_bench_sessions, session_requests, trace_requests
 
 SIM_WORKLOADS = ("random", "shared-prefix")
@@ -484,26 +484,15 @@ def plan_pools(args: argparse.Namespace):
                         profile_device(args.profile), weight_format=profile_weight_format(args.profile))
         layouts = layout_hardware(only, args.allow_poor_fit)  # one per (TP, PP) the profile measured
         units = _afd_units(args, layouts)
-        pd = _disaggregated(layouts, layouts)
-        return Pools(list(layouts) + units, pd, pd + units)
+        return Pools(list(layouts) + units, list(layouts), list(layouts) + units)
     hardware = [lay for hw in load_hardware(args.hardware, args.allow_poor_fit)
                 for lay in layout_hardware(hw, args.allow_poor_fit)]
     colocated = ([] if (args.colocated_hardware or "").strip().lower() == "none"
                  else pick(hardware, args.colocated_hardware, "--colocated-hardware"))
-    decode = _disaggregated(pick(hardware, args.decode_hardware, "--decode-hardware"), colocated)
-    prefill = _disaggregated(pick(hardware, args.prefill_hardware, "--prefill-hardware"), colocated)
+    # Every layout serves every pool: a prefill or decode pool runs TP x PP as a colocated core does.
+    decode = pick(hardware, args.decode_hardware, "--decode-hardware")
+    prefill = pick(hardware, args.prefill_hardware, "--prefill-hardware")
     return Pools(colocated + _afd_units(args, colocated), prefill, decode + _afd_units(args, decode))
-
-
-def _disaggregated(hardware: list[Hardware], colocated: list[Hardware]) -> list[Hardware]:
-    """The layouts a prefill or decode pool may run (TP or PP, not both:
-    layouts.serves_disaggregated); none left, with no colocated pool to
-    plan either, is a one-line error."""
-    out = [h for h in hardware if serves_disaggregated(h)]
-    if hardware and not out and not colocated:
-        raise ValueError(f"{', '.join(h.name for h in hardware)}: a prefill/decode pool runs TP or PP, not both, "
-                         "for now; plan colocated instances for a TP x PP layout (--colocated-hardware)")
-    return out
 
 
 def _afd_units(args: argparse.Namespace, hardware: list[Hardware]) -> list[Hardware]:

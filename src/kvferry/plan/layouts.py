@@ -24,7 +24,6 @@ stays one hardware under its own name, as before.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -72,14 +71,6 @@ def layout_hardware(hw: Hardware, allow_poor_fit: bool = False) -> list[Hardware
         raise PlanError(f"--profile: cannot read {hw.profile}: {e.strerror}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise PlanError(f"--profile: {hw.profile}: its layouts are not a kvferry profile's: {e}") from None
-
-
-def serves_disaggregated(hw: Hardware) -> bool:
-    """Whether a prefill or decode pool may run ``hw``'s layout: TP or PP,
-    not both (``serve --mode disagg`` refuses a pool of both for now; a
-    colocated core runs them together)."""
-    m = re.fullmatch(r"tp(\d+)pp(\d+)", hw.layout or "")
-    return m is None or int(m[1]) == 1 or int(m[2]) == 1
 
 
 def units(n: int, hw: Hardware) -> float:

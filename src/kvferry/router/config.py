@@ -126,17 +126,10 @@ class RouterConfig:
 
 
 def check_pool_tp(mode: str, prefill_tp: object, decode_tp: object, prefill_pp: object = None,
-                  decode_pp: object = None, engine_tp: object = 1, engine_pp: object = 1) -> None:
+                  decode_pp: object = None) -> None:
     """--prefill-tp / --decode-tp / --prefill-pp / --decode-pp: integers >= 1,
-    in disagg mode only, and one of TP and PP above 1 per pool, a pool's own
-    or else the engine's ``-tp`` / ``-pp`` (ValueError naming the flag): the
-    KV transfer does not run over a core of both yet (colocated, one does)."""
-    for role, tp, pp in (("prefill", prefill_tp, prefill_pp), ("decode", decode_tp, decode_pp)):
-        tp = engine_tp if tp is None and mode == "disagg" else tp
-        pp = engine_pp if pp is None and mode == "disagg" else pp
-        if isinstance(tp, int) and isinstance(pp, int) and tp > 1 and pp > 1:
-            raise ValueError(f"--{role}-tp {tp} with --{role}-pp {pp} (or -tp/-pp): a prefill/decode pool runs "
-                             "tensor or pipeline parallelism, not both, for now")
+    in disagg mode only (ValueError naming the flag). A pool may run both
+    TP and PP, as a colocated core does (engine/kv_connector/stage_transfer.py)."""
     for flag, value in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp), ("--prefill-pp", prefill_pp),
                         ("--decode-pp", decode_pp)):
         if value is None:

@@ -51,8 +51,7 @@ def check_serve_args(args: argparse.Namespace, engine_args: EngineArgs, local_co
     _expert_parallel(args, engine_args)
     _kv_connector(engine_args.kv_connector)
     check_pool_tp(getattr(args, "mode", "colocated"), getattr(args, "prefill_tp", None),
-                  getattr(args, "decode_tp", None), getattr(args, "prefill_pp", None), getattr(args, "decode_pp", None),
-                  engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)
+                  getattr(args, "decode_tp", None), getattr(args, "prefill_pp", None), getattr(args, "decode_pp", None))
     _spread_tp_pp(args, engine_args)
     if not local_cores:
         return
@@ -184,12 +183,19 @@ def _tensor_parallel(engine_args: EngineArgs) -> None:
 
 def _spread_tp_pp(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     """TP x PP under --ray places a core's ranks on its node only (each
-    stage's sums would need a tcp hub of its own on other nodes)."""
-    tp, pp = engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size
-    if (getattr(args, "ray", None) and getattr(args, "ray_rank_placement", "pack") == "spread"
-            and isinstance(tp, int) and isinstance(pp, int) and tp > 1 and pp > 1):
-        raise ValueError(f"--ray-rank-placement spread with -tp {tp} -pp {pp}: a core of both places its ranks "
-                         "on one node for now (give --ray-rank-placement pack)")
+    stage's sums would need a tcp hub of its own on other nodes): the
+    engine's cores, or with --mode disagg a pool's (its own --*-tp / --*-pp)."""
+    if not getattr(args, "ray", None) or getattr(args, "ray_rank_placement", "pack") != "spread":
+        return
+    layouts = [(engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)]
+    if getattr(args, "mode", "colocated") == "disagg":
+        layouts = [(tp if tp is not None else layouts[0][0], pp if pp is not None else layouts[0][1])
+                   for tp, pp in ((getattr(args, f"{role}_tp", None), getattr(args, f"{role}_pp", None))
+                                  for role in ("prefill", "decode"))]
+    for tp, pp in layouts:
+        if isinstance(tp, int) and isinstance(pp, int) and tp > 1 and pp > 1:
+            raise ValueError(f"--ray-rank-placement spread with -tp {tp} -pp {pp}: a core of both places its "
+                             "ranks on one node for now (give --ray-rank-placement pack)")
 
 
 def _expert_parallel(args: argparse.Namespace, engine_args: EngineArgs) -> None:

@@ -33,8 +33,12 @@ import torch
 from kvferry.core.outputs import KVOrders
 from kvferry.disagg.blocks import SharedKVPool, rank_pool_name
 from kvferry.engine.kv_connector.base import KVCompletions, KVConnectorWorker
-from kvferry.engine.kv_connector.stage_transfer import stage_pool_name
 from kvferry.parallel.pipeline import PPStage, pp_layer_range
+
+
+def stage_pool_name(base: str, stage: int) -> str:
+    """Stage ``stage``'s pool segment (stage 0's is ``base``)."""
+    return base if stage == 0 else f"{base}-stage{stage}"
 
 
 def tp_stage_pool_name(base: str, stage: int, tp_rank: int = 0) -> str:
@@ -71,6 +75,16 @@ class StagePools:
         self.kv_cache = self.pool.tensor
         # On the creator: every other rank's pool, in rank order (stage 0's TP ranks 1.., then stage 1's ...).
         self.stage_caches = [p.tensor for p in self.others]
+
+    def rank_layers(self) -> list[list[torch.Tensor]]:
+        """On the creator: per TP rank t, its pool layers of every stage in the
+        model's layer order (stage 0's TP rank t's, then stage 1's ...), each
+        ``[2, blocks, block_size, kv_heads / T, head_dim]``: where a layer's
+        heads land, whichever stage and TP rank hold them."""
+        pools = [self.kv_cache, *self.stage_caches]  # rank r = stage x T + TP rank
+        num_stages = len(pools) // self.tp_size
+        return [[layer for s in range(num_stages) for layer in pools[s * self.tp_size + t]]
+                for t in range(self.tp_size)]
 
     def close(self) -> None:
         self.kv_cache, self.stage_caches = None, []

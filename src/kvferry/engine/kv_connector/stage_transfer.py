@@ -1,24 +1,32 @@
-"""Prefill/decode transfer over a pipeline-parallel core's stages.
+"""Prefill/decode transfer over a pipeline-parallel core's stages (and,
+with ``-tp T`` too, each stage's T tensor-parallel ranks).
 
-Each stage holds only its layers' KV (``engine/pp_runner.py``). With a KV
-transfer every stage's pool goes into shared memory: stage 0 creates them
-all (``stage_pool_name``: stage s's is stage 0's name with ``-stage{s}``,
-so the segments go with stage 0's process) and each later stage maps its
-own, named in the pool shape rank 0 sends it (``tp_ranks.RunnerShape``).
+Each stage holds only its layers' KV (``engine/pp_runner.py``), each of its
+TP ranks only its KV heads of them. With a KV transfer every rank's pool
+goes into shared memory: stage 0's TP rank 0 creates them all
+(``stage_pools.StagePools``: rank (s, t)'s segment is stage 0's name with
+``-stage{s}`` and ``-rank{t}``, so the segments go with rank 0's process)
+and every other rank maps its own, named in the pool shape rank 0 sends it
+(``tp_ranks.RunnerShape``).
 
-    prefill core, stages of A                       decode core, stages of B
-    stage s: layer i computed ─ layer start_s + i ─▶ stage 0's receiver: the model's layer j
-             (its own agent, its own links)          lands in the pool of the stage holding j
-    stage 0: the last stage's tokens ── Done ──────▶ (waits for every stage's chunks)
+    prefill core, stages of A (x T ranks)           decode core, stages of B (x U ranks)
+    rank (s, t): layer i computed ─ layer start_s + i, its heads per decode TP rank ─▶
+                 (its own agent, its own links)      rank (0, 0)'s receiver: the model's layer j,
+                                                     heads [h0, h1) land in the pool of the rank
+                                                     holding j and those heads
+    rank (0, 0): the last stage's tokens ── Done ──▶ (waits for every rank's chunks)
 
-Every stage sends the layers it holds as it computes them, numbered as the
-model's; stage 0 sends the Done once the last stage's tokens reach it, and
-it alone hears acknowledgements (its scheduler frees the blocks). On the
-decode side stage 0's receiver sees every stage's pool layers as one model,
-so a chunk of layer j lands in the stage that holds j, whatever the prefill
-core's split. A decode core of several stages announces no shared-memory
-name: senders write over tcp into stage 0's receiver, which copies each
-layer into its stage's pool.
+Every rank sends the layers it holds as it computes them, numbered as the
+model's, each cut into the heads each decode TP rank holds
+(``disagg.heads``: its TP rank against the decode core's TP size, whatever
+either side's stages); stage 0's TP rank 0 sends the Done once the last
+stage's tokens reach it, and it alone hears acknowledgements (its scheduler
+frees the blocks). On the decode side rank (0, 0)'s receiver sees, per TP
+rank, every stage's pool layers as one model, so a chunk of layer j, heads
+[h0, h1) lands in the stage that holds j, in the TP rank that holds those
+heads, whatever the prefill core's layout. A decode core of several stages
+announces no shared-memory name: senders write over tcp into rank (0, 0)'s
+receiver, which copies each piece into its rank's pool.
 """
 from __future__ import annotations
 
@@ -28,61 +36,49 @@ from kvferry.config import KVTransferConfig
 from kvferry.core.kv_connector import KVTransferSettings
 from kvferry.core.outputs import KVOrders
 from kvferry.disagg.agent import KVTransferAgent, StageLayers, StepTransfer
-from kvferry.disagg.blocks import SharedKVPool
 from kvferry.engine.kv_connector.disagg import PDTransferWorker
-from kvferry.parallel.pipeline import PPStage, pp_layer_range
-
-
-def stage_pool_name(base: str, stage: int) -> str:
-    """Stage ``stage``'s pool segment (stage 0's is ``base``)."""
-    return base if stage == 0 else f"{base}-stage{stage}"
+from kvferry.engine.kv_connector.stage_pools import StagePools
+from kvferry.model.layers.parallel import TPShard
+from kvferry.parallel.pipeline import PPStage
 
 
 class StageTransferWorker(PDTransferWorker):
-    """One stage's worker half: its pool in shared memory and its agent.
-    ``pool_name``: stage 0's segment (a later stage maps its own from it;
-    stage 0 passes "" and creates every stage's). ``step``: the step
-    transfer ``begin_step`` made last (the stage runner hands it to the
-    last micro-batch's layers)."""
+    """One rank's worker half: its pool in shared memory and its agent.
+    ``pool_name``: stage 0's segment (another rank maps its own from it;
+    stage 0's TP rank 0 passes "" and creates every rank's). ``shard``: this
+    rank of its stage's tensor-parallel group (None: one rank a stage).
+    ``step``: the step transfer ``begin_step`` made last (the stage runner
+    hands it to the last micro-batch's layers)."""
 
     def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, stage: PPStage, num_layers: int,
-                 pool_name: str = "") -> None:
-        shape, dtype = tuple(kv_cache.shape), kv_cache.dtype  # [stage layers, 2, blocks, bs, H, D]
-        self.others: list[SharedKVPool] = []
-        receive_layers = None
-        if stage.rank == 0:
-            pool = SharedKVPool.create(shape, dtype)
-            for s in range(1, stage.size):
-                start, end = pp_layer_range(num_layers, s, stage.size)
-                self.others.append(SharedKVPool.create((end - start, *shape[1:]), dtype,
-                                                       name=stage_pool_name(pool.name, s)))
-            receive_layers = [*pool.tensor, *(layer for p in self.others for layer in p.tensor)]
-        else:
-            pool = SharedKVPool.attach(stage_pool_name(pool_name, stage.rank), (shape[0], shape[1], *shape[3:]),
-                                       dtype)
-        self.pool_name = pool.name
+                 pool_name: str = "", shard: TPShard | None = None) -> None:
+        tp_rank, tp = (shard.rank, shard.size) if shard is not None else (0, 1)
+        self.pools = StagePools(kv_cache, stage, num_layers, pool_name, tp_rank, tp)
+        creator = stage.rank == 0 and tp_rank == 0  # it receives, into every rank's pool
+        self.pool_name = self.pools.pool_name
         self.config = config
-        self.tp_size = 1
-        self.agent = KVTransferAgent(pool.tensor, config, pool, stage=StageLayers(
-            stage.rank, stage.size, stage.start, stage.end, num_layers, receive_layers))
+        self.tp_size = tp
+        self.agent = KVTransferAgent(self.pools.kv_cache, config, None, tp_rank=tp_rank, tp_size=tp,
+                                     stage=StageLayers(stage.rank, stage.size, stage.start, stage.end, num_layers,
+                                                       self.pools.rank_layers() if creator else None))
         self.kv_cache = self.agent.kv_cache
         self.rank_caches = None
-        # For a node store beside it (stage_pools.py): the other stages' pools on stage 0.
-        self.stage_caches = [p.tensor for p in self.others]
+        # For a node store beside it (stage_pools.py): on the creator, every other rank's pool in rank order.
+        self.stage_caches = self.pools.stage_caches
         self.step: StepTransfer | None = None
 
     def settings(self) -> KVTransferSettings:
-        """No shared-memory name: a sender writes over tcp, stage 0's receiver
-        places each layer (one segment per stage, which no sender maps)."""
+        """No shared-memory name: a sender writes over tcp, rank (0, 0)'s
+        receiver places each piece (one segment per rank, which no sender
+        maps); the TP size, by which senders cut each layer's heads."""
         c = self.config
         return KVTransferSettings(self.agent.address, "", c.kv_transfer_timeout_s,
-                                  c.kv_transfer_failure == "recompute", tp_size=1)
+                                  c.kv_transfer_failure == "recompute", tp_size=self.tp_size)
 
     def begin_step(self, orders: KVOrders) -> StepTransfer | None:
         self.step = super().begin_step(orders)
         return self.step
 
     def close(self) -> None:
-        super().close()
-        for pool in self.others:
-            pool.close()
+        super().close()  # the agent's threads first: its sender reads the pool
+        self.pools.close()
