@@ -62,23 +62,32 @@ def read_into(path: Path, out: np.ndarray, offset: int, name: str) -> None:
         os.close(fd)
 
 
-class FileSlab:
-    """Some of a file's tensors, each at its offset from the first one's in
-    one huge-page mapping: tensors back to back in the file (llama.cpp's
-    ffn_gate and ffn_up; q and k) are back to back here, so a fused layer
-    stacks them as one view (quant.stack_rows), as it does over the mapped
-    file. A gap between them (a norm, a float tensor, the untied token
-    embedding) is never written, so never resident: the slab holds the
-    tensors' bytes alone, but for the 2 MiB pages they share with a gap."""
+class BlockSlab:
+    """Tensors of a file, packed in the given order into one huge-page
+    mapping. The caller puts a fused layer's shards back to back in row
+    order (q, k, v; gate, up), so the layer stacks them as one view
+    (quant.stack_rows) wherever they lie in the file: no stacked copy on
+    4 KiB pages beside the slab. Each run of tensors starts on a cache
+    line; ``runs``: the tensors as lists, each list packed without a gap."""
 
-    def __init__(self, path: Path, tensors: list[Any]) -> None:
+    ALIGN = 64
+
+    def __init__(self, path: Path, runs: list[list[Any]]) -> None:
         self.path = path
-        self.base = min((int(t.data_offset) for t in tensors), default=0)
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in tensors), default=0)
-        self.data = huge_pages.empty((end - self.base,), torch.uint8)
+        self._at: dict[str, int] = {}
+        end = 0
+        for run in runs:
+            end = -(-end // self.ALIGN) * self.ALIGN
+            for t in run:
+                self._at[t.name] = end
+                end += int(t.n_bytes)
+        self.data = huge_pages.empty((end,), torch.uint8)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._at
 
     def _slot(self, t: Any) -> torch.Tensor:
-        start = int(t.data_offset) - self.base
+        start = self._at[t.name]
         return self.data[start:start + int(t.n_bytes)]
 
     def read(self, t: Any) -> torch.Tensor:

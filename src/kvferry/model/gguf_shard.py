@@ -87,15 +87,17 @@ class BlockTensor:
             raise ValueError(f"GGUF tensor {self.name!r}: rows and columns are not sliced together")
         return self._columns(c0, c1)
 
-    def _empty(self, rows: int, row_bytes: int) -> np.ndarray:
+    def _empty(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """Room for ``rows`` rows: in the arena, a view of its chunk (so
+        slices read one after another stack as one view), else the heap."""
         if self.arena is None:
-            return np.empty((rows, row_bytes), dtype=np.uint8)
-        return self.arena.empty(rows * row_bytes).numpy().reshape(rows, row_bytes)
+            return torch.empty((rows, row_bytes), dtype=torch.uint8)
+        return self.arena.empty(rows * row_bytes).view(rows, row_bytes)
 
-    def _read(self, first_row: int, rows: int) -> np.ndarray:
+    def _read(self, first_row: int, rows: int) -> torch.Tensor:
         rb = self.row_bytes
         out = self._empty(rows, rb)
-        gguf_memory.read_into(self.path, out, self.offset + first_row * rb, self.name)
+        gguf_memory.read_into(self.path, out.numpy(), self.offset + first_row * rb, self.name)
         return out
 
     def _rows(self, start: int, stop: int) -> QuantizedWeight:
@@ -104,7 +106,7 @@ class BlockTensor:
             rb = self.row_bytes
             view = self.mapped[self.offset + start * rb:self.offset + stop * rb]
             return QuantizedWeight.from_blocks(self.name, self.kind, view, shape)
-        data = torch.from_numpy(self._read(start, stop - start))
+        data = self._read(start, stop - start)
         if self.heads is not None:
             # Whole heads (the split is by heads), each unpermuted within itself.
             per_head = self.out_features // self.heads
@@ -121,7 +123,8 @@ class BlockTensor:
             raise ValueError(problem)
         fmt = block_format(self.kind)
         b0, b1, rb = start // fmt.block * fmt.bytes, stop // fmt.block * fmt.bytes, self.row_bytes
-        out = self._empty(self.out_features, b1 - b0)
+        held = self._empty(self.out_features, b1 - b0)
+        out = held.numpy()
         # Each row's slice is read straight into ``out`` by one scatter read per many rows, the
         # other columns into one small scratch row: no temporary of the tensor's size, which
         # the allocator would keep as resident free memory after loading.
@@ -136,8 +139,7 @@ class BlockTensor:
                     raise ValueError(f"GGUF {self.path.name}: tensor {self.name!r} is truncated")
         finally:
             os.close(fd)
-        return QuantizedWeight.from_blocks(self.name, self.kind, torch.from_numpy(out),
-                                           (self.out_features, stop - start))
+        return QuantizedWeight.from_blocks(self.name, self.kind, held, (self.out_features, stop - start))
 
 
 def split_problem(name: str, kind: str, in_features: int, start: int, stop: int) -> str | None:

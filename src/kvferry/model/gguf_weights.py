@@ -191,9 +191,9 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any], quantized
         yield from _lazy_weights(path, reader, config, quantized, huge)
         return
     views = mapped_tensors(reader, config, quantized)
-    held = _slab_tensors(reader, quantized) if huge else []
-    slab = gguf_memory.FileSlab(path, held) if held else None
-    in_slab = {t.name for t in held}
+    runs = _slab_runs(reader, quantized) if huge else []
+    slab = gguf_memory.BlockSlab(path, runs) if runs else None
+    in_slab = {t.name for run in runs for t in run}
     file = map_file(path) if views - in_slab else None
     for t in reader.tensors:
         if moe_convert.is_moe_tensor(t.name):  # experts (one weight per expert), router, shared expert
@@ -221,13 +221,28 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any], quantized
             yield name, gguf_convert.float_tensor(t.name, _read(path, t), t.tensor_type, t.shape, config, arch)
 
 
-def _slab_tensors(reader: Any, quantized: set[str]) -> list[Any]:
-    """The block tensors read into huge pages: every one of the
+def _runs(reader: Any, quantized: set[str]) -> list[list[Any]]:
+    """The file's tensors in its order, each alone but a fused layer's
+    block shards (q, k, v; gate, up), which are one run in row order where
+    the first of them lies: held back to back in that order (a huge-page
+    slab, a rank's arena), they stack as one view (quant.stack_rows)."""
+    runs: dict[str, list[Any]] = {}
+    for t in reader.tensors:
+        m = _BLK.fullmatch(t.name)
+        prefix = block_prefix(t.name)
+        fused = m is not None and m.group(2) in _ROW_ORDER and prefix in quantized
+        runs.setdefault(prefix if fused else t.name, []).append(t)
+    return [sorted(run, key=lambda t: _ROW_ORDER[_BLK.fullmatch(t.name).group(2)]) if len(run) > 1 else run
+            for run in runs.values()]
+
+
+def _slab_runs(reader: Any, quantized: set[str]) -> list[list[Any]]:
+    """The runs of block tensors read into huge pages: every one of the
     ``quantized`` layers but a token embedding that is not the lm_head
     (gguf_memory.py: a step reads one row of it)."""
     untied = any(t.name == "output.weight" for t in reader.tensors)
-    return [t for t in reader.tensors if block_prefix(t.name) in quantized
-            and not (untied and t.name == "token_embd.weight")]
+    return [run for run in _runs(reader, quantized) if block_prefix(run[0].name) in quantized
+            and not (untied and run[0].name == "token_embd.weight")]
 
 
 def _lazy_weights(path: Path, reader: Any, config: dict[str, Any], quantized: set[str],
@@ -238,7 +253,7 @@ def _lazy_weights(path: Path, reader: Any, config: dict[str, Any], quantized: se
     arena = huge_pages.Arena() if huge else None
     experts = any(len(t.shape) == 3 for t in reader.tensors)
     file = map_file(path) if experts and not huge else None
-    for t in reader.tensors:
+    for t in (t for run in _runs(reader, quantized) for t in run):  # a fused layer's slices read one after another
         if block_prefix(t.name) in quantized:
             yield from _block_tensors(path, t, config, file if len(t.shape) == 3 else None, arena)
         elif moe_convert.is_moe_tensor(t.name):

@@ -68,9 +68,10 @@ class Arena:
     (``empty``) of ``chunk`` bytes or more. Where a tensor of its own would
     waste the rest of its last 2 MiB page (faulted in whole when its last
     byte is written), here only each chunk's last written page is partly
-    unused; a chunk's unwritten tail costs address space only."""
-
-    ALIGN = 64  # a cache line: the kernels' loads never straddle two for a tensor's start
+    unused; a chunk's unwritten tail costs address space only. Back to back,
+    unaligned: tensors asked for one after another in a chunk are one run
+    of memory (a fused layer's shards then stack as one view), and the
+    quantized kernels load unaligned anyway (a Q8_0 block is 34 bytes)."""
 
     def __init__(self, chunk: int = 256 << 20) -> None:
         self.chunk = chunk
@@ -79,7 +80,7 @@ class Arena:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """An uninitialized uint8 tensor of ``nbytes`` in the arena."""
-        start = -(-self._used // self.ALIGN) * self.ALIGN
+        start = self._used
         if self._buf is None or start + nbytes > self._buf.numel():
             self._buf, start = empty((max(self.chunk, nbytes),), torch.uint8), 0
         self._used = start + nbytes
