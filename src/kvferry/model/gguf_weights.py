@@ -6,7 +6,12 @@ per expert, moe_convert.expert_blocks, used by moe_quant.py); a tied
 lm_head is the embedding's blocks. The rest (norms, biases, float tensors,
 and types without a kernel such as the IQ* types) is dequantized at load.
 
-The blocks are the file's own pages: the file is mapped once (private,
+Where the blocks are held is gguf_memory.py's: by default (transparent
+huge pages on) each block tensor is read with pread into one slab of 2
+MiB pages (``gguf_memory.BlockSlab``), a fused layer's shards back to back
+in row order, so the step streams them through 2 MiB TLB entries; an
+untied token embedding stays a view of the mapping. ``mapped``: the
+blocks are the file's own pages: the file is mapped once (private,
 copy-on-write, so nothing can write it) and each tensor that can be used
 as it lies is a view of the mapping, with no copy (``torch.frombuffer``).
 That holds for every tensor but two kinds: llama's Q and K, whose rows
@@ -14,8 +19,9 @@ llama.cpp permuted (undone on the block bytes, into a copy), and the shards
 of a fused layer that do not lie back to back in row order (gate then up,
 q then k then v), which are stacked into one copy. Those are read with
 ``np.fromfile`` (pread, no page of the mapping touched), so no weight is
-resident twice. An engine then holds about the file's bytes for weights,
-and engines serving one file share its pages through the page cache. No
+resident twice. An engine then holds about the file's bytes for weights
+either way; mapped, engines serving one file share its pages through the
+page cache. No
 expanded copy is written: the model cache holds only config.json and the
 tokenizer (gguf_convert.py, ``weights=False``).
 
