@@ -50,6 +50,7 @@ ATTN_SPLIT_CONTEXT = "KVFERRY_ATTN_SPLIT_CONTEXT"
 ATTN_ALL_HEADS_ITEMS = "KVFERRY_ATTN_ALL_HEADS_ITEMS"
 ATTN_STAGED_AVX2 = "KVFERRY_ATTN_STAGED_AVX2"
 QUANT_DOTS_ALWAYS = "KVFERRY_QUANT_DOTS_ALWAYS"
+GGUF_WEIGHTS = "KVFERRY_GGUF_WEIGHTS"
 
 # Files and processes first, then the CPU kernels' switches, the one for
 # all kernels before those of single kernels. Variables that only the test
@@ -75,6 +76,12 @@ VARIABLES: tuple[EnvVar, ...] = (
            "when a server's front end imports xgrammar (with torch and transformers: ~1.5 CPU-s, ~300 MB): "
            "start, beside its engine cores' start-up; first-use, at the first structured request, which "
            "waits for it (the test suite's servers, most of which serve none)"),
+    EnvVar(GGUF_WEIGHTS, "str", "",
+           "where a GGUF file's blocks are held (--quantization gguf): huge-pages, read at load into the "
+           "process's own memory on 2 MiB transparent huge pages (faster decode; each engine holds its own "
+           "copy); mapped, views of the mapped file, paged in as read and shared through the page cache by "
+           "every engine serving the file, as llama.cpp's default mmap (unset: huge-pages where "
+           "/sys/kernel/mm/transparent_hugepage/enabled is always or madvise, else mapped)"),
     EnvVar(KERNEL_ISA, "str", "native",
            "instruction set the C++ kernels are built for: native, or avx2 (without AVX-512)"),
     EnvVar(CPU_BF16, "bool", "",
@@ -137,6 +144,15 @@ def grammar_import_at_start() -> bool:
 def quant_dots_always() -> bool:
     """True only for ``KVFERRY_QUANT_DOTS_ALWAYS=1``."""
     return os.environ.get(QUANT_DOTS_ALWAYS, "0").strip() == "1"
+
+
+def gguf_weights() -> str | None:
+    """``KVFERRY_GGUF_WEIGHTS``: "huge-pages" or "mapped", None when unset
+    or empty; ValueError naming the variable for another value."""
+    value = os.environ.get(GGUF_WEIGHTS, "").strip().lower()
+    if value not in ("", "huge-pages", "mapped"):
+        raise ValueError(f"{GGUF_WEIGHTS}={os.environ[GGUF_WEIGHTS]!r}: expected huge-pages or mapped")
+    return value or None
 
 
 def kernel_isa() -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvferry import envs
 from kvferry.model.gguf_convert import embedded_gguf_path
 from kvferry.model.layers.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
 from kvferry.model.loader import load_model
@@ -128,10 +129,13 @@ def _held_storages(model: torch.nn.Module) -> dict[int, int]:
     return found
 
 
-def test_embedded_model_holds_the_file_not_a_copy():
-    """The embedded Q4_1 file (its embedding Q8_0, tied): every block the
-    model holds is a view of the one mapped file but llama's permuted Q/K
-    stacked with V (copied: ~10 MB); no float table, no expanded weight."""
+def test_embedded_model_holds_the_file_not_a_copy(monkeypatch):
+    """The embedded Q4_1 file (its embedding Q8_0, tied), its blocks held as
+    ``KVFERRY_GGUF_WEIGHTS=mapped`` says: every block the model holds is a
+    view of the one mapped file but llama's permuted Q/K stacked with V
+    (copied: ~10 MB); no float table, no expanded weight. (By default they
+    are read into huge pages instead: tests/model/test_gguf_huge_pages.py.)"""
+    monkeypatch.setenv(envs.GGUF_WEIGHTS, "mapped")
     path = embedded_gguf_path()
     loaded = load_model(None, dtype="bfloat16", quantization="gguf")
     m = loaded.model

@@ -1,17 +1,19 @@
 """A GGUF tensor's blocks, read by a tensor-parallel rank only as far as it
 holds them (``--tensor-parallel-size``, ``--enable-expert-parallel``).
 
-At TP 1 the blocks are views of the mapped file (gguf_weights.py). Over
+At TP 1 the blocks are held as gguf_memory.py says (gguf_weights.py). Over
 ranks each rank holds a slice, so the loader hands ``LlamaModel.load_weights``
 a ``BlockTensor``: a lazy tensor that, like a safetensors slice, takes only
-what ``TPShard.weight_slice`` asks of it. An expert's rows (whole experts
-under expert parallelism) are used as they lie: views of the mapped file,
-as at TP 1, paged in when an expert is first routed to and shared with
-every engine serving the file. The rest is read into the rank's own memory
-(``np.fromfile``: pread, no page of the mapping touched, so none is
-resident twice): a fused layer's rows (stacked into one copy), llama's
-permuted Q/K, a row-parallel layer's columns, the vocabulary's rows (the
-last rank's padded). Either way a rank holds its share of the file:
+what ``TPShard.weight_slice`` asks of it. The slices are read (pread, no
+page of a mapping touched, so none is resident twice) into the rank's own
+memory: by default one ``huge_pages.Arena``'s 2 MiB pages, as at TP 1;
+under ``KVFERRY_GGUF_WEIGHTS=mapped`` the heap, and there an expert's rows
+(whole experts under expert parallelism) are used as they lie: views of
+the mapped file, as at TP 1, paged in when an expert is first routed to
+and shared with every engine serving the file. Read are a fused layer's
+rows (stacked into one copy), llama's permuted Q/K, a row-parallel layer's
+columns, the vocabulary's rows (the last rank's padded). Either way a rank
+holds its share of the file:
 
     tensor[start:stop]      rows: a column-parallel layer (q/k/v, gate/up:
                             heads / intermediate rows), the vocabulary's rows
@@ -41,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvferry.model import gguf_convert
+from kvferry.model import gguf_convert, gguf_memory, huge_pages
 from kvferry.model.quant import QuantizedWeight, block_format
 
 # Rows of a column slice per scatter read: three buffers a row, within the kernel's IOV_MAX (1024).
@@ -62,6 +64,8 @@ class BlockTensor:
     # The mapped file (gguf_weights.map_file) where a row slice is used as it lies (not
     # stacked with another tensor's rows, not unpermuted): then a view, as at TP 1.
     mapped: torch.Tensor | None = None
+    # Where the slices read are held (gguf_memory.py's huge pages), None: the heap.
+    arena: huge_pages.Arena | None = None
 
     def get_shape(self) -> list[int]:  # what LlamaModel.load_weights asks of a lazy tensor
         return [self.out_features, self.in_features]
@@ -83,12 +87,18 @@ class BlockTensor:
             raise ValueError(f"GGUF tensor {self.name!r}: rows and columns are not sliced together")
         return self._columns(c0, c1)
 
-    def _read(self, first_row: int, rows: int) -> np.ndarray:
+    def _empty(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """Room for ``rows`` rows: in the arena, a view of its chunk (so
+        slices read one after another stack as one view), else the heap."""
+        if self.arena is None:
+            return torch.empty((rows, row_bytes), dtype=torch.uint8)
+        return self.arena.empty(rows * row_bytes).view(rows, row_bytes)
+
+    def _read(self, first_row: int, rows: int) -> torch.Tensor:
         rb = self.row_bytes
-        arr = np.fromfile(self.path, dtype=np.uint8, count=rows * rb, offset=self.offset + first_row * rb)
-        if arr.size != rows * rb:
-            raise ValueError(f"GGUF {self.path.name}: tensor {self.name!r} is truncated")
-        return arr.reshape(rows, rb)
+        out = self._empty(rows, rb)
+        gguf_memory.read_into(self.path, out.numpy(), self.offset + first_row * rb, self.name)
+        return out
 
     def _rows(self, start: int, stop: int) -> QuantizedWeight:
         shape = (stop - start, self.in_features)
@@ -96,14 +106,15 @@ class BlockTensor:
             rb = self.row_bytes
             view = self.mapped[self.offset + start * rb:self.offset + stop * rb]
             return QuantizedWeight.from_blocks(self.name, self.kind, view, shape)
-        data = torch.from_numpy(self._read(start, stop - start))
+        data = self._read(start, stop - start)
         if self.heads is not None:
             # Whole heads (the split is by heads), each unpermuted within itself.
             per_head = self.out_features // self.heads
             if start % per_head or stop % per_head:
                 raise ValueError(f"GGUF tensor {self.name!r}: rows [{start}, {stop}) are not whole heads of "
                                  f"{per_head} rows")
-            data = gguf_convert.unpermute_qk(data, (stop - start) // per_head).contiguous()
+            # Into the rows' own place (the arena's huge pages where there is one).
+            data.copy_(gguf_convert.unpermute_qk(data, (stop - start) // per_head).contiguous())
         return QuantizedWeight.from_blocks(self.name, self.kind, data, shape)
 
     def _columns(self, start: int, stop: int) -> QuantizedWeight:
@@ -112,7 +123,8 @@ class BlockTensor:
             raise ValueError(problem)
         fmt = block_format(self.kind)
         b0, b1, rb = start // fmt.block * fmt.bytes, stop // fmt.block * fmt.bytes, self.row_bytes
-        out = np.empty((self.out_features, b1 - b0), dtype=np.uint8)
+        held = self._empty(self.out_features, b1 - b0)
+        out = held.numpy()
         # Each row's slice is read straight into ``out`` by one scatter read per many rows, the
         # other columns into one small scratch row: no temporary of the tensor's size, which
         # the allocator would keep as resident free memory after loading.
@@ -127,8 +139,7 @@ class BlockTensor:
                     raise ValueError(f"GGUF {self.path.name}: tensor {self.name!r} is truncated")
         finally:
             os.close(fd)
-        return QuantizedWeight.from_blocks(self.name, self.kind, torch.from_numpy(out),
-                                           (self.out_features, stop - start))
+        return QuantizedWeight.from_blocks(self.name, self.kind, held, (self.out_features, stop - start))
 
 
 def split_problem(name: str, kind: str, in_features: int, start: int, stop: int) -> str | None:

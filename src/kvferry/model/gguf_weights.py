@@ -6,7 +6,12 @@ per expert, moe_convert.expert_blocks, used by moe_quant.py); a tied
 lm_head is the embedding's blocks. The rest (norms, biases, float tensors,
 and types without a kernel such as the IQ* types) is dequantized at load.
 
-The blocks are the file's own pages: the file is mapped once (private,
+Where the blocks are held is gguf_memory.py's: by default (transparent
+huge pages on) each block tensor is read with pread into one slab of 2
+MiB pages (``gguf_memory.BlockSlab``), a fused layer's shards back to back
+in row order, so the step streams them through 2 MiB TLB entries; an
+untied token embedding stays a view of the mapping. ``mapped``: the
+blocks are the file's own pages: the file is mapped once (private,
 copy-on-write, so nothing can write it) and each tensor that can be used
 as it lies is a view of the mapping, with no copy (``torch.frombuffer``).
 That holds for every tensor but two kinds: llama's Q and K, whose rows
@@ -14,8 +19,9 @@ llama.cpp permuted (undone on the block bytes, into a copy), and the shards
 of a fused layer that do not lie back to back in row order (gate then up,
 q then k then v), which are stacked into one copy. Those are read with
 ``np.fromfile`` (pread, no page of the mapping touched), so no weight is
-resident twice. An engine then holds about the file's bytes for weights,
-and engines serving one file share its pages through the page cache. No
+resident twice. An engine then holds about the file's bytes for weights
+either way; mapped, engines serving one file share its pages through the
+page cache. No
 expanded copy is written: the model cache holds only config.json and the
 tokenizer (gguf_convert.py, ``weights=False``).
 
@@ -44,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvferry.model import gguf_convert, gguf_shard, moe_convert
+from kvferry.model import gguf_convert, gguf_memory, gguf_shard, huge_pages, moe_convert
 from kvferry.model.config import ModelConfig
 from kvferry.model.quant import FORMATS, QuantizedWeight
 
@@ -179,22 +185,27 @@ def mapped_tensors(reader: Any, config: dict[str, Any], quantized: set[str]) -> 
 def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any], quantized: set[str],
                       lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight | gguf_shard.BlockTensor]]:
     """(HF name, QuantizedWeight or float32 tensor) for every tensor of the
-    file: blocks of the ``quantized`` layers (views of the mapped file where
-    ``mapped_tensors`` allows), floats for the rest. ``lazy`` (a
-    tensor-parallel rank): a ``BlockTensor`` for each block tensor, which
-    reads only the slice the rank takes of it."""
+    file: blocks of the ``quantized`` layers, floats for the rest. The blocks
+    are held as gguf_memory.mode() says: read into one huge-page slab (all
+    but an untied token embedding), or views of the mapped file where
+    ``mapped_tensors`` allows. ``lazy`` (a tensor-parallel rank, a pipeline
+    stage): a ``BlockTensor`` for each block tensor, which reads only the
+    slice the rank takes of it."""
     arch = config["model_type"]  # the GGUF architecture's name (gguf_convert._ARCH)
-    views = set() if lazy else mapped_tensors(reader, config, quantized)
-    file = map_file(path) if views or (lazy and any(len(t.shape) == 3 for t in reader.tensors)) else None
+    huge = gguf_memory.mode() == gguf_memory.HUGE_PAGES
+    if lazy:
+        yield from _lazy_weights(path, reader, config, quantized, huge)
+        return
+    views = mapped_tensors(reader, config, quantized)
+    runs = _slab_runs(reader, quantized) if huge else []
+    slab = gguf_memory.BlockSlab(path, runs) if runs else None
+    in_slab = {t.name for run in runs for t in run}
+    file = map_file(path) if views - in_slab else None
     for t in reader.tensors:
-        if lazy and block_prefix(t.name) in quantized:
-            # Experts' rows are used as they lie (moe_quant.py): views. The other tensors' slices
-            # are stacked or padded into copies: read, so no page is resident twice.
-            yield from _block_tensors(path, t, config, file if len(t.shape) == 3 else None)
-            continue
         if moe_convert.is_moe_tensor(t.name):  # experts (one weight per expert), router, shared expert
             if t.name in views:
-                yield from moe_convert.expert_blocks(t.name, t.tensor_type.name, _view(file, t), t.shape, config)
+                blocks = slab.read(t) if t.name in in_slab else _view(file, t)
+                yield from moe_convert.expert_blocks(t.name, t.tensor_type.name, blocks, t.shape, config)
             else:
                 yield from moe_convert.hf_tensors(t.name, gguf_convert.float_tensor(
                     t.name, _read(path, t), t.tensor_type, t.shape, config, arch), config)
@@ -203,21 +214,67 @@ def iter_gguf_weights(path: Path, reader: Any, config: dict[str, Any], quantized
         if block_prefix(t.name) in quantized:
             out_f, in_f = (int(d) for d in reversed(t.shape))
             if t.name in views:
-                data = _view(file, t)
+                data = slab.read(t) if t.name in in_slab else _view(file, t)
             else:
                 data = torch.from_numpy(_read(path, t)).reshape(out_f, -1)
                 heads = gguf_convert.qk_heads(name, config, arch)
                 if heads is not None:  # rows are whole blocks: llama.cpp's Q/K row order undone on bytes
                     data = gguf_convert.unpermute_qk(data, heads).contiguous()
+                if t.name in in_slab:
+                    data = slab.place(t, data)
             yield name, QuantizedWeight.from_blocks(t.name, t.tensor_type.name, data, (out_f, in_f))
         else:
             yield name, gguf_convert.float_tensor(t.name, _read(path, t), t.tensor_type, t.shape, config, arch)
 
 
-def _block_tensors(path: Path, t: Any, config: dict[str, Any],
-                   file: torch.Tensor | None) -> Iterator[tuple[str, gguf_shard.BlockTensor]]:
+def _runs(reader: Any, quantized: set[str]) -> list[list[Any]]:
+    """The file's tensors in its order, each alone but a fused layer's
+    block shards (q, k, v; gate, up), which are one run in row order where
+    the first of them lies: held back to back in that order (a huge-page
+    slab, a rank's arena), they stack as one view (quant.stack_rows)."""
+    runs: dict[str, list[Any]] = {}
+    for t in reader.tensors:
+        m = _BLK.fullmatch(t.name)
+        prefix = block_prefix(t.name)
+        fused = m is not None and m.group(2) in _ROW_ORDER and prefix in quantized
+        runs.setdefault(prefix if fused else t.name, []).append(t)
+    return [sorted(run, key=lambda t: _ROW_ORDER[_BLK.fullmatch(t.name).group(2)]) if len(run) > 1 else run
+            for run in runs.values()]
+
+
+def _slab_runs(reader: Any, quantized: set[str]) -> list[list[Any]]:
+    """The runs of block tensors read into huge pages: every one of the
+    ``quantized`` layers but a token embedding that is not the lm_head
+    (gguf_memory.py: a step reads one row of it)."""
+    untied = any(t.name == "output.weight" for t in reader.tensors)
+    return [run for run in _runs(reader, quantized) if block_prefix(run[0].name) in quantized
+            and not (untied and run[0].name == "token_embd.weight")]
+
+
+def _lazy_weights(path: Path, reader: Any, config: dict[str, Any], quantized: set[str],
+                  huge: bool) -> Iterator[tuple[str, torch.Tensor | gguf_shard.BlockTensor]]:
+    """iter_gguf_weights for a rank: BlockTensors, whose slices go into one
+    huge-page arena (``huge``) or, for experts' rows, are views of the mapped file."""
+    arch = config["model_type"]
+    arena = huge_pages.Arena() if huge else None
+    experts = any(len(t.shape) == 3 for t in reader.tensors)
+    file = map_file(path) if experts and not huge else None
+    for t in (t for run in _runs(reader, quantized) for t in run):  # a fused layer's slices read one after another
+        if block_prefix(t.name) in quantized:
+            yield from _block_tensors(path, t, config, file if len(t.shape) == 3 else None, arena)
+        elif moe_convert.is_moe_tensor(t.name):
+            yield from moe_convert.hf_tensors(t.name, gguf_convert.float_tensor(
+                t.name, _read(path, t), t.tensor_type, t.shape, config, arch), config)
+        else:
+            yield gguf_convert.hf_name(t.name), gguf_convert.float_tensor(
+                t.name, _read(path, t), t.tensor_type, t.shape, config, arch)
+
+
+def _block_tensors(path: Path, t: Any, config: dict[str, Any], file: torch.Tensor | None,
+                   arena: huge_pages.Arena | None) -> Iterator[tuple[str, gguf_shard.BlockTensor]]:
     """(HF name, BlockTensor) for a block tensor: one per expert of a stacked
-    [E, rows, cols] one; ``file``: the mapping its row slices may be views of."""
+    [E, rows, cols] one; ``file``: the mapping its row slices may be views
+    of; ``arena``: where the slices read are held (None: the heap)."""
     shape = [int(d) for d in reversed(t.shape)]  # GGUF lists the fastest axis first
     kind, offset = t.tensor_type.name, int(t.data_offset)
     if len(shape) == 3:
@@ -225,11 +282,11 @@ def _block_tensors(path: Path, t: Any, config: dict[str, Any],
         per = int(t.n_bytes) // experts
         for e, name in enumerate(moe_convert.hf_names(t.name, config, experts)):
             yield name, gguf_shard.BlockTensor(path, f"{t.name}[{e}]", kind, offset + e * per, rows, cols,
-                                               mapped=file)
+                                               mapped=file, arena=arena)
         return
     name = _hf_name(t.name, config)
     heads = gguf_convert.qk_heads(name, config, config["model_type"])
-    yield name, gguf_shard.BlockTensor(path, t.name, kind, offset, shape[0], shape[1], heads, file)
+    yield name, gguf_shard.BlockTensor(path, t.name, kind, offset, shape[0], shape[1], heads, file, arena)
 
 
 def _hf_name(gguf_name: str, config: dict[str, Any], experts: int = 1) -> str:

@@ -24,10 +24,23 @@ from __future__ import annotations
 
 import math
 import mmap
+from pathlib import Path
 
 import torch
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_enabled() -> bool:
+    """Whether the kernel gives an advised mapping transparent huge pages:
+    its setting is ``always`` or ``madvise`` (the bracketed word), not
+    ``never`` or absent (a kernel without them, another OS)."""
+    try:
+        setting = _THP_ENABLED.read_text()
+    except OSError:
+        return False
+    return "[always]" in setting or "[madvise]" in setting
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -48,3 +61,27 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     start = torch.frombuffer(pages, dtype=torch.uint8, count=1).data_ptr()
     offset = -start % HUGE_PAGE  # a multiple of the base page, so of every dtype's size
     return torch.frombuffer(pages, dtype=dtype, count=numel, offset=offset).view(shape)
+
+
+class Arena:
+    """Many tensors' bytes, packed one after another into huge-page chunks
+    (``empty``) of ``chunk`` bytes or more. Where a tensor of its own would
+    waste the rest of its last 2 MiB page (faulted in whole when its last
+    byte is written), here only each chunk's last written page is partly
+    unused; a chunk's unwritten tail costs address space only. Back to back,
+    unaligned: tensors asked for one after another in a chunk are one run
+    of memory (a fused layer's shards then stack as one view), and the
+    quantized kernels load unaligned anyway (a Q8_0 block is 34 bytes)."""
+
+    def __init__(self, chunk: int = 256 << 20) -> None:
+        self.chunk = chunk
+        self._buf: torch.Tensor | None = None
+        self._used = 0
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialized uint8 tensor of ``nbytes`` in the arena."""
+        start = self._used
+        if self._buf is None or start + nbytes > self._buf.numel():
+            self._buf, start = empty((max(self.chunk, nbytes),), torch.uint8), 0
+        self._used = start + nbytes
+        return self._buf[start:start + nbytes]

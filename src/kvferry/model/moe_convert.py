@@ -19,7 +19,7 @@ blocks: ``block_prefix`` names the layer each tensor belongs to (the expert
 stacks ``mlp.experts.{gate_up,down}_proj`` whatever the architecture's
 block name: moe.py's prefixes), and ``expert_blocks`` cuts a stacked
 tensor's bytes into one ``QuantizedWeight`` per expert, each a view of the
-mapped file (an expert's rows are contiguous: blocks never cross a row, and
+blocks' huge-page copy or of the mapped file (an expert's rows are contiguous: blocks never cross a row, and
 the expert axis is the slowest). The router and the shared expert's gate
 stay float (routing decides which experts run at all).
 """
@@ -131,7 +131,7 @@ def block_prefix(gguf_name: str) -> str | None:
 def expert_blocks(gguf_name: str, kind: str, data: torch.Tensor, gguf_shape: Any,
                   config: dict[str, Any]) -> Iterator[tuple[str, QuantizedWeight]]:
     """(HF name, QuantizedWeight) for an expert or shared-expert tensor kept
-    in blocks: ``data`` is its raw bytes (uint8, a view of the mapped file);
+    in blocks: ``data`` is its raw bytes (uint8, in the huge-page slab or a view of the mapped file);
     a stacked [E, rows, cols] tensor gives one weight per expert, each a
     view of its own bytes (no copy, no page read)."""
     shape = [int(d) for d in reversed(gguf_shape)]  # GGUF lists the fastest axis first

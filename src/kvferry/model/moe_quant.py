@@ -10,14 +10,15 @@ plain ``ExpertLinear``. Either way ``fused_experts`` calls
 so the quantized kernels see an expert's whole group of tokens at once:
 
 - GGUF (``GGUFExpertMethod``): each expert's rows of llama.cpp's stacked
-  ``ffn_{gate,up,down}_exps`` tensors, as ``QuantizedWeight`` views of the
-  mapped file (moe_convert.expert_blocks), multiplied by ``quant.linear``:
+  ``ffn_{gate,up,down}_exps`` tensors, as ``QuantizedWeight`` slices of
+  the huge-page slab or views of the mapped file (gguf_memory.py;
+  moe_convert.expert_blocks), multiplied by ``quant.linear``:
   integer dot products for a few rows (decode), dequantized bf16 tiles
   through oneDNN for many (prefill), as the dense GGUF layers. gate and up
   are two tensors of the file, so an expert's gate and up rows are not
   adjacent: they stay two weights (two kernel calls) rather than being
-  copied together, and the experts cost the file's bytes, untouched until
-  an expert is first routed to.
+  copied together, and the experts cost the file's bytes (mapped: untouched
+  until an expert is first routed to).
 - int8 (``Int8ExpertMethod``): ``[E, out, in]`` int8 with one float32 scale
   per output channel of each expert, quantized as each expert's tensor is
   copied in (no float stack is ever allocated), multiplied by
@@ -69,7 +70,7 @@ class ExpertMethodBase(LinearMethodBase):
 
 
 class GGUFExpertMethod(ExpertMethodBase):
-    """Each expert's weight in GGUF blocks (views of the mapped file)."""
+    """Each expert's weight in GGUF blocks (slices of the huge-page slab, or views of the mapped file)."""
 
     def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype, device: torch.device | str) -> None:

@@ -3,9 +3,9 @@
 Each row of a weight [out_features, in_features] is its GGUF blocks back to
 back, exactly as in the file: ``in_features / block`` blocks of ``bytes``
 bytes each. ``QuantizedWeight`` holds them as one uint8 tensor
-[out_features, bytes_per_row] (a view of the mapped file where it can be:
-gguf_weights.py), never a float copy, and checks the sizes once so the
-kernels can trust them.
+[out_features, bytes_per_row] (a view of the mapped file, or of its
+huge-page copy, where it can be: gguf_weights.py), never a float copy, and
+checks the sizes once so the kernels can trust them.
 """
 from __future__ import annotations
 
