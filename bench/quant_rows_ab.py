@@ -38,6 +38,7 @@ from kvferry.model.quant import kernels  # noqa: E402
 from tests.model.quant.blocks import random_blocks  # noqa: E402
 
 SETS = {"smol": [("Q4_1", 576, 576), ("Q4_1", 1536, 576), ("Q4_1", 576, 1536)],
+        "lm_head": [("Q8_0", 49152, 576)],
         "8b": [(t, n, k) for t in ("Q4_K", "Q6_K") for n, k in ((4096, 4096), (14336, 4096), (4096, 14336))]}
 
 
