@@ -97,47 +97,53 @@ struct PanelPrefetch {
   }
 };
 
+// Groups 2p and 2p + 1 of a K-quant superblock as unsigned bytes, side by
+// side (rowsK_512's decoders).
+template <int T>
+inline __m512i kpair(const uint8_t* b, int p) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (T == 12) {
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
+    return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), m4);
+  } else if constexpr (T == 14) {
+    const int n = p / 2, half = p % 2;
+    const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
+    const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
+    const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), _mm512_set1_epi8(3));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+  } else {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(kgroup<T>(b, 2 * p)), kgroup<T>(b, 2 * p + 1), 1);
+  }
+}
+
 // Weight rows w[0..rows) (rows <= 16; lanes past them repeat the last row),
-// superblocks 0..nb, into out[0..nb).
+// superblocks 0..nb, into out[0..nb). Q4_K's pairs of groups are decoded
+// for the 16 rows straight into the registers their transpose takes (one
+// load and two operations a pair; measured on Zen 4, 8B shapes at one row of
+// x: 0.75-0.85x the time of a round trip through the stack); the other
+// types' decoders share loads between pairs (Q6_K: ql and qh serve two),
+// and each row's four pairs go through the stack (Q6_K decoded per pair
+// measured 1.1x slower).
 template <int T>
 void kdecode_panel(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, KPanel<scale_unit<T>()>* out) {
   constexpr int U = scale_unit<T>();
   const int64_t bytes = info(T).bytes;  // a superblock's
-  alignas(64) uint8_t vals[kPanel][256];
   // Per row: its 16 scales as int32 (sc), then its 8 min pairs, d and dmin (mn).
   alignas(64) int32_t sc[kPanel][16], mn[kPanel][16];
+  constexpr bool kInRegisters = T == 12;
+  alignas(64) uint8_t vals[kInRegisters ? 1 : kPanel][256];
   PanelPrefetch pf(w, row_bytes, nb);
   for (int64_t i = 0; i < nb; ++i) {
     pf.next();
+    const uint8_t* b0 = w + i * bytes;
+    auto row = [&](int c) { return b0 + std::min(c, rows - 1) * row_bytes; };
     for (int c = 0; c < kPanel; ++c) {
-      const uint8_t* b = w + std::min(c, rows - 1) * row_bytes + i * bytes;
+      if constexpr (!kInRegisters)
+        KVQ_UNROLL for (int p = 0; p < 4; ++p) _mm512_store_si512(vals[c] + 64 * p, kpair<T>(row(c), p));
       KHead h;
-      khead(T, b, h);
-      // Values in order: group g as unsigned bytes (rowsK_512's decoders, two groups per register).
-      __m512i qs[4];
-      if constexpr (T == 12) {
-        const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), m4 = _mm512_set1_epi8(0x0F);
-        KVQ_UNROLL for (int p = 0; p < 4; ++p) {
-          const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
-          qs[p] = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
-        }
-      } else if constexpr (T == 14) {
-        const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
-        KVQ_UNROLL for (int n = 0; n < 2; ++n) {
-          const __m512i ql = _mm512_loadu_si512(b + 64 * n);
-          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
-          KVQ_UNROLL for (int half = 0; half < 2; ++half) {
-            const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
-            const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), m2);
-            qs[2 * n + half] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-          }
-        }
-      } else {
-        KVQ_UNROLL for (int p = 0; p < 4; ++p)
-          qs[p] = _mm512_inserti64x4(_mm512_castsi256_si512(kgroup<T>(b, 2 * p)), kgroup<T>(b, 2 * p + 1), 1);
-      }
-      KVQ_UNROLL for (int p = 0; p < 4; ++p) _mm512_store_si512(vals[c] + 64 * p, qs[p]);
+      khead(T, row(c), h);
       // khead stored sc and mn 256 bits each: these loads are forwarded from those stores.
       const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc));
       _mm512_store_si512(sc[c], _mm512_cvtepi16_epi32(s16));
@@ -148,7 +154,8 @@ void kdecode_panel(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, KP
     KPanel<U>& P = out[i];
     __m512i r[16];
     KVQ_UNROLL for (int p = 0; p < 4; ++p) {
-      KVQ_UNROLL for (int c = 0; c < kPanel; ++c) r[c] = _mm512_load_si512(vals[c] + 64 * p);
+      KVQ_UNROLL for (int c = 0; c < kPanel; ++c)
+        r[c] = kInRegisters ? kpair<T>(row(c), p) : _mm512_load_si512(vals[kInRegisters ? 0 : c] + 64 * p);
       transpose16(r);
       KVQ_UNROLL for (int j = 0; j < 16; ++j) P.q[16 * p + j] = r[j];
     }

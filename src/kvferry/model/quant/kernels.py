@@ -141,7 +141,9 @@ _dots_always = False
 #   Q4_1 576 x 1536   decode / panel    0.89  1.07  1.18  1.30        1.83  2.22
 #   Q8_0 49152 x 576  decode / panel          0.84        1.21  1.87  2.00
 #   Q4_K 14336 x 4096 decode / panel                      0.88  1.08  1.18  1.52
+#                     (Q4_K decoded in registers)               1.18  1.28
 #   Q4_K 4096 x 14336 decode / panel                      0.85  1.00  1.10  1.48
+#                     (Q4_K decoded in registers)               1.09  1.18
 #   Q6_K 14336 x 4096 decode / panel                      0.83  1.05  1.12  1.39
 #   Q6_K 4096 x 14336 decode / panel                      0.89  0.95  1.02  1.28
 # So the 32-blocks take the panels from 6 rows and the K-quants from 12 (a
