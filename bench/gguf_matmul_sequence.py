@@ -25,7 +25,8 @@ of that many rows) instead, and ``--ab 12,16`` alternates, in this one
 process, the step with the library's configured paths against the same step
 with the dots taking batches only below 12 rows of 32-blocks and 16 rows of
 K-quants (the dequantized bf16 tiles above, ``kernels.PREFILL_DOTS`` off;
-``--ab 33,33``: the dots up to 32 rows): both halves of each pair see
+``--ab 33,33``: the dots up to 32 rows), or ``--ab-panels 33,33`` against
+the prefill dots' panels from 33 rows (the decode kernels below): both halves of each pair see
 about the same load, which separate processes do not. Medians of ``--repeats``
 pairs, the CPU time of all threads (``time.process_time``) and wall time.
 """
@@ -71,6 +72,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=None, help="batch sizes to time (default: 1, and the hot layer)")
     ap.add_argument("--ab", default=None, metavar="M32,MK",
                     help="alternate the configured paths with the dots below M32 rows (32-blocks) and MK (K-quants)")
+    ap.add_argument("--ab-panels", default=None, metavar="M32,MK",
+                    help="alternate the configured paths with the prefill dots' panels from M32 rows (32-blocks) "
+                         "and MK (K-quants), the decode kernels below (33,33: the routing before they moved to 6,12)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not quant.available():
@@ -125,14 +129,19 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
     from kvferry.model.quant import kernels
 
     op = torch.ops.kvferry_quant.layer_linear_parts
-    configured = (dict(kernels.PREFILL_MIN_ROWS), kernels.PREFILL_DOTS)
+    configured = (dict(kernels.PREFILL_MIN_ROWS), kernels.PREFILL_DOTS, dict(kernels.PREFILL_DOTS_FROM_ROWS))
     configs = {"configured": configured}
+    if args.ab and args.ab_panels:
+        sys.exit("--ab or --ab-panels, not both")
     if args.ab:
         m32, mk = (int(v) for v in args.ab.split(","))
-        configs["ab"] = ({32: m32, 256: mk}, False)  # the K-quants' prefill dots off: tiles from mk rows
+        configs["ab"] = ({32: m32, 256: mk}, False, configured[2])  # the prefill dots off: tiles from mk rows
+    if args.ab_panels:
+        m32, mk = (int(v) for v in args.ab_panels.split(","))
+        configs["ab"] = (configured[0], configured[1], {32: m32, 256: mk})
 
     def use(config: tuple) -> None:
-        kernels.PREFILL_MIN_ROWS, kernels.PREFILL_DOTS = config
+        kernels.PREFILL_MIN_ROWS, kernels.PREFILL_DOTS, kernels.PREFILL_DOTS_FROM_ROWS = config
         kernels.configure()
 
     def one_step(xs: dict) -> tuple[float, float]:
@@ -146,7 +155,7 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
     print(f"{args.model}: {args.threads} thread(s), all matmuls of a step, median ms of {args.repeats} "
           f"(CPU of all threads / wall), load {load}; configured {configured[0]}, K-quants' prefill dots "
           f"{kernels.prefill_dots_fit() if configured[1] is None else configured[1]}" +
-          (f", ab {configs['ab']}" if args.ab else ""))
+          (f", ab {configs['ab']}" if "ab" in configs else ""))
     try:
         for m in args.rows:
             xs = {k: torch.randn(m, k).bfloat16() for k in {c[2] for c in calls}}
@@ -163,7 +172,7 @@ def rows_ab(calls: list, args: argparse.Namespace) -> None:
                 cpu, wall = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
                 cells.append(f"{name} {cpu:7.1f} / {wall:7.1f}")
             ratio = ""
-            if args.ab:
+            if "ab" in configs:
                 pairs = [b[0] / a[0] for a, b in zip(got["configured"], got["ab"])]
                 ratio = f" | ab / configured CPU {statistics.median(pairs):.2f}x"
             print(f"rows {m:3d}: " + " | ".join(cells) + ratio, flush=True)

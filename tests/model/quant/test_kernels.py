@@ -98,15 +98,27 @@ def massive_x(m: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, generator=g) * torch.where(torch.rand(m, k, generator=g) < 0.01, 1000.0, 1.0)
 
 
-def test_q8_0_is_llama_cpps_arithmetic_to_the_bit():
+def test_q8_0_is_llama_cpps_arithmetic_to_the_bit(monkeypatch):
     """Q8_0 is ggml's CPU arithmetic to the bit (blocks.ggml_q8_0), at batch 1
-    (eight-block groups with a tail of blocks and of rows) and many rows: what
-    greedy agreement with llama.cpp on a Q8_0 file needs (tests/model/test_gguf_llama_cpp.py)."""
-    for n, k in ((37, 576), (N, K)):
-        w, _ = weight("Q8_0", n, k)
-        for m in (1, 3, 9):
-            x = massive_x(m, k, seed=m)
-            assert torch.equal(quant.gemv(x, w), ggml_q8_0(x, w)), (n, k, m)
+    (eight-block groups with a tail of blocks and of rows) and the decode
+    kernels' other row counts (below kernels.prefill_dots_from: 5 rows where
+    the prefill dots fit, 32 elsewhere; every count with
+    KVFERRY_QUANT_DOTS_ALWAYS=1): what greedy agreement with llama.cpp on a
+    Q8_0 file needs (tests/model/test_gguf_llama_cpp.py)."""
+    def check_rows(rows):
+        for n, k in ((37, 576), (N, K)):
+            w, _ = weight("Q8_0", n, k)
+            for m in rows:
+                x = massive_x(m, k, seed=m)
+                assert torch.equal(quant.gemv(x, w), ggml_q8_0(x, w)), (n, k, m)
+    check_rows([m for m in (1, 3, 5, 9) if m < kernels.prefill_dots_from(32)])
+    try:
+        monkeypatch.setenv(envs.QUANT_DOTS_ALWAYS, "1")
+        kernels.configure()
+        check_rows((1, 3, 9))
+    finally:
+        monkeypatch.delenv(envs.QUANT_DOTS_ALWAYS)
+        kernels.configure()
 
 
 def test_dots_always_is_llama_cpps_arithmetic_at_prefill(monkeypatch):

@@ -13,8 +13,10 @@ import sys
 import pytest
 import torch
 
+from kvferry import envs
 from kvferry.model import paged_kernel, quant
 from kvferry.model.cpu_features import cpu_features
+from kvferry.model.quant import kernels
 from tests.model.quant.blocks import weight
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the C++ quantized matmul did not build here")
@@ -64,13 +66,13 @@ def test_one_part_is_linear_and_bad_x_is_refused():
 
 _AVX2_PROBE = """
 from kvferry.model import quant
-from tests.model.quant.test_parts import K_QUANTS, check_parts, test_batch_1_is_the_many_row_kernel_to_the_bit
+from tests.model.quant.test_parts import K_QUANTS, check_batch_1, check_parts
 if not quant.available():
     print("no build"); raise SystemExit
 assert quant.kernel_path() == "avx2", quant.kernel_path()
 check_parts((1, 2))
 for name in K_QUANTS:
-    test_batch_1_is_the_many_row_kernel_to_the_bit(name)
+    check_batch_1(name)
 print("avx2 parts ok")
 """
 
@@ -94,8 +96,11 @@ def test_batch_1_is_the_many_row_kernel_to_the_bit(name):
     """Batch 1 has its own kernels (K-quants: two groups per register for Q4_K
     and Q6_K in the AVX-512 build; 32-blocks: eight blocks and four weight rows
     at a time), and so have 2-32 rows (passes of 8 rows, weight rows 4 at a
-    time past one pass): a row's value is the same at every batch size, to
-    the bit (x's rows are quantized independently). 45 weight rows: 11 tiles
+    time past one pass): a row's value is the same at every batch size they
+    take, to the bit (x's rows are quantized independently). They take every
+    size below the prefill dots' first row count (kernels.prefill_dots_from;
+    6 rows of the 32-blocks and 12 of the K-quants where the prefill dots fit),
+    and every size with KVFERRY_QUANT_DOTS_ALWAYS=1. 45 weight rows: 11 tiles
     of 4 and a tail; every row count 1-32: tail passes of each size, whole
     passes, odd tails. The 32-blocks' K = 1120 is 35 blocks: four groups of
     eight and a tail of three, where the one-row dot sums the offsets apart."""
@@ -103,9 +108,25 @@ def test_batch_1_is_the_many_row_kernel_to_the_bit(name):
         # rows32_512 is the AVX-512 builds' kernel; the AVX2 build's rows32 sums
         # a 32-block's offsets per row in another order than its one-row dot.
         pytest.skip("the 32-blocks' many-row dots are batch 1's to the bit in AVX-512 builds only")
+    check_batch_1(name)
+
+
+def check_batch_1(name: str) -> None:
     k = 2048 if name in K_QUANTS else 1120
     w, _ = weight(name, 45, k, seed=7)
     x = torch.randn(32, k, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(32)])
-    for m in range(2, 33):
+    for m in range(2, min(33, kernels.prefill_dots_from(w.fmt.block))):
         assert torch.equal(quant.gemv(x[:m], w), alone[:m]), m
+    saved = os.environ.get(envs.QUANT_DOTS_ALWAYS)
+    try:
+        os.environ[envs.QUANT_DOTS_ALWAYS] = "1"
+        kernels.configure()
+        for m in range(2, 33):
+            assert torch.equal(quant.gemv(x[:m], w), alone[:m]), ("dots always", m)
+    finally:
+        if saved is None:
+            os.environ.pop(envs.QUANT_DOTS_ALWAYS, None)
+        else:
+            os.environ[envs.QUANT_DOTS_ALWAYS] = saved
+        kernels.configure()

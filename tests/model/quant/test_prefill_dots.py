@@ -24,7 +24,7 @@ def has_prefill_dots() -> bool:
 @pytest.mark.parametrize("name", TYPES)
 def test_a_rows_prefill_value_is_the_same_in_every_batch(name):
     """45 weight rows: two panels of 16 and a tail of 13; 2 and 1 threads
-    split them differently. From PREFILL_DOTS_FROM_ROWS rows (passes of 6 rows
+    split them differently. From prefill_dots_from's rows (passes of 6 rows
     and their tails) each row's value is the 300-row batch's to the bit, and
     the decode kernels' to float32 rounding (one float sum per output here, 8
     lanes summed at the end there)."""
@@ -32,7 +32,7 @@ def test_a_rows_prefill_value_is_the_same_in_every_batch(name):
         pytest.skip("this build has no prefill dots (AVX512-VNNI only)")
     w, _ = weight(name, 45, 2048, seed=7)
     x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(3))
-    first = kernels.PREFILL_DOTS_FROM_ROWS[w.fmt.block]
+    first = kernels.prefill_dots_from(w.fmt.block)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -47,9 +47,35 @@ def test_a_rows_prefill_value_is_the_same_in_every_batch(name):
     few = torch.cat([quant.gemv(x[r:r + 2], w)[:1] for r in range(0, 300, 23)])  # the decode kernels
     scale = (x[::23].abs() @ quant.dequantize_rows(w).abs().T).amax(dim=1, keepdim=True)
     assert ((full[::23] - few).abs() <= 1e-5 * scale).all()
-    # Below PREFILL_DOTS_FROM_ROWS: rowsK_512's or rows32_512's passes, batch 1's to the bit.
+    # Below prefill_dots_from: rowsK_512's or rows32_512's passes, batch 1's to the bit.
     alone = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(first - 1)])
     assert torch.equal(quant.gemv(x[:first - 1], w), alone)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_c16_decode_step_takes_the_panels(name):
+    """Where the prefill dots fit (AVX512-VNNI, no AMX), a decode step of 16
+    rows (c16), and of 12, takes them (every type; the 32-blocks from 6 rows:
+    measured faster than the decode kernels on Zen 4, quant/kernels.py), so
+    its rows are a prefill batch's to the bit, at 1 and 2 threads. Below,
+    the decode kernels: batch 1's bits."""
+    if not kernels.prefill_dots_fit():
+        pytest.skip("the prefill dots do not fit this CPU or build")
+    w, _ = weight(name, 45, 2048, seed=11)
+    x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(16))
+    assert kernels.prefill_dots_from(w.fmt.block) == (6 if w.fmt.block == 32 else 12)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = quant.gemv(x, w)
+            for m in (12, 16) if w.fmt.block == 256 else (6, 8, 16):
+                assert torch.equal(quant.gemv(x[:m], w), full[:m]), (threads, m)
+            below = kernels.prefill_dots_from(w.fmt.block) - 1
+            alone = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(below)])
+            assert torch.equal(quant.gemv(x[:below], w), alone), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_k_quants_take_the_dots_at_every_batch_size_without_amx(monkeypatch):

@@ -124,15 +124,34 @@ _prefill_dots = False
 # round x to bf16 instead, a different model at this model's near ties.
 # Read when the library loads (configure), not per call.
 _dots_always = False
-# From this many rows of x the dots take quant_prefill_dots.h's kernels, below
-# them the decode kernels (rowsK_512, rows32_512: passes of 8 rows, batch 1's
-# to the bit), so that every decode batch up to 32 rows gives a row batch 1's
-# value, whatever the type. The prefill kernels keep one float sum per output
-# where the decode kernels keep 8: their values differ in the last bits, and
-# are the same in every batch from this many rows. (On Zen 4 the prefill
-# kernel is 1.2-1.45x rowsK_512's speed at 20-32 rows, BENCHMARKS.md: the
-# price of that invariant at c20-c32 decode steps.)
-PREFILL_DOTS_FROM_ROWS = {32: 33, 256: 33}  # by the format's block size
+# From this many rows of x the dots take quant_prefill_dots.h's kernels
+# (panels of 16 weight rows decoded once per call, one output per 32-bit
+# lane), below them the decode kernels (rowsK_512, rows32_512: passes of 8
+# rows, a row's value batch 1's to the bit). The prefill kernels keep one
+# float sum per output where the decode kernels keep 8: their values differ
+# in the last bits, and are the same in every batch from this many rows, so
+# a decode step of at least this many rows no longer gives a row batch 1's
+# bits (nor, for Q8_0, llama.cpp's: KVFERRY_QUANT_DOTS_ALWAYS=1 keeps both).
+# Measured on AMD Zen 4 (AVX512-VNNI, no AMX; bench/quant_rows_ab.py, cold
+# weights, bf16 x, one thread, CPU ms, medians of interleaved calls, 2 cores
+# at load 12-14), with the panels transposed in registers and prefetched a
+# panel ahead (their decoding had been ~60% of a 16-row call):
+#   rows                                   2     4     6     8    12    16    32 (32: before the prefetch)
+#   Q4_1 1536 x 576   decode / panel    0.89  1.24  1.31  1.49        2.00  2.38
+#   Q4_1 576 x 1536   decode / panel    0.89  1.07  1.18  1.30        1.83  2.22
+#   Q8_0 49152 x 576  decode / panel          0.84        1.21  1.87  2.00
+#   Q4_K 14336 x 4096 decode / panel                      0.88  1.08  1.18  1.52
+#                     (Q4_K decoded in registers)               1.18  1.28
+#   Q4_K 4096 x 14336 decode / panel                      0.85  1.00  1.10  1.48
+#                     (Q4_K decoded in registers)               1.09  1.18
+#   Q6_K 14336 x 4096 decode / panel                      0.83  1.05  1.12  1.39
+#   Q6_K 4096 x 14336 decode / panel                      0.89  0.95  1.02  1.28
+# So the 32-blocks take the panels from 6 rows and the K-quants from 12 (a
+# c16 decode step takes them). Where the prefill dots do not fit (AMX, whose
+# tiles take over from 12 or 20 rows; not measured against these panels)
+# the decode kernels keep every batch below PREFILL_DOTS_FROM_ROWS_ELSE.
+PREFILL_DOTS_FROM_ROWS = {32: 6, 256: 12}  # by the format's block size
+PREFILL_DOTS_FROM_ROWS_ELSE = 33
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
 
@@ -172,9 +191,12 @@ def prefill_min_rows(block: int) -> int:
 
 def prefill_dots_from(block: int) -> int:
     """From how many rows of x the dots of this block size take the prefill
-    kernels (``PREFILL_DOTS_FROM_ROWS``; never with KVFERRY_QUANT_DOTS_ALWAYS=1,
+    kernels (``PREFILL_DOTS_FROM_ROWS`` where they fit the CPU: ``PREFILL_DOTS``,
+    else ``PREFILL_DOTS_FROM_ROWS_ELSE``; never with KVFERRY_QUANT_DOTS_ALWAYS=1,
     whose dots are the decode kernels at every size: llama.cpp's arithmetic)."""
-    return 1 << 62 if _dots_always else PREFILL_DOTS_FROM_ROWS[block]
+    if _dots_always:
+        return 1 << 62
+    return PREFILL_DOTS_FROM_ROWS[block] if _prefill_dots else PREFILL_DOTS_FROM_ROWS_ELSE
 
 
 def prefill_dots_fit() -> bool:
