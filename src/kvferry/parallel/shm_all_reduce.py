@@ -29,8 +29,8 @@ Where the C++ decoder layer builds, a tensor-parallel rank attaches its
 ``ShmSums`` (model/csrc/shm_sums.h, the same protocol and the same sums),
 and the calls run there: the copy, the flag, the wait and the sum without
 Python between them, and the rank's decoder layers run in one C++ call with
-their all-reduces inside (``tp_decoder_layers``). Its wait spins for 30 us,
-then sleeps on the late peer's flag as a futex, which the peer wakes when
+their all-reduces inside (``tp_decoder_layers``). Its wait spins for 100 us
+(yielding), then sleeps on the late peer's flag as a futex, which the peer wakes when
 it stores it.
 
 Without it the wait spins for 100 us, yielding between looks, then naps from 50 us

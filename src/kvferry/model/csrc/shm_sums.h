@@ -11,7 +11,7 @@
 // wait until every flag is >= seq (acquire), then sum the slots exactly as
 // the Python side does (the same ATen ops: the same bits).
 //
-// Waiting: spin (with pause) for kSpinNs, as a peer on its own core arrives
+// Waiting: spin (yielding) for kSpinNs, as a peer on its own core arrives
 // within microseconds; then sleep on the peer's flag as a futex (its low 32
 // bits; the flag's owner wakes it after each store) in slices of kSliceNs,
 // checking between slices that the peer's process is alive and that the
@@ -23,8 +23,8 @@
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 
-#include <immintrin.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -43,8 +43,10 @@
 namespace {
 
 // A peer on its own core arrives within microseconds of this rank when the
-// ranks' work is balanced; past this the waiter gives its core away.
-constexpr int64_t kSpinNs = 30'000;
+// ranks' work is balanced; past this the waiter sleeps. While it spins it
+// yields between looks: on a loaded host the peer may be queued on this very
+// core (a pause-only spin there cost a [1, 2048] sum twice the wall time).
+constexpr int64_t kSpinNs = 100'000;
 // How often a sleeping waiter looks at its peer's process and the timeout.
 constexpr int64_t kSliceNs = 50'000'000;
 // Errors start with this, so Python can tell a failed collective (CollectiveError) from other errors.
@@ -118,7 +120,7 @@ struct ShmSums : torch::CustomClassHolder {
         if (seen >= seq) break;
         const int64_t now = now_ns();
         if (now - start < kSpinNs) {
-          _mm_pause();
+          sched_yield();
           continue;
         }
         // Sleeps unless the flag moved since it was read (its owner wakes us after each store).
