@@ -39,6 +39,25 @@ def one_raises(group: ProcessGroup) -> None:
     group.all_reduce(torch.ones(4))  # blocks until the launcher ends this rank
 
 
+def python_and_cpp_sums(group: ProcessGroup) -> dict:
+    """The same partial sums (a decode row, a prefill's rows over two calls)
+    through Python's ShmAllReduce and through the C++ ShmSums: their bits."""
+    from kvferry.model import layer_op
+    from kvferry.parallel import ShmAllReduce
+    shm = ShmAllReduce(group, slot_bytes=64 << 10)
+    out: dict = {}
+    for native in (False, True):
+        if native:
+            shm.attach(layer_op.shm_sums(shm))
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for rows in (1, 37):
+                x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(group.rank)).to(dtype)
+                out[(native, str(dtype), rows)] = shm.all_reduce(x).view(torch.uint8).numpy().tobytes()
+        out[(native, "gather")] = shm.all_gather(torch.full((2, 3), float(group.rank)), dim=1).tolist()
+    shm.close()
+    return out
+
+
 def member_process(rank: int, world: int, host: str, port: int, action: str) -> None:
     """A plain process joining a group built by the test itself."""
     from kvferry.parallel import GroupAddress
@@ -54,13 +73,17 @@ def member_process(rank: int, world: int, host: str, port: int, action: str) -> 
         time.sleep(120)  # alive, sockets open, never joins the next collective
 
 
-def shm_sums(group: ProcessGroup) -> dict:
+def shm_sums(group: ProcessGroup, native: bool = False) -> dict:
     """Float sums through shared memory: small, across several slot-sized
-    chunks, in place on a view, and the same bits on every rank."""
+    chunks, in place on a view, and the same bits on every rank. ``native``:
+    after the first call, the calls run in C++ (layer_op.shm_sums)."""
     from kvferry.parallel import ShmAllReduce
     shm = ShmAllReduce(group, slot_bytes=256)  # 64 float32s a call: the big tensor takes many
     r = group.rank
     small = shm.all_reduce(torch.tensor([1.0 + r, 10.0 * r]))
+    if native:  # the C++ side goes on from the Python side's count
+        from kvferry.model import layer_op
+        shm.attach(layer_op.shm_sums(shm))
     gen = torch.Generator().manual_seed(r)
     big = torch.randn(37, 11, generator=gen)  # 407 elements: 7 calls, the last partial
     expected = sum(torch.randn(37, 11, generator=torch.Generator().manual_seed(j)) for j in range(group.world_size))

@@ -8,7 +8,11 @@ import time
 
 import torch
 
+import pytest
+
+from kvferry.model import layer_op
 from kvferry.parallel import ProcessGroup, ShmAllReduce, launch
+from tests.parallel import ranks
 
 TOKENS, HIDDEN = 2048, 2048  # 8 MiB in bf16: two calls through the 4 MiB slots
 REPS = 7
@@ -52,3 +56,16 @@ def test_two_ranks_sum_a_prefill_step_in_one_pass_with_the_same_bits():
         # Copy in, then add the peer's slot: about 2 adds' worth. The float32
         # round trip (a conversion, an add in float32, a copy back) was 4-6.
         assert o["ratio"] < 2.8, o
+
+
+def test_the_cpp_sums_are_the_python_sums_to_the_bit():
+    """A tensor-parallel rank's sums run in C++ where the decoder layer
+    builds (layer_op.shm_sums: its layers in one call, the sums inside):
+    the same bits as Python's, and the same gather."""
+    if not layer_op.available():
+        pytest.skip("the C++ decoder layer's library does not build here")
+    for o in launch(ranks.python_and_cpp_sums, 2, timeout_s=60, deadline_s=180):
+        for key, value in o.items():
+            if key[0]:
+                assert value == o[(False, *key[1:])], key
+    assert o[(True, "gather")] == [[0.0] * 3 + [1.0] * 3] * 2

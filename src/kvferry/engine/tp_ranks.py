@@ -48,6 +48,7 @@ from kvferry.engine.cpu_threads import default_cpus, pinning_requested, process_
 from kvferry.engine import rank_launcher
 from kvferry.engine.rank_group import POLL_S, RankProcesses, core_name, kill_all, ranks_of, run_naming_failed_rank
 from kvferry.messages import TPRank
+from kvferry.model import layer_op
 from kvferry.model.layers.parallel import TPShard
 from kvferry.parallel import GroupAddress, ProcessGroup, RankFailed, ShmAllReduce
 from kvferry.parallel.rank_sockets import RankKeys
@@ -97,7 +98,14 @@ def join_group(rank: int, address: GroupAddress | str, parallel: ParallelConfig)
     if isinstance(address, str):
         return TcpGroup.member(rank, parallel.tensor_parallel_size, address, COLLECTIVE_TIMEOUT_S)
     group = ProcessGroup(rank, parallel.tensor_parallel_size, address, COLLECTIVE_TIMEOUT_S)
-    return ShmAllReduce(group) if parallel.tp_all_reduce == "shm" else group
+    if parallel.tp_all_reduce != "shm":
+        return group
+    shm = ShmAllReduce(group)
+    # Its sums in C++ where the decoder layer's library loads (every rank
+    # alike: the same build, the same switches), the layers in one call.
+    if (native := layer_op.shm_sums(shm)) is not None:
+        shm.attach(native)
+    return shm
 
 
 def threads_per_rank(parallel: ParallelConfig) -> int:

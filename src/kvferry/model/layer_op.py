@@ -28,7 +28,9 @@ It applies to a step where every op of every layer is a C++ kernel
 
 A tensor-parallel shard runs it too, each layer as two calls split where the
 Python layer all-reduces (``run_tp_layer``: after o_proj and after
-down_proj), the sums between them over the shard's group.
+down_proj), the sums between them over the shard's group; or, where the
+group sums over shared memory through C++ (``shm_sums``), every layer in one
+call with the sums inside (``run_tp_layers``).
 
 Elsewhere (other devices, the Triton path, unpacked weights) the Python
 layer runs, as before.
@@ -45,11 +47,13 @@ from kvferry.model import fused_ops, paged_kernel
 from kvferry.model.linear import EXACT_ROWS, ROW_BUCKET
 from kvferry.model.fused_ops import add_rms_norm
 from kvferry.model.kv_cache_dtype import is_fp8
+from kvferry.parallel.shm_all_reduce import native_errors
 
 if TYPE_CHECKING:
     from kvferry.model.attention import AttentionMetadata
     from kvferry.model.layers.parallel import TPShard
     from kvferry.model.llama import Attention, LlamaModel
+    from kvferry.parallel.shm_all_reduce import ShmAllReduce
 
 _SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.cpp"
 _library = paged_kernel.LazyLibrary(lambda: _load())
@@ -184,6 +188,40 @@ def run_tp_layer(args: TPLayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch
         meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks, *attn)
     h, d = torch.ops.kvferry_layer.tp_mlp(shard.all_reduce(o), h, *mlp)
     return add_rms_norm(shard.all_reduce(d), h, next_w, next_eps)
+
+
+def shm_sums(group: ShmAllReduce) -> torch.ScriptObject | None:
+    """A C++ ShmSums over ``group``'s segment (csrc/shm_sums.h), or None
+    where the op's library does not load (the Python sums run)."""
+    if not available():
+        return None
+    return torch.classes.kvferry_layer.ShmSums(*group.segment())
+
+
+def tp_layer_stack(args: list[TPLayerArgs]) -> torch.ScriptObject:
+    """A shard's ``model_tp_layer_args`` held by a LayerStack (in
+    model_layer_args' order), for run_tp_layers."""
+    whole = []
+    for attn, mlp, next_w, next_eps in args:
+        (qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, heads, kv_heads, scale, exact_rows, row_bucket,
+         q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types) = attn
+        post_w, post_eps, gu_w, gu_n, gu_kind, down_w, down_n, down_kind, _, _, gu_parts, gu_part_types = mlp
+        whole.append((qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, post_w, post_eps, gu_w, gu_n, gu_kind,
+                      down_w, down_n, down_kind, next_w, next_eps, heads, kv_heads, scale, exact_rows, row_bucket,
+                      q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types, gu_parts, gu_part_types))
+    return layer_stack(whole)
+
+
+def run_tp_layers(stack: torch.ScriptObject, sums: torch.ScriptObject, h: torch.Tensor, x: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_tp_layer for every layer of a shard's ``stack`` in one C++ call,
+    its all-reduces through ``sums`` (the same calls in the same order: the
+    same bits). A peer gone or hung raises CollectiveError."""
+    with native_errors():
+        return torch.ops.kvferry_layer.tp_decoder_layers(
+            stack, sums, h, x, cos, sin, kv_cache, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
+            meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks)
 
 
 def _load() -> bool:

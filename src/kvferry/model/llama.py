@@ -274,8 +274,9 @@ class LlamaModel(nn.Module):
         first forward after loading."""
         for lin in self.linears():
             lin.process_weights_after_loading()
-        # A tensor-parallel shard's layer runs as two C++ calls, all-reduced
-        # after each (where its row-parallel matmuls all-reduce).
+        # A tensor-parallel shard's layers run in one C++ call with their
+        # all-reduces inside (the group's ShmSums), or each as two C++ calls,
+        # all-reduced after each (where its row-parallel matmuls all-reduce).
         self._layer_args = (layer_op.model_tp_layer_args(self) if self.shard.enabled
                             else layer_op.model_layer_args(self))
         self._layer_stack = None
@@ -361,10 +362,14 @@ class LlamaModel(nn.Module):
             # Every layer one C++ call: the same ops as below, without the
             # Python between them (layer_op.py).
             cos, sin = self.rotary.rows(positions, self.dtype)
-            if aux is None and meta.kv_transfer is None and not self.shard.enabled:  # no hook between layers
+            sums = getattr(self.shard.group, "native", None) if self.shard.enabled else None
+            if aux is None and meta.kv_transfer is None and (sums is not None or not self.shard.enabled):
+                # No hook between layers: all of them in one call (a shard's sums inside).
                 if self._layer_stack is None:
-                    self._layer_stack = layer_op.layer_stack(self._layer_args)
-                h, x = layer_op.run_layers(self._layer_stack, h, x, cos, sin, kv_cache, meta)
+                    self._layer_stack = (layer_op.tp_layer_stack(self._layer_args) if self.shard.enabled
+                                         else layer_op.layer_stack(self._layer_args))
+                h, x = (layer_op.run_tp_layers(self._layer_stack, sums, h, x, cos, sin, kv_cache, meta)
+                        if sums is not None else layer_op.run_layers(self._layer_stack, h, x, cos, sin, kv_cache, meta))
                 return h if ends_stream else x
             for i, args in enumerate(self._layer_args):
                 if aux is not None:

@@ -22,8 +22,19 @@ Two buffers suffice: a rank writes buffer ``seq % 2`` again at ``seq + 2``
 only after every flag reached ``seq + 1``, i.e. after every rank finished
 reading call ``seq``.
 
-The wait spins for 100 us, yielding between looks, then naps from 50 us
-doubling up to 1 ms (ranks may share cores), and is bounded: a peer whose process is gone (pids are in the group's store)
+A rank's flag is also its count of calls: whichever side makes a call
+(this Python, or the C++ of ``attach``) reads the count from it.
+
+Where the C++ decoder layer builds, a tensor-parallel rank attaches its
+``ShmSums`` (model/csrc/shm_sums.h, the same protocol and the same sums),
+and the calls run there: the copy, the flag, the wait and the sum without
+Python between them, and the rank's decoder layers run in one C++ call with
+their all-reduces inside (``tp_decoder_layers``). Its wait spins for 100 us
+(yielding), then sleeps on the late peer's flag as a futex, which the peer wakes when
+it stores it.
+
+Without it the wait spins for 100 us, yielding between looks, then naps from 50 us
+doubling up to 1 ms (ranks may share cores). Either wait is bounded: a peer whose process is gone (pids are in the group's store)
 fails it at once, a hung one after ``timeout_s``, with ``CollectiveError``.
 ``all_gather`` takes the same steps, each rank then copying every slot into
 its place in the result. Anything other than a float sum goes to the wrapped
@@ -31,9 +42,11 @@ gloo group.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -72,19 +85,35 @@ class ShmAllReduce:
             _untrack(self._shm)  # rank 0 owns it: a worker's exit must not unlink it
         group.store_set(f"pid{self.rank}", str(os.getpid()))
         self._flags = np.ndarray((n,), dtype=np.int64, buffer=self._shm.buf)
+        self._flag_tensor = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=n)  # the same memory, for C++
         self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8, offset=self._data_offset,
                                        count=2 * n * slot_bytes)
-        self._seq = 0
+        self.native: torch.ScriptObject | None = None  # attach()'s ShmSums: the calls run there
         self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         group.barrier()  # every rank attached (rank 0 may unlink the name from now on)
         self._pids = [int(group.store_get(f"pid{r}")) for r in range(n)]
         if self.rank == 0:
             self._shm.unlink()  # gone from /dev/shm once every rank has closed it, however they end
 
+    def segment(self) -> tuple[torch.Tensor, torch.Tensor, int, int, list[int], float]:
+        """What a C++ ShmSums over this segment takes: the flags, the slots' bytes,
+        this rank, a slot's size, every rank's pid, and the timeout."""
+        return self._flag_tensor, self._bytes, self.rank, self._slot, list(self._pids), float(self.timeout_s)
+
+    def attach(self, native: torch.ScriptObject) -> None:
+        """Make every float sum and exchange through ``native`` (a ShmSums over
+        ``segment()``), where the wait sleeps on a futex instead of napping.
+        Every rank attaches one, or none: a Python post wakes no sleeper."""
+        self.native = native
+
     # -- collectives -------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op != "sum" or not tensor.is_floating_point() or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return self.group.all_reduce(tensor, op)
+        if self.native is not None:
+            with native_errors():
+                self.native.all_reduce_(tensor)
+            return tensor
         flat = tensor.view(-1)
         per_call = self._slot // tensor.element_size()
         for start in range(0, flat.numel(), per_call):
@@ -126,8 +155,11 @@ class ShmAllReduce:
     def _exchange(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
         """One call: ``x`` (1-D) into this rank's slot, and every rank's slot
         once all have written theirs."""
-        self._seq += 1
-        seq = self._seq
+        if self.native is not None:
+            with native_errors():
+                seq = self.native.exchange(x)
+            return self._slots(seq % 2, x)
+        seq = int(self._flags[self.rank]) + 1  # this rank's calls so far, +1
         slots = self._slots(seq % 2, x)
         slots[self.rank].copy_(x)
         self._flags[self.rank] = seq  # after the data (stores stay in order on x86)
@@ -195,12 +227,29 @@ class ShmAllReduce:
                                   f"not answer within {self.timeout_s:g}s")
 
     def close(self) -> None:
-        self._flags = self._bytes = None
+        self.native = self._flags = self._flag_tensor = self._bytes = None
         self._views.clear()
         try:
             self._shm.close()
         except BufferError:  # a view still held somewhere: the mapping goes with the process
             pass
+
+
+# What the C++ ShmSums' errors start with (shm_sums.h: kShmError).
+_NATIVE_ERROR = "shm collective: "
+
+
+@contextlib.contextmanager
+def native_errors() -> Iterator[None]:
+    """A ShmSums call whose collective failed (a peer gone, the timeout)
+    raises CollectiveError, as the Python wait does."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if _NATIVE_ERROR not in text:
+            raise
+        raise CollectiveError(text.split(_NATIVE_ERROR, 1)[1].splitlines()[0]) from e
 
 
 def _alive(pid: int) -> bool:
