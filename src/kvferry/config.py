@@ -566,7 +566,7 @@ class EngineArgs:
     speculative: str | dict | None = field(default=None, metadata=_opt(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; off (or null) for none; default: method auto '
-        "(suffix decoding or n-gram lookup per request, whichever held more lately) under the cost-aware "
+        "(suffix, n-gram or a head per request, whichever held more lately; trees on the CPU) under the cost-aware "
         "controller, which drafts only at the batch sizes and acceptance where it measured a gain and "
         "otherwise runs the plain step; by itself off with --deterministic (its steps are measured without "
         "drafts), one log line says so (docs/speculative.md)",
