@@ -105,19 +105,24 @@ def bench(args: argparse.Namespace, url: str, model_dir: str, datasets: dict[str
 
 
 def summarize(out: Path, cases: list[tuple[str, int]]) -> str:
-    lines = ["| case | metric | default | off | default / off | runs (default / off) |", "|---|---|---|---|---|---|"]
+    """One row per case and metric: each side's median, and each side's
+    median over off's (every side but off, in CONFIGS' order)."""
+    sides = [cfg for cfg in CONFIGS if cfg != "off"]
+    lines = ["| case | metric | " + " | ".join(sides) + " | off | " + " | ".join(f"{s} / off" for s in sides)
+             + " | runs (" + " / ".join(sides) + " / off) |",
+             "|---|---|" + "---|" * (2 * len(sides) + 2)]
     for task, c in cases:
         rows = {cfg: [json.loads(p.read_text()) for p in sorted(out.glob(f"{cfg}_{task}_c{c}_run*.json"))]
                 for cfg in CONFIGS}
         for key, label, _ in METRICS:
-            a = [r[key] for r in rows["default"] if key in r]
-            b = [r[key] for r in rows["off"] if key in r]
-            if not a or not b:
+            values = {cfg: [r[key] for r in rows[cfg] if key in r] for cfg in CONFIGS}
+            if not all(values.values()):
                 continue
-            ma, mb = statistics.median(a), statistics.median(b)
-            each = ", ".join(f"{x:.3g}" for x in a) + " / " + ", ".join(f"{x:.3g}" for x in b)
-            lines.append(f"| {task} c{c} | {label} | {ma:.3g} | {mb:.3g} | {ma / mb if mb else float('inf'):.2f}x "
-                         f"| {each} |")
+            med = {cfg: statistics.median(v) for cfg, v in values.items()}
+            ratios = [f"{med[s] / med['off'] if med['off'] else float('inf'):.2f}x" for s in sides]
+            each = " / ".join(", ".join(f"{x:.3g}" for x in values[cfg]) for cfg in [*sides, "off"])
+            lines.append(f"| {task} c{c} | {label} | " + " | ".join(f"{med[s]:.3g}" for s in sides)
+                         + f" | {med['off']:.3g} | " + " | ".join(ratios) + f" | {each} |")
     return "\n".join(lines)
 
 
@@ -137,10 +142,19 @@ def main() -> int:
     p.add_argument("--default-config", default=None,
                    help="run this --speculative-config JSON as the 'default' side (e.g. the default with "
                         "draft trees: '{\"method\": \"auto\", \"draft_tree\": true}'); unset: no flag")
+    p.add_argument("--compare", nargs="*", default=[], metavar="NAME=JSON",
+                   help="more sides, each a --speculative-config JSON run as NAME in the same runs (e.g. "
+                        "the default with paths: 'paths={\"method\": \"auto\", \"model\": HEAD}')")
     p.add_argument("--out", default="bench/results/spec_default")
     args = p.parse_args()
     if args.default_config:
         CONFIGS["default"] = ["--speculative-config", args.default_config]
+    for side in args.compare:
+        name, _, config = side.partition("=")
+        if not name or not config or name in CONFIGS:
+            p.error(f"--compare {side!r}: NAME=JSON, NAME other than {', '.join(CONFIGS)}")
+        CONFIGS[name] = ["--speculative-config", config]
+    CONFIGS["off"] = CONFIGS.pop("off")  # the sides in turn, then off (reversed on even runs)
     # SIGTERM unwinds (the servers' ``with`` blocks stop them) rather than orphaning them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cases = [(t, int(c)) for t, c in (case.split(":") for case in args.cases)]
@@ -166,7 +180,7 @@ def main() -> int:
     load = {"start": os.getloadavg()}
     print(f"load average at start: {load['start']}", flush=True)
     for run in range(1, args.runs + 1):
-        order = list(CONFIGS) if run % 2 else list(reversed(CONFIGS))
+        order = list(CONFIGS) if run % 2 else list(reversed(CONFIGS))  # run 1 default first, run 2 off first
         for cfg in order:
             with served(flags + CONFIGS[cfg], out / f"{cfg}_server_run{run}.log") as url:
                 for task, c in cases:

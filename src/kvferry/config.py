@@ -475,10 +475,14 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
     # rarely match); not over GGUF blocks (it reads the float embedding and lm_head) nor pipeline stages.
     head = (EMBEDDED_DRAFT_HEAD if config.model.model is None and config.model.quantization != "gguf"
             and config.parallel.pipeline_parallel_size == 1 and EMBEDDED_DRAFT_HEAD.is_file() else None)
-    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head))  # paths: docs/speculative.md
+    # Suffix decoding and the head draft trees on the CPU, where a tree step runs fused at a path step's cost
+    # (docs/speculative.md, "draft trees"); on CUDA a tree step runs eagerly and re-attends in torch: paths.
+    tree = config.model.device == "cpu"
+    spec = SpeculativeConfig(method="auto", model=None if head is None else str(head), draft_tree=tree)
     choices = "suffix, n-gram or the draft head" if head is not None else "suffix or n-gram"
-    return spec, (f"speculative decoding: auto ({choices}, k <= {spec.num_speculative_tokens}) where the cost-aware "
-                  "controller measures a gain, plain decoding elsewhere (the default; --speculative-config off turns it off)")
+    return spec, (f"speculative decoding: auto ({choices}, {'trees' if tree else 'paths'} of k <= "
+                  f"{spec.num_speculative_tokens}) where the cost-aware controller measures a gain, plain decoding "
+                  "elsewhere (the default; --speculative-config off turns it off)")
 
 
 def _is_int(value: object) -> bool:
@@ -562,7 +566,7 @@ class EngineArgs:
     speculative: str | dict | None = field(default=None, metadata=_opt(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; off (or null) for none; default: method auto '
-        "(suffix decoding or n-gram lookup per request, whichever held more lately) under the cost-aware "
+        "(suffix, n-gram or a head per request, whichever held more lately; trees on the CPU) under the cost-aware "
         "controller, which drafts only at the batch sizes and acceptance where it measured a gain and "
         "otherwise runs the plain step; by itself off with --deterministic (its steps are measured without "
         "drafts), one log line says so (docs/speculative.md)",

@@ -457,3 +457,21 @@ def test_a_request_with_few_drafts_moves_its_tenants_record_less():
     assert abs(history.get("t").methods["head"] - (0.5 * (0.5 / 8 + weight(2) * (0.5 - 0.5 / 8)) + 0.25)) < 1e-12
     with pytest.raises(ValueError, match="full_weight_drafts"):
         TenantHistory(prior=0.5, alpha=0.5, full_weight_drafts=0)
+
+
+def test_steps_where_no_request_may_draft_do_not_price_plain_decoding():
+    """Bucket 8-15 holds batches of 13-15 requests, where the batch cap
+    forbids drafts (24 // 13 - 1 = 0), and of 8-12, where a request may draft
+    one. The larger batches' plain steps cost more: had they priced plain
+    decoding for the bucket, a draft step of 12 requests would look cheap
+    against them, by as much as arrivals left 13-15 running (run-to-run
+    noise at c16). They count for nothing; plain decoding is measured at
+    the sizes that choose."""
+    c = AdaptiveSpecController(4, batch_token_threshold=24, **ONE_SAMPLE)
+    for _ in range(20):
+        assert c.batch_cap(15) == 0
+        c.observe_step(15, 0, 2.0)
+    assert 4 not in c._costs or not c._costs[4].measured(0)
+    assert c.batch_cap(12) == 0  # plain decoding first, measured at 12
+    c.observe_step(12, 0, 1.0)
+    assert c._costs[4].seconds[0] == 1.0

@@ -20,7 +20,7 @@ from tests.spec.test_suffix import request
 
 def test_default_is_auto_under_the_cost_aware_controller():
     spec = EngineArgs(speculative="default").create_engine_config().speculative
-    assert spec is not None and spec.method == "auto" and spec.cost_aware and spec.adaptive
+    assert spec is not None and spec.method == "auto" and spec.cost_aware and spec.adaptive and spec.draft_tree
     # The embedded model's committed head is among auto's choices; another target has none.
     assert spec.model == str(EMBEDDED_DRAFT_HEAD) and EMBEDDED_DRAFT_HEAD.is_file()
     other = EngineArgs(model="/some/model", speculative="default").create_engine_config().speculative
@@ -57,9 +57,9 @@ def test_the_default_stays_on_over_ranks_and_stages():
     """Suffix, auto and draft trees run over tensor-parallel ranks and
     pipeline stages (tests/parallel/test_tp_suffix.py); the head, not over stages."""
     tp = EngineArgs(speculative="default", tensor_parallel_size=2).create_engine_config().speculative
-    assert tp.method == "auto" and not tp.draft_tree and tp.model == str(EMBEDDED_DRAFT_HEAD)
+    assert tp.method == "auto" and tp.draft_tree and tp.model == str(EMBEDDED_DRAFT_HEAD)
     pp = EngineArgs(speculative="default", pipeline_parallel_size=2).create_engine_config().speculative
-    assert pp.method == "auto" and not pp.draft_tree and pp.model is None
+    assert pp.method == "auto" and pp.draft_tree and pp.model is None
     # Attention/FFN disaggregation: the verify step's k + 1 rows a request go to the FFN workers as any rows.
     afd = EngineArgs(speculative="default", ffn=1).create_engine_config().speculative
     assert afd.method == "auto" and afd.model == str(EMBEDDED_DRAFT_HEAD)

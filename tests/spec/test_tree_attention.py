@@ -164,9 +164,9 @@ def test_suffix_proposer_tree_option():
     assert chain == tree.first_branch()[: len(chain)] and not isinstance(chain, DraftTree)
 
 
-def test_the_serving_default_drafts_paths_and_trees_only_when_asked():
+def test_the_serving_default_drafts_trees_and_an_explicit_config_only_when_asked():
     spec, _ = default_speculation(EngineArgs().create_engine_config())
-    assert spec.method == "auto" and not spec.draft_tree
+    assert spec.method == "auto" and spec.draft_tree  # the CPU default (tests/spec/test_default_trees.py)
     assert not SpeculativeConfig.parse('{"method": "suffix"}').draft_tree
     assert SpeculativeConfig.parse('{"method": "auto", "draft_tree": true}').draft_tree
     assert SpeculativeConfig.parse('{"method": "head", "draft_tree": true}').draft_tree  # the head's trees

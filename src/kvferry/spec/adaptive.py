@@ -30,7 +30,9 @@ Four rules, all cheap and deterministic:
   ``batch_token_threshold``: at large batches decode is already
   compute-efficient, and drafts would only slow every request down.
 - **Measured cost per level** (``cost_aware``). The engine reports each
-  decode-only step's seconds (``observe_step``; which clock: below). Per batch-size bucket
+  decode-only step's seconds (``observe_step``; which clock: below; not
+  counted at batch sizes where the batch cap forbids drafts, whose plain
+  steps would price a bucket's smaller batches). Per batch-size bucket
   (powers of two) the controller picks a *level* L in [0, cap], the most
   drafts any request gets, and keeps per level EWMAs of the step's seconds
   and of the tokens a request gains per step (1 + accepted). A step's cost
@@ -307,7 +309,13 @@ class AdaptiveSpecController:
         the step's outputs were applied, so ``observe`` already counted its
         accepted drafts)."""
         accepted, self._step_accepted = self._step_accepted, 0
-        if num_decodes < 1 or seconds <= 0:
+        if num_decodes < 1 or seconds <= 0 or self.max_drafts(num_decodes) == 0:
+            # A batch where no request may draft decides nothing, and its plain
+            # steps must not price plain decoding for the smaller batches of its
+            # bucket (13-15 running share 8-15's): a 15-request step costs more
+            # than a 12-request one, so level 0 looked dearer there the more
+            # often arrivals left 13-15 running, and drafting looked cheaper.
+            self._step_probes = 0
             return
         cost = self._costs.setdefault(num_decodes.bit_length(), self._new_bucket())
         cost.steps += 1
