@@ -5,8 +5,6 @@ import argparse
 from pathlib import Path
 
 CORPORA = ("chitchat", "bible", "pydoc")
-HEAD_TTT_STEPS = 2  # --arch head's defaults (src/kvferry/spec/data/README.md: the committed head's recipe)
-HEAD_HARD_LABEL_WEIGHT = 0.0
 
 
 def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
@@ -31,19 +29,18 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
                    help="head: the feature-regression head over the top hidden state; eagle3: an EAGLE-3 head "
                         "(low, middle and top layers fused, one attention layer, training-time test on the "
                         "target's own replies), saved as a folder in the format vLLM loads")
-    p.add_argument("--ttt-steps", type=_positive, default=None,
+    p.add_argument("--ttt-steps", type=_positive, default=4,
                    help="draft steps unrolled in training, each after the first reading the head's own previous "
-                        f"output (default: head {HEAD_TTT_STEPS}, eagle3 4)")
+                        "output (training-time test)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="eagle3: temperature of the target's replies it learns from (0: greedy)")
     p.add_argument("--max-train-seconds", type=float, default=0.0,
                    help="eagle3: stop the optimizer after this many seconds (0: run every epoch)")
     p.add_argument("--pack-tokens", type=_positive, default=1024,
                    help="eagle3: positions per optimizer step (whole conversations packed together)")
-    p.add_argument("--hard-label-weight", type=float, default=None,
+    p.add_argument("--hard-label-weight", type=float, default=0.0,
                    help="weight of a cross-entropy on the target's argmax, added to the loss on its distribution "
-                        "(what greedy verification keeps; helps where the target's distribution is flat; "
-                        f"default: head {HEAD_HARD_LABEL_WEIGHT}, eagle3 0)")
+                        "(what greedy verification keeps; helps where the target's distribution is flat)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -62,11 +59,6 @@ def _non_negative(text: str) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    head = args.arch == "head"
-    if args.ttt_steps is None:
-        args.ttt_steps = HEAD_TTT_STEPS if head else 4
-    if args.hard_label_weight is None:
-        args.hard_label_weight = HEAD_HARD_LABEL_WEIGHT if head else 0.0
     if args.arch == "eagle3":
         from kvferry.train.eagle3 import run_from_args as run_eagle3  # lazy, as below
 

@@ -61,7 +61,7 @@ class TrainConfig:
     seed: int = 0
     draft_vocab_size: int = 8192  # 0: draft over the whole vocabulary
     eval_prompts: int = 64  # held-out chats the finished head is measured on (0: none)
-    ttt_steps: int = 2  # drafting steps unrolled per position (head_loss)
+    ttt_steps: int = 4  # drafting steps unrolled per position (head_loss)
     hard_label_weight: float = 0.0  # of the cross-entropy on the target's argmax (head_loss)
 
 
