@@ -30,7 +30,8 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
                         "(low, middle and top layers fused, one attention layer, training-time test on the "
                         "target's own replies), saved as a folder in the format vLLM loads")
     p.add_argument("--ttt-steps", type=_positive, default=4,
-                   help="eagle3: draft steps unrolled in training, each reading the head's own previous output")
+                   help="draft steps unrolled in training, each after the first reading the head's own previous "
+                        "output (training-time test)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="eagle3: temperature of the target's replies it learns from (0: greedy)")
     p.add_argument("--max-train-seconds", type=float, default=0.0,
@@ -38,8 +39,8 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
     p.add_argument("--pack-tokens", type=_positive, default=1024,
                    help="eagle3: positions per optimizer step (whole conversations packed together)")
     p.add_argument("--hard-label-weight", type=float, default=0.0,
-                   help="eagle3: weight of a cross-entropy on the target's argmax, added to the one on its "
-                        "distribution (what greedy verification keeps; helps where the target's distribution is flat)")
+                   help="weight of a cross-entropy on the target's argmax, added to the loss on its distribution "
+                        "(what greedy verification keeps; helps where the target's distribution is flat)")
     p.set_defaults(func=_cmd_train)
 
 

@@ -61,6 +61,8 @@ class TrainConfig:
     seed: int = 0
     draft_vocab_size: int = 8192  # 0: draft over the whole vocabulary
     eval_prompts: int = 64  # held-out chats the finished head is measured on (0: none)
+    ttt_steps: int = 4  # drafting steps unrolled per position (head_loss)
+    hard_label_weight: float = 0.0  # of the cross-entropy on the target's argmax (head_loss)
 
 
 def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
@@ -175,21 +177,31 @@ class Features:
     hidden: torch.Tensor  # [N, H] bf16, all sequences concatenated
     tokens: torch.Tensor  # [N] int64
     starts: torch.Tensor  # [M] int64: positions t (answer tokens with t - 1 and t + 1 in the same sequence)
+    ends: torch.Tensor  # [N] int64: one past the last position of each position's sequence
 
 
 def build_features(model, sequences: list[tuple[list[int], int]]) -> Features:  # noqa: ANN001
-    hidden, tokens, starts, offset = [], [], [], 0
-    for ids, prompt_len in tqdm(sequences, desc="target features", unit="seq"):
+    hidden = [hidden_states(model, ids).to(torch.bfloat16)  # bf16 halves what is held
+              for ids, _ in tqdm(sequences, desc="target features", unit="seq")]
+    return features_of(sequences, hidden)
+
+
+def features_of(sequences: list[tuple[list[int], int]], hidden: list[torch.Tensor]) -> Features:
+    """Features from each sequence's hidden states [n, H] (sequences whose
+    answer is under 3 tokens are left out)."""
+    kept, tokens, starts, ends, offset = [], [], [], [], 0
+    for (ids, prompt_len), h in zip(sequences, hidden):
         if len(ids) - prompt_len < 3:
             continue
-        hidden.append(hidden_states(model, ids).to(torch.bfloat16))  # bf16 halves what is held
+        kept.append(h.to(torch.bfloat16))
         tokens.append(torch.tensor(ids))
         # t from the first answer token to the second-to-last one
         starts.append(torch.arange(offset + prompt_len, offset + len(ids) - 1))
         offset += len(ids)
-    if not hidden:
+        ends.append(torch.full((len(ids),), offset))
+    if not kept:
         raise ValueError("no answers long enough to train on")
-    return Features(torch.cat(hidden), torch.cat(tokens), torch.cat(starts))
+    return Features(torch.cat(kept), torch.cat(tokens), torch.cat(starts), torch.cat(ends))
 
 
 def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
@@ -207,21 +219,36 @@ def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, si
     return ids, covered
 
 
-def head_loss(head: EagleHead, model, feats: Features, t: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-    """Two drafting steps from positions t [B]: KL + 0.1 * smooth-L1 each."""
-    lm_head = model.lm_head.detach().float()  # [V, H]: the target stays frozen
-    embed = model.embed_tokens.detach().float()  # [V, H]
+def head_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, feats: Features, t: torch.Tensor,
+              steps: int = 2, hard_weight: float = 0.0) -> torch.Tensor:
+    """``steps`` drafting steps from positions t [B], each reading the head's
+    own previous output (training-time test: drafting k tokens feeds the
+    head its own features k - 1 times, so the later steps must be trained
+    on them). Loss per step: KL(target || head) over the rows of
+    ``lm_rows`` (the draft vocabulary's: what drafting scores), + 0.1 *
+    smooth-L1 of f toward h (EAGLE's two terms), + ``hard_weight`` * a
+    cross-entropy on the target's argmax (what greedy verification keeps).
+    A chain stops at its sequence's end."""
     h = feats.hidden
     f = h[t - 1].float()
+    end = feats.ends[t]
     loss = torch.zeros(())
-    for step in range(2):
+    for step in range(steps):
         pos = t + step
+        valid = pos < end
+        if not bool(valid.any()):
+            break
+        if not bool(valid.all()):  # chains that ran past their sequence's end stop here
+            t, pos, end, f = t[valid], pos[valid], end[valid], f[valid]
         f = head(F.embedding(feats.tokens[pos], embed), f)  # [B, H]
         target = h[pos].float()  # [B, H]
-        teacher = F.log_softmax(target @ lm_head.T, dim=-1)  # [B, V]
-        student = F.log_softmax(f @ lm_head.T, dim=-1)
-        kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-        loss = loss + kl + 0.1 * F.smooth_l1_loss(f, target)
+        teacher = F.log_softmax(target @ lm_rows.T, dim=-1)  # [B, V]
+        student = F.log_softmax(f @ lm_rows.T, dim=-1)
+        step_loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+        step_loss = step_loss + 0.1 * F.smooth_l1_loss(f, target)
+        if hard_weight:
+            step_loss = step_loss + hard_weight * F.nll_loss(student, teacher.argmax(-1))
+        loss = loss + step_loss
     return loss
 
 
@@ -239,6 +266,11 @@ def train(cfg: TrainConfig) -> dict:
     coverage = 1.0
     if 0 < cfg.draft_vocab_size < model.config.vocab_size:
         head.draft_vocab, coverage = draft_vocabulary(sequences, model.config.vocab_size, cfg.draft_vocab_size)
+    embed = model.embed_tokens.detach().float()  # [V, H]: the target stays frozen
+    lm_head = model.lm_head.detach().float()  # [V, H]
+    # The loss scores the draft vocabulary's rows, as drafting does (and a
+    # sixth of the LM head's work per step).
+    lm_rows = lm_head if head.draft_vocab is None else lm_head[head.draft_vocab]
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     # t + 1 must stay inside the sequence: starts already end one early.
     steps_per_epoch = max(1, len(feats.starts) // cfg.batch_tokens)
@@ -248,7 +280,7 @@ def train(cfg: TrainConfig) -> dict:
         order = feats.starts[torch.randperm(len(feats.starts))]
         for b in range(steps_per_epoch):
             t = order[b * cfg.batch_tokens : (b + 1) * cfg.batch_tokens]
-            loss = head_loss(head, model, feats, t)
+            loss = head_loss(head, embed, lm_rows, feats, t, cfg.ttt_steps, cfg.hard_label_weight)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -260,7 +292,8 @@ def train(cfg: TrainConfig) -> dict:
     head.save(cfg.out / "head.safetensors", target=loaded.fingerprint)
     report = {"target": loaded.model_path, "target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus,
               "num_prompts": len(prompts), "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
-              "intermediate_size": cfg.intermediate_size,
+              "intermediate_size": cfg.intermediate_size, "ttt_steps": cfg.ttt_steps,
+              "hard_label_weight": cfg.hard_label_weight, "lr": cfg.lr, "batch_tokens": cfg.batch_tokens,
               "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab),
               "draft_vocab_answer_coverage": round(coverage, 4), "seconds": round(time.monotonic() - started, 1)}
     del llm, loaded, model, feats  # the evaluation builds an engine of its own
@@ -294,7 +327,7 @@ def evaluate_head(cfg: TrainConfig) -> Acceptance | None:
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
                       args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
-                      args.eval_prompts)
+                      args.eval_prompts, args.ttt_steps, args.hard_label_weight)
     report = train(cfg)
     print(json.dumps(report, indent=2))
     if "held_out_chat_acceptance" in report:  # again last, where it is seen
