@@ -659,6 +659,30 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define KVQ_K512 1
+// A pair's vpmaddubsw sums times its sub-block scales, added to the pair's
+// lanes: one vpdpwssd with AVX512-VNNI, else vpmaddwd and an add. The same
+// integers either way (|pair sums x scales| fit in 32 bits, so neither wraps).
+inline __m512i scale_add(__m512i acc, __m512i p, __m512i sc) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, p, sc);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+#endif
+}
+
+// A Q4_K superblock's 8 six-bit scales and 8 mins as bytes, 8 to a 64-bit
+// word (khead's kmask shuffle without its widening and stores: the batch-1
+// dots widen them in registers, one shuffle each where they are used).
+inline void q4k_scales_mins(const uint8_t* b, uint64_t& sc8, uint64_t& mn8) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  const uint32_t s0 = u[0] & k1, s1 = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  const uint32_t m0 = u[1] & k1, m1 = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  sc8 = uint64_t(s0) | (uint64_t(s1) << 32);
+  mn8 = uint64_t(m0) | (uint64_t(m1) << 32);
+}
+
 // rowsK for one row of x (decode at batch 1) on Q4_K / Q6_K, two groups per
 // 512-bit register: half the instructions a superblock (one core's dots had
 // been the bound at batch 1, not its reads: 1.3-1.4x the read time). Q4_K's
@@ -672,7 +696,7 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
   static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
   __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
   KHead h;
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   // 128-bit lane j of a pair's scales is the pair's j-th scale (of 4, from one 64-bit broadcast), 8 times.
   const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
                                         0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
@@ -681,56 +705,68 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
   for (int64_t i = 0; i < a.nb; ++i) {
     const uint8_t* b = w + i * bytes;
     spread.next();
-    khead(T, b, h);
     const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
     __m512i zacc = _mm512_setzero_si512();
-    auto pair = [&](int p, __m512i q) {  // groups 2p, 2p + 1
-      const __m512i x = _mm512_loadu_si512(xq + 64 * p);
-      int64_t s4;
-      std::memcpy(&s4, h.sc + 4 * p, 8);
-      const __m512i sc = _mm512_shuffle_epi8(_mm512_set1_epi64(s4), pick);
-      zacc = _mm512_add_epi32(zacc, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), sc));
-    };
+    __m256i mn;
+    float d, dm;
     if constexpr (T == 12) {
+      // Q4_K: the scales and mins straight from their bytes. Pair p's 128-bit
+      // lanes are its sub-blocks 4p..4p+3 (16 values each), whose 32-value
+      // scales are bytes 2p, 2p, 2p + 1, 2p + 1: each zero-extended to 16 bits
+      // by one in-lane shuffle of the broadcast bytes.
+      uint64_t sc8, mn8;
+      q4k_scales_mins(b, sc8, mn8);
+      d = h2f(b);
+      dm = h2f(b + 2);
+      const __m512i s8 = _mm512_set1_epi64(int64_t(sc8));
       const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
       KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+        const int64_t lo = 0x8000800080008000ll | (int64_t(2 * p) * 0x0001000100010001ll);
+        const int64_t hi = 0x8000800080008000ll | (int64_t(2 * p + 1) * 0x0001000100010001ll);
+        const __m512i sc = _mm512_shuffle_epi8(s8, _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo));
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
-        pair(p, _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4));
+        const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
+        zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * p)), sc);
       }
+      // The 16 per-16 mins (each 32-value sub-block's twice) as 16-bit lanes.
+      mn = _mm256_shuffle_epi8(_mm256_set1_epi64x(int64_t(mn8)),
+                               _mm256_setr_epi8(0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3, -128,
+                                                4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7, -128, 7, -128));
     } else {
+      khead(T, b, h);
+      d = h.d;
+      dm = h.dm;
       KVQ_UNROLL for (int n = 0; n < 2; ++n) {
         const __m512i ql = _mm512_loadu_si512(b + 64 * n);
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
         KVQ_UNROLL for (int half = 0; half < 2; ++half) {  // j = 2 half, 2 half + 1
           const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
-          const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-          const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), m2);
-          pair(2 * n + half, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+          // Group 4n + j's two high bits are qh's bits 2j, 2j + 1: moved to bits 4-5
+          // of their own byte (left 4, 2 or right 0, 2), masked and or-ed onto
+          // the low nibble by one ternary op: lo | (hs & 0x30).
+          const __m512i hs = half ? _mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0))
+                                  : _mm512_sllv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4));
+          const __m512i q = _mm512_ternarylogic_epi64(lo, hs, m30, 0xF8);
+          const int p = 2 * n + half;
+          int64_t s4;
+          std::memcpy(&s4, h.sc + 4 * p, 8);
+          const __m512i sc = _mm512_shuffle_epi8(_mm512_set1_epi64(s4), pick);
+          zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * p)), sc);
         }
       }
+      mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
     }
     const __m256i iacc = _mm256_add_epi32(_mm512_castsi512_si256(zacc), _mm512_extracti64x4_epi64(zacc, 1));
-    const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
     const int64_t ai = m0 * a.nb + i;
     const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(h.d * a.d[ai]), acc);
-    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(h.dm * a.d[ai]), macc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(d * a.d[ai]), acc);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(dm * a.d[ai]), macc);
   }
   y[0] = hsum(_mm256_sub_ps(acc, macc));
 }
 #endif
 
 #ifdef KVQ_K512
-// A pair's vpmaddubsw sums times its sub-block scales, added to the pair's
-// lanes: one vpdpwssd with AVX512-VNNI, else vpmaddwd and an add. The same
-// integers either way (|pair sums x scales| fit in 32 bits, so neither wraps).
-inline __m512i scale_add(__m512i acc, __m512i p, __m512i sc) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpwssd_epi32(acc, p, sc);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
-#endif
-}
 
 // rowsK for R rows of x (decode batches of 2 to ~32 rows), every K-quant, two
 // groups per 512-bit register as rowsK1_512: the superblock's groups are
