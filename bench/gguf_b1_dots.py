@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--passes", type=int, default=15)
     parser.add_argument("--cold-mib", type=int, default=160, help="bytes the copies of each weight span")
+    parser.add_argument("--only", nargs="+", default=[], help="only the shapes whose NxK (e.g. 8192x2048) is listed")
     parser.add_argument("--floor", action="store_true", help="also measure the read bandwidth (wall time)")
     args = parser.parse_args()
     if not quant.available():
@@ -50,6 +51,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"kernel {quant.kernel_path()}")
     for name, n, k, what in SHAPES:
+        if args.only and f"{n}x{k}" not in args.only:
+            continue
         one = torch.from_numpy(random_blocks(name, n, k, rng))
         copies = max(2, (args.cold_mib << 20) // one.numel())
         blob = one.repeat(copies, 1)

@@ -691,7 +691,11 @@ inline void q4k_scales_mins(const uint8_t* b, uint64_t& sc8, uint64_t& mn8) {
 // high bits in one 32 bytes of qh. x's two groups are 64 bytes side by side.
 // The 32-bit sums are rowsK's: lane l of group 2p's half plus lane l of group
 // 2p + 1's, added as integers, so the result is rowsK<T, 1>'s to the bit.
-template <int T>
+// XPaired (Q4_K): a.q's row in paired_x's order, which lets a superblock's
+// 64 bytes of nibbles be one load, two groups' low nibbles one and, and their
+// high nibbles one shift and and (not a broadcast load and a shift and an
+// and for each two groups).
+template <int T, bool XPaired = false>
 void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, Span pf = {}) {
   static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
   __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
@@ -720,13 +724,31 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
       dm = h2f(b + 2);
       const __m512i s8 = _mm512_set1_epi64(int64_t(sc8));
       const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-      KVQ_UNROLL for (int p = 0; p < 4; ++p) {
-        const int64_t lo = 0x8000800080008000ll | (int64_t(2 * p) * 0x0001000100010001ll);
-        const int64_t hi = 0x8000800080008000ll | (int64_t(2 * p + 1) * 0x0001000100010001ll);
-        const __m512i sc = _mm512_shuffle_epi8(s8, _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo));
-        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
-        const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
-        zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * p)), sc);
+      if constexpr (XPaired) {
+        // 64 bytes of nibbles are groups 4c, 4c + 2 (low nibbles of their two
+        // halves) and 4c + 1, 4c + 3 (high); x's 128 bytes for them lie in that
+        // order. Each 256-bit half's lanes are one group's, as in the unpaired
+        // form, so the integer sums are the same.
+        KVQ_UNROLL for (int c = 0; c < 2; ++c) {
+          const __m512i v = _mm512_loadu_si512(b + 16 + 64 * c);
+          KVQ_UNROLL for (int hi = 0; hi < 2; ++hi) {
+            const int64_t g0 = 4 * c + hi, g1 = 4 * c + 2 + hi;
+            const int64_t k0 = 0x8000800080008000ll | (g0 * 0x0001000100010001ll);
+            const int64_t k1 = 0x8000800080008000ll | (g1 * 0x0001000100010001ll);
+            const __m512i sc = _mm512_shuffle_epi8(s8, _mm512_set_epi64(k1, k1, k1, k1, k0, k0, k0, k0));
+            const __m512i q = _mm512_and_si512(hi ? _mm512_srli_epi16(v, 4) : v, m4);
+            zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 128 * c + 64 * hi)), sc);
+          }
+        }
+      } else {
+        KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+          const int64_t lo = 0x8000800080008000ll | (int64_t(2 * p) * 0x0001000100010001ll);
+          const int64_t hi = 0x8000800080008000ll | (int64_t(2 * p + 1) * 0x0001000100010001ll);
+          const __m512i sc = _mm512_shuffle_epi8(s8, _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo));
+          const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
+          const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
+          zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * p)), sc);
+        }
       }
       // The 16 per-16 mins (each 32-value sub-block's twice) as 16-bit lanes.
       mn = _mm256_shuffle_epi8(_mm256_set1_epi64x(int64_t(mn8)),
@@ -1098,6 +1120,30 @@ void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
   }
 }
 
+#ifdef KVQ_K512
+// One row of Q8_K x with each 128 bytes' middle 32-byte quarters swapped
+// (groups 0, 2, 1, 3, then 4, 6, 5, 7): rowsK1_512<12, true>'s order. Made
+// once per call and thread (K bytes), read by every weight row.
+inline Acts paired_x(const Acts& a, std::vector<int8_t>& buf) {
+  buf.resize(a.nb * 256);
+  for (int64_t i = 0; i < 2 * a.nb; ++i) {
+    const int8_t* s = a.q + 128 * i;
+    int8_t* d = buf.data() + 128 * i;
+    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+    const __m256i q2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+    const __m256i q3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), q0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 32), q2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 64), q1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 96), q3);
+  }
+  Acts p = a;
+  p.q = buf.data();
+  return p;
+}
+#endif
+
 // Weight rows n0..n1 of one weight (bytes per row) against the M rows of a:
 // y[m * ldy + n] for each. Row n's value depends on nothing but row n and a,
 // so any split of the rows among threads gives the same bits.
@@ -1123,7 +1169,18 @@ void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_
       }
     }
 #ifdef KVQ_K512
-    if constexpr (T == 12 || T == 14) {
+    if constexpr (T == 12) {
+      if (M == 1) {
+        thread_local std::vector<int8_t> buf;
+        const Acts ap = paired_x(a, buf);
+        for (; n < n1; ++n) {
+          rowsK1_512<T, true>(W + n * bytes, ap, 0, info(T).bytes, y, pf.take(bytes));
+          Y[n] = O(y[0]);
+        }
+        return;
+      }
+    }
+    if constexpr (T == 14) {
       if (M == 1) {
         rowsK1_512<T>(w, a, 0, info(T).bytes, y, pf.take(bytes));
         Y[n] = O(y[0]);
