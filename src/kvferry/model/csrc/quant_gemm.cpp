@@ -699,12 +699,7 @@ template <int T, bool XPaired = false>
 void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, Span pf = {}) {
   static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
   __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
-  KHead h;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  // 128-bit lane j of a pair's scales is the pair's j-th scale (of 4, from one 64-bit broadcast), 8 times.
-  const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
-                                        0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
-                                        0x0100010001000100, 0x0100010001000100);
   Spread spread(pf, a.nb);
   for (int64_t i = 0; i < a.nb; ++i) {
     const uint8_t* b = w + i * bytes;
@@ -755,9 +750,10 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
                                _mm256_setr_epi8(0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3, -128,
                                                 4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7, -128, 7, -128));
     } else {
-      khead(T, b, h);
-      d = h.d;
-      dm = h.dm;
+      // Q6_K: the 16 int8 scales widened once, in a register; pair p's
+      // 128-bit lane j takes scale 4p + j by one permute.
+      const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      d = dm = h2f(b + 208);
       KVQ_UNROLL for (int n = 0; n < 2; ++n) {
         const __m512i ql = _mm512_loadu_si512(b + 64 * n);
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
@@ -770,19 +766,26 @@ void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, floa
                                   : _mm512_sllv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4));
           const __m512i q = _mm512_ternarylogic_epi64(lo, hs, m30, 0xF8);
           const int p = 2 * n + half;
-          int64_t s4;
-          std::memcpy(&s4, h.sc + 4 * p, 8);
-          const __m512i sc = _mm512_shuffle_epi8(_mm512_set1_epi64(s4), pick);
+          const __m512i sc = _mm512_permutexvar_epi16(
+              _mm512_set_epi64((4 * p + 3) * 0x0001000100010001ll,
+                               (4 * p + 3) * 0x0001000100010001ll, (4 * p + 2) * 0x0001000100010001ll,
+                               (4 * p + 2) * 0x0001000100010001ll, (4 * p + 1) * 0x0001000100010001ll,
+                               (4 * p + 1) * 0x0001000100010001ll, (4 * p) * 0x0001000100010001ll,
+                               (4 * p) * 0x0001000100010001ll),
+              _mm512_castsi256_si512(s16));
           zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * p)), sc);
         }
       }
-      mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+      // The mins are 32 times the scales: their products with x's sums, times 32 (the same integers).
+      mn = s16;
     }
     const __m256i iacc = _mm256_add_epi32(_mm512_castsi512_si256(zacc), _mm512_extracti64x4_epi64(zacc, 1));
     const int64_t ai = m0 * a.nb + i;
     const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(d * a.d[ai]), acc);
-    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(dm * a.d[ai]), macc);
+    __m256i mins = _mm256_madd_epi16(mn, bs);
+    if constexpr (T == 14) mins = _mm256_slli_epi32(mins, 5);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dm * a.d[ai]), macc);
   }
   y[0] = hsum(_mm256_sub_ps(acc, macc));
 }
