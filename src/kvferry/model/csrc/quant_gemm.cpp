@@ -659,68 +659,6 @@ void rowsK(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y,
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define KVQ_K512 1
-// rowsK for one row of x (decode at batch 1) on Q4_K / Q6_K, two groups per
-// 512-bit register: half the instructions a superblock (one core's dots had
-// been the bound at batch 1, not its reads: 1.3-1.4x the read time). Q4_K's
-// groups 2p and 2p + 1 are the low and high nibbles of the same 32 bytes;
-// Q6_K's 4n + j and 4n + j + 1 (j = 0, 2) lie in 64 bytes of ql with their
-// high bits in one 32 bytes of qh. x's two groups are 64 bytes side by side.
-// The 32-bit sums are rowsK's: lane l of group 2p's half plus lane l of group
-// 2p + 1's, added as integers, so the result is rowsK<T, 1>'s to the bit.
-template <int T>
-void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, Span pf = {}) {
-  static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
-  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
-  KHead h;
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
-  // 128-bit lane j of a pair's scales is the pair's j-th scale (of 4, from one 64-bit broadcast), 8 times.
-  const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
-                                        0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
-                                        0x0100010001000100, 0x0100010001000100);
-  Spread spread(pf, a.nb);
-  for (int64_t i = 0; i < a.nb; ++i) {
-    const uint8_t* b = w + i * bytes;
-    spread.next();
-    khead(T, b, h);
-    const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
-    __m512i zacc = _mm512_setzero_si512();
-    auto pair = [&](int p, __m512i q) {  // groups 2p, 2p + 1
-      const __m512i x = _mm512_loadu_si512(xq + 64 * p);
-      int64_t s4;
-      std::memcpy(&s4, h.sc + 4 * p, 8);
-      const __m512i sc = _mm512_shuffle_epi8(_mm512_set1_epi64(s4), pick);
-      zacc = _mm512_add_epi32(zacc, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), sc));
-    };
-    if constexpr (T == 12) {
-      const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-      KVQ_UNROLL for (int p = 0; p < 4; ++p) {
-        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
-        pair(p, _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4));
-      }
-    } else {
-      KVQ_UNROLL for (int n = 0; n < 2; ++n) {
-        const __m512i ql = _mm512_loadu_si512(b + 64 * n);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
-        KVQ_UNROLL for (int half = 0; half < 2; ++half) {  // j = 2 half, 2 half + 1
-          const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
-          const __m512i hs = half ? _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) : _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-          const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, hs), m2);
-          pair(2 * n + half, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
-        }
-      }
-    }
-    const __m256i iacc = _mm256_add_epi32(_mm512_castsi512_si256(zacc), _mm512_extracti64x4_epi64(zacc, 1));
-    const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
-    const int64_t ai = m0 * a.nb + i;
-    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(h.d * a.d[ai]), acc);
-    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), _mm256_set1_ps(h.dm * a.d[ai]), macc);
-  }
-  y[0] = hsum(_mm256_sub_ps(acc, macc));
-}
-#endif
-
-#ifdef KVQ_K512
 // A pair's vpmaddubsw sums times its sub-block scales, added to the pair's
 // lanes: one vpdpwssd with AVX512-VNNI, else vpmaddwd and an add. The same
 // integers either way (|pair sums x scales| fit in 32 bits, so neither wraps).
@@ -731,6 +669,129 @@ inline __m512i scale_add(__m512i acc, __m512i p, __m512i sc) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
 #endif
 }
+
+// A Q4_K superblock's 8 six-bit scales and 8 mins as bytes, 8 to a 64-bit
+// word (khead's kmask shuffle without its widening and stores: the batch-1
+// dots widen them in registers, one shuffle each where they are used).
+inline void q4k_scales_mins(const uint8_t* b, uint64_t& sc8, uint64_t& mn8) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  const uint32_t s0 = u[0] & k1, s1 = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  const uint32_t m0 = u[1] & k1, m1 = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  sc8 = uint64_t(s0) | (uint64_t(s1) << 32);
+  mn8 = uint64_t(m0) | (uint64_t(m1) << 32);
+}
+
+// rowsK for one row of x (decode at batch 1) on Q4_K / Q6_K, two groups per
+// 512-bit register: half the instructions a superblock (one core's dots had
+// been the bound at batch 1, not its reads: 1.3-1.4x the read time). Q4_K's
+// groups 2p and 2p + 1 are the low and high nibbles of the same 32 bytes;
+// Q6_K's 4n + j and 4n + j + 1 (j = 0, 2) lie in 64 bytes of ql with their
+// high bits in one 32 bytes of qh. x's two groups are 64 bytes side by side.
+// The 32-bit sums are rowsK's: lane l of group 2p's half plus lane l of group
+// 2p + 1's, added as integers, so the result is rowsK<T, 1>'s to the bit.
+// XPaired (Q4_K): a.q's row in paired_x's order, which lets a superblock's
+// 64 bytes of nibbles be one load, two groups' low nibbles one and, and their
+// high nibbles one shift and and (not a broadcast load and a shift and an
+// and for each two groups).
+template <int T, bool XPaired = false>
+void rowsK1_512(const uint8_t* w, const Acts& a, int64_t m0, int64_t bytes, float* y, Span pf = {}) {
+  static_assert(T == 12 || T == 14, "Q4_K and Q6_K only");
+  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  Spread spread(pf, a.nb);
+  for (int64_t i = 0; i < a.nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    spread.next();
+    const int8_t* xq = a.q + (m0 * a.nb + i) * 256;
+    __m512i zacc = _mm512_setzero_si512();
+    __m256i mn;
+    float d, dm;
+    if constexpr (T == 12) {
+      // Q4_K: the scales and mins straight from their bytes. Pair p's 128-bit
+      // lanes are its sub-blocks 4p..4p+3 (16 values each), whose 32-value
+      // scales are bytes 2p, 2p, 2p + 1, 2p + 1: each zero-extended to 16 bits
+      // by one in-lane shuffle of the broadcast bytes.
+      uint64_t sc8, mn8;
+      q4k_scales_mins(b, sc8, mn8);
+      d = h2f(b);
+      dm = h2f(b + 2);
+      const __m512i s8 = _mm512_set1_epi64(int64_t(sc8));
+      const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+      if constexpr (XPaired) {
+        // 64 bytes of nibbles are groups 4c, 4c + 2 (low nibbles of their two
+        // halves) and 4c + 1, 4c + 3 (high); x's 128 bytes for them lie in that
+        // order. Each 256-bit half's lanes are one group's, as in the unpaired
+        // form, so the integer sums are the same.
+        KVQ_UNROLL for (int c = 0; c < 2; ++c) {
+          const __m512i v = _mm512_loadu_si512(b + 16 + 64 * c);
+          KVQ_UNROLL for (int hi = 0; hi < 2; ++hi) {
+            const int64_t g0 = 4 * c + hi, g1 = 4 * c + 2 + hi;
+            const int64_t k0 = 0x8000800080008000ll | (g0 * 0x0001000100010001ll);
+            const int64_t k1 = 0x8000800080008000ll | (g1 * 0x0001000100010001ll);
+            const __m512i sc = _mm512_shuffle_epi8(s8, _mm512_set_epi64(k1, k1, k1, k1, k0, k0, k0, k0));
+            const __m512i q = _mm512_and_si512(hi ? _mm512_srli_epi16(v, 4) : v, m4);
+            zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 128 * c + 64 * hi)), sc);
+          }
+        }
+      } else {
+        KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+          const int64_t lo = 0x8000800080008000ll | (int64_t(2 * p) * 0x0001000100010001ll);
+          const int64_t hi = 0x8000800080008000ll | (int64_t(2 * p + 1) * 0x0001000100010001ll);
+          const __m512i sc = _mm512_shuffle_epi8(s8, _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo));
+          const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p)));
+          const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
+          zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * p)), sc);
+        }
+      }
+      // The 16 per-16 mins (each 32-value sub-block's twice) as 16-bit lanes.
+      mn = _mm256_shuffle_epi8(_mm256_set1_epi64x(int64_t(mn8)),
+                               _mm256_setr_epi8(0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3, -128,
+                                                4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7, -128, 7, -128));
+    } else {
+      // Q6_K: the 16 int8 scales widened once, in a register; pair p's
+      // 128-bit lane j takes scale 4p + j by one permute.
+      const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      d = dm = h2f(b + 208);
+      KVQ_UNROLL for (int n = 0; n < 2; ++n) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n)));
+        KVQ_UNROLL for (int half = 0; half < 2; ++half) {  // j = 2 half, 2 half + 1
+          const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, m4);
+          // Group 4n + j's two high bits are qh's bits 2j, 2j + 1: moved to bits 4-5
+          // of their own byte (left 4, 2 or right 0, 2), masked and or-ed onto
+          // the low nibble by one ternary op: lo | (hs & 0x30).
+          const __m512i hs = half ? _mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0))
+                                  : _mm512_sllv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4));
+          const __m512i q = _mm512_ternarylogic_epi64(lo, hs, m30, 0xF8);
+          const int p = 2 * n + half;
+          const __m512i sc = _mm512_permutexvar_epi16(
+              _mm512_set_epi64((4 * p + 3) * 0x0001000100010001ll,
+                               (4 * p + 3) * 0x0001000100010001ll, (4 * p + 2) * 0x0001000100010001ll,
+                               (4 * p + 2) * 0x0001000100010001ll, (4 * p + 1) * 0x0001000100010001ll,
+                               (4 * p + 1) * 0x0001000100010001ll, (4 * p) * 0x0001000100010001ll,
+                               (4 * p) * 0x0001000100010001ll),
+              _mm512_castsi256_si512(s16));
+          zacc = scale_add(zacc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * p)), sc);
+        }
+      }
+      // The mins are 32 times the scales: their products with x's sums, times 32 (the same integers).
+      mn = s16;
+    }
+    const __m256i iacc = _mm256_add_epi32(_mm512_castsi512_si256(zacc), _mm512_extracti64x4_epi64(zacc, 1));
+    const int64_t ai = m0 * a.nb + i;
+    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + ai * 16));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(d * a.d[ai]), acc);
+    __m256i mins = _mm256_madd_epi16(mn, bs);
+    if constexpr (T == 14) mins = _mm256_slli_epi32(mins, 5);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dm * a.d[ai]), macc);
+  }
+  y[0] = hsum(_mm256_sub_ps(acc, macc));
+}
+#endif
+
+#ifdef KVQ_K512
 
 // rowsK for R rows of x (decode batches of 2 to ~32 rows), every K-quant, two
 // groups per 512-bit register as rowsK1_512: the superblock's groups are
@@ -1062,6 +1123,30 @@ void tail(int r, const uint8_t* w, const Acts& a, int64_t m0, float* y, int64_t 
   }
 }
 
+#ifdef KVQ_K512
+// One row of Q8_K x with each 128 bytes' middle 32-byte quarters swapped
+// (groups 0, 2, 1, 3, then 4, 6, 5, 7): rowsK1_512<12, true>'s order. Made
+// once per call and thread (K bytes), read by every weight row.
+inline Acts paired_x(const Acts& a, std::vector<int8_t>& buf) {
+  buf.resize(a.nb * 256);
+  for (int64_t i = 0; i < 2 * a.nb; ++i) {
+    const int8_t* s = a.q + 128 * i;
+    int8_t* d = buf.data() + 128 * i;
+    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+    const __m256i q2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+    const __m256i q3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), q0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 32), q2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 64), q1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 96), q3);
+  }
+  Acts p = a;
+  p.q = buf.data();
+  return p;
+}
+#endif
+
 // Weight rows n0..n1 of one weight (bytes per row) against the M rows of a:
 // y[m * ldy + n] for each. Row n's value depends on nothing but row n and a,
 // so any split of the rows among threads gives the same bits.
@@ -1087,7 +1172,18 @@ void gemm_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int64_
       }
     }
 #ifdef KVQ_K512
-    if constexpr (T == 12 || T == 14) {
+    if constexpr (T == 12) {
+      if (M == 1) {
+        thread_local std::vector<int8_t> buf;
+        const Acts ap = paired_x(a, buf);
+        for (; n < n1; ++n) {
+          rowsK1_512<T, true>(W + n * bytes, ap, 0, info(T).bytes, y, pf.take(bytes));
+          Y[n] = O(y[0]);
+        }
+        return;
+      }
+    }
+    if constexpr (T == 14) {
       if (M == 1) {
         rowsK1_512<T>(w, a, 0, info(T).bytes, y, pf.take(bytes));
         Y[n] = O(y[0]);
