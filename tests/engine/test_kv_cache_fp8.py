@@ -21,6 +21,7 @@ from kvferry.core.outputs import KVOrders, SwapOrder
 from kvferry.kvstore.launch import start_store
 from kvferry.model.kv_cache_dtype import dtype_name, index_copy_into, resolve_kv_cache_dtype, to_cache_dtype
 from tests.engine.hf_reference import load_hf
+from tests.spec.test_tree_engine import Oracle
 from tests.tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 12
@@ -88,6 +89,23 @@ def case(request, checkpoint):
 
 def fp8_llm(path, fmt, **kwargs):
     return LLM(model=path, dtype="float32", kv_cache_dtype=fmt, block_size=8, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_draft_trees_accepted_branch_moves_in_an_fp8_cache(checkpoint, fmt):
+    """Draft trees (the serving default on the CPU) over an fp8 cache: a
+    tree whose right branch is second has its accepted nodes' KV moved to
+    their positions, which torch's index ops cannot do for float8 (the
+    engine core died on it); output stays plain decoding's over the same cache."""
+    path, hf, prompts = checkpoint
+    expected = [r.token_ids for r in fp8_llm(path, fmt).generate(prompts[:3], GREEDY)]
+    llm = fp8_llm(path, fmt, speculative={"method": "suffix", "num_speculative_tokens": 6, "draft_tree": True,
+                                          "adaptive": False, "cost_aware": False, "batch_token_threshold": 10**6})
+    oracle = Oracle({tuple(p): p + e for p, e in zip(prompts, expected)}, 3, hf.config.vocab_size)
+    llm.engine.core.scheduler.proposer = oracle
+    assert [r.token_ids for r in llm.generate(prompts[:3], GREEDY)] == expected
+    assert oracle.num_trees > 0 and llm.engine.stats().num_accepted_tokens > 0
+    llm.engine.check_integrity()
 
 
 @pytest.mark.parametrize("kernels", ["cpp", "torch"])

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvferry.model.input_batch import FlatStep
+from kvferry.model.kv_cache_dtype import is_fp8
 from kvferry.spec.tree import accepted_nodes, ancestor_mask, depths, paths_to
 
 
@@ -75,6 +76,8 @@ def compact(kv_cache: torch.Tensor, aux: torch.Tensor | None, slots: np.ndarray,
     dst = [d for _, d in moves]
     layers, two, blocks, block_size = kv_cache.shape[:4]
     flat = kv_cache.view(layers, two, blocks * block_size, *kv_cache.shape[4:])
+    if is_fp8(flat.dtype):  # torch has no index_select/index_copy_ for float8; a move is only bytes
+        flat = flat.view(torch.uint8)
     device = kv_cache.device
     src_slots = torch.as_tensor(slots[src], device=device)
     dst_slots = torch.as_tensor(slots[dst], device=device)
