@@ -28,17 +28,12 @@ import pytest
 
 from kvferry import LLM, SamplingParams
 from tests.engine.hf_reference import hf_greedy, load_hf
+# A short prompt, one the prefill core computes in several chunks (--max-num-batched-tokens 48), one
+# ending on a block edge: test_pd_pp.py's, so both layouts' tests read the same.
+from tests.parallel.test_pd_pp import MAX_NEW, PROMPTS
 from tests.serve.server_process import start_server
 from tests.tiny_models import make_tiny_checkpoint
 
-MAX_NEW = 8
-# A short prompt, one the prefill core computes in several chunks
-# (--max-num-batched-tokens 48), one ending on a block edge.
-PROMPTS = [
-    [5, 17, 33, 100, 200, 7, 7, 9],
-    [(i * 37 + 11) % 380 + 3 for i in range(150)],
-    [(i * 53 + 5) % 380 + 3 for i in range(64)],
-]
 SERVE = ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--cpu-threads-per-rank", "1",
          "--max-num-batched-tokens", "48", "--kv-transfer-failure", "fail", "--engine-heartbeat-timeout", "120",
          "--engine-start-timeout", "300"]
