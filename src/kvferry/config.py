@@ -330,16 +330,10 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
-        spec = self.speculative  # a head (alone or among auto's choices) ships its hidden state over P/D
-        head = "" if spec is None else {"head": "head", "auto": "" if spec.model is None else "auto+head"}.get(
-            spec.method, "")
-        refused = [*self._refused_over_ranks("stages", ("ngram", "suffix", "auto", "head", "auto+head")),
-                   (bool(head and self.kv_transfer.kv_transfer_address),
-                    f"speculative method {head!r} and a KV transfer (--kv-transfer-address)")]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "
-                                 f"with {what} yet")
+        for what in (what for bad, what in self._refused_over_ranks(
+                "stages", ("ngram", "suffix", "auto", "head", "auto+head")) if bad):
+            raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "
+                             f"with {what} yet")
 
 
 def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None, str]:

@@ -15,15 +15,12 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import EMBEDDED_DRAFT_HEAD
 from kvferry.spec.head import EagleHead
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel.test_tp_draft import max_logprob_gap
@@ -134,18 +131,3 @@ def test_auto_with_a_head_over_two_stages_keeps_plain_output(case, tp):
         llm.engine.check_integrity()
     finally:
         llm.engine.core.close()
-
-
-@pytest.mark.parametrize("method, args, what", [
-    ("head", ["-pp", "2", "--kv-transfer-address", "tcp://127.0.0.1:0"],
-     r"speculative method 'head' and a KV transfer \(--kv-transfer-address\)"),
-    ("auto", ["-pp", "2", "--kv-transfer-address", "tcp://127.0.0.1:0"],
-     r"speculative method 'auto\+head' and a KV transfer \(--kv-transfer-address\)"),
-])
-def test_what_the_head_over_stages_does_not_run_with_is_refused_in_one_line(method, args, what):
-    spec = json.dumps({"method": method, "model": str(EMBEDDED_DRAFT_HEAD)})
-    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "engine-core", "--address", "tcp://127.0.0.1:0",
-                           *args, "--speculative-config", spec], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    [line] = [x for x in done.stderr.splitlines() if "does not work" in x]
-    assert re.search(f"pipeline_parallel_size 2 does not work with {what} yet", line), line

@@ -41,6 +41,7 @@ from kvferry.model.llama import allocate_kv_cache
 from kvferry.parallel.pipeline import recv_tensor, send_tensor
 from kvferry.spec.draft_model import DraftRequest, Proposal
 from kvferry.spec.eagle3 import Eagle3Head
+from kvferry.spec.head import HeadProposer
 from kvferry.spec.reserved import PLACEHOLDER_ID
 
 # How long a stage waits for the stage before in one look; between looks it
@@ -121,8 +122,10 @@ class StageRunner(ModelRunner):
                                           self.device, model.num_kv_heads, num_layers=len(model.layers))
         self.connector: KVConnectorWorker | None = None
         if connector is not None:  # a worker half per stage, over its own layers' pool
+            # ``speculative``: the core's signature (stage 0's, which sends and checks each Done).
             self.connector = connector.worker_half(WorkerContext(
-                self.kv_cache, self.block_size, shard=getattr(model, "shard", None), stage=self.stage,
+                self.kv_cache, self.block_size, speculative=kwargs.get("speculative", ""),
+                shard=getattr(model, "shard", None), stage=self.stage,
                 num_layers=loaded.config.num_hidden_layers, stage_pool=kv_pool))
             # In shared memory with a KV transfer (stage 0's receiver fills every stage's) or the
             # node store (stage 0 saves and loads every stage's layers): stage_transfer.py, stage_pools.py.
@@ -141,6 +144,9 @@ class StageRunner(ModelRunner):
         self._drafts_in: tuple[dict[str, list[int]], dict[str, list[int]]] = ({}, {})
         spec = config.speculative
         self._num_drafts = spec.num_speculative_tokens if spec is not None else 0
+        # The last stage of a prefill core with a draft head: the hidden state each
+        # transfer that ended this step ships (its report carries them to stage 0).
+        self.transfer_hidden: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -153,6 +159,7 @@ class StageRunner(ModelRunner):
             self.connector.step = None  # begin_step's, if this step streams KV
         if self.stage.last:  # the whole step: this stage's forward (below), then logits and sampling
             out = super().execute(sched)
+            self.transfer_hidden = self._hidden_to_ship()
             if self.drafter is not None and not sched.is_empty:
                 self._draft_ahead(out, self._sampled_in_step(sched, out))
             return out
@@ -170,11 +177,24 @@ class StageRunner(ModelRunner):
                 self._drafts_in = (out.draft_token_ids, out.draft_tree_parents)
                 self.apply_sampled(out.sampled_token_ids)  # the next step embeds them
             if self.connector is not None and self.connector.step is not None:
-                # Stage 0: the Done with the last stage's tokens; a later stage: its part ends
-                self.connector.step.finish(out.sampled_token_ids, {})
+                # Stage 0: the Done with the last stage's tokens (and its head's hidden
+                # states, for the decode core's first drafts); a later stage: its part ends
+                self.connector.step.finish(out.sampled_token_ids, {},
+                                           leader.transfer_hidden if leader is not None else None)
         if self.connector is not None and leader is not None:
             self._take_completions(out, idle=sched.is_empty)
         return out
+
+    def _hidden_to_ship(self) -> dict[str, torch.Tensor]:
+        """The last stage: the draft head's hidden state of each request whose
+        prompt transfer ended this step, which only this stage has; stage 0
+        sends the Done, so the states go to it with the step's output. Each
+        is a copy: a view would pickle its step's whole hidden tensor."""
+        step = getattr(self.connector, "step", None)
+        if step is None or not isinstance(self.drafter, HeadProposer):
+            return {}
+        return {o.request_id: h.detach().clone().cpu() for o in step.orders
+                if o.last and (h := self.drafter.hidden_state(o.request_id)) is not None}
 
     # -- a draft head over stages ------------------------------------------------
     # The head reads the final hidden states, which only the last stage has,

@@ -130,6 +130,9 @@ class PPLeader(RankProcesses):
         torch.set_num_threads(self.threads)
         self.failure: RankFailed | None = None
         self._last_sampled: dict[str, list[int]] = {}
+        # The last stage's draft head's hidden state of each prompt transfer that
+        # ended in the step just received (pp_runner.py: StageRunner._hidden_to_ship).
+        self.transfer_hidden: dict[str, torch.Tensor] = {}
         # Recent steps' micro-batch times on the first and the last stage:
         # (step, [(k, start, end)] of stage 0, the same of the last stage);
         # tests and bench/pp_decode.py see the overlap in them.
@@ -247,6 +250,7 @@ class PPLeader(RankProcesses):
                 raise RuntimeError(f"pipeline stages out of step: rank 0 waits for step {step}, got {kind}")
             out: RunnerOutput = detail[1]
             self.timelines.append((step, timeline, detail[2]))
+            self.transfer_hidden = detail[3]  # a prefill core's draft head: for the Done stage 0 sends
             self._last_sampled = out.sampled_token_ids
             return out
 

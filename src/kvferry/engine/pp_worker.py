@@ -136,7 +136,8 @@ def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
             runner.apply_sampled(sampled)
         out = runner.execute(sched)
         if runner.samples and not sched.is_empty:
-            reports.send(pickle.dumps(("output", runner.stage.rank, (runner.steps_run, out, runner.timeline)),
+            reports.send(pickle.dumps(("output", runner.stage.rank, (runner.steps_run, out, runner.timeline,
+                                                                     runner.transfer_hidden)),
                                       protocol=pickle.HIGHEST_PROTOCOL))
 
 

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvferry import peer_auth
+
 
 @dataclass(frozen=True, slots=True)
 class RankSite:
@@ -83,6 +85,10 @@ class LocalRank(subprocess.Popen):
 
 
 def local(module: str, spec: object) -> LocalRank:
+    # The process tree's socket secret in the environment before the rank starts, so it
+    # inherits it: a rank's KV transfer links present its token (an offline core of stages
+    # started before anything drew the secret would give each stage one of its own).
+    peer_auth.socket_secret()
     proc = LocalRank([sys.executable, "-m", module], stdin=subprocess.PIPE)
     proc.stdin.write(pickle.dumps(spec))
     proc.stdin.close()

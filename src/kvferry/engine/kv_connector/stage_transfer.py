@@ -48,17 +48,20 @@ class StageTransferWorker(PDTransferWorker):
     stage 0's TP rank 0 passes "" and creates every rank's). ``shard``: this
     rank of its stage's tensor-parallel group (None: one rank a stage).
     ``step``: the step transfer ``begin_step`` made last (the stage runner
-    hands it to the last micro-batch's layers)."""
+    hands it to the last micro-batch's layers). ``speculative``: the core's
+    speculation signature, which stage 0 sends with each Done and requires
+    of each received one (a draft head's hidden state rides in the Done)."""
 
     def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, stage: PPStage, num_layers: int,
-                 pool_name: str = "", shard: TPShard | None = None) -> None:
+                 pool_name: str = "", shard: TPShard | None = None, speculative: str = "") -> None:
         tp_rank, tp = (shard.rank, shard.size) if shard is not None else (0, 1)
         self.pools = StagePools(kv_cache, stage, num_layers, pool_name, tp_rank, tp)
         creator = stage.rank == 0 and tp_rank == 0  # it receives, into every rank's pool
         self.pool_name = self.pools.pool_name
         self.config = config
         self.tp_size = tp
-        self.agent = KVTransferAgent(self.pools.kv_cache, config, None, tp_rank=tp_rank, tp_size=tp,
+        self.agent = KVTransferAgent(self.pools.kv_cache, config, None, speculative=speculative, tp_rank=tp_rank,
+                                     tp_size=tp,
                                      stage=StageLayers(stage.rank, stage.size, stage.start, stage.end, num_layers,
                                                        self.pools.rank_layers() if creator else None))
         self.kv_cache = self.agent.kv_cache
