@@ -346,7 +346,8 @@ def default_speculation(config: EngineConfig) -> tuple[SpeculativeConfig | None,
         if bad:
             return None, f"speculative decoding: off by default with {what}; give --speculative-config to choose one"
     # The embedded model's committed draft head joins auto's choices (chat, where suffix and n-gram
-    # rarely match); not over GGUF blocks (it reads the float embedding and lm_head) nor pipeline stages.
+    # rarely match); not over GGUF blocks (it reads the float embedding and lm_head) nor pipeline stages
+    # (there the last stage drafts ahead for every request, whatever auto chooses: unmeasured as a default).
     head = (EMBEDDED_DRAFT_HEAD if config.model.model is None and config.model.quantization != "gguf"
             and config.parallel.pipeline_parallel_size == 1 and EMBEDDED_DRAFT_HEAD.is_file() else None)
     # Suffix decoding and the head draft trees on the CPU, where a tree step runs fused at a path step's cost

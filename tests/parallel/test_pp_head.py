@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 import pytest
