@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
+from kvferry.config import EngineArgs
 from kvferry.spec.head import EagleHead
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel.test_tp_draft import max_logprob_gap
@@ -130,3 +131,40 @@ def test_auto_with_a_head_over_two_stages_keeps_plain_output(case, tp):
         llm.engine.check_integrity()
     finally:
         llm.engine.core.close()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-micro-batch", "two-micro-batches"])
+def test_a_draft_model_over_two_stages_keeps_plain_output(case, micro_batches):
+    """Method draft: the draft model runs whole on the last stage, which
+    drafts ahead as the head does, its KV following every token the step
+    computed (a prompt chunk that sampled nothing too). The target as its own
+    draft: its greedy drafts hold wherever its KV followed the target's."""
+    target, _, greedy, seeded = case
+    llm = LLM(model=target, **ENGINE, speculative={**SPEC, "method": "draft", "model": target},
+              pipeline_parallel_size=2, cpu_threads_per_rank=1, pp_micro_batches=micro_batches,
+              max_num_batched_tokens=16)  # the 20-token prompts go in two chunks
+    try:
+        assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == greedy
+        stats = llm.engine.stats()
+        # Every draft held: its KV at the positions it drafted from was the target's prompt and tokens,
+        # written ahead into slots the scheduler held past the step's tokens (num_lookahead_tokens).
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+        assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, SEEDED)] == seeded
+        unseeded = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.9, ignore_eos=True,
+                                                        logprobs=0))
+        assert max_logprob_gap(target, PROMPTS, unseeded) < 1e-4
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.core.close()
+
+
+@pytest.mark.parametrize("levers, what", [
+    ({"tensor_parallel_size": 2}, "speculative method 'draft' and tensor_parallel_size > 1"),
+    ({"kv_transfer_address": "tcp://127.0.0.1:0"},
+     r"speculative method 'draft' and a KV transfer \(--kv-transfer-address\)"),
+])
+def test_what_a_draft_model_over_stages_does_not_run_with_is_refused_in_one_line(case, levers, what):
+    target = case[0]
+    with pytest.raises(ValueError, match=f"pipeline_parallel_size 2 does not work with {what} yet"):
+        EngineArgs(model=target, speculative=json.dumps({"method": "draft", "model": target}),
+                   pipeline_parallel_size=2, **levers).create_engine_config()

@@ -120,7 +120,12 @@ class EngineCore:
             layer_op.available()  # and the one-call decoder layer (over it or oneDNN's matmuls)
         scheduler_half = (connector.scheduler_half(SchedulerContext(self.block_size, self.num_kv_blocks))
                           if connector is not None else None)
-        self.scheduler = Scheduler(config.scheduler, kv, connector=scheduler_half, **speculation(config.speculative))
+        # A draft model over stages writes its KV ahead (pp_runner.py): k slots past each step's tokens.
+        spec = config.speculative
+        lookahead = (spec.num_speculative_tokens if spec is not None and spec.method == "draft"
+                     and self.stage is not None else 0)
+        self.scheduler = Scheduler(config.scheduler, kv, connector=scheduler_half, num_lookahead_tokens=lookahead,
+                                   **speculation(spec))
         if isinstance(self.scheduler.proposer, AutoProposer) and self.scheduler.proposer.has_head:
             # Method auto with a head: the head fills only the slots auto reserved for it.
             self.runner.head_requests = self.scheduler.proposer.head_requests

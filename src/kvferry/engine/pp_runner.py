@@ -35,11 +35,11 @@ from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.connectors import WorkerContext
 from kvferry.engine.runner import ModelRunner, StepInputs
-from kvferry.engine.speculation import share_drafts
+from kvferry.engine.speculation import draft_requests, share_drafts
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.parallel.pipeline import recv_tensor, send_tensor
-from kvferry.spec.draft_model import DraftRequest, Proposal
+from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
 from kvferry.spec.eagle3 import Eagle3Head
 from kvferry.spec.head import HeadProposer
 from kvferry.spec.reserved import PLACEHOLDER_ID
@@ -111,8 +111,8 @@ class StageRunner(ModelRunner):
         if isinstance(kwargs.get("head"), Eagle3Head):
             raise ValueError("speculative.model: an EAGLE-3 head does not run over pipeline stages yet (the rows "
                              "it fuses are on several stages)")
-        if not loaded.model.stage.last:
-            kwargs["head"] = None  # a draft head drafts on the last stage (``_draft_ahead``)
+        if not loaded.model.stage.last:  # a draft head or a draft model drafts on the last stage (``_draft_ahead``)
+            kwargs["head"] = kwargs["draft"] = None
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
         model = self.model
         self.stage = model.stage
@@ -140,6 +140,7 @@ class StageRunner(ModelRunner):
         # A draft head (the last stage): the drafts it made for each request's
         # next step, kept for their distributions until that step verifies them.
         self._ahead: dict[str, Proposal] = {}
+        self._ahead_requests: dict[str, DraftRequest] = {}  # a draft model's, as it ran them
         # Rank 0: the last stage's drafts of the step before, for the slots its scheduler reserves.
         self._drafts_in: tuple[dict[str, list[int]], dict[str, list[int]]] = ({}, {})
         spec = config.speculative
@@ -161,7 +162,7 @@ class StageRunner(ModelRunner):
             out = super().execute(sched)
             self.transfer_hidden = self._hidden_to_ship()
             if self.drafter is not None and not sched.is_empty:
-                self._draft_ahead(out, self._sampled_in_step(sched, out))
+                self._draft_ahead(out, sched, self._sampled_in_step(sched, out))
             return out
         self._update_states(sched)
         if sched.kv_orders and self.connector is not None:
@@ -237,22 +238,33 @@ class StageRunner(ModelRunner):
             self.apply_sampled(sampled)
         return sampled
 
-    def _draft_ahead(self, out: RunnerOutput, sampled: dict[str, list[int]]) -> None:
+    def _draft_ahead(self, out: RunnerOutput, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """The last stage: each request that sampled drafts its next step now
-        (``out`` takes the drafts; ``sampled``: the step's tokens, on every TP rank)."""
+        (``out`` takes the drafts; ``sampled``: the step's tokens, on every TP rank).
+        A draft model's KV follows every token: a prompt chunk that sampled
+        nothing goes through it too, drafting none (as ``draft_requests`` has it)."""
         requests = []
+        follows = isinstance(self.drafter, DraftModelProposer)
+        for request in draft_requests(self.batch, sched, self.states) if follows else []:
+            if not sampled.get(request.request_id):
+                requests.append(replace(request, num_drafts=0))
         for rid, tokens in sampled.items():
             state, row = self.states.get(rid), self.batch.index.get(rid)
             if not tokens or state is None or row is None:
                 continue
             left = state.params.max_tokens
             k = self._num_drafts if left is None else min(self._num_drafts, left - len(state.output_token_ids) - 1)
-            if k <= 0:
+            if k <= 0 and not follows:
                 continue
-            self.batch.write_drafts(row, [PLACEHOLDER_ID] * k)  # room in its row, which the head writes over
+            k = max(k, 0)
+            self.batch.write_drafts(row, [PLACEHOLDER_ID] * k)  # room in its row, which the drafter writes over
             requests.append(DraftRequest(rid, row, int(self.batch.num_tokens[row]), k, state.params,
                                          len(state.output_token_ids), len(state.prompt_token_ids)))
         self._ahead = self.drafter.propose(self.batch, requests) if requests else {}
+        # A draft model: its KV is valid through what the next step accepts (``_draft``: advance).
+        self._ahead_requests = {r.request_id: r for r in requests} if follows else {}
+        if follows:
+            out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
         share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
         out.draft_token_ids = {rid: p.token_ids for rid, p in self._ahead.items()}
         out.draft_tree_parents = {rid: p.parents for rid, p in self._ahead.items() if p.parents is not None}
@@ -284,6 +296,10 @@ class StageRunner(ModelRunner):
         if self.drafter is None:
             return super()._draft(sched, out, step_transfer)
         ahead, self._ahead = self._ahead, {}
+        # A draft model: every request it ran ahead for, so that its KV position
+        # moves past what this step accepts (ModelRunner.execute: ``advance``).
+        drafted, self._ahead_requests = [r for rid, r in self._ahead_requests.items()
+                                         if rid in sched.num_scheduled_tokens], {}
         proposals = {}
         for rid, drafts in sched.spec_token_ids.items():
             made = ahead.get(rid)
@@ -291,7 +307,7 @@ class StageRunner(ModelRunner):
                 continue  # method auto's suffix or n-gram drafts: no distribution of the head's
             if made is not None and made.parents is None and made.token_ids[:len(drafts)] == drafts:
                 proposals[rid] = Proposal(drafts, None if made.probs is None else made.probs[:len(drafts)])
-        return sched.spec_token_ids, proposals, []
+        return sched.spec_token_ids, proposals, drafted
 
     def micro_batch_count(self, num_tokens: int) -> int:
         """How many micro-batches a step of ``num_tokens`` goes in (the same on every stage)."""

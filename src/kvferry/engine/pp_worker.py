@@ -120,8 +120,11 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
     # A draft head drafts on the last stage, which has the hidden states (pp_runner.py: drafts ahead).
     s = spec.config.speculative
     head = EagleHead.load(resolve_head_path(s.model), device=m.device) if runs_head(s) and spec.stage.last else None
+    # So does a draft model, whole (its KV beside the stage's, the same block ids), in the target's dtype.
+    draft = (load_model(s.model, dtype=str(loaded.dtype).removeprefix("torch."), device=m.device)
+             if s is not None and s.method == "draft" and spec.stage.last else None)
     runner = StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len, connector=connector,
-                         kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool, head=head)
+                         kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool, head=head, draft=draft)
     if spec.tp_rank:  # the last stage's TP rank 0 samples; its peers take its tokens with the next step
         runner.samples = False
     return runner
