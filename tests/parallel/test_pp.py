@@ -237,8 +237,8 @@ def test_a_model_shallower_than_the_stages_is_refused_before_any_stage_starts(ll
 
 @pytest.mark.parametrize("extra, what", [
     # A KV store (with -tp too), swap space and --kv-connector run: test_pp_tiers.py, test_pp_levers.py,
-    # test_tp_pp_levers.py; a KV transfer with -tp too: test_pd_tp_pp.py
-    ({"speculative": {"method": "draft", "model": "/nonexistent"}}, "speculative method 'draft'"),
+    # test_tp_pp_levers.py; a KV transfer with -tp too: test_pd_tp_pp.py; a draft model (what it does not
+    # run with yet: test_pp_head.py)
     ({"deterministic": True}, "deterministic"),
 ])
 def test_features_that_do_not_run_over_stages_are_refused_in_one_line(llama, extra, what):
