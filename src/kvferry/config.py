@@ -332,8 +332,6 @@ class EngineConfig:
         """What does not run over pipeline stages yet: a one-line ValueError."""
         draft = self.speculative is not None and self.speculative.method == "draft"  # whole on the last stage
         refused = [*self._refused_over_ranks("stages"),
-                   (draft and self.parallel.tensor_parallel_size > 1,
-                    "speculative method 'draft' and tensor_parallel_size > 1"),
                    (draft and bool(self.kv_transfer.kv_transfer_address),
                     "speculative method 'draft' and a KV transfer (--kv-transfer-address)")]
         for what in (what for bad, what in refused if bad):

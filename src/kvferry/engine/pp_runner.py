@@ -35,7 +35,7 @@ from kvferry.core.outputs import RunnerOutput, SchedulerOutput
 from kvferry.engine.kv_connector.base import KVConnectorWorker
 from kvferry.engine.kv_connector.connectors import WorkerContext
 from kvferry.engine.runner import ModelRunner, StepInputs
-from kvferry.engine.speculation import draft_requests, share_drafts
+from kvferry.engine.speculation import draft_requests, drafts_alone, share_drafts
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.parallel.pipeline import recv_tensor, send_tensor
@@ -218,8 +218,8 @@ class StageRunner(ModelRunner):
         they come now, in one float32 sum (TP rank 0 fills [count, tokens..]
         per scheduled request, the others add zeros), and the others take
         them as they would then (``apply_sampled``; pp_worker skips it)."""
-        if getattr(getattr(self.model, "shard", None), "size", 1) == 1:
-            return out.sampled_token_ids
+        if getattr(getattr(self.model, "shard", None), "size", 1) == 1 or drafts_alone(self.drafter):
+            return out.sampled_token_ids  # a draft model drafts on the sampling rank alone: its own tokens
         sizes = [len(sched.spec_token_ids.get(rid, ())) + 2 for rid in sched.num_scheduled_tokens]
         values = [0.0] * sum(sizes)
         start = 0
@@ -261,11 +261,11 @@ class StageRunner(ModelRunner):
             requests.append(DraftRequest(rid, row, int(self.batch.num_tokens[row]), k, state.params,
                                          len(state.output_token_ids), len(state.prompt_token_ids)))
         self._ahead = self.drafter.propose(self.batch, requests) if requests else {}
-        # A draft model: its KV is valid through what the next step accepts (``_draft``: advance).
-        self._ahead_requests = {r.request_id: r for r in requests} if follows else {}
-        if follows:
+        if follows:  # its KV is valid through what the next step accepts (``_draft``: advance)
+            self._ahead_requests = {r.request_id: r for r in requests}
             out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
-        share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
+        else:
+            share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
         out.draft_token_ids = {rid: p.token_ids for rid, p in self._ahead.items()}
         out.draft_tree_parents = {rid: p.parents for rid, p in self._ahead.items() if p.parents is not None}
 

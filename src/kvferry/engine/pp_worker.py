@@ -120,9 +120,10 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
     # A draft head drafts on the last stage, which has the hidden states (pp_runner.py: drafts ahead).
     s = spec.config.speculative
     head = EagleHead.load(resolve_head_path(s.model), device=m.device) if runs_head(s) and spec.stage.last else None
-    # So does a draft model, whole (its KV beside the stage's, the same block ids), in the target's dtype.
+    # So does a draft model, whole (its KV beside the stage's, the same block ids), in the target's dtype;
+    # with -tp on the stage's sampling rank alone (TP rank 0, which verifies), outside its collectives.
     draft = (load_model(s.model, dtype=str(loaded.dtype).removeprefix("torch."), device=m.device)
-             if s is not None and s.method == "draft" and spec.stage.last else None)
+             if s is not None and s.method == "draft" and spec.stage.last and spec.tp_rank == 0 else None)
     runner = StageRunner(loaded, spec.config, shape.num_kv_blocks, shape.max_model_len, connector=connector,
                          kv_cache_dtype=shape.kv_cache_dtype, kv_pool=shape.kv_pool, head=head, draft=draft)
     if spec.tp_rank:  # the last stage's TP rank 0 samples; its peers take its tokens with the next step
