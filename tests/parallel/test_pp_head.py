@@ -149,7 +149,7 @@ def test_a_draft_model_over_two_stages_keeps_plain_output(case, micro_batches, t
         assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == greedy
         stats = llm.engine.stats()
         # Every draft held: its KV at the positions it drafted from was the target's prompt and tokens,
-        # written ahead into slots the scheduler held past the step's tokens (num_lookahead_tokens).
+        # written ahead into slots the KV manager held past the step's tokens (lookahead_tokens).
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
         assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, SEEDED)] == seeded
         unseeded = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.9, ignore_eos=True,

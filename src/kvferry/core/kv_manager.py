@@ -70,8 +70,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         model_fingerprint: str = "",
         kv_dtype: str = "",
+        lookahead_tokens: int = 0,
     ) -> None:
+        """``lookahead_tokens``: slots every request holds past the tokens it
+        is given room for, where a drafter writes KV before the next step is
+        planned (a draft model on a pipeline's last stage drafts right after
+        sampling, before the next step gives its drafts room)."""
         self.block_size = block_size
+        self.lookahead_tokens = lookahead_tokens
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
         self.kv_dtype = kv_dtype
@@ -202,7 +208,8 @@ class KVCacheManager:
         hit_blocks = hit.blocks if hit else []
         held = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
-        num_total = num_computed + num_external_tokens + num_new_tokens + num_lookahead_tokens
+        num_total = (num_computed + num_external_tokens + num_new_tokens + num_lookahead_tokens
+                     + self.lookahead_tokens)
         needed = _cdiv(num_total, self.block_size) - len(held) - len(hit_blocks)
         # Hit blocks sitting in the free queue count as free, but touching them
         # takes them out of it, so they cannot also be allocated.

@@ -78,12 +78,7 @@ class Scheduler:
         proposer: DraftProposer | None = None,
         num_speculative_tokens: int = 0,
         draft_budget: DraftBudget | None = None,
-        num_lookahead_tokens: int = 0,
     ) -> None:
-        """``num_lookahead_tokens``: slots each request holds past the step's
-        tokens, for a drafter that writes KV ahead of the next step's plan (a
-        draft model on a pipeline's last stage drafts right after sampling,
-        before the next step allocates its drafts' slots)."""
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnectorScheduler()
@@ -95,7 +90,6 @@ class Scheduler:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_budget = draft_budget
-        self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
         self.fairness = TenantFairness()
         self.waiting: deque[Request] = deque()
@@ -208,8 +202,7 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._drafts_for(request, num_new, budget)
-            while self.kv.allocate_slots(request, num_new + len(drafts),
-                                         num_lookahead_tokens=self.num_lookahead_tokens) is None:
+            while self.kv.allocate_slots(request, num_new + len(drafts)) is None:
                 if not self.kv.can_fit(request.num_computed_tokens + num_new):
                     # Alone it would need more blocks than the pool has:
                     # preempting others cannot help, and retrying would spin.
@@ -280,8 +273,7 @@ class Scheduler:
         num_new = 0 if external.is_async else min(num_new, budget)
         drafts = (self._admission_drafts(request, num_new, budget)
                   if first_decode_step(request, resumed_tokens, hit) else [])
-        new = self.kv.allocate_slots(request, num_new + len(drafts), hit, num_external_tokens=external.num_tokens,
-                                     num_lookahead_tokens=self.num_lookahead_tokens)
+        new = self.kv.allocate_slots(request, num_new + len(drafts), hit, num_external_tokens=external.num_tokens)
         if new is None:
             total = request.num_computed_tokens + hit.num_tokens + external.num_tokens + num_new
             if not self.running and not self.kv.can_fit(total):

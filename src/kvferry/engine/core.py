@@ -91,8 +91,12 @@ class EngineCore:
         self.num_kv_blocks = self._resolve_num_blocks(draft)
         # A sequence can never outgrow the pool.
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
+        # A draft model over stages writes its KV ahead (pp_runner.py): k slots past each request's tokens.
+        spec = config.speculative
+        lookahead = (spec.num_speculative_tokens if spec is not None and spec.method == "draft"
+                     and self.stage is not None else 0)
         kv = KVCacheManager(self.num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
-                            self.loaded.fingerprint, kv_dtype=dtype_name(self.kv_cache_dtype))
+                            self.loaded.fingerprint, kv_dtype=dtype_name(self.kv_cache_dtype), lookahead_tokens=lookahead)
         self.speculative = speculation_signature(config.speculative, draft.fingerprint if draft else "")
         # The KV connector: its worker half is made by the runner over the
         # pool, its scheduler half below. Whatever it links to (the node's
@@ -120,12 +124,7 @@ class EngineCore:
             layer_op.available()  # and the one-call decoder layer (over it or oneDNN's matmuls)
         scheduler_half = (connector.scheduler_half(SchedulerContext(self.block_size, self.num_kv_blocks))
                           if connector is not None else None)
-        # A draft model over stages writes its KV ahead (pp_runner.py): k slots past each step's tokens.
-        spec = config.speculative
-        lookahead = (spec.num_speculative_tokens if spec is not None and spec.method == "draft"
-                     and self.stage is not None else 0)
-        self.scheduler = Scheduler(config.scheduler, kv, connector=scheduler_half, num_lookahead_tokens=lookahead,
-                                   **speculation(spec))
+        self.scheduler = Scheduler(config.scheduler, kv, connector=scheduler_half, **speculation(config.speculative))
         if isinstance(self.scheduler.proposer, AutoProposer) and self.scheduler.proposer.has_head:
             # Method auto with a head: the head fills only the slots auto reserved for it.
             self.runner.head_requests = self.scheduler.proposer.head_requests
