@@ -44,8 +44,8 @@ def kernel_rates(block, rows: list[int], modes: list[int], reps: int) -> list[di
     gen = torch.Generator().manual_seed(0)
     out = []
     for r in rows:
-        x = torch.randn(r, gu[0].in_features, generator=gen).to(torch.bfloat16)
-        h = torch.randn(r, dn[0].in_features, generator=gen).to(torch.bfloat16)
+        x = torch.randn(r, OLMOE["hidden_size"], generator=gen).to(torch.bfloat16)
+        h = torch.randn(r, OLMOE["moe_intermediate_size"], generator=gen).to(torch.bfloat16)
         experts = list(range(len(gu)))
         runs = {**{m: (m, experts) for m in modes}, "warm": (1, [0] * len(gu))}
         cpu: dict = {k: [] for k in runs}
@@ -77,9 +77,9 @@ def layer_times(block, batches: list[int], choices: list[int], iters: int) -> No
         res = time_interleaved({c: (lambda a=a: moe_op.moe_layer(a, x)) for c, a in args.items()}, iters)
         w0, c0 = res[choices[0]]
         print(json.dumps(dict(batch=batch, loadavg_1m=[round(load0, 1), round(os.getloadavg()[0], 1)],
-                              **{f"prefetch_{c}": dict(wall_ms=round(w * 1e3, 2), cpu_ms=round(c * 1e3, 2),
+                              **{f"prefetch_{k}": dict(wall_ms=round(w * 1e3, 2), cpu_ms=round(c * 1e3, 2),
                                                        wall_x=round(w / w0, 3), cpu_x=round(c / c0, 3))
-                                 for c, (w, c) in res.items()})), flush=True)
+                                 for k, (w, c) in res.items()})), flush=True)
 
 
 def main() -> None:
