@@ -53,10 +53,32 @@ def test_linear_prefetch_is_linear_to_the_bit(rows):
     x = torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16)
     packed = small_gemm.pack(w)
     want = small_gemm.linear(x, packed, 200)
-    for prefetch in (0, 1, 2):
+    for prefetch in (0, 1, 2, 3):
         assert torch.equal(torch.ops.kvferry_gemm.linear_prefetch(x, packed, 200, prefetch), want), prefetch
     with pytest.raises(RuntimeError, match="prefetch must be 0"):
-        torch.ops.kvferry_gemm.linear_prefetch(x, packed, 200, 3)
+        torch.ops.kvferry_gemm.linear_prefetch(x, packed, 200, 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [7, 8, 9])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_stream_prefetch_near_the_weights_end(rows, threads):
+    """Mode 3 prefetches the stream 128 lines ahead of its loads; a weight
+    shorter than that (one block, and a K whose block is under 128 lines)
+    clamps it to the copy's end: linear's bits, on one thread or with the
+    blocks split between two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in [(48, 64), (100, 85), (2048, 1024)]:
+            gen = torch.Generator().manual_seed(n + k + rows)
+            w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            packed = small_gemm.pack(w)
+            got = torch.ops.kvferry_gemm.linear_prefetch(x, packed, n, 3)
+            assert torch.equal(got, small_gemm.linear(x, packed, n)), (n, k)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel

@@ -20,7 +20,7 @@
 //   the experts alone over rows already sorted (counts[e] rows of expert e): the
 //   block's op where its router or shared expert is not a plain packed matmul.
 // expert_prefetch (both ops): 0 the experts' matmuls as plain_linear runs them;
-//   1 bf16 small_gemm copies by linear_prefetch, its prefetch chosen by rows
+//   1, 2 bf16 small_gemm copies by linear_prefetch, its prefetch chosen by rows
 //   (ExpertPrefetch below). The router's and shared expert's stay plain_linear's.
 //
 // gemm is op_calls.h's plain_linear (kind 1 small_gemm's copy, 2 oneDNN's, 3
@@ -43,7 +43,7 @@
 //     took, the whole of it where the OS parked the router);
 //   - then every thread claims the active experts one at a time (a counter,
 //     not a fixed split: a thread the OS parks for a while just takes fewer
-//     of them);
+//     of them), those with the most rows first (claim_order);
 //   - the thread that finishes the last item (routing, shared expert and
 //     experts counted alike) weights, scatters and adds the shared expert;
 //     the others leave, and the region's end is the one wait.
@@ -56,6 +56,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <algorithm>
 #include <condition_variable>
 #include <limits>
 #include <mutex>
@@ -65,11 +66,16 @@ namespace {
 
 // How the experts' bf16 small_gemm matmuls prefetch (moe_op.py's
 // expert_prefetch): kLinear as small_gemm's linear (prefetcht0 of the next
-// column block); kByRows none up to kNoPrefetchRows rows, prefetcht1 above
-// (small_gemm.cpp's linear_prefetch: on Zen 4 each is the faster there, by
-// 10-35% on cold experts). Prefetching changes no bits.
-enum ExpertPrefetch : int64_t { kLinear = 0, kByRows = 1 };
+// column block); kByRows none up to kNoPrefetchRows rows, prefetcht1 of the
+// next block above (small_gemm.cpp's linear_prefetch: on Zen 4 each is the
+// faster there, by 10-35% on cold experts); kByRowsAhead as kByRows but
+// prefetcht1 of the weight stream itself from kNoPrefetchRows + 1 to
+// kAheadMaxRows rows (linear_prefetch's mode 3: 5-10% faster there on Zen 4,
+// slower from 9 rows, whose second row block reads the block from L2).
+// Prefetching changes no bits.
+enum ExpertPrefetch : int64_t { kLinear = 0, kByRows = 1, kByRowsAhead = 2 };
 constexpr int64_t kNoPrefetchRows = 6;
+constexpr int64_t kAheadMaxRows = 8;
 
 // Every expert's two matmuls (each one's packed copy, one kind for all).
 struct Experts {
@@ -77,10 +83,13 @@ struct Experts {
   int64_t gate_up_n, down_n, kind, exact_rows, row_bucket, prefetch;
 
   Tensor matmul(const Tensor& rows, const Tensor& w, int64_t n) const {
-    if (prefetch == kByRows && kind == 1 && w.scalar_type() == at::kBFloat16) {
+    if ((prefetch == kByRows || prefetch == kByRowsAhead) && kind == 1 && w.scalar_type() == at::kBFloat16) {
       static const auto linear_prefetch =
           find_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>("kvferry_gemm::linear_prefetch");
-      return linear_prefetch.call(rows, w, n, rows.size(0) <= kNoPrefetchRows ? 1 : 2);  // none; prefetcht1
+      const int64_t m = rows.size(0);
+      // small_gemm's modes: 1 none; 3 prefetcht1 in the stream; 2 prefetcht1 of the next block
+      const int64_t mode = m <= kNoPrefetchRows ? 1 : (prefetch == kByRowsAhead && m <= kAheadMaxRows ? 3 : 2);
+      return linear_prefetch.call(rows, w, n, mode);
     }
     return plain_linear(rows, w, n, kind, exact_rows, row_bucket);
   }
@@ -96,7 +105,8 @@ Experts check_experts(at::TensorList gate_up, at::TensorList down, int64_t gate_
                       int64_t exact_rows, int64_t row_bucket, int64_t prefetch) {
   TORCH_CHECK(gate_up.size() == down.size(), "moe: one gate_up and one down weight per expert");
   TORCH_CHECK(kind >= 1 && kind <= 3, "moe: kind must be 1 (small_gemm), 2 or 3 (oneDNN)");
-  TORCH_CHECK(prefetch == kLinear || prefetch == kByRows, "moe: expert_prefetch must be 0 or 1, got ", prefetch);
+  TORCH_CHECK(prefetch >= kLinear && prefetch <= kByRowsAhead, "moe: expert_prefetch must be 0, 1 or 2, got ",
+              prefetch);
   return Experts{gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket, prefetch};
 }
 
@@ -133,6 +143,18 @@ class Event {
   std::mutex mutex_;
   std::condition_variable ready_;
 };
+
+// The order the threads claim the active experts in: most rows first (ties
+// in expert order), so that the last items, which one thread may be left
+// running while the others have nothing more to claim, are the shortest.
+// The order changes no bits: each expert's rows are its own.
+std::vector<int64_t> claim_order(const std::vector<int64_t>& active, at::IntArrayRef counts) {
+  std::vector<int64_t> order(active.size());
+  for (size_t a = 0; a < order.size(); ++a) order[a] = static_cast<int64_t>(a);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return counts[active[a]] > counts[active[b]]; });
+  return order;
+}
 
 // Work items over `items`, claimed one at a time by whichever thread is free,
 // inside one parallel region; `last()` runs on the thread that completes the
@@ -173,11 +195,12 @@ Tensor expert_loop(const Tensor& xs, at::IntArrayRef counts, at::TensorList gate
   // The caller's thread-local state (inference mode, dispatch keys) for the
   // workers' calls: ys is an inference tensor under torch.inference_mode.
   const at::ThreadLocalState caller;
+  const std::vector<int64_t> order = claim_order(active, counts);
   std::atomic<int64_t> next{0}, done{0};
   at::parallel_for(0, std::min<int64_t>(A, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     at::ThreadLocalStateGuard guard(caller);
-    claim_items(next, done, A, [&](int64_t a) {
-      const int64_t e = active[a], s = start[a], n = counts[e];
+    claim_items(next, done, A, [&](int64_t i) {
+      const int64_t a = order[i], e = active[a], s = start[a], n = counts[e];
       ys.narrow(0, s, n).copy_(experts(e, xs.narrow(0, s, n)));
     }, [] {});
   });
@@ -187,6 +210,7 @@ Tensor expert_loop(const Tensor& xs, at::IntArrayRef counts, at::TensorList gate
 // The (token, choice) pairs with a local expert, sorted by expert.
 struct Routed {
   std::vector<int64_t> counts, active, start;  // rows per local expert; those with rows, each one's first row
+  std::vector<int64_t> order;  // indices into active, in the order the threads claim them (claim_order)
   Tensor token;   // [P] int64: each sorted pair's token
   Tensor weight;  // [P] float32: its routing weight
   Tensor xs;      // [P, H]: x's rows in that order
@@ -234,6 +258,7 @@ Routed sort_pairs(const Tensor& x, const Tensor& ids, const Tensor& weights, int
     }
   }
   r.xs = x.index_select(0, r.token);
+  r.order = claim_order(r.active, r.counts);
   return r;
 }
 
@@ -302,8 +327,8 @@ Tensor moe_layer(const Tensor& x, const Tensor& gate_w, int64_t gate_n, int64_t 
     shared_out = gemm(h, Mat{shared[1], shared_n_kind[2], shared_n_kind[3]});
     shared_logit = gemm(x, Mat{shared[2], shared_n_kind[4], shared_n_kind[5]});
   };
-  auto expert = [&](int64_t a) {
-    const int64_t e = r.active[a], s = r.start[a], n = r.counts[e];
+  auto expert = [&](int64_t i) {
+    const int64_t a = r.order[i], e = r.active[a], s = r.start[a], n = r.counts[e];
     ys.narrow(0, s, n).copy_(experts(e, r.xs.narrow(0, s, n)));
   };
   auto combine = [&] {

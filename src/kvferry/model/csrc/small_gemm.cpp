@@ -29,7 +29,12 @@
 //   (a reduction over the bytes: 33), and prefetcht1 was fastest from 8
 //   rows (24.5 against 19 GB/s; 17 against 12 at 12 rows), slowest at 1-4
 //   (22). Each prefetcht0 holds one of L1's few miss buffers for a DRAM
-//   round trip. moe_experts.cpp picks by rows where moe_op.py says so.
+//   round trip. 3: prefetcht1 of the weight stream itself, AHEAD_LINES
+//   ahead of the loads (packed blocks lie end to end, so past a block's end
+//   it runs into the next one), by the first row block of each column block
+//   only (the others read the block from L2): at 7-8 rows, where the
+//   multiply about keeps pace with the read, 5-10% over 2 on Zen 4.
+//   moe_experts.cpp picks by rows where moe_op.py says so.
 //
 // Why this layout: one 64-byte load of packed[b][i][v] holds 16 output
 // columns x one k pair, the operand vdpbf16ps takes against x's pair
@@ -74,6 +79,7 @@ constexpr int MR_MAX = 8;        // rows per register block (MR_MAX x NV = 24 ac
 constexpr int LINE = 64;
 constexpr int PF_BLOCKS = 1;     // software prefetch runs this many blocks ahead
 constexpr int LEAD = 64;         // lines a thread's first block is prefetched ahead of its loads
+constexpr int64_t AHEAD_LINES = 128;  // linear_prefetch's mode 3: its distance ahead of the loads (8 KiB)
 
 // Rows of x per pass over a thread's column blocks. A large M (a prefill
 // chunk) runs in passes of this many rows, so that one pass's rows of x stay
@@ -282,7 +288,7 @@ const std::array<std::array<MicroFn, MR_MAX>, 2> kMicro = {
 #endif  // __AVX512BF16__
 
 // The software prefetch of linear_prefetch's `prefetch` argument.
-enum Prefetch : int64_t { kPrefetchL1 = 0, kPrefetchNone = 1, kPrefetchL2 = 2 };
+enum Prefetch : int64_t { kPrefetchL1 = 0, kPrefetchNone = 1, kPrefetchL2 = 2, kPrefetchAhead = 3 };
 
 at::Tensor linear_prefetch(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t prefetch) {
 #if !defined(__AVX512BF16__)
@@ -292,8 +298,9 @@ at::Tensor linear_prefetch(const at::Tensor& x_in, const at::Tensor& packed, int
   (void)prefetch;
   TORCH_CHECK(false, "kvferry_gemm.linear: built without AVX512_BF16 (needs a CPU with avx512_bf16 and -march=native)");
 #else
-  TORCH_CHECK(prefetch >= kPrefetchL1 && prefetch <= kPrefetchL2,
-              "kvferry_gemm.linear_prefetch: prefetch must be 0 (L1), 1 (none) or 2 (L2), got ", prefetch);
+  TORCH_CHECK(prefetch >= kPrefetchL1 && prefetch <= kPrefetchAhead,
+              "kvferry_gemm.linear_prefetch: prefetch must be 0 (L1), 1 (none), 2 (L2) or 3 (L2, in-stream), got ",
+              prefetch);
   TORCH_CHECK(x_in.dim() == 2, "kvferry_gemm.linear: x must be 2-D [M, K], got ", x_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "kvferry_gemm.linear: x and packed must be bfloat16");
@@ -320,7 +327,8 @@ at::Tensor linear_prefetch(const at::Tensor& x_in, const at::Tensor& packed, int
   // Blocks per task: at least ~256K flops each, else one thread does it all.
   const int64_t block_flops = 2 * M * K * BN;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, block_flops));
-  const int hint = prefetch == kPrefetchL2 ? 1 : 0;
+  const int hint = prefetch == kPrefetchL2 || prefetch == kPrefetchAhead ? 1 : 0;
+  const int64_t total_lines = NB * block_lines;
   for_each_block(M, NB, grain, K * 2, MR_MAX,
                  [&](int64_t m0, int64_t R, int64_t base, int64_t extra, int64_t b, int64_t b0, int64_t b1) {
     const int64_t c0 = b * BN;
@@ -336,6 +344,12 @@ at::Tensor linear_prefetch(const at::Tensor& x_in, const at::Tensor& packed, int
     run_column_block(b, b0, b1, R, base, extra, reinterpret_cast<const char*>(wb), block_elems * 2, block_lines,
                      ksteps, LEAD, NV, PF_BLOCKS,
                      [&](int64_t mr, int64_t row, const char* pf, int64_t pf_lines, int pps) {
+                       if (prefetch == kPrefetchAhead) {  // the stream ahead, to about the copy's end
+                         const int64_t from = b * block_lines + AHEAD_LINES;
+                         pf = reinterpret_cast<const char*>(wp) + from * LINE;
+                         pf_lines = row == 0 ? std::clamp<int64_t>(total_lines - from, 0, block_lines) : 0;
+                         pps = NV;
+                       }
                        kMicro[hint][mr - 1](xm + row * ldx, ldx, wb, K2, kodd, ym + row * n + c0, n, masks, pf,
                                             prefetch == kPrefetchNone ? 0 : pf_lines, pps);
                      });
