@@ -9,6 +9,9 @@ CPU time of all threads, ``time.process_time``):
   (PREFILL_DOTS_FROM_ROWS huge): rowsK_512 / rows32_512 / the one-row dots;
 * ``panel``: quant.gemv with the prefill dots forced from one row
   (quant_prefill_dots.h's panels of 16 weight rows);
+* ``packed``: ``panel`` on the panels packed at load (quant/panels.py;
+  Q4_K and Q6_K only, other types skip it): the same bits as ``panel``,
+  without its per-call decoding;
 * ``bf16``: the dequantized weight in bf16 through small_gemm (the
   ``--quantization none`` path on a CPU with AVX512-BF16 and no AMX), else
   torch.matmul (oneDNN).
@@ -34,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.model.quant.blocks
 from kvferry.model import quant, small_gemm  # noqa: E402
-from kvferry.model.quant import kernels  # noqa: E402
+from kvferry.model.quant import kernels, panels  # noqa: E402
 from tests.model.quant.blocks import random_blocks  # noqa: E402
 
 SETS = {"smol": [("Q4_1", 576, 576), ("Q4_1", 1536, 576), ("Q4_1", 576, 1536)],
@@ -78,21 +81,29 @@ def main() -> None:
         dense_ws = ([small_gemm.pack(dense) for _ in range(dcopies)] if use_small
                     else [dense.clone() for _ in range(dcopies)])
         bf16 = (lambda x, w: small_gemm.linear(x, w, n)) if use_small else (lambda x, w: torch.matmul(x, w.t()))
+        # Copies of their own for ``packed`` (a weight's panels are found by its blocks' address).
+        pblob = one.repeat(copies, 1) if "packed" in args.paths else None
+        pws = [quant.QuantizedWeight.from_blocks(f"p{i}", name, pblob[i * n:(i + 1) * n], (n, k))
+               for i in range(copies)] if pblob is not None else []
+        packs = [panels.pack(w) for w in pws]
         fns = {"decode": (quant.gemv, ws, one.numel()), "panel": (quant.gemv, ws, one.numel()),
+               "packed": (quant.gemv, pws, packs[0].numel() if packs and packs[0] is not None else one.numel()),
                "bf16": (bf16, dense_ws, dense.numel() * 2)}
-        setups = {"decode": prefill_from(1 << 40), "panel": prefill_from(1), "bf16": lambda: None}
+        setups = {"decode": prefill_from(1 << 40), "panel": prefill_from(1), "packed": prefill_from(1),
+                  "bf16": lambda: None}
+        paths = [p for p in args.paths if p != "packed" or (packs and packs[0] is not None)]
         for m in args.rows:
             x = torch.randn(m, k).bfloat16()
             for threads in args.thread_counts:
                 torch.set_num_threads(threads)
-                times: dict[str, list[float]] = {p: [] for p in args.paths}
-                at = {p: 0 for p in args.paths}
-                for p in args.paths:  # warm code and thread pool
+                times: dict[str, list[float]] = {p: [] for p in paths}
+                at = {p: 0 for p in paths}
+                for p in paths:  # warm code and thread pool
                     fn, items, _ = fns[p]
                     setups[p]()
                     fn(x, items[0])
                 for _ in range(args.repeats):
-                    for p in args.paths:
+                    for p in paths:
                         fn, items, _ = fns[p]
                         w = items[at[p] % len(items)]
                         at[p] += 1
@@ -101,12 +112,12 @@ def main() -> None:
                         fn(x, w)
                         times[p].append(time.process_time() - c0)
                 parts = []
-                for p in args.paths:
+                for p in paths:
                     t = statistics.median(times[p])
                     parts.append(f"{p} {t * 1e3:7.3f} ms {fns[p][2] / t / 1e9:5.1f} GB/s "
                                  f"{2 * m * n * k / t / 1e9:6.1f} GF/s")
                 print(f"{name} {n:5d}x{k:5d} M={m:2d} t{threads}: " + " | ".join(parts), flush=True)
-        del blob, ws, dense_ws
+        del blob, ws, dense_ws, pblob, pws, packs
     kernels.PREFILL_DOTS_FROM_ROWS = saved
     kernels.configure()
     with open("/proc/loadavg") as f:

@@ -51,6 +51,7 @@ ATTN_ALL_HEADS_ITEMS = "KVFERRY_ATTN_ALL_HEADS_ITEMS"
 ATTN_STAGED_AVX2 = "KVFERRY_ATTN_STAGED_AVX2"
 QUANT_DOTS_ALWAYS = "KVFERRY_QUANT_DOTS_ALWAYS"
 GGUF_WEIGHTS = "KVFERRY_GGUF_WEIGHTS"
+GGUF_PANELS = "KVFERRY_GGUF_PANELS"
 
 # Files and processes first, then the CPU kernels' switches, the one for
 # all kernels before those of single kernels. Variables that only the test
@@ -82,6 +83,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "copy); mapped, views of the mapped file, paged in as read and shared through the page cache by "
            "every engine serving the file, as llama.cpp's default mmap (unset: huge-pages where "
            "/sys/kernel/mm/transparent_hugepage/enabled is always or madvise, else mapped)"),
+    EnvVar(GGUF_PANELS, "bool", "0",
+           "1 also packs each Q4_K and Q6_K weight at load into the panels the prefill-sized dots read (from "
+           "12 rows of x: c16 decode steps, prefill), so that no call decodes them: a second copy beside the "
+           "blocks, about their size (a Q4_K_M file's RSS about doubles), on an AVX512-VNNI CPU without AMX"),
     EnvVar(KERNEL_ISA, "str", "native",
            "instruction set the C++ kernels are built for: native, or avx2 (without AVX-512)"),
     EnvVar(CPU_BF16, "bool", "",
@@ -153,6 +158,11 @@ def gguf_weights() -> str | None:
     if value not in ("", "huge-pages", "mapped"):
         raise ValueError(f"{GGUF_WEIGHTS}={os.environ[GGUF_WEIGHTS]!r}: expected huge-pages or mapped")
     return value or None
+
+
+def gguf_panels() -> bool:
+    """True only for ``KVFERRY_GGUF_PANELS=1``."""
+    return os.environ.get(GGUF_PANELS, "0").strip() == "1"
 
 
 def kernel_isa() -> str:

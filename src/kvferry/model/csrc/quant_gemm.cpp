@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <atomic>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -1255,8 +1257,41 @@ at::Tensor dequant(const at::Tensor& w, int64_t t, int64_t K) {
   return y;
 }
 
-// One weight of a dots call: its blocks [n, bytes] and ggml type.
-struct Part { const uint8_t* w; int64_t t, n, bytes; };
+// One weight of a dots call: its blocks [n, bytes] and ggml type, and its
+// panels packed at load where it has them (packed_panels), else null.
+struct Part { const uint8_t* w; int64_t t, n, bytes; const uint8_t* packed = nullptr; };
+
+// The weights whose panels were packed at load (quant/panels.py): a weight
+// (its blocks' address, rows and type) to its packed panels. The ops take
+// the blocks as before, wherever they come from (the one-call decoder layer,
+// the Python layers), and dots() finds the panels here. An entry holds a
+// reference to the blocks, so no other weight can take their address while
+// it lasts; Python removes it (unregister_panels) when the panels are freed.
+struct PackedEntry { at::Tensor blocks; const uint8_t* panels; int64_t t, n; };
+struct PackedRegistry {
+  std::mutex mu;
+  std::unordered_map<int64_t, PackedEntry> by_handle;
+  std::unordered_multimap<const uint8_t*, int64_t> by_blocks;  // the blocks' address to handles
+  std::atomic<int64_t> size{0};  // read without the lock: no packed weight, no lookup
+  int64_t next = 1;
+};
+PackedRegistry& packed_registry() {
+  static PackedRegistry r;
+  return r;
+}
+
+const uint8_t* packed_panels(const uint8_t* w, int64_t t, int64_t n) {
+  if (t != 12 && t != 14) return nullptr;
+  PackedRegistry& r = packed_registry();
+  if (r.size.load(std::memory_order_relaxed) == 0) return nullptr;
+  std::lock_guard<std::mutex> lock(r.mu);
+  const auto [lo, hi] = r.by_blocks.equal_range(w);
+  for (auto it = lo; it != hi; ++it) {
+    const PackedEntry& e = r.by_handle.at(it->second);
+    if (e.t == t && e.n == n) return e.panels;
+  }
+  return nullptr;
+}
 
 #ifdef KVQ_SIMD
 // A decode step multiplies its weights in the same order every step (a
@@ -1342,7 +1377,8 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
   const Acts a32 = has32 ? quantize(32) : Acts{}, a256 = has256 ? quantize(256) : Acts{};
   const bool bf16_out = out_dtype == at::kBFloat16;
   // Thread j takes the rows whose bytes start in [j * total / tasks, (j + 1) * total / tasks),
-  // boundaries rounded to 8 rows (the one-row dot's groups of four stay whole).
+  // boundaries rounded to 16 rows (the one-row dot's groups of four stay whole, and so
+  // do packed panels).
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + 7) / 8));
   struct Share { int64_t n0, n1, col; };
   // Part k's rows in the share of bytes [b0, b1) (last: the last share) and its first output column.
@@ -1353,7 +1389,7 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
     auto row_at = [&](int64_t b) {  // the first row of p whose bytes start at or after byte b, to 8 rows
       if (b <= at_byte) return int64_t(0);
       if (b >= at_byte + p.n * p.bytes) return p.n;
-      return std::min(p.n, ((b - at_byte + p.bytes - 1) / p.bytes + 7) / 8 * 8);
+      return std::min(p.n, ((b - at_byte + p.bytes - 1) / p.bytes + 15) / 16 * 16);
     };
     return Share{row_at(b0), last ? p.n : row_at(b1), col};
   };
@@ -1372,6 +1408,11 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
       if (sh.n0 < sh.n1) {
         const Acts& a = info(p.t).block == 32 ? a32 : a256;
 #ifdef KVQ_PREFILL_DOTS
+        if (M >= prefill_dots_min_rows(info(p.t).block) && p.packed != nullptr) {
+          if (bf16_out) prefill_rows_packed_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N);
+          else prefill_rows_packed_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N);
+          continue;
+        }
         if (M >= prefill_dots_min_rows(info(p.t).block) && has_prefill_rows(p.t)) {
           if (bf16_out) prefill_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N);
           else prefill_rows_of(p.t, p.w, p.bytes, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N);
@@ -1395,7 +1436,63 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
 Part part_of(const at::Tensor& w, int64_t t, int64_t n) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
               "quant_gemm: w must be contiguous uint8 [n, bytes]");
-  return Part{w.data_ptr<uint8_t>(), t, n, w.size(1)};
+  return Part{w.data_ptr<uint8_t>(), t, n, w.size(1), packed_panels(w.data_ptr<uint8_t>(), t, n)};
+}
+
+// Bytes of w's packed panels (quant_prefill_dots.h's pack_panels): 0 where
+// this build or type t has none (only Q4_K and Q6_K are packed).
+int64_t packed_panel_bytes(int64_t t, int64_t n, int64_t K) {
+  info(t);
+#ifdef KVQ_PREFILL_DOTS
+  return packed_bytes_of(t) * ((n + kPanel - 1) / kPanel) * (K / 256);
+#else
+  return 0;
+#endif
+}
+
+// w's [n, bytes] blocks packed into out (uint8, packed_panel_bytes of them).
+void pack_panels_into(const at::Tensor& w, int64_t t, at::Tensor out) {
+  const int64_t n = w.size(0), K = w.size(1) / info(t).bytes * info(t).block;
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "quant_gemm: w must be contiguous uint8 [n, bytes]");
+  const int64_t want = packed_panel_bytes(t, n, K);
+  TORCH_CHECK(want > 0, "quant_gemm: type ", t, " has no packed panels in this build");
+  TORCH_CHECK(out.dtype() == at::kByte && out.is_contiguous() && out.numel() == want,
+              "quant_gemm: packed panels need ", want, " contiguous bytes");
+#ifdef KVQ_PREFILL_DOTS
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  if (t == 12) pack_panels<12>(W, w.size(1), n, K / 256, o);
+  else pack_panels<14>(W, w.size(1), n, K / 256, o);
+#endif
+}
+
+// From now on dots() over w (its blocks, type t) read these packed panels
+// where it takes the prefill kernels. A handle for unregister_panels.
+int64_t register_panels(const at::Tensor& w, int64_t t, const at::Tensor& panels) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kByte && w.is_contiguous(), "quant_gemm: w must be contiguous uint8 [n, bytes]");
+  const int64_t K = w.size(1) / info(t).bytes * info(t).block;
+  TORCH_CHECK(panels.dtype() == at::kByte && panels.is_contiguous() && packed_panel_bytes(t, w.size(0), K) > 0 &&
+                  panels.numel() == packed_panel_bytes(t, w.size(0), K),
+              "quant_gemm: panels do not fit w");
+  PackedRegistry& r = packed_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const int64_t h = r.next++;
+  r.by_handle[h] = PackedEntry{w, panels.data_ptr<uint8_t>(), t, w.size(0)};
+  r.by_blocks.emplace(w.data_ptr<uint8_t>(), h);
+  r.size = int64_t(r.by_handle.size());
+  return h;
+}
+
+void unregister_panels(int64_t handle) {
+  PackedRegistry& r = packed_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const auto it = r.by_handle.find(handle);
+  if (it == r.by_handle.end()) return;
+  const auto [lo, hi] = r.by_blocks.equal_range(it->second.blocks.data_ptr<uint8_t>());
+  for (auto b = lo; b != hi; ++b)
+    if (b->second == handle) { r.by_blocks.erase(b); break; }
+  r.by_handle.erase(it);
+  r.size = int64_t(r.by_handle.size());
 }
 
 at::Tensor gemm_dots(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n, at::ScalarType out_dtype) {
@@ -1556,4 +1653,8 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("dequant(Tensor w, int type, int K) -> Tensor", &dequant);
   m.def("dequant_into(Tensor w, int type, Tensor(a!) out) -> ()", &dequant_into);
   m.def("path() -> str", &path);
+  m.def("packed_panel_bytes(int type, int n, int K) -> int", &packed_panel_bytes);
+  m.def("pack_panels_into(Tensor w, int type, Tensor(a!) out) -> ()", &pack_panels_into);
+  m.def("register_panels(Tensor w, int type, Tensor panels) -> int", &register_panels);
+  m.def("unregister_panels(int handle) -> ()", &unregister_panels);
 }

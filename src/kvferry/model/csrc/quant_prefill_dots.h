@@ -218,10 +218,14 @@ constexpr int64_t kDecodedBytes = 512 << 10;
 // rows decoded (decode(n, rows, out): the panel at weight row n, nb blocks),
 // as many as fit kDecodedBytes, then kPrefillRows rows of x at a time against
 // each (rows(R, P, m, y): R rows from row m into y[R][kPanel], R a
-// compile-time constant, 1..kPrefillRows).
-template <typename Panel, typename O, typename Decode, typename Rows>
+// compile-time constant, 1..kPrefillRows). ahead(n, panels, step, steps):
+// called before each of a block's `steps` (rows of x, panel) steps with the
+// next block's first weight row n and panel count (panels 0 past n1): the
+// packed panels prefetch that block's bytes a share per step, so the next
+// decode reads L2, not memory.
+template <typename Panel, typename O, typename Decode, typename Rows, typename Ahead>
 void panel_loop(std::vector<Panel>& decoded, int64_t nb, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy,
-                Decode decode, Rows rows) {
+                Decode decode, Rows rows, Ahead ahead) {
   const int64_t block_panels = std::max<int64_t>(1, kDecodedBytes / (nb * int64_t(sizeof(Panel))));
   if (int64_t(decoded.size()) < block_panels * nb) decoded.resize(block_panels * nb);
   alignas(64) float y[kPrefillRows * kPanel];
@@ -231,9 +235,14 @@ void panel_loop(std::vector<Panel>& decoded, int64_t nb, int64_t M, int64_t n0, 
       const int64_t n = nblk + kPanel * j;
       decode(n, int(std::min<int64_t>(kPanel, n1 - n)), decoded.data() + j * nb);
     }
+    const int64_t next = nblk + kPanel * block_panels;
+    const int64_t next_panels = next < n1 ? std::min<int64_t>(block_panels, (n1 - next + kPanel - 1) / kPanel) : 0;
+    const int64_t steps = (M + kPrefillRows - 1) / kPrefillRows * panels;
+    int64_t step = 0;
     for (int64_t m = 0; m < M; m += kPrefillRows) {
       const int r = int(std::min<int64_t>(kPrefillRows, M - m));
       for (int64_t j = 0; j < panels; ++j) {
+        ahead(next, next_panels, step++, steps);
         const Panel* P = decoded.data() + j * nb;
         switch (r) {
           case 6: rows(std::integral_constant<int, 6>{}, P, m, y); break;
@@ -260,7 +269,144 @@ void prefill_rows(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, int
   const int64_t nb = a.nb;
   panel_loop(decoded, nb, M, n0, n1, Y, ldy,
              [&](int64_t n, int rows, KPanel<U>* out) { kdecode_panel<T>(W + n * bytes, bytes, rows, nb, out); },
-             [&](auto R, const KPanel<U>* P, int64_t m, float* y) { kpanel_rows<U, decltype(R)::value>(P, a, m, y); });
+             [&](auto R, const KPanel<U>* P, int64_t m, float* y) { kpanel_rows<U, decltype(R)::value>(P, a, m, y); },
+             [](int64_t, int64_t, int64_t, int64_t) {});
+}
+
+// Q4_K and Q6_K panels repacked once at load (pack_panels), so that a call
+// no longer decodes them: kdecode_panel's KPanel, with each register's bytes
+// narrowed back to the bits they carry, one superblock of a panel of 16 rows
+// after another (panel-major, then superblock), every register a 64-byte
+// line in the order the call reads it:
+//   Q4_K (2368 bytes, the 16 rows' blocks 2304): 32 lines of nibbles, line
+//     8p + m = q[16p + m] | q[16p + 8 + m] << 4; the 8 scales and 8 mins as
+//     bytes, 16 rows each; d and dmin as 16 fp16 each.
+//   Q6_K (3360 bytes, the blocks 3360): the 6-bit values' low nibbles as
+//     Q4_K's, then 16 lines of their high 2 bits (line h: q[h + 16p] >> 4 at
+//     bits 2p, 2p + 1); the 16 scales as int8 bytes, 16 rows each; d as fp16.
+// unpack_superblock puts back kdecode_panel's registers bit for bit (the
+// tests compare), so the packed panels' results are the decoded panels', to
+// the bit; unpacking costs per superblock and panel about 100 simple
+// operations on lines read in order, where decoding cost per row a K-quant
+// head, four pairs of groups and six 16 x 16 transposes.
+template <int T>
+constexpr int64_t packed_superblock_bytes() { return T == 12 ? 2368 : T == 14 ? 3360 : 0; }
+inline int64_t packed_bytes_of(int64_t t) { return t == 12 ? 2368 : t == 14 ? 3360 : 0; }
+
+template <int T>
+void pack_superblock(const KPanel<scale_unit<T>()>& P, uint8_t* o) {
+  constexpr int U = scale_unit<T>();
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+  for (int p = 0; p < 4; ++p)
+    for (int m = 0; m < 8; ++m) {
+      const __m512i lo = _mm512_and_si512(P.q[16 * p + m], m4), hi = _mm512_and_si512(P.q[16 * p + 8 + m], m4);
+      _mm512_storeu_si512(o + 64 * (8 * p + m), _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+    }
+  int64_t at = 2048;
+  if constexpr (T == 14) {
+    for (int h = 0; h < 16; ++h) {
+      __m512i v = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)  // values <= 63: bits 4-5 of each byte, to bits 2p, 2p + 1
+        v = _mm512_or_si512(v, _mm512_sll_epi16(_mm512_and_si512(_mm512_srli_epi16(P.q[16 * p + h], 4), m2),
+                                                _mm_cvtsi32_si128(2 * p)));
+      _mm512_storeu_si512(o + at + 64 * h, v);
+    }
+    at += 1024;
+  }
+  for (int s = 0; s < 256 / U; ++s) _mm_storeu_si128(reinterpret_cast<__m128i*>(o + at + 16 * s), _mm512_cvtepi32_epi8(P.sc[s]));
+  at += 16 * (256 / U);
+  if constexpr (T == 12) {  // mins 2j and 2j + 1 are group j's min: the low byte of the pair
+    for (int j = 0; j < 8; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(o + at + 16 * j), _mm512_cvtepi32_epi8(P.mn[j]));
+    at += 128;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + at), _mm512_cvtps_ph(P.vd, _MM_FROUND_TO_NEAREST_INT));
+  if constexpr (T == 12)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + at + 32), _mm512_cvtps_ph(P.vdm, _MM_FROUND_TO_NEAREST_INT));
+}
+
+template <int T>
+inline void unpack_superblock(const uint8_t* o, KPanel<scale_unit<T>()>& P) {
+  constexpr int U = scale_unit<T>();
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+    KVQ_UNROLL for (int m = 0; m < 8; ++m) {
+      const __m512i c = _mm512_loadu_si512(o + 64 * (8 * p + m));
+      __m512i lo = _mm512_and_si512(c, m4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
+      if constexpr (T == 14) {  // bits 2p, 2p + 1 of the high-bit lines to bits 4, 5
+        const __m512i h0 = _mm512_loadu_si512(o + 2048 + 64 * m), h1 = _mm512_loadu_si512(o + 2048 + 64 * (m + 8));
+        auto up = [&](__m512i h) { return p < 3 ? _mm512_slli_epi16(h, 4 - 2 * p) : _mm512_srli_epi16(h, 2); };
+        lo = _mm512_ternarylogic_epi32(lo, up(h0), m30, 0xF8);  // lo | (h & 0x30)
+        hi = _mm512_ternarylogic_epi32(hi, up(h1), m30, 0xF8);
+      }
+      P.q[16 * p + m] = lo;
+      P.q[16 * p + 8 + m] = hi;
+    }
+  }
+  constexpr int64_t at = T == 14 ? 3072 : 2048;
+  KVQ_UNROLL for (int s = 0; s < 256 / U; ++s) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 16 * s));
+    P.sc[s] = T == 14 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  }
+  if constexpr (T == 12) {
+    KVQ_UNROLL for (int j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 128 + 16 * j)));
+      P.mn[j] = _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+    }
+    P.vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 256)));
+    P.vdm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 288)));
+  } else {  // Q6_K's "mins" are 32 sc (the -32 offset), as int16 pairs
+    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+    KVQ_UNROLL for (int j = 0; j < 8; ++j)
+      P.mn[j] = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(P.sc[2 * j], 5), low16),
+                                _mm512_slli_epi32(P.sc[2 * j + 1], 21));
+    P.vd = P.vdm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 256)));
+  }
+}
+
+// Weight rows w[0..n) (row_bytes each, nb superblocks) packed into out:
+// ceil(n / 16) panels of nb * packed_superblock_bytes<T>() (the last panel's
+// missing rows repeat its last row, as kdecode_panel's lanes do).
+template <int T>
+void pack_panels(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t nb, uint8_t* out) {
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<KPanel<scale_unit<T>()>> buf(nb);
+    for (int64_t p = p0; p < p1; ++p) {
+      kdecode_panel<T>(w + p * kPanel * row_bytes, row_bytes, int(std::min<int64_t>(kPanel, n - p * kPanel)), nb,
+                       buf.data());
+      for (int64_t i = 0; i < nb; ++i) pack_superblock<T>(buf[i], out + (p * nb + i) * PB);
+    }
+  });
+}
+
+// prefill_rows on packed panels: weight rows n0..n1, n0 a multiple of 16
+// (dots() rounds its shares to 16 rows).
+template <int T, typename O>
+void prefill_rows_packed(const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy) {
+  constexpr int U = scale_unit<T>();
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  thread_local std::vector<KPanel<U>> decoded;
+  const int64_t nb = a.nb;
+  panel_loop(decoded, nb, M, n0, n1, Y, ldy,
+             [&](int64_t n, int, KPanel<U>* out) {
+               const uint8_t* src = packed + (n / kPanel) * nb * PB;
+               for (int64_t i = 0; i < nb; ++i) unpack_superblock<T>(src + i * PB, out[i]);
+             },
+             [&](auto R, const KPanel<U>* P, int64_t m, float* y) { kpanel_rows<U, decltype(R)::value>(P, a, m, y); },
+             [&](int64_t n, int64_t panels, int64_t step, int64_t steps) {
+               // The next block's packed bytes to L2, a share per step (lines [b0, b1)).
+               const char* at = reinterpret_cast<const char*>(packed + (n / kPanel) * nb * PB);
+               const int64_t bytes = panels * nb * PB, b0 = bytes * step / steps / 64 * 64, b1 = bytes * (step + 1) / steps;
+               for (int64_t b = b0; b < b1; b += 64) _mm_prefetch(at + b, _MM_HINT_T1);
+             });
+}
+
+template <typename O>
+void prefill_rows_packed_of(int64_t t, const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                            int64_t ldy) {
+  if (t == 12) prefill_rows_packed<12>(packed, a, M, n0, n1, Y, ldy);
+  else if (t == 14) prefill_rows_packed<14>(packed, a, M, n0, n1, Y, ldy);
 }
 
 // The 32-value-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) the same way: a
@@ -341,7 +487,8 @@ void prefill_rows32(const uint8_t* W, int64_t bytes, const Acts& a, int64_t M, i
   }
   panel_loop(decoded, nb, M, n0, n1, Y, ldy,
              [&](int64_t n, int rows, BPanel* out) { bdecode_panel<T>(W + n * bytes, bytes, rows, nb, out); },
-             [&](auto R, const BPanel* P, int64_t m, float* y) { bpanel_rows<T, decltype(R)::value>(P, a, start.data(), m, y); });
+             [&](auto R, const BPanel* P, int64_t m, float* y) { bpanel_rows<T, decltype(R)::value>(P, a, start.data(), m, y); },
+             [](int64_t, int64_t, int64_t, int64_t) {});
 }
 
 // From how many rows of x dots() takes the prefill kernels, by block size (32

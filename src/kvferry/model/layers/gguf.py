@@ -24,17 +24,22 @@ type; the op multiplies it with the library's ``layer_linear``, the path
 dozen Python calls). A layer of mixed types (Q4_K_M's q/k and v) is
 ``QUANT_PARTS`` with its parts and their types, multiplied by
 ``layer_linear_parts``, the kernel ``quant.linear_parts`` calls.
+
+With ``KVFERRY_GGUF_PANELS=1`` each Q4_K and Q6_K weight is also packed at
+load into the panels the prefill-sized dots read (quant/panels.py), on
+huge pages where the blocks are: the layer keeps them (``layer.panels``),
+and every call over the weight's blocks finds them in the library.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kvferry.model import quant
+from kvferry.model import gguf_memory, huge_pages, quant
 from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase, MatmulArgs
 from kvferry.model.layers.unquantized import UnquantizedLinearMethod
 from kvferry.model.layers.vocab import EmbeddingMethodBase, UnquantizedEmbeddingMethod, VocabEmbedding
-from kvferry.model.quant import QuantizedWeight
+from kvferry.model.quant import QuantizedWeight, panels
 
 
 # csrc/decoder_layer.cpp's kQuantKind: a matmul kind of QUANT_KIND + t is a GGUF weight of ggml type t;
@@ -56,6 +61,7 @@ class GGUFLinearMethod(LinearMethodBase):
                       if bias else None)
         layer.shards = {}  # first row -> QuantizedWeight, until processed
         layer.qweights = []  # what apply multiplies, in row order
+        layer.panels = []  # their packed panels, where packed (quant/panels.py); kept alive here
 
     def load_weight(self, layer: Linear, rows: slice | None, tensor: torch.Tensor | QuantizedWeight,
                     name: str) -> None:
@@ -78,6 +84,9 @@ class GGUFLinearMethod(LinearMethodBase):
             shards = [quant.stack_rows(layer.prefix, shards)]
         layer.qweights = shards
         layer.shards = {}
+        if panels.wanted():
+            empty = huge_pages.empty if gguf_memory.mode() == gguf_memory.HUGE_PAGES else torch.empty
+            layer.panels = [p for p in (panels.pack(w, empty) for w in shards) if p is not None]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         ws = layer.qweights
@@ -94,7 +103,8 @@ class GGUFLinearMethod(LinearMethodBase):
         return MatmulArgs(ws[0].data, ws[0].out_features, QUANT_KIND + ws[0].fmt.ggml_type)
 
     def nbytes(self, layer: Linear) -> int:
-        return sum(w.nbytes for w in layer.qweights) + sum(w.nbytes for w in layer.shards.values())
+        return (sum(w.nbytes for w in layer.qweights) + sum(w.nbytes for w in layer.shards.values())
+                + sum(p.numel() for p in layer.panels))
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):

@@ -1,0 +1,114 @@
+"""Q4_K and Q6_K panels packed once at load (quant/panels.py,
+csrc/quant_prefill_dots.h's pack_panels): where a weight has them, the
+prefill-sized dots (from 12 rows of x) read them instead of decoding the
+blocks per call, and give the same bits as the panels decoded per call
+(which test_prefill_dots.py ties to the decode kernels and the reference);
+the decode kernels below 12 rows keep reading the blocks; the panels are
+about the blocks' size; freeing them hands the weight back to the blocks.
+The loader packs them with ``KVFERRY_GGUF_PANELS=1``: the same logits."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kvferry import envs
+from kvferry.model import quant
+from kvferry.model.quant import kernels, panels
+from tests.model.quant.blocks import weight
+
+pytestmark = pytest.mark.skipif(not quant.available() or not kernels.prefill_dots_fit(),
+                                reason="the prefill dots do not fit this CPU or build (AVX512-VNNI, no AMX)")
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_packed_panels_give_the_decoded_panels_bits(name):
+    """45 rows (two panels and a tail of 13), K = 2048: at 12-64 rows of x,
+    1 and 2 threads, the packed panels' values are the per-call decoded
+    panels' to the bit, and the reference's (dequantize, float matmul) to
+    8-bit x's rounding; they are what is read (zeroed, the outputs are 0);
+    below 12 rows nothing changes; freed, the blocks' panels again."""
+    w, _ = weight(name, 45, 2048, seed=5)
+    x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(9))
+    before = torch.get_num_threads()
+    try:
+        want = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            want[threads] = {m: quant.gemv(x[:m], w) for m in (1, 11, 12, 16, 33, 64)}
+        packed = panels.pack(w)
+        assert packed is not None
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m, y in want[threads].items():
+                assert torch.equal(quant.gemv(x[:m], w), y), (threads, m)
+            assert torch.equal(quant.linear(x[:16].bfloat16(), w), quant.gemv(x[:16].bfloat16(), w).bfloat16())
+        ref = x @ quant.dequantize_rows(w).T
+        scale = (x.abs() @ quant.dequantize_rows(w).abs().T).amax(dim=1, keepdim=True)
+        assert ((quant.gemv(x, w) - ref).abs() <= 0.02 * scale).all()
+        packed.zero_()  # the panels are what the prefill dots read
+        assert torch.equal(quant.gemv(x[:16], w), torch.zeros(16, 45))
+        assert torch.equal(quant.gemv(x[:11], w), want[2][11])  # the decode kernels read the blocks
+        del packed
+        gc.collect()
+        assert torch.equal(quant.gemv(x[:16], w), want[2][16])  # unregistered: the blocks again
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_fused_layer_of_mixed_types_packs_its_k_quant_parts():
+    """Q4_K_M's q/k (Q4_K), v (Q6_K) and a Q8_0 part in one call: the packed
+    parts' columns are their unpacked values, the Q8_0 part keeps its panels
+    decoded per call (no packed form: packed_bytes 0)."""
+    parts = [weight("Q4_K", 64, 1024, seed=1)[0], weight("Q4_K", 32, 1024, seed=2)[0],
+             weight("Q6_K", 32, 1024, seed=3)[0], weight("Q8_0", 48, 1024, seed=4)[0]]
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = quant.linear_parts(x, parts)
+    kept = [panels.pack(p) for p in parts]
+    assert [k is None for k in kept] == [False, False, False, True]
+    assert torch.equal(quant.linear_parts(x, parts), want)
+    out = torch.empty_like(want)
+    torch.ops.kvferry_quant.layer_linear_parts_out(x, [p.data for p in parts], [p.fmt.ggml_type for p in parts], out)
+    assert torch.equal(out, want)
+
+
+def test_the_panels_are_about_the_blocks_size():
+    """Q4_K: 2368 bytes a superblock of 16 rows against the blocks' 2304
+    (1.03x); Q6_K: 3360, the blocks' own; a last panel of fewer rows is
+    whole. Other types have none."""
+    q4, _ = weight("Q4_K", 4096, 4096, seed=0)
+    q6, _ = weight("Q6_K", 40, 512, seed=0)
+    assert panels.packed_bytes(q4) == 4096 // 16 * 16 * 2368
+    assert panels.packed_bytes(q4) / q4.nbytes == pytest.approx(1.028, abs=1e-3)
+    assert panels.packed_bytes(q6) == 3 * 2 * 3360
+    assert panels.packed_bytes(weight("Q8_0", 32, 512, seed=0)[0]) == 0
+
+
+def test_the_loader_packs_with_the_variable_and_the_logits_stay(monkeypatch, tmp_path):
+    """A tiny Q4_K_M file (bench/make_random_gguf.py: Q4_K, Q6_K v/down and
+    lm_head) loaded with and without ``KVFERRY_GGUF_PANELS=1``: with it every
+    Q4_K / Q6_K weight has its panels, counted in the layers' bytes; a
+    16-token prefill's logits are the same bits either way."""
+    from bench.make_random_gguf import write
+    from kvferry.model.loader import load_model
+    from tests.model.paged_harness import PagedHarness
+
+    path = write(tmp_path / "mix.gguf", "Q4_K_M", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2)
+
+    def load(flag: str):
+        monkeypatch.setenv(envs.GGUF_PANELS, flag)
+        m = load_model(str(path), dtype="bfloat16", quantization="gguf").model
+        m.pack_weights()
+        return m
+
+    plain, packed = load("0"), load("1")
+    assert envs.gguf_panels() and panels.wanted()
+    for a, b in zip(plain.linears(), packed.linears(), strict=True):
+        ws = getattr(b, "qweights", None) or []
+        assert not getattr(a, "panels", [])
+        assert len(b.panels) == sum(w.fmt.name in ("Q4_K", "Q6_K") for w in ws), b.prefix
+        assert b.method.nbytes(b) == a.method.nbytes(a) + sum(p.numel() for p in b.panels)
+    seq = list(range(3, 19))
+    assert torch.equal(PagedHarness(packed).step({0: seq}, {0: len(seq)})[0],
+                       PagedHarness(plain).step({0: seq}, {0: len(seq)})[0])
