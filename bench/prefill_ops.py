@@ -84,8 +84,11 @@ def layer_ops(model, step: Prefill) -> tuple[dict, dict, dict]:  # noqa: ANN001
     meta.prepare()
     args = layer_op.model_layer_args(model)
     assert args is not None, "the layer op does not apply to this model"
-    (qkv_w, qkv_n, qkv_kind, _, o_w, o_n, o_kind, post_w, post_eps, gu_w, gu_n, gu_kind, down_w, down_n,
-     down_kind, next_w, next_eps, H, KVH, scale, exact_rows, row_bucket, *_) = args[0]
+    a = args[0]  # layer_op.LayerArgs
+    qkv_w, qkv_n, qkv_kind, o_w, o_n, o_kind = a.qkv_w, a.qkv_n, a.qkv_kind, a.o_w, a.o_n, a.o_kind
+    post_w, post_eps, gu_w, gu_n, gu_kind = a.post_norm_w, a.post_eps, a.gate_up_w, a.gate_up_n, a.gate_up_kind
+    down_w, down_n, down_kind, next_w, next_eps = a.down_w, a.down_n, a.down_kind, a.next_norm_w, a.next_eps
+    H, KVH, scale, exact_rows, row_bucket = a.num_heads, a.num_kv_heads, a.scale, a.exact_rows, a.row_bucket
     T, D = step.tokens, model.config.head_dim
     gemm = _matmul(exact_rows, row_bucket)
     g = torch.Generator().manual_seed(2)

@@ -76,19 +76,18 @@ def install() -> None:
     add_rms_norm = layer_op.add_rms_norm
 
     def run_tp_layer(args, h, x, cos, sin, kv_cache_layer, meta, shard):  # noqa: ANN001, ANN202
-        attn, mlp, next_w, next_eps = args
         w, c = time.perf_counter(), time.thread_time()
         o = ops.tp_attention(x, cos, sin, kv_cache_layer, meta.slot_mapping, meta.kernel_block_tables,
                              meta.kernel_seq_lens, meta.kernel_query_starts, meta.kernel_query_lens,
-                             meta.kernel_tree_masks, *attn)
+                             meta.kernel_tree_masks, *args.attention())
         _add("cpp_attention", time.perf_counter() - w, time.thread_time() - c)
         o = shard.all_reduce(o)
         w, c = time.perf_counter(), time.thread_time()
-        h, d = ops.tp_mlp(o, h, *mlp)
+        h, d = ops.tp_mlp(o, h, *args.mlp())
         _add("cpp_mlp", time.perf_counter() - w, time.thread_time() - c)
         d = shard.all_reduce(d)
         w, c = time.perf_counter(), time.thread_time()
-        out = add_rms_norm(d, h, next_w, next_eps)
+        out = add_rms_norm(d, h, args.next_norm_w, args.next_eps)
         _add("add_rms_norm", time.perf_counter() - w, time.thread_time() - c)
         return out
 

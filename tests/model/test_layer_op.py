@@ -156,3 +156,22 @@ print("{OP}" in {{e.key for e in prof.key_averages()}})
                          cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_layer_args_record_is_the_ops_schema_order():
+    """LayerArgs, the one record of a layer's arguments both paths take,
+    names the C++ ops' arguments in their order: decoder_layer's after its
+    step tensors (LayerStack.add's), tp_attention's and tp_mlp's parts of it."""
+    if not layer_op.available():
+        pytest.skip("the layer op is not available on this build")
+    ops = torch.ops.kvferry_layer
+
+    def names(op, after: str) -> list[str]:
+        args = [a.name for a in op.default._schema.arguments]
+        return args[args.index(after) + 1:]
+
+    fields = list(layer_op.LayerArgs._fields)
+    assert fields == names(ops.decoder_layer, "tree_masks")
+    by_name = layer_op.LayerArgs(*fields)  # each field holding its own name
+    assert list(by_name.attention()) == names(ops.tp_attention, "tree_masks")
+    assert list(by_name.mlp()) == names(ops.tp_mlp, "h")

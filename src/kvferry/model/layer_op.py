@@ -38,7 +38,7 @@ layer runs, as before.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -58,16 +58,57 @@ if TYPE_CHECKING:
 _SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.cpp"
 _library = paged_kernel.LazyLibrary(lambda: _load())
 
-# A layer's arguments after (h, x, cos, sin, kv_cache_layer, <the step's five
-# sequence tensors>, <its tree masks or None>): qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind,
-# post_norm_w, post_eps, gate_up_w, gate_up_n, gate_up_kind, down_w, down_n,
-# down_kind, next_norm_w, next_eps, heads, kv_heads, scale, exact_rows,
-# row_bucket, q_norm_w, k_norm_w, qk_eps (None, None, 0.0 without Qwen3's
-# per-head norms), qkv_parts, qkv_part_types, gate_up_parts, gate_up_part_types
-# (a fused GGUF layer of mixed types, kind 99; empty lists otherwise). A kind is
-# 1 for small_gemm's packed copy, 2 for oneDNN's, 3 for oneDNN's in fixed blocks
-# of row_bucket rows (--deterministic), 100 + t for GGUF blocks of type t.
-LayerArgs = tuple
+class LayerArgs(NamedTuple):
+    """One layer's weight arguments, named as the C++ op's schema names them
+    (decoder_layer's after its eleven step tensors, in that order, which is
+    also LayerStack.add's): the single-process and the tensor-parallel paths
+    take the same record, and its order lives here only
+    (tests/model/test_layer_op.py checks it against the schema)."""
+    # Each matmul: its weight, output width and kind: 1 small_gemm's packed
+    # copy, 2 oneDNN's, 3 oneDNN's in fixed blocks of row_bucket rows
+    # (--deterministic), 100 + t GGUF blocks of ggml type t, 99 a fused GGUF
+    # layer of mixed types (its *_parts).
+    qkv_w: torch.Tensor
+    qkv_n: int
+    qkv_kind: int
+    qkv_bias: torch.Tensor | None  # Qwen2's
+    o_w: torch.Tensor
+    o_n: int
+    o_kind: int
+    post_norm_w: torch.Tensor
+    post_eps: float
+    gate_up_w: torch.Tensor
+    gate_up_n: int
+    gate_up_kind: int
+    down_w: torch.Tensor
+    down_n: int
+    down_kind: int
+    next_norm_w: torch.Tensor  # the next layer's input norm, the final norm after the last layer
+    next_eps: float
+    num_heads: int  # this rank's heads on a tensor-parallel shard
+    num_kv_heads: int
+    scale: float
+    exact_rows: int
+    row_bucket: int
+    q_norm_w: torch.Tensor | None  # Qwen3's per-head norms (None, None, 0.0 without them)
+    k_norm_w: torch.Tensor | None
+    qk_eps: float
+    qkv_parts: list[torch.Tensor]  # a fused GGUF layer of mixed types (kind 99); empty otherwise
+    qkv_part_types: list[int]
+    gate_up_parts: list[torch.Tensor]
+    gate_up_part_types: list[int]
+
+    def attention(self) -> tuple:
+        """tp_attention's arguments after its ten step tensors."""
+        return (self.qkv_w, self.qkv_n, self.qkv_kind, self.qkv_bias, self.o_w, self.o_n, self.o_kind, self.num_heads,
+                self.num_kv_heads, self.scale, self.exact_rows, self.row_bucket, self.q_norm_w, self.k_norm_w,
+                self.qk_eps, self.qkv_parts, self.qkv_part_types)
+
+    def mlp(self) -> tuple:
+        """tp_mlp's arguments after o and h."""
+        return (self.post_norm_w, self.post_eps, self.gate_up_w, self.gate_up_n, self.gate_up_kind, self.down_w,
+                self.down_n, self.down_kind, self.exact_rows, self.row_bucket, self.gate_up_parts,
+                self.gate_up_part_types)
 
 
 def layer_op_disabled() -> bool:
@@ -76,7 +117,8 @@ def layer_op_disabled() -> bool:
 
 def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
     """Each layer's weight arguments, or None where some layer does not fit
-    the op (see the module docstring). Needs packed weights."""
+    the op (see the module docstring). Needs packed weights. A
+    tensor-parallel shard's are its slices' (its heads, its MLP rows)."""
     layers = model.layers
     if not len(layers) or model.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -93,34 +135,10 @@ def model_layer_args(model: LlamaModel) -> list[LayerArgs] | None:
         post = layer.post_attention_layernorm
         if o.parts or down.parts:  # the op takes parts for the fused layers only (one GGUF tensor each here)
             return None
-        out.append((*qkv[:3], attn.qkv_proj.bias, *o[:3], post.weight, post.eps, *gate_up[:3], *down[:3],
-                    nxt.weight, nxt.eps, attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS, ROW_BUCKET,
-                    *_head_norms(attn), list(qkv.parts), list(qkv.part_types), list(gate_up.parts),
-                    list(gate_up.part_types)))
-    return out
-
-
-# A tensor-parallel rank's layer (run_tp_layer): tp_attention's weight
-# arguments (after its nine step tensors), tp_mlp's (after o and h), and the
-# next norm's weight and eps.
-TPLayerArgs = tuple
-
-
-def model_tp_layer_args(model: LlamaModel) -> list[TPLayerArgs] | None:
-    """model_layer_args for a tensor-parallel shard: each layer's arguments
-    split where the Python layer all-reduces (after o_proj and down_proj)."""
-    whole = model_layer_args(model)
-    if whole is None:
-        return None
-    out = []
-    for (qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, post_w, post_eps, gu_w, gu_n, gu_kind, down_w, down_n,
-         down_kind, next_w, next_eps, heads, kv_heads, scale, exact_rows, row_bucket, q_norm_w, k_norm_w, qk_eps,
-         qkv_parts, qkv_part_types, gu_parts, gu_part_types) in whole:
-        attn = (qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, heads, kv_heads, scale, exact_rows, row_bucket,
-                q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types)
-        mlp = (post_w, post_eps, gu_w, gu_n, gu_kind, down_w, down_n, down_kind, exact_rows, row_bucket, gu_parts,
-               gu_part_types)
-        out.append((attn, mlp, next_w, next_eps))
+        out.append(LayerArgs(*qkv[:3], attn.qkv_proj.bias, *o[:3], post.weight, post.eps, *gate_up[:3], *down[:3],
+                             nxt.weight, nxt.eps, attn.num_heads, attn.num_kv_heads, attn.scale, EXACT_ROWS,
+                             ROW_BUCKET, *_head_norms(attn), list(qkv.parts), list(qkv.part_types),
+                             list(gate_up.parts), list(gate_up.part_types)))
     return out
 
 
@@ -159,7 +177,8 @@ def run_layer(args: LayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tens
 
 
 def layer_stack(args: list[LayerArgs]) -> torch.ScriptObject:
-    """``args`` (model_layer_args') held by the C++ op's LayerStack, for run_layers."""
+    """``args`` (model_layer_args') held by the C++ op's LayerStack, for
+    run_layers, or a shard's for run_tp_layers."""
     stack = torch.classes.kvferry_layer.LayerStack()
     for layer in args:
         stack.add(*layer)
@@ -176,18 +195,17 @@ def run_layers(stack: torch.ScriptObject, h: torch.Tensor, x: torch.Tensor, cos:
         meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks)
 
 
-def run_tp_layer(args: TPLayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def run_tp_layer(args: LayerArgs, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache_layer: torch.Tensor, meta: AttentionMetadata,
                  shard: TPShard) -> tuple[torch.Tensor, torch.Tensor]:
     """run_layer on a tensor-parallel rank: two C++ calls, each partial
     product all-reduced over ``shard``'s group between them, as the Python
     layer's row-parallel matmuls do (the same bits: decoder_layer.cpp)."""
-    attn, mlp, next_w, next_eps = args
     o = torch.ops.kvferry_layer.tp_attention(
         x, cos, sin, kv_cache_layer, meta.slot_mapping, meta.kernel_block_tables, meta.kernel_seq_lens,
-        meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks, *attn)
-    h, d = torch.ops.kvferry_layer.tp_mlp(shard.all_reduce(o), h, *mlp)
-    return add_rms_norm(shard.all_reduce(d), h, next_w, next_eps)
+        meta.kernel_query_starts, meta.kernel_query_lens, meta.kernel_tree_masks, *args.attention())
+    h, d = torch.ops.kvferry_layer.tp_mlp(shard.all_reduce(o), h, *args.mlp())
+    return add_rms_norm(shard.all_reduce(d), h, args.next_norm_w, args.next_eps)
 
 
 def shm_sums(group: ShmAllReduce) -> torch.ScriptObject | None:
@@ -196,20 +214,6 @@ def shm_sums(group: ShmAllReduce) -> torch.ScriptObject | None:
     if not available():
         return None
     return torch.classes.kvferry_layer.ShmSums(*group.segment())
-
-
-def tp_layer_stack(args: list[TPLayerArgs]) -> torch.ScriptObject:
-    """A shard's ``model_tp_layer_args`` held by a LayerStack (in
-    model_layer_args' order), for run_tp_layers."""
-    whole = []
-    for attn, mlp, next_w, next_eps in args:
-        (qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, heads, kv_heads, scale, exact_rows, row_bucket,
-         q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types) = attn
-        post_w, post_eps, gu_w, gu_n, gu_kind, down_w, down_n, down_kind, _, _, gu_parts, gu_part_types = mlp
-        whole.append((qkv_w, qkv_n, qkv_kind, qkv_bias, o_w, o_n, o_kind, post_w, post_eps, gu_w, gu_n, gu_kind,
-                      down_w, down_n, down_kind, next_w, next_eps, heads, kv_heads, scale, exact_rows, row_bucket,
-                      q_norm_w, k_norm_w, qk_eps, qkv_parts, qkv_part_types, gu_parts, gu_part_types))
-    return layer_stack(whole)
 
 
 def run_tp_layers(stack: torch.ScriptObject, sums: torch.ScriptObject, h: torch.Tensor, x: torch.Tensor,

@@ -256,7 +256,7 @@ class LlamaModel(nn.Module):
         self.weights_packed = False  # set by pack_weights, cleared by load_weights
         # Each layer's arguments for the one-call C++ layer (layer_op.py), or
         # None where some layer does not fit it; set by pack_weights.
-        self._layer_args: list[layer_op.LayerArgs] | list[layer_op.TPLayerArgs] | None = None
+        self._layer_args: list[layer_op.LayerArgs] | None = None
         self._layer_stack: torch.ScriptObject | None = None  # the same held in C++ (layer_op.layer_stack), at first use
         # EAGLE-3 heads (spec/eagle3.py) read the residual stream entering
         # these layers (a low, a middle and a top one): each forward then
@@ -277,8 +277,7 @@ class LlamaModel(nn.Module):
         # A tensor-parallel shard's layers run in one C++ call with their
         # all-reduces inside (the group's ShmSums), or each as two C++ calls,
         # all-reduced after each (where its row-parallel matmuls all-reduce).
-        self._layer_args = (layer_op.model_tp_layer_args(self) if self.shard.enabled
-                            else layer_op.model_layer_args(self))
+        self._layer_args = layer_op.model_layer_args(self)
         self._layer_stack = None
         self.weights_packed = True
 
@@ -366,8 +365,7 @@ class LlamaModel(nn.Module):
             if aux is None and meta.kv_transfer is None and (sums is not None or not self.shard.enabled):
                 # No hook between layers: all of them in one call (a shard's sums inside).
                 if self._layer_stack is None:
-                    self._layer_stack = (layer_op.tp_layer_stack(self._layer_args) if self.shard.enabled
-                                         else layer_op.layer_stack(self._layer_args))
+                    self._layer_stack = layer_op.layer_stack(self._layer_args)
                 h, x = (layer_op.run_tp_layers(self._layer_stack, sums, h, x, cos, sin, kv_cache, meta)
                         if sums is not None else layer_op.run_layers(self._layer_stack, h, x, cos, sin, kv_cache, meta))
                 return h if ends_stream else x
