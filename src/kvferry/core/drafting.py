@@ -35,4 +35,13 @@ class DraftBudget(Protocol):
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
 
+    def shadowed(self, request_id: str, drafts: list[int], num_tokens: int) -> bool:
+        """Whether the request's drafts this step are a probe to score
+        against its next tokens rather than verify (then none are verified)."""
+        ...
+
+    def score_shadow(self, request_id: str, tokens: list[int]) -> None:
+        """Score a pending shadow probe by the request's tokens (each step, before ``num_drafts``)."""
+        ...
+
     def forget(self, request_id: str) -> None: ...

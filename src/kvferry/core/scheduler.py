@@ -164,9 +164,14 @@ class Scheduler:
 
     def _proposal(self, request: Request, num_running: int) -> list[int]:
         k = self.num_speculative_tokens
-        if self.draft_budget is not None:
-            k = min(k, self.draft_budget.num_drafts(request.request_id, num_running, request.tenant))
-        return self.proposer.propose(request)[:k] if k > 0 else []
+        budget = self.draft_budget
+        if budget is not None:
+            budget.score_shadow(request.request_id, request.all_token_ids)
+            k = min(k, budget.num_drafts(request.request_id, num_running, request.tenant))
+        drafts = self.proposer.propose(request)[:k] if k > 0 else []
+        if drafts and budget is not None and budget.shadowed(request.request_id, drafts, request.num_tokens):
+            return []  # a probe scored against the tokens to come: no verify step to pay
+        return drafts
 
     def _admission_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Drafts for a request admitted with only its newest token to
