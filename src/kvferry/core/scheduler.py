@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from kvferry.config import SchedulerConfig
 # Re-exported: the speculation interfaces the scheduler drives.
-from kvferry.core.drafting import DraftBudget, DraftProposer  # noqa: F401
+from kvferry.core.drafting import DraftBudget, DraftProposer, budgeted_drafts  # noqa: F401
 from kvferry.core.fairness import TenantFairness
 from kvferry.core.kv_connector import KVConnectorScheduler, ExternalTokens, NO_EXTERNAL_TOKENS, kv_role
 from kvferry.core.kv_manager import KVCacheManager, PrefixHit
@@ -163,15 +163,7 @@ class Scheduler:
             request.spec_token_ids = self._proposal(request, num_running)
 
     def _proposal(self, request: Request, num_running: int) -> list[int]:
-        k = self.num_speculative_tokens
-        budget = self.draft_budget
-        if budget is not None:
-            budget.score_shadow(request.request_id, request.all_token_ids)
-            k = min(k, budget.num_drafts(request.request_id, num_running, request.tenant))
-        drafts = self.proposer.propose(request)[:k] if k > 0 else []
-        if drafts and budget is not None and budget.shadowed(request.request_id, drafts, request.num_tokens):
-            return []  # a probe scored against the tokens to come: no verify step to pay
-        return drafts
+        return budgeted_drafts(self.proposer, self.draft_budget, request, self.num_speculative_tokens, num_running)
 
     def _admission_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Drafts for a request admitted with only its newest token to
