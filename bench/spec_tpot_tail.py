@@ -6,7 +6,8 @@ requests, so its p99 is the worst request's TPOT ((latency - TTFT) /
 (tokens - 1)). This bench replays its c1 cases the way one of its servers
 sees them: a fresh ``LLM`` per side and sitting (a cold controller, empty
 suffix tries), the chat prompts one at a time, then the code prompts one at
-a time, the sides alternating from sitting to sitting. Every engine step is
+a time, every side's engine in one process and the sides taking turns
+request by request (so that both see the same load). Every engine step is
 timed (wall and process CPU seconds; run it with one torch thread, where CPU
 time is the step's own work) and classed by the drafts it verified, so that
 per request it gives:
@@ -69,35 +70,45 @@ def instrument(llm, steps: list[dict]) -> None:  # noqa: ANN001
     core.step = timed_step
 
 
-def one_sitting(side: str, cases: dict[str, list[str]], args: argparse.Namespace) -> list[dict]:
+def request_row(side: str, case: str, i: int, n: int, steps: list[dict]) -> dict:
+    dec = [s for s in steps if s["decode"]]
+    return {"side": side, "case": case, "i": i, "tokens": n,
+            "tpot_cpu_ms": 1e3 * sum(s["cpu"] for s in dec) / max(n - 1, 1),
+            "tpot_wall_ms": 1e3 * sum(s["wall"] for s in dec) / max(n - 1, 1),
+            "verify_steps": sum(1 for s in dec if s["k"]), "plain_steps": sum(1 for s in dec if not s["k"]),
+            "failed_verify_steps": sum(1 for s in dec if s["k"] and not s["accepted"]),
+            "drafted": sum(s["k"] for s in dec), "accepted": sum(s["accepted"] for s in dec),
+            "ks": "".join(str(min(s["k"], 9)) for s in dec),
+            "step_cpu_ms": [round(1e3 * s["cpu"], 2) for s in dec], "step_accepted": [s["accepted"] for s in dec]}
+
+
+def one_sitting(sides: list[str], cases: dict[str, list[str]], args: argparse.Namespace) -> list[dict]:
+    """Fresh engines for every side, the same prompts request by request,
+    the sides' order alternating from one request to the next (both see
+    the same load, within a request's time)."""
     from kvferry import LLM, SamplingParams
 
-    llm = LLM(speculative=None if side == "off" else side if side == "default" else json.loads(side),
-              kv_cache_memory_gb=0.5, max_num_seqs=4)
-    steps: list[dict] = []
+    llms = {side: LLM(speculative=None if side == "off" else side if side == "default" else json.loads(side),
+                      kv_cache_memory_gb=0.5, max_num_seqs=4) for side in sides}
+    steps: dict[str, list[dict]] = {side: [] for side in sides}
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     rows = []
     try:
-        # The served bench's client sends one test request before each case.
-        llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
-        instrument(llm, steps)
+        for side, llm in llms.items():
+            # The served bench's client sends one test request before its cases.
+            llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
+            instrument(llm, steps[side])
+        turn = 0
         for case, prompts in cases.items():
             for i, prompt in enumerate(prompts):
-                steps.clear()
-                out = llm.generate([prompt], sp)[0]
-                n = len(out.outputs[0].token_ids)
-                dec = [s for s in steps if s["decode"]]
-                rows.append({"side": side, "case": case, "i": i, "tokens": n,
-                             "tpot_cpu_ms": 1e3 * sum(s["cpu"] for s in dec) / max(n - 1, 1),
-                             "tpot_wall_ms": 1e3 * sum(s["wall"] for s in dec) / max(n - 1, 1),
-                             "verify_steps": sum(1 for s in dec if s["k"]),
-                             "plain_steps": sum(1 for s in dec if not s["k"]),
-                             "drafted": sum(s["k"] for s in dec), "accepted": sum(s["accepted"] for s in dec),
-                             "ks": "".join(str(min(s["k"], 9)) for s in dec),
-                             "step_cpu_ms": [round(1e3 * s["cpu"], 2) for s in dec],
-                             "step_accepted": [s["accepted"] for s in dec]})
+                for side in (sides if turn % 2 == 0 else list(reversed(sides))):
+                    steps[side].clear()
+                    out = llms[side].generate([prompt], sp)[0]
+                    rows.append(request_row(side, case, i, len(out.outputs[0].token_ids), steps[side]))
+                turn += 1
     finally:
-        llm.engine.core.close()
+        for llm in llms.values():
+            llm.engine.core.close()
     return rows
 
 
@@ -124,13 +135,12 @@ def main() -> int:
     print(f"load average at start: {os.getloadavg()}", flush=True)
     rows: list[dict] = []
     for i in range(args.sittings):
-        for side in (args.sides if i % 2 == 0 else list(reversed(args.sides))):
-            got = one_sitting(side, cases, args)
-            for r in got:
-                r["sitting"] = i
-                if args.verbose:
-                    print(json.dumps({k: v for k, v in r.items() if not k.startswith("step_")}), flush=True)
-            rows += got
+        got = one_sitting(args.sides if i % 2 == 0 else list(reversed(args.sides)), cases, args)
+        for r in got:
+            r["sitting"] = i
+            if args.verbose:
+                print(json.dumps({k: v for k, v in r.items() if not k.startswith("step_")}), flush=True)
+        rows += got
     print(f"load average at end: {os.getloadavg()}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows))
@@ -156,7 +166,15 @@ def main() -> int:
                     by_k[int(k)].append(ms)
             print(f"  {case} {s[:30]} step CPU ms by drafts: " + ", ".join(
                 f"k={k}: {statistics.median(v):.2f} (n={len(v)})" for k, v in sorted(by_k.items())))
-            print(f"  {case} {s[:30]} acceptance: {sum(r['accepted'] for r in rs)}/{sum(r['drafted'] for r in rs)}")
+            print(f"  {case} {s[:30]} acceptance: {sum(r['accepted'] for r in rs)}/{sum(r['drafted'] for r in rs)}; "
+                  f"verify steps {sum(r['verify_steps'] for r in rs)}, of which none held "
+                  f"{sum(r['failed_verify_steps'] for r in rs)}")
+            # Per request, its TPOT over off's for the same prompt in the same sitting (same load).
+            offs = {(r["sitting"], r["i"]): r for r in rows if r["side"] == off and r["case"] == case}
+            worst = sorted(((r["tpot_cpu_ms"] / offs[(r["sitting"], r["i"])]["tpot_cpu_ms"], r["i"], r["ks"])
+                            for r in rs), reverse=True)[:3]
+            print(f"  {case} {s[:30]} worst requests' CPU TPOT / off's same request: "
+                  + "; ".join(f"{x:.3f} (prompt {i}, k {ks})" for x, i, ks in worst))
     return 0
 
 
