@@ -38,21 +38,21 @@ def test_a_shadow_probe_verifies_nothing_and_wins_drafts_back_where_it_holds():
     tokens = list(range(20))
     assert c.num_drafts("r", 1) == 4
     c.observe("r", 4, 0)  # failed: acceptance 0
-    assert [c.num_drafts("r", 1) for _ in range(2)] == [0, 4]  # a probe 2 steps on asks for a whole draft
-    assert c.shadowed("r", [1, 2, 3, 4], len(tokens))  # scored later, not verified
-    c.score_shadow("r", tokens + [1])  # undecided: it holds so far
-    assert c.num_drafts("r", 1) == 0
-    c.score_shadow("r", tokens + [1, 9])  # 1 of 4 held: the wait stays 2
-    assert c.acceptance("r") == 0.25 and c.num_drafts("r", 1) == 1  # floor(0.25 * 5): drafts again
-    c.observe("r", 1, 0)
-    assert [c.num_drafts("r", 1) for _ in range(2)] == [0, 4]
-    assert c.shadowed("r", [5, 6, 7, 8], 30)
-    c.score_shadow("r", list(range(30)) + [0])  # failed: the wait doubles to 4
-    assert [c.num_drafts("r", 1) for _ in range(4)] == [0, 0, 0, 4]
-    assert c.shadowed("r", [5, 6, 7, 8], 40)
-    c.score_shadow("r", list(range(40)) + [5, 6, 7, 8])
-    assert c.num_drafts("r", 1) == 4  # it held: drafting again
-    assert not c.shadowed("r", [5, 6, 7, 8], 44)  # not a probe: verified
+    assert [c.num_drafts("r", 1) for _ in range(2)] == [0, 1]  # a one-draft probe 2 steps on
+    assert c.shadowed("r", [1], len(tokens))  # scored at the next step, not verified
+    c.score_shadow("r", tokens)  # no token after it yet: undecided
+    assert c.record("r") == {"": 0.0}
+    c.score_shadow("r", tokens + [9])  # failed: the wait doubles to 4
+    assert [c.num_drafts("r", 1) for _ in range(4)] == [0, 0, 0, 1]
+    assert c.shadowed("r", [5], 30)
+    c.score_shadow("r", list(range(30)) + [5])  # held: as a verified one-draft probe that held
+    assert c.acceptance("r") == 1.0 and c.num_drafts("r", 1) == 4  # drafting again
+    assert not c.shadowed("r", [5, 6, 7, 8], 31)  # not a probe: verified
+    # A controller with no shadow methods verifies its probes.
+    c = AdaptiveSpecController(4, 64, cost_aware=False, ewma_alpha=1.0, probe_interval=2, prior_acceptance=1.0)
+    c.num_drafts("r", 1)
+    c.observe("r", 4, 0)
+    assert [c.num_drafts("r", 1) for _ in range(2)] == [0, 1] and not c.shadowed("r", [1], 20)
 
 
 @pytest.fixture(scope="module")

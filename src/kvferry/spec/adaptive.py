@@ -26,8 +26,8 @@ Four rules, all cheap and deterministic:
   fall to a head (``blind_methods``, which drafts whatever the text) whose
   acceptance has no record, the request's or its tenant's, is declined. A
   probe by a method whose drafts the scheduler sees (``shadow_methods``:
-  suffix decoding, n-gram) is a shadow probe (``spec.shadow``): its whole
-  draft is scored against the tokens that come after it, not verified, so
+  suffix decoding, n-gram) is a shadow probe (``spec.shadow``): its one
+  draft is scored against the token that comes after it, not verified, so
   that a request whose drafts fail decodes at plain decoding's cost
   between its drafting spells, probes included.
 - **Batch size.** Verification costs ``k + 1`` token slots per request.
@@ -375,9 +375,10 @@ class AdaptiveSpecController:
             state.steps_without_drafts = 0
             state.probed = True
             self._step_probes += 1
-            # A shadow probe scores the proposer's whole draft (more to learn
-            # from, and nothing verified); auto names the method in ``allowed``.
-            return self.k_max if self.shadow_methods else 1
+            # One draft: a shadow probe (``shadowed``) is scored by the next
+            # token alone, as a verified one-draft probe would count, at no
+            # verify step's cost and with no step's delay.
+            return 1
         return 0
 
     def shadowed(self, request_id: str, drafts: list[int], num_tokens: int) -> bool:
@@ -423,7 +424,7 @@ class AdaptiveSpecController:
             if method in self.blind_methods and method not in state.known:
                 state.probed = False
                 return 0
-            return num_drafts if method in self.shadow_methods else min(num_drafts, 1)
+            return min(num_drafts, 1)
         if method == decided:
             return num_drafts
         k = min(num_drafts, self._decide(state, *state.expected()))
