@@ -35,28 +35,4 @@ class DraftBudget(Protocol):
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
 
-    def shadowed(self, request_id: str, drafts: list[int], num_tokens: int) -> bool:
-        """Whether the request's drafts this step are a probe to score
-        against its next tokens rather than verify (then none are verified)."""
-        ...
-
-    def score_shadow(self, request_id: str, tokens: list[int]) -> None:
-        """Score a pending shadow probe by the request's tokens (each step, before ``num_drafts``)."""
-        ...
-
     def forget(self, request_id: str) -> None: ...
-
-
-def budgeted_drafts(proposer: DraftProposer, budget: DraftBudget | None, request: Request, k: int,
-                    num_running: int) -> list[int]:
-    """The drafts ``request`` verifies this step: at most ``k``, and as many
-    as the budget gives it (the proposer is asked only where that is some).
-    A probe the budget scores against the tokens to come (a shadow probe,
-    ``spec.shadow``) verifies none: no verify step to pay."""
-    if budget is not None:
-        budget.score_shadow(request.request_id, request.all_token_ids)
-        k = min(k, budget.num_drafts(request.request_id, num_running, request.tenant))
-    drafts = proposer.propose(request)[:k] if k > 0 else []
-    if drafts and budget is not None and budget.shadowed(request.request_id, drafts, request.num_tokens):
-        return []
-    return drafts

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from kvferry.config import SchedulerConfig
 # Re-exported: the speculation interfaces the scheduler drives.
-from kvferry.core.drafting import DraftBudget, DraftProposer, budgeted_drafts  # noqa: F401
+from kvferry.core.drafting import DraftBudget, DraftProposer  # noqa: F401
 from kvferry.core.fairness import TenantFairness
 from kvferry.core.kv_connector import KVConnectorScheduler, ExternalTokens, NO_EXTERNAL_TOKENS, kv_role
 from kvferry.core.kv_manager import KVCacheManager, PrefixHit
@@ -163,7 +163,10 @@ class Scheduler:
             request.spec_token_ids = self._proposal(request, num_running)
 
     def _proposal(self, request: Request, num_running: int) -> list[int]:
-        return budgeted_drafts(self.proposer, self.draft_budget, request, self.num_speculative_tokens, num_running)
+        k = self.num_speculative_tokens
+        if self.draft_budget is not None:
+            k = min(k, self.draft_budget.num_drafts(request.request_id, num_running, request.tenant))
+        return self.proposer.propose(request)[:k] if k > 0 else []
 
     def _admission_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Drafts for a request admitted with only its newest token to

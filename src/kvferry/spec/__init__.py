@@ -71,9 +71,7 @@ def speculation(config: SpeculativeConfig | None) -> dict:
     methods = tuple(proposer.proposers) if auto else (config.method,)
     budget = AdaptiveSpecController(k, config.batch_token_threshold, probe_interval=config.probe_interval,
                                     adaptive=config.adaptive, cost_aware=config.cost_aware, on_verified=on_verified,
-                                    methods=methods, blind_methods=(HEAD,) if auto else (),
-                                    # Text proposers' probes are scored, not verified (spec.shadow).
-                                    shadow_methods=tuple(m for m in methods if m in ("suffix", "ngram")))
+                                    methods=methods, blind_methods=(HEAD,) if auto else ())
     if auto:
         proposer.selection = budget
     return {"proposer": proposer, "num_speculative_tokens": k, "draft_budget": budget}

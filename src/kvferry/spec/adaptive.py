@@ -24,12 +24,7 @@ Four rules, all cheap and deterministic:
   that turns repetitive later (a quoted passage, code) wins its drafts
   back. A probe drafts only where a proposer found a match: one that would
   fall to a head (``blind_methods``, which drafts whatever the text) whose
-  acceptance has no record, the request's or its tenant's, is declined. A
-  probe by a method whose drafts the scheduler sees (``shadow_methods``:
-  suffix decoding, n-gram) is a shadow probe (``spec.shadow``): its one
-  draft is scored against the token that comes after it, not verified, so
-  that a request whose drafts fail decodes at plain decoding's cost
-  between its drafting spells, probes included.
+  acceptance has no record, the request's or its tenant's, is declined.
 - **Batch size.** Verification costs ``k + 1`` token slots per request.
   Drafts are cut so that ``num_running * (k + 1)`` stays within
   ``batch_token_threshold``: at large batches decode is already
@@ -79,7 +74,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvferry.spec.history import MAX_TENANTS, TenantHistory
-from kvferry.spec.shadow import ShadowDraft
 
 
 @dataclass(slots=True)
@@ -230,7 +224,6 @@ class _RequestSpecState:
     steps_without_drafts: int = 0  # decode steps at k = 0 since the last probe
     failed_probes: int = 0  # probes in a row whose draft failed (each doubles the wait)
     probed: bool = False  # the drafts now being verified are a probe
-    shadow: ShadowDraft | None = None  # a shadow probe's draft, until the tokens after it score it
     num_running: int = 0  # this step's batch and level (``allowed`` decides with them)
     cap: int = 0
     # Per method over the request's life: proposals verified (none: nothing
@@ -258,7 +251,7 @@ class AdaptiveSpecController:
                  cost_min_samples: int = 8, prior_acceptance: float = PRIOR_ACCEPTANCE,
                  on_verified: "Callable[[str, int, int], None] | None" = None,
                  methods: tuple[str, ...] = ("",), blind_methods: tuple[str, ...] = (),
-                 shadow_methods: tuple[str, ...] = (), max_tenants: int = MAX_TENANTS) -> None:
+                 max_tenants: int = MAX_TENANTS) -> None:
         """``on_verified(request_id, num_drafts, num_accepted)``: told of each
         verified proposal too (method auto scores the head by it);
         ``prior_acceptance``: a new request's acceptance where its tenant has
@@ -266,16 +259,13 @@ class AdaptiveSpecController:
         are kept apart (auto's choices, in its order of preference; auto names
         the one behind each proposal: ``allowed``); ``blind_methods``: those
         that draft whatever the text (a head), which probe only where their
-        acceptance has a record; ``shadow_methods``: those whose drafts the
-        scheduler sees (text proposers), whose probes are shadow probes
-        (``shadowed``, ``score_shadow``); ``max_tenants``: tenants whose
-        records are kept (least recently used first out)."""
+        acceptance has a record; ``max_tenants``: tenants whose records are
+        kept (least recently used first out)."""
         if not methods:
             raise ValueError("methods must name at least one draft method")
         self.k_max = k_max
         self.methods = methods
         self.blind_methods = frozenset(blind_methods)
-        self.shadow_methods = frozenset(shadow_methods)
         self.on_verified = on_verified
         self.batch_token_threshold = batch_token_threshold
         self.ewma_alpha = ewma_alpha
@@ -375,38 +365,8 @@ class AdaptiveSpecController:
             state.steps_without_drafts = 0
             state.probed = True
             self._step_probes += 1
-            # One draft: a shadow probe (``shadowed``) is scored by the next
-            # token alone, as a verified one-draft probe would count, at no
-            # verify step's cost and with no step's delay.
             return 1
         return 0
-
-    def shadowed(self, request_id: str, drafts: list[int], num_tokens: int) -> bool:
-        """Whether this step's ``drafts`` (the proposer's, for a request of
-        ``num_tokens`` tokens) are a shadow probe: kept to be scored by
-        ``score_shadow``, not verified (the request decodes plainly)."""
-        state = self._states.get(request_id)
-        if state is None or not state.probed or not drafts or state.method not in self.shadow_methods:
-            return False
-        state.probed = False
-        state.shadow = ShadowDraft.of(state.method, drafts, num_tokens)
-        return True
-
-    def score_shadow(self, request_id: str, tokens: list[int]) -> None:
-        """Score the request's shadow probe, once its tokens since decide it,
-        as a verified proposal would count (a failed one doubles the wait
-        before the next probe, as a failed verified probe does)."""
-        state = self._states.get(request_id)
-        shadow = state.shadow if state is not None else None
-        if shadow is None:
-            return
-        kept = shadow.score(tokens)
-        if kept is None:
-            return
-        state.shadow = None
-        state.method = shadow.method
-        self._learn(state, shadow.method, len(shadow.tokens), kept)
-        state.failed_probes = 0 if kept > 0 else state.failed_probes + 1
 
     def allowed(self, request_id: str, method: str, num_drafts: int) -> int:
         """How many of a draft by ``method`` the request verifies this step
@@ -497,12 +457,7 @@ class AdaptiveSpecController:
         state = self._state(request_id)
         if state.method is None:  # verified with no method named (auto not wired to a controller)
             state.method = self.methods[0]
-        self._learn(state, state.method, num_drafts, num_accepted)
-        if state.probed:
-            state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
-            state.probed = False
-
-    def _learn(self, state: _RequestSpecState, method: str, num_drafts: int, num_accepted: int) -> None:
+        method = state.method
         # Weighed by the drafts verified: a one-draft probe that held is
         # weak evidence, and must not undo a run of rejected full drafts.
         a = 1.0 - (1.0 - self.ewma_alpha) ** (min(num_drafts, self.k_max) / self.k_max)
@@ -511,6 +466,9 @@ class AdaptiveSpecController:
         state.verified[method] = state.verified.get(method, 0) + 1
         state.drafted[method] = state.drafted.get(method, 0) + num_drafts
         state.accepted[method] = state.accepted.get(method, 0) + max(num_accepted, 0)
+        if state.probed:
+            state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
+            state.probed = False
 
     def record(self, request_id: str) -> dict[str, float]:
         """The request's acceptance per method where anything is on record
