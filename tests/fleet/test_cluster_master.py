@@ -186,6 +186,8 @@ def test_a_killed_master_is_restarted_by_ray_at_the_same_url(server, ray_cluster
             assert _greedy(c, prompt) == expected[prompt]
             if _written(server) > written:
                 break
-            time.sleep(2)  # the write-through is behind the answer
+            # The write-through is behind the answer: up to 2 s for it (at once when it lands sooner).
+            server.wait_for_metric("kvferry:kv_tier_written_bytes_total", lambda v: v > written, timeout_s=2,
+                                   tier="cluster")
         assert server.wait_for_metric("kvferry:kv_tier_written_bytes_total", lambda v: v > written, timeout_s=30,
                                       tier="cluster") > written, "no block written to the restarted master"

@@ -1,8 +1,8 @@
 """TP and PP cores under ``kvferry serve --ray``: each core's ranks are one
 Ray placement group, packed on one node (default) or spread over the
 nodes (``--ray-rank-placement spread``), on a real two-node Ray cluster
-(two ``ray start`` nodes on this host, each offering 4 of resource "rank"),
-through real HTTP and the openai client.
+(the fleet tests' two ``ray start`` nodes on this host, each offering 5 of
+resource "rank"), through real HTTP and the openai client.
 
 - TP 2 packed and spread, and PP 2 spread, give HF float32's greedy text;
   ``/v1/admin/workers`` names each rank's Ray node (one node packed, both
@@ -17,8 +17,9 @@ through real HTTP and the openai client.
 - a group the cluster cannot place (pack needs 2 x 3 "rank" on one node)
   fails within --scale-timeout-s, naming the resources.
 
-One cluster for the module (Ray is heavy on a 2-core host), and the four
-layouts' servers started at once on it."""
+The fleet tests' one cluster (Ray is heavy on a 2-core host: a cluster of
+its own cost this module a second start), and the four layouts' servers
+started at once on it."""
 from __future__ import annotations
 
 import json
@@ -48,11 +49,8 @@ RANK = json.dumps({"rank": 1})
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from tests.fleet.ray_cluster import RayCluster
-
-    with RayCluster(tmp_path_factory.mktemp("ray-ranks"), {"n0": 1, "rank": 5}, {"n1": 1, "rank": 5}) as c:
-        yield c
+def cluster(ray_cluster):
+    return ray_cluster  # the fleet tests' one cluster (conftest.py): its nodes offer "n0"/"n1" and 5 "rank" each
 
 
 @pytest.fixture(scope="module")
