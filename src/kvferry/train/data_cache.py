@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 CHUNK_PROMPTS = 64  # prompts per file: what an interrupted run may lose at most
@@ -98,8 +99,6 @@ def _save_chunk(path: Path, sequences: list[Sequence], hidden: list[torch.Tensor
 
 
 def _chunk_prompts(path: Path) -> int:
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as f:
         return f.get_slice("lengths").get_shape()[0]
 
