@@ -67,3 +67,39 @@ def test_train_draft_records_the_recipe(tmp_path):
                  "--hard-label-weight", "0.5"]) == 0
     report = json.loads((out / "head.json").read_text())
     assert report["ttt_steps"] == 3 and report["hard_label_weight"] == 0.5
+
+
+def test_data_cache_generates_once_and_trains_as_the_whole_sequences(tmp_path, capsys):
+    """--data-cache: the second run generates nothing and reads the replies
+    and hidden states back; the cut-down cached sequences give the same
+    training positions, inputs and targets as the whole ones."""
+    from kvferry.engine.llm import LLM
+    from kvferry.train.draft_head import build_features, self_distill
+
+    target = str(make_tiny_checkpoint(tmp_path, arch="llama", max_position_embeddings=1024))
+    args = ["train-draft", "--target", target, "--corpus", "chitchat", "--num-prompts", "3", "--max-tokens", "8",
+            "--epochs", "1", "--batch-tokens", "16", "--intermediate-size", "16", "--eval-prompts", "0",
+            "--data-cache", str(tmp_path / "cache")]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert "data cache: chunk-00000.safetensors (3 prompts) written" in capsys.readouterr().out
+    (chunk,) = (tmp_path / "cache").glob("*/chunk-00000.safetensors")
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert "written" not in capsys.readouterr().out
+    # the same data: both heads are trained identically (same seed)
+    a, b = (EagleHead.load(tmp_path / x / "head.safetensors") for x in "ab")
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+    from kvferry.train.data_cache import DataCache  # what the cache holds vs the uncached path
+    llm = LLM(model=target, max_num_seqs=4, kv_cache_memory_gb=0.05)
+    prompts = corpus_prompts("chitchat", 3, 0)
+    sequences = self_distill(llm, prompts, 8)
+    whole = build_features(llm.engine.core.loaded.model, sequences)
+    cache = DataCache.__new__(DataCache)
+    cache.root = chunk.parent
+    data = cache.load(3)
+    assert data.sequences == sequences
+    cut = features_of(data.trimmed, data.hidden)
+    assert torch.equal(whole.hidden[whole.starts - 1], cut.hidden[cut.starts - 1])
+    assert torch.equal(whole.hidden[whole.starts], cut.hidden[cut.starts])
+    assert torch.equal(whole.tokens[whole.starts], cut.tokens[cut.starts])
+    assert torch.equal(whole.ends[whole.starts] - whole.starts, cut.ends[cut.starts] - cut.starts)

@@ -41,6 +41,10 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
     p.add_argument("--hard-label-weight", type=float, default=0.0,
                    help="weight of a cross-entropy on the target's argmax, added to the loss on its distribution "
                         "(what greedy verification keeps; helps where the target's distribution is flat)")
+    p.add_argument("--data-cache", type=Path, default=None,
+                   help="head: keep the target's replies and hidden states in this folder and reuse them "
+                        "(generated once per target, corpus, seed and --max-tokens; a larger --num-prompts "
+                        "generates only the missing replies)")
     p.set_defaults(func=_cmd_train)
 
 

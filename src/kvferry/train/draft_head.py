@@ -42,6 +42,7 @@ from kvferry.model.llama import allocate_kv_cache
 from kvferry.sampling import SamplingParams
 from kvferry.spec.head import EagleHead
 from kvferry.train.cli import CORPORA
+from kvferry.train.data_cache import DataCache
 
 PROMPT_CHARS = 400  # prompts are cut here: the answers are what the head learns
 HELD_OUT_CHATS = 256  # chitchat conversations never trained on (the benchmark's)
@@ -63,6 +64,7 @@ class TrainConfig:
     eval_prompts: int = 64  # held-out chats the finished head is measured on (0: none)
     ttt_steps: int = 4  # drafting steps unrolled per position (head_loss)
     hard_label_weight: float = 0.0  # of the cross-entropy on the target's argmax (head_loss)
+    data_cache: Path | None = None  # replies + hidden states kept here and reused (data_cache.py)
 
 
 def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
@@ -180,6 +182,22 @@ class Features:
     ends: torch.Tensor  # [N] int64: one past the last position of each position's sequence
 
 
+def _cached_features(cfg: TrainConfig, llm, loaded, prompts: list) -> tuple[list, Features]:  # noqa: ANN001
+    """The sequences and features of ``prompts``, generating only what
+    ``cfg.data_cache`` does not hold yet."""
+    meta = {"target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus, "seed": cfg.seed,
+            "max_tokens": cfg.max_tokens, "prompt_chars": PROMPT_CHARS}
+    cache = DataCache(cfg.data_cache, meta)
+
+    def record(chunk: list) -> tuple[list, list[torch.Tensor]]:
+        sequences = self_distill(llm, chunk, cfg.max_tokens)
+        return sequences, [hidden_states(loaded.model, ids) for ids, _ in sequences]
+
+    cache.fill(prompts, record)
+    data = cache.load(len(prompts))
+    return data.sequences, features_of(data.trimmed, data.hidden)
+
+
 def build_features(model, sequences: list[tuple[list[int], int]]) -> Features:  # noqa: ANN001
     hidden = [hidden_states(model, ids).to(torch.bfloat16)  # bf16 halves what is held
               for ids, _ in tqdm(sequences, desc="target features", unit="seq")]
@@ -260,8 +278,11 @@ def train(cfg: TrainConfig) -> dict:
     model = loaded.model
     prompts = corpus_prompts(cfg.corpus, cfg.num_prompts, cfg.seed)
     print(f"self-distillation: {len(prompts)} prompts from {cfg.corpus}, up to {cfg.max_tokens} tokens each")
-    sequences = self_distill(llm, prompts, cfg.max_tokens)
-    feats = build_features(model, sequences)
+    if cfg.data_cache is None:
+        sequences = self_distill(llm, prompts, cfg.max_tokens)
+        feats = build_features(model, sequences)
+    else:
+        sequences, feats = _cached_features(cfg, llm, loaded, prompts)
     head = EagleHead(model.config.hidden_size, cfg.intermediate_size)
     coverage = 1.0
     if 0 < cfg.draft_vocab_size < model.config.vocab_size:
@@ -327,7 +348,7 @@ def evaluate_head(cfg: TrainConfig) -> Acceptance | None:
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
                       args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
-                      args.eval_prompts, args.ttt_steps, args.hard_label_weight)
+                      args.eval_prompts, args.ttt_steps, args.hard_label_weight, args.data_cache)
     report = train(cfg)
     print(json.dumps(report, indent=2))
     if "held_out_chat_acceptance" in report:  # again last, where it is seen
