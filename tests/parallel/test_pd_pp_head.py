@@ -16,17 +16,13 @@ Greedy output equals plain decoding's and HF transformers' in float32, and
 the decode core computes no prompt position."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.spec.head import EagleHead
 from tests.disagg.driver import Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side, \
     step_until
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
+from tests.parallel.test_pp_head import write_echo_head
 from tests.tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 16
@@ -45,13 +41,7 @@ def case(tmp_path_factory):
     """(target, echo head, plain greedy tokens checked against HF)."""
     root = tmp_path_factory.mktemp("pd-pp-head")
     target = str(make_tiny_checkpoint(root, arch="llama", num_hidden_layers=4, max_position_embeddings=1024))
-    hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
-    head = EagleHead(hidden, 64)
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, hidden:] = torch.eye(hidden)
-        head.down.weight.zero_()
-    head.save(root / "echo.safetensors", target="echo")
+    write_echo_head(target, root / "echo.safetensors")
     hf = load_hf(target)
     plain = LLM(model=target, dtype="float32", kv_cache_memory_gb=0.02, warm_up=False)
     try:

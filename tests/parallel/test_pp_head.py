@@ -38,6 +38,19 @@ SPEC = {"method": "head", "num_speculative_tokens": 3, "adaptive": False, "cost_
 PROMPTS = [[5, 5, 5, 5], [7] * 20, [11, 40, 99, 3, 250] * 4]
 
 
+def write_echo_head(target: str, path: Path) -> Path:
+    """An echo head for ``target`` at ``path`` (fc = [0 | I], no MLP: its draft
+    is the token the target's own lm_head gives the hidden state)."""
+    hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
+    head = EagleHead(hidden, 64)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        head.down.weight.zero_()
+    head.save(path, target="echo")
+    return path
+
+
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     """A tiny Llama of 4 layers (2 a stage), its lm_head not tied to the
@@ -47,13 +60,7 @@ def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp-head")
     target = str(make_tiny_checkpoint(root, arch="llama", num_hidden_layers=4, max_position_embeddings=1024))
     assert not json.loads((Path(target) / "config.json").read_text()).get("tie_word_embeddings")
-    hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
-    head = EagleHead(hidden, 64)
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, hidden:] = torch.eye(hidden)
-        head.down.weight.zero_()
-    head.save(root / "echo.safetensors", target="echo")
+    write_echo_head(target, root / "echo.safetensors")
     hf = load_hf(target)
     plain = LLM(model=target, **ENGINE)
     try:
