@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from kvferry.shm_segments import pid_alive
 from tests.parallel.afd_helpers import PROMPTS, _alive, complete_all, ffn_pids, reference, start_afd, workers
 from tests.tiny_moe_models import make_tiny_moe_checkpoint
 
@@ -148,6 +149,14 @@ def test_no_request_fails_once_an_idle_cores_ffn_worker_died(served):
     [ffn] = ffn_pids(srv)
     restarts = srv.log().count("FFN workers restarted")
     os.kill(ffn, signal.SIGKILL)
+    # SIGKILL returns before the worker has exited; a request that reached
+    # the core first would step on it and be cut by the death (the core then
+    # ends whole, as the leader's rule says). The case here is the idle
+    # core's: the death lies before its next step.
+    deadline = time.monotonic() + 30
+    while pid_alive(ffn) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not pid_alive(ffn), f"FFN worker {ffn} survived SIGKILL"
     # At once, while the pool restarts the workers: the idle core's next
     # step waits for the new one instead of failing its requests.
     assert complete_all(srv, PROMPTS) == expected

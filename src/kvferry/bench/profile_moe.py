@@ -128,6 +128,19 @@ def run_moe_profile(loaded, grid: MoEGrid, on_point=lambda kind, p: None) -> dic
 
 
 # -- the hop --------------------------------------------------------------------------
+_HOP_WAIT_S = 60.0  # the longest a hop rank waits for one message: a lost one ends the run, never hangs it
+
+
+def _receive(sock: zmq.Socket, tag: tuple[int, int]) -> torch.Tensor:
+    deadline = time.monotonic() + _HOP_WAIT_S
+
+    def waited() -> None:  # recv_tensor calls it between its polls
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"afd hop: no message {tag} within {_HOP_WAIT_S:g}s")
+
+    return recv_tensor(sock, tag, 50, waited)
+
+
 def _hop_rank(group, folder: str, hidden: int, dtype_name: str, token_counts: list[int], repeats: int):
     """Rank 0 (attention) sends each size to rank 1 (FFN), which sends it
     back; rank 0 times the round trips. Module level: ``launch`` pickles it."""
@@ -150,13 +163,17 @@ def _hop_rank(group, folder: str, hidden: int, dtype_name: str, token_counts: li
                 if group.rank == 0:
                     start = time.perf_counter()
                     send_tensor(push, tag, h)
-                    recv_tensor(pull, tag, 50)
+                    _receive(pull, tag)
                     times.append(time.perf_counter() - start)
                 else:
-                    send_tensor(push, tag, recv_tensor(pull, tag, 50))
+                    send_tensor(push, tag, _receive(pull, tag))
             if group.rank == 0:
                 points.append({"tokens": tokens, "bytes": tokens * hidden * h.element_size(),
                                "time_s": statistics.median(times[1:])})
+        # Rank 1's last reply may still sit in its socket's queue: closing
+        # at LINGER 0 before rank 0 has it would drop it and leave rank 0
+        # waiting, so both close only once rank 0 holds every reply.
+        group.barrier()
     finally:
         pull.close()
         push.close()
