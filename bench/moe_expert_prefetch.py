@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_step import OLMOE, build, time_interleaved  # noqa: E402
+from moe_step import OLMOE, bandwidths, build, time_interleaved  # noqa: E402
 from kvferry.model import moe_op  # noqa: E402
 from kvferry.model.config import ModelConfig  # noqa: E402
 
@@ -65,6 +65,52 @@ def kernel_rates(block, rows: list[int], modes: list[int], reps: int) -> list[di
     return out
 
 
+def expert_mode(rows: int) -> int:
+    """linear_prefetch's mode moe_experts.cpp takes at this many rows on Zen 4 (expert_prefetch 2)."""
+    return 1 if rows <= 6 else 3 if rows <= 8 else 2
+
+
+def wide_rates(block, rows: list[int], modes: list[int], reps: int) -> list[dict]:
+    """small_gemm's one-pass micro-kernel (linear_rows' wide = 1: every row's
+    accumulators over one pass of the weight stream) against its register
+    blocks of up to 8 rows (wide = 0), over every expert, cold: CPU seconds,
+    the choices in turn; ``old`` is wide = 0 at the experts' own mode by rows,
+    ``wide_<mode>`` the one-pass kernel at each prefetch mode. x_floor: the
+    time against the experts' bytes at the 2 MiB-page read rate (moe_step.bandwidths)."""
+    lr = torch.ops.kvferry_gemm.linear_rows
+    gu, dn = block.w13.expert_args, block.w2.expert_args
+    nbytes = sum(a.weight.numel() * 2 for a in (*gu, *dn))
+    read = bandwidths()["read_huge_cpu"]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for r in rows:
+        x = torch.randn(r, OLMOE["hidden_size"], generator=gen).to(torch.bfloat16)
+        h = torch.randn(r, OLMOE["moe_intermediate_size"], generator=gen).to(torch.bfloat16)
+        runs = {"old": (expert_mode(r), 0), **{f"wide_{m}": (m, 1) for m in modes}}
+        for mode, wide in runs.values():  # the same bits
+            assert torch.equal(lr(x, gu[0].weight, gu[0].out_features, mode, wide),
+                               lr(x, gu[0].weight, gu[0].out_features, 0, 0))
+        cpu: dict = {k: [] for k in runs}
+        load0 = os.getloadavg()[0]
+        for _ in range(reps):
+            for name, (mode, wide) in runs.items():
+                c0 = time.process_time()
+                for e in range(len(gu)):
+                    lr(x, gu[e].weight, gu[e].out_features, mode, wide)
+                    lr(h, dn[e].weight, dn[e].out_features, mode, wide)
+                cpu[name].append(time.process_time() - c0)
+        t_old = statistics.median(cpu["old"])
+        row = {"rows": r, "loadavg_1m": [round(load0, 1), round(os.getloadavg()[0], 1)],
+               "read_huge_gbps": round(read / 1e9, 1)}
+        for name, ts in cpu.items():
+            t = statistics.median(ts)
+            row[name] = {"ms": round(t * 1e3, 2), "gbps": round(nbytes / t / 1e9, 1), "x_old": round(t / t_old, 3),
+                         "x_floor": round(t * read / nbytes, 2)}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def layer_times(block, batches: list[int], choices: list[int], iters: int) -> None:
     layer = block._layer(torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
@@ -86,6 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", action="store_true")
     ap.add_argument("--layer", action="store_true")
+    ap.add_argument("--wide", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="+", default=[4, 6, 7, 8, 9, 12])
     ap.add_argument("--modes", type=int, nargs="+", default=[1, 2, 3])
@@ -99,6 +146,8 @@ def main() -> None:
     with torch.inference_mode():
         if args.kernel:
             kernel_rates(block, args.rows, args.modes, args.reps)
+        if args.wide:
+            wide_rates(block, args.rows, args.modes, args.reps)
         if args.layer:
             layer_times(block, args.batches, args.choices, args.iters)
 

@@ -76,6 +76,8 @@ namespace {
 constexpr int NV = 3;            // zmm column vectors per block
 constexpr int BN = 16 * NV;      // output columns per block
 constexpr int MR_MAX = 8;        // rows per register block (MR_MAX x NV = 24 accumulators)
+constexpr int WIDE_MIN = 5;      // micro_wide's rows: WIDE_MIN .. MR_WIDE_MAX
+constexpr int MR_WIDE_MAX = 10;
 constexpr int LINE = 64;
 constexpr int PF_BLOCKS = 1;     // software prefetch runs this many blocks ahead
 constexpr int LEAD = 64;         // lines a thread's first block is prefetched ahead of its loads
@@ -273,6 +275,69 @@ void micro(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict
     }
 }
 
+// One register block of MR = 9 or 10 rows: rows [0, MR) against one packed
+// block in one pass over the weight stream (micro's product, the same bits:
+// each accumulator still sums its k pairs in order). MR x NV = 27-30
+// accumulators leave 2-5 of the 32 zmm registers, so the k step takes the
+// block's column vectors one at a time (one weight register) and each
+// vdpbf16ps reads its x pair as an embedded broadcast from memory ({1to16},
+// a load, no register): inline asm, since with intrinsics GCC hoists the
+// MR broadcasts out of the 3 column vectors' loops and spills.
+inline void dp_bcast(__m512& acc, __m512bh w, const uint16_t* x_pair) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x_pair)));
+}
+
+template <int MR, int HINT>
+void micro_wide(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t K2, bool kodd,
+                uint16_t* __restrict y, int64_t ldy, const __mmask16* masks, const char* pf, int64_t pf_lines,
+                int pps) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t kfull = kodd ? K2 - 1 : K2;
+  int64_t i = 0;
+  // The k step, written out in both loops: through a lambda, GCC kept the
+  // accumulators in memory.
+#define KVF_WIDE_STEP(k)                                                                     \
+  do {                                                                                       \
+    const uint16_t* wi = w + (k) * (NV * 32);                                                \
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) {                                   \
+      __m512bh b = (__m512bh)_mm512_loadu_si512(wi + v * 32);                                \
+      asm("" : "+v"(b)); /* one weight register at a time: not all NV loaded up front */    \
+      _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) dp_bcast(acc[r][v], b, x + r * ldx + 2 * (k)); \
+    }                                                                                        \
+  } while (0)
+  for (; i < kfull && pf_lines > 0; ++i) {
+    for (int j = 0; j < pps; ++j) prefetch_line<HINT>(pf + j * LINE);
+    pf += pps * LINE;
+    pf_lines -= pps;
+    KVF_WIDE_STEP(i);
+  }
+  for (; i < kfull; ++i) KVF_WIDE_STEP(i);
+#undef KVF_WIDE_STEP
+  if (kodd) {  // the last pair's second value read as zero, not past x's row
+    const uint16_t* wi = w + i * (NV * 32);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m512bh b = (__m512bh)_mm512_loadu_si512(wi + v * 32);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(x[r * ldx + 2 * i]));
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r][v]);
+      _mm256_mask_storeu_epi16(y + r * ldy + v * 16, masks[v], h);
+    }
+}
+
 using MicroFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, bool, uint16_t*, int64_t,
                          const __mmask16*, const char*, int64_t, int);
 
@@ -280,22 +345,33 @@ template <int HINT, int... I>
 constexpr auto make_table(std::integer_sequence<int, I...>) {
   return std::array<MicroFn, sizeof...(I)>{&micro<I + 1, HINT>...};
 }
+template <int HINT, int... I>
+constexpr auto make_wide_table(std::integer_sequence<int, I...>) {
+  return std::array<MicroFn, sizeof...(I)>{&micro_wide<I + WIDE_MIN, HINT>...};
+}
 // [hint][rows - 1]
 const std::array<std::array<MicroFn, MR_MAX>, 2> kMicro = {
     make_table<0>(std::make_integer_sequence<int, MR_MAX>{}),
     make_table<1>(std::make_integer_sequence<int, MR_MAX>{})};
+// [hint][rows - WIDE_MIN]
+constexpr int WIDE_N = MR_WIDE_MAX - WIDE_MIN + 1;
+const std::array<std::array<MicroFn, WIDE_N>, 2> kMicroWide = {
+    make_wide_table<0>(std::make_integer_sequence<int, WIDE_N>{}),
+    make_wide_table<1>(std::make_integer_sequence<int, WIDE_N>{})};
 
 #endif  // __AVX512BF16__
 
 // The software prefetch of linear_prefetch's `prefetch` argument.
 enum Prefetch : int64_t { kPrefetchL1 = 0, kPrefetchNone = 1, kPrefetchL2 = 2, kPrefetchAhead = 3 };
 
-at::Tensor linear_prefetch(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t prefetch) {
+at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t prefetch,
+                       int64_t wide) {
 #if !defined(__AVX512BF16__)
   (void)x_in;
   (void)packed;
   (void)n;
   (void)prefetch;
+  (void)wide;
   TORCH_CHECK(false, "kvferry_gemm.linear: built without AVX512_BF16 (needs a CPU with avx512_bf16 and -march=native)");
 #else
   TORCH_CHECK(prefetch >= kPrefetchL1 && prefetch <= kPrefetchAhead,
@@ -329,7 +405,11 @@ at::Tensor linear_prefetch(const at::Tensor& x_in, const at::Tensor& packed, int
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, block_flops));
   const int hint = prefetch == kPrefetchL2 || prefetch == kPrefetchAhead ? 1 : 0;
   const int64_t total_lines = NB * block_lines;
-  for_each_block(M, NB, grain, K * 2, MR_MAX,
+  // A pass of up to one_pass_rows rows is one register block; a longer one
+  // splits into blocks of at most MR_MAX (micro: its 3 weight registers).
+  const bool use_wide = wide != 0 && M >= WIDE_MIN && M <= MR_WIDE_MAX;
+  const int64_t mr_max = use_wide ? M : MR_MAX;
+  for_each_block(M, NB, grain, K * 2, mr_max,
                  [&](int64_t m0, int64_t R, int64_t base, int64_t extra, int64_t b, int64_t b0, int64_t b1) {
     const int64_t c0 = b * BN;
     const int64_t cols = std::min<int64_t>(BN, n - c0);
@@ -350,12 +430,16 @@ at::Tensor linear_prefetch(const at::Tensor& x_in, const at::Tensor& packed, int
                          pf_lines = row == 0 ? std::clamp<int64_t>(total_lines - from, 0, block_lines) : 0;
                          pps = NV;
                        }
-                       kMicro[hint][mr - 1](xm + row * ldx, ldx, wb, K2, kodd, ym + row * n + c0, n, masks, pf,
+                       (use_wide ? kMicroWide[hint][mr - WIDE_MIN] : kMicro[hint][mr - 1])(xm + row * ldx, ldx, wb, K2, kodd, ym + row * n + c0, n, masks, pf,
                                             prefetch == kPrefetchNone ? 0 : pf_lines, pps);
                      });
   }, [] {});
   return y;
 #endif
+}
+
+at::Tensor linear_prefetch(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t prefetch) {
+  return linear_rows(x, packed, n, prefetch, 0);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
@@ -622,6 +706,8 @@ TORCH_LIBRARY(kvferry_gemm, m) {
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
   m.def("linear_prefetch(Tensor x, Tensor packed, int n, int prefetch) -> Tensor");
   m.impl("linear_prefetch", c10::DispatchKey::CPU, TORCH_FN(linear_prefetch));
+  m.def("linear_rows(Tensor x, Tensor packed, int n, int prefetch, int wide) -> Tensor");
+  m.impl("linear_rows", c10::DispatchKey::CPU, TORCH_FN(linear_rows));
   m.def("pack_f32(Tensor w) -> Tensor");
   m.impl("pack_f32", c10::DispatchKey::CPU, TORCH_FN(pack_f32));
   m.def("linear_f32(Tensor x, Tensor packed, int n) -> Tensor");
