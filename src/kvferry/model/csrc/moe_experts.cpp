@@ -20,8 +20,8 @@
 //   the experts alone over rows already sorted (counts[e] rows of expert e): the
 //   block's op where its router or shared expert is not a plain packed matmul.
 // expert_prefetch (both ops): 0 the experts' matmuls as plain_linear runs them;
-//   1, 2 bf16 small_gemm copies by linear_prefetch, its prefetch chosen by rows
-//   (ExpertPrefetch below). The router's and shared expert's stay plain_linear's.
+//   1, 2, 3 bf16 small_gemm copies by linear_rows, its prefetch (and at 9-10
+//   rows with 3, its one-pass kernel) chosen by rows (ExpertPrefetch below). The router's and shared expert's stay plain_linear's.
 //
 // gemm is op_calls.h's plain_linear (kind 1 small_gemm's copy, 2 oneDNN's, 3
 // oneDNN's in fixed row blocks), the softmax, top-k, sums, the weighting and
@@ -71,11 +71,17 @@ namespace {
 // faster there, by 10-35% on cold experts); kByRowsAhead as kByRows but
 // prefetcht1 of the weight stream itself from kNoPrefetchRows + 1 to
 // kAheadMaxRows rows (linear_prefetch's mode 3: 5-10% faster there on Zen 4,
-// slower from 9 rows, whose second row block reads the block from L2).
-// Prefetching changes no bits.
-enum ExpertPrefetch : int64_t { kLinear = 0, kByRows = 1, kByRowsAhead = 2 };
+// slower from 9 rows, whose second row block reads the block from L2);
+// kOnePass as kByRowsAhead, but at kAheadMaxRows + 1 to kOnePassMaxRows rows
+// small_gemm's one-pass micro-kernel (linear_rows' wide: every row's
+// accumulators over one pass of the weight stream, not two row blocks the
+// second of which re-reads the block from L2), with the in-stream prefetcht1:
+// on Zen 4, cold experts, 24% faster at 9 rows, 15% at 10.
+// Neither prefetching nor the one-pass kernel changes any bits.
+enum ExpertPrefetch : int64_t { kLinear = 0, kByRows = 1, kByRowsAhead = 2, kOnePass = 3 };
 constexpr int64_t kNoPrefetchRows = 6;
 constexpr int64_t kAheadMaxRows = 8;
+constexpr int64_t kOnePassMaxRows = 10;  // small_gemm.cpp's MR_WIDE_MAX
 
 // Every expert's two matmuls (each one's packed copy, one kind for all).
 struct Experts {
@@ -83,13 +89,15 @@ struct Experts {
   int64_t gate_up_n, down_n, kind, exact_rows, row_bucket, prefetch;
 
   Tensor matmul(const Tensor& rows, const Tensor& w, int64_t n) const {
-    if ((prefetch == kByRows || prefetch == kByRowsAhead) && kind == 1 && w.scalar_type() == at::kBFloat16) {
-      static const auto linear_prefetch =
-          find_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>("kvferry_gemm::linear_prefetch");
+    if (prefetch != kLinear && kind == 1 && w.scalar_type() == at::kBFloat16) {
+      static const auto linear_rows =
+          find_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>("kvferry_gemm::linear_rows");
       const int64_t m = rows.size(0);
+      const bool ahead = prefetch == kByRowsAhead || prefetch == kOnePass;
+      const bool one_pass = prefetch == kOnePass && m > kAheadMaxRows && m <= kOnePassMaxRows;
       // small_gemm's modes: 1 none; 3 prefetcht1 in the stream; 2 prefetcht1 of the next block
-      const int64_t mode = m <= kNoPrefetchRows ? 1 : (prefetch == kByRowsAhead && m <= kAheadMaxRows ? 3 : 2);
-      return linear_prefetch.call(rows, w, n, mode);
+      const int64_t mode = m <= kNoPrefetchRows ? 1 : ((ahead && m <= kAheadMaxRows) || one_pass ? 3 : 2);
+      return linear_rows.call(rows, w, n, mode, one_pass ? 1 : 0);
     }
     return plain_linear(rows, w, n, kind, exact_rows, row_bucket);
   }
@@ -105,7 +113,7 @@ Experts check_experts(at::TensorList gate_up, at::TensorList down, int64_t gate_
                       int64_t exact_rows, int64_t row_bucket, int64_t prefetch) {
   TORCH_CHECK(gate_up.size() == down.size(), "moe: one gate_up and one down weight per expert");
   TORCH_CHECK(kind >= 1 && kind <= 3, "moe: kind must be 1 (small_gemm), 2 or 3 (oneDNN)");
-  TORCH_CHECK(prefetch >= kLinear && prefetch <= kByRowsAhead, "moe: expert_prefetch must be 0, 1 or 2, got ",
+  TORCH_CHECK(prefetch >= kLinear && prefetch <= kOnePass, "moe: expert_prefetch must be 0, 1, 2 or 3, got ",
               prefetch);
   return Experts{gate_up, down, gate_up_n, down_n, kind, exact_rows, row_bucket, prefetch};
 }
