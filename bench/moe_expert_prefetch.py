@@ -71,10 +71,10 @@ def expert_mode(rows: int) -> int:
 
 
 def wide_rates(block, rows: list[int], modes: list[int], reps: int) -> list[dict]:
-    """small_gemm's one-pass micro-kernel (linear_rows' wide = 1: every row's
+    """small_gemm's one-pass micro-kernel (linear_rows' one_pass = 1: every row's
     accumulators over one pass of the weight stream) against its register
-    blocks of up to 8 rows (wide = 0), over every expert, cold: CPU seconds,
-    the choices in turn; ``old`` is wide = 0 at the experts' own mode by rows,
+    blocks of up to 8 rows (one_pass = 0), over every expert, cold: CPU seconds,
+    the choices in turn; ``old`` is one_pass = 0 at the experts' own mode by rows,
     ``wide_<mode>`` the one-pass kernel at each prefetch mode. x_floor: the
     time against the experts' bytes at the 2 MiB-page read rate (moe_step.bandwidths)."""
     lr = torch.ops.kvferry_gemm.linear_rows

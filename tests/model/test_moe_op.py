@@ -265,7 +265,7 @@ def test_expert_copies_lie_in_one_huge_page_mapping(dtype):
 
 def test_expert_prefetch_by_cpu_kind_and_dtype():
     zen4 = frozenset({"sse4a", "avx512f", "avx512_bf16", "avx512_vnni"})
-    assert moe_op.expert_prefetch(1, torch.bfloat16, zen4) == 2
+    assert moe_op.expert_prefetch(1, torch.bfloat16, zen4) == 3  # one pass at 9-10 rows
     assert moe_op.expert_prefetch(1, torch.float32, zen4) == 0  # the float32 kernel keeps its own
     assert moe_op.expert_prefetch(2, torch.bfloat16, zen4) == 0  # oneDNN's copies
     assert moe_op.expert_prefetch(1, torch.bfloat16, zen4 | {"avx_vnni"}) == 0  # Zen 5: as tuned
@@ -276,7 +276,9 @@ def test_expert_prefetch_by_cpu_kind_and_dtype():
 def test_the_expert_prefetch_changes_no_bits(threads):
     # 1-48 tokens x top-2 over 8 experts: experts with 1 to ~15 rows, on both
     # sides of the rows where the by-rows choices switch (none / prefetcht1 in
-    # the stream / of the next block), claimed most rows first.
+    # the stream / small_gemm's one-pass kernel at 9-10 / of the next block),
+    # claimed most rows first. Choice 2 runs 9-10 rows in two row blocks, 3
+    # in one pass: the same bits.
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -284,7 +286,7 @@ def test_the_expert_prefetch_changes_no_bits(threads):
         args = block._layer(torch.bfloat16)
         if args.experts.kind != 1:
             pytest.skip("oneDNN's copies on this CPU: the choice applies to small_gemm's")
-        plain, *by_rows = (args._replace(experts=args.experts._replace(prefetch=p)) for p in (0, 1, 2))
+        plain, *by_rows = (args._replace(experts=args.experts._replace(prefetch=p)) for p in (0, 1, 2, 3))
         gen = torch.Generator().manual_seed(11)
         for tokens in (1, 7, 30, 48):
             x = torch.randn(tokens, CONFIG["hidden_size"], generator=gen).to(torch.bfloat16)
@@ -292,7 +294,8 @@ def test_the_expert_prefetch_changes_no_bits(threads):
                 want = moe_op.moe_layer(plain, x)
                 for choice in by_rows:
                     assert torch.equal(moe_op.moe_layer(choice, x), want), (tokens, choice.experts.prefetch)
-        xs, counts = torch.randn(32, CONFIG["hidden_size"], generator=gen).to(torch.bfloat16), [8, 0, 1, 7, 6, 2, 0, 8]
+        counts = [8, 0, 1, 7, 6, 9, 10, 8]
+        xs = torch.randn(sum(counts), CONFIG["hidden_size"], generator=gen).to(torch.bfloat16)
         with torch.inference_mode():
             want = moe_op.expert_loop(plain.experts, xs, counts)
             for choice in by_rows:

@@ -60,6 +60,39 @@ def test_linear_prefetch_is_linear_to_the_bit(rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [5, 6, 8, 9, 10])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_pass_kernel_is_the_row_blocks_to_the_bit(rows, threads):
+    """linear_rows' one_pass runs 5-10 rows as one register block (each
+    weight line loaded once for every row; linear takes it at 9-10 rows, the
+    experts at 9-10 on Zen 4): the bits of register blocks of up to 8 rows
+    (9-10 rows: two blocks) at every prefetch, odd K and N tails included,
+    for strided and repeated (stride 0) rows; within a rounding of the float
+    reference; exact on small integers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    lr = torch.ops.kvferry_gemm.linear_rows
+    try:
+        for n, k in [(200, 193), (2048, 1024), (48, 64), (1, 7)]:
+            gen = torch.Generator().manual_seed(n + k + rows)
+            w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+            packed = small_gemm.pack(w)
+            wide = torch.randn(rows, k + 3, generator=gen).to(torch.bfloat16)
+            for x in (wide[:, :k].contiguous(), wide[:, 3:], wide[:1, :k].expand(rows, k)):
+                blocks = lr(x, packed, n, 0, 0)
+                for prefetch in (0, 1, 2, 3):
+                    assert torch.equal(lr(x, packed, n, prefetch, 1), blocks), (n, k, prefetch, x.stride())
+                assert torch.equal(small_gemm.linear(x, packed, n), blocks)
+                torch.testing.assert_close(blocks.float(), _reference(x, w).float(), atol=1e-2, rtol=1e-2)
+            xi = torch.randint(-3, 4, (rows, k), generator=gen).to(torch.bfloat16)
+            wi = torch.randint(-3, 4, (n, k), generator=gen).to(torch.bfloat16)
+            got = lr(xi, small_gemm.pack(wi), n, 3, 1)
+            assert torch.equal(got, (xi.float() @ wi.float().T).to(torch.bfloat16)), (n, k)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [7, 8, 9])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_in_stream_prefetch_near_the_weights_end(rows, threads):

@@ -48,12 +48,14 @@ class LoopArgs(NamedTuple):
 
 
 def expert_prefetch(kind: int, dtype: torch.dtype, flags: frozenset[str] | None = None) -> int:
-    """The op's ``expert_prefetch`` for experts of this kind and dtype: 2
+    """The op's ``expert_prefetch`` for experts of this kind and dtype: 3
     (small_gemm's bf16 matmuls with no software prefetch up to 6 rows,
-    prefetcht1 of the weight stream 8 KiB ahead at 7-8, prefetcht1 of the
-    next column block from 9) on Zen 4, else 0 (small_gemm's own prefetcht0).
-    1 is the same without the in-stream choice (prefetcht1 of the next block
-    from 7 rows).
+    prefetcht1 of the weight stream 8 KiB ahead at 7-10, 9-10 rows in
+    small_gemm's one-pass kernel, prefetcht1 of the next column block from
+    11) on Zen 4, else 0 (small_gemm's own linear: prefetcht0, one pass at
+    9-10). 2 is 3 with two row blocks at 9-10 and prefetcht1 of the next
+    block there; 1 is 2 without the in-stream choice (prefetcht1 of the next
+    block from 7 rows).
 
     On Zen 4 (2 cores, cold 2048 x 2048 bf16 experts on 2 MiB pages, one
     thread) prefetcht0 of the next column block held the stream at 27-29
@@ -61,14 +63,15 @@ def expert_prefetch(kind: int, dtype: torch.dtype, flags: frozenset[str] | None 
     at 8-16 rows prefetcht1 was 15-40% faster than either (csrc/small_gemm.cpp);
     at 7-8 rows, where the multiply about keeps pace with the read,
     prefetcht1 within the stream itself read 5-10% faster than of the next
-    block (bench/moe_expert_prefetch.py).
+    block, and at 9-10 rows the one-pass kernel with it took 0.76-0.85x the
+    time of 2's (bench/moe_expert_prefetch.py --kernel, --wide).
     small_gemm's prefetcht0 was tuned on Zen 5, which this was not measured
     on; Zen 4 is told from Zen 5 by AVX-VNNI's VEX form, which Zen 5 added
     (an AMD CPU: SSE4a). ``flags``: /proc/cpuinfo's (default: this CPU's)."""
     if flags is None:
         flags = cpu_features().flags
     zen4 = "sse4a" in flags and "avx512_bf16" in flags and "avx_vnni" not in flags
-    return 2 if zen4 and kind == 1 and dtype == torch.bfloat16 else 0
+    return 3 if zen4 and kind == 1 and dtype == torch.bfloat16 else 0
 
 
 def loop_args(w13: object, w2: object) -> LoopArgs | None:

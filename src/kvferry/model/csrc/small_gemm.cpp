@@ -34,7 +34,21 @@
 //   it runs into the next one), by the first row block of each column block
 //   only (the others read the block from L2): at 7-8 rows, where the
 //   multiply about keeps pace with the read, 5-10% over 2 on Zen 4.
-//   moe_experts.cpp picks by rows where moe_op.py says so.
+//   moe_experts.cpp picks by rows where moe_op.py says so. Register blocks
+//   of up to 8 rows (below), at every row count.
+//
+// linear_rows(x, packed, n, prefetch, one_pass) -> y
+//   linear_prefetch's product (the same bits); one_pass = 1 runs 5-10 rows
+//   as one register block (micro_wide: 10 rows x 3 column vectors = 30 zmm
+//   accumulators, the x pairs read as embedded broadcasts), so each weight
+//   line is loaded once and used by every row. Register blocks of up to 8
+//   rows do that up to 8 rows already; at 9-10 they made two row blocks, the
+//   second reading the column block again from L2. On Zen 4 (one core,
+//   64 cold 2048 x 2048 + 2048 x 1024 experts on 2 MiB pages) one pass took
+//   0.80x the time at 9 rows and 0.86x at 10 with linear's prefetcht0 (0.76x,
+//   0.85x with mode 3 against the experts' mode 2; 0.92x warm in L3), and
+//   1.00-1.07x at 5-8 rows. linear takes it at 9-10 rows; the experts at
+//   9-10 (moe_op.expert_prefetch).
 //
 // Why this layout: one 64-byte load of packed[b][i][v] holds 16 output
 // columns x one k pair, the operand vdpbf16ps takes against x's pair
@@ -365,13 +379,13 @@ const std::array<std::array<MicroFn, WIDE_N>, 2> kMicroWide = {
 enum Prefetch : int64_t { kPrefetchL1 = 0, kPrefetchNone = 1, kPrefetchL2 = 2, kPrefetchAhead = 3 };
 
 at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t prefetch,
-                       int64_t wide) {
+                       int64_t one_pass) {
 #if !defined(__AVX512BF16__)
   (void)x_in;
   (void)packed;
   (void)n;
   (void)prefetch;
-  (void)wide;
+  (void)one_pass;
   TORCH_CHECK(false, "kvferry_gemm.linear: built without AVX512_BF16 (needs a CPU with avx512_bf16 and -march=native)");
 #else
   TORCH_CHECK(prefetch >= kPrefetchL1 && prefetch <= kPrefetchAhead,
@@ -405,9 +419,9 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, block_flops));
   const int hint = prefetch == kPrefetchL2 || prefetch == kPrefetchAhead ? 1 : 0;
   const int64_t total_lines = NB * block_lines;
-  // A pass of up to one_pass_rows rows is one register block; a longer one
-  // splits into blocks of at most MR_MAX (micro: its 3 weight registers).
-  const bool use_wide = wide != 0 && M >= WIDE_MIN && M <= MR_WIDE_MAX;
+  // one_pass: WIDE_MIN to MR_WIDE_MAX rows are one register block (micro_wide);
+  // else, and at other row counts, blocks of at most MR_MAX rows (micro).
+  const bool use_wide = one_pass != 0 && M >= WIDE_MIN && M <= MR_WIDE_MAX;
   const int64_t mr_max = use_wide ? M : MR_MAX;
   for_each_block(M, NB, grain, K * 2, mr_max,
                  [&](int64_t m0, int64_t R, int64_t base, int64_t extra, int64_t b, int64_t b0, int64_t b1) {
@@ -442,8 +456,11 @@ at::Tensor linear_prefetch(const at::Tensor& x, const at::Tensor& packed, int64_
   return linear_rows(x, packed, n, prefetch, 0);
 }
 
+// linear takes the one-pass kernel at MR_MAX + 1 to MR_WIDE_MAX rows only:
+// below, micro_wide measured no faster than micro (Zen 4: 1.00-1.07x the
+// time at 5-8 rows), and there micro is one pass already.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  return linear_prefetch(x, packed, n, kPrefetchL1);
+  return linear_rows(x, packed, n, kPrefetchL1, x.dim() == 2 && x.size(0) > MR_MAX ? 1 : 0);
 }
 
 
@@ -706,7 +723,7 @@ TORCH_LIBRARY(kvferry_gemm, m) {
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
   m.def("linear_prefetch(Tensor x, Tensor packed, int n, int prefetch) -> Tensor");
   m.impl("linear_prefetch", c10::DispatchKey::CPU, TORCH_FN(linear_prefetch));
-  m.def("linear_rows(Tensor x, Tensor packed, int n, int prefetch, int wide) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor packed, int n, int prefetch, int one_pass) -> Tensor");
   m.impl("linear_rows", c10::DispatchKey::CPU, TORCH_FN(linear_rows));
   m.def("pack_f32(Tensor w) -> Tensor");
   m.impl("pack_f32", c10::DispatchKey::CPU, TORCH_FN(pack_f32));
