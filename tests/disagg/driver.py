@@ -4,6 +4,8 @@ real transfer socket and agent) through the flow of ``kvferry.messages``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from kvferry.config import EngineArgs
@@ -104,3 +106,25 @@ def assert_idle(core: EngineCore) -> None:
     assert not kv.req_blocks and not kv.delayed_free and not kv.pinned
     assert kv.pool.num_used_blocks == 0, kv.pool.num_used_blocks
     core.check_integrity()
+
+
+def settle(*cores: EngineCore, timeout_s: float = 10.0) -> None:
+    """How a P/D test ends: drain each core in the order given (a core's
+    last steps can send what another is waiting for, such as an ack), then
+    check that each holds no block."""
+    for core in cores:
+        drain(core, timeout_s=timeout_s)
+    for core in cores:
+        assert_idle(core)
+
+
+@contextmanager
+def closing_cores(*cores: EngineCore) -> Iterator[tuple[EngineCore, ...]]:
+    """Close every core on the way out, in the order given; one close that
+    raises still lets the others run (their sockets and threads go too)."""
+    try:
+        yield cores
+    finally:
+        with ExitStack() as stack:
+            for core in reversed(cores):  # the stack unwinds last-in first
+                stack.callback(core.close)

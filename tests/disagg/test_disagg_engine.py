@@ -16,7 +16,8 @@ from kvferry import LLM, SamplingParams
 from kvferry.engine.kv_connector import PDTransferWorker
 from kvferry.messages import KVDestination, KVLayerChunk, KVWire, decode
 from tests.disagg.driver import (
-    Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side, request, run_disagg, step_until,
+    Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side, request, run_disagg, settle,
+    step_until,
 )
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -76,10 +77,7 @@ def test_greedy_equals_colocated(cores, colocated, transport, prefill_budget):
         assert result.finish_reason == "length" and not result.transfer_errors
     link_kinds = {type(link).__name__ for link in prefill.runner.connector.find(PDTransferWorker).agent._links.values()}
     assert link_kinds == {"ShmTransport" if transport == "shm" else "TcpTransport"}
-    drain(prefill)
-    drain(decode)
-    assert_idle(prefill)
-    assert_idle(decode)
+    settle(prefill, decode)
 
 
 def test_seeded_sampling_with_penalties_equals_colocated(cores, colocated):
@@ -207,8 +205,7 @@ def test_prefill_core_gone_mid_transfer(cores, colocated):
     assert result.transfer_errors and "timeout" in result.transfer_errors[0]
     # Recomputed on D, the first token included (the router never got one).
     assert result.tokens == reference(colocated, prompt, GREEDY)
-    drain(decode)
-    assert_idle(decode)
+    settle(decode)
 
 
 def kv_transfer_params(dest: KVDestination):
@@ -223,8 +220,7 @@ def test_prefill_frees_blocks_on_ack(cores):
     prefill_side(prefill, "f", prompt, GREEDY, dest)
     assert "f" in prefill.scheduler.kv.delayed_free  # held until D says it has the KV
     step_until(decode, lambda seen: not decode.scheduler.loading)  # D verifies and acks
-    drain(prefill, timeout_s=5)
-    assert_idle(prefill)
+    settle(prefill, timeout_s=5)
 
 
 def test_prefill_frees_blocks_when_the_lease_expires(cores):

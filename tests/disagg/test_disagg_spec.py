@@ -10,7 +10,7 @@ import pytest
 
 from kvferry import LLM, SamplingParams
 from tests.disagg.driver import (
-    Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side, run_disagg, step_until,
+    Result, closing_cores, decode_side, finish_decode, make_core, prefill_side, run_disagg, settle, step_until,
 )
 from tests.disagg.test_disagg_engine import prompt_of
 from tests.tiny_models import make_tiny_checkpoint, make_random_head
@@ -70,7 +70,7 @@ def test_decode_core_drafts_at_its_first_step_and_recomputes_nothing(
     spec = spec_of(method, checkpoint, draft_checkpoint, head_file)
     prefill = make_core(checkpoint, speculative=spec, kv_transport=transport, max_num_batched_tokens=32)
     decode = make_core(checkpoint, speculative=spec)
-    try:
+    with closing_cores(prefill, decode):
         prompt = repetitive_prompt()
         expected = list(plain.generate([prompt], GREEDY)[0].outputs[0].token_ids)
         result = Result(destination=decode_side(decode, "a", prompt, GREEDY))
@@ -101,13 +101,7 @@ def test_decode_core_drafts_at_its_first_step_and_recomputes_nothing(
         if method == "draft":  # the prefill core's draft computed the whole prompt
             assert prefill.stats().num_draft_prompt_tokens_computed == len(prompt)
         assert prefill.stats().num_prompt_tokens_computed == len(prompt)
-        drain(prefill)
-        drain(decode)
-        assert_idle(prefill)
-        assert_idle(decode)
-    finally:
-        prefill.close()
-        decode.close()
+        settle(prefill, decode)
 
 
 def test_draft_model_of_another_shape_ships_its_own_layers(checkpoint, draft_checkpoint, plain):
@@ -117,7 +111,7 @@ def test_draft_model_of_another_shape_ships_its_own_layers(checkpoint, draft_che
     spec = {"method": "draft", "model": draft_checkpoint, "num_speculative_tokens": 2}
     prefill = make_core(checkpoint, speculative=spec)
     decode = make_core(checkpoint, speculative=spec)
-    try:
+    with closing_cores(prefill, decode):
         draft_kv = decode.runner.drafter.kv_cache
         assert draft_kv.shape[0] == 1 and draft_kv.shape[3:] != decode.runner.kv_cache.shape[3:]
         prompt = prompt_of(40, seed=9)
@@ -130,9 +124,6 @@ def test_draft_model_of_another_shape_ships_its_own_layers(checkpoint, draft_che
         assert decode.stats().num_draft_prompt_tokens_computed == 0
         assert decode.stats().num_draft_tokens > 0
         assert src.abs().sum() > 0 and draft_kv[:, :, blocks].abs().sum() > 0
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_mismatched_speculation_is_refused_at_hand_over(checkpoint, draft_checkpoint, head_file, plain):
@@ -140,13 +131,10 @@ def test_mismatched_speculation_is_refused_at_hand_over(checkpoint, draft_checkp
     refuses the transfer, naming both configurations, and recomputes."""
     prefill = make_core(checkpoint)
     decode = make_core(checkpoint, speculative=spec_of("draft", checkpoint, draft_checkpoint, head_file))
-    try:
+    with closing_cores(prefill, decode):
         prompt = prompt_of(30, seed=2)
         result = run_disagg(prefill, decode, "a", prompt, GREEDY)
         assert result.tokens == list(plain.generate([prompt], GREEDY)[0].outputs[0].token_ids)
         assert result.transfer_errors and "speculative configurations differ" in result.transfer_errors[0]
         assert "'none'" in result.transfer_errors[0] and "draft:" in result.transfer_errors[0]
         assert decode.stats().num_prompt_tokens_computed == len(prompt)  # recomputed here
-    finally:
-        prefill.close()
-        decode.close()

@@ -16,7 +16,7 @@ from kvferry import LLM, SamplingParams
 from kvferry.core.kv_connector.disagg import first_token_word
 from kvferry.engine.core import EngineCore
 from kvferry.messages import EngineCoreOutput
-from tests.disagg.driver import Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side
+from tests.disagg.driver import Result, decode_side, finish_decode, make_core, prefill_side, settle
 from tests.tiny_models import make_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -81,10 +81,7 @@ def test_a_decode_core_never_emits_its_own_first_token_after_the_prefill_cores_w
     first_token_word(decode.scheduler.connector, "r", streamed)
     result = finish_decode(decode, "r", Result(tokens=list(streamed)))
     assert result.tokens == list(colocated.generate([prompt], GREEDY)[0].outputs[0].token_ids)
-    drain(decode)
-    drain(prefill)
-    assert_idle(decode)
-    assert_idle(prefill)
+    settle(decode, prefill)
 
 
 def test_a_sampled_sequence_continues_from_the_streamed_first_token(pair):
@@ -102,10 +99,7 @@ def test_a_sampled_sequence_continues_from_the_streamed_first_token(pair):
     assert len(tokens) == 2 and decode.scheduler.requests["s"].output_token_ids == tokens
     result = finish_decode(decode, "s", Result(tokens=tokens))
     assert len(result.tokens) == 6 and result.finish_reason == "length"
-    drain(decode)
-    drain(prefill)
-    assert_idle(decode)
-    assert_idle(prefill)
+    settle(decode, prefill)
 
 
 def test_with_no_first_token_streamed_the_decode_core_samples_it(pair, colocated):
@@ -118,5 +112,4 @@ def test_with_no_first_token_streamed_the_decode_core_samples_it(pair, colocated
     result = finish_decode(decode, "t", Result())
     assert result.transfer_errors and "timeout" in result.transfer_errors[0]
     assert result.tokens == list(colocated.generate([prompt], GREEDY)[0].outputs[0].token_ids)
-    drain(decode)
-    assert_idle(decode)
+    settle(decode)

@@ -13,7 +13,7 @@ from kvferry import LLM, SamplingParams
 from kvferry.engine.kv_connector import (
     HostSwapWorker, MultiKVConnectorWorker, NodeStoreWorker, PDTransferWorker,
 )
-from tests.disagg.driver import assert_idle, drain, make_core, run_disagg
+from tests.disagg.driver import assert_idle, closing_cores, drain, make_core, run_disagg, settle
 from tests.engine import dict_tier_connector as dict_tier
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.tiny_models import make_tiny_checkpoint
@@ -67,7 +67,7 @@ def test_transfer_swap_and_store_compose_in_one_decode_core(checkpoint):
     colocated = LLM(model=checkpoint, dtype="float32")
     prefill = make_core(checkpoint)
     decode = make_core(checkpoint, prefill.loaded, num_swap_blocks=16, kv_dram_gb=0.05)
-    try:
+    with closing_cores(prefill, decode):
         connector = decode.runner.connector
         assert isinstance(connector, MultiKVConnectorWorker)
         assert [type(w) for w in connector.workers] == [PDTransferWorker, HostSwapWorker, NodeStoreWorker]
@@ -91,12 +91,8 @@ def test_transfer_swap_and_store_compose_in_one_decode_core(checkpoint):
         outs = step_until(decode, lambda seen: any(o.finished for o in seen))
         tokens = [t for o in outs if o.request_id == "co" for t in o.new_token_ids]
         assert tokens == list(colocated.generate([other], GREEDY)[0].outputs[0].token_ids)
-        drain(decode)
-        assert_idle(prefill)
-        assert_idle(decode)
-    finally:
-        prefill.close()
-        decode.close()
+        settle(decode)
+        assert_idle(prefill)  # drained above and not stepped since
 
 
 def decode_block_hashes(core, prompt: list[int]) -> list[bytes]:

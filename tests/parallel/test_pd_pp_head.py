@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry import LLM, SamplingParams
-from tests.disagg.driver import Result, assert_idle, decode_side, drain, finish_decode, make_core, prefill_side, \
+from tests.disagg.driver import Result, closing_cores, decode_side, finish_decode, make_core, prefill_side, settle, \
     step_until
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel.test_pp_head import write_echo_head
@@ -73,7 +73,7 @@ def test_prefill_over_stages_ships_the_heads_hidden_state(case):
     target, head, greedy = case
     spec = {**SPEC, "model": head}
     prefill, decode = _pair(target, spec, prefill_stages=True, decode_stages=False)
-    try:
+    with closing_cores(prefill, decode):
         for i, (prompt, want) in enumerate(zip(PROMPTS, greedy)):
             before = decode.stats()
             result = _hand_over(prefill, decode, f"r{i}", prompt)
@@ -98,20 +98,14 @@ def test_prefill_over_stages_ships_the_heads_hidden_state(case):
                 stats.num_accepted_tokens_per_pos) == (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
                                                        c.num_accepted_tokens_per_pos)
         assert stats.num_prompt_tokens_computed == 0
-        drain(prefill)
-        drain(decode)
-        assert_idle(prefill)
-        assert_idle(decode)
-    finally:
-        prefill.close()
-        decode.close()
+        settle(prefill, decode)
 
 
 def test_auto_with_a_head_on_both_pools_over_stages(case):
     target, head, greedy = case
     prefill, decode = _pair(target, {**SPEC, "method": "auto", "model": head}, prefill_stages=True,
                             decode_stages=True)
-    try:
+    with closing_cores(prefill, decode):
         assert decode.scheduler.proposer.has_head
         for i, (prompt, want) in enumerate(zip(PROMPTS, greedy)):
             result = finish_decode(decode, f"a{i}", _hand_over(prefill, decode, f"a{i}", prompt), timeout_s=120)
@@ -119,10 +113,4 @@ def test_auto_with_a_head_on_both_pools_over_stages(case):
         stats = decode.stats()
         assert stats.num_prompt_tokens_computed == 0
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
-        drain(prefill, timeout_s=60)
-        drain(decode, timeout_s=60)
-        assert_idle(prefill)
-        assert_idle(decode)
-    finally:
-        prefill.close()
-        decode.close()
+        settle(prefill, decode, timeout_s=60)

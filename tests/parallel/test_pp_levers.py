@@ -15,7 +15,7 @@ import torch
 from kvferry import LLM, SamplingParams
 from kvferry.engine.kv_connector import HostSwapWorker, NodeStoreWorker
 from kvferry.engine.kv_connector.stage_transfer import StageTransferWorker
-from tests.disagg.driver import assert_idle, drain, make_core, request, run_disagg, step_until
+from tests.disagg.driver import assert_idle, closing_cores, drain, make_core, request, run_disagg, settle, step_until
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel import file_tier_connector as file_tier
 from tests.tiny_models import make_tiny_checkpoint
@@ -102,7 +102,7 @@ def test_transfer_swap_and_store_compose_in_a_decode_core_of_two_stages(case):
     prefill = make_core(path, block_size=BLOCK)
     decode = make_core(path, block_size=BLOCK, pipeline_parallel_size=2, cpu_threads_per_rank=1,
                        num_swap_blocks=16, kv_dram_gb=0.05)
-    try:
+    with closing_cores(prefill, decode):
         connector = decode.runner.connector
         assert [type(w) for w in connector.workers] == [StageTransferWorker, HostSwapWorker, NodeStoreWorker]
         result = run_disagg(prefill, decode, "pd", prompt, _greedy(8))
@@ -118,9 +118,5 @@ def test_transfer_swap_and_store_compose_in_a_decode_core_of_two_stages(case):
         outs = step_until(decode, lambda seen: any(o.finished for o in seen), timeout_s=120)
         tokens = [t for o in outs if o.request_id == "co" for t in o.new_token_ids]
         assert_greedy_match(hf, other, tokens, hf_greedy(hf, other, 6))
-        drain(decode, timeout_s=60)
-        assert_idle(prefill)
-        assert_idle(decode)
-    finally:
-        prefill.close()
-        decode.close()
+        settle(decode, timeout_s=60)
+        assert_idle(prefill)  # drained above and not stepped since
