@@ -174,6 +174,8 @@ def test_file_size(rel: str, request):
 OPTIONAL = "optional dependency"  # an extra that may be absent (pyproject's optional-dependencies)
 CLI = "start-up: the kvferry CLI imports this module for every command"  # its heavy part loads when it runs
 NO_TORCH = "start-up: the importer must not load torch"
+# Every process spawned under the CLI imports kvferry.cli again (__mp_main__).
+COMMAND_PARSER = "start-up: only the running command's parser module is imported"
 GGUF = "start-up: the GGUF reader and tokenizer builder, only when a .gguf is read"  # the front end, `import kvferry`, the core's spawn target
 
 LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
@@ -185,7 +187,10 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "bench/profile.py": {"matplotlib": OPTIONAL},
     "bench/runner.py": {"rich": OPTIONAL},
     "bench/workloads.py": {"chitchat_dataset": OPTIONAL},
-    "cli.py": {"kvferry": CLI, "kvferry.engine.core_proc": CLI},                  # demo's LLM, engine-core: torch
+    "cli.py": {"kvferry": CLI, "kvferry.engine.core_proc": CLI,                   # demo's LLM, engine-core: torch
+               **dict.fromkeys(("kvferry.serve.cli", "kvferry.chat.cli", "kvferry.kvstore.process",
+                                "kvferry.fleet.scale_cli", "kvferry.bench.cli", "kvferry.plan.cli",
+                                "kvferry.train.cli"), COMMAND_PARSER)},
     "chat/cli.py": {"readline": "a terminal's line editing: importing it changes how input() treats one"},
     "engine/core_client.py": {"kvferry.engine.core_proc": NO_TORCH},              # the child imports torch
     "fleet/core_actor.py": {"ray": OPTIONAL, "kvferry.fleet.node_store": OPTIONAL,  # node_store imports ray

@@ -25,18 +25,9 @@ import argparse
 import dataclasses
 import sys
 
-# Each command's parser module is light: its heavy modules (torch, httpx,
-# uvicorn, the simulator) load when the command runs.
 from kvferry import envs, peer_auth
-from kvferry.bench.cli import add_bench_parsers  # bench, profile
-from kvferry.chat.cli import add_chat_parser
 from kvferry.cli_parser import Parser, nearest_flag_error, package_version
 from kvferry.config import EngineArgs
-from kvferry.fleet.scale_cli import add_scale_parser
-from kvferry.kvstore.process import add_kvstore_args, run as run_kvstore
-from kvferry.plan.cli import add_plan_parsers  # simulate, plan
-from kvferry.serve.cli import add_serve_parser
-from kvferry.train.cli import add_train_parser  # train-draft
 
 # What `kvferry demo` passes to LLM(...): the model and how it runs, not the
 # serving-only options (KV store, disaggregation, connectors).
@@ -87,11 +78,59 @@ def cmd_engine_core(args: argparse.Namespace) -> int:
     return run_from_args(args, config)
 
 
-def build_parser() -> Parser:
-    parser = Parser(prog="kvferry", description="LLM serving with paged KV, prefix sharing, KV tiers, "
-                                                "disaggregation and speculative decoding.")
-    parser.add_argument("--version", action="version", version=f"kvferry {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+# Each command's parser module, imported inside its adder: only the command
+# that runs is imported (all of them for ``kvferry --help`` or a mistyped
+# command). Every process spawned under ``kvferry`` or ``python -m
+# kvferry.cli`` (engine cores, rank and stage processes) imports this module
+# again as its ``__mp_main__``: with the parser modules at the top, each
+# paid ~0.25 CPU-s for parsers it never builds (bench's numpy, scale's
+# router, ...). Each parser module is light itself: its command's heavy
+# modules (torch, httpx, uvicorn, the simulator) load when the command runs.
+def _add_serve(sub) -> None:
+    from kvferry.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
+
+
+def _add_chat(sub) -> None:
+    from kvferry.chat.cli import add_chat_parser
+
+    add_chat_parser(sub)
+
+
+def _add_kvstore(sub) -> None:
+    from kvferry.kvstore.process import add_kvstore_args, run as run_kvstore
+
+    kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
+    add_kvstore_args(kvstore)
+    kvstore.set_defaults(func=run_kvstore)
+
+
+def _add_scale(sub) -> None:
+    from kvferry.fleet.scale_cli import add_scale_parser
+
+    add_scale_parser(sub)
+
+
+def _add_bench(sub) -> None:
+    from kvferry.bench.cli import add_bench_parsers  # bench, profile
+
+    add_bench_parsers(sub)
+
+
+def _add_plan(sub) -> None:
+    from kvferry.plan.cli import add_plan_parsers  # simulate, plan
+
+    add_plan_parsers(sub)
+
+
+def _add_train(sub) -> None:
+    from kvferry.train.cli import add_train_parser  # train-draft
+
+    add_train_parser(sub)
+
+
+def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="generate text in-process from the embedded default model",
                           description="Generate text in-process (no server): greedy answers to PROMPTs.")
     EngineArgs.add_cli_args(demo, only=DEMO_ENGINE_FIELDS)
@@ -100,25 +139,47 @@ def build_parser() -> Parser:
                       help="questions to answer (default: two examples)")
     demo.set_defaults(func=cmd_demo, subparser=demo)
 
+
+def _add_engine_core(sub) -> None:
     core = sub.add_parser("engine-core", help="an engine core alone, reached by socket address")
     EngineArgs.add_cli_args(core)
     _add_core_args(core)
     core.set_defaults(func=cmd_engine_core, subparser=core)
 
-    add_serve_parser(sub)
-    add_chat_parser(sub)
-    kvstore = sub.add_parser("kvstore", help="the node's KV store service (shared-memory DRAM arena, cold tiers)")
-    add_kvstore_args(kvstore)
-    kvstore.set_defaults(func=run_kvstore)
-    add_scale_parser(sub)
-    add_bench_parsers(sub)
-    add_plan_parsers(sub)
-    add_train_parser(sub)
+
+# (the commands an adder defines, the adder), in --help's order.
+_COMMANDS = (
+    (("demo",), _add_demo),
+    (("engine-core",), _add_engine_core),
+    (("serve",), _add_serve),
+    (("chat",), _add_chat),
+    (("kvstore",), _add_kvstore),
+    (("scale",), _add_scale),
+    (("bench", "profile"), _add_bench),
+    (("simulate", "plan"), _add_plan),
+    (("train-draft",), _add_train),
+)
+
+
+def build_parser(command: str | None = None) -> Parser:
+    """The whole command line; with ``command`` (one of its commands), only
+    that command's parser under the top level (what running it needs)."""
+    parser = Parser(prog="kvferry", description="LLM serving with paged KV, prefix sharing, KV tiers, "
+                                                "disaggregation and speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"kvferry {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for names, add in _COMMANDS:
+        if command is None or command in names:
+            add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    known = {name for names, _ in _COMMANDS for name in names}
+    # A known command first: only its parser (flags before it are the top
+    # level's own, --version or --help, which list every command).
+    parser = build_parser(argv[0] if argv and argv[0] in known else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         nearest_flag_error(_command_parser(parser, args), unknown)

@@ -92,7 +92,11 @@ def _run_cases(cases: list[dict], tmp: str) -> list[dict]:
 def main() -> None:
     cases = json.load(sys.stdin)
     # What every child would import: once here, before forking (no threads yet).
-    import kvferry.cli  # noqa: F401
+    # kvferry.cli imports a command's parser module only when it runs: the
+    # whole parser, built once, imports them all.
+    from kvferry.cli import build_parser
+
+    build_parser()
     import kvferry.serve.server  # noqa: F401
 
     json.dump(run_cases(cases), sys.stdout)

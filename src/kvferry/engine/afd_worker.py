@@ -44,6 +44,7 @@ from torch import nn
 
 from kvferry import private_dirs
 from kvferry.engine.afd_pool import FFNSpec, pid_file, tcp_file
+from kvferry.engine.fast_exit import run_without_teardown
 from kvferry.engine.rank_group import watch_parent
 from kvferry.model.layers import Linear
 from kvferry.model.layers.parallel import TPShard
@@ -177,4 +178,4 @@ def _write(path: str, text: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_without_teardown(main))  # fast_exit.py: no interpreter teardown

@@ -28,6 +28,7 @@ from kvferry.config import EngineConfig
 # Re-exported: the front end names cores by these.
 from kvferry.engine.core_addresses import CoreAddresses, parse_cpus  # noqa: F401
 from kvferry.engine.core_auth import core_token
+from kvferry.engine.fast_exit import end_without_teardown
 from kvferry.messages import CoreInput, CoreOutput, EngineCoreHello, EngineCoreOutputs, EngineCoreReady, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,16 @@ def _core_process_main(name: str, **kwargs) -> None:
     child could start its own. ``ps`` names the process by its role from
     the start, not only once torch is in."""
     setproctitle.setproctitle(f"kvferry: {name}")
+    # First, so that whatever the core registers at exit still runs (fast_exit.py).
+    exit_code = end_without_teardown()
     from kvferry.engine.core_proc import run_engine_core  # lazy: the spawn target's torch, see above
 
-    run_engine_core(name=name, **kwargs)
+    try:
+        run_engine_core(name=name, **kwargs)
+    except SystemExit as exc:
+        exit_code.set_from(exc)
+        raise
+    exit_code.code = 0
 
 
 @dataclass

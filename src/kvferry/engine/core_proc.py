@@ -166,6 +166,10 @@ class EngineCoreProc:
                     self.outputs.put(ready)
                 continue
             self.inputs.put(message)
+            if isinstance(message, EngineCoreShutdown):
+                # The last input the loop acts on: stop now, not at the next
+                # poll's timeout (up to _POLL_MS more of every core's exit).
+                return
 
     def _refuse(self, data: bytes) -> None:
         """A message without this core's token: a join (hello) gets the

@@ -28,6 +28,7 @@ import zmq
 
 from kvferry import private_dirs
 from kvferry.engine.cpu_threads import bind_step_thread
+from kvferry.engine.fast_exit import run_without_teardown
 from kvferry.engine.kv_connector import for_engine
 from kvferry.engine.pp_runner import StageLink, StageRunner
 from kvferry.engine.pp_stages import StageSpec
@@ -148,4 +149,4 @@ def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_without_teardown(main))  # fast_exit.py: no interpreter teardown

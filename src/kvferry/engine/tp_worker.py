@@ -22,6 +22,7 @@ import zmq
 
 from kvferry import private_dirs
 from kvferry.engine.cpu_threads import bind_step_thread
+from kvferry.engine.fast_exit import run_without_teardown
 from kvferry.engine.kv_connector import for_engine
 from kvferry.engine.rank_group import connect_to_leader, receive_pickled, watch_parent
 from kvferry.engine.runner import ModelRunner
@@ -103,4 +104,4 @@ def _serve(runner: ModelRunner, steps: zmq.Socket) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_without_teardown(main))  # fast_exit.py: no interpreter teardown
