@@ -45,6 +45,13 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
                    help="head: keep the target's replies and hidden states in this folder and reuse them "
                         "(generated once per target, corpus, seed and --max-tokens; a larger --num-prompts "
                         "generates only the missing replies)")
+    p.add_argument("--init-head", type=Path, default=None,
+                   help="head: start from this head file's weights and draft vocabulary instead of a random head "
+                        "(more epochs or more replies without starting over; its sizes must match the target "
+                        "and --intermediate-size)")
+    p.add_argument("--eval-each-epoch", action="store_true",
+                   help="head: save the head after every epoch (epoch-N.safetensors in --out) and print its "
+                        "held-out chat acceptance (--eval-prompts conversations)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -64,6 +71,9 @@ def _non_negative(text: str) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.arch == "eagle3":
+        for flag, value in (("--init-head", args.init_head), ("--eval-each-epoch", args.eval_each_epoch)):
+            if value:  # the EAGLE-3 trainer has neither: refused rather than silently ignored
+                raise ValueError(f"{flag} is for --arch head only")
         from kvferry.train.eagle3 import run_from_args as run_eagle3  # lazy, as below
 
         return run_eagle3(args)

@@ -65,6 +65,8 @@ class TrainConfig:
     ttt_steps: int = 4  # drafting steps unrolled per position (head_loss)
     hard_label_weight: float = 0.0  # of the cross-entropy on the target's argmax (head_loss)
     data_cache: Path | None = None  # replies + hidden states kept here and reused (data_cache.py)
+    init_head: Path | None = None  # start from this head (its weights and draft vocabulary), not a random one
+    eval_each_epoch: bool = False  # save and measure the head after every epoch, not only the last
 
 
 def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
@@ -237,6 +239,14 @@ def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, si
     return ids, covered
 
 
+def vocabulary_coverage(sequences: list[tuple[list[int], int]], ids: torch.Tensor | None) -> float:
+    """The share of answer tokens among ``ids`` (None: the whole vocabulary)."""
+    answers = torch.tensor([t for s, n in sequences for t in s[n:]], dtype=torch.int64)
+    if ids is None or not len(answers):
+        return 1.0
+    return torch.isin(answers, ids.to(torch.int64)).double().mean().item()
+
+
 def head_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, feats: Features, t: torch.Tensor,
               steps: int = 2, hard_weight: float = 0.0) -> torch.Tensor:
     """``steps`` drafting steps from positions t [B], each reading the head's
@@ -270,9 +280,48 @@ def head_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, feats
     return loss
 
 
+def _init_head(cfg: TrainConfig) -> EagleHead | None:
+    """The head ``--init-head`` names, checked before the target loads (a
+    wrong path or a head of another vocabulary size fails in a second, not
+    after the replies are generated)."""
+    if cfg.init_head is None:
+        return None
+    path = Path(cfg.init_head)
+    if not path.exists():
+        raise ValueError(f"--init-head {path}: no such head file")
+    try:
+        head = EagleHead.load(path)
+    except (ValueError, OSError):
+        raise ValueError(f"--init-head {path} is not a draft head file (no sizes in its metadata)") from None
+    if type(head) is not EagleHead:  # an EAGLE-3 checkpoint folder loads as another class
+        raise ValueError(f"--init-head {path} is not a plain draft head (--arch head trains only those)")
+    if head.intermediate_size != cfg.intermediate_size:
+        raise ValueError(f"--init-head {path} has MLP width {head.intermediate_size}, but --intermediate-size "
+                         f"is {cfg.intermediate_size}: give --intermediate-size {head.intermediate_size}")
+    # The head's draft vocabulary is kept: its weights were trained to score
+    # those rows, and a served head drafts over the vocabulary in its file.
+    size = 0 if head.draft_vocab is None else len(head.draft_vocab)
+    if size and size != cfg.draft_vocab_size:
+        raise ValueError(f"--init-head {path} drafts over {size} ids (kept), but --draft-vocab-size is "
+                         f"{cfg.draft_vocab_size}: give --draft-vocab-size {size}")
+    return head.train()
+
+
+def _check_init_head(cfg: TrainConfig, head: EagleHead, hidden_size: int, vocab_size: int) -> None:
+    if head.hidden_size != hidden_size:
+        raise ValueError(f"--init-head {cfg.init_head} has hidden size {head.hidden_size}, but the target's "
+                         f"is {hidden_size}: it was trained for another model")
+    if head.draft_vocab is None and 0 < cfg.draft_vocab_size < vocab_size:
+        raise ValueError(f"--init-head {cfg.init_head} drafts over the whole vocabulary (kept), but "
+                         f"--draft-vocab-size is {cfg.draft_vocab_size}: give --draft-vocab-size 0")
+    if head.draft_vocab is not None and int(head.draft_vocab.max()) >= vocab_size:
+        raise ValueError(f"--init-head {cfg.init_head} drafts ids past the target's vocabulary ({vocab_size})")
+
+
 def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
+    init = _init_head(cfg)
     llm = LLM(model=cfg.target, max_num_seqs=32, kv_cache_memory_gb=0.5)
     loaded = llm.engine.core.loaded
     model = loaded.model
@@ -283,10 +332,14 @@ def train(cfg: TrainConfig) -> dict:
         feats = build_features(model, sequences)
     else:
         sequences, feats = _cached_features(cfg, llm, loaded, prompts)
-    head = EagleHead(model.config.hidden_size, cfg.intermediate_size)
-    coverage = 1.0
-    if 0 < cfg.draft_vocab_size < model.config.vocab_size:
-        head.draft_vocab, coverage = draft_vocabulary(sequences, model.config.vocab_size, cfg.draft_vocab_size)
+    if init is not None:
+        _check_init_head(cfg, init, model.config.hidden_size, model.config.vocab_size)
+        head, coverage = init, vocabulary_coverage(sequences, init.draft_vocab)
+    else:
+        head = EagleHead(model.config.hidden_size, cfg.intermediate_size)
+        coverage = 1.0
+        if 0 < cfg.draft_vocab_size < model.config.vocab_size:
+            head.draft_vocab, coverage = draft_vocabulary(sequences, model.config.vocab_size, cfg.draft_vocab_size)
     embed = model.embed_tokens.detach().float()  # [V, H]: the target stays frozen
     lm_head = model.lm_head.detach().float()  # [V, H]
     # The loss scores the draft vocabulary's rows, as drafting does (and a
@@ -297,7 +350,9 @@ def train(cfg: TrainConfig) -> dict:
     steps_per_epoch = max(1, len(feats.starts) // cfg.batch_tokens)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=cfg.epochs * steps_per_epoch)
     bar = tqdm(total=cfg.epochs * steps_per_epoch, desc="training head", unit="step")
-    for _ in range(cfg.epochs):
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    per_epoch = []
+    for epoch in range(cfg.epochs):
         order = feats.starts[torch.randperm(len(feats.starts))]
         for b in range(steps_per_epoch):
             t = order[b * cfg.batch_tokens : (b + 1) * cfg.batch_tokens]
@@ -308,8 +363,15 @@ def train(cfg: TrainConfig) -> dict:
             sched.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
             bar.update()
+        if cfg.eval_each_epoch and epoch < cfg.epochs - 1:  # the last epoch's head is measured below
+            path = cfg.out / f"epoch-{epoch + 1}.safetensors"
+            head.save(path, target=loaded.fingerprint)
+            acceptance = evaluate_head(cfg, path, f"after epoch {epoch + 1}: ")
+            if acceptance is not None:
+                per_epoch.append({"epoch": epoch + 1, "acceptance": round(acceptance.rate, 4),
+                                  "mean_accepted_length": round(acceptance.mean_accepted_length, 3)})
+            head.train()
     bar.close()
-    cfg.out.mkdir(parents=True, exist_ok=True)
     head.save(cfg.out / "head.safetensors", target=loaded.fingerprint)
     report = {"target": loaded.model_path, "target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus,
               "num_prompts": len(prompts), "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
@@ -317,12 +379,19 @@ def train(cfg: TrainConfig) -> dict:
               "hard_label_weight": cfg.hard_label_weight, "lr": cfg.lr, "batch_tokens": cfg.batch_tokens,
               "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab),
               "draft_vocab_answer_coverage": round(coverage, 4), "seconds": round(time.monotonic() - started, 1)}
+    if cfg.init_head is not None:
+        report["init_head"] = str(cfg.init_head)
     del llm, loaded, model, feats  # the evaluation builds an engine of its own
-    acceptance = evaluate_head(cfg)
+    acceptance = evaluate_head(cfg, cfg.out / "head.safetensors")
     if acceptance is not None:
         report["held_out_chat_acceptance"] = round(acceptance.rate, 4)
         report["held_out_chat_mean_accepted_length"] = round(acceptance.mean_accepted_length, 3)
         report["held_out_chat_prompts"] = acceptance.prompts
+        if per_epoch:
+            report["held_out_chat_per_epoch"] = per_epoch + [
+                {"epoch": cfg.epochs, "acceptance": report["held_out_chat_acceptance"],
+                 "mean_accepted_length": report["held_out_chat_mean_accepted_length"]}]
+    report["cpu_seconds"] = round(time.process_time() - cpu_started)  # this process's threads, all of them
     (cfg.out / "head.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -330,25 +399,27 @@ def train(cfg: TrainConfig) -> dict:
 EVAL_K = 4  # draft tokens per step in the held-out measurement (the documented figure's k)
 
 
-def evaluate_head(cfg: TrainConfig) -> Acceptance | None:
-    """The saved head's acceptance on held-out chats, printed as the last
-    line of training (None: --eval-prompts 0, or no chitchat-dataset)."""
+def evaluate_head(cfg: TrainConfig, path: Path, label: str = "") -> Acceptance | None:
+    """The saved head's acceptance on held-out chats, printed (for the
+    finished head, as the last line of training; None: --eval-prompts 0,
+    or no chitchat-dataset)."""
     if cfg.eval_prompts < 1:
         return None
     try:
-        acceptance = held_out_acceptance(cfg.target, cfg.out / "head.safetensors", cfg.eval_prompts,
-                                         cfg.max_tokens, EVAL_K, max_num_seqs=32, kv_cache_memory_gb=0.5)
+        acceptance = held_out_acceptance(cfg.target, path, cfg.eval_prompts, cfg.max_tokens, EVAL_K,
+                                         max_num_seqs=32, kv_cache_memory_gb=0.5)
     except ValueError as e:  # chitchat-dataset missing: training itself may not have needed it
         print(f"held-out chat acceptance: not measured ({e})")
         return None
-    print(acceptance.line(EVAL_K))
+    print(label + acceptance.line(EVAL_K), flush=True)
     return acceptance
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
                       args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
-                      args.eval_prompts, args.ttt_steps, args.hard_label_weight, args.data_cache)
+                      args.eval_prompts, args.ttt_steps, args.hard_label_weight, args.data_cache,
+                      args.init_head, args.eval_each_epoch)
     report = train(cfg)
     print(json.dumps(report, indent=2))
     if "held_out_chat_acceptance" in report:  # again last, where it is seen
