@@ -1,0 +1,61 @@
+"""small_gemm's packed copy of a dense weight on 2 MiB pages (linear.py's
+on_huge_pages): a decode step streams every packed weight once, and on 4 KiB
+pages a single thread's stream stalls at every page. A packed copy of at
+least HUGE_PAGE_MIN_BYTES lies in an anonymous mapping advised for huge
+pages and faulted in on them, with the same bytes, so the same products; a
+smaller one stays where small_gemm put it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry.model import huge_pages, small_gemm
+from kvferry.model.linear import HUGE_PAGE_MIN_BYTES, linear, pack_weight
+
+pytestmark = [
+    pytest.mark.skipif(not small_gemm.available(torch.bfloat16),
+                       reason="the bf16 small-batch matmul needs AVX512-BF16 without AMX and a compiler"),
+    pytest.mark.skipif(not huge_pages.thp_enabled(), reason="the kernel's transparent huge pages are off"),
+]
+
+
+def _mapping(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields: dict[str, str] | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                if fields is not None:
+                    return fields
+                start, end = (int(v, 16) for v in head[0].split("-"))
+                if start <= address < end:
+                    fields = {}
+            elif fields is not None:
+                fields[head[0].rstrip(":")] = " ".join(head[1:])
+    assert fields is not None, f"no mapping holds {address:#x}"
+    return fields
+
+
+def test_a_large_packed_weight_lies_on_huge_pages_with_the_same_products():
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(2048, 2048, generator=gen) * 0.05).to(torch.bfloat16)  # 8 MiB packed
+    packed = pack_weight(w)
+    assert packed is not None and packed.small is not None
+    plain = small_gemm.pack(w)  # where small_gemm allocates it
+    assert torch.equal(packed.small, plain)
+    address = packed.small.data_ptr()
+    assert address % huge_pages.HUGE_PAGE == 0
+    fields = _mapping(address)
+    assert "hg" in fields["VmFlags"].split()  # advised MADV_HUGEPAGE
+    assert int(fields["AnonHugePages"].split()[0]) * 1024 >= HUGE_PAGE_MIN_BYTES  # faulted in on 2 MiB pages
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 2048, generator=gen).to(torch.bfloat16)
+        assert torch.equal(linear(x, w, None, packed), small_gemm.linear(x, plain, 2048))
+
+
+def test_a_small_packed_weight_stays_put():
+    w = torch.randn(256, 256).to(torch.bfloat16)  # 128 KiB: its last huge page would be mostly waste
+    packed = pack_weight(w)
+    assert packed is not None and packed.small is not None
+    assert "hg" not in _mapping(packed.small.data_ptr())["VmFlags"].split()
