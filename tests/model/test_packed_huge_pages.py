@@ -59,3 +59,25 @@ def test_a_small_packed_weight_stays_put():
     packed = pack_weight(w)
     assert packed is not None and packed.small is not None
     assert "hg" not in _mapping(packed.small.data_ptr())["VmFlags"].split()
+
+
+def test_a_model_on_huge_pages_gives_the_same_logits(tmp_path, monkeypatch):
+    """A bf16 tiny model with every packed weight moved (the threshold at 0):
+    its prefill and decode logits are the 4 KiB copy's, to the bit."""
+    from kvferry.model import linear as linear_mod
+    from kvferry.model.loader import load_model
+    from tests.model.paged_harness import PagedHarness
+    from tests.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    seq = list(range(3, 20))
+    plan = {0: len(seq), 1: 7}
+    plain = load_model(str(path), dtype="bfloat16").model
+    want = PagedHarness(plain).step({0: seq, 1: seq[:7]}, plan)  # packs the weights
+    monkeypatch.setattr(linear_mod, "HUGE_PAGE_MIN_BYTES", 0)
+    moved = load_model(str(path), dtype="bfloat16").model
+    got = PagedHarness(moved).step({0: seq, 1: seq[:7]}, plan)
+    weight = moved.layers[0].mlp.gate_up_proj.packed.small
+    assert weight is not None and "hg" in _mapping(weight.data_ptr())["VmFlags"].split()
+    assert "hg" not in _mapping(plain.layers[0].mlp.gate_up_proj.packed.small.data_ptr())["VmFlags"].split()
+    assert all(torch.equal(got[r], want[r]) for r in plan)
