@@ -62,8 +62,9 @@ def test_a_small_packed_weight_stays_put():
 
 
 def test_a_model_on_huge_pages_gives_the_same_logits(tmp_path, monkeypatch):
-    """A bf16 tiny model with every packed weight moved (the threshold at 0):
-    its prefill and decode logits are the 4 KiB copy's, to the bit."""
+    """A bf16 tiny model with every packed weight moved (the threshold at 0),
+    one arena for the model: its prefill and decode logits are the 4 KiB
+    copy's, to the bit."""
     from kvferry.model import linear as linear_mod
     from kvferry.model.loader import load_model
     from tests.model.paged_harness import PagedHarness
@@ -80,4 +81,7 @@ def test_a_model_on_huge_pages_gives_the_same_logits(tmp_path, monkeypatch):
     weight = moved.layers[0].mlp.gate_up_proj.packed.small
     assert weight is not None and "hg" in _mapping(weight.data_ptr())["VmFlags"].split()
     assert "hg" not in _mapping(plain.layers[0].mlp.gate_up_proj.packed.small.data_ptr())["VmFlags"].split()
+    # a model's copies back to back in one arena chunk, not a mapping (and up to 2 MiB of slack) each
+    chunks = {lin.packed.small.untyped_storage().data_ptr() for lin in moved.linears() if lin.packed is not None}
+    assert len(chunks) == 1
     assert all(torch.equal(got[r], want[r]) for r in plan)

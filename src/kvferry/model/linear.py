@@ -42,8 +42,10 @@ and the cache is raised to hold them all for every matmul shape.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -95,10 +97,27 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     return PackedWeight(onednn, None if small is None else on_huge_pages(small), weight.shape[0])
 
 
-# Below this a packed weight stays where small_gemm put it (4 KiB pages): its
-# last 2 MiB page, faulted in whole, could waste over half its bytes, and a
+# Below this a packed weight stays where small_gemm put it (4 KiB pages): a
 # matrix this small is mostly read from the L3 cache anyway.
 HUGE_PAGE_MIN_BYTES = 4 << 20
+# The arena that on_huge_pages packs into while huge_page_arena() is open
+# (a model's packing: its weights back to back, no 2 MiB slack apiece).
+_arena: huge_pages.Arena | None = None
+
+
+@contextlib.contextmanager
+def huge_page_arena() -> Iterator[None]:
+    """Pack the weights moved by on_huge_pages meanwhile into one arena of
+    their own (huge_pages.Arena): one after another in 256 MiB chunks, where
+    a mapping each would fault in up to 2 MiB of its last page unwritten. The
+    tensors keep their chunks alive; nothing else does once this closes, so a
+    reload's packing frees the old chunks with the old weights."""
+    global _arena
+    before, _arena = _arena, huge_pages.Arena()
+    try:
+        yield
+    finally:
+        _arena = before
 
 
 def on_huge_pages(packed: torch.Tensor) -> torch.Tensor:
@@ -113,7 +132,10 @@ def on_huge_pages(packed: torch.Tensor) -> torch.Tensor:
     nbytes = packed.numel() * packed.element_size()
     if nbytes < HUGE_PAGE_MIN_BYTES or not packed.is_contiguous() or not huge_pages.thp_enabled():
         return packed
-    moved = huge_pages.empty(tuple(packed.shape), packed.dtype)
+    if _arena is None:
+        moved = huge_pages.empty(tuple(packed.shape), packed.dtype)
+    else:  # each copy on a cache line, as small_gemm's own allocation is
+        moved = _arena.empty(-(-nbytes // 64) * 64)[:nbytes].view(packed.dtype).view(packed.shape)
     moved.copy_(packed)
     return moved
 
