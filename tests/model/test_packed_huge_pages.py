@@ -1,16 +1,18 @@
 """small_gemm's packed copy of a dense weight on 2 MiB pages (linear.py's
 on_huge_pages): a decode step streams every packed weight once, and on 4 KiB
 pages a single thread's stream stalls at every page. A packed copy of at
-least HUGE_PAGE_MIN_BYTES lies in an anonymous mapping advised for huge
-pages and faulted in on them, with the same bytes, so the same products; a
-smaller one stays where small_gemm put it."""
+least HUGE_PAGE_MIN_BYTES packed within a model's packing (huge_page_arena)
+lies in an anonymous mapping advised for huge pages and faulted in on them,
+with the same bytes, so the same products; a smaller one, an MoE expert's
+(moved into its stack's slab instead) and one packed outside a model's
+packing stay where small_gemm put them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvferry.model import huge_pages, small_gemm
-from kvferry.model.linear import HUGE_PAGE_MIN_BYTES, linear, pack_weight
+from kvferry.model.linear import HUGE_PAGE_MIN_BYTES, huge_page_arena, linear, pack_weight
 
 pytestmark = [
     pytest.mark.skipif(not small_gemm.available(torch.bfloat16),
@@ -40,7 +42,8 @@ def _mapping(address: int) -> dict[str, str]:
 def test_a_large_packed_weight_lies_on_huge_pages_with_the_same_products():
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(2048, 2048, generator=gen) * 0.05).to(torch.bfloat16)  # 8 MiB packed
-    packed = pack_weight(w)
+    with huge_page_arena():  # as a model's packing
+        packed = pack_weight(w)
     assert packed is not None and packed.small is not None
     plain = small_gemm.pack(w)  # where small_gemm allocates it
     assert torch.equal(packed.small, plain)
@@ -54,11 +57,15 @@ def test_a_large_packed_weight_lies_on_huge_pages_with_the_same_products():
         assert torch.equal(linear(x, w, None, packed), small_gemm.linear(x, plain, 2048))
 
 
-def test_a_small_packed_weight_stays_put():
-    w = torch.randn(256, 256).to(torch.bfloat16)  # 128 KiB: its last huge page would be mostly waste
-    packed = pack_weight(w)
-    assert packed is not None and packed.small is not None
-    assert "hg" not in _mapping(packed.small.data_ptr())["VmFlags"].split()
+def test_a_small_or_unarranged_packed_weight_stays_put():
+    with huge_page_arena():
+        small = pack_weight(torch.randn(256, 256).to(torch.bfloat16))  # 128 KiB: mostly read from L3
+    with huge_page_arena(move=False):  # MoE experts: moe.py moves them into a slab of their own
+        expert = pack_weight(torch.randn(2048, 2048).to(torch.bfloat16))
+    loose = pack_weight(torch.randn(2048, 2048).to(torch.bfloat16))  # no model's packing open
+    for packed in (small, expert, loose):
+        assert packed is not None and packed.small is not None
+        assert "hg" not in _mapping(packed.small.data_ptr())["VmFlags"].split()
 
 
 def test_a_model_on_huge_pages_gives_the_same_logits(tmp_path, monkeypatch):

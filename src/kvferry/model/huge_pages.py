@@ -23,7 +23,6 @@ only.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 from pathlib import Path
@@ -52,12 +51,11 @@ def return_freed_heap() -> None:
     large free, so later copies of a few MiB to 32 MiB came from the heap,
     and freeing them there returns nothing to the kernel (measured: a TP 2
     rank of the 1B-shaped model held ~640 MB more until trimmed)."""
-    name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: its libc's
+    except OSError:
         trim = None
-    if trim is not None:
+    if trim is not None:  # absent: not glibc
         trim(0)
 
 
