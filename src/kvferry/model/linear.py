@@ -42,15 +42,17 @@ and the cache is raised to hold them all for every matmul shape.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvferry import envs
-from kvferry.model import small_gemm
+from kvferry.model import huge_pages, small_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,51 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     onednn = _pack_onednn(weight) if small is None else None
     if small is None and onednn is None:
         return None
-    return PackedWeight(onednn, small, weight.shape[0])
+    return PackedWeight(onednn, None if small is None else on_huge_pages(small), weight.shape[0])
+
+
+# Below this a packed weight stays where small_gemm put it (4 KiB pages): a
+# matrix this small is mostly read from the L3 cache anyway.
+HUGE_PAGE_MIN_BYTES = 4 << 20
+# The arena that on_huge_pages packs into while huge_page_arena() is open (a
+# model's packing); None: packed copies stay where small_gemm put them.
+_arena: huge_pages.Arena | None = None
+
+
+@contextlib.contextmanager
+def huge_page_arena(move: bool = True) -> Iterator[None]:
+    """While open, on_huge_pages moves packed copies into one arena of their
+    own (huge_pages.Arena): back to back in 256 MiB chunks, where a mapping
+    each would fault in up to 2 MiB of its last page unwritten. The tensors
+    keep their chunks alive and nothing else does once this closes, so a
+    reload's packing frees the old chunks with the old weights. ``move``
+    False: none moved meanwhile (MoE experts, which moe.py moves into a slab
+    of their own: a copy left in the arena would keep its bytes there)."""
+    global _arena
+    before, _arena = _arena, huge_pages.Arena() if move else None
+    try:
+        yield
+    finally:
+        _arena = before
+
+
+def on_huge_pages(packed: torch.Tensor) -> torch.Tensor:
+    """small_gemm's packed copy moved onto 2 MiB pages (huge_pages.py) while
+    huge_page_arena() is open, the kernel has transparent huge pages and the
+    copy is at least ``HUGE_PAGE_MIN_BYTES``; else ``packed`` itself. A
+    decode step streams every packed weight once, front to back: on 4 KiB
+    pages that is a TLB miss every 64 cache lines and a stop of the hardware
+    prefetchers at every page. Measured on Zen 4, one thread, batch 1
+    (BENCHMARKS.md, Tensor parallelism): a TP 2 rank's layers took 0.75x
+    the CPU time. The same bytes, so the same results."""
+    nbytes = packed.numel() * packed.element_size()
+    if (_arena is None or nbytes < HUGE_PAGE_MIN_BYTES or not packed.is_contiguous()
+            or not huge_pages.thp_enabled()):
+        return packed
+    # Each copy on a cache line, as small_gemm's own allocation is.
+    moved = _arena.empty(-(-nbytes // 64) * 64)[:nbytes].view(packed.dtype).view(packed.shape)
+    moved.copy_(packed)
+    return moved
 
 
 def release_plain(param: torch.Tensor) -> torch.Size:

@@ -30,9 +30,10 @@ from torch import nn
 
 from kvferry.model.attention import AttentionMetadata, paged_attention
 from kvferry.model.config import ModelConfig, RopeScaling
-from kvferry.model import layer_op, paged_kernel
+from kvferry.model import huge_pages, layer_op, paged_kernel
 from kvferry.model.fused_ops import add_rms_norm, rms_norm, rope_neox, silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, UnquantizedConfig
+from kvferry.model.linear import huge_page_arena
 from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, pad_vocab_rows, take_slice,
                                              vocab_parallel_embedding)
 from kvferry.model.layers.vocab import VocabEmbedding
@@ -272,8 +273,11 @@ class LlamaModel(nn.Module):
         methods: pack them, a no-op off CPU, and release the plain parameter
         of each packed one, so the weights are in memory once). Runs on the
         first forward after loading."""
-        for lin in self.linears():
-            lin.process_weights_after_loading()
+        with huge_page_arena():  # the packed copies moved onto 2 MiB pages, back to back
+            for lin in self.linears():
+                lin.process_weights_after_loading()
+        # Those copies left their heap copies' pages free, but still counted.
+        huge_pages.return_freed_heap()
         # A tensor-parallel shard's layers run in one C++ call with their
         # all-reduces inside (the group's ShmSums), or each as two C++ calls,
         # all-reduced after each (where its row-parallel matmuls all-reduce).

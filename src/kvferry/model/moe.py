@@ -68,7 +68,7 @@ from kvferry.model.fused_ops import silu_and_mul
 from kvferry.model.layers import Linear, LinearConfig, LinearMethodBase
 from kvferry.model.layers.base import MatmulArgs
 from kvferry.model.layers.parallel import TPShard
-from kvferry.model.linear import PackedWeight, release_plain, restore_plain
+from kvferry.model.linear import PackedWeight, huge_page_arena, release_plain, restore_plain
 
 # A checkpoint's per-expert projection names -> (stack, rows): "gate" and "up"
 # fill the halves of gate_up, "down" the whole of down.
@@ -166,9 +166,10 @@ class ExpertLinear(Linear):
                                    keep_plain=True, weight=nn.Parameter(stack[e], requires_grad=False))
                             for e in range(self.num_experts)]
             slab = None
-            for e, lin in enumerate(self.experts):
-                lin.process_weights_after_loading()
-                slab = _into_slab(lin, e, self.num_experts, slab)
+            with huge_page_arena(move=False):  # moved into the stack's own slab instead
+                for e, lin in enumerate(self.experts):
+                    lin.process_weights_after_loading()
+                    slab = _into_slab(lin, e, self.num_experts, slab)
             if all(getattr(lin, "packed", None) is not None for lin in self.experts):
                 for lin in self.experts:  # the packed copies serve every call: drop the views
                     lin.weight.data = lin.weight.data.new_empty(0)
