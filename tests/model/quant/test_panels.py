@@ -3,7 +3,9 @@ csrc/quant_prefill_dots.h's pack_panels): where a weight has them, the
 prefill-sized dots (from 12 rows of x) read them instead of decoding the
 blocks per call, and give the same bits as the panels decoded per call
 (which test_prefill_dots.py ties to the decode kernels and the reference);
-the decode kernels below 12 rows keep reading the blocks; the panels are
+at one row of x (batch-1 decode) the one-row dots read the packed panels
+with the blocks' one-row dots' bits; from 2 to 11 rows the decode kernels
+keep reading the blocks; the panels are
 about the blocks' size; freeing them hands the weight back to the blocks.
 The loader packs them with ``KVFERRY_GGUF_PANELS=1``: the same logits."""
 from __future__ import annotations
@@ -53,6 +55,40 @@ def test_packed_panels_give_the_decoded_panels_bits(name):
         del packed
         gc.collect()
         assert torch.equal(quant.gemv(x[:16], w), want[2][16])  # unregistered: the blocks again
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_one_row_dots_read_the_packed_panels_with_the_blocks_bits(name):
+    """Batch 1 (decode) on a packed weight: 45 rows (a tail panel of 13) and
+    37 x 4096, float32 and bf16 x, 1 and 2 threads: the packed panels'
+    one-row dots give the blocks' one-row dots' bits, and it is the panels
+    they read: with the blocks zeroed the values stay, with the panels
+    zeroed they are 0."""
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((45, 2048), (37, 4096)):
+            w, _ = weight(name, n, k, seed=7)
+            x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+            want = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                want[threads] = ([quant.gemv(x[i:i + 1], w) for i in range(3)],
+                                 quant.linear(x[:1].bfloat16(), w))
+            packed = panels.pack(w)
+            blocks = w.data.clone()
+            w.data.zero_()  # what the blocks' dots would read now
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for i in range(3):
+                    assert torch.equal(quant.gemv(x[i:i + 1], w), want[threads][0][i]), (n, threads, i)
+                assert torch.equal(quant.linear(x[:1].bfloat16(), w), want[threads][1])
+            packed.zero_()
+            assert torch.equal(quant.gemv(x[:1], w), torch.zeros(1, n))
+            w.data.copy_(blocks)
+            del packed
+            gc.collect()
     finally:
         torch.set_num_threads(before)
 

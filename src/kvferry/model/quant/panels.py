@@ -11,11 +11,12 @@ planes, byte scales, fp16 d), about the blocks' own size (Q4_K 1.03x, Q6_K
 1.0x), and a call then widens them with a few operations per register.
 The results are the unpacked panels', to the bit.
 
-The packed panels are a second copy of the weight beside its blocks, which
-the decode kernels (below ``PREFILL_DOTS_FROM_ROWS`` rows: batch 1's
-rowsK1_512 reads 2.3x faster from the blocks than a panel from the packed
-bytes), the tiles and the embedding keep reading: ``KVFERRY_GGUF_PANELS=1``
-says to pay that memory (``wanted``).
+At one row of x (batch-1 decode) the dots read the packed panels too
+(packed_rows1: rowsK1_512's arithmetic per output, to the bit, in about
+0.7-0.97x its CPU time on Zen 4's 1B shapes). The packed panels are still a
+second copy of the weight beside its blocks, which the decode kernels from 2
+to ``PREFILL_DOTS_FROM_ROWS`` rows, the tiles and the embedding keep
+reading: ``KVFERRY_GGUF_PANELS=1`` says to pay that memory (``wanted``).
 The library finds a weight's panels by its blocks' address
 (``register_panels``), so every op that multiplies the blocks (the Python
 layers, the one-call decoder layer) takes them without new arguments; the
