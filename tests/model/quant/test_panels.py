@@ -29,8 +29,8 @@ def test_packed_panels_give_the_decoded_panels_bits(name):
     """45 rows (two panels and a tail of 13), K = 2048: at 12-64 rows of x,
     1 and 2 threads, the packed panels' values are the per-call decoded
     panels' to the bit, and the reference's (dequantize, float matmul) to
-    8-bit x's rounding; they are what is read (zeroed, the outputs are 0);
-    below 12 rows nothing changes; freed, the blocks' panels again."""
+    8-bit x's rounding; they are what is read (zeroed, the outputs are 0,
+    below 12 rows too); freed, the blocks' panels again."""
     w, _ = weight(name, 45, 2048, seed=5)
     x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(9))
     before = torch.get_num_threads()
@@ -51,7 +51,7 @@ def test_packed_panels_give_the_decoded_panels_bits(name):
         assert ((quant.gemv(x, w) - ref).abs() <= 0.02 * scale).all()
         packed.zero_()  # the panels are what the prefill dots read
         assert torch.equal(quant.gemv(x[:16], w), torch.zeros(16, 45))
-        assert torch.equal(quant.gemv(x[:11], w), want[2][11])  # the decode kernels read the blocks
+        assert torch.equal(quant.gemv(x[:11], w), torch.zeros(11, 45))  # so do the decode-sized dots
         del packed
         gc.collect()
         assert torch.equal(quant.gemv(x[:16], w), want[2][16])  # unregistered: the blocks again
@@ -60,32 +60,35 @@ def test_packed_panels_give_the_decoded_panels_bits(name):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_the_one_row_dots_read_the_packed_panels_with_the_blocks_bits(name):
-    """Batch 1 (decode) on a packed weight: 45 rows (a tail panel of 13) and
-    37 x 4096, float32 and bf16 x, 1 and 2 threads: the packed panels'
-    one-row dots give the blocks' one-row dots' bits, and it is the panels
-    they read: with the blocks zeroed the values stay, with the panels
-    zeroed they are 0."""
+def test_the_decode_dots_read_the_packed_panels_with_the_blocks_bits(name):
+    """Decode sizes (1-11 rows of x) on a packed weight: 45 rows (a tail
+    panel of 13) and 37 x 4096, float32 and bf16 x, 1 and 2 threads: the
+    packed panels' dots give the blocks' decode kernels' bits (rowsK1_512 at
+    one row, rowsK_512 from 2), and it is the panels they read: with the
+    blocks zeroed the values stay, with the panels zeroed they are 0."""
     before = torch.get_num_threads()
     try:
         for n, k in ((45, 2048), (37, 4096)):
             w, _ = weight(name, n, k, seed=7)
-            x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+            x = torch.randn(11, k, generator=torch.Generator().manual_seed(3))
+            rows = [x[i:i + 1] for i in range(3)] + [x[:2], x[:5], x[:8], x]
             want = {}
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                want[threads] = ([quant.gemv(x[i:i + 1], w) for i in range(3)],
-                                 quant.linear(x[:1].bfloat16(), w))
+                want[threads] = ([quant.gemv(r, w) for r in rows], quant.linear(x[:1].bfloat16(), w))
+                for r, y in zip(rows, want[threads][0]):  # each row batch 1's bits, in any batch
+                    assert torch.equal(y, torch.cat([quant.gemv(r[i:i + 1], w) for i in range(r.shape[0])]))
             packed = panels.pack(w)
             blocks = w.data.clone()
             w.data.zero_()  # what the blocks' dots would read now
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                for i in range(3):
-                    assert torch.equal(quant.gemv(x[i:i + 1], w), want[threads][0][i]), (n, threads, i)
+                for i, r in enumerate(rows):
+                    assert torch.equal(quant.gemv(r, w), want[threads][0][i]), (n, threads, i)
                 assert torch.equal(quant.linear(x[:1].bfloat16(), w), want[threads][1])
             packed.zero_()
             assert torch.equal(quant.gemv(x[:1], w), torch.zeros(1, n))
+            assert torch.equal(quant.gemv(x, w), torch.zeros(11, n))
             w.data.copy_(blocks)
             del packed
             gc.collect()

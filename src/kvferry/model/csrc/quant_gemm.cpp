@@ -1400,7 +1400,7 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
     for (size_t k = 0; k < parts.size(); ++k) {
       const Share sh = share_of(k, b0, b1, j1 == tasks);
 #ifdef KVQ_PREFILL_DOTS
-      if (M == 1 && parts[k].packed != nullptr) {  // the one-row dots read the packed panels
+      if (parts[k].packed != nullptr) {  // the packed panels are what the dots read
         const int64_t pb = packed_bytes_of(parts[k].t) * (K / 256);  // a panel's
         pf.add(parts[k].packed + sh.n0 / kPanel * pb, (sh.n1 - sh.n0 + kPanel - 1) / kPanel * pb);
         continue;
@@ -1415,9 +1415,9 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
       if (sh.n0 < sh.n1) {
         const Acts& a = info(p.t).block == 32 ? a32 : a256;
 #ifdef KVQ_PREFILL_DOTS
-        if (M == 1 && p.packed != nullptr) {
-          if (bf16_out) packed_rows1_of(p.t, p.packed, a, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, pf);
-          else packed_rows1_of(p.t, p.packed, a, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, pf);
+        if (M < prefill_dots_min_rows(info(p.t).block) && p.packed != nullptr) {
+          if (bf16_out) packed_rows_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N, pf);
+          else packed_rows_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N, pf);
           continue;
         }
         if (M >= prefill_dots_min_rows(info(p.t).block) && p.packed != nullptr) {

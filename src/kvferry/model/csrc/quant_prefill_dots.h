@@ -509,10 +509,43 @@ void packed_rows1(const uint8_t* packed, const Acts& a, int64_t n0, int64_t n1, 
   }
 }
 
+// Row m of x against one packed panel: a call of its own, so that the
+// batch-1 loop above keeps its own register allocation (inlined beside a
+// loop over m, GCC's hoisted constants cost batch 1 1.5-2x on Q6_K).
+template <int T>
+__attribute__((noinline)) void packed_panel_row(const uint8_t* panel, const Acts& a, int64_t m, float* y,
+                                                Spread& spread) {
+  packed_panel_row1<T>(panel, a, m, y, spread);
+}
+
+// The same against the M rows of x (decode batches below
+// PREFILL_DOTS_FROM_ROWS), into Y[m * ldy + n]: each panel meets the rows of
+// x one by one (its bytes stay in L1 or L2 between them), each row's values
+// rowsK1_512's, so rowsK_512's at any M.
+template <int T, typename O>
+void packed_rows(const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy,
+                 Stream& pf) {
+  if (M == 1) return packed_rows1<T>(packed, a, n0, n1, Y, pf);
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  const int64_t panel_bytes = a.nb * PB;
+  alignas(64) float y[kPanel];
+  for (int64_t n = n0; n < n1; n += kPanel) {
+    const uint8_t* panel = packed + (n / kPanel) * panel_bytes;
+    const int64_t cols = std::min<int64_t>(kPanel, n1 - n);
+    Spread spread(pf.take(panel_bytes), a.nb);
+    for (int64_t m = 0; m < M; ++m) {
+      packed_panel_row<T>(panel, a, m, y, spread);
+      for (int64_t c = 0; c < cols; ++c) Y[m * ldy + n + c] = O(y[c]);
+    }
+    spread.rest();
+  }
+}
+
 template <typename O>
-void packed_rows1_of(int64_t t, const uint8_t* packed, const Acts& a, int64_t n0, int64_t n1, O* Y, Stream& pf) {
-  if (t == 12) packed_rows1<12>(packed, a, n0, n1, Y, pf);
-  else if (t == 14) packed_rows1<14>(packed, a, n0, n1, Y, pf);
+void packed_rows_of(int64_t t, const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                    int64_t ldy, Stream& pf) {
+  if (t == 12) packed_rows<12>(packed, a, M, n0, n1, Y, ldy, pf);
+  else if (t == 14) packed_rows<14>(packed, a, M, n0, n1, Y, ldy, pf);
 }
 
 template <typename O>
