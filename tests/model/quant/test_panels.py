@@ -127,8 +127,9 @@ def test_the_panels_are_about_the_blocks_size():
 def test_the_loader_packs_with_the_variable_and_the_logits_stay(monkeypatch, tmp_path):
     """A tiny Q4_K_M file (bench/make_random_gguf.py: Q4_K, Q6_K v/down and
     lm_head) loaded with and without ``KVFERRY_GGUF_PANELS=1``: with it every
-    Q4_K / Q6_K weight has its panels, counted in the layers' bytes; a
-    16-token prefill's logits are the same bits either way."""
+    Q4_K / Q6_K weight has its panels, counted in the layers' bytes, and its
+    blocks' pages are handed back; a prefill's and batch-1 and batch-3
+    decode steps' logits are the same bits either way."""
     from bench.make_random_gguf import write
     from kvferry.model.loader import load_model
     from tests.model.paged_harness import PagedHarness
@@ -143,11 +144,24 @@ def test_the_loader_packs_with_the_variable_and_the_logits_stay(monkeypatch, tmp
 
     plain, packed = load("0"), load("1")
     assert envs.gguf_panels() and panels.wanted()
+    released = 0
     for a, b in zip(plain.linears(), packed.linears(), strict=True):
         ws = getattr(b, "qweights", None) or []
         assert not getattr(a, "panels", [])
         assert len(b.panels) == sum(w.fmt.name in ("Q4_K", "Q6_K") for w in ws), b.prefix
-        assert b.method.nbytes(b) == a.method.nbytes(a) + sum(p.numel() for p in b.panels)
-    seq = list(range(3, 19))
-    assert torch.equal(PagedHarness(packed).step({0: seq}, {0: len(seq)})[0],
-                       PagedHarness(plain).step({0: seq}, {0: len(seq)})[0])
+        # The packed weights' blocks are handed back, page by page (the last pages of a small one may stay).
+        packed_blocks = sum(w.nbytes for w in ws if w.fmt.name in ("Q4_K", "Q6_K"))
+        assert packed_blocks - len(b.panels) * 2 * 4096 <= b.released <= packed_blocks, b.prefix
+        assert b.method.nbytes(b) == a.method.nbytes(a) + sum(p.numel() for p in b.panels) - b.released
+        released += b.released
+    assert released > 0
+    # A prefill of 4 x 16 tokens, then batch 1 and batch 3 decode steps: the same logits, with the blocks gone.
+    hp, hq = PagedHarness(packed), PagedHarness(plain)
+    seqs = {r: list(range(3 + r, 19 + r)) for r in range(4)}
+    for plan in ({r: 16 for r in range(4)}, {0: 1}, {1: 1, 2: 1, 3: 1}):
+        for r in plan:
+            if plan[r] == 1:
+                seqs[r].append(40 + r)
+        got, want = hp.step(seqs, plan), hq.step(seqs, plan)
+        for r in plan:
+            assert torch.equal(got[r], want[r]), (plan, r)

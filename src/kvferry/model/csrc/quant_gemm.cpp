@@ -1329,9 +1329,16 @@ Successor learn_successor(const std::vector<Part>& parts) {
     s.total = 0;
     for (const Part& p : parts) {
       if (s.n == Stream::kMaxRanges) break;
+      int64_t bytes = p.n * p.bytes;
       s.w[s.n] = p.w;
-      s.bytes[s.n++] = p.n * p.bytes;
-      s.total += p.n * p.bytes;
+#ifdef KVQ_PREFILL_DOTS
+      if (p.packed != nullptr) {  // what its dots read (its blocks' pages may be gone)
+        s.w[s.n] = p.packed;
+        bytes = packed_bytes_of(p.t) * (p.bytes / info(p.t).bytes) * ((p.n + kPanel - 1) / kPanel);
+      }
+#endif
+      s.bytes[s.n++] = bytes;
+      s.total += bytes;
     }
   }
   previous = key;

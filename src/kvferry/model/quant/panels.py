@@ -11,12 +11,16 @@ planes, byte scales, fp16 d), about the blocks' own size (Q4_K 1.03x, Q6_K
 1.0x), and a call then widens them with a few operations per register.
 The results are the unpacked panels', to the bit.
 
-At one row of x (batch-1 decode) the dots read the packed panels too
-(packed_rows1: rowsK1_512's arithmetic per output, to the bit, in about
-0.7-0.97x its CPU time on Zen 4's 1B shapes). The packed panels are still a
-second copy of the weight beside its blocks, which the decode kernels from 2
-to ``PREFILL_DOTS_FROM_ROWS`` rows, the tiles and the embedding keep
-reading: ``KVFERRY_GGUF_PANELS=1`` says to pay that memory (``wanted``).
+Below ``PREFILL_DOTS_FROM_ROWS`` rows (decode) the dots read the packed
+panels too (packed_rows: per output rowsK1_512's integer lanes and float
+steps, so the blocks' decode kernels' bits at any batch), so once a weight
+is packed no dots call reads its blocks, and ``release_blocks`` hands their
+pages back (madvise MADV_DONTNEED on the huge-page copy or the file's
+private mapping): the panels replace the blocks, not double them. The
+tiles (only where the prefill dots do not fit: never with ``wanted``) and
+the embedding's row lookups still read blocks: a table that is also the
+embedding (a tied lm_head, ``keep_blocks``) keeps its blocks beside its
+panels.
 The library finds a weight's panels by its blocks' address
 (``register_panels``), so every op that multiplies the blocks (the Python
 layers, the one-call decoder layer) takes them without new arguments; the
@@ -24,11 +28,14 @@ entry is dropped when the panels are freed.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import weakref
 
 import torch
 
 from kvferry import envs
+from kvferry.model import huge_pages
 from kvferry.model.quant import kernels
 from kvferry.model.quant.formats import QuantizedWeight
 
@@ -66,3 +73,47 @@ def pack(weight: QuantizedWeight, empty=torch.empty) -> torch.Tensor | None:
     handle = ops.register_panels(weight.data, weight.fmt.ggml_type, panels)
     weakref.finalize(panels, ops.unregister_panels, handle)
     return panels
+
+
+# Blocks' addresses some reader other than the dots needs (the embedding's
+# row lookups of a tied table): release_blocks leaves them.
+_kept: set[int] = set()
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def keep_blocks(weight: QuantizedWeight) -> None:
+    """Say that ``weight``'s blocks are read outside the dots (quant.embedding)."""
+    _kept.add(weight.data.data_ptr())
+
+
+def release_blocks(weight: QuantizedWeight) -> int:
+    """Hand back the pages wholly inside ``weight``'s blocks (madvise
+    MADV_DONTNEED): call only once its panels are registered (``pack``), so
+    every dots call reads them. The huge-page copy's pages are freed, the
+    file mapping's dropped from this process (read again from the file if
+    ever touched). Returns the bytes released (0 where kept: ``keep_blocks``)."""
+    start = weight.data.data_ptr()
+    if start in _kept:
+        return 0
+    lo, hi = -(-start // _PAGE) * _PAGE, (start + weight.nbytes) // _PAGE * _PAGE
+    if hi <= lo:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {weight.name!r}'s blocks failed")
+    return hi - lo
+
+
+# The huge-page panels of all packed weights, back to back in 64 MiB chunks:
+# each weight's panels on their own huge-page mapping left ~1 MiB of its
+# last 2 MiB page unused (faulted in whole), ~100 MB on a 1B Q4_K_M file's
+# ~80 weights. A chunk lives while any panels in it do (and the chunk being
+# filled, while this process packs).
+_arena = huge_pages.Arena(64 << 20)
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``pack``'s ``empty`` on huge pages: uint8 panels from the shared arena."""
+    assert dtype == torch.uint8 and len(shape) == 1
+    return _arena.empty(shape[0])
