@@ -426,7 +426,6 @@ inline void packed_panel_row1(const uint8_t* src, const Acts& a, int64_t m0, flo
   auto x4 = [](const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); };
   const int64_t nb = a.nb;
   for (int64_t i = 0; i < nb; ++i) {
-    spread.next();
     const uint8_t* o = src + i * PB;
     const int64_t ai = m0 * nb + i;
     const int8_t* xq = a.q + ai * 256;
@@ -452,6 +451,7 @@ inline void packed_panel_row1(const uint8_t* src, const Acts& a, int64_t m0, flo
         scp[p] = _mm512_or_si512(_mm512_and_si512(scale(s0), low16), _mm512_slli_epi32(scale(s1), 16));
       }
       KVQ_UNROLL for (int l = 4 * half; l < 4 * half + 4; ++l) {
+        spread.next();  // a few lines at a time: a superblock's ~37 at once held up its loads
         __m512i h0, h1;
         if constexpr (T == 14) {
           h0 = _mm512_loadu_si512(o + 2048 + 64 * l);
@@ -501,7 +501,7 @@ void packed_rows1(const uint8_t* packed, const Acts& a, int64_t n0, int64_t n1, 
   const int64_t panel_bytes = a.nb * PB;
   alignas(64) float y[kPanel];
   for (int64_t n = n0; n < n1; n += kPanel) {
-    Spread spread(pf.take(panel_bytes), a.nb);
+    Spread spread(pf.take(panel_bytes), 8 * a.nb);
     packed_panel_row1<T>(packed + (n / kPanel) * panel_bytes, a, 0, y, spread);
     spread.rest();
     const int64_t cols = std::min<int64_t>(kPanel, n1 - n);
@@ -532,7 +532,7 @@ void packed_rows(const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, in
   for (int64_t n = n0; n < n1; n += kPanel) {
     const uint8_t* panel = packed + (n / kPanel) * panel_bytes;
     const int64_t cols = std::min<int64_t>(kPanel, n1 - n);
-    Spread spread(pf.take(panel_bytes), a.nb);
+    Spread spread(pf.take(panel_bytes), 8 * a.nb);
     for (int64_t m = 0; m < M; ++m) {
       packed_panel_row<T>(panel, a, m, y, spread);
       for (int64_t c = 0; c < cols; ++c) Y[m * ldy + n + c] = O(y[c]);
