@@ -85,8 +85,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "/sys/kernel/mm/transparent_hugepage/enabled is always or madvise, else mapped)"),
     EnvVar(GGUF_PANELS, "bool", "0",
            "1 packs each Q4_K and Q6_K weight at load into panels of 16 rows that the dots read at every "
-           "batch size (the same bits as the blocks), and hands the blocks' pages back (not an embedding "
-           "table's), on an AVX512-VNNI CPU without AMX: c16 decode steps and prefill skip decoding the "
+           "batch size and the embedding's lookups of a tied table (the same bits as the blocks), and hands "
+           "the blocks' pages back, on an AVX512-VNNI CPU without AMX: c16 decode steps and prefill skip decoding the "
            "panels per call; about the blocks' memory (Q4_K 1.03x)"),
     EnvVar(KERNEL_ISA, "str", "native",
            "instruction set the C++ kernels are built for: native, or avx2 (without AVX-512)"),

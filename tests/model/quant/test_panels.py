@@ -96,6 +96,25 @@ def test_the_decode_dots_read_the_packed_panels_with_the_blocks_bits(name):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_embedding_reads_a_packed_table_with_the_blocks_bits(name):
+    """A table packed into panels (a tied lm_head's), its blocks zeroed: the
+    looked-up rows (the last panel's tail, repeats) are the blocks'
+    dequantized rows to the bit, float32 and bf16; a row id outside the
+    table is a clear error."""
+    w, _ = weight(name, 45, 1024, seed=11)
+    ids = torch.tensor([0, 44, 17, 17, 31, 32, 5])
+    want = {dt: quant.embedding(ids, w, dt) for dt in (torch.float32, torch.bfloat16)}
+    assert torch.equal(want[torch.float32], quant.dequantize_rows(w)[ids])
+    packed = panels.pack(w)
+    w.data.zero_()
+    for dt, y in want.items():
+        assert torch.equal(quant.embedding(ids, w, dt), y), dt
+    with pytest.raises(RuntimeError, match="outside"):
+        quant.embedding(torch.tensor([45]), w, torch.float32)
+    del packed
+
+
 def test_a_fused_layer_of_mixed_types_packs_its_k_quant_parts():
     """Q4_K_M's q/k (Q4_K), v (Q6_K) and a Q8_0 part in one call: the packed
     parts' columns are their unpacked values, the Q8_0 part keeps its panels

@@ -1485,6 +1485,38 @@ void pack_panels_into(const at::Tensor& w, int64_t t, at::Tensor out) {
 #endif
 }
 
+// Rows ids of w dequantized from its registered packed panels into out
+// [len(ids), K] float32 or bf16 (dequant_into's values from the blocks);
+// false (nothing written) where w has none.
+bool dequant_packed_rows(const at::Tensor& w, int64_t t, const at::Tensor& ids, const at::Tensor& out) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kByte, "quant_gemm: w must be uint8 [n, bytes]");
+  const int64_t n = w.size(0);
+  const uint8_t* packed = packed_panels(w.data_ptr<uint8_t>(), t, n);
+  if (packed == nullptr) return false;
+#ifdef KVQ_PREFILL_DOTS
+  const int64_t nb = w.size(1) / info(t).bytes, K = nb * 256;
+  const at::Tensor idx = ids.to(at::kLong).contiguous().reshape({-1});
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == idx.numel() && out.size(1) == K &&
+                  (bf16 || out.scalar_type() == at::kFloat),
+              "quant_gemm: out must be contiguous [len(ids), K] float32 or bf16");
+  const int64_t* r = idx.data_ptr<int64_t>();
+  for (int64_t k = 0; k < idx.numel(); ++k) {
+    TORCH_CHECK(r[k] >= 0 && r[k] < n, "quant_gemm: row id ", r[k], " is outside [0, ", n, ")");
+    if (bf16) {
+      at::BFloat16* o = out.data_ptr<at::BFloat16>() + k * K;
+      t == 12 ? dequant_packed_row<12>(packed, r[k], nb, o) : dequant_packed_row<14>(packed, r[k], nb, o);
+    } else {
+      float* o = out.data_ptr<float>() + k * K;
+      t == 12 ? dequant_packed_row<12>(packed, r[k], nb, o) : dequant_packed_row<14>(packed, r[k], nb, o);
+    }
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 // From now on dots() over w (its blocks, type t) read these packed panels
 // where it takes the prefill kernels. A handle for unregister_panels.
 int64_t register_panels(const at::Tensor& w, int64_t t, const at::Tensor& panels) {
@@ -1675,5 +1707,6 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("packed_panel_bytes(int type, int n, int K) -> int", &packed_panel_bytes);
   m.def("pack_panels_into(Tensor w, int type, Tensor(a!) out) -> ()", &pack_panels_into);
   m.def("register_panels(Tensor w, int type, Tensor panels) -> int", &register_panels);
+  m.def("dequant_packed_rows(Tensor w, int type, Tensor ids, Tensor(a!) out) -> bool", &dequant_packed_rows);
   m.def("unregister_panels(int handle) -> ()", &unregister_panels);
 }

@@ -548,6 +548,33 @@ void packed_rows_of(int64_t t, const uint8_t* packed, const Acts& a, int64_t M, 
   else if (t == 14) packed_rows<14>(packed, a, M, n0, n1, Y, ldy, pf);
 }
 
+// Weight row r of packed panels, dequantized into o[0..K): dequant_simd's
+// values from the blocks, to the bit (per value one fused multiply-add of
+// sc * d and mn * -dm, each product rounded as there). The embedding's
+// row lookups of a table whose blocks were released (a tied lm_head's).
+template <int T, typename O>
+void dequant_packed_row(const uint8_t* packed, int64_t r, int64_t nb, O* o) {
+  constexpr int U = scale_unit<T>();
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  const int c = int(r % kPanel);
+  const uint8_t* src = packed + (r / kPanel) * nb * PB;
+  KPanel<U> P;
+  for (int64_t i = 0; i < nb; ++i) {
+    unpack_superblock<T>(src + i * PB, P);
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(P.q);   // q[j]'s lane c: bytes 64 j + 4 c ..
+    const int32_t* sc = reinterpret_cast<const int32_t*>(P.sc); // sc[s]'s lane c: 16 s + c
+    const int32_t* mn = reinterpret_cast<const int32_t*>(P.mn); // mins 2j, 2j + 1 as int16 halves
+    const float d = reinterpret_cast<const float*>(&P.vd)[c], dm = reinterpret_cast<const float*>(&P.vdm)[c];
+    for (int s = 0; s < 16; ++s) {  // per 16 values: khead's sc[s] and mn[s]
+      const float fs = float(sc[(16 * s / U) * 16 + c]) * d;
+      const int32_t pair = mn[(s / 2) * 16 + c];
+      const float fm = float(int16_t(s % 2 ? uint32_t(pair) >> 16 : uint32_t(pair) & 0xFFFF)) * -dm;
+      for (int v = 16 * s; v < 16 * s + 16; ++v)
+        o[i * 256 + v] = O(std::fma(fs, float(q[(v / 4) * 64 + 4 * c + v % 4]), fm));
+    }
+  }
+}
+
 template <typename O>
 void prefill_rows_packed_of(int64_t t, const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
                             int64_t ldy) {

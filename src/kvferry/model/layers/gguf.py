@@ -28,9 +28,9 @@ dozen Python calls). A layer of mixed types (Q4_K_M's q/k and v) is
 With ``KVFERRY_GGUF_PANELS=1`` each Q4_K and Q6_K weight is packed at
 load into the panels the dots read at every batch size (quant/panels.py),
 on huge pages where the blocks are: the layer keeps them (``layer.panels``),
-every call over the weight's blocks finds them in the library, and the
-blocks' pages are handed back (``layer.released`` bytes; not a table the
-embedding also reads).
+every call over the weight's blocks finds them in the library (the
+embedding's lookups of a tied table too), and the blocks' pages are handed
+back (``layer.released`` bytes).
 """
 from __future__ import annotations
 
@@ -132,8 +132,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         if tensor.shape != (layer.num_embeddings, layer.embedding_dim):
             raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected "
                              f"{(layer.num_embeddings, layer.embedding_dim)}")
-        layer.qweight = tensor
-        panels.keep_blocks(tensor)  # the lookups read its blocks, also where a tied lm_head packs it
+        layer.qweight = tensor  # where a tied lm_head packs it, the lookups read its panels
 
     def embedding(self, layer: VocabEmbedding, ids: torch.Tensor) -> torch.Tensor:
         return quant.embedding(ids, layer.qweight, layer.dtype)

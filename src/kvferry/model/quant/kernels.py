@@ -242,9 +242,13 @@ def embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) ->
     """Rows ``ids`` [T] of a quantized table, dequantized: [T, in_features] in
     ``dtype`` (float32 or bf16). Only the looked-up rows' blocks are read
     (gathered, T x bytes_per_row, then decoded), never the whole table."""
+    ops = _ops()
+    out = torch.empty(ids.numel(), weight.in_features, dtype=dtype)
+    # A table packed into panels (a tied lm_head's, quant/panels.py) may have handed its blocks back.
+    if weight.fmt.ggml_type in (12, 14) and ops.dequant_packed_rows(weight.data, weight.fmt.ggml_type, ids, out):
+        return out
     rows = weight.data.index_select(0, ids.reshape(-1))  # [T, bytes_per_row] uint8
-    out = torch.empty(rows.shape[0], weight.in_features, dtype=dtype)
-    _ops().dequant_into(rows, weight.fmt.ggml_type, out)
+    ops.dequant_into(rows, weight.fmt.ggml_type, out)
     return out
 
 

@@ -17,10 +17,10 @@ steps, so the blocks' decode kernels' bits at any batch), so once a weight
 is packed no dots call reads its blocks, and ``release_blocks`` hands their
 pages back (madvise MADV_DONTNEED on the huge-page copy or the file's
 private mapping): the panels replace the blocks, not double them. The
-tiles (only where the prefill dots do not fit: never with ``wanted``) and
-the embedding's row lookups still read blocks: a table that is also the
-embedding (a tied lm_head, ``keep_blocks``) keeps its blocks beside its
-panels.
+embedding's row lookups of a packed table (a tied lm_head's) read the
+panels too (dequant_packed_row, dequant's bits); only the bf16 tiles still
+read blocks, and the packed weights never take them (``wanted`` packs only
+where the prefill dots fit, and then the dots serve every batch size).
 The library finds a weight's panels by its blocks' address
 (``register_panels``), so every op that multiplies the blocks (the Python
 layers, the one-call decoder layer) takes them without new arguments; the
@@ -75,16 +75,8 @@ def pack(weight: QuantizedWeight, empty=torch.empty) -> torch.Tensor | None:
     return panels
 
 
-# Blocks' addresses some reader other than the dots needs (the embedding's
-# row lookups of a tied table): release_blocks leaves them.
-_kept: set[int] = set()
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
-
-
-def keep_blocks(weight: QuantizedWeight) -> None:
-    """Say that ``weight``'s blocks are read outside the dots (quant.embedding)."""
-    _kept.add(weight.data.data_ptr())
 
 
 def release_blocks(weight: QuantizedWeight) -> int:
@@ -92,10 +84,8 @@ def release_blocks(weight: QuantizedWeight) -> int:
     MADV_DONTNEED): call only once its panels are registered (``pack``), so
     every dots call reads them. The huge-page copy's pages are freed, the
     file mapping's dropped from this process (read again from the file if
-    ever touched). Returns the bytes released (0 where kept: ``keep_blocks``)."""
+    ever touched). Returns the bytes released."""
     start = weight.data.data_ptr()
-    if start in _kept:
-        return 0
     lo, hi = -(-start // _PAGE) * _PAGE, (start + weight.nbytes) // _PAGE * _PAGE
     if hi <= lo:
         return 0
