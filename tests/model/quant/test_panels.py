@@ -115,6 +115,25 @@ def test_the_embedding_reads_a_packed_table_with_the_blocks_bits(name):
     del packed
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_tiles_of_a_packed_weight_read_its_panels(name):
+    """The bf16 tiles (the C++ linear's, forced from 1 row; Python's
+    prefill) and dequantize_rows of a packed weight, its blocks zeroed:
+    the blocks' values to the bit (the variable never sends a packed
+    weight there, but nothing reads blocks that may be gone)."""
+    w, _ = weight(name, 45, 1024, seed=13)
+    x = torch.randn(20, 1024, generator=torch.Generator().manual_seed(2)).bfloat16()
+    t, n, _, *rest = kernels.linear_args(w)
+    tiles = lambda: torch.ops.kvferry_quant.linear(x, w.data, t, n, 1, *rest)  # noqa: E731
+    want = (tiles(), kernels.prefill(x, w), quant.dequantize_rows(w, 3, 40, torch.bfloat16))
+    packed = panels.pack(w)
+    w.data.zero_()
+    got = (tiles(), kernels.prefill(x, w), quant.dequantize_rows(w, 3, 40, torch.bfloat16))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    del packed
+
+
 def test_a_fused_layer_of_mixed_types_packs_its_k_quant_parts():
     """Q4_K_M's q/k (Q4_K), v (Q6_K) and a Q8_0 part in one call: the packed
     parts' columns are their unpacked values, the Q8_0 part keeps its panels

@@ -1582,7 +1582,8 @@ at::Tensor tiles(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n,
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t stop = std::min(start + rows, n);
     const at::Tensor wt = tile.narrow(0, 0, (stop - start) * K).view({stop - start, K});
-    dequant_into(w.narrow(0, start, stop - start), t, wt);
+    // A packed weight's blocks may be handed back: its tiles from its panels (dequant's bits).
+    if (!dequant_packed_rows(w, t, at::arange(start, stop, at::kLong), wt)) dequant_into(w.narrow(0, start, stop - start), t, wt);
     y.narrow(1, start, stop - start).copy_(transposed ? at::matmul(wt, xd.t()).t() : at::matmul(xd, wt.t()));
   }
   return y;

@@ -17,10 +17,10 @@ steps, so the blocks' decode kernels' bits at any batch), so once a weight
 is packed no dots call reads its blocks, and ``release_blocks`` hands their
 pages back (madvise MADV_DONTNEED on the huge-page copy or the file's
 private mapping): the panels replace the blocks, not double them. The
-embedding's row lookups of a packed table (a tied lm_head's) read the
-panels too (dequant_packed_row, dequant's bits); only the bf16 tiles still
-read blocks, and the packed weights never take them (``wanted`` packs only
-where the prefill dots fit, and then the dots serve every batch size).
+embedding's row lookups of a packed table (a tied lm_head's) and the bf16
+tiles read the panels too (dequant_packed_row, dequant's bits; the tiles
+only as a fallback: ``wanted`` packs only where the prefill dots fit, and
+then the dots serve every batch size).
 The library finds a weight's panels by its blocks' address
 (``register_panels``), so every op that multiplies the blocks (the Python
 layers, the one-call decoder layer) takes them without new arguments; the
