@@ -9,6 +9,11 @@ a loaded machine inflates wall time, much less CPU time), and the weight
 bytes per CPU second of one thread (GB/s), against the read floor (a large
 reduction's bandwidth, wall time, so loaded it is low).
 
+``--ab``: in the same process, each pass alternates the blocks with copies
+whose Q4_K / Q6_K panels are packed (quant/panels.py: the one-row dots then
+read the packed panels, same bits), and prints the ratio packed / blocks of
+the medians.
+
 For an A/B of two builds, run this file with each build's source on
 PYTHONPATH in turn, several rounds (``--rounds`` inside each run, the runs
 themselves alternated), and compare the medians.
@@ -41,6 +46,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=15)
     parser.add_argument("--cold-mib", type=int, default=160, help="bytes the copies of each weight span")
     parser.add_argument("--only", nargs="+", default=[], help="only the shapes whose NxK (e.g. 8192x2048) is listed")
+    parser.add_argument("--ab", action="store_true", help="blocks vs packed panels, interleaved passes")
     parser.add_argument("--floor", action="store_true", help="also measure the read bandwidth (wall time)")
     args = parser.parse_args()
     if not quant.available():
@@ -59,6 +65,10 @@ def main() -> None:
         weights = [quant.QuantizedWeight.from_blocks(f"w{i}", name, blob[i * n:(i + 1) * n], (n, k))
                    for i in range(copies)]
         x = torch.randn(1, k)
+        if args.ab:
+            _ab(name, n, k, what, one, weights, x, args)
+            del blob, weights
+            continue
         for threads in args.threads:
             torch.set_num_threads(threads)
             for w in weights[:2]:
@@ -73,6 +83,28 @@ def main() -> None:
             print(f"{name} {n}x{k} ({what}) t={threads}: CPU {med * 1e3:.4f} ms/call, "
                   f"{one.numel() / med / 1e9:.2f} GB/s per CPU-second ({one.numel() / 2**20:.2f} MiB)", flush=True)
         del blob, weights
+
+
+def _ab(name, n, k, what, one, weights, x, args) -> None:
+    """Blocks vs packed panels: a second set of cold copies, packed; passes alternate."""
+    from kvferry.model.quant import panels
+    blob2 = torch.stack([w.data for w in weights]).clone()
+    packed_ws = [quant.QuantizedWeight.from_blocks(f"p{i}", name, blob2[i], (n, k)) for i in range(len(weights))]
+    keep = [panels.pack(w) for w in packed_ws]
+    assert all(p is not None for p in keep)
+    assert torch.equal(quant.gemv(x, weights[0]), quant.gemv(x, packed_ws[0]))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        times = {"blocks": [], "packed": []}
+        for _ in range(args.passes):
+            for label, ws in (("blocks", weights), ("packed", packed_ws)):
+                c0 = time.process_time()
+                for w in ws:
+                    quant.gemv(x, w)
+                times[label].append((time.process_time() - c0) / len(ws))
+        b, p = statistics.median(times["blocks"]), statistics.median(times["packed"])
+        print(f"{name} {n}x{k} ({what}) t={threads}: CPU ms/call blocks {b * 1e3:.4f} packed {p * 1e3:.4f} "
+              f"packed/blocks {p / b:.3f} ({one.numel() / 2**20:.2f} MiB)", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ has threads, every CPU second outside the engine's stepping team is taken
 from it, and each parallel region waits for the thread that lost its core.
 
 CPU time (``/proc/PID/task/TID/stat`` utime + stime, clock ticks), not
-wall time, so that the figures mean something on a shared machine.
+wall time, so that the figures mean something on a shared machine. Also
+the server's processes' RSS and peak RSS (VmHWM), summed, after the requests.
 
     python bench/gguf_serve_cpu.py [--model FILE.gguf] [--requests 4] [--output-len 64] [--threads 2]
 """
@@ -56,6 +57,16 @@ def thread_cpu(pids: list[int]) -> dict[tuple[str, str], float]:
     return cpu
 
 
+def memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM of a process, MiB (empty where it is gone)."""
+    try:
+        return {k: int(v.split()[0]) / 1024 for k, _, v in (line.partition(":") for line in
+                                                           Path(f"/proc/{pid}/status").read_text().splitlines())
+                if k in ("VmRSS", "VmHWM")}
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="/tmp/ggufmix/1b-q4km.gguf")
@@ -86,11 +97,14 @@ def main() -> None:
                     if chunk.usage is not None:
                         tokens += chunk.usage.completion_tokens
             after, client1, wall = thread_cpu(pids), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall0
+            memory = {k: sum(memory_mib(p).get(k, 0.0) for p in pids) for k in ("VmRSS", "VmHWM")}
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     client_ms = (client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime) * 1e3
     print(f"{args.model}, {args.threads} threads, {args.requests} x {args.output_len} tokens ({tokens} counted), "
           f"load {load}, wall {wall * 1e3 / tokens:.2f} ms per token (prefill included)")
+    print(f"served memory, the server's processes summed: RSS {memory['VmRSS']:.0f} MiB, "
+          f"peak (VmHWM) {memory['VmHWM']:.0f} MiB")
     print("CPU ms per output token (prefill included):")
     per_proc: dict[str, float] = defaultdict(float)
     for key in sorted(after, key=lambda k: -(after[k] - before.get(k, 0.0))):

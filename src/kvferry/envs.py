@@ -84,9 +84,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "every engine serving the file, as llama.cpp's default mmap (unset: huge-pages where "
            "/sys/kernel/mm/transparent_hugepage/enabled is always or madvise, else mapped)"),
     EnvVar(GGUF_PANELS, "bool", "0",
-           "1 also packs each Q4_K and Q6_K weight at load into the panels the prefill-sized dots read (from "
-           "12 rows of x: c16 decode steps, prefill), so that no call decodes them: a second copy beside the "
-           "blocks, about their size (a Q4_K_M file's RSS about doubles), on an AVX512-VNNI CPU without AMX"),
+           "1 packs each Q4_K and Q6_K weight at load into panels of 16 rows that the dots read at every "
+           "batch size and the embedding's lookups of a tied table (the same bits as the blocks), and hands "
+           "the blocks' pages back, on an AVX512-VNNI CPU without AMX: c16 decode steps and prefill skip decoding the "
+           "panels per call; about the blocks' memory (Q4_K 1.03x)"),
     EnvVar(KERNEL_ISA, "str", "native",
            "instruction set the C++ kernels are built for: native, or avx2 (without AVX-512)"),
     EnvVar(CPU_BF16, "bool", "",

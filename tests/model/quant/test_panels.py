@@ -3,7 +3,9 @@ csrc/quant_prefill_dots.h's pack_panels): where a weight has them, the
 prefill-sized dots (from 12 rows of x) read them instead of decoding the
 blocks per call, and give the same bits as the panels decoded per call
 (which test_prefill_dots.py ties to the decode kernels and the reference);
-the decode kernels below 12 rows keep reading the blocks; the panels are
+at one row of x (batch-1 decode) the one-row dots read the packed panels
+with the blocks' one-row dots' bits; from 2 to 11 rows the decode kernels
+keep reading the blocks; the panels are
 about the blocks' size; freeing them hands the weight back to the blocks.
 The loader packs them with ``KVFERRY_GGUF_PANELS=1``: the same logits."""
 from __future__ import annotations
@@ -27,8 +29,8 @@ def test_packed_panels_give_the_decoded_panels_bits(name):
     """45 rows (two panels and a tail of 13), K = 2048: at 12-64 rows of x,
     1 and 2 threads, the packed panels' values are the per-call decoded
     panels' to the bit, and the reference's (dequantize, float matmul) to
-    8-bit x's rounding; they are what is read (zeroed, the outputs are 0);
-    below 12 rows nothing changes; freed, the blocks' panels again."""
+    8-bit x's rounding; they are what is read (zeroed, the outputs are 0,
+    below 12 rows too); freed, the blocks' panels again."""
     w, _ = weight(name, 45, 2048, seed=5)
     x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(9))
     before = torch.get_num_threads()
@@ -49,12 +51,87 @@ def test_packed_panels_give_the_decoded_panels_bits(name):
         assert ((quant.gemv(x, w) - ref).abs() <= 0.02 * scale).all()
         packed.zero_()  # the panels are what the prefill dots read
         assert torch.equal(quant.gemv(x[:16], w), torch.zeros(16, 45))
-        assert torch.equal(quant.gemv(x[:11], w), want[2][11])  # the decode kernels read the blocks
+        assert torch.equal(quant.gemv(x[:11], w), torch.zeros(11, 45))  # so do the decode-sized dots
         del packed
         gc.collect()
         assert torch.equal(quant.gemv(x[:16], w), want[2][16])  # unregistered: the blocks again
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_decode_dots_read_the_packed_panels_with_the_blocks_bits(name):
+    """Decode sizes (1-11 rows of x) on a packed weight: 45 rows (a tail
+    panel of 13) and 37 x 4096, float32 and bf16 x, 1 and 2 threads: the
+    packed panels' dots give the blocks' decode kernels' bits (rowsK1_512 at
+    one row, rowsK_512 from 2), and it is the panels they read: with the
+    blocks zeroed the values stay, with the panels zeroed they are 0."""
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((45, 2048), (37, 4096)):
+            w, _ = weight(name, n, k, seed=7)
+            x = torch.randn(11, k, generator=torch.Generator().manual_seed(3))
+            rows = [x[i:i + 1] for i in range(3)] + [x[:2], x[:5], x[:8], x]
+            want = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                want[threads] = ([quant.gemv(r, w) for r in rows], quant.linear(x[:1].bfloat16(), w))
+                for r, y in zip(rows, want[threads][0]):  # each row batch 1's bits, in any batch
+                    assert torch.equal(y, torch.cat([quant.gemv(r[i:i + 1], w) for i in range(r.shape[0])]))
+            packed = panels.pack(w)
+            blocks = w.data.clone()
+            w.data.zero_()  # what the blocks' dots would read now
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for i, r in enumerate(rows):
+                    assert torch.equal(quant.gemv(r, w), want[threads][0][i]), (n, threads, i)
+                assert torch.equal(quant.linear(x[:1].bfloat16(), w), want[threads][1])
+            packed.zero_()
+            assert torch.equal(quant.gemv(x[:1], w), torch.zeros(1, n))
+            assert torch.equal(quant.gemv(x, w), torch.zeros(11, n))
+            w.data.copy_(blocks)
+            del packed
+            gc.collect()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_embedding_reads_a_packed_table_with_the_blocks_bits(name):
+    """A table packed into panels (a tied lm_head's), its blocks zeroed: the
+    looked-up rows (the last panel's tail, repeats) are the blocks'
+    dequantized rows to the bit, float32 and bf16; a row id outside the
+    table is a clear error."""
+    w, _ = weight(name, 45, 1024, seed=11)
+    ids = torch.tensor([0, 44, 17, 17, 31, 32, 5])
+    want = {dt: quant.embedding(ids, w, dt) for dt in (torch.float32, torch.bfloat16)}
+    assert torch.equal(want[torch.float32], quant.dequantize_rows(w)[ids])
+    packed = panels.pack(w)
+    w.data.zero_()
+    for dt, y in want.items():
+        assert torch.equal(quant.embedding(ids, w, dt), y), dt
+    with pytest.raises(RuntimeError, match="outside"):
+        quant.embedding(torch.tensor([45]), w, torch.float32)
+    del packed
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_tiles_of_a_packed_weight_read_its_panels(name):
+    """The bf16 tiles (the C++ linear's, forced from 1 row; Python's
+    prefill) and dequantize_rows of a packed weight, its blocks zeroed:
+    the blocks' values to the bit (the variable never sends a packed
+    weight there, but nothing reads blocks that may be gone)."""
+    w, _ = weight(name, 45, 1024, seed=13)
+    x = torch.randn(20, 1024, generator=torch.Generator().manual_seed(2)).bfloat16()
+    t, n, _, *rest = kernels.linear_args(w)
+    tiles = lambda: torch.ops.kvferry_quant.linear(x, w.data, t, n, 1, *rest)  # noqa: E731
+    want = (tiles(), kernels.prefill(x, w), quant.dequantize_rows(w, 3, 40, torch.bfloat16))
+    packed = panels.pack(w)
+    w.data.zero_()
+    got = (tiles(), kernels.prefill(x, w), quant.dequantize_rows(w, 3, 40, torch.bfloat16))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    del packed
 
 
 def test_a_fused_layer_of_mixed_types_packs_its_k_quant_parts():
@@ -88,8 +165,9 @@ def test_the_panels_are_about_the_blocks_size():
 def test_the_loader_packs_with_the_variable_and_the_logits_stay(monkeypatch, tmp_path):
     """A tiny Q4_K_M file (bench/make_random_gguf.py: Q4_K, Q6_K v/down and
     lm_head) loaded with and without ``KVFERRY_GGUF_PANELS=1``: with it every
-    Q4_K / Q6_K weight has its panels, counted in the layers' bytes; a
-    16-token prefill's logits are the same bits either way."""
+    Q4_K / Q6_K weight has its panels, counted in the layers' bytes, and its
+    blocks' pages are handed back; a prefill's and batch-1 and batch-3
+    decode steps' logits are the same bits either way."""
     from bench.make_random_gguf import write
     from kvferry.model.loader import load_model
     from tests.model.paged_harness import PagedHarness
@@ -104,11 +182,24 @@ def test_the_loader_packs_with_the_variable_and_the_logits_stay(monkeypatch, tmp
 
     plain, packed = load("0"), load("1")
     assert envs.gguf_panels() and panels.wanted()
+    released = 0
     for a, b in zip(plain.linears(), packed.linears(), strict=True):
         ws = getattr(b, "qweights", None) or []
         assert not getattr(a, "panels", [])
         assert len(b.panels) == sum(w.fmt.name in ("Q4_K", "Q6_K") for w in ws), b.prefix
-        assert b.method.nbytes(b) == a.method.nbytes(a) + sum(p.numel() for p in b.panels)
-    seq = list(range(3, 19))
-    assert torch.equal(PagedHarness(packed).step({0: seq}, {0: len(seq)})[0],
-                       PagedHarness(plain).step({0: seq}, {0: len(seq)})[0])
+        # The packed weights' blocks are handed back, page by page (the last pages of a small one may stay).
+        packed_blocks = sum(w.nbytes for w in ws if w.fmt.name in ("Q4_K", "Q6_K"))
+        assert packed_blocks - len(b.panels) * 2 * 4096 <= b.released <= packed_blocks, b.prefix
+        assert b.method.nbytes(b) == a.method.nbytes(a) + sum(p.numel() for p in b.panels) - b.released
+        released += b.released
+    assert released > 0
+    # A prefill of 4 x 16 tokens, then batch 1 and batch 3 decode steps: the same logits, with the blocks gone.
+    hp, hq = PagedHarness(packed), PagedHarness(plain)
+    seqs = {r: list(range(3 + r, 19 + r)) for r in range(4)}
+    for plan in ({r: 16 for r in range(4)}, {0: 1}, {1: 1, 2: 1, 3: 1}):
+        for r in plan:
+            if plan[r] == 1:
+                seqs[r].append(40 + r)
+        got, want = hp.step(seqs, plan), hq.step(seqs, plan)
+        for r in plan:
+            assert torch.equal(got[r], want[r]), (plan, r)

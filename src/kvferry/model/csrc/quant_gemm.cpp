@@ -1329,9 +1329,16 @@ Successor learn_successor(const std::vector<Part>& parts) {
     s.total = 0;
     for (const Part& p : parts) {
       if (s.n == Stream::kMaxRanges) break;
+      int64_t bytes = p.n * p.bytes;
       s.w[s.n] = p.w;
-      s.bytes[s.n++] = p.n * p.bytes;
-      s.total += p.n * p.bytes;
+#ifdef KVQ_PREFILL_DOTS
+      if (p.packed != nullptr) {  // what its dots read (its blocks' pages may be gone)
+        s.w[s.n] = p.packed;
+        bytes = packed_bytes_of(p.t) * (p.bytes / info(p.t).bytes) * ((p.n + kPanel - 1) / kPanel);
+      }
+#endif
+      s.bytes[s.n++] = bytes;
+      s.total += bytes;
     }
   }
   previous = key;
@@ -1399,6 +1406,13 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
     Stream pf;  // this share's bytes, all parts, in the order it reads them, then its share of the next call's
     for (size_t k = 0; k < parts.size(); ++k) {
       const Share sh = share_of(k, b0, b1, j1 == tasks);
+#ifdef KVQ_PREFILL_DOTS
+      if (parts[k].packed != nullptr) {  // the packed panels are what the dots read
+        const int64_t pb = packed_bytes_of(parts[k].t) * (K / 256);  // a panel's
+        pf.add(parts[k].packed + sh.n0 / kPanel * pb, (sh.n1 - sh.n0 + kPanel - 1) / kPanel * pb);
+        continue;
+      }
+#endif
       pf.add(parts[k].w + sh.n0 * parts[k].bytes, (sh.n1 - sh.n0) * parts[k].bytes);
     }
     successor.add_share(pf, j0, j1, tasks);
@@ -1408,6 +1422,11 @@ at::Tensor dots(const at::Tensor& x_in, const std::vector<Part>& parts, at::Scal
       if (sh.n0 < sh.n1) {
         const Acts& a = info(p.t).block == 32 ? a32 : a256;
 #ifdef KVQ_PREFILL_DOTS
+        if (M < prefill_dots_min_rows(info(p.t).block) && p.packed != nullptr) {
+          if (bf16_out) packed_rows_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N, pf);
+          else packed_rows_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N, pf);
+          continue;
+        }
         if (M >= prefill_dots_min_rows(info(p.t).block) && p.packed != nullptr) {
           if (bf16_out) prefill_rows_packed_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<at::BFloat16>() + sh.col, N);
           else prefill_rows_packed_of(p.t, p.packed, a, M, sh.n0, sh.n1, y.data_ptr<float>() + sh.col, N);
@@ -1463,6 +1482,38 @@ void pack_panels_into(const at::Tensor& w, int64_t t, at::Tensor out) {
   uint8_t* o = out.data_ptr<uint8_t>();
   if (t == 12) pack_panels<12>(W, w.size(1), n, K / 256, o);
   else pack_panels<14>(W, w.size(1), n, K / 256, o);
+#endif
+}
+
+// Rows ids of w dequantized from its registered packed panels into out
+// [len(ids), K] float32 or bf16 (dequant_into's values from the blocks);
+// false (nothing written) where w has none.
+bool dequant_packed_rows(const at::Tensor& w, int64_t t, const at::Tensor& ids, const at::Tensor& out) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kByte, "quant_gemm: w must be uint8 [n, bytes]");
+  const int64_t n = w.size(0);
+  const uint8_t* packed = packed_panels(w.data_ptr<uint8_t>(), t, n);
+  if (packed == nullptr) return false;
+#ifdef KVQ_PREFILL_DOTS
+  const int64_t nb = w.size(1) / info(t).bytes, K = nb * 256;
+  const at::Tensor idx = ids.to(at::kLong).contiguous().reshape({-1});
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == idx.numel() && out.size(1) == K &&
+                  (bf16 || out.scalar_type() == at::kFloat),
+              "quant_gemm: out must be contiguous [len(ids), K] float32 or bf16");
+  const int64_t* r = idx.data_ptr<int64_t>();
+  for (int64_t k = 0; k < idx.numel(); ++k) {
+    TORCH_CHECK(r[k] >= 0 && r[k] < n, "quant_gemm: row id ", r[k], " is outside [0, ", n, ")");
+    if (bf16) {
+      at::BFloat16* o = out.data_ptr<at::BFloat16>() + k * K;
+      t == 12 ? dequant_packed_row<12>(packed, r[k], nb, o) : dequant_packed_row<14>(packed, r[k], nb, o);
+    } else {
+      float* o = out.data_ptr<float>() + k * K;
+      t == 12 ? dequant_packed_row<12>(packed, r[k], nb, o) : dequant_packed_row<14>(packed, r[k], nb, o);
+    }
+  }
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -1531,7 +1582,8 @@ at::Tensor tiles(const at::Tensor& x, const at::Tensor& w, int64_t t, int64_t n,
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t stop = std::min(start + rows, n);
     const at::Tensor wt = tile.narrow(0, 0, (stop - start) * K).view({stop - start, K});
-    dequant_into(w.narrow(0, start, stop - start), t, wt);
+    // A packed weight's blocks may be handed back: its tiles from its panels (dequant's bits).
+    if (!dequant_packed_rows(w, t, at::arange(start, stop, at::kLong), wt)) dequant_into(w.narrow(0, start, stop - start), t, wt);
     y.narrow(1, start, stop - start).copy_(transposed ? at::matmul(wt, xd.t()).t() : at::matmul(xd, wt.t()));
   }
   return y;
@@ -1656,5 +1708,6 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("packed_panel_bytes(int type, int n, int K) -> int", &packed_panel_bytes);
   m.def("pack_panels_into(Tensor w, int type, Tensor(a!) out) -> ()", &pack_panels_into);
   m.def("register_panels(Tensor w, int type, Tensor panels) -> int", &register_panels);
+  m.def("dequant_packed_rows(Tensor w, int type, Tensor ids, Tensor(a!) out) -> bool", &dequant_packed_rows);
   m.def("unregister_panels(int handle) -> ()", &unregister_panels);
 }

@@ -402,6 +402,179 @@ void prefill_rows_packed(const uint8_t* packed, const Acts& a, int64_t M, int64_
              });
 }
 
+// One row of x (decode at batch 1) against packed panels: weight rows n0..n1
+// (n0 a multiple of 16), each output's arithmetic rowsK1_512's to the bit, so
+// a weight whose blocks were replaced by its panels decodes as before. Each
+// output keeps rowsK1_512's 8 integer lanes (lane l: values 4l..4l+3 of every
+// 32-value group, q[j] with j % 8 == l, times their scales) and 8 mins lanes
+// (sub-blocks 2l, 2l + 1), as one register of 16 outputs each, multiplies
+// and adds them as floats lane by lane in superblock order, and ends with
+// hsum's order ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Per group
+// pair, two vpdpbusd (x's 4 bytes broadcast) whose sums (|s| < 2^15) share a
+// dword as 16-bit halves (one byte shuffle) and one vpdpwssd by the pair's
+// scales, as rowsK_512's. About 20 instructions per output and superblock,
+// where rowsK1_512 takes ~50 (its scales' shuffles and its per-row sums).
+template <int T>
+inline void packed_panel_row1(const uint8_t* src, const Acts& a, int64_t m0, float* y, Spread& spread) {
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  constexpr int64_t at = T == 14 ? 3072 : 2048;  // the scales' bytes
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i up4 = _mm512_broadcast_i32x4(_mm_setr_epi32(0x01000000, 0x05040000, 0x09080000, 0x0D0C0000));
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[8], macc[8];
+  KVQ_UNROLL for (int l = 0; l < 8; ++l) acc[l] = macc[l] = _mm512_setzero_ps();
+  auto x4 = [](const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); };
+  const int64_t nb = a.nb;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* o = src + i * PB;
+    const int64_t ai = m0 * nb + i;
+    const int8_t* xq = a.q + ai * 256;
+    const __m512 xd = _mm512_set1_ps(a.d[ai]);
+    __m512 vd, vdm;
+    auto scale = [&](int s) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 16 * s));
+      return T == 14 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    };
+    if constexpr (T == 12) {
+      vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 256)));
+      vdm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 288)));
+    } else {
+      vd = vdm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 256)));
+    }
+    const __m512 vdd = _mm512_mul_ps(vd, xd), vdmd = _mm512_mul_ps(vdm, xd);
+    // Lane l's integers: line (p, l) holds q[16p + l] (low nibbles) and q[16p + 8 + l] (high).
+    KVQ_UNROLL for (int half = 0; half < 2; ++half) {
+      // The scales of q[16p + l] and q[16p + 8 + l] (l in this half) as 16-bit halves of a dword.
+      __m512i scp[4];
+      KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+        const int s0 = T == 12 ? 2 * p : 4 * p + half, s1 = T == 12 ? 2 * p + 1 : 4 * p + 2 + half;
+        scp[p] = _mm512_or_si512(_mm512_and_si512(scale(s0), low16), _mm512_slli_epi32(scale(s1), 16));
+      }
+      KVQ_UNROLL for (int l = 4 * half; l < 4 * half + 4; ++l) {
+        spread.next();  // a few lines at a time: a superblock's ~37 at once held up its loads
+        __m512i h0, h1;
+        if constexpr (T == 14) {
+          h0 = _mm512_loadu_si512(o + 2048 + 64 * l);
+          h1 = _mm512_loadu_si512(o + 2048 + 64 * (l + 8));
+        }
+        __m512i iacc = _mm512_setzero_si512();
+        KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+          const __m512i c = _mm512_loadu_si512(o + 64 * (8 * p + l));
+          __m512i lo = _mm512_and_si512(c, m4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
+          if constexpr (T == 14) {  // bits 2p, 2p + 1 of the high-bit lines to bits 4, 5
+            auto up = [&](__m512i h) { return p < 3 ? _mm512_slli_epi16(h, 4 - 2 * p) : _mm512_srli_epi16(h, 2); };
+            lo = _mm512_ternarylogic_epi32(lo, up(h0), m30, 0xF8);
+            hi = _mm512_ternarylogic_epi32(hi, up(h1), m30, 0xF8);
+          }
+          const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x4(xq + 4 * (16 * p + l)));
+          const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, x4(xq + 4 * (16 * p + 8 + l)));
+          iacc = _mm512_dpwssd_epi32(iacc, _mm512_mask_shuffle_epi8(t0, 0xCCCCCCCCCCCCCCCCull, t1, up4), scp[p]);
+        }
+        acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), vdd, acc[l]);
+      }
+    }
+    // Mins lane l: sub-blocks 2l and 2l + 1 (Q6_K: 32 times their scales) times x's per-16 sums.
+    KVQ_UNROLL for (int l = 0; l < 8; ++l) {
+      __m512i mn;
+      if constexpr (T == 12) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 128 + 16 * l)));
+        mn = _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+      } else {
+        mn = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(scale(2 * l), 5), low16),
+                             _mm512_slli_epi32(scale(2 * l + 1), 21));
+      }
+      const __m512i im = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mn, x4(reinterpret_cast<const int8_t*>(a.bsum + ai * 16 + 2 * l)));
+      macc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(im), vdmd, macc[l]);
+    }
+  }
+  __m512 v[8];
+  KVQ_UNROLL for (int l = 0; l < 8; ++l) v[l] = _mm512_sub_ps(acc[l], macc[l]);
+  const __m512 t0 = _mm512_add_ps(_mm512_add_ps(v[0], v[4]), _mm512_add_ps(v[2], v[6]));
+  const __m512 t1 = _mm512_add_ps(_mm512_add_ps(v[1], v[5]), _mm512_add_ps(v[3], v[7]));
+  _mm512_storeu_ps(y, _mm512_add_ps(t0, t1));
+}
+
+// Weight rows n0..n1 (n0 a multiple of 16) of packed panels against one row of x, into Y[n].
+template <int T, typename O>
+void packed_rows1(const uint8_t* packed, const Acts& a, int64_t n0, int64_t n1, O* Y, Stream& pf) {
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  const int64_t panel_bytes = a.nb * PB;
+  alignas(64) float y[kPanel];
+  for (int64_t n = n0; n < n1; n += kPanel) {
+    Spread spread(pf.take(panel_bytes), 8 * a.nb);
+    packed_panel_row1<T>(packed + (n / kPanel) * panel_bytes, a, 0, y, spread);
+    spread.rest();
+    const int64_t cols = std::min<int64_t>(kPanel, n1 - n);
+    for (int64_t c = 0; c < cols; ++c) Y[n + c] = O(y[c]);
+  }
+}
+
+// Row m of x against one packed panel: a call of its own, so that the
+// batch-1 loop above keeps its own register allocation (inlined beside a
+// loop over m, GCC's hoisted constants cost batch 1 1.5-2x on Q6_K).
+template <int T>
+__attribute__((noinline)) void packed_panel_row(const uint8_t* panel, const Acts& a, int64_t m, float* y,
+                                                Spread& spread) {
+  packed_panel_row1<T>(panel, a, m, y, spread);
+}
+
+// The same against the M rows of x (decode batches below
+// PREFILL_DOTS_FROM_ROWS), into Y[m * ldy + n]: each panel meets the rows of
+// x one by one (its bytes stay in L1 or L2 between them), each row's values
+// rowsK1_512's, so rowsK_512's at any M.
+template <int T, typename O>
+void packed_rows(const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy,
+                 Stream& pf) {
+  if (M == 1) return packed_rows1<T>(packed, a, n0, n1, Y, pf);
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  const int64_t panel_bytes = a.nb * PB;
+  alignas(64) float y[kPanel];
+  for (int64_t n = n0; n < n1; n += kPanel) {
+    const uint8_t* panel = packed + (n / kPanel) * panel_bytes;
+    const int64_t cols = std::min<int64_t>(kPanel, n1 - n);
+    Spread spread(pf.take(panel_bytes), 8 * a.nb);
+    for (int64_t m = 0; m < M; ++m) {
+      packed_panel_row<T>(panel, a, m, y, spread);
+      for (int64_t c = 0; c < cols; ++c) Y[m * ldy + n + c] = O(y[c]);
+    }
+    spread.rest();
+  }
+}
+
+template <typename O>
+void packed_rows_of(int64_t t, const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
+                    int64_t ldy, Stream& pf) {
+  if (t == 12) packed_rows<12>(packed, a, M, n0, n1, Y, ldy, pf);
+  else if (t == 14) packed_rows<14>(packed, a, M, n0, n1, Y, ldy, pf);
+}
+
+// Weight row r of packed panels, dequantized into o[0..K): dequant_simd's
+// values from the blocks, to the bit (per value one fused multiply-add of
+// sc * d and mn * -dm, each product rounded as there). The embedding's
+// row lookups of a table whose blocks were released (a tied lm_head's).
+template <int T, typename O>
+void dequant_packed_row(const uint8_t* packed, int64_t r, int64_t nb, O* o) {
+  constexpr int U = scale_unit<T>();
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  const int c = int(r % kPanel);
+  const uint8_t* src = packed + (r / kPanel) * nb * PB;
+  KPanel<U> P;
+  for (int64_t i = 0; i < nb; ++i) {
+    unpack_superblock<T>(src + i * PB, P);
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(P.q);   // q[j]'s lane c: bytes 64 j + 4 c ..
+    const int32_t* sc = reinterpret_cast<const int32_t*>(P.sc); // sc[s]'s lane c: 16 s + c
+    const int32_t* mn = reinterpret_cast<const int32_t*>(P.mn); // mins 2j, 2j + 1 as int16 halves
+    const float d = reinterpret_cast<const float*>(&P.vd)[c], dm = reinterpret_cast<const float*>(&P.vdm)[c];
+    for (int s = 0; s < 16; ++s) {  // per 16 values: khead's sc[s] and mn[s]
+      const float fs = float(sc[(16 * s / U) * 16 + c]) * d;
+      const int32_t pair = mn[(s / 2) * 16 + c];
+      const float fm = float(int16_t(s % 2 ? uint32_t(pair) >> 16 : uint32_t(pair) & 0xFFFF)) * -dm;
+      for (int v = 16 * s; v < 16 * s + 16; ++v)
+        o[i * 256 + v] = O(std::fma(fs, float(q[(v / 4) * 64 + 4 * c + v % 4]), fm));
+    }
+  }
+}
+
 template <typename O>
 void prefill_rows_packed_of(int64_t t, const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y,
                             int64_t ldy) {

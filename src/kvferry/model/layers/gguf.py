@@ -25,17 +25,19 @@ dozen Python calls). A layer of mixed types (Q4_K_M's q/k and v) is
 ``QUANT_PARTS`` with its parts and their types, multiplied by
 ``layer_linear_parts``, the kernel ``quant.linear_parts`` calls.
 
-With ``KVFERRY_GGUF_PANELS=1`` each Q4_K and Q6_K weight is also packed at
-load into the panels the prefill-sized dots read (quant/panels.py), on
-huge pages where the blocks are: the layer keeps them (``layer.panels``),
-and every call over the weight's blocks finds them in the library.
+With ``KVFERRY_GGUF_PANELS=1`` each Q4_K and Q6_K weight is packed at
+load into the panels the dots read at every batch size (quant/panels.py),
+on huge pages where the blocks are: the layer keeps them (``layer.panels``),
+every call over the weight's blocks finds them in the library (the
+embedding's lookups of a tied table too), and the blocks' pages are handed
+back (``layer.released`` bytes).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kvferry.model import gguf_memory, huge_pages, quant
+from kvferry.model import gguf_memory, quant
 from kvferry.model.layers.base import Linear, LinearConfig, LinearMethodBase, MatmulArgs
 from kvferry.model.layers.unquantized import UnquantizedLinearMethod
 from kvferry.model.layers.vocab import EmbeddingMethodBase, UnquantizedEmbeddingMethod, VocabEmbedding
@@ -62,6 +64,7 @@ class GGUFLinearMethod(LinearMethodBase):
         layer.shards = {}  # first row -> QuantizedWeight, until processed
         layer.qweights = []  # what apply multiplies, in row order
         layer.panels = []  # their packed panels, where packed (quant/panels.py); kept alive here
+        layer.released = 0  # bytes of their blocks handed back once packed
 
     def load_weight(self, layer: Linear, rows: slice | None, tensor: torch.Tensor | QuantizedWeight,
                     name: str) -> None:
@@ -85,8 +88,13 @@ class GGUFLinearMethod(LinearMethodBase):
         layer.qweights = shards
         layer.shards = {}
         if panels.wanted():
-            empty = huge_pages.empty if gguf_memory.mode() == gguf_memory.HUGE_PAGES else torch.empty
-            layer.panels = [p for p in (panels.pack(w, empty) for w in shards) if p is not None]
+            empty = panels.huge_page_empty if gguf_memory.mode() == gguf_memory.HUGE_PAGES else torch.empty
+            layer.panels = []
+            for w in shards:
+                packed = panels.pack(w, empty)
+                if packed is not None:  # every dots call reads the panels now: the blocks' pages go
+                    layer.panels.append(packed)
+                    layer.released += panels.release_blocks(w)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         ws = layer.qweights
@@ -104,7 +112,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def nbytes(self, layer: Linear) -> int:
         return (sum(w.nbytes for w in layer.qweights) + sum(w.nbytes for w in layer.shards.values())
-                + sum(p.numel() for p in layer.panels))
+                + sum(p.numel() for p in layer.panels) - layer.released)
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
@@ -124,7 +132,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         if tensor.shape != (layer.num_embeddings, layer.embedding_dim):
             raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected "
                              f"{(layer.num_embeddings, layer.embedding_dim)}")
-        layer.qweight = tensor
+        layer.qweight = tensor  # where a tied lm_head packs it, the lookups read its panels
 
     def embedding(self, layer: VocabEmbedding, ids: torch.Tensor) -> torch.Tensor:
         return quant.embedding(ids, layer.qweight, layer.dtype)

@@ -234,17 +234,30 @@ def dequantize_rows(weight: QuantizedWeight, start: int = 0, stop: int | None = 
     """Rows start..stop of the weight as floats [rows, in_features] (float32 or bf16)."""
     data = weight.data[start:stop]
     out = torch.empty(data.shape[0], weight.in_features, dtype=dtype)
-    _ops().dequant_into(data, weight.fmt.ggml_type, out)
+    _dequant_rows_into(weight, start, start + data.shape[0], out)
     return out
+
+
+def _dequant_rows_into(weight: QuantizedWeight, start: int, stop: int, out: torch.Tensor) -> None:
+    """Rows start..stop of the weight into ``out``: from its packed panels where
+    it has them (its blocks may be handed back, quant/panels.py), else its blocks."""
+    ops, t = _ops(), weight.fmt.ggml_type
+    if t in (12, 14) and ops.dequant_packed_rows(weight.data, t, torch.arange(start, stop), out):
+        return
+    ops.dequant_into(weight.data[start:stop], t, out)
 
 
 def embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` [T] of a quantized table, dequantized: [T, in_features] in
     ``dtype`` (float32 or bf16). Only the looked-up rows' blocks are read
     (gathered, T x bytes_per_row, then decoded), never the whole table."""
+    ops = _ops()
+    out = torch.empty(ids.numel(), weight.in_features, dtype=dtype)
+    # A table packed into panels (a tied lm_head's, quant/panels.py) may have handed its blocks back.
+    if weight.fmt.ggml_type in (12, 14) and ops.dequant_packed_rows(weight.data, weight.fmt.ggml_type, ids, out):
+        return out
     rows = weight.data.index_select(0, ids.reshape(-1))  # [T, bytes_per_row] uint8
-    out = torch.empty(rows.shape[0], weight.in_features, dtype=dtype)
-    _ops().dequant_into(rows, weight.fmt.ggml_type, out)
+    ops.dequant_into(rows, weight.fmt.ggml_type, out)
     return out
 
 
@@ -274,7 +287,7 @@ def prefill(x: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype = torch
     for start in range(0, weight.out_features, rows):
         stop = min(start + rows, weight.out_features)
         w = tile[:(stop - start) * weight.in_features].view(stop - start, weight.in_features)
-        ops.dequant_into(weight.data[start:stop], weight.fmt.ggml_type, w)
+        _dequant_rows_into(weight, start, stop, w)
         y[:, start:stop] = (w @ xd.t()).t() if transposed else xd @ w.t()
     return y
 

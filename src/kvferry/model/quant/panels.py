@@ -11,11 +11,16 @@ planes, byte scales, fp16 d), about the blocks' own size (Q4_K 1.03x, Q6_K
 1.0x), and a call then widens them with a few operations per register.
 The results are the unpacked panels', to the bit.
 
-The packed panels are a second copy of the weight beside its blocks, which
-the decode kernels (below ``PREFILL_DOTS_FROM_ROWS`` rows: batch 1's
-rowsK1_512 reads 2.3x faster from the blocks than a panel from the packed
-bytes), the tiles and the embedding keep reading: ``KVFERRY_GGUF_PANELS=1``
-says to pay that memory (``wanted``).
+Below ``PREFILL_DOTS_FROM_ROWS`` rows (decode) the dots read the packed
+panels too (packed_rows: per output rowsK1_512's integer lanes and float
+steps, so the blocks' decode kernels' bits at any batch), so once a weight
+is packed no dots call reads its blocks, and ``release_blocks`` hands their
+pages back (madvise MADV_DONTNEED on the huge-page copy or the file's
+private mapping): the panels replace the blocks, not double them. The
+embedding's row lookups of a packed table (a tied lm_head's) and the bf16
+tiles read the panels too (dequant_packed_row, dequant's bits; the tiles
+only as a fallback: ``wanted`` packs only where the prefill dots fit, and
+then the dots serve every batch size).
 The library finds a weight's panels by its blocks' address
 (``register_panels``), so every op that multiplies the blocks (the Python
 layers, the one-call decoder layer) takes them without new arguments; the
@@ -23,11 +28,14 @@ entry is dropped when the panels are freed.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import weakref
 
 import torch
 
 from kvferry import envs
+from kvferry.model import huge_pages
 from kvferry.model.quant import kernels
 from kvferry.model.quant.formats import QuantizedWeight
 
@@ -65,3 +73,37 @@ def pack(weight: QuantizedWeight, empty=torch.empty) -> torch.Tensor | None:
     handle = ops.register_panels(weight.data, weight.fmt.ggml_type, panels)
     weakref.finalize(panels, ops.unregister_panels, handle)
     return panels
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def release_blocks(weight: QuantizedWeight) -> int:
+    """Hand back the pages wholly inside ``weight``'s blocks (madvise
+    MADV_DONTNEED): call only once its panels are registered (``pack``), so
+    every dots call reads them. The huge-page copy's pages are freed, the
+    file mapping's dropped from this process (read again from the file if
+    ever touched). Returns the bytes released."""
+    start = weight.data.data_ptr()
+    lo, hi = -(-start // _PAGE) * _PAGE, (start + weight.nbytes) // _PAGE * _PAGE
+    if hi <= lo:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {weight.name!r}'s blocks failed")
+    return hi - lo
+
+
+# The huge-page panels of all packed weights, back to back in 64 MiB chunks:
+# each weight's panels on their own huge-page mapping left ~1 MiB of its
+# last 2 MiB page unused (faulted in whole), ~100 MB on a 1B Q4_K_M file's
+# ~80 weights. A chunk lives while any panels in it do (and the chunk being
+# filled, while this process packs).
+_arena = huge_pages.Arena(64 << 20)
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``pack``'s ``empty`` on huge pages: uint8 panels from the shared arena."""
+    assert dtype == torch.uint8 and len(shape) == 1
+    return _arena.empty(shape[0])
