@@ -433,12 +433,15 @@ struct Acts {
   // [M * nb * 8] for B = 32 on VNNI: -128 times each 4 values' sum, the
   // start of a Q8_0 dot's lanes (rows32).
   const int32_t* x4 = nullptr;
+  // [M * nb * 8] for B = 256: the per-32 sums (bsum's pairs added, |sum| <= 32 * 127), which
+  // the prefill dots' Q4_K / Q5_K mins (one per 32 values) take two at a time.
+  const int16_t* bsum32 = nullptr;
 };
 
 struct ActsScratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int16_t> bsum;
+  std::vector<int16_t> bsum, bsum32;
   std::vector<int32_t> x4;
 };
 
@@ -482,11 +485,13 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
   if (int64_t(sc.q.size()) < M * K) sc.q.resize(M * K);
   if (int64_t(sc.d.size()) < M * nb) { sc.d.resize(M * nb); sc.s.resize(M * nb); }
   if (B == 256 && int64_t(sc.bsum.size()) < M * nb * 16) sc.bsum.resize(M * nb * 16);
+  if (B == 256 && int64_t(sc.bsum32.size()) < M * nb * 8) sc.bsum32.resize(M * nb * 8);
   if (B == 32 && int64_t(sc.x4.size()) < M * nb * 8) sc.x4.resize(M * nb * 8);
   int32_t* X4 = sc.x4.data();
   int8_t* Q = sc.q.data();
   float *D = sc.d.data(), *S = sc.s.data();
   int16_t* BS = sc.bsum.data();
+  int16_t* BS32 = sc.bsum32.data();
   // A decode row's few blocks quantize faster inline than a parallel region starts.
   at::parallel_for(0, M * nb, 256 * 32 / B, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -530,6 +535,12 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
         t = _mm_hadd_epi32(t, t); t = _mm_hadd_epi32(t, t);
         D[i] = d; S[i] = d * float(_mm_cvtsi128_si32(t));
+        if (B == 256) {  // the per-32 sums: pairs of per-16 sums added
+          const __m256i s32 = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(BS + i * 16)),
+                                                _mm256_set1_epi16(1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(BS32 + i * 8),
+                           _mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1)));
+        }
 #ifdef KVQ_VNNI
         if (B == 32) {
           const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -554,9 +565,11 @@ Acts quantize_rows(const X* x, int64_t M, int64_t K, int64_t B) {
           for (int l = 0; l < 16; ++l) s16 += q[16 * k + l];
           BS[i * 16 + k] = int16_t(s16);
         }
+      if (B == 256)
+        for (int k = 0; k < 8; ++k) BS32[i * 8 + k] = int16_t(BS[i * 16 + 2 * k] + BS[i * 16 + 2 * k + 1]);
     }
   });
-  return Acts{B, nb, Q, D, S, BS, B == 32 ? X4 : nullptr};
+  return Acts{B, nb, Q, D, S, BS, B == 32 ? X4 : nullptr, B == 256 ? BS32 : nullptr};
 }
 
 // Rows of x per pass over a weight row (its blocks stay in L1 between passes):

@@ -20,7 +20,8 @@
 //   * then R rows of x at a time meet every panel of the block: per unit of U
 //     values (one scale), U / 4 vpdpbusd per row (x's 4 bytes broadcast from
 //     L1) and one vpmulld by the scales; per superblock 8 vpdpwssd for the
-//     mins (x's per-16 sums, Q8_K's bsums), then one convert and multiply-add
+//     mins (x's per-16 sums, Q8_K's bsums; Q4_K / Q5_K: 4, x's per-32 sums),
+//     then one convert and multiply-add
 //     per 16 outputs each for values and mins.
 // x is quantized as for the one-row dots (quantize_rows), and each output's
 // superblock integers are theirs (the sum of their 8 lanes, exact); only the
@@ -47,7 +48,12 @@ template <int U>
 struct alignas(64) KPanel {
   __m512i q[64];        // q[j]: values 4j..4j+3 of each row, unsigned bytes
   __m512i sc[256 / U];  // the scale of values U s .. U s + U - 1, int32
-  __m512i mn[8];        // mins 2j and 2j + 1 (per 16 values), int16 pairs
+  // Per 16 values (U = 16): mins 2j and 2j + 1, int16 pairs, j < 8. Per 32
+  // (U = 32: Q4_K / Q5_K, whose mins come in equal pairs per 16): the mins of
+  // groups 2j and 2j + 1 for j < 4, the rest zero, against x's per-32 sums
+  // (Acts::bsum32): 4 vpdpwssd a superblock and row of x where per 16 took 8
+  // (Zen 4, 8 x 6 rows in L1: 181 GMAC/s against 173), the same integers.
+  __m512i mn[8];
   __m512 vd, vdm;       // d and dmin
 };
 
@@ -147,7 +153,9 @@ void kdecode_panel(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, KP
       // khead stored sc and mn 256 bits each: these loads are forwarded from those stores.
       const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc));
       _mm512_store_si512(sc[c], _mm512_cvtepi16_epi32(s16));
-      const __m256i m16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+      __m256i m16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+      if constexpr (U == 32)  // (m_g, m_g) per 32-bit lane: the low halves are the 8 groups' mins, in order
+        m16 = _mm256_zextsi128_si256(_mm256_cvtepi32_epi16(m16));
       const __m256 dd = _mm256_setr_ps(h.d, h.dm, 0, 0, 0, 0, 0, 0);
       _mm512_store_si512(mn[c], _mm512_inserti64x4(_mm512_castsi256_si512(m16), _mm256_castps_si256(dd), 1));
     }
@@ -197,7 +205,11 @@ inline void kpanel_rows(const KPanel<U>* P, const Acts& a, int64_t m0, float* y)
     KVQ_UNROLL for (int r = 0; r < R; ++r) {
       const int64_t ai = (m0 + r) * nb + i;
       __m512i im = _mm512_setzero_si512();
-      KVQ_UNROLL for (int j = 0; j < 8; ++j) im = _mm512_dpwssd_epi32(im, p.mn[j], x4(a.bsum + ai * 16 + 2 * j));
+      if constexpr (U == 32) {  // mins per 32 values, two groups a lane against x's per-32 sums
+        KVQ_UNROLL for (int j = 0; j < 4; ++j) im = _mm512_dpwssd_epi32(im, p.mn[j], x4(a.bsum32 + ai * 8 + 2 * j));
+      } else {
+        KVQ_UNROLL for (int j = 0; j < 8; ++j) im = _mm512_dpwssd_epi32(im, p.mn[j], x4(a.bsum + ai * 16 + 2 * j));
+      }
       const __m512 xd = _mm512_set1_ps(a.d[ai]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(p.vd, xd), acc[r]);
       macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(p.vdm, xd), macc[r]);
@@ -315,8 +327,11 @@ void pack_superblock(const KPanel<scale_unit<T>()>& P, uint8_t* o) {
   }
   for (int s = 0; s < 256 / U; ++s) _mm_storeu_si128(reinterpret_cast<__m128i*>(o + at + 16 * s), _mm512_cvtepi32_epi8(P.sc[s]));
   at += 16 * (256 / U);
-  if constexpr (T == 12) {  // mins 2j and 2j + 1 are group j's min: the low byte of the pair
-    for (int j = 0; j < 8; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(o + at + 16 * j), _mm512_cvtepi32_epi8(P.mn[j]));
+  if constexpr (T == 12) {  // group g's min: the low (g even) or high (g odd) half of mn[g / 2]
+    for (int g = 0; g < 8; ++g) {
+      const __m512i m = g % 2 ? _mm512_srli_epi32(P.mn[g / 2], 16) : P.mn[g / 2];
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + at + 16 * g), _mm512_cvtepi32_epi8(m));
+    }
     at += 128;
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + at), _mm512_cvtps_ph(P.vd, _MM_FROUND_TO_NEAREST_INT));
@@ -348,10 +363,9 @@ inline void unpack_superblock(const uint8_t* o, KPanel<scale_unit<T>()>& P) {
     P.sc[s] = T == 14 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   }
   if constexpr (T == 12) {
-    KVQ_UNROLL for (int j = 0; j < 8; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 128 + 16 * j)));
-      P.mn[j] = _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
-    }
+    auto mins = [&](int g) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 128 + 16 * g))); };
+    KVQ_UNROLL for (int j = 0; j < 4; ++j) P.mn[j] = _mm512_or_si512(mins(2 * j), _mm512_slli_epi32(mins(2 * j + 1), 16));
+    KVQ_UNROLL for (int j = 4; j < 8; ++j) P.mn[j] = _mm512_setzero_si512();
     P.vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 256)));
     P.vdm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 288)));
   } else {  // Q6_K's "mins" are 32 sc (the -32 offset), as int16 pairs
