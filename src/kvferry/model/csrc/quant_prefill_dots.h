@@ -577,12 +577,15 @@ void dequant_packed_row(const uint8_t* packed, int64_t r, int64_t nb, O* o) {
     unpack_superblock<T>(src + i * PB, P);
     const uint8_t* q = reinterpret_cast<const uint8_t*>(P.q);   // q[j]'s lane c: bytes 64 j + 4 c ..
     const int32_t* sc = reinterpret_cast<const int32_t*>(P.sc); // sc[s]'s lane c: 16 s + c
-    const int32_t* mn = reinterpret_cast<const int32_t*>(P.mn); // mins 2j, 2j + 1 as int16 halves
+    // The mins as int16 halves of a dword (KPanel::mn): per 16 values (Q6_K)
+    // sub-blocks 2j and 2j + 1 in mn[j]; per 32 (Q4_K) groups 2j and 2j + 1.
+    const int32_t* mn = reinterpret_cast<const int32_t*>(P.mn);
     const float d = reinterpret_cast<const float*>(&P.vd)[c], dm = reinterpret_cast<const float*>(&P.vdm)[c];
     for (int s = 0; s < 16; ++s) {  // per 16 values: khead's sc[s] and mn[s]
       const float fs = float(sc[(16 * s / U) * 16 + c]) * d;
-      const int32_t pair = mn[(s / 2) * 16 + c];
-      const float fm = float(int16_t(s % 2 ? uint32_t(pair) >> 16 : uint32_t(pair) & 0xFFFF)) * -dm;
+      const int unit = 16 * s / U;  // the min's index in its own unit (16 or 32 values)
+      const int32_t pair = mn[(unit / 2) * 16 + c];
+      const float fm = float(int16_t(unit % 2 ? uint32_t(pair) >> 16 : uint32_t(pair) & 0xFFFF)) * -dm;
       for (int v = 16 * s; v < 16 * s + 16; ++v)
         o[i * 256 + v] = O(std::fma(fs, float(q[(v / 4) * 64 + 4 * c + v % 4]), fm));
     }
