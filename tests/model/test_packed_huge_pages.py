@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvferry.model import huge_pages, small_gemm
-from kvferry.model.linear import HUGE_PAGE_MIN_BYTES, huge_page_arena, linear, pack_weight
+from kvferry.model.linear import HUGE_PAGE_MIN_BYTES, huge_page_arena, linear, on_huge_pages, pack_weight
 
 pytestmark = [
     pytest.mark.skipif(not small_gemm.available(torch.bfloat16),
@@ -58,14 +58,19 @@ def test_a_large_packed_weight_lies_on_huge_pages_with_the_same_products():
 
 
 def test_a_small_or_unarranged_packed_weight_stays_put():
+    """Stays where small_gemm put it: the very tensor comes back. (Not the
+    heap mapping's advice flags: late in a long process a heap mapping was
+    seen carrying MADV_HUGEPAGE's flag though nothing here advised it.)"""
+    small = small_gemm.pack(torch.randn(256, 256).to(torch.bfloat16))  # 128 KiB: mostly read from L3
+    large = small_gemm.pack(torch.randn(2048, 2048).to(torch.bfloat16))
     with huge_page_arena():
-        small = pack_weight(torch.randn(256, 256).to(torch.bfloat16))  # 128 KiB: mostly read from L3
+        assert on_huge_pages(small) is small
     with huge_page_arena(move=False):  # MoE experts: moe.py moves them into a slab of their own
-        expert = pack_weight(torch.randn(2048, 2048).to(torch.bfloat16))
-    loose = pack_weight(torch.randn(2048, 2048).to(torch.bfloat16))  # no model's packing open
-    for packed in (small, expert, loose):
-        assert packed is not None and packed.small is not None
-        assert "hg" not in _mapping(packed.small.data_ptr())["VmFlags"].split()
+        assert on_huge_pages(large) is large
+    assert on_huge_pages(large) is large  # no model's packing open
+    with huge_page_arena():  # the same large copy does move while one is open
+        moved = on_huge_pages(large)
+    assert moved is not large and torch.equal(moved, large) and moved.data_ptr() % huge_pages.HUGE_PAGE == 0
 
 
 def test_a_model_on_huge_pages_gives_the_same_logits(tmp_path, monkeypatch):
