@@ -23,29 +23,11 @@ from kvferry.model.gguf_convert import embedded_gguf_path
 from kvferry.model.layers.parallel import TPShard
 from kvferry.model.loader import load_model
 from tests.model.own_cache import own_model_cache
+from tests.model.smaps import mapping_of
 from tests.model.paged_harness import PagedHarness
 from tests.tiny_models import make_tiny_checkpoint, write_tiny_gguf
 
 thp = pytest.mark.skipif(not huge_pages.thp_enabled(), reason="the kernel's transparent huge pages are off")
-
-
-def _mapping(address: int) -> dict[str, str | int]:
-    """The /proc/self/smaps fields of the mapping holding ``address`` (and "path": its file, "" if anonymous)."""
-    fields: dict[str, str] | None = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and not head[0].endswith(":"):
-                if fields is not None:
-                    return fields
-                start, end = (int(v, 16) for v in head[0].split("-"))
-                fields = ({"path": head[5] if len(head) > 5 else "", "start": start, "end": end}
-                          if start <= address < end else None)
-            elif fields is not None:
-                fields[head[0].rstrip(":")] = " ".join(head[1:])
-    if fields is None:
-        raise AssertionError(f"no mapping holds {address:#x}")
-    return fields
 
 
 def _blocks(model) -> dict[str, list[torch.Tensor]]:
@@ -97,13 +79,13 @@ def test_blocks_lie_in_one_huge_page_slab_with_the_files_bytes(monkeypatch):
     assert len(storages) == 1, "one slab"
     assert len(huge.layers[0].self_attn.qkv_proj.qweights) == 1  # q, k, v: one view, no stacked copy
     slab = huge.embed.qweight.data.untyped_storage()
-    fields = _mapping(slab.data_ptr())
+    fields = mapping_of(slab.data_ptr())
     assert fields["path"] == "" and "hg" in fields["VmFlags"].split()  # anonymous, MADV_HUGEPAGE
     file_bytes = embedded_gguf_path().stat().st_size
     assert int(fields["AnonHugePages"].split()[0]) * 1024 > 0.8 * file_bytes  # written on 2 MiB pages
     # The mapped mode's blocks: views of the file.
     view = mapped.layers[0].mlp.down_proj.qweights[0].data
-    assert _mapping(view.data_ptr())["path"] == str(embedded_gguf_path())
+    assert mapping_of(view.data_ptr())["path"] == str(embedded_gguf_path())
     seq = list(range(3, 13))
     assert torch.equal(PagedHarness(huge).step({0: seq}, {0: len(seq)})[0],
                        PagedHarness(mapped).step({0: seq}, {0: len(seq)})[0])
@@ -117,8 +99,8 @@ def test_an_untied_embedding_stays_mapped(monkeypatch, tmp_path):
         f = write_tiny_gguf(hf, tmp / "untied.gguf", qtype="Q8_0", quantize_vocab=True)
         m = _load(monkeypatch, "huge-pages", str(f))
         embed, head = m.embed.qweight.data, m.logits_proj.qweights[0].data
-        assert _mapping(embed.data_ptr())["path"] == str(f)
-        assert _mapping(head.data_ptr())["path"] == ""
+        assert mapping_of(embed.data_ptr())["path"] == str(f)
+        assert mapping_of(head.data_ptr())["path"] == ""
         assert head.untyped_storage().data_ptr() == m.layers[0].mlp.down_proj.qweights[0].data.untyped_storage().data_ptr()
 
 
@@ -140,16 +122,16 @@ def test_a_ranks_slices_are_read_into_huge_pages(monkeypatch, tmp_path):
     for prefix in got:
         assert all(torch.equal(a, b) for a, b in zip(got[prefix], want[prefix], strict=True)), prefix
     for w in [*(w for ws in got.values() for w in ws), huge.embed.qweight.data]:
-        fields = _mapping(w.data_ptr())
+        fields = mapping_of(w.data_ptr())
         assert fields["path"] == "" and "hg" in fields["VmFlags"].split()
     # Under mapped nothing is read into huge pages: no huge-page mapping was made, and no slice lies
     # in one of the huge-pages load's mappings. (Not "no slice's mapping is advised": once, late in a
     # full suite's process, a heap slice's mapping carried the advice though this load made none.)
     assert mapped_calls == []
-    huge_maps = {(m["start"], m["end"]) for m in (_mapping(w.data_ptr()) for ws in got.values() for w in ws)}
+    huge_maps = {(m["start"], m["end"]) for m in (mapping_of(w.data_ptr()) for ws in got.values() for w in ws)}
     for prefix, ws in want.items():
         for w in ws:
-            m = _mapping(w.data_ptr())
+            m = mapping_of(w.data_ptr())
             assert (m["start"], m["end"]) not in huge_maps, (prefix, m)
 
 

@@ -13,30 +13,13 @@ import torch
 
 from kvferry.model import huge_pages, small_gemm
 from kvferry.model.linear import HUGE_PAGE_MIN_BYTES, huge_page_arena, linear, on_huge_pages, pack_weight
+from tests.model.smaps import mapping_of
 
 pytestmark = [
     pytest.mark.skipif(not small_gemm.available(torch.bfloat16),
                        reason="the bf16 small-batch matmul needs AVX512-BF16 without AMX and a compiler"),
     pytest.mark.skipif(not huge_pages.thp_enabled(), reason="the kernel's transparent huge pages are off"),
 ]
-
-
-def _mapping(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds ``address``."""
-    fields: dict[str, str] | None = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and not head[0].endswith(":"):
-                if fields is not None:
-                    return fields
-                start, end = (int(v, 16) for v in head[0].split("-"))
-                if start <= address < end:
-                    fields = {}
-            elif fields is not None:
-                fields[head[0].rstrip(":")] = " ".join(head[1:])
-    assert fields is not None, f"no mapping holds {address:#x}"
-    return fields
 
 
 def test_a_large_packed_weight_lies_on_huge_pages_with_the_same_products():
@@ -49,7 +32,7 @@ def test_a_large_packed_weight_lies_on_huge_pages_with_the_same_products():
     assert torch.equal(packed.small, plain)
     address = packed.small.data_ptr()
     assert address % huge_pages.HUGE_PAGE == 0
-    fields = _mapping(address)
+    fields = mapping_of(address)
     assert "hg" in fields["VmFlags"].split()  # advised MADV_HUGEPAGE
     assert int(fields["AnonHugePages"].split()[0]) * 1024 >= HUGE_PAGE_MIN_BYTES  # faulted in on 2 MiB pages
     for rows in (1, 5, 16):
@@ -91,8 +74,8 @@ def test_a_model_on_huge_pages_gives_the_same_logits(tmp_path, monkeypatch):
     moved = load_model(str(path), dtype="bfloat16").model
     got = PagedHarness(moved).step({0: seq, 1: seq[:7]}, plan)
     weight = moved.layers[0].mlp.gate_up_proj.packed.small
-    assert weight is not None and "hg" in _mapping(weight.data_ptr())["VmFlags"].split()
-    assert "hg" not in _mapping(plain.layers[0].mlp.gate_up_proj.packed.small.data_ptr())["VmFlags"].split()
+    assert weight is not None and "hg" in mapping_of(weight.data_ptr())["VmFlags"].split()
+    assert "hg" not in mapping_of(plain.layers[0].mlp.gate_up_proj.packed.small.data_ptr())["VmFlags"].split()
     # a model's copies back to back in one arena chunk, not a mapping (and up to 2 MiB of slack) each
     chunks = {lin.packed.small.untyped_storage().data_ptr() for lin in moved.linears() if lin.packed is not None}
     assert len(chunks) == 1
