@@ -126,16 +126,23 @@ def load_once(path: str, mode: str) -> dict:
             "anon_added": after["RssAnon"] - before["RssAnon"], "huge": huge, "rss_before": before["VmRSS"]}
 
 
-def loads(path: str, n: int) -> None:
-    got: dict[str, list] = {mode: [] for mode in MODES}
+def fresh_process_loads(script: str, path: str, ways: tuple[str, ...], n: int) -> dict[str, dict[str, float]]:
+    """Each way's medians over ``n`` loads, each in a fresh process
+    (``script PATH --load-once WAY``, whose last stdout line is its JSON
+    record), the ways' order alternating from one round to the next."""
+    got: dict[str, list] = {way: [] for way in ways}
     for i in range(n):
-        for mode in (MODES if i % 2 == 0 else MODES[::-1]):
-            out = subprocess.run([sys.executable, __file__, path, "--load-once", mode], capture_output=True,
+        for way in (ways if i % 2 == 0 else ways[::-1]):
+            out = subprocess.run([sys.executable, script, path, "--load-once", way], capture_output=True,
                                  text=True, check=True).stdout
-            got[mode].append(json.loads(out.strip().splitlines()[-1]))
+            got[way].append(json.loads(out.strip().splitlines()[-1]))
+    return {way: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for way, runs in got.items()}
+
+
+def loads(path: str, n: int) -> None:
+    medians = fresh_process_loads(__file__, path, MODES, n)
     print(f"file {os.path.getsize(path) / 1e6:.0f} MB; medians of {n} loads each (MB, s):")
-    for mode, runs in got.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    for mode, med in medians.items():
         print(f"  {mode:10s} load wall {med['wall']:.2f} s, CPU {med['cpu']:.2f} s | RSS before {med['rss_before']:.0f}, "
               f"peak {med['peak']:.0f}, after {med['rss']:.0f}, anonymous added {med['anon_added']:.0f} "
               f"(on huge pages {med['huge']:.0f})")

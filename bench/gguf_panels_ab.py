@@ -22,11 +22,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
-from gguf_blocks_memory import step_calls
+from gguf_blocks_memory import fresh_process_loads, step_calls
 
 WAYS = ("blocks", "panels")
 
@@ -93,15 +91,9 @@ def load_once(path: str, way: str) -> dict:
 
 
 def loads(path: str, n: int) -> None:
-    got: dict[str, list] = {way: [] for way in WAYS}
-    for i in range(n):
-        for way in (WAYS if i % 2 == 0 else WAYS[::-1]):
-            out = subprocess.run([sys.executable, __file__, path, "--load-once", way], capture_output=True,
-                                 text=True, check=True).stdout
-            got[way].append(json.loads(out.strip().splitlines()[-1]))
+    medians = fresh_process_loads(__file__, path, WAYS, n)
     print(f"file {os.path.getsize(path) / 1e6:.0f} MB; medians of {n} loads each (MB, s):")
-    for way, runs in got.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    for way, med in medians.items():
         print(f"  {way:7s} load CPU {med['cpu']:.2f} s | RSS before {med['rss_before']:.0f}, peak (VmHWM) "
               f"{med['peak']:.0f}, after {med['rss']:.0f}")
 
