@@ -523,33 +523,150 @@ void packed_rows1(const uint8_t* packed, const Acts& a, int64_t n0, int64_t n1, 
   }
 }
 
-// Row m of x against one packed panel: a call of its own, so that the
-// batch-1 loop above keeps its own register allocation (inlined beside a
-// loop over m, GCC's hoisted constants cost batch 1 1.5-2x on Q6_K).
-template <int T>
-__attribute__((noinline)) void packed_panel_row(const uint8_t* panel, const Acts& a, int64_t m, float* y,
-                                                Spread& spread) {
-  packed_panel_row1<T>(panel, a, m, y, spread);
+// R rows of x (m0..m0 + R) against one packed panel (decode batches of 2 to
+// PREFILL_DOTS_FROM_ROWS - 1): packed_panel_row1's arithmetic for each row,
+// step for step (its integer lanes, its float multiply-adds in superblock
+// order, its final sums), so each row's value is the batch-1 dots' to the
+// bit, but each line of the panel is widened (nibbles, Q6_K's high bits, the
+// scales and mins) once for all R rows, not once per row: at 8 rows the
+// row-by-row form spent ~60% of its work widening (Q6_K) and lost to the
+// blocks' rowsK_512, which decodes a superblock once for its rows. The R rows'
+// 16 float accumulators each live in acc (L1; R x 2 KiB), loaded and stored
+// once per superblock and lane: registers hold one lane's 8 widened lines,
+// its 4 scale pairs and the constants.
+template <int T, int R>
+__attribute__((noinline)) void packed_panel_rows(const uint8_t* src, const Acts& a, int64_t m0, float* y,
+                                                 int64_t ldy, Spread& spread) {
+  constexpr int64_t PB = packed_superblock_bytes<T>();
+  constexpr int64_t at = T == 14 ? 3072 : 2048;  // the scales' bytes
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i up4 = _mm512_broadcast_i32x4(_mm_setr_epi32(0x01000000, 0x05040000, 0x09080000, 0x0D0C0000));
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  alignas(64) float acc[R][8][kPanel], macc[R][8][kPanel];
+  alignas(64) float vdd[R][kPanel], vdmd[R][kPanel];
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < 8; ++l) {
+      _mm512_store_ps(acc[r][l], _mm512_setzero_ps());
+      _mm512_store_ps(macc[r][l], _mm512_setzero_ps());
+    }
+  auto x4 = [](const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); };
+  const int64_t nb = a.nb;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* o = src + i * PB;
+    auto scale = [&](int s) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 16 * s));
+      return T == 14 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    };
+    __m512 vd, vdm;
+    if constexpr (T == 12) {
+      vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 256)));
+      vdm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 288)));
+    } else {
+      vd = vdm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at + 256)));
+    }
+    KVQ_UNROLL for (int r = 0; r < R; ++r) {
+      const __m512 xd = _mm512_set1_ps(a.d[(m0 + r) * nb + i]);
+      _mm512_store_ps(vdd[r], _mm512_mul_ps(vd, xd));
+      _mm512_store_ps(vdmd[r], _mm512_mul_ps(vdm, xd));
+    }
+    // Kept in memory: the compiler would otherwise try to hold R x 16 accumulators in registers.
+    asm("" : "+m"(acc), "+m"(macc), "+m"(vdd), "+m"(vdmd));
+    for (int half = 0; half < 2; ++half) {
+      __m512i scp[4];
+      KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+        const int s0 = T == 12 ? 2 * p : 4 * p + half, s1 = T == 12 ? 2 * p + 1 : 4 * p + 2 + half;
+        scp[p] = _mm512_or_si512(_mm512_and_si512(scale(s0), low16), _mm512_slli_epi32(scale(s1), 16));
+      }
+      for (int l = 4 * half; l < 4 * half + 4; ++l) {
+        spread.next();
+        __m512i lo[4], hi[4];
+        __m512i h0, h1;
+        if constexpr (T == 14) {
+          h0 = _mm512_loadu_si512(o + 2048 + 64 * l);
+          h1 = _mm512_loadu_si512(o + 2048 + 64 * (l + 8));
+        }
+        KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+          const __m512i c = _mm512_loadu_si512(o + 64 * (8 * p + l));
+          lo[p] = _mm512_and_si512(c, m4);
+          hi[p] = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
+          if constexpr (T == 14) {
+            auto up = [&](__m512i h) { return p < 3 ? _mm512_slli_epi16(h, 4 - 2 * p) : _mm512_srli_epi16(h, 2); };
+            lo[p] = _mm512_ternarylogic_epi32(lo[p], up(h0), m30, 0xF8);
+            hi[p] = _mm512_ternarylogic_epi32(hi[p], up(h1), m30, 0xF8);
+          }
+        }
+        KVQ_UNROLL for (int r = 0; r < R; ++r) {
+          const int8_t* xq = a.q + ((m0 + r) * nb + i) * 256;
+          __m512i iacc = _mm512_setzero_si512();
+          KVQ_UNROLL for (int p = 0; p < 4; ++p) {
+            const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[p], x4(xq + 4 * (16 * p + l)));
+            const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[p], x4(xq + 4 * (16 * p + 8 + l)));
+            iacc = _mm512_dpwssd_epi32(iacc, _mm512_mask_shuffle_epi8(t0, 0xCCCCCCCCCCCCCCCCull, t1, up4), scp[p]);
+          }
+          _mm512_store_ps(acc[r][l], _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_load_ps(vdd[r]),
+                                                     _mm512_load_ps(acc[r][l])));
+        }
+      }
+    }
+    for (int l = 0; l < 8; ++l) {
+      __m512i mn;
+      if constexpr (T == 12) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at + 128 + 16 * l)));
+        mn = _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+      } else {
+        mn = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(scale(2 * l), 5), low16),
+                             _mm512_slli_epi32(scale(2 * l + 1), 21));
+      }
+      KVQ_UNROLL for (int r = 0; r < R; ++r) {
+        const int64_t ai = (m0 + r) * nb + i;
+        const __m512i im = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mn,
+                                               x4(reinterpret_cast<const int8_t*>(a.bsum + ai * 16 + 2 * l)));
+        _mm512_store_ps(macc[r][l], _mm512_fmadd_ps(_mm512_cvtepi32_ps(im), _mm512_load_ps(vdmd[r]),
+                                                    _mm512_load_ps(macc[r][l])));
+      }
+    }
+    asm("" : "+m"(acc), "+m"(macc));
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 v[8];
+    KVQ_UNROLL for (int l = 0; l < 8; ++l) v[l] = _mm512_sub_ps(_mm512_load_ps(acc[r][l]), _mm512_load_ps(macc[r][l]));
+    const __m512 t0 = _mm512_add_ps(_mm512_add_ps(v[0], v[4]), _mm512_add_ps(v[2], v[6]));
+    const __m512 t1 = _mm512_add_ps(_mm512_add_ps(v[1], v[5]), _mm512_add_ps(v[3], v[7]));
+    _mm512_store_ps(y + r * ldy, _mm512_add_ps(t0, t1));
+  }
 }
+
+// Rows of x per packed_panel_rows pass (more: the passes' acc outgrow L1's share).
+constexpr int kPackedRowsMax = 6;
 
 // The same against the M rows of x (decode batches below
 // PREFILL_DOTS_FROM_ROWS), into Y[m * ldy + n]: each panel meets the rows of
-// x one by one (its bytes stay in L1 or L2 between them), each row's values
-// rowsK1_512's, so rowsK_512's at any M.
+// x in passes of up to kPackedRowsMax (its bytes stay in L1 or L2 between
+// them), each row's values rowsK1_512's, so rowsK_512's at any M.
 template <int T, typename O>
 void packed_rows(const uint8_t* packed, const Acts& a, int64_t M, int64_t n0, int64_t n1, O* Y, int64_t ldy,
                  Stream& pf) {
   if (M == 1) return packed_rows1<T>(packed, a, n0, n1, Y, pf);
   constexpr int64_t PB = packed_superblock_bytes<T>();
   const int64_t panel_bytes = a.nb * PB;
-  alignas(64) float y[kPanel];
+  alignas(64) float y[kPackedRowsMax][kPanel];
+  const int64_t passes = (M + kPackedRowsMax - 1) / kPackedRowsMax;
   for (int64_t n = n0; n < n1; n += kPanel) {
     const uint8_t* panel = packed + (n / kPanel) * panel_bytes;
     const int64_t cols = std::min<int64_t>(kPanel, n1 - n);
     Spread spread(pf.take(panel_bytes), 8 * a.nb);
-    for (int64_t m = 0; m < M; ++m) {
-      packed_panel_row<T>(panel, a, m, y, spread);
-      for (int64_t c = 0; c < cols; ++c) Y[m * ldy + n + c] = O(y[c]);
+    for (int64_t k = 0, m = 0; k < passes; ++k) {  // passes as equal as they can be (11 rows: 6 and 5)
+      const int r = int((M - m + (passes - k) - 1) / (passes - k));
+      switch (r) {
+        case 2: packed_panel_rows<T, 2>(panel, a, m, y[0], kPanel, spread); break;
+        case 3: packed_panel_rows<T, 3>(panel, a, m, y[0], kPanel, spread); break;
+        case 4: packed_panel_rows<T, 4>(panel, a, m, y[0], kPanel, spread); break;
+        case 5: packed_panel_rows<T, 5>(panel, a, m, y[0], kPanel, spread); break;
+        default: packed_panel_rows<T, kPackedRowsMax>(panel, a, m, y[0], kPanel, spread); break;
+      }
+      for (int j = 0; j < r; ++j)
+        for (int64_t c = 0; c < cols; ++c) Y[(m + j) * ldy + n + c] = O(y[j][c]);
+      m += r;
     }
     spread.rest();
   }
