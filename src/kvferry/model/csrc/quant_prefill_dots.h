@@ -416,6 +416,25 @@ void prefill_rows_packed(const uint8_t* packed, const Acts& a, int64_t M, int64_
              });
 }
 
+// Lane step l of a superblock's (an eighth of its bytes) lines kFarAhead
+// further on, to L2: a second prefetch stream beside the Stream's, which
+// keeps the bytes about to be read in L1 (Stream::kAhead ahead). The panels'
+// dots read a superblock's lines 512 bytes apart (line 8p + l for lane l),
+// and their batch-1 kernel takes under half the blocks' instructions a byte
+// (Q6_K: 825 a superblock of 16 rows, rowsK1_512 126 a row): with the L1
+// stream alone the Q6_K panels read ~13 GB/s cold on Zen 4 (1B's lm_head and
+// ffn_down, 1 thread) against the blocks' ~16, with this one 20-25 (measured
+// 12-32 KiB; to L1 it measured slower, its lines evicting the ones being
+// read). Prefetches only: the same bits; past the share's or the buffer's
+// end they are wasted, never a fault.
+constexpr int64_t kFarAhead = 24576;
+template <int T>
+inline void far_prefetch(const uint8_t* superblock, int l) {
+  constexpr int64_t step = packed_superblock_bytes<T>() / 8;
+  const char* f = reinterpret_cast<const char*>(superblock) + kFarAhead + step * l;
+  KVQ_UNROLL for (int64_t j = 0; j < step; j += 64) _mm_prefetch(f + j, _MM_HINT_T1);
+}
+
 // One row of x (decode at batch 1) against packed panels: weight rows n0..n1
 // (n0 a multiple of 16), each output's arithmetic rowsK1_512's to the bit, so
 // a weight whose blocks were replaced by its panels decodes as before. Each
@@ -466,6 +485,7 @@ inline void packed_panel_row1(const uint8_t* src, const Acts& a, int64_t m0, flo
       }
       KVQ_UNROLL for (int l = 4 * half; l < 4 * half + 4; ++l) {
         spread.next();  // a few lines at a time: a superblock's ~37 at once held up its loads
+        far_prefetch<T>(o, l);
         __m512i h0, h1;
         if constexpr (T == 14) {
           h0 = _mm512_loadu_si512(o + 2048 + 64 * l);
@@ -579,6 +599,7 @@ __attribute__((noinline)) void packed_panel_rows(const uint8_t* src, const Acts&
       }
       for (int l = 4 * half; l < 4 * half + 4; ++l) {
         spread.next();
+        far_prefetch<T>(o, l);
         __m512i lo[4], hi[4];
         __m512i h0, h1;
         if constexpr (T == 14) {
