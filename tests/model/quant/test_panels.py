@@ -3,11 +3,10 @@ csrc/quant_prefill_dots.h's pack_panels): where a weight has them, the
 prefill-sized dots (from 12 rows of x) read them instead of decoding the
 blocks per call, and give the same bits as the panels decoded per call
 (which test_prefill_dots.py ties to the decode kernels and the reference);
-at one row of x (batch-1 decode) the one-row dots read the packed panels
-with the blocks' one-row dots' bits; from 2 to 11 rows the decode kernels
-keep reading the blocks; the panels are
-about the blocks' size; freeing them hands the weight back to the blocks.
-The loader packs them with ``KVFERRY_GGUF_PANELS=1``: the same logits."""
+below 12 rows (decode) the packed panels' dots give the blocks' decode
+kernels' bits; the panels are about the blocks' size; freeing them hands
+the weight back to the blocks. The loader packs them unless
+``KVFERRY_GGUF_PANELS=0``: the same logits."""
 from __future__ import annotations
 
 import gc
@@ -162,9 +161,17 @@ def test_the_panels_are_about_the_blocks_size():
     assert panels.packed_bytes(weight("Q8_0", 32, 512, seed=0)[0]) == 0
 
 
+def test_the_panels_are_the_default(monkeypatch):
+    """Unset, the loader packs (where the prefill dots fit); 0 keeps the blocks."""
+    monkeypatch.delenv(envs.GGUF_PANELS, raising=False)
+    assert envs.gguf_panels() and panels.wanted()
+    monkeypatch.setenv(envs.GGUF_PANELS, "0")
+    assert not envs.gguf_panels() and not panels.wanted()
+
+
 def test_the_loader_packs_with_the_variable_and_the_logits_stay(monkeypatch, tmp_path):
     """A tiny Q4_K_M file (bench/make_random_gguf.py: Q4_K, Q6_K v/down and
-    lm_head) loaded with and without ``KVFERRY_GGUF_PANELS=1``: with it every
+    lm_head) loaded with ``KVFERRY_GGUF_PANELS`` 0 and 1: with 1 every
     Q4_K / Q6_K weight has its panels, counted in the layers' bytes, and its
     blocks' pages are handed back; a prefill's and batch-1 and batch-3
     decode steps' logits are the same bits either way."""

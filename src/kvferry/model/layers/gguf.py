@@ -25,7 +25,7 @@ dozen Python calls). A layer of mixed types (Q4_K_M's q/k and v) is
 ``QUANT_PARTS`` with its parts and their types, multiplied by
 ``layer_linear_parts``, the kernel ``quant.linear_parts`` calls.
 
-With ``KVFERRY_GGUF_PANELS=1`` each Q4_K and Q6_K weight is packed at
+Unless ``KVFERRY_GGUF_PANELS=0`` each Q4_K and Q6_K weight is packed at
 load into the panels the dots read at every batch size (quant/panels.py),
 on huge pages where the blocks are: the layer keeps them (``layer.panels``),
 every call over the weight's blocks finds them in the library (the

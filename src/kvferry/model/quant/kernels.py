@@ -147,7 +147,7 @@ _dots_always = False
 #   Q6_K 14336 x 4096 decode / panel                      0.83  1.05  1.12  1.39
 #   Q6_K 4096 x 14336 decode / panel                      0.89  0.95  1.02  1.28
 # So the 32-blocks take the panels from 6 rows and the K-quants from 12 (a
-# c16 decode step takes them). With KVFERRY_GGUF_PANELS=1 the K-quants' panels are
+# c16 decode step takes them). By default (KVFERRY_GGUF_PANELS) the K-quants' panels are
 # packed once at load (quant/panels.py) and no call decodes them: 0.65-0.8x
 # the panel's time at 12-16 rows on the 8B shapes (BENCHMARKS.md). Where the prefill dots do not fit (AMX, whose
 # tiles take over from 12 or 20 rows; not measured against these panels)
