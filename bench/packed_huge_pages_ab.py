@@ -49,7 +49,7 @@ def main() -> None:
     small_pages, huge = model(1 << 62), model(4 << 20)
     assert layer_op.available() and huge._layer_args is not None, "the layer op does not apply here"
     slot = 1 << 20
-    sums = torch.classes.kvferry_layer.ShmSums(torch.zeros(1, dtype=torch.int64), torch.zeros(2 * slot, dtype=torch.uint8),
+    sums = torch.classes.kvferry_layer.ShmSums(torch.zeros(2, dtype=torch.int64), torch.zeros(2 * slot, dtype=torch.uint8),
                                                0, slot, [os.getpid()], 60.0)
     c, block_size, num_blocks = huge.config, 16, 512
     meta = decode_meta(1, args.context, block_size, num_blocks)

@@ -79,7 +79,7 @@ def main() -> None:
     assert layer_op.available() and model._layer_args is not None, "the layer op does not apply here"
     stack = layer_op.layer_stack(model._layer_args)
     slot_bytes = 1 << 20
-    sums = torch.classes.kvferry_layer.ShmSums(torch.zeros(1, dtype=torch.int64),
+    sums = torch.classes.kvferry_layer.ShmSums(torch.zeros(2, dtype=torch.int64),
                                                torch.zeros(2 * slot_bytes, dtype=torch.uint8), 0, slot_bytes,
                                                [os.getpid()], 60.0)
     c, block_size, num_blocks = model.config, 16, 512

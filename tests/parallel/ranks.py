@@ -58,6 +58,32 @@ def python_and_cpp_sums(group: ProcessGroup) -> dict:
     return out
 
 
+def late_peer_sums(group: ProcessGroup, calls: int = 8, late_s: float = 0.03) -> dict:
+    """C++ sums where rank 1 comes ``late_s`` late to every call: rank 0
+    sleeps on rank 1's flag each time (past its spin) and rank 1 finds
+    it asleep; rank 1 never waits. Each rank's FUTEX_WAKE count, and how
+    long rank 0's calls took (a lost wake ends its sleep only at the
+    wait's 50 ms slice)."""
+    from kvferry.model import layer_op
+    from kvferry.parallel import ShmAllReduce
+    torch.set_num_threads(1)
+    shm = ShmAllReduce(group)
+    shm.attach(sums := layer_op.shm_sums(shm))
+    shm.barrier()
+    sums_ok, took = True, []
+    for i in range(calls):
+        if group.rank == 1:
+            time.sleep(late_s)
+        x = torch.full((1, 2048), float(group.rank + i), dtype=torch.bfloat16)
+        t0 = time.perf_counter()
+        shm.all_reduce(x)
+        took.append(time.perf_counter() - t0)
+        sums_ok &= bool((x == float(2 * i + 1)).all())
+    out = {"rank": group.rank, "wakes": sums.wakes(), "took": took, "sums_ok": sums_ok}
+    shm.close()
+    return out
+
+
 def member_process(rank: int, world: int, host: str, port: int, action: str) -> None:
     """A plain process joining a group built by the test itself."""
     from kvferry.parallel import GroupAddress

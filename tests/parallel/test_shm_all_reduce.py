@@ -69,3 +69,18 @@ def test_the_cpp_sums_are_the_python_sums_to_the_bit():
             if key[0]:
                 assert value == o[(False, *key[1:])], key
     assert o[(True, "gather")] == [[0.0] * 3 + [1.0] * 3] * 2
+
+
+def test_a_rank_wakes_its_peer_only_when_the_peer_sleeps():
+    """The C++ wait sleeps on the late rank's flag as a futex: the late
+    rank wakes it, and a rank whose peer is not asleep makes no wake
+    syscall (one per all-reduce was 33 syscalls a 16-layer decode step)."""
+    if not layer_op.available():
+        pytest.skip("the C++ decoder layer's library does not build here")
+    calls, late_s = 8, 0.03
+    early, late = launch(ranks.late_peer_sums, 2, timeout_s=60, deadline_s=180, args=(calls, late_s))
+    assert early["sums_ok"] and late["sums_ok"]
+    assert early["wakes"] == 0, early  # rank 1 never waits: nobody to wake
+    assert late["wakes"] >= 1, late  # rank 0 was asleep when rank 1 came
+    # Woken when rank 1 stores, not at the end of a 50 ms sleep slice.
+    assert sorted(early["took"])[calls // 2] < late_s + 0.015, early["took"]

@@ -2,9 +2,10 @@
 SHM communicator): no sockets, no kernel on the data path.
 
 One segment holds, for each of two buffers, one slot per rank, and one
-sequence flag per rank:
+sequence flag per rank (and, for the C++ wait, each flag's count of the
+ranks sleeping on it: shm_sums.h):
 
-    [flags: int64 x world_size][buffer 0: slot 0 | slot 1 | ...][buffer 1: slot 0 | slot 1 | ...]
+    [flags: int64 x world_size][sleepers: int64 x world_size][buffer 0: slot 0 | slot 1 | ...][buffer 1: ...]
 
 Call number ``seq`` (every rank counts its calls; chunks of a large tensor
 are calls of their own) uses buffer ``seq % 2``:
@@ -31,7 +32,7 @@ and the calls run there: the copy, the flag, the wait and the sum without
 Python between them, and the rank's decoder layers run in one C++ call with
 their all-reduces inside (``tp_decoder_layers``). Its wait spins for 100 us
 (yielding), then sleeps on the late peer's flag as a futex, which the peer wakes when
-it stores it.
+it stores it (a wake only when someone sleeps: a syscall per sum otherwise).
 
 Without it the wait spins for 100 us, yielding between looks, then naps from 50 us
 doubling up to 1 ms (ranks may share cores). Either wait is bounded: a peer whose process is gone (pids are in the group's store)
@@ -75,7 +76,7 @@ class ShmAllReduce:
         self.timeout_s = group.timeout_s
         n = self.world_size
         self._slot = slot_bytes
-        self._data_offset = -(-8 * n // _ALIGN) * _ALIGN
+        self._data_offset = -(-16 * n // _ALIGN) * _ALIGN  # the flags, then their sleeper counts
         size = self._data_offset + 2 * n * slot_bytes
         if self.rank == 0:
             self._shm = shared_memory.SharedMemory(create=True, size=size)
@@ -85,7 +86,8 @@ class ShmAllReduce:
             _untrack(self._shm)  # rank 0 owns it: a worker's exit must not unlink it
         group.store_set(f"pid{self.rank}", str(os.getpid()))
         self._flags = np.ndarray((n,), dtype=np.int64, buffer=self._shm.buf)
-        self._flag_tensor = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=n)  # the same memory, for C++
+        # The same memory for C++, with the sleeper counts after the flags.
+        self._flag_tensor = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=2 * n)
         self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8, offset=self._data_offset,
                                        count=2 * n * slot_bytes)
         self.native: torch.ScriptObject | None = None  # attach()'s ShmSums: the calls run there
@@ -96,8 +98,9 @@ class ShmAllReduce:
             self._shm.unlink()  # gone from /dev/shm once every rank has closed it, however they end
 
     def segment(self) -> tuple[torch.Tensor, torch.Tensor, int, int, list[int], float]:
-        """What a C++ ShmSums over this segment takes: the flags, the slots' bytes,
-        this rank, a slot's size, every rank's pid, and the timeout."""
+        """What a C++ ShmSums over this segment takes: the flags (then their
+        sleeper counts), the slots' bytes, this rank, a slot's size, every
+        rank's pid, and the timeout."""
         return self._flag_tensor, self._bytes, self.rank, self._slot, list(self._pids), float(self.timeout_s)
 
     def attach(self, native: torch.ScriptObject) -> None:

@@ -590,7 +590,8 @@ TORCH_LIBRARY(kvferry_layer, m) {
       .def(torch::init<Tensor, Tensor, int64_t, int64_t, std::vector<int64_t>, double>())
       .def("all_reduce_", &ShmSums::all_reduce_py)
       .def("exchange", &ShmSums::exchange_py)
-      .def("calls", &ShmSums::calls_py);
+      .def("calls", &ShmSums::calls_py)
+      .def("wakes", &ShmSums::wakes_py);
   m.def(
       "tp_decoder_layers(__torch__.torch.classes.kvferry_layer.LayerStack stack, "
       "__torch__.torch.classes.kvferry_layer.ShmSums sums, Tensor h, Tensor x, Tensor cos, Tensor sin, "

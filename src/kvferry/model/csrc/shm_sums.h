@@ -13,11 +13,20 @@
 //
 // Waiting: spin (yielding) for kSpinNs, as a peer on its own core arrives
 // within microseconds; then sleep on the peer's flag as a futex (its low 32
-// bits; the flag's owner wakes it after each store) in slices of kSliceNs,
-// checking between slices that the peer's process is alive and that the
-// group's timeout has not passed. Python's wait napped instead (50 us
-// doubling to 1 ms): a peer that arrived during a nap was seen up to a nap
-// later, and on a loaded host naps grew to 1 ms.
+// bits) in slices of kSliceNs, checking between slices that the peer's
+// process is alive and that the group's timeout has not passed. Python's
+// wait napped instead (50 us doubling to 1 ms): a peer that arrived during a
+// nap was seen up to a nap later, and on a loaded host naps grew to 1 ms.
+//
+// Waking: after each store the flag's owner makes a FUTEX_WAKE only when a
+// peer sleeps on that flag. Each flag has a count of its sleepers beside it
+// (the segment's header: world flags, then world counts); a sleeper adds
+// itself before its last look at the flag, the owner reads the count after
+// its store, both sequentially consistent, so either the sleeper sees the
+// new flag and does not sleep or the owner sees the sleeper and wakes it
+// (and FUTEX_WAIT itself fails on a flag that moved in between). Balanced
+// ranks rarely sleep: a wake after every store was a syscall per all-reduce
+// that nobody waited on (33 a decode step of a 16-layer model, per rank).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -70,23 +79,29 @@ inline bool process_alive(int64_t pid) {
 struct ShmSums : torch::CustomClassHolder {
   Tensor flags_tensor, data_tensor;  // keep the views of the segment (and so its mapping) alive
   int64_t* flags;
+  int64_t* sleepers;  // sleepers[r]: how many ranks sleep on flags[r] now
+  int64_t wakes_made = 0;  // FUTEX_WAKE calls this rank made (the tests' view of the syscalls)
   uint8_t* data;
   int64_t rank, world, slot_bytes;
   std::vector<int64_t> pids;
   double timeout_s;
 
-  // flags: int64 [world] over the segment; data: uint8 [2 world slot_bytes] after it.
+  // flags: int64 [2 world] over the segment (each rank's flag, then each flag's
+  // count of sleepers); data: uint8 [2 world slot_bytes] after it.
   ShmSums(Tensor flags_, Tensor data_, int64_t rank_, int64_t slot_bytes_, std::vector<int64_t> pids_,
           double timeout_s_)
       : flags_tensor(std::move(flags_)), data_tensor(std::move(data_)), rank(rank_), slot_bytes(slot_bytes_),
         pids(std::move(pids_)), timeout_s(timeout_s_) {
-    world = flags_tensor.numel();
-    TORCH_CHECK(flags_tensor.scalar_type() == at::kLong && flags_tensor.is_contiguous(), "ShmSums: int64 flags");
+    world = flags_tensor.numel() / 2;
+    TORCH_CHECK(flags_tensor.scalar_type() == at::kLong && flags_tensor.is_contiguous() &&
+                    flags_tensor.numel() == 2 * world && world > 0,
+                "ShmSums: int64 flags, then as many sleeper counts");
     TORCH_CHECK(data_tensor.scalar_type() == at::kByte && data_tensor.numel() == 2 * world * slot_bytes,
                 "ShmSums: data must be 2 x world_size slots of bytes");
     TORCH_CHECK(0 <= rank && rank < world && int64_t(pids.size()) == world, "ShmSums: rank or pids out of range");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(flags_tensor.data_ptr()) % 8 == 0, "ShmSums: flags must be aligned");
     flags = flags_tensor.data_ptr<int64_t>();
+    sleepers = flags + world;
     data = data_tensor.data_ptr<uint8_t>();
   }
 
@@ -103,8 +118,12 @@ struct ShmSums : torch::CustomClassHolder {
                 " bytes do not fit a slot of ", slot_bytes);
     const int64_t seq = calls() + 1;
     std::memcpy(slot(seq, rank), x.data_ptr(), size_t(nbytes));
-    __atomic_store_n(&flags[rank], seq, __ATOMIC_RELEASE);  // after the data
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&flags[rank]), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+    // After the data; sequentially consistent, so that the sleepers' count is read after it (see the top).
+    __atomic_store_n(&flags[rank], seq, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&sleepers[rank], __ATOMIC_SEQ_CST) > 0) {
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&flags[rank]), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+      ++wakes_made;
+    }
     wait(seq, name);
     return seq;
   }
@@ -123,10 +142,16 @@ struct ShmSums : torch::CustomClassHolder {
           sched_yield();
           continue;
         }
-        // Sleeps unless the flag moved since it was read (its owner wakes us after each store).
-        const timespec slice{0, kSliceNs};
-        syscall(SYS_futex, reinterpret_cast<uint32_t*>(flag), FUTEX_WAIT, uint32_t(uint64_t(seen)), &slice, nullptr,
-                0);
+        // Counted among the flag's sleepers before the last look at it: its
+        // owner, storing after that look, sees the count and wakes us.
+        __atomic_add_fetch(&sleepers[r], 1, __ATOMIC_SEQ_CST);
+        const int64_t last = __atomic_load_n(flag, __ATOMIC_SEQ_CST);
+        if (last < seq) {  // sleeps unless the flag moved since this look
+          const timespec slice{0, kSliceNs};
+          syscall(SYS_futex, reinterpret_cast<uint32_t*>(flag), FUTEX_WAIT, uint32_t(uint64_t(last)), &slice, nullptr,
+                  0);
+        }
+        __atomic_sub_fetch(&sleepers[r], 1, __ATOMIC_SEQ_CST);
         if (now_ns() - last_check >= kSliceNs) {
           last_check = now_ns();
           check_peers(seq, double(last_check - start) / 1e9, name);
@@ -184,6 +209,7 @@ struct ShmSums : torch::CustomClassHolder {
   int64_t exchange_py(Tensor x) { return exchange(x.contiguous().view({-1}), "all_gather"); }
   void all_reduce_py(Tensor x) { all_reduce_(x); }
   int64_t calls_py() const { return calls(); }
+  int64_t wakes_py() const { return wakes_made; }
 };
 
 }  // namespace
