@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def instrument(llm, records: list[dict]) -> None:  # noqa: ANN001
+def instrument(llm, records: list[dict], a_parts: bool = False) -> None:  # noqa: ANN001
     core = llm.engine.core
     sched = core.scheduler
     parts: dict[str, float] = defaultdict(float)
@@ -58,9 +58,21 @@ def instrument(llm, records: list[dict]) -> None:  # noqa: ANN001
 
     if sched.proposer is not None:
         wrap(sched, "propose", "propose")
-    if core.runner.drafter is not None:
-        wrap(core.runner.drafter, "propose", "head")
-    wrap(core.runner, "_sample", "sample")
+    runner = core.runner
+    if runner.drafter is not None:
+        wrap(runner.drafter, "propose", "head")
+    wrap(runner, "_sample", "sample")
+    if a_parts:
+        # The rest of a step, part by part (each wrapped where the runner
+        # calls it: the module attribute for the tree compaction).
+        import kvferry.engine.runner as runner_module
+
+        wrap(sched, "schedule", "schedule")  # the proposer's share is also in propose
+        wrap(sched, "update_from_output", "update")
+        wrap(runner, "_prepare", "prepare")
+        wrap(runner, "_forward", "forward")
+        wrap(runner.model, "compute_logits", "logits")
+        wrap(runner_module, "compact", "compact")
     step = core.step
 
     def timed_step():
@@ -80,6 +92,9 @@ def instrument(llm, records: list[dict]) -> None:  # noqa: ANN001
             sched.schedule = inner_schedule
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         rec = {"wall": wall, "cpu": cpu, **parts}
+        if a_parts:  # the top-level parts (propose is in schedule, compact in sample)
+            rec["other"] = cpu - sum(parts.get(k, 0.0) for k in
+                                     ("schedule", "update", "head", "prepare", "forward", "logits", "sample"))
         parts.clear()
         if sched_out is not None and sched_out.num_scheduled_tokens:
             drafts = {rid: len(d) for rid, d in sched_out.spec_token_ids.items()}
@@ -102,6 +117,9 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="rounds run before timing (a warm controller)")
     ap.add_argument("--batch", type=int, default=1, help="prompts per round, decoded together")
     ap.add_argument("--kv-gb", type=float, default=0.5, help="KV cache per engine (more for large batches)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the scheduler, the runner's input preparation, the forward pass, the LM head "
+                         "and a tree's KV compaction (the step's other parts: other_ms)")
     a = ap.parse_args()
     import torch
 
@@ -121,7 +139,7 @@ def main() -> None:
             e.generate(group, sp)
     records = {s: [] for s in engines}
     for s, e in engines.items():
-        instrument(e, records[s])
+        instrument(e, records[s], a.parts)
     before = {s: e.engine.core.stats() for s, e in engines.items()}
     cpu = defaultdict(float)
     toks = defaultdict(int)

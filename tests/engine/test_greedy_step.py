@@ -10,6 +10,7 @@ from kvferry.engine.greedy_step import plain_greedy_tokens
 from kvferry.engine.runner import RequestState
 from kvferry.model.sampler import Sampler, SamplingBatch, SamplingRow
 from kvferry.sampling import SamplingParams
+from kvferry.spec.rejection import NO_DRAFT
 
 V = 1000
 
@@ -50,3 +51,30 @@ def test_the_sampler_tokens_on_plain_greedy_rows():
 ])
 def test_no_shortcut_where_the_sampler_could_act(state, drafts):
     assert plain_greedy_tokens(torch.zeros(1 + len(drafts), V), [("r", drafts)], {"r": state}, V) is None
+
+
+def test_the_sampler_tokens_on_greedy_verify_rows():
+    """A verify step's rows (a chain's drafts, a tree's one-hot nodes) where
+    no draft has a distribution: Sampler.verify's tokens, row for row."""
+    g = torch.Generator().manual_seed(1)
+    sampling = [("chain", [11, 12, 13]), ("tree", [21, 22]), ("plain", [])]
+    states = {"chain": _state(output=[1]), "tree": _state(seed=3), "plain": _state(min_tokens=1, output=[2])}
+    logits = torch.randn(4 + 3 + 1, V, generator=g)
+    logits[0, 11] = logits[1, 12] = logits[0].max() + 5  # the chain's first two drafts hold
+    logits[4, 22] = logits[4].max() + 5  # the tree's root picks its second node
+    rows = [SamplingRow(params=states[rid].params, prompt_token_ids=states[rid].prompt_token_ids,
+                        output_token_ids=states[rid].output_token_ids, eos_token_ids=states[rid].eos_token_ids,
+                        num_output_tokens=len(states[rid].output_token_ids) + j)
+            for rid, drafts in sampling for j in range(len(drafts) + 1)]
+    draft_ids = [11, 12, 13, NO_DRAFT, NO_DRAFT, NO_DRAFT, NO_DRAFT, NO_DRAFT]
+    expected = Sampler().verify(logits, SamplingBatch.build(rows, V, "cpu"), draft_ids).token_ids
+    got = plain_greedy_tokens(logits, sampling, states, V, with_drafts=True)
+    assert got == expected
+    assert got[:2] == [11, 12] and got[4] == 22
+    assert plain_greedy_tokens(logits, sampling, states, V) is None  # drafts, unless the caller vouches for them
+
+
+@pytest.mark.parametrize("state", [_state(temperature=0.7), _state(logprobs=1), _state(repetition_penalty=1.1),
+                                   _state(min_tokens=5, output=[1])])
+def test_no_verify_shortcut_where_the_sampler_could_act(state):
+    assert plain_greedy_tokens(torch.zeros(3, V), [("r", [5, 6])], {"r": state}, V, with_drafts=True) is None

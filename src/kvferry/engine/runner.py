@@ -544,12 +544,37 @@ class ModelRunner:
         sampled as the output position of its depth, and the accepted
         branch's KV is moved to where a chain's would be."""
         sampling = inputs.sampling
-        if pending_bitmask is None and not inputs.trees and (
-                tokens := plain_greedy_tokens(logits, sampling, self.states, self.vocab_size)) is not None:
-            for (rid, _), token in zip(sampling, tokens):  # as below, for rows of no drafts and no logprobs
-                self._record(rid, [token])
-                out.sampled_token_ids[rid] = [token]
-            return
+        # All-greedy rows without a draft distribution: the argmax of every row (engine/greedy_step.py).
+        tokens = None if pending_bitmask is not None else plain_greedy_tokens(
+            logits, sampling, self.states, self.vocab_size,
+            with_drafts=all(p.probs is None for p in (proposals or {}).values()))
+        if tokens is None:
+            tokens, logprobs = self._sampler_tokens(logits, inputs, pending_bitmask, proposals)
+        else:
+            logprobs = [None] * len(tokens)
+        i = 0
+        for rid, drafts in sampling:
+            parents = inputs.trees.get(rid)
+            if parents is None:
+                accepted = accepted_prefix(drafts, tokens[i : i + len(drafts) + 1])
+                lps = logprobs[i : i + len(accepted)]
+            else:
+                accepted, nodes = walk(drafts, parents, tokens[i : i + len(drafts) + 1])
+                lps = [logprobs[i + r] for r in [0, *(1 + n for n in nodes)]]
+                inputs.tree_accepted[rid] = nodes
+                compact(self.kv_cache, getattr(self.model, "aux_hidden", None), inputs.flat.slots,
+                        inputs.tree_starts[rid], nodes)
+            i += len(drafts) + 1
+            self._record(rid, accepted)
+            out.sampled_token_ids[rid] = accepted
+            if lps and lps[0] is not None:
+                out.logprobs[rid] = [lp for lp in lps if lp is not None]
+
+    def _sampler_tokens(self, logits: torch.Tensor, inputs: StepInputs,
+                        pending_bitmask: "Future[StepBitmask] | None",
+                        proposals: "dict[str, Proposal] | None") -> tuple[list[int], list]:
+        """The sampler's token and logprobs per row (a request's 1 + k rows in order)."""
+        sampling = inputs.sampling
         rows: list[SamplingRow] = []
         draft_ids: list[int] = []
         prefixes = {rid: row_prefixes(drafts, inputs.trees.get(rid)) for rid, drafts in sampling}
@@ -585,23 +610,7 @@ class ModelRunner:
         else:
             draft_probs, has_draft_probs = self._draft_probs(sampling, proposals or {})
             result = self.sampler.verify(logits, batch, draft_ids, draft_probs, has_draft_probs)
-        i = 0
-        for rid, drafts in sampling:
-            parents = inputs.trees.get(rid)
-            if parents is None:
-                accepted = accepted_prefix(drafts, result.token_ids[i : i + len(drafts) + 1])
-                lps = result.logprobs[i : i + len(accepted)]
-            else:
-                accepted, nodes = walk(drafts, parents, result.token_ids[i : i + len(drafts) + 1])
-                lps = [result.logprobs[i + r] for r in [0, *(1 + n for n in nodes)]]
-                inputs.tree_accepted[rid] = nodes
-                compact(self.kv_cache, getattr(self.model, "aux_hidden", None), inputs.flat.slots,
-                        inputs.tree_starts[rid], nodes)
-            i += len(drafts) + 1
-            self._record(rid, accepted)
-            out.sampled_token_ids[rid] = accepted
-            if lps and lps[0] is not None:
-                out.logprobs[rid] = [lp for lp in lps if lp is not None]
+        return result.token_ids, result.logprobs
 
     def _draft_probs(self, sampling: list[tuple[str, list[int]]],
                      proposals: "dict[str, Proposal]") -> tuple[torch.Tensor | None, list[bool] | None]:

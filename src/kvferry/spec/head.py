@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvferry.config import EMBEDDED_DRAFT_HEAD
+from kvferry.model.fused_ops import rms_norm, silu_and_mul
 from kvferry.model.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
 from kvferry.model.layers.parallel import vocab_parallel_embedding
@@ -278,9 +279,10 @@ class HeadProposer:
         embeds = (vocab_parallel_embedding(newest, self.target.embed_tokens, self.shard, self.target.config.vocab_size)
                   if self.shard is not None else F.embedding(newest, self.target.embed_tokens)).to(self.dtype)  # [A, H]
         x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [A, H]
-        normed = F.rms_norm(x, (x.shape[-1],), self.norm_weight, self.norm_eps)
-        gate, up = self.up(normed).chunk(2, dim=-1)  # [A, I] each
-        return x + self.down(F.silu(gate) * up)
+        # The target's fused kernels (one pass each): at batch 1 a drafting depth is a few small
+        # matmuls, and torch's separate elementwise ops were a tenth of it.
+        normed = rms_norm(x, self.norm_weight, self.norm_eps)
+        return x + self.down(silu_and_mul(self.up(normed)))  # up: [A, 2I], gate then up
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[A, H] -> [A, V] float32, or [A, D] over the draft vocabulary."""
