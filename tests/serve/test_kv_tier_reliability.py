@@ -5,17 +5,14 @@ client, real files and real signals:
 * the SSD tier survives a server restart without ``--cache-secret-file``
   (the secret is kept beside the tier's data);
 * a store SIGKILLed under a load costs the request a recompute within a
-  step or two, not a long timeout, and the server keeps serving.
+  step or two, not a long timeout, and the server keeps serving (in
+  test_kv_tiers_serve.py, on that module's server of the same flags).
 """
 from __future__ import annotations
 
-import os
-import signal
 import stat
 import subprocess
-import time
 
-import httpx
 import openai
 
 from tests.serve.server_process import MODEL_NAME, start_server
@@ -82,70 +79,3 @@ def test_the_disk_tier_survives_a_restart_without_a_secret_file(tmp_path):
     assert code == 0, second.log()[-5000:]
     assert secret.read_bytes() == kept  # reused, not replaced
     assert [line for line in second.log().splitlines() if str(secret) in line and "using" in line]
-
-
-def _wait_dead(pid: int, timeout_s: float = 10.0) -> None:
-    """Until ``pid`` is gone or a zombie (its parent, the server, reaps it
-    only at shutdown)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
-                    return
-        except (FileNotFoundError, ProcessLookupError):  # reaped between the open and the read
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} outlived SIGKILL")
-
-
-def _stream(client: openai.OpenAI, prompt: str, max_tokens: int = 8) -> tuple[float, float, str]:
-    """(seconds to the first token, seconds in all, text) of a streamed greedy completion."""
-    start = time.monotonic()
-    first, text = None, ""
-    for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
-                                           temperature=0, stream=True):
-        if chunk.choices and chunk.choices[0].text:
-            first = first if first is not None else time.monotonic() - start
-            text += chunk.choices[0].text
-    assert first is not None, "no token came back"
-    return first, time.monotonic() - start, text
-
-
-# ~100 tokens (6 blocks): short, so that its recompute is quick and steady
-# next to the 1 s a dead store used to cost.
-SHORT_PROMPT = "The lighthouse keeper wrote in his log every night about ships, storms and gulls. " * 6
-
-
-def test_a_killed_store_costs_a_request_no_wait_and_the_server_keeps_serving(tmp_path):
-    # A device pool of 24 blocks: one flush prompt (22 blocks) evicts the rest.
-    srv = start_server(tmp_path / "server.log",
-                       ["--kv-dram-gb", "0.1", "--num-kv-blocks", "24", "--block-size", str(BLOCK)])
-    try:
-        client = openai.OpenAI(base_url=srv.api_url, api_key="x", max_retries=0)
-        flush = FLUSH_PROMPT[: len(FLUSH_PROMPT) * 9 // 10]
-        expected = _complete(client, SHORT_PROMPT).choices[0].text
-        _complete(client, flush, max_tokens=2)
-        # The request would load: its blocks are in the store, not on the device.
-        loaded = _complete(client, SHORT_PROMPT)
-        assert _cached(loaded) >= 5 * BLOCK and loaded.choices[0].text == expected
-        _complete(client, "0 " + flush, max_tokens=2)
-        # What the same work costs with no hit at all (the store up, missing).
-        baseline = max(_stream(client, f"{i} " + SHORT_PROMPT)[0] for i in range(2))
-
-        store = _kvstore_pid(srv.proc.pid)
-        os.kill(store, signal.SIGKILL)
-        _wait_dead(store)
-        ttft, total, text = _stream(client, SHORT_PROMPT)
-        assert text == expected  # recomputed: the same greedy text
-        # The dead store is noticed at once (its end of the socket closed),
-        # not after the client's 1 s call timeout on the step's path.
-        assert ttft < baseline + 0.6, (ttft, baseline)
-        assert total < 6.0
-        # The server keeps serving, tiers off.
-        again = _complete(client, "1 " + flush, max_tokens=2)
-        assert again.choices[0].finish_reason == "length"
-        assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
-    finally:
-        code = srv.stop()
-    assert code == 0, srv.log()[-5000:]
