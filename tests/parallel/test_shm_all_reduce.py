@@ -84,3 +84,20 @@ def test_a_rank_wakes_its_peer_only_when_the_peer_sleeps():
     assert late["wakes"] >= 1, late  # rank 0 was asleep when rank 1 came
     # Woken when rank 1 stores, not at the end of a 50 ms sleep slice.
     assert sorted(early["took"])[calls // 2] < late_s + 0.015, early["took"]
+
+
+@pytest.mark.skipif(not layer_op.available(), reason="the C++ layer op needs its compiled kernels")
+def test_one_rank_sums_are_the_tensor_itself_in_every_dtype():
+    """One rank (the benches' single-process sums): the sum over one rank is
+    x, bit for bit; float32 once read a second rank's slot that one rank has not."""
+    import os
+
+    slot = 1 << 16
+    sums = torch.classes.kvferry_layer.ShmSums(torch.zeros(2, dtype=torch.int64),
+                                               torch.full((2 * slot,), 0x7f, dtype=torch.uint8),
+                                               0, slot, [os.getpid()], 10.0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(3, 257, generator=torch.Generator().manual_seed(5)).to(dtype)
+        y = x.clone()
+        sums.all_reduce_(y)
+        assert torch.equal(y, x), dtype

@@ -178,7 +178,7 @@ class ShmAllReduce:
             # of a prefill step's [2048, hidden] bf16 sum (BENCHMARKS.md).
             x.add_(slots[1 - self.rank])
             return
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 and n >= 2:  # one rank: the copy below
             torch.add(slots[0], slots[1], out=x)
             for r in range(2, n):  # rank order: the same sum on every rank
                 x.add_(slots[r])

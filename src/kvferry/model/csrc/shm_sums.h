@@ -185,7 +185,7 @@ struct ShmSums : torch::CustomClassHolder {
     const auto dtype = x.scalar_type();
     if (world == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble)) {
       x.add_(slot_view(seq, 1 - rank, x));
-    } else if (dtype == at::kFloat) {
+    } else if (dtype == at::kFloat && world >= 2) {  // one rank: the copy below
       at::add_out(const_cast<Tensor&>(x), slot_view(seq, 0, x), slot_view(seq, 1, x));
       for (int64_t r = 2; r < world; ++r) x.add_(slot_view(seq, r, x));
     } else {
