@@ -37,7 +37,8 @@ from msgspec.structs import replace as _replace
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import CoreConnection, CoreProcess
 from kvferry.messages import (
-    EngineCoreAbort, EngineCoreDropPublicBlocks, EngineCoreOutputs, EngineCorePurgeTenant, EngineCoreReady, EngineCoreShutdown,
+    EngineCoreAbort, EngineCoreDropPublicBlocks, EngineCoreOutputs, EngineCorePurgeTenant, EngineCoreReady,
+    EngineCoreShutdown,
 )
 from kvferry.router.admission import Admission
 from kvferry.router.config import RouterConfig
