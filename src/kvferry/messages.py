@@ -11,6 +11,7 @@ the core owns token ids, scheduling and the forward pass::
     EngineCoreAbort    ------------------------>  scheduler.finish_requests
     EngineCoreShutdown ------------------------>  abort everything, exit
     EngineCorePurgeTenant --------------------->  drop a tenant's unused cached blocks
+    EngineCoreDropPublicBlocks ---------------->  unpin and drop a deleted public prefix's own blocks
     EngineCoreHello    ------------------------>  answer EngineCoreReady again (join, health check)
     EngineCoreFirstToken ---------------------->  the router's word on a disagg request's first token
                        <------------------------  EngineCoreReady (once, after loading)
@@ -76,7 +77,8 @@ from kvferry.types.stats import SchedulerStats
 __all__ = [
     "KVDestination", "KVTransferAck", "KVTransferDone", "KVLayerChunk", "KVTransferParams", "KVWire",
     "CoreInput", "CoreOutput", "EngineCoreAbort", "EngineCoreFirstToken", "EngineCoreOutput", "EngineCoreOutputs",
-    "EngineCoreReady", "EngineCoreHello", "EngineCorePurgeTenant", "EngineCoreRequest", "EngineCoreShutdown",
+    "EngineCoreReady", "EngineCoreHello", "EngineCorePurgeTenant", "EngineCoreDropPublicBlocks", "EngineCoreRequest",
+    "EngineCoreShutdown",
     "SchedulerStats", "decode", "encode",
 ]
 
@@ -160,6 +162,20 @@ class EngineCorePurgeTenant(msgspec.Struct, kw_only=True, tag=True):
     tenant: str
 
 
+class EngineCoreDropPublicBlocks(msgspec.Struct, kw_only=True, tag=True):
+    """A public prefix's declaration was deleted: unpin its public blocks
+    from ``first_block`` on (those before it are still declared by another
+    prefix that shares them) and drop those no running request uses. The
+    core keys ``token_ids`` (the prefix's whole blocks) in
+    ``public_namespace`` as the declaration's prefill did. Answered like
+    EngineCorePurgeTenant (``purged``: ``purge_id`` -> blocks dropped)."""
+
+    purge_id: str
+    public_namespace: str
+    token_ids: list[int]
+    first_block: int = 0
+
+
 class EngineCoreHello(msgspec.Struct, kw_only=True, tag=True):
     """Send EngineCoreReady again. A router that joins a running core (or
     checks that it is alive) asks with this; the core's input thread answers
@@ -234,7 +250,7 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, tag=True):
     # Set on the last message of a core that is dying: why (e.g. a failed
     # integrity check). The front end then fails every open request.
     engine_error: str | None = None
-    # Answers to EngineCorePurgeTenant: purge_id -> blocks dropped.
+    # Answers to EngineCorePurgeTenant / EngineCoreDropPublicBlocks: purge_id -> blocks dropped.
     purged: dict[str, int] | None = None
     # Block events since the previous message (stored / removed hashes):
     # the router's view of which prefixes this core holds.
@@ -361,7 +377,7 @@ KVWire = Union[KVLayerChunk, KVTransferDone, KVTransferAck]
 
 # One message type per direction.
 CoreInput = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreShutdown, EngineCorePurgeTenant, EngineCoreHello,
-                  EngineCoreFirstToken]
+                  EngineCoreFirstToken, EngineCoreDropPublicBlocks]
 CoreOutput = Union[EngineCoreReady, EngineCoreOutputs]
 
 

@@ -64,3 +64,10 @@ def test_purge_tenant_and_its_answer_round_trip():
     assert decode(encode(purge), CoreInput) == purge
     answer = EngineCoreOutputs(outputs=[], timestamp=1.0, purged={"p1": 3})
     assert decode(encode(answer), EngineCoreOutputs) == answer
+
+
+def test_drop_public_blocks_round_trips():
+    from kvferry.messages import CoreInput, EngineCoreDropPublicBlocks
+
+    drop = EngineCoreDropPublicBlocks(purge_id="p2", public_namespace="pub", token_ids=[1, 2, 3, 4], first_block=1)
+    assert decode(encode(drop), CoreInput) == drop

@@ -21,9 +21,8 @@ from tests.tenants.conftest import BLOCK_SIZE, make_client
 MODEL = "SmolLM2-135M-Instruct"
 # The probe declared ten; four check the same (the leak shows on the right
 # candidate against any wrong one: the right one, the timed wrong one and two
-# more), and each DELETE prefills every remaining declaration again
-# (kv_routes.py: the public pool is purged, then the others prefilled), so a
-# round's clean-up costs CANDIDATES * (CANDIDATES - 1) / 2 prefills: 6, not 45.
+# more). Each DELETE drops only its declaration's own blocks (kv_routes.py)
+# and prefills nothing again.
 CANDIDATES = 4
 FIRST_OFFSET = -2  # the candidates: pin - 2 .. pin + 1, the right one and the timed wrong one among them
 # Each round checks every candidate's hits (deterministic: one round finds

@@ -112,6 +112,44 @@ def test_a_reader_never_publishes_public_blocks_and_they_stay_pinned():
     kv.check_integrity()
 
 
+def test_a_deleted_declaration_drops_its_own_blocks_and_keeps_the_shared_ones():
+    kv = KVCacheManager(32, 4, model_fingerprint="m", kv_dtype="bfloat16")
+    shorter = TOKENS[:8]  # a declaration of the first two blocks; the other holds all four
+    assert run_prefill(kv, declaration(public_blocks=4)) == 0
+    assert run_prefill(kv, declaration("decl-2", public_blocks=2)) == 4  # its last token is computed
+    assert run_prefill(kv, request("a1", "ns-a", tokens=TOKENS)) == 0  # a private copy of the same tokens
+    private = {b.block_id for b in kv.pool.cached.values()} - {b.block_id for b in kv.pinned["public-prefixes"]}
+    # A running reader holds the first three.
+    held = request("b1", "ns-b", public_blocks=3, tokens=TOKENS[:12])
+    kv.allocate_slots(held, held.num_tokens, kv.find_prefix_hit(held))
+    # The four-block declaration is deleted; the other begins with its first two.
+    assert kv.drop_public("pub", TOKENS, first_block=2) == 1  # block 3; block 2 is in use
+    assert len(kv.pinned["public-prefixes"]) == 2
+    kv.free(held)
+    assert run_prefill(kv, request("c1", "ns-c", public_blocks=2, tokens=shorter)) == 8  # still hit
+    stored_owners(kv)
+    assert run_prefill(kv, declaration("decl-3", public_blocks=2)) == 4 and stored_owners(kv) == []  # no new block
+    assert len(kv.owned["pub"]) == 3  # the block a reader held stays cached until evicted, unpinned
+    assert {b.block_id for b in kv.pool.cached.values()} >= private  # nothing private touched
+    assert kv.drop_public("pub", shorter) == 2 and kv.pinned["public-prefixes"] == []
+    assert kv.drop_public("pub", shorter) == 0  # twice: nothing left
+    assert kv.drop_public("ns-a", TOKENS) == 0  # a private namespace is never dropped this way
+    kv.check_integrity()
+
+
+def test_the_trie_counts_the_blocks_a_remaining_declaration_shares():
+    prefixes = PublicPrefixes(block_size=4)
+    long, short = prefixes.register(list(range(12))), prefixes.register(list(range(6)))
+    other = prefixes.register(list(range(9)) + [99, 98, 97])
+    prefixes.remove(long.id)
+    # Tokens 0..8 begin "other": blocks 0 and 1 (tokens 0..7) are shared, block 2 is not.
+    assert prefixes.num_shared_blocks(list(range(12))) == 2
+    prefixes.remove(other.id)
+    assert prefixes.num_shared_blocks(list(range(12))) == 1  # "short" holds 6 tokens: one whole block
+    prefixes.remove(short.id)
+    assert prefixes.num_shared_blocks(list(range(12))) == 0
+
+
 def test_token_trie_longest_registered_prefix():
     trie = TokenTrie()
     assert trie.insert([1, 2, 3]) and trie.insert([1, 2, 3, 4, 5]) and not trie.insert([1, 2, 3])

@@ -55,8 +55,8 @@ OWNER_STAT_FIELDS = ("queries", "hits", "public_hits", "refused_blocks", "evicte
 # keeps near-equal tenants from trading places on every allocation).
 FAIR_EVICTION_SLACK = 1.1
 # The pin that holds every public block a declaration wrote: public blocks
-# are never evicted by pressure, only dropped by a purge of the public pool
-# (a declaration deleted). Were they evictable, the order in which readers
+# are never evicted by pressure, only dropped when no declaration holds
+# them any more (``drop_public``) or by a purge of the public pool. Were they evictable, the order in which readers
 # touched them would tell a publisher which of its prefixes another tenant
 # read (its candidates' survival under eviction pressure).
 PUBLIC_PIN = "public-prefixes"
@@ -362,6 +362,38 @@ class KVCacheManager:
             self._owner_of.pop(b.block_id, None)
             self.owned[owner].discard(b.block_id)
         return len(unused)
+
+    def drop_public(self, public_namespace: str, token_ids: list[int], first_block: int = 0) -> int:
+        """A deleted declaration's own public blocks: those of ``token_ids``
+        from ``first_block`` on (the caller leaves out the leading blocks
+        another declaration shares), keyed as its prefill keyed them. Let go
+        of their public pin and drop those no request uses, as a purge does;
+        a block a running request holds stays cached until evicted. Every
+        other public block stays pinned: nothing needs prefilling again.
+        Returns how many were dropped."""
+        num_blocks = len(token_ids) // self.block_size
+        if not public_namespace or first_block >= num_blocks:
+            return 0
+        scope = CacheScope(public_namespace=public_namespace, num_public_blocks=num_blocks)
+        block_hashes: list = []
+        extend_block_hashes(block_hashes, token_ids, self.block_size,
+                            ChainKeys.of(scope, self.model_fingerprint, self.kv_dtype))
+        pinned = self.pinned.get(PUBLIC_PIN, [])
+        gone = {b.block_id for h in block_hashes[first_block:] if (b := self.pool.lookup(h)) is not None
+                and self._owner_of.get(b.block_id) in self.public_owners}
+        if not gone:
+            return 0
+        released = [b for b in pinned if b.block_id in gone]
+        self.pinned[PUBLIC_PIN] = [b for b in pinned if b.block_id not in gone]
+        self.pool.unpin(list(reversed(released)))
+        dropped = 0
+        for block_id in gone:
+            block = self.pool.blocks[block_id]
+            if block.ref_cnt == 0:
+                self.pool.uncache(block)
+                self.owned[self._owner_of.pop(block_id)].discard(block_id)
+                dropped += 1
+        return dropped
 
     def owner_stats(self) -> dict[str, list[int]]:
         """Per owner (tenant, or public namespace): OWNER_STAT_FIELDS."""

@@ -274,6 +274,13 @@ class EngineCore:
             forget(tenant)  # what suffix decoding learned from the tenant's finished requests
         return dropped
 
+    def drop_public_blocks(self, public_namespace: str, token_ids: list[int], first_block: int) -> int:
+        """A deleted public prefix's own blocks leave the device pool
+        (``KVCacheManager.drop_public``). The node store's tiers keep theirs:
+        a purge never dropped public blocks there, and they are read only
+        through a declared prefix's chain (or by a declaration's prefill)."""
+        return self.scheduler.kv.drop_public(public_namespace, token_ids, first_block)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

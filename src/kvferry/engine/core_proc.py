@@ -57,8 +57,8 @@ from kvferry.engine.core_auth import REFUSED, InputGate
 from kvferry.engine.cpu_threads import bind_step_thread
 from kvferry.gc_heap import freeze_startup_heap
 from kvferry.messages import (
-    CoreInput, EngineCoreAbort, EngineCoreFirstToken, EngineCoreHello, EngineCoreOutput, EngineCoreOutputs,
-    EngineCorePurgeTenant, EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
+    CoreInput, EngineCoreAbort, EngineCoreDropPublicBlocks, EngineCoreFirstToken, EngineCoreHello, EngineCoreOutput,
+    EngineCoreOutputs, EngineCorePurgeTenant, EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode, encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -305,8 +305,12 @@ class EngineCoreProc:
         if isinstance(message, EngineCoreFirstToken):  # a disagg decode request's parked first token
             first_token_word(self.core.scheduler.connector, message.request_id, message.token_ids)
             return
-        if isinstance(message, EngineCorePurgeTenant):
-            purged = {message.purge_id: self.core.purge_tenant(message.tenant)}
+        if isinstance(message, (EngineCorePurgeTenant, EngineCoreDropPublicBlocks)):
+            if isinstance(message, EngineCorePurgeTenant):
+                count = self.core.purge_tenant(message.tenant)
+            else:
+                count = self.core.drop_public_blocks(message.public_namespace, message.token_ids, message.first_block)
+            purged = {message.purge_id: count}
             self.outputs.put(EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), purged=purged,
                                                stats=self.core.stats()))
             return

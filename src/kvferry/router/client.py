@@ -4,7 +4,7 @@ cores as workers and everything about keeping them: who serves and
 (listener.py), where a request goes (routing.py), SLO admission
 (admission.py), restarts (supervisor.py), growing and shrinking pools
 (scaling.py), the disagg prefill/decode pairing (pairing.py), tenant purges
-(purges.py), and what a core's death does to the router.
+and public-prefix drops (purges.py), and what a core's death does to the router.
 
 The front end (``serve/engine_client.py`` ``AsyncEngineClient``) is a
 RouterClient that also keeps the requests: their streams and the
@@ -36,7 +36,10 @@ from msgspec.structs import replace as _replace
 
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import CoreConnection, CoreProcess
-from kvferry.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreShutdown
+from kvferry.messages import (
+    EngineCoreAbort, EngineCoreDropPublicBlocks, EngineCoreOutputs, EngineCorePurgeTenant, EngineCoreReady,
+    EngineCoreShutdown,
+)
 from kvferry.router.admission import Admission
 from kvferry.router.config import RouterConfig
 from kvferry.router.errors import EngineDeadError, EngineRestartingError
@@ -278,7 +281,24 @@ class RouterClient:
         if restarting := self.members.restarting():
             # A purge must reach every core (and, through each, the KV store's tiers).
             raise EngineRestartingError(restarting_message(restarting[0].role, restarting))
-        return await self.purges.run(self.workers.values(), tenant, timeout_s)
+        return await self.purges.run(self.workers.values(),
+                                     lambda pid: EngineCorePurgeTenant(purge_id=pid, tenant=tenant), timeout_s)
+
+    async def drop_public_blocks(self, public_namespace: str, token_ids: list[int], first_block: int,
+                                 timeout_s: float = 30.0) -> int:
+        """Have every live core drop a deleted public prefix's own blocks
+        (``token_ids``' whole blocks from ``first_block`` on); returns how
+        many they dropped. A core that is down or dies meanwhile needs no
+        word: it comes back with an empty device pool, and the server
+        prefills only the declarations left then. Raises EngineDeadError
+        (no core at all), or TimeoutError."""
+        if not self.is_alive:
+            raise self.members.dead_error or EngineDeadError("the engine core is not running")
+        return await self.purges.run(
+            self.workers.values(),
+            lambda pid: EngineCoreDropPublicBlocks(purge_id=pid, public_namespace=public_namespace,
+                                                   token_ids=token_ids, first_block=first_block),
+            timeout_s, void_on_death=True)
 
     # -- outputs and deaths (event loop) -----------------------------------------------
     def _on_message(self, worker: Worker, message: EngineCoreOutputs) -> None:
@@ -309,6 +329,7 @@ class RouterClient:
             logger.error("%s", reason)
         self.listener.forget_process(worker)
         self.index.drop(worker.name)
+        self.purges.worker_died(worker.name)
         error = EngineDeadError(reason)
         worker.queued_prefill.clear()
         # Disagg: a prefill core's sequences that have no first token yet

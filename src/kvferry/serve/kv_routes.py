@@ -15,10 +15,22 @@ matching trie holds the tokens while any declaration does.
 Declaring a prefix prefills it at once, in the publisher's name: the
 declaration's own request is the only one that ever writes public blocks
 (``CacheScope.writes_public``), and the core holds them pinned while they
-are declared. Every other tenant's request only reads them. Deleting a
-declaration drops the public pool on every core and prefills the remaining
-declarations again (a public purge cannot pick one prefix's blocks: prefixes
-share their leading blocks).
+are declared. Every other tenant's request only reads them.
+
+Deleting a declaration drops only its own blocks, on every live core, and
+prefills nothing again. Prefixes share their leading blocks, so the front
+end, which holds every declaration's tokens in a trie, counts the leading
+blocks a remaining declaration still begins with; each core keys the rest
+as the prefill did and unpins and drops them
+(``EngineCoreDropPublicBlocks``, ``KVCacheManager.drop_public``)::
+
+    kept      | k0 | k1 | k2 |            another declaration: still pinned, still hit
+    deleted   | k0 | k1 | d2 | d3 |       d2, d3: unpinned, dropped (unless a running request reads them)
+
+A core that is down meanwhile comes back with an empty device pool and is
+prefilled with the declarations left then (``prefill_soon``). The node
+store's tiers keep public blocks (no purge dropped them there); a deleted
+prefix's are read again only through a declaration of the same tokens.
 """
 from __future__ import annotations
 
@@ -100,12 +112,23 @@ class PublicPrefixService:
         return registered, prefilled
 
     async def delete(self, pid: str) -> Declaration:
-        """KeyError for an unknown id."""
+        """KeyError for an unknown id. Every live core drops the blocks of
+        this prefix that no remaining declaration shares (its leading
+        blocks stay pinned while another prefix begins with them); nothing
+        is prefilled again. Where a core cannot be told (EngineDeadError,
+        TimeoutError), the declaration stays, for the caller to retry."""
         async with self._lock:
             declared = self.prefixes.remove(pid)
-            await self.client.purge_tenant(self.namespaces.public)
-            for other in self.prefixes.of():
-                await self._prefill(other)
+            bs = self.prefixes.block_size
+            num_blocks = declared.num_tokens // bs
+            first = self.prefixes.num_shared_blocks(declared.token_ids)
+            if first < num_blocks:
+                try:
+                    await self.client.drop_public_blocks(self.namespaces.public,
+                                                         list(declared.token_ids[:num_blocks * bs]), first)
+                except (EngineDeadError, TimeoutError):
+                    self.prefixes.restore(declared)
+                    raise
         return declared
 
     async def prefill_all(self) -> int:
@@ -179,7 +202,8 @@ def public_prefix_routes(service: PublicPrefixService, max_body_bytes: int) -> l
         except KeyError:
             raise APIError(404, f"no public prefix {pid!r}", "prefix_id", code="not_found") from None
         except (EngineDeadError, TimeoutError) as exc:
-            raise APIError(503, f"the public pool could not be purged: {exc}", code="engine_unavailable") from None
+            raise APIError(503, f"the prefix's public blocks could not be dropped: {exc}",
+                           code="engine_unavailable") from None
         return JSONResponse({"object": "kv.public_prefix.deleted", "id": pid, "deleted": True})
 
     return [

@@ -142,6 +142,17 @@ class TokenTrie:
             del parent.children[t]
         return True
 
+    def shared_depth(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        """How many leading tokens of ``token_ids`` begin some stored
+        sequence (nodes nothing passes through are pruned, so every node
+        lies on a stored sequence)."""
+        node = self._root
+        for depth, t in enumerate(token_ids):
+            node = node.children.get(t)
+            if node is None:
+                return depth
+        return len(token_ids)
+
     def longest_prefix_of(self, token_ids: list[int]) -> int:
         node, best = self._root, 0
         for depth, t in enumerate(token_ids, start=1):
@@ -188,6 +199,19 @@ class PublicPrefixes:
         declared = self.declarations.pop(pid)
         self._trie.remove(declared.token_ids)
         return declared
+
+    def num_shared_blocks(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        """How many leading whole blocks of ``token_ids`` some declaration
+        holds too: a block's key chains every token before its end, so a
+        declaration shares a block exactly when it begins with the tokens up
+        to that block's end."""
+        return self._trie.shared_depth(token_ids) // self.block_size
+
+    def restore(self, declared: Declaration) -> None:
+        """Declare ``declared`` again as it was (its deletion failed)."""
+        if declared.id not in self.declarations:
+            self._trie.insert(list(declared.token_ids))
+            self.declarations[declared.id] = declared
 
     def of(self, owner: str | None = None) -> list[Declaration]:
         """Every declaration (None), or those of one owner."""
