@@ -82,12 +82,30 @@ def core_config(args: EngineArgs, role: str, tp: int | None = None, pp: int | No
     return config
 
 
+def spawn_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idle: bool,
+                log_level: str) -> list[CoreProcess]:
+    """Spawn the local core processes ``router`` names, without waiting for
+    them: ``start_cores(..., spawned=)`` waits. All at once, so that N cores
+    load their models in parallel. On a failure the ones spawned are stopped."""
+    processes: list[CoreProcess] = []
+    try:
+        for name, role, cpus in router.core_specs():
+            processes.append(CoreProcess.start(core_config(args, role, *router.layout_of_role(role)), name,
+                                               check_integrity_when_idle, log_level, cpus=cpus))
+    except BaseException:
+        _stop([], processes)
+        raise
+    return processes
+
+
 def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idle: bool, ready_timeout_s: float,
-                log_level: str, ray: RayCores | None = None) -> tuple[list[Worker], LaunchOptions]:
+                log_level: str, ray: RayCores | None = None,
+                spawned: list[CoreProcess] | None = None) -> tuple[list[Worker], LaunchOptions]:
     """Start the cores ``router`` names (local processes, or Ray actors
-    with ``ray``), connect to its joined addresses, and wait for every
-    handshake (blocking). On any failure what was started is stopped again
-    before the error propagates."""
+    with ``ray``; ``spawned``: the local processes ``spawn_cores`` started
+    already), connect to its joined addresses, and wait for every handshake
+    (blocking). On any failure what was started is stopped again before the
+    error propagates."""
     specs = router.core_specs()
     # Started together, so that N cores load their models in parallel.
     if ray is not None:
@@ -95,9 +113,8 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
                                for name, role, cpus in specs],
                               check_integrity_when_idle, log_level, ready_timeout_s)
     else:
-        processes = [CoreProcess.start(core_config(args, role, *router.layout_of_role(role)), name,
-                                       check_integrity_when_idle, log_level,
-                                       cpus=cpus) for name, role, cpus in specs]
+        processes = spawned if spawned is not None else spawn_cores(args, router, check_integrity_when_idle,
+                                                                    log_level)
     connections: list[CoreConnection] = []
     try:
         workers = []
@@ -124,6 +141,11 @@ def stop_cores(workers: list[Worker]) -> None:
     """Undo ``start_cores`` (a later start-up step failed): close every
     connection, then kill every started process at once."""
     _stop([w.connection for w in workers], [w.process for w in workers if w.process is not None])
+
+
+def stop_processes(processes: list[CoreProcess]) -> None:
+    """Stop spawned cores that no client took over (``spawn_cores``, then a failure)."""
+    _stop([], processes)
 
 
 def _stop(connections: list[CoreConnection], processes: list[CoreProcess]) -> None:
