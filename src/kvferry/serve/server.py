@@ -120,11 +120,12 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                 # Joined before serving, so that no import runs beside
                 # uvicorn's own and the start-up heap frozen there holds its objects.
                 grammar_import = import_backend_in_background()
-                from kvferry.serve import http_server  # uvicorn, starlette, the routes: see its docstring
+                # uvicorn, starlette, the routes: see its docstring.
+                from kvferry.serve.http_server import AsyncEngineClient, serve_http
             except BaseException:
                 stop_processes(spawned or [])
                 raise
-            client = http_server.AsyncEngineClient.launch(
+            client = AsyncEngineClient.launch(
                 engine_args, check_integrity_when_idle=args.check_kv_integrity,
                 ready_timeout_s=args.engine_start_timeout, log_level=args.log_level, router=router, ray=ray_cores,
                 spawned=spawned)
@@ -137,7 +138,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         grammar_import.join()
         client.ffn_pool = getattr(args, "ffn_pool", None)  # --mode afd: kvferry scale --ffn (routes/scale.py)
         try:
-            return http_server.serve_http(args, config, client, listen, store, autoscaler)
+            return serve_http(args, config, client, listen, store, autoscaler)
         finally:
             client.kill_processes()  # start-up failed inside uvicorn (after a clean stop: no-op)
     finally:
