@@ -11,7 +11,8 @@ float32, ``--no-warm-up``) unless flags follow ``--``; ``PYTHONPATH`` names
 the tree. Wall: from the spawn to the first ``/health`` 200 (polled every
 10 ms once the ready line is out). CPU: ``/proc`` utime + stime (and the
 reaped children's) of the server and every process under it, read at that
-200, split into the API server and the rest (the engine core). Prints each
+200, split into the API server and the rest (the engine core); and when the
+core was spawned (the server's first child process). Prints each
 start and the medians per tree, with the load average before and after.
 
 Bytecode goes to ``--pycache`` (``PYTHONPYCACHEPREFIX``), outside the trees,
@@ -61,9 +62,23 @@ def tree_cpu(root: int) -> tuple[float, float]:
     return stats.get(root, (0, 0.0))[1], below
 
 
+def _first_child_at(pid: int, t0: float, out: list[float], stop: threading.Event) -> None:
+    """When ``pid``'s first child appeared (its engine core's spawn), polled every 2 ms."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    while not stop.is_set():
+        try:
+            if path.read_text().strip():
+                out.append(time.perf_counter() - t0)
+                return
+        except OSError:
+            return
+        time.sleep(0.002)
+
+
 def one_start(src: str, flags: list[str], timeout_s: float, pycache: str,
-              extra_env: dict[str, str]) -> tuple[float, float, float]:
-    """(wall s to the first /health 200, API server CPU s, the rest's CPU s)."""
+              extra_env: dict[str, str]) -> tuple[float, float, float, float]:
+    """(wall s to the first /health 200, API server CPU s, the rest's CPU s,
+    wall s to the core's spawn)."""
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=pycache,
                **extra_env)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -73,6 +88,9 @@ def one_start(src: str, flags: list[str], timeout_s: float, pycache: str,
     url: list[str] = []
     lines: list[str] = []
     ready = threading.Event()
+    spawned_at: list[float] = []
+    stop = threading.Event()
+    threading.Thread(target=_first_child_at, args=(proc.pid, t0, spawned_at, stop), daemon=True).start()
 
     def read() -> None:
         for line in proc.stdout:
@@ -91,8 +109,9 @@ def one_start(src: str, flags: list[str], timeout_s: float, pycache: str,
                 time.sleep(0.01)
         wall = time.perf_counter() - t0
         api, rest = tree_cpu(proc.pid)
-        return wall, api, rest
+        return wall, api, rest, (spawned_at or [float("nan")])[0]
     finally:
+        stop.set()
         proc.terminate()
         try:
             proc.wait(60)
@@ -114,24 +133,25 @@ def main() -> int:
     args = parser.parse_args()
     flags = args.flags or SERVE_ARGS
     extra_env = dict(e.split("=", 1) for e in args.env)
-    results: dict[str, list[tuple[float, float, float]]] = {s: [] for s in args.src}
+    results: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in args.src}
     for src in args.src:
         one_start(src, flags, args.timeout, args.pycache, extra_env)  # untimed: fills the bytecode cache
     print(f"load average before: {os.getloadavg()}", flush=True)
     for i in range(args.n):
         for src in args.src:
-            wall, api, rest = one_start(src, flags, args.timeout, args.pycache, extra_env)
-            results[src].append((wall, api, rest))
-            print(f"{i} {src}: wall {wall:.2f} s, CPU {api + rest:.2f} s (API server {api:.2f}, core {rest:.2f})",
-                  flush=True)
+            wall, api, rest, spawn = one_start(src, flags, args.timeout, args.pycache, extra_env)
+            results[src].append((wall, api, rest, spawn))
+            print(f"{i} {src}: wall {wall:.2f} s, CPU {api + rest:.2f} s (API server {api:.2f}, core {rest:.2f}), "
+                  f"core spawned at {spawn:.2f} s", flush=True)
     print(f"load average after: {os.getloadavg()}")
     base = None
     for src, rows in results.items():
-        wall, api, rest = (statistics.median(c) for c in zip(*rows))
-        cpu = statistics.median(a + r for _, a, r in rows)
+        wall, api, rest, spawn = (statistics.median(c) for c in zip(*rows))
+        cpu = statistics.median(a + r for _, a, r, _ in rows)
         ratio = "" if base is None else f"  (x{wall / base[0]:.2f} wall, x{cpu / base[1]:.2f} CPU of the first)"
         base = base or (wall, cpu)
-        print(f"{src}: median wall {wall:.2f} s, CPU {cpu:.2f} s (API server {api:.2f}, core {rest:.2f}){ratio}")
+        print(f"{src}: median wall {wall:.2f} s, CPU {cpu:.2f} s (API server {api:.2f}, core {rest:.2f}), "
+              f"core spawned at {spawn:.2f} s{ratio}")
     return 0
 
 

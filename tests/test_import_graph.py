@@ -221,7 +221,9 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
                         "kvferry.fleet.node_store": OPTIONAL,
                         "kvferry.serve.http_server": CORE_FIRST,                 # uvicorn, starlette, the routes
                         "kvferry.autoscale.policy": "start-up: the planner (numpy, the simulator), only with "
-                                                    "--autoscale"},
+                                                    "--autoscale",
+                        "kvferry.kvstore.supervisor": "start-up: the KV store's client (numpy), only with "
+                                                      "--kv-dram-gb"},
     "serve/tools/grammar.py": {"xgrammar": OPTIONAL},
     "serve/vllm_flags.py": {"uvicorn": CLI, "torch": CLI, "kvferry.model.kv_cache_dtype": CLI,
                             "kvferry.model.loader": CLI},                         # --swap-space's arithmetic

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -35,6 +34,7 @@ from kvferry.config import EngineArgs
 from kvferry.engine.core_client import CoreAddresses, CoreConnection, CoreProcess, EngineCoreStartError
 from kvferry.messages import EngineCoreShutdown
 from kvferry.router.config import RouterConfig, split_worker
+from kvferry.router.core_spawn import core_config, spawn_cores
 from kvferry.router.errors import EngineDeadError
 from kvferry.router.membership import Membership
 from kvferry.router.worker import Worker
@@ -64,38 +64,6 @@ class LaunchOptions:
     ray: RayCores | None = None
     # by role: (--prefill-tp, --prefill-pp) / (--decode-tp, --decode-pp)
     tp: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
-
-
-def core_config(args: EngineArgs, role: str, tp: int | None = None, pp: int | None = None):
-    """The engine config of a core with this role: prefill and decode cores
-    get a KV transfer socket (a free loopback port unless one was given);
-    ``tp`` / ``pp``: its pool's tensor-parallel ranks and pipeline stages (None: the engine's)."""
-    if tp is not None:
-        args = dataclasses.replace(args, tensor_parallel_size=tp)
-    if pp is not None:
-        args = dataclasses.replace(args, pipeline_parallel_size=pp)
-    if role == "prefill" and args.ffn:  # --mode disagg --ffn M: the decode pool alone splits (serve/afd.py)
-        args = dataclasses.replace(args, ffn=0, afd_folder=None)
-    config = args.create_engine_config()
-    if role != "engine" and not config.kv_transfer.kv_transfer_address:
-        config.kv_transfer.kv_transfer_address = "tcp://127.0.0.1:0"
-    return config
-
-
-def spawn_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idle: bool,
-                log_level: str) -> list[CoreProcess]:
-    """Spawn the local core processes ``router`` names, without waiting for
-    them: ``start_cores(..., spawned=)`` waits. All at once, so that N cores
-    load their models in parallel. On a failure the ones spawned are stopped."""
-    processes: list[CoreProcess] = []
-    try:
-        for name, role, cpus in router.core_specs():
-            processes.append(CoreProcess.start(core_config(args, role, *router.layout_of_role(role)), name,
-                                               check_integrity_when_idle, log_level, cpus=cpus))
-    except BaseException:
-        _stop([], processes)
-        raise
-    return processes
 
 
 def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idle: bool, ready_timeout_s: float,
@@ -141,11 +109,6 @@ def stop_cores(workers: list[Worker]) -> None:
     """Undo ``start_cores`` (a later start-up step failed): close every
     connection, then kill every started process at once."""
     _stop([w.connection for w in workers], [w.process for w in workers if w.process is not None])
-
-
-def stop_processes(processes: list[CoreProcess]) -> None:
-    """Stop spawned cores that no client took over (``spawn_cores``, then a failure)."""
-    _stop([], processes)
 
 
 def _stop(connections: list[CoreConnection], processes: list[CoreProcess]) -> None:

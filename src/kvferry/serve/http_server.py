@@ -21,7 +21,6 @@ import uvicorn
 from kvferry.autoscale.window import window_from_args
 
 from kvferry.gc_heap import freeze_startup_heap
-from kvferry.kvstore.supervisor import StoreSupervisor
 from kvferry.serve.access_log import quiet_probes
 from kvferry.serve.autoscaling import AutoscaleService
 from kvferry.serve.api_flags import uvicorn_options
@@ -32,6 +31,7 @@ from kvferry.serve.stats_logger import StatsLogger
 from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level
 
 if TYPE_CHECKING:
+    from kvferry.kvstore.supervisor import StoreSupervisor
     from kvferry.autoscale.policy import Autoscaler
 
 READY_PREFIX = "kvferry serve: ready on "

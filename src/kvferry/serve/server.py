@@ -29,9 +29,8 @@ from kvferry.engine.core_client import EngineCoreStartError
 from kvferry.fleet.placement import RayPlacement, placement_from_args
 from kvferry.kvstore.pool_address import PoolAddress, is_auto
 from kvferry.kvstore.secret_file import ensure_secret_file, server_cache_secret, tier_secret_path
-from kvferry.kvstore.supervisor import StoreSupervisor
 from kvferry.router.config import router_config_from
-from kvferry.router.supervisor import spawn_cores, stop_processes
+from kvferry.router.core_spawn import spawn_cores, stop_processes
 from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.afd import start_ray_ffn, stop_ray_ffn
 from kvferry.serve.server_config import ServerConfig
@@ -39,6 +38,7 @@ from kvferry.extras import require
 from kvferry.structured.spec import import_backend_in_background
 
 if TYPE_CHECKING:
+    from kvferry.kvstore.supervisor import StoreSupervisor
     from kvferry.router.config import RouterConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
@@ -227,6 +227,7 @@ def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs, router: Ro
     none to start) and the engine args to launch with."""
     if not engine_args.kv_dram_gb or engine_args.kv_store:
         return None, engine_args
+    from kvferry.kvstore.supervisor import StoreSupervisor  # the store's client: numpy, before the core's spawn
 
     store = StoreSupervisor(
         engine_args.create_engine_config().kv_tiers, max_restarts=router.engine_restarts,
