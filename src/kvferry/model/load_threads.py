@@ -4,18 +4,20 @@ Loading a checkpoint is some hundreds of ``copy_`` calls (each tensor from
 its memory-mapped file into the model's storage, often with a dtype
 conversion), with Python, safetensors reads and page faults between them.
 Each copy over torch's grain size is a parallel region: with a team of two
-or more, the workers wake for it, and between copies they spin-wait
-(libgomp's default wait policy) for the next region, burning a CPU each
-while the master does the Python work. On the embedded 135M model in
-float32 the load took 1.3-1.75 CPU-s and 2.8-5.5 s wall on a busy 2-core
-host with a team of two, against about 0.5 CPU-s and 1.1 s on one thread
-(``OMP_WAIT_POLICY=PASSIVE`` does as well, but for the whole process: the
-decode step's regions want the spinning). The copies are memory-bound, and
-page faults on the file's pages serialize in the kernel anyway, so a second
-thread buys little even on a 1B model (BENCHMARKS.md, "Start-up and
-memory"). The team is restored afterwards on the same thread: libgomp
-keeps its pool (and any pinning, engine/cpu_threads.py) across a one-thread
-section, which never starts a team.
+or more, the workers wake for it and then spin-wait (libgomp's default wait
+policy) for the next region, burning a CPU each while the master does the
+Python work between copies. Measured on a busy 2-core Zen 4 host, in fresh
+processes at 2 threads (medians of 3, BENCHMARKS.md "Start-up and memory"):
+the embedded 135M model in float32 loaded in 1.82 CPU-s and 1.88 s wall
+with the team, 0.52 CPU-s and 0.56 s with the copies on one thread; a
+1B-shaped bf16 checkpoint in 2.29 CPU-s and 2.49 s with the team, 1.65 and
+1.69 s on one thread. The second thread bought no wall time even for the
+1B model's largest tensors (the embedding table, 100M values): no size rule. ``OMP_WAIT_POLICY=PASSIVE`` saves
+as much but for the whole process, whose decode steps want the spinning.
+Only the plain copies are narrowed: a quantizing load (int8, GGUF) keeps
+its team for its arithmetic. The team size comes back afterwards on the
+same thread; a one-thread region starts no team, so libgomp keeps its pool
+(and any pinning, engine/cpu_threads.py).
 """
 from __future__ import annotations
 
