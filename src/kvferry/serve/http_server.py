@@ -41,7 +41,8 @@ _BACKSTOP_S = 5.0
 # (a supervisor must restart the server), not 1 or 2 (start-up failures).
 EXIT_ENGINE_FAILED = 3
 
-logger = logging.getLogger(__name__)
+# Its lines keep the name they had when this was part of serve/server.py (operators grep for it).
+logger = logging.getLogger("kvferry.serve.server")
 
 
 def serve_http(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineClient, listen: socket.socket,
