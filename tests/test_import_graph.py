@@ -176,6 +176,8 @@ CLI = "start-up: the kvferry CLI imports this module for every command"  # its h
 NO_TORCH = "start-up: the importer must not load torch"
 # Every process spawned under the CLI imports kvferry.cli again (__mp_main__).
 COMMAND_PARSER = "start-up: only the running command's parser module is imported"
+# The engine core's spawn comes first, so that its model loads while the front end imports the web side.
+CORE_FIRST = "start-up: imported after the engine cores are spawned"
 GGUF = "start-up: the GGUF reader and tokenizer builder, only when a .gguf is read"  # the front end, `import kvferry`, the core's spawn target
 
 LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
@@ -216,7 +218,12 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "serve/cli.py": {"kvferry.serve.server": CLI},
     "serve/afd.py": {"kvferry.fleet.ffn_actors": OPTIONAL},                       # ray: --mode afd --ray
     "serve/server.py": {"kvferry.fleet.ray_cores": OPTIONAL, "kvferry.fleet.cluster_master": OPTIONAL,  # ray
-                        "kvferry.fleet.node_store": OPTIONAL},
+                        "kvferry.fleet.node_store": OPTIONAL,
+                        "kvferry.serve.http_server": CORE_FIRST,                 # uvicorn, starlette, the routes
+                        "kvferry.autoscale.policy": "start-up: the planner (numpy, the simulator), only with "
+                                                    "--autoscale",
+                        "kvferry.kvstore.supervisor": "start-up: the KV store's client (numpy), only with "
+                                                      "--kv-dram-gb"},
     "serve/tools/grammar.py": {"xgrammar": OPTIONAL},
     "serve/vllm_flags.py": {"uvicorn": CLI, "torch": CLI, "kvferry.model.kv_cache_dtype": CLI,
                             "kvferry.model.loader": CLI},                         # --swap-space's arithmetic

@@ -37,6 +37,7 @@ from kvferry.model.linear import huge_page_arena
 from kvferry.model.layers.parallel import (RowParallelLinear, TPShard, gather_logits, pad_vocab_rows, take_slice,
                                              vocab_parallel_embedding)
 from kvferry.model.layers.vocab import VocabEmbedding
+from kvferry.model.load_threads import copy_weight
 from kvferry.model.moe import NOT_HELD, SparseMoeBlock
 from kvferry.parallel.pipeline import PPStage
 
@@ -539,8 +540,7 @@ class LlamaModel(nn.Module):
         dst = param.data if rows is None else param.data[rows]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(tensor)
+        copy_weight(dst, tensor)
 
 
 _VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")

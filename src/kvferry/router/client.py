@@ -114,15 +114,19 @@ class RouterClient:
     @classmethod
     def launch(cls, args: EngineArgs, name: str = "engine-0", check_integrity_when_idle: bool = False,
                ready_timeout_s: float = 600.0, log_level: str = "INFO",
-               router: RouterConfig | None = None, ray=None) -> "RouterClient":
+               router: RouterConfig | None = None, ray=None,
+               spawned: list[CoreProcess] | None = None) -> "RouterClient":
         """Start the engine core processes (``router.data_parallel_size``,
         default 1), connect to the joined addresses, and wait for every
         handshake (blocking: call before the event loop runs). Raises
         EngineCoreStartError (with the core's reason, e.g. a bad model path)
         when a core does not come up. ``ray`` (kvferry.fleet.ray_cores.RayCores):
-        the cores are Ray actors on that cluster."""
+        the cores are Ray actors on that cluster. ``spawned``: the processes
+        ``router.supervisor.spawn_cores`` started already (the server spawns
+        them before it imports its web modules)."""
         router = router or RouterConfig()
-        workers, options = start_cores(args, router, check_integrity_when_idle, ready_timeout_s, log_level, ray)
+        workers, options = start_cores(args, router, check_integrity_when_idle, ready_timeout_s, log_level, ray,
+                                       spawned)
         try:
             first = workers[0]
             client = cls.around(first, router)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -35,6 +34,7 @@ from kvferry.config import EngineArgs
 from kvferry.engine.core_client import CoreAddresses, CoreConnection, CoreProcess, EngineCoreStartError
 from kvferry.messages import EngineCoreShutdown
 from kvferry.router.config import RouterConfig, split_worker
+from kvferry.router.core_spawn import core_config, spawn_cores
 from kvferry.router.errors import EngineDeadError
 from kvferry.router.membership import Membership
 from kvferry.router.worker import Worker
@@ -66,28 +66,14 @@ class LaunchOptions:
     tp: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
 
 
-def core_config(args: EngineArgs, role: str, tp: int | None = None, pp: int | None = None):
-    """The engine config of a core with this role: prefill and decode cores
-    get a KV transfer socket (a free loopback port unless one was given);
-    ``tp`` / ``pp``: its pool's tensor-parallel ranks and pipeline stages (None: the engine's)."""
-    if tp is not None:
-        args = dataclasses.replace(args, tensor_parallel_size=tp)
-    if pp is not None:
-        args = dataclasses.replace(args, pipeline_parallel_size=pp)
-    if role == "prefill" and args.ffn:  # --mode disagg --ffn M: the decode pool alone splits (serve/afd.py)
-        args = dataclasses.replace(args, ffn=0, afd_folder=None)
-    config = args.create_engine_config()
-    if role != "engine" and not config.kv_transfer.kv_transfer_address:
-        config.kv_transfer.kv_transfer_address = "tcp://127.0.0.1:0"
-    return config
-
-
 def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idle: bool, ready_timeout_s: float,
-                log_level: str, ray: RayCores | None = None) -> tuple[list[Worker], LaunchOptions]:
+                log_level: str, ray: RayCores | None = None,
+                spawned: list[CoreProcess] | None = None) -> tuple[list[Worker], LaunchOptions]:
     """Start the cores ``router`` names (local processes, or Ray actors
-    with ``ray``), connect to its joined addresses, and wait for every
-    handshake (blocking). On any failure what was started is stopped again
-    before the error propagates."""
+    with ``ray``; ``spawned``: the local processes ``spawn_cores`` started
+    already), connect to its joined addresses, and wait for every handshake
+    (blocking). On any failure what was started is stopped again before the
+    error propagates."""
     specs = router.core_specs()
     # Started together, so that N cores load their models in parallel.
     if ray is not None:
@@ -95,9 +81,8 @@ def start_cores(args: EngineArgs, router: RouterConfig, check_integrity_when_idl
                                for name, role, cpus in specs],
                               check_integrity_when_idle, log_level, ready_timeout_s)
     else:
-        processes = [CoreProcess.start(core_config(args, role, *router.layout_of_role(role)), name,
-                                       check_integrity_when_idle, log_level,
-                                       cpus=cpus) for name, role, cpus in specs]
+        processes = spawned if spawned is not None else spawn_cores(args, router, check_integrity_when_idle,
+                                                                    log_level)
     connections: list[CoreConnection] = []
     try:
         workers = []

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -25,7 +24,6 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.auth import AuthMiddleware
-from kvferry.serve.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvferry.serve.engine_client import AsyncEngineClient
 from kvferry.serve.errors import EXCEPTION_HANDLERS
 from kvferry.serve.http_limits import RequestLimitsMiddleware
@@ -34,6 +32,7 @@ from kvferry.serve.logprobs import TokenStrings
 from kvferry.serve.metrics import PUBLIC_POOL_LABEL, ServerMetrics, TenantLabels
 from kvferry.serve.public_prefixes import CachePolicy, PrefixLimits, PublicPrefixes, PublicPrefixRegistry
 from kvferry.serve.responses import ResponseStore
+from kvferry.serve.server_config import ServerConfig
 from kvferry.serve.routes.embeddings import embedding_routes
 from kvferry.serve.routes.health import health_routes
 from kvferry.serve.routes.models import model_routes, tokenize_routes
@@ -46,22 +45,6 @@ from kvferry.serve.serving import ServingContext
 from kvferry.serve.tenants import ApiKeys, CacheNamespaces
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    served_model_names: list[str]
-    model_path: str | None = None  # reported as the model card's root
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    # Time the engine core gets to exit after the HTTP side has drained.
-    engine_stop_timeout_s: float = 10.0
-    api: ApiOptions = field(default_factory=ApiOptions)  # the OpenAI layer's flags
-
-    def __post_init__(self) -> None:
-        if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
-            raise ValueError("served_model_names must hold at least one non-empty name")
-        if self.max_request_body_bytes < 1024:
-            raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
 
 
 def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:

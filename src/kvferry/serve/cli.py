@@ -178,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
-    from kvferry.serve.server import run_server  # lazy: uvicorn, fastapi and the front end, ~0.5 s
+    from kvferry.serve.server import run_server  # lazy: the router and the front end (its web side after the spawn)
 
     engine_args = afd_folder(engine_args)
     pool = start_ffn_pool(args, engine_args)  # --mode afd: the FFN workers, shared by the cores

@@ -3,8 +3,10 @@ with the engine core in its own process ("kvferry: engine-0"); announce
 readiness, and make a graceful shutdown (SIGTERM) exit 0.
 
 Start-up order: validate the flags, bind the listening socket (a bad or
-busy port is reported before any model loads), start the core and wait for
-its handshake, then serve on the bound socket.
+busy port is reported before any model loads), spawn the core, import the
+web side (serve/http_server.py: uvicorn, starlette, the routes) while the
+core loads the model, wait for the core's handshake, then serve on the
+bound socket. This module itself imports none of the web side.
 
 ``--port 0`` binds a free port; the ready line names the real one:
 ``kvferry serve: ready on http://127.0.0.1:PORT (model NAME, max_model_len N)``.
@@ -12,52 +14,34 @@ its handshake, then serve on the bound socket.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
-import signal
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import prometheus_client
 import setproctitle
-import uvicorn
 
 from kvferry import peer_auth
 from kvferry.config import EngineArgs
 from kvferry.engine.core_client import EngineCoreStartError
-from kvferry.autoscale.policy import autoscaler_from_args
-from kvferry.autoscale.window import window_from_args
 from kvferry.fleet.placement import RayPlacement, placement_from_args
-from kvferry.gc_heap import freeze_startup_heap
 from kvferry.kvstore.pool_address import PoolAddress, is_auto
 from kvferry.kvstore.secret_file import ensure_secret_file, server_cache_secret, tier_secret_path
-from kvferry.kvstore.supervisor import StoreSupervisor
 from kvferry.router.config import router_config_from
-from kvferry.serve.access_log import quiet_probes
-from kvferry.serve.api_flags import ApiOptions, uvicorn_options
+from kvferry.router.core_spawn import spawn_cores, stop_processes
+from kvferry.serve.api_flags import ApiOptions
 from kvferry.serve.afd import start_ray_ffn, stop_ray_ffn
-from kvferry.serve.app import ServerConfig, build_app
-from kvferry.serve.autoscaling import AutoscaleService
-from kvferry.serve.engine_client import AsyncEngineClient
-from kvferry.serve.stats_logger import StatsLogger
-from kvferry.serve.vllm_flags import set_uvicorn_log_level, uvicorn_log_level
+from kvferry.serve.server_config import ServerConfig
 from kvferry.extras import require
 from kvferry.structured.spec import import_backend_in_background
 
 if TYPE_CHECKING:
+    from kvferry.kvstore.supervisor import StoreSupervisor
     from kvferry.router.config import RouterConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
-READY_PREFIX = "kvferry serve: ready on "
-# uvicorn's own drain limit, past ours: it cancels tasks, cutting connections.
-_BACKSTOP_S = 5.0
-# The exit status once an engine core died past --engine-restarts: not 0
-# (a supervisor must restart the server), not 1 or 2 (start-up failures).
-EXIT_ENGINE_FAILED = 3
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +64,6 @@ def _is_hub_id(model: str) -> bool:
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     setproctitle.setproctitle("kvferry: api-server")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # No *_created series: vLLM-style dashboards do not use them.
-    prometheus_client.disable_created_metrics()
     try:
         keep_tier_secret(args, engine_args)
         # Before any store or core starts (they inherit it): the secret their
@@ -100,7 +82,11 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             PoolAddress.parse(engine_args.kv_cluster)  # "auto" needs --ray: a ValueError saying so
         slo_s = {name: ms / 1000.0 for name, ms in (("ttft", router.slo.ttft_slo_ms), ("tpot", router.slo.tpot_slo_ms))
                  if ms is not None}
-        autoscaler = autoscaler_from_args(args, router.mode, slo_s, engine_args)
+        autoscaler = None
+        if args.autoscale is not None:  # the planner under it (numpy, the simulator): only when asked for
+            from kvferry.autoscale.policy import autoscaler_from_args
+
+            autoscaler = autoscaler_from_args(args, router.mode, slo_s, engine_args)
         if not getattr(args, "log_stats_interval_s", 0.0) >= 0:
             raise ValueError(f"log_stats_interval_s must be >= 0 (0: off), got {args.log_stats_interval_s}")
         listen = bind_socket(args.host, args.port)
@@ -116,11 +102,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         listen.close()
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
-    # In parallel with the core's start-up; joined before serving, so that
-    # no import runs beside uvicorn's own and the start-up heap frozen
-    # below holds its objects.
-    grammar_import = import_backend_in_background()
-    ray_cores = node_stores = cluster_master = None
+    ray_cores = node_stores = cluster_master = grammar_import = None
     try:
         try:
             ray_cores = connect_ray(placement, router.engine_restarts)
@@ -129,20 +111,34 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             if cluster_master is not None:
                 engine_args = dataclasses.replace(engine_args, kv_cluster=cluster_master.url)
             node_stores = start_node_stores(placement, args, engine_args, router.engine_restarts)
-            client = AsyncEngineClient.launch(engine_args, check_integrity_when_idle=args.check_kv_integrity,
-                                              ready_timeout_s=args.engine_start_timeout, log_level=args.log_level,
-                                              router=router, ray=ray_cores)
+            # The local cores start loading the model now; this process's own
+            # imports below (the web side, xgrammar) run while they do, not
+            # before they start. Every flag was checked above.
+            spawned = None if ray_cores is not None else spawn_cores(engine_args, router, args.check_kv_integrity,
+                                                                     args.log_level)
+            try:
+                # Joined before serving, so that no import runs beside
+                # uvicorn's own and the start-up heap frozen there holds its objects.
+                grammar_import = import_backend_in_background()
+                # uvicorn, starlette, the routes: see its docstring.
+                from kvferry.serve.http_server import AsyncEngineClient, serve_http
+            except BaseException:
+                stop_processes(spawned or [])
+                raise
+            client = AsyncEngineClient.launch(
+                engine_args, check_integrity_when_idle=args.check_kv_integrity,
+                ready_timeout_s=args.engine_start_timeout, log_level=args.log_level, router=router, ray=ray_cores,
+                spawned=spawned)
         except (ValueError, OSError, EngineCoreStartError) as exc:
             listen.close()
             print(f"kvferry serve: error: {exc}", file=sys.stderr, flush=True)
-            grammar_import.join()  # cut off mid-import by the exit, the daemon thread would print a traceback
+            if grammar_import is not None:
+                grammar_import.join()  # cut off mid-import by the exit, the daemon thread would print a traceback
             return 2
         grammar_import.join()
         client.ffn_pool = getattr(args, "ffn_pool", None)  # --mode afd: kvferry scale --ffn (routes/scale.py)
-        if autoscaler is not None:
-            client.autoscaler = AutoscaleService(autoscaler, window_from_args(args), client)
         try:
-            return _serve(args, config, client, listen, store)
+            return serve_http(args, config, client, listen, store, autoscaler)
         finally:
             client.kill_processes()  # start-up failed inside uvicorn (after a clean stop: no-op)
     finally:
@@ -231,6 +227,7 @@ def start_kv_store(args: argparse.Namespace, engine_args: EngineArgs, router: Ro
     none to start) and the engine args to launch with."""
     if not engine_args.kv_dram_gb or engine_args.kv_store:
         return None, engine_args
+    from kvferry.kvstore.supervisor import StoreSupervisor  # the store's client: numpy, before the core's spawn
 
     store = StoreSupervisor(
         engine_args.create_engine_config().kv_tiers, max_restarts=router.engine_restarts,
@@ -256,89 +253,3 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
-
-
-def _serve(args: argparse.Namespace, config: ServerConfig, client: AsyncEngineClient, listen: socket.socket,
-           store: StoreSupervisor | None = None) -> int:
-    app = build_app(client, config)
-    if store is not None:  # /health and /metrics say how the node's KV store is
-        app.state.kv_store = store
-        app.state.metrics.kv_store_health = lambda: store.health
-    uv_config = uvicorn.Config(
-        app, log_level=uvicorn_log_level(args), lifespan="on",
-        access_log=not args.disable_uvicorn_access_log,
-        # A backstop only: _Server ends the requests itself at shutdown_timeout.
-        timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
-        **uvicorn_options(config.api),
-    )
-    set_uvicorn_log_level(args)  # after uvicorn.Config, which configures its loggers
-    quiet_probes()
-    interval_s = getattr(args, "log_stats_interval_s", 0.0)
-    stats_logger = None
-    if interval_s > 0:
-        stats_logger = StatsLogger(interval_s, app.state.metrics.token_totals, lambda: client.stats)
-    model = f"model {config.served_model_names[0]}, max_model_len {client.max_model_len}"
-    server = _Server(uv_config, lambda url: print(f"{READY_PREFIX}{url} ({model})", flush=True),
-                     client, args.shutdown_timeout, stats_logger)
-    # A core dead past its restart budget: stop serving (the same graceful
-    # path as SIGTERM, so the other cores are stopped too) and exit non-zero.
-    client.on_fatal = lambda reason: setattr(server, "should_exit", True)
-    _make_signal_reraise_harmless()
-    server.run(sockets=[listen])
-    if client.fatal_error is not None:
-        print(f"kvferry serve: error: {client.fatal_error}", file=sys.stderr, flush=True)
-        return EXIT_ENGINE_FAILED
-    return 0 if server.started else 1
-
-
-class _Server(uvicorn.Server):
-    """uvicorn.Server that announces the bound address once it listens, and
-    bounds the graceful drain: at ``drain_timeout_s`` after shutdown begins,
-    the requests still running are aborted *through the app*, so each gets
-    a proper end (a 503, or an error event and ``[DONE]`` on a stream)
-    instead of uvicorn cancelling its task and cutting the connection."""
-
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[str], None],
-                 client: AsyncEngineClient, drain_timeout_s: float, stats_logger: StatsLogger | None = None) -> None:
-        super().__init__(config)
-        self.on_ready = on_ready
-        self.client = client
-        self.drain_timeout_s = drain_timeout_s
-        self.stats_logger = stats_logger
-        self._stats_task: asyncio.Task | None = None
-
-    async def shutdown(self, sockets=None) -> None:
-        if self._stats_task is not None:
-            self._stats_task.cancel()
-        # A scale in flight (waiting for room on a Ray cluster, say) ends now: its POST must not hold the drain.
-        self.client.scaler.stop("the server is shutting down")
-        deadline = asyncio.ensure_future(self._abort_after_deadline())
-        try:
-            await super().shutdown(sockets)
-        finally:
-            deadline.cancel()
-
-    async def _abort_after_deadline(self) -> None:
-        await asyncio.sleep(self.drain_timeout_s)
-        n = self.client.abort_all("the server is shutting down; the request was aborted")
-        if n:
-            logger.warning("graceful shutdown timed out after %.1f s: aborted %d request(s)", self.drain_timeout_s, n)
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        freeze_startup_heap("front end")  # no full-heap GC pauses between arrival and hand-off
-        if self.started and self.servers and self.servers[0].sockets:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            self.on_ready(f"http://{host}:{port}")
-        if self.started and self.stats_logger is not None:
-            self._stats_task = asyncio.ensure_future(self.stats_logger.run())
-
-
-def _make_signal_reraise_harmless() -> None:
-    """uvicorn handles SIGTERM / SIGINT itself (stop accepting, drain the
-    in-flight requests, run the lifespan shutdown), then re-raises the signal
-    under the handler it found installed. With the default handlers a clean
-    shutdown would end as status 143 (or a KeyboardInterrupt traceback);
-    with these no-ops it exits 0."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: None)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from kvferry.model.layers.vocab import EmbeddingMethodBase, UnquantizedEmbeddingMethod
+from kvferry.model.load_threads import copy_weight
 
 
 class MatmulArgs(NamedTuple):
@@ -60,8 +61,7 @@ class LinearMethodBase(ABC):
             raise ValueError(f"weight {name!r}: {layer.prefix} keeps plain weights, got {type(tensor).__name__}")
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(tensor)
+        copy_weight(dst, tensor)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Prepare the loaded weights for ``apply`` (runs once before the first call)."""

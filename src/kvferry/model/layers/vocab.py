@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.model.load_threads import copy_weight
+
 
 class EmbeddingMethodBase(ABC):
     """How one format keeps and looks up a token embedding. One object may
@@ -51,8 +53,7 @@ class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
             raise ValueError(f"weight {name!r} must be a float tensor, got {type(tensor).__name__}")
         if tuple(tensor.shape) != tuple(layer.weight.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(layer.weight.shape)}")
-        with torch.no_grad():
-            layer.weight.data.copy_(tensor)
+        copy_weight(layer.weight.data, tensor)
 
     def embedding(self, layer: VocabEmbedding, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)
