@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _servers import stop_server  # noqa: E402
 from tests.serve.server_process import READY_PREFIX, SERVE_ARGS  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -112,12 +113,7 @@ def one_start(src: str, flags: list[str], timeout_s: float, pycache: str,
         return wall, api, rest, (spawned_at or [float("nan")])[0]
     finally:
         stop.set()
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def main() -> int:
