@@ -5,10 +5,13 @@
 # `kvferry plan` prices each format's best layout at several rates and SLOs.
 # plan never pairs pools of different formats: it ranks each format's
 # layouts and prints their costs side by side.
-# Run it on a quiet machine: a busy one gives poor fits (plan refuses them).
+# Run it on a quiet machine: a busy one gives poor fits (profile warns and
+# records them in the JSON's quality).
 #
 # Usage: bench/cost_gguf.sh FILE.gguf [OUT_DIR] [THREADS]
 #        (default OUT_DIR docs/benchmarks/cost-gguf, THREADS 2, price 0.08/h)
+# "blocks" is the file's own format kept in memory (Q4_K/Q6_K as their
+# packed panels by default, the same bits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FILE=${1:?a .gguf file}
