@@ -165,6 +165,32 @@ def test_drop_tenant_removes_only_that_tenants_blocks(store_factory, clients):
     assert client.stats().used_slots == 3
 
 
+def test_drop_public_removes_those_public_blocks_from_dram_and_disk_and_nothing_else(store_factory, clients,
+                                                                                    tmp_path):
+    # 4 DRAM slots under 8 public blocks and 2 more: the 6 evicted ones are
+    # written down to the disk tier, so both tiers hold the deleted prefix's.
+    _, address = store_factory(4, kv_disk=str(tmp_path / "disk"), kv_disk_gb=gb(64))
+    client = clients(address)
+    public = BlockOwner(public=True)
+    doomed, kept, private = [key(i, b"p") for i in range(8)], key(0, b"q"), key(0, b"a")
+    for k in doomed:
+        save(client, [k], public, [1])
+    save(client, [kept], public, [2])
+    save(client, [private], A, [3])
+    deadline = time.monotonic() + 30
+    while client.stats().tiers["disk"].num_blocks < 6:  # the write-backs are asynchronous
+        assert time.monotonic() < deadline, client.stats()
+        time.sleep(0.05)
+    assert client.lookup(doomed) == 8
+    # A private block named among the keys stays: DropPublic drops public blocks only.
+    assert client.drop_public(doomed + [private]) == 8
+    assert all(client.lookup([k]) == 0 for k in doomed)
+    assert client.lookup([kept]) == 1 and client.lookup([private]) == 1
+    stats = client.stats()
+    assert stats.tiers["disk"].num_blocks == 0 and stats.used_slots == 2
+    assert client.drop_public(doomed) == 0
+
+
 def test_a_killed_store_gives_misses_then_the_client_reconnects_to_a_new_one(store_factory, clients, address):
     proc, _ = store_factory(16)
     client = clients(address, timeout_s=0.3)

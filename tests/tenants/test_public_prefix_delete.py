@@ -42,7 +42,10 @@ def tail(word: str) -> str:
 def server(tmp_path_factory) -> ServerProcess:
     d = tmp_path_factory.mktemp("prefixdel")
     (d / "keys.json").write_text(json.dumps(KEYS))
-    srv = start_server(d / "server.log", ["--api-keys", str(d / "keys.json"), "--block-size", str(BLOCK_SIZE)])
+    # A node KV store beside the device pool: a deleted prefix's own blocks
+    # must leave it too.
+    srv = start_server(d / "server.log", ["--api-keys", str(d / "keys.json"), "--block-size", str(BLOCK_SIZE),
+                                          "--kv-dram-gb", "0.1"])
     yield srv
     code = srv.stop()
     assert code == 0, f"server exit code {code}:\n{srv.log()[-5000:]}"
@@ -106,6 +109,36 @@ def test_deleting_every_prefix_one_by_one_leaves_no_public_block_and_prefills_no
             assert cached_tokens(server, texts[i + 1]) == declared[i + 1]["num_blocks"] * BLOCK_SIZE
         assert cached_tokens(server, texts[i]) == 0
     assert stats(server) == (queries, 0)
+
+
+def store_counters(server: ServerProcess) -> tuple[float, float]:
+    """(tokens loaded from the node's KV store, blocks ordered saved to it)."""
+    text = httpx.get(f"{server.base_url}/metrics", headers={"Authorization": "Bearer sk-admin"}, timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        for name in ("kvferry:kv_store_loaded_tokens_total", "kvferry:kv_store_saved_blocks_total"):
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("kvferry:kv_store_loaded_tokens_total", 0.0), values.get("kvferry:kv_store_saved_blocks_total", 0.0)
+
+
+def test_a_deleted_prefixs_own_blocks_leave_the_node_store(server):
+    """Declared again after its delete, a prefix's own blocks are computed
+    again (and saved again), not loaded from the node's KV store: the delete
+    dropped them there too."""
+    word = uuid.uuid4().hex[:6]
+    kept, gone = declare(server, COMMON + tail(f"s{word}")), declare(server, COMMON + tail(f"t{word}"))
+    assert delete(server, gone["id"]).status_code == 200
+    loaded, saved = store_counters(server)
+    again = declare(server, COMMON + tail(f"t{word}"))
+    deadline = time.monotonic() + 30
+    while (now := store_counters(server))[1] <= saved:  # the re-declaration's saves are reported
+        assert time.monotonic() < deadline, f"no new block saved to the store: {now}, {server.log()[-3000:]}"
+        time.sleep(0.2)
+    assert now[0] == loaded, "the deleted prefix's blocks were loaded back from the node store"
+    for d in (kept, again):
+        assert delete(server, d["id"]).status_code == 200
+    assert stats(server)[1] == 0
 
 
 def test_a_prefix_deleted_while_its_core_restarts_is_not_served_when_it_is_back(server):

@@ -363,6 +363,19 @@ class KVCacheManager:
             self.owned[owner].discard(b.block_id)
         return len(unused)
 
+    def public_block_hashes(self, public_namespace: str, token_ids: list[int]) -> list:
+        """The chain hashes a declaration's prefill gives the full blocks of
+        ``token_ids`` in ``public_namespace`` (the keys of the device pool
+        and of every KV tier)."""
+        num_blocks = len(token_ids) // self.block_size
+        if not public_namespace or not num_blocks:
+            return []
+        scope = CacheScope(public_namespace=public_namespace, num_public_blocks=num_blocks)
+        block_hashes: list = []
+        extend_block_hashes(block_hashes, token_ids, self.block_size,
+                            ChainKeys.of(scope, self.model_fingerprint, self.kv_dtype))
+        return block_hashes
+
     def drop_public(self, public_namespace: str, token_ids: list[int], first_block: int = 0) -> int:
         """A deleted declaration's own public blocks: those of ``token_ids``
         from ``first_block`` on (the caller leaves out the leading blocks
@@ -371,15 +384,11 @@ class KVCacheManager:
         a block a running request holds stays cached until evicted. Every
         other public block stays pinned: nothing needs prefilling again.
         Returns how many were dropped."""
-        num_blocks = len(token_ids) // self.block_size
-        if not public_namespace or first_block >= num_blocks:
+        own = self.public_block_hashes(public_namespace, token_ids)[first_block:]
+        if not own:
             return 0
-        scope = CacheScope(public_namespace=public_namespace, num_public_blocks=num_blocks)
-        block_hashes: list = []
-        extend_block_hashes(block_hashes, token_ids, self.block_size,
-                            ChainKeys.of(scope, self.model_fingerprint, self.kv_dtype))
         pinned = self.pinned.get(PUBLIC_PIN, [])
-        gone = {b.block_id for h in block_hashes[first_block:] if (b := self.pool.lookup(h)) is not None
+        gone = {b.block_id for h in own if (b := self.pool.lookup(h)) is not None
                 and self._owner_of.get(b.block_id) in self.public_owners}
         if not gone:
             return 0

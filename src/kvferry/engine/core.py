@@ -276,10 +276,16 @@ class EngineCore:
 
     def drop_public_blocks(self, public_namespace: str, token_ids: list[int], first_block: int) -> int:
         """A deleted public prefix's own blocks leave the device pool
-        (``KVCacheManager.drop_public``). The node store's tiers keep theirs:
-        a purge never dropped public blocks there, and they are read only
-        through a declared prefix's chain (or by a declaration's prefill)."""
-        return self.scheduler.kv.drop_public(public_namespace, token_ids, first_block)
+        (``KVCacheManager.drop_public``) and the node store's tiers on this
+        node (the connector's ``drop_public``: DRAM and disk; a tier shared
+        between nodes keeps them, as another node may still declare them).
+        Returns how many left the device pool."""
+        kv = self.scheduler.kv
+        dropped = kv.drop_public(public_namespace, token_ids, first_block)
+        if self.runner.connector is not None:
+            own = kv.public_block_hashes(public_namespace, token_ids)[first_block:]
+            self.runner.connector.drop_public(list(own))
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -268,6 +268,23 @@ class ColdChain:
                 logger.exception("tier %s: drop_tenant failed", tier.name)
         return n
 
+    def drop_public(self, keys: list[bytes]) -> int:
+        """A deleted public prefix's own blocks: pending write-downs of them
+        are cancelled and each tier drops what it holds (tiers shared
+        between nodes keep theirs: ``ColdTier.drop_public``)."""
+        doomed = set(keys)
+        with self._lock:
+            for pending in (self._pending, self._through):
+                for key in [k for k, (_, owner) in pending.items() if owner.public and k in doomed]:
+                    del pending[key]
+        n = 0
+        for tier in self.tiers:
+            try:
+                n += tier.drop_public(list(keys))
+            except Exception:
+                logger.exception("tier %s: drop_public failed", tier.name)
+        return n
+
     def stats(self) -> dict[str, TierStats]:
         out: dict[str, TierStats] = {}
         for tier in self.tiers:

@@ -206,6 +206,12 @@ class KVStoreClient:
         reply = self._call(p.DropTenant(client_id=self.client_id, tenant=tenant))
         return reply.n if isinstance(reply, p.Count) else 0
 
+    def drop_public(self, keys: list[bytes]) -> int:
+        """Remove the public blocks of ``keys`` (a deleted public prefix's
+        own) from every tier this node owns; private blocks stay."""
+        reply = self._call(p.DropPublic(client_id=self.client_id, keys=list(keys)))
+        return reply.n if isinstance(reply, p.Count) else 0
+
     def stats(self) -> StoreStats:
         """Per-tier counters; empty while the service is down."""
         reply = self._call(p.GetStats(client_id=self.client_id))

@@ -494,6 +494,16 @@ class DiskTier(ColdTier):
                 os.fdatasync(slab.write_fd)
         return len(keys)
 
+    def drop_public(self, keys: list[bytes]) -> int:
+        with self._lock:
+            doomed = [key for key in keys if self._lru.pool_of_key(key) == PUBLIC_POOL]
+            for key in doomed:
+                self._lru.remove(key)
+                self._free_slot(self._index.pop(key))
+            for slab in self._slabs.values():  # as drop_tenant: gone for good, restarts included
+                os.fdatasync(slab.write_fd)
+        return len(doomed)
+
     def stats(self) -> TierStats:
         with self._lock:
             stats = self._lru.snapshot(self._stats)

@@ -201,6 +201,16 @@ class DramIndex:
             self.remove(entry)
         return len(doomed)
 
+    def drop_public(self, keys: list[bytes]) -> int:
+        """Public entries of ``keys`` that readers see (ready): out of the
+        index now, each slot freed when its last load lets go. A private
+        entry, or one still being written or loaded, stays."""
+        doomed = [e for key in keys if (e := self.entries.get(key)) is not None
+                  and e.owner.public and e.state is State.READY]
+        for entry in doomed:
+            self.remove(entry)
+        return len(doomed)
+
     # -- accounting ---------------------------------------------------------------
     def count_hit(self, owner: BlockOwner, hit: bool) -> None:
         tenant = self.tenant_stats(owner)

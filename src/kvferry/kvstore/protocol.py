@@ -17,6 +17,7 @@ live in the shared-memory arena, and messages carry slot numbers::
     Abandon(slots)                 ------>  Ok
     Retain(keys, owner, seconds)   ------>  Count(blocks retained)
     DropTenant(tenant)             ------>  Count(blocks dropped)
+    DropPublic(keys)               ------>  Count(blocks dropped)   (a deleted public prefix's own blocks)
     GetStats                       ------>  StoreStats
     Goodbye                        ------>  Ok           (frees the client's pins and reservations)
                                    <------  Refused(reason)   (any request the service cannot take)
@@ -110,6 +111,13 @@ class DropTenant(_Req):
     tenant: str
 
 
+class DropPublic(_Req):
+    """Public blocks by key (a deleted public prefix's own): a private
+    block is never dropped this way, whatever key names it."""
+
+    keys: list[bytes]
+
+
 class GetStats(_Req):
     pass
 
@@ -119,7 +127,7 @@ class Goodbye(_Req):
 
 
 Request = Union[Hello, Lookup, BeginLoad, PollLoads, Release, Reserve, Commit, Abandon, Retain, DropTenant,
-                GetStats, Goodbye]
+                DropPublic, GetStats, Goodbye]
 
 
 class Welcome(msgspec.Struct, kw_only=True, tag=True):

@@ -268,6 +268,8 @@ class KVStoreService:
                 return p.Count(n=self.index.retain(keys, owner, now + seconds, now))
             case p.DropTenant(tenant=tenant):
                 return p.Count(n=self._drop_tenant(tenant))
+            case p.DropPublic(keys=keys):
+                return p.Count(n=self.index.drop_public(keys) + self.cold.drop_public(keys))
             case p.Goodbye(client_id=client_id):
                 self._forget_client(client_id)
                 self._last_seen.pop(client_id, None)

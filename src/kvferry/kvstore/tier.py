@@ -116,6 +116,12 @@ class ColdTier(ABC):
     def drop_tenant(self, tenant: str) -> int:
         """Remove every private block of ``tenant``; returns how many."""
 
+    def drop_public(self, keys: list[bytes]) -> int:
+        """Remove the public blocks of ``keys`` (a deleted public prefix's
+        own), never a private one; returns how many. A tier shared between
+        nodes keeps its own (another node may still declare the prefix): 0."""
+        return 0
+
     @abstractmethod
     def stats(self) -> TierStats: ...
 

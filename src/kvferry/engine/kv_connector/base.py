@@ -127,6 +127,12 @@ class KVConnectorWorker(ABC):
         pool (the node store: its private blocks in every tier); how many."""
         return 0
 
+    def drop_public(self, keys: list[bytes]) -> int:
+        """Drop a deleted public prefix's own blocks (``keys``, their chain
+        hashes) from what this connector keeps outside the device pool;
+        how many."""
+        return 0
+
     def close(self) -> None:
         """Stop threads and release what outlives the process otherwise."""
 

@@ -60,6 +60,9 @@ class MultiKVConnectorWorker(KVConnectorWorker):
     def purge_tenant(self, tenant: str) -> int:
         return sum(worker.purge_tenant(tenant) for worker in self.workers)
 
+    def drop_public(self, keys: list[bytes]) -> int:
+        return sum(worker.drop_public(keys) for worker in self.workers)
+
     def close(self) -> None:
         for worker in self.workers:
             worker.close()

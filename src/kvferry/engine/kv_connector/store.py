@@ -25,7 +25,7 @@ The connector owns its link to the store (``NodeStore``: the two clients,
 and offline a store process of its own), so the engine core knows nothing
 of the store: it asks the connector for stats and purges through the
 hooks every connector has (``KVConnectorWorker.report_stats``,
-``purge_tenant``).
+``purge_tenant``, ``drop_public``).
 """
 from __future__ import annotations
 
@@ -270,6 +270,11 @@ class NodeStoreWorker(KVConnectorWorker):
     def purge_tenant(self, tenant: str) -> int:
         """Drop the tenant's private blocks from every tier of the store."""
         return self.node_store.index.drop_tenant(tenant) if self.node_store is not None else 0
+
+    def drop_public(self, keys: list[bytes]) -> int:
+        """Drop a deleted public prefix's own blocks from the store's tiers
+        on this node (DRAM, disk); shared tiers keep theirs."""
+        return self.node_store.index.drop_public(keys) if self.node_store is not None and keys else 0
 
     def close(self) -> None:
         self._inbox.put(None)
