@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -39,8 +40,9 @@ from kvferry.engine.speculation import draft_requests, drafts_alone, share_draft
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
 from kvferry.parallel.pipeline import recv_tensor, send_tensor
+from kvferry.spec import runs_head
 from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
-from kvferry.spec.eagle3 import Eagle3Head
+from kvferry.spec.eagle3 import aux_layers_of, is_eagle3_checkpoint
 from kvferry.spec.head import HeadProposer
 from kvferry.spec.reserved import PLACEHOLDER_ID
 
@@ -95,6 +97,56 @@ def slice_flat(flat: FlatStep, r0: int, r1: int) -> FlatStep:
                     trees or None)
 
 
+@dataclass(frozen=True, slots=True)
+class AuxColumns:
+    """An EAGLE-3 head over stages: the model layers whose entering streams it
+    fuses (``layers``, a column of H each in ``LlamaModel.aux_hidden``) and
+    which of those columns this stage takes from the stage before
+    (``incoming``: layers before its own), computes itself (``own``) and sends
+    on (``outgoing``: every column so far; none from the last stage). Every row
+    of the step travels: the head keeps each position whose next token is
+    final, which only the last stage's sampling decides."""
+
+    layers: tuple[int, ...]
+    incoming: tuple[int, ...]
+    own: tuple[int, ...]
+    outgoing: tuple[int, ...]
+
+    @staticmethod
+    def of(config, num_layers: int, stage) -> AuxColumns | None:  # noqa: ANN001 - EngineConfig, PPStage
+        """This stage's columns, or None when no EAGLE-3 head drafts."""
+        spec = config.speculative
+        if not runs_head(spec) or spec.model is None or not is_eagle3_checkpoint(Path(spec.model)):
+            return None
+        layers = aux_layers_of(spec.model, num_layers)
+        cols = range(len(layers))
+        return AuxColumns(layers, tuple(j for j in cols if layers[j] < stage.start),
+                          tuple(j for j in cols if stage.owns(layers[j])),
+                          () if stage.last else tuple(j for j in cols if layers[j] < stage.end))
+
+    def outgoing_rows(self, own: torch.Tensor | None, incoming: torch.Tensor | None) -> torch.Tensor:
+        """[T, len(outgoing) x H]: the columns received, then this stage's, in column order."""
+        if not self.own:
+            return incoming  # passed on as it came
+        parts = [self._column(j, own, incoming) for j in self.outgoing]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def whole_rows(self, own: torch.Tensor | None, incoming: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's [T, 3H]: its own buffer with the received columns copied in."""
+        rows = own if self.own else h.new_empty(h.shape[0], len(self.layers) * h.shape[1])
+        width = h.shape[1]
+        for i, j in enumerate(self.incoming):
+            rows[:, j * width:(j + 1) * width].copy_(incoming[:, i * width:(i + 1) * width])
+        return rows
+
+    def _column(self, j: int, own: torch.Tensor, incoming: torch.Tensor | None) -> torch.Tensor:
+        width = own.shape[1] // len(self.layers)
+        if j in self.incoming:
+            i = self.incoming.index(j)
+            return incoming[:, i * width:(i + 1) * width]
+        return own[:, j * width:(j + 1) * width]
+
+
 class StageRunner(ModelRunner):
     """ModelRunner over this stage's layers and their KV cache; the stage comes
     with the model (``loaded.model.stage``). ``link`` (set before the first
@@ -108,14 +160,18 @@ class StageRunner(ModelRunner):
         layers' pool (a KV transfer's is a ``StageTransferWorker``); a later
         stage maps its pool in the segment stage 0 named, ``kv_pool``
         (stage_transfer.py, stage_pools.py)."""
-        if isinstance(kwargs.get("head"), Eagle3Head):
-            raise ValueError("speculative.model: an EAGLE-3 head does not run over pipeline stages yet (the rows "
-                             "it fuses are on several stages)")
         if not loaded.model.stage.last:  # a draft head or a draft model drafts on the last stage (``_draft_ahead``)
             kwargs["head"] = kwargs["draft"] = None
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
         model = self.model
         self.stage = model.stage
+        # An EAGLE-3 head (drafting on the last stage) fuses the streams entering three
+        # layers, which may be on any stage: each stage sends those it has on with its
+        # activations (``AuxColumns``); a stage that owns none of them copies nothing.
+        # The last stage's ranks but the drafting one (TP rank 0) take the columns and keep none.
+        self.aux = AuxColumns.of(config, loaded.config.num_hidden_layers, self.stage)
+        self._keeps_aux = self.aux is not None and (not self.stage.last or self.drafter is not None)
+        model.aux_layers = self.aux.layers if self._keeps_aux and self.aux.own else ()
         # Its own layers' KV alone (the pool is an anonymous mapping: the whole
         # model's that the base class mapped was never touched, so cost nothing).
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
@@ -264,7 +320,7 @@ class StageRunner(ModelRunner):
         if follows:  # its KV is valid through what the next step accepts (``_draft``: advance)
             self._ahead_requests = {r.request_id: r for r in requests}
             out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
-        else:
+        elif not drafts_alone(self.drafter):  # an EAGLE-3 head drafts on TP rank 0 alone
             share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
         out.draft_token_ids = {rid: p.token_ids for rid, p in self._ahead.items()}
         out.draft_tree_parents = {rid: p.parents for rid, p in self._ahead.items() if p.parents is not None}
@@ -321,7 +377,8 @@ class StageRunner(ModelRunner):
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Every micro-batch through this stage's layers; the last stage
         returns the final norm's [num_tokens, hidden], the others send."""
-        flat, link, outs = inputs.flat, self.link, []
+        flat, link, outs, aux_rows = inputs.flat, self.link, [], []
+        aux = self.aux
         ranges = micro_batches(flat.query_start_loc, self.micro_batch_count(len(flat.input_ids)))
         self.timeline = []
         for k, (r0, r1) in enumerate(ranges):
@@ -332,14 +389,23 @@ class StageRunner(ModelRunner):
                 meta.kv_transfer = self.connector.step
             tag = (self.steps_run, k)
             residual = None if link.prev is None else recv_tensor(link.prev, tag, _POLL_MS, link.alive)
+            # The EAGLE-3 streams the stages before computed (their columns side by side)
+            aux_in = recv_tensor(link.prev, tag, _POLL_MS, link.alive) if aux is not None and aux.incoming else None
             start = time.monotonic()
             h = self.model(self._to_device(part.input_ids), self._to_device(part.positions), self.kv_cache, meta,
                            residual=residual)
             if link.next is not None:
                 send_tensor(link.next, tag, h)
+                if aux is not None and aux.outgoing:
+                    send_tensor(link.next, tag, aux.outgoing_rows(self.model.aux_hidden, aux_in))
             else:
                 outs.append(h)
+                if self._keeps_aux:
+                    aux_rows.append(aux.whole_rows(self.model.aux_hidden, aux_in, h))
             self.timeline.append((k, start, time.monotonic()))
+        if aux is not None:  # the last stage: the step's [T, 3H] rows, as the head reads them (record_aux)
+            self.model.aux_hidden = (None if not aux_rows else aux_rows[0] if len(aux_rows) == 1
+                                     else torch.cat(aux_rows))
         if not outs:
             return None
         return outs[0] if len(outs) == 1 else torch.cat(outs)
