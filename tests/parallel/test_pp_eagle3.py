@@ -4,7 +4,8 @@ stage sends the columns it has (``AuxColumns``: the stage before's and its
 own) on with its activations, and the last stage, which drafts ahead as the
 draft head does over stages, holds all three. Greedy output at PP 2 (one
 micro-batch and two, a path and a tree) and at TP 2 x PP 2 equals plain
-decoding's (checked against HF transformers'). Heads: one in a published
+decoding's (checked against HF transformers'), and at PP 4, a stream
+computed on each of three stages. Heads: one in a published
 layout (random weights), and an "aux echo" head whose draft is read from the
 stream entering layer 0 alone, a column stage 0 computes: its drafts hold
 where the target repeats a token only if that column reached the last stage
@@ -98,16 +99,19 @@ def _llm(target: str, head: str, pp: int = 2, **kwargs) -> LLM:  # noqa: ANN003
     return LLM(model=target, **ENGINE, speculative=spec, **stages, **kwargs)
 
 
-@pytest.mark.parametrize("head, tree, micro_batches, tp",
-                         [("aux-echo", False, 1, 1), ("aux-echo", True, 2, 1), ("published", False, 2, 1),
-                          ("aux-echo", False, 1, 2)],
-                         ids=["aux-echo-path", "aux-echo-tree-2-micro-batches", "published", "aux-echo-tp2-pp2"])
-def test_eagle3_head_over_two_stages_keeps_plain_output(case, head, tree, micro_batches, tp):
-    """The last stage drafts with the three streams, stage 0's columns come
-    with the activations; at TP 2 x PP 2 the last stage's TP rank 0 drafts
-    alone (its peers take the columns and keep none)."""
+@pytest.mark.parametrize("head, tree, micro_batches, tp, pp",
+                         [("aux-echo", False, 1, 1, 2), ("aux-echo", True, 2, 1, 2), ("published", False, 2, 1, 2),
+                          ("aux-echo", False, 1, 2, 2), ("aux-echo", False, 2, 1, 4)],
+                         ids=["aux-echo-path", "aux-echo-tree-2-micro-batches", "published", "aux-echo-tp2-pp2",
+                              "aux-echo-pp4"])
+def test_eagle3_head_over_stages_keeps_plain_output(case, head, tree, micro_batches, tp, pp):
+    """The last stage drafts with the three streams, the earlier stages'
+    columns come with the activations; at TP 2 x PP 2 the last stage's TP
+    rank 0 drafts alone (its peers take the columns and keep none). At PP 4
+    (a layer a stage) each of stages 0-2 computes one column and passes on
+    those before it, and the last computes none."""
     target, heads, greedy, accepted_one_stage = case
-    llm = _llm(target, heads[head], spec={"draft_tree": tree}, pp_micro_batches=micro_batches,
+    llm = _llm(target, heads[head], pp=pp, spec={"draft_tree": tree}, pp_micro_batches=micro_batches,
                tensor_parallel_size=tp)
     try:
         assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == greedy

@@ -39,7 +39,7 @@ from kvferry.engine.runner import ModelRunner, StepInputs
 from kvferry.engine.speculation import draft_requests, drafts_alone, share_drafts
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
-from kvferry.parallel.pipeline import recv_tensor, send_tensor
+from kvferry.parallel.pipeline import pp_layer_range, recv_tensor, send_tensor
 from kvferry.spec import runs_head
 from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
 from kvferry.spec.eagle3 import aux_layers_of, is_eagle3_checkpoint
@@ -100,17 +100,19 @@ def slice_flat(flat: FlatStep, r0: int, r1: int) -> FlatStep:
 @dataclass(frozen=True, slots=True)
 class AuxColumns:
     """An EAGLE-3 head over stages: the model layers whose entering streams it
-    fuses (``layers``, a column of H each in ``LlamaModel.aux_hidden``) and
-    which of those columns this stage takes from the stage before
-    (``incoming``: layers before its own), computes itself (``own``) and sends
-    on (``outgoing``: every column so far; none from the last stage). Every row
-    of the step travels: the head keeps each position whose next token is
-    final, which only the last stage's sampling decides."""
+    fuses (``layers``, a column of H each in the last stage's
+    ``LlamaModel.aux_hidden``), the columns this stage computes (``own``)
+    and those the stages before send it (``incoming``: one tensor from each
+    earlier stage that computes any, its columns side by side). A stage
+    sends on what it received as it came, then its own columns (the model's
+    buffer, which holds those alone), one more message each; the last stage
+    joins them into the step's [T, 3H]. Every row of the step travels: the
+    head keeps each position whose next token is final, which only the last
+    stage's sampling decides."""
 
     layers: tuple[int, ...]
-    incoming: tuple[int, ...]
+    incoming: tuple[tuple[int, ...], ...]
     own: tuple[int, ...]
-    outgoing: tuple[int, ...]
 
     @staticmethod
     def of(config, num_layers: int, stage) -> AuxColumns | None:  # noqa: ANN001 - EngineConfig, PPStage
@@ -119,32 +121,29 @@ class AuxColumns:
         if not runs_head(spec) or spec.model is None or not is_eagle3_checkpoint(Path(spec.model)):
             return None
         layers = aux_layers_of(spec.model, num_layers)
-        cols = range(len(layers))
-        return AuxColumns(layers, tuple(j for j in cols if layers[j] < stage.start),
-                          tuple(j for j in cols if stage.owns(layers[j])),
-                          () if stage.last else tuple(j for j in cols if layers[j] < stage.end))
 
-    def outgoing_rows(self, own: torch.Tensor | None, incoming: torch.Tensor | None) -> torch.Tensor:
-        """[T, len(outgoing) x H]: the columns received, then this stage's, in column order."""
+        def owned(rank: int) -> tuple[int, ...]:
+            start, end = pp_layer_range(num_layers, rank, stage.size)
+            return tuple(j for j, layer in enumerate(layers) if start <= layer < end)
+
+        return AuxColumns(layers, tuple(c for c in map(owned, range(stage.rank)) if c), owned(stage.rank))
+
+    def model_layers(self, last: bool) -> tuple[int, ...]:
+        """What the stage's model copies into its ``aux_hidden``: its own
+        columns alone, or on the last stage every column's place (the
+        others' filled from ``incoming``)."""
         if not self.own:
-            return incoming  # passed on as it came
-        parts = [self._column(j, own, incoming) for j in self.outgoing]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            return ()
+        return self.layers if last else tuple(self.layers[j] for j in self.own)
 
-    def whole_rows(self, own: torch.Tensor | None, incoming: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+    def whole_rows(self, own: torch.Tensor | None, incoming: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         """The last stage's [T, 3H]: its own buffer with the received columns copied in."""
         rows = own if self.own else h.new_empty(h.shape[0], len(self.layers) * h.shape[1])
         width = h.shape[1]
-        for i, j in enumerate(self.incoming):
-            rows[:, j * width:(j + 1) * width].copy_(incoming[:, i * width:(i + 1) * width])
+        for cols, part in zip(self.incoming, incoming):
+            for i, j in enumerate(cols):
+                rows[:, j * width:(j + 1) * width].copy_(part[:, i * width:(i + 1) * width])
         return rows
-
-    def _column(self, j: int, own: torch.Tensor, incoming: torch.Tensor | None) -> torch.Tensor:
-        width = own.shape[1] // len(self.layers)
-        if j in self.incoming:
-            i = self.incoming.index(j)
-            return incoming[:, i * width:(i + 1) * width]
-        return own[:, j * width:(j + 1) * width]
 
 
 class StageRunner(ModelRunner):
@@ -166,12 +165,12 @@ class StageRunner(ModelRunner):
         model = self.model
         self.stage = model.stage
         # An EAGLE-3 head (drafting on the last stage) fuses the streams entering three
-        # layers, which may be on any stage: each stage sends those it has on with its
+        # layers, which may be on any stage: each stage sends those it has on beside its
         # activations (``AuxColumns``); a stage that owns none of them copies nothing.
         # The last stage's ranks but the drafting one (TP rank 0) take the columns and keep none.
         self.aux = AuxColumns.of(config, loaded.config.num_hidden_layers, self.stage)
         self._keeps_aux = self.aux is not None and (not self.stage.last or self.drafter is not None)
-        model.aux_layers = self.aux.layers if self._keeps_aux and self.aux.own else ()
+        model.aux_layers = self.aux.model_layers(self.stage.last) if self._keeps_aux else ()
         # Its own layers' KV alone (the pool is an anonymous mapping: the whole
         # model's that the base class mapped was never touched, so cost nothing).
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
@@ -389,15 +388,15 @@ class StageRunner(ModelRunner):
                 meta.kv_transfer = self.connector.step
             tag = (self.steps_run, k)
             residual = None if link.prev is None else recv_tensor(link.prev, tag, _POLL_MS, link.alive)
-            # The EAGLE-3 streams the stages before computed (their columns side by side)
-            aux_in = recv_tensor(link.prev, tag, _POLL_MS, link.alive) if aux is not None and aux.incoming else None
+            # The EAGLE-3 streams the stages before computed: a tensor from each that computes some
+            aux_in = [recv_tensor(link.prev, tag, _POLL_MS, link.alive) for _ in (aux.incoming if aux else ())]
             start = time.monotonic()
             h = self.model(self._to_device(part.input_ids), self._to_device(part.positions), self.kv_cache, meta,
                            residual=residual)
             if link.next is not None:
                 send_tensor(link.next, tag, h)
-                if aux is not None and aux.outgoing:
-                    send_tensor(link.next, tag, aux.outgoing_rows(self.model.aux_hidden, aux_in))
+                for columns in [*aux_in, self.model.aux_hidden] if aux is not None and aux.own else aux_in:
+                    send_tensor(link.next, tag, columns)  # as they came, then this stage's own
             else:
                 outs.append(h)
                 if self._keeps_aux:
