@@ -9,7 +9,9 @@ computed on each of three stages. Heads: one in a published
 layout (random weights), and an "aux echo" head whose draft is read from the
 stream entering layer 0 alone, a column stage 0 computes: its drafts hold
 where the target repeats a token only if that column reached the last stage
-with the right rows (PP 2 accepts as many drafts as PP 1)."""
+with the right rows (PP 2 accepts as many drafts as PP 1). Beside a KV
+transfer, prefill and decode pools of 2 stages each keep plain greedy
+output, the decode pool drafting from the streams its own steps record."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvferry import LLM, SamplingParams
+from tests.disagg.driver import Result, closing_cores, decode_side, finish_decode, make_core, prefill_side, settle
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.spec.test_eagle3 import write_eagle3_checkpoint
 from tests.tiny_models import make_tiny_checkpoint
@@ -124,3 +127,31 @@ def test_eagle3_head_over_stages_keeps_plain_output(case, head, tree, micro_batc
         llm.engine.check_integrity()
     finally:
         llm.engine.core.close()
+
+
+def test_eagle3_head_beside_a_kv_transfer_over_stages(case):
+    """P(pp 2) / D(pp 2), method eagle3 on both pools (two in-process engine
+    cores with their real transfer sockets and stage processes; the test
+    plays the router): the prefill core streams each stage's layers as it
+    computes them while its last stage records the prompt's streams; the
+    decode core, which gets the prompt's KV but none of its streams, drafts
+    from the rows its own steps record (placeholders until then). Greedy
+    output equals plain decoding's, drafts accepted, no prompt position
+    computed on the decode core."""
+    target, heads, greedy, _ = case
+    spec = {**SPEC, "model": heads["aux-echo"]}
+    stages = dict(pipeline_parallel_size=2, cpu_threads_per_rank=1)
+    prefill = make_core(target, speculative=spec, max_num_batched_tokens=32, warm_up=False, **stages)
+    decode = make_core(target, speculative=spec, warm_up=False, **stages)
+    with closing_cores(prefill, decode):
+        for i, (prompt, want) in enumerate(zip(PROMPTS, greedy)):
+            result = Result(destination=decode_side(decode, f"e{i}", prompt, GREEDY))
+            first = prefill_side(prefill, f"e{i}", prompt, GREEDY, result.destination)
+            assert first.finish_reason == "prefilled", first
+            result.tokens = list(first.new_token_ids)
+            result = finish_decode(decode, f"e{i}", result, timeout_s=120)
+            assert result.tokens == want and not result.transfer_errors
+        stats = decode.stats()
+        assert stats.num_prompt_tokens_computed == 0
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        settle(prefill, decode, timeout_s=60)
