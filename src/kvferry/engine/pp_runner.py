@@ -146,6 +146,14 @@ class AuxColumns:
         return rows
 
 
+def _draft_pool(connector: KVConnectorWorker) -> torch.Tensor | None:
+    """The draft model's pool a KV transfer's worker half moved into shared memory, if any."""
+    for worker in [connector, *getattr(connector, "workers", [])]:
+        if getattr(worker, "draft_kv_cache", None) is not None:
+            return worker.draft_kv_cache
+    return None
+
+
 class StageRunner(ModelRunner):
     """ModelRunner over this stage's layers and their KV cache; the stage comes
     with the model (``loaded.model.stage``). ``link`` (set before the first
@@ -159,6 +167,13 @@ class StageRunner(ModelRunner):
         layers' pool (a KV transfer's is a ``StageTransferWorker``); a later
         stage maps its pool in the segment stage 0 named, ``kv_pool``
         (stage_transfer.py, stage_pools.py)."""
+        draft = kwargs.get("draft")
+        # Method "draft" beside a KV transfer: stage 0 (the core) creates the draft model's pool in
+        # shared memory (its receiver writes a received prompt's draft layers there; the last stage
+        # drafts in it): a tensor of its shape, never touched (an anonymous mapping), names it.
+        draft_shape = (allocate_kv_cache(draft.config, num_blocks, config.cache.block_size, draft.dtype,
+                                          config.model.device)
+                       if draft is not None and loaded.model.stage.first and connector is not None else None)
         if not loaded.model.stage.last:  # a draft head or a draft model drafts on the last stage (``_draft_ahead``)
             kwargs["head"] = kwargs["draft"] = None
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
@@ -178,13 +193,21 @@ class StageRunner(ModelRunner):
         self.connector: KVConnectorWorker | None = None
         if connector is not None:  # a worker half per stage, over its own layers' pool
             # ``speculative``: the core's signature (stage 0's, which sends and checks each Done).
+            draft_kv = self.drafter.kv_cache if isinstance(self.drafter, DraftModelProposer) else draft_shape
             self.connector = connector.worker_half(WorkerContext(
-                self.kv_cache, self.block_size, speculative=kwargs.get("speculative", ""),
+                self.kv_cache, self.block_size, draft_kv, speculative=kwargs.get("speculative", ""),
                 shard=getattr(model, "shard", None), stage=self.stage,
                 num_layers=loaded.config.num_hidden_layers, stage_pool=kv_pool))
             # In shared memory with a KV transfer (stage 0's receiver fills every stage's) or the
             # node store (stage 0 saves and loads every stage's layers): stage_transfer.py, stage_pools.py.
             self.kv_cache = self.connector.kv_cache
+            shared = _draft_pool(self.connector)
+            if shared is not None and isinstance(self.drafter, DraftModelProposer):
+                self.drafter.kv_cache = shared  # a received prompt's draft KV lands there
+        # Stage 0 of a decode core with a draft model: the requests whose prompt's draft KV came
+        # with the target's, for the last stage with the next step (its draft starts past the prompt).
+        self._draft_kv_out: set[str] | None = (set() if self.stage.first and draft is not None
+                                               and not self.stage.last else None)
         self.samples = self.stage.last
         self.micro_batches = config.parallel.pp_micro_batches
         self.link: StageLink | None = None
@@ -209,7 +232,8 @@ class StageRunner(ModelRunner):
         leader = self.tp_leader  # rank 0's PPLeader (None on the other stages)
         if leader is not None:
             sched = self._with_drafts(sched)
-            leader.publish(sched, self.head_requests)
+            received, self._draft_kv_out = self._draft_kv_out, None if self._draft_kv_out is None else set()
+            leader.publish(sched, self.head_requests, received)
         self.steps_run += 1
         if self.connector is not None:
             self.connector.step = None  # begin_step's, if this step streams KV
@@ -218,6 +242,9 @@ class StageRunner(ModelRunner):
             self.transfer_hidden = self._hidden_to_ship()
             if self.drafter is not None and not sched.is_empty:
                 self._draft_ahead(out, sched, self._sampled_in_step(sched, out))
+            step = getattr(self.connector, "step", None)
+            if step is not None:
+                step.release()  # this rank's end of the step's transfers, after the draft's layers
             return out
         self._update_states(sched)
         if sched.kv_orders and self.connector is not None:
@@ -240,6 +267,14 @@ class StageRunner(ModelRunner):
         if self.connector is not None and leader is not None:
             self._take_completions(out, idle=sched.is_empty)
         return out
+
+    def _install_draft_state(self, rid: str, received) -> None:  # noqa: ANN001 - a Received
+        """Stage 0 with a draft model (on the last stage): the note that the
+        prompt's draft KV is in place travels to it with the next step."""
+        if self._draft_kv_out is not None:
+            self._draft_kv_out.add(rid)
+        else:
+            super()._install_draft_state(rid, received)
 
     def _hidden_to_ship(self) -> dict[str, torch.Tensor]:
         """The last stage: the draft head's hidden state of each request whose
@@ -319,6 +354,9 @@ class StageRunner(ModelRunner):
         if follows:  # its KV is valid through what the next step accepts (``_draft``: advance)
             self._ahead_requests = {r.request_id: r for r in requests}
             out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
+            step = getattr(self.connector, "step", None)
+            if step is not None:  # a prefill core: the draft's KV of the step's prompt blocks goes too
+                step.draft_done()
         elif not drafts_alone(self.drafter):  # an EAGLE-3 head drafts on TP rank 0 alone
             share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
         out.draft_token_ids = {rid: p.token_ids for rid, p in self._ahead.items()}
