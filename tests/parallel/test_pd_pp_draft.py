@@ -10,7 +10,8 @@ its layers of each step's prompt blocks (numbered after the model's) once
 its draft has run, before its part of the transfer ends; a decode core's
 stage 0 receives them into that pool and tells the last stage, with the
 next step, whose prompt's draft KV is in place. Every layout of the pair
-(P pp 2 / D pp 2, P pp 2 / D pp 1, P pp 1 / D pp 2) keeps plain decoding's
+(P pp 2 / D pp 2, P pp 2 / D pp 1, P pp 1 / D pp 2, and TP 2 x PP 2 on
+both sides) keeps plain decoding's
 greedy output, every draft the decode core made is accepted (the draft
 KV it received is the target's own), and the decode core computes no
 prompt position, neither the target's nor the draft's."""
@@ -46,16 +47,20 @@ def case(tmp_path_factory):
     return target, greedy
 
 
-@pytest.mark.parametrize("prefill_stages, decode_stages", [(True, True), (True, False), (False, True)],
-                         ids=["p-pp2-d-pp2", "p-pp2-d-pp1", "p-pp1-d-pp2"])
-def test_a_draft_model_beside_a_kv_transfer_over_stages(case, prefill_stages, decode_stages):
+@pytest.mark.parametrize("prefill_stages, decode_stages, tp",
+                         [(True, True, 1), (True, False, 1), (False, True, 1), (True, True, 2)],
+                         ids=["p-pp2-d-pp2", "p-pp2-d-pp1", "p-pp1-d-pp2", "p-tp2-pp2-d-tp2-pp2"])
+def test_a_draft_model_beside_a_kv_transfer_over_stages(case, prefill_stages, decode_stages, tp):
+    """At TP 2 x PP 2 the draft runs on the last stage's TP rank 0 alone,
+    which sends its layers and maps the decode pool's draft segment."""
     target, greedy = case
     # k fixed: on a loaded 2-core box the cost-aware controller may stop drafting.
     spec = {"method": "draft", "model": target, "num_speculative_tokens": 3, "adaptive": False,
             "cost_aware": False, "batch_token_threshold": 10**6}
-    prefill = make_core(target, speculative=spec, max_num_batched_tokens=32, warm_up=False,
+    prefill = make_core(target, speculative=spec, max_num_batched_tokens=32, warm_up=False, tensor_parallel_size=tp,
                         **(STAGES if prefill_stages else {}))
-    decode = make_core(target, speculative=spec, warm_up=False, **(STAGES if decode_stages else {}))
+    decode = make_core(target, speculative=spec, warm_up=False, tensor_parallel_size=tp,
+                       **(STAGES if decode_stages else {}))
     with closing_cores(prefill, decode):
         for i, (prompt, want) in enumerate(zip(PROMPTS, greedy)):
             result = Result(destination=decode_side(decode, f"d{i}", prompt, GREEDY))
