@@ -330,11 +330,7 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What does not run over pipeline stages yet: a one-line ValueError."""
-        draft = self.speculative is not None and self.speculative.method == "draft"  # whole on the last stage
-        refused = [*self._refused_over_ranks("stages"),
-                   (draft and bool(self.kv_transfer.kv_transfer_address),
-                    "speculative method 'draft' and a KV transfer (--kv-transfer-address)")]
-        for what in (what for bad, what in refused if bad):
+        for what in (what for bad, what in self._refused_over_ranks("stages") if bad):
             raise ValueError(f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} does not work "
                              f"with {what} yet")
 

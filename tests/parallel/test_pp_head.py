@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.config import EngineArgs
 from kvferry.spec.head import EagleHead
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy, load_hf
 from tests.parallel.test_tp_draft import max_logprob_gap
@@ -165,11 +164,3 @@ def test_a_draft_model_over_two_stages_keeps_plain_output(case, micro_batches, t
         llm.engine.check_integrity()
     finally:
         llm.engine.core.close()
-
-
-def test_a_draft_model_over_stages_beside_a_kv_transfer_is_refused_in_one_line(case):
-    target = case[0]
-    what = r"speculative method 'draft' and a KV transfer \(--kv-transfer-address\)"
-    with pytest.raises(ValueError, match=f"pipeline_parallel_size 2 does not work with {what} yet"):
-        EngineArgs(model=target, speculative=json.dumps({"method": "draft", "model": target}),
-                   pipeline_parallel_size=2, kv_transfer_address="tcp://127.0.0.1:0").create_engine_config()

@@ -107,6 +107,10 @@ class StepTransfer:
         self.orders = orders
         self.num_layers = num_layers  # the target's
         self.num_draft_layers = num_draft_layers
+        # A pipeline stage's draft model drafts after the step's sampling (pp_runner.py): its layers
+        # must go before this rank's end of the transfer, so ``finish`` waits for ``release``.
+        self.hold_finish = False
+        self._held: tuple | None = None
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer`` wrote this step's KV: queue its blocks (returns at once)."""
@@ -124,12 +128,22 @@ class StepTransfer:
                hidden: dict[str, torch.Tensor] | None = None) -> None:
         """After sampling: close every transfer whose prompt ended this step.
         ``hidden``: method "head", each request's last hidden state [H]."""
+        if self.hold_finish:
+            self._held = (sampled, generators, hidden)
+            return
         for order in self.orders:
             if order.last:
                 gen = generators.get(order.request_id)
                 state = gen.get_state().numpy().tobytes() if gen is not None else b""
                 h = (hidden or {}).get(order.request_id)
                 self._jobs.put(("done", order, list(sampled.get(order.request_id, [])), state, h))
+
+
+    def release(self) -> None:
+        """A held ``finish``, now (once the draft's layers are queued)."""
+        held, self._held, self.hold_finish = self._held, None, False
+        if held is not None:
+            self.finish(*held)
 
 
 class KVTransferAgent:
@@ -327,9 +341,11 @@ class KVTransferAgent:
             for piece in self._pieces(order):  # the model's layer number: this stage's first is stage.start
                 stream.link.write_layer(order.transfer_id, self.stage.start + layer, self.kv_cache[layer], order.src_block_ids,
                                         order.dst_block_ids, order.num_final_blocks, piece)
-        else:  # a draft layer: its pool is not in shared memory, so framed bytes on any link
-            stream.link.write_framed(order.transfer_id, layer, self.draft_kv_cache[layer - num_target],
-                                     order.src_block_ids, order.dst_block_ids, order.num_final_blocks)
+        else:  # a draft layer, numbered after the model's: framed bytes on any link (a decode core's
+            # receiver copies it into its draft pool, which no sender maps)
+            stream.link.write_framed(order.transfer_id, self.stage.num_layers + layer - num_target,
+                                     self.draft_kv_cache[layer - num_target], order.src_block_ids,
+                                     order.dst_block_ids, order.num_final_blocks)
 
     def _job_done(self, order: StreamOrder, tokens: list[int], generator_state: bytes,
                   hidden: torch.Tensor | None = None) -> None:

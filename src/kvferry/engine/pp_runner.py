@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -38,9 +39,10 @@ from kvferry.engine.runner import ModelRunner, StepInputs
 from kvferry.engine.speculation import draft_requests, drafts_alone, share_drafts
 from kvferry.model.input_batch import FlatStep
 from kvferry.model.llama import allocate_kv_cache
-from kvferry.parallel.pipeline import recv_tensor, send_tensor
+from kvferry.parallel.pipeline import pp_layer_range, recv_tensor, send_tensor
+from kvferry.spec import runs_head
 from kvferry.spec.draft_model import DraftModelProposer, DraftRequest, Proposal
-from kvferry.spec.eagle3 import Eagle3Head
+from kvferry.spec.eagle3 import aux_layers_of, is_eagle3_checkpoint
 from kvferry.spec.head import HeadProposer
 from kvferry.spec.reserved import PLACEHOLDER_ID
 
@@ -95,6 +97,63 @@ def slice_flat(flat: FlatStep, r0: int, r1: int) -> FlatStep:
                     trees or None)
 
 
+@dataclass(frozen=True, slots=True)
+class AuxColumns:
+    """An EAGLE-3 head over stages: the model layers whose entering streams it
+    fuses (``layers``, a column of H each in the last stage's
+    ``LlamaModel.aux_hidden``), the columns this stage computes (``own``)
+    and those the stages before send it (``incoming``: one tensor from each
+    earlier stage that computes any, its columns side by side). A stage
+    sends on what it received as it came, then its own columns (the model's
+    buffer, which holds those alone), one more message each; the last stage
+    joins them into the step's [T, 3H]. Every row of the step travels: the
+    head keeps each position whose next token is final, which only the last
+    stage's sampling decides."""
+
+    layers: tuple[int, ...]
+    incoming: tuple[tuple[int, ...], ...]
+    own: tuple[int, ...]
+
+    @staticmethod
+    def of(config, num_layers: int, stage) -> AuxColumns | None:  # noqa: ANN001 - EngineConfig, PPStage
+        """This stage's columns, or None when no EAGLE-3 head drafts."""
+        spec = config.speculative
+        if not runs_head(spec) or spec.model is None or not is_eagle3_checkpoint(Path(spec.model)):
+            return None
+        layers = aux_layers_of(spec.model, num_layers)
+
+        def owned(rank: int) -> tuple[int, ...]:
+            start, end = pp_layer_range(num_layers, rank, stage.size)
+            return tuple(j for j, layer in enumerate(layers) if start <= layer < end)
+
+        return AuxColumns(layers, tuple(c for c in map(owned, range(stage.rank)) if c), owned(stage.rank))
+
+    def model_layers(self, last: bool) -> tuple[int, ...]:
+        """What the stage's model copies into its ``aux_hidden``: its own
+        columns alone, or on the last stage every column's place (the
+        others' filled from ``incoming``)."""
+        if not self.own:
+            return ()
+        return self.layers if last else tuple(self.layers[j] for j in self.own)
+
+    def whole_rows(self, own: torch.Tensor | None, incoming: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """The last stage's [T, 3H]: its own buffer with the received columns copied in."""
+        rows = own if self.own else h.new_empty(h.shape[0], len(self.layers) * h.shape[1])
+        width = h.shape[1]
+        for cols, part in zip(self.incoming, incoming):
+            for i, j in enumerate(cols):
+                rows[:, j * width:(j + 1) * width].copy_(part[:, i * width:(i + 1) * width])
+        return rows
+
+
+def _draft_pool(connector: KVConnectorWorker) -> torch.Tensor | None:
+    """The draft model's pool a KV transfer's worker half moved into shared memory, if any."""
+    for worker in [connector, *getattr(connector, "workers", [])]:
+        if getattr(worker, "draft_kv_cache", None) is not None:
+            return worker.draft_kv_cache
+    return None
+
+
 class StageRunner(ModelRunner):
     """ModelRunner over this stage's layers and their KV cache; the stage comes
     with the model (``loaded.model.stage``). ``link`` (set before the first
@@ -108,14 +167,25 @@ class StageRunner(ModelRunner):
         layers' pool (a KV transfer's is a ``StageTransferWorker``); a later
         stage maps its pool in the segment stage 0 named, ``kv_pool``
         (stage_transfer.py, stage_pools.py)."""
-        if isinstance(kwargs.get("head"), Eagle3Head):
-            raise ValueError("speculative.model: an EAGLE-3 head does not run over pipeline stages yet (the rows "
-                             "it fuses are on several stages)")
+        draft = kwargs.get("draft")
+        # Method "draft" beside a KV transfer: stage 0 (the core) creates the draft model's pool in
+        # shared memory (its receiver writes a received prompt's draft layers there; the last stage
+        # drafts in it): a tensor of its shape, never touched (an anonymous mapping), names it.
+        draft_shape = (allocate_kv_cache(draft.config, num_blocks, config.cache.block_size, draft.dtype,
+                                          config.model.device)
+                       if draft is not None and loaded.model.stage.first and connector is not None else None)
         if not loaded.model.stage.last:  # a draft head or a draft model drafts on the last stage (``_draft_ahead``)
             kwargs["head"] = kwargs["draft"] = None
         super().__init__(loaded, config, num_blocks, max_model_len, **kwargs)
         model = self.model
         self.stage = model.stage
+        # An EAGLE-3 head (drafting on the last stage) fuses the streams entering three
+        # layers, which may be on any stage: each stage sends those it has on beside its
+        # activations (``AuxColumns``); a stage that owns none of them copies nothing.
+        # The last stage's ranks but the drafting one (TP rank 0) take the columns and keep none.
+        self.aux = AuxColumns.of(config, loaded.config.num_hidden_layers, self.stage)
+        self._keeps_aux = self.aux is not None and (not self.stage.last or self.drafter is not None)
+        model.aux_layers = self.aux.model_layers(self.stage.last) if self._keeps_aux else ()
         # Its own layers' KV alone (the pool is an anonymous mapping: the whole
         # model's that the base class mapped was never touched, so cost nothing).
         self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, self.block_size, self.kv_cache.dtype,
@@ -123,13 +193,21 @@ class StageRunner(ModelRunner):
         self.connector: KVConnectorWorker | None = None
         if connector is not None:  # a worker half per stage, over its own layers' pool
             # ``speculative``: the core's signature (stage 0's, which sends and checks each Done).
+            draft_kv = self.drafter.kv_cache if isinstance(self.drafter, DraftModelProposer) else draft_shape
             self.connector = connector.worker_half(WorkerContext(
-                self.kv_cache, self.block_size, speculative=kwargs.get("speculative", ""),
+                self.kv_cache, self.block_size, draft_kv, speculative=kwargs.get("speculative", ""),
                 shard=getattr(model, "shard", None), stage=self.stage,
                 num_layers=loaded.config.num_hidden_layers, stage_pool=kv_pool))
             # In shared memory with a KV transfer (stage 0's receiver fills every stage's) or the
             # node store (stage 0 saves and loads every stage's layers): stage_transfer.py, stage_pools.py.
             self.kv_cache = self.connector.kv_cache
+            shared = _draft_pool(self.connector)
+            if shared is not None and isinstance(self.drafter, DraftModelProposer):
+                self.drafter.kv_cache = shared  # a received prompt's draft KV lands there
+        # Stage 0 of a decode core with a draft model: the requests whose prompt's draft KV came
+        # with the target's, for the last stage with the next step (its draft starts past the prompt).
+        self._draft_kv_out: set[str] | None = (set() if self.stage.first and draft is not None
+                                               and not self.stage.last else None)
         self.samples = self.stage.last
         self.micro_batches = config.parallel.pp_micro_batches
         self.link: StageLink | None = None
@@ -154,7 +232,8 @@ class StageRunner(ModelRunner):
         leader = self.tp_leader  # rank 0's PPLeader (None on the other stages)
         if leader is not None:
             sched = self._with_drafts(sched)
-            leader.publish(sched, self.head_requests)
+            received, self._draft_kv_out = self._draft_kv_out, None if self._draft_kv_out is None else set()
+            leader.publish(sched, self.head_requests, received)
         self.steps_run += 1
         if self.connector is not None:
             self.connector.step = None  # begin_step's, if this step streams KV
@@ -163,6 +242,9 @@ class StageRunner(ModelRunner):
             self.transfer_hidden = self._hidden_to_ship()
             if self.drafter is not None and not sched.is_empty:
                 self._draft_ahead(out, sched, self._sampled_in_step(sched, out))
+            step = getattr(self.connector, "step", None)
+            if step is not None:
+                step.release()  # this rank's end of the step's transfers, after the draft's layers
             return out
         self._update_states(sched)
         if sched.kv_orders and self.connector is not None:
@@ -185,6 +267,14 @@ class StageRunner(ModelRunner):
         if self.connector is not None and leader is not None:
             self._take_completions(out, idle=sched.is_empty)
         return out
+
+    def _install_draft_state(self, rid: str, received) -> None:  # noqa: ANN001 - a Received
+        """Stage 0 with a draft model (on the last stage): the note that the
+        prompt's draft KV is in place travels to it with the next step."""
+        if self._draft_kv_out is not None:
+            self._draft_kv_out.add(rid)
+        else:
+            super()._install_draft_state(rid, received)
 
     def _hidden_to_ship(self) -> dict[str, torch.Tensor]:
         """The last stage: the draft head's hidden state of each request whose
@@ -264,7 +354,10 @@ class StageRunner(ModelRunner):
         if follows:  # its KV is valid through what the next step accepts (``_draft``: advance)
             self._ahead_requests = {r.request_id: r for r in requests}
             out.num_draft_prompt_tokens = self.drafter.take_prompt_tokens_computed()
-        else:
+            step = getattr(self.connector, "step", None)
+            if step is not None:  # a prefill core: the draft's KV of the step's prompt blocks goes too
+                step.draft_done()
+        elif not drafts_alone(self.drafter):  # an EAGLE-3 head drafts on TP rank 0 alone
             share_drafts(self.model, self.batch, requests, self._ahead, self.samples)  # -tp: TP rank 0's hold
         out.draft_token_ids = {rid: p.token_ids for rid, p in self._ahead.items()}
         out.draft_tree_parents = {rid: p.parents for rid, p in self._ahead.items() if p.parents is not None}
@@ -321,7 +414,8 @@ class StageRunner(ModelRunner):
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Every micro-batch through this stage's layers; the last stage
         returns the final norm's [num_tokens, hidden], the others send."""
-        flat, link, outs = inputs.flat, self.link, []
+        flat, link, outs, aux_rows = inputs.flat, self.link, [], []
+        aux = self.aux
         ranges = micro_batches(flat.query_start_loc, self.micro_batch_count(len(flat.input_ids)))
         self.timeline = []
         for k, (r0, r1) in enumerate(ranges):
@@ -332,14 +426,23 @@ class StageRunner(ModelRunner):
                 meta.kv_transfer = self.connector.step
             tag = (self.steps_run, k)
             residual = None if link.prev is None else recv_tensor(link.prev, tag, _POLL_MS, link.alive)
+            # The EAGLE-3 streams the stages before computed: a tensor from each that computes some
+            aux_in = [recv_tensor(link.prev, tag, _POLL_MS, link.alive) for _ in (aux.incoming if aux else ())]
             start = time.monotonic()
             h = self.model(self._to_device(part.input_ids), self._to_device(part.positions), self.kv_cache, meta,
                            residual=residual)
             if link.next is not None:
                 send_tensor(link.next, tag, h)
+                for columns in [*aux_in, self.model.aux_hidden] if aux is not None and aux.own else aux_in:
+                    send_tensor(link.next, tag, columns)  # as they came, then this stage's own
             else:
                 outs.append(h)
+                if self._keeps_aux:
+                    aux_rows.append(aux.whole_rows(self.model.aux_hidden, aux_in, h))
             self.timeline.append((k, start, time.monotonic()))
+        if aux is not None:  # the last stage: the step's [T, 3H] rows, as the head reads them (record_aux)
+            self.model.aux_hidden = (None if not aux_rows else aux_rows[0] if len(aux_rows) == 1
+                                     else torch.cat(aux_rows))
         if not outs:
             return None
         return outs[0] if len(outs) == 1 else torch.cat(outs)

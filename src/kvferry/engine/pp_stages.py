@@ -228,13 +228,17 @@ class PPLeader(RankProcesses):
         return ranks_of(self._procs, self.threads)
 
     # -- steps ---------------------------------------------------------------------
-    def publish(self, sched: SchedulerOutput, head_requests: set[str] | None = None) -> None:
+    def publish(self, sched: SchedulerOutput, head_requests: set[str] | None = None,
+                draft_kv_received: set[str] | None = None) -> None:
         """The step to every stage, with the tokens sampled in the step before
         and, under method auto with a draft head, the requests whose draft
         slots are the head's this step (the last stage verifies those against
-        its drafts' distributions; the others are the scheduler's drafts)."""
+        its drafts' distributions; the others are the scheduler's drafts);
+        with a draft model, the requests whose prompt's draft KV was received
+        since (the last stage's draft starts past their prompts)."""
         self.check()
-        self._send((sched, self._last_sampled, None if head_requests is None else set(head_requests)))
+        self._send((sched, self._last_sampled, None if head_requests is None else set(head_requests),
+                    set(draft_kv_received or ())))
         self._last_sampled = {}
 
     def receive_output(self, step: int, timeline: list[tuple[int, float, float]]) -> RunnerOutput:

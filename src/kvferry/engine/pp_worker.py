@@ -134,7 +134,8 @@ def _start(spec: StageSpec, reports: zmq.Socket, steps: zmq.Socket) -> StageRunn
 
 def _serve(runner: StageRunner, steps: zmq.Socket, reports: zmq.Socket) -> None:
     while (message := receive_pickled(steps, _POLL_MS)) is not None:
-        sched, sampled, runner.head_requests = message  # auto with a head: the requests it drafts for
+        sched, sampled, runner.head_requests, draft_kv_received = message  # auto with a head: its requests
+        runner._draft_kv_received.update(draft_kv_received)  # a draft model: prompts whose draft KV came
         # The sampling rank (the last stage's TP rank 0) sampled them itself; with a draft head its
         # TP peers took them within the step (StageRunner._sampled_in_step).
         if not runner.samples and not (runner.stage.last and runner.drafter is not None):

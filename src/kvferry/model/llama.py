@@ -399,8 +399,9 @@ class LlamaModel(nn.Module):
         return self.aux_hidden
 
     def _copy_aux(self, aux: torch.Tensor, layer: int, h: torch.Tensor) -> None:
-        """The stream entering ``layer`` into its columns of ``aux`` (a copy:
-        the next layers update ``h`` in place)."""
+        """The stream entering ``layer`` (this stage's index) into its columns
+        of ``aux`` (a copy: the next layers update ``h`` in place)."""
+        layer += self.stage.start  # aux_layers are the model's indices
         for j, wanted in enumerate(self.aux_layers):
             if wanted == layer:
                 aux[:, j * h.shape[1] : (j + 1) * h.shape[1]].copy_(h)

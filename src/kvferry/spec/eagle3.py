@@ -104,6 +104,19 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3) if num_layers >= 4 else (0, num_layers // 2, num_layers - 1)
 
 
+def aux_layers_of(folder: str | Path, num_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 checkpoint folder's head reads the
+    streams entering (its config's, else vLLM's default), from its
+    config.json alone: a pipeline stage that only computes some of them
+    needs no weights (``Eagle3Head.check_target`` checks them where it drafts)."""
+    where = f"speculative.model {folder}"
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: no readable config.json ({exc})") from None
+    return Eagle3Config.from_json(raw, where).aux_layers or default_aux_layers(num_layers)
+
+
 def _rope_inv_freq(cfg: Eagle3Config) -> torch.Tensor:
     s = dict(cfg.rope_scaling or {})
     kind = s.pop("rope_type", s.pop("type", "default"))

@@ -198,7 +198,7 @@ class PDTransferConnector(KVConnector):
     def worker_half(self, ctx: WorkerContext) -> KVConnectorWorker:
         if ctx.stage is not None and ctx.stage.size > 1:  # every rank sends its own layers' heads (stage_transfer.py)
             self.worker = StageTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.stage, ctx.num_layers,
-                                              ctx.stage_pool, ctx.shard, ctx.speculative)
+                                              ctx.stage_pool, ctx.shard, ctx.speculative, ctx.draft_kv_cache)
             return self.worker
         self.worker = PDTransferWorker(ctx.kv_cache, self.config.kv_transfer, ctx.draft_kv_cache, ctx.speculative,
                                        ctx.shard)

@@ -41,6 +41,11 @@ def stage_pool_name(base: str, stage: int) -> str:
     return base if stage == 0 else f"{base}-stage{stage}"
 
 
+def draft_pool_name(base: str) -> str:
+    """The draft model's pool segment (method "draft", on the last stage's TP rank 0)."""
+    return f"{base}-draft"
+
+
 def tp_stage_pool_name(base: str, stage: int, tp_rank: int = 0) -> str:
     """The segment of stage ``stage``'s TP rank ``tp_rank`` (stage 0's TP
     rank 0 is ``base``; without TP, ``stage_pool_name``'s)."""
@@ -52,10 +57,14 @@ class StagePools:
     every other rank's, which it creates), owned until ``close``.
     ``pool_name``: stage 0's segment (another rank passes it; stage 0's TP
     rank 0 passes ""). ``tp_rank``, ``tp_size``: this rank's place in its
-    stage's tensor-parallel group (every stage has ``tp_size`` ranks)."""
+    stage's tensor-parallel group (every stage has ``tp_size`` ranks).
+    ``draft_kv_cache``: method "draft" beside a KV transfer, on the creator
+    (a tensor of the draft pool's shape, never read: it receives into the
+    segment) and on the rank that drafts (the last stage's TP rank 0, which
+    maps it and drafts in it); ``draft_kv_cache`` is then the mapping."""
 
     def __init__(self, kv_cache: torch.Tensor, stage: PPStage, num_layers: int, pool_name: str = "",
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, draft_kv_cache: torch.Tensor | None = None) -> None:
         shape, dtype = tuple(kv_cache.shape), kv_cache.dtype  # [stage layers, 2, blocks, bs, H/T, D]
         self.others: list[SharedKVPool] = []
         self.tp_size = tp_size
@@ -72,6 +81,13 @@ class StagePools:
             self.pool = SharedKVPool.attach(tp_stage_pool_name(pool_name, stage.rank, tp_rank),
                                             (shape[0], shape[1], *shape[3:]), dtype)
         self.pool_name = self.pool.name
+        self.draft: SharedKVPool | None = None
+        if draft_kv_cache is not None:
+            d = tuple(draft_kv_cache.shape)
+            self.draft = (SharedKVPool.create(d, draft_kv_cache.dtype, name=draft_pool_name(self.pool.name))
+                          if stage.rank == 0 and tp_rank == 0 else
+                          SharedKVPool.attach(draft_pool_name(pool_name), (d[0], d[1], *d[3:]), draft_kv_cache.dtype))
+        self.draft_kv_cache = self.draft.tensor if self.draft is not None else None
         self.kv_cache = self.pool.tensor
         # On the creator: every other rank's pool, in rank order (stage 0's TP ranks 1.., then stage 1's ...).
         self.stage_caches = [p.tensor for p in self.others]
@@ -87,8 +103,8 @@ class StagePools:
                 for t in range(self.tp_size)]
 
     def close(self) -> None:
-        self.kv_cache, self.stage_caches = None, []
-        for pool in (self.pool, *self.others):
+        self.kv_cache, self.stage_caches, self.draft_kv_cache = None, [], None
+        for pool in (self.pool, *self.others, *([self.draft] if self.draft is not None else [])):
             pool.close()
 
 

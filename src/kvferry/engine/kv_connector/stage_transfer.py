@@ -53,14 +53,19 @@ class StageTransferWorker(PDTransferWorker):
     of each received one (a draft head's hidden state rides in the Done)."""
 
     def __init__(self, kv_cache: torch.Tensor, config: KVTransferConfig, stage: PPStage, num_layers: int,
-                 pool_name: str = "", shard: TPShard | None = None, speculative: str = "") -> None:
+                 pool_name: str = "", shard: TPShard | None = None, speculative: str = "",
+                 draft_kv_cache: torch.Tensor | None = None) -> None:
         tp_rank, tp = (shard.rank, shard.size) if shard is not None else (0, 1)
-        self.pools = StagePools(kv_cache, stage, num_layers, pool_name, tp_rank, tp)
+        self.pools = StagePools(kv_cache, stage, num_layers, pool_name, tp_rank, tp, draft_kv_cache)
+        # Method "draft": its pool in shared memory, where stage 0's receiver writes the draft's
+        # layers of a received prompt and the last stage drafts (and sends them from, as a prefill core).
+        self.draft_kv_cache = self.pools.draft_kv_cache
         creator = stage.rank == 0 and tp_rank == 0  # it receives, into every rank's pool
         self.pool_name = self.pools.pool_name
         self.config = config
         self.tp_size = tp
-        self.agent = KVTransferAgent(self.pools.kv_cache, config, None, speculative=speculative, tp_rank=tp_rank,
+        self.agent = KVTransferAgent(self.pools.kv_cache, config, None, self.draft_kv_cache, speculative=speculative,
+                                     tp_rank=tp_rank,
                                      tp_size=tp,
                                      stage=StageLayers(stage.rank, stage.size, stage.start, stage.end, num_layers,
                                                        self.pools.rank_layers() if creator else None))
@@ -80,6 +85,10 @@ class StageTransferWorker(PDTransferWorker):
 
     def begin_step(self, orders: KVOrders) -> StepTransfer | None:
         self.step = super().begin_step(orders)
+        if self.step is not None and self.draft_kv_cache is not None and not self.agent.leads:
+            # The last stage: its draft model runs after the step's sampling (pp_runner.py,
+            # ``_draft_ahead``); this rank's part of the transfer ends after the draft's layers
+            self.step.hold_finish = True
         return self.step
 
     def close(self) -> None:
