@@ -110,7 +110,7 @@ def _kind(action: argparse.Action) -> str:
         name = getattr(typ, "__name__", None) if typ is not None else "str"
         kind = {"int": "integer", "float": "number", "str": "text"}.get(name or "", "text")
         if name and name.startswith("_"):
-            kind = "integer" if "port" in name or "positive" in name else "text"
+            kind = "integer" if "port" in name or "positive" in name else "number" if "number" in name else "text"
         if action.metavar and isinstance(action.metavar, str):
             kind = f"{kind} ({_code(action.metavar)})"
     if isinstance(action, argparse._AppendAction):

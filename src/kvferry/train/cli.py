@@ -52,7 +52,23 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
     p.add_argument("--eval-each-epoch", action="store_true",
                    help="head: save the head after every epoch (epoch-N.safetensors in --out) and print its "
                         "held-out chat acceptance (--eval-prompts conversations)")
+    p.add_argument("--lr-schedule", choices=("one-cycle", "cosine", "linear"), default="one-cycle",
+                   help="head: the learning rate over the run: one-cycle (a warm-up from --lr / 25 to --lr over "
+                        "the first 30%%, then an anneal), or cosine or linear (from --lr on the first step down to "
+                        "0, no warm-up: for continuing a head with --init-head)")
+    p.add_argument("--ttt-discount", type=_number_in_unit_interval, default=1.0,
+                   help="head: the loss of unrolled step i (0-based, of --ttt-steps) counts this to the power i "
+                        "(below 1: the early draft steps, on which the later ones depend, weigh more)")
+    p.add_argument("--hidden-loss-weight", type=_non_negative_number, default=0.1,
+                   help="head: weight of the smooth-L1 pull of the head's output toward the target's hidden "
+                        "state, added to the KL on its token distribution (0: the KL alone)")
+    p.add_argument("--ema", type=_ema_decay_number, default=0.0,
+                   help="head: save an exponential moving average of the weights with this decay per optimizer "
+                        "step (e.g. 0.99) instead of the last weights (0: the last weights)")
     p.set_defaults(func=_cmd_train)
+
+
+HEAD_RECIPE_DEFAULTS = {"lr_schedule": "one-cycle", "ttt_discount": 1.0, "hidden_loss_weight": 0.1, "ema": 0.0}
 
 
 def _positive(text: str) -> int:
@@ -69,11 +85,35 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _number_in_unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _non_negative_number(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _ema_decay_number(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0: off), got {value}")
+    return value
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.arch == "eagle3":
         for flag, value in (("--init-head", args.init_head), ("--eval-each-epoch", args.eval_each_epoch)):
             if value:  # the EAGLE-3 trainer has neither: refused rather than silently ignored
                 raise ValueError(f"{flag} is for --arch head only")
+        for name, default in HEAD_RECIPE_DEFAULTS.items():
+            if getattr(args, name) != default:
+                raise ValueError(f"--{name.replace('_', '-')} is for --arch head only")
         from kvferry.train.eagle3 import run_from_args as run_eagle3  # lazy, as below
 
         return run_eagle3(args)

@@ -15,7 +15,9 @@
    (h_{t-1}, emb(x_t)), then f_{t+1} from (f_t, emb(x_{t+1})) as it will
    when drafting its second token. Loss per step: KL(target || head) of the
    token distributions plus a smooth-L1 pull of f toward h (EAGLE's two
-   terms).
+   terms); step i weighted ``ttt_discount ** i``. The learning rate follows
+   ``lr_schedule`` (one-cycle, or a decay from --lr without warm-up for
+   continuing a head); ``ema`` saves an average of the weights.
 5. **Held-out acceptance.** The saved head drafts (k = 4, greedy) replies
    to chitchat conversations training never saw (``held_out_acceptance``);
    the share of its drafts the target keeps is the last line printed and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -67,6 +70,68 @@ class TrainConfig:
     data_cache: Path | None = None  # replies + hidden states kept here and reused (data_cache.py)
     init_head: Path | None = None  # start from this head (its weights and draft vocabulary), not a random one
     eval_each_epoch: bool = False  # save and measure the head after every epoch, not only the last
+    lr_schedule: str = "one-cycle"  # one of LR_SCHEDULES (lr_scheduler)
+    ttt_discount: float = 1.0  # unrolled step i's loss is weighted ttt_discount ** i (head_loss)
+    hidden_loss_weight: float = 0.1  # of the smooth-L1 pull of f toward the target's hidden state (head_loss)
+    ema: float = 0.0  # decay of the saved exponential moving average of the weights (0: the last weights)
+
+
+LR_SCHEDULES = ("one-cycle", "cosine", "linear")
+
+
+def lr_scheduler(opt: torch.optim.Optimizer, schedule: str, lr: float, total_steps: int):  # noqa: ANN201
+    """The learning rate over ``total_steps`` optimizer steps: ``one-cycle``
+    warms up from lr / 25 to ``lr`` over the first 30% and anneals to lr /
+    25e4 (a fresh head); ``cosine`` and ``linear`` start at ``lr`` on the
+    first step and decay to 0 after the last, no warm-up (continuing a
+    trained head, which a warm-up from a low rate only moves away from
+    before it moves forward)."""
+    if schedule == "one-cycle":
+        return torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=total_steps)
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}; got {schedule!r}")
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: decay_factor(schedule, step, total_steps))
+
+
+def decay_factor(schedule: str, step: int, total_steps: int) -> float:
+    """The share of --lr at optimizer step ``step`` (0-based) of
+    ``total_steps`` for the decay-only schedules: 1 at step 0, falling to 0
+    at ``total_steps`` (never reached: the last step runs just above it)."""
+    done = min(step, total_steps) / total_steps
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * done))
+    return 1.0 - done
+
+
+class WeightAverage:
+    """An exponential moving average of a module's parameters, updated
+    after every optimizer step: ``avg = d * avg + (1 - d) * p``, with ``d =
+    min(decay, (1 + n) / (10 + n))`` at the n-th update (0-based), so the
+    first updates follow the weights closely and the average does not stay
+    near the starting point. It starts from the module's weights."""
+
+    def __init__(self, module: torch.nn.Module, decay: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"--ema must be in (0, 1) (0: off); got {decay}")
+        self.decay = decay
+        self.updates = 0
+        self.params = {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for name, p in module.named_parameters():
+            self.params[name].lerp_(p.detach(), 1.0 - d)
+        self.updates += 1
+
+    @torch.no_grad()
+    def averaged(self, head: EagleHead) -> EagleHead:
+        """A copy of ``head`` holding the averaged weights (its draft
+        vocabulary kept)."""
+        copy = EagleHead(head.hidden_size, head.intermediate_size)
+        copy.load_state_dict({**head.state_dict(), **self.params})
+        copy.draft_vocab = head.draft_vocab
+        return copy
 
 
 def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
@@ -248,15 +313,18 @@ def vocabulary_coverage(sequences: list[tuple[list[int], int]], ids: torch.Tenso
 
 
 def head_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, feats: Features, t: torch.Tensor,
-              steps: int = 2, hard_weight: float = 0.0) -> torch.Tensor:
+              steps: int = 2, hard_weight: float = 0.0, discount: float = 1.0,
+              hidden_weight: float = 0.1) -> torch.Tensor:
     """``steps`` drafting steps from positions t [B], each reading the head's
     own previous output (training-time test: drafting k tokens feeds the
     head its own features k - 1 times, so the later steps must be trained
     on them). Loss per step: KL(target || head) over the rows of
-    ``lm_rows`` (the draft vocabulary's: what drafting scores), + 0.1 *
-    smooth-L1 of f toward h (EAGLE's two terms), + ``hard_weight`` * a
-    cross-entropy on the target's argmax (what greedy verification keeps).
-    A chain stops at its sequence's end."""
+    ``lm_rows`` (the draft vocabulary's: what drafting scores), +
+    ``hidden_weight`` * smooth-L1 of f toward h (EAGLE's two terms), +
+    ``hard_weight`` * a cross-entropy on the target's argmax (what greedy
+    verification keeps); step i (0-based) counts ``discount ** i`` (a draft
+    token is only kept if every one before it was, so the early steps
+    weigh more). A chain stops at its sequence's end."""
     h = feats.hidden
     f = h[t - 1].float()
     end = feats.ends[t]
@@ -273,10 +341,11 @@ def head_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, feats
         teacher = F.log_softmax(target @ lm_rows.T, dim=-1)  # [B, V]
         student = F.log_softmax(f @ lm_rows.T, dim=-1)
         step_loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-        step_loss = step_loss + 0.1 * F.smooth_l1_loss(f, target)
+        if hidden_weight:
+            step_loss = step_loss + hidden_weight * F.smooth_l1_loss(f, target)
         if hard_weight:
             step_loss = step_loss + hard_weight * F.nll_loss(student, teacher.argmax(-1))
-        loss = loss + step_loss
+        loss = loss + discount**step * step_loss
     return loss
 
 
@@ -318,7 +387,20 @@ def _check_init_head(cfg: TrainConfig, head: EagleHead, hidden_size: int, vocab_
         raise ValueError(f"--init-head {cfg.init_head} drafts ids past the target's vocabulary ({vocab_size})")
 
 
+def _check_recipe(cfg: TrainConfig) -> None:
+    """The recipe's numbers, checked before anything loads."""
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}; got {cfg.lr_schedule!r}")
+    if not 0.0 < cfg.ttt_discount <= 1.0:
+        raise ValueError(f"--ttt-discount must be in (0, 1]; got {cfg.ttt_discount}")
+    if cfg.hidden_loss_weight < 0.0:
+        raise ValueError(f"--hidden-loss-weight must be >= 0; got {cfg.hidden_loss_weight}")
+    if not 0.0 <= cfg.ema < 1.0:
+        raise ValueError(f"--ema must be in [0, 1) (0: off); got {cfg.ema}")
+
+
 def train(cfg: TrainConfig) -> dict:
+    _check_recipe(cfg)
     torch.manual_seed(cfg.seed)
     started, cpu_started = time.monotonic(), time.process_time()
     init = _init_head(cfg)
@@ -348,7 +430,8 @@ def train(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     # t + 1 must stay inside the sequence: starts already end one early.
     steps_per_epoch = max(1, len(feats.starts) // cfg.batch_tokens)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=cfg.epochs * steps_per_epoch)
+    sched = lr_scheduler(opt, cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch)
+    average = WeightAverage(head, cfg.ema) if cfg.ema else None
     bar = tqdm(total=cfg.epochs * steps_per_epoch, desc="training head", unit="step")
     cfg.out.mkdir(parents=True, exist_ok=True)
     per_epoch = []
@@ -356,27 +439,32 @@ def train(cfg: TrainConfig) -> dict:
         order = feats.starts[torch.randperm(len(feats.starts))]
         for b in range(steps_per_epoch):
             t = order[b * cfg.batch_tokens : (b + 1) * cfg.batch_tokens]
-            loss = head_loss(head, embed, lm_rows, feats, t, cfg.ttt_steps, cfg.hard_label_weight)
+            loss = head_loss(head, embed, lm_rows, feats, t, cfg.ttt_steps, cfg.hard_label_weight,
+                             cfg.ttt_discount, cfg.hidden_loss_weight)
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
+            if average is not None:
+                average.update(head)
             bar.set_postfix(loss=f"{loss.item():.3f}")
             bar.update()
         if cfg.eval_each_epoch and epoch < cfg.epochs - 1:  # the last epoch's head is measured below
             path = cfg.out / f"epoch-{epoch + 1}.safetensors"
-            head.save(path, target=loaded.fingerprint)
+            (head if average is None else average.averaged(head)).save(path, target=loaded.fingerprint)
             acceptance = evaluate_head(cfg, path, f"after epoch {epoch + 1}: ")
             if acceptance is not None:
                 per_epoch.append({"epoch": epoch + 1, "acceptance": round(acceptance.rate, 4),
                                   "mean_accepted_length": round(acceptance.mean_accepted_length, 3)})
             head.train()
     bar.close()
-    head.save(cfg.out / "head.safetensors", target=loaded.fingerprint)
+    (head if average is None else average.averaged(head)).save(cfg.out / "head.safetensors", target=loaded.fingerprint)
     report = {"target": loaded.model_path, "target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus,
               "num_prompts": len(prompts), "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
               "intermediate_size": cfg.intermediate_size, "ttt_steps": cfg.ttt_steps,
-              "hard_label_weight": cfg.hard_label_weight, "lr": cfg.lr, "batch_tokens": cfg.batch_tokens,
+              "hard_label_weight": cfg.hard_label_weight, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
+              "ttt_discount": cfg.ttt_discount, "hidden_loss_weight": cfg.hidden_loss_weight, "ema": cfg.ema,
+              "batch_tokens": cfg.batch_tokens,
               "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab),
               "draft_vocab_answer_coverage": round(coverage, 4), "seconds": round(time.monotonic() - started, 1)}
     if cfg.init_head is not None:
@@ -419,7 +507,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
                       args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
                       args.eval_prompts, args.ttt_steps, args.hard_label_weight, args.data_cache,
-                      args.init_head, args.eval_each_epoch)
+                      args.init_head, args.eval_each_epoch, args.lr_schedule, args.ttt_discount,
+                      args.hidden_loss_weight, args.ema)
     report = train(cfg)
     print(json.dumps(report, indent=2))
     if "held_out_chat_acceptance" in report:  # again last, where it is seen
