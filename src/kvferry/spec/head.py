@@ -176,9 +176,10 @@ class _Int8Linear:
     def __init__(self, weight: torch.Tensor, name: str) -> None:
         self.weight = int8_gemm.quantize_weight(weight.detach(), name)
         self.wsum = int8_gemm.row_sums(self.weight.qweight)
+        self.gemm = int8_gemm.kernel_gemm()  # checked here, not per call (drafts_in_int8 asked first)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_gemm.gemm(x, self.weight.qweight, self.weight.scale, self.wsum)
+        return self.gemm(x, self.weight.qweight, self.weight.scale, self.wsum)
 
 
 class HeadProposer:
