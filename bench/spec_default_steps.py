@@ -23,6 +23,11 @@ default drafts nothing (16 and up), its steps should cost what plain
 decoding's do, and its scheduler share (``propose_ms``: the controller's
 O(1) decision per request; no proposer is asked) should stay in the noise.
 
+A spec may name environment variables set while its engine is built,
+``SPEC@VAR=VALUE[,VAR=VALUE]``: ``default@KVFERRY_DRAFT_HEAD_INT8=0`` is
+the default with the float draft head, beside ``default`` (int8) in the
+same process, rounds interleaved.
+
     python bench/spec_default_steps.py chat [--n 6] [--tokens 64] [--specs off default] [--batch 1]
 """
 from __future__ import annotations
@@ -106,6 +111,24 @@ def instrument(llm, records: list[dict], a_parts: bool = False) -> None:  # noqa
     core.step = timed_step
 
 
+def build(LLM, spec: str, a: argparse.Namespace):  # noqa: ANN001, ANN201, N803
+    """The engine of ``spec`` ("off", "default", a JSON config), built with
+    the environment variables after an "@" set (and restored after)."""
+    spec, _, env = spec.partition("@")
+    changes = dict(item.split("=", 1) for item in env.split(",") if item)
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        return LLM(speculative=None if spec == "off" else spec if spec == "default" else json.loads(spec),
+                   kv_cache_memory_gb=a.kv_gb, max_num_seqs=max(64, a.batch))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload", choices=["chat", "code"])
@@ -127,8 +150,7 @@ def main() -> None:
     from kvferry import LLM, SamplingParams
     from spec_default import chat_prompts, code_prompts
 
-    engines = {s: LLM(speculative=None if s == "off" else s if s == "default" else json.loads(s),
-                      kv_cache_memory_gb=a.kv_gb, max_num_seqs=max(64, a.batch)) for s in a.specs}
+    engines = {s: build(LLM, s, a) for s in a.specs}
     tok = engines[a.specs[0]].tokenizer
     prompts = (chat_prompts if a.workload == "chat" else code_prompts)(tok, (a.n + a.skip) * a.batch)
     rounds = [prompts[i * a.batch : (i + 1) * a.batch] for i in range(len(prompts) // a.batch)]

@@ -52,6 +52,7 @@ ATTN_STAGED_AVX2 = "KVFERRY_ATTN_STAGED_AVX2"
 QUANT_DOTS_ALWAYS = "KVFERRY_QUANT_DOTS_ALWAYS"
 GGUF_WEIGHTS = "KVFERRY_GGUF_WEIGHTS"
 GGUF_PANELS = "KVFERRY_GGUF_PANELS"
+DRAFT_HEAD_INT8 = "KVFERRY_DRAFT_HEAD_INT8"
 
 # Files and processes first, then the CPU kernels' switches, the one for
 # all kernels before those of single kernels. Variables that only the test
@@ -89,6 +90,11 @@ VARIABLES: tuple[EnvVar, ...] = (
            "the embedding's lookups of a tied table (the same bits as the blocks), and the blocks' pages are "
            "handed back: decode at 1-11 rows and c16 steps and prefill run faster (no panels decoded per "
            "call); about the blocks' memory (Q4_K 1.03x)"),
+    EnvVar(DRAFT_HEAD_INT8, "bool", "1",
+           "0 keeps a draft head's weights (speculative method head, and auto's head choice) in bf16, or the "
+           "target's dtype; by default, on a CPU where the C++ int8 matmul loads, its MLP and its draft LM head "
+           "are quantized at load to int8 per output channel (W8A8): each drafting depth reads about half "
+           "bf16's bytes (drafts can differ at near ties; outputs do not: verification is the target's)"),
     EnvVar(KERNEL_ISA, "str", "native",
            "instruction set the C++ kernels are built for: native, or avx2 (without AVX-512)"),
     EnvVar(CPU_BF16, "bool", "",
@@ -165,6 +171,11 @@ def gguf_weights() -> str | None:
 def gguf_panels() -> bool:
     """False only for ``KVFERRY_GGUF_PANELS=0`` (the panels are the default)."""
     return os.environ.get(GGUF_PANELS, "1").strip() != "0"
+
+
+def draft_head_int8() -> bool:
+    """False only for ``KVFERRY_DRAFT_HEAD_INT8=0`` (int8 is the default)."""
+    return os.environ.get(DRAFT_HEAD_INT8, "1").strip() != "0"
 
 
 def kernel_isa() -> str:

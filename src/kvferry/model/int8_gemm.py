@@ -115,6 +115,16 @@ def gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, wsum: torc
     return acc.float() * d[:, None] * scale[None, :]
 
 
+def kernel_gemm():  # noqa: ANN201
+    """The C++ ``gemm`` itself, ``(x, qweight, scale, wsum) -> y``, for a
+    caller that checked ``available()`` once (at load) and calls it many
+    times a step: ``gemm`` reads the kernel switches' environment on every
+    call (a draft head's depth makes three)."""
+    if not available():
+        raise RuntimeError("the C++ int8 matmul is not loaded")
+    return torch.ops.kvferry_int8.gemm
+
+
 def _int_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     # torch._int_mm wants more than 16 rows on some builds: pad small batches.
     m = xq.shape[0]

@@ -26,6 +26,13 @@ drafting step's LM head then reads D rows of the [V, H] matrix, not V: at
 batch 1 on CPU a full-vocabulary LM head is about a fifth of a target step,
 and a head pays it once per draft. Verification still scores every id.
 
+On the CPU the head drafts with int8 weights by default (``drafts_in_int8``,
+``KVFERRY_DRAFT_HEAD_INT8``): its MLP and draft LM head are quantized at
+load per output channel, and each of those matmuls quantizes its float32
+rows per row (int8_gemm, W8A8). A drafting depth reads about half bf16's
+bytes; the drafts differ from the float head's only where two candidates
+nearly tie, and verification, in the target's dtype, keeps outputs unchanged.
+
 File format: one safetensors file, weights ``fc``, ``norm``, ``up`` (gate
 and up stacked), ``down``, optionally ``draft_vocab`` ([D] int64, sorted
 ids), with metadata ``hidden_size``, ``intermediate_size`` and ``target``
@@ -41,7 +48,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kvferry import envs
 from kvferry.config import EMBEDDED_DRAFT_HEAD
+from kvferry.model import int8_gemm
 from kvferry.model.fused_ops import rms_norm, silu_and_mul
 from kvferry.model.input_batch import InputBatch
 from kvferry.model.linear import linear, pack_weight
@@ -129,6 +138,25 @@ def draft_dtype(target: LlamaModel) -> torch.dtype:
     return target.dtype
 
 
+def drafts_in_int8(target: LlamaModel) -> bool:
+    """Whether the head's MLP (up, down) and its LM head are quantized to
+    int8 at load (``KVFERRY_DRAFT_HEAD_INT8``, on by default): on the CPU,
+    where the C++ int8 matmul loads. At batch 1 a drafting depth is four
+    matmuls of a few rows, and reading their weights is their cost: int8
+    reads half bf16's bytes.
+
+    fc stays in ``draft_dtype``: its input row, the token's embedding beside
+    the target's hidden state, whose few outlier channels are 10-27x the
+    row's RMS, keeps too little of the rest at one int8 scale per row.
+    Measured with the committed head on the embedded model (16 held-out
+    chats, 685 positions, the head's top-1 draft against the target's next
+    token, depth 1 / depth 2 along the target's path): float32 59.3% /
+    42.3%, bf16 59.1 / 41.8, every matmul int8 57.5 / 39.3, all but fc int8
+    59.9 / 42.6."""
+    return (envs.draft_head_int8() and target.lm_head is not None and target.lm_head.device.type == "cpu"
+            and int8_gemm.available())
+
+
 class _PackedLinear:
     """One weight [out, in] in the drafting dtype, packed once (linear.pack_weight)."""
 
@@ -140,6 +168,20 @@ class _PackedLinear:
         return linear(x, self.weight, None, self.packed)
 
 
+class _Int8Linear:
+    """One weight [out, in] as int8 rows with a float32 scale each
+    (int8_gemm.quantize_weight): x [A, in] float32 -> [A, out] float32, x
+    quantized per row (W8A8, int8_gemm.gemm)."""
+
+    def __init__(self, weight: torch.Tensor, name: str) -> None:
+        self.weight = int8_gemm.quantize_weight(weight.detach(), name)
+        self.wsum = int8_gemm.row_sums(self.weight.qweight)
+        self.gemm = int8_gemm.kernel_gemm()  # checked here, not per call (drafts_in_int8 asked first)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight.qweight, self.weight.scale, self.wsum)
+
+
 class HeadProposer:
     """Runner side of method "head" (same interface as DraftModelProposer).
 
@@ -148,7 +190,8 @@ class HeadProposer:
     ``[num_logits, H]`` sampled hidden tensor (``record_step``: no copy,
     nothing per request but an index), or a vector handed in whole
     (``record``). ``propose`` gathers the rows of the requests that draft,
-    once, and runs the head in ``draft_dtype`` with prepacked weights."""
+    once, and runs the head with int8 weights (``drafts_in_int8``), else in
+    ``draft_dtype`` with prepacked weights."""
 
     # The runner calls ``propose`` only in steps where some request drafts
     # (the head keeps no KV that would need catching up in between).
@@ -173,7 +216,9 @@ class HeadProposer:
         if parallel and head.draft_vocab is not None:
             raise ValueError("speculative.model: a head with a draft vocabulary does not run over tensor-parallel "
                              "ranks yet (the target's lm_head is split by vocabulary)")
-        self.dtype = target.dtype if parallel else draft_dtype(target)
+        # Over tensor-parallel ranks the head drafts in the target's dtype (the same bits on every rank).
+        self.int8 = not parallel and drafts_in_int8(target)
+        self.dtype = target.dtype if parallel else draft_dtype(target)  # fc's, and its inputs'
         self.vocab: DraftVocab | None = None
         lm_head = target.lm_head.detach()  # [V, H]
         if head.draft_vocab is not None:
@@ -183,15 +228,20 @@ class HeadProposer:
                                  f"the target has {target.config.vocab_size} tokens")
             self.vocab = DraftVocab(ids.to(target.lm_head.device), target.config.vocab_size)
             lm_head = lm_head[self.vocab.ids]  # [D, H]
-        self.fc = _PackedLinear(head.fc.weight, self.dtype)  # [H, 2H]
-        self.up = _PackedLinear(head.up.weight, self.dtype)  # [2I, H]
-        self.down = _PackedLinear(head.down.weight, self.dtype)  # [H, I]
-        self.norm_weight = head.norm.weight.detach().to(self.dtype)  # [H]
-        self.norm_eps = head.norm.eps or 1e-6
-        if self.vocab is None and self.dtype == target.dtype:
-            self.lm_head = target.compute_logits  # the whole vocabulary: the target's own packed lm_head
+        self.fc = _PackedLinear(head.fc.weight, self.dtype)  # [H, 2H], never int8 (drafts_in_int8)
+        if self.int8:  # the rest multiplies float32 rows
+            self.up = _Int8Linear(head.up.weight, "head up")  # [2I, H]
+            self.down = _Int8Linear(head.down.weight, "head down")  # [H, I]
+            self.lm_head = _Int8Linear(lm_head, "head lm_head")  # [D or V, H]
         else:
-            self.lm_head = _PackedLinear(lm_head, self.dtype)  # [D or V, H]
+            self.up = _PackedLinear(head.up.weight, self.dtype)  # [2I, H]
+            self.down = _PackedLinear(head.down.weight, self.dtype)  # [H, I]
+            if self.vocab is None and self.dtype == target.dtype:
+                self.lm_head = target.compute_logits  # the whole vocabulary: the target's own packed lm_head
+            else:
+                self.lm_head = _PackedLinear(lm_head, self.dtype)  # [D or V, H]
+        self.norm_weight = head.norm.weight.detach().to(torch.float32 if self.int8 else self.dtype)  # [H]
+        self.norm_eps = head.norm.eps or 1e-6
         # request id -> (a [N, H] tensor, the row in it): the target's hidden
         # state at the position that sampled the request's newest token.
         # Kept across preemption (same tokens).
@@ -278,7 +328,9 @@ class HeadProposer:
         hidden [A, H] -> the predicted next hidden state [A, H]."""
         embeds = (vocab_parallel_embedding(newest, self.target.embed_tokens, self.shard, self.target.config.vocab_size)
                   if self.shard is not None else F.embedding(newest, self.target.embed_tokens)).to(self.dtype)  # [A, H]
-        x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [A, H]
+        x = self.fc(torch.cat([embeds, hidden.to(self.dtype)], dim=-1))  # [A, H]
+        if self.int8:
+            x = x.float()  # the residual, and the int8 matmuls' rows
         # The target's fused kernels (one pass each): at batch 1 a drafting depth is a few small
         # matmuls, and torch's separate elementwise ops were a tenth of it.
         normed = rms_norm(x, self.norm_weight, self.norm_eps)
