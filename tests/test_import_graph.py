@@ -178,6 +178,7 @@ NO_TORCH = "start-up: the importer must not load torch"
 COMMAND_PARSER = "start-up: only the running command's parser module is imported"
 # The engine core's spawn comes first, so that its model loads while the front end imports the web side.
 CORE_FIRST = "start-up: imported after the engine cores are spawned"
+SCHEMA = "start-up: jsonschema, only when a request's schema is checked"  # every server and core imports the importer
 GGUF = "start-up: the GGUF reader and tokenizer builder, only when a .gguf is read"  # the front end, `import kvferry`, the core's spawn target
 
 LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
@@ -228,7 +229,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "serve/vllm_flags.py": {"uvicorn": CLI, "torch": CLI, "kvferry.model.kv_cache_dtype": CLI,
                             "kvferry.model.loader": CLI},                         # --swap-space's arithmetic
     "structured/__init__.py": {"kvferry.structured": NO_TORCH},                   # the bitmask helpers
-    "structured/spec.py": {"xgrammar": OPTIONAL},
+    "structured/spec.py": {"xgrammar": OPTIONAL, "jsonschema": SCHEMA, "kvferry.structured.schema_guard": SCHEMA},
     "structured/step.py": {"kvferry.structured.backend": OPTIONAL},               # xgrammar
     "train/cli.py": {"kvferry.train.draft_head": CLI, "kvferry.train.eagle3": CLI},
     "train/draft_head.py": {"chitchat_dataset": OPTIONAL},
