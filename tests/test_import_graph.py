@@ -194,6 +194,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
                **dict.fromkeys(("kvferry.serve.cli", "kvferry.chat.cli", "kvferry.kvstore.process",
                                 "kvferry.fleet.scale_cli", "kvferry.bench.cli", "kvferry.plan.cli",
                                 "kvferry.train.cli"), COMMAND_PARSER)},
+    "cli_parser.py": {"importlib.metadata": CLI},                               # --version, /version
     "chat/cli.py": {"readline": "a terminal's line editing: importing it changes how input() treats one"},
     "engine/core_client.py": {"kvferry.engine.core_proc": NO_TORCH},              # the child imports torch
     "fleet/core_actor.py": {"ray": OPTIONAL, "kvferry.fleet.node_store": OPTIONAL,  # node_store imports ray
