@@ -222,6 +222,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "serve/server.py": {"kvferry.fleet.ray_cores": OPTIONAL, "kvferry.fleet.cluster_master": OPTIONAL,  # ray
                         "kvferry.fleet.node_store": OPTIONAL,
                         "kvferry.serve.http_server": CORE_FIRST,                 # uvicorn, starlette, the routes
+                        "kvferry.engine.input_processor": CORE_FIRST,            # tokenizers, jinja2
                         "kvferry.autoscale.policy": "start-up: the planner (numpy, the simulator), only with "
                                                     "--autoscale",
                         "kvferry.kvstore.supervisor": "start-up: the KV store's client (numpy), only with "

@@ -123,6 +123,10 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                 grammar_import = import_backend_in_background()
                 # uvicorn, starlette, the routes: see its docstring.
                 from kvferry.serve.http_server import AsyncEngineClient, serve_http
+                from kvferry.engine.input_processor import prefetch_tokenizer  # the tokenizer's imports: as above
+
+                if spawned:
+                    prefetch_tokenizer(engine_args.model)  # read while the cores load (engine/input_processor.py)
 
                 # The imports' objects exempted from collection now, while
                 # the cores load: the freeze once serving starts then walks
