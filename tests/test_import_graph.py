@@ -178,6 +178,7 @@ NO_TORCH = "start-up: the importer must not load torch"
 COMMAND_PARSER = "start-up: only the running command's parser module is imported"
 # The engine core's spawn comes first, so that its model loads while the front end imports the web side.
 CORE_FIRST = "start-up: imported after the engine cores are spawned"
+SCHEMA = "start-up: jsonschema, only when a request's schema is checked"  # every server and core imports the importer
 GGUF = "start-up: the GGUF reader and tokenizer builder, only when a .gguf is read"  # the front end, `import kvferry`, the core's spawn target
 
 LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
@@ -193,6 +194,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
                **dict.fromkeys(("kvferry.serve.cli", "kvferry.chat.cli", "kvferry.kvstore.process",
                                 "kvferry.fleet.scale_cli", "kvferry.bench.cli", "kvferry.plan.cli",
                                 "kvferry.train.cli"), COMMAND_PARSER)},
+    "cli_parser.py": {"importlib.metadata": CLI},                               # --version, /version
     "chat/cli.py": {"readline": "a terminal's line editing: importing it changes how input() treats one"},
     "engine/core_client.py": {"kvferry.engine.core_proc": NO_TORCH},              # the child imports torch
     "fleet/core_actor.py": {"ray": OPTIONAL, "kvferry.fleet.node_store": OPTIONAL,  # node_store imports ray
@@ -220,6 +222,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "serve/server.py": {"kvferry.fleet.ray_cores": OPTIONAL, "kvferry.fleet.cluster_master": OPTIONAL,  # ray
                         "kvferry.fleet.node_store": OPTIONAL,
                         "kvferry.serve.http_server": CORE_FIRST,                 # uvicorn, starlette, the routes
+                        "kvferry.engine.input_processor": CORE_FIRST,            # tokenizers, jinja2
                         "kvferry.autoscale.policy": "start-up: the planner (numpy, the simulator), only with "
                                                     "--autoscale",
                         "kvferry.kvstore.supervisor": "start-up: the KV store's client (numpy), only with "
@@ -228,7 +231,7 @@ LAZY_IMPORTS_ALLOWED: dict[str, dict[str, str]] = {
     "serve/vllm_flags.py": {"uvicorn": CLI, "torch": CLI, "kvferry.model.kv_cache_dtype": CLI,
                             "kvferry.model.loader": CLI},                         # --swap-space's arithmetic
     "structured/__init__.py": {"kvferry.structured": NO_TORCH},                   # the bitmask helpers
-    "structured/spec.py": {"xgrammar": OPTIONAL},
+    "structured/spec.py": {"xgrammar": OPTIONAL, "jsonschema": SCHEMA, "kvferry.structured.schema_guard": SCHEMA},
     "structured/step.py": {"kvferry.structured.backend": OPTIONAL},               # xgrammar
     "train/cli.py": {"kvferry.train.draft_head": CLI, "kvferry.train.eagle3": CLI},
     "train/draft_head.py": {"chitchat_dataset": OPTIONAL},

@@ -26,7 +26,7 @@ import dataclasses
 import sys
 
 from kvferry import envs, peer_auth
-from kvferry.cli_parser import Parser, nearest_flag_error, package_version
+from kvferry.cli_parser import Parser, VersionAction, nearest_flag_error
 from kvferry.config import EngineArgs
 
 # What `kvferry demo` passes to LLM(...): the model and how it runs, not the
@@ -166,7 +166,7 @@ def build_parser(command: str | None = None) -> Parser:
     that command's parser under the top level (what running it needs)."""
     parser = Parser(prog="kvferry", description="LLM serving with paged KV, prefix sharing, KV tiers, "
                                                 "disaggregation and speculative decoding.")
-    parser.add_argument("--version", action="version", version=f"kvferry {package_version()}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for names, add in _COMMANDS:
         if command is None or command in names:

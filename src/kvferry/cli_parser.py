@@ -4,6 +4,7 @@
     nearest_flag_error()   "unrecognized argument: --x (--x is not supported; the nearest supported flag is --y)"
     edit_distance()        what "nearest" means: at most MAX_EDITS typos away, else no guess
     package_version()      for ``kvferry --version``
+    VersionAction          ``--version``, the version read only when asked for
 
 Why a subclass: argparse's own prefix matching took ``--api-key sk-123`` for
 ``--api-keys FILE`` (then "cannot read sk-123"), and its error printed the
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from importlib import metadata
 from typing import NoReturn
 
 import kvferry
@@ -202,7 +202,25 @@ def nearest_flag_error(parser: Parser, unknown: list[str]) -> NoReturn:
 def package_version() -> str:
     """The installed distribution's version; the source's when run from a
     checkout that is not installed."""
+    # Not at the top: importlib.metadata (email, zipfile, csv) was ~40 ms of
+    # every command's start, and of every process spawned under the CLI.
+    import importlib.metadata
+
     try:
-        return metadata.version("kvferry")
-    except metadata.PackageNotFoundError:
+        return importlib.metadata.version("kvferry")
+    except importlib.metadata.PackageNotFoundError:
         return kvferry.__version__
+
+
+class VersionAction(argparse.Action):
+    """``--version``: prints ``kvferry VERSION`` and exits, reading the
+    version only then (argparse's own "version" action takes the string
+    when the parser is built, for every command line)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):  # noqa: A002
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show program's version number and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        print(f"kvferry {package_version()}", file=sys.stdout, flush=True)  # stdout, as argparse's
+        parser.exit()

@@ -130,3 +130,46 @@ def test_incremental_detokenizer_flushes_truncated_character(tok):
     detok = IncrementalDetokenizer(tok, [])
     assert detok.step(emoji[:-1]) == ""  # held back: incomplete UTF-8
     assert detok.flush().endswith("\ufffd")
+
+
+def _metaspace_byte_fallback_folder(path):
+    """A sentencepiece-style BPE (Metaspace, byte fallback) whose longest
+    token in bytes (日本日: 3 characters, 9 bytes) is shorter in characters
+    than an ASCII piece (abababab) and the byte pieces (<0xE6>), with a
+    non-ASCII added token."""
+    from tokenizers import Tokenizer as HFTok, models, normalizers, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ["\u2581", "a", "b", "日", "本", "ab", "abab", "abababab", "日本", "日本日"]:
+        vocab[piece] = len(vocab)
+    merges = [("a", "b"), ("ab", "ab"), ("abab", "abab"), ("日", "本"), ("日本", "日")]
+    tok = HFTok(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    tok.add_special_tokens(["終"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace_byte_fallback"])
+def test_the_character_bound_is_the_scan_over_every_token(tmp_path, kind):
+    """The bound's longest token, found without a call per id, is the one
+    a scan of every id finds; its spec is the one to_str() describes."""
+    from kvferry.model.text_bound import max_chars_per_token
+
+    if kind == "byte_level":
+        write_tokenizer(tmp_path)
+    else:
+        _metaspace_byte_fallback_folder(tmp_path)
+    tok = Tokenizer(tmp_path)
+    scanned = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+    assert kind == "byte_level" or scanned == 9  # 日本日
+    assert tok._longest_token_bytes() == scanned
+    full = json.loads(tok._tok.to_str())
+    spec = tok._bound_spec()
+    assert spec["pre_tokenizer"] == full["pre_tokenizer"] and spec["normalizer"] == full["normalizer"]
+    assert spec["model"] == {"type": full["model"]["type"], "byte_fallback": bool(full["model"].get("byte_fallback"))}
+    added = [t.content for t in tok._tok.get_added_tokens_decoder().values()]
+    assert tok._max_chars_per_token() == max_chars_per_token(full, tok.vocab_size, tok.token_bytes, added)
+    assert tok._max_chars_per_token() is not None

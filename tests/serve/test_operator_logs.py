@@ -20,6 +20,7 @@ from kvferry.types.stats import SchedulerStats
 from kvferry.serve.stats_logger import StatsSample, stats_line
 from tests.serve.server_process import MODEL_NAME, SERVE_ARGS, ServerProcess, start_server
 
+STATS_INTERVAL_S = 0.5  # --log-stats-interval-s: the idle check waits in intervals of it
 STATS_LINE = re.compile(
     r"engine stats: prompt (?P<prompt>[\d.]+) tok/s, generation (?P<gen>[\d.]+) tok/s, "
     r"running \d+ reqs, waiting \d+ reqs, KV cache [\d.]+%, prefix cache hit rate [\d.]+%, "
@@ -31,7 +32,7 @@ def tmpdir_and_server(tmp_path_factory) -> tuple:
     tmp = tmp_path_factory.mktemp("tmpdir")
     args = [a for a in SERVE_ARGS if a != "--disable-uvicorn-access-log"]
     srv = start_server(tmp_path_factory.mktemp("log") / "server.log",
-                       ["--log-level", "info", "--log-stats-interval-s", "1", "--kv-dram-gb", "0.05"],
+                       ["--log-level", "info", "--log-stats-interval-s", str(STATS_INTERVAL_S), "--kv-dram-gb", "0.05"],
                        serve_args=args, env={"TMPDIR": str(tmp)})
     yield tmp, srv
     srv.stop()
@@ -57,9 +58,9 @@ def test_stats_line_while_busy_and_none_while_idle(server):
     assert any(float(m["gen"]) > 0 for m in lines) and any(float(m["prompt"]) > 0 for m in lines), \
         server.log()[-3000:]
     # The interval the burst ended in has logged by now; an idle server logs no more.
-    time.sleep(1.5)
+    time.sleep(1.5 * STATS_INTERVAL_S)
     before = len(_stats_lines(server))
-    time.sleep(2.5)
+    time.sleep(2.5 * STATS_INTERVAL_S)
     assert len(_stats_lines(server)) == before, server.log()[-3000:]
 
 

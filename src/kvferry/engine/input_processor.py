@@ -6,11 +6,14 @@ the core never sees input it would have to refuse.
 """
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
+from kvferry import envs
 from kvferry.core.hashing import CacheScope
 from kvferry.messages import EngineCoreReady, EngineCoreRequest
+from kvferry.model.resolve import converted_gguf_folder, resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.sampling import SamplingParams
 
@@ -108,7 +111,53 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 def load_tokenizer(core: EngineCoreReady) -> Tokenizer:
     """The front end's tokenizer: the one the core loaded, read from the
     folder its ready message names, with the same EOS ids. No weights and
-    no torch on this side."""
-    tokenizer = Tokenizer(Path(core.model_path))
+    no torch on this side. Read already (``prefetch_tokenizer``) where that
+    folder is one the prefetch read."""
+    prefetched = _prefetched.pop(core.model_path, None)
+    _prefetched.clear()  # folders the core did not name
+    tokenizer = prefetched.result() if prefetched is not None else None
+    if tokenizer is None:
+        tokenizer = Tokenizer(Path(core.model_path))
     tokenizer.eos_token_ids = list(core.eos_token_ids)
     return tokenizer
+
+
+class _Prefetch:
+    """One folder's tokenizer, read on a thread of its own."""
+
+    def __init__(self, folder: Path) -> None:
+        self._tokenizer: Tokenizer | None = None
+        self._thread = threading.Thread(target=self._read, args=(folder,), name="tokenizer-prefetch", daemon=True)
+        self._thread.start()
+
+    def _read(self, folder: Path) -> None:
+        try:
+            self._tokenizer = Tokenizer(folder)
+        except Exception:  # noqa: BLE001 - load_tokenizer reads the folder again, and says what is wrong
+            pass
+
+    def result(self) -> Tokenizer | None:
+        self._thread.join()
+        return self._tokenizer
+
+
+# model_path (as a core's ready message names it) -> its tokenizer being read.
+_prefetched: dict[str, _Prefetch] = {}
+
+
+def prefetch_tokenizer(model: str | None) -> None:
+    """Start reading the tokenizer of each folder the cores may name for
+    ``model`` (its folder; a GGUF's converted folders that exist: with the
+    weights expanded or the blocks kept, which only the core decides), so
+    that ``load_tokenizer`` finds it read once the cores are ready: ~0.1 s
+    that came after every core's load, now beside it. Converts nothing;
+    a folder not there yet (a first conversion) is read after, as before."""
+    try:
+        resolved = resolve_model(model)
+        folders = ([converted_gguf_folder(resolved.path, envs.cache_dir(), weights) for weights in (True, False)]
+                   if resolved.is_gguf else [resolved.path])
+    except (ValueError, OSError):  # the core reports the model's problem
+        return
+    for folder in folders:
+        if (folder / "tokenizer.json").is_file() and str(folder) not in _prefetched:
+            _prefetched[str(folder)] = _Prefetch(folder)

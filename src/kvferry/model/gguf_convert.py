@@ -26,7 +26,6 @@ conversion, by type name.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ import torch
 from kvferry import envs
 from kvferry.model import moe_convert
 # Re-exported: the embedded model is found in resolve, which the front end imports without torch.
-from kvferry.model.resolve import EMBEDDED_FILE, embedded_gguf_path  # noqa: F401
+from kvferry.model.resolve import EMBEDDED_FILE, converted_gguf_folder, embedded_gguf_path  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ def convert_gguf(gguf_path: str | Path, out_root: Path | None = None, weights: b
     if not src.is_file():
         raise ValueError(f"GGUF file not found: {gguf_path}")
     root = out_root or cache_dir()
-    final = root / f"{src.stem}-{_source_key(src)}{'' if weights else '-meta'}"
+    final = converted_gguf_folder(src, root, weights)
     if (final / "config.json").is_file():
         logger.info("GGUF %s: using its converted folder %s", src.name, final)
         return final
@@ -123,11 +122,6 @@ def convert_gguf(gguf_path: str | Path, out_root: Path | None = None, weights: b
     logger.info("converted %s%s in %.0f s; later starts load %s", what, "" if weights else "'s config and tokenizer",
                 time.perf_counter() - t0, final)
     return final
-
-
-def _source_key(src: Path) -> str:
-    st = src.stat()
-    return hashlib.sha256(f"{src.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def _publish(tmp: Path, final: Path) -> None:

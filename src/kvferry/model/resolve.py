@@ -18,6 +18,7 @@ fails on a download at start-up. A repository holding only ``.gguf`` files
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -177,3 +178,14 @@ def embedded_gguf_path() -> Path:
         if path.is_file():
             return path
     raise ValueError(f"{EMBEDDED_FILE} not found in the installed {EMBEDDED_PACKAGE} package; reinstall it")
+
+
+def converted_gguf_folder(gguf_path: str | Path, root: Path, weights: bool = True) -> Path:
+    """Where ``gguf_convert.convert_gguf`` keeps ``gguf_path``'s HF folder
+    under ``root`` (``weights=False``: its config and tokenizer only), named
+    by the file's name, size and mtime. Here, without torch: the front end
+    reads the tokenizer from it while its cores load the model."""
+    src = Path(gguf_path).expanduser().resolve()
+    st = src.stat()
+    key = hashlib.sha256(f"{src.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return root / f"{src.stem}-{key}{'' if weights else '-meta'}"

@@ -37,9 +37,12 @@ _COMPOSING = {"NFC", "NFKC"}
 
 
 def max_chars_per_token(spec: dict[str, Any], vocab_size: int, token_bytes: Callable[[int], bytes],
-                        added_contents: list[str]) -> int | None:
-    """``spec``: the tokenizer's JSON description (``tokenizers.Tokenizer.to_str``).
-    ``token_bytes(id)``: the raw bytes token ``id`` stands for."""
+                        added_contents: list[str], longest_token: Callable[[], int] | None = None) -> int | None:
+    """``spec``: the tokenizer's JSON description (``tokenizers.Tokenizer.to_str``;
+    ``model`` needs only its ``type`` and ``byte_fallback``).
+    ``token_bytes(id)``: the raw bytes token ``id`` stands for.
+    ``longest_token()``: ``max(len(token_bytes(i)) for i in range(vocab_size))``
+    found another way (Tokenizer's, without a call per id); None: that scan."""
     model = spec.get("model") or {}
     pre = spec.get("pre_tokenizer")
     if model.get("type") != "BPE":
@@ -51,7 +54,10 @@ def max_chars_per_token(spec: dict[str, Any], vocab_size: int, token_bytes: Call
     factor = _normalizer_factor(spec.get("normalizer"))
     if factor is None:
         return None
-    longest = max((len(token_bytes(i)) for i in range(vocab_size)), default=1)
+    if longest_token is not None:
+        longest = longest_token()
+    else:
+        longest = max((len(token_bytes(i)) for i in range(vocab_size)), default=1)
     longest = max(longest, *(len(c) for c in added_contents), 1)
     return longest * factor
 

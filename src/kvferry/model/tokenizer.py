@@ -97,9 +97,38 @@ class Tokenizer:
         # computes the same value twice.
         if not hasattr(self, "_chars_per_token"):
             added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
-            self._chars_per_token = max_chars_per_token(json.loads(self._tok.to_str()), self.vocab_size,
-                                                        self.token_bytes, added)
+            self._chars_per_token = max_chars_per_token(self._bound_spec(), self.vocab_size, self.token_bytes, added,
+                                                        self._longest_token_bytes)
         return self._chars_per_token
+
+    def _bound_spec(self) -> dict[str, Any]:
+        """What text_bound reads of the tokenizer's JSON: the model's type
+        and byte fallback, the pre-tokenizer and the normalizer. Not
+        ``to_str()``: serializing and parsing the whole vocabulary and merges
+        took ~0.1 s of every server's start, after its core was ready."""
+        model = self._tok.model
+        spec: dict[str, Any] = {"model": {"type": type(model).__name__,
+                                          "byte_fallback": bool(getattr(model, "byte_fallback", False))}}
+        for key, part in (("pre_tokenizer", self._tok.pre_tokenizer), ("normalizer", self._tok.normalizer)):
+            spec[key] = None if part is None else json.loads(part.__getstate__())
+        return spec
+
+    def _longest_token_bytes(self) -> int:
+        """``max(len(self.token_bytes(i)) for i in range(self.vocab_size))``
+        without a call per id (~0.1 s for a 49k vocabulary): the added
+        tokens exactly, then the model's pieces longest first, each bounding
+        its bytes (a byte-level piece has one character per byte; any other
+        character is at most 4 bytes of UTF-8), until no piece left can beat
+        the longest found."""
+        longest = max((len(self.token_bytes(i)) for i in self._added_token_ids if i < self.vocab_size), default=0)
+        per_char = 1 if self._byte_level else 4
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        for piece in sorted(vocab, key=len, reverse=True):
+            if len(piece) * per_char <= longest:
+                break
+            if (i := vocab[piece]) < self.vocab_size and i not in self._added_token_ids:
+                longest = max(longest, len(self.token_bytes(i)))
+        return max(longest, 1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -12,12 +12,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import jsonschema
-
 from kvferry import envs
 from kvferry.extras import missing, require
 from kvferry.structured.errors import library_reason
-from kvferry.structured.schema_guard import UnsafeSchemaError, check_schema
 
 if TYPE_CHECKING:
     from kvferry.sampling import StructuredOutputsParams
@@ -129,6 +126,12 @@ def check_compiles(spec: GrammarSpec, field: str) -> None:
     not know)."""
     require("xgrammar", "structured", field)
     import xgrammar as xgr  # heavy; only the serving edge and the core load it
+    # Not at the top: every server (before its cores spawn) and every core
+    # imports this module through kvferry.structured; jsonschema and its
+    # referencing cost each ~35-80 ms of a start, for requests that name a schema.
+    import jsonschema
+
+    from kvferry.structured.schema_guard import UnsafeSchemaError, check_schema
 
     try:
         if spec.kind == "json_schema":
