@@ -154,6 +154,28 @@ _dots_always = False
 # the decode kernels keep every batch below PREFILL_DOTS_FROM_ROWS_ELSE.
 PREFILL_DOTS_FROM_ROWS = {32: 6, 256: 12}  # by the format's block size
 PREFILL_DOTS_FROM_ROWS_ELSE = 33
+# How far ahead (bytes) the packed panels' dots prefetch their superblocks
+# into L2, beside the L1 stream (csrc/quant_prefill_dots.h's far_prefetch; 0:
+# none). Prefetches only: the same bits at any distance. 24 KiB was measured
+# on AMD Zen 4 (the Q6_K panels read ~13 GB/s cold without it, 20-25 with
+# it, 1 thread). On AMD Zen 5 (family 26 model 2, 2 cores at load 8-11,
+# in-process, distances interleaved, CPU ms of the 1B Q4_K_M step's matmuls
+# over the panels, 1 thread, medians of 15-21 passes) the far stream costs
+# time at batch 1 and nothing is gained at 2-8 rows:
+#   distance (KiB)    0      4      8     12     16     24     32     48
+#   1 row           0.885  0.925  0.892  0.904  0.976  1.000  1.043  1.085  (x 24 KiB's time)
+#   2 / 4 / 8 rows  0.98 / 1.00 / 1.00 at 0 (4-24 KiB within 0.95-1.05)
+# (2 threads, 1 row: 0 KiB 0.78x.) So Zen 5 and later takes none.
+PANEL_FAR_AHEAD_ZEN4 = 24576
+
+
+def panel_far_ahead(features) -> int:
+    """The panels' far prefetch distance for a CPU (``cpu_features()``): none
+    on AMD Zen 5 and later, Zen 4's 24 KiB elsewhere."""
+    return 0 if features.amd_zen5_or_later else PANEL_FAR_AHEAD_ZEN4
+
+
+PANEL_FAR_AHEAD = panel_far_ahead(cpu_features())
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
 
@@ -181,7 +203,7 @@ def configure() -> None:
     _prefill_dots = prefill_dots_fit() if PREFILL_DOTS is None else PREFILL_DOTS
     torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
                                       SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS,
-                                      prefill_dots_from(32), prefill_dots_from(256))
+                                      prefill_dots_from(32), prefill_dots_from(256), PANEL_FAR_AHEAD)
 
 
 def prefill_min_rows(block: int) -> int:
