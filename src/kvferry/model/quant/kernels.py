@@ -152,7 +152,28 @@ _dots_always = False
 # the panel's time at 12-16 rows on the 8B shapes (BENCHMARKS.md). Where the prefill dots do not fit (AMX, whose
 # tiles take over from 12 or 20 rows; not measured against these panels)
 # the decode kernels keep every batch below PREFILL_DOTS_FROM_ROWS_ELSE.
-PREFILL_DOTS_FROM_ROWS = {32: 6, 256: 12}  # by the format's block size
+# On AMD Zen 5 (family 26 model 2; 2 cores at load 9-11, in-process, the two
+# paths interleaved, CPU ms of one thread, medians of 7-9 passes, the 1B
+# Q4_K_M step's matmuls) the K-quants' packed panels (the default) through
+# the decode kernels' arithmetic (packed_rows) against the prefill kernels
+# (prefill_rows_packed), prefill / decode: 1.59x at 8 rows, 1.37 at 10, 1.26
+# at 12, 1.08-1.10 at 16, 0.98 at 20, 0.88 at 24, 0.82 at 32. So Zen 5 and
+# later take the K-quants' prefill kernels from 18 rows (a c16 step keeps
+# batch 1's bits there). The blocks (KVFERRY_GGUF_PANELS=0) would rather
+# take them from 12 (prefill / decode 0.84x at 12 rows, 0.72 at 16): one
+# threshold serves both, so that the panels give the blocks' bits at every
+# batch, and it follows the default. The 32-blocks keep 6 (on Zen 5 their
+# prefill kernels lead from 4 rows already, 0.67x at 4 and 0.55 at 6 on the
+# Q8_0 1B shapes; 2-5 rows not measured further).
+K_QUANT_DOTS_FROM_ROWS_ZEN5 = 18
+
+
+def prefill_dots_from_rows(features) -> dict[int, int]:
+    """``PREFILL_DOTS_FROM_ROWS`` for a CPU (``cpu_features()``), by block size."""
+    return {32: 6, 256: K_QUANT_DOTS_FROM_ROWS_ZEN5 if features.amd_zen5_or_later else 12}
+
+
+PREFILL_DOTS_FROM_ROWS = prefill_dots_from_rows(cpu_features())  # by the format's block size
 PREFILL_DOTS_FROM_ROWS_ELSE = 33
 # How far ahead (bytes) the packed panels' dots prefetch their superblocks
 # into L2, beside the L1 stream (csrc/quant_prefill_dots.h's far_prefetch; 0:
