@@ -157,7 +157,8 @@ _dots_always = False
 # Q4_K_M step's matmuls) the K-quants' packed panels (the default) through
 # the decode kernels' arithmetic (packed_rows) against the prefill kernels
 # (prefill_rows_packed), prefill / decode: 1.59x at 8 rows, 1.37 at 10, 1.26
-# at 12, 1.08-1.10 at 16, 0.98 at 20, 0.88 at 24, 0.82 at 32. So Zen 5 and
+# at 12, 1.08-1.10 at 16, 0.98 at 20, 0.88 at 24, 0.82 at 32 (8B's shapes:
+# 1.28x at 12, 1.04 at 16, 1.00 at 20). So Zen 5 and
 # later take the K-quants' prefill kernels from 18 rows (a c16 step keeps
 # batch 1's bits there). The blocks (KVFERRY_GGUF_PANELS=0) would rather
 # take them from 12 (prefill / decode 0.84x at 12 rows, 0.72 at 16): one
@@ -186,7 +187,8 @@ PREFILL_DOTS_FROM_ROWS_ELSE = 33
 #   distance (KiB)    0      4      8     12     16     24     32     48
 #   1 row           0.885  0.925  0.892  0.904  0.976  1.000  1.043  1.085  (x 24 KiB's time)
 #   2 / 4 / 8 rows  0.98 / 1.00 / 1.00 at 0 (4-24 KiB within 0.95-1.05)
-# (2 threads, 1 row: 0 KiB 0.78x.) So Zen 5 and later takes none.
+# (2 threads, 1 row: 0 KiB 0.78x; 8B's shapes, 1 thread: 0 KiB 0.918x at 1
+# row, 0.99x at 8.) So Zen 5 and later takes none.
 PANEL_FAR_AHEAD_ZEN4 = 24576
 
 
