@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvferry.model.cpu_features import CpuFeatures, auto_cpu_dtype, cpu_features, parse_cpuinfo
+from kvferry.model.cpu_features import CpuFeatures, auto_cpu_dtype, cpu_features, parse_cpu_id, parse_cpuinfo
 from kvferry.model.loader import read_config, resolve_dtype
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -15,6 +15,17 @@ processor\t: 1
 flags\t\t: fpu ignored_second_cpu
 """
 AVX2_ONLY = "model name\t: Intel Xeon E5\nflags\t\t: fpu sse2 avx avx2 fma\n"
+ZEN5 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni avx_vnni
+processor\t: 1
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+"""
 
 
 def _features(text: str) -> CpuFeatures:
@@ -27,6 +38,26 @@ def test_parse_cpuinfo_reads_first_cpu():
     assert model == "AMD EPYC 9654"
     assert {"avx512f", "avx512_bf16"} <= flags
     assert "ignored_second_cpu" not in flags
+
+
+def _features_id(text: str) -> CpuFeatures:
+    vendor, family, model = parse_cpu_id(text)
+    return CpuFeatures(flags=parse_cpuinfo(text)[0], torch_capability="AVX512", model_name="",
+                       vendor=vendor, family=family, model=model)
+
+
+def test_parse_cpu_id_reads_first_cpu_and_tells_zen5():
+    """vendor, family and model of the first CPU; AMD family 26 (Zen 5) on,
+    not Zen 4 (family 25), not Intel nor a CPU listing none."""
+    assert parse_cpu_id(ZEN5) == ("AuthenticAMD", 26, 2)
+    zen4 = ZEN4.replace("model name", "cpu family\t: 25\nmodel\t\t: 17\nmodel name")
+    assert parse_cpu_id(zen4) == ("AuthenticAMD", 25, 17)
+    assert parse_cpu_id(AVX2_ONLY) == ("", 0, 0)
+    assert _features_id(ZEN5).amd_zen5_or_later
+    assert not _features_id(zen4).amd_zen5_or_later
+    assert not _features_id(AVX2_ONLY).amd_zen5_or_later
+    intel = "vendor_id\t: GenuineIntel\ncpu family\t: 26\nmodel\t: 1\n"
+    assert not _features_id(intel).amd_zen5_or_later
 
 
 def test_native_bf16_from_flags(monkeypatch):
@@ -55,6 +86,7 @@ def test_this_machine_matches_proc_cpuinfo(monkeypatch):
     assert cpu_features().native_bf16 == native
     assert auto_cpu_dtype() == (torch.bfloat16 if native else torch.float32)
     assert cpu_features().torch_capability == torch.backends.cpu.get_cpu_capability()
+    assert (cpu_features().vendor, cpu_features().family, cpu_features().model) == parse_cpu_id(text)
 
 
 def test_auto_dtype_ignores_saved_dtype_on_cpu(tmp_path, monkeypatch, caplog):

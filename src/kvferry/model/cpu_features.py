@@ -48,6 +48,17 @@ class CpuFeatures:
     flags: frozenset[str]
     torch_capability: str  # torch's kernel dispatch level: "AVX512", "AVX2", "DEFAULT", ...
     model_name: str
+    # /proc/cpuinfo's vendor_id, cpu family and model (x86; "" and 0 elsewhere):
+    # kernel settings tuned per core generation (quant/kernels.py) read them.
+    vendor: str = ""
+    family: int = 0
+    model: int = 0
+
+    @property
+    def amd_zen5_or_later(self) -> bool:
+        """AMD family 26 (0x1A, Zen 5) or later: 512-bit ops at full width, where
+        Zen 4 (family 25) splits them in two."""
+        return self.vendor == "AuthenticAMD" and self.family >= 26
 
     @property
     def native_bf16(self) -> bool:
@@ -84,6 +95,23 @@ def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
     return flags, model
 
 
+def parse_cpu_id(text: str) -> tuple[str, int, int]:
+    """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo text;
+    ("", 0, 0) for what it does not list (non-x86)."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key in ("vendor_id", "cpu family", "model") and key not in found:
+            found[key] = value.strip()
+
+    def number(key: str) -> int:
+        v = found.get(key, "")
+        return int(v) if v.isdigit() else 0
+
+    return found.get("vendor_id", ""), number("cpu family"), number("model")
+
+
 def amx_permitted() -> bool:
     """Whether this process may use AMX tiles: asks the kernel for the tile
     data permission (what oneDNN also does before its first AMX kernel) and
@@ -104,12 +132,15 @@ def amx_permitted() -> bool:
 @functools.cache
 def cpu_features() -> CpuFeatures:
     try:
-        flags, model = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: no flags, so no bf16 and a machine-name fingerprint
-        flags, model = frozenset(), ""
+        text = ""
+    flags, model = parse_cpuinfo(text)
+    vendor, family, model_number = parse_cpu_id(text)
     if flags & _AMX_FLAGS and not amx_permitted():
         flags -= _AMX_FLAGS  # listed but refused: the CPU runs as AVX-512 here
-    return CpuFeatures(flags=flags, torch_capability=torch.backends.cpu.get_cpu_capability(), model_name=model)
+    return CpuFeatures(flags=flags, torch_capability=torch.backends.cpu.get_cpu_capability(), model_name=model,
+                       vendor=vendor, family=family, model=model_number)
 
 
 def auto_cpu_dtype() -> torch.dtype:

@@ -149,6 +149,45 @@ def test_a_fused_layer_of_mixed_types_packs_its_k_quant_parts():
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_far_prefetch_distance_keeps_the_bits_and_follows_the_cpu(name):
+    """The packed panels' far prefetch (PANEL_FAR_AHEAD, handed to the library
+    by configure) at none, one line, Zen 4's 24 KiB and 1 MiB (past the
+    weight's end): the same bits at 1-16 rows of x. The CPU picks it: none on
+    AMD Zen 5 and later, 24 KiB on Zen 4 and other CPUs."""
+    from kvferry.model.cpu_features import CpuFeatures, cpu_features
+
+    def cpu(vendor: str, family: int) -> CpuFeatures:
+        return CpuFeatures(flags=frozenset(), torch_capability="AVX512", model_name="", vendor=vendor, family=family)
+
+    assert kernels.panel_far_ahead(cpu("AuthenticAMD", 26)) == 0
+    assert kernels.panel_far_ahead(cpu("AuthenticAMD", 25)) == kernels.PANEL_FAR_AHEAD_ZEN4 == 24576
+    assert kernels.panel_far_ahead(cpu("GenuineIntel", 6)) == 24576
+    assert kernels.panel_far_ahead(cpu_features()) == kernels.PANEL_FAR_AHEAD  # this CPU's, at import
+    w, _ = weight(name, 61, 4096, seed=11)
+    x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(4))
+    packed = panels.pack(w)
+    before = kernels.PANEL_FAR_AHEAD
+    try:
+        got = {}
+        for ahead in (0, 64, 24576, 1 << 20):
+            kernels.PANEL_FAR_AHEAD = ahead
+            kernels.configure()
+            got[ahead] = [quant.gemv(x[:m], w) for m in (1, 2, 5, 11, 16)]
+        for ys in got.values():
+            assert all(torch.equal(a, b) for a, b in zip(ys, got[0]))
+        w.data.zero_()  # the panels are what was read
+        assert torch.equal(quant.gemv(x[:1], w), got[0][0])
+        kernels.PANEL_FAR_AHEAD = -1
+        with pytest.raises(RuntimeError, match="panel_far_ahead"):
+            kernels.configure()
+    finally:
+        kernels.PANEL_FAR_AHEAD = before
+        kernels.configure()
+        del packed
+        gc.collect()
+
+
 def test_the_panels_are_about_the_blocks_size():
     """Q4_K: 2368 bytes a superblock of 16 rows against the blocks' 2304
     (1.03x); Q6_K: 3360, the blocks' own; a last panel of fewer rows is

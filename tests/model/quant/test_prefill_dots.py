@@ -57,25 +57,44 @@ def test_a_c16_decode_step_takes_the_panels(name):
     """Where the prefill dots fit (AVX512-VNNI, no AMX), a decode step of 16
     rows (c16), and of 12, takes them (every type; the 32-blocks from 6 rows:
     measured faster than the decode kernels on Zen 4, quant/kernels.py), so
-    its rows are a prefill batch's to the bit, at 1 and 2 threads. Below,
-    the decode kernels: batch 1's bits."""
+    its rows are a prefill batch's to the bit, at 1 and 2 threads; on AMD
+    Zen 5 the K-quants from 18 rows (their decode kernels on the packed
+    panels lead there), so a c16 step keeps batch 1's bits. Below, the
+    decode kernels: batch 1's bits."""
+    from kvferry.model.cpu_features import cpu_features
+
     if not kernels.prefill_dots_fit():
         pytest.skip("the prefill dots do not fit this CPU or build")
     w, _ = weight(name, 45, 2048, seed=11)
     x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(16))
-    assert kernels.prefill_dots_from(w.fmt.block) == (6 if w.fmt.block == 32 else 12)
+    k_from = 18 if cpu_features().amd_zen5_or_later else 12
+    assert kernels.prefill_dots_from(w.fmt.block) == (6 if w.fmt.block == 32 else k_from)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             full = quant.gemv(x, w)
-            for m in (12, 16) if w.fmt.block == 256 else (6, 8, 16):
+            for m in (k_from, k_from + 4) if w.fmt.block == 256 else (6, 8, 16):
                 assert torch.equal(quant.gemv(x[:m], w), full[:m]), (threads, m)
             below = kernels.prefill_dots_from(w.fmt.block) - 1
             alone = torch.cat([quant.gemv(x[r:r + 1], w) for r in range(below)])
             assert torch.equal(quant.gemv(x[:below], w), alone), threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_k_quants_first_prefill_row_follows_the_cpu():
+    """AMD Zen 5 and later: the K-quants' prefill kernels from 18 rows; Zen 4
+    and other CPUs from 12; the 32-blocks from 6 everywhere. This CPU's at import."""
+    from kvferry.model.cpu_features import CpuFeatures, cpu_features
+
+    def cpu(vendor: str, family: int) -> CpuFeatures:
+        return CpuFeatures(flags=frozenset(), torch_capability="AVX512", model_name="", vendor=vendor, family=family)
+
+    assert kernels.prefill_dots_from_rows(cpu("AuthenticAMD", 26)) == {32: 6, 256: 18}
+    assert kernels.prefill_dots_from_rows(cpu("AuthenticAMD", 25)) == {32: 6, 256: 12}
+    assert kernels.prefill_dots_from_rows(cpu("GenuineIntel", 6)) == {32: 6, 256: 12}
+    assert kernels.PREFILL_DOTS_FROM_ROWS == kernels.prefill_dots_from_rows(cpu_features())
 
 
 def test_k_quants_take_the_dots_at_every_batch_size_without_amx(monkeypatch):

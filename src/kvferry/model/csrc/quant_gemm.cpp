@@ -1628,11 +1628,13 @@ LinearConfig& linear_config() {
 
 void configure(int64_t dots_max_32, int64_t dots_max_256, int64_t tile_bytes, int64_t small_tile_bytes,
                int64_t small_max_rows, int64_t transposed_max_rows, int64_t prefill_dots_from_32,
-               int64_t prefill_dots_from_256) {
+               int64_t prefill_dots_from_256, int64_t panel_far_ahead) {
+  TORCH_CHECK(panel_far_ahead >= 0, "quant_gemm: panel_far_ahead must be >= 0");
   linear_config() = {dots_max_32, dots_max_256, tile_bytes, small_tile_bytes, small_max_rows, transposed_max_rows};
 #ifdef KVQ_PREFILL_DOTS
   prefill_dots_min_rows(32) = prefill_dots_from_32;
   prefill_dots_min_rows(256) = prefill_dots_from_256;
+  far_ahead_bytes = panel_far_ahead / 64 * 64;
 #endif
 }
 
@@ -1709,7 +1711,7 @@ TORCH_LIBRARY(kvferry_quant, m) {
   m.def("linear(Tensor x, Tensor w, int type, int n, int dots_max_rows, int tile_bytes, int small_tile_bytes, "
         "int small_max_rows, int transposed_max_rows) -> Tensor", &linear);
   m.def("configure(int dots_max_32, int dots_max_256, int tile_bytes, int small_tile_bytes, int small_max_rows, "
-        "int transposed_max_rows, int prefill_dots_from_32, int prefill_dots_from_256) -> ()", &configure);
+        "int transposed_max_rows, int prefill_dots_from_32, int prefill_dots_from_256, int panel_far_ahead) -> ()", &configure);
   m.def("prefill_dots(int type) -> bool", &prefill_dots);
   m.def("layer_linear(Tensor x, Tensor w, int type, int n) -> Tensor", &layer_linear);
   m.def("layer_linear_parts(Tensor x, Tensor[] ws, int[] types) -> Tensor", &layer_linear_parts);

@@ -416,8 +416,8 @@ void prefill_rows_packed(const uint8_t* packed, const Acts& a, int64_t M, int64_
              });
 }
 
-// Lane step l of a superblock's (an eighth of its bytes) lines kFarAhead
-// further on, to L2: a second prefetch stream beside the Stream's, which
+// Lane step l of a superblock's (an eighth of its bytes) lines
+// far_ahead_bytes further on, to L2: a second prefetch stream beside the Stream's, which
 // keeps the bytes about to be read in L1 (Stream::kAhead ahead). The panels'
 // dots read a superblock's lines 512 bytes apart (line 8p + l for lane l),
 // and their batch-1 kernel takes under half the blocks' instructions a byte
@@ -426,12 +426,15 @@ void prefill_rows_packed(const uint8_t* packed, const Acts& a, int64_t M, int64_
 // ffn_down, 1 thread) against the blocks' ~16, with this one 20-25 (measured
 // 12-32 KiB; to L1 it measured slower, its lines evicting the ones being
 // read). Prefetches only: the same bits; past the share's or the buffer's
-// end they are wasted, never a fault.
-constexpr int64_t kFarAhead = 24576;
+// end they are wasted, never a fault. On AMD Zen 5 it only cost time (the
+// batch-1 step's panels took 0.885x the time without it), so the distance is
+// configure's (quant/kernels.py's PANEL_FAR_AHEAD, by CPU; 0: none).
+inline int64_t far_ahead_bytes = 24576;
 template <int T>
 inline void far_prefetch(const uint8_t* superblock, int l) {
   constexpr int64_t step = packed_superblock_bytes<T>() / 8;
-  const char* f = reinterpret_cast<const char*>(superblock) + kFarAhead + step * l;
+  if (far_ahead_bytes == 0) return;
+  const char* f = reinterpret_cast<const char*>(superblock) + far_ahead_bytes + step * l;
   KVQ_UNROLL for (int64_t j = 0; j < step; j += 64) _mm_prefetch(f + j, _MM_HINT_T1);
 }
 

@@ -152,8 +152,53 @@ _dots_always = False
 # the panel's time at 12-16 rows on the 8B shapes (BENCHMARKS.md). Where the prefill dots do not fit (AMX, whose
 # tiles take over from 12 or 20 rows; not measured against these panels)
 # the decode kernels keep every batch below PREFILL_DOTS_FROM_ROWS_ELSE.
-PREFILL_DOTS_FROM_ROWS = {32: 6, 256: 12}  # by the format's block size
+# On AMD Zen 5 (family 26 model 2; 2 cores at load 9-11, in-process, the two
+# paths interleaved, CPU ms of one thread, medians of 7-9 passes, the 1B
+# Q4_K_M step's matmuls) the K-quants' packed panels (the default) through
+# the decode kernels' arithmetic (packed_rows) against the prefill kernels
+# (prefill_rows_packed), prefill / decode: 1.59x at 8 rows, 1.37 at 10, 1.26
+# at 12, 1.08-1.10 at 16, 0.98 at 20, 0.88 at 24, 0.82 at 32 (8B's shapes:
+# 1.28x at 12, 1.04 at 16, 1.00 at 20). So Zen 5 and
+# later take the K-quants' prefill kernels from 18 rows (a c16 step keeps
+# batch 1's bits there). The blocks (KVFERRY_GGUF_PANELS=0) would rather
+# take them from 12 (prefill / decode 0.84x at 12 rows, 0.72 at 16): one
+# threshold serves both, so that the panels give the blocks' bits at every
+# batch, and it follows the default. The 32-blocks keep 6 (on Zen 5 their
+# prefill kernels lead from 4 rows already, 0.67x at 4 and 0.55 at 6 on the
+# Q8_0 1B shapes; 2-5 rows not measured further).
+K_QUANT_DOTS_FROM_ROWS_ZEN5 = 18
+
+
+def prefill_dots_from_rows(features) -> dict[int, int]:
+    """``PREFILL_DOTS_FROM_ROWS`` for a CPU (``cpu_features()``), by block size."""
+    return {32: 6, 256: K_QUANT_DOTS_FROM_ROWS_ZEN5 if features.amd_zen5_or_later else 12}
+
+
+PREFILL_DOTS_FROM_ROWS = prefill_dots_from_rows(cpu_features())  # by the format's block size
 PREFILL_DOTS_FROM_ROWS_ELSE = 33
+# How far ahead (bytes) the packed panels' dots prefetch their superblocks
+# into L2, beside the L1 stream (csrc/quant_prefill_dots.h's far_prefetch; 0:
+# none). Prefetches only: the same bits at any distance. 24 KiB was measured
+# on AMD Zen 4 (the Q6_K panels read ~13 GB/s cold without it, 20-25 with
+# it, 1 thread). On AMD Zen 5 (family 26 model 2, 2 cores at load 8-11,
+# in-process, distances interleaved, CPU ms of the 1B Q4_K_M step's matmuls
+# over the panels, 1 thread, medians of 15-21 passes) the far stream costs
+# time at batch 1 and nothing is gained at 2-8 rows:
+#   distance (KiB)    0      4      8     12     16     24     32     48
+#   1 row           0.885  0.925  0.892  0.904  0.976  1.000  1.043  1.085  (x 24 KiB's time)
+#   2 / 4 / 8 rows  0.98 / 1.00 / 1.00 at 0 (4-24 KiB within 0.95-1.05)
+# (2 threads, 1 row: 0 KiB 0.78x; 8B's shapes, 1 thread: 0 KiB 0.918x at 1
+# row, 0.99x at 8.) So Zen 5 and later takes none.
+PANEL_FAR_AHEAD_ZEN4 = 24576
+
+
+def panel_far_ahead(features) -> int:
+    """The panels' far prefetch distance for a CPU (``cpu_features()``): none
+    on AMD Zen 5 and later, Zen 4's 24 KiB elsewhere."""
+    return 0 if features.amd_zen5_or_later else PANEL_FAR_AHEAD_ZEN4
+
+
+PANEL_FAR_AHEAD = panel_far_ahead(cpu_features())
 # Up to this many rows the prefill tiles multiply as w @ x^T (see prefill).
 TRANSPOSED_MAX_ROWS = 64
 
@@ -181,7 +226,7 @@ def configure() -> None:
     _prefill_dots = prefill_dots_fit() if PREFILL_DOTS is None else PREFILL_DOTS
     torch.ops.kvferry_quant.configure(prefill_min_rows(32), prefill_min_rows(256), PREFILL_TILE_BYTES,
                                       SMALL_TILE_BYTES, SMALL_TILE_MAX_ROWS, TRANSPOSED_MAX_ROWS,
-                                      prefill_dots_from(32), prefill_dots_from(256))
+                                      prefill_dots_from(32), prefill_dots_from(256), PANEL_FAR_AHEAD)
 
 
 def prefill_min_rows(block: int) -> int:

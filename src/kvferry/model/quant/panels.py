@@ -44,7 +44,7 @@ PACKED_TYPES = frozenset({12, 14})  # Q4_K, Q6_K
 
 def wanted() -> bool:
     """Whether the loader packs panels: unless ``KVFERRY_GGUF_PANELS=0``, where the
-    prefill dots are the path from 12 rows here (kernels.prefill_dots_fit:
+    prefill dots are the path from 12 rows here (18 on AMD Zen 5; kernels.prefill_dots_fit:
     AVX512-VNNI, no AMX; never with KVFERRY_QUANT_DOTS_ALWAYS=1, whose dots
     are the decode kernels at every size)."""
     return (envs.gguf_panels() and kernels.available() and kernels.prefill_dots_fit()
