@@ -103,3 +103,57 @@ def test_data_cache_generates_once_and_trains_as_the_whole_sequences(tmp_path, c
     assert torch.equal(whole.hidden[whole.starts], cut.hidden[cut.starts])
     assert torch.equal(whole.tokens[whole.starts], cut.tokens[cut.starts])
     assert torch.equal(whole.ends[whole.starts] - whole.starts, cut.ends[cut.starts] - cut.starts)
+
+
+def test_prompt_offset_gives_the_prompts_past_the_first(capsys):
+    """--prompt-offset K: the prompts a run over the first K + num gives
+    last (so disjoint from a run over the first K, and from the held-out
+    conversations); a negative offset is refused."""
+    import pytest
+
+    first, more = corpus_prompts("chitchat", 300, seed=0), corpus_prompts("chitchat", 340, seed=0)
+    past = corpus_prompts("chitchat", 40, seed=0, offset=300)
+    assert len(past) == 40 and past == more[len(first):]
+    def texts(prompts: list) -> set[str]:  # long enough that two conversations do not share one by chance
+        return {t for p in prompts if len(t := json.dumps(p)) > 150}
+
+    assert texts(past) and not texts(past) & texts(first)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        corpus_prompts("chitchat", 4, seed=0, offset=-1)
+    with pytest.raises(SystemExit):
+        main(["train-draft", "--out", "unused", "--prompt-offset", "-1"])
+    assert "--prompt-offset: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_data_cache_at_an_offset_never_reads_the_replies_to_other_prompts(tmp_path, capsys):
+    """A cache filled at offset 0 and one at offset 3 share --data-cache:
+    the offset run generates its own replies (its chunk 0 holds other
+    prompts than the offset-0 chunk 0), and a chunk read back for other
+    prompts than it recorded is an error, not wrong training data."""
+    import pytest
+
+    from kvferry.train.data_cache import DataCache
+
+    target = str(make_tiny_checkpoint(tmp_path, arch="llama", max_position_embeddings=1024))
+    args = ["train-draft", "--target", target, "--corpus", "chitchat", "--num-prompts", "3", "--max-tokens", "8",
+            "--epochs", "1", "--batch-tokens", "16", "--intermediate-size", "16", "--eval-prompts", "0",
+            "--data-cache", str(tmp_path / "cache")]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "b"), "--prompt-offset", "3"]) == 0
+    assert "data cache: chunk-00000.safetensors (3 prompts) written" in capsys.readouterr().out
+    assert json.loads((tmp_path / "b" / "head.json").read_text())["prompt_offset"] == 3
+    at0, at3 = sorted((tmp_path / "cache").glob("*/chunk-00000.safetensors"), key=lambda p: "-from3-" in p.parent.name)
+    assert "-from3-" in at3.parent.name and at0.parent != at3.parent
+    first, past = corpus_prompts("chitchat", 3, 0), corpus_prompts("chitchat", 3, 0, offset=3)
+    for chunk, right, wrong in ((at0, first, past), (at3, past, first)):
+        cache = DataCache.__new__(DataCache)
+        cache.root = chunk.parent
+        assert len(cache.load(3, right).sequences) == 3
+        assert len(cache.load(2, right[:2]).sequences) == 2
+        with pytest.raises(ValueError, match="other prompts than this run's"):
+            cache.load(3, wrong)
+    # the recorded replies are the target's to those prompts: the prompt ids differ
+    a0, a3 = (DataCache.__new__(DataCache) for _ in range(2))
+    a0.root, a3.root = at0.parent, at3.parent
+    assert [s for s, _ in a0.load(3).sequences] != [s for s, _ in a3.load(3).sequences]

@@ -14,6 +14,10 @@ def add_train_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
                    help="chitchat (PyPI chitchat-dataset), bible (Debian bible-kjv), pydoc (Debian python3.11-doc)")
     p.add_argument("--out", required=True, type=Path, help="folder for head.safetensors and head.json")
     p.add_argument("--num-prompts", type=_positive, default=256)
+    p.add_argument("--prompt-offset", type=_non_negative, default=0,
+                   help="train on the corpus's prompts past its first N (chitchat: the conversations N .. N + "
+                        "--num-prompts of the shuffled order), the same prompts a run of N + --num-prompts gives "
+                        "last: more replies for a head trained on the first N without generating those again")
     p.add_argument("--max-tokens", type=_positive, default=96, help="answer length per prompt")
     p.add_argument("--epochs", type=_positive, default=3)
     p.add_argument("--batch-tokens", type=_positive, default=256, help="positions per optimizer step")

@@ -16,9 +16,17 @@ they are most of a chat sequence). ``load`` hands back each sequence cut
 the same way, its prompt one token long, which ``features_of`` trains on
 exactly as on the whole sequence; the whole token ids are kept for
 ``draft_vocabulary`` (it breaks ties with the prompts' token counts).
+
+Chunks are named by their place in the run's prompt list, so a run past
+the first prompts (``--prompt-offset``) keeps a folder of its own (the
+offset is in ``meta.json`` and the folder's name). Each chunk also
+records a digest of each of its prompts, and reading one back checks
+them against the prompts asked for: a chunk never hands back the
+replies to other prompts.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +53,9 @@ class DataCache:
     which, and a mismatch is an error rather than silently wrong data."""
 
     def __init__(self, root: Path, meta: dict) -> None:
-        self.root = root / f"{meta['corpus']}-seed{meta['seed']}-t{meta['max_tokens']}-{meta['target_fingerprint'][:16]}"
+        offset = f"-from{meta['prompt_offset']}" if meta.get("prompt_offset") else ""
+        self.root = root / (f"{meta['corpus']}-seed{meta['seed']}-t{meta['max_tokens']}{offset}-"
+                            f"{meta['target_fingerprint'][:16]}")
         self.meta = meta
 
     def _check_meta(self) -> None:
@@ -69,23 +79,48 @@ class DataCache:
             chunk = prompts[index * CHUNK_PROMPTS : (index + 1) * CHUNK_PROMPTS]
             path = self._chunk_path(index)
             if path.exists() and _chunk_prompts(path) >= len(chunk):
+                _check_prompts(path, chunk)
                 continue
             sequences, hidden = record(chunk)
-            _save_chunk(path, sequences, hidden)
+            _save_chunk(path, sequences, hidden, chunk)
             print(f"data cache: {path.name} ({len(chunk)} prompts) written")
 
-    def load(self, num_prompts: int) -> CachedData:
+    def load(self, num_prompts: int, prompts: list | None = None) -> CachedData:
+        """The first ``num_prompts`` cached replies; given ``prompts`` (those
+        of the run), each chunk's recorded prompts must be them."""
         data = CachedData([], [], [])
         for index in range(-(-num_prompts // CHUNK_PROMPTS)):
             want = min(CHUNK_PROMPTS, num_prompts - index * CHUNK_PROMPTS)
-            seqs, trimmed, hidden = _load_chunk(self._chunk_path(index))
+            path = self._chunk_path(index)
+            if prompts is not None:
+                _check_prompts(path, prompts[index * CHUNK_PROMPTS : index * CHUNK_PROMPTS + want])
+            seqs, trimmed, hidden = _load_chunk(path)
             data.sequences += seqs[:want]
             data.trimmed += trimmed[:want]
             data.hidden += hidden[:want]
         return data
 
 
-def _save_chunk(path: Path, sequences: list[Sequence], hidden: list[torch.Tensor]) -> None:
+def prompt_digest(prompt: list) -> str:
+    """A short digest of one chat prompt (its messages)."""
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_prompts(path: Path, prompts: list) -> None:
+    """The chunk at ``path`` must start with the replies to ``prompts``
+    (a chunk written before digests were recorded is taken as it is)."""
+    with safe_open(str(path), "pt") as f:
+        recorded = (f.metadata() or {}).get("prompt_digests")
+    if recorded is None:
+        return
+    found, wanted = recorded.split(",")[: len(prompts)], [prompt_digest(p) for p in prompts]
+    if found != wanted:
+        bad = next(i for i, (a, b) in enumerate(zip(found, wanted)) if a != b) if len(found) == len(wanted) else -1
+        raise ValueError(f"--data-cache: {path} holds the replies to other prompts than this run's "
+                         f"(prompt {bad} of the chunk differs); use another --data-cache folder")
+
+
+def _save_chunk(path: Path, sequences: list[Sequence], hidden: list[torch.Tensor], prompts: list) -> None:
     kept = [h[n - 1 :].to(torch.bfloat16).contiguous() for (_, n), h in zip(sequences, hidden)]
     tensors = {
         "ids": torch.tensor([t for ids, _ in sequences for t in ids], dtype=torch.int64),
@@ -94,7 +129,7 @@ def _save_chunk(path: Path, sequences: list[Sequence], hidden: list[torch.Tensor
         "hidden": torch.cat(kept),
     }
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
+    save_file(tensors, str(tmp), metadata={"prompt_digests": ",".join(prompt_digest(p) for p in prompts)})
     tmp.replace(path)  # a chunk is there whole or not at all
 
 

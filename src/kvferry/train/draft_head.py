@@ -74,6 +74,7 @@ class TrainConfig:
     ttt_discount: float = 1.0  # unrolled step i's loss is weighted ttt_discount ** i (head_loss)
     hidden_loss_weight: float = 0.1  # of the smooth-L1 pull of f toward the target's hidden state (head_loss)
     ema: float = 0.0  # decay of the saved exponential moving average of the weights (0: the last weights)
+    prompt_offset: int = 0  # train on the corpus's prompts offset .. offset + num_prompts (corpus_prompts)
 
 
 LR_SCHEDULES = ("one-cycle", "cosine", "linear")
@@ -134,24 +135,32 @@ class WeightAverage:
         return copy
 
 
-def corpus_prompts(corpus: str, num: int, seed: int) -> list[list[dict]]:
-    """Chat prompts (one user message each) from an offline corpus."""
+def corpus_prompts(corpus: str, num: int, seed: int, offset: int = 0) -> list[list[dict]]:
+    """Chat prompts (one user message each) from an offline corpus: those of
+    its sources ``offset`` .. ``offset + num`` (chitchat: conversations of
+    the shuffled order, a conversation with no text giving none), the same
+    prompts those sources give in ``corpus_prompts(corpus, offset + num,
+    seed)``, so a run at an offset trains on prompts disjoint from a run
+    over the first ``offset``."""
+    if offset < 0:
+        raise ValueError(f"the prompt offset must be >= 0, got {offset}")
     rng = random.Random(seed)
     if corpus == "chitchat":
         # The benchmark (bench/spec_decode.py) and held_out_acceptance reply
         # to the first conversations in dataset order: those are held out.
         convs = [conv for i, conv in enumerate(_chitchat_conversations()) if i >= HELD_OUT_CHATS]
         rng.shuffle(convs)
-        return _chat_prompts(convs[:num], rng)
+        return _chat_prompts(convs[: offset + num], rng, skip=offset)
     source = {"bible": "bible-kjv", "pydoc": "python3.11-doc"}.get(corpus)
     if source is None:
         raise ValueError(f"--corpus must be one of {', '.join(CORPORA)}; got {corpus!r}")
     try:
-        docs = load_documents(source, num, 600, seed)
+        docs = load_documents(source, offset + num, 600, seed)
     except BenchError as exc:
         raise ValueError(str(exc)) from None
     tasks = ["Continue this text:", "Summarize this text:", "Rewrite this text in plain words:"]
-    return [[{"role": "user", "content": f"{rng.choice(tasks)}\n\n{d[:PROMPT_CHARS]}"}] for d in docs]
+    prompts = [[{"role": "user", "content": f"{rng.choice(tasks)}\n\n{d[:PROMPT_CHARS]}"}] for d in docs]
+    return prompts[offset:]
 
 
 def _chitchat_conversations() -> list[list[str]]:
@@ -163,15 +172,17 @@ def _chitchat_conversations() -> list[list[str]]:
     return [list(conv) for conv in chitchat_dataset.ConversationDataset()]
 
 
-def _chat_prompts(convs: list[list[str]], rng: random.Random) -> list[list[dict]]:
+def _chat_prompts(convs: list[list[str]], rng: random.Random, skip: int = 0) -> list[list[dict]]:
     """Each conversation cut to 1, 3 or 5 turns, ending with the user's (a
-    chat reply is what is asked for), each turn at PROMPT_CHARS."""
+    chat reply is what is asked for), each turn at PROMPT_CHARS; the first
+    ``skip`` conversations draw their cuts (so the rest cut as they would
+    after them) but give no prompt."""
     prompts = []
-    for conv in convs:
+    for i, conv in enumerate(convs):
         turns = [t for t in conv if t][: rng.choice((1, 3, 5))]
         if len(turns) % 2 == 0:
             turns = turns[:-1]
-        if turns:
+        if turns and i >= skip:
             roles = ["user", "assistant"] * 3
             prompts.append([{"role": r, "content": t[:PROMPT_CHARS]} for r, t in zip(roles, turns)])
     return prompts
@@ -254,6 +265,8 @@ def _cached_features(cfg: TrainConfig, llm, loaded, prompts: list) -> tuple[list
     ``cfg.data_cache`` does not hold yet."""
     meta = {"target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus, "seed": cfg.seed,
             "max_tokens": cfg.max_tokens, "prompt_chars": PROMPT_CHARS}
+    if cfg.prompt_offset:  # a folder of its own: its chunk i holds other prompts than the offset-0 chunk i
+        meta["prompt_offset"] = cfg.prompt_offset
     cache = DataCache(cfg.data_cache, meta)
 
     def record(chunk: list) -> tuple[list, list[torch.Tensor]]:
@@ -261,7 +274,7 @@ def _cached_features(cfg: TrainConfig, llm, loaded, prompts: list) -> tuple[list
         return sequences, [hidden_states(loaded.model, ids) for ids, _ in sequences]
 
     cache.fill(prompts, record)
-    data = cache.load(len(prompts))
+    data = cache.load(len(prompts), prompts)
     return data.sequences, features_of(data.trimmed, data.hidden)
 
 
@@ -397,6 +410,8 @@ def _check_recipe(cfg: TrainConfig) -> None:
         raise ValueError(f"--hidden-loss-weight must be >= 0; got {cfg.hidden_loss_weight}")
     if not 0.0 <= cfg.ema < 1.0:
         raise ValueError(f"--ema must be in [0, 1) (0: off); got {cfg.ema}")
+    if cfg.prompt_offset < 0:
+        raise ValueError(f"--prompt-offset must be >= 0; got {cfg.prompt_offset}")
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -407,8 +422,9 @@ def train(cfg: TrainConfig) -> dict:
     llm = LLM(model=cfg.target, max_num_seqs=32, kv_cache_memory_gb=0.5)
     loaded = llm.engine.core.loaded
     model = loaded.model
-    prompts = corpus_prompts(cfg.corpus, cfg.num_prompts, cfg.seed)
-    print(f"self-distillation: {len(prompts)} prompts from {cfg.corpus}, up to {cfg.max_tokens} tokens each")
+    prompts = corpus_prompts(cfg.corpus, cfg.num_prompts, cfg.seed, cfg.prompt_offset)
+    print(f"self-distillation: {len(prompts)} prompts from {cfg.corpus}"
+          f"{f' (past the first {cfg.prompt_offset})' if cfg.prompt_offset else ''}, up to {cfg.max_tokens} tokens each")
     if cfg.data_cache is None:
         sequences = self_distill(llm, prompts, cfg.max_tokens)
         feats = build_features(model, sequences)
@@ -460,7 +476,7 @@ def train(cfg: TrainConfig) -> dict:
     bar.close()
     (head if average is None else average.averaged(head)).save(cfg.out / "head.safetensors", target=loaded.fingerprint)
     report = {"target": loaded.model_path, "target_fingerprint": loaded.fingerprint, "corpus": cfg.corpus,
-              "num_prompts": len(prompts), "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
+              "num_prompts": len(prompts), "prompt_offset": cfg.prompt_offset, "train_positions": int(len(feats.starts)), "epochs": cfg.epochs,
               "intermediate_size": cfg.intermediate_size, "ttt_steps": cfg.ttt_steps,
               "hard_label_weight": cfg.hard_label_weight, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
               "ttt_discount": cfg.ttt_discount, "hidden_loss_weight": cfg.hidden_loss_weight, "ema": cfg.ema,
@@ -508,7 +524,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                       args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
                       args.eval_prompts, args.ttt_steps, args.hard_label_weight, args.data_cache,
                       args.init_head, args.eval_each_epoch, args.lr_schedule, args.ttt_discount,
-                      args.hidden_loss_weight, args.ema)
+                      args.hidden_loss_weight, args.ema, args.prompt_offset)
     report = train(cfg)
     print(json.dumps(report, indent=2))
     if "held_out_chat_acceptance" in report:  # again last, where it is seen

@@ -220,7 +220,7 @@ def train(cfg: Eagle3TrainConfig) -> dict:
     model = loaded.model
     if model.lm_head is None or model.embed_tokens is None:
         raise ValueError("--arch eagle3 reads the target's float embedding and lm_head (use --quantization none)")
-    prompts = corpus_prompts(base.corpus, base.num_prompts, base.seed)
+    prompts = corpus_prompts(base.corpus, base.num_prompts, base.seed, base.prompt_offset)
     print(f"the target's replies: {len(prompts)} prompts from {base.corpus}, up to {base.max_tokens} tokens, "
           f"temperature {cfg.temperature}")
     sequences = generate(llm, prompts, base.max_tokens, cfg.temperature, base.seed)
@@ -288,7 +288,7 @@ def train(cfg: Eagle3TrainConfig) -> dict:
 def run_from_args(args: argparse.Namespace) -> int:
     base = TrainConfig(args.target, args.corpus, args.out, args.num_prompts, args.max_tokens, args.epochs,
                        args.batch_tokens, args.lr, args.intermediate_size, args.seed, args.draft_vocab_size,
-                       args.eval_prompts)
+                       args.eval_prompts, prompt_offset=args.prompt_offset)
     cfg = Eagle3TrainConfig(base, args.ttt_steps, args.temperature, args.max_train_seconds, args.pack_tokens,
                              args.hard_label_weight)
     report = train(cfg)
