@@ -13,7 +13,8 @@ REQUESTS = [
     p.PollLoads(client_id="c"), p.PollLoads(client_id="c", tickets=[3]), p.Release(client_id="c", tickets=[1, 2]),
     p.Reserve(client_id="c", keys=[K], owners=[BlockOwner("acme")]), p.Commit(client_id="c", keys=[K], slots=[3]),
     p.Abandon(client_id="c", slots=[3]), p.Retain(client_id="c", keys=[K], owner=BlockOwner("b"), seconds=1.5),
-    p.DropTenant(client_id="c", tenant="acme"), p.GetStats(client_id="c"), p.Goodbye(client_id="c"),
+    p.DropTenant(client_id="c", tenant="acme"), p.DropPublic(client_id="c", keys=[K]),
+    p.GetStats(client_id="c"), p.Goodbye(client_id="c"),
 ]
 REPLIES = [
     p.Welcome(service_id="s", arena_path="/dev/shm/x", num_slots=4, block_nbytes=8), p.Ok(), p.Count(n=3),
