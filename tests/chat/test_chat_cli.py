@@ -141,12 +141,21 @@ def _aborted(srv) -> float:
     return srv.metric("kvferry:request_success_total", finished_reason="abort")
 
 
-def _established_to(port: int) -> bool:
-    """An open TCP connection to ``port`` on this host (the chat's request)."""
+def _established_to(port: int, pid: int) -> bool:
+    """An open TCP connection from process ``pid`` to ``port`` on this host
+    (the chat's request; not another client's, whose socket may linger)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in open(table).read().splitlines()[1:]:
             fields = row.split()
-            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in inodes:
                 return True
     return False
 
@@ -162,7 +171,7 @@ def test_ctrl_c_stops_the_answer_and_the_server_aborts_it(server, chats):
     try:
         chat.line(U1)
         deadline = time.monotonic() + 60
-        while not _established_to(port):
+        while not _established_to(port, chat.pid):
             assert time.monotonic() < deadline, "the chat never sent its request"
             time.sleep(0.1)
         time.sleep(0.5)
