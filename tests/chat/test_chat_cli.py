@@ -23,6 +23,7 @@ from kvferry.chat.session import printable
 from tests.chat.pty_chat import PtyChat
 from tests.serve.server_process import start_server
 from tests.tiny_models import make_tiny_checkpoint
+from tests.tcp_sockets import tcp_sockets
 
 MODEL = "tiny"
 # Fast to start and to step; no heartbeat deadline, since one test stops
@@ -142,22 +143,9 @@ def _aborted(srv) -> float:
 
 
 def _established_to(port: int, pid: int) -> bool:
-    """An open TCP connection from process ``pid`` to ``port`` on this host
-    (the chat's request; not another client's, whose socket may linger)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in open(table).read().splitlines()[1:]:
-            fields = row.split()
-            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in inodes:
-                return True
-    return False
+    """An open TCP connection from process ``pid`` to ``port`` (the chat's
+    request; not another client's, whose socket may linger)."""
+    return any(remote == port for _, remote in tcp_sockets(pid, "01"))
 
 
 def test_ctrl_c_stops_the_answer_and_the_server_aborts_it(server, chats):

@@ -28,7 +28,6 @@ import signal
 import threading
 import time
 from functools import partial
-from pathlib import Path
 
 import httpx
 import openai
@@ -41,6 +40,7 @@ from tests.parallel.afd_helpers import (PROMPTS, complete, complete_all, referen
                                         servers_at_once, workers)
 from tests.serve.server_process import start_server  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
+from tests.tcp_sockets import tcp_sockets  # noqa: E402
 
 
 CORE = json.dumps({"pnode": 1})
@@ -88,24 +88,6 @@ def test_ffn_worker_on_the_other_node_equals_hf(served, cluster):
     assert ffn["cpu_threads"] == 1, ffn  # --cpu-threads-per-rank, as the worker's actor says
 
 
-def _tcp(pid: int, state: str) -> list[tuple[int, int]]:
-    """(local port, remote port) of ``pid``'s tcp sockets in ``state``
-    ("0A": listening, "01": established), from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == state and fields[9] in inodes:
-                out.append((int(fields[1].rpartition(":")[2], 16), int(fields[2].rpartition(":")[2], 16)))
-    return out
 
 
 class _WritesAFile:
@@ -119,8 +101,8 @@ class _WritesAFile:
 def test_the_ffn_worker_takes_only_curve_peers_with_the_servers_key(served, cluster, tmp_path):
     srv, expected = served
     core, ffn = _ranks(srv)
-    [(port, _)] = _tcp(ffn["pid"], "0A")
-    assert port in [remote for _, remote in _tcp(core["pid"], "01")]  # the core on the other node: over tcp
+    [(port, _)] = tcp_sockets(ffn["pid"], "0A")
+    assert port in [remote for _, remote in tcp_sockets(core["pid"], "01")]  # the core on the other node: over tcp
     marker = tmp_path / "unpickled"
     frames = [pickle.dumps(_WritesAFile(str(marker))), b"\0" * 8]
     ctx = zmq.Context()
